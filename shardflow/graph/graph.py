@@ -1,0 +1,188 @@
+"""The computation graph: named tensors with full shapes, and operator nodes in topological order.
+
+Weights are explicit graph inputs (role ``weight``), as are data inputs (role ``input``) and constants
+captured from the model (role ``constant``, e.g. the ``arange`` of positions). Nothing here knows about
+devices; :mod:`shardflow.parallel.pcg` lifts this graph to a parallel computation graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from shardflow.graph.ops import OPS, Op, TensorType, torch_dtype
+
+ROLES = ("input", "weight", "constant", "activation")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A named tensor: full ``shape``, ``dtype`` name and ``role`` (one of :data:`ROLES`)."""
+
+    name: str
+    type: TensorType
+    role: str = "activation"
+
+    @property
+    def shape(self):
+        return self.type.shape
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One operator application: ``outputs = op(*inputs)``; ``scope`` is the module path it came from."""
+
+    name: str
+    op: Op
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    scope: str = ""
+
+
+@dataclass(frozen=True)
+class ComputationGraph:
+    """A whole model: tensors by name, nodes in topological order, graph outputs and the loss.
+
+    ``constants`` holds the values of role-``constant`` tensors. ``loss`` (if set) names a scalar output.
+    Treat it as immutable: passes build new graphs.
+    """
+
+    tensors: Mapping[str, TensorSpec]
+    nodes: tuple[Node, ...]
+    outputs: tuple[str, ...]
+    loss: str | None = None
+    constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    # --- queries -------------------------------------------------------------------------------------
+    def by_role(self, role: str) -> tuple[str, ...]:
+        """Names of the tensors with ``role``, in definition order."""
+        return tuple(n for n, t in self.tensors.items() if t.role == role)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.by_role("input")
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        return self.by_role("weight")
+
+    def producer(self) -> dict[str, Node]:
+        """Tensor name → the node that produces it (graph inputs have none)."""
+        return {o: n for n in self.nodes for o in n.outputs}
+
+    def consumers(self) -> dict[str, list[tuple[Node, int]]]:
+        """Tensor name → list of (consumer node, input index)."""
+        out: dict[str, list[tuple[Node, int]]] = {t: [] for t in self.tensors}
+        for n in self.nodes:
+            for i, t in enumerate(n.inputs):
+                out[t].append((n, i))
+        return out
+
+    def validate(self) -> None:
+        """Check names resolve, nodes are topologically ordered and shapes agree with each op's rule."""
+        defined = {n for n, t in self.tensors.items() if t.role != "activation"}
+        seen_nodes = set()
+        for node in self.nodes:
+            if node.name in seen_nodes:
+                raise ValueError(f"duplicate node name {node.name!r}")
+            seen_nodes.add(node.name)
+            for t in node.inputs:
+                if t not in defined:
+                    raise ValueError(f"node {node.name!r} reads {t!r} before it is defined")
+            got = node.op.infer(tuple(self.tensors[t].type for t in node.inputs))
+            want = tuple(self.tensors[t].type for t in node.outputs)
+            if got != want:
+                raise ValueError(f"node {node.name!r} ({node.op.describe()}): outputs {want} but the op gives {got}")
+            for t in node.outputs:
+                if t in defined:
+                    raise ValueError(f"tensor {t!r} is defined twice (second time by node {node.name!r})")
+                defined.add(t)
+        for t in self.outputs:
+            if t not in defined:
+                raise ValueError(f"graph output {t!r} is never defined")
+        if self.loss is not None and (self.loss not in self.outputs or self.tensors[self.loss].shape != ()):
+            raise ValueError(f"loss {self.loss!r} must be a scalar graph output")
+        for n in self.by_role("constant"):
+            if n not in self.constants:
+                raise ValueError(f"constant {n!r} has no value")
+
+    # --- text and JSON --------------------------------------------------------------------------------
+    def listing(self) -> str:
+        """A readable listing: inputs, weights, then one line per node ``outs = op(ins)  # shapes``."""
+        lines = []
+        for role in ("input", "weight", "constant"):
+            for n in self.by_role(role):
+                t = self.tensors[n]
+                lines.append(f"{role:<8} {n}: {t.dtype}{list(t.shape)}")
+        for node in self.nodes:
+            outs = ", ".join(f"{o}: {self.tensors[o].dtype}{list(self.tensors[o].shape)}" for o in node.outputs)
+            scope = f"   # {node.scope}" if node.scope else ""
+            lines.append(f"{outs} = {node.op.describe()}({', '.join(node.inputs)}){scope}")
+        lines.append(f"outputs: {', '.join(self.outputs)}" + (f"   loss: {self.loss}" if self.loss else ""))
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict; :meth:`from_json` inverts it exactly."""
+        return {
+            "tensors": [
+                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "role": t.role} for t in self.tensors.values()
+            ],
+            "nodes": [
+                {"name": n.name, "op": n.op.kind, "attrs": _attrs_to_json(n.op), "inputs": list(n.inputs),
+                 "outputs": list(n.outputs), "scope": n.scope}
+                for n in self.nodes
+            ],
+            "outputs": list(self.outputs),
+            "loss": self.loss,
+            "constants": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                              "data": v.flatten().tolist()} for k, v in self.constants.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> ComputationGraph:
+        tensors = {
+            t["name"]: TensorSpec(t["name"], TensorType(tuple(t["shape"]), t["dtype"]), t["role"]) for t in d["tensors"]
+        }
+        nodes = tuple(
+            Node(n["name"], _op_from_json(n["op"], n["attrs"]), tuple(n["inputs"]), tuple(n["outputs"]), n["scope"])
+            for n in d["nodes"]
+        )
+        constants = {
+            k: torch.tensor(v["data"], dtype=torch_dtype(v["dtype"])).reshape(v["shape"])
+            for k, v in d.get("constants", {}).items()
+        }
+        return cls(tensors, nodes, tuple(d["outputs"]), d.get("loss"), constants)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ComputationGraph:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _attrs_to_json(op: Op) -> dict[str, Any]:
+    return {f.name: getattr(op, f.name) for f in dataclasses.fields(op)}
+
+
+def _op_from_json(kind: str, attrs: Mapping[str, Any]) -> Op:
+    if kind not in OPS:
+        raise ValueError(f"unknown op {kind!r} in graph file; known ops: {sorted(OPS)}")
+    cls = OPS[kind]
+    hints = typing.get_type_hints(cls)
+    # JSON has lists where the attrs have tuples.
+    fixed = {k: tuple(v) if isinstance(v, list) and "tuple" in str(hints.get(k, "")) else v for k, v in attrs.items()}
+    return cls(**fixed)

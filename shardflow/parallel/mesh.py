@@ -1,0 +1,185 @@
+"""Device meshes and DTensor-style placements.
+
+A :class:`Mesh` is abstract: axis names and sizes, devices numbered 0..size-1 in row-major order. No process
+group is needed to build, print or verify a plan on it (JAX's AbstractMesh, DTensor's DeviceMesh shape).
+A :class:`SubMesh` fixes some axes to one index: a pipeline stage is the mesh with ``pp`` fixed.
+
+Placements say, per mesh axis, what the devices along that axis hold of a tensor (torch DTensor spelling):
+``Shard(dim)`` — consecutive blocks of tensor dim ``dim``; ``Replicate()`` — identical copies;
+``Partial(op)`` — pieces whose element-wise ``op`` (sum/avg/max/min) is the tensor.
+Words: **axis** is a mesh axis, **dim** a tensor dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+LINEAR_REDUCE_OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """The devices along the axis hold consecutive equal blocks of tensor dim ``dim``."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """The devices along the axis hold identical copies."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """The devices along the axis hold pieces whose element-wise ``reduce_op`` is the tensor.
+
+    Only ``sum`` and ``avg`` are linear (PyTorch PR #157340): linear ops may run on the pieces.
+    """
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self):
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(f"Partial: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op!r})"
+
+
+Placement = Shard | Replicate | Partial
+
+
+def parse_placement(text: str) -> Placement:
+    """``"S(0)"``/``"Shard(0)"``, ``"R"``/``"Replicate()"``, ``"P"``/``"Partial('avg')"`` → a placement."""
+    t = text.strip().replace(" ", "").replace('"', "").replace("'", "")
+    for prefix in ("Shard(", "S("):
+        if t.startswith(prefix) and t.endswith(")"):
+            return Shard(int(t[len(prefix):-1]))
+    if t in ("R", "Replicate()", "Replicate"):
+        return Replicate()
+    for prefix in ("Partial(", "P("):
+        if t.startswith(prefix) and t.endswith(")"):
+            return Partial(t[len(prefix):-1] or "sum")
+    if t in ("P", "Partial()", "Partial"):
+        return Partial()
+    raise ValueError(f"cannot read placement {text!r}; write Shard(d), Replicate() or Partial('sum'|'avg'|'max'|'min')")
+
+
+@dataclass(frozen=True, slots=True)
+class Mesh:
+    """An n-dimensional mesh of devices: ``axis_names[i]`` has ``shape[i]`` devices; row-major device ids."""
+
+    axis_names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.axis_names) != len(self.shape):
+            raise ValueError(f"mesh: {len(self.axis_names)} axis names for {len(self.shape)} sizes")
+        if len(set(self.axis_names)) != len(self.axis_names):
+            raise ValueError(f"mesh: axis names must differ, got {list(self.axis_names)}")
+        for n, s in zip(self.axis_names, self.shape):
+            if not n.isidentifier() or s < 1:
+                raise ValueError(f"mesh: axis {n!r} needs an identifier name and a size ≥ 1 (got {s})")
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """``"dp=2,tp=2"`` → Mesh(("dp", "tp"), (2, 2)). Raises ValueError with the expected form."""
+        names, sizes = [], []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, eq, size = part.partition("=")
+            if not eq or not size.strip().isdigit():
+                raise ValueError(f"cannot read mesh {text!r}: write axis=size pairs such as 'dp=2,tp=2'")
+            names.append(name.strip())
+            sizes.append(int(size))
+        if not names:
+            raise ValueError(f"cannot read mesh {text!r}: write axis=size pairs such as 'dp=2,tp=2'")
+        return cls(tuple(names), tuple(sizes))
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def axis_size(self, axis: str) -> int:
+        return self.shape[self.axis_index(axis)]
+
+    def axis_index(self, axis: str) -> int:
+        try:
+            return self.axis_names.index(axis)
+        except ValueError:
+            raise ValueError(f"mesh {self} has no axis {axis!r}; its axes are {list(self.axis_names)}") from None
+
+    def coords(self, device: int) -> tuple[int, ...]:
+        """Mesh coordinate of ``device`` (row-major)."""
+        out = []
+        for s in reversed(self.shape):
+            out.append(device % s)
+            device //= s
+        return tuple(reversed(out))
+
+    def device(self, coords: tuple[int, ...]) -> int:
+        d = 0
+        for c, s in zip(coords, self.shape):
+            d = d * s + c
+        return d
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+
+
+@dataclass(frozen=True, slots=True)
+class SubMesh:
+    """The devices of ``mesh`` whose coordinate on each axis in ``fixed`` equals the given index.
+
+    ``fixed`` is sorted by mesh axis order. The free axes keep their mesh order; a tensor on a sub-mesh has
+    one placement per free axis.
+    """
+
+    mesh: Mesh
+    fixed: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self):
+        for axis, idx in self.fixed:
+            if not 0 <= idx < self.mesh.axis_size(axis):
+                raise ValueError(f"sub-mesh: index {idx} out of range for axis {axis!r} of mesh {self.mesh}")
+
+    @property
+    def free_axes(self) -> tuple[str, ...]:
+        fixed = dict(self.fixed)
+        return tuple(a for a in self.mesh.axis_names if a not in fixed)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.mesh.axis_size(a) for a in self.free_axes)
+
+    def devices(self) -> Iterator[int]:
+        """Device ids in row-major order of the free axes."""
+        fixed = dict(self.fixed)
+        for d in range(self.mesh.size):
+            c = self.mesh.coords(d)
+            if all(c[self.mesh.axis_index(a)] == i for a, i in fixed.items()):
+                yield d
+
+    def with_fixed(self, axis: str, index: int) -> SubMesh:
+        fixed = dict(self.fixed) | {axis: index}
+        return SubMesh(self.mesh, tuple((a, fixed[a]) for a in self.mesh.axis_names if a in fixed))
+
+    def without_fixed(self, axis: str) -> SubMesh:
+        return SubMesh(self.mesh, tuple((a, i) for a, i in self.fixed if a != axis))
+
+    def __str__(self) -> str:
+        if not self.fixed:
+            return "mesh"
+        return "mesh[" + ",".join(f"{a}={i}" for a, i in self.fixed) + "]"

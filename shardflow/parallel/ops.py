@@ -1,0 +1,217 @@
+"""The four parallel operators of FlexFlow/Unity, as PCG nodes, and redistribution between shardings.
+
+Parallel operators move data; they compute nothing. On a mesh each one names the axis it acts on:
+
+=====================  ============================  ==========================  ============================
+op (attrs)             degree rule                   forward data movement       backward
+=====================  ============================  ==========================  ============================
+Repartition(dim, d, a) shard[dim] ×d, replica ÷d     split (keep own block)      gather (= Combine)
+Combine(dim, d, a)     shard[dim] ÷d, replica ×d     gather (all-gather)         split (= Repartition)
+Replicate(d, a)        replica ×d (a joins group)    broadcast                   sum of the replica grads
+Reduction(d, a)        sum ÷d, replica ×d            sum of the partials         broadcast
+=====================  ============================  ==========================  ============================
+
+Difference from FlexFlow, on purpose: a tensor's pieces are exactly the devices of its sub-mesh, so an op that
+keeps its devices trades the degree it changes against the replica degree (FlexFlow's Repartition makes more
+pieces for more devices; ours turns ``d`` replicas into ``d`` blocks, which needs no communication).
+Replicate is the one op that grows the device set: its axis goes from fixed (one index) to free.
+Blocked layout: Repartition appends its axis as the *minor* axis of the dim, so output block ``c`` comes from
+input block ``c // d``; Combine removes the minor axis of the dim. Duals: Replicate↔Reduction,
+Repartition↔Combine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardingError
+from shardflow.parallel.sharding import Sharding
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelOp:
+    """Base of the parallel operators. ``degree`` must equal the size of mesh axis ``axis``."""
+
+    kind: ClassVar[str] = "parallel"
+    forward_movement: ClassVar[str] = ""
+    backward_movement: ClassVar[str] = ""
+
+    def apply_shape(self, p: ParallelTensorShape) -> ParallelTensorShape:
+        """Degree rule. Raises DegreeError / ShardingError when the degrees do not allow the op."""
+        raise NotImplementedError
+
+    def apply(self, s: Sharding, group: SubMesh) -> tuple[Sharding, SubMesh]:
+        """Axis rule: the output sharding and sub-mesh. Raises ShardingError naming the axis and the fix."""
+        raise NotImplementedError
+
+    def _check_degree(self, group: SubMesh) -> None:
+        size = group.mesh.axis_size(self.axis)  # type: ignore[attr-defined]
+        if size != self.degree:  # type: ignore[attr-defined]
+            raise ShardingError(f"{self.describe()}: axis {self.axis!r} has {size} devices, not {self.degree}")  # type: ignore[attr-defined]
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+def _dim(dim: int, ndim: int, op: str) -> int:
+    if not 0 <= dim < ndim:
+        raise ShardingError(f"{op}: dim {dim} is out of range for a tensor with {ndim} dims")
+    return dim
+
+
+@dataclass(frozen=True, slots=True)
+class Repartition(ParallelOp):
+    """Cut ``dim`` into ``degree`` more blocks along mesh ``axis`` (each replica keeps its own block)."""
+
+    kind: ClassVar[str] = "repartition"
+    forward_movement: ClassVar[str] = "split"
+    backward_movement: ClassVar[str] = "gather"
+    dim: int
+    degree: int
+    axis: str = ""
+
+    def apply_shape(self, p):
+        d = _dim(self.dim, len(p.shape), self.describe())
+        if p.replica_degree % self.degree:
+            raise ShardingError(f"{self.describe()}: needs replica degree divisible by {self.degree}, got {p}")
+        shard = list(p.shard)
+        shard[d] *= self.degree
+        if p.shape[d] % shard[d]:
+            raise DegreeError(d, p.shape[d], shard[d], self.describe())
+        return ParallelTensorShape(p.shape, tuple(shard), p.sum_degree, p.replica_degree // self.degree, p.reduce_op,
+                                   p.dtype)
+
+    def apply(self, s, group):
+        _dim(self.dim, s.ndim, self.describe())
+        self._check_degree(group)
+        if self.axis in s.used_axes or self.axis not in group.free_axes:
+            raise ShardingError(f"{self.describe()}: axis {self.axis!r} must hold replicas, but the tensor is {s} on {group}")
+        return s.replace_dim(self.dim, s.dims[self.dim] + (self.axis,)), group
+
+    def describe(self):
+        return f"Repartition(dim={self.dim}, degree={self.degree}, axis={self.axis})"
+
+
+@dataclass(frozen=True, slots=True)
+class Combine(ParallelOp):
+    """Gather the ``degree`` blocks of ``dim`` held along mesh ``axis`` (all-gather); the axis then replicates."""
+
+    kind: ClassVar[str] = "combine"
+    forward_movement: ClassVar[str] = "gather"
+    backward_movement: ClassVar[str] = "split"
+    dim: int
+    degree: int
+    axis: str = ""
+
+    def apply_shape(self, p):
+        d = _dim(self.dim, len(p.shape), self.describe())
+        if p.shard[d] % self.degree:
+            raise ShardingError(f"{self.describe()}: dim {d} has shard degree {p.shard[d]}, not a multiple of {self.degree}")
+        shard = list(p.shard)
+        shard[d] //= self.degree
+        return ParallelTensorShape(p.shape, tuple(shard), p.sum_degree, p.replica_degree * self.degree, p.reduce_op,
+                                   p.dtype)
+
+    def apply(self, s, group):
+        _dim(self.dim, s.ndim, self.describe())
+        self._check_degree(group)
+        if not s.dims[self.dim] or s.dims[self.dim][-1] != self.axis:
+            raise ShardingError(
+                f"{self.describe()}: axis {self.axis!r} must be the minor axis sharding dim {self.dim}; the tensor is {s}"
+            )
+        return s.replace_dim(self.dim, s.dims[self.dim][:-1]), group
+
+    def describe(self):
+        return f"Combine(dim={self.dim}, degree={self.degree}, axis={self.axis})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(ParallelOp):
+    """Broadcast the tensor from its one index on mesh ``axis`` to all ``degree`` devices along it."""
+
+    kind: ClassVar[str] = "replicate"
+    forward_movement: ClassVar[str] = "broadcast"
+    backward_movement: ClassVar[str] = "sum"
+    degree: int
+    axis: str = ""
+
+    def apply_shape(self, p):
+        return ParallelTensorShape(p.shape, p.shard, p.sum_degree, p.replica_degree * self.degree, p.reduce_op, p.dtype)
+
+    def apply(self, s, group):
+        self._check_degree(group)
+        if self.axis not in dict(group.fixed):
+            raise ShardingError(
+                f"{self.describe()}: the tensor already spans axis {self.axis!r} ({group}); Replicate widens a tensor "
+                f"that lives at one index of the axis"
+            )
+        return s, group.without_fixed(self.axis)
+
+    def describe(self):
+        return f"Replicate(degree={self.degree}, axis={self.axis})"
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction(ParallelOp):
+    """Sum the ``degree`` partial pieces held along mesh ``axis`` (all-reduce); the axis then replicates."""
+
+    kind: ClassVar[str] = "reduction"
+    forward_movement: ClassVar[str] = "sum"
+    backward_movement: ClassVar[str] = "broadcast"
+    degree: int
+    axis: str = ""
+
+    def apply_shape(self, p):
+        if p.sum_degree % self.degree:
+            raise ShardingError(f"{self.describe()}: sum degree {p.sum_degree} is not a multiple of {self.degree}")
+        sum_degree = p.sum_degree // self.degree
+        return ParallelTensorShape(p.shape, p.shard, sum_degree, p.replica_degree * self.degree,
+                                   p.reduce_op if sum_degree > 1 else "sum", p.dtype)
+
+    def apply(self, s, group):
+        self._check_degree(group)
+        if self.axis not in s.partial:
+            raise ShardingError(f"{self.describe()}: the tensor {s} holds no partial pieces along axis {self.axis!r}")
+        partial = tuple(a for a in s.partial if a != self.axis)
+        return Sharding(s.dims, partial, s.reduce_op if partial else "sum"), group
+
+    def describe(self):
+        return f"Reduction(degree={self.degree}, axis={self.axis})"
+
+
+PARALLEL_OPS: dict[str, type[ParallelOp]] = {c.kind: c for c in (Repartition, Combine, Replicate, Reduction)}
+
+
+def redistribute(src: Sharding, dst: Sharding, group: SubMesh) -> list[ParallelOp]:
+    """The parallel ops that turn sharding ``src`` into ``dst`` on ``group``, in order.
+
+    One table covers every case (DTensor's redistribution, spelled as parallel ops):
+    Partial→Replicate = Reduction (all-reduce); Partial→Shard = Reduction then Repartition (reduce-scatter);
+    Shard→Replicate = Combine (all-gather); Replicate→Shard = Repartition (local split);
+    Shard(i)→Shard(j) = Combine then Repartition (all-to-all). Axes sharding a dim are removed minor first.
+    Raises ShardingError for Replicate/Shard→Partial (a strategy never needs to create partial sums).
+    """
+    if src.ndim != dst.ndim:
+        raise ShardingError(f"cannot redistribute {src} to {dst}: different number of dims")
+    if set(dst.partial) - set(src.partial):
+        raise ShardingError(f"cannot redistribute {src} to {dst}: partial pieces are made by ops, not by moving data")
+    if dst.partial and src.reduce_op != dst.reduce_op:
+        raise ShardingError(f"cannot redistribute {src} to {dst}: different partial reduce ops")
+    size = group.mesh.axis_size
+    ops: list[ParallelOp] = []
+    cur = src
+    for a in src.partial:
+        if a not in dst.partial:
+            ops.append(Reduction(size(a), a))
+    for d in range(src.ndim):
+        axes = cur.dims[d]
+        while axes != dst.dims[d][:len(axes)]:
+            ops.append(Combine(d, size(axes[-1]), axes[-1]))
+            axes = axes[:-1]
+        cur = cur.replace_dim(d, axes) if axes != cur.dims[d] else cur
+    for d in range(src.ndim):
+        for a in dst.dims[d][len(cur.dims[d]):]:
+            ops.append(Repartition(d, size(a), a))
+    return ops

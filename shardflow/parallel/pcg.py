@@ -1,0 +1,234 @@
+"""The parallel computation graph (PCG) and sharding propagation.
+
+:func:`build_pcg` lifts a :class:`ComputationGraph` onto a mesh: it walks the nodes in order, gives every
+tensor a :class:`Sharding` (hence a :class:`ParallelTensorShape` and DTensor placements) and a sub-mesh, and
+makes every change of sharding an explicit parallel-operator node (Repartition, Combine, Replicate,
+Reduction). What to shard is decided by a strategy and handed over as :class:`Annotations`; the rules of
+:mod:`shardflow.parallel.rules` decide everything else, and reject what does not hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from shardflow.graph.graph import ComputationGraph
+from shardflow.graph.ops import Binary, Op, TensorType
+from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
+from shardflow.parallel.ops import ParallelOp, redistribute
+from shardflow.parallel.rules import LocalOp, align_operands, propagate
+from shardflow.parallel.shape import ParallelTensorShape, ShardingError
+from shardflow.parallel.sharding import Sharding
+
+
+@dataclass(frozen=True, slots=True)
+class PTensor:
+    """A PCG tensor: full type, role, sharding and the sub-mesh whose devices hold its pieces."""
+
+    name: str
+    type: TensorType
+    role: str
+    sharding: Sharding
+    group: SubMesh
+
+    @property
+    def pshape(self) -> ParallelTensorShape:
+        return self.sharding.parallel_shape(self.group, self.type.shape, self.type.dtype)
+
+    @property
+    def placements(self):
+        return self.sharding.placements(self.group)
+
+
+@dataclass(frozen=True, slots=True)
+class PNode:
+    """A PCG node: a compute op (with the ``local`` kernel its rule chose) or a parallel op (``local`` None).
+
+    ``why`` says, for a parallel op, what asked for it.
+    """
+
+    name: str
+    op: Op | ParallelOp
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    group: SubMesh
+    scope: str = ""
+    local: LocalOp | None = None
+    why: str = ""
+
+    @property
+    def is_parallel(self) -> bool:
+        return isinstance(self.op, ParallelOp)
+
+
+@dataclass(frozen=True)
+class Annotations:
+    """A strategy's decisions, on the names of one computation graph (everything unnamed is replicated).
+
+    * ``leaves``: graph input / weight / constant → its sharding;
+    * ``groups``: node name → the sub-mesh it runs on (default: the whole mesh);
+    * ``edges``: (node name, input index) → the sharding that input must have (module input layouts);
+    * ``after``: tensor name → the sharding it must have for all its consumers (module output layouts);
+    * ``ops``: tensor name → parallel ops the user inserts right after it, in order.
+    ``why`` gives, per edge/tensor, the reason printed beside inserted parallel ops.
+    """
+
+    leaves: Mapping[str, Sharding] = field(default_factory=dict)
+    groups: Mapping[str, SubMesh] = field(default_factory=dict)
+    edges: Mapping[tuple[str, int], Sharding] = field(default_factory=dict)
+    after: Mapping[str, Sharding] = field(default_factory=dict)
+    ops: Mapping[str, tuple[ParallelOp, ...]] = field(default_factory=dict)
+    why: Mapping[object, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PCG:
+    """Parallel computation graph: PCG tensors and nodes (compute and parallel) in topological order.
+
+    ``source`` maps each tensor of the original graph to the PCG tensor its consumers read after the
+    strategy's output layouts (``after``) were applied.
+    """
+
+    mesh: Mesh
+    graph: ComputationGraph
+    tensors: Mapping[str, PTensor]
+    nodes: tuple[PNode, ...]
+    outputs: tuple[str, ...]
+    loss: str | None
+
+    @property
+    def parallel_nodes(self) -> tuple[PNode, ...]:
+        return tuple(n for n in self.nodes if n.is_parallel)
+
+    def listing(self) -> str:
+        """One line per leaf tensor and per node: name, type, placements, parallel shape, op, scope."""
+        lines = [f"PCG on mesh {self.mesh} ({self.mesh.size} devices)"]
+        for name in self.graph.tensors:
+            t = self.tensors.get(name)
+            if t is not None and t.role != "activation":
+                lines.append(f"{t.role:<8} {_tensor_text(t)}")
+        for n in self.nodes:
+            outs = ", ".join(_tensor_text(self.tensors[o]) for o in n.outputs)
+            op = n.op.describe()
+            note = f"   # {n.why}" if n.is_parallel and n.why else (f"   # {n.scope}" if n.scope else "")
+            where = f" @{n.group}" if n.group.fixed else ""
+            lines.append(f"{'*' if n.is_parallel else ' '} {outs} = {op}({', '.join(n.inputs)}){where}{note}")
+        lines.append(f"outputs: {', '.join(_tensor_text(self.tensors[o]) for o in self.outputs)}")
+        return "\n".join(lines)
+
+
+def _placement_text(p) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    assert isinstance(p, Replicate)
+    return "R"
+
+
+def _tensor_text(t: PTensor) -> str:
+    try:
+        pl = ",".join(_placement_text(p) for p in t.placements)
+    except ShardingError:
+        pl = str(t.sharding)
+    return f"{t.name}: {t.type.dtype}{t.pshape} ({pl})"
+
+
+class _Builder:
+    """State of one propagation: the PCG tensors and nodes made so far."""
+
+    def __init__(self, graph: ComputationGraph, mesh: Mesh, ann: Annotations):
+        self.graph, self.mesh, self.ann = graph, mesh, ann
+        self.tensors: dict[str, PTensor] = {}
+        self.nodes: list[PNode] = []
+        self.current: dict[str, str] = {}  # graph tensor → PCG tensor its consumers read
+        self.cache: dict[tuple[str, Sharding, SubMesh], str] = {}
+        self.names: set[str] = set(graph.tensors) | {n.name for n in graph.nodes}
+
+    def fresh(self, base: str) -> str:
+        i, name = 1, base
+        while name in self.names:
+            i, name = i + 1, f"{base}_{i}"
+        self.names.add(name)
+        return name
+
+    def add_parallel(self, src: str, pops: list[ParallelOp] | tuple[ParallelOp, ...], why: str) -> str:
+        for pop in pops:
+            t = self.tensors[src]
+            try:
+                sharding, group = pop.apply(t.sharding, t.group)
+                sharding.check(group, t.type.shape, pop.describe(), t.name)
+            except ShardingError as e:
+                raise ShardingError(f"{pop.describe()} on tensor {t.name!r} ({why or 'user'}): {e}") from None
+            name = self.fresh(f"{t.name}.{pop.kind}")
+            self.tensors[name] = PTensor(name, t.type, t.role if t.role != "input" else "activation", sharding, group)
+            self.nodes.append(PNode(name, pop, (src,), (name,), group, why=why))
+            src = name
+        return src
+
+    def to_sharding(self, src: str, want: Sharding, why: str) -> str:
+        t = self.tensors[src]
+        if t.sharding == want:
+            return src
+        key = (src, want, t.group)
+        if key not in self.cache:
+            self.cache[key] = self.add_parallel(src, redistribute(t.sharding, want, t.group), why)
+        return self.cache[key]
+
+    def define(self, name: str, type_: TensorType, role: str, sharding: Sharding, group: SubMesh, op: str) -> None:
+        sharding.check(group, type_.shape, op, name)
+        self.tensors[name] = PTensor(name, type_, role, sharding, group)
+        after = self.ann.after.get(name)
+        cur = self.to_sharding(name, after, self.ann.why.get(name, f"layout of {name}")) if after else name
+        self.current[name] = self.add_parallel(cur, self.ann.ops.get(name, ()), f"user op after {name}")
+
+    def node_group(self, name: str) -> SubMesh:
+        return self.ann.groups.get(name, SubMesh(self.mesh))
+
+
+def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = None) -> PCG:
+    """Propagate shardings through ``graph`` on ``mesh`` following the strategy's annotations.
+
+    Raises ShardingError / RuleError / DegreeError naming the op, tensor, dim, size, axes and the fix.
+    """
+    ann = ann or Annotations()
+    b = _Builder(graph, mesh, ann)
+    consumers = graph.consumers()
+    for name, spec in graph.tensors.items():
+        if spec.role == "activation":
+            continue
+        first = consumers[name][0][0].name if consumers[name] else None
+        group = b.node_group(first) if first else SubMesh(mesh)
+        sharding = ann.leaves.get(name, Sharding.replicated(len(spec.shape)))
+        b.define(name, spec.type, spec.role, sharding, group, f"{spec.role} {name}")
+    for node in graph.nodes:
+        group = b.node_group(node.name)
+        ins = []
+        for i, t in enumerate(node.inputs):
+            cur = b.current[t]
+            src_group = b.tensors[cur].group
+            if src_group.free_axes != group.free_axes:
+                raise ShardingError(
+                    f"node {node.name!r} (module {node.scope!r}) runs on {group} but its input {t!r} lives on "
+                    f"{src_group}; insert Replicate on the missing axis or place both on the same sub-mesh"
+                )
+            want = ann.edges.get((node.name, i))
+            if want is not None:
+                cur = b.to_sharding(cur, want, ann.why.get((node.name, i), f"input {i} of {node.name}"))
+            ins.append(cur)
+        types = [b.tensors[t].type for t in ins]
+        if isinstance(node.op, Binary):
+            aligned = align_operands(types, [b.tensors[t].sharding for t in ins], group)
+            ins = [b.to_sharding(t, s, f"align operands of {node.name}") for t, s in zip(ins, aligned)]
+        res = propagate(node.op, ins, types, [b.tensors[t].sharding for t in ins], group, node.name, node.scope)
+        b.nodes.append(PNode(node.name, node.op, tuple(ins), node.outputs, group, node.scope, res.local))
+        for o, s in zip(node.outputs, res.outputs):
+            b.define(o, graph.tensors[o].type, "activation", s, group, node.name)
+    outputs = tuple(b.current[o] for o in graph.outputs)
+    loss = b.current[graph.loss] if graph.loss else None
+    return PCG(mesh, graph, dict(b.tensors), tuple(b.nodes), outputs, loss)
+
+
+def lift(graph: ComputationGraph) -> PCG:
+    """The PCG of ``graph`` on one device: every tensor unparallel (all degrees 1), no parallel ops."""
+    return build_pcg(graph, Mesh(("d",), (1,)))

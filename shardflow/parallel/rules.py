@@ -1,0 +1,423 @@
+"""Sharding rules: from the input shardings of a compute op to its output shardings and the local kernel.
+
+Each rule is "unparallel rule + degree rule": the op's own ``infer`` gives full shapes; the rule says which
+mesh axes each output dim inherits (a table of input dim → output dim), which dims must not be sharded, and
+where partial sums appear or pass through. Partial-sum linearity (PyTorch PR #157340, design §4):
+
+* only ``Partial(sum|avg)`` is linear; ``max``/``min`` partials must be reduced before any op;
+* additive ops (add, sub, neg, scalar add/sub, sum over a dim): Partial ± Partial → Partial;
+  Partial ± Replicate → Partial, the replicated operand divided locally by the sum degree (not for ``avg``);
+* multiplicative ops (mul/div by a replicated tensor or a scalar, linear, matmul): Partial · Replicate →
+  Partial with no division; Partial · Partial is an error;
+* nonlinear ops (relu, gelu, tanh, exp-like, softmax, layer_norm, attention, cross_entropy, dropout) on a
+  Partial are errors that say which Reduction to insert;
+* a contraction (linear's in-features, matmul's k, sum/mean over a dim, the batch of a mean loss) over a
+  sharded dim yields ``Partial(sum)`` on that dim's axes; a mean divides by the *global* count.
+
+A rule returns a :class:`LocalOp`: what each device runs on its pieces (the op with local attributes and the
+scale factors above). The executors run exactly that; nothing else knows about linearity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from shardflow.graph import ops as O
+from shardflow.graph.ops import Op, TensorType
+from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.shape import DegreeError, ShardingError
+from shardflow.parallel.sharding import Sharding
+
+
+class RuleError(ShardingError):
+    """A sharding rule rejects its inputs; the message names the node, module, tensor, dim, axes and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalOp:
+    """What every device runs for one compute op: ``op`` (local attributes) on inputs scaled by ``in_scale``,
+    its outputs scaled by ``out_scale`` (a scale of 1.0 is skipped)."""
+
+    op: Op
+    in_scale: tuple[float, ...]
+    out_scale: float = 1.0
+
+    def compute(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        xs = tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale))
+        outs = self.op.compute(*xs)
+        return outs if self.out_scale == 1.0 else tuple(o * self.out_scale for o in outs)
+
+
+@dataclass(frozen=True, slots=True)
+class RuleResult:
+    outputs: tuple[Sharding, ...]
+    local: LocalOp
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """Everything a rule looks at: the op, its node name and module scope, inputs (names, types, shardings)."""
+
+    op: Op
+    node: str
+    scope: str
+    names: tuple[str, ...]
+    types: tuple[TensorType, ...]
+    shardings: tuple[Sharding, ...]
+    group: SubMesh
+    out_types: tuple[TensorType, ...]
+
+    def error(self, msg: str, fix: str) -> RuleError:
+        where = f"node {self.node!r} ({self.op.describe()}" + (f" in module {self.scope!r})" if self.scope else ")")
+        return RuleError(f"{where}: {msg}. Fix: {fix}.")
+
+    def degree(self, axes: Sequence[str]) -> int:
+        return math.prod(self.group.mesh.axis_size(a) for a in axes)
+
+    # --- checks shared by the rules -------------------------------------------------------------------
+    def no_partial(self, *idx: int) -> None:
+        for i in idx:
+            s = self.shardings[i]
+            if s.partial:
+                axes = ", ".join(s.partial)
+                raise self.error(
+                    f"{self.op.kind} is not linear but input {self.names[i]!r} holds Partial({s.reduce_op!r}) "
+                    f"pieces on mesh axes {axes}",
+                    f"insert Reduction(axis={s.partial[0]}) before it (e.g. output=Replicate() on the module "
+                    f"that produced {self.names[i]!r})",
+                )
+
+    def unsharded(self, i: int, dims: Sequence[int], why: str) -> None:
+        s = self.shardings[i]
+        for d in dims:
+            if s.dims[d]:
+                raise self.error(
+                    f"dim {d} (size {self.types[i].shape[d]}) of {self.names[i]!r} is sharded on mesh axes "
+                    f"{list(s.dims[d])}; {why}",
+                    f"insert Combine(dim={d}, axis={s.dims[d][-1]}) first, or shard another dim",
+                )
+
+    def agree(self, pairs: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+        """Axes shared by input dims ``(input, dim)``; size-1 (broadcast) dims are ignored."""
+        found: tuple[int, int, tuple[str, ...]] | None = None
+        for i, d in pairs:
+            if self.types[i].shape[d] == 1 and len(pairs) > 1:
+                continue
+            axes = self.shardings[i].dims[d]
+            if found is None:
+                found = (i, d, axes)
+            elif axes != found[2]:
+                fi, fd, fa = found
+                raise self.error(
+                    f"dim {fd} of {self.names[fi]!r} is sharded on {list(fa) or 'no axes'} but dim {d} of "
+                    f"{self.names[i]!r} on {list(axes) or 'no axes'}",
+                    "redistribute one operand so both dims have the same placement",
+                )
+        return found[2] if found else ()
+
+    def partial_of(self, idx: Sequence[int], extra: Sequence[str] = ()) -> tuple[tuple[str, ...], str]:
+        """Union of the partial axes of inputs ``idx`` plus new sum-partial axes ``extra``, and the reduce op."""
+        axes, reduce_ops = [], set()
+        for i in idx:
+            s = self.shardings[i]
+            if s.partial:
+                axes += s.partial
+                reduce_ops.add(s.reduce_op)
+        if extra:
+            axes += extra
+            reduce_ops.add("sum")
+        if len(reduce_ops) > 1:
+            raise self.error(f"partial pieces with different reduce ops {sorted(reduce_ops)} meet",
+                             "reduce one of them first (Reduction)")
+        return tuple(axes), reduce_ops.pop() if reduce_ops else "sum"
+
+    def linear_partials(self, idx: Sequence[int]) -> None:
+        for i in idx:
+            if not self.shardings[i].is_linear_partial:
+                s = self.shardings[i]
+                raise self.error(
+                    f"input {self.names[i]!r} holds Partial({s.reduce_op!r}) pieces, which no op is linear in",
+                    f"insert Reduction(axis={s.partial[0]}) before it",
+                )
+
+    def output(self, dims: Sequence[tuple[str, ...]], partial: tuple[str, ...] = (), reduce_op: str = "sum",
+               k: int = 0) -> Sharding:
+        """Build output ``k``'s sharding, checking no axis is used twice and every degree divides its dim."""
+        try:
+            s = Sharding(tuple(dims), partial, reduce_op if partial else "sum")
+        except ShardingError:
+            used = [a for ax in dims for a in ax] + list(partial)
+            raise self.error(f"the output would use a mesh axis twice ({used})",
+                             "shard the operands on different axes, or combine one first") from None
+        try:
+            s.check(self.group, self.out_types[k].shape, self.node, self.node if k == 0 else f"{self.node}.{k}")
+        except DegreeError as e:
+            raise e.at(hint=f"in module {self.scope!r}" if self.scope else "") from None
+        return s
+
+    def local(self, op: Op | None = None, in_scale: Sequence[float] | None = None, out_scale: float = 1.0) -> LocalOp:
+        return LocalOp(op or self.op, tuple(in_scale or (1.0,) * len(self.names)), out_scale)
+
+
+def _sum_scale(ctx: Ctx, partial: tuple[str, ...], reduce_op: str) -> float:
+    """What a replicated operand added to ``Partial(reduce_op)`` pieces on ``partial`` is multiplied by."""
+    return 1.0 / ctx.degree(partial) if partial and reduce_op == "sum" else 1.0
+
+
+# --- the rules -------------------------------------------------------------------------------------------
+def _pointwise_dims(ctx: Ctx, idx: Sequence[int]) -> list[tuple[str, ...]]:
+    """Output dims of a broadcasting element-wise op over inputs ``idx`` (dims aligned from the right)."""
+    nd = ctx.out_types[0].ndim
+    out = []
+    for k in range(nd):
+        pairs = [(i, ctx.types[i].ndim - nd + k) for i in idx if ctx.types[i].ndim - nd + k >= 0]
+        out.append(ctx.agree(pairs))
+    return out
+
+
+def rule_unary(ctx: Ctx) -> RuleResult:
+    op = ctx.op
+    linear = isinstance(op, O.Unary) and op.fn in O.LINEAR_UNARY
+    if linear:
+        ctx.linear_partials([0])
+    else:
+        ctx.no_partial(0)
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
+
+
+def rule_scalar(ctx: Ctx) -> RuleResult:
+    op: O.Scalar = ctx.op  # type: ignore[assignment]
+    s = ctx.shardings[0]
+    local = op
+    if op.fn == "rdiv":
+        ctx.no_partial(0)
+    elif s.partial:
+        ctx.linear_partials([0])
+        if op.fn in ("add", "sub", "rsub"):  # additive: the scalar is split over the partial pieces
+            local = dataclasses.replace(op, value=op.value * _sum_scale(ctx, s.partial, s.reduce_op))
+    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local(local))
+
+
+def rule_binary(ctx: Ctx) -> RuleResult:
+    op: O.Binary = ctx.op  # type: ignore[assignment]
+    dims = _pointwise_dims(ctx, (0, 1))
+    a, b = ctx.shardings
+    ctx.linear_partials([0, 1])
+    scale = [1.0, 1.0]
+    if op.fn in ("add", "sub"):
+        if a.partial and b.partial and (a.partial != b.partial or a.reduce_op != b.reduce_op):
+            raise ctx.error(f"{op.fn} of partial pieces on different axes ({list(a.partial)} vs {list(b.partial)})",
+                            "reduce one operand first (Reduction)")
+        partial, reduce_op = (a.partial, a.reduce_op) if a.partial else (b.partial, b.reduce_op)
+        if a.partial and not b.partial:
+            scale[1] = _sum_scale(ctx, partial, reduce_op)
+        if b.partial and not a.partial:
+            scale[0] = _sum_scale(ctx, partial, reduce_op)
+    else:
+        if a.partial and b.partial:
+            raise ctx.error(f"{op.fn} of two partial operands is not linear (Partial·Partial)",
+                            f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}")
+        if op.fn == "div" and b.partial:
+            raise ctx.error(f"division by a partial operand {ctx.names[1]!r} is not linear",
+                            f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}")
+        partial, reduce_op = ctx.partial_of([0, 1])
+    return RuleResult((ctx.output(dims, partial, reduce_op),), ctx.local(in_scale=scale))
+
+
+def _contract(ctx: Ctx, x: int, w: int, x_dim: int, w_dim: int) -> tuple[tuple[str, ...], str]:
+    """Partial axes of a product of inputs x and w contracting x_dim with w_dim."""
+    ctx.linear_partials([x, w])
+    if ctx.shardings[x].partial and ctx.shardings[w].partial:
+        raise ctx.error("both operands of the product hold partial pieces (Partial·Partial)",
+                        f"insert Reduction(axis={ctx.shardings[w].partial[0]}) on {ctx.names[w]!r}")
+    k_axes = ctx.agree([(x, x_dim), (w, w_dim)])
+    return ctx.partial_of([x, w], k_axes)
+
+
+def rule_linear(ctx: Ctx) -> RuleResult:
+    x, w = ctx.shardings[0], ctx.shardings[1]
+    partial, reduce_op = _contract(ctx, 0, 1, ctx.types[0].ndim - 1, 1)
+    out_axes = w.dims[0]
+    scale = [1.0, 1.0]
+    if len(ctx.names) == 3:
+        ctx.no_partial(2)
+        ctx.agree([(1, 0), (2, 0)])
+        scale.append(_sum_scale(ctx, partial, reduce_op))
+    out = ctx.output(x.dims[:-1] + (out_axes,), partial, reduce_op)
+    return RuleResult((out,), ctx.local(in_scale=scale))
+
+
+def rule_matmul(ctx: Ctx) -> RuleResult:
+    a, b = ctx.types
+    partial, reduce_op = _contract(ctx, 0, 1, a.ndim - 1, b.ndim - 2)
+    nd = ctx.out_types[0].ndim
+    batch = []
+    for k in range(nd - 2):
+        pairs = [(i, t.ndim - nd + k) for i, t in enumerate(ctx.types) if t.ndim - nd + k >= 0]
+        batch.append(ctx.agree(pairs))
+    out = ctx.output(batch + [ctx.shardings[0].dims[-2], ctx.shardings[1].dims[-1]], partial, reduce_op)
+    return RuleResult((out,), ctx.local())
+
+
+def rule_embedding(ctx: Ctx) -> RuleResult:
+    ctx.no_partial(0, 1)
+    ctx.unsharded(1, [0], "vocabulary-parallel embedding is not supported")
+    out = ctx.output(ctx.shardings[0].dims + (ctx.shardings[1].dims[1],))
+    return RuleResult((out,), ctx.local())
+
+
+def rule_layer_norm(ctx: Ctx) -> RuleResult:
+    op: O.LayerNorm = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(*range(len(ctx.names)))
+    nd = ctx.types[0].ndim
+    ctx.unsharded(0, range(nd - op.ndim, nd), "layer_norm normalises over it")
+    for i in range(1, len(ctx.names)):
+        ctx.unsharded(i, range(ctx.types[i].ndim), "layer_norm parameters must be whole on every device")
+    return RuleResult((ctx.output(ctx.shardings[0].dims),), ctx.local())
+
+
+def rule_softmax(ctx: Ctx) -> RuleResult:
+    op: O.Softmax = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(0)
+    ctx.unsharded(0, [op.dim % ctx.types[0].ndim], "softmax normalises over it")
+    return RuleResult((ctx.output(ctx.shardings[0].dims),), ctx.local())
+
+
+def rule_attention(ctx: Ctx) -> RuleResult:
+    ctx.no_partial(0, 1, 2)
+    nd = ctx.types[0].ndim
+    for i in range(3):
+        ctx.unsharded(i, [nd - 2, nd - 1], "attention needs whole sequences and head dims (shard heads or batch)")
+    dims = [ctx.agree([(0, k), (1, k), (2, k)]) for k in range(nd - 2)] + [(), ()]
+    return RuleResult((ctx.output(dims),), ctx.local())
+
+
+def rule_cross_entropy(ctx: Ctx) -> RuleResult:
+    op: O.CrossEntropy = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(0, 1)
+    ctx.unsharded(0, [1], "vocabulary-parallel cross-entropy is not supported")
+    n_axes = ctx.agree([(0, 0), (1, 0)])
+    out_scale = 1.0 / ctx.degree(n_axes) if op.reduction == "mean" else 1.0
+    return RuleResult((ctx.output((), n_axes, "sum"),), ctx.local(out_scale=out_scale))
+
+
+def rule_reduce(ctx: Ctx) -> RuleResult:
+    op: O.Reduce = ctx.op  # type: ignore[assignment]
+    ctx.linear_partials([0])
+    s = ctx.shardings[0]
+    reduced = [a for d in op.dims for a in s.dims[d]]
+    partial, reduce_op = ctx.partial_of([0], reduced)
+    dims = [() if d in op.dims else ax for d, ax in enumerate(s.dims) if op.keepdim or d not in op.dims]
+    out_scale = 1.0 / ctx.degree(reduced) if op.fn == "mean" else 1.0
+    return RuleResult((ctx.output(dims, partial, reduce_op),), ctx.local(out_scale=out_scale))
+
+
+def rule_permute(ctx: Ctx) -> RuleResult:
+    op: O.Permute = ctx.op  # type: ignore[assignment]
+    ctx.linear_partials([0])
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output([s.dims[d] for d in op.dims], s.partial, s.reduce_op),), ctx.local())
+
+
+def rule_split(ctx: Ctx) -> RuleResult:
+    op: O.Split = ctx.op  # type: ignore[assignment]
+    ctx.linear_partials([0])
+    ctx.unsharded(0, [op.dim], "split cuts along it")
+    s = ctx.shardings[0]
+    outs = tuple(ctx.output(s.dims, s.partial, s.reduce_op, k) for k in range(len(op.sizes)))
+    return RuleResult(outs, ctx.local())
+
+
+def reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Split two shapes of equal size into minimal groups of dims with equal products (in order)."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj, pa, pb = [], [], 1, 1
+        if i < len(a):
+            gi, pa, i = [i], a[i], i + 1
+        if j < len(b):
+            gj, pb, j = [j], b[j], j + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(i)
+                pa, i = pa * a[i], i + 1
+            else:
+                gj.append(j)
+                pb, j = pb * b[j], j + 1
+        groups.append((gi, gj))
+    return groups
+
+
+def rule_reshape(ctx: Ctx) -> RuleResult:
+    """A group of input dims that becomes a group of output dims may be sharded on its leading (major) dim
+    only; the axes move to the group's leading output dim (blocked layout is preserved only then)."""
+    op: O.Reshape = ctx.op  # type: ignore[assignment]
+    ctx.linear_partials([0])
+    s = ctx.shardings[0]
+    src, dst = ctx.types[0].shape, op.shape
+    dims: list[tuple[str, ...]] = [()] * len(dst)
+    for gi, gj in reshape_groups(src, dst):
+        lead_in = [d for d in gi if src[d] > 1][:1]
+        ctx.unsharded(0, [d for d in gi if d not in lead_in],
+                      f"viewing {list(src)} as {list(dst)} merges it into a preceding dim")
+        if lead_in and s.dims[lead_in[0]]:
+            lead_out = next(d for d in gj if dst[d] > 1)
+            dims[lead_out] = s.dims[lead_in[0]]
+    out = ctx.output(dims, s.partial, s.reduce_op)
+    piece = out.parallel_shape(ctx.group, dst).piece_shape
+    return RuleResult((out,), ctx.local(dataclasses.replace(op, shape=piece)))
+
+
+RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
+    O.Linear: rule_linear,
+    O.Embedding: rule_embedding,
+    O.LayerNorm: rule_layer_norm,
+    O.Dropout: rule_unary,
+    O.Unary: rule_unary,
+    O.Scalar: rule_scalar,
+    O.Binary: rule_binary,
+    O.Matmul: rule_matmul,
+    O.Permute: rule_permute,
+    O.Reshape: rule_reshape,
+    O.Split: rule_split,
+    O.Softmax: rule_softmax,
+    O.Reduce: rule_reduce,
+    O.Attention: rule_attention,
+    O.CrossEntropy: rule_cross_entropy,
+}
+
+
+def propagate(op: Op, names: Sequence[str], types: Sequence[TensorType], shardings: Sequence[Sharding],
+              group: SubMesh, node: str = "", scope: str = "") -> RuleResult:
+    """Output shardings and the local kernel of ``op`` for inputs with ``shardings`` on ``group``.
+
+    Raises RuleError (or DegreeError) naming the node, module, tensor, dim, axes and the parallel op to insert.
+    """
+    ctx = Ctx(op, node or op.kind, scope, tuple(names), tuple(types), tuple(shardings), group,
+              op.infer(tuple(types)))
+    return RULES[type(op)](ctx)
+
+
+def align_operands(types: Sequence[TensorType], shardings: Sequence[Sharding], group: SubMesh) -> list[Sharding]:
+    """For an element-wise op: shard replicated operands like their sharded partners (a free local split).
+
+    Returns the sharding each operand should have; where an operand's dim holds replicas on an axis that
+    shards the matching dim of another operand, that axis is added to it (Replicate → Shard needs no
+    communication). Everything else is left to the rule.
+    """
+    nd = max(t.ndim for t in types)
+    out = list(shardings)
+    for k in range(nd):
+        members = [(i, t.ndim - nd + k) for i, t in enumerate(types) if t.ndim - nd + k >= 0 and t.shape[t.ndim - nd + k] > 1]
+        target = max((shardings[i].dims[d] for i, d in members), key=len, default=())
+        for i, d in members:
+            s = out[i]
+            if s.dims[d] == target[:len(s.dims[d])] and not (set(target[len(s.dims[d]):]) & s.used_axes):
+                out[i] = s.replace_dim(d, target)
+    return out

@@ -1,0 +1,113 @@
+"""Parallel tensor shapes (FlexFlow/Unity): how a tensor is cut into pieces, independent of devices.
+
+A :class:`ParallelTensorShape` is the full logical shape plus
+
+* a **shard degree** per dim: the dim is cut into that many equal consecutive blocks;
+* a **sum degree**: the tensor is the element-wise reduction (``reduce_op``, normally sum) of that many
+  partial pieces;
+* a **replica degree**: that many identical copies (FlexFlow's discard-copy degree).
+
+A piece is addressed by a :class:`ShardCoord` (sum index, replica index, shard index per dim); there are
+``sum × replica × Π shard`` pieces, each of :meth:`ParallelTensorShape.piece_shape`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+from shardflow.parallel.mesh import REDUCE_OPS
+
+
+class ShardingError(ValueError):
+    """A parallel shape, placement or sharding rule does not hold; the message says where and how to fix."""
+
+
+class DegreeError(ShardingError):
+    """A degree does not divide its dim. Carries ``dim``, ``size``, ``degree`` and the ``op``/``tensor`` names."""
+
+    def __init__(self, dim: int, size: int, degree: int, op: str = "", tensor: str = "", hint: str = ""):
+        self.dim, self.size, self.degree, self.op, self.tensor, self.hint = dim, size, degree, op, tensor, hint
+        where = " ".join(x for x in (f"op {op!r}" if op else "", f"tensor {tensor!r}" if tensor else "") if x)
+        super().__init__(
+            f"{where + ': ' if where else ''}degree {degree} does not divide dim {dim} of size {size}"
+            f"{'; ' + hint if hint else ''} (use a degree that divides {size})"
+        )
+
+    def at(self, op: str = "", tensor: str = "", hint: str = "") -> DegreeError:
+        """The same error, naming the op and tensor where it happened."""
+        return DegreeError(self.dim, self.size, self.degree, op or self.op, tensor or self.tensor, hint or self.hint)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardCoord:
+    """Address of one piece: ``sum`` index, ``replica`` index and the block index along each dim."""
+
+    sum: int
+    replica: int
+    shard: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelTensorShape:
+    """Full ``shape`` with ``shard`` degrees per dim, ``sum_degree`` (of ``reduce_op``) and ``replica_degree``.
+
+    Raises :class:`DegreeError` if a shard degree does not divide its dim, :class:`ShardingError` for other
+    malformed degrees.
+    """
+
+    shape: tuple[int, ...]
+    shard: tuple[int, ...]
+    sum_degree: int = 1
+    replica_degree: int = 1
+    reduce_op: str = "sum"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if len(self.shard) != len(self.shape):
+            raise ShardingError(f"parallel shape: {len(self.shard)} shard degrees for {len(self.shape)} dims")
+        if min((*self.shard, self.sum_degree, self.replica_degree), default=1) < 1:
+            raise ShardingError(f"parallel shape: degrees must be ≥ 1, got {self}")
+        if self.reduce_op not in REDUCE_OPS:
+            raise ShardingError(f"parallel shape: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+        for d, (size, deg) in enumerate(zip(self.shape, self.shard)):
+            if size % deg:
+                raise DegreeError(d, size, deg)
+
+    @classmethod
+    def unparallel(cls, shape: tuple[int, ...], dtype: str = "float32") -> ParallelTensorShape:
+        """All degrees 1: one piece, the whole tensor."""
+        return cls(tuple(shape), (1,) * len(shape), dtype=dtype)
+
+    @property
+    def num_pieces(self) -> int:
+        return self.sum_degree * self.replica_degree * math.prod(self.shard)
+
+    @property
+    def piece_shape(self) -> tuple[int, ...]:
+        """Shape of every piece: ``shape[d] // shard[d]``."""
+        return tuple(s // d for s, d in zip(self.shape, self.shard))
+
+    @property
+    def piece_numel(self) -> int:
+        return math.prod(self.piece_shape)
+
+    def coords(self) -> Iterator[ShardCoord]:
+        """Every piece coordinate, sum index outermost, then replica, then shard indices row-major."""
+        for s, r in itertools.product(range(self.sum_degree), range(self.replica_degree)):
+            for idx in itertools.product(*(range(d) for d in self.shard)):
+                yield ShardCoord(s, r, idx)
+
+    def piece_slices(self, coord: ShardCoord) -> tuple[slice, ...]:
+        """The block of the full tensor the piece at ``coord`` covers (blocked layout)."""
+        piece = self.piece_shape
+        return tuple(slice(i * p, (i + 1) * p) for i, p in zip(coord.shard, piece))
+
+    def __str__(self) -> str:
+        dims = ", ".join(f"{s}/{d}" if d > 1 else f"{s}" for s, d in zip(self.shape, self.shard))
+        extra = (f" sum={self.sum_degree}" + (f"({self.reduce_op})" if self.reduce_op != "sum" else "")
+                 if self.sum_degree > 1 else "")
+        extra += f" rep={self.replica_degree}" if self.replica_degree > 1 else ""
+        return f"[{dims}]{extra}"

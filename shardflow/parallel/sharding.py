@@ -1,0 +1,192 @@
+"""Shardings: a tensor's pieces bound to mesh axes — the bridge between parallel shapes and placements.
+
+A :class:`Sharding` names, for each tensor dim, the mesh axes that cut it (major axis first) and the axes
+that hold partial sums; every other free axis of the tensor's :class:`SubMesh` holds replicas. From it follow
+
+* the :class:`ParallelTensorShape` (degrees only: shard degree of a dim = product of its axes' sizes, sum
+  degree = product of the partial axes, replica degree = product of the remaining free axes), and
+* the DTensor placements (one per free axis: ``Shard(dim)``, ``Partial(op)`` or ``Replicate()``), and
+* the device of each piece: along the axes of a dim the block index is the mixed-radix number of the
+  devices' coordinates on those axes, major axis first — so two axes sharding one dim in mesh order
+  mean exactly DTensor's ``[Shard(d), Shard(d)]``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from shardflow.parallel.mesh import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Placement, Replicate, Shard, SubMesh
+from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardCoord, ShardingError
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """``dims[d]``: mesh axes sharding tensor dim d (major first); ``partial``: axes holding partial pieces."""
+
+    dims: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+    reduce_op: str = "sum"
+
+    @classmethod
+    def replicated(cls, ndim: int) -> Sharding:
+        return cls(((),) * ndim)
+
+    def __post_init__(self):
+        used = [a for axes in self.dims for a in axes] + list(self.partial)
+        if len(used) != len(set(used)):
+            raise ShardingError(f"sharding {self}: a mesh axis is used twice ({used})")
+        if self.reduce_op not in REDUCE_OPS:
+            raise ShardingError(f"sharding: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dims)
+
+    @property
+    def used_axes(self) -> frozenset[str]:
+        return frozenset(a for axes in self.dims for a in axes) | frozenset(self.partial)
+
+    @property
+    def is_partial(self) -> bool:
+        return bool(self.partial)
+
+    @property
+    def is_linear_partial(self) -> bool:
+        return not self.partial or self.reduce_op in LINEAR_REDUCE_OPS
+
+    def axis_dim(self, axis: str) -> int | None:
+        """The tensor dim ``axis`` shards, or None."""
+        return next((d for d, axes in enumerate(self.dims) if axis in axes), None)
+
+    def replace_dim(self, d: int, axes: tuple[str, ...]) -> Sharding:
+        dims = list(self.dims)
+        dims[d] = axes
+        return Sharding(tuple(dims), self.partial, self.reduce_op)
+
+    # --- degrees --------------------------------------------------------------------------------------
+    def shard_degree(self, group: SubMesh, d: int) -> int:
+        return math.prod(group.mesh.axis_size(a) for a in self.dims[d])
+
+    def sum_degree(self, group: SubMesh) -> int:
+        return math.prod(group.mesh.axis_size(a) for a in self.partial)
+
+    def replica_axes(self, group: SubMesh) -> tuple[str, ...]:
+        return tuple(a for a in group.free_axes if a not in self.used_axes)
+
+    def check(self, group: SubMesh, shape: tuple[int, ...], op: str = "", tensor: str = "") -> None:
+        """Raise unless every axis is free in ``group`` and every dim's degree divides its size."""
+        if len(shape) != self.ndim:
+            raise ShardingError(f"op {op!r} tensor {tensor!r}: sharding {self} has {self.ndim} dims, shape {shape}")
+        for a in self.used_axes:
+            if a not in group.free_axes:
+                raise ShardingError(
+                    f"op {op!r} tensor {tensor!r}: axis {a!r} is not a free axis of {group} "
+                    f"(free: {list(group.free_axes)})"
+                )
+        for d, size in enumerate(shape):
+            deg = self.shard_degree(group, d)
+            if size % deg:
+                axes = "×".join(self.dims[d])
+                raise DegreeError(d, size, deg, op, tensor, f"mesh axes {axes} of {group.mesh}")
+
+    def parallel_shape(self, group: SubMesh, shape: tuple[int, ...], dtype: str = "float32") -> ParallelTensorShape:
+        """Degrees of this sharding on ``group`` (replica = product of the unused free axes)."""
+        return ParallelTensorShape(
+            tuple(shape),
+            tuple(self.shard_degree(group, d) for d in range(self.ndim)),
+            self.sum_degree(group),
+            math.prod(group.mesh.axis_size(a) for a in self.replica_axes(group)),
+            self.reduce_op,
+            dtype,
+        )
+
+    # --- placements -----------------------------------------------------------------------------------
+    def placements(self, group: SubMesh) -> tuple[Placement, ...]:
+        """DTensor placements, one per free axis of ``group``.
+
+        Raises ShardingError if two axes shard one dim out of mesh order (DTensor cannot spell that).
+        """
+        order = {a: i for i, a in enumerate(group.free_axes)}
+        for d, axes in enumerate(self.dims):
+            if [order[a] for a in axes] != sorted(order[a] for a in axes):
+                raise ShardingError(f"dim {d} is sharded by axes {list(axes)} out of mesh order; placements cannot say so")
+        out: list[Placement] = []
+        for a in group.free_axes:
+            d = self.axis_dim(a)
+            out.append(Shard(d) if d is not None else Partial(self.reduce_op) if a in self.partial else Replicate())
+        return tuple(out)
+
+    @classmethod
+    def from_placements(cls, placements, group: SubMesh, ndim: int) -> Sharding:
+        """Placements (a sequence, one per free axis, or a dict axis → placement; missing = Replicate)."""
+        free = group.free_axes
+        if isinstance(placements, dict):
+            unknown = set(placements) - set(free)
+            if unknown:
+                raise ShardingError(f"placements name axes {sorted(unknown)} that are not free axes of {group} {list(free)}")
+            placements = [placements.get(a, Replicate()) for a in free]
+        placements = tuple(placements)
+        if len(placements) != len(free):
+            raise ShardingError(
+                f"{len(placements)} placements {list(placements)} for the {len(free)} axes {list(free)} of {group}"
+            )
+        dims: list[list[str]] = [[] for _ in range(ndim)]
+        partial, ops = [], set()
+        for a, p in zip(free, placements):
+            if isinstance(p, Shard):
+                if not -ndim <= p.dim < ndim:
+                    raise ShardingError(f"placement {p} on axis {a!r}: dim out of range for a {ndim}-dim tensor")
+                dims[p.dim % ndim].append(a)
+            elif isinstance(p, Partial):
+                partial.append(a)
+                ops.add(p.reduce_op)
+            elif not isinstance(p, Replicate):
+                raise ShardingError(f"not a placement: {p!r} on axis {a!r}")
+        if len(ops) > 1:
+            raise ShardingError(f"Partial placements with different ops {sorted(ops)} cannot be combined")
+        return cls(tuple(tuple(x) for x in dims), tuple(partial), ops.pop() if ops else "sum")
+
+    # --- pieces on devices ----------------------------------------------------------------------------
+    def coord_of(self, group: SubMesh, device: int) -> ShardCoord:
+        """Which piece ``device`` (a member of ``group``) holds."""
+        mesh = group.mesh
+        c = mesh.coords(device)
+
+        def radix(axes):
+            v = 0
+            for a in axes:
+                v = v * mesh.axis_size(a) + c[mesh.axis_index(a)]
+            return v
+
+        return ShardCoord(radix(self.partial), radix(self.replica_axes(group)), tuple(radix(ax) for ax in self.dims))
+
+    def device_map(self, group: SubMesh) -> dict[int, ShardCoord]:
+        """Device → piece coordinate for every device of ``group`` (a bijection onto the pieces)."""
+        return {d: self.coord_of(group, d) for d in group.devices()}
+
+    def __str__(self) -> str:
+        dims = ",".join("+".join(a) if a else "·" for a in self.dims)
+        part = f" partial({self.reduce_op})={'+'.join(self.partial)}" if self.partial else ""
+        return f"<{dims}>{part}"
+
+
+def placements_for(pshape: ParallelTensorShape, group: SubMesh) -> tuple[Placement, ...]:
+    """Some placements on ``group`` whose parallel shape is ``pshape`` (free axes assigned in mesh order).
+
+    Raises ShardingError if the degrees cannot be made from the free axes' sizes.
+    """
+    free = group.free_axes
+    sizes = [group.mesh.axis_size(a) for a in free]
+    choices = [Shard(d) for d in range(len(pshape.shape))] + [Partial(pshape.reduce_op), Replicate()]
+    for combo in itertools.product(choices, repeat=len(free)):
+        try:
+            s = Sharding.from_placements(combo, group, len(pshape.shape))
+        except ShardingError:
+            continue
+        if all(s.shard_degree(group, d) == pshape.shard[d] for d in range(len(pshape.shape))) and \
+                s.sum_degree(group) == pshape.sum_degree and \
+                math.prod(sizes) == pshape.num_pieces:
+            return combo
+    raise ShardingError(f"parallel shape {pshape} cannot be placed on {group} with axes {dict(zip(free, sizes))}")
