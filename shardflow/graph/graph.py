@@ -49,7 +49,7 @@ class Node:
     scope: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ComputationGraph:
     """A whole model: tensors by name, nodes in topological order, graph outputs and the loss.
 
@@ -65,6 +65,14 @@ class ComputationGraph:
 
     def __post_init__(self):
         self.validate()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ComputationGraph):
+            return NotImplemented
+        return (dict(self.tensors), self.nodes, self.outputs, self.loss) == (
+            dict(other.tensors), other.nodes, other.outputs, other.loss) and self.constants.keys() == \
+            other.constants.keys() and all(
+            v.dtype == other.constants[k].dtype and torch.equal(v, other.constants[k]) for k, v in self.constants.items())
 
     # --- queries -------------------------------------------------------------------------------------
     def by_role(self, role: str) -> tuple[str, ...]:

@@ -14,11 +14,13 @@ from typing import Mapping
 
 from shardflow.graph.graph import ComputationGraph
 from shardflow.graph.ops import Binary, Op, TensorType
-from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
+from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
 from shardflow.parallel.rules import LocalOp, align_operands, propagate
 from shardflow.parallel.shape import ParallelTensorShape, ShardingError
 from shardflow.parallel.sharding import Sharding
+
+Layout = Mapping[str, Placement]  # mesh axis → placement, for the axes a strategy constrains
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,16 +69,17 @@ class Annotations:
 
     * ``leaves``: graph input / weight / constant → its sharding;
     * ``groups``: node name → the sub-mesh it runs on (default: the whole mesh);
-    * ``edges``: (node name, input index) → the sharding that input must have (module input layouts);
-    * ``after``: tensor name → the sharding it must have for all its consumers (module output layouts);
+    * ``edges``: (node name, input index) → the layout that input must have (module input layouts);
+    * ``after``: tensor name → the layout it must have for all its consumers (module output layouts).
+    A layout maps some mesh axes to placements; axes it does not name keep whatever they hold.
     * ``ops``: tensor name → parallel ops the user inserts right after it, in order.
     ``why`` gives, per edge/tensor, the reason printed beside inserted parallel ops.
     """
 
     leaves: Mapping[str, Sharding] = field(default_factory=dict)
     groups: Mapping[str, SubMesh] = field(default_factory=dict)
-    edges: Mapping[tuple[str, int], Sharding] = field(default_factory=dict)
-    after: Mapping[str, Sharding] = field(default_factory=dict)
+    edges: Mapping[tuple[str, int], Layout] = field(default_factory=dict)
+    after: Mapping[str, Layout] = field(default_factory=dict)
     ops: Mapping[str, tuple[ParallelOp, ...]] = field(default_factory=dict)
     why: Mapping[object, str] = field(default_factory=dict)
 
@@ -166,6 +169,10 @@ class _Builder:
             src = name
         return src
 
+    def to_layout(self, src: str, layout: Layout, why: str) -> str:
+        t = self.tensors[src]
+        return self.to_sharding(src, t.sharding.with_layout(layout, t.group), why)
+
     def to_sharding(self, src: str, want: Sharding, why: str) -> str:
         t = self.tensors[src]
         if t.sharding == want:
@@ -179,7 +186,7 @@ class _Builder:
         sharding.check(group, type_.shape, op, name)
         self.tensors[name] = PTensor(name, type_, role, sharding, group)
         after = self.ann.after.get(name)
-        cur = self.to_sharding(name, after, self.ann.why.get(name, f"layout of {name}")) if after else name
+        cur = self.to_layout(name, after, self.ann.why.get(name, f"layout of {name}")) if after else name
         self.current[name] = self.add_parallel(cur, self.ann.ops.get(name, ()), f"user op after {name}")
 
     def node_group(self, name: str) -> SubMesh:
@@ -214,7 +221,7 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
                 )
             want = ann.edges.get((node.name, i))
             if want is not None:
-                cur = b.to_sharding(cur, want, ann.why.get((node.name, i), f"input {i} of {node.name}"))
+                cur = b.to_layout(cur, want, ann.why.get((node.name, i), f"input {i} of {node.name}"))
             ins.append(cur)
         types = [b.tensors[t].type for t in ins]
         if isinstance(node.op, Binary):

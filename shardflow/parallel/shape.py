@@ -38,7 +38,8 @@ class DegreeError(ShardingError):
 
     def at(self, op: str = "", tensor: str = "", hint: str = "") -> DegreeError:
         """The same error, naming the op and tensor where it happened."""
-        return DegreeError(self.dim, self.size, self.degree, op or self.op, tensor or self.tensor, hint or self.hint)
+        hints = "; ".join(h for h in (self.hint, hint) if h)
+        return DegreeError(self.dim, self.size, self.degree, op or self.op, tensor or self.tensor, hints)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 from shardflow.parallel.mesh import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardCoord, ShardingError
@@ -65,6 +66,25 @@ class Sharding:
         dims[d] = axes
         return Sharding(tuple(dims), self.partial, self.reduce_op)
 
+    def with_layout(self, layout: Mapping[str, Placement], group: SubMesh) -> Sharding:
+        """This sharding with the axes named in ``layout`` re-placed as it says (other axes unchanged).
+
+        An axis that joins a sharded dim is put in mesh order among the dim's axes (DTensor's order).
+        """
+        order = {a: i for i, a in enumerate(group.mesh.axis_names)}
+        dims = [[a for a in axes if a not in layout] for axes in self.dims]
+        partial = [a for a in self.partial if a not in layout]
+        reduce_op = self.reduce_op
+        for a, p in layout.items():
+            if isinstance(p, Shard):
+                if not -self.ndim <= p.dim < self.ndim:
+                    raise ShardingError(f"layout {a}: {p} is out of range for a {self.ndim}-dim tensor")
+                dims[p.dim % self.ndim] = sorted(dims[p.dim % self.ndim] + [a], key=order.__getitem__)
+            elif isinstance(p, Partial):
+                partial.append(a)
+                reduce_op = p.reduce_op
+        return Sharding(tuple(tuple(d) for d in dims), tuple(partial), reduce_op if partial else "sum")
+
     # --- degrees --------------------------------------------------------------------------------------
     def shard_degree(self, group: SubMesh, d: int) -> int:
         return math.prod(group.mesh.axis_size(a) for a in self.dims[d])
@@ -89,16 +109,20 @@ class Sharding:
             deg = self.shard_degree(group, d)
             if size % deg:
                 axes = "×".join(self.dims[d])
-                raise DegreeError(d, size, deg, op, tensor, f"mesh axes {axes} of {group.mesh}")
+                raise DegreeError(d, size, deg, op, tensor, f"shape {list(shape)}, mesh axes {axes} of {group.mesh}")
 
     def parallel_shape(self, group: SubMesh, shape: tuple[int, ...], dtype: str = "float32") -> ParallelTensorShape:
-        """Degrees of this sharding on ``group`` (replica = product of the unused free axes)."""
+        """Degrees of this sharding on ``group`` (replica = product of the unused free axes).
+
+        With sum degree 1 (partial axes of size 1 only) the reduce op is ``sum``, as the degree rules give it.
+        """
+        sum_degree = self.sum_degree(group)
         return ParallelTensorShape(
             tuple(shape),
             tuple(self.shard_degree(group, d) for d in range(self.ndim)),
-            self.sum_degree(group),
+            sum_degree,
             math.prod(group.mesh.axis_size(a) for a in self.replica_axes(group)),
-            self.reduce_op,
+            self.reduce_op if sum_degree > 1 else "sum",
             dtype,
         )
 

@@ -1,0 +1,25 @@
+# Newcomer targets: `make plan` (set up + main job) and `make test` (set up + tests).
+# Every install uses constraints.txt, which pins torch==2.13.0 (an unpinned torch pulls CUDA packages).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
+
+.PHONY: venv test plan clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(BIN)/python -m pytest
+
+plan: venv
+	$(BIN)/shardflow plan --model gpt --strategy tp --nproc 2
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,103 @@
+"""``shardflow`` command line. ``shardflow plan`` prints the PCG of a model under a strategy; no process starts.
+
+Errors a user can fix (bad mesh, strategy that does not fit the model, unsupported op, ...) end with one
+paragraph on stderr and exit status 2, never a traceback from inside the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from typing import Sequence
+
+import torch
+
+from shardflow.capture import CaptureError, capture
+from shardflow.graph.graph import ComputationGraph
+from shardflow.graph.ops import OpError
+from shardflow.models import GPT, MLP, GPTConfig
+from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.parallel.shape import ShardingError
+from shardflow.strategy import Plan, PlanError, make_plan, resolve
+from shardflow.strategy.presets import default_mesh
+
+USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, ValueError, FileNotFoundError)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=("gpt", "mlp"), default="gpt", help="built-in model to capture (default gpt)")
+    g.add_argument("--layers", type=int, default=2, help="transformer blocks (gpt) or linear layers (mlp)")
+    g.add_argument("--heads", type=int, default=4, help="attention heads (gpt)")
+    g.add_argument("--embd", type=int, default=64, help="embedding width C (gpt) or hidden width (mlp)")
+    g.add_argument("--vocab", type=int, default=65, help="vocabulary size V (gpt) or classes (mlp)")
+    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence T (gpt)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences (gpt) or rows (mlp) per step, B")
+
+
+def model_graph(args: argparse.Namespace) -> tuple[torch.nn.Module, ComputationGraph]:
+    """Build the chosen built-in model and capture it with example inputs of the run's shapes."""
+    torch.manual_seed(0)
+    if args.model == "gpt":
+        model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
+                              n_head=args.heads, n_embd=args.embd))
+        tokens = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
+        return model, capture(model, {"idx": tokens, "targets": tokens})
+    model = MLP(d_in=args.embd, hidden=4 * args.embd, d_out=args.vocab, n_layers=args.layers)
+    x = torch.zeros(args.batch_size, args.embd)
+    return model, capture(model, {"x": x, "y": torch.zeros(args.batch_size, dtype=torch.long)})
+
+
+def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str, plan_file: str | None) -> tuple[Plan, PCG]:
+    plan = Plan.load(plan_file) if plan_file else make_plan(graph, mesh, strategy)
+    return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh))
+
+
+def summary(pcg: PCG) -> str:
+    """One line: devices, tensors, and the parallel ops by kind."""
+    kinds = Counter(n.op.kind for n in pcg.parallel_nodes)
+    ops = ", ".join(f"{k} ×{v}" for k, v in sorted(kinds.items())) or "none"
+    return (f"mesh {pcg.mesh} ({pcg.mesh.size} devices); {len(pcg.nodes) - len(pcg.parallel_nodes)} compute ops; "
+            f"parallel ops: {ops}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(args.strategy, args.nproc)
+    _, graph = model_graph(args)
+    if args.graph:
+        print(graph.listing())
+        return 0
+    plan, pcg = plan_pcg(graph, mesh, args.strategy, args.plan)
+    print(f"# strategy {plan.name}: {summary(pcg)}")
+    print(pcg.listing())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardflow", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="print the parallel computation graph of a model under a strategy (no processes)")
+    add_model_args(p)
+    p.add_argument("--strategy", default="tp", help="single, dp, tp, sp, pp or a combination such as dp,tp (default tp)")
+    p.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
+                                  "with --nproc devices)")
+    p.add_argument("--nproc", type=int, default=2, help="devices when --mesh is not given (default 2)")
+    p.add_argument("--plan", help="a user plan (JSON or TOML: per-module placements) instead of --strategy")
+    p.add_argument("--graph", action="store_true", help="print the captured computation graph instead")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as e:
+        print(f"shardflow {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

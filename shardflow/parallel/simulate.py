@@ -1,0 +1,109 @@
+"""Run a PCG forward on every device of its mesh in one process — the numeric oracle for sharding rules.
+
+Compute nodes run their rule's :class:`LocalOp` on each device's pieces; parallel ops are carried out by
+assembling the full tensor and cutting it again for the output sharding, so only the *meaning* of each
+sharding is exercised, not any communication schedule (that is the executors' job). Partial pieces are made
+random (they add up — or average, or max — to the tensor), so a wrong linearity scale shows up as a wrong
+number rather than hiding behind zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from shardflow.parallel.pcg import PCG, PTensor
+
+Pieces = dict[int, torch.Tensor]  # device → piece
+
+
+def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) -> Pieces:
+    """Cut ``full`` into the pieces ``t``'s sharding gives each device of its sub-mesh.
+
+    Shape: ``full`` is ``t.type.shape``; each piece ``t.pshape.piece_shape``.
+    """
+    p = t.pshape
+    dmap = t.sharding.device_map(t.group)
+    blocks = {d: full[p.piece_slices(c)] for d, c in dmap.items()}
+    if p.sum_degree == 1:
+        return {d: b.clone() for d, b in blocks.items()}
+    gen = gen or torch.Generator().manual_seed(0)
+    noise: dict[tuple, torch.Tensor] = {}
+    out: Pieces = {}
+    for d, c in dmap.items():
+        key = (c.replica, c.shard)
+        if key not in noise:
+            r = torch.randn((p.sum_degree,) + blocks[d].shape, generator=gen, dtype=torch.float64)
+            noise[key] = r.to(full.dtype)
+        r = noise[key]
+        if p.reduce_op == "sum":
+            piece = blocks[d] / p.sum_degree + r[c.sum] - r.mean(0)
+        elif p.reduce_op == "avg":
+            piece = blocks[d] + r[c.sum] - r.mean(0)
+        else:  # max / min: one piece holds the value, the others are beyond it on the losing side
+            sign = -1 if p.reduce_op == "max" else 1
+            piece = blocks[d] + (0 if c.sum == 0 else sign * (r[c.sum].abs() + 1))
+        out[d] = piece
+    return out
+
+
+def gather(pieces: Mapping[int, torch.Tensor], t: PTensor) -> torch.Tensor:
+    """Assemble the full tensor from the pieces (replica 0 of each block; partial pieces reduced)."""
+    p = t.pshape
+    dmap = t.sharding.device_map(t.group)
+    first = next(iter(pieces.values()))
+    full = torch.zeros(p.shape, dtype=first.dtype)
+    by_block: dict[tuple, list[torch.Tensor]] = {}
+    for d, c in dmap.items():
+        if c.replica == 0:
+            by_block.setdefault(c.shard, []).append(pieces[d])
+    for shard, parts in by_block.items():
+        stacked = torch.stack(parts)
+        reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[p.reduce_op]
+        coord = next(c for c in dmap.values() if c.shard == shard)
+        full[p.piece_slices(coord)] = reduce(stacked, 0)
+    return full
+
+
+def _moved(pieces: Pieces, t: PTensor, group) -> Pieces:
+    """The same sharding on another sub-mesh (a pipeline stage boundary): each piece goes to the device of
+    ``group`` that holds the same coordinate."""
+    src = {c: d for d, c in t.sharding.device_map(t.group).items()}
+    return {d: pieces[src[c]] for d, c in t.sharding.device_map(group).items()}
+
+
+def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0) -> dict[str, Pieces]:
+    """Forward of ``pcg``: every tensor's pieces on every device, from full values of the leaf tensors.
+
+    ``leaves`` holds inputs and weights by graph name (constants come from the graph). Raises KeyError
+    naming a missing leaf.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    values: dict[str, Pieces] = {}
+    for name, t in pcg.tensors.items():
+        if t.role in ("input", "weight", "constant") and name in pcg.graph.tensors:
+            full = pcg.graph.constants[name] if t.role == "constant" else leaves.get(name)
+            if full is None:
+                raise KeyError(f"no value for {t.role} {name!r} of shape {list(t.type.shape)}")
+            values[name] = scatter(full, t, gen)
+    for node in pcg.nodes:
+        if node.is_parallel:
+            (src,) = node.inputs
+            full = gather(values[src], pcg.tensors[src])
+            values[node.outputs[0]] = scatter(full, pcg.tensors[node.outputs[0]], gen)
+            continue
+        ins = [values[i] if pcg.tensors[i].group == node.group else _moved(values[i], pcg.tensors[i], node.group)
+               for i in node.inputs]
+        per_device: dict[int, tuple[torch.Tensor, ...]] = {}
+        for d in node.group.devices():
+            per_device[d] = node.local.compute(*(x[d] for x in ins))
+        for k, o in enumerate(node.outputs):
+            values[o] = {d: outs[k] for d, outs in per_device.items()}
+    return values
+
+
+def simulate_outputs(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Full values of every tensor of the original graph, as the sharded run computes them."""
+    values = simulate(pcg, leaves, seed)
+    return {name: gather(values[name], pcg.tensors[name]) for name in pcg.graph.tensors if name in values}

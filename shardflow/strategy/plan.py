@@ -1,0 +1,259 @@
+"""User plans: per-module placements in DTensor spelling, resolved onto one computation graph.
+
+A :class:`Plan` says, for modules matched by path patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.c_fc"``;
+a pattern may also match a node name), how their parameters are placed, what layout activations entering and
+leaving them must have, and on which pipeline stage they run — the same vocabulary as torch's
+``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` (``input_layouts``/``output_layouts``).
+Placements are given per mesh axis, either as a sequence over the free axes (DTensor's spelling) or as a
+dict ``{axis: placement}``; a layout names only the axes it constrains.
+
+Example — Megatron MLP on axis ``tp``::
+
+    Plan(modules={
+        "mlp.c_fc":   ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
+        "mlp.c_proj": ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()}),
+    })
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from shardflow.graph.graph import ComputationGraph, Node
+from shardflow.parallel.mesh import Mesh, Placement, SubMesh, parse_placement
+from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp
+from shardflow.parallel.pcg import Annotations, Layout
+from shardflow.parallel.shape import ShardingError
+from shardflow.parallel.sharding import Sharding
+
+PlacementSpec = Sequence[Placement] | Mapping[str, Placement]
+
+
+class PlanError(ValueError):
+    """A plan does not fit the model or the mesh; the message names module, parameter, axis and the fix."""
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """How one module (or every module a pattern matches) is parallelised.
+
+    ``params``: parameter name (``"weight"``, ``"bias"``) → placements; ``input``/``output``: layout of every
+    activation entering/leaving the module; ``stage``: pipeline stage index along the plan's stage axis.
+    """
+
+    params: Mapping[str, PlacementSpec] = field(default_factory=dict)
+    input: PlacementSpec | None = None
+    output: PlacementSpec | None = None
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A whole strategy: module plans, data-input placements, explicit parallel ops and the stage axis.
+
+    ``ops`` maps a tensor name to parallel ops inserted right after it (explicit Replicate/Reduction...).
+    """
+
+    modules: Mapping[str, ModulePlan] = field(default_factory=dict)
+    inputs: Mapping[str, PlacementSpec] = field(default_factory=dict)
+    ops: Mapping[str, tuple[ParallelOp, ...]] = field(default_factory=dict)
+    stage_axis: str = "pp"
+    name: str = "user"
+
+    def merge(self, other: Plan) -> Plan:
+        """Both plans at once (they must constrain different axes of anything they share)."""
+        modules = dict(self.modules)
+        for pat, mp in other.modules.items():
+            modules[pat] = _merge_module(modules[pat], mp, pat) if pat in modules else mp
+        inputs = dict(self.inputs)
+        for name, spec in other.inputs.items():
+            inputs[name] = _merge_layout(inputs[name], spec, f"input {name}") if name in inputs else spec
+        ops = dict(self.ops) | dict(other.ops)
+        return Plan(modules, inputs, ops, self.stage_axis, "+".join(n for n in (self.name, other.name) if n))
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        """Read a plan from JSON/TOML data: placements as strings (``"Shard(0)"``, ``"R"``, ``"Partial('sum')"``),
+        parallel ops as ``{"op": "reduction", "degree": 2, "axis": "tp"}``. Raises PlanError."""
+        try:
+            modules = {
+                pat: ModulePlan(
+                    params={k: _spec(v) for k, v in m.get("params", {}).items()},
+                    input=_spec(m["input"]) if "input" in m else None,
+                    output=_spec(m["output"]) if "output" in m else None,
+                    stage=m.get("stage"),
+                )
+                for pat, m in data.get("modules", {}).items()
+            }
+            inputs = {k: _spec(v) for k, v in data.get("inputs", {}).items()}
+            ops = {t: tuple(PARALLEL_OPS[o.pop("op")](**o) for o in map(dict, lst)) for t, lst in data.get("ops", {}).items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"cannot read plan: {e}") from None
+        return cls(modules, inputs, ops, data.get("stage_axis", "pp"), data.get("name", "user"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix == ".toml":
+            import tomllib
+            return cls.from_json(tomllib.loads(text))
+        return cls.from_json(json.loads(text))
+
+
+def _spec(v: Any) -> PlacementSpec:
+    if isinstance(v, Mapping):
+        return {k: parse_placement(p) if isinstance(p, str) else p for k, p in v.items()}
+    return tuple(parse_placement(p) if isinstance(p, str) else p for p in v)
+
+
+def _merge_layout(a: PlacementSpec, b: PlacementSpec, what: str) -> PlacementSpec:
+    if not isinstance(a, Mapping) or not isinstance(b, Mapping):
+        raise PlanError(f"{what}: two plans both place it over every axis; name the axes (a dict) to combine plans")
+    clash = {k for k in set(a) & set(b) if a[k] != b[k]}
+    if clash:
+        raise PlanError(f"{what}: plans disagree on axes {sorted(clash)}")
+    return dict(a) | dict(b)
+
+
+def _merge_module(a: ModulePlan, b: ModulePlan, pat: str) -> ModulePlan:
+    params = dict(a.params)
+    for k, v in b.params.items():
+        params[k] = _merge_layout(params[k], v, f"{pat}.{k}") if k in params else v
+
+    def one(x, y, what):
+        return _merge_layout(x, y, f"{pat} {what}") if x is not None and y is not None else x if x is not None else y
+
+    if a.stage is not None and b.stage is not None and a.stage != b.stage:
+        raise PlanError(f"module {pat}: plans put it on stages {a.stage} and {b.stage}")
+    return ModulePlan(params, one(a.input, b.input, "input"), one(a.output, b.output, "output"),
+                      a.stage if a.stage is not None else b.stage)
+
+
+# --- resolution onto a graph ------------------------------------------------------------------------------
+def inside(node: Node, module: str) -> bool:
+    """Whether ``node`` belongs to module path ``module`` (the root module ``""`` holds everything)."""
+    return not module or node.scope == module or node.scope.startswith(module + ".")
+
+
+def module_paths(graph: ComputationGraph) -> list[str]:
+    """Every module path that owns a node (with all its ancestors), in first-use order."""
+    seen: dict[str, None] = {}
+    for n in graph.nodes:
+        parts = n.scope.split(".") if n.scope else []
+        for i in range(1, len(parts) + 1):
+            seen.setdefault(".".join(parts[:i]))
+    return list(seen)
+
+
+def _layout(spec: PlacementSpec, group: SubMesh, what: str) -> Layout:
+    if isinstance(spec, Mapping):
+        bad = set(spec) - set(group.free_axes)
+        if bad:
+            raise PlanError(f"{what}: mesh axes {sorted(bad)} are not free axes of {group} {list(group.free_axes)}")
+        return dict(spec)
+    spec = tuple(spec)
+    if len(spec) != len(group.free_axes):
+        raise PlanError(f"{what}: {len(spec)} placements for the {len(group.free_axes)} axes "
+                        f"{list(group.free_axes)} of {group}; give one per axis or a dict {{axis: placement}}")
+    return dict(zip(group.free_axes, spec))
+
+
+def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
+    """The plan's decisions on the tensors and nodes of ``graph``. Raises PlanError naming the module/tensor."""
+    modules = module_paths(graph)
+    matched = {pat: [m for m in modules if fnmatchcase(m, pat)] for pat in plan.modules}
+    for pat, ms in matched.items():
+        by_node = [n for n in graph.nodes if fnmatchcase(n.name, pat)]
+        if not ms and not by_node:
+            raise PlanError(f"plan pattern {pat!r} matches no module or node; modules are: {', '.join(modules[:12])}"
+                            f"{' ...' if len(modules) > 12 else ''}")
+
+    groups = _stage_groups(plan, graph, mesh, matched)
+    whole = SubMesh(mesh)
+    consumers = graph.consumers()
+    producer = graph.producer()
+
+    def group_of_tensor(t: str) -> SubMesh:
+        c = consumers[t]
+        return groups.get(c[0][0].name, whole) if c else whole
+
+    leaves: dict[str, Sharding] = {}
+    for name, spec in plan.inputs.items():
+        if name not in graph.tensors or graph.tensors[name].role != "input":
+            raise PlanError(f"plan places input {name!r}, but the graph's inputs are {list(graph.inputs)}")
+        leaves[name] = _sharding(spec, group_of_tensor(name), graph, name)
+    edges: dict[tuple[str, int], Layout] = {}
+    after: dict[str, Layout] = {}
+    why: dict[object, str] = {}
+    for pat, mp in plan.modules.items():
+        for m in matched[pat]:
+            for p, spec in mp.params.items():
+                w = f"{m}.{p}"
+                if w not in graph.tensors or graph.tensors[w].role != "weight":
+                    owned = [t for t in graph.weights if t.rsplit(".", 1)[0] == m]
+                    raise PlanError(f"plan for module {m!r} places parameter {p!r}, which it does not have "
+                                    f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})")
+                leaves[w] = _sharding(spec, group_of_tensor(w), graph, w)
+            members = [n for n in graph.nodes if inside(n, m)]
+            member_names = {n.name for n in members}
+            if mp.input is not None:
+                for n in members:
+                    for i, t in enumerate(n.inputs):
+                        src = producer.get(t)
+                        role = graph.tensors[t].role
+                        if (src is None and role == "input") or (src is not None and src.name not in member_names):
+                            edges[(n.name, i)] = _layout(mp.input, groups.get(n.name, whole), f"input layout of {m}")
+                            why[(n.name, i)] = f"input layout of {m}"
+            if mp.output is not None:
+                for n in members:
+                    for t in n.outputs:
+                        if t in graph.outputs or any(c.name not in member_names for c, _ in consumers[t]):
+                            after[t] = _layout(mp.output, groups.get(n.name, whole), f"output layout of {m}")
+                            why[t] = f"output layout of {m}"
+    for t in plan.ops:
+        if t not in graph.tensors:
+            raise PlanError(f"plan inserts parallel ops after {t!r}, which is not a tensor of the graph")
+    return Annotations(leaves, groups, edges, after, dict(plan.ops), why)
+
+
+def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name: str) -> Sharding:
+    layout = _layout(spec, group, f"placement of {name}")
+    shape = graph.tensors[name].shape
+    try:
+        s = Sharding.replicated(len(shape)).with_layout(layout, group)
+        s.check(group, shape, "plan", name)
+    except ShardingError as e:
+        raise PlanError(str(e)) from None
+    return s
+
+
+def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapping[str, list[str]]) -> dict[str, SubMesh]:
+    """Node → sub-mesh with the stage axis fixed. A node no staged module holds takes its predecessor's stage."""
+    staged = {pat: mp.stage for pat, mp in plan.modules.items() if mp.stage is not None}
+    if not staged:
+        if plan.stage_axis in mesh.axis_names and mesh.axis_size(plan.stage_axis) > 1:
+            raise PlanError(f"mesh {mesh} has a pipeline axis {plan.stage_axis!r} but the plan puts no module on a stage")
+        return {}
+    if plan.stage_axis not in mesh.axis_names:
+        raise PlanError(f"the plan has pipeline stages but mesh {mesh} has no axis {plan.stage_axis!r}")
+    n_stages = mesh.axis_size(plan.stage_axis)
+    for pat, s in staged.items():
+        if not 0 <= s < n_stages:
+            raise PlanError(f"module {pat!r} is put on stage {s}, but axis {plan.stage_axis!r} has {n_stages} stages")
+    whole = SubMesh(mesh)
+    groups, stage = {}, 0
+    for n in graph.nodes:
+        # The most specific pattern (longest matched module path, or a node-name match) decides.
+        best = -1
+        for pat, s in staged.items():
+            depth = 10**6 if fnmatchcase(n.name, pat) else max(
+                (len(m) for m in matched[pat] if inside(n, m)), default=-1)
+            if depth > best:
+                best, stage = depth, s
+        groups[n.name] = whole.with_fixed(plan.stage_axis, stage)
+    return groups

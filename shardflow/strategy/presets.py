@@ -1,0 +1,206 @@
+"""Preset strategies — data, tensor (Megatron), sequence and pipeline parallelism — and their combinations.
+
+Each preset reads the *structure* of the captured graph, never module names, so any model with the same
+structure gets the same plan:
+
+* **dp** (axis ``dp``): every data input is ``Shard(0)`` (batch); weights are replicated, so their gradients
+  come out ``Partial`` and are reduced before the update.
+* **tp** (axis ``tp``, Megatron-LM, Shoeybi et al. 2019): a group of linears reading the same input is made
+  column-parallel (weight ``Shard(0)``, bias ``Shard(0)``) when everything downstream of it, up to the next
+  linears, can run on the sharded features or heads; those next linears are made row-parallel (weight
+  ``Shard(1)``) and their output is reduced to ``Replicate``. In a GPT block this finds q/k/v → attention →
+  output projection, and c_fc → GELU → c_proj.
+* **sp** (axis ``tp``, Korthikanti et al. 2022): tp, plus the residual stream between the repeated blocks
+  sharded on the sequence dim (dim 1): norms, dropout and residual adds run on ``Shard(1)``; a column group's
+  input is all-gathered (Combine) and a row-parallel output reduce-scattered (Reduction + Repartition).
+* **pp** (axis ``pp``): the repeated blocks (children of the model's first ``ModuleList``) are cut into
+  contiguous ranges, one per stage; what comes before the blocks runs on stage 0, what follows on the last.
+
+Strategies combine on a multi-axis mesh: ``dp,tp`` on ``dp=2,tp=2``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from shardflow.graph import ops as O
+from shardflow.graph.graph import ComputationGraph, Node
+from shardflow.parallel.mesh import Mesh, Replicate, Shard
+from shardflow.parallel.pcg import build_pcg
+from shardflow.parallel.rules import RuleError
+from shardflow.parallel.shape import DegreeError
+from shardflow.strategy.plan import ModulePlan, Plan, PlanError, resolve
+
+STRATEGIES = ("single", "dp", "tp", "sp", "pp")
+AXIS_OF = {"dp": "dp", "tp": "tp", "sp": "tp", "pp": "pp"}
+
+
+def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
+    """Shard every data input on its first (batch) dim along ``axis``."""
+    return Plan(inputs={name: {axis: Shard(0)} for name in graph.inputs}, name="dp")
+
+
+def repeated_blocks(graph: ComputationGraph) -> list[str]:
+    """Module paths of the repeated blocks: the children ``<list>.<i>`` of the first ModuleList, in order."""
+    blocks: dict[str, None] = {}
+    lists: list[str] = []
+    for n in graph.nodes:
+        m = re.match(r"^(.*?)(?:^|\.)(\d+)(?:\.|$)", n.scope)
+        if m:
+            prefix = n.scope[: m.end(2)]
+            parent = prefix[: -len(m.group(2)) - 1] if "." in prefix else ""
+            if not lists:
+                lists.append(parent)
+            if parent == lists[0]:
+                blocks.setdefault(prefix)
+    return list(blocks)
+
+
+def _linears(graph: ComputationGraph) -> list[Node]:
+    weights = set(graph.weights)
+    return [n for n in graph.nodes if isinstance(n.op, O.Linear) and n.inputs[1] in weights and n.scope]
+
+
+def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> list[tuple[list[Node], list[Node]]]:
+    """(column-parallel linears, row-parallel linears) pairs found by trying each group and propagating.
+
+    A group = the linears reading one input. Its region = every node reachable from the group's outputs
+    without passing through a linear's input; the region's frontier linears become row-parallel. The group is
+    kept if the region reads nothing from outside but weights and constants, and the sharding rules accept it
+    on a ``degree``-way axis. Raises DegreeError when the structure fits but a size does not divide
+    (e.g. heads not divisible by tp), naming the module, dim, size and degree.
+    """
+    consumers = graph.consumers()
+    linears = _linears(graph)
+    is_linear_x = {(n.name, 0) for n in linears}
+    leaves = {n for n, t in graph.tensors.items() if t.role in ("weight", "constant")}
+    groups: dict[str, list[Node]] = {}
+    for n in linears:
+        groups.setdefault(n.inputs[0], []).append(n)
+    trial_mesh = Mesh((axis,), (degree,))
+    accepted: list[tuple[list[Node], list[Node]]] = []
+    used: set[str] = set()
+    for x, cols in groups.items():
+        if any(c.name in used for c in cols):
+            continue
+        region: dict[str, Node] = {}
+        rows: dict[str, Node] = {}
+        frontier = [o for c in cols for o in c.outputs]
+        ok = True
+        while frontier and ok:
+            t = frontier.pop()
+            if t in graph.outputs or not consumers[t]:
+                ok = False
+            for node, i in consumers[t]:
+                if (node.name, i) in is_linear_x:
+                    rows[node.name] = node
+                elif node.name not in region:
+                    region[node.name] = node
+                    frontier.extend(node.outputs)
+        inside = {o for n in list(region.values()) + cols for o in n.outputs}
+        if not ok or not rows or len(region) > 64 or any(
+                t not in inside and t not in leaves for n in region.values() for t in n.inputs):
+            continue
+        plan = _megatron_plan(accepted + [(cols, list(rows.values()))], axis, sequence=False)
+        try:
+            build_pcg(graph, trial_mesh, resolve(plan, graph, trial_mesh))
+        except DegreeError:
+            raise
+        except (RuleError, PlanError):
+            continue
+        accepted.append((cols, list(rows.values())))
+        used.update(c.name for c in cols)
+        used.update(rows)
+    return accepted
+
+
+def _megatron_plan(regions, axis: str, sequence: bool) -> Plan:
+    modules: dict[str, ModulePlan] = {}
+    for cols, rows in regions:
+        for c in cols:
+            params = {"weight": {axis: Shard(0)}} | ({"bias": {axis: Shard(0)}} if c.op.bias else {})
+            modules[c.scope] = ModulePlan(params=params, input={axis: Replicate()})
+        for r in rows:
+            modules[r.scope] = ModulePlan(params={"weight": {axis: Shard(1)}},
+                                          output={axis: Shard(1) if sequence else Replicate()})
+    return Plan(modules, name="sp" if sequence else "tp")
+
+
+def tensor_parallel(graph: ComputationGraph, degree: int, axis: str = "tp", sequence: bool = False) -> Plan:
+    """Megatron tensor parallelism on ``axis`` (optionally with sequence parallelism). Raises PlanError when the
+    model has no column/row pair, DegreeError when a size does not divide ``degree``."""
+    regions = megatron_regions(graph, degree, axis)
+    if not regions:
+        raise PlanError("tensor parallelism found no column-parallel/row-parallel pair of linears in the model "
+                        "(a linear whose output reaches another linear through shardable ops only)")
+    plan = _megatron_plan(regions, axis, sequence)
+    if not sequence:
+        return plan
+    blocks = repeated_blocks(graph)
+    if not blocks:
+        raise PlanError("sequence parallelism shards the residual stream between repeated blocks, "
+                        "but the model has no ModuleList of blocks")
+    modules = dict(plan.modules)
+    for b in blocks:
+        modules[b] = ModulePlan(input={axis: Shard(1)})
+    modules[blocks[-1]] = ModulePlan(input={axis: Shard(1)}, output={axis: Replicate()})
+    return Plan(modules, name="sp")
+
+
+def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp") -> Plan:
+    """Cut the repeated blocks into ``stages`` contiguous ranges of (nearly) equal length on ``axis``."""
+    blocks = repeated_blocks(graph)
+    if len(blocks) < stages:
+        raise PlanError(f"a pipeline of {stages} stages needs at least {stages} repeated blocks; the model has "
+                        f"{len(blocks)} ({', '.join(blocks) or 'none'}). Use fewer stages or more layers")
+    modules = {b: ModulePlan(stage=i * stages // len(blocks)) for i, b in enumerate(blocks)}
+    return Plan(modules, stage_axis=axis, name="pp")
+
+
+def parse_strategy(text: str) -> list[str]:
+    """``"dp,tp"`` / ``"dp+tp"`` → ["dp", "tp"]. Raises PlanError for unknown names."""
+    names = [s.strip() for s in re.split(r"[,+x×]", text) if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise PlanError(f"unknown strategy {text!r}; use {', '.join(STRATEGIES)} or a combination such as 'dp,tp'")
+    if "tp" in names and "sp" in names:
+        raise PlanError("sp already includes tp: use 'sp' (or 'dp,sp')")
+    return [n for n in names if n != "single"]
+
+
+def default_mesh(strategy: str, nproc: int) -> Mesh:
+    """The mesh a one-strategy run uses when no ``--mesh`` is given: its axis with all ``nproc`` devices."""
+    names = parse_strategy(strategy)
+    if not names:
+        return Mesh(("d",), (1,)) if nproc == 1 else Mesh(("dp",), (nproc,))
+    if len(names) > 1:
+        raise PlanError(f"strategy {strategy!r} combines several axes: give the mesh, e.g. --mesh dp=2,tp=2")
+    return Mesh((AXIS_OF[names[0]],), (nproc,))
+
+
+def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str) -> Plan:
+    """The combined plan of the named strategies on ``mesh`` (each uses the axis of its name; sp uses tp).
+
+    Raises PlanError if a strategy's axis is missing from the mesh or a mesh axis is used by no strategy.
+    """
+    names = parse_strategy(strategy)
+    axes = {AXIS_OF[n] for n in names}
+    for n in names:
+        if AXIS_OF[n] not in mesh.axis_names:
+            raise PlanError(f"strategy {n!r} runs on mesh axis {AXIS_OF[n]!r}, which mesh {mesh} lacks; "
+                            f"e.g. --mesh {AXIS_OF[n]}=2")
+    unused = [a for a, s in zip(mesh.axis_names, mesh.shape) if a not in axes and s > 1]
+    if unused:
+        raise PlanError(f"mesh axes {unused} of {mesh} are used by no strategy in {strategy!r}; "
+                        f"add one (axis names: dp, tp (also sp), pp) or drop the axis")
+    plan = Plan(name="single")
+    for n in names:
+        size = mesh.axis_size(AXIS_OF[n])
+        part = {
+            "dp": lambda: data_parallel(graph),
+            "tp": lambda: tensor_parallel(graph, size),
+            "sp": lambda: tensor_parallel(graph, size, sequence=True),
+            "pp": lambda: pipeline(graph, size),
+        }[n]()
+        plan = part if plan.name == "single" else plan.merge(part)
+    return plan

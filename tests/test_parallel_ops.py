@@ -1,0 +1,274 @@
+"""The four parallel operators: degree rules, axis rules, duality and redistribution (design §3)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardflow.parallel import ops as P
+from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
+from shardflow.parallel.ops import Combine, Reduction, Repartition, redistribute
+from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardingError
+from shardflow.parallel.sharding import Sharding
+
+FAST = settings(max_examples=100, deadline=None)
+
+
+def pts(shape, shard, sum_degree=1, replica=1, reduce_op="sum"):
+    return ParallelTensorShape(tuple(shape), tuple(shard), sum_degree, replica, reduce_op)
+
+
+# --- degree rules (apply_shape) ---------------------------------------------------------------------------
+def test_repartition_degree_rule():
+    out = Repartition(1, 2, "tp").apply_shape(pts((8, 12), (2, 3), 2, 4))
+    assert out == pts((8, 12), (2, 6), 2, 2)
+
+
+def test_combine_degree_rule():
+    out = Combine(1, 3, "tp").apply_shape(pts((8, 12), (2, 6), 2, 1))
+    assert out == pts((8, 12), (2, 2), 2, 3)
+
+
+def test_replicate_degree_rule():
+    out = P.Replicate(4, "pp").apply_shape(pts((8, 12), (2, 1), 2, 3, "avg"))
+    assert out == pts((8, 12), (2, 1), 2, 12, "avg")
+
+
+def test_reduction_degree_rule():
+    out = Reduction(2, "tp").apply_shape(pts((8,), (2,), 4, 1, "avg"))
+    assert out == pts((8,), (2,), 2, 2, "avg")
+    # the last partial axis reduced: nothing partial remains, the reduce op goes back to sum
+    out = Reduction(2, "dp").apply_shape(pts((8,), (2,), 2, 2, "max"))
+    assert out == pts((8,), (2,), 1, 4, "sum")
+
+
+def test_repartition_indivisible_is_degree_error():
+    with pytest.raises(DegreeError) as ei:
+        Repartition(0, 4, "tp").apply_shape(pts((6,), (1,), 1, 4))
+    assert (ei.value.dim, ei.value.size, ei.value.degree) == (0, 6, 4)
+    assert "Repartition" in str(ei.value)
+
+
+def test_repartition_needs_replicas():
+    with pytest.raises(ShardingError, match="replica degree divisible by 2") as ei:
+        Repartition(0, 2, "tp").apply_shape(pts((8,), (2,), 1, 1))
+    assert not isinstance(ei.value, DegreeError)
+    with pytest.raises(ShardingError, match="replica degree divisible by 2"):
+        Repartition(0, 2, "tp").apply_shape(pts((8,), (1,), 1, 3))
+
+
+@pytest.mark.parametrize("pop", [Repartition(2, 2, "tp"), Combine(2, 2, "tp"), Repartition(-1, 2, "tp")])
+def test_dim_out_of_range(pop):
+    with pytest.raises(ShardingError, match="out of range") as ei:
+        pop.apply_shape(pts((4, 4), (2, 2), 1, 2))
+    assert not isinstance(ei.value, DegreeError)
+
+
+def test_combine_of_unsharded_dim():
+    with pytest.raises(ShardingError, match="shard degree 1, not a multiple of 2"):
+        Combine(0, 2, "tp").apply_shape(pts((8, 8), (1, 2)))
+    with pytest.raises(ShardingError, match="shard degree 2, not a multiple of 4"):
+        Combine(1, 4, "tp").apply_shape(pts((8, 8), (1, 2)))
+
+
+def test_reduction_without_sum_degree():
+    with pytest.raises(ShardingError, match="sum degree 1 is not a multiple of 2"):
+        Reduction(2, "tp").apply_shape(pts((8,), (1,), 1, 2))
+
+
+# --- axis rules (apply) -----------------------------------------------------------------------------------
+MESH = Mesh.parse("dp=2,tp=2")
+G = SubMesh(MESH)
+
+
+def test_axis_rules_exact():
+    s = Sharding.from_placements((Replicate(), Shard(0)), G, 2)
+    assert Repartition(1, 2, "dp").apply(s, G) == (Sharding((("tp",), ("dp",))), G)
+    assert Repartition(0, 2, "dp").apply(s, G) == (Sharding((("tp", "dp"), ())), G)
+    assert Combine(0, 2, "tp").apply(s, G) == (Sharding.replicated(2), G)
+    sp = Sharding.from_placements((Partial("avg"), Partial("avg")), G, 1)
+    assert Reduction(2, "tp").apply(sp, G) == (Sharding(((),), ("dp",), "avg"), G)
+    assert Reduction(2, "dp").apply(Sharding(((),), ("dp",), "avg"), G) == (Sharding(((),)), G)
+
+
+def test_axis_rule_errors():
+    s = Sharding.from_placements((Shard(0), Replicate()), G, 2)
+    with pytest.raises(ShardingError, match="must hold replicas"):
+        Repartition(1, 2, "dp").apply(s, G)
+    with pytest.raises(ShardingError, match="has 2 devices, not 4"):
+        Repartition(1, 4, "tp").apply(s, G)
+    with pytest.raises(ShardingError, match="minor axis sharding dim 1"):
+        Combine(1, 2, "dp").apply(s, G)
+    two = Sharding((("dp", "tp"), ()))
+    with pytest.raises(ShardingError, match="minor axis"):
+        Combine(0, 2, "dp").apply(two, G)  # only the minor axis can be combined
+    assert Combine(0, 2, "tp").apply(two, G)[0] == Sharding((("dp",), ()))
+    with pytest.raises(ShardingError, match="no partial pieces along axis 'tp'"):
+        Reduction(2, "tp").apply(s, G)
+    with pytest.raises(ShardingError, match="out of range"):
+        Repartition(2, 2, "tp").apply(s, G)
+
+
+def test_partial_on_size_one_axis_is_not_partial_in_degrees():
+    """Axis rule and degree rule agree when the last partial axis of size > 1 is reduced."""
+    mesh = Mesh(("a", "b"), (1, 2))
+    g = SubMesh(mesh)
+    s = Sharding(((),), ("a", "b"), "max")
+    assert s.parallel_shape(g, (4,)).reduce_op == "max"
+    out, _ = Reduction(2, "b").apply(s, g)
+    assert out == Sharding(((),), ("a",), "max")
+    assert out.parallel_shape(g, (4,)) == Reduction(2, "b").apply_shape(s.parallel_shape(g, (4,)))
+    assert out.parallel_shape(g, (4,)).reduce_op == "sum"
+
+
+@st.composite
+def op_cases(draw):
+    """A random sharding on a random (sub-)mesh and a parallel op whose axis rule accepts it."""
+    n_axes = draw(st.integers(1, 3))
+    names = ("pp", "dp", "tp")[:n_axes]
+    sizes = tuple(draw(st.integers(1, 4)) for _ in names)
+    mesh = Mesh(names, sizes)
+    fixed = tuple((a, draw(st.integers(0, s - 1))) for a, s in zip(names, sizes) if draw(st.booleans()))
+    group = SubMesh(mesh, fixed)
+    ndim = draw(st.integers(1, 3))
+    op = draw(st.sampled_from(["sum", "avg", "max"]))
+    choices = [Shard(d) for d in range(ndim)] + [Replicate(), Partial(op)]
+    pl = [draw(st.sampled_from(choices)) for _ in group.free_axes]
+    s = Sharding.from_placements(pl, group, ndim)
+    # every dim a multiple of the whole mesh size: any sharding on these axes divides it
+    shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
+    cands = []
+    for a in group.free_axes:
+        k = mesh.axis_size(a)
+        if a not in s.used_axes:
+            cands += [Repartition(d, k, a) for d in range(ndim)]
+        if a in s.partial:
+            cands.append(Reduction(k, a))
+    for d, axes in enumerate(s.dims):
+        if axes:
+            cands.append(Combine(d, mesh.axis_size(axes[-1]), axes[-1]))
+    cands += [P.Replicate(mesh.axis_size(a), a) for a, _ in group.fixed]
+    # never empty: a free axis is unused (Repartition), partial (Reduction) or sharding (Combine), else fixed
+    return mesh, group, s, shape, draw(st.sampled_from(cands))
+
+
+@FAST
+@given(op_cases())
+def test_axis_rule_matches_degree_rule(case):
+    mesh, group, s, shape, pop = case
+    out, out_group = pop.apply(s, group)
+    out.check(out_group, shape)
+    assert out.parallel_shape(out_group, shape) == pop.apply_shape(s.parallel_shape(group, shape))
+
+
+# --- duality ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("placements", [(Replicate(), Replicate()), (Shard(0), Replicate()), (Partial(), Replicate()),
+                                        (Shard(1), Replicate())])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_repartition_then_combine_is_identity(placements, dim):
+    s = Sharding.from_placements(placements, G, 2)
+    r, g = Repartition(dim, 2, "tp").apply(s, G)
+    assert r != s
+    back, g2 = Combine(dim, 2, "tp").apply(r, g)
+    assert (back, g2) == (s, G)
+    p = s.parallel_shape(G, (4, 4))
+    assert Combine(dim, 2, "tp").apply_shape(Repartition(dim, 2, "tp").apply_shape(p)) == p
+
+
+def test_replicate_grows_the_group():
+    mesh = Mesh.parse("pp=2,dp=2")
+    stage = SubMesh(mesh, (("pp", 1),))
+    s = Sharding.from_placements((Shard(0),), stage, 2)
+    out, g = P.Replicate(2, "pp").apply(s, stage)
+    assert out == s and g == SubMesh(mesh)
+    assert out.placements(g) == (Replicate(), Shard(0))
+    assert s.parallel_shape(stage, (4, 4)).replica_degree == 1
+    assert out.parallel_shape(g, (4, 4)).replica_degree == 2
+    with pytest.raises(ShardingError, match="already spans axis 'pp'"):
+        P.Replicate(2, "pp").apply(out, g)
+    with pytest.raises(ShardingError, match="has 2 devices, not 4"):
+        P.Replicate(4, "pp").apply(s, stage)
+
+
+def test_parallel_op_table():
+    assert set(P.PARALLEL_OPS) == {"repartition", "combine", "replicate", "reduction"}
+    movement = {k: (c.forward_movement, c.backward_movement) for k, c in P.PARALLEL_OPS.items()}
+    assert movement == {"repartition": ("split", "gather"), "combine": ("gather", "split"),
+                        "replicate": ("broadcast", "sum"), "reduction": ("sum", "broadcast")}
+
+
+# --- redistribute -----------------------------------------------------------------------------------------
+T = SubMesh(Mesh.parse("tp=4"))
+
+
+def _s(*placements, g=T, ndim=2):
+    return Sharding.from_placements(placements, g, ndim)
+
+
+@pytest.mark.parametrize("src,dst,want", [
+    ((Partial(),), (Replicate(),), [Reduction(4, "tp")]),
+    ((Partial(),), (Shard(1),), [Reduction(4, "tp"), Repartition(1, 4, "tp")]),
+    ((Shard(0),), (Replicate(),), [Combine(0, 4, "tp")]),
+    ((Replicate(),), (Shard(1),), [Repartition(1, 4, "tp")]),
+    ((Shard(0),), (Shard(1),), [Combine(0, 4, "tp"), Repartition(1, 4, "tp")]),
+    ((Shard(0),), (Shard(0),), []),
+    ((Partial("avg"),), (Partial("avg"),), []),
+])
+def test_redistribute_table(src, dst, want):
+    assert redistribute(_s(*src), _s(*dst), T) == want
+
+
+def test_redistribute_two_axes():
+    g = SubMesh(Mesh.parse("dp=2,tp=3"))
+    src = _s(Shard(0), Shard(0), g=g)  # dim 0 on dp (major) then tp
+    assert redistribute(src, _s(Shard(0), Replicate(), g=g), g) == [Combine(0, 3, "tp")]
+    # removing the major axis needs the minor one combined first
+    assert redistribute(src, _s(Replicate(), Shard(0), g=g), g) == [
+        Combine(0, 3, "tp"), Combine(0, 2, "dp"), Repartition(0, 3, "tp")]
+    assert redistribute(_s(Partial(), Shard(1), g=g), _s(Shard(1), Shard(0), g=g), g) == [
+        Reduction(2, "dp"), Combine(1, 3, "tp"), Repartition(0, 3, "tp"), Repartition(1, 2, "dp")]
+
+
+def test_redistribute_errors():
+    with pytest.raises(ShardingError, match="partial pieces are made by ops"):
+        redistribute(_s(Replicate()), _s(Partial()), T)
+    with pytest.raises(ShardingError, match="different number of dims"):
+        redistribute(_s(Replicate()), _s(Replicate(), ndim=3), T)
+    g = SubMesh(Mesh.parse("dp=2,tp=2"))
+    with pytest.raises(ShardingError, match="different partial reduce ops"):
+        redistribute(Sharding(((),), ("dp", "tp"), "sum"), Sharding(((),), ("dp",), "avg"), g)
+
+
+@st.composite
+def redistribute_cases(draw):
+    names = ("dp", "tp")[:draw(st.integers(1, 2))]
+    mesh = Mesh(names, tuple(draw(st.integers(1, 4)) for _ in names))
+    g = SubMesh(mesh)
+    ndim = draw(st.integers(1, 3))
+    op = draw(st.sampled_from(["sum", "avg"]))
+    src_pl = [draw(st.sampled_from([Shard(d) for d in range(ndim)] + [Replicate(), Partial(op)])) for _ in names]
+    dst_pl = [draw(st.sampled_from([Shard(d) for d in range(ndim)] + [Replicate()] +
+                                   ([Partial(op)] if p == Partial(op) else []))) for p in src_pl]
+    shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
+    return g, Sharding.from_placements(src_pl, g, ndim), Sharding.from_placements(dst_pl, g, ndim), shape
+
+
+@FAST
+@given(redistribute_cases())
+def test_redistribute_reaches_target(case):
+    g, src, dst, shape = case
+    pops = redistribute(src, dst, g)
+    cur, cur_g, p = src, g, src.parallel_shape(g, shape)
+    for pop in pops:
+        cur, cur_g = pop.apply(cur, cur_g)
+        p = pop.apply_shape(p)
+        assert cur.parallel_shape(cur_g, shape) == p
+    assert (cur, cur_g) == (dst, g)
+    assert p == dst.parallel_shape(g, shape)
+    # each axis is moved at most twice (taken off, put on) and nothing is done when src == dst
+    assert len(pops) <= 2 * len(g.free_axes)
+    if src == dst:
+        assert pops == []
