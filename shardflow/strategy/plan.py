@@ -27,7 +27,7 @@ from shardflow.graph.graph import ComputationGraph, Node
 from shardflow.parallel.mesh import Mesh, Placement, SubMesh, parse_placement
 from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp
 from shardflow.parallel.pcg import Annotations, Layout
-from shardflow.parallel.shape import ShardingError
+from shardflow.parallel.shape import DegreeError, ShardingError
 from shardflow.parallel.sharding import Sharding
 
 PlacementSpec = Sequence[Placement] | Mapping[str, Placement]
@@ -226,7 +226,9 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
     shape = graph.tensors[name].shape
     try:
         s = Sharding.replicated(len(shape)).with_layout(layout, group)
-        s.check(group, shape, "plan", name)
+        s.check(group, shape, "strategy plan", name)
+    except DegreeError:
+        raise
     except ShardingError as e:
         raise PlanError(str(e)) from None
     return s

@@ -1,0 +1,50 @@
+"""`shardflow plan`: prints the PCG without starting processes; user errors exit 2 with one paragraph."""
+
+import subprocess
+import sys
+
+import pytest
+
+from shardflow.cli import main
+
+
+def run(capsys, *argv):
+    code = main(["plan", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_tp_pcg(capsys):
+    code, out, err = run(capsys, "--strategy", "tp", "--nproc", "2")
+    assert code == 0 and not err
+    assert out.splitlines()[0] == ("# strategy tp: mesh tp=2 (2 devices); 31 compute ops; parallel ops: reduction ×2")
+    assert "weight   transformer.h.0.mlp.c_fc.weight: float32[128/2, 32] (S(0))" in out
+    assert sum(line.startswith("* ") for line in out.splitlines()) == 2
+
+
+def test_plan_on_a_2d_mesh_and_the_graph_listing(capsys):
+    code, out, _ = run(capsys, "--strategy", "dp,tp", "--mesh", "dp=2,tp=2")
+    assert code == 0 and "input    idx: int64[4/2, 8] rep=2 (S(0),R)" in out
+    code, out, _ = run(capsys, "--graph")
+    assert code == 0 and out.startswith("input    idx: int64[4, 8]") and "attention(causal=True" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--strategy", "tp", "--nproc", "3"], ["degree 3", "does not divide"]),
+    (["--strategy", "tp", "--mesh", "dp=2"], ["mesh axis 'tp'", "--mesh tp=2"]),
+    (["--mesh", "dp2"], ["cannot read mesh", "dp=2,tp=2"]),
+    (["--plan", "/nonexistent/plan.toml"], ["No such file"]),
+])
+def test_user_errors_exit_2_with_one_paragraph(capsys, argv, words):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and not out
+    assert err.startswith("shardflow plan: error: ") and "Traceback" not in err and err.count("\n") == 1
+    for w in words:
+        assert w in err
+
+
+def test_console_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "shardflow.cli", "plan", "--model", "mlp", "--strategy", "pp",
+                        "--mesh", "pp=2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "@mesh[pp=1]" in r.stdout and "@mesh[pp=0]" in r.stdout
