@@ -22,7 +22,7 @@ Repartition↔Combine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from shardflow.parallel.mesh import SubMesh
@@ -80,8 +80,7 @@ class Repartition(ParallelOp):
         shard[d] *= self.degree
         if p.shape[d] % shard[d]:
             raise DegreeError(d, p.shape[d], shard[d], self.describe())
-        return ParallelTensorShape(p.shape, tuple(shard), p.sum_degree, p.replica_degree // self.degree, p.reduce_op,
-                                   p.dtype)
+        return replace(p, shard=tuple(shard), replica_degree=p.replica_degree // self.degree)
 
     def apply(self, s, group):
         _dim(self.dim, s.ndim, self.describe())
@@ -111,8 +110,7 @@ class Combine(ParallelOp):
             raise ShardingError(f"{self.describe()}: dim {d} has shard degree {p.shard[d]}, not a multiple of {self.degree}")
         shard = list(p.shard)
         shard[d] //= self.degree
-        return ParallelTensorShape(p.shape, tuple(shard), p.sum_degree, p.replica_degree * self.degree, p.reduce_op,
-                                   p.dtype)
+        return replace(p, shard=tuple(shard), replica_degree=p.replica_degree * self.degree)
 
     def apply(self, s, group):
         _dim(self.dim, s.ndim, self.describe())
@@ -138,7 +136,7 @@ class Replicate(ParallelOp):
     axis: str = ""
 
     def apply_shape(self, p):
-        return ParallelTensorShape(p.shape, p.shard, p.sum_degree, p.replica_degree * self.degree, p.reduce_op, p.dtype)
+        return replace(p, replica_degree=p.replica_degree * self.degree)
 
     def apply(self, s, group):
         self._check_degree(group)
@@ -167,8 +165,8 @@ class Reduction(ParallelOp):
         if p.sum_degree % self.degree:
             raise ShardingError(f"{self.describe()}: sum degree {p.sum_degree} is not a multiple of {self.degree}")
         sum_degree = p.sum_degree // self.degree
-        return ParallelTensorShape(p.shape, p.shard, sum_degree, p.replica_degree * self.degree,
-                                   p.reduce_op if sum_degree > 1 else "sum", p.dtype)
+        return replace(p, sum_degree=sum_degree, replica_degree=p.replica_degree * self.degree,
+                       reduce_op=p.reduce_op if sum_degree > 1 else "sum")
 
     def apply(self, s, group):
         self._check_degree(group)
