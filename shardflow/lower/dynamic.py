@@ -1,0 +1,293 @@
+"""The dynamic graph of one training step, built from a PCG by pure passes (FlexFlow PR #1637, #1640).
+
+Values are forward tensors (``fwd:t``), gradients (``grad:t``, and per-consumer contributions
+``grad:t@node``) and optimizer state (``opt:slot:w``), each with a sharding and a sub-mesh. Nodes are
+FWD / BWD / LOSS / UPD invocations of compute ops, parallel ops, copies, gradient sums and updates.
+
+Passes, each a function ``DynamicGraph -> DynamicGraph`` that checks before that it has not run and after
+that its work is done:
+
+1. :func:`pass_expansion` — a FWD node per PCG node; a LOSS node seeding the loss gradient; a BWD node per
+   PCG node that has gradients to pass; gradient sums where a tensor has several consumers; and an UPD node
+   per weight with its optimizer-state slots.
+2. :func:`copy_insertion` — a COPY wherever a node reads a value held by another sub-mesh (a pipeline stage
+   boundary), in the pass of the value's role. Identical copies collapse; nothing goes in front of a
+   Replicate, which moves its data itself.
+
+Gradient placements follow from the forward ones (no per-op backward rule): for an input on an axis where it
+is ``Shard(d)`` the gradient is ``Shard(d)``; where it is ``Partial`` the gradient is ``Replicate``; where it is
+``Replicate`` the gradient is ``Partial(sum)`` if any input or output of the op is sharded or partial on that
+axis (each device holds only its contribution), else ``Replicate``. An operand that the rule scaled by
+1/(sum degree) for partial-sum linearity (a bias added to a partial sum) gets a ``Replicate`` gradient with the
+scale undone. Before a gradient is used it is brought to its tensor's canonical gradient sharding (partial
+axes of the forward become replicated): ``Partial → Replicate`` is an all-reduce — e.g. data parallelism's
+gradient synchronisation, or Megatron's all-reduce of the input gradient of a column-parallel linear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from shardflow.graph.ops import TensorType
+from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.ops import ParallelOp, Replicate, redistribute
+from shardflow.parallel.pcg import PCG, PNode
+from shardflow.parallel.sharding import Sharding
+
+OPTIMIZER_SLOTS = {"sgd": (), "sgd_momentum": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq")}
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """One value of the step: ``role`` fwd / grad / opt, of PCG ``tensor``, placed by ``sharding`` on ``group``."""
+
+    id: str
+    tensor: str
+    role: str
+    type: TensorType
+    sharding: Sharding
+    group: SubMesh
+
+    @property
+    def pass_(self) -> str:
+        return {"fwd": "FWD", "grad": "BWD", "opt": "UPD"}[self.role]
+
+
+@dataclass(frozen=True, slots=True)
+class DNode:
+    """One node of the dynamic graph.
+
+    ``kind``: ``compute`` (a PCG compute op; FWD runs ``local``, BWD its vjp), ``parallel`` (a parallel op
+    on a value), ``copy`` (same sharding, other sub-mesh), ``sum`` (gradient accumulation), ``seed`` (loss
+    gradient), ``update`` (optimizer step), ``select`` (Replicate's backward when the gradient is replicated:
+    the devices of the root sub-mesh keep their copy). ``src`` is the PCG node it comes from.
+    For a BWD compute node, ``grad_mask[i]`` tells whether input i gets a gradient, ``unscale[i]`` undoes a
+    linearity scale on it, and ``dy_mask[k]`` whether output k has a gradient (its ``dy`` is an input).
+    """
+
+    name: str
+    pass_: str
+    kind: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    group: SubMesh
+    src: str = ""
+    op: ParallelOp | None = None
+    grad_mask: tuple[bool, ...] = ()
+    unscale: tuple[float, ...] = ()
+    dy_mask: tuple[bool, ...] = ()
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class DynamicGraph:
+    """Values and nodes (in a valid execution order) of one training step, and the passes applied so far."""
+
+    pcg: PCG
+    values: Mapping[str, Value]
+    nodes: tuple[DNode, ...]
+    optimizer: str = "sgd"
+    done: tuple[str, ...] = ()
+
+    def producers(self) -> dict[str, DNode]:
+        return {v: n for n in self.nodes for v in n.outputs}
+
+
+class PassError(RuntimeError):
+    """A pass found the graph in a state it cannot work on (run twice, run out of order, left work undone)."""
+
+
+def _require(dg: DynamicGraph, name: str, before: tuple[str, ...]) -> None:
+    if name in dg.done:
+        raise PassError(f"pass {name!r} has already run on this graph (passes done: {list(dg.done)})")
+    missing = [p for p in before if p not in dg.done]
+    if missing:
+        raise PassError(f"pass {name!r} needs {missing} first (passes done: {list(dg.done)})")
+
+
+def canonical_grad(s: Sharding) -> Sharding:
+    """The sharding a tensor's gradient is used in: the forward's, with partial axes replicated."""
+    return Sharding(s.dims)
+
+
+class _Graph:
+    """Mutable accumulator used inside one pass; the pass returns an immutable DynamicGraph."""
+
+    def __init__(self, values: Mapping[str, Value] | None = None):
+        self.values: dict[str, Value] = dict(values or {})
+        self.nodes: list[DNode] = []
+
+    def value(self, id_: str, tensor: str, role: str, type_: TensorType, sharding: Sharding, group: SubMesh) -> str:
+        base, i = id_, 1
+        while id_ in self.values:
+            i += 1
+            id_ = f"{base}~{i}"
+        self.values[id_] = Value(id_, tensor, role, type_, sharding, group)
+        return id_
+
+    def redistribute(self, vid: str, want: Sharding, pass_: str, src: str) -> str:
+        """Parallel-op nodes taking value ``vid`` to sharding ``want`` (same sub-mesh); returns the final id."""
+        v = self.values[vid]
+        for k, pop in enumerate(redistribute(v.sharding, want, v.group)):
+            s, g = pop.apply(v.sharding, v.group)
+            out = self.value(f"{v.id}.{pop.kind}", v.tensor, v.role, v.type, s, g)
+            self.nodes.append(DNode(f"{pass_} {pop.describe()} {v.id}", pass_, "parallel", (v.id,), (out,), g, src, pop))
+            v = self.values[out]
+        return v.id
+
+
+def _needs_grad(pcg: PCG) -> set[str]:
+    """PCG tensors whose gradient the step needs: weights and everything computed from them."""
+    need = {n for n, t in pcg.tensors.items() if t.role == "weight"}
+    for n in pcg.nodes:
+        if any(i in need for i in n.inputs) and pcg.tensors[n.outputs[0]].type.dtype.startswith("float"):
+            need.update(n.outputs)
+    return need
+
+
+def grad_sharding(pcg: PCG, node: PNode, i: int) -> tuple[Sharding, float]:
+    """Sharding of the gradient contribution node ``node`` makes for its input ``i``, and the factor that
+    undoes a linearity scale (see the module docstring)."""
+    ins = [pcg.tensors[t].sharding for t in node.inputs]
+    outs = [pcg.tensors[t].sharding for t in node.outputs]
+    s = ins[i]
+    scale = node.local.in_scale[i] if node.local else 1.0
+    out_partial = set(outs[0].partial)
+    partial = []
+    for a in node.group.free_axes:
+        if a in s.used_axes:
+            continue
+        if scale != 1.0 and a in out_partial:
+            continue
+        if any(a in x.used_axes for x in ins + outs):
+            partial.append(a)
+    return Sharding(s.dims, tuple(partial)), (1.0 / scale if scale != 1.0 else 1.0)
+
+
+def pass_expansion(pcg: PCG, optimizer: str = "sgd") -> DynamicGraph:
+    """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring).
+
+    ``optimizer``: one of :data:`OPTIMIZER_SLOTS` (its state slots become UPD values). Raises PassError if
+    the PCG has no loss.
+    """
+    if pcg.loss is None:
+        raise PassError("pass expansion needs a loss: the graph has no scalar loss output")
+    if optimizer not in OPTIMIZER_SLOTS:
+        raise PassError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_SLOTS)}")
+    g = _Graph()
+    for name, t in pcg.tensors.items():
+        g.value(f"fwd:{name}", name, "fwd", t.type, t.sharding, t.group)
+    for n in pcg.nodes:
+        g.nodes.append(DNode(f"FWD {n.name}", "FWD", "parallel" if n.is_parallel else "compute",
+                             tuple(f"fwd:{t}" for t in n.inputs), tuple(f"fwd:{t}" for t in n.outputs), n.group,
+                             n.name, n.op if n.is_parallel else None, label=n.op.describe()))
+
+    need = _needs_grad(pcg)
+    contributions: dict[str, list[str]] = {t: [] for t in pcg.tensors}
+    loss = pcg.tensors[pcg.loss]
+    seed = g.value(f"grad:{pcg.loss}@loss", pcg.loss, "grad", loss.type, canonical_grad(loss.sharding), loss.group)
+    g.nodes.append(DNode("LOSS seed", "LOSS", "seed", (f"fwd:{pcg.loss}",), (seed,), loss.group, pcg.loss))
+    contributions[pcg.loss].append(seed)
+
+    def finalize(t: str, keep_axis: str = "") -> str | None:
+        """The gradient of PCG tensor t: contributions summed on t's sub-mesh, at its canonical sharding
+        (except ``keep_axis``, left as it came)."""
+        parts = contributions[t]
+        if not parts:
+            return None
+        tt = pcg.tensors[t]
+        want = canonical_grad(tt.sharding)
+        if len({g.values[p].sharding for p in parts}) > 1:  # bring each to the canonical sharding first
+            parts = [g.redistribute(p, want, "BWD", t) for p in parts]
+        if len(parts) > 1:
+            out = g.value(f"grad:{t}", t, "grad", tt.type, g.values[parts[0]].sharding, tt.group)
+            g.nodes.append(DNode(f"BWD sum grad:{t}", "BWD", "sum", tuple(parts), (out,), tt.group, t))
+            parts = [out]
+        cur = parts[0]
+        if keep_axis:
+            have = g.values[cur].sharding
+            want = Sharding(want.dims, tuple(a for a in have.partial if a == keep_axis))
+        return g.redistribute(cur, want, "BWD", t)
+
+    for n in reversed(pcg.nodes):
+        if not any(contributions[o] for o in n.outputs) or not any(i in need for i in n.inputs):
+            continue
+        if n.is_parallel:
+            (i,), (o,) = n.inputs, n.outputs
+            if isinstance(n.op, Replicate):
+                # Backward of a broadcast: the sum of the replicas' gradients on the root sub-mesh (a reduce)
+                # when they are partial; the root's own copy when they are already replicated.
+                dy = finalize(o, keep_axis=n.op.axis)
+                dyv, src = g.values[dy], pcg.tensors[i]
+                kind = "parallel" if n.op.axis in dyv.sharding.partial else "select"
+                out = g.value(f"grad:{i}@{n.name}", i, "grad", src.type, Sharding(dyv.sharding.dims,
+                              tuple(a for a in dyv.sharding.partial if a != n.op.axis)), src.group)
+                g.nodes.append(DNode(f"BWD {n.name}", "BWD", kind, (dy,), (out,), src.group, n.name,
+                                     n.op if kind == "parallel" else None))
+                contributions[i].append(out)
+                continue
+            dy = finalize(o)
+            contributions[i].append(g.redistribute(dy, canonical_grad(pcg.tensors[i].sharding), "BWD", n.name))
+            continue
+        dys = [finalize(o) for o in n.outputs]
+        mask = tuple(t in need for t in n.inputs)
+        outs, unscale = [], []
+        for k, t in enumerate(n.inputs):
+            s, f = grad_sharding(pcg, n, k)
+            unscale.append(f)
+            if mask[k]:
+                tt = pcg.tensors[t]
+                outs.append(g.value(f"grad:{t}@{n.name}", t, "grad", tt.type, s, n.group))
+                contributions[t].append(outs[-1])
+        ins = tuple(f"fwd:{t}" for t in n.inputs) + tuple(d for d in dys if d is not None)
+        g.nodes.append(DNode(f"BWD {n.name}", "BWD", "compute", ins, tuple(outs), n.group, n.name,
+                             grad_mask=mask, unscale=tuple(unscale), dy_mask=tuple(d is not None for d in dys),
+                             label=f"vjp[{n.op.describe()}]"))
+
+    for w, t in pcg.tensors.items():
+        if t.role != "weight" or w not in pcg.graph.tensors:
+            continue
+        dw = finalize(w)
+        if dw is None:
+            continue
+        slots = tuple(g.value(f"opt:{s}:{w}", w, "opt", t.type, t.sharding, t.group) for s in OPTIMIZER_SLOTS[optimizer])
+        new = tuple(g.value(f"upd:{x}", w, "fwd" if x == f"fwd:{w}" else "opt", t.type, t.sharding, t.group)
+                    for x in (f"fwd:{w}",) + slots)
+        g.nodes.append(DNode(f"UPD {w}", "UPD", "update", (f"fwd:{w}", dw) + slots, new, t.group, w))
+    return DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, ("pass_expansion",))
+
+
+def _moves_between_submeshes(n: DNode) -> bool:
+    """Copies, Replicate and its backward move data between sub-meshes themselves."""
+    return n.kind in ("copy", "select") or isinstance(n.op, Replicate)
+
+
+def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
+    """A COPY in front of every read of a value held by another sub-mesh (see the module docstring)."""
+    _require(dg, "copy_insertion", ("pass_expansion",))
+    g = _Graph(dg.values)
+    copies: dict[tuple[str, SubMesh], str] = {}
+    for n in dg.nodes:
+        moves_itself = _moves_between_submeshes(n)
+        ins = []
+        for vid in n.inputs:
+            v = g.values[vid]
+            if v.group == n.group or moves_itself:
+                ins.append(vid)
+                continue
+            key = (vid, n.group)
+            if key not in copies:
+                out = g.value(f"{vid}@{n.group}", v.tensor, v.role, v.type, v.sharding, n.group)
+                g.nodes.append(DNode(f"{v.pass_} copy {vid} {v.group}->{n.group}", v.pass_, "copy", (vid,), (out,),
+                                     n.group, n.src))
+                copies[key] = out
+            ins.append(copies[key])
+        g.nodes.append(dataclasses.replace(n, inputs=tuple(ins)))
+    out = DynamicGraph(dg.pcg, g.values, tuple(g.nodes), dg.optimizer, dg.done + ("copy_insertion",))
+    for n in out.nodes:
+        bad = [v for v in n.inputs if out.values[v].group != n.group and not _moves_between_submeshes(n)]
+        if bad:
+            raise PassError(f"copy insertion left {n.name!r} reading {bad} from another sub-mesh")
+    return out

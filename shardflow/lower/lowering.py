@@ -1,0 +1,272 @@
+"""Shard expansion, communication lowering and ordering: dynamic graph → one program per rank.
+
+* **Shard expansion**: a compute node becomes one invocation per device of its sub-mesh, on that device's
+  pieces (every buffer at its piece size); a copy becomes one transfer per piece, issued by the device that
+  holds it — a piece whose source and destination device coincide moves nowhere.
+* **Communication lowering**, from one table (:data:`LOWERING`): along the mesh axis a parallel op acts on,
+  every group of devices that differ only in that axis runs one collective —
+  Reduction → all-reduce; Reduction then Repartition on the same axis → reduce-scatter; Combine → all-gather;
+  Combine then Repartition of another dim on the same axis → all-to-all; Repartition alone → a local split;
+  Replicate → broadcast from the root; Replicate's backward → reduce to the root; copies → send/recv.
+  ``nbytes`` is what one rank sends with the bandwidth-optimal algorithm: (d−1)/d·N for all-gather,
+  reduce-scatter and all-to-all, 2(d−1)/d·N for all-reduce (N = the full collective's bytes per group).
+* **Ordering**: every communication instance gets a token, its position in one global order (the
+  dynamic graph's node order, then group order); each rank's program issues its communications in token
+  order. Token numbers are computed arithmetically, so a rank can lower only its own program
+  (``lower(dg, ranks=[r])``) at a cost that does not grow with the world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from shardflow.graph.ops import TensorType
+from shardflow.lower.dynamic import DNode, DynamicGraph, Value
+from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program
+from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
+
+LOWERING = {
+    ("reduction",): "all_reduce",
+    ("reduction", "repartition"): "reduce_scatter",
+    ("combine",): "all_gather",
+    ("combine", "repartition"): "all_to_all",
+    ("repartition",): "split",
+    ("replicate", "FWD"): "broadcast",
+    ("replicate", "BWD"): "reduce",
+    ("copy",): "send/recv",
+}
+
+
+def piece(v: Value) -> Buffer:
+    """The buffer one device holds of value ``v`` (its piece shape)."""
+    return Buffer(v.id, TensorType(v.sharding.parallel_shape(v.group, v.type.shape).piece_shape, v.type.dtype))
+
+
+def _nbytes(t: TensorType) -> int:
+    return t.nbytes
+
+
+# --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
+def axis_members(group: SubMesh, axis: str, device: int) -> tuple[int, ...]:
+    """The devices of ``group`` that differ from ``device`` only in their coordinate on ``axis``, in order."""
+    mesh = group.mesh
+    c = list(mesh.coords(device))
+    k = mesh.axis_index(axis)
+    out = []
+    for i in range(mesh.axis_size(axis)):
+        c[k] = i
+        out.append(mesh.device(tuple(c)))
+    return tuple(out)
+
+
+def axis_group_index(group: SubMesh, axis: str, device: int) -> int:
+    """Index of ``device``'s axis group among all groups of ``group`` along ``axis`` (row-major in the others)."""
+    mesh = group.mesh
+    c = mesh.coords(device)
+    idx = 0
+    for a in group.free_axes:
+        if a != axis:
+            idx = idx * mesh.axis_size(a) + c[mesh.axis_index(a)]
+    return idx
+
+
+def device_index(group: SubMesh, device: int) -> int:
+    """Row-major index of ``device`` among the devices of ``group``."""
+    mesh = group.mesh
+    c = mesh.coords(device)
+    idx = 0
+    for a in group.free_axes:
+        idx = idx * mesh.axis_size(a) + c[mesh.axis_index(a)]
+    return idx
+
+
+def in_group(group: SubMesh, device: int) -> bool:
+    c = group.mesh.coords(device)
+    return all(c[group.mesh.axis_index(a)] == i for a, i in group.fixed)
+
+
+@dataclass(frozen=True)
+class Step:
+    """A unit of lowering: one dynamic-graph node, or a fused pair of parallel-op nodes (``kind`` from LOWERING)."""
+
+    nodes: tuple[DNode, ...]
+    kind: str
+
+
+def steps(dg: DynamicGraph) -> list[Step]:
+    """Group the nodes into lowering steps, fusing Reduction→Repartition and Combine→Repartition pairs on
+    one axis when nothing else reads the intermediate value."""
+    readers: dict[str, int] = {}
+    for n in dg.nodes:
+        for v in n.inputs:
+            readers[v] = readers.get(v, 0) + 1
+    out: list[Step] = []
+    nodes = list(dg.nodes)
+    i = 0
+    while i < len(nodes):
+        n = nodes[i]
+        if n.kind == "parallel" and isinstance(n.op, (Reduction, Combine)) and i + 1 < len(nodes):
+            m = nodes[i + 1]
+            if (isinstance(m.op, Repartition) and m.kind == "parallel" and m.inputs == n.outputs
+                    and m.op.axis == n.op.axis and readers.get(n.outputs[0], 0) == 1
+                    and not (isinstance(n.op, Combine) and m.op.dim == n.op.dim)):
+                out.append(Step((n, m), LOWERING[(n.op.kind, "repartition")]))
+                i += 2
+                continue
+        if n.kind == "parallel":
+            key = (n.op.kind, n.pass_) if isinstance(n.op, Replicate) else (n.op.kind,)
+            out.append(Step((n,), LOWERING[key]))
+        else:
+            out.append(Step((n,), n.kind))
+        i += 1
+    return out
+
+
+def _instances(step: Step, dg: DynamicGraph) -> int:
+    """How many communications (tokens) a step makes."""
+    n = step.nodes[0]
+    if step.kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"):
+        return n.group.size // n.group.mesh.axis_size(n.op.axis) if step.kind != "reduce" else \
+            dg.values[n.inputs[0]].group.size // n.group.mesh.axis_size(n.op.axis)
+    if step.kind == "copy":
+        return n.group.size
+    return 0
+
+
+def _compute_op(n: DNode, dg: DynamicGraph) -> str:
+    if n.kind == "compute":
+        return n.label
+    return {"seed": "ones", "sum": "sum", "update": f"{dg.optimizer}_update", "select": "keep_root"}[n.kind]
+
+
+def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None) -> dict[int, Program]:
+    """Per-rank programs for ``ranks`` (default: every device of the mesh). Deterministic: every rank that
+    lowers the same dynamic graph gets the same tokens."""
+    mesh = dg.pcg.mesh
+    ranks = list(range(mesh.size)) if ranks is None else list(ranks)
+    progs: dict[int, list[Instr]] = {r: [] for r in ranks}
+    token = 0
+    for st in steps(dg):
+        for r in ranks:
+            progs[r].extend(_expand(st, dg, r, token))
+        token += _instances(st, dg)
+    return {r: Program(r, tuple(instrs)) for r, instrs in progs.items()}
+
+
+def _expand(st: Step, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
+    """The instructions of step ``st`` on rank ``r`` (token numbers from ``base``)."""
+    first, last = st.nodes[0], st.nodes[-1]
+    vin, vout = dg.values[first.inputs[0]] if first.inputs else None, dg.values[last.outputs[0]]
+    if st.kind == "split":  # Repartition of replicas: each device keeps its block, a local slice
+        if not in_group(first.group, r):
+            return []
+        return [Compute(first.pass_, first.src, first.op.describe(), (piece(vin),), (piece(vout),))]
+    if st.kind in ("compute", "seed", "sum", "update", "select"):
+        if not in_group(first.group, r) or (st.kind == "select" and not in_group(vout.group, r)):
+            return []
+        ins = tuple(piece(dg.values[v]) for v in first.inputs)
+        outs = tuple(piece(dg.values[v]) for v in first.outputs)
+        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs)]
+    if st.kind == "copy":
+        return _expand_copy(first, dg, r, base)
+    op = first.op
+    axis = op.axis
+    if st.kind == "broadcast":
+        group = first.group  # the widened sub-mesh
+        if not in_group(group, r):
+            return []
+        members = axis_members(group, axis, r)
+        root = members[dict(vin.group.fixed)[axis]]
+        t = piece(vout)
+        return [Comm(base + axis_group_index(group, axis, r), "broadcast", first.pass_, members, t.type,
+                     _nbytes(t.type) if r == root else 0, axis, root=root, send=piece(vin) if r == root else None,
+                     recv=t, note=first.name)]
+    if st.kind == "reduce":
+        group = vin.group
+        if not in_group(group, r):
+            return []
+        members = axis_members(group, axis, r)
+        root = members[dict(vout.group.fixed)[axis]]
+        t = piece(vin)
+        d = len(members)
+        return [Comm(base + axis_group_index(group, axis, r), "reduce", first.pass_, members, t.type,
+                     _nbytes(t.type) * (d - 1) // d, axis, root=root, send=t,
+                     recv=piece(vout) if r == root else None, note=first.name)]
+    group = first.group
+    if not in_group(group, r):
+        return []
+    members = axis_members(group, axis, r)
+    d = len(members)
+    tin, tout = piece(vin), piece(vout)
+    full = {"all_reduce": tin, "reduce_scatter": tin, "all_gather": tout, "all_to_all": tin}[st.kind]
+    factor = 2 if st.kind == "all_reduce" else 1
+    nbytes = factor * _nbytes(full.type) * (d - 1) // d
+    return [Comm(base + axis_group_index(group, axis, r), st.kind, first.pass_, members, tin.type, nbytes, axis,
+                 send=tin, recv=tout, note=" + ".join(n.name for n in st.nodes))]
+
+
+def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
+    """One send/recv per piece whose source and destination devices differ (token = destination index)."""
+    src_v, dst_v = dg.values[n.inputs[0]], dg.values[n.outputs[0]]
+    s = src_v.sharding
+    out: list[Instr] = []
+    # r as destination
+    if in_group(dst_v.group, r):
+        src = _holder(src_v, s.coord_of(dst_v.group, r))
+        b = piece(dst_v)
+        if src == r:
+            out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,)))
+        else:
+            out.append(Comm(base + device_index(dst_v.group, r), "recv", n.pass_, (src, r), b.type, 0, "copy",
+                            peer=src, recv=b, note=n.name))
+    # r as source: the destinations of the pieces r holds (one per replica of r's piece that maps elsewhere)
+    if in_group(src_v.group, r):
+        coord = s.coord_of(src_v.group, r)
+        dst = _holder(dst_v, coord)
+        if dst != r:
+            b = piece(src_v)
+            out.append(Comm(base + device_index(dst_v.group, dst), "send", n.pass_, (r, dst), b.type,
+                            _nbytes(b.type), "copy", peer=dst, send=b, note=n.name))
+    out.sort(key=lambda i: i.token if isinstance(i, Comm) else -1)
+    return out
+
+
+def _holder(v: Value, coord) -> int:
+    """The device of ``v``'s sub-mesh that holds the piece at ``coord``."""
+    mesh = v.group.mesh
+    c = list(mesh.coords(next(iter(v.group.devices()))))  # fixed axes
+    s = v.sharding
+
+    def put(axes, index):
+        for a in reversed(axes):
+            size = mesh.axis_size(a)
+            c[mesh.axis_index(a)] = index % size
+            index //= size
+
+    for axes, idx in zip(s.dims, coord.shard):
+        put(axes, idx)
+    put(s.partial, coord.sum)
+    put(s.replica_axes(v.group), coord.replica)
+    return mesh.device(tuple(c))
+
+
+def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
+    """Communication count by kind over all ranks (each collective counted once per group)."""
+    seen: dict[int, str] = {}
+    for p in programs.values():
+        for c in p.comms:
+            seen[c.token] = c.family
+    out: dict[str, int] = {}
+    for k in seen.values():
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def bandwidth_bound(kind: str, full_bytes: int, d: int) -> int:
+    """Bandwidth-optimal bytes one rank must send: (d−1)/d·N (all-gather, reduce-scatter, all-to-all),
+    2(d−1)/d·N (all-reduce)."""
+    return (2 if kind == "all_reduce" else 1) * full_bytes * (d - 1) // d if d > 1 else 0
+
+

@@ -1,0 +1,153 @@
+"""Per-rank programs: the instruction streams lowering produces and executors run.
+
+A program is a tuple of instructions for one rank, in issue order. Two kinds:
+
+* :class:`Compute` — run a local kernel on pieces held by this rank (forward, backward, loss seed, optimizer
+  update, or a local data movement such as taking one's own block);
+* :class:`Comm` — one communication, identified by its **token** (its position in the one global order of
+  all communications). Every member of a communication holds a ``Comm`` with the same token, kind family,
+  members, shape and dtype; each rank issues its communications in increasing token order.
+
+Programs print as listings a person can read (Alpa-style instruction streams) and serialise to JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from shardflow.graph.ops import TensorType
+
+PASSES = ("FWD", "BWD", "LOSS", "UPD")
+
+# Communication kinds. Point-to-point: send/recv. Collectives over ``members``: the rest.
+COMM_KINDS = ("send", "recv", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
+              "permute")
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """A piece held by one rank: ``value`` names the dynamic-graph value (``fwd:h``, ``grad:h``, ...)."""
+
+    value: str
+    type: TensorType
+
+    def __str__(self) -> str:
+        return f"{self.value}:{self.type.dtype}{list(self.type.shape)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Run ``op`` (a description; the executor looks the kernel up by ``node`` and ``pass_``) on this rank."""
+
+    pass_: str
+    node: str
+    op: str
+    ins: tuple[Buffer, ...]
+    outs: tuple[Buffer, ...]
+
+    def __str__(self) -> str:
+        return f"      {self.pass_:<4} {', '.join(map(str, self.outs))} = {self.op}({', '.join(map(str, self.ins))})"
+
+
+@dataclass(frozen=True, slots=True)
+class Comm:
+    """One communication on this rank.
+
+    ``members``: the ranks taking part, in group order (for send/recv: ``(src, dst)``; for ``permute`` the
+    ring). ``peer``: the other rank of a send/recv; for a permute step the rank sent to, with ``peer_from``
+    the rank received from. ``root``: the root rank of broadcast/reduce. ``send``/``recv``: this rank's
+    buffers. ``nbytes``: bytes this rank sends. ``axis``: the mesh axis (or ``copy`` for a stage move).
+    """
+
+    token: int
+    kind: str
+    pass_: str
+    members: tuple[int, ...]
+    type: TensorType
+    nbytes: int
+    axis: str = ""
+    peer: int | None = None
+    peer_from: int | None = None
+    root: int | None = None
+    send: Buffer | None = None
+    recv: Buffer | None = None
+    note: str = ""
+
+    @property
+    def family(self) -> str:
+        """send and recv are one communication seen from its two ends."""
+        return "p2p" if self.kind in ("send", "recv") else self.kind
+
+    def signature(self) -> tuple:
+        """What every member must agree on: (token, family, members, piece shape, dtype)."""
+        return (self.token, self.family, self.members, self.type.shape, self.type.dtype)
+
+    def __str__(self) -> str:
+        who = (f"peer={self.peer}" if self.kind in ("send", "recv") else
+               f"to={self.peer} from={self.peer_from}" if self.kind == "permute" else
+               f"group={list(self.members)}" + (f" root={self.root}" if self.root is not None else ""))
+        bufs = " ".join(f"{k}={b}" for k, b in (("send", self.send), ("recv", self.recv)) if b is not None)
+        return (f"#{self.token:<4} {self.pass_:<4} {self.kind} {who} axis={self.axis or '-'} "
+                f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}").rstrip()
+
+
+Instr = Compute | Comm
+
+
+@dataclass(frozen=True)
+class Program:
+    """The instructions of one rank, in issue order."""
+
+    rank: int
+    instrs: tuple[Instr, ...]
+
+    @property
+    def comms(self) -> tuple[Comm, ...]:
+        return tuple(i for i in self.instrs if isinstance(i, Comm))
+
+    def fingerprint(self) -> str:
+        """sha256 of the ordered (token, kind, members/peer, shape, dtype) of every communication."""
+        h = hashlib.sha256()
+        for c in self.comms:
+            h.update(repr((c.token, c.kind, c.members, c.peer, c.peer_from, c.root, c.type.shape,
+                           c.type.dtype)).encode())
+        return h.hexdigest()
+
+    def bytes_by_kind(self) -> dict[tuple[str, str], int]:
+        """Bytes this rank sends per step, by (communication kind, mesh axis)."""
+        out: dict[tuple[str, str], int] = {}
+        for c in self.comms:
+            out[(c.kind, c.axis)] = out.get((c.kind, c.axis), 0) + c.nbytes
+        return out
+
+    def listing(self) -> str:
+        lines = [f"rank {self.rank}: {len(self.instrs)} instructions, {len(self.comms)} communications, "
+                 f"fingerprint {self.fingerprint()[:12]}"]
+        lines += [f"  {i}" for i in self.instrs]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        def buf(b: Buffer | None):
+            return None if b is None else {"value": b.value, "shape": list(b.type.shape), "dtype": b.type.dtype}
+
+        instrs = []
+        for i in self.instrs:
+            if isinstance(i, Compute):
+                instrs.append({"type": "compute", "pass": i.pass_, "node": i.node, "op": i.op,
+                               "ins": [buf(b) for b in i.ins], "outs": [buf(b) for b in i.outs]})
+            else:
+                instrs.append({"type": "comm", "token": i.token, "kind": i.kind, "pass": i.pass_,
+                               "members": list(i.members), "shape": list(i.type.shape), "dtype": i.type.dtype,
+                               "bytes": i.nbytes, "axis": i.axis, "peer": i.peer, "peer_from": i.peer_from,
+                               "root": i.root, "send": buf(i.send), "recv": buf(i.recv)})
+        totals: dict[str, dict[str, int]] = {}
+        for (kind, axis), n in self.bytes_by_kind().items():
+            totals.setdefault(kind, {})[axis or "-"] = n
+        return {"rank": self.rank, "fingerprint": self.fingerprint(), "bytes": totals, "instructions": instrs}
+
+
+def programs_json(programs: Mapping[int, Program]) -> str:
+    return json.dumps({"ranks": [p.to_json() for _, p in sorted(programs.items())]}, indent=1)
