@@ -1,10 +1,6 @@
-"""Static checks of per-rank programs, run before any process starts (design §6, "Order").
-
-:func:`verify` proves that a set of per-rank programs can run together: every communication is well formed,
-each rank issues its communications in token order, every member of a communication holds it and all agree
-on what it is (every send has its recv, every permute step is one consistent exchange), every pair of ranks
-sees their shared communications in the same order, and running all ranks cannot deadlock.
-:func:`fingerprints` and :func:`check_fingerprints` compare plan hashes across ranks at start-up.
+"""Static checks of per-rank programs (design §6, "Order"): :func:`verify` runs before any process starts and
+proves the programs can run together; :func:`fingerprints` / :func:`check_fingerprints` compare plan hashes
+across ranks at start-up, so that ranks holding different plans refuse to run.
 """
 
 from __future__ import annotations
@@ -84,8 +80,8 @@ def _d(c: Comm) -> str:
 
 
 def _what(c: Comm) -> str:
-    root = f" root={c.root}" if c.root is not None else ""
-    return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}{root}"
+    return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}" + (
+        f" root={c.root}" if c.root is not None else "")
 
 
 def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[str]:
@@ -113,16 +109,13 @@ def _comm_errors(rank: int, c: Comm, world_size: int) -> Iterator[str]:
     used = _FIELDS.get(c.family, ())
     for field in ("peer", "peer_from", "root"):
         v = getattr(c, field)
-        if field in used and v not in m:
+        if field in used and v not in m and c.family != "p2p":  # p2p peers: checked against (src, dst) below
             yield f"{field}={v} is not among members {list(m)}"
         elif field not in used and v is not None:
             yield f"{field}={v} is set but {c.kind} takes no {field}"
-    if c.family == "p2p" and len(m) != 2:
-        yield f"members must be (src, dst), got {list(m)}"
-    elif c.family == "p2p":
-        me, other = m if c.kind == "send" else m[::-1]
-        if (rank, c.peer) != (me, other):
-            yield f"with (src, dst) = {m} it belongs on rank {me} with peer {other}, got peer {c.peer}"
+    if c.family == "p2p" and (len(m) != 2 or (rank, c.peer) != (m if c.kind == "send" else m[::-1])):
+        end, other = ("src", "dst") if c.kind == "send" else ("dst", "src")
+        yield f"needs members (src, dst), held by {end} with peer={other}; got members {list(m)}, peer={c.peer}"
 
 
 def _check_order(programs: Mapping[int, Program]) -> list[str]:
@@ -160,12 +153,15 @@ def _check_tokens(programs: Mapping[int, Program]) -> list[str]:
 
 
 def _check_pairs(programs: Mapping[int, Program]) -> list[str]:
-    tokens = {r: {c.token for c in p.comms} for r, p in programs.items()}
+    first: dict[int, dict[int, Comm]] = {r: {} for r in programs}  # rank -> token -> first Comm, issue order
+    for r, p in programs.items():
+        for c in p.comms:
+            first[r].setdefault(c.token, c)
     out = []
     for a, b in combinations(sorted(programs), 2):
-        shared = tokens[a] & tokens[b]
-        seq_a = [c for c in programs[a].comms if c.token in shared]
-        seq_b = [c for c in programs[b].comms if c.token in shared]
+        shared = first[a].keys() & first[b].keys()
+        seq_a = [c for t, c in first[a].items() if t in shared]
+        seq_b = [c for t, c in first[b].items() if t in shared]
         for i, (x, y) in enumerate(zip(seq_a, seq_b)):
             if x.token != y.token:
                 out.append(f"ranks {a} and {b} order their shared communications differently: at shared "
@@ -178,32 +174,26 @@ def _check_deadlock(programs: Mapping[int, Program]) -> list[str]:
     comms = {r: p.comms for r, p in programs.items()}
     pos = dict.fromkeys(comms, 0)
     waiting: dict[int, set[int]] = defaultdict(set)  # token -> ranks blocked at it
-    for r, cs in comms.items():
-        if cs:
-            waiting[cs[0].token].add(r)
-    pending = list(waiting)
-    while pending:  # fire a token once every rank blocked at it finds all its members there
-        t = pending.pop()
-        at = waiting.get(t)
-        if not at or any(set(comms[r][pos[r]].members) - at for r in at):
-            continue
-        del waiting[t]
-        for r in at:
-            pos[r] += 1
-            if pos[r] < len(comms[r]):
-                waiting[comms[r][pos[r]].token].add(r)
-                pending.append(comms[r][pos[r]].token)
+    moved = list(comms)  # ranks that just reached their next Comm (or their end)
+    while moved:
+        r = moved.pop()
+        if pos[r] < len(comms[r]):
+            at = waiting[comms[r][pos[r]].token]
+            at.add(r)
+            if all(set(comms[q][pos[q]].members) <= at for q in at):  # every member is there: it completes
+                del waiting[comms[r][pos[r]].token]
+                for q in at:
+                    pos[q] += 1
+                moved += at
 
     def state(m: int) -> str:
-        if m not in comms:
-            return f"rank {m} (no program)"
-        return f"rank {m} ({'finished' if pos[m] == len(comms[m]) else f'blocked at {_d(comms[m][pos[m]])}'})"
+        return f"rank {m} (" + ("no program" if m not in comms else "finished" if pos[m] == len(comms[m]) else
+                                f"blocked at {_d(comms[m][pos[m]])}") + ")"
 
     out = []
     for r in sorted(r for r in comms if pos[r] < len(comms[r])):
         c = comms[r][pos[r]]
-        at = waiting[c.token]
-        absent = sorted({m for q in at for m in comms[q][pos[q]].members} - at)
+        absent = sorted({m for q in waiting[c.token] for m in comms[q][pos[q]].members} - waiting[c.token])
         out.append(f"deadlock: rank {r} blocks at {_d(c)} over {list(c.members)} waiting for "
                    + ", ".join(map(state, absent)))
     return out

@@ -191,7 +191,9 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     after: dict[str, Layout] = {}
     why: dict[object, str] = {}
     for pat, mp in plan.modules.items():
-        for m in matched[pat]:
+        units = [(m, [n for n in graph.nodes if inside(n, m)]) for m in matched[pat]]
+        units += [(n.name, [n]) for n in graph.nodes if fnmatchcase(n.name, pat) and n.scope not in matched[pat]]
+        for m, members in units:
             for p, spec in mp.params.items():
                 w = f"{m}.{p}"
                 if w not in graph.tensors or graph.tensors[w].role != "weight":
@@ -199,7 +201,6 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                     raise PlanError(f"plan for module {m!r} places parameter {p!r}, which it does not have "
                                     f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})")
                 leaves[w] = _sharding(spec, group_of_tensor(w), graph, w)
-            members = [n for n in graph.nodes if inside(n, m)]
             member_names = {n.name for n in members}
             if mp.input is not None:
                 for n in members:

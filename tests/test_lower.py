@@ -1,0 +1,226 @@
+"""Lowering: exact plan structure — copies, collectives, bytes, tokens — for small plans (no processes)."""
+
+from collections import Counter
+
+import pytest
+
+from shardflow.graph import GraphBuilder
+from shardflow.lower import lower_step
+from shardflow.lower.dynamic import PassError, copy_insertion, pass_expansion
+from shardflow.lower.lowering import axis_group_index, axis_members, lower, steps
+from shardflow.lower.program import Comm
+from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
+from shardflow.parallel.ops import Combine, Reduction, Replicate as ReplicateOp
+from shardflow.parallel.pcg import Annotations, build_pcg
+from shardflow.strategy import ModulePlan, Plan, data_parallel, make_plan, resolve
+from shardflow.parallel.sharding import Sharding
+from dataclasses import replace
+
+
+def mlp(pre: bool = False, B=8, D=16, H=64):
+    """x [B, D] → (optionally tanh(x·2) so x's consumer needs a gradient) → fc1 [H] → gelu → fc2 [D] → loss."""
+    b = GraphBuilder()
+    x, y = b.input("x", (B, D)), b.input("y", (B,), "int64")
+    if pre:
+        w = b.weight("scale", (D,))
+        x = b.tanh(b.mul(x, w))
+    h = b.gelu(b.dense(x, H, name="fc1"))
+    loss = b.cross_entropy(b.dense(h, D, name="fc2"), y)
+    return b.build([loss], loss)
+
+
+MEGATRON = Plan(modules={
+    "fc1": ModulePlan(params={"weight": [Shard(0)], "bias": [Shard(0)]}, input=[Replicate()]),
+    "fc2": ModulePlan(params={"weight": [Shard(1)]}, output=[Replicate()]),
+})
+
+
+def lowered(graph, mesh_text, plan, optimizer="sgd"):
+    mesh = Mesh.parse(mesh_text)
+    pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
+    return lower_step(pcg, optimizer, verify=False)
+
+
+def comms(programs, pass_=None):
+    """Distinct communications (by token) as (pass, kind, members, shape)."""
+    seen = {}
+    for p in programs.values():
+        for c in p.comms:
+            if pass_ is None or c.pass_ == pass_:
+                seen[c.token] = (c.pass_, c.family, c.members, c.type.shape)
+    return [seen[t] for t in sorted(seen)]
+
+
+def test_pipeline_mlp_has_exactly_four_copies():
+    """Linear+ReLU on device 0, Linear on device 1, loss on device 0 (issue #3)."""
+    b = GraphBuilder()
+    x, y = b.input("x", (4, 6)), b.input("y", (4,), "int64")
+    h = b.relu(b.dense(x, 8, name="fc1"))
+    loss = b.cross_entropy(b.dense(h, 3, name="fc2"), y)
+    graph = b.build([loss], loss)
+    plan = Plan(modules={"fc1": ModulePlan(stage=0), "relu": ModulePlan(stage=0), "fc2": ModulePlan(stage=1),
+                         "loss": ModulePlan(stage=0)})
+    step = lowered(graph, "pp=2", plan)
+    copies = [(n.pass_, n.inputs[0]) for n in step.dg.nodes if n.kind == "copy"]
+    assert copies == [("FWD", "fwd:relu"), ("FWD", "fwd:linear_1"), ("BWD", "grad:linear_1@loss"),
+                      ("BWD", "grad:relu@linear_1")]
+    assert comms(step.programs) == [
+        ("FWD", "p2p", (0, 1), (4, 8)), ("FWD", "p2p", (1, 0), (4, 3)),
+        ("BWD", "p2p", (0, 1), (4, 3)), ("BWD", "p2p", (1, 0), (4, 8)),
+    ]
+    sends = {r: [(c.token, c.kind, c.peer, c.nbytes) for c in p.comms] for r, p in step.programs.items()}
+    assert sends == {0: [(0, "send", 1, 128), (1, "recv", 1, 0), (2, "send", 1, 48), (3, "recv", 1, 0)],
+                     1: [(0, "recv", 0, 0), (1, "send", 0, 48), (2, "recv", 0, 0), (3, "send", 0, 128)]}
+
+
+def test_megatron_mlp_input_without_gradient():
+    step = lowered(mlp(pre=False), "tp=2", MEGATRON)
+    # One all-reduce forward (fc2's partial output), none backward: x needs no gradient, the fc2 bias gradient
+    # is replicated (its 1/2 scale undone), weight gradients are sharded like the weights.
+    assert comms(step.programs) == [("FWD", "all_reduce", (0, 1), (8, 16))]
+
+
+def test_megatron_mlp_input_with_gradient():
+    step = lowered(mlp(pre=True), "tp=2", MEGATRON)
+    # Backward adds exactly one all-reduce: the input gradient of the column-parallel fc1.
+    assert comms(step.programs) == [("FWD", "all_reduce", (0, 1), (8, 16)), ("BWD", "all_reduce", (0, 1), (8, 16))]
+    red = [n for n in step.dg.nodes if n.pass_ == "BWD" and n.kind == "parallel"]
+    assert [(n.op, n.inputs[0]) for n in red] == [(Reduction(2, "tp"), "grad:tanh@linear")]
+
+
+def test_data_parallel_syncs_each_weight_gradient_and_nothing_else():
+    graph = mlp(pre=True)
+    mesh = Mesh.parse("dp=4")
+    step = lowered(graph, "dp=4", make_plan(graph, mesh, "dp"))
+    got = comms(step.programs)
+    assert len(got) == len(graph.weights) == 5
+    assert all(c[0] == "BWD" and c[1] == "all_reduce" and c[2] == (0, 1, 2, 3) for c in got)
+    assert sorted(c[3] for c in got) == sorted(graph.tensors[w].shape for w in graph.weights)
+    # Bytes per rank: 2(d-1)/d of each gradient, the all-reduce bound.
+    p0 = step.programs[0]
+    total = sum(graph.tensors[w].type.nbytes for w in graph.weights)
+    assert p0.bytes_by_kind() == {("all_reduce", "dp"): 2 * total * 3 // 4}
+
+
+@pytest.mark.parametrize("src, dst, fwd, bwd", [
+    (Shard(0), Replicate(), "all_gather", "split"),      # Combine: gather forward, split backward
+    (Replicate(), Shard(0), "split", "all_gather"),      # Repartition: split forward, gather backward
+    (Shard(0), Shard(1), "all_to_all", "all_to_all"),    # reshard between dims: all-to-all both ways
+])
+def test_parallel_ops_lower_per_table(src, dst, fwd, bwd):
+    b = GraphBuilder()
+    x = b.weight("x", (8, 4))
+    loss = b.sum(b.tanh(x))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("tp=2")
+    whole = SubMesh(mesh)
+    ann = Annotations(leaves={"x": Sharding.from_placements([src], whole, 2)}, edges={("tanh", 0): {"tp": dst}})
+    step = lower_step(build_pcg(g, mesh, ann), verify=False)
+    kinds = {p: [s.kind for s in steps(step.dg) if s.nodes[0].pass_ == p and s.nodes[0].kind == "parallel"]
+             for p in ("FWD", "BWD")}
+    assert kinds == {"FWD": [fwd], "BWD": [bwd]}
+
+
+def test_reduction_lowers_to_all_reduce_or_fused_reduce_scatter():
+    b = GraphBuilder()
+    x, w = b.input("x", (8, 4)), b.weight("w", (6, 4))
+    loss = b.sum(b.tanh(b.linear(x, w)))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("tp=2")
+    for layout, kind in (([Replicate()], "all_reduce"), ([Shard(0)], "reduce_scatter")):
+        # x and w sharded on the contracted dim → the linear's output is partial; tanh needs it whole.
+        plan = Plan(inputs={"x": [Shard(1)]}, modules={"tanh": ModulePlan(input=layout)})
+        ann = resolve(plan, g, mesh)
+        ann = replace(ann, leaves={**ann.leaves, "w": Sharding(((), ("tp",)))})
+        step = lower_step(build_pcg(g, mesh, ann), verify=False)
+        fwd = [s.kind for s in steps(step.dg) if s.nodes[0].pass_ == "FWD" and s.nodes[0].kind == "parallel"]
+        assert fwd == [kind]
+        # Backward of the Reduction: the gradient is replicated already → nothing to move.
+        assert not [s for s in steps(step.dg) if s.nodes[0].pass_ == "BWD" and s.kind == "all_reduce"]
+
+
+def test_replicate_op_broadcasts_forward_and_reduces_backward():
+    """h on stage 0, broadcast to both stages, consumed by a linear sharded on pp: the replicas' gradients are
+    partial sums → reduce to the root. A replicated (redundant) consumer would need no reduce."""
+    b = GraphBuilder()
+    x, w0, w1 = b.input("x", (4, 4)), b.weight("w0", (4, 4)), b.weight("w1", (6, 4))
+    h = b.linear(x, w0)
+    loss = b.sum(b.tanh(b.linear(h, w1)))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("pp=2")
+    plan = Plan(modules={"linear": ModulePlan(stage=0), "linear_1": ModulePlan(stage=1)},
+                ops={"linear": (ReplicateOp(2, "pp"),)})
+    ann = resolve(plan, g, mesh)
+    whole = SubMesh(mesh)
+    ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "sum": whole},
+                  leaves={**ann.leaves, "w1": Sharding((("pp",), ()))})
+    step = lower_step(build_pcg(g, mesh, ann), verify=False)
+    got = comms(step.programs)
+    assert [(c[0], c[1], c[2]) for c in got] == [("FWD", "broadcast", (0, 1)), ("BWD", "reduce", (0, 1))]
+    bc = {r: next(c for c in p.comms if c.kind == "broadcast") for r, p in step.programs.items()}
+    assert bc[0].root == 0 and bc[0].nbytes == 64 and bc[1].nbytes == 0
+
+
+def test_identical_mappings_need_no_copy():
+    graph = mlp()
+    mesh = Mesh.parse("tp=2")
+    pcg = build_pcg(graph, mesh, resolve(MEGATRON, graph, mesh))
+    dg = copy_insertion(pass_expansion(pcg))
+    assert not [n for n in dg.nodes if n.kind == "copy"]
+
+
+def test_passes_check_their_order():
+    graph = mlp()
+    mesh = Mesh.parse("tp=2")
+    pcg = build_pcg(graph, mesh, resolve(MEGATRON, graph, mesh))
+    dg = copy_insertion(pass_expansion(pcg))
+    with pytest.raises(PassError, match="already run"):
+        copy_insertion(dg)
+
+
+def test_axis_groups_arithmetic():
+    mesh = Mesh.parse("dp=2,tp=3")
+    g = SubMesh(mesh)
+    assert axis_members(g, "tp", 4) == (3, 4, 5) and axis_members(g, "dp", 4) == (1, 4)
+    assert [axis_group_index(g, "tp", d) for d in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert [axis_group_index(g, "dp", d) for d in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_per_rank_lowering_equals_the_global_one():
+    graph = mlp(pre=True)
+    mesh = Mesh.parse("dp=2,tp=2")
+    plan = data_parallel(graph).merge(Plan(modules={
+        "fc1": ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
+        "fc2": ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})}))
+    pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
+    dg = copy_insertion(pass_expansion(pcg))
+    everyone = lower(dg)
+    for r in range(4):
+        assert lower(dg, [r])[r] == everyone[r]
+    # Tokens: dp all-reduces of the 2 replicated weights... each rank's tokens strictly increase.
+    for p in everyone.values():
+        tokens = [c.token for c in p.comms]
+        assert tokens == sorted(set(tokens))
+
+
+def test_golden_listing_of_a_small_program():
+    step = lowered(mlp(B=2, D=4, H=8), "tp=2", MEGATRON)
+    assert step.programs[1].listing().splitlines()[1:] == GOLDEN.strip("\n").splitlines()
+
+
+GOLDEN = """
+        FWD  fwd:linear:float32[2, 4] = linear(bias=True)(fwd:x:float32[2, 4], fwd:fc1.weight:float32[4, 4], fwd:fc1.bias:float32[4])
+        FWD  fwd:gelu:float32[2, 4] = gelu(fwd:linear:float32[2, 4])
+        FWD  fwd:linear_1:float32[2, 4] = linear(bias=True)(fwd:gelu:float32[2, 4], fwd:fc2.weight:float32[4, 4], fwd:fc2.bias:float32[4])
+  #0    FWD  all_reduce group=[0, 1] axis=tp float32[2, 4] 32B send=fwd:linear_1:float32[2, 4] recv=fwd:linear_1.reduction:float32[2, 4]
+        FWD  fwd:loss:float32[] = cross_entropy(reduction='mean')(fwd:linear_1.reduction:float32[2, 4], fwd:y:int64[2])
+        LOSS grad:loss@loss:float32[] = ones(fwd:loss:float32[])
+        BWD  grad:linear_1.reduction@loss:float32[2, 4] = vjp[cross_entropy(reduction='mean')](fwd:linear_1.reduction:float32[2, 4], fwd:y:int64[2], grad:loss@loss:float32[])
+        BWD  grad:gelu@linear_1:float32[2, 4], grad:fc2.weight@linear_1:float32[4, 4], grad:fc2.bias@linear_1:float32[4] = vjp[linear(bias=True)](fwd:gelu:float32[2, 4], fwd:fc2.weight:float32[4, 4], fwd:fc2.bias:float32[4], grad:linear_1.reduction@loss:float32[2, 4])
+        BWD  grad:linear@gelu:float32[2, 4] = vjp[gelu](fwd:linear:float32[2, 4], grad:gelu@linear_1:float32[2, 4])
+        BWD  grad:fc1.weight@linear:float32[4, 4], grad:fc1.bias@linear:float32[4] = vjp[linear(bias=True)](fwd:x:float32[2, 4], fwd:fc1.weight:float32[4, 4], fwd:fc1.bias:float32[4], grad:linear@gelu:float32[2, 4])
+        UPD  upd:fwd:fc1.weight:float32[4, 4] = sgd_update(fwd:fc1.weight:float32[4, 4], grad:fc1.weight@linear:float32[4, 4])
+        UPD  upd:fwd:fc1.bias:float32[4] = sgd_update(fwd:fc1.bias:float32[4], grad:fc1.bias@linear:float32[4])
+        UPD  upd:fwd:fc2.weight:float32[4, 4] = sgd_update(fwd:fc2.weight:float32[4, 4], grad:fc2.weight@linear_1:float32[4, 4])
+        UPD  upd:fwd:fc2.bias:float32[4] = sgd_update(fwd:fc2.bias:float32[4], grad:fc2.bias@linear_1:float32[4])
+"""
