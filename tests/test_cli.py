@@ -48,3 +48,31 @@ def test_console_entry_point_runs():
                         "--mesh", "pp=2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "@mesh[pp=1]" in r.stdout and "@mesh[pp=0]" in r.stdout
+
+
+def test_plan_text_shows_programs_bytes_and_proof(capsys):
+    code, out, _ = run(capsys, "--strategy", "dp", "--nproc", "2", "--rank", "1")
+    assert code == 0
+    assert "rank 1: " in out and "rank 0: " not in out
+    assert "all_reduce group=[0, 1] axis=dp" in out
+    assert out.rstrip().splitlines()[-1].startswith("# verified: 2 ranks")
+
+
+def test_plan_json_is_machine_readable(capsys):
+    import json
+    code, out, _ = run(capsys, "--strategy", "tp", "--nproc", "2", "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and doc["verified"] and doc["collectives"] == {"all_reduce": 4}
+    r0 = doc["ranks"][0]
+    assert r0["rank"] == 0 and len(r0["fingerprint"]) == 64
+    assert set(r0["bytes"]) == {"all_reduce"} and r0["bytes"]["all_reduce"]["tp"] > 0
+    assert sum(i["type"] == "comm" for i in r0["instructions"]) == 4
+
+
+def test_plan_dot_writes_the_pcg(capsys, tmp_path):
+    out_file = tmp_path / "p.dot"
+    code, out, _ = run(capsys, "--strategy", "pp", "--mesh", "pp=2", "--layers", "2", "--format", "dot",
+                       "--out", str(out_file))
+    text = out_file.read_text()
+    assert code == 0 and out.startswith(f"wrote {out_file}")
+    assert text.startswith("digraph pcg {") and "style=dashed color=red" in text  # a stage crossing
