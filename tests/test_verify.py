@@ -88,13 +88,9 @@ def pipeline() -> dict[int, Program]:
 VALID = {"mixed": mixed, "permute_ring": permute_ring, "pipeline": pipeline}
 
 
-def world(programs) -> int:
-    return len(programs)
-
-
 def rejected(programs) -> PlanVerificationError:
     with pytest.raises(PlanVerificationError) as e:
-        verify(programs, world(programs))
+        verify(programs, len(programs))
     return e.value
 
 
@@ -123,18 +119,19 @@ def change(programs, rank: int, tok: int, **fields) -> dict[int, Program]:
 @pytest.mark.parametrize("make", VALID.values(), ids=VALID.keys())
 def test_valid_programs_pass(make):
     programs = make()
-    verify(programs, world(programs))
-    assert len(set(fingerprints(programs).values())) == world(programs)  # distinct programs, distinct hashes
+    verify(programs, len(programs))
+    assert len(set(fingerprints(programs).values())) == len(programs)  # distinct programs, distinct hashes
 
 
 def test_permute_convention():
     """Step i: rank r sends to (r - i) mod 4 and receives from (r + i) mod 4."""
-    for c in (c for c in mixed()[1].comms if c.kind == "permute"):
-        step = c.token - 5
-        assert (c.peer, c.peer_from) == ((1 - step) % 4, (1 + step) % 4)
+    programs = mixed()
+    for r in range(4):
+        steps = [c for c in programs[r].comms if c.kind == "permute"]
+        assert [(c.peer, c.peer_from) for c in steps] == [((r - i) % 4, (r + i) % 4) for i in (1, 2, 3)]
 
 
-# Each hand mutation of mixed(): (description, mutate, ranks and tokens the message must name).
+# Hand mutations of mixed(): name -> (mutate, ranks and tokens the problems must name, a phrase they contain).
 # Tokens in mixed(): 0 all_gather, 1 all_reduce[0,1], 2 all_reduce[2,3], 3 send 1->2, 4 broadcast root 2,
 # 5 reduce[1,3] root 3, 6-8 permute, 9 reduce_scatter, 10 all_to_all[0,2], 11 send 3->0.
 def swap_comms(ps):
@@ -264,7 +261,7 @@ def mutate(programs, rank: int, i: int, j: int, kind: str, value: int):
        kind=st.sampled_from(KINDS), value=st.integers(0, 5))
 def test_random_mutation_rejected(make, rank, i, j, kind, value):
     programs = VALID[make]()
-    rank %= world(programs)
+    rank %= len(programs)
     bad = mutate(programs, rank, i, j, kind, value)
     err = rejected(bad)
     assert names_rank("\n".join(err.problems), rank) or any(f"programs[{rank}]" in p for p in err.problems)

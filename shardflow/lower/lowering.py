@@ -162,13 +162,13 @@ def _expand(st: Step, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
     if st.kind == "split":  # Repartition of replicas: each device keeps its block, a local slice
         if not in_group(first.group, r):
             return []
-        return [Compute(first.pass_, first.src, first.op.describe(), (piece(vin),), (piece(vout),))]
+        return [Compute(first.pass_, first.src, first.op.describe(), (piece(vin),), (piece(vout),), first.name)]
     if st.kind in ("compute", "seed", "sum", "update", "select"):
         if not in_group(first.group, r) or (st.kind == "select" and not in_group(vout.group, r)):
             return []
         ins = tuple(piece(dg.values[v]) for v in first.inputs)
         outs = tuple(piece(dg.values[v]) for v in first.outputs)
-        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs)]
+        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name)]
     if st.kind == "copy":
         return _expand_copy(first, dg, r, base)
     op = first.op
@@ -203,8 +203,12 @@ def _expand(st: Step, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
     full = {"all_reduce": tin, "reduce_scatter": tin, "all_gather": tout, "all_to_all": tin}[st.kind]
     factor = 2 if st.kind == "all_reduce" else 1
     nbytes = factor * _nbytes(full.type) * (d - 1) // d
+    # all-gather: Combine's dim; reduce-scatter: the Repartition's; all-to-all: split the Repartition's dim,
+    # concatenate along the Combine's.
+    dims = (None, None) if st.kind == "all_reduce" else (first.op.dim, None) if st.kind == "all_gather" else \
+        (last.op.dim, None) if st.kind == "reduce_scatter" else (last.op.dim, first.op.dim)
     return [Comm(base + axis_group_index(group, axis, r), st.kind, first.pass_, members, tin.type, nbytes, axis,
-                 send=tin, recv=tout, note=" + ".join(n.name for n in st.nodes))]
+                 send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes))]
 
 
 def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
@@ -217,7 +221,7 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         src = _holder(src_v, s.coord_of(dst_v.group, r))
         b = piece(dst_v)
         if src == r:
-            out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,)))
+            out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name))
         else:
             out.append(Comm(base + device_index(dst_v.group, r), "recv", n.pass_, (src, r), b.type, 0, "copy",
                             peer=src, recv=b, note=n.name))

@@ -40,13 +40,14 @@ class Buffer:
 
 @dataclass(frozen=True, slots=True)
 class Compute:
-    """Run ``op`` (a description; the executor looks the kernel up by ``node`` and ``pass_``) on this rank."""
+    """Run ``op`` on this rank: ``node`` is the PCG node, ``dnode`` the dynamic-graph node whose kernel runs."""
 
     pass_: str
     node: str
     op: str
     ins: tuple[Buffer, ...]
     outs: tuple[Buffer, ...]
+    dnode: str = ""
 
     def __str__(self) -> str:
         return f"      {self.pass_:<4} {', '.join(map(str, self.outs))} = {self.op}({', '.join(map(str, self.ins))})"
@@ -60,6 +61,8 @@ class Comm:
     ring). ``peer``: the other rank of a send/recv; for a permute step the rank sent to, with ``peer_from``
     the rank received from. ``root``: the root rank of broadcast/reduce. ``send``/``recv``: this rank's
     buffers. ``nbytes``: bytes this rank sends. ``axis``: the mesh axis (or ``copy`` for a stage move).
+    ``dim``: the tensor dim gathered (all-gather) or scattered (reduce-scatter); for all-to-all ``dim`` is
+    the dim split into chunks and ``dim2`` the dim the received chunks are concatenated along.
     """
 
     token: int
@@ -74,6 +77,8 @@ class Comm:
     root: int | None = None
     send: Buffer | None = None
     recv: Buffer | None = None
+    dim: int | None = None
+    dim2: int | None = None
     note: str = ""
 
     @property

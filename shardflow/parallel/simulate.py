@@ -18,12 +18,17 @@ from shardflow.parallel.pcg import PCG, PTensor
 Pieces = dict[int, torch.Tensor]  # device → piece
 
 
+def _pshape(t):
+    return t.sharding.parallel_shape(t.group, t.type.shape, t.type.dtype)
+
+
 def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) -> Pieces:
     """Cut ``full`` into the pieces ``t``'s sharding gives each device of its sub-mesh.
 
-    Shape: ``full`` is ``t.type.shape``; each piece ``t.pshape.piece_shape``.
+    ``t``: anything with ``sharding``, ``group`` and ``type`` (a PCG tensor or a dynamic-graph value).
+    Shape: ``full`` is ``t.type.shape``; each piece the parallel shape's piece shape.
     """
-    p = t.pshape
+    p = _pshape(t)
     dmap = t.sharding.device_map(t.group)
     blocks = {d: full[p.piece_slices(c)] for d, c in dmap.items()}
     if p.sum_degree == 1:
@@ -50,7 +55,7 @@ def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) 
 
 def gather(pieces: Mapping[int, torch.Tensor], t: PTensor) -> torch.Tensor:
     """Assemble the full tensor from the pieces (replica 0 of each block; partial pieces reduced)."""
-    p = t.pshape
+    p = _pshape(t)
     dmap = t.sharding.device_map(t.group)
     first = next(iter(pieces.values()))
     full = torch.zeros(p.shape, dtype=first.dtype)

@@ -1,0 +1,103 @@
+"""The kernel each compute instruction of a per-rank program runs — shared by every executor.
+
+Forward runs the sharding rule's :class:`~shardflow.parallel.rules.LocalOp`; backward is its vjp
+(``torch.func.vjp``, nothing written by hand), with the linearity scale undone where the gradient sharding
+says so; the optimizer updates each shard where it lives (same formulas as ``torch.optim.SGD``/``AdamW``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS, DNode, DynamicGraph
+
+Kernel = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``name``: sgd or adamw. SGD: ``lr``, ``momentum``, ``weight_decay``; AdamW: ``lr``, ``betas``, ``eps``,
+    ``weight_decay`` (decoupled). Defaults follow torch.optim."""
+
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    @property
+    def slots(self) -> str:
+        """The key of :data:`OPTIMIZER_SLOTS` whose state this optimizer keeps."""
+        if self.name == "adamw":
+            return "adamw"
+        if self.name == "sgd":
+            return "sgd_momentum" if self.momentum else "sgd"
+        raise ValueError(f"unknown optimizer {self.name!r}; use 'sgd' or 'adamw'")
+
+
+def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *state: torch.Tensor) -> list[torch.Tensor]:
+    """One optimizer step on one shard: returns the new weight and state (``step`` counts from 1)."""
+    if cfg.name == "sgd":
+        if cfg.weight_decay:
+            g = g + cfg.weight_decay * w
+        if cfg.momentum:
+            (buf,) = state
+            buf = cfg.momentum * buf + g
+            return [w - cfg.lr * buf, buf]
+        return [w - cfg.lr * g]
+    m, v = state
+    b1, b2 = cfg.betas
+    w = w * (1 - cfg.lr * cfg.weight_decay)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = (v.sqrt() / (1 - b2 ** step) ** 0.5) + cfg.eps
+    return [w - (cfg.lr / (1 - b1 ** step)) * m / denom, m, v]
+
+
+def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, step: Callable[[], int]) -> Kernel:
+    """The kernel of dynamic-graph node ``dn`` on ``rank``. ``step()`` gives the current step (for AdamW)."""
+    if dn.kind == "compute":
+        pnode = next(p for p in dg.pcg.nodes if p.name == dn.src)
+        local = pnode.local
+        if dn.pass_ == "FWD":
+            return lambda xs: list(local.compute(*xs))
+        return _vjp_kernel(local.compute, len(pnode.inputs), dn)
+    if dn.kind == "seed":
+        return lambda xs: [torch.ones_like(xs[0])]
+    if dn.kind == "sum":
+        return lambda xs: [sum(xs[1:], xs[0])]
+    if dn.kind == "update":
+        if OPTIMIZER_SLOTS[cfg.slots] != tuple(v.split(":")[1] for v in dn.inputs[2:]):
+            raise ValueError(f"the plan was lowered for optimizer state {dn.inputs[2:]}, not for {cfg}")
+        return lambda xs: update(cfg, step(), *xs)
+    if dn.kind in ("select", "copy"):
+        return lambda xs: [xs[0]]
+    if dn.kind == "parallel":  # a Repartition of replicas: keep this rank's block of the dim
+        mesh = dg.pcg.mesh
+        index = mesh.coords(rank)[mesh.axis_index(dn.op.axis)]
+        return lambda xs: [xs[0].chunk(dn.op.degree, dn.op.dim)[index].contiguous()]
+    raise ValueError(f"no kernel for dynamic-graph node {dn.name!r} of kind {dn.kind!r}")
+
+
+def _vjp_kernel(fwd: Callable, n_in: int, dn: DNode) -> Kernel:
+    diff = [i for i, m in enumerate(dn.grad_mask) if m]
+
+    def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        args, dys = list(xs[:n_in]), iter(xs[n_in:])
+
+        def f(*d):
+            a = list(args)
+            for i, t in zip(diff, d):
+                a[i] = t
+            return fwd(*a)
+
+        outs, vjp = torch.func.vjp(f, *(args[i] for i in diff))
+        cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, dn.dy_mask))
+        grads = vjp(cot)
+        return [g * dn.unscale[i] if dn.unscale[i] != 1.0 else g for i, g in zip(diff, grads)]
+
+    return kernel

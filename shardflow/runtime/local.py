@@ -1,0 +1,134 @@
+"""Local executor: every rank's program in one process, interleaved in token order.
+
+Communication is done as tensor operations on the members' buffers, so a plan can be run, debugged and
+checked against the single-device run without any process group. It runs exactly the instructions the
+distributed executor runs; only the communication differs.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from shardflow.lower import LoweredStep
+from shardflow.lower.dynamic import Value
+from shardflow.lower.program import Comm, Compute
+from shardflow.parallel.simulate import gather, scatter
+from shardflow.runtime.kernels import OptimizerConfig, make_kernel
+
+
+def collective(kind: str, members: list[Comm], sends: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """What each member receives, from what each sends (both in ``members`` order)."""
+    c = members[0]
+    d = len(members)
+    if kind == "all_reduce":
+        s = torch.stack(sends).sum(0)
+        return [s.clone() for _ in range(d)]
+    if kind == "all_gather":
+        s = torch.cat(sends, c.dim)
+        return [s.clone() for _ in range(d)]
+    if kind == "reduce_scatter":
+        return [x.contiguous() for x in torch.stack(sends).sum(0).chunk(d, c.dim)]
+    if kind == "all_to_all":
+        chunks = [x.chunk(d, c.dim) for x in sends]
+        return [torch.cat([chunks[i][j] for i in range(d)], c.dim2) for j in range(d)]
+    if kind == "broadcast":
+        root = next(x for x in sends if x is not None)
+        return [root.clone() for _ in range(d)]
+    if kind == "reduce":
+        s = torch.stack(sends).sum(0)
+        return [s if m.recv is not None else None for m in members]
+    if kind == "p2p":
+        src = next(x for x in sends if x is not None)
+        return [None if m.kind == "send" else src.clone() for m in members]
+    raise ValueError(f"local executor cannot run communication kind {kind!r}")
+
+
+class LocalExecutor:
+    """Runs a lowered step on all ranks of its mesh in this process.
+
+    Usage: ``ex = LocalExecutor(step, OptimizerConfig(...)); ex.load(weights); loss = ex.step(inputs)``;
+    ``ex.weights()`` / ``ex.grads()`` assemble full tensors. Raises RuntimeError on a deadlock.
+    """
+
+    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig):
+        self.lowered, self.cfg = step, optimizer
+        self.dg = step.dg
+        self.steps_done = 0
+        nodes = {n.name: n for n in self.dg.nodes}
+        self.kernels = {
+            (r, i.dnode): make_kernel(nodes[i.dnode], self.dg, r, optimizer, lambda: self.steps_done + 1)
+            for r, p in step.programs.items() for i in p.instrs if isinstance(i, Compute)
+        }
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {r: {} for r in step.programs}
+        updates = [n for n in self.dg.nodes if n.kind == "update"]
+        self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
+        self.grad_values = {n.src: n.inputs[1] for n in updates}
+
+    # --- data in and out ------------------------------------------------------------------------------
+    def _put(self, vid: str, full: torch.Tensor) -> None:
+        v = self.dg.values[vid]
+        for d, x in scatter(full, v).items():
+            if d in self.buffers:
+                self.buffers[d][vid] = x
+
+    def _get(self, vid: str) -> torch.Tensor:
+        v: Value = self.dg.values[vid]
+        pieces = {d: b[vid] for d, b in self.buffers.items() if vid in b}
+        return gather(pieces, v)
+
+    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Place full weights (by graph name) on the ranks; optimizer state starts at zero."""
+        for w in self.dg.pcg.graph.weights:
+            self._put(f"fwd:{w}", weights[w])
+        for vid, v in self.dg.values.items():
+            if v.role == "opt" and not vid.startswith("upd:"):
+                self._put(vid, torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {w: self._get(f"fwd:{w}") for w in self.dg.pcg.graph.weights}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The gradients the last step's update used, assembled to full tensors."""
+        return {w: self._get(g) for w, g in self.grad_values.items()}
+
+    # --- one step -------------------------------------------------------------------------------------
+    def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
+        """Run one training step on full ``inputs`` (by graph input name); returns the loss."""
+        graph = self.dg.pcg.graph
+        for name in graph.inputs:
+            self._put(f"fwd:{name}", inputs[name])
+        for name, value in graph.constants.items():
+            self._put(f"fwd:{name}", value)
+        progs = self.lowered.programs
+        pos = {r: 0 for r in progs}
+        while True:
+            for r, p in progs.items():  # run computes up to the next communication
+                while pos[r] < len(p.instrs) and isinstance(p.instrs[pos[r]], Compute):
+                    instr = p.instrs[pos[r]]
+                    outs = self.kernels[(r, instr.dnode)]([self.buffers[r][b.value] for b in instr.ins])
+                    for b, x in zip(instr.outs, outs):
+                        self.buffers[r][b.value] = x
+                    pos[r] += 1
+            waiting = {r: p.instrs[pos[r]] for r, p in progs.items() if pos[r] < len(p.instrs)}
+            if not waiting:
+                break
+            token = min(c.token for c in waiting.values())
+            c0 = next(c for c in waiting.values() if c.token == token)
+            members = [waiting.get(m) for m in c0.members]
+            if any(m is None or m.token != token for m in members):
+                raise RuntimeError(f"deadlock: token {token} ({c0.kind}) waits for ranks {list(c0.members)}, "
+                                   f"which are at {[(m, getattr(waiting.get(m), 'token', None)) for m in c0.members]}")
+            sends = [self.buffers[r][m.send.value] if m.send is not None else None for r, m in zip(c0.members, members)]
+            for r, m, x in zip(c0.members, members, collective(c0.family, members, sends)):
+                if m.recv is not None:
+                    self.buffers[r][m.recv.value] = x
+                pos[r] += 1
+        loss = self._get(f"fwd:{self.dg.pcg.loss}").item()
+        for bufs in self.buffers.values():
+            for new, old in self.renames:
+                if new in bufs:
+                    bufs[old] = bufs.pop(new)
+        self.steps_done += 1
+        return loss
