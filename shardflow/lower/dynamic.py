@@ -27,6 +27,7 @@ gradient synchronisation, or Megatron's all-reduce of the input gradient of a co
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -93,6 +94,12 @@ class DynamicGraph:
 
     def producers(self) -> dict[str, DNode]:
         return {v: n for n in self.nodes for v in n.outputs}
+
+    def fingerprint(self) -> str:
+        """sha256 of the whole step (nodes, values with their shardings, every local kernel): equal on every
+        rank that built the same plan, whatever its rank — what ranks compare at start-up."""
+        local = tuple((n.name, n.local) for n in self.pcg.nodes)
+        return hashlib.sha256(repr((self.nodes, sorted(self.values.items()), local)).encode()).hexdigest()
 
 
 class PassError(RuntimeError):

@@ -1,0 +1,210 @@
+"""Distributed executor: this rank's program on torch.distributed (gloo on CPU, NCCL on GPU).
+
+Every rank builds the same plan deterministically and lowers only its own program; at start-up the ranks
+compare the fingerprint of the plan (the dynamic graph of the step) and refuse to run on a mismatch. Process groups are created in one order on every
+rank (:func:`process_groups`). Every communication waits with a timeout; a timeout names the rank, the token,
+the operation and the peer or group it waited on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from shardflow.lower import LoweredStep
+from shardflow.lower.dynamic import DynamicGraph
+from shardflow.lower.lowering import axis_members, in_group, steps
+from shardflow.graph.ops import torch_dtype
+from shardflow.lower.program import Comm, Compute
+from shardflow.lower.verify import check_fingerprints
+from shardflow.parallel.simulate import scatter
+from shardflow.runtime.kernels import OptimizerConfig, make_kernel
+
+
+class CommTimeout(RuntimeError):
+    """A communication did not complete within the timeout."""
+
+
+def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
+    """Every collective's member tuple, in first-use order — the order every rank creates them in."""
+    seen: dict[tuple[int, ...], None] = {}
+    for st in steps(dg):
+        n = st.nodes[0]
+        if n.kind != "parallel" or st.kind == "split":
+            continue
+        group = dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
+        for d in group.devices():
+            seen.setdefault(axis_members(group, n.op.axis, d))
+    return list(seen)
+
+
+def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    Backend: NCCL when CUDA is available, else gloo. Returns (rank, world size).
+    """
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+class DistributedExecutor:
+    """Runs this rank's program of a lowered step. Same interface as :class:`LocalExecutor`.
+
+    ``step`` must hold this rank's program (``lower_step(pcg, ranks=[rank])``). Raises PlanMismatchError at
+    construction if the ranks' plans differ, CommTimeout when a communication waits longer than ``timeout_s``.
+    """
+
+    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0):
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.dg = step.dg
+        self.program = step.programs[self.rank]
+        self.cfg = optimizer
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.steps_done = 0
+        mesh = self.dg.pcg.mesh
+        if mesh.size != self.world:
+            raise ValueError(f"the plan is for mesh {mesh} ({mesh.size} devices) but the world has {self.world} "
+                             f"processes; start {mesh.size} processes or change --mesh")
+        self._check_fingerprints()
+        self.groups = {m: (None if len(m) == self.world else dist.new_group(list(m), timeout=self.timeout))
+                       for m in process_groups(self.dg)}
+        nodes = {n.name: n for n in self.dg.nodes}
+        self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1)
+                        for i in self.program.instrs if isinstance(i, Compute)}
+        self.buffers: dict[str, torch.Tensor] = {}
+        updates = [n for n in self.dg.nodes if n.kind == "update"]
+        self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
+        self.grad_values = {n.src: n.inputs[1] for n in updates}
+
+    def _check_fingerprints(self) -> None:
+        mine = self.dg.fingerprint()
+        everyone: list[str | None] = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        check_fingerprints(dict(enumerate(everyone)))  # raises PlanMismatchError naming the ranks that differ
+
+    # --- data in and out ------------------------------------------------------------------------------
+    def _put(self, vid: str, full: torch.Tensor) -> None:
+        v = self.dg.values[vid]
+        if in_group(v.group, self.rank):
+            self.buffers[vid] = scatter(full, v)[self.rank]
+
+    def _full(self, vid: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The full value, assembled on every rank (an all-reduce over the world; for results, not the step)."""
+        v = self.dg.values[vid]
+        p = v.sharding.parallel_shape(v.group, v.type.shape)
+        dtype = self.buffers[vid].dtype if vid in self.buffers else like.dtype
+        out = torch.zeros(v.type.shape, dtype=dtype)
+        if vid in self.buffers:
+            c = v.sharding.coord_of(v.group, self.rank)
+            if c.replica == 0:
+                out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == "avg" else 1)
+        dist.all_reduce(out)
+        return out
+
+    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Take this rank's pieces of the full weights (same values on every rank); optimizer state = 0."""
+        for w in self.dg.pcg.graph.weights:
+            self._put(f"fwd:{w}", weights[w])
+        for vid, v in self.dg.values.items():
+            if v.role == "opt" and not vid.startswith("upd:"):
+                self._put(vid, torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        ref = next(iter(self.buffers.values()))
+        return {w: self._full(f"fwd:{w}", ref) for w in self.dg.pcg.graph.weights}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        ref = next(iter(self.buffers.values()))
+        return {w: self._full(g, ref) for w, g in self.grad_values.items()}
+
+    # --- one step -------------------------------------------------------------------------------------
+    def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
+        """Run one training step on the full ``inputs`` (every rank passes the same); returns the loss."""
+        graph = self.dg.pcg.graph
+        for name in graph.inputs:
+            self._put(f"fwd:{name}", inputs[name])
+        for name, value in graph.constants.items():
+            self._put(f"fwd:{name}", value)
+        b = self.buffers
+        for instr in self.program.instrs:
+            if isinstance(instr, Compute):
+                outs = self.kernels[instr.dnode]([b[x.value] for x in instr.ins])
+                for x, t in zip(instr.outs, outs):
+                    b[x.value] = t
+            else:
+                out = self._communicate(instr)
+                if instr.recv is not None:
+                    b[instr.recv.value] = out
+        loss_id = f"fwd:{self.dg.pcg.loss}"
+        loss = self._full(loss_id, next(iter(b.values()))).item()
+        for new, old in self.renames:
+            if new in b:
+                b[old] = b.pop(new)
+        self.steps_done += 1
+        return loss
+
+    def _wait(self, work, c: Comm) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:
+            raise CommTimeout(self._where(c) + f": {e}") from None
+        if ok is False:
+            raise CommTimeout(self._where(c) + f": no completion within {self.timeout.total_seconds():.0f} s")
+
+    def _where(self, c: Comm) -> str:
+        who = f"peer {c.peer}" if c.kind in ("send", "recv") else f"group {list(c.members)}"
+        return f"rank {self.rank} waited on token {c.token} ({c.kind} of {c.type.dtype}{list(c.type.shape)}, {who})"
+
+    def _communicate(self, c: Comm) -> torch.Tensor | None:
+        """Issue communication ``c`` on this rank and wait for it (once) with the timeout."""
+        send = self.buffers[c.send.value] if c.send is not None else None
+        pg = self.groups.get(c.members)
+        d = len(c.members)
+        if c.kind == "send":
+            self._wait(dist.isend(send.contiguous(), c.peer), c)
+            return None
+        if c.kind == "recv":
+            out = torch.empty(c.recv.type.shape, dtype=self._dtype(c))
+            self._wait(dist.irecv(out, c.peer), c)
+            return out
+        if c.kind == "all_reduce":
+            out = send.clone()
+            self._wait(dist.all_reduce(out, group=pg, async_op=True), c)
+            return out
+        if c.kind == "all_gather":
+            x = send.movedim(c.dim, 0).contiguous()
+            out = torch.empty((d * x.shape[0],) + x.shape[1:], dtype=x.dtype)
+            self._wait(dist.all_gather_into_tensor(out, x, group=pg, async_op=True), c)
+            return out.movedim(0, c.dim).contiguous()
+        if c.kind == "reduce_scatter":
+            # gloo's reduce-scatter is an all-reduce underneath (design note §6); do that, keep our block.
+            out = send.clone()
+            self._wait(dist.all_reduce(out, group=pg, async_op=True), c)
+            return out.chunk(d, c.dim)[c.members.index(self.rank)].contiguous()
+        if c.kind == "all_to_all":
+            x = torch.stack(send.chunk(d, c.dim)).contiguous()
+            out = torch.empty_like(x)
+            self._wait(dist.all_to_all_single(out, x, group=pg, async_op=True), c)
+            return torch.cat(list(out.unbind(0)), c.dim2).contiguous()
+        if c.kind == "broadcast":
+            out = send.clone() if self.rank == c.root else torch.empty(c.recv.type.shape, dtype=self._dtype(c))
+            self._wait(dist.broadcast(out, src=c.root, group=pg, async_op=True), c)
+            return out
+        if c.kind == "reduce":
+            out = send.clone()
+            self._wait(dist.reduce(out, dst=c.root, group=pg, async_op=True), c)
+            return out if self.rank == c.root else None
+        raise ValueError(f"rank {self.rank}: no implementation for communication kind {c.kind!r} (token {c.token})")
+
+    @staticmethod
+    def _dtype(c: Comm) -> torch.dtype:
+        return torch_dtype(c.type.dtype)

@@ -1,0 +1,119 @@
+"""Local launcher: start N ranks on this machine the way torchrun does, watch them, report the root cause.
+
+The parent binds the rendezvous store on a port the OS picks (port 0, loopback only) and keeps it; each rank
+gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
+``TORCHELASTIC_USE_AGENT_STORE=True`` so it joins the parent's store as a client, ``OMP_NUM_THREADS`` =
+cores / N and ``GLOO_SOCKET_IFNAME=lo``. Each rank's output goes to ``rank{r}.log`` in the run directory;
+rank 0's is also echoed to the console. When a rank fails, the others get ``grace_s`` seconds (their
+communication timeout plus a few) to exit on their own, then are killed; the launcher names the failed rank,
+its exit status and the end of its log. Ctrl-C / SIGTERM are forwarded to the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """Exit status of every rank, and the first failure (rank, status) if any."""
+
+    returncodes: tuple[int, ...]
+    failed: tuple[int, int] | None
+
+    @property
+    def ok(self) -> bool:
+        return self.failed is None
+
+
+def _pump(stream, log: Path, echo: bool) -> None:
+    with open(log, "w", buffering=1) as f:
+        for line in iter(stream.readline, ""):
+            f.write(line)
+            if echo:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+
+def tail(path: Path, n: int = 15) -> str:
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-n:])
+    except OSError:
+        return ""
+
+
+def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0, echo_rank0: bool = True,
+           host: str = "127.0.0.1") -> LaunchResult:
+    """Run ``cmd`` (an argv, e.g. ``[python, -m, shardflow.cli, train, ...]``) as ``nproc`` ranks.
+
+    Returns when every rank has exited (killed ``grace_s`` after the first failure). Per-rank logs:
+    ``run_dir/rank{r}.log``.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore(host, 0, nproc, is_master=True, wait_for_workers=False)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    procs, pumps = [], []
+    for r in range(nproc):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR=host, MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+                   OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo", SHARDFLOW_LAUNCHED="1",
+                   PYTHONUNBUFFERED="1")
+        p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        t = threading.Thread(target=_pump, args=(p.stdout, run_dir / f"rank{r}.log", echo_rank0 and r == 0),
+                             daemon=True)
+        t.start()
+        procs.append(p)
+        pumps.append(t)
+
+    def forward(sig, _frame):
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    failed: tuple[int, int] | None = None
+    deadline = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for r, p in enumerate(procs):
+                code = p.poll()
+                if code not in (None, 0) and failed is None:
+                    failed = (r, code)
+                    deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for t in pumps:
+        t.join(timeout=5)
+    codes = tuple(p.returncode for p in procs)
+    if failed is None:
+        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
+        failed = bad[0] if bad else None
+    del store
+    return LaunchResult(codes, failed)
+
+
+def describe_failure(result: LaunchResult, run_dir: Path) -> str:
+    """One paragraph naming the failed rank, how it ended, and the end of its log."""
+    r, code = result.failed
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    others = [f"rank {i}: {c}" for i, c in enumerate(result.returncodes) if i != r]
+    return (f"rank {r} {how} (others: {', '.join(others)}); its log {run_dir / f'rank{r}.log'} ends with:\n"
+            f"{tail(run_dir / f'rank{r}.log')}")

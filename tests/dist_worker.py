@@ -1,0 +1,86 @@
+"""One rank of the distributed tests: runs every case given on the command line against the single-device
+run (eager module + torch.optim, computed on this rank) and writes the largest differences to JSON.
+
+Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
+CASE = strategy@mesh@dtype, e.g. "tp@tp=2@float64". Special cases: "mismatch" (rank 1 plans another strategy),
+"die" (rank 1 kills itself in the middle of a step).
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from shardflow.capture import capture
+from shardflow.lower import lower_step
+from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.pcg import build_pcg
+from shardflow.reference import weights_of
+from shardflow.runtime.distributed import DistributedExecutor, init_from_env
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.strategy import make_plan, resolve
+
+B, T, V = 4, 8, 11
+
+
+def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32)).to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"idx": torch.randint(0, V, (B, T), generator=gen), "targets": torch.randint(0, V, (B, T), generator=gen)}
+    graph = capture(model, inputs)
+    mesh = Mesh.parse(mesh_text)
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+    ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=timeout_s)
+    ex.load(weights_of(model, graph))
+    return model, inputs, ex
+
+
+def run_case(case, rank):
+    strategy, mesh_text, dtype_name = case.split("@")
+    dtype = getattr(torch, dtype_name)
+    cfg = OptimizerConfig("sgd", 0.1, 0.9)
+    model, inputs, ex = executor(strategy, mesh_text, dtype, rank, cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    for _ in range(3):
+        loss = ex.step(inputs)
+        opt.zero_grad()
+        want = model(**inputs)
+        want.backward()
+        diffs["loss"] = max(diffs["loss"], abs(loss - want.item()))
+        grads = ex.grads()
+        diffs["grad"] = max([diffs["grad"]] + [(grads[k] - p.grad).abs().max().item() for k, p in model.named_parameters()])
+        opt.step()
+    weights = ex.weights()
+    diffs["weight"] = max((weights[k] - p.detach()).abs().max().item() for k, p in model.named_parameters())
+    return diffs
+
+
+def main():
+    out, cases = Path(sys.argv[1]), sys.argv[2:]
+    rank, world = init_from_env(timeout_s=60)
+    results = {}
+    for case in cases:
+        if case == "mismatch":
+            cfg = OptimizerConfig("sgd", 0.1)
+            executor("dp" if rank == 0 else "tp", f"{'dp' if rank == 0 else 'tp'}={world}", torch.float64, rank, cfg)
+            results[case] = "ran"  # must not get here: the fingerprints differ
+        elif case == "die":
+            cfg = OptimizerConfig("sgd", 0.1)
+            _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            ex.step(inputs)
+            results[case] = "survived"
+        else:
+            results[case] = run_case(case, rank)
+    (out / f"result{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

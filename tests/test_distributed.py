@@ -1,0 +1,62 @@
+"""Real processes on gloo: each strategy equals the single-device run; a rank that dies or plans differently
+makes every rank exit non-zero within the communication timeout. Processes start once per launch (each torch
+import costs seconds), and every wait has a timeout."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardflow.runtime.launch import describe_failure, launch
+
+WORKER = str(Path(__file__).with_name("dist_worker.py"))
+
+# float64: partial sums are added in another order than on one device → agreement to rounding; 1e-10 catches
+# any real error (O(1)). float32: 1e-4.
+TOL = {"float64": 1e-10, "float32": 1e-4}
+
+
+def run(tmp_path, nproc, cases, grace_s=30.0):
+    res = launch([sys.executable, WORKER, str(tmp_path), *cases], nproc, tmp_path / "logs", grace_s=grace_s,
+                 echo_rank0=False)
+    results = [json.loads((tmp_path / f"result{r}.json").read_text()) if (tmp_path / f"result{r}.json").exists()
+               else None for r in range(nproc)]
+    return res, results
+
+
+def check(res, results, tmp_path):
+    assert res.ok, describe_failure(res, tmp_path / "logs")
+    for r, per_rank in enumerate(results):
+        for case, diffs in per_rank.items():
+            tol = TOL[case.split("@")[2]]
+            assert all(v <= tol for v in diffs.values()), (r, case, diffs)
+
+
+def test_two_processes(tmp_path):
+    cases = ["dp@dp=2@float64", "tp@tp=2@float64", "sp@tp=2@float64", "pp@pp=2@float64", "tp@tp=2@float32"]
+    check(*run(tmp_path, 2, cases), tmp_path)
+
+
+def test_four_processes(tmp_path):
+    cases = ["dp,tp@dp=2,tp=2@float64", "dp,sp@dp=2,tp=2@float64", "tp@tp=4@float64", "pp,tp@pp=2,tp=2@float64"]
+    check(*run(tmp_path, 4, cases), tmp_path)
+
+
+def test_different_plans_are_refused_at_start(tmp_path):
+    res, results = run(tmp_path, 2, ["mismatch"])
+    assert not res.ok and all(r is None for r in results)
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    assert "PlanMismatchError" in log and "rank 1" in log
+
+
+def test_a_killed_rank_takes_everyone_down_within_the_timeout(tmp_path):
+    t0 = time.monotonic()
+    res, results = run(tmp_path, 2, ["die"], grace_s=20.0)
+    elapsed = time.monotonic() - t0
+    assert res.failed is not None and all(c != 0 for c in res.returncodes)
+    assert res.returncodes[1] == -9  # SIGKILL
+    assert all(r is None for r in results)
+    assert elapsed < 60, elapsed  # the survivor's 5 s communication timeout, plus start-up
+    assert "rank 1 was killed by signal 9" in describe_failure(res, tmp_path / "logs")
