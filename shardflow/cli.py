@@ -33,9 +33,11 @@ from shardflow.parallel.pcg import PCG, build_pcg
 from shardflow.parallel.shape import ShardingError
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
 from shardflow.strategy.presets import default_mesh
+from shardflow.train.config import TrainConfig
+from shardflow.train.data import DataError
 
-USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanVerificationError, ValueError,
-               FileNotFoundError)
+USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanVerificationError, DataError,
+               ValueError, FileNotFoundError)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +119,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from shardflow.train.loop import main as train_main
+    return train_main(TrainConfig.from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adamw"), default="sgd",
                    help="optimizer whose state slots the update step carries (default sgd)")
     p.set_defaults(func=cmd_plan)
+    t = sub.add_parser("train", help="train a GPT on text across local processes with a chosen strategy")
+    TrainConfig.add_arguments(t)
+    t.set_defaults(func=cmd_train)
     return parser
 
 

@@ -27,13 +27,14 @@ class LoweredStep:
 
 
 def lower_step(pcg: PCG, optimizer: str = "sgd", ranks: Iterable[int] | None = None,
-               verify: bool = True) -> LoweredStep:
+               verify: bool = True, training: bool = True) -> LoweredStep:
     """Lower one training step of ``pcg``. With ``ranks`` given, only those ranks' programs are built (each
     rank of a run builds its own); ``verify`` (all ranks only) proves the programs agree before any launch.
 
+    ``training=False`` lowers the forward pass only (evaluation).
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
-    dg = copy_insertion(pass_expansion(pcg, optimizer))
+    dg = copy_insertion(pass_expansion(pcg, optimizer, training))
     programs = lower(dg, ranks)
     if verify and ranks is None:
         from shardflow.lower.verify import verify as prove

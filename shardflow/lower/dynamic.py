@@ -173,8 +173,9 @@ def grad_sharding(pcg: PCG, node: PNode, i: int) -> tuple[Sharding, float]:
     return Sharding(s.dims, tuple(partial)), (1.0 / scale if scale != 1.0 else 1.0)
 
 
-def pass_expansion(pcg: PCG, optimizer: str = "sgd") -> DynamicGraph:
-    """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring).
+def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True) -> DynamicGraph:
+    """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
+    ``training=False`` only the FWD nodes (evaluation).
 
     ``optimizer``: one of :data:`OPTIMIZER_SLOTS` (its state slots become UPD values). Raises PassError if
     the PCG has no loss.
@@ -191,6 +192,8 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd") -> DynamicGraph:
                              tuple(f"fwd:{t}" for t in n.inputs), tuple(f"fwd:{t}" for t in n.outputs), n.group,
                              n.name, n.op if n.is_parallel else None, label=n.op.describe()))
 
+    if not training:
+        return DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, ("pass_expansion",))
     need = _needs_grad(pcg)
     contributions: dict[str, list[str]] = {t: [] for t in pcg.tensors}
     loss = pcg.tensors[pcg.loss]

@@ -62,7 +62,9 @@ class DistributedExecutor:
     construction if the ranks' plans differ, CommTimeout when a communication waits longer than ``timeout_s``.
     """
 
-    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0):
+    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0,
+                 share: DistributedExecutor | None = None):
+        """``share``: another executor of the same PCG whose weights and process groups this one uses."""
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.dg = step.dg
@@ -75,12 +77,14 @@ class DistributedExecutor:
             raise ValueError(f"the plan is for mesh {mesh} ({mesh.size} devices) but the world has {self.world} "
                              f"processes; start {mesh.size} processes or change --mesh")
         self._check_fingerprints()
-        self.groups = {m: (None if len(m) == self.world else dist.new_group(list(m), timeout=self.timeout))
-                       for m in process_groups(self.dg)}
+        self.groups = dict(share.groups) if share else {}
+        for m in process_groups(self.dg):  # same order on every rank
+            if m not in self.groups:
+                self.groups[m] = None if len(m) == self.world else dist.new_group(list(m), timeout=self.timeout)
         nodes = {n.name: n for n in self.dg.nodes}
         self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1)
                         for i in self.program.instrs if isinstance(i, Compute)}
-        self.buffers: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
         updates = [n for n in self.dg.nodes if n.kind == "update"]
         self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
         self.grad_values = {n.src: n.inputs[1] for n in updates}

@@ -52,7 +52,8 @@ class LocalExecutor:
     ``ex.weights()`` / ``ex.grads()`` assemble full tensors. Raises RuntimeError on a deadlock.
     """
 
-    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig):
+    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, share: LocalExecutor | None = None):
+        """``share``: another executor of the same PCG whose weights this one reads (e.g. evaluation)."""
         self.lowered, self.cfg = step, optimizer
         self.dg = step.dg
         self.steps_done = 0
@@ -61,7 +62,7 @@ class LocalExecutor:
             (r, i.dnode): make_kernel(nodes[i.dnode], self.dg, r, optimizer, lambda: self.steps_done + 1)
             for r, p in step.programs.items() for i in p.instrs if isinstance(i, Compute)
         }
-        self.buffers: dict[int, dict[str, torch.Tensor]] = {r: {} for r in step.programs}
+        self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         updates = [n for n in self.dg.nodes if n.kind == "update"]
         self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
         self.grad_values = {n.src: n.inputs[1] for n in updates}

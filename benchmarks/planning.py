@@ -1,0 +1,221 @@
+"""Per-rank planning time of the built-in GPT: capture, strategy, PCG, and lowering of one rank's program.
+
+Each rank of a run plans for itself (design §1): it captures the model, makes and resolves the strategy's
+plan, builds the PCG, and lowers *its own* program (``lower_step(pcg, ranks=[rank], verify=False)``). This
+script times those four stages separately (best of ``--repeat`` runs, ``time.perf_counter``) for
+
+* depth: ``n_layer`` in {6, 12, 24, 48} on a fixed mesh (``dp=8,tp=8`` by default), and
+* world size: {2, 8, 64, 256, 1024} devices at 24 layers, meshes ``dp × tp`` with ``tp = min(8, world)``,
+
+prints a Markdown table and writes it to ``docs/benchmarks.md`` under the heading "Planning time" (the file
+is created if missing; otherwise only that section is replaced). The target (the planning-time issue): a
+24-layer GPT on 64 devices (dp=8, tp=8) planned per rank in under a second.
+
+Usage::
+
+    python benchmarks/planning.py            # full sweep, writes docs/benchmarks.md
+    python benchmarks/planning.py --quick    # small sweep, one repeat (a smoke test); writes too
+    python benchmarks/planning.py --profile  # also cProfile one plan of the target configuration
+    python benchmarks/planning.py --no-write # print only
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import os
+import platform
+import pstats
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shardflow.capture import capture  # noqa: E402
+from shardflow.lower import lower_step  # noqa: E402
+from shardflow.models import GPT, GPTConfig  # noqa: E402
+from shardflow.parallel.mesh import Mesh  # noqa: E402
+from shardflow.parallel.pcg import build_pcg  # noqa: E402
+from shardflow.strategy import make_plan, resolve  # noqa: E402
+
+HEADING = "## Planning time"
+MAX_TP = 8
+N_HEAD = 8          # divisible by every tp degree used (≤ 8)
+N_EMBD = 64         # divisible by n_head and by tp
+SEQ_LEN = 64
+VOCAB = 256
+BATCH = 128         # divisible by every dp degree used (≤ 1024 / 8)
+STRATEGY = "dp,tp"
+STAGES = ("capture", "strategy", "pcg", "lower")
+
+
+@dataclass
+class Row:
+    sweep: str
+    n_layer: int
+    mesh: str
+    world: int
+    times: dict[str, float]     # stage -> best seconds
+    instrs: int                 # instructions in the rank's program
+    comms: int                  # communications among them
+    pcg_nodes: int
+
+    @property
+    def total(self) -> float:
+        return sum(self.times.values())
+
+
+def mesh_for(world: int) -> str:
+    tp = min(MAX_TP, world)
+    if world % tp:
+        raise SystemExit(f"world size {world} is not a multiple of tp={tp}")
+    return f"dp={world // tp},tp={tp}"
+
+
+def model_and_inputs(n_layer: int):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ_LEN, n_layer=n_layer, n_head=N_HEAD, n_embd=N_EMBD))
+    tokens = torch.zeros(BATCH, SEQ_LEN, dtype=torch.long)
+    return model, {"idx": tokens, "targets": tokens}
+
+
+def plan_once(model, inputs, mesh: Mesh, rank: int = 0):
+    """One per-rank planning run; returns (seconds per stage, lowered step, pcg)."""
+    t = {}
+    t0 = time.perf_counter()
+    graph = capture(model, inputs)
+    t1 = time.perf_counter()
+    ann = resolve(make_plan(graph, mesh, STRATEGY), graph, mesh)
+    t2 = time.perf_counter()
+    pcg = build_pcg(graph, mesh, ann)
+    t3 = time.perf_counter()
+    step = lower_step(pcg, ranks=[rank], verify=False)
+    t4 = time.perf_counter()
+    t.update(capture=t1 - t0, strategy=t2 - t1, pcg=t3 - t2, lower=t4 - t3)
+    return t, step, pcg
+
+
+def measure(sweep: str, n_layer: int, mesh_text: str, repeat: int) -> Row:
+    model, inputs = model_and_inputs(n_layer)
+    mesh = Mesh.parse(mesh_text)
+    best = dict.fromkeys(STAGES, float("inf"))
+    for _ in range(repeat):
+        t, step, pcg = plan_once(model, inputs, mesh)
+        best = {k: min(best[k], t[k]) for k in STAGES}
+    prog = step.programs[0]
+    return Row(sweep, n_layer, mesh_text, mesh.size, best, len(prog.instrs), len(prog.comms), len(pcg.nodes))
+
+
+def table(rows: list[Row]) -> str:
+    head = ("| sweep | layers | mesh | devices | capture (s) | strategy (s) | build_pcg (s) | lower rank 0 (s) "
+            "| total (s) | rank 0 program: instrs / comms | PCG nodes |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        t = r.times
+        lines.append(f"| {r.sweep} | {r.n_layer} | `{r.mesh}` | {r.world} | {t['capture']:.3f} | {t['strategy']:.3f} "
+                     f"| {t['pcg']:.3f} | {t['lower']:.3f} | **{r.total:.3f}** | {r.instrs} / {r.comms} "
+                     f"| {r.pcg_nodes} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()}, {platform.processor() or 'unknown CPU'}), "
+            f"Python {platform.python_version()}, torch {torch.__version__}, {datetime.date.today().isoformat()}")
+
+
+def section(rows: list[Row], args: argparse.Namespace) -> str:
+    target = next((r for r in rows if r.n_layer == 24 and r.mesh == "dp=8,tp=8"), None)
+    verdict = ""
+    if target is not None:
+        ok = "meets" if target.total < 1.0 else "misses"
+        verdict = (f"\nTarget: a 24-layer GPT on 64 devices (`dp=8,tp=8`) planned per rank in under a second — "
+                   f"this run {ok} it ({target.total:.3f} s, capture included).\n")
+    return f"""{HEADING}
+
+Per-rank planning of the built-in GPT (`shardflow.models.GPT`: n_head={N_HEAD}, n_embd={N_EMBD},
+T={SEQ_LEN}, V={VOCAB}, batch {BATCH}) under strategy `{STRATEGY}`: what every rank does before training —
+capture (`shardflow.capture.capture`), strategy (`make_plan` + `resolve`), `build_pcg`, and lowering of its
+own program (`lower_step(pcg, ranks=[0], verify=False)`). Best of {args.repeat} run(s) per stage
+(`time.perf_counter`); total = sum of the stage bests. Depth sweep at `dp=8,tp=8`; world-size sweep at 24
+layers with `tp = min(8, world)`.{' Quick run (reduced sweep).' if args.quick else ''}
+
+Machine: {machine()}.
+
+Reproduce: `python benchmarks/planning.py{' --quick' if args.quick else ''}`.
+
+{table(rows)}
+{verdict}"""
+
+
+def write_section(path: Path, text: str) -> None:
+    """Create ``path`` with the section, or replace only the "Planning time" section of an existing file."""
+    if not path.exists():
+        path.write_text("# shardflow benchmarks\n\nResults of the scripts in `benchmarks/` (see "
+                        "`benchmarks/README.md`).\n\n" + text)
+        return
+    old = path.read_text()
+    m = re.search(rf"^{re.escape(HEADING)}[ \t]*$", old, flags=re.M)
+    if m is None:
+        path.write_text(old.rstrip("\n") + "\n\n" + text)
+        return
+    nxt = re.search(r"^#{1,2} ", old[m.end():], flags=re.M)
+    end = m.end() + nxt.start() if nxt else len(old)
+    rest = old[end:]
+    path.write_text(old[:m.start()] + text + ("\n" + rest if rest else ""))
+
+
+def profile_target(n_layer: int, mesh_text: str, top: int) -> str:
+    model, inputs = model_and_inputs(n_layer)
+    mesh = Mesh.parse(mesh_text)
+    prof = cProfile.Profile()
+    prof.enable()
+    plan_once(model, inputs, mesh)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small sweep (6, 12 layers; 2, 8, 64 devices), 1 repeat")
+    p.add_argument("--repeat", type=int, help="runs per configuration, best kept (default 3; 1 with --quick)")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--profile", action="store_true", help="cProfile one plan of 24 layers on dp=8,tp=8")
+    args = p.parse_args(argv)
+    args.repeat = args.repeat or (1 if args.quick else 3)
+    depths = (6, 12) if args.quick else (6, 12, 24, 48)
+    worlds = (2, 8, 64) if args.quick else (2, 8, 64, 256, 1024)
+    depth_layers = 24 if not args.quick else 12
+
+    rows = []
+    for n in depths:
+        rows.append(measure("depth", n, "dp=8,tp=8", args.repeat))
+        print(f"depth {n:>3} layers on dp=8,tp=8: {rows[-1].total:.3f} s", file=sys.stderr)
+    for w in worlds:
+        rows.append(measure("world", depth_layers, mesh_for(w), args.repeat))
+        print(f"world {w:>5} ({mesh_for(w)}), {depth_layers} layers: {rows[-1].total:.3f} s", file=sys.stderr)
+
+    text = section(rows, args)
+    print(text)
+    if args.profile:
+        print(profile_target(24, "dp=8,tp=8", 30))
+    if not args.no_write:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_section(out, text)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Typed configuration of ``shardflow train``: each field's ``help`` is its command-line help.
+
+Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. The resolved configuration is
+saved as ``config.toml`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run depends on."""
+
+    strategy: str = _f("tp", "single, dp, tp, sp, pp or a combination such as dp,tp")
+    mesh: str | None = _f(None, "device mesh, e.g. dp=2,tp=2 (default: the strategy's axis with --nproc devices)")
+    nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
+    steps: int = _f(300, "optimizer steps to train for")
+    batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")
+    seq_len: int = _f(64, "characters per sequence (the model's context length)")
+    layers: int = _f(2, "transformer blocks")
+    heads: int = _f(4, "attention heads")
+    embd: int = _f(128, "embedding width")
+    dropout: float = _f(0.0, "dropout probability")
+    lr: float = _f(3e-3, "learning rate")
+    optimizer: str = _f("adamw", "sgd or adamw", choices=("sgd", "adamw"))
+    momentum: float = _f(0.9, "SGD momentum")
+    weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW)")
+    seed: int = _f(0, "seed for the initial weights and the batches")
+    data: str | None = _f(None, "UTF-8 text file to train on (default: the Python documentation of this CPython)")
+    run_dir: str = _f("runs/latest", "directory for logs, metrics, checkpoints and the resolved config")
+    metrics: str | None = _f(None, "JSON-lines metrics file (default: RUN_DIR/metrics.jsonl)")
+    log_every: int = _f(10, "print a progress line every N steps")
+    eval_every: int = _f(100, "measure the validation loss every N steps (and at the end)")
+    eval_batches: int = _f(4, "validation batches per measurement")
+    timeout: float = _f(120.0, "seconds any rank may wait on one communication before failing")
+    check: bool = _f(False, "also run the same steps on one device and compare loss and parameters")
+
+    @classmethod
+    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="TOML file of these settings (flags override it)")
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                p.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+                continue
+            typ = {"int": int, "float": float}.get(f.type, str)
+            p.add_argument(flag, type=typ, default=None, choices=f.metadata.get("choices"),
+                           help=f"{f.metadata['help']} (default {f.default})")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
+        """Defaults, then the --config file, then the flags given. Raises ValueError for unknown keys."""
+        values: dict[str, Any] = {}
+        if getattr(args, "config", None):
+            path = Path(args.config)
+            try:
+                values = tomllib.loads(path.read_text())
+            except FileNotFoundError:
+                raise ValueError(f"config file {path} does not exist") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(values) - known)
+            if unknown:
+                raise ValueError(f"config file {path} has unknown settings {unknown}; known: {sorted(known)}")
+        for f in fields(cls):
+            v = getattr(args, f.name, None)
+            if v is not None:
+                values[f.name] = v
+        return cls(**values)
+
+    def to_toml(self) -> str:
+        lines = []
+        for k, v in dataclasses.asdict(self).items():
+            if v is None:
+                continue
+            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v) if isinstance(v, str) else v}")
+        return "\n".join(lines) + "\n"
+
+    def argv(self) -> list[str]:
+        """Command-line flags that reproduce this configuration (for the ranks the launcher starts)."""
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None or v is False:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            out += [flag] if v is True else [flag, str(v)]
+        return out

@@ -1,0 +1,169 @@
+"""``shardflow train``: a GPT trained on text across local processes with a chosen strategy.
+
+The parent process checks the configuration and the plan (errors before any process starts), then starts
+``--nproc`` ranks with the launcher; under torchrun (RANK/WORLD_SIZE set) each process is one rank. One process
+with ``--nproc 1`` runs every rank of the mesh itself (the local executor). Rank 0 prints a banner and one
+line every ``--log-every`` steps; every rank logs to ``RUN_DIR/rank{r}.log``; rank 0 writes the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shardflow.capture import capture
+from shardflow.graph.graph import ComputationGraph
+from shardflow.lower import lower_step
+from shardflow.lower.report import bytes_rows
+from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.strategy import make_plan, resolve
+from shardflow.strategy.presets import default_mesh
+from shardflow.train.config import TrainConfig
+from shardflow.train.data import Corpus
+
+
+@dataclass
+class Setup:
+    """What every rank builds identically from the config: data, model, graph, PCG."""
+
+    cfg: TrainConfig
+    corpus: Corpus
+    model: GPT
+    graph: ComputationGraph
+    pcg: PCG
+    mesh: Mesh
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        c = self.cfg
+        return OptimizerConfig(c.optimizer, c.lr, c.momentum if c.optimizer == "sgd" else 0.0, c.weight_decay)
+
+
+def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.layers, n_head=cfg.heads,
+                     n_embd=cfg.embd, dropout=cfg.dropout)
+
+
+def setup(cfg: TrainConfig, world: int) -> Setup:
+    """Data, model (seeded), captured graph and the PCG of the strategy. Raises the planner's errors (PlanError,
+    DegreeError, ...) and DataError — the parent calls this before starting any process."""
+    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy, cfg.nproc)
+    if world > 1 and mesh.size != world:
+        raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
+                         f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
+    corpus = Corpus.load(cfg.data, cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_config(cfg, corpus.tokenizer.vocab_size))
+    example = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
+    graph = capture(model, example)
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, cfg.strategy), graph, mesh))
+    return Setup(cfg, corpus, model, graph, pcg, mesh)
+
+
+def _weights(model: torch.nn.Module, graph: ComputationGraph) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    return {w: params[w].detach().clone() for w in graph.weights}
+
+
+def run_rank(cfg: TrainConfig) -> int:
+    """Train on this process: every rank of the mesh (one process) or this rank (launched / torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from shardflow.runtime.distributed import init_from_env
+        rank, world = init_from_env(cfg.timeout)
+    else:
+        rank = 0
+    s = setup(cfg, world)
+    run_dir = Path(cfg.run_dir)
+    opt = s.optimizer
+    ranks = [rank] if world > 1 else None
+    train_step = lower_step(s.pcg, opt.slots, ranks=ranks, verify=world == 1)
+    eval_step = lower_step(s.pcg, opt.slots, ranks=ranks, verify=False, training=False)
+    if world > 1:
+        from shardflow.runtime.distributed import DistributedExecutor
+        ex = DistributedExecutor(train_step, opt, cfg.timeout)
+        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex)
+    else:
+        from shardflow.runtime.local import LocalExecutor
+        ex = LocalExecutor(train_step, opt)
+        ev = LocalExecutor(eval_step, opt, share=ex)
+    ex.load(_weights(s.model, s.graph))
+
+    lead = rank == 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = open(cfg.metrics or run_dir / "metrics.jsonl", "w") if lead else None
+    baseline = s.corpus.unigram_loss()
+    if lead:
+        _banner(s, train_step, baseline)
+
+    def val_loss() -> float:
+        return sum(ev.step(s.corpus.batch("val", i, cfg.batch_size, cfg.seq_len, cfg.seed))
+                   for i in range(cfg.eval_batches)) / cfg.eval_batches
+
+    tokens = cfg.batch_size * cfg.seq_len
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        loss = ex.step(s.corpus.batch("train", step, cfg.batch_size, cfg.seq_len, cfg.seed))
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens / dt, "step_s": dt}
+        last = step + 1 == cfg.steps
+        if (step + 1) % cfg.eval_every == 0 or last:
+            record["val_loss"] = val_loss()
+        if lead:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if (step + 1) % cfg.log_every == 0 or last or "val_loss" in record:
+                val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
+                print(f"step {step + 1:>5}/{cfg.steps}  loss {loss:.4f}{val}  {tokens / dt:,.0f} tok/s  "
+                      f"{dt * 1000:.0f} ms/step", flush=True)
+    if lead:
+        final = record["val_loss"]
+        verdict = "below" if final < baseline else "NOT below"
+        print(f"done: validation loss {final:.4f} nats/char, {verdict} the unigram baseline {baseline:.4f}", flush=True)
+        metrics.close()
+    return 0
+
+
+def _banner(s: Setup, step, baseline: float) -> None:
+    n_params = sum(p.numel() for p in s.model.parameters())
+    cfg = s.cfg
+    print(f"shardflow train: {s.corpus.source}, {len(s.corpus.train):,} train / {len(s.corpus.val):,} val chars, "
+          f"vocab {s.corpus.tokenizer.vocab_size}", flush=True)
+    print(f"model: GPT {cfg.layers} layers, {cfg.heads} heads, width {cfg.embd}, context {cfg.seq_len}: "
+          f"{n_params:,} parameters; optimizer {cfg.optimizer} lr {cfg.lr}", flush=True)
+    print(f"strategy {cfg.strategy} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}",
+          flush=True)
+    rows = bytes_rows(step.programs)
+    per = {}
+    for r, kind, axis, n, planned, _ in rows:
+        if r == min(step.programs):
+            per[f"{kind}/{axis or '-'}"] = (n, planned)
+    comm = ", ".join(f"{k} ×{n} ({b / 2**20:.2f} MiB)" for k, (n, b) in per.items()) or "no communication"
+    print(f"plan (rank {min(step.programs)}, per step): {comm}", flush=True)
+    print(f"unigram baseline (validation): {baseline:.4f} nats/char", flush=True)
+
+
+def main(cfg: TrainConfig) -> int:
+    """Entry of ``shardflow train``: plan-check in this process, then launch ``--nproc`` ranks (or run here)."""
+    run_dir = Path(cfg.run_dir)
+    if "RANK" in os.environ or cfg.nproc == 1:
+        return run_rank(cfg)
+    setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    from shardflow.runtime.launch import describe_failure, launch
+    res = launch([sys.executable, "-m", "shardflow.cli", "train", *cfg.argv()], cfg.nproc, run_dir,
+                 grace_s=cfg.timeout + 10)
+    if not res.ok:
+        print(f"shardflow train: error: {describe_failure(res, run_dir)}", file=sys.stderr)
+        return 1
+    return 0
