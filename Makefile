@@ -1,11 +1,11 @@
-# Newcomer targets: `make plan` (set up + main job) and `make test` (set up + tests).
+# Newcomer targets: `make train` (set up + main job) and `make test` (set up + tests).
 # Every install uses constraints.txt, which pins torch==2.13.0 (an unpinned torch pulls CUDA packages).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test plan clean
+.PHONY: venv test train plan clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(BIN)/python -m pytest
+
+train: venv
+	$(BIN)/shardflow train --strategy tp --nproc 2
 
 plan: venv
 	$(BIN)/shardflow plan --model gpt --strategy tp --nproc 2

@@ -6,6 +6,8 @@ script times those four stages separately (best of ``--repeat`` runs, ``time.per
 
 * depth: ``n_layer`` in {6, 12, 24, 48} on a fixed mesh (``dp=8,tp=8`` by default), and
 * world size: {2, 8, 64, 256, 1024} devices at 24 layers, meshes ``dp × tp`` with ``tp = min(8, world)``,
+* batch: the global batch 128 (divisible by every dp degree above) against 8, at 24 layers on ``dp=8,tp=8``
+  (capture runs the model on its example inputs, so its cost follows the batch),
 
 prints a Markdown table and writes it to ``docs/benchmarks.md`` under the heading "Planning time" (the file
 is created if missing; otherwise only that section is replaced). The target (the planning-time issue): a
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import gc
 import io
 import os
 import platform
@@ -53,6 +56,7 @@ N_EMBD = 64         # divisible by n_head and by tp
 SEQ_LEN = 64
 VOCAB = 256
 BATCH = 128         # divisible by every dp degree used (≤ 1024 / 8)
+SMALL_BATCH = 8     # the batch sweep's other point (divisible by dp=8)
 STRATEGY = "dp,tp"
 STAGES = ("capture", "strategy", "pcg", "lower")
 
@@ -61,6 +65,7 @@ STAGES = ("capture", "strategy", "pcg", "lower")
 class Row:
     sweep: str
     n_layer: int
+    batch: int
     mesh: str
     world: int
     times: dict[str, float]     # stage -> best seconds
@@ -85,10 +90,10 @@ def mesh_for(world: int) -> str:
     return f"dp={world // tp},tp={tp}"
 
 
-def model_and_inputs(n_layer: int):
+def model_and_inputs(n_layer: int, batch: int = BATCH):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ_LEN, n_layer=n_layer, n_head=N_HEAD, n_embd=N_EMBD))
-    tokens = torch.zeros(BATCH, SEQ_LEN, dtype=torch.long)
+    tokens = torch.zeros(batch, SEQ_LEN, dtype=torch.long)
     return model, {"idx": tokens, "targets": tokens}
 
 
@@ -108,24 +113,25 @@ def plan_once(model, inputs, mesh: Mesh, rank: int = 0):
     return t, step, pcg
 
 
-def measure(sweep: str, n_layer: int, mesh_text: str, repeat: int) -> Row:
-    model, inputs = model_and_inputs(n_layer)
+def measure(sweep: str, n_layer: int, mesh_text: str, repeat: int, batch: int = BATCH) -> Row:
+    model, inputs = model_and_inputs(n_layer, batch)
     mesh = Mesh.parse(mesh_text)
     best = dict.fromkeys(STAGES, float("inf"))
     for _ in range(repeat):
+        gc.collect()  # start each run from the same heap; the collector stays on, as in a real rank
         t, step, pcg = plan_once(model, inputs, mesh)
         best = {k: min(best[k], t[k]) for k in STAGES}
     prog = step.programs[0]
-    return Row(sweep, n_layer, mesh_text, mesh.size, best, len(prog.instrs), len(prog.comms), len(pcg.nodes))
+    return Row(sweep, n_layer, batch, mesh_text, mesh.size, best, len(prog.instrs), len(prog.comms), len(pcg.nodes))
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| sweep | layers | mesh | devices | capture (s) | strategy (s) | build_pcg (s) | lower rank 0 (s) "
+    head = ("| sweep | layers | batch | mesh | devices | capture (s) | strategy (s) | build_pcg (s) | lower rank 0 (s) "
             "| total (s) | without capture (s) | rank 0 program: instrs / comms | PCG nodes |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         t = r.times
-        lines.append(f"| {r.sweep} | {r.n_layer} | `{r.mesh}` | {r.world} | {t['capture']:.3f} | {t['strategy']:.3f} "
+        lines.append(f"| {r.sweep} | {r.n_layer} | {r.batch} | `{r.mesh}` | {r.world} | {t['capture']:.3f} | {t['strategy']:.3f} "
                      f"| {t['pcg']:.3f} | {t['lower']:.3f} | **{r.total:.3f}** | {r.planning:.3f} | {r.instrs} / {r.comms} "
                      f"| {r.pcg_nodes} |")
     return "\n".join(lines)
@@ -137,7 +143,7 @@ def machine() -> str:
 
 
 def section(rows: list[Row], args: argparse.Namespace) -> str:
-    target = next((r for r in rows if r.n_layer == 24 and r.mesh == "dp=8,tp=8"), None)
+    target = next((r for r in rows if r.n_layer == 24 and r.mesh == "dp=8,tp=8" and r.batch == BATCH), None)
     verdict = ""
     if target is not None:
         ok = "meets" if target.total < 1.0 else "misses"
@@ -146,13 +152,13 @@ def section(rows: list[Row], args: argparse.Namespace) -> str:
     return f"""{HEADING}
 
 Per-rank planning of the built-in GPT (`shardflow.models.GPT`: n_head={N_HEAD}, n_embd={N_EMBD},
-T={SEQ_LEN}, V={VOCAB}, batch {BATCH}) under strategy `{STRATEGY}`: what every rank does before training —
+T={SEQ_LEN}, V={VOCAB}, global batch {BATCH} unless the row says otherwise) under strategy `{STRATEGY}`: what every rank does before training —
 capture (`shardflow.capture.capture`), strategy (`make_plan` + `resolve`), `build_pcg`, and lowering of its
 own program (`lower_step(pcg, ranks=[0], verify=False)`). Best of {args.repeat} run(s) per stage
-(`time.perf_counter`); total = sum of the stage bests. Depth sweep at `dp=8,tp=8`; world-size sweep at 24
-layers with `tp = min(8, world)`.{' Quick run (reduced sweep).' if args.quick else ''}
+(`time.perf_counter`); total = sum of the stage bests. Depth sweep at `dp=8,tp=8`; world-size sweep at
+{depth_layers(args)} layers with `tp = min(8, world)`; batch sweep: the same plan captured with batch {SMALL_BATCH}.{' Quick run (reduced sweep).' if args.quick else ''}
 
-Machine: {machine()}.
+Machine: {machine()}; torch threads: {torch.get_num_threads()}.
 
 Reproduce: `python benchmarks/planning.py{' --quick' if args.quick else ''}`.
 
@@ -189,26 +195,36 @@ def profile_target(n_layer: int, mesh_text: str, top: int) -> str:
     return out.getvalue()
 
 
+def depth_layers(args: argparse.Namespace) -> int:
+    """Layers of the world-size and batch sweeps."""
+    return 12 if args.quick else 24
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sweep (6, 12 layers; 2, 8, 64 devices), 1 repeat")
     p.add_argument("--repeat", type=int, help="runs per configuration, best kept (default 3; 1 with --quick)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for capture's eager run (default 1: one rank per core; several "
+                        "threads on a busy machine make torch spin and the numbers noisy)")
     p.add_argument("--profile", action="store_true", help="cProfile one plan of 24 layers on dp=8,tp=8")
     args = p.parse_args(argv)
     args.repeat = args.repeat or (1 if args.quick else 3)
+    torch.set_num_threads(args.threads)
     depths = (6, 12) if args.quick else (6, 12, 24, 48)
     worlds = (2, 8, 64) if args.quick else (2, 8, 64, 256, 1024)
-    depth_layers = 24 if not args.quick else 12
 
     rows = []
     for n in depths:
         rows.append(measure("depth", n, "dp=8,tp=8", args.repeat))
         print(f"depth {n:>3} layers on dp=8,tp=8: {rows[-1].total:.3f} s", file=sys.stderr)
     for w in worlds:
-        rows.append(measure("world", depth_layers, mesh_for(w), args.repeat))
-        print(f"world {w:>5} ({mesh_for(w)}), {depth_layers} layers: {rows[-1].total:.3f} s", file=sys.stderr)
+        rows.append(measure("world", depth_layers(args), mesh_for(w), args.repeat))
+        print(f"world {w:>5} ({mesh_for(w)}), {depth_layers(args)} layers: {rows[-1].total:.3f} s", file=sys.stderr)
+    rows.append(measure("batch", depth_layers(args), "dp=8,tp=8", args.repeat, SMALL_BATCH))
+    print(f"batch {SMALL_BATCH}, {depth_layers(args)} layers on dp=8,tp=8: {rows[-1].total:.3f} s", file=sys.stderr)
 
     text = section(rows, args)
     print(text)

@@ -25,7 +25,7 @@ class TrainConfig:
     strategy: str = _f("tp", "single, dp, tp, sp, pp or a combination such as dp,tp")
     mesh: str | None = _f(None, "device mesh, e.g. dp=2,tp=2 (default: the strategy's axis with --nproc devices)")
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
-    steps: int = _f(300, "optimizer steps to train for")
+    steps: int = _f(600, "optimizer steps to train for")
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")
     seq_len: int = _f(64, "characters per sequence (the model's context length)")
     layers: int = _f(2, "transformer blocks")
