@@ -56,7 +56,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 def setup(cfg: TrainConfig, world: int) -> Setup:
     """Data, model (seeded), captured graph and the PCG of the strategy. Raises the planner's errors (PlanError,
     DegreeError, ...) and DataError — the parent calls this before starting any process."""
-    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy, cfg.nproc)
+    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy, world if world > 1 else cfg.nproc)
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
                          f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
