@@ -90,3 +90,20 @@ def test_empty_and_non_utf8_data(tmp_path):
     for path, word in ((empty, "is empty"), (latin, "is not UTF-8")):
         r, _ = train(tmp_path, "bad", "--data", str(path), "--nproc", "1", "--strategy", "single")
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_check_compares_with_one_device(tmp_path, corpus):
+    r, run = train(tmp_path, "check", "--strategy", "tp", "--nproc", "2", "--check", data=corpus)
+    assert r.returncode == 0, r.stderr + r.stdout
+    line = next(l for l in r.stdout.splitlines() if l.startswith("check against one device"))
+    assert line.endswith(": OK")
+
+
+def test_under_torchrun(tmp_path, corpus, single):
+    run = tmp_path / "torchrun"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "shardflow.cli", "train", *TINY, "--data", str(corpus), "--run-dir", str(run),
+                        "--strategy", "dp"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for a, b in zip(losses(run), single):
+        assert abs(a["loss"] - b["loss"]) < 1e-4
