@@ -131,9 +131,9 @@ def table(rows: list[Row]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         t = r.times
-        lines.append(f"| {r.sweep} | {r.n_layer} | {r.batch} | `{r.mesh}` | {r.world} | {t['capture']:.3f} | {t['strategy']:.3f} "
-                     f"| {t['pcg']:.3f} | {t['lower']:.3f} | **{r.total:.3f}** | {r.planning:.3f} | {r.instrs} / {r.comms} "
-                     f"| {r.pcg_nodes} |")
+        lines.append(f"| {r.sweep} | {r.n_layer} | {r.batch} | `{r.mesh}` | {r.world} | {t['capture']:.3f} "
+                     f"| {t['strategy']:.3f} | {t['pcg']:.3f} | {t['lower']:.3f} | **{r.total:.3f}** "
+                     f"| {r.planning:.3f} | {r.instrs} / {r.comms} | {r.pcg_nodes} |")
     return "\n".join(lines)
 
 

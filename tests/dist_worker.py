@@ -20,7 +20,7 @@ from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.reference import weights_of
-from shardflow.runtime.distributed import DistributedExecutor, init_from_env
+from shardflow.runtime.distributed import DistributedExecutor, init_from_env, shutdown
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
 
@@ -80,6 +80,7 @@ def main():
         else:
             results[case] = run_case(case, rank)
     (out / f"result{rank}.json").write_text(json.dumps(results))
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,16 @@ def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def shutdown() -> None:
+    """Leave the process group in order (a barrier, then destroy it); gloo aborts the process if its groups
+    are torn down by interpreter-exit destructors instead."""
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
 class DistributedExecutor:
     """Runs this rank's program of a lowered step. Same interface as :class:`LocalExecutor`.
 
@@ -114,17 +124,26 @@ class DistributedExecutor:
         dist.all_reduce(out)
         return out
 
-    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Take this rank's pieces of the full weights (same values on every rank); optimizer state = 0."""
+    def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
+             steps_done: int = 0) -> None:
+        """Take this rank's pieces of the full weights and optimizer ``state`` (full tensors by value id, as
+        :meth:`state` returns them; zero when None; same values on every rank) after ``steps_done`` steps."""
         for w in self.dg.pcg.graph.weights:
             self._put(f"fwd:{w}", weights[w])
         for vid, v in self.dg.values.items():
             if v.role == "opt" and not vid.startswith("upd:"):
-                self._put(vid, torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
+                self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
+        self.steps_done = steps_done
 
     def weights(self) -> dict[str, torch.Tensor]:
         ref = next(iter(self.buffers.values()))
         return {w: self._full(f"fwd:{w}", ref) for w in self.dg.pcg.graph.weights}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``); collective (every rank calls)."""
+        ref = next(iter(self.buffers.values()))
+        return {vid: self._full(vid, ref) for vid, v in self.dg.values.items()
+                if v.role == "opt" and not vid.startswith("upd:")}
 
     def grads(self) -> dict[str, torch.Tensor]:
         ref = next(iter(self.buffers.values()))

@@ -79,16 +79,23 @@ class LocalExecutor:
         pieces = {d: b[vid] for d, b in self.buffers.items() if vid in b}
         return gather(pieces, v)
 
-    def load(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Place full weights (by graph name) on the ranks; optimizer state starts at zero."""
+    def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
+             steps_done: int = 0) -> None:
+        """Place full weights (by graph name) on the ranks, and the optimizer ``state`` (full tensors by value id,
+        as :meth:`state` returns them; zero when None) after ``steps_done`` steps."""
         for w in self.dg.pcg.graph.weights:
             self._put(f"fwd:{w}", weights[w])
         for vid, v in self.dg.values.items():
             if v.role == "opt" and not vid.startswith("upd:"):
-                self._put(vid, torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
+                self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
+        self.steps_done = steps_done
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {w: self._get(f"fwd:{w}") for w in self.dg.pcg.graph.weights}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""
+        return {vid: self._get(vid) for vid, v in self.dg.values.items() if v.role == "opt" and not vid.startswith("upd:")}
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the last step's update used, assembled to full tensors."""

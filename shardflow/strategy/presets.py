@@ -137,7 +137,8 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
     return accepted
 
 
-def _isolated(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]], consumers, in_module, node_names) -> bool:
+def _isolated(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]], consumers: dict,
+              in_module: dict[str, int], node_names: set[str]) -> bool:
     """Whether the plan of ``candidate`` touches nothing but its own linears: each linear is the only node of a
     module whose path is a plain name (no glob characters, no node so named), its parameters are exactly the
     ``weight`` (and ``bias``) the plan places and only this linear reads them, and it reads no other
@@ -147,7 +148,8 @@ def _isolated(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]],
         pat = lin.scope
         if any(ch in pat for ch in "*?[") or in_module.get(pat) != 1 or (pat in node_names and pat != lin.name):
             return False
-        params = [f"{pat}.weight"] + ([f"{pat}.bias"] if lin in candidate[0] and lin.op.bias else [])
+        is_col = any(lin is c for c in candidate[0])
+        params = [f"{pat}.weight"] + ([f"{pat}.bias"] if is_col and lin.op.bias else [])
         if list(lin.inputs[1:1 + len(params)]) != params or any(
                 graph.tensors[t].role == "activation" for t in lin.inputs[1:]):
             return False
@@ -156,7 +158,8 @@ def _isolated(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]],
     return True
 
 
-def _trial_graph(graph: ComputationGraph, nodes: list[Node], order: dict[str, int], outputs: list[str]) -> ComputationGraph:
+def _trial_graph(graph: ComputationGraph, nodes: list[Node], order: dict[str, int],
+                 outputs: list[str]) -> ComputationGraph:
     """The sub-graph of ``nodes`` (in graph order): tensors they read from outside become leaves (an activation
     becomes an input), ``outputs`` its outputs."""
     nodes = sorted(nodes, key=lambda n: order[n.name])

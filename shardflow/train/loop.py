@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,11 +78,25 @@ def _weights(model: torch.nn.Module, graph: ComputationGraph) -> dict[str, torch
 def run_rank(cfg: TrainConfig) -> int:
     """Train on this process: every rank of the mesh (one process) or this rank (launched / torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        from shardflow.runtime.distributed import init_from_env
-        rank, world = init_from_env(cfg.timeout)
-    else:
-        rank = 0
+    if world == 1:
+        return _train(cfg, 0, 1)
+    from shardflow.runtime.distributed import init_from_env, shutdown
+    rank, world = init_from_env(cfg.timeout)
+    try:
+        code = _train(cfg, rank, world)
+    except BaseException as e:  # report, then leave without gloo's teardown (peers fail on their timeouts)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            print(f"rank {rank}: interrupted", flush=True)
+        else:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    shutdown()
+    return code
+
+
+def _train(cfg: TrainConfig, rank: int, world: int) -> int:
     s = setup(cfg, world)
     run_dir = Path(cfg.run_dir)
     opt = s.optimizer
