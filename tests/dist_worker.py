@@ -2,7 +2,8 @@
 run (eager module + torch.optim, computed on this rank) and writes the largest differences to JSON.
 
 Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
-CASE = strategy@mesh@dtype, e.g. "tp@tp=2@float64". Special cases: "mismatch" (rank 1 plans another strategy),
+CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64" or
+"sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
 "die" (rank 1 kills itself in the middle of a step).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from shardflow.capture import capture
-from shardflow.lower import lower_step
+from shardflow.lower import LowerOptions, lower_step
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
@@ -27,7 +28,7 @@ from shardflow.strategy import make_plan, resolve
 B, T, V = 4, 8, 11
 
 
-def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0):
+def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("collective", "collective")):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32)).to(dtype)
     gen = torch.Generator().manual_seed(1)
@@ -35,16 +36,17 @@ def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0):
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=timeout_s)
+    ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms)), cfg,
+                             timeout_s=timeout_s)
     ex.load(weights_of(model, graph))
     return model, inputs, ex
 
 
 def run_case(case, rank):
-    strategy, mesh_text, dtype_name = case.split("@")
+    strategy, mesh_text, dtype_name, *forms = case.split("@")
     dtype = getattr(torch, dtype_name)
     cfg = OptimizerConfig("sgd", 0.1, 0.9)
-    model, inputs, ex = executor(strategy, mesh_text, dtype, rank, cfg)
+    model, inputs, ex = executor(strategy, mesh_text, dtype, rank, cfg, forms=forms or ("collective", "collective"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     for _ in range(3):

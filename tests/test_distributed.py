@@ -35,12 +35,14 @@ def check(res, results, tmp_path):
 
 
 def test_two_processes(tmp_path):
-    cases = ["dp@dp=2@float64", "tp@tp=2@float64", "sp@tp=2@float64", "pp@pp=2@float64", "tp@tp=2@float32"]
+    cases = ["dp@dp=2@float64", "tp@tp=2@float64", "sp@tp=2@float64", "pp@pp=2@float64", "tp@tp=2@float32",
+             "sp@tp=2@float64@ring@ring", "sp@tp=2@float64@broadcast_loop@collective"]
     check(*run(tmp_path, 2, cases), tmp_path)
 
 
 def test_four_processes(tmp_path):
-    cases = ["dp,tp@dp=2,tp=2@float64", "dp,sp@dp=2,tp=2@float64", "tp@tp=4@float64", "pp,tp@pp=2,tp=2@float64"]
+    cases = ["dp,tp@dp=2,tp=2@float64", "dp,sp@dp=2,tp=2@float64", "tp@tp=4@float64", "pp,tp@pp=2,tp=2@float64",
+             "sp@tp=4@float64@ring@ring", "dp,sp@dp=2,tp=2@float64@broadcast_loop@ring"]
     check(*run(tmp_path, 4, cases), tmp_path)
 
 

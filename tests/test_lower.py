@@ -224,3 +224,62 @@ GOLDEN = """
         UPD  upd:fwd:fc2.weight:float32[4, 4] = sgd_update(fwd:fc2.weight:float32[4, 4], grad:fc2.weight@linear_1:float32[4, 4])
         UPD  upd:fwd:fc2.bias:float32[4] = sgd_update(fwd:fc2.bias:float32[4], grad:fc2.bias@linear_1:float32[4])
 """
+
+
+# --- all-gather / reduce-scatter forms -------------------------------------------------------------------
+def _sp_step(options, d=4):
+    """x [B=4, T=8, C=8] sharded on the sequence dim, all-gathered into a column-parallel linear."""
+    b = GraphBuilder()
+    x = b.weight("x", (4, 8, 8))
+    loss = b.sum(b.tanh(b.dense(x, 8, name="fc")))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse(f"tp={d}")
+    whole = SubMesh(mesh)
+    ann = Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3),
+                              "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
+                              "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
+                      edges={("linear", 0): {"tp": Replicate()}})
+    return lower_step(build_pcg(g, mesh, ann), options=options)  # verified
+
+
+def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
+    from shardflow.lower import LowerOptions
+    from shardflow.lower.lowering import ring_peers
+    from shardflow.lower.program import Compute, Wait
+    step = _sp_step(LowerOptions("ring", "ring"))
+    for r, prog in step.programs.items():
+        fwd = [c for c in prog.comms if c.pass_ == "FWD"]
+        assert [c.kind for c in fwd] == ["permute"] * 3
+        for i, c in enumerate(fwd, start=1):
+            assert (c.peer, c.peer_from) == ((r - i) % 4, (r + i) % 4) == ring_peers(r, i, 4)
+            assert c.send.value == "fwd:x" and c.recv.value == f"fwd:x.combine#{(r + i) % 4}"
+        # The fused linear computes on its own chunk first, then on the chunk each step delivered, after
+        # waiting for it — and the next step is already issued (overlap).
+        fwd_instrs = [i for i in prog.instrs if getattr(i, "pass_", "FWD") == "FWD"]
+        chunks = [i.ins[0].value for i in fwd_instrs if isinstance(i, Compute) and i.op.startswith("linear")]
+        assert chunks == ["fwd:x"] + [f"fwd:x.combine#{(r + i) % 4}" for i in (1, 2, 3)]
+        kinds = [type(i).__name__ if not isinstance(i, Compute) else i.op.split("(")[0] for i in fwd_instrs]
+        assert kinds[:9] == ["Comm", "linear", "Wait", "Comm", "linear", "Wait", "Comm", "linear", "Wait"]
+        assert not any(isinstance(i, Comm) and i.wait for i in fwd_instrs[:7])
+
+
+def test_ring_reduce_scatter_and_broadcast_loop_shapes():
+    from shardflow.lower import LowerOptions
+    step = _sp_step(LowerOptions("broadcast_loop", "ring"))
+    p1 = step.programs[1]
+    bcasts = [c for c in p1.comms if c.kind == "broadcast"]
+    assert [c.root for c in bcasts] == [0, 1, 2, 3] and [c.nbytes > 0 for c in bcasts] == [False, True, False, False]
+    # Backward of the all-gather: a reduce-scatter ring of 3 permute steps with local adds.
+    bwd = [c for c in p1.comms if c.pass_ == "BWD" and c.kind == "permute"]
+    assert [(c.peer, c.peer_from) for c in bwd] == [(0, 2), (3, 3), (2, 0)]
+    assert all(c.type.shape == (4, 2, 8) for c in bwd)
+
+
+def test_cost_model_prefers_the_ring_for_large_chunks_on_gloo():
+    from shardflow.lower import CostModel
+    gloo = CostModel("gloo")
+    assert gloo.choose_all_gather(4 << 20, 2) == "ring" and gloo.choose_all_gather(1 << 10, 4) == "collective"
+    assert gloo.choose_reduce_scatter(4 << 20, 4) == "ring"
+    assert CostModel("nccl").choose_all_gather(4 << 20, 8) == "collective"
+    # Overridable: a fast all-gather makes the collective the choice.
+    assert CostModel("gloo", bandwidth={"all_gather": 10e9}).choose_all_gather(4 << 20, 2) == "collective"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+from shardflow.lower.cost import CostModel, LowerOptions
 from shardflow.lower.dynamic import DynamicGraph, copy_insertion, pass_expansion
 from shardflow.lower.lowering import lower
 from shardflow.lower.program import Program
@@ -27,19 +28,21 @@ class LoweredStep:
 
 
 def lower_step(pcg: PCG, optimizer: str = "sgd", ranks: Iterable[int] | None = None,
-               verify: bool = True, training: bool = True) -> LoweredStep:
+               verify: bool = True, training: bool = True, options: LowerOptions | None = None) -> LoweredStep:
     """Lower one training step of ``pcg``. With ``ranks`` given, only those ranks' programs are built (each
     rank of a run builds its own); ``verify`` (all ranks only) proves the programs agree before any launch.
 
-    ``training=False`` lowers the forward pass only (evaluation).
+    ``training=False`` lowers the forward pass only (evaluation). ``options`` chooses the form of each
+    all-gather and reduce-scatter (plain collective, collective-permute ring, broadcast loop; default: the
+    plain collectives).
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
     dg = copy_insertion(pass_expansion(pcg, optimizer, training))
-    programs = lower(dg, ranks)
+    programs = lower(dg, ranks, options)
     if verify and ranks is None:
         from shardflow.lower.verify import verify as prove
         prove(programs, pcg.mesh.size)
     return LoweredStep(dg, programs)
 
 
-__all__ = ["PASSES", "LoweredStep", "lower_step"]
+__all__ = ["PASSES", "CostModel", "LowerOptions", "LoweredStep", "lower_step"]

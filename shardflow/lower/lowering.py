@@ -23,7 +23,8 @@ from typing import Iterable, Mapping
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.dynamic import DNode, DynamicGraph, Value
-from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program
+from shardflow.lower.cost import LowerOptions
+from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program, Wait
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
 
@@ -124,15 +125,59 @@ def steps(dg: DynamicGraph) -> list[Step]:
     return out
 
 
-def _instances(step: Step, dg: DynamicGraph) -> int:
+@dataclass(frozen=True)
+class _Plan:
+    """Decisions lowering takes once for the whole graph (so every rank takes the same ones): the form of each
+    all-gather / reduce-scatter step, and the consumer computes fused into a ring or broadcast loop."""
+
+    dg: DynamicGraph
+    forms: Mapping[str, str]
+    fused: Mapping[str, tuple[DNode, ...]]
+
+    @property
+    def suppressed(self) -> set[str]:
+        return {c.name for cs in self.fused.values() for c in cs}
+
+
+def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> _Plan:
+    forms: dict[str, str] = {}
+    fused: dict[str, tuple[DNode, ...]] = {}
+    leaves = {f"fwd:{n}" for n, t in dg.pcg.tensors.items() if t.role != "activation"}
+    readers: dict[str, list[DNode]] = {}
+    for n in dg.nodes:
+        for v in set(n.inputs):
+            readers.setdefault(v, []).append(n)
+    for st in all_steps:
+        n = st.nodes[0]
+        if st.kind == "all_gather":
+            chunk = piece(dg.values[n.inputs[0]]).type.nbytes
+            forms[n.name] = form = options.all_gather_form(chunk, n.op.degree)
+            out = n.outputs[0]
+            last_dim = len(dg.values[out].type.shape) - 1
+            if form != "collective" and n.op.dim != last_dim:
+                fused[n.name] = tuple(
+                    c for c in readers.get(out, ()) if c.kind == "compute" and c.pass_ == "FWD"
+                    and c.label.split("(")[0] in ("linear", "matmul") and c.inputs[0] == out
+                    and all(v in leaves for v in c.inputs[1:])
+                    and len(dg.values[c.outputs[0]].type.shape) == last_dim + 1)
+        elif st.kind == "reduce_scatter":
+            chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
+            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree)
+    return _Plan(dg, forms, fused)
+
+
+def _instances(st: Step, plan: _Plan) -> int:
     """How many communications (tokens) a step makes."""
-    n = step.nodes[0]
-    if step.kind in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"):
-        return n.group.size // n.group.mesh.axis_size(n.op.axis) if step.kind != "reduce" else \
-            dg.values[n.inputs[0]].group.size // n.group.mesh.axis_size(n.op.axis)
-    if step.kind == "copy":
+    n = st.nodes[0]
+    if st.kind == "copy":
         return n.group.size
-    return 0
+    if st.kind not in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"):
+        return 0
+    group = plan.dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
+    d = n.group.mesh.axis_size(n.op.axis)
+    groups = group.size // d
+    form = plan.forms.get(n.name, "collective")
+    return groups * {"collective": 1, "ring": d - 1, "broadcast_loop": d}[form]
 
 
 def _compute_op(n: DNode, dg: DynamicGraph) -> str:
@@ -141,22 +186,29 @@ def _compute_op(n: DNode, dg: DynamicGraph) -> str:
     return {"seed": "ones", "sum": "sum", "update": f"{dg.optimizer}_update", "select": "keep_root"}[n.kind]
 
 
-def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None) -> dict[int, Program]:
+def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None, options: LowerOptions | None = None) -> dict[int, Program]:
     """Per-rank programs for ``ranks`` (default: every device of the mesh). Deterministic: every rank that
-    lowers the same dynamic graph gets the same tokens."""
+    lowers the same dynamic graph gets the same tokens. ``options`` chooses how all-gathers and
+    reduce-scatters run (default: the plain collectives)."""
     mesh = dg.pcg.mesh
     ranks = list(range(mesh.size)) if ranks is None else list(ranks)
+    all_steps = steps(dg)
+    plan = _decide(dg, options or LowerOptions("collective", "collective"), all_steps)
+    suppressed = plan.suppressed
     progs: dict[int, list[Instr]] = {r: [] for r in ranks}
     token = 0
-    for st in steps(dg):
+    for st in all_steps:
+        if st.kind == "compute" and st.nodes[0].name in suppressed:
+            continue  # computed chunk by chunk inside the ring that feeds it
         for r in ranks:
-            progs[r].extend(_expand(st, dg, r, token))
-        token += _instances(st, dg)
+            progs[r].extend(_expand(st, plan, r, token))
+        token += _instances(st, plan)
     return {r: Program(r, tuple(instrs)) for r, instrs in progs.items()}
 
 
-def _expand(st: Step, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
+def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
     """The instructions of step ``st`` on rank ``r`` (token numbers from ``base``)."""
+    dg = plan.dg
     first, last = st.nodes[0], st.nodes[-1]
     vin, vout = dg.values[first.inputs[0]] if first.inputs else None, dg.values[last.outputs[0]]
     if st.kind == "split":  # Repartition of replicas: each device keeps its block, a local slice
@@ -197,6 +249,10 @@ def _expand(st: Step, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
     group = first.group
     if not in_group(group, r):
         return []
+    form = plan.forms.get(first.name, "collective")
+    if form != "collective":
+        expand = _all_gather_steps if st.kind == "all_gather" else _reduce_scatter_ring
+        return expand(st, plan, r, base, form)
     members = axis_members(group, axis, r)
     d = len(members)
     tin, tout = piece(vin), piece(vout)
@@ -209,6 +265,107 @@ def _expand(st: Step, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         (last.op.dim, None) if st.kind == "reduce_scatter" else (last.op.dim, first.op.dim)
     return [Comm(base + axis_group_index(group, axis, r), st.kind, first.pass_, members, tin.type, nbytes, axis,
                  send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes))]
+
+
+def ring_peers(p: int, i: int, d: int) -> tuple[int, int]:
+    """Collective-permute ring convention (nvFuser's swizzle1d): at step ``i`` the member at index ``p`` sends
+    to index ``(p - i) mod d`` and receives from ``(p + i) mod d`` — so at step i it holds chunk (p + i) mod d.
+    The one place this convention is written."""
+    return (p - i) % d, (p + i) % d
+
+
+def _chunk(b: Buffer, j: int, d: int, dim: int, tag: str = "") -> Buffer:
+    shape = list(b.type.shape)
+    shape[dim] //= d
+    return Buffer(f"{b.value}#{tag}{j}", TensorType(tuple(shape), b.type.dtype))
+
+
+def _all_gather_steps(st: Step, plan: _Plan, r: int, base: int, form: str) -> list[Instr]:
+    """An all-gather as a ring of d−1 collective-permute steps or a loop of d broadcasts. Fused consumers
+    (linear/matmul reading the gathered value) compute on each chunk as soon as it is present, while the next
+    chunk travels (every step but the last is issued with ``wait=False`` before the compute)."""
+    dg = plan.dg
+    n = st.nodes[0]
+    vin, vout = dg.values[n.inputs[0]], dg.values[n.outputs[0]]
+    axis, dim = n.op.axis, n.op.dim
+    members = axis_members(n.group, axis, r)
+    d, p = len(members), members.index(r)
+    g, groups = axis_group_index(n.group, axis, r), n.group.size // d
+    own, full = piece(vin), piece(vout)
+    chunks = [_chunk(full, j, d, dim) for j in range(d)]
+    chunks[p] = own
+    consumers = plan.fused.get(n.name, ())
+
+    def token(k: int) -> int:  # token of this group's k-th communication of the step
+        return base + k * groups + g
+
+    def comm(step: int, wait: bool) -> Comm:
+        if form == "ring":
+            to, frm = ring_peers(p, step + 1, d)
+            return Comm(token(step), "permute", n.pass_, members, own.type, own.type.nbytes, axis, peer=members[to],
+                        peer_from=members[frm], send=own, recv=chunks[frm], wait=wait, note=n.name)
+        root = members[step]
+        return Comm(token(step), "broadcast", n.pass_, members, own.type, own.type.nbytes if r == root else 0, axis,
+                    root=root, send=own if r == root else None, recv=None if r == root else chunks[step],
+                    wait=wait, note=n.name)
+
+    def compute_on(j: int) -> list[Instr]:
+        out = []
+        for c in consumers:
+            y = piece(dg.values[c.outputs[0]])
+            ins = (chunks[j],) + tuple(piece(dg.values[v]) for v in c.inputs[1:])
+            out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name))
+        return out
+
+    n_comms = d - 1 if form == "ring" else d
+    instrs: list[Instr] = []
+    if not consumers:
+        instrs += [comm(k, wait=True) for k in range(n_comms)]
+    elif form == "ring":  # own chunk first, then chunk (p + k) mod d after step k arrives
+        instrs += [comm(0, wait=False), *compute_on(p)]
+        for k in range(1, d):
+            instrs.append(Wait(token(k - 1)))
+            if k < n_comms:
+                instrs.append(comm(k, wait=False))
+            instrs += compute_on(ring_peers(p, k, d)[1])
+    else:  # broadcast loop: chunk k arrives at step k
+        instrs.append(comm(0, wait=False))
+        for k in range(d):
+            instrs.append(Wait(token(k)))
+            if k + 1 < n_comms:
+                instrs.append(comm(k + 1, wait=False))
+            instrs += compute_on(k)
+    instrs.append(Compute(n.pass_, n.src, "concat", tuple(chunks), (full,), dim=dim))
+    for c in consumers:
+        y = piece(dg.values[c.outputs[0]])
+        instrs.append(Compute(c.pass_, c.src, "concat", tuple(_chunk(y, j, d, dim) for j in range(d)), (y,), dim=dim))
+    return instrs
+
+
+def _reduce_scatter_ring(st: Step, plan: _Plan, r: int, base: int, form: str) -> list[Instr]:
+    """A reduce-scatter as d−1 collective-permute steps with local adds: at step i the member at index p sends
+    its partial of chunk (p − i) mod d to that member and adds the partial of chunk p it receives."""
+    dg = plan.dg
+    n, m = st.nodes
+    vin, vout = dg.values[n.inputs[0]], dg.values[m.outputs[0]]
+    axis, dim = n.op.axis, m.op.dim
+    members = axis_members(n.group, axis, r)
+    d, p = len(members), members.index(r)
+    g, groups = axis_group_index(n.group, axis, r), n.group.size // d
+    src, out = piece(vin), piece(vout)
+    parts = [_chunk(src, j, d, dim) for j in range(d)]
+    instrs: list[Instr] = [Compute(n.pass_, n.src, "chunk", (src,), tuple(parts), dim=dim)]
+    acc = parts[p]
+    for i in range(1, d):
+        to, frm = ring_peers(p, i, d)
+        tmp = _chunk(src, i, d, dim, tag="recv")
+        instrs.append(Comm(base + (i - 1) * groups + g, "permute", n.pass_, members, parts[to].type,
+                           parts[to].type.nbytes, axis, peer=members[to], peer_from=members[frm], send=parts[to],
+                           recv=tmp, note=f"{n.name} + {m.name}"))
+        nxt = out if i == d - 1 else Buffer(f"{out.value}#acc{i}", out.type)
+        instrs.append(Compute(n.pass_, n.src, "add", (acc, tmp), (nxt,)))
+        acc = nxt
+    return instrs
 
 
 def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:

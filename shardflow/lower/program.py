@@ -48,9 +48,15 @@ class Compute:
     ins: tuple[Buffer, ...]
     outs: tuple[Buffer, ...]
     dnode: str = ""
+    dim: int | None = None
 
     def __str__(self) -> str:
         return f"      {self.pass_:<4} {', '.join(map(str, self.outs))} = {self.op}({', '.join(map(str, self.ins))})"
+
+
+# Data-movement computes that have no dynamic-graph node: split a piece into chunks along ``dim``, concatenate
+# chunks along ``dim``, add two buffers (the local adds of a reduce-scatter ring).
+LOCAL_MOVES = ("chunk", "concat", "add")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,8 @@ class Comm:
     buffers. ``nbytes``: bytes this rank sends. ``axis``: the mesh axis (or ``copy`` for a stage move).
     ``dim``: the tensor dim gathered (all-gather) or scattered (reduce-scatter); for all-to-all ``dim`` is
     the dim split into chunks and ``dim2`` the dim the received chunks are concatenated along.
+    ``wait``: False when the communication is only issued here and completed by a later :class:`Wait`
+    (a ring step that travels while the previous chunk is computed on).
     """
 
     token: int
@@ -80,6 +88,7 @@ class Comm:
     dim: int | None = None
     dim2: int | None = None
     note: str = ""
+    wait: bool = True
 
     @property
     def family(self) -> str:
@@ -99,7 +108,17 @@ class Comm:
                 f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}").rstrip()
 
 
-Instr = Compute | Comm
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Complete communication ``token`` issued earlier with ``wait=False``."""
+
+    token: int
+
+    def __str__(self) -> str:
+        return f"#{self.token:<4} wait"
+
+
+Instr = Compute | Comm | Wait
 
 
 @dataclass(frozen=True)
@@ -143,11 +162,13 @@ class Program:
             if isinstance(i, Compute):
                 instrs.append({"type": "compute", "pass": i.pass_, "node": i.node, "op": i.op,
                                "ins": [buf(b) for b in i.ins], "outs": [buf(b) for b in i.outs]})
+            elif isinstance(i, Wait):
+                instrs.append({"type": "wait", "token": i.token})
             else:
                 instrs.append({"type": "comm", "token": i.token, "kind": i.kind, "pass": i.pass_,
                                "members": list(i.members), "shape": list(i.type.shape), "dtype": i.type.dtype,
                                "bytes": i.nbytes, "axis": i.axis, "peer": i.peer, "peer_from": i.peer_from,
-                               "root": i.root, "send": buf(i.send), "recv": buf(i.recv)})
+                               "root": i.root, "send": buf(i.send), "recv": buf(i.recv), "wait": i.wait})
         totals: dict[str, dict[str, int]] = {}
         for (kind, axis), n in self.bytes_by_kind().items():
             totals.setdefault(kind, {})[axis or "-"] = n

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Mapping
+import sys
+from typing import Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,10 @@ from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import DynamicGraph
 from shardflow.lower.lowering import axis_members, in_group, steps
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.program import Comm, Compute
+from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.simulate import scatter
-from shardflow.runtime.kernels import OptimizerConfig, make_kernel
+from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel
 
 
 class CommTimeout(RuntimeError):
@@ -55,14 +56,21 @@ def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def shutdown() -> None:
-    """Leave the process group in order (a barrier, then destroy it); gloo aborts the process if its groups
-    are torn down by interpreter-exit destructors instead."""
+def shutdown(code: int = 0) -> NoReturn:
+    """Leave the process group in order (a barrier, then destroy it) and end the process with ``code``.
+
+    The process ends with ``os._exit`` after flushing: gloo sub-groups still referenced at interpreter exit
+    are torn down by destructors that can abort the process ("terminate called without an active
+    exception"), turning a successful rank into a failed one.
+    """
     if dist.is_initialized():
         try:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class DistributedExecutor:
@@ -93,7 +101,8 @@ class DistributedExecutor:
                 self.groups[m] = None if len(m) == self.world else dist.new_group(list(m), timeout=self.timeout)
         nodes = {n.name: n for n in self.dg.nodes}
         self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1)
-                        for i in self.program.instrs if isinstance(i, Compute)}
+                        for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
+        self.pending: dict[int, tuple[list, Comm]] = {}  # token → handles of a communication issued, not waited
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
         updates = [n for n in self.dg.nodes if n.kind == "update"]
         self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
@@ -160,9 +169,14 @@ class DistributedExecutor:
         b = self.buffers
         for instr in self.program.instrs:
             if isinstance(instr, Compute):
-                outs = self.kernels[instr.dnode]([b[x.value] for x in instr.ins])
+                xs = [b[x.value] for x in instr.ins]
+                outs = self.kernels[instr.dnode](xs) if instr.dnode else local_move(instr, xs)
                 for x, t in zip(instr.outs, outs):
                     b[x.value] = t
+            elif isinstance(instr, Wait):
+                handles, c = self.pending.pop(instr.token)
+                for h in handles:
+                    self._wait(h, c)
             else:
                 out = self._communicate(instr)
                 if instr.recv is not None:
@@ -219,14 +233,29 @@ class DistributedExecutor:
             self._wait(dist.all_to_all_single(out, x, group=pg, async_op=True), c)
             return torch.cat(list(out.unbind(0)), c.dim2).contiguous()
         if c.kind == "broadcast":
-            out = send.clone() if self.rank == c.root else torch.empty(c.recv.type.shape, dtype=self._dtype(c))
-            self._wait(dist.broadcast(out, src=c.root, group=pg, async_op=True), c)
+            shape = c.recv.type.shape if c.recv is not None else send.shape
+            out = send.clone() if self.rank == c.root else torch.empty(shape, dtype=self._dtype(c))
+            self._finish([dist.broadcast(out, src=c.root, group=pg, async_op=True)], c)
             return out
         if c.kind == "reduce":
             out = send.clone()
             self._wait(dist.reduce(out, dst=c.root, group=pg, async_op=True), c)
             return out if self.rank == c.root else None
+        if c.kind == "permute":  # one ring step: send and recv issued together
+            out = torch.empty(c.recv.type.shape, dtype=self._dtype(c))
+            handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), c.peer),
+                                              dist.P2POp(dist.irecv, out, c.peer_from)])
+            self._finish(handles, c)
+            return out
         raise ValueError(f"rank {self.rank}: no implementation for communication kind {c.kind!r} (token {c.token})")
+
+    def _finish(self, handles: list, c: Comm) -> None:
+        """Wait for ``handles`` now, or leave them for the Wait instruction of ``c.token`` (each waited once)."""
+        if c.wait:
+            for h in handles:
+                self._wait(h, c)
+        else:
+            self.pending[c.token] = (handles, c)
 
     @staticmethod
     def _dtype(c: Comm) -> torch.dtype:

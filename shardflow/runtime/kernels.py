@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, DNode, DynamicGraph
+from shardflow.lower.program import LOCAL_MOVES, Compute
 
 Kernel = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
@@ -81,6 +82,17 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
         index = mesh.coords(rank)[mesh.axis_index(dn.op.axis)]
         return lambda xs: [xs[0].chunk(dn.op.degree, dn.op.dim)[index].contiguous()]
     raise ValueError(f"no kernel for dynamic-graph node {dn.name!r} of kind {dn.kind!r}")
+
+
+def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The data-movement computes lowering adds around rings (:data:`LOCAL_MOVES`): chunk, concat, add."""
+    if instr.op == "chunk":
+        return [x.contiguous() for x in xs[0].chunk(len(instr.outs), instr.dim)]
+    if instr.op == "concat":
+        return [torch.cat(list(xs), instr.dim)]
+    if instr.op == "add":
+        return [xs[0] + xs[1]]
+    raise ValueError(f"no local kernel for {instr.op!r} (one of {LOCAL_MOVES})")
 
 
 def _vjp_kernel(fwd: Callable, n_in: int, dn: DNode) -> Kernel:

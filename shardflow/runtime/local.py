@@ -13,9 +13,9 @@ import torch
 
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
-from shardflow.lower.program import Comm, Compute
+from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.parallel.simulate import gather, scatter
-from shardflow.runtime.kernels import OptimizerConfig, make_kernel
+from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel
 
 
 def collective(kind: str, members: list[Comm], sends: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -39,6 +39,9 @@ def collective(kind: str, members: list[Comm], sends: list[torch.Tensor | None])
     if kind == "reduce":
         s = torch.stack(sends).sum(0)
         return [s if m.recv is not None else None for m in members]
+    if kind == "permute":  # member i sends to its peer; each rank receives what was sent to it
+        sent_to = {m.peer: x for m, x in zip(members, sends)}
+        return [sent_to[r].clone() for r in c.members]
     if kind == "p2p":
         src = next(x for x in sends if x is not None)
         return [None if m.kind == "send" else src.clone() for m in members]
@@ -60,7 +63,7 @@ class LocalExecutor:
         nodes = {n.name: n for n in self.dg.nodes}
         self.kernels = {
             (r, i.dnode): make_kernel(nodes[i.dnode], self.dg, r, optimizer, lambda: self.steps_done + 1)
-            for r, p in step.programs.items() for i in p.instrs if isinstance(i, Compute)
+            for r, p in step.programs.items() for i in p.instrs if isinstance(i, Compute) and i.dnode
         }
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         updates = [n for n in self.dg.nodes if n.kind == "update"]
@@ -113,12 +116,15 @@ class LocalExecutor:
         pos = {r: 0 for r in progs}
         while True:
             for r, p in progs.items():  # run computes up to the next communication
-                while pos[r] < len(p.instrs) and isinstance(p.instrs[pos[r]], Compute):
+                while pos[r] < len(p.instrs) and not isinstance(p.instrs[pos[r]], Comm):
                     instr = p.instrs[pos[r]]
-                    outs = self.kernels[(r, instr.dnode)]([self.buffers[r][b.value] for b in instr.ins])
+                    pos[r] += 1
+                    if isinstance(instr, Wait):  # communications complete when all members issued them
+                        continue
+                    xs = [self.buffers[r][b.value] for b in instr.ins]
+                    outs = self.kernels[(r, instr.dnode)](xs) if instr.dnode else local_move(instr, xs)
                     for b, x in zip(instr.outs, outs):
                         self.buffers[r][b.value] = x
-                    pos[r] += 1
             waiting = {r: p.instrs[pos[r]] for r, p in progs.items() if pos[r] < len(p.instrs)}
             if not waiting:
                 break

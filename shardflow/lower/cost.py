@@ -1,0 +1,92 @@
+"""α–β cost model of communication, used by lowering to choose how an all-gather or reduce-scatter runs.
+
+time = α per call + bytes this rank sends / bandwidth of that kind of call (a "bus bandwidth": bytes per
+rank per second). Defaults per backend; every number can be overridden.
+
+gloo defaults are what the design note measured on these machines (torch 2.13, 2 ranks): send/recv
+~1.0–1.3 GB/s, all-reduce ~0.8–1.0, all-gather ~0.3–0.4, reduce-scatter ~0.2 (it is an all-reduce
+underneath, twice the bytes), ~0.4 ms per call. NCCL defaults are order-of-magnitude figures for one node
+(NVLink-class), where the built-in collectives are the fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+GB = 1e9
+
+DEFAULT_BANDWIDTH: Mapping[str, Mapping[str, float]] = {
+    "gloo": {"p2p": 1.1 * GB, "all_reduce": 0.9 * GB, "all_gather": 0.35 * GB, "reduce_scatter": 0.2 * GB,
+             "broadcast": 0.9 * GB, "all_to_all": 0.35 * GB, "reduce": 0.9 * GB},
+    "nccl": {"p2p": 20 * GB, "all_reduce": 100 * GB, "all_gather": 100 * GB, "reduce_scatter": 100 * GB,
+             "broadcast": 100 * GB, "all_to_all": 50 * GB, "reduce": 100 * GB},
+}
+DEFAULT_ALPHA_S = {"gloo": 4e-4, "nccl": 2e-5}
+
+ALL_GATHER_FORMS = ("collective", "ring", "broadcast_loop")
+REDUCE_SCATTER_FORMS = ("collective", "ring")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``alpha_s``: seconds per communication call; ``bandwidth``: bytes/s per kind (``p2p`` for send/recv and
+    collective-permute steps)."""
+
+    backend: str = "gloo"
+    alpha_s: float | None = None
+    bandwidth: Mapping[str, float] = field(default_factory=dict)
+
+    def bw(self, kind: str) -> float:
+        return self.bandwidth.get(kind, DEFAULT_BANDWIDTH[self.backend][kind])
+
+    @property
+    def alpha(self) -> float:
+        return DEFAULT_ALPHA_S[self.backend] if self.alpha_s is None else self.alpha_s
+
+    def all_gather_s(self, form: str, chunk_bytes: int, d: int) -> float:
+        """Seconds for a ``d``-member all-gather of ``chunk_bytes`` per member, in ``form``."""
+        if form == "collective":
+            return self.alpha + (d - 1) * chunk_bytes / self.bw("all_gather")
+        if form == "ring":  # d−1 collective-permute steps, each moving one chunk
+            return (d - 1) * (self.alpha + chunk_bytes / self.bw("p2p"))
+        if form == "broadcast_loop":  # d broadcasts, root = step
+            return d * (self.alpha + chunk_bytes / self.bw("broadcast"))
+        raise ValueError(f"unknown all-gather form {form!r}; one of {ALL_GATHER_FORMS}")
+
+    def reduce_scatter_s(self, form: str, chunk_bytes: int, d: int) -> float:
+        """Seconds for a ``d``-member reduce-scatter whose result is ``chunk_bytes`` per member."""
+        if form == "collective":
+            return self.alpha + (d - 1) * chunk_bytes / self.bw("reduce_scatter")
+        if form == "ring":
+            return (d - 1) * (self.alpha + chunk_bytes / self.bw("p2p"))
+        raise ValueError(f"unknown reduce-scatter form {form!r}; one of {REDUCE_SCATTER_FORMS}")
+
+    def choose_all_gather(self, chunk_bytes: int, d: int) -> str:
+        return min(ALL_GATHER_FORMS, key=lambda f: self.all_gather_s(f, chunk_bytes, d))
+
+    def choose_reduce_scatter(self, chunk_bytes: int, d: int) -> str:
+        return min(REDUCE_SCATTER_FORMS, key=lambda f: self.reduce_scatter_s(f, chunk_bytes, d))
+
+
+@dataclass(frozen=True)
+class LowerOptions:
+    """How lowering implements all-gathers and reduce-scatters: ``"auto"`` (cheapest by ``cost``) or a form
+    of :data:`ALL_GATHER_FORMS` / :data:`REDUCE_SCATTER_FORMS`."""
+
+    all_gather: str = "auto"
+    reduce_scatter: str = "auto"
+    cost: CostModel = field(default_factory=CostModel)
+
+    def __post_init__(self):
+        if self.all_gather not in ("auto",) + ALL_GATHER_FORMS:
+            raise ValueError(f"all_gather must be 'auto' or one of {ALL_GATHER_FORMS}, got {self.all_gather!r}")
+        if self.reduce_scatter not in ("auto",) + REDUCE_SCATTER_FORMS:
+            raise ValueError(f"reduce_scatter must be 'auto' or one of {REDUCE_SCATTER_FORMS}, got "
+                             f"{self.reduce_scatter!r}")
+
+    def all_gather_form(self, chunk_bytes: int, d: int) -> str:
+        return self.cost.choose_all_gather(chunk_bytes, d) if self.all_gather == "auto" else self.all_gather
+
+    def reduce_scatter_form(self, chunk_bytes: int, d: int) -> str:
+        return self.cost.choose_reduce_scatter(chunk_bytes, d) if self.reduce_scatter == "auto" else self.reduce_scatter
