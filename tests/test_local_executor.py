@@ -40,11 +40,11 @@ def torch_optimizer(cfg: OptimizerConfig, params):
 
 
 def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=OptimizerConfig("sgd", 0.1, 0.9),
-                        atol=1e-10, steps=3):
+                        atol=1e-10, steps=3, clip_norm=None):
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
     plan = plan or make_plan(graph, mesh, strategy)
-    step = lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)), cfg.slots)
+    step = lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)), cfg.slots, clip_norm=clip_norm)
     ex = LocalExecutor(step, cfg)
     ex.load(weights_of(model, graph))
     opt = torch_optimizer(cfg, model.parameters())
@@ -57,6 +57,8 @@ def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=
         grads = ex.grads()
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=0, msg=f"grad {name}")
+        if clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         opt.step()
     weights = ex.weights()
     for name, p in model.named_parameters():
@@ -123,3 +125,10 @@ def test_explicit_replicate_and_reduction_ops():
     assert abs(loss - outs["mean"].item()) < 1e-12
     for k in weights:
         torch.testing.assert_close(ex.grads()[k], grads[k], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("mesh, strategy", [("dp=2,tp=2", "dp,tp"), ("pp=2,tp=2", "pp,tp"), ("tp=2", "sp")])
+def test_gradient_clipping_by_global_norm(mesh, strategy):
+    """The norm is reduced over every device (each piece counted once); a small max norm so clipping bites."""
+    model, inputs = gpt_case(n_layer=2)
+    check_against_eager(model, inputs, mesh, strategy, clip_norm=0.05)

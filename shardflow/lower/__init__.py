@@ -28,16 +28,17 @@ class LoweredStep:
 
 
 def lower_step(pcg: PCG, optimizer: str = "sgd", ranks: Iterable[int] | None = None,
-               verify: bool = True, training: bool = True, options: LowerOptions | None = None) -> LoweredStep:
+               verify: bool = True, training: bool = True, options: LowerOptions | None = None,
+               clip_norm: float | None = None) -> LoweredStep:
     """Lower one training step of ``pcg``. With ``ranks`` given, only those ranks' programs are built (each
     rank of a run builds its own); ``verify`` (all ranks only) proves the programs agree before any launch.
 
     ``training=False`` lowers the forward pass only (evaluation). ``options`` chooses the form of each
     all-gather and reduce-scatter (plain collective, collective-permute ring, broadcast loop; default: the
-    plain collectives).
+    plain collectives). ``clip_norm``: clip gradients to this global norm (one reduction over all devices).
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
-    dg = copy_insertion(pass_expansion(pcg, optimizer, training))
+    dg = copy_insertion(pass_expansion(pcg, optimizer, training, clip_norm))
     programs = lower(dg, ranks, options)
     if verify and ranks is None:
         from shardflow.lower.verify import verify as prove

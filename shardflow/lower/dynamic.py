@@ -66,6 +66,8 @@ class DNode:
     the devices of the root sub-mesh keep their copy). ``src`` is the PCG node it comes from.
     For a BWD compute node, ``grad_mask[i]`` tells whether input i gets a gradient, ``unscale[i]`` undoes a
     linearity scale on it, and ``dy_mask[k]`` whether output k has a gradient (its ``dy`` is an input).
+    An ``update`` with ``clip`` > 0 reads the squared global gradient norm as its last input; ``sumsq``
+    sums the squares of the gradient pieces each device holds.
     """
 
     name: str
@@ -80,6 +82,7 @@ class DNode:
     unscale: tuple[float, ...] = ()
     dy_mask: tuple[bool, ...] = ()
     label: str = ""
+    clip: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,11 @@ def grad_sharding(pcg: PCG, node: PNode, i: int) -> tuple[Sharding, float]:
     return Sharding(s.dims, tuple(partial)), (1.0 / scale if scale != 1.0 else 1.0)
 
 
-def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True) -> DynamicGraph:
+def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
+                   clip_norm: float | None = None) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
-    ``training=False`` only the FWD nodes (evaluation).
+    ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
+    (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
 
     ``optimizer``: one of :data:`OPTIMIZER_SLOTS` (its state slots become UPD values). Raises PassError if
     the PCG has no loss.
@@ -256,22 +261,37 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True) -> D
                              grad_mask=mask, unscale=tuple(unscale), dy_mask=tuple(d is not None for d in dys),
                              label=f"vjp[{n.op.describe()}]"))
 
+    grads = {}
     for w, t in pcg.tensors.items():
-        if t.role != "weight" or w not in pcg.graph.tensors:
-            continue
-        dw = finalize(w)
-        if dw is None:
-            continue
+        if t.role == "weight" and w in pcg.graph.tensors:
+            dw = finalize(w)
+            if dw is not None:
+                grads[w] = dw
+    norm2: tuple[str, ...] = ()
+    if clip_norm:
+        # Squared global gradient norm: each device sums the squares of the gradient pieces it holds (replica
+        # 0 only), a partial sum over every mesh axis; reducing it makes it whole on every device.
+        mesh = pcg.mesh
+        axes = tuple(a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1)
+        whole = SubMesh(mesh)
+        part = g.value("grad_norm:sumsq", "grad_norm", "grad", TensorType((), loss.type.dtype), Sharding((), axes),
+                       whole)
+        g.nodes.append(DNode("UPD grad-norm sumsq", "UPD", "sumsq", tuple(grads.values()), (part,), whole))
+        norm2 = (g.redistribute(part, Sharding(()), "UPD", "grad_norm"),)
+    for w, dw in grads.items():
+        t = pcg.tensors[w]
         slots = tuple(g.value(f"opt:{s}:{w}", w, "opt", t.type, t.sharding, t.group) for s in OPTIMIZER_SLOTS[optimizer])
         new = tuple(g.value(f"upd:{x}", w, "fwd" if x == f"fwd:{w}" else "opt", t.type, t.sharding, t.group)
                     for x in (f"fwd:{w}",) + slots)
-        g.nodes.append(DNode(f"UPD {w}", "UPD", "update", (f"fwd:{w}", dw) + slots, new, t.group, w))
+        g.nodes.append(DNode(f"UPD {w}", "UPD", "update", (f"fwd:{w}", dw) + slots + norm2, new, t.group, w,
+                             clip=clip_norm or 0.0))
     return DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, ("pass_expansion",))
 
 
 def _moves_between_submeshes(n: DNode) -> bool:
-    """Copies, Replicate and its backward move data between sub-meshes themselves."""
-    return n.kind in ("copy", "select") or isinstance(n.op, Replicate)
+    """Copies, Replicate and its backward move data between sub-meshes themselves; the gradient-norm sum
+    reads, on each device, whatever gradient pieces that device holds."""
+    return n.kind in ("copy", "select", "sumsq") or isinstance(n.op, Replicate)
 
 
 def copy_insertion(dg: DynamicGraph) -> DynamicGraph:

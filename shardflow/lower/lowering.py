@@ -215,6 +215,10 @@ def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
         if not in_group(first.group, r):
             return []
         return [Compute(first.pass_, first.src, first.op.describe(), (piece(vin),), (piece(vout),), first.name)]
+    if st.kind == "sumsq":  # the gradient pieces this rank holds, one replica of each counted
+        held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
+                     and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
+        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name)]
     if st.kind in ("compute", "seed", "sum", "update", "select"):
         if not in_group(first.group, r) or (st.kind == "select" and not in_group(vout.group, r)):
             return []
@@ -368,28 +372,37 @@ def _reduce_scatter_ring(st: Step, plan: _Plan, r: int, base: int, form: str) ->
     return instrs
 
 
-def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
-    """One send/recv per piece whose source and destination devices differ (token = destination index)."""
-    src_v, dst_v = dg.values[n.inputs[0]], dg.values[n.outputs[0]]
+def _copy_source(src_v: Value, dst_v: Value, d: int) -> int:
+    """The device that sends device ``d`` its piece of a copy: ``d`` itself when it already holds the same
+    piece (a (shard, device) pair both sides share moves nowhere), else the holder in the source sub-mesh."""
     s = src_v.sharding
+    want = s.coord_of(dst_v.group, d)
+    if in_group(src_v.group, d):
+        have = s.coord_of(src_v.group, d)
+        if (have.sum, have.shard) == (want.sum, want.shard):
+            return d
+    return _holder(src_v, want)
+
+
+def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
+    """One send/recv per destination device that does not hold its piece already (token = destination index);
+    a device that does aliases its own piece."""
+    src_v, dst_v = dg.values[n.inputs[0]], dg.values[n.outputs[0]]
     out: list[Instr] = []
-    # r as destination
-    if in_group(dst_v.group, r):
-        src = _holder(src_v, s.coord_of(dst_v.group, r))
+    if in_group(dst_v.group, r):  # r as destination
+        src = _copy_source(src_v, dst_v, r)
         b = piece(dst_v)
         if src == r:
             out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name))
         else:
             out.append(Comm(base + device_index(dst_v.group, r), "recv", n.pass_, (src, r), b.type, 0, "copy",
                             peer=src, recv=b, note=n.name))
-    # r as source: the destinations of the pieces r holds (one per replica of r's piece that maps elsewhere)
-    if in_group(src_v.group, r):
-        coord = s.coord_of(src_v.group, r)
-        dst = _holder(dst_v, coord)
-        if dst != r:
-            b = piece(src_v)
-            out.append(Comm(base + device_index(dst_v.group, dst), "send", n.pass_, (r, dst), b.type,
-                            _nbytes(b.type), "copy", peer=dst, send=b, note=n.name))
+    if in_group(src_v.group, r):  # r as source of every destination it serves
+        b = piece(src_v)
+        for d in dst_v.group.devices():
+            if d != r and _copy_source(src_v, dst_v, d) == r:
+                out.append(Comm(base + device_index(dst_v.group, d), "send", n.pass_, (r, d), b.type,
+                                _nbytes(b.type), "copy", peer=d, send=b, note=n.name))
     out.sort(key=lambda i: i.token if isinstance(i, Comm) else -1)
     return out
 

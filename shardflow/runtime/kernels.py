@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from shardflow.graph.ops import torch_dtype
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, DNode, DynamicGraph
 from shardflow.lower.program import LOCAL_MOVES, Compute
 
@@ -72,9 +73,18 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
     if dn.kind == "sum":
         return lambda xs: [sum(xs[1:], xs[0])]
     if dn.kind == "update":
-        if OPTIMIZER_SLOTS[cfg.slots] != tuple(v.split(":")[1] for v in dn.inputs[2:]):
-            raise ValueError(f"the plan was lowered for optimizer state {dn.inputs[2:]}, not for {cfg}")
+        slots = dn.inputs[2:len(dn.inputs) - (dn.clip > 0)]
+        if OPTIMIZER_SLOTS[cfg.slots] != tuple(v.split(":")[1] for v in slots):
+            raise ValueError(f"the plan was lowered for optimizer state {slots}, not for {cfg}")
+        if dn.clip:  # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
+            def clipped(xs):
+                scale = (dn.clip / (xs[-1].sqrt() + 1e-6)).clamp(max=1.0)
+                return update(cfg, step(), xs[0], xs[1] * scale, *xs[2:-1])
+            return clipped
         return lambda xs: update(cfg, step(), *xs)
+    if dn.kind == "sumsq":
+        dtype = torch_dtype(dg.values[dn.outputs[0]].type.dtype)
+        return lambda xs: [sum((x.pow(2).sum() for x in xs), torch.zeros((), dtype=dtype))]
     if dn.kind in ("select", "copy"):
         return lambda xs: [xs[0]]
     if dn.kind == "parallel":  # a Repartition of replicas: keep this rank's block of the dim
