@@ -24,6 +24,7 @@ from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.simulate import scatter
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel
+from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
 
 class CommTimeout(RuntimeError):
@@ -103,6 +104,8 @@ class DistributedExecutor:
         self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[list, Comm]] = {}  # token → handles of a communication issued, not waited
+        self.frees = frees_after(self.program, persistent_values(self.dg))
+        self.ledger = Ledger()
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
         updates = [n for n in self.dg.nodes if n.kind == "update"]
         self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
@@ -166,13 +169,15 @@ class DistributedExecutor:
             self._put(f"fwd:{name}", inputs[name])
         for name, value in graph.constants.items():
             self._put(f"fwd:{name}", value)
-        b = self.buffers
-        for instr in self.program.instrs:
+        b, ledger = self.buffers, self.ledger
+        ledger.sync(b)
+        for k, instr in enumerate(self.program.instrs):
             if isinstance(instr, Compute):
                 xs = [b[x.value] for x in instr.ins]
                 outs = self.kernels[instr.dnode](xs) if instr.dnode else local_move(instr, xs)
                 for x, t in zip(instr.outs, outs):
                     b[x.value] = t
+                    ledger.write(x.value, t)
             elif isinstance(instr, Wait):
                 handles, c = self.pending.pop(instr.token)
                 for h in handles:
@@ -181,13 +186,24 @@ class DistributedExecutor:
                 out = self._communicate(instr)
                 if instr.recv is not None:
                     b[instr.recv.value] = out
+                    ledger.write(instr.recv.value, out)
+            for v in self.frees[k]:
+                b.pop(v, None)
+                ledger.free(v)
         loss_id = f"fwd:{self.dg.pcg.loss}"
         loss = self._full(loss_id, next(iter(b.values()))).item()
         for new, old in self.renames:
             if new in b:
                 b[old] = b.pop(new)
+        ledger.sync(b)
         self.steps_done += 1
         return loss
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest sum of this rank's live buffers so far (bytes): its pieces of weights, optimizer state,
+        gradients and activations."""
+        return self.ledger.peak
 
     def _wait(self, work, c: Comm) -> None:
         try:

@@ -16,6 +16,7 @@ from shardflow.lower.dynamic import Value
 from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.parallel.simulate import gather, scatter
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel
+from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
 
 def collective(kind: str, members: list[Comm], sends: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -66,6 +67,9 @@ class LocalExecutor:
             for r, p in step.programs.items() for i in p.instrs if isinstance(i, Compute) and i.dnode
         }
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
+        keep = persistent_values(self.dg)
+        self.frees = {r: frees_after(p, keep) for r, p in step.programs.items()}
+        self.ledgers = {r: Ledger() for r in step.programs}
         updates = [n for n in self.dg.nodes if n.kind == "update"]
         self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
         self.grad_values = {n.src: n.inputs[1] for n in updates}
@@ -112,19 +116,21 @@ class LocalExecutor:
             self._put(f"fwd:{name}", inputs[name])
         for name, value in graph.constants.items():
             self._put(f"fwd:{name}", value)
+        for r, bufs in self.buffers.items():
+            self.ledgers[r].sync(bufs)
         progs = self.lowered.programs
         pos = {r: 0 for r in progs}
         while True:
             for r, p in progs.items():  # run computes up to the next communication
                 while pos[r] < len(p.instrs) and not isinstance(p.instrs[pos[r]], Comm):
                     instr = p.instrs[pos[r]]
+                    if not isinstance(instr, Wait):  # communications complete when all members issued them
+                        xs = [self.buffers[r][b.value] for b in instr.ins]
+                        outs = self.kernels[(r, instr.dnode)](xs) if instr.dnode else local_move(instr, xs)
+                        for b, x in zip(instr.outs, outs):
+                            self._write(r, b.value, x)
+                    self._free(r, pos[r])
                     pos[r] += 1
-                    if isinstance(instr, Wait):  # communications complete when all members issued them
-                        continue
-                    xs = [self.buffers[r][b.value] for b in instr.ins]
-                    outs = self.kernels[(r, instr.dnode)](xs) if instr.dnode else local_move(instr, xs)
-                    for b, x in zip(instr.outs, outs):
-                        self.buffers[r][b.value] = x
             waiting = {r: p.instrs[pos[r]] for r, p in progs.items() if pos[r] < len(p.instrs)}
             if not waiting:
                 break
@@ -137,12 +143,28 @@ class LocalExecutor:
             sends = [self.buffers[r][m.send.value] if m.send is not None else None for r, m in zip(c0.members, members)]
             for r, m, x in zip(c0.members, members, collective(c0.family, members, sends)):
                 if m.recv is not None:
-                    self.buffers[r][m.recv.value] = x
+                    self._write(r, m.recv.value, x)
+                self._free(r, pos[r])
                 pos[r] += 1
         loss = self._get(f"fwd:{self.dg.pcg.loss}").item()
-        for bufs in self.buffers.values():
+        for r, bufs in self.buffers.items():
             for new, old in self.renames:
                 if new in bufs:
                     bufs[old] = bufs.pop(new)
+            self.ledgers[r].sync(bufs)
         self.steps_done += 1
         return loss
+
+    def _write(self, r: int, vid: str, x: torch.Tensor) -> None:
+        self.buffers[r][vid] = x
+        self.ledgers[r].write(vid, x)
+
+    def _free(self, r: int, k: int) -> None:
+        for v in self.frees[r][k]:
+            self.buffers[r].pop(v, None)
+            self.ledgers[r].free(v)
+
+    @property
+    def peak_bytes(self) -> dict[int, int]:
+        """Per rank: the largest sum of its live buffers so far (bytes)."""
+        return {r: ledger.peak for r, ledger in self.ledgers.items()}
