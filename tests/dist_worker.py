@@ -72,6 +72,20 @@ def main():
             cfg = OptimizerConfig("sgd", 0.1)
             executor("dp" if rank == 0 else "tp", f"{'dp' if rank == 0 else 'tp'}={world}", torch.float64, rank, cfg)
             results[case] = "ran"  # must not get here: the fingerprints differ
+        elif case == "diverge":  # rank 1's program has its first two forward all-reduces swapped; debug mode
+            import dataclasses
+            from shardflow.lower.program import Comm, Program
+            cfg = OptimizerConfig("sgd", 0.1)
+            _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=10.0)
+            ex.debug = True
+            if rank == 1:
+                instrs = list(ex.program.instrs)
+                i, j = [k for k, x in enumerate(instrs) if isinstance(x, Comm)][:2]
+                instrs[i], instrs[j] = instrs[j], instrs[i]
+                ex.program = Program(1, tuple(instrs))
+                ex.frees = [()] * len(instrs)
+            ex.step(inputs)
+            results[case] = "survived"
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

@@ -62,3 +62,10 @@ def test_a_killed_rank_takes_everyone_down_within_the_timeout(tmp_path):
     assert all(r is None for r in results)
     assert elapsed < 60, elapsed  # the survivor's 5 s communication timeout, plus start-up
     assert "rank 1 was killed by signal 9" in describe_failure(res, tmp_path / "logs")
+
+
+def test_debug_mode_names_diverging_tokens(tmp_path):
+    res, results = run(tmp_path, 2, ["diverge"], grace_s=20.0)
+    assert not res.ok and all(r is None for r in results)
+    logs = "".join((tmp_path / "logs" / f"rank{r}.log").read_text() for r in range(2))
+    assert "CommDivergence" in logs and "is at token 0" in logs and "is at token 1" in logs

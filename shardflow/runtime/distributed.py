@@ -31,6 +31,10 @@ class CommTimeout(RuntimeError):
     """A communication did not complete within the timeout."""
 
 
+class CommDivergence(RuntimeError):
+    """Debug mode: the members of a communication are at different tokens (code outside the plan diverged)."""
+
+
 def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
     """Every collective's member tuple, in first-use order — the order every rank creates them in."""
     seen: dict[tuple[int, ...], None] = {}
@@ -82,8 +86,10 @@ class DistributedExecutor:
     """
 
     def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0,
-                 share: DistributedExecutor | None = None):
-        """``share``: another executor of the same PCG whose weights and process groups this one uses."""
+                 share: DistributedExecutor | None = None, debug: bool = False):
+        """``share``: another executor of the same PCG whose weights and process groups this one uses.
+        ``debug``: before each communication, check that every member is at the same token."""
+        self.debug = debug
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.dg = step.dg
@@ -217,8 +223,29 @@ class DistributedExecutor:
         who = f"peer {c.peer}" if c.kind in ("send", "recv") else f"group {list(c.members)}"
         return f"rank {self.rank} waited on token {c.token} ({c.kind} of {c.type.dtype}{list(c.type.shape)}, {who})"
 
+    def _check_token(self, c: Comm) -> None:
+        """Debug mode: exchange tokens with the other members of ``c``; raise CommDivergence on a mismatch."""
+        mine = torch.tensor([c.token], dtype=torch.long)
+        if c.kind in ("send", "recv", "permute"):
+            to, frm = (c.peer, c.peer) if c.kind != "permute" else (c.peer, c.peer_from)
+            theirs = torch.empty(1, dtype=torch.long)
+            for h in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, to), dist.P2POp(dist.irecv, theirs, frm)]):
+                self._wait(h, c)
+            others = {frm: int(theirs)}
+        else:
+            got = torch.empty(len(c.members), dtype=torch.long)
+            self._wait(dist.all_gather_into_tensor(got, mine, group=self.groups.get(c.members), async_op=True), c)
+            others = dict(zip(c.members, got.tolist()))
+        bad = {r: t for r, t in others.items() if t != c.token}
+        if bad:
+            raise CommDivergence(f"rank {self.rank} is at token {c.token} ({c.kind}, {c.note}) but "
+                                 + ", ".join(f"rank {r} is at token {t}" for r, t in sorted(bad.items()))
+                                 + "; something outside the plan ran a different sequence of communications")
+
     def _communicate(self, c: Comm) -> torch.Tensor | None:
         """Issue communication ``c`` on this rank and wait for it (once) with the timeout."""
+        if self.debug:
+            self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
         pg = self.groups.get(c.members)
         d = len(c.members)
