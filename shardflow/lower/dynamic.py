@@ -31,7 +31,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shardflow.graph.ops import TensorType
+from shardflow.graph.ops import TensorType, torch_dtype
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
@@ -152,7 +152,7 @@ def _needs_grad(pcg: PCG) -> set[str]:
     """PCG tensors whose gradient the step needs: weights and everything computed from them."""
     need = {n for n, t in pcg.tensors.items() if t.role == "weight"}
     for n in pcg.nodes:
-        if any(i in need for i in n.inputs) and pcg.tensors[n.outputs[0]].type.dtype.startswith("float"):
+        if any(i in need for i in n.inputs) and torch_dtype(pcg.tensors[n.outputs[0]].type.dtype).is_floating_point:
             need.update(n.outputs)
     return need
 
