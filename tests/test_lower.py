@@ -283,3 +283,42 @@ def test_cost_model_prefers_the_ring_for_large_chunks_on_gloo():
     assert CostModel("nccl").choose_all_gather(4 << 20, 8) == "collective"
     # Overridable: a fast all-gather makes the collective the choice.
     assert CostModel("gloo", bandwidth={"all_gather": 10e9}).choose_all_gather(4 << 20, 2) == "collective"
+
+
+def test_machine_view_override_moves_only_the_shard_that_changes_device():
+    """relu on mesh[pp=0] (devices 0, 1 hold blocks 0, 1); tanh and sum use the view (0, 3): block 0 stays on
+    device 0, block 1 moves 1 → 3 — one copy carrying only that block, forward and (gradient) backward."""
+    from shardflow.lower.program import Compute
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.runtime.local import LocalExecutor
+    import torch
+    b = GraphBuilder()
+    x = b.input("x", (4, 6), "float64")
+    w = b.weight("w", (4, 6), "float64")
+    loss = b.sum(b.tanh(b.relu(b.mul(x, w))))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("pp=2,tp=2")
+    plan = Plan(inputs={"x": {"tp": Shard(0)}},
+                modules={"mul": ModulePlan(stage=0), "relu": ModulePlan(stage=0),
+                         "tanh": ModulePlan(stage=0, devices=(0, 3)), "sum": ModulePlan(stage=0, devices=(0, 3))})
+    pcg = build_pcg(g, mesh, resolve(plan, g, mesh))
+    step = lower_step(pcg)  # verified
+    copies = [n for n in step.dg.nodes if n.kind == "copy"]
+    assert [(c.pass_, c.inputs[0]) for c in copies] == [("FWD", "fwd:relu"), ("BWD", "grad:relu@tanh")]
+    sends = {r: [(c.kind, c.peer, c.type.shape) for c in p.comms if c.axis == "copy"] for r, p in step.programs.items()}
+    # forward: block 1 goes 1 → 3; backward: its gradient comes back 3 → 1. Device 0 and 2 move nothing.
+    assert sends == {0: [], 1: [("send", 3, (2, 6)), ("recv", 3, (2, 6))], 2: [],
+                     3: [("recv", 1, (2, 6)), ("send", 1, (2, 6))]}
+    aliases = [i for i in step.programs[0].instrs if isinstance(i, Compute) and i.op == "alias"]
+    assert len(aliases) == 2  # device 0 keeps block 0, forward and backward
+    cfg = OptimizerConfig("sgd", 0.1)
+    ex = LocalExecutor(step, cfg)
+    torch.manual_seed(0)
+    wv, xv = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    ex.load({"w": wv})
+    loss_v = ex.step({"x": xv})
+    wr = wv.clone().requires_grad_()
+    want = torch.tanh(torch.relu(xv * wr)).sum()
+    want.backward()
+    assert abs(loss_v - want.item()) < 1e-12
+    torch.testing.assert_close(ex.grads()["w"], wr.grad, atol=1e-12, rtol=0)

@@ -52,40 +52,27 @@ def _nbytes(t: TensorType) -> int:
 # --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
 def axis_members(group: SubMesh, axis: str, device: int) -> tuple[int, ...]:
     """The devices of ``group`` that differ from ``device`` only in their coordinate on ``axis``, in order."""
-    mesh = group.mesh
-    c = list(mesh.coords(device))
-    k = mesh.axis_index(axis)
-    out = []
-    for i in range(mesh.axis_size(axis)):
-        c[k] = i
-        out.append(mesh.device(tuple(c)))
-    return tuple(out)
+    c = group.coords(device)
+    return tuple(group.device_of(c | {axis: i}) for i in range(group.mesh.axis_size(axis)))
 
 
 def axis_group_index(group: SubMesh, axis: str, device: int) -> int:
     """Index of ``device``'s axis group among all groups of ``group`` along ``axis`` (row-major in the others)."""
-    mesh = group.mesh
-    c = mesh.coords(device)
+    c = group.coords(device)
     idx = 0
-    for a in group.free_axes:
+    for a, s in zip(group.free_axes, group.free_shape):
         if a != axis:
-            idx = idx * mesh.axis_size(a) + c[mesh.axis_index(a)]
+            idx = idx * s + c[a]
     return idx
 
 
 def device_index(group: SubMesh, device: int) -> int:
     """Row-major index of ``device`` among the devices of ``group``."""
-    mesh = group.mesh
-    c = mesh.coords(device)
-    idx = 0
-    for a in group.free_axes:
-        idx = idx * mesh.axis_size(a) + c[mesh.axis_index(a)]
-    return idx
+    return group.index(device)
 
 
 def in_group(group: SubMesh, device: int) -> bool:
-    c = group.mesh.coords(device)
-    return all(c[group.mesh.axis_index(a)] == i for a, i in group.fixed)
+    return group.index(device) is not None
 
 
 @dataclass(frozen=True)
@@ -409,21 +396,7 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
 
 def _holder(v: Value, coord) -> int:
     """The device of ``v``'s sub-mesh that holds the piece at ``coord``."""
-    mesh = v.group.mesh
-    c = list(mesh.coords(next(iter(v.group.devices()))))  # fixed axes
-    s = v.sharding
-
-    def put(axes, index):
-        for a in reversed(axes):
-            size = mesh.axis_size(a)
-            c[mesh.axis_index(a)] = index % size
-            index //= size
-
-    for axes, idx in zip(s.dims, coord.shard):
-        put(axes, idx)
-    put(s.partial, coord.sum)
-    put(s.replica_axes(v.group), coord.replica)
-    return mesh.device(tuple(c))
+    return v.sharding.device_of(v.group, coord)
 
 
 def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:

@@ -144,16 +144,25 @@ class SubMesh:
     """The devices of ``mesh`` whose coordinate on each axis in ``fixed`` equals the given index.
 
     ``fixed`` is sorted by mesh axis order. The free axes keep their mesh order; a tensor on a sub-mesh has
-    one placement per free axis.
+    one placement per free axis. ``view`` (a machine view) overrides which physical device sits at each
+    coordinate of the free axes: ``view[i]`` is the device at the i-th coordinate in row-major order (default:
+    the mesh's own device there). Every lookup of a device's coordinates goes through the sub-mesh.
     """
 
     mesh: Mesh
     fixed: tuple[tuple[str, int], ...] = ()
+    view: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for axis, idx in self.fixed:
             if not 0 <= idx < self.mesh.axis_size(axis):
                 raise ValueError(f"sub-mesh: index {idx} out of range for axis {axis!r} of mesh {self.mesh}")
+        if self.view is not None:
+            if len(self.view) != self.size or len(set(self.view)) != len(self.view) or \
+                    not all(0 <= d < self.mesh.size for d in self.view):
+                raise ValueError(f"machine view {list(self.view)}: needs {self.size} distinct devices of mesh "
+                                 f"{self.mesh} (0..{self.mesh.size - 1}), one per coordinate of axes "
+                                 f"{list(self.free_axes)}")
 
     @property
     def free_axes(self) -> tuple[str, ...]:
@@ -161,16 +170,57 @@ class SubMesh:
         return tuple(a for a in self.mesh.axis_names if a not in fixed)
 
     @property
+    def free_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.axis_size(a) for a in self.free_axes)
+
+    @property
     def size(self) -> int:
-        return math.prod(self.mesh.axis_size(a) for a in self.free_axes)
+        return math.prod(self.free_shape)
+
+    def _default_device(self, index: int) -> int:
+        coords = dict(self.fixed)
+        for a, s in zip(reversed(self.free_axes), reversed(self.free_shape)):
+            coords[a] = index % s
+            index //= s
+        return self.mesh.device(tuple(coords[a] for a in self.mesh.axis_names))
+
+    def device_at(self, index: int) -> int:
+        """The device at row-major position ``index`` of the free-axis coordinates."""
+        return self.view[index] if self.view is not None else self._default_device(index)
+
+    def index(self, device: int) -> int | None:
+        """Row-major position of ``device`` among the sub-mesh's coordinates, or None if it is not a member."""
+        if self.view is not None:
+            return self.view.index(device) if device in self.view else None
+        c = self.mesh.coords(device)
+        if any(c[self.mesh.axis_index(a)] != i for a, i in self.fixed):
+            return None
+        idx = 0
+        for a, s in zip(self.free_axes, self.free_shape):
+            idx = idx * s + c[self.mesh.axis_index(a)]
+        return idx
+
+    def coords(self, device: int) -> dict[str, int]:
+        """Coordinate of member ``device`` on each free axis. Raises ValueError for a non-member."""
+        idx = self.index(device)
+        if idx is None:
+            raise ValueError(f"device {device} is not in {self}")
+        out = {}
+        for a, s in zip(reversed(self.free_axes), reversed(self.free_shape)):
+            out[a] = idx % s
+            idx //= s
+        return out
+
+    def device_of(self, coords: dict[str, int]) -> int:
+        """The member at the given free-axis coordinates."""
+        idx = 0
+        for a, s in zip(self.free_axes, self.free_shape):
+            idx = idx * s + coords[a]
+        return self.device_at(idx)
 
     def devices(self) -> Iterator[int]:
         """Device ids in row-major order of the free axes."""
-        fixed = dict(self.fixed)
-        for d in range(self.mesh.size):
-            c = self.mesh.coords(d)
-            if all(c[self.mesh.axis_index(a)] == i for a, i in fixed.items()):
-                yield d
+        return (self.device_at(i) for i in range(self.size))
 
     def with_fixed(self, axis: str, index: int) -> SubMesh:
         fixed = dict(self.fixed) | {axis: index}
@@ -179,7 +229,10 @@ class SubMesh:
     def without_fixed(self, axis: str) -> SubMesh:
         return SubMesh(self.mesh, tuple((a, i) for a, i in self.fixed if a != axis))
 
+    def with_view(self, devices) -> SubMesh:
+        """The same sub-mesh with ``devices`` (row-major over the free axes) as its machine view."""
+        return SubMesh(self.mesh, self.fixed, tuple(devices))
+
     def __str__(self) -> str:
-        if not self.fixed:
-            return "mesh"
-        return "mesh[" + ",".join(f"{a}={i}" for a, i in self.fixed) + "]"
+        text = "mesh" + ("[" + ",".join(f"{a}={i}" for a, i in self.fixed) + "]" if self.fixed else "")
+        return text + (f"@{list(self.view)}" if self.view is not None else "")

@@ -176,15 +176,31 @@ class Sharding:
     def coord_of(self, group: SubMesh, device: int) -> ShardCoord:
         """Which piece ``device`` (a member of ``group``) holds."""
         mesh = group.mesh
-        c = mesh.coords(device)
+        c = group.coords(device)
 
         def radix(axes):
             v = 0
             for a in axes:
-                v = v * mesh.axis_size(a) + c[mesh.axis_index(a)]
+                v = v * mesh.axis_size(a) + c[a]
             return v
 
         return ShardCoord(radix(self.partial), radix(self.replica_axes(group)), tuple(radix(ax) for ax in self.dims))
+
+    def device_of(self, group: SubMesh, coord: ShardCoord) -> int:
+        """The member of ``group`` that holds the piece at ``coord`` (replica index taken modulo)."""
+        mesh = group.mesh
+        c: dict[str, int] = {}
+
+        def put(axes, index):
+            for a in reversed(axes):
+                c[a] = index % mesh.axis_size(a)
+                index //= mesh.axis_size(a)
+
+        for axes, idx in zip(self.dims, coord.shard):
+            put(axes, idx)
+        put(self.partial, coord.sum)
+        put(self.replica_axes(group), coord.replica)
+        return group.device_of(c)
 
     def device_map(self, group: SubMesh) -> dict[int, ShardCoord]:
         """Device → piece coordinate for every device of ``group`` (a bijection onto the pieces)."""

@@ -88,8 +88,7 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
     if dn.kind in ("select", "copy"):
         return lambda xs: [xs[0]]
     if dn.kind == "parallel":  # a Repartition of replicas: keep this rank's block of the dim
-        mesh = dg.pcg.mesh
-        index = mesh.coords(rank)[mesh.axis_index(dn.op.axis)]
+        index = dn.group.coords(rank)[dn.op.axis]
         return lambda xs: [xs[0].chunk(dn.op.degree, dn.op.dim)[index].contiguous()]
     raise ValueError(f"no kernel for dynamic-graph node {dn.name!r} of kind {dn.kind!r}")
 

@@ -42,13 +42,16 @@ class ModulePlan:
     """How one module (or every module a pattern matches) is parallelised.
 
     ``params``: parameter name (``"weight"``, ``"bias"``) → placements; ``input``/``output``: layout of every
-    activation entering/leaving the module; ``stage``: pipeline stage index along the plan's stage axis.
+    activation entering/leaving the module; ``stage``: pipeline stage index along the plan's stage axis;
+    ``devices``: a machine view overriding which device runs each shard of the module's ops (one device per
+    coordinate of the sub-mesh's free axes, row-major) — values moving between views are copied.
     """
 
     params: Mapping[str, PlacementSpec] = field(default_factory=dict)
     input: PlacementSpec | None = None
     output: PlacementSpec | None = None
     stage: int | None = None
+    devices: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Plan:
                     input=_spec(m["input"]) if "input" in m else None,
                     output=_spec(m["output"]) if "output" in m else None,
                     stage=m.get("stage"),
+                    devices=tuple(m["devices"]) if "devices" in m else None,
                 )
                 for pat, m in data.get("modules", {}).items()
             }
@@ -175,6 +179,15 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
 
     groups = _stage_groups(plan, graph, mesh, matched)
     whole = SubMesh(mesh)
+    for pat, mp in plan.modules.items():  # machine-view overrides
+        if mp.devices is None:
+            continue
+        for n in graph.nodes:
+            if fnmatchcase(n.name, pat) or any(inside(n, m) for m in matched[pat]):
+                try:
+                    groups[n.name] = groups.get(n.name, whole).with_view(mp.devices)
+                except ValueError as e:
+                    raise PlanError(f"plan for {pat!r}: {e}") from None
     consumers = graph.consumers()
     producer = graph.producer()
 
