@@ -23,7 +23,7 @@ from shardflow.graph.ops import torch_dtype
 from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.simulate import scatter
-from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel
+from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
 
@@ -107,7 +107,10 @@ class DistributedExecutor:
             if m not in self.groups:
                 self.groups[m] = None if len(m) == self.world else dist.new_group(list(m), timeout=self.timeout)
         nodes = {n.name: n for n in self.dg.nodes}
-        self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1)
+        self.saved: dict = {}  # forward autograd graphs, consumed by the backward
+        once = single_calls(self.program)
+        self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1,
+                                             self.saved if i.dnode in once else None)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[list, Comm]] = {}  # token → handles of a communication issued, not waited
         self.frees = frees_after(self.program, persistent_values(self.dg))

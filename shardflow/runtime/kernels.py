@@ -60,14 +60,23 @@ def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *s
     return [w - (cfg.lr / (1 - b1 ** step)) * m / denom, m, v]
 
 
-def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, step: Callable[[], int]) -> Kernel:
-    """The kernel of dynamic-graph node ``dn`` on ``rank``. ``step()`` gives the current step (for AdamW)."""
+def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, step: Callable[[], int],
+                saved: dict | None = None) -> Kernel:
+    """The kernel of dynamic-graph node ``dn`` on ``rank``. ``step()`` gives the current step (for AdamW).
+
+    ``saved``: this rank's store of forward autograd graphs. When given, a forward whose node has a backward
+    records its graph there and the backward reuses it (no second forward); without it, or when the forward
+    ran in chunks (a fused ring), the backward recomputes the forward under ``torch.func.vjp``.
+    """
     if dn.kind == "compute":
         pnode = next(p for p in dg.pcg.nodes if p.name == dn.src)
         local = pnode.local
         if dn.pass_ == "FWD":
-            return lambda xs: list(local.compute(*xs))
-        return _vjp_kernel(local.compute, len(pnode.inputs), dn)
+            bwd = next((n for n in dg.nodes if n.name == f"BWD {dn.src}"), None)
+            if saved is None or bwd is None:
+                return lambda xs: list(local.compute(*xs))
+            return _recording_forward(local.compute, bwd.grad_mask, dn.src, saved)
+        return _vjp_kernel(local.compute, len(pnode.inputs), dn, saved)
     if dn.kind == "seed":
         return lambda xs: [torch.ones_like(xs[0])]
     if dn.kind == "sum":
@@ -93,6 +102,15 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
     raise ValueError(f"no kernel for dynamic-graph node {dn.name!r} of kind {dn.kind!r}")
 
 
+def single_calls(program) -> set[str]:
+    """Dynamic-graph nodes computed by exactly one instruction of ``program`` (not chunk by chunk)."""
+    counts: dict[str, int] = {}
+    for i in program.instrs:
+        if isinstance(i, Compute) and i.dnode:
+            counts[i.dnode] = counts.get(i.dnode, 0) + 1
+    return {k for k, n in counts.items() if n == 1}
+
+
 def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The data-movement computes lowering adds around rings (:data:`LOCAL_MOVES`): chunk, concat, add."""
     if instr.op == "chunk":
@@ -104,21 +122,38 @@ def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]
     raise ValueError(f"no local kernel for {instr.op!r} (one of {LOCAL_MOVES})")
 
 
-def _vjp_kernel(fwd: Callable, n_in: int, dn: DNode) -> Kernel:
+def _recording_forward(fwd: Callable, grad_mask: Sequence[bool], key: str, saved: dict) -> Kernel:
+    def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        args = [x.detach().requires_grad_() if m else x for x, m in zip(xs, grad_mask)]
+        with torch.enable_grad():
+            outs = fwd(*args)
+        saved[key] = ([a for a, m in zip(args, grad_mask) if m], outs)
+        return [o.detach() for o in outs]
+
+    return kernel
+
+
+def _vjp_kernel(fwd: Callable, n_in: int, dn: DNode, saved: dict | None = None) -> Kernel:
     diff = [i for i, m in enumerate(dn.grad_mask) if m]
 
     def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         args, dys = list(xs[:n_in]), iter(xs[n_in:])
+        recorded = saved.pop(dn.src, None) if saved is not None else None
+        if recorded is not None:  # reuse the forward's autograd graph
+            inputs, outs = recorded
+            pairs = [(o, next(dys)) for o, m in zip(outs, dn.dy_mask) if m]
+            grads = torch.autograd.grad([o for o, _ in pairs], inputs, [d for _, d in pairs], allow_unused=True)
+            grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+        else:
+            def f(*d):
+                a = list(args)
+                for i, t in zip(diff, d):
+                    a[i] = t
+                return fwd(*a)
 
-        def f(*d):
-            a = list(args)
-            for i, t in zip(diff, d):
-                a[i] = t
-            return fwd(*a)
-
-        outs, vjp = torch.func.vjp(f, *(args[i] for i in diff))
-        cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, dn.dy_mask))
-        grads = vjp(cot)
+            outs, vjp = torch.func.vjp(f, *(args[i] for i in diff))
+            cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, dn.dy_mask))
+            grads = vjp(cot)
         return [g * dn.unscale[i] if dn.unscale[i] != 1.0 else g for i, g in zip(diff, grads)]
 
     return kernel

@@ -15,7 +15,7 @@ from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
 from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.parallel.simulate import gather, scatter
-from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel
+from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
 
@@ -62,10 +62,15 @@ class LocalExecutor:
         self.dg = step.dg
         self.steps_done = 0
         nodes = {n.name: n for n in self.dg.nodes}
-        self.kernels = {
-            (r, i.dnode): make_kernel(nodes[i.dnode], self.dg, r, optimizer, lambda: self.steps_done + 1)
-            for r, p in step.programs.items() for i in p.instrs if isinstance(i, Compute) and i.dnode
-        }
+        self.saved: dict[int, dict] = {r: {} for r in step.programs}  # forward autograd graphs per rank
+        self.kernels = {}
+        for r, p in step.programs.items():
+            once = single_calls(p)
+            for i in p.instrs:
+                if isinstance(i, Compute) and i.dnode:
+                    self.kernels[(r, i.dnode)] = make_kernel(nodes[i.dnode], self.dg, r, optimizer,
+                                                             lambda: self.steps_done + 1,
+                                                             self.saved[r] if i.dnode in once else None)
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         keep = persistent_values(self.dg)
         self.frees = {r: frees_after(p, keep) for r, p in step.programs.items()}
