@@ -104,7 +104,8 @@ class Comm:
                f"to={self.peer} from={self.peer_from}" if self.kind == "permute" else
                f"group={list(self.members)}" + (f" root={self.root}" if self.root is not None else ""))
         bufs = " ".join(f"{k}={b}" for k, b in (("send", self.send), ("recv", self.recv)) if b is not None)
-        return (f"#{self.token:<4} {self.pass_:<4} {self.kind} {who} axis={self.axis or '-'} "
+        issue = " (async)" if not self.wait else ""
+        return (f"#{self.token:<4} {self.pass_:<4} {self.kind}{issue} {who} axis={self.axis or '-'} "
                 f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}").rstrip()
 
 
