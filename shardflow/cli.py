@@ -1,5 +1,6 @@
 """``shardflow`` command line. ``shardflow plan`` prints the PCG and per-rank programs of a model under a strategy,
-proven deadlock-free; no process starts.
+proven deadlock-free; no process starts. ``shardflow train`` trains a GPT across local processes (checkpoints,
+``--resume``); ``shardflow export`` writes a checkpoint as safetensors; ``shardflow generate`` samples text from one.
 
 Errors a user can fix (bad mesh, strategy that does not fit the model, unsupported op, ...) end with one
 paragraph on stderr and exit status 2, never a traceback from inside the library.
@@ -124,6 +125,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_main(TrainConfig.from_args(args))
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from shardflow.train.checkpoint import export
+    out, ck = export(args.checkpoint, args.out)
+    print(f"wrote {out}: the weights of {ck.path} (step {ck.step}) under GPT's parameter names, model config in "
+          f"its metadata")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from shardflow.train.generate import main as generate_main
+    return generate_main(args.checkpoint, args.prompt, args.tokens, args.temperature, args.seed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a GPT on text across local processes with a chosen strategy")
     TrainConfig.add_arguments(t)
     t.set_defaults(func=cmd_train)
+    ck_help = ("a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoint directory or a run directory (its newest "
+               "complete checkpoint)")
+    e = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file for the plain GPT module")
+    e.add_argument("--checkpoint", required=True, help=ck_help)
+    e.add_argument("--out", required=True, help="the .safetensors file to write (model config in its metadata)")
+    e.set_defaults(func=cmd_export)
+    g = sub.add_parser("generate", help="sample text from a checkpoint of shardflow train (one process)")
+    g.add_argument("--checkpoint", required=True, help=ck_help)
+    g.add_argument("--prompt", required=True, help="text to continue (characters of the training text)")
+    g.add_argument("--tokens", type=int, default=200, help="characters to sample (default 200)")
+    g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
+    g.set_defaults(func=cmd_generate)
     return parser
 
 

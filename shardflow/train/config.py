@@ -40,6 +40,11 @@ class TrainConfig:
     data: str | None = _f(None, "UTF-8 text file to train on (default: the Python documentation of this CPython)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics, checkpoints and the resolved config")
     metrics: str | None = _f(None, "JSON-lines metrics file (default: RUN_DIR/metrics.jsonl)")
+    checkpoint_dir: str | None = _f(None, "directory for checkpoints (default: RUN_DIR/checkpoints)")
+    checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: only the final one; the last step is "
+                                  "always saved)")
+    resume: bool = _f(False, "continue from the newest complete checkpoint in the checkpoint directory (any "
+                             "strategy or mesh may have written it)")
     log_every: int = _f(10, "print a progress line every N steps")
     eval_every: int = _f(100, "measure the validation loss every N steps (and at the end)")
     eval_batches: int = _f(4, "validation batches per measurement")
@@ -79,6 +84,10 @@ class TrainConfig:
             if v is not None:
                 values[f.name] = v
         return cls(**values)
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.run_dir) / "checkpoints"
 
     def to_toml(self) -> str:
         lines = []

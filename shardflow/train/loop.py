@@ -4,13 +4,21 @@ The parent process checks the configuration and the plan (errors before any proc
 ``--nproc`` ranks with the launcher; under torchrun (RANK/WORLD_SIZE set) each process is one rank. One process
 with ``--nproc 1`` runs every rank of the mesh itself (the local executor). Rank 0 prints a banner and one
 line every ``--log-every`` steps; every rank logs to ``RUN_DIR/rank{r}.log``; rank 0 writes the metrics.
+
+Checkpoints (:mod:`shardflow.train.checkpoint`): every ``--checkpoint-every`` steps and after the last one, into
+``--checkpoint-dir``; ``--resume`` continues from the newest complete one — written under any strategy and mesh —
+and reproduces the loss trajectory of an uninterrupted run. Ctrl-C / SIGTERM stop every rank; a save that was
+cut short leaves only a ``.tmp`` directory, and the command exits with status 130 and one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,6 +29,7 @@ import torch
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import lower_step
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS
 from shardflow.lower.report import bytes_rows
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
@@ -28,6 +37,7 @@ from shardflow.parallel.pcg import PCG, build_pcg
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
 from shardflow.strategy.presets import default_mesh
+from shardflow.train import checkpoint
 from shardflow.train.config import TrainConfig
 from shardflow.train.data import Corpus
 
@@ -57,6 +67,9 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
 def setup(cfg: TrainConfig, world: int) -> Setup:
     """Data, model (seeded), captured graph and the PCG of the strategy. Raises the planner's errors (PlanError,
     DegreeError, ...) and DataError — the parent calls this before starting any process."""
+    if cfg.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 to save only "
+                         f"after the last step")
     mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy, world if world > 1 else cfg.nproc)
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
@@ -75,9 +88,38 @@ def _weights(model: torch.nn.Module, graph: ComputationGraph) -> dict[str, torch
     return {w: params[w].detach().clone() for w in graph.weights}
 
 
+def _entries(s: Setup) -> checkpoint.Entries:
+    """What a checkpoint of this run holds: every weight and its optimizer state."""
+    return checkpoint.model_entries(s.model, s.graph.weights, OPTIMIZER_SLOTS[s.optimizer.slots])
+
+
+def _resume_point(s: Setup) -> checkpoint.Checkpoint:
+    """The checkpoint ``--resume`` continues from, checked against this run (raises CheckpointError)."""
+    return checkpoint.for_resume(s.cfg.checkpoints, s.model.config, s.corpus.tokenizer.chars, s.optimizer.slots,
+                                 _entries(s), s.cfg.data)
+
+
+_signalled: list[str] = []
+
+
+def _interrupt(signum, _frame):
+    _signalled.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _nothing_to_do(ck: checkpoint.Checkpoint, cfg: TrainConfig) -> bool:
+    if ck.step < cfg.steps:
+        return False
+    print(f"shardflow train: {ck.path} is at step {ck.step}, --steps is {cfg.steps}: nothing to train; raise "
+          f"--steps to continue", flush=True)
+    return True
+
+
 def run_rank(cfg: TrainConfig) -> int:
     """Train on this process: every rank of the mesh (one process) or this rank (launched / torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards Ctrl-C as SIGTERM: stop like Ctrl-C
     if world == 1:
         return _train(cfg, 0, 1)
     from shardflow.runtime.distributed import init_from_env, shutdown
@@ -85,15 +127,18 @@ def run_rank(cfg: TrainConfig) -> int:
     try:
         code = _train(cfg, rank, world)
     except BaseException as e:  # report, then leave without gloo's teardown (peers fail on their timeouts)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report: a second signal must not cut it short
+        # a peer stopped by the same Ctrl-C can make this rank's communication fail first
+        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
+        if interrupted:
             print(f"rank {rank}: interrupted", flush=True)
         else:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
-    shutdown()
-    return code
+        os._exit(INTERRUPTED if interrupted else 1)
+    shutdown(code)
 
 
 def _train(cfg: TrainConfig, rank: int, world: int) -> int:
@@ -111,23 +156,42 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
         from shardflow.runtime.local import LocalExecutor
         ex = LocalExecutor(train_step, opt)
         ev = LocalExecutor(eval_step, opt, share=ex)
-    ex.load(_weights(s.model, s.graph))
-    ref = _reference(s) if cfg.check else None
-    max_dloss = 0.0
-
     lead = rank == 0
+    checkpoint.check_writable(cfg.checkpoints)
+    start, resumed = 0, None
+    if cfg.resume:
+        resumed = _resume_point(s)
+        if _nothing_to_do(resumed, cfg) if lead else resumed.step >= cfg.steps:
+            return 0
+        start = resumed.step
+        t = resumed.load(_entries(s))  # full tensors on every rank; the executor keeps its pieces
+        weights = {w: t[f"model/{w}"] for w in s.graph.weights}
+        state = {k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")}
+        ex.load(weights, state, steps_done=start)
+    else:
+        weights, state = _weights(s.model, s.graph), None
+        ex.load(weights)
+    ref = _reference(s, weights, state, start) if cfg.check else None
+    max_dloss = 0.0
+    saver = checkpoint.Saver(cfg.checkpoints, rank, world, {
+        "model": dataclasses.asdict(s.model.config), "chars": s.corpus.tokenizer.chars,
+        "train": dataclasses.asdict(cfg), "mesh": str(s.mesh), "processes": world}, fresh=not cfg.resume)
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = open(cfg.metrics or run_dir / "metrics.jsonl", "w") if lead else None
+    metrics = _open_metrics(Path(cfg.metrics or run_dir / "metrics.jsonl"), start) if lead else None
     baseline = s.corpus.unigram_loss()
     if lead:
         _banner(s, train_step, baseline)
+        if resumed is not None:
+            print(f"resumed from {resumed.path} (step {start}; written under {resumed.train.get('strategy')} "
+                  f"on mesh {resumed.mesh})", flush=True)
 
     def val_loss() -> float:
         return sum(ev.step(s.corpus.batch("val", i, cfg.batch_size, cfg.seq_len, cfg.seed))
                    for i in range(cfg.eval_batches)) / cfg.eval_batches
 
     tokens = cfg.batch_size * cfg.seq_len
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         batch = s.corpus.batch("train", step, cfg.batch_size, cfg.seq_len, cfg.seed)
         loss = ex.step(batch)
@@ -145,6 +209,11 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
                 val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
                 print(f"step {step + 1:>5}/{cfg.steps}  loss {loss:.4f}{val}  {tokens / dt:,.0f} tok/s  "
                       f"{dt * 1000:.0f} ms/step", flush=True)
+        if last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
+            t0 = time.perf_counter()
+            path, size = saver.save(ex, step + 1)  # collective: every rank takes part
+            if lead:
+                print(f"checkpoint {path} ({size / 2**20:.2f} MiB, {time.perf_counter() - t0:.2f} s)", flush=True)
     if lead:
         final = record["val_loss"]
         verdict = "below" if final < baseline else "NOT below"
@@ -166,13 +235,31 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
 CHECK_TOL = 5e-3
 
 
-def _reference(s: Setup):
+def _reference(s: Setup, weights, state, steps_done: int):
     """The same model and optimizer on one device (local executor, unsharded plan), for ``--check``."""
     from shardflow.runtime.local import LocalExecutor
     one = build_pcg(s.graph, Mesh(("d",), (1,)))
     ref = LocalExecutor(lower_step(one, s.optimizer.slots), s.optimizer)
-    ref.load(_weights(s.model, s.graph))
+    ref.load(weights, state, steps_done)
     return ref
+
+
+def _open_metrics(path: Path, start: int):
+    """The metrics file: new, or on resume the records up to ``start`` kept (a run that went on past its last
+    checkpoint wrote records that the resumed run writes again) and appended to."""
+    if start == 0 or not path.exists():
+        return open(path, "w")
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= start:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short when the run was stopped
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+    return open(path, "a")
 
 
 def _banner(s: Setup, step, baseline: float) -> None:
@@ -194,18 +281,58 @@ def _banner(s: Setup, step, baseline: float) -> None:
     print(f"unigram baseline (validation): {baseline:.4f} nats/char", flush=True)
 
 
+# exit status of a run stopped by Ctrl-C / SIGTERM (the shell's 128 + SIGINT)
+INTERRUPTED = 130
+
+
+def _stopped(cfg: TrainConfig, how: str) -> int:
+    last = checkpoint.newest(cfg.checkpoints)
+    where = f"newest complete checkpoint: {last} (continue with --resume)" if last else "no complete checkpoint"
+    print(f"shardflow train: interrupted ({how}); every rank stopped; {where}", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
 def main(cfg: TrainConfig) -> int:
     """Entry of ``shardflow train``: plan-check in this process, then launch ``--nproc`` ranks (or run here)."""
+    try:
+        return _main(cfg)
+    except KeyboardInterrupt as e:  # Ctrl-C in this process (one process, or before the ranks start)
+        return _stopped(cfg, str(e) or "SIGINT")
+
+
+def _main(cfg: TrainConfig) -> int:
     run_dir = Path(cfg.run_dir)
     if "RANK" in os.environ or cfg.nproc == 1:
         return run_rank(cfg)
-    setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
+    s = setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
+    checkpoint.check_writable(cfg.checkpoints)
+    if cfg.resume and _nothing_to_do(_resume_point(s), cfg):  # a missing, corrupt or unfit checkpoint: error here
+        return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     from shardflow.runtime.launch import describe_failure, launch
-    res = launch([sys.executable, "-m", "shardflow.cli", "train", *cfg.argv()], cfg.nproc, run_dir,
-                 grace_s=cfg.timeout + 10)
+    # The launcher forwards Ctrl-C / SIGTERM to the ranks from its own handler; a wakeup fd tells us one came.
+    signals_r, signals_w = os.pipe()
+    os.set_blocking(signals_r, False)
+    os.set_blocking(signals_w, False)
+    old_fd = signal.set_wakeup_fd(signals_w, warn_on_full_buffer=False) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        res = launch([sys.executable, "-m", "shardflow.cli", "train", *cfg.argv()], cfg.nproc, run_dir,
+                     grace_s=cfg.timeout + 10)
+    finally:
+        if old_fd is not None:
+            signal.set_wakeup_fd(old_fd)
+        try:
+            got = os.read(signals_r, 256)
+        except BlockingIOError:
+            got = b""
+        os.close(signals_r)
+        os.close(signals_w)
+    stop = [signal.Signals(b).name for b in got if b in (signal.SIGINT, signal.SIGTERM)]
     if not res.ok:
+        if stop:
+            return _stopped(cfg, stop[0])
         print(f"shardflow train: error: {describe_failure(res, run_dir)}", file=sys.stderr)
         return 1
     return 0

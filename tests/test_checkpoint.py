@@ -1,0 +1,388 @@
+"""Checkpoints of `shardflow train` end to end (tiny model, few steps, subprocesses like test_train.py): resume
+reproduces the uninterrupted run, a checkpoint written under one strategy and mesh resumes under another, export
+to safetensors, generate; bad checkpoints, an unwritable directory and Ctrl-C end cleanly, and a checkpoint is
+complete or absent."""
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardflow.cli import main as cli_main
+from shardflow.models import GPT
+from shardflow.train import checkpoint
+from shardflow.train.data import Corpus
+
+TINY = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
+        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30"]
+
+
+def train_argv(run, data, *argv):
+    return [sys.executable, "-m", "shardflow.cli", "train", *TINY, "--data", str(data), "--run-dir", str(run), *argv]
+
+
+def run_all(*argvs):
+    """Run independent commands side by side (the tests' wall time is mostly interpreter start-up and planning)."""
+    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argvs]
+    out = []
+    for a, p in zip(argvs, procs):
+        stdout, stderr = p.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(a, p.returncode, stdout, stderr))
+    return out
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus):
+    """Uninterrupted 6-step runs with a checkpoint at step 3: single (one process) and tp=2 (two processes); and a
+    separate 3-step single run (its final checkpoint at step 3)."""
+    d = tmp_path_factory.mktemp("runs")
+    r = run_all(train_argv(d / "single6", corpus, "--strategy", "single", "--nproc", "1", "--steps", "6",
+                           "--checkpoint-every", "3"),
+                train_argv(d / "tp6", corpus, "--strategy", "tp", "--nproc", "2", "--steps", "6",
+                           "--checkpoint-every", "3"),
+                train_argv(d / "single3", corpus, "--strategy", "single", "--nproc", "1", "--steps", "3"))
+    for x in r:
+        assert x.returncode == 0, x.stderr + x.stdout
+    return d
+
+
+def test_checkpoints_are_written_complete(runs):
+    for name, steps in (("single6", [3, 6]), ("tp6", [3, 6]), ("single3", [3])):
+        root = runs / name / "checkpoints"
+        assert [n for n, _ in checkpoint.complete_steps(root)] == steps
+        assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
+        ck = checkpoint.read(root / f"step_{steps[-1]}")
+        assert ck.step == steps[-1] and ck.chars == " .abcdefghijklmnopqrstuvwxyz"
+        assert ck.train["strategy"] == name.rstrip("36")
+        keys = set(ck.entries)
+        assert "model/lm_head.weight" in keys and "optim/opt:exp_avg_sq:lm_head.weight" in keys
+    # two ranks wrote the tp checkpoint: DCP spread the (identical, deduplicated) tensors over both
+    files = {p.name for p in (runs / "tp6" / "checkpoints" / "step_3").iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "shardflow.json", "COMPLETE"} <= files
+
+
+def test_resume_reproduces_the_uninterrupted_run(runs, corpus, tmp_path):
+    run = tmp_path / "single3"
+    shutil.copytree(runs / "single3", run)
+    (r,) = run_all(train_argv(run, corpus, "--strategy", "single", "--nproc", "1", "--steps", "6", "--resume"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step_3'}" in r.stdout
+    got, want = metrics(run), metrics(runs / "single6")
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]  # the resumed run appended to the metrics
+    for a, b in zip(got, want):
+        # Same strategy, same executor, weights and optimizer state restored bit for bit (float32) and the same
+        # batches (they depend on seed and step only): the same arithmetic in the same order. 1e-5 leaves room
+        # for nothing but float32 rounding (seen: exactly equal).
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+    assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) < 1e-5
+    assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [3, 6]
+
+
+def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, corpus, tmp_path):
+    argvs = []
+    for name, strategy in (("dp", ["--strategy", "dp", "--nproc", "2"]), ("single", ["--strategy", "single",
+                                                                                     "--nproc", "1"])):
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        shutil.copytree(runs / "tp6" / "checkpoints" / "step_3", tmp_path / name / "checkpoints" / "step_3")
+        argvs.append(train_argv(tmp_path / name, corpus, *strategy, "--steps", "6", "--resume"))
+    want = metrics(runs / "tp6")
+    for r, name in zip(run_all(*argvs), ("dp", "single")):
+        assert r.returncode == 0, r.stderr + r.stdout
+        assert "written under tp on mesh tp=2" in r.stdout
+        got = metrics(tmp_path / name)
+        assert [m["step"] for m in got] == [4, 5, 6]
+        for a, b in zip(got, want[3:]):
+            # another strategy adds partial sums in another order: float32 rounding, ~1e-6 (as in test_train)
+            assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a, b)
+
+
+def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model.safetensors"
+    assert cli_main(["export", "--checkpoint", str(runs / "tp6"), "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    with safe_open(str(out), "pt") as f:
+        config = json.loads(f.metadata()["config"])
+    chars = config.pop("chars")
+    ck = checkpoint.read(runs / "tp6" / "checkpoints" / "step_6")
+    assert chars == ck.chars and config == dataclasses.asdict(ck.model)
+    from shardflow.models import GPTConfig
+    model = GPT(GPTConfig(**config))
+    model.load_state_dict(load_file(str(out)))  # strict: exactly the module's parameter names
+    # the run's last validation loss (step 6, eval_batches 1) on the plain module with the exported weights
+    batch = Corpus.load(str(corpus), 16).batch("val", 0, 8, 16, 0)
+    with torch.no_grad():
+        loss = model(batch["idx"], batch["targets"]).item()
+    # float32; the tp run added partial sums in another order than the module does (~1e-7 relative)
+    assert abs(loss - metrics(runs / "tp6")[-1]["val_loss"]) < 1e-5
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_generate_prints_prompt_and_sampled_characters(runs, capsys):
+    assert cli_main(["generate", "--checkpoint", str(runs / "tp6"), "--prompt", "the ", "--tokens", "25",
+                     "--seed", "1"]) == 0
+    text = capsys.readouterr().out.rstrip("\n")
+    assert text.startswith("the ") and len(text) == 4 + 25
+    assert set(text) <= set(" .abcdefghijklmnopqrstuvwxyz")
+    from shardflow.train.generate import sample
+    model, ck = checkpoint.load_model(runs / "tp6")
+    assert sample(model, ck.tokenizer, "the ", 25, 1.0, 1) == text  # seeded: the same text again
+
+
+def test_generate_rejects_characters_outside_the_vocabulary(runs, capsys):
+    assert cli_main(["generate", "--checkpoint", str(runs / "tp6"), "--prompt", "The Fox"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardflow generate: error: ") and "'F', 'T'" in err and "vocabulary" in err
+
+
+# --- bad checkpoints -------------------------------------------------------------------------------------------
+
+def _copy(runs, tmp_path, name="bad"):
+    dst = tmp_path / name
+    shutil.copytree(runs / "single6", dst)
+    return dst, dst / "checkpoints" / "step_6"
+
+
+def _truncate(d):
+    f = d / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])
+
+
+def _garbage(d):
+    f = d / "__0_0.distcp"
+    f.write_bytes(os.urandom(f.stat().st_size))
+
+
+def _garbage_rehashed(d):
+    """Garbage in a data file whose recorded checksum was updated too: DCP itself fails to read it."""
+    _garbage(d)
+    meta = json.loads((d / "shardflow.json").read_text())
+    meta["files"]["__0_0.distcp"] = checkpoint._digest(d / "__0_0.distcp")
+    (d / "shardflow.json").write_text(json.dumps(meta))
+
+
+def _bad_json(d):
+    (d / "shardflow.json").write_text("{not json")
+
+
+def _other_model(d):
+    meta = json.loads((d / "shardflow.json").read_text())
+    meta["model"]["n_embd"] = 32
+    (d / "shardflow.json").write_text(json.dumps(meta))
+
+
+def _unmarked(d):
+    (d / "COMPLETE").unlink()
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {PWNED}",))
+
+
+PWNED = Path("/tmp") / f"shardflow-pwned-{os.getpid()}"
+
+
+def _malicious_metadata(d):
+    """A .metadata that would run a command if unpickled, with the checksum updated to match."""
+    (d / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    meta = json.loads((d / "shardflow.json").read_text())
+    meta["files"][".metadata"] = checkpoint._digest(d / ".metadata")
+    (d / "shardflow.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("spoil, words", [
+    (_truncate, ["corrupt", "__0_0.distcp has 1000 bytes", "truncated"]),
+    (_garbage, ["corrupt", "sha256"]),
+    (_garbage_rehashed, ["corrupt", "tensors cannot be read"]),
+    (_bad_json, ["corrupt", "shardflow.json cannot be read"]),
+    (_other_model, ["does not fit this model", "[28, 16]", "[28, 32]"]),
+    (_unmarked, ["no complete checkpoint"]),
+    (_malicious_metadata, ["corrupt", ".metadata cannot be read", "not allowed"]),
+])
+@pytest.mark.parametrize("command", ["export", "generate"])
+def test_bad_checkpoint_is_a_one_paragraph_error(runs, tmp_path, capsys, spoil, words, command):
+    run, step6 = _copy(runs, tmp_path)
+    spoil(step6)
+    if spoil is _unmarked:
+        shutil.rmtree(run / "checkpoints" / "step_3")  # nothing complete left
+    out = tmp_path / "m.safetensors"
+    argv = ["--out", str(out)] if command == "export" else ["--prompt", "the "]
+    assert cli_main([command, "--checkpoint", str(run), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardflow {command}: error: ") and err.count("\n") == 1, err
+    assert str(run) in err
+    for w in words:
+        assert w in err, err
+    if spoil not in (_unmarked, _other_model):
+        assert "fall back to" in err and "step_3" in err  # the fix: the previous complete checkpoint
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert not PWNED.exists()
+
+
+def test_export_and_generate_arguments(runs, tmp_path, capsys):
+    step = runs / "single6" / "checkpoints" / "step_6"
+    for argv, words in ((["export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "m")],
+                         ["does not exist"]),
+                        (["export", "--checkpoint", str(step), "--out", str(tmp_path / "no" / "m.safetensors")],
+                         ["does not exist", "--out"]),
+                        (["generate", "--checkpoint", str(step), "--prompt", ""], ["--prompt is empty"]),
+                        (["generate", "--checkpoint", str(step), "--prompt", "a", "--tokens", "-1"], ["--tokens"])):
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"shardflow {argv[0]}: error: ") and all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("spoil, argv, words", [
+    (_garbage, [], ["corrupt", "sha256", "fall back to"]),
+    (None, ["--embd", "32"], ["different model", "--embd 16", "--embd 32"]),
+])
+def test_resume_from_bad_checkpoint_fails_before_any_process(runs, corpus, tmp_path, spoil, argv, words):
+    run, step6 = _copy(runs, tmp_path)
+    if spoil:
+        spoil(step6)
+    for f in run.glob("rank*.log"):
+        f.unlink()
+    (r,) = run_all(train_argv(run, corpus, "--strategy", "dp", "--nproc", "2", "--steps", "8", "--resume", *argv))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith("shardflow train: error: checkpoint ") and "Traceback" not in r.stderr
+    assert str(step6) in r.stderr and all(w in r.stderr for w in words), r.stderr
+    assert not (run / "rank0.log").exists()
+
+
+def test_unwritable_checkpoint_dir_fails_before_any_process(corpus, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = [(blocker / "ckpt", "a file")]
+    if os.geteuid() != 0:  # root writes anywhere: permissions only stop other users
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        cases.append((ro / "ckpt", "not writable"))
+    for ckdir, words in cases:
+        run = tmp_path / "run"
+        (r,) = run_all(train_argv(run, corpus, "--strategy", "dp", "--nproc", "2", "--steps", "2",
+                                  "--checkpoint-dir", str(ckdir)))
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith(f"shardflow train: error: checkpoint directory {ckdir}") and words in r.stderr
+        assert not (run / "rank0.log").exists()
+
+
+# --- complete or absent ----------------------------------------------------------------------------------------
+
+class _FakeExecutor:
+    def __init__(self, value: float):
+        self.value = value
+
+    def weights(self):
+        return {"w": torch.full((4, 3), self.value)}
+
+    def state(self):
+        return {"opt:exp_avg:w": torch.full((4, 3), -self.value)}
+
+
+def _saver(root, fresh=True):
+    return checkpoint.Saver(root, 0, 1, {"model": {}, "chars": "ab", "train": {}}, fresh=fresh)
+
+
+def test_save_interrupted_midway_leaves_only_tmp(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    root = tmp_path / "ck"
+    root.mkdir()
+    real_write = FileSystemWriter.write_data
+
+    def interrupted(self, plan, planner):  # Ctrl-C with part of the data written (DCP wraps it; we re-raise it)
+        (Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _saver(root).save(_FakeExecutor(1.0), 1)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1.tmp"]
+    assert checkpoint.newest(root) is None
+    monkeypatch.setattr(FileSystemWriter, "write_data", real_write)
+    path, _ = _saver(root).save(_FakeExecutor(2.0), 2)  # the next save removes the leftover
+    assert sorted(p.name for p in root.iterdir()) == ["step_2"] and checkpoint.newest(root) == path
+    ck = checkpoint.read(path)
+    t = ck.load({"model/w": ((4, 3), torch.float32), "optim/opt:exp_avg:w": ((4, 3), torch.float32)})
+    assert t["model/w"].eq(2.0).all() and t["optim/opt:exp_avg:w"].eq(-2.0).all()
+
+
+def test_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
+    root = tmp_path / "ck"
+    root.mkdir()
+    old = _saver(root)
+    for step in (2, 4):
+        old.save(_FakeExecutor(1.0), step)
+    _saver(root, fresh=False).save(_FakeExecutor(1.5), 5)  # a resumed run keeps what came before
+    assert [n for n, _ in checkpoint.complete_steps(root)] == [2, 4, 5]
+    _saver(root).save(_FakeExecutor(3.0), 2)  # a new run: step_2 replaced, the rest removed once it has one
+    assert [n for n, _ in checkpoint.complete_steps(root)] == [2]
+    assert sorted(p.name for p in root.iterdir()) == ["step_2"]
+
+
+def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(corpus, tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.Popen(train_argv(run, corpus, "--strategy", "tp", "--nproc", "2", "--steps", "100000",
+                                    "--checkpoint-every", "1", "--eval-every", "1000"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = threading.Event()
+
+    def watch():
+        for line in p.stdout:
+            if line.startswith("step     3/"):
+                seen.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        assert seen.wait(120), "training did not reach step 3"
+        p.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process (the ranks run in their own sessions)
+        t0 = time.monotonic()
+        assert p.wait(60) == 130  # bounded: every rank stopped (no waiting out a communication timeout)
+        assert time.monotonic() - t0 < 45
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert err.startswith("shardflow train: interrupted (SIGINT)") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "continue with --resume" in err
+    assert (run / "rank0.log").exists() and (run / "rank1.log").exists()
+    root = run / "checkpoints"
+    names = [q.name for q in root.iterdir()]
+    assert checkpoint.complete_steps(root), names  # steps 1..3 were saved
+    for q in root.iterdir():  # every step_N is complete and readable; anything cut short is a .tmp
+        assert q.name.endswith(".tmp") or checkpoint.read(q).step == int(q.name.removeprefix("step_")), names
+
+
+def test_resumed_metrics_keep_the_records_up_to_the_checkpoint(tmp_path):
+    from shardflow.train.loop import _open_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
+    with _open_metrics(path, 3) as f:  # the stopped run got to step 5 (and half a line) after its checkpoint at 3
+        f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
+    assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == \
+        [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
