@@ -200,6 +200,13 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
     if not training:
         return DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, ("pass_expansion",))
     need = _needs_grad(pcg)
+    for t in sorted(need):
+        s = pcg.tensors[t].sharding
+        if s.partial and s.reduce_op != "sum":
+            raise PassError(
+                f"tensor {t!r} needs a gradient but holds Partial({s.reduce_op!r}) pieces on mesh axes "
+                f"{list(s.partial)}: only Partial('sum') is differentiated piece by piece. Reduce it first "
+                f"(Reduction / output=Replicate()) or place its source Partial('sum')")
     contributions: dict[str, list[str]] = {t: [] for t in pcg.tensors}
     loss = pcg.tensors[pcg.loss]
     seed = g.value(f"grad:{pcg.loss}@loss", pcg.loss, "grad", loss.type, canonical_grad(loss.sharding), loss.group)

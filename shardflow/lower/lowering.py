@@ -149,7 +149,8 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> _
                     and len(dg.values[c.outputs[0]].type.shape) == last_dim + 1)
         elif st.kind == "reduce_scatter":
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
-            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree)
+            summed = dg.values[n.inputs[0]].sharding.reduce_op == "sum"  # the ring adds; other ops stay plain
+            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else "collective"
     return _Plan(dg, forms, fused)
 
 
@@ -255,7 +256,8 @@ def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
     dims = (None, None) if st.kind == "all_reduce" else (first.op.dim, None) if st.kind == "all_gather" else \
         (last.op.dim, None) if st.kind == "reduce_scatter" else (last.op.dim, first.op.dim)
     return [Comm(base + axis_group_index(group, axis, r), st.kind, first.pass_, members, tin.type, nbytes, axis,
-                 send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes))]
+                 send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes),
+                 reduce_op=vin.sharding.reduce_op if st.kind in ("all_reduce", "reduce_scatter") else "sum")]
 
 
 def ring_peers(p: int, i: int, d: int) -> tuple[int, int]:

@@ -70,7 +70,8 @@ class Comm:
     ``dim``: the tensor dim gathered (all-gather) or scattered (reduce-scatter); for all-to-all ``dim`` is
     the dim split into chunks and ``dim2`` the dim the received chunks are concatenated along.
     ``wait``: False when the communication is only issued here and completed by a later :class:`Wait`
-    (a ring step that travels while the previous chunk is computed on).
+    (a ring step that travels while the previous chunk is computed on). ``reduce_op``: how an all-reduce or
+    reduce-scatter combines the pieces (sum, avg, max, min — the pieces' Partial op).
     """
 
     token: int
@@ -89,6 +90,7 @@ class Comm:
     dim2: int | None = None
     note: str = ""
     wait: bool = True
+    reduce_op: str = "sum"
 
     @property
     def family(self) -> str:
@@ -97,7 +99,7 @@ class Comm:
 
     def signature(self) -> tuple:
         """What every member must agree on: (token, family, members, piece shape, dtype)."""
-        return (self.token, self.family, self.members, self.type.shape, self.type.dtype)
+        return (self.token, self.family, self.members, self.type.shape, self.type.dtype, self.reduce_op)
 
     def __str__(self) -> str:
         who = (f"peer={self.peer}" if self.kind in ("send", "recv") else
@@ -138,7 +140,7 @@ class Program:
         h = hashlib.sha256()
         for c in self.comms:
             h.update(repr((c.token, c.kind, c.members, c.peer, c.peer_from, c.root, c.type.shape,
-                           c.type.dtype)).encode())
+                           c.type.dtype, c.reduce_op)).encode())
         return h.hexdigest()
 
     def bytes_by_kind(self) -> dict[tuple[str, str], int]:
@@ -169,7 +171,8 @@ class Program:
                 instrs.append({"type": "comm", "token": i.token, "kind": i.kind, "pass": i.pass_,
                                "members": list(i.members), "shape": list(i.type.shape), "dtype": i.type.dtype,
                                "bytes": i.nbytes, "axis": i.axis, "peer": i.peer, "peer_from": i.peer_from,
-                               "root": i.root, "send": buf(i.send), "recv": buf(i.recv), "wait": i.wait})
+                               "root": i.root, "send": buf(i.send), "recv": buf(i.recv), "wait": i.wait,
+                               "reduce_op": i.reduce_op})
         totals: dict[str, dict[str, int]] = {}
         for (kind, axis), n in self.bytes_by_kind().items():
             totals.setdefault(kind, {})[axis or "-"] = n

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from typing import Iterator, Mapping
 
-from shardflow.lower.program import COMM_KINDS, Comm, Program
+from shardflow.lower.program import COMM_KINDS, Comm, Compute, Program, Wait
 
 SHOWN = 5  # problems quoted in the error message; all are in ``problems``
 
@@ -45,12 +45,15 @@ def verify(programs: Mapping[int, Program], world_size: int) -> None:
     3. each token is held exactly once by each of its members, all agreeing on family, members, shape,
        dtype and root; in each permute step the rank a member sends to receives from it;
     4. every pair of ranks issues the tokens they share in the same relative order;
-    5. no deadlock: ranks run with every Comm a blocking rendezvous of its members; every rank must finish.
+    5. no deadlock: ranks run with every Comm a blocking rendezvous of its members; every rank must finish;
+    6. every communication issued without waiting (``wait=False``) is completed by exactly one later
+       ``Wait`` on its rank, nothing reads its receive buffer before that ``Wait``, and every ``Wait`` completes
+       such a communication.
 
     Raises :class:`PlanVerificationError` listing every problem, naming ranks, tokens and kinds.
     """
     problems = (_check_programs(programs, world_size) + _check_order(programs) + _check_tokens(programs)
-                + _check_pairs(programs) + _check_deadlock(programs))
+                + _check_pairs(programs) + _check_deadlock(programs) + _check_waits(programs))
     if problems:
         raise PlanVerificationError(problems)
 
@@ -196,4 +199,25 @@ def _check_deadlock(programs: Mapping[int, Program]) -> list[str]:
         absent = sorted({m for q in waiting[c.token] for m in comms[q][pos[q]].members} - waiting[c.token])
         out.append(f"deadlock: rank {r} blocks at {_d(c)} over {list(c.members)} waiting for "
                    + ", ".join(map(state, absent)))
+    return out
+
+
+def _check_waits(programs: Mapping[int, Program]) -> list[str]:
+    out = []
+    for r, p in sorted(programs.items()):
+        open_: dict[int, Comm] = {}  # token → async communication not yet waited
+        for instr in p.instrs:
+            if isinstance(instr, Wait):
+                if instr.token not in open_:
+                    out.append(f"rank {r} waits on token {instr.token}, which it did not issue without waiting")
+                open_.pop(instr.token, None)
+                continue
+            reads = [b.value for b in instr.ins] if isinstance(instr, Compute) else \
+                [instr.send.value] if instr.send is not None else []
+            for t, c in open_.items():
+                if c.recv is not None and c.recv.value in reads:
+                    out.append(f"rank {r} reads {c.recv.value!r} before the wait of token {t} ({c.kind}) that fills it")
+            if isinstance(instr, Comm) and not instr.wait:
+                open_[instr.token] = instr
+        out += [f"rank {r} never waits on token {t} ({c.kind}), issued without waiting" for t, c in open_.items()]
     return out

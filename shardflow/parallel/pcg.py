@@ -184,6 +184,11 @@ class _Builder:
 
     def define(self, name: str, type_: TensorType, role: str, sharding: Sharding, group: SubMesh, op: str) -> None:
         sharding.check(group, type_.shape, op, name)
+        if role == "weight" and sharding.partial:
+            raise ShardingError(
+                f"weight {name!r} is placed Partial({sharding.reduce_op!r}) on mesh axes {list(sharding.partial)}; "
+                f"a weight must be Shard or Replicate on every axis (an optimizer step on partial pieces would "
+                f"apply the whole gradient to each piece). Place it Replicate() or Shard(dim) instead")
         self.tensors[name] = PTensor(name, type_, role, sharding, group)
         after = self.ann.after.get(name)
         cur = self.to_layout(name, after, self.ann.why.get(name, f"layout of {name}")) if after else name

@@ -27,6 +27,10 @@ from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, 
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
 
+# gloo has no average: sum, then divide by the group size.
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
 class CommTimeout(RuntimeError):
     """A communication did not complete within the timeout."""
 
@@ -261,8 +265,8 @@ class DistributedExecutor:
             return out
         if c.kind == "all_reduce":
             out = send.clone()
-            self._wait(dist.all_reduce(out, group=pg, async_op=True), c)
-            return out
+            self._wait(dist.all_reduce(out, op=_REDUCE_OPS[c.reduce_op], group=pg, async_op=True), c)
+            return out / d if c.reduce_op == "avg" else out
         if c.kind == "all_gather":
             x = send.movedim(c.dim, 0).contiguous()
             out = torch.empty((d * x.shape[0],) + x.shape[1:], dtype=x.dtype)
@@ -271,7 +275,8 @@ class DistributedExecutor:
         if c.kind == "reduce_scatter":
             # gloo's reduce-scatter is an all-reduce underneath (design note §6); do that, keep our block.
             out = send.clone()
-            self._wait(dist.all_reduce(out, group=pg, async_op=True), c)
+            self._wait(dist.all_reduce(out, op=_REDUCE_OPS[c.reduce_op], group=pg, async_op=True), c)
+            out = out / d if c.reduce_op == "avg" else out
             return out.chunk(d, c.dim)[c.members.index(self.rank)].contiguous()
         if c.kind == "all_to_all":
             x = torch.stack(send.chunk(d, c.dim)).contiguous()

@@ -19,18 +19,22 @@ from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, 
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
 
+REDUCE = {"sum": lambda x: x.sum(0), "avg": lambda x: x.mean(0), "max": lambda x: x.amax(0),
+          "min": lambda x: x.amin(0)}
+
+
 def collective(kind: str, members: list[Comm], sends: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """What each member receives, from what each sends (both in ``members`` order)."""
     c = members[0]
     d = len(members)
     if kind == "all_reduce":
-        s = torch.stack(sends).sum(0)
+        s = REDUCE[c.reduce_op](torch.stack(sends))
         return [s.clone() for _ in range(d)]
     if kind == "all_gather":
         s = torch.cat(sends, c.dim)
         return [s.clone() for _ in range(d)]
     if kind == "reduce_scatter":
-        return [x.contiguous() for x in torch.stack(sends).sum(0).chunk(d, c.dim)]
+        return [x.contiguous() for x in REDUCE[c.reduce_op](torch.stack(sends)).chunk(d, c.dim)]
     if kind == "all_to_all":
         chunks = [x.chunk(d, c.dim) for x in sends]
         return [torch.cat([chunks[i][j] for i in range(d)], c.dim2) for j in range(d)]
