@@ -84,7 +84,7 @@ def _d(c: Comm) -> str:
 
 def _what(c: Comm) -> str:
     return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}" + (
-        f" root={c.root}" if c.root is not None else "")
+        f" root={c.root}" if c.root is not None else "") + (f" op={c.reduce_op}" if c.reduce_op != "sum" else "")
 
 
 def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[str]:

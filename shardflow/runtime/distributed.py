@@ -22,7 +22,6 @@ from shardflow.lower.lowering import axis_members, in_group, steps
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.lower.verify import check_fingerprints
-from shardflow.parallel.simulate import scatter
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
@@ -132,9 +131,11 @@ class DistributedExecutor:
 
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
+        """This rank's piece of the full value (values put here are never partial)."""
         v = self.dg.values[vid]
         if in_group(v.group, self.rank):
-            self.buffers[vid] = scatter(full, v)[self.rank]
+            p = v.sharding.parallel_shape(v.group, v.type.shape)
+            self.buffers[vid] = full[p.piece_slices(v.sharding.coord_of(v.group, self.rank))].clone()
 
     def _full(self, vid: str, like: torch.Tensor | None = None) -> torch.Tensor:
         """The full value, assembled on every rank (an all-reduce over the world; for results, not the step)."""
@@ -203,14 +204,20 @@ class DistributedExecutor:
             for v in self.frees[k]:
                 b.pop(v, None)
                 ledger.free(v)
-        loss_id = f"fwd:{self.dg.pcg.loss}"
-        loss = self._full(loss_id, next(iter(b.values()))).item()
+        loss = self._loss()
         for new, old in self.renames:
             if new in b:
                 b[old] = b.pop(new)
         ledger.sync(b)
         self.steps_done += 1
         return loss
+
+    def _loss(self) -> float:
+        """The loss: read locally when every rank holds it whole; else summed over the ranks (a scalar)."""
+        v = self.dg.values[f"fwd:{self.dg.pcg.loss}"]
+        if not v.sharding.partial and v.group.size == self.world:
+            return self.buffers[v.id].item()
+        return self._full(v.id, next(iter(self.buffers.values()))).item()
 
     @property
     def peak_bytes(self) -> int:

@@ -42,22 +42,24 @@ class OptimizerConfig:
 
 
 def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *state: torch.Tensor) -> list[torch.Tensor]:
-    """One optimizer step on one shard: returns the new weight and state (``step`` counts from 1)."""
+    """One optimizer step on one shard, in place (the weight and state buffers are updated and returned;
+    fresh weight-sized allocations every step cost more than the arithmetic). ``step`` counts from 1."""
     if cfg.name == "sgd":
         if cfg.weight_decay:
-            g = g + cfg.weight_decay * w
+            g = g.add(w, alpha=cfg.weight_decay)
         if cfg.momentum:
             (buf,) = state
-            buf = cfg.momentum * buf + g
-            return [w - cfg.lr * buf, buf]
-        return [w - cfg.lr * g]
+            buf.mul_(cfg.momentum).add_(g)
+            return [w.sub_(buf, alpha=cfg.lr), buf]
+        return [w.sub_(g, alpha=cfg.lr)]
     m, v = state
     b1, b2 = cfg.betas
-    w = w * (1 - cfg.lr * cfg.weight_decay)
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    denom = (v.sqrt() / (1 - b2 ** step) ** 0.5) + cfg.eps
-    return [w - (cfg.lr / (1 - b1 ** step)) * m / denom, m, v]
+    if cfg.weight_decay:
+        w.mul_(1 - cfg.lr * cfg.weight_decay)
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / (1 - b2 ** step) ** 0.5).add_(cfg.eps)
+    return [w.addcdiv_(m, denom, value=-cfg.lr / (1 - b1 ** step)), m, v]
 
 
 def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, step: Callable[[], int],

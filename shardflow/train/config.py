@@ -48,6 +48,12 @@ class TrainConfig:
     log_every: int = _f(10, "print a progress line every N steps")
     eval_every: int = _f(100, "measure the validation loss every N steps (and at the end)")
     eval_batches: int = _f(4, "validation batches per measurement")
+    clip_norm: float = _f(0.0, "clip gradients to this global norm (0 = off)")
+    all_gather: str = _f("auto", "all-gather form: auto (cost model), collective, ring or broadcast_loop",
+                         choices=("auto", "collective", "ring", "broadcast_loop"))
+    reduce_scatter: str = _f("auto", "reduce-scatter form: auto (cost model), collective or ring",
+                             choices=("auto", "collective", "ring"))
+    debug: bool = _f(False, "check before every communication that all its members are at the same token")
     timeout: float = _f(120.0, "seconds any rank may wait on one communication before failing")
     check: bool = _f(False, "also run the same steps on one device and compare loss and parameters")
 

@@ -28,7 +28,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
-from shardflow.lower import lower_step
+from shardflow.lower import CostModel, LowerOptions, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS
 from shardflow.lower.report import bytes_rows
 from shardflow.models import GPT, GPTConfig
@@ -52,6 +52,17 @@ class Setup:
     graph: ComputationGraph
     pcg: PCG
     mesh: Mesh
+
+    @property
+    def lower_options(self) -> LowerOptions:
+        """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend."""
+        return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
+                            CostModel("nccl" if torch.cuda.is_available() else "gloo"))
+
+    def lower(self, ranks=None, verify: bool = False, training: bool = True):
+        """Lower one step (training or evaluation) for ``ranks`` (default all; ``verify`` proves them)."""
+        return lower_step(self.pcg, self.optimizer.slots, ranks=ranks, verify=verify, training=training,
+                          options=self.lower_options, clip_norm=self.cfg.clip_norm or None)
 
     @property
     def optimizer(self) -> OptimizerConfig:
@@ -146,12 +157,12 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
     run_dir = Path(cfg.run_dir)
     opt = s.optimizer
     ranks = [rank] if world > 1 else None
-    train_step = lower_step(s.pcg, opt.slots, ranks=ranks, verify=world == 1)
-    eval_step = lower_step(s.pcg, opt.slots, ranks=ranks, verify=False, training=False)
+    train_step = s.lower(ranks, verify=world == 1)  # launched ranks: the parent proved the plan already
+    eval_step = s.lower(ranks, verify=world == 1, training=False)
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
-        ex = DistributedExecutor(train_step, opt, cfg.timeout)
-        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex)
+        ex = DistributedExecutor(train_step, opt, cfg.timeout, debug=cfg.debug)
+        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex, debug=cfg.debug)
     else:
         from shardflow.runtime.local import LocalExecutor
         ex = LocalExecutor(train_step, opt)
@@ -305,6 +316,8 @@ def _main(cfg: TrainConfig) -> int:
     if "RANK" in os.environ or cfg.nproc == 1:
         return run_rank(cfg)
     s = setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
+    s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
+    s.lower(verify=True, training=False)
     checkpoint.check_writable(cfg.checkpoints)
     if cfg.resume and _nothing_to_do(_resume_point(s), cfg):  # a missing, corrupt or unfit checkpoint: error here
         return 0

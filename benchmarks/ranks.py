@@ -1,0 +1,778 @@
+"""One rank of ``benchmarks/run.py``: ``python benchmarks/ranks.py WORKLOAD OUT_DIR PARAMS_JSON``.
+
+Started by the driver through ``shardflow.runtime.launch.launch`` (torchrun's environment, one thread per rank).
+Every rank builds the same variants and runs them interleaved (``harness.interleave``); rank 0 writes
+``OUT_DIR/result.json``. Workloads:
+
+* ``mlp``     — (a) Megatron MLP h → 4h → h (GELU, cross-entropy), forward + backward + SGD: shardflow tp=2,
+                DTensor ``parallelize_module``, hand-written tensor parallelism, one process;
+* ``gpt``     — (b) the training job's default GPT, tp=2 and dp=2: shardflow, DTensor / DDP, one process;
+                (e) per-rank memory of shardflow's tp=2 plan against one device;
+* ``comm``    — (c) all-gather / reduce-scatter / all-reduce in each form shardflow issues, gloo's built-ins,
+                and the loopback TCP bound;
+* ``sp``      — (d) a column-parallel linear fed by an all-gather of a sequence-sharded input, each form of
+                the all-gather and of its backward reduce-scatter, through ``DistributedExecutor``;
+* ``profile`` — where the time of one shardflow tp=2 step of (a) goes (timers around the executor's kernels
+                and communications, and cProfile), rank 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import cProfile
+import io
+import json
+import math
+import pstats
+import socket
+import sys
+import threading
+import time
+import types
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Variant, interleave, machine, say, stats, write_result  # noqa: E402
+
+from shardflow.capture import capture  # noqa: E402
+from shardflow.graph import GraphBuilder  # noqa: E402
+from shardflow.lower import LowerOptions, lower_step  # noqa: E402
+from shardflow.lower.lowering import bandwidth_bound, in_group, piece, ring_peers  # noqa: E402
+from shardflow.lower.program import Compute  # noqa: E402
+from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh  # noqa: E402
+from shardflow.parallel.pcg import Annotations, build_pcg  # noqa: E402
+from shardflow.parallel.sharding import Sharding  # noqa: E402
+from shardflow.reference import weights_of  # noqa: E402
+from shardflow.runtime.distributed import DistributedExecutor, init_from_env, shutdown  # noqa: E402
+from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
+from shardflow.strategy import make_plan, resolve  # noqa: E402
+
+TIMEOUT_S = 300.0
+warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
+
+
+def shardflow_executor(graph, mesh_text: str, strategy: str | None, cfg: OptimizerConfig, rank: int,
+                       annotations: Annotations | None = None, options: LowerOptions | None = None):
+    mesh = Mesh.parse(mesh_text)
+    ann = annotations if annotations is not None else resolve(make_plan(graph, mesh, strategy), graph, mesh)
+    step = lower_step(build_pcg(graph, mesh, ann), cfg.slots, ranks=[rank], options=options)
+    return DistributedExecutor(step, cfg, timeout_s=TIMEOUT_S)
+
+
+def program_size(ex: DistributedExecutor) -> dict[str, int]:
+    p = ex.program
+    return {"instrs": len(p.instrs), "comms": len(p.comms),
+            "computes": sum(isinstance(i, Compute) for i in p.instrs)}
+
+
+# ==========================================================================================================
+# (a) Megatron MLP
+# ==========================================================================================================
+class MegatronMLP(nn.Module):
+    """h → 4h → GELU → h, mean cross-entropy against ``y`` (class ids in [0, h))."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.fc1 = nn.Linear(h, 4 * h)
+        self.fc2 = nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(F.gelu(self.fc1(x))), y)
+
+
+class HandTP:
+    """Megatron tensor parallelism by hand on plain tensors: rank r holds rows r of fc1 (column shard of W1 and
+    b1) and the matching columns of fc2 (row shard of W2); fc2's partial output is all-reduced (forward). The
+    input x needs no gradient, so the backward has no communication. Forward, backward and the SGD update are
+    written out with torch ops (no autograd)."""
+
+    def __init__(self, model: MegatronMLP, rank: int, world: int, lr: float):
+        h4 = model.fc1.out_features
+        s = slice(rank * h4 // world, (rank + 1) * h4 // world)
+        self.w1 = model.fc1.weight.detach()[s].clone()          # [4h/d, h]
+        self.b1 = model.fc1.bias.detach()[s].clone()            # [4h/d]
+        self.w2 = model.fc2.weight.detach()[:, s].contiguous()  # [h, 4h/d]
+        self.b2 = model.fc2.bias.detach().clone()               # [h]
+        self.lr = lr
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        z = torch.addmm(self.b1, x, self.w1.t())       # [B, 4h/d]
+        a = F.gelu(z)
+        out = a @ self.w2.t()                          # [B, h], partial sum over ranks
+        dist.all_reduce(out)
+        out += self.b2
+        logp = out.log_softmax(1)
+        rows = torch.arange(x.shape[0])
+        loss = -logp[rows, y].mean()
+        dout = logp.exp_()                             # softmax
+        dout[rows, y] -= 1
+        dout /= x.shape[0]
+        dw2 = dout.t() @ a
+        db2 = dout.sum(0)
+        dz = torch.ops.aten.gelu_backward(dout @ self.w2, z)
+        dw1 = dz.t() @ x
+        db1 = dz.sum(0)
+        for w, g in ((self.w1, dw1), (self.b1, db1), (self.w2, dw2), (self.b2, db2)):
+            w.add_(g, alpha=-self.lr)
+        return loss.item()
+
+
+def torch_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: dict) -> Callable:
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = model(**inputs)
+        loss.backward()
+        opt.step()
+        return loss.item()
+    return step
+
+
+def dtensor_mlp(model: MegatronMLP, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    m = copy.deepcopy(model)
+    parallelize_module(m, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return m
+
+
+def first_losses(variants: list[Variant], n: int, rank: int) -> dict[str, list[float]]:
+    """The losses of each variant's first ``n`` steps from the same weights (a check that they compute the
+    same thing; these steps are also the first warm-up). Solo variants run on rank 0 only."""
+    out = {}
+    for v in variants:
+        dist.barrier()
+        if v.solo and rank != 0:
+            continue
+        if v.solo:
+            torch.set_num_threads(v.threads)
+        out[v.name] = [float(v.step()) for _ in range(n)]
+        if v.solo:
+            torch.set_num_threads(1)
+    dist.barrier()
+    return out
+
+
+def run_mlp(p: dict, rank: int, world: int) -> dict:
+    results = []
+    lr = 1e-3
+    for h, rounds, iters in p["sizes"]:
+        torch.manual_seed(0)
+        model = MegatronMLP(h)
+        gen = torch.Generator().manual_seed(1)
+        inputs = {"x": torch.randn(p["batch"], h, generator=gen), "y": torch.randint(0, h, (p["batch"],), generator=gen)}
+        say(rank, f"(a) h={h}: building the variants")
+        graph = capture(model, inputs)
+        cfg = OptimizerConfig("sgd", lr)
+        ex = shardflow_executor(graph, f"tp={world}", "tp", cfg, rank)
+        ex.load(weights_of(model, graph))
+        dt = dtensor_mlp(model, world)
+        dt_opt = torch.optim.SGD(dt.parameters(), lr=lr)
+        hand = HandTP(model, rank, world, lr)
+        variants = [Variant("shardflow", lambda: ex.step(inputs)),
+                    Variant("dtensor", torch_step(dt, dt_opt, inputs)),
+                    Variant("hand", lambda: hand.step(**inputs))]
+        if rank == 0:
+            one = model
+            one_opt = torch.optim.SGD(one.parameters(), lr=lr)
+            one_step = torch_step(one, one_opt, inputs)
+        else:
+            one_step = None
+        variants.append(Variant("one_process", lambda: one_step(), solo=True))
+        variants.append(Variant("one_process_1t", lambda: one_step(), solo=True, threads=1))
+        losses = first_losses(variants, 2, rank)
+        say(rank, f"(a) h={h}: first losses " + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()))
+        samples = interleave(variants, rounds, iters, p["warmup"], rank, log=lambda s: say(rank, s))
+        results.append({"h": h, "batch": p["batch"], "rounds": rounds, "iters": iters, "losses": losses,
+                        "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
+                        "program": program_size(ex)})
+        del ex, dt, dt_opt, hand, variants, model
+    return {"rows": results}
+
+
+# ==========================================================================================================
+# (b) GPT tokens/s, (e) memory
+# ==========================================================================================================
+def _attn_forward_local_heads(self, x: torch.Tensor) -> torch.Tensor:
+    """CausalSelfAttention.forward for tensor parallelism with local tensors (as torchtitan writes its attention):
+    the number of heads is taken from the local q/k/v width (``-1``), not from the module's ``n_head``."""
+    B, T, _ = x.size()
+    D = self.head_dim
+    q = self.q(x).view(B, T, -1, D).transpose(1, 2)
+    k = self.k(x).view(B, T, -1, D).transpose(1, 2)
+    v = self.v(x).view(B, T, -1, D).transpose(1, 2)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y = y.transpose(1, 2).contiguous().view(B, T, -1)
+    return self.resid_dropout(self.c_proj(y))
+
+
+def dtensor_gpt(model: nn.Module, world: int) -> nn.Module:
+    """torchtitan-style plan: q, k, v and c_fc column-parallel, both c_proj row-parallel; the rest replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    m = copy.deepcopy(model)
+    plan = {}
+    for i, block in enumerate(m.transformer.h):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.c_fc"):
+            plan[f"transformer.h.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.c_proj", "mlp.c_proj"):
+            plan[f"transformer.h.{i}.{name}"] = RowwiseParallel()
+        attn = block.attn
+        attn.head_dim = model.config.n_embd // model.config.n_head
+        attn.forward = types.MethodType(_attn_forward_local_heads, attn)
+    parallelize_module(m, mesh, plan)
+    return m
+
+
+def adamw(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def state_bytes(dg, rank: int) -> dict[str, int]:
+    """This rank's bytes of parameters, gradients (those the updates read; the executor keeps them) and
+    optimizer state, from the plan (piece sizes)."""
+    def total(vids) -> int:
+        return sum(piece(dg.values[v]).type.nbytes for v in vids if in_group(dg.values[v].group, rank))
+    weights = [f"fwd:{w}" for w in dg.pcg.graph.weights]
+    grads = [n.inputs[1] for n in dg.nodes if n.kind == "update"]
+    opt = [vid for vid, v in dg.values.items() if v.role == "opt" and not vid.startswith("upd:")]
+    return {"params": total(weights), "grads": total(grads), "optimizer": total(opt)}
+
+
+def run_gpt(p: dict, rank: int, world: int) -> dict:
+    import dataclasses
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from shardflow.runtime.local import LocalExecutor
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.loop import setup
+    base = TrainConfig()
+    out: dict = {}
+    s_tp = setup(dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world), world)
+    cfg = s_tp.optimizer
+    model = s_tp.model
+    batch = s_tp.corpus.batch("train", 0, base.batch_size, base.seq_len, base.seed)
+    out["model"] = {"params": sum(q.numel() for q in model.parameters()), "vocab": model.config.vocab_size,
+                    "layers": base.layers, "heads": base.heads, "embd": base.embd, "seq_len": base.seq_len,
+                    "batch": base.batch_size, "optimizer": dataclasses.asdict(cfg)}
+    ex_tp = DistributedExecutor(lower_step(s_tp.pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=TIMEOUT_S)
+    ex_tp.load(weights_of(model, s_tp.graph))
+    out["program_tp"] = program_size(ex_tp)
+    if p.get("timing", True):
+        s_dp = setup(dataclasses.replace(base, strategy="dp", mesh=f"dp={world}", nproc=world), world)
+        ex_dp = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=TIMEOUT_S)
+        ex_dp.load(weights_of(s_dp.model, s_dp.graph))
+        out["program_dp"] = program_size(ex_dp)
+        dt = dtensor_gpt(model, world)
+        dt_opt = adamw(dt.parameters(), cfg)
+        ddp = DDP(copy.deepcopy(model))
+        ddp_opt = adamw(ddp.parameters(), cfg)
+        per = base.batch_size // world
+        local = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+        variants = [Variant("shardflow_tp", lambda: ex_tp.step(batch)),
+                    Variant("dtensor_tp", torch_step(dt, dt_opt, batch)),
+                    Variant("shardflow_dp", lambda: ex_dp.step(batch)),
+                    Variant("ddp", torch_step(ddp, ddp_opt, local))]
+        if rank == 0:
+            one = copy.deepcopy(model)
+            one_step = torch_step(one, adamw(one.parameters(), cfg), batch)
+        else:
+            one_step = None
+        variants.append(Variant("one_process", lambda: one_step(), solo=True))
+        variants.append(Variant("one_process_1t", lambda: one_step(), solo=True, threads=1))
+        losses = first_losses(variants, 2, rank)
+        say(rank, "(b) first losses (ddp: rank 0's half batch) "
+            + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()))
+        samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda s: say(rank, s))
+        out.update(losses=losses, samples=samples, stats={k: stats(v) for k, v in samples.items()},
+                   tokens_per_step=base.batch_size * base.seq_len, rounds=p["rounds"], iters=p["iters"])
+        out["peak_dp"] = ex_dp.peak_bytes
+        out["state_dp"] = state_bytes(ex_dp.dg, rank)
+    else:
+        for _ in range(2):
+            ex_tp.step(batch)
+    # (e) memory: this rank's peak under tp, and one device (local executor on a 1-device mesh, rank 0)
+    mem = {"peak_tp": ex_tp.peak_bytes, "state_tp": state_bytes(ex_tp.dg, rank),
+           "state_tp_measured": sum(ex_tp.buffers[v].numel() * ex_tp.buffers[v].element_size()
+                                    for v in ex_tp.buffers if v in _state_vids(ex_tp.dg))}
+    peaks = torch.tensor([mem["peak_tp"]], dtype=torch.float64)
+    everyone = [torch.zeros_like(peaks) for _ in range(world)]
+    dist.all_gather(everyone, peaks)
+    mem["peak_tp_per_rank"] = [int(t.item()) for t in everyone]
+    if rank == 0:
+        one_pcg = build_pcg(s_tp.graph, Mesh(("d",), (1,)))
+        one_step = lower_step(one_pcg, cfg.slots)
+        lx = LocalExecutor(one_step, cfg)
+        lx.load(weights_of(model, s_tp.graph))
+        for _ in range(2):
+            lx.step(batch)
+        mem["peak_one"] = lx.peak_bytes[0]
+        mem["state_one"] = state_bytes(one_step.dg, 0)
+    out["memory"] = mem
+    return out
+
+
+def _state_vids(dg) -> set[str]:
+    vids = {f"fwd:{w}" for w in dg.pcg.graph.weights}
+    vids |= {n.inputs[1] for n in dg.nodes if n.kind == "update"}
+    vids |= {vid for vid, v in dg.values.items() if v.role == "opt" and not vid.startswith("upd:")}
+    return vids
+
+
+# ==========================================================================================================
+# (c) collectives
+# ==========================================================================================================
+def _wait_all(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = None,
+               full: torch.Tensor | None = None) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
+    """kind and step of each form, for a full tensor of ``n_bytes`` (float32): what shardflow's executor issues
+    for each form (``DistributedExecutor._communicate`` and the ring / broadcast-loop lowering, on dim 0),
+    and gloo's built-ins. ``own`` (this rank's chunk, all-gather input) and ``full`` (reduce input) default to
+    random data. Each step returns its result."""
+    d, p = world, rank
+    n = n_bytes // 4
+    full = torch.randn(n) if full is None else full
+    own = torch.randn(n // d) if own is None else own
+    gathered = torch.empty(n)
+    mine = torch.empty(n // d)
+    summed = torch.zeros(n)  # the in-place all-reduce keeps it zero: no growth to inf over the repetitions
+
+    def sf_ag_collective():  # _communicate("all_gather"): gathered dim to the front, all_gather_into_tensor
+        x = own.movedim(0, 0).contiguous()
+        out = torch.empty((d * x.shape[0],) + x.shape[1:])
+        dist.all_gather_into_tensor(out, x, async_op=True).wait()
+        return out.movedim(0, 0).contiguous()
+
+    def sf_ag_ring():  # d−1 collective-permute steps (batch_isend_irecv), then the concat compute
+        chunks = [None] * d
+        chunks[p] = own
+        for i in range(1, d):
+            to, frm = ring_peers(p, i, d)
+            buf = torch.empty(n // d)
+            _wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, own.contiguous(), to),
+                                              dist.P2POp(dist.irecv, buf, frm)]))
+            chunks[frm] = buf
+        return torch.cat(chunks, 0)
+
+    def sf_ag_broadcast_loop():  # d broadcasts, root = step, then the concat compute
+        chunks = []
+        for root in range(d):
+            buf = own.clone() if p == root else torch.empty(n // d)
+            dist.broadcast(buf, src=root, async_op=True).wait()
+            chunks.append(buf)
+        return torch.cat(chunks, 0)
+
+    def sf_rs_collective():  # _communicate("reduce_scatter"): all_reduce, keep own block
+        out = full.clone()
+        dist.all_reduce(out, async_op=True).wait()
+        return out.chunk(d, 0)[p].contiguous()
+
+    def sf_rs_ring():  # chunk compute, then d−1 permute steps each followed by a local add
+        parts = [c.contiguous() for c in full.chunk(d, 0)]
+        acc = parts[p]
+        for i in range(1, d):
+            to, frm = ring_peers(p, i, d)
+            tmp = torch.empty(n // d)
+            _wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, parts[to].contiguous(), to),
+                                              dist.P2POp(dist.irecv, tmp, frm)]))
+            acc = acc + tmp
+        return acc
+
+    def sf_all_reduce():  # _communicate("all_reduce"): clone, all_reduce
+        out = full.clone()
+        dist.all_reduce(out, async_op=True).wait()
+        return out
+
+    def gloo_ag():
+        dist.all_gather_into_tensor(gathered, own)
+        return gathered
+
+    def gloo_rs():
+        dist.reduce_scatter_single(mine, full)
+        return mine
+
+    def gloo_ar():  # in place, as a user would call it
+        dist.all_reduce(summed)
+        return summed
+
+    return {
+        "ag:shardflow collective": ("all_gather", sf_ag_collective),
+        "ag:shardflow ring": ("all_gather", sf_ag_ring),
+        "ag:shardflow broadcast_loop": ("all_gather", sf_ag_broadcast_loop),
+        "ag:gloo all_gather_into_tensor": ("all_gather", gloo_ag),
+        "rs:shardflow collective": ("reduce_scatter", sf_rs_collective),
+        "rs:shardflow ring": ("reduce_scatter", sf_rs_ring),
+        "rs:gloo reduce_scatter_single": ("reduce_scatter", gloo_rs),
+        "ar:shardflow all_reduce": ("all_reduce", sf_all_reduce),
+        "ar:gloo all_reduce": ("all_reduce", gloo_ar),
+    }
+
+
+class Loopback:
+    """A TCP connection between ranks 0 and 1 on 127.0.0.1 (others idle): the loopback bound."""
+
+    def __init__(self, rank: int, n_bytes: int):
+        self.rank, self.n = rank, n_bytes
+        self.buf = bytearray(n_bytes)
+        self.view = memoryview(self.buf)
+        self.out = bytearray(n_bytes)
+        port = [0]
+        if rank == 0:
+            srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            port = [srv.getsockname()[1]]
+        dist.broadcast_object_list(port, src=0)
+        if rank == 0:
+            self.conn, _ = srv.accept()
+            srv.close()
+        elif rank == 1:
+            self.conn = socket.create_connection(("127.0.0.1", port[0]))
+        else:
+            self.conn = None
+        if self.conn is not None:
+            self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _recv_all(self) -> None:
+        view, got = memoryview(self.out), 0
+        while got < self.n:
+            k = self.conn.recv_into(view[got:], min(self.n - got, 1 << 22))
+            if k == 0:
+                raise ConnectionError("loopback peer closed")
+            got += k
+
+    def one_way(self) -> None:
+        """Rank 0 sends n bytes; rank 1 receives them and answers one byte."""
+        if self.rank == 0:
+            self.conn.sendall(self.view)
+            self.conn.recv(1)
+        elif self.rank == 1:
+            self._recv_all()
+            self.conn.sendall(b"k")
+
+    def both_ways(self) -> None:
+        """Ranks 0 and 1 each send n bytes to the other at the same time."""
+        if self.conn is None:
+            return
+        t = threading.Thread(target=self.conn.sendall, args=(self.view,))
+        t.start()
+        self._recv_all()
+        t.join()
+
+
+def run_comm(p: dict, rank: int, world: int) -> dict:
+    variants: list[Variant] = []
+    meta: dict[str, dict] = {}
+    for n_bytes in p["sizes"]:
+        iters = max(1, min(p["max_iters"], p["bytes_per_sample"] // n_bytes))
+        for form, (kind, fn) in comm_forms(n_bytes, rank, world).items():
+            name = f"{form}@{n_bytes}"
+            variants.append(Variant(name, _repeat(fn, iters)))
+            meta[name] = {"form": form, "kind": kind, "bytes": n_bytes, "calls_per_step": iters,
+                          "bound_bytes": bandwidth_bound(kind, n_bytes, world)}
+    if p.get("loopback") and world >= 2:
+        lb = Loopback(rank, p["loopback"])
+        variants += [Variant("loopback one_way", lb.one_way), Variant("loopback both_ways", lb.both_ways)]
+        meta["loopback one_way"] = {"bytes": p["loopback"], "calls_per_step": 1}
+        meta["loopback both_ways"] = {"bytes": p["loopback"], "calls_per_step": 1}
+    # correctness of the forms (all ranks: ones → gathered ones; a reduce-scatter of ones → world)
+    samples = interleave(variants, p["rounds"], 1, p["warmup"], rank,
+                         log=lambda s: say(rank, s.split(":")[0] + ": done"))
+    for name, s in samples.items():
+        k = meta[name]["calls_per_step"]
+        samples[name] = [x / k for x in s]
+    return {"samples": samples, "meta": meta, "stats": {k: stats(v) for k, v in samples.items()},
+            "rounds": p["rounds"], "check": _check_forms(rank, world)}
+
+
+def _repeat(fn: Callable, k: int) -> Callable:
+    def run():
+        for _ in range(k):
+            fn()
+    return run
+
+
+def _check_forms(rank: int, world: int) -> dict[str, bool]:
+    """Each form's result on known data (rank r contributes r + 1): all-gathers give every rank's chunk in rank
+    order, reduce-scatters this rank's block of the sum, all-reduces the sum."""
+    n = 64 * world
+    own = torch.full((n // world,), float(rank + 1))
+    full = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    total = torch.arange(n, dtype=torch.float32) * sum(range(1, world + 1))
+    want = {"all_gather": torch.cat([torch.full((n // world,), float(r + 1)) for r in range(world)]),
+            "reduce_scatter": total.chunk(world)[rank], "all_reduce": total}
+    ok = {}
+    for form, (kind, fn) in comm_forms(n * 4, rank, world, own=own, full=full).items():
+        if form == "ar:gloo all_reduce":
+            continue  # in place on its own buffer: checked through "ar:shardflow all_reduce"'s call
+        ok[form] = bool(torch.equal(fn(), want[kind]))
+    return ok
+
+
+# ==========================================================================================================
+# (d) sequence-parallel column linear
+# ==========================================================================================================
+def sp_graph(B: int, T: int, C: int):
+    """x [B, T, C] (a trainable leaf, so that it has a gradient) → fc (4C) → tanh → sum."""
+    b = GraphBuilder()
+    x = b.weight("x", (B, T, C))
+    loss = b.sum(b.tanh(b.dense(x, 4 * C, name="fc")))
+    return b.build([loss], loss)
+
+
+def sp_annotations(mesh: Mesh) -> Annotations:
+    """x sharded on T (Shard(1)), fc's weight and bias on dim 0 (column parallel); the linear reads x replicated,
+    so x is all-gathered forward and its gradient reduce-scattered backward."""
+    whole = SubMesh(mesh)
+    return Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3),
+                               "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
+                               "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
+                       edges={("linear", 0): {"tp": Replicate()}})
+
+
+class ComputeOnly:
+    """The same step's local compute with no communication: each rank has the whole x already, computes its
+    column block of fc and its tanh-sum, backward by autograd (dx, dW, db), SGD on W and b. A floor."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, rank: int, world: int, lr: float):
+        rows = slice(rank * w.shape[0] // world, (rank + 1) * w.shape[0] // world)
+        self.x = x.clone().requires_grad_()
+        self.w = w[rows].clone().requires_grad_()
+        self.b = b[rows].clone().requires_grad_()
+        self.lr = lr
+
+    def step(self) -> float:
+        loss = torch.tanh(F.linear(self.x, self.w, self.b)).sum()
+        dx, dw, db = torch.autograd.grad(loss, (self.x, self.w, self.b))
+        with torch.no_grad():
+            self.w -= self.lr * dw
+            self.b -= self.lr * db
+        return loss.item()
+
+
+def run_sp(p: dict, rank: int, world: int) -> dict:
+    return {"rows": [_sp_shape(shape, p, rank, world) for shape in p["shapes"]]}
+
+
+def _sp_shape(shape: list[int], p: dict, rank: int, world: int) -> dict:
+    B, T, C = shape
+    lr = 1e-6
+    graph = sp_graph(B, T, C)
+    mesh = Mesh.parse(f"tp={world}")
+    torch.manual_seed(0)
+    full = {"x": torch.randn(B, T, C), "fc.weight": torch.randn(4 * C, C) / math.sqrt(C),
+            "fc.bias": torch.zeros(4 * C)}
+    cfg = OptimizerConfig("sgd", lr)
+    variants, programs, executors = [], {}, {}
+    for ag, rs in p["forms"]:
+        ex = shardflow_executor(graph, f"tp={world}", None, cfg, rank, annotations=sp_annotations(mesh),
+                                options=LowerOptions(ag, rs))
+        ex.load(full)
+        name = f"{ag} / {rs}"
+        executors[name] = ex
+        variants.append(Variant(name, (lambda e: lambda: e.step({}))(ex)))
+        programs[name] = {**program_size(ex), "comm_kinds": sorted({c.kind for c in ex.program.comms}),
+                          "comm_bytes": sum(c.nbytes for c in ex.program.comms)}
+    auto = lower_step(build_pcg(graph, mesh, sp_annotations(mesh)), cfg.slots, ranks=[rank], options=LowerOptions())
+    auto_kinds = sorted({(c.pass_, c.kind) for c in auto.programs[rank].comms})
+    floor = ComputeOnly(full["x"], full["fc.weight"], full["fc.bias"], rank, world, lr)
+    variants.append(Variant("compute only", floor.step))
+    losses = first_losses(variants, 2, rank)
+    say(rank, f"(d) {shape}: first losses " + ", ".join(f"{k} {v[0]:.3f}/{v[1]:.3f}" for k, v in losses.items()))
+    samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda s: say(rank, s))
+    # where each form's time goes (timers around kernels and communications, a few steps, after the rounds)
+    breakdown = {name: _timed_steps(ex, {}, p["breakdown_steps"]) for name, ex in executors.items()}
+    return {"shape": shape, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
+            "losses": losses, "programs": programs, "auto": [list(k) for k in auto_kinds], "rounds": p["rounds"],
+            "iters": p["iters"], "breakdown": breakdown}
+
+
+# ==========================================================================================================
+# profile of one shardflow tp=2 step of (a)
+# ==========================================================================================================
+class Timers:
+    def __init__(self):
+        self.s: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+
+    def wrap(self, label: str, fn: Callable) -> Callable:
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.s[label] = self.s.get(label, 0.0) + time.perf_counter() - t0
+                self.n[label] = self.n.get(label, 0) + 1
+        return timed
+
+
+def _classify(key: tuple, name: str) -> str:
+    """cProfile entry → comm / torch / python. Built-ins (file ``~``) of torch.distributed or a Work's wait are
+    communication; other built-ins of torch are torch ops; everything else (Python code, and built-ins of
+    Python itself) is Python overhead."""
+    filename = key[0]
+    if filename == "~":
+        if "_distributed_c10d" in name or "'wait'" in name:
+            return "comm"
+        if "torch" in name or "Tensor" in name:
+            return "torch"
+    return "python"
+
+
+def _mlp_pair(h: int, B: int, rank: int, world: int):
+    torch.manual_seed(0)
+    model = MegatronMLP(h)
+    gen = torch.Generator().manual_seed(1)
+    inputs = {"x": torch.randn(B, h, generator=gen), "y": torch.randint(0, h, (B,), generator=gen)}
+    graph = capture(model, inputs)
+    cfg = OptimizerConfig("sgd", 1e-3)
+    ex = shardflow_executor(graph, f"tp={world}", "tp", cfg, rank)
+    ex.load(weights_of(model, graph))
+    return ex, HandTP(model, rank, world, 1e-3), inputs
+
+
+def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -> Callable[[], None]:
+    """Wrap the executor's kernels (per instruction label), ``_communicate``, ``_put`` and ``_full`` with timers
+    (instance attributes shadow the methods; the library is not changed). Returns the undo."""
+    labels = {i.dnode: f"{i.pass_} {i.op.split('(')[0]}" for i in ex.program.instrs if isinstance(i, Compute) and i.dnode}
+    plain = dict(ex.kernels)
+    if kernels:
+        for key, k in plain.items():
+            ex.kernels[key] = timers.wrap(f"kernel: {labels.get(key, key)}", k)
+    ex._communicate = timers.wrap("communication (issue + wait)", ex._communicate)
+    ex._put = timers.wrap("input placement (_put)", ex._put)
+    ex._full = timers.wrap("loss read-back (_full: an all-reduce)", ex._full)
+
+    def undo() -> None:
+        ex.kernels.update(plain)
+        for attr in ("_communicate", "_put", "_full"):
+            delattr(ex, attr)
+    return undo
+
+
+def _timed_steps(ex: DistributedExecutor, inputs: dict, n: int) -> dict:
+    timers = Timers()
+    undo = _instrument(ex, timers)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ex.step(inputs)
+    total = time.perf_counter() - t0
+    undo()
+    return {"steps": n, "total_s": total, "sum_s": timers.s, "calls": timers.n}
+
+
+def run_profile(p: dict, rank: int, world: int) -> dict:
+    B, n = p["batch"], p["steps"]
+    out: dict = {"batch": B}
+    for h in (p["h"], p["tiny_h"]):
+        ex, hand, inputs = _mlp_pair(h, B, rank, world)
+        variants = [Variant("shardflow", lambda: ex.step(inputs)), Variant("hand", lambda: hand.step(**inputs))]
+        iters = p["iters"] if h == p["h"] else p["iters"] * 10
+        samples = interleave(variants, p["rounds"], iters, p["warmup"], rank)
+        r: dict = {"h": h, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
+                   "program": program_size(ex), "iters": iters}
+        k = n if h == p["h"] else n * 10
+        # 1. timers around every kernel, communication, input placement and loss read-back
+        r["timers"] = _timed_steps(ex, inputs, k)
+        # 2. torch.profiler (ATen self time) with timers on the communication calls in the same run
+        r["aten"] = {"shardflow": _aten_profile(ex, lambda: ex.step(inputs), k, rank),
+                     "hand": _aten_profile(None, lambda: hand.step(**inputs), k, rank)}
+        if h == p["h"]:
+            out["listing"] = [str(i).strip() for i in ex.program.instrs]
+            r["cprofile"] = _cprofile(lambda: ex.step(inputs), n, rank)
+        out[f"h{h}" if h != p["h"] else "main"] = r
+        del ex, hand, variants
+    return out
+
+
+def _cprofile(fn: Callable, n: int, rank: int) -> dict | None:
+    """cProfile of ``n`` steps on rank 0 (the other ranks run the same steps unprofiled)."""
+    dist.barrier()
+    prof = cProfile.Profile()
+    if rank == 0:
+        prof.enable()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    wall = time.perf_counter() - t0
+    if rank != 0:
+        return None
+    prof.disable()
+    st = pstats.Stats(prof)
+    cats = {"comm": 0.0, "torch": 0.0, "python": 0.0}
+    rows = []
+    for key, (cc, nc, tt, ct, _) in st.stats.items():
+        name = pstats.func_std_string(key)
+        cat = _classify(key, name)
+        cats[cat] += tt
+        rows.append((tt, ct, nc, cat, name.replace(str(ROOT) + "/", "").split("site-packages/")[-1]))
+    rows.sort(reverse=True)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
+    return {"steps": n, "wall_s": wall, "categories_s": cats, "top_tottime": [list(r) for r in rows[:25]],
+            "cumulative_text": text.getvalue()}
+
+
+def _aten_profile(ex: DistributedExecutor | None, fn: Callable, n: int, rank: int) -> dict | None:
+    """Per ATen op: calls and self CPU seconds over ``n`` steps of ``fn`` (rank 0 profiles, the others run the
+    same steps), the wall time, and (with ``ex``) the time in the executor's communication calls."""
+    from torch.profiler import ProfilerActivity, profile
+    timers = Timers()
+    undo = _instrument(ex, timers, kernels=False) if ex is not None else None
+    dist.barrier()
+    if rank != 0:
+        for _ in range(n):
+            fn()
+        if undo:
+            undo()
+        return None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        wall = time.perf_counter() - t0
+    if undo:
+        undo()
+    ops = {}
+    for e in prof.key_averages():
+        ops[e.key] = {"calls": e.count, "self_s": e.self_cpu_time_total / 1e6}
+    return {"steps": n, "wall_s": wall, "timers_s": timers.s,
+            "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]["self_s"]))}
+
+
+# ==========================================================================================================
+# main
+# ==========================================================================================================
+WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile}
+
+
+def main() -> None:
+    workload, out_dir, params = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    rank, world = init_from_env(TIMEOUT_S)
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    result = {"workload": workload, "world": world, "params": params, "machine_start": machine()}
+    result.update(WORKLOADS[workload](params, rank, world))
+    result["machine_end"] = machine()
+    result["session_s"] = time.perf_counter() - t0
+    write_result(out_dir, rank, result)
+    shutdown(0)
+
+
+if __name__ == "__main__":
+    main()

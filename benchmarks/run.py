@@ -1,0 +1,614 @@
+"""shardflow against PyTorch on this machine: step time, tokens/s, collectives, memory, and a profile.
+
+Runs the workloads below as rank scripts (``benchmarks/ranks.py``) started with shardflow's own launcher
+(``shardflow.runtime.launch.launch``: torchrun's environment, 2 ranks × 1 intra-op thread unless stated), collects
+each session's JSON result and writes one Markdown section per workload into ``docs/benchmarks.md`` (other
+sections, e.g. "Planning time", stay as they are).
+
+* a — Megatron MLP h → 4h → h (GELU), batch 64, forward + backward + SGD, h ∈ {1024, 4096}: shardflow tp=2,
+      DTensor ``parallelize_module``, hand-written tensor parallelism, one process (2 threads; 1 thread too);
+* b — the training job's default GPT (``TrainConfig`` defaults) tp=2 and dp=2: shardflow, DTensor tp plan,
+      DDP, one process; tokens/s;
+* c — all-gather / reduce-scatter / all-reduce, 64 KiB … 64 MiB: each form shardflow issues vs gloo's
+      built-ins, bus bandwidth against the loopback TCP bound (2 ranks; 4 ranks in the full run);
+* d — a column-parallel linear fed by an all-gather of a sequence-sharded input (B=8, T=256, C=512): each form
+      of the all-gather and of its backward reduce-scatter, through ``DistributedExecutor``;
+* e — per-rank memory of the default GPT under tp=2 against one device;
+* p — profile of one shardflow tp=2 step of (a), h=1024 (timers, cProfile, torch.profiler) on rank 0.
+
+Usage::
+
+    python benchmarks/run.py                 # everything (< 15 min on 2 cores), updates docs/benchmarks.md
+    python benchmarks/run.py --quick         # h=1024 only, fewer sizes and rounds (< 4 min)
+    python benchmarks/run.py --only a,c      # some workloads
+    python benchmarks/run.py --no-write      # print the sections only
+    python benchmarks/run.py --render-only   # rebuild the sections from the last run's JSON (runs/bench/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shardflow.lower import LowerOptions  # noqa: E402
+from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
+
+RANKS = Path(__file__).resolve().parent / "ranks.py"
+KEYS = "abcdep"
+KiB, MiB = 1 << 10, 1 << 20
+SP_FORMS = [["collective", "collective"], ["ring", "collective"], ["broadcast_loop", "collective"],
+            ["collective", "ring"], ["ring", "ring"], ["broadcast_loop", "ring"]]
+
+
+def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
+    """(label, workload, ranks, params) of every session to run, in order."""
+    out = []
+    if "a" in keys:
+        sizes = [[1024, 4, 3]] if quick else [[1024, 11, 5], [4096, 7, 2]]
+        out.append(("a", "mlp", 2, {"sizes": sizes, "batch": 64, "warmup": 1 if quick else 2}))
+    if "b" in keys or "e" in keys:
+        out.append(("b+e" if "b" in keys else "e", "gpt", 2, {"timing": "b" in keys, "rounds": 4 if quick else 11,
+                                                              "iters": 2 if quick else 3, "warmup": 1 if quick else 2}))
+    if "c" in keys:
+        sizes = [256 * KiB, 4 * MiB, 16 * MiB] if quick else [64 * KiB * 4 ** i for i in range(6)]
+        out.append(("c", "comm", 2, {"sizes": sizes, "rounds": 3 if quick else 7, "warmup": 1, "max_iters": 20,
+                                     "bytes_per_sample": 32 * MiB, "loopback": (16 if quick else 64) * MiB}))
+        if not quick:
+            out.append(("c4", "comm", 4, {"sizes": [256 * KiB, 4 * MiB, 16 * MiB], "rounds": 3, "warmup": 1,
+                                          "max_iters": 10, "bytes_per_sample": 16 * MiB, "loopback": 0}))
+    if "d" in keys:
+        shapes = [[8, 256, 512]] if quick else [[8, 256, 512], [8, 256, 128]]
+        out.append(("d", "sp", 2, {"shapes": shapes, "forms": SP_FORMS, "rounds": 3 if quick else 9,
+                                   "iters": 1 if quick else 2, "warmup": 1, "breakdown_steps": 2 if quick else 5}))
+    if "p" in keys:
+        out.append(("p", "profile", 2, {"h": 1024, "tiny_h": 16, "batch": 64, "rounds": 3 if quick else 7,
+                                        "iters": 3 if quick else 5, "warmup": 3, "steps": 10 if quick else 30}))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# numbers
+# ------------------------------------------------------------------------------------------------------------
+def med(xs) -> float:
+    return statistics.median(xs)
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.1f}" if x * 1e3 >= 10 else f"{x * 1e3:.2f}"
+
+
+def spread_ms(xs) -> str:
+    return f"{ms(min(xs))}–{ms(max(xs))}"
+
+
+def ratios(a, b) -> list[float]:
+    """Per-round ratios a[i] / b[i] of two interleaved variants."""
+    return [x / y for x, y in zip(a, b)]
+
+
+def ratio_text(rs) -> str:
+    return f"{med(rs):.2f} ({min(rs):.2f}–{max(rs):.2f})"
+
+
+def gbps(n_bytes: float, seconds: float) -> float:
+    return n_bytes / seconds / 1e9
+
+
+def size_text(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def machine_line(res: dict, nproc: int, threads: str = "1 intra-op thread per rank") -> str:
+    m0, m1 = res["machine_start"], res["machine_end"]
+    return (f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
+            f"{m0['date'].replace('T', ' ')}; {nproc} ranks × {threads} (gloo, `OMP_WAIT_POLICY="
+            f"{m0.get('omp_wait_policy', os.environ.get('OMP_WAIT_POLICY', ''))}`); load average {m0['load']:.2f} at the start of the session, "
+            f"{m1['load']:.2f} at the end; session {res['session_s']:.0f} s.")
+
+
+TIMING_NOTE = ("Timing: every variant warmed up, then run in interleaved rounds (order rotating each round); a "
+               "sample = mean step time of a few steps back to back, the largest over the ranks; the table gives "
+               "the median and min–max of the samples, and ratios are the median (min–max) of the per-round ratios "
+               "of two variants measured in the same round.")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# sections
+# ------------------------------------------------------------------------------------------------------------
+MLP_LABELS = {"shardflow": "shardflow tp=2 (`DistributedExecutor`)",
+              "dtensor": "DTensor `parallelize_module` (Colwise fc1, Rowwise fc2) + `torch.optim.SGD`",
+              "hand": "hand-written TP (plain tensors, one `dist.all_reduce`)",
+              "one_process": "one process, 2 threads (eager + `torch.optim.SGD`)",
+              "one_process_1t": "one process, 1 thread (reference)"}
+
+
+def section_a(res: dict, quick: bool) -> str:
+    lines = ["## Megatron MLP step time (a)", "",
+             "h → 4h → GELU → h with biases, mean cross-entropy against random class ids, batch 64 rows, float32; one "
+             "step = forward + backward + SGD update (lr 1e-3, no momentum) + reading the loss. tp=2: fc1 "
+             "column-parallel, fc2 row-parallel, one all-reduce of fc2's output (the input needs no gradient, so the "
+             "backward has no communication). shardflow: the module captured with `shardflow.capture`, planned "
+             "with `make_plan(graph, mesh, \"tp\")`, lowered for the rank and run by `DistributedExecutor`. All "
+             "variants start from the same weights; their first two losses agree (checked below).", "",
+             machine_line(res, 2) + " The one-process variants run on rank 0 while rank 1 waits in a barrier.", "",
+             TIMING_NOTE, "", f"Reproduce: `python benchmarks/run.py --only a{' --quick' if quick else ''}`.", "",
+             "| h | variant | step median (ms) | min–max (ms) | shardflow ÷ variant (per round) |",
+             "|---|---|---|---|---|"]
+    targets = []
+    for row in res["rows"]:
+        s = row["samples"]
+        for name, label in MLP_LABELS.items():
+            if name not in s:
+                continue
+            r = ratio_text(ratios(s["shardflow"], s[name])) if name != "shardflow" else "1"
+            lines.append(f"| {row['h']} | {label} | {ms(med(s[name]))} | {spread_ms(s[name])} | {r} |")
+        hand = ratios(s["shardflow"], s["hand"])
+        dt = ratios(s["shardflow"], s["dtensor"])
+        if row["h"] == 1024:
+            targets.append(f"h=1024: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.05: "
+                           f"{verdict(med(hand) <= 1.05)}; shardflow ÷ DTensor = {ratio_text(dt)}, target ≤ 0.85: "
+                           f"{verdict(med(dt) <= 0.85)}.")
+        elif row["h"] == 4096:
+            targets.append(f"h=4096: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.02: "
+                           f"{verdict(med(hand) <= 1.02)} (÷ DTensor: {ratio_text(dt)}).")
+    lines.append("")
+    for row in res["rows"]:
+        lo = row["losses"]
+        ref = lo.get("one_process")
+        if ref:
+            worst = max(abs(a - b) for k, v in lo.items() if k != "one_process_1t" for a, b in zip(v, ref))
+            lines.append(f"h={row['h']}: first two losses {ref[0]:.5f}, {ref[1]:.5f}; largest difference between "
+                         f"variants {worst:.1e}. shardflow's rank program: {row['program']['instrs']} instructions, "
+                         f"{row['program']['comms']} communication. Rounds × steps per sample: {row['rounds']} × "
+                         f"{row['iters']}.")
+    lines += ["", "Targets (medians of per-round ratios): " + " ".join(targets)] if targets else []
+    lines += ["", "Where shardflow's time goes: see the profile section (p) below."]
+    return "\n".join(lines) + "\n"
+
+
+GPT_LABELS = {"shardflow_tp": "shardflow tp=2", "dtensor_tp": "DTensor tp=2 (torchtitan-style plan) + AdamW",
+              "shardflow_dp": "shardflow dp=2", "ddp": "DDP dp=2 + AdamW",
+              "one_process": "one process, 2 threads (eager + AdamW)", "one_process_1t": "one process, 1 thread"}
+
+
+def section_b(res: dict, quick: bool) -> str:
+    m = res["model"]
+    s = res["samples"]
+    tok = res["tokens_per_step"]
+    lines = ["## GPT tokens/s (b)", "",
+             f"The training job's default model (`TrainConfig` defaults): GPT with {m['layers']} layers, {m['heads']} heads, "
+             f"width {m['embd']}, context {m['seq_len']}, vocabulary {m['vocab']} (characters of the default corpus), "
+             f"{m['params']:,} parameters; global batch {m['batch']} × {m['seq_len']} = {tok} tokens per step; AdamW "
+             f"lr {m['optimizer']['lr']}, no weight decay; one step = forward + backward + update + reading the loss, "
+             f"on a fixed batch of the default corpus. shardflow: `shardflow.train.loop.setup` (capture, preset plan) → "
+             f"`lower_step` for the rank → `DistributedExecutor`. DTensor: `parallelize_module` with q, k, v and c_fc "
+             f"`ColwiseParallel`, both c_proj `RowwiseParallel`, the rest replicated (attention reshapes with the "
+             f"local head count, as torchtitan's attention does). DDP: `DistributedDataParallel` on 8 sequences "
+             f"per rank.", "",
+             machine_line(res, 2) + " The one-process variants run on rank 0 while rank 1 waits in a barrier.", "",
+             TIMING_NOTE, "", f"Reproduce: `python benchmarks/run.py --only b{' --quick' if quick else ''}`.", "",
+             "| variant | step median (ms) | min–max (ms) | tokens/s (median) | shardflow tp=2 tokens/s ÷ variant's "
+             "(per round) | shardflow dp=2 tokens/s ÷ variant's (per round) |",
+             "|---|---|---|---|---|---|"]
+    for name, label in GPT_LABELS.items():
+        if name not in s:
+            continue
+        rt = ratio_text(ratios(s[name], s["shardflow_tp"]))
+        rd = ratio_text(ratios(s[name], s["shardflow_dp"]))
+        lines.append(f"| {label} | {ms(med(s[name]))} | {spread_ms(s[name])} | {tok / med(s[name]):,.0f} | {rt} | {rd} |")
+    lo = res["losses"]
+    ref = lo["one_process"]
+    same = [k for k in lo if k not in ("ddp", "one_process_1t")]
+    worst = max(abs(a - b) for k in same for a, b in zip(lo[k], ref))
+    vs_dt = ratios(s["dtensor_tp"], s["shardflow_tp"])
+    vs_one = ratios(s["one_process"], s["shardflow_tp"])
+    vs_one_dp = ratios(s["one_process"], s["shardflow_dp"])
+    vs_ddp = ratios(s["ddp"], s["shardflow_dp"])
+    lines += ["", f"First two losses {ref[0]:.5f}, {ref[1]:.5f} (one process); shardflow tp, dp and DTensor agree within "
+              f"{worst:.1e} (DDP's rank 0 reports its half batch). shardflow programs per rank: tp "
+              f"{res['program_tp']['instrs']} instructions / {res['program_tp']['comms']} communications, dp "
+              f"{res['program_dp']['instrs']} / {res['program_dp']['comms']}. Rounds × steps per sample: "
+              f"{res['rounds']} × {res['iters']}.", "",
+              f"Targets (tokens/s ratios, per-round medians): shardflow tp=2 ÷ DTensor tp=2 = {ratio_text(vs_dt)}, "
+              f"target ≥ 1.3: {verdict(med(vs_dt) >= 1.3)}; shardflow tp=2 ÷ one process (2 threads) = "
+              f"{ratio_text(vs_one)}, target ≥ 1.0: {verdict(med(vs_one) >= 1.0)}. For dp=2: shardflow ÷ DDP = "
+              f"{ratio_text(vs_ddp)}, shardflow ÷ one process = {ratio_text(vs_one_dp)}.", "",
+              f"dp: shardflow issues one all-reduce per weight gradient ({res['program_dp']['comms']} communications "
+              f"per step, each waited before the next instruction), where DDP packs the gradients into buckets and "
+              f"all-reduces them while the backward runs."]
+    return "\n".join(lines) + "\n"
+
+
+AG_FORMS = ["ag:shardflow collective", "ag:shardflow ring", "ag:shardflow broadcast_loop", "ag:gloo all_gather_into_tensor"]
+RS_FORMS = ["rs:shardflow collective", "rs:shardflow ring", "rs:gloo reduce_scatter_single"]
+AR_FORMS = ["ar:shardflow all_reduce", "ar:gloo all_reduce"]
+SF_FORM = {"collective": "ag:shardflow collective", "ring": "ag:shardflow ring",
+           "broadcast_loop": "ag:shardflow broadcast_loop"}
+
+
+def _bus(res: dict, name: str) -> list[float]:
+    m = res["meta"][name]
+    return [gbps(m["bound_bytes"], t) for t in res["samples"][name]]
+
+
+def _cell(xs: list[float]) -> str:
+    return f"{med(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
+
+
+def _auto(kind: str, n_bytes: int, d: int) -> str:
+    opts = LowerOptions()
+    chunk = n_bytes // d
+    return opts.all_gather_form(chunk, d) if kind == "all_gather" else opts.reduce_scatter_form(chunk, d)
+
+
+def section_c(res: dict, res4: dict | None, quick: bool) -> str:
+    d = res["world"]
+    lb = {k: [gbps(res["meta"][k]["bytes"], t) for t in res["samples"][k]]
+          for k in ("loopback one_way", "loopback both_ways") if k in res["samples"]}
+    bound = med(lb["loopback one_way"]) if lb else math.nan
+    lines = ["## Collectives: bus bandwidth (c)", "",
+             "Each shardflow form is timed as the exact torch.distributed calls `DistributedExecutor._communicate` "
+             "issues for it (on dim 0, float32), including its local copies: all-gather *collective* = "
+             "`all_gather_into_tensor` (so it *is* gloo's built-in), *ring* = d−1 collective-permute steps "
+             "(`batch_isend_irecv`) + concat, *broadcast loop* = d broadcasts + concat; reduce-scatter *collective* "
+             "= clone + `all_reduce` + keep own block, *ring* = chunk + d−1 permute steps with local adds; "
+             "all-reduce = clone + `all_reduce`. gloo's built-ins: `all_gather_into_tensor`, `reduce_scatter_single` "
+             "(gloo supports it), `all_reduce` in place. Size = the full tensor N (all-gather output, "
+             "reduce-scatter / all-reduce input). **Bus bandwidth** = bandwidth-optimal bytes each rank sends "
+             "((d−1)/d·N for all-gather and reduce-scatter, 2(d−1)/d·N for all-reduce) ÷ time, GB/s = 1e9 B/s; "
+             "cells: median (min–max) over rounds. The loopback bound: one 64 MiB buffer (16 MiB with --quick) sent "
+             "with `socket.sendall` between ranks 0 and 1 over 127.0.0.1 and received with `recv_into`, timed "
+             "in the same rounds.", "",
+             machine_line(res, d), "", TIMING_NOTE, "",
+             f"Reproduce: `python benchmarks/run.py --only c{' --quick' if quick else ''}`.", ""]
+    if lb:
+        lines += [f"Loopback TCP, same session: one way {_cell(lb['loopback one_way'])} GB/s; both ways at once "
+                  f"{_cell(lb['loopback both_ways'])} GB/s per direction. The bound used below is the one-way "
+                  f"median, {bound:.2f} GB/s.", ""]
+    lines += ["Below 4 MiB a call takes about a millisecond and the cells are dominated by scheduling on the shared "
+              "machine: a sample (the mean of up to 20 calls) is either near the per-call latency or several times "
+              "it, depending on whether a rank lost its core during the sample, so small sizes vary widely between "
+              "rounds and runs.", ""]
+    lines += _comm_tables(res, bound)
+    if res4 is not None:
+        lines += ["", f"### 4 ranks (2 cores: oversubscribed, 4 processes on 2 cores)", "", machine_line(res4, 4), ""]
+        lines += _comm_tables(res4, bound)
+    lines += ["", "Targets at ≥ 4 MiB (2 ranks; the form shardflow's cost model picks with `LowerOptions()` "
+              "(\"auto\"), and the best shardflow form; speed-up = gloo built-in's time ÷ shardflow's, per round):", ""]
+    both = med(lb["loopback both_ways"]) if lb else math.nan
+    lines += ["| collective | size | auto form | auto ÷ gloo speed-up | best form | best speed-up | best bus GB/s | "
+              "% of loopback (one way) | % of loopback both ways | target ≥ 2× gloo | target ≥ 50 % loopback |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for kind, forms, gloo in (("all_gather", AG_FORMS[:3], AG_FORMS[3]), ("reduce_scatter", RS_FORMS[:2], RS_FORMS[2])):
+        for n in sorted({m["bytes"] for k, m in res["meta"].items() if "form" in m}):
+            if n < 4 * MiB:
+                continue
+            auto = _auto(kind, n, d)
+            auto_name = f"{forms[0].split(':')[0]}:shardflow {auto}@{n}"
+            g = res["samples"][f"{gloo}@{n}"]
+            speed = {f: ratios(g, res["samples"][f"{f}@{n}"]) for f in forms}
+            best = max(forms, key=lambda f: med(speed[f]))
+            bus = _bus(res, f"{best}@{n}")
+            pct = 100 * med(bus) / bound
+            lines.append(f"| {kind.replace('_', '-')} | {size_text(n)} | {auto} | {ratio_text(ratios(g, res['samples'][auto_name]))} "
+                         f"| {best.split('shardflow ')[1]} | {ratio_text(speed[best])} | {med(bus):.2f} | {pct:.0f} % | "
+                         f"{100 * med(bus) / both:.0f} % | {verdict(med(speed[best]) >= 2)} | {verdict(pct >= 50)} |")
+    big = [n for n in sorted({m["bytes"] for m in res["meta"].values() if "form" in m}) if n >= 4 * MiB]
+    if big:
+        rs_ar = [med(ratios(res["samples"][f"{RS_FORMS[2]}@{n}"], res["samples"][f"{AR_FORMS[1]}@{n}"])) for n in big]
+        ag_ring = [med(ratios(res["samples"][f"{AG_FORMS[3]}@{n}"], res["samples"][f"{AG_FORMS[1]}@{n}"])) for n in big]
+        lines += ["", f"Why, at ≥ 4 MiB on 2 ranks: gloo's reduce-scatter takes {min(rs_ar):.2f}–{max(rs_ar):.2f}× the time "
+                  f"of gloo's all-reduce of the same tensor (it moves at least the all-reduce's bytes), so the ring, "
+                  f"which sends only the other rank's half, gains about 2×. gloo's all-gather on 2 ranks is already one "
+                  f"exchange of the same bytes the ring sends (gloo ÷ ring time: {min(ag_ring):.2f}–{max(ag_ring):.2f}), so no form "
+                  f"can be 2× faster; both are limited by moving data through loopback TCP in both directions at "
+                  f"once on 2 busy cores (the both-ways loopback figure)."]
+    chk = res.get("check", {})
+    bad = [k for k, v in chk.items() if not v]
+    lines += ["", f"Every form's result was checked on known data before timing: "
+              f"{'all correct' if not bad else 'WRONG: ' + ', '.join(bad)}."]
+    return "\n".join(lines) + "\n"
+
+
+def _comm_tables(res: dict, bound: float) -> list[str]:
+    d = res["world"]
+    sizes = sorted({m["bytes"] for m in res["meta"].values() if "form" in m})
+    out = []
+    for title, forms in (("All-gather", AG_FORMS), ("Reduce-scatter", RS_FORMS), ("All-reduce", AR_FORMS)):
+        kind = {"All-gather": "all_gather", "Reduce-scatter": "reduce_scatter", "All-reduce": "all_reduce"}[title]
+        head = "| size | " + " | ".join(f.split(":")[1] for f in forms) + " |"
+        extra = " auto form |" if kind != "all_reduce" else ""
+        out += [f"{title}, {d} ranks: bus bandwidth GB/s (time per call, median)", "",
+                head + extra, "|---" * (len(forms) + 1 + bool(extra)) + "|"]
+        for n in sizes:
+            cells = []
+            for f in forms:
+                name = f"{f}@{n}"
+                cells.append(f"{_cell(_bus(res, name))} [{ms(med(res['samples'][name]))} ms]")
+            auto = f" {_auto(kind, n, d)} |" if extra else ""
+            out.append(f"| {size_text(n)} | " + " | ".join(cells) + " |" + auto)
+        out.append("")
+    return out
+
+
+def section_d(res: dict, quick: bool) -> str:
+    lines = ["## Sequence-parallel column linear (d)", "",
+             "x [B, T, C] sharded on T (a trainable leaf, so it has a gradient) → linear to 4C features with the "
+             "weight [4C, C] and bias sharded on dim 0 (column parallel) → tanh → sum; tp=2, float32. The linear "
+             "reads x replicated, so x is all-gathered forward and its gradient reduce-scattered backward. Built "
+             "with `GraphBuilder` + `Annotations` + `build_pcg`, lowered with `LowerOptions(all_gather, "
+             "reduce_scatter)` and run by `DistributedExecutor`; one step = forward + backward + SGD on x, W, b + "
+             "reading the loss. With *ring* or *broadcast loop* the linear is fused into the loop (computed chunk by "
+             "chunk while the next chunk travels). *compute only*: each rank's local work of the same step with no "
+             "communication (the whole x already present; torch autograd; no update of x), a floor.", "",
+             machine_line(res, 2), "", TIMING_NOTE, "",
+             f"Reproduce: `python benchmarks/run.py --only d{' --quick' if quick else ''}`.", ""]
+    for row in res["rows"]:
+        B, T, C = row["shape"]
+        s = row["samples"]
+        base = s["collective / collective"]
+        lines += [f"B={B}, T={T}, C={C}: x {B * T * C * 4 / MiB:g} MiB (a {B * T * C * 4 / MiB / 2:g} MiB piece per "
+                  f"rank), linear output {B * T * 4 * C * 4 / MiB / 2:g} MiB per rank.", "",
+                  "| all-gather / reduce-scatter form | step median (ms) | min–max (ms) | ÷ collective / collective "
+                  "(per round) | communications per step (kinds) | instructions | kernels / communication / other "
+                  "(ms per step, timers) |", "|---|---|---|---|---|---|---|"]
+        for name, xs in s.items():
+            prog = row["programs"].get(name)
+            info = f"{prog['comms']} ({', '.join(prog['comm_kinds'])}) | {prog['instrs']}" if prog else "0 | –"
+            b = row.get("breakdown", {}).get(name)
+            if b:
+                n = b["steps"]
+                k = sum(v for key, v in b["sum_s"].items() if key.startswith("kernel")) / n
+                c = sum(v for key, v in b["sum_s"].items() if key.startswith(("communication", "loss"))) / n
+                split = f"{ms(k)} / {ms(c)} / {ms(b['total_s'] / n - k - c)}"
+            else:
+                split = "–"
+            lines.append(f"| {name} | {ms(med(xs))} | {spread_ms(xs)} | {ratio_text(ratios(xs, base))} | {info} | {split} |")
+        auto = ", ".join(f"{p} {k}" for p, k in row["auto"])
+        best = min((k for k in s if k != "compute only"), key=lambda k: med(s[k]))
+        lines += ["", f"`LowerOptions()` (\"auto\", the cost model's choice) lowers this step to: {auto}. Fastest form "
+                  f"in this run: {best}. Rounds × steps per sample: {row['rounds']} × {row['iters']}.", ""]
+        bd = row.get("breakdown", {})
+        if "collective / collective" in bd and "ring / collective" in bd:
+            def kern(name, label):
+                b = bd[name]
+                return sum(v for key, v in b["sum_s"].items() if key.startswith(f"kernel: {label}")) / b["steps"]
+            lines += [f"Backward linear kernel (`BWD vjp[linear]`, timers): {ms(kern('collective / collective', 'BWD vjp[linear'))} "
+                      f"ms with the plain all-gather, {ms(kern('ring / collective', 'BWD vjp[linear'))} ms after the "
+                      f"fused ring (forward chunks: {ms(kern('ring / collective', 'FWD linear'))} ms vs "
+                      f"{ms(kern('collective / collective', 'FWD linear'))} ms). A forward computed chunk by chunk "
+                      f"records no autograd graph (`kernels.make_kernel` only records forwards that run as one "
+                      f"instruction), so its backward recomputes the forward under `torch.func.vjp`: one more linear "
+                      f"per step, which on this CPU costs more than the all-gather the ring hides.", ""]
+    return "\n".join(lines)
+
+
+def section_e(res: dict, quick: bool) -> str:
+    mem = res["memory"]
+    one, tp = mem["state_one"], mem["state_tp"]
+    d = res["world"]
+    lines = ["## Per-rank memory (e)", "",
+             f"The default GPT of (b) ({res['model']['params']:,} parameters, AdamW: two state tensors per weight), "
+             f"float32. Parameters + gradients + optimizer state: this rank's pieces, from the plan (the executor keeps "
+             f"the gradients the update read, so they are live between steps); the measured buffers agree "
+             f"({mem['state_tp_measured']:,} B on rank 0). Peak: `DistributedExecutor.peak_bytes` (largest sum of "
+             f"the rank's live buffers during a step: the above plus activations and communication buffers); one "
+             f"device: `LocalExecutor` on a 1-device mesh.", "",
+             machine_line(res, 2), "",
+             "| bytes | one device | tp=2, per rank | per rank ÷ (one device / 2) |", "|---|---|---|---|"]
+    for k in ("params", "grads", "optimizer"):
+        lines.append(f"| {k} | {one[k]:,} | {tp[k]:,} | {tp[k] / (one[k] / d):.3f} |")
+    s1, st = sum(one.values()), sum(tp.values())
+    lines.append(f"| **params + grads + optimizer** | {s1:,} | {st:,} | **{st / (s1 / d):.3f}** |")
+    peak_tp = max(mem["peak_tp_per_rank"])
+    lines.append(f"| peak (all live buffers) | {mem['peak_one']:,} | {peak_tp:,} (ranks: "
+                 f"{', '.join(f'{x:,}' for x in mem['peak_tp_per_rank'])}) | {peak_tp / (mem['peak_one'] / d):.3f} |")
+    if "peak_dp" in res:
+        dp = res["state_dp"]
+        lines.append(f"| dp=2 for comparison: params + grads + optimizer / peak | | {sum(dp.values()):,} / "
+                     f"{res['peak_dp']:,} | {sum(dp.values()) / (s1 / d):.3f} / {res['peak_dp'] / (mem['peak_one'] / d):.3f} |")
+    ratio = st / (s1 / d)
+    rep = st - s1 / d
+    lines += ["", f"Target: parameters + gradients + optimizer state per rank ≤ 1.1 × (one device / tp): {ratio:.3f} — "
+              f"{verdict(ratio <= 1.1)}. What tp leaves replicated (embeddings, position embeddings, LayerNorms, "
+              f"lm_head, the row-parallel biases) is on every rank: {rep:,.0f} B per rank above an even split."]
+    return "\n".join(lines) + "\n"
+
+
+def _outside(a: dict, instrs: int) -> tuple[float, float, float, float]:
+    """(wall, ATen, communication, rest) seconds per step of a torch.profiler run of the executor."""
+    n = a["steps"]
+    wall = a["wall_s"] / n
+    aten = sum(v["self_s"] for k, v in a["ops"].items() if k.startswith("aten::")) / n
+    comm = sum(a["timers_s"].values()) / n
+    return wall, aten, comm, wall - aten - comm
+
+
+def section_p(res: dict, quick: bool) -> str:
+    main, tiny = res["main"], next(v for k, v in res.items() if k.startswith("h") and isinstance(v, dict))
+    h, th = main["h"], tiny["h"]
+    instrs = main["program"]["instrs"]
+    lines = [f"## Profile: one shardflow tp=2 step of (a), h={h} (p)", "",
+             f"Rank 0 of the (a) MLP (batch {res['batch']}) under tp=2; the rank's program has {instrs} instructions "
+             f"({main['program']['computes']} computes, {main['program']['comms']} communication). The same model at "
+             f"h={th} shows the cost that does not depend on tensor sizes (its torch ops take microseconds).", "",
+             machine_line(res, 2), "", f"Reproduce: `python benchmarks/run.py --only p{' --quick' if quick else ''}`.", "",
+             "Step time, shardflow and hand-written interleaved in this session:", "",
+             "| h | shardflow (ms) | hand-written (ms) | shardflow ÷ hand (per round) | difference per step (medians) |",
+             "|---|---|---|---|---|"]
+    for r in (main, tiny):
+        sf, hd = r["samples"]["shardflow"], r["samples"]["hand"]
+        extra = med(sf) - med(hd)
+        per = f" = {extra / instrs * 1e6:.0f} µs × {instrs} instructions" if r is tiny else ""
+        lines.append(f"| {r['h']} | {ms(med(sf))} ({spread_ms(sf)}) | {ms(med(hd))} ({spread_ms(hd)}) | "
+                     f"{ratio_text(ratios(sf, hd))} | {ms(extra)} ms{per} |")
+    t, tt = main["timers"], tiny["timers"]
+    total, ttotal = t["total_s"] / t["steps"], tt["total_s"] / tt["steps"]
+    parts = {k: v / t["steps"] for k, v in t["sum_s"].items()}
+    tparts = {k: v / tt["steps"] for k, v in tt["sum_s"].items()}
+    loop, tloop = total - sum(parts.values()), ttotal - sum(tparts.values())
+    lines += ["", f"**1. Timers**: `time.perf_counter` around each kernel call (by instruction), `_communicate`, `_put` and "
+              f"`_full` of the executor ({t['steps']} steps at h={h}: {ms(total)} ms per step; {tt['steps']} at "
+              f"h={th}: {ttotal * 1e6:.0f} µs per step). A collective's time includes waiting for the other rank to "
+              f"reach it.", "",
+              f"| part | h={h}: ms per step | share | h={th}: µs per step | calls per step |", "|---|---|---|---|---|"]
+    for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {k} | {ms(v)} | {100 * v / total:.0f} % | {tparts.get(k, 0) * 1e6:.0f} | "
+                     f"{t['calls'][k] / t['steps']:g} |")
+    lines.append(f"| executor loop between instructions (remainder: frees, ledger, dict traffic, tensor deallocation) "
+                 f"| {ms(loop)} | {100 * loop / total:.0f} % | {tloop * 1e6:.0f} | – |")
+    sf, hd = main["aten"].get("shardflow"), main["aten"].get("hand")
+    if sf and hd:
+        wall, aten, comm, rest = _outside(sf, instrs)
+        twall, taten, tcomm, trest = _outside(tiny["aten"]["shardflow"], instrs)
+        lines += ["", f"**2. Outside torch ops**: torch.profiler (ATen ops' self CPU time) with timers on the "
+                  f"communication calls in the same run. h={h}: {ms(wall)} ms per step = {ms(aten)} ATen + {ms(comm)} "
+                  f"communication calls + {ms(rest)} other (Python: executor, kernel wrappers, autograd glue); "
+                  f"h={th}: {twall * 1e6:.0f} µs = {taten * 1e6:.0f} ATen + {tcomm * 1e6:.0f} communication + "
+                  f"{trest * 1e6:.0f} other, i.e. **≈ {trest / instrs * 1e6:.0f} µs per instruction outside torch ops** "
+                  f"({instrs} instructions; at h={h} {rest / instrs * 1e6:.0f} µs, which includes the profiler's own "
+                  f"cost and scheduling noise).", "",
+                  f"ATen ops at h={h} ({sf['steps']} steps each; single runs, not interleaved: compare calls and the "
+                  f"large differences):", "",
+                  "| ATen op | shardflow calls/step | shardflow ms/step | hand-written calls/step | hand-written ms/step |",
+                  "|---|---|---|---|---|"]
+        keys = [k for k in list(sf["ops"]) if k.startswith("aten::")][:12]
+        keys += [k for k in list(hd["ops"]) if k.startswith("aten::") and k not in keys][:3]
+        for k in keys:
+            a, b = sf["ops"].get(k), hd["ops"].get(k)
+            fa = f"{a['calls'] / sf['steps']:g} | {ms(a['self_s'] / sf['steps'])}" if a else "0 | –"
+            fb = f"{b['calls'] / hd['steps']:g} | {ms(b['self_s'] / hd['steps'])}" if b else "0 | –"
+            lines.append(f"| `{k}` | {fa} | {fb} |")
+    cp = main.get("cprofile")
+    if cp:
+        c = cp["categories_s"]
+        w = cp["wall_s"]
+        lines += ["", f"**3. cProfile** of rank 0 ({cp['steps']} steps at h={h}, {ms(w / cp['steps'])} ms per step under "
+                  f"the profiler). tottime by kind: torch built-ins {100 * c['torch'] / w:.0f} %, communication "
+                  f"built-ins (`wait`, `allreduce`) {100 * c['comm'] / w:.0f} %, Python functions "
+                  f"{100 * c['python'] / w:.0f} %. cProfile does not see tensor operators (`w - lr * g` is counted in "
+                  f"the Python function that writes it, e.g. `kernels.update`).", "",
+                  "| function | tottime ms/step | cumtime ms/step | calls/step | kind |", "|---|---|---|---|---|"]
+        for tt_, ct, nc, cat, name in cp["top_tottime"][:14]:
+            lines.append(f"| `{name}` | {ms(tt_ / cp['steps'])} | {ms(ct / cp['steps'])} | {nc / cp['steps']:g} | {cat} |")
+    if sf and hd:
+        def op(a, name):
+            return a["ops"].get(name, {"self_s": 0.0})["self_s"] / a["steps"]
+        upd = parts.get("kernel: UPD sgd_update", 0.0)
+        back = parts.get("loss read-back (_full: an all-reduce)", 0.0)
+        tback = tparts.get("loss read-back (_full: an all-reduce)", 0.0)
+        lines += ["", "**Findings** (this run's numbers):", "",
+                  f"* SGD update: {ms(upd)} ms per step in the 4 `sgd_update` kernels (timers); ATen: `aten::sub` "
+                  f"{ms(op(sf, 'aten::sub'))} ms + `aten::mul` {ms(op(sf, 'aten::mul'))} ms (the update's `w - lr * g` "
+                  f"is out of place: two new weight-sized tensors per weight per step; 4 of the 7 multiplications are "
+                  f"its `lr * g`, the others the row-parallel bias's ½ scale, its backward and the ×2 unscale of its gradient) against the "
+                  f"hand-written in-place `w.add_(g, alpha=-lr)`: `aten::add_` {ms(op(hd, 'aten::add_'))} ms.",
+                  f"* Reading the loss: `_full` all-reduces the (already replicated) loss every step: {ms(back)} ms "
+                  f"per step at h={h} and {tback * 1e6:.0f} µs at h={th}, a second synchronisation of the ranks per "
+                  f"step besides the plan's one all-reduce; the hand-written step reads its local loss.",
+                  f"* Fixed cost: at h={th} shardflow's step is {ms(med(tiny['samples']['shardflow']) - med(tiny['samples']['hand']))} ms "
+                  f"longer than the hand-written one ({instrs} instructions); outside torch ops and communication "
+                  f"≈ {trest / instrs * 1e6:.0f} µs per instruction; input placement (`_put`, which scatters every "
+                  f"input for every device of the mesh and keeps its own piece) {tparts.get('input placement (_put)', 0) * 1e6:.0f} µs "
+                  f"per step; the executor loop between instructions {tloop / instrs * 1e6:.0f} µs per instruction."]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# file
+# ------------------------------------------------------------------------------------------------------------
+def write_section(path: Path, text: str) -> None:
+    """Replace the section whose heading is ``text``'s first line (up to the next heading of level ≤ 2), or
+    append it; the rest of the file stays as it is."""
+    heading = text.splitlines()[0]
+    old = path.read_text() if path.exists() else ("# shardflow benchmarks\n\nResults of the scripts in "
+                                                  "`benchmarks/` (see `benchmarks/README.md`).\n")
+    m = re.search(rf"^{re.escape(heading)}[ \t]*$", old, flags=re.M)
+    if m is None:
+        path.write_text(old.rstrip("\n") + "\n\n" + text)
+        return
+    nxt = re.search(r"^#{1,2} ", old[m.end():], flags=re.M)
+    end = m.end() + nxt.start() if nxt else len(old)
+    rest = old[end:]
+    path.write_text(old[:m.start()] + text + ("\n" + rest if rest else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="h=1024 only, fewer sizes and rounds, no 4-rank run (< 4 min)")
+    p.add_argument("--only", default=",".join(KEYS), help=f"comma-separated workloads among {', '.join(KEYS)} "
+                                                          f"(default: all)")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
+    p.add_argument("--no-write", action="store_true", help="print the sections only")
+    p.add_argument("--run-dir", default=str(ROOT / "runs" / "bench"), help="rank logs and JSON results")
+    p.add_argument("--render-only", action="store_true",
+                   help="run nothing: rebuild the sections from the JSON results an earlier run left in --run-dir")
+    args = p.parse_args(argv)
+    keys = "".join(k.strip() for k in args.only.split(","))
+    unknown = set(keys) - set(KEYS)
+    if unknown or not keys:
+        p.error(f"--only takes workloads among {', '.join(KEYS)}; got {args.only!r}")
+    # One-process baselines with 2 threads: on a shared machine, OpenMP threads that spin while waiting lose
+    # their core to other processes and make a 2-thread step several times slower; passive waiting avoids it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    run_dir = Path(args.run_dir)
+    results: dict[str, dict] = {}
+    t_all = time.perf_counter()
+    for label, workload, nproc, params in sessions(keys, args.quick):
+        d = run_dir / label
+        if args.render_only:
+            if (d / "result.json").exists():
+                results[label] = json.loads((d / "result.json").read_text())
+            continue
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "result.json").unlink(missing_ok=True)
+        print(f"== {label}: {workload} on {nproc} ranks", flush=True)
+        t0 = time.perf_counter()
+        res = launch([sys.executable, str(RANKS), workload, str(d), json.dumps(params)], nproc, d, grace_s=60)
+        if not res.ok:
+            print(describe_failure(res, d), file=sys.stderr)
+            return 1
+        results[label] = json.loads((d / "result.json").read_text())
+        print(f"   {label} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    texts = []
+    if "a" in results:
+        texts.append(section_a(results["a"], args.quick))
+    if "b+e" in results:
+        texts.append(section_b(results["b+e"], args.quick))
+    gpt = results.get("b+e") or results.get("e")
+    if gpt and "e" in keys:
+        texts.append(section_e(gpt, args.quick))
+    if "c" in results:
+        texts.append(section_c(results["c"], results.get("c4"), args.quick))
+    if "d" in results:
+        texts.append(section_d(results["d"], args.quick))
+    if "p" in results:
+        texts.append(section_p(results["p"], args.quick))
+    for t in texts:
+        print(t)
+    if not args.no_write:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for t in texts:
+            write_section(out, t)
+        print(f"wrote {len(texts)} section(s) to {out}", file=sys.stderr)
+    print(f"total {time.perf_counter() - t_all:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
