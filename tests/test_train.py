@@ -107,3 +107,16 @@ def test_under_torchrun(tmp_path, corpus, single):
     assert r.returncode == 0, r.stderr[-3000:]
     for a, b in zip(losses(run), single):
         assert abs(a["loss"] - b["loss"]) < 1e-4
+
+
+def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tmp_path, corpus):
+    out = tmp_path / "trace.json"
+    r, run = train(tmp_path, "trace", "--strategy", "tp", "--nproc", "2", "--trace", str(out), data=corpus)
+    assert r.returncode == 0, r.stderr + r.stdout
+    events = json.loads(out.read_text())["traceEvents"]
+    lanes = {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"}
+    assert lanes == {(0, 0), (0, 1), (1, 0), (1, 1), (1000, 0), (1000, 1), (1001, 0), (1001, 1)}
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"rank 0 (measured)", "rank 1 (measured)", "rank 0 (cost model)", "rank 1 (cost model)"}
+    measured = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 1]
+    assert measured and all(e["name"].split()[1] == "all_reduce" for e in measured)

@@ -23,6 +23,7 @@ from shardflow.graph.ops import torch_dtype
 from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
+from shardflow.runtime import trace
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
 
@@ -118,6 +119,7 @@ class DistributedExecutor:
         self.pending: dict[int, tuple[list, Comm]] = {}  # token → handles of a communication issued, not waited
         self.frees = frees_after(self.program, persistent_values(self.dg))
         self.ledger = Ledger()
+        self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
         updates = [n for n in self.dg.nodes if n.kind == "update"]
         self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
@@ -183,9 +185,10 @@ class DistributedExecutor:
             self._put(f"fwd:{name}", inputs[name])
         for name, value in graph.constants.items():
             self._put(f"fwd:{name}", value)
-        b, ledger = self.buffers, self.ledger
+        b, ledger, tracer = self.buffers, self.ledger, self.tracer
         ledger.sync(b)
         for k, instr in enumerate(self.program.instrs):
+            t0 = trace.now() if tracer else 0.0
             if isinstance(instr, Compute):
                 xs = [b[x.value] for x in instr.ins]
                 outs = self.kernels[instr.dnode](xs) if instr.dnode else local_move(instr, xs)
@@ -201,6 +204,8 @@ class DistributedExecutor:
                 if instr.recv is not None:
                     b[instr.recv.value] = out
                     ledger.write(instr.recv.value, out)
+            if tracer:
+                tracer.record(instr, t0, trace.now())
             for v in self.frees[k]:
                 b.pop(v, None)
                 ledger.free(v)

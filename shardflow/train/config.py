@@ -54,6 +54,8 @@ class TrainConfig:
     reduce_scatter: str = _f("auto", "reduce-scatter form: auto (cost model), collective or ring",
                              choices=("auto", "collective", "ring"))
     debug: bool = _f(False, "check before every communication that all its members are at the same token")
+    trace: str | None = _f(None, "write a Chrome-trace timeline (Perfetto) of step 2 to this JSON file: per-rank "
+                                 "compute and communication lanes, and the cost model's prediction beside them")
     timeout: float = _f(120.0, "seconds any rank may wait on one communication before failing")
     check: bool = _f(False, "also run the same steps on one device and compare loss and parameters")
 

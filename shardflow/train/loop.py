@@ -34,6 +34,7 @@ from shardflow.lower.report import bytes_rows
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.runtime import trace
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
 from shardflow.strategy.presets import default_mesh
@@ -205,8 +206,13 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         batch = s.corpus.batch("train", step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
+        if tracing:
+            ex.tracer = trace.Tracer(rank)
         loss = ex.step(batch)
         dt = time.perf_counter() - t0
+        if tracing:
+            _write_trace(s, ex, rank, world)
         if ref is not None:
             max_dloss = max(max_dloss, abs(loss - ref.step(batch)))
         record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens / dt, "step_s": dt}
@@ -271,6 +277,19 @@ def _open_metrics(path: Path, start: int):
     tmp.write_text("".join(keep))
     os.replace(tmp, path)
     return open(path, "a")
+
+
+def _write_trace(s: Setup, ex, rank: int, world: int) -> None:
+    """Gather every rank's measured timeline to rank 0, which adds the cost model's and writes the file."""
+    import torch.distributed as dist
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, ex.tracer.events)
+    ex.tracer = None
+    if rank == 0:
+        measured = dict(enumerate(everyone))
+        model = trace.predicted(s.lower().programs, measured, s.lower_options.cost)
+        path = trace.write(s.cfg.trace, measured, model)
+        print(f"wrote the timeline of step 2 to {path} (open it in https://ui.perfetto.dev)", flush=True)
 
 
 def _banner(s: Setup, step, baseline: float) -> None:

@@ -1,0 +1,110 @@
+"""Chrome-trace timelines (open in Perfetto or chrome://tracing): one step, per rank, compute and communication
+on separate lanes, with the cost model's prediction of the same step beside it.
+
+Measured: every instruction's start and end on its rank (wall clock, microseconds). Predicted: the same
+instruction stream replayed with each compute taking its measured time and each communication the α–β cost
+model's time (:mod:`shardflow.lower.cost`), starting no earlier than its members are all ready — so the two
+timelines differ exactly where the model's view of communication differs from the machine's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from shardflow.lower.cost import CostModel
+from shardflow.lower.program import Comm, Compute, Program, Wait
+
+LANES = {"compute": 0, "communication": 1}
+
+
+@dataclass
+class Tracer:
+    """Collects (lane, name, start µs, duration µs, args) events of one rank."""
+
+    rank: int
+    events: list[dict] = field(default_factory=list)
+
+    def record(self, instr, start_s: float, end_s: float) -> None:
+        lane = "communication" if isinstance(instr, (Comm, Wait)) else "compute"
+        if isinstance(instr, Compute):
+            name, args = f"{instr.pass_} {instr.op}", {"node": instr.node, "out": [b.value for b in instr.outs]}
+        elif isinstance(instr, Comm):
+            name = f"#{instr.token} {instr.kind}"
+            args = {"members": list(instr.members), "bytes": instr.nbytes, "shape": list(instr.type.shape),
+                    "axis": instr.axis}
+        else:
+            name, args = f"#{instr.token} wait", {}
+        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": LANES[lane],
+                            "ts": start_s * 1e6, "dur": max((end_s - start_s) * 1e6, 0.01), "args": args})
+
+
+def now() -> float:
+    return time.time()
+
+
+def comm_seconds(c: Comm, cost: CostModel) -> float:
+    """The cost model's time for one communication (what this rank sends, at the kind's bandwidth)."""
+    kind = {"send": "p2p", "recv": "p2p", "permute": "p2p"}.get(c.kind, c.kind)
+    return cost.alpha + c.nbytes / cost.bw(kind)
+
+
+def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]], cost: CostModel) -> list[dict]:
+    """Events of the predicted timeline (pid = 1000 + rank): computes take their measured time, communications
+    the model's, each communication starting when all its members reached it."""
+    comp = {r: [e["dur"] / 1e6 for e in evs if e["tid"] == LANES["compute"]] for r, evs in measured.items()}
+    pos = {r: 0 for r in programs}
+    clock = {r: 0.0 for r in programs}
+    ci = {r: 0 for r in programs}
+    out: list[dict] = []
+    t0 = min((e["ts"] for evs in measured.values() for e in evs), default=0.0) / 1e6
+
+    def emit(r, name, lane, start, dur):
+        out.append({"name": name, "ph": "X", "pid": 1000 + r, "tid": lane, "ts": (t0 + start) * 1e6,
+                    "dur": max(dur * 1e6, 0.01)})
+
+    while True:
+        progressed = False
+        for r, p in programs.items():
+            while pos[r] < len(p.instrs) and not isinstance(p.instrs[pos[r]], Comm):
+                i = p.instrs[pos[r]]
+                if isinstance(i, Compute):
+                    d = comp[r][ci[r]] if ci[r] < len(comp.get(r, [])) else 0.0
+                    emit(r, f"{i.pass_} {i.op}", LANES["compute"], clock[r], d)
+                    clock[r] += d
+                    ci[r] += 1
+                pos[r] += 1
+                progressed = True
+        waiting = {r: p.instrs[pos[r]] for r, p in programs.items() if pos[r] < len(p.instrs)}
+        if not waiting:
+            return out
+        token = min(c.token for c in waiting.values())
+        c0 = next(c for c in waiting.values() if c.token == token)
+        members = [m for m in c0.members if m in programs]
+        start = max(clock[m] for m in members)
+        for m in members:
+            c = programs[m].instrs[pos[m]]
+            d = comm_seconds(c, cost)
+            emit(m, f"#{token} {c.kind} (model)", LANES["communication"], start, d)
+            clock[m] = start + d
+            pos[m] += 1
+        if not progressed and not members:
+            return out
+
+
+def write(path: str | Path, measured: Mapping[int, list[dict]], predicted_events: list[dict] = ()) -> Path:
+    """One Chrome-trace JSON file: measured ranks (pid = rank) and the prediction (pid = 1000 + rank)."""
+    meta = []
+    for r in measured:
+        meta.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r} (measured)"}})
+        meta.append({"name": "process_name", "ph": "M", "pid": 1000 + r, "args": {"name": f"rank {r} (cost model)"}})
+        for pid in (r, 1000 + r):
+            for lane, tid in LANES.items():
+                meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": lane}})
+    events = meta + [e for evs in measured.values() for e in evs] + list(predicted_events)
+    path = Path(path)
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return path
