@@ -63,6 +63,42 @@ def run_case(case, rank):
     return diffs
 
 
+def run_explicit(rank):
+    """h = x·w0 on stage 0; Replicate to both stages; a Repartition; a linear sharded on pp (partial output);
+    a Reduction; tanh; mean. Loss and gradients against the single-device reference."""
+    from dataclasses import replace
+
+    from shardflow.graph import GraphBuilder
+    from shardflow.parallel.mesh import SubMesh
+    from shardflow.parallel.ops import Reduction, Repartition, Replicate
+    from shardflow.parallel.sharding import Sharding
+    from shardflow.reference import run_backward
+    from shardflow.strategy import ModulePlan, Plan
+
+    b = GraphBuilder()
+    x = b.input("x", (4, 6), "float64")
+    w0, w1 = b.weight("w0", (6, 6), "float64"), b.weight("w1", (5, 6), "float64")
+    loss = b.mean(b.tanh(b.linear(b.linear(x, w0), w1)))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("pp=2")
+    whole = SubMesh(mesh)
+    ann = resolve(Plan(modules={"linear": ModulePlan(stage=0)}), g, mesh)
+    ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "mean": whole},
+                  leaves={**ann.leaves, "w1": Sharding(((), ("pp",)))},
+                  ops={"linear": (Replicate(2, "pp"), Repartition(1, 2, "pp")), "linear_1": (Reduction(2, "pp"),)})
+    cfg = OptimizerConfig("sgd", 0.1)
+    ex = DistributedExecutor(lower_step(build_pcg(g, mesh, ann), cfg.slots, ranks=[rank]), cfg, timeout_s=60)
+    torch.manual_seed(0)
+    weights = {"w0": torch.randn(6, 6, dtype=torch.float64), "w1": torch.randn(5, 6, dtype=torch.float64)}
+    inputs = {"x": torch.randn(4, 6, dtype=torch.float64)}
+    ex.load(weights)
+    loss_v = ex.step(inputs)
+    outs, grads = run_backward(g, inputs, weights)
+    got = ex.grads()
+    return {"loss": abs(loss_v - outs["mean"].item()),
+            "grad": max((got[k] - grads[k]).abs().max().item() for k in weights), "weight": 0.0}
+
+
 def main():
     out, cases = Path(sys.argv[1]), sys.argv[2:]
     rank, world = init_from_env(timeout_s=60)
@@ -86,6 +122,8 @@ def main():
                 ex.frees = [()] * len(instrs)
             ex.step(inputs)
             results[case] = "survived"
+        elif case == "explicit":  # explicit Replicate and Reduction ops (see test_local_executor)
+            results[case] = run_explicit(rank)
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

@@ -31,13 +31,14 @@ def check(res, results, tmp_path):
     assert res.ok, describe_failure(res, tmp_path / "logs")
     for r, per_rank in enumerate(results):
         for case, diffs in per_rank.items():
-            tol = TOL[case.split("@")[2]]
+            tol = TOL[case.split("@")[2]] if "@" in case else TOL["float64"]
             assert all(v <= tol for v in diffs.values()), (r, case, diffs)
 
 
 def test_two_processes(tmp_path):
     cases = ["dp@dp=2@float64", "tp@tp=2@float64", "sp@tp=2@float64", "pp@pp=2@float64", "tp@tp=2@float32",
-             "sp@tp=2@float64@ring@ring", "sp@tp=2@float64@broadcast_loop@collective", "tp@tp=2@bfloat16"]
+             "sp@tp=2@float64@ring@ring", "sp@tp=2@float64@broadcast_loop@collective", "tp@tp=2@bfloat16",
+             "explicit"]
     check(*run(tmp_path, 2, cases), tmp_path)
 
 
