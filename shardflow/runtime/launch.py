@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -52,6 +53,16 @@ def tail(path: Path, n: int = 15) -> str:
         return ""
 
 
+def _listen(host: str) -> tuple[int, int]:
+    """A listening socket on ``host`` and a port the OS picks: (its file descriptor, handed over, and the port)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.bind(addr)
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    return sock.detach(), port  # the store owns the descriptor from now on (it closes it)
+
+
 def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0, echo_rank0: bool = True,
            host: str = "127.0.0.1") -> LaunchResult:
     """Run ``cmd`` (an argv, e.g. ``[python, -m, shardflow.cli, train, ...]``) as ``nproc`` ranks.
@@ -60,7 +71,9 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
     ``run_dir/rank{r}.log``.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore(host, 0, nproc, is_master=True, wait_for_workers=False)
+    # TCPStore given port 0 listens on every interface; a socket we bind on ``host`` alone keeps it on loopback
+    fd, port = _listen(host)
+    store = dist.TCPStore(host, port, nproc, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     threads = max(1, (os.cpu_count() or 1) // nproc)
     procs, pumps = [], []
     for r in range(nproc):
@@ -68,13 +81,18 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
                    MASTER_ADDR=host, MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
                    OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo", SHARDFLOW_LAUNCHED="1",
                    PYTHONUNBUFFERED="1")
-        p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
-        t = threading.Thread(target=_pump, args=(p.stdout, run_dir / f"rank{r}.log", echo_rank0 and r == 0),
-                             daemon=True)
-        t.start()
+        if r == 0 and echo_rank0 and sys.stdout.isatty():
+            # On a terminal rank 0 writes to it directly (so it can draw a progress bar) and tees its own log.
+            env["SHARDFLOW_TEE"] = str(run_dir / "rank0.log")
+            p = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+        else:
+            p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 start_new_session=True)
+            t = threading.Thread(target=_pump, args=(p.stdout, run_dir / f"rank{r}.log", echo_rank0 and r == 0),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
         procs.append(p)
-        pumps.append(t)
 
     def forward(sig, _frame):
         for p in procs:
@@ -87,10 +105,9 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
     deadline = None
     try:
         while any(p.poll() is None for p in procs):
-            for r, p in enumerate(procs):
-                code = p.poll()
-                if code not in (None, 0) and failed is None:
-                    failed = (r, code)
+            if failed is None:
+                failed = _first_failure([p.poll() for p in procs])
+                if failed is not None:
                     deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
                 for p in procs:
@@ -104,16 +121,30 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
         t.join(timeout=5)
     codes = tuple(p.returncode for p in procs)
     if failed is None:
-        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-        failed = bad[0] if bad else None
+        failed = _first_failure(list(codes))
     del store
     return LaunchResult(codes, failed)
+
+
+def _first_failure(codes: list[int | None]) -> tuple[int, int] | None:
+    """The root cause among the ranks seen failed at one look: a rank killed by a signal (the launcher has sent
+    none yet) before one that exited with a status — its peers exit on their own within milliseconds of losing
+    it, often before the launcher looks again; else the lowest rank."""
+    bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+    return min(bad, key=lambda rc: (rc[1] > 0, rc[0])) if bad else None
 
 
 def describe_failure(result: LaunchResult, run_dir: Path) -> str:
     """One paragraph naming the failed rank, how it ended, and the end of its log."""
     r, code = result.failed
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    how = f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 else f"exited with status {code}"
     others = [f"rank {i}: {c}" for i, c in enumerate(result.returncodes) if i != r]
     return (f"rank {r} {how} (others: {', '.join(others)}); its log {run_dir / f'rank{r}.log'} ends with:\n"
             f"{tail(run_dir / f'rank{r}.log')}")
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return "unknown signal"

@@ -13,6 +13,7 @@ cut short leaves only a ``.tmp`` directory, and the command exits with status 13
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
@@ -119,6 +121,181 @@ def _interrupt(signum, _frame):
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+# --- checks of the configuration and the outputs (before any process starts) ---------------------------------
+
+# smallest value of each numeric setting (the others are free, or checked where they are used)
+_MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "layers": 0, "heads": 1, "embd": 1,
+            "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
+_TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
+               "list": "a list", "dict": "a table"}
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Raise ValueError (one paragraph: the setting, its value, the fix) for a setting of the wrong type (only a
+    ``--config`` file can give one: flags are typed by the command line), outside its choices or its range."""
+    for f in dataclasses.fields(cfg):
+        v, flag, help_ = getattr(cfg, f.name), "--" + f.name.replace("_", "-"), f.metadata.get("help", "")
+        names = [t.strip() for t in str(f.type).split("|")]
+        if all(t in _TYPES for t in names):
+            ok = any(isinstance(v, _TYPES[t]) and not (t in ("int", "float") and isinstance(v, bool)) for t in names)
+            if not ok:
+                want = " or ".join(_TYPE_WORDS[t] for t in names if t != "None")
+                example = f" (e.g. {f.name} = {f.default!r})" if f.default is not None else ""
+                got = _TYPE_WORDS.get(type(v).__name__, type(v).__name__)
+                raise ValueError(f"setting {f.name} = {v!r} is {got}, but {f.name} takes {want} ({help_}); fix "
+                                 f"it in the --config file{example}")
+        choices = f.metadata.get("choices")
+        if choices and v not in choices:
+            raise ValueError(f"setting {f.name} = {v!r} is not one of {', '.join(choices)} ({help_}); fix it in the "
+                             f"--config file")
+        if f.name in _MINIMUM and v < _MINIMUM[f.name]:
+            raise ValueError(f"{flag} {v} is out of range: give a value ≥ {_MINIMUM[f.name]}. {flag}: {help_}")
+    if cfg.timeout <= 0:
+        raise ValueError(f"--timeout {cfg.timeout}: give the seconds a rank may wait on one communication, > 0 "
+                         f"(e.g. 120; tests use 5-30)")
+    if not 0 <= cfg.dropout < 1:
+        raise ValueError(f"--dropout {cfg.dropout}: give a probability in [0, 1)")
+    if cfg.embd % cfg.heads:
+        fits = [h for h in range(1, cfg.heads + 1) if cfg.embd % h == 0][-1]
+        raise ValueError(f"--embd {cfg.embd} is not a multiple of --heads {cfg.heads} (every head gets --embd / "
+                         f"--heads features); change one of them, e.g. --heads {fits}")
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Raise CheckpointError unless the run directory and the metrics file's directory can be written."""
+    fix = "pass --run-dir with a directory you can write, or fix its permissions"
+    checkpoint.check_writable(Path(cfg.run_dir), "run directory", fix)
+    if cfg.metrics:
+        m = Path(cfg.metrics)
+        if m.is_dir():
+            raise checkpoint.CheckpointError(f"--metrics {m} is a directory; pass a file name such as "
+                                             f"{m / 'metrics.jsonl'}")
+        checkpoint.check_writable(m.parent, "directory of --metrics",
+                                  "pass --metrics with a file in a directory you can write, or omit it")
+
+
+class RendezvousError(ValueError):
+    """This process could not join the process group its environment (torchrun's variables) describes."""
+
+
+def _join(timeout_s: float) -> tuple[int, int]:
+    """init_from_env, with torch's rendezvous failures turned into one paragraph that says how to fix them."""
+    from shardflow.runtime.distributed import init_from_env
+    try:
+        return init_from_env(timeout_s)
+    except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError, a missing variable
+        env = os.environ
+        where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        if "address already in use" in text.lower():
+            fix = (f"port {env.get('MASTER_PORT')} is already in use on this machine: choose a free MASTER_PORT "
+                   f"(torchrun --master-port), use torchrun --standalone, or let shardflow train --nproc N start "
+                   f"the ranks (it picks a free port)")
+        elif "expected, but not set" in text or "MASTER_" not in " ".join(env):
+            fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
+        else:
+            fix = (f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
+                   f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable "
+                   f"from this machine, or raise --timeout")
+        raise RendezvousError(f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the "
+                              f"process group at {where} ({type(e).__name__}: {first}); {fix}") from None
+
+
+# --- fault injection: a test hook -----------------------------------------------------------------------------
+
+FAULT_ENV = "SHARDFLOW_FAULT"
+
+
+class Fault:
+    """A fault a rank injects into itself, so tests can break a real ``shardflow train`` run. A test hook, read
+    from the environment variable ``SHARDFLOW_FAULT`` (here and nowhere else; unset in normal use):
+
+    * ``kill:rank=R:step=N`` — rank R kills itself with SIGKILL in the middle of training step N (half-way
+      through the step's torch operations, counted during step N-1; at the start of the step when N is 1);
+    * ``stall:rank=R:step=N:seconds=S`` — rank R sleeps S seconds before step N, outside any communication;
+    * ``kill_in_save:rank=R[:step=N]`` — rank R kills itself with SIGKILL while saving the checkpoint of step N
+      (default: the first save), once its files are in ``step_N.tmp/`` and before the checkpoint is committed.
+
+    Steps count from 1 over the whole run. Every fault prints one line to the rank's log before it strikes.
+    """
+
+    KINDS = {"kill": ("rank", "step"), "stall": ("rank", "step", "seconds"), "kill_in_save": ("rank",)}
+
+    def __init__(self, text: str):
+        kind, *parts = text.split(":")
+        fields = dict(p.split("=", 1) for p in parts if "=" in p)
+        need = self.KINDS.get(kind)
+        bad = [p for p in parts if "=" not in p] + sorted(set(fields) - {"rank", "step", "seconds"})
+        if need is None or bad or not set(need) <= set(fields):
+            raise ValueError(f"{FAULT_ENV}={text!r}: write kill:rank=R:step=N, stall:rank=R:step=N:seconds=S or "
+                             f"kill_in_save:rank=R[:step=N] (a test hook; unset it for normal runs)")
+        try:
+            self.kind, self.rank = kind, int(fields["rank"])
+            self.step = int(fields["step"]) if "step" in fields else None
+            self.seconds = float(fields.get("seconds", 0))
+        except ValueError:
+            raise ValueError(f"{FAULT_ENV}={text!r}: rank and step are whole numbers, seconds a number") from None
+        if self.step is not None and self.step < 1:
+            raise ValueError(f"{FAULT_ENV}={text!r}: steps count from 1")
+        self.ops = _OpCounter()
+
+    @classmethod
+    def from_env(cls) -> Fault | None:
+        text = os.environ.get(FAULT_ENV)
+        return cls(text) if text else None
+
+    def _strike(self, rank: int, what: str) -> None:
+        print(f"fault injection ({FAULT_ENV}): rank {rank} {what}", flush=True)
+        if what.startswith("kills"):
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def step_context(self, rank: int, step: int):
+        """What rank ``rank`` runs training step ``step`` (1-based) under."""
+        if rank != self.rank or self.kind == "kill_in_save":
+            return contextlib.nullcontext()
+        if self.kind == "stall" and step == self.step:
+            self._strike(rank, f"stalls for {self.seconds:g} s before step {step}")
+            time.sleep(self.seconds)
+        if self.kind == "kill" and step == self.step - 1:
+            return self.ops  # count the torch operations of one step
+        if self.kind == "kill" and step == self.step:
+            half = self.ops.calls // 2
+            if half == 0:
+                self._strike(rank, f"kills itself (SIGKILL) at the start of step {step}")
+            self.ops.calls, self.ops.at = 0, half
+            self.ops.then = lambda: self._strike(rank, f"kills itself (SIGKILL) in the middle of step {step} "
+                                                       f"(torch operation {half})")
+            return self.ops
+        return contextlib.nullcontext()
+
+    def save_hook(self, rank: int):
+        """The checkpoint saver's ``on_written`` hook of rank ``rank`` (None: no fault in saves)."""
+        if self.kind != "kill_in_save" or rank != self.rank:
+            return None
+
+        def hook(step: int) -> None:
+            if self.step is None or step == self.step:
+                self._strike(rank, f"kills itself (SIGKILL) while saving the checkpoint of step {step}")
+        return hook
+
+
+class _OpCounter(TorchFunctionMode):
+    """Counts torch operations; calls ``then`` at operation number ``at``."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.at, self.then = 0, None, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls == self.at:
+            self.then()
+        return func(*args, **(kwargs or {}))
+
+
 def _nothing_to_do(ck: checkpoint.Checkpoint, cfg: TrainConfig) -> bool:
     if ck.step < cfg.steps:
         return False
@@ -127,17 +304,43 @@ def _nothing_to_do(ck: checkpoint.Checkpoint, cfg: TrainConfig) -> bool:
     return True
 
 
+CLEAR = "\r\x1b[K"  # back to the start of the terminal line and clear it
+
+
+class _Tee:
+    """Writes to the terminal and to the rank's log file (rank 0 launched on a terminal)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.log.write(text.replace(CLEAR, ""))
+        return self.stream.write(text)
+
+    def flush(self):
+        self.log.flush()
+        self.stream.flush()
+
+    def isatty(self):
+        return self.stream.isatty()
+
+
 def run_rank(cfg: TrainConfig) -> int:
     """Train on this process: every rank of the mesh (one process) or this rank (launched / torchrun)."""
+    tee = os.environ.get("SHARDFLOW_TEE")
+    if tee:
+        log = open(tee, "w", buffering=1)
+        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards Ctrl-C as SIGTERM: stop like Ctrl-C
     if world == 1:
         return _train(cfg, 0, 1)
-    from shardflow.runtime.distributed import init_from_env, shutdown
-    rank, world = init_from_env(cfg.timeout)
+    from shardflow.runtime.distributed import shutdown
+    s = setup(cfg, world)  # configuration, data and plan errors: one paragraph (exit 2), before joining the group
+    rank, world = _join(cfg.timeout)
     try:
-        code = _train(cfg, rank, world)
+        code = _train(cfg, rank, world, s)
     except BaseException as e:  # report, then leave without gloo's teardown (peers fail on their timeouts)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report: a second signal must not cut it short
@@ -153,8 +356,8 @@ def run_rank(cfg: TrainConfig) -> int:
     shutdown(code)
 
 
-def _train(cfg: TrainConfig, rank: int, world: int) -> int:
-    s = setup(cfg, world)
+def _train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> int:
+    s = s or setup(cfg, world)
     run_dir = Path(cfg.run_dir)
     opt = s.optimizer
     ranks = [rank] if world > 1 else None
@@ -169,7 +372,10 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
         ex = LocalExecutor(train_step, opt)
         ev = LocalExecutor(eval_step, opt, share=ex)
     lead = rank == 0
+    bar = lead and sys.__stdout__.isatty()
+    check_outputs(cfg)
     checkpoint.check_writable(cfg.checkpoints)
+    fault = Fault.from_env()
     start, resumed = 0, None
     if cfg.resume:
         resumed = _resume_point(s)
@@ -188,6 +394,7 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
     saver = checkpoint.Saver(cfg.checkpoints, rank, world, {
         "model": dataclasses.asdict(s.model.config), "chars": s.corpus.tokenizer.chars,
         "train": dataclasses.asdict(cfg), "mesh": str(s.mesh), "processes": world}, fresh=not cfg.resume)
+    saver.on_written = fault.save_hook(rank) if fault else None
 
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = _open_metrics(Path(cfg.metrics or run_dir / "metrics.jsonl"), start) if lead else None
@@ -209,7 +416,8 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
         tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
         if tracing:
             ex.tracer = trace.Tracer(rank)
-        loss = ex.step(batch)
+        with fault.step_context(rank, step + 1) if fault else contextlib.nullcontext():
+            loss = ex.step(batch)
         dt = time.perf_counter() - t0
         if tracing:
             _write_trace(s, ex, rank, world)
@@ -224,8 +432,13 @@ def _train(cfg: TrainConfig, rank: int, world: int) -> int:
             metrics.flush()
             if (step + 1) % cfg.log_every == 0 or last or "val_loss" in record:
                 val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
-                print(f"step {step + 1:>5}/{cfg.steps}  loss {loss:.4f}{val}  {tokens / dt:,.0f} tok/s  "
-                      f"{dt * 1000:.0f} ms/step", flush=True)
+                print(f"{CLEAR if bar else ''}step {step + 1:>5}/{cfg.steps}  loss {loss:.4f}{val}  "
+                      f"{tokens / dt:,.0f} tok/s  {dt * 1000:.0f} ms/step", flush=True)
+            elif bar:  # on a terminal: a progress bar between the plain lines
+                done = (step + 1) * 30 // cfg.steps
+                sys.__stdout__.write(f"{CLEAR}[{'#' * done}{'.' * (30 - done)}] step {step + 1}/{cfg.steps}  "
+                                     f"loss {loss:.4f}  {tokens / dt:,.0f} tok/s")
+                sys.__stdout__.flush()
         if last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
             t0 = time.perf_counter()
             path, size = saver.save(ex, step + 1)  # collective: every rank takes part
@@ -332,11 +545,14 @@ def main(cfg: TrainConfig) -> int:
 
 def _main(cfg: TrainConfig) -> int:
     run_dir = Path(cfg.run_dir)
+    check_config(cfg)
+    Fault.from_env()  # a malformed test hook fails here, before any process starts
     if "RANK" in os.environ or cfg.nproc == 1:
         return run_rank(cfg)
     s = setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
     s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
     s.lower(verify=True, training=False)
+    check_outputs(cfg)
     checkpoint.check_writable(cfg.checkpoints)
     if cfg.resume and _nothing_to_do(_resume_point(s), cfg):  # a missing, corrupt or unfit checkpoint: error here
         return 0
