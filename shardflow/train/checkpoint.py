@@ -48,7 +48,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -354,20 +354,20 @@ def _slots_of(train: Mapping[str, Any]) -> str | None:
 
 # --- writing ------------------------------------------------------------------------------------------------
 
-def check_writable(root: Path) -> None:
-    """Create ``root`` if needed and prove a file can be written there; raises CheckpointError otherwise. The
-    parent calls this before any process starts."""
-    fix = "pass --checkpoint-dir (or --run-dir) with a directory you can write, or fix its permissions"
+def check_writable(root: Path, what: str = "checkpoint directory",
+                   fix: str = "pass --checkpoint-dir (or --run-dir) with a directory you can write, or fix its "
+                              "permissions") -> None:
+    """Create ``root`` if needed and prove a file can be written there; raises CheckpointError otherwise, naming
+    ``what`` the directory is and the ``fix``. The parent calls this before any process starts."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except (FileExistsError, NotADirectoryError):
-        raise CheckpointError(f"checkpoint directory {root} cannot be created: it or one of its parents is a file; "
-                              f"{fix}") from None
+        raise CheckpointError(f"{what} {root} cannot be created: it or one of its parents is a file; {fix}") from None
     except OSError as e:
-        raise CheckpointError(f"checkpoint directory {root} is not writable ({e.strerror or e}); {fix}") from None
+        raise CheckpointError(f"{what} {root} is not writable ({e.strerror or e}); {fix}") from None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -396,6 +396,9 @@ class Saver:
     def __init__(self, root: Path, rank: int, world: int, meta: Mapping[str, Any], fresh: bool):
         self.root, self.rank, self.world, self.meta, self.fresh = root, rank, world, dict(meta), fresh
         self.written: set[str] = set()
+        # test hook (``SHARDFLOW_FAULT=kill_in_save``, see shardflow.train.loop.Fault): called with the step once
+        # this rank's files are in ``step_<n>.tmp/``, before the checkpoint is committed
+        self.on_written: Callable[[int], None] | None = None
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -426,6 +429,8 @@ class Saver:
                                   f"--checkpoint-dir, then --resume from the last complete checkpoint") from None
         prefix = f"__{self.rank}_" if self.world > 1 else "__"
         mine = {p.name: _digest(p) for p in sorted(tmp.iterdir()) if p.name.startswith(prefix)}
+        if self.on_written is not None:
+            self.on_written(step)
         if self.world > 1:
             everyone: list[Any] | None = [None] * self.world if self.rank == 0 else None
             dist.gather_object(mine, everyone, dst=0)
