@@ -65,8 +65,24 @@ def model_graph(args: argparse.Namespace) -> tuple[torch.nn.Module, ComputationG
     return model, capture(model, {"x": x, "y": torch.zeros(args.batch_size, dtype=torch.long)})
 
 
+def load_plan(path: str) -> Plan:
+    """``Plan.load`` with errors that name the file and say how to fix it (raises PlanError)."""
+    p = Path(path)
+    fix = ("write a JSON or TOML object with tables modules, inputs and ops (docs/concepts.md), or use --strategy "
+           "instead of --plan")
+    if not p.is_file():
+        raise PlanError(f"plan file {p}: No such file (or not a file); pass --plan with a JSON or TOML plan file, "
+                        f"or use --strategy instead")
+    try:
+        return Plan.load(p)
+    except PlanError as e:
+        raise PlanError(f"plan file {p}: {e}") from None
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:  # bad JSON/TOML, not an object
+        raise PlanError(f"cannot read plan file {p} ({type(e).__name__}: {e}); {fix}") from None
+
+
 def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str, plan_file: str | None) -> tuple[Plan, PCG]:
-    plan = Plan.load(plan_file) if plan_file else make_plan(graph, mesh, strategy)
+    plan = load_plan(plan_file) if plan_file else make_plan(graph, mesh, strategy)
     return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh))
 
 
@@ -86,6 +102,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     plan, pcg = plan_pcg(graph, mesh, args.strategy, args.plan)
     step = lower_step(pcg, args.optimizer)  # proves the programs agree (raises PlanVerificationError)
+    if args.rank is not None and args.rank not in step.programs:
+        raise ValueError(f"--rank {args.rank}: mesh {mesh} has ranks 0..{mesh.size - 1}; pass one of them, or omit "
+                         f"--rank to show every rank")
     ranks = [args.rank] if args.rank is not None else sorted(step.programs)
     programs = {r: step.programs[r] for r in ranks}
     comms = sum(len(p.comms) for p in step.programs.values())
@@ -100,6 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if args.format == "dot":
         out = Path(args.out or "pcg.dot")
+        if not out.parent.is_dir():
+            raise ValueError(f"--out {out}: directory {out.parent} does not exist; create it or write elsewhere")
         out.write_text(pcg_dot(pcg))
         msg = f"wrote {out}"
         if shutil.which("dot"):

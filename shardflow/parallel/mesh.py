@@ -63,7 +63,11 @@ def parse_placement(text: str) -> Placement:
     t = text.strip().replace(" ", "").replace('"', "").replace("'", "")
     for prefix in ("Shard(", "S("):
         if t.startswith(prefix) and t.endswith(")"):
-            return Shard(int(t[len(prefix):-1]))
+            dim = t[len(prefix):-1]
+            if not dim.lstrip("-").isdigit():
+                raise ValueError(f"cannot read placement {text!r}: Shard takes a tensor dim number, e.g. Shard(0) "
+                                 f"or Shard(-1)")
+            return Shard(int(dim))
     if t in ("R", "Replicate()", "Replicate"):
         return Replicate()
     for prefix in ("Partial(", "P("):

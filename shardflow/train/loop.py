@@ -181,26 +181,44 @@ class RendezvousError(ValueError):
 
 def _join(timeout_s: float) -> tuple[int, int]:
     """init_from_env, with torch's rendezvous failures turned into one paragraph that says how to fix them."""
+    import tempfile
+
     from shardflow.runtime.distributed import init_from_env
+    # torch logs each failed connection attempt on fd 2 with a C++ backtrace: hold that back; replay it on success
+    sys.stderr.flush()
+    saved, held = os.dup(2), tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+    failure = None
     try:
-        return init_from_env(timeout_s)
+        joined = init_from_env(timeout_s)
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError, a missing variable
-        env = os.environ
-        where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
-        text = str(e).strip()
-        first = text.splitlines()[0] if text else ""
-        if "address already in use" in text.lower():
-            fix = (f"port {env.get('MASTER_PORT')} is already in use on this machine: choose a free MASTER_PORT "
-                   f"(torchrun --master-port), use torchrun --standalone, or let shardflow train --nproc N start "
-                   f"the ranks (it picks a free port)")
-        elif "expected, but not set" in text or "MASTER_" not in " ".join(env):
-            fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
-        else:
-            fix = (f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
-                   f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable "
-                   f"from this machine, or raise --timeout")
-        raise RendezvousError(f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the "
-                              f"process group at {where} ({type(e).__name__}: {first}); {fix}") from None
+        failure = e
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        logged = held.read().decode(errors="replace")
+        held.close()
+    if failure is None:
+        sys.stderr.write(logged)
+        return joined
+    env = os.environ
+    where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
+    text = str(failure).strip()
+    first = text.splitlines()[0] if text else ""
+    if "address already in use" in text.lower():
+        fix = (f"port {env.get('MASTER_PORT')} is already in use on this machine: choose a free MASTER_PORT "
+               f"(torchrun --master-port), use torchrun --standalone, or let shardflow train --nproc N start the "
+               f"ranks (it picks a free port)")
+    elif "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
+    else:
+        fix = (f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
+               f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable from "
+               f"this machine, or raise --timeout")
+    raise RendezvousError(f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the process "
+                          f"group at {where} ({type(failure).__name__}: {first}); {fix}") from None
 
 
 # --- fault injection: a test hook -----------------------------------------------------------------------------
@@ -346,13 +364,16 @@ def run_rank(cfg: TrainConfig) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report: a second signal must not cut it short
         # a peer stopped by the same Ctrl-C can make this rank's communication fail first
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
+        unfit = isinstance(e, checkpoint.CheckpointError)  # e.g. --resume under torchrun: one paragraph, status 2
         if interrupted:
             print(f"rank {rank}: interrupted", flush=True)
+        elif unfit:
+            print(f"shardflow train: error: rank {rank}: {e}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(INTERRUPTED if interrupted else 1)
+        os._exit(INTERRUPTED if interrupted else 2 if unfit else 1)
     shutdown(code)
 
 

@@ -1,0 +1,328 @@
+"""Bad inputs not tested elsewhere (the catalogue, docs/bad-inputs.md, points at the tests that cover the rest).
+
+Each must end with one paragraph on stderr (what is wrong, where, how to fix it), exit status 2, no traceback,
+and nothing half-written. The CLI runs in this process (``shardflow.cli.main``) where no process would start;
+the torchrun-style rendezvous failures run as real processes, side by side, each bounded by a timeout."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardflow.cli import main as cli_main
+
+SMALL = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
+         "--eval-batches", "1", "--lr", "0.01", "--timeout", "10"]
+TINY = [*SMALL, "--steps", "2"]
+PLAN = ["plan", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4"]
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """``train --nproc 1`` in this process installs a SIGTERM handler; put pytest's back."""
+    old = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    return path
+
+
+def files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()} if root.exists() else set()
+
+
+def one_paragraph(code: int, out: str, err: str, command: str, *words: str) -> None:
+    assert code == 2, (code, out, err)
+    assert err.startswith(f"shardflow {command}: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and "Traceback" not in out, err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def train(capsys, run: Path, corpus, *argv: str):
+    """``shardflow train`` in this process; returns (exit status, stdout, stderr) and checks that the run directory
+    holds no new file (nothing half-written: no config.toml, log, metrics or checkpoint)."""
+    before = files(run)
+    code = cli_main(["train", *TINY, "--data", str(corpus), "--run-dir", str(run), *argv])
+    out, err = capsys.readouterr()
+    assert files(run) == before, sorted(files(run) - before)
+    return code, out, err
+
+
+# --- configuration: flags and --config files ------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "0"], ["--steps 0 is out of range", "≥ 1"]),
+    (["--batch-size", "0"], ["--batch-size 0 is out of range"]),
+    (["--seq-len", "0"], ["--seq-len 0 is out of range"]),
+    (["--eval-every", "0"], ["--eval-every 0 is out of range"]),
+    (["--log-every", "0"], ["--log-every 0 is out of range"]),
+    (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
+    (["--nproc", "0"], ["--nproc 0 is out of range"]),
+    (["--timeout", "0"], ["--timeout 0.0", "> 0"]),
+    (["--checkpoint-every", "-1"], ["--checkpoint-every -1: give a number of steps, or 0"]),
+    (["--dropout", "1.5"], ["--dropout 1.5", "[0, 1)"]),
+    (["--heads", "3"], ["--embd 16 is not a multiple of --heads 3", "e.g. --heads 2"]),
+    (["--strategy", "zp"], ["unknown strategy 'zp'", "dp,tp"]),
+    (["--strategy", "tp", "--mesh", "dp=2"], ["mesh axis 'tp'", "--mesh tp=2"]),
+    (["--mesh", "dp2"], ["cannot read mesh 'dp2'", "dp=2,tp=2"]),
+    (["--strategy", "pp", "--nproc", "4"], ["4 stages needs at least 4 repeated blocks", "more layers"]),
+])
+def test_bad_settings(capsys, tmp_path, corpus, argv, words):
+    run = tmp_path / "run"
+    one_paragraph(*train(capsys, run, corpus, *argv), "train", *words)
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("text, words", [
+    ("steps = = 3\n", ["is not valid TOML", "line 1"]),
+    ("stepz = 3\n", ["unknown settings ['stepz']", "known: "]),
+    ('lr = "fast"\n', ["setting lr = 'fast' is a string, but lr takes a number", "e.g. lr = 0.003"]),
+    ("steps = 2.5\n", ["setting steps = 2.5 is a number, but steps takes a whole number", "e.g. steps = 600"]),
+    ('resume = "yes"\n', ["setting resume = 'yes' is a string, but resume takes true or false"]),
+    ("mesh = 2\n", ["setting mesh = 2 is a whole number, but mesh takes a string"]),
+    ('optimizer = "adam"\n', ["setting optimizer = 'adam' is not one of sgd, adamw"]),
+    (None, ["does not exist"]),
+])
+def test_bad_config_file(capsys, tmp_path, corpus, text, words):
+    """Flags are typed and checked by the command line; a --config file can hold anything."""
+    cfg = tmp_path / "cfg.toml"
+    if text is not None:
+        cfg.write_text(text)
+    run = tmp_path / "run"
+    given = {line.split("=")[0].strip().replace("_", "-") for line in (text or "").splitlines()}
+    # flags override the file: leave out each flag (and its value) that the file sets
+    flags = [a for i, a in enumerate(TINY) if not {a, TINY[i - 1]} & {f"--{k}" for k in given}]
+    code = cli_main(["train", *flags, "--data", str(corpus), "--run-dir", str(run), "--config", str(cfg)])
+    out, err = capsys.readouterr()
+    one_paragraph(code, out, err, "train", *words)
+    if text is None or "TOML" in words[0] or "unknown" in words[0]:
+        assert f"config file {cfg}" in err
+    else:
+        assert "fix it in the --config file" in err
+    assert not run.exists()
+
+
+def test_data_too_short_for_the_context(capsys, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("abcdefghij" * 3)
+    one_paragraph(*train(capsys, tmp_path / "run", short, "--strategy", "dp"), "train",
+                  f"data from {short} has 30 characters", "--seq-len 16", "use more text or a shorter --seq-len")
+
+
+def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, corpus, monkeypatch):
+    monkeypatch.setenv("SHARDFLOW_FAULT", "explode:rank=1")
+    one_paragraph(*train(capsys, tmp_path / "run", corpus), "train", "SHARDFLOW_FAULT='explode:rank=1'",
+                  "unset it for normal runs")
+
+
+# --- outputs: run directory and metrics file ------------------------------------------------------------------
+
+@pytest.mark.parametrize("where, words", [
+    ("run_is_file", ["run directory", "cannot be created: it or one of its parents is a file", "--run-dir"]),
+    ("run_under_file", ["run directory", "cannot be created", "--run-dir"]),
+    ("metrics_under_file", ["directory of --metrics", "is a file", "omit it"]),
+    ("metrics_is_dir", ["is a directory", "metrics.jsonl"]),
+])
+def test_unwritable_outputs_fail_before_any_process(capsys, tmp_path, corpus, where, words):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    run, extra = tmp_path / "run", ["--checkpoint-dir", str(tmp_path / "ck")]
+    if where == "run_is_file":
+        run = blocker
+    elif where == "run_under_file":
+        run = blocker / "run"
+    elif where == "metrics_under_file":
+        extra += ["--metrics", str(blocker / "m.jsonl")]
+    else:
+        (tmp_path / "mdir").mkdir()
+        extra += ["--metrics", str(tmp_path / "mdir")]
+    for nproc in ("2", "1"):  # checked in the parent (before launch) and in a single process
+        code, out, err = train(capsys, run, corpus, "--strategy", "single" if nproc == "1" else "tp",
+                               "--nproc", nproc, *extra)
+        one_paragraph(code, out, err, "train", *words)
+    assert blocker.read_text() == "" and files(tmp_path / "ck") == set()
+
+
+# --- resume ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus):
+    """A run of 2 steps (one process) with its checkpoint at step 2."""
+    old = signal.getsignal(signal.SIGTERM)
+    run = tmp_path_factory.mktemp("finished") / "run"
+    try:
+        assert cli_main(["train", *TINY, "--data", str(corpus), "--run-dir", str(run), "--strategy", "single",
+                         "--nproc", "1"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return run
+
+
+def test_resume_without_a_complete_checkpoint(capsys, tmp_path, corpus, finished):
+    run = tmp_path / "run"
+    one_paragraph(*train(capsys, run, corpus, "--resume", "--steps", "4"), "train", "--resume",
+                  "holds no complete checkpoint", "start a new run without --resume")
+    shutil.copytree(finished / "checkpoints" / "step_2", run / "checkpoints" / "step_4.tmp")  # a save cut short
+    one_paragraph(*train(capsys, run, corpus, "--resume", "--steps", "4"), "train",
+                  "only incomplete saves: step_4.tmp")
+
+
+def test_resume_on_another_text_or_optimizer(capsys, tmp_path, corpus, finished):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    other = tmp_path / "other.txt"
+    other.write_text("THE QUICK BROWN FOX, AND THE LAZY DOG! " * 200)
+    step2 = run / "checkpoints" / "step_2"
+    one_paragraph(*train(capsys, run, other, "--resume", "--steps", "4"), "train", str(step2),
+                  "was trained on another text", f"resume with the data it was trained on ({corpus})")
+    one_paragraph(*train(capsys, run, corpus, "--resume", "--steps", "4", "--optimizer", "sgd"), "train",
+                  str(step2), "holds the optimizer state of AdamW", "this run uses SGD with momentum",
+                  "resume with --optimizer adamw")
+
+
+def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, corpus, finished):
+    """Ranks given torchrun's environment (here by shardflow's launcher, without the parent's checks) meet a
+    corrupt checkpoint after joining the group: each ends with one paragraph and status 2, no traceback."""
+    from shardflow.runtime.launch import launch
+
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    data = run / "checkpoints" / "step_2" / "__0_0.distcp"
+    data.write_bytes(os.urandom(data.stat().st_size))
+    res = launch([sys.executable, "-m", "shardflow.cli", "train", *TINY, "--data", str(corpus), "--run-dir", str(run),
+                  "--steps", "4", "--resume", "--strategy", "dp", "--nproc", "2"], 2, tmp_path / "logs", grace_s=20,
+                 echo_rank0=False)
+    assert res.returncodes == (2, 2), res
+    for r in (0, 1):
+        log = (tmp_path / "logs" / f"rank{r}.log").read_text()
+        assert log.startswith(f"shardflow train: error: rank {r}: checkpoint {data.parent} is corrupt: the contents "
+                              f"of __0_0.distcp differ from what was written (sha256 mismatch)"), log
+        assert log.count("\n") == 1 and "Traceback" not in log, log
+
+
+# --- shardflow plan, export -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", ["cannot read plan file", "JSONDecodeError", "JSON or TOML object"]),
+    ("[modules\n", ["cannot read plan file", "TOMLDecodeError"]),
+    ("[1, 2]", ["cannot read plan file", "JSON or TOML object"]),
+    ('{"modules": {"lm_head": {"params": {"weight": ["Shard(x)"]}}}}', ["cannot read plan", "Shard(0)"]),
+    ('{"modules": {"nope.*": {"stage": 0}}}', ["plan pattern 'nope.*' matches no module", "modules are: "]),
+])
+def test_bad_plan_file(capsys, tmp_path, content, words):
+    f = tmp_path / ("plan.toml" if content.startswith("[m") else "plan.json")
+    f.write_text(content)
+    code = cli_main([*PLAN, "--plan", str(f)])
+    out, err = capsys.readouterr()
+    one_paragraph(code, out, err, "plan", *words)
+    if "cannot read plan" in words[0]:
+        assert str(f) in err
+
+
+def test_plan_arguments(capsys, tmp_path):
+    code = cli_main([*PLAN, "--rank", "5"])
+    one_paragraph(code, *capsys.readouterr(), "plan", "--rank 5", "ranks 0..1")
+    out = tmp_path / "missing" / "p.dot"
+    code = cli_main([*PLAN, "--format", "dot", "--out", str(out)])
+    one_paragraph(code, *capsys.readouterr(), "plan", f"--out {out}", "does not exist")
+    assert not out.parent.exists()
+
+
+def test_export_onto_a_directory(capsys, tmp_path, finished):
+    code = cli_main(["export", "--checkpoint", str(finished), "--out", str(tmp_path)])
+    one_paragraph(code, *capsys.readouterr(), "export", f"--out {tmp_path} is a directory", "model.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
+# --- the Python API -------------------------------------------------------------------------------------------
+
+def test_world_size_that_does_not_fit_the_mesh(corpus, monkeypatch):
+    """Under torchrun the world size comes from the environment; the planner and the executor both refuse a mesh
+    of another size, saying how to fix it."""
+    import torch.distributed as dist
+
+    from shardflow.lower import lower_step
+    from shardflow.runtime.distributed import DistributedExecutor
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.loop import setup
+
+    cfg = TrainConfig(strategy="tp", mesh="tp=2", layers=1, heads=2, embd=16, seq_len=16, batch_size=8,
+                      data=str(corpus))
+    with pytest.raises(ValueError, match=r"mesh tp=2 has 2 devices but 4 processes run; make --nproc .* equal 2"):
+        setup(cfg, 4)
+    s = setup(cfg, 2)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"the plan is for mesh tp=2 \(2 devices\) but the world has 1 "
+                                             r"processes; start 2 processes or change --mesh"):
+            DistributedExecutor(lower_step(s.pcg, "adamw", ranks=[0]), OptimizerConfig("adamw", 0.01), 5.0)
+    finally:
+        dist.destroy_process_group()
+
+
+# --- torchrun-style environment: rendezvous failures, as real processes -----------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_style_rendezvous_failures(tmp_path, corpus):
+    """RANK/WORLD_SIZE/MASTER_* set by hand, as torchrun would: a port already in use on rank 0, a master nobody
+    answers for rank 1 (within --timeout 1), no MASTER_ADDR at all, a plan error and a world size the mesh does not
+    fit inside a rank (both before it joins) — each one paragraph, exit status 2, no C++ or Python traceback,
+    nothing written."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = busy.getsockname()[1]
+    nobody = _free_port()
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "SHARDFLOW_FAULT"))}
+    cases = {
+        "in use": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), [],
+                   [f"rank 0 of 2 could not join the process group at 127.0.0.1:{port}", "address already in use",
+                    f"port {port} is already in use on this machine", "choose a free MASTER_PORT"]),
+        "nobody": (dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)), [],
+                   [f"rank 1 of 2 could not join the process group at 127.0.0.1:{nobody}", "timed out",
+                    "within --timeout 1 s: start rank 0", "or raise --timeout"]),
+        "unset": (dict(RANK="1", WORLD_SIZE="2"), [],
+                  ["MASTER_ADDR expected, but not set", "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"]),
+        "plan": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
+                 ["--strategy", "dp", "--batch-size", "3"], ["degree 2 does not divide", "size 3"]),
+        "world": (dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
+                  ["--strategy", "tp", "--mesh", "tp=2"], ["mesh tp=2 has 2 devices but 4 processes run"]),
+    }
+    procs = {}
+    for name, (env, extra, _) in cases.items():
+        argv = [sys.executable, "-m", "shardflow.cli", "train", *TINY, "--timeout", "1", "--data", str(corpus),
+                "--run-dir", str(tmp_path / name), "--strategy", "dp", *extra]
+        procs[name] = subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=120)
+            one_paragraph(p.returncode, out, err, "train", *cases[name][2])
+            assert "frame #" not in err and "[W" not in err and "[E" not in err, err  # torch's C++ log held back
+            assert files(tmp_path / name) == set(), name
+    finally:
+        busy.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()

@@ -1,0 +1,249 @@
+"""Faults in real ``shardflow train --nproc 2`` runs (tiny model, gloo, short --timeout), injected with the test hook
+``SHARDFLOW_FAULT`` (shardflow.train.loop.Fault): a rank SIGKILLed in the middle of a step or during a checkpoint
+save, a rank that stalls outside communication, SIGTERM to the launcher; and the launcher's rendezvous store and
+gloo's sockets listen on loopback only. Every run is bounded (a watchdog kills it); exit times are measured from
+the moment the fault struck (the line the faulty rank prints just before) to the launcher's exit."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardflow.train import checkpoint
+
+TINY = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
+        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--strategy", "tp", "--nproc", "2"]
+WORKER = str(Path(__file__).with_name("fault_worker.py"))
+LIMIT = 120  # seconds any one run may take before the watchdog kills it (a hang is a failure, never a stuck suite)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    return path
+
+
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (the launched ranks)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Run:
+    """``shardflow train`` in the background; ``wait`` polls the rank logs for marker lines and records when each
+    first appeared, and the exit time. The watchdog kills the run (and fails the test) after LIMIT seconds."""
+
+    def __init__(self, run: Path, corpus: Path, *argv: str, fault: str | None = None):
+        self.run = run
+        env = {k: v for k, v in os.environ.items() if k != "SHARDFLOW_FAULT"}
+        if fault:
+            env["SHARDFLOW_FAULT"] = fault
+        run.parent.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = run.parent / f"{run.name}.out", run.parent / f"{run.name}.err"
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.p = subprocess.Popen([sys.executable, "-m", "shardflow.cli", "train", *TINY, "--data", str(corpus),
+                                       "--run-dir", str(run), *argv], stdout=out, stderr=err, env=env)
+        self.t0 = time.monotonic()
+        self.seen: dict[str, float] = {}
+        self.ranks: set[int] = set()
+
+    def wait(self, marks: dict[str, tuple[str, str]] | None = None, until: str | None = None) -> None:
+        """Poll until the process exits (or, with ``until``, until that mark is seen). ``marks``: name → (log file,
+        text)."""
+        marks = marks or {}
+        while True:
+            now = time.monotonic()
+            self.ranks.update(children(self.p.pid))
+            for name, (log, text) in marks.items():
+                if name not in self.seen:
+                    try:
+                        if text in (self.run / log).read_text(errors="replace"):
+                            self.seen[name] = now
+                    except OSError:
+                        pass
+            if (until and until in self.seen) or self.p.poll() is not None:
+                break
+            if now - self.t0 > LIMIT:
+                self.p.kill()
+                pytest.fail(f"run {self.run} still going after {LIMIT} s; logs: {self.logs()}")
+            time.sleep(0.05)
+        if self.p.poll() is not None:
+            self.end = time.monotonic()
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text()
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text()
+
+    def logs(self) -> str:
+        return "".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(self.run.glob("*.log")))
+
+    def since(self, mark: str) -> float:
+        return self.end - self.seen[mark]
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def first_line(text: str) -> str:
+    return text.splitlines()[0] if text else ""
+
+
+# (a) ---------------------------------------------------------------------------------------------------------
+
+def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, corpus):
+    timeout = 10
+    r = Run(tmp_path / "run", corpus, "--steps", "8", "--timeout", str(timeout), fault="kill:rank=1:step=3")
+    try:
+        r.wait({"kill": ("rank1.log", "kills itself (SIGKILL) in the middle of step 3"),
+                "peer": ("rank0.log", "CommTimeout: rank 0 waited on token")})
+    finally:
+        r.kill()
+    assert r.p.returncode == 1, r.stderr
+    took = r.since("kill")
+    print(f"\n(a) SIGKILL mid-step: launcher exited {took:.2f} s after the kill (timeout {timeout} s)")
+    assert took < timeout + 5, took  # measured ~0.3 s: gloo sees the closed connection at once
+    line = first_line(r.stderr)
+    assert line.startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: rank 0: 1)"), \
+        r.stderr
+    assert f"its log {r.run / 'rank1.log'} ends with:" in line
+    assert "peer" in r.seen  # rank 0 failed on its pending communication, naming it
+    assert r.ranks and not any(alive(pid) for pid in r.ranks), r.ranks
+    steps = [m["step"] for m in metrics(r.run)]
+    assert steps == [1, 2], steps  # step 3 never completed
+
+
+# (b) ---------------------------------------------------------------------------------------------------------
+
+def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resume_matches(tmp_path, corpus):
+    common = ["--steps", "6", "--checkpoint-every", "2", "--timeout", "10"]
+    ref = Run(tmp_path / "ref", corpus, *common)
+    bad = Run(tmp_path / "bad", corpus, *common, fault="kill_in_save:rank=1:step=4")
+    try:
+        bad.wait({"kill": ("rank1.log", "while saving the checkpoint of step 4")})
+        ref.wait()
+    finally:
+        bad.kill()
+        ref.kill()
+    assert ref.p.returncode == 0, ref.stderr + ref.logs()
+    assert bad.p.returncode == 1, bad.stderr
+    print(f"\n(b) SIGKILL during the save of step 4: launcher exited {bad.since('kill'):.2f} s after the kill")
+    assert bad.since("kill") < 10 + 5
+    assert first_line(bad.stderr).startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL)")
+    root = bad.run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
+    assert not (root / "step_4.tmp" / checkpoint.MARKER).exists()
+    ck = checkpoint.read(root / "step_2")  # every file checked against its recorded size and sha256
+    assert ck.step == 2 and checkpoint.newest(root) == root / "step_2"
+
+    res = Run(bad.run, corpus, *common, "--resume")
+    try:
+        res.wait()
+    finally:
+        res.kill()
+    assert res.p.returncode == 0, res.stderr + res.logs()
+    assert f"resumed from {root / 'step_2'}" in res.stdout
+    got, want = metrics(bad.run), metrics(ref.run)
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(got, want):
+        # same strategy and executor, state restored bit for bit, same batches: float32 rounding at most
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+    assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) < 1e-5
+    assert [n for n, _ in checkpoint.complete_steps(root)] == [2, 4, 6]
+    assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]  # the next save removed the leftover
+
+
+# (c) ---------------------------------------------------------------------------------------------------------
+
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, corpus):
+    r = Run(tmp_path / "run", corpus, "--steps", "100000", "--eval-every", "100000", "--timeout", "10")
+    try:
+        r.wait({"running": ("rank0.log", "step     3/")}, until="running")
+        assert r.p.poll() is None, r.stderr + r.logs()
+        r.ranks.update(children(r.p.pid))
+        assert len(r.ranks) == 2, r.ranks
+        r.p.send_signal(signal.SIGTERM)
+        r.seen["sigterm"] = time.monotonic()
+        r.wait()
+    finally:
+        r.kill()
+    took = r.since("sigterm")
+    print(f"\n(c) SIGTERM to the launcher: exited {took:.2f} s later")
+    assert r.p.returncode == 130, r.stderr
+    assert took < 10, took  # no waiting out a communication timeout
+    err = r.stderr
+    assert err.startswith("shardflow train: interrupted (SIGTERM); every rank stopped; ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    assert not any(alive(pid) for pid in r.ranks), r.ranks
+    for rank in (0, 1):
+        assert f"rank {rank}: interrupted" in (r.run / f"rank{rank}.log").read_text()
+
+
+# (d) ---------------------------------------------------------------------------------------------------------
+
+def test_a_stalled_rank_makes_its_peer_time_out_naming_the_communication(tmp_path, corpus):
+    timeout, stall = 5, 9  # the stalled rank wakes after its peer has given up, and fails at once too
+    r = Run(tmp_path / "run", corpus, "--steps", "6", "--timeout", str(timeout),
+            fault=f"stall:rank=1:step=2:seconds={stall}")
+    try:
+        r.wait({"stall": ("rank1.log", "stalls for 9 s before step 2"),
+                "timeout": ("rank0.log", "CommTimeout: rank 0 waited on token")})
+    finally:
+        r.kill()
+    assert r.p.returncode == 1, r.stderr
+    waited = r.seen["timeout"] - r.seen["stall"]
+    print(f"\n(d) stall: rank 0's CommTimeout {waited:.2f} s into the stall (timeout {timeout} s); launcher exited "
+          f"{r.since('stall'):.2f} s into it")
+    assert timeout - 1 < waited < timeout + 4, waited
+    assert r.since("stall") < stall + timeout, r.since("stall")
+    err = r.stderr
+    assert first_line(err).startswith("shardflow train: error: rank 0 exited with status 1 (others: rank 1: 1)"), err
+    # the launcher shows the end of rank 0's log: the timeout names rank, token, operation, shape and group
+    assert "CommTimeout: rank 0 waited on token 0 (all_reduce of float32[8, 16, 16], group [0, 1])" in err, err
+    assert not any(alive(pid) for pid in r.ranks), r.ranks
+
+
+# safety --------------------------------------------------------------------------------------------------------
+
+def test_rendezvous_store_and_gloo_listen_on_loopback_only(tmp_path):
+    from shardflow.runtime.launch import describe_failure, launch
+
+    res = launch([sys.executable, WORKER, str(tmp_path)], 2, tmp_path / "logs", grace_s=20, echo_rank0=False)
+    assert res.ok, describe_failure(res, tmp_path / "logs")
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"listeners{rank}.json").read_text())
+        assert seen["store"], seen  # the launcher's store listens on MASTER_PORT ...
+        for kind, addresses in seen.items():  # ... and it, the launcher, and each rank's gloo, on loopback alone
+            for a in addresses:
+                assert a.startswith("127.") or a in ("::1", "::ffff:127.0.0.1"), (kind, a, seen)
