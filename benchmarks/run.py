@@ -512,19 +512,17 @@ def section_p(res: dict, quick: bool) -> str:
         back = parts.get("loss read-back (_full: an all-reduce)", 0.0)
         tback = tparts.get("loss read-back (_full: an all-reduce)", 0.0)
         lines += ["", "**Findings** (this run's numbers):", "",
-                  f"* SGD update: {ms(upd)} ms per step in the 4 `sgd_update` kernels (timers); ATen: `aten::sub` "
-                  f"{ms(op(sf, 'aten::sub'))} ms + `aten::mul` {ms(op(sf, 'aten::mul'))} ms (the update's `w - lr * g` "
-                  f"is out of place: two new weight-sized tensors per weight per step; 4 of the 7 multiplications are "
-                  f"its `lr * g`, the others the row-parallel bias's ½ scale, its backward and the ×2 unscale of its gradient) against the "
-                  f"hand-written in-place `w.add_(g, alpha=-lr)`: `aten::add_` {ms(op(hd, 'aten::add_'))} ms.",
-                  f"* Reading the loss: `_full` all-reduces the (already replicated) loss every step: {ms(back)} ms "
-                  f"per step at h={h} and {tback * 1e6:.0f} µs at h={th}, a second synchronisation of the ranks per "
-                  f"step besides the plan's one all-reduce; the hand-written step reads its local loss.",
+                  f"* SGD update: {ms(upd)} ms per step in the 4 `sgd_update` kernels (timers); it updates in place "
+                  f"(`aten::sub_` {ms(op(sf, 'aten::sub_'))} ms) like the hand-written `w.add_(g, alpha=-lr)` "
+                  f"(`aten::add_` {ms(op(hd, 'aten::add_'))} ms). An out-of-place update (two fresh weight-sized "
+                  f"tensors per weight per step, each page-faulting) was most of the h=4096 gap in the first runs.",
+                  f"* Reading the loss: {ms(back)} ms per step at h={h} and {tback * 1e6:.0f} µs at h={th} (the loss is "
+                  f"replicated under tp, so it is read locally; a partial loss, as under dp, takes one scalar all-reduce).",
                   f"* Fixed cost: at h={th} shardflow's step is {ms(med(tiny['samples']['shardflow']) - med(tiny['samples']['hand']))} ms "
                   f"longer than the hand-written one ({instrs} instructions); outside torch ops and communication "
-                  f"≈ {trest / instrs * 1e6:.0f} µs per instruction; input placement (`_put`, which scatters every "
-                  f"input for every device of the mesh and keeps its own piece) {tparts.get('input placement (_put)', 0) * 1e6:.0f} µs "
-                  f"per step; the executor loop between instructions {tloop / instrs * 1e6:.0f} µs per instruction."]
+                  f"≈ {trest / instrs * 1e6:.0f} µs per instruction; input placement (`_put`, this rank's piece of each "
+                  f"input) {tparts.get('input placement (_put)', 0) * 1e6:.0f} µs per step; the executor loop between "
+                  f"instructions {tloop / instrs * 1e6:.0f} µs per instruction."]
     return "\n".join(lines) + "\n"
 
 
