@@ -22,6 +22,7 @@ from shardflow.lower.lowering import axis_members, in_group, steps
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.lower.verify import check_fingerprints
+from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
 from shardflow.runtime import trace
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
@@ -82,7 +83,7 @@ def shutdown(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-class DistributedExecutor:
+class DistributedExecutor(Executor):
     """Runs this rank's program of a lowered step. Same interface as :class:`LocalExecutor`.
 
     ``step`` must hold this rank's program (``lower_step(pcg, ranks=[rank])``). Raises PlanMismatchError at
@@ -121,9 +122,7 @@ class DistributedExecutor:
         self.ledger = Ledger()
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
-        updates = [n for n in self.dg.nodes if n.kind == "update"]
-        self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
-        self.grad_values = {n.src: n.inputs[1] for n in updates}
+        self._index_updates()
 
     def _check_fingerprints(self) -> None:
         mine = self.dg.fingerprint()
@@ -139,11 +138,11 @@ class DistributedExecutor:
             p = v.sharding.parallel_shape(v.group, v.type.shape)
             self.buffers[vid] = full[p.piece_slices(v.sharding.coord_of(v.group, self.rank))].clone()
 
-    def _full(self, vid: str, like: torch.Tensor | None = None) -> torch.Tensor:
+    def _get(self, vid: str) -> torch.Tensor:
         """The full value, assembled on every rank (an all-reduce over the world; for results, not the step)."""
         v = self.dg.values[vid]
         p = v.sharding.parallel_shape(v.group, v.type.shape)
-        dtype = self.buffers[vid].dtype if vid in self.buffers else like.dtype
+        dtype = self.buffers[vid].dtype if vid in self.buffers else torch_dtype(v.type.dtype)
         out = torch.zeros(v.type.shape, dtype=dtype)
         if vid in self.buffers:
             c = v.sharding.coord_of(v.group, self.rank)
@@ -151,31 +150,6 @@ class DistributedExecutor:
                 out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == "avg" else 1)
         dist.all_reduce(out)
         return out
-
-    def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
-             steps_done: int = 0) -> None:
-        """Take this rank's pieces of the full weights and optimizer ``state`` (full tensors by value id, as
-        :meth:`state` returns them; zero when None; same values on every rank) after ``steps_done`` steps."""
-        for w in self.dg.pcg.graph.weights:
-            self._put(f"fwd:{w}", weights[w])
-        for vid, v in self.dg.values.items():
-            if v.role == "opt" and not vid.startswith("upd:"):
-                self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
-        self.steps_done = steps_done
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        ref = next(iter(self.buffers.values()))
-        return {w: self._full(f"fwd:{w}", ref) for w in self.dg.pcg.graph.weights}
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``); collective (every rank calls)."""
-        ref = next(iter(self.buffers.values()))
-        return {vid: self._full(vid, ref) for vid, v in self.dg.values.items()
-                if v.role == "opt" and not vid.startswith("upd:")}
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        ref = next(iter(self.buffers.values()))
-        return {w: self._full(g, ref) for w, g in self.grad_values.items()}
 
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
@@ -222,7 +196,7 @@ class DistributedExecutor:
         v = self.dg.values[f"fwd:{self.dg.pcg.loss}"]
         if not v.sharding.partial and v.group.size == self.world:
             return self.buffers[v.id].item()
-        return self._full(v.id, next(iter(self.buffers.values()))).item()
+        return self._get(v.id).item()
 
     @property
     def peak_bytes(self) -> int:

@@ -15,6 +15,7 @@ from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
 from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.parallel.simulate import gather, scatter
+from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
 from shardflow.runtime.memory import Ledger, frees_after, persistent_values
 
@@ -53,7 +54,7 @@ def collective(kind: str, members: list[Comm], sends: list[torch.Tensor | None])
     raise ValueError(f"local executor cannot run communication kind {kind!r}")
 
 
-class LocalExecutor:
+class LocalExecutor(Executor):
     """Runs a lowered step on all ranks of its mesh in this process.
 
     Usage: ``ex = LocalExecutor(step, OptimizerConfig(...)); ex.load(weights); loss = ex.step(inputs)``;
@@ -79,9 +80,7 @@ class LocalExecutor:
         keep = persistent_values(self.dg)
         self.frees = {r: frees_after(p, keep) for r, p in step.programs.items()}
         self.ledgers = {r: Ledger() for r in step.programs}
-        updates = [n for n in self.dg.nodes if n.kind == "update"]
-        self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
-        self.grad_values = {n.src: n.inputs[1] for n in updates}
+        self._index_updates()
 
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
@@ -94,28 +93,6 @@ class LocalExecutor:
         v: Value = self.dg.values[vid]
         pieces = {d: b[vid] for d, b in self.buffers.items() if vid in b}
         return gather(pieces, v)
-
-    def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
-             steps_done: int = 0) -> None:
-        """Place full weights (by graph name) on the ranks, and the optimizer ``state`` (full tensors by value id,
-        as :meth:`state` returns them; zero when None) after ``steps_done`` steps."""
-        for w in self.dg.pcg.graph.weights:
-            self._put(f"fwd:{w}", weights[w])
-        for vid, v in self.dg.values.items():
-            if v.role == "opt" and not vid.startswith("upd:"):
-                self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
-        self.steps_done = steps_done
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {w: self._get(f"fwd:{w}") for w in self.dg.pcg.graph.weights}
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""
-        return {vid: self._get(vid) for vid, v in self.dg.values.items() if v.role == "opt" and not vid.startswith("upd:")}
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        """The gradients the last step's update used, assembled to full tensors."""
-        return {w: self._get(g) for w, g in self.grad_values.items()}
 
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
