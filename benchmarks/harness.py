@@ -18,6 +18,7 @@ import datetime
 import json
 import math
 import os
+import re
 import platform
 import statistics
 import time
@@ -111,3 +112,19 @@ def write_result(out_dir: Path, rank: int, result: dict) -> None:
 def say(rank: int, text: str) -> None:
     if rank == 0:
         print(text, flush=True)
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace the section whose heading is ``text``'s first line (up to the next heading of level ≤ 2), or
+    append it; the rest of the file stays as it is."""
+    heading = text.splitlines()[0]
+    old = path.read_text() if path.exists() else ("# shardflow benchmarks\n\nResults of the scripts in "
+                                                  "`benchmarks/` (see `benchmarks/README.md`).\n")
+    m = re.search(rf"^{re.escape(heading)}[ \t]*$", old, flags=re.M)
+    if m is None:
+        path.write_text(old.rstrip("\n") + "\n\n" + text)
+        return
+    nxt = re.search(r"^#{1,2} ", old[m.end():], flags=re.M)
+    end = m.end() + nxt.start() if nxt else len(old)
+    rest = old[end:]
+    path.write_text(old[:m.start()] + text + ("\n" + rest if rest else ""))

@@ -31,7 +31,6 @@ import io
 import os
 import platform
 import pstats
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from shardflow.models import GPT, GPTConfig  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.strategy import make_plan, resolve  # noqa: E402
+from harness import write_section  # noqa: E402
 
 HEADING = "## Planning time"
 MAX_TP = 8
@@ -173,23 +173,6 @@ Reproduce: `python benchmarks/planning.py{' --quick' if args.quick else ''}`.
 
 {table(rows)}
 {verdict}"""
-
-
-def write_section(path: Path, text: str) -> None:
-    """Create ``path`` with the section, or replace only the "Planning time" section of an existing file."""
-    if not path.exists():
-        path.write_text("# shardflow benchmarks\n\nResults of the scripts in `benchmarks/` (see "
-                        "`benchmarks/README.md`).\n\n" + text)
-        return
-    old = path.read_text()
-    m = re.search(rf"^{re.escape(HEADING)}[ \t]*$", old, flags=re.M)
-    if m is None:
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    nxt = re.search(r"^#{1,2} ", old[m.end():], flags=re.M)
-    end = m.end() + nxt.start() if nxt else len(old)
-    rest = old[end:]
-    path.write_text(old[:m.start()] + text + ("\n" + rest if rest else ""))
 
 
 def profile_target(n_layer: int, mesh_text: str, top: int) -> str:

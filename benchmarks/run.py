@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from shardflow.lower import LowerOptions  # noqa: E402
 from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
+from harness import write_section  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
 KEYS = "abcdep"
@@ -524,25 +524,6 @@ def section_p(res: dict, quick: bool) -> str:
                   f"input) {tparts.get('input placement (_put)', 0) * 1e6:.0f} µs per step; the executor loop between "
                   f"instructions {tloop / instrs * 1e6:.0f} µs per instruction."]
     return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# file
-# ------------------------------------------------------------------------------------------------------------
-def write_section(path: Path, text: str) -> None:
-    """Replace the section whose heading is ``text``'s first line (up to the next heading of level ≤ 2), or
-    append it; the rest of the file stays as it is."""
-    heading = text.splitlines()[0]
-    old = path.read_text() if path.exists() else ("# shardflow benchmarks\n\nResults of the scripts in "
-                                                  "`benchmarks/` (see `benchmarks/README.md`).\n")
-    m = re.search(rf"^{re.escape(heading)}[ \t]*$", old, flags=re.M)
-    if m is None:
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    nxt = re.search(r"^#{1,2} ", old[m.end():], flags=re.M)
-    end = m.end() + nxt.start() if nxt else len(old)
-    rest = old[end:]
-    path.write_text(old[:m.start()] + text + ("\n" + rest if rest else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

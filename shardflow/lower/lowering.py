@@ -267,6 +267,13 @@ def ring_peers(p: int, i: int, d: int) -> tuple[int, int]:
     return (p - i) % d, (p + i) % d
 
 
+def _ring_group(n: DNode, r: int) -> tuple[tuple[int, ...], int, int, int]:
+    """For rank ``r`` in a ring along ``n``'s axis: the members, r's index among them, the index of its group
+    and the number of groups (tokens of step k of group g: base + k·groups + g)."""
+    members = axis_members(n.group, n.op.axis, r)
+    return members, members.index(r), axis_group_index(n.group, n.op.axis, r), n.group.size // len(members)
+
+
 def _chunk(b: Buffer, j: int, d: int, dim: int, tag: str = "") -> Buffer:
     shape = list(b.type.shape)
     shape[dim] //= d
@@ -281,9 +288,8 @@ def _all_gather_steps(st: Step, plan: _Plan, r: int, base: int, form: str) -> li
     n = st.nodes[0]
     vin, vout = dg.values[n.inputs[0]], dg.values[n.outputs[0]]
     axis, dim = n.op.axis, n.op.dim
-    members = axis_members(n.group, axis, r)
-    d, p = len(members), members.index(r)
-    g, groups = axis_group_index(n.group, axis, r), n.group.size // d
+    members, p, g, groups = _ring_group(n, r)
+    d = len(members)
     own, full = piece(vin), piece(vout)
     chunks = [_chunk(full, j, d, dim) for j in range(d)]
     chunks[p] = own
@@ -342,9 +348,8 @@ def _reduce_scatter_ring(st: Step, plan: _Plan, r: int, base: int, form: str) ->
     n, m = st.nodes
     vin, vout = dg.values[n.inputs[0]], dg.values[m.outputs[0]]
     axis, dim = n.op.axis, m.op.dim
-    members = axis_members(n.group, axis, r)
-    d, p = len(members), members.index(r)
-    g, groups = axis_group_index(n.group, axis, r), n.group.size // d
+    members, p, g, groups = _ring_group(n, r)
+    d = len(members)
     src, out = piece(vin), piece(vout)
     parts = [_chunk(src, j, d, dim) for j in range(d)]
     instrs: list[Instr] = [Compute(n.pass_, n.src, "chunk", (src,), tuple(parts), dim=dim)]

@@ -154,11 +154,7 @@ class DistributedExecutor(Executor):
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on the full ``inputs`` (every rank passes the same); returns the loss."""
-        graph = self.dg.pcg.graph
-        for name in graph.inputs:
-            self._put(f"fwd:{name}", inputs[name])
-        for name, value in graph.constants.items():
-            self._put(f"fwd:{name}", value)
+        self._place_inputs(inputs)
         b, ledger, tracer = self.buffers, self.ledger, self.tracer
         ledger.sync(b)
         for k, instr in enumerate(self.program.instrs):

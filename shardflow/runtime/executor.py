@@ -39,6 +39,14 @@ class Executor:
         """One training step on full ``inputs`` (by graph input name); returns the loss."""
         raise NotImplementedError
 
+    def _place_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Place a step's data inputs (by graph input name) and the graph's constants."""
+        graph = self.dg.pcg.graph
+        for name in graph.inputs:
+            self._put(f"fwd:{name}", inputs[name])
+        for name, value in graph.constants.items():
+            self._put(f"fwd:{name}", value)
+
     def _state_values(self) -> list[str]:
         return [vid for vid, v in self.dg.values.items() if v.role == "opt" and not vid.startswith("upd:")]
 

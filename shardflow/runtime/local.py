@@ -97,11 +97,7 @@ class LocalExecutor(Executor):
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on full ``inputs`` (by graph input name); returns the loss."""
-        graph = self.dg.pcg.graph
-        for name in graph.inputs:
-            self._put(f"fwd:{name}", inputs[name])
-        for name, value in graph.constants.items():
-            self._put(f"fwd:{name}", value)
+        self._place_inputs(inputs)
         for r, bufs in self.buffers.items():
             self.ledgers[r].sync(bufs)
         progs = self.lowered.programs
