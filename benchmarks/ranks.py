@@ -273,6 +273,11 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         ex_dp = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=TIMEOUT_S)
         ex_dp.load(weights_of(s_dp.model, s_dp.graph))
         out["program_dp"] = program_size(ex_dp)
+        ex_dp0 = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank],
+                                                options=LowerOptions("collective", "collective", bucket_bytes=0)),
+                                     cfg, timeout_s=TIMEOUT_S)
+        ex_dp0.load(weights_of(s_dp.model, s_dp.graph))
+        out["program_dp0"] = program_size(ex_dp0)
         dt = dtensor_gpt(model, world)
         dt_opt = adamw(dt.parameters(), cfg)
         ddp = DDP(copy.deepcopy(model))
@@ -282,6 +287,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         variants = [Variant("shardflow_tp", lambda: ex_tp.step(batch)),
                     Variant("dtensor_tp", torch_step(dt, dt_opt, batch)),
                     Variant("shardflow_dp", lambda: ex_dp.step(batch)),
+                    Variant("shardflow_dp_nobucket", lambda: ex_dp0.step(batch)),
                     Variant("ddp", torch_step(ddp, ddp_opt, local))]
         if rank == 0:
             one = copy.deepcopy(model)

@@ -8,7 +8,8 @@ from shardflow.graph import GraphBuilder
 from shardflow.lower import lower_step
 from shardflow.lower.dynamic import PassError, copy_insertion, pass_expansion
 from shardflow.lower.lowering import axis_group_index, axis_members, lower, steps
-from shardflow.lower.program import Comm
+from shardflow.lower import LowerOptions
+from shardflow.lower.program import Comm, Compute, Wait
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Replicate as ReplicateOp
 from shardflow.parallel.pcg import Annotations, build_pcg
@@ -35,10 +36,10 @@ MEGATRON = Plan(modules={
 })
 
 
-def lowered(graph, mesh_text, plan, optimizer="sgd"):
+def lowered(graph, mesh_text, plan, optimizer="sgd", options=None, verify=False):
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
-    return lower_step(pcg, optimizer, verify=False)
+    return lower_step(pcg, optimizer, verify=verify, options=options)
 
 
 def comms(programs, pass_=None):
@@ -91,7 +92,7 @@ def test_megatron_mlp_input_with_gradient():
 def test_data_parallel_syncs_each_weight_gradient_and_nothing_else():
     graph = mlp(pre=True)
     mesh = Mesh.parse("dp=4")
-    step = lowered(graph, "dp=4", make_plan(graph, mesh, "dp"))
+    step = lowered(graph, "dp=4", make_plan(graph, mesh, "dp"), options=LowerOptions(bucket_bytes=0))
     got = comms(step.programs)
     assert len(got) == len(graph.weights) == 5
     assert all(c[0] == "BWD" and c[1] == "all_reduce" and c[2] == (0, 1, 2, 3) for c in got)
@@ -100,6 +101,60 @@ def test_data_parallel_syncs_each_weight_gradient_and_nothing_else():
     p0 = step.programs[0]
     total = sum(graph.tensors[w].type.nbytes for w in graph.weights)
     assert p0.bytes_by_kind() == {("all_reduce", "dp"): 2 * total * 3 // 4}
+
+
+def _bucket_plan(cap, optimizer="sgd"):
+    graph = mlp(pre=True)
+    mesh = Mesh.parse("dp=2")
+    return graph, lowered(graph, "dp=2", make_plan(graph, mesh, "dp"), optimizer,
+                          options=LowerOptions(bucket_bytes=cap), verify=True)
+
+
+def test_gradient_all_reduces_share_one_bucket():
+    graph, step = _bucket_plan(LowerOptions().bucket_bytes)
+    numel = sum(graph.tensors[w].type.numel for w in graph.weights)
+    assert comms(step.programs) == [("BWD", "all_reduce", (0, 1), (numel,))]
+    p0 = step.programs[0]
+    (c,) = p0.comms
+    assert not c.wait and p0.bytes_by_kind() == {("all_reduce", "dp"): 2 * 4 * numel // 2}
+    ops = [i.op if isinstance(i, Compute) else type(i).__name__ for i in p0.instrs]
+    k = ops.index("Comm")
+    # pack right before the all-reduce; its wait and the unpack right before the first update
+    assert ops[k - 1:k + 4] == ["pack", "Comm", "Wait", "unpack", "sgd_update"]
+    assert {b.value for b in p0.instrs[k + 2].outs} == {n.inputs[1] for n in step.dg.nodes if n.kind == "update"}
+
+
+def test_gradient_buckets_close_at_the_cap_and_travel_during_the_backward():
+    # backward order: fc2.weight (4096 B), fc2.bias (64 B), fc1.weight (4096 B), fc1.bias (256 B), scale (64 B)
+    graph, step = _bucket_plan(4096 + 64)
+    sizes = {w: graph.tensors[w].type.numel for w in graph.weights}
+    # two full buckets; scale's gradient, alone in the last, is all-reduced as it is
+    assert [c[3] for c in comms(step.programs)] == [(sizes["fc2.bias"] + sizes["fc2.weight"],),
+                                                    (sizes["fc1.bias"] + sizes["fc1.weight"],), (sizes["scale"],)]
+    p0 = step.programs[0]
+    first = next(k for k, i in enumerate(p0.instrs) if isinstance(i, Comm))
+    wait = next(k for k, i in enumerate(p0.instrs) if isinstance(i, Wait) and i.token == p0.instrs[first].token)
+    between = [i for i in p0.instrs[first + 1:wait] if isinstance(i, Compute) and i.pass_ == "BWD" and i.dnode]
+    assert [i.dnode for i in between] == ["BWD gelu", "BWD linear", "BWD tanh", "BWD mul"]  # the rest of the backward
+
+
+def test_gradient_buckets_give_the_same_step_as_one_all_reduce_per_gradient():
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.runtime.local import LocalExecutor
+    import torch
+    graph = mlp(pre=True)
+    torch.manual_seed(0)
+    weights = {w: torch.randn(graph.tensors[w].shape) for w in graph.weights}
+    inputs = {"x": torch.randn(8, 16), "y": torch.randint(0, 16, (8,))}
+    results = []
+    for cap in (0, 4096 + 64, LowerOptions().bucket_bytes):
+        ex = LocalExecutor(_bucket_plan(cap, "adamw")[1], OptimizerConfig("adamw", lr=1e-2))
+        ex.load(weights)
+        losses = [ex.step(inputs) for _ in range(2)]
+        results.append((losses, ex.weights()))
+    for losses, w in results[1:]:
+        assert losses == results[0][0]
+        assert all(torch.equal(w[k], results[0][1][k]) for k in w)
 
 
 @pytest.mark.parametrize("src, dst, fwd, bwd", [

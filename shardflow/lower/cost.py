@@ -71,16 +71,28 @@ class CostModel:
         return min(REDUCE_SCATTER_FORMS, key=lambda f: self.reduce_scatter_s(f, chunk_bytes, d))
 
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb=25
+
+
 @dataclass(frozen=True)
 class LowerOptions:
     """How lowering implements all-gathers and reduce-scatters: ``"auto"`` (cheapest by ``cost``) or a form
-    of :data:`ALL_GATHER_FORMS` / :data:`REDUCE_SCATTER_FORMS`."""
+    of :data:`ALL_GATHER_FORMS` / :data:`REDUCE_SCATTER_FORMS`.
+
+    ``bucket_bytes``: gradient all-reduces over the same group are packed into buckets of at least this many
+    bytes (the last one may be smaller), each issued without waiting as soon as its last gradient is ready,
+    so it travels while the backward goes on; 0 = one all-reduce per gradient. PyTorch DDP's gradient
+    bucketing (Li et al., "PyTorch Distributed", VLDB 2020), default 25 MiB as DDP's ``bucket_cap_mb``.
+    """
 
     all_gather: str = "auto"
     reduce_scatter: str = "auto"
     cost: CostModel = field(default_factory=CostModel)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self):
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0 (0 = no bucketing), got {self.bucket_bytes}")
         if self.all_gather not in ("auto",) + ALL_GATHER_FORMS:
             raise ValueError(f"all_gather must be 'auto' or one of {ALL_GATHER_FORMS}, got {self.all_gather!r}")
         if self.reduce_scatter not in ("auto",) + REDUCE_SCATTER_FORMS:

@@ -233,8 +233,22 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
             want = Sharding(want.dims, tuple(a for a in have.partial if a == keep_axis))
         return g.redistribute(cur, want, "BWD", t)
 
+    # A weight's gradient is finalized (its synchronisation issued) as soon as its last consumer's backward
+    # has run, so that data parallelism's all-reduces can overlap the rest of the backward.
+    weights = [w for w, t in pcg.tensors.items() if t.role == "weight" and w in pcg.graph.tensors]
+    pending = {w: sum(w in n.inputs for n in pcg.nodes) for w in weights}
+    early: dict[str, str | None] = {}
+
+    def consumed(n: PNode) -> None:
+        for t in dict.fromkeys(n.inputs):
+            if t in pending:
+                pending[t] -= 1
+                if pending[t] == 0:
+                    early[t] = finalize(t)
+
     for n in reversed(pcg.nodes):
         if not any(contributions[o] for o in n.outputs) or not any(i in need for i in n.inputs):
+            consumed(n)
             continue
         if n.is_parallel:
             (i,), (o,) = n.inputs, n.outputs
@@ -249,9 +263,11 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
                 g.nodes.append(DNode(f"BWD {n.name}", "BWD", kind, (dy,), (out,), src.group, n.name,
                                      n.op if kind == "parallel" else None))
                 contributions[i].append(out)
+                consumed(n)
                 continue
             dy = finalize(o)
             contributions[i].append(g.redistribute(dy, canonical_grad(pcg.tensors[i].sharding), "BWD", n.name))
+            consumed(n)
             continue
         dys = [finalize(o) for o in n.outputs]
         mask = tuple(t in need for t in n.inputs)
@@ -267,13 +283,12 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
         g.nodes.append(DNode(f"BWD {n.name}", "BWD", "compute", ins, tuple(outs), n.group, n.name,
                              grad_mask=mask, unscale=tuple(unscale), dy_mask=tuple(d is not None for d in dys),
                              label=f"vjp[{n.op.describe()}]"))
+        consumed(n)
 
-    grads = {}
-    for w, t in pcg.tensors.items():
-        if t.role == "weight" and w in pcg.graph.tensors:
-            dw = finalize(w)
-            if dw is not None:
-                grads[w] = dw
+    for w in weights:  # weights no node reads
+        if w not in early:
+            early[w] = finalize(w)
+    grads = {w: early[w] for w in weights if early[w] is not None}
     norm2: tuple[str, ...] = ()
     if clip_norm:
         # Squared global gradient norm: each device sums the squares of the gradient pieces it holds (replica

@@ -120,10 +120,16 @@ class _Plan:
     dg: DynamicGraph
     forms: Mapping[str, str]
     fused: Mapping[str, tuple[DNode, ...]]
+    buckets: tuple[tuple[DNode, ...], ...] = ()
 
     @property
     def suppressed(self) -> set[str]:
         return {c.name for cs in self.fused.values() for c in cs}
+
+    @property
+    def bucket_of(self) -> dict[str, int]:
+        """Node name → index of its gradient bucket."""
+        return {n.name: k for k, b in enumerate(self.buckets) for n in b}
 
 
 def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> _Plan:
@@ -151,7 +157,35 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> _
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
             summed = dg.values[n.inputs[0]].sharding.reduce_op == "sum"  # the ring adds; other ops stay plain
             forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else "collective"
-    return _Plan(dg, forms, fused)
+    return _Plan(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes))
+
+
+def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[DNode, ...], ...]:
+    """Gradient all-reduces packed into buckets (see :class:`LowerOptions`): those of BWD, summing, whose
+    result only the updates (and the gradient-norm sum) read; grouped by (sub-mesh, axis, dtype) in the
+    order the backward makes them, a bucket closed once it holds ``cap`` bytes. Buckets of one are left out."""
+    if cap <= 0:
+        return ()
+    final = {v for n in dg.nodes if n.kind in ("update", "sumsq") for v in n.inputs}
+    elsewhere = {v for n in dg.nodes if n.kind not in ("update", "sumsq") for v in n.inputs}
+    open_: dict[tuple, tuple[list[DNode], int]] = {}
+    out: list[tuple[DNode, ...]] = []
+    for st in all_steps:
+        n = st.nodes[0]
+        vin = dg.values[n.inputs[0]] if n.inputs else None
+        if (st.kind != "all_reduce" or n.pass_ != "BWD" or n.outputs[0] not in final or n.outputs[0] in elsewhere
+                or vin.sharding.reduce_op != "sum"):
+            continue
+        key = (n.group, n.op.axis, vin.type.dtype)
+        members, size = open_.pop(key, ([], 0))
+        members.append(n)
+        size += piece(vin).type.nbytes
+        if size >= cap:
+            out.append(tuple(members))
+        else:
+            open_[key] = (members, size)
+    out += [tuple(m) for m, _ in open_.values()]
+    return tuple(b for b in out if len(b) > 1)
 
 
 def _instances(st: Step, plan: _Plan) -> int:
@@ -159,6 +193,9 @@ def _instances(st: Step, plan: _Plan) -> int:
     n = st.nodes[0]
     if st.kind == "copy":
         return n.group.size
+    b = plan.bucket_of.get(n.name)
+    if b is not None and plan.buckets[b][-1] is not n:
+        return 0  # issued with the bucket, at its last member
     if st.kind not in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"):
         return 0
     group = plan.dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
@@ -182,16 +219,68 @@ def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None, options: LowerOp
     ranks = list(range(mesh.size)) if ranks is None else list(ranks)
     all_steps = steps(dg)
     plan = _decide(dg, options or LowerOptions("collective", "collective"), all_steps)
-    suppressed = plan.suppressed
+    suppressed, bucket_of = plan.suppressed, plan.bucket_of
     progs: dict[int, list[Instr]] = {r: [] for r in ranks}
+    later: dict[int, list[tuple[set[str], list[Instr]]]] = {r: [] for r in ranks}  # (values, instrs filling them)
     token = 0
     for st in all_steps:
-        if st.kind == "compute" and st.nodes[0].name in suppressed:
+        n = st.nodes[0]
+        if st.kind == "compute" and n.name in suppressed:
             continue  # computed chunk by chunk inside the ring that feeds it
+        b = bucket_of.get(n.name)
         for r in ranks:
-            progs[r].extend(_expand(st, plan, r, token))
+            if b is None:
+                _emit(progs[r], later[r], _expand(st, plan, r, token))
+            elif plan.buckets[b][-1] is n:
+                now, after = _bucket(plan, b, r, token)
+                _emit(progs[r], later[r], now)
+                if after:
+                    later[r].append(({i.value for i in after[-1].outs}, after))
         token += _instances(st, plan)
+    for r in ranks:
+        for _, instrs in later[r]:
+            progs[r].extend(instrs)
     return {r: Program(r, tuple(instrs)) for r, instrs in progs.items()}
+
+
+def _reads(i: Instr) -> set[str]:
+    if isinstance(i, Compute):
+        return {b.value for b in i.ins}
+    return {i.send.value} if isinstance(i, Comm) and i.send is not None else set()
+
+
+def _emit(prog: list[Instr], later: list[tuple[set[str], list[Instr]]], instrs: list[Instr]) -> None:
+    """Append ``instrs`` to ``prog``, each preceded by the deferred instructions (a Wait and what follows it)
+    that fill a value it reads."""
+    for i in instrs:
+        reads = _reads(i)
+        for item in [x for x in later if x[0] & reads]:
+            later.remove(item)
+            prog.extend(item[1])
+        prog.append(i)
+
+
+def _bucket(plan: _Plan, k: int, r: int, token: int) -> tuple[list[Instr], list[Instr]]:
+    """Bucket ``k`` on rank ``r``: what runs at its last gradient (pack the members' pieces into one flat
+    buffer, issue one all-reduce without waiting) and what runs before the first read of a member's result
+    (wait, unpack into views)."""
+    dg = plan.dg
+    members = plan.buckets[k]
+    n0 = members[0]
+    if not in_group(n0.group, r):
+        return [], []
+    ins = tuple(piece(dg.values[n.inputs[0]]) for n in members)
+    outs = tuple(piece(dg.values[n.outputs[0]]) for n in members)
+    flat = TensorType((sum(b.type.numel for b in ins),), ins[0].type.dtype)
+    packed, reduced = Buffer(f"bucket{k}:{n0.op.axis}", flat), Buffer(f"bucket{k}:{n0.op.axis}.reduced", flat)
+    group_members = axis_members(n0.group, n0.op.axis, r)
+    d = len(group_members)
+    t = token + axis_group_index(n0.group, n0.op.axis, r)
+    note = f"bucket {k}: " + ", ".join(n.name for n in members)
+    comm = Comm(t, "all_reduce", "BWD", group_members, flat, 2 * flat.nbytes * (d - 1) // d, n0.op.axis,
+                send=packed, recv=reduced, note=note, wait=False)
+    return ([Compute("BWD", f"bucket{k}", "pack", ins, (packed,)), comm],
+            [Wait(t), Compute("BWD", f"bucket{k}", "unpack", (reduced,), outs)])
 
 
 def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:

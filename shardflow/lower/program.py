@@ -55,8 +55,9 @@ class Compute:
 
 
 # Data-movement computes that have no dynamic-graph node: split a piece into chunks along ``dim``, concatenate
-# chunks along ``dim``, add two buffers (the local adds of a reduce-scatter ring).
-LOCAL_MOVES = ("chunk", "concat", "add")
+# chunks along ``dim``, add two buffers (the local adds of a reduce-scatter ring), pack pieces into one flat
+# buffer and unpack it into views of the pieces' shapes (a gradient bucket).
+LOCAL_MOVES = ("chunk", "concat", "add", "pack", "unpack")
 
 
 @dataclass(frozen=True, slots=True)

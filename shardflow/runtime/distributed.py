@@ -119,6 +119,8 @@ class DistributedExecutor(Executor):
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[list, Comm]] = {}  # token → handles of a communication issued, not waited
         self.frees = frees_after(self.program, persistent_values(self.dg))
+        # buffers packed for one communication and read by nothing else: reduced in place, not copied first
+        self.scratch = {b.value for i in self.program.instrs if isinstance(i, Compute) and i.op == "pack" for b in i.outs}
         self.ledger = Ledger()
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
@@ -246,9 +248,13 @@ class DistributedExecutor(Executor):
             self._wait(dist.irecv(out, c.peer), c)
             return out
         if c.kind == "all_reduce":
-            out = send.clone()
-            self._wait(dist.all_reduce(out, op=_REDUCE_OPS[c.reduce_op], group=pg, async_op=True), c)
-            return out / d if c.reduce_op == "avg" else out
+            out = send if c.send.value in self.scratch else send.clone()
+            work = dist.all_reduce(out, op=_REDUCE_OPS[c.reduce_op], group=pg, async_op=True)
+            if c.reduce_op == "avg":
+                self._wait(work, c)
+                return out / d
+            self._finish([work], c)
+            return out
         if c.kind == "all_gather":
             x = send.movedim(c.dim, 0).contiguous()
             out = torch.empty((d * x.shape[0],) + x.shape[1:], dtype=x.dtype)

@@ -121,6 +121,11 @@ def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]
         return [torch.cat(list(xs), instr.dim)]
     if instr.op == "add":
         return [xs[0] + xs[1]]
+    if instr.op == "pack":
+        return [torch.cat([x.reshape(-1) for x in xs])]
+    if instr.op == "unpack":  # views into the flat buffer, no copy
+        parts = xs[0].split([b.type.numel for b in instr.outs])
+        return [x.view(b.type.shape) for x, b in zip(parts, instr.outs)]
     raise ValueError(f"no local kernel for {instr.op!r} (one of {LOCAL_MOVES})")
 
 

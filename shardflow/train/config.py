@@ -53,6 +53,8 @@ class TrainConfig:
                          choices=("auto", "collective", "ring", "broadcast_loop"))
     reduce_scatter: str = _f("auto", "reduce-scatter form: auto (cost model), collective or ring",
                              choices=("auto", "collective", "ring"))
+    bucket_mb: float = _f(25.0, "pack gradient all-reduces into buckets of this many MiB, each issued while the "
+                                "backward goes on (as DDP's bucket_cap_mb; 0 = one all-reduce per gradient)")
     debug: bool = _f(False, "check before every communication that all its members are at the same token")
     trace: str | None = _f(None, "write a Chrome-trace timeline (Perfetto) of step 2 to this JSON file: per-rank "
                                  "compute and communication lanes, and the cost model's prediction beside them")

@@ -60,7 +60,8 @@ class Setup:
     def lower_options(self) -> LowerOptions:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
-                            CostModel("nccl" if torch.cuda.is_available() else "gloo"))
+                            CostModel("nccl" if torch.cuda.is_available() else "gloo"),
+                            bucket_bytes=int(self.cfg.bucket_mb * 2**20))
 
     def lower(self, ranks=None, verify: bool = False, training: bool = True):
         """Lower one step (training or evaluation) for ``ranks`` (default all; ``verify`` proves them)."""
@@ -125,7 +126,7 @@ def _interrupt(signum, _frame):
 
 # smallest value of each numeric setting (the others are free, or checked where they are used)
 _MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "layers": 0, "heads": 1, "embd": 1,
-            "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0}
+            "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
                "list": "a list", "dict": "a table"}
