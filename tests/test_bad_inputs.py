@@ -71,6 +71,7 @@ def train(capsys, run: Path, corpus, *argv: str):
     (["--log-every", "0"], ["--log-every 0 is out of range"]),
     (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
     (["--nproc", "0"], ["--nproc 0 is out of range"]),
+    (["--bucket-mb", "-1"], ["--bucket-mb -1.0 is out of range", "≥ 0"]),
     (["--timeout", "0"], ["--timeout 0.0", "> 0"]),
     (["--checkpoint-every", "-1"], ["--checkpoint-every -1: give a number of steps, or 0"]),
     (["--dropout", "1.5"], ["--dropout 1.5", "[0, 1)"]),

@@ -274,10 +274,10 @@ GOLDEN = """
         BWD  grad:gelu@linear_1:float32[2, 4], grad:fc2.weight@linear_1:float32[4, 4], grad:fc2.bias@linear_1:float32[4] = vjp[linear(bias=True)](fwd:gelu:float32[2, 4], fwd:fc2.weight:float32[4, 4], fwd:fc2.bias:float32[4], grad:linear_1.reduction@loss:float32[2, 4])
         BWD  grad:linear@gelu:float32[2, 4] = vjp[gelu](fwd:linear:float32[2, 4], grad:gelu@linear_1:float32[2, 4])
         BWD  grad:fc1.weight@linear:float32[4, 4], grad:fc1.bias@linear:float32[4] = vjp[linear(bias=True)](fwd:x:float32[2, 4], fwd:fc1.weight:float32[4, 4], fwd:fc1.bias:float32[4], grad:linear@gelu:float32[2, 4])
-        UPD  upd:fwd:fc1.weight:float32[4, 4] = sgd_update(fwd:fc1.weight:float32[4, 4], grad:fc1.weight@linear:float32[4, 4])
-        UPD  upd:fwd:fc1.bias:float32[4] = sgd_update(fwd:fc1.bias:float32[4], grad:fc1.bias@linear:float32[4])
         UPD  upd:fwd:fc2.weight:float32[4, 4] = sgd_update(fwd:fc2.weight:float32[4, 4], grad:fc2.weight@linear_1:float32[4, 4])
         UPD  upd:fwd:fc2.bias:float32[4] = sgd_update(fwd:fc2.bias:float32[4], grad:fc2.bias@linear_1:float32[4])
+        UPD  upd:fwd:fc1.weight:float32[4, 4] = sgd_update(fwd:fc1.weight:float32[4, 4], grad:fc1.weight@linear:float32[4, 4])
+        UPD  upd:fwd:fc1.bias:float32[4] = sgd_update(fwd:fc1.bias:float32[4], grad:fc1.bias@linear:float32[4])
 """
 
 

@@ -288,7 +288,7 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
     for w in weights:  # weights no node reads
         if w not in early:
             early[w] = finalize(w)
-    grads = {w: early[w] for w in weights if early[w] is not None}
+    grads = {w: dw for w, dw in early.items() if dw is not None}  # in the order the backward made them
     norm2: tuple[str, ...] = ()
     if clip_norm:
         # Squared global gradient norm: each device sums the squares of the gradient pieces it holds (replica
