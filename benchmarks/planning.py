@@ -7,7 +7,7 @@ script times those four stages separately (best of ``--repeat`` runs, ``time.per
 * depth: ``n_layer`` in {6, 12, 24, 48} on a fixed mesh (``dp=8,tp=8`` by default), and
 * world size: {2, 8, 64, 256, 1024} devices at 24 layers, meshes ``dp × tp`` with ``tp = min(8, world)``,
 * batch: the global batch 128 (divisible by every dp degree above) against 8, at 24 layers on ``dp=8,tp=8``
-  (capture runs the model on its example inputs, so its cost follows the batch),
+  (capture evaluates the model on the meta device, shapes only, so its cost should not follow the batch),
 
 prints a Markdown table and writes it to ``docs/benchmarks.md`` under the heading "Planning time" (the file
 is created if missing; otherwise only that section is replaced). The target (the planning-time issue): a
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the table only")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads for capture's eager run (default 1: one rank per core; several "
+                   help="torch intra-op threads (capture's constant folding; default 1: one rank per core; several "
                         "threads on a busy machine make torch spin and the numbers noisy)")
     p.add_argument("--profile", action="store_true", help="cProfile one plan of 24 layers on dp=8,tp=8")
     args = p.parse_args(argv)

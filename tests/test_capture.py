@@ -126,6 +126,110 @@ def test_loss_needs_exactly_one_scalar_output():
     assert capture(Two(), {"x": torch.randn(2, 3)}, loss=False).outputs == ("sum", "mean")
 
 
+# --- meta evaluation: graph tensors are never computed, folded constants are ------------------------------
+def on_meta(inputs: dict) -> dict:
+    return {k: v.to("meta") for k, v in inputs.items()}
+
+
+def test_meta_example_inputs_give_the_same_graph():
+    model, inputs = gpt_case(T=6)
+    g = capture(model, inputs)
+    g_meta = capture(model, on_meta(inputs))
+    assert_same_graph(g_meta, g)
+    assert g_meta.listing() == g.listing()
+    # the positions torch.arange(T, device=idx.device) still fold to a real constant
+    (pos,) = g_meta.by_role("constant")
+    assert g_meta.constants[pos].device.type == "cpu" and torch.equal(g_meta.constants[pos], torch.arange(6))
+
+
+def test_huge_meta_batch_is_captured_without_allocating_it():
+    model, _ = gpt_case()
+    B = 1 << 40  # idx alone would take 8 TiB per position
+    idx = torch.empty(B, 6, dtype=torch.long, device="meta")
+    g = capture(model, {"idx": idx, "targets": idx})
+    assert g.tensors["idx"].shape == (B, 6) and g.tensors[g.loss].shape == ()
+    (logits,) = next(n for n in g.nodes if n.scope == "lm_head").outputs
+    assert g.tensors[logits].shape == (B, 6, CFG.vocab_size)
+
+
+def test_model_on_meta_device_gives_the_same_graph():
+    model, inputs = gpt_case(T=6)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta_model = GPT(CFG)
+    assert_same_graph(capture(meta_model, on_meta(inputs)), capture(model, inputs))
+
+
+class Folded(nn.Module):
+    """``forward(x [B, T, 4]) -> scalar``: positions, a causal-mask buffer sliced to T and a scale folded from them."""
+
+    def __init__(self, block_size=8):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.wpe = nn.Embedding(block_size, 4)
+        self.register_buffer("tril", torch.tril(torch.ones(block_size, block_size)))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        pos = torch.arange(T, device=x.device)  # [T]
+        keep = self.tril.narrow(0, 0, T).narrow(1, 0, T) * 2 - 1 + torch.arange(T) / T  # [T, T], folded, real
+        h = self.lin(x) + self.wpe(pos)  # [B, T, 4]
+        att = torch.softmax(h @ h.transpose(1, 2) * keep, dim=-1)  # [B, T, T]
+        return (att @ h).sum()
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["real", "meta"])
+def test_folded_constants_keep_their_values(meta):
+    torch.manual_seed(0)
+    model = Folded().double()
+    inputs = {"x": torch.randn(3, 5, 4, dtype=torch.float64)}
+    g = capture(model, on_meta(inputs) if meta else inputs)
+    consts = {n: g.constants[n] for n in g.by_role("constant")}
+    assert all(v.device.type == "cpu" for v in consts.values())
+    keep = torch.tril(torch.ones(5, 5, dtype=torch.float64)) * 2 - 1 + torch.arange(5) / 5
+    assert any(v.shape == (5, 5) and torch.equal(v, keep) for v in consts.values()), consts
+    assert any(torch.equal(v, torch.arange(5)) for v in consts.values()), consts
+    # the graph, run on the real inputs, computes what the module computes
+    env, grads = run_backward(g, inputs, weights_of(model, g))
+    loss = model(**inputs)
+    loss.backward()
+    torch.testing.assert_close(env[g.loss], loss.detach(), rtol=0, atol=1e-10)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-10)
+
+
+def test_folded_indices_out_of_range_are_caught():
+    model, inputs = gpt_case(T=CFG.block_size + 2)  # positions 0..9 into wpe's 8 rows
+    with pytest.raises(CaptureError, match=r"transformer\.wpe.*span \[0, 9\] but the embedding has 8 rows"):
+        capture(model, on_meta(inputs))
+
+
+def test_forward_needing_values_names_the_node():
+    class Item(nn.Module):
+        def forward(self, x):
+            return x * x.sum().item()
+
+    with pytest.raises(CaptureError, match=r"fx node 'item'.*meta.*needs those values") as e:
+        capture(Item(), {"x": torch.randn(2, 3)}, loss=False)
+    assert "call_method item" in str(e.value)
+
+
+def test_meta_buffer_read_as_constant_is_an_error():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.register_buffer("scale", torch.ones(3))
+
+        def forward(self, x):
+            return (self.lin(x) * self.scale).sum()
+
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.raises(CaptureError, match="'scale'.*has no value"):
+        capture(model, {"x": torch.randn(2, 3)})
+
+
 # --- one small module per function family: the graph matches eager PyTorch ---------------------------------
 class Fam(nn.Module):
     """``forward(x [4, 6]) -> scalar``: a parameter ``w [4, 6]`` and the expression ``fn(self, x * w)``."""
