@@ -379,3 +379,17 @@ def test_machine_view_override_moves_only_the_shard_that_changes_device():
     want.backward()
     assert abs(loss_v - want.item()) < 1e-12
     torch.testing.assert_close(ex.grads()["w"], wr.grad, atol=1e-12, rtol=0)
+
+
+def test_parallel_ops_along_an_axis_of_one_device_communicate_nothing():
+    graph = mlp(pre=True)
+    tp2 = lowered(graph, "tp=2", MEGATRON)
+    for mesh_text, plan in (("tp=1", MEGATRON), ("dp=1,tp=2", make_plan(graph, Mesh.parse("dp=1,tp=2"), "dp,tp"))):
+        step = lowered(graph, mesh_text, plan, verify=True)
+        ones = [c for c in comms(step.programs) if len(c[2]) == 1]
+        assert ones == []
+        aliases = [i for p in step.programs.values() for i in p.instrs if isinstance(i, Compute) and i.op == "alias"]
+        assert aliases and all(step.dg.values[i.outs[0].value].type == step.dg.values[i.ins[0].value].type
+                               for i in aliases)
+    assert comms(lowered(graph, "dp=1,tp=2", make_plan(graph, Mesh.parse("dp=1,tp=2"), "dp,tp")).programs) == \
+        comms(tp2.programs)

@@ -7,7 +7,7 @@
   every group of devices that differ only in that axis runs one collective —
   Reduction → all-reduce; Reduction then Repartition on the same axis → reduce-scatter; Combine → all-gather;
   Combine then Repartition of another dim on the same axis → all-to-all; Repartition alone → a local split;
-  Replicate → broadcast from the root; Replicate's backward → reduce to the root; copies → send/recv.
+  any parallel op along an axis of one device → a local alias (nothing moves); Replicate → broadcast from the root; Replicate's backward → reduce to the root; copies → send/recv.
   ``nbytes`` is what one rank sends with the bandwidth-optimal algorithm: (d−1)/d·N for all-gather,
   reduce-scatter and all-to-all, 2(d−1)/d·N for all-reduce (N = the full collective's bytes per group).
 * **Ordering**: every communication instance gets a token, its position in one global order (the
@@ -95,6 +95,10 @@ def steps(dg: DynamicGraph) -> list[Step]:
     i = 0
     while i < len(nodes):
         n = nodes[i]
+        if n.kind == "parallel" and n.op.degree == 1:  # an axis of one device: nothing moves
+            out.append(Step((n,), "alias"))
+            i += 1
+            continue
         if n.kind == "parallel" and isinstance(n.op, (Reduction, Combine)) and i + 1 < len(nodes):
             m = nodes[i + 1]
             if (isinstance(m.op, Repartition) and m.kind == "parallel" and m.inputs == n.outputs
@@ -288,10 +292,11 @@ def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
     dg = plan.dg
     first, last = st.nodes[0], st.nodes[-1]
     vin, vout = dg.values[first.inputs[0]] if first.inputs else None, dg.values[last.outputs[0]]
-    if st.kind == "split":  # Repartition of replicas: each device keeps its block, a local slice
-        if not in_group(first.group, r):
+    if st.kind in ("split", "alias"):  # Repartition of replicas: each device keeps its block, a local slice;
+        if not in_group(first.group, r):  # any parallel op of degree 1: the same piece
             return []
-        return [Compute(first.pass_, first.src, first.op.describe(), (piece(vin),), (piece(vout),), first.name)]
+        op = first.op.describe() if st.kind == "split" else "alias"
+        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name)]
     if st.kind == "sumsq":  # the gradient pieces this rank holds, one replica of each counted
         held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
                      and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)

@@ -45,7 +45,7 @@ def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
     seen: dict[tuple[int, ...], None] = {}
     for st in steps(dg):
         n = st.nodes[0]
-        if n.kind != "parallel" or st.kind == "split":
+        if n.kind != "parallel" or st.kind in ("split", "alias"):
             continue
         group = dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
         for d in group.devices():
