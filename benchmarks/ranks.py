@@ -302,6 +302,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda s: say(rank, s))
         out.update(losses=losses, samples=samples, stats={k: stats(v) for k, v in samples.items()},
                    tokens_per_step=base.batch_size * base.seq_len, rounds=p["rounds"], iters=p["iters"])
+        out["comm_share"] = {"tp": comm_share(ex_tp, batch), "dp": comm_share(ex_dp, batch)}
         out["peak_dp"] = ex_dp.peak_bytes
         out["state_dp"] = state_bytes(ex_dp.dg, rank)
     else:
@@ -326,6 +327,20 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         mem["state_one"] = state_bytes(one_step.dg, 0)
     out["memory"] = mem
     return out
+
+
+def comm_share(ex: DistributedExecutor, batch: dict, steps: int = 5) -> dict:
+    """Per step (ms, this rank, the executor's tracer): the whole step and the time spent in communication
+    instructions (issue + wait, so including the wait for the peer)."""
+    from shardflow.runtime.trace import LANES, Tracer
+    ex.tracer = Tracer(ex.rank)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ex.step(batch)
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    comm = sum(e["dur"] for e in ex.tracer.events if e["tid"] == LANES["communication"]) / steps / 1e3
+    ex.tracer = None
+    return {"step_ms": step_ms, "comm_ms": comm}
 
 
 def _state_vids(dg) -> set[str]:
@@ -652,7 +667,7 @@ def _mlp_pair(h: int, B: int, rank: int, world: int):
 
 
 def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -> Callable[[], None]:
-    """Wrap the executor's kernels (per instruction label), ``_communicate``, ``_put`` and ``_full`` with timers
+    """Wrap the executor's kernels (per instruction label), ``_communicate``, ``_put`` and ``_get`` with timers
     (instance attributes shadow the methods; the library is not changed). Returns the undo."""
     labels = {i.dnode: f"{i.pass_} {i.op.split('(')[0]}" for i in ex.program.instrs if isinstance(i, Compute) and i.dnode}
     plain = dict(ex.kernels)
@@ -661,11 +676,11 @@ def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -
             ex.kernels[key] = timers.wrap(f"kernel: {labels.get(key, key)}", k)
     ex._communicate = timers.wrap("communication (issue + wait)", ex._communicate)
     ex._put = timers.wrap("input placement (_put)", ex._put)
-    ex._full = timers.wrap("loss read-back (_full: an all-reduce)", ex._full)
+    ex._get = timers.wrap("loss read-back (_get: an all-reduce)", ex._get)
 
     def undo() -> None:
         ex.kernels.update(plain)
-        for attr in ("_communicate", "_put", "_full"):
+        for attr in ("_communicate", "_put", "_get"):
             delattr(ex, attr)
     return undo
 
