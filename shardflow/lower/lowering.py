@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Mapping
 
 from shardflow.graph.ops import TensorType
@@ -130,7 +131,7 @@ class _Plan:
     def suppressed(self) -> set[str]:
         return {c.name for cs in self.fused.values() for c in cs}
 
-    @property
+    @cached_property
     def bucket_of(self) -> dict[str, int]:
         """Node name → index of its gradient bucket."""
         return {n.name: k for k, b in enumerate(self.buckets) for n in b}
