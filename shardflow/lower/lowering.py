@@ -7,7 +7,8 @@
   every group of devices that differ only in that axis runs one collective —
   Reduction → all-reduce; Reduction then Repartition on the same axis → reduce-scatter; Combine → all-gather;
   Combine then Repartition of another dim on the same axis → all-to-all; Repartition alone → a local split;
-  any parallel op along an axis of one device → a local alias (nothing moves); Replicate → broadcast from the root; Replicate's backward → reduce to the root; copies → send/recv.
+  any parallel op along an axis of one device → a local alias (nothing moves); Replicate → broadcast from
+  the root; Replicate's backward → reduce to the root; copies → send/recv.
   ``nbytes`` is what one rank sends with the bandwidth-optimal algorithm: (d−1)/d·N for all-gather,
   reduce-scatter and all-to-all, 2(d−1)/d·N for all-reduce (N = the full collective's bytes per group).
 * **Ordering**: every communication instance gets a token, its position in one global order (the
@@ -177,9 +178,10 @@ def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[D
     out: list[tuple[DNode, ...]] = []
     for st in all_steps:
         n = st.nodes[0]
-        vin = dg.values[n.inputs[0]] if n.inputs else None
-        if (st.kind != "all_reduce" or n.pass_ != "BWD" or n.outputs[0] not in final or n.outputs[0] in elsewhere
-                or vin.sharding.reduce_op != "sum"):
+        if st.kind != "all_reduce" or n.pass_ != "BWD" or n.outputs[0] not in final or n.outputs[0] in elsewhere:
+            continue
+        vin = dg.values[n.inputs[0]]
+        if vin.sharding.reduce_op != "sum":
             continue
         key = (n.group, n.op.axis, vin.type.dtype)
         members, size = open_.pop(key, ([], 0))

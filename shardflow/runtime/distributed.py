@@ -120,7 +120,8 @@ class DistributedExecutor(Executor):
         self.pending: dict[int, tuple[list, Comm]] = {}  # token → handles of a communication issued, not waited
         self.frees = frees_after(self.program, persistent_values(self.dg))
         # buffers packed for one communication and read by nothing else: reduced in place, not copied first
-        self.scratch = {b.value for i in self.program.instrs if isinstance(i, Compute) and i.op == "pack" for b in i.outs}
+        self.scratch = {b.value for i in self.program.instrs if isinstance(i, Compute) and i.op == "pack"
+                        for b in i.outs}
         self.ledger = Ledger()
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}

@@ -96,9 +96,7 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
     if dn.kind == "sumsq":
         dtype = torch_dtype(dg.values[dn.outputs[0]].type.dtype)
         return lambda xs: [sum((x.pow(2).sum() for x in xs), torch.zeros((), dtype=dtype))]
-    if dn.kind in ("select", "copy"):
-        return lambda xs: [xs[0]]
-    if dn.kind == "parallel" and dn.op.degree == 1:  # along an axis of one device: the piece itself
+    if dn.kind in ("select", "copy") or (dn.kind == "parallel" and dn.op.degree == 1):  # degree 1: nothing moves
         return lambda xs: [xs[0]]
     if dn.kind == "parallel":  # a Repartition of replicas: keep this rank's block of the dim
         index = dn.group.coords(rank)[dn.op.axis]
