@@ -119,7 +119,6 @@ def main():
                 i, j = [k for k, x in enumerate(instrs) if isinstance(x, Comm)][:2]
                 instrs[i], instrs[j] = instrs[j], instrs[i]
                 ex.program = Program(1, tuple(instrs))
-                ex.frees = [()] * len(instrs)
             ex.step(inputs)
             results[case] = "survived"
         elif case == "explicit":  # explicit Replicate and Reduction ops (see test_local_executor)

@@ -9,7 +9,7 @@ from shardflow.lower import lower_step
 from shardflow.lower.dynamic import PassError, copy_insertion, pass_expansion
 from shardflow.lower.lowering import axis_group_index, axis_members, lower, steps
 from shardflow.lower import LowerOptions
-from shardflow.lower.program import Comm, Compute, Wait
+from shardflow.lower.program import Comm, Compute, Free, Wait
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Replicate as ReplicateOp
 from shardflow.parallel.pcg import Annotations, build_pcg
@@ -117,11 +117,12 @@ def test_gradient_all_reduces_share_one_bucket():
     p0 = step.programs[0]
     (c,) = p0.comms
     assert not c.wait and p0.bytes_by_kind() == {("all_reduce", "dp"): 2 * 4 * numel // 2}
-    ops = [i.op if isinstance(i, Compute) else type(i).__name__ for i in p0.instrs]
+    instrs = [i for i in p0.instrs if not isinstance(i, Free)]
+    ops = [i.op if isinstance(i, Compute) else type(i).__name__ for i in instrs]
     k = ops.index("Comm")
     # pack right before the all-reduce; its wait and the unpack right before the first update
     assert ops[k - 1:k + 4] == ["pack", "Comm", "Wait", "unpack", "sgd_update"]
-    assert {b.value for b in p0.instrs[k + 2].outs} == {n.inputs[1] for n in step.dg.nodes if n.kind == "update"}
+    assert {b.value for b in instrs[k + 2].outs} == {n.inputs[1] for n in step.dg.nodes if n.kind == "update"}
 
 
 def test_gradient_buckets_close_at_the_cap_and_travel_during_the_backward():
@@ -268,12 +269,17 @@ GOLDEN = """
         FWD  fwd:gelu:float32[2, 4] = gelu(fwd:linear:float32[2, 4])
         FWD  fwd:linear_1:float32[2, 4] = linear(bias=True)(fwd:gelu:float32[2, 4], fwd:fc2.weight:float32[4, 4], fwd:fc2.bias:float32[4])
   #0    FWD  all_reduce group=[0, 1] axis=tp float32[2, 4] 32B send=fwd:linear_1:float32[2, 4] recv=fwd:linear_1.reduction:float32[2, 4]
+        free fwd:linear_1
         FWD  fwd:loss:float32[] = cross_entropy(reduction='mean')(fwd:linear_1.reduction:float32[2, 4], fwd:y:int64[2])
         LOSS grad:loss@loss:float32[] = ones(fwd:loss:float32[])
         BWD  grad:linear_1.reduction@loss:float32[2, 4] = vjp[cross_entropy(reduction='mean')](fwd:linear_1.reduction:float32[2, 4], fwd:y:int64[2], grad:loss@loss:float32[])
+        free fwd:linear_1.reduction, fwd:y, grad:loss@loss
         BWD  grad:gelu@linear_1:float32[2, 4], grad:fc2.weight@linear_1:float32[4, 4], grad:fc2.bias@linear_1:float32[4] = vjp[linear(bias=True)](fwd:gelu:float32[2, 4], fwd:fc2.weight:float32[4, 4], fwd:fc2.bias:float32[4], grad:linear_1.reduction@loss:float32[2, 4])
+        free fwd:gelu, grad:linear_1.reduction@loss
         BWD  grad:linear@gelu:float32[2, 4] = vjp[gelu](fwd:linear:float32[2, 4], grad:gelu@linear_1:float32[2, 4])
+        free fwd:linear, grad:gelu@linear_1
         BWD  grad:fc1.weight@linear:float32[4, 4], grad:fc1.bias@linear:float32[4] = vjp[linear(bias=True)](fwd:x:float32[2, 4], fwd:fc1.weight:float32[4, 4], fwd:fc1.bias:float32[4], grad:linear@gelu:float32[2, 4])
+        free fwd:x, grad:linear@gelu
         UPD  upd:fwd:fc2.weight:float32[4, 4] = sgd_update(fwd:fc2.weight:float32[4, 4], grad:fc2.weight@linear_1:float32[4, 4])
         UPD  upd:fwd:fc2.bias:float32[4] = sgd_update(fwd:fc2.bias:float32[4], grad:fc2.bias@linear_1:float32[4])
         UPD  upd:fwd:fc1.weight:float32[4, 4] = sgd_update(fwd:fc1.weight:float32[4, 4], grad:fc1.weight@linear:float32[4, 4])

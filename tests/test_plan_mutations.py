@@ -23,7 +23,8 @@ from hypothesis import assume, given, settings, strategies as st
 from shardflow.capture import capture
 from shardflow.graph.ops import TensorType
 from shardflow.lower import LowerOptions, lower_step
-from shardflow.lower.program import Comm, Program, Wait
+from shardflow.lower.program import Comm, Free, Program, Wait
+from shardflow.lower.verify import reads
 from shardflow.lower.verify import PlanVerificationError, verify
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
@@ -157,7 +158,7 @@ def mutate(ps: dict[int, Program], rank: int, kind: str, i: int, j: int, v: int)
             members = members[s:] + members[:s]
         instrs[k] = dataclasses.replace(c, members=tuple(members))
     require(tuple(instrs) != ps[rank].instrs)
-    return {**ps, rank: Program(rank, tuple(instrs))}
+    return {**ps, rank: dataclasses.replace(ps[rank], instrs=tuple(instrs))}
 
 
 def _reads(instr) -> list[str]:
@@ -189,7 +190,7 @@ def _mutate_wait(ps: dict[int, Program], rank: int, kind: str, i: int) -> dict[i
         require(reader is not None)
         instrs.insert(reader + 1, w)
         del instrs[k]
-    return {**ps, rank: Program(rank, tuple(instrs))}
+    return {**ps, rank: dataclasses.replace(ps[rank], instrs=tuple(instrs))}
 
 
 @settings(max_examples=5000 if LONG else 600, deadline=None)
@@ -238,7 +239,7 @@ def test_dropped_wait_is_rejected():
     token = instrs[k].token
     del instrs[k]
     with pytest.raises(PlanVerificationError) as e:
-        verify({**ps, rank: Program(rank, tuple(instrs))}, len(ps))
+        verify({**ps, rank: dataclasses.replace(ps[rank], instrs=tuple(instrs))}, len(ps))
     assert any(f"rank {rank}" in p and f"token {token}" in p for p in e.value.problems), e.value.problems
 
 
@@ -250,7 +251,7 @@ def test_reduce_op_disagreement_is_rejected():
     k = next(k for k, x in enumerate(instrs) if isinstance(x, Comm) and x.kind == "all_reduce")
     instrs[k] = dataclasses.replace(instrs[k], reduce_op="max")
     with pytest.raises(PlanVerificationError) as e:
-        verify({**ps, rank: Program(rank, tuple(instrs))}, len(ps))
+        verify({**ps, rank: dataclasses.replace(ps[rank], instrs=tuple(instrs))}, len(ps))
     assert names_rank("\n".join(e.value.problems), rank)
 
 
@@ -275,3 +276,68 @@ def test_train_verifies_the_plan_before_launching(tmp_path, monkeypatch):
                       data=str(data), run_dir=str(tmp_path / "run"), timeout=5.0)
     with pytest.raises(PlanVerificationError, match="planted"):
         loop.main(cfg)
+
+
+# --- issue #11, holes 2 and 6: per-rank dataflow and buffer identity ------------------------------------------
+def _rank_of(ps, kind: str) -> int:
+    return next(r for r, p in ps.items() if any(isinstance(c, Comm) and c.kind == kind for c in p.instrs))
+
+
+def test_a_value_never_received_is_rejected():
+    """Hole 2: a pp=2 MLP whose stage copy is missing on both ends (the communications still match) used to
+    verify and fail at run time with a KeyError; the per-rank dataflow check names rank, instruction and value."""
+    ps = programs("mlp pp=2")
+    recv_rank = _rank_of(ps, "recv")
+    recv = next(c for c in ps[recv_rank].comms if c.kind == "recv")
+    bad = {}
+    for r, p in ps.items():
+        bad[r] = dataclasses.replace(p, instrs=tuple(i for i in p.instrs
+                                                     if not (isinstance(i, Comm) and i.token == recv.token)))
+    with pytest.raises(PlanVerificationError) as e:
+        verify(bad, len(bad))
+    text = "\n".join(e.value.problems)
+    assert re.search(rf"rank {recv_rank} instruction \d+ \[.*\] reads '{re.escape(recv.recv.value)}': never computed, "
+                     "received or held", text), text
+
+
+def test_a_read_after_its_free_is_rejected():
+    """Hole 2: nothing is read after its Free (a Free moved before the last reader)."""
+    ps = programs("gpt tp=2")
+    instrs = list(ps[0].instrs)
+    k = next(k for k, i in enumerate(instrs) if isinstance(i, Free) and any(
+        v in {b.value for b in reads(instrs[k - 1])} for v in i.values))
+    free = instrs.pop(k)
+    instrs.insert(k - 1, free)
+    with pytest.raises(PlanVerificationError) as e:
+        verify({**ps, 0: dataclasses.replace(ps[0], instrs=tuple(instrs))}, len(ps))
+    assert any(p.startswith("rank 0 instruction") and f"freed at instruction {k - 1}" in p for p in e.value.problems)
+
+
+def test_sending_a_value_the_rank_does_not_hold_is_rejected():
+    """Hole 2: a send buffer must be held (here: renamed to a value the rank never had)."""
+    ps = programs("gpt pp=2")
+    rank = _rank_of(ps, "send")
+    instrs = list(ps[rank].instrs)
+    k = next(k for k, i in enumerate(instrs) if isinstance(i, Comm) and i.kind == "send")
+    instrs[k] = dataclasses.replace(instrs[k], send=dataclasses.replace(instrs[k].send, value="fwd:nowhere"))
+    with pytest.raises(PlanVerificationError) as e:
+        verify({**ps, rank: dataclasses.replace(ps[rank], instrs=tuple(instrs))}, len(ps))
+    assert any(f"rank {rank} instruction {k} [token" in p and "'fwd:nowhere'" in p for p in e.value.problems)
+
+
+def test_swapped_same_shape_all_reduces_with_their_tokens_are_rejected():
+    """Hole 6: two same-shape all-reduces swapped on one rank *together with their token numbers* (so the
+    tokens still increase) used to verify and keep the fingerprint: gradients came out wrong. The signature
+    now carries the value moved."""
+    ps = programs("gpt tp=2")
+    instrs = list(ps[1].instrs)
+    ars = [k for k, i in enumerate(instrs) if isinstance(i, Comm) and i.kind == "all_reduce"]
+    k, m = next((k, m) for k in ars for m in ars if m > k and instrs[k].type == instrs[m].type)
+    a, b = instrs[k], instrs[m]
+    instrs[k] = dataclasses.replace(b, token=a.token)
+    instrs[m] = dataclasses.replace(a, token=b.token)
+    bad = {**ps, 1: dataclasses.replace(ps[1], instrs=tuple(instrs))}
+    assert bad[1].fingerprint() != ps[1].fingerprint()
+    with pytest.raises(PlanVerificationError) as e:
+        verify(bad, len(bad))
+    assert any(f"token {a.token}: holders disagree" in p and a.value in p and b.value in p for p in e.value.problems)

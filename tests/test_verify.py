@@ -54,7 +54,7 @@ class Plan:
         return self
 
     def programs(self) -> dict[int, Program]:
-        return {r: Program(r, tuple(i)) for r, i in self.instrs.items()}
+        return {r: Program(r, tuple(i), inputs=(Buffer("fwd:x", T),)) for r, i in self.instrs.items()}
 
 
 def mixed() -> dict[int, Program]:
@@ -107,7 +107,7 @@ def edit(programs, rank: int, fn) -> dict[int, Program]:
     """programs with rank's instruction list replaced by fn(list)."""
     instrs = list(programs[rank].instrs)
     fn(instrs)
-    return {**programs, rank: Program(rank, tuple(instrs))}
+    return {**programs, rank: dataclasses.replace(programs[rank], instrs=tuple(instrs))}
 
 
 def change(programs, rank: int, tok: int, **fields) -> dict[int, Program]:
@@ -239,7 +239,7 @@ def mutate(programs, rank: int, i: int, j: int, kind: str, value: int):
         i, j = i % len(instrs), j % len(instrs)
         instrs[i], instrs[j] = instrs[j], instrs[i]
         assume([c.token for c in instrs if isinstance(c, Comm)] != [c.token for c in programs[rank].comms])
-        return {**programs, rank: Program(rank, tuple(instrs))}
+        return {**programs, rank: dataclasses.replace(programs[rank], instrs=tuple(instrs))}
     k = comm_idx[i % len(comm_idx)]
     c = instrs[k]
     if kind == "drop":
@@ -253,7 +253,7 @@ def mutate(programs, rank: int, i: int, j: int, kind: str, value: int):
                "token": {"token": c.token + value - 3}}[kind]
         instrs[k] = dataclasses.replace(c, **new)
         assume(instrs[k] != c)
-    return {**programs, rank: Program(rank, tuple(instrs))}
+    return {**programs, rank: dataclasses.replace(programs[rank], instrs=tuple(instrs))}
 
 
 @settings(max_examples=200, deadline=None)

@@ -42,7 +42,12 @@ OPTIMIZER_SLOTS = {"sgd": (), "sgd_momentum": ("momentum",), "adamw": ("exp_avg"
 
 @dataclass(frozen=True, slots=True)
 class Value:
-    """One value of the step: ``role`` fwd / grad / opt, of PCG ``tensor``, placed by ``sharding`` on ``group``."""
+    """One value of the step: ``role`` fwd / grad / opt, of PCG ``tensor``, placed by ``sharding`` on ``group``.
+
+    ``slot``: the optimizer-state slot (``momentum``, ``exp_avg``, ...) of an ``opt`` value. ``replaces``: for
+    an optimizer update's output, the value it replaces once the step is done (the weight or the state slot).
+    The ``id`` is a unique name for listings; nothing parses it.
+    """
 
     id: str
     tensor: str
@@ -50,6 +55,8 @@ class Value:
     type: TensorType
     sharding: Sharding
     group: SubMesh
+    slot: str = ""
+    replaces: str = ""
 
     @property
     def pass_(self) -> str:
@@ -98,6 +105,30 @@ class DynamicGraph:
     def producers(self) -> dict[str, DNode]:
         return {v: n for n in self.nodes for v in n.outputs}
 
+    def fwd(self, tensor: str) -> str:
+        """The id of PCG tensor ``tensor``'s forward value."""
+        return f"fwd:{tensor}"
+
+    def state_values(self) -> tuple[str, ...]:
+        """Optimizer-state values a step starts from (not the updates' new versions)."""
+        return tuple(vid for vid, v in self.values.items() if v.role == "opt" and not v.replaces)
+
+    def placed(self) -> tuple[str, ...]:
+        """Values the executor places before a step: the weights, the optimizer state, the step's data
+        inputs and the graph's constants (each rank holds the pieces its sub-mesh gives it)."""
+        graph = self.pcg.graph
+        leaves = (*graph.weights, *graph.inputs, *graph.constants)
+        return tuple(self.fwd(t) for t in leaves if self.fwd(t) in self.values) + self.state_values()
+
+    def persistent(self) -> frozenset[str]:
+        """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
+        gradients the updates read (kept for inspection) and the loss."""
+        keep = {self.fwd(self.pcg.loss)} if self.pcg.loss else set()
+        keep.update(self.fwd(w) for w in self.pcg.graph.weights)
+        keep.update(vid for vid, v in self.values.items() if v.role == "opt" or v.replaces)
+        keep.update(n.inputs[1] for n in self.nodes if n.kind == "update")
+        return frozenset(keep)
+
     def fingerprint(self) -> str:
         """sha256 of the whole step (nodes, values with their shardings, every local kernel): equal on every
         rank that built the same plan, whatever its rank — what ranks compare at start-up."""
@@ -129,12 +160,13 @@ class _Graph:
         self.values: dict[str, Value] = dict(values or {})
         self.nodes: list[DNode] = []
 
-    def value(self, id_: str, tensor: str, role: str, type_: TensorType, sharding: Sharding, group: SubMesh) -> str:
+    def value(self, id_: str, tensor: str, role: str, type_: TensorType, sharding: Sharding, group: SubMesh,
+              slot: str = "", replaces: str = "") -> str:
         base, i = id_, 1
         while id_ in self.values:
             i += 1
             id_ = f"{base}~{i}"
-        self.values[id_] = Value(id_, tensor, role, type_, sharding, group)
+        self.values[id_] = Value(id_, tensor, role, type_, sharding, group, slot, replaces)
         return id_
 
     def redistribute(self, vid: str, want: Sharding, pass_: str, src: str) -> str:
@@ -302,9 +334,10 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
         norm2 = (g.redistribute(part, Sharding(()), "UPD", "grad_norm"),)
     for w, dw in grads.items():
         t = pcg.tensors[w]
-        slots = tuple(g.value(f"opt:{s}:{w}", w, "opt", t.type, t.sharding, t.group) for s in OPTIMIZER_SLOTS[optimizer])
-        new = tuple(g.value(f"upd:{x}", w, "fwd" if x == f"fwd:{w}" else "opt", t.type, t.sharding, t.group)
-                    for x in (f"fwd:{w}",) + slots)
+        slots = tuple(g.value(f"opt:{s}:{w}", w, "opt", t.type, t.sharding, t.group, slot=s)
+                      for s in OPTIMIZER_SLOTS[optimizer])
+        new = tuple(g.value(f"upd:{x}", w, "fwd" if x == f"fwd:{w}" else "opt", t.type, t.sharding, t.group,
+                            slot=g.values[x].slot, replaces=x) for x in (f"fwd:{w}",) + slots)
         g.nodes.append(DNode(f"UPD {w}", "UPD", "update", (f"fwd:{w}", dw) + slots + norm2, new, t.group, w,
                              clip=clip_norm or 0.0))
     return DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, ("pass_expansion",))

@@ -9,8 +9,8 @@
   Combine then Repartition of another dim on the same axis → all-to-all; Repartition alone → a local split;
   any parallel op along an axis of one device → a local alias (nothing moves); Replicate → broadcast from
   the root; Replicate's backward → reduce to the root; copies → send/recv.
-  ``nbytes`` is what one rank sends with the bandwidth-optimal algorithm: (d−1)/d·N for all-gather,
-  reduce-scatter and all-to-all, 2(d−1)/d·N for all-reduce (N = the full collective's bytes per group).
+  ``nbytes`` is what one rank puts on the wire (:func:`~shardflow.lower.comms.wire_bytes`, the one byte
+  formula of every communication kind).
 * **Ordering**: every communication instance gets a token, its position in one global order (the
   dynamic graph's node order, then group order); each rank's program issues its communications in token
   order. Token numbers are computed arithmetically, so a rank can lower only its own program
@@ -25,8 +25,10 @@ from typing import Iterable, Mapping
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.dynamic import DNode, DynamicGraph, Value
+from shardflow.lower.comms import wire_bytes
 from shardflow.lower.cost import LowerOptions
-from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program, Wait
+from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait
+from shardflow.lower.verify import reads, writes
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
 
@@ -45,10 +47,6 @@ LOWERING = {
 def piece(v: Value) -> Buffer:
     """The buffer one device holds of value ``v`` (its piece shape)."""
     return Buffer(v.id, TensorType(v.sharding.parallel_shape(v.group, v.type.shape).piece_shape, v.type.dtype))
-
-
-def _nbytes(t: TensorType) -> int:
-    return t.nbytes
 
 
 # --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
@@ -247,21 +245,44 @@ def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None, options: LowerOp
     for r in ranks:
         for _, instrs in later[r]:
             progs[r].extend(instrs)
-    return {r: Program(r, tuple(instrs)) for r, instrs in progs.items()}
+    placed, keep = dg.placed(), dg.persistent()
+    return {r: Program(r, with_frees(instrs, keep), tuple(piece(dg.values[v]) for v in placed
+                                                           if in_group(dg.values[v].group, r)))
+            for r, instrs in progs.items()}
 
 
-def _reads(i: Instr) -> set[str]:
-    if isinstance(i, Compute):
-        return {b.value for b in i.ins}
-    return {i.send.value} if isinstance(i, Comm) and i.send is not None else set()
+def with_frees(instrs: list[Instr], keep: frozenset[str]) -> tuple[Instr, ...]:
+    """``instrs`` with a :class:`Free` after the last instruction that reads each buffer (or that writes it,
+    if nothing reads it), except the values in ``keep`` (they outlive the step). A buffer sent by a
+    communication issued without waiting lives until that communication's ``Wait``."""
+    last: dict[str, int] = {}
+    for k, i in enumerate(instrs):
+        for b in writes(i):
+            last.setdefault(b.value, k)
+        for b in reads(i):
+            last[b.value] = k
+    waits = {i.token: k for k, i in enumerate(instrs) if isinstance(i, Wait)}
+    for i in instrs:
+        if isinstance(i, Comm) and not i.wait and i.send is not None:
+            last[i.send.value] = max(last[i.send.value], waits[i.token])
+    after: dict[int, list[str]] = {}
+    for v, k in last.items():
+        if v not in keep:
+            after.setdefault(k, []).append(v)
+    out: list[Instr] = []
+    for k, i in enumerate(instrs):
+        out.append(i)
+        if k in after:
+            out.append(Free(tuple(after[k])))
+    return tuple(out)
 
 
 def _emit(prog: list[Instr], later: list[tuple[set[str], list[Instr]]], instrs: list[Instr]) -> None:
     """Append ``instrs`` to ``prog``, each preceded by the deferred instructions (a Wait and what follows it)
     that fill a value it reads."""
     for i in instrs:
-        reads = _reads(i)
-        for item in [x for x in later if x[0] & reads]:
+        values = {b.value for b in reads(i)}
+        for item in [x for x in later if x[0] & values]:
             later.remove(item)
             prog.extend(item[1])
         prog.append(i)
@@ -284,8 +305,8 @@ def _bucket(plan: _Plan, k: int, r: int, token: int) -> tuple[list[Instr], list[
     d = len(group_members)
     t = token + axis_group_index(n0.group, n0.op.axis, r)
     note = f"bucket {k}: " + ", ".join(n.name for n in members)
-    comm = Comm(t, "all_reduce", "BWD", group_members, flat, 2 * flat.nbytes * (d - 1) // d, n0.op.axis,
-                send=packed, recv=reduced, note=note, wait=False)
+    comm = Comm(t, "all_reduce", "BWD", group_members, flat, wire_bytes("all_reduce", flat.nbytes, d), n0.op.axis,
+                send=packed, recv=reduced, note=note, wait=False, value=packed.value)
     return ([Compute("BWD", f"bucket{k}", "pack", ins, (packed,)), comm],
             [Wait(t), Compute("BWD", f"bucket{k}", "unpack", (reduced,), outs)])
 
@@ -322,8 +343,8 @@ def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
         root = members[dict(vin.group.fixed)[axis]]
         t = piece(vout)
         return [Comm(base + axis_group_index(group, axis, r), "broadcast", first.pass_, members, t.type,
-                     _nbytes(t.type) if r == root else 0, axis, root=root, send=piece(vin) if r == root else None,
-                     recv=t, note=first.name)]
+                     wire_bytes("broadcast", t.type.nbytes, len(members), r == root), axis, root=root, send=piece(vin) if r == root else None,
+                     recv=t, note=first.name, value=vin.id)]
     if st.kind == "reduce":
         group = vin.group
         if not in_group(group, r):
@@ -333,8 +354,8 @@ def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
         t = piece(vin)
         d = len(members)
         return [Comm(base + axis_group_index(group, axis, r), "reduce", first.pass_, members, t.type,
-                     _nbytes(t.type) * (d - 1) // d, axis, root=root, send=t,
-                     recv=piece(vout) if r == root else None, note=first.name)]
+                     wire_bytes("reduce", t.type.nbytes, d), axis, root=root, send=t,
+                     recv=piece(vout) if r == root else None, note=first.name, value=vin.id)]
     group = first.group
     if not in_group(group, r):
         return []
@@ -345,16 +366,15 @@ def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
     members = axis_members(group, axis, r)
     d = len(members)
     tin, tout = piece(vin), piece(vout)
-    full = {"all_reduce": tin, "reduce_scatter": tin, "all_gather": tout, "all_to_all": tin}[st.kind]
-    factor = 2 if st.kind == "all_reduce" else 1
-    nbytes = factor * _nbytes(full.type) * (d - 1) // d
+    nbytes = wire_bytes(st.kind, tin.type.nbytes, d)
     # all-gather: Combine's dim; reduce-scatter: the Repartition's; all-to-all: split the Repartition's dim,
     # concatenate along the Combine's.
     dims = (None, None) if st.kind == "all_reduce" else (first.op.dim, None) if st.kind == "all_gather" else \
         (last.op.dim, None) if st.kind == "reduce_scatter" else (last.op.dim, first.op.dim)
     return [Comm(base + axis_group_index(group, axis, r), st.kind, first.pass_, members, tin.type, nbytes, axis,
                  send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes),
-                 reduce_op=vin.sharding.reduce_op if st.kind in ("all_reduce", "reduce_scatter") else "sum")]
+                 reduce_op=vin.sharding.reduce_op if st.kind in ("all_reduce", "reduce_scatter") else "sum",
+                 value=vin.id)]
 
 
 def ring_peers(p: int, i: int, d: int) -> tuple[int, int]:
@@ -398,12 +418,14 @@ def _all_gather_steps(st: Step, plan: _Plan, r: int, base: int, form: str) -> li
     def comm(step: int, wait: bool) -> Comm:
         if form == "ring":
             to, frm = ring_peers(p, step + 1, d)
-            return Comm(token(step), "permute", n.pass_, members, own.type, own.type.nbytes, axis, peer=members[to],
-                        peer_from=members[frm], send=own, recv=chunks[frm], wait=wait, note=n.name)
+            return Comm(token(step), "permute", n.pass_, members, own.type, wire_bytes("permute", own.type.nbytes, d),
+                        axis, peer=members[to],
+                        peer_from=members[frm], send=own, recv=chunks[frm], wait=wait, note=n.name, value=vin.id)
         root = members[step]
-        return Comm(token(step), "broadcast", n.pass_, members, own.type, own.type.nbytes if r == root else 0, axis,
+        return Comm(token(step), "broadcast", n.pass_, members, own.type,
+                    wire_bytes("broadcast", own.type.nbytes, d, r == root), axis,
                     root=root, send=own if r == root else None, recv=None if r == root else chunks[step],
-                    wait=wait, note=n.name)
+                    wait=wait, note=n.name, value=vin.id)
 
     def compute_on(j: int) -> list[Instr]:
         out = []
@@ -455,8 +477,8 @@ def _reduce_scatter_ring(st: Step, plan: _Plan, r: int, base: int, form: str) ->
         to, frm = ring_peers(p, i, d)
         tmp = _chunk(src, i, d, dim, tag="recv")
         instrs.append(Comm(base + (i - 1) * groups + g, "permute", n.pass_, members, parts[to].type,
-                           parts[to].type.nbytes, axis, peer=members[to], peer_from=members[frm], send=parts[to],
-                           recv=tmp, note=f"{n.name} + {m.name}"))
+                           wire_bytes("permute", parts[to].type.nbytes, d), axis, peer=members[to], peer_from=members[frm], send=parts[to],
+                           recv=tmp, note=f"{n.name} + {m.name}", value=vin.id))
         nxt = out if i == d - 1 else Buffer(f"{out.value}#acc{i}", out.type)
         instrs.append(Compute(n.pass_, n.src, "add", (acc, tmp), (nxt,)))
         acc = nxt
@@ -486,16 +508,24 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         if src == r:
             out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name))
         else:
-            out.append(Comm(base + device_index(dst_v.group, r), "recv", n.pass_, (src, r), b.type, 0, "copy",
-                            peer=src, recv=b, note=n.name))
+            out.append(Comm(base + device_index(dst_v.group, r), "recv", n.pass_, (src, r), b.type,
+                            wire_bytes("recv", b.type.nbytes, 2), "copy",
+                            peer=src, recv=b, note=n.name, value=src_v.id, piece=_piece_index(src_v, dst_v, r)))
     if in_group(src_v.group, r):  # r as source of every destination it serves
         b = piece(src_v)
         for d in dst_v.group.devices():
             if d != r and _copy_source(src_v, dst_v, d) == r:
                 out.append(Comm(base + device_index(dst_v.group, d), "send", n.pass_, (r, d), b.type,
-                                _nbytes(b.type), "copy", peer=d, send=b, note=n.name))
+                                wire_bytes("send", b.type.nbytes, 2), "copy", peer=d, send=b, note=n.name, value=src_v.id,
+                                piece=_piece_index(src_v, dst_v, d)))
     out.sort(key=lambda i: i.token if isinstance(i, Comm) else -1)
     return out
+
+
+def _piece_index(src_v: Value, dst_v: Value, d: int) -> tuple[int, ...]:
+    """(sum index, shard index per dim) of the piece of a copy that destination device ``d`` receives."""
+    c = src_v.sharding.coord_of(dst_v.group, d)
+    return (c.sum, *c.shard)
 
 
 def _holder(v: Value, coord) -> int:
@@ -513,11 +543,3 @@ def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
     for k in seen.values():
         out[k] = out.get(k, 0) + 1
     return out
-
-
-def bandwidth_bound(kind: str, full_bytes: int, d: int) -> int:
-    """Bandwidth-optimal bytes one rank must send: (d−1)/d·N (all-gather, reduce-scatter, all-to-all),
-    2(d−1)/d·N (all-reduce)."""
-    return (2 if kind == "all_reduce" else 1) * full_bytes * (d - 1) // d if d > 1 else 0
-
-

@@ -20,11 +20,6 @@ from typing import Any, Mapping
 
 from shardflow.graph.ops import TensorType
 
-PASSES = ("FWD", "BWD", "LOSS", "UPD")
-
-# Communication kinds. Point-to-point: send/recv. Collectives over ``members``: the rest.
-COMM_KINDS = ("send", "recv", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all",
-              "permute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +67,11 @@ class Comm:
     the dim split into chunks and ``dim2`` the dim the received chunks are concatenated along.
     ``wait``: False when the communication is only issued here and completed by a later :class:`Wait`
     (a ring step that travels while the previous chunk is computed on). ``reduce_op``: how an all-reduce or
-    reduce-scatter combines the pieces (sum, avg, max, min — the pieces' Partial op).
+    reduce-scatter combines the pieces (sum, avg, max, min — the pieces' Partial op). ``value``: the
+    dynamic-graph value the communication moves (its source value, or a gradient bucket), the same on every
+    member; ``piece``: for a send/recv, the coordinate (sum, replica, shard per dim) of the piece moved.
+    Together they are the buffer identity in the :meth:`signature`: two same-shape communications swapped
+    with their tokens no longer look alike.
     """
 
     token: int
@@ -92,6 +91,8 @@ class Comm:
     note: str = ""
     wait: bool = True
     reduce_op: str = "sum"
+    value: str = ""
+    piece: tuple[int, ...] = ()
 
     @property
     def family(self) -> str:
@@ -99,8 +100,10 @@ class Comm:
         return "p2p" if self.kind in ("send", "recv") else self.kind
 
     def signature(self) -> tuple:
-        """What every member must agree on: (token, family, members, piece shape, dtype)."""
-        return (self.token, self.family, self.members, self.type.shape, self.type.dtype, self.reduce_op)
+        """What every member must agree on: token, family, members, piece shape, dtype, reduce op, the
+        dynamic-graph value moved and — for a send/recv, whose two ends move one piece — that piece."""
+        return (self.token, self.family, self.members, self.type.shape, self.type.dtype, self.reduce_op,
+                self.value, self.piece if self.family == "p2p" else ())
 
     def __str__(self) -> str:
         who = (f"peer={self.peer}" if self.kind in ("send", "recv") else
@@ -122,26 +125,40 @@ class Wait:
         return f"#{self.token:<4} wait"
 
 
-Instr = Compute | Comm | Wait
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Release this rank's buffers of ``values``: nothing reads them again in this step (Alpa's FREE)."""
+
+    values: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"      free {', '.join(self.values)}"
+
+
+Instr = Compute | Comm | Wait | Free
 
 
 @dataclass(frozen=True)
 class Program:
-    """The instructions of one rank, in issue order."""
+    """The instructions of one rank, in issue order. ``inputs``: the pieces the rank holds before its first
+    instruction (weights, optimizer state, the step's data and constants, placed by the executor) — with
+    them the program is self-contained: every value it reads is an input, computed or received earlier."""
 
     rank: int
     instrs: tuple[Instr, ...]
+    inputs: tuple[Buffer, ...] = ()
 
     @property
     def comms(self) -> tuple[Comm, ...]:
         return tuple(i for i in self.instrs if isinstance(i, Comm))
 
     def fingerprint(self) -> str:
-        """sha256 of the ordered (token, kind, members/peer, shape, dtype) of every communication."""
+        """sha256 of the ordered communications: token, kind, members/peer/root, shape, dtype, reduce op, the
+        value and piece moved and this rank's send/recv buffers."""
         h = hashlib.sha256()
         for c in self.comms:
-            h.update(repr((c.token, c.kind, c.members, c.peer, c.peer_from, c.root, c.type.shape,
-                           c.type.dtype, c.reduce_op)).encode())
+            h.update(repr((c.token, c.kind, c.members, c.peer, c.peer_from, c.root, c.type.shape, c.type.dtype,
+                           c.reduce_op, c.value, c.piece, c.send, c.recv)).encode())
         return h.hexdigest()
 
     def bytes_by_kind(self) -> dict[tuple[str, str], int]:
@@ -168,16 +185,19 @@ class Program:
                                "ins": [buf(b) for b in i.ins], "outs": [buf(b) for b in i.outs]})
             elif isinstance(i, Wait):
                 instrs.append({"type": "wait", "token": i.token})
+            elif isinstance(i, Free):
+                instrs.append({"type": "free", "values": list(i.values)})
             else:
                 instrs.append({"type": "comm", "token": i.token, "kind": i.kind, "pass": i.pass_,
                                "members": list(i.members), "shape": list(i.type.shape), "dtype": i.type.dtype,
                                "bytes": i.nbytes, "axis": i.axis, "peer": i.peer, "peer_from": i.peer_from,
                                "root": i.root, "send": buf(i.send), "recv": buf(i.recv), "wait": i.wait,
-                               "reduce_op": i.reduce_op})
+                               "reduce_op": i.reduce_op, "value": i.value, "piece": list(i.piece)})
         totals: dict[str, dict[str, int]] = {}
         for (kind, axis), n in self.bytes_by_kind().items():
             totals.setdefault(kind, {})[axis or "-"] = n
-        return {"rank": self.rank, "fingerprint": self.fingerprint(), "bytes": totals, "instructions": instrs}
+        return {"rank": self.rank, "fingerprint": self.fingerprint(), "bytes": totals,
+                "inputs": [buf(b) for b in self.inputs], "instructions": instrs}
 
 
 def programs_json(programs: Mapping[int, Program]) -> str:

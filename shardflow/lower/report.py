@@ -4,26 +4,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from shardflow.lower.comms import bound_bytes
 from shardflow.lower.program import Program
 from shardflow.parallel.pcg import PCG
-
-
-def bound_bytes(kind: str, piece_bytes: int, d: int, is_root: bool = False) -> int:
-    """Bandwidth-optimal bytes one rank of a ``d``-member communication sends (Patarasuk & Yuan, 2009):
-    (d−1)/d·N for all-gather (N = gathered bytes = d·piece), reduce-scatter and all-to-all (N = piece in),
-    2(d−1)/d·N for all-reduce; a send or one collective-permute step moves its piece; a broadcast root sends N
-    once; a reduce (d−1)/d·N."""
-    if kind == "all_gather":
-        return (d - 1) * piece_bytes
-    if kind in ("reduce_scatter", "all_to_all", "reduce"):
-        return piece_bytes * (d - 1) // d
-    if kind == "all_reduce":
-        return 2 * piece_bytes * (d - 1) // d
-    if kind in ("send", "permute"):  # a ring step moves one chunk; d−1 steps meet the all-gather bound
-        return piece_bytes
-    if kind == "broadcast":
-        return piece_bytes if is_root else 0
-    return 0
 
 
 def bytes_rows(programs: Mapping[int, Program]) -> list[tuple[int, str, str, int, int, int]]:

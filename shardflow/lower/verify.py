@@ -9,12 +9,11 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from typing import Iterator, Mapping
 
-from shardflow.lower.program import COMM_KINDS, Comm, Compute, Program, Wait
+from shardflow.lower.comms import FIELDS, CommKind
+from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait
+from shardflow.lower.rendezvous import rendezvous
 
 SHOWN = 5  # problems quoted in the error message; all are in ``problems``
-
-# The fields among peer / peer_from / root that each family uses (each must name a member); others are None.
-_FIELDS = {"p2p": ("peer",), "permute": ("peer", "peer_from"), "broadcast": ("root",), "reduce": ("root",)}
 
 
 class PlanVerificationError(ValueError):
@@ -47,13 +46,18 @@ def verify(programs: Mapping[int, Program], world_size: int) -> None:
     4. every pair of ranks issues the tokens they share in the same relative order;
     5. no deadlock: ranks run with every Comm a blocking rendezvous of its members; every rank must finish;
     6. every communication issued without waiting (``wait=False``) is completed by exactly one later
-       ``Wait`` on its rank, nothing reads its receive buffer before that ``Wait``, and every ``Wait`` completes
-       such a communication.
+       ``Wait`` on its rank, and every ``Wait`` completes such a communication;
+    7. per-rank dataflow: every buffer an instruction reads (a compute's inputs, a communication's send
+       buffer) is one of the program's ``inputs``, computed or received earlier on that rank (an async
+       receive only after its ``Wait``), with the piece shape and dtype it was made with; nothing is read or
+       freed after its :class:`Free`, and no send buffer of a communication in flight is freed before its
+       ``Wait``.
 
-    Raises :class:`PlanVerificationError` listing every problem, naming ranks, tokens and kinds.
+    Raises :class:`PlanVerificationError` listing every problem, naming ranks, tokens, instructions and values.
     """
     problems = (_check_programs(programs, world_size) + _check_order(programs) + _check_tokens(programs)
-                + _check_pairs(programs) + _check_deadlock(programs) + _check_waits(programs))
+                + _check_pairs(programs) + _check_deadlock(programs) + _check_waits(programs)
+                + _check_dataflow(programs))
     if problems:
         raise PlanVerificationError(problems)
 
@@ -83,8 +87,10 @@ def _d(c: Comm) -> str:
 
 
 def _what(c: Comm) -> str:
+    """What the holders of a token must agree on (:meth:`Comm.signature`), in words."""
     return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}" + (
-        f" root={c.root}" if c.root is not None else "") + (f" op={c.reduce_op}" if c.reduce_op != "sum" else "")
+        f" root={c.root}" if c.root is not None else "") + (f" op={c.reduce_op}" if c.reduce_op != "sum" else "") + (
+        f" of {c.value}" if c.value else "") + (f" piece {list(c.piece)}" if c.family == "p2p" and c.piece else "")
 
 
 def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[str]:
@@ -99,8 +105,8 @@ def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[st
 
 
 def _comm_errors(rank: int, c: Comm, world_size: int) -> Iterator[str]:
-    if c.kind not in COMM_KINDS:
-        yield f"unknown kind; expected one of {', '.join(COMM_KINDS)}"
+    if c.kind not in {k.value for k in CommKind}:
+        yield f"unknown kind; expected one of {', '.join(CommKind)}"
         return
     m = c.members
     if bad := [x for x in m if not 0 <= x < world_size]:
@@ -109,7 +115,7 @@ def _comm_errors(rank: int, c: Comm, world_size: int) -> Iterator[str]:
         yield f"the holding rank is not among members {list(m)}"
     if len(set(m)) != len(m):
         yield f"duplicate members in {list(m)}"
-    used = _FIELDS.get(c.family, ())
+    used = FIELDS.get(c.family, ())
     for field in ("peer", "peer_from", "root"):
         v = getattr(c, field)
         if field in used and v not in m and c.family != "p2p":  # p2p peers: checked against (src, dst) below
@@ -174,29 +180,19 @@ def _check_pairs(programs: Mapping[int, Program]) -> list[str]:
 
 
 def _check_deadlock(programs: Mapping[int, Program]) -> list[str]:
-    comms = {r: p.comms for r, p in programs.items()}
-    pos = dict.fromkeys(comms, 0)
-    waiting: dict[int, set[int]] = defaultdict(set)  # token -> ranks blocked at it
-    moved = list(comms)  # ranks that just reached their next Comm (or their end)
-    while moved:
-        r = moved.pop()
-        if pos[r] < len(comms[r]):
-            at = waiting[comms[r][pos[r]].token]
-            at.add(r)
-            if all(set(comms[q][pos[q]].members) <= at for q in at):  # every member is there: it completes
-                del waiting[comms[r][pos[r]].token]
-                for q in at:
-                    pos[q] += 1
-                moved += at
+    blocked = rendezvous(programs)
+    comms = {r: p.instrs[blocked[r]] for r, p in programs.items() if r in blocked}
+    at: dict[int, set[int]] = defaultdict(set)
+    for r, c in comms.items():
+        at[c.token].add(r)
 
     def state(m: int) -> str:
-        return f"rank {m} (" + ("no program" if m not in comms else "finished" if pos[m] == len(comms[m]) else
-                                f"blocked at {_d(comms[m][pos[m]])}") + ")"
+        return f"rank {m} (" + ("no program" if m not in programs else "finished" if m not in comms else
+                                f"blocked at {_d(comms[m])}") + ")"
 
     out = []
-    for r in sorted(r for r in comms if pos[r] < len(comms[r])):
-        c = comms[r][pos[r]]
-        absent = sorted({m for q in waiting[c.token] for m in comms[q][pos[q]].members} - waiting[c.token])
+    for r, c in sorted(comms.items()):
+        absent = sorted({m for q in at[c.token] for m in comms[q].members} - at[c.token])
         out.append(f"deadlock: rank {r} blocks at {_d(c)} over {list(c.members)} waiting for "
                    + ", ".join(map(state, absent)))
     return out
@@ -211,13 +207,70 @@ def _check_waits(programs: Mapping[int, Program]) -> list[str]:
                 if instr.token not in open_:
                     out.append(f"rank {r} waits on token {instr.token}, which it did not issue without waiting")
                 open_.pop(instr.token, None)
-                continue
-            reads = [b.value for b in instr.ins] if isinstance(instr, Compute) else \
-                [instr.send.value] if instr.send is not None else []
-            for t, c in open_.items():
-                if c.recv is not None and c.recv.value in reads:
-                    out.append(f"rank {r} reads {c.recv.value!r} before the wait of token {t} ({c.kind}) that fills it")
-            if isinstance(instr, Comm) and not instr.wait:
+            elif isinstance(instr, Comm) and not instr.wait:
                 open_[instr.token] = instr
         out += [f"rank {r} never waits on token {t} ({c.kind}), issued without waiting" for t, c in open_.items()]
+    return out
+
+
+def reads(i: Instr) -> tuple[Buffer, ...]:
+    """The buffers instruction ``i`` reads on its rank: a compute's inputs, a communication's send buffer."""
+    if isinstance(i, Compute):
+        return i.ins
+    return (i.send,) if isinstance(i, Comm) and i.send is not None else ()
+
+
+def writes(i: Instr) -> tuple[Buffer, ...]:
+    """The buffers instruction ``i`` fills on its rank (an async receive: filled at its ``Wait``)."""
+    if isinstance(i, Compute):
+        return i.outs
+    return (i.recv,) if isinstance(i, Comm) and i.recv is not None else ()
+
+
+def _instr(k: int, i: Instr) -> str:
+    what = f"token {i.token} ({i.kind})" if isinstance(i, Comm) else f"{i.op}" if isinstance(i, Compute) else \
+        f"wait {i.token}" if isinstance(i, Wait) else "free"
+    return f"instruction {k} [{what}]"
+
+
+def _check_dataflow(programs: Mapping[int, Program]) -> list[str]:
+    out = []
+    for r, p in sorted(programs.items()):
+        held: dict[str, Buffer] = {b.value: b for b in p.inputs}  # value → the buffer as made
+        freed: dict[str, int] = {}  # value → index of the Free that released it
+        arriving: dict[int, Buffer] = {}  # token → receive buffer of an async communication in flight
+        sending: dict[int, str] = {}  # token → send buffer of an async communication in flight
+        for k, i in enumerate(p.instrs):
+            for b in reads(i):
+                have = held.get(b.value)
+                if have is None:
+                    token = next((t for t, x in arriving.items() if x.value == b.value), None)
+                    why = (f"freed at instruction {freed[b.value]}" if b.value in freed else
+                           f"token {token} fills it only at its wait, later" if token is not None
+                           else "never computed, received or held as an input on this rank")
+                    out.append(f"rank {r} {_instr(k, i)} reads {b.value!r}: {why}")
+                elif have.type != b.type:
+                    out.append(f"rank {r} {_instr(k, i)} reads {b.value!r} as {b.type.dtype}{list(b.type.shape)} "
+                               f"but it holds {have.type.dtype}{list(have.type.shape)}")
+            if isinstance(i, Wait):
+                if (b := arriving.pop(i.token, None)) is not None:
+                    held[b.value] = b
+                sending.pop(i.token, None)
+            elif isinstance(i, Free):
+                for v in i.values:
+                    if v not in held:
+                        out.append(f"rank {r} {_instr(k, i)} frees {v!r}, which it does not hold")
+                    elif (t := next((t for t, s in sending.items() if s == v), None)) is not None:
+                        out.append(f"rank {r} {_instr(k, i)} frees {v!r} while token {t} still sends it")
+                    held.pop(v, None)
+                    freed[v] = k
+            elif isinstance(i, Comm) and not i.wait:
+                if i.recv is not None:
+                    arriving[i.token] = i.recv
+                if i.send is not None:
+                    sending[i.token] = i.send.value
+            else:
+                for b in writes(i):
+                    held[b.value] = b
+                    freed.pop(b.value, None)
     return out

@@ -20,16 +20,13 @@ from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import DynamicGraph
 from shardflow.lower.lowering import axis_members, in_group, steps
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.program import Comm, Compute, Wait
+from shardflow.lower.comms import Issued, issue
+from shardflow.lower.program import Comm, Compute, Free, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
 from shardflow.runtime import trace
-from shardflow.runtime.memory import Ledger, frees_after, persistent_values
-
-
-# gloo has no average: sum, then divide by the group size.
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+from shardflow.runtime.memory import Ledger
 
 
 class CommTimeout(RuntimeError):
@@ -117,8 +114,7 @@ class DistributedExecutor(Executor):
         self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1,
                                              self.saved if i.dnode in once else None)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
-        self.pending: dict[int, tuple[list, Comm]] = {}  # token → handles of a communication issued, not waited
-        self.frees = frees_after(self.program, persistent_values(self.dg))
+        self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
         # buffers packed for one communication and read by nothing else: reduced in place, not copied first
         self.scratch = {b.value for i in self.program.instrs if isinstance(i, Compute) and i.op == "pack"
                         for b in i.outs}
@@ -160,28 +156,32 @@ class DistributedExecutor(Executor):
         self._place_inputs(inputs)
         b, ledger, tracer = self.buffers, self.ledger, self.tracer
         ledger.sync(b)
-        for k, instr in enumerate(self.program.instrs):
+        for instr in self.program.instrs:
             t0 = trace.now() if tracer else 0.0
+            if isinstance(instr, Free):
+                for v in instr.values:
+                    b.pop(v, None)
+                    ledger.free(v)
+                continue
             if isinstance(instr, Compute):
                 xs = [b[x.value] for x in instr.ins]
                 outs = self.kernels[instr.dnode](xs) if instr.dnode else local_move(instr, xs)
                 for x, t in zip(instr.outs, outs):
                     b[x.value] = t
                     ledger.write(x.value, t)
-            elif isinstance(instr, Wait):
-                handles, c = self.pending.pop(instr.token)
-                for h in handles:
-                    self._wait(h, c)
             else:
-                out = self._communicate(instr)
-                if instr.recv is not None:
-                    b[instr.recv.value] = out
-                    ledger.write(instr.recv.value, out)
+                if isinstance(instr, Wait):
+                    issued, c = self.pending.pop(instr.token)
+                    for h in issued.handles:
+                        self._wait(h, c)
+                    out = issued.result()
+                else:
+                    c, out = instr, self._communicate(instr)
+                if out is not None:
+                    b[c.recv.value] = out
+                    ledger.write(c.recv.value, out)
             if tracer:
                 tracer.record(instr, t0, trace.now())
-            for v in self.frees[k]:
-                b.pop(v, None)
-                ledger.free(v)
         loss = self._loss()
         for new, old in self.renames:
             if new in b:
@@ -235,68 +235,17 @@ class DistributedExecutor(Executor):
                                  + "; something outside the plan ran a different sequence of communications")
 
     def _communicate(self, c: Comm) -> torch.Tensor | None:
-        """Issue communication ``c`` on this rank and wait for it (once) with the timeout."""
+        """Issue communication ``c`` on this rank (:func:`~shardflow.lower.comms.issue`); wait for it now
+        (once, with the timeout) and return what it received, or leave it to the ``Wait`` of its token."""
         if self.debug:
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
-        pg = self.groups.get(c.members)
-        d = len(c.members)
-        if c.kind == "send":
-            self._wait(dist.isend(send.contiguous(), c.peer), c)
+        issued = issue(c, send, self.rank, self.groups.get(c.members), in_place=c.send is not None
+                       and c.send.value in self.scratch)
+        if not c.wait:
+            self.pending[c.token] = (issued, c)
             return None
-        if c.kind == "recv":
-            out = torch.empty(c.recv.type.shape, dtype=self._dtype(c))
-            self._wait(dist.irecv(out, c.peer), c)
-            return out
-        if c.kind == "all_reduce":
-            out = send if c.send.value in self.scratch else send.clone()
-            work = dist.all_reduce(out, op=_REDUCE_OPS[c.reduce_op], group=pg, async_op=True)
-            if c.reduce_op == "avg":
-                self._wait(work, c)
-                return out / d
-            self._finish([work], c)
-            return out
-        if c.kind == "all_gather":
-            x = send.movedim(c.dim, 0).contiguous()
-            out = torch.empty((d * x.shape[0],) + x.shape[1:], dtype=x.dtype)
-            self._wait(dist.all_gather_into_tensor(out, x, group=pg, async_op=True), c)
-            return out.movedim(0, c.dim).contiguous()
-        if c.kind == "reduce_scatter":
-            # gloo's reduce-scatter is an all-reduce underneath (design note §6); do that, keep our block.
-            out = send.clone()
-            self._wait(dist.all_reduce(out, op=_REDUCE_OPS[c.reduce_op], group=pg, async_op=True), c)
-            out = out / d if c.reduce_op == "avg" else out
-            return out.chunk(d, c.dim)[c.members.index(self.rank)].contiguous()
-        if c.kind == "all_to_all":
-            x = torch.stack(send.chunk(d, c.dim)).contiguous()
-            out = torch.empty_like(x)
-            self._wait(dist.all_to_all_single(out, x, group=pg, async_op=True), c)
-            return torch.cat(list(out.unbind(0)), c.dim2).contiguous()
-        if c.kind == "broadcast":
-            shape = c.recv.type.shape if c.recv is not None else send.shape
-            out = send.clone() if self.rank == c.root else torch.empty(shape, dtype=self._dtype(c))
-            self._finish([dist.broadcast(out, src=c.root, group=pg, async_op=True)], c)
-            return out
-        if c.kind == "reduce":
-            out = send.clone()
-            self._wait(dist.reduce(out, dst=c.root, group=pg, async_op=True), c)
-            return out if self.rank == c.root else None
-        if c.kind == "permute":  # one ring step: send and recv issued together
-            out = torch.empty(c.recv.type.shape, dtype=self._dtype(c))
-            handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), c.peer),
-                                              dist.P2POp(dist.irecv, out, c.peer_from)])
-            self._finish(handles, c)
-            return out
-        raise ValueError(f"rank {self.rank}: no implementation for communication kind {c.kind!r} (token {c.token})")
+        for h in issued.handles:
+            self._wait(h, c)
+        return issued.result()
 
-    def _finish(self, handles: list, c: Comm) -> None:
-        """Wait for ``handles`` now, or leave them for the Wait instruction of ``c.token`` (each waited once)."""
-        if c.wait:
-            for h in handles:
-                self._wait(h, c)
-        else:
-            self.pending[c.token] = (handles, c)
-
-    @staticmethod
-    def _dtype(c: Comm) -> torch.dtype:
-        return torch_dtype(c.type.dtype)

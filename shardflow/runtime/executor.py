@@ -47,16 +47,13 @@ class Executor:
         for name, value in graph.constants.items():
             self._put(f"fwd:{name}", value)
 
-    def _state_values(self) -> list[str]:
-        return [vid for vid, v in self.dg.values.items() if v.role == "opt" and not vid.startswith("upd:")]
-
     def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
              steps_done: int = 0) -> None:
         """Place the full weights (by graph name) and optimizer ``state`` (full tensors by value id, as
         :meth:`state` returns them; zero when None) after ``steps_done`` steps. Every rank passes the same."""
         for w in self.dg.pcg.graph.weights:
             self._put(f"fwd:{w}", weights[w])
-        for vid in self._state_values():
+        for vid in self.dg.state_values():
             v = self.dg.values[vid]
             self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
         self.steps_done = steps_done
@@ -67,7 +64,7 @@ class Executor:
 
     def state(self) -> dict[str, torch.Tensor]:
         """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""
-        return {vid: self._get(vid) for vid in self._state_values()}
+        return {vid: self._get(vid) for vid in self.dg.state_values()}
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The gradients the last step's updates used, as full tensors by weight name."""

@@ -85,7 +85,7 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
         return lambda xs: [sum(xs[1:], xs[0])]
     if dn.kind == "update":
         slots = dn.inputs[2:len(dn.inputs) - (dn.clip > 0)]
-        if OPTIMIZER_SLOTS[cfg.slots] != tuple(v.split(":")[1] for v in slots):
+        if OPTIMIZER_SLOTS[cfg.slots] != tuple(dg.values[v].slot for v in slots):
             raise ValueError(f"the plan was lowered for optimizer state {slots}, not for {cfg}")
         if dn.clip:  # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
             def clipped(xs):

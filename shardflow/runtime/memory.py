@@ -1,56 +1,13 @@
-"""Buffer lifetimes and peak memory of a rank's program.
+"""Peak memory of a rank's program: the live bytes of its buffers.
 
-A buffer is freed right after the last instruction that reads it, unless it persists across steps (weights,
-optimizer state, the gradients the update used, the loss). Each rank holds only its pieces, so its peak is
-the largest sum of live piece sizes while its program runs.
+Lowering ends each buffer's life with a :class:`~shardflow.lower.program.Free` after its last reader, unless
+it persists across steps (weights, optimizer state, the gradients the update used, the loss). Each rank holds
+only its pieces, so its peak is the largest sum of live piece sizes while its program runs.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
-
-from shardflow.lower.dynamic import DynamicGraph
-from shardflow.lower.program import Comm, Compute, Program, Wait
-
-
-def persistent_values(dg: DynamicGraph) -> frozenset[str]:
-    """Values that outlive one step: weights, optimizer state (and their updated versions), the gradients
-    consumed by the updates (kept for inspection) and the loss."""
-    keep = {f"fwd:{dg.pcg.loss}"} if dg.pcg.loss else set()
-    for vid, v in dg.values.items():
-        if v.role == "opt" or vid.startswith("upd:") or (v.role == "fwd" and dg.pcg.tensors.get(v.tensor) is not None
-                                                          and dg.pcg.tensors[v.tensor].role == "weight"):
-            keep.add(vid)
-    for n in dg.nodes:
-        if n.kind == "update":
-            keep.add(n.inputs[1])
-    return frozenset(keep)
-
-
-def frees_after(program: Program, persistent: Iterable[str]) -> list[tuple[str, ...]]:
-    """For each instruction index, the buffers to free after it (last read, or written and never read)."""
-    keep = set(persistent)
-    last: dict[str, int] = {}
-    for k, instr in enumerate(program.instrs):
-        reads = [b.value for b in instr.ins] if isinstance(instr, Compute) else \
-            [instr.send.value] if isinstance(instr, Comm) and instr.send is not None else []
-        writes = [b.value for b in instr.outs] if isinstance(instr, Compute) else \
-            [instr.recv.value] if isinstance(instr, Comm) and instr.recv is not None else []
-        for v in writes:
-            last.setdefault(v, k)
-        for v in reads:
-            last[v] = k
-    waits = {i.token: k for k, i in enumerate(program.instrs) if isinstance(i, Wait)}
-    for k, instr in enumerate(program.instrs):  # a buffer sent asynchronously lives until its Wait
-        if isinstance(instr, Comm) and not instr.wait and instr.send is not None:
-            last[instr.send.value] = max(last[instr.send.value], waits[instr.token])
-    out: list[list[str]] = [[] for _ in program.instrs]
-    for v, k in last.items():
-        if v not in keep:
-            out[k].append(v)
-    return [tuple(x) for x in out]
 
 
 class Ledger:

@@ -17,6 +17,7 @@ from typing import Mapping
 
 from shardflow.lower.cost import CostModel
 from shardflow.lower.program import Comm, Compute, Program, Wait
+from shardflow.lower.rendezvous import rendezvous
 
 LANES = {"compute": 0, "communication": 1}
 
@@ -56,7 +57,6 @@ def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]
     """Events of the predicted timeline (pid = 1000 + rank): computes take their measured time, communications
     the model's, each communication starting when all its members reached it."""
     comp = {r: [e["dur"] / 1e6 for e in evs if e["tid"] == LANES["compute"]] for r, evs in measured.items()}
-    pos = {r: 0 for r in programs}
     clock = {r: 0.0 for r in programs}
     ci = {r: 0 for r in programs}
     out: list[dict] = []
@@ -66,33 +66,22 @@ def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]
         out.append({"name": name, "ph": "X", "pid": 1000 + r, "tid": lane, "ts": (t0 + start) * 1e6,
                     "dur": max(dur * 1e6, 0.01)})
 
-    while True:
-        progressed = False
-        for r, p in programs.items():
-            while pos[r] < len(p.instrs) and not isinstance(p.instrs[pos[r]], Comm):
-                i = p.instrs[pos[r]]
-                if isinstance(i, Compute):
-                    d = comp[r][ci[r]] if ci[r] < len(comp.get(r, [])) else 0.0
-                    emit(r, f"{i.pass_} {i.op}", LANES["compute"], clock[r], d)
-                    clock[r] += d
-                    ci[r] += 1
-                pos[r] += 1
-                progressed = True
-        waiting = {r: p.instrs[pos[r]] for r, p in programs.items() if pos[r] < len(p.instrs)}
-        if not waiting:
-            return out
-        token = min(c.token for c in waiting.values())
-        c0 = next(c for c in waiting.values() if c.token == token)
-        members = [m for m in c0.members if m in programs]
-        start = max(clock[m] for m in members)
-        for m in members:
-            c = programs[m].instrs[pos[m]]
+    def local(r: int, i) -> None:
+        if isinstance(i, Compute):
+            d = comp[r][ci[r]] if ci[r] < len(comp.get(r, [])) else 0.0
+            emit(r, f"{i.pass_} {i.op}", LANES["compute"], clock[r], d)
+            clock[r] += d
+            ci[r] += 1
+
+    def meet(holders: list[tuple[int, Comm]]) -> None:
+        start = max(clock[m] for m, _ in holders)
+        for m, c in holders:
             d = comm_seconds(c, cost)
-            emit(m, f"#{token} {c.kind} (model)", LANES["communication"], start, d)
+            emit(m, f"#{c.token} {c.kind} (model)", LANES["communication"], start, d)
             clock[m] = start + d
-            pos[m] += 1
-        if not progressed and not members:
-            return out
+
+    rendezvous(programs, local, meet)
+    return out
 
 
 def write(path: str | Path, measured: Mapping[int, list[dict]], predicted_events: list[dict] = ()) -> Path:

@@ -1,0 +1,182 @@
+"""Communication kinds, each defined once: bytes on the wire, the verifier's view, the local implementation
+and the torch.distributed implementation.
+
+Lowering asks :func:`wire_bytes` what a :class:`~shardflow.lower.program.Comm` costs; the verifier asks
+:data:`FIELDS` which of ``peer``/``peer_from``/``root`` it uses; the local executor runs :func:`run_local`
+(every member's buffers in one process), the distributed executor and the benchmarks :func:`issue`
+(this rank's side on torch.distributed); the bytes report and the benchmarks use :func:`wire_bytes` and
+:func:`bound_bytes`. A new kind is added here and nowhere else.
+
+Bytes: what one rank sends per call. The bandwidth-optimal bound (Patarasuk & Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", JPDC 2009): (d−1)/d·N for all-gather (N = the gathered
+bytes), reduce-scatter and all-to-all (N = the input piece), 2(d−1)/d·N for all-reduce; a send or one
+collective-permute step moves its piece; a broadcast root sends N once; a reduce (d−1)/d·N. Every kind
+below is implemented with a call whose ring algorithm meets the bound, so the wire bytes *are* the bound
+(gloo's reduce-scatter included: ``reduce_scatter_single``, not an all-reduce underneath).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Callable, Sequence
+
+import torch
+
+from shardflow.graph.ops import torch_dtype
+from shardflow.lower.program import Comm
+
+
+class CommKind(StrEnum):
+    """The kinds of :class:`~shardflow.lower.program.Comm`. ``send``/``recv`` are the two ends of one
+    point-to-point transfer (family ``p2p``); ``permute`` is one step of a collective-permute ring."""
+
+    SEND = "send"
+    RECV = "recv"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    REDUCE = "reduce"
+    PERMUTE = "permute"
+
+
+class ReduceOp(StrEnum):
+    """How partial pieces combine (DTensor's ``Partial(reduce_op)``)."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+
+
+# Which of peer / peer_from / root each family uses (each must name a member); the others stay None.
+FIELDS: dict[str, tuple[str, ...]] = {"p2p": ("peer",), "permute": ("peer", "peer_from"), "broadcast": ("root",),
+                                      "reduce": ("root",)}
+
+
+def bound_bytes(kind: str, piece_bytes: int, d: int, is_root: bool = False) -> int:
+    """Bandwidth-optimal bytes one rank of a ``d``-member communication sends; ``piece_bytes``: the rank's
+    send piece (for all-gather the piece it contributes)."""
+    if d <= 1 and kind not in ("send", "permute"):
+        return 0
+    if kind == "all_gather":
+        return (d - 1) * piece_bytes
+    if kind in ("reduce_scatter", "all_to_all", "reduce"):
+        return piece_bytes * (d - 1) // d
+    if kind == "all_reduce":
+        return 2 * piece_bytes * (d - 1) // d
+    if kind in ("send", "permute"):
+        return piece_bytes
+    if kind == "broadcast":
+        return piece_bytes if is_root else 0
+    return 0  # recv: the sender counts the bytes
+
+
+def wire_bytes(kind: str, piece_bytes: int, d: int, is_root: bool = False) -> int:
+    """Bytes one rank puts on the wire with shardflow's implementation of ``kind`` (:func:`issue`): every
+    implementation is a ring-algorithm call, so this is :func:`bound_bytes`."""
+    return bound_bytes(kind, piece_bytes, d, is_root)
+
+
+# --- local implementation: every member's buffers in one process ---------------------------------------
+_REDUCE = {"sum": lambda x: x.sum(0), "avg": lambda x: x.mean(0), "max": lambda x: x.amax(0),
+           "min": lambda x: x.amin(0)}
+
+
+def run_local(members: Sequence[Comm], sends: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """What each member receives (``None``: nothing), from what each sends; both in ``members[0].members``
+    order. Raises ValueError for an unknown kind."""
+    c = members[0]
+    d = len(members)
+    kind = c.family
+    if kind == "all_reduce":
+        s = _REDUCE[c.reduce_op](torch.stack(list(sends)))
+        return [s.clone() for _ in range(d)]
+    if kind == "all_gather":
+        s = torch.cat(list(sends), c.dim)
+        return [s.clone() for _ in range(d)]
+    if kind == "reduce_scatter":
+        return [x.contiguous() for x in _REDUCE[c.reduce_op](torch.stack(list(sends))).chunk(d, c.dim)]
+    if kind == "all_to_all":
+        chunks = [x.chunk(d, c.dim) for x in sends]
+        return [torch.cat([chunks[i][j] for i in range(d)], c.dim2) for j in range(d)]
+    if kind == "broadcast":
+        root = sends[c.members.index(c.root)]
+        return [None if m.recv is None else root.clone() for m in members]
+    if kind == "reduce":
+        s = torch.stack(list(sends)).sum(0)
+        return [s if m.recv is not None else None for m in members]
+    if kind == "permute":  # each member sends to its peer; each receives what was sent to it
+        sent_to = {m.peer: x for m, x in zip(members, sends)}
+        return [sent_to[r].clone() for r in c.members]
+    if kind == "p2p":
+        src = next(x for x in sends if x is not None)
+        return [None if m.kind == "send" else src.clone() for m in members]
+    raise ValueError(f"no local implementation of communication kind {c.kind!r} (token {c.token})")
+
+
+# --- torch.distributed implementation: this rank's side ------------------------------------------------
+@dataclass(frozen=True)
+class Issued:
+    """A communication issued on torch.distributed: its ``handles`` (wait each exactly once — gloo blocks on
+    a second wait of a finished send) and ``result()``, the received buffer once they completed."""
+
+    handles: tuple
+    result: Callable[[], torch.Tensor | None]
+
+
+def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: bool = False,
+          device: torch.device | str = "cpu") -> Issued:
+    """Issue this rank's side of ``c`` without waiting. ``send``: this rank's send buffer (shape
+    ``c.send.type.shape``); ``group``: the process group of ``c.members`` (None = the world); ``in_place``: the
+    send buffer is dead after ``c`` and may be reduced in place. Raises ValueError for an unknown kind."""
+    import torch.distributed as dist
+
+    def empty(shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch_dtype(c.type.dtype), device=device)
+
+    d = len(c.members)
+    op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+          "min": dist.ReduceOp.MIN}[c.reduce_op]  # gloo has no average: sum, then divide by the group size
+    scale = (lambda t: t / d) if c.reduce_op == "avg" else (lambda t: t)
+    kind = c.kind
+    if kind == "send":
+        return Issued((dist.isend(send.contiguous(), c.peer),), lambda: None)
+    if kind == "recv":
+        out = empty(c.recv.type.shape)
+        return Issued((dist.irecv(out, c.peer),), lambda: out)
+    if kind == "all_reduce":
+        out = send if in_place else send.clone()
+        return Issued((dist.all_reduce(out, op=op, group=group, async_op=True),), lambda: scale(out))
+    if kind == "all_gather":  # gathered dim to the front
+        x = send.movedim(c.dim, 0).contiguous()
+        out = empty((d * x.shape[0],) + tuple(x.shape[1:]))
+        return Issued((dist.all_gather_into_tensor(out, x, group=group, async_op=True),),
+                      lambda: out.movedim(0, c.dim).contiguous())
+    if kind == "reduce_scatter":  # scattered dim to the front
+        x = send.movedim(c.dim, 0).contiguous()
+        out = empty((x.shape[0] // d,) + tuple(x.shape[1:]))
+        return Issued((dist.reduce_scatter_single(out, x, op=op, group=group, async_op=True),),
+                      lambda: scale(out.movedim(0, c.dim).contiguous()))
+    if kind == "all_to_all":
+        x = torch.stack(send.chunk(d, c.dim)).contiguous()
+        out = torch.empty_like(x)
+        return Issued((dist.all_to_all_single(out, x, group=group, async_op=True),),
+                      lambda: torch.cat(list(out.unbind(0)), c.dim2).contiguous())
+    if kind == "broadcast":
+        root = rank == c.root
+        out = (send if in_place else send.clone()) if root else empty(c.recv.type.shape)
+        work = dist.broadcast(out, src=c.root, group=group, async_op=True)
+        return Issued((work,), lambda: out if c.recv is not None else None)
+    if kind == "reduce":
+        out = send if in_place else send.clone()
+        work = dist.reduce(out, dst=c.root, group=group, async_op=True)
+        return Issued((work,), lambda: out if rank == c.root else None)
+    if kind == "permute":  # one ring step: send and recv issued together
+        out = empty(c.recv.type.shape)
+        handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), c.peer),
+                                          dist.P2POp(dist.irecv, out, c.peer_from)])
+        return Issued(tuple(handles), lambda: out)
+    raise ValueError(f"rank {rank}: no implementation of communication kind {c.kind!r} (token {c.token})")
