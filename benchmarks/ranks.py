@@ -47,8 +47,11 @@ from harness import Variant, interleave, machine, say, stats, write_result  # no
 from shardflow.capture import capture  # noqa: E402
 from shardflow.graph import GraphBuilder  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
-from shardflow.lower.lowering import bandwidth_bound, in_group, piece, ring_peers  # noqa: E402
-from shardflow.lower.program import Compute  # noqa: E402
+from shardflow.graph.ops import TensorType  # noqa: E402
+from shardflow.lower.comm_lowering import ring_peers  # noqa: E402
+from shardflow.lower.comms import bound_bytes, issue  # noqa: E402
+from shardflow.lower.shard_expansion import in_group, piece  # noqa: E402
+from shardflow.lower.program import Buffer, Comm, Compute  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh  # noqa: E402
 from shardflow.parallel.pcg import Annotations, build_pcg  # noqa: E402
 from shardflow.parallel.sharding import Sharding  # noqa: E402
@@ -372,51 +375,45 @@ def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = N
     mine = torch.empty(n // d)
     summed = torch.zeros(n)  # the in-place all-reduce keeps it zero: no growth to inf over the repetitions
 
-    def sf_ag_collective():  # _communicate("all_gather"): gathered dim to the front, all_gather_into_tensor
-        x = own.movedim(0, 0).contiguous()
-        out = torch.empty((d * x.shape[0],) + x.shape[1:])
-        dist.all_gather_into_tensor(out, x, async_op=True).wait()
-        return out.movedim(0, 0).contiguous()
+    members = tuple(range(d))
+    chunk_t, full_t = TensorType((n // d,), "float32"), TensorType((n,), "float32")
+    buf = Buffer("x", chunk_t)
 
-    def sf_ag_ring():  # d−1 collective-permute steps (batch_isend_irecv), then the concat compute
+    def run(c: Comm, send: torch.Tensor | None) -> torch.Tensor | None:
+        """One communication through shardflow's own implementation (:func:`shardflow.lower.comms.issue`)."""
+        issued = issue(c, send, p)
+        _wait_all(issued.handles)
+        return issued.result()
+
+    def sf_ag_collective():  # the executor's all-gather
+        return run(Comm(0, "all_gather", "FWD", members, chunk_t, 0, dim=0), own)
+
+    def sf_ag_ring():  # d−1 collective-permute steps, then the concat compute
         chunks = [None] * d
         chunks[p] = own
         for i in range(1, d):
             to, frm = ring_peers(p, i, d)
-            buf = torch.empty(n // d)
-            _wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, own.contiguous(), to),
-                                              dist.P2POp(dist.irecv, buf, frm)]))
-            chunks[frm] = buf
+            chunks[frm] = run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf), own)
         return torch.cat(chunks, 0)
 
     def sf_ag_broadcast_loop():  # d broadcasts, root = step, then the concat compute
-        chunks = []
-        for root in range(d):
-            buf = own.clone() if p == root else torch.empty(n // d)
-            dist.broadcast(buf, src=root, async_op=True).wait()
-            chunks.append(buf)
-        return torch.cat(chunks, 0)
+        chunks = [run(Comm(root, "broadcast", "FWD", members, chunk_t, 0, root=root, recv=None if p == root else buf),
+                      own if p == root else None) for root in range(d)]
+        return torch.cat([own if x is None else x for x in chunks], 0)
 
-    def sf_rs_collective():  # _communicate("reduce_scatter"): all_reduce, keep own block
-        out = full.clone()
-        dist.all_reduce(out, async_op=True).wait()
-        return out.chunk(d, 0)[p].contiguous()
+    def sf_rs_collective():  # the executor's reduce-scatter
+        return run(Comm(0, "reduce_scatter", "FWD", members, full_t, 0, dim=0), full)
 
     def sf_rs_ring():  # chunk compute, then d−1 permute steps each followed by a local add
         parts = [c.contiguous() for c in full.chunk(d, 0)]
         acc = parts[p]
         for i in range(1, d):
             to, frm = ring_peers(p, i, d)
-            tmp = torch.empty(n // d)
-            _wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, parts[to].contiguous(), to),
-                                              dist.P2POp(dist.irecv, tmp, frm)]))
-            acc = acc + tmp
+            acc = acc + run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf), parts[to])
         return acc
 
-    def sf_all_reduce():  # _communicate("all_reduce"): clone, all_reduce
-        out = full.clone()
-        dist.all_reduce(out, async_op=True).wait()
-        return out
+    def sf_all_reduce():  # the executor's all-reduce
+        return run(Comm(0, "all_reduce", "FWD", members, full_t, 0), full)
 
     def gloo_ag():
         dist.all_gather_into_tensor(gathered, own)
@@ -504,7 +501,7 @@ def run_comm(p: dict, rank: int, world: int) -> dict:
             name = f"{form}@{n_bytes}"
             variants.append(Variant(name, _repeat(fn, iters)))
             meta[name] = {"form": form, "kind": kind, "bytes": n_bytes, "calls_per_step": iters,
-                          "bound_bytes": bandwidth_bound(kind, n_bytes, world)}
+                          "bound_bytes": bound_bytes(kind, n_bytes // world if kind == "all_gather" else n_bytes, world)}
     if p.get("loopback") and world >= 2:
         lb = Loopback(rank, p["loopback"])
         variants += [Variant("loopback one_way", lb.one_way), Variant("loopback both_ways", lb.both_ways)]

@@ -24,7 +24,8 @@ from shardflow.graph.graph import ComputationGraph
 from shardflow.graph.ops import OpError
 from shardflow.lower import lower_step
 from shardflow.lower.dynamic import PassError
-from shardflow.lower.lowering import lowering_summary
+from shardflow.lower.comm_lowering import lowering_summary
+from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
 from shardflow.lower.program import programs_json
 from shardflow.lower.report import bytes_table, pcg_dot
 from shardflow.lower.verify import PlanVerificationError
@@ -101,6 +102,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(graph.listing())
         return 0
     plan, pcg = plan_pcg(graph, mesh, args.strategy, args.plan)
+    if args.passes or args.dump_after:
+        dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
+        _, records = run_passes(pcg, LowerContext(args.optimizer), dump=dump)
+        if args.passes:
+            print(pass_table(records))
+        return 0
     step = lower_step(pcg, args.optimizer)  # proves the programs agree (raises PlanVerificationError)
     if args.rank is not None and args.rank not in step.programs:
         raise ValueError(f"--rank {args.rank}: mesh {mesh} has ranks 0..{mesh.size - 1}; pass one of them, or omit "
@@ -174,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text: PCG + per-rank programs + bytes + proof; json: the same, machine-readable; "
                         "dot: the PCG as Graphviz (SVG too when Graphviz is installed)")
     p.add_argument("--rank", type=int, help="show only this rank's program")
+    p.add_argument("--passes", action="store_true",
+                   help="list the lowering passes in order with their time and the size of the graph each returned")
+    p.add_argument("--dump-after", metavar="PASS", choices=[str(x.name) for x in PASSES],
+                   help="print the graph after this lowering pass (" + ", ".join(str(x.name) for x in PASSES) + ")")
     p.add_argument("--out", help="file for --format dot (default pcg.dot)")
     p.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adamw"), default="sgd",
                    help="optimizer whose state slots the update step carries (default sgd)")

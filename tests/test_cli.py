@@ -76,3 +76,20 @@ def test_plan_dot_writes_the_pcg(capsys, tmp_path):
     text = out_file.read_text()
     assert code == 0 and out.startswith(f"wrote {out_file}")
     assert text.startswith("digraph pcg {") and "style=dashed color=red" in text  # a stage crossing
+
+
+def test_plan_passes_lists_each_pass_with_its_time(capsys):
+    code, out, _ = run(capsys, "--strategy", "tp", "--nproc", "2", "--passes")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:3] == ["pass", "ms", "graph"]
+    assert [line.split()[0] for line in lines[1:]] == ["pass_expansion", "copy_insertion", "shard_expansion",
+                                                       "comm_lowering", "ordering", "verify"]
+    assert all(float(line.split()[1]) >= 0 for line in lines[1:])
+
+
+def test_plan_dump_after_prints_the_graph_after_one_pass(capsys):
+    code, out, _ = run(capsys, "--model", "mlp", "--layers", "2", "--strategy", "pp", "--mesh", "pp=2", "--dump-after", "copy_insertion")
+    assert code == 0 and out.startswith("dynamic graph: ") and "passes done: pass_expansion, copy_insertion" in out
+    assert "FWD  copy     FWD copy fwd:relu mesh[pp=0]->mesh[pp=1]" in out
+    code, out, _ = run(capsys, "--model", "mlp", "--layers", "2", "--strategy", "pp", "--mesh", "pp=2", "--dump-after", "ordering")
+    assert code == 0 and out.startswith("rank 0: ") and "recv" in out and "free " in out

@@ -6,8 +6,15 @@ import pytest
 
 from shardflow.graph import GraphBuilder
 from shardflow.lower import lower_step
-from shardflow.lower.dynamic import PassError, copy_insertion, pass_expansion
-from shardflow.lower.lowering import axis_group_index, axis_members, lower, steps
+import dataclasses
+
+from shardflow.lower.comm_lowering import comm_lowering
+from shardflow.lower.dynamic import PassError, PassName, copy_insertion, pass_expansion
+from shardflow.lower.ordering import ordering
+from shardflow.lower.passes import PASSES, LowerContext
+from shardflow.lower.shard_expansion import shard_expansion
+from shardflow.lower import lower
+from shardflow.lower.shard_expansion import axis_group_index, axis_members, steps
 from shardflow.lower import LowerOptions
 from shardflow.lower.program import Comm, Compute, Free, Wait
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
@@ -234,6 +241,50 @@ def test_passes_check_their_order():
         copy_insertion(dg)
 
 
+def test_every_pass_checks_its_preconditions():
+    """Hole 3 of issue #11: lowering a pp=2 MLP without copy insertion gave programs in which rank 1 reads
+    ``fwd:relu`` it never received; now every pass refuses a graph it cannot work on, naming what is missing."""
+    import torch
+    from shardflow.capture import capture
+    from shardflow.models import MLP
+    g = capture(MLP(d_in=8, hidden=8, d_out=4, n_layers=2), {"x": torch.zeros(4, 8), "y": torch.zeros(4, dtype=torch.long)})
+    mesh = Mesh.parse("pp=2")
+    pcg = build_pcg(g, mesh, resolve(make_plan(g, mesh, "pp"), g, mesh))
+    expanded = pass_expansion(pcg)
+    with pytest.raises(PassError, match=r"pass 'shard_expansion' needs \['copy_insertion'\] first"):
+        lower(expanded)
+    with pytest.raises(PassError, match="reads 'fwd:relu', held by another sub-mesh; run copy insertion first"):
+        shard_expansion(dataclasses.replace(expanded, done=expanded.done + (PassName.COPY_INSERTION,)))
+    dg = copy_insertion(expanded)
+    with pytest.raises(PassError, match=r"pass 'comm_lowering' needs \['shard_expansion'\] first"):
+        comm_lowering(dg)
+    sg = shard_expansion(dg)
+    with pytest.raises(PassError, match="already run"):
+        shard_expansion(sg)
+    with pytest.raises(PassError, match=r"pass 'ordering' needs \['comm_lowering'\] first"):
+        ordering(sg)
+    with pytest.raises(PassError, match=r"pass 'verify' needs \['ordering'\] first"):
+        PASSES[-1].run(comm_lowering(sg), LowerContext())
+    partial = shard_expansion(dg, ranks=(1,))
+    with pytest.raises(PassError, match="verify needs every rank's program"):
+        PASSES[-1].run(ordering(comm_lowering(partial)), LowerContext())
+    with pytest.raises(PassError, match=r"ranks \[2\] are not devices of mesh pp=2"):
+        shard_expansion(dg, ranks=(2,))
+
+
+def test_pass_log_names_every_pass_in_order_with_sizes():
+    graph = mlp()
+    mesh = Mesh.parse("tp=2")
+    pcg = build_pcg(graph, mesh, resolve(MEGATRON, graph, mesh))
+    step = lower_step(pcg)
+    assert [r.name for r in step.passes] == [p.name for p in PASSES]
+    assert all(r.seconds >= 0 for r in step.passes)
+    assert step.passes[0].size == f"{len(step.dg.nodes)} nodes, {len(step.dg.values)} values"
+    n = sum(len(p.instrs) - sum(isinstance(i, Free) for i in p.instrs) for p in step.programs.values())
+    assert step.passes[-1].size.endswith(f"{n} instructions on 2 rank(s)")
+    assert [r.name for r in lower_step(pcg, ranks=[0]).passes][-1] == PassName.ORDERING  # one rank: no proof
+
+
 def test_axis_groups_arithmetic():
     mesh = Mesh.parse("dp=2,tp=3")
     g = SubMesh(mesh)
@@ -305,7 +356,7 @@ def _sp_step(options, d=4):
 
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
-    from shardflow.lower.lowering import ring_peers
+    from shardflow.lower.comm_lowering import ring_peers
     from shardflow.lower.program import Compute, Wait
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():

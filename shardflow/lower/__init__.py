@@ -1,8 +1,9 @@
 """Lowering: one training step of a PCG → verified per-rank programs.
 
-The passes run in this order (``PASSES``), each checked before and after; :func:`lower_step` runs them all::
+The passes (:data:`~shardflow.lower.passes.PASSES`) run in order, each checked before and after;
+:func:`lower_step` runs them all::
 
-    pass_expansion → copy_insertion → shard expansion + communication lowering + ordering → verify
+    pass_expansion → copy_insertion → shard_expansion → comm_lowering → ordering → verify
 """
 
 from __future__ import annotations
@@ -11,20 +12,20 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from shardflow.lower.cost import CostModel, LowerOptions
-from shardflow.lower.dynamic import DynamicGraph, copy_insertion, pass_expansion
-from shardflow.lower.lowering import lower
+from shardflow.lower.dynamic import DynamicGraph, PassName
+from shardflow.lower.passes import PASSES, LowerContext, PassRecord, lower, run_passes
 from shardflow.lower.program import Program
 from shardflow.parallel.pcg import PCG
-
-PASSES = ("pass_expansion", "copy_insertion", "shard_expansion+comm_lowering+ordering", "verify")
 
 
 @dataclass(frozen=True)
 class LoweredStep:
-    """The dynamic graph of one step and the programs of the requested ranks."""
+    """The dynamic graph of one step, the programs of the requested ranks, and the pass log (name, seconds,
+    graph size after each pass)."""
 
     dg: DynamicGraph
     programs: Mapping[int, Program]
+    passes: tuple[PassRecord, ...] = ()
 
 
 def lower_step(pcg: PCG, optimizer: str = "sgd", ranks: Iterable[int] | None = None,
@@ -38,12 +39,11 @@ def lower_step(pcg: PCG, optimizer: str = "sgd", ranks: Iterable[int] | None = N
     plain collectives). ``clip_norm``: clip gradients to this global norm (one reduction over all devices).
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
-    dg = copy_insertion(pass_expansion(pcg, optimizer, training, clip_norm))
-    programs = lower(dg, ranks, options)
-    if verify and ranks is None:
-        from shardflow.lower.verify import verify as prove
-        prove(programs, pcg.mesh.size)
-    return LoweredStep(dg, programs)
+    ctx = LowerContext(optimizer, training, clip_norm, options or LowerOptions("collective", "collective"),
+                       None if ranks is None else tuple(ranks))
+    skip = () if verify and ranks is None else (PassName.VERIFY,)
+    sg, records = run_passes(pcg, ctx, skip=skip)
+    return LoweredStep(sg.dg, sg.programs, records)
 
 
-__all__ = ["PASSES", "CostModel", "LowerOptions", "LoweredStep", "lower_step"]
+__all__ = ["PASSES", "CostModel", "LowerOptions", "LoweredStep", "lower", "lower_step", "run_passes"]

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass, field
-from typing import Mapping
+from collections import Counter
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Iterable, Mapping
 
 from shardflow.graph.ops import TensorType, torch_dtype
 from shardflow.parallel.mesh import SubMesh
@@ -129,6 +131,26 @@ class DynamicGraph:
         keep.update(n.inputs[1] for n in self.nodes if n.kind == "update")
         return frozenset(keep)
 
+    def listing(self) -> str:
+        """One line per node in execution order — pass, kind, name, inputs → outputs — and each value's
+        sharding and sub-mesh at its first appearance (``--dump-after pass_expansion``)."""
+        seen: set[str] = set()
+        lines = [f"dynamic graph: {len(self.nodes)} nodes, {len(self.values)} values, passes done: "
+                 f"{', '.join(map(str, self.done))}"]
+
+        def show(vid: str) -> str:
+            if vid in seen:
+                return vid
+            seen.add(vid)
+            v = self.values[vid]
+            return f"{vid}[{v.sharding}@{v.group}]"
+
+        for n in self.nodes:
+            ins = ", ".join(map(show, n.inputs))
+            outs = ", ".join(map(show, n.outputs))
+            lines.append(f"  {n.pass_:<4} {n.kind:<8} {n.name}: {ins} -> {outs}")
+        return "\n".join(lines)
+
     def fingerprint(self) -> str:
         """sha256 of the whole step (nodes, values with their shardings, every local kernel): equal on every
         rank that built the same plan, whatever its rank — what ranks compare at start-up."""
@@ -140,12 +162,26 @@ class PassError(RuntimeError):
     """A pass found the graph in a state it cannot work on (run twice, run out of order, left work undone)."""
 
 
-def _require(dg: DynamicGraph, name: str, before: tuple[str, ...]) -> None:
-    if name in dg.done:
-        raise PassError(f"pass {name!r} has already run on this graph (passes done: {list(dg.done)})")
-    missing = [p for p in before if p not in dg.done]
+class PassName(StrEnum):
+    """The lowering passes, in order (see :mod:`shardflow.lower.passes`)."""
+
+    PASS_EXPANSION = "pass_expansion"
+    COPY_INSERTION = "copy_insertion"
+    SHARD_EXPANSION = "shard_expansion"
+    COMM_LOWERING = "comm_lowering"
+    ORDERING = "ordering"
+    VERIFY = "verify"
+
+
+def require(done: Iterable[str], name: PassName, before: tuple[PassName, ...]) -> None:
+    """The check every pass makes first: it has not run yet, and the passes ``before`` have. Raises
+    PassError naming what is missing."""
+    done = [str(p) for p in done]
+    if name in done:
+        raise PassError(f"pass {str(name)!r} has already run on this graph (passes done: {done})")
+    missing = [str(p) for p in before if p not in done]
     if missing:
-        raise PassError(f"pass {name!r} needs {missing} first (passes done: {list(dg.done)})")
+        raise PassError(f"pass {str(name)!r} needs {missing} first (passes done: {done})")
 
 
 def canonical_grad(s: Sharding) -> Sharding:
@@ -230,7 +266,7 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
                              n.name, n.op if n.is_parallel else None, label=n.op.describe()))
 
     if not training:
-        return DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, ("pass_expansion",))
+        return _expanded(pcg, g, optimizer)
     need = _needs_grad(pcg)
     for t in sorted(need):
         s = pcg.tensors[t].sharding
@@ -268,7 +304,8 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
     # A weight's gradient is finalized (its synchronisation issued) as soon as its last consumer's backward
     # has run, so that data parallelism's all-reduces can overlap the rest of the backward.
     weights = [w for w, t in pcg.tensors.items() if t.role == "weight" and w in pcg.graph.tensors]
-    pending = {w: sum(w in n.inputs for n in pcg.nodes) for w in weights}
+    readers = Counter(t for n in pcg.nodes for t in dict.fromkeys(n.inputs))
+    pending = {w: readers[w] for w in weights}
     early: dict[str, str | None] = {}
 
     def consumed(n: PNode) -> None:
@@ -340,7 +377,21 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
                             slot=g.values[x].slot, replaces=x) for x in (f"fwd:{w}",) + slots)
         g.nodes.append(DNode(f"UPD {w}", "UPD", "update", (f"fwd:{w}", dw) + slots + norm2, new, t.group, w,
                              clip=clip_norm or 0.0))
-    return DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, ("pass_expansion",))
+    return _expanded(pcg, g, optimizer)
+
+
+def _expanded(pcg: PCG, g: _Graph, optimizer: str) -> DynamicGraph:
+    """The graph pass expansion returns, after its check: every PCG node has its FWD node, and every node
+    reads only values made by an earlier node or placed by the executor (weights, state, inputs)."""
+    dg = DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, (PassName.PASS_EXPANSION,))
+    have = set(dg.placed())
+    for n in dg.nodes:
+        if missing := [v for v in n.inputs if v not in have]:
+            raise PassError(f"pass expansion: {n.name!r} reads {missing}, made by no earlier node")
+        have.update(n.outputs)
+    if len([n for n in dg.nodes if n.pass_ == "FWD" and n.src]) < len(pcg.nodes):
+        raise PassError("pass expansion left PCG nodes without a FWD node")
+    return dg
 
 
 def _moves_between_submeshes(n: DNode) -> bool:
@@ -349,9 +400,17 @@ def _moves_between_submeshes(n: DNode) -> bool:
     return n.kind in ("copy", "select", "sumsq") or isinstance(n.op, Replicate)
 
 
+def cross_submesh_reads(dg: DynamicGraph) -> list[tuple[str, str]]:
+    """(node, value) for every read of a value held by another sub-mesh by a node that does not move data
+    between sub-meshes itself: what copy insertion removes, and what every later pass refuses."""
+    return [(n.name, v) for n in dg.nodes if not _moves_between_submeshes(n)
+            for v in n.inputs if dg.values[v].group != n.group]
+
+
 def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
-    """A COPY in front of every read of a value held by another sub-mesh (see the module docstring)."""
-    _require(dg, "copy_insertion", ("pass_expansion",))
+    """A COPY in front of every read of a value held by another sub-mesh (see the module docstring).
+    Raises PassError if pass expansion has not run, this pass has, or (after) a cross-sub-mesh read is left."""
+    require(dg.done, PassName.COPY_INSERTION, (PassName.PASS_EXPANSION,))
     g = _Graph(dg.values)
     copies: dict[tuple[str, SubMesh], str] = {}
     for n in dg.nodes:
@@ -370,9 +429,7 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
                 copies[key] = out
             ins.append(copies[key])
         g.nodes.append(dataclasses.replace(n, inputs=tuple(ins)))
-    out = DynamicGraph(dg.pcg, g.values, tuple(g.nodes), dg.optimizer, dg.done + ("copy_insertion",))
-    for n in out.nodes:
-        bad = [v for v in n.inputs if out.values[v].group != n.group and not _moves_between_submeshes(n)]
-        if bad:
-            raise PassError(f"copy insertion left {n.name!r} reading {bad} from another sub-mesh")
+    out = DynamicGraph(dg.pcg, g.values, tuple(g.nodes), dg.optimizer, dg.done + (PassName.COPY_INSERTION,))
+    if bad := cross_submesh_reads(out):
+        raise PassError(f"copy insertion left {bad[0][0]!r} reading {bad[0][1]!r} from another sub-mesh")
     return out

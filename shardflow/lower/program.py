@@ -142,11 +142,14 @@ Instr = Compute | Comm | Wait | Free
 class Program:
     """The instructions of one rank, in issue order. ``inputs``: the pieces the rank holds before its first
     instruction (weights, optimizer state, the step's data and constants, placed by the executor) — with
-    them the program is self-contained: every value it reads is an input, computed or received earlier."""
+    them the program is self-contained: every value it reads is an input, computed or received earlier.
+    ``groups``: the member tuples of every process group of the plan, in the one order every rank creates
+    them (torch.distributed needs every rank in every ``new_group`` call, member or not)."""
 
     rank: int
     instrs: tuple[Instr, ...]
     inputs: tuple[Buffer, ...] = ()
+    groups: tuple[tuple[int, ...], ...] = ()
 
     @property
     def comms(self) -> tuple[Comm, ...]:

@@ -2,7 +2,7 @@
 
 Every rank builds the same plan deterministically and lowers only its own program; at start-up the ranks
 compare the fingerprint of the plan (the dynamic graph of the step) and refuse to run on a mismatch. Process groups are created in one order on every
-rank (:func:`process_groups`). Every communication waits with a timeout; a timeout names the rank, the token,
+rank (``Program.groups``). Every communication waits with a timeout; a timeout names the rank, the token,
 the operation and the peer or group it waited on.
 """
 
@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardflow.lower import LoweredStep
-from shardflow.lower.dynamic import DynamicGraph
-from shardflow.lower.lowering import axis_members, in_group, steps
+from shardflow.lower.shard_expansion import in_group
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.comms import Issued, issue
 from shardflow.lower.program import Comm, Compute, Free, Wait
@@ -35,19 +34,6 @@ class CommTimeout(RuntimeError):
 
 class CommDivergence(RuntimeError):
     """Debug mode: the members of a communication are at different tokens (code outside the plan diverged)."""
-
-
-def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
-    """Every collective's member tuple, in first-use order — the order every rank creates them in."""
-    seen: dict[tuple[int, ...], None] = {}
-    for st in steps(dg):
-        n = st.nodes[0]
-        if n.kind != "parallel" or st.kind in ("split", "alias"):
-            continue
-        group = dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
-        for d in group.devices():
-            seen.setdefault(axis_members(group, n.op.axis, d))
-    return list(seen)
 
 
 def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
@@ -105,7 +91,7 @@ class DistributedExecutor(Executor):
                              f"processes; start {mesh.size} processes or change --mesh")
         self._check_fingerprints()
         self.groups = dict(share.groups) if share else {}
-        for m in process_groups(self.dg):  # same order on every rank
+        for m in self.program.groups:  # same order on every rank
             if m not in self.groups:
                 self.groups[m] = None if len(m) == self.world else dist.new_group(list(m), timeout=self.timeout)
         nodes = {n.name: n for n in self.dg.nodes}

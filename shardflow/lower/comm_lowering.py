@@ -1,123 +1,36 @@
-"""Shard expansion, communication lowering and ordering: dynamic graph → one program per rank.
+"""Communication lowering (design §6): the communication steps of a sharded graph → communications.
 
-* **Shard expansion**: a compute node becomes one invocation per device of its sub-mesh, on that device's
-  pieces (every buffer at its piece size); a copy becomes one transfer per piece, issued by the device that
-  holds it — a piece whose source and destination device coincide moves nowhere.
-* **Communication lowering**, from one table (:data:`LOWERING`): along the mesh axis a parallel op acts on,
-  every group of devices that differ only in that axis runs one collective —
-  Reduction → all-reduce; Reduction then Repartition on the same axis → reduce-scatter; Combine → all-gather;
-  Combine then Repartition of another dim on the same axis → all-to-all; Repartition alone → a local split;
-  any parallel op along an axis of one device → a local alias (nothing moves); Replicate → broadcast from
-  the root; Replicate's backward → reduce to the root; copies → send/recv.
-  ``nbytes`` is what one rank puts on the wire (:func:`~shardflow.lower.comms.wire_bytes`, the one byte
-  formula of every communication kind).
-* **Ordering**: every communication instance gets a token, its position in one global order (the
-  dynamic graph's node order, then group order); each rank's program issues its communications in token
-  order. Token numbers are computed arithmetically, so a rank can lower only its own program
-  (``lower(dg, ranks=[r])``) at a cost that does not grow with the world size.
+From the one table :data:`~shardflow.lower.shard_expansion.LOWERING`: along the mesh axis a parallel op acts
+on, every group of devices that differ only in that axis runs one collective — Reduction → all-reduce;
+Reduction then Repartition on the same axis → reduce-scatter; Combine → all-gather; Combine then Repartition
+of another dim on the same axis → all-to-all; Replicate → broadcast from the root; Replicate's backward →
+reduce to the root; copies → send/recv, one per piece, issued by the device that holds it (a piece whose
+source and destination device coincide moves nowhere). All-gathers and reduce-scatters may instead run as
+rings of collective-permutes (all-gathers also as broadcast loops), chosen by the cost model
+(:class:`~shardflow.lower.cost.LowerOptions`); final gradient all-reduces are packed into buckets.
+``nbytes`` is what one rank puts on the wire (:func:`~shardflow.lower.comms.wire_bytes`, the one byte
+formula of every communication kind). Tokens are relative to their step here; ordering makes them global.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Mapping
+from typing import Mapping
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.dynamic import DNode, DynamicGraph, Value
 from shardflow.lower.comms import wire_bytes
 from shardflow.lower.cost import LowerOptions
-from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait
-from shardflow.lower.verify import reads, writes
+from shardflow.lower.dynamic import DNode, DynamicGraph, PassError, PassName, Value, require
+from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program, Wait
+from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
+                                             in_group, piece, steps)
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
-
-LOWERING = {
-    ("reduction",): "all_reduce",
-    ("reduction", "repartition"): "reduce_scatter",
-    ("combine",): "all_gather",
-    ("combine", "repartition"): "all_to_all",
-    ("repartition",): "split",
-    ("replicate", "FWD"): "broadcast",
-    ("replicate", "BWD"): "reduce",
-    ("copy",): "send/recv",
-}
-
-
-def piece(v: Value) -> Buffer:
-    """The buffer one device holds of value ``v`` (its piece shape)."""
-    return Buffer(v.id, TensorType(v.sharding.parallel_shape(v.group, v.type.shape).piece_shape, v.type.dtype))
-
-
-# --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
-def axis_members(group: SubMesh, axis: str, device: int) -> tuple[int, ...]:
-    """The devices of ``group`` that differ from ``device`` only in their coordinate on ``axis``, in order."""
-    c = group.coords(device)
-    return tuple(group.device_of(c | {axis: i}) for i in range(group.mesh.axis_size(axis)))
-
-
-def axis_group_index(group: SubMesh, axis: str, device: int) -> int:
-    """Index of ``device``'s axis group among all groups of ``group`` along ``axis`` (row-major in the others)."""
-    c = group.coords(device)
-    idx = 0
-    for a, s in zip(group.free_axes, group.free_shape):
-        if a != axis:
-            idx = idx * s + c[a]
-    return idx
-
-
-def device_index(group: SubMesh, device: int) -> int:
-    """Row-major index of ``device`` among the devices of ``group``."""
-    return group.index(device)
-
-
-def in_group(group: SubMesh, device: int) -> bool:
-    return group.index(device) is not None
-
+from shardflow.parallel.ops import Replicate
 
 @dataclass(frozen=True)
-class Step:
-    """A unit of lowering: one dynamic-graph node, or a fused pair of parallel-op nodes (``kind`` from LOWERING)."""
-
-    nodes: tuple[DNode, ...]
-    kind: str
-
-
-def steps(dg: DynamicGraph) -> list[Step]:
-    """Group the nodes into lowering steps, fusing Reduction→Repartition and Combine→Repartition pairs on
-    one axis when nothing else reads the intermediate value."""
-    readers: dict[str, int] = {}
-    for n in dg.nodes:
-        for v in n.inputs:
-            readers[v] = readers.get(v, 0) + 1
-    out: list[Step] = []
-    nodes = list(dg.nodes)
-    i = 0
-    while i < len(nodes):
-        n = nodes[i]
-        if n.kind == "parallel" and n.op.degree == 1:  # an axis of one device: nothing moves
-            out.append(Step((n,), "alias"))
-            i += 1
-            continue
-        if n.kind == "parallel" and isinstance(n.op, (Reduction, Combine)) and i + 1 < len(nodes):
-            m = nodes[i + 1]
-            if (isinstance(m.op, Repartition) and m.kind == "parallel" and m.inputs == n.outputs
-                    and m.op.axis == n.op.axis and readers.get(n.outputs[0], 0) == 1
-                    and not (isinstance(n.op, Combine) and m.op.dim == n.op.dim)):
-                out.append(Step((n, m), LOWERING[(n.op.kind, "repartition")]))
-                i += 2
-                continue
-        if n.kind == "parallel":
-            key = (n.op.kind, n.pass_) if isinstance(n.op, Replicate) else (n.op.kind,)
-            out.append(Step((n,), LOWERING[key]))
-        else:
-            out.append(Step((n,), n.kind))
-        i += 1
-    return out
-
-
-@dataclass(frozen=True)
-class _Plan:
+class Decisions:
     """Decisions lowering takes once for the whole graph (so every rank takes the same ones): the form of each
     all-gather / reduce-scatter step, and the consumer computes fused into a ring or broadcast loop."""
 
@@ -136,7 +49,7 @@ class _Plan:
         return {n.name: k for k, b in enumerate(self.buckets) for n in b}
 
 
-def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> _Plan:
+def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> Decisions:
     forms: dict[str, str] = {}
     fused: dict[str, tuple[DNode, ...]] = {}
     leaves = {f"fwd:{n}" for n, t in dg.pcg.tensors.items() if t.role != "activation"}
@@ -161,7 +74,7 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> _
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
             summed = dg.values[n.inputs[0]].sharding.reduce_op == "sum"  # the ring adds; other ops stay plain
             forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else "collective"
-    return _Plan(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes))
+    return Decisions(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes))
 
 
 def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[DNode, ...], ...]:
@@ -193,7 +106,7 @@ def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[D
     return tuple(b for b in out if len(b) > 1)
 
 
-def _instances(st: Step, plan: _Plan) -> int:
+def instances(st: Step, plan: Decisions) -> int:
     """How many communications (tokens) a step makes."""
     n = st.nodes[0]
     if st.kind == "copy":
@@ -210,85 +123,45 @@ def _instances(st: Step, plan: _Plan) -> int:
     return groups * {"collective": 1, "ring": d - 1, "broadcast_loop": d}[form]
 
 
-def _compute_op(n: DNode, dg: DynamicGraph) -> str:
-    if n.kind == "compute":
-        return n.label
-    return {"seed": "ones", "sum": "sum", "update": f"{dg.optimizer}_update", "select": "keep_root"}[n.kind]
+def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> ShardedGraph:
+    """Fill every communication step of ``sg`` with its communications on each lowered rank (tokens relative
+    to the step); consumers fused into a ring are computed there, chunk by chunk, instead of on their own.
+    ``options``: the forms of all-gathers and reduce-scatters and the gradient bucket size (default: plain
+    collectives, default buckets). Raises PassError if shard expansion has not run or this pass has."""
+    require(sg.done, PassName.COMM_LOWERING, (PassName.SHARD_EXPANSION,))
+    plan = _decide(sg.dg, options or LowerOptions("collective", "collective"), list(sg.steps))
+    suppressed = plan.suppressed
+    instrs, deferred = {}, {}
+    for r in sg.ranks:
+        now, later = [], []
+        for st, local in zip(sg.steps, sg.instrs[r]):
+            after: list[Instr] = []
+            if st.local:
+                mine = [] if st.kind == "compute" and st.nodes[0].name in suppressed else list(local)
+            else:
+                b = plan.bucket_of.get(st.nodes[0].name)
+                if b is None:
+                    mine = _expand_comm(st, plan, r, 0)
+                elif plan.buckets[b][-1] is st.nodes[0]:
+                    mine, after = _bucket(plan, b, r, 0)
+                else:
+                    mine = []  # issued with its bucket, at the bucket's last member
+            now.append(tuple(mine))
+            later.append(tuple(after))
+        instrs[r], deferred[r] = tuple(now), tuple(later)
+    out = dataclasses.replace(sg, instrs=instrs, deferred=deferred, decisions=plan,
+                              done=sg.done + (PassName.COMM_LOWERING,))
+    for r in sg.ranks:  # after: every token within its step's count
+        for k, st in enumerate(sg.steps):
+            n = instances(st, plan)
+            bad = [i for i in instrs[r][k] + deferred[r][k] if isinstance(i, (Comm, Wait)) and not 0 <= i.token < n]
+            if bad:
+                raise PassError(f"communication lowering: rank {r} step {k} ({st.kind}) has token {bad[0].token} "
+                                f"outside its {n} communication(s)")
+    return out
 
 
-def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None, options: LowerOptions | None = None) -> dict[int, Program]:
-    """Per-rank programs for ``ranks`` (default: every device of the mesh). Deterministic: every rank that
-    lowers the same dynamic graph gets the same tokens. ``options`` chooses how all-gathers and
-    reduce-scatters run (default: the plain collectives)."""
-    mesh = dg.pcg.mesh
-    ranks = list(range(mesh.size)) if ranks is None else list(ranks)
-    all_steps = steps(dg)
-    plan = _decide(dg, options or LowerOptions("collective", "collective"), all_steps)
-    suppressed, bucket_of = plan.suppressed, plan.bucket_of
-    progs: dict[int, list[Instr]] = {r: [] for r in ranks}
-    later: dict[int, list[tuple[set[str], list[Instr]]]] = {r: [] for r in ranks}  # (values, instrs filling them)
-    token = 0
-    for st in all_steps:
-        n = st.nodes[0]
-        if st.kind == "compute" and n.name in suppressed:
-            continue  # computed chunk by chunk inside the ring that feeds it
-        b = bucket_of.get(n.name)
-        for r in ranks:
-            if b is None:
-                _emit(progs[r], later[r], _expand(st, plan, r, token))
-            elif plan.buckets[b][-1] is n:
-                now, after = _bucket(plan, b, r, token)
-                _emit(progs[r], later[r], now)
-                if after:
-                    later[r].append(({i.value for i in after[-1].outs}, after))
-        token += _instances(st, plan)
-    for r in ranks:
-        for _, instrs in later[r]:
-            progs[r].extend(instrs)
-    placed, keep = dg.placed(), dg.persistent()
-    return {r: Program(r, with_frees(instrs, keep), tuple(piece(dg.values[v]) for v in placed
-                                                           if in_group(dg.values[v].group, r)))
-            for r, instrs in progs.items()}
-
-
-def with_frees(instrs: list[Instr], keep: frozenset[str]) -> tuple[Instr, ...]:
-    """``instrs`` with a :class:`Free` after the last instruction that reads each buffer (or that writes it,
-    if nothing reads it), except the values in ``keep`` (they outlive the step). A buffer sent by a
-    communication issued without waiting lives until that communication's ``Wait``."""
-    last: dict[str, int] = {}
-    for k, i in enumerate(instrs):
-        for b in writes(i):
-            last.setdefault(b.value, k)
-        for b in reads(i):
-            last[b.value] = k
-    waits = {i.token: k for k, i in enumerate(instrs) if isinstance(i, Wait)}
-    for i in instrs:
-        if isinstance(i, Comm) and not i.wait and i.send is not None:
-            last[i.send.value] = max(last[i.send.value], waits[i.token])
-    after: dict[int, list[str]] = {}
-    for v, k in last.items():
-        if v not in keep:
-            after.setdefault(k, []).append(v)
-    out: list[Instr] = []
-    for k, i in enumerate(instrs):
-        out.append(i)
-        if k in after:
-            out.append(Free(tuple(after[k])))
-    return tuple(out)
-
-
-def _emit(prog: list[Instr], later: list[tuple[set[str], list[Instr]]], instrs: list[Instr]) -> None:
-    """Append ``instrs`` to ``prog``, each preceded by the deferred instructions (a Wait and what follows it)
-    that fill a value it reads."""
-    for i in instrs:
-        values = {b.value for b in reads(i)}
-        for item in [x for x in later if x[0] & values]:
-            later.remove(item)
-            prog.extend(item[1])
-        prog.append(i)
-
-
-def _bucket(plan: _Plan, k: int, r: int, token: int) -> tuple[list[Instr], list[Instr]]:
+def _bucket(plan: Decisions, k: int, r: int, token: int) -> tuple[list[Instr], list[Instr]]:
     """Bucket ``k`` on rank ``r``: what runs at its last gradient (pack the members' pieces into one flat
     buffer, issue one all-reduce without waiting) and what runs before the first read of a member's result
     (wait, unpack into views)."""
@@ -311,26 +184,11 @@ def _bucket(plan: _Plan, k: int, r: int, token: int) -> tuple[list[Instr], list[
             [Wait(t), Compute("BWD", f"bucket{k}", "unpack", (reduced,), outs)])
 
 
-def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
-    """The instructions of step ``st`` on rank ``r`` (token numbers from ``base``)."""
+def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
+    """The instructions of communication step ``st`` on rank ``r`` (token numbers from ``base``)."""
     dg = plan.dg
     first, last = st.nodes[0], st.nodes[-1]
-    vin, vout = dg.values[first.inputs[0]] if first.inputs else None, dg.values[last.outputs[0]]
-    if st.kind in ("split", "alias"):  # Repartition of replicas: each device keeps its block, a local slice;
-        if not in_group(first.group, r):  # any parallel op of degree 1: the same piece
-            return []
-        op = first.op.describe() if st.kind == "split" else "alias"
-        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name)]
-    if st.kind == "sumsq":  # the gradient pieces this rank holds, one replica of each counted
-        held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
-                     and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
-        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name)]
-    if st.kind in ("compute", "seed", "sum", "update", "select"):
-        if not in_group(first.group, r) or (st.kind == "select" and not in_group(vout.group, r)):
-            return []
-        ins = tuple(piece(dg.values[v]) for v in first.inputs)
-        outs = tuple(piece(dg.values[v]) for v in first.outputs)
-        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name)]
+    vin, vout = dg.values[first.inputs[0]], dg.values[last.outputs[0]]
     if st.kind == "copy":
         return _expand_copy(first, dg, r, base)
     op = first.op
@@ -343,8 +201,8 @@ def _expand(st: Step, plan: _Plan, r: int, base: int) -> list[Instr]:
         root = members[dict(vin.group.fixed)[axis]]
         t = piece(vout)
         return [Comm(base + axis_group_index(group, axis, r), "broadcast", first.pass_, members, t.type,
-                     wire_bytes("broadcast", t.type.nbytes, len(members), r == root), axis, root=root, send=piece(vin) if r == root else None,
-                     recv=t, note=first.name, value=vin.id)]
+                     wire_bytes("broadcast", t.type.nbytes, len(members), r == root), axis, root=root,
+                     send=piece(vin) if r == root else None, recv=t, note=first.name, value=vin.id)]
     if st.kind == "reduce":
         group = vin.group
         if not in_group(group, r):
@@ -397,7 +255,7 @@ def _chunk(b: Buffer, j: int, d: int, dim: int, tag: str = "") -> Buffer:
     return Buffer(f"{b.value}#{tag}{j}", TensorType(tuple(shape), b.type.dtype))
 
 
-def _all_gather_steps(st: Step, plan: _Plan, r: int, base: int, form: str) -> list[Instr]:
+def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: str) -> list[Instr]:
     """An all-gather as a ring of d−1 collective-permute steps or a loop of d broadcasts. Fused consumers
     (linear/matmul reading the gathered value) compute on each chunk as soon as it is present, while the next
     chunk travels (every step but the last is issued with ``wait=False`` before the compute)."""
@@ -460,7 +318,7 @@ def _all_gather_steps(st: Step, plan: _Plan, r: int, base: int, form: str) -> li
     return instrs
 
 
-def _reduce_scatter_ring(st: Step, plan: _Plan, r: int, base: int, form: str) -> list[Instr]:
+def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: str) -> list[Instr]:
     """A reduce-scatter as d−1 collective-permute steps with local adds: at step i the member at index p sends
     its partial of chunk (p − i) mod d to that member and adds the partial of chunk p it receives."""
     dg = plan.dg
@@ -477,8 +335,8 @@ def _reduce_scatter_ring(st: Step, plan: _Plan, r: int, base: int, form: str) ->
         to, frm = ring_peers(p, i, d)
         tmp = _chunk(src, i, d, dim, tag="recv")
         instrs.append(Comm(base + (i - 1) * groups + g, "permute", n.pass_, members, parts[to].type,
-                           wire_bytes("permute", parts[to].type.nbytes, d), axis, peer=members[to], peer_from=members[frm], send=parts[to],
-                           recv=tmp, note=f"{n.name} + {m.name}", value=vin.id))
+                           wire_bytes("permute", parts[to].type.nbytes, d), axis, peer=members[to],
+                           peer_from=members[frm], send=parts[to], recv=tmp, note=f"{n.name} + {m.name}", value=vin.id))
         nxt = out if i == d - 1 else Buffer(f"{out.value}#acc{i}", out.type)
         instrs.append(Compute(n.pass_, n.src, "add", (acc, tmp), (nxt,)))
         acc = nxt
@@ -516,8 +374,8 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         for d in dst_v.group.devices():
             if d != r and _copy_source(src_v, dst_v, d) == r:
                 out.append(Comm(base + device_index(dst_v.group, d), "send", n.pass_, (r, d), b.type,
-                                wire_bytes("send", b.type.nbytes, 2), "copy", peer=d, send=b, note=n.name, value=src_v.id,
-                                piece=_piece_index(src_v, dst_v, d)))
+                                wire_bytes("send", b.type.nbytes, 2), "copy", peer=d, send=b, note=n.name,
+                                value=src_v.id, piece=_piece_index(src_v, dst_v, d)))
     out.sort(key=lambda i: i.token if isinstance(i, Comm) else -1)
     return out
 
@@ -543,3 +401,18 @@ def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
     for k in seen.values():
         out[k] = out.get(k, 0) + 1
     return out
+
+
+def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
+    """Every collective's member tuple, in first-use order: the process groups every rank creates, in this
+    one order (torch.distributed requires every rank to take part in creating every group)."""
+    keys: dict[tuple[SubMesh, str], None] = {}  # (sub-mesh, axis) in first-use order: each gives the same groups
+    for st in steps(dg):
+        n = st.nodes[0]
+        if n.kind == "parallel" and not st.local:
+            keys.setdefault((dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group, n.op.axis))
+    seen: dict[tuple[int, ...], None] = {}
+    for group, axis in keys:
+        for d in group.devices():
+            seen.setdefault(axis_members(group, axis, d))
+    return list(seen)

@@ -1,0 +1,130 @@
+"""Lowering as data: the ordered list of named passes from a PCG to verified per-rank programs (design §1).
+
+Each :class:`Pass` is a pure function ``(graph, context) -> graph``; each checks before that what it needs
+has run and that it has not (and the structural precondition itself, e.g. shard expansion refuses a graph
+in which a node reads a value held by another sub-mesh), and after that its work is done (FlexFlow's "none
+done before, all done after"). :func:`run_passes` runs them in order, times each and can hand the graph
+after any pass to a printer (``shardflow plan --passes`` / ``--dump-after NAME``)::
+
+    pass_expansion → copy_insertion → shard_expansion → comm_lowering → ordering → verify
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from shardflow.lower.comm_lowering import comm_lowering
+from shardflow.lower.cost import LowerOptions
+from shardflow.lower.dynamic import DynamicGraph, PassError, PassName, copy_insertion, pass_expansion
+from shardflow.lower.ordering import ordering
+from shardflow.lower.program import Program
+from shardflow.lower.shard_expansion import ShardedGraph, shard_expansion
+from shardflow.lower import verify as proof
+from shardflow.parallel.pcg import PCG
+
+
+@dataclass(frozen=True, slots=True)
+class LowerContext:
+    """What the passes need besides the graph. ``optimizer``: a key of
+    :data:`~shardflow.lower.dynamic.OPTIMIZER_SLOTS`; ``training``: False lowers the forward only;
+    ``clip_norm``: clip gradients to this global norm; ``options``: forms of all-gathers/reduce-scatters and
+    the bucket size; ``ranks``: the ranks whose programs are built (None: every device)."""
+
+    optimizer: str = "sgd"
+    training: bool = True
+    clip_norm: float | None = None
+    options: LowerOptions = field(default_factory=lambda: LowerOptions("collective", "collective"))
+    ranks: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pass:
+    """A named lowering pass: ``run(graph, context) -> graph``, with its checks inside."""
+
+    name: PassName
+    run: Callable[[Any, LowerContext], Any]
+    doc: str
+
+
+def _verify(sg: ShardedGraph, ctx: LowerContext) -> ShardedGraph:
+    if PassName.ORDERING not in sg.done:
+        raise PassError(f"pass 'verify' needs ['ordering'] first (passes done: {[str(p) for p in sg.done]})")
+    if set(sg.ranks) != set(range(sg.dg.pcg.mesh.size)):
+        raise PassError(f"verify needs every rank's program; only ranks {list(sg.ranks)} were lowered")
+    proof.verify(sg.programs, sg.dg.pcg.mesh.size)
+    return sg
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm),
+         "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state"),
+    Pass(PassName.COPY_INSERTION, lambda dg, c: copy_insertion(dg),
+         "COPY wherever a node reads a value held by another sub-mesh"),
+    Pass(PassName.SHARD_EXPANSION, lambda dg, c: shard_expansion(dg, c.ranks),
+         "steps; one invocation per device of each local step, on its pieces"),
+    Pass(PassName.COMM_LOWERING, lambda sg, c: comm_lowering(sg, c.options),
+         "parallel ops and copies → collectives, rings, buckets, send/recv"),
+    Pass(PassName.ORDERING, lambda sg, c: ordering(sg),
+         "global token order; per-rank programs with inputs, frees and process groups"),
+    Pass(PassName.VERIFY, _verify, "matching communications, one order, no deadlock, per-rank dataflow"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PassRecord:
+    """One pass of a run: its name, wall time (seconds) and the size of the graph it returned."""
+
+    name: PassName
+    seconds: float
+    size: str
+
+
+def size_of(graph: Any) -> str:
+    """The size of a pass's graph, in words (nodes, values; or steps and instructions)."""
+    if isinstance(graph, PCG):
+        return f"{len(graph.nodes)} PCG nodes"
+    if isinstance(graph, DynamicGraph):
+        return f"{len(graph.nodes)} nodes, {len(graph.values)} values"
+    return graph.size()
+
+
+def run_passes(pcg: PCG, ctx: LowerContext, skip: Iterable[str] = (),
+               dump: Mapping[str, Callable[[Any], None]] | None = None) -> tuple[ShardedGraph, tuple[PassRecord, ...]]:
+    """Run :data:`PASSES` on ``pcg`` in order, except those named in ``skip`` (e.g. ``verify`` when only
+    some ranks are lowered); ``dump[name](graph)`` is called with the graph after pass ``name``.
+    Returns the final graph and one :class:`PassRecord` per pass run. Raises PassError (a pass found the
+    graph in a state it cannot work on) or PlanVerificationError (the proof failed)."""
+    skip = set(skip)
+    if unknown := skip - {str(p.name) for p in PASSES}:
+        raise PassError(f"unknown pass(es) {sorted(unknown)}; the passes are {[str(p.name) for p in PASSES]}")
+    graph: Any = pcg
+    records = []
+    for p in PASSES:
+        if p.name in skip:
+            continue
+        t0 = time.perf_counter()
+        graph = p.run(graph, ctx)
+        records.append(PassRecord(p.name, time.perf_counter() - t0, size_of(graph)))
+        if dump and p.name in dump:
+            dump[p.name](graph)
+    return graph, tuple(records)
+
+
+def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None,
+          options: LowerOptions | None = None) -> dict[int, Program]:
+    """Per-rank programs of dynamic graph ``dg`` (after pass expansion and copy insertion) for ``ranks``
+    (default: every device): shard expansion, communication lowering and ordering. Deterministic: every rank
+    that lowers the same graph gets the same tokens. Raises PassError if copy insertion has not run."""
+    sg = shard_expansion(dg, None if ranks is None else tuple(ranks))
+    return dict(ordering(comm_lowering(sg, options)).programs)
+
+
+def pass_table(records: Iterable[PassRecord]) -> str:
+    """The pass log as a table: pass, what it does, time (ms), the graph it returned."""
+    docs = {p.name: p.doc for p in PASSES}
+    lines = [f"{'pass':<16}{'ms':>9}  {'graph after':<44}what it does"]
+    for r in records:
+        lines.append(f"{r.name:<16}{r.seconds * 1e3:>9.2f}  {r.size:<44}{docs[r.name]}")
+    return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""Shard expansion (design §5): the dynamic graph → one invocation per device of each local step.
+
+The dynamic graph is grouped into lowering **steps**: one node, or a Reduction/Combine fused with the
+Repartition after it on the same axis (a reduce-scatter, an all-to-all). A step is *local* — a compute op,
+gradient sum, loss seed, update, gradient-norm sum, Replicate's backward keeping the root copy, a
+Repartition of replicas (each device keeps its block), or any parallel op along an axis of one device (an
+alias: nothing moves) — or a *communication*, named by the one table :data:`LOWERING` and left to
+communication lowering. Each local step becomes one invocation per device of its sub-mesh, on that device's
+pieces (every buffer at its piece size, design §5). Only the requested ranks are expanded, with mesh
+arithmetic rather than enumeration, so a rank expands its own program at a cost that does not grow with
+the world size.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from shardflow.graph.ops import TensorType
+from shardflow.lower.dynamic import DNode, DynamicGraph, PassError, PassName, Value, cross_submesh_reads, require
+from shardflow.lower.program import Buffer, Compute, Instr, Program
+from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
+
+# (parallel op kind[, pass]) → the communication that carries it out (design §3, §6): the one table from
+# which every parallel op is lowered. "split" and "alias" (an axis of one device) are local.
+LOWERING = {
+    ("reduction",): "all_reduce",
+    ("reduction", "repartition"): "reduce_scatter",
+    ("combine",): "all_gather",
+    ("combine", "repartition"): "all_to_all",
+    ("repartition",): "split",
+    ("replicate", "FWD"): "broadcast",
+    ("replicate", "BWD"): "reduce",
+    ("copy",): "send/recv",
+}
+LOCAL_STEPS = frozenset({"split", "alias", "sumsq", "compute", "seed", "sum", "update", "select"})
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def piece(v: Value) -> Buffer:
+    """The buffer one device holds of value ``v`` (its piece shape). Cached: lowering asks for the same
+    value's piece many times (shard expansion clears the cache when a new lowering starts)."""
+    return Buffer(v.id, TensorType(v.sharding.parallel_shape(v.group, v.type.shape).piece_shape, v.type.dtype))
+
+
+# --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
+def axis_members(group: SubMesh, axis: str, device: int) -> tuple[int, ...]:
+    """The devices of ``group`` that differ from ``device`` only in their coordinate on ``axis``, in order."""
+    c = group.coords(device)
+    return tuple(group.device_of(c | {axis: i}) for i in range(group.mesh.axis_size(axis)))
+
+
+def axis_group_index(group: SubMesh, axis: str, device: int) -> int:
+    """Index of ``device``'s axis group among all groups of ``group`` along ``axis`` (row-major in the others)."""
+    c = group.coords(device)
+    idx = 0
+    for a, s in zip(group.free_axes, group.free_shape):
+        if a != axis:
+            idx = idx * s + c[a]
+    return idx
+
+
+def device_index(group: SubMesh, device: int) -> int:
+    """Row-major index of ``device`` among the devices of ``group``."""
+    return group.index(device)
+
+
+def in_group(group: SubMesh, device: int) -> bool:
+    return group.index(device) is not None
+
+
+@dataclass(frozen=True)
+class Step:
+    """A unit of lowering: one dynamic-graph node, or a fused pair of parallel-op nodes (``kind`` from LOWERING)."""
+
+    nodes: tuple[DNode, ...]
+    kind: str
+
+    @property
+    def local(self) -> bool:
+        """True for a step each device runs on its own pieces (no communication)."""
+        return self.kind in LOCAL_STEPS
+
+
+def steps(dg: DynamicGraph) -> list[Step]:
+    """Group the nodes into lowering steps, fusing Reduction→Repartition and Combine→Repartition pairs on
+    one axis when nothing else reads the intermediate value."""
+    readers: dict[str, int] = {}
+    for n in dg.nodes:
+        for v in n.inputs:
+            readers[v] = readers.get(v, 0) + 1
+    out: list[Step] = []
+    nodes = list(dg.nodes)
+    i = 0
+    while i < len(nodes):
+        n = nodes[i]
+        if n.kind == "parallel" and n.op.degree == 1:  # an axis of one device: nothing moves
+            out.append(Step((n,), "alias"))
+            i += 1
+            continue
+        if n.kind == "parallel" and isinstance(n.op, (Reduction, Combine)) and i + 1 < len(nodes):
+            m = nodes[i + 1]
+            if (isinstance(m.op, Repartition) and m.kind == "parallel" and m.inputs == n.outputs
+                    and m.op.axis == n.op.axis and readers.get(n.outputs[0], 0) == 1
+                    and not (isinstance(n.op, Combine) and m.op.dim == n.op.dim)):
+                out.append(Step((n, m), LOWERING[(n.op.kind, "repartition")]))
+                i += 2
+                continue
+        if n.kind == "parallel":
+            key = (n.op.kind, n.pass_) if isinstance(n.op, Replicate) else (n.op.kind,)
+            out.append(Step((n,), LOWERING[key]))
+        else:
+            out.append(Step((n,), n.kind))
+        i += 1
+    return out
+
+
+@dataclass(frozen=True)
+class ShardedGraph:
+    """The step after shard expansion, for the lowered ``ranks``: the dynamic graph grouped into ``steps``,
+    and per rank, per step, the instructions it runs (``instrs``). Communication lowering fills the
+    communication steps — ``deferred``: per rank, per step, instructions that wait until something reads what
+    they fill (a gradient bucket's Wait and unpack) — with tokens relative to the step and its ``decisions``;
+    ordering numbers the tokens globally and makes the ``programs``. ``done``: the passes applied so far."""
+
+    dg: DynamicGraph
+    ranks: tuple[int, ...]
+    steps: tuple[Step, ...]
+    instrs: Mapping[int, tuple[tuple[Instr, ...], ...]]
+    deferred: Mapping[int, tuple[tuple[Instr, ...], ...]] = field(default_factory=dict)
+    decisions: object = None
+    programs: Mapping[int, Program] | None = None
+    done: tuple[str, ...] = ()
+
+    def size(self) -> str:
+        """Instructions so far, summed over the lowered ranks (for the pass log)."""
+        n = sum(len(x) for per in self.instrs.values() for x in per)
+        return f"{len(self.steps)} steps, {n} instructions on {len(self.ranks)} rank(s)"
+
+    def listing(self) -> str:
+        """Per rank, per step: the step's kind and nodes, then its instructions (tokens relative to the step
+        until ordering has run; then the programs' listings)."""
+        if self.programs is not None:
+            return "\n".join(p.listing() for _, p in sorted(self.programs.items()))
+        lines = []
+        for r in self.ranks:
+            lines.append(f"rank {r}:")
+            for k, st in enumerate(self.steps):
+                instrs = self.instrs[r][k] + (self.deferred[r][k] if self.deferred else ())
+                if instrs:
+                    lines.append(f"  step {k} {st.kind}: {' + '.join(n.name for n in st.nodes)}")
+                    lines += [f"    {i}" for i in instrs]
+        return "\n".join(lines)
+
+
+def shard_expansion(dg: DynamicGraph, ranks: tuple[int, ...] | None = None) -> ShardedGraph:
+    """Group ``dg`` into steps and expand each local step on every rank of ``ranks`` (default: every device
+    of the mesh). Raises PassError if copy insertion has not run (a node would read a value held by another
+    sub-mesh) or the pass has run already."""
+    require(dg.done, PassName.SHARD_EXPANSION, (PassName.PASS_EXPANSION, PassName.COPY_INSERTION))
+    if bad := cross_submesh_reads(dg):
+        n, v = bad[0]
+        raise PassError(f"shard expansion: {n!r} reads {v!r}, held by another sub-mesh; run copy insertion first")
+    ranks = tuple(range(dg.pcg.mesh.size)) if ranks is None else tuple(ranks)
+    if bad := [r for r in ranks if not 0 <= r < dg.pcg.mesh.size]:
+        raise PassError(f"shard expansion: ranks {bad} are not devices of mesh {dg.pcg.mesh} "
+                        f"({dg.pcg.mesh.size} devices)")
+    piece.cache_clear()  # one cache per lowering: pieces of this graph's values only
+    all_steps = tuple(steps(dg))
+    instrs = {r: tuple(tuple(_expand_local(st, dg, r)) if st.local else () for st in all_steps) for r in ranks}
+    return ShardedGraph(dg, ranks, all_steps, instrs, done=dg.done + (PassName.SHARD_EXPANSION,))
+
+
+def _compute_op(n: DNode, dg: DynamicGraph) -> str:
+    if n.kind == "compute":
+        return n.label
+    return {"seed": "ones", "sum": "sum", "update": f"{dg.optimizer}_update", "select": "keep_root"}[n.kind]
+
+
+def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
+    """The invocations of local step ``st`` on rank ``r``, on its pieces."""
+    first, last = st.nodes[0], st.nodes[-1]
+    vin, vout = dg.values[first.inputs[0]] if first.inputs else None, dg.values[last.outputs[0]]
+    if st.kind in ("split", "alias"):  # Repartition of replicas: each device keeps its block, a local slice;
+        if not in_group(first.group, r):  # any parallel op of degree 1: the same piece
+            return []
+        op = first.op.describe() if st.kind == "split" else "alias"
+        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name)]
+    if st.kind == "sumsq":  # the gradient pieces this rank holds, one replica of each counted
+        held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
+                     and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
+        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name)]
+    if st.kind in ("compute", "seed", "sum", "update", "select"):
+        if not in_group(first.group, r) or (st.kind == "select" and not in_group(vout.group, r)):
+            return []
+        ins = tuple(piece(dg.values[v]) for v in first.inputs)
+        outs = tuple(piece(dg.values[v]) for v in first.outputs)
+        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name)]
+    raise PassError(f"shard expansion: step {st.kind!r} of {first.name!r} is not a local step")
