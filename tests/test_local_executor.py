@@ -22,6 +22,8 @@ from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
 from shardflow.strategy import ModulePlan, Plan, make_plan, resolve
 
+from dist_worker import replicate_outside_view  # one case, run here and in 4 processes (test_distributed)
+
 B, T, V = 4, 8, 11
 
 
@@ -125,6 +127,29 @@ def test_explicit_replicate_and_reduction_ops():
     assert abs(loss - outs["mean"].item()) < 1e-12
     for k in weights:
         torch.testing.assert_close(ex.grads()[k], grads[k], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["reduce", "select"])
+def test_replicate_from_outside_its_group_roots_at_the_holder(partial):
+    """The machine view (3, 1) puts block 0 of h on device 3, outside its axis group {0, 2} along pp: the
+    broadcast's root is device 3 (it joins the group), and the gradient goes back to it — summed by a reduce
+    rooted there when partial, sent from device 0's copy when replicated. Used to take device 0 (which does not
+    hold the block) as root: KeyError 'fwd:linear' at run time. Equal to one device to rounding (1e-12)."""
+    g, pcg, weights, inputs = replicate_outside_view(partial)
+    step = lower_step(pcg)  # verified
+    cfg = OptimizerConfig("sgd", 0.1)
+    ex = LocalExecutor(step, cfg)
+    ex.load(weights)
+    loss = ex.step(inputs)
+    outs, grads = run_backward(g, inputs, weights)
+    assert abs(loss - outs[g.loss].item()) < 1e-12
+    for k in weights:
+        torch.testing.assert_close(ex.grads()[k], grads[k], atol=1e-12, rtol=0)
+    rep = [c for c in step.programs[3].comms if c.note.endswith("linear.replicate")]
+    assert [(c.kind, c.members, c.root, c.send is not None, c.recv is not None) for c in rep] == [
+        ("broadcast", (3, 0, 2), 3, True, False),  # root of block 0's group, not a member of it
+        ("broadcast", (1, 3), 1, False, True),  # member of block 1's group
+    ] + ([("reduce", (3, 0, 2), 3, False, True), ("reduce", (1, 3), 1, True, False)] if partial else [])
 
 
 @pytest.mark.parametrize("mesh, strategy", [("dp=2,tp=2", "dp,tp"), ("pp=2,tp=2", "pp,tp"), ("tp=2", "sp")])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import DynamicGraph
-from shardflow.lower.lowering import axis_members, in_group, steps
+from shardflow.lower.lowering import axis_members, in_group, replicate_group, steps
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.comms import Issued, issue
 from shardflow.lower.program import Comm, Compute, Free, Wait
@@ -45,8 +45,9 @@ def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
         if n.kind != "parallel" or st.kind in ("split", "alias"):
             continue
         group = dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
+        replicate = st.kind in ("broadcast", "reduce")
         for d in group.devices():
-            seen.setdefault(axis_members(group, n.op.axis, d))
+            seen.setdefault(replicate_group(n, dg, d)[0] if replicate else axis_members(group, n.op.axis, d))
     return list(seen)
 
 
