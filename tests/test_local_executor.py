@@ -152,6 +152,22 @@ def test_replicate_from_outside_its_group_roots_at_the_holder(partial):
     ] + ([("reduce", (3, 0, 2), 3, False, True), ("reduce", (1, 3), 1, True, False)] if partial else [])
 
 
+def test_replicate_in_a_user_plan_spreads_a_stage_over_the_axis():
+    """docs/own-model.md: ``Plan(ops={tensor: (Replicate(2, "pp"),)})``. layers.0 runs on stage 0; its relu
+    output is replicated to both stages; what follows runs on both (layers.1 column-parallel over pp,
+    layers.2 row-parallel) and equals one device. Used to be refused: the unstaged nodes after the Replicate
+    took stage 0 from their predecessor (PlanError "mesh axes ['pp'] are not free axes of mesh[pp=0]"; with
+    no pp placements, "insert Replicate on the missing axis")."""
+    torch.manual_seed(0)
+    model = MLP(d_in=8, hidden=16, d_out=5, n_layers=3).double()
+    inputs = {"x": torch.randn(6, 8, dtype=torch.float64), "y": torch.randint(0, 5, (6,))}
+    plan = Plan(modules={"layers.0": ModulePlan(stage=0),
+                         "layers.1": ModulePlan(params={"weight": {"pp": Shard(0)}, "bias": {"pp": Shard(0)}}),
+                         "layers.2": ModulePlan(params={"weight": {"pp": Shard(1)}}, output={"pp": Replicate()})},
+                ops={"relu": (ReplicateOp(2, "pp"),)})
+    check_against_eager(model, inputs, "pp=2", plan=plan)
+
+
 @pytest.mark.parametrize("mesh, strategy", [("dp=2,tp=2", "dp,tp"), ("pp=2,tp=2", "pp,tp"), ("tp=2", "sp")])
 def test_gradient_clipping_by_global_norm(mesh, strategy):
     """The norm is reduced over every device (each piece counted once); a small max norm so clipping bites."""
