@@ -134,7 +134,8 @@ def test_replicate_from_outside_its_group_roots_at_the_holder(partial):
     """The machine view (3, 1) puts block 0 of h on device 3, outside its axis group {0, 2} along pp: the
     broadcast's root is device 3 (it joins the group), and the gradient goes back to it — summed by a reduce
     rooted there when partial, sent from device 0's copy when replicated. Used to take device 0 (which does not
-    hold the block) as root: KeyError 'fwd:linear' at run time. Equal to one device to rounding (1e-12)."""
+    hold the block) as root: KeyError 'fwd:linear' at run time, and since the dataflow verifier a refusal ("rank 0
+    ... reads 'fwd:linear': never computed, received or held"). Equal to one device to rounding (1e-12)."""
     g, pcg, weights, inputs = replicate_outside_view(partial)
     step = lower_step(pcg)  # verified
     cfg = OptimizerConfig("sgd", 0.1)
