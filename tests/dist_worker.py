@@ -99,6 +99,54 @@ def run_explicit(rank):
             "grad": max((got[k] - grads[k]).abs().max().item() for k in weights), "weight": 0.0}
 
 
+def replicate_outside_view(partial):
+    """x [4, 6] Shard(0) on tp; h = x·w0ᵀ on mesh[pp=0] under the machine view (3, 1): block 0 of h lives on
+    device 3, outside its axis group {0, 2} along pp; Replicate(2, pp) to the whole mesh; z = h·w1ᵀ; tanh; mean.
+    ``partial``: w1 Shard(0) on pp, so the gradient of h is partial on pp (backward: a reduce to device 3);
+    else w1 is replicated (backward: device 0's copy, sent to device 3). Returns graph, PCG, weights, inputs."""
+    from dataclasses import replace
+
+    from shardflow.graph import GraphBuilder
+    from shardflow.parallel.mesh import Shard, SubMesh
+    from shardflow.parallel.ops import Replicate
+    from shardflow.parallel.sharding import Sharding
+    from shardflow.strategy import ModulePlan, Plan
+
+    b = GraphBuilder()
+    x = b.input("x", (4, 6), "float64")
+    loss = b.mean(b.tanh(b.dense(b.dense(x, 6, bias=False, name="fc0"), 4, bias=False, name="fc1")))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("pp=2,tp=2")
+    plan = Plan(inputs={"x": {"tp": Shard(0)}}, modules={"fc0": ModulePlan(stage=0, devices=(3, 1))},
+                ops={"linear": (Replicate(2, "pp"),)})
+    ann = resolve(plan, g, mesh)
+    whole = SubMesh(mesh)
+    w1 = Sharding.replicated(2).with_layout({"pp": Shard(0)} if partial else {}, whole)
+    ann = replace(ann, groups={"linear": ann.groups["linear"], "linear_1": whole, "tanh": whole, "mean": whole},
+                  leaves={**ann.leaves, "fc1.weight": w1})
+    gen = torch.Generator().manual_seed(0)
+    weights = {w: torch.randn(g.tensors[w].shape, generator=gen, dtype=torch.float64) for w in g.weights}
+    return g, build_pcg(g, mesh, ann), weights, {"x": torch.randn(4, 6, generator=gen, dtype=torch.float64)}
+
+
+def run_outside_view(rank):
+    """:func:`replicate_outside_view`, both backward forms: loss and gradients against one device."""
+    from shardflow.reference import run_backward
+
+    cfg = OptimizerConfig("sgd", 0.1)
+    diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    for partial in (True, False):
+        g, pcg, weights, inputs = replicate_outside_view(partial)
+        ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=60)
+        ex.load(weights)
+        loss = ex.step(inputs)
+        outs, grads = run_backward(g, inputs, weights)
+        got = ex.grads()
+        diffs["loss"] = max(diffs["loss"], abs(loss - outs[g.loss].item()))
+        diffs["grad"] = max([diffs["grad"]] + [(got[k] - grads[k]).abs().max().item() for k in weights])
+    return diffs
+
+
 def main():
     out, cases = Path(sys.argv[1]), sys.argv[2:]
     rank, world = init_from_env(timeout_s=60)
@@ -123,6 +171,8 @@ def main():
             results[case] = "survived"
         elif case == "explicit":  # explicit Replicate and Reduction ops (see test_local_executor)
             results[case] = run_explicit(rank)
+        elif case == "outside_view":  # a Replicate whose input a machine view puts outside its group
+            results[case] = run_outside_view(rank)
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

@@ -22,6 +22,8 @@ from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
 from shardflow.strategy import ModulePlan, Plan, make_plan, resolve
 
+from dist_worker import replicate_outside_view  # one case, run here and in 4 processes (test_distributed)
+
 B, T, V = 4, 8, 11
 
 
@@ -125,6 +127,46 @@ def test_explicit_replicate_and_reduction_ops():
     assert abs(loss - outs["mean"].item()) < 1e-12
     for k in weights:
         torch.testing.assert_close(ex.grads()[k], grads[k], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["reduce", "select"])
+def test_replicate_from_outside_its_group_roots_at_the_holder(partial):
+    """The machine view (3, 1) puts block 0 of h on device 3, outside its axis group {0, 2} along pp: the
+    broadcast's root is device 3 (it joins the group), and the gradient goes back to it — summed by a reduce
+    rooted there when partial, sent from device 0's copy when replicated. Used to take device 0 (which does not
+    hold the block) as root: KeyError 'fwd:linear' at run time, and since the dataflow verifier a refusal ("rank 0
+    ... reads 'fwd:linear': never computed, received or held"). Equal to one device to rounding (1e-12)."""
+    g, pcg, weights, inputs = replicate_outside_view(partial)
+    step = lower_step(pcg)  # verified
+    cfg = OptimizerConfig("sgd", 0.1)
+    ex = LocalExecutor(step, cfg)
+    ex.load(weights)
+    loss = ex.step(inputs)
+    outs, grads = run_backward(g, inputs, weights)
+    assert abs(loss - outs[g.loss].item()) < 1e-12
+    for k in weights:
+        torch.testing.assert_close(ex.grads()[k], grads[k], atol=1e-12, rtol=0)
+    rep = [c for c in step.programs[3].comms if c.note.endswith("linear.replicate")]
+    assert [(c.kind, c.members, c.root, c.send is not None, c.recv is not None) for c in rep] == [
+        ("broadcast", (3, 0, 2), 3, True, False),  # root of block 0's group, not a member of it
+        ("broadcast", (1, 3), 1, False, True),  # member of block 1's group
+    ] + ([("reduce", (3, 0, 2), 3, False, True), ("reduce", (1, 3), 1, True, False)] if partial else [])
+
+
+def test_replicate_in_a_user_plan_spreads_a_stage_over_the_axis():
+    """docs/own-model.md: ``Plan(ops={tensor: (Replicate(2, "pp"),)})``. layers.0 runs on stage 0; its relu
+    output is replicated to both stages; what follows runs on both (layers.1 column-parallel over pp,
+    layers.2 row-parallel) and equals one device. Used to be refused: the unstaged nodes after the Replicate
+    took stage 0 from their predecessor (PlanError "mesh axes ['pp'] are not free axes of mesh[pp=0]"; with
+    no pp placements, "insert Replicate on the missing axis")."""
+    torch.manual_seed(0)
+    model = MLP(d_in=8, hidden=16, d_out=5, n_layers=3).double()
+    inputs = {"x": torch.randn(6, 8, dtype=torch.float64), "y": torch.randint(0, 5, (6,))}
+    plan = Plan(modules={"layers.0": ModulePlan(stage=0),
+                         "layers.1": ModulePlan(params={"weight": {"pp": Shard(0)}, "bias": {"pp": Shard(0)}}),
+                         "layers.2": ModulePlan(params={"weight": {"pp": Shard(1)}}, output={"pp": Replicate()})},
+                ops={"relu": (ReplicateOp(2, "pp"),)})
+    check_against_eager(model, inputs, "pp=2", plan=plan)
 
 
 @pytest.mark.parametrize("mesh, strategy", [("dp=2,tp=2", "dp,tp"), ("pp=2,tp=2", "pp,tp"), ("tp=2", "sp")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -150,6 +151,21 @@ def test_submesh_devices_and_fix():
     assert SubMesh(m).with_fixed("pp", 1) == g
     with pytest.raises(ValueError, match="out of range"):
         SubMesh(m, (("pp", 2),))
+
+
+@pytest.mark.parametrize("view", [None, (5, 1, 3)])
+@pytest.mark.parametrize("coord", [3, -1])
+def test_device_of_an_out_of_range_coordinate_names_axis_coordinate_size_and_sub_mesh(view, coord):
+    """It used to wrap silently without a view (dp=3 on mesh[pp=1] gave device 3, the member at dp=0) and to
+    raise a bare IndexError with one."""
+    g = SubMesh(Mesh(("pp", "dp"), (2, 3)), (("pp", 1),), view)
+    assert [g.device_of({"dp": i}) for i in range(3)] == list(g.devices())
+    where = "mesh[pp=1]" + ("@[5, 1, 3]" if view else "")
+    with pytest.raises(ValueError, match=fr"{re.escape(where)} of mesh pp=2,dp=3: coordinate {coord} on axis 'dp', "
+                                         r"which has 3 devices \(coordinates 0\.\.2\)"):
+        g.device_of({"dp": coord})
+    with pytest.raises(ValueError, match="no coordinate on axis 'dp'"):
+        g.device_of({"pp": 1})
 
 
 def test_parse_placement():

@@ -697,8 +697,14 @@ def test_consumer_on_other_free_axes_is_rejected():
     b.relu(h)
     graph = b.build([])
     mesh = Mesh.parse("pp=2,dp=2")
-    with pytest.raises(ShardingError, match="insert Replicate on the missing axis"):
-        build_pcg(graph, mesh, Annotations(groups={h: SubMesh(mesh, (("pp", 0),))}))
+    st0 = SubMesh(mesh, (("pp", 0),))
+    with pytest.raises(ShardingError, match=r"input 'linear' lives on mesh\[pp=0\]; insert Replicate\(2, 'pp'\) "
+                                            r"after 'linear' \(Plan.ops\)"):
+        build_pcg(graph, mesh, Annotations(groups={h: st0}))
+    # The other way round: a Replicate spread h over pp, but relu runs on one stage.
+    with pytest.raises(ShardingError, match=r"the input spans axes \['pp'\], where 'relu' runs at one index: "
+                                            r"run 'relu' on every index of those axes too \(no stage="):
+        build_pcg(graph, mesh, Annotations(groups={h: st0, "relu": st0}, ops={h: (P.Replicate(2, "pp"),)}))
 
 
 def test_listing_shows_inserted_parallel_ops():

@@ -191,29 +191,10 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     vin, vout = dg.values[first.inputs[0]], dg.values[last.outputs[0]]
     if st.kind == "copy":
         return _expand_copy(first, dg, r, base)
+    if st.kind in ("broadcast", "reduce"):
+        return _replicate_comms(first, dg, r, base)
     op = first.op
     axis = op.axis
-    if st.kind == "broadcast":
-        group = first.group  # the widened sub-mesh
-        if not in_group(group, r):
-            return []
-        members = axis_members(group, axis, r)
-        root = members[dict(vin.group.fixed)[axis]]
-        t = piece(vout)
-        return [Comm(base + axis_group_index(group, axis, r), "broadcast", first.pass_, members, t.type,
-                     wire_bytes("broadcast", t.type.nbytes, len(members), r == root), axis, root=root,
-                     send=piece(vin) if r == root else None, recv=t, note=first.name, value=vin.id)]
-    if st.kind == "reduce":
-        group = vin.group
-        if not in_group(group, r):
-            return []
-        members = axis_members(group, axis, r)
-        root = members[dict(vout.group.fixed)[axis]]
-        t = piece(vin)
-        d = len(members)
-        return [Comm(base + axis_group_index(group, axis, r), "reduce", first.pass_, members, t.type,
-                     wire_bytes("reduce", t.type.nbytes, d), axis, root=root, send=t,
-                     recv=piece(vout) if r == root else None, note=first.name, value=vin.id)]
     group = first.group
     if not in_group(group, r):
         return []
@@ -233,6 +214,49 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
                  send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes),
                  reduce_op=vin.sharding.reduce_op if st.kind in ("all_reduce", "reduce_scatter") else "sum",
                  value=vin.id)]
+
+
+def _replicate_meshes(n: DNode, dg: DynamicGraph) -> tuple[SubMesh, SubMesh]:
+    """(widened sub-mesh, sub-mesh at one index of the axis) of Replicate node ``n``, FWD or BWD."""
+    vin, vout = dg.values[n.inputs[0]].group, dg.values[n.outputs[0]].group
+    return (vout, vin) if n.pass_ == "FWD" else (vin, vout)
+
+
+def replicate_group(n: DNode, dg: DynamicGraph, device: int) -> tuple[tuple[int, ...], int]:
+    """Members and root of the broadcast (FWD) or reduce (BWD) of Replicate node ``n`` for the axis group of
+    ``device``, a member of the widened sub-mesh. The root is the device of the input's sub-mesh (machine view
+    included) that holds the group's piece; where a view puts it outside the group it joins the group as the
+    root only: it sends the broadcast and receives the reduced sum, but receives no copy and adds nothing."""
+    wide, narrow = _replicate_meshes(n, dg)
+    members = axis_members(wide, n.op.axis, device)
+    root = narrow.device_of(wide.coords(device))
+    return (members if root in members else (root,) + members), root
+
+
+def _replicate_comms(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
+    """Replicate node ``n`` on rank ``r``: a broadcast (FWD) or reduce (BWD) for each axis group it takes part
+    in — its own as a member of the widened sub-mesh, and the one whose root it is (token = base + group)."""
+    wide, narrow = _replicate_meshes(n, dg)
+    axis, fwd = n.op.axis, n.pass_ == "FWD"
+    reps: dict[int, int] = {}  # axis group index → a member of the widened sub-mesh in it; r first
+    if in_group(wide, r):
+        reps[axis_group_index(wide, axis, r)] = r
+    if in_group(narrow, r):
+        d = wide.device_of(narrow.coords(r) | {axis: dict(narrow.fixed)[axis]})
+        reps.setdefault(axis_group_index(wide, axis, d), d)
+    vin, vout = dg.values[n.inputs[0]], dg.values[n.outputs[0]]
+    out: list[Instr] = []
+    for g, d in sorted(reps.items()):
+        members, root = replicate_group(n, dg, d)
+        own = d == r  # r is a member of the widened sub-mesh in this group (not only its root)
+        t = piece(vout if fwd else vin).type
+        if fwd:  # the root sends its piece, the members receive
+            kind, send, recv = "broadcast", piece(vin) if r == root else None, piece(vout) if own else None
+        else:  # the members send their partial pieces, the root receives the sum
+            kind, send, recv = "reduce", piece(vin) if own else None, piece(vout) if r == root else None
+        out.append(Comm(base + g, kind, n.pass_, members, t, wire_bytes(kind, t.nbytes, len(members), r == root),
+                        axis, root=root, send=send, recv=recv, note=n.name, value=vin.id))
+    return out
 
 
 def ring_peers(p: int, i: int, d: int) -> tuple[int, int]:
@@ -406,13 +430,16 @@ def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
 def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
     """Every collective's member tuple, in first-use order: the process groups every rank creates, in this
     one order (torch.distributed requires every rank to take part in creating every group)."""
-    keys: dict[tuple[SubMesh, str], None] = {}  # (sub-mesh, axis) in first-use order: each gives the same groups
+    keys: dict[tuple, DNode] = {}  # in first-use order; nodes with one key give the same groups
     for st in steps(dg):
         n = st.nodes[0]
         if n.kind == "parallel" and not st.local:
-            keys.setdefault((dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group, n.op.axis))
+            group = dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
+            replicate = st.kind in ("broadcast", "reduce")  # a Replicate's groups depend on its input's view
+            keys.setdefault((group, n.op.axis, dg.values[n.inputs[0]].group if replicate else None, st.kind), n)
     seen: dict[tuple[int, ...], None] = {}
-    for group, axis in keys:
+    for (group, axis, _, kind), n in keys.items():
         for d in group.devices():
-            seen.setdefault(axis_members(group, axis, d))
+            seen.setdefault(replicate_group(n, dg, d)[0] if kind in ("broadcast", "reduce") else
+                            axis_members(group, axis, d))
     return list(seen)

@@ -105,8 +105,8 @@ def run_local(members: Sequence[Comm], sends: Sequence[torch.Tensor | None]) -> 
     if kind == "broadcast":
         root = sends[c.members.index(c.root)]
         return [None if m.recv is None else root.clone() for m in members]
-    if kind == "reduce":
-        s = torch.stack(list(sends)).sum(0)
+    if kind == "reduce":  # a root outside the group (a machine view) adds nothing
+        s = torch.stack([x for x in sends if x is not None]).sum(0)
         return [s if m.recv is not None else None for m in members]
     if kind == "permute":  # each member sends to its peer; each receives what was sent to it
         sent_to = {m.peer: x for m, x in zip(members, sends)}
@@ -170,8 +170,8 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
         out = (send if in_place else send.clone()) if root else empty(c.recv.type.shape)
         work = dist.broadcast(out, src=c.root, group=group, async_op=True)
         return Issued((work,), lambda: out if c.recv is not None else None)
-    if kind == "reduce":
-        out = send if in_place else send.clone()
+    if kind == "reduce":  # a root outside the group (a machine view) adds zeros
+        out = empty(c.type.shape).zero_() if send is None else send if in_place else send.clone()
         work = dist.reduce(out, dst=c.root, group=group, async_op=True)
         return Issued((work,), lambda: out if rank == c.root else None)
     if kind == "permute":  # one ring step: send and recv issued together

@@ -322,14 +322,17 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
         if n.is_parallel:
             (i,), (o,) = n.inputs, n.outputs
             if isinstance(n.op, Replicate):
-                # Backward of a broadcast: the sum of the replicas' gradients on the root sub-mesh (a reduce)
-                # when they are partial; the root's own copy when they are already replicated.
+                # Backward of a broadcast: the sum of the replicas' gradients on the input's devices (a reduce)
+                # when they are partial; the copies at the input's index of the axis when they are already
+                # replicated (a select on that sub-mesh without machine view; a copy takes them to a view).
                 dy = finalize(o, keep_axis=n.op.axis)
                 dyv, src = g.values[dy], pcg.tensors[i]
                 kind = "parallel" if n.op.axis in dyv.sharding.partial else "select"
+                at = src.group if kind == "parallel" else \
+                    dyv.group.with_fixed(n.op.axis, dict(src.group.fixed)[n.op.axis])
                 out = g.value(f"grad:{i}@{n.name}", i, "grad", src.type, Sharding(dyv.sharding.dims,
-                              tuple(a for a in dyv.sharding.partial if a != n.op.axis)), src.group)
-                g.nodes.append(DNode(f"BWD {n.name}", "BWD", kind, (dy,), (out,), src.group, n.name,
+                              tuple(a for a in dyv.sharding.partial if a != n.op.axis)), at)
+                g.nodes.append(DNode(f"BWD {n.name}", "BWD", kind, (dy,), (out,), at, n.name,
                                      n.op if kind == "parallel" else None))
                 contributions[i].append(out)
                 consumed(n)

@@ -216,10 +216,19 @@ class SubMesh:
         return out
 
     def device_of(self, coords: dict[str, int]) -> int:
-        """The member at the given free-axis coordinates."""
+        """The member at ``coords`` (free axis → coordinate; other keys are ignored).
+
+        Raises ValueError naming the axis, the coordinate, the axis size and the sub-mesh when a free axis has
+        no coordinate or one outside ``0..size-1``.
+        """
         idx = 0
         for a, s in zip(self.free_axes, self.free_shape):
-            idx = idx * s + coords[a]
+            c = coords.get(a)
+            if c is None or not 0 <= c < s:
+                got = f"coordinate {c}" if c is not None else "no coordinate"
+                raise ValueError(f"{self} of mesh {self.mesh}: {got} on axis {a!r}, which has {s} devices "
+                                 f"(coordinates 0..{s - 1}); give each free axis {list(self.free_axes)} one in range")
+            idx = idx * s + c
         return self.device_at(idx)
 
     def devices(self) -> Iterator[int]:

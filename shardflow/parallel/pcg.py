@@ -198,6 +198,17 @@ class _Builder:
         return self.ann.groups.get(name, SubMesh(self.mesh))
 
 
+def _group_fix(src: SubMesh, dst: SubMesh, tensor: str, node: str) -> str:
+    """How to make tensor ``tensor`` on ``src`` readable by ``node`` on ``dst`` (their free axes differ)."""
+    missing = [a for a in dst.free_axes if a not in src.free_axes]
+    if missing:
+        ops = ", ".join(f"Replicate({dst.mesh.axis_size(a)}, {a!r})" for a in missing)
+        return f"insert {ops} after {tensor!r} (Plan.ops) or place both on the same sub-mesh"
+    extra = [a for a in src.free_axes if a not in dst.free_axes]
+    return (f"the input spans axes {extra}, where {node!r} runs at one index: run {node!r} on every index of "
+            f"those axes too (no stage= in its module plan) or place both on the same sub-mesh")
+
+
 def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = None) -> PCG:
     """Propagate shardings through ``graph`` on ``mesh`` following the strategy's annotations.
 
@@ -220,10 +231,8 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
             cur = b.current[t]
             src_group = b.tensors[cur].group
             if src_group.free_axes != group.free_axes:
-                raise ShardingError(
-                    f"node {node.name!r} (module {node.scope!r}) runs on {group} but its input {t!r} lives on "
-                    f"{src_group}; insert Replicate on the missing axis or place both on the same sub-mesh"
-                )
+                raise ShardingError(f"node {node.name!r} (module {node.scope!r}) runs on {group} but its input {t!r} "
+                                    f"lives on {src_group}; {_group_fix(src_group, group, t, node.name)}")
             want = ann.edges.get((node.name, i))
             if want is not None:
                 cur = b.to_layout(cur, want, ann.why.get((node.name, i), f"input {i} of {node.name}"))

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from shardflow.graph.graph import ComputationGraph, Node
 from shardflow.parallel.mesh import Mesh, Placement, SubMesh, parse_placement
-from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp
+from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp, Replicate
 from shardflow.parallel.pcg import Annotations, Layout
 from shardflow.parallel.shape import DegreeError, ShardingError
 from shardflow.parallel.sharding import Sharding
@@ -249,7 +249,9 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
 
 
 def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapping[str, list[str]]) -> dict[str, SubMesh]:
-    """Node → sub-mesh with the stage axis fixed. A node no staged module holds takes its predecessor's stage."""
+    """Node → sub-mesh with the stage axis fixed. A node no staged module holds takes its predecessor's stage,
+    or, when it reads a tensor that a ``Replicate`` on the stage axis (``plan.ops``) spread over every stage (or
+    the output of such a node), the whole mesh: it runs on every stage."""
     staged = {pat: mp.stage for pat, mp in plan.modules.items() if mp.stage is not None}
     if not staged:
         if plan.stage_axis in mesh.axis_names and mesh.axis_size(plan.stage_axis) > 1:
@@ -262,6 +264,8 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapp
         if not 0 <= s < n_stages:
             raise PlanError(f"module {pat!r} is put on stage {s}, but axis {plan.stage_axis!r} has {n_stages} stages")
     whole = SubMesh(mesh)
+    every_stage = {t for t, pops in plan.ops.items()
+                   if any(isinstance(p, Replicate) and p.axis == plan.stage_axis for p in pops)}
     groups, stage = {}, 0
     for n in graph.nodes:
         # The most specific pattern (longest matched module path, or a node-name match) decides.
@@ -271,5 +275,9 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapp
                 (len(m) for m in matched[pat] if inside(n, m)), default=-1)
             if depth > best:
                 best, stage = depth, s
-        groups[n.name] = whole.with_fixed(plan.stage_axis, stage)
+        if best < 0 and every_stage.intersection(n.inputs):
+            groups[n.name] = whole
+            every_stage.update(n.outputs)
+        else:
+            groups[n.name] = whole.with_fixed(plan.stage_axis, stage)
     return groups
