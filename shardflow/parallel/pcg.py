@@ -14,6 +14,7 @@ from typing import Mapping
 
 from shardflow.graph.graph import ComputationGraph
 from shardflow.graph.ops import Binary, Op, TensorType
+from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
 from shardflow.parallel.rules import LocalOp, align_operands, propagate
@@ -118,6 +119,14 @@ class PCG:
             lines.append(f"{'*' if n.is_parallel else ' '} {outs} = {op}({', '.join(n.inputs)}){where}{note}")
         lines.append(f"outputs: {', '.join(_tensor_text(self.tensors[o]) for o in self.outputs)}")
         return "\n".join(lines)
+
+    def draw_site(self, node: PNode, device: int, seed: int, step: int) -> DrawSite:
+        """Where random compute ``node`` draws on ``device`` (a member of its sub-mesh) at training ``step`` of a
+        run seeded ``seed``: its output's full shape and the start of the block that device's piece covers —
+        the same block on every replica, so replicas draw alike and shards draw what one device draws there."""
+        t = self.tensors[node.outputs[0]]
+        block = t.pshape.piece_slices(t.sharding.coord_of(t.group, device))
+        return DrawSite(seed, step, node.name, t.type.shape, tuple(s.start for s in block))
 
 
 def _placement_text(p) -> str:

@@ -36,7 +36,7 @@ class TrainConfig:
     optimizer: str = _f("adamw", "sgd or adamw", choices=("sgd", "adamw"))
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW)")
-    seed: int = _f(0, "seed for the initial weights and the batches")
+    seed: int = _f(0, "seed for the initial weights, the batches and the dropout masks")
     data: str | None = _f(None, "UTF-8 text file to train on (default: the Python documentation of this CPython)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics, checkpoints and the resolved config")
     metrics: str | None = _f(None, "JSON-lines metrics file (default: RUN_DIR/metrics.jsonl)")

@@ -387,12 +387,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> i
     eval_step = s.lower(ranks, verify=world == 1, training=False)
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
-        ex = DistributedExecutor(train_step, opt, cfg.timeout, debug=cfg.debug)
-        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex, debug=cfg.debug)
+        ex = DistributedExecutor(train_step, opt, cfg.timeout, debug=cfg.debug, seed=cfg.seed)
+        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex, debug=cfg.debug, seed=cfg.seed)
     else:
         from shardflow.runtime.local import LocalExecutor
-        ex = LocalExecutor(train_step, opt)
-        ev = LocalExecutor(eval_step, opt, share=ex)
+        ex = LocalExecutor(train_step, opt, seed=cfg.seed)
+        ev = LocalExecutor(eval_step, opt, share=ex, seed=cfg.seed)
     lead = rank == 0
     bar = lead and sys.__stdout__.isatty()
     check_outputs(cfg)
@@ -488,10 +488,10 @@ CHECK_TOL = 5e-3
 
 
 def _reference(s: Setup, weights, state, steps_done: int):
-    """The same model and optimizer on one device (local executor, unsharded plan), for ``--check``."""
+    """The same model, optimizer and dropout masks on one device (local executor, unsharded plan), for ``--check``."""
     from shardflow.runtime.local import LocalExecutor
     one = build_pcg(s.graph, Mesh(("d",), (1,)))
-    ref = LocalExecutor(lower_step(one, s.optimizer.slots), s.optimizer)
+    ref = LocalExecutor(lower_step(one, s.optimizer.slots), s.optimizer, seed=s.cfg.seed)
     ref.load(weights, state, steps_done)
     return ref
 
