@@ -151,6 +151,14 @@ class DistributedExecutor(Executor):
         dist.all_reduce(out)
         return out
 
+    def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
+        return {self.rank: self.buffers[vid]} if vid in self.buffers else {}
+
+    def _max_over_ranks(self, x: float) -> float:
+        t = torch.tensor(x, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on the full ``inputs`` (every rank passes the same); returns the loss."""

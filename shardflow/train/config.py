@@ -59,7 +59,8 @@ class TrainConfig:
     trace: str | None = _f(None, "write a Chrome-trace timeline (Perfetto) of step 2 to this JSON file: per-rank "
                                  "compute and communication lanes, and the cost model's prediction beside them")
     timeout: float = _f(120.0, "seconds any rank may wait on one communication before failing")
-    check: bool = _f(False, "also run the same steps on one device and compare loss and parameters")
+    check: bool = _f(False, "also run the same steps on one device and compare the loss and every replica of "
+                            "every parameter")
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
