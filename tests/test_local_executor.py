@@ -18,7 +18,7 @@ from shardflow.lower import lower_step
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Reduction, Repartition, Replicate as ReplicateOp
-from shardflow.parallel.pcg import build_pcg
+from shardflow.parallel.pcg import build_pcg, evaluation
 from shardflow.parallel.sharding import Sharding
 from shardflow.reference import run_backward, weights_of
 from shardflow.runtime.kernels import OptimizerConfig
@@ -101,6 +101,20 @@ def test_dropout_every_replica_matches_one_device(mesh, strategy):
         assert abs(loss - outs[graph.loss].item()) <= 1e-10
         weights = {k: w - cfg.lr * grads[k] for k, w in weights.items()}
     assert ex.weight_error(weights) <= 1e-10
+
+
+def test_evaluation_runs_without_dropout():
+    """An evaluation step lowered from evaluation(pcg) (what shardflow train's validation runs) equals the eager
+    module in eval mode, dropout off, under tp=2 — sharing the training executor's weights (float64, 1e-10)."""
+    model, inputs = gpt_case(dropout=0.5)
+    graph = capture(model, inputs)
+    mesh, cfg = Mesh.parse("tp=2"), OptimizerConfig("sgd", 0.1)
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "tp"), graph, mesh))
+    train = LocalExecutor(lower_step(pcg, cfg.slots), cfg)
+    train.load(weights_of(model, graph))
+    evaluate = LocalExecutor(lower_step(evaluation(pcg), cfg.slots, training=False), cfg, share=train)
+    assert abs(evaluate.step(inputs) - model.eval()(**inputs).item()) <= 1e-10
+    assert abs(train.step(inputs) - model.eval()(**inputs).item()) > 1e-3  # training drops half the activations
 
 
 def test_weight_error_reads_every_replica():

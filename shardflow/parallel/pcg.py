@@ -9,11 +9,12 @@ Reduction). What to shard is decided by a strategy and handed over as :class:`An
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from shardflow.graph.graph import ComputationGraph
-from shardflow.graph.ops import Binary, Op, TensorType
+from shardflow.graph.ops import Binary, Dropout, Op, TensorType
 from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
@@ -253,3 +254,13 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
 def lift(graph: ComputationGraph) -> PCG:
     """The PCG of ``graph`` on one device: every tensor unparallel (all degrees 1), no parallel ops."""
     return build_pcg(graph, Mesh(("d",), (1,)))
+
+
+def evaluation(pcg: PCG) -> PCG:
+    """``pcg`` as ``model.eval()`` runs it: every dropout an identity (p = 0). Tensors, shardings and node names
+    are unchanged, so an evaluation step lowered from it reads the training step's weights (same value ids)."""
+    def off(n: PNode) -> PNode:
+        if not isinstance(n.op, Dropout):
+            return n
+        return dataclasses.replace(n, op=Dropout(0.0), local=dataclasses.replace(n.local, op=Dropout(0.0)))
+    return dataclasses.replace(pcg, nodes=tuple(off(n) for n in pcg.nodes))

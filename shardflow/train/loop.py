@@ -35,7 +35,7 @@ from shardflow.lower.dynamic import OPTIMIZER_SLOTS
 from shardflow.lower.report import bytes_rows
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.parallel.pcg import PCG, build_pcg, evaluation
 from shardflow.runtime import trace
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
@@ -64,8 +64,10 @@ class Setup:
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20))
 
     def lower(self, ranks=None, verify: bool = False, training: bool = True):
-        """Lower one step (training or evaluation) for ``ranks`` (default all; ``verify`` proves them)."""
-        return lower_step(self.pcg, self.optimizer.slots, ranks=ranks, verify=verify, training=training,
+        """Lower one step (training, or evaluation: forward only, no dropout) for ``ranks`` (default all;
+        ``verify`` proves them)."""
+        return lower_step(self.pcg if training else evaluation(self.pcg), self.optimizer.slots, ranks=ranks,
+                          verify=verify, training=training,
                           options=self.lower_options, clip_norm=self.cfg.clip_norm or None)
 
     @property
