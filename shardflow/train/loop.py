@@ -390,11 +390,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> i
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
         ex = DistributedExecutor(train_step, opt, cfg.timeout, debug=cfg.debug, seed=cfg.seed)
-        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex, debug=cfg.debug, seed=cfg.seed)
+        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex, debug=cfg.debug)
     else:
         from shardflow.runtime.local import LocalExecutor
         ex = LocalExecutor(train_step, opt, seed=cfg.seed)
-        ev = LocalExecutor(eval_step, opt, share=ex, seed=cfg.seed)
+        ev = LocalExecutor(eval_step, opt, share=ex)
     lead = rank == 0
     bar = lead and sys.__stdout__.isatty()
     check_outputs(cfg)
