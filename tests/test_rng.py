@@ -64,6 +64,7 @@ def test_same_key_same_mask_and_any_other_key_another():
     shape, p = (100, 1000), 0.5
     base = DrawSite.whole(0, 1, "dropout", shape)
     mask = base.keep(shape, p)
+    assert torch.equal(mask, base.uniform(shape) >= p)  # keep compares on the integers, the same as on uniforms
     assert torch.equal(mask, DrawSite.whole(0, 1, "dropout", shape).keep(shape, p))
     for other in (DrawSite.whole(0, 2, "dropout", shape), DrawSite.whole(0, 1, "dropout_1", shape),
                   DrawSite.whole(1, 1, "dropout", shape)):

@@ -42,7 +42,7 @@ def _int64(u: int) -> int:
 
 def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
     """Logical right shift of int64 ``x`` by ``k`` bits (0 < k < 64): torch's ``>>`` copies the sign bit in."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
+    return (x >> k).bitwise_and_((1 << (64 - k)) - 1)
 
 
 def splitmix64(z: torch.Tensor) -> torch.Tensor:
@@ -99,12 +99,17 @@ class DrawSite:
             idx += (torch.arange(s, s + n, dtype=torch.int64) * stride).view((n,) + (1,) * (len(piece) - d - 1))
         return idx
 
-    def uniform(self, piece: tuple[int, ...]) -> torch.Tensor:
-        """float64 ``piece``-shaped uniforms in [0, 1), multiples of 2^-53: element i of the full tensor gets
-        the top 53 bits of splitmix64's output number i + 1 seeded with :attr:`key`."""
+    def bits(self, piece: tuple[int, ...]) -> torch.Tensor:
+        """int64 ``piece``-shaped numbers in [0, 2^53): element i of the full tensor gets the top 53 bits of
+        splitmix64's output number i + 1 seeded with :attr:`key`."""
         z = self.indices(piece).add_(1).mul_(_int64(_GAMMA)).add_(self.key)
-        return _srl(splitmix64(z), 11).to(torch.float64).mul_(2.0 ** -53)
+        return _srl(splitmix64(z), 11)
+
+    def uniform(self, piece: tuple[int, ...]) -> torch.Tensor:
+        """float64 ``piece``-shaped uniforms in [0, 1), multiples of 2^-53: :meth:`bits` · 2^-53."""
+        return self.bits(piece).to(torch.float64).mul_(2.0 ** -53)
 
     def keep(self, piece: tuple[int, ...], p: float) -> torch.Tensor:
-        """bool ``piece``-shaped dropout mask: True where the element is kept (probability ``1 - p``)."""
-        return self.uniform(piece) >= p
+        """bool ``piece``-shaped dropout mask: True where the element is kept (probability ``1 - p``), i.e. where
+        :meth:`uniform` ≥ p — compared on the integers (p · 2^53 is exact in float64)."""
+        return self.bits(piece) >= math.ceil(p * 2.0 ** 53)
