@@ -13,6 +13,7 @@ from torch import nn
 
 from shardflow.graph import ComputationGraph
 from shardflow.graph.ops import dtype_name
+from shardflow.graph.rng import DrawSite
 
 
 def _describe(graph: ComputationGraph, name: str) -> str:
@@ -37,12 +38,14 @@ def _leaves(graph: ComputationGraph, given: Mapping[str, torch.Tensor], role: st
 
 
 def run_forward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
-                weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                weights: Mapping[str, torch.Tensor], seed: int = 0, step: int = 1) -> dict[str, torch.Tensor]:
     """Run every node in order; returns every tensor of the graph by name (inputs, weights, constants too).
 
     Args:
         inputs: one tensor per graph input (e.g. ``idx [B, T]``), with the graph's shape and dtype.
         weights: one tensor per graph weight (e.g. ``transformer.wte.weight [V, C]``); see :func:`weights_of`.
+        seed, step: the run seed and the training step (from 1) random ops draw for: dropout drops what the
+            executors' step ``step`` of a run with that seed drops (:mod:`shardflow.graph.rng`).
 
     Raises:
         KeyError: an input or weight is missing (the message gives its expected dtype and shape) or unknown.
@@ -50,13 +53,16 @@ def run_forward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
     """
     env = {**_leaves(graph, inputs, "input"), **_leaves(graph, weights, "weight"), **graph.constants}
     for node in graph.nodes:
-        env.update(zip(node.outputs, node.op.compute(*(env[t] for t in node.inputs))))
+        draw = {"at": DrawSite.whole(seed, step, node.name, graph.tensors[node.outputs[0]].shape)} \
+            if node.op.random else {}
+        env.update(zip(node.outputs, node.op.compute(*(env[t] for t in node.inputs), **draw)))
     return env
 
 
-def run_backward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
-                 weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Forward, then ``d(loss)/d(weight)`` for every graph weight by torch autograd.
+def run_backward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
+                 seed: int = 0, step: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Forward (``seed`` and ``step`` as in :func:`run_forward`), then ``d(loss)/d(weight)`` for every graph
+    weight by torch autograd.
 
     Returns:
         ``(tensors, grads)``: every graph tensor by name as in :func:`run_forward` (detached), and one
@@ -70,7 +76,7 @@ def run_backward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
         raise ValueError("run_backward needs a graph with a loss")
     leaves = {n: w.detach().requires_grad_(True) for n, w in weights.items()}
     with torch.enable_grad():
-        env = run_forward(graph, inputs, leaves)
+        env = run_forward(graph, inputs, leaves, seed, step)
         names = list(graph.weights)
         grads = torch.autograd.grad(env[graph.loss], [leaves[n] for n in names], allow_unused=True,
                                     materialize_grads=True)

@@ -1,10 +1,11 @@
 """One rank of the distributed tests: runs every case given on the command line against the single-device
-run (eager module + torch.optim, computed on this rank) and writes the largest differences to JSON.
+run (eager module + torch.optim, computed on this rank) and writes the largest differences to JSON; weights are
+compared on every replica (each rank its own pieces, the maximum all-reduced).
 
 Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
 CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64" or
 "sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
-"die" (rank 1 kills itself in the middle of a step).
+"die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor).
 """
 
 import json
@@ -28,16 +29,17 @@ from shardflow.strategy import make_plan, resolve
 B, T, V = 4, 8, 11
 
 
-def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("collective", "collective")):
+def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("collective", "collective"), dropout=0.0,
+             seed=0):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32)).to(dtype)
+    model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32, dropout=dropout)).to(dtype)
     gen = torch.Generator().manual_seed(1)
     inputs = {"idx": torch.randint(0, V, (B, T), generator=gen), "targets": torch.randint(0, V, (B, T), generator=gen)}
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
     ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms)), cfg,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, seed=seed)
     ex.load(weights_of(model, graph))
     return model, inputs, ex
 
@@ -58,9 +60,22 @@ def run_case(case, rank):
         grads = ex.grads()
         diffs["grad"] = max([diffs["grad"]] + [(grads[k] - p.grad).abs().max().item() for k, p in model.named_parameters()])
         opt.step()
-    weights = ex.weights()
-    diffs["weight"] = max((weights[k] - p.detach()).abs().max().item() for k, p in model.named_parameters())
+    diffs["weight"] = ex.weight_error({k: p.detach() for k, p in model.named_parameters()})
     return diffs
+
+
+def run_dropout(rank, world):
+    """tp on every rank with dropout 0.1, 2 SGD steps: the loss of each step and every replica of every weight
+    against the single-device run with the same seed (the local executor on one device, on this rank)."""
+    from shardflow.runtime.local import LocalExecutor
+
+    cfg, seed = OptimizerConfig("sgd", 0.1), 3
+    model, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, dropout=0.1, seed=seed)
+    graph = ex.dg.pcg.graph
+    one = LocalExecutor(lower_step(build_pcg(graph, Mesh.parse("d=1")), cfg.slots), cfg, seed=seed)
+    one.load(weights_of(model, graph))
+    loss = max(abs(ex.step(inputs) - one.step(inputs)) for _ in range(2))
+    return {"loss": loss, "weight": ex.weight_error(one.weights())}
 
 
 def run_explicit(rank):
@@ -173,6 +188,8 @@ def main():
             results[case] = run_explicit(rank)
         elif case == "outside_view":  # a Replicate whose input a machine view puts outside its group
             results[case] = run_outside_view(rank)
+        elif case == "dropout":
+            results[case] = run_dropout(rank, world)
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

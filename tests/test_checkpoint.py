@@ -99,6 +99,23 @@ def test_resume_reproduces_the_uninterrupted_run(runs, corpus, tmp_path):
     assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [3, 6]
 
 
+def test_resume_with_dropout_reproduces_the_uninterrupted_run(corpus, tmp_path):
+    """Dropout masks depend on (seed, step, node, element) only, and validation runs without dropout: a tp=2 run
+    (one process) with --dropout 0.1 stopped at step 2 and resumed to 4 gives the uninterrupted run's training and
+    validation losses (1e-5: float32 rounding only, as above; seen: exactly equal)."""
+    dropout = ["--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--dropout", "0.1"]
+    whole, cut = run_all(train_argv(tmp_path / "whole", corpus, *dropout, "--steps", "4"),
+                         train_argv(tmp_path / "cut", corpus, *dropout, "--steps", "2"))
+    assert whole.returncode == 0 and cut.returncode == 0, whole.stderr + cut.stderr
+    (r,) = run_all(train_argv(tmp_path / "cut", corpus, *dropout, "--steps", "4", "--resume"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    got, want = metrics(tmp_path / "cut"), metrics(tmp_path / "whole")
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+    assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) < 1e-5
+
+
 def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, corpus, tmp_path):
     argvs = []
     for name, strategy in (("dp", ["--strategy", "dp", "--nproc", "2"]), ("single", ["--strategy", "single",

@@ -1,9 +1,12 @@
-"""Local executor against the single-device run: loss, every gradient, and every weight after 3 optimizer steps.
+"""Local executor against the single-device run: loss, every gradient, and every replica of every weight after
+3 optimizer steps.
 
-The reference is the eager nn.Module with torch.optim. Tolerances: float64 — the sharded step adds partial
-sums in another order than one device does, so values agree to rounding (~1e-15 relative); 1e-10 leaves room
-and still catches any wrong scale or misplaced block, which are O(1) errors. AdamW divides by sqrt(v), which
-amplifies rounding differences between our update formula and torch's fused one: 1e-8. float32: 1e-4.
+The reference is the eager nn.Module with torch.optim; with dropout, the reference interpreter with the run's
+seed (torch's dropout draws from the process RNG, ours from (seed, step, node, element)). Tolerances: float64 —
+the sharded step adds partial sums in another order than one device does, so values agree to rounding (~1e-15
+relative); 1e-10 leaves room and still catches any wrong scale or misplaced block, which are O(1) errors, and any
+mask drawn differently (O(lr) in the weights). AdamW divides by sqrt(v), which amplifies rounding differences
+between our update formula and torch's fused one: 1e-8. float32: 1e-4.
 """
 
 import pytest
@@ -15,7 +18,7 @@ from shardflow.lower import lower_step
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Reduction, Repartition, Replicate as ReplicateOp
-from shardflow.parallel.pcg import build_pcg
+from shardflow.parallel.pcg import build_pcg, evaluation
 from shardflow.parallel.sharding import Sharding
 from shardflow.reference import run_backward, weights_of
 from shardflow.runtime.kernels import OptimizerConfig
@@ -27,9 +30,9 @@ from dist_worker import replicate_outside_view  # one case, run here and in 4 pr
 B, T, V = 4, 8, 11
 
 
-def gpt_case(dtype=torch.float64, n_layer=1):
+def gpt_case(dtype=torch.float64, n_layer=1, dropout=0.0):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=4, n_embd=32)).to(dtype)
+    model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=4, n_embd=32, dropout=dropout)).to(dtype)
     gen = torch.Generator().manual_seed(1)
     inputs = {"idx": torch.randint(0, V, (B, T), generator=gen), "targets": torch.randint(0, V, (B, T), generator=gen)}
     return model, inputs
@@ -62,9 +65,7 @@ def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=
         if clip_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         opt.step()
-    weights = ex.weights()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(weights[name], p.detach(), atol=atol, rtol=0, msg=f"weight {name}")
+    assert ex.weight_error({k: p.detach() for k, p in model.named_parameters()}) <= atol  # every replica
 
 
 @pytest.mark.parametrize("mesh, strategy", [
@@ -74,6 +75,63 @@ def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=
 def test_gpt_strategies_match_one_device(mesh, strategy):
     model, inputs = gpt_case(n_layer=2 if "pp" in strategy else 1)
     check_against_eager(model, inputs, mesh, strategy)
+
+
+def executor(graph, mesh_text, strategy, cfg, seed=0):
+    mesh = Mesh.parse(mesh_text)
+    step = lower_step(build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh)), cfg.slots)
+    return LocalExecutor(step, cfg, seed=seed)
+
+
+@pytest.mark.parametrize("mesh, strategy", [
+    ("dp=2", "dp"), ("tp=2", "tp"), ("tp=2", "sp"), ("dp=2,tp=2", "dp,tp"), ("pp=2", "pp"),
+])
+def test_dropout_every_replica_matches_one_device(mesh, strategy):
+    """Dropout 0.1 after the embeddings and in every block, 2 SGD steps: the loss of each step and every replica of
+    every weight equal the single-device run with the same seed (reference interpreter + the SGD formula), because
+    each mask is a function of (seed, step, node, element), whatever piece of the tensor a device holds. With the
+    masks drawn from the process RNG, tp=2 left the two replicas of ln_f.weight 2.2e-3 apart after one step."""
+    seed, cfg = 5, OptimizerConfig("sgd", 0.1)
+    model, inputs = gpt_case(n_layer=2 if "pp" in strategy else 1, dropout=0.1)
+    graph = capture(model, inputs)
+    ex = executor(graph, mesh, strategy, cfg, seed)
+    weights = weights_of(model, graph)
+    ex.load(weights)
+    for step in (1, 2):
+        loss = ex.step(inputs)
+        outs, grads = run_backward(graph, inputs, weights, seed=seed, step=step)
+        assert abs(loss - outs[graph.loss].item()) <= 1e-10
+        weights = {k: w - cfg.lr * grads[k] for k, w in weights.items()}
+    assert ex.weight_error(weights) <= 1e-10
+
+
+def test_evaluation_runs_without_dropout():
+    """An evaluation step lowered from evaluation(pcg) (what shardflow train's validation runs) equals the eager
+    module in eval mode, dropout off, under tp=2 — sharing the training executor's weights (float64, 1e-10)."""
+    model, inputs = gpt_case(dropout=0.5)
+    graph = capture(model, inputs)
+    mesh, cfg = Mesh.parse("tp=2"), OptimizerConfig("sgd", 0.1)
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "tp"), graph, mesh))
+    train = LocalExecutor(lower_step(pcg, cfg.slots), cfg)
+    train.load(weights_of(model, graph))
+    evaluate = LocalExecutor(lower_step(evaluation(pcg), cfg.slots, training=False), cfg, share=train)
+    assert abs(evaluate.step(inputs) - model.eval()(**inputs).item()) <= 1e-10
+    assert abs(train.step(inputs) - model.eval()(**inputs).item()) > 1e-3  # training drops half the activations
+
+
+def test_weight_error_reads_every_replica():
+    """A replica that drifted is caught by weight_error and invisible to weights(), which reads replica 0: rank 1's
+    copy of ln_f.weight (replicated under tp) moved by 1e-3."""
+    model, inputs = gpt_case()
+    graph = capture(model, inputs)
+    ex = executor(graph, "tp=2", "tp", OptimizerConfig("sgd", 0.1))
+    weights = weights_of(model, graph)
+    ex.load(weights)
+    assert ex.weight_error(weights) == 0.0
+    ex.buffers[1]["fwd:transformer.ln_f.weight"] += 1e-3
+    torch.testing.assert_close(ex.weights()["transformer.ln_f.weight"], weights["transformer.ln_f.weight"],
+                               atol=0, rtol=0)
+    assert ex.weight_error(weights) == pytest.approx(1e-3, rel=1e-9)
 
 
 def test_megatron_mlp_matches_one_device():

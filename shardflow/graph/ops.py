@@ -6,7 +6,9 @@ Every operator is a frozen dataclass of its attributes. Each one answers two que
   shapes), or an :class:`OpError` saying why the inputs do not fit;
 * ``compute(*tensors) -> tuple[Tensor, ...]``: the forward math with torch. Backward is never written
   here: the reference interpreter and the executors differentiate ``compute`` with torch autograd /
-  ``torch.func.vjp``.
+  ``torch.func.vjp``. An op that draws random numbers (``random``, e.g. dropout) also takes ``at``, the
+  :class:`~shardflow.graph.rng.DrawSite` of its piece: its draws are a pure function of (seed, step, node,
+  global element index), so every strategy draws what one device draws.
 
 Sharding rules (how parallel shapes propagate through an op) live in :mod:`shardflow.parallel.rules`.
 """
@@ -20,6 +22,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from shardflow.graph.rng import DrawSite
 
 Shape = tuple[int, ...]
 
@@ -89,6 +93,7 @@ class Op:
     """Base of every compute operator."""
 
     kind: ClassVar[str] = "op"
+    random: ClassVar[bool] = False  # compute draws random numbers: it takes the keyword ``at`` (a DrawSite)
 
     def infer(self, ins: tuple[TensorType, ...]) -> tuple[TensorType, ...]:
         raise NotImplementedError
@@ -168,9 +173,15 @@ class LayerNorm(Op):
 
 @dataclass(frozen=True, slots=True)
 class Dropout(Op):
-    """Zero elements with probability ``p`` and scale the rest by ``1/(1-p)``; identity when p == 0."""
+    """Zero elements with probability ``p`` and scale the rest by ``1/(1-p)``; identity when p == 0.
+
+    Which elements drop is :meth:`DrawSite.keep <shardflow.graph.rng.DrawSite.keep>` of the piece's site: a pure
+    function of (seed, step, node, global element index), the same on every device that holds the element and
+    in every recomputation (a vjp that reruns the forward draws the same mask).
+    """
 
     kind: ClassVar[str] = "dropout"
+    random: ClassVar[bool] = True
     p: float = 0.0
 
     def infer(self, ins):
@@ -179,8 +190,15 @@ class Dropout(Op):
             raise OpError(f"dropout: p must be in [0, 1), got {self.p}")
         return ins
 
-    def compute(self, x):
-        return (F.dropout(x, self.p, training=True) if self.p > 0 else x,)
+    def compute(self, x, *, at: DrawSite | None = None):
+        """``x``: this device's piece (any shape); ``at``: where the piece lies in the full tensor, and the key."""
+        if self.p == 0:
+            return (x,)
+        if at is None:
+            raise OpError(f"dropout(p={self.p}) draws its mask from (seed, step, node, element index): pass "
+                          f"at=DrawSite(...) for the piece it runs on")
+        scale = at.keep(tuple(x.shape), self.p).to(x.dtype).mul_(1.0 / (1.0 - self.p))  # 0 or 1/(1-p)
+        return (x * scale,)
 
 
 UNARY_FNS = {

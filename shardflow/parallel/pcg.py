@@ -9,11 +9,13 @@ Reduction). What to shard is decided by a strategy and handed over as :class:`An
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from shardflow.graph.graph import ComputationGraph
-from shardflow.graph.ops import Binary, Op, TensorType
+from shardflow.graph.ops import Binary, Dropout, Op, TensorType
+from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
 from shardflow.parallel.rules import LocalOp, align_operands, propagate
@@ -118,6 +120,14 @@ class PCG:
             lines.append(f"{'*' if n.is_parallel else ' '} {outs} = {op}({', '.join(n.inputs)}){where}{note}")
         lines.append(f"outputs: {', '.join(_tensor_text(self.tensors[o]) for o in self.outputs)}")
         return "\n".join(lines)
+
+    def draw_site(self, node: PNode, device: int, seed: int, step: int) -> DrawSite:
+        """Where random compute ``node`` draws on ``device`` (a member of its sub-mesh) at training ``step`` of a
+        run seeded ``seed``: its output's full shape and the start of the block that device's piece covers —
+        the same block on every replica, so replicas draw alike and shards draw what one device draws there."""
+        t = self.tensors[node.outputs[0]]
+        block = t.pshape.piece_slices(t.sharding.coord_of(t.group, device))
+        return DrawSite(seed, step, node.name, t.type.shape, tuple(s.start for s in block))
 
 
 def _placement_text(p) -> str:
@@ -253,3 +263,13 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
 def lift(graph: ComputationGraph) -> PCG:
     """The PCG of ``graph`` on one device: every tensor unparallel (all degrees 1), no parallel ops."""
     return build_pcg(graph, Mesh(("d",), (1,)))
+
+
+def evaluation(pcg: PCG) -> PCG:
+    """``pcg`` as ``model.eval()`` runs it: every dropout an identity (p = 0). Tensors, shardings and node names
+    are unchanged, so an evaluation step lowered from it reads the training step's weights (same value ids)."""
+    def off(n: PNode) -> PNode:
+        if not isinstance(n.op, Dropout):
+            return n
+        return dataclasses.replace(n, op=Dropout(0.0), local=dataclasses.replace(n.local, op=Dropout(0.0)))
+    return dataclasses.replace(pcg, nodes=tuple(off(n) for n in pcg.nodes))

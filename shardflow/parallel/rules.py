@@ -29,6 +29,7 @@ import torch
 
 from shardflow.graph import ops as O
 from shardflow.graph.ops import Op, TensorType
+from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.shape import DegreeError, ShardingError
 from shardflow.parallel.sharding import Sharding
@@ -47,9 +48,10 @@ class LocalOp:
     in_scale: tuple[float, ...]
     out_scale: float = 1.0
 
-    def compute(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def compute(self, *xs: torch.Tensor, at: DrawSite | None = None) -> tuple[torch.Tensor, ...]:
+        """The device's output pieces from its input pieces; ``at``: the draw site of a random op's piece."""
         xs = tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale))
-        outs = self.op.compute(*xs)
+        outs = self.op.compute(*xs, at=at) if self.op.random else self.op.compute(*xs)
         return outs if self.out_scale == 1.0 else tuple(o * self.out_scale for o in outs)
 
 

@@ -78,11 +78,12 @@ def _moved(pieces: Pieces, t: PTensor, group) -> Pieces:
     return {d: pieces[src[c]] for d, c in t.sharding.device_map(group).items()}
 
 
-def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0) -> dict[str, Pieces]:
+def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0, step: int = 1) -> dict[str, Pieces]:
     """Forward of ``pcg``: every tensor's pieces on every device, from full values of the leaf tensors.
 
-    ``leaves`` holds inputs and weights by graph name (constants come from the graph). Raises KeyError
-    naming a missing leaf.
+    ``leaves`` holds inputs and weights by graph name (constants come from the graph). ``seed`` seeds the random
+    partial pieces and, with ``step``, the draws of random ops (dropout: the same as
+    :func:`shardflow.reference.run_forward` with that seed and step). Raises KeyError naming a missing leaf.
     """
     gen = torch.Generator().manual_seed(seed)
     values: dict[str, Pieces] = {}
@@ -102,13 +103,16 @@ def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0) -> dic
                for i in node.inputs]
         per_device: dict[int, tuple[torch.Tensor, ...]] = {}
         for d in node.group.devices():
-            per_device[d] = node.local.compute(*(x[d] for x in ins))
+            at = pcg.draw_site(node, d, seed, step) if node.op.random else None
+            per_device[d] = node.local.compute(*(x[d] for x in ins), at=at)
         for k, o in enumerate(node.outputs):
             values[o] = {d: outs[k] for d, outs in per_device.items()}
     return values
 
 
-def simulate_outputs(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full values of every tensor of the original graph, as the sharded run computes them."""
-    values = simulate(pcg, leaves, seed)
+def simulate_outputs(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0,
+                     step: int = 1) -> dict[str, torch.Tensor]:
+    """Full values of every tensor of the original graph, as the sharded run computes them (``seed`` and
+    ``step`` as in :func:`simulate`)."""
+    values = simulate(pcg, leaves, seed, step)
     return {name: gather(values[name], pcg.tensors[name]) for name in pcg.graph.tensors if name in values}

@@ -74,9 +74,10 @@ class DistributedExecutor(Executor):
     """
 
     def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0,
-                 share: DistributedExecutor | None = None, debug: bool = False):
+                 share: DistributedExecutor | None = None, debug: bool = False, seed: int = 0):
         """``share``: another executor of the same PCG whose weights and process groups this one uses.
-        ``debug``: before each communication, check that every member is at the same token."""
+        ``debug``: before each communication, check that every member is at the same token.
+        ``seed``: the run seed random ops (dropout) draw with (the same on every rank)."""
         self.debug = debug
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -98,7 +99,7 @@ class DistributedExecutor(Executor):
         self.saved: dict = {}  # forward autograd graphs, consumed by the backward
         once = single_calls(self.program)
         self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1,
-                                             self.saved if i.dnode in once else None)
+                                             self.saved if i.dnode in once else None, seed)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
         # buffers packed for one communication and read by nothing else: reduced in place, not copied first
@@ -135,6 +136,14 @@ class DistributedExecutor(Executor):
                 out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == "avg" else 1)
         dist.all_reduce(out)
         return out
+
+    def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
+        return {self.rank: self.buffers[vid]} if vid in self.buffers else {}
+
+    def _max_over_ranks(self, x: float) -> float:
+        t = torch.tensor(x, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
 
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:

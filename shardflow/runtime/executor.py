@@ -2,7 +2,11 @@
 
 :class:`~shardflow.runtime.local.LocalExecutor` (every rank in this process) and
 :class:`~shardflow.runtime.distributed.DistributedExecutor` (this rank on torch.distributed) implement how a
-value's pieces are put and gathered (``_put`` / ``_get``) and how a step runs; everything else is here.
+value's pieces are put and gathered (``_put`` / ``_get``), which pieces are held here (``_pieces``), how a number
+is reduced over the ranks (``_max_over_ranks``) and how a step runs; everything else is here.
+
+Both take the run's ``seed``: random ops (dropout) draw as a pure function of (seed, step, node, global element
+index), so any strategy draws what one device draws (:mod:`shardflow.graph.rng`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,14 @@ class Executor:
         """The full tensor of value ``vid`` (on the distributed executor: collective, every rank calls it)."""
         raise NotImplementedError
 
+    def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
+        """Device → its piece of value ``vid``, for every device of this executor that holds one."""
+        raise NotImplementedError
+
+    def _max_over_ranks(self, x: float) -> float:
+        """The largest ``x`` over the ranks (on the distributed executor: collective, every rank calls it)."""
+        raise NotImplementedError
+
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """One training step on full ``inputs`` (by graph input name); returns the loss."""
         raise NotImplementedError
@@ -59,8 +71,26 @@ class Executor:
         self.steps_done = steps_done
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Full weights by graph name (= the module's parameter names)."""
+        """Full weights by graph name (= the module's parameter names), read from replica 0 of each block."""
         return {w: self._get(f"fwd:{w}") for w in self.dg.pcg.graph.weights}
+
+    def weight_error(self, reference: Mapping[str, torch.Tensor]) -> float:
+        """The largest |piece − the same block of ``reference``| (in the weights' units) over every piece of every
+        weight held here — every replica, not replica 0 alone as :meth:`weights` reads, so replicas that drifted
+        apart show. ``reference``: full weights by graph name (e.g. the single-device run's).
+
+        No weight is gathered: each rank compares its own pieces; on the distributed executor the maximum is
+        all-reduced (collective: every rank calls it and gets the same number).
+        """
+        err = 0.0
+        for w in self.dg.pcg.graph.weights:
+            v = self.dg.values[f"fwd:{w}"]
+            p = v.sharding.parallel_shape(v.group, v.type.shape)
+            for device, piece in self._pieces(v.id).items():
+                want = reference[w][p.piece_slices(v.sharding.coord_of(v.group, device))]
+                if piece.numel():
+                    err = max(err, (piece - want).abs().max().item())
+        return self._max_over_ranks(err)
 
     def state(self) -> dict[str, torch.Tensor]:
         """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""

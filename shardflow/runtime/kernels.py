@@ -15,6 +15,7 @@ import torch
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, DNode, DynamicGraph
 from shardflow.lower.program import LOCAL_MOVES, Compute
+from shardflow.parallel.pcg import PCG, PNode
 
 Kernel = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
@@ -63,8 +64,9 @@ def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *s
 
 
 def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, step: Callable[[], int],
-                saved: dict | None = None) -> Kernel:
-    """The kernel of dynamic-graph node ``dn`` on ``rank``. ``step()`` gives the current step (for AdamW).
+                saved: dict | None = None, seed: int = 0) -> Kernel:
+    """The kernel of dynamic-graph node ``dn`` on ``rank``. ``step()`` gives the current step, counted from 1
+    (for AdamW and for random ops); ``seed`` is the run's seed random ops draw with (see :func:`forward`).
 
     ``saved``: this rank's store of forward autograd graphs. When given, a forward whose node has a backward
     records its graph there and the backward reuses it (no second forward); without it, or when the forward
@@ -72,13 +74,13 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
     """
     if dn.kind == "compute":
         pnode = next(p for p in dg.pcg.nodes if p.name == dn.src)
-        local = pnode.local
+        fwd = forward(dg.pcg, pnode, rank, seed, step)
         if dn.pass_ == "FWD":
             bwd = next((n for n in dg.nodes if n.name == f"BWD {dn.src}"), None)
             if saved is None or bwd is None:
-                return lambda xs: list(local.compute(*xs))
-            return _recording_forward(local.compute, bwd.grad_mask, dn.src, saved)
-        return _vjp_kernel(local.compute, len(pnode.inputs), dn, saved)
+                return lambda xs: list(fwd(*xs))
+            return _recording_forward(fwd, bwd.grad_mask, dn.src, saved)
+        return _vjp_kernel(fwd, len(pnode.inputs), dn, saved)
     if dn.kind == "seed":
         return lambda xs: [torch.ones_like(xs[0])]
     if dn.kind == "sum":
@@ -102,6 +104,16 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
         index = dn.group.coords(rank)[dn.op.axis]
         return lambda xs: [xs[0].chunk(dn.op.degree, dn.op.dim)[index].contiguous()]
     raise ValueError(f"no kernel for dynamic-graph node {dn.name!r} of kind {dn.kind!r}")
+
+
+def forward(pcg: PCG, pnode: PNode, rank: int, seed: int, step: Callable[[], int]) -> Callable[..., tuple]:
+    """The local forward of compute node ``pnode`` on ``rank``: pieces in, pieces out. A random op (dropout)
+    draws at its piece's site for the current ``step()`` (:meth:`PCG.draw_site`): the same numbers as one
+    device, on every replica, and again when the backward recomputes the forward."""
+    local = pnode.local
+    if not local.op.random:
+        return local.compute
+    return lambda *xs: local.compute(*xs, at=pcg.draw_site(pnode, rank, seed, step()))
 
 
 def single_calls(program) -> set[str]:

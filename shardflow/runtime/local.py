@@ -29,8 +29,10 @@ class LocalExecutor(Executor):
     ``ex.weights()`` / ``ex.grads()`` assemble full tensors. Raises RuntimeError on a deadlock.
     """
 
-    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, share: LocalExecutor | None = None):
-        """``share``: another executor of the same PCG whose weights this one reads (e.g. evaluation)."""
+    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, share: LocalExecutor | None = None,
+                 seed: int = 0):
+        """``share``: another executor of the same PCG whose weights this one reads (e.g. evaluation).
+        ``seed``: the run seed random ops (dropout) draw with."""
         self.lowered, self.cfg = step, optimizer
         self.dg = step.dg
         self.steps_done = 0
@@ -43,7 +45,7 @@ class LocalExecutor(Executor):
                 if isinstance(i, Compute) and i.dnode:
                     self.kernels[(r, i.dnode)] = make_kernel(nodes[i.dnode], self.dg, r, optimizer,
                                                              lambda: self.steps_done + 1,
-                                                             self.saved[r] if i.dnode in once else None)
+                                                             self.saved[r] if i.dnode in once else None, seed)
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.ledgers = {r: Ledger() for r in step.programs}
         self._index_updates()
@@ -57,8 +59,13 @@ class LocalExecutor(Executor):
 
     def _get(self, vid: str) -> torch.Tensor:
         v: Value = self.dg.values[vid]
-        pieces = {d: b[vid] for d, b in self.buffers.items() if vid in b}
-        return gather(pieces, v)
+        return gather(self._pieces(vid), v)
+
+    def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
+        return {d: b[vid] for d, b in self.buffers.items() if vid in b}
+
+    def _max_over_ranks(self, x: float) -> float:
+        return x  # every rank is here
 
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:

@@ -36,7 +36,7 @@ class TrainConfig:
     optimizer: str = _f("adamw", "sgd or adamw", choices=("sgd", "adamw"))
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW)")
-    seed: int = _f(0, "seed for the initial weights and the batches")
+    seed: int = _f(0, "seed for the initial weights, the batches and the dropout masks")
     data: str | None = _f(None, "UTF-8 text file to train on (default: the Python documentation of this CPython)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics, checkpoints and the resolved config")
     metrics: str | None = _f(None, "JSON-lines metrics file (default: RUN_DIR/metrics.jsonl)")
@@ -59,7 +59,8 @@ class TrainConfig:
     trace: str | None = _f(None, "write a Chrome-trace timeline (Perfetto) of step 2 to this JSON file: per-rank "
                                  "compute and communication lanes, and the cost model's prediction beside them")
     timeout: float = _f(120.0, "seconds any rank may wait on one communication before failing")
-    check: bool = _f(False, "also run the same steps on one device and compare loss and parameters")
+    check: bool = _f(False, "also run the same steps on one device and compare the loss and every replica of "
+                            "every parameter")
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ from shardflow.lower.dynamic import OPTIMIZER_SLOTS
 from shardflow.lower.report import bytes_rows
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.parallel.pcg import PCG, build_pcg, evaluation
 from shardflow.runtime import trace
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
@@ -64,8 +64,10 @@ class Setup:
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20))
 
     def lower(self, ranks=None, verify: bool = False, training: bool = True):
-        """Lower one step (training or evaluation) for ``ranks`` (default all; ``verify`` proves them)."""
-        return lower_step(self.pcg, self.optimizer.slots, ranks=ranks, verify=verify, training=training,
+        """Lower one step (training, or evaluation: forward only, no dropout) for ``ranks`` (default all;
+        ``verify`` proves them)."""
+        return lower_step(self.pcg if training else evaluation(self.pcg), self.optimizer.slots, ranks=ranks,
+                          verify=verify, training=training,
                           options=self.lower_options, clip_norm=self.cfg.clip_norm or None)
 
     @property
@@ -387,11 +389,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> i
     eval_step = s.lower(ranks, verify=world == 1, training=False)
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
-        ex = DistributedExecutor(train_step, opt, cfg.timeout, debug=cfg.debug)
+        ex = DistributedExecutor(train_step, opt, cfg.timeout, debug=cfg.debug, seed=cfg.seed)
         ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex, debug=cfg.debug)
     else:
         from shardflow.runtime.local import LocalExecutor
-        ex = LocalExecutor(train_step, opt)
+        ex = LocalExecutor(train_step, opt, seed=cfg.seed)
         ev = LocalExecutor(eval_step, opt, share=ex)
     lead = rank == 0
     bar = lead and sys.__stdout__.isatty()
@@ -473,12 +475,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> i
         metrics.close()
     if ref is None:
         return 0
-    got, want = ex.weights(), ref.weights()  # collective: every rank takes part
-    max_dparam = max((got[k] - want[k]).abs().max().item() for k in want)
+    max_dparam = ex.weight_error(ref.weights())  # every replica of every piece; collective: every rank takes part
     ok = max_dloss <= CHECK_TOL and max_dparam <= CHECK_TOL
     if lead:
-        print(f"check against one device: max |Δloss| {max_dloss:.2e}, max |Δparameter| {max_dparam:.2e} "
-              f"(tolerance {CHECK_TOL:g}): {'OK' if ok else 'FAILED'}", flush=True)
+        print(f"check against one device: max |Δloss| {max_dloss:.2e}, max |Δparameter| {max_dparam:.2e} over "
+              f"every replica (tolerance {CHECK_TOL:g}): {'OK' if ok else 'FAILED'}", flush=True)
     return 0 if ok else 1
 
 
@@ -488,10 +489,10 @@ CHECK_TOL = 5e-3
 
 
 def _reference(s: Setup, weights, state, steps_done: int):
-    """The same model and optimizer on one device (local executor, unsharded plan), for ``--check``."""
+    """The same model, optimizer and dropout masks on one device (local executor, unsharded plan), for ``--check``."""
     from shardflow.runtime.local import LocalExecutor
     one = build_pcg(s.graph, Mesh(("d",), (1,)))
-    ref = LocalExecutor(lower_step(one, s.optimizer.slots), s.optimizer)
+    ref = LocalExecutor(lower_step(one, s.optimizer.slots), s.optimizer, seed=s.cfg.seed)
     ref.load(weights, state, steps_done)
     return ref
 
