@@ -258,7 +258,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from shardflow.runtime.local import LocalExecutor
     from shardflow.train.config import TrainConfig
-    from shardflow.train.loop import setup
+    from shardflow.train.recipe import setup
     base = TrainConfig()
     out: dict = {}
     s_tp = setup(dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world), world)

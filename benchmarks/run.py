@@ -196,7 +196,7 @@ def section_b(res: dict, quick: bool) -> str:
              f"width {m['embd']}, context {m['seq_len']}, vocabulary {m['vocab']} (characters of the default corpus), "
              f"{m['params']:,} parameters; global batch {m['batch']} × {m['seq_len']} = {tok} tokens per step; AdamW "
              f"lr {m['optimizer']['lr']}, no weight decay; one step = forward + backward + update + reading the loss, "
-             f"on a fixed batch of the default corpus. shardflow: `shardflow.train.loop.setup` (capture, preset plan) → "
+             f"on a fixed batch of the default corpus. shardflow: `shardflow.train.recipe.setup` (capture, preset plan) → "
              f"`lower_step` for the rank → `DistributedExecutor`. DTensor: `parallelize_module` with q, k, v and c_fc "
              f"`ColwiseParallel`, both c_proj `RowwiseParallel`, the rest replicated (attention reshapes with the "
              f"local head count, as torchtitan's attention does). DDP: `DistributedDataParallel` on 8 sequences "

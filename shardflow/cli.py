@@ -149,15 +149,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from shardflow.train.loop import main as train_main
+    from shardflow.train.command import main as train_main
     return train_main(TrainConfig.from_args(args))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from shardflow.train.checkpoint import export
-    out, ck = export(args.checkpoint, args.out)
-    print(f"wrote {out}: the weights of {ck.path} (step {ck.step}) under GPT's parameter names, model config in "
-          f"its metadata")
+    from shardflow.train.recipe import GPT_MODEL
+    out, ck = export(args.checkpoint, args.out, GPT_MODEL)
+    print(f"wrote {out}: the weights of {ck.path} (step {ck.step}) under {GPT_MODEL.name}'s parameter names, model "
+          f"config in its metadata")
     return 0
 
 

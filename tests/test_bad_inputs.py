@@ -123,12 +123,6 @@ def test_data_too_short_for_the_context(capsys, tmp_path):
                   f"data from {short} has 30 characters", "--seq-len 16", "use more text or a shorter --seq-len")
 
 
-def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, corpus, monkeypatch):
-    monkeypatch.setenv("SHARDFLOW_FAULT", "explode:rank=1")
-    one_paragraph(*train(capsys, tmp_path / "run", corpus), "train", "SHARDFLOW_FAULT='explode:rank=1'",
-                  "unset it for normal runs")
-
-
 # --- outputs: run directory and metrics file ------------------------------------------------------------------
 
 @pytest.mark.parametrize("where, words", [
@@ -259,7 +253,7 @@ def test_world_size_that_does_not_fit_the_mesh(corpus, monkeypatch):
     from shardflow.runtime.distributed import DistributedExecutor
     from shardflow.runtime.kernels import OptimizerConfig
     from shardflow.train.config import TrainConfig
-    from shardflow.train.loop import setup
+    from shardflow.train.recipe import setup
 
     cfg = TrainConfig(strategy="tp", mesh="tp=2", layers=1, heads=2, embd=16, seq_len=16, batch_size=8,
                       data=str(corpus))
@@ -295,7 +289,7 @@ def test_torchrun_style_rendezvous_failures(tmp_path, corpus):
     port = busy.getsockname()[1]
     nobody = _free_port()
     base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "SHARDFLOW_FAULT"))}
+            if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     cases = {
         "in use": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), [],
                    [f"rank 0 of 2 could not join the process group at 127.0.0.1:{port}", "address already in use",

@@ -3,7 +3,6 @@ reproduces the uninterrupted run, a checkpoint written under one strategy and me
 to safetensors, generate; bad checkpoints, an unwritable directory and Ctrl-C end cleanly, and a checkpoint is
 complete or absent."""
 
-import dataclasses
 import json
 import os
 import pickle
@@ -21,7 +20,9 @@ import torch
 from shardflow.cli import main as cli_main
 from shardflow.models import GPT
 from shardflow.train import checkpoint
+from shardflow.train.checkpoint import store
 from shardflow.train.data import Corpus
+from shardflow.train.recipe import GPT_MODEL
 
 TINY = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
         "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30"]
@@ -145,7 +146,7 @@ def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, tmp
         config = json.loads(f.metadata()["config"])
     chars = config.pop("chars")
     ck = checkpoint.read(runs / "tp6" / "checkpoints" / "step_6")
-    assert chars == ck.chars and config == dataclasses.asdict(ck.model)
+    assert chars == ck.chars and config == ck.model
     from shardflow.models import GPTConfig
     model = GPT(GPTConfig(**config))
     model.load_state_dict(load_file(str(out)))  # strict: exactly the module's parameter names
@@ -165,7 +166,7 @@ def test_generate_prints_prompt_and_sampled_characters(runs, capsys):
     assert text.startswith("the ") and len(text) == 4 + 25
     assert set(text) <= set(" .abcdefghijklmnopqrstuvwxyz")
     from shardflow.train.generate import sample
-    model, ck = checkpoint.load_model(runs / "tp6")
+    model, ck = checkpoint.load_model(runs / "tp6", GPT_MODEL)
     assert sample(model, ck.tokenizer, "the ", 25, 1.0, 1) == text  # seeded: the same text again
 
 
@@ -197,7 +198,7 @@ def _garbage_rehashed(d):
     """Garbage in a data file whose recorded checksum was updated too: DCP itself fails to read it."""
     _garbage(d)
     meta = json.loads((d / "shardflow.json").read_text())
-    meta["files"]["__0_0.distcp"] = checkpoint._digest(d / "__0_0.distcp")
+    meta["files"]["__0_0.distcp"] = store.digest(d / "__0_0.distcp")
     (d / "shardflow.json").write_text(json.dumps(meta))
 
 
@@ -227,7 +228,7 @@ def _malicious_metadata(d):
     """A .metadata that would run a command if unpickled, with the checksum updated to match."""
     (d / ".metadata").write_bytes(pickle.dumps(_Payload()))
     meta = json.loads((d / "shardflow.json").read_text())
-    meta["files"][".metadata"] = checkpoint._digest(d / ".metadata")
+    meta["files"][".metadata"] = store.digest(d / ".metadata")
     (d / "shardflow.json").write_text(json.dumps(meta))
 
 
@@ -395,11 +396,11 @@ def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(corpus, tm
 
 
 def test_resumed_metrics_keep_the_records_up_to_the_checkpoint(tmp_path):
-    from shardflow.train.loop import _open_metrics
+    from shardflow.train.metrics import open_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
-    with _open_metrics(path, 3) as f:  # the stopped run got to step 5 (and half a line) after its checkpoint at 3
+    with open_metrics(path, 3) as f:  # the stopped run got to step 5 (and half a line) after its checkpoint at 3
         f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
     assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == \
         [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]

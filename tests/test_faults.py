@@ -1,5 +1,5 @@
 """Faults in real ``shardflow train --nproc 2`` runs (tiny model, gloo, short --timeout), injected with the test hook
-``SHARDFLOW_FAULT`` (shardflow.train.loop.Fault): a rank SIGKILLed in the middle of a step or during a checkpoint
+``SHARDFLOW_FAULT`` of tests/faults.py (through shardflow.train.hooks): a rank SIGKILLed in the middle of a step or during a checkpoint
 save, a rank that stalls outside communication, SIGTERM to the launcher; and the launcher's rendezvous store and
 gloo's sockets listen on loopback only. Every run is bounded (a watchdog kills it); exit times are measured from
 the moment the fault struck (the line the faulty rank prints just before) to the launcher's exit."""
@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import faults
 import pytest
 
 from shardflow.train import checkpoint
@@ -19,6 +20,7 @@ from shardflow.train import checkpoint
 TINY = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
         "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--strategy", "tp", "--nproc", "2"]
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
+FAULTS = str(Path(__file__).with_name("faults.py"))
 LIMIT = 120  # seconds any one run may take before the watchdog kills it (a hang is a failure, never a stuck suite)
 
 
@@ -63,7 +65,7 @@ class Run:
         run.parent.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = run.parent / f"{run.name}.out", run.parent / f"{run.name}.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.p = subprocess.Popen([sys.executable, "-m", "shardflow.cli", "train", *TINY, "--data", str(corpus),
+            self.p = subprocess.Popen([sys.executable, FAULTS, "train", *TINY, "--data", str(corpus),
                                        "--run-dir", str(run), *argv], stdout=out, stderr=err, env=env)
         self.t0 = time.monotonic()
         self.seen: dict[str, float] = {}
@@ -247,3 +249,14 @@ def test_rendezvous_store_and_gloo_listen_on_loopback_only(tmp_path):
         for kind, addresses in seen.items():  # ... and it, the launcher, and each rank's gloo, on loopback alone
             for a in addresses:
                 assert a.startswith("127.") or a in ("::1", "::ffff:127.0.0.1"), (kind, a, seen)
+
+
+def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, corpus, monkeypatch):
+    monkeypatch.setenv("SHARDFLOW_FAULT", "explode:rank=1")
+    run = tmp_path / "run"
+    assert faults.main(["train", *TINY, "--data", str(corpus), "--run-dir", str(run)]) == 2
+    out, err = capsys.readouterr()
+    assert not out and err == ("shardflow train: error: SHARDFLOW_FAULT='explode:rank=1': write kill:rank=R:step=N, "
+                               "stall:rank=R:step=N:seconds=S or kill_in_save:rank=R[:step=N] (a test hook; unset it "
+                               "for normal runs)\n")
+    assert not run.exists()

@@ -259,7 +259,7 @@ def test_train_verifies_the_plan_before_launching(tmp_path, monkeypatch):
     """Regression: `shardflow train --nproc N` proves every rank's program in the parent before launching."""
     from shardflow.lower import verify as verify_module
     from shardflow.runtime import launch as launch_module
-    from shardflow.train import loop
+    from shardflow.train import command
     from shardflow.train.config import TrainConfig
 
     def planted(programs, world_size):
@@ -275,7 +275,7 @@ def test_train_verifies_the_plan_before_launching(tmp_path, monkeypatch):
     cfg = TrainConfig(strategy="dp", nproc=2, steps=1, layers=1, heads=2, embd=16, seq_len=16, batch_size=8,
                       data=str(data), run_dir=str(tmp_path / "run"), timeout=5.0)
     with pytest.raises(PlanVerificationError, match="planted"):
-        loop.main(cfg)
+        command.main(cfg)
 
 
 # --- issue #11, holes 2 and 6: per-rank dataflow and buffer identity ------------------------------------------

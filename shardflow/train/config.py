@@ -1,4 +1,5 @@
-"""Typed configuration of ``shardflow train``: each field's ``help`` is its command-line help.
+"""Typed configuration of ``shardflow train``: each field's ``help`` is its command-line help; and the checks of a
+configuration that run before any process starts (:func:`check_config`, :func:`check_outputs`).
 
 Precedence: built-in defaults < ``--config FILE.toml`` < command-line flags. The resolved configuration is
 saved as ``config.toml`` in the run directory.
@@ -12,6 +13,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from shardflow.train.checkpoint.store import CheckpointError, check_writable
 
 
 def _f(default, help: str, **kw):
@@ -118,3 +121,61 @@ class TrainConfig:
             flag = "--" + f.name.replace("_", "-")
             out += [flag] if v is True else [flag, str(v)]
         return out
+
+
+# --- checks of the configuration and the outputs (before any process starts) ---------------------------------
+
+# smallest value of each numeric setting (the others are free, or checked where they are used)
+_MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "layers": 0, "heads": 1, "embd": 1,
+            "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
+_TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
+               "list": "a list", "dict": "a table"}
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Raise ValueError (one paragraph: the setting, its value, the fix) for a setting of the wrong type (only a
+    ``--config`` file can give one: flags are typed by the command line), outside its choices or its range."""
+    for f in dataclasses.fields(cfg):
+        v, flag, help_ = getattr(cfg, f.name), "--" + f.name.replace("_", "-"), f.metadata.get("help", "")
+        names = [t.strip() for t in str(f.type).split("|")]
+        if all(t in _TYPES for t in names):
+            ok = any(isinstance(v, _TYPES[t]) and not (t in ("int", "float") and isinstance(v, bool)) for t in names)
+            if not ok:
+                want = " or ".join(_TYPE_WORDS[t] for t in names if t != "None")
+                example = f" (e.g. {f.name} = {f.default!r})" if f.default is not None else ""
+                got = _TYPE_WORDS.get(type(v).__name__, type(v).__name__)
+                raise ValueError(f"setting {f.name} = {v!r} is {got}, but {f.name} takes {want} ({help_}); fix "
+                                 f"it in the --config file{example}")
+        choices = f.metadata.get("choices")
+        if choices and v not in choices:
+            raise ValueError(f"setting {f.name} = {v!r} is not one of {', '.join(choices)} ({help_}); fix it in the "
+                             f"--config file")
+        if f.name in _MINIMUM and v < _MINIMUM[f.name]:
+            raise ValueError(f"{flag} {v} is out of range: give a value ≥ {_MINIMUM[f.name]}. {flag}: {help_}")
+    if cfg.timeout <= 0:
+        raise ValueError(f"--timeout {cfg.timeout}: give the seconds a rank may wait on one communication, > 0 "
+                         f"(e.g. 120; tests use 5-30)")
+    if not 0 <= cfg.dropout < 1:
+        raise ValueError(f"--dropout {cfg.dropout}: give a probability in [0, 1)")
+    if cfg.embd % cfg.heads:
+        fits = [h for h in range(1, cfg.heads + 1) if cfg.embd % h == 0][-1]
+        raise ValueError(f"--embd {cfg.embd} is not a multiple of --heads {cfg.heads} (every head gets --embd / "
+                         f"--heads features); change one of them, e.g. --heads {fits}")
+    if cfg.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 to save only "
+                         f"after the last step")
+
+
+def check_outputs(cfg: TrainConfig) -> None:
+    """Raise CheckpointError unless the run directory, the metrics file's directory and the checkpoint directory
+    can be written."""
+    fix = "pass --run-dir with a directory you can write, or fix its permissions"
+    check_writable(Path(cfg.run_dir), "run directory", fix)
+    if cfg.metrics:
+        m = Path(cfg.metrics)
+        if m.is_dir():
+            raise CheckpointError(f"--metrics {m} is a directory; pass a file name such as {m / 'metrics.jsonl'}")
+        check_writable(m.parent, "directory of --metrics",
+                       "pass --metrics with a file in a directory you can write, or omit it")
+    check_writable(cfg.checkpoints)

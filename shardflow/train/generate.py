@@ -11,6 +11,7 @@ import torch
 from shardflow.models import GPT
 from shardflow.train.checkpoint import CheckpointError, load_model
 from shardflow.train.data import CharTokenizer
+from shardflow.train.recipe import GPT_MODEL
 
 
 def sample(model: GPT, tok: CharTokenizer, prompt: str, tokens: int, temperature: float = 1.0, seed: int = 0,
@@ -46,7 +47,7 @@ def main(checkpoint: str, prompt: str, tokens: int, temperature: float, seed: in
         raise CheckpointError(f"--temperature {temperature}: must be 0 (greedy) or positive")
     if not prompt:
         raise CheckpointError("--prompt is empty; the model needs at least one character to continue from")
-    model, ck = load_model(checkpoint)
+    model, ck = load_model(checkpoint, GPT_MODEL)
     unknown = sorted(set(prompt) - set(ck.chars))
     if unknown:
         raise CheckpointError(f"--prompt has characters outside the model's vocabulary: "

@@ -1,0 +1,33 @@
+"""Checkpoints of ``shardflow train`` on ``torch.distributed.checkpoint`` (DCP): complete or absent, and loadable
+under any strategy and mesh. By concern:
+
+* :mod:`~shardflow.train.checkpoint.store` — the atomic store: ``step_<n>.tmp/`` → manifest (size and sha256 of
+  every file) → ``COMPLETE`` → one ``rename``; finding checkpoints; checking a directory is writable;
+* :mod:`~shardflow.train.checkpoint.dcp` — the tensors, written and read with DCP (safely: no unpickling beyond
+  DCP's own metadata classes);
+* :mod:`~shardflow.train.checkpoint.resume` — whether a checkpoint fits the run about to continue from it;
+* :mod:`~shardflow.train.checkpoint.export` — the plain module with a checkpoint's weights, and safetensors;
+* :mod:`~shardflow.train.checkpoint.model` — what all of them need to know about the model, an adapter the
+  training recipe gives.
+
+**What is saved, and why full tensors.** Every tensor whole (unsharded): nothing in the files depends on how the
+run was sharded, so a checkpoint written by any strategy and mesh loads under any other, and ``export`` /
+``generate`` read it on one process. The price is memory: while saving or loading, every rank holds the whole
+model and its optimizer state (for AdamW 3× the parameters) next to its own shards. Fine for the models
+``shardflow train`` trains; a sharded save (DTensor-style entries, each rank writing only its pieces) is the way
+out for models that do not fit one rank. Batches depend only on (seed, step), so the step count is also the
+position in the data.
+
+``--resume`` takes the newest ``step_<n>/`` that has the marker; leftover ``.tmp`` directories are ignored and
+removed by rank 0 at the next save. A fresh run (no ``--resume``) replaces an earlier run's checkpoints in the same
+directory once it has written its first one.
+"""
+
+from shardflow.train.checkpoint.dcp import Checkpoint, Entries, Saver, model_entries, read
+from shardflow.train.checkpoint.export import export, load_model
+from shardflow.train.checkpoint.model import ModelAdapter
+from shardflow.train.checkpoint.resume import for_resume
+from shardflow.train.checkpoint.store import MARKER, CheckpointError, check_writable, complete_steps, newest
+
+__all__ = ["MARKER", "Checkpoint", "CheckpointError", "Entries", "ModelAdapter", "Saver", "check_writable",
+           "complete_steps", "export", "for_resume", "load_model", "model_entries", "newest", "read"]

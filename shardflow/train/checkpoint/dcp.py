@@ -1,0 +1,235 @@
+"""The tensors of a checkpoint, written and read with ``torch.distributed.checkpoint`` (DCP), into and out of the
+atomic store (:mod:`shardflow.train.checkpoint.store`).
+
+Entries: the model's weights by graph name (``model/<name>``; graph weight names are the ``named_parameters()``
+names of the module) and the optimizer state by value id (``optim/opt:<slot>:<weight>``), every tensor whole
+(unsharded). Every rank assembles the full tensors with the executor's collective ``weights()`` / ``state()``
+and hands the same state dict to ``dcp.save``, which deduplicates identical entries across ranks (each tensor is
+written by one rank, the bytes spread over the ranks) and coordinates the write. Loading reads full-size tensors
+and the executor keeps its own pieces (``ex.load``).
+
+**Safe to load.** Nothing is unpickled except DCP's ``.metadata``, and that through an unpickler that admits
+only DCP's own metadata classes, torch dtypes and sizes; tensors come back with ``torch.load(weights_only=True)``
+(DCP's reader). Non-tensor entries, which DCP would load with a full unpickler, are refused.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from shardflow.train.checkpoint import store
+from shardflow.train.checkpoint.model import ModelAdapter
+from shardflow.train.checkpoint.store import CheckpointError
+from shardflow.train.data import CharTokenizer
+
+Entries = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def model_entries(model: torch.nn.Module, names, slots: tuple[str, ...] = ()) -> Entries:
+    """The entries a checkpoint of ``model`` holds: weights ``model/<name>`` and optimizer state
+    ``optim/opt:<slot>:<name>`` (same shape as the weight)."""
+    params = dict(model.named_parameters())
+    out: Entries = {f"model/{n}": (tuple(params[n].shape), params[n].dtype) for n in names}
+    for s in slots:
+        out.update({f"optim/opt:{s}:{n}": (tuple(params[n].shape), params[n].dtype) for n in names})
+    return out
+
+
+# --- reading ------------------------------------------------------------------------------------------------
+
+def _metadata_classes() -> set[tuple[str, str]]:
+    import torch.distributed.checkpoint.metadata as md
+    allowed = {(md.__name__, n) for n, o in vars(md).items() if isinstance(o, type) and o.__module__ == md.__name__}
+    return allowed | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                      ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` admitting only its metadata classes, torch dtypes and sizes: a crafted file
+    cannot run code."""
+
+    allowed: set[tuple[str, str]] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def _reader(path: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            _MetadataUnpickler.allowed = _MetadataUnpickler.allowed or _metadata_classes()
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                md = _MetadataUnpickler(f).load()
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    return SafeReader(path)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint whose files were verified: what its manifest says and DCP's tensor index.
+    ``model`` is the model's config as recorded (JSON; :meth:`config` reads it with the recipe's adapter)."""
+
+    path: Path
+    step: int
+    model: Mapping[str, Any]
+    chars: str
+    train: dict[str, Any]
+    entries: Entries
+    mesh: str = "?"
+
+    @property
+    def tokenizer(self) -> CharTokenizer:
+        return CharTokenizer(self.chars)
+
+    def config(self, adapter: ModelAdapter) -> Any:
+        """The model's config (``adapter.config_type``); raises CheckpointError when the recorded one does not fit."""
+        try:
+            return adapter.from_json(self.model)
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"checkpoint {self.path} is corrupt: {store.META} cannot be read "
+                                  f"({type(e).__name__}: {e}); {store.fallback(self.path)}") from None
+
+    def check_entries(self, want: Entries, fix: str) -> None:
+        """Raise CheckpointError unless every wanted entry is stored with its shape and dtype."""
+        problems = []
+        for k, (shape, dtype) in want.items():
+            if k not in self.entries:
+                problems.append(f"{k} is missing")
+            elif self.entries[k] != (tuple(shape), dtype):
+                have = self.entries[k]
+                problems.append(f"{k} is {list(have[0])} {str(have[1]).removeprefix('torch.')}, the model needs "
+                                f"{list(shape)} {str(dtype).removeprefix('torch.')}")
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise CheckpointError(f"checkpoint {self.path} does not fit this model: {'; '.join(problems[:3])}{more}; "
+                                  f"{fix}")
+
+    def load(self, want: Entries) -> dict[str, torch.Tensor]:
+        """Full-size tensors of ``want`` (entry name → shape, dtype), read with DCP on this process alone."""
+        import torch.distributed.checkpoint as dcp
+
+        self.check_entries(want, store.fallback(self.path))
+        sd = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in want.items()}
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.load(sd, storage_reader=_reader(self.path), no_dist=True)
+        except (Exception, CheckpointException) as e:  # any failure to read is a corrupt checkpoint to the user
+            raise CheckpointError(f"checkpoint {self.path} is corrupt: its tensors cannot be read ({_why(e)}); "
+                                  f"{store.fallback(self.path)}") from None
+        return sd
+
+
+def _why(e: BaseException) -> str:
+    """The first line of what went wrong inside DCP. DCP wraps every rank's failure — a Ctrl-C too — in a
+    CheckpointException (a BaseException): an interrupt is raised again as KeyboardInterrupt."""
+    failures = [pair[0] for pair in getattr(e, "failures", {}).values()] or [e]
+    for x in failures:
+        if isinstance(x, (KeyboardInterrupt, SystemExit)):
+            raise KeyboardInterrupt(str(x)) from None
+    x = failures[0]
+    text = str(x).strip().splitlines()[0] if str(x).strip() else ""
+    if len(text) > 120 and ". " in text:  # e.g. torch.load's advice to load unsafely: not for a corrupt file
+        text = text.split(". ")[0]
+    return f"{type(x).__name__}: {text}" if text else type(x).__name__
+
+
+def read(path: Path) -> Checkpoint:
+    """Open the complete checkpoint ``path``: check every file against the size and sha256 recorded when it was
+    saved, then read DCP's index (safely). Raises CheckpointError naming the directory, the problem and the fix."""
+    meta = store.read_manifest(path, required=("model", "chars"))
+    fix = store.fallback(path)
+    try:
+        md = _reader(path).read_metadata()
+        entries: Entries = {}
+        for k, v in md.state_dict_metadata.items():
+            if not hasattr(v, "properties") or not hasattr(v, "size"):
+                raise CheckpointError(f"checkpoint {path} holds a non-tensor entry {k!r}, which shardflow does not "
+                                      f"write and will not unpickle; {fix}")
+            entries[k] = (tuple(v.size), v.properties.dtype)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 — an unreadable or refused index
+        raise CheckpointError(f"checkpoint {path} is corrupt: DCP's .metadata cannot be read ({e}); {fix}") from None
+    return Checkpoint(path, meta["step"], meta["model"], meta["chars"], meta.get("train", {}), entries,
+                      str(meta.get("mesh", "?")))
+
+
+# --- writing ------------------------------------------------------------------------------------------------
+
+class Saver:
+    """Writes checkpoints of one run. Every rank makes one and calls :meth:`save` at the same steps.
+
+    ``meta``: what the manifest records besides step and files (model config, characters, train config).
+    ``fresh``: this run did not resume, so complete checkpoints it did not write are an earlier run's and are
+    removed once it has committed its first.
+    """
+
+    def __init__(self, root: Path, rank: int, world: int, meta: Mapping[str, Any], fresh: bool):
+        self.root, self.rank, self.world, self.meta, self.fresh = root, rank, world, dict(meta), fresh
+        self.written: set[str] = set()
+        # called with the step once this rank's files are in ``step_<n>.tmp/``, before the checkpoint is committed
+        # (the ``saved`` hook of shardflow.train.hooks)
+        self.on_written: Callable[[int], None] | None = None
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def save(self, ex, step: int) -> tuple[Path, int]:
+        """Save the executor's weights and optimizer state after ``step`` steps (collective: every rank calls it).
+        Returns the checkpoint's directory and its size in bytes (on rank 0; 0 elsewhere)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        sd = {f"model/{k}": v for k, v in ex.weights().items()}  # collective on the distributed executor
+        sd.update({f"optim/{k}": v for k, v in ex.state().items()})
+        tmp = store.begin(self.root, step) if self.rank == 0 else store.staging(self.root, step)
+        self._barrier()
+        try:
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=self.world == 1)
+        except (Exception, CheckpointException) as e:  # e.g. disk full, on any rank
+            raise CheckpointError(f"writing checkpoint {tmp} failed ({_why(e)}); free space or fix "
+                                  f"--checkpoint-dir, then --resume from the last complete checkpoint") from None
+        prefix = f"__{self.rank}_" if self.world > 1 else "__"
+        mine = {p.name: store.digest(p) for p in sorted(tmp.iterdir()) if p.name.startswith(prefix)}
+        if self.on_written is not None:
+            self.on_written(step)
+        if self.world > 1:
+            everyone: list[Any] | None = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(mine, everyone, dst=0)
+        else:
+            everyone = [mine]
+        final, size = self.root / f"step_{step}", 0
+        if self.rank == 0:
+            files = {k: v for part in everyone for k, v in part.items()}
+            files[".metadata"] = store.digest(tmp / ".metadata")
+            final, size = store.commit(self.root, step, files, self.meta)
+            self.written.add(final.name)
+            if self.fresh:
+                store.prune(self.root, self.written)
+        self._barrier()
+        return final, size

@@ -1,0 +1,169 @@
+"""``shardflow train``: a GPT trained on text across local processes with a chosen strategy — the processes.
+
+The parent process checks the configuration and the plan (errors before any process starts), then starts
+``--nproc`` ranks with the launcher; under torchrun (RANK/WORLD_SIZE set) each process is one rank. One process
+with ``--nproc 1`` runs every rank of the mesh itself (the local executor). Each rank runs
+:func:`shardflow.train.loop.train`; every rank logs to ``RUN_DIR/rank{r}.log``.
+
+Ctrl-C / SIGTERM stop every rank; a save that was cut short leaves only a ``.tmp`` directory, and the command exits
+with status 130 and one line. A rank that fails reports one paragraph (a checkpoint that does not fit, exit
+status 2) or its traceback (status 1) and leaves without gloo's teardown: its peers fail on their timeouts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from shardflow.train import checkpoint, hooks
+from shardflow.train.config import TrainConfig, check_config, check_outputs
+from shardflow.train.console import Console, tee_to_log
+from shardflow.train.loop import train
+from shardflow.train.recipe import setup
+
+# exit status of a run stopped by Ctrl-C / SIGTERM (the shell's 128 + SIGINT)
+INTERRUPTED = 130
+
+_signalled: list[str] = []
+
+
+def _interrupt(signum, _frame):
+    _signalled.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def main(cfg: TrainConfig) -> int:
+    """Entry of ``shardflow train``: plan-check in this process, then launch ``--nproc`` ranks (or run here)."""
+    try:
+        return _main(cfg)
+    except KeyboardInterrupt as e:  # Ctrl-C in this process (one process, or before the ranks start)
+        return _stopped(cfg, str(e) or "SIGINT")
+
+
+def _main(cfg: TrainConfig) -> int:
+    run_dir = Path(cfg.run_dir)
+    check_config(cfg)
+    if "RANK" in os.environ or cfg.nproc == 1:
+        return run_rank(cfg)
+    s = setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
+    s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
+    s.lower(verify=True, training=False)
+    check_outputs(cfg)
+    if cfg.resume and Console(True, cfg.steps, cfg.log_every).nothing_to_do(s.resume_point()):
+        return 0  # a missing, corrupt or unfit checkpoint was an error just now
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(cfg.to_toml())
+    from shardflow.runtime.launch import describe_failure, launch
+    # The launcher forwards Ctrl-C / SIGTERM to the ranks from its own handler; a wakeup fd tells us one came.
+    signals_r, signals_w = os.pipe()
+    os.set_blocking(signals_r, False)
+    os.set_blocking(signals_w, False)
+    old_fd = signal.set_wakeup_fd(signals_w, warn_on_full_buffer=False) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        res = launch([*hooks.installed().command, "train", *cfg.argv()], cfg.nproc, run_dir,
+                     grace_s=cfg.timeout + 10)
+    finally:
+        if old_fd is not None:
+            signal.set_wakeup_fd(old_fd)
+        try:
+            got = os.read(signals_r, 256)
+        except BlockingIOError:
+            got = b""
+        os.close(signals_r)
+        os.close(signals_w)
+    stop = [signal.Signals(b).name for b in got if b in (signal.SIGINT, signal.SIGTERM)]
+    if not res.ok:
+        if stop:
+            return _stopped(cfg, stop[0])
+        print(f"shardflow train: error: {describe_failure(res, run_dir)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _stopped(cfg: TrainConfig, how: str) -> int:
+    last = checkpoint.newest(cfg.checkpoints)
+    where = f"newest complete checkpoint: {last} (continue with --resume)" if last else "no complete checkpoint"
+    print(f"shardflow train: interrupted ({how}); every rank stopped; {where}", file=sys.stderr, flush=True)
+    return INTERRUPTED
+
+
+def run_rank(cfg: TrainConfig) -> int:
+    """Train on this process: every rank of the mesh (one process) or this rank (launched / torchrun)."""
+    tee_to_log()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards Ctrl-C as SIGTERM: stop like Ctrl-C
+    if world == 1:
+        return train(cfg, 0, 1)
+    from shardflow.runtime.distributed import shutdown
+    s = setup(cfg, world)  # configuration, data and plan errors: one paragraph (exit 2), before joining the group
+    rank, world = _join(cfg.timeout)
+    try:
+        code = train(cfg, rank, world, s)
+    except BaseException as e:  # report, then leave without gloo's teardown (peers fail on their timeouts)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report: a second signal must not cut it short
+        # a peer stopped by the same Ctrl-C can make this rank's communication fail first
+        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
+        unfit = isinstance(e, checkpoint.CheckpointError)  # e.g. --resume under torchrun: one paragraph, status 2
+        if interrupted:
+            print(f"rank {rank}: interrupted", flush=True)
+        elif unfit:
+            print(f"shardflow train: error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED if interrupted else 2 if unfit else 1)
+    shutdown(code)
+
+
+class RendezvousError(ValueError):
+    """This process could not join the process group its environment (torchrun's variables) describes."""
+
+
+def _join(timeout_s: float) -> tuple[int, int]:
+    """init_from_env, with torch's rendezvous failures turned into one paragraph that says how to fix them."""
+    import tempfile
+
+    from shardflow.runtime.distributed import init_from_env
+    # torch logs each failed connection attempt on fd 2 with a C++ backtrace: hold that back; replay it on success
+    sys.stderr.flush()
+    saved, held = os.dup(2), tempfile.TemporaryFile()
+    os.dup2(held.fileno(), 2)
+    failure = None
+    try:
+        joined = init_from_env(timeout_s)
+    except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError, a missing variable
+        failure = e
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        logged = held.read().decode(errors="replace")
+        held.close()
+    if failure is None:
+        sys.stderr.write(logged)
+        return joined
+    env = os.environ
+    where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
+    text = str(failure).strip()
+    first = text.splitlines()[0] if text else ""
+    if "address already in use" in text.lower():
+        fix = (f"port {env.get('MASTER_PORT')} is already in use on this machine: choose a free MASTER_PORT "
+               f"(torchrun --master-port), use torchrun --standalone, or let shardflow train --nproc N start the "
+               f"ranks (it picks a free port)")
+    elif "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
+    else:
+        fix = (f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
+               f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable from "
+               f"this machine, or raise --timeout")
+    raise RendezvousError(f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the process "
+                          f"group at {where} ({type(failure).__name__}: {first}); {fix}") from None

@@ -1,0 +1,115 @@
+"""What ``shardflow train`` shows on the console. Rank 0 prints a banner, one line every ``--log-every`` steps (and at
+every validation and the last step), a progress bar between those lines when its output is a terminal (plain lines
+when piped), the checkpoints it saves and the final verdict; the other ranks print none of it. Rank 0 launched on a
+terminal writes to it directly and tees everything into its log (:func:`tee_to_log`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from shardflow.lower.report import bytes_rows
+from shardflow.train.checkpoint import Checkpoint
+
+CLEAR = "\r\x1b[K"  # back to the start of the terminal line and clear it
+_BAR = 30  # characters of the progress bar
+
+
+class Tee:
+    """Writes to the terminal and to the rank's log file (rank 0 launched on a terminal)."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.log.write(text.replace(CLEAR, ""))
+        return self.stream.write(text)
+
+    def flush(self):
+        self.log.flush()
+        self.stream.flush()
+
+    def isatty(self):
+        return self.stream.isatty()
+
+
+def tee_to_log() -> None:
+    """When the launcher let this rank write to the terminal itself (``SHARDFLOW_TEE`` names its log), copy
+    stdout and stderr into that log."""
+    tee = os.environ.get("SHARDFLOW_TEE")
+    if tee:
+        log = open(tee, "w", buffering=1)
+        sys.stdout, sys.stderr = Tee(sys.stdout, log), Tee(sys.stderr, log)
+
+
+class Console:
+    """Rank 0's console during training (``lead``: this process prints; elsewhere every method is silent)."""
+
+    def __init__(self, lead: bool, steps: int, log_every: int):
+        self.lead, self.steps, self.log_every = lead, steps, log_every
+        self.bar = lead and sys.__stdout__.isatty()
+
+    def say(self, text: str) -> None:
+        """One line (rank 0 only)."""
+        if self.lead:
+            print(text, flush=True)
+
+    def banner(self, s, step, baseline: float) -> None:
+        """Data, model, strategy and mesh, the plan's communication per step (lowest rank of ``step``'s programs)
+        and the unigram baseline. ``s``: the run's :class:`~shardflow.train.recipe.Setup`."""
+        if not self.lead:
+            return
+        n_params = sum(p.numel() for p in s.model.parameters())
+        cfg = s.cfg
+        self.say(f"shardflow train: {s.corpus.source}, {len(s.corpus.train):,} train / {len(s.corpus.val):,} val "
+                 f"chars, vocab {s.corpus.tokenizer.vocab_size}")
+        self.say(f"model: GPT {cfg.layers} layers, {cfg.heads} heads, width {cfg.embd}, context {cfg.seq_len}: "
+                 f"{n_params:,} parameters; optimizer {cfg.optimizer} lr {cfg.lr}")
+        self.say(f"strategy {cfg.strategy} on mesh {s.mesh} ({s.mesh.size} devices); batch "
+                 f"{cfg.batch_size}×{cfg.seq_len}")
+        per = {}
+        for r, kind, axis, n, planned, _ in bytes_rows(step.programs):
+            if r == min(step.programs):
+                per[f"{kind}/{axis or '-'}"] = (n, planned)
+        comm = ", ".join(f"{k} ×{n} ({b / 2**20:.2f} MiB)" for k, (n, b) in per.items()) or "no communication"
+        self.say(f"plan (rank {min(step.programs)}, per step): {comm}")
+        self.say(f"unigram baseline (validation): {baseline:.4f} nats/char")
+
+    def resumed(self, ck: Checkpoint, start: int) -> None:
+        """Where a resumed run continues from."""
+        self.say(f"resumed from {ck.path} (step {start}; written under {ck.train.get('strategy')} on mesh {ck.mesh})")
+
+    def nothing_to_do(self, ck: Checkpoint) -> bool:
+        """Whether the checkpoint ``--resume`` found is already at ``--steps`` (says so on rank 0)."""
+        if ck.step < self.steps:
+            return False
+        self.say(f"shardflow train: {ck.path} is at step {ck.step}, --steps is {self.steps}: nothing to train; raise "
+                 f"--steps to continue")
+        return True
+
+    def step(self, record: dict[str, Any], last: bool) -> None:
+        """After each step: a line every ``--log-every`` steps, at a validation and at the end; on a terminal a
+        progress bar in between. ``record``: the step's metrics."""
+        if not self.lead:
+            return
+        n, loss, tps = record["step"], record["loss"], record["tokens_per_s"]
+        if n % self.log_every == 0 or last or "val_loss" in record:
+            val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            print(f"{CLEAR if self.bar else ''}step {n:>5}/{self.steps}  loss {loss:.4f}{val}  "
+                  f"{tps:,.0f} tok/s  {record['step_s'] * 1000:.0f} ms/step", flush=True)
+        elif self.bar:
+            done = n * _BAR // self.steps
+            sys.__stdout__.write(f"{CLEAR}[{'#' * done}{'.' * (_BAR - done)}] step {n}/{self.steps}  "
+                                 f"loss {loss:.4f}  {tps:,.0f} tok/s")
+            sys.__stdout__.flush()
+
+    def saved(self, path, size: int, seconds: float) -> None:
+        """A checkpoint was committed: its directory, size (bytes) and the seconds the save took."""
+        self.say(f"checkpoint {path} ({size / 2**20:.2f} MiB, {seconds:.2f} s)")
+
+    def done(self, final: float, baseline: float) -> None:
+        """The last validation loss against the unigram baseline (nats/char)."""
+        verdict = "below" if final < baseline else "NOT below"
+        self.say(f"done: validation loss {final:.4f} nats/char, {verdict} the unigram baseline {baseline:.4f}")
