@@ -23,17 +23,15 @@ each candidate: whether running the op *unchanged* on every device's pieces alre
 sharding (``Shard``/``Replicate``/``Partial('sum')`` per axis) — i.e. the combination was computable with no
 communication at all. Those are listed as *locally computable* candidates.
 
-Run ``python -m shardflow.parallel.validate`` for the full sweep (prints a table); the test suite runs a
-reduced set (``tests/test_rule_validator.py``).
+Run ``python tools/validate_rules.py`` for the full sweep (prints a table); the test suite runs a reduced set
+(``tests/test_rule_validator.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
@@ -436,31 +434,3 @@ def validate_rules(ops: Iterable[str] | None = None, meshes: Iterable[Mesh | str
             if progress:
                 progress(row)
     return report
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m shardflow.parallel.validate",
-                                 description="Check every sharding rule against the single-device result for every "
-                                             "combination of input placements.")
-    ap.add_argument("--ops", help="comma-separated op kinds or case labels (default: all)")
-    ap.add_argument("--mesh", action="append", help=f"a mesh such as dp=2,tp=2 (repeatable; default {DEFAULT_MESHES})")
-    ap.add_argument("--max-combinations", type=int, help="sample at most this many combinations per op and mesh")
-    ap.add_argument("--no-local-check", action="store_true", help="skip the locally-computable test of candidates")
-    ap.add_argument("--candidates", action="store_true", help="also list every candidate with the rule's reason")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    ops = [s.strip() for s in args.ops.split(",")] if args.ops else None
-    report = validate_rules(ops, args.mesh, max_combinations=args.max_combinations,
-                            local_check=not args.no_local_check, seed=args.seed,
-                            progress=lambda r: print(f"  {r.label} on {r.mesh}: {r.tried} tried, {r.accepted} ok, "
-                                                     f"{r.wrong} wrong ({r.seconds:.1f}s)", file=sys.stderr))
-    print(report.table())
-    if args.candidates:
-        print(f"\nvalid-but-rejected CANDIDATES ({len(report.candidates)}):")
-        for f in report.candidates:
-            print(f"  {f}")
-    return 1 if report.wrong else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
