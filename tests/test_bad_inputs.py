@@ -10,7 +10,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,6 @@ import torch
 
 from shardflow.cli import main as cli_main
 
-SMALL = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
-         "--eval-batches", "1", "--lr", "0.01", "--timeout", "10"]
-TINY = [*SMALL, "--steps", "2"]
 PLAN = ["plan", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4"]
 
 
@@ -30,13 +26,6 @@ def keep_signal_handlers():
     old = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, old)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    return path
 
 
 def files(root: Path) -> set[str]:
@@ -51,14 +40,18 @@ def one_paragraph(code: int, out: str, err: str, command: str, *words: str) -> N
         assert w in err, (w, err)
 
 
-def train(capsys, run: Path, corpus, *argv: str):
-    """``shardflow train`` in this process; returns (exit status, stdout, stderr) and checks that the run directory
-    holds no new file (nothing half-written: no config.toml, log, metrics or checkpoint)."""
-    before = files(run)
-    code = cli_main(["train", *TINY, "--data", str(corpus), "--run-dir", str(run), *argv])
-    out, err = capsys.readouterr()
-    assert files(run) == before, sorted(files(run) - before)
-    return code, out, err
+@pytest.fixture
+def train(capsys, tiny):
+    """``train(run, data, *argv)``: ``shardflow train`` (tiny model, 2 steps) in this process; returns (exit status,
+    stdout, stderr) and checks that the run directory holds no new file (nothing half-written: no config.toml,
+    log, metrics or checkpoint)."""
+    def run_train(run: Path, data, *argv: str):
+        before = files(run)
+        code = cli_main(["train", *tiny, "--steps", "2", "--data", str(data), "--run-dir", str(run), *argv])
+        out, err = capsys.readouterr()
+        assert files(run) == before, sorted(files(run) - before)
+        return code, out, err
+    return run_train
 
 
 # --- configuration: flags and --config files ------------------------------------------------------------------
@@ -81,9 +74,9 @@ def train(capsys, run: Path, corpus, *argv: str):
     (["--mesh", "dp2"], ["cannot read mesh 'dp2'", "dp=2,tp=2"]),
     (["--strategy", "pp", "--nproc", "4"], ["4 stages needs at least 4 repeated blocks", "more layers"]),
 ])
-def test_bad_settings(capsys, tmp_path, corpus, argv, words):
+def test_bad_settings(train, tmp_path, corpus, argv, words):
     run = tmp_path / "run"
-    one_paragraph(*train(capsys, run, corpus, *argv), "train", *words)
+    one_paragraph(*train(run, corpus, *argv), "train", *words)
     assert not run.exists()
 
 
@@ -97,7 +90,7 @@ def test_bad_settings(capsys, tmp_path, corpus, argv, words):
     ('optimizer = "adam"\n', ["setting optimizer = 'adam' is not one of sgd, adamw"]),
     (None, ["does not exist"]),
 ])
-def test_bad_config_file(capsys, tmp_path, corpus, text, words):
+def test_bad_config_file(capsys, tmp_path, corpus, tiny, text, words):
     """Flags are typed and checked by the command line; a --config file can hold anything."""
     cfg = tmp_path / "cfg.toml"
     if text is not None:
@@ -105,7 +98,7 @@ def test_bad_config_file(capsys, tmp_path, corpus, text, words):
     run = tmp_path / "run"
     given = {line.split("=")[0].strip().replace("_", "-") for line in (text or "").splitlines()}
     # flags override the file: leave out each flag (and its value) that the file sets
-    flags = [a for i, a in enumerate(TINY) if not {a, TINY[i - 1]} & {f"--{k}" for k in given}]
+    flags = [a for i, a in enumerate(tiny) if not {a, tiny[i - 1]} & {f"--{k}" for k in given}]
     code = cli_main(["train", *flags, "--data", str(corpus), "--run-dir", str(run), "--config", str(cfg)])
     out, err = capsys.readouterr()
     one_paragraph(code, out, err, "train", *words)
@@ -116,10 +109,10 @@ def test_bad_config_file(capsys, tmp_path, corpus, text, words):
     assert not run.exists()
 
 
-def test_data_too_short_for_the_context(capsys, tmp_path):
+def test_data_too_short_for_the_context(train, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("abcdefghij" * 3)
-    one_paragraph(*train(capsys, tmp_path / "run", short, "--strategy", "dp"), "train",
+    one_paragraph(*train(tmp_path / "run", short, "--strategy", "dp"), "train",
                   f"data from {short} has 30 characters", "--seq-len 16", "use more text or a shorter --seq-len")
 
 
@@ -131,7 +124,7 @@ def test_data_too_short_for_the_context(capsys, tmp_path):
     ("metrics_under_file", ["directory of --metrics", "is a file", "omit it"]),
     ("metrics_is_dir", ["is a directory", "metrics.jsonl"]),
 ])
-def test_unwritable_outputs_fail_before_any_process(capsys, tmp_path, corpus, where, words):
+def test_unwritable_outputs_fail_before_any_process(train, tmp_path, corpus, where, words):
     blocker = tmp_path / "file"
     blocker.write_text("")
     run, extra = tmp_path / "run", ["--checkpoint-dir", str(tmp_path / "ck")]
@@ -145,7 +138,7 @@ def test_unwritable_outputs_fail_before_any_process(capsys, tmp_path, corpus, wh
         (tmp_path / "mdir").mkdir()
         extra += ["--metrics", str(tmp_path / "mdir")]
     for nproc in ("2", "1"):  # checked in the parent (before launch) and in a single process
-        code, out, err = train(capsys, run, corpus, "--strategy", "single" if nproc == "1" else "tp",
+        code, out, err = train(run, corpus, "--strategy", "single" if nproc == "1" else "tp",
                                "--nproc", nproc, *extra)
         one_paragraph(code, out, err, "train", *words)
     assert blocker.read_text() == "" and files(tmp_path / "ck") == set()
@@ -154,41 +147,41 @@ def test_unwritable_outputs_fail_before_any_process(capsys, tmp_path, corpus, wh
 # --- resume ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, corpus):
+def finished(tmp_path_factory, corpus, tiny):
     """A run of 2 steps (one process) with its checkpoint at step 2."""
     old = signal.getsignal(signal.SIGTERM)
     run = tmp_path_factory.mktemp("finished") / "run"
     try:
-        assert cli_main(["train", *TINY, "--data", str(corpus), "--run-dir", str(run), "--strategy", "single",
-                         "--nproc", "1"]) == 0
+        assert cli_main(["train", *tiny, "--steps", "2", "--data", str(corpus), "--run-dir", str(run),
+                         "--strategy", "single", "--nproc", "1"]) == 0
     finally:
         signal.signal(signal.SIGTERM, old)
     return run
 
 
-def test_resume_without_a_complete_checkpoint(capsys, tmp_path, corpus, finished):
+def test_resume_without_a_complete_checkpoint(train, tmp_path, corpus, finished):
     run = tmp_path / "run"
-    one_paragraph(*train(capsys, run, corpus, "--resume", "--steps", "4"), "train", "--resume",
+    one_paragraph(*train(run, corpus, "--resume", "--steps", "4"), "train", "--resume",
                   "holds no complete checkpoint", "start a new run without --resume")
     shutil.copytree(finished / "checkpoints" / "step_2", run / "checkpoints" / "step_4.tmp")  # a save cut short
-    one_paragraph(*train(capsys, run, corpus, "--resume", "--steps", "4"), "train",
+    one_paragraph(*train(run, corpus, "--resume", "--steps", "4"), "train",
                   "only incomplete saves: step_4.tmp")
 
 
-def test_resume_on_another_text_or_optimizer(capsys, tmp_path, corpus, finished):
+def test_resume_on_another_text_or_optimizer(train, tmp_path, corpus, finished):
     run = tmp_path / "run"
     shutil.copytree(finished, run)
     other = tmp_path / "other.txt"
     other.write_text("THE QUICK BROWN FOX, AND THE LAZY DOG! " * 200)
     step2 = run / "checkpoints" / "step_2"
-    one_paragraph(*train(capsys, run, other, "--resume", "--steps", "4"), "train", str(step2),
+    one_paragraph(*train(run, other, "--resume", "--steps", "4"), "train", str(step2),
                   "was trained on another text", f"resume with the data it was trained on ({corpus})")
-    one_paragraph(*train(capsys, run, corpus, "--resume", "--steps", "4", "--optimizer", "sgd"), "train",
+    one_paragraph(*train(run, corpus, "--resume", "--steps", "4", "--optimizer", "sgd"), "train",
                   str(step2), "holds the optimizer state of AdamW", "this run uses SGD with momentum",
                   "resume with --optimizer adamw")
 
 
-def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, corpus, finished):
+def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, train_argv, finished):
     """Ranks given torchrun's environment (here by shardflow's launcher, without the parent's checks) meet a
     corrupt checkpoint after joining the group: each ends with one paragraph and status 2, no traceback."""
     from shardflow.runtime.launch import launch
@@ -197,9 +190,8 @@ def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, corpus, finis
     shutil.copytree(finished, run)
     data = run / "checkpoints" / "step_2" / "__0_0.distcp"
     data.write_bytes(os.urandom(data.stat().st_size))
-    res = launch([sys.executable, "-m", "shardflow.cli", "train", *TINY, "--data", str(corpus), "--run-dir", str(run),
-                  "--steps", "4", "--resume", "--strategy", "dp", "--nproc", "2"], 2, tmp_path / "logs", grace_s=20,
-                 echo_rank0=False)
+    res = launch(train_argv(run, "--steps", "4", "--resume", "--strategy", "dp", "--nproc", "2"), 2,
+                 tmp_path / "logs", grace_s=20, echo_rank0=False)
     assert res.returncodes == (2, 2), res
     for r in (0, 1):
         log = (tmp_path / "logs" / f"rank{r}.log").read_text()
@@ -278,7 +270,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_torchrun_style_rendezvous_failures(tmp_path, corpus):
+def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
     """RANK/WORLD_SIZE/MASTER_* set by hand, as torchrun would: a port already in use on rank 0, a master nobody
     answers for rank 1 (within --timeout 1), no MASTER_ADDR at all, a plan error and a world size the mesh does not
     fit inside a rank (both before it joins) — each one paragraph, exit status 2, no C++ or Python traceback,
@@ -306,8 +298,7 @@ def test_torchrun_style_rendezvous_failures(tmp_path, corpus):
     }
     procs = {}
     for name, (env, extra, _) in cases.items():
-        argv = [sys.executable, "-m", "shardflow.cli", "train", *TINY, "--timeout", "1", "--data", str(corpus),
-                "--run-dir", str(tmp_path / name), "--strategy", "dp", *extra]
+        argv = train_argv(tmp_path / name, "--steps", "2", "--timeout", "1", "--strategy", "dp", *extra)
         procs[name] = subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                        text=True)
     try:

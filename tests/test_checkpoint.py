@@ -9,7 +9,6 @@ import pickle
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,14 +23,6 @@ from shardflow.train.checkpoint import store
 from shardflow.train.data import Corpus
 from shardflow.train.recipe import GPT_MODEL
 
-TINY = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
-        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30"]
-
-
-def train_argv(run, data, *argv):
-    return [sys.executable, "-m", "shardflow.cli", "train", *TINY, "--data", str(data), "--run-dir", str(run), *argv]
-
-
 def run_all(*argvs):
     """Run independent commands side by side (the tests' wall time is mostly interpreter start-up and planning)."""
     procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argvs]
@@ -42,27 +33,16 @@ def run_all(*argvs):
     return out
 
 
-def metrics(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    return path
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, corpus):
+def runs(tmp_path_factory, train_argv):
     """Uninterrupted 6-step runs with a checkpoint at step 3: single (one process) and tp=2 (two processes); and a
     separate 3-step single run (its final checkpoint at step 3)."""
     d = tmp_path_factory.mktemp("runs")
-    r = run_all(train_argv(d / "single6", corpus, "--strategy", "single", "--nproc", "1", "--steps", "6",
+    r = run_all(train_argv(d / "single6", "--strategy", "single", "--nproc", "1", "--steps", "6",
                            "--checkpoint-every", "3"),
-                train_argv(d / "tp6", corpus, "--strategy", "tp", "--nproc", "2", "--steps", "6",
+                train_argv(d / "tp6", "--strategy", "tp", "--nproc", "2", "--steps", "6",
                            "--checkpoint-every", "3"),
-                train_argv(d / "single3", corpus, "--strategy", "single", "--nproc", "1", "--steps", "3"))
+                train_argv(d / "single3", "--strategy", "single", "--nproc", "1", "--steps", "3"))
     for x in r:
         assert x.returncode == 0, x.stderr + x.stdout
     return d
@@ -83,13 +63,13 @@ def test_checkpoints_are_written_complete(runs):
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "shardflow.json", "COMPLETE"} <= files
 
 
-def test_resume_reproduces_the_uninterrupted_run(runs, corpus, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(runs, train_argv, read_metrics, tmp_path):
     run = tmp_path / "single3"
     shutil.copytree(runs / "single3", run)
-    (r,) = run_all(train_argv(run, corpus, "--strategy", "single", "--nproc", "1", "--steps", "6", "--resume"))
+    (r,) = run_all(train_argv(run, "--strategy", "single", "--nproc", "1", "--steps", "6", "--resume"))
     assert r.returncode == 0, r.stderr + r.stdout
     assert f"resumed from {run / 'checkpoints' / 'step_3'}" in r.stdout
-    got, want = metrics(run), metrics(runs / "single6")
+    got, want = read_metrics(run), read_metrics(runs / "single6")
     assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]  # the resumed run appended to the metrics
     for a, b in zip(got, want):
         # Same strategy, same executor, weights and optimizer state restored bit for bit (float32) and the same
@@ -100,42 +80,42 @@ def test_resume_reproduces_the_uninterrupted_run(runs, corpus, tmp_path):
     assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [3, 6]
 
 
-def test_resume_with_dropout_reproduces_the_uninterrupted_run(corpus, tmp_path):
+def test_resume_with_dropout_reproduces_the_uninterrupted_run(train_argv, read_metrics, tmp_path):
     """Dropout masks depend on (seed, step, node, element) only, and validation runs without dropout: a tp=2 run
     (one process) with --dropout 0.1 stopped at step 2 and resumed to 4 gives the uninterrupted run's training and
     validation losses (1e-5: float32 rounding only, as above; seen: exactly equal)."""
     dropout = ["--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--dropout", "0.1"]
-    whole, cut = run_all(train_argv(tmp_path / "whole", corpus, *dropout, "--steps", "4"),
-                         train_argv(tmp_path / "cut", corpus, *dropout, "--steps", "2"))
+    whole, cut = run_all(train_argv(tmp_path / "whole", *dropout, "--steps", "4"),
+                         train_argv(tmp_path / "cut", *dropout, "--steps", "2"))
     assert whole.returncode == 0 and cut.returncode == 0, whole.stderr + cut.stderr
-    (r,) = run_all(train_argv(tmp_path / "cut", corpus, *dropout, "--steps", "4", "--resume"))
+    (r,) = run_all(train_argv(tmp_path / "cut", *dropout, "--steps", "4", "--resume"))
     assert r.returncode == 0, r.stderr + r.stdout
-    got, want = metrics(tmp_path / "cut"), metrics(tmp_path / "whole")
+    got, want = read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) < 1e-5
 
 
-def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, corpus, tmp_path):
+def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, train_argv, read_metrics, tmp_path):
     argvs = []
     for name, strategy in (("dp", ["--strategy", "dp", "--nproc", "2"]), ("single", ["--strategy", "single",
                                                                                      "--nproc", "1"])):
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         shutil.copytree(runs / "tp6" / "checkpoints" / "step_3", tmp_path / name / "checkpoints" / "step_3")
-        argvs.append(train_argv(tmp_path / name, corpus, *strategy, "--steps", "6", "--resume"))
-    want = metrics(runs / "tp6")
+        argvs.append(train_argv(tmp_path / name, *strategy, "--steps", "6", "--resume"))
+    want = read_metrics(runs / "tp6")
     for r, name in zip(run_all(*argvs), ("dp", "single")):
         assert r.returncode == 0, r.stderr + r.stdout
         assert "written under tp on mesh tp=2" in r.stdout
-        got = metrics(tmp_path / name)
+        got = read_metrics(tmp_path / name)
         assert [m["step"] for m in got] == [4, 5, 6]
         for a, b in zip(got, want[3:]):
             # another strategy adds partial sums in another order: float32 rounding, ~1e-6 (as in test_train)
             assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a, b)
 
 
-def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, tmp_path, capsys):
+def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, read_metrics, tmp_path, capsys):
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -155,7 +135,7 @@ def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, tmp
     with torch.no_grad():
         loss = model(batch["idx"], batch["targets"]).item()
     # float32; the tp run added partial sums in another order than the module does (~1e-7 relative)
-    assert abs(loss - metrics(runs / "tp6")[-1]["val_loss"]) < 1e-5
+    assert abs(loss - read_metrics(runs / "tp6")[-1]["val_loss"]) < 1e-5
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -278,20 +258,20 @@ def test_export_and_generate_arguments(runs, tmp_path, capsys):
     (_garbage, [], ["corrupt", "sha256", "fall back to"]),
     (None, ["--embd", "32"], ["different model", "--embd 16", "--embd 32"]),
 ])
-def test_resume_from_bad_checkpoint_fails_before_any_process(runs, corpus, tmp_path, spoil, argv, words):
+def test_resume_from_bad_checkpoint_fails_before_any_process(runs, train_argv, tmp_path, spoil, argv, words):
     run, step6 = _copy(runs, tmp_path)
     if spoil:
         spoil(step6)
     for f in run.glob("rank*.log"):
         f.unlink()
-    (r,) = run_all(train_argv(run, corpus, "--strategy", "dp", "--nproc", "2", "--steps", "8", "--resume", *argv))
+    (r,) = run_all(train_argv(run, "--strategy", "dp", "--nproc", "2", "--steps", "8", "--resume", *argv))
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.startswith("shardflow train: error: checkpoint ") and "Traceback" not in r.stderr
     assert str(step6) in r.stderr and all(w in r.stderr for w in words), r.stderr
     assert not (run / "rank0.log").exists()
 
 
-def test_unwritable_checkpoint_dir_fails_before_any_process(corpus, tmp_path):
+def test_unwritable_checkpoint_dir_fails_before_any_process(train_argv, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     cases = [(blocker / "ckpt", "a file")]
@@ -301,7 +281,7 @@ def test_unwritable_checkpoint_dir_fails_before_any_process(corpus, tmp_path):
         cases.append((ro / "ckpt", "not writable"))
     for ckdir, words in cases:
         run = tmp_path / "run"
-        (r,) = run_all(train_argv(run, corpus, "--strategy", "dp", "--nproc", "2", "--steps", "2",
+        (r,) = run_all(train_argv(run, "--strategy", "dp", "--nproc", "2", "--steps", "2",
                                   "--checkpoint-dir", str(ckdir)))
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.startswith(f"shardflow train: error: checkpoint directory {ckdir}") and words in r.stderr
@@ -362,9 +342,9 @@ def test_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_2"]
 
 
-def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(corpus, tmp_path):
+def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(train_argv, tmp_path):
     run = tmp_path / "run"
-    p = subprocess.Popen(train_argv(run, corpus, "--strategy", "tp", "--nproc", "2", "--steps", "100000",
+    p = subprocess.Popen(train_argv(run, "--strategy", "tp", "--nproc", "2", "--steps", "100000",
                                     "--checkpoint-every", "1", "--eval-every", "1000"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = threading.Event()

@@ -17,18 +17,9 @@ import pytest
 
 from shardflow.train import checkpoint
 
-TINY = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
-        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--strategy", "tp", "--nproc", "2"]
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
 FAULTS = str(Path(__file__).with_name("faults.py"))
 LIMIT = 120  # seconds any one run may take before the watchdog kills it (a hang is a failure, never a stuck suite)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    return path
 
 
 def children(pid: int) -> list[int]:
@@ -57,7 +48,7 @@ class Run:
     """``shardflow train`` in the background; ``wait`` polls the rank logs for marker lines and records when each
     first appeared, and the exit time. The watchdog kills the run (and fails the test) after LIMIT seconds."""
 
-    def __init__(self, run: Path, corpus: Path, *argv: str, fault: str | None = None):
+    def __init__(self, argv: list[str], run: Path, fault: str | None = None):
         self.run = run
         env = {k: v for k, v in os.environ.items() if k != "SHARDFLOW_FAULT"}
         if fault:
@@ -65,8 +56,7 @@ class Run:
         run.parent.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = run.parent / f"{run.name}.out", run.parent / f"{run.name}.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.p = subprocess.Popen([sys.executable, FAULTS, "train", *TINY, "--data", str(corpus),
-                                       "--run-dir", str(run), *argv], stdout=out, stderr=err, env=env)
+            self.p = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
         self.t0 = time.monotonic()
         self.seen: dict[str, float] = {}
         self.ranks: set[int] = set()
@@ -114,8 +104,13 @@ class Run:
             self.p.wait()
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+@pytest.fixture
+def start(train_argv):
+    """``start(run, *flags, fault=None)``: ``python tests/faults.py train`` (tiny model, tp=2) in the background
+    with the fault ``SHARDFLOW_FAULT=fault``."""
+    def start_run(run: Path, *flags: str, fault: str | None = None) -> Run:
+        return Run(train_argv(run, "--strategy", "tp", "--nproc", "2", *flags, entry=(FAULTS,)), run, fault)
+    return start_run
 
 
 def first_line(text: str) -> str:
@@ -124,9 +119,9 @@ def first_line(text: str) -> str:
 
 # (a) ---------------------------------------------------------------------------------------------------------
 
-def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, corpus):
+def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metrics):
     timeout = 10
-    r = Run(tmp_path / "run", corpus, "--steps", "8", "--timeout", str(timeout), fault="kill:rank=1:step=3")
+    r = start(tmp_path / "run", "--steps", "8", "--timeout", str(timeout), fault="kill:rank=1:step=3")
     try:
         r.wait({"kill": ("rank1.log", "kills itself (SIGKILL) in the middle of step 3"),
                 "peer": ("rank0.log", "CommTimeout: rank 0 waited on token")})
@@ -142,16 +137,17 @@ def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, corpus):
     assert f"its log {r.run / 'rank1.log'} ends with:" in line
     assert "peer" in r.seen  # rank 0 failed on its pending communication, naming it
     assert r.ranks and not any(alive(pid) for pid in r.ranks), r.ranks
-    steps = [m["step"] for m in metrics(r.run)]
+    steps = [m["step"] for m in read_metrics(r.run)]
     assert steps == [1, 2], steps  # step 3 never completed
 
 
 # (b) ---------------------------------------------------------------------------------------------------------
 
-def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resume_matches(tmp_path, corpus):
+def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resume_matches(tmp_path, start,
+                                                                                         read_metrics):
     common = ["--steps", "6", "--checkpoint-every", "2", "--timeout", "10"]
-    ref = Run(tmp_path / "ref", corpus, *common)
-    bad = Run(tmp_path / "bad", corpus, *common, fault="kill_in_save:rank=1:step=4")
+    ref = start(tmp_path / "ref", *common)
+    bad = start(tmp_path / "bad", *common, fault="kill_in_save:rank=1:step=4")
     try:
         bad.wait({"kill": ("rank1.log", "while saving the checkpoint of step 4")})
         ref.wait()
@@ -169,14 +165,14 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
     ck = checkpoint.read(root / "step_2")  # every file checked against its recorded size and sha256
     assert ck.step == 2 and checkpoint.newest(root) == root / "step_2"
 
-    res = Run(bad.run, corpus, *common, "--resume")
+    res = start(bad.run, *common, "--resume")
     try:
         res.wait()
     finally:
         res.kill()
     assert res.p.returncode == 0, res.stderr + res.logs()
     assert f"resumed from {root / 'step_2'}" in res.stdout
-    got, want = metrics(bad.run), metrics(ref.run)
+    got, want = read_metrics(bad.run), read_metrics(ref.run)
     assert [m["step"] for m in got] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(got, want):
         # same strategy and executor, state restored bit for bit, same batches: float32 rounding at most
@@ -188,8 +184,8 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
 
 # (c) ---------------------------------------------------------------------------------------------------------
 
-def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, corpus):
-    r = Run(tmp_path / "run", corpus, "--steps", "100000", "--eval-every", "100000", "--timeout", "10")
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, start):
+    r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", "10")
     try:
         r.wait({"running": ("rank0.log", "step     3/")}, until="running")
         assert r.p.poll() is None, r.stderr + r.logs()
@@ -214,10 +210,10 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, corpus):
 
 # (d) ---------------------------------------------------------------------------------------------------------
 
-def test_a_stalled_rank_makes_its_peer_time_out_naming_the_communication(tmp_path, corpus):
+def test_a_stalled_rank_makes_its_peer_time_out_naming_the_communication(tmp_path, start):
     timeout, stall = 5, 9  # the stalled rank wakes after its peer has given up, and fails at once too
-    r = Run(tmp_path / "run", corpus, "--steps", "6", "--timeout", str(timeout),
-            fault=f"stall:rank=1:step=2:seconds={stall}")
+    r = start(tmp_path / "run", "--steps", "6", "--timeout", str(timeout),
+              fault=f"stall:rank=1:step=2:seconds={stall}")
     try:
         r.wait({"stall": ("rank1.log", "stalls for 9 s before step 2"),
                 "timeout": ("rank0.log", "CommTimeout: rank 0 waited on token")})
@@ -251,10 +247,10 @@ def test_rendezvous_store_and_gloo_listen_on_loopback_only(tmp_path):
                 assert a.startswith("127.") or a in ("::1", "::ffff:127.0.0.1"), (kind, a, seen)
 
 
-def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, corpus, monkeypatch):
+def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, train_argv, monkeypatch):
     monkeypatch.setenv("SHARDFLOW_FAULT", "explode:rank=1")
     run = tmp_path / "run"
-    assert faults.main(["train", *TINY, "--data", str(corpus), "--run-dir", str(run)]) == 2
+    assert faults.main(train_argv(run, entry=(FAULTS,))[2:]) == 2  # [python, faults.py, train, ...]
     out, err = capsys.readouterr()
     assert not out and err == ("shardflow train: error: SHARDFLOW_FAULT='explode:rank=1': write kill:rank=R:step=N, "
                                "stall:rank=R:step=N:seconds=S or kill_in_save:rank=R[:step=N] (a test hook; unset it "

@@ -3,38 +3,26 @@ bad input ends with a one-paragraph error, exit status 2 and no traceback, befor
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-TINY = ["--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--steps", "4",
-        "--eval-every", "2", "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30"]
 
-
-def train(tmp_path, name, *argv, data=None):
-    run = tmp_path / name
-    data_args = ["--data", str(data)] if data else []
-    r = subprocess.run([sys.executable, "-m", "shardflow.cli", "train", *TINY, *data_args, "--run-dir", str(run), *argv],
-                       capture_output=True, text=True, timeout=300)
-    return r, run
+@pytest.fixture(scope="module")
+def train(train_argv):
+    """``train(tmp_path, name, *argv)``: ``shardflow train`` of 4 steps (tiny model) in a subprocess; returns the
+    completed process and the run directory ``tmp_path/name``."""
+    def run_train(tmp_path, name, *argv):
+        run = tmp_path / name
+        r = subprocess.run(train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=300)
+        return r, run
+    return run_train
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "text.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    return path
-
-
-def losses(run):
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, corpus):
-    r, run = train(tmp_path_factory.mktemp("single"), "single", "--strategy", "single", "--nproc", "1", data=corpus)
+def single(tmp_path_factory, train, read_metrics):
+    r, run = train(tmp_path_factory.mktemp("single"), "single", "--strategy", "single", "--nproc", "1")
     assert r.returncode == 0, r.stderr
-    return losses(run)
+    return read_metrics(run)
 
 
 @pytest.mark.parametrize("argv", [
@@ -43,15 +31,15 @@ def single(tmp_path_factory, corpus):
     ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
 ])
-def test_strategies_match_single_device_step_by_step(tmp_path, corpus, single, argv):
-    r, run = train(tmp_path, "run", *argv, data=corpus)
+def test_strategies_match_single_device_step_by_step(tmp_path, train, read_metrics, single, argv):
+    r, run = train(tmp_path, "run", *argv)
     assert r.returncode == 0, r.stderr + r.stdout
-    got = losses(run)
+    got = read_metrics(run)
     want = single
     if "--layers" in argv:  # a 2-layer model (one per stage): compare with one device running both layers
-        r1, run1 = train(tmp_path, "ref", "--strategy", "single", "--nproc", "1", "--layers", "2", data=corpus)
+        r1, run1 = train(tmp_path, "ref", "--strategy", "single", "--nproc", "1", "--layers", "2")
         assert r1.returncode == 0, r1.stderr
-        want = losses(run1)
+        want = read_metrics(run1)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         # float32 on both sides; partial sums are added in another order → ~1e-6 relative.
@@ -72,7 +60,7 @@ def test_metrics_fields(single):
     (["--strategy", "tp", "--mesh", "tp=2", "--nproc", "4"], ["4 processes", "--nproc"]),
     (["--strategy", "dp", "--nproc", "2", "--batch-size", "3"], ["degree 2 does not divide", "size 3"]),
 ])
-def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, argv, words):
+def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, train, argv, words):
     r, run = train(tmp_path, "bad", *argv)
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.startswith("shardflow train: error: ") and "Traceback" not in r.stderr
@@ -81,7 +69,7 @@ def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, argv, w
     assert not (run / "rank0.log").exists()
 
 
-def test_empty_and_non_utf8_data(tmp_path):
+def test_empty_and_non_utf8_data(tmp_path, train):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     latin = tmp_path / "latin.txt"
@@ -96,9 +84,9 @@ def check_line(r) -> str:
     return next(l for l in r.stdout.splitlines() if l.startswith("check against one device"))
 
 
-def test_check_compares_with_one_device(tmp_path, corpus):
+def test_check_compares_with_one_device(tmp_path, train):
     """Two processes with dropout: each rank draws its pieces' masks, and --check compares every replica."""
-    r, run = train(tmp_path, "check", "--strategy", "tp", "--nproc", "2", "--dropout", "0.1", "--check", data=corpus)
+    r, run = train(tmp_path, "check", "--strategy", "tp", "--nproc", "2", "--dropout", "0.1", "--check")
     line = check_line(r)
     assert "over every replica" in line and line.endswith(": OK")
 
@@ -110,28 +98,27 @@ def test_check_compares_with_one_device(tmp_path, corpus):
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
     ["--strategy", "pp", "--mesh", "pp=2", "--layers", "2"],
 ])
-def test_check_passes_with_dropout(tmp_path, corpus, argv):
+def test_check_passes_with_dropout(tmp_path, train, argv):
     """--dropout 0.1 --check, every rank of the mesh in one process: the loss of each step and every replica of
     every parameter equal the one-device run (masks drawn from the process RNG: |Δloss| ~1e-2, |Δparameter| ~4e-2,
     FAILED). The tolerance is --check's own (5e-3, float32 AdamW)."""
-    r, run = train(tmp_path, "check", *argv, "--nproc", "1", "--steps", "2", "--dropout", "0.1", "--check",
-                   data=corpus)
+    r, run = train(tmp_path, "check", *argv, "--nproc", "1", "--steps", "2", "--dropout", "0.1", "--check")
     assert check_line(r).endswith(": OK")
 
 
-def test_under_torchrun(tmp_path, corpus, single):
+def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
     run = tmp_path / "torchrun"
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "shardflow.cli", "train", *TINY, "--data", str(corpus), "--run-dir", str(run),
-                        "--strategy", "dp"], capture_output=True, text=True, timeout=300)
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardflow.cli")
+    r = subprocess.run(train_argv(run, "--steps", "4", "--strategy", "dp", entry=torchrun), capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for a, b in zip(losses(run), single):
+    for a, b in zip(read_metrics(run), single):
         assert abs(a["loss"] - b["loss"]) < 1e-4
 
 
-def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tmp_path, corpus):
+def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tmp_path, train):
     out = tmp_path / "trace.json"
-    r, run = train(tmp_path, "trace", "--strategy", "tp", "--nproc", "2", "--trace", str(out), data=corpus)
+    r, run = train(tmp_path, "trace", "--strategy", "tp", "--nproc", "2", "--trace", str(out))
     assert r.returncode == 0, r.stderr + r.stdout
     events = json.loads(out.read_text())["traceEvents"]
     lanes = {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"}

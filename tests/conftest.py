@@ -1,0 +1,49 @@
+"""Fixtures shared by the tests that train: a small text, the tiny model's ``shardflow train`` command line, and a
+reader of the metrics a run writes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+# A GPT of 1 layer, 2 heads, width 16 on 16-character sequences, batch 8: a step takes milliseconds; validation
+# every 2 steps on 1 batch; a line every step. Later flags override these (argparse: the last one wins).
+TINY = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
+        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A text of 27 characters (the lowercase letters, space and full stop) repeated to 9,000: the data of every
+    tiny run."""
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    return path
+
+
+@pytest.fixture(scope="session")
+def train_argv(corpus):
+    """``train_argv(run, *flags, data=corpus, entry=("-m", "shardflow.cli"))``: the argv of ``shardflow train`` on
+    the tiny model (:data:`TINY`) reading ``data`` and writing the run directory ``run``; ``flags`` go last."""
+    def argv(run: Path, *flags: str, data: Path | str = corpus, entry: tuple[str, ...] = ("-m", "shardflow.cli")):
+        return [sys.executable, *entry, "train", *TINY, "--data", str(data), "--run-dir", str(run), *flags]
+    return argv
+
+
+@pytest.fixture(scope="session")
+def tiny() -> tuple[str, ...]:
+    """The tiny model's flags (:data:`TINY`), for ``shardflow.cli.main`` in this process."""
+    return TINY
+
+
+def _read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def read_metrics():
+    """``read_metrics(run)``: the records of ``run/metrics.jsonl``, one dict per step."""
+    return _read_metrics
