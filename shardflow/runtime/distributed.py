@@ -1,4 +1,5 @@
-"""Distributed executor: this rank's program on torch.distributed (gloo on CPU, NCCL on GPU).
+"""Distributed executor: this rank's program on torch.distributed with gloo (every buffer is on the CPU: NCCL and
+GPUs are not supported yet).
 
 Every rank builds the same plan deterministically and lowers only its own program; at start-up the ranks
 compare the fingerprint of the plan (the dynamic graph of the step) and refuse to run on a mismatch. Process groups are created in one order on every
@@ -39,7 +40,8 @@ class CommDivergence(RuntimeError):
 def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 
-    Backend: NCCL when CUDA is available, else gloo. Returns (rank, world size).
+    Backend: NCCL when CUDA is available, else gloo — but the executors create every buffer on the CPU, which NCCL
+    cannot communicate: NCCL and GPUs are not supported yet. Returns (rank, world size).
     """
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
