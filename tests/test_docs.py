@@ -124,7 +124,7 @@ def _rejected(rank: int, mutate) -> list[str]:
     comms = [i for i, x in enumerate(instrs) if isinstance(x, Comm)]
     mutate(instrs, comms)
     with pytest.raises(PlanVerificationError) as e:
-        verify({**programs, rank: Program(rank, tuple(instrs))}, len(programs))
+        verify({**programs, rank: dataclasses.replace(programs[rank], instrs=tuple(instrs))}, len(programs))
     return str(e.value).splitlines()
 
 
