@@ -40,10 +40,10 @@ from shardflow.lower.cost import DEFAULT_ALPHA_S, DEFAULT_BANDWIDTH, CostModel
 from shardflow.lower.program import Comm, Program
 from shardflow.lower.report import bytes_table
 from shardflow.lower.verify import PlanVerificationError, verify
-from shardflow.parallel.mesh import Mesh, Replicate, Shard
+from shardflow.parallel.mesh import Mesh, Shard
 from shardflow.parallel.pcg import build_pcg
-from shardflow.strategy import ModulePlan, Plan, data_parallel, resolve
-from test_lower import mlp
+from shardflow.strategy import ModulePlan, Plan, resolve
+from test_lower import dp_tp_mlp_pcg
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -97,13 +97,7 @@ def collectives_per_strategy() -> list[str]:
 def _dp_tp_mlp() -> dict[int, Program]:
     """docs/lowering.md §4–6: the running example (``mlp(pre=True)`` of tests/test_lower.py) with the batch on ``dp``
     and Megatron on ``tp``, one all-reduce per gradient (no buckets)."""
-    graph = mlp(pre=True)
-    mesh = Mesh.parse("dp=2,tp=2")
-    plan = data_parallel(graph).merge(Plan(modules={
-        "fc1": ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
-        "fc2": ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})}))
-    pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
-    return lower_step(pcg, options=LowerOptions("collective", "collective", bucket_bytes=0)).programs
+    return lower_step(dp_tp_mlp_pcg(), options=LowerOptions("collective", "collective", bucket_bytes=0)).programs
 
 
 def bytes_dp_tp_mlp() -> list[str]:

@@ -293,14 +293,19 @@ def test_axis_groups_arithmetic():
     assert [axis_group_index(g, "dp", d) for d in range(6)] == [0, 1, 2, 0, 1, 2]
 
 
-def test_per_rank_lowering_equals_the_global_one():
+def dp_tp_mlp_pcg():
+    """The running example of docs/lowering.md: ``mlp(pre=True)`` with the batch on ``dp`` and Megatron on
+    ``tp`` of a ``dp=2,tp=2`` mesh."""
     graph = mlp(pre=True)
     mesh = Mesh.parse("dp=2,tp=2")
     plan = data_parallel(graph).merge(Plan(modules={
         "fc1": ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
         "fc2": ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})}))
-    pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
-    dg = copy_insertion(pass_expansion(pcg))
+    return build_pcg(graph, mesh, resolve(plan, graph, mesh))
+
+
+def test_per_rank_lowering_equals_the_global_one():
+    dg = copy_insertion(pass_expansion(dp_tp_mlp_pcg()))
     everyone = lower(dg)
     for r in range(4):
         assert lower(dg, [r])[r] == everyone[r]

@@ -27,7 +27,6 @@ from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program, Wait
 from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
                                              in_group, piece, steps)
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Replicate
 
 @dataclass(frozen=True)
 class Decisions:

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.dynamic import DNode, DynamicGraph, PassError, PassName, Value, cross_submesh_reads, require
 from shardflow.lower.program import Buffer, Compute, Instr, Program
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
+
+if TYPE_CHECKING:  # comm lowering fills it; importing it here would be circular
+    from shardflow.lower.comm_lowering import Decisions
 
 # (parallel op kind[, pass]) → the communication that carries it out (design §3, §6): the one table from
 # which every parallel op is lowered. "split" and "alias" (an axis of one device) are local.
@@ -130,7 +133,7 @@ class ShardedGraph:
     steps: tuple[Step, ...]
     instrs: Mapping[int, tuple[tuple[Instr, ...], ...]]
     deferred: Mapping[int, tuple[tuple[Instr, ...], ...]] = field(default_factory=dict)
-    decisions: object = None
+    decisions: Decisions | None = None
     programs: Mapping[int, Program] | None = None
     done: tuple[str, ...] = ()
 
