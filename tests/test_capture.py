@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardflow.capture import CaptureError, capture
-from shardflow.graph import ComputationGraph
+from shardflow.graph import ComputationGraph, TensorRole
 from shardflow.models import GPT, GPTConfig, MLP
 from shardflow.reference import run_backward, weights_of
 
@@ -76,6 +76,20 @@ def test_json_round_trip(case):
     model, inputs = case()
     g = capture(model, inputs)
     assert_same_graph(ComputationGraph.from_json(g.to_json()), g)
+
+
+def test_graph_file_roles_are_typed_and_checked():
+    """A graph file's tensor roles load as TensorRole members (spelled as before in the file); a role that is
+    not one is refused, naming the tensor and the roles."""
+    model, inputs = mlp_case()
+    d = capture(model, inputs).to_json()
+    g = ComputationGraph.from_json(d)
+    assert {t.role for t in g.tensors.values()} == set(TensorRole) - {TensorRole.CONSTANT}
+    assert all(type(t.role) is TensorRole for t in g.tensors.values())
+    assert {t["role"] for t in g.to_json()["tensors"]} == {"input", "weight", "activation"}
+    d["tensors"][0]["role"] = "wieght"
+    with pytest.raises(ValueError, match=r"tensor 'x': role 'wieght' is not one of \['input', 'weight', "):
+        ComputationGraph.from_json(d)
 
 
 def test_tied_parameters_are_one_weight():

@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import torch
 
 from shardflow.graph import ops
-from shardflow.graph.graph import ComputationGraph, Node, TensorSpec
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.graph.ops import Op, TensorType, dtype_name
 
 
@@ -70,7 +70,7 @@ class GraphBuilder:
         return self.tensors[t].shape
 
     # --- leaves ---------------------------------------------------------------------------------------
-    def _leaf(self, name: str, shape: Sequence[int], dtype: str, role: str) -> str:
+    def _leaf(self, name: str, shape: Sequence[int], dtype: str, role: TensorRole) -> str:
         if name in self.tensors:
             raise ValueError(f"tensor {name!r} is already defined")
         self.tensors[name] = TensorSpec(name, TensorType(tuple(int(s) for s in shape), dtype), role)
@@ -78,15 +78,15 @@ class GraphBuilder:
 
     def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> str:
         """A data input (e.g. a batch of tokens ``[B, T]``)."""
-        return self._leaf(name, shape, dtype, "input")
+        return self._leaf(name, shape, dtype, TensorRole.INPUT)
 
     def weight(self, name: str, shape: Sequence[int], dtype: str = "float32") -> str:
         """A trainable parameter."""
-        return self._leaf(name, shape, dtype, "weight")
+        return self._leaf(name, shape, dtype, TensorRole.WEIGHT)
 
     def constant(self, name: str, value: torch.Tensor) -> str:
         """A tensor whose value is fixed when the graph is built (not trained)."""
-        t = self._leaf(self._fresh(name), value.shape, dtype_name(value.dtype), "constant")
+        t = self._leaf(self._fresh(name), value.shape, dtype_name(value.dtype), TensorRole.CONSTANT)
         self.constants[t] = value.detach().clone()
         return t
 
@@ -100,7 +100,7 @@ class GraphBuilder:
         node_name = self._fresh(name or op.kind)
         out_names = [node_name] if len(outs) == 1 else [f"{node_name}.{i}" for i in range(len(outs))]
         for o, ty in zip(out_names, outs):
-            self.tensors[o] = TensorSpec(o, ty, "activation")
+            self.tensors[o] = TensorSpec(o, ty, TensorRole.ACTIVATION)
         self.nodes.append(Node(node_name, op, tuple(inputs), tuple(out_names), self.current_scope))
         return tuple(out_names)
 

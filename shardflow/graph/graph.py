@@ -11,6 +11,7 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,16 +19,29 @@ import torch
 
 from shardflow.graph.ops import OPS, Op, TensorType, torch_dtype
 
-ROLES = ("input", "weight", "constant", "activation")
+class TensorRole(StrEnum):
+    """What a graph tensor is: a data input of each step, a trained weight, a constant captured from the model,
+    or an activation some node computes. The value is the spelling in graph files and listings."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    CONSTANT = "constant"
+    ACTIVATION = "activation"
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """A named tensor: full ``shape``, ``dtype`` name and ``role`` (one of :data:`ROLES`)."""
+    """A named tensor: full ``shape``, ``dtype`` name and ``role`` (a :class:`TensorRole` or its spelling,
+    stored as the member; ValueError for any other)."""
 
     name: str
     type: TensorType
-    role: str = "activation"
+    role: TensorRole = TensorRole.ACTIVATION
+
+    def __post_init__(self):
+        if self.role not in set(TensorRole):
+            raise ValueError(f"tensor {self.name!r}: role {self.role!r} is not one of {list(map(str, TensorRole))}")
+        object.__setattr__(self, "role", TensorRole(self.role))
 
     @property
     def shape(self):
@@ -75,17 +89,17 @@ class ComputationGraph:
             v.dtype == other.constants[k].dtype and torch.equal(v, other.constants[k]) for k, v in self.constants.items())
 
     # --- queries -------------------------------------------------------------------------------------
-    def by_role(self, role: str) -> tuple[str, ...]:
+    def by_role(self, role: TensorRole) -> tuple[str, ...]:
         """Names of the tensors with ``role``, in definition order."""
         return tuple(n for n, t in self.tensors.items() if t.role == role)
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return self.by_role("input")
+        return self.by_role(TensorRole.INPUT)
 
     @property
     def weights(self) -> tuple[str, ...]:
-        return self.by_role("weight")
+        return self.by_role(TensorRole.WEIGHT)
 
     def producer(self) -> dict[str, Node]:
         """Tensor name → the node that produces it (graph inputs have none)."""
@@ -101,7 +115,7 @@ class ComputationGraph:
 
     def validate(self) -> None:
         """Check names resolve, nodes are topologically ordered and shapes agree with each op's rule."""
-        defined = {n for n, t in self.tensors.items() if t.role != "activation"}
+        defined = {n for n, t in self.tensors.items() if t.role != TensorRole.ACTIVATION}
         seen_nodes = set()
         for node in self.nodes:
             if node.name in seen_nodes:
@@ -123,7 +137,7 @@ class ComputationGraph:
                 raise ValueError(f"graph output {t!r} is never defined")
         if self.loss is not None and (self.loss not in self.outputs or self.tensors[self.loss].shape != ()):
             raise ValueError(f"loss {self.loss!r} must be a scalar graph output")
-        for n in self.by_role("constant"):
+        for n in self.by_role(TensorRole.CONSTANT):
             if n not in self.constants:
                 raise ValueError(f"constant {n!r} has no value")
 
@@ -131,7 +145,7 @@ class ComputationGraph:
     def listing(self) -> str:
         """A readable listing: inputs, weights, then one line per node ``outs = op(ins)  # shapes``."""
         lines = []
-        for role in ("input", "weight", "constant"):
+        for role in (TensorRole.INPUT, TensorRole.WEIGHT, TensorRole.CONSTANT):
             for n in self.by_role(role):
                 t = self.tensors[n]
                 lines.append(f"{role:<8} {n}: {t.dtype}{list(t.shape)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from shardflow.graph.graph import TensorRole
 from shardflow.lower.comms import bound_bytes
 from shardflow.lower.program import Program
 from shardflow.parallel.pcg import PCG
@@ -36,7 +37,7 @@ def pcg_dot(pcg: PCG) -> str:
     lines = ["digraph pcg {", "  rankdir=TB; node [fontname=monospace fontsize=10]; edge [fontsize=9];"]
     producer = {}
     for name, t in pcg.tensors.items():
-        if t.role != "activation":
+        if t.role != TensorRole.ACTIVATION:
             lines.append(f'  "{name}" [shape=note label="{name}\\n{t.pshape}"];')
             producer[name] = (name, t.group)
     for n in pcg.nodes:

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shardflow.graph.graph import ComputationGraph
+from shardflow.graph.graph import ComputationGraph, TensorRole
 from shardflow.graph.ops import Binary, Dropout, Op, TensorType
 from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
@@ -31,7 +31,7 @@ class PTensor:
 
     name: str
     type: TensorType
-    role: str
+    role: TensorRole
     sharding: Sharding
     group: SubMesh
 
@@ -110,7 +110,7 @@ class PCG:
         lines = [f"PCG on mesh {self.mesh} ({self.mesh.size} devices)"]
         for name in self.graph.tensors:
             t = self.tensors.get(name)
-            if t is not None and t.role != "activation":
+            if t is not None and t.role != TensorRole.ACTIVATION:
                 lines.append(f"{t.role:<8} {_tensor_text(t)}")
         for n in self.nodes:
             outs = ", ".join(_tensor_text(self.tensors[o]) for o in n.outputs)
@@ -174,7 +174,8 @@ class _Builder:
             except ShardingError as e:
                 raise ShardingError(f"{pop.describe()} on tensor {t.name!r} ({why or 'user'}): {e}") from None
             name = self.fresh(f"{t.name}.{pop.kind}")
-            self.tensors[name] = PTensor(name, t.type, t.role if t.role != "input" else "activation", sharding, group)
+            role = t.role if t.role != TensorRole.INPUT else TensorRole.ACTIVATION
+            self.tensors[name] = PTensor(name, t.type, role, sharding, group)
             self.nodes.append(PNode(name, pop, (src,), (name,), group, why=why))
             src = name
         return src
@@ -192,9 +193,10 @@ class _Builder:
             self.cache[key] = self.add_parallel(src, redistribute(t.sharding, want, t.group), why)
         return self.cache[key]
 
-    def define(self, name: str, type_: TensorType, role: str, sharding: Sharding, group: SubMesh, op: str) -> None:
+    def define(self, name: str, type_: TensorType, role: TensorRole, sharding: Sharding, group: SubMesh,
+               op: str) -> None:
         sharding.check(group, type_.shape, op, name)
-        if role == "weight" and sharding.partial:
+        if role == TensorRole.WEIGHT and sharding.partial:
             raise ShardingError(
                 f"weight {name!r} is placed Partial({sharding.reduce_op!r}) on mesh axes {list(sharding.partial)}; "
                 f"a weight must be Shard or Replicate on every axis (an optimizer step on partial pieces would "
@@ -228,7 +230,7 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
     b = _Builder(graph, mesh, ann)
     consumers = graph.consumers()
     for name, spec in graph.tensors.items():
-        if spec.role == "activation":
+        if spec.role == TensorRole.ACTIVATION:
             continue
         first = consumers[name][0][0].name if consumers[name] else None
         group = b.node_group(first) if first else SubMesh(mesh)
@@ -254,7 +256,7 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
         res = propagate(node.op, ins, types, [b.tensors[t].sharding for t in ins], group, node.name, node.scope)
         b.nodes.append(PNode(node.name, node.op, tuple(ins), node.outputs, group, node.scope, res.local))
         for o, s in zip(node.outputs, res.outputs):
-            b.define(o, graph.tensors[o].type, "activation", s, group, node.name)
+            b.define(o, graph.tensors[o].type, TensorRole.ACTIVATION, s, group, node.name)
     outputs = tuple(b.current[o] for o in graph.outputs)
     loss = b.current[graph.loss] if graph.loss else None
     return PCG(mesh, graph, dict(b.tensors), tuple(b.nodes), outputs, loss)

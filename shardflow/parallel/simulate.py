@@ -13,6 +13,7 @@ from typing import Mapping
 
 import torch
 
+from shardflow.graph.graph import TensorRole
 from shardflow.parallel.pcg import PCG, PTensor
 
 Pieces = dict[int, torch.Tensor]  # device → piece
@@ -88,8 +89,8 @@ def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0, step: 
     gen = torch.Generator().manual_seed(seed)
     values: dict[str, Pieces] = {}
     for name, t in pcg.tensors.items():
-        if t.role in ("input", "weight", "constant") and name in pcg.graph.tensors:
-            full = pcg.graph.constants[name] if t.role == "constant" else leaves.get(name)
+        if t.role != TensorRole.ACTIVATION and name in pcg.graph.tensors:
+            full = pcg.graph.constants[name] if t.role == TensorRole.CONSTANT else leaves.get(name)
             if full is None:
                 raise KeyError(f"no value for {t.role} {name!r} of shape {list(t.type.shape)}")
             values[name] = scatter(full, t, gen)

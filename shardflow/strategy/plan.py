@@ -23,7 +23,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shardflow.graph.graph import ComputationGraph, Node
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.parallel.mesh import Mesh, Placement, SubMesh, parse_placement
 from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp, Replicate
 from shardflow.parallel.pcg import Annotations, Layout
@@ -197,7 +197,7 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
 
     leaves: dict[str, Sharding] = {}
     for name, spec in plan.inputs.items():
-        if name not in graph.tensors or graph.tensors[name].role != "input":
+        if name not in graph.tensors or graph.tensors[name].role != TensorRole.INPUT:
             raise PlanError(f"plan places input {name!r}, but the graph's inputs are {list(graph.inputs)}")
         leaves[name] = _sharding(spec, group_of_tensor(name), graph, name)
     edges: dict[tuple[str, int], Layout] = {}
@@ -209,7 +209,7 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
         for m, members in units:
             for p, spec in mp.params.items():
                 w = f"{m}.{p}"
-                if w not in graph.tensors or graph.tensors[w].role != "weight":
+                if w not in graph.tensors or graph.tensors[w].role != TensorRole.WEIGHT:
                     owned = [t for t in graph.weights if t.rsplit(".", 1)[0] == m]
                     raise PlanError(f"plan for module {m!r} places parameter {p!r}, which it does not have "
                                     f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})")
@@ -219,8 +219,9 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                 for n in members:
                     for i, t in enumerate(n.inputs):
                         src = producer.get(t)
-                        role = graph.tensors[t].role
-                        if (src is None and role == "input") or (src is not None and src.name not in member_names):
+                        entering = graph.tensors[t].role == TensorRole.INPUT if src is None else \
+                            src.name not in member_names
+                        if entering:
                             edges[(n.name, i)] = _layout(mp.input, groups.get(n.name, whole), f"input layout of {m}")
                             why[(n.name, i)] = f"input layout of {m}"
             if mp.output is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 
 from shardflow.graph import ops as O
-from shardflow.graph.graph import ComputationGraph, Node, TensorSpec
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
@@ -77,7 +77,7 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
     consumers = graph.consumers()
     linears = _linears(graph)
     is_linear_x = {(n.name, 0) for n in linears}
-    leaves = {n for n, t in graph.tensors.items() if t.role in ("weight", "constant")}
+    leaves = {n for n, t in graph.tensors.items() if t.role in (TensorRole.WEIGHT, TensorRole.CONSTANT)}
     groups: dict[str, list[Node]] = {}
     for n in linears:
         groups.setdefault(n.inputs[0], []).append(n)
@@ -151,7 +151,7 @@ def _isolated(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]],
         is_col = any(lin is c for c in candidate[0])
         params = [f"{pat}.weight"] + ([f"{pat}.bias"] if is_col and lin.op.bias else [])
         if list(lin.inputs[1:1 + len(params)]) != params or any(
-                graph.tensors[t].role == "activation" for t in lin.inputs[1:]):
+                graph.tensors[t].role == TensorRole.ACTIVATION for t in lin.inputs[1:]):
             return False
         if any(len(consumers[p]) != 1 for p in params):
             return False
@@ -169,11 +169,11 @@ def _trial_graph(graph: ComputationGraph, nodes: list[Node], order: dict[str, in
         for t in n.inputs:
             if t not in made and t not in tensors:
                 spec = graph.tensors[t]
-                tensors[t] = spec if spec.role != "activation" else TensorSpec(t, spec.type, "input")
+                tensors[t] = spec if spec.role != TensorRole.ACTIVATION else TensorSpec(t, spec.type, TensorRole.INPUT)
     for n in nodes:
         for o in n.outputs:
             tensors[o] = graph.tensors[o]
-    constants = {t: graph.constants[t] for t, spec in tensors.items() if spec.role == "constant"}
+    constants = {t: graph.constants[t] for t, spec in tensors.items() if spec.role == TensorRole.CONSTANT}
     return ComputationGraph(tensors, tuple(nodes), tuple(outputs), None, constants)
 
 
