@@ -50,6 +50,7 @@ from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.graph.ops import TensorType  # noqa: E402
 from shardflow.lower.comm_lowering import ring_peers  # noqa: E402
 from shardflow.lower.comms import bound_bytes, issue  # noqa: E402
+from shardflow.lower.dynamic import NodeKind, forward_id  # noqa: E402
 from shardflow.lower.shard_expansion import in_group, piece  # noqa: E402
 from shardflow.lower.program import Buffer, Comm, Compute  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh  # noqa: E402
@@ -242,15 +243,20 @@ def adamw(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
+def _state_parts(dg) -> dict[str, tuple[str, ...]]:
+    """The values a step keeps, by kind: the weights, the gradients the updates read (the executor keeps them)
+    and the optimizer state."""
+    return {"params": tuple(forward_id(w) for w in dg.pcg.graph.weights),
+            "grads": tuple(n.inputs[1] for n in dg.nodes if n.kind == NodeKind.UPDATE),
+            "optimizer": dg.state_values()}
+
+
 def state_bytes(dg, rank: int) -> dict[str, int]:
-    """This rank's bytes of parameters, gradients (those the updates read; the executor keeps them) and
-    optimizer state, from the plan (piece sizes)."""
+    """This rank's bytes of parameters, gradients (those the updates read) and optimizer state, from the plan
+    (piece sizes)."""
     def total(vids) -> int:
         return sum(piece(dg.values[v]).type.nbytes for v in vids if in_group(dg.values[v].group, rank))
-    weights = [f"fwd:{w}" for w in dg.pcg.graph.weights]
-    grads = [n.inputs[1] for n in dg.nodes if n.kind == "update"]
-    opt = [vid for vid, v in dg.values.items() if v.role == "opt" and not vid.startswith("upd:")]
-    return {"params": total(weights), "grads": total(grads), "optimizer": total(opt)}
+    return {k: total(vids) for k, vids in _state_parts(dg).items()}
 
 
 def run_gpt(p: dict, rank: int, world: int) -> dict:
@@ -347,10 +353,7 @@ def comm_share(ex: DistributedExecutor, batch: dict, steps: int = 5) -> dict:
 
 
 def _state_vids(dg) -> set[str]:
-    vids = {f"fwd:{w}" for w in dg.pcg.graph.weights}
-    vids |= {n.inputs[1] for n in dg.nodes if n.kind == "update"}
-    vids |= {vid for vid, v in dg.values.items() if v.role == "opt" and not vid.startswith("upd:")}
-    return vids
+    return {v for vids in _state_parts(dg).values() for v in vids}
 
 
 # ==========================================================================================================

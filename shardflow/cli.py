@@ -23,7 +23,7 @@ from shardflow.capture import CaptureError, capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.graph.ops import OpError
 from shardflow.lower import lower_step
-from shardflow.lower.dynamic import PassError
+from shardflow.lower.dynamic import PassError, UpdateRule
 from shardflow.lower.comm_lowering import lowering_summary
 from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
 from shardflow.lower.program import programs_json
@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-after", metavar="PASS", choices=[str(x.name) for x in PASSES],
                    help="print the graph after this lowering pass (" + ", ".join(str(x.name) for x in PASSES) + ")")
     p.add_argument("--out", help="file for --format dot (default pcg.dot)")
-    p.add_argument("--optimizer", choices=("sgd", "sgd_momentum", "adamw"), default="sgd",
+    p.add_argument("--optimizer", choices=tuple(map(str, UpdateRule)), default=str(UpdateRule.SGD),
                    help="optimizer whose state slots the update step carries (default sgd)")
     p.set_defaults(func=cmd_plan)
     t = sub.add_parser("train", help="train a GPT on text across local processes with a chosen strategy")

@@ -9,9 +9,10 @@ from shardflow.lower import lower_step
 import dataclasses
 
 from shardflow.lower.comm_lowering import comm_lowering
-from shardflow.lower.dynamic import PassError, PassName, copy_insertion, pass_expansion
+from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassName, TaskType, UpdateRule,
+                                     ValueRole, copy_insertion, forward_id, grad_id, pass_expansion, state_id)
 from shardflow.lower.ordering import ordering
-from shardflow.lower.passes import PASSES, LowerContext
+from shardflow.lower.passes import PASSES, LowerContext, run_passes
 from shardflow.lower.shard_expansion import shard_expansion
 from shardflow.lower import lower
 from shardflow.lower.shard_expansion import axis_group_index, axis_members, steps
@@ -390,6 +391,54 @@ def test_ring_reduce_scatter_and_broadcast_loop_shapes():
     bwd = [c for c in p1.comms if c.pass_ == "BWD" and c.kind == "permute"]
     assert [(c.peer, c.peer_from) for c in bwd] == [(0, 2), (3, 3), (2, 0)]
     assert all(c.type.shape == (4, 2, 8) for c in bwd)
+
+
+def test_ring_fuses_only_ops_that_contract_the_last_dim():
+    """A ring all-gather fuses the readers of the gathered value that contract its last dim (linear, matmul:
+    ``Op.contracts_last_dim``), chosen by the op's type, not its label; another reader (tanh) reads the
+    concatenated value after the ring."""
+    b = GraphBuilder()
+    x = b.weight("x", (4, 8, 8))
+    loss = b.add(b.sum(b.tanh(b.dense(x, 8, name="fc"))), b.sum(b.tanh(x)))
+    mesh = Mesh.parse("tp=4")
+    whole = SubMesh(mesh)
+    ann = Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3),
+                              "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
+                              "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
+                      after={"x": {"tp": Replicate()}})
+    sg, _ = run_passes(build_pcg(b.build([loss], loss), mesh, ann), LowerContext(options=LowerOptions("ring", "ring")))
+    (gather, fused), = sg.decisions.fused.items()
+    gathered = next(n for n in sg.dg.nodes if n.name == gather).outputs[0]
+    readers = [n.name for n in sg.dg.nodes if gathered in n.inputs and n.pass_ == TaskType.FWD]
+    assert readers == ["FWD linear", "FWD tanh_1"] and [c.name for c in fused] == ["FWD linear"]
+
+
+def test_value_ids_are_made_from_fields():
+    """Value identity lives in the values' fields; lower/dynamic.py makes every id (nothing outside it formats
+    or parses one): each PCG tensor's forward value, each weight's state slots and the updates' new versions."""
+    dg = lowered(mlp(), "tp=2", MEGATRON, optimizer="adamw").dg
+    for t in dg.pcg.tensors:
+        v = dg.values[forward_id(t)]
+        assert (v.tensor, v.role) == (t, ValueRole.FWD)
+    w = "fc1.weight"
+    state = [state_id(s, w) for s in OPTIMIZER_SLOTS[UpdateRule.ADAMW]]
+    assert [(dg.values[s].role, dg.values[s].slot) for s in state] == [(ValueRole.OPT, "exp_avg"),
+                                                                      (ValueRole.OPT, "exp_avg_sq")]
+    assert set(state) <= set(dg.state_values())
+    upd = next(n for n in dg.nodes if n.kind == NodeKind.UPDATE and n.src == w)
+    assert [dg.values[o].replaces for o in upd.outputs] == [forward_id(w), *state]
+    assert dg.backward_node("linear").outputs == (grad_id("fc1.weight", "linear"), grad_id("fc1.bias", "linear"))
+    assert dg.loss_value == forward_id(dg.pcg.loss) and dg.values[dg.loss_value].tensor == dg.pcg.loss
+
+
+def test_optimizer_update_rules():
+    """(optimizer, momentum) → the update a step is lowered for, and so its state slots."""
+    assert [UpdateRule.of(o, m) for o, m in (("sgd", 0.0), ("sgd", 0.9), ("adamw", 0.9))] == [
+        UpdateRule.SGD, UpdateRule.SGD_MOMENTUM, UpdateRule.ADAMW]
+    with pytest.raises(ValueError, match=r"unknown optimizer 'adam'; use one of \['sgd', 'adamw'\]"):
+        UpdateRule.of("adam")
+    with pytest.raises(PassError, match=r"unknown optimizer 'adam'; use one of \['adamw', 'sgd', 'sgd_momentum'\]"):
+        lowered(mlp(), "tp=2", MEGATRON, optimizer="adam")
 
 
 def test_cost_model_choices():

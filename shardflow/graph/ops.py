@@ -94,6 +94,9 @@ class Op:
 
     kind: ClassVar[str] = "op"
     random: ClassVar[bool] = False  # compute draws random numbers: it takes the keyword ``at`` (a DrawSite)
+    # Input 0's last dim is contracted with the other inputs (linear, matmul); its other dims carry over to the
+    # output dims of the same index, so the op runs chunk by chunk along them (a ring all-gather fuses it).
+    contracts_last_dim: ClassVar[bool] = False
 
     def infer(self, ins: tuple[TensorType, ...]) -> tuple[TensorType, ...]:
         raise NotImplementedError
@@ -112,6 +115,7 @@ class Linear(Op):
     """``y = x @ weight.T (+ bias)``. Inputs: x ``[*, in]``, weight ``[out, in]``, bias ``[out]``."""
 
     kind: ClassVar[str] = "linear"
+    contracts_last_dim: ClassVar[bool] = True
     bias: bool = True
 
     def infer(self, ins):
@@ -290,6 +294,7 @@ class Matmul(Op):
     """Batched matrix product ``[*, n, k] @ [*, k, m] -> [*, n, m]`` (torch.matmul / bmm, both ≥ 2-D)."""
 
     kind: ClassVar[str] = "matmul"
+    contracts_last_dim: ClassVar[bool] = True
 
     def infer(self, ins):
         _expect(2, ins, self)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from shardflow.lower.cost import CostModel, LowerOptions
-from shardflow.lower.dynamic import DynamicGraph, PassName
+from shardflow.lower.cost import CommForm, CostModel, LowerOptions
+from shardflow.lower.dynamic import DynamicGraph, PassName, UpdateRule
 from shardflow.lower.passes import PASSES, LowerContext, PassRecord, lower, run_passes
 from shardflow.lower.program import Program
 from shardflow.parallel.pcg import PCG
@@ -28,7 +28,7 @@ class LoweredStep:
     passes: tuple[PassRecord, ...] = ()
 
 
-def lower_step(pcg: PCG, optimizer: str = "sgd", ranks: Iterable[int] | None = None,
+def lower_step(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, ranks: Iterable[int] | None = None,
                verify: bool = True, training: bool = True, options: LowerOptions | None = None,
                clip_norm: float | None = None) -> LoweredStep:
     """Lower one training step of ``pcg``. With ``ranks`` given, only those ranks' programs are built (each
@@ -39,8 +39,8 @@ def lower_step(pcg: PCG, optimizer: str = "sgd", ranks: Iterable[int] | None = N
     plain collectives). ``clip_norm``: clip gradients to this global norm (one reduction over all devices).
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
-    ctx = LowerContext(optimizer, training, clip_norm, options or LowerOptions("collective", "collective"),
-                       None if ranks is None else tuple(ranks))
+    options = options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE)
+    ctx = LowerContext(optimizer, training, clip_norm, options, None if ranks is None else tuple(ranks))
     skip = () if verify and ranks is None else (PassName.VERIFY,)
     sg, records = run_passes(pcg, ctx, skip=skip)
     return LoweredStep(sg.dg, sg.programs, records)

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping
 
+from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
-from shardflow.lower.comms import wire_bytes
-from shardflow.lower.cost import LowerOptions
-from shardflow.lower.dynamic import DNode, DynamicGraph, PassError, PassName, Value, require
+from shardflow.lower.comms import CommKind, ReduceOp, wire_bytes
+from shardflow.lower.cost import CommForm, LowerOptions
+from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, forward_id,
+                                     require)
 from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program, Wait
 from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
                                              in_group, piece, steps)
@@ -34,7 +36,7 @@ class Decisions:
     all-gather / reduce-scatter step, and the consumer computes fused into a ring or broadcast loop."""
 
     dg: DynamicGraph
-    forms: Mapping[str, str]
+    forms: Mapping[str, CommForm]
     fused: Mapping[str, tuple[DNode, ...]]
     buckets: tuple[tuple[DNode, ...], ...] = ()
 
@@ -49,30 +51,31 @@ class Decisions:
 
 
 def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> Decisions:
-    forms: dict[str, str] = {}
+    forms: dict[str, CommForm] = {}
     fused: dict[str, tuple[DNode, ...]] = {}
-    leaves = {f"fwd:{n}" for n, t in dg.pcg.tensors.items() if t.role != "activation"}
+    leaves = {forward_id(n) for n, t in dg.pcg.tensors.items() if t.role != TensorRole.ACTIVATION}
+    ops = {p.name: p.op for p in dg.pcg.nodes}
     readers: dict[str, list[DNode]] = {}
     for n in dg.nodes:
         for v in set(n.inputs):
             readers.setdefault(v, []).append(n)
     for st in all_steps:
         n = st.nodes[0]
-        if st.kind == "all_gather":
+        if st.kind == CommKind.ALL_GATHER:
             chunk = piece(dg.values[n.inputs[0]]).type.nbytes
             forms[n.name] = form = options.all_gather_form(chunk, n.op.degree)
             out = n.outputs[0]
             last_dim = len(dg.values[out].type.shape) - 1
-            if form != "collective" and n.op.dim != last_dim:
+            if form != CommForm.COLLECTIVE and n.op.dim != last_dim:
                 fused[n.name] = tuple(
-                    c for c in readers.get(out, ()) if c.kind == "compute" and c.pass_ == "FWD"
-                    and c.label.split("(")[0] in ("linear", "matmul") and c.inputs[0] == out
+                    c for c in readers.get(out, ()) if c.kind == NodeKind.COMPUTE and c.pass_ == TaskType.FWD
+                    and ops[c.src].contracts_last_dim and c.inputs[0] == out
                     and all(v in leaves for v in c.inputs[1:])
                     and len(dg.values[c.outputs[0]].type.shape) == last_dim + 1)
-        elif st.kind == "reduce_scatter":
+        elif st.kind == CommKind.REDUCE_SCATTER:
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
-            summed = dg.values[n.inputs[0]].sharding.reduce_op == "sum"  # the ring adds; other ops stay plain
-            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else "collective"
+            summed = dg.values[n.inputs[0]].sharding.reduce_op == ReduceOp.SUM  # the ring adds; others stay plain
+            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else CommForm.COLLECTIVE
     return Decisions(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes))
 
 
@@ -82,16 +85,17 @@ def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[D
     order the backward makes them, a bucket closed once it holds ``cap`` bytes. Buckets of one are left out."""
     if cap <= 0:
         return ()
-    final = {v for n in dg.nodes if n.kind in ("update", "sumsq") for v in n.inputs}
-    elsewhere = {v for n in dg.nodes if n.kind not in ("update", "sumsq") for v in n.inputs}
+    final = {v for n in dg.nodes if n.kind in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
+    elsewhere = {v for n in dg.nodes if n.kind not in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
     open_: dict[tuple, tuple[list[DNode], int]] = {}
     out: list[tuple[DNode, ...]] = []
     for st in all_steps:
         n = st.nodes[0]
-        if st.kind != "all_reduce" or n.pass_ != "BWD" or n.outputs[0] not in final or n.outputs[0] in elsewhere:
+        if (st.kind != CommKind.ALL_REDUCE or n.pass_ != TaskType.BWD or n.outputs[0] not in final
+                or n.outputs[0] in elsewhere):
             continue
         vin = dg.values[n.inputs[0]]
-        if vin.sharding.reduce_op != "sum":
+        if vin.sharding.reduce_op != ReduceOp.SUM:
             continue
         key = (n.group, n.op.axis, vin.type.dtype)
         members, size = open_.pop(key, ([], 0))
@@ -105,21 +109,26 @@ def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[D
     return tuple(b for b in out if len(b) > 1)
 
 
+# The step kinds that lower to collectives along a mesh axis (one per axis group, or a ring / loop of them).
+_COLLECTIVES = frozenset({CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.ALL_GATHER, CommKind.ALL_TO_ALL,
+                          CommKind.BROADCAST, CommKind.REDUCE})
+
+
 def instances(st: Step, plan: Decisions) -> int:
     """How many communications (tokens) a step makes."""
     n = st.nodes[0]
-    if st.kind == "copy":
+    if st.kind == NodeKind.COPY:
         return n.group.size
     b = plan.bucket_of.get(n.name)
     if b is not None and plan.buckets[b][-1] is not n:
         return 0  # issued with the bucket, at its last member
-    if st.kind not in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "reduce"):
+    if st.kind not in _COLLECTIVES:
         return 0
-    group = plan.dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
+    group = plan.dg.values[n.inputs[0]].group if st.kind == CommKind.REDUCE else n.group
     d = n.group.mesh.axis_size(n.op.axis)
     groups = group.size // d
-    form = plan.forms.get(n.name, "collective")
-    return groups * {"collective": 1, "ring": d - 1, "broadcast_loop": d}[form]
+    form = plan.forms.get(n.name, CommForm.COLLECTIVE)
+    return groups * {CommForm.COLLECTIVE: 1, CommForm.RING: d - 1, CommForm.BROADCAST_LOOP: d}[form]
 
 
 def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> ShardedGraph:
@@ -128,7 +137,7 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
     ``options``: the forms of all-gathers and reduce-scatters and the gradient bucket size (default: plain
     collectives, default buckets). Raises PassError if shard expansion has not run or this pass has."""
     require(sg.done, PassName.COMM_LOWERING, (PassName.SHARD_EXPANSION,))
-    plan = _decide(sg.dg, options or LowerOptions("collective", "collective"), list(sg.steps))
+    plan = _decide(sg.dg, options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE), list(sg.steps))
     suppressed = plan.suppressed
     instrs, deferred = {}, {}
     for r in sg.ranks:
@@ -136,7 +145,7 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
         for st, local in zip(sg.steps, sg.instrs[r]):
             after: list[Instr] = []
             if st.local:
-                mine = [] if st.kind == "compute" and st.nodes[0].name in suppressed else list(local)
+                mine = [] if st.kind == NodeKind.COMPUTE and st.nodes[0].name in suppressed else list(local)
             else:
                 b = plan.bucket_of.get(st.nodes[0].name)
                 if b is None:
@@ -177,10 +186,11 @@ def _bucket(plan: Decisions, k: int, r: int, token: int) -> tuple[list[Instr], l
     d = len(group_members)
     t = token + axis_group_index(n0.group, n0.op.axis, r)
     note = f"bucket {k}: " + ", ".join(n.name for n in members)
-    comm = Comm(t, "all_reduce", "BWD", group_members, flat, wire_bytes("all_reduce", flat.nbytes, d), n0.op.axis,
+    comm = Comm(t, CommKind.ALL_REDUCE, TaskType.BWD, group_members, flat,
+                wire_bytes(CommKind.ALL_REDUCE, flat.nbytes, d), n0.op.axis,
                 send=packed, recv=reduced, note=note, wait=False, value=packed.value)
-    return ([Compute("BWD", f"bucket{k}", "pack", ins, (packed,)), comm],
-            [Wait(t), Compute("BWD", f"bucket{k}", "unpack", (reduced,), outs)])
+    return ([Compute(TaskType.BWD, f"bucket{k}", "pack", ins, (packed,)), comm],
+            [Wait(t), Compute(TaskType.BWD, f"bucket{k}", "unpack", (reduced,), outs)])
 
 
 def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
@@ -188,18 +198,18 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     dg = plan.dg
     first, last = st.nodes[0], st.nodes[-1]
     vin, vout = dg.values[first.inputs[0]], dg.values[last.outputs[0]]
-    if st.kind == "copy":
+    if st.kind == NodeKind.COPY:
         return _expand_copy(first, dg, r, base)
-    if st.kind in ("broadcast", "reduce"):
+    if st.kind in (CommKind.BROADCAST, CommKind.REDUCE):
         return _replicate_comms(first, dg, r, base)
     op = first.op
     axis = op.axis
     group = first.group
     if not in_group(group, r):
         return []
-    form = plan.forms.get(first.name, "collective")
-    if form != "collective":
-        expand = _all_gather_steps if st.kind == "all_gather" else _reduce_scatter_ring
+    form = plan.forms.get(first.name, CommForm.COLLECTIVE)
+    if form != CommForm.COLLECTIVE:
+        expand = _all_gather_steps if st.kind == CommKind.ALL_GATHER else _reduce_scatter_ring
         return expand(st, plan, r, base, form)
     members = axis_members(group, axis, r)
     d = len(members)
@@ -207,18 +217,19 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     nbytes = wire_bytes(st.kind, tin.type.nbytes, d)
     # all-gather: Combine's dim; reduce-scatter: the Repartition's; all-to-all: split the Repartition's dim,
     # concatenate along the Combine's.
-    dims = (None, None) if st.kind == "all_reduce" else (first.op.dim, None) if st.kind == "all_gather" else \
-        (last.op.dim, None) if st.kind == "reduce_scatter" else (last.op.dim, first.op.dim)
+    dims = (None, None) if st.kind == CommKind.ALL_REDUCE else (first.op.dim, None) if st.kind == CommKind.ALL_GATHER \
+        else (last.op.dim, None) if st.kind == CommKind.REDUCE_SCATTER else (last.op.dim, first.op.dim)
     return [Comm(base + axis_group_index(group, axis, r), st.kind, first.pass_, members, tin.type, nbytes, axis,
                  send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes),
-                 reduce_op=vin.sharding.reduce_op if st.kind in ("all_reduce", "reduce_scatter") else "sum",
+                 reduce_op=vin.sharding.reduce_op if st.kind in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
+                 else ReduceOp.SUM,
                  value=vin.id)]
 
 
 def _replicate_meshes(n: DNode, dg: DynamicGraph) -> tuple[SubMesh, SubMesh]:
     """(widened sub-mesh, sub-mesh at one index of the axis) of Replicate node ``n``, FWD or BWD."""
     vin, vout = dg.values[n.inputs[0]].group, dg.values[n.outputs[0]].group
-    return (vout, vin) if n.pass_ == "FWD" else (vin, vout)
+    return (vout, vin) if n.pass_ == TaskType.FWD else (vin, vout)
 
 
 def replicate_group(n: DNode, dg: DynamicGraph, device: int) -> tuple[tuple[int, ...], int]:
@@ -236,7 +247,7 @@ def _replicate_comms(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Inst
     """Replicate node ``n`` on rank ``r``: a broadcast (FWD) or reduce (BWD) for each axis group it takes part
     in — its own as a member of the widened sub-mesh, and the one whose root it is (token = base + group)."""
     wide, narrow = _replicate_meshes(n, dg)
-    axis, fwd = n.op.axis, n.pass_ == "FWD"
+    axis, fwd = n.op.axis, n.pass_ == TaskType.FWD
     reps: dict[int, int] = {}  # axis group index → a member of the widened sub-mesh in it; r first
     if in_group(wide, r):
         reps[axis_group_index(wide, axis, r)] = r
@@ -250,9 +261,9 @@ def _replicate_comms(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Inst
         own = d == r  # r is a member of the widened sub-mesh in this group (not only its root)
         t = piece(vout if fwd else vin).type
         if fwd:  # the root sends its piece, the members receive
-            kind, send, recv = "broadcast", piece(vin) if r == root else None, piece(vout) if own else None
+            kind, send, recv = CommKind.BROADCAST, piece(vin) if r == root else None, piece(vout) if own else None
         else:  # the members send their partial pieces, the root receives the sum
-            kind, send, recv = "reduce", piece(vin) if own else None, piece(vout) if r == root else None
+            kind, send, recv = CommKind.REDUCE, piece(vin) if own else None, piece(vout) if r == root else None
         out.append(Comm(base + g, kind, n.pass_, members, t, wire_bytes(kind, t.nbytes, len(members), r == root),
                         axis, root=root, send=send, recv=recv, note=n.name, value=vin.id))
     return out
@@ -278,7 +289,7 @@ def _chunk(b: Buffer, j: int, d: int, dim: int, tag: str = "") -> Buffer:
     return Buffer(f"{b.value}#{tag}{j}", TensorType(tuple(shape), b.type.dtype))
 
 
-def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: str) -> list[Instr]:
+def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommForm) -> list[Instr]:
     """An all-gather as a ring of d−1 collective-permute steps or a loop of d broadcasts. Fused consumers
     (linear/matmul reading the gathered value) compute on each chunk as soon as it is present, while the next
     chunk travels (every step but the last is issued with ``wait=False`` before the compute)."""
@@ -297,14 +308,14 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: str) -
         return base + k * groups + g
 
     def comm(step: int, wait: bool) -> Comm:
-        if form == "ring":
+        if form == CommForm.RING:
             to, frm = ring_peers(p, step + 1, d)
-            return Comm(token(step), "permute", n.pass_, members, own.type, wire_bytes("permute", own.type.nbytes, d),
-                        axis, peer=members[to],
+            return Comm(token(step), CommKind.PERMUTE, n.pass_, members, own.type,
+                        wire_bytes(CommKind.PERMUTE, own.type.nbytes, d), axis, peer=members[to],
                         peer_from=members[frm], send=own, recv=chunks[frm], wait=wait, note=n.name, value=vin.id)
         root = members[step]
-        return Comm(token(step), "broadcast", n.pass_, members, own.type,
-                    wire_bytes("broadcast", own.type.nbytes, d, r == root), axis,
+        return Comm(token(step), CommKind.BROADCAST, n.pass_, members, own.type,
+                    wire_bytes(CommKind.BROADCAST, own.type.nbytes, d, r == root), axis,
                     root=root, send=own if r == root else None, recv=None if r == root else chunks[step],
                     wait=wait, note=n.name, value=vin.id)
 
@@ -316,11 +327,11 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: str) -
             out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name))
         return out
 
-    n_comms = d - 1 if form == "ring" else d
+    n_comms = d - 1 if form == CommForm.RING else d
     instrs: list[Instr] = []
     if not consumers:
         instrs += [comm(k, wait=True) for k in range(n_comms)]
-    elif form == "ring":  # own chunk first, then chunk (p + k) mod d after step k arrives
+    elif form == CommForm.RING:  # own chunk first, then chunk (p + k) mod d after step k arrives
         instrs += [comm(0, wait=False), *compute_on(p)]
         for k in range(1, d):
             instrs.append(Wait(token(k - 1)))
@@ -341,7 +352,7 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: str) -
     return instrs
 
 
-def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: str) -> list[Instr]:
+def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: CommForm) -> list[Instr]:
     """A reduce-scatter as d−1 collective-permute steps with local adds: at step i the member at index p sends
     its partial of chunk (p − i) mod d to that member and adds the partial of chunk p it receives."""
     dg = plan.dg
@@ -357,8 +368,8 @@ def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: str
     for i in range(1, d):
         to, frm = ring_peers(p, i, d)
         tmp = _chunk(src, i, d, dim, tag="recv")
-        instrs.append(Comm(base + (i - 1) * groups + g, "permute", n.pass_, members, parts[to].type,
-                           wire_bytes("permute", parts[to].type.nbytes, d), axis, peer=members[to],
+        instrs.append(Comm(base + (i - 1) * groups + g, CommKind.PERMUTE, n.pass_, members, parts[to].type,
+                           wire_bytes(CommKind.PERMUTE, parts[to].type.nbytes, d), axis, peer=members[to],
                            peer_from=members[frm], send=parts[to], recv=tmp, note=f"{n.name} + {m.name}", value=vin.id))
         nxt = out if i == d - 1 else Buffer(f"{out.value}#acc{i}", out.type)
         instrs.append(Compute(n.pass_, n.src, "add", (acc, tmp), (nxt,)))
@@ -389,15 +400,15 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         if src == r:
             out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name))
         else:
-            out.append(Comm(base + device_index(dst_v.group, r), "recv", n.pass_, (src, r), b.type,
-                            wire_bytes("recv", b.type.nbytes, 2), "copy",
+            out.append(Comm(base + device_index(dst_v.group, r), CommKind.RECV, n.pass_, (src, r), b.type,
+                            wire_bytes(CommKind.RECV, b.type.nbytes, 2), "copy",
                             peer=src, recv=b, note=n.name, value=src_v.id, piece=_piece_index(src_v, dst_v, r)))
     if in_group(src_v.group, r):  # r as source of every destination it serves
         b = piece(src_v)
         for d in dst_v.group.devices():
             if d != r and _copy_source(src_v, dst_v, d) == r:
-                out.append(Comm(base + device_index(dst_v.group, d), "send", n.pass_, (r, d), b.type,
-                                wire_bytes("send", b.type.nbytes, 2), "copy", peer=d, send=b, note=n.name,
+                out.append(Comm(base + device_index(dst_v.group, d), CommKind.SEND, n.pass_, (r, d), b.type,
+                                wire_bytes(CommKind.SEND, b.type.nbytes, 2), "copy", peer=d, send=b, note=n.name,
                                 value=src_v.id, piece=_piece_index(src_v, dst_v, d)))
     out.sort(key=lambda i: i.token if isinstance(i, Comm) else -1)
     return out
@@ -432,13 +443,14 @@ def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
     keys: dict[tuple, DNode] = {}  # in first-use order; nodes with one key give the same groups
     for st in steps(dg):
         n = st.nodes[0]
-        if n.kind == "parallel" and not st.local:
-            group = dg.values[n.inputs[0]].group if st.kind == "reduce" else n.group
-            replicate = st.kind in ("broadcast", "reduce")  # a Replicate's groups depend on its input's view
+        if n.kind == NodeKind.PARALLEL and not st.local:
+            group = dg.values[n.inputs[0]].group if st.kind == CommKind.REDUCE else n.group
+            # a Replicate's groups depend on its input's view
+            replicate = st.kind in (CommKind.BROADCAST, CommKind.REDUCE)
             keys.setdefault((group, n.op.axis, dg.values[n.inputs[0]].group if replicate else None, st.kind), n)
     seen: dict[tuple[int, ...], None] = {}
     for (group, axis, _, kind), n in keys.items():
         for d in group.devices():
-            seen.setdefault(replicate_group(n, dg, d)[0] if kind in ("broadcast", "reduce") else
+            seen.setdefault(replicate_group(n, dg, d)[0] if kind in (CommKind.BROADCAST, CommKind.REDUCE) else
                             axis_members(group, axis, d))
     return list(seen)

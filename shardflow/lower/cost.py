@@ -14,6 +14,7 @@ reduce-scatter wins and the ring all-gather does not (it ties on bandwidth and p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Mapping
 
 GB = 1e9
@@ -26,8 +27,19 @@ DEFAULT_BANDWIDTH: Mapping[str, Mapping[str, float]] = {
 }
 DEFAULT_ALPHA_S = {"gloo": 4e-4, "nccl": 2e-5}
 
-ALL_GATHER_FORMS = ("collective", "ring", "broadcast_loop")
-REDUCE_SCATTER_FORMS = ("collective", "ring")
+
+
+class CommForm(StrEnum):
+    """How lowering runs an all-gather or a reduce-scatter (design §6): the plain collective, a ring of d−1
+    collective-permute steps (nvFuser PR #5963), or a loop of d broadcasts, root = step (all-gather only)."""
+
+    COLLECTIVE = "collective"
+    RING = "ring"
+    BROADCAST_LOOP = "broadcast_loop"
+
+
+ALL_GATHER_FORMS = (CommForm.COLLECTIVE, CommForm.RING, CommForm.BROADCAST_LOOP)
+REDUCE_SCATTER_FORMS = (CommForm.COLLECTIVE, CommForm.RING)
 
 
 @dataclass(frozen=True)
@@ -46,28 +58,28 @@ class CostModel:
     def alpha(self) -> float:
         return DEFAULT_ALPHA_S[self.backend] if self.alpha_s is None else self.alpha_s
 
-    def all_gather_s(self, form: str, chunk_bytes: int, d: int) -> float:
+    def all_gather_s(self, form: CommForm, chunk_bytes: int, d: int) -> float:
         """Seconds for a ``d``-member all-gather of ``chunk_bytes`` per member, in ``form``."""
-        if form == "collective":
+        if form == CommForm.COLLECTIVE:
             return self.alpha + (d - 1) * chunk_bytes / self.bw("all_gather")
-        if form == "ring":  # d−1 collective-permute steps, each moving one chunk
+        if form == CommForm.RING:  # d−1 collective-permute steps, each moving one chunk
             return (d - 1) * (self.alpha + chunk_bytes / self.bw("p2p"))
-        if form == "broadcast_loop":  # d broadcasts, root = step
+        if form == CommForm.BROADCAST_LOOP:  # d broadcasts, root = step
             return d * (self.alpha + chunk_bytes / self.bw("broadcast"))
-        raise ValueError(f"unknown all-gather form {form!r}; one of {ALL_GATHER_FORMS}")
+        raise ValueError(f"unknown all-gather form {form!r}; one of {tuple(map(str, ALL_GATHER_FORMS))}")
 
-    def reduce_scatter_s(self, form: str, chunk_bytes: int, d: int) -> float:
+    def reduce_scatter_s(self, form: CommForm, chunk_bytes: int, d: int) -> float:
         """Seconds for a ``d``-member reduce-scatter whose result is ``chunk_bytes`` per member."""
-        if form == "collective":
+        if form == CommForm.COLLECTIVE:
             return self.alpha + (d - 1) * chunk_bytes / self.bw("reduce_scatter")
-        if form == "ring":
+        if form == CommForm.RING:
             return (d - 1) * (self.alpha + chunk_bytes / self.bw("p2p"))
-        raise ValueError(f"unknown reduce-scatter form {form!r}; one of {REDUCE_SCATTER_FORMS}")
+        raise ValueError(f"unknown reduce-scatter form {form!r}; one of {tuple(map(str, REDUCE_SCATTER_FORMS))}")
 
-    def choose_all_gather(self, chunk_bytes: int, d: int) -> str:
+    def choose_all_gather(self, chunk_bytes: int, d: int) -> CommForm:
         return min(ALL_GATHER_FORMS, key=lambda f: self.all_gather_s(f, chunk_bytes, d))
 
-    def choose_reduce_scatter(self, chunk_bytes: int, d: int) -> str:
+    def choose_reduce_scatter(self, chunk_bytes: int, d: int) -> CommForm:
         return min(REDUCE_SCATTER_FORMS, key=lambda f: self.reduce_scatter_s(f, chunk_bytes, d))
 
 
@@ -85,8 +97,8 @@ class LowerOptions:
     bucketing (Li et al., "PyTorch Distributed", VLDB 2020), default 25 MiB as DDP's ``bucket_cap_mb``.
     """
 
-    all_gather: str = "auto"
-    reduce_scatter: str = "auto"
+    all_gather: CommForm | str = "auto"
+    reduce_scatter: CommForm | str = "auto"
     cost: CostModel = field(default_factory=CostModel)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
@@ -94,13 +106,18 @@ class LowerOptions:
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0 (0 = no bucketing), got {self.bucket_bytes}")
         if self.all_gather not in ("auto",) + ALL_GATHER_FORMS:
-            raise ValueError(f"all_gather must be 'auto' or one of {ALL_GATHER_FORMS}, got {self.all_gather!r}")
+            raise ValueError(f"all_gather must be 'auto' or one of {tuple(map(str, ALL_GATHER_FORMS))}, got "
+                             f"{self.all_gather!r}")
         if self.reduce_scatter not in ("auto",) + REDUCE_SCATTER_FORMS:
-            raise ValueError(f"reduce_scatter must be 'auto' or one of {REDUCE_SCATTER_FORMS}, got "
+            raise ValueError(f"reduce_scatter must be 'auto' or one of {tuple(map(str, REDUCE_SCATTER_FORMS))}, got "
                              f"{self.reduce_scatter!r}")
 
-    def all_gather_form(self, chunk_bytes: int, d: int) -> str:
-        return self.cost.choose_all_gather(chunk_bytes, d) if self.all_gather == "auto" else self.all_gather
+    def all_gather_form(self, chunk_bytes: int, d: int) -> CommForm:
+        if self.all_gather == "auto":
+            return self.cost.choose_all_gather(chunk_bytes, d)
+        return CommForm(self.all_gather)
 
-    def reduce_scatter_form(self, chunk_bytes: int, d: int) -> str:
-        return self.cost.choose_reduce_scatter(chunk_bytes, d) if self.reduce_scatter == "auto" else self.reduce_scatter
+    def reduce_scatter_form(self, chunk_bytes: int, d: int) -> CommForm:
+        if self.reduce_scatter == "auto":
+            return self.cost.choose_reduce_scatter(chunk_bytes, d)
+        return CommForm(self.reduce_scatter)

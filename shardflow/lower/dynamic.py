@@ -33,13 +33,99 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Iterable, Mapping
 
+from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType, torch_dtype
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
 from shardflow.parallel.sharding import Sharding
 
-OPTIMIZER_SLOTS = {"sgd": (), "sgd_momentum": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq")}
+
+class ValueRole(StrEnum):
+    """What a value of the step is: a forward tensor, a gradient, or optimizer state."""
+
+    FWD = "fwd"
+    GRAD = "grad"
+    OPT = "opt"
+
+
+class TaskType(StrEnum):
+    """The part of the training step a node belongs to (FlexFlow's task type): forward, the loss gradient's
+    seed, backward, optimizer update. A copy takes the task type of the role of the value it moves."""
+
+    FWD = "FWD"
+    LOSS = "LOSS"
+    BWD = "BWD"
+    UPD = "UPD"
+
+
+# The task type of the nodes that make, move or copy a value of each role (design §5).
+ROLE_TASK = {ValueRole.FWD: TaskType.FWD, ValueRole.GRAD: TaskType.BWD, ValueRole.OPT: TaskType.UPD}
+
+
+class NodeKind(StrEnum):
+    """What a dynamic-graph node does (see :class:`DNode`)."""
+
+    COMPUTE = "compute"
+    PARALLEL = "parallel"
+    COPY = "copy"
+    SUM = "sum"
+    SEED = "seed"
+    UPDATE = "update"
+    SELECT = "select"
+    SUMSQ = "sumsq"
+
+
+class Optimizer(StrEnum):
+    """The optimizers a run trains with (``--optimizer``), with torch.optim.SGD's and AdamW's formulas."""
+
+    SGD = "sgd"
+    ADAMW = "adamw"
+
+
+class UpdateRule(StrEnum):
+    """The optimizer update a step is lowered for; it fixes the state slots each weight carries
+    (:data:`OPTIMIZER_SLOTS`). Plain SGD and SGD with momentum differ in their state."""
+
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd_momentum"
+    ADAMW = "adamw"
+
+    @classmethod
+    def of(cls, optimizer: Optimizer | str, momentum: float = 0.0) -> UpdateRule:
+        """The update of ``optimizer`` (SGD with a nonzero ``momentum`` keeps a momentum slot). Raises
+        ValueError for an unknown optimizer."""
+        if optimizer == Optimizer.ADAMW:
+            return cls.ADAMW
+        if optimizer == Optimizer.SGD:
+            return cls.SGD_MOMENTUM if momentum else cls.SGD
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(map(str, Optimizer))}")
+
+
+OPTIMIZER_SLOTS: dict[UpdateRule, tuple[str, ...]] = {
+    UpdateRule.SGD: (), UpdateRule.SGD_MOMENTUM: ("momentum",), UpdateRule.ADAMW: ("exp_avg", "exp_avg_sq")}
+
+
+# --- value ids: names for listings and buffers, formatted here and nowhere else ------------------------------
+def forward_id(tensor: str) -> str:
+    """The id of PCG tensor ``tensor``'s forward value (``fwd:<tensor>``)."""
+    return f"{ValueRole.FWD}:{tensor}"
+
+
+def grad_id(tensor: str, consumer: str = "") -> str:
+    """The id of the gradient of ``tensor`` (``grad:<tensor>``), or of the contribution node ``consumer`` makes
+    to it (``grad:<tensor>@<consumer>``)."""
+    return f"{ValueRole.GRAD}:{tensor}" + (f"@{consumer}" if consumer else "")
+
+
+def state_id(slot: str, weight: str) -> str:
+    """The id of optimizer-state ``slot`` of ``weight`` (``opt:<slot>:<weight>``; checkpoints key state by it)."""
+    return f"{ValueRole.OPT}:{slot}:{weight}"
+
+
+def update_id(replaced: str) -> str:
+    """The id of an update's new version of value ``replaced`` (``upd:<replaced>``)."""
+    return f"upd:{replaced}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +134,13 @@ class Value:
 
     ``slot``: the optimizer-state slot (``momentum``, ``exp_avg``, ...) of an ``opt`` value. ``replaces``: for
     an optimizer update's output, the value it replaces once the step is done (the weight or the state slot).
-    The ``id`` is a unique name for listings; nothing parses it.
+    The ``id`` is a unique name for listings, made by this module's id functions (:func:`forward_id`, ...);
+    nothing parses it: what a value is, its fields say.
     """
 
     id: str
     tensor: str
-    role: str
+    role: ValueRole
     type: TensorType
     sharding: Sharding
     group: SubMesh
@@ -61,8 +148,9 @@ class Value:
     replaces: str = ""
 
     @property
-    def pass_(self) -> str:
-        return {"fwd": "FWD", "grad": "BWD", "opt": "UPD"}[self.role]
+    def pass_(self) -> TaskType:
+        """The task type of the nodes that move this value (:data:`ROLE_TASK`)."""
+        return ROLE_TASK[self.role]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +168,8 @@ class DNode:
     """
 
     name: str
-    pass_: str
-    kind: str
+    pass_: TaskType
+    kind: NodeKind
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     group: SubMesh
@@ -101,34 +189,42 @@ class DynamicGraph:
     pcg: PCG
     values: Mapping[str, Value]
     nodes: tuple[DNode, ...]
-    optimizer: str = "sgd"
+    optimizer: UpdateRule = UpdateRule.SGD
     done: tuple[str, ...] = ()
 
     def producers(self) -> dict[str, DNode]:
         return {v: n for n in self.nodes for v in n.outputs}
 
-    def fwd(self, tensor: str) -> str:
-        """The id of PCG tensor ``tensor``'s forward value."""
-        return f"fwd:{tensor}"
+    @property
+    def loss_value(self) -> str:
+        """The id of the loss's forward value. Raises PassError if the PCG has no loss."""
+        if self.pcg.loss is None:
+            raise PassError("the graph has no scalar loss output")
+        return forward_id(self.pcg.loss)
+
+    def backward_node(self, src: str) -> DNode | None:
+        """The BWD compute node of PCG compute node ``src``; None if it has none (no gradient to pass)."""
+        return next((n for n in self.nodes if n.pass_ == TaskType.BWD and n.kind == NodeKind.COMPUTE
+                     and n.src == src), None)
 
     def state_values(self) -> tuple[str, ...]:
         """Optimizer-state values a step starts from (not the updates' new versions)."""
-        return tuple(vid for vid, v in self.values.items() if v.role == "opt" and not v.replaces)
+        return tuple(vid for vid, v in self.values.items() if v.role == ValueRole.OPT and not v.replaces)
 
     def placed(self) -> tuple[str, ...]:
         """Values the executor places before a step: the weights, the optimizer state, the step's data
         inputs and the graph's constants (each rank holds the pieces its sub-mesh gives it)."""
         graph = self.pcg.graph
         leaves = (*graph.weights, *graph.inputs, *graph.constants)
-        return tuple(self.fwd(t) for t in leaves if self.fwd(t) in self.values) + self.state_values()
+        return tuple(forward_id(t) for t in leaves if forward_id(t) in self.values) + self.state_values()
 
     def persistent(self) -> frozenset[str]:
         """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
         gradients the updates read (kept for inspection) and the loss."""
-        keep = {self.fwd(self.pcg.loss)} if self.pcg.loss else set()
-        keep.update(self.fwd(w) for w in self.pcg.graph.weights)
-        keep.update(vid for vid, v in self.values.items() if v.role == "opt" or v.replaces)
-        keep.update(n.inputs[1] for n in self.nodes if n.kind == "update")
+        keep = {self.loss_value} if self.pcg.loss else set()
+        keep.update(forward_id(w) for w in self.pcg.graph.weights)
+        keep.update(vid for vid, v in self.values.items() if v.role == ValueRole.OPT or v.replaces)
+        keep.update(n.inputs[1] for n in self.nodes if n.kind == NodeKind.UPDATE)
         return frozenset(keep)
 
     def listing(self) -> str:
@@ -196,7 +292,7 @@ class _Graph:
         self.values: dict[str, Value] = dict(values or {})
         self.nodes: list[DNode] = []
 
-    def value(self, id_: str, tensor: str, role: str, type_: TensorType, sharding: Sharding, group: SubMesh,
+    def value(self, id_: str, tensor: str, role: ValueRole, type_: TensorType, sharding: Sharding, group: SubMesh,
               slot: str = "", replaces: str = "") -> str:
         base, i = id_, 1
         while id_ in self.values:
@@ -205,20 +301,21 @@ class _Graph:
         self.values[id_] = Value(id_, tensor, role, type_, sharding, group, slot, replaces)
         return id_
 
-    def redistribute(self, vid: str, want: Sharding, pass_: str, src: str) -> str:
+    def redistribute(self, vid: str, want: Sharding, pass_: TaskType, src: str) -> str:
         """Parallel-op nodes taking value ``vid`` to sharding ``want`` (same sub-mesh); returns the final id."""
         v = self.values[vid]
         for k, pop in enumerate(redistribute(v.sharding, want, v.group)):
             s, g = pop.apply(v.sharding, v.group)
             out = self.value(f"{v.id}.{pop.kind}", v.tensor, v.role, v.type, s, g)
-            self.nodes.append(DNode(f"{pass_} {pop.describe()} {v.id}", pass_, "parallel", (v.id,), (out,), g, src, pop))
+            self.nodes.append(DNode(f"{pass_} {pop.describe()} {v.id}", pass_, NodeKind.PARALLEL, (v.id,), (out,), g,
+                                    src, pop))
             v = self.values[out]
         return v.id
 
 
 def _needs_grad(pcg: PCG) -> set[str]:
     """PCG tensors whose gradient the step needs: weights and everything computed from them."""
-    need = {n for n, t in pcg.tensors.items() if t.role == "weight"}
+    need = {n for n, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT}
     for n in pcg.nodes:
         if any(i in need for i in n.inputs) and torch_dtype(pcg.tensors[n.outputs[0]].type.dtype).is_floating_point:
             need.update(n.outputs)
@@ -244,25 +341,26 @@ def grad_sharding(pcg: PCG, node: PNode, i: int) -> tuple[Sharding, float]:
     return Sharding(s.dims, tuple(partial)), (1.0 / scale if scale != 1.0 else 1.0)
 
 
-def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
+def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, training: bool = True,
                    clip_norm: float | None = None) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
 
-    ``optimizer``: one of :data:`OPTIMIZER_SLOTS` (its state slots become UPD values). Raises PassError if
-    the PCG has no loss.
+    ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
+    if the PCG has no loss or the optimizer is unknown.
     """
     if pcg.loss is None:
         raise PassError("pass expansion needs a loss: the graph has no scalar loss output")
-    if optimizer not in OPTIMIZER_SLOTS:
-        raise PassError(f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_SLOTS)}")
+    if optimizer not in set(UpdateRule):
+        raise PassError(f"unknown optimizer {optimizer!r}; use one of {sorted(map(str, UpdateRule))}")
+    optimizer = UpdateRule(optimizer)
     g = _Graph()
     for name, t in pcg.tensors.items():
-        g.value(f"fwd:{name}", name, "fwd", t.type, t.sharding, t.group)
+        g.value(forward_id(name), name, ValueRole.FWD, t.type, t.sharding, t.group)
     for n in pcg.nodes:
-        g.nodes.append(DNode(f"FWD {n.name}", "FWD", "parallel" if n.is_parallel else "compute",
-                             tuple(f"fwd:{t}" for t in n.inputs), tuple(f"fwd:{t}" for t in n.outputs), n.group,
+        g.nodes.append(DNode(f"FWD {n.name}", TaskType.FWD, NodeKind.PARALLEL if n.is_parallel else NodeKind.COMPUTE,
+                             tuple(map(forward_id, n.inputs)), tuple(map(forward_id, n.outputs)), n.group,
                              n.name, n.op if n.is_parallel else None, label=n.op.describe()))
 
     if not training:
@@ -277,8 +375,10 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
                 f"(Reduction / output=Replicate()) or place its source Partial('sum')")
     contributions: dict[str, list[str]] = {t: [] for t in pcg.tensors}
     loss = pcg.tensors[pcg.loss]
-    seed = g.value(f"grad:{pcg.loss}@loss", pcg.loss, "grad", loss.type, canonical_grad(loss.sharding), loss.group)
-    g.nodes.append(DNode("LOSS seed", "LOSS", "seed", (f"fwd:{pcg.loss}",), (seed,), loss.group, pcg.loss))
+    seed = g.value(grad_id(pcg.loss, "loss"), pcg.loss, ValueRole.GRAD, loss.type, canonical_grad(loss.sharding),
+                   loss.group)
+    g.nodes.append(DNode("LOSS seed", TaskType.LOSS, NodeKind.SEED, (forward_id(pcg.loss),), (seed,), loss.group,
+                         pcg.loss))
     contributions[pcg.loss].append(seed)
 
     def finalize(t: str, keep_axis: str = "") -> str | None:
@@ -290,20 +390,21 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
         tt = pcg.tensors[t]
         want = canonical_grad(tt.sharding)
         if len({g.values[p].sharding for p in parts}) > 1:  # bring each to the canonical sharding first
-            parts = [g.redistribute(p, want, "BWD", t) for p in parts]
+            parts = [g.redistribute(p, want, TaskType.BWD, t) for p in parts]
         if len(parts) > 1:
-            out = g.value(f"grad:{t}", t, "grad", tt.type, g.values[parts[0]].sharding, tt.group)
-            g.nodes.append(DNode(f"BWD sum grad:{t}", "BWD", "sum", tuple(parts), (out,), tt.group, t))
+            out = g.value(grad_id(t), t, ValueRole.GRAD, tt.type, g.values[parts[0]].sharding, tt.group)
+            g.nodes.append(DNode(f"BWD sum {grad_id(t)}", TaskType.BWD, NodeKind.SUM, tuple(parts), (out,), tt.group,
+                                 t))
             parts = [out]
         cur = parts[0]
         if keep_axis:
             have = g.values[cur].sharding
             want = Sharding(want.dims, tuple(a for a in have.partial if a == keep_axis))
-        return g.redistribute(cur, want, "BWD", t)
+        return g.redistribute(cur, want, TaskType.BWD, t)
 
     # A weight's gradient is finalized (its synchronisation issued) as soon as its last consumer's backward
     # has run, so that data parallelism's all-reduces can overlap the rest of the backward.
-    weights = [w for w, t in pcg.tensors.items() if t.role == "weight" and w in pcg.graph.tensors]
+    weights = [w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT and w in pcg.graph.tensors]
     readers = Counter(t for n in pcg.nodes for t in dict.fromkeys(n.inputs))
     pending = {w: readers[w] for w in weights}
     early: dict[str, str | None] = {}
@@ -327,18 +428,18 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
                 # replicated (a select on that sub-mesh without machine view; a copy takes them to a view).
                 dy = finalize(o, keep_axis=n.op.axis)
                 dyv, src = g.values[dy], pcg.tensors[i]
-                kind = "parallel" if n.op.axis in dyv.sharding.partial else "select"
-                at = src.group if kind == "parallel" else \
+                kind = NodeKind.PARALLEL if n.op.axis in dyv.sharding.partial else NodeKind.SELECT
+                at = src.group if kind == NodeKind.PARALLEL else \
                     dyv.group.with_fixed(n.op.axis, dict(src.group.fixed)[n.op.axis])
-                out = g.value(f"grad:{i}@{n.name}", i, "grad", src.type, Sharding(dyv.sharding.dims,
+                out = g.value(grad_id(i, n.name), i, ValueRole.GRAD, src.type, Sharding(dyv.sharding.dims,
                               tuple(a for a in dyv.sharding.partial if a != n.op.axis)), at)
-                g.nodes.append(DNode(f"BWD {n.name}", "BWD", kind, (dy,), (out,), at, n.name,
-                                     n.op if kind == "parallel" else None))
+                g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, kind, (dy,), (out,), at, n.name,
+                                     n.op if kind == NodeKind.PARALLEL else None))
                 contributions[i].append(out)
                 consumed(n)
                 continue
             dy = finalize(o)
-            contributions[i].append(g.redistribute(dy, canonical_grad(pcg.tensors[i].sharding), "BWD", n.name))
+            contributions[i].append(g.redistribute(dy, canonical_grad(pcg.tensors[i].sharding), TaskType.BWD, n.name))
             consumed(n)
             continue
         dys = [finalize(o) for o in n.outputs]
@@ -349,10 +450,10 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
             unscale.append(f)
             if mask[k]:
                 tt = pcg.tensors[t]
-                outs.append(g.value(f"grad:{t}@{n.name}", t, "grad", tt.type, s, n.group))
+                outs.append(g.value(grad_id(t, n.name), t, ValueRole.GRAD, tt.type, s, n.group))
                 contributions[t].append(outs[-1])
-        ins = tuple(f"fwd:{t}" for t in n.inputs) + tuple(d for d in dys if d is not None)
-        g.nodes.append(DNode(f"BWD {n.name}", "BWD", "compute", ins, tuple(outs), n.group, n.name,
+        ins = tuple(map(forward_id, n.inputs)) + tuple(d for d in dys if d is not None)
+        g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, NodeKind.COMPUTE, ins, tuple(outs), n.group, n.name,
                              grad_mask=mask, unscale=tuple(unscale), dy_mask=tuple(d is not None for d in dys),
                              label=f"vjp[{n.op.describe()}]"))
         consumed(n)
@@ -368,22 +469,23 @@ def pass_expansion(pcg: PCG, optimizer: str = "sgd", training: bool = True,
         mesh = pcg.mesh
         axes = tuple(a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1)
         whole = SubMesh(mesh)
-        part = g.value("grad_norm:sumsq", "grad_norm", "grad", TensorType((), loss.type.dtype), Sharding((), axes),
-                       whole)
-        g.nodes.append(DNode("UPD grad-norm sumsq", "UPD", "sumsq", tuple(grads.values()), (part,), whole))
-        norm2 = (g.redistribute(part, Sharding(()), "UPD", "grad_norm"),)
+        part = g.value("grad_norm:sumsq", "grad_norm", ValueRole.GRAD, TensorType((), loss.type.dtype),
+                       Sharding((), axes), whole)
+        g.nodes.append(DNode("UPD grad-norm sumsq", TaskType.UPD, NodeKind.SUMSQ, tuple(grads.values()), (part,),
+                             whole))
+        norm2 = (g.redistribute(part, Sharding(()), TaskType.UPD, "grad_norm"),)
     for w, dw in grads.items():
         t = pcg.tensors[w]
-        slots = tuple(g.value(f"opt:{s}:{w}", w, "opt", t.type, t.sharding, t.group, slot=s)
+        slots = tuple(g.value(state_id(s, w), w, ValueRole.OPT, t.type, t.sharding, t.group, slot=s)
                       for s in OPTIMIZER_SLOTS[optimizer])
-        new = tuple(g.value(f"upd:{x}", w, "fwd" if x == f"fwd:{w}" else "opt", t.type, t.sharding, t.group,
-                            slot=g.values[x].slot, replaces=x) for x in (f"fwd:{w}",) + slots)
-        g.nodes.append(DNode(f"UPD {w}", "UPD", "update", (f"fwd:{w}", dw) + slots + norm2, new, t.group, w,
-                             clip=clip_norm or 0.0))
+        new = tuple(g.value(update_id(x), w, g.values[x].role, t.type, t.sharding, t.group,
+                            slot=g.values[x].slot, replaces=x) for x in (forward_id(w),) + slots)
+        g.nodes.append(DNode(f"UPD {w}", TaskType.UPD, NodeKind.UPDATE, (forward_id(w), dw) + slots + norm2, new,
+                             t.group, w, clip=clip_norm or 0.0))
     return _expanded(pcg, g, optimizer)
 
 
-def _expanded(pcg: PCG, g: _Graph, optimizer: str) -> DynamicGraph:
+def _expanded(pcg: PCG, g: _Graph, optimizer: UpdateRule) -> DynamicGraph:
     """The graph pass expansion returns, after its check: every PCG node has its FWD node, and every node
     reads only values made by an earlier node or placed by the executor (weights, state, inputs)."""
     dg = DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, (PassName.PASS_EXPANSION,))
@@ -392,7 +494,7 @@ def _expanded(pcg: PCG, g: _Graph, optimizer: str) -> DynamicGraph:
         if missing := [v for v in n.inputs if v not in have]:
             raise PassError(f"pass expansion: {n.name!r} reads {missing}, made by no earlier node")
         have.update(n.outputs)
-    if len([n for n in dg.nodes if n.pass_ == "FWD" and n.src]) < len(pcg.nodes):
+    if len([n for n in dg.nodes if n.pass_ == TaskType.FWD and n.src]) < len(pcg.nodes):
         raise PassError("pass expansion left PCG nodes without a FWD node")
     return dg
 
@@ -400,7 +502,7 @@ def _expanded(pcg: PCG, g: _Graph, optimizer: str) -> DynamicGraph:
 def _moves_between_submeshes(n: DNode) -> bool:
     """Copies, Replicate and its backward move data between sub-meshes themselves; the gradient-norm sum
     reads, on each device, whatever gradient pieces that device holds."""
-    return n.kind in ("copy", "select", "sumsq") or isinstance(n.op, Replicate)
+    return n.kind in (NodeKind.COPY, NodeKind.SELECT, NodeKind.SUMSQ) or isinstance(n.op, Replicate)
 
 
 def cross_submesh_reads(dg: DynamicGraph) -> list[tuple[str, str]]:
@@ -427,8 +529,8 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
             key = (vid, n.group)
             if key not in copies:
                 out = g.value(f"{vid}@{n.group}", v.tensor, v.role, v.type, v.sharding, n.group)
-                g.nodes.append(DNode(f"{v.pass_} copy {vid} {v.group}->{n.group}", v.pass_, "copy", (vid,), (out,),
-                                     n.group, n.src))
+                g.nodes.append(DNode(f"{v.pass_} copy {vid} {v.group}->{n.group}", v.pass_, NodeKind.COPY, (vid,),
+                                     (out,), n.group, n.src))
                 copies[key] = out
             ins.append(copies[key])
         g.nodes.append(dataclasses.replace(n, inputs=tuple(ins)))

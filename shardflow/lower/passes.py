@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from shardflow.lower.comm_lowering import comm_lowering
-from shardflow.lower.cost import LowerOptions
-from shardflow.lower.dynamic import DynamicGraph, PassError, PassName, copy_insertion, pass_expansion
+from shardflow.lower.cost import CommForm, LowerOptions
+from shardflow.lower.dynamic import DynamicGraph, PassError, PassName, UpdateRule, copy_insertion, pass_expansion
 from shardflow.lower.ordering import ordering
 from shardflow.lower.program import Program
 from shardflow.lower.shard_expansion import ShardedGraph, shard_expansion
@@ -27,15 +27,16 @@ from shardflow.parallel.pcg import PCG
 
 @dataclass(frozen=True, slots=True)
 class LowerContext:
-    """What the passes need besides the graph. ``optimizer``: a key of
-    :data:`~shardflow.lower.dynamic.OPTIMIZER_SLOTS`; ``training``: False lowers the forward only;
+    """What the passes need besides the graph. ``optimizer``: the
+    :class:`~shardflow.lower.dynamic.UpdateRule` (or its name) the updates run; ``training``: False lowers the
+    forward only;
     ``clip_norm``: clip gradients to this global norm; ``options``: forms of all-gathers/reduce-scatters and
     the bucket size; ``ranks``: the ranks whose programs are built (None: every device)."""
 
-    optimizer: str = "sgd"
+    optimizer: UpdateRule | str = UpdateRule.SGD
     training: bool = True
     clip_norm: float | None = None
-    options: LowerOptions = field(default_factory=lambda: LowerOptions("collective", "collective"))
+    options: LowerOptions = field(default_factory=lambda: LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE))
     ranks: tuple[int, ...] | None = None
 
 

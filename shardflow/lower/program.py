@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from shardflow.graph.ops import TensorType
+from shardflow.lower.dynamic import TaskType
 
 
 
@@ -37,7 +38,7 @@ class Buffer:
 class Compute:
     """Run ``op`` on this rank: ``node`` is the PCG node, ``dnode`` the dynamic-graph node whose kernel runs."""
 
-    pass_: str
+    pass_: TaskType
     node: str
     op: str
     ins: tuple[Buffer, ...]
@@ -76,7 +77,7 @@ class Comm:
 
     token: int
     kind: str
-    pass_: str
+    pass_: TaskType
     members: tuple[int, ...]
     type: TensorType
     nbytes: int
@@ -160,8 +161,8 @@ class Program:
         value and piece moved and this rank's send/recv buffers."""
         h = hashlib.sha256()
         for c in self.comms:
-            h.update(repr((c.token, c.kind, c.members, c.peer, c.peer_from, c.root, c.type.shape, c.type.dtype,
-                           c.reduce_op, c.value, c.piece, c.send, c.recv)).encode())
+            h.update(repr((c.token, str(c.kind), c.members, c.peer, c.peer_from, c.root, c.type.shape, c.type.dtype,
+                           str(c.reduce_op), c.value, c.piece, c.send, c.recv)).encode())
         return h.hexdigest()
 
     def bytes_by_kind(self) -> dict[tuple[str, str], int]:

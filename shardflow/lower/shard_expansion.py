@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Mapping
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.dynamic import DNode, DynamicGraph, PassError, PassName, Value, cross_submesh_reads, require
+from shardflow.lower.comms import CommKind
+from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value,
+                                     cross_submesh_reads, require)
 from shardflow.lower.program import Buffer, Compute, Instr, Program
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
@@ -26,19 +29,30 @@ from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
 if TYPE_CHECKING:  # comm lowering fills it; importing it here would be circular
     from shardflow.lower.comm_lowering import Decisions
 
-# (parallel op kind[, pass]) → the communication that carries it out (design §3, §6): the one table from
-# which every parallel op is lowered. "split" and "alias" (an axis of one device) are local.
-LOWERING = {
-    ("reduction",): "all_reduce",
-    ("reduction", "repartition"): "reduce_scatter",
-    ("combine",): "all_gather",
-    ("combine", "repartition"): "all_to_all",
-    ("repartition",): "split",
-    ("replicate", "FWD"): "broadcast",
-    ("replicate", "BWD"): "reduce",
-    ("copy",): "send/recv",
+
+
+class LocalKind(StrEnum):
+    """Steps of parallel ops that move nothing between devices: a Repartition of replicas (``split``: each
+    device keeps its block) and any parallel op along an axis of one device (``alias``: the same piece)."""
+
+    SPLIT = "split"
+    ALIAS = "alias"
+
+
+# (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out (design
+# §3, §6): the one table from which every parallel op is lowered. A Repartition alone is local (a split).
+LOWERING: dict[tuple[str, ...], CommKind | LocalKind] = {
+    (Reduction.kind,): CommKind.ALL_REDUCE,
+    (Reduction.kind, Repartition.kind): CommKind.REDUCE_SCATTER,
+    (Combine.kind,): CommKind.ALL_GATHER,
+    (Combine.kind, Repartition.kind): CommKind.ALL_TO_ALL,
+    (Repartition.kind,): LocalKind.SPLIT,
+    (Replicate.kind, TaskType.FWD): CommKind.BROADCAST,
+    (Replicate.kind, TaskType.BWD): CommKind.REDUCE,
 }
-LOCAL_STEPS = frozenset({"split", "alias", "sumsq", "compute", "seed", "sum", "update", "select"})
+# Steps each device runs on its own pieces; every other step (parallel ops by LOWERING, copies) communicates.
+LOCAL_STEPS = frozenset({LocalKind.SPLIT, LocalKind.ALIAS, NodeKind.SUMSQ, NodeKind.COMPUTE, NodeKind.SEED,
+                         NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT})
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -76,10 +90,11 @@ def in_group(group: SubMesh, device: int) -> bool:
 
 @dataclass(frozen=True)
 class Step:
-    """A unit of lowering: one dynamic-graph node, or a fused pair of parallel-op nodes (``kind`` from LOWERING)."""
+    """A unit of lowering: one dynamic-graph node, or a fused pair of parallel-op nodes. ``kind``: the node's
+    kind, or for a parallel op its communication or local kind from :data:`LOWERING`."""
 
     nodes: tuple[DNode, ...]
-    kind: str
+    kind: NodeKind | CommKind | LocalKind
 
     @property
     def local(self) -> bool:
@@ -99,19 +114,19 @@ def steps(dg: DynamicGraph) -> list[Step]:
     i = 0
     while i < len(nodes):
         n = nodes[i]
-        if n.kind == "parallel" and n.op.degree == 1:  # an axis of one device: nothing moves
-            out.append(Step((n,), "alias"))
+        if n.kind == NodeKind.PARALLEL and n.op.degree == 1:  # an axis of one device: nothing moves
+            out.append(Step((n,), LocalKind.ALIAS))
             i += 1
             continue
-        if n.kind == "parallel" and isinstance(n.op, (Reduction, Combine)) and i + 1 < len(nodes):
+        if n.kind == NodeKind.PARALLEL and isinstance(n.op, (Reduction, Combine)) and i + 1 < len(nodes):
             m = nodes[i + 1]
-            if (isinstance(m.op, Repartition) and m.kind == "parallel" and m.inputs == n.outputs
+            if (isinstance(m.op, Repartition) and m.kind == NodeKind.PARALLEL and m.inputs == n.outputs
                     and m.op.axis == n.op.axis and readers.get(n.outputs[0], 0) == 1
                     and not (isinstance(n.op, Combine) and m.op.dim == n.op.dim)):
-                out.append(Step((n, m), LOWERING[(n.op.kind, "repartition")]))
+                out.append(Step((n, m), LOWERING[(n.op.kind, m.op.kind)]))
                 i += 2
                 continue
-        if n.kind == "parallel":
+        if n.kind == NodeKind.PARALLEL:
             key = (n.op.kind, n.pass_) if isinstance(n.op, Replicate) else (n.op.kind,)
             out.append(Step((n,), LOWERING[key]))
         else:
@@ -177,26 +192,30 @@ def shard_expansion(dg: DynamicGraph, ranks: tuple[int, ...] | None = None) -> S
 
 
 def _compute_op(n: DNode, dg: DynamicGraph) -> str:
-    if n.kind == "compute":
+    """The op a local node's instruction shows: a compute node's label, else what the node does."""
+    if n.kind == NodeKind.COMPUTE:
         return n.label
-    return {"seed": "ones", "sum": "sum", "update": f"{dg.optimizer}_update", "select": "keep_root"}[n.kind]
+    return {NodeKind.SEED: "ones", NodeKind.SUM: "sum", NodeKind.UPDATE: f"{dg.optimizer}_update",
+            NodeKind.SELECT: "keep_root"}[n.kind]
 
 
 def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
     """The invocations of local step ``st`` on rank ``r``, on its pieces."""
     first, last = st.nodes[0], st.nodes[-1]
     vin, vout = dg.values[first.inputs[0]] if first.inputs else None, dg.values[last.outputs[0]]
-    if st.kind in ("split", "alias"):  # Repartition of replicas: each device keeps its block, a local slice;
-        if not in_group(first.group, r):  # any parallel op of degree 1: the same piece
+    # A Repartition of replicas: each device keeps its block, a local slice; any parallel op of degree 1: the
+    # same piece.
+    if st.kind in (LocalKind.SPLIT, LocalKind.ALIAS):
+        if not in_group(first.group, r):
             return []
-        op = first.op.describe() if st.kind == "split" else "alias"
+        op = first.op.describe() if st.kind == LocalKind.SPLIT else "alias"
         return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name)]
-    if st.kind == "sumsq":  # the gradient pieces this rank holds, one replica of each counted
+    if st.kind == NodeKind.SUMSQ:  # the gradient pieces this rank holds, one replica of each counted
         held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
                      and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
         return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name)]
-    if st.kind in ("compute", "seed", "sum", "update", "select"):
-        if not in_group(first.group, r) or (st.kind == "select" and not in_group(vout.group, r)):
+    if st.kind in (NodeKind.COMPUTE, NodeKind.SEED, NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT):
+        if not in_group(first.group, r) or (st.kind == NodeKind.SELECT and not in_group(vout.group, r)):
             return []
         ins = tuple(piece(dg.values[v]) for v in first.inputs)
         outs = tuple(piece(dg.values[v]) for v in first.outputs)

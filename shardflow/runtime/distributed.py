@@ -189,7 +189,7 @@ class DistributedExecutor(Executor):
 
     def _loss(self) -> float:
         """The loss: read locally when every rank holds it whole; else summed over the ranks (a scalar)."""
-        v = self.dg.values[f"fwd:{self.dg.pcg.loss}"]
+        v = self.dg.values[self.dg.loss_value]
         if not v.sharding.partial and v.group.size == self.world:
             return self.buffers[v.id].item()
         return self._get(v.id).item()

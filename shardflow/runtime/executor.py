@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from shardflow.lower.dynamic import DynamicGraph
+from shardflow.lower.dynamic import DynamicGraph, NodeKind, forward_id
 
 
 class Executor:
@@ -27,7 +27,7 @@ class Executor:
     def _index_updates(self) -> None:
         """After a step, each update's outputs replace the weight and state it read (``renames``); the
         gradient it used stays readable (``grad_values``)."""
-        updates = [n for n in self.dg.nodes if n.kind == "update"]
+        updates = [n for n in self.dg.nodes if n.kind == NodeKind.UPDATE]
         self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
         self.grad_values = {n.src: n.inputs[1] for n in updates}
 
@@ -55,16 +55,16 @@ class Executor:
         """Place a step's data inputs (by graph input name) and the graph's constants."""
         graph = self.dg.pcg.graph
         for name in graph.inputs:
-            self._put(f"fwd:{name}", inputs[name])
+            self._put(forward_id(name), inputs[name])
         for name, value in graph.constants.items():
-            self._put(f"fwd:{name}", value)
+            self._put(forward_id(name), value)
 
     def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
              steps_done: int = 0) -> None:
         """Place the full weights (by graph name) and optimizer ``state`` (full tensors by value id, as
         :meth:`state` returns them; zero when None) after ``steps_done`` steps. Every rank passes the same."""
         for w in self.dg.pcg.graph.weights:
-            self._put(f"fwd:{w}", weights[w])
+            self._put(forward_id(w), weights[w])
         for vid in self.dg.state_values():
             v = self.dg.values[vid]
             self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
@@ -72,7 +72,7 @@ class Executor:
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Full weights by graph name (= the module's parameter names), read from replica 0 of each block."""
-        return {w: self._get(f"fwd:{w}") for w in self.dg.pcg.graph.weights}
+        return {w: self._get(forward_id(w)) for w in self.dg.pcg.graph.weights}
 
     def weight_error(self, reference: Mapping[str, torch.Tensor]) -> float:
         """The largest |piece − the same block of ``reference``| (in the weights' units) over every piece of every
@@ -84,7 +84,7 @@ class Executor:
         """
         err = 0.0
         for w in self.dg.pcg.graph.weights:
-            v = self.dg.values[f"fwd:{w}"]
+            v = self.dg.values[forward_id(w)]
             p = v.sharding.parallel_shape(v.group, v.type.shape)
             for device, piece in self._pieces(v.id).items():
                 want = reference[w][p.piece_slices(v.sharding.coord_of(v.group, device))]

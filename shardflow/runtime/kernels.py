@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS, DNode, DynamicGraph
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS, DNode, DynamicGraph, NodeKind, Optimizer, TaskType, UpdateRule
 from shardflow.lower.program import LOCAL_MOVES, Compute
 from shardflow.parallel.pcg import PCG, PNode
 
@@ -22,10 +22,11 @@ Kernel = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """``name``: sgd or adamw. SGD: ``lr``, ``momentum``, ``weight_decay``; AdamW: ``lr``, ``betas``, ``eps``,
-    ``weight_decay`` (decoupled). Defaults follow torch.optim."""
+    """``name``: an :class:`~shardflow.lower.dynamic.Optimizer` or its name (sgd, adamw). SGD: ``lr``,
+    ``momentum``, ``weight_decay``; AdamW: ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled). Defaults
+    follow torch.optim."""
 
-    name: str = "sgd"
+    name: Optimizer | str = Optimizer.SGD
     lr: float = 0.1
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -33,19 +34,16 @@ class OptimizerConfig:
     eps: float = 1e-8
 
     @property
-    def slots(self) -> str:
-        """The key of :data:`OPTIMIZER_SLOTS` whose state this optimizer keeps."""
-        if self.name == "adamw":
-            return "adamw"
-        if self.name == "sgd":
-            return "sgd_momentum" if self.momentum else "sgd"
-        raise ValueError(f"unknown optimizer {self.name!r}; use 'sgd' or 'adamw'")
+    def slots(self) -> UpdateRule:
+        """The update (a key of :data:`OPTIMIZER_SLOTS`) whose state this optimizer keeps. Raises ValueError for
+        an unknown optimizer."""
+        return UpdateRule.of(self.name, self.momentum)
 
 
 def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *state: torch.Tensor) -> list[torch.Tensor]:
     """One optimizer step on one shard, in place (the weight and state buffers are updated and returned;
     fresh weight-sized allocations every step cost more than the arithmetic). ``step`` counts from 1."""
-    if cfg.name == "sgd":
+    if cfg.name == Optimizer.SGD:
         if cfg.weight_decay:
             g = g.add(w, alpha=cfg.weight_decay)
         if cfg.momentum:
@@ -72,20 +70,20 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
     records its graph there and the backward reuses it (no second forward); without it, or when the forward
     ran in chunks (a fused ring), the backward recomputes the forward under ``torch.func.vjp``.
     """
-    if dn.kind == "compute":
+    if dn.kind == NodeKind.COMPUTE:
         pnode = next(p for p in dg.pcg.nodes if p.name == dn.src)
         fwd = forward(dg.pcg, pnode, rank, seed, step)
-        if dn.pass_ == "FWD":
-            bwd = next((n for n in dg.nodes if n.name == f"BWD {dn.src}"), None)
+        if dn.pass_ == TaskType.FWD:
+            bwd = dg.backward_node(dn.src)
             if saved is None or bwd is None:
                 return lambda xs: list(fwd(*xs))
             return _recording_forward(fwd, bwd.grad_mask, dn.src, saved)
         return _vjp_kernel(fwd, len(pnode.inputs), dn, saved)
-    if dn.kind == "seed":
+    if dn.kind == NodeKind.SEED:
         return lambda xs: [torch.ones_like(xs[0])]
-    if dn.kind == "sum":
+    if dn.kind == NodeKind.SUM:
         return lambda xs: [sum(xs[1:], xs[0])]
-    if dn.kind == "update":
+    if dn.kind == NodeKind.UPDATE:
         slots = dn.inputs[2:len(dn.inputs) - (dn.clip > 0)]
         if OPTIMIZER_SLOTS[cfg.slots] != tuple(dg.values[v].slot for v in slots):
             raise ValueError(f"the plan was lowered for optimizer state {slots}, not for {cfg}")
@@ -95,12 +93,13 @@ def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, st
                 return update(cfg, step(), xs[0], xs[1] * scale, *xs[2:-1])
             return clipped
         return lambda xs: update(cfg, step(), *xs)
-    if dn.kind == "sumsq":
+    if dn.kind == NodeKind.SUMSQ:
         dtype = torch_dtype(dg.values[dn.outputs[0]].type.dtype)
         return lambda xs: [sum((x.pow(2).sum() for x in xs), torch.zeros((), dtype=dtype))]
-    if dn.kind in ("select", "copy") or (dn.kind == "parallel" and dn.op.degree == 1):  # degree 1: nothing moves
+    # degree 1: nothing moves
+    if dn.kind in (NodeKind.SELECT, NodeKind.COPY) or (dn.kind == NodeKind.PARALLEL and dn.op.degree == 1):
         return lambda xs: [xs[0]]
-    if dn.kind == "parallel":  # a Repartition of replicas: keep this rank's block of the dim
+    if dn.kind == NodeKind.PARALLEL:  # a Repartition of replicas: keep this rank's block of the dim
         index = dn.group.coords(rank)[dn.op.axis]
         return lambda xs: [xs[0].chunk(dn.op.degree, dn.op.dim)[index].contiguous()]
     raise ValueError(f"no kernel for dynamic-graph node {dn.name!r} of kind {dn.kind!r}")

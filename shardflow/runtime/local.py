@@ -77,7 +77,7 @@ class LocalExecutor(Executor):
         if blocked:
             raise RuntimeError("deadlock: " + ", ".join(f"rank {r} blocks at instruction {k}"
                                                         for r, k in sorted(blocked.items())))
-        loss = self._get(f"fwd:{self.dg.pcg.loss}").item()
+        loss = self._get(self.dg.loss_value).item()
         for r, bufs in self.buffers.items():
             for new, old in self.renames:
                 if new in bufs:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS
+from shardflow.lower.dynamic import Optimizer
 from shardflow.train.checkpoint.store import CheckpointError, check_writable
 
 
@@ -36,7 +38,7 @@ class TrainConfig:
     embd: int = _f(128, "embedding width")
     dropout: float = _f(0.0, "dropout probability")
     lr: float = _f(3e-3, "learning rate")
-    optimizer: str = _f("adamw", "sgd or adamw", choices=("sgd", "adamw"))
+    optimizer: str = _f(str(Optimizer.ADAMW), "sgd or adamw", choices=tuple(map(str, Optimizer)))
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW)")
     seed: int = _f(0, "seed for the initial weights, the batches and the dropout masks")
@@ -53,9 +55,9 @@ class TrainConfig:
     eval_batches: int = _f(4, "validation batches per measurement")
     clip_norm: float = _f(0.0, "clip gradients to this global norm (0 = off)")
     all_gather: str = _f("auto", "all-gather form: auto (cost model), collective, ring or broadcast_loop",
-                         choices=("auto", "collective", "ring", "broadcast_loop"))
+                         choices=("auto", *map(str, ALL_GATHER_FORMS)))
     reduce_scatter: str = _f("auto", "reduce-scatter form: auto (cost model), collective or ring",
-                             choices=("auto", "collective", "ring"))
+                             choices=("auto", *map(str, REDUCE_SCATTER_FORMS)))
     bucket_mb: float = _f(25.0, "pack gradient all-reduces into buckets of this many MiB, each issued while the "
                                 "backward goes on (as DDP's bucket_cap_mb; 0 = one all-reduce per gradient)")
     debug: bool = _f(False, "check before every communication that all its members are at the same token")

@@ -14,7 +14,7 @@ import torch
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import CostModel, LowerOptions, lower_step
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg, evaluation
@@ -60,7 +60,7 @@ class Setup:
     def optimizer(self) -> OptimizerConfig:
         """The optimizer of the config (SGD keeps its momentum, AdamW ignores it)."""
         c = self.cfg
-        return OptimizerConfig(c.optimizer, c.lr, c.momentum if c.optimizer == "sgd" else 0.0, c.weight_decay)
+        return OptimizerConfig(c.optimizer, c.lr, c.momentum if c.optimizer == Optimizer.SGD else 0.0, c.weight_decay)
 
     def initial_weights(self) -> dict[str, torch.Tensor]:
         """The seeded model's weights by graph name (full tensors; each executor keeps its pieces)."""

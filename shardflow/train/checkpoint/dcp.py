@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from shardflow.lower.dynamic import state_id
 from shardflow.train.checkpoint import store
 from shardflow.train.checkpoint.model import ModelAdapter
 from shardflow.train.checkpoint.store import CheckpointError
@@ -37,7 +38,7 @@ def model_entries(model: torch.nn.Module, names, slots: tuple[str, ...] = ()) ->
     params = dict(model.named_parameters())
     out: Entries = {f"model/{n}": (tuple(params[n].shape), params[n].dtype) for n in names}
     for s in slots:
-        out.update({f"optim/opt:{s}:{n}": (tuple(params[n].shape), params[n].dtype) for n in names})
+        out.update({f"optim/{state_id(s, n)}": (tuple(params[n].shape), params[n].dtype) for n in names})
     return out
 
 

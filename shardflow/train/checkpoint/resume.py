@@ -7,17 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer, UpdateRule
 from shardflow.train.checkpoint import store
 from shardflow.train.checkpoint.dcp import Checkpoint, Entries, read
 from shardflow.train.checkpoint.model import ModelAdapter
 from shardflow.train.checkpoint.store import CheckpointError
 
-_OPT_NAMES = {"sgd": "SGD without momentum", "sgd_momentum": "SGD with momentum", "adamw": "AdamW"}
+_OPT_NAMES = {UpdateRule.SGD: "SGD without momentum", UpdateRule.SGD_MOMENTUM: "SGD with momentum",
+              UpdateRule.ADAMW: "AdamW"}
 
 
-def for_resume(root: Path, adapter: ModelAdapter, config: Any, chars: str, optimizer_slots: str, want: Entries,
-               data: str | None) -> Checkpoint:
+def for_resume(root: Path, adapter: ModelAdapter, config: Any, chars: str, optimizer_slots: UpdateRule,
+               want: Entries, data: str | None) -> Checkpoint:
     """The newest complete checkpoint under ``root``, checked against the run about to continue from it: its model
     ``config`` (read with ``adapter``), the tokenizer's ``chars``, the optimizer's state slots, the ``want``ed
     entries and the ``--data`` it reads (for messages). Raises CheckpointError."""
@@ -46,12 +47,13 @@ def for_resume(root: Path, adapter: ModelAdapter, config: Any, chars: str, optim
         raise CheckpointError(f"checkpoint {path} is of a different model: it has {theirs_}, this run {ours}; "
                               f"resume with the checkpoint's sizes ({theirs_}), {new_run}")
     theirs = _slots_of(ck.train)
+    momentum = f" --momentum {ck.train.get('momentum')}"
     if theirs is not None and theirs != optimizer_slots:
         raise CheckpointError(f"checkpoint {path} holds the optimizer state of {_OPT_NAMES[theirs]} "
                               f"({', '.join(OPTIMIZER_SLOTS[theirs]) or 'none'}) but this run uses "
                               f"{_OPT_NAMES.get(optimizer_slots, optimizer_slots)}; "
                               f"resume with --optimizer {ck.train.get('optimizer')}"
-                              f"{' --momentum ' + str(ck.train.get('momentum')) if theirs.startswith('sgd') else ''}, "
+                              f"{momentum if theirs != UpdateRule.ADAMW else ''}, "
                               f"{new_run}")
     ck.check_entries(want, store.fallback(path))
     return ck
@@ -61,10 +63,6 @@ def _short(chars: str, n: int = 30) -> str:
     return repr(chars) if len(chars) <= n else repr(chars[:n]) + f" and {len(chars) - n} more"
 
 
-def _slots_of(train: Mapping[str, Any]) -> str | None:
+def _slots_of(train: Mapping[str, Any]) -> UpdateRule | None:
     name = train.get("optimizer")
-    if name == "adamw":
-        return "adamw"
-    if name == "sgd":
-        return "sgd_momentum" if train.get("momentum") else "sgd"
-    return None
+    return UpdateRule.of(name, train.get("momentum") or 0.0) if name in set(Optimizer) else None
