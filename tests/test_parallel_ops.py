@@ -192,10 +192,17 @@ def test_replicate_grows_the_group():
 
 
 def test_parallel_op_table():
+    """Each parallel op's data movement comes from the one lowering table (design §3): alone, a Repartition is
+    a local split, a Combine an all-gather, a Reduction an all-reduce; a Replicate broadcasts forward and
+    reduces backward; fused with a following Repartition, Reduction and Combine become reduce-scatter and
+    all-to-all."""
+    from shardflow.lower.dynamic import TaskType
+    from shardflow.lower.shard_expansion import LOWERING
     assert set(P.PARALLEL_OPS) == {"repartition", "combine", "replicate", "reduction"}
-    movement = {k: (c.forward_movement, c.backward_movement) for k, c in P.PARALLEL_OPS.items()}
-    assert movement == {"repartition": ("split", "gather"), "combine": ("gather", "split"),
-                        "replicate": ("broadcast", "sum"), "reduction": ("sum", "broadcast")}
+    assert {k: LOWERING.get((k,)) for k in P.PARALLEL_OPS} == {
+        "repartition": "split", "combine": "all_gather", "replicate": None, "reduction": "all_reduce"}
+    assert [LOWERING[("replicate", p)] for p in (TaskType.FWD, TaskType.BWD)] == ["broadcast", "reduce"]
+    assert [LOWERING[(k, "repartition")] for k in ("reduction", "combine")] == ["reduce_scatter", "all_to_all"]
 
 
 # --- redistribute -----------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ Replicate is the one op that grows the device set: its axis goes from fixed (one
 Blocked layout: Repartition appends its axis as the *minor* axis of the dim, so output block ``c`` comes from
 input block ``c // d``; Combine removes the minor axis of the dim. Duals: Replicate↔Reduction,
 Repartition↔Combine.
+
+Lowering names the communication of each movement in one table,
+:data:`shardflow.lower.shard_expansion.LOWERING`. A backward is lowered as the parallel ops that bring the
+gradient to its input's sharding (the dual op; a Reduction's broadcast moves nothing, every device already
+holds the gradient), except Replicate's, whose sum of the replica gradients is a reduce to the root.
 """
 
 from __future__ import annotations
@@ -35,8 +40,6 @@ class ParallelOp:
     """Base of the parallel operators. ``degree`` must equal the size of mesh axis ``axis``."""
 
     kind: ClassVar[str] = "parallel"
-    forward_movement: ClassVar[str] = ""
-    backward_movement: ClassVar[str] = ""
 
     def apply_shape(self, p: ParallelTensorShape) -> ParallelTensorShape:
         """Degree rule. Raises DegreeError / ShardingError when the degrees do not allow the op."""
@@ -66,8 +69,6 @@ class Repartition(ParallelOp):
     """Cut ``dim`` into ``degree`` more blocks along mesh ``axis`` (each replica keeps its own block)."""
 
     kind: ClassVar[str] = "repartition"
-    forward_movement: ClassVar[str] = "split"
-    backward_movement: ClassVar[str] = "gather"
     dim: int
     degree: int
     axis: str = ""
@@ -98,8 +99,6 @@ class Combine(ParallelOp):
     """Gather the ``degree`` blocks of ``dim`` held along mesh ``axis`` (all-gather); the axis then replicates."""
 
     kind: ClassVar[str] = "combine"
-    forward_movement: ClassVar[str] = "gather"
-    backward_movement: ClassVar[str] = "split"
     dim: int
     degree: int
     axis: str = ""
@@ -130,8 +129,6 @@ class Replicate(ParallelOp):
     """Broadcast the tensor from its one index on mesh ``axis`` to all ``degree`` devices along it."""
 
     kind: ClassVar[str] = "replicate"
-    forward_movement: ClassVar[str] = "broadcast"
-    backward_movement: ClassVar[str] = "sum"
     degree: int
     axis: str = ""
 
@@ -156,8 +153,6 @@ class Reduction(ParallelOp):
     """Sum the ``degree`` partial pieces held along mesh ``axis`` (all-reduce); the axis then replicates."""
 
     kind: ClassVar[str] = "reduction"
-    forward_movement: ClassVar[str] = "sum"
-    backward_movement: ClassVar[str] = "broadcast"
     degree: int
     axis: str = ""
 
