@@ -31,6 +31,7 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from typing import Iterable, Mapping
 
 from shardflow.graph.ops import TensorType, torch_dtype
@@ -106,6 +107,16 @@ class DynamicGraph:
 
     def producers(self) -> dict[str, DNode]:
         return {v: n for n in self.nodes for v in n.outputs}
+
+    @cached_property
+    def sources(self) -> dict[str, PNode]:
+        """The PCG's nodes by name (what a node's ``src`` names), built once per graph."""
+        return {n.name: n for n in self.pcg.nodes}
+
+    @cached_property
+    def backward(self) -> dict[str, DNode]:
+        """PCG compute node name → its BWD compute node, for the nodes that have one; built once per graph."""
+        return {n.src: n for n in self.nodes if n.kind == "compute" and n.pass_ == "BWD"}
 
     def fwd(self, tensor: str) -> str:
         """The id of PCG tensor ``tensor``'s forward value."""

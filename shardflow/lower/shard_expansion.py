@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Mapping
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.dynamic import DNode, DynamicGraph, PassError, PassName, Value, cross_submesh_reads, require
-from shardflow.lower.program import Buffer, Compute, Instr, Program
+from shardflow.lower.program import (Block, Buffer, Compute, Forward, Instr, Keep, KernelSpec, OnesLike, Program, Sum,
+                                     SumOfSquares, Update, Vjp)
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
 
@@ -176,6 +177,32 @@ def shard_expansion(dg: DynamicGraph, ranks: tuple[int, ...] | None = None) -> S
     return ShardedGraph(dg, ranks, all_steps, instrs, done=dg.done + (PassName.SHARD_EXPANSION,))
 
 
+def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
+    """The kernel rank ``r`` runs for local node ``n`` (a member of its sub-mesh), with everything it needs: the
+    rule's local op and, for a random op, where r's piece lies; the gradient masks of a backward; the state slots
+    of an update; the block r keeps of a Repartition of replicas."""
+    if n.kind == "compute":
+        src = dg.sources[n.src]
+        draw = dg.pcg.piece_site(src, r) if src.op.random else None
+        if n.pass_ == "FWD":
+            bwd = dg.backward.get(n.src)
+            return Forward(src.local, draw, bwd.grad_mask if bwd is not None else ())
+        return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask)
+    if n.kind == "seed":
+        return OnesLike()
+    if n.kind == "sum":
+        return Sum()
+    if n.kind == "update":
+        return Update(tuple(dg.values[v].slot for v in n.inputs[2:len(n.inputs) - (n.clip > 0)]), n.clip)
+    if n.kind == "sumsq":
+        return SumOfSquares()
+    if n.kind == "parallel" and n.op.degree > 1:  # a Repartition of replicas: r keeps its block of the dim
+        return Block(n.op.dim, n.op.degree, n.group.coords(r)[n.op.axis])
+    if n.kind in ("select", "copy", "parallel"):  # the piece is already here; an axis of one device
+        return Keep()
+    raise PassError(f"shard expansion: no kernel for {n.name!r} of kind {n.kind!r}")
+
+
 def _compute_op(n: DNode, dg: DynamicGraph) -> str:
     if n.kind == "compute":
         return n.label
@@ -190,15 +217,18 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
         if not in_group(first.group, r):  # any parallel op of degree 1: the same piece
             return []
         op = first.op.describe() if st.kind == "split" else "alias"
-        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name)]
+        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name,
+                        kernel=kernel(first, dg, r))]
     if st.kind == "sumsq":  # the gradient pieces this rank holds, one replica of each counted
         held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
                      and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
-        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name)]
+        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name,
+                        kernel=kernel(first, dg, r))]
     if st.kind in ("compute", "seed", "sum", "update", "select"):
         if not in_group(first.group, r) or (st.kind == "select" and not in_group(vout.group, r)):
             return []
         ins = tuple(piece(dg.values[v]) for v in first.inputs)
         outs = tuple(piece(dg.values[v]) for v in first.outputs)
-        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name)]
+        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name,
+                        kernel=kernel(first, dg, r))]
     raise PassError(f"shard expansion: step {st.kind!r} of {first.name!r} is not a local step")
