@@ -79,13 +79,13 @@ class ProcessGroups:
     once, as ``init_device_mesh`` does. Any other group is made by ``dist.new_group`` (with ``timeout``); a group
     of every rank is the world's. Every rank must call :meth:`create` with the same lists in the same order
     (torch.distributed needs every rank in every group's creation, member or not): then every rank creates the
-    same groups in the same order. ``device_type``: the DeviceMesh's (every buffer is on the CPU: ``cpu``).
-    The executor's waits carry their own timeout, which also bounds a wait on a DeviceMesh group.
+    same groups in the same order. The DeviceMesh is a ``cpu`` one: every buffer is on the CPU. The executor's
+    waits carry their own timeout, which also bounds a wait on a DeviceMesh group.
     """
 
-    def __init__(self, timeout: datetime.timedelta, device_type: str = "cpu"):
+    def __init__(self, timeout: datetime.timedelta):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.timeout, self.device_type = timeout, device_type
+        self.timeout = timeout
         self.meshes: dict[Mesh, DeviceMesh] = {}
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # those this rank is a member of
         self.made: set[tuple[int, ...]] = set()  # members of every group created, member or not
@@ -98,9 +98,8 @@ class ProcessGroups:
             self.made.add(g.members)
             if g.mesh is not None:
                 if g.mesh not in self.meshes:
-                    self.meshes[g.mesh] = init_device_mesh(self.device_type, g.mesh.shape,
-                                                           mesh_dim_names=g.mesh.axis_names)
-                pg = self.meshes[g.mesh].get_group(g.axis) if self.rank in g.members else None
+                    self.meshes[g.mesh] = init_device_mesh("cpu", g.mesh.shape, mesh_dim_names=g.mesh.axis_names)
+                pg = self.meshes[g.mesh].get_group(g.axis)  # this rank's group along the axis: g's if a member
             else:
                 pg = None if len(g.members) == self.world else dist.new_group(list(g.members), timeout=self.timeout)
             if self.rank in g.members:
