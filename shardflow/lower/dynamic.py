@@ -114,7 +114,7 @@ class DynamicGraph:
         return {n.name: n for n in self.pcg.nodes}
 
     @cached_property
-    def backward(self) -> dict[str, DNode]:
+    def backward_of(self) -> dict[str, DNode]:
         """PCG compute node name → its BWD compute node, for the nodes that have one; built once per graph."""
         return {n.src: n for n in self.nodes if n.kind == "compute" and n.pass_ == "BWD"}
 

@@ -47,8 +47,8 @@ class Forward:
     get a gradient (the forward may record its autograd graph for them); empty otherwise."""
 
     local: LocalOp
-    draw: PieceSite | None = None
-    record: tuple[bool, ...] = ()
+    draw: PieceSite | None
+    record: tuple[bool, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,7 @@ class Update:
     when ``clip`` > 0, the squared global gradient norm; writes the new weight and state."""
 
     slots: tuple[str, ...]
-    clip: float = 0.0
+    clip: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,7 +185,7 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
         src = dg.sources[n.src]
         draw = dg.pcg.piece_site(src, r) if src.op.random else None
         if n.pass_ == "FWD":
-            bwd = dg.backward.get(n.src)
+            bwd = dg.backward_of.get(n.src)
             return Forward(src.local, draw, bwd.grad_mask if bwd is not None else ())
         return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask)
     if n.kind == "seed":
