@@ -5,7 +5,8 @@ compared on every replica (each rank its own pieces, the maximum all-reduced).
 Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
 CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64" or
 "sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
-"die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor).
+"die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
+"groups" (process groups from a list of regular and irregular groups, 4 ranks).
 """
 
 import json
@@ -162,6 +163,42 @@ def run_outside_view(rank):
     return diffs
 
 
+def run_groups(rank, world):
+    """:class:`ProcessGroups` from regular groups (axis groups of a pp=2,tp=2 mesh: a DeviceMesh's) and plain member
+    lists, created twice (the second time creates nothing): each group of this rank spans exactly its members, a
+    regular one is the DeviceMesh's group along its axis, a non-member has none, and an all-reduce over each
+    counts its members. Returns the number of groups that failed."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from shardflow.lower.program import Group
+    from shardflow.runtime.distributed import ProcessGroups
+
+    mesh = Mesh.parse("pp=2,tp=2")
+    groups = [Group((3, 0, 2)), Group((0, 1), mesh, "tp"), Group((2, 3), mesh, "tp"), Group((1, 3), mesh, "pp"),
+              Group((3, 1)), Group(tuple(range(world)))]
+    pgs = ProcessGroups(datetime.timedelta(seconds=60))
+    for _ in range(2):
+        pgs.create(groups)
+    failed = 0
+    for g in groups:
+        if rank not in g.members:
+            try:
+                pgs.get(g.members)
+                failed += 1
+            except KeyError:
+                pass
+            continue
+        pg = pgs.get(g.members)
+        ranks = list(range(world)) if pg is None else dist.get_process_group_ranks(pg)
+        x = torch.ones(1)
+        dist.all_reduce(x, group=pg)
+        failed += (sorted(ranks) != sorted(g.members) or x.item() != len(g.members)
+                   or (g.mesh is not None and pg is not pgs.meshes[mesh].get_group(g.axis)))
+    return {"failed groups": float(failed)}
+
+
 def main():
     out, cases = Path(sys.argv[1]), sys.argv[2:]
     rank, world = init_from_env(timeout_s=60)
@@ -188,6 +225,8 @@ def main():
             results[case] = run_explicit(rank)
         elif case == "outside_view":  # a Replicate whose input a machine view puts outside its group
             results[case] = run_outside_view(rank)
+        elif case == "groups":  # process groups from a program's group list
+            results[case] = run_groups(rank, world)
         elif case == "dropout":
             results[case] = run_dropout(rank, world)
         elif case == "die":

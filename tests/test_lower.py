@@ -427,7 +427,7 @@ def test_value_ids_are_made_from_fields():
     assert set(state) <= set(dg.state_values())
     upd = next(n for n in dg.nodes if n.kind == NodeKind.UPDATE and n.src == w)
     assert [dg.values[o].replaces for o in upd.outputs] == [forward_id(w), *state]
-    assert dg.backward_node("linear").outputs == (grad_id("fc1.weight", "linear"), grad_id("fc1.bias", "linear"))
+    assert dg.backward_of["linear"].outputs == (grad_id("fc1.weight", "linear"), grad_id("fc1.bias", "linear"))
     assert dg.loss_value == forward_id(dg.pcg.loss) and dg.values[dg.loss_value].tensor == dg.pcg.loss
 
 
@@ -504,3 +504,80 @@ def test_parallel_ops_along_an_axis_of_one_device_communicate_nothing():
                                for i in aliases)
     assert comms(lowered(graph, "dp=1,tp=2", make_plan(graph, Mesh.parse("dp=1,tp=2"), "dp,tp")).programs) == \
         comms(tp2.programs)
+
+
+# --- self-contained programs: kernels and process groups -----------------------------------------------------
+def test_computes_carry_their_kernels():
+    """Every compute of a dynamic-graph node carries what its kernel needs — the rule's local op, the inputs a
+    forward records gradients for, a backward's masks, an update's state slots and clip — and the data movements
+    around communications carry none."""
+    from shardflow.lower.program import Forward, OnesLike, SumOfSquares, Update, Vjp
+    pcg = dp_tp_mlp_pcg()
+    step = lower_step(pcg, "adamw", clip_norm=1.0)
+    local = {n.name: n.local for n in pcg.nodes}
+    for r, p in step.programs.items():
+        computes = [i for i in p.instrs if isinstance(i, Compute)]
+        assert {i.op for i in computes if i.kernel is None} == {"pack", "unpack"}  # the dp gradient buckets
+        kernels = {i.dnode: i.kernel for i in computes if i.dnode}
+        # x needs no gradient: mul(x, scale)'s forward records (and its backward makes) the gradient of scale only
+        assert kernels["FWD mul"] == Forward(local["mul"], None, (False, True))
+        assert kernels["BWD mul"] == Vjp(local["mul"], None, (False, True), (1.0, 1.0), (True,))
+        assert kernels["FWD loss"] == Forward(local["loss"], None, (True, False))
+        assert kernels["LOSS seed"] == OnesLike() and kernels["UPD grad-norm sumsq"] == SumOfSquares()
+        assert {k: v for k, v in kernels.items() if k.startswith("UPD ") and k != "UPD grad-norm sumsq"} == {
+            f"UPD {w}": Update(("exp_avg", "exp_avg_sq"), 1.0) for w in pcg.graph.weights}
+
+
+def test_random_and_repartition_kernels_are_per_rank():
+    """A Repartition of replicas keeps the rank's block; a dropout on the blocks draws at the rank's piece of the
+    full tensor — the PCG's draw site — and its kernel, built from the instruction alone, draws those numbers."""
+    import torch
+    from shardflow.graph.rng import PieceSite
+    from shardflow.lower.program import Block
+    from shardflow.parallel.ops import Repartition
+    from shardflow.runtime.kernels import OptimizerConfig, make_kernel
+    b = GraphBuilder()
+    x, w = b.input("x", (4, 6), "float64"), b.weight("w", (4, 6), "float64")
+    loss = b.sum(b.dropout(b.mul(x, w), 0.5))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("tp=2")
+    pcg = build_pcg(g, mesh, resolve(Plan(ops={"mul": (Repartition(0, 2, "tp"),)}), g, mesh))
+    step = lower_step(pcg)
+    node = next(n for n in pcg.nodes if not n.is_parallel and n.op.random)
+    for r, p in step.programs.items():
+        kernels = {i.op.split("(")[0]: i for i in p.instrs if isinstance(i, Compute) and i.pass_ == "FWD"}
+        assert kernels["Repartition"].kernel == Block(0, 2, r)
+        drop = kernels["dropout"]
+        assert drop.kernel.draw == PieceSite(node.name, (4, 6), (2 * r, 0))
+        assert drop.kernel.draw.at(7, 3) == pcg.draw_site(node, r, 7, 3)
+        piece = torch.randn(2, 6, dtype=torch.float64)
+        got = make_kernel(drop, OptimizerConfig(), lambda: 3, seed=7)([piece])
+        torch.testing.assert_close(got[0], node.local.compute(piece, at=pcg.draw_site(node, r, 7, 3))[0],
+                                   rtol=0, atol=0)
+
+
+def test_programs_carry_their_process_groups():
+    """Every program lists every group of the plan, in one first-use order: the mesh's axis groups (a pipeline
+    stage's too) marked regular with their mesh and axis, any other member list (a machine view, a Replicate
+    whose root a view puts outside its axis group) plain."""
+    from dist_worker import replicate_outside_view
+    from shardflow.lower.program import Group
+    step = lower_step(dp_tp_mlp_pcg())
+    mesh = step.dg.pcg.mesh
+    want = (Group((0, 1), mesh, "tp"), Group((2, 3), mesh, "tp"), Group((0, 2), mesh, "dp"), Group((1, 3), mesh, "dp"))
+    assert all(p.groups == want for p in step.programs.values())
+
+    graph = mlp(pre=True)
+    mesh = Mesh.parse("pp=2,tp=2")
+    plan = Plan(modules={"fc1": ModulePlan(stage=0, params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
+                         "gelu": ModulePlan(stage=0), "loss": ModulePlan(stage=1),
+                         "fc2": ModulePlan(stage=1, params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})})
+    stages = lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)))
+    assert stages.programs[0].groups == (Group((2, 3), mesh, "tp"), Group((0, 1), mesh, "tp"))
+
+    _, pcg, _, _ = replicate_outside_view(partial=True)
+    mesh = pcg.mesh
+    groups = lower_step(pcg).programs[0].groups
+    assert groups == (Group((3, 0, 2)), Group((1, 3), mesh, "pp"), Group((0, 1), mesh, "tp"),
+                      Group((2, 3), mesh, "tp"), Group((3, 1)))
+    assert lower_step(pcg, ranks=[2], verify=False).programs[2].groups == groups  # the same on every rank

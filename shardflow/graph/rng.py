@@ -113,3 +113,18 @@ class DrawSite:
         """bool ``piece``-shaped dropout mask: True where the element is kept (probability ``1 - p``), i.e. where
         :meth:`uniform` ≥ p — compared on the integers (p · 2^53 is exact in float64)."""
         return self.bits(piece) >= math.ceil(p * 2.0 ** 53)
+
+
+@dataclass(frozen=True, slots=True)
+class PieceSite:
+    """Where one device's piece of a random op's output lies, known at planning time: the PCG ``node`` name, the
+    ``shape`` of the full tensor and ``start``, the index of the piece's first element along each dim. With the
+    run's seed and the training step it is the piece's :class:`DrawSite` (:meth:`at`)."""
+
+    node: str
+    shape: tuple[int, ...]
+    start: tuple[int, ...]
+
+    def at(self, seed: int, step: int) -> DrawSite:
+        """The draw site of this piece at training ``step`` (from 1) of a run seeded ``seed``."""
+        return DrawSite(seed, step, self.node, self.shape, self.start)

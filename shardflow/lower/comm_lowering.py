@@ -25,9 +25,9 @@ from shardflow.lower.comms import CommKind, ReduceOp, wire_bytes
 from shardflow.lower.cost import CommForm, LowerOptions
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, forward_id,
                                      require)
-from shardflow.lower.program import Buffer, Comm, Compute, Instr, Program, Wait
+from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
 from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
-                                             in_group, piece, steps)
+                                             in_group, kernel, piece, steps)
 from shardflow.parallel.mesh import SubMesh
 
 @dataclass(frozen=True)
@@ -303,6 +303,7 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
     chunks = [_chunk(full, j, d, dim) for j in range(d)]
     chunks[p] = own
     consumers = plan.fused.get(n.name, ())
+    kernels = [kernel(c, dg, r) for c in consumers]
 
     def token(k: int) -> int:  # token of this group's k-th communication of the step
         return base + k * groups + g
@@ -321,10 +322,10 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
 
     def compute_on(j: int) -> list[Instr]:
         out = []
-        for c in consumers:
+        for c, k in zip(consumers, kernels):
             y = piece(dg.values[c.outputs[0]])
             ins = (chunks[j],) + tuple(piece(dg.values[v]) for v in c.inputs[1:])
-            out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name))
+            out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name, kernel=k))
         return out
 
     n_comms = d - 1 if form == CommForm.RING else d
@@ -398,7 +399,7 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         src = _copy_source(src_v, dst_v, r)
         b = piece(dst_v)
         if src == r:
-            out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name))
+            out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name, kernel=kernel(n, dg, r)))
         else:
             out.append(Comm(base + device_index(dst_v.group, r), CommKind.RECV, n.pass_, (src, r), b.type,
                             wire_bytes(CommKind.RECV, b.type.nbytes, 2), "copy",
@@ -437,9 +438,10 @@ def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
     return out
 
 
-def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
-    """Every collective's member tuple, in first-use order: the process groups every rank creates, in this
-    one order (torch.distributed requires every rank to take part in creating every group)."""
+def process_groups(dg: DynamicGraph) -> list[Group]:
+    """The process group of every collective, in first-use order: the groups every rank creates, in this one
+    order (torch.distributed requires every rank to take part in creating every group). A group whose members
+    are one of the mesh's own axis groups is marked regular (its mesh and axis)."""
     keys: dict[tuple, DNode] = {}  # in first-use order; nodes with one key give the same groups
     for st in steps(dg):
         n = st.nodes[0]
@@ -448,9 +450,10 @@ def process_groups(dg: DynamicGraph) -> list[tuple[int, ...]]:
             # a Replicate's groups depend on its input's view
             replicate = st.kind in (CommKind.BROADCAST, CommKind.REDUCE)
             keys.setdefault((group, n.op.axis, dg.values[n.inputs[0]].group if replicate else None, st.kind), n)
-    seen: dict[tuple[int, ...], None] = {}
+    seen: dict[tuple[int, ...], str] = {}  # members → the mesh axis their collectives run along
     for (group, axis, _, kind), n in keys.items():
         for d in group.devices():
             seen.setdefault(replicate_group(n, dg, d)[0] if kind in (CommKind.BROADCAST, CommKind.REDUCE) else
-                            axis_members(group, axis, d))
-    return list(seen)
+                            axis_members(group, axis, d), axis)
+    whole = SubMesh(dg.pcg.mesh)
+    return [Group(m, whole.mesh, axis) if m == axis_members(whole, axis, m[0]) else Group(m) for m, axis in seen.items()]

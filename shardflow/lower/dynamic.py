@@ -31,6 +31,7 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 from typing import Iterable, Mapping
 
 from shardflow.graph.graph import TensorRole
@@ -202,10 +203,15 @@ class DynamicGraph:
             raise PassError("the graph has no scalar loss output")
         return forward_id(self.pcg.loss)
 
-    def backward_node(self, src: str) -> DNode | None:
-        """The BWD compute node of PCG compute node ``src``; None if it has none (no gradient to pass)."""
-        return next((n for n in self.nodes if n.pass_ == TaskType.BWD and n.kind == NodeKind.COMPUTE
-                     and n.src == src), None)
+    @cached_property
+    def sources(self) -> dict[str, PNode]:
+        """The PCG's nodes by name (what a node's ``src`` names), built once per graph."""
+        return {n.name: n for n in self.pcg.nodes}
+
+    @cached_property
+    def backward_of(self) -> dict[str, DNode]:
+        """PCG compute node name → its BWD compute node, for the nodes that have one; built once per graph."""
+        return {n.src: n for n in self.nodes if n.kind == NodeKind.COMPUTE and n.pass_ == TaskType.BWD}
 
     def state_values(self) -> tuple[str, ...]:
         """Optimizer-state values a step starts from (not the updates' new versions)."""

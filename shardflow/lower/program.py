@@ -8,6 +8,10 @@ A program is a tuple of instructions for one rank, in issue order. Two kinds:
   all communications). Every member of a communication holds a ``Comm`` with the same token, kind family,
   members, shape and dtype; each rank issues its communications in increasing token order.
 
+A program is self-contained: each compute carries its kernel's description (:data:`KernelSpec`: the rule's
+local op, a random op's piece site, the gradient masks, the optimizer's state slots), and the program carries
+the process groups every rank creates (:class:`Group`), so an executor needs nothing else of the plan to run it.
+
 Programs print as listings a person can read (Alpa-style instruction streams) and serialise to JSON.
 """
 
@@ -20,7 +24,9 @@ from typing import Any, Mapping
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.dynamic import TaskType
-
+from shardflow.graph.rng import PieceSite
+from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.rules import LocalOp
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +40,78 @@ class Buffer:
         return f"{self.value}:{self.type.dtype}{list(self.type.shape)}"
 
 
+# --- kernel descriptions: what a compute of a dynamic-graph node runs, with everything it needs ----------------
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """A compute op's forward: ``local`` (the rule's local op) on this rank's pieces. ``draw``: for a random op
+    (dropout), where this rank's piece of the output lies. ``record``: when the op has a backward, which inputs
+    get a gradient (the forward may record its autograd graph for them); empty otherwise."""
+
+    local: LocalOp
+    draw: PieceSite | None
+    record: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Vjp:
+    """A compute op's backward: the vjp of ``local`` (``draw`` as in :class:`Forward`). Reads the op's inputs,
+    then the gradients of its outputs where ``dy_mask[k]``; writes the gradient of input i where
+    ``grad_mask[i]``, multiplied by ``unscale[i]`` (undoing a linearity scale)."""
+
+    local: LocalOp
+    draw: PieceSite | None
+    grad_mask: tuple[bool, ...]
+    unscale: tuple[float, ...]
+    dy_mask: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class OnesLike:
+    """The loss seed: ones of the loss piece's shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sum:
+    """Gradient accumulation: the element-wise sum of the inputs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """An optimizer step on one shard: reads the weight, its gradient, the state ``slots`` (names, in order) and,
+    when ``clip`` > 0, the squared global gradient norm; writes the new weight and state."""
+
+    slots: tuple[str, ...]
+    clip: float
+
+
+@dataclass(frozen=True, slots=True)
+class SumOfSquares:
+    """The sum of the squares of every input piece (a partial squared gradient norm), a scalar."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keep:
+    """The input piece itself: a copy whose piece is already here, Replicate's backward keeping the root's copy,
+    a parallel op along an axis of one device."""
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A Repartition of replicas: this rank keeps block ``index`` of ``degree`` equal blocks along ``dim``."""
+
+    dim: int
+    degree: int
+    index: int
+
+
+KernelSpec = Forward | Vjp | OnesLike | Sum | Update | SumOfSquares | Keep | Block
+
+
 @dataclass(frozen=True, slots=True)
 class Compute:
-    """Run ``op`` on this rank: ``node`` is the PCG node, ``dnode`` the dynamic-graph node whose kernel runs."""
+    """Run ``op`` on this rank: ``node`` is the PCG node, ``dnode`` the dynamic-graph node whose kernel runs,
+    ``kernel`` that kernel's description (None for the data movements of :data:`LOCAL_MOVES`, which ``op`` and
+    ``dim`` describe)."""
 
     pass_: TaskType
     node: str
@@ -45,6 +120,7 @@ class Compute:
     outs: tuple[Buffer, ...]
     dnode: str = ""
     dim: int | None = None
+    kernel: KernelSpec | None = None
 
     def __str__(self) -> str:
         return f"      {self.pass_:<4} {', '.join(map(str, self.outs))} = {self.op}({', '.join(map(str, self.ins))})"
@@ -139,18 +215,33 @@ class Free:
 Instr = Compute | Comm | Wait | Free
 
 
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One process group of a plan: ``members``, the ranks in group order (the ``members`` of its communications).
+
+    ``mesh`` and ``axis`` are set when the group is regular: its members are the devices along mesh axis ``axis``
+    of ``mesh`` through one device, in coordinate order — one of the groups a ``DeviceMesh`` of ``mesh`` makes
+    along that axis (a pipeline stage's axis groups are among them). Both are unset for any other set of ranks
+    (a machine view's, a Replicate whose root joins from outside its axis group).
+    """
+
+    members: tuple[int, ...]
+    mesh: Mesh | None = None
+    axis: str = ""
+
+
 @dataclass(frozen=True)
 class Program:
     """The instructions of one rank, in issue order. ``inputs``: the pieces the rank holds before its first
     instruction (weights, optimizer state, the step's data and constants, placed by the executor) — with
     them the program is self-contained: every value it reads is an input, computed or received earlier.
-    ``groups``: the member tuples of every process group of the plan, in the one order every rank creates
-    them (torch.distributed needs every rank in every ``new_group`` call, member or not)."""
+    ``groups``: every process group of the plan, in the one order every rank creates them (torch.distributed
+    needs every rank in the creation of every group, member or not)."""
 
     rank: int
     instrs: tuple[Instr, ...]
     inputs: tuple[Buffer, ...] = ()
-    groups: tuple[tuple[int, ...], ...] = ()
+    groups: tuple[Group, ...] = ()
 
     @property
     def comms(self) -> tuple[Comm, ...]:
@@ -200,8 +291,9 @@ class Program:
         totals: dict[str, dict[str, int]] = {}
         for (kind, axis), n in self.bytes_by_kind().items():
             totals.setdefault(kind, {})[axis or "-"] = n
+        groups = [{"members": list(g.members), "axis": g.axis} for g in self.groups]
         return {"rank": self.rank, "fingerprint": self.fingerprint(), "bytes": totals,
-                "inputs": [buf(b) for b in self.inputs], "instructions": instrs}
+                "inputs": [buf(b) for b in self.inputs], "groups": groups, "instructions": instrs}
 
 
 def programs_json(programs: Mapping[int, Program]) -> str:

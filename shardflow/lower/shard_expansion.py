@@ -22,7 +22,8 @@ from shardflow.graph.ops import TensorType
 from shardflow.lower.comms import CommKind
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value,
                                      cross_submesh_reads, require)
-from shardflow.lower.program import Buffer, Compute, Instr, Program
+from shardflow.lower.program import (Block, Buffer, Compute, Forward, Instr, Keep, KernelSpec, OnesLike, Program, Sum,
+                                     SumOfSquares, Update, Vjp)
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
 
@@ -191,6 +192,32 @@ def shard_expansion(dg: DynamicGraph, ranks: tuple[int, ...] | None = None) -> S
     return ShardedGraph(dg, ranks, all_steps, instrs, done=dg.done + (PassName.SHARD_EXPANSION,))
 
 
+def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
+    """The kernel rank ``r`` runs for local node ``n`` (a member of its sub-mesh), with everything it needs: the
+    rule's local op and, for a random op, where r's piece lies; the gradient masks of a backward; the state slots
+    of an update; the block r keeps of a Repartition of replicas."""
+    if n.kind == NodeKind.COMPUTE:
+        src = dg.sources[n.src]
+        draw = dg.pcg.piece_site(src, r) if src.op.random else None
+        if n.pass_ == TaskType.FWD:
+            bwd = dg.backward_of.get(n.src)
+            return Forward(src.local, draw, bwd.grad_mask if bwd is not None else ())
+        return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask)
+    if n.kind == NodeKind.SEED:
+        return OnesLike()
+    if n.kind == NodeKind.SUM:
+        return Sum()
+    if n.kind == NodeKind.UPDATE:
+        return Update(tuple(dg.values[v].slot for v in n.inputs[2:len(n.inputs) - (n.clip > 0)]), n.clip)
+    if n.kind == NodeKind.SUMSQ:
+        return SumOfSquares()
+    if n.kind == NodeKind.PARALLEL and n.op.degree > 1:  # a Repartition of replicas: r keeps its block of the dim
+        return Block(n.op.dim, n.op.degree, n.group.coords(r)[n.op.axis])
+    if n.kind in (NodeKind.SELECT, NodeKind.COPY, NodeKind.PARALLEL):  # the piece is already here; an axis of one device
+        return Keep()
+    raise PassError(f"shard expansion: no kernel for {n.name!r} of kind {n.kind!r}")
+
+
 def _compute_op(n: DNode, dg: DynamicGraph) -> str:
     """The op a local node's instruction shows: a compute node's label, else what the node does."""
     if n.kind == NodeKind.COMPUTE:
@@ -209,15 +236,18 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
         if not in_group(first.group, r):
             return []
         op = first.op.describe() if st.kind == LocalKind.SPLIT else "alias"
-        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name)]
+        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name,
+                        kernel=kernel(first, dg, r))]
     if st.kind == NodeKind.SUMSQ:  # the gradient pieces this rank holds, one replica of each counted
         held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
                      and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
-        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name)]
+        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name,
+                        kernel=kernel(first, dg, r))]
     if st.kind in (NodeKind.COMPUTE, NodeKind.SEED, NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT):
         if not in_group(first.group, r) or (st.kind == NodeKind.SELECT and not in_group(vout.group, r)):
             return []
         ins = tuple(piece(dg.values[v]) for v in first.inputs)
         outs = tuple(piece(dg.values[v]) for v in first.outputs)
-        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name)]
+        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name,
+                        kernel=kernel(first, dg, r))]
     raise PassError(f"shard expansion: step {st.kind!r} of {first.name!r} is not a local step")

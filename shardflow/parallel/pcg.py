@@ -15,7 +15,7 @@ from typing import Mapping
 
 from shardflow.graph.graph import ComputationGraph, TensorRole
 from shardflow.graph.ops import Binary, Dropout, Op, TensorType
-from shardflow.graph.rng import DrawSite
+from shardflow.graph.rng import DrawSite, PieceSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
 from shardflow.parallel.rules import LocalOp, align_operands, propagate
@@ -123,11 +123,16 @@ class PCG:
 
     def draw_site(self, node: PNode, device: int, seed: int, step: int) -> DrawSite:
         """Where random compute ``node`` draws on ``device`` (a member of its sub-mesh) at training ``step`` of a
-        run seeded ``seed``: its output's full shape and the start of the block that device's piece covers —
-        the same block on every replica, so replicas draw alike and shards draw what one device draws there."""
+        run seeded ``seed``: :meth:`piece_site` at that seed and step."""
+        return self.piece_site(node, device).at(seed, step)
+
+    def piece_site(self, node: PNode, device: int) -> PieceSite:
+        """Where ``device``'s piece of random compute ``node``'s output lies: the output's full shape and the
+        start of the block the piece covers — the same block on every replica, so replicas draw alike and
+        shards draw what one device draws there."""
         t = self.tensors[node.outputs[0]]
         block = t.pshape.piece_slices(t.sharding.coord_of(t.group, device))
-        return DrawSite(seed, step, node.name, t.type.shape, tuple(s.start for s in block))
+        return PieceSite(node.name, t.type.shape, tuple(s.start for s in block))
 
 
 def _placement_text(p) -> str:

@@ -2,9 +2,10 @@
 GPUs are not supported yet).
 
 Every rank builds the same plan deterministically and lowers only its own program; at start-up the ranks
-compare the fingerprint of the plan (the dynamic graph of the step) and refuse to run on a mismatch. Process groups are created in one order on every
-rank (``Program.groups``). Every communication waits with a timeout; a timeout names the rank, the token,
-the operation and the peer or group it waited on.
+compare the fingerprint of the plan (the dynamic graph of the step) and refuse to run on a mismatch. The kernels
+are built from the program's instructions and its process groups from the program's group list
+(:class:`ProcessGroups`), in one order on every rank. Every communication waits with a timeout; a timeout names
+the rank, the token, the operation and the peer or group it waited on.
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-from typing import Mapping, NoReturn
+from typing import Iterable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardflow.lower import LoweredStep
-from shardflow.lower.shard_expansion import in_group
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.comms import Issued, issue
-from shardflow.lower.program import Comm, Compute, Free, Wait
+from shardflow.lower.program import Comm, Compute, Free, Group, Wait
+from shardflow.parallel.mesh import Mesh
 from shardflow.lower.verify import check_fingerprints
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
@@ -68,6 +70,51 @@ def shutdown(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
+class ProcessGroups:
+    """This rank's process groups, by members, created from programs' :class:`~shardflow.lower.program.Group`
+    lists (:meth:`create`); :meth:`get` gives the group of a communication's members.
+
+    A regular group — one of a mesh's axis groups — comes from a ``DeviceMesh`` of that mesh
+    (``device_mesh.get_group(axis)``): the first regular group met creates the mesh's axis groups, every axis at
+    once, as ``init_device_mesh`` does. Any other group is made by ``dist.new_group`` (with ``timeout``); a group
+    of every rank is the world's. Every rank must call :meth:`create` with the same lists in the same order
+    (torch.distributed needs every rank in every group's creation, member or not): then every rank creates the
+    same groups in the same order. The DeviceMesh is a ``cpu`` one: every buffer is on the CPU. The executor's
+    waits carry their own timeout, which also bounds a wait on a DeviceMesh group.
+    """
+
+    def __init__(self, timeout: datetime.timedelta):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout = timeout
+        self.meshes: dict[Mesh, DeviceMesh] = {}
+        self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # those this rank is a member of
+        self.made: set[tuple[int, ...]] = set()  # members of every group created, member or not
+
+    def create(self, groups: Iterable[Group]) -> None:
+        """Create the groups not created yet, in order."""
+        for g in groups:
+            if g.members in self.made:
+                continue
+            self.made.add(g.members)
+            if g.mesh is not None:
+                if g.mesh not in self.meshes:
+                    self.meshes[g.mesh] = init_device_mesh("cpu", g.mesh.shape, mesh_dim_names=g.mesh.axis_names)
+                pg = self.meshes[g.mesh].get_group(g.axis)  # this rank's group along the axis: g's if a member
+            else:
+                pg = None if len(g.members) == self.world else dist.new_group(list(g.members), timeout=self.timeout)
+            if self.rank in g.members:
+                self.groups[g.members] = pg
+
+    def get(self, members: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The group of ``members`` (None: the world). Raises KeyError if no group of those members with this
+        rank among them was created."""
+        try:
+            return self.groups[members]
+        except KeyError:
+            raise KeyError(f"rank {self.rank} has no process group of members {list(members)}: it is not among the "
+                           f"groups of the programs it was created from") from None
+
+
 class DistributedExecutor(Executor):
     """Runs this rank's program of a lowered step. Same interface as :class:`LocalExecutor`.
 
@@ -93,14 +140,11 @@ class DistributedExecutor(Executor):
             raise ValueError(f"the plan is for mesh {mesh} ({mesh.size} devices) but the world has {self.world} "
                              f"processes; start {mesh.size} processes or change --mesh")
         self._check_fingerprints()
-        self.groups = dict(share.groups) if share else {}
-        for m in self.program.groups:  # same order on every rank
-            if m not in self.groups:
-                self.groups[m] = None if len(m) == self.world else dist.new_group(list(m), timeout=self.timeout)
-        nodes = {n.name: n for n in self.dg.nodes}
+        self.groups = share.groups if share else ProcessGroups(self.timeout)
+        self.groups.create(self.program.groups)  # same order on every rank
         self.saved: dict = {}  # forward autograd graphs, consumed by the backward
         once = single_calls(self.program)
-        self.kernels = {i.dnode: make_kernel(nodes[i.dnode], self.dg, self.rank, optimizer, lambda: self.steps_done + 1,
+        self.kernels = {i.dnode: make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                              self.saved if i.dnode in once else None, seed)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
@@ -122,7 +166,7 @@ class DistributedExecutor(Executor):
     def _put(self, vid: str, full: torch.Tensor) -> None:
         """This rank's piece of the full value (values put here are never partial)."""
         v = self.dg.values[vid]
-        if in_group(v.group, self.rank):
+        if v.group.index(self.rank) is not None:
             p = v.sharding.parallel_shape(v.group, v.type.shape)
             self.buffers[vid] = full[p.piece_slices(v.sharding.coord_of(v.group, self.rank))].clone()
 
@@ -237,8 +281,8 @@ class DistributedExecutor(Executor):
         if self.debug:
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
-        issued = issue(c, send, self.rank, self.groups.get(c.members), in_place=c.send is not None
-                       and c.send.value in self.scratch)
+        group = None if c.family in ("p2p", "permute") else self.groups.get(c.members)  # point-to-point: none
+        issued = issue(c, send, self.rank, group, in_place=c.send is not None and c.send.value in self.scratch)
         if not c.wait:
             self.pending[c.token] = (issued, c)
             return None

@@ -1,4 +1,5 @@
-"""The kernel each compute instruction of a per-rank program runs — shared by every executor.
+"""The kernel each compute instruction of a per-rank program runs — shared by every executor, built from the
+instruction's kernel description alone (:data:`~shardflow.lower.program.KernelSpec`).
 
 Forward runs the sharding rule's :class:`~shardflow.parallel.rules.LocalOp`; backward is its vjp
 (``torch.func.vjp``, nothing written by hand), with the linearity scale undone where the gradient sharding
@@ -13,9 +14,11 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS, DNode, DynamicGraph, NodeKind, Optimizer, TaskType, UpdateRule
-from shardflow.lower.program import LOCAL_MOVES, Compute
-from shardflow.parallel.pcg import PCG, PNode
+from shardflow.graph.rng import PieceSite
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer, UpdateRule
+from shardflow.lower.program import (LOCAL_MOVES, Block, Compute, Forward, Keep, OnesLike, Sum, SumOfSquares, Update,
+                                     Vjp)
+from shardflow.parallel.rules import LocalOp
 
 Kernel = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
@@ -61,58 +64,56 @@ def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *s
     return [w.addcdiv_(m, denom, value=-cfg.lr / (1 - b1 ** step)), m, v]
 
 
-def make_kernel(dn: DNode, dg: DynamicGraph, rank: int, cfg: OptimizerConfig, step: Callable[[], int],
-                saved: dict | None = None, seed: int = 0) -> Kernel:
-    """The kernel of dynamic-graph node ``dn`` on ``rank``. ``step()`` gives the current step, counted from 1
-    (for AdamW and for random ops); ``seed`` is the run's seed random ops draw with (see :func:`forward`).
+def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], saved: dict | None = None,
+                seed: int = 0) -> Kernel:
+    """The kernel of compute ``instr``, built from its description (``instr.kernel``) alone. ``step()`` gives
+    the current step, counted from 1 (for AdamW and for random ops); ``seed`` is the run's seed random ops draw
+    with (see :func:`forward`).
 
-    ``saved``: this rank's store of forward autograd graphs. When given, a forward whose node has a backward
-    records its graph there and the backward reuses it (no second forward); without it, or when the forward
-    ran in chunks (a fused ring), the backward recomputes the forward under ``torch.func.vjp``.
+    ``saved``: this rank's store of forward autograd graphs, by PCG node. When given, a forward whose node has a
+    backward records its graph there and the backward reuses it (no second forward); without it, or when the
+    forward ran in chunks (a fused ring), the backward recomputes the forward under ``torch.func.vjp``.
+    Raises ValueError for a compute without a kernel description, or an update lowered for other optimizer state
+    than ``cfg`` keeps.
     """
-    if dn.kind == NodeKind.COMPUTE:
-        pnode = next(p for p in dg.pcg.nodes if p.name == dn.src)
-        fwd = forward(dg.pcg, pnode, rank, seed, step)
-        if dn.pass_ == TaskType.FWD:
-            bwd = dg.backward_node(dn.src)
-            if saved is None or bwd is None:
-                return lambda xs: list(fwd(*xs))
-            return _recording_forward(fwd, bwd.grad_mask, dn.src, saved)
-        return _vjp_kernel(fwd, len(pnode.inputs), dn, saved)
-    if dn.kind == NodeKind.SEED:
+    spec = instr.kernel
+    if isinstance(spec, Forward):
+        fwd = forward(spec.local, spec.draw, seed, step)
+        if saved is None or not spec.record:
+            return lambda xs: list(fwd(*xs))
+        return _recording_forward(fwd, spec.record, instr.node, saved)
+    if isinstance(spec, Vjp):
+        return _vjp_kernel(forward(spec.local, spec.draw, seed, step), spec, instr.node, saved)
+    if isinstance(spec, OnesLike):
         return lambda xs: [torch.ones_like(xs[0])]
-    if dn.kind == NodeKind.SUM:
+    if isinstance(spec, Sum):
         return lambda xs: [sum(xs[1:], xs[0])]
-    if dn.kind == NodeKind.UPDATE:
-        slots = dn.inputs[2:len(dn.inputs) - (dn.clip > 0)]
-        if OPTIMIZER_SLOTS[cfg.slots] != tuple(dg.values[v].slot for v in slots):
-            raise ValueError(f"the plan was lowered for optimizer state {slots}, not for {cfg}")
-        if dn.clip:  # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
+    if isinstance(spec, Update):
+        if OPTIMIZER_SLOTS[cfg.slots] != spec.slots:
+            raise ValueError(f"the plan was lowered for optimizer state {list(spec.slots)}, not for {cfg}")
+        if spec.clip:  # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
             def clipped(xs):
-                scale = (dn.clip / (xs[-1].sqrt() + 1e-6)).clamp(max=1.0)
+                scale = (spec.clip / (xs[-1].sqrt() + 1e-6)).clamp(max=1.0)
                 return update(cfg, step(), xs[0], xs[1] * scale, *xs[2:-1])
             return clipped
         return lambda xs: update(cfg, step(), *xs)
-    if dn.kind == NodeKind.SUMSQ:
-        dtype = torch_dtype(dg.values[dn.outputs[0]].type.dtype)
+    if isinstance(spec, SumOfSquares):
+        dtype = torch_dtype(instr.outs[0].type.dtype)
         return lambda xs: [sum((x.pow(2).sum() for x in xs), torch.zeros((), dtype=dtype))]
-    # degree 1: nothing moves
-    if dn.kind in (NodeKind.SELECT, NodeKind.COPY) or (dn.kind == NodeKind.PARALLEL and dn.op.degree == 1):
+    if isinstance(spec, Keep):
         return lambda xs: [xs[0]]
-    if dn.kind == NodeKind.PARALLEL:  # a Repartition of replicas: keep this rank's block of the dim
-        index = dn.group.coords(rank)[dn.op.axis]
-        return lambda xs: [xs[0].chunk(dn.op.degree, dn.op.dim)[index].contiguous()]
-    raise ValueError(f"no kernel for dynamic-graph node {dn.name!r} of kind {dn.kind!r}")
+    if isinstance(spec, Block):
+        return lambda xs: [xs[0].chunk(spec.degree, spec.dim)[spec.index].contiguous()]
+    raise ValueError(f"compute {instr.op!r} of {instr.dnode!r} carries no kernel description")
 
 
-def forward(pcg: PCG, pnode: PNode, rank: int, seed: int, step: Callable[[], int]) -> Callable[..., tuple]:
-    """The local forward of compute node ``pnode`` on ``rank``: pieces in, pieces out. A random op (dropout)
-    draws at its piece's site for the current ``step()`` (:meth:`PCG.draw_site`): the same numbers as one
-    device, on every replica, and again when the backward recomputes the forward."""
-    local = pnode.local
-    if not local.op.random:
+def forward(local: LocalOp, draw: PieceSite | None, seed: int, step: Callable[[], int]) -> Callable[..., tuple]:
+    """The local forward ``local`` of a compute op: pieces in, pieces out. A random op (dropout) draws at its
+    piece's site ``draw`` for the current ``step()`` (:meth:`PieceSite.at`): the same numbers as one device, on
+    every replica, and again when the backward recomputes the forward."""
+    if draw is None:
         return local.compute
-    return lambda *xs: local.compute(*xs, at=pcg.draw_site(pnode, rank, seed, step()))
+    return lambda *xs: local.compute(*xs, at=draw.at(seed, step()))
 
 
 def single_calls(program) -> set[str]:
@@ -151,15 +152,16 @@ def _recording_forward(fwd: Callable, grad_mask: Sequence[bool], key: str, saved
     return kernel
 
 
-def _vjp_kernel(fwd: Callable, n_in: int, dn: DNode, saved: dict | None = None) -> Kernel:
-    diff = [i for i, m in enumerate(dn.grad_mask) if m]
+def _vjp_kernel(fwd: Callable, spec: Vjp, key: str, saved: dict | None = None) -> Kernel:
+    n_in = len(spec.grad_mask)
+    diff = [i for i, m in enumerate(spec.grad_mask) if m]
 
     def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         args, dys = list(xs[:n_in]), iter(xs[n_in:])
-        recorded = saved.pop(dn.src, None) if saved is not None else None
+        recorded = saved.pop(key, None) if saved is not None else None
         if recorded is not None:  # reuse the forward's autograd graph
             inputs, outs = recorded
-            pairs = [(o, next(dys)) for o, m in zip(outs, dn.dy_mask) if m]
+            pairs = [(o, next(dys)) for o, m in zip(outs, spec.dy_mask) if m]
             grads = torch.autograd.grad([o for o, _ in pairs], inputs, [d for _, d in pairs], allow_unused=True)
             grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
         else:
@@ -170,8 +172,8 @@ def _vjp_kernel(fwd: Callable, n_in: int, dn: DNode, saved: dict | None = None) 
                 return fwd(*a)
 
             outs, vjp = torch.func.vjp(f, *(args[i] for i in diff))
-            cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, dn.dy_mask))
+            cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, spec.dy_mask))
             grads = vjp(cot)
-        return [g * dn.unscale[i] if dn.unscale[i] != 1.0 else g for i, g in zip(diff, grads)]
+        return [g * spec.unscale[i] if spec.unscale[i] != 1.0 else g for i, g in zip(diff, grads)]
 
     return kernel

@@ -36,15 +36,13 @@ class LocalExecutor(Executor):
         self.lowered, self.cfg = step, optimizer
         self.dg = step.dg
         self.steps_done = 0
-        nodes = {n.name: n for n in self.dg.nodes}
         self.saved: dict[int, dict] = {r: {} for r in step.programs}  # forward autograd graphs per rank
         self.kernels = {}
         for r, p in step.programs.items():
             once = single_calls(p)
             for i in p.instrs:
                 if isinstance(i, Compute) and i.dnode:
-                    self.kernels[(r, i.dnode)] = make_kernel(nodes[i.dnode], self.dg, r, optimizer,
-                                                             lambda: self.steps_done + 1,
+                    self.kernels[(r, i.dnode)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                                              self.saved[r] if i.dnode in once else None, seed)
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.ledgers = {r: Ledger() for r in step.programs}
