@@ -23,7 +23,8 @@ from shardflow.graph.ops import Binary, Dropout, Op, TensorType
 from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
-from shardflow.parallel.rules import LocalOp, RuleError, RuleResult, align_operands, propagate, rule_for, rule_replicated
+from shardflow.parallel.rules import (LocalOp, RuleError, RuleResult, align_operands, propagate, rule_for,
+                                     rule_replicated)
 from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardingError
 from shardflow.parallel.sharding import Sharding
 
