@@ -374,5 +374,22 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
                                "dims have the same placement.\n")
 
 
+def test_train_strict_reaches_the_planner(corpus, monkeypatch):
+    """``shardflow train --strict`` plans strictly. The presets get no refusal on the GPT, so the column-only plan
+    stands in for the preset: 3 redistributions without --strict, c_proj's refusal with it."""
+    from shardflow.cli import build_parser
+    from shardflow.train import recipe
+    from shardflow.train.config import TrainConfig
+
+    monkeypatch.setattr(recipe, "make_plan", lambda graph, mesh, strategy: COLUMN_ONLY)
+    argv = ["train", "--mesh", "tp=2", "--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16",
+            "--batch-size", "8", "--data", str(corpus)]
+    cfg = TrainConfig.from_args(build_parser().parse_args(argv))
+    assert not cfg.strict and len(recipe.setup(cfg, 1).pcg.redistributions) == 3
+    cfg = TrainConfig.from_args(build_parser().parse_args([*argv, "--strict"]))
+    with pytest.raises(RuleError, match="node 'linear_5' .* in module 'transformer.h.0.mlp.c_proj'"):
+        recipe.setup(cfg, 1)
+
+
 if __name__ == "__main__":  # test_bytes_match_or_beat_dtensor runs this file to ask DTensor
     print(json.dumps(dtensor_redistributions()))
