@@ -31,7 +31,7 @@ from shardflow.lower.report import bytes_table, pcg_dot
 from shardflow.lower.verify import PlanVerificationError
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.parallel.pcg import PCG, build_pcg, placements_text
 from shardflow.parallel.shape import ShardingError
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
 from shardflow.strategy.presets import default_mesh
@@ -82,17 +82,32 @@ def load_plan(path: str) -> Plan:
         raise PlanError(f"cannot read plan file {p} ({type(e).__name__}: {e}); {fix}") from None
 
 
-def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str, plan_file: str | None) -> tuple[Plan, PCG]:
+def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str, plan_file: str | None,
+             strict: bool = False) -> tuple[Plan, PCG]:
+    """The plan (``plan_file``, else the preset ``strategy``) and its PCG; ``strict``: a rule's refusal is an error
+    instead of a redistribution."""
     plan = load_plan(plan_file) if plan_file else make_plan(graph, mesh, strategy)
-    return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh))
+    return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh), strict=strict)
 
 
 def summary(pcg: PCG) -> str:
-    """One line: devices, tensors, and the parallel ops by kind."""
+    """One line: devices, tensors, the parallel ops by kind, and the redistributions inserted where rules refused."""
     kinds = Counter(n.op.kind for n in pcg.parallel_nodes)
     ops = ", ".join(f"{k} ×{v}" for k, v in sorted(kinds.items())) or "none"
+    n = len(pcg.redistributions)
+    redistributed = (f"; {n} redistribution{'s' * (n != 1)} where a rule refused "
+                     f"({sum(r.nbytes for r in pcg.redistributions):,} bytes per device)" if n else "")
     return (f"mesh {pcg.mesh} ({pcg.mesh.size} devices); {len(pcg.nodes) - len(pcg.parallel_nodes)} compute ops; "
-            f"parallel ops: {ops}")
+            f"parallel ops: {ops}{redistributed}")
+
+
+def redistributions_json(pcg: PCG) -> list[dict]:
+    """The PCG's redistributions: node, op, module, input, tensor, placements from and to, parallel ops, bytes per
+    device (forward), reason."""
+    return [{"node": r.node, "op": r.op.describe(), "module": r.scope, "input": r.index, "tensor": r.tensor,
+             "from": placements_text(r.src, r.group), "to": placements_text(r.dst, r.group),
+             "ops": [op.describe() for op in r.ops], "bytes": r.nbytes, "reason": r.reason}
+            for r in pcg.redistributions]
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -101,7 +116,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.graph:
         print(graph.listing())
         return 0
-    plan, pcg = plan_pcg(graph, mesh, args.strategy, args.plan)
+    plan, pcg = plan_pcg(graph, mesh, args.strategy, args.plan, args.strict)
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
         _, records = run_passes(pcg, LowerContext(args.optimizer), dump=dump)
@@ -121,7 +136,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.format == "json":
         doc = json.loads(programs_json(programs))
         doc.update(strategy=plan.name, mesh=str(mesh), summary=summary(pcg), verified=True,
-                   collectives=lowering_summary(step.programs))
+                   collectives=lowering_summary(step.programs), redistributions=redistributions_json(pcg))
         print(json.dumps(doc, indent=1))
         return 0
     if args.format == "dot":
@@ -139,6 +154,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"# strategy {plan.name}: {summary(pcg)}")
     print(pcg.listing())
     print()
+    if pcg.redistributions:
+        print(pcg.redistribution_listing())
+        print()
     for r in ranks:
         print(programs[r].listing())
         print()
@@ -178,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2, help="devices when --mesh is not given (default 2)")
     p.add_argument("--plan", help="a user plan (JSON or TOML: per-module placements) instead of --strategy")
     p.add_argument("--graph", action="store_true", help="print the captured computation graph instead")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse the strategy where a sharding rule refuses its inputs (the error names the parallel "
+                        "op to insert) instead of inserting the cheapest redistribution")
     p.add_argument("--format", choices=("text", "json", "dot"), default="text",
                    help="text: PCG + per-rank programs + bytes + proof; json: the same, machine-readable; "
                         "dot: the PCG as Graphviz (SVG too when Graphviz is installed)")

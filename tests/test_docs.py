@@ -40,8 +40,9 @@ from shardflow.lower.cost import DEFAULT_ALPHA_S, DEFAULT_BANDWIDTH, CostModel
 from shardflow.lower.program import Comm, Program
 from shardflow.lower.report import bytes_table
 from shardflow.lower.verify import PlanVerificationError, verify
-from shardflow.parallel.mesh import Mesh, Shard
-from shardflow.parallel.pcg import build_pcg
+from shardflow.parallel.mesh import Mesh, Shard, SubMesh
+from shardflow.parallel.pcg import build_pcg, placements_text
+from shardflow.parallel.sharding import Sharding
 from shardflow.strategy import ModulePlan, Plan, resolve
 from test_lower import dp_tp_mlp_pcg
 
@@ -162,23 +163,55 @@ def plan_json_example() -> list[str]:
             f'            "bytes": {j(r0["bytes"])}, "instructions": [...]}}]}}']
 
 
-def own_model_errors() -> list[str]:
-    """docs/own-model.md §3: the errors of two plans that do not fit the classifier of examples/own_model.py."""
+def _own_model_misfits():
+    """The classifier of examples/own_model.py and two plans that do not fit it, with their meshes: ``down``'s weight
+    sharded on its 10 output features over tp=4; ``up`` row-parallel with no reduction before the GELU."""
     import torch
 
     from shardflow.capture import capture
 
     classifier = runpy.run_path(str(ROOT / "examples" / "own_model.py"))["Classifier"]
     graph = capture(classifier(), {"x": torch.zeros(64, 32), "y": torch.zeros(64, dtype=torch.long)})
+    down = ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}})
+    up = ModulePlan(params={"weight": {"tp": Shard(1)}}, input={"tp": Shard(1)})
+    return graph, ((Mesh.parse("tp=4"), Plan(modules={"down": down})), (Mesh.parse("tp=2"), Plan(modules={"up": up})))
+
+
+def own_model_errors() -> list[str]:
+    """docs/own-model.md §3: the first plan's error; the second plan's refusal under ``strict=True``."""
+    graph, plans = _own_model_misfits()
     out = []
-    for mesh_text, plan in (
-            ("tp=4", Plan(modules={"down": ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}})})),
-            ("tp=2", Plan(modules={"up": ModulePlan(params={"weight": {"tp": Shard(1)}}, input={"tp": Shard(1)})}))):
-        mesh = Mesh.parse(mesh_text)
+    for mesh, plan in plans:
         with pytest.raises(ValueError) as e:
-            build_pcg(graph, mesh, resolve(plan, graph, mesh))
+            build_pcg(graph, mesh, resolve(plan, graph, mesh), strict=True)
         out.append(f"{type(e.value).__name__}: {e.value}")
     return out
+
+
+def own_model_redistribution() -> list[str]:
+    """docs/own-model.md §3: the second plan without ``strict``: the redistribution it gets."""
+    graph, (_, (mesh, plan)) = _own_model_misfits()
+    return build_pcg(graph, mesh, resolve(plan, graph, mesh)).redistribution_listing().splitlines()
+
+
+def dtensor_cases() -> list[str]:
+    """docs/concepts.md §4: the DTensor cases of tests/test_redistribution.py, what shardflow and DTensor move."""
+    from test_redistribution import DTENSOR_CASES, TP2, dtensor_bytes
+
+    group = SubMesh(TP2)
+
+    def moves(case, rows):
+        return "; ".join(f"`{case.inputs[i][0]}` {a} → {b}" for i, a, b, *_ in rows) or "nothing"
+
+    rows = ["| case | inputs on tp=2 (float64) | shardflow moves | bytes | result | DTensor moves | bytes |",
+            "|---|---|---|---:|---|---|---:|"]
+    for c in DTENSOR_CASES:
+        inputs = ", ".join(f"`{name}` {list(shape)} "
+                           f"{placements_text(Sharding.from_placements((pl,), group, len(shape)), group)}"
+                           for name, shape, pl, _ in c.inputs)
+        rows.append(f"| `{c.name}` | {inputs} | {moves(c, c.ours)} | {sum(r[4] for r in c.ours)} | {c.out} | "
+                    f"{moves(c, c.dtensor)} | {dtensor_bytes(c)} |")
+    return rows
 
 
 def cost_defaults() -> list[str]:
@@ -206,8 +239,8 @@ def auto_forms() -> list[str]:
 
 
 GENERATORS = {f.__name__: f for f in (collectives_per_strategy, bytes_dp_tp_mlp, tokens_dp_tp_mlp, verify_reordered,
-                                      verify_dropped, verify_rows, plan_json_example, own_model_errors, cost_defaults,
-                                      auto_forms)}
+                                      verify_dropped, verify_rows, plan_json_example, own_model_errors,
+                                      own_model_redistribution, dtensor_cases, cost_defaults, auto_forms)}
 
 
 @dataclass(frozen=True)
@@ -309,6 +342,8 @@ COMMANDS = {
     ".venv/bin/shardflow plan --graph": Run(),
     # docs/concepts.md
     "shardflow plan --strategy tp --nproc 2 --heads 3 --embd 48": Run(),  # exit status 2: its output is the error
+    "shardflow plan --plan column_plan.toml --mesh tp=2 --layers 1": Run(),
+    "shardflow plan --plan column_plan.toml --mesh tp=2 --layers 1 --strict": Run(),  # exit status 2
     # docs/execution.md
     "shardflow export --checkpoint runs/latest --out model.safetensors": Run(),
     'shardflow generate --checkpoint runs/latest --prompt "The " --tokens 200 --temperature 0.8 --seed 0': Run(),
@@ -339,6 +374,12 @@ bias = {tp = "Shard(0)"}
 [modules."transformer.h.*.mlp.c_proj"]
 params = {weight = {tp = "Shard(1)"}}
 output = {tp = "Replicate()"}
+"""
+# docs/concepts.md §4's column_plan.toml: c_fc column-parallel, c_proj left out (rules refuse; planning goes on)
+COLUMN_PLAN = """\
+[modules."transformer.h.*.mlp.c_fc".params]
+weight = {tp = "Shard(0)"}
+bias = {tp = "Shard(0)"}
 """
 
 
@@ -445,11 +486,18 @@ def _generated(shown: Shown) -> bool:
 
 
 def _prepare(work: Path) -> Path:
-    """A directory to run documented commands in: ``my.txt`` (a small text) and ``my_plan.toml``."""
+    """A directory to run documented commands in: ``my.txt`` (a small text), ``my_plan.toml`` and
+    ``column_plan.toml``."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "my.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     (work / "my_plan.toml").write_text(MY_PLAN)
+    (work / "column_plan.toml").write_text(COLUMN_PLAN)
     return work
+
+
+def test_column_plan_is_the_documented_one():
+    """The column_plan.toml the commands read is the one docs/concepts.md shows."""
+    assert f"```toml\n{COLUMN_PLAN}```" in (ROOT / "docs" / "concepts.md").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -213,6 +213,10 @@ UNARY_FNS = {
     "neg": torch.neg,
 }
 LINEAR_UNARY = frozenset({"neg"})
+# Monotone functions commute with max and min: f(max(a, b)) = max(f(a), f(b)) for a non-decreasing f, and
+# = min(f(a), f(b)) for a non-increasing one (DTensor's _NON_DECREASING_RULES and _NEG_RULES).
+NON_DECREASING_UNARY = frozenset({"relu", "tanh"})
+NON_INCREASING_UNARY = frozenset({"neg"})
 
 
 @dataclass(frozen=True, slots=True)

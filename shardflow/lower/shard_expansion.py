@@ -16,16 +16,17 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.comms import CommKind
+from shardflow.lower.comms import CommKind, wire_bytes
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value,
                                      cross_submesh_reads, require)
 from shardflow.lower.program import (Block, Buffer, Compute, Forward, Instr, Keep, KernelSpec, OnesLike, Program, Sum,
                                      SumOfSquares, Update, Vjp)
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Combine, Reduction, Repartition, Replicate
+from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition, Replicate
+from shardflow.parallel.sharding import Sharding
 
 if TYPE_CHECKING:  # comm lowering fills it; importing it here would be circular
     from shardflow.lower.comm_lowering import Decisions
@@ -103,6 +104,14 @@ class Step:
         return self.kind in LOCAL_STEPS
 
 
+def fuses(first: ParallelOp, second: ParallelOp) -> bool:
+    """Whether ``second`` right after ``first`` (reading only its output) lowers as one communication: a Reduction
+    or a Combine followed by a Repartition on the same axis — a reduce-scatter, an all-to-all (a Combine and a
+    Repartition of the same dim are not fused)."""
+    return (isinstance(first, (Reduction, Combine)) and isinstance(second, Repartition) and first.axis == second.axis
+            and not (isinstance(first, Combine) and first.dim == second.dim))
+
+
 def steps(dg: DynamicGraph) -> list[Step]:
     """Group the nodes into lowering steps, fusing Reduction→Repartition and Combine→Repartition pairs on
     one axis when nothing else reads the intermediate value."""
@@ -119,11 +128,10 @@ def steps(dg: DynamicGraph) -> list[Step]:
             out.append(Step((n,), LocalKind.ALIAS))
             i += 1
             continue
-        if n.kind == NodeKind.PARALLEL and isinstance(n.op, (Reduction, Combine)) and i + 1 < len(nodes):
+        if n.kind == NodeKind.PARALLEL and i + 1 < len(nodes):
             m = nodes[i + 1]
-            if (isinstance(m.op, Repartition) and m.kind == NodeKind.PARALLEL and m.inputs == n.outputs
-                    and m.op.axis == n.op.axis and readers.get(n.outputs[0], 0) == 1
-                    and not (isinstance(n.op, Combine) and m.op.dim == n.op.dim)):
+            if (m.kind == NodeKind.PARALLEL and fuses(n.op, m.op) and m.inputs == n.outputs
+                    and readers.get(n.outputs[0], 0) == 1):
                 out.append(Step((n, m), LOWERING[(n.op.kind, m.op.kind)]))
                 i += 2
                 continue
@@ -134,6 +142,27 @@ def steps(dg: DynamicGraph) -> list[Step]:
             out.append(Step((n,), n.kind))
         i += 1
     return out
+
+
+def redistribution_cost(ops: Sequence[ParallelOp], src: Sharding, group: SubMesh, type_: TensorType) -> tuple[int, int]:
+    """(bytes one device sends, communications) of running ``ops`` forward on a tensor of ``type_`` held as ``src``
+    on ``group`` — the parallel ops of :func:`~shardflow.parallel.ops.redistribute` (never a Replicate), grouped
+    into steps as :func:`steps` groups them (consecutive ops that :func:`fuses` are one step), each
+    communication step costing :func:`~shardflow.lower.comms.wire_bytes` of the piece entering it. The planner
+    prices redistributions with this, so planning and lowering count bytes by one definition."""
+    nbytes = comms = 0
+    i = 0
+    while i < len(ops):
+        step = tuple(ops[i:i + 2]) if i + 1 < len(ops) and fuses(ops[i], ops[i + 1]) else (ops[i],)
+        kind = LocalKind.ALIAS if step[0].degree == 1 else LOWERING[tuple(op.kind for op in step)]
+        if kind not in LOCAL_STEPS:
+            piece_bytes = TensorType(src.parallel_shape(group, type_.shape).piece_shape, type_.dtype).nbytes
+            nbytes += wire_bytes(kind, piece_bytes, step[0].degree)
+            comms += 1
+        for op in step:
+            src, group = op.apply(src, group)
+        i += len(step)
+    return nbytes, comms
 
 
 @dataclass(frozen=True)

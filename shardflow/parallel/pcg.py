@@ -4,22 +4,28 @@
 tensor a :class:`Sharding` (hence a :class:`ParallelTensorShape` and DTensor placements) and a sub-mesh, and
 makes every change of sharding an explicit parallel-operator node (Repartition, Combine, Replicate,
 Reduction). What to shard is decided by a strategy and handed over as :class:`Annotations`; the rules of
-:mod:`shardflow.parallel.rules` decide everything else, and reject what does not hold.
+:mod:`shardflow.parallel.rules` decide everything else. Where a rule refuses its inputs, planning does not stop
+(design §4): the inputs are redistributed to the cheapest placements the rule accepts (bytes each device sends,
+as lowering will send them), at worst Replicate, and each such :class:`Redistribution` is listed on the PCG.
+``strict=True`` keeps the refusal instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
-from shardflow.graph.graph import ComputationGraph, TensorRole
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.graph.ops import Binary, Dropout, Op, TensorType
 from shardflow.graph.rng import DrawSite, PieceSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
-from shardflow.parallel.rules import LocalOp, align_operands, propagate
-from shardflow.parallel.shape import ParallelTensorShape, ShardingError
+from shardflow.parallel.rules import (LocalOp, RuleError, RuleResult, align_operands, propagate, rule_for,
+                                     rule_replicated)
+from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardingError
 from shardflow.parallel.sharding import Sharding
 
 Layout = Mapping[str, Placement]  # mesh axis → placement, for the axes a strategy constrains
@@ -86,12 +92,44 @@ class Annotations:
     why: Mapping[object, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Redistribution:
+    """Parallel ops planning inserted because a rule refused its inputs: input ``index`` of node ``node`` (op
+    ``op`` in module ``scope``), PCG tensor ``tensor``, moved from ``src`` to ``dst`` on ``group`` by ``ops``.
+
+    ``nbytes``: bytes each device sends for it in the forward pass (as lowering sends them: an all-gather
+    (d−1)·piece, an all-reduce 2(d−1)/d·piece, a reduce-scatter or all-to-all (d−1)/d·piece, a split 0);
+    ``reason``: the first line of the rule's refusal.
+    """
+
+    node: str
+    op: Op
+    scope: str
+    index: int
+    tensor: str
+    src: Sharding
+    dst: Sharding
+    group: SubMesh
+    ops: tuple[ParallelOp, ...]
+    nbytes: int
+    reason: str
+
+    def describe(self) -> str:
+        """Two lines: node, module, input, placements from → to, the parallel ops and their bytes; the reason."""
+        where = f"node {self.node!r} ({self.op.describe()}" + (f" in module {self.scope!r})" if self.scope else ")")
+        ops = ", ".join(op.describe() for op in self.ops)
+        return (f"{where}, input {self.index} {self.tensor!r}: {placements_text(self.src, self.group)} → "
+                f"{placements_text(self.dst, self.group)} by {ops}, {self.nbytes:,} bytes per device\n"
+                f"    reason: {self.reason}")
+
+
 @dataclass(frozen=True)
 class PCG:
     """Parallel computation graph: PCG tensors and nodes (compute and parallel) in topological order.
 
     ``source`` maps each tensor of the original graph to the PCG tensor its consumers read after the
-    strategy's output layouts (``after``) were applied.
+    strategy's output layouts (``after``) were applied. ``redistributions``: the parallel ops inserted where a
+    rule refused its inputs, in node order.
     """
 
     mesh: Mesh
@@ -100,6 +138,7 @@ class PCG:
     nodes: tuple[PNode, ...]
     outputs: tuple[str, ...]
     loss: str | None
+    redistributions: tuple[Redistribution, ...] = ()
 
     @property
     def parallel_nodes(self) -> tuple[PNode, ...]:
@@ -120,6 +159,16 @@ class PCG:
             lines.append(f"{'*' if n.is_parallel else ' '} {outs} = {op}({', '.join(n.inputs)}){where}{note}")
         lines.append(f"outputs: {', '.join(_tensor_text(self.tensors[o]) for o in self.outputs)}")
         return "\n".join(lines)
+
+    def redistribution_listing(self) -> str:
+        """The inserted redistributions (:class:`Redistribution`), two lines each, under a heading with their total
+        bytes; an empty string when there are none."""
+        if not self.redistributions:
+            return ""
+        n, total = len(self.redistributions), sum(r.nbytes for r in self.redistributions)
+        head = (f"# {n} redistribution{'s' * (n != 1)} inserted where a rule refused its inputs ({total:,} bytes "
+                f"per device, forward)")
+        return "\n".join([head, *(r.describe() for r in self.redistributions)])
 
     def draw_site(self, node: PNode, device: int, seed: int, step: int) -> DrawSite:
         """Where random compute ``node`` draws on ``device`` (a member of its sub-mesh) at training ``step`` of a
@@ -144,12 +193,20 @@ def _placement_text(p) -> str:
     return "R"
 
 
-def _tensor_text(t: PTensor) -> str:
+def placements_text(sharding: Sharding, group: SubMesh) -> str:
+    """``(S(0),R)``: the DTensor placements of ``sharding`` on ``group``, or the sharding itself where placements
+    cannot say it (two axes sharding a dim out of mesh order)."""
     try:
-        pl = ",".join(_placement_text(p) for p in t.placements)
+        return "(" + ",".join(_placement_text(p) for p in sharding.placements(group)) + ")"
     except ShardingError:
-        pl = str(t.sharding)
-    return f"{t.name}: {t.type.dtype}{t.pshape} ({pl})"
+        return f"({sharding})"
+
+
+def _tensor_text(t: PTensor) -> str:
+    return f"{t.name}: {t.type.dtype}{t.pshape} {placements_text(t.sharding, t.group)}"
+
+
+MAX_TRIES = 256  # rule evaluations per refused node before its inputs are simply replicated
 
 
 class _Builder:
@@ -159,6 +216,7 @@ class _Builder:
         self.graph, self.mesh, self.ann = graph, mesh, ann
         self.tensors: dict[str, PTensor] = {}
         self.nodes: list[PNode] = []
+        self.redistributions: list[Redistribution] = []
         self.current: dict[str, str] = {}  # graph tensor → PCG tensor its consumers read
         self.cache: dict[tuple[str, Sharding, SubMesh], str] = {}
         self.names: set[str] = set(graph.tensors) | {n.name for n in graph.nodes}
@@ -198,6 +256,85 @@ class _Builder:
             self.cache[key] = self.add_parallel(src, redistribute(t.sharding, want, t.group), why)
         return self.cache[key]
 
+    # --- where a rule refuses: the cheapest input shardings it accepts --------------------------------------
+    def cost(self, src: str, want: Sharding) -> tuple[int, int]:
+        """(bytes each device sends, communications) to give tensor ``src`` sharding ``want``; nothing where it has
+        it already or the same redistribution was inserted before."""
+        t = self.tensors[src]
+        if t.sharding == want or (src, want, t.group) in self.cache:
+            return 0, 0
+        from shardflow.lower.shard_expansion import redistribution_cost  # shardflow.lower imports this module
+        return redistribution_cost(redistribute(t.sharding, want, t.group), t.sharding, t.group, t.type)
+
+    def candidates(self, src: str, replicated: bool) -> list[tuple[int, int, Sharding]]:
+        """(bytes, communications, sharding) for each sharding tensor ``src`` could be given: its own, and each one
+        that re-places some of its free axes (each as Replicate() or Shard(d)) — only Replicate where
+        ``replicated``. Cheapest first; ties in enumeration order (an axis kept before an axis moved)."""
+        t = self.tensors[src]
+        axes = t.group.free_axes
+        options = (Replicate(),) if replicated else (None, Replicate(), *(Shard(d) for d in range(t.type.ndim)))
+        costs: dict[Sharding, tuple[int, int]] = {}
+        for choice in itertools.product(options, repeat=len(axes)):
+            try:
+                s = t.sharding.with_layout({a: p for a, p in zip(axes, choice) if p is not None}, t.group)
+                s.check(t.group, t.type.shape)
+            except ShardingError:  # a degree that does not divide its dim
+                continue
+            if s not in costs:
+                costs[s] = self.cost(src, s)
+        return sorted(((*c, s) for s, c in costs.items()), key=lambda x: x[:2])
+
+    def accepted(self, node: Node, ins: Sequence[str], group: SubMesh,
+                 refusal: ShardingError) -> tuple[list[Sharding], RuleResult]:
+        """The cheapest input shardings the rule of ``node`` accepts, and its result on them.
+
+        Combinations of the inputs' :meth:`candidates` are tried cheapest first (total bytes, then communications,
+        then changing later inputs before earlier ones, as DTensor follows its first argument) — at most
+        :data:`MAX_TRIES`, then every input replicated, which every rule accepts. An op with no rule of its own
+        gets replicated inputs at once. Raises ``refusal`` if even replicated inputs are refused.
+        """
+        types = [self.tensors[t].type for t in ins]
+        options = [self.candidates(t, rule_for(node.op) is rule_replicated) for t in ins]
+
+        def key(idx: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+            picked = [options[i][k] for i, k in enumerate(idx)]
+            return sum(p[0] for p in picked), sum(p[1] for p in picked), idx
+
+        start = (0,) * len(ins)
+        heap, seen = [key(start)], {start}
+        for _ in range(MAX_TRIES):
+            if not heap:
+                break
+            *_, idx = heapq.heappop(heap)
+            want = [options[i][k][2] for i, k in enumerate(idx)]
+            try:
+                return want, propagate(node.op, ins, types, want, group, node.name, node.scope)
+            except (RuleError, DegreeError):
+                pass
+            for i in range(len(idx)):
+                nxt = idx[:i] + (idx[i] + 1,) + idx[i + 1:]
+                if nxt[i] < len(options[i]) and nxt not in seen:
+                    seen.add(nxt)
+                    heapq.heappush(heap, key(nxt))
+        want = [Sharding.replicated(t.ndim) for t in types]
+        try:
+            return want, propagate(node.op, ins, types, want, group, node.name, node.scope)
+        except (RuleError, DegreeError):
+            raise refusal from None
+
+    def redistribute_input(self, node: Node, index: int, src: str, want: Sharding, refusal: ShardingError) -> str:
+        """Tensor ``src`` with sharding ``want`` for input ``index`` of ``node``, whose rule refused it; the parallel
+        ops inserted for it are recorded as a :class:`Redistribution`."""
+        t = self.tensors[src]
+        nbytes, _ = self.cost(src, want)
+        start = len(self.nodes)
+        out = self.to_sharding(src, want, f"redistributed: the rule of {node.name} refused input {index}")
+        if len(self.nodes) > start:
+            self.redistributions.append(Redistribution(
+                node.name, node.op, node.scope, index, src, t.sharding, want, t.group,
+                tuple(n.op for n in self.nodes[start:]), nbytes, str(refusal).splitlines()[0]))
+        return out
+
     def define(self, name: str, type_: TensorType, role: TensorRole, sharding: Sharding, group: SubMesh,
                op: str) -> None:
         sharding.check(group, type_.shape, op, name)
@@ -226,10 +363,13 @@ def _group_fix(src: SubMesh, dst: SubMesh, tensor: str, node: str) -> str:
             f"those axes too (no stage= in its module plan) or place both on the same sub-mesh")
 
 
-def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = None) -> PCG:
+def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = None, strict: bool = False) -> PCG:
     """Propagate shardings through ``graph`` on ``mesh`` following the strategy's annotations.
 
-    Raises ShardingError / RuleError / DegreeError naming the op, tensor, dim, size, axes and the fix.
+    Where a node's rule refuses its inputs (RuleError, or a DegreeError of its outputs), the inputs are
+    redistributed to the cheapest shardings the rule accepts (:attr:`PCG.redistributions` lists them); with
+    ``strict`` the refusal is raised instead. Raises ShardingError / RuleError / DegreeError naming the op,
+    tensor, dim, size, axes and the fix for what no redistribution can mend (a leaf or layout that does not fit).
     """
     ann = ann or Annotations()
     b = _Builder(graph, mesh, ann)
@@ -255,16 +395,23 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
                 cur = b.to_layout(cur, want, ann.why.get((node.name, i), f"input {i} of {node.name}"))
             ins.append(cur)
         types = [b.tensors[t].type for t in ins]
+        shardings = [b.tensors[t].sharding for t in ins]
         if isinstance(node.op, Binary):
-            aligned = align_operands(types, [b.tensors[t].sharding for t in ins], group)
-            ins = [b.to_sharding(t, s, f"align operands of {node.name}") for t, s in zip(ins, aligned)]
-        res = propagate(node.op, ins, types, [b.tensors[t].sharding for t in ins], group, node.name, node.scope)
+            shardings = align_operands(types, shardings, group)
+        try:
+            res = propagate(node.op, ins, types, shardings, group, node.name, node.scope)
+            ins = [b.to_sharding(t, s, f"align operands of {node.name}") for t, s in zip(ins, shardings)]
+        except (RuleError, DegreeError) as refusal:
+            if strict:
+                raise
+            shardings, res = b.accepted(node, ins, group, refusal)
+            ins = [b.redistribute_input(node, i, t, s, refusal) for i, (t, s) in enumerate(zip(ins, shardings))]
         b.nodes.append(PNode(node.name, node.op, tuple(ins), node.outputs, group, node.scope, res.local))
         for o, s in zip(node.outputs, res.outputs):
             b.define(o, graph.tensors[o].type, TensorRole.ACTIVATION, s, group, node.name)
     outputs = tuple(b.current[o] for o in graph.outputs)
     loss = b.current[graph.loss] if graph.loss else None
-    return PCG(mesh, graph, dict(b.tensors), tuple(b.nodes), outputs, loss)
+    return PCG(mesh, graph, dict(b.tensors), tuple(b.nodes), outputs, loss, tuple(b.redistributions))
 
 
 def lift(graph: ComputationGraph) -> PCG:

@@ -4,7 +4,8 @@ Each rule is "unparallel rule + degree rule": the op's own ``infer`` gives full 
 mesh axes each output dim inherits (a table of input dim → output dim), which dims must not be sharded, and
 where partial sums appear or pass through. Partial-sum linearity (PyTorch PR #157340, design §4):
 
-* only ``Partial(sum|avg)`` is linear; ``max``/``min`` partials must be reduced before any op;
+* only ``Partial(sum|avg)`` is linear; ``max``/``min`` partials pass through monotone element-wise functions
+  only (relu, tanh keep them; neg swaps max and min — DTensor's table) and must be reduced before any other op;
 * additive ops (add, sub, neg, scalar add/sub, sum over a dim): Partial ± Partial → Partial;
   Partial ± Replicate → Partial, the replicated operand divided locally by the sum degree (not for ``avg``);
 * multiplicative ops (mul/div by a replicated tensor or a scalar, linear, matmul): Partial · Replicate →
@@ -15,7 +16,9 @@ where partial sums appear or pass through. Partial-sum linearity (PyTorch PR #15
   sharded dim yields ``Partial(sum)`` on that dim's axes; a mean divides by the *global* count.
 
 A rule returns a :class:`LocalOp`: what each device runs on its pieces (the op with local attributes and the
-scale factors above). The executors run exactly that; nothing else knows about linearity.
+scale factors above). The executors run exactly that; nothing else knows about linearity. An op with no rule of
+its own gets :func:`rule_replicated` (whole inputs only). Where a rule refuses,
+:func:`~shardflow.parallel.pcg.build_pcg` redistributes the inputs to the cheapest placements it accepts.
 """
 
 from __future__ import annotations
@@ -183,14 +186,19 @@ def _pointwise_dims(ctx: Ctx, idx: Sequence[int]) -> list[tuple[str, ...]]:
 
 
 def rule_unary(ctx: Ctx) -> RuleResult:
-    op = ctx.op
-    linear = isinstance(op, O.Unary) and op.fn in O.LINEAR_UNARY
-    if linear:
+    """Linear functions keep Partial(sum|avg); monotone ones keep Partial(max|min), a non-increasing one swapping
+    max and min (``relu(P(max)) = P(max)``, ``neg(P(max)) = P(min)``); anything else refuses partial pieces."""
+    fn = ctx.op.fn if isinstance(ctx.op, O.Unary) else None
+    s = ctx.shardings[0]
+    reduce_op = s.reduce_op
+    if s.partial and reduce_op in ("max", "min") and fn in O.NON_DECREASING_UNARY | O.NON_INCREASING_UNARY:
+        if fn in O.NON_INCREASING_UNARY:
+            reduce_op = "min" if reduce_op == "max" else "max"
+    elif fn in O.LINEAR_UNARY:
         ctx.linear_partials([0])
     else:
         ctx.no_partial(0)
-    s = ctx.shardings[0]
-    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
+    return RuleResult((ctx.output(s.dims, s.partial, reduce_op),), ctx.local())
 
 
 def rule_scalar(ctx: Ctx) -> RuleResult:
@@ -395,6 +403,20 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
 }
 
 
+def rule_replicated(ctx: Ctx) -> RuleResult:
+    """The rule of an op that has none of its own: it runs on whole (replicated) inputs, its outputs replicated."""
+    for i, s in enumerate(ctx.shardings):
+        if s.used_axes:
+            raise ctx.error(f"{ctx.op.kind} has no sharding rule, so it runs on replicated inputs only, but input "
+                            f"{ctx.names[i]!r} is {s}", f"redistribute {ctx.names[i]!r} to Replicate() first")
+    return RuleResult(tuple(ctx.output(((),) * t.ndim, k=k) for k, t in enumerate(ctx.out_types)), ctx.local())
+
+
+def rule_for(op: Op) -> Callable[[Ctx], RuleResult]:
+    """The sharding rule of ``op``: its entry in :data:`RULES`, else :func:`rule_replicated`."""
+    return RULES.get(type(op), rule_replicated)
+
+
 def propagate(op: Op, names: Sequence[str], types: Sequence[TensorType], shardings: Sequence[Sharding],
               group: SubMesh, node: str = "", scope: str = "") -> RuleResult:
     """Output shardings and the local kernel of ``op`` for inputs with ``shardings`` on ``group``.
@@ -403,7 +425,7 @@ def propagate(op: Op, names: Sequence[str], types: Sequence[TensorType], shardin
     """
     ctx = Ctx(op, node or op.kind, scope, tuple(names), tuple(types), tuple(shardings), group,
               op.infer(tuple(types)))
-    return RULES[type(op)](ctx)
+    return rule_for(op)(ctx)
 
 
 def align_operands(types: Sequence[TensorType], shardings: Sequence[Sharding], group: SubMesh) -> list[Sharding]:

@@ -5,8 +5,8 @@ that degrees 2 and 4 divide them) and each mesh (default ``tp=2``, ``tp=4``, ``d
 combination of input placements is tried: on each mesh axis each input is ``Shard(d)`` for every dim ``d``,
 ``Replicate()``, ``Partial('sum')``, ``Partial('avg')`` or ``Partial('max')``. A combination is
 
-* **rejected** — :func:`~shardflow.parallel.pcg.build_pcg` raises ``RuleError`` / ``DegreeError`` /
-  ``ShardingError`` (the rules refuse it); or
+* **rejected** — :func:`~shardflow.parallel.pcg.build_pcg` with ``strict=True`` (the rules themselves, no
+  redistribution) raises ``RuleError`` / ``DegreeError`` / ``ShardingError``; or
 * **accepted and correct** — the sharded run (:func:`~shardflow.parallel.simulate.simulate`, random partial
   pieces so a wrong scale shows) gives, on *every* device, the piece that the output's sharding says it holds
   of the single-device result (``simulate_outputs(lift(graph))``), within 1e-9 in float64; or
@@ -349,7 +349,8 @@ def check_combination(case: Case, graph: ComputationGraph, mesh: Mesh, combo: Se
     except ShardingError as e:
         return "unrepresentable", str(e), None
     try:
-        pcg = build_pcg(graph, mesh, Annotations(leaves={s.name: sh for s, sh in zip(case.inputs, shardings)}))
+        pcg = build_pcg(graph, mesh, Annotations(leaves={s.name: sh for s, sh in zip(case.inputs, shardings)}),
+                        strict=True)
     except ShardingError as e:  # RuleError and DegreeError are ShardingErrors
         return "rejected", str(e), shardings
     except Exception as e:  # noqa: BLE001 - anything else is a bug in the rules

@@ -122,10 +122,10 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
                 sub = _trial_graph(graph, cols + list(region.values()) + list(rows.values()), order,
                                    [o for r in rows.values() for o in r.outputs])
                 plan = _megatron_plan([candidate], axis, sequence=False)
-                build_pcg(sub, trial_mesh, resolve(plan, sub, trial_mesh))
+                build_pcg(sub, trial_mesh, resolve(plan, sub, trial_mesh), strict=True)
             else:
                 plan = _megatron_plan(accepted + [candidate], axis, sequence=False)
-                build_pcg(graph, trial_mesh, resolve(plan, graph, trial_mesh))
+                build_pcg(graph, trial_mesh, resolve(plan, graph, trial_mesh), strict=True)
         except DegreeError:
             raise
         except (RuleError, PlanError):

@@ -66,6 +66,8 @@ class TrainConfig:
     timeout: float = _f(120.0, "seconds any rank may wait on one communication before failing")
     check: bool = _f(False, "also run the same steps on one device and compare the loss and every replica of "
                             "every parameter")
+    strict: bool = _f(False, "refuse the strategy where a sharding rule refuses its inputs (the error names the "
+                             "parallel op to insert) instead of inserting the cheapest redistribution")
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:

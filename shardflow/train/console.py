@@ -75,6 +75,8 @@ class Console:
                 per[f"{kind}/{axis or '-'}"] = (n, planned)
         comm = ", ".join(f"{k} ×{n} ({b / 2**20:.2f} MiB)" for k, (n, b) in per.items()) or "no communication"
         self.say(f"plan (rank {min(step.programs)}, per step): {comm}")
+        if s.pcg.redistributions:
+            self.say(s.pcg.redistribution_listing())
         self.say(f"unigram baseline (validation): {baseline:.4f} nats/char")
 
     def resumed(self, ck: Checkpoint, start: int) -> None:

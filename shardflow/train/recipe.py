@@ -101,5 +101,5 @@ def setup(cfg: TrainConfig, world: int) -> Setup:
     model = GPT(model_config(cfg, corpus.tokenizer.vocab_size))
     example = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
     graph = capture(model, example)
-    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, cfg.strategy), graph, mesh))
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, cfg.strategy), graph, mesh), strict=cfg.strict)
     return Setup(cfg, corpus, model, graph, pcg, mesh)
