@@ -84,13 +84,14 @@ def run_backward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor], we
 
 
 def weights_of(module: nn.Module, graph: ComputationGraph) -> dict[str, torch.Tensor]:
-    """The graph's weights taken from ``module``'s parameters (by ``named_parameters()`` name), detached copies.
+    """The graph's weights taken from ``module``'s parameters (by ``named_parameters()`` name, tied parameters under
+    any of their names), detached copies.
 
     Raises:
         KeyError: a graph weight has no parameter of that name (the message gives the expected shape).
         ValueError: a parameter's shape or dtype differs from the graph weight's.
     """
-    params = dict(module.named_parameters())
+    params = dict(module.named_parameters(remove_duplicate=False))
     missing = [n for n in graph.weights if n not in params]
     if missing:
         raise KeyError(f"module has no parameter(s) for graph weight(s): "

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardflow.graph import GraphBuilder
+from shardflow.graph import ops as O
 from shardflow.graph.ops import Scalar
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition
@@ -590,8 +591,26 @@ def test_attention_sequence_sharded_is_rejected():
     b.attention(q, k, v)
     graph = b.build([])
     s = sh(MESH, 4, R, Shard(2))
-    with pytest.raises(RuleError, match="dim 2 \\(size 4\\) of 'q' is sharded.*whole sequences"):
+    with pytest.raises(RuleError, match="dim 2 \\(size 4\\) of 'q' is sharded.*causal attention needs the whole query"):
         build_pcg(graph, MESH, Annotations(leaves={"q": s, "k": s, "v": s}), strict=True)
+
+
+def test_attention_without_causal_mask_shards_queries():
+    """Non-causal attention: each block of queries attends to every key, so q (and a mask's T dim) may be
+    sharded on the sequence while k and v are whole; the output is sharded like q. Numbers equal one device."""
+    b = GraphBuilder()
+    q, k, v = (b.input(n, (2, 4, 4, 3), F64) for n in "qkv")
+    m = b.input("m", (2, 1, 4, 4), "bool")
+    y = b.apply(O.Attention(causal=False, mask=True), [q, k, v, m])[0]
+    graph = b.build([y])
+    seq = sh(MESH, 4, R, Shard(2))
+    pcg = build_pcg(graph, MESH, Annotations(leaves={"q": seq, "m": seq}))
+    assert pcg.tensors[y].placements == (Replicate(), Shard(2))
+    assert pcg.parallel_nodes == ()
+    values = leaf_values(graph)
+    values["m"] = torch.rand(2, 1, 4, 4, generator=torch.Generator().manual_seed(1)) > 0.3
+    values["m"][..., 0] = True  # every query attends somewhere
+    check_numbers(graph, pcg, values)
 
 
 def test_transformer_heads_block_numbers():

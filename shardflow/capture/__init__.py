@@ -1,5 +1,6 @@
-"""Model capture: turn a PyTorch ``nn.Module`` into a :class:`~shardflow.graph.ComputationGraph`."""
+"""Model capture: ``torch.export`` of any ``nn.Module`` → a :class:`~shardflow.graph.ComputationGraph` of ATen ops."""
 
-from shardflow.capture.fx import CaptureError, capture
+from shardflow.capture.export import KEEP, CaptureError, capture, export
+from shardflow.capture.precision import wide_floats
 
-__all__ = ["CaptureError", "capture"]
+__all__ = ["KEEP", "CaptureError", "capture", "export", "wide_floats"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from shardflow.graph.ops import OPS, Op, TensorType, torch_dtype
+from shardflow.graph.ops import OPS, Arg, Op, TensorType, dtype_name, torch_dtype
 
 class TensorRole(StrEnum):
     """What a graph tensor is: a data input of each step, a trained weight, a constant captured from the model,
@@ -196,15 +195,36 @@ class ComputationGraph:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+def _encode(v: Any) -> Any:
+    """An op attribute as JSON: tuples as lists, :class:`Arg` as ``{"arg": i}``, dtypes as ``{"dtype": name}``."""
+    if isinstance(v, (tuple, list)):
+        return [_encode(x) for x in v]
+    if isinstance(v, Arg):
+        return {"arg": v.index}
+    if isinstance(v, torch.dtype):
+        return {"dtype": dtype_name(v)}
+    if isinstance(v, torch.device):
+        return {"device": str(v)}
+    return v
+
+
+def _decode(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_decode(x) for x in v)
+    if isinstance(v, dict):
+        if "arg" in v:
+            return Arg(v["arg"])
+        if "dtype" in v:
+            return torch_dtype(v["dtype"])
+        return torch.device(v["device"])
+    return v
+
+
 def _attrs_to_json(op: Op) -> dict[str, Any]:
-    return {f.name: getattr(op, f.name) for f in dataclasses.fields(op)}
+    return {f.name: _encode(getattr(op, f.name)) for f in dataclasses.fields(op)}
 
 
 def _op_from_json(kind: str, attrs: Mapping[str, Any]) -> Op:
     if kind not in OPS:
         raise ValueError(f"unknown op {kind!r} in graph file; known ops: {sorted(OPS)}")
-    cls = OPS[kind]
-    hints = typing.get_type_hints(cls)
-    # JSON has lists where the attrs have tuples.
-    fixed = {k: tuple(v) if isinstance(v, list) and "tuple" in str(hints.get(k, "")) else v for k, v in attrs.items()}
-    return cls(**fixed)
+    return OPS[kind](**{k: _decode(v) for k, v in attrs.items()})

@@ -16,9 +16,10 @@ Sharding rules (how parallel shapes propagate through an op) live in :mod:`shard
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -105,30 +106,48 @@ class Op:
         raise NotImplementedError
 
     def describe(self) -> str:
-        """``kind(attr=value, ...)`` for listings."""
-        attrs = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        """``kind(attr=value, ...)`` for listings; a :func:`quiet` attribute only when it is not its default."""
+        attrs = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                          if not (f.metadata.get("quiet") and getattr(self, f.name) == f.default))
         return f"{self.kind}({attrs})"
+
+
+def quiet(default: Any) -> Any:
+    """A dataclass field that listings show only when it differs from ``default``."""
+    return dataclasses.field(default=default, metadata={"quiet": True})
 
 
 @dataclass(frozen=True, slots=True)
 class Linear(Op):
-    """``y = x @ weight.T (+ bias)``. Inputs: x ``[*, in]``, weight ``[out, in]``, bias ``[out]``."""
+    """``y = x @ weight.T (+ bias)``. Inputs: x ``[*, in]``, weight ``[out, in]``, bias ``[out]``.
+
+    ``transposed``: the weight is held ``[in, out]`` and ``y = x @ weight (+ bias)`` (ATen's ``addmm``, Hugging
+    Face's ``Conv1D``).
+    """
 
     kind: ClassVar[str] = "linear"
     contracts_last_dim: ClassVar[bool] = True
     bias: bool = True
+    transposed: bool = quiet(False)
+
+    @property
+    def out_dim(self) -> int:
+        """The weight dim that indexes output features."""
+        return 1 if self.transposed else 0
 
     def infer(self, ins):
         _expect(3 if self.bias else 2, ins, self)
         x, w = ins[0], ins[1]
-        if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1]:
-            raise OpError(f"linear: input {list(x.shape)} does not match weight [out, in] = {list(w.shape)}")
-        if self.bias and ins[2].shape != (w.shape[0],):
-            raise OpError(f"linear: bias {list(ins[2].shape)} must be [{w.shape[0]}]")
-        return (TensorType(x.shape[:-1] + (w.shape[0],), x.dtype),)
+        layout = "[in, out]" if self.transposed else "[out, in]"
+        if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[1 - self.out_dim]:
+            raise OpError(f"linear: input {list(x.shape)} does not match weight {layout} = {list(w.shape)}")
+        out = w.shape[self.out_dim]
+        if self.bias and ins[2].shape != (out,):
+            raise OpError(f"linear: bias {list(ins[2].shape)} must be [{out}]")
+        return (TensorType(x.shape[:-1] + (out,), _promote(x.dtype, w.dtype)),)
 
     def compute(self, x, w, b=None):
-        return (F.linear(x, w, b),)
+        return (F.linear(x, w.t() if self.transposed else w, b),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +155,7 @@ class Embedding(Op):
     """Row lookup. Inputs: indices ``[*]`` (int64), weight ``[vocab, C]``. Output ``[*, C]``."""
 
     kind: ClassVar[str] = "embedding"
+    padding_idx: int = quiet(-1)  # ATen's spelling of "none": the row whose gradient stays zero
 
     def infer(self, ins):
         _expect(2, ins, self)
@@ -147,7 +167,7 @@ class Embedding(Op):
         return (TensorType(idx.shape + (w.shape[1],), w.dtype),)
 
     def compute(self, idx, w):
-        return (F.embedding(idx, w),)
+        return (F.embedding(idx, w, None if self.padding_idx < 0 else self.padding_idx),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,17 +225,41 @@ class Dropout(Op):
         return (x * scale,)
 
 
-UNARY_FNS = {
+@functools.cache
+def _result_dtype(fn: Callable, *operands: str | float | int | bool) -> str:
+    """The dtype ``fn`` gives for operands given as dtype names (0-dim tensors) or Python numbers (scalars):
+    PyTorch's own type promotion, run on the meta device."""
+    xs = [torch.empty((), dtype=torch_dtype(o), device="meta") if isinstance(o, str) else o for o in operands]
+    return dtype_name(fn(*xs).dtype)
+
+
+def _promote(*dtypes: str) -> str:
+    return dtype_name(functools.reduce(torch.promote_types, map(torch_dtype, dtypes)))
+
+
+UNARY_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
     "gelu": F.gelu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "tanh": torch.tanh,
     "neg": torch.neg,
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "rsqrt": torch.rsqrt,
+    "sqrt": torch.sqrt,
+    "exp": torch.exp,
+    "log": torch.log,
+    "cos": torch.cos,
+    "sin": torch.sin,
+    "abs": torch.abs,
+    "erf": torch.erf,
+    "logical_not": torch.logical_not,
+    "bitwise_not": torch.bitwise_not,
 }
 LINEAR_UNARY = frozenset({"neg"})
 # Monotone functions commute with max and min: f(max(a, b)) = max(f(a), f(b)) for a non-decreasing f, and
 # = min(f(a), f(b)) for a non-increasing one (DTensor's _NON_DECREASING_RULES and _NEG_RULES).
-NON_DECREASING_UNARY = frozenset({"relu", "tanh"})
+NON_DECREASING_UNARY = frozenset({"relu", "tanh", "sigmoid", "exp", "sqrt", "log", "erf"})
 NON_INCREASING_UNARY = frozenset({"neg"})
 
 
@@ -230,7 +274,7 @@ class Unary(Op):
         _expect(1, ins, self)
         if self.fn not in UNARY_FNS:
             raise OpError(f"unary: unknown function {self.fn!r}; supported: {sorted(UNARY_FNS)}")
-        return ins
+        return (TensorType(ins[0].shape, _result_dtype(UNARY_FNS[self.fn], ins[0].dtype)),)
 
     def compute(self, x):
         return (UNARY_FNS[self.fn](x),)
@@ -239,12 +283,20 @@ class Unary(Op):
         return self.fn
 
 
-BINARY_FNS = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+BINARY_FNS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
+    "maximum": torch.maximum, "minimum": torch.minimum,
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
+}
+ADDITIVE = frozenset({"add", "sub", "rsub"})  # f(a + a', b) = f(a, b) + f(a', 0): partial sums pass, scaled
+MULTIPLICATIVE = frozenset({"mul", "div"})  # linear in the first operand (and in the second for mul)
 
 
 @dataclass(frozen=True, slots=True)
 class Binary(Op):
-    """Element-wise ``a (fn) b`` of two tensors with broadcasting; fn in add, sub, mul, div."""
+    """Element-wise ``a (fn) b`` of two tensors with broadcasting; ``fn`` one of :data:`BINARY_FNS`. The result
+    dtype is PyTorch's promotion of the two (bool for comparisons)."""
 
     kind: ClassVar[str] = "binary"
     fn: str = "add"
@@ -253,7 +305,8 @@ class Binary(Op):
         _expect(2, ins, self)
         if self.fn not in BINARY_FNS:
             raise OpError(f"binary: unknown function {self.fn!r}; supported: {sorted(BINARY_FNS)}")
-        return (TensorType(broadcast_shapes(ins[0].shape, ins[1].shape, self.fn), ins[0].dtype),)
+        dtype = _result_dtype(BINARY_FNS[self.fn], ins[0].dtype, ins[1].dtype)
+        return (TensorType(broadcast_shapes(ins[0].shape, ins[1].shape, self.fn), dtype),)
 
     def compute(self, a, b):
         return (BINARY_FNS[self.fn](a, b),)
@@ -262,35 +315,75 @@ class Binary(Op):
         return self.fn
 
 
-SCALAR_FNS = {
+SCALAR_FNS: dict[str, Callable] = {
     "add": lambda x, s: x + s,
     "sub": lambda x, s: x - s,
     "rsub": lambda x, s: s - x,
     "mul": lambda x, s: x * s,
     "div": lambda x, s: x / s,
     "rdiv": lambda x, s: s / x,
+    "pow": torch.pow,
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
 }
 
 
 @dataclass(frozen=True, slots=True)
 class Scalar(Op):
-    """Element-wise op of a tensor and a Python number: ``x+s, x-s, s-x, x*s, x/s, s/x``."""
+    """Element-wise op of a tensor and a Python number (``x+s, x-s, s-x, x*s, x/s, s/x, x**s``, comparisons);
+    the number keeps its Python type, so PyTorch's promotion (``int_tensor * 2`` stays int) holds."""
 
     kind: ClassVar[str] = "scalar"
     fn: str = "mul"
-    value: float = 1.0
+    value: float | int | bool = 1.0
 
     def infer(self, ins):
         _expect(1, ins, self)
         if self.fn not in SCALAR_FNS:
             raise OpError(f"scalar: unknown function {self.fn!r}; supported: {sorted(SCALAR_FNS)}")
-        return ins
+        return (TensorType(ins[0].shape, _result_dtype(SCALAR_FNS[self.fn], ins[0].dtype, self.value)),)
 
     def compute(self, x):
         return (SCALAR_FNS[self.fn](x, self.value),)
 
     def describe(self) -> str:
         return f"{self.fn}({self.value:g})"
+
+
+@dataclass(frozen=True, slots=True)
+class Where(Op):
+    """``torch.where(cond, a, b)`` with broadcasting of all three. Inputs: cond (bool), a, b."""
+
+    kind: ClassVar[str] = "where"
+
+    def infer(self, ins):
+        _expect(3, ins, self)
+        c, a, b = ins
+        if c.dtype != "bool":
+            raise OpError(f"where: the condition must be bool, got {c.dtype}")
+        shape = broadcast_shapes(broadcast_shapes(c.shape, a.shape, "where"), b.shape, "where")
+        return (TensorType(shape, _promote(a.dtype, b.dtype)),)
+
+    def compute(self, c, a, b):
+        return (torch.where(c, a, b),)
+
+
+@dataclass(frozen=True, slots=True)
+class Cast(Op):
+    """Convert to ``dtype`` (a torch dtype name): ATen's ``_to_copy(dtype=...)``."""
+
+    kind: ClassVar[str] = "cast"
+    dtype: str = "float32"
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        torch_dtype(self.dtype)
+        return (TensorType(ins[0].shape, self.dtype),)
+
+    def compute(self, x):
+        return (x.to(torch_dtype(self.dtype)),)
+
+    def describe(self) -> str:
+        return f"cast({self.dtype})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,7 +401,7 @@ class Matmul(Op):
         if a.shape[-1] != b.shape[-2]:
             raise OpError(f"matmul: inner sizes differ: {list(a.shape)} @ {list(b.shape)}")
         batch = broadcast_shapes(a.shape[:-2], b.shape[:-2], "matmul batch dims")
-        return (TensorType(batch + (a.shape[-2], b.shape[-1]), a.dtype),)
+        return (TensorType(batch + (a.shape[-2], b.shape[-1]), _promote(a.dtype, b.dtype)),)
 
     def compute(self, a, b):
         return (torch.matmul(a, b),)
@@ -334,7 +427,7 @@ class Permute(Op):
 
 @dataclass(frozen=True, slots=True)
 class Reshape(Op):
-    """View/reshape to ``shape`` (fully resolved: no -1)."""
+    """View/reshape to ``shape`` (fully resolved: no -1). Also squeeze, unsqueeze and flatten."""
 
     kind: ClassVar[str] = "reshape"
     shape: Shape = ()
@@ -348,6 +441,48 @@ class Reshape(Op):
 
     def compute(self, x):
         return (x.reshape(self.shape),)
+
+
+@dataclass(frozen=True, slots=True)
+class Expand(Op):
+    """Broadcast size-1 dims (and new leading dims) to ``shape`` without copying (``Tensor.expand``)."""
+
+    kind: ClassVar[str] = "expand"
+    shape: Shape = ()
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        (x,) = ins
+        lead = len(self.shape) - x.ndim
+        if lead < 0 or any(s not in (1, t) for s, t in zip(x.shape, self.shape[lead:])):
+            raise OpError(f"expand: cannot expand {list(x.shape)} to {list(self.shape)}")
+        return (TensorType(self.shape, x.dtype),)
+
+    def compute(self, x):
+        return (x.expand(self.shape),)
+
+
+@dataclass(frozen=True, slots=True)
+class Slice(Op):
+    """``x[..., start:end:step, ...]`` along ``dim`` (normalised: ``0 <= start <= end <= size``, ``step >= 1``)."""
+
+    kind: ClassVar[str] = "slice"
+    dim: int = 0
+    start: int = 0
+    end: int = 0
+    step: int = 1
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        (x,) = ins
+        d = _norm_dim(self.dim, x.ndim, "slice")
+        if not (0 <= self.start <= self.end <= x.shape[d]) or self.step < 1:
+            raise OpError(f"slice: [{self.start}:{self.end}:{self.step}] does not lie in dim {d} of {list(x.shape)}")
+        n = -(-(self.end - self.start) // self.step)
+        return (TensorType(x.shape[:d] + (n,) + x.shape[d + 1:], x.dtype),)
+
+    def compute(self, x):
+        return (torch.ops.aten.slice.Tensor(x, self.dim, self.start, self.end, self.step),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,11 +506,82 @@ class Split(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class Cat(Op):
+    """Concatenate the inputs along ``dim`` (all other sizes equal)."""
+
+    kind: ClassVar[str] = "cat"
+    dim: int = 0
+
+    def infer(self, ins):
+        if not ins:
+            raise OpError("cat takes at least one input")
+        d = _norm_dim(self.dim, ins[0].ndim, "cat")
+        for t in ins:
+            if t.ndim != ins[0].ndim or t.shape[:d] + t.shape[d + 1:] != ins[0].shape[:d] + ins[0].shape[d + 1:]:
+                raise OpError(f"cat: {[list(t.shape) for t in ins]} differ outside dim {d}")
+        size = sum(t.shape[d] for t in ins)
+        return (TensorType(ins[0].shape[:d] + (size,) + ins[0].shape[d + 1:], _promote(*(t.dtype for t in ins))),)
+
+    def compute(self, *xs):
+        return (torch.cat(xs, self.dim),)
+
+
+@dataclass(frozen=True, slots=True)
+class Gather(Op):
+    """``torch.gather(x, dim, index)``: inputs x and index (int64, same number of dims); output like index."""
+
+    kind: ClassVar[str] = "gather"
+    dim: int = 0
+
+    def infer(self, ins):
+        _expect(2, ins, self)
+        x, idx = ins
+        d = _norm_dim(self.dim, x.ndim, "gather")
+        if idx.ndim != x.ndim or not idx.dtype.startswith("int") or any(
+                i > s for k, (i, s) in enumerate(zip(idx.shape, x.shape)) if k != d):
+            raise OpError(f"gather: index {list(idx.shape)} ({idx.dtype}) does not fit input {list(x.shape)} on dim {d}")
+        return (TensorType(idx.shape, x.dtype),)
+
+    def compute(self, x, idx):
+        return (torch.gather(x, self.dim, idx),)
+
+
+@dataclass(frozen=True, slots=True)
+class Pad(Op):
+    """Constant padding (``F.pad`` / ATen ``constant_pad_nd``): ``pad`` = (before, after) pairs from the last dim."""
+
+    kind: ClassVar[str] = "pad"
+    pad: tuple[int, ...] = ()
+    value: float | int | bool = 0
+
+    @property
+    def padded_dims(self) -> dict[int, tuple[int, int]]:
+        """Dim index from the end (1 = last) → (before, after)."""
+        return {k // 2 + 1: (self.pad[k], self.pad[k + 1]) for k in range(0, len(self.pad), 2)}
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        (x,) = ins
+        if len(self.pad) % 2 or len(self.pad) // 2 > x.ndim:
+            raise OpError(f"pad: {list(self.pad)} must be (before, after) pairs for at most {x.ndim} dims")
+        shape = list(x.shape)
+        for k, (lo, hi) in self.padded_dims.items():
+            shape[-k] += lo + hi
+            if shape[-k] < 0:
+                raise OpError(f"pad: {list(self.pad)} leaves dim -{k} of {list(x.shape)} negative")
+        return (TensorType(tuple(shape), x.dtype),)
+
+    def compute(self, x):
+        return (F.pad(x, list(self.pad), value=self.value),)
+
+
+@dataclass(frozen=True, slots=True)
 class Softmax(Op):
-    """Softmax along ``dim``."""
+    """Softmax (``log``: log-softmax) along ``dim``."""
 
     kind: ClassVar[str] = "softmax"
     dim: int = -1
+    log: bool = False
 
     def infer(self, ins):
         _expect(1, ins, self)
@@ -383,12 +589,19 @@ class Softmax(Op):
         return ins
 
     def compute(self, x):
-        return (torch.softmax(x, self.dim),)
+        return ((torch.log_softmax if self.log else torch.softmax)(x, self.dim),)
+
+    def describe(self) -> str:
+        return f"{'log_' if self.log else ''}softmax(dim={self.dim})"
+
+
+REDUCE_FNS = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin}
 
 
 @dataclass(frozen=True, slots=True)
 class Reduce(Op):
-    """``sum`` or ``mean`` over ``dims`` (normalised, non-negative), optionally keeping them as size 1."""
+    """``sum``, ``mean``, ``amax`` or ``amin`` over ``dims`` (normalised, non-negative), optionally keeping them
+    as size 1. A sum of integers or bools is int64, as in PyTorch."""
 
     kind: ClassVar[str] = "reduce"
     fn: str = "sum"
@@ -398,15 +611,15 @@ class Reduce(Op):
     def infer(self, ins):
         _expect(1, ins, self)
         (x,) = ins
-        if self.fn not in ("sum", "mean"):
-            raise OpError(f"reduce: fn must be 'sum' or 'mean', got {self.fn!r}")
+        if self.fn not in REDUCE_FNS:
+            raise OpError(f"reduce: fn must be one of {sorted(REDUCE_FNS)}, got {self.fn!r}")
         dims = {_norm_dim(d, x.ndim, "reduce") for d in self.dims}
         shape = tuple(1 if i in dims else s for i, s in enumerate(x.shape) if self.keepdim or i not in dims)
-        return (TensorType(shape, x.dtype),)
+        integral = not torch_dtype(x.dtype).is_floating_point and not torch_dtype(x.dtype).is_complex
+        return (TensorType(shape, "int64" if self.fn == "sum" and integral else x.dtype),)
 
     def compute(self, x):
-        f = torch.sum if self.fn == "sum" else torch.mean
-        return (f(x, dim=self.dims, keepdim=self.keepdim),)
+        return (REDUCE_FNS[self.fn](x, dim=self.dims, keepdim=self.keepdim),)
 
     def describe(self) -> str:
         return f"{self.fn}(dims={list(self.dims)}{', keepdim' if self.keepdim else ''})"
@@ -414,26 +627,67 @@ class Reduce(Op):
 
 @dataclass(frozen=True, slots=True)
 class Attention(Op):
-    """Scaled dot-product attention. Inputs q ``[B, H, T, D]``, k and v ``[B, H, S, D]``; output like q.
+    """Scaled dot-product attention (``F.scaled_dot_product_attention``). Inputs q ``[*, H, T, D]``, k ``[*, Hkv, S, D]``,
+    v ``[*, Hkv, S, Dv]`` and, with ``mask``, a mask broadcastable to ``[*, H, T, S]`` (bool: True = attend;
+    float: added to the scores). Output ``[*, H, T, Dv]``.
 
-    ``scale`` defaults to ``1/sqrt(D)``; ``causal`` masks the upper triangle (torch's ``is_causal``).
+    ``scale`` defaults to ``1/sqrt(D)``; ``causal`` masks the upper triangle (torch's ``is_causal``); ``gqa``:
+    grouped-query attention, ``H`` a multiple of ``Hkv`` (query head h reads key/value head ``h // (H/Hkv)``).
     """
 
     kind: ClassVar[str] = "attention"
     causal: bool = True
     scale: float | None = None
+    mask: bool = quiet(False)
+    gqa: bool = quiet(False)
 
     def infer(self, ins):
-        _expect(3, ins, self)
-        q, k, v = ins
-        if q.ndim < 3 or k.shape != v.shape or q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
-            raise OpError(
-                f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must be [*, T, D], [*, S, D]"
-            )
-        return (q,)
+        _expect(4 if self.mask else 3, ins, self)
+        q, k, v = ins[:3]
+        ok = q.ndim >= 3 and k.ndim == q.ndim == v.ndim and k.shape[:-1] == v.shape[:-1] and \
+            q.shape[:-3] == k.shape[:-3] and q.shape[-1] == k.shape[-1] and \
+            (q.shape[-3] % k.shape[-3] == 0 if self.gqa else q.shape[-3] == k.shape[-3])
+        if not ok:
+            raise OpError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must be [*, H, T, D], "
+                          f"[*, Hkv, S, D], [*, Hkv, S, Dv] with Hkv {'dividing' if self.gqa else 'equal to'} H")
+        out = q.shape[:-1] + (v.shape[-1],)
+        if self.mask:
+            broadcast_shapes(ins[3].shape, out[:-1] + (k.shape[-2],), "attention mask")
+        return (TensorType(out, q.dtype),)
 
-    def compute(self, q, k, v):
-        return (F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, scale=self.scale),)
+    def compute(self, q, k, v, mask=None):
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale,
+                                               enable_gqa=self.gqa),)
+
+
+@dataclass(frozen=True, slots=True)
+class Conv(Op):
+    """N-d convolution (ATen ``convolution``, not transposed). Inputs x ``[N, C, *spatial]``, weight
+    ``[O, C/groups, *kernel]``, bias ``[O]``. Output ``[N, O, *spatial']``."""
+
+    kind: ClassVar[str] = "conv"
+    stride: tuple[int, ...] = (1, 1)
+    padding: tuple[int, ...] = (0, 0)
+    dilation: tuple[int, ...] = (1, 1)
+    groups: int = 1
+    bias: bool = True
+
+    def _run(self, x, w, b=None):
+        return torch.ops.aten.convolution(x, w, b, list(self.stride), list(self.padding), list(self.dilation),
+                                          False, [0] * len(self.stride), self.groups)
+
+    def infer(self, ins):
+        _expect(3 if self.bias else 2, ins, self)
+        meta = [torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in ins]
+        try:
+            y = self._run(*meta)
+        except RuntimeError as e:
+            raise OpError(f"conv: inputs {[list(t.shape) for t in ins]} do not fit {self.describe()}: "
+                          f"{str(e).splitlines()[0]}") from None
+        return (TensorType(tuple(y.shape), dtype_name(y.dtype)),)
+
+    def compute(self, x, w, b=None):
+        return (self._run(x, w, b),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,8 +717,66 @@ class CrossEntropy(Op):
         return (F.cross_entropy(logits, target, reduction=self.reduction),)
 
 
+@dataclass(frozen=True, slots=True)
+class Arg:
+    """Placeholder for the ``index``-th tensor input inside an :class:`Aten` op's argument template."""
+
+    index: int
+
+
+def _fill(template: Any, xs: Sequence[torch.Tensor]) -> Any:
+    if isinstance(template, Arg):
+        return xs[template.index]
+    if isinstance(template, tuple):
+        return [_fill(v, xs) for v in template]
+    return template
+
+
+@functools.cache
+def aten_overload(target: str) -> torch._ops.OpOverload:
+    """The ATen overload named ``target`` (``"aten.cumsum.default"``). Raises OpError if there is none."""
+    ns, name, overload = target.split(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except AttributeError:
+        raise OpError(f"no ATen operator {target!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Aten(Op):
+    """Any ATen operator without a rule of its own: ``target`` (``"aten.cumsum.default"``) applied to ``args``
+    and ``kwargs``, templates in which :class:`Arg` ``(i)`` stands for the i-th tensor input (lists are tuples).
+
+    Shapes come from PyTorch's meta kernel of the operator. Its sharding rule replicates every input (correct,
+    slower, and listed by ``shardflow plan``)."""
+
+    kind: ClassVar[str] = "aten"
+    target: str = ""
+    args: tuple = ()
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def _call(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        out = aten_overload(self.target)(*_fill(self.args, xs), **{k: _fill(v, xs) for k, v in self.kwargs})
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+    def infer(self, ins):
+        meta = [torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta") for t in ins]
+        try:
+            outs = self._call(meta)
+        except (RuntimeError, TypeError, IndexError) as e:
+            raise OpError(f"{self.target}: inputs {[list(t.shape) for t in ins]} do not fit: "
+                          f"{str(e).splitlines()[0]}") from None
+        return tuple(TensorType(tuple(o.shape), dtype_name(o.dtype)) for o in outs)
+
+    def compute(self, *xs):
+        return self._call(xs)
+
+    def describe(self) -> str:
+        return self.target.removeprefix("aten.").removesuffix(".default")
+
+
 OPS: dict[str, type[Op]] = {
     cls.kind: cls
-    for cls in (Linear, Embedding, LayerNorm, Dropout, Unary, Binary, Scalar, Matmul, Permute, Reshape, Split,
-                Softmax, Reduce, Attention, CrossEntropy)
+    for cls in (Linear, Embedding, LayerNorm, Dropout, Unary, Binary, Scalar, Where, Cast, Matmul, Permute, Reshape,
+                Expand, Slice, Split, Cat, Gather, Pad, Softmax, Reduce, Attention, Conv, CrossEntropy, Aten)
 }

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph import ops as O
-from shardflow.graph.ops import Op, TensorType
+from shardflow.graph.ops import Op, TensorType, torch_dtype
 from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.shape import DegreeError, ShardingError
@@ -125,8 +125,10 @@ class Ctx:
                 )
         return found[2] if found else ()
 
-    def partial_of(self, idx: Sequence[int], extra: Sequence[str] = ()) -> tuple[tuple[str, ...], str]:
-        """Union of the partial axes of inputs ``idx`` plus new sum-partial axes ``extra``, and the reduce op."""
+    def partial_of(self, idx: Sequence[int], extra: Sequence[str] = (), extra_op: str = "sum"
+                   ) -> tuple[tuple[str, ...], str]:
+        """Union of the partial axes of inputs ``idx`` plus new ``extra_op``-partial axes ``extra``, and the
+        reduce op."""
         axes, reduce_ops = [], set()
         for i in idx:
             s = self.shardings[i]
@@ -135,7 +137,7 @@ class Ctx:
                 reduce_ops.add(s.reduce_op)
         if extra:
             axes += extra
-            reduce_ops.add("sum")
+            reduce_ops.add(extra_op)
         if len(reduce_ops) > 1:
             raise self.error(f"partial pieces with different reduce ops {sorted(reduce_ops)} meet",
                              "reduce one of them first (Reduction)")
@@ -185,16 +187,24 @@ def _pointwise_dims(ctx: Ctx, idx: Sequence[int]) -> list[tuple[str, ...]]:
     return out
 
 
+def _is_float(t: TensorType) -> bool:
+    return torch_dtype(t.dtype).is_floating_point
+
+
 def rule_unary(ctx: Ctx) -> RuleResult:
-    """Linear functions keep Partial(sum|avg); monotone ones keep Partial(max|min), a non-increasing one swapping
-    max and min (``relu(P(max)) = P(max)``, ``neg(P(max)) = P(min)``); anything else refuses partial pieces."""
-    fn = ctx.op.fn if isinstance(ctx.op, O.Unary) else None
-    s = ctx.shardings[0]
+    """Element-wise one-input ops (Unary, Dropout, Cast). Linear ones (neg, a cast to a float dtype) keep
+    Partial(sum|avg); monotone ones keep Partial(max|min), a non-increasing one swapping max and min
+    (``relu(P(max)) = P(max)``, ``neg(P(max)) = P(min)``, DTensor's table); the rest need whole values."""
+    op, s = ctx.op, ctx.shardings[0]
+    fn = op.fn if isinstance(op, O.Unary) else None
     reduce_op = s.reduce_op
+    linear = fn in O.LINEAR_UNARY or (
+        isinstance(op, O.Cast) and _is_float(ctx.out_types[0])  # int → float is exact, float → int truncates
+        and (_is_float(ctx.types[0]) or s.reduce_op == "sum"))  # an integer average is no integer
     if s.partial and reduce_op in ("max", "min") and fn in O.NON_DECREASING_UNARY | O.NON_INCREASING_UNARY:
         if fn in O.NON_INCREASING_UNARY:
             reduce_op = "min" if reduce_op == "max" else "max"
-    elif fn in O.LINEAR_UNARY:
+    elif linear:
         ctx.linear_partials([0])
     else:
         ctx.no_partial(0)
@@ -205,11 +215,11 @@ def rule_scalar(ctx: Ctx) -> RuleResult:
     op: O.Scalar = ctx.op  # type: ignore[assignment]
     s = ctx.shardings[0]
     local = op
-    if op.fn == "rdiv":
+    if op.fn not in O.ADDITIVE | O.MULTIPLICATIVE:  # s / x, x ** s, comparisons
         ctx.no_partial(0)
     elif s.partial:
         ctx.linear_partials([0])
-        if op.fn in ("add", "sub", "rsub"):  # additive: the scalar is split over the partial pieces
+        if op.fn in O.ADDITIVE:  # the scalar is split over the partial pieces
             local = dataclasses.replace(op, value=op.value * _sum_scale(ctx, s.partial, s.reduce_op))
     return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local(local))
 
@@ -220,7 +230,10 @@ def rule_binary(ctx: Ctx) -> RuleResult:
     a, b = ctx.shardings
     ctx.linear_partials([0, 1])
     scale = [1.0, 1.0]
-    if op.fn in ("add", "sub"):
+    if op.fn not in O.ADDITIVE | O.MULTIPLICATIVE:  # pow, maximum, comparisons, bitwise
+        ctx.no_partial(0, 1)
+        partial, reduce_op = (), "sum"
+    elif op.fn in O.ADDITIVE:
         if a.partial and b.partial and (a.partial != b.partial or a.reduce_op != b.reduce_op):
             raise ctx.error(f"{op.fn} of partial pieces on different axes ({list(a.partial)} vs {list(b.partial)})",
                             "reduce one operand first (Reduction)")
@@ -251,13 +264,14 @@ def _contract(ctx: Ctx, x: int, w: int, x_dim: int, w_dim: int) -> tuple[tuple[s
 
 
 def rule_linear(ctx: Ctx) -> RuleResult:
+    op: O.Linear = ctx.op  # type: ignore[assignment]
     x, w = ctx.shardings[0], ctx.shardings[1]
-    partial, reduce_op = _contract(ctx, 0, 1, ctx.types[0].ndim - 1, 1)
-    out_axes = w.dims[0]
+    partial, reduce_op = _contract(ctx, 0, 1, ctx.types[0].ndim - 1, 1 - op.out_dim)
+    out_axes = w.dims[op.out_dim]
     scale = [1.0, 1.0]
     if len(ctx.names) == 3:
         ctx.no_partial(2)
-        ctx.agree([(1, 0), (2, 0)])
+        ctx.agree([(1, op.out_dim), (2, 0)])
         scale.append(_sum_scale(ctx, partial, reduce_op))
     out = ctx.output(x.dims[:-1] + (out_axes,), partial, reduce_op)
     return RuleResult((out,), ctx.local(in_scale=scale))
@@ -300,12 +314,52 @@ def rule_softmax(ctx: Ctx) -> RuleResult:
 
 
 def rule_attention(ctx: Ctx) -> RuleResult:
-    ctx.no_partial(0, 1, 2)
+    """Batch and head dims pass through (q, k, v and a mask agree on them; grouped-query heads too: with H and
+    Hkv split into the same number of blocks, query block r reads key/value block r). Keys and values need whole
+    sequences and q, k whole head dims (the scores contract over them); v's head dim passes to the output's;
+    without ``causal`` the query sequence may be sharded (a mask's T dim agreeing): each block of queries attends
+    to every key (a causal block would need its offset)."""
+    op: O.Attention = ctx.op  # type: ignore[assignment]
+    n = len(ctx.names)
+    ctx.no_partial(*range(n))
     nd = ctx.types[0].ndim
-    for i in range(3):
-        ctx.unsharded(i, [nd - 2, nd - 1], "attention needs whole sequences and head dims (shard heads or batch)")
-    dims = [ctx.agree([(0, k), (1, k), (2, k)]) for k in range(nd - 2)] + [(), ()]
+    if op.causal:
+        ctx.unsharded(0, [nd - 2], "causal attention needs the whole query sequence (shard heads or batch)")
+    ctx.unsharded(0, [nd - 1], "the scores contract over the head dim")
+    ctx.unsharded(1, [nd - 2, nd - 1], "every query reads the whole key sequence and head dim")
+    ctx.unsharded(2, [nd - 2], "every query reads the whole value sequence")
+    m_nd = ctx.types[3].ndim if n == 4 else 0
+    if n == 4:
+        ctx.unsharded(3, [m_nd - 1], "every query reads the whole key sequence")
+
+    def with_mask(pairs: list[tuple[int, int]], k: int) -> list[tuple[int, int]]:
+        return pairs + [(3, m_nd - nd + k)] if n == 4 and m_nd - nd + k >= 0 else pairs
+
+    dims = [ctx.agree(with_mask([(0, k), (1, k), (2, k)], k)) for k in range(nd - 2)]
+    dims.append(ctx.agree(with_mask([(0, nd - 2)], nd - 2)))
+    dims.append(ctx.shardings[2].dims[nd - 1])
     return RuleResult((ctx.output(dims),), ctx.local())
+
+
+def rule_conv(ctx: Ctx) -> RuleResult:
+    """Batch passes; input channels contracted with the weight's dim 1 give Partial(sum) (row parallel);
+    the weight's output channels give a sharded channel dim (column parallel); spatial dims must be whole."""
+    op: O.Conv = ctx.op  # type: ignore[assignment]
+    x, w = ctx.shardings[0], ctx.shardings[1]
+    nd = ctx.types[0].ndim
+    ctx.unsharded(0, range(2, nd), "convolution windows cross shard borders")
+    ctx.unsharded(1, range(2, nd), "the kernel must be whole")
+    if op.groups > 1:
+        ctx.unsharded(0, [1], "grouped convolution needs whole channels")
+        ctx.unsharded(1, [0, 1], "grouped convolution needs whole channels")
+    partial, reduce_op = _contract(ctx, 0, 1, 1, 1)
+    scale = [1.0, 1.0]
+    if len(ctx.names) == 3:
+        ctx.no_partial(2)
+        ctx.agree([(1, 0), (2, 0)])
+        scale.append(_sum_scale(ctx, partial, reduce_op))
+    out = ctx.output((x.dims[0], w.dims[0]) + ((),) * (nd - 2), partial, reduce_op)
+    return RuleResult((out,), ctx.local(in_scale=scale))
 
 
 def rule_cross_entropy(ctx: Ctx) -> RuleResult:
@@ -318,11 +372,17 @@ def rule_cross_entropy(ctx: Ctx) -> RuleResult:
 
 
 def rule_reduce(ctx: Ctx) -> RuleResult:
+    """A reduced dim that is sharded gives Partial: sum and mean → sum (a mean divides by the global count),
+    amax → max, amin → min. Sums keep Partial(sum); amax keeps Partial(max) (and amin, min)."""
     op: O.Reduce = ctx.op  # type: ignore[assignment]
-    ctx.linear_partials([0])
     s = ctx.shardings[0]
+    kind = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min"}[op.fn]
+    if kind == "sum":
+        ctx.linear_partials([0])
+    elif s.partial and s.reduce_op != kind:
+        ctx.no_partial(0)
     reduced = [a for d in op.dims for a in s.dims[d]]
-    partial, reduce_op = ctx.partial_of([0], reduced)
+    partial, reduce_op = ctx.partial_of([0], reduced, kind)
     dims = [() if d in op.dims else ax for d, ax in enumerate(s.dims) if op.keepdim or d not in op.dims]
     out_scale = 1.0 / ctx.degree(reduced) if op.fn == "mean" else 1.0
     return RuleResult((ctx.output(dims, partial, reduce_op),), ctx.local(out_scale=out_scale))
@@ -342,6 +402,87 @@ def rule_split(ctx: Ctx) -> RuleResult:
     s = ctx.shardings[0]
     outs = tuple(ctx.output(s.dims, s.partial, s.reduce_op, k) for k in range(len(op.sizes)))
     return RuleResult(outs, ctx.local())
+
+
+def rule_where(ctx: Ctx) -> RuleResult:
+    """Element-wise over (cond, a, b) with broadcasting; not linear in any operand."""
+    ctx.no_partial(0, 1, 2)
+    return RuleResult((ctx.output(_pointwise_dims(ctx, (0, 1, 2))),), ctx.local())
+
+
+def rule_expand(ctx: Ctx) -> RuleResult:
+    """Dims that keep their size pass through (an expanded dim had size 1: never sharded); linear."""
+    op: O.Expand = ctx.op  # type: ignore[assignment]
+    ctx.linear_partials([0])
+    s = ctx.shardings[0]
+    lead = len(op.shape) - ctx.types[0].ndim
+    out = ctx.output([()] * lead + list(s.dims), s.partial, s.reduce_op)
+    piece = out.parallel_shape(ctx.group, op.shape).piece_shape
+    return RuleResult((out,), ctx.local(dataclasses.replace(op, shape=piece)))
+
+
+def rule_slice(ctx: Ctx) -> RuleResult:
+    """The sliced dim must be whole (unless the slice keeps all of it); linear."""
+    op: O.Slice = ctx.op  # type: ignore[assignment]
+    ctx.linear_partials([0])
+    d = op.dim % ctx.types[0].ndim
+    if (op.start, op.end, op.step) != (0, ctx.types[0].shape[d], 1):
+        ctx.unsharded(0, [d], "slicing cuts along it")
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
+
+
+def rule_cat(ctx: Ctx) -> RuleResult:
+    """The cat dim must be whole in every input; the other dims agree; partial inputs must all be partial
+    alike (cat is linear in the tuple of its inputs)."""
+    op: O.Cat = ctx.op  # type: ignore[assignment]
+    n, nd = len(ctx.names), ctx.types[0].ndim
+    d = op.dim % nd
+    ctx.linear_partials(range(n))
+    for i in range(n):
+        ctx.unsharded(i, [d], "cat joins along it")
+    kinds = {(s.partial, s.reduce_op) for s in ctx.shardings}
+    if len(kinds) > 1:
+        raise ctx.error("cat of inputs with different partial placements", "reduce the partial inputs first (Reduction)")
+    dims = [ctx.agree([(i, k) for i in range(n)]) for k in range(nd)]
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output(dims, s.partial, s.reduce_op),), ctx.local())
+
+
+def rule_gather(ctx: Ctx) -> RuleResult:
+    """The gathered dim of the input must be whole (vocabulary-parallel gather is not supported); every other
+    dim agrees between input and index where their sizes match (else both whole). Linear in the input."""
+    op: O.Gather = ctx.op  # type: ignore[assignment]
+    ctx.linear_partials([0])
+    ctx.no_partial(1)
+    x, idx = ctx.types
+    d = op.dim % x.ndim
+    ctx.unsharded(0, [d], "gather picks along it")
+    dims: list[tuple[str, ...]] = []
+    for k in range(x.ndim):
+        if k == d:
+            dims.append(ctx.shardings[1].dims[k])
+        elif x.shape[k] == idx.shape[k]:
+            dims.append(ctx.agree([(0, k), (1, k)]))
+        else:
+            ctx.unsharded(0, [k], "the index covers only part of it")
+            ctx.unsharded(1, [k], "the index covers only part of the input's dim")
+            dims.append(())
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output(dims, s.partial, s.reduce_op),), ctx.local())
+
+
+def rule_pad(ctx: Ctx) -> RuleResult:
+    """Padded dims must be whole; zero padding is linear, other values are not."""
+    op: O.Pad = ctx.op  # type: ignore[assignment]
+    nd = ctx.types[0].ndim
+    ctx.unsharded(0, [nd - k for k, pair in op.padded_dims.items() if pair != (0, 0)], "padding extends it")
+    if op.value == 0:
+        ctx.linear_partials([0])
+    else:
+        ctx.no_partial(0)
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
 
 
 def reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
@@ -397,6 +538,14 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Reshape: rule_reshape,
     O.Split: rule_split,
     O.Softmax: rule_softmax,
+    O.Cast: rule_unary,
+    O.Where: rule_where,
+    O.Expand: rule_expand,
+    O.Slice: rule_slice,
+    O.Cat: rule_cat,
+    O.Gather: rule_gather,
+    O.Pad: rule_pad,
+    O.Conv: rule_conv,
     O.Reduce: rule_reduce,
     O.Attention: rule_attention,
     O.CrossEntropy: rule_cross_entropy,
@@ -404,7 +553,8 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
 
 
 def rule_replicated(ctx: Ctx) -> RuleResult:
-    """The rule of an op that has none of its own: it runs on whole (replicated) inputs, its outputs replicated."""
+    """The rule of an op that has none of its own (the generic :class:`~shardflow.graph.ops.Aten` op): it runs on
+    whole (replicated) inputs, its outputs replicated."""
     for i, s in enumerate(ctx.shardings):
         if s.used_axes:
             raise ctx.error(f"{ctx.op.kind} has no sharding rule, so it runs on replicated inputs only, but input "

@@ -43,7 +43,10 @@ def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) 
             r = torch.randn((p.sum_degree,) + blocks[d].shape, generator=gen, dtype=torch.float64)
             noise[key] = r.to(full.dtype)
         r = noise[key]
-        if p.reduce_op == "sum":
+        if p.reduce_op == "sum" and not full.dtype.is_floating_point:  # integers: exact pieces summing to the block
+            r = r.round()
+            piece = blocks[d] - r[1:].sum(0) if c.sum == 0 else r[c.sum]
+        elif p.reduce_op == "sum":
             piece = blocks[d] / p.sum_degree + r[c.sum] - r.mean(0)
         elif p.reduce_op == "avg":
             piece = blocks[d] + r[c.sum] - r.mean(0)

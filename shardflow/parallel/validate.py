@@ -115,6 +115,29 @@ CASES: tuple[Case, ...] = (
     Case("mean(dim 0, keepdim)", O.Reduce("mean", (0,), True), (_x("x", 4, 8),)),
     Case("mean(all)", O.Reduce("mean", (0, 1)), (_x("x", 4, 8),)),
     Case("attention", O.Attention(causal=True), (_x("q", 4, 8, 4), _x("k", 4, 8, 4), _x("v", 4, 8, 4))),
+    Case("linear(transposed, addmm)", O.Linear(bias=True, transposed=True), (_x("x", 4, 8), _x("w", 8, 4), _x("b", 4))),
+    Case("silu", O.Unary("silu"), (_x("x", 4, 8),)),
+    Case("rsqrt", O.Unary("rsqrt"), (_x("x", 4, 8, positive=True),)),
+    Case("exp", O.Unary("exp"), (_x("x", 4, 8),)),
+    Case("maximum", O.Binary("maximum"), (_x("a", 4, 8), _x("b", 4, 8))),
+    Case("eq", O.Binary("eq"), (_x("a", 4, 8, dtype="int64", high=3), _x("b", 8, dtype="int64", high=3))),
+    Case("scalar pow", O.Scalar("pow", 2.0), (_x("x", 4, 8),)),
+    Case("scalar ne", O.Scalar("ne", 1), (_x("x", 4, 8, dtype="int64", high=3),)),
+    Case("where", O.Where(), (_x("c", 4, 8, dtype="bool"), _x("a", 4, 8), _x("b", 8))),
+    Case("cast(float32 → float64)", O.Cast("float64"), (_x("x", 4, 8, dtype="float32"),)),
+    Case("cast(int64 → float64)", O.Cast("float64"), (_x("x", 4, 8, dtype="int64", high=5),)),
+    Case("expand", O.Expand((4, 4, 8)), (_x("x", 4, 1, 8),)),
+    Case("slice", O.Slice(1, 2, 8, 2), (_x("x", 4, 8),)),
+    Case("cat", O.Cat(1), (_x("a", 4, 8), _x("b", 4, 4))),
+    Case("gather", O.Gather(1), (_x("x", 4, 8), _x("idx", 4, 4, dtype="int64", high=8))),
+    Case("pad", O.Pad((1, 2)), (_x("x", 4, 8),)),
+    Case("pad(value)", O.Pad((0, 0, 1, 0), 1.5), (_x("x", 4, 8),)),
+    Case("log_softmax", O.Softmax(1, log=True), (_x("x", 4, 8, 4),)),
+    Case("amax(dim 1)", O.Reduce("amax", (1,)), (_x("x", 4, 8),)),
+    Case("attention(mask, gqa)", O.Attention(causal=False, mask=True, gqa=True),
+         (_x("q", 4, 8, 4, 4), _x("k", 4, 4, 4, 4), _x("v", 4, 4, 4, 4), _x("m", 4, 1, 4, 4, dtype="bool"))),
+    Case("conv", O.Conv((1, 1), (0, 0), (1, 1)), (_x("x", 4, 4, 4, 4), _x("w", 4, 4, 1, 1), _x("b", 4))),
+    Case("aten(cumsum)", O.Aten("aten.cumsum.default", (O.Arg(0), 1)), (_x("x", 4, 8),)),
     Case("cross_entropy(mean)", O.CrossEntropy("mean"), (_x("logits", 8, 4), _x("target", 8, dtype="int64", high=4))),
     Case("cross_entropy(sum)", O.CrossEntropy("sum"), (_x("logits", 8, 4), _x("target", 8, dtype="int64", high=4))),
 )
@@ -133,7 +156,9 @@ def case_values(case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for s in case.inputs:
-        if s.high:
+        if s.dtype == "bool":
+            out[s.name] = torch.randint(0, 2, s.shape, generator=gen).bool()
+        elif s.high:
             out[s.name] = torch.randint(0, s.high, s.shape, generator=gen)
         elif s.positive:
             out[s.name] = 1.0 + torch.rand(s.shape, generator=gen, dtype=torch.float64)

@@ -1,0 +1,587 @@
+"""Capture any ``nn.Module`` as a :class:`ComputationGraph` through ``torch.export`` (the ATen front end).
+
+:func:`capture` runs ``torch.export.export`` on the module called as ``module(**batch)``, decomposes the
+exported program to core ATen (:data:`KEEP` lists the few ops kept whole, and why), and lifts it node by node:
+
+* parameters become ``weight`` tensors named by their module FQN (``model.layers.0.self_attn.q_proj.weight``;
+  tied parameters appear once, as ``torch.export`` lists them), data inputs are named by the batch's keys;
+* a node whose arguments hold no graph tensor (masks from ``arange``/``cumsum``/``eq``, position ids, rotary
+  tables from buffers) is **folded**: evaluated once on real values; a folded tensor read by a graph op becomes a
+  ``constant`` tensor;
+* every other node becomes one op of :mod:`shardflow.graph.ops` through the table :data:`LIFT` (ATen overload →
+  handler), and an ATen op with no entry becomes a generic :class:`~shardflow.graph.ops.Aten` op (its rule
+  replicates the inputs; ``shardflow plan`` lists it). Each node keeps the module path it ran in (from
+  ``nn_module_stack``) as its scope, and each lifted tensor is checked against the shape and dtype export recorded.
+
+The model contract: ``module(**batch)`` returns a scalar loss, or an object with a ``.loss`` (the Hugging Face
+convention: pass ``labels``). Buffer mutations (batch-norm running statistics) are not part of the graph: a
+training step here updates parameters only.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import traceback
+import warnings
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from shardflow.graph import ComputationGraph, GraphBuilder, OpError
+from shardflow.graph import ops as O
+from shardflow.graph.ops import TensorType, dtype_name
+
+aten = torch.ops.aten
+
+
+class CaptureError(ValueError):
+    """The module cannot be captured: export fails (the message names the model's source line and the usual
+    fix), the batch does not fit, or the forward returns no scalar loss."""
+
+
+# Ops kept undecomposed, because their rule is better than their decomposition's:
+# * sdpa: heads (and a mask's broadcast dims) shard as one op; its decomposition (matmul, softmax, matmul with a
+#   materialised [T, S] score tensor) would need the same rule spread over five ops and costs memory;
+# * linear: one rule sees weight, bias and the contraction together (row/column parallel, the bias scaled once
+#   for a partial output); decomposed it is a transpose, a matmul and a broadcast add on a flattened view;
+# * layer_norm: one normalisation over whole trailing dims instead of mean/var/rsqrt chains (same rule: the
+#   normalised dims must be whole, so nothing is lost by keeping it).
+KEEP = (aten.scaled_dot_product_attention.default, aten.linear.default, aten.layer_norm.default)
+
+
+class _LossOf(nn.Module):
+    """``module(**batch)``, reduced to its loss (a tensor, or ``.loss`` of what it returns)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, **batch):
+        out = self.inner(**batch)
+        loss = getattr(out, "loss", out)
+        if not isinstance(loss, torch.Tensor):
+            raise CaptureError(f"{type(self.inner).__name__}(**batch) must return a scalar loss tensor or an object "
+                               f"with .loss (Hugging Face models: pass labels), got {type(out).__name__}")
+        return loss
+
+
+def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProgram:
+    """``torch.export`` of ``module(**batch)`` reduced to its loss, decomposed to core ATen but :data:`KEEP`.
+
+    Raises:
+        CaptureError: export cannot trace the model; the message gives export's reason, the model's source line
+            it failed on, and the usual fix.
+    """
+    try:
+        with warnings.catch_warnings():  # torch's own deprecations inside export are no news to the user
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.export(_LossOf(module), (), dict(batch), strict=False)
+    except CaptureError:
+        raise
+    except Exception as e:  # export raises many kinds (UserError, GuardOnDataDependentSymNode, TypeError, ...)
+        raise CaptureError(_export_failure(module, e)) from e
+    table = torch.export.default_decompositions()
+    for op in KEEP:
+        table.pop(op, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return ep.run_decompositions(table)
+
+
+def _export_failure(module: nn.Module, e: Exception) -> str:
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    frames = [f for f in _frames(e) if "/torch/" not in f.filename and "shardflow" not in f.filename]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    fix = ("pass use_cache=False in a Hugging Face model's config (no KV cache in training), and make sure the "
+           "forward does not branch on tensor values (.item(), data-dependent shapes)")
+    return f"torch.export cannot capture {type(module).__name__}{where}: {type(e).__name__}: {first}. Usual fix: {fix}"
+
+
+def _frames(e: BaseException) -> list[traceback.FrameSummary]:
+    out: list[traceback.FrameSummary] = []
+    while e is not None:
+        out += traceback.extract_tb(e.__traceback__)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def capture(module: nn.Module, batch: Mapping[str, torch.Tensor], *, loss: bool = True) -> ComputationGraph:
+    """The computation graph of ``module(**batch)``: core ATen, lifted to shardflow's ops.
+
+    Args:
+        module: any ``torch.export``-able model (Hugging Face, torchtitan, your own). Its parameters' dtype and
+            device are the graph's (call ``module.double()`` first for float64).
+        batch: keyword arguments of the forward → example tensors (e.g. ``input_ids [B, T]`` and ``labels [B, T]``,
+            int64); the graph's inputs have their names, shapes and dtypes.
+        loss: the single output (shape ``[]``) is the graph's loss; with ``loss=False`` the output may have any
+            shape (it is not trained).
+
+    Returns:
+        The graph: one input per batch key, one weight per parameter (module FQNs), constants for buffers and
+        folded tensors, one output.
+
+    Raises:
+        CaptureError: export fails (see :func:`export`), an example is not a tensor, a lifted shape differs from
+            export's, or ``loss`` is set and the output is not a scalar.
+    """
+    for k, v in batch.items():
+        if not isinstance(v, torch.Tensor):
+            raise CaptureError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}")
+    ep = export(module, batch)
+    return _Lift(ep, batch).run(loss)
+
+
+_PREFIX = "inner."
+
+
+def _fqn(target: str) -> str:
+    return target.removeprefix(_PREFIX)
+
+
+def _scope(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = next(reversed(stack.values()))[0]
+    return "" if path in ("", "inner") else path.removeprefix(_PREFIX)
+
+
+class _Lift:
+    """One walk over an exported program's graph."""
+
+    def __init__(self, ep: ExportedProgram, batch: Mapping[str, torch.Tensor]):
+        self.ep = ep
+        self.b = GraphBuilder()
+        self.env: dict[torch.fx.Node, Any] = {}  # fx node → graph tensor name (str wrapped in _T) or a real value
+        self.const_names: dict[int, str] = {}  # id(folded tensor) → its graph constant
+        self.folded: list[torch.Tensor] = []
+        state = {**ep.state_dict, **ep.constants}
+        specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+        for node in ep.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            spec = specs[node.name]
+            if spec.kind == InputKind.PARAMETER:
+                p = state[spec.target]
+                self.env[node] = _T(self.b.weight(_fqn(spec.target), p.shape, dtype_name(p.dtype)))
+            elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                self.env[node] = state[spec.target].detach()
+            elif spec.kind == InputKind.USER_INPUT:
+                x = batch[node.name]
+                self.env[node] = _T(self.b.input(node.name, x.shape, dtype_name(x.dtype)))
+            else:
+                raise CaptureError(f"unsupported exported input {spec}")
+
+    def run(self, loss: bool) -> ComputationGraph:
+        out_node = None
+        with torch.no_grad():
+            for node in self.ep.graph.nodes:
+                if node.op == "call_function":
+                    self._call(node)
+                elif node.op == "output":
+                    out_node = node
+        specs = self.ep.graph_signature.output_specs
+        users = [a for a, s in zip(out_node.args[0], specs) if s.kind == OutputKind.USER_OUTPUT]
+        if len(users) != 1 or not isinstance(self.env.get(users[0]), _T):
+            raise CaptureError("the forward must return one tensor computed from the batch and the parameters")
+        out = self.env[users[0]].name
+        if loss and self.b.shape(out) != ():
+            raise CaptureError(f"the forward's output has shape {list(self.b.shape(out))}, not a scalar loss: return "
+                               f"the loss (Hugging Face models: pass labels in the batch)")
+        return self.b.build([out], out if loss else None)
+
+    # --- nodes ----------------------------------------------------------------------------------------------
+    def _call(self, node: torch.fx.Node) -> None:
+        target = node.target
+        if target is operator.getitem:
+            src, i = node.args
+            self.env[node] = self.env[src][i]
+            return
+        args = torch.fx.node.map_arg(node.args, self.env.__getitem__)
+        kwargs = torch.fx.node.map_arg(node.kwargs, self.env.__getitem__)
+        if not _has_graph_tensor((args, kwargs)):  # constant folding
+            self.env[node] = target(*_real(args), **_real(kwargs))
+            return
+        handler = LIFT.get(target)
+        with self.b.scope(_scope(node)):
+            try:
+                value = handler(self, node, *args, **kwargs) if handler else None
+                if value is None:
+                    value = self._generic(node, args, kwargs)
+            except OpError as e:
+                raise CaptureError(f"ATen node {node.name!r} ({target}) in module {_scope(node) or '<root>'!r}: {e}") \
+                    from None
+        self._check(node, value)
+        self.env[node] = value
+
+    def _generic(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+        tensors: list[str] = []
+
+        def template(v):
+            if isinstance(v, _T) or isinstance(v, torch.Tensor):
+                tensors.append(self.tensor(v))
+                return O.Arg(len(tensors) - 1)
+            if isinstance(v, (list, tuple)):
+                return tuple(template(x) for x in v)
+            return v
+
+        op = O.Aten(target_name(node.target), template(args), tuple((k, template(v)) for k, v in kwargs.items()))
+        outs = self.b.apply(op, tensors, name=node.name)
+        val = node.meta.get("val")
+        return tuple(_T(o) for o in outs) if isinstance(val, (tuple, list)) else _T(outs[0])
+
+    def _check(self, node: torch.fx.Node, value: Any) -> None:
+        vals = node.meta.get("val")
+        pairs = zip(value, vals) if isinstance(value, tuple) and vals is not None else [(value, vals)]
+        for v, m in pairs:
+            if isinstance(v, _T) and isinstance(m, torch.Tensor):
+                got, want = self.b.type_of(v.name), TensorType(tuple(m.shape), dtype_name(m.dtype))
+                if got != want:
+                    raise CaptureError(f"ATen node {node.name!r} ({node.target}) lifted to {got}, but export says "
+                                       f"{want}: a bug in shardflow's lifting of this op")
+
+    # --- helpers for the handlers ---------------------------------------------------------------------------
+    def tensor(self, v: Any) -> str:
+        """Graph name of a tensor argument; a folded tensor (or a Python number) becomes a constant."""
+        if isinstance(v, _T):
+            return v.name
+        if not isinstance(v, torch.Tensor):
+            v = torch.tensor(v)
+        if id(v) not in self.const_names:
+            self.const_names[id(v)] = self.b.constant("const", v)
+            self.folded.append(v)  # alive while the walk lasts, so its id stays its own
+        return self.const_names[id(v)]
+
+    def apply(self, op: O.Op, inputs: list, node: torch.fx.Node) -> _T:
+        return _T(self.b.apply(op, [self.tensor(x) for x in inputs], name=node.name)[0])
+
+    def shape(self, node: torch.fx.Node) -> tuple[int, ...]:
+        return tuple(int(s) for s in node.meta["val"].shape)
+
+
+class _T:
+    """A graph tensor (by builder name) standing for an fx node's value."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"_T({self.name!r})"
+
+
+def _has_graph_tensor(x: Any) -> bool:
+    if isinstance(x, _T):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_has_graph_tensor(v) for v in x)
+    if isinstance(x, dict):
+        return any(_has_graph_tensor(v) for v in x.values())
+    return False
+
+
+def _real(x: Any) -> Any:
+    """Folded arguments: a ``meta`` device becomes the CPU (a model on meta still folds its index tables)."""
+    if isinstance(x, torch.device) and x.type == "meta":
+        return torch.device("cpu")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_real(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _real(v) for k, v in x.items()}
+    return x
+
+
+def target_name(target: Any) -> str:
+    """``"aten.add.Tensor"`` for ``torch.ops.aten.add.Tensor``."""
+    return re.sub(r"^(\w+)::", r"\1.", target.name()) if hasattr(target, "name") else str(target)
+
+
+# --- the lifting table: ATen overload → handler(lift, node, *args, **kwargs) → _T | tuple | None ---------------
+# A handler returns None to fall back to the generic Aten op (arguments it does not model).
+def _dim(d: int, nd: int) -> int:
+    return d % nd if nd else 0
+
+
+def _unary(fn: str) -> Callable:
+    return lambda c, node, x: c.apply(O.Unary(fn), [x], node)
+
+
+def _gelu(c, node, x, approximate="none"):
+    return c.apply(O.Unary("gelu" if approximate == "none" else "gelu_tanh"), [x], node)
+
+
+def _binary(fn: str, scalar_fn: str | None = None, reverse_fn: str | None = None) -> Callable:
+    def handler(c, node, a, b, *, alpha=1):
+        if alpha != 1:
+            return None
+        if isinstance(b, (int, float, bool)) and scalar_fn:
+            return c.apply(O.Scalar(scalar_fn, b), [a], node)
+        if isinstance(a, (int, float, bool)) and reverse_fn:
+            return c.apply(O.Scalar(reverse_fn, a), [b], node)
+        return c.apply(O.Binary(fn), [a, b], node)
+    return handler
+
+
+def _scalar(fn: str) -> Callable:
+    def handler(c, node, x, s, *, alpha=1):
+        return c.apply(O.Scalar(fn, s), [x], node) if alpha == 1 else None
+    return handler
+
+
+def _view(c, node, x, *_, **__):
+    return c.apply(O.Reshape(c.shape(node)), [x], node)
+
+
+def _alias(c, node, x, *_, memory_format=None, **__):
+    return x  # clone / alias / contiguous: the value itself (no node)
+
+
+def _to_copy(c, node, x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
+             memory_format=None):
+    if device is not None and torch.device(device) != node.args[0].meta["val"].device:
+        return None
+    want = dtype_name(node.meta["val"].dtype)
+    if isinstance(x, _T) and c.b.type_of(x.name).dtype == want:
+        return x
+    return c.apply(O.Cast(want), [x], node)
+
+
+def _permute(c, node, x, dims):
+    nd = len(dims)
+    return c.apply(O.Permute(tuple(_dim(d, nd) for d in dims)), [x], node)
+
+
+def _transpose(c, node, x, d0=0, d1=1):
+    nd = len(node.meta["val"].shape)
+    dims = list(range(nd))
+    if nd:
+        a, b = _dim(d0, nd), _dim(d1, nd)
+        dims[a], dims[b] = dims[b], dims[a]
+    return c.apply(O.Permute(tuple(dims)), [x], node)
+
+
+def _expand(c, node, x, sizes, *, implicit=False):
+    return c.apply(O.Expand(c.shape(node)), [x], node)
+
+
+def _slice(c, node, x, dim=0, start=None, end=None, step=1):
+    size = node.args[0].meta["val"].shape
+    d = _dim(dim, len(size))
+    lo, hi, _ = slice(start, end, step).indices(int(size[d]))
+    return c.apply(O.Slice(d, lo, max(lo, hi), step), [x], node)
+
+
+def _select(c, node, x, dim, index):
+    size = node.args[0].meta["val"].shape
+    d = _dim(dim, len(size))
+    i = index % int(size[d])
+    sliced = _T(c.b.apply(O.Slice(d, i, i + 1), [c.tensor(x)], name=node.name + "_slice")[0])
+    return c.apply(O.Reshape(c.shape(node)), [sliced], node)
+
+
+def _split_sizes(c, node, x, sizes, dim=0):
+    nd = len(node.args[0].meta["val"].shape)
+    outs = c.b.apply(O.Split(tuple(int(s) for s in sizes), _dim(dim, nd)), [c.tensor(x)], name=node.name)
+    return tuple(_T(o) for o in outs)
+
+
+def _split(c, node, x, size, dim=0):
+    return _split_sizes(c, node, x, [int(v.shape[_dim(dim, v.ndim)]) for v in node.meta["val"]], dim)
+
+
+def _cat(c, node, xs, dim=0):
+    nd = len(node.meta["val"].shape)
+    return c.apply(O.Cat(_dim(dim, nd)), list(xs), node)
+
+
+def _reduce(fn: str) -> Callable:
+    def handler(c, node, x, dims=None, keepdim=False, *, dtype=None):
+        nd = len(node.args[0].meta["val"].shape)
+        if dtype is not None:
+            return None
+        dims = range(nd) if dims is None or list(dims) == [] else dims
+        return c.apply(O.Reduce(fn, tuple(sorted(_dim(d, nd) for d in dims)), keepdim), [x], node)
+    return handler
+
+
+def _reduce_all(fn: str) -> Callable:
+    def handler(c, node, x, *, dtype=None):
+        return None if dtype is not None else _reduce(fn)(c, node, x)
+    return handler
+
+
+def _var(c, node, x, dims=None, *, correction=None, keepdim=False):
+    """``var`` as mean, subtract, square, sum, divide: every step has a rule, so a variance over a sharded dim
+    (batch norm on a data-parallel batch) becomes partial sums and reductions: synchronized batch norm."""
+    val = node.args[0].meta["val"]
+    nd = val.ndim
+    dims = tuple(sorted(_dim(d, nd) for d in (range(nd) if not dims else dims)))
+    n = 1
+    for d in dims:
+        n *= int(val.shape[d])
+    corr = 1 if correction is None else correction
+    b, s = c.b, c.tensor(x)
+    mean = b.apply(O.Reduce("mean", dims, True), [s], name=node.name + "_mean")[0]
+    dev = b.apply(O.Binary("sub"), [s, mean], name=node.name + "_dev")[0]
+    sq = b.apply(O.Binary("mul"), [dev, dev], name=node.name + "_sq")[0]
+    ssum = b.apply(O.Reduce("sum", dims, keepdim), [sq], name=node.name + "_sum")[0]
+    return _T(b.apply(O.Scalar("div", float(max(n - corr, 0))), [ssum], name=node.name)[0])
+
+
+def _var_mean(c, node, x, dims=None, *, correction=None, keepdim=False):
+    val = node.args[0].meta["val"]
+    nd = val.ndim
+    dims_n = tuple(sorted(_dim(d, nd) for d in (range(nd) if not dims else dims)))
+    var = _var(c, node, x, dims, correction=correction, keepdim=keepdim)
+    mean = _T(c.b.apply(O.Reduce("mean", dims_n, keepdim), [c.tensor(x)], name=node.name + "_m")[0])
+    return var, mean
+
+
+def _softmax(log: bool) -> Callable:
+    def handler(c, node, x, dim, half_to_float=False):
+        if half_to_float:
+            return None
+        return c.apply(O.Softmax(_dim(dim, len(c.shape(node))), log), [x], node)
+    return handler
+
+
+def _linear(c, node, x, w, b=None):
+    return c.apply(O.Linear(bias=b is not None), [x, w] + ([b] if b is not None else []), node)
+
+
+def _addmm(c, node, b, x, w, *, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        return None
+    return c.apply(O.Linear(bias=True, transposed=True), [x, w, b], node)
+
+
+def _matmul(c, node, a, b):
+    return c.apply(O.Matmul(), [a, b], node)
+
+
+def _embedding(c, node, w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if scale_grad_by_freq or sparse:
+        return None
+    return c.apply(O.Embedding(padding_idx), [idx, w], node)
+
+
+def _layer_norm(c, node, x, shape, w=None, b=None, eps=1e-5, cudnn_enable=True):
+    ins = [x] + ([w] if w is not None else []) + ([b] if w is not None and b is not None else [])
+    if w is None and b is not None:
+        return None
+    return c.apply(O.LayerNorm(len(shape), eps, w is not None, b is not None), ins, node)
+
+
+def _dropout(c, node, x, p, train):
+    if train is False or p == 0:
+        out = x
+    else:
+        out = c.apply(O.Dropout(p), [x], node)
+    return out, None  # the mask output: reading it is unsupported (None is no graph tensor)
+
+
+def _sdpa(c, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    if dropout_p:
+        raise CaptureError(f"ATen node {node.name!r}: attention dropout (p={dropout_p}) is not supported: its mask "
+                           f"is drawn inside the fused kernel. Set the model's attention dropout to 0 "
+                           f"(Hugging Face: attn_pdrop=0.0 / attention_dropout=0.0)")
+    ins = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
+    return c.apply(O.Attention(bool(is_causal), scale, attn_mask is not None, bool(enable_gqa)), ins, node)
+
+
+def _where(c, node, cond, a, b):
+    return c.apply(O.Where(), [cond, a, b], node)
+
+
+def _gather(c, node, x, dim, index, *, sparse_grad=False):
+    return c.apply(O.Gather(_dim(dim, len(c.shape(node)))), [x, index], node)
+
+
+def _pad(c, node, x, pad, value=0):
+    return c.apply(O.Pad(tuple(int(p) for p in pad), value), [x], node)
+
+
+def _conv(c, node, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    if transposed:
+        return None
+    ins = [x, w] + ([b] if b is not None else [])
+    return c.apply(O.Conv(tuple(stride), tuple(padding), tuple(dilation), int(groups), b is not None), ins, node)
+
+
+def _skip(c, node, *args, **kwargs):
+    return ()
+
+
+LIFT: dict[Any, Callable] = {
+    aten.linear.default: _linear,
+    aten.addmm.default: _addmm,
+    aten.mm.default: _matmul,
+    aten.bmm.default: _matmul,
+    aten.matmul.default: _matmul,
+    aten.embedding.default: _embedding,
+    aten.layer_norm.default: _layer_norm,
+    aten.native_dropout.default: _dropout,
+    aten.scaled_dot_product_attention.default: _sdpa,
+    aten.convolution.default: _conv,
+    aten._softmax.default: _softmax(False),
+    aten._log_softmax.default: _softmax(True),
+    aten.where.self: _where,
+    aten.gather.default: _gather,
+    aten.constant_pad_nd.default: _pad,
+    aten._to_copy.default: _to_copy,
+    aten.clone.default: _alias,
+    aten.alias.default: _alias,
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.reshape.default: _view,
+    aten.squeeze.dims: _view,
+    aten.squeeze.dim: _view,
+    aten.squeeze.default: _view,
+    aten.unsqueeze.default: _view,
+    aten.permute.default: _permute,
+    aten.t.default: _transpose,
+    aten.transpose.int: _transpose,
+    aten.expand.default: _expand,
+    aten.slice.Tensor: _slice,
+    aten.select.int: _select,
+    aten.split_with_sizes.default: _split_sizes,
+    aten.split.Tensor: _split,
+    aten.cat.default: _cat,
+    aten.sum.dim_IntList: _reduce("sum"),
+    aten.sum.default: _reduce_all("sum"),
+    aten.mean.dim: _reduce("mean"),
+    aten.mean.default: _reduce_all("mean"),
+    aten.amax.default: _reduce("amax"),
+    aten.amin.default: _reduce("amin"),
+    aten.var.correction: _var,
+    aten.var_mean.correction: _var_mean,
+    aten.add.Tensor: _binary("add", "add", "add"),
+    aten.sub.Tensor: _binary("sub", "sub", "rsub"),
+    aten.mul.Tensor: _binary("mul", "mul", "mul"),
+    aten.div.Tensor: _binary("div", "div", "rdiv"),
+    aten.pow.Tensor_Tensor: _binary("pow"),
+    aten.maximum.default: _binary("maximum"),
+    aten.minimum.default: _binary("minimum"),
+    aten.add.Scalar: _scalar("add"),
+    aten.sub.Scalar: _scalar("sub"),
+    aten.rsub.Scalar: _scalar("rsub"),
+    aten.mul.Scalar: _scalar("mul"),
+    aten.div.Scalar: _scalar("div"),
+    aten.pow.Tensor_Scalar: _scalar("pow"),
+    aten._assert_tensor_metadata.default: _skip,
+}
+for _fn in ("eq", "ne", "lt", "le", "gt", "ge"):
+    LIFT[getattr(aten, _fn).Tensor] = _binary(_fn, _fn)
+    LIFT[getattr(aten, _fn).Scalar] = _scalar(_fn)
+for _fn in ("bitwise_and", "bitwise_or"):
+    LIFT[getattr(aten, _fn).Tensor] = _binary(_fn)
+for _fn in ("relu", "tanh", "neg", "silu", "sigmoid", "rsqrt", "sqrt", "exp", "log", "cos", "sin", "abs", "erf",
+            "logical_not", "bitwise_not"):
+    LIFT[getattr(aten, _fn).default] = _unary(_fn)
+LIFT[aten.gelu.default] = _gelu

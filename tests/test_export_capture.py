@@ -1,0 +1,159 @@
+"""Capture through torch.export: models nobody here wrote (Hugging Face, built from tiny configs with random
+init) and our own GPT arrive as core ATen and lift to shardflow's ops with the eager numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardflow.capture import CaptureError, capture, wide_floats
+from shardflow.graph import ComputationGraph
+from shardflow.graph import ops as O
+from shardflow.models.gpt import GPT, GPTConfig
+from shardflow.reference import run_backward, run_forward, weights_of
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-12  # float64, same ops in the same order: equal to rounding
+
+
+def hf_llama():
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_gpt2():
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def batch(vocab=96, B=2, T=8, seed=0):
+    ids = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def eager(model, b):
+    model.zero_grad()
+    out = model(**b)
+    loss = getattr(out, "loss", out)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def check_against_eager(model: nn.Module, b: dict, graph: ComputationGraph) -> None:
+    """Loss and every weight gradient of the captured graph equal eager PyTorch's (float64)."""
+    w = weights_of(model, graph)
+    env = run_forward(graph, b, w)
+    grads = run_backward(graph, b, w)
+    loss, ref = eager(model, b)
+    assert abs(float(env[graph.loss]) - float(loss)) <= TOL
+    for name in graph.weights:
+        assert torch.allclose(grads[name], ref[name], rtol=0, atol=1e-10), name
+
+
+@pytest.mark.parametrize("make", [hf_llama, hf_gpt2], ids=["llama", "gpt2"])
+def test_hugging_face_models_capture_with_eager_numbers(make):
+    torch.manual_seed(0)
+    model = make().double()
+    b = batch()
+    with wide_floats():
+        graph = capture(model, b)
+        check_against_eager(model, b, graph)
+    assert graph.inputs == ("input_ids", "labels")
+    params = dict(model.named_parameters())  # tied weights (GPT-2's lm_head) once, under export's name
+    assert len(graph.weights) == len(params)
+    assert all(graph.tensors[w].dtype == "float64" for w in graph.weights)
+    scopes = {n.scope for n in graph.nodes}
+    assert any(s.endswith("self_attn.q_proj") or s.endswith("attn.c_attn") for s in scopes)
+
+
+def test_llama_lifts_to_rules_not_the_fallback():
+    """Every ATen op of the tiny Llama has a rule (no generic Aten op), and sdpa stays whole with GQA."""
+    torch.manual_seed(0)
+    graph = capture(hf_llama(), batch())
+    assert [n.op.describe() for n in graph.nodes if isinstance(n.op, O.Aten)] == []
+    attn = [n.op for n in graph.nodes if isinstance(n.op, O.Attention)]
+    assert len(attn) == 2 and all(a.causal or a.mask for a in attn)
+    linears = [n for n in graph.nodes if isinstance(n.op, O.Linear)]
+    assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + lm_head
+
+
+def test_our_gpt_captures_with_eager_numbers():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_embd=16, n_head=2)).double()
+    idx = torch.randint(0, 32, (2, 8))
+    b = {"idx": idx, "targets": idx}
+    graph = capture(model, b)
+    assert graph.inputs == ("idx", "targets")
+    assert graph.weights == tuple(dict(model.named_parameters()))
+    check_against_eager(model, b, graph)
+
+
+def test_rotary_tables_and_masks_are_folded():
+    """Position ids, rotary cos/sin and the causal mask depend on no input: they are constants, not nodes."""
+    torch.manual_seed(0)
+    graph = capture(hf_llama(), batch())
+    ops = {n.op.kind for n in graph.nodes}
+    assert not {"cumsum", "arange"} & {n.op.describe() for n in graph.nodes}
+    assert graph.by_role("constant")
+    unary = {n.op.fn for n in graph.nodes if isinstance(n.op, O.Unary)}
+    assert not {"cos", "sin"} & unary  # the rotary tables were folded
+    assert "attention" in ops
+
+
+def test_meta_model_and_batch_give_the_same_graph():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_embd=16, n_head=2))
+    idx = torch.randint(0, 32, (2, 8))
+    real = capture(model, {"idx": idx, "targets": idx})
+    with torch.device("meta"):
+        meta_model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_embd=16, n_head=2))
+    m = idx.to("meta")
+    meta = capture(meta_model, {"idx": m, "targets": m})
+    assert meta.listing() == real.listing()
+
+
+def test_json_round_trip_keeps_aten_ops():
+    class Cum(nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, 1).sum()
+
+    graph = capture(Cum(), {"x": torch.randn(2, 3)})
+    assert any(isinstance(n.op, O.Aten) for n in graph.nodes)
+    assert ComputationGraph.from_json(graph.to_json()) == graph
+
+
+def test_loss_contract():
+    class NotScalar(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    with pytest.raises(CaptureError, match="not a scalar loss"):
+        capture(NotScalar(), {"x": torch.randn(2, 3)})
+    assert capture(NotScalar(), {"x": torch.randn(2, 3)}, loss=False).loss is None
+
+
+def test_export_failure_names_the_source_line_and_fix():
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # branches on a value: export cannot trace it
+                return x.sum()
+            return -x.sum()
+
+    with pytest.raises(CaptureError, match=r"torch.export cannot capture DataDependent at .*test_export_capture.py:\d+"
+                                           r".*Usual fix"):
+        capture(DataDependent(), {"x": torch.randn(2, 3)})
+
+
+def test_attention_dropout_is_refused_with_the_config_fix():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=16, use_cache=False,
+                                  attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(CaptureError, match="attention dropout .* attn_pdrop=0.0"):
+        capture(model, batch())
