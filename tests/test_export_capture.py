@@ -11,7 +11,7 @@ from shardflow.capture import CaptureError, capture, wide_floats
 from shardflow.graph import ComputationGraph
 from shardflow.graph import ops as O
 from shardflow.models.gpt import GPT, GPTConfig
-from shardflow.reference import run_backward, run_forward, weights_of
+from shardflow.reference import run_backward, weights_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,8 +47,7 @@ def eager(model, b):
 def check_against_eager(model: nn.Module, b: dict, graph: ComputationGraph) -> None:
     """Loss and every weight gradient of the captured graph equal eager PyTorch's (float64)."""
     w = weights_of(model, graph)
-    env = run_forward(graph, b, w)
-    grads = run_backward(graph, b, w)
+    env, grads = run_backward(graph, b, w)
     loss, ref = eager(model, b)
     assert abs(float(env[graph.loss]) - float(loss)) <= TOL
     for name in graph.weights:

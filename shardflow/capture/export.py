@@ -21,7 +21,6 @@ training step here updates parameters only.
 from __future__ import annotations
 
 import operator
-import re
 import traceback
 import warnings
 from typing import Any, Callable, Mapping
@@ -162,13 +161,16 @@ class _Lift:
         self.folded: list[torch.Tensor] = []
         state = {**ep.state_dict, **ep.constants}
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+        tied: dict[int, _T] = {}
         for node in ep.graph.nodes:
             if node.op != "placeholder":
                 continue
             spec = specs[node.name]
-            if spec.kind == InputKind.PARAMETER:
+            if spec.kind == InputKind.PARAMETER:  # tied parameters: one weight, under the first name
                 p = state[spec.target]
-                self.env[node] = _T(self.b.weight(_fqn(spec.target), p.shape, dtype_name(p.dtype)))
+                if id(p) not in tied:
+                    tied[id(p)] = _T(self.b.weight(_fqn(spec.target), p.shape, dtype_name(p.dtype)))
+                self.env[node] = tied[id(p)]
             elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 self.env[node] = state[spec.target].detach()
             elif spec.kind == InputKind.USER_INPUT:
@@ -298,8 +300,8 @@ def _real(x: Any) -> Any:
 
 
 def target_name(target: Any) -> str:
-    """``"aten.add.Tensor"`` for ``torch.ops.aten.add.Tensor``."""
-    return re.sub(r"^(\w+)::", r"\1.", target.name()) if hasattr(target, "name") else str(target)
+    """``"aten.cumsum.default"`` for ``torch.ops.aten.cumsum.default``."""
+    return str(target)
 
 
 # --- the lifting table: ATen overload → handler(lift, node, *args, **kwargs) → _T | tuple | None ---------------
