@@ -108,7 +108,11 @@ def test_sp_plan_structure(gpt2):
 def test_dp_plan_shards_only_the_batch(gpt2):
     _, graph, _ = gpt2
     pcg = pcg_for(graph, "dp=4", "dp")
-    assert not pcg.parallel_nodes
+    # The loss is sum(token losses) / count(labels not ignored): both partial over the batch, and a division of
+    # partials is not linear, so the count (one int64 scalar) is all-reduced; nothing else moves.
+    count = [n for n in pcg.parallel_nodes]
+    assert [n.op.describe() for n in count] == ["Reduction(degree=4, axis=dp)"]
+    assert pcg.tensors[count[0].inputs[0]].type.shape == () and pcg.redistributions[0].node == pcg.graph.loss
     assert pcg.tensors["idx"].placements == (Shard(0),)
     assert all(pcg.tensors[w].placements == (Replicate(),) for w in graph.weights)
     from shardflow.parallel.mesh import Partial
@@ -125,7 +129,7 @@ def test_pp_puts_block_ranges_on_stages():
     assert by_scope["transformer.h.0"] == by_scope["transformer.h.1"] == {0}
     assert by_scope["transformer.h.2"] == by_scope["transformer.h.3"] == {1}
     assert by_scope["transformer.wte"] == {0} and by_scope["lm_head"] == {1}
-    assert stage["loss"] == 1 and not pcg.parallel_nodes
+    assert stage[graph.loss] == 1 and not pcg.parallel_nodes
 
 
 def test_repeated_blocks():
@@ -200,7 +204,8 @@ output = {tp = "R"}
 ''')
     mesh = Mesh.parse("dp=2,tp=2")
     pcg = build_pcg(graph, mesh, resolve(Plan.load(f), graph, mesh))
-    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 2}
+    # The MLPs' two all-reduces on tp, and the loss's label count on dp (see test_dp_plan_shards_only_the_batch).
+    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 2, "Reduction(degree=2, axis=dp)": 1}
     assert pcg.tensors["transformer.h.1.mlp.c_fc.weight"].placements == (Replicate(), Shard(0))
     got = simulate_outputs(pcg, leaves)
     want = simulate_outputs(lift(graph), leaves)

@@ -250,9 +250,10 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
 
 
 def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapping[str, list[str]]) -> dict[str, SubMesh]:
-    """Node → sub-mesh with the stage axis fixed. A node no staged module holds takes its predecessor's stage,
-    or, when it reads a tensor that a ``Replicate`` on the stage axis (``plan.ops``) spread over every stage (or
-    the output of such a node), the whole mesh: it runs on every stage."""
+    """Node → sub-mesh with the stage axis fixed. A node no staged module holds runs on every stage (the whole mesh)
+    when it reads a tensor that a ``Replicate`` on the stage axis (``plan.ops``) spread over every stage, or the
+    output of such a node; else on the latest stage among its inputs' producers; a node that reads only leaves
+    (the label path of a loss) runs where its first reader runs."""
     staged = {pat: mp.stage for pat, mp in plan.modules.items() if mp.stage is not None}
     if not staged:
         if plan.stage_axis in mesh.axis_names and mesh.axis_size(plan.stage_axis) > 1:
@@ -267,18 +268,34 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapp
     whole = SubMesh(mesh)
     every_stage = {t for t, pops in plan.ops.items()
                    if any(isinstance(p, Replicate) and p.axis == plan.stage_axis for p in pops)}
-    groups, stage = {}, 0
+    producer = graph.producer()
+    groups: dict[str, SubMesh] = {}
+    deferred: list[Node] = []  # unstaged nodes that read only leaves: they run where their first reader runs
     for n in graph.nodes:
         # The most specific pattern (longest matched module path, or a node-name match) decides.
-        best = -1
+        best, stage = -1, 0
         for pat, s in staged.items():
             depth = 10**6 if fnmatchcase(n.name, pat) else max(
                 (len(m) for m in matched[pat] if inside(n, m)), default=-1)
             if depth > best:
                 best, stage = depth, s
-        if best < 0 and every_stage.intersection(n.inputs):
+        if best >= 0:
+            groups[n.name] = whole.with_fixed(plan.stage_axis, stage)
+            continue
+        if every_stage.intersection(n.inputs):
             groups[n.name] = whole
             every_stage.update(n.outputs)
-        else:
-            groups[n.name] = whole.with_fixed(plan.stage_axis, stage)
+            continue
+        sources = [groups[producer[t].name] for t in n.inputs if t in producer and producer[t].name in groups]
+        if not sources:
+            deferred.append(n)
+        elif any(g == whole for g in sources):
+            groups[n.name] = whole
+            every_stage.update(n.outputs)
+        else:  # the latest stage among its producers'
+            groups[n.name] = max(sources, key=lambda g: dict(g.fixed)[plan.stage_axis])
+    consumers = graph.consumers()
+    for n in reversed(deferred):
+        readers = [groups[c.name] for t in n.outputs for c, _ in consumers[t] if c.name in groups]
+        groups[n.name] = readers[0] if readers else whole.with_fixed(plan.stage_axis, 0)
     return groups
