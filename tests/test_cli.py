@@ -17,7 +17,7 @@ def run(capsys, *argv):
 def test_plan_prints_tp_pcg(capsys):
     code, out, err = run(capsys, "--strategy", "tp", "--nproc", "2")
     assert code == 0 and not err
-    assert out.splitlines()[0] == ("# strategy tp: mesh tp=2 (2 devices); 31 compute ops; parallel ops: reduction ×2")
+    assert out.splitlines()[0] == ("# strategy tp: mesh tp=2 (2 devices); 41 compute ops; parallel ops: reduction ×2")
     assert "weight   transformer.h.0.mlp.c_fc.weight: float32[128/2, 32] (S(0))" in out
     assert sum(line.startswith("* ") for line in out.splitlines()) == 2
 

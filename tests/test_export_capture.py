@@ -156,3 +156,14 @@ def test_attention_dropout_is_refused_with_the_config_fix():
     model.config._attn_implementation = "sdpa"
     with pytest.raises(CaptureError, match="attention dropout .* attn_pdrop=0.0"):
         capture(model, batch())
+
+
+def test_one_tensor_under_two_names_stays_two_inputs():
+    """``{"idx": t, "targets": t}``: export alone would make one input of them; each node reads its own."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_embd=16, n_head=2))
+    idx = torch.randint(0, 32, (2, 8))
+    graph = capture(model, {"idx": idx, "targets": idx})
+    (emb,) = [n for n in graph.nodes if isinstance(n.op, O.Embedding) and "transformer.wte.weight" in n.inputs]
+    assert emb.inputs[0] == "idx"
+    assert any("targets" in n.inputs for n in graph.nodes)

@@ -353,17 +353,17 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
                           "axis=tp), 0 bytes per device")
     assert listing[2].startswith("    reason: node 'linear_5' (linear(bias=True) in module "
                                  "'transformer.h.0.mlp.c_proj'): dim 2 of 'gelu' is sharded on ['tp']")
-    assert listing[3].startswith("node 'dropout_2' (dropout(p=0.0) in module 'transformer.h.0.mlp.dropout'), input 0 "
-                                 "'linear_5': (P(sum)) → (S(0)) by Reduction(degree=2, axis=tp), Repartition(dim=0, "
-                                 "degree=2, axis=tp), 2,048 bytes per device")
+    assert listing[3].startswith("node 'layer_norm_2' (layer_norm(ndim=1, eps=1e-05, affine=True, bias=True) in module "
+                                 "'transformer.ln_f'), input 0 'add_2': (P(sum)) → (S(0)) by Reduction(degree=2, "
+                                 "axis=tp), Repartition(dim=0, degree=2, axis=tp), 2,048 bytes per device")
     assert "# redistributed: the rule of linear_5 refused input 1" in out
 
     assert main([*argv, "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [(r["node"], r["module"], r["input"], r["from"], r["to"], r["bytes"]) for r in doc["redistributions"]] == [
         ("linear_5", "transformer.h.0.mlp.c_proj", 1, "(R)", "(S(1))", 0),
-        ("dropout_2", "transformer.h.0.mlp.dropout", 0, "(P(sum))", "(S(0))", 2048),
-        ("loss", "", 1, "(R)", "(S(0))", 0)]
+        ("layer_norm_2", "transformer.ln_f", 0, "(P(sum))", "(S(0))", 2048),
+        ("gather", "", 1, "(R)", "(S(0))", 0)]
     assert doc["redistributions"][1]["ops"] == ["Reduction(degree=2, axis=tp)", "Repartition(dim=0, degree=2, axis=tp)"]
 
     assert main([*argv, "--strict"]) == 2

@@ -75,10 +75,15 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
         CaptureError: export cannot trace the model; the message gives export's reason, the model's source line
             it failed on, and the usual fix.
     """
+    seen: set[int] = set()
+    distinct = {}  # export would make one input of a tensor passed under two names (idx and targets alike)
+    for k, v in batch.items():
+        distinct[k] = v.clone() if id(v) in seen else v
+        seen.add(id(v))
     try:
         with warnings.catch_warnings():  # torch's own deprecations inside export are no news to the user
             warnings.simplefilter("ignore", FutureWarning)
-            ep = torch.export.export(_LossOf(module), (), dict(batch), strict=False)
+            ep = torch.export.export(_LossOf(module), (), distinct, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # export raises many kinds (UserError, GuardOnDataDependentSymNode, TypeError, ...)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
-from shardflow.graph.ops import Binary, Dropout, Op, TensorType
+from shardflow.graph.ops import Binary, Dropout, Op, TensorType, Where
 from shardflow.graph.rng import DrawSite, PieceSite
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
@@ -396,7 +396,7 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
             ins.append(cur)
         types = [b.tensors[t].type for t in ins]
         shardings = [b.tensors[t].sharding for t in ins]
-        if isinstance(node.op, Binary):
+        if isinstance(node.op, (Binary, Where)):
             shardings = align_operands(types, shardings, group)
         try:
             res = propagate(node.op, ins, types, shardings, group, node.name, node.scope)
