@@ -167,9 +167,8 @@ class _Lift:
         state = {**ep.state_dict, **ep.constants}
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
         tied: dict[int, _T] = {}
-        for node in ep.graph.nodes:
-            if node.op != "placeholder":
-                continue
+        placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]  # data inputs first, then the state
+        for node in sorted(placeholders, key=lambda n: specs[n.name].kind != InputKind.USER_INPUT):
             spec = specs[node.name]
             if spec.kind == InputKind.PARAMETER:  # tied parameters: one weight, under the first name
                 p = state[spec.target]
