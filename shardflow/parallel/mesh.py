@@ -13,7 +13,7 @@ Words: **axis** is a mesh axis, **dim** a tensor dim.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -156,8 +156,14 @@ class SubMesh:
     mesh: Mesh
     fixed: tuple[tuple[str, int], ...] = ()
     view: tuple[int, ...] | None = None
+    # derived once at construction (planning asks for them tens of thousands of times per rank)
+    _free: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _free_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        fixed = dict(self.fixed)
+        object.__setattr__(self, "_free", tuple(a for a in self.mesh.axis_names if a not in fixed))
+        object.__setattr__(self, "_free_shape", tuple(self.mesh.axis_size(a) for a in self._free))
         for axis, idx in self.fixed:
             if not 0 <= idx < self.mesh.axis_size(axis):
                 raise ValueError(f"sub-mesh: index {idx} out of range for axis {axis!r} of mesh {self.mesh}")
@@ -170,12 +176,13 @@ class SubMesh:
 
     @property
     def free_axes(self) -> tuple[str, ...]:
-        fixed = dict(self.fixed)
-        return tuple(a for a in self.mesh.axis_names if a not in fixed)
+        """The mesh axes not fixed, in mesh order."""
+        return self._free
 
     @property
     def free_shape(self) -> tuple[int, ...]:
-        return tuple(self.mesh.axis_size(a) for a in self.free_axes)
+        """Sizes of :attr:`free_axes`."""
+        return self._free_shape
 
     @property
     def size(self) -> int:

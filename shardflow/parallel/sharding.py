@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from shardflow.parallel.mesh import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Placement, Replicate, Shard, SubMesh
@@ -29,6 +29,7 @@ class Sharding:
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
     reduce_op: str = "sum"
+    _used: frozenset[str] = field(init=False, repr=False, compare=False)  # every axis in dims and partial
 
     @classmethod
     def replicated(cls, ndim: int) -> Sharding:
@@ -36,7 +37,8 @@ class Sharding:
 
     def __post_init__(self):
         used = [a for axes in self.dims for a in axes] + list(self.partial)
-        if len(used) != len(set(used)):
+        object.__setattr__(self, "_used", frozenset(used))
+        if len(used) != len(self._used):
             raise ShardingError(f"sharding {self}: a mesh axis is used twice ({used})")
         if self.reduce_op not in REDUCE_OPS:
             raise ShardingError(f"sharding: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
@@ -47,7 +49,8 @@ class Sharding:
 
     @property
     def used_axes(self) -> frozenset[str]:
-        return frozenset(a for axes in self.dims for a in axes) | frozenset(self.partial)
+        """Every mesh axis that shards a dim or holds partial pieces (computed once, at construction)."""
+        return self._used
 
     @property
     def is_partial(self) -> bool:
