@@ -11,7 +11,7 @@ Example (a two-layer MLP with a loss)::
     graph = b.build(outputs=[loss], loss=loss)
 
 Every method returns tensor names; shapes are inferred by each op's rule, so a mismatch fails at the call.
-The torch.fx capture (:mod:`shardflow.capture`) builds graphs through this same API.
+The torch.export capture (:mod:`shardflow.capture`) builds graphs through this same API.
 """
 
 from __future__ import annotations
