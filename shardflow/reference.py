@@ -21,8 +21,15 @@ def _describe(graph: ComputationGraph, name: str) -> str:
     return f"{t.dtype}{list(t.shape)}"
 
 
-def _leaves(graph: ComputationGraph, given: Mapping[str, torch.Tensor], role: TensorRole) -> dict[str, torch.Tensor]:
-    """The graph's tensors of ``role`` from ``given``, checked by name, shape and dtype."""
+def leaves(graph: ComputationGraph, given: Mapping[str, torch.Tensor], role: TensorRole) -> dict[str, torch.Tensor]:
+    """The graph's tensors of ``role`` (e.g. the data inputs of a step) from ``given``, checked by name, shape and
+    dtype.
+
+    Raises:
+        KeyError: a tensor of ``role`` is missing (the message gives its expected dtype and shape), or ``given`` has
+            a name the graph has no ``role`` of.
+        ValueError: a tensor has another shape or dtype than the graph's.
+    """
     names = graph.by_role(role)
     missing = [n for n in names if n not in given]
     if missing:
@@ -51,7 +58,7 @@ def run_forward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
         KeyError: an input or weight is missing (the message gives its expected dtype and shape) or unknown.
         ValueError: an input or weight has the wrong shape or dtype.
     """
-    env = {**_leaves(graph, inputs, TensorRole.INPUT), **_leaves(graph, weights, TensorRole.WEIGHT), **graph.constants}
+    env = {**leaves(graph, inputs, TensorRole.INPUT), **leaves(graph, weights, TensorRole.WEIGHT), **graph.constants}
     for node in graph.nodes:
         draw = {"at": DrawSite.whole(seed, step, node.name, graph.tensors[node.outputs[0]].shape)} \
             if node.op.random else {}
@@ -96,4 +103,4 @@ def weights_of(module: nn.Module, graph: ComputationGraph) -> dict[str, torch.Te
     if missing:
         raise KeyError(f"module has no parameter(s) for graph weight(s): "
                        + ", ".join(f"{n!r} (expected {_describe(graph, n)})" for n in missing))
-    return _leaves(graph, {n: params[n].detach().clone() for n in graph.weights}, TensorRole.WEIGHT)
+    return leaves(graph, {n: params[n].detach().clone() for n in graph.weights}, TensorRole.WEIGHT)

@@ -15,6 +15,11 @@ from torch.overrides import TorchFunctionMode
 _NARROWING = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
 
 
+def _wide(a):
+    """float64 for a float dtype, anything else as it is."""
+    return torch.float64 if isinstance(a, torch.dtype) and a.is_floating_point else a
+
+
 class wide_floats(TorchFunctionMode):
     """Context manager: float64 tensors are never cast to a narrower float dtype while it is active."""
 
@@ -24,10 +29,7 @@ class wide_floats(TorchFunctionMode):
         if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
             if func in _NARROWING:
                 return x
-            if func is torch.Tensor.to:
-                rest = [a for a in args[1:] if not (isinstance(a, torch.dtype) and a.is_floating_point)]
-                dtype = kwargs.get("dtype")
-                if len(rest) != len(args) - 1 or (dtype is not None and dtype.is_floating_point):
-                    kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
-                    return func(x, *rest, **kwargs) if rest or kwargs else x
+            if func is torch.Tensor.to:  # any float dtype, positional or keyword (Module.to passes all three)
+                args = tuple(map(_wide, args))
+                kwargs = {k: _wide(v) for k, v in kwargs.items()}
         return func(*args, **kwargs)

@@ -82,12 +82,24 @@ class Executor:
         No weight is gathered: each rank compares its own pieces; on the distributed executor the maximum is
         all-reduced (collective: every rank calls it and gets the same number).
         """
+        return self._piece_error({w: forward_id(w) for w in self.dg.pcg.graph.weights}, reference)
+
+    def grad_error(self, reference: Mapping[str, torch.Tensor]) -> float:
+        """As :meth:`weight_error`, for the gradients the last step's updates used: every piece of every replica
+        against ``reference`` (full gradients by weight name, e.g. eager PyTorch's ``p.grad``). Collective on the
+        distributed executor."""
+        return self._piece_error(self.grad_values, reference)
+
+    def _piece_error(self, values: Mapping[str, str], reference: Mapping[str, torch.Tensor]) -> float:
+        """The largest |piece − its block of ``reference[name]``| over every piece held here of each value of
+        ``values`` (name → value id), maximised over the ranks."""
         err = 0.0
-        for w in self.dg.pcg.graph.weights:
-            v = self.dg.values[forward_id(w)]
+        for name, vid in values.items():
+            v = self.dg.values[vid]
             p = v.sharding.parallel_shape(v.group, v.type.shape)
-            for device, piece in self._pieces(v.id).items():
-                want = reference[w][p.piece_slices(v.sharding.coord_of(v.group, device))]
+            full = reference[name].detach()
+            for device, piece in self._pieces(vid).items():
+                want = full[p.piece_slices(v.sharding.coord_of(v.group, device))]
                 if piece.numel():
                     err = max(err, (piece - want).abs().max().item())
         return self._max_over_ranks(err)
