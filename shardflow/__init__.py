@@ -1,3 +1,15 @@
-"""shardflow: train neural networks across devices from a parallel computation graph (PCG)."""
+"""shardflow: train neural networks across devices from a parallel computation graph (PCG).
+
+The entry point for a model of your own: :func:`parallelize` (``shardflow.api``) returns a :class:`Trainer`.
+"""
 
 __version__ = "0.1.0"
+
+from shardflow.api import ParallelPlan, Trainer, load_model, parallelize  # noqa: E402
+from shardflow.capture import wide_floats  # noqa: E402
+from shardflow.parallel.mesh import Mesh  # noqa: E402
+from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
+from shardflow.strategy import ModulePlan, Plan  # noqa: E402
+
+__all__ = ["Mesh", "ModulePlan", "OptimizerConfig", "ParallelPlan", "Plan", "Trainer", "load_model", "parallelize",
+           "wide_floats"]

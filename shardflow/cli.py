@@ -1,6 +1,12 @@
 """``shardflow`` command line. ``shardflow plan`` prints the PCG and per-rank programs of a model under a strategy,
-proven deadlock-free; no process starts. ``shardflow train`` trains a GPT across local processes (checkpoints,
-``--resume``); ``shardflow export`` writes a checkpoint as safetensors; ``shardflow generate`` samples text from one.
+proven deadlock-free; no process starts. ``shardflow check`` trains a model under a strategy beside eager PyTorch on
+one device and prints how far apart they are. ``shardflow train`` trains a GPT across local processes
+(checkpoints, ``--resume``); ``shardflow export`` writes a checkpoint as safetensors; ``shardflow generate`` samples
+text from one.
+
+``plan`` and ``check`` take the built-in models (``--model gpt`` or ``mlp``, sized by flags) or the user's:
+``--model FILE.py:FACTORY`` or ``package.module:FACTORY``, a function returning ``(module, batch)``
+(:func:`shardflow.api.load_model`).
 
 Errors a user can fix (bad mesh, strategy that does not fit the model, unsupported op, ...) end with one
 paragraph on stderr and exit status 2, never a traceback from inside the library.
@@ -9,21 +15,25 @@ paragraph on stderr and exit status 2, never a traceback from inside the library
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
-from collections import Counter
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 import torch
 
-from shardflow.capture import CaptureError, capture
-from shardflow.graph.graph import ComputationGraph
-from shardflow.graph.ops import OpError
+from shardflow.api import (ExecutorKind, ParallelPlan, load_model, parallelize, plan_pcg, require_eager_comparable,
+                           summary)
+from shardflow.capture import CaptureError, capture, wide_floats
+from shardflow.graph.ops import OpError, dtype_name
 from shardflow.lower import lower_step
-from shardflow.lower.dynamic import PassError, UpdateRule
+from shardflow.lower.dynamic import Optimizer, PassError, UpdateRule
 from shardflow.lower.comm_lowering import lowering_summary
 from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
 from shardflow.lower.program import programs_json
@@ -31,9 +41,10 @@ from shardflow.lower.report import bytes_table, pcg_dot
 from shardflow.lower.verify import PlanVerificationError
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, build_pcg, placements_text
+from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
-from shardflow.strategy import Plan, PlanError, make_plan, resolve
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh
 from shardflow.train.config import TrainConfig
 from shardflow.train.data import DataError
@@ -42,9 +53,15 @@ USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanV
                ValueError, FileNotFoundError)
 
 
+BUILT_IN = ("gpt", "mlp")
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=("gpt", "mlp"), default="gpt", help="built-in model to capture (default gpt)")
+    g.add_argument("--model", default="gpt", metavar="MODEL",
+                   help="a built-in model, gpt or mlp (sized by the flags below; default gpt), or your own: "
+                        "FILE.py:FACTORY or package.module:FACTORY, a function returning (module, batch) such that "
+                        "module(**batch) returns the loss")
     g.add_argument("--layers", type=int, default=2, help="transformer blocks (gpt) or linear layers (mlp)")
     g.add_argument("--heads", type=int, default=4, help="attention heads (gpt)")
     g.add_argument("--embd", type=int, default=64, help="embedding width C (gpt) or hidden width (mlp)")
@@ -53,52 +70,22 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int, default=8, help="sequences (gpt) or rows (mlp) per step, B")
 
 
-def model_graph(args: argparse.Namespace) -> tuple[torch.nn.Module, ComputationGraph]:
-    """Build the chosen built-in model and capture it with example inputs of the run's shapes."""
+def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model of ``--model`` and its example batch: a built-in one built (seed 0) with a random batch of the
+    flags' shapes, or what the user's factory returns (raises ModelSpecError)."""
+    if args.model not in BUILT_IN:
+        return load_model(args.model)
     torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
     if args.model == "gpt":
         model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
                               n_head=args.heads, n_embd=args.embd))
-        tokens = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long)
-        return model, capture(model, {"idx": tokens, "targets": tokens})
+        shape = (args.batch_size, args.seq_len)
+        return model, {"idx": torch.randint(0, args.vocab, shape, generator=gen),
+                       "targets": torch.randint(0, args.vocab, shape, generator=gen)}
     model = MLP(d_in=args.embd, hidden=4 * args.embd, d_out=args.vocab, n_layers=args.layers)
-    x = torch.zeros(args.batch_size, args.embd)
-    return model, capture(model, {"x": x, "y": torch.zeros(args.batch_size, dtype=torch.long)})
-
-
-def load_plan(path: str) -> Plan:
-    """``Plan.load`` with errors that name the file and say how to fix it (raises PlanError)."""
-    p = Path(path)
-    fix = ("write a JSON or TOML object with tables modules, inputs and ops (docs/concepts.md), or use --strategy "
-           "instead of --plan")
-    if not p.is_file():
-        raise PlanError(f"plan file {p}: No such file (or not a file); pass --plan with a JSON or TOML plan file, "
-                        f"or use --strategy instead")
-    try:
-        return Plan.load(p)
-    except PlanError as e:
-        raise PlanError(f"plan file {p}: {e}") from None
-    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:  # bad JSON/TOML, not an object
-        raise PlanError(f"cannot read plan file {p} ({type(e).__name__}: {e}); {fix}") from None
-
-
-def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str, plan_file: str | None,
-             strict: bool = False) -> tuple[Plan, PCG]:
-    """The plan (``plan_file``, else the preset ``strategy``) and its PCG; ``strict``: a rule's refusal is an error
-    instead of a redistribution."""
-    plan = load_plan(plan_file) if plan_file else make_plan(graph, mesh, strategy)
-    return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh), strict=strict)
-
-
-def summary(pcg: PCG) -> str:
-    """One line: devices, tensors, the parallel ops by kind, and the redistributions inserted where rules refused."""
-    kinds = Counter(n.op.kind for n in pcg.parallel_nodes)
-    ops = ", ".join(f"{k} ×{v}" for k, v in sorted(kinds.items())) or "none"
-    n = len(pcg.redistributions)
-    redistributed = (f"; {n} redistribution{'s' * (n != 1)} where a rule refused "
-                     f"({sum(r.nbytes for r in pcg.redistributions):,} bytes per device)" if n else "")
-    return (f"mesh {pcg.mesh} ({pcg.mesh.size} devices); {len(pcg.nodes) - len(pcg.parallel_nodes)} compute ops; "
-            f"parallel ops: {ops}{redistributed}")
+    return model, {"x": torch.randn(args.batch_size, args.embd, generator=gen),
+                   "y": torch.randint(0, args.vocab, (args.batch_size,), generator=gen)}
 
 
 def redistributions_json(pcg: PCG) -> list[dict]:
@@ -112,11 +99,11 @@ def redistributions_json(pcg: PCG) -> list[dict]:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(args.strategy, args.nproc)
-    _, graph = model_graph(args)
+    graph = capture(*model_and_batch(args))
     if args.graph:
         print(graph.listing())
         return 0
-    plan, pcg = plan_pcg(graph, mesh, args.strategy, args.plan, args.strict)
+    plan, pcg = plan_pcg(graph, mesh, None if args.plan else args.strategy, args.plan, args.strict)
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
         _, records = run_passes(pcg, LowerContext(args.optimizer), dump=dump)
@@ -151,12 +138,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             msg += f" and {svg}"
         print(msg)
         return 0
-    print(f"# strategy {plan.name}: {summary(pcg)}")
-    print(pcg.listing())
+    print(ParallelPlan(plan.name, pcg, step))
     print()
-    if pcg.redistributions:
-        print(pcg.redistribution_listing())
-        print()
     for r in ranks:
         print(programs[r].listing())
         print()
@@ -164,6 +147,121 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(bytes_table(programs))
     print(f"# {proof}")
     return 0
+
+
+# Default --tol of shardflow check per --dtype. float64: a sharded step adds partial sums in another order than one
+# device does, so the two runs agree to rounding (~1e-15 relative; seen: ≤ 1e-15 on the tiny Llama under dp, tp and
+# dp×tp); 1e-9 leaves room for a few steps of a bigger model and still catches any wrong scale, misplaced block or
+# missed reduction (O(1) errors, O(lr) in the weights). float32: rounding is ~1e-7 relative per operation and grows
+# over steps; 1e-4 (seen: ~1e-6 on the tiny Llama after 3 steps).
+CHECK_TOL = {"float64": 1e-9, "float32": 1e-4}
+DEVIATES = 1  # exit status of a check beyond its tolerance
+
+
+def check_mesh(args: argparse.Namespace) -> tuple[Mesh, str | None]:
+    """The mesh and strategy of a check: ``--mesh`` with ``--strategy`` (default: the one the mesh's axes name), or
+    the axis of ``--strategy`` (default tp) with one device per process (``--nproc``, torchrun's WORLD_SIZE), two
+    when one process runs the mesh."""
+    if args.mesh:
+        return Mesh.parse(args.mesh), args.strategy
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    strategy = args.strategy or ("tp" if args.plan is None else None)
+    devices = world if world > 1 else args.nproc if args.nproc > 1 else 2
+    return default_mesh(strategy or "tp", devices), strategy
+
+
+def check_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``--model``'s module and batch at ``--dtype`` (floating parameters, buffers and batch tensors converted)."""
+    model, batch = model_and_batch(args)
+    dtype = getattr(torch, args.dtype)
+    return model.to(dtype), {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def precision(dtype: str) -> contextlib.AbstractContextManager:
+    """float64: every float stays float64, also where the model casts down (:func:`wide_floats`)."""
+    return wide_floats() if dtype == "float64" else contextlib.nullcontext()
+
+
+def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
+    """``--steps`` steps of the plan on ``executor`` and of eager PyTorch on one device, side by side; the lead
+    process prints each step and the verdict. Returns 0 within ``--tol``, :data:`DEVIATES` beyond."""
+    model, batch = check_model(args)
+    mesh, strategy = check_mesh(args)
+    tol = CHECK_TOL[args.dtype] if args.tol is None else args.tol
+    with precision(args.dtype):
+        trainer = parallelize(model, batch, mesh=mesh, strategy=strategy, plan=args.plan,
+                              optimizer=OptimizerConfig(args.optimizer, args.lr), strict=args.strict,
+                              executor=executor, timeout_s=args.timeout)
+        say = print if trainer.lead else (lambda *_, **__: None)
+        n_params = sum(p.numel() for p in model.parameters())
+        say(f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {args.dtype}; "
+            f"batch " + ", ".join(f"{k} {dtype_name(v.dtype)}{list(v.shape)}" for k, v in batch.items()))
+        say(f"strategy {trainer.plan.name}: {summary(trainer.plan.pcg)}")
+        say(f"against eager PyTorch on one device: torch.optim.{'SGD' if args.optimizer == 'sgd' else 'AdamW'} "
+            f"lr {args.lr:g}, {args.steps} step{'s' * (args.steps != 1)} on the batch")
+        worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+        for d in trainer.compare_with_eager(model, batch, args.steps):
+            say(f"step {d.step}: loss {d.loss:.6f} (eager {d.eager_loss:.6f}), |Δloss| {d.dloss:.1e}, "
+                f"|Δgrad| {d.grad:.1e}, |Δweight| {d.weight:.1e}", flush=True)
+            worst = {"loss": max(worst["loss"], d.dloss), "grad": max(worst["grad"], d.grad),
+                     "weight": max(worst["weight"], d.weight)}
+    ok = max(worst.values()) <= tol
+    say(f"max |Δloss| {worst['loss']:.1e}, |Δgrad| {worst['grad']:.1e}, |Δweight| {worst['weight']:.1e} over every "
+        f"replica (tolerance {tol:g}): {'OK' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else DEVIATES
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: give at least 1")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        check_rank(args)
+    if args.nproc > 1:
+        return launch_check(args)
+    return compare(args, ExecutorKind.LOCAL)
+
+
+def launch_check(args: argparse.Namespace) -> int:
+    """Check the inputs and prove the plan here (errors exit 2 before any process starts), then run the check on
+    ``--nproc`` gloo processes, rank 0's output on the console. Returns its verdict; when the ranks failed, 2 if
+    every one of them refused its input (e.g. the factory built other weights on each), else 1 — described with the
+    end of the failed rank's log, which is kept."""
+    from shardflow.runtime.launch import describe_failure, launch
+    from shardflow.train import hooks
+    model, batch = check_model(args)
+    mesh, strategy = check_mesh(args)
+    if mesh.size != args.nproc:
+        raise ValueError(f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
+                         f"processes; make --nproc {mesh.size}, or change --mesh")
+    with precision(args.dtype):
+        graph = capture(model, batch)
+    require_eager_comparable(graph)
+    _, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
+    lower_step(pcg, OptimizerConfig(args.optimizer, args.lr).slots)  # every rank's program, proven to agree
+    run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))
+    res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
+    codes = set(res.returncodes)
+    if res.ok or codes == {DEVIATES}:  # rank 0 printed the verdict
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 0 if res.ok else DEVIATES
+    print(f"shardflow check: error: {describe_failure(res, run_dir)}", file=sys.stderr)
+    return 2 if codes == {2} else 1  # every rank refused the same input (one paragraph each), or a rank failed
+
+
+def check_rank(args: argparse.Namespace) -> NoReturn:
+    """One rank of a check (launched by ``--nproc`` or torchrun): the distributed executor; leaves the process
+    group in order and exits with the verdict, or 2 after a user error (one paragraph), 1 after a traceback."""
+    from shardflow.runtime.distributed import shutdown
+    try:
+        code = compare(args, ExecutorKind.DISTRIBUTED)
+    except USER_ERRORS as e:
+        print(f"shardflow check: error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)  # without gloo's teardown (peers fail on their timeouts)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    shutdown(code)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -211,6 +309,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=tuple(map(str, UpdateRule)), default=str(UpdateRule.SGD),
                    help="optimizer whose state slots the update step carries (default sgd)")
     p.set_defaults(func=cmd_plan)
+    c = sub.add_parser("check", help="train a model under a strategy beside eager PyTorch on one device and print the "
+                                     "largest differences of loss, gradients and weights over every replica")
+    add_model_args(c)
+    c.add_argument("--strategy", help="single, dp, tp, sp, pp or a combination such as dp,tp (default: the one the "
+                                      "--mesh axes name; tp without --mesh)")
+    c.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
+                                  "with --nproc devices, 2 when --nproc is 1)")
+    c.add_argument("--plan", help="a user plan (JSON or TOML: per-module placements) instead of --strategy")
+    c.add_argument("--nproc", type=int, default=1,
+                   help="processes: 1 (default) runs every device of the mesh in this process (the local executor); "
+                        "N > 1 starts N gloo processes, one per device (under torchrun, WORLD_SIZE decides)")
+    c.add_argument("--steps", type=int, default=3, help="optimizer steps on the batch (default 3)")
+    c.add_argument("--dtype", choices=tuple(CHECK_TOL), default="float64",
+                   help="dtype of the model's floating parameters and the batch's floating tensors (default float64: "
+                        "every float stays float64, also where the model casts down)")
+    c.add_argument("--tol", type=float, help="largest difference accepted, in the model's units (default: "
+                   + ", ".join(f"{t:g} at {d}" for d, t in CHECK_TOL.items()) + "); beyond it the exit status is 1")
+    c.add_argument("--optimizer", choices=tuple(map(str, Optimizer)), default=str(Optimizer.SGD),
+                   help="sgd (torch.optim.SGD) or adamw (torch.optim.AdamW) on both sides (default sgd)")
+    c.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    c.add_argument("--strict", action="store_true",
+                   help="refuse the strategy where a sharding rule refuses its inputs instead of redistributing them")
+    c.add_argument("--timeout", type=float, default=120.0,
+                   help="--nproc: seconds any rank may wait on one communication (default 120)")
+    c.set_defaults(func=cmd_check)
     t = sub.add_parser("train", help="train a GPT on text across local processes with a chosen strategy")
     TrainConfig.add_arguments(t)
     t.set_defaults(func=cmd_train)
@@ -231,7 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # check --nproc starts its ranks with the same arguments
     try:
         return args.func(args)
     except USER_ERRORS as e:

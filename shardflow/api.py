@@ -1,0 +1,434 @@
+"""Bring a model: one call from an ``nn.Module`` and an example batch to a trainer on a device mesh.
+
+:func:`parallelize` captures ``module(**batch)`` (``torch.export``), plans it (a preset strategy or a user plan),
+lowers one training step to verified per-rank programs and loads the module's weights into an executor — every
+device of the mesh in this process, or this rank's device under torchrun — and returns a :class:`Trainer`::
+
+    trainer = shardflow.parallelize(model, batch, mesh="dp=2,tp=2", lr=0.1)
+    for _ in range(100):
+        loss = trainer.step(batch)
+    model.load_state_dict(trainer.state_dict())
+
+:meth:`Trainer.compare_with_eager` runs eager PyTorch beside it (what ``shardflow check`` prints), and
+:func:`load_model` calls the factory a ``FILE.py:FACTORY`` / ``package.module:FACTORY`` spec names (the
+``--model`` of ``shardflow check`` and ``shardflow plan``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import traceback
+from collections import Counter
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from shardflow.capture import capture
+from shardflow.graph import ComputationGraph, TensorRole
+from shardflow.lower import LoweredStep, lower_step
+from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.reference import leaves, weights_of
+from shardflow.runtime.executor import Executor
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.strategy import Plan, PlanError, make_plan, resolve
+from shardflow.strategy.presets import AXIS_OF
+
+
+# --- models named on the command line --------------------------------------------------------------------------
+
+class ModelSpecError(ValueError):
+    """A ``--model`` spec that yields no ``(module, batch)``: not ``WHERE:NAME``, no such file or module, no such
+    factory, a factory that raises, or one that returns something else."""
+
+
+def load_model(spec: str, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Call the factory that ``spec`` names and check what it returns.
+
+    ``spec``: ``FILE.py:NAME`` (a Python file, imported as ``python FILE.py`` would: its directory first on
+    ``sys.path``) or ``package.module:NAME`` (imported from ``sys.path``); ``NAME`` may be dotted
+    (``Builder.tiny``). The factory takes no argument and returns ``(module, batch)``: an ``nn.Module`` and a dict
+    of input name → tensor such that ``module(**batch)`` returns the loss (a scalar tensor, or an object with
+    ``.loss`` as Hugging Face models do when given ``labels``). It is called after ``torch.manual_seed(seed)``, so
+    every process that loads the spec builds the same weights.
+
+    Raises:
+        ModelSpecError: naming the spec and what to change.
+    """
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ModelSpecError(f"--model {spec!r}: write FILE.py:FACTORY or package.module:FACTORY (a function that "
+                             f"returns (module, batch)), or name a built-in model (gpt, mlp)")
+    module = _import(spec, where)
+    factory = module
+    for part in name.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            found = sorted(n for n, f in vars(module).items() if inspect.isfunction(f) and not n.startswith("_")
+                           and f.__module__ == module.__name__)
+            raise ModelSpecError(f"--model {spec}: {where} has no {name!r}; its functions: "
+                                 f"{', '.join(found) or 'none'}")
+    if not callable(factory):
+        raise ModelSpecError(f"--model {spec}: {name!r} ({type(factory).__name__}) is not a function returning "
+                             f"(module, batch)")
+    torch.manual_seed(seed)
+    try:
+        made = factory()
+    except Exception as e:
+        raise ModelSpecError(f"--model {spec}: calling {name}() raised {_raised(e)}") from None
+    return _checked(spec, name, made)
+
+
+def _import(spec: str, where: str) -> ModuleType:
+    """The module of a spec's ``WHERE``: a ``.py`` file (as ``python FILE.py`` imports it) or a dotted module."""
+    try:
+        if not where.endswith(".py"):
+            return importlib.import_module(where)
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise ModelSpecError(f"--model {spec}: no file {where} (from {Path.cwd()}); give the path of a Python "
+                                 f"file, or a module importable as package.module")
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))  # its sibling modules import as they do under `python FILE.py`
+        name = f"shardflow_model_{path.stem}"
+        loader = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module  # dataclasses and pickling look their module up there
+        loader.loader.exec_module(module)
+        return module
+    except ModuleNotFoundError as e:
+        if e.name and where.startswith(e.name):
+            raise ModelSpecError(f"--model {spec}: no module named {where!r} (a file needs its .py suffix)") from None
+        raise ModelSpecError(f"--model {spec}: importing {where} raised {_raised(e)}") from None
+    except ModelSpecError:
+        raise
+    except Exception as e:
+        raise ModelSpecError(f"--model {spec}: importing {where} raised {_raised(e)}") from None
+
+
+def _raised(e: BaseException) -> str:
+    """``Type: message (at FILE:LINE)``, the line being the innermost frame of the traceback."""
+    frames = traceback.extract_tb(e.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {e}{at}"
+
+
+def _checked(spec: str, name: str, made: object) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``made`` as ``(module, batch)``, or a ModelSpecError saying what the factory returned instead."""
+    fix = f"{name}() must return (module, batch): an nn.Module and a dict of input name → tensor"
+    if not isinstance(made, (tuple, list)) or len(made) != 2:
+        got = f"a {type(made).__name__} of {len(made)}" if isinstance(made, (tuple, list)) else type(made).__name__
+        raise ModelSpecError(f"--model {spec}: {fix}; it returned {got}")
+    module, batch = made
+    if not isinstance(module, nn.Module):
+        raise ModelSpecError(f"--model {spec}: {fix}; its first item is a {type(module).__name__}")
+    if not isinstance(batch, Mapping) or not batch:
+        got = "an empty dict" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
+        raise ModelSpecError(f"--model {spec}: {fix}; its second item is {got}")
+    bad = [f"{k!r} ({type(v).__name__})" for k, v in batch.items() if not isinstance(k, str)
+           or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise ModelSpecError(f"--model {spec}: {fix}; the batch has non-tensor entries {', '.join(bad)} (settings "
+                             f"such as use_cache=False belong in the model's config)")
+    return module, dict(batch)
+
+
+# --- planning ---------------------------------------------------------------------------------------------------
+
+def load_plan(path: str | Path) -> Plan:
+    """``Plan.load`` with errors that name the file and say how to fix it (raises PlanError)."""
+    p = Path(path)
+    fix = ("write a JSON or TOML object with tables modules, inputs and ops (docs/concepts.md), or use --strategy "
+           "instead of --plan")
+    if not p.is_file():
+        raise PlanError(f"plan file {p}: No such file (or not a file); pass --plan with a JSON or TOML plan file, "
+                        f"or use --strategy instead")
+    try:
+        return Plan.load(p)
+    except PlanError as e:
+        raise PlanError(f"plan file {p}: {e}") from None
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:  # bad JSON/TOML, not an object
+        raise PlanError(f"cannot read plan file {p} ({type(e).__name__}: {e}); {fix}") from None
+
+
+def mesh_strategy(mesh: Mesh) -> str:
+    """The preset strategy named by the mesh's axes of more than one device (``dp=2,tp=2`` → ``dp,tp``; a mesh of
+    one device → ``single``). Raises PlanError for an axis that names no strategy."""
+    axes = [a for a, s in zip(mesh.axis_names, mesh.shape) if s > 1]
+    other = [a for a in axes if a not in AXIS_OF.values()]
+    if other:
+        raise PlanError(f"mesh {mesh}: axis {other[0]!r} names no preset strategy (axes: dp, tp, pp); name the "
+                        f"strategy (dp, tp, sp, pp or a combination) or give a plan")
+    return ",".join(axes) or "single"
+
+
+def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str | None = None, plan: Plan | str | Path | None = None,
+             strict: bool = False) -> tuple[Plan, PCG]:
+    """The plan — ``plan`` (a :class:`Plan` or a JSON/TOML file), else the preset ``strategy``, else the preset the
+    mesh's axes name (:func:`mesh_strategy`) — and its PCG on ``mesh``. ``strict``: a rule's refusal is an error
+    instead of a redistribution. Raises PlanError, DegreeError, RuleError (strict) as planning does."""
+    if plan is not None and strategy is not None:
+        raise PlanError("give a strategy or a plan, not both")
+    if plan is None:
+        plan = make_plan(graph, mesh, strategy or mesh_strategy(mesh))
+    elif not isinstance(plan, Plan):
+        plan = load_plan(plan)
+    return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh), strict=strict)
+
+
+def summary(pcg: PCG) -> str:
+    """One line: devices, tensors, the parallel ops by kind, and the redistributions inserted where rules refused."""
+    kinds = Counter(n.op.kind for n in pcg.parallel_nodes)
+    ops = ", ".join(f"{k} ×{v}" for k, v in sorted(kinds.items())) or "none"
+    n = len(pcg.redistributions)
+    redistributed = (f"; {n} redistribution{'s' * (n != 1)} where a rule refused "
+                     f"({sum(r.nbytes for r in pcg.redistributions):,} bytes per device)" if n else "")
+    return (f"mesh {pcg.mesh} ({pcg.mesh.size} devices); {len(pcg.nodes) - len(pcg.parallel_nodes)} compute ops; "
+            f"parallel ops: {ops}{redistributed}")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What :func:`parallelize` planned: the plan's ``name``, the ``pcg`` (every tensor's placements, the parallel
+    ops, the redistributions) and the ``lowered`` step (the per-rank programs this process runs). ``str()`` gives
+    the summary line, the PCG listing and the redistributions."""
+
+    name: str
+    pcg: PCG
+    lowered: LoweredStep
+
+    def __str__(self) -> str:
+        text = f"# strategy {self.name}: {summary(self.pcg)}\n{self.pcg.listing()}"
+        return text + (f"\n\n{self.pcg.redistribution_listing()}" if self.pcg.redistributions else "")
+
+
+# --- the trainer ------------------------------------------------------------------------------------------------
+
+class ExecutorKind(StrEnum):
+    """Where :func:`parallelize` runs the mesh: ``local`` (every device in this process), ``distributed`` (this
+    process is one rank of torch.distributed, joined from torchrun's environment), ``auto`` (distributed when the
+    environment names a world of more than one process, else local)."""
+
+    LOCAL = "local"
+    DISTRIBUTED = "distributed"
+    AUTO = "auto"
+
+    def resolved(self) -> ExecutorKind:
+        """``auto`` made concrete from the environment (``WORLD_SIZE``)."""
+        if self != ExecutorKind.AUTO:
+            return self
+        return ExecutorKind.DISTRIBUTED if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ExecutorKind.LOCAL
+
+
+def torch_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer whose update shardflow's ``cfg`` computes (SGD or AdamW, same settings)."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def require_eager_comparable(graph: ComputationGraph) -> None:
+    """Eager PyTorch draws dropout masks from the process RNG, shardflow from (seed, step, node, element): the two
+    runs of a model that draws random numbers cannot be compared. Raises ValueError naming where it draws."""
+    drawing = sorted({n.scope or n.name for n in graph.nodes if n.op.random})
+    if drawing:
+        raise ValueError(f"the model draws random numbers (dropout) in {', '.join(map(repr, drawing))}: eager PyTorch "
+                         f"draws other masks than shardflow, so their runs differ; set the dropout probabilities to 0 "
+                         f"to compare them (docs/guarantees.md: dropout draws what one device draws)")
+
+
+@dataclass(frozen=True)
+class StepDeviation:
+    """One step of :meth:`Trainer.compare_with_eager`: shardflow's ``loss`` and eager PyTorch's, the largest
+    |difference| of any gradient piece (``grad``) and of any weight piece after the update (``weight``) over every
+    replica of every piece, in the model's units."""
+
+    step: int
+    loss: float
+    eager_loss: float
+    grad: float
+    weight: float
+
+    @property
+    def dloss(self) -> float:
+        """|loss − eager loss|."""
+        return abs(self.loss - self.eager_loss)
+
+
+class Trainer:
+    """A module parallelized by :func:`parallelize`.
+
+    ``step(batch)`` trains one step and returns the loss; ``state_dict()`` gives full tensors keyed like the plain
+    module's; ``plan`` shows what runs where (``print(trainer.plan)``); ``weight_error`` / ``grad_error`` compare
+    every replica of every piece with full reference tensors. On the distributed executor every method but ``plan``
+    is collective: every rank calls it, with the same arguments.
+    """
+
+    def __init__(self, plan: ParallelPlan, executor: Executor, optimizer: OptimizerConfig, lead: bool,
+                 names: Mapping[str, str], buffers: Mapping[str, torch.Tensor]):
+        """``names``: each parameter name of the module's state dict (tied parameters under all their names) → its
+        graph weight; ``buffers``: the state dict's other entries (copies; training does not change them)."""
+        self.plan, self.executor, self.optimizer, self.lead = plan, executor, optimizer, lead
+        self._names, self._buffers = dict(names), dict(buffers)
+
+    @property
+    def graph(self) -> ComputationGraph:
+        """The captured graph (ATen ops, its inputs named by the batch's keys, weights by parameter name)."""
+        return self.plan.pcg.graph
+
+    @property
+    def steps_done(self) -> int:
+        return self.executor.steps_done
+
+    def step(self, batch: Mapping[str, torch.Tensor]) -> float:
+        """One training step (forward, backward, optimizer update) on the full ``batch`` — the example batch's keys,
+        shapes and dtypes; each device takes its pieces. Returns the loss.
+
+        Raises:
+            KeyError: an input is missing or unknown (the message gives the expected shape and dtype).
+            ValueError: an input has another shape or dtype than the example batch's.
+        """
+        return self.executor.step(leaves(self.graph, batch, TensorRole.INPUT))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain module's state dict, trained: full tensors under the module's ``state_dict()`` keys, ready for
+        ``module.load_state_dict``. Parameters are read from replica 0 of each piece (tied ones under every name);
+        buffers are as the module had them (a step updates parameters only)."""
+        weights = self.executor.weights()
+        return {k: weights[self._names[k]] if k in self._names else self._buffers[k]
+                for k in (*self._names, *self._buffers)}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """The last step's gradients as full tensors, by graph weight name (= parameter name)."""
+        return self.executor.grads()
+
+    def weight_error(self, reference: Mapping[str, torch.Tensor]) -> float:
+        """The largest |weight piece − its block of ``reference``| over every piece of every replica.
+        ``reference``: full tensors by parameter name (a module's ``state_dict()``)."""
+        return self.executor.weight_error(self._by_weight(reference))
+
+    def grad_error(self, reference: Mapping[str, torch.Tensor]) -> float:
+        """As :meth:`weight_error`, for the last step's gradients (``reference``: e.g. ``p.grad`` by name)."""
+        return self.executor.grad_error(self._by_weight(reference))
+
+    def _by_weight(self, reference: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``reference`` by graph weight, whichever name of a tied parameter it uses."""
+        return {w: reference[k] for k, w in self._names.items() if k in reference}
+
+    def compare_with_eager(self, model: nn.Module, batch: Mapping[str, torch.Tensor],
+                           steps: int) -> Iterator[StepDeviation]:
+        """Train ``steps`` steps on ``batch`` here and with eager PyTorch on ``model`` (``torch.optim`` with this
+        trainer's optimizer settings, on one device) side by side; yield each step's deviations.
+
+        ``model`` must be the module :func:`parallelize` was given, untouched since (the same weights); it is
+        trained. Compare float64 models inside :func:`shardflow.capture.wide_floats` (in which the trainer was
+        made too): Hugging Face models compute their loss in float32 otherwise.
+
+        Raises:
+            ValueError: ``model``'s parameters differ from the trainer's weights; the model draws random numbers
+                (:func:`require_eager_comparable`).
+        """
+        require_eager_comparable(self.graph)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        start = self.weight_error({k: p.detach() for k, p in params.items()})
+        if start:
+            raise ValueError(f"the eager model's parameters differ from the trainer's weights by up to {start:.3g}; "
+                             f"pass the module parallelize was given, before either trains")
+        opt = torch_optimizer(self.optimizer, model.parameters())
+        for i in range(1, steps + 1):
+            loss = self.step(batch)
+            opt.zero_grad()
+            out = model(**batch)
+            eager = getattr(out, "loss", out)  # the capture's contract: the loss, or an object with .loss
+            eager.backward()
+            grad = self.grad_error({k: p.grad if p.grad is not None else torch.zeros_like(p)
+                                    for k, p in params.items()})
+            opt.step()
+            weight = self.weight_error({k: p.detach() for k, p in params.items()})
+            yield StepDeviation(i, loss, eager.item(), grad, weight)
+
+
+def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str, strategy: str | None = None,
+                plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
+                lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
+                seed: int = 0, timeout_s: float = 300.0) -> Trainer:
+    """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
+
+    Args:
+        model: any ``nn.Module`` whose ``model(**batch)`` returns the loss (or an object with ``.loss``). It is
+            read, not changed: its parameters are copied in; :meth:`Trainer.state_dict` gives them back trained.
+        batch: an example batch, input name → tensor; every step's batch has its keys, shapes and dtypes.
+        mesh: the device mesh, a :class:`Mesh` or its text (``"dp=2,tp=2"``).
+        strategy: a preset — dp, tp, sp, pp or a combination (``"dp,tp"``); default: the one the mesh's axes name.
+        plan: a user plan instead (a :class:`Plan` or a JSON/TOML file, see docs/concepts.md).
+        optimizer: ``"sgd"``, ``"adamw"`` (with ``lr``, default 0.1), or an :class:`OptimizerConfig` (momentum,
+            weight decay, betas...; then no ``lr``).
+        strict: refuse the plan where a sharding rule refuses its inputs, instead of redistributing them.
+        executor: ``local`` (every device of the mesh in this process), ``distributed`` (this process is one rank:
+            it joins the process group torchrun's environment describes and runs its own program; the mesh must
+            have one device per process), or ``auto`` (distributed when ``WORLD_SIZE`` > 1).
+        seed: the run seed random ops (dropout) draw with.
+        timeout_s: distributed executor: seconds any communication may wait.
+
+    Raises:
+        CaptureError: export cannot capture the model (the message names the model's source line).
+        PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
+        ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer or executor;
+            distributed: the world size is not the mesh's size, or the ranks' models have different weights.
+    """
+    mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
+    if isinstance(optimizer, OptimizerConfig):
+        if lr is not None:
+            raise ValueError(f"lr={lr} with an OptimizerConfig (lr={optimizer.lr}): set lr in the config")
+        opt = optimizer
+    else:
+        opt = OptimizerConfig(optimizer, 0.1 if lr is None else lr)
+    try:
+        kind = ExecutorKind(executor).resolved()
+    except ValueError:
+        raise ValueError(f"executor={executor!r}: use one of {', '.join(map(str, ExecutorKind))}") from None
+    graph = capture(model, batch)
+    chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)
+    weights = weights_of(model, graph)
+    if kind == ExecutorKind.DISTRIBUTED:
+        from shardflow.runtime.distributed import DistributedExecutor, init_from_env
+        rank, _ = init_from_env(timeout_s)
+        lowered = lower_step(pcg, opt.slots, ranks=[rank])
+        ex: Executor = DistributedExecutor(lowered, opt, timeout_s, seed=seed)  # checks world size and plans
+        _same_weights_everywhere(weights)
+        lead = rank == 0
+    else:
+        from shardflow.runtime.local import LocalExecutor
+        lowered = lower_step(pcg, opt.slots)  # every rank's program, proven to agree
+        ex, lead = LocalExecutor(lowered, opt, seed=seed), True
+    ex.load(weights)
+    tied: dict[int, str] = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if n in graph.weights}
+    names = {n: tied[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in names}
+    return Trainer(ParallelPlan(chosen.name, pcg, lowered), ex, opt, lead, names, buffers)
+
+
+def _same_weights_everywhere(weights: Mapping[str, torch.Tensor]) -> None:
+    """Every rank must load the same weights (each keeps its pieces of them). Raises ValueError naming the ranks
+    whose weights differ from rank 0's — a model initialised without a common seed. Collective."""
+    import torch.distributed as dist
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest.hexdigest())
+    differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+    if differ:
+        raise ValueError(f"ranks {differ} built other initial weights than rank 0: every rank must pass the same "
+                         f"model (call torch.manual_seed with the same seed before building it)")

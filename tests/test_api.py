@@ -1,0 +1,296 @@
+"""``shardflow.parallelize``: a model and a batch in, a trainer out — on our GPT and on Hugging Face models built from
+tiny configs (random init, nothing downloaded) — and ``load_model``, the factory specs of ``shardflow check``.
+
+Numbers: float64 inside ``wide_floats`` (Hugging Face computes its loss in float32 otherwise), 2 SGD steps on the
+local executor against eager PyTorch with torch.optim.SGD. A sharded step adds partial sums in another order than
+one device does, so the two agree to rounding (~1e-15); 1e-9 is the tolerance ``shardflow check`` states and still
+catches any wrong scale or misplaced block (O(1)) and a missed or doubled gradient reduction (O(lr) in the weights).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import shardflow
+from shardflow.api import ModelSpecError, StepDeviation, load_model
+from shardflow.capture import wide_floats
+from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.mesh import Replicate, Shard
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.strategy import PlanError
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-9
+B, T = 4, 8
+
+
+def our_gpt():
+    model = GPT(GPTConfig(vocab_size=11, block_size=T, n_layer=1, n_head=4, n_embd=32))
+    gen = torch.Generator().manual_seed(1)
+    return model, {"idx": torch.randint(0, 11, (B, T), generator=gen),
+                   "targets": torch.randint(0, 11, (B, T), generator=gen)}
+
+
+def hf_batch(vocab=96):
+    ids = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def hf_llama():
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False)
+    return transformers.LlamaForCausalLM(cfg), hf_batch()
+
+
+def hf_gpt2():
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg), hf_batch()
+
+
+def made(factory, dtype=torch.float64):
+    torch.manual_seed(0)
+    model, batch = factory()
+    return model.to(dtype), batch
+
+
+def eager_step(model, opt, batch) -> float:
+    opt.zero_grad()
+    out = model(**batch)
+    loss = getattr(out, "loss", out)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("factory", [our_gpt, hf_llama], ids=["gpt", "llama"])
+@pytest.mark.parametrize("mesh", ["dp=2", "tp=2"])
+def test_trainer_equals_eager(factory, mesh):
+    """Each step's loss, then the state dict after 2 steps (every key of the module's, full tensors) and every
+    replica of every weight piece equal eager PyTorch's."""
+    model, batch = made(factory)
+    with wide_floats():
+        trainer = shardflow.parallelize(model, batch, mesh=mesh, lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = trainer.step(batch)
+            assert abs(loss - eager_step(model, opt, batch)) <= TOL
+    state, want = trainer.state_dict(), model.state_dict()
+    assert list(state) == list(want)
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, atol=TOL, rtol=0, msg=k)
+    assert trainer.weight_error(want) <= TOL
+    assert trainer.steps_done == 2
+
+
+def test_tp_shards_llama_attention_and_mlp():
+    """The strategy a tp=2 mesh names (tp) shards q/k/v and gate/up column-parallel, o_proj and down_proj
+    row-parallel, in both layers; the plan prints with its summary."""
+    model, batch = made(hf_llama, torch.float32)
+    trainer = shardflow.parallelize(model, batch, mesh="tp=2")
+    tensors = trainer.plan.pcg.tensors
+    for layer in (0, 1):
+        p = f"model.layers.{layer}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert tensors[f"{p}{name}.weight"].placements == (Shard(0),), name
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            assert tensors[f"{p}{name}.weight"].placements == (Shard(1),), name
+    assert tensors["model.norm.weight"].placements == (Replicate(),)
+    text = str(trainer.plan)
+    assert text.startswith("# strategy tp: mesh tp=2 (2 devices);")
+    assert "weight   model.layers.0.self_attn.q_proj.weight: float32[64/2, 64] (S(0))" in text
+
+
+def test_state_dict_of_tied_weights_loads_into_the_plain_module():
+    """GPT-2 ties lm_head to wte (one graph weight): the state dict has both keys, equal and trained, and loads
+    strictly into a fresh module, which then computes the trainer's next loss."""
+    model, batch = made(hf_gpt2)
+    with wide_floats():
+        trainer = shardflow.parallelize(model, batch, mesh="dp=2", lr=0.5)
+        first = trainer.step(batch)
+        state = trainer.state_dict()
+        assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+        assert not torch.equal(state["lm_head.weight"], model.lm_head.weight)  # trained; the module is left as it was
+        fresh, _ = made(hf_gpt2)
+        fresh.load_state_dict(state)  # strict: every key, every shape
+        after = fresh(**batch).loss.item()
+        assert after < first and abs(after - trainer.step(batch)) <= TOL
+
+
+def test_compare_with_eager_reports_each_step_and_sees_a_difference(monkeypatch):
+    """On dp=2 every deviation is rounding; with eager PyTorch's learning rate doubled, the weights part after the
+    first update (by lr × gradient: far beyond rounding) while the first loss still agrees."""
+    model, batch = made(our_gpt)
+    trainer = shardflow.parallelize(model, batch, mesh="dp=2", optimizer=OptimizerConfig("sgd", 0.1, momentum=0.9))
+    rows = list(trainer.compare_with_eager(model, batch, 2))
+    assert [r.step for r in rows] == [1, 2] and all(isinstance(r, StepDeviation) for r in rows)
+    assert max(max(r.dloss, r.grad, r.weight) for r in rows) <= TOL
+    assert rows[1].loss < rows[0].loss
+
+    model, batch = made(our_gpt)
+    trainer = shardflow.parallelize(model, batch, mesh="dp=2", lr=0.1)
+    monkeypatch.setattr(shardflow.api, "torch_optimizer", lambda cfg, params: torch.optim.SGD(params, lr=0.2))
+    first = next(trainer.compare_with_eager(model, batch, 1))
+    assert first.dloss <= TOL and first.grad <= TOL and first.weight > 1e-4
+
+
+def test_compare_with_eager_refuses_what_cannot_match():
+    """A model already trained apart from the trainer, and a model with dropout (eager draws other masks)."""
+    model, batch = made(our_gpt)
+    trainer = shardflow.parallelize(model, batch, mesh="dp=2")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    with pytest.raises(ValueError, match="parameters differ from the trainer's weights by up to 1"):
+        next(trainer.compare_with_eager(model, batch, 1))
+
+    torch.manual_seed(0)
+    dropping = GPT(GPTConfig(vocab_size=11, block_size=T, n_layer=1, n_head=4, n_embd=32, dropout=0.1))
+    trainer = shardflow.parallelize(dropping, batch, mesh="dp=2")
+    with pytest.raises(ValueError, match=r"draws random numbers \(dropout\) in 'transformer.drop', "):
+        next(trainer.compare_with_eager(dropping, batch, 1))
+
+
+def test_step_checks_the_batch_against_the_example():
+    model, batch = made(our_gpt)
+    trainer = shardflow.parallelize(model, batch, mesh="dp=2")
+    with pytest.raises(KeyError, match=r"missing input\(s\): 'targets' \(expected int64\[4, 8\]\)"):
+        trainer.step({"idx": batch["idx"]})
+    with pytest.raises(ValueError, match=r"input 'idx' is int64\[2, 8\], expected int64\[4, 8\]"):
+        trainer.step({"idx": batch["idx"][:2], "targets": batch["targets"][:2]})
+    assert trainer.steps_done == 0
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"optimizer": OptimizerConfig("sgd", 0.1), "lr": 0.2}, ValueError, "set lr in the config"),
+    ({"optimizer": "lion"}, ValueError, "lion"),
+    ({"executor": "gpu"}, ValueError, "use one of local, distributed, auto"),
+    ({"strategy": "dp", "plan": shardflow.Plan()}, PlanError, "a strategy or a plan, not both"),
+    ({"mesh": "x=2"}, PlanError, "axis 'x' names no preset strategy"),
+    ({"plan": "/nonexistent/plan.toml"}, PlanError, "No such file"),
+])
+def test_parallelize_argument_errors(kwargs, error, words):
+    model, batch = our_gpt()
+    with pytest.raises(error, match=words):
+        shardflow.parallelize(model, batch, **{"mesh": "dp=2", **kwargs})
+
+
+def test_a_user_plan_and_a_single_device_mesh():
+    """A Plan object (the classifier's Megatron pair on tp) and a one-device mesh (strategy single) both train as
+    eager does."""
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.net(x), y)
+
+    gen = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(B, 8, dtype=torch.float64, generator=gen), "y": torch.randint(0, 4, (B,), generator=gen)}
+
+    plan = shardflow.Plan(modules={
+        "net.0": shardflow.ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
+        "net.2": shardflow.ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})})
+    for mesh, kw in (("tp=2", {"plan": plan}), ("d=1", {})):
+        torch.manual_seed(0)
+        model = Classifier().double()
+        trainer = shardflow.parallelize(model, batch, mesh=mesh, **kw)
+        rows = list(trainer.compare_with_eager(model, batch, 2))
+        assert max(max(r.dloss, r.grad, r.weight) for r in rows) <= TOL
+        assert trainer.plan.name == ("user" if kw else "single")
+    assert trainer.plan.pcg.mesh.size == 1
+
+
+def test_wide_floats_keeps_float64_through_every_spelling_of_to():
+    """``shardflow check --dtype float64`` runs the model inside wide_floats: a cast down stays float64 however it is
+    spelled (Module.to passes device, dtype and non_blocking positionally), and other conversions still happen."""
+    x = torch.ones(2, dtype=torch.float64)
+    with wide_floats():
+        assert {y.dtype for y in (x.float(), x.to(torch.float32), x.to(None, torch.float16, False),
+                                  x.to(dtype=torch.bfloat16), x.to("cpu", torch.float32))} == {torch.float64}
+        assert x.to(torch.int64).dtype == torch.int64 and x.float().to(torch.float32) is x
+        module = nn.Linear(2, 2).double().to(torch.float64)
+        assert module.weight.dtype == torch.float64
+    assert x.float().dtype == torch.float32
+
+
+# --- load_model ---------------------------------------------------------------------------------------------------
+
+FACTORIES = '''
+import torch
+from torch import nn
+from sibling import WIDTH
+
+
+def good():
+    return nn.Linear(WIDTH, 2), {"input": torch.randn(3, WIDTH)}
+
+
+def random_weight():
+    return torch.rand(()).item()
+
+
+class Builder:
+    @staticmethod
+    def tiny():
+        return good()
+
+
+def wrong():
+    return nn.Linear(2, 2)
+
+
+def raises():
+    return undefined_name
+'''
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """A file of factories importing a sibling module, also importable as ``mypkg.factories``."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "factories.py").write_text(FACTORIES)
+    (pkg / "sibling.py").write_text("WIDTH = 5\n")
+    monkeypatch.syspath_prepend(str(pkg))  # where load_model would put it (sys.path is restored after the test)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield pkg / "factories.py"
+    for name in ("mypkg", "mypkg.factories", "sibling", "shardflow_model_factories"):
+        sys.modules.pop(name, None)
+
+
+def test_load_model_from_a_file_and_a_module(factories):
+    for spec in (f"{factories}:good", "mypkg.factories:good", f"{factories}:Builder.tiny"):
+        model, batch = load_model(spec)
+        assert isinstance(model, nn.Linear) and model.in_features == 5 and list(batch) == ["input"]
+    # seeded before the call: every process that loads a spec builds the same weights
+    assert load_model(f"{factories}:good")[0].weight.equal(load_model("mypkg.factories:good")[0].weight)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("missing", "has no 'missing'; its functions: good, raises, random_weight, wrong"),
+    ("wrong", "wrong() must return (module, batch): an nn.Module and a dict of input name → tensor; it returned Linear"),
+    ("random_weight", "random_weight() must return (module, batch)"),
+    ("raises", "calling raises() raised NameError: name 'undefined_name' is not defined (at "),
+])
+def test_load_model_errors_name_the_spec_and_the_fix(factories, name, words):
+    with pytest.raises(ModelSpecError) as e:
+        load_model(f"{factories}:{name}")
+    assert str(e.value).startswith(f"--model {factories}:{name}: ") and words in str(e.value)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("nofile.py:f", "no file nofile.py (from "),
+    ("no_such_package.models:f", "no module named 'no_such_package.models' (a file needs its .py suffix)"),
+    ("examples/hf_llama.py", "write FILE.py:FACTORY or package.module:FACTORY"),
+])
+def test_load_model_errors_for_what_cannot_be_found(spec, words):
+    with pytest.raises(ModelSpecError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        load_model(spec)
