@@ -10,7 +10,7 @@
    it to a tiny model and a few steps appended), already run by another test (which is checked to hold it), or
    not run (with the reason). A command that is not listed fails. The output shown after a ``$`` command must be
    what it prints: its lines in order, ``...`` standing for lines left out, a long line wrapped in the doc, any
-   value for a number with a decimal point (a time).
+   value for a number with a decimal point (a time, a rounding difference such as ``2.2e-16``).
 
 Plans are built in this process (no process starts for them); the commands that train start their processes.
 """
@@ -359,7 +359,17 @@ COMMANDS = {
     "shardflow plan --strategy tp --nproc 2 --layers 1 --rank 0 --format json": Run(),
     "shardflow plan --strategy tp --nproc 2 --layers 1 --format dot --out /tmp/pcg.dot": Run(),
     "head -4 /tmp/pcg.dot": Run(),
-    # docs/own-model.md
+    # docs/own-model.md (the checks shrunk to one step)
+    "shardflow check --model examples/hf_llama.py:tiny_llama --mesh dp=2,tp=2": Run(),
+    ".venv/bin/shardflow check --model examples/hf_llama.py:tiny_llama --strategy tp --nproc 2": Run(("--steps", "1")),
+    ".venv/bin/shardflow check --model examples/hf_llama.py:tiny_llama --strategy sp --dtype float32":
+        Run(("--steps", "1")),
+    ".venv/bin/shardflow check --model examples/own_model.py:classifier --plan classifier_plan.toml --mesh dp=2,tp=2":
+        Run(("--steps", "1")),
+    ".venv/bin/torchrun --standalone --nproc-per-node 2 -m shardflow.cli check --model examples/hf_llama.py:tiny_llama "
+    "--strategy dp": Run(("--steps", "1")),
+    "shardflow plan --model examples/hf_llama.py:tiny_llama --strategy tp": Run(),
+    ".venv/bin/python examples/hf_llama.py": RunBy("test_examples.py", "[sys.executable, HF_LLAMA]"),
     ".venv/bin/python examples/own_model.py": RunBy("test_examples.py", "[sys.executable, EXAMPLE]"),
     ".venv/bin/torchrun --standalone --nproc-per-node 2 examples/own_model.py": Run(),
 }
@@ -381,6 +391,21 @@ COLUMN_PLAN = """\
 weight = {tp = "Shard(0)"}
 bias = {tp = "Shard(0)"}
 """
+# docs/own-model.md §5's classifier_plan.toml: the plan of examples/own_model.py on dp=2,tp=2
+CLASSIFIER_PLAN = """\
+[inputs]
+x = {dp = "Shard(0)"}
+y = {dp = "Shard(0)"}
+
+[modules.up.params]
+weight = {tp = "Shard(0)"}
+bias = {tp = "Shard(0)"}
+
+[modules.down]
+params = {weight = {tp = "Shard(1)"}}
+output = {tp = "Replicate()"}
+"""
+PLAN_FILES = {"my_plan.toml": MY_PLAN, "column_plan.toml": COLUMN_PLAN, "classifier_plan.toml": CLASSIFIER_PLAN}
 
 
 @dataclass(frozen=True)
@@ -444,8 +469,8 @@ def test_command_is_run_by_another_test(command):
 
 def _argv(command: str, work: Path, extra: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
     """(environment additions, argv) of a documented command run in ``work``: .venv/bin/X and bare shardflow,
-    torchrun and python become this interpreter's; relative paths of repository files point into the repository;
-    ``/tmp/`` becomes ``work``."""
+    torchrun and python become this interpreter's; relative paths of repository files (also as the FILE of a
+    ``--model FILE:FACTORY``) point into the repository; ``/tmp/`` becomes ``work``."""
     words = shlex.split(command.replace("/tmp/", f"{work}/"))
     env = {}
     while "=" in words[0]:
@@ -456,11 +481,11 @@ def _argv(command: str, work: Path, extra: tuple[str, ...]) -> tuple[dict[str, s
         return env, [program, *words]
     head = {"shardflow": [sys.executable, "-m", "shardflow.cli"], "python": [sys.executable],
             "torchrun": [sys.executable, "-m", "torch.distributed.run"]}[program]
-    words = [str(ROOT / w) if not w.startswith("-") and (ROOT / w).is_file() else w for w in words]
+    words = [str(ROOT / w) if not w.startswith("-") and (ROOT / w.partition(":")[0]).is_file() else w for w in words]
     return env, [*head, *words, *extra]
 
 
-_DECIMAL = re.compile(r"\b\d+\.\d+\b")  # a measurement (e.g. milliseconds): any value matches
+_DECIMAL = re.compile(r"\b\d+\.\d+(?:e[+-]\d+)?\b")  # a measurement (milliseconds, a difference): any value matches
 
 
 def _matches(shown: tuple[str, ...], printed: str) -> bool:
@@ -486,18 +511,29 @@ def _generated(shown: Shown) -> bool:
 
 
 def _prepare(work: Path) -> Path:
-    """A directory to run documented commands in: ``my.txt`` (a small text), ``my_plan.toml`` and
-    ``column_plan.toml``."""
+    """A directory to run documented commands in: ``my.txt`` (a small text) and the plan files of
+    :data:`PLAN_FILES`."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "my.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    (work / "my_plan.toml").write_text(MY_PLAN)
-    (work / "column_plan.toml").write_text(COLUMN_PLAN)
+    for name, text in PLAN_FILES.items():
+        (work / name).write_text(text)
     return work
 
 
-def test_column_plan_is_the_documented_one():
-    """The column_plan.toml the commands read is the one docs/concepts.md shows."""
-    assert f"```toml\n{COLUMN_PLAN}```" in (ROOT / "docs" / "concepts.md").read_text()
+@pytest.mark.parametrize("doc, text", [("concepts.md", COLUMN_PLAN), ("own-model.md", CLASSIFIER_PLAN)])
+def test_plan_files_are_the_documented_ones(doc, text):
+    """The column_plan.toml and classifier_plan.toml the commands read are the ones the docs show."""
+    assert f"```toml\n{text}```" in (ROOT / "docs" / doc).read_text()
+
+
+def test_classifier_plan_is_the_example_s():
+    """classifier_plan.toml is the plan examples/own_model.py builds in Python for dp=2,tp=2."""
+    import tomllib
+
+    from shardflow.strategy import Plan
+    built = runpy.run_path(str(ROOT / "examples" / "own_model.py"))["classifier_plan"](data_parallel=True)
+    read = Plan.from_json(tomllib.loads(CLASSIFIER_PLAN))
+    assert (read.modules, read.inputs) == (built.modules, built.inputs)
 
 
 @pytest.fixture(scope="module")
