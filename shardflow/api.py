@@ -244,7 +244,7 @@ def require_eager_comparable(graph: ComputationGraph) -> None:
     if drawing:
         raise ValueError(f"the model draws random numbers (dropout) in {', '.join(map(repr, drawing))}: eager PyTorch "
                          f"draws other masks than shardflow, so their runs differ; set the dropout probabilities to 0 "
-                         f"to compare them (docs/guarantees.md: dropout draws what one device draws)")
+                         f"to compare them")
 
 
 @dataclass(frozen=True)
@@ -328,15 +328,16 @@ class Trainer:
     def compare_with_eager(self, model: nn.Module, batch: Mapping[str, torch.Tensor],
                            steps: int) -> Iterator[StepDeviation]:
         """Train ``steps`` steps on ``batch`` here and with eager PyTorch on ``model`` (``torch.optim`` with this
-        trainer's optimizer settings, on one device) side by side; yield each step's deviations.
+        trainer's optimizer settings, on one device) side by side; the iterator yields each step's deviations as
+        the steps run.
 
         ``model`` must be the module :func:`parallelize` was given, untouched since (the same weights); it is
         trained. Compare float64 models inside :func:`shardflow.capture.wide_floats` (in which the trainer was
         made too): Hugging Face models compute their loss in float32 otherwise.
 
-        Raises:
-            ValueError: ``model``'s parameters differ from the trainer's weights; the model draws random numbers
-                (:func:`require_eager_comparable`).
+        Raises (at once, before any step):
+            ValueError: the model draws random numbers (:func:`require_eager_comparable`); ``model``'s parameters
+                differ from the trainer's weights.
         """
         require_eager_comparable(self.graph)
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -344,6 +345,10 @@ class Trainer:
         if start:
             raise ValueError(f"the eager model's parameters differ from the trainer's weights by up to {start:.3g}; "
                              f"pass the module parallelize was given, before either trains")
+        return self._side_by_side(model, params, batch, steps)
+
+    def _side_by_side(self, model: nn.Module, params: Mapping[str, nn.Parameter], batch: Mapping[str, torch.Tensor],
+                      steps: int) -> Iterator[StepDeviation]:
         opt = torch_optimizer(self.optimizer, model.parameters())
         for i in range(1, steps + 1):
             loss = self.step(batch)

@@ -150,10 +150,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 # Default --tol of shardflow check per --dtype. float64: a sharded step adds partial sums in another order than one
-# device does, so the two runs agree to rounding (~1e-15 relative; seen: ≤ 1e-15 on the tiny Llama under dp, tp and
-# dp×tp); 1e-9 leaves room for a few steps of a bigger model and still catches any wrong scale, misplaced block or
-# missed reduction (O(1) errors, O(lr) in the weights). float32: rounding is ~1e-7 relative per operation and grows
-# over steps; 1e-4 (seen: ~1e-6 on the tiny Llama after 3 steps).
+# device does, so the two runs agree to rounding (~1e-15 relative; seen: ≤ 2e-15 on the tiny Llama of
+# examples/hf_llama.py under dp, tp, sp, dp×tp and pp, 3 SGD steps); 1e-9 leaves room for more steps of a bigger
+# model and still catches any wrong scale, misplaced block or missed reduction (O(1) errors, O(lr) in the weights).
+# float32: rounding is ~1e-7 relative per operation and grows over steps; 1e-4 (seen: ≤ 5e-7 on the same runs).
 CHECK_TOL = {"float64": 1e-9, "float32": 1e-4}
 DEVIATES = 1  # exit status of a check beyond its tolerance
 
@@ -192,6 +192,7 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
         trainer = parallelize(model, batch, mesh=mesh, strategy=strategy, plan=args.plan,
                               optimizer=OptimizerConfig(args.optimizer, args.lr), strict=args.strict,
                               executor=executor, timeout_s=args.timeout)
+        steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
         say = print if trainer.lead else (lambda *_, **__: None)
         n_params = sum(p.numel() for p in model.parameters())
         say(f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {args.dtype}; "
@@ -200,7 +201,7 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
         say(f"against eager PyTorch on one device: torch.optim.{'SGD' if args.optimizer == 'sgd' else 'AdamW'} "
             f"lr {args.lr:g}, {args.steps} step{'s' * (args.steps != 1)} on the batch")
         worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
-        for d in trainer.compare_with_eager(model, batch, args.steps):
+        for d in steps:
             say(f"step {d.step}: loss {d.loss:.6f} (eager {d.eager_loss:.6f}), |Δloss| {d.dloss:.1e}, "
                 f"|Δgrad| {d.grad:.1e}, |Δweight| {d.weight:.1e}", flush=True)
             worst = {"loss": max(worst["loss"], d.dloss), "grad": max(worst["grad"], d.grad),

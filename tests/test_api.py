@@ -147,13 +147,14 @@ def test_compare_with_eager_refuses_what_cannot_match():
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     with pytest.raises(ValueError, match="parameters differ from the trainer's weights by up to 1"):
-        next(trainer.compare_with_eager(model, batch, 1))
+        trainer.compare_with_eager(model, batch, 1)
 
     torch.manual_seed(0)
     dropping = GPT(GPTConfig(vocab_size=11, block_size=T, n_layer=1, n_head=4, n_embd=32, dropout=0.1))
     trainer = shardflow.parallelize(dropping, batch, mesh="dp=2")
     with pytest.raises(ValueError, match=r"draws random numbers \(dropout\) in 'transformer.drop', "):
-        next(trainer.compare_with_eager(dropping, batch, 1))
+        trainer.compare_with_eager(dropping, batch, 1)
+    assert trainer.steps_done == 0
 
 
 def test_step_checks_the_batch_against_the_example():
@@ -246,6 +247,10 @@ def wrong():
     return nn.Linear(2, 2)
 
 
+def flagged():
+    return nn.Linear(2, 2), {"input": torch.zeros(2, 2), "use_cache": False}
+
+
 def raises():
     return undefined_name
 '''
@@ -275,9 +280,11 @@ def test_load_model_from_a_file_and_a_module(factories):
 
 
 @pytest.mark.parametrize("name, words", [
-    ("missing", "has no 'missing'; its functions: good, raises, random_weight, wrong"),
+    ("missing", "has no 'missing'; its functions: flagged, good, raises, random_weight, wrong"),
     ("wrong", "wrong() must return (module, batch): an nn.Module and a dict of input name → tensor; it returned Linear"),
     ("random_weight", "random_weight() must return (module, batch)"),
+    ("flagged", "the batch has non-tensor entries 'use_cache' (bool) (settings such as use_cache=False belong in "
+                "the model's config)"),
     ("raises", "calling raises() raised NameError: name 'undefined_name' is not defined (at "),
 ])
 def test_load_model_errors_name_the_spec_and_the_fix(factories, name, words):

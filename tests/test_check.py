@@ -95,6 +95,14 @@ def test_a_bad_spec_exits_2_before_any_process(capsys, monkeypatch, tmp_path, sp
         assert w in err
 
 
+def test_processes_that_do_not_fit_the_mesh_exit_2(capsys, monkeypatch):
+    from shardflow.runtime import launch
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    code, out, err = check(capsys, "--model", "mlp", "--mesh", "dp=2,tp=2", "--nproc", "2")
+    assert code == 2 and not out and err == ("shardflow check: error: mesh dp=2,tp=2 has 4 devices but --nproc 2 "
+                                             "starts 2 processes; make --nproc 4, or change --mesh\n")
+
+
 def test_a_model_with_dropout_exits_2(capsys, tmp_path):
     """Eager PyTorch draws other dropout masks than shardflow: no comparison is possible, and the error says so."""
     path = tmp_path / "drop.py"
@@ -103,7 +111,8 @@ def test_a_model_with_dropout_exits_2(capsys, tmp_path):
                     "\n    def forward(self, x):\n        return self.drop(self.fc(x)).sum()\n\n\n"
                     "def make():\n    return M(), {'x': torch.randn(4, 4)}\n")
     code, out, err = check(capsys, "--model", f"{path}:make", "--strategy", "dp")
-    assert code == 2 and "draws random numbers (dropout) in 'drop'" in err and "set the dropout probabilities to 0" in err
+    assert code == 2 and not out and err.count("\n") == 1
+    assert "draws random numbers (dropout) in 'drop'" in err and "set the dropout probabilities to 0" in err
 
 
 def test_a_user_plan(capsys, tmp_path):

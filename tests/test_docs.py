@@ -340,6 +340,7 @@ COMMANDS = {
     ".venv/bin/shardflow plan --strategy pp --mesh pp=2 --layers 4 --format dot": Run(),
     ".venv/bin/shardflow plan --plan my_plan.toml --mesh tp=2": Run(),
     ".venv/bin/shardflow plan --graph": Run(),
+    ".venv/bin/shardflow check --model examples/hf_llama.py:tiny_llama --mesh dp=2,tp=2": Run(("--steps", "1")),
     # docs/concepts.md
     "shardflow plan --strategy tp --nproc 2 --heads 3 --embd 48": Run(),  # exit status 2: its output is the error
     "shardflow plan --plan column_plan.toml --mesh tp=2 --layers 1": Run(),
