@@ -36,6 +36,7 @@ from torch import nn
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph, TensorRole
 from shardflow.lower import LoweredStep, lower_step
+from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg
 from shardflow.reference import leaves, weights_of
@@ -232,7 +233,7 @@ class ExecutorKind(StrEnum):
 
 def torch_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
     """The ``torch.optim`` optimizer whose update shardflow's ``cfg`` computes (SGD or AdamW, same settings)."""
-    if cfg.name == "sgd":
+    if cfg.name == Optimizer.SGD:
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -271,7 +272,8 @@ class Trainer:
     ``step(batch)`` trains one step and returns the loss; ``state_dict()`` gives full tensors keyed like the plain
     module's; ``plan`` shows what runs where (``print(trainer.plan)``); ``weight_error`` / ``grad_error`` compare
     every replica of every piece with full reference tensors. On the distributed executor every method but ``plan``
-    is collective: every rank calls it, with the same arguments.
+    is collective: every rank calls it, with the same arguments. ``lead``: whether this process reports (the local
+    executor's process, or rank 0); ``optimizer``: the settings every update uses.
     """
 
     def __init__(self, plan: ParallelPlan, executor: Executor, optimizer: OptimizerConfig, lead: bool,
@@ -288,6 +290,7 @@ class Trainer:
 
     @property
     def steps_done(self) -> int:
+        """Training steps run so far."""
         return self.executor.steps_done
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> float:
@@ -379,9 +382,10 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         optimizer: ``"sgd"``, ``"adamw"`` (with ``lr``, default 0.1), or an :class:`OptimizerConfig` (momentum,
             weight decay, betas...; then no ``lr``).
         strict: refuse the plan where a sharding rule refuses its inputs, instead of redistributing them.
-        executor: ``local`` (every device of the mesh in this process), ``distributed`` (this process is one rank:
-            it joins the process group torchrun's environment describes and runs its own program; the mesh must
-            have one device per process), or ``auto`` (distributed when ``WORLD_SIZE`` > 1).
+        executor: ``local`` (every device of the mesh in this process; every rank's program is built and proven to
+            agree), ``distributed`` (this process is one rank: it joins the process group torchrun's environment
+            describes and builds only its own program — the ranks compare their plans' fingerprints at start-up;
+            the mesh must have one device per process), or ``auto`` (distributed when ``WORLD_SIZE`` > 1).
         seed: the run seed random ops (dropout) draw with.
         timeout_s: distributed executor: seconds any communication may wait.
 

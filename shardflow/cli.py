@@ -198,8 +198,8 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
         say(f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {args.dtype}; "
             f"batch " + ", ".join(f"{k} {dtype_name(v.dtype)}{list(v.shape)}" for k, v in batch.items()))
         say(f"strategy {trainer.plan.name}: {summary(trainer.plan.pcg)}")
-        say(f"against eager PyTorch on one device: torch.optim.{'SGD' if args.optimizer == 'sgd' else 'AdamW'} "
-            f"lr {args.lr:g}, {args.steps} step{'s' * (args.steps != 1)} on the batch")
+        say(f"against eager PyTorch on one device (torch.optim): {args.optimizer} lr {args.lr:g}, {args.steps} "
+            f"step{'s' * (args.steps != 1)} on the batch")
         worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
         for d in steps:
             say(f"step {d.step}: loss {d.loss:.6f} (eager {d.eager_loss:.6f}), |Δloss| {d.dloss:.1e}, "
