@@ -11,22 +11,27 @@ Structure: what tp shards (q/k/v and the output projection, the MLP's pairs), th
 the presets need no redistribution but the label count's under dp.
 """
 
+import json
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
-import json
 import pytest
 
 pytest.importorskip("transformers")
 
+from shardflow.graph import ComputationGraph  # noqa: E402
 from shardflow.graph import ops as O  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
+from shardflow.parallel.pcg import build_pcg, lift  # noqa: E402
 from shardflow.parallel.shape import DegreeError  # noqa: E402
+from shardflow.parallel.simulate import simulate_outputs  # noqa: E402
+from shardflow.reference import weights_of  # noqa: E402
 from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
-from shardflow.strategy import make_plan  # noqa: E402
+from shardflow.strategy import ModulePlan, Plan, make_plan, resolve  # noqa: E402
 
 from hf_worker import SGD, compare, model_and_graph, plan_pcg  # noqa: E402
 
@@ -91,7 +96,8 @@ def test_llama_tp_shards_attention_heads_and_the_swiglu_mlp(captured):
 
 def test_llama_tp_beyond_the_key_value_heads_is_an_error_naming_them(captured):
     _, _, graph = captured["llama"]
-    with pytest.raises(DegreeError, match=r"degree 4 does not divide dim 2 of size 2.*model\.layers\.0\.self_attn"):
+    with pytest.raises(DegreeError, match=r"degree 4 does not divide dim 2 of size 2.*model\.layers\.0\.self_attn.*"
+                                          r"key/value heads"):
         make_plan(graph, Mesh.parse("tp=4"), "tp")
 
 
@@ -174,6 +180,47 @@ def test_pp_puts_one_layer_on_each_stage(captured, name, prefix):
             stages.setdefault(int(n.scope.split(".")[len(prefix.split("."))]), set()).add(dict(n.group.fixed)["pp"])
     assert stages == {0: {0}, 1: {1}}
     assert not pcg.parallel_nodes and pcg.redistributions == ()
+
+
+# --- user plans naming modules by FQN, as parallelize_module does -------------------------------------------------
+COLUMN = ModulePlan(params={"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}})  # Conv1D: weight [in, out]
+ROW = ModulePlan(params={"weight": {"tp": Shard(0)}}, output={"tp": Replicate()})
+GPT2_TP = Plan(modules={"transformer.h.*.attn.c_attn": COLUMN, "transformer.h.*.attn.c_proj": ROW,
+                        "transformer.h.*.mlp.c_fc": COLUMN, "transformer.h.*.mlp.c_proj": ROW})
+
+
+def test_user_plan_shards_the_fused_qkv_by_heads_as_the_preset_does(captured):
+    """Column-parallel c_attn in a user plan places each of q, k and v by heads, not q|k|v cut in two blocks."""
+    _, _, graph = captured["gpt2"]
+    mesh = Mesh.parse("tp=2")
+    mine = build_pcg(graph, mesh, resolve(GPT2_TP, graph, mesh))
+    preset = plan_pcg(graph, "tp=2", "tp")
+    assert {n: t.sharding for n, t in mine.tensors.items()} == {n: t.sharding for n, t in preset.tensors.items()}
+    assert parallel_ops(mine) == parallel_ops(preset) and mine.redistributions == ()
+
+
+def flat(graph):
+    """``graph`` with no module scopes, as a graph built by hand without them."""
+    return ComputationGraph(graph.tensors, tuple(replace(n, scope="") for n in graph.nodes), graph.outputs, graph.loss,
+                            graph.constants)
+
+
+def test_user_plan_by_fqn_on_a_flat_graph(captured):
+    """With no node scoped, a module is the nodes that read its parameters: the same plan places the same weights,
+    reduces each row-parallel output once, and computes the single-device values."""
+    model, b, graph = captured["gpt2"]
+    g = flat(graph)
+    mesh = Mesh.parse("tp=2")
+    pcg = build_pcg(g, mesh, resolve(GPT2_TP, g, mesh))
+    preset = plan_pcg(graph, "tp=2", "tp")
+    assert {w: pcg.tensors[w].sharding for w in g.weights} == {w: preset.tensors[w].sharding for w in g.weights}
+    assert parallel_ops(pcg) == parallel_ops(preset) and pcg.redistributions == ()
+    leaves = dict(weights_of(model, g), **b)
+    want = simulate_outputs(lift(g), leaves)
+    got = simulate_outputs(pcg, leaves)
+    assert abs(got[g.loss].item() - want[g.loss].item()) <= TOL
+    attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
+    assert all(pcg.tensors[n.outputs[0]].pshape.shard == (1, 2, 1, 1) for n in attn)
 
 
 def test_two_gloo_processes(tmp_path):

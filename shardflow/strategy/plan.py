@@ -142,19 +142,29 @@ def _merge_module(a: ModulePlan, b: ModulePlan, pat: str) -> ModulePlan:
 
 
 # --- resolution onto a graph ------------------------------------------------------------------------------
-def inside(node: Node, module: str) -> bool:
-    """Whether ``node`` belongs to module path ``module`` (the root module ``""`` holds everything)."""
-    return not module or node.scope == module or node.scope.startswith(module + ".")
-
-
 def module_nodes(graph: ComputationGraph) -> dict[str, list[Node]]:
-    """Module path → the nodes inside it (its submodules' too), for every module path that owns a node and each of
-    its ancestors, in first-use order."""
+    """Module path → its nodes, for every module path of ``graph`` and each of its ancestors, in first-use order.
+
+    A module's nodes are those whose scope lies inside it. A path that no node's scope names but a parameter's
+    FQN does (a flat graph: built by hand without scopes, or a model that calls its submodules' parameters
+    functionally) holds the nodes that read its parameters (``fc1`` the readers of ``fc1.weight`` and
+    ``fc1.bias``), so a plan names modules by FQN on any graph.
+    """
     out: dict[str, list[Node]] = {}
     for n in graph.nodes:
         parts = n.scope.split(".") if n.scope else []
         for i in range(1, len(parts) + 1):
             out.setdefault(".".join(parts[:i]), []).append(n)
+    scoped = set(out)
+    for n in graph.nodes:
+        paths: dict[str, None] = {}
+        for t in n.inputs:
+            if graph.tensors[t].role == TensorRole.WEIGHT:
+                parts = t.split(".")[:-1]
+                paths.update((".".join(parts[:i]), None) for i in range(1, len(parts) + 1))
+        for path in paths:
+            if path not in scoped:
+                out.setdefault(path, []).append(n)
     return out
 
 
@@ -209,6 +219,14 @@ def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> Comput
     ``<linear>.weight`` and ``<linear>.bias``, in the linear's module), one linear per part on the same input
     (``<linear>.part<k>``), the views per part, and part k's last node produces the split's output k, so every
     consumer reads what it read before. The parameters stay whole: one FQN each, as in the model's state dict.
+
+    Why: column parallelism must give each device a block of heads of q, of k and of v. On the fused weight
+    ``[C, 3C]`` that is no block of its columns (a plain ``Shard(1)`` hands device 0 all of q and half of k),
+    but a strided shard (DTensor's ``_StridedShard``), which every rule, redistribution and piece layout would
+    have to learn. Split first, each part is an ordinary linear whose weight ``[C, C]`` is cut by heads
+    (:func:`resolve` places the parameter part by part). The price: the fused parameter stays whole on every
+    device of the tp axis (its parts are cut locally, no communication forward), so it and its optimizer
+    state are not divided, and its gradient parts are all-gathered in the backward pass.
     """
     tensors = dict(graph.tensors)
     names = set(tensors) | {n.name for n in graph.nodes}
@@ -259,25 +277,40 @@ def _layout(spec: PlacementSpec, group: SubMesh, what: str) -> Layout:
     return dict(zip(group.free_axes, spec))
 
 
-def _matched(plan: Plan, graph: ComputationGraph, modules: Mapping[str, list[Node]]) -> dict[str, list[str]]:
-    """Plan pattern → the module paths of ``graph`` it matches. Raises PlanError for a pattern that matches no
-    module and no node."""
-    matched = {pat: [m for m in modules if fnmatchcase(m, pat)] for pat in plan.modules}
-    for pat, ms in matched.items():
-        if not ms and not any(fnmatchcase(n.name, pat) for n in graph.nodes):
-            paths = list(modules)
-            raise PlanError(f"plan pattern {pat!r} matches no module or node; modules are: {', '.join(paths[:12])}"
-                            f"{' ...' if len(paths) > 12 else ''}")
-    return matched
+@dataclass(frozen=True)
+class _Targets:
+    """What each pattern of a plan names in one graph: ``modules`` (module path → its nodes, :func:`module_nodes`),
+    ``matched`` (pattern → the module paths it matches) and ``named`` (pattern → the nodes whose name it matches)."""
 
+    modules: Mapping[str, list[Node]]
+    matched: Mapping[str, list[str]]
+    named: Mapping[str, list[Node]]
 
-def _units(pat: str, graph: ComputationGraph, matched: Mapping[str, list[str]],
-           modules: Mapping[str, list[Node]]) -> list[tuple[str, list[Node]]]:
-    """What pattern ``pat`` names: (module path, its nodes) for each module it matches, and (node name, [node])
-    for each node it matches by name outside those modules."""
-    paths = set(matched[pat])
-    return [(m, modules[m]) for m in matched[pat]] + [
-        (n.name, [n]) for n in graph.nodes if n.scope not in paths and fnmatchcase(n.name, pat)]
+    @classmethod
+    def of(cls, plan: Plan, graph: ComputationGraph) -> _Targets:
+        """Raises PlanError for a pattern that matches no module and no node."""
+        modules = module_nodes(graph)
+        by_name = {n.name: n for n in graph.nodes}
+        matched, named = {}, {}
+        for pat in plan.modules:
+            if any(ch in pat for ch in "*?["):
+                matched[pat] = [m for m in modules if fnmatchcase(m, pat)]
+                named[pat] = [n for n in graph.nodes if fnmatchcase(n.name, pat)]
+            else:  # a plain name matches itself only
+                matched[pat] = [pat] if pat in modules else []
+                named[pat] = [by_name[pat]] if pat in by_name else []
+            if not matched[pat] and not named[pat]:
+                paths = list(modules)
+                raise PlanError(f"plan pattern {pat!r} matches no module or node; modules are: "
+                                f"{', '.join(paths[:12])}{' ...' if len(paths) > 12 else ''}")
+        return cls(modules, matched, named)
+
+    def units(self, pat: str) -> list[tuple[str, list[Node]]]:
+        """What ``pat`` places: (module path, its nodes) for each module it matches, and (node name, [node]) for
+        each node it matches by name outside those modules."""
+        paths = set(self.matched[pat])
+        return [(m, self.modules[m]) for m in self.matched[pat]] + [
+            (n.name, [n]) for n in self.named[pat] if n.scope not in paths]
 
 
 def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
@@ -291,29 +324,26 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     its parts (:func:`split_fused`); the annotations then name that graph (``Annotations.graph``), which
     :func:`~shardflow.parallel.pcg.build_pcg` plans instead.
     """
-    modules = module_nodes(graph)
-    matched = _matched(plan, graph, modules)
-    placed = {f"{m}.{p}": spec for pat, mp in plan.modules.items() for m, _ in _units(pat, graph, matched, modules)
+    targets = _Targets.of(plan, graph)
+    placed = {f"{m}.{p}": spec for pat, mp in plan.modules.items() for m, _ in targets.units(pat)
               for p, spec in mp.params.items()}
     fused = [f for f in fused_linears(graph)
              if any(Shard(d) in _placements(placed.get(t)) for t, d in f.features)]
     rewritten = split_fused(graph, fused) if fused else None
     if rewritten is not None:
         graph = rewritten
-        modules = module_nodes(graph)
-        matched = _matched(plan, graph, modules)
+        targets = _Targets.of(plan, graph)
 
-    groups = _stage_groups(plan, graph, mesh, matched)
+    groups = _stage_groups(plan, graph, mesh, targets)
     whole = SubMesh(mesh)
     for pat, mp in plan.modules.items():  # machine-view overrides
         if mp.devices is None:
             continue
-        for n in graph.nodes:
-            if fnmatchcase(n.name, pat) or any(inside(n, m) for m in matched[pat]):
-                try:
-                    groups[n.name] = groups.get(n.name, whole).with_view(mp.devices)
-                except ValueError as e:
-                    raise PlanError(f"plan for {pat!r}: {e}") from None
+        for n in {n.name: n for _, members in targets.units(pat) for n in members}.values():
+            try:
+                groups[n.name] = groups.get(n.name, whole).with_view(mp.devices)
+            except ValueError as e:
+                raise PlanError(f"plan for {pat!r}: {e}") from None
     consumers = graph.consumers()
     producer = graph.producer()
 
@@ -331,7 +361,7 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     after: dict[str, Layout] = {}
     why: dict[object, str] = {}
     for pat, mp in plan.modules.items():
-        for m, members in _units(pat, graph, matched, modules):
+        for m, members in targets.units(pat):
             for p, spec in mp.params.items():
                 w = f"{m}.{p}"
                 if w not in graph.tensors or graph.tensors[w].role != TensorRole.WEIGHT:
@@ -388,7 +418,7 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
     return s
 
 
-def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapping[str, list[str]]) -> dict[str, SubMesh]:
+def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, targets: _Targets) -> dict[str, SubMesh]:
     """Node → sub-mesh with the stage axis fixed. A node no staged module holds runs on every stage (the whole mesh)
     when it reads a tensor that a ``Replicate`` on the stage axis (``plan.ops``) spread over every stage, or the
     output of such a node; else on the latest stage among its inputs' producers; a node that reads only leaves
@@ -407,19 +437,23 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapp
     whole = SubMesh(mesh)
     every_stage = {t for t, pops in plan.ops.items()
                    if any(isinstance(p, Replicate) and p.axis == plan.stage_axis for p in pops)}
+    # The most specific pattern (longest matched module path, or a node-name match) decides; the first on ties.
+    decided: dict[str, tuple[int, int]] = {}  # node → (depth, stage)
+    for pat, s in staged.items():
+        depth: dict[str, int] = {}
+        for m in targets.matched[pat]:
+            for n in targets.modules[m]:
+                depth[n.name] = max(depth.get(n.name, -1), len(m))
+        depth.update((n.name, 10**6) for n in targets.named[pat])
+        for name, d in depth.items():
+            if d > decided.get(name, (-1, 0))[0]:
+                decided[name] = (d, s)
     producer = graph.producer()
     groups: dict[str, SubMesh] = {}
     deferred: list[Node] = []  # unstaged nodes that read only leaves: they run where their first reader runs
     for n in graph.nodes:
-        # The most specific pattern (longest matched module path, or a node-name match) decides.
-        best, stage = -1, 0
-        for pat, s in staged.items():
-            depth = 10**6 if fnmatchcase(n.name, pat) else max(
-                (len(m) for m in matched[pat] if inside(n, m)), default=-1)
-            if depth > best:
-                best, stage = depth, s
-        if best >= 0:
-            groups[n.name] = whole.with_fixed(plan.stage_axis, stage)
+        if n.name in decided:
+            groups[n.name] = whole.with_fixed(plan.stage_axis, decided[n.name][1])
             continue
         if every_stage.intersection(n.inputs):
             groups[n.name] = whole

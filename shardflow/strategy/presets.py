@@ -3,13 +3,17 @@
 Each preset reads the *structure* of the captured graph, never module names, so any model with the same
 structure gets the same plan:
 
-* **dp** (axis ``dp``): every data input is ``Shard(0)`` (batch); weights are replicated, so their gradients
-  come out ``Partial`` and are reduced before the update.
+* **dp** (axis ``dp``): every data input is ``Shard(0)`` (batch), and so is every constant of the batch's leading
+  size (an attention mask folded at capture); weights are replicated, so their gradients come out ``Partial``
+  and are reduced before the update.
 * **tp** (axis ``tp``, Megatron-LM, Shoeybi et al. 2019): a group of linears reading the same input is made
-  column-parallel (weight ``Shard(0)``, bias ``Shard(0)``) when everything downstream of it, up to the next
-  linears, can run on the sharded features or heads; those next linears are made row-parallel (weight
-  ``Shard(1)``) and their output is reduced to ``Replicate``. In a GPT block this finds q/k/v → attention →
-  output projection, and c_fc → GELU → c_proj.
+  column-parallel (weight and bias sharded on the output features) when everything downstream of it, up to
+  the next linears, can run on the sharded features or heads; those next linears are made row-parallel
+  (weight sharded on the input features) and their output is reduced to ``Replicate``. In a GPT block this
+  finds q/k/v → attention → output projection, and c_fc → GELU → c_proj; in Llama's, q/k/v (grouped-query:
+  the key/value heads shard too) and gate/up → SiLU·mul → down. A linear whose output the model splits into
+  q|k|v (GPT-2's ``c_attn``) is searched and planned part by part (:func:`~shardflow.strategy.plan.split_fused`),
+  so its heads shard like separate projections.
 * **sp** (axis ``tp``, Korthikanti et al. 2022): tp, plus the residual stream between the repeated blocks
   sharded on the sequence dim (dim 1): norms, dropout and residual adds run on ``Shard(1)``; a column group's
   input is all-gathered (Combine) and a row-parallel output reduce-scattered (Reduction + Repartition).
@@ -83,7 +87,8 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
     without passing through a linear's input; the region's frontier linears become row-parallel. The group is
     kept if the region reads nothing from outside but weights and constants, and the sharding rules accept it
     on a ``degree``-way axis. Raises DegreeError when the structure fits but a size does not divide
-    (e.g. heads not divisible by tp), naming the module, dim, size and degree.
+    (e.g. heads, or a grouped-query attention's key/value heads, not divisible by tp), naming the module, dim,
+    size and degree.
 
     A fused linear (:func:`~shardflow.strategy.plan.fused_linears`: GPT-2's ``c_attn``, q|k|v in one weight) is
     searched part by part: the pairs name the nodes of ``split_fused(graph, fused_linears(graph))``, where each
@@ -141,8 +146,9 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
             else:
                 plan = _megatron_plan(accepted + [candidate], axis, sequence=False)
                 build_pcg(graph, trial_mesh, resolve(plan, graph, trial_mesh), strict=True)
-        except DegreeError:
-            raise
+        except DegreeError as e:
+            raise e.at(hint=f"tensor parallelism splits the heads of each attention (with grouped-query attention, "
+                            f"its key/value heads too) and the features of each linear pair {degree} ways") from None
         except (RuleError, PlanError):
             continue
         isolated_so_far = trial is not None
