@@ -41,14 +41,14 @@ AXIS_OF = {"dp": "dp", "tp": "tp", "sp": "tp", "pp": "pp"}
 
 
 def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
-    """Shard every data input on its first (batch) dim along ``axis``, and every constant whose first dim has the
-    batch's size: a per-example tensor that capture folded because it depends on the batch's shape only (Hugging
-    Face's attention mask ``[B, 1, T, S]``), which the ops reading it must see split like the batch. (A constant
-    whose first dim is the batch size by coincidence is still computed right: where a rule wants it whole, it
-    is gathered, and the PCG lists that redistribution.)"""
+    """Shard every data input on its first (batch) dim along ``axis``, and every constant of two or more dims whose
+    first has the batch's size: a per-example tensor that capture folded because it depends on the batch's shape
+    only (Hugging Face's attention mask ``[B, 1, T, S]``), which the ops reading it must see split like the
+    batch. (A constant whose first dim is the batch size by coincidence is still computed right: where a rule
+    wants it whole, it is gathered, and the PCG lists that redistribution.)"""
     sizes = {graph.tensors[n].shape[0] for n in graph.inputs if graph.tensors[n].shape}
     batch = [n for n in graph.by_role(TensorRole.CONSTANT)
-             if len(sizes) == 1 and graph.tensors[n].shape[:1] == tuple(sizes)]
+             if len(sizes) == 1 and len(graph.tensors[n].shape) > 1 and graph.tensors[n].shape[0] in sizes]
     return Plan(inputs={name: {axis: Shard(0)} for name in graph.inputs + tuple(batch)}, name="dp")
 
 
@@ -195,12 +195,12 @@ def _trial_nodes(graph: ComputationGraph, candidate: tuple[list[Node], list[Node
                 readable.update(reader.outputs)
         if any(t not in readable and graph.tensors[t].role == TensorRole.ACTIVATION for t in lin.inputs[1:]):
             return None
-    row_modules = [modules[r.scope] for r in rows]
+    in_rows = {n.name for r in rows for n in modules[r.scope]}
     leaving: list[str] = []
     for n in nodes.values():
         for o in n.outputs:
             if o in graph.outputs or any(c.name not in nodes for c, _ in consumers[o]):
-                if not any(n in members for members in row_modules):
+                if n.name not in in_rows:
                     return None
                 leaving.append(o)
     return sorted(nodes.values(), key=lambda n: order[n.name]), leaving
