@@ -82,6 +82,9 @@ class Annotations:
     A layout maps some mesh axes to placements; axes it does not name keep whatever they hold.
     * ``ops``: tensor name → parallel ops the user inserts right after it, in order.
     ``why`` gives, per edge/tensor, the reason printed beside inserted parallel ops.
+    ``graph``: the graph these names refer to when the strategy rewrote the one it was resolved on (a fused
+    linear computed part by part, :func:`shardflow.strategy.plan.split_fused`); :func:`build_pcg` plans it
+    instead of its argument. None: the argument itself.
     """
 
     leaves: Mapping[str, Sharding] = field(default_factory=dict)
@@ -90,6 +93,7 @@ class Annotations:
     after: Mapping[str, Layout] = field(default_factory=dict)
     ops: Mapping[str, tuple[ParallelOp, ...]] = field(default_factory=dict)
     why: Mapping[object, str] = field(default_factory=dict)
+    graph: ComputationGraph | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +368,8 @@ def _group_fix(src: SubMesh, dst: SubMesh, tensor: str, node: str) -> str:
 
 
 def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = None, strict: bool = False) -> PCG:
-    """Propagate shardings through ``graph`` on ``mesh`` following the strategy's annotations.
+    """Propagate shardings through ``graph`` (``ann.graph`` where the strategy rewrote it) on ``mesh`` following the
+    strategy's annotations.
 
     Where a node's rule refuses its inputs (RuleError, or a DegreeError of its outputs), the inputs are
     redistributed to the cheapest shardings the rule accepts (:attr:`PCG.redistributions` lists them); with
@@ -372,6 +377,7 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
     tensor, dim, size, axes and the fix for what no redistribution can mend (a leaf or layout that does not fit).
     """
     ann = ann or Annotations()
+    graph = ann.graph if ann.graph is not None else graph
     b = _Builder(graph, mesh, ann)
     consumers = graph.consumers()
     for name, spec in graph.tensors.items():

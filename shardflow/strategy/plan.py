@@ -23,8 +23,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shardflow.graph.graph import ComputationGraph, Node, TensorRole
-from shardflow.parallel.mesh import Mesh, Placement, SubMesh, parse_placement
+from shardflow.graph import ops as O
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
+from shardflow.parallel.mesh import Mesh, Placement, Shard, SubMesh, parse_placement
 from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp, Replicate
 from shardflow.parallel.pcg import Annotations, Layout
 from shardflow.parallel.shape import DegreeError, ShardingError
@@ -56,8 +57,10 @@ class ModulePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """A whole strategy: module plans, data-input placements, explicit parallel ops and the stage axis.
+    """A whole strategy: module plans, placements of data inputs and constants, explicit parallel ops and the
+    stage axis.
 
+    ``inputs`` maps a data input (a batch key) or a constant (a mask folded at capture) to its placements;
     ``ops`` maps a tensor name to parallel ops inserted right after it (explicit Replicate/Reduction...).
     """
 
@@ -139,19 +142,126 @@ def _merge_module(a: ModulePlan, b: ModulePlan, pat: str) -> ModulePlan:
 
 
 # --- resolution onto a graph ------------------------------------------------------------------------------
-def inside(node: Node, module: str) -> bool:
-    """Whether ``node`` belongs to module path ``module`` (the root module ``""`` holds everything)."""
-    return not module or node.scope == module or node.scope.startswith(module + ".")
+def module_nodes(graph: ComputationGraph) -> dict[str, list[Node]]:
+    """Module path → its nodes, for every module path of ``graph`` and each of its ancestors, in first-use order.
 
-
-def module_paths(graph: ComputationGraph) -> list[str]:
-    """Every module path that owns a node (with all its ancestors), in first-use order."""
-    seen: dict[str, None] = {}
+    A module's nodes are those whose scope lies inside it. A path that no node's scope names but a parameter's
+    FQN does (a flat graph: built by hand without scopes, or a model that calls its submodules' parameters
+    functionally) holds the nodes that read its parameters (``fc1`` the readers of ``fc1.weight`` and
+    ``fc1.bias``), so a plan names modules by FQN on any graph.
+    """
+    out: dict[str, list[Node]] = {}
     for n in graph.nodes:
         parts = n.scope.split(".") if n.scope else []
         for i in range(1, len(parts) + 1):
-            seen.setdefault(".".join(parts[:i]))
-    return list(seen)
+            out.setdefault(".".join(parts[:i]), []).append(n)
+    scoped = set(out)
+    for n in graph.nodes:
+        paths: dict[str, None] = {}
+        for t in n.inputs:
+            if graph.tensors[t].role == TensorRole.WEIGHT:
+                parts = t.split(".")[:-1]
+                paths.update((".".join(parts[:i]), None) for i in range(1, len(parts) + 1))
+        for path in paths:
+            if path not in scoped:
+                out.setdefault(path, []).append(n)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FusedLinear:
+    """A linear whose output the model splits along its output features: GPT-2's ``c_attn`` computes q, k and v
+    in one ``addmm`` with a weight ``[C, 3C]`` and splits the result ``[B, T, 3C]`` into three ``[B, T, C]``.
+
+    ``linear`` is the node, ``views`` the reshapes between it and ``split`` that keep the features as the last
+    dim (Hugging Face's ``Conv1D`` flattens the tokens around its ``addmm``), ``split`` the node that cuts them.
+    """
+
+    linear: Node
+    views: tuple[Node, ...]
+    split: Node
+
+    @property
+    def features(self) -> tuple[tuple[str, int], ...]:
+        """(parameter, its output-feature dim) for the weight and, with a bias, the bias."""
+        lin = self.linear
+        return ((lin.inputs[1], lin.op.out_dim),) + (((lin.inputs[2], 0),) if lin.op.bias else ())
+
+
+def fused_linears(graph: ComputationGraph) -> list[FusedLinear]:
+    """Every linear of ``graph`` with a weight parameter whose output alone feeds, through reshapes that keep the
+    last dim, one Split of that last dim into two or more parts, in node order."""
+    consumers = graph.consumers()
+    weights = set(graph.weights)
+    found = []
+    for lin in graph.nodes:
+        if not isinstance(lin.op, O.Linear) or lin.inputs[1] not in weights:
+            continue
+        features = graph.tensors[lin.outputs[0]].shape[-1]
+        views: list[Node] = []
+        t = lin.outputs[0]
+        while len(consumers[t]) == 1 and t not in graph.outputs:
+            node = consumers[t][0][0]
+            if isinstance(node.op, O.Reshape) and node.op.shape[-1:] == (features,):
+                views.append(node)
+                t = node.outputs[0]
+                continue
+            if isinstance(node.op, O.Split) and node.op.dim == len(graph.tensors[t].shape) - 1 and \
+                    len(node.op.sizes) > 1:
+                found.append(FusedLinear(lin, tuple(views), node))
+            break
+    return found
+
+
+def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> ComputationGraph:
+    """``graph`` with each of ``fused`` computed part by part, the same values (each output element is the same
+    dot product): the weight and bias are split along the output features into the split's sizes (nodes
+    ``<linear>.weight`` and ``<linear>.bias``, in the linear's module), one linear per part on the same input
+    (``<linear>.part<k>``), the views per part, and part k's last node produces the split's output k, so every
+    consumer reads what it read before. The parameters stay whole: one FQN each, as in the model's state dict.
+
+    Why: column parallelism must give each device a block of heads of q, of k and of v. On the fused weight
+    ``[C, 3C]`` that is no block of its columns (a plain ``Shard(1)`` hands device 0 all of q and half of k),
+    but a strided shard (DTensor's ``_StridedShard``), which every rule, redistribution and piece layout would
+    have to learn. Split first, each part is an ordinary linear whose weight ``[C, C]`` is cut by heads
+    (:func:`resolve` places the parameter part by part). The price: the fused parameter stays whole on every
+    device of the tp axis (its parts are cut locally, no communication forward), so it and its optimizer
+    state are not divided, and its gradient parts are all-gathered in the backward pass.
+    """
+    tensors = dict(graph.tensors)
+    names = set(tensors) | {n.name for n in graph.nodes}
+    replace: dict[str, list[Node]] = {}  # node name → the nodes that replace it (none: removed)
+
+    def add(name: str, op: O.Op, inputs: tuple[str, ...], outputs: tuple[str, ...] | None, scope: str) -> Node:
+        """A new node; its outputs are named after it unless ``outputs`` (existing tensors it now produces)."""
+        types = op.infer(tuple(tensors[t].type for t in inputs))
+        made = (name,) if outputs or len(types) == 1 else tuple(f"{name}.{k}" for k in range(len(types)))
+        taken = names & {name, *made}
+        if taken:
+            raise ValueError(f"split_fused: the graph already has a node or tensor called {sorted(taken)}")
+        names.update({name, *made})
+        outputs = outputs or made
+        for o, ty in zip(outputs, types):
+            tensors[o] = TensorSpec(o, ty)
+        return Node(name, op, inputs, outputs, scope)
+
+    for f in fused:
+        lin, sizes, last = f.linear, f.split.op.sizes, f.split.outputs
+        for t in [lin.outputs[0]] + [v.outputs[0] for v in f.views]:
+            del tensors[t]
+        params = [add(f"{lin.name}.{kind}", O.Split(sizes, dim), (p,), None, lin.scope)
+                  for kind, (p, dim) in zip(("weight", "bias"), f.features)]
+        parts = [add(f"{lin.name}.part{k}", lin.op, (lin.inputs[0],) + tuple(p.outputs[k] for p in params),
+                     None if f.views else (last[k],), lin.scope) for k in range(len(sizes))]
+        replace[lin.name] = params + parts
+        for i, v in enumerate(f.views):
+            final = i == len(f.views) - 1
+            parts = [add(f"{v.name}.part{k}", O.Reshape(v.op.shape[:-1] + (sizes[k],)), part.outputs,
+                         (last[k],) if final else None, v.scope) for k, part in enumerate(parts)]
+            replace[v.name] = parts
+        replace[f.split.name] = []
+    nodes = tuple(m for n in graph.nodes for m in replace.get(n.name, [n]))
+    return ComputationGraph(tensors, nodes, graph.outputs, graph.loss, graph.constants)
 
 
 def _layout(spec: PlacementSpec, group: SubMesh, what: str) -> Layout:
@@ -167,27 +277,73 @@ def _layout(spec: PlacementSpec, group: SubMesh, what: str) -> Layout:
     return dict(zip(group.free_axes, spec))
 
 
-def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
-    """The plan's decisions on the tensors and nodes of ``graph``. Raises PlanError naming the module/tensor."""
-    modules = module_paths(graph)
-    matched = {pat: [m for m in modules if fnmatchcase(m, pat)] for pat in plan.modules}
-    for pat, ms in matched.items():
-        by_node = [n for n in graph.nodes if fnmatchcase(n.name, pat)]
-        if not ms and not by_node:
-            raise PlanError(f"plan pattern {pat!r} matches no module or node; modules are: {', '.join(modules[:12])}"
-                            f"{' ...' if len(modules) > 12 else ''}")
+@dataclass(frozen=True)
+class _Targets:
+    """What each pattern of a plan names in one graph: ``modules`` (module path → its nodes, :func:`module_nodes`),
+    ``matched`` (pattern → the module paths it matches) and ``named`` (pattern → the nodes whose name it matches)."""
 
-    groups = _stage_groups(plan, graph, mesh, matched)
+    modules: Mapping[str, list[Node]]
+    matched: Mapping[str, list[str]]
+    named: Mapping[str, list[Node]]
+
+    @classmethod
+    def of(cls, plan: Plan, graph: ComputationGraph) -> _Targets:
+        """Raises PlanError for a pattern that matches no module and no node."""
+        modules = module_nodes(graph)
+        by_name = {n.name: n for n in graph.nodes}
+        matched, named = {}, {}
+        for pat in plan.modules:
+            if any(ch in pat for ch in "*?["):
+                matched[pat] = [m for m in modules if fnmatchcase(m, pat)]
+                named[pat] = [n for n in graph.nodes if fnmatchcase(n.name, pat)]
+            else:  # a plain name matches itself only
+                matched[pat] = [pat] if pat in modules else []
+                named[pat] = [by_name[pat]] if pat in by_name else []
+            if not matched[pat] and not named[pat]:
+                paths = list(modules)
+                raise PlanError(f"plan pattern {pat!r} matches no module or node; modules are: "
+                                f"{', '.join(paths[:12])}{' ...' if len(paths) > 12 else ''}")
+        return cls(modules, matched, named)
+
+    def units(self, pat: str) -> list[tuple[str, list[Node]]]:
+        """What ``pat`` places: (module path, its nodes) for each module it matches, and (node name, [node]) for
+        each node it matches by name outside those modules."""
+        paths = set(self.matched[pat])
+        return [(m, self.modules[m]) for m in self.matched[pat]] + [
+            (n.name, [n]) for n in self.named[pat] if n.scope not in paths]
+
+
+def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
+    """The plan's decisions on the tensors and nodes of ``graph``. Raises PlanError naming the module/tensor.
+
+    A parameter that one Split node alone reads (its *parts*, e.g. after :func:`split_fused`) and that the plan
+    shards on the split dim is placed part by part: the parameter keeps its other placements, each part is
+    sharded on that dim (a local split of the replicated parameter), so column parallelism shards every part —
+    every head group of q, k and v — instead of cutting ``q|k|v`` into blocks. A fused linear
+    (:func:`fused_linears`) whose weight or bias the plan shards on the output features is first split into
+    its parts (:func:`split_fused`); the annotations then name that graph (``Annotations.graph``), which
+    :func:`~shardflow.parallel.pcg.build_pcg` plans instead.
+    """
+    targets = _Targets.of(plan, graph)
+    placed = {f"{m}.{p}": spec for pat, mp in plan.modules.items() for m, _ in targets.units(pat)
+              for p, spec in mp.params.items()}
+    fused = [f for f in fused_linears(graph)
+             if any(Shard(d) in _placements(placed.get(t)) for t, d in f.features)]
+    rewritten = split_fused(graph, fused) if fused else None
+    if rewritten is not None:
+        graph = rewritten
+        targets = _Targets.of(plan, graph)
+
+    groups = _stage_groups(plan, graph, mesh, targets)
     whole = SubMesh(mesh)
     for pat, mp in plan.modules.items():  # machine-view overrides
         if mp.devices is None:
             continue
-        for n in graph.nodes:
-            if fnmatchcase(n.name, pat) or any(inside(n, m) for m in matched[pat]):
-                try:
-                    groups[n.name] = groups.get(n.name, whole).with_view(mp.devices)
-                except ValueError as e:
-                    raise PlanError(f"plan for {pat!r}: {e}") from None
+        for n in {n.name: n for _, members in targets.units(pat) for n in members}.values():
+            try:
+                groups[n.name] = groups.get(n.name, whole).with_view(mp.devices)
+            except ValueError as e:
+                raise PlanError(f"plan for {pat!r}: {e}") from None
     consumers = graph.consumers()
     producer = graph.producer()
 
@@ -197,23 +353,30 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
 
     leaves: dict[str, Sharding] = {}
     for name, spec in plan.inputs.items():
-        if name not in graph.tensors or graph.tensors[name].role != TensorRole.INPUT:
-            raise PlanError(f"plan places input {name!r}, but the graph's inputs are {list(graph.inputs)}")
+        if name not in graph.tensors or graph.tensors[name].role not in (TensorRole.INPUT, TensorRole.CONSTANT):
+            raise PlanError(f"plan places input {name!r}, but the graph's inputs are {list(graph.inputs)} (and its "
+                            f"constants {list(graph.by_role(TensorRole.CONSTANT))})")
         leaves[name] = _sharding(spec, group_of_tensor(name), graph, name)
     edges: dict[tuple[str, int], Layout] = {}
     after: dict[str, Layout] = {}
     why: dict[object, str] = {}
     for pat, mp in plan.modules.items():
-        units = [(m, [n for n in graph.nodes if inside(n, m)]) for m in matched[pat]]
-        units += [(n.name, [n]) for n in graph.nodes if fnmatchcase(n.name, pat) and n.scope not in matched[pat]]
-        for m, members in units:
+        for m, members in targets.units(pat):
             for p, spec in mp.params.items():
                 w = f"{m}.{p}"
                 if w not in graph.tensors or graph.tensors[w].role != TensorRole.WEIGHT:
                     owned = [t for t in graph.weights if t.rsplit(".", 1)[0] == m]
                     raise PlanError(f"plan for module {m!r} places parameter {p!r}, which it does not have "
                                     f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})")
-                leaves[w] = _sharding(spec, group_of_tensor(w), graph, w)
+                layout = _layout(spec, group_of_tensor(w), f"placement of {w}")
+                split = consumers[w][0][0] if len(consumers[w]) == 1 else None
+                if split is not None and isinstance(split.op, O.Split) and Shard(split.op.dim) in layout.values():
+                    per_part = {a: pl for a, pl in layout.items() if pl == Shard(split.op.dim)}
+                    layout = {a: pl for a, pl in layout.items() if pl != Shard(split.op.dim)}
+                    for part in split.outputs:
+                        after[part] = per_part
+                        why[part] = f"part of {w}, placed part by part"
+                leaves[w] = _sharding(layout, group_of_tensor(w), graph, w)
             member_names = {n.name for n in members}
             if mp.input is not None:
                 for n in members:
@@ -233,7 +396,13 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     for t in plan.ops:
         if t not in graph.tensors:
             raise PlanError(f"plan inserts parallel ops after {t!r}, which is not a tensor of the graph")
-    return Annotations(leaves, groups, edges, after, dict(plan.ops), why)
+    return Annotations(leaves, groups, edges, after, dict(plan.ops), why, rewritten)
+
+
+def _placements(spec: PlacementSpec | None) -> tuple[Placement, ...]:
+    if spec is None:
+        return ()
+    return tuple(spec.values()) if isinstance(spec, Mapping) else tuple(spec)
 
 
 def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name: str) -> Sharding:
@@ -249,7 +418,7 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
     return s
 
 
-def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapping[str, list[str]]) -> dict[str, SubMesh]:
+def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, targets: _Targets) -> dict[str, SubMesh]:
     """Node → sub-mesh with the stage axis fixed. A node no staged module holds runs on every stage (the whole mesh)
     when it reads a tensor that a ``Replicate`` on the stage axis (``plan.ops``) spread over every stage, or the
     output of such a node; else on the latest stage among its inputs' producers; a node that reads only leaves
@@ -268,19 +437,23 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, matched: Mapp
     whole = SubMesh(mesh)
     every_stage = {t for t, pops in plan.ops.items()
                    if any(isinstance(p, Replicate) and p.axis == plan.stage_axis for p in pops)}
+    # The most specific pattern (longest matched module path, or a node-name match) decides; the first on ties.
+    decided: dict[str, tuple[int, int]] = {}  # node → (depth, stage)
+    for pat, s in staged.items():
+        depth: dict[str, int] = {}
+        for m in targets.matched[pat]:
+            for n in targets.modules[m]:
+                depth[n.name] = max(depth.get(n.name, -1), len(m))
+        depth.update((n.name, 10**6) for n in targets.named[pat])
+        for name, d in depth.items():
+            if d > decided.get(name, (-1, 0))[0]:
+                decided[name] = (d, s)
     producer = graph.producer()
     groups: dict[str, SubMesh] = {}
     deferred: list[Node] = []  # unstaged nodes that read only leaves: they run where their first reader runs
     for n in graph.nodes:
-        # The most specific pattern (longest matched module path, or a node-name match) decides.
-        best, stage = -1, 0
-        for pat, s in staged.items():
-            depth = 10**6 if fnmatchcase(n.name, pat) else max(
-                (len(m) for m in matched[pat] if inside(n, m)), default=-1)
-            if depth > best:
-                best, stage = depth, s
-        if best >= 0:
-            groups[n.name] = whole.with_fixed(plan.stage_axis, stage)
+        if n.name in decided:
+            groups[n.name] = whole.with_fixed(plan.stage_axis, decided[n.name][1])
             continue
         if every_stage.intersection(n.inputs):
             groups[n.name] = whole

@@ -3,13 +3,17 @@
 Each preset reads the *structure* of the captured graph, never module names, so any model with the same
 structure gets the same plan:
 
-* **dp** (axis ``dp``): every data input is ``Shard(0)`` (batch); weights are replicated, so their gradients
-  come out ``Partial`` and are reduced before the update.
+* **dp** (axis ``dp``): every data input is ``Shard(0)`` (batch), and so is every constant of the batch's leading
+  size (an attention mask folded at capture); weights are replicated, so their gradients come out ``Partial``
+  and are reduced before the update.
 * **tp** (axis ``tp``, Megatron-LM, Shoeybi et al. 2019): a group of linears reading the same input is made
-  column-parallel (weight ``Shard(0)``, bias ``Shard(0)``) when everything downstream of it, up to the next
-  linears, can run on the sharded features or heads; those next linears are made row-parallel (weight
-  ``Shard(1)``) and their output is reduced to ``Replicate``. In a GPT block this finds q/k/v → attention →
-  output projection, and c_fc → GELU → c_proj.
+  column-parallel (weight and bias sharded on the output features) when everything downstream of it, up to
+  the next linears, can run on the sharded features or heads; those next linears are made row-parallel
+  (weight sharded on the input features) and their output is reduced to ``Replicate``. In a GPT block this
+  finds q/k/v → attention → output projection, and c_fc → GELU → c_proj; in Llama's, q/k/v (grouped-query:
+  the key/value heads shard too) and gate/up → SiLU·mul → down. A linear whose output the model splits into
+  q|k|v (GPT-2's ``c_attn``) is searched and planned part by part (:func:`~shardflow.strategy.plan.split_fused`),
+  so its heads shard like separate projections.
 * **sp** (axis ``tp``, Korthikanti et al. 2022): tp, plus the residual stream between the repeated blocks
   sharded on the sequence dim (dim 1): norms, dropout and residual adds run on ``Shard(1)``; a column group's
   input is all-gathered (Combine) and a row-parallel output reduce-scattered (Reduction + Repartition).
@@ -29,15 +33,23 @@ from shardflow.parallel.mesh import Mesh, Replicate, Shard
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
 from shardflow.parallel.shape import DegreeError
-from shardflow.strategy.plan import ModulePlan, Plan, PlanError, resolve
+from shardflow.strategy.plan import (ModulePlan, Plan, PlanError, fused_linears, module_nodes, resolve,
+                                     split_fused)
 
 STRATEGIES = ("single", "dp", "tp", "sp", "pp")
 AXIS_OF = {"dp": "dp", "tp": "tp", "sp": "tp", "pp": "pp"}
 
 
 def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
-    """Shard every data input on its first (batch) dim along ``axis``."""
-    return Plan(inputs={name: {axis: Shard(0)} for name in graph.inputs}, name="dp")
+    """Shard every data input on its first (batch) dim along ``axis``, and every constant of two or more dims whose
+    first has the batch's size: a per-example tensor that capture folded because it depends on the batch's shape
+    only (Hugging Face's attention mask ``[B, 1, T, S]``), which the ops reading it must see split like the
+    batch. (A constant whose first dim is the batch size by coincidence is still computed right: where a rule
+    wants it whole, it is gathered, and the PCG lists that redistribution.)"""
+    sizes = {graph.tensors[n].shape[0] for n in graph.inputs if graph.tensors[n].shape}
+    batch = [n for n in graph.by_role(TensorRole.CONSTANT)
+             if len(sizes) == 1 and len(graph.tensors[n].shape) > 1 and graph.tensors[n].shape[0] in sizes]
+    return Plan(inputs={name: {axis: Shard(0)} for name in graph.inputs + tuple(batch)}, name="dp")
 
 
 def repeated_blocks(graph: ComputationGraph) -> list[str]:
@@ -56,9 +68,16 @@ def repeated_blocks(graph: ComputationGraph) -> list[str]:
     return list(blocks)
 
 
-def _linears(graph: ComputationGraph) -> list[Node]:
+def _parameters(graph: ComputationGraph) -> set[str]:
+    """The weights, and the parts of a weight that one Split node cuts it into (a fused linear's weight after
+    :func:`~shardflow.strategy.plan.split_fused`)."""
     weights = set(graph.weights)
-    return [n for n in graph.nodes if isinstance(n.op, O.Linear) and n.inputs[1] in weights and n.scope]
+    return weights | {o for n in graph.nodes if isinstance(n.op, O.Split) and n.inputs[0] in weights for o in n.outputs}
+
+
+def _linears(graph: ComputationGraph) -> list[Node]:
+    params = _parameters(graph)
+    return [n for n in graph.nodes if isinstance(n.op, O.Linear) and n.inputs[1] in params and n.scope]
 
 
 def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> list[tuple[list[Node], list[Node]]]:
@@ -68,28 +87,30 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
     without passing through a linear's input; the region's frontier linears become row-parallel. The group is
     kept if the region reads nothing from outside but weights and constants, and the sharding rules accept it
     on a ``degree``-way axis. Raises DegreeError when the structure fits but a size does not divide
-    (e.g. heads not divisible by tp), naming the module, dim, size and degree.
+    (e.g. heads, or a grouped-query attention's key/value heads, not divisible by tp), naming the module, dim,
+    size and degree.
 
-    Cost: a group whose plan can only affect its own linears and region (see :func:`_isolated`) is tried on
-    the sub-graph of those nodes alone, so a model of n blocks costs O(n) small propagations instead of n
+    A fused linear (:func:`~shardflow.strategy.plan.fused_linears`: GPT-2's ``c_attn``, q|k|v in one weight) is
+    searched part by part: the pairs name the nodes of ``split_fused(graph, fused_linears(graph))``, where each
+    part is a linear of its own, so q, k and v join the group of their input like separate projections.
+
+    Cost: a group whose plan can only affect its own linears, region and modules (see :func:`_trial_nodes`) is
+    tried on the sub-graph of those nodes alone, so a model of n blocks costs O(n) small propagations instead of n
     propagations of the whole graph; any other group is tried on the whole graph with every group kept so far.
     """
+    fused = fused_linears(graph)
+    if fused:
+        graph = split_fused(graph, fused)
     consumers = graph.consumers()
     linears = _linears(graph)
     is_linear_x = {(n.name, 0) for n in linears}
-    leaves = {n for n, t in graph.tensors.items() if t.role in (TensorRole.WEIGHT, TensorRole.CONSTANT)}
+    leaves = _parameters(graph) | set(graph.by_role(TensorRole.CONSTANT))
     groups: dict[str, list[Node]] = {}
     for n in linears:
         groups.setdefault(n.inputs[0], []).append(n)
     trial_mesh = Mesh((axis,), (degree,))
     order = {n.name: i for i, n in enumerate(graph.nodes)}
-    in_module: dict[str, int] = {}  # module path -> number of nodes inside it
-    for n in graph.nodes:
-        parts = n.scope.split(".") if n.scope else []
-        for i in range(1, len(parts) + 1):
-            key = ".".join(parts[:i])
-            in_module[key] = in_module.get(key, 0) + 1
-    node_names = set(order)
+    modules = module_nodes(graph)
     accepted: list[tuple[list[Node], list[Node]]] = []
     used: set[str] = set()
     isolated_so_far = True  # every group kept so far was tried (and acts) on its own nodes only
@@ -115,51 +136,78 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
                 t not in inside and t not in leaves for n in region.values() for t in n.inputs):
             continue
         candidate = (cols, list(rows.values()))
-        isolated = isolated_so_far and not (set(rows) & used) and _isolated(graph, candidate, consumers,
-                                                                            in_module, node_names)
+        trial = _trial_nodes(graph, candidate, list(region.values()), consumers, modules, order) \
+            if isolated_so_far and not (set(rows) & used) else None
         try:
-            if isolated:
-                sub = _trial_graph(graph, cols + list(region.values()) + list(rows.values()), order,
-                                   [o for r in rows.values() for o in r.outputs])
+            if trial is not None:
+                sub = _trial_graph(graph, *trial, order)
                 plan = _megatron_plan([candidate], axis, sequence=False)
                 build_pcg(sub, trial_mesh, resolve(plan, sub, trial_mesh), strict=True)
             else:
                 plan = _megatron_plan(accepted + [candidate], axis, sequence=False)
                 build_pcg(graph, trial_mesh, resolve(plan, graph, trial_mesh), strict=True)
-        except DegreeError:
-            raise
+        except DegreeError as e:
+            raise e.at(hint=f"tensor parallelism splits the heads of each attention (with grouped-query attention, "
+                            f"its key/value heads too) and the features of each linear pair {degree} ways") from None
         except (RuleError, PlanError):
             continue
-        isolated_so_far = isolated
+        isolated_so_far = trial is not None
         accepted.append(candidate)
         used.update(c.name for c in cols)
         used.update(rows)
     return accepted
 
 
-def _isolated(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]], consumers: dict,
-              in_module: dict[str, int], node_names: set[str]) -> bool:
-    """Whether the plan of ``candidate`` touches nothing but its own linears: each linear is the only node of a
-    module whose path is a plain name (no glob characters, no node so named), its parameters are exactly the
-    ``weight`` (and ``bias``) the plan places and only this linear reads them, and it reads no other
-    activation than its input 0. Then the sharding rules accept the group on the whole graph (with the other
-    such groups) exactly when they accept it on the sub-graph of its linears and region."""
-    for lin in candidate[0] + candidate[1]:
+def _trial_nodes(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]], region: list[Node],
+                 consumers: dict, modules: dict[str, list[Node]], order: dict[str, int]
+                 ) -> tuple[list[Node], list[str]] | None:
+    """The nodes the plan of ``candidate`` can affect and the tensors they hand to the rest of the graph, when
+    that plan affects nothing else; else None.
+
+    The plan names each linear's module (so the path must be a plain name: no glob characters, no other node so
+    called), places its ``weight`` (and a column's ``bias``) and sets the layouts entering the columns' modules
+    and leaving the rows'. It stays within: the linears, the region, every node of their modules (Hugging Face's
+    ``Conv1D`` reshapes around its ``addmm``) and the Split nodes that cut a placed parameter into the parts a
+    column reads (a fused q|k|v) — provided only those read the placed parameters, the linears read no other
+    activation than their input 0, and whatever leaves these nodes leaves a row's module (whose output layout
+    restores it to ``Replicate``). Then the sharding rules accept the group on the whole graph (with the other
+    such groups) exactly when they accept it on the sub-graph of these nodes."""
+    cols, rows = candidate
+    linears = {n.name for n in cols + rows}
+    nodes = {n.name: n for n in cols + rows + region}
+    for lin in cols + rows:
         pat = lin.scope
-        if any(ch in pat for ch in "*?[") or in_module.get(pat) != 1 or (pat in node_names and pat != lin.name):
-            return False
-        is_col = any(lin is c for c in candidate[0])
-        params = [f"{pat}.weight"] + ([f"{pat}.bias"] if is_col and lin.op.bias else [])
-        if list(lin.inputs[1:1 + len(params)]) != params or any(
-                graph.tensors[t].role == TensorRole.ACTIVATION for t in lin.inputs[1:]):
-            return False
-        if any(len(consumers[p]) != 1 for p in params):
-            return False
-    return True
+        if any(ch in pat for ch in "*?[") or (pat in order and pat != lin.name):
+            return None
+        nodes.update((n.name, n) for n in modules[pat])
+        placed = [f"{pat}.weight"] + ([f"{pat}.bias"] if any(lin is c for c in cols) and lin.op.bias else [])
+        readable = set(placed)
+        for p in placed:
+            if p not in graph.tensors or graph.tensors[p].role != TensorRole.WEIGHT:
+                return None
+            for reader, _ in consumers[p]:
+                if reader.name in linears:
+                    continue
+                if not isinstance(reader.op, O.Split) or any(
+                        r.name not in linears for o in reader.outputs for r, _ in consumers[o]):
+                    return None
+                nodes[reader.name] = reader
+                readable.update(reader.outputs)
+        if any(t not in readable and graph.tensors[t].role == TensorRole.ACTIVATION for t in lin.inputs[1:]):
+            return None
+    in_rows = {n.name for r in rows for n in modules[r.scope]}
+    leaving: list[str] = []
+    for n in nodes.values():
+        for o in n.outputs:
+            if o in graph.outputs or any(c.name not in nodes for c, _ in consumers[o]):
+                if n.name not in in_rows:
+                    return None
+                leaving.append(o)
+    return sorted(nodes.values(), key=lambda n: order[n.name]), leaving
 
 
-def _trial_graph(graph: ComputationGraph, nodes: list[Node], order: dict[str, int],
-                 outputs: list[str]) -> ComputationGraph:
+def _trial_graph(graph: ComputationGraph, nodes: list[Node], outputs: list[str],
+                 order: dict[str, int]) -> ComputationGraph:
     """The sub-graph of ``nodes`` (in graph order): tensors they read from outside become leaves (an activation
     becomes an input), ``outputs`` its outputs."""
     nodes = sorted(nodes, key=lambda n: order[n.name])
@@ -180,11 +228,11 @@ def _trial_graph(graph: ComputationGraph, nodes: list[Node], order: dict[str, in
 def _megatron_plan(regions, axis: str, sequence: bool) -> Plan:
     modules: dict[str, ModulePlan] = {}
     for cols, rows in regions:
-        for c in cols:
-            params = {"weight": {axis: Shard(0)}} | ({"bias": {axis: Shard(0)}} if c.op.bias else {})
+        for c in cols:  # weight sharded on the output features ([out, in]: dim 0; transposed [in, out]: dim 1)
+            params = {"weight": {axis: Shard(c.op.out_dim)}} | ({"bias": {axis: Shard(0)}} if c.op.bias else {})
             modules[c.scope] = ModulePlan(params=params, input={axis: Replicate()})
-        for r in rows:
-            modules[r.scope] = ModulePlan(params={"weight": {axis: Shard(1)}},
+        for r in rows:  # weight sharded on the input features
+            modules[r.scope] = ModulePlan(params={"weight": {axis: Shard(1 - r.op.out_dim)}},
                                           output={axis: Shard(1) if sequence else Replicate()})
     return Plan(modules, name="sp" if sequence else "tp")
 

@@ -1,0 +1,236 @@
+"""The presets on models nobody here wrote: Hugging Face GPT-2 (q|k|v fused in ``c_attn``, ``Conv1D`` weights held
+``[in, out]``) and Llama (grouped-query attention with 2 key/value heads, SwiGLU MLP), captured through
+torch.export (tests/hf_worker.py builds them).
+
+Numbers: dp=2, tp=2, sp on tp=2, dp=2×tp=2 and pp=2 on the local executor, tp=2 and dp=2 on 2 gloo processes —
+the loss and every gradient of 2 SGD steps and every weight replica after them equal eager PyTorch. Tolerance
+1e-9 at float64: a plan adds partial sums in another order than one device does (agreement to ~1e-15 relative),
+while a misplaced block, a wrong scale or a head mixed up with another is an O(1) error.
+
+Structure: what tp shards (q/k/v and the output projection, the MLP's pairs), the all-reduces per layer, and that
+the presets need no redistribution but the label count's under dp.
+"""
+
+import json
+import sys
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from shardflow.graph import ComputationGraph  # noqa: E402
+from shardflow.graph import ops as O  # noqa: E402
+from shardflow.lower import lower_step  # noqa: E402
+from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
+from shardflow.parallel.pcg import build_pcg, lift  # noqa: E402
+from shardflow.parallel.shape import DegreeError  # noqa: E402
+from shardflow.parallel.simulate import simulate_outputs  # noqa: E402
+from shardflow.reference import weights_of  # noqa: E402
+from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
+from shardflow.runtime.local import LocalExecutor  # noqa: E402
+from shardflow.strategy import ModulePlan, Plan, make_plan, resolve  # noqa: E402
+
+from hf_worker import SGD, compare, model_and_graph, plan_pcg  # noqa: E402
+
+TOL = 1e-9
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def captured():
+    """model name → (model, batch, graph), each captured once."""
+    return {name: model_and_graph(name) for name in ("llama", "gpt2")}
+
+
+def parallel_ops(pcg):
+    return Counter(n.op.describe() for n in pcg.parallel_nodes)
+
+
+def redistributions(pcg):
+    """(node, parallel ops) of each redistribution the rules asked for."""
+    return [(r.node, [op.describe() for op in r.ops]) for r in pcg.redistributions]
+
+
+@pytest.mark.parametrize("mesh, strategy", [
+    ("dp=2", "dp"), ("tp=2", "tp"), ("tp=2", "sp"), ("dp=2,tp=2", "dp,tp"), ("pp=2", "pp")])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_strategies_equal_eager_pytorch(captured, name, mesh, strategy):
+    model, b, graph = captured[name]
+    ex = LocalExecutor(lower_step(plan_pcg(graph, mesh, strategy), SGD.slots), SGD)
+    diffs = compare(model, b, graph, ex)
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def _layer(i):
+    return f"model.layers.{i}"
+
+
+def test_llama_tp_shards_attention_heads_and_the_swiglu_mlp(captured):
+    _, _, graph = captured["llama"]
+    pcg = plan_pcg(graph, "tp=2", "tp")
+    t = pcg.tensors
+    for i in range(LAYERS):
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert t[f"{_layer(i)}.{m}.weight"].placements == (Shard(0),), m  # column-parallel
+        for m in ("self_attn.o_proj", "mlp.down_proj"):
+            assert t[f"{_layer(i)}.{m}.weight"].placements == (Shard(1),), m  # row-parallel
+        for m in ("input_layernorm", "post_attention_layernorm"):
+            assert t[f"{_layer(i)}.{m}.weight"].placements == (Replicate(),)
+    assert t["model.embed_tokens.weight"].placements == t["lm_head.weight"].placements == (Replicate(),)
+    # One all-reduce after each row-parallel linear (o_proj, down_proj): 2 per layer; nothing else moves.
+    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 2 * LAYERS}
+    assert pcg.redistributions == ()
+    # Grouped-query attention: each device holds 1 of the 2 key/value heads and the 2 query heads that read it.
+    attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
+    assert len(attn) == LAYERS
+    for n in attn:
+        q, k, v = (t[x] for x in n.inputs[:3])
+        assert q.type.shape == k.type.shape == (2, 4, 8, 16)  # Hugging Face repeats the kv heads before sdpa
+        assert q.pshape.shard == k.pshape.shard == v.pshape.shard == t[n.outputs[0]].pshape.shard == (1, 2, 1, 1)
+    kv = [x for x in pcg.tensors.values() if x.type.shape == (2, 2, 8, 16)]  # k and v before the repeat
+    assert kv and all(x.pshape.shard == (1, 2, 1, 1) for x in kv)
+
+
+def test_llama_tp_beyond_the_key_value_heads_is_an_error_naming_them(captured):
+    _, _, graph = captured["llama"]
+    with pytest.raises(DegreeError, match=r"degree 4 does not divide dim 2 of size 2.*model\.layers\.0\.self_attn.*"
+                                          r"key/value heads"):
+        make_plan(graph, Mesh.parse("tp=4"), "tp")
+
+
+def test_gpt2_tp_shards_the_fused_qkv_by_heads(captured):
+    _, _, graph = captured["gpt2"]
+    pcg = plan_pcg(graph, "tp=2", "tp")
+    t = pcg.tensors
+    for i in range(LAYERS):
+        h = f"transformer.h.{i}"
+        # Conv1D holds its weight [in, out]: column-parallel shards dim 1, row-parallel dim 0.
+        assert t[f"{h}.mlp.c_fc.weight"].placements == (Shard(1),)
+        assert t[f"{h}.mlp.c_fc.bias"].placements == (Shard(0),)
+        assert t[f"{h}.mlp.c_proj.weight"].placements == t[f"{h}.attn.c_proj.weight"].placements == (Shard(0),)
+        assert t[f"{h}.attn.c_proj.bias"].placements == (Replicate(),)
+        # c_attn [64, 192] = q|k|v stays whole (one FQN); q, k and v are each cut by heads, locally.
+        w = f"{h}.attn.c_attn.weight"
+        assert t[w].placements == (Replicate(),)
+        parts = [n for n in pcg.nodes if isinstance(n.op, O.Linear) and n.scope == f"{h}.attn.c_attn"]
+        assert len(parts) == 3
+        for n in parts:
+            assert t[n.inputs[0]].placements == (Replicate(),)
+            assert t[n.inputs[1]].type.shape == (64, 64) and t[n.inputs[1]].placements == (Shard(1),)
+            assert t[n.inputs[2]].placements == (Shard(0),)
+            assert t[n.outputs[0]].placements == (Shard(1),)
+    attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
+    assert len(attn) == LAYERS
+    assert all(t[x].pshape.shard == (1, 2, 1, 1) for n in attn for x in n.inputs[:3] + n.outputs)
+    # 2 all-reduces per layer; the parts of c_attn's weight and bias are local splits (no communication).
+    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 2 * LAYERS,
+                                 "Repartition(dim=1, degree=2, axis=tp)": 3 * LAYERS,
+                                 "Repartition(dim=0, degree=2, axis=tp)": 3 * LAYERS}
+    assert pcg.redistributions == ()
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_tp_communicates_two_all_reduces_per_layer_each_way(captured, name):
+    """Megatron's f and g: forward, the row-parallel outputs; backward, the column groups' input gradients. GPT-2's
+    c_attn, replicated in storage, also gathers its q, k, v gradient parts (backward)."""
+    _, _, graph = captured[name]
+    programs = lower_step(plan_pcg(graph, "tp=2", "tp"), SGD.slots).programs
+    kinds = Counter((c.pass_, c.family) for c in programs[0].comms)
+    assert kinds[("FWD", "all_reduce")] == kinds[("BWD", "all_reduce")] == 2 * LAYERS
+    assert set(kinds) <= {("FWD", "all_reduce"), ("BWD", "all_reduce"), ("BWD", "all_gather")}
+    assert kinds[("BWD", "all_gather")] == (0 if name == "llama" else 6 * LAYERS)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sp_gathers_and_scatters_the_sequence_per_block(captured, name):
+    _, _, graph = captured[name]
+    ops = parallel_ops(plan_pcg(graph, "tp=2", "sp"))
+    # Per layer 2 all-gathers (into attention and MLP) and 2 reduce-scatters (Reduction + Repartition);
+    # one Repartition into the first block (a local split), one Combine after the last.
+    assert ops["Combine(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1
+    assert ops["Reduction(degree=2, axis=tp)"] == 2 * LAYERS
+    fused = 3 * LAYERS if name == "gpt2" else 0  # c_attn's weight parts, split locally
+    assert ops["Repartition(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1 + fused
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("dp=2,tp=2", "dp,tp")])
+def test_dp_needs_only_the_label_count(captured, name, mesh, strategy):
+    """The loss is sum(token losses) / count(labels not ignored), both partial over the batch: the count (one
+    scalar) is all-reduced. The attention mask, folded at capture ([B, 1, T, T]), is split like the batch."""
+    _, _, graph = captured[name]
+    pcg = plan_pcg(graph, mesh, strategy)
+    (r,) = pcg.redistributions
+    assert r.node == pcg.graph.loss and pcg.tensors[r.tensor].type.shape == () and r.nbytes == 8
+    masks = [t for t in graph.by_role("constant") if graph.tensors[t].shape == (2, 1, 8, 8)]
+    assert len(masks) == 1 and pcg.tensors[masks[0]].sharding.dims[0] == ("dp",)
+    assert all(pcg.tensors[w].sharding.dims[0] != ("dp",) for w in graph.weights)
+
+
+@pytest.mark.parametrize("name, prefix", [("llama", "model.layers"), ("gpt2", "transformer.h")])
+def test_pp_puts_one_layer_on_each_stage(captured, name, prefix):
+    _, _, graph = captured[name]
+    pcg = plan_pcg(graph, "pp=2", "pp")
+    stages = {}
+    for n in pcg.nodes:
+        if n.scope.startswith(prefix + "."):
+            stages.setdefault(int(n.scope.split(".")[len(prefix.split("."))]), set()).add(dict(n.group.fixed)["pp"])
+    assert stages == {0: {0}, 1: {1}}
+    assert not pcg.parallel_nodes and pcg.redistributions == ()
+
+
+# --- user plans naming modules by FQN, as parallelize_module does -------------------------------------------------
+COLUMN = ModulePlan(params={"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}})  # Conv1D: weight [in, out]
+ROW = ModulePlan(params={"weight": {"tp": Shard(0)}}, output={"tp": Replicate()})
+GPT2_TP = Plan(modules={"transformer.h.*.attn.c_attn": COLUMN, "transformer.h.*.attn.c_proj": ROW,
+                        "transformer.h.*.mlp.c_fc": COLUMN, "transformer.h.*.mlp.c_proj": ROW})
+
+
+def test_user_plan_shards_the_fused_qkv_by_heads_as_the_preset_does(captured):
+    """Column-parallel c_attn in a user plan places each of q, k and v by heads, not q|k|v cut in two blocks."""
+    _, _, graph = captured["gpt2"]
+    mesh = Mesh.parse("tp=2")
+    mine = build_pcg(graph, mesh, resolve(GPT2_TP, graph, mesh))
+    preset = plan_pcg(graph, "tp=2", "tp")
+    assert {n: t.sharding for n, t in mine.tensors.items()} == {n: t.sharding for n, t in preset.tensors.items()}
+    assert parallel_ops(mine) == parallel_ops(preset) and mine.redistributions == ()
+
+
+def flat(graph):
+    """``graph`` with no module scopes, as a graph built by hand without them."""
+    return ComputationGraph(graph.tensors, tuple(replace(n, scope="") for n in graph.nodes), graph.outputs, graph.loss,
+                            graph.constants)
+
+
+def test_user_plan_by_fqn_on_a_flat_graph(captured):
+    """With no node scoped, a module is the nodes that read its parameters: the same plan places the same weights,
+    reduces each row-parallel output once, and computes the single-device values."""
+    model, b, graph = captured["gpt2"]
+    g = flat(graph)
+    mesh = Mesh.parse("tp=2")
+    pcg = build_pcg(g, mesh, resolve(GPT2_TP, g, mesh))
+    preset = plan_pcg(graph, "tp=2", "tp")
+    assert {w: pcg.tensors[w].sharding for w in g.weights} == {w: preset.tensors[w].sharding for w in g.weights}
+    assert parallel_ops(pcg) == parallel_ops(preset) and pcg.redistributions == ()
+    leaves = dict(weights_of(model, g), **b)
+    want = simulate_outputs(lift(g), leaves)
+    got = simulate_outputs(pcg, leaves)
+    assert abs(got[g.loss].item() - want[g.loss].item()) <= TOL
+    attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
+    assert all(pcg.tensors[n.outputs[0]].pshape.shard == (1, 2, 1, 1) for n in attn)
+
+
+def test_two_gloo_processes(tmp_path):
+    """tp=2 and dp=2 of both models, one process per device."""
+    cases = [f"{m}@{s}@{s}=2" for m in ("llama", "gpt2") for s in ("tp", "dp")]
+    res = launch([sys.executable, str(Path(__file__).with_name("hf_worker.py")), str(tmp_path), *cases], 2,
+                 tmp_path / "logs", grace_s=30.0, echo_rank0=False)
+    assert res.ok, describe_failure(res, tmp_path / "logs")
+    for r in range(2):
+        results = json.loads((tmp_path / f"result{r}.json").read_text())
+        assert sorted(results) == sorted(cases)
+        for case, diffs in results.items():
+            assert all(d <= TOL for d in diffs.values()), (r, case, diffs)
