@@ -113,7 +113,8 @@ def test_data_too_short_for_the_context(train, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("abcdefghij" * 3)
     one_paragraph(*train(tmp_path / "run", short, "--strategy", "dp"), "train",
-                  f"data from {short} has 30 characters", "--seq-len 16", "use more text or a shorter --seq-len")
+                  f"data from {short} has 31 characters, 2 tokens (BPE, 267 tokens)", "--seq-len 16",
+                  "needs more than 17 tokens", "use more text or a shorter --seq-len")
 
 
 # --- outputs: run directory and metrics file ------------------------------------------------------------------
