@@ -60,6 +60,7 @@ def train(capsys, tiny):
     (["--steps", "0"], ["--steps 0 is out of range", "≥ 1"]),
     (["--batch-size", "0"], ["--batch-size 0 is out of range"]),
     (["--seq-len", "0"], ["--seq-len 0 is out of range"]),
+    (["--vocab-size", "100"], ["--vocab-size 100 is out of range", "≥ 256", "its 256 byte tokens"]),
     (["--eval-every", "0"], ["--eval-every 0 is out of range"]),
     (["--log-every", "0"], ["--log-every 0 is out of range"]),
     (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),

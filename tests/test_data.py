@@ -100,6 +100,15 @@ def test_tokenizer_file_choice(tmp_path):
         TokenizerChoice.of(str(bad), 512).make([])
 
 
+def test_tokenizer_that_cannot_encode_the_data(text_file, tmp_path):
+    path = tmp_path / "abc.json"
+    Tokenizer.characters(["abc \n"]).save(path)
+    with pytest.raises(DataError, match=r"data from .*text.txt: the tokenizer \(WordLevel, 5 tokens\) cannot encode the "
+                                        r"characters '\.', 'd', 'e', "):
+        Corpus.load(str(text_file), TokenizerChoice.of(str(path), 0), 16)
+    assert not list((text_file.parent / CACHE_DIR_NAME).rglob("tokens.bin"))  # nothing left behind
+
+
 # --- --data: files, directories, globs ------------------------------------------------------------------------------
 
 @pytest.fixture

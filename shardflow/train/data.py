@@ -184,15 +184,16 @@ class Entry:
 def cache_entry(text: Text, choice: TokenizerChoice, cache_dir: Path | None = None) -> Entry:
     """The cache entry of ``text`` tokenized as ``choice`` under ``cache_dir`` (default ``text.cache_root``): read if
     it exists, else built (tokenizer trained or read, every document encoded) and renamed into place. Raises
-    DataError for a cache that cannot be written or an entry that does not hold what its ``tokens.json`` says."""
+    DataError for a cache that cannot be written, a document the tokenizer cannot encode, or an entry that does
+    not hold what its ``tokens.json`` says; TokenizerError for a tokenizer.json that cannot be read."""
     root = cache_dir or text.cache_root
     final = root / text.sha256[:16] / choice.key
     if (final / META_FILE).is_file():
         return _read_entry(final, text, built=False)
+    tok = choice.make(text.documents)  # raises TokenizerError for an unreadable tokenizer.json
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        tok = choice.make(text.documents)
         dtype = token_dtype(tok.vocab_size)
         tok.save(tmp / TOKENIZER_FILE)
         count = write_tokens(tmp / TOKENS_FILE, tok.encode_documents(text.documents), dtype)

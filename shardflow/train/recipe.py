@@ -91,7 +91,7 @@ class Setup:
         """The checkpoint ``--resume`` continues from, checked against this run (raises CheckpointError)."""
         c = self.cfg
         return checkpoint.for_resume(c.checkpoints, GPT_MODEL, self.model.config, self.data_record(),
-                                     self.corpus.tokenizer, self.optimizer.slots, self.checkpoint_entries(), c.data)
+                                     self.corpus.tokenizer, self.optimizer.slots, self.checkpoint_entries())
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:

@@ -19,11 +19,10 @@ _OPT_NAMES = {UpdateRule.SGD: "SGD without momentum", UpdateRule.SGD_MOMENTUM: "
 
 
 def for_resume(root: Path, adapter: ModelAdapter, config: Any, corpus: Mapping[str, Any], tokenizer: Tokenizer,
-               optimizer_slots: UpdateRule, want: Entries, data: str | None) -> Checkpoint:
+               optimizer_slots: UpdateRule, want: Entries) -> Checkpoint:
     """The newest complete checkpoint under ``root``, checked against the run about to continue from it: its model
     ``config`` (read with ``adapter``), its ``corpus`` (``source``, ``sha256``, ``chars``, as the checkpoint records
-    it), its ``tokenizer``, the optimizer's state slots, the ``want``ed entries and the ``--data`` it reads (for
-    messages). Raises CheckpointError."""
+    it), its ``tokenizer``, the optimizer's state slots and the ``want``ed entries. Raises CheckpointError."""
     path = store.newest(root)
     if path is None:
         partial = store.incomplete(root)
@@ -34,9 +33,9 @@ def for_resume(root: Path, adapter: ModelAdapter, config: Any, corpus: Mapping[s
     saved = ck.config(adapter)
     new_run = "or start a new run without --resume (or with another --checkpoint-dir)"
     if ck.data.get("sha256") != corpus["sha256"]:
-        raise CheckpointError(f"checkpoint {path} was trained on another text: {_text(ck.data)}, --data "
-                              f"{data or '(default corpus)'} gives {_text(corpus)}; resume with the data it was "
-                              f"trained on ({ck.train.get('data') or 'the default corpus'}), {new_run}")
+        raise CheckpointError(f"checkpoint {path} was trained on another text: {_text(ck.data)}, this run's --data "
+                              f"is {_text(corpus)}; resume with the data it was trained on "
+                              f"({ck.train.get('data') or 'the default corpus'}), {new_run}")
     theirs_tok = ck.tokenizer
     if theirs_tok.sha256 != tokenizer.sha256:
         raise CheckpointError(f"checkpoint {path} was trained with another tokenizer: {theirs_tok.describe()} (sha256 "
