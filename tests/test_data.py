@@ -60,11 +60,11 @@ def test_bpe_training_is_deterministic_across_processes(tmp_path):
     """The same documents and vocabulary size give a byte-identical tokenizer.json and token file, here built in this
     process and in a fresh interpreter (its own hash seeds)."""
     docs = [TEXT, "Some other document, with Capitals and 123 numbers.\n" * 50]
-    text = data.Text(tuple(docs), "test", tmp_path, data._digest(tuple(docs)))
+    text = data.Text.of(tuple(docs), "test", tmp_path)
     here = cache_entry(text, BPE, tmp_path / "here")
     code = (f"import sys; from pathlib import Path; from shardflow.train import data; from shardflow.train.tokenizer "
             f"import TokenizerChoice, TokenizerKind; docs = {docs!r}; "
-            f"t = data.Text(tuple(docs), 'test', Path('.'), data._digest(tuple(docs))); "
+            f"t = data.Text.of(tuple(docs), 'test', Path('.')); "
             f"data.cache_entry(t, TokenizerChoice(TokenizerKind.BPE, 300), Path(sys.argv[1]))")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, timeout=120,
                    env={**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -69,6 +69,16 @@ class Text:
     cache_root: Path
     sha256: str
 
+    @classmethod
+    def of(cls, documents: tuple[str, ...], source: str, cache_root: Path) -> Text:
+        """The text of ``documents``, with their sha256."""
+        h = hashlib.sha256()
+        for d in documents:
+            b = d.encode("utf-8")
+            h.update(len(b).to_bytes(8, "little"))
+            h.update(b)
+        return cls(documents, source, cache_root, h.hexdigest())
+
     @property
     def chars(self) -> int:
         """Characters in all documents."""
@@ -110,23 +120,13 @@ def _has_magic(pattern: str) -> bool:
     return any(c in pattern for c in "*?[")
 
 
-def _digest(documents: tuple[str, ...]) -> str:
-    h = hashlib.sha256()
-    for d in documents:
-        b = d.encode("utf-8")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.hexdigest()
-
-
 def load_text(spec: str | None) -> Text:
     """The corpus ``--data`` names (``None``: the Python documentation), one document per file (per topic), each
     ending with a newline. Raises DataError for a missing, empty or non-UTF-8 file."""
     if spec is None:
         from pydoc_data.topics import topics
 
-        docs = tuple(_ending(topics[k]) for k in sorted(topics))
-        return Text(docs, DEFAULT_SOURCE, default_cache(), _digest(docs))
+        return Text.of(tuple(_ending(topics[k]) for k in sorted(topics)), DEFAULT_SOURCE, default_cache())
     files, root = data_files(spec)
     docs = []
     for f in files:
@@ -134,11 +134,11 @@ def load_text(spec: str | None) -> Text:
             docs.append(_ending(f.read_bytes().decode("utf-8")))
         except UnicodeDecodeError as e:
             narrow = (f"; or narrow --data to the text files with a glob such as '{spec.rstrip('/')}/**/*.txt'"
-                      if len(files) > 1 else "")
+                      if Path(spec).is_dir() else "")
             raise DataError(f"data file {f} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
                             f"iconv -f latin1 -t utf-8 {f} > {f.stem}.utf8.txt{narrow}") from None
     source = str(files[0]) if len(files) == 1 else f"{spec} ({len(files)} files)"
-    text = Text(tuple(docs), source, root / CACHE_DIR_NAME, _digest(tuple(docs)))
+    text = Text.of(tuple(docs), source, root / CACHE_DIR_NAME)
     if text.chars < 2:
         what = f"data file {files[0]} is" if len(files) == 1 else f"the {len(files)} files of --data {spec} are"
         raise DataError(f"{what} empty; pass a text file with at least a few thousand characters")
