@@ -15,10 +15,19 @@ TINY = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--b
         "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """The default corpus's tokenizer and token file are cached in a directory of this session (``XDG_CACHE_HOME``,
+    inherited by every process the tests start), never in the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    """A text of 27 characters (the lowercase letters, space and full stop) repeated to 9,000: the data of every
-    tiny run."""
+    """A text of 28 characters (the lowercase letters, space and full stop) repeated to 9,000: the data of every
+    tiny run (its BPE, cached next to it, has a token per word)."""
     path = tmp_path_factory.mktemp("data") / "text.txt"
     path.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     return path

@@ -60,6 +60,7 @@ def train(capsys, tiny):
     (["--steps", "0"], ["--steps 0 is out of range", "≥ 1"]),
     (["--batch-size", "0"], ["--batch-size 0 is out of range"]),
     (["--seq-len", "0"], ["--seq-len 0 is out of range"]),
+    (["--vocab-size", "100"], ["--vocab-size 100 is out of range", "≥ 256", "its 256 byte tokens"]),
     (["--eval-every", "0"], ["--eval-every 0 is out of range"]),
     (["--log-every", "0"], ["--log-every 0 is out of range"]),
     (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
@@ -113,7 +114,8 @@ def test_data_too_short_for_the_context(train, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("abcdefghij" * 3)
     one_paragraph(*train(tmp_path / "run", short, "--strategy", "dp"), "train",
-                  f"data from {short} has 30 characters", "--seq-len 16", "use more text or a shorter --seq-len")
+                  f"data from {short} has 31 characters, 2 tokens (BPE, 267 tokens)", "--seq-len 16",
+                  "needs more than 17 tokens", "use more text or a shorter --seq-len")
 
 
 # --- outputs: run directory and metrics file ------------------------------------------------------------------

@@ -20,8 +20,9 @@ from shardflow.cli import main as cli_main
 from shardflow.models import GPT
 from shardflow.train import checkpoint
 from shardflow.train.checkpoint import store
-from shardflow.train.data import Corpus
+from shardflow.train.data import Corpus, Split
 from shardflow.train.recipe import GPT_MODEL
+from shardflow.train.tokenizer import Tokenizer, TokenizerChoice, TokenizerKind
 
 def run_all(*argvs):
     """Run independent commands side by side (the tests' wall time is mostly interpreter start-up and planning)."""
@@ -54,13 +55,15 @@ def test_checkpoints_are_written_complete(runs):
         assert [n for n, _ in checkpoint.complete_steps(root)] == steps
         assert not [p for p in root.iterdir() if p.name.endswith(".tmp")]
         ck = checkpoint.read(root / f"step_{steps[-1]}")
-        assert ck.step == steps[-1] and ck.chars == " .abcdefghijklmnopqrstuvwxyz"
+        assert ck.step == steps[-1] and ck.tokenizer.kind == "BPE"  # the run's tokenizer.json, verified by the manifest
+        assert ck.tokenizer.decode(ck.tokenizer.encode("the lazy dog")) == "the lazy dog"
+        assert ck.data["tokens"] == 2001 and ck.data["chars"] == 9001  # the corpus and its trailing newline
         assert ck.train["strategy"] == name.rstrip("36")
         keys = set(ck.entries)
         assert "model/lm_head.weight" in keys and "optim/opt:exp_avg_sq:lm_head.weight" in keys
     # two ranks wrote the tp checkpoint: DCP spread the (identical, deduplicated) tensors over both
     files = {p.name for p in (runs / "tp6" / "checkpoints" / "step_3").iterdir()}
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "shardflow.json", "COMPLETE"} <= files
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "shardflow.json", "COMPLETE", "tokenizer.json"} <= files
 
 
 def test_resume_reproduces_the_uninterrupted_run(runs, train_argv, read_metrics, tmp_path):
@@ -124,14 +127,14 @@ def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, rea
     assert "wrote" in capsys.readouterr().out
     with safe_open(str(out), "pt") as f:
         config = json.loads(f.metadata()["config"])
-    chars = config.pop("chars")
+        tokenizer = Tokenizer.from_json(f.metadata()["tokenizer"], "the export's metadata")
     ck = checkpoint.read(runs / "tp6" / "checkpoints" / "step_6")
-    assert chars == ck.chars and config == ck.model
+    assert tokenizer.sha256 == ck.tokenizer.sha256 and config == ck.model
     from shardflow.models import GPTConfig
     model = GPT(GPTConfig(**config))
     model.load_state_dict(load_file(str(out)))  # strict: exactly the module's parameter names
     # the run's last validation loss (step 6, eval_batches 1) on the plain module with the exported weights
-    batch = Corpus.load(str(corpus), 16).batch("val", 0, 8, 16, 0)
+    batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, 2048), 16).batch(Split.VAL, 0, 8, 16, 0)
     with torch.no_grad():
         loss = model(batch["idx"], batch["targets"]).item()
     # float32; the tp run added partial sums in another order than the module does (~1e-7 relative)
@@ -139,21 +142,16 @@ def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, rea
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_generate_prints_prompt_and_sampled_characters(runs, capsys):
-    assert cli_main(["generate", "--checkpoint", str(runs / "tp6"), "--prompt", "the ", "--tokens", "25",
+def test_generate_prints_prompt_and_sampled_text(runs, capsys):
+    """25 tokens sampled with the run's tokenizer (a BPE of the tiny corpus: a token per word, its pieces and
+    bytes); any prompt encodes, byte-level."""
+    assert cli_main(["generate", "--checkpoint", str(runs / "tp6"), "--prompt", "The Fox ", "--tokens", "25",
                      "--seed", "1"]) == 0
     text = capsys.readouterr().out.rstrip("\n")
-    assert text.startswith("the ") and len(text) == 4 + 25
-    assert set(text) <= set(" .abcdefghijklmnopqrstuvwxyz")
     from shardflow.train.generate import sample
     model, ck = checkpoint.load_model(runs / "tp6", GPT_MODEL)
-    assert sample(model, ck.tokenizer, "the ", 25, 1.0, 1) == text  # seeded: the same text again
-
-
-def test_generate_rejects_characters_outside_the_vocabulary(runs, capsys):
-    assert cli_main(["generate", "--checkpoint", str(runs / "tp6"), "--prompt", "The Fox"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("shardflow generate: error: ") and "'F', 'T'" in err and "vocabulary" in err
+    assert sample(model, ck.tokenizer, "The Fox ", 25, 1.0, 1) == text  # seeded: the same text again
+    assert text.startswith("The Fox ") and len(text) > len("The Fox ")
 
 
 # --- bad checkpoints -------------------------------------------------------------------------------------------
@@ -217,7 +215,7 @@ def _malicious_metadata(d):
     (_garbage, ["corrupt", "sha256"]),
     (_garbage_rehashed, ["corrupt", "tensors cannot be read"]),
     (_bad_json, ["corrupt", "shardflow.json cannot be read"]),
-    (_other_model, ["does not fit this model", "[28, 16]", "[28, 32]"]),
+    (_other_model, ["does not fit this model", "[289, 16]", "[289, 32]"]),  # the BPE of the tiny corpus: 289 tokens
     (_unmarked, ["no complete checkpoint"]),
     (_malicious_metadata, ["corrupt", ".metadata cannot be read", "not allowed"]),
 ])
@@ -302,7 +300,7 @@ class _FakeExecutor:
 
 
 def _saver(root, fresh=True):
-    return checkpoint.Saver(root, 0, 1, {"model": {}, "chars": "ab", "train": {}}, fresh=fresh)
+    return checkpoint.Saver(root, 0, 1, {"model": {}, "data": {}, "train": {}}, fresh=fresh)
 
 
 def test_save_interrupted_midway_leaves_only_tmp(tmp_path, monkeypatch):

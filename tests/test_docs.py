@@ -303,7 +303,7 @@ SHRINK_TRAIN = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "1
 @dataclass(frozen=True)
 class Run:
     """Run the command here with ``extra`` flags appended; exit status 0 expected (2 where the doc shows an error).
-    Commands that start processes run side by side, each in a fresh directory holding ``my.txt`` and
+    Commands that start processes run side by side, each in a fresh directory holding ``my.txt``, ``books/`` and
     ``my_plan.toml``; the others run in this process, in order, in one such directory that also holds a finished
     run in ``runs/latest`` (and what the commands before wrote: ``head -4 /tmp/pcg.dot`` reads the plan's)."""
 
@@ -346,6 +346,8 @@ COMMANDS = {
     "shardflow plan --plan column_plan.toml --mesh tp=2 --layers 1": Run(),
     "shardflow plan --plan column_plan.toml --mesh tp=2 --layers 1 --strict": Run(),  # exit status 2
     # docs/execution.md
+    ".venv/bin/shardflow train --data 'books/**/*.txt' --vocab-size 4096": Run(SHRINK_TRAIN),
+    ".venv/bin/shardflow train --data my.txt --tokenizer char": Run(SHRINK_TRAIN),
     "shardflow export --checkpoint runs/latest --out model.safetensors": Run(),
     'shardflow generate --checkpoint runs/latest --prompt "The " --tokens 200 --temperature 0.8 --seed 0': Run(),
     # docs/guarantees.md
@@ -512,10 +514,12 @@ def _generated(shown: Shown) -> bool:
 
 
 def _prepare(work: Path) -> Path:
-    """A directory to run documented commands in: ``my.txt`` (a small text) and the plan files of
-    :data:`PLAN_FILES`."""
-    work.mkdir(parents=True, exist_ok=True)
+    """A directory to run documented commands in: ``my.txt`` (a small text), ``books/`` (two small texts, one in a
+    subdirectory) and the plan files of :data:`PLAN_FILES`."""
+    (work / "books" / "more").mkdir(parents=True, exist_ok=True)
     (work / "my.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    (work / "books" / "a.txt").write_text("It was the best of times, it was the worst of times.\n" * 100)
+    (work / "books" / "more" / "b.txt").write_text("Call me Ishmael. Some years ago, never mind how long.\n" * 100)
     for name, text in PLAN_FILES.items():
         (work / name).write_text(text)
     return work

@@ -32,7 +32,7 @@ class TrainConfig:
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
     steps: int = _f(600, "optimizer steps to train for")
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")
-    seq_len: int = _f(64, "characters per sequence (the model's context length)")
+    seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     layers: int = _f(2, "transformer blocks")
     heads: int = _f(4, "attention heads")
     embd: int = _f(128, "embedding width")
@@ -42,7 +42,13 @@ class TrainConfig:
     momentum: float = _f(0.9, "SGD momentum")
     weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW)")
     seed: int = _f(0, "seed for the initial weights, the batches and the dropout masks")
-    data: str | None = _f(None, "UTF-8 text file to train on (default: the Python documentation of this CPython)")
+    data: str | None = _f(None, "UTF-8 text to train on: a file, a directory (every file under it, sorted) or a glob "
+                                "such as 'books/**/*.txt' (default: the Python documentation of this CPython)")
+    tokenizer: str = _f("bpe", "bpe (a byte-level BPE trained on the data), char (one token per character) or the path "
+                               "of a tokenizer.json to use as it is")
+    vocab_size: int = _f(2048, "tokens of the BPE that --tokenizer bpe trains, its 256 byte tokens included")
+    cache_dir: str | None = _f(None, "where the tokenizer and the token file of the data are cached (default: "
+                                     ".shardflow-cache next to --data; for the default corpus ~/.cache/shardflow)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics, checkpoints and the resolved config")
     metrics: str | None = _f(None, "JSON-lines metrics file (default: RUN_DIR/metrics.jsonl)")
     checkpoint_dir: str | None = _f(None, "directory for checkpoints (default: RUN_DIR/checkpoints)")
@@ -130,8 +136,8 @@ class TrainConfig:
 # --- checks of the configuration and the outputs (before any process starts) ---------------------------------
 
 # smallest value of each numeric setting (the others are free, or checked where they are used)
-_MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "layers": 0, "heads": 1, "embd": 1,
-            "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0}
+_MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "vocab_size": 256, "layers": 0, "heads": 1,
+            "embd": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
                "list": "a list", "dict": "a table"}

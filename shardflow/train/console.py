@@ -63,8 +63,10 @@ class Console:
             return
         n_params = sum(p.numel() for p in s.model.parameters())
         cfg = s.cfg
-        self.say(f"shardflow train: {s.corpus.source}, {len(s.corpus.train):,} train / {len(s.corpus.val):,} val "
-                 f"chars, vocab {s.corpus.tokenizer.vocab_size}")
+        c = s.corpus
+        self.say(f"shardflow train: {c.source}, {len(c.train):,} train / {len(c.val):,} val tokens "
+                 f"({c.chars / len(c.tokens):.2f} characters per token)")
+        self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
         self.say(f"model: GPT {cfg.layers} layers, {cfg.heads} heads, width {cfg.embd}, context {cfg.seq_len}: "
                  f"{n_params:,} parameters; optimizer {cfg.optimizer} lr {cfg.lr}")
         self.say(f"strategy {cfg.strategy} on mesh {s.mesh} ({s.mesh.size} devices); batch "
@@ -77,7 +79,7 @@ class Console:
         self.say(f"plan (rank {min(step.programs)}, per step): {comm}")
         if s.pcg.redistributions:
             self.say(s.pcg.redistribution_listing())
-        self.say(f"unigram baseline (validation): {baseline:.4f} nats/char")
+        self.say(f"unigram baseline (validation): {baseline:.4f} nats/token")
 
     def resumed(self, ck: Checkpoint, start: int) -> None:
         """Where a resumed run continues from."""
@@ -112,6 +114,6 @@ class Console:
         self.say(f"checkpoint {path} ({size / 2**20:.2f} MiB, {seconds:.2f} s)")
 
     def done(self, final: float, baseline: float) -> None:
-        """The last validation loss against the unigram baseline (nats/char)."""
+        """The last validation loss against the unigram baseline (nats/token)."""
         verdict = "below" if final < baseline else "NOT below"
-        self.say(f"done: validation loss {final:.4f} nats/char, {verdict} the unigram baseline {baseline:.4f}")
+        self.say(f"done: validation loss {final:.4f} nats/token, {verdict} the unigram baseline {baseline:.4f}")

@@ -20,6 +20,7 @@ from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
 from shardflow.train.console import Console
+from shardflow.train.data import Split
 from shardflow.train.metrics import open_metrics
 from shardflow.train.recipe import Setup, setup
 
@@ -59,7 +60,8 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         weights, state = s.initial_weights(), None
         ex.load(weights)
     check = Check(s, weights, state, start) if cfg.check else None
-    saver = checkpoint.Saver(cfg.checkpoints, rank, world, s.checkpoint_meta(world), fresh=not cfg.resume)
+    saver = checkpoint.Saver(cfg.checkpoints, rank, world, s.checkpoint_meta(world), fresh=not cfg.resume,
+                             files=s.checkpoint_files())
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,13 +72,13 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         console.resumed(resumed, start)
 
     def val_loss() -> float:
-        return sum(ev.step(s.corpus.batch("val", i, cfg.batch_size, cfg.seq_len, cfg.seed))
+        return sum(ev.step(s.corpus.batch(Split.VAL, i, cfg.batch_size, cfg.seq_len, cfg.seed))
                    for i in range(cfg.eval_batches)) / cfg.eval_batches
 
     tokens = cfg.batch_size * cfg.seq_len
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        batch = s.corpus.batch("train", step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        batch = s.corpus.batch(Split.TRAIN, step, cfg.batch_size, cfg.seq_len, cfg.seed)
         tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
         if tracing:
             ex.tracer = trace.Tracer(rank)

@@ -1,5 +1,5 @@
-"""The recipe of ``shardflow train``: what every rank builds identically from the configuration — the text, the GPT
-(seeded), its captured graph, the strategy's PCG on the mesh, the optimizer and the lowering options — and what
+"""The recipe of ``shardflow train``: what every rank builds identically from the configuration — the corpus (tokens
+and tokenizer, :mod:`shardflow.train.data`), the GPT (seeded), its captured graph, the strategy's PCG on the mesh, the optimizer and the lowering options — and what
 the checkpoints need to know about the model (:data:`GPT_MODEL`). The parent builds it too, before any process
 starts, so every configuration and planning error surfaces there."""
 
@@ -23,10 +23,11 @@ from shardflow.strategy import make_plan, resolve
 from shardflow.strategy.presets import default_mesh
 from shardflow.train import checkpoint
 from shardflow.train.config import TrainConfig
-from shardflow.train.data import Corpus
+from shardflow.train.data import Corpus, Split
+from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
 
 # GPT as checkpoints see it; the sizes a resumed run must share, with the flags that set them (vocab_size comes
-# from the data, whose characters a checkpoint records; dropout may change)
+# from the tokenizer, which a checkpoint holds; dropout may change)
 GPT_MODEL = checkpoint.ModelAdapter("GPT", GPTConfig, GPT, {"block_size": "--seq-len", "n_layer": "--layers",
                                                             "n_head": "--heads", "n_embd": "--embd", "bias": "bias"})
 
@@ -73,18 +74,28 @@ class Setup:
 
     def checkpoint_meta(self, world: int) -> dict[str, Any]:
         """What a checkpoint of this run records besides its tensors (``world``: processes of the run)."""
-        return {"model": GPT_MODEL.to_json(self.model.config), "chars": self.corpus.tokenizer.chars,
+        return {"model": GPT_MODEL.to_json(self.model.config), "data": self.data_record(),
                 "train": dataclasses.asdict(self.cfg), "mesh": str(self.mesh), "processes": world}
+
+    def checkpoint_files(self) -> dict[str, str]:
+        """The files a checkpoint of this run holds besides its tensors: the tokenizer (name → contents)."""
+        return {TOKENIZER_FILE: self.corpus.tokenizer.to_json()}
+
+    def data_record(self) -> dict[str, Any]:
+        """The corpus as a checkpoint records it: source, sha256, characters, tokens, tokenizer."""
+        c = self.corpus
+        return {"source": c.source, "sha256": c.sha256, "chars": c.chars, "tokens": len(c.tokens),
+                "tokenizer": c.tokenizer.describe()}
 
     def resume_point(self) -> checkpoint.Checkpoint:
         """The checkpoint ``--resume`` continues from, checked against this run (raises CheckpointError)."""
         c = self.cfg
-        return checkpoint.for_resume(c.checkpoints, GPT_MODEL, self.model.config, self.corpus.tokenizer.chars,
-                                     self.optimizer.slots, self.checkpoint_entries(), c.data)
+        return checkpoint.for_resume(c.checkpoints, GPT_MODEL, self.model.config, self.data_record(),
+                                     self.corpus.tokenizer, self.optimizer.slots, self.checkpoint_entries())
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The GPT's sizes from the config; the vocabulary is the text's."""
+    """The GPT's sizes from the config; the vocabulary is the tokenizer's."""
     return GPTConfig(vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.layers, n_head=cfg.heads,
                      n_embd=cfg.embd, dropout=cfg.dropout)
 
@@ -96,10 +107,10 @@ def setup(cfg: TrainConfig, world: int) -> Setup:
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
                          f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
-    corpus = Corpus.load(cfg.data, cfg.seq_len)
+    corpus = Corpus.load(cfg.data, TokenizerChoice.of(cfg.tokenizer, cfg.vocab_size), cfg.seq_len, cfg.cache_dir)
     torch.manual_seed(cfg.seed)
     model = GPT(model_config(cfg, corpus.tokenizer.vocab_size))
-    example = corpus.batch("train", 0, cfg.batch_size, cfg.seq_len, cfg.seed)
+    example = corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed)
     graph = capture(model, example)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, cfg.strategy), graph, mesh), strict=cfg.strict)
     return Setup(cfg, corpus, model, graph, pcg, mesh)

@@ -27,7 +27,7 @@ from shardflow.lower.dynamic import state_id
 from shardflow.train.checkpoint import store
 from shardflow.train.checkpoint.model import ModelAdapter
 from shardflow.train.checkpoint.store import CheckpointError
-from shardflow.train.data import CharTokenizer
+from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
 Entries = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -84,19 +84,21 @@ def _reader(path: Path):
 @dataclass(frozen=True)
 class Checkpoint:
     """A complete checkpoint whose files were verified: what its manifest says and DCP's tensor index.
-    ``model`` is the model's config as recorded (JSON; :meth:`config` reads it with the recipe's adapter)."""
+    ``model`` is the model's config as recorded (JSON; :meth:`config` reads it with the recipe's adapter);
+    ``data`` the corpus it was trained on (``source``, ``sha256``, ``chars``, ``tokens``)."""
 
     path: Path
     step: int
     model: Mapping[str, Any]
-    chars: str
+    data: Mapping[str, Any]
     train: dict[str, Any]
     entries: Entries
     mesh: str = "?"
 
     @property
-    def tokenizer(self) -> CharTokenizer:
-        return CharTokenizer(self.chars)
+    def tokenizer(self) -> Tokenizer:
+        """The run's tokenizer, saved with the checkpoint as ``tokenizer.json`` (verified by the manifest)."""
+        return Tokenizer.load(self.path / TOKENIZER_FILE)
 
     def config(self, adapter: ModelAdapter) -> Any:
         """The model's config (``adapter.config_type``); raises CheckpointError when the recorded one does not fit."""
@@ -156,7 +158,7 @@ def _why(e: BaseException) -> str:
 def read(path: Path) -> Checkpoint:
     """Open the complete checkpoint ``path``: check every file against the size and sha256 recorded when it was
     saved, then read DCP's index (safely). Raises CheckpointError naming the directory, the problem and the fix."""
-    meta = store.read_manifest(path, required=("model", "chars"))
+    meta = store.read_manifest(path, required=("model", "data"))
     fix = store.fallback(path)
     try:
         md = _reader(path).read_metadata()
@@ -170,7 +172,7 @@ def read(path: Path) -> Checkpoint:
         raise
     except Exception as e:  # noqa: BLE001 — an unreadable or refused index
         raise CheckpointError(f"checkpoint {path} is corrupt: DCP's .metadata cannot be read ({e}); {fix}") from None
-    return Checkpoint(path, meta["step"], meta["model"], meta["chars"], meta.get("train", {}), entries,
+    return Checkpoint(path, meta["step"], meta["model"], meta["data"], meta.get("train", {}), entries,
                       str(meta.get("mesh", "?")))
 
 
@@ -179,13 +181,16 @@ def read(path: Path) -> Checkpoint:
 class Saver:
     """Writes checkpoints of one run. Every rank makes one and calls :meth:`save` at the same steps.
 
-    ``meta``: what the manifest records besides step and files (model config, characters, train config).
+    ``meta``: what the manifest records besides step and files (model config, data, train config).
     ``fresh``: this run did not resume, so complete checkpoints it did not write are an earlier run's and are
-    removed once it has committed its first.
+    removed once it has committed its first. ``files``: text files (name → contents, e.g. the tokenizer) that rank
+    0 writes beside the tensors; the manifest records them like the tensor files.
     """
 
-    def __init__(self, root: Path, rank: int, world: int, meta: Mapping[str, Any], fresh: bool):
+    def __init__(self, root: Path, rank: int, world: int, meta: Mapping[str, Any], fresh: bool,
+                 files: Mapping[str, str] | None = None):
         self.root, self.rank, self.world, self.meta, self.fresh = root, rank, world, dict(meta), fresh
+        self.files = dict(files or {})
         self.written: set[str] = set()
         # called with the step once this rank's files are in ``step_<n>.tmp/``, before the checkpoint is committed
         # (the ``saved`` hook of shardflow.train.hooks)
@@ -228,6 +233,9 @@ class Saver:
         if self.rank == 0:
             files = {k: v for part in everyone for k, v in part.items()}
             files[".metadata"] = store.digest(tmp / ".metadata")
+            for name, text in self.files.items():
+                store.write_synced(tmp / name, text)
+                files[name] = store.digest(tmp / name)
             final, size = store.commit(self.root, step, files, self.meta)
             self.written.add(final.name)
             if self.fresh:

@@ -29,7 +29,7 @@ def load_model(path: str | os.PathLike, adapter: ModelAdapter) -> tuple[torch.nn
 
 def export(path: str | os.PathLike, out: str | os.PathLike, adapter: ModelAdapter) -> tuple[Path, Checkpoint]:
     """Write the checkpoint's weights as one safetensors file under the module's parameter names, with the model
-    config (its fields and the tokenizer's characters) as JSON in the metadata key ``config``. Written to a
+    config as JSON in the metadata key ``config`` and the run's ``tokenizer.json`` in the key ``tokenizer``. Written to a
     temporary name and renamed, so ``out`` is whole or untouched."""
     from safetensors.torch import save_file
 
@@ -39,8 +39,8 @@ def export(path: str | os.PathLike, out: str | os.PathLike, adapter: ModelAdapte
     if out.is_dir():
         raise CheckpointError(f"--out {out} is a directory; pass a file name such as {out / 'model.safetensors'}")
     model, ck = load_model(path, adapter)
-    config = {**adapter.to_json(ck.config(adapter)), "chars": ck.chars}
-    metadata = {"format": "pt", "config": json.dumps(config), "step": str(ck.step), "source": str(ck.path)}
+    metadata = {"format": "pt", "config": json.dumps(adapter.to_json(ck.config(adapter))),
+                "tokenizer": ck.tokenizer.to_json(), "step": str(ck.step), "source": str(ck.path)}
     tensors = {n: p.detach().contiguous() for n, p in model.named_parameters()}
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:

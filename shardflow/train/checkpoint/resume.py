@@ -1,5 +1,5 @@
 """``--resume``: the newest complete checkpoint, checked against the run about to continue from it — its text
-(the tokenizer's characters), the model's sizes (through the recipe's :class:`ModelAdapter`), the optimizer and
+(the corpus's sha256), its tokenizer, the model's sizes (through the recipe's :class:`ModelAdapter`), the optimizer and
 every tensor's shape. Each mismatch is one paragraph naming the checkpoint, what differs and the fix."""
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ from shardflow.train.checkpoint import store
 from shardflow.train.checkpoint.dcp import Checkpoint, Entries, read
 from shardflow.train.checkpoint.model import ModelAdapter
 from shardflow.train.checkpoint.store import CheckpointError
+from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
 _OPT_NAMES = {UpdateRule.SGD: "SGD without momentum", UpdateRule.SGD_MOMENTUM: "SGD with momentum",
               UpdateRule.ADAMW: "AdamW"}
 
 
-def for_resume(root: Path, adapter: ModelAdapter, config: Any, chars: str, optimizer_slots: UpdateRule,
-               want: Entries, data: str | None) -> Checkpoint:
+def for_resume(root: Path, adapter: ModelAdapter, config: Any, corpus: Mapping[str, Any], tokenizer: Tokenizer,
+               optimizer_slots: UpdateRule, want: Entries) -> Checkpoint:
     """The newest complete checkpoint under ``root``, checked against the run about to continue from it: its model
-    ``config`` (read with ``adapter``), the tokenizer's ``chars``, the optimizer's state slots, the ``want``ed
-    entries and the ``--data`` it reads (for messages). Raises CheckpointError."""
+    ``config`` (read with ``adapter``), its ``corpus`` (``source``, ``sha256``, ``chars``, as the checkpoint records
+    it), its ``tokenizer``, the optimizer's state slots and the ``want``ed entries. Raises CheckpointError."""
     path = store.newest(root)
     if path is None:
         partial = store.incomplete(root)
@@ -31,15 +32,15 @@ def for_resume(root: Path, adapter: ModelAdapter, config: Any, chars: str, optim
     ck = read(path)
     saved = ck.config(adapter)
     new_run = "or start a new run without --resume (or with another --checkpoint-dir)"
-    if ck.chars != chars:
-        gone = sorted(set(ck.chars) - set(chars))
-        added = sorted(set(chars) - set(ck.chars))
-        what = ", ".join(x for x in (f"missing {_short(''.join(gone))}" if gone else "",
-                                     f"new {_short(''.join(added))}" if added else "") if x) or "same characters, other order"
-        raise CheckpointError(f"checkpoint {path} was trained on another text: its vocabulary has {len(ck.chars)} "
-                              f"characters, --data {data or '(default corpus)'} gives {len(chars)} ({what}); "
-                              f"resume with the data it was trained on ({ck.train.get('data') or 'the default corpus'}), "
-                              f"{new_run}")
+    if ck.data.get("sha256") != corpus["sha256"]:
+        raise CheckpointError(f"checkpoint {path} was trained on another text: {_text(ck.data)}, this run's --data "
+                              f"is {_text(corpus)}; resume with the data it was trained on "
+                              f"({ck.train.get('data') or 'the default corpus'}), {new_run}")
+    theirs_tok = ck.tokenizer
+    if theirs_tok.sha256 != tokenizer.sha256:
+        raise CheckpointError(f"checkpoint {path} was trained with another tokenizer: {theirs_tok.describe()} (sha256 "
+                              f"{theirs_tok.sha256[:12]}), this run's is {tokenizer.describe()} (sha256 "
+                              f"{tokenizer.sha256[:12]}); resume with --tokenizer {path / TOKENIZER_FILE}, {new_run}")
     diff = [(flag, getattr(saved, name), getattr(config, name)) for name, flag in adapter.must_match.items()
             if getattr(saved, name) != getattr(config, name)]
     if diff:
@@ -59,8 +60,8 @@ def for_resume(root: Path, adapter: ModelAdapter, config: Any, chars: str, optim
     return ck
 
 
-def _short(chars: str, n: int = 30) -> str:
-    return repr(chars) if len(chars) <= n else repr(chars[:n]) + f" and {len(chars) - n} more"
+def _text(corpus: Mapping[str, Any]) -> str:
+    return f"{corpus.get('source')} ({corpus.get('chars', 0):,} characters, sha256 {str(corpus.get('sha256'))[:12]})"
 
 
 def _slots_of(train: Mapping[str, Any]) -> UpdateRule | None:

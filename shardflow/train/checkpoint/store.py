@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 MARKER = "COMPLETE"
 META = "shardflow.json"
-FORMAT = 1
+FORMAT = 2  # 2: the corpus (``data``) and tokenizer.json replace format 1's tokenizer characters
 _STEP = re.compile(r"step_(\d+)$")
 
 
@@ -187,8 +187,8 @@ def commit(root: Path, step: int, files: Mapping[str, Mapping[str, Any]], meta: 
     size = sum(f["bytes"] for f in files.values())
     manifest = {"format": FORMAT, "step": step, **meta, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "files": dict(files)}
-    _write_synced(tmp / META, json.dumps(manifest, indent=1) + "\n")
-    _write_synced(tmp / MARKER, f"step {step}\n")
+    write_synced(tmp / META, json.dumps(manifest, indent=1) + "\n")
+    write_synced(tmp / MARKER, f"step {step}\n")
     _fsync_dir(tmp)
     aside = None
     if final.exists():
@@ -217,8 +217,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
+def write_synced(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` and sync it to disk."""
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
