@@ -137,7 +137,17 @@ def capture(module: nn.Module, batch: Mapping[str, torch.Tensor], *, loss: bool 
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
             raise CaptureError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}")
-    ep = export(module, batch)
+    return lift_exported(export(module, batch), batch, loss=loss)
+
+
+def lift_exported(ep: ExportedProgram, batch: Mapping[str, torch.Tensor], *, loss: bool = True) -> ComputationGraph:
+    """The computation graph of an exported program (:func:`export`'s, for ``module(**batch)``): what
+    :func:`capture` returns. Each graph node that an ATen node lifted to carries its fx name (a node lifted to
+    several ops names the last one so), so the two can be compared node by node.
+
+    Raises:
+        CaptureError: a lifted shape differs from export's, or ``loss`` is set and the output is not a scalar.
+    """
     return _Lift(ep, batch).run(loss)
 
 
