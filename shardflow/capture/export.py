@@ -222,7 +222,8 @@ class _Lift:
         args = torch.fx.node.map_arg(node.args, self.env.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, self.env.__getitem__)
         if not _has_graph_tensor((args, kwargs)):  # constant folding
-            self.env[node] = target(*_real(args), **_real(kwargs))
+            meta = _on_meta((args, kwargs))
+            self.env[node] = target(*_real(args, meta), **_real(kwargs, meta))
             return
         handler = LIFT.get(target)
         with self.b.scope(_scope(node)):
@@ -305,14 +306,30 @@ def _has_graph_tensor(x: Any) -> bool:
     return False
 
 
-def _real(x: Any) -> Any:
-    """Folded arguments: a ``meta`` device becomes the CPU (a model on meta still folds its index tables)."""
-    if isinstance(x, torch.device) and x.type == "meta":
-        return torch.device("cpu")
+def _on_meta(x: Any) -> bool:
+    """Whether a tensor among the arguments ``x`` lies on the meta device (a buffer of a model built there)."""
+    if isinstance(x, torch.Tensor):
+        return x.device.type == "meta"
     if isinstance(x, (list, tuple)):
-        return type(x)(_real(v) for v in x)
+        return any(_on_meta(v) for v in x)
     if isinstance(x, dict):
-        return {k: _real(v) for k, v in x.items()}
+        return any(_on_meta(v) for v in x.values())
+    return False
+
+
+def _real(x: Any, meta: bool) -> Any:
+    """Folded arguments. Where no tensor argument is on the meta device (``meta`` False), a ``meta`` device becomes
+    the CPU: a model built on meta still folds its index tables and masks to real values. Where one is (a buffer
+    such as rotary frequencies, whose values do not exist), every tensor argument moves to meta: the result is a
+    shape, enough to plan with."""
+    if isinstance(x, torch.device) and x.type == "meta" and not meta:
+        return torch.device("cpu")
+    if isinstance(x, torch.Tensor) and meta:
+        return x.to("meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_real(v, meta) for v in x)
+    if isinstance(x, dict):
+        return {k: _real(v, meta) for k, v in x.items()}
     return x
 
 
