@@ -51,7 +51,7 @@ class TensorType:
     @property
     def nbytes(self) -> int:
         """Size in bytes."""
-        return self.numel * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+        return self.numel * torch_dtype(self.dtype).itemsize
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -23,7 +23,7 @@ from shardflow.lower.program import (LOCAL_MOVES, Block, Compute, Forward, Keep,
 from shardflow.parallel.rules import LocalOp
 from shardflow.runtime.vjp import HandVjp, hand_vjp
 
-Kernel = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+Kernel = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     if isinstance(spec, Forward):
         fwd = forward(spec.local, spec.draw, seed, step)
         if saved is None or not spec.record or hand_vjp(spec.local.op) is not None:
-            return lambda xs: list(fwd(*xs))
+            return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.node, saved)
     if isinstance(spec, Vjp):
         hand = hand_vjp(spec.local.op)
@@ -118,7 +118,8 @@ def forward(local: LocalOp, draw: PieceSite | None, seed: int, step: Callable[[]
     piece's site ``draw`` for the current ``step()`` (:meth:`PieceSite.at`): the same numbers as one device, on
     every replica, and again when the backward recomputes the forward."""
     if draw is None:
-        return local.compute
+        plain = local.out_scale == 1.0 and all(s == 1.0 for s in local.in_scale)
+        return local.op.compute if plain else local.compute  # the op's own compute: no scale checks per call
     return lambda *xs: local.compute(*xs, at=draw.at(seed, step()))
 
 
