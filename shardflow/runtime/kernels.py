@@ -165,19 +165,25 @@ _ENGINE = torch.autograd.Variable._execution_engine
 def _hand_vjp_kernel(vjp: HandVjp, spec: Vjp) -> Kernel:
     """The backward of ``spec.local`` by its hand-written ``vjp`` (:mod:`shardflow.runtime.vjp`): the local op's
     input and output scales applied by the chain rule, then ``unscale``; each gradient in its input's dtype."""
-    local, n_in = spec.local, len(spec.grad_mask)
-    diff = [i for i, m in enumerate(spec.grad_mask) if m]
+    local, n_in, op, need = spec.local, len(spec.grad_mask), spec.local.op, spec.grad_mask
+    diff = [i for i, m in enumerate(need) if m]
     scale = [local.in_scale[i] * spec.unscale[i] for i in range(n_in)]
+    scaled_in = any(s != 1.0 for s in local.in_scale)
+    every_dy = all(spec.dy_mask) and local.out_scale == 1.0  # the gradients given are the vjp's dys as they are
 
     def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        ins = [x if s == 1.0 else x * s for x, s in zip(xs[:n_in], local.in_scale)]
-        given = iter(xs[n_in:])
-        dys = [(next(given) if local.out_scale == 1.0 else next(given) * local.out_scale) if m else None
-               for m in spec.dy_mask]
-        grads = vjp(local.op, ins, dys, spec.grad_mask)
+        ins = [x if s == 1.0 else x * s for x, s in zip(xs[:n_in], local.in_scale)] if scaled_in else xs[:n_in]
+        if every_dy:
+            dys = xs[n_in:]
+        else:
+            given = iter(xs[n_in:])
+            dys = [(next(given) * local.out_scale) if m else None for m in spec.dy_mask]
+        grads = vjp(op, ins, dys, need)
         out = []
         for i in diff:
-            g = grads[i] if grads[i].dtype == xs[i].dtype else grads[i].to(xs[i].dtype)
+            g = grads[i]
+            if g.dtype != xs[i].dtype:
+                g = g.to(xs[i].dtype)
             out.append(g if scale[i] == 1.0 else g * scale[i])
         return out
 

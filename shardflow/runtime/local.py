@@ -48,9 +48,10 @@ class LocalExecutor(Executor):
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.ledgers = {r: Ledger() for r in step.programs}
         self._index_updates()
-        # each local instruction as a closure over its rank's buffers, built once (by the instruction's identity)
-        self.compiled: dict[int, Callable[[], None]] = {
-            id(i): self._compile(r, i) for r, p in step.programs.items() for i in p.instrs if not isinstance(i, Comm)}
+        # per rank, each local instruction as a closure over the rank's buffers, built once (None for a Comm)
+        self.compiled: dict[int, list[Callable[[], None] | None]] = {
+            r: [None if isinstance(i, Comm) else self._compile(r, i) for i in p.instrs]
+            for r, p in step.programs.items()}
 
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
@@ -113,8 +114,10 @@ class LocalExecutor(Executor):
             return compute
         return lambda: None
 
-    def _run(self, r: int, instr: Instr) -> None:
-        self.compiled[id(instr)]()
+    def _run(self, r: int, start: int, stop: int) -> None:
+        """Instructions ``start`` to ``stop - 1`` of rank ``r``'s program, none a communication."""
+        for run in self.compiled[r][start:stop]:
+            run()
 
     def _meet(self, holders: list[tuple[int, Comm]]) -> None:
         """A communication every member has reached: each receives what :func:`run_local` gives it."""
