@@ -120,8 +120,8 @@ def section(results: dict[str, dict], args) -> str:
         losses = " / ".join(", ".join(f"{x:.5f}" for x in size["losses"][k]) for k in ("eager", "shardflow"))
         lines.append(f"| {size['batch']} × {size['seq']} | {size['instructions']} | {statistics.median(e) * 1e3:.2f} | "
                      f"{statistics.median(s) * 1e3:.2f} | {_text(_ratios(size))} | {losses} |")
-    verdicts = [f"{size['batch']} × {size['seq']}: {statistics.median(_ratios(size)):.2f}, "
-                f"{'**met**' if statistics.median(_ratios(size)) <= TARGET else '**missed**'}" for size in now["sizes"]]
+    medians = {(s["batch"], s["seq"]): round(statistics.median(_ratios(s)), 2) for s in now["sizes"]}
+    verdicts = [f"{b} × {t}: {m:.2f}, {'**met**' if m <= TARGET else '**missed**'}" for (b, t), m in medians.items()]
     lines += ["", f"Target: shardflow ≤ {TARGET}× eager. " + "; ".join(verdicts) + "."]
     if len(results) > 1:
         lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",

@@ -110,3 +110,15 @@ def test_every_op_has_a_rule():
     for name in MODELS:
         graph = capture(*model_and_batch(name, torch.float32))
         assert [n.op.describe() for n in graph.nodes if isinstance(n.op, O.Aten)] == [], name
+
+
+def test_llama_on_the_meta_device_gives_the_cpu_graph():
+    """A model built on the meta device (no weights anywhere, how a large model is planned) captures to the graph of
+    the same model on the CPU: its rotary frequencies (a meta buffer) fold to meta constants of the same shapes, the
+    position ids and masks (from arange, no meta input) to real ones."""
+    cpu, b = model_and_batch("LlamaForCausalLM", torch.float32)
+    with torch.device("meta"):
+        meta = llama()
+    graph = capture(meta, {k: v.to("meta") for k, v in b.items()})
+    assert graph.listing() == capture(cpu, b).listing()
+    assert {c.device.type for c in graph.constants.values()} == {"meta", "cpu"}
