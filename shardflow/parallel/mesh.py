@@ -170,6 +170,8 @@ class SubMesh:
 
     @property
     def free_axes(self) -> tuple[str, ...]:
+        if not self.fixed:
+            return self.mesh.axis_names
         fixed = dict(self.fixed)
         return tuple(a for a in self.mesh.axis_names if a not in fixed)
 

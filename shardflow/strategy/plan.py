@@ -17,7 +17,9 @@ Example — Megatron MLP on axis ``tp``::
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -144,6 +146,25 @@ def inside(node: Node, module: str) -> bool:
     return not module or node.scope == module or node.scope.startswith(module + ".")
 
 
+def _matching(names: Sequence[str], pattern: str) -> list[str]:
+    """The names ``pattern`` matches (``fnmatchcase``), in order, the pattern compiled once: a plan names hundreds of
+    modules and a graph has thousands of nodes."""
+    if not any(c in pattern for c in "*?["):
+        return [n for n in names if n == pattern]
+    match = re.compile(fnmatch.translate(pattern)).match
+    return [n for n in names if match(n)]
+
+
+def _members(graph: ComputationGraph) -> dict[str, list[Node]]:
+    """Module path → the nodes :func:`inside` it, in graph order."""
+    out: dict[str, list[Node]] = {}
+    for n in graph.nodes:
+        parts = n.scope.split(".") if n.scope else []
+        for i in range(1, len(parts) + 1):
+            out.setdefault(".".join(parts[:i]), []).append(n)
+    return out
+
+
 def module_paths(graph: ComputationGraph) -> list[str]:
     """Every module path that owns a node (with all its ancestors), in first-use order."""
     seen: dict[str, None] = {}
@@ -170,10 +191,13 @@ def _layout(spec: PlacementSpec, group: SubMesh, what: str) -> Layout:
 def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     """The plan's decisions on the tensors and nodes of ``graph``. Raises PlanError naming the module/tensor."""
     modules = module_paths(graph)
-    matched = {pat: [m for m in modules if fnmatchcase(m, pat)] for pat in plan.modules}
+    members_of = _members(graph)
+    node_names = [n.name for n in graph.nodes]
+    node = {n.name: n for n in graph.nodes}
+    matched = {pat: _matching(modules, pat) for pat in plan.modules}
+    by_node = {pat: [node[k] for k in _matching(node_names, pat)] for pat in plan.modules}
     for pat, ms in matched.items():
-        by_node = [n for n in graph.nodes if fnmatchcase(n.name, pat)]
-        if not ms and not by_node:
+        if not ms and not by_node[pat]:
             raise PlanError(f"plan pattern {pat!r} matches no module or node; modules are: {', '.join(modules[:12])}"
                             f"{' ...' if len(modules) > 12 else ''}")
 
@@ -182,8 +206,9 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     for pat, mp in plan.modules.items():  # machine-view overrides
         if mp.devices is None:
             continue
+        hit = {n.name for n in by_node[pat]} | {n.name for m in matched[pat] for n in members_of[m]}
         for n in graph.nodes:
-            if fnmatchcase(n.name, pat) or any(inside(n, m) for m in matched[pat]):
+            if n.name in hit:
                 try:
                     groups[n.name] = groups.get(n.name, whole).with_view(mp.devices)
                 except ValueError as e:
@@ -204,8 +229,8 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     after: dict[str, Layout] = {}
     why: dict[object, str] = {}
     for pat, mp in plan.modules.items():
-        units = [(m, [n for n in graph.nodes if inside(n, m)]) for m in matched[pat]]
-        units += [(n.name, [n]) for n in graph.nodes if fnmatchcase(n.name, pat) and n.scope not in matched[pat]]
+        units = [(m, members_of[m]) for m in matched[pat]]
+        units += [(n.name, [n]) for n in by_node[pat] if n.scope not in matched[pat]]
         for m, members in units:
             for p, spec in mp.params.items():
                 w = f"{m}.{p}"
