@@ -1,4 +1,5 @@
-"""Rank-side helpers of ``benchmarks/run.py``: interleaved timing across ranks and JSON results.
+"""Timing helpers of the benchmarks: interleaved timing across ranks (``benchmarks/run.py``) or in one process
+(``benchmarks/step.py``), and JSON results.
 
 Timing rules (the machine is shared and noisy):
 
@@ -43,11 +44,17 @@ class Variant:
     threads: int = SOLO_THREADS
 
 
+def _barrier() -> None:
+    """Every rank together; nothing in a single process (no process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def _sample(v: Variant, iters: int, rank: int) -> float:
     """Seconds per step of ``iters`` steps of ``v`` on this rank (NaN on a rank that sits out a solo variant)."""
-    dist.barrier()
+    _barrier()
     if v.solo and rank != 0:
-        dist.barrier()
+        _barrier()
         return math.nan
     if v.solo:
         torch.set_num_threads(v.threads)
@@ -58,14 +65,15 @@ def _sample(v: Variant, iters: int, rank: int) -> float:
     if v.solo:
         torch.set_num_threads(1)
         time.sleep(0.01)  # let the second OpenMP thread stop spinning before the others start
-        dist.barrier()
+        _barrier()
     return dt
 
 
 def interleave(variants: Sequence[Variant], rounds: int, iters: int, warmup: int, rank: int,
                log: Callable[[str], None] | None = None) -> dict[str, list[float]]:
     """Per variant, ``rounds`` samples (seconds per step; each the largest over the ranks; rank 0's for a solo
-    variant). Every rank must call this with the same variants in the same order."""
+    variant). Every rank must call this with the same variants in the same order; in a single process (no process
+    group) it times that process alone."""
     for v in variants:
         if warmup:
             _sample(v, warmup, rank)
@@ -79,7 +87,8 @@ def interleave(variants: Sequence[Variant], rounds: int, iters: int, warmup: int
                                                        if not math.isnan(s[-1])) + " ms")
     names = [v.name for v in variants]
     t = torch.tensor([[0.0 if math.isnan(x) else x for x in samples[n]] for n in names], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {n: t[i].tolist() for i, n in enumerate(names)}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import io
 import json
 import os
@@ -31,6 +32,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -238,9 +240,94 @@ def auto_forms() -> list[str]:
     return rows
 
 
+# docs/models.md: the models tried, by column title → (model, batch) factory (float32: only shapes matter here)
+def _tried_models() -> dict[str, Callable[[], tuple]]:
+    import torch
+
+    from test_cnn import SmallCNN, images, resnet
+    from test_hf_models import model_and_batch
+
+    def cnn(make, **kw):
+        def build():
+            torch.manual_seed(0)
+            return make().float(), {k: v.float() if v.is_floating_point() else v for k, v in images(**kw).items()}
+        return build
+
+    hf = {"GPT-2": "GPT2LMHeadModel", "Llama": "LlamaForCausalLM", "Qwen2": "Qwen2ForCausalLM",
+          "Mistral": "MistralForCausalLM", "BERT": "BertForMaskedLM"}
+    return {**{title: functools.partial(model_and_batch, name, torch.float32) for title, name in hf.items()},
+            "ResNet": cnn(resnet), "small CNN": cnn(SmallCNN, size=8)}
+
+
+@functools.cache
+def _aten_census() -> dict[str, dict[str, set[str]]]:
+    """Per model tried: each core ATen op of its exported program → how its nodes ran: the shardflow op kinds it
+    lifted to (ops with a rule), ``replicated`` (the generic Aten op, no rule), ``folded`` (reads no input or
+    parameter: a constant) or ``no-op`` (an alias, a clone, a cast to its own dtype, a metadata check). A node
+    lifted to several ops (batch norm, var_mean, select) counts all of them: the graph nodes after the previous
+    lifted ATen node's, up to the one that carries its name."""
+    import torch
+    from torch.export.graph_signature import InputKind
+
+    from shardflow.capture import export, lift_exported
+    from shardflow.graph import ops as O
+
+    out = {}
+    for title, build in _tried_models().items():
+        model, batch = build()
+        ep = export(model, batch)
+        graph = lift_exported(ep, batch)
+        index = {n.name: i for i, n in enumerate(graph.nodes)}
+        kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs}
+        live, last, ops = set(), -1, {}
+        for n in ep.graph.nodes:
+            if n.op == "placeholder" and kinds[n.name] in (InputKind.USER_INPUT, InputKind.PARAMETER):
+                live.add(n)
+            if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+                live.update([n] if any(a in live for a in n.all_input_nodes) else [])
+                continue
+            how = ops.setdefault(str(n.target).removeprefix("aten.").removesuffix(".default"), set())
+            if not any(a in live for a in n.all_input_nodes):
+                how.add("folded")
+                continue
+            live.add(n)
+            if n.name not in index:
+                how.add("no-op")
+                continue
+            lifted = graph.nodes[last + 1:index[n.name] + 1]
+            last = index[n.name]
+            how.update("replicated" if isinstance(m.op, O.Aten) else f"`{m.op.kind}`" for m in lifted)
+        out[title] = ops
+    return out
+
+
+def models_summary() -> list[str]:
+    """docs/models.md: per model tried, its distinct core ATen ops and how many ran on a rule, replicated, folded."""
+    rows = ["| model | distinct ATen ops | on a rule | replicated (no rule) | folded only | no-op only |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for title, ops in _aten_census().items():
+        rule = sum(any(h.startswith("`") for h in how) for how in ops.values())
+        replicated = sum("replicated" in how for how in ops.values())
+        rows.append(f"| {title} | {len(ops)} | {rule} | {replicated} | "
+                    f"{sum(how == {'folded'} for how in ops.values())} | {sum(how == {'no-op'} for how in ops.values())} |")
+    return rows
+
+
+def models_aten_ops() -> list[str]:
+    """docs/models.md: per ATen op (rows) and model (columns), what its nodes ran as."""
+    census = _aten_census()
+    rows = ["| ATen op | " + " | ".join(census) + " |", "|---" * (len(census) + 1) + "|"]
+    for op in sorted(set().union(*census.values())):
+        cells = [", ".join(sorted(ops.get(op, ()), key=lambda h: (not h.startswith("`"), h))) or "·"
+                 for ops in census.values()]
+        rows.append(f"| `{op}` | " + " | ".join(cells) + " |")
+    return rows
+
+
 GENERATORS = {f.__name__: f for f in (collectives_per_strategy, bytes_dp_tp_mlp, tokens_dp_tp_mlp, verify_reordered,
                                       verify_dropped, verify_rows, plan_json_example, own_model_errors,
-                                      own_model_redistribution, dtensor_cases, cost_defaults, auto_forms)}
+                                      own_model_redistribution, dtensor_cases, cost_defaults, auto_forms,
+                                      models_summary, models_aten_ops)}
 
 
 @dataclass(frozen=True)

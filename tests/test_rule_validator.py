@@ -37,6 +37,7 @@ MIN_ACCEPTED_REDUCED = {
     "scalar rdiv": 15, "matmul": 64, "matmul(batched)": 73, "permute": 46, "reshape(split dim)": 33,
     "reshape(merge dims)": 33, "reshape(flatten)": 22, "split": 22, "softmax": 15, "sum(dim 1)": 31,
     "mean(dim 0, keepdim)": 31, "mean(all)": 29, "attention": 4, "cross_entropy(mean)": 8, "cross_entropy(sum)": 8,
+    "max_pool": 24, "avg_pool(padded)": 33,
 }
 MIN_ACCEPTED_FULL = MIN_ACCEPTED_REDUCED | {"linear": 64, "layer_norm": 8, "matmul(batched)": 83, "attention": 8}
 

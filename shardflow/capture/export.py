@@ -20,6 +20,7 @@ training step here updates parameters only.
 
 from __future__ import annotations
 
+import math
 import operator
 import traceback
 import warnings
@@ -136,7 +137,17 @@ def capture(module: nn.Module, batch: Mapping[str, torch.Tensor], *, loss: bool 
     for k, v in batch.items():
         if not isinstance(v, torch.Tensor):
             raise CaptureError(f"batch[{k!r}] must be a tensor, got {type(v).__name__}")
-    ep = export(module, batch)
+    return lift_exported(export(module, batch), batch, loss=loss)
+
+
+def lift_exported(ep: ExportedProgram, batch: Mapping[str, torch.Tensor], *, loss: bool = True) -> ComputationGraph:
+    """The computation graph of an exported program (:func:`export`'s, for ``module(**batch)``): what
+    :func:`capture` returns. Each graph node that an ATen node lifted to carries its fx name (a node lifted to
+    several ops names the last one so), so the two can be compared node by node.
+
+    Raises:
+        CaptureError: a lifted shape differs from export's, or ``loss`` is set and the output is not a scalar.
+    """
     return _Lift(ep, batch).run(loss)
 
 
@@ -211,7 +222,8 @@ class _Lift:
         args = torch.fx.node.map_arg(node.args, self.env.__getitem__)
         kwargs = torch.fx.node.map_arg(node.kwargs, self.env.__getitem__)
         if not _has_graph_tensor((args, kwargs)):  # constant folding
-            self.env[node] = target(*_real(args), **_real(kwargs))
+            meta = _on_meta((args, kwargs))
+            self.env[node] = target(*_real(args, meta), **_real(kwargs, meta))
             return
         handler = LIFT.get(target)
         with self.b.scope(_scope(node)):
@@ -263,8 +275,10 @@ class _Lift:
             self.folded.append(v)  # alive while the walk lasts, so its id stays its own
         return self.const_names[id(v)]
 
-    def apply(self, op: O.Op, inputs: list, node: torch.fx.Node) -> _T:
-        return _T(self.b.apply(op, [self.tensor(x) for x in inputs], name=node.name)[0])
+    def apply(self, op: O.Op, inputs: list, node: torch.fx.Node, suffix: str = "") -> _T:
+        """The single output of ``op`` on ``inputs``, as the node called ``node.name + suffix`` (a handler that
+        lifts one ATen node to several ops names the last one by the node and the others with a suffix)."""
+        return _T(self.b.apply(op, [self.tensor(x) for x in inputs], name=node.name + suffix)[0])
 
     def shape(self, node: torch.fx.Node) -> tuple[int, ...]:
         return tuple(int(s) for s in node.meta["val"].shape)
@@ -292,14 +306,30 @@ def _has_graph_tensor(x: Any) -> bool:
     return False
 
 
-def _real(x: Any) -> Any:
-    """Folded arguments: a ``meta`` device becomes the CPU (a model on meta still folds its index tables)."""
-    if isinstance(x, torch.device) and x.type == "meta":
-        return torch.device("cpu")
+def _on_meta(x: Any) -> bool:
+    """Whether a tensor among the arguments ``x`` lies on the meta device (a buffer of a model built there)."""
+    if isinstance(x, torch.Tensor):
+        return x.device.type == "meta"
     if isinstance(x, (list, tuple)):
-        return type(x)(_real(v) for v in x)
+        return any(_on_meta(v) for v in x)
     if isinstance(x, dict):
-        return {k: _real(v) for k, v in x.items()}
+        return any(_on_meta(v) for v in x.values())
+    return False
+
+
+def _real(x: Any, meta: bool) -> Any:
+    """Folded arguments. Where no tensor argument is on the meta device (``meta`` False), a ``meta`` device becomes
+    the CPU: a model built on meta still folds its index tables and masks to real values. Where one is (a buffer
+    such as rotary frequencies, whose values do not exist), every tensor argument moves to meta: the result is a
+    shape, enough to plan with."""
+    if isinstance(x, torch.device) and x.type == "meta" and not meta:
+        return torch.device("cpu")
+    if isinstance(x, torch.Tensor) and meta:
+        return x.to("meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_real(v, meta) for v in x)
+    if isinstance(x, dict):
+        return {k: _real(v, meta) for k, v in x.items()}
     return x
 
 
@@ -387,7 +417,7 @@ def _select(c, node, x, dim, index):
     size = node.args[0].meta["val"].shape
     d = _dim(dim, len(size))
     i = index % int(size[d])
-    sliced = _T(c.b.apply(O.Slice(d, i, i + 1), [c.tensor(x)], name=node.name + "_slice")[0])
+    sliced = c.apply(O.Slice(d, i, i + 1), [x], node, "_slice")
     return c.apply(O.Reshape(c.shape(node)), [sliced], node)
 
 
@@ -422,31 +452,62 @@ def _reduce_all(fn: str) -> Callable:
     return handler
 
 
-def _var(c, node, x, dims=None, *, correction=None, keepdim=False):
-    """``var`` as mean, subtract, square, sum, divide: every step has a rule, so a variance over a sharded dim
-    (batch norm on a data-parallel batch) becomes partial sums and reductions: synchronized batch norm."""
+def _moments(c, node, x, dims, correction: float, keepdim: bool, var_suffix: str = "") -> tuple[_T, _T]:
+    """(variance, mean) of ``x`` over ``dims`` as mean, subtract, square, sum, divide: every step has a rule, so
+    moments over a sharded dim (batch norm on a data-parallel batch) become partial sums and reductions of the
+    statistics alone: synchronized batch norm. The mean is computed once and shared; the variance's op is named
+    ``node.name + var_suffix``."""
     val = node.args[0].meta["val"]
     nd = val.ndim
     dims = tuple(sorted(_dim(d, nd) for d in (range(nd) if not dims else dims)))
-    n = 1
-    for d in dims:
-        n *= int(val.shape[d])
-    corr = 1 if correction is None else correction
-    b, s = c.b, c.tensor(x)
-    mean = b.apply(O.Reduce("mean", dims, True), [s], name=node.name + "_mean")[0]
-    dev = b.apply(O.Binary("sub"), [s, mean], name=node.name + "_dev")[0]
-    sq = b.apply(O.Binary("mul"), [dev, dev], name=node.name + "_sq")[0]
-    ssum = b.apply(O.Reduce("sum", dims, keepdim), [sq], name=node.name + "_sum")[0]
-    return _T(b.apply(O.Scalar("div", float(max(n - corr, 0))), [ssum], name=node.name)[0])
+    n = math.prod(int(val.shape[d]) for d in dims)
+    mean = c.apply(O.Reduce("mean", dims, True), [x], node, "_mean")
+    dev = c.apply(O.Binary("sub"), [x, mean], node, "_dev")
+    sq = c.apply(O.Binary("mul"), [dev, dev], node, "_sq")
+    ssum = c.apply(O.Reduce("sum", dims, keepdim), [sq], node, "_sum")
+    var = c.apply(O.Scalar("div", float(max(n - correction, 0))), [ssum], node, var_suffix)
+    if not keepdim:
+        shape = tuple(int(s) for k, s in enumerate(val.shape) if k not in dims)
+        mean = c.apply(O.Reshape(shape), [mean], node, "_m")
+    return var, mean
+
+
+def _var(c, node, x, dims=None, *, correction=None, keepdim=False):
+    var, _ = _moments(c, node, x, dims, 1 if correction is None else correction, keepdim)
+    return var
 
 
 def _var_mean(c, node, x, dims=None, *, correction=None, keepdim=False):
+    return _moments(c, node, x, dims, 1 if correction is None else correction, keepdim)
+
+
+def _batch_norm(c, node, x, w, b, running_mean, running_var, training, momentum, eps):
+    """Batch norm (``_native_batch_norm_legit_functional``) over every dim but the channels (dim 1). Training:
+    normalised by the batch's :func:`_moments` (biased variance); otherwise by the running statistics (folded
+    constants). Outputs: the normalised tensor; the saved statistics (the backward's business) and the updated
+    running statistics (buffer mutations, which capture leaves out) are no graph tensors."""
     val = node.args[0].meta["val"]
     nd = val.ndim
-    dims_n = tuple(sorted(_dim(d, nd) for d in (range(nd) if not dims else dims)))
-    var = _var(c, node, x, dims, correction=correction, keepdim=keepdim)
-    mean = _T(c.b.apply(O.Reduce("mean", dims_n, keepdim), [c.tensor(x)], name=node.name + "_m")[0])
-    return var, mean
+    stat_shape = (int(val.shape[1]),) + (1,) * (nd - 2)  # [C, 1, ...]: broadcasts against [N, C, *spatial]
+    if training:
+        var, mean = _moments(c, node, x, (0, *range(2, nd)), 0, True, "_var")
+        rstd = c.apply(O.Unary("rsqrt"), [c.apply(O.Scalar("add", eps), [var], node, "_eps")], node, "_rstd")
+    else:
+        mean, rstd = running_mean.reshape(stat_shape), torch.rsqrt(running_var + eps).reshape(stat_shape)
+    out = c.apply(O.Binary("mul"), [c.apply(O.Binary("sub"), [x, mean], node, "_centred"), rstd], node,
+                  "_normed" if w is not None or b is not None else "")
+    if w is not None:
+        w = c.apply(O.Reshape(stat_shape), [w], node, "_w")
+        out = c.apply(O.Binary("mul"), [out, w], node, "_scaled" if b is not None else "")
+    if b is not None:
+        b = c.apply(O.Reshape(stat_shape), [b], node, "_b")
+        out = c.apply(O.Binary("add"), [out, b], node)
+    return out, None, None, None, None
+
+
+def _batch_norm_eval(c, node, x, w, b, running_mean, running_var, momentum, eps):
+    """``_native_batch_norm_legit_no_training`` (a model captured in eval mode): the running statistics."""
+    return _batch_norm(c, node, x, w, b, running_mean, running_var, False, momentum, eps)[:3]
 
 
 def _softmax(log: bool) -> Callable:
@@ -520,6 +581,29 @@ def _conv(c, node, x, w, b, stride, padding, dilation, transposed, output_paddin
     return c.apply(O.Conv(tuple(stride), tuple(padding), tuple(dilation), int(groups), b is not None), ins, node)
 
 
+def _pool_dims(kernel, stride, padding, dilation=1) -> tuple[tuple[int, ...], ...]:
+    """ATen's pooling sizes, each a list of 1 or n ints (an empty stride means the kernel), as n-tuples."""
+    n = len(kernel)
+
+    def full(v):
+        v = [v] if isinstance(v, int) else list(v)
+        return tuple(int(x) for x in (v * n if len(v) == 1 else v))
+
+    return full(kernel), full(stride or kernel), full(padding), full(dilation)
+
+
+def _max_pool(c, node, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    k, st, pad, dil = _pool_dims(kernel, stride, padding, dilation)
+    return c.apply(O.Pool("max", k, st, pad, dil, bool(ceil_mode)), [x], node), None  # indices: backward only
+
+
+def _avg_pool(c, node, x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+              divisor_override=None):
+    k, st, pad, _ = _pool_dims(kernel, stride, padding)
+    op = O.Pool("avg", k, st, pad, (1,) * len(k), bool(ceil_mode), bool(count_include_pad), divisor_override or 0)
+    return c.apply(op, [x], node)
+
+
 def _skip(c, node, *args, **kwargs):
     return ()
 
@@ -535,6 +619,11 @@ LIFT: dict[Any, Callable] = {
     aten.native_dropout.default: _dropout,
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.convolution.default: _conv,
+    aten.max_pool2d_with_indices.default: _max_pool,
+    aten.max_pool3d_with_indices.default: _max_pool,
+    aten.avg_pool1d.default: _avg_pool,
+    aten.avg_pool2d.default: _avg_pool,
+    aten.avg_pool3d.default: _avg_pool,
     aten._softmax.default: _softmax(False),
     aten._log_softmax.default: _softmax(True),
     aten.where.self: _where,
@@ -567,6 +656,8 @@ LIFT: dict[Any, Callable] = {
     aten.amin.default: _reduce("amin"),
     aten.var.correction: _var,
     aten.var_mean.correction: _var_mean,
+    aten._native_batch_norm_legit_functional.default: _batch_norm,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_eval,
     aten.add.Tensor: _binary("add", "add", "add"),
     aten.sub.Tensor: _binary("sub", "sub", "rsub"),
     aten.mul.Tensor: _binary("mul", "mul", "mul"),

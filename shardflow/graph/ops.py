@@ -51,7 +51,7 @@ class TensorType:
     @property
     def nbytes(self) -> int:
         """Size in bytes."""
-        return self.numel * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+        return self.numel * torch_dtype(self.dtype).itemsize
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -690,6 +690,52 @@ class Conv(Op):
         return (self._run(x, w, b),)
 
 
+POOL_FNS = ("max", "avg")
+
+
+@dataclass(frozen=True, slots=True)
+class Pool(Op):
+    """Max or average pooling over the last ``len(kernel)`` dims (1 to 3): ATen's ``max_pool{n}d_with_indices``
+    (the values; the indices are the backward's business) and ``avg_pool{n}d``. Input ``[*, *spatial]``, output
+    ``[*, *spatial']``; every leading dim (batch, channels) is pooled independently.
+
+    ``dilation`` applies to max pooling only; ``count_include_pad`` and ``divisor`` (ATen's ``divisor_override``,
+    0 for none) to average pooling only.
+    """
+
+    kind: ClassVar[str] = "pool"
+    fn: str = "max"
+    kernel: tuple[int, ...] = (2, 2)
+    stride: tuple[int, ...] = (2, 2)
+    padding: tuple[int, ...] = (0, 0)
+    dilation: tuple[int, ...] = quiet((1, 1))
+    ceil_mode: bool = quiet(False)
+    count_include_pad: bool = quiet(True)
+    divisor: int = quiet(0)
+
+    def _run(self, x):
+        n = len(self.kernel)
+        if self.fn == "max":
+            return getattr(F, f"max_pool{n}d")(x, self.kernel, self.stride, self.padding, self.dilation, self.ceil_mode)
+        return getattr(F, f"avg_pool{n}d")(x, self.kernel, self.stride, self.padding, self.ceil_mode,
+                                             self.count_include_pad, self.divisor or None)
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        if self.fn not in POOL_FNS or not 1 <= len(self.kernel) <= 3:
+            raise OpError(f"pool: fn must be one of {POOL_FNS} over 1 to 3 dims, got {self.fn!r} over "
+                          f"{len(self.kernel)}")
+        try:
+            y = self._run(torch.empty(ins[0].shape, dtype=torch_dtype(ins[0].dtype), device="meta"))
+        except RuntimeError as e:
+            raise OpError(f"pool: input {list(ins[0].shape)} does not fit {self.describe()}: "
+                          f"{str(e).splitlines()[0]}") from None
+        return (TensorType(tuple(y.shape), ins[0].dtype),)
+
+    def compute(self, x):
+        return (self._run(x),)
+
+
 @dataclass(frozen=True, slots=True)
 class CrossEntropy(Op):
     """Cross-entropy of logits ``[N, C]`` against class indices ``[N]``: a scalar (mean or sum over N).
@@ -778,5 +824,5 @@ class Aten(Op):
 OPS: dict[str, type[Op]] = {
     cls.kind: cls
     for cls in (Linear, Embedding, LayerNorm, Dropout, Unary, Binary, Scalar, Where, Cast, Matmul, Permute, Reshape,
-                Expand, Slice, Split, Cat, Gather, Pad, Softmax, Reduce, Attention, Conv, CrossEntropy, Aten)
+                Expand, Slice, Split, Cat, Gather, Pad, Softmax, Reduce, Attention, Conv, Pool, CrossEntropy, Aten)
 }

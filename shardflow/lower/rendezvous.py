@@ -8,15 +8,17 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Mapping
 
-from shardflow.lower.program import Comm, Instr, Program
+from shardflow.lower.program import Comm, Program
 
 
-def rendezvous(programs: Mapping[int, Program], local: Callable[[int, Instr], None] | None = None,
+def rendezvous(programs: Mapping[int, Program], local: Callable[[int, int, int], None] | None = None,
                meet: Callable[[list[tuple[int, Comm]]], None] | None = None) -> dict[int, int]:
     """Run ``programs`` (rank → program): each rank runs its instructions in order; a :class:`Comm` blocks
     its rank until every member has reached the same token, then completes for all of them at once.
 
-    ``local(rank, instr)`` is called for every other instruction, in order on its rank; ``meet(holders)``
+    ``local(rank, start, stop)`` runs the instructions ``start`` to ``stop - 1`` of the rank's program, a run of
+    instructions between two communications (none of them a :class:`Comm`), in order on its rank (one call per
+    run, not per instruction: the local executor's loop is per-op overhead); ``meet(holders)``
     once per completed communication, ``holders`` = [(rank, its Comm)] in ``members`` order. A communication
     issued without waiting completes here too (its ``Wait`` is a local instruction). The result does not
     depend on the order in which ranks are advanced: each event depends only on its own rank's earlier
@@ -32,10 +34,11 @@ def rendezvous(programs: Mapping[int, Program], local: Callable[[int, Instr], No
     while moved:
         r = moved.pop()
         p = instrs[r]
+        start = pos[r]
         while pos[r] < len(p) and not isinstance(p[pos[r]], Comm):
-            if local is not None:
-                local(r, p[pos[r]])
             pos[r] += 1
+        if local is not None and pos[r] > start:
+            local(r, start, pos[r])
         if pos[r] == len(p):
             continue
         c = p[pos[r]]

@@ -362,6 +362,20 @@ def rule_conv(ctx: Ctx) -> RuleResult:
     return RuleResult((out,), ctx.local(in_scale=scale))
 
 
+def rule_pool(ctx: Ctx) -> RuleResult:
+    """Leading dims (batch, channels) pass through; the pooled dims must be whole (windows cross shard borders).
+    Average pooling is linear, so Partial(sum|avg) passes; max pooling keeps Partial(max), a max of maxima
+    (``maxpool(max(a, b)) = max(maxpool(a), maxpool(b))``), and takes no other partial."""
+    op: O.Pool = ctx.op  # type: ignore[assignment]
+    s, nd = ctx.shardings[0], ctx.types[0].ndim
+    ctx.unsharded(0, range(nd - len(op.kernel), nd), "pooling windows cross shard borders")
+    if op.fn == "avg":
+        ctx.linear_partials([0])
+    elif s.reduce_op != "max":
+        ctx.no_partial(0)
+    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
+
+
 def rule_cross_entropy(ctx: Ctx) -> RuleResult:
     op: O.CrossEntropy = ctx.op  # type: ignore[assignment]
     ctx.no_partial(0, 1)
@@ -546,6 +560,7 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Gather: rule_gather,
     O.Pad: rule_pad,
     O.Conv: rule_conv,
+    O.Pool: rule_pool,
     O.Reduce: rule_reduce,
     O.Attention: rule_attention,
     O.CrossEntropy: rule_cross_entropy,

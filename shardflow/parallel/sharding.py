@@ -90,7 +90,8 @@ class Sharding:
 
     # --- degrees --------------------------------------------------------------------------------------
     def shard_degree(self, group: SubMesh, d: int) -> int:
-        return math.prod(group.mesh.axis_size(a) for a in self.dims[d])
+        axes = self.dims[d]
+        return math.prod(group.mesh.axis_size(a) for a in axes) if axes else 1
 
     def sum_degree(self, group: SubMesh) -> int:
         return math.prod(group.mesh.axis_size(a) for a in self.partial)
@@ -102,8 +103,9 @@ class Sharding:
         """Raise unless every axis is free in ``group`` and every dim's degree divides its size."""
         if len(shape) != self.ndim:
             raise ShardingError(f"op {op!r} tensor {tensor!r}: sharding {self} has {self.ndim} dims, shape {shape}")
+        free = group.free_axes
         for a in self.used_axes:
-            if a not in group.free_axes:
+            if a not in free:
                 raise ShardingError(
                     f"op {op!r} tensor {tensor!r}: axis {a!r} is not a free axis of {group} "
                     f"(free: {list(group.free_axes)})"

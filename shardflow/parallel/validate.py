@@ -137,6 +137,8 @@ CASES: tuple[Case, ...] = (
     Case("attention(mask, gqa)", O.Attention(causal=False, mask=True, gqa=True),
          (_x("q", 4, 8, 4, 4), _x("k", 4, 4, 4, 4), _x("v", 4, 4, 4, 4), _x("m", 4, 1, 4, 4, dtype="bool"))),
     Case("conv", O.Conv((1, 1), (0, 0), (1, 1)), (_x("x", 4, 4, 4, 4), _x("w", 4, 4, 1, 1), _x("b", 4))),
+    Case("max_pool", O.Pool("max", (2, 2), (2, 2)), (_x("x", 4, 4, 8, 8),)),
+    Case("avg_pool(padded)", O.Pool("avg", (3, 3), (2, 2), (1, 1), count_include_pad=False), (_x("x", 4, 4, 8, 8),)),
     Case("aten(cumsum)", O.Aten("aten.cumsum.default", (O.Arg(0), 1)), (_x("x", 4, 8),)),
     Case("cross_entropy(mean)", O.CrossEntropy("mean"), (_x("logits", 8, 4), _x("target", 8, dtype="int64", high=4))),
     Case("cross_entropy(sum)", O.CrossEntropy("sum"), (_x("logits", 8, 4), _x("target", 8, dtype="int64", high=4))),

@@ -209,7 +209,7 @@ class DistributedExecutor(Executor):
                 outs = self.kernels[instr.dnode](xs) if instr.dnode else local_move(instr, xs)
                 for x, t in zip(instr.outs, outs):
                     b[x.value] = t
-                    ledger.write(x.value, t)
+                    ledger.write(x.value, t.numel() * t.element_size())
             else:
                 if isinstance(instr, Wait):
                     issued, c = self.pending.pop(instr.token)
@@ -220,7 +220,7 @@ class DistributedExecutor(Executor):
                     c, out = instr, self._communicate(instr)
                 if out is not None:
                     b[c.recv.value] = out
-                    ledger.write(c.recv.value, out)
+                    ledger.write(c.recv.value, out.numel() * out.element_size())
             if tracer:
                 tracer.record(instr, t0, trace.now())
         loss = self._loss()

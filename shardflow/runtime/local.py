@@ -7,7 +7,8 @@ distributed executor runs; only the communication differs.
 
 from __future__ import annotations
 
-from typing import Mapping
+import functools
+from typing import Callable, Mapping
 
 import torch
 
@@ -47,6 +48,10 @@ class LocalExecutor(Executor):
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.ledgers = {r: Ledger() for r in step.programs}
         self._index_updates()
+        # per rank, each local instruction as a closure over the rank's buffers, built once (None for a Comm)
+        self.compiled: dict[int, list[Callable[[], None] | None]] = {
+            r: [None if isinstance(i, Comm) else self._compile(r, i) for i in p.instrs]
+            for r, p in step.programs.items()}
 
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
@@ -84,32 +89,44 @@ class LocalExecutor(Executor):
         self.steps_done += 1
         return loss
 
-    def _run(self, r: int, instr: Instr) -> None:
-        """One local instruction of rank ``r`` (communications complete when all their members issued them,
-        so a ``Wait`` has nothing left to do)."""
+    def _compile(self, r: int, instr: Instr) -> Callable[[], None]:
+        """What local instruction ``instr`` of rank ``r`` does, with its buffer names and sizes resolved: a
+        compute reads its inputs, runs its kernel and writes its outputs; a free drops its values (communications
+        complete when all their members issued them, so a ``Wait`` does nothing)."""
+        bufs, ledger = self.buffers[r], self.ledgers[r]
         if isinstance(instr, Free):
-            self._free(r, instr.values)
-        elif isinstance(instr, Compute):
-            xs = [self.buffers[r][b.value] for b in instr.ins]
-            outs = self.kernels[(r, instr.dnode)](xs) if instr.dnode else local_move(instr, xs)
-            for b, x in zip(instr.outs, outs):
-                self._write(r, b.value, x)
+            values = instr.values
+
+            def free() -> None:
+                for v in values:
+                    bufs.pop(v, None)
+                    ledger.free(v)
+            return free
+        if isinstance(instr, Compute):
+            kernel = self.kernels[(r, instr.dnode)] if instr.dnode else functools.partial(local_move, instr)
+            ins = [b.value for b in instr.ins]
+            outs = [(b.value, b.type.nbytes) for b in instr.outs]
+
+            def compute() -> None:
+                for (v, n), x in zip(outs, kernel([bufs[i] for i in ins])):
+                    bufs[v] = x
+                    ledger.write(v, n)
+            return compute
+        return lambda: None
+
+    def _run(self, r: int, start: int, stop: int) -> None:
+        """Instructions ``start`` to ``stop - 1`` of rank ``r``'s program, none a communication."""
+        for run in self.compiled[r][start:stop]:
+            run()
 
     def _meet(self, holders: list[tuple[int, Comm]]) -> None:
         """A communication every member has reached: each receives what :func:`run_local` gives it."""
         sends = [self.buffers[r][c.send.value] if c.send is not None else None for r, c in holders]
         for (r, c), x in zip(holders, run_local([c for _, c in holders], sends)):
             if c.recv is not None:
-                self._write(r, c.recv.value, x)
+                self.buffers[r][c.recv.value] = x
+                self.ledgers[r].write(c.recv.value, c.recv.type.nbytes)
 
-    def _write(self, r: int, vid: str, x: torch.Tensor) -> None:
-        self.buffers[r][vid] = x
-        self.ledgers[r].write(vid, x)
-
-    def _free(self, r: int, values: tuple[str, ...]) -> None:
-        for v in values:
-            self.buffers[r].pop(v, None)
-            self.ledgers[r].free(v)
 
     @property
     def peak_bytes(self) -> dict[int, int]:

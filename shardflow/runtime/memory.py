@@ -18,8 +18,8 @@ class Ledger:
         self.total = 0
         self.peak = 0
 
-    def write(self, vid: str, t: torch.Tensor) -> None:
-        n = t.numel() * t.element_size()
+    def write(self, vid: str, n: int) -> None:
+        """Value ``vid`` now holds ``n`` bytes."""
         self.total += n - self.live.get(vid, 0)
         self.live[vid] = n
         self.peak = max(self.peak, self.total)

@@ -66,12 +66,13 @@ def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]
         out.append({"name": name, "ph": "X", "pid": 1000 + r, "tid": lane, "ts": (t0 + start) * 1e6,
                     "dur": max(dur * 1e6, 0.01)})
 
-    def local(r: int, i) -> None:
-        if isinstance(i, Compute):
-            d = comp[r][ci[r]] if ci[r] < len(comp.get(r, [])) else 0.0
-            emit(r, f"{i.pass_} {i.op}", LANES["compute"], clock[r], d)
-            clock[r] += d
-            ci[r] += 1
+    def local(r: int, start: int, stop: int) -> None:
+        for i in programs[r].instrs[start:stop]:
+            if isinstance(i, Compute):
+                d = comp[r][ci[r]] if ci[r] < len(comp.get(r, [])) else 0.0
+                emit(r, f"{i.pass_} {i.op}", LANES["compute"], clock[r], d)
+                clock[r] += d
+                ci[r] += 1
 
     def meet(holders: list[tuple[int, Comm]]) -> None:
         start = max(clock[m] for m, _ in holders)

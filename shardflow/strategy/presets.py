@@ -3,7 +3,7 @@
 Each preset reads the *structure* of the captured graph, never module names, so any model with the same
 structure gets the same plan:
 
-* **dp** (axis ``dp``): every data input is ``Shard(0)`` (batch), and so is every constant of the batch's leading
+* **dp** (axis ``dp``): every data input is ``Shard(0)`` (batch), and so is every folded attention mask of the batch's leading
   size (an attention mask folded at capture); weights are replicated, so their gradients come out ``Partial``
   and are reduced before the update.
 * **tp** (axis ``tp``, Megatron-LM, Shoeybi et al. 2019): a group of linears reading the same input is made
@@ -41,15 +41,28 @@ AXIS_OF = {"dp": "dp", "tp": "tp", "sp": "tp", "pp": "pp"}
 
 
 def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
-    """Shard every data input on its first (batch) dim along ``axis``, and every constant of two or more dims whose
-    first has the batch's size: a per-example tensor that capture folded because it depends on the batch's shape
-    only (Hugging Face's attention mask ``[B, 1, T, S]``), which the ops reading it must see split like the
-    batch. (A constant whose first dim is the batch size by coincidence is still computed right: where a rule
-    wants it whole, it is gathered, and the PCG lists that redistribution.)"""
+    """Shard every data input on its first (batch) dim along ``axis``, and every folded attention mask whose first
+    dim has the batch's size: a per-example tensor that capture folded because it depends on the batch's shape
+    only (Hugging Face's ``[B, 1, T, S]``), which attention must see split like the batch. A mask is a constant
+    that reaches an attention's mask input through views, casts and slices only (other constants, such as a batch
+    norm's running statistics ``[C, 1, 1]`` with C equal to the batch size, stay replicated)."""
     sizes = {graph.tensors[n].shape[0] for n in graph.inputs if graph.tensors[n].shape}
-    batch = [n for n in graph.by_role(TensorRole.CONSTANT)
-             if len(sizes) == 1 and len(graph.tensors[n].shape) > 1 and graph.tensors[n].shape[0] in sizes]
-    return Plan(inputs={name: {axis: Shard(0)} for name in graph.inputs + tuple(batch)}, name="dp")
+    producer = graph.producer()
+    masks: list[str] = []
+    for n in graph.nodes:
+        if not (isinstance(n.op, O.Attention) and n.op.mask):
+            continue
+        t = n.inputs[3]
+        while t in producer and isinstance(producer[t].op, _MASK_PATH) and len(producer[t].inputs) == 1:
+            t = producer[t].inputs[0]
+        spec = graph.tensors[t]
+        if (spec.role == TensorRole.CONSTANT and len(sizes) == 1 and len(spec.shape) > 1 and spec.shape[0] in sizes
+                and t not in masks):
+            masks.append(t)
+    return Plan(inputs={name: {axis: Shard(0)} for name in graph.inputs + tuple(masks)}, name="dp")
+
+
+_MASK_PATH = (O.Expand, O.Reshape, O.Slice, O.Cast, O.Permute)
 
 
 def repeated_blocks(graph: ComputationGraph) -> list[str]:
