@@ -20,6 +20,7 @@ from shardflow.cli import main as cli_main
 from shardflow.models import GPT
 from shardflow.train import checkpoint
 from shardflow.train.checkpoint import store
+from shardflow.train.config import TrainConfig
 from shardflow.train.data import Corpus, Split
 from shardflow.train.recipe import GPT_MODEL
 from shardflow.train.tokenizer import Tokenizer, TokenizerChoice, TokenizerKind
@@ -134,7 +135,7 @@ def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, rea
     model = GPT(GPTConfig(**config))
     model.load_state_dict(load_file(str(out)))  # strict: exactly the module's parameter names
     # the run's last validation loss (step 6, eval_batches 1) on the plain module with the exported weights
-    batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, 2048), 16).batch(Split.VAL, 0, 8, 16, 0)
+    batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, TrainConfig().vocab_size), 16).batch(Split.VAL, 0, 8, 16, 0)
     with torch.no_grad():
         loss = model(batch["idx"], batch["targets"]).item()
     # float32; the tp run added partial sums in another order than the module does (~1e-7 relative)

@@ -46,7 +46,7 @@ class TrainConfig:
                                 "such as 'books/**/*.txt' (default: the Python documentation of this CPython)")
     tokenizer: str = _f("bpe", "bpe (a byte-level BPE trained on the data), char (one token per character) or the path "
                                "of a tokenizer.json to use as it is")
-    vocab_size: int = _f(2048, "tokens of the BPE that --tokenizer bpe trains, its 256 byte tokens included")
+    vocab_size: int = _f(1024, "tokens of the BPE that --tokenizer bpe trains, its 256 byte tokens included")
     cache_dir: str | None = _f(None, "where the tokenizer and the token file of the data are cached (default: "
                                      ".shardflow-cache next to --data; for the default corpus ~/.cache/shardflow)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics, checkpoints and the resolved config")
