@@ -2,6 +2,7 @@
 bad input ends with a one-paragraph error, exit status 2 and no traceback, before any process starts."""
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -50,8 +51,49 @@ def test_strategies_match_single_device_step_by_step(tmp_path, train, read_metri
 
 
 def test_metrics_fields(single):
-    assert set(single[0]) == {"step", "loss", "tokens_per_s", "step_s"}
-    assert set(single[1]) == {"step", "loss", "tokens_per_s", "step_s", "val_loss"}
+    """One device in one process, a line every step (so the memory every step), --peak-tflops 0.1 (conftest.TINY),
+    batch 8 × 16 tokens: the rates and the MFU follow from the step time; the model FLOPs per step are constant."""
+    every = {"step", "loss", "step_s", "data_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+             "mfu_pct", "grad_norm", "mem_mib", "mem_mib_ranks"}
+    assert set(single[0]) == every and set(single[1]) == every | {"val_loss"}
+    flops = single[0]["tflops_per_device"] * single[0]["step_s"]
+    for m in single:
+        assert m["tokens_per_s"] == pytest.approx(8 * 16 / m["step_s"]) == m["tokens_per_s_per_device"]
+        assert m["mfu_pct"] == pytest.approx(100 * m["tflops_per_device"] / 0.1)
+        assert m["tflops_per_device"] * m["step_s"] == pytest.approx(flops)
+        assert 0 < m["data_s"] < m["step_s"] and m["grad_norm"] > 0
+        assert len(m["mem_mib_ranks"]) == 1 and m["mem_mib"] == m["mem_mib_ranks"][0] > 10  # torch alone: > 100
+
+
+def _board(run) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of ``run/tensorboard`` as TensorBoard reads them: tag → [(step, value)], purges applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_after_its_checkpoint(
+        tmp_path, train, read_metrics):
+    """tp=2 on 2 processes with --tensorboard and the peak measured, then resumed (one process) from its checkpoint
+    at step 2, the one at step 4 removed: TensorBoard's scalars are metrics.jsonl's — every key, every step, once
+    (the first run's steps 3 and 4, with other step times, purged). Event files hold float32: rel 1e-6."""
+    r, run = train(tmp_path, "tb", "--strategy", "tp", "--nproc", "2", "--tensorboard", "--checkpoint-every", "2",
+                   "--peak-tflops", "0")
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "measured at start-up: best of 3 float32 2048×2048 matmuls on cpu" in r.stdout
+    assert all(len(m["mem_mib_ranks"]) == 2 and m["mem_mib"] == max(m["mem_mib_ranks"]) for m in read_metrics(run))
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    r, run = train(tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard", "--resume")
+    assert r.returncode == 0, r.stderr + r.stdout
+    want: dict[str, list] = {}
+    for m in read_metrics(run):
+        for key, v in m.items():
+            for tag, x in [(f"{key}/{k}", y) for k, y in enumerate(v)] if isinstance(v, list) else [(key, v)]:
+                want.setdefault(tag, []).append((m["step"], pytest.approx(x, rel=1e-6)))
+    want.pop("step")
+    assert len(want["step_s"]) == 4 and len(want["mem_mib_ranks/1"]) == 2  # the resumed run has one process
+    assert _board(run) == want
 
 
 @pytest.mark.parametrize("argv, words", [

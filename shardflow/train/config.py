@@ -57,6 +57,10 @@ class TrainConfig:
     resume: bool = _f(False, "continue from the newest complete checkpoint in the checkpoint directory (any "
                              "strategy or mesh may have written it)")
     log_every: int = _f(10, "print a progress line every N steps")
+    peak_tflops: float = _f(0.0, "peak TFLOP/s of one device, the denominator of MFU (0: measured at start-up by "
+                                 "timing a float32 matmul on this device)")
+    tensorboard: bool = _f(False, "also write the metrics as TensorBoard scalars into RUN_DIR/tensorboard (needs "
+                                  "the tensorboard package)")
     eval_every: int = _f(100, "measure the validation loss every N steps (and at the end)")
     eval_batches: int = _f(4, "validation batches per measurement")
     clip_norm: float = _f(0.0, "clip gradients to this global norm (0 = off)")
@@ -137,7 +141,8 @@ class TrainConfig:
 
 # smallest value of each numeric setting (the others are free, or checked where they are used)
 _MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "vocab_size": 256, "layers": 0, "heads": 1,
-            "embd": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0}
+            "embd": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0,
+            "peak_tflops": 0}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
                "list": "a list", "dict": "a table"}
@@ -175,6 +180,13 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 to save only "
                          f"after the last step")
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard writes with it)
+        except ImportError:
+            raise ValueError("--tensorboard writes with the tensorboard package, which is not installed here: "
+                             "pip install tensorboard (or pip install 'shardflow[tensorboard]'), or leave out "
+                             "--tensorboard (RUN_DIR/metrics.jsonl holds the same numbers)") from None
 
 
 def check_outputs(cfg: TrainConfig) -> None:

@@ -1,9 +1,9 @@
 """The training loop of ``shardflow train`` on this process: every rank of the mesh (one process, the local
 executor) or this one rank (launched, or under torchrun: the distributed executor).
 
-Each step: the batch of (seed, step), one lowered training step, the metrics record (rank 0), a validation every
-``--eval-every`` steps and at the end, a checkpoint every ``--checkpoint-every`` steps and after the last one
-(:mod:`shardflow.train.checkpoint`). ``--resume`` continues from the newest complete checkpoint — written under any
+Each step: the batch of (seed, step), one lowered training step, the metrics record (rank 0 writes it:
+:mod:`shardflow.train.metrics`), a validation every ``--eval-every`` steps and at the end, a checkpoint every
+``--checkpoint-every`` steps and after the last one (:mod:`shardflow.train.checkpoint`). ``--resume`` continues from the newest complete checkpoint — written under any
 strategy and mesh — and reproduces the loss trajectory of an uninterrupted run. ``--trace`` writes the timeline
 of step 2; ``--check`` runs the same steps on one device alongside (:mod:`shardflow.train.check`).
 """
@@ -11,17 +11,19 @@ of step 2; ``--check`` runs the same steps on one device alongside (:mod:`shardf
 from __future__ import annotations
 
 import functools
-import json
 import time
 from pathlib import Path
 
+import torch
+
+from shardflow.graph.flops import training_flops
 from shardflow.runtime import trace
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
 from shardflow.train.console import Console
 from shardflow.train.data import Split
-from shardflow.train.metrics import open_metrics
+from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
 from shardflow.train.recipe import Setup, setup
 
 
@@ -65,9 +67,15 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = open_metrics(Path(cfg.metrics or run_dir / "metrics.jsonl"), start) if lead else None
+    device = torch.device("cpu")  # where the executors keep every buffer
+    meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph),
+                  Peak.of(cfg.peak_tflops, device) if lead else None, device)
+    metrics_file = Path(cfg.metrics or run_dir / "metrics.jsonl")
+    board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
+    metrics = MetricsWriter(metrics_file, start, board) if lead else None
     baseline = s.corpus.unigram_loss()
     console.banner(s, train_step, baseline)
+    console.metrics(meter, [metrics_file] + ([board] if board else []))
     if resumed is not None:
         console.resumed(resumed, start)
 
@@ -75,10 +83,10 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         return sum(ev.step(s.corpus.batch(Split.VAL, i, cfg.batch_size, cfg.seq_len, cfg.seed))
                    for i in range(cfg.eval_batches)) / cfg.eval_batches
 
-    tokens = cfg.batch_size * cfg.seq_len
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         batch = s.corpus.batch(Split.TRAIN, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        data_s = time.perf_counter() - t0
         tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
         if tracing:
             ex.tracer = trace.Tracer(rank)
@@ -89,13 +97,14 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
             _write_trace(s, ex, rank, world)
         if check is not None:
             check.step(batch, loss)
-        record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens / dt, "step_s": dt}
+        record = meter.record(step + 1, loss, dt, data_s, ex.grad_norm)
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.eval_every == 0 or last:
             record["val_loss"] = val_loss()
+        if console.logs(record, last):
+            record |= meter.memory(ex)  # collective: every rank takes part
         if lead:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            metrics.write(record)
         console.step(record, last)
         if last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
             t0 = time.perf_counter()

@@ -52,10 +52,10 @@ class Setup:
 
     def lower(self, ranks=None, verify: bool = False, training: bool = True):
         """Lower one step (training, or evaluation: forward only, no dropout) for ``ranks`` (default all;
-        ``verify`` proves them)."""
+        ``verify`` proves them); a training step computes the global gradient norm (a metric)."""
         return lower_step(self.pcg if training else evaluation(self.pcg), self.optimizer.slots, ranks=ranks,
                           verify=verify, training=training,
-                          options=self.lower_options, clip_norm=self.cfg.clip_norm or None)
+                          options=self.lower_options, clip_norm=self.cfg.clip_norm or None, grad_norm=True)
 
     @property
     def optimizer(self) -> OptimizerConfig:
