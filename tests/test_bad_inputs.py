@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ def train(capsys, tiny):
     (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
     (["--nproc", "0"], ["--nproc 0 is out of range"]),
     (["--bucket-mb", "-1"], ["--bucket-mb -1.0 is out of range", "≥ 0"]),
+    (["--peak-tflops", "-1"], ["--peak-tflops -1.0 is out of range", "≥ 0"]),
     (["--timeout", "0"], ["--timeout 0.0", "> 0"]),
     (["--checkpoint-every", "-1"], ["--checkpoint-every -1: give a number of steps, or 0"]),
     (["--dropout", "1.5"], ["--dropout 1.5", "[0, 1)"]),
@@ -78,6 +80,14 @@ def train(capsys, tiny):
 def test_bad_settings(train, tmp_path, corpus, argv, words):
     run = tmp_path / "run"
     one_paragraph(*train(run, corpus, *argv), "train", *words)
+    assert not run.exists()
+
+
+def test_tensorboard_without_its_package(train, tmp_path, corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what `import tensorboard` meets where it is missing
+    run = tmp_path / "run"
+    one_paragraph(*train(run, corpus, "--tensorboard"), "train", "pip install tensorboard",
+                  "pip install 'shardflow[tensorboard]'")
     assert not run.exists()
 
 
