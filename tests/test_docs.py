@@ -384,7 +384,7 @@ def test_generated_block_matches_the_code(block):
 
 # Flags appended to a documented `shardflow train` (the last flag wins): the tiny model of conftest.TINY, 2 steps.
 SHRINK_TRAIN = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--steps", "2",
-                "--eval-every", "2", "--eval-batches", "1", "--timeout", "120")
+                "--eval-every", "2", "--eval-batches", "1", "--timeout", "120", "--peak-tflops", "0.1")
 
 
 @dataclass(frozen=True)
@@ -435,6 +435,8 @@ COMMANDS = {
     # docs/execution.md
     ".venv/bin/shardflow train --data 'books/**/*.txt' --vocab-size 4096": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --data my.txt --tokenizer char": Run(SHRINK_TRAIN),
+    ".venv/bin/shardflow train --tensorboard": Run(SHRINK_TRAIN),
+    ".venv/bin/tensorboard --logdir runs/latest/tensorboard": NotRun("a web server that runs until stopped"),
     "shardflow export --checkpoint runs/latest --out model.safetensors": Run(),
     'shardflow generate --checkpoint runs/latest --prompt "The " --tokens 200 --temperature 0.8 --seed 0': Run(),
     # docs/guarantees.md
