@@ -84,3 +84,12 @@ def test_peak_memory_is_at_least_what_the_process_holds_and_at_most_the_machine(
     machine = os.sysconf("SC_PHYS_PAGES") * page / 2**20
     # the kernel's resident counters lag by a few pages (per-CPU caches): 4 MiB of slack; a unit slip is 1024×
     assert x.numel() * 4 / 2**20 <= held <= peak_memory_mib(CPU) + 4 <= machine
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peak_and_memory_on_a_cuda_device():
+    """What a CUDA device reports (the executors keep their buffers on the CPU today; this is for the API)."""
+    gpu = torch.device("cuda")
+    x = torch.ones(64 * 2**20, device=gpu)  # 256 MiB
+    assert peak_memory_mib(gpu) >= x.numel() * 4 / 2**20
+    assert 1 < measure_peak_tflops(gpu) < 10_000  # float32 on current GPUs: tens of TFLOP/s

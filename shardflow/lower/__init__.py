@@ -37,8 +37,8 @@ def lower_step(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, ranks: It
     ``training=False`` lowers the forward pass only (evaluation). ``options`` chooses the form of each
     all-gather and reduce-scatter (plain collective, collective-permute ring, broadcast loop; default: the
     plain collectives). ``clip_norm``: clip gradients to this global norm (one reduction over all devices).
-    ``grad_norm``: compute that global gradient norm without clipping too (one scalar all-reduce over every
-    device after the updates); either way the executors expose it after each step (``Executor.grad_norm``).
+    ``grad_norm``: compute that global gradient norm without clipping too (a scalar all-reduce per mesh axis,
+    after the updates); either way the executors expose it after each step (``Executor.grad_norm``).
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
     options = options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE)

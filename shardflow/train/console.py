@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shardflow.graph.flops import TRAINING_FACTOR
 from shardflow.lower.report import bytes_rows
 from shardflow.train.checkpoint import Checkpoint
 from shardflow.train.metrics import Meter, memory_source
@@ -102,9 +103,9 @@ class Console:
         if not self.lead:
             return
         self.say(f"metrics → {', '.join(map(str, outputs))}")
-        self.say(f"MFU = model FLOPs {meter.flops / meter.tokens / 1e6:,.3f} MFLOP/token (3 × the forward's linear, "
-                 f"matmul, attention and conv ops in the captured graph; causal attention counted whole) ÷ peak "
-                 f"{meter.peak.tflops:.4g} TFLOP/s per device ({meter.peak.source})")
+        self.say(f"MFU = model FLOPs {meter.flops / meter.tokens / 1e6:,.3f} MFLOP/token ({TRAINING_FACTOR} × the "
+                 f"forward's linear, matmul, attention and conv ops in the captured graph; causal attention counted "
+                 f"whole) ÷ peak {meter.peak.tflops:.4g} TFLOP/s per device ({meter.peak.source})")
         self.say(f"memory: {memory_source(meter.device)}, MiB")
 
     def logs(self, record: dict[str, Any], last: bool) -> bool:
@@ -114,16 +115,16 @@ class Console:
 
     def step(self, record: dict[str, Any], last: bool) -> None:
         """After each step: a line every ``--log-every`` steps, at a validation and at the end (:meth:`logs`); on a
-        terminal a progress bar in between. ``record``: the step's metrics (:mod:`shardflow.train.metrics`)."""
+        terminal a progress bar in between. ``record``: the step's metrics (:mod:`shardflow.train.metrics`), with
+        the memory at the steps that get a line."""
         if not self.lead:
             return
         n, loss, tps = record["step"], record["loss"], record["tokens_per_s_per_device"]
         if self.logs(record, last):
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
             norm = f"  |g| {record['grad_norm']:.3g}" if "grad_norm" in record else ""
-            mem = f"  mem {record['mem_mib']:,.0f} MiB" if "mem_mib" in record else ""
             print(f"{CLEAR if self.bar else ''}step {n:>5}/{self.steps}  loss {loss:.4f}{val}  "
-                  f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}{mem}  "
+                  f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}  mem {record['mem_mib']:,.0f} MiB  "
                   f"data {record['data_s'] * 1000:.1f} ms  {record['step_s'] * 1000:.0f} ms/step", flush=True)
         elif self.bar:
             done = n * _BAR // self.steps

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from shardflow.runtime.executor import Executor
+
 TENSORBOARD_DIR = "tensorboard"  # under the run directory
 
 
@@ -155,7 +157,7 @@ class Meter:
             rec["grad_norm"] = grad_norm
         return rec
 
-    def memory(self, ex) -> dict[str, Any]:
+    def memory(self, ex: Executor) -> dict[str, Any]:
         """``mem_mib`` and ``mem_mib_ranks``: every process's peak memory (MiB), gathered by executor ``ex``
         (collective on the distributed executor: every rank calls it)."""
         per = ex.per_process(peak_memory_mib(self.device))
