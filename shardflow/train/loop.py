@@ -72,13 +72,13 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         console.resumed(resumed, start)
 
     def val_loss() -> float:
-        return sum(ev.step(s.corpus.batch(Split.VAL, i, cfg.batch_size, cfg.seq_len, cfg.seed))
+        return sum(ev.step(s.batch(Split.VAL, i))
                    for i in range(cfg.eval_batches)) / cfg.eval_batches
 
     tokens = cfg.batch_size * cfg.seq_len
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        batch = s.corpus.batch(Split.TRAIN, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        batch = s.batch(Split.TRAIN, step)
         tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
         if tracing:
             ex.tracer = trace.Tracer(rank)
