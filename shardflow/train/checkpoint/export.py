@@ -1,9 +1,9 @@
 """Hugging Face out and in, and a checkpoint outside training. On one process (the full tensors, whatever
-strategy wrote them): the plain module with its weights (``shardflow generate``) and a Hugging Face model directory (``shardflow export``) —
-``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer (``tokenizer.json``,
-``tokenizer_config.json``) — that ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained``
-load; and such a directory as the start of a run (``--init-from``, :class:`Pretrained`), each rank reading only its
-pieces of the weights."""
+strategy wrote them): the plain module with its weights (``shardflow generate``) and a Hugging Face model
+directory (``shardflow export``) — ``config.json``, ``model.safetensors``, ``generation_config.json`` and the
+tokenizer (``tokenizer.json``, ``tokenizer_config.json``) — that ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` load; and such a directory as the start of a run (``--init-from``,
+:class:`Pretrained`), each rank reading only its pieces of the weights."""
 
 from __future__ import annotations
 
