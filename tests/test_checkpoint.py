@@ -406,3 +406,27 @@ def test_resumed_metrics_keep_the_records_up_to_the_checkpoint(tmp_path):
         f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
     assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == \
         [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+
+
+def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):
+    """--init-from's weights are lazy: indexing one reads that block of model.safetensors (safetensors slices),
+    in the model's dtype; a missing weight or another shape is one paragraph."""
+    from safetensors.torch import save_file
+
+    from shardflow.train.checkpoint.export import LazyPiece, Pretrained
+    full = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    p = Pretrained.open(tmp_path)
+    (w,) = p.weights({"w": torch.zeros(6, 4)}).values()
+    assert isinstance(w, LazyPiece) and w.shape == (6, 4) and w.dtype == torch.float32
+    block = w[(slice(3, 6), slice(0, 2))]  # what an executor's _put asks for: its piece
+    assert block.dtype == torch.float32 and torch.equal(block, full[3:6, 0:2].float())
+    with pytest.raises(checkpoint.CheckpointError, match="has no v .*1 weights of the model missing"):
+        p.weights({"v": torch.zeros(6, 4)})
+    with pytest.raises(checkpoint.CheckpointError, match=r"w is \[6, 4\] in model.safetensors, the model needs \[4, 6\]"):
+        p.weights({"w": torch.zeros(4, 6)})
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="no tokenizer.json"):
+        Pretrained.open(tmp_path)
