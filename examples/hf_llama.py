@@ -5,6 +5,7 @@ downloaded; needs ``transformers``).
 and ``module(**batch)`` returns an output whose ``.loss`` is the loss (Hugging Face computes it when given labels):
     shardflow check --model examples/hf_llama.py:tiny_llama --mesh dp=2,tp=2
     shardflow plan --model examples/hf_llama.py:tiny_llama --strategy tp
+    shardflow train --model examples/hf_llama.py:tiny_llama --strategy dp
 Run as a script, it trains the model with ``shardflow.parallelize`` on a dp=2,tp=2 mesh in this process and loads
 the trained weights back into the plain module:
     python examples/hf_llama.py
@@ -16,10 +17,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import shardflow
 
 
-def tiny_llama():
+def tiny_llama(vocab_size: int = 96):
     """2 layers, width 64, 4 attention heads over 2 key/value heads (grouped-query), SwiGLU MLP of 128; a batch of
-    4 sequences of 16 tokens, the labels being the tokens (the model shifts them)."""
-    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    4 sequences of 16 tokens, the labels being the tokens (the model shifts them). ``shardflow train --model`` passes
+    its tokenizer's ``vocab_size``."""
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          use_cache=False)  # export captures the training forward: no KV cache
     torch.manual_seed(0)

@@ -53,7 +53,7 @@ class ModelSpecError(ValueError):
     factory, a factory that raises, or one that returns something else."""
 
 
-def load_model(spec: str, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def load_model(spec: str, seed: int = 0, vocab_size: int | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """Call the factory that ``spec`` names and check what it returns.
 
     ``spec``: ``FILE.py:NAME`` (a Python file, imported as ``python FILE.py`` would: its directory first on
@@ -61,7 +61,8 @@ def load_model(spec: str, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Ten
     (``Builder.tiny``). The factory takes no argument and returns ``(module, batch)``: an ``nn.Module`` and a dict
     of input name → tensor such that ``module(**batch)`` returns the loss (a scalar tensor, or an object with
     ``.loss`` as Hugging Face models do when given ``labels``). It is called after ``torch.manual_seed(seed)``, so
-    every process that loads the spec builds the same weights.
+    every process that loads the spec builds the same weights. ``vocab_size`` (``shardflow train``: the
+    tokenizer's) is passed to a factory whose signature takes ``vocab_size``.
 
     Raises:
         ModelSpecError: naming the spec and what to change.
@@ -82,12 +83,21 @@ def load_model(spec: str, seed: int = 0) -> tuple[nn.Module, dict[str, torch.Ten
     if not callable(factory):
         raise ModelSpecError(f"--model {spec}: {name!r} ({type(factory).__name__}) is not a function returning "
                              f"(module, batch)")
+    kwargs = {"vocab_size": vocab_size} if vocab_size is not None and _takes(factory, "vocab_size") else {}
     torch.manual_seed(seed)
     try:
-        made = factory()
+        made = factory(**kwargs)
     except Exception as e:
         raise ModelSpecError(f"--model {spec}: calling {name}() raised {_raised(e)}") from None
     return _checked(spec, name, made)
+
+
+def _takes(factory, name: str) -> bool:
+    """Whether ``factory``'s signature has a parameter ``name``."""
+    try:
+        return name in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or a class without a readable signature
+        return False
 
 
 def _import(spec: str, where: str) -> ModuleType:

@@ -1,8 +1,8 @@
 """``shardflow`` command line. ``shardflow plan`` prints the PCG and per-rank programs of a model under a strategy,
 proven deadlock-free; no process starts. ``shardflow check`` trains a model under a strategy beside eager PyTorch on
-one device and prints how far apart they are. ``shardflow train`` trains a GPT across local processes
-(checkpoints, ``--resume``); ``shardflow export`` writes a checkpoint as safetensors; ``shardflow generate`` samples
-text from one.
+one device and prints how far apart they are. ``shardflow train`` trains a Llama (or any ``--model``) on text across
+local processes (checkpoints, ``--resume``); ``shardflow export`` writes a checkpoint as a Hugging Face model
+directory; ``shardflow generate`` samples text from a run or such a directory.
 
 ``plan`` and ``check`` take the built-in models (``--model gpt`` or ``mlp``, sized by flags) or the user's:
 ``--model FILE.py:FACTORY`` or ``package.module:FACTORY``, a function returning ``(module, batch)``
@@ -272,16 +272,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from shardflow.train.checkpoint import export
-    from shardflow.train.recipe import GPT_MODEL
-    out, ck = export(args.checkpoint, args.out, GPT_MODEL)
-    print(f"wrote {out}: the weights of {ck.path} (step {ck.step}) under {GPT_MODEL.name}'s parameter names, model "
-          f"config in its metadata")
+    out, ck = export(args.run, args.out)
+    print(f"wrote {out}: the Hugging Face model of {ck.path} (step {ck.step}) with its tokenizer; load it with "
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})")
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardflow.train.generate import main as generate_main
-    return generate_main(args.checkpoint, args.prompt, args.tokens, args.temperature, args.seed)
+    return generate_main(args.source, args.prompt, args.tokens, args.temperature, args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,17 +334,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=120.0,
                    help="--nproc: seconds any rank may wait on one communication (default 120)")
     c.set_defaults(func=cmd_check)
-    t = sub.add_parser("train", help="train a GPT on text across local processes with a chosen strategy")
+    t = sub.add_parser("train", help="train a Llama (or --model) on text across local processes with a chosen "
+                                     "strategy")
     TrainConfig.add_arguments(t)
     t.set_defaults(func=cmd_train)
     ck_help = ("a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoint directory or a run directory (its newest "
                "complete checkpoint)")
-    e = sub.add_parser("export", help="write a checkpoint's weights as one safetensors file for the plain GPT module")
-    e.add_argument("--checkpoint", required=True, help=ck_help)
-    e.add_argument("--out", required=True, help="the .safetensors file to write (model config in its metadata)")
+    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (config, safetensors "
+                                      "weights, tokenizer)")
+    e.add_argument("run", metavar="RUN", help=ck_help)
+    e.add_argument("--out", required=True, help="the directory to write (new: nothing is overwritten)")
     e.set_defaults(func=cmd_export)
-    g = sub.add_parser("generate", help="sample text from a checkpoint of shardflow train (one process)")
-    g.add_argument("--checkpoint", required=True, help=ck_help)
+    g = sub.add_parser("generate", help="sample text from a run of shardflow train or a Hugging Face model directory "
+                                        "(one process)")
+    g.add_argument("source", metavar="RUN", help=f"{ck_help}, or a Hugging Face model directory (shardflow export's)")
     g.add_argument("--prompt", required=True, help="text to continue (encoded with the run's tokenizer)")
     g.add_argument("--tokens", type=int, default=200, help="tokens to sample (default 200)")
     g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")

@@ -240,10 +240,11 @@ def test_plan_arguments(capsys, tmp_path):
     assert not out.parent.exists()
 
 
-def test_export_onto_a_directory(capsys, tmp_path, finished):
-    code = cli_main(["export", "--checkpoint", str(finished), "--out", str(tmp_path)])
-    one_paragraph(code, *capsys.readouterr(), "export", f"--out {tmp_path} is a directory", "model.safetensors")
-    assert not list(tmp_path.iterdir())
+def test_export_onto_an_existing_directory(capsys, tmp_path, finished):
+    (tmp_path / "keep.txt").write_text("mine")
+    code = cli_main(["export", str(finished), "--out", str(tmp_path)])
+    one_paragraph(code, *capsys.readouterr(), "export", f"--out {tmp_path} already exists", "overwrites nothing")
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
 # --- the Python API -------------------------------------------------------------------------------------------

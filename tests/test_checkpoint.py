@@ -1,6 +1,6 @@
 """Checkpoints of `shardflow train` end to end (tiny model, few steps, subprocesses like test_train.py): resume
 reproduces the uninterrupted run, a checkpoint written under one strategy and mesh resumes under another, export
-to safetensors, generate; bad checkpoints, an unwritable directory and Ctrl-C end cleanly, and a checkpoint is
+to a Hugging Face directory and --init-from it, generate; bad checkpoints, an unwritable directory and Ctrl-C end cleanly, and a checkpoint is
 complete or absent."""
 
 import json
@@ -17,12 +17,10 @@ import pytest
 import torch
 
 from shardflow.cli import main as cli_main
-from shardflow.models import GPT
 from shardflow.train import checkpoint
 from shardflow.train.checkpoint import store
 from shardflow.train.config import TrainConfig
 from shardflow.train.data import Corpus, Split
-from shardflow.train.recipe import GPT_MODEL
 from shardflow.train.tokenizer import Tokenizer, TokenizerChoice, TokenizerKind
 
 def run_all(*argvs):
@@ -85,10 +83,10 @@ def test_resume_reproduces_the_uninterrupted_run(runs, train_argv, read_metrics,
 
 
 def test_resume_with_dropout_reproduces_the_uninterrupted_run(train_argv, read_metrics, tmp_path):
-    """Dropout masks depend on (seed, step, node, element) only, and validation runs without dropout: a tp=2 run
+    """Dropout masks depend on (seed, step, node, element) only, and validation runs without dropout: a GPT-2 tp=2 run
     (one process) with --dropout 0.1 stopped at step 2 and resumed to 4 gives the uninterrupted run's training and
     validation losses (1e-5: float32 rounding only, as above; seen: exactly equal)."""
-    dropout = ["--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--dropout", "0.1"]
+    dropout = ["--model", "gpt2", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--dropout", "0.1"]
     whole, cut = run_all(train_argv(tmp_path / "whole", *dropout, "--steps", "4"),
                          train_argv(tmp_path / "cut", *dropout, "--steps", "2"))
     assert whole.returncode == 0 and cut.returncode == 0, whole.stderr + cut.stderr
@@ -119,39 +117,66 @@ def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, train_argv, read_met
             assert abs(a["loss"] - b["loss"]) < 1e-4, (name, a, b)
 
 
-def test_export_loads_into_the_plain_module_with_the_same_loss(runs, corpus, read_metrics, tmp_path, capsys):
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+def test_export_loads_in_transformers_with_the_same_logits(runs, corpus, read_metrics, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = tmp_path / "model.safetensors"
-    assert cli_main(["export", "--checkpoint", str(runs / "tp6"), "--out", str(out)]) == 0
-    assert "wrote" in capsys.readouterr().out
-    with safe_open(str(out), "pt") as f:
-        config = json.loads(f.metadata()["config"])
-        tokenizer = Tokenizer.from_json(f.metadata()["tokenizer"], "the export's metadata")
-    ck = checkpoint.read(runs / "tp6" / "checkpoints" / "step_6")
-    assert tokenizer.sha256 == ck.tokenizer.sha256 and config == ck.model
-    from shardflow.models import GPTConfig
-    model = GPT(GPTConfig(**config))
-    model.load_state_dict(load_file(str(out)))  # strict: exactly the module's parameter names
-    # the run's last validation loss (step 6, eval_batches 1) on the plain module with the exported weights
-    batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, TrainConfig().vocab_size), 16).batch(Split.VAL, 0, 8, 16, 0)
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(runs / "tp6"), "--out", str(out)]) == 0
+    assert "AutoModelForCausalLM.from_pretrained" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    hf_tok = AutoTokenizer.from_pretrained(out)
+    family, plain, ck = checkpoint.load_model(runs / "tp6")
+    assert type(model).__name__ == "LlamaForCausalLM" and ck.step == 6
+    text = "the lazy dog jumps over the quick brown fox"
+    assert hf_tok(text)["input_ids"] == ck.tokenizer.encode(text)  # the run's BPE, as transformers loads it
+    assert hf_tok.decode(ck.tokenizer.encode(text)) == text
+    ids = torch.tensor([ck.tokenizer.encode(text)])
     with torch.no_grad():
-        loss = model(batch["idx"], batch["targets"]).item()
-    # float32; the tp run added partial sums in another order than the module does (~1e-7 relative)
+        assert torch.equal(model(input_ids=ids).logits, family.logits(plain, ids))
+        # the run's last validation loss (step 6, eval_batches 1), recomputed by transformers from the exported
+        # weights; float32, the tp run added partial sums in another order (~1e-7 relative)
+        batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, TrainConfig().vocab_size), 16).batch(
+            Split.VAL, 0, 8, 16, 0)
+        loss = model(input_ids=batch["idx"], labels=batch["targets"], shift_labels=batch["targets"]).loss.item()
     assert abs(loss - read_metrics(runs / "tp6")[-1]["val_loss"]) < 1e-5
+    generated = model.generate(ids[:, :3], max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, 8) and torch.equal(generated[:, :3], ids[:, :3])
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert cli_main(["export", str(runs / "tp6"), "--out", str(out)]) == 2  # nothing is overwritten
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_init_from_an_exported_directory_continues_its_weights(runs, train_argv, read_metrics, tmp_path):
+    """A tp=2 run started --init-from the export of tp6's step 6 begins where tp6 ended: its first loss is the loss
+    tp6's weights give on batch 0 (the fresh optimizer changes nothing before the first update)."""
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(runs / "tp6"), "--out", str(out)]) == 0
+    r = run_all(train_argv(tmp_path / "ft", "--strategy", "tp", "--nproc", "2", "--steps", "2",
+                           "--init-from", str(out)))[0]
+    assert r.returncode == 0, r.stderr + r.stdout
+    family, plain, ck = checkpoint.load_model(runs / "tp6")
+    from shardflow.train.recipe import setup
+    s = setup(TrainConfig.from_args(_train_args(train_argv(tmp_path / "x", "--init-from", str(out)))), 1)
+    with torch.no_grad():
+        want = plain(**s.batch(Split.TRAIN, 0)).loss.item()
+    assert abs(read_metrics(tmp_path / "ft")[0]["loss"] - want) < 1e-5
+
+
+def _train_args(argv):
+    """The parsed ``shardflow train`` flags of a ``train_argv`` command line."""
+    from shardflow.cli import build_parser
+    return build_parser().parse_args(argv[argv.index("train"):])
 
 
 def test_generate_prints_prompt_and_sampled_text(runs, capsys):
     """25 tokens sampled with the run's tokenizer (a BPE of the tiny corpus: a token per word, its pieces and
-    bytes); any prompt encodes, byte-level."""
-    assert cli_main(["generate", "--checkpoint", str(runs / "tp6"), "--prompt", "The Fox ", "--tokens", "25",
-                     "--seed", "1"]) == 0
+    bytes); any prompt encodes, byte-level. The exported directory samples the same text."""
+    assert cli_main(["generate", str(runs / "tp6"), "--prompt", "The Fox ", "--tokens", "25", "--seed", "1"]) == 0
     text = capsys.readouterr().out.rstrip("\n")
-    from shardflow.train.generate import sample
-    model, ck = checkpoint.load_model(runs / "tp6", GPT_MODEL)
-    assert sample(model, ck.tokenizer, "The Fox ", 25, 1.0, 1) == text  # seeded: the same text again
+    from shardflow.train.generate import load, sample
+    family, model, tok, context, _ = load(str(runs / "tp6"))
+    assert context == 16
+    assert sample(family, model, tok, context, "The Fox ", 25, 1.0, 1) == text  # seeded: the same text again
     assert text.startswith("The Fox ") and len(text) > len("The Fox ")
 
 
@@ -187,7 +212,7 @@ def _bad_json(d):
 
 def _other_model(d):
     meta = json.loads((d / "shardflow.json").read_text())
-    meta["model"]["n_embd"] = 32
+    meta["model"]["config"]["hidden_size"] = 32
     (d / "shardflow.json").write_text(json.dumps(meta))
 
 
@@ -226,9 +251,9 @@ def test_bad_checkpoint_is_a_one_paragraph_error(runs, tmp_path, capsys, spoil, 
     spoil(step6)
     if spoil is _unmarked:
         shutil.rmtree(run / "checkpoints" / "step_3")  # nothing complete left
-    out = tmp_path / "m.safetensors"
+    out = tmp_path / "hf"
     argv = ["--out", str(out)] if command == "export" else ["--prompt", "the "]
-    assert cli_main([command, "--checkpoint", str(run), *argv]) == 2
+    assert cli_main([command, str(run), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"shardflow {command}: error: ") and err.count("\n") == 1, err
     assert str(run) in err
@@ -242,12 +267,10 @@ def test_bad_checkpoint_is_a_one_paragraph_error(runs, tmp_path, capsys, spoil, 
 
 def test_export_and_generate_arguments(runs, tmp_path, capsys):
     step = runs / "single6" / "checkpoints" / "step_6"
-    for argv, words in ((["export", "--checkpoint", str(tmp_path / "nope"), "--out", str(tmp_path / "m")],
-                         ["does not exist"]),
-                        (["export", "--checkpoint", str(step), "--out", str(tmp_path / "no" / "m.safetensors")],
-                         ["does not exist", "--out"]),
-                        (["generate", "--checkpoint", str(step), "--prompt", ""], ["--prompt is empty"]),
-                        (["generate", "--checkpoint", str(step), "--prompt", "a", "--tokens", "-1"], ["--tokens"])):
+    for argv, words in ((["export", str(tmp_path / "nope"), "--out", str(tmp_path / "m")], ["does not exist"]),
+                        (["export", str(step), "--out", str(tmp_path / "no" / "hf")], ["does not exist", "--out"]),
+                        (["generate", str(step), "--prompt", ""], ["--prompt is empty"]),
+                        (["generate", str(step), "--prompt", "a", "--tokens", "-1"], ["--tokens"])):
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"shardflow {argv[0]}: error: ") and all(w in err for w in words), err
@@ -383,3 +406,27 @@ def test_resumed_metrics_keep_the_records_up_to_the_checkpoint(tmp_path):
         f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
     assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == \
         [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+
+
+def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):
+    """--init-from's weights are lazy: indexing one reads that block of model.safetensors (safetensors slices),
+    in the model's dtype; a missing weight or another shape is one paragraph."""
+    from safetensors.torch import save_file
+
+    from shardflow.train.checkpoint.export import LazyPiece, Pretrained
+    full = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    p = Pretrained.open(tmp_path)
+    (w,) = p.weights({"w": torch.zeros(6, 4)}).values()
+    assert isinstance(w, LazyPiece) and w.shape == (6, 4) and w.dtype == torch.float32
+    block = w[(slice(3, 6), slice(0, 2))]  # what an executor's _put asks for: its piece
+    assert block.dtype == torch.float32 and torch.equal(block, full[3:6, 0:2].float())
+    with pytest.raises(checkpoint.CheckpointError, match="has no v .*1 weights of the model missing"):
+        p.weights({"v": torch.zeros(6, 4)})
+    with pytest.raises(checkpoint.CheckpointError, match=r"w is \[6, 4\] in model.safetensors, the model needs \[4, 6\]"):
+        p.weights({"w": torch.zeros(4, 6)})
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="no tokenizer.json"):
+        Pretrained.open(tmp_path)

@@ -261,11 +261,11 @@ def test_char_run_saves_its_tokenizer_for_generate_and_resume(tmp_path, text_fil
     saved = Tokenizer.load(step2 / TOKENIZER_FILE)
     assert saved.sha256 == Tokenizer.characters([TEXT + "\n"]).sha256
     # generate uses it: a character the text lacks cannot be encoded
-    assert cli_main(["generate", "--checkpoint", str(run), "--prompt", "The Fox"]) == 2
+    assert cli_main(["generate", str(run), "--prompt", "The Fox"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardflow generate: error: --prompt has characters outside the model's vocabulary: "
                           "'F', 'T'; the tokenizer of ") and "WordLevel, 29 tokens" in err
-    assert cli_main(["generate", "--checkpoint", str(run), "--prompt", "the ", "--tokens", "5"]) == 0
+    assert cli_main(["generate", str(run), "--prompt", "the ", "--tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the ") and len(out.rstrip("\n")) == 4 + 5  # one character per token
     # resume: the run's tokenizer must be this one; the checkpoint's file gives it back

@@ -383,8 +383,9 @@ def test_generated_block_matches_the_code(block):
 # --- 2. commands --------------------------------------------------------------------------------------------------
 
 # Flags appended to a documented `shardflow train` (the last flag wins): the tiny model of conftest.TINY, 2 steps.
-SHRINK_TRAIN = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--steps", "2",
-                "--eval-every", "2", "--eval-batches", "1", "--timeout", "120", "--peak-tflops", "0.1")
+SHRINK_DATA = ("--seq-len", "16", "--batch-size", "8", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
+               "--timeout", "120", "--peak-tflops", "0.1")
+SHRINK_TRAIN = ("--layers", "1", "--heads", "2", "--embd", "16", *SHRINK_DATA)
 
 
 @dataclass(frozen=True)
@@ -435,10 +436,14 @@ COMMANDS = {
     # docs/execution.md
     ".venv/bin/shardflow train --data 'books/**/*.txt' --vocab-size 4096": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --data my.txt --tokenizer char": Run(SHRINK_TRAIN),
+    ".venv/bin/shardflow train --model gpt2 --layers 4 --embd 256 --heads 8": Run(SHRINK_TRAIN),
+    ".venv/bin/shardflow train --model-config my_config.json --strategy tp --nproc 2": Run(SHRINK_TRAIN),
+    ".venv/bin/shardflow train --model examples/hf_llama.py:tiny_llama --strategy dp": Run(SHRINK_DATA),
     ".venv/bin/shardflow train --tensorboard": Run(SHRINK_TRAIN),
     ".venv/bin/tensorboard --logdir runs/latest/tensorboard": NotRun("a web server that runs until stopped"),
-    "shardflow export --checkpoint runs/latest --out model.safetensors": Run(),
-    'shardflow generate --checkpoint runs/latest --prompt "The " --tokens 200 --temperature 0.8 --seed 0': Run(),
+    "shardflow export runs/latest --out exported": Run(),
+    'shardflow generate runs/latest --prompt "The " --tokens 200 --temperature 0.8 --seed 0': Run(),
+    'shardflow generate exported --prompt "The " --tokens 20 --temperature 0': Run(),
     # docs/guarantees.md
     ".venv/bin/python tools/validate_rules.py": Run(("--max-combinations", "20", "--ops", "relu,matmul")),
     ".venv/bin/python tools/validate_rules.py --ops attention,linear --mesh dp=2,tp=2": Run(("--max-combinations",
@@ -496,6 +501,11 @@ bias = {tp = "Shard(0)"}
 [modules.down]
 params = {weight = {tp = "Shard(1)"}}
 output = {tp = "Replicate()"}
+"""
+# docs/execution.md's my_config.json: a Qwen2 config (the size flags of SHRINK_TRAIN override its sizes)
+MY_CONFIG = """\
+{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+ "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}
 """
 PLAN_FILES = {"my_plan.toml": MY_PLAN, "column_plan.toml": COLUMN_PLAN, "classifier_plan.toml": CLASSIFIER_PLAN}
 
@@ -604,13 +614,14 @@ def _generated(shown: Shown) -> bool:
 
 def _prepare(work: Path) -> Path:
     """A directory to run documented commands in: ``my.txt`` (a small text), ``books/`` (two small texts, one in a
-    subdirectory) and the plan files of :data:`PLAN_FILES`."""
+    subdirectory), the plan files of :data:`PLAN_FILES` and execution.md's ``my_config.json``."""
     (work / "books" / "more").mkdir(parents=True, exist_ok=True)
     (work / "my.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     (work / "books" / "a.txt").write_text("It was the best of times, it was the worst of times.\n" * 100)
     (work / "books" / "more" / "b.txt").write_text("Call me Ishmael. Some years ago, never mind how long.\n" * 100)
     for name, text in PLAN_FILES.items():
         (work / name).write_text(text)
+    (work / "my_config.json").write_text(MY_CONFIG)
     return work
 
 

@@ -127,8 +127,9 @@ def check_line(r) -> str:
 
 
 def test_check_compares_with_one_device(tmp_path, train):
-    """Two processes with dropout: each rank draws its pieces' masks, and --check compares every replica."""
-    r, run = train(tmp_path, "check", "--strategy", "tp", "--nproc", "2", "--dropout", "0.1", "--check")
+    """Two processes, GPT-2 with dropout: each rank draws its pieces' masks, and --check compares every replica."""
+    r, run = train(tmp_path, "check", "--model", "gpt2", "--strategy", "tp", "--nproc", "2", "--dropout", "0.1",
+                   "--check")
     line = check_line(r)
     assert "over every replica" in line and line.endswith(": OK")
 
@@ -140,11 +141,25 @@ def test_check_compares_with_one_device(tmp_path, train):
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
     ["--strategy", "pp", "--mesh", "pp=2", "--layers", "2"],
 ])
+def test_check_passes_on_the_llama(tmp_path, train, argv):
+    """--check on the default model (Llama: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention), every
+    rank of the mesh in one process: the loss of each step and every replica of every parameter equal the
+    one-device run within --check's tolerance (5e-3, float32 AdamW)."""
+    r, run = train(tmp_path, "check", *argv, "--nproc", "1", "--steps", "2", "--check")
+    assert "model: Llama (llama)" in r.stdout
+    assert check_line(r).endswith(": OK")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--strategy", "sp", "--mesh", "tp=2"],
+    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
+])
 def test_check_passes_with_dropout(tmp_path, train, argv):
-    """--dropout 0.1 --check, every rank of the mesh in one process: the loss of each step and every replica of
-    every parameter equal the one-device run (masks drawn from the process RNG: |Δloss| ~1e-2, |Δparameter| ~4e-2,
-    FAILED). The tolerance is --check's own (5e-3, float32 AdamW)."""
-    r, run = train(tmp_path, "check", *argv, "--nproc", "1", "--steps", "2", "--dropout", "0.1", "--check")
+    """GPT-2 with --dropout 0.1 --check, every rank of the mesh in one process: masks depend on (seed, step, node,
+    element), so every replica of every parameter equals the one-device run (masks drawn from the process RNG:
+    |Δloss| ~1e-2, |Δparameter| ~4e-2, FAILED)."""
+    r, run = train(tmp_path, "check", *argv, "--model", "gpt2", "--nproc", "1", "--steps", "2", "--dropout", "0.1",
+                   "--check")
     assert check_line(r).endswith(": OK")
 
 

@@ -1,4 +1,4 @@
-"""``shardflow train``: a GPT trained on text across local processes with a chosen strategy — the processes.
+"""``shardflow train``: a model (Llama by default) trained on text across local processes with a chosen strategy — the processes.
 
 The parent process checks the configuration and the plan (errors before any process starts), then starts
 ``--nproc`` ranks with the launcher; under torchrun (RANK/WORLD_SIZE set) each process is one rank. One process

@@ -33,10 +33,20 @@ class TrainConfig:
     steps: int = _f(600, "optimizer steps to train for")
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
-    layers: int = _f(2, "transformer blocks")
-    heads: int = _f(4, "attention heads")
-    embd: int = _f(128, "embedding width")
-    dropout: float = _f(0.0, "dropout probability")
+    model: str | None = _f(None, "llama (Hugging Face LlamaForCausalLM, built from a config: nothing is downloaded), "
+                                 "gpt2, another Hugging Face causal-LM model type, or FILE.py:FACTORY (a function "
+                                 "returning (module, batch), as shardflow check takes) (default: --model-config's "
+                                 "model_type, else llama)")
+    model_config: str | None = _f(None, "a Hugging Face config.json that sizes the model (the flags below override "
+                                        "it)")
+    layers: int | None = _f(None, "transformer blocks (default 2)")
+    heads: int | None = _f(None, "attention heads (default 4)")
+    kv_heads: int | None = _f(None, "key/value heads of grouped-query attention (default 2; Llama-style models)")
+    embd: int | None = _f(None, "hidden width (default 128; the MLP is 8/3 of it for SwiGLU models, 4× for GPT-2)")
+    init_from: str | None = _f(None, "start from a Hugging Face model directory (as shardflow export writes): its "
+                                     "config, weights (each rank reads only its pieces) and tokenizer")
+    dropout: float = _f(0.0, "dropout probability of the residual and embedding dropout (gpt2; Llama-style models have "
+                                  "none outside attention, whose dropout shardflow does not support)")
     lr: float = _f(3e-3, "learning rate")
     optimizer: str = _f(str(Optimizer.ADAMW), "sgd or adamw", choices=tuple(map(str, Optimizer)))
     momentum: float = _f(0.9, "SGD momentum")
@@ -87,7 +97,7 @@ class TrainConfig:
             if f.type == "bool":
                 p.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
                 continue
-            typ = {"int": int, "float": float}.get(f.type, str)
+            typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
             p.add_argument(flag, type=typ, default=None, choices=f.metadata.get("choices"),
                            help=f"{f.metadata['help']} (default {f.default})")
 
@@ -141,7 +151,7 @@ class TrainConfig:
 
 # smallest value of each numeric setting (the others are free, or checked where they are used)
 _MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "vocab_size": 256, "layers": 0, "heads": 1,
-            "embd": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0,
+            "kv_heads": 1, "embd": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0,
             "peak_tflops": 0}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
@@ -166,17 +176,13 @@ def check_config(cfg: TrainConfig) -> None:
         if choices and v not in choices:
             raise ValueError(f"setting {f.name} = {v!r} is not one of {', '.join(choices)} ({help_}); fix it in the "
                              f"--config file")
-        if f.name in _MINIMUM and v < _MINIMUM[f.name]:
+        if f.name in _MINIMUM and v is not None and v < _MINIMUM[f.name]:
             raise ValueError(f"{flag} {v} is out of range: give a value ≥ {_MINIMUM[f.name]}. {flag}: {help_}")
     if cfg.timeout <= 0:
         raise ValueError(f"--timeout {cfg.timeout}: give the seconds a rank may wait on one communication, > 0 "
                          f"(e.g. 120; tests use 5-30)")
     if not 0 <= cfg.dropout < 1:
         raise ValueError(f"--dropout {cfg.dropout}: give a probability in [0, 1)")
-    if cfg.embd % cfg.heads:
-        fits = [h for h in range(1, cfg.heads + 1) if cfg.embd % h == 0][-1]
-        raise ValueError(f"--embd {cfg.embd} is not a multiple of --heads {cfg.heads} (every head gets --embd / "
-                         f"--heads features); change one of them, e.g. --heads {fits}")
     if cfg.checkpoint_every < 0:
         raise ValueError(f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 to save only "
                          f"after the last step")

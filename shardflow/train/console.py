@@ -71,8 +71,8 @@ class Console:
         self.say(f"shardflow train: {c.source}, {len(c.train):,} train / {len(c.val):,} val tokens "
                  f"({c.chars / len(c.tokens):.2f} characters per token)")
         self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
-        self.say(f"model: GPT {cfg.layers} layers, {cfg.heads} heads, width {cfg.embd}, context {cfg.seq_len}: "
-                 f"{n_params:,} parameters; optimizer {cfg.optimizer} lr {cfg.lr}")
+        self.say(f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
+                 f"{cfg.optimizer} lr {cfg.lr}")
         self.say(f"strategy {cfg.strategy} on mesh {s.mesh} ({s.mesh.size} devices); batch "
                  f"{cfg.batch_size}×{cfg.seq_len}")
         per = {}

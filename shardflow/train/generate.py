@@ -1,5 +1,6 @@
-"""``shardflow generate``: sample text from a checkpoint of ``shardflow train`` with the plain ``GPT`` module on one
-process (the checkpoint holds full tensors, whatever strategy wrote it, and the run's tokenizer)."""
+"""``shardflow generate``: sample text on one process from a checkpoint of ``shardflow train`` (full tensors, whatever
+strategy wrote it, and the run's tokenizer: the plain module of its model family) or from a Hugging Face model
+directory (``shardflow export``'s, loaded with ``AutoModelForCausalLM``)."""
 
 from __future__ import annotations
 
@@ -8,28 +9,30 @@ from typing import TextIO
 
 import torch
 
-from shardflow.models import GPT
+from pathlib import Path
+
+from torch import nn
+
 from shardflow.train.checkpoint import CheckpointError, load_model
-from shardflow.train.recipe import GPT_MODEL
-from shardflow.train.tokenizer import Tokenizer
+from shardflow.train.family import Family, hf_family
+from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
 # what a byte-level decode ends with while the last token stops inside a character's UTF-8 bytes
 _CUT = "\ufffd"
 
 
-def sample(model: GPT, tok: Tokenizer, prompt: str, tokens: int, temperature: float = 1.0, seed: int = 0,
-           out: TextIO | None = None) -> str:
-    """``prompt`` followed by the text of ``tokens`` sampled tokens (greedy when ``temperature`` is 0); the context is
-    the last ``block_size`` tokens. The sampled text is written to ``out`` as it grows, when given, whole characters
+def sample(family: Family, model: nn.Module, tok: Tokenizer, context: int, prompt: str, tokens: int,
+           temperature: float = 1.0, seed: int = 0, out: TextIO | None = None) -> str:
+    """``prompt`` followed by the text of ``tokens`` sampled tokens (greedy when ``temperature`` is 0); the model sees
+    the last ``context`` tokens. The sampled text is written to ``out`` as it grows, when given, whole characters
     only (a character whose bytes span several tokens appears once they have all been sampled)."""
     idx = torch.tensor(tok.encode(prompt), dtype=torch.long)[None]  # [1, T]
     gen = torch.Generator().manual_seed(seed)
-    block = model.config.block_size
     new: list[int] = []
     shown = ""
     with torch.no_grad():
         for _ in range(tokens):
-            logits = model.logits(idx[:, -block:])[0, -1]  # [V]
+            logits = family.logits(model, idx[:, -context:])[0, -1]  # [V]
             if temperature == 0:
                 nxt = logits.argmax().view(1)
             else:
@@ -47,24 +50,41 @@ def sample(model: GPT, tok: Tokenizer, prompt: str, tokens: int, temperature: fl
     return prompt + text
 
 
-def main(checkpoint: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
+def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
+    """The family, module (eval mode), tokenizer and context length (tokens) of ``source``: a Hugging Face model
+    directory (it has ``config.json``) or a checkpoint, checkpoint directory or run directory; and its description.
+    Raises CheckpointError."""
+    path = Path(source)
+    if (path / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+        if not (path / TOKENIZER_FILE).is_file():
+            raise CheckpointError(f"{path} has no {TOKENIZER_FILE}: shardflow generate needs the fast tokenizer "
+                                  f"(shardflow export writes it)")
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        config = model.config
+        return (hf_family(config.model_type), model, Tokenizer.load(path / TOKENIZER_FILE),
+                config.max_position_embeddings, f"the Hugging Face model in {path}")
+    family, model, ck = load_model(source)
+    return family, model, ck.tokenizer, int(ck.train.get("seq_len", 64)), f"checkpoint {ck.path}"
+
+
+def main(source: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
     """Entry of ``shardflow generate``: prints the prompt and the sampled text. Raises CheckpointError for a bad
-    checkpoint or argument."""
+    source or argument."""
     if tokens < 0:
         raise CheckpointError(f"--tokens {tokens}: give the number of tokens to sample (0 or more)")
     if temperature < 0:
         raise CheckpointError(f"--temperature {temperature}: must be 0 (greedy) or positive")
     if not prompt:
         raise CheckpointError("--prompt is empty; the model needs at least one character to continue from")
-    model, ck = load_model(checkpoint, GPT_MODEL)
-    tok = ck.tokenizer
+    family, model, tok, context, what = load(source)
     unknown = tok.unknown(prompt)
     if unknown:
         raise CheckpointError(f"--prompt has characters outside the model's vocabulary: "
-                              f"{', '.join(repr(c) for c in unknown)}; the tokenizer of {ck.path} "
+                              f"{', '.join(repr(c) for c in unknown)}; the tokenizer of {what} "
                               f"({tok.describe()}) has no token for them: use characters of its training text")
     sys.stdout.write(prompt)
-    sample(model, tok, prompt, tokens, temperature, seed, out=sys.stdout)
+    sample(family, model, tok, context, prompt, tokens, temperature, seed, out=sys.stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()
     return 0

@@ -3,8 +3,9 @@ executor) or this one rank (launched, or under torchrun: the distributed executo
 
 Each step: the batch of (seed, step), one lowered training step, the metrics record (rank 0 writes it:
 :mod:`shardflow.train.metrics`), a validation every ``--eval-every`` steps and at the end, a checkpoint every
-``--checkpoint-every`` steps and after the last one (:mod:`shardflow.train.checkpoint`). ``--resume`` continues from the newest complete checkpoint — written under any
-strategy and mesh — and reproduces the loss trajectory of an uninterrupted run. ``--trace`` writes the timeline
+``--checkpoint-every`` steps and after the last one (:mod:`shardflow.train.checkpoint`). ``--resume`` continues
+from the newest complete checkpoint — written under any strategy and mesh — and reproduces the loss trajectory of
+an uninterrupted run. ``--trace`` writes the timeline
 of step 2; ``--check`` runs the same steps on one device alongside (:mod:`shardflow.train.check`).
 """
 
@@ -80,12 +81,12 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         console.resumed(resumed, start)
 
     def val_loss() -> float:
-        return sum(ev.step(s.corpus.batch(Split.VAL, i, cfg.batch_size, cfg.seq_len, cfg.seed))
+        return sum(ev.step(s.batch(Split.VAL, i))
                    for i in range(cfg.eval_batches)) / cfg.eval_batches
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        batch = s.corpus.batch(Split.TRAIN, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        batch = s.batch(Split.TRAIN, step)
         data_s = time.perf_counter() - t0
         tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
         if tracing:

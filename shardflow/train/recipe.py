@@ -1,47 +1,55 @@
 """The recipe of ``shardflow train``: what every rank builds identically from the configuration — the corpus (tokens
-and tokenizer, :mod:`shardflow.train.data`), the GPT (seeded), its captured graph, the strategy's PCG on the mesh, the optimizer and the lowering options — and what
-the checkpoints need to know about the model (:data:`GPT_MODEL`). The parent builds it too, before any process
+and tokenizer, :mod:`shardflow.train.data`), the model of ``--model`` (:mod:`shardflow.train.family`; seeded, or
+``--init-from`` a Hugging Face directory), its captured graph, the strategy's PCG on the mesh, the optimizer and the
+lowering options — and what the checkpoints record about the model. The parent builds it too, before any process
 starts, so every configuration and planning error surfaces there."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
+from torch import nn
 
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import CostModel, LowerOptions, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
-from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
 from shardflow.strategy.presets import default_mesh
 from shardflow.train import checkpoint
+from shardflow.train.checkpoint.export import Pretrained
 from shardflow.train.config import TrainConfig
 from shardflow.train.data import Corpus, Split
+from shardflow.train.family import Family, ModelError, Sizes, factory_family, hf_config, hf_family, is_factory
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
-
-# GPT as checkpoints see it; the sizes a resumed run must share, with the flags that set them (vocab_size comes
-# from the tokenizer, which a checkpoint holds; dropout may change)
-GPT_MODEL = checkpoint.ModelAdapter("GPT", GPTConfig, GPT, {"block_size": "--seq-len", "n_layer": "--layers",
-                                                            "n_head": "--heads", "n_embd": "--embd", "bias": "bias"})
 
 
 @dataclass
 class Setup:
-    """What every rank builds identically from the config: data, model, graph, PCG."""
+    """What every rank builds identically from the config: data, the model (its family and config), graph, PCG;
+    ``pretrained``: the ``--init-from`` directory's weights."""
 
     cfg: TrainConfig
     corpus: Corpus
-    model: GPT
+    family: Family
+    config: Any
+    model: nn.Module
     graph: ComputationGraph
     pcg: PCG
     mesh: Mesh
+    pretrained: Pretrained | None = None
+
+    def batch(self, split: Split, step: int) -> dict[str, torch.Tensor]:
+        """The model's inputs for batch ``step`` of ``split`` ([batch_size, seq_len] token ids and next tokens)."""
+        c = self.cfg
+        return self.family.feed.inputs(**self.corpus.batch(split, step, c.batch_size, c.seq_len, c.seed))
 
     @property
     def lower_options(self) -> LowerOptions:
@@ -63,9 +71,12 @@ class Setup:
         c = self.cfg
         return OptimizerConfig(c.optimizer, c.lr, c.momentum if c.optimizer == Optimizer.SGD else 0.0, c.weight_decay)
 
-    def initial_weights(self) -> dict[str, torch.Tensor]:
-        """The seeded model's weights by graph name (full tensors; each executor keeps its pieces)."""
+    def initial_weights(self) -> Mapping[str, Any]:
+        """The weights to start from by graph name: the ``--init-from`` directory's (each read lazily: an executor
+        reads only its pieces) or the seeded model's (full tensors; each executor keeps its pieces)."""
         params = dict(self.model.named_parameters())
+        if self.pretrained is not None:
+            return self.pretrained.weights({w: params[w] for w in self.graph.weights})
         return {w: params[w].detach().clone() for w in self.graph.weights}
 
     def checkpoint_entries(self) -> checkpoint.Entries:
@@ -74,7 +85,8 @@ class Setup:
 
     def checkpoint_meta(self, world: int) -> dict[str, Any]:
         """What a checkpoint of this run records besides its tensors (``world``: processes of the run)."""
-        return {"model": GPT_MODEL.to_json(self.model.config), "data": self.data_record(),
+        return {"model": {"family": self.family.name, "config": self.family.to_json(self.config)},
+                "data": self.data_record(),
                 "train": dataclasses.asdict(self.cfg), "mesh": str(self.mesh), "processes": world}
 
     def checkpoint_files(self) -> dict[str, str]:
@@ -90,27 +102,52 @@ class Setup:
     def resume_point(self) -> checkpoint.Checkpoint:
         """The checkpoint ``--resume`` continues from, checked against this run (raises CheckpointError)."""
         c = self.cfg
-        return checkpoint.for_resume(c.checkpoints, GPT_MODEL, self.model.config, self.data_record(),
+        return checkpoint.for_resume(c.checkpoints, self.family, self.config, self.data_record(),
                                      self.corpus.tokenizer, self.optimizer.slots, self.checkpoint_entries())
 
 
-def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
-    """The GPT's sizes from the config; the vocabulary is the tokenizer's."""
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.seq_len, n_layer=cfg.layers, n_head=cfg.heads,
-                     n_embd=cfg.embd, dropout=cfg.dropout)
+def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None) -> tuple[Family, Any, nn.Module]:
+    """The family, config and module (seeded with ``--seed``) of ``--model``, sized by ``--model-config`` (or the
+    ``--init-from`` directory's config) and the size flags. Raises ModelError, ModelSpecError."""
+    sizes = Sizes(cfg.layers, cfg.heads, cfg.kv_heads, cfg.embd)
+    given = [f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(sizes).items() if v is not None]
+    if is_factory(cfg.model):
+        if given or cfg.model_config or pretrained:
+            what = ", ".join(given + ["--model-config"] * bool(cfg.model_config) + ["--init-from"] * bool(pretrained))
+            raise ModelError(f"{what}: size the built-in models (llama, gpt2, ...); --model {cfg.model} sizes its own "
+                             f"model: drop {what}, or change the factory")
+        torch.manual_seed(cfg.seed)
+        family, config = factory_family(cfg.model, vocab_size)
+        torch.manual_seed(cfg.seed)
+        return family, config, family.build(config)
+    config_file = str(pretrained.config_file) if pretrained else cfg.model_config
+    config = hf_config(cfg.model, config_file, sizes, vocab_size, cfg.seq_len, cfg.dropout,
+                       keep_vocab=pretrained is not None)
+    if pretrained is not None:
+        theirs = hf_config(cfg.model, config_file, Sizes(), vocab_size, cfg.seq_len, cfg.dropout, keep_vocab=True)
+        changed = [f"{flag} {getattr(config, attr)} (the model has {getattr(theirs, attr)})"
+                   for attr, flag in hf_family(config.model_type).must_match
+                   if getattr(config, attr, None) != getattr(theirs, attr, None)]
+        if changed:
+            raise ModelError(f"{', '.join(changed)}: --init-from {cfg.init_from} fixes the model's sizes; drop "
+                             f"those flags or give the model's values")
+    family = hf_family(config.model_type)
+    torch.manual_seed(cfg.seed)
+    return family, config, family.build(config)
 
 
 def setup(cfg: TrainConfig, world: int) -> Setup:
     """Data, model (seeded), captured graph and the PCG of the strategy. Raises the planner's errors (PlanError,
-    DegreeError, ...) and DataError — the parent calls this before starting any process."""
+    DegreeError, ...), DataError and ModelError — the parent calls this before starting any process."""
     mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy, world if world > 1 else cfg.nproc)
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
                          f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
-    corpus = Corpus.load(cfg.data, TokenizerChoice.of(cfg.tokenizer, cfg.vocab_size), cfg.seq_len, cfg.cache_dir)
-    torch.manual_seed(cfg.seed)
-    model = GPT(model_config(cfg, corpus.tokenizer.vocab_size))
-    example = corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed)
+    pretrained = Pretrained.open(Path(cfg.init_from)) if cfg.init_from else None
+    tokenizer = str(pretrained.tokenizer_file) if pretrained else cfg.tokenizer
+    corpus = Corpus.load(cfg.data, TokenizerChoice.of(tokenizer, cfg.vocab_size), cfg.seq_len, cfg.cache_dir)
+    family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
+    example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, cfg.strategy), graph, mesh), strict=cfg.strict)
-    return Setup(cfg, corpus, model, graph, pcg, mesh)
+    return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained)

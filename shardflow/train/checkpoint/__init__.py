@@ -6,9 +6,10 @@ under any strategy and mesh. By concern:
 * :mod:`~shardflow.train.checkpoint.dcp` — the tensors, written and read with DCP (safely: no unpickling beyond
   DCP's own metadata classes);
 * :mod:`~shardflow.train.checkpoint.resume` — whether a checkpoint fits the run about to continue from it;
-* :mod:`~shardflow.train.checkpoint.export` — the plain module with a checkpoint's weights, and safetensors;
-* :mod:`~shardflow.train.checkpoint.model` — what all of them need to know about the model, an adapter the
-  training recipe gives.
+* :mod:`~shardflow.train.checkpoint.export` — the plain module with a checkpoint's weights, and the Hugging Face
+  model directory of ``shardflow export``.
+
+What they know of the model is its :class:`~shardflow.train.family.Family`, recorded by name with its config.
 
 **What is saved, and why full tensors.** Every tensor whole (unsharded): nothing in the files depends on how the
 run was sharded, so a checkpoint written by any strategy and mesh loads under any other, and ``export`` /
@@ -25,9 +26,8 @@ directory once it has written its first one.
 
 from shardflow.train.checkpoint.dcp import Checkpoint, Entries, Saver, model_entries, read
 from shardflow.train.checkpoint.export import export, load_model
-from shardflow.train.checkpoint.model import ModelAdapter
 from shardflow.train.checkpoint.resume import for_resume
 from shardflow.train.checkpoint.store import MARKER, CheckpointError, check_writable, complete_steps, newest
 
-__all__ = ["MARKER", "Checkpoint", "CheckpointError", "Entries", "ModelAdapter", "Saver", "check_writable",
+__all__ = ["MARKER", "Checkpoint", "CheckpointError", "Entries", "Saver", "check_writable",
            "complete_steps", "export", "for_resume", "load_model", "model_entries", "newest", "read"]

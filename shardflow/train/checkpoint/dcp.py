@@ -25,8 +25,8 @@ import torch
 
 from shardflow.lower.dynamic import state_id
 from shardflow.train.checkpoint import store
-from shardflow.train.checkpoint.model import ModelAdapter
 from shardflow.train.checkpoint.store import CheckpointError
+from shardflow.train.family import Family, ModelError, family_of
 from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
 Entries = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -84,7 +84,8 @@ def _reader(path: Path):
 @dataclass(frozen=True)
 class Checkpoint:
     """A complete checkpoint whose files were verified: what its manifest says and DCP's tensor index.
-    ``model`` is the model's config as recorded (JSON; :meth:`config` reads it with the recipe's adapter);
+    ``model`` is the model as recorded (JSON ``{"family": name, "config": {...}}``; :meth:`family` and :meth:`config`
+    read it);
     ``data`` the corpus it was trained on (``source``, ``sha256``, ``chars``, ``tokens``)."""
 
     path: Path
@@ -100,11 +101,19 @@ class Checkpoint:
         """The run's tokenizer, saved with the checkpoint as ``tokenizer.json`` (verified by the manifest)."""
         return Tokenizer.load(self.path / TOKENIZER_FILE)
 
-    def config(self, adapter: ModelAdapter) -> Any:
-        """The model's config (``adapter.config_type``); raises CheckpointError when the recorded one does not fit."""
+    def family(self) -> Family:
+        """The model family that wrote it (:mod:`shardflow.train.family`); raises CheckpointError when the record
+        does not fit."""
+        return self._read(lambda: family_of(self.model))
+
+    def config(self, family: Family) -> Any:
+        """The model's config read by ``family``; raises CheckpointError when the recorded one does not fit."""
+        return self._read(lambda: family.from_json(self.model["config"]))
+
+    def _read(self, read: Callable[[], Any]) -> Any:
         try:
-            return adapter.from_json(self.model)
-        except (ValueError, TypeError) as e:
+            return read()
+        except (ValueError, TypeError, KeyError, ModelError) as e:
             raise CheckpointError(f"checkpoint {self.path} is corrupt: {store.META} cannot be read "
                                   f"({type(e).__name__}: {e}); {store.fallback(self.path)}") from None
 

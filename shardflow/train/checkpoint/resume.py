@@ -1,5 +1,5 @@
 """``--resume``: the newest complete checkpoint, checked against the run about to continue from it — its text
-(the corpus's sha256), its tokenizer, the model's sizes (through the recipe's :class:`ModelAdapter`), the optimizer and
+(the corpus's sha256), its tokenizer, the model's family and sizes (:class:`~shardflow.train.family.Family`), the optimizer and
 every tensor's shape. Each mismatch is one paragraph naming the checkpoint, what differs and the fix."""
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from typing import Any, Mapping
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer, UpdateRule
 from shardflow.train.checkpoint import store
 from shardflow.train.checkpoint.dcp import Checkpoint, Entries, read
-from shardflow.train.checkpoint.model import ModelAdapter
 from shardflow.train.checkpoint.store import CheckpointError
+from shardflow.train.family import Family
 from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
 _OPT_NAMES = {UpdateRule.SGD: "SGD without momentum", UpdateRule.SGD_MOMENTUM: "SGD with momentum",
               UpdateRule.ADAMW: "AdamW"}
 
 
-def for_resume(root: Path, adapter: ModelAdapter, config: Any, corpus: Mapping[str, Any], tokenizer: Tokenizer,
+def for_resume(root: Path, family: Family, config: Any, corpus: Mapping[str, Any], tokenizer: Tokenizer,
                optimizer_slots: UpdateRule, want: Entries) -> Checkpoint:
     """The newest complete checkpoint under ``root``, checked against the run about to continue from it: its model
-    ``config`` (read with ``adapter``), its ``corpus`` (``source``, ``sha256``, ``chars``, as the checkpoint records
+    ``family`` and ``config``, its ``corpus`` (``source``, ``sha256``, ``chars``, as the checkpoint records
     it), its ``tokenizer``, the optimizer's state slots and the ``want``ed entries. Raises CheckpointError."""
     path = store.newest(root)
     if path is None:
@@ -30,8 +30,12 @@ def for_resume(root: Path, adapter: ModelAdapter, config: Any, corpus: Mapping[s
         raise CheckpointError(f"--resume: {root} holds no complete checkpoint{extra}; point --checkpoint-dir (or "
                               f"--run-dir) at the run to continue, or start a new run without --resume")
     ck = read(path)
-    saved = ck.config(adapter)
     new_run = "or start a new run without --resume (or with another --checkpoint-dir)"
+    theirs_family = ck.family()
+    if theirs_family.name != family.name:
+        raise CheckpointError(f"checkpoint {path} is of a {theirs_family.name} model, this run trains "
+                              f"{family.name}; resume with --model {theirs_family.name}, {new_run}")
+    saved = ck.config(family)
     if ck.data.get("sha256") != corpus["sha256"]:
         raise CheckpointError(f"checkpoint {path} was trained on another text: {_text(ck.data)}, this run's --data "
                               f"is {_text(corpus)}; resume with the data it was trained on "
@@ -41,8 +45,8 @@ def for_resume(root: Path, adapter: ModelAdapter, config: Any, corpus: Mapping[s
         raise CheckpointError(f"checkpoint {path} was trained with another tokenizer: {theirs_tok.describe()} (sha256 "
                               f"{theirs_tok.sha256[:12]}), this run's is {tokenizer.describe()} (sha256 "
                               f"{tokenizer.sha256[:12]}); resume with --tokenizer {path / TOKENIZER_FILE}, {new_run}")
-    diff = [(flag, getattr(saved, name), getattr(config, name)) for name, flag in adapter.must_match.items()
-            if getattr(saved, name) != getattr(config, name)]
+    diff = [(flag, getattr(saved, name, None), getattr(config, name, None)) for name, flag in family.must_match
+            if getattr(saved, name, None) != getattr(config, name, None)]
     if diff:
         theirs_, ours = (" ".join(f"{flag} {v[i]}" for flag, *v in diff) for i in (0, 1))
         raise CheckpointError(f"checkpoint {path} is of a different model: it has {theirs_}, this run {ours}; "

@@ -26,7 +26,8 @@ from typing import Any, Mapping
 
 MARKER = "COMPLETE"
 META = "shardflow.json"
-FORMAT = 2  # 2: the corpus (``data``) and tokenizer.json replace format 1's tokenizer characters
+FORMAT = 3  # 2: the corpus (``data``) and tokenizer.json replace format 1's tokenizer characters; 3: ``model`` is
+#            {family, config} (Hugging Face configs, factories) instead of shardflow's GPT config
 _STEP = re.compile(r"step_(\d+)$")
 
 

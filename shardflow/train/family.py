@@ -1,0 +1,274 @@
+"""What ``shardflow train --model`` builds: a :class:`Family` — how to size, build, feed, record and export a model.
+
+* ``llama`` (the default) — Hugging Face ``LlamaForCausalLM`` (RMSNorm, rotary embeddings, SwiGLU, grouped-query
+  attention) built from a config with random weights (nothing is downloaded);
+* ``gpt2`` — Hugging Face ``GPT2LMHeadModel`` likewise;
+* any other causal-LM ``model_type`` of ``transformers`` (``mistral``, ``qwen2``, ...) through ``--model-config``;
+* ``FILE.py:FACTORY`` / ``package.module:FACTORY`` — the factory ``shardflow check`` takes
+  (:func:`shardflow.api.load_model`), fed from the data pipeline.
+
+Sizes: the family's defaults (:data:`DEFAULT_SIZES`) < ``--model-config config.json`` (a Hugging Face config) <
+the flags ``--layers --heads --kv-heads --embd`` (``--seq-len`` sets the positions, the tokenizer the vocabulary).
+
+How a model takes a batch (:class:`Feed`): the data pipeline makes token ids ``idx`` [B, T] and their next tokens
+``targets`` [B, T]. A Hugging Face causal LM gets ``input_ids=idx, labels=targets, shift_labels=targets``: with
+``shift_labels`` given, transformers' ``ForCausalLMLoss`` does not shift again, so the loss is the mean
+cross-entropy over all B·T positions — the same as ``forward(idx, targets)`` of a model that takes the targets
+already shifted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+
+class ModelError(ValueError):
+    """``--model`` / ``--model-config`` / size flags that make no model; the message names the setting and the fix."""
+
+
+class Feed(StrEnum):
+    """How a model takes the pipeline's batch (``idx``, ``targets``: int64 [B, T])."""
+
+    NEXT_TOKEN = "idx,targets"  # forward(idx, targets) → loss (targets already shifted)
+    CAUSAL_LM = "input_ids,labels"  # a Hugging Face causal LM: forward(input_ids, labels, shift_labels) → .loss
+
+    def inputs(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The keyword arguments of ``model(**inputs)`` for one batch."""
+        if self is Feed.NEXT_TOKEN:
+            return {"idx": idx, "targets": targets}
+        return {"input_ids": idx, "labels": targets, "shift_labels": targets}
+
+    @classmethod
+    def of_batch(cls, spec: str, keys: set[str], module: nn.Module) -> Feed:
+        """The feed a factory's example batch asks for (its keys). Raises ModelError for other keys, or
+        ``input_ids``/``labels`` on a module that is not a Hugging Face model (which alone shifts the labels)."""
+        if keys == {"idx", "targets"}:
+            return cls.NEXT_TOKEN
+        if keys == {"input_ids", "labels"} and is_hf(module):
+            return cls.CAUSAL_LM
+        hf = " (a Hugging Face PreTrainedModel)" if keys == {"input_ids", "labels"} else ""
+        raise ModelError(f"--model {spec}: shardflow train feeds token batches as idx and targets (the next tokens, "
+                         f"for forward(idx, targets) → loss) or as input_ids and labels{hf}; the factory's batch has "
+                         f"{', '.join(sorted(keys))}: return one of those two batches")
+
+
+def is_hf(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face ``PreTrainedModel`` (without importing transformers when it is not)."""
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(module).__mro__)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes the flags set (None: the family's default or ``--model-config``'s)."""
+
+    layers: int | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    embd: int | None = None
+
+
+# `make train`'s model: about two minutes on 2 cores at tp=2 (see docs/execution.md)
+DEFAULT_SIZES = Sizes(layers=2, heads=4, kv_heads=2, embd=128)
+
+# Hugging Face config attributes per size flag (the standard names: GPT2Config maps them onto n_layer, ...)
+_ATTRS = {"layers": "num_hidden_layers", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+          "embd": "hidden_size"}
+
+
+@dataclass(frozen=True)
+class _HFType:
+    """How ``shardflow train`` sizes one Hugging Face ``model_type`` without ``--model-config``: the MLP width
+    attribute and its ratio to the width (SwiGLU's 8/3, rounded up to a multiple of 64, as Llama; GPT-2's 4); its
+    dropout attributes (``--dropout``) and its attention dropout (always 0: the fused attention kernel draws its
+    mask inside, where shardflow cannot draw the same mask on every strategy)."""
+
+    ffn: str
+    ffn_ratio: float
+    dropouts: tuple[str, ...]
+    attention_dropout: str
+
+
+_HF_TYPES = {"llama": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
+             "mistral": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
+             "qwen2": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
+             "gpt2": _HFType("n_inner", 4, ("resid_pdrop", "embd_pdrop"), "attn_pdrop")}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family as ``shardflow train``, its checkpoints, ``export`` and ``generate`` see it.
+
+    * ``name``: ``llama``, ``gpt2``, a model type, or the factory's spec; ``feed``: how it takes batches;
+    * ``build``: the module of a config (the caller seeds); ``to_json``/``from_json``: the config as a checkpoint
+      records it; ``describe``: one line of sizes;
+    * ``must_match``: (config attribute, flag) pairs a run resuming from a checkpoint must share with it.
+    """
+
+    name: str
+    feed: Feed
+    build: Callable[[Any], nn.Module]
+    to_json: Callable[[Any], dict[str, Any]]
+    from_json: Callable[[Mapping[str, Any]], Any]
+    describe: Callable[[Any], str]
+    must_match: tuple[tuple[str, str], ...] = ()
+
+    def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of token ids ``idx`` [B, T] (for sampling). Raises ModelError for a model that only
+        returns its loss."""
+        if self.feed is Feed.CAUSAL_LM:
+            return model(input_ids=idx).logits
+        if hasattr(model, "logits"):
+            return model.logits(idx)
+        raise ModelError(f"model {self.name} ({type(model).__name__}) has no logits(idx) method: shardflow "
+                         f"generate samples from Hugging Face models and from models with logits(idx) → [B, T, V]")
+
+
+# --- Hugging Face families ---------------------------------------------------------------------------------------
+
+def _hf_build(config) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _hf_from_json(saved: Mapping[str, Any]):
+    from transformers import AutoConfig
+    saved = dict(saved)
+    model_type = saved.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("the model config has no model_type")
+    return AutoConfig.for_model(model_type, **saved)
+
+
+def _hf_describe(config) -> str:
+    kv = getattr(config, "num_key_value_heads", None)
+    kv = f" ({kv} key/value)" if kv and kv != config.num_attention_heads else ""
+    return (f"{type(config).__name__.removesuffix('Config')} ({config.model_type}): {config.num_hidden_layers} layers, "
+            f"{config.num_attention_heads} heads{kv}, width {config.hidden_size}")
+
+
+def hf_family(model_type: str) -> Family:
+    """The family of a Hugging Face causal LM ``model_type``."""
+    match = tuple((a, f"--{k.replace('_', '-')}") for k, a in _ATTRS.items()) + (("vocab_size", "--vocab-size"),)
+    return Family(model_type, Feed.CAUSAL_LM, _hf_build, lambda c: c.to_dict(), _hf_from_json, _hf_describe,
+                  match)
+
+
+def hf_config(model: str | None, config_file: str | None, sizes: Sizes, vocab_size: int, seq_len: int,
+              dropout: float, keep_vocab: bool = False):
+    """The Hugging Face config of ``--model`` (a model type; None: ``--model-config``'s, else llama) sized by
+    ``--model-config`` and the flags, with the tokenizer's ``vocab_size`` (``keep_vocab``: the config's, which must
+    hold the tokenizer's ids — a pretrained model's embedding), at least ``seq_len`` positions, the given dropout
+    and no KV cache (the training forward is captured). Raises ModelError."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+    base: dict[str, Any] = {}
+    if config_file:
+        try:
+            base = json.loads(Path(config_file).read_text())
+        except (OSError, ValueError) as e:
+            raise ModelError(f"--model-config {config_file}: cannot read it as JSON ({e}); pass a Hugging Face "
+                             f"config.json") from None
+        if not isinstance(base, dict) or "model_type" not in base:
+            raise ModelError(f"--model-config {config_file}: no model_type in it; pass a Hugging Face config.json "
+                             f"(as save_pretrained writes)")
+    model_type = model or base.get("model_type", "llama")
+    if base and base["model_type"] != model_type:
+        raise ModelError(f"--model {model} but --model-config {config_file} is of model_type "
+                         f"{base['model_type']!r}; drop --model, or pass a config of {model_type}")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelError(f"--model {model_type}: not a model type of transformers, nor FILE.py:FACTORY; use llama, "
+                         f"gpt2, another causal-LM type (mistral, qwen2, ...) or a factory")
+    config = AutoConfig.for_model(**(base or {"model_type": model_type}))
+    gqa = hasattr(config, "num_key_value_heads")
+    if sizes.kv_heads is not None and not gqa:
+        raise ModelError(f"--kv-heads {sizes.kv_heads}: {model_type} has no grouped-query attention (every head has "
+                         f"its own keys and values); drop --kv-heads")
+    kind = _HF_TYPES.get(model_type)
+    for flag, default in asdict(DEFAULT_SIZES).items():
+        v = getattr(sizes, flag)
+        if v is None and not base and (flag != "kv_heads" or gqa):
+            v = default
+        if v is not None:
+            setattr(config, _ATTRS[flag], v)
+    if kind is not None and not base:  # a --model-config keeps its own MLP width
+        setattr(config, kind.ffn, -(-int(config.hidden_size * kind.ffn_ratio) // 64) * 64)
+    if dropout and not (kind and kind.dropouts):
+        with_dropout = [t for t, k in _HF_TYPES.items() if k.dropouts]
+        raise ModelError(f"--dropout {dropout}: {model_type} has dropout only inside attention, which shardflow "
+                         f"does not support (the fused kernel draws its mask); drop --dropout, or train "
+                         f"{' or '.join(with_dropout)} (residual and embedding dropout)")
+    if kind is not None:
+        for attr in kind.dropouts:
+            setattr(config, attr, dropout)
+        setattr(config, kind.attention_dropout, 0.0)
+    if not keep_vocab:
+        config.vocab_size = vocab_size
+    elif config.vocab_size < vocab_size:
+        raise ModelError(f"the tokenizer has {vocab_size} tokens but the model's embedding only {config.vocab_size}: "
+                         f"pass the tokenizer the model was trained with")
+    # GPT-2 learns a position embedding per position: as many as --seq-len (a --model-config may hold more)
+    config.max_position_embeddings = max(seq_len, config.max_position_embeddings) if base else seq_len
+    config.use_cache = False
+    heads, embd = config.num_attention_heads, config.hidden_size
+    if embd % heads:
+        fits = [h for h in range(1, heads + 1) if embd % h == 0][-1]
+        raise ModelError(f"--embd {embd} is not a multiple of --heads {heads} (every head gets --embd / --heads "
+                         f"features); change one of them, e.g. --heads {fits}")
+    kv = getattr(config, "num_key_value_heads", None)
+    if kv is not None and heads % kv:
+        raise ModelError(f"--heads {heads} is not a multiple of --kv-heads {kv} (each key/value head serves "
+                         f"--heads / --kv-heads query heads); change one of them, e.g. --kv-heads 1")
+    return config
+
+
+# --- factories (FILE.py:FACTORY) ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FactoryConfig:
+    """A factory model's config: the spec, and the tokenizer's vocabulary size (passed to a factory that takes
+    ``vocab_size``)."""
+
+    spec: str
+    vocab_size: int
+
+
+def _factory_build(config: FactoryConfig) -> nn.Module:
+    return _call_factory(config)[0]
+
+
+def _call_factory(config: FactoryConfig) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from shardflow.api import load_model
+    return load_model(config.spec, seed=torch.initial_seed(), vocab_size=config.vocab_size)
+
+
+def factory_family(spec: str, vocab_size: int) -> tuple[Family, FactoryConfig]:
+    """The family of a ``FILE.py:FACTORY`` spec and its config; calls the factory once to learn its feed. Raises
+    ModelSpecError (the factory) or ModelError (its batch)."""
+    config = FactoryConfig(spec, vocab_size)
+    module, batch = _call_factory(config)
+    feed = Feed.of_batch(spec, set(batch), module)
+    return Family(spec, feed, _factory_build, asdict, lambda saved: FactoryConfig(**saved),
+                  lambda c: f"{type(module).__name__} from {c.spec}"), config
+
+
+def is_factory(model: str | None) -> bool:
+    """Whether ``--model`` names a factory (``WHERE:NAME``) rather than a model type."""
+    return model is not None and ":" in model
+
+
+def family_of(saved: Mapping[str, Any]) -> Family:
+    """The family of a checkpoint's recorded model (``{"family": name, "config": {...}}``; a factory is called once
+    to learn its feed). Raises ModelError for a record without a family."""
+    name = saved.get("family")
+    if not name:
+        raise ModelError("the checkpoint records no model family")
+    if is_factory(name):
+        return factory_family(name, saved["config"]["vocab_size"])[0]
+    return hf_family(name)
