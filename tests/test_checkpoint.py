@@ -109,7 +109,7 @@ def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, train_argv, read_met
     want = read_metrics(runs / "tp6")
     for r, name in zip(run_all(*argvs), ("dp", "single")):
         assert r.returncode == 0, r.stderr + r.stdout
-        assert "written under tp on mesh tp=2" in r.stdout
+        assert "written under strategy tp on mesh tp=2" in r.stdout
         got = read_metrics(tmp_path / name)
         assert [m["step"] for m in got] == [4, 5, 6]
         for a, b in zip(got, want[3:]):
@@ -362,6 +362,19 @@ def test_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     _saver(root).save(_FakeExecutor(3.0), 2)  # a new run: step_2 replaced, the rest removed once it has one
     assert [n for n, _ in checkpoint.complete_steps(root)] == [2]
     assert sorted(p.name for p in root.iterdir()) == ["step_2"]
+
+
+def test_non_finite_state_is_never_saved(tmp_path):
+    """Every rank holds the same full tensors when it saves, so each refuses the same save, before writing anything:
+    the previous complete checkpoint stays the newest."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    _saver(root).save(_FakeExecutor(1.0), 1)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(checkpoint.NonFiniteState, match=r"^the state after step 2 holds NaN or inf \(model/w and "
+                                                            r"1 more\): checkpoint not saved$"):
+            _saver(root, fresh=False).save(_FakeExecutor(bad), 2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"] and checkpoint.newest(root) == root / "step_1"
 
 
 def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(train_argv, tmp_path):

@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+from shardflow.train import checkpoint
+
 
 @pytest.fixture(scope="module")
 def train(train_argv):
@@ -77,6 +79,28 @@ def test_empty_and_non_utf8_data(tmp_path, train):
     for path, word in ((empty, "is empty"), (latin, "is not UTF-8")):
         r, _ = train(tmp_path, "bad", "--data", str(path), "--nproc", "1", "--strategy", "single")
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv", [["--strategy", "single", "--nproc", "1"], ["--strategy", "tp", "--nproc", "2"]])
+def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_path, train, read_metrics,
+                                                                                   argv):
+    """--lr 1e12: step 1's loss is finite and its update huge; step 2's loss is NaN. One process (the local executor)
+    and two (each rank sees the same loss, so both stop at step 2 with status 2, and nothing hangs)."""
+    r, run = train(tmp_path, "nan", *argv, "--lr", "1e12", "--checkpoint-every", "1")
+    assert r.returncode == 2, r.stderr + r.stdout
+    rank = "rank 0: " if argv[-1] == "2" else ""  # the command prints rank 0's paragraph
+    assert r.stderr == (f"shardflow train: error: {rank}the loss is nan at step 2: training diverged, most likely "
+                        f"because the learning rate is too high (--lr 1e+12); try --clip-norm 1.0 or a lower --lr. "
+                        f"Nothing of step 2 was saved; the last complete checkpoint, {run / 'checkpoints' / 'step_1'}, "
+                        f"is kept (continue from it with --resume and a lower --lr)\n"), r.stderr
+    assert "Traceback" not in r.stdout
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    root = run / "checkpoints"
+    assert [n for n, _ in checkpoint.complete_steps(root)] == [1] and not list(root.glob("*.tmp"))
+    ck = checkpoint.read(root / "step_1")
+    assert all(t.isfinite().all() for t in ck.load(ck.entries).values())
+    for log in run.glob("rank*.log"):  # every rank said it (status 2 from each: the command's 2 needs all of them)
+        assert "the loss is nan at step 2" in log.read_text().splitlines()[-1], log
 
 
 def check_line(r) -> str:
