@@ -377,6 +377,35 @@ def test_non_finite_state_is_never_saved(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_1"] and checkpoint.newest(root) == root / "step_1"
 
 
+def test_non_finite_weights_at_a_save_stop_the_run_with_one_paragraph(tmp_path, tiny, corpus, capsys, monkeypatch):
+    """A finite loss does not prove the update after it was finite: the save checks the state itself. Here the
+    weights the executor hands the save at step 2 are NaN (the loss stays finite): the run stops with one paragraph,
+    and step 1's checkpoint stays the newest."""
+    from shardflow.runtime.local import LocalExecutor
+
+    real, calls = LocalExecutor.weights, []
+
+    def weights(self):
+        calls.append(1)
+        return {k: v if len(calls) < 2 else torch.full_like(v, float("nan")) for k, v in real(self).items()}
+
+    monkeypatch.setattr(LocalExecutor, "weights", weights)
+    old = signal.getsignal(signal.SIGTERM)
+    run = tmp_path / "run"
+    try:
+        code = cli_main(["train", *tiny, "--steps", "3", "--data", str(corpus), "--run-dir", str(run), "--strategy",
+                         "single", "--nproc", "1", "--checkpoint-every", "1"])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        f"shardflow train: error: the weights or optimizer state hold NaN or inf (model/model.embed_tokens.weight) "
+        f"at step 2: training diverged, most likely because the learning rate is too high (--lr 0.01); try "
+        f"--clip-norm 1.0 or a lower --lr. Nothing of step 2 was saved; the last complete checkpoint, "
+        f"{run / 'checkpoints' / 'step_1'}, is kept (continue from it with --resume and a lower --lr)\n"), err
+    assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [1]
+
+
 def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(train_argv, tmp_path):
     run = tmp_path / "run"
     p = subprocess.Popen(train_argv(run, "--strategy", "tp", "--nproc", "2", "--steps", "100000",

@@ -36,13 +36,13 @@ class Diverged(ValueError):
     the message names the step, what was not finite, the likely cause and the last complete checkpoint."""
 
 
-def diverged(cfg: TrainConfig, step: int, what: str, last: Path | None) -> Diverged:
-    """The :class:`Diverged` of ``what`` (e.g. ``the loss is nan``) at ``step``; ``last``: the newest complete
+def diverged(cfg: TrainConfig, step: int, what: str, newest: Path | None) -> Diverged:
+    """The :class:`Diverged` of ``what`` (e.g. ``the loss is nan``) at ``step``; ``newest``: the newest complete
     checkpoint of the run (None: none)."""
     fix = (f"try a lower --lr (the gradients are already clipped to --clip-norm {cfg.clip_norm:g})" if cfg.clip_norm
            else "try --clip-norm 1.0 or a lower --lr")
-    kept = (f"the last complete checkpoint, {last}, is kept (continue from it with --resume and a lower --lr)"
-            if last else "no checkpoint had been saved before it")
+    kept = (f"the last complete checkpoint, {newest}, is kept (continue from it with --resume and a lower --lr)"
+            if newest else "no checkpoint had been saved before it")
     return Diverged(f"{what} at step {step}: training diverged, most likely because the learning rate is too high "
                     f"(--lr {cfg.lr:g}); {fix}. Nothing of step {step} was saved; {kept}")
 
@@ -69,12 +69,12 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     console = Console(lead, cfg.steps, cfg.log_every)
     check_outputs(cfg)
     hook = hooks.installed()
-    start, resumed, last = 0, None, None
+    start, resumed, newest = 0, None, None  # newest: the run's newest complete checkpoint
     if cfg.resume:
         resumed = s.resume_point()
         if console.nothing_to_do(resumed):
             return 0
-        start, last = resumed.step, resumed.path
+        start, newest = resumed.step, resumed.path
         t = resumed.load(s.checkpoint_entries())  # full tensors on every rank; the executor keeps its pieces
         weights = {w: t[f"model/{w}"] for w in s.graph.weights}
         state = {k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")}
@@ -107,7 +107,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         with hook.step(rank, step + 1):
             loss = ex.step(batch)
         if not math.isfinite(loss):  # the same loss on every rank: every rank stops here
-            raise diverged(cfg, step + 1, f"the loss is {loss}", last)
+            raise diverged(cfg, step + 1, f"the loss is {loss}", newest)
         dt = time.perf_counter() - t0
         if tracing:
             _write_trace(s, ex, rank, world)
@@ -127,8 +127,8 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
                 path, size = saver.save(ex, step + 1)  # collective: every rank takes part
             except checkpoint.NonFiniteState as e:
                 raise diverged(cfg, step + 1, f"the weights or optimizer state hold NaN or inf ({e.names[0]})",
-                               last) from None
-            last = path
+                               newest) from None
+            newest = path
             console.saved(path, size, time.perf_counter() - t0)
     if lead:
         console.done(record["val_loss"], baseline)
