@@ -134,7 +134,9 @@ def test_metrics_and_trace_stay_off_the_runs_own_files(train, tmp_path, argv, wo
     assert contents(tmp_path / "run") == {"config.toml": b"steps = 2\n"}
 
 
-def test_a_runs_latest_directory_of_an_earlier_version_is_not_replaced(train, tmp_path):
+def test_runs_latest_missing_for_resume_or_a_directory_of_an_earlier_version(train, tmp_path):
+    one_paragraph(*train("--resume"), "train", "--resume without --run-dir continues the newest run, runs/latest, "
+                  "which does not exist; pass --run-dir with the directory of the run to continue")
     (tmp_path / "runs" / "latest").mkdir(parents=True)
     one_paragraph(*train(), "train", "runs/latest is a directory (a run of an earlier shardflow",
                   "rename it (e.g. mv runs/latest runs/old)")
