@@ -146,11 +146,17 @@ def test_check_passes_with_dropout(tmp_path, train, argv):
 
 
 def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
-    run = tmp_path / "torchrun"
+    """Without --run-dir: rank 0 makes the new run directory (and config.toml) once the ranks have joined, and tells
+    rank 1 its name — both write their files of the checkpoint there."""
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardflow.cli")
-    r = subprocess.run(train_argv(run, "--steps", "4", "--strategy", "dp", entry=torchrun), capture_output=True,
-                       text=True, timeout=300)
+    argv = train_argv(tmp_path / "unused", "--steps", "4", "--strategy", "dp", entry=torchrun)
+    at = argv.index("--run-dir")
+    r = subprocess.run(argv[:at] + argv[at + 2:], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "runs" / "latest"
+    assert run.is_symlink() and (run / "config.toml").exists()
+    assert [p.name for p in (tmp_path / "runs").iterdir() if not p.is_symlink()] == [run.resolve().name]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (run / "checkpoints" / "step_4").iterdir()}
     for a, b in zip(read_metrics(run), single):
         assert abs(a["loss"] - b["loss"]) < 1e-4
 
