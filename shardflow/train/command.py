@@ -22,7 +22,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from shardflow.runtime.launch import LAUNCHED
+from shardflow.runtime.launch import LAUNCHED, describe_failure, launch, tail
 from shardflow.train import checkpoint, hooks
 from shardflow.train.config import TrainConfig, check_config, check_outputs
 from shardflow.train.console import Console, tee_to_log
@@ -75,7 +75,6 @@ def _main(run: RunDir, launched: bool) -> int:
 
 def _launch(cfg: TrainConfig, run: RunDir) -> int:
     """Start ``--nproc`` ranks (each inherits the run directory's lock) and wait for them."""
-    from shardflow.runtime.launch import describe_failure, launch
     # The launcher forwards Ctrl-C / SIGTERM to the ranks from its own handler; a wakeup fd tells us one came.
     signals_r, signals_w = os.pipe()
     os.set_blocking(signals_r, False)
@@ -110,7 +109,6 @@ def _launch(cfg: TrainConfig, run: RunDir) -> int:
 
 def _every_rank_said(codes: tuple[int, ...], run_dir: Path) -> str | None:
     """Rank 0's one-paragraph error when every rank ended with one (exit status 2), else None."""
-    from shardflow.runtime.launch import tail
     if set(codes) != {2}:
         return None
     said = [line for line in tail(run_dir / "rank0.log").splitlines() if line.startswith(ERROR)]
