@@ -245,6 +245,11 @@ def test_export_onto_an_existing_directory(capsys, tmp_path, finished):
     code = cli_main(["export", str(finished), "--out", str(tmp_path)])
     one_paragraph(code, *capsys.readouterr(), "export", f"--out {tmp_path} already exists", "overwrites nothing")
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    data = finished / "checkpoints" / "step_2" / "__0_0.distcp"  # a file of the very checkpoint export reads
+    before = data.read_bytes()
+    code = cli_main(["export", str(finished), "--out", str(data)])
+    one_paragraph(code, *capsys.readouterr(), "export", f"--out {data} already exists", "overwrites nothing")
+    assert data.read_bytes() == before
 
 
 # --- the Python API -------------------------------------------------------------------------------------------

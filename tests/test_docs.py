@@ -644,15 +644,15 @@ def test_classifier_plan_is_the_example_s():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Where the commands that start no process run: a prepared directory with a finished tiny run on the default
-    text in ``runs/latest`` (the default --run-dir), for export and generate."""
+    text in a new run directory (the default --run-dir), which ``runs/latest`` points at, for export and generate."""
     work = _prepare(tmp_path_factory.mktemp("docs"))
     old = signal.getsignal(signal.SIGTERM)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert cli_main(["train", *SHRINK_TRAIN, "--strategy", "single", "--nproc", "1", "--run-dir",
-                             str(work / "runs" / "latest")]) == 0
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.chdir(work):
+            assert cli_main(["train", *SHRINK_TRAIN, "--strategy", "single", "--nproc", "1"]) == 0
     finally:
         signal.signal(signal.SIGTERM, old)
+    assert (work / "runs" / "latest").is_symlink()
     return work
 
 

@@ -7,6 +7,8 @@ import subprocess
 
 import pytest
 
+from shardflow.train import checkpoint
+
 
 @pytest.fixture(scope="module")
 def train(train_argv):
@@ -121,6 +123,28 @@ def test_empty_and_non_utf8_data(tmp_path, train):
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("argv", [["--strategy", "single", "--nproc", "1"], ["--strategy", "tp", "--nproc", "2"]])
+def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_path, train, read_metrics,
+                                                                                   argv):
+    """--lr 1e12: step 1's loss is finite and its update huge; step 2's loss is NaN. One process (the local executor)
+    and two (each rank sees the same loss, so both stop at step 2 with status 2, and nothing hangs)."""
+    r, run = train(tmp_path, "nan", *argv, "--lr", "1e12", "--checkpoint-every", "1")
+    assert r.returncode == 2, r.stderr + r.stdout
+    rank = "rank 0: " if argv[-1] == "2" else ""  # the command prints rank 0's paragraph
+    assert r.stderr == (f"shardflow train: error: {rank}the loss is nan at step 2: training diverged, most likely "
+                        f"because the learning rate is too high (--lr 1e+12); try --clip-norm 1.0 or a lower --lr. "
+                        f"Nothing of step 2 was saved; the last complete checkpoint, {run / 'checkpoints' / 'step_1'}, "
+                        f"is kept (continue from it with --resume and a lower --lr)\n"), r.stderr
+    assert "Traceback" not in r.stdout
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    root = run / "checkpoints"
+    assert [n for n, _ in checkpoint.complete_steps(root)] == [1] and not list(root.glob("*.tmp"))
+    ck = checkpoint.read(root / "step_1")
+    assert all(t.isfinite().all() for t in ck.load(ck.entries).values())
+    for log in run.glob("rank*.log"):  # every rank said it (status 2 from each: the command's 2 needs all of them)
+        assert "the loss is nan at step 2" in log.read_text().splitlines()[-1], log
+
+
 def check_line(r) -> str:
     assert r.returncode == 0, r.stderr + r.stdout
     return next(l for l in r.stdout.splitlines() if l.startswith("check against one device"))
@@ -164,11 +188,17 @@ def test_check_passes_with_dropout(tmp_path, train, argv):
 
 
 def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
-    run = tmp_path / "torchrun"
+    """Without --run-dir: rank 0 makes the new run directory (and config.toml) once the ranks have joined, and tells
+    rank 1 its name — both write their files of the checkpoint there."""
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardflow.cli")
-    r = subprocess.run(train_argv(run, "--steps", "4", "--strategy", "dp", entry=torchrun), capture_output=True,
-                       text=True, timeout=300)
+    argv = train_argv(tmp_path / "unused", "--steps", "4", "--strategy", "dp", entry=torchrun)
+    at = argv.index("--run-dir")
+    r = subprocess.run(argv[:at] + argv[at + 2:], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "runs" / "latest"
+    assert run.is_symlink() and (run / "config.toml").exists()
+    assert [p.name for p in (tmp_path / "runs").iterdir() if not p.is_symlink()] == [run.resolve().name]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (run / "checkpoints" / "step_4").iterdir()}
     for a, b in zip(read_metrics(run), single):
         assert abs(a["loss"] - b["loss"]) < 1e-4
 

@@ -278,7 +278,7 @@ class DistributedExecutor(Executor):
             others = {frm: int(theirs)}
         else:
             got = torch.empty(len(c.members), dtype=torch.long)
-            self._wait(dist.all_gather_into_tensor(got, mine, group=self.groups.get(c.members), async_op=True), c)
+            self._wait(dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c)
             others = dict(zip(c.members, got.tolist()))
         bad = {r: t for r, t in others.items() if t != c.token}
         if bad:

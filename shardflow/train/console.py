@@ -15,6 +15,7 @@ from typing import Any
 from shardflow.graph.flops import TRAINING_FACTOR
 from shardflow.lower.report import bytes_rows
 from shardflow.train.checkpoint import Checkpoint
+from shardflow.train.config import placement
 from shardflow.train.metrics import Meter, memory_source
 
 CLEAR = "\r\x1b[K"  # back to the start of the terminal line and clear it
@@ -73,8 +74,7 @@ class Console:
         self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
         self.say(f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
                  f"{cfg.optimizer} lr {cfg.lr}")
-        self.say(f"strategy {cfg.strategy} on mesh {s.mesh} ({s.mesh.size} devices); batch "
-                 f"{cfg.batch_size}×{cfg.seq_len}")
+        self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}")
         per = {}
         for r, kind, axis, n, planned, _ in bytes_rows(step.programs):
             if r == min(step.programs):
@@ -84,10 +84,15 @@ class Console:
         if s.pcg.redistributions:
             self.say(s.pcg.redistribution_listing())
         self.say(f"unigram baseline (validation): {baseline:.4f} nats/token")
+        if s.eval_batches < cfg.eval_batches:
+            self.say(f"validation: {s.eval_batches} batches per measurement, not --eval-batches {cfg.eval_batches}: "
+                     f"they hold the {len(c.val):,} tokens of the validation split")
+        self.say(f"run directory: {cfg.run_dir}")
 
     def resumed(self, ck: Checkpoint, start: int) -> None:
         """Where a resumed run continues from."""
-        self.say(f"resumed from {ck.path} (step {start}; written under {ck.train.get('strategy')} on mesh {ck.mesh})")
+        how = placement(ck.train.get("strategy"), ck.train.get("plan"))
+        self.say(f"resumed from {ck.path} (step {start}; written under {how} on mesh {ck.mesh})")
 
     def nothing_to_do(self, ck: Checkpoint) -> bool:
         """Whether the checkpoint ``--resume`` found is already at ``--steps`` (says so on rank 0)."""

@@ -7,11 +7,16 @@ Each step: the batch of (seed, step), one lowered training step, the metrics rec
 from the newest complete checkpoint — written under any strategy and mesh — and reproduces the loss trajectory of
 an uninterrupted run. ``--trace`` writes the timeline
 of step 2; ``--check`` runs the same steps on one device alongside (:mod:`shardflow.train.check`).
+
+A loss that is NaN or inf stops the run at that step on every rank (the loss is the same on every rank after a
+step), and a save whose state holds NaN or inf is refused: :class:`Diverged`, one paragraph; the last complete
+checkpoint stays the newest.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from pathlib import Path
 
@@ -26,11 +31,29 @@ from shardflow.train.console import Console
 from shardflow.train.data import Split
 from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
 from shardflow.train.recipe import Setup, setup
+from shardflow.train.rundir import metrics_path
+
+
+class Diverged(ValueError):
+    """Training diverged: the loss, or the state a save would write, holds NaN or inf. Nothing non-finite was saved;
+    the message names the step, what was not finite, the likely cause and the last complete checkpoint."""
+
+
+def diverged(cfg: TrainConfig, step: int, what: str, newest: Path | None) -> Diverged:
+    """The :class:`Diverged` of ``what`` (e.g. ``the loss is nan``) at ``step``; ``newest``: the newest complete
+    checkpoint of the run (None: none)."""
+    fix = (f"try a lower --lr (the gradients are already clipped to --clip-norm {cfg.clip_norm:g})" if cfg.clip_norm
+           else "try --clip-norm 1.0 or a lower --lr")
+    kept = (f"the last complete checkpoint, {newest}, is kept (continue from it with --resume and a lower --lr)"
+            if newest else "no checkpoint had been saved before it")
+    return Diverged(f"{what} at step {step}: training diverged, most likely because the learning rate is too high "
+                    f"(--lr {cfg.lr:g}); {fix}. Nothing of step {step} was saved; {kept}")
 
 
 def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> int:
     """Train rank ``rank`` of ``world`` processes (``world`` 1: every rank of the mesh here) from the config, or
-    from its already built recipe ``s``. Returns the exit status (``--check`` beyond its tolerance: 1)."""
+    from its already built recipe ``s``. Returns the exit status (``--check`` beyond its tolerance: 1). Raises
+    Diverged at a non-finite loss or state (on every rank at the same step)."""
     s = s or setup(cfg, world)
     run_dir = Path(cfg.run_dir)
     opt = s.optimizer
@@ -49,12 +72,12 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     console = Console(lead, cfg.steps, cfg.log_every)
     check_outputs(cfg)
     hook = hooks.installed()
-    start, resumed = 0, None
+    start, resumed, newest = 0, None, None  # newest: the run's newest complete checkpoint
     if cfg.resume:
         resumed = s.resume_point()
         if console.nothing_to_do(resumed):
             return 0
-        start = resumed.step
+        start, newest = resumed.step, resumed.path
         t = resumed.load(s.checkpoint_entries())  # full tensors on every rank; the executor keeps its pieces
         weights = {w: t[f"model/{w}"] for w in s.graph.weights}
         state = {k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")}
@@ -71,7 +94,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     device = torch.device("cpu")  # where the executors keep every buffer
     meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph),
                   Peak.of(cfg.peak_tflops, device) if lead else None, device)
-    metrics_file = Path(cfg.metrics or run_dir / "metrics.jsonl")
+    metrics_file = metrics_path(cfg)
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
     metrics = MetricsWriter(metrics_file, start, board) if lead else None
     baseline = s.corpus.unigram_loss()
@@ -81,8 +104,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         console.resumed(resumed, start)
 
     def val_loss() -> float:
-        return sum(ev.step(s.batch(Split.VAL, i))
-                   for i in range(cfg.eval_batches)) / cfg.eval_batches
+        return sum(ev.step(s.batch(Split.VAL, i)) for i in range(s.eval_batches)) / s.eval_batches
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -93,6 +115,8 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
             ex.tracer = trace.Tracer(rank)
         with hook.step(rank, step + 1):
             loss = ex.step(batch)
+        if not math.isfinite(loss):  # the same loss on every rank: every rank stops here
+            raise diverged(cfg, step + 1, f"the loss is {loss}", newest)
         dt = time.perf_counter() - t0
         if tracing:
             _write_trace(s, ex, rank, world)
@@ -109,7 +133,12 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         console.step(record, last)
         if last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
             t0 = time.perf_counter()
-            path, size = saver.save(ex, step + 1)  # collective: every rank takes part
+            try:
+                path, size = saver.save(ex, step + 1)  # collective: every rank takes part
+            except checkpoint.NonFiniteState as e:
+                raise diverged(cfg, step + 1, f"the weights or optimizer state hold NaN or inf ({e.names[0]})",
+                               newest) from None
+            newest = path
             console.saved(path, size, time.perf_counter() - t0)
     if lead:
         console.done(record["val_loss"], baseline)

@@ -7,6 +7,7 @@ starts, so every configuration and planning error surfaces there."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,18 +15,19 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from shardflow.api import plan_pcg
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import CostModel, LowerOptions, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, build_pcg, evaluation
+from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.strategy import make_plan, resolve
+from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh
 from shardflow.train import checkpoint
 from shardflow.train.checkpoint.export import Pretrained
-from shardflow.train.config import TrainConfig
+from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig
 from shardflow.train.data import Corpus, Split
 from shardflow.train.family import Family, ModelError, Sizes, factory_family, hf_config, hf_family, is_factory
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
@@ -50,6 +52,13 @@ class Setup:
         """The model's inputs for batch ``step`` of ``split`` ([batch_size, seq_len] token ids and next tokens)."""
         c = self.cfg
         return self.family.feed.inputs(**self.corpus.batch(split, step, c.batch_size, c.seq_len, c.seed))
+
+    @property
+    def eval_batches(self) -> int:
+        """Validation batches per measurement: ``--eval-batches``, at most as many as hold the validation split's
+        tokens (⌈N_val / (batch_size × seq_len)⌉, at least 1): more would read the same windows again and again."""
+        c = self.cfg
+        return min(c.eval_batches, max(1, math.ceil(len(self.corpus.val) / (c.batch_size * c.seq_len))))
 
     @property
     def lower_options(self) -> LowerOptions:
@@ -139,7 +148,12 @@ def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None
 def setup(cfg: TrainConfig, world: int) -> Setup:
     """Data, model (seeded), captured graph and the PCG of the strategy. Raises the planner's errors (PlanError,
     DegreeError, ...), DataError and ModelError — the parent calls this before starting any process."""
-    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy, world if world > 1 else cfg.nproc)
+    if cfg.plan and cfg.strategy:
+        raise PlanError(f"--plan {cfg.plan} and --strategy {cfg.strategy}: the plan places every tensor itself; give "
+                        f"one of them (drop --strategy to train with the plan)")
+    strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
+    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(strategy or DEFAULT_STRATEGY,
+                                                              world if world > 1 else cfg.nproc)
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
                          f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
@@ -149,5 +163,5 @@ def setup(cfg: TrainConfig, world: int) -> Setup:
     family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
-    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, cfg.strategy), graph, mesh), strict=cfg.strict)
+    _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict)
     return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained)
