@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from shardflow.train import checkpoint, hooks
-from shardflow.train.config import TrainConfig, check_config, check_outputs
+from shardflow.train.config import TrainConfig, check_config, check_outputs, check_processes
 from shardflow.train.console import Console, tee_to_log
 from shardflow.train.loop import train
 from shardflow.train.recipe import setup
@@ -47,6 +47,7 @@ def main(cfg: TrainConfig) -> int:
 def _main(cfg: TrainConfig) -> int:
     run_dir = Path(cfg.run_dir)
     check_config(cfg)
+    check_processes(cfg, os.environ)
     if "RANK" in os.environ or cfg.nproc == 1:
         return run_rank(cfg)
     s = setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
