@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -129,20 +130,34 @@ class RendezvousError(ValueError):
 
 
 def _join(timeout_s: float) -> tuple[int, int]:
-    """init_from_env, with torch's rendezvous failures turned into one paragraph that says how to fix them."""
+    """init_from_env, saying every :func:`_progress_every` seconds that it still waits for the other processes, with
+    torch's rendezvous failures turned into one paragraph that says how to fix them."""
     import tempfile
 
     from shardflow.runtime.distributed import init_from_env
+    env = os.environ
+    where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
+    who = f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')}"
+    joined_event = threading.Event()
+
+    def progress() -> None:
+        t0, every = time.monotonic(), _progress_every(timeout_s)
+        while not joined_event.wait(every):
+            print(f"{who}: waiting for the other processes to join the process group at {where} "
+                  f"({time.monotonic() - t0:.0f} s; --timeout {timeout_s:g} s)", flush=True)
+
     # torch logs each failed connection attempt on fd 2 with a C++ backtrace: hold that back; replay it on success
     sys.stderr.flush()
     saved, held = os.dup(2), tempfile.TemporaryFile()
     os.dup2(held.fileno(), 2)
     failure = None
+    threading.Thread(target=progress, daemon=True).start()
     try:
         joined = init_from_env(timeout_s)
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError, a missing variable
         failure = e
     finally:
+        joined_event.set()
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
@@ -152,8 +167,6 @@ def _join(timeout_s: float) -> tuple[int, int]:
     if failure is None:
         sys.stderr.write(logged)
         return joined
-    env = os.environ
-    where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
     text = str(failure).strip()
     first = text.splitlines()[0] if text else ""
     if "address already in use" in text.lower():
@@ -162,9 +175,19 @@ def _join(timeout_s: float) -> tuple[int, int]:
                f"ranks (it picks a free port)")
     elif "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
+    elif "waiting for clients" in text:  # rank 0 hosts the rendezvous: the others did not come
+        fix = (f"this rank hosts the rendezvous at {where}, and not every other rank joined within --timeout "
+               f"{timeout_s:g} s: start all {env.get('WORLD_SIZE', '?')} processes (torchrun on every node with the "
+               f"same --nnodes, --master-addr and --master-port), make that port reachable from the other machines, "
+               f"or raise --timeout")
     else:
         fix = (f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
                f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable from "
                f"this machine, or raise --timeout")
-    raise RendezvousError(f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the process "
-                          f"group at {where} ({type(failure).__name__}: {first}); {fix}") from None
+    raise RendezvousError(f"{who} could not join the process group at {where} ({type(failure).__name__}: "
+                          f"{first}); {fix}") from None
+
+
+def _progress_every(timeout_s: float) -> float:
+    """Seconds between two lines of a rank that waits to join: a third of ``--timeout``, between 1 and 30 s."""
+    return min(30.0, max(1.0, timeout_s / 3))
