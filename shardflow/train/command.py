@@ -24,7 +24,8 @@ from shardflow.train import checkpoint, hooks
 from shardflow.train.config import TrainConfig, check_config, check_outputs, check_processes
 from shardflow.train.console import Console, tee_to_log
 from shardflow.train.loop import train
-from shardflow.train.recipe import setup
+from shardflow.train.memory import processes_here
+from shardflow.train.recipe import check_memory, setup
 
 # exit status of a run stopped by Ctrl-C / SIGTERM (the shell's 128 + SIGINT)
 INTERRUPTED = 130
@@ -51,12 +52,15 @@ def _main(cfg: TrainConfig) -> int:
     check_processes(cfg, os.environ)
     if "RANK" in os.environ or cfg.nproc == 1:
         return run_rank(cfg)
-    s = setup(cfg, cfg.nproc)  # every configuration and planning error surfaces here, before any process starts
-    s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
+    # every configuration, planning and memory error surfaces here, before any process starts
+    s = setup(cfg, cfg.nproc, processes_here(os.environ, cfg.nproc))
+    step = s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
     s.lower(verify=True, training=False)
+    check_memory(s, step, cfg.nproc, processes_here(os.environ, cfg.nproc))
     check_outputs(cfg)
     if cfg.resume and Console(True, cfg.steps, cfg.log_every).nothing_to_do(s.resume_point()):
         return 0  # a missing, corrupt or unfit checkpoint was an error just now
+    del s, step  # the ranks build their own: this process holds no model while they run
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(cfg.to_toml())
     from shardflow.runtime.launch import describe_failure, launch
@@ -103,7 +107,8 @@ def run_rank(cfg: TrainConfig) -> int:
     if world == 1:
         return train(cfg, 0, 1)
     from shardflow.runtime.distributed import shutdown
-    s = setup(cfg, world)  # configuration, data and plan errors: one paragraph (exit 2), before joining the group
+    # configuration, data, plan and memory errors: one paragraph (exit 2), before joining the group
+    s = setup(cfg, world, processes_here(os.environ, cfg.nproc))
     rank, world = _join(cfg.timeout)
     try:
         code = train(cfg, rank, world, s)
