@@ -6,8 +6,10 @@ with ``--nproc 1`` runs every rank of the mesh itself (the local executor). Each
 :func:`shardflow.train.loop.train`; every rank logs to ``RUN_DIR/rank{r}.log``.
 
 Ctrl-C / SIGTERM stop every rank; a save that was cut short leaves only a ``.tmp`` directory, and the command exits
-with status 130 and one line. A rank that fails reports one paragraph (a checkpoint that does not fit, exit
-status 2) or its traceback (status 1) and leaves without gloo's teardown: its peers fail on their timeouts.
+with status 130 and one line. A rank that fails reports one paragraph — a checkpoint that does not fit (exit
+status 2), a communication another rank stopped answering or left (3 or 4, :class:`~shardflow.runtime.launch.Status`)
+— or its traceback (status 1), and leaves without gloo's teardown: its peers fail on their timeouts or at once on the
+closed connection. From the statuses the launcher names the rank at the root of the failure.
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def run_rank(cfg: TrainConfig) -> int:
         signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards Ctrl-C as SIGTERM: stop like Ctrl-C
     if world == 1:
         return train(cfg, 0, 1)
-    from shardflow.runtime.distributed import shutdown
+    from shardflow.runtime.distributed import CommFailure, CommTimeout, comm_failure, shutdown
+    from shardflow.runtime.launch import Status
     # configuration, data, plan and memory errors: one paragraph (exit 2), before joining the group
     s = setup(cfg, world, processes_here(os.environ, cfg.nproc))
     rank, world = _join(cfg.timeout)
@@ -118,15 +121,22 @@ def run_rank(cfg: TrainConfig) -> int:
         # a peer stopped by the same Ctrl-C can make this rank's communication fail first
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
         unfit = isinstance(e, checkpoint.CheckpointError)  # e.g. --resume under torchrun: one paragraph, status 2
+        # another rank left or stopped answering (also where torch raised it, outside the executor): one paragraph
+        failure = e if isinstance(e, CommFailure) else comm_failure(e, f"rank {rank}") \
+            if isinstance(e, RuntimeError) else None
         if interrupted:
             print(f"rank {rank}: interrupted", flush=True)
         elif unfit:
             print(f"shardflow train: error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        elif failure is not None:
+            print(f"shardflow train: error: {failure}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(INTERRUPTED if interrupted else 2 if unfit else 1)
+        os._exit(INTERRUPTED if interrupted else Status.REFUSED if unfit else
+                 Status.WAITED_OUT if isinstance(failure, CommTimeout) else
+                 Status.PEER_LOST if failure is not None else Status.FAILED)
     shutdown(code)
 
 
