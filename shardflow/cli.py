@@ -45,8 +45,8 @@ from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
-from shardflow.strategy.presets import default_mesh
-from shardflow.train.config import TrainConfig
+from shardflow.strategy.presets import default_mesh, parse_strategy
+from shardflow.train.config import Range, TrainConfig
 from shardflow.train.data import DataError
 
 USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanVerificationError, DataError,
@@ -54,6 +54,13 @@ USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanV
 
 
 BUILT_IN = ("gpt", "mlp")
+
+# The range of each numeric flag of plan, check and generate, by its name (train's are TrainConfig's:
+# shardflow.train.config.RANGES); checked with the flags' other rules by check_flags before a command runs.
+FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "embd": Range(1), "vocab": Range(1), "seq_len": Range(1),
+               "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1), "tol": Range(0),
+               "lr": Range(0), "timeout": Range(0, low_open=True), "tokens": Range(0), "temperature": Range(0),
+               "seed": Range(0, 2**63, high_open=True)}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +75,24 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=int, default=65, help="vocabulary size V (gpt) or classes (mlp)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence T (gpt)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences (gpt) or rows (mlp) per step, B")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError (one paragraph) for a flag of ``plan``, ``check``, ``export`` or ``generate`` that is out of
+    its range (:data:`FLAG_RANGES`), an empty string, or flags that exclude each other (``--plan`` and
+    ``--strategy``; ``--out`` without ``--format dot``)."""
+    for dest, (name, help_) in args.flags.items():
+        v = getattr(args, dest)
+        if isinstance(v, str) and not v.strip():
+            raise ValueError(f"{name} is empty; give a value ({help_})")
+        if dest in FLAG_RANGES and v is not None:
+            FLAG_RANGES[dest].check(name, v, help_)
+    if getattr(args, "plan", None) and getattr(args, "strategy", None):
+        raise ValueError(f"--plan {args.plan} and --strategy {args.strategy} both say how to split the model: the "
+                         f"plan places every tensor itself and the strategy would be ignored; drop one of them")
+    if getattr(args, "out", None) and getattr(args, "format", "dot") != "dot":
+        raise ValueError(f"--out {args.out} is the file of --format dot, but --format is {args.format} (printed "
+                         f"on the console); add --format dot, or redirect the output: > {args.out}")
 
 
 def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -88,6 +113,21 @@ def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str
                    "y": torch.randint(0, args.vocab, (args.batch_size,), generator=gen)}
 
 
+def write_out(out: Path, text: str) -> None:
+    """Write ``text`` to the file of ``--out``; raises ValueError (one paragraph: the path, why, the fix) where it
+    cannot be written (a missing directory, a directory in the way, no permission, a read-only file system)."""
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; pass a file name such as {out / 'pcg.dot'}")
+    if not out.parent.is_dir():
+        why = "is a file" if out.parent.exists() else "does not exist"
+        raise ValueError(f"--out {out}: {out.parent} {why}; pass --out with a file in an existing directory")
+    try:
+        out.write_text(text)
+    except OSError as e:
+        raise ValueError(f"cannot write --out {out} ({e.strerror or e}); pass --out with a file in a directory you "
+                         f"can write") from None
+
+
 def redistributions_json(pcg: PCG) -> list[dict]:
     """The PCG's redistributions: node, op, module, input, tensor, placements from and to, parallel ops, bytes per
     device (forward), reason."""
@@ -98,12 +138,13 @@ def redistributions_json(pcg: PCG) -> list[dict]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(args.strategy, args.nproc)
+    strategy = None if args.plan else args.strategy or "tp"
+    mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(strategy or "tp", args.nproc)
     graph = capture(*model_and_batch(args))
     if args.graph:
         print(graph.listing())
         return 0
-    plan, pcg = plan_pcg(graph, mesh, None if args.plan else args.strategy, args.plan, args.strict)
+    plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
         _, records = run_passes(pcg, LowerContext(args.optimizer), dump=dump)
@@ -128,14 +169,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if args.format == "dot":
         out = Path(args.out or "pcg.dot")
-        if not out.parent.is_dir():
-            raise ValueError(f"--out {out}: directory {out.parent} does not exist; create it or write elsewhere")
-        out.write_text(pcg_dot(pcg))
+        write_out(out, pcg_dot(pcg))
         msg = f"wrote {out}"
         if shutil.which("dot"):
             svg = out.with_suffix(".svg")
-            subprocess.run(["dot", "-Tsvg", str(out), "-o", str(svg)], check=True, timeout=120)
-            msg += f" and {svg}"
+            done = subprocess.run(["dot", "-Tsvg", str(out), "-o", str(svg)], capture_output=True, text=True,
+                                  timeout=120)
+            msg += f" and {svg}" if done.returncode == 0 else \
+                f"; Graphviz could not write {svg} ({done.stderr.strip() or f'status {done.returncode}'})"
         print(msg)
         return 0
     print(ParallelPlan(plan.name, pcg, step))
@@ -161,12 +202,13 @@ DEVIATES = 1  # exit status of a check beyond its tolerance
 def check_mesh(args: argparse.Namespace) -> tuple[Mesh, str | None]:
     """The mesh and strategy of a check: ``--mesh`` with ``--strategy`` (default: the one the mesh's axes name), or
     the axis of ``--strategy`` (default tp) with one device per process (``--nproc``, torchrun's WORLD_SIZE), two
-    when one process runs the mesh."""
+    when one process runs the mesh (``single``: one)."""
     if args.mesh:
         return Mesh.parse(args.mesh), args.strategy
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy = args.strategy or ("tp" if args.plan is None else None)
-    devices = world if world > 1 else args.nproc if args.nproc > 1 else 2
+    one = not parse_strategy(strategy or "tp")  # single: one device
+    devices = world if world > 1 else args.nproc if args.nproc > 1 or one else 2
     return default_mesh(strategy or "tp", devices), strategy
 
 
@@ -290,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the parallel computation graph of a model under a strategy (no processes)")
     add_model_args(p)
-    p.add_argument("--strategy", default="tp", help="single, dp, tp, sp, pp or a combination such as dp,tp (default tp)")
+    p.add_argument("--strategy", help="single, dp, tp, sp, pp or a combination such as dp,tp (default tp, or none with "
+                                      "--plan)")
     p.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
                                   "with --nproc devices)")
     p.add_argument("--nproc", type=int, default=2, help="devices when --mesh is not given (default 2)")
@@ -355,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     g.set_defaults(func=cmd_generate)
+    for command in (p, c, e, g):  # what check_flags reads: each flag's name and help, by its destination
+        command.set_defaults(flags={a.dest: (a.option_strings[-1] if a.option_strings else a.metavar, a.help)
+                                    for a in command._actions if a.dest != "help"})
     return parser
 
 
@@ -363,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # check --nproc starts its ranks with the same arguments
     try:
+        if args.command != "train":  # train's settings are checked by TrainConfig, in one place with its config file
+            check_flags(args)
         return args.func(args)
     except USER_ERRORS as e:
         print(f"shardflow {args.command}: error: {e}", file=sys.stderr)

@@ -68,14 +68,42 @@ def train(capsys, tiny):
     (["--nproc", "0"], ["--nproc 0 is out of range"]),
     (["--bucket-mb", "-1"], ["--bucket-mb -1.0 is out of range", "≥ 0"]),
     (["--peak-tflops", "-1"], ["--peak-tflops -1.0 is out of range", "≥ 0"]),
-    (["--timeout", "0"], ["--timeout 0.0", "> 0"]),
-    (["--checkpoint-every", "-1"], ["--checkpoint-every -1: give a number of steps, or 0"]),
-    (["--dropout", "1.5"], ["--dropout 1.5", "[0, 1)"]),
+    (["--timeout", "0"], ["--timeout 0.0 is out of range: give a finite value > 0", "--timeout: seconds"]),
+    (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is out of range: give a value ≥ 0"]),
+    (["--dropout", "1.5"], ["--dropout 1.5 is out of range: give a finite value in [0, 1)"]),
+    # numbers that were accepted (or crashed later): signs, ranges and non-finite floats
+    (["--lr", "-1"], ["--lr -1.0 is out of range: give a finite value ≥ 0. --lr: learning rate"]),
+    (["--lr", "nan"], ["--lr nan is out of range: give a finite value ≥ 0"]),
+    (["--lr", "inf"], ["--lr inf is out of range"]),
+    (["--momentum", "1"], ["--momentum 1.0 is out of range: give a finite value in [0, 1)"]),
+    (["--momentum", "-0.5"], ["--momentum -0.5 is out of range"]),
+    (["--weight-decay", "-1"], ["--weight-decay -1.0 is out of range: give a finite value ≥ 0"]),
+    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value > 0"]),
+    (["--timeout", "nan"], ["--timeout nan is out of range"]),
+    (["--bucket-mb", "nan"], ["--bucket-mb nan is out of range: give a finite value ≥ 0"]),
+    (["--clip-norm", "nan"], ["--clip-norm nan is out of range: give a finite value ≥ 0"]),
+    (["--dropout", "nan"], ["--dropout nan is out of range"]),
+    (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
+    (["--seed", "-1"], ["--seed -1 is out of range: give a value in [0, 4294967296)"]),
+    (["--run-dir", ""], ["--run-dir is empty; leave it out or give a value"]),
+    (["--strategy", " "], ["--strategy is empty; leave it out or give a value"]),
+    (["--metrics", ""], ["--metrics is empty; leave it out or give a value"]),
     (["--heads", "3"], ["--embd 16 is not a multiple of --heads 3", "e.g. --heads 2"]),
     (["--strategy", "zp"], ["unknown strategy 'zp'", "dp,tp"]),
+    (["--strategy", "tp,"], ["strategy 'tp,' has an empty part", "e.g. 'tp'"]),
+    (["--strategy", "dp,dp"], ["strategy 'dp,dp' names dp twice", "e.g. 'dp'"]),
+    (["--strategy", "single,dp", "--mesh", "dp=2"], ["single runs on one device and combines with nothing"]),
+    (["--strategy", "single", "--nproc", "2"], ["strategy 'single' runs on one device, but 2 are asked for",
+                                                "pass --nproc 1"]),
     (["--strategy", "tp", "--mesh", "dp=2"], ["mesh axis 'tp'", "--mesh tp=2"]),
+    (["--strategy", "tp", "--mesh", "tp=2,zz=1"], ["mesh tp=2,zz=1: axis 'zz' is none of the strategies' axes",
+                                                   "drop it (--mesh tp=2)"]),
+    (["--strategy", "tp", "--mesh", "dp=2,tp=2", "--nproc", "4"], ["mesh axes ['dp'] of dp=2,tp=2 are used by no "
+                                                                   "strategy in 'tp'"]),
     (["--mesh", "dp2"], ["cannot read mesh 'dp2'", "dp=2,tp=2"]),
     (["--strategy", "pp", "--nproc", "4"], ["4 stages needs at least 4 repeated blocks", "more layers"]),
+    (["--trace", "t.json", "--nproc", "1", "--strategy", "single"], ["--trace t.json: the timeline is of the ranks'",
+                                                                     "pass --nproc 2 or more, or drop --trace"]),
 ])
 def test_bad_settings(train, tmp_path, corpus, argv, words):
     run = tmp_path / "run"
@@ -120,6 +148,42 @@ def test_bad_config_file(capsys, tmp_path, corpus, tiny, text, words):
     assert not run.exists()
 
 
+def test_config_file_that_cannot_be_read(train, tmp_path, corpus):
+    """A directory given as --config, and a config file that is not UTF-8 (named, with the fix)."""
+    one_paragraph(*train(tmp_path / "run", corpus, "--config", str(tmp_path)), "train",
+                  f"config file {tmp_path} is a directory", f"such as {tmp_path / 'config.toml'}")
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes("data = 'caf\u00e9.txt'\n".encode("latin-1"))
+    one_paragraph(*train(tmp_path / "run", corpus, "--config", str(latin)), "train",
+                  f"config file {latin} is not UTF-8 text (byte 11: invalid continuation byte)",
+                  f"iconv -f latin1 -t utf-8 {latin}")
+
+
+@pytest.mark.parametrize("env, argv, words", [
+    ({"RANK": "0", "WORLD_SIZE": "1"}, ["--nproc", "2"],
+     ["RANK=0 and WORLD_SIZE=1 in the environment make this process the only rank", "--nproc 2 would start no "
+      "process", "env -u RANK -u WORLD_SIZE", "or pass --nproc 1"]),
+    ({"RANK": "0"}, ["--nproc", "2"], ["RANK=0 and WORLD_SIZE=(unset)"]),
+    ({"RANK": "0", "WORLD_SIZE": "two"}, [], ["environment variable WORLD_SIZE='two' is not a whole number"]),
+])
+def test_stray_torchrun_variables(train, tmp_path, corpus, monkeypatch, env, argv, words):
+    """Variables torchrun sets, left in the environment by hand: refused before anything runs (under torchrun,
+    TORCHELASTIC_RUN_ID is set and WORLD_SIZE decides)."""
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    one_paragraph(*train(tmp_path / "run", corpus, *argv), "train", *words)
+
+
+def test_corpus_of_one_token(train, tmp_path):
+    same = tmp_path / "same.txt"
+    same.write_text("a" * 9000)
+    one_paragraph(*train(tmp_path / "run", same, "--tokenizer", "char"), "train",
+                  f"data from {same}: its training split (the first 90%, 8,100 tokens) is one token repeated, 'a'",
+                  "use a text with more than one distinct character")
+
+
 def test_data_too_short_for_the_context(train, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("abcdefghij" * 3)
@@ -135,6 +199,8 @@ def test_data_too_short_for_the_context(train, tmp_path):
     ("run_under_file", ["run directory", "cannot be created", "--run-dir"]),
     ("metrics_under_file", ["directory of --metrics", "is a file", "omit it"]),
     ("metrics_is_dir", ["is a directory", "metrics.jsonl"]),
+    ("trace_under_file", ["directory of --trace", "is a file", "omit it"]),
+    ("trace_is_dir", ["--trace", "is a directory", "trace.json"]),
 ])
 def test_unwritable_outputs_fail_before_any_process(train, tmp_path, corpus, where, words):
     blocker = tmp_path / "file"
@@ -146,10 +212,15 @@ def test_unwritable_outputs_fail_before_any_process(train, tmp_path, corpus, whe
         run = blocker / "run"
     elif where == "metrics_under_file":
         extra += ["--metrics", str(blocker / "m.jsonl")]
-    else:
+    elif where == "metrics_is_dir":
         (tmp_path / "mdir").mkdir()
         extra += ["--metrics", str(tmp_path / "mdir")]
-    for nproc in ("2", "1"):  # checked in the parent (before launch) and in a single process
+    elif where == "trace_under_file":
+        extra += ["--trace", str(blocker / "t.json")]
+    else:
+        extra += ["--trace", str(tmp_path)]
+    for nproc in ("2",) if "trace" in where else ("2", "1"):  # checked in the parent (before launch) and in one
+        # process (--trace needs several)
         code, out, err = train(run, corpus, "--strategy", "single" if nproc == "1" else "tp",
                                "--nproc", nproc, *extra)
         one_paragraph(code, out, err, "train", *words)
@@ -178,6 +249,14 @@ def test_resume_without_a_complete_checkpoint(train, tmp_path, corpus, finished)
     shutil.copytree(finished / "checkpoints" / "step_2", run / "checkpoints" / "step_4.tmp")  # a save cut short
     one_paragraph(*train(run, corpus, "--resume", "--steps", "4"), "train",
                   "only incomplete saves: step_4.tmp")
+
+
+def test_resume_from_a_step_directory(train, tmp_path, corpus, finished):
+    """--checkpoint-dir names the directory of the step_N checkpoints; one of them given instead is named as such."""
+    step = finished / "checkpoints" / "step_2"
+    one_paragraph(*train(tmp_path / "run", corpus, "--resume", "--steps", "4", "--checkpoint-dir", str(step)),
+                  "train", f"--resume: {step} is one checkpoint, not a checkpoint directory",
+                  f"pass --checkpoint-dir {step.parent}")
 
 
 def test_resume_on_another_text_or_optimizer(train, tmp_path, corpus, finished):
@@ -240,6 +319,77 @@ def test_plan_arguments(capsys, tmp_path):
     assert not out.parent.exists()
 
 
+def _read_only(tmp_path: Path) -> list[Path]:
+    """Places no file can be written: a path under a file; a read-only directory too where permissions bind (not
+    as root)."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    places = [blocker / "x"]
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        places.append(ro / "x")
+    return places
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
+    (["--nproc", "0"], ["--nproc 0 is out of range"]),
+    (["--rank", "-1"], ["--rank -1 is out of range: give a value ≥ 0"]),
+    (["--mesh", ""], ["--mesh is empty; give a value (device mesh"]),
+    (["--strategy", "tp,"], ["strategy 'tp,' has an empty part"]),
+    (["--strategy", "dp,dp"], ["strategy 'dp,dp' names dp twice"]),
+    (["--strategy", "single", "--nproc", "2"], ["strategy 'single' runs on one device, but 2 are asked for"]),
+    (["--mesh", "tp=2,zz=1"], ["axis 'zz' is none of the strategies' axes"]),
+    (["--plan", "p.toml", "--strategy", "dp"], ["--plan p.toml and --strategy dp both say how to split the model",
+                                                "drop one of them"]),
+    (["--out", "x.dot"], ["--out x.dot is the file of --format dot, but --format is text", "> x.dot"]),
+])
+def test_plan_flags(capsys, argv, words):
+    """Checked before the model is built (in one place, shardflow.cli.check_flags), or when the strategy is read."""
+    one_paragraph(cli_main([*PLAN, *argv]), *capsys.readouterr(), "plan", *words)
+
+
+def test_plan_out_that_cannot_be_written(capsys, tmp_path):
+    one_paragraph(cli_main([*PLAN, "--format", "dot", "--out", str(tmp_path)]), *capsys.readouterr(), "plan",
+                  f"--out {tmp_path} is a directory; pass a file name such as {tmp_path / 'pcg.dot'}")
+    for place in _read_only(tmp_path):
+        one_paragraph(cli_main([*PLAN, "--format", "dot", "--out", str(place)]), *capsys.readouterr(), "plan",
+                      f"--out {place}")
+        assert not place.exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--lr", "nan"], ["--lr nan is out of range: give a finite value ≥ 0"]),
+    (["--tol", "-1"], ["--tol -1.0 is out of range"]),
+    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value > 0"]),
+    (["--steps", "0"], ["--steps 0 is out of range: give a value ≥ 1"]),
+    (["--plan", "p.toml", "--strategy", "tp"], ["--plan p.toml and --strategy tp both say how to split the model"]),
+])
+def test_check_flags(capsys, argv, words):
+    one_paragraph(cli_main(["check", *PLAN[1:], *argv]), *capsys.readouterr(), "check", *words)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--temperature", "nan"], ["--temperature nan is out of range: give a finite value ≥ 0"]),
+    (["--temperature", "-1"], ["--temperature -1.0 is out of range"]),
+    (["--tokens", "-1"], ["--tokens -1 is out of range: give a value ≥ 0"]),
+    (["--prompt", ""], ["--prompt is empty; give a value (text to continue"]),
+])
+def test_generate_flags(capsys, finished, argv, words):
+    one_paragraph(cli_main(["generate", str(finished), "--prompt", "the", *argv]), *capsys.readouterr(), "generate",
+                  *words)
+
+
+def test_export_where_nothing_can_be_written(capsys, tmp_path, finished):
+    """Refused before the checkpoint is read."""
+    for place in _read_only(tmp_path):
+        one_paragraph(cli_main(["export", str(finished), "--out", str(place)]), *capsys.readouterr(), "export",
+                      f"{place.parent}")
+        assert not place.exists()
+
+
 def test_export_onto_an_existing_directory(capsys, tmp_path, finished):
     (tmp_path / "keep.txt").write_text("mine")
     code = cli_main(["export", str(finished), "--out", str(tmp_path)])
@@ -290,14 +440,14 @@ def _free_port() -> int:
 
 def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
     """RANK/WORLD_SIZE/MASTER_* set by hand, as torchrun would: a port already in use on rank 0, a master nobody
-    answers for rank 1 (within --timeout 1), no MASTER_ADDR at all, a plan error and a world size the mesh does not
-    fit inside a rank (both before it joins) — each one paragraph, exit status 2, no C++ or Python traceback,
-    nothing written."""
+    answers for rank 1 (within --timeout 1), a rank 0 the others never join (it says it waits), no MASTER_ADDR at
+    all, a plan error and a world size the mesh does not fit inside a rank (both before it joins) — each one
+    paragraph, exit status 2, no C++ or Python traceback, nothing written."""
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     port = busy.getsockname()[1]
-    nobody = _free_port()
+    nobody, alone = _free_port(), _free_port()
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     cases = {
@@ -307,6 +457,9 @@ def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
         "nobody": (dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)), [],
                    [f"rank 1 of 2 could not join the process group at 127.0.0.1:{nobody}", "timed out",
                     "within --timeout 1 s: start rank 0", "or raise --timeout"]),
+        "alone": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(alone)), ["--timeout", "3"],
+                  [f"rank 0 of 2 could not join the process group at 127.0.0.1:{alone}", "waiting for clients",
+                   "this rank hosts the rendezvous", "start all 2 processes", "or raise --timeout"]),
         "unset": (dict(RANK="1", WORLD_SIZE="2"), [],
                   ["MASTER_ADDR expected, but not set", "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"]),
         "plan": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
@@ -323,6 +476,9 @@ def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
         for name, p in procs.items():
             out, err = p.communicate(timeout=120)
             one_paragraph(p.returncode, out, err, "train", *cases[name][2])
+            if name == "alone":  # it said it was waiting, every --timeout / 3 seconds
+                assert f"rank 0 of 2: waiting for the other processes to join the process group at 127.0.0.1:{alone}" \
+                       f" (1 s; --timeout 3 s)" in out, out
             assert "frame #" not in err and "[W" not in err and "[E" not in err, err  # torch's C++ log held back
             assert files(tmp_path / name) == set(), name
     finally:

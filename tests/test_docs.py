@@ -569,6 +569,56 @@ def test_command_is_run_by_another_test(command):
         assert shlex.split(recipe)[1:] == ["train", *json.loads(how.literal)], recipe
 
 
+def _torchrun_takes(words: list[str]) -> list[str] | None:
+    """What torch's torchrun (its own argument parser) hands the module of ``torchrun ... -m MODULE ARGS``: ARGS,
+    or None where it refuses the command line (it parses every word, also after ``-m``, and takes an
+    abbreviation of one of its own flags, ``--nproc`` of ``--nproc-per-node``, as that flag or as ambiguous)."""
+    from torch.distributed.run import get_args_parser
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            ns = get_args_parser().parse_args(words)
+        except SystemExit:
+            return None
+    return [ns.training_script, *ns.training_script_args]
+
+
+TORCHRUN = [c for c in COMMANDS if c.split()[0].endswith("torchrun")]
+
+
+@pytest.mark.parametrize("command", TORCHRUN)
+def test_torchrun_hands_the_documented_command_over_whole(command):
+    """Each documented torchrun command, as shown and as the test runs it (tiny flags appended), reaches shardflow
+    (or the script) with every word after ``-m MODULE`` (or the script's name) untouched."""
+    how = COMMANDS[command]
+    extra = how.extra if isinstance(how, Run) else ()
+    words = [*shlex.split(command)[1:], *extra]
+    script = next(i for i, w in enumerate(words) if w == "-m" or w.endswith(".py"))
+    start = script + 1 if words[script] == "-m" else script
+    assert _torchrun_takes(words) == words[start:]
+
+
+def test_torchrun_takes_no_flag_of_shardflow_but_nproc():
+    """The flags of shardflow's commands that torchrun would take from after ``-m shardflow.cli COMMAND`` (as its
+    own, or refusing the command line): only ``--nproc``, which the docs never pass under torchrun (WORLD_SIZE
+    decides; docs/execution.md says why)."""
+    import argparse
+
+    from shardflow.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    taken = set()
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            for flag in set(action.option_strings) - {"-h", "--help"}:
+                for given in ([flag] if action.nargs == 0 else [flag, "1"], [f"{flag}=1"] * (action.nargs != 0)):
+                    if given and _torchrun_takes(["-m", "shardflow.cli", name, *given]) != ["shardflow.cli", name,
+                                                                                          *given]:
+                        taken.add(flag)
+    assert taken == {"--nproc"}, taken
+    assert all("--nproc " not in c.split(" -m ", 1)[-1] for c in TORCHRUN)
+
+
 def _argv(command: str, work: Path, extra: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
     """(environment additions, argv) of a documented command run in ``work``: .venv/bin/X and bare shardflow,
     torchrun and python become this interpreter's; relative paths of repository files (also as the FILE of a

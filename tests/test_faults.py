@@ -126,7 +126,7 @@ def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metric
     r = start(tmp_path / "run", "--steps", "8", "--timeout", str(timeout), fault="kill:rank=1:step=3")
     try:
         r.wait({"kill": ("rank1.log", "kills itself (SIGKILL) in the middle of step 3"),
-                "peer": ("rank0.log", "CommTimeout: rank 0 waited on token")})
+                "peer": ("rank0.log", "rank 0 waited on token")})
     finally:
         r.kill()
     assert r.p.returncode == 1, r.stderr
@@ -134,10 +134,12 @@ def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metric
     print(f"\n(a) SIGKILL mid-step: launcher exited {took:.2f} s after the kill (timeout {timeout} s)")
     assert took < timeout + 5, took  # measured ~0.3 s: gloo sees the closed connection at once
     line = first_line(r.stderr)
-    assert line.startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: rank 0: 1)"), \
+    assert line.startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: rank 0: 4)"), \
         r.stderr
     assert f"its log {r.run / 'rank1.log'} ends with:" in line
-    assert "peer" in r.seen  # rank 0 failed on its pending communication, naming it
+    assert "peer" in r.seen  # rank 0 failed on its pending communication, naming it, in one paragraph (status 4)
+    peer = (r.run / "rank0.log").read_text()
+    assert "a member left (Connection " in peer and "Traceback" not in peer, peer  # closed or reset by peer
     assert r.ranks and not any(alive(pid) for pid in r.ranks), r.ranks
     steps = [m["step"] for m in read_metrics(r.run)]
     assert steps == [1, 2], steps  # step 3 never completed
@@ -148,6 +150,7 @@ def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metric
 def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resume_matches(tmp_path, start,
                                                                                          read_metrics):
     common = ["--steps", "6", "--checkpoint-every", "2", "--timeout", "10"]
+    root = tmp_path / "bad" / "checkpoints"
     ref = start(tmp_path / "ref", *common)
     bad = start(tmp_path / "bad", *common, fault="kill_in_save:rank=1:step=4")
     try:
@@ -161,7 +164,10 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
     print(f"\n(b) SIGKILL during the save of step 4: launcher exited {bad.since('kill'):.2f} s after the kill")
     assert bad.since("kill") < 10 + 5
     assert first_line(bad.stderr).startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL)")
-    root = bad.run / "checkpoints"
+    # rank 0 lost its peer in the middle of the save: a peer failure, not its disk's ("free space ...")
+    peer = (bad.run / "rank0.log").read_text().splitlines()[-1]
+    assert peer.startswith(f"shardflow train: error: rank 0 saving {root / 'step_4.tmp'} (the complete checkpoints "
+                           f"before it stay): a member left (Connection") and "free space" not in peer, peer
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
     assert not (root / "step_4.tmp" / checkpoint.MARKER).exists()
     ck = checkpoint.read(root / "step_2")  # every file checked against its recorded size and sha256
@@ -221,26 +227,65 @@ def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops
 
 # (d) ---------------------------------------------------------------------------------------------------------
 
-def test_a_stalled_rank_makes_its_peer_time_out_naming_the_communication(tmp_path, start):
+def test_a_stalled_rank_is_named_not_the_peer_that_timed_out_waiting_on_it(tmp_path, start):
     timeout, stall = 5, 9  # the stalled rank wakes after its peer has given up, and fails at once too
     r = start(tmp_path / "run", "--steps", "6", "--timeout", str(timeout),
               fault=f"stall:rank=1:step=2:seconds={stall}")
     try:
         r.wait({"stall": ("rank1.log", "stalls for 9 s before step 2"),
-                "timeout": ("rank0.log", "CommTimeout: rank 0 waited on token")})
+                "timeout": ("rank0.log", "rank 0 waited on token")})
     finally:
         r.kill()
     assert r.p.returncode == 1, r.stderr
     waited = r.seen["timeout"] - r.seen["stall"]
-    print(f"\n(d) stall: rank 0's CommTimeout {waited:.2f} s into the stall (timeout {timeout} s); launcher exited "
+    print(f"\n(d) stall: rank 0's timeout {waited:.2f} s into the stall (timeout {timeout} s); launcher exited "
           f"{r.since('stall'):.2f} s into it")
     assert timeout - 1 < waited < timeout + 4, waited
     assert r.since("stall") < stall + timeout, r.since("stall")
     err = r.stderr
-    assert first_line(err).startswith("shardflow train: error: rank 0 exited with status 1 (others: rank 1: 1)"), err
-    # the launcher shows the end of rank 0's log: the timeout names rank, token, operation, shape and group
-    assert "CommTimeout: rank 0 waited on token 0 (all_reduce of float32[8, 16, 16], group [0, 1])" in err, err
+    # the first line names rank 1, which stopped answering, not rank 0, which gave up waiting on it (status 3); rank
+    # 1 woke to find rank 0 gone (status 4)
+    assert first_line(err).startswith("shardflow train: error: rank 1 stopped answering: rank 0 gave up waiting on it "
+                                      "after the communication timeout, then rank 1 exited with status 4 (others: "
+                                      "rank 0: 3)"), err
+    # and quotes rank 0's last line: the timeout names rank, token, operation, shape and group
+    assert ("rank 0's log ends with: shardflow train: error: rank 0 waited on token 0 (all_reduce of float32[8, 16, "
+            "16], group [0, 1]): no answer within the timeout") in err, err
+    assert "Traceback" not in err
     assert not any(alive(pid) for pid in r.ranks), r.ranks
+
+
+# (e) ---------------------------------------------------------------------------------------------------------
+
+def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
+    """From outside, once both runs train: rank 1 of one run SIGSTOPped (it never answers again: rank 0 waits out
+    --timeout, the launcher kills rank 1 after its grace period), rank 1 of the other SIGKILLed (rank 1 prints
+    nothing: its log is empty). Each first line names rank 1."""
+    timeout = 3
+    runs = {how: start(tmp_path / how, "--steps", "100000", "--eval-every", "100000", "--timeout", str(timeout))
+            for how in ("stop", "kill")}
+    try:
+        for how, r in runs.items():
+            r.wait({"running": ("rank0.log", "step     2/")}, until="running")
+            assert r.p.poll() is None, r.stderr + r.logs()
+            ranks = sorted(children(r.p.pid))
+            assert len(ranks) == 2, ranks
+            os.kill(ranks[1], signal.SIGSTOP if how == "stop" else signal.SIGKILL)  # launched in rank order
+            r.seen["fault"] = time.monotonic()
+        for how in ("kill", "stop"):  # the killed run ends first
+            runs[how].wait()
+    finally:
+        for r in runs.values():
+            r.kill()
+    stop, kill = runs["stop"], runs["kill"]
+    print(f"\n(e) SIGSTOP: launcher exited {stop.since('fault'):.1f} s later (timeout {timeout} s, grace "
+          f"{timeout + 10} s); SIGKILL: {kill.since('fault'):.1f} s later")
+    assert first_line(stop.stderr).startswith(
+        "shardflow train: error: rank 1 stopped answering: rank 0 gave up waiting on it after the communication "
+        "timeout, then rank 1 was still stuck when the launcher killed it (others: rank 0: 3)"), stop.stderr
+    assert first_line(kill.stderr) == (f"shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: "
+                                       f"rank 0: 4); its log {kill.run / 'rank1.log'} is empty"), kill.stderr
+    assert stop.since("fault") < 2 * timeout + 10 + 5 and kill.since("fault") < timeout + 5
 
 
 # safety --------------------------------------------------------------------------------------------------------
@@ -267,3 +312,20 @@ def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, train_a
                                "stall:rank=R:step=N:seconds=S or kill_in_save:rank=R[:step=N] (a test hook; unset it "
                                "for normal runs)\n")
     assert not run.exists()
+
+
+@pytest.mark.parametrize("codes, seen, killed, root, waited_by", [
+    ((-9, 4), {0: 1, 1: 1}, set(), (0, -9), None),  # killed by a signal (not the launcher's) before its peer
+    ((4, 1), {0: 2, 1: 1}, set(), (1, 1), None),  # its own error (a traceback); its peer lost it
+    ((3, 4), {0: 1, 1: 5}, set(), (1, 4), 0),  # rank 1 stalled; rank 0 waited out; rank 1 woke to find it gone
+    ((3, -9), {0: 1, 1: 9}, {1}, (1, -9), 0),  # rank 1 stopped for good: the launcher killed it
+    ((3, 3, 4, 3), {0: 1, 1: 2, 2: 4, 3: 1}, set(), (2, 4), 0),  # 4 ranks: the others waited out, some later
+    ((3, 3), {0: 1, 1: 1}, set(), (0, 3), None),  # both waited out at once: no one else to blame
+    ((0, 0), {0: 1, 1: 1}, set(), None, None),
+])
+def test_root_cause_from_statuses_and_exit_order(codes, seen, killed, root, waited_by):
+    """The launcher's rule, without processes: statuses (3: waited out the timeout, 4: a peer left), the look at
+    which each rank was seen exited, the ranks the launcher killed."""
+    from shardflow.runtime.launch import root_cause
+
+    assert root_cause(codes, seen, killed) == (root, waited_by)

@@ -247,6 +247,16 @@ class Program:
     def comms(self) -> tuple[Comm, ...]:
         return tuple(i for i in self.instrs if isinstance(i, Comm))
 
+    def written(self) -> dict[str, Buffer]:
+        """Every buffer a compute of this program writes or a communication receives, by value."""
+        out: dict[str, Buffer] = {}
+        for i in self.instrs:
+            if isinstance(i, Compute):
+                out.update((b.value, b) for b in i.outs)
+            elif isinstance(i, Comm) and i.recv is not None:
+                out[i.recv.value] = i.recv
+        return out
+
     def fingerprint(self) -> str:
         """sha256 of the ordered communications: token, kind, members/peer/root, shape, dtype, reduce op, the
         value and piece moved and this rank's send/recv buffers."""

@@ -4,8 +4,9 @@ GPUs are not supported yet).
 Every rank builds the same plan deterministically and lowers only its own program; at start-up the ranks
 compare the fingerprint of the plan (the dynamic graph of the step) and refuse to run on a mismatch. The kernels
 are built from the program's instructions and its process groups from the program's group list
-(:class:`ProcessGroups`), in one order on every rank. Every communication waits with a timeout; a timeout names
-the rank, the token, the operation and the peer or group it waited on.
+(:class:`ProcessGroups`), in one order on every rank. Every communication waits with a timeout; its failure names
+the rank, the token, the operation and the peer or group it waited on, and whether a member stopped answering
+(:class:`CommTimeout`) or left (:class:`PeerLost`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,40 @@ from shardflow.runtime import trace
 from shardflow.runtime.memory import Ledger
 
 
-class CommTimeout(RuntimeError):
-    """A communication did not complete within the timeout."""
+class CommFailure(RuntimeError):
+    """A communication of this rank failed because of another member: :class:`CommTimeout` or :class:`PeerLost`."""
+
+
+class CommTimeout(CommFailure):
+    """A communication did not complete within the timeout: a member stopped answering (stalled, stopped, or
+    slower than the timeout)."""
+
+
+class PeerLost(CommFailure):
+    """A member of a communication closed its connection: it exited or was killed."""
+
+
+# gloo's words for a member that closed or reset its connection; torch raises a plain RuntimeError for it as for a
+# timeout, with gloo's message as its text (torch 2.13: "Connection closed by peer [addr]:port", "Read error
+# [addr]:port: Connection reset by peer")
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+TIMED_OUT = ("timed out", "timeout")  # lower case: "Operation timed out!", "Application timeout caused pair closure"
+
+
+def comm_failure(e: BaseException, where: str) -> CommFailure | None:
+    """torch's error ``e`` of a communication (or of a collective inside DCP, whose CheckpointException holds each
+    rank's failure) as a :class:`PeerLost` or :class:`CommTimeout` whose message begins with ``where`` and says what
+    to look at; None when ``e`` says neither."""
+    texts = [str(e), *(str(f[0]) for f in getattr(e, "failures", {}).values())]
+    first = next((t.strip().splitlines()[0] for t in texts if t.strip()), type(e).__name__)
+    gone = next((t[t.index(w):] for t in texts for w in PEER_GONE if w in t), None)
+    if gone is not None:  # gloo's words up to the end of their sentence: "Connection closed by peer [addr]:port"
+        return PeerLost(f"{where}: a member left ({gone.split('. ')[0]}); it exited or was killed, and its log "
+                        f"says why")
+    if any(w in t.lower() for t in texts for w in TIMED_OUT):
+        return CommTimeout(f"{where}: no answer within the timeout ({first}); a member stopped answering (stalled, "
+                           f"stopped, or slower than the timeout): its log shows where it is")
+    return None
 
 
 class CommDivergence(RuntimeError):
@@ -257,9 +290,9 @@ class DistributedExecutor(Executor):
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
-            raise CommTimeout(self._where(c) + f": {e}") from None
+            raise comm_failure(e, self._where(c)) or CommTimeout(f"{self._where(c)}: {e}") from None
         if ok is False:
-            raise CommTimeout(self._where(c) + f": no completion within {self.timeout.total_seconds():.0f} s")
+            raise CommTimeout(f"{self._where(c)}: no completion within {self.timeout.total_seconds():.0f} s")
 
     def _where(self, c: Comm | str) -> str:
         if isinstance(c, str):

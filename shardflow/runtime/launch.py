@@ -6,12 +6,15 @@ gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_P
 cores / N, ``GLOO_SOCKET_IFNAME=lo`` and ``SHARDFLOW_LAUNCHED=1`` (:data:`LAUNCHED`: a rank tells this launcher's
 ranks, whose parent owns the run, from torchrun's). Each rank's output goes to ``rank{r}.log`` in the run directory;
 rank 0's is also echoed to the console. When a rank fails, the others get ``grace_s`` seconds (their
-communication timeout plus a few) to exit on their own, then are killed; the launcher names the failed rank,
-its exit status and the end of its log. Ctrl-C / SIGTERM are forwarded to the ranks.
+communication timeout plus a few) to exit on their own, then are killed; the launcher names the rank at the root of
+the failure — from the ranks' exit statuses (:class:`Status`) and the order it saw them exit: a rank that stopped
+answering rather than the one that timed out waiting on it — its exit status and the end of its log. Ctrl-C /
+SIGTERM are forwarded to the ranks.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -19,22 +22,38 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Set
 from dataclasses import dataclass
+from enum import IntEnum
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
 LAUNCHED = "SHARDFLOW_LAUNCHED"  # set to 1 in the environment of every rank this launcher starts
 
 
+class Status(IntEnum):
+    """The exit statuses by which a launched rank tells the launcher why it ended (besides 0, and 130 when a signal
+    stopped it)."""
+
+    FAILED = 1  # its own error, with a traceback
+    REFUSED = 2  # an input it cannot use, in one paragraph
+    WAITED_OUT = 3  # a member of one of its communications stopped answering: it waited out the timeout
+    PEER_LOST = 4  # a member of one of its communications left (exited or was killed)
+
+
 @dataclass(frozen=True)
 class LaunchResult:
-    """Exit status of every rank, and the first failure (rank, status) if any; ``direct``: rank 0 wrote to this
-    process's terminal itself (its stderr included), rather than through its log echoed on stdout."""
+    """Exit status of every rank, and the root cause of a failure (rank, status) if any (:func:`root_cause`);
+    ``waited_by``: where the failed rank stopped answering, the rank that gave up waiting on it; ``killed``: the ranks
+    the launcher killed once the others had failed; ``direct``: rank 0 wrote to this process's terminal itself (its
+    stderr included), rather than through its log echoed on stdout."""
 
     returncodes: tuple[int, ...]
     failed: tuple[int, int] | None
+    waited_by: int | None = None
+    killed: tuple[int, ...] = ()
     direct: bool = False
 
     @property
@@ -108,18 +127,22 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
-    failed: tuple[int, int] | None = None
+    seen: dict[int, int] = {}  # rank → the look at which it was first seen exited
+    killed: list[int] = []
     deadline = None
+    looks = 0
     try:
-        while any(p.poll() is None for p in procs):
-            if failed is None:
-                failed = _first_failure([p.poll() for p in procs])
-                if failed is not None:
-                    deadline = time.monotonic() + grace_s
+        while len(seen) < nproc:
+            looks += 1
+            seen.update((r, looks) for r, p in enumerate(procs) if r not in seen and p.poll() is not None)
+            if deadline is None and any(procs[r].returncode for r in seen):
+                deadline = time.monotonic() + grace_s
             if deadline is not None and time.monotonic() > deadline:
-                for p in procs:
+                for r, p in enumerate(procs):
                     if p.poll() is None:
                         os.killpg(p.pid, signal.SIGKILL)
+                        killed.append(r)
+                deadline = math.inf
             time.sleep(0.05)
     finally:
         for s, h in old.items():
@@ -127,27 +150,57 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
     for t in pumps:
         t.join(timeout=5)
     codes = tuple(p.returncode for p in procs)
-    if failed is None:
-        failed = _first_failure(list(codes))
     del store
-    return LaunchResult(codes, failed, direct)
+    return LaunchResult(codes, *root_cause(codes, seen, set(killed)), tuple(killed), direct)
 
 
-def _first_failure(codes: list[int | None]) -> tuple[int, int] | None:
-    """The root cause among the ranks seen failed at one look: a rank killed by a signal (the launcher has sent
-    none yet) before one that exited with a status — its peers exit on their own within milliseconds of losing
-    it, often before the launcher looks again; else the lowest rank."""
-    bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-    return min(bad, key=lambda rc: (rc[1] > 0, rc[0])) if bad else None
+def root_cause(codes: Sequence[int], seen: Mapping[int, int], killed: Set[int]) -> tuple[tuple[int, int] | None,
+                                                                                          int | None]:
+    """The failed rank at the root of a failure, as (rank, status), and the rank that gave up waiting on it (or
+    None), from every rank's exit status, the look at which the launcher first saw it exited (``seen``) and the
+    ranks it killed itself. In order: a rank killed by a signal the launcher did not send (its peers lose their
+    connection to it at once); a rank that failed on its own (status 1, 2; not a :class:`Status` that blames
+    another); a rank that stopped answering — the lowest rank still running when the first rank waited out its
+    timeout that did not wait out its own (it was stuck, not waiting: it exits later, on finding its peers gone, or
+    is killed by the launcher); else the first rank seen failed. None when every rank succeeded."""
+    failed = sorted((seen[r], r) for r, c in enumerate(codes) if c)
+    if not failed:
+        return None, None
+    blame = (Status.WAITED_OUT, Status.PEER_LOST, 130)
+    for look, r in failed:
+        if codes[r] < 0 and r not in killed:
+            return (r, codes[r]), None
+    for look, r in failed:
+        if codes[r] > 0 and codes[r] not in blame:
+            return (r, codes[r]), None
+    waited = [r for _, r in failed if codes[r] == Status.WAITED_OUT]
+    if waited:
+        first = waited[0]
+        stuck = [r for r in range(len(codes)) if seen[r] > seen[first] and codes[r] != Status.WAITED_OUT]
+        if stuck:
+            return (stuck[0], codes[stuck[0]]), first
+    _, r = failed[0]
+    return (r, codes[r]), None
 
 
 def describe_failure(result: LaunchResult, run_dir: Path) -> str:
-    """One paragraph naming the failed rank, how it ended, and the end of its log."""
+    """One paragraph naming the rank at the root of the failure and how it ended — for a rank that stopped
+    answering, the rank that gave up waiting on it and that rank's last line — then the end of its log (or that its
+    log is empty)."""
     r, code = result.failed
-    how = f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 else f"exited with status {code}"
+    log = run_dir / f"rank{r}.log"
+    how = (f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 and r not in result.killed else
+           "was still stuck when the launcher killed it" if code < 0 else f"exited with status {code}")
     others = [f"rank {i}: {c}" for i, c in enumerate(result.returncodes) if i != r]
-    return (f"rank {r} {how} (others: {', '.join(others)}); its log {run_dir / f'rank{r}.log'} ends with:\n"
-            f"{tail(run_dir / f'rank{r}.log')}")
+    end = tail(log)
+    logged = f"its log {log} ends with:\n{end}" if end.strip() else f"its log {log} is empty"
+    if result.waited_by is not None:
+        w = result.waited_by
+        said = tail(run_dir / f"rank{w}.log", 1).strip()
+        return (f"rank {r} stopped answering: rank {w} gave up waiting on it after the communication timeout, then "
+                f"rank {r} {how} (others: {', '.join(others)}); rank {w}'s log ends with: {said}; rank {r}'s "
+                f"{logged.removeprefix('its ')}")
+    return f"rank {r} {how} (others: {', '.join(others)}); {logged}"
 
 
 def _signal_name(n: int) -> str:

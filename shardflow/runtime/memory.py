@@ -2,12 +2,21 @@
 
 Lowering ends each buffer's life with a :class:`~shardflow.lower.program.Free` after its last reader, unless
 it persists across steps (weights, optimizer state, the gradients the update used, the loss). Each rank holds
-only its pieces, so its peak is the largest sum of live piece sizes while its program runs.
+only its pieces, so its peak is the largest sum of live piece sizes while its program runs: the executors count it
+as they run (:class:`Ledger`), and :func:`program_memory` replays a program the same way before anything runs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Callable, Mapping
+
 import torch
+
+from shardflow.graph.graph import TensorRole
+from shardflow.lower.dynamic import DynamicGraph, ValueRole
+from shardflow.lower.program import Buffer, Comm, Compute, Free, Program
 
 
 class Ledger:
@@ -32,3 +41,82 @@ class Ledger:
         self.live = {k: t.numel() * t.element_size() for k, t in buffers.items()}
         self.total = sum(self.live.values())
         self.peak = max(self.peak, self.total)
+
+
+class MemoryKind(StrEnum):
+    """What a rank's bytes hold."""
+
+    PARAMETERS = "parameters"
+    GRADIENTS = "gradients"
+    OPTIMIZER = "optimizer state"
+    ACTIVATIONS = "activations"  # forward values kept for the backward, their gradients, the step's data and
+    #                              constants, communication buffers
+
+
+@dataclass(frozen=True, slots=True)
+class ProgramMemory:
+    """The peak of one rank's live buffers during a step (bytes) and what they held at that moment, by kind."""
+
+    peak: int
+    by_kind: Mapping[MemoryKind, int]
+
+
+def buffer_kind(dg: DynamicGraph, vid: str) -> MemoryKind:
+    """The kind of value ``vid`` of the step (a buffer the lowering made, such as a gradient bucket: activations)."""
+    v = dg.values.get(vid)
+    if v is None:
+        return MemoryKind.ACTIVATIONS
+    if v.role == ValueRole.OPT:
+        return MemoryKind.OPTIMIZER
+    t = dg.pcg.tensors.get(v.tensor)
+    if t is None or t.role != TensorRole.WEIGHT:
+        return MemoryKind.ACTIVATIONS
+    return MemoryKind.GRADIENTS if v.role == ValueRole.GRAD else MemoryKind.PARAMETERS
+
+
+def program_memory(program: Program, dg: DynamicGraph, size: Callable[[Buffer], int] | None = None) -> ProgramMemory:
+    """The peak of ``program``'s live buffers in a step after the first, replayed as the executors count them
+    (:class:`Ledger`): its inputs (weights, optimizer state, the step's data and constants) and the values that
+    outlive the step (written, never freed, replacing no other) are live from the start; each compute writes its
+    outputs, each communication its received piece; a :class:`~shardflow.lower.program.Free` releases. ``size``:
+    the bytes of a buffer (default: its piece's); an estimate for other batch sizes passes its own."""
+    size = size or (lambda b: b.type.nbytes)
+    freed = {v for i in program.instrs if isinstance(i, Free) for v in i.values}
+    written = program.written()
+    ledger = _KindLedger(lambda vid: buffer_kind(dg, vid))
+    for b in program.inputs:
+        ledger.write(b.value, size(b))
+    for vid, b in written.items():
+        v = dg.values.get(vid)
+        if vid not in freed and not (v is not None and v.replaces):
+            ledger.write(vid, size(b))
+    for i in program.instrs:
+        if isinstance(i, Compute):
+            for b in i.outs:
+                ledger.write(b.value, size(b))
+        elif isinstance(i, Comm) and i.recv is not None:
+            ledger.write(i.recv.value, size(i.recv))
+        elif isinstance(i, Free):
+            for vid in i.values:
+                ledger.free(vid)
+    return ProgramMemory(ledger.peak, dict(ledger.at_peak))
+
+
+class _KindLedger(Ledger):
+    """A ledger that also keeps its live bytes by kind, and their split at the peak."""
+
+    def __init__(self, kind: Callable[[str], MemoryKind]) -> None:
+        super().__init__()
+        self.kind = kind
+        self.by_kind = dict.fromkeys(MemoryKind, 0)
+        self.at_peak = dict(self.by_kind)
+
+    def write(self, vid: str, n: int) -> None:
+        self.by_kind[self.kind(vid)] += n - self.live.get(vid, 0)
+        super().write(vid, n)
+        if self.total == self.peak:
+            self.at_peak = dict(self.by_kind)
+
+    def free(self, vid: str) -> None:
+        self.by_kind[self.kind(vid)] -= self.live.get(vid, 0)
+        super().free(vid)

@@ -282,21 +282,37 @@ def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp") -> Plan:
 
 
 def parse_strategy(text: str) -> list[str]:
-    """``"dp,tp"`` / ``"dp+tp"`` → ["dp", "tp"]. Raises PlanError for unknown names."""
-    names = [s.strip() for s in re.split(r"[,+x×]", text) if s.strip()]
-    bad = [s for s in names if s not in STRATEGIES]
-    if bad or not names:
+    """``"dp,tp"`` / ``"dp+tp"`` → ["dp", "tp"]. Raises PlanError for unknown names, an empty part (``"tp,"``) and
+    a name given twice."""
+    parts = [s.strip() for s in re.split(r"[,+x×]", text)]
+    if "" in parts:
+        named = ",".join(filter(None, parts)) or "tp"
+        raise PlanError(f"strategy {text!r} has an empty part; write the names separated by commas, e.g. {named!r}")
+    bad = [s for s in parts if s not in STRATEGIES]
+    if bad:
         raise PlanError(f"unknown strategy {text!r}; use {', '.join(STRATEGIES)} or a combination such as 'dp,tp'")
-    if "tp" in names and "sp" in names:
+    twice = sorted({s for s in parts if parts.count(s) > 1})
+    if twice:
+        raise PlanError(f"strategy {text!r} names {twice[0]} twice; each strategy uses its own mesh axis once: write "
+                        f"it once (e.g. '{','.join(dict.fromkeys(parts))}')")
+    if "tp" in parts and "sp" in parts:
         raise PlanError("sp already includes tp: use 'sp' (or 'dp,sp')")
-    return [n for n in names if n != "single"]
+    if "single" in parts and len(parts) > 1:
+        raise PlanError(f"strategy {text!r}: single runs on one device and combines with nothing; use "
+                        f"'{','.join(p for p in parts if p != 'single')}' or 'single'")
+    return [n for n in parts if n != "single"]
 
 
 def default_mesh(strategy: str, nproc: int) -> Mesh:
-    """The mesh a one-strategy run uses when no ``--mesh`` is given: its axis with all ``nproc`` devices."""
+    """The mesh a one-strategy run uses when no ``--mesh`` is given: its axis with all ``nproc`` devices (``single``:
+    one device; PlanError for more)."""
     names = parse_strategy(strategy)
     if not names:
-        return Mesh(("d",), (1,)) if nproc == 1 else Mesh(("dp",), (nproc,))
+        if nproc > 1:
+            raise PlanError(f"strategy {strategy!r} runs on one device, but {nproc} are asked for (--nproc {nproc}, "
+                            f"or torchrun's world size); pass --nproc 1, or a strategy that splits the work over "
+                            f"{nproc} devices: dp, tp, sp or pp")
+        return Mesh(("d",), (1,))
     if len(names) > 1:
         raise PlanError(f"strategy {strategy!r} combines several axes: give the mesh, e.g. --mesh dp=2,tp=2")
     return Mesh((AXIS_OF[names[0]],), (nproc,))
@@ -313,6 +329,12 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str) -> Plan:
         if AXIS_OF[n] not in mesh.axis_names:
             raise PlanError(f"strategy {n!r} runs on mesh axis {AXIS_OF[n]!r}, which mesh {mesh} lacks; "
                             f"e.g. --mesh {AXIS_OF[n]}=2")
+    unknown = [a for a in mesh.axis_names if a not in AXIS_OF.values()] if mesh.size > 1 else []
+    if unknown:
+        rest = ",".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape) if a in AXIS_OF.values())
+        raise PlanError(f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, tp (also sp), pp), "
+                        f"so no strategy in {strategy!r} would use it; drop it (--mesh {rest or 'dp=2'}) or name it "
+                        f"after the strategy that should use it")
     unused = [a for a, s in zip(mesh.axis_names, mesh.shape) if a not in axes and s > 1]
     if unused:
         raise PlanError(f"mesh axes {unused} of {mesh} are used by no strategy in {strategy!r}; "

@@ -7,9 +7,12 @@ rank 0 claims the run directory. One process with ``--nproc 1`` runs every rank 
 executor). Each rank runs :func:`shardflow.train.loop.train`; every rank logs to ``RUN_DIR/rank{r}.log``.
 
 Ctrl-C / SIGTERM stop every rank; a save that was cut short leaves only a ``.tmp`` directory, and the command exits
-with status 130 and one line. A rank that fails reports one paragraph (a checkpoint that does not fit, a non-finite
-loss: exit status 2) or its traceback (status 1) and leaves without gloo's teardown: its peers fail on their
-timeouts. When every rank ended with one paragraph, the command prints rank 0's and exits with status 2.
+with status 130 and one line. A rank that fails reports one paragraph — a checkpoint that does not fit or a
+non-finite loss (exit status 2), a communication another rank stopped answering or left (3 or 4,
+:class:`~shardflow.runtime.launch.Status`) — or its traceback (status 1), and leaves without gloo's teardown: its
+peers fail on their timeouts or at once on the closed connection. From the statuses the launcher names the rank at
+the root of the failure; when every rank ended with one paragraph, the command prints rank 0's and exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -19,15 +22,17 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
 from shardflow.runtime.launch import LAUNCHED, describe_failure, launch, tail
 from shardflow.train import checkpoint, hooks
-from shardflow.train.config import TrainConfig, check_config, check_outputs
+from shardflow.train.config import TrainConfig, check_config, check_outputs, check_processes
 from shardflow.train.console import Console, tee_to_log
 from shardflow.train.loop import Diverged, train
-from shardflow.train.recipe import Setup, setup
+from shardflow.train.memory import processes_here
+from shardflow.train.recipe import Setup, check_memory, setup
 from shardflow.train.rundir import RunDir, RunDirError
 
 # exit status of a run stopped by Ctrl-C / SIGTERM (the shell's 128 + SIGINT)
@@ -45,6 +50,7 @@ def _interrupt(signum, _frame):
 def main(cfg: TrainConfig) -> int:
     """Entry of ``shardflow train``: plan-check in this process, then launch ``--nproc`` ranks (or run here)."""
     check_config(cfg)
+    check_processes(cfg, os.environ)
     launched = os.environ.get(LAUNCHED) == "1"
     with RunDir(cfg, owner=not launched and int(os.environ.get("RANK", "0")) == 0) as run:
         try:
@@ -59,10 +65,12 @@ def _main(run: RunDir, launched: bool) -> int:
         return run_rank(cfg, run)
     torchrun = "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else cfg.nproc
-    s = setup(cfg, world)  # every configuration and planning error surfaces here, before any process starts
+    # every configuration, planning and memory error surfaces here, before any process starts
+    s = setup(cfg, world, processes_here(os.environ, cfg.nproc))
     if not torchrun and world > 1:
-        s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
+        step = s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
         s.lower(verify=True, training=False)
+        check_memory(s, step, world, processes_here(os.environ, cfg.nproc))
     if run.owner and (world == 1 or not torchrun):  # torchrun's rank 0 claims it once every rank has joined
         check_outputs(cfg)
         if not torchrun and cfg.resume and Console(True, cfg.steps, cfg.log_every).nothing_to_do(s.resume_point()):
@@ -70,6 +78,7 @@ def _main(run: RunDir, launched: bool) -> int:
         run.claim()
     if torchrun or world == 1:
         return run_rank(cfg, run, s)
+    del s  # the ranks build their own: this process holds no model while they run
     return _launch(cfg, run)
 
 
@@ -131,8 +140,10 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
         signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards Ctrl-C as SIGTERM: stop like Ctrl-C
     if world == 1:
         return train(cfg, 0, 1, s)
-    from shardflow.runtime.distributed import shutdown
-    s = s or setup(cfg, world)  # configuration, data and plan errors: one paragraph (exit 2), before joining the group
+    from shardflow.runtime.distributed import CommFailure, CommTimeout, comm_failure, shutdown
+    from shardflow.runtime.launch import Status
+    # configuration, data, plan and memory errors: one paragraph (exit 2), before joining the group
+    s = s or setup(cfg, world, processes_here(os.environ, cfg.nproc))
     rank, world = _join(cfg.timeout)
     try:
         cfg = _claimed_by_rank0(cfg, run)
@@ -144,15 +155,22 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
         # one paragraph, status 2: e.g. --resume under torchrun from an unfit checkpoint, a non-finite loss
         said = isinstance(e, (checkpoint.CheckpointError, RunDirError, Diverged))
+        # another rank left or stopped answering (also where torch raised it, outside the executor): one paragraph
+        failure = e if isinstance(e, CommFailure) else comm_failure(e, f"rank {rank}") \
+            if isinstance(e, RuntimeError) else None
         if interrupted:
             print(f"rank {rank}: interrupted", flush=True)
         elif said:
             print(f"{ERROR}rank {rank}: {e}", file=sys.stderr, flush=True)
+        elif failure is not None:
+            print(f"{ERROR}{failure}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(INTERRUPTED if interrupted else 2 if said else 1)
+        os._exit(INTERRUPTED if interrupted else Status.REFUSED if said else
+                 Status.WAITED_OUT if isinstance(failure, CommTimeout) else
+                 Status.PEER_LOST if failure is not None else Status.FAILED)
     shutdown(code)
 
 
@@ -179,20 +197,34 @@ class RendezvousError(ValueError):
 
 
 def _join(timeout_s: float) -> tuple[int, int]:
-    """init_from_env, with torch's rendezvous failures turned into one paragraph that says how to fix them."""
+    """init_from_env, saying every :func:`_progress_every` seconds that it still waits for the other processes, with
+    torch's rendezvous failures turned into one paragraph that says how to fix them."""
     import tempfile
 
     from shardflow.runtime.distributed import init_from_env
+    env = os.environ
+    where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
+    who = f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')}"
+    joined_event = threading.Event()
+
+    def progress() -> None:
+        t0, every = time.monotonic(), _progress_every(timeout_s)
+        while not joined_event.wait(every):
+            print(f"{who}: waiting for the other processes to join the process group at {where} "
+                  f"({time.monotonic() - t0:.0f} s; --timeout {timeout_s:g} s)", flush=True)
+
     # torch logs each failed connection attempt on fd 2 with a C++ backtrace: hold that back; replay it on success
     sys.stderr.flush()
     saved, held = os.dup(2), tempfile.TemporaryFile()
     os.dup2(held.fileno(), 2)
     failure = None
+    threading.Thread(target=progress, daemon=True).start()
     try:
         joined = init_from_env(timeout_s)
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError, a missing variable
         failure = e
     finally:
+        joined_event.set()
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
@@ -202,8 +234,6 @@ def _join(timeout_s: float) -> tuple[int, int]:
     if failure is None:
         sys.stderr.write(logged)
         return joined
-    env = os.environ
-    where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
     text = str(failure).strip()
     first = text.splitlines()[0] if text else ""
     if "address already in use" in text.lower():
@@ -212,9 +242,19 @@ def _join(timeout_s: float) -> tuple[int, int]:
                f"ranks (it picks a free port)")
     elif "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
+    elif "waiting for clients" in text:  # rank 0 hosts the rendezvous: the others did not come
+        fix = (f"this rank hosts the rendezvous at {where}, and not every other rank joined within --timeout "
+               f"{timeout_s:g} s: start all {env.get('WORLD_SIZE', '?')} processes (torchrun on every node with the "
+               f"same --nnodes, --master-addr and --master-port), make that port reachable from the other machines, "
+               f"or raise --timeout")
     else:
         fix = (f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
                f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable from "
                f"this machine, or raise --timeout")
-    raise RendezvousError(f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')} could not join the process "
-                          f"group at {where} ({type(failure).__name__}: {first}); {fix}") from None
+    raise RendezvousError(f"{who} could not join the process group at {where} ({type(failure).__name__}: "
+                          f"{first}); {fix}") from None
+
+
+def _progress_every(timeout_s: float) -> float:
+    """Seconds between two lines of a rank that waits to join: a third of ``--timeout``, between 1 and 30 s."""
+    return min(30.0, max(1.0, timeout_s / 3))

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS
 from shardflow.lower.dynamic import Optimizer
@@ -122,9 +123,20 @@ class TrainConfig:
         if getattr(args, "config", None):
             path = Path(args.config)
             try:
-                values = tomllib.loads(path.read_text())
+                values = tomllib.loads(path.read_text(encoding="utf-8"))
             except FileNotFoundError:
-                raise ValueError(f"config file {path} does not exist") from None
+                raise ValueError(f"config file {path} does not exist; pass --config with a TOML file of these "
+                                 f"settings, or leave --config out") from None
+            except IsADirectoryError:
+                raise ValueError(f"config file {path} is a directory; pass --config with a TOML file of these "
+                                 f"settings (such as {path / 'config.toml'}, which shardflow train writes into "
+                                 f"each run directory)") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason}); TOML files "
+                                 f"are UTF-8: convert it, e.g. iconv -f latin1 -t utf-8 {path}") from None
+            except OSError as e:
+                raise ValueError(f"config file {path} cannot be read ({e.strerror or e}); fix its permissions or "
+                                 f"pass another --config") from None
             except tomllib.TOMLDecodeError as e:
                 raise ValueError(f"config file {path} is not valid TOML: {e}") from None
             known = {f.name for f in fields(cls)}
@@ -175,10 +187,43 @@ def placement(strategy: str | None, plan: str | None) -> str:
 
 # --- checks of the configuration and the outputs (before any process starts) ---------------------------------
 
-# smallest value of each numeric setting (the others are free, or checked where they are used)
-_MINIMUM = {"nproc": 1, "steps": 1, "batch_size": 1, "seq_len": 1, "vocab_size": 256, "layers": 0, "heads": 1,
-            "kv_heads": 1, "embd": 1, "log_every": 1, "eval_every": 1, "eval_batches": 1, "clip_norm": 0, "bucket_mb": 0,
-            "peak_tflops": 0}
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The values a numeric setting accepts: finite numbers from ``low`` to ``high`` (None: no bound), the ends
+    excluded where ``low_open`` / ``high_open``."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, v: float) -> bool:
+        return math.isfinite(v) and (self.low is None or (v > self.low if self.low_open else v >= self.low)) and \
+            (self.high is None or (v < self.high if self.high_open else v <= self.high))
+
+    def __str__(self) -> str:
+        """``≥ 1``, ``> 0``, ``in [0, 1)``."""
+        low, high = (x if x is None or x != int(x) else int(x) for x in (self.low, self.high))
+        if low is not None and high is not None:
+            return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+        if high is not None:
+            return f"{'<' if self.high_open else '≤'} {high}"
+        return f"{'>' if self.low_open else '≥'} {low}" if low is not None else "finite"
+
+    def check(self, flag: str, v: float, help_: str) -> None:
+        """Raise ValueError (the flag, its value, the range, the flag's help) unless ``v`` is in the range."""
+        if v not in self:
+            what = "a value" if isinstance(v, int) else "a finite value"
+            raise ValueError(f"{flag} {v} is out of range: give {what} {self}. {flag}: {help_}")
+
+
+# the range of every numeric setting (a float must be finite even where it has no bound)
+RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "seq_len": Range(1), "layers": Range(1),
+          "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256),
+          "dropout": Range(0, 1, high_open=True), "lr": Range(0), "momentum": Range(0, 1, high_open=True),
+          "weight_decay": Range(0), "seed": Range(0, 2**32, high_open=True), "checkpoint_every": Range(0),
+          "log_every": Range(1), "eval_every": Range(1), "eval_batches": Range(1), "clip_norm": Range(0),
+          "bucket_mb": Range(0), "timeout": Range(0, low_open=True), "peak_tflops": Range(0)}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
                "list": "a list", "dict": "a table"}
@@ -186,7 +231,8 @@ _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", 
 
 def check_config(cfg: TrainConfig) -> None:
     """Raise ValueError (one paragraph: the setting, its value, the fix) for a setting of the wrong type (only a
-    ``--config`` file can give one: flags are typed by the command line), outside its choices or its range."""
+    ``--config`` file can give one: flags are typed by the command line), outside its choices or its range
+    (:data:`RANGES`), or an empty string."""
     for f in dataclasses.fields(cfg):
         v, flag, help_ = getattr(cfg, f.name), "--" + f.name.replace("_", "-"), f.metadata.get("help", "")
         names = [t.strip() for t in str(f.type).split("|")]
@@ -202,16 +248,11 @@ def check_config(cfg: TrainConfig) -> None:
         if choices and v not in choices:
             raise ValueError(f"setting {f.name} = {v!r} is not one of {', '.join(choices)} ({help_}); fix it in the "
                              f"--config file")
-        if f.name in _MINIMUM and v is not None and v < _MINIMUM[f.name]:
-            raise ValueError(f"{flag} {v} is out of range: give a value ≥ {_MINIMUM[f.name]}. {flag}: {help_}")
-    if cfg.timeout <= 0:
-        raise ValueError(f"--timeout {cfg.timeout}: give the seconds a rank may wait on one communication, > 0 "
-                         f"(e.g. 120; tests use 5-30)")
-    if not 0 <= cfg.dropout < 1:
-        raise ValueError(f"--dropout {cfg.dropout}: give a probability in [0, 1)")
-    if cfg.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every {cfg.checkpoint_every}: give a number of steps, or 0 to save only "
-                         f"after the last step")
+        if isinstance(v, str) and not v.strip():
+            default = f" (default {f.default})" if f.default is not None else ""
+            raise ValueError(f"{flag} is empty; leave it out{default} or give a value ({help_})")
+        if f.name in RANGES and v is not None:
+            RANGES[f.name].check(flag, v, help_)
     if cfg.tensorboard:
         try:
             import tensorboard  # noqa: F401  (torch.utils.tensorboard writes with it)
@@ -221,15 +262,36 @@ def check_config(cfg: TrainConfig) -> None:
                              "--tensorboard (RUN_DIR/metrics.jsonl holds the same numbers)") from None
 
 
+def check_processes(cfg: TrainConfig, env: Mapping[str, str]) -> None:
+    """Raise ValueError where the environment ``env`` and the settings disagree on the processes: torchrun's
+    variables that are not whole numbers, a stray ``RANK`` (``WORLD_SIZE`` 1 or unset) outside torchrun that would
+    turn ``--nproc N`` into one process, and ``--trace`` on one process (it traces the ranks' communication)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if var in env and not env[var].strip().isdigit():
+            raise ValueError(f"environment variable {var}={env[var]!r} is not a whole number; torchrun sets it for "
+                             f"each rank: unset it to let shardflow train start --nproc processes")
+    world = int(env.get("WORLD_SIZE", "1"))
+    if "RANK" in env and world == 1 and cfg.nproc > 1 and "TORCHELASTIC_RUN_ID" not in env:
+        raise ValueError(f"RANK={env['RANK']} and WORLD_SIZE={env.get('WORLD_SIZE', '(unset)')} in the environment "
+                         f"make this process the only rank, so --nproc {cfg.nproc} would start no process and run "
+                         f"every device here; unset them (env -u RANK -u WORLD_SIZE shardflow train ...) to start "
+                         f"{cfg.nproc} processes, or pass --nproc 1 to run in this one")
+    if cfg.trace and world == 1 and cfg.nproc == 1:
+        raise ValueError(f"--trace {cfg.trace}: the timeline is of the ranks' processes (compute and "
+                         f"communication lanes), and --nproc 1 runs every rank in this one; pass --nproc 2 or more, "
+                         f"or drop --trace")
+
+
 def check_outputs(cfg: TrainConfig) -> None:
-    """Raise CheckpointError unless the run directory, the metrics file's directory and the checkpoint directory
-    can be written."""
+    """Raise CheckpointError unless the run directory, the directories of the metrics and trace files and the
+    checkpoint directory can be written (each is created if missing), and neither file is a directory."""
     fix = "pass --run-dir with a directory you can write, or fix its permissions"
     check_writable(Path(cfg.run_dir), "run directory", fix)
-    if cfg.metrics:
-        m = Path(cfg.metrics)
-        if m.is_dir():
-            raise CheckpointError(f"--metrics {m} is a directory; pass a file name such as {m / 'metrics.jsonl'}")
-        check_writable(m.parent, "directory of --metrics",
-                       "pass --metrics with a file in a directory you can write, or omit it")
+    for flag, file, example in (("--metrics", cfg.metrics, "metrics.jsonl"), ("--trace", cfg.trace, "trace.json")):
+        if file:
+            f = Path(file)
+            if f.is_dir():
+                raise CheckpointError(f"{flag} {f} is a directory; pass a file name such as {f / example}")
+            check_writable(f.parent, f"directory of {flag}",
+                           f"pass {flag} with a file in a directory you can write, or omit it")
     check_writable(cfg.checkpoints)

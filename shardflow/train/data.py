@@ -255,8 +255,8 @@ class Corpus:
     @classmethod
     def load(cls, data: str | None, tokenizer: TokenizerChoice, seq_len: int, cache_dir: str | None = None) -> Corpus:
         """The corpus ``--data`` names, tokenized as ``tokenizer`` (cached in ``cache_dir``, default next to the
-        data). Raises DataError for unusable data, a cache that cannot be written, or a validation split too short
-        for ``seq_len``."""
+        data). Raises DataError for unusable data, a cache that cannot be written, a validation split too short
+        for ``seq_len``, or a training split that is one token repeated."""
         text = load_text(data)
         entry = cache_entry(text, tokenizer, Path(cache_dir) if cache_dir else None)
         corpus = cls(entry.tokenizer, entry.tokens, text.source, text.sha256, text.chars, entry.path, entry.built)
@@ -265,6 +265,13 @@ class Corpus:
                             f"({entry.tokenizer.describe()}): too few for --seq-len {seq_len} (the validation split, "
                             f"the last {VAL_FRACTION:.0%}, needs more than {seq_len + 1} tokens); use more text or a "
                             f"shorter --seq-len")
+        train = corpus.train
+        if not bool((train != train[0]).any()):
+            raise DataError(f"data from {text.source}: its training split (the first {1 - VAL_FRACTION:.0%}, "
+                            f"{len(train):,} tokens) is one token repeated, "
+                            f"{entry.tokenizer.decode([int(train[0])])!r}: a model has nothing to learn from it (it "
+                            f"predicts that token and its loss is 0); use a text with more than one distinct "
+                            f"character")
         return corpus
 
     @property

@@ -69,14 +69,9 @@ def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
 
 
 def main(source: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
-    """Entry of ``shardflow generate``: prints the prompt and the sampled text. Raises CheckpointError for a bad
-    source or argument."""
-    if tokens < 0:
-        raise CheckpointError(f"--tokens {tokens}: give the number of tokens to sample (0 or more)")
-    if temperature < 0:
-        raise CheckpointError(f"--temperature {temperature}: must be 0 (greedy) or positive")
-    if not prompt:
-        raise CheckpointError("--prompt is empty; the model needs at least one character to continue from")
+    """Entry of ``shardflow generate`` (its flags checked by the command line: a non-empty ``prompt``, ``tokens`` ≥ 0,
+    a finite ``temperature`` ≥ 0): prints the prompt and the sampled text. Raises CheckpointError for a bad source or
+    a prompt the tokenizer cannot encode."""
     family, model, tok, context, what = load(source)
     unknown = tok.unknown(prompt)
     if unknown:

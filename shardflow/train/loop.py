@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from pathlib import Path
 
@@ -30,7 +31,8 @@ from shardflow.train.config import TrainConfig, check_outputs
 from shardflow.train.console import Console
 from shardflow.train.data import Split
 from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
-from shardflow.train.recipe import Setup, setup
+from shardflow.train.memory import processes_here
+from shardflow.train.recipe import Setup, check_memory, setup
 from shardflow.train.rundir import metrics_path
 
 
@@ -54,11 +56,13 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     """Train rank ``rank`` of ``world`` processes (``world`` 1: every rank of the mesh here) from the config, or
     from its already built recipe ``s``. Returns the exit status (``--check`` beyond its tolerance: 1). Raises
     Diverged at a non-finite loss or state (on every rank at the same step)."""
-    s = s or setup(cfg, world)
+    here = processes_here(os.environ, cfg.nproc)  # 0 in a launched rank: the parent checked its memory
+    s = s or setup(cfg, world, here)
     run_dir = Path(cfg.run_dir)
     opt = s.optimizer
     ranks = [rank] if world > 1 else None
     train_step = s.lower(ranks, verify=world == 1)  # launched ranks: the parent proved the plan already
+    check_memory(s, train_step, world, here)
     eval_step = s.lower(ranks, verify=world == 1, training=False)
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor

@@ -6,6 +6,7 @@ starts, so every configuration and planning error surfaces there."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -18,14 +19,14 @@ from torch import nn
 from shardflow.api import plan_pcg
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
-from shardflow.lower import CostModel, LowerOptions, lower_step
+from shardflow.lower import CostModel, LowerOptions, LoweredStep, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh
-from shardflow.train import checkpoint
+from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
 from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig
 from shardflow.train.data import Corpus, Split
@@ -36,7 +37,7 @@ from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
 @dataclass
 class Setup:
     """What every rank builds identically from the config: data, the model (its family and config), graph, PCG;
-    ``pretrained``: the ``--init-from`` directory's weights."""
+    ``pretrained``: the ``--init-from`` directory's weights; ``runtime_bytes``: see :func:`check_memory`."""
 
     cfg: TrainConfig
     corpus: Corpus
@@ -47,6 +48,7 @@ class Setup:
     pcg: PCG
     mesh: Mesh
     pretrained: Pretrained | None = None
+    runtime_bytes: int = 0  # this process's resident size before it built the model (the memory estimate's runtime)
 
     def batch(self, split: Split, step: int) -> dict[str, torch.Tensor]:
         """The model's inputs for batch ``step`` of ``split`` ([batch_size, seq_len] token ids and next tokens)."""
@@ -145,14 +147,16 @@ def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None
     return family, config, family.build(config)
 
 
-def setup(cfg: TrainConfig, world: int) -> Setup:
+def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
     """Data, model (seeded), captured graph and the PCG of the strategy. Raises the planner's errors (PlanError,
-    DegreeError, ...), DataError and ModelError — the parent calls this before starting any process."""
+    DegreeError, ...), DataError and ModelError — the parent calls this before starting any process. ``processes``:
+    the processes of the run on this machine to check the memory for (0: none); where building or capturing the
+    model could itself exhaust memory, the run is estimated and refused (MemoryFitError) before the model is built
+    (:func:`check_memory` checks the lowered step)."""
     if cfg.plan and cfg.strategy:
         raise PlanError(f"--plan {cfg.plan} and --strategy {cfg.strategy}: the plan places every tensor itself; give "
                         f"one of them (drop --strategy to train with the plan)")
-    strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
-    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(strategy or DEFAULT_STRATEGY,
+    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy or DEFAULT_STRATEGY,
                                                               world if world > 1 else cfg.nproc)
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
@@ -160,8 +164,65 @@ def setup(cfg: TrainConfig, world: int) -> Setup:
     pretrained = Pretrained.open(Path(cfg.init_from)) if cfg.init_from else None
     tokenizer = str(pretrained.tokenizer_file) if pretrained else cfg.tokenizer
     corpus = Corpus.load(cfg.data, TokenizerChoice.of(tokenizer, cfg.vocab_size), cfg.seq_len, cfg.cache_dir)
-    family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
+    runtime = memory.resident_bytes()
+    if processes and not is_factory(cfg.model):  # a factory's model is known once the factory has built it
+        _check_memory_before_build(cfg, world, mesh, corpus, pretrained, processes, runtime)
+    return _build(cfg, mesh, corpus, pretrained, runtime=runtime)
+
+
+def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False,
+           runtime: int = 0) -> Setup:
+    """The model of ``cfg`` (seeded; ``meta``: on the meta device, shapes only), captured on a batch of the corpus,
+    and its PCG on ``mesh``."""
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
+    strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
     _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict)
-    return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained)
+    return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained, runtime)
+
+
+def _check_memory_before_build(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus,
+                               pretrained: Pretrained | None, processes: int, runtime: int) -> None:
+    """Refuse (MemoryFitError) a run whose model alone cannot fit — every process builds it whole; its size from the
+    meta device — and, where capturing at the run's size could itself take much memory
+    (:func:`memory.needs_probe`), a run whose estimate from small plans (:func:`probe_estimate`) cannot fit."""
+    with torch.device("meta"):
+        whole = memory.module_bytes(build_model(cfg, corpus.tokenizer.vocab_size, pretrained)[2])
+    memory.check(memory.Estimate({}, whole, 0, runtime, "the model's size alone"), processes)
+    if memory.needs_probe(cfg):
+        memory.check(probe_estimate(cfg, world, mesh, corpus, pretrained, whole, runtime), processes)
+
+
+def probe_estimate(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None,
+                   whole: int, runtime: int) -> memory.Estimate:
+    """The memory estimate of a process of the run (``world`` 1: one process runs every rank) from three small plans
+    on the meta device (:func:`memory.probe_sizes`), each buffer and constant scaled to the run's batch and sequence
+    (:func:`memory.scaling`); ``whole``: the bytes of the model each process builds, ``runtime``: of the rest of the
+    process. Nothing of the run's size is allocated."""
+    steps, probes = [], {}
+    for b, t in memory.probe_sizes(mesh.size):
+        small = _build(dataclasses.replace(cfg, batch_size=b, seq_len=t), mesh, corpus, pretrained, meta=True)
+        step = small.lower(verify=False)
+        steps.append((small, step))
+        probes[(b, t)] = {**{f"const:{k}": v.numel() * v.element_size() for k, v in small.graph.constants.items()},
+                          **{x.value: x.type.nbytes for p in step.programs.values()
+                             for x in (*p.inputs, *p.written().values())}}
+    grow = memory.scaling(cfg, probes)
+    (b, t), _, (_, t2) = probes
+    small, step = steps[0]
+    constants = sum(grow(f"const:{k}", v.numel() * v.element_size()) for k, v in small.graph.constants.items())
+    basis = (f"plans at batch {b} and {2 * b}, sequence {t} and {t2}, scaled to --batch-size {cfg.batch_size} "
+             f"--seq-len {cfg.seq_len}")
+    return memory.of_plan(step, world == 1, whole, constants, runtime, lambda x: grow(x.value, x.type.nbytes), basis)
+
+
+def check_memory(s: Setup, step: LoweredStep, world: int, processes: int) -> None:
+    """Raise MemoryFitError unless ``processes`` processes of the run fit in this machine's memory, each running
+    one rank's program of ``step`` (``world`` > 1) or every rank's (``world`` 1: one process runs the mesh), with
+    the model it builds whole, the graph's constants and its runtime (nothing when ``processes`` is 0)."""
+    if processes:
+        constants = sum(v.numel() * v.element_size() for v in s.graph.constants.values())
+        memory.check(memory.of_plan(step, world == 1, memory.module_bytes(s.model), constants, s.runtime_bytes),
+                     processes)

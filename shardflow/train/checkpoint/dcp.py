@@ -223,12 +223,30 @@ class Saver:
     def save(self, ex, step: int) -> tuple[Path, int]:
         """Save the executor's weights and optimizer state after ``step`` steps (collective: every rank calls it).
         Returns the checkpoint's directory and its size in bytes (on rank 0; 0 elsewhere). Raises NonFiniteState,
-        writing nothing, when a tensor holds NaN or inf; CheckpointError when the write fails."""
+        writing nothing, when a tensor holds NaN or inf; CheckpointError where this rank cannot write it (e.g. a full
+        disk); and PeerLost or CommTimeout where another rank left or
+        stopped answering during the save; either way the complete checkpoints saved before stay."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from shardflow.runtime.distributed import CommFailure, comm_failure
+        try:
+            return self._save(ex, step)
+        except (CheckpointError, CommFailure):  # NonFiniteState is a CheckpointError
+            raise
+        except (Exception, CheckpointException) as e:
+            failure = comm_failure(e, f"rank {self.rank} saving {store.staging(self.root, step)} (the complete "
+                                      f"checkpoints before it stay)")
+            if failure is None:
+                raise
+            raise failure from None
+
+    def _save(self, ex, step: int) -> tuple[Path, int]:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint.api import CheckpointException
 
+        from shardflow.runtime.distributed import comm_failure
         sd = {f"model/{k}": v for k, v in ex.weights().items()}  # collective on the distributed executor
         sd.update({f"optim/{k}": v for k, v in ex.state().items()})
         # every rank holds the same full tensors: every rank refuses the same save, before anything is written
@@ -242,8 +260,11 @@ class Saver:
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
                 dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=self.world == 1)
         except (Exception, CheckpointException) as e:  # e.g. disk full, on any rank
-            raise CheckpointError(f"writing checkpoint {tmp} failed ({_why(e)}); free space or fix "
-                                  f"--checkpoint-dir, then --resume from the last complete checkpoint") from None
+            why = _why(e)  # an interrupt is raised again here
+            if comm_failure(e, "") is not None:  # another rank left or stopped answering: not this disk
+                raise
+            raise CheckpointError(f"writing checkpoint {tmp} failed ({why}); free space or fix --checkpoint-dir, "
+                                  f"then --resume from the last complete checkpoint") from None
         prefix = f"__{self.rank}_" if self.world > 1 else "__"
         mine = {p.name: store.digest(p) for p in sorted(tmp.iterdir()) if p.name.startswith(prefix)}
         if self.on_written is not None:

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 
 from shardflow.train.checkpoint.dcp import Checkpoint, model_entries, read
-from shardflow.train.checkpoint.store import CheckpointError, find
+from shardflow.train.checkpoint.store import CheckpointError, check_writable, find
 from shardflow.train.family import Family, is_hf
 from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -45,14 +45,16 @@ def hf_tokenizer(tok: Tokenizer):
 def export(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Checkpoint]:
     """Write the checkpoint at ``path`` as the Hugging Face model directory ``out`` (module's ``save_pretrained``
     with safetensors, and the run's tokenizer). Written into a temporary sibling and renamed: ``out`` is whole or
-    absent. Raises CheckpointError for an ``out`` that exists (nothing is overwritten) and for a model that is not a
-    Hugging Face ``PreTrainedModel``."""
+    absent. Raises CheckpointError for an ``out`` that exists (nothing is overwritten) or cannot be written (checked
+    before the checkpoint is read) and for a model that is not a Hugging Face ``PreTrainedModel``."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out} already exists; shardflow export writes a new directory and overwrites "
                               f"nothing: pass another --out, or remove {out} first")
     if not out.parent.is_dir():
-        raise CheckpointError(f"--out {out}: directory {out.parent} does not exist; create it or write elsewhere")
+        why = "is a file" if out.parent.exists() else "does not exist"
+        raise CheckpointError(f"--out {out}: directory {out.parent} {why}; create it or write elsewhere")
+    check_writable(out.parent, "directory of --out", "pass --out with a directory you can write")  # before loading
     family, model, ck = load_model(path)
     if not is_hf(model):
         raise CheckpointError(f"checkpoint {ck.path} holds a {type(model).__name__} ({family.name}), not a Hugging "

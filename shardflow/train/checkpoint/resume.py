@@ -23,6 +23,10 @@ def for_resume(root: Path, family: Family, config: Any, corpus: Mapping[str, Any
     """The newest complete checkpoint under ``root``, checked against the run about to continue from it: its model
     ``family`` and ``config``, its ``corpus`` (``source``, ``sha256``, ``chars``, as the checkpoint records
     it), its ``tokenizer``, the optimizer's state slots and the ``want``ed entries. Raises CheckpointError."""
+    if store.is_checkpoint(root):
+        raise CheckpointError(f"--resume: {root} is one checkpoint, not a checkpoint directory; --checkpoint-dir "
+                              f"names the directory that holds the step_N checkpoints (the newest complete one is "
+                              f"resumed): pass --checkpoint-dir {root.parent}")
     path = store.newest(root)
     if path is None:
         partial = store.incomplete(root)

@@ -62,6 +62,11 @@ def incomplete(root: Path) -> list[str]:
                   {q.name for _, q in complete_steps(root)})
 
 
+def is_checkpoint(p: Path) -> bool:
+    """Whether ``p`` is one checkpoint (``step_<n>/``, complete or not), rather than a directory of them."""
+    return bool(_STEP.match(p.name)) or (p / META).exists() or (p / MARKER).exists()
+
+
 def find(path: str | os.PathLike) -> Path:
     """Resolve ``--checkpoint``: a checkpoint (``step_<n>/``), a checkpoint directory (its newest complete
     checkpoint) or a run directory (the newest in its ``checkpoints/``). Raises CheckpointError."""
@@ -69,7 +74,7 @@ def find(path: str | os.PathLike) -> Path:
     if not p.exists():
         raise CheckpointError(f"checkpoint {p} does not exist; pass a checkpoint (RUN_DIR/checkpoints/step_N), a "
                               f"checkpoint directory or a run directory of shardflow train")
-    if _STEP.match(p.name) or (p / META).exists() or (p / MARKER).exists():
+    if is_checkpoint(p):
         if not (p / MARKER).is_file():
             raise CheckpointError(f"checkpoint {p} is incomplete (no {MARKER} marker: its save did not finish); "
                                   f"{fallback(p)}")
