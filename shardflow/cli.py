@@ -326,7 +326,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardflow", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="shardflow", description="Plan, check and train a model across devices "
+                                     "from a parallel computation graph: plan (no processes), check (against eager "
+                                     "PyTorch), train, export (a Hugging Face directory) and generate.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the parallel computation graph of a model under a strategy (no processes)")
     add_model_args(p)

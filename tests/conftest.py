@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 # A GPT of 1 layer, 2 heads, width 16 on 16-character sequences, batch 8: a step takes milliseconds; validation
-# every 2 steps on 1 batch; a line every step. Later flags override these (argparse: the last one wins).
+# every 2 steps on 1 batch; a line every step; MFU against a given peak (measuring one takes a second per run).
+# Later flags override these (argparse: the last one wins).
 TINY = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
-        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30")
+        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30", "--peak-tflops", "0.1")
 
 
 @pytest.fixture(scope="session", autouse=True)

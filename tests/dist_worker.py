@@ -1,6 +1,7 @@
 """One rank of the distributed tests: runs every case given on the command line against the single-device
-run (eager module + torch.optim, computed on this rank) and writes the largest differences to JSON; weights are
-compared on every replica (each rank its own pieces, the maximum all-reduced).
+run (eager module + torch.optim, computed on this rank) and writes the largest differences to JSON: loss,
+gradients, the global gradient norm (relative, against clip_grad_norm_'s) and weights, compared on every replica
+(each rank its own pieces, the maximum all-reduced); and whether ``per_process`` gathered every rank's number.
 
 Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
 CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64" or
@@ -39,8 +40,8 @@ def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("coll
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms)), cfg,
-                             timeout_s=timeout_s, seed=seed)
+    ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms), grad_norm=True),
+                             cfg, timeout_s=timeout_s, seed=seed)
     ex.load(weights_of(model, graph))
     return model, inputs, ex
 
@@ -51,7 +52,7 @@ def run_case(case, rank):
     cfg = OptimizerConfig("sgd", 0.1, 0.9)
     model, inputs, ex = executor(strategy, mesh_text, dtype, rank, cfg, forms=forms or ("collective", "collective"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    diffs = {"loss": 0.0, "grad": 0.0, "grad_norm": 0.0, "weight": 0.0}
     for _ in range(3):
         loss = ex.step(inputs)
         opt.zero_grad()
@@ -60,8 +61,11 @@ def run_case(case, rank):
         diffs["loss"] = max(diffs["loss"], abs(loss - want.item()))
         grads = ex.grads()
         diffs["grad"] = max([diffs["grad"]] + [(grads[k] - p.grad).abs().max().item() for k, p in model.named_parameters()])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # clip_grad_norm_'s
+        diffs["grad_norm"] = max(diffs["grad_norm"], abs(ex.grad_norm - norm) / max(1.0, norm))
         opt.step()
     diffs["weight"] = ex.weight_error({k: p.detach() for k, p in model.named_parameters()})
+    diffs["per_process"] = float(ex.per_process(rank + 0.5) != [r + 0.5 for r in range(ex.world)])
     return diffs
 
 
@@ -150,7 +154,7 @@ def run_outside_view(rank):
     from shardflow.reference import run_backward
 
     cfg = OptimizerConfig("sgd", 0.1)
-    diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    diffs = {"loss": 0.0, "grad": 0.0, "grad_norm": 0.0, "weight": 0.0}
     for partial in (True, False):
         g, pcg, weights, inputs = replicate_outside_view(partial)
         ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=60)

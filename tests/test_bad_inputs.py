@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,7 @@ def train(capsys, tiny):
     (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
     (["--nproc", "0"], ["--nproc 0 is out of range"]),
     (["--bucket-mb", "-1"], ["--bucket-mb -1.0 is out of range", "≥ 0"]),
+    (["--peak-tflops", "-1"], ["--peak-tflops -1.0 is out of range", "≥ 0"]),
     (["--timeout", "0"], ["--timeout 0.0 is out of range: give a finite value > 0", "--timeout: seconds"]),
     (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is out of range: give a value ≥ 0"]),
     (["--dropout", "1.5"], ["--dropout 1.5 is out of range: give a finite value in [0, 1)"]),
@@ -83,8 +85,8 @@ def train(capsys, tiny):
     (["--dropout", "nan"], ["--dropout nan is out of range"]),
     (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
     (["--seed", "-1"], ["--seed -1 is out of range: give a value in [0, 4294967296)"]),
-    (["--run-dir", ""], ["--run-dir is empty; leave it out (default runs/latest) or give a value"]),
-    (["--strategy", " "], ["--strategy is empty; leave it out (default tp)"]),
+    (["--run-dir", ""], ["--run-dir is empty; leave it out or give a value"]),
+    (["--strategy", " "], ["--strategy is empty; leave it out or give a value"]),
     (["--metrics", ""], ["--metrics is empty; leave it out or give a value"]),
     (["--heads", "3"], ["--embd 16 is not a multiple of --heads 3", "e.g. --heads 2"]),
     (["--strategy", "zp"], ["unknown strategy 'zp'", "dp,tp"]),
@@ -106,6 +108,14 @@ def train(capsys, tiny):
 def test_bad_settings(train, tmp_path, corpus, argv, words):
     run = tmp_path / "run"
     one_paragraph(*train(run, corpus, *argv), "train", *words)
+    assert not run.exists()
+
+
+def test_tensorboard_without_its_package(train, tmp_path, corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what `import tensorboard` meets where it is missing
+    run = tmp_path / "run"
+    one_paragraph(*train(run, corpus, "--tensorboard"), "train", "pip install tensorboard",
+                  "pip install 'shardflow[tensorboard]'")
     assert not run.exists()
 
 
@@ -385,6 +395,11 @@ def test_export_onto_an_existing_directory(capsys, tmp_path, finished):
     code = cli_main(["export", str(finished), "--out", str(tmp_path)])
     one_paragraph(code, *capsys.readouterr(), "export", f"--out {tmp_path} already exists", "overwrites nothing")
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    data = finished / "checkpoints" / "step_2" / "__0_0.distcp"  # a file of the very checkpoint export reads
+    before = data.read_bytes()
+    code = cli_main(["export", str(finished), "--out", str(data)])
+    one_paragraph(code, *capsys.readouterr(), "export", f"--out {data} already exists", "overwrites nothing")
+    assert data.read_bytes() == before
 
 
 # --- the Python API -------------------------------------------------------------------------------------------

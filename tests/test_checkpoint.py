@@ -109,7 +109,7 @@ def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, train_argv, read_met
     want = read_metrics(runs / "tp6")
     for r, name in zip(run_all(*argvs), ("dp", "single")):
         assert r.returncode == 0, r.stderr + r.stdout
-        assert "written under tp on mesh tp=2" in r.stdout
+        assert "written under strategy tp on mesh tp=2" in r.stdout
         got = read_metrics(tmp_path / name)
         assert [m["step"] for m in got] == [4, 5, 6]
         for a, b in zip(got, want[3:]):
@@ -364,6 +364,48 @@ def test_fresh_run_replaces_an_earlier_runs_checkpoints(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step_2"]
 
 
+def test_non_finite_state_is_never_saved(tmp_path):
+    """Every rank holds the same full tensors when it saves, so each refuses the same save, before writing anything:
+    the previous complete checkpoint stays the newest."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    _saver(root).save(_FakeExecutor(1.0), 1)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(checkpoint.NonFiniteState, match=r"^the state after step 2 holds NaN or inf \(model/w and "
+                                                            r"1 more\): checkpoint not saved$"):
+            _saver(root, fresh=False).save(_FakeExecutor(bad), 2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_1"] and checkpoint.newest(root) == root / "step_1"
+
+
+def test_non_finite_weights_at_a_save_stop_the_run_with_one_paragraph(tmp_path, tiny, corpus, capsys, monkeypatch):
+    """A finite loss does not prove the update after it was finite: the save checks the state itself. Here the
+    weights the executor hands the save at step 2 are NaN (the loss stays finite): the run stops with one paragraph,
+    and step 1's checkpoint stays the newest."""
+    from shardflow.runtime.local import LocalExecutor
+
+    real, calls = LocalExecutor.weights, []
+
+    def weights(self):
+        calls.append(1)
+        return {k: v if len(calls) < 2 else torch.full_like(v, float("nan")) for k, v in real(self).items()}
+
+    monkeypatch.setattr(LocalExecutor, "weights", weights)
+    old = signal.getsignal(signal.SIGTERM)
+    run = tmp_path / "run"
+    try:
+        code = cli_main(["train", *tiny, "--steps", "3", "--data", str(corpus), "--run-dir", str(run), "--strategy",
+                         "single", "--nproc", "1", "--checkpoint-every", "1"])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    err = capsys.readouterr().err
+    assert code == 2 and err == (
+        f"shardflow train: error: the weights or optimizer state hold NaN or inf (model/model.embed_tokens.weight) "
+        f"at step 2: training diverged, most likely because the learning rate is too high (--lr 0.01); try "
+        f"--clip-norm 1.0 or a lower --lr. Nothing of step 2 was saved; the last complete checkpoint, "
+        f"{run / 'checkpoints' / 'step_1'}, is kept (continue from it with --resume and a lower --lr)\n"), err
+    assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [1]
+
+
 def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(train_argv, tmp_path):
     run = tmp_path / "run"
     p = subprocess.Popen(train_argv(run, "--strategy", "tp", "--nproc", "2", "--steps", "100000",
@@ -406,3 +448,27 @@ def test_resumed_metrics_keep_the_records_up_to_the_checkpoint(tmp_path):
         f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
     assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == \
         [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+
+
+def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):
+    """--init-from's weights are lazy: indexing one reads that block of model.safetensors (safetensors slices),
+    in the model's dtype; a missing weight or another shape is one paragraph."""
+    from safetensors.torch import save_file
+
+    from shardflow.train.checkpoint.export import LazyPiece, Pretrained
+    full = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    p = Pretrained.open(tmp_path)
+    (w,) = p.weights({"w": torch.zeros(6, 4)}).values()
+    assert isinstance(w, LazyPiece) and w.shape == (6, 4) and w.dtype == torch.float32
+    block = w[(slice(3, 6), slice(0, 2))]  # what an executor's _put asks for: its piece
+    assert block.dtype == torch.float32 and torch.equal(block, full[3:6, 0:2].float())
+    with pytest.raises(checkpoint.CheckpointError, match="has no v .*1 weights of the model missing"):
+        p.weights({"v": torch.zeros(6, 4)})
+    with pytest.raises(checkpoint.CheckpointError, match=r"w is \[6, 4\] in model.safetensors, the model needs \[4, 6\]"):
+        p.weights({"w": torch.zeros(4, 6)})
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="no tokenizer.json"):
+        Pretrained.open(tmp_path)

@@ -93,3 +93,18 @@ def test_plan_dump_after_prints_the_graph_after_one_pass(capsys):
     assert "FWD  copy     FWD copy fwd:relu mesh[pp=0]->mesh[pp=1]" in out
     code, out, _ = run(capsys, "--model", "mlp", "--layers", "2", "--strategy", "pp", "--mesh", "pp=2", "--dump-after", "ordering")
     assert code == 0 and out.startswith("rank 0: ") and "recv" in out and "free " in out
+
+
+@pytest.mark.parametrize("command", [[], ["plan"], ["check"], ["train"], ["export"], ["generate"]])
+def test_help_is_plain_text_with_each_default_once(capsys, command):
+    """No RST markup (the top-level description used to be the module docstring's first line, backticks and all)
+    and no ``(default None)`` after a help that says what its absence means already."""
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: shardflow")
+    assert "``" not in out and ":func:" not in out and ":mod:" not in out
+    flat = " ".join(out.split())
+    assert "(default None)" not in flat
+    if command == ["train"]:
+        assert "(default: a new directory runs/YYYYmmdd-HHMMSS per run" in flat and "(default 100)" in flat

@@ -384,7 +384,7 @@ def test_generated_block_matches_the_code(block):
 
 # Flags appended to a documented `shardflow train` (the last flag wins): the tiny model of conftest.TINY, 2 steps.
 SHRINK_DATA = ("--seq-len", "16", "--batch-size", "8", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
-               "--timeout", "120")
+               "--timeout", "120", "--peak-tflops", "0.1")
 SHRINK_TRAIN = ("--layers", "1", "--heads", "2", "--embd", "16", *SHRINK_DATA)
 
 
@@ -439,6 +439,8 @@ COMMANDS = {
     ".venv/bin/shardflow train --model gpt2 --layers 4 --embd 256 --heads 8": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --model-config my_config.json --strategy tp --nproc 2": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --model examples/hf_llama.py:tiny_llama --strategy dp": Run(SHRINK_DATA),
+    ".venv/bin/shardflow train --tensorboard": Run(SHRINK_TRAIN),
+    ".venv/bin/tensorboard --logdir runs/latest/tensorboard": NotRun("a web server that runs until stopped"),
     "shardflow export runs/latest --out exported": Run(),
     'shardflow generate runs/latest --prompt "The " --tokens 200 --temperature 0.8 --seed 0': Run(),
     'shardflow generate exported --prompt "The " --tokens 20 --temperature 0': Run(),
@@ -692,15 +694,15 @@ def test_classifier_plan_is_the_example_s():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Where the commands that start no process run: a prepared directory with a finished tiny run on the default
-    text in ``runs/latest`` (the default --run-dir), for export and generate."""
+    text in a new run directory (the default --run-dir), which ``runs/latest`` points at, for export and generate."""
     work = _prepare(tmp_path_factory.mktemp("docs"))
     old = signal.getsignal(signal.SIGTERM)
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert cli_main(["train", *SHRINK_TRAIN, "--strategy", "single", "--nproc", "1", "--run-dir",
-                             str(work / "runs" / "latest")]) == 0
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.chdir(work):
+            assert cli_main(["train", *SHRINK_TRAIN, "--strategy", "single", "--nproc", "1"]) == 0
     finally:
         signal.signal(signal.SIGTERM, old)
+    assert (work / "runs" / "latest").is_symlink()
     return work
 
 

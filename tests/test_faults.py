@@ -1,12 +1,14 @@
 """Faults in real ``shardflow train --nproc 2`` runs (tiny model, gloo, short --timeout), injected with the test hook
-``SHARDFLOW_FAULT`` of tests/faults.py (through shardflow.train.hooks): a rank SIGKILLed in the middle of a step or during a checkpoint
-save, a rank that stalls outside communication, SIGTERM to the launcher; and the launcher's rendezvous store and
-gloo's sockets listen on loopback only. Every run is bounded (a watchdog kills it); exit times are measured from
-the moment the fault struck (the line the faulty rank prints just before) to the launcher's exit."""
+``SHARDFLOW_FAULT`` of tests/faults.py (through shardflow.train.hooks): a rank SIGKILLed in the middle of a step or
+during a checkpoint save, a rank that stalls outside communication, a second run into the directory of a running
+one, SIGTERM to the launcher; and the launcher's rendezvous store and gloo's sockets listen on loopback only. Every
+run is bounded (a watchdog kills it); exit times are measured from the moment the fault struck (the line the faulty
+rank prints just before) to the launcher's exit."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -190,13 +192,22 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
 
 # (c) ---------------------------------------------------------------------------------------------------------
 
-def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, start):
+def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops_every_rank(tmp_path, start,
+                                                                                             train_argv):
     r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", "10")
     try:
         r.wait({"running": ("rank0.log", "step     3/")}, until="running")
         assert r.p.poll() is None, r.stderr + r.logs()
         r.ranks.update(children(r.p.pid))
         assert len(r.ranks) == 2, r.ranks
+        # the launcher holds the run directory's lock (its ranks inherited it): a second run into it is refused
+        second = subprocess.run(train_argv(r.run, "--strategy", "single", "--nproc", "1", "--steps", "2"),
+                                capture_output=True, text=True, timeout=LIMIT)
+        assert second.returncode == 2 and second.stderr == (
+            f"shardflow train: error: run directory {r.run} is in use by another shardflow train (PID {r.p.pid} on "
+            f"{socket.gethostname()} holds {r.run / '.lock'}); wait for that run to end or stop it, or pass another "
+            f"--run-dir\n"), second.stderr
+        assert r.p.poll() is None  # the first run goes on
         r.p.send_signal(signal.SIGTERM)
         r.seen["sigterm"] = time.monotonic()
         r.wait()

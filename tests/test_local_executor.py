@@ -1,5 +1,5 @@
-"""Local executor against the single-device run: loss, every gradient, and every replica of every weight after
-3 optimizer steps.
+"""Local executor against the single-device run: loss, every gradient, the global gradient norm (what
+clip_grad_norm_ returns) and every replica of every weight after 3 optimizer steps.
 
 The reference is the eager nn.Module with torch.optim; with dropout, the reference interpreter with the run's
 seed (torch's dropout draws from the process RNG, ours from (seed, step, node, element)). Tolerances: float64 —
@@ -49,7 +49,8 @@ def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
     plan = plan or make_plan(graph, mesh, strategy)
-    step = lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)), cfg.slots, clip_norm=clip_norm)
+    step = lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)), cfg.slots, clip_norm=clip_norm,
+                      grad_norm=True)
     ex = LocalExecutor(step, cfg)
     ex.load(weights_of(model, graph))
     opt = torch_optimizer(cfg, model.parameters())
@@ -63,8 +64,9 @@ def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=
         grads = ex.grads()
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=0, msg=f"grad {name}")
-        if clip_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        # the global gradient norm before clipping, as clip_grad_norm_ returns it (inf: no clipping)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm or float("inf")).item()
+        assert abs(ex.grad_norm - norm) <= atol * max(1.0, norm), (ex.grad_norm, norm)
         opt.step()
     assert ex.weight_error({k: p.detach() for k, p in model.named_parameters()}) <= atol  # every replica
 
@@ -118,6 +120,7 @@ def test_evaluation_runs_without_dropout():
     evaluate = LocalExecutor(lower_step(evaluation(pcg), cfg.slots, training=False), cfg, share=train)
     assert abs(evaluate.step(inputs) - model.eval()(**inputs).item()) <= 1e-10
     assert abs(train.step(inputs) - model.eval()(**inputs).item()) > 1e-3  # training drops half the activations
+    assert train.grad_norm is None and evaluate.grad_norm is None  # lowered without the gradient norm
 
 
 def test_weight_error_reads_every_replica():

@@ -111,6 +111,24 @@ def test_data_parallel_syncs_each_weight_gradient_and_nothing_else():
     assert p0.bytes_by_kind() == {("all_reduce", "dp"): 2 * total * 3 // 4}
 
 
+def test_gradient_norm_without_clipping_is_one_scalar_all_reduce_after_the_updates():
+    """``grad_norm=True`` without clipping (for metrics): the updates read no norm; after them each rank sums the
+    squares of its gradient pieces and one scalar all-reduce over every device makes the norm whole; it outlives
+    the step. Without it the step has neither."""
+    graph = mlp(pre=True)
+    mesh = Mesh.parse("dp=4")
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "dp"), graph, mesh))
+    plain = lower_step(pcg, "sgd", options=LowerOptions(bucket_bytes=0))
+    step = lower_step(pcg, "sgd", options=LowerOptions(bucket_bytes=0), grad_norm=True)
+    assert plain.dg.grad_norm_sq == "" and step.dg.grad_norm_sq in step.dg.persistent()
+    assert comms(step.programs) == comms(plain.programs) + [("UPD", "all_reduce", (0, 1, 2, 3), ())]
+    assert all(len(n.inputs) == 2 for n in step.dg.nodes if n.kind == NodeKind.UPDATE)  # weight, gradient: no norm
+    for p in step.programs.values():
+        ops = [i.op for i in p.instrs if isinstance(i, Compute)]
+        assert ops.index("sum_of_squares") > max(k for k, op in enumerate(ops) if op == "sgd_update")
+        assert not any(isinstance(i, Free) and step.dg.grad_norm_sq in i.values for i in p.instrs)
+
+
 def _bucket_plan(cap, optimizer="sgd"):
     graph = mlp(pre=True)
     mesh = Mesh.parse("dp=2")

@@ -375,19 +375,22 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
 
 
 def test_train_strict_reaches_the_planner(corpus, monkeypatch):
-    """``shardflow train --strict`` plans strictly. The presets get no refusal on the GPT, so the column-only plan
-    stands in for the preset: 3 redistributions without --strict, c_proj's refusal with it."""
+    """``shardflow train --strict`` plans strictly. The tp preset gets no refusal on the Llama, so a column-only plan
+    (the MLP's gate and up projections sharded by rows, nothing else) stands in for the preset: redistributions
+    without --strict, down_proj's refusal with it."""
     from shardflow.cli import build_parser
     from shardflow.train import recipe
     from shardflow.train.config import TrainConfig
 
-    monkeypatch.setattr(recipe, "make_plan", lambda graph, mesh, strategy: COLUMN_ONLY)
+    column = ModulePlan(params={"weight": {"tp": S0}})
+    plan = Plan(modules={"model.layers.*.mlp.gate_proj": column, "model.layers.*.mlp.up_proj": column})
+    monkeypatch.setattr(recipe, "make_plan", lambda graph, mesh, strategy: plan)
     argv = ["train", "--mesh", "tp=2", "--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16",
             "--batch-size", "8", "--data", str(corpus)]
     cfg = TrainConfig.from_args(build_parser().parse_args(argv))
     assert not cfg.strict and len(recipe.setup(cfg, 1).pcg.redistributions) == 3
     cfg = TrainConfig.from_args(build_parser().parse_args([*argv, "--strict"]))
-    with pytest.raises(RuleError, match="node 'linear_5' .* in module 'transformer.h.0.mlp.c_proj'"):
+    with pytest.raises(RuleError, match="node 'linear_6' .* in module 'model.layers.0.mlp.down_proj'"):
         recipe.setup(cfg, 1)
 
 

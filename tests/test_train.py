@@ -2,9 +2,12 @@
 bad input ends with a one-paragraph error, exit status 2 and no traceback, before any process starts."""
 
 import json
+import shutil
 import subprocess
 
 import pytest
+
+from shardflow.train import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +53,49 @@ def test_strategies_match_single_device_step_by_step(tmp_path, train, read_metri
 
 
 def test_metrics_fields(single):
-    assert set(single[0]) == {"step", "loss", "tokens_per_s", "step_s"}
-    assert set(single[1]) == {"step", "loss", "tokens_per_s", "step_s", "val_loss"}
+    """One device in one process, a line every step (so the memory every step), --peak-tflops 0.1 (conftest.TINY),
+    batch 8 × 16 tokens: the rates and the MFU follow from the step time; the model FLOPs per step are constant."""
+    every = {"step", "loss", "step_s", "data_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+             "mfu_pct", "grad_norm", "mem_mib", "mem_mib_ranks"}
+    assert set(single[0]) == every and set(single[1]) == every | {"val_loss"}
+    flops = single[0]["tflops_per_device"] * single[0]["step_s"]
+    for m in single:
+        assert m["tokens_per_s"] == pytest.approx(8 * 16 / m["step_s"]) == m["tokens_per_s_per_device"]
+        assert m["mfu_pct"] == pytest.approx(100 * m["tflops_per_device"] / 0.1)
+        assert m["tflops_per_device"] * m["step_s"] == pytest.approx(flops)
+        assert 0 < m["data_s"] < m["step_s"] and m["grad_norm"] > 0
+        assert len(m["mem_mib_ranks"]) == 1 and m["mem_mib"] == m["mem_mib_ranks"][0] > 10  # torch alone: > 100
+
+
+def _board(run) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of ``run/tensorboard`` as TensorBoard reads them: tag → [(step, value)], purges applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_after_its_checkpoint(
+        tmp_path, train, read_metrics):
+    """tp=2 on 2 processes with --tensorboard and the peak measured, then resumed (one process) from its checkpoint
+    at step 2, the one at step 4 removed: TensorBoard's scalars are metrics.jsonl's — every key, every step, once
+    (the first run's steps 3 and 4, with other step times, purged). Event files hold float32: rel 1e-6."""
+    r, run = train(tmp_path, "tb", "--strategy", "tp", "--nproc", "2", "--tensorboard", "--checkpoint-every", "2",
+                   "--peak-tflops", "0")
+    assert r.returncode == 0, r.stderr + r.stdout
+    assert "measured at start-up: best of 3 float32 2048×2048 matmuls on cpu" in r.stdout
+    assert all(len(m["mem_mib_ranks"]) == 2 and m["mem_mib"] == max(m["mem_mib_ranks"]) for m in read_metrics(run))
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    r, run = train(tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard", "--resume")
+    assert r.returncode == 0, r.stderr + r.stdout
+    want: dict[str, list] = {}
+    for m in read_metrics(run):
+        for key, v in m.items():
+            for tag, x in [(f"{key}/{k}", y) for k, y in enumerate(v)] if isinstance(v, list) else [(key, v)]:
+                want.setdefault(tag, []).append((m["step"], pytest.approx(x, rel=1e-6)))
+    want.pop("step")
+    assert len(want["step_s"]) == 4 and len(want["mem_mib_ranks/1"]) == 2  # the resumed run has one process
+    assert _board(run) == want
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -77,6 +121,28 @@ def test_empty_and_non_utf8_data(tmp_path, train):
     for path, word in ((empty, "is empty"), (latin, "is not UTF-8")):
         r, _ = train(tmp_path, "bad", "--data", str(path), "--nproc", "1", "--strategy", "single")
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv", [["--strategy", "single", "--nproc", "1"], ["--strategy", "tp", "--nproc", "2"]])
+def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_path, train, read_metrics,
+                                                                                   argv):
+    """--lr 1e12: step 1's loss is finite and its update huge; step 2's loss is NaN. One process (the local executor)
+    and two (each rank sees the same loss, so both stop at step 2 with status 2, and nothing hangs)."""
+    r, run = train(tmp_path, "nan", *argv, "--lr", "1e12", "--checkpoint-every", "1")
+    assert r.returncode == 2, r.stderr + r.stdout
+    rank = "rank 0: " if argv[-1] == "2" else ""  # the command prints rank 0's paragraph
+    assert r.stderr == (f"shardflow train: error: {rank}the loss is nan at step 2: training diverged, most likely "
+                        f"because the learning rate is too high (--lr 1e+12); try --clip-norm 1.0 or a lower --lr. "
+                        f"Nothing of step 2 was saved; the last complete checkpoint, {run / 'checkpoints' / 'step_1'}, "
+                        f"is kept (continue from it with --resume and a lower --lr)\n"), r.stderr
+    assert "Traceback" not in r.stdout
+    assert [m["step"] for m in read_metrics(run)] == [1]
+    root = run / "checkpoints"
+    assert [n for n, _ in checkpoint.complete_steps(root)] == [1] and not list(root.glob("*.tmp"))
+    ck = checkpoint.read(root / "step_1")
+    assert all(t.isfinite().all() for t in ck.load(ck.entries).values())
+    for log in run.glob("rank*.log"):  # every rank said it (status 2 from each: the command's 2 needs all of them)
+        assert "the loss is nan at step 2" in log.read_text().splitlines()[-1], log
 
 
 def check_line(r) -> str:
@@ -122,11 +188,17 @@ def test_check_passes_with_dropout(tmp_path, train, argv):
 
 
 def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
-    run = tmp_path / "torchrun"
+    """Without --run-dir: rank 0 makes the new run directory (and config.toml) once the ranks have joined, and tells
+    rank 1 its name — both write their files of the checkpoint there."""
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardflow.cli")
-    r = subprocess.run(train_argv(run, "--steps", "4", "--strategy", "dp", entry=torchrun), capture_output=True,
-                       text=True, timeout=300)
+    argv = train_argv(tmp_path / "unused", "--steps", "4", "--strategy", "dp", entry=torchrun)
+    at = argv.index("--run-dir")
+    r = subprocess.run(argv[:at] + argv[at + 2:], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "runs" / "latest"
+    assert run.is_symlink() and (run / "config.toml").exists()
+    assert [p.name for p in (tmp_path / "runs").iterdir() if not p.is_symlink()] == [run.resolve().name]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (run / "checkpoints" / "step_4").iterdir()}
     for a, b in zip(read_metrics(run), single):
         assert abs(a["loss"] - b["loss"]) < 1e-4
 

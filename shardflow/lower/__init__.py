@@ -30,17 +30,19 @@ class LoweredStep:
 
 def lower_step(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, ranks: Iterable[int] | None = None,
                verify: bool = True, training: bool = True, options: LowerOptions | None = None,
-               clip_norm: float | None = None) -> LoweredStep:
+               clip_norm: float | None = None, grad_norm: bool = False) -> LoweredStep:
     """Lower one training step of ``pcg``. With ``ranks`` given, only those ranks' programs are built (each
     rank of a run builds its own); ``verify`` (all ranks only) proves the programs agree before any launch.
 
     ``training=False`` lowers the forward pass only (evaluation). ``options`` chooses the form of each
     all-gather and reduce-scatter (plain collective, collective-permute ring, broadcast loop; default: the
     plain collectives). ``clip_norm``: clip gradients to this global norm (one reduction over all devices).
+    ``grad_norm``: compute that global gradient norm without clipping too (a scalar all-reduce per mesh axis,
+    after the updates); either way the executors expose it after each step (``Executor.grad_norm``).
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
     options = options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE)
-    ctx = LowerContext(optimizer, training, clip_norm, options, None if ranks is None else tuple(ranks))
+    ctx = LowerContext(optimizer, training, clip_norm, options, None if ranks is None else tuple(ranks), grad_norm)
     skip = () if verify and ranks is None else (PassName.VERIFY,)
     sg, records = run_passes(pcg, ctx, skip=skip)
     return LoweredStep(sg.dg, sg.programs, records)

@@ -153,7 +153,7 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
     if kind == "all_gather":  # gathered dim to the front
         x = send.movedim(c.dim, 0).contiguous()
         out = empty((d * x.shape[0],) + tuple(x.shape[1:]))
-        return Issued((dist.all_gather_into_tensor(out, x, group=group, async_op=True),),
+        return Issued((dist.all_gather_single(out, x, group=group, async_op=True),),
                       lambda: out.movedim(0, c.dim).contiguous())
     if kind == "reduce_scatter":  # scattered dim to the front
         x = send.movedim(c.dim, 0).contiguous()

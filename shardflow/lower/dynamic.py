@@ -165,7 +165,7 @@ class DNode:
     For a BWD compute node, ``grad_mask[i]`` tells whether input i gets a gradient, ``unscale[i]`` undoes a
     linearity scale on it, and ``dy_mask[k]`` whether output k has a gradient (its ``dy`` is an input).
     An ``update`` with ``clip`` > 0 reads the squared global gradient norm as its last input; ``sumsq``
-    sums the squares of the gradient pieces each device holds.
+    sums the squares of the gradient pieces each device holds (see :attr:`DynamicGraph.grad_norm_sq`).
     """
 
     name: str
@@ -185,13 +185,18 @@ class DNode:
 
 @dataclass(frozen=True)
 class DynamicGraph:
-    """Values and nodes (in a valid execution order) of one training step, and the passes applied so far."""
+    """Values and nodes (in a valid execution order) of one training step, and the passes applied so far.
+
+    ``grad_norm_sq``: the id of the squared global L2 norm of all gradients (a scalar whole on every device of
+    the mesh, kept after the step), or "" when the step does not compute it (no clipping, no ``grad_norm``).
+    """
 
     pcg: PCG
     values: Mapping[str, Value]
     nodes: tuple[DNode, ...]
     optimizer: UpdateRule = UpdateRule.SGD
     done: tuple[str, ...] = ()
+    grad_norm_sq: str = ""
 
     def producers(self) -> dict[str, DNode]:
         return {v: n for n in self.nodes for v in n.outputs}
@@ -226,8 +231,10 @@ class DynamicGraph:
 
     def persistent(self) -> frozenset[str]:
         """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
-        gradients the updates read (kept for inspection) and the loss."""
+        gradients the updates read (kept for inspection), the squared gradient norm and the loss."""
         keep = {self.loss_value} if self.pcg.loss else set()
+        if self.grad_norm_sq:
+            keep.add(self.grad_norm_sq)
         keep.update(forward_id(w) for w in self.pcg.graph.weights)
         keep.update(vid for vid, v in self.values.items() if v.role == ValueRole.OPT or v.replaces)
         keep.update(n.inputs[1] for n in self.nodes if n.kind == NodeKind.UPDATE)
@@ -348,10 +355,12 @@ def grad_sharding(pcg: PCG, node: PNode, i: int) -> tuple[Sharding, float]:
 
 
 def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, training: bool = True,
-                   clip_norm: float | None = None) -> DynamicGraph:
+                   clip_norm: float | None = None, grad_norm: bool = False) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
+    ``grad_norm``: compute the global gradient norm even without clipping (for metrics), after the updates,
+    which do not read it. Either way the graph names it (:attr:`DynamicGraph.grad_norm_sq`).
 
     ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
     if the PCG has no loss or the optimizer is unknown.
@@ -468,10 +477,10 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
         if w not in early:
             early[w] = finalize(w)
     grads = {w: dw for w, dw in early.items() if dw is not None}  # in the order the backward made them
-    norm2: tuple[str, ...] = ()
-    if clip_norm:
-        # Squared global gradient norm: each device sums the squares of the gradient pieces it holds (replica
-        # 0 only), a partial sum over every mesh axis; reducing it makes it whole on every device.
+
+    def squared_norm() -> str:
+        """Squared global gradient norm: each device sums the squares of the gradient pieces it holds (replica
+        0 only), a partial sum over every mesh axis; reducing it makes it whole on every device."""
         mesh = pcg.mesh
         axes = tuple(a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1)
         whole = SubMesh(mesh)
@@ -479,7 +488,9 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                        Sharding((), axes), whole)
         g.nodes.append(DNode("UPD grad-norm sumsq", TaskType.UPD, NodeKind.SUMSQ, tuple(grads.values()), (part,),
                              whole))
-        norm2 = (g.redistribute(part, Sharding(()), TaskType.UPD, "grad_norm"),)
+        return g.redistribute(part, Sharding(()), TaskType.UPD, "grad_norm")
+
+    norm2 = (squared_norm(),) if clip_norm else ()  # the updates clip with it: computed before them
     for w, dw in grads.items():
         t = pcg.tensors[w]
         slots = tuple(g.value(state_id(s, w), w, ValueRole.OPT, t.type, t.sharding, t.group, slot=s)
@@ -488,13 +499,15 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                             slot=g.values[x].slot, replaces=x) for x in (forward_id(w),) + slots)
         g.nodes.append(DNode(f"UPD {w}", TaskType.UPD, NodeKind.UPDATE, (forward_id(w), dw) + slots + norm2, new,
                              t.group, w, clip=clip_norm or 0.0))
-    return _expanded(pcg, g, optimizer)
+    if grad_norm and not clip_norm:  # read by nobody in the step: after the updates, which need not wait for it
+        norm2 = (squared_norm(),)
+    return _expanded(pcg, g, optimizer, norm2[0] if norm2 else "")
 
 
-def _expanded(pcg: PCG, g: _Graph, optimizer: UpdateRule) -> DynamicGraph:
+def _expanded(pcg: PCG, g: _Graph, optimizer: UpdateRule, grad_norm_sq: str = "") -> DynamicGraph:
     """The graph pass expansion returns, after its check: every PCG node has its FWD node, and every node
     reads only values made by an earlier node or placed by the executor (weights, state, inputs)."""
-    dg = DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, (PassName.PASS_EXPANSION,))
+    dg = DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, (PassName.PASS_EXPANSION,), grad_norm_sq)
     have = set(dg.placed())
     for n in dg.nodes:
         if missing := [v for v in n.inputs if v not in have]:
@@ -540,7 +553,8 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
                 copies[key] = out
             ins.append(copies[key])
         g.nodes.append(dataclasses.replace(n, inputs=tuple(ins)))
-    out = DynamicGraph(dg.pcg, g.values, tuple(g.nodes), dg.optimizer, dg.done + (PassName.COPY_INSERTION,))
+    out = DynamicGraph(dg.pcg, g.values, tuple(g.nodes), dg.optimizer, dg.done + (PassName.COPY_INSERTION,),
+                       dg.grad_norm_sq)
     if bad := cross_submesh_reads(out):
         raise PassError(f"copy insertion left {bad[0][0]!r} reading {bad[0][1]!r} from another sub-mesh")
     return out

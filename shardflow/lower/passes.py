@@ -31,13 +31,15 @@ class LowerContext:
     :class:`~shardflow.lower.dynamic.UpdateRule` (or its name) the updates run; ``training``: False lowers the
     forward only;
     ``clip_norm``: clip gradients to this global norm; ``options``: forms of all-gathers/reduce-scatters and
-    the bucket size; ``ranks``: the ranks whose programs are built (None: every device)."""
+    the bucket size; ``ranks``: the ranks whose programs are built (None: every device); ``grad_norm``: compute
+    the global gradient norm even without clipping (the executors expose it after each step)."""
 
     optimizer: UpdateRule | str = UpdateRule.SGD
     training: bool = True
     clip_norm: float | None = None
     options: LowerOptions = field(default_factory=lambda: LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE))
     ranks: tuple[int, ...] | None = None
+    grad_norm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +61,8 @@ def _verify(sg: ShardedGraph, ctx: LowerContext) -> ShardedGraph:
 
 
 PASSES: tuple[Pass, ...] = (
-    Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm),
+    Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm,
+                                                                c.grad_norm),
          "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state"),
     Pass(PassName.COPY_INSERTION, lambda dg, c: copy_insertion(dg),
          "COPY wherever a node reads a value held by another sub-mesh"),

@@ -224,6 +224,13 @@ class DistributedExecutor(Executor):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
+    def per_process(self, x: float) -> list[float]:
+        """Every rank's ``x`` (an all-gather on the default group). Raises CommTimeout past the run's timeout."""
+        out = [torch.zeros((), dtype=torch.float64) for _ in range(self.world)]
+        self._wait(dist.all_gather(out, torch.tensor(x, dtype=torch.float64), async_op=True),
+                   f"rank {self.rank} waited on the all-gather of a number from every rank")
+        return [t.item() for t in out]
+
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on the full ``inputs`` (every rank passes the same); returns the loss."""
@@ -277,7 +284,9 @@ class DistributedExecutor(Executor):
         gradients and activations."""
         return self.ledger.peak
 
-    def _wait(self, work, c: Comm) -> None:
+    def _wait(self, work, c: Comm | str) -> None:
+        """Wait for ``work`` (once) with the timeout; raise CommTimeout naming communication ``c`` (or saying
+        ``c``, a sentence) when it fails or does not complete."""
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
@@ -285,7 +294,9 @@ class DistributedExecutor(Executor):
         if ok is False:
             raise CommTimeout(f"{self._where(c)}: no completion within {self.timeout.total_seconds():.0f} s")
 
-    def _where(self, c: Comm) -> str:
+    def _where(self, c: Comm | str) -> str:
+        if isinstance(c, str):
+            return c
         who = f"peer {c.peer}" if c.kind in ("send", "recv") else f"group {list(c.members)}"
         return f"rank {self.rank} waited on token {c.token} ({c.kind} of {c.type.dtype}{list(c.type.shape)}, {who})"
 
@@ -300,7 +311,7 @@ class DistributedExecutor(Executor):
             others = {frm: int(theirs)}
         else:
             got = torch.empty(len(c.members), dtype=torch.long)
-            self._wait(dist.all_gather_into_tensor(got, mine, group=self.groups.get(c.members), async_op=True), c)
+            self._wait(dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c)
             others = dict(zip(c.members, got.tolist()))
         bad = {r: t for r, t in others.items() if t != c.token}
         if bad:

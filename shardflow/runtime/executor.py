@@ -3,7 +3,8 @@
 :class:`~shardflow.runtime.local.LocalExecutor` (every rank in this process) and
 :class:`~shardflow.runtime.distributed.DistributedExecutor` (this rank on torch.distributed) implement how a
 value's pieces are put and gathered (``_put`` / ``_get``), which pieces are held here (``_pieces``), how a number
-is reduced over the ranks (``_max_over_ranks``) and how a step runs; everything else is here.
+is reduced over the ranks (``_max_over_ranks``) or gathered from every process (:meth:`Executor.per_process`) and
+how a step runs; everything else is here.
 
 Both take the run's ``seed``: random ops (dropout) draw as a pure function of (seed, step, node, global element
 index), so any strategy draws what one device draws (:mod:`shardflow.graph.rng`).
@@ -47,9 +48,24 @@ class Executor:
         """The largest ``x`` over the ranks (on the distributed executor: collective, every rank calls it)."""
         raise NotImplementedError
 
+    def per_process(self, x: float) -> list[float]:
+        """Every process's ``x``, in rank order: one value on the local executor (every rank is this process);
+        on the distributed executor one per rank (collective: every rank calls it, with the run's timeout)."""
+        raise NotImplementedError
+
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """One training step on full ``inputs`` (by graph input name); returns the loss."""
         raise NotImplementedError
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global L2 norm of all gradients of the last step, before clipping (what
+        ``torch.nn.utils.clip_grad_norm_`` returns; every piece counted once), read locally: every device holds
+        it. None before the first step, or when the step was lowered without it (``lower_step(...,
+        grad_norm=True)`` or ``clip_norm`` computes it)."""
+        vid = self.dg.grad_norm_sq
+        pieces = self._pieces(vid) if vid else {}
+        return next(iter(pieces.values())).sqrt().item() if pieces else None
 
     def _place_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Place a step's data inputs (by graph input name) and the graph's constants."""

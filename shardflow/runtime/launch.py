@@ -3,7 +3,8 @@
 The parent binds the rendezvous store on a port the OS picks (port 0, loopback only) and keeps it; each rank
 gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
 ``TORCHELASTIC_USE_AGENT_STORE=True`` so it joins the parent's store as a client, ``OMP_NUM_THREADS`` =
-cores / N and ``GLOO_SOCKET_IFNAME=lo``. Each rank's output goes to ``rank{r}.log`` in the run directory;
+cores / N, ``GLOO_SOCKET_IFNAME=lo`` and ``SHARDFLOW_LAUNCHED=1`` (:data:`LAUNCHED`: a rank tells this launcher's
+ranks, whose parent owns the run, from torchrun's). Each rank's output goes to ``rank{r}.log`` in the run directory;
 rank 0's is also echoed to the console. When a rank fails, the others get ``grace_s`` seconds (their
 communication timeout plus a few) to exit on their own, then are killed; the launcher names the rank at the root of
 the failure — from the ranks' exit statuses (:class:`Status`) and the order it saw them exit: a rank that stopped
@@ -29,6 +30,8 @@ from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
+LAUNCHED = "SHARDFLOW_LAUNCHED"  # set to 1 in the environment of every rank this launcher starts
+
 
 class Status(IntEnum):
     """The exit statuses by which a launched rank tells the launcher why it ended (besides 0, and 130 when a signal
@@ -44,12 +47,14 @@ class Status(IntEnum):
 class LaunchResult:
     """Exit status of every rank, and the root cause of a failure (rank, status) if any (:func:`root_cause`);
     ``waited_by``: where the failed rank stopped answering, the rank that gave up waiting on it; ``killed``: the ranks
-    the launcher killed once the others had failed."""
+    the launcher killed once the others had failed; ``direct``: rank 0 wrote to this process's terminal itself (its
+    stderr included), rather than through its log echoed on stdout."""
 
     returncodes: tuple[int, ...]
     failed: tuple[int, int] | None
     waited_by: int | None = None
     killed: tuple[int, ...] = ()
+    direct: bool = False
 
     @property
     def ok(self) -> bool:
@@ -83,30 +88,32 @@ def _listen(host: str) -> tuple[int, int]:
 
 
 def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0, echo_rank0: bool = True,
-           host: str = "127.0.0.1") -> LaunchResult:
+           host: str = "127.0.0.1", keep_fds: Sequence[int] = ()) -> LaunchResult:
     """Run ``cmd`` (an argv, e.g. ``[python, -m, shardflow.cli, train, ...]``) as ``nproc`` ranks.
 
     Returns when every rank has exited (killed ``grace_s`` after the first failure). Per-rank logs:
-    ``run_dir/rank{r}.log``.
+    ``run_dir/rank{r}.log``. ``keep_fds``: descriptors every rank inherits (the run directory's lock, held while any
+    rank lives).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     # TCPStore given port 0 listens on every interface; a socket we bind on ``host`` alone keeps it on loopback
     fd, port = _listen(host)
     store = dist.TCPStore(host, port, nproc, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     threads = max(1, (os.cpu_count() or 1) // nproc)
+    direct = echo_rank0 and sys.stdout.isatty()
     procs, pumps = [], []
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR=host, MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-                   OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo", SHARDFLOW_LAUNCHED="1",
-                   PYTHONUNBUFFERED="1")
-        if r == 0 and echo_rank0 and sys.stdout.isatty():
+                   OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+                   **{LAUNCHED: "1"})
+        if r == 0 and direct:
             # On a terminal rank 0 writes to it directly (so it can draw a progress bar) and tees its own log.
             env["SHARDFLOW_TEE"] = str(run_dir / "rank0.log")
-            p = subprocess.Popen(list(cmd), env=env, start_new_session=True)
+            p = subprocess.Popen(list(cmd), env=env, start_new_session=True, pass_fds=keep_fds)
         else:
             p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 start_new_session=True)
+                                 start_new_session=True, pass_fds=keep_fds)
             t = threading.Thread(target=_pump, args=(p.stdout, run_dir / f"rank{r}.log", echo_rank0 and r == 0),
                                  daemon=True)
             t.start()
@@ -144,7 +151,7 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
         t.join(timeout=5)
     codes = tuple(p.returncode for p in procs)
     del store
-    return LaunchResult(codes, *root_cause(codes, seen, set(killed)), tuple(killed))
+    return LaunchResult(codes, *root_cause(codes, seen, set(killed)), tuple(killed), direct)
 
 
 def root_cause(codes: Sequence[int], seen: Mapping[int, int], killed: Set[int]) -> tuple[tuple[int, int] | None,

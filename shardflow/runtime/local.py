@@ -70,6 +70,9 @@ class LocalExecutor(Executor):
     def _max_over_ranks(self, x: float) -> float:
         return x  # every rank is here
 
+    def per_process(self, x: float) -> list[float]:
+        return [x]  # one process
+
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on full ``inputs`` (by graph input name); returns the loss."""

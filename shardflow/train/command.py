@@ -1,19 +1,23 @@
 """``shardflow train``: a model (Llama by default) trained on text across local processes with a chosen strategy — the processes.
 
-The parent process checks the configuration and the plan (errors before any process starts), then starts
-``--nproc`` ranks with the launcher; under torchrun (RANK/WORLD_SIZE set) each process is one rank. One process
-with ``--nproc 1`` runs every rank of the mesh itself (the local executor). Each rank runs
-:func:`shardflow.train.loop.train`; every rank logs to ``RUN_DIR/rank{r}.log``.
+The parent process checks the configuration and the plan (errors before any process starts), claims the run
+directory (:mod:`shardflow.train.rundir`: a new one per run, its lock, ``config.toml``), then starts ``--nproc``
+ranks with the launcher; they inherit the lock. Under torchrun (RANK/WORLD_SIZE set) each process is one rank and
+rank 0 claims the run directory. One process with ``--nproc 1`` runs every rank of the mesh itself (the local
+executor). Each rank runs :func:`shardflow.train.loop.train`; every rank logs to ``RUN_DIR/rank{r}.log``.
 
 Ctrl-C / SIGTERM stop every rank; a save that was cut short leaves only a ``.tmp`` directory, and the command exits
-with status 130 and one line. A rank that fails reports one paragraph — a checkpoint that does not fit (exit
-status 2), a communication another rank stopped answering or left (3 or 4, :class:`~shardflow.runtime.launch.Status`)
-— or its traceback (status 1), and leaves without gloo's teardown: its peers fail on their timeouts or at once on the
-closed connection. From the statuses the launcher names the rank at the root of the failure.
+with status 130 and one line. A rank that fails reports one paragraph — a checkpoint that does not fit or a
+non-finite loss (exit status 2), a communication another rank stopped answering or left (3 or 4,
+:class:`~shardflow.runtime.launch.Status`) — or its traceback (status 1), and leaves without gloo's teardown: its
+peers fail on their timeouts or at once on the closed connection. From the statuses the launcher names the rank at
+the root of the failure; when every rank ended with one paragraph, the command prints rank 0's and exits with
+status 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -22,15 +26,18 @@ import time
 import traceback
 from pathlib import Path
 
+from shardflow.runtime.launch import LAUNCHED, describe_failure, launch, tail
 from shardflow.train import checkpoint, hooks
 from shardflow.train.config import TrainConfig, check_config, check_outputs, check_processes
 from shardflow.train.console import Console, tee_to_log
-from shardflow.train.loop import train
+from shardflow.train.loop import Diverged, train
 from shardflow.train.memory import processes_here
-from shardflow.train.recipe import check_memory, setup
+from shardflow.train.recipe import Setup, check_memory, setup
+from shardflow.train.rundir import RunDir, RunDirError
 
 # exit status of a run stopped by Ctrl-C / SIGTERM (the shell's 128 + SIGINT)
 INTERRUPTED = 130
+ERROR = "shardflow train: error: "  # how every one-paragraph error of the command begins
 
 _signalled: list[str] = []
 
@@ -42,30 +49,41 @@ def _interrupt(signum, _frame):
 
 def main(cfg: TrainConfig) -> int:
     """Entry of ``shardflow train``: plan-check in this process, then launch ``--nproc`` ranks (or run here)."""
-    try:
-        return _main(cfg)
-    except KeyboardInterrupt as e:  # Ctrl-C in this process (one process, or before the ranks start)
-        return _stopped(cfg, str(e) or "SIGINT")
-
-
-def _main(cfg: TrainConfig) -> int:
-    run_dir = Path(cfg.run_dir)
     check_config(cfg)
     check_processes(cfg, os.environ)
-    if "RANK" in os.environ or cfg.nproc == 1:
-        return run_rank(cfg)
+    launched = os.environ.get(LAUNCHED) == "1"
+    with RunDir(cfg, owner=not launched and int(os.environ.get("RANK", "0")) == 0) as run:
+        try:
+            return _main(run, launched)
+        except KeyboardInterrupt as e:  # Ctrl-C in this process (one process, or before the ranks start)
+            return _stopped(run.cfg, str(e) or "SIGINT")
+
+
+def _main(run: RunDir, launched: bool) -> int:
+    cfg = run.cfg
+    if launched:  # a rank of shardflow's launcher: its parent proved the plan and owns the run directory
+        return run_rank(cfg, run)
+    torchrun = "RANK" in os.environ
+    world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else cfg.nproc
     # every configuration, planning and memory error surfaces here, before any process starts
-    s = setup(cfg, cfg.nproc, processes_here(os.environ, cfg.nproc))
-    step = s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
-    s.lower(verify=True, training=False)
-    check_memory(s, step, cfg.nproc, processes_here(os.environ, cfg.nproc))
-    check_outputs(cfg)
-    if cfg.resume and Console(True, cfg.steps, cfg.log_every).nothing_to_do(s.resume_point()):
-        return 0  # a missing, corrupt or unfit checkpoint was an error just now
-    del s, step  # the ranks build their own: this process holds no model while they run
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(cfg.to_toml())
-    from shardflow.runtime.launch import describe_failure, launch
+    s = setup(cfg, world, processes_here(os.environ, cfg.nproc))
+    if not torchrun and world > 1:
+        step = s.lower(verify=True)  # prove every rank's program (and the evaluation's) before launch
+        s.lower(verify=True, training=False)
+        check_memory(s, step, world, processes_here(os.environ, cfg.nproc))
+    if run.owner and (world == 1 or not torchrun):  # torchrun's rank 0 claims it once every rank has joined
+        check_outputs(cfg)
+        if not torchrun and cfg.resume and Console(True, cfg.steps, cfg.log_every).nothing_to_do(s.resume_point()):
+            return 0  # a missing, corrupt or unfit checkpoint was an error just now
+        run.claim()
+    if torchrun or world == 1:
+        return run_rank(cfg, run, s)
+    del s  # the ranks build their own: this process holds no model while they run
+    return _launch(cfg, run)
+
+
+def _launch(cfg: TrainConfig, run: RunDir) -> int:
+    """Start ``--nproc`` ranks (each inherits the run directory's lock) and wait for them."""
     # The launcher forwards Ctrl-C / SIGTERM to the ranks from its own handler; a wakeup fd tells us one came.
     signals_r, signals_w = os.pipe()
     os.set_blocking(signals_r, False)
@@ -73,8 +91,8 @@ def _main(cfg: TrainConfig) -> int:
     old_fd = signal.set_wakeup_fd(signals_w, warn_on_full_buffer=False) \
         if threading.current_thread() is threading.main_thread() else None
     try:
-        res = launch([*hooks.installed().command, "train", *cfg.argv()], cfg.nproc, run_dir,
-                     grace_s=cfg.timeout + 10)
+        res = launch([*hooks.installed().command, "train", *cfg.argv()], cfg.nproc, run.path,
+                     grace_s=cfg.timeout + 10, keep_fds=(run.fd,))
     finally:
         if old_fd is not None:
             signal.set_wakeup_fd(old_fd)
@@ -88,56 +106,90 @@ def _main(cfg: TrainConfig) -> int:
     if not res.ok:
         if stop:
             return _stopped(cfg, stop[0])
-        print(f"shardflow train: error: {describe_failure(res, run_dir)}", file=sys.stderr)
+        said = _every_rank_said(res.returncodes, run.path)
+        if said is not None:  # e.g. the same non-finite loss on every rank: rank 0's paragraph is the command's
+            if not res.direct:  # rank 0 wrote it to our stderr itself when it ran on the terminal
+                print(said, file=sys.stderr)
+            return 2
+        print(f"{ERROR}{describe_failure(res, run.path)}", file=sys.stderr)
         return 1
     return 0
 
 
+def _every_rank_said(codes: tuple[int, ...], run_dir: Path) -> str | None:
+    """Rank 0's one-paragraph error when every rank ended with one (exit status 2), else None."""
+    if set(codes) != {2}:
+        return None
+    said = [line for line in tail(run_dir / "rank0.log").splitlines() if line.startswith(ERROR)]
+    return said[-1] if said else None
+
+
 def _stopped(cfg: TrainConfig, how: str) -> int:
-    last = checkpoint.newest(cfg.checkpoints)
+    last = checkpoint.newest(cfg.checkpoints) if cfg.run_dir or cfg.checkpoint_dir else None
     where = f"newest complete checkpoint: {last} (continue with --resume)" if last else "no complete checkpoint"
     print(f"shardflow train: interrupted ({how}); every rank stopped; {where}", file=sys.stderr, flush=True)
     return INTERRUPTED
 
 
-def run_rank(cfg: TrainConfig) -> int:
-    """Train on this process: every rank of the mesh (one process) or this rank (launched / torchrun)."""
+def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
+    """Train on this process: every rank of the mesh (one process) or this rank (launched / torchrun), from the
+    recipe ``s`` when it is built already. ``run``: the run directory (torchrun's rank 0 claims it after joining)."""
     tee_to_log()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards Ctrl-C as SIGTERM: stop like Ctrl-C
     if world == 1:
-        return train(cfg, 0, 1)
+        return train(cfg, 0, 1, s)
     from shardflow.runtime.distributed import CommFailure, CommTimeout, comm_failure, shutdown
     from shardflow.runtime.launch import Status
     # configuration, data, plan and memory errors: one paragraph (exit 2), before joining the group
-    s = setup(cfg, world, processes_here(os.environ, cfg.nproc))
+    s = s or setup(cfg, world, processes_here(os.environ, cfg.nproc))
     rank, world = _join(cfg.timeout)
     try:
-        code = train(cfg, rank, world, s)
+        cfg = _claimed_by_rank0(cfg, run)
+        code = train(cfg, rank, world, dataclasses.replace(s, cfg=cfg))
     except BaseException as e:  # report, then leave without gloo's teardown (peers fail on their timeouts)
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report: a second signal must not cut it short
         # a peer stopped by the same Ctrl-C can make this rank's communication fail first
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
-        unfit = isinstance(e, checkpoint.CheckpointError)  # e.g. --resume under torchrun: one paragraph, status 2
+        # one paragraph, status 2: e.g. --resume under torchrun from an unfit checkpoint, a non-finite loss
+        said = isinstance(e, (checkpoint.CheckpointError, RunDirError, Diverged))
         # another rank left or stopped answering (also where torch raised it, outside the executor): one paragraph
         failure = e if isinstance(e, CommFailure) else comm_failure(e, f"rank {rank}") \
             if isinstance(e, RuntimeError) else None
         if interrupted:
             print(f"rank {rank}: interrupted", flush=True)
-        elif unfit:
-            print(f"shardflow train: error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        elif said:
+            print(f"{ERROR}rank {rank}: {e}", file=sys.stderr, flush=True)
         elif failure is not None:
-            print(f"shardflow train: error: {failure}", file=sys.stderr, flush=True)
+            print(f"{ERROR}{failure}", file=sys.stderr, flush=True)
         else:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(INTERRUPTED if interrupted else Status.REFUSED if unfit else
+        os._exit(INTERRUPTED if interrupted else Status.REFUSED if said else
                  Status.WAITED_OUT if isinstance(failure, CommTimeout) else
                  Status.PEER_LOST if failure is not None else Status.FAILED)
     shutdown(code)
+
+
+def _claimed_by_rank0(cfg: TrainConfig, run: RunDir) -> TrainConfig:
+    """``cfg`` with rank 0's run directory (collective, once the ranks have joined). Under torchrun rank 0 claims it
+    now (the name of a new one is known to it alone), and its refusal is every rank's: RunDirError everywhere."""
+    import torch.distributed as dist
+    refused = None
+    if run.owner:  # torchrun's rank 0
+        try:
+            check_outputs(cfg)
+            run.claim()
+        except (checkpoint.CheckpointError, RunDirError) as e:
+            refused = str(e)
+    got = [cfg.run_dir, refused]
+    dist.broadcast_object_list(got, src=0)
+    if got[1] is not None:
+        raise RunDirError(got[1])
+    return dataclasses.replace(cfg, run_dir=got[0])
 
 
 class RendezvousError(ValueError):

@@ -20,6 +20,11 @@ from shardflow.lower.dynamic import Optimizer
 from shardflow.train.checkpoint.store import CheckpointError, check_writable
 
 
+# the parent of the run directory each run gets without --run-dir (shardflow.train.rundir)
+RUNS = Path("runs")
+DEFAULT_STRATEGY = "tp"  # without --strategy and --plan
+
+
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -28,7 +33,10 @@ def _f(default, help: str, **kw):
 class TrainConfig:
     """Everything a training run depends on."""
 
-    strategy: str = _f("tp", "single, dp, tp, sp, pp or a combination such as dp,tp")
+    strategy: str | None = _f(None, f"single, dp, tp, sp, pp or a combination such as dp,tp (default "
+                                    f"{DEFAULT_STRATEGY}; not with --plan)")
+    plan: str | None = _f(None, "a user plan instead of --strategy: a JSON or TOML file of per-module placements, "
+                                "as shardflow plan --plan and shardflow check --plan take (docs/concepts.md)")
     mesh: str | None = _f(None, "device mesh, e.g. dp=2,tp=2 (default: the strategy's axis with --nproc devices)")
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
     steps: int = _f(600, "optimizer steps to train for")
@@ -60,14 +68,23 @@ class TrainConfig:
     vocab_size: int = _f(1024, "tokens of the BPE that --tokenizer bpe trains, its 256 byte tokens included")
     cache_dir: str | None = _f(None, "where the tokenizer and the token file of the data are cached (default: "
                                      ".shardflow-cache next to --data; for the default corpus ~/.cache/shardflow)")
-    run_dir: str = _f("runs/latest", "directory for logs, metrics, checkpoints and the resolved config")
+    run_dir: str | None = _f(None, f"directory for logs, metrics, checkpoints and the resolved config (default: a new "
+                                   f"directory {RUNS}/YYYYmmdd-HHMMSS per run, {RUNS}/latest pointing at the newest; "
+                                   f"with --resume, the run {RUNS}/latest points at); one that holds an earlier run is "
+                                   f"refused without --resume or --overwrite")
     metrics: str | None = _f(None, "JSON-lines metrics file (default: RUN_DIR/metrics.jsonl)")
     checkpoint_dir: str | None = _f(None, "directory for checkpoints (default: RUN_DIR/checkpoints)")
-    checkpoint_every: int = _f(0, "save a checkpoint every N steps (0: only the final one; the last step is "
-                                  "always saved)")
+    checkpoint_every: int = _f(100, "save a checkpoint every N steps (0: only the final one; the last step is "
+                                    "always saved)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in the checkpoint directory (any "
                              "strategy or mesh may have written it)")
+    overwrite: bool = _f(False, "replace the earlier run in --run-dir: its metrics and config at once, its checkpoints "
+                                "once this run has written its first complete one")
     log_every: int = _f(10, "print a progress line every N steps")
+    peak_tflops: float = _f(0.0, "peak TFLOP/s of one device, the denominator of MFU (0: measured at start-up by "
+                                 "timing a float32 matmul on this device)")
+    tensorboard: bool = _f(False, "also write the metrics as TensorBoard scalars into RUN_DIR/tensorboard (needs "
+                                  "the tensorboard package)")
     eval_every: int = _f(100, "measure the validation loss every N steps (and at the end)")
     eval_batches: int = _f(4, "validation batches per measurement")
     clip_norm: float = _f(0.0, "clip gradients to this global norm (0 = off)")
@@ -95,8 +112,9 @@ class TrainConfig:
                 p.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
                 continue
             typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
+            default = f" (default {f.default})" if f.default is not None else ""  # None's help says what happens
             p.add_argument(flag, type=typ, default=None, choices=f.metadata.get("choices"),
-                           help=f"{f.metadata['help']} (default {f.default})")
+                           help=f"{f.metadata['help']}{default}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
@@ -132,7 +150,13 @@ class TrainConfig:
         return cls(**values)
 
     @property
+    def placement(self) -> str:
+        """What places the tensors: ``strategy S`` (the preset) or ``plan FILE``."""
+        return placement(self.strategy, self.plan)
+
+    @property
     def checkpoints(self) -> Path:
+        """``--checkpoint-dir``, else ``RUN_DIR/checkpoints`` (once the run directory is resolved)."""
         return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.run_dir) / "checkpoints"
 
     def to_toml(self) -> str:
@@ -153,6 +177,12 @@ class TrainConfig:
             flag = "--" + f.name.replace("_", "-")
             out += [flag] if v is True else [flag, str(v)]
         return out
+
+
+def placement(strategy: str | None, plan: str | None) -> str:
+    """``strategy S`` (the preset, :data:`DEFAULT_STRATEGY` when None) or ``plan FILE``: how a run (or the train
+    settings a checkpoint records) places the tensors."""
+    return f"plan {plan}" if plan else f"strategy {strategy or DEFAULT_STRATEGY}"
 
 
 # --- checks of the configuration and the outputs (before any process starts) ---------------------------------
@@ -193,7 +223,7 @@ RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "seq_len
           "dropout": Range(0, 1, high_open=True), "lr": Range(0), "momentum": Range(0, 1, high_open=True),
           "weight_decay": Range(0), "seed": Range(0, 2**32, high_open=True), "checkpoint_every": Range(0),
           "log_every": Range(1), "eval_every": Range(1), "eval_batches": Range(1), "clip_norm": Range(0),
-          "bucket_mb": Range(0), "timeout": Range(0, low_open=True)}
+          "bucket_mb": Range(0), "timeout": Range(0, low_open=True), "peak_tflops": Range(0)}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
                "list": "a list", "dict": "a table"}
@@ -223,6 +253,13 @@ def check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"{flag} is empty; leave it out{default} or give a value ({help_})")
         if f.name in RANGES and v is not None:
             RANGES[f.name].check(flag, v, help_)
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401  (torch.utils.tensorboard writes with it)
+        except ImportError:
+            raise ValueError("--tensorboard writes with the tensorboard package, which is not installed here: "
+                             "pip install tensorboard (or pip install 'shardflow[tensorboard]'), or leave out "
+                             "--tensorboard (RUN_DIR/metrics.jsonl holds the same numbers)") from None
 
 
 def check_processes(cfg: TrainConfig, env: Mapping[str, str]) -> None:

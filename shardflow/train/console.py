@@ -1,17 +1,22 @@
 """What ``shardflow train`` shows on the console. Rank 0 prints a banner, one line every ``--log-every`` steps (and at
-every validation and the last step), a progress bar between those lines when its output is a terminal (plain lines
-when piped), the checkpoints it saves and the final verdict; the other ranks print none of it. Rank 0 launched on a
-terminal writes to it directly and tees everything into its log (:func:`tee_to_log`).
+every validation and the last step: loss, validation loss, tokens/s per device, MFU, gradient norm, peak memory,
+data wait, step time), a progress bar between those lines when its output is a terminal (plain lines when piped),
+the checkpoints it saves and the final verdict; the other ranks print none of it. Rank 0 launched on a terminal
+writes to it directly and tees everything into its log (:func:`tee_to_log`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
+from shardflow.graph.flops import TRAINING_FACTOR
 from shardflow.lower.report import bytes_rows
 from shardflow.train.checkpoint import Checkpoint
+from shardflow.train.config import placement
+from shardflow.train.metrics import Meter, memory_source
 
 CLEAR = "\r\x1b[K"  # back to the start of the terminal line and clear it
 _BAR = 30  # characters of the progress bar
@@ -69,8 +74,7 @@ class Console:
         self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
         self.say(f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
                  f"{cfg.optimizer} lr {cfg.lr}")
-        self.say(f"strategy {cfg.strategy} on mesh {s.mesh} ({s.mesh.size} devices); batch "
-                 f"{cfg.batch_size}×{cfg.seq_len}")
+        self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}")
         per = {}
         for r, kind, axis, n, planned, _ in bytes_rows(step.programs):
             if r == min(step.programs):
@@ -80,10 +84,15 @@ class Console:
         if s.pcg.redistributions:
             self.say(s.pcg.redistribution_listing())
         self.say(f"unigram baseline (validation): {baseline:.4f} nats/token")
+        if s.eval_batches < cfg.eval_batches:
+            self.say(f"validation: {s.eval_batches} batches per measurement, not --eval-batches {cfg.eval_batches}: "
+                     f"they hold the {len(c.val):,} tokens of the validation split")
+        self.say(f"run directory: {cfg.run_dir}")
 
     def resumed(self, ck: Checkpoint, start: int) -> None:
         """Where a resumed run continues from."""
-        self.say(f"resumed from {ck.path} (step {start}; written under {ck.train.get('strategy')} on mesh {ck.mesh})")
+        how = placement(ck.train.get("strategy"), ck.train.get("plan"))
+        self.say(f"resumed from {ck.path} (step {start}; written under {how} on mesh {ck.mesh})")
 
     def nothing_to_do(self, ck: Checkpoint) -> bool:
         """Whether the checkpoint ``--resume`` found is already at ``--steps`` (says so on rank 0)."""
@@ -93,20 +102,39 @@ class Console:
                  f"--steps to continue")
         return True
 
-    def step(self, record: dict[str, Any], last: bool) -> None:
-        """After each step: a line every ``--log-every`` steps, at a validation and at the end; on a terminal a
-        progress bar in between. ``record``: the step's metrics."""
+    def metrics(self, meter: Meter, outputs: list[Path]) -> None:
+        """The banner's lines on the metrics: the files they go to (``outputs``), how MFU is estimated (model FLOPs
+        per token, the peak used and where it came from) and which memory is read."""
         if not self.lead:
             return
-        n, loss, tps = record["step"], record["loss"], record["tokens_per_s"]
-        if n % self.log_every == 0 or last or "val_loss" in record:
+        self.say(f"metrics → {', '.join(map(str, outputs))}")
+        self.say(f"MFU = model FLOPs {meter.flops / meter.tokens / 1e6:,.3f} MFLOP/token ({TRAINING_FACTOR} × the "
+                 f"forward's linear, matmul, attention and conv ops in the captured graph; causal attention counted "
+                 f"whole) ÷ peak {meter.peak.tflops:.4g} TFLOP/s per device ({meter.peak.source})")
+        self.say(f"memory: {memory_source(meter.device)}, MiB")
+
+    def logs(self, record: dict[str, Any], last: bool) -> bool:
+        """Whether the step of ``record`` gets a line: every ``--log-every`` steps, at a validation, at the end
+        (the same on every rank: the memory of every process is gathered for those lines)."""
+        return record["step"] % self.log_every == 0 or last or "val_loss" in record
+
+    def step(self, record: dict[str, Any], last: bool) -> None:
+        """After each step: a line every ``--log-every`` steps, at a validation and at the end (:meth:`logs`); on a
+        terminal a progress bar in between. ``record``: the step's metrics (:mod:`shardflow.train.metrics`), with
+        the memory at the steps that get a line."""
+        if not self.lead:
+            return
+        n, loss, tps = record["step"], record["loss"], record["tokens_per_s_per_device"]
+        if self.logs(record, last):
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
+            norm = f"  |g| {record['grad_norm']:.3g}" if "grad_norm" in record else ""
             print(f"{CLEAR if self.bar else ''}step {n:>5}/{self.steps}  loss {loss:.4f}{val}  "
-                  f"{tps:,.0f} tok/s  {record['step_s'] * 1000:.0f} ms/step", flush=True)
+                  f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}  mem {record['mem_mib']:,.0f} MiB  "
+                  f"data {record['data_s'] * 1000:.1f} ms  {record['step_s'] * 1000:.0f} ms/step", flush=True)
         elif self.bar:
             done = n * _BAR // self.steps
             sys.__stdout__.write(f"{CLEAR}[{'#' * done}{'.' * (_BAR - done)}] step {n}/{self.steps}  "
-                                 f"loss {loss:.4f}  {tps:,.0f} tok/s")
+                                 f"loss {loss:.4f}  {tps:,.0f} tok/s/dev")
             sys.__stdout__.flush()
 
     def saved(self, path, size: int, seconds: float) -> None:

@@ -1,35 +1,61 @@
 """The training loop of ``shardflow train`` on this process: every rank of the mesh (one process, the local
 executor) or this one rank (launched, or under torchrun: the distributed executor).
 
-Each step: the batch of (seed, step), one lowered training step, the metrics record (rank 0), a validation every
-``--eval-every`` steps and at the end, a checkpoint every ``--checkpoint-every`` steps and after the last one
-(:mod:`shardflow.train.checkpoint`). ``--resume`` continues from the newest complete checkpoint — written under any
-strategy and mesh — and reproduces the loss trajectory of an uninterrupted run. ``--trace`` writes the timeline
+Each step: the batch of (seed, step), one lowered training step, the metrics record (rank 0 writes it:
+:mod:`shardflow.train.metrics`), a validation every ``--eval-every`` steps and at the end, a checkpoint every
+``--checkpoint-every`` steps and after the last one (:mod:`shardflow.train.checkpoint`). ``--resume`` continues
+from the newest complete checkpoint — written under any strategy and mesh — and reproduces the loss trajectory of
+an uninterrupted run. ``--trace`` writes the timeline
 of step 2; ``--check`` runs the same steps on one device alongside (:mod:`shardflow.train.check`).
+
+A loss that is NaN or inf stops the run at that step on every rank (the loss is the same on every rank after a
+step), and a save whose state holds NaN or inf is refused: :class:`Diverged`, one paragraph; the last complete
+checkpoint stays the newest.
 """
 
 from __future__ import annotations
 
 import functools
-import json
+import math
 import os
 import time
 from pathlib import Path
 
+import torch
+
+from shardflow.graph.flops import training_flops
 from shardflow.runtime import trace
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
 from shardflow.train.console import Console
 from shardflow.train.data import Split
-from shardflow.train.metrics import open_metrics
+from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
 from shardflow.train.memory import processes_here
 from shardflow.train.recipe import Setup, check_memory, setup
+from shardflow.train.rundir import metrics_path
+
+
+class Diverged(ValueError):
+    """Training diverged: the loss, or the state a save would write, holds NaN or inf. Nothing non-finite was saved;
+    the message names the step, what was not finite, the likely cause and the last complete checkpoint."""
+
+
+def diverged(cfg: TrainConfig, step: int, what: str, newest: Path | None) -> Diverged:
+    """The :class:`Diverged` of ``what`` (e.g. ``the loss is nan``) at ``step``; ``newest``: the newest complete
+    checkpoint of the run (None: none)."""
+    fix = (f"try a lower --lr (the gradients are already clipped to --clip-norm {cfg.clip_norm:g})" if cfg.clip_norm
+           else "try --clip-norm 1.0 or a lower --lr")
+    kept = (f"the last complete checkpoint, {newest}, is kept (continue from it with --resume and a lower --lr)"
+            if newest else "no checkpoint had been saved before it")
+    return Diverged(f"{what} at step {step}: training diverged, most likely because the learning rate is too high "
+                    f"(--lr {cfg.lr:g}); {fix}. Nothing of step {step} was saved; {kept}")
 
 
 def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> int:
     """Train rank ``rank`` of ``world`` processes (``world`` 1: every rank of the mesh here) from the config, or
-    from its already built recipe ``s``. Returns the exit status (``--check`` beyond its tolerance: 1)."""
+    from its already built recipe ``s``. Returns the exit status (``--check`` beyond its tolerance: 1). Raises
+    Diverged at a non-finite loss or state (on every rank at the same step)."""
     here = processes_here(os.environ, cfg.nproc)  # 0 in a launched rank: the parent checked its memory
     s = s or setup(cfg, world, here)
     run_dir = Path(cfg.run_dir)
@@ -50,12 +76,12 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     console = Console(lead, cfg.steps, cfg.log_every)
     check_outputs(cfg)
     hook = hooks.installed()
-    start, resumed = 0, None
+    start, resumed, newest = 0, None, None  # newest: the run's newest complete checkpoint
     if cfg.resume:
         resumed = s.resume_point()
         if console.nothing_to_do(resumed):
             return 0
-        start = resumed.step
+        start, newest = resumed.step, resumed.path
         t = resumed.load(s.checkpoint_entries())  # full tensors on every rank; the executor keeps its pieces
         weights = {w: t[f"model/{w}"] for w in s.graph.weights}
         state = {k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")}
@@ -69,41 +95,54 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = open_metrics(Path(cfg.metrics or run_dir / "metrics.jsonl"), start) if lead else None
+    device = torch.device("cpu")  # where the executors keep every buffer
+    meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph),
+                  Peak.of(cfg.peak_tflops, device) if lead else None, device)
+    metrics_file = metrics_path(cfg)
+    board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
+    metrics = MetricsWriter(metrics_file, start, board) if lead else None
     baseline = s.corpus.unigram_loss()
     console.banner(s, train_step, baseline)
+    console.metrics(meter, [metrics_file] + ([board] if board else []))
     if resumed is not None:
         console.resumed(resumed, start)
 
     def val_loss() -> float:
-        return sum(ev.step(s.batch(Split.VAL, i))
-                   for i in range(cfg.eval_batches)) / cfg.eval_batches
+        return sum(ev.step(s.batch(Split.VAL, i)) for i in range(s.eval_batches)) / s.eval_batches
 
-    tokens = cfg.batch_size * cfg.seq_len
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         batch = s.batch(Split.TRAIN, step)
+        data_s = time.perf_counter() - t0
         tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
         if tracing:
             ex.tracer = trace.Tracer(rank)
         with hook.step(rank, step + 1):
             loss = ex.step(batch)
+        if not math.isfinite(loss):  # the same loss on every rank: every rank stops here
+            raise diverged(cfg, step + 1, f"the loss is {loss}", newest)
         dt = time.perf_counter() - t0
         if tracing:
             _write_trace(s, ex, rank, world)
         if check is not None:
             check.step(batch, loss)
-        record = {"step": step + 1, "loss": loss, "tokens_per_s": tokens / dt, "step_s": dt}
+        record = meter.record(step + 1, loss, dt, data_s, ex.grad_norm)
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.eval_every == 0 or last:
             record["val_loss"] = val_loss()
+        if console.logs(record, last):
+            record |= meter.memory(ex)  # collective: every rank takes part
         if lead:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            metrics.write(record)
         console.step(record, last)
         if last or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
             t0 = time.perf_counter()
-            path, size = saver.save(ex, step + 1)  # collective: every rank takes part
+            try:
+                path, size = saver.save(ex, step + 1)  # collective: every rank takes part
+            except checkpoint.NonFiniteState as e:
+                raise diverged(cfg, step + 1, f"the weights or optimizer state hold NaN or inf ({e.names[0]})",
+                               newest) from None
+            newest = path
             console.saved(path, size, time.perf_counter() - t0)
     if lead:
         console.done(record["val_loss"], baseline)

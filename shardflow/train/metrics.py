@@ -1,11 +1,53 @@
-"""The metrics file of ``shardflow train`` (rank 0): one JSON object per step — ``step``, ``loss``,
-``tokens_per_s``, ``step_s``, and ``val_loss`` when measured."""
+"""The metrics of ``shardflow train``: what each step measures (:class:`Meter`), and rank 0's outputs — one JSON
+object per step in ``RUN_DIR/metrics.jsonl`` (``--metrics``) and, with ``--tensorboard``, the same numbers as
+TensorBoard scalars in ``RUN_DIR/tensorboard`` (:class:`MetricsWriter`).
+
+The keys of a record (and TensorBoard's tags, one per key; ``mem_mib_ranks`` is one tag per process,
+``mem_mib_ranks/<rank>``):
+
+=========================== =========== ===========================================================================
+key                         unit        what
+=========================== =========== ===========================================================================
+``step``                    steps       optimizer steps done (the first step is 1); TensorBoard's global step
+``loss``                    nats/token  training loss of the step's batch
+``val_loss``                nats/token  validation loss; only at every ``--eval-every`` steps and the last
+``step_s``                  s           wall time of the step: building the batch and the training step
+                                        (validation and checkpoints excluded)
+``data_s``                  s           of ``step_s``, the time spent building the batch (waiting for data)
+``tokens_per_s``            tokens/s    tokens of the step (the global batch, ``--batch-size`` × ``--seq-len``) /
+                                        ``step_s``
+``tokens_per_s_per_device`` tokens/s    ``tokens_per_s`` / devices of the mesh
+``tflops_per_device``       TFLOP/s     achieved model FLOP/s per device: model FLOPs of the step
+                                        (:func:`~shardflow.graph.flops.training_flops`) / ``step_s`` / devices
+``mfu_pct``                 %           model FLOPs utilisation: ``tflops_per_device`` / the peak TFLOP/s of one
+                                        device (``--peak-tflops``, or measured: :class:`Peak`) × 100
+``grad_norm``               —           global L2 norm of all gradients before clipping (``clip_grad_norm_``'s)
+``mem_mib``                 MiB         at the steps the console prints: the largest peak memory of any process
+``mem_mib_ranks``           MiB         at those steps: each process's peak memory, in rank order (one value
+                                        when every rank runs in one process)
+=========================== =========== ===========================================================================
+
+Peak memory is the process's peak resident set size (``resource.getrusage``) on the CPU, where the executors
+keep every buffer; ``torch.cuda.max_memory_allocated`` on a CUDA device (:func:`peak_memory_mib`).
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardflow.runtime.executor import Executor
+
+TENSORBOARD_DIR = "tensorboard"  # under the run directory
 
 
 def open_metrics(path: Path, start: int):
@@ -24,3 +66,134 @@ def open_metrics(path: Path, start: int):
     tmp.write_text("".join(keep))
     os.replace(tmp, path)
     return open(path, "a")
+
+
+# --- the denominators: peak FLOP/s and memory of one device -----------------------------------------------------
+
+PEAK_MATMUL = 2048  # the side of the float32 matmul timed to measure a device's peak
+PEAK_REPEATS = 3  # timed repeats after one warm-up; the best counts
+
+
+def measure_peak_tflops(device: torch.device) -> float:
+    """The FLOP/s of one float32 ``PEAK_MATMUL``² matmul on ``device`` (TFLOP/s; 2 FLOPs per multiply-add), best
+    of ``PEAK_REPEATS`` after a warm-up — what this device reaches on the kind of work model FLOPs count, with the
+    threads this process has. About a second on a CPU core, milliseconds on a GPU."""
+    n = PEAK_MATMUL
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen)
+    b = torch.randn(n, n, device=device, generator=gen)
+    best = math.inf
+    for k in range(PEAK_REPEATS + 1):
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if k:  # the first is the warm-up
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e12
+
+
+@dataclass(frozen=True, slots=True)
+class Peak:
+    """The peak FLOP/s of one device, MFU's denominator: ``tflops`` (TFLOP/s) and where it came from
+    (``source``, for the banner)."""
+
+    tflops: float
+    source: str
+
+    @classmethod
+    def of(cls, given_tflops: float, device: torch.device) -> Peak:
+        """``--peak-tflops`` when it is > 0, else measured on ``device`` (:func:`measure_peak_tflops`)."""
+        if given_tflops > 0:
+            return cls(given_tflops, "--peak-tflops")
+        return cls(measure_peak_tflops(device), f"measured at start-up: best of {PEAK_REPEATS} float32 "
+                                                f"{PEAK_MATMUL}×{PEAK_MATMUL} matmuls on {device}")
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory so far (MiB): on the CPU its peak resident set size (``ru_maxrss``: KiB on
+    Linux, bytes on macOS), on a CUDA device ``torch.cuda.max_memory_allocated``."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def memory_source(device: torch.device) -> str:
+    """What :func:`peak_memory_mib` reads on ``device``, for the banner."""
+    if device.type == "cuda":
+        return "torch.cuda.max_memory_allocated"
+    return "peak RSS of each process (resource.getrusage)"
+
+
+# --- one step's record ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Meter:
+    """How the records of a run are computed. ``tokens``: tokens of one step (the global batch); ``devices``:
+    devices of the mesh; ``flops``: model FLOPs of one training step (the whole batch); ``peak``: one device's peak
+    (None on the ranks that write no metrics: nothing is measured there); ``device``: where the executors keep
+    their buffers (whose memory counts)."""
+
+    tokens: int
+    devices: int
+    flops: int
+    peak: Peak | None
+    device: torch.device
+
+    def record(self, step: int, loss: float, step_s: float, data_s: float, grad_norm: float | None
+               ) -> dict[str, Any]:
+        """The record of step ``step`` (counted from 1): ``loss`` (nats/token), the step's wall time ``step_s``
+        and the part of it spent building the batch ``data_s`` (seconds), the gradient norm (None: not
+        measured); the rates per device and the MFU follow (see the module docstring)."""
+        tflops = self.flops / step_s / self.devices / 1e12
+        rec: dict[str, Any] = {"step": step, "loss": loss, "step_s": step_s, "data_s": data_s,
+                               "tokens_per_s": self.tokens / step_s,
+                               "tokens_per_s_per_device": self.tokens / step_s / self.devices,
+                               "tflops_per_device": tflops}
+        if self.peak is not None:
+            rec["mfu_pct"] = 100 * tflops / self.peak.tflops
+        if grad_norm is not None:
+            rec["grad_norm"] = grad_norm
+        return rec
+
+    def memory(self, ex: Executor) -> dict[str, Any]:
+        """``mem_mib`` and ``mem_mib_ranks``: every process's peak memory (MiB), gathered by executor ``ex``
+        (collective on the distributed executor: every rank calls it)."""
+        per = ex.per_process(peak_memory_mib(self.device))
+        return {"mem_mib": max(per), "mem_mib_ranks": per}
+
+
+class MetricsWriter:
+    """Rank 0's metrics outputs: the JSON-lines file at ``path`` (:func:`open_metrics`: on resume from step
+    ``start`` the records after it are dropped) and, with ``tensorboard`` (a directory), TensorBoard event files
+    written by ``torch.utils.tensorboard.SummaryWriter``, whose ``purge_step`` makes TensorBoard drop what an
+    earlier run wrote from step ``start + 1`` on (the steps this run writes again)."""
+
+    def __init__(self, path: Path, start: int, tensorboard: Path | None = None):
+        self.file = open_metrics(path, start)
+        self.board = None
+        if tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked up front)
+            self.board = SummaryWriter(str(tensorboard), purge_step=start + 1, flush_secs=10)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One step's record: a line of the file (flushed), a scalar per key in TensorBoard."""
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.board is None:
+            return
+        step = record["step"]
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if isinstance(value, list):
+                for rank, v in enumerate(value):
+                    self.board.add_scalar(f"{key}/{rank}", v, step)
+            else:
+                self.board.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.board is not None:
+            self.board.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,18 +16,19 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from shardflow.api import plan_pcg
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import CostModel, LowerOptions, LoweredStep, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, build_pcg, evaluation
+from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.strategy import make_plan, resolve
+from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh
 from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
-from shardflow.train.config import TrainConfig
+from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig
 from shardflow.train.data import Corpus, Split
 from shardflow.train.family import Family, ModelError, Sizes, factory_family, hf_config, hf_family, is_factory
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
@@ -54,6 +56,13 @@ class Setup:
         return self.family.feed.inputs(**self.corpus.batch(split, step, c.batch_size, c.seq_len, c.seed))
 
     @property
+    def eval_batches(self) -> int:
+        """Validation batches per measurement: ``--eval-batches``, at most as many as hold the validation split's
+        tokens (⌈N_val / (batch_size × seq_len)⌉, at least 1): more would read the same windows again and again."""
+        c = self.cfg
+        return min(c.eval_batches, max(1, math.ceil(len(self.corpus.val) / (c.batch_size * c.seq_len))))
+
+    @property
     def lower_options(self) -> LowerOptions:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
@@ -62,10 +71,10 @@ class Setup:
 
     def lower(self, ranks=None, verify: bool = False, training: bool = True):
         """Lower one step (training, or evaluation: forward only, no dropout) for ``ranks`` (default all;
-        ``verify`` proves them)."""
+        ``verify`` proves them); a training step computes the global gradient norm (a metric)."""
         return lower_step(self.pcg if training else evaluation(self.pcg), self.optimizer.slots, ranks=ranks,
                           verify=verify, training=training,
-                          options=self.lower_options, clip_norm=self.cfg.clip_norm or None)
+                          options=self.lower_options, clip_norm=self.cfg.clip_norm or None, grad_norm=True)
 
     @property
     def optimizer(self) -> OptimizerConfig:
@@ -144,7 +153,11 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
     the processes of the run on this machine to check the memory for (0: none); where building or capturing the
     model could itself exhaust memory, the run is estimated and refused (MemoryFitError) before the model is built
     (:func:`check_memory` checks the lowered step)."""
-    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy, world if world > 1 else cfg.nproc)
+    if cfg.plan and cfg.strategy:
+        raise PlanError(f"--plan {cfg.plan} and --strategy {cfg.strategy}: the plan places every tensor itself; give "
+                        f"one of them (drop --strategy to train with the plan)")
+    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy or DEFAULT_STRATEGY,
+                                                              world if world > 1 else cfg.nproc)
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
                          f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
@@ -165,7 +178,8 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
         family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
-    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, cfg.strategy), graph, mesh), strict=cfg.strict)
+    strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
+    _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict)
     return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained, runtime)
 
 

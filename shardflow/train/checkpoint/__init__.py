@@ -21,13 +21,14 @@ position in the data.
 
 ``--resume`` takes the newest ``step_<n>/`` that has the marker; leftover ``.tmp`` directories are ignored and
 removed by rank 0 at the next save. A fresh run (no ``--resume``) replaces an earlier run's checkpoints in the same
-directory once it has written its first one.
+directory once it has written its first one (``shardflow train`` lets it only with ``--overwrite``). State that holds
+NaN or inf is never saved.
 """
 
-from shardflow.train.checkpoint.dcp import Checkpoint, Entries, Saver, model_entries, read
+from shardflow.train.checkpoint.dcp import Checkpoint, Entries, NonFiniteState, Saver, model_entries, read
 from shardflow.train.checkpoint.export import export, load_model
 from shardflow.train.checkpoint.resume import for_resume
 from shardflow.train.checkpoint.store import MARKER, CheckpointError, check_writable, complete_steps, newest
 
-__all__ = ["MARKER", "Checkpoint", "CheckpointError", "Entries", "Saver", "check_writable",
+__all__ = ["MARKER", "Checkpoint", "CheckpointError", "Entries", "NonFiniteState", "Saver", "check_writable",
            "complete_steps", "export", "for_resume", "load_model", "model_entries", "newest", "read"]

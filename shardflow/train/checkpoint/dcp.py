@@ -187,6 +187,16 @@ def read(path: Path) -> Checkpoint:
 
 # --- writing ------------------------------------------------------------------------------------------------
 
+class NonFiniteState(CheckpointError):
+    """The state to save after ``step`` holds NaN or inf (``names``: those tensors' entries): nothing was written, and
+    the previous complete checkpoint stays the newest."""
+
+    def __init__(self, step: int, names: list[str]):
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        super().__init__(f"the state after step {step} holds NaN or inf ({names[0]}{more}): checkpoint not saved")
+        self.step, self.names = step, names
+
+
 class Saver:
     """Writes checkpoints of one run. Every rank makes one and calls :meth:`save` at the same steps.
 
@@ -212,15 +222,16 @@ class Saver:
 
     def save(self, ex, step: int) -> tuple[Path, int]:
         """Save the executor's weights and optimizer state after ``step`` steps (collective: every rank calls it).
-        Returns the checkpoint's directory and its size in bytes (on rank 0; 0 elsewhere). Raises CheckpointError
-        where this rank cannot write it (e.g. a full disk), and PeerLost or CommTimeout where another rank left or
+        Returns the checkpoint's directory and its size in bytes (on rank 0; 0 elsewhere). Raises NonFiniteState,
+        writing nothing, when a tensor holds NaN or inf; CheckpointError where this rank cannot write it (e.g. a full
+        disk); and PeerLost or CommTimeout where another rank left or
         stopped answering during the save; either way the complete checkpoints saved before stay."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         from shardflow.runtime.distributed import CommFailure, comm_failure
         try:
             return self._save(ex, step)
-        except (CheckpointError, CommFailure):
+        except (CheckpointError, CommFailure):  # NonFiniteState is a CheckpointError
             raise
         except (Exception, CheckpointException) as e:
             failure = comm_failure(e, f"rank {self.rank} saving {store.staging(self.root, step)} (the complete "
@@ -238,6 +249,10 @@ class Saver:
         from shardflow.runtime.distributed import comm_failure
         sd = {f"model/{k}": v for k, v in ex.weights().items()}  # collective on the distributed executor
         sd.update({f"optim/{k}": v for k, v in ex.state().items()})
+        # every rank holds the same full tensors: every rank refuses the same save, before anything is written
+        bad = [k for k, t in sd.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise NonFiniteState(step, bad)
         tmp = store.begin(self.root, step) if self.rank == 0 else store.staging(self.root, step)
         self._barrier()
         try:

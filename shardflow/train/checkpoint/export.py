@@ -66,6 +66,7 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Check
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         hf_tokenizer(ck.tokenizer).save_pretrained(tmp)
+        _plain_modes(tmp)
         os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -74,6 +75,17 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Check
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out, ck
+
+
+def _plain_modes(root: Path) -> None:
+    """Give every file under ``root`` the mode ``open`` gives a new file, 0666 less the umask: safetensors writes
+    ``model.safetensors`` through a private temporary file and leaves it 0600. (The umask is read by setting it: this
+    runs on one thread, in ``shardflow export``.)"""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for p in root.rglob("*"):
+        if p.is_file():
+            p.chmod(0o666 & ~mask)
 
 
 class LazyPiece:

@@ -1,0 +1,188 @@
+"""Run directories of ``shardflow train``: where a run writes its logs, metrics, configuration and checkpoints, and
+the rules that keep one run from destroying another's.
+
+* **A new directory per run.** Without ``--run-dir`` a run gets ``runs/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ...
+  when that name is taken), and ``runs/latest`` is a symlink to the newest: a symlink made under a temporary name,
+  then renamed over the old one (``os.replace``), so a reader sees the old run or the new one, never neither.
+  ``--resume`` without ``--run-dir`` continues the run ``runs/latest`` points at.
+* **An earlier run is not overwritten.** A run directory holding an earlier run (``config.toml``, the metrics file
+  or a complete checkpoint in the checkpoint directory) is refused unless ``--resume`` (continue it) or
+  ``--overwrite`` (replace it; its checkpoints go once the new run has written its first complete one).
+* **One run at a time.** ``RUN_DIR/.lock`` is ``flock``-ed by the process that owns the run, which writes its PID
+  and host into it: the parent of ``--nproc N`` (its ranks inherit the descriptor, so the directory stays locked as
+  long as any of them lives), the one process of ``--nproc 1``, or torchrun's rank 0 (torchrun's ranks are siblings
+  under torchrun's agent, none of them ours to outlive the others; rank 0 claims the directory before joining and
+  tells the others its name once they have joined). A second run into a locked directory is refused naming the
+  holder.
+* **Outputs do not overwrite the run's own files.** ``--metrics`` and ``--trace`` may not name ``config.toml``, the
+  lock, a rank log, a file of the checkpoint directory, nor each other.
+
+Every refusal is a :class:`RunDirError` (one paragraph, exit status 2) raised before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+from shardflow.train.checkpoint import complete_steps
+from shardflow.train.config import RUNS, TrainConfig
+
+LATEST = RUNS / "latest"
+LOCK = ".lock"
+CONFIG = "config.toml"
+_RANK_LOG = re.compile(r"rank\d+\.log")
+
+
+class RunDirError(ValueError):
+    """A run directory cannot be used by this run; the message names it, why, and the fix."""
+
+
+def metrics_path(cfg: TrainConfig) -> Path:
+    """The metrics file of the run: ``--metrics``, else ``RUN_DIR/metrics.jsonl``."""
+    return Path(cfg.metrics) if cfg.metrics else Path(cfg.run_dir) / "metrics.jsonl"
+
+
+class RunDir:
+    """The run directory of one run, from before planning to the end of the run (a context manager).
+
+    ``owner``: this process owns the run (the parent of ``--nproc N``, the one process of ``--nproc 1``, torchrun's
+    rank 0); elsewhere (torchrun's other ranks) nothing happens here and ``cfg`` is the one given. For the owner,
+    ``cfg.run_dir`` is resolved at once: a new directory (made now, empty, and removed again if the run ends before
+    :meth:`claim`), the one ``runs/latest`` points at (``--resume`` without ``--run-dir``), or ``--run-dir``.
+    """
+
+    def __init__(self, cfg: TrainConfig, owner: bool):
+        self.owner, self.fd, self.new = owner, None, False
+        if owner and cfg.resume and cfg.overwrite:
+            raise RunDirError("--resume continues the earlier run in the run directory and --overwrite replaces it: "
+                              "give one of them")
+        if owner and cfg.run_dir is None:
+            self.new = not cfg.resume
+            cfg = dataclasses.replace(cfg, run_dir=str(_new_dir() if self.new else _latest_run()))
+        self.cfg = cfg
+        self.path = Path(cfg.run_dir) if cfg.run_dir is not None else None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock (ranks that inherited the descriptor are gone by now)
+            self.fd = None
+        if self.new:
+            try:
+                self.path.rmdir()  # only while empty: a run that ended before it was claimed leaves nothing
+            except OSError:
+                pass
+
+    def claim(self) -> None:
+        """The owner, once every check of the configuration and the plan has passed and just before training starts:
+        refuse ``--metrics`` / ``--trace`` onto the run's own files, lock the directory, refuse an earlier run in it
+        (unless ``--resume`` or ``--overwrite``), point ``runs/latest`` at a new directory and write ``config.toml``.
+        Raises RunDirError."""
+        cfg, run = self.cfg, self.path
+        _check_targets(cfg)
+        run.mkdir(parents=True, exist_ok=True)
+        self.fd = lock(run)
+        if not (cfg.resume or cfg.overwrite):
+            earlier = earlier_run(cfg)
+            if earlier:
+                raise RunDirError(f"run directory {run} holds an earlier run ({', '.join(earlier)}), which this run "
+                                  f"would overwrite: pass --resume to continue it, --overwrite to replace it, or "
+                                  f"another --run-dir (without --run-dir every run gets a new directory under {RUNS}/)")
+        if self.new:
+            _point_latest(run)
+        (run / CONFIG).write_text(cfg.to_toml())
+
+
+def earlier_run(cfg: TrainConfig) -> list[str]:
+    """What an earlier run left where this one would write: ``config.toml``, the metrics file, the complete
+    checkpoints of the checkpoint directory (paths, for a message)."""
+    found = [str(p) for p in (Path(cfg.run_dir) / CONFIG, metrics_path(cfg)) if p.exists()]
+    steps = complete_steps(cfg.checkpoints)
+    if steps:
+        found.append(f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} in {cfg.checkpoints}, the newest "
+                     f"{steps[-1][1].name}")
+    return found
+
+
+def lock(run: Path) -> int:
+    """Lock the run directory ``run`` for this process (``flock`` on ``run/.lock``, which then holds this process's PID
+    and host) and return the descriptor that holds the lock: closing it, or the end of every process that
+    inherited it, releases the lock. Raises RunDirError naming the holder when another process has it."""
+    path = run / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").split()
+        os.close(fd)
+        who = f"PID {holder[0]} on {holder[1]}" if len(holder) == 2 else "a process that is just starting"
+        raise RunDirError(f"run directory {run} is in use by another shardflow train ({who} holds {path}); wait for "
+                          f"that run to end or stop it, or pass another --run-dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    return fd
+
+
+def _new_dir() -> Path:
+    """Make and return ``runs/<YYYYmmdd-HHMMSS>``, with ``-2``, ``-3``, ... when another run took that name."""
+    if LATEST.exists() and not LATEST.is_symlink():
+        raise RunDirError(f"{LATEST} is a directory (a run of an earlier shardflow, whose default --run-dir it was); "
+                          f"rename it (e.g. mv {LATEST} {RUNS}/old) so that {LATEST} can point at the newest run, or "
+                          f"pass --run-dir")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    RUNS.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        path = RUNS / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise RunDirError(f"{RUNS}/{stamp} and 998 more names are taken; pass --run-dir")
+
+
+def _latest_run() -> Path:
+    """The run ``runs/latest`` points at (``--resume`` without ``--run-dir``)."""
+    if LATEST.is_symlink():
+        return RUNS / os.readlink(LATEST)
+    if LATEST.is_dir():
+        return LATEST
+    raise RunDirError(f"--resume without --run-dir continues the newest run, {LATEST}, which does not exist; pass "
+                      f"--run-dir with the directory of the run to continue")
+
+
+def _point_latest(run: Path) -> None:
+    """Point ``runs/latest`` at ``run`` (a sibling): a symlink under a temporary name renamed over the old one."""
+    tmp = LATEST.with_name(f".latest.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(run.name, tmp)
+    os.replace(tmp, LATEST)
+
+
+def _check_targets(cfg: TrainConfig) -> None:
+    """Raise RunDirError when ``--metrics`` or ``--trace`` names a file the run writes for another purpose."""
+    run = Path(cfg.run_dir).resolve()
+    ckpts = cfg.checkpoints.resolve()
+    metrics = metrics_path(cfg)
+    for flag, value, other in (("--metrics", cfg.metrics, cfg.trace and Path(cfg.trace)),
+                               ("--trace", cfg.trace, metrics)):
+        if not value:
+            continue
+        p = Path(value).resolve()
+        what = ("the run's resolved configuration" if p == run / CONFIG else
+                "the run directory's lock" if p == run / LOCK else
+                f"the log of {p.stem.replace('rank', 'rank ')}" if p.parent == run and _RANK_LOG.fullmatch(p.name) else
+                f"a file of the checkpoint directory {cfg.checkpoints}" if p.is_relative_to(ckpts) else
+                ("the --trace file" if flag == "--metrics" else "the metrics file")
+                if other and p == other.resolve() else None)
+        if what:
+            raise RunDirError(f"{flag} {value} would overwrite {what}, which the run writes too; pass another file "
+                              f"for {flag}")

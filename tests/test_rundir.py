@@ -1,0 +1,170 @@
+"""Run directories of `shardflow train` (shardflow.train.rundir): a new directory per run with `runs/latest` pointing
+at the newest, an earlier run refused unless --resume or --overwrite, the lock, --metrics / --trace kept off the run's
+own files; and what rides along: a checkpoint every 100 steps by default, --eval-batches bounded by the validation
+split, config.toml from one process, --plan. The tiny model on the local executor (--nproc 1), in this process."""
+
+import argparse
+import os
+import signal
+import stat
+from pathlib import Path
+
+import pytest
+from test_bad_inputs import one_paragraph
+
+from shardflow.cli import main as cli_main
+from shardflow.train import checkpoint
+from shardflow.train.config import TrainConfig
+from shardflow.train.rundir import lock
+
+
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """``train --nproc 1`` in this process installs a SIGTERM handler; put pytest's back."""
+    old = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+@pytest.fixture
+def train(capsys, tiny, corpus, tmp_path, monkeypatch):
+    """``train(*argv)``: ``shardflow train`` (tiny model, one process, 2 steps unless argv says otherwise) in this
+    process, in the directory ``tmp_path``; returns (exit status, stdout, stderr)."""
+    monkeypatch.chdir(tmp_path)
+
+    def run_train(*argv: str):
+        code = cli_main(["train", *tiny, "--steps", "2", "--data", str(corpus), "--strategy", "single", "--nproc", "1",
+                         *argv])
+        return (code, *capsys.readouterr())
+    return run_train
+
+
+def contents(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def steps(root: Path) -> list[int]:
+    return [n for n, _ in checkpoint.complete_steps(root / "checkpoints")]
+
+
+def test_each_run_gets_a_new_directory_and_runs_latest_points_at_the_newest(train, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    # 101 steps: the default --checkpoint-every (100) saves at step 100, then the last step; --eval-batches far
+    # beyond the 201-token validation split is bounded by it: ⌈201 / (8 × 16)⌉ = 2 batches
+    code, out, err = train("--steps", "101", "--eval-every", "1000", "--eval-batches", "10000000")
+    assert code == 0, err
+    assert "validation: 2 batches per measurement, not --eval-batches 10000000: they hold the 201 tokens" in out
+    first = runs / os.readlink(runs / "latest")
+    assert first.parent == runs and f"run directory: runs/{first.name}" in out
+    assert steps(first) == [100, 101]
+    saved = TrainConfig.from_args(argparse.Namespace(config=str(first / "config.toml")))  # --nproc 1 wrote it
+    assert (saved.run_dir, saved.steps, saved.checkpoint_every) == (f"runs/{first.name}", 101, 100)
+    kept = contents(first)
+
+    code, out, err = train()  # a second run: a directory of its own (a suffix when started within the same second)
+    assert code == 0, err
+    second = runs / os.readlink(runs / "latest")
+    assert second != first and second.parent == runs and steps(second) == [2]
+    assert contents(first) == kept  # the earlier run is untouched
+    assert not [p for p in runs.iterdir() if p.name.startswith(".latest")]  # the symlink was renamed into place
+
+    code, out, err = train("--steps", "4", "--resume")  # without --run-dir: the run runs/latest points at
+    assert code == 0, err
+    assert f"resumed from runs/{second.name}/checkpoints/step_2" in out
+    assert steps(second) == [2, 4] and contents(first) == kept
+
+    old = os.umask(0o027)  # what shardflow export writes gets the umask's mode (safetensors alone would give 0600)
+    try:
+        assert cli_main(["export", "runs/latest", "--out", "exported"]) == 0
+    finally:
+        os.umask(old)
+    assert "the Hugging Face model of runs/latest/checkpoints/step_4" in capsys.readouterr().out
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "exported").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes
+
+
+def test_an_earlier_run_is_refused_unless_resume_or_overwrite(train, tmp_path):
+    run = tmp_path / "run"
+    code, out, err = train("--run-dir", "run")
+    assert code == 0, err
+    kept = contents(run)
+    one_paragraph(*train("--run-dir", "run", "--steps", "3"), "train",
+                  "run directory run holds an earlier run (run/config.toml, run/metrics.jsonl, 1 checkpoint in "
+                  "run/checkpoints, the newest step_2), which this run would overwrite: pass --resume to continue it, "
+                  "--overwrite to replace it, or another --run-dir")
+    one_paragraph(*train("--run-dir", "run", "--resume", "--overwrite"), "train",
+                  "--resume continues the earlier run in the run directory and --overwrite replaces it: give one")
+    assert contents(run) == kept
+
+    code, out, err = train("--run-dir", "run", "--steps", "3", "--overwrite")
+    assert code == 0, err
+    assert steps(run) == [3]  # the earlier run's step_2 went once this run's first checkpoint was complete
+    assert (run / "config.toml").read_text() != kept["config.toml"].decode()
+
+
+def test_a_run_directory_in_use_is_refused_naming_the_process(train, tmp_path):
+    """The lock as another run holds it (here this process: flock conflicts between open files, not processes).
+    The fault tests run a real second run beside a running one (test_faults)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    fd = lock(run)
+    try:
+        one_paragraph(*train("--run-dir", "run"), "train",
+                      f"run directory run is in use by another shardflow train (PID {os.getpid()} on ",
+                      "holds run/.lock); wait for that run to end or stop it, or pass another --run-dir")
+    finally:
+        os.close(fd)
+    assert list(contents(run)) == [".lock"]  # no file written but the lock's
+    code, out, err = train("--run-dir", "run")  # released: the directory is free again
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--metrics", "run/config.toml"], "--metrics run/config.toml would overwrite the run's resolved configuration"),
+    (["--metrics", "run/rank0.log"], "--metrics run/rank0.log would overwrite the log of rank 0"),
+    (["--metrics", "run/.lock"], "--metrics run/.lock would overwrite the run directory's lock"),
+    (["--metrics", "run/checkpoints/m.jsonl"], "would overwrite a file of the checkpoint directory run/checkpoints"),
+    (["--trace", "run/metrics.jsonl"], "--trace run/metrics.jsonl would overwrite the metrics file"),
+    (["--metrics", "m.jsonl", "--trace", "m.jsonl"], "--metrics m.jsonl would overwrite the --trace file"),
+])
+def test_metrics_and_trace_stay_off_the_runs_own_files(train, tmp_path, argv, words):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text("steps = 2\n")  # e.g. left by a run stopped before it trained
+    one_paragraph(*train("--run-dir", "run", "--overwrite", *argv), "train", words, "which the run writes too")
+    assert contents(tmp_path / "run") == {"config.toml": b"steps = 2\n"}
+
+
+def test_runs_latest_missing_for_resume_or_a_directory_of_an_earlier_version(train, tmp_path):
+    one_paragraph(*train("--resume"), "train", "--resume without --run-dir continues the newest run, runs/latest, "
+                  "which does not exist; pass --run-dir with the directory of the run to continue")
+    (tmp_path / "runs" / "latest").mkdir(parents=True)
+    one_paragraph(*train(), "train", "runs/latest is a directory (a run of an earlier shardflow",
+                  "rename it (e.g. mv runs/latest runs/old)")
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["latest"]
+
+
+# The Llama's MLPs column- then row-parallel on tp (gate_proj and up_proj split by output features, down_proj by
+# input features, its output replicated); everything else replicated.
+LLAMA_PLAN = """\
+[modules."model.layers.*.mlp.gate_proj".params]
+weight = {tp = "Shard(0)"}
+
+[modules."model.layers.*.mlp.up_proj".params]
+weight = {tp = "Shard(0)"}
+
+[modules."model.layers.*.mlp.down_proj"]
+params = {weight = {tp = "Shard(1)"}}
+output = {tp = "Replicate()"}
+"""
+
+
+def test_train_with_a_user_plan(train, tmp_path, tiny, corpus, capsys):
+    (tmp_path / "plan.toml").write_text(LLAMA_PLAN)
+    code = cli_main(["train", *tiny, "--steps", "2", "--data", str(corpus), "--plan", "plan.toml", "--mesh", "tp=2",
+                     "--nproc", "1", "--check"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "plan plan.toml on mesh tp=2 (2 devices)" in out and "all_reduce/tp" in out
+    assert next(line for line in out.splitlines() if line.startswith("check against one device")).endswith(": OK")
+    one_paragraph(*train("--plan", "plan.toml", "--strategy", "tp"), "train",
+                  "--plan plan.toml and --strategy tp: the plan places every tensor itself; give one of them")
