@@ -261,7 +261,7 @@ def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
     """From outside, once both runs train: rank 1 of one run SIGSTOPped (it never answers again: rank 0 waits out
     --timeout, the launcher kills rank 1 after its grace period), rank 1 of the other SIGKILLed (rank 1 prints
     nothing: its log is empty). Each first line names rank 1."""
-    timeout = 3
+    timeout = 6  # the ranks also join within it: 4 processes at once on 2 busy cores take seconds
     runs = {how: start(tmp_path / how, "--steps", "100000", "--eval-every", "100000", "--timeout", str(timeout))
             for how in ("stop", "kill")}
     try:

@@ -242,8 +242,8 @@ def _join(timeout_s: float) -> tuple[int, int]:
                f"ranks (it picks a free port)")
     elif "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
-    elif "waiting for clients" in text:  # rank 0 hosts the rendezvous: the others did not come
-        fix = (f"this rank hosts the rendezvous at {where}, and not every other rank joined within --timeout "
+    elif "waiting for clients" in text or "wait timeout" in text:  # this rank got in; the others did not come
+        fix = (f"it reached the rendezvous at {where}, but not every other rank joined within --timeout "
                f"{timeout_s:g} s: start all {env.get('WORLD_SIZE', '?')} processes (torchrun on every node with the "
                f"same --nnodes, --master-addr and --master-port), make that port reachable from the other machines, "
                f"or raise --timeout")
