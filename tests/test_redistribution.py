@@ -374,19 +374,28 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
                                "dims have the same placement.\n")
 
 
-def test_train_strict_reaches_the_planner(corpus, monkeypatch):
-    """``shardflow train --strict`` plans strictly. The tp preset gets no refusal on the Llama, so a column-only plan
-    (the MLP's gate and up projections sharded by rows, nothing else) stands in for the preset: redistributions
-    without --strict, down_proj's refusal with it."""
+# The Llama's MLP half planned: gate_proj and up_proj column-parallel, down_proj left out (its rule refuses the
+# sharded input; planning inserts the redistribution)
+LLAMA_COLUMN_ONLY_TOML = """\
+[modules."model.layers.*.mlp.gate_proj".params]
+weight = {tp = "Shard(0)"}
+
+[modules."model.layers.*.mlp.up_proj".params]
+weight = {tp = "Shard(0)"}
+"""
+
+
+def test_train_strict_reaches_the_planner(corpus, tmp_path):
+    """``shardflow train --strict`` plans strictly. The presets get no refusal on the Llama, so a column-only plan
+    (``--plan``) stands in for the preset: 3 redistributions without --strict, down_proj's refusal with it."""
     from shardflow.cli import build_parser
     from shardflow.train import recipe
     from shardflow.train.config import TrainConfig
 
-    column = ModulePlan(params={"weight": {"tp": S0}})
-    plan = Plan(modules={"model.layers.*.mlp.gate_proj": column, "model.layers.*.mlp.up_proj": column})
-    monkeypatch.setattr(recipe, "make_plan", lambda graph, mesh, strategy: plan)
-    argv = ["train", "--mesh", "tp=2", "--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16",
-            "--batch-size", "8", "--data", str(corpus)]
+    plan = tmp_path / "column_only.toml"
+    plan.write_text(LLAMA_COLUMN_ONLY_TOML)
+    argv = ["train", "--plan", str(plan), "--mesh", "tp=2", "--layers", "1", "--heads", "2", "--embd", "16",
+            "--seq-len", "16", "--batch-size", "8", "--data", str(corpus)]
     cfg = TrainConfig.from_args(build_parser().parse_args(argv))
     assert not cfg.strict and len(recipe.setup(cfg, 1).pcg.redistributions) == 3
     cfg = TrainConfig.from_args(build_parser().parse_args([*argv, "--strict"]))

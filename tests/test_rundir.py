@@ -124,8 +124,11 @@ def test_a_run_directory_in_use_is_refused_naming_the_process(train, tmp_path):
     (["--metrics", "run/rank0.log"], "--metrics run/rank0.log would overwrite the log of rank 0"),
     (["--metrics", "run/.lock"], "--metrics run/.lock would overwrite the run directory's lock"),
     (["--metrics", "run/checkpoints/m.jsonl"], "would overwrite a file of the checkpoint directory run/checkpoints"),
-    (["--trace", "run/metrics.jsonl"], "--trace run/metrics.jsonl would overwrite the metrics file"),
-    (["--metrics", "m.jsonl", "--trace", "m.jsonl"], "--metrics m.jsonl would overwrite the --trace file"),
+    # --trace is of the ranks' processes: 2 of them (refused before they start)
+    (["--trace", "run/metrics.jsonl", "--nproc", "2", "--strategy", "dp"],
+     "--trace run/metrics.jsonl would overwrite the metrics file"),
+    (["--metrics", "m.jsonl", "--trace", "m.jsonl", "--nproc", "2", "--strategy", "dp"],
+     "--metrics m.jsonl would overwrite the --trace file"),
 ])
 def test_metrics_and_trace_stay_off_the_runs_own_files(train, tmp_path, argv, words):
     (tmp_path / "run").mkdir()
