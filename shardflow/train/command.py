@@ -31,7 +31,7 @@ from shardflow.train import checkpoint, hooks
 from shardflow.train.config import TrainConfig, check_config, check_outputs, check_processes
 from shardflow.train.console import Console, tee_to_log
 from shardflow.train.loop import Diverged, train
-from shardflow.train.memory import processes_here
+from shardflow.train.memory import MemoryFitError, processes_here
 from shardflow.train.recipe import Setup, check_memory, setup
 from shardflow.train.rundir import RunDir, RunDirError
 
@@ -153,8 +153,9 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report: a second signal must not cut it short
         # a peer stopped by the same Ctrl-C can make this rank's communication fail first
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
-        # one paragraph, status 2: e.g. --resume under torchrun from an unfit checkpoint, a non-finite loss
-        said = isinstance(e, (checkpoint.CheckpointError, RunDirError, Diverged))
+        # one paragraph, status 2: e.g. --resume under torchrun from an unfit checkpoint, a non-finite loss, a step
+        # that does not fit in memory (checked once lowered)
+        said = isinstance(e, (checkpoint.CheckpointError, RunDirError, Diverged, MemoryFitError))
         # another rank left or stopped answering (also where torch raised it, outside the executor): one paragraph
         failure = e if isinstance(e, CommFailure) else comm_failure(e, f"rank {rank}") \
             if isinstance(e, RuntimeError) else None
