@@ -70,7 +70,8 @@ def load_model(spec: str, seed: int = 0, vocab_size: int | None = None) -> tuple
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
         raise ModelSpecError(f"--model {spec!r}: write FILE.py:FACTORY or package.module:FACTORY (a function that "
-                             f"returns (module, batch)), or name a built-in model (gpt, mlp)")
+                             f"returns (module, batch)), or name a built-in model (llama, gpt2 or another Hugging Face "
+                             f"causal-LM model type; gpt, mlp)")
     module = _import(spec, where)
     factory = module
     for part in name.split("."):

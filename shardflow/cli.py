@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -46,35 +47,49 @@ from shardflow.parallel.shape import ShardingError
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
-from shardflow.train.config import Range, TrainConfig
+from shardflow.train.config import RANGES, Range, TrainConfig
 from shardflow.train.data import DataError
+from shardflow.train.family import (DEFAULT_SIZES, Feed, ModelError, Sizes, hf_config, hf_family, is_factory,
+                                    is_model_type)
 
 USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanVerificationError, DataError,
                ValueError, FileNotFoundError)
 
 
-BUILT_IN = ("gpt", "mlp")
+# shardflow's own small test models (sized by the flags, with their own defaults below); every other built-in name
+# is a Hugging Face model type, built as `shardflow train` builds it (llama by default, with train's defaults)
+OWN_MODELS = ("gpt", "mlp")
+_OWN_DEFAULTS = {"layers": 2, "heads": 4, "embd": 64, "vocab": 65, "seq_len": 64, "batch_size": 8}
+_TRAIN = TrainConfig()
+_TRAIN_DEFAULTS = {**{k: v for k, v in dataclasses.asdict(DEFAULT_SIZES).items()}, "vocab": _TRAIN.vocab_size,
+                   "seq_len": _TRAIN.seq_len, "batch_size": _TRAIN.batch_size}
 
 # The range of each numeric flag of plan, check and generate, by its name (train's are TrainConfig's:
 # shardflow.train.config.RANGES); checked with the flags' other rules by check_flags before a command runs.
-FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "embd": Range(1), "vocab": Range(1), "seq_len": Range(1),
-               "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1), "tol": Range(0),
-               "lr": Range(0), "timeout": Range(0, low_open=True), "tokens": Range(0), "temperature": Range(0),
-               "seed": Range(0, 2**63, high_open=True)}
+FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab": Range(1),
+               "seq_len": Range(1), "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1),
+               "tol": Range(0), "lr": RANGES["lr"], "timeout": RANGES["timeout"], "tokens": Range(0),
+               "temperature": Range(0), "seed": Range(0, 2**63, high_open=True)}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="gpt", metavar="MODEL",
-                   help="a built-in model, gpt or mlp (sized by the flags below; default gpt), or your own: "
-                        "FILE.py:FACTORY or package.module:FACTORY, a function returning (module, batch) such that "
-                        "module(**batch) returns the loss")
-    g.add_argument("--layers", type=int, default=2, help="transformer blocks (gpt) or linear layers (mlp)")
-    g.add_argument("--heads", type=int, default=4, help="attention heads (gpt)")
-    g.add_argument("--embd", type=int, default=64, help="embedding width C (gpt) or hidden width (mlp)")
-    g.add_argument("--vocab", type=int, default=65, help="vocabulary size V (gpt) or classes (mlp)")
-    g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence T (gpt)")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences (gpt) or rows (mlp) per step, B")
+    g.add_argument("--model", default="llama", metavar="MODEL",
+                   help="the model `shardflow train` trains by default, llama (Hugging Face LlamaForCausalLM built "
+                        "from a config, nothing downloaded; default), gpt2 or another Hugging Face causal-LM model "
+                        "type, with train's default sizes; shardflow's own small test models gpt and mlp; or your "
+                        "own: FILE.py:FACTORY or package.module:FACTORY, a function returning (module, batch) such "
+                        "that module(**batch) returns the loss")
+    sizes = (f"{_TRAIN_DEFAULTS[k]} for llama and gpt2 as in `shardflow train`, {_OWN_DEFAULTS[k]} for gpt and mlp"
+             for k in ("layers", "heads", "embd", "vocab", "seq_len", "batch_size"))
+    g.add_argument("--layers", type=int, help=f"transformer blocks, or linear layers (mlp) (default {next(sizes)})")
+    g.add_argument("--heads", type=int, help=f"attention heads (default {next(sizes)})")
+    g.add_argument("--kv-heads", type=int, help=f"key/value heads of grouped-query attention (llama; default "
+                                                f"{_TRAIN_DEFAULTS['kv_heads']})")
+    g.add_argument("--embd", type=int, help=f"embedding width C, or hidden width (mlp) (default {next(sizes)})")
+    g.add_argument("--vocab", type=int, help=f"vocabulary size V, or classes (mlp) (default {next(sizes)})")
+    g.add_argument("--seq-len", type=int, help=f"tokens per sequence T (default {next(sizes)})")
+    g.add_argument("--batch-size", type=int, help=f"sequences, or rows (mlp), per step B (default {next(sizes)})")
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -97,20 +112,32 @@ def check_flags(args: argparse.Namespace) -> None:
 
 def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The model of ``--model`` and its example batch: a built-in one built (seed 0) with a random batch of the
-    flags' shapes, or what the user's factory returns (raises ModelSpecError)."""
-    if args.model not in BUILT_IN:
+    flags' shapes (a Hugging Face model as ``shardflow train`` builds it, from the same defaults), or what the
+    user's factory returns. Raises ModelSpecError, ModelError (sizes a model cannot take)."""
+    own = args.model in OWN_MODELS
+    if is_factory(args.model) or not (own or is_model_type(args.model)):
         return load_model(args.model)
-    torch.manual_seed(0)
+    defaults = _OWN_DEFAULTS if own else _TRAIN_DEFAULTS
+    size = {k: getattr(args, k) if getattr(args, k) is not None else defaults.get(k) for k in _TRAIN_DEFAULTS}
+    if own and args.kv_heads is not None:
+        raise ModelError(f"--kv-heads {args.kv_heads}: --model {args.model} has no grouped-query attention; drop "
+                         f"--kv-heads, or plan --model llama")
     gen = torch.Generator().manual_seed(1)
+    shape = (size["batch_size"], size["seq_len"])
+    idx, targets = (torch.randint(0, size["vocab"], shape, generator=gen) for _ in range(2))
+    if not own:
+        config = hf_config(args.model, None, Sizes(size["layers"], size["heads"], size["kv_heads"], size["embd"]),
+                           size["vocab"], size["seq_len"], 0.0)
+        torch.manual_seed(0)
+        return hf_family(config.model_type).build(config), Feed.CAUSAL_LM.inputs(idx, targets)
+    torch.manual_seed(0)
     if args.model == "gpt":
-        model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
-                              n_head=args.heads, n_embd=args.embd))
-        shape = (args.batch_size, args.seq_len)
-        return model, {"idx": torch.randint(0, args.vocab, shape, generator=gen),
-                       "targets": torch.randint(0, args.vocab, shape, generator=gen)}
-    model = MLP(d_in=args.embd, hidden=4 * args.embd, d_out=args.vocab, n_layers=args.layers)
-    return model, {"x": torch.randn(args.batch_size, args.embd, generator=gen),
-                   "y": torch.randint(0, args.vocab, (args.batch_size,), generator=gen)}
+        model = GPT(GPTConfig(vocab_size=size["vocab"], block_size=size["seq_len"], n_layer=size["layers"],
+                              n_head=size["heads"], n_embd=size["embd"]))
+        return model, {"idx": idx, "targets": targets}
+    model = MLP(d_in=size["embd"], hidden=4 * size["embd"], d_out=size["vocab"], n_layers=size["layers"])
+    return model, {"x": torch.randn(size["batch_size"], size["embd"], generator=gen),
+                   "y": torch.randint(0, size["vocab"], (size["batch_size"],), generator=gen)}
 
 
 def write_out(out: Path, text: str) -> None:

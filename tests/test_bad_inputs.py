@@ -18,7 +18,7 @@ import torch
 
 from shardflow.cli import main as cli_main
 
-PLAN = ["plan", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4"]
+PLAN = ["plan", "--model", "gpt", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4"]
 
 
 @pytest.fixture(autouse=True)
@@ -61,24 +61,28 @@ def train(capsys, tiny):
     (["--steps", "0"], ["--steps 0 is out of range", "≥ 1"]),
     (["--batch-size", "0"], ["--batch-size 0 is out of range"]),
     (["--seq-len", "0"], ["--seq-len 0 is out of range"]),
-    (["--vocab-size", "100"], ["--vocab-size 100 is out of range", "≥ 256", "its 256 byte tokens"]),
+    (["--vocab-size", "100"], ["--vocab-size 100 is out of range", "in [256, 2147483647]", "its 256 byte tokens"]),
+    (["--vocab-size", "100000000000000000000"], ["--vocab-size 100000000000000000000 is out of range"]),
     (["--eval-every", "0"], ["--eval-every 0 is out of range"]),
     (["--log-every", "0"], ["--log-every 0 is out of range"]),
     (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
     (["--nproc", "0"], ["--nproc 0 is out of range"]),
     (["--bucket-mb", "-1"], ["--bucket-mb -1.0 is out of range", "≥ 0"]),
     (["--peak-tflops", "-1"], ["--peak-tflops -1.0 is out of range", "≥ 0"]),
-    (["--timeout", "0"], ["--timeout 0.0 is out of range: give a finite value > 0", "--timeout: seconds"]),
+    (["--timeout", "0"], ["--timeout 0.0 is out of range: give a finite value in (0, 2000000]", "--timeout: seconds"]),
     (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is out of range: give a value ≥ 0"]),
     (["--dropout", "1.5"], ["--dropout 1.5 is out of range: give a finite value in [0, 1)"]),
     # numbers that were accepted (or crashed later): signs, ranges and non-finite floats
-    (["--lr", "-1"], ["--lr -1.0 is out of range: give a finite value ≥ 0. --lr: learning rate"]),
-    (["--lr", "nan"], ["--lr nan is out of range: give a finite value ≥ 0"]),
+    (["--lr", "-1"], ["--lr -1.0 is out of range: give a finite value in [0, 3.4e+38]. --lr: learning rate"]),
+    (["--lr", "1e39"], ["--lr 1e+39 is out of range: give a finite value in [0, 3.4e+38]"]),
+    (["--lr", "nan"], ["--lr nan is out of range: give a finite value in [0, 3.4e+38]"]),
     (["--lr", "inf"], ["--lr inf is out of range"]),
     (["--momentum", "1"], ["--momentum 1.0 is out of range: give a finite value in [0, 1)"]),
     (["--momentum", "-0.5"], ["--momentum -0.5 is out of range"]),
-    (["--weight-decay", "-1"], ["--weight-decay -1.0 is out of range: give a finite value ≥ 0"]),
-    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value > 0"]),
+    (["--weight-decay", "-1"], ["--weight-decay -1.0 is out of range: give a finite value in [0, 3.4e+38]"]),
+    (["--weight-decay", "1e39"], ["--weight-decay 1e+39 is out of range"]),
+    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value in (0, 2000000]"]),
+    (["--timeout", "1e39"], ["--timeout 1e+39 is out of range: give a finite value in (0, 2000000]"]),
     (["--timeout", "nan"], ["--timeout nan is out of range"]),
     (["--bucket-mb", "nan"], ["--bucket-mb nan is out of range: give a finite value ≥ 0"]),
     (["--clip-norm", "nan"], ["--clip-norm nan is out of range: give a finite value ≥ 0"]),
@@ -361,9 +365,9 @@ def test_plan_out_that_cannot_be_written(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--lr", "nan"], ["--lr nan is out of range: give a finite value ≥ 0"]),
+    (["--lr", "nan"], ["--lr nan is out of range: give a finite value in [0, 3.4e+38]"]),
     (["--tol", "-1"], ["--tol -1.0 is out of range"]),
-    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value > 0"]),
+    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value in (0, 2000000]"]),
     (["--steps", "0"], ["--steps 0 is out of range: give a value ≥ 1"]),
     (["--plan", "p.toml", "--strategy", "tp"], ["--plan p.toml and --strategy tp both say how to split the model"]),
 ])

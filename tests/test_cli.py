@@ -9,7 +9,8 @@ from shardflow.cli import main
 
 
 def run(capsys, *argv):
-    code = main(["plan", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4", *argv])
+    code = main(["plan", "--model", "gpt", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4",
+                 *argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -27,6 +28,23 @@ def test_plan_on_a_2d_mesh_and_the_graph_listing(capsys):
     assert code == 0 and "input    idx: int64[4/2, 8] rep=2 (S(0),R)" in out
     code, out, _ = run(capsys, "--graph")
     assert code == 0 and out.startswith("input    idx: int64[4, 8]") and "attention(causal=True" in out
+
+
+def test_plan_defaults_to_the_model_train_trains(capsys):
+    """Without --model, plan captures what `shardflow train` trains by default: the same Hugging Face Llama, sized
+    from the same defaults (one source: TrainConfig and DEFAULT_SIZES), with train's batch shape."""
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.recipe import build_model
+    cfg = TrainConfig()
+    _, _, model = build_model(cfg, cfg.vocab_size, None)
+    assert main(["plan", "--graph"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"input    input_ids: int64[{cfg.batch_size}, {cfg.seq_len}]\n")
+    weights = [line for line in out.splitlines() if line.startswith("weight ")]
+    assert weights == [f"weight   {n}: float32[{', '.join(map(str, p.shape))}]" for n, p in model.named_parameters()]
+    code, out, err = run(capsys, "--kv-heads", "2")
+    assert code == 2 and err == ("shardflow plan: error: --kv-heads 2: --model gpt has no grouped-query attention; "
+                                 "drop --kv-heads, or plan --model llama\n")
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -57,10 +57,10 @@ UPDATE = os.environ.get("SHARDFLOW_UPDATE_DOCS") == "1"
 # --- 1. generated blocks ------------------------------------------------------------------------------------------
 
 def _plan_json(strategy: str, mesh: str) -> dict:
-    """``shardflow plan --strategy S --mesh M --format json`` for the default GPT."""
+    """``shardflow plan --model gpt --strategy S --mesh M --format json``."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert cli_main(["plan", "--strategy", strategy, "--mesh", mesh, "--format", "json"]) == 0
+        assert cli_main(["plan", "--model", "gpt", "--strategy", strategy, "--mesh", mesh, "--format", "json"]) == 0
     return json.loads(out.getvalue())
 
 
@@ -152,13 +152,13 @@ def plan_json_example() -> list[str]:
     """docs/lowering.md §8: the head of ``shardflow plan ... --format json``, re-wrapped, instructions left out."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert cli_main(["plan", "--strategy", "tp", "--nproc", "2", "--layers", "1", "--rank", "0", "--format",
+        assert cli_main(["plan", "--model", "gpt", "--strategy", "tp", "--nproc", "2", "--layers", "1", "--rank", "0", "--format",
                          "json"]) == 0
     doc = json.loads(out.getvalue())
     r0 = doc["ranks"][0]
     def j(value):
         return json.dumps(value, ensure_ascii=False)
-    return ["$ shardflow plan --strategy tp --nproc 2 --layers 1 --rank 0 --format json",
+    return ["$ shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0 --format json",
             f'{{"strategy": {j(doc["strategy"])}, "mesh": {j(doc["mesh"])}, "summary": {j(doc["summary"])},',
             f' "verified": {j(doc["verified"])}, "collectives": {j(doc["collectives"])},',
             f' "ranks": [{{"rank": {r0["rank"]}, "fingerprint": {j(r0["fingerprint"])},',
@@ -426,13 +426,13 @@ COMMANDS = {
     ".venv/bin/shardflow plan --strategy tp --nproc 2": Run(),
     ".venv/bin/shardflow plan --strategy dp,sp --mesh dp=2,tp=2 --format json": Run(),
     ".venv/bin/shardflow plan --strategy pp --mesh pp=2 --layers 4 --format dot": Run(),
-    ".venv/bin/shardflow plan --plan my_plan.toml --mesh tp=2": Run(),
+    ".venv/bin/shardflow plan --model gpt --plan my_plan.toml --mesh tp=2": Run(),
     ".venv/bin/shardflow plan --graph": Run(),
     ".venv/bin/shardflow check --model examples/hf_llama.py:tiny_llama --mesh dp=2,tp=2": Run(("--steps", "1")),
     # docs/concepts.md
-    "shardflow plan --strategy tp --nproc 2 --heads 3 --embd 48": Run(),  # exit status 2: its output is the error
-    "shardflow plan --plan column_plan.toml --mesh tp=2 --layers 1": Run(),
-    "shardflow plan --plan column_plan.toml --mesh tp=2 --layers 1 --strict": Run(),  # exit status 2
+    "shardflow plan --model gpt --strategy tp --nproc 2 --heads 3 --embd 48": Run(),  # exit status 2: its output is the error
+    "shardflow plan --model gpt --plan column_plan.toml --mesh tp=2 --layers 1": Run(),
+    "shardflow plan --model gpt --plan column_plan.toml --mesh tp=2 --layers 1 --strict": Run(),  # exit status 2
     # docs/execution.md
     ".venv/bin/shardflow train --data 'books/**/*.txt' --vocab-size 4096": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --data my.txt --tokenizer char": Run(SHRINK_TRAIN),
@@ -451,10 +451,10 @@ COMMANDS = {
     "SHARDFLOW_LONG=1 .venv/bin/python -m pytest tests/test_rule_validator.py tests/test_properties.py "
     "tests/test_plan_mutations.py": NotRun("the long versions of three test files (minutes)"),
     # docs/lowering.md
-    "shardflow plan --strategy tp --nproc 2 --passes": Run(),
-    "shardflow plan --strategy tp --nproc 2 --layers 1 --rank 0": Run(),
-    "shardflow plan --strategy tp --nproc 2 --layers 1 --rank 0 --format json": Run(),
-    "shardflow plan --strategy tp --nproc 2 --layers 1 --format dot --out /tmp/pcg.dot": Run(),
+    "shardflow plan --model gpt --strategy tp --nproc 2 --passes": Run(),
+    "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0": Run(),
+    "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0 --format json": Run(),
+    "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --format dot --out /tmp/pcg.dot": Run(),
     "head -4 /tmp/pcg.dot": Run(),
     # docs/own-model.md (the checks shrunk to one step)
     "shardflow check --model examples/hf_llama.py:tiny_llama --mesh dp=2,tp=2": Run(),
@@ -471,7 +471,7 @@ COMMANDS = {
     ".venv/bin/torchrun --standalone --nproc-per-node 2 examples/own_model.py": Run(),
 }
 
-# The documented user plan of README's `shardflow plan --plan my_plan.toml --mesh tp=2` (docs/concepts.md §5's
+# The documented user plan of README's `shardflow plan --model gpt --plan my_plan.toml --mesh tp=2` (docs/concepts.md §5's
 # spelling, on the tp axis only)
 MY_PLAN = """\
 [modules."transformer.h.*.mlp.c_fc".params]

@@ -5,6 +5,7 @@ one, SIGTERM to the launcher; and the launcher's rendezvous store and gloo's soc
 run is bounded (a watchdog kills it); exit times are measured from the moment the fault struck (the line the faulty
 rank prints just before) to the launcher's exit."""
 
+import fcntl
 import json
 import os
 import signal
@@ -39,11 +40,14 @@ def children(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    """Whether any thread of process ``pid`` still runs (its main thread may be a zombie while others finish)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            pass
+    return any(state != "Z" for state in states)
 
 
 class Run:
@@ -223,6 +227,78 @@ def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops
     assert not any(alive(pid) for pid in r.ranks), r.ranks
     for rank in (0, 1):
         assert f"rank {rank}: interrupted" in (r.run / f"rank{rank}.log").read_text()
+
+
+def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_path, start):
+    """SIGKILL to the launcher (which can forward nothing): the kernel sends each rank SIGTERM (prctl's parent-death
+    signal), so no rank trains on orphaned; the run directory's lock, which the ranks inherited, is free once they
+    are gone, and only complete checkpoints are left beside at most a ``.tmp``."""
+    # no log line after the first step: a rank writes nothing to the dead launcher's pipes (which would end it)
+    r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--log-every", "100000",
+              "--timeout", "10", "--checkpoint-every", "2")
+    root = r.run / "checkpoints"
+    try:
+        while not (root / "step_2").is_dir() and r.p.poll() is None and time.monotonic() - r.t0 < LIMIT:
+            time.sleep(0.05)
+        r.ranks.update(children(r.p.pid))
+        assert len(r.ranks) == 2, r.ranks
+        r.p.kill()
+        r.p.wait()
+        killed = time.monotonic()
+        with open(r.run / ".lock") as f:
+            while time.monotonic() - killed < 30:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while any rank holds it
+                    break
+                except BlockingIOError:
+                    time.sleep(0.05)
+        took = time.monotonic() - killed
+    finally:
+        for pid in r.ranks:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    print(f"\n(c) SIGKILL to the launcher: the run directory's lock free {took:.2f} s later")
+    assert took < 10, took
+    assert not any(alive(pid) for pid in r.ranks)
+    done = [p for p in root.iterdir() if not p.name.endswith(".tmp")]
+    assert done and all(checkpoint.read(p).step == int(p.name.removeprefix("step_")) for p in done), done
+
+
+ORPHAN = """
+import os, signal, subprocess, sys, time
+from shardflow.runtime.launch import LAUNCHER_PID, stop_with_launcher
+if sys.argv[1] == "launcher":  # start a rank, tell the test its pid, then wait to be killed
+    env = dict(os.environ, **{LAUNCHER_PID: str(os.getpid())})
+    rank = subprocess.Popen([sys.executable, "-c", sys.argv[2], "rank"], env=env)
+    time.sleep(60)
+else:
+    signal.signal(signal.SIGTERM, lambda *_: (print("rank: SIGTERM", flush=True), os._exit(0)))
+    stop_with_launcher()
+    print("rank: running", flush=True)
+    time.sleep(60)
+    print("rank: still running after 60 s", flush=True)
+"""
+
+
+def test_stop_with_launcher_asks_the_kernel_for_sigterm_when_the_launcher_dies(tmp_path):
+    """The mechanism under the test above, alone: a rank that called stop_with_launcher gets SIGTERM the moment its
+    launcher is SIGKILLed (prctl's parent-death signal) — not at its next write to a closed pipe."""
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        launcher = subprocess.Popen([sys.executable, "-c", ORPHAN, "launcher", ORPHAN], stdout=f, stderr=f)
+    try:
+        t0 = time.monotonic()
+        while "rank: running" not in out.read_text() and time.monotonic() - t0 < LIMIT:
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        while "rank: SIGTERM" not in out.read_text() and time.monotonic() - killed < 30:
+            time.sleep(0.02)
+        took = time.monotonic() - killed
+    finally:
+        launcher.kill()
+    assert out.read_text() == "rank: running\nrank: SIGTERM\n" and took < 5, (out.read_text(), took)
 
 
 # (d) ---------------------------------------------------------------------------------------------------------

@@ -340,7 +340,7 @@ def test_a_plan_with_only_column_parallel_trains_like_one_device():
 def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
     plan = tmp_path / "plan.toml"
     plan.write_text(COLUMN_ONLY_TOML)
-    argv = ["plan", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4", "--plan", str(plan),
+    argv = ["plan", "--model", "gpt", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4", "--plan", str(plan),
             "--mesh", "tp=2"]
     assert main(argv) == 0
     out = capsys.readouterr().out

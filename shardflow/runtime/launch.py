@@ -3,9 +3,10 @@
 The parent binds the rendezvous store on a port the OS picks (port 0, loopback only) and keeps it; each rank
 gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) plus
 ``TORCHELASTIC_USE_AGENT_STORE=True`` so it joins the parent's store as a client, ``OMP_NUM_THREADS`` =
-cores / N, ``GLOO_SOCKET_IFNAME=lo`` and ``SHARDFLOW_LAUNCHED=1`` (:data:`LAUNCHED`: a rank tells this launcher's
-ranks, whose parent owns the run, from torchrun's). Each rank's output goes to ``rank{r}.log`` in the run directory;
-rank 0's is also echoed to the console. When a rank fails, the others get ``grace_s`` seconds (their
+cores / N, ``GLOO_SOCKET_IFNAME=lo``, ``SHARDFLOW_LAUNCHED=1`` (:data:`LAUNCHED`: a rank tells this launcher's
+ranks, whose parent owns the run, from torchrun's) and the launcher's PID (:data:`LAUNCHER_PID`: a rank stops when
+the launcher dies, even by SIGKILL: :func:`stop_with_launcher`). Each rank's output goes to ``rank{r}.log`` in the
+run directory; rank 0's is also echoed to the console. When a rank fails, the others get ``grace_s`` seconds (their
 communication timeout plus a few) to exit on their own, then are killed; the launcher names the rank at the root of
 the failure — from the ranks' exit statuses (:class:`Status`) and the order it saw them exit: a rank that stopped
 answering rather than the one that timed out waiting on it — its exit status and the end of its log. Ctrl-C /
@@ -14,6 +15,7 @@ SIGTERM are forwarded to the ranks.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -31,6 +33,8 @@ from typing import Mapping, Sequence
 import torch.distributed as dist
 
 LAUNCHED = "SHARDFLOW_LAUNCHED"  # set to 1 in the environment of every rank this launcher starts
+LAUNCHER_PID = "SHARDFLOW_LAUNCHER_PID"  # the launcher's process id, in the same environments
+_PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies (Linux)
 
 
 class Status(IntEnum):
@@ -87,6 +91,21 @@ def _listen(host: str) -> tuple[int, int]:
     return sock.detach(), port  # the store owns the descriptor from now on (it closes it)
 
 
+def stop_with_launcher() -> None:
+    """In a rank this launcher started: have Linux send this process SIGTERM when the launcher dies — even by
+    SIGKILL, which the launcher cannot forward — so that no rank trains on orphaned, holding the run directory's
+    lock (the rank stops on SIGTERM as on Ctrl-C; a save in flight leaves only its ``.tmp``). A no-op in other
+    processes (torchrun's ranks: its agent watches them) and on other systems than Linux (prctl(2))."""
+    parent = os.environ.get(LAUNCHER_PID)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    try:
+        os.kill(int(parent), 0)
+    except ProcessLookupError:  # the launcher died before the request: nobody will send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0, echo_rank0: bool = True,
            host: str = "127.0.0.1", keep_fds: Sequence[int] = ()) -> LaunchResult:
     """Run ``cmd`` (an argv, e.g. ``[python, -m, shardflow.cli, train, ...]``) as ``nproc`` ranks.
@@ -106,7 +125,7 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR=host, MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
                    OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
-                   **{LAUNCHED: "1"})
+                   **{LAUNCHED: "1", LAUNCHER_PID: str(os.getpid())})
         if r == 0 and direct:
             # On a terminal rank 0 writes to it directly (so it can draw a progress bar) and tees its own log.
             env["SHARDFLOW_TEE"] = str(run_dir / "rank0.log")

@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from shardflow.runtime.launch import LAUNCHED, describe_failure, launch, tail
+from shardflow.runtime.launch import LAUNCHED, describe_failure, launch, stop_with_launcher, tail
 from shardflow.train import checkpoint, hooks
 from shardflow.train.config import TrainConfig, check_config, check_outputs, check_processes
 from shardflow.train.console import Console, tee_to_log
@@ -138,6 +138,7 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)  # the launcher forwards Ctrl-C as SIGTERM: stop like Ctrl-C
+        stop_with_launcher()  # and sends none if it is killed: then the kernel does
     if world == 1:
         return train(cfg, 0, 1, s)
     from shardflow.runtime.distributed import CommFailure, CommTimeout, comm_failure, shutdown

@@ -203,7 +203,7 @@ class Range:
 
     def __str__(self) -> str:
         """``≥ 1``, ``> 0``, ``in [0, 1)``."""
-        low, high = (x if x is None or x != int(x) else int(x) for x in (self.low, self.high))
+        low, high = (x if x is None or x != int(x) or abs(x) >= 1e15 else int(x) for x in (self.low, self.high))
         if low is not None and high is not None:
             return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
         if high is not None:
@@ -217,13 +217,16 @@ class Range:
             raise ValueError(f"{flag} {v} is out of range: give {what} {self}. {flag}: {help_}")
 
 
+# the largest float32 (the optimizer holds lr and weight decay in float32 tensors) and the longest timeout that
+# torch.distributed's C++ stores take (a C int of milliseconds, rounded down to a round number: 23 days)
+_F32_MAX, _TIMEOUT_MAX = 3.4e38, 2e6
 # the range of every numeric setting (a float must be finite even where it has no bound)
 RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "seq_len": Range(1), "layers": Range(1),
-          "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256),
-          "dropout": Range(0, 1, high_open=True), "lr": Range(0), "momentum": Range(0, 1, high_open=True),
-          "weight_decay": Range(0), "seed": Range(0, 2**32, high_open=True), "checkpoint_every": Range(0),
+          "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256, 2**31 - 1),
+          "dropout": Range(0, 1, high_open=True), "lr": Range(0, _F32_MAX), "momentum": Range(0, 1, high_open=True),
+          "weight_decay": Range(0, _F32_MAX), "seed": Range(0, 2**32, high_open=True), "checkpoint_every": Range(0),
           "log_every": Range(1), "eval_every": Range(1), "eval_batches": Range(1), "clip_norm": Range(0),
-          "bucket_mb": Range(0), "timeout": Range(0, low_open=True), "peak_tflops": Range(0)}
+          "bucket_mb": Range(0), "timeout": Range(0, _TIMEOUT_MAX, low_open=True), "peak_tflops": Range(0)}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {"int": "a whole number", "float": "a number", "str": "a string", "bool": "true or false",
                "list": "a list", "dict": "a table"}

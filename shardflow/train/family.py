@@ -263,6 +263,12 @@ def is_factory(model: str | None) -> bool:
     return model is not None and ":" in model
 
 
+def is_model_type(model: str) -> bool:
+    """Whether ``model`` is a model type of transformers (llama, gpt2, qwen2, ...)."""
+    from transformers import CONFIG_MAPPING
+    return model in CONFIG_MAPPING
+
+
 def family_of(saved: Mapping[str, Any]) -> Family:
     """The family of a checkpoint's recorded model (``{"family": name, "config": {...}}``; a factory is called once
     to learn its feed). Raises ModelError for a record without a family."""
