@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 venv: $(VENV)/.installed
 
 test: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 train: venv
 	$(BIN)/shardflow train --strategy tp --nproc 2

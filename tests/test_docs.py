@@ -419,7 +419,7 @@ COMMANDS = {
     "make test": NotRun("it runs this test suite"),
     ".venv/bin/shardflow train --strategy dp,tp --mesh dp=2,tp=2 --nproc 4":
         RunBy("test_train.py", '["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"]'),
-    ".venv/bin/shardflow train --strategy sp --nproc 2 --steps 200 --data my.txt": Run(SHRINK_TRAIN),
+    ".venv/bin/shardflow train --strategy sp --nproc 2 --steps 50 --data my.txt": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --strategy tp --mesh tp=2 --nproc 1": Run(SHRINK_TRAIN),
     "torchrun --standalone --nproc-per-node 2 -m shardflow.cli train --strategy tp": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --help": Run(),
