@@ -71,6 +71,7 @@ def train(capsys, tiny):
     (["--peak-tflops", "-1"], ["--peak-tflops -1.0 is out of range", "≥ 0"]),
     (["--timeout", "0"], ["--timeout 0.0 is out of range: give a finite value in (0, 2000000]", "--timeout: seconds"]),
     (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is out of range: give a value ≥ 0"]),
+    (["--keep-checkpoints", "-1"], ["--keep-checkpoints -1 is out of range: give a value ≥ 0"]),
     (["--dropout", "1.5"], ["--dropout 1.5 is out of range: give a finite value in [0, 1)"]),
     # numbers that were accepted (or crashed later): signs, ranges and non-finite floats
     (["--lr", "-1"], ["--lr -1.0 is out of range: give a finite value in [0, 3.4e+38]. --lr: learning rate"]),

@@ -171,3 +171,20 @@ def test_train_with_a_user_plan(train, tmp_path, tiny, corpus, capsys):
     assert next(line for line in out.splitlines() if line.startswith("check against one device")).endswith(": OK")
     one_paragraph(*train("--plan", "plan.toml", "--strategy", "tp"), "train",
                   "--plan plan.toml and --strategy tp: the plan places every tensor itself; give one of them")
+
+
+def test_keep_checkpoints_removes_the_older_ones_of_the_run_only(train, tmp_path):
+    """--keep-checkpoints 2: after each save only the two newest complete checkpoints stay, this run's (an earlier
+    run's are removed by a fresh run anyway) and across a --resume; without it every checkpoint stays."""
+    run, root = tmp_path / "k", tmp_path / "k" / "checkpoints"
+    code, _, err = train("--run-dir", str(run), "--steps", "5", "--checkpoint-every", "1", "--keep-checkpoints", "2")
+    assert code == 0, err
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_5"]
+    assert checkpoint.read(root / "step_4").step == 4
+    code, _, err = train("--run-dir", str(run), "--steps", "7", "--checkpoint-every", "1", "--resume")
+    assert code == 0, err
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_5", "step_6", "step_7"]
+    code, _, err = train("--run-dir", str(run), "--steps", "8", "--checkpoint-every", "1", "--resume",
+                         "--keep-checkpoints", "1")
+    assert code == 0, err
+    assert [p.name for p in root.iterdir()] == ["step_8"] and checkpoint.newest(root) == root / "step_8"

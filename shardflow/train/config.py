@@ -76,6 +76,8 @@ class TrainConfig:
     checkpoint_dir: str | None = _f(None, "directory for checkpoints (default: RUN_DIR/checkpoints)")
     checkpoint_every: int = _f(100, "save a checkpoint every N steps (0: only the final one; the last step is "
                                     "always saved)")
+    keep_checkpoints: int = _f(0, "keep the newest N complete checkpoints of the run, removing older ones after "
+                                  "each save (0: keep every one)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in the checkpoint directory (any "
                              "strategy or mesh may have written it)")
     overwrite: bool = _f(False, "replace the earlier run in --run-dir: its metrics and config at once, its checkpoints "
@@ -225,6 +227,7 @@ RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "seq_len
           "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256, 2**31 - 1),
           "dropout": Range(0, 1, high_open=True), "lr": Range(0, _F32_MAX), "momentum": Range(0, 1, high_open=True),
           "weight_decay": Range(0, _F32_MAX), "seed": Range(0, 2**32, high_open=True), "checkpoint_every": Range(0),
+          "keep_checkpoints": Range(0),
           "log_every": Range(1), "eval_every": Range(1), "eval_batches": Range(1), "clip_norm": Range(0),
           "bucket_mb": Range(0), "timeout": Range(0, _TIMEOUT_MAX, low_open=True), "peak_tflops": Range(0)}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}

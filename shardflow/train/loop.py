@@ -91,7 +91,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         ex.load(weights)
     check = Check(s, weights, state, start) if cfg.check else None
     saver = checkpoint.Saver(cfg.checkpoints, rank, world, s.checkpoint_meta(world), fresh=not cfg.resume,
-                             files=s.checkpoint_files())
+                             files=s.checkpoint_files(), keep=cfg.keep_checkpoints)
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -203,12 +203,14 @@ class Saver:
     ``meta``: what the manifest records besides step and files (model config, data, train config).
     ``fresh``: this run did not resume, so complete checkpoints it did not write are an earlier run's and are
     removed once it has committed its first. ``files``: text files (name → contents, e.g. the tokenizer) that rank
-    0 writes beside the tensors; the manifest records them like the tensor files.
+    0 writes beside the tensors; the manifest records them like the tensor files. ``keep`` > 0: after each save
+    only the ``keep`` newest complete checkpoints stay (``--keep-checkpoints``).
     """
 
     def __init__(self, root: Path, rank: int, world: int, meta: Mapping[str, Any], fresh: bool,
-                 files: Mapping[str, str] | None = None):
+                 files: Mapping[str, str] | None = None, keep: int = 0):
         self.root, self.rank, self.world, self.meta, self.fresh = root, rank, world, dict(meta), fresh
+        self.keep = keep
         self.files = dict(files or {})
         self.written: set[str] = set()
         # called with the step once this rank's files are in ``step_<n>.tmp/``, before the checkpoint is committed
@@ -283,7 +285,7 @@ class Saver:
                 files[name] = store.digest(tmp / name)
             final, size = store.commit(self.root, step, files, self.meta)
             self.written.add(final.name)
-            if self.fresh:
-                store.prune(self.root, self.written)
+            if self.fresh or self.keep:
+                store.prune(self.root, self.written if self.fresh else None, self.keep)
         self._barrier()
         return final, size

@@ -208,11 +208,19 @@ def commit(root: Path, step: int, files: Mapping[str, Mapping[str, Any]], meta: 
     return final, size
 
 
-def prune(root: Path, keep: set[str]) -> None:
-    """Remove every complete checkpoint under ``root`` whose name is not in ``keep`` (an earlier run's)."""
-    for _, p in complete_steps(root):
-        if p.name not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+def prune(root: Path, ours: set[str] | None, newest: int = 0) -> None:
+    """Remove the complete checkpoints under ``root`` that are not in ``ours`` (an earlier run's; None: every one
+    is this run's) and, with ``newest`` > 0, all but the ``newest`` highest steps of the rest
+    (``--keep-checkpoints``). Each is renamed to ``<name>.old.tmp`` before it is removed, so a removal cut short
+    leaves a leftover that :func:`begin` clears, never a checkpoint that looks complete and is not."""
+    steps = complete_steps(root)
+    mine = [p for _, p in steps if ours is None or p.name in ours]
+    kept = {p.name for p in (mine[-newest:] if newest else mine)}
+    for _, p in steps:
+        if p.name not in kept:
+            aside = p.with_name(p.name + ".old.tmp")
+            os.rename(p, aside)
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
