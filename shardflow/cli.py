@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -442,6 +443,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"shardflow {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader of the output left (`shardflow plan | head`): stop quietly, as a pipe's
+        # writers do; later writes (the interpreter's flush at exit) go nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

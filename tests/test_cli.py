@@ -61,6 +61,15 @@ def test_user_errors_exit_2_with_one_paragraph(capsys, argv, words):
         assert w in err
 
 
+def test_output_cut_short_by_its_reader_is_no_traceback():
+    """``shardflow plan ... | head -c 100``: the plan (about 180 KB, more than a pipe holds) stops quietly when head
+    has read its 100 bytes, with status 141 (128 + SIGPIPE) as a writer killed by SIGPIPE shows in a shell."""
+    r = subprocess.run(f"{sys.executable} -m shardflow.cli plan --model mlp --layers 8 --strategy dp --nproc 2 "
+                       f"--format json | head -c 100; echo \" ${{PIPESTATUS[0]}}\"", shell=True, executable="/bin/bash",
+                       capture_output=True, text=True, timeout=120)
+    assert r.stderr == "" and r.stdout.startswith("{") and r.stdout.endswith(" 141\n"), (r.stdout, r.stderr)
+
+
 def test_console_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "shardflow.cli", "plan", "--model", "mlp", "--strategy", "pp",
                         "--mesh", "pp=2"], capture_output=True, text=True, timeout=120)
