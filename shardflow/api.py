@@ -436,6 +436,8 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         kind = ExecutorKind(executor).resolved()
     except ValueError:
         raise ValueError(f"executor={executor!r}: use one of {', '.join(map(str, ExecutorKind))}") from None
+    if accumulate < 1:
+        raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
     micro_steps = MicroStep.sequence(accumulate)
     graph = capture(model, split_batch(batch, accumulate)[0])
     chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)

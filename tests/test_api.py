@@ -193,6 +193,8 @@ def test_step_checks_the_batch_against_the_example():
     ({"strategy": "dp", "plan": shardflow.Plan()}, PlanError, "a strategy or a plan, not both"),
     ({"mesh": "x=2"}, PlanError, "axis 'x' names no preset strategy"),
     ({"plan": "/nonexistent/plan.toml"}, PlanError, "No such file"),
+    ({"accumulate": 0}, ValueError, r"accumulate=0: give the micro-steps per step, 1 \(no accumulation\) or more"),
+    ({"accumulate": 3}, ValueError, r"input 'idx' \[4, 8\] has 4 rows along dim 0, which do not split into 3 "),
 ])
 def test_parallelize_argument_errors(kwargs, error, words):
     model, batch = our_gpt()

@@ -90,7 +90,8 @@ def train(capsys, tiny):
     (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
     (["--accumulate", "0"], ["--accumulate 0 is out of range: give a value ≥ 1. --accumulate: gradient accumulation"]),
     (["--accumulate", "3"], ["--batch-size 8 does not split into --accumulate 3 micro-batches over data-parallel "
-                             "degree 1 (mesh tp=2)", "multiple of --accumulate × dp = 3", "an --accumulate of 2, 4, 8"]),
+                             "degree 1 (mesh tp=2)", "multiple of --accumulate × dp = 3", "give --batch-size 9",
+                             "an --accumulate of 2, 4, 8"]),
     (["--strategy", "dp", "--accumulate", "8"], ["--batch-size 8 does not split into --accumulate 8 micro-batches "
                                                  "over data-parallel degree 2 (mesh dp=2)", "give --batch-size 16",
                                                  "or an --accumulate of 2, 4"]),
@@ -350,7 +351,8 @@ def _read_only(tmp_path: Path) -> list[Path]:
     (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
     (["--accumulate", "0"], ["--accumulate 0 is out of range: give a value ≥ 1. --accumulate: gradient accumulation"]),
     (["--accumulate", "3"], ["--batch-size 8 does not split into --accumulate 3 micro-batches over data-parallel "
-                             "degree 1 (mesh tp=2)", "multiple of --accumulate × dp = 3", "an --accumulate of 2, 4, 8"]),
+                             "degree 1 (mesh tp=2)", "multiple of --accumulate × dp = 3", "give --batch-size 9",
+                             "an --accumulate of 2, 4, 8"]),
     (["--strategy", "dp", "--accumulate", "8"], ["--batch-size 8 does not split into --accumulate 8 micro-batches "
                                                  "over data-parallel degree 2 (mesh dp=2)", "give --batch-size 16",
                                                  "or an --accumulate of 2, 4"]),

@@ -202,11 +202,12 @@ def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
     if n > 1 and cfg.batch_size % (n * dp):
         fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
         other = f"an --accumulate of {', '.join(map(str, fits))}" if fits else "--accumulate 1"
+        up = -(-cfg.batch_size // (n * dp)) * n * dp
         raise ValueError(f"--batch-size {cfg.batch_size} does not split into --accumulate {n} micro-batches over "
                          f"data-parallel degree {dp} (mesh {mesh}): each micro-step trains on --batch-size / "
-                         f"--accumulate sequences, which the {dp} data-parallel rank(s) share equally, so --batch-size "
-                         f"must be a multiple of --accumulate × dp = {n * dp}; give --batch-size {n * dp} or another "
-                         f"multiple of {n * dp}, or {other}")
+                         f"--accumulate whole sequences, an equal number on each data-parallel rank, so --batch-size "
+                         f"must be a multiple of --accumulate × dp = {n * dp}; give --batch-size {up} (or another "
+                         f"multiple of {n * dp}), or {other}")
 
 
 def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False,
