@@ -10,13 +10,16 @@ import torch
 from shardflow.lower import LowerOptions, MicroStep, lower_step
 from shardflow.lower.dynamic import NodeKind, TaskType, ValueRole
 from shardflow.lower.program import Compute, Free
-from shardflow.parallel.mesh import Mesh
+from dataclasses import replace
+
+from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.runtime.accumulate import BatchSplitError, MicroSteps, split_batch
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
+from shardflow.parallel.sharding import Sharding
 from shardflow.strategy import make_plan, resolve
-from test_lower import mlp
+from test_lower import comms, mlp
 
 B = 8
 
@@ -102,6 +105,39 @@ def test_micro_steps_equal_one_device_on_the_whole_batch(mesh, strategy):
         assert last.grad_error(ref.grads()) < 1e-5
         assert last.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5)
     assert last.steps_done == 3 and last.weight_error(ref.weights()) < 1e-5
+
+
+def test_a_weight_gathered_before_use_sums_the_gathered_gradient():
+    """fc1.weight held Shard(0) on dp and all-gathered before its use (ZeRO-like; a Combine on the weight): the
+    gathered weight's gradient is summed over the micro-steps and only then reduced and scattered back. Each
+    micro-step gathers the weight (forward); the last holds the communication of one step on the whole batch; SGD
+    steps equal one device on the whole batch (float32: ~1e-6)."""
+    mesh = Mesh.parse("dp=2")
+
+    def pcg(graph):
+        ann = resolve(make_plan(graph, mesh, "dp"), graph, mesh)
+        return build_pcg(graph, mesh, replace(
+            ann, leaves={**ann.leaves, "fc1.weight": Sharding.from_placements([Shard(0)], SubMesh(mesh), 2)},
+            edges={**ann.edges, ("linear", 1): {"dp": Replicate()}}))
+
+    whole, micro = mlp(pre=True, B=B), mlp(pre=True, B=B // 2)
+    options = LowerOptions(bucket_bytes=0)
+    first, last = (lower_step(pcg(micro), "sgd", options=options, micro=m) for m in MicroStep.sequence(2))
+    plain = lower_step(pcg(whole), "sgd", options=options)
+    assert [c[:2] for c in comms(first.programs)] == [("FWD", "all_gather")]
+    assert [c[:3] for c in comms(last.programs)] == [c[:3] for c in comms(plain.programs)]
+    opt = OptimizerConfig("sgd", lr=0.1)
+    torch.manual_seed(0)
+    weights = {w: torch.randn(whole.tensors[w].shape) for w in whole.weights}
+    ref = LocalExecutor(lower_step(build_pcg(whole, Mesh.parse("d=1")), "sgd"), opt)
+    ref.load(weights)
+    last = LocalExecutor(last, opt)
+    run = MicroSteps([LocalExecutor(first, opt, share=last), last])
+    last.load(weights)
+    for _ in range(2):
+        batch = {"x": torch.randn(B, 16), "y": torch.randint(0, 16, (B,))}
+        assert run.step(batch) == pytest.approx(ref.step(batch), abs=1e-5)
+    assert last.weight_error(ref.weights()) < 1e-5
 
 
 def test_micro_step_and_batch_split_errors():

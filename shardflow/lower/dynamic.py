@@ -9,7 +9,9 @@ that its work is done:
 
 1. :func:`pass_expansion` — a FWD node per PCG node; a LOSS node seeding the loss gradient; a BWD node per
    PCG node that has gradients to pass; gradient sums where a tensor has several consumers; and an UPD node
-   per weight with its optimizer-state slots.
+   per weight with its optimizer-state slots. Under gradient accumulation (:class:`MicroStep`) each weight-
+   gradient contribution is first summed with the earlier micro-steps' (``acc`` values); only the last
+   micro-step reduces and updates.
 2. :func:`copy_insertion` — a COPY wherever a node reads a value held by another sub-mesh (a pipeline stage
    boundary), in the pass of the value's role. Identical copies collapse; nothing goes in front of a
    Replicate, which moves its data itself.
