@@ -16,6 +16,7 @@ device of the mesh in this process, or this rank's device under torchrun — and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -35,11 +36,12 @@ from torch import nn
 
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph, TensorRole
-from shardflow.lower import LoweredStep, lower_step
+from shardflow.lower import LoweredStep, MicroStep, lower_step
 from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg
 from shardflow.reference import leaves, weights_of
+from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
@@ -288,11 +290,14 @@ class Trainer:
     """
 
     def __init__(self, plan: ParallelPlan, executor: Executor, optimizer: OptimizerConfig, lead: bool,
-                 names: Mapping[str, str], buffers: Mapping[str, torch.Tensor]):
+                 names: Mapping[str, str], buffers: Mapping[str, torch.Tensor], micro: MicroSteps | None = None):
         """``names``: each parameter name of the module's state dict (tied parameters under all their names) → its
-        graph weight; ``buffers``: the state dict's other entries (copies; training does not change them)."""
+        graph weight; ``buffers``: the state dict's other entries (copies; training does not change them);
+        ``micro``: the micro-steps of one step under gradient accumulation, the last on ``executor`` (default: one,
+        ``executor``'s plain step)."""
         self.plan, self.executor, self.optimizer, self.lead = plan, executor, optimizer, lead
         self._names, self._buffers = dict(names), dict(buffers)
+        self.micro = micro or MicroSteps([executor])
 
     @property
     def graph(self) -> ComputationGraph:
@@ -306,13 +311,22 @@ class Trainer:
 
     def step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """One training step (forward, backward, optimizer update) on the full ``batch`` — the example batch's keys,
-        shapes and dtypes; each device takes its pieces. Returns the loss.
+        shapes and dtypes; each device takes its pieces; under ``accumulate=N``, N micro-steps on its N equal parts
+        along dim 0, the gradients reduced once. Returns the loss (the mean of the micro-steps' losses).
 
         Raises:
             KeyError: an input is missing or unknown (the message gives the expected shape and dtype).
-            ValueError: an input has another shape or dtype than the example batch's.
+            ValueError: an input has another shape or dtype than the example batch's (BatchSplitError: one that
+                does not split into the micro-batches).
         """
-        return self.executor.step(leaves(self.graph, batch, TensorRole.INPUT))
+        count = len(self.micro.executors)
+        of = f" (one of the {count} micro-batches of accumulate={count})" if count > 1 else ""
+        for part in split_batch(batch, count):
+            try:
+                leaves(self.graph, part, TensorRole.INPUT)
+            except ValueError as e:
+                raise ValueError(f"{e}{of}") from None
+        return self.micro.step({name: batch[name] for name in self.graph.inputs})
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The plain module's state dict, trained: full tensors under the module's ``state_dict()`` keys, ready for
@@ -380,7 +394,7 @@ class Trainer:
 def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str, strategy: str | None = None,
                 plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
                 lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
-                seed: int = 0, timeout_s: float = 300.0) -> Trainer:
+                seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1) -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
 
     Args:
@@ -399,12 +413,17 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             the mesh must have one device per process), or ``auto`` (distributed when ``WORLD_SIZE`` > 1).
         seed: the run seed random ops (dropout) draw with.
         timeout_s: distributed executor: seconds any communication may wait.
+        accumulate: gradient accumulation: each step runs as this many micro-steps, each on an equal part of the
+            batch along dim 0 (the model is captured on one part), the weights' gradients summed where they lie
+            and reduced once, after the last; with a loss that is a mean over the batch, the step equals one on
+            the whole batch (each micro-step's loss gradient is seeded with 1/accumulate).
 
     Raises:
         CaptureError: export cannot capture the model (the message names the model's source line).
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
         ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer or executor;
-            distributed: the world size is not the mesh's size, or the ranks' models have different weights.
+            ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); distributed: the world
+            size is not the mesh's size, or the ranks' models have different weights.
     """
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
     if isinstance(optimizer, OptimizerConfig):
@@ -417,25 +436,33 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         kind = ExecutorKind(executor).resolved()
     except ValueError:
         raise ValueError(f"executor={executor!r}: use one of {', '.join(map(str, ExecutorKind))}") from None
-    graph = capture(model, batch)
+    if accumulate < 1:
+        raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
+    micro_steps = MicroStep.sequence(accumulate)
+    graph = capture(model, split_batch(batch, accumulate)[0])
     chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)
     weights = weights_of(model, graph)
     if kind == ExecutorKind.DISTRIBUTED:
         from shardflow.runtime.distributed import DistributedExecutor, init_from_env
         rank, _ = init_from_env(timeout_s)
-        lowered = lower_step(pcg, opt.slots, ranks=[rank])
-        ex: Executor = DistributedExecutor(lowered, opt, timeout_s, seed=seed)  # checks world size and plans
-        _same_weights_everywhere(weights)
+        steps = {m: lower_step(pcg, opt.slots, ranks=[rank], micro=m) for m in dict.fromkeys(micro_steps)}
+        make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=timeout_s, seed=seed)
         lead = rank == 0
     else:
         from shardflow.runtime.local import LocalExecutor
-        lowered = lower_step(pcg, opt.slots)  # every rank's program, proven to agree
-        ex, lead = LocalExecutor(lowered, opt, seed=seed), True
+        steps = {m: lower_step(pcg, opt.slots, micro=m) for m in dict.fromkeys(micro_steps)}  # proven to agree
+        make, lead = functools.partial(LocalExecutor, optimizer=opt, seed=seed), True
+    lowered = steps[micro_steps[-1]]  # the step that reduces the gradients and updates
+    ex: Executor = make(lowered)  # distributed: checks the world size and that every rank has the same plan
+    if kind == ExecutorKind.DISTRIBUTED:
+        _same_weights_everywhere(weights)
+    others = {m: make(step, share=ex) for m, step in steps.items() if not m.last}
+    micro = MicroSteps([others.get(m, ex) for m in micro_steps])
     ex.load(weights)
     tied: dict[int, str] = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if n in graph.weights}
     names = {n: tied[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in names}
-    return Trainer(ParallelPlan(chosen.name, pcg, lowered), ex, opt, lead, names, buffers)
+    return Trainer(ParallelPlan(chosen.name, pcg, lowered), ex, opt, lead, names, buffers, micro)
 
 
 def _same_weights_everywhere(weights: Mapping[str, torch.Tensor]) -> None:

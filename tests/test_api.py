@@ -89,6 +89,25 @@ def test_trainer_equals_eager(factory, mesh):
     assert trainer.steps_done == 2
 
 
+def test_accumulated_steps_equal_eager_on_the_whole_batch():
+    """accumulate=2 on dp=2: the Llama is captured on 2 of the 4 sequences; each step runs 2 micro-steps (1 sequence
+    per rank each), the weights' gradients reduced once; each step's loss, the gradients and every replica of every
+    weight piece equal eager PyTorch's on the whole batch (TOL; a missing 1/2 would be O(1) in the gradients)."""
+    from shardflow.runtime.accumulate import BatchSplitError
+    model, batch = made(hf_llama)
+    with wide_floats():
+        trainer = shardflow.parallelize(model, batch, mesh="dp=2", lr=0.1, accumulate=2)
+        assert trainer.graph.tensors["input_ids"].shape == (B // 2, T)
+        steps = list(trainer.compare_with_eager(model, batch, 2))
+    assert [s.step for s in steps] == [1, 2]
+    assert all(s.dloss <= TOL and s.grad <= TOL and s.weight <= TOL for s in steps), steps
+    with pytest.raises(BatchSplitError, match="3 rows along dim 0, which do not split into 2 micro-batches"):
+        trainer.step({k: v[:3] for k, v in batch.items()})
+    with pytest.raises(ValueError, match=r"is int64\[1, 8\], expected int64\[2, 8\] \(one of the 2 micro-batches"):
+        trainer.step({k: v[:2] for k, v in batch.items()})
+    assert trainer.steps_done == 2
+
+
 def test_tp_shards_llama_attention_and_mlp():
     """The strategy a tp=2 mesh names (tp) shards q/k/v and gate/up column-parallel, o_proj and down_proj
     row-parallel, in both layers; the plan prints with its summary."""
@@ -174,6 +193,8 @@ def test_step_checks_the_batch_against_the_example():
     ({"strategy": "dp", "plan": shardflow.Plan()}, PlanError, "a strategy or a plan, not both"),
     ({"mesh": "x=2"}, PlanError, "axis 'x' names no preset strategy"),
     ({"plan": "/nonexistent/plan.toml"}, PlanError, "No such file"),
+    ({"accumulate": 0}, ValueError, r"accumulate=0: give the micro-steps per step, 1 \(no accumulation\) or more"),
+    ({"accumulate": 3}, ValueError, r"input 'idx' \[4, 8\] has 4 rows along dim 0, which do not split into 3 "),
 ])
 def test_parallelize_argument_errors(kwargs, error, words):
     model, batch = our_gpt()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from shardflow.lower.cost import CommForm, CostModel, LowerOptions
-from shardflow.lower.dynamic import DynamicGraph, PassName, UpdateRule
+from shardflow.lower.dynamic import DynamicGraph, MicroStep, PassName, UpdateRule
 from shardflow.lower.passes import PASSES, LowerContext, PassRecord, lower, run_passes
 from shardflow.lower.program import Program
 from shardflow.parallel.pcg import PCG
@@ -30,7 +30,8 @@ class LoweredStep:
 
 def lower_step(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, ranks: Iterable[int] | None = None,
                verify: bool = True, training: bool = True, options: LowerOptions | None = None,
-               clip_norm: float | None = None, grad_norm: bool = False) -> LoweredStep:
+               clip_norm: float | None = None, grad_norm: bool = False,
+               micro: MicroStep = MicroStep()) -> LoweredStep:
     """Lower one training step of ``pcg``. With ``ranks`` given, only those ranks' programs are built (each
     rank of a run builds its own); ``verify`` (all ranks only) proves the programs agree before any launch.
 
@@ -39,13 +40,16 @@ def lower_step(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, ranks: It
     plain collectives). ``clip_norm``: clip gradients to this global norm (one reduction over all devices).
     ``grad_norm``: compute that global gradient norm without clipping too (a scalar all-reduce per mesh axis,
     after the updates); either way the executors expose it after each step (``Executor.grad_norm``).
+    ``micro``: the micro-step of an optimizer step under gradient accumulation (:class:`MicroStep`; default the
+    plain step): only the last reduces the weights' gradients and updates.
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
     options = options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE)
-    ctx = LowerContext(optimizer, training, clip_norm, options, None if ranks is None else tuple(ranks), grad_norm)
+    ctx = LowerContext(optimizer, training, clip_norm, options, None if ranks is None else tuple(ranks), grad_norm,
+                       micro)
     skip = () if verify and ranks is None else (PassName.VERIFY,)
     sg, records = run_passes(pcg, ctx, skip=skip)
     return LoweredStep(sg.dg, sg.programs, records)
 
 
-__all__ = ["PASSES", "CostModel", "LowerOptions", "LoweredStep", "lower", "lower_step", "run_passes"]
+__all__ = ["PASSES", "CostModel", "LowerOptions", "LoweredStep", "MicroStep", "lower", "lower_step", "run_passes"]

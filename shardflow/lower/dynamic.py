@@ -9,7 +9,9 @@ that its work is done:
 
 1. :func:`pass_expansion` — a FWD node per PCG node; a LOSS node seeding the loss gradient; a BWD node per
    PCG node that has gradients to pass; gradient sums where a tensor has several consumers; and an UPD node
-   per weight with its optimizer-state slots.
+   per weight with its optimizer-state slots. Under gradient accumulation (:class:`MicroStep`) each weight-
+   gradient contribution is first summed with the earlier micro-steps' (``acc`` values); only the last
+   micro-step reduces and updates.
 2. :func:`copy_insertion` — a COPY wherever a node reads a value held by another sub-mesh (a pipeline stage
    boundary), in the pass of the value's role. Identical copies collapse; nothing goes in front of a
    Replicate, which moves its data itself.
@@ -43,11 +45,13 @@ from shardflow.parallel.sharding import Sharding
 
 
 class ValueRole(StrEnum):
-    """What a value of the step is: a forward tensor, a gradient, or optimizer state."""
+    """What a value of the step is: a forward tensor, a gradient, optimizer state, or a weight-gradient
+    contribution accumulated over the micro-steps of one optimizer step (:class:`MicroStep`)."""
 
     FWD = "fwd"
     GRAD = "grad"
     OPT = "opt"
+    ACC = "acc"
 
 
 class TaskType(StrEnum):
@@ -61,7 +65,51 @@ class TaskType(StrEnum):
 
 
 # The task type of the nodes that make, move or copy a value of each role (design §5).
-ROLE_TASK = {ValueRole.FWD: TaskType.FWD, ValueRole.GRAD: TaskType.BWD, ValueRole.OPT: TaskType.UPD}
+ROLE_TASK = {ValueRole.FWD: TaskType.FWD, ValueRole.GRAD: TaskType.BWD, ValueRole.OPT: TaskType.UPD,
+             ValueRole.ACC: TaskType.BWD}
+
+
+@dataclass(frozen=True, slots=True)
+class MicroStep:
+    """Which micro-step of an optimizer step a lowered step is, under gradient accumulation (``--accumulate N``):
+    one of ``count`` micro-steps, each on 1/count of the batch; ``first`` and ``last`` say where it stands.
+
+    The default, one micro-step that is both first and last, is the plain step: gradients reduced, weights
+    updated. Otherwise the weight-gradient contributions each device holds (partial sums, before any reduction)
+    are summed over the micro-steps: the first keeps them (``acc:`` values), a middle one adds its own to them, the
+    last adds them to its own and only then reduces — once, by partial-sum linearity — and updates. The loss
+    gradient's seed is 1/count, so that with a loss that is a mean over its micro-batch the gradients are the
+    whole batch's. Micro-steps between the first and the last lower to one and the same step.
+    """
+
+    count: int = 1
+    first: bool = True
+    last: bool = True
+
+    def __post_init__(self):
+        if self.count < 1 or (self.count == 1) != (self.first and self.last):
+            raise ValueError(f"micro-step {self}: {self.count} micro-step(s) per optimizer step, first={self.first}, "
+                             f"last={self.last}; one micro-step is both first and last, two or more have one first "
+                             f"and one last")
+
+    @classmethod
+    def sequence(cls, count: int) -> tuple[MicroStep, ...]:
+        """The micro-steps of one optimizer step of ``count`` micro-steps, in order (``count`` 1: the plain
+        step). Raises ValueError if ``count`` < 1."""
+        if count < 1:
+            raise ValueError(f"an optimizer step has at least one micro-step, not {count}")
+        return tuple(cls(count, i == 0, i == count - 1) for i in range(count))
+
+    @property
+    def seed(self) -> float:
+        """The loss gradient's seed: 1/count (the loss is the mean over the micro-batch)."""
+        return 1.0 / self.count
+
+    def __str__(self) -> str:
+        if self.count == 1:
+            return "whole batch"
+        where = "first" if self.first else "last" if self.last else "middle"
+        return f"{where} of {self.count} micro-steps"
 
 
 class NodeKind(StrEnum):
@@ -124,6 +172,16 @@ def state_id(slot: str, weight: str) -> str:
     return f"{ValueRole.OPT}:{slot}:{weight}"
 
 
+def accumulated_id(part: str) -> str:
+    """The id of the sum over the micro-steps so far of gradient contribution ``part`` (``acc:<part>``)."""
+    return f"{ValueRole.ACC}:{part}"
+
+
+def with_accumulated_id(part: str) -> str:
+    """The id of gradient contribution ``part`` plus its sum over the earlier micro-steps (``<part>+acc``)."""
+    return f"{part}+{ValueRole.ACC}"
+
+
 def update_id(replaced: str) -> str:
     """The id of an update's new version of value ``replaced`` (``upd:<replaced>``)."""
     return f"upd:{replaced}"
@@ -134,7 +192,8 @@ class Value:
     """One value of the step: ``role`` fwd / grad / opt, of PCG ``tensor``, placed by ``sharding`` on ``group``.
 
     ``slot``: the optimizer-state slot (``momentum``, ``exp_avg``, ...) of an ``opt`` value. ``replaces``: for
-    an optimizer update's output, the value it replaces once the step is done (the weight or the state slot).
+    an optimizer update's output, the value it replaces once the step is done (the weight or the state slot); for
+    a middle micro-step's new sum of a gradient contribution, the ``acc`` value it replaces.
     The ``id`` is a unique name for listings, made by this module's id functions (:func:`forward_id`, ...);
     nothing parses it: what a value is, its fields say.
     """
@@ -165,7 +224,8 @@ class DNode:
     For a BWD compute node, ``grad_mask[i]`` tells whether input i gets a gradient, ``unscale[i]`` undoes a
     linearity scale on it, and ``dy_mask[k]`` whether output k has a gradient (its ``dy`` is an input).
     An ``update`` with ``clip`` > 0 reads the squared global gradient norm as its last input; ``sumsq``
-    sums the squares of the gradient pieces each device holds (see :attr:`DynamicGraph.grad_norm_sq`).
+    sums the squares of the gradient pieces each device holds (see :attr:`DynamicGraph.grad_norm_sq`). A
+    ``seed`` fills the loss gradient with ``scale`` (1, or 1/N in each of N micro-steps: :class:`MicroStep`).
     """
 
     name: str
@@ -181,6 +241,7 @@ class DNode:
     dy_mask: tuple[bool, ...] = ()
     label: str = ""
     clip: float = 0.0
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -227,12 +288,23 @@ class DynamicGraph:
         inputs and the graph's constants (each rank holds the pieces its sub-mesh gives it)."""
         graph = self.pcg.graph
         leaves = (*graph.weights, *graph.inputs, *graph.constants)
-        return tuple(forward_id(t) for t in leaves if forward_id(t) in self.values) + self.state_values()
+        return (tuple(forward_id(t) for t in leaves if forward_id(t) in self.values) + self.state_values()
+                + self.accumulated()[0])
+
+    def accumulated(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The gradient contributions summed over earlier micro-steps that this step reads (the executor holds
+        them from the micro-step before), and the sums it writes for the next micro-step (:class:`MicroStep`);
+        both empty in a plain step."""
+        written = {v for n in self.nodes for v in n.outputs}
+        acc = [vid for vid, v in self.values.items() if v.role == ValueRole.ACC]
+        return tuple(v for v in acc if v not in written), tuple(v for v in acc if v in written)
 
     def persistent(self) -> frozenset[str]:
         """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
-        gradients the updates read (kept for inspection), the squared gradient norm and the loss."""
+        gradients the updates read (kept for inspection), the squared gradient norm, the loss, and the sums of
+        gradient contributions a micro-step leaves for the next (:meth:`accumulated`)."""
         keep = {self.loss_value} if self.pcg.loss else set()
+        keep.update(self.accumulated()[1])
         if self.grad_norm_sq:
             keep.add(self.grad_norm_sq)
         keep.update(forward_id(w) for w in self.pcg.graph.weights)
@@ -354,13 +426,30 @@ def grad_sharding(pcg: PCG, node: PNode, i: int) -> tuple[Sharding, float]:
     return Sharding(s.dims, tuple(partial)), (1.0 / scale if scale != 1.0 else 1.0)
 
 
+def _weight_side(pcg: PCG) -> set[str]:
+    """The weights and the outputs of parallel ops applied to them (a weight gathered before use): the tensors
+    whose gradient reaches only weights, and only through data movement — linear, so contributions to it may be
+    summed over micro-steps and moved once (:class:`MicroStep`)."""
+    side = {w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT}
+    for n in pcg.nodes:
+        if n.is_parallel and n.inputs[0] in side:
+            side.update(n.outputs)
+    return side
+
+
 def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, training: bool = True,
-                   clip_norm: float | None = None, grad_norm: bool = False) -> DynamicGraph:
+                   clip_norm: float | None = None, grad_norm: bool = False,
+                   micro: MicroStep = MicroStep()) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
     ``grad_norm``: compute the global gradient norm even without clipping (for metrics), after the updates,
     which do not read it. Either way the graph names it (:attr:`DynamicGraph.grad_norm_sq`).
+
+    ``micro``: which micro-step of an optimizer step this is under gradient accumulation (:class:`MicroStep`):
+    every contribution to a weight's gradient (or to a parallel op's output on a weight) is summed with its
+    ``acc`` value, a SUM node before any reduction; a micro-step that is not the last stops there — no gradient
+    of a weight is reduced, no update, no gradient norm — and leaves the sums for the next one.
 
     ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
     if the PCG has no loss or the optimizer is unknown.
@@ -393,15 +482,39 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     seed = g.value(grad_id(pcg.loss, "loss"), pcg.loss, ValueRole.GRAD, loss.type, canonical_grad(loss.sharding),
                    loss.group)
     g.nodes.append(DNode("LOSS seed", TaskType.LOSS, NodeKind.SEED, (forward_id(pcg.loss),), (seed,), loss.group,
-                         pcg.loss))
+                         pcg.loss, scale=micro.seed))
     contributions[pcg.loss].append(seed)
+    accumulated = _weight_side(pcg) if micro.count > 1 else set()
+    summed: set[str] = set()  # contributions that hold every micro-step already (moved back from a summed one)
+
+    def accumulate(part: str) -> str:
+        """Contribution ``part`` summed with the same contribution of the earlier micro-steps (a SUM on its
+        devices, no communication): the first micro-step keeps it, a middle one adds its sum to it and keeps that,
+        the last adds and returns the sum for the reduction."""
+        v = g.values[part]
+        ins = (part,)
+        if not micro.first:
+            ins += (g.value(accumulated_id(part), v.tensor, ValueRole.ACC, v.type, v.sharding, v.group),)
+        if micro.last:
+            out = g.value(with_accumulated_id(part), v.tensor, ValueRole.GRAD, v.type, v.sharding, v.group)
+        elif micro.first:
+            out = g.value(accumulated_id(part), v.tensor, ValueRole.ACC, v.type, v.sharding, v.group)
+        else:
+            out = g.value(update_id(ins[1]), v.tensor, ValueRole.ACC, v.type, v.sharding, v.group, replaces=ins[1])
+        g.nodes.append(DNode(f"BWD accumulate {part}", TaskType.BWD, NodeKind.SUM, ins, (out,), v.group, v.tensor))
+        return out
 
     def finalize(t: str, keep_axis: str = "") -> str | None:
         """The gradient of PCG tensor t: contributions summed on t's sub-mesh, at its canonical sharding
-        (except ``keep_axis``, left as it came)."""
+        (except ``keep_axis``, left as it came). For a tensor on the weight side under accumulation, each
+        contribution is first summed over the micro-steps; None (no gradient yet) before the last micro-step."""
         parts = contributions[t]
         if not parts:
             return None
+        if t in accumulated:
+            parts = [p if p in summed else accumulate(p) for p in parts]
+            if not micro.last:
+                return None
         tt = pcg.tensors[t]
         want = canonical_grad(tt.sharding)
         if len({g.values[p].sharding for p in parts}) > 1:  # bring each to the canonical sharding first
@@ -442,6 +555,9 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                 # when they are partial; the copies at the input's index of the axis when they are already
                 # replicated (a select on that sub-mesh without machine view; a copy takes them to a view).
                 dy = finalize(o, keep_axis=n.op.axis)
+                if dy is None:  # a weight's, summed for a later micro-step
+                    consumed(n)
+                    continue
                 dyv, src = g.values[dy], pcg.tensors[i]
                 kind = NodeKind.PARALLEL if n.op.axis in dyv.sharding.partial else NodeKind.SELECT
                 at = src.group if kind == NodeKind.PARALLEL else \
@@ -451,10 +567,16 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                 g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, kind, (dy,), (out,), at, n.name,
                                      n.op if kind == NodeKind.PARALLEL else None))
                 contributions[i].append(out)
+                if i in accumulated:
+                    summed.add(out)
                 consumed(n)
                 continue
             dy = finalize(o)
-            contributions[i].append(g.redistribute(dy, canonical_grad(pcg.tensors[i].sharding), TaskType.BWD, n.name))
+            if dy is not None:  # None: a weight's, summed for a later micro-step
+                contributions[i].append(g.redistribute(dy, canonical_grad(pcg.tensors[i].sharding), TaskType.BWD,
+                                                       n.name))
+                if i in accumulated:
+                    summed.add(contributions[i][-1])
             consumed(n)
             continue
         dys = [finalize(o) for o in n.outputs]
@@ -490,7 +612,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                              whole))
         return g.redistribute(part, Sharding(()), TaskType.UPD, "grad_norm")
 
-    norm2 = (squared_norm(),) if clip_norm else ()  # the updates clip with it: computed before them
+    norm2 = (squared_norm(),) if clip_norm and micro.last else ()  # the updates clip with it: computed before them
     for w, dw in grads.items():
         t = pcg.tensors[w]
         slots = tuple(g.value(state_id(s, w), w, ValueRole.OPT, t.type, t.sharding, t.group, slot=s)
@@ -499,7 +621,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                             slot=g.values[x].slot, replaces=x) for x in (forward_id(w),) + slots)
         g.nodes.append(DNode(f"UPD {w}", TaskType.UPD, NodeKind.UPDATE, (forward_id(w), dw) + slots + norm2, new,
                              t.group, w, clip=clip_norm or 0.0))
-    if grad_norm and not clip_norm:  # read by nobody in the step: after the updates, which need not wait for it
+    if grad_norm and not clip_norm and micro.last:  # read by nobody in the step: after the updates (not waited)
         norm2 = (squared_norm(),)
     return _expanded(pcg, g, optimizer, norm2[0] if norm2 else "")
 

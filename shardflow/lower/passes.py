@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from shardflow.lower.comm_lowering import comm_lowering
 from shardflow.lower.cost import CommForm, LowerOptions
-from shardflow.lower.dynamic import DynamicGraph, PassError, PassName, UpdateRule, copy_insertion, pass_expansion
+from shardflow.lower.dynamic import (DynamicGraph, MicroStep, PassError, PassName, UpdateRule, copy_insertion,
+                                     pass_expansion)
 from shardflow.lower.ordering import ordering
 from shardflow.lower.program import Program
 from shardflow.lower.shard_expansion import ShardedGraph, shard_expansion
@@ -32,7 +33,8 @@ class LowerContext:
     forward only;
     ``clip_norm``: clip gradients to this global norm; ``options``: forms of all-gathers/reduce-scatters and
     the bucket size; ``ranks``: the ranks whose programs are built (None: every device); ``grad_norm``: compute
-    the global gradient norm even without clipping (the executors expose it after each step)."""
+    the global gradient norm even without clipping (the executors expose it after each step); ``micro``: which
+    micro-step of an optimizer step under gradient accumulation (default: the plain step)."""
 
     optimizer: UpdateRule | str = UpdateRule.SGD
     training: bool = True
@@ -40,6 +42,7 @@ class LowerContext:
     options: LowerOptions = field(default_factory=lambda: LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE))
     ranks: tuple[int, ...] | None = None
     grad_norm: bool = False
+    micro: MicroStep = MicroStep()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,7 @@ def _verify(sg: ShardedGraph, ctx: LowerContext) -> ShardedGraph:
 
 PASSES: tuple[Pass, ...] = (
     Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm,
-                                                                c.grad_norm),
+                                                                c.grad_norm, c.micro),
          "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state"),
     Pass(PassName.COPY_INSERTION, lambda dg, c: copy_insertion(dg),
          "COPY wherever a node reads a value held by another sub-mesh"),

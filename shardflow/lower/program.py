@@ -67,7 +67,9 @@ class Vjp:
 
 @dataclass(frozen=True, slots=True)
 class OnesLike:
-    """The loss seed: ones of the loss piece's shape."""
+    """The loss seed: ``scale`` (1, or 1/N in each of N accumulated micro-steps) in the loss piece's shape."""
+
+    scale: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -233,7 +233,7 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
             return Forward(src.local, draw, bwd.grad_mask if bwd is not None else ())
         return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask)
     if n.kind == NodeKind.SEED:
-        return OnesLike()
+        return OnesLike(n.scale)
     if n.kind == NodeKind.SUM:
         return Sum()
     if n.kind == NodeKind.UPDATE:

@@ -26,11 +26,11 @@ class Executor:
     steps_done: int = 0
 
     def _index_updates(self) -> None:
-        """After a step, each update's outputs replace the weight and state it read (``renames``); the
-        gradient it used stays readable (``grad_values``)."""
-        updates = [n for n in self.dg.nodes if n.kind == NodeKind.UPDATE]
-        self.renames = [(new, old) for n in updates for new, old in zip(n.outputs, (n.inputs[0],) + n.inputs[2:])]
-        self.grad_values = {n.src: n.inputs[1] for n in updates}
+        """After a step, each value that replaces another (an update's new weight and state, a micro-step's new
+        sum of gradient contributions) takes its place (``renames``); the gradient each update used stays
+        readable (``grad_values``)."""
+        self.renames = [(new, v.replaces) for new, v in self.dg.values.items() if v.replaces]
+        self.grad_values = {n.src: n.inputs[1] for n in self.dg.nodes if n.kind == NodeKind.UPDATE}
 
     def _put(self, vid: str, full: torch.Tensor) -> None:
         """Place the pieces of value ``vid`` cut from its full tensor."""

@@ -91,7 +91,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
             return _hand_vjp_kernel(hand, spec)
         return _vjp_kernel(forward(spec.local, spec.draw, seed, step), spec, instr.node, saved)
     if isinstance(spec, OnesLike):
-        return lambda xs: [torch.ones_like(xs[0])]
+        return lambda xs: [torch.full_like(xs[0], spec.scale)]
     if isinstance(spec, Sum):
         return lambda xs: [sum(xs[1:], xs[0])]
     if isinstance(spec, Update):

@@ -71,7 +71,7 @@ def buffer_kind(dg: DynamicGraph, vid: str) -> MemoryKind:
     t = dg.pcg.tensors.get(v.tensor)
     if t is None or t.role != TensorRole.WEIGHT:
         return MemoryKind.ACTIVATIONS
-    return MemoryKind.GRADIENTS if v.role == ValueRole.GRAD else MemoryKind.PARAMETERS
+    return MemoryKind.GRADIENTS if v.role in (ValueRole.GRAD, ValueRole.ACC) else MemoryKind.PARAMETERS
 
 
 def program_memory(program: Program, dg: DynamicGraph, size: Callable[[Buffer], int] | None = None) -> ProgramMemory:

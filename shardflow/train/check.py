@@ -1,5 +1,6 @@
 """``shardflow train --check``: the same steps on one device alongside the sharded run (local executor, unsharded
-plan, same weights, optimizer state, batches and dropout masks); at the end the largest loss difference and the
+plan, same weights, optimizer state, batches and dropout masks; under ``--accumulate`` the whole batch in one step,
+the reference the micro-steps must equal); at the end the largest loss difference and the
 largest parameter difference over every replica of every piece, against :data:`CHECK_TOL`."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class Check:
 
     def __init__(self, s, weights, state, steps_done: int):
         from shardflow.runtime.local import LocalExecutor
-        one = build_pcg(s.graph, Mesh(("d",), (1,)))
+        one = build_pcg(s.whole_batch_graph(), Mesh(("d",), (1,)))  # the whole batch at once, even under --accumulate
         self.ref = LocalExecutor(lower_step(one, s.optimizer.slots), s.optimizer, seed=s.cfg.seed)
         self.ref.load(weights, state, steps_done)
         self.max_dloss = 0.0

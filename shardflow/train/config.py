@@ -41,6 +41,8 @@ class TrainConfig:
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
     steps: int = _f(600, "optimizer steps to train for")
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")
+    accumulate: int = _f(1, "gradient accumulation: run each step as N micro-steps of --batch-size/N sequences, "
+                            "reducing the gradients once, after the last (the same step as the whole batch at once)")
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(None, "llama (Hugging Face LlamaForCausalLM, built from a config: nothing is downloaded), "
                                  "gpt2, another Hugging Face causal-LM model type, or FILE.py:FACTORY (a function "
@@ -223,7 +225,8 @@ class Range:
 # torch.distributed's C++ stores take (a C int of milliseconds, rounded down to a round number: 23 days)
 _F32_MAX, _TIMEOUT_MAX = 3.4e38, 2e6
 # the range of every numeric setting (a float must be finite even where it has no bound)
-RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "seq_len": Range(1), "layers": Range(1),
+RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "accumulate": Range(1), "seq_len": Range(1),
+          "layers": Range(1),
           "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256, 2**31 - 1),
           "dropout": Range(0, 1, high_open=True), "lr": Range(0, _F32_MAX), "momentum": Range(0, 1, high_open=True),
           "weight_decay": Range(0, _F32_MAX), "seed": Range(0, 2**32, high_open=True), "checkpoint_every": Range(0),

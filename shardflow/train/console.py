@@ -74,7 +74,10 @@ class Console:
         self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
         self.say(f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
                  f"{cfg.optimizer} lr {cfg.lr}")
-        self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}")
+        micro = (f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after "
+                 f"the last)" if cfg.accumulate > 1 else "")
+        self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}"
+                 f"{micro}")
         per = {}
         for r, kind, axis, n, planned, _ in bytes_rows(step.programs):
             if r == min(step.programs):

@@ -25,6 +25,7 @@ import torch
 
 from shardflow.graph.flops import training_flops
 from shardflow.runtime import trace
+from shardflow.runtime.accumulate import MicroSteps
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
@@ -61,17 +62,21 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     run_dir = Path(cfg.run_dir)
     opt = s.optimizer
     ranks = [rank] if world > 1 else None
-    train_step = s.lower(ranks, verify=world == 1)  # launched ranks: the parent proved the plan already
+    lowered = s.lower_micro_steps(ranks, verify=world == 1)  # launched ranks: the parent proved the plans already
+    train_step = lowered[s.micro_steps[-1]]  # the step that reduces the gradients and updates
     check_memory(s, train_step, world, here)
     eval_step = s.lower(ranks, verify=world == 1, training=False)
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
-        ex = DistributedExecutor(train_step, opt, cfg.timeout, debug=cfg.debug, seed=cfg.seed)
-        ev = DistributedExecutor(eval_step, opt, cfg.timeout, share=ex, debug=cfg.debug)
+        make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=cfg.timeout, debug=cfg.debug)
     else:
         from shardflow.runtime.local import LocalExecutor
-        ex = LocalExecutor(train_step, opt, seed=cfg.seed)
-        ev = LocalExecutor(eval_step, opt, share=ex)
+        make = functools.partial(LocalExecutor, optimizer=opt)
+    ex = make(train_step, seed=cfg.seed)  # the run's weights, state and gradients: read there
+    ev = make(eval_step, share=ex)
+    others = {m: make(step, share=ex, seed=cfg.seed) for m, step in lowered.items() if not m.last}
+    micro = MicroSteps([others.get(m, ex) for m in s.micro_steps])  # --accumulate: one step, N micro-steps
+    evaluate = MicroSteps([ev] * cfg.accumulate)
     lead = rank == 0
     console = Console(lead, cfg.steps, cfg.log_every)
     check_outputs(cfg)
@@ -96,7 +101,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
 
     run_dir.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu")  # where the executors keep every buffer
-    meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph),
+    meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate,
                   Peak.of(cfg.peak_tflops, device) if lead else None, device)
     metrics_file = metrics_path(cfg)
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
@@ -108,7 +113,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         console.resumed(resumed, start)
 
     def val_loss() -> float:
-        return sum(ev.step(s.batch(Split.VAL, i)) for i in range(s.eval_batches)) / s.eval_batches
+        return sum(evaluate.step(s.batch(Split.VAL, i)) for i in range(s.eval_batches)) / s.eval_batches
 
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
@@ -118,7 +123,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         if tracing:
             ex.tracer = trace.Tracer(rank)
         with hook.step(rank, step + 1):
-            loss = ex.step(batch)
+            loss = micro.step(batch)
         if not math.isfinite(loss):  # the same loss on every rank: every rank stops here
             raise diverged(cfg, step + 1, f"the loss is {loss}", newest)
         dt = time.perf_counter() - t0

@@ -19,7 +19,7 @@ from torch import nn
 from shardflow.api import plan_pcg
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
-from shardflow.lower import CostModel, LowerOptions, LoweredStep, lower_step
+from shardflow.lower import CostModel, LowerOptions, LoweredStep, MicroStep, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
@@ -51,7 +51,8 @@ class Setup:
     runtime_bytes: int = 0  # this process's resident size before it built the model (the memory estimate's runtime)
 
     def batch(self, split: Split, step: int) -> dict[str, torch.Tensor]:
-        """The model's inputs for batch ``step`` of ``split`` ([batch_size, seq_len] token ids and next tokens)."""
+        """The model's inputs for batch ``step`` of ``split`` ([batch_size, seq_len] token ids and next tokens): the
+        whole batch of a step, which :class:`~shardflow.runtime.accumulate.MicroSteps` splits into micro-batches."""
         c = self.cfg
         return self.family.feed.inputs(**self.corpus.batch(split, step, c.batch_size, c.seq_len, c.seed))
 
@@ -69,12 +70,28 @@ class Setup:
                             CostModel("nccl" if torch.cuda.is_available() else "gloo"),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20))
 
-    def lower(self, ranks=None, verify: bool = False, training: bool = True):
+    @property
+    def micro_steps(self) -> tuple[MicroStep, ...]:
+        """The micro-steps of one optimizer step (``--accumulate``; one, the plain step, by default)."""
+        return MicroStep.sequence(self.cfg.accumulate)
+
+    def lower(self, ranks=None, verify: bool = False, training: bool = True, micro: MicroStep | None = None):
         """Lower one step (training, or evaluation: forward only, no dropout) for ``ranks`` (default all;
-        ``verify`` proves them); a training step computes the global gradient norm (a metric)."""
+        ``verify`` proves them); a training step computes the global gradient norm (a metric). ``micro``: which
+        micro-step (default the last of :attr:`micro_steps`, the one that updates the weights)."""
         return lower_step(self.pcg if training else evaluation(self.pcg), self.optimizer.slots, ranks=ranks,
-                          verify=verify, training=training,
-                          options=self.lower_options, clip_norm=self.cfg.clip_norm or None, grad_norm=True)
+                          verify=verify, training=training, options=self.lower_options,
+                          clip_norm=self.cfg.clip_norm or None, grad_norm=True, micro=micro or self.micro_steps[-1])
+
+    def lower_micro_steps(self, ranks=None, verify: bool = False) -> dict[MicroStep, LoweredStep]:
+        """Each distinct micro-step of :attr:`micro_steps` lowered (first, middle, last; one when not
+        accumulating), for ``ranks`` (default all; ``verify`` proves each)."""
+        return {m: self.lower(ranks, verify, micro=m) for m in dict.fromkeys(self.micro_steps)}
+
+    def whole_batch_graph(self) -> ComputationGraph:
+        """The model captured on a whole batch (what ``--check``'s one device trains on): the run's graph, or under
+        ``--accumulate`` (whose graph is a micro-batch's) a second capture at ``--batch-size``."""
+        return self.graph if self.cfg.accumulate == 1 else capture(self.model, self.batch(Split.TRAIN, 0))
 
     @property
     def optimizer(self) -> OptimizerConfig:
@@ -158,6 +175,7 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
                         f"one of them (drop --strategy to train with the plan)")
     mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy or DEFAULT_STRATEGY,
                                                               world if world > 1 else cfg.nproc)
+    check_accumulation(cfg, mesh)
     if world > 1 and mesh.size != world:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
                          f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
@@ -170,13 +188,37 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
     return _build(cfg, mesh, corpus, pretrained, runtime=runtime)
 
 
+def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
+    """Under ``--accumulate N`` (N > 1), raise ValueError (one paragraph) unless ``--batch-size`` splits into N
+    micro-batches of whole sequences that each split over the data-parallel degree (the mesh's ``dp`` axis), and for
+    ``--check`` with dropout: each micro-step draws its masks as a batch of its own, not as rows of the whole batch
+    that the one-device reference draws for."""
+    n, dp = cfg.accumulate, mesh.axis_size("dp") if "dp" in mesh.axis_names else 1
+    if n > 1 and cfg.check and cfg.dropout:
+        raise ValueError(f"--check with --dropout {cfg.dropout:g} and --accumulate {n}: each micro-step draws its "
+                         f"dropout masks as a batch of its own, not as the rows of the whole batch that --check's "
+                         f"one device draws for, so the two runs cannot agree; drop --check, or check with "
+                         f"--dropout 0 or --accumulate 1")
+    if n > 1 and cfg.batch_size % (n * dp):
+        fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
+        other = f"an --accumulate of {', '.join(map(str, fits))}" if fits else "--accumulate 1"
+        up = -(-cfg.batch_size // (n * dp)) * n * dp
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split into --accumulate {n} micro-batches over "
+                         f"data-parallel degree {dp} (mesh {mesh}): each micro-step trains on --batch-size / "
+                         f"--accumulate whole sequences, an equal number on each data-parallel rank, so --batch-size "
+                         f"must be a multiple of --accumulate × dp = {n * dp}; give --batch-size {up} (or another "
+                         f"multiple of {n * dp}), or {other}")
+
+
 def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False,
            runtime: int = 0) -> Setup:
-    """The model of ``cfg`` (seeded; ``meta``: on the meta device, shapes only), captured on a batch of the corpus,
-    and its PCG on ``mesh``."""
+    """The model of ``cfg`` (seeded; ``meta``: on the meta device, shapes only), captured on a micro-batch of the
+    corpus (``--batch-size / --accumulate`` sequences: the whole batch without accumulation), and its PCG on
+    ``mesh``."""
     with torch.device("meta") if meta else contextlib.nullcontext():
         family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
-    example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
+    micro = cfg.batch_size // cfg.accumulate
+    example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
     strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
     _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict)
@@ -200,7 +242,9 @@ def probe_estimate(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pre
     """The memory estimate of a process of the run (``world`` 1: one process runs every rank) from three small plans
     on the meta device (:func:`memory.probe_sizes`), each buffer and constant scaled to the run's batch and sequence
     (:func:`memory.scaling`); ``whole``: the bytes of the model each process builds, ``runtime``: of the rest of the
-    process. Nothing of the run's size is allocated."""
+    process. Nothing of the run's size is allocated. Under ``--accumulate`` a step's buffers are a micro-step's:
+    the estimate is of the run at the micro-batch's size."""
+    cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.accumulate, accumulate=1)
     steps, probes = [], {}
     for b, t in memory.probe_sizes(mesh.size):
         small = _build(dataclasses.replace(cfg, batch_size=b, seq_len=t), mesh, corpus, pretrained, meta=True)

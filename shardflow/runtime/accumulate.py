@@ -1,0 +1,58 @@
+"""Gradient accumulation (``--accumulate N``): one optimizer step as N micro-steps, each on 1/N of the batch.
+
+Each micro-step is a lowered step of its own (:class:`~shardflow.lower.dynamic.MicroStep`): the first keeps the
+weight-gradient contributions each device holds, a middle one adds its own to them, the last adds them to its own,
+reduces each weight's gradient once and updates. :class:`MicroSteps` runs them in order on executors that share
+their buffers (each built with ``share=`` the last one's), so the sums stay where the previous micro-step left them.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from shardflow.runtime.executor import Executor
+
+
+class BatchSplitError(ValueError):
+    """A batch whose inputs do not split into the micro-batches of the step: dim 0 not a multiple of N."""
+
+
+def split_batch(inputs: Mapping[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """``inputs`` (by name, each [B, ...], B sequences along dim 0) as ``count`` micro-batches of B/count
+    sequences each, in order (micro-batch i holds sequences i·B/count to (i+1)·B/count − 1). Raises BatchSplitError
+    naming an input whose dim 0 is not a multiple of ``count``; ``count`` 1 gives ``inputs`` as they are."""
+    if count == 1:
+        return [dict(inputs)]
+    for name, x in inputs.items():
+        if x.dim() == 0 or x.shape[0] % count:
+            rows = "a scalar" if x.dim() == 0 else f"{x.shape[0]} rows along dim 0"
+            raise BatchSplitError(f"input {name!r} {list(x.shape)} has {rows}, which do not split into {count} "
+                                  f"micro-batches of equal size; give a batch whose size is a multiple of {count}")
+    return [{name: x.chunk(count)[i] for name, x in inputs.items()} for i in range(count)]
+
+
+class MicroSteps:
+    """One step as micro-steps: ``executors[i]`` runs micro-step i on micro-batch i (the same executor may serve
+    several). The last one's step ends the optimizer step: its weights, gradients, state and ``steps_done`` are the
+    run's. With one executor, :meth:`step` is that executor's step."""
+
+    def __init__(self, executors: Sequence[Executor]):
+        if not executors:
+            raise ValueError("a step has at least one micro-step")
+        self.executors = tuple(executors)
+
+    def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
+        """Run every micro-step on its part of the full ``inputs`` (by graph input name); returns the mean of their
+        losses — the whole batch's loss when the loss is a mean over equally many elements in every micro-batch.
+        Every micro-step counts as the optimizer step it belongs to (AdamW's step, dropout's draws). Raises
+        BatchSplitError for inputs that do not split."""
+        last = self.executors[-1]
+        done = last.steps_done
+        losses = []
+        for ex, part in zip(self.executors, split_batch(inputs, len(self.executors))):
+            ex.steps_done = done
+            losses.append(ex.step(part))
+        last.steps_done = done + 1
+        return sum(losses) / len(losses)
