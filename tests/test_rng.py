@@ -9,7 +9,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.graph.ops import Dropout, OpError
-from shardflow.graph.rng import DrawSite, splitmix64
+from shardflow.graph.rng import DrawSite, PieceSite, splitmix64
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg, lift
@@ -122,3 +122,15 @@ def test_sharded_forward_draws_what_the_reference_draws(mesh, strategy):
     for got in (simulate_outputs(pcg, leaves, seed=4, step=2), simulate_outputs(lift(graph), leaves, seed=4, step=2)):
         for name in [n.outputs[0] for n in graph.nodes if n.op.kind == "dropout"] + [graph.loss]:
             torch.testing.assert_close(got[name], want[name], atol=1e-12, rtol=0, msg=name)
+
+
+def test_micro_batches_draw_their_rows_of_the_whole_batch():
+    """Under gradient accumulation micro-batch i of N (rows i·B/N … of the whole batch, here as dp pieces) draws
+    exactly the whole batch's numbers for those rows, and two micro-batches draw different ones."""
+    whole = PieceSite("dropout", (8, 3), (0, 0)).at(7, 2).bits((8, 3))
+    for i in range(4):
+        for start in (0, 1):  # a micro-batch of 2 rows, split over dp=2: one row per device
+            piece = PieceSite("dropout", (2, 3), (start, 0)).at(7, 2, i, 4).bits((1, 3))
+            assert torch.equal(piece, whole[2 * i + start:2 * i + start + 1])
+    assert not torch.equal(PieceSite("dropout", (2, 3), (0, 0)).at(7, 2, 0, 4).bits((2, 3)),
+                           PieceSite("dropout", (2, 3), (0, 0)).at(7, 2, 1, 4).bits((2, 3)))

@@ -193,11 +193,14 @@ def test_check_passes_with_accumulation(tmp_path, train, argv):
 @pytest.mark.parametrize("argv", [
     ["--strategy", "sp", "--mesh", "tp=2"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
+    ["--strategy", "dp", "--mesh", "dp=2", "--accumulate", "4"],
 ])
 def test_check_passes_with_dropout(tmp_path, train, argv):
     """GPT-2 with --dropout 0.1 --check, every rank of the mesh in one process: masks depend on (seed, step, node,
     element), so every replica of every parameter equals the one-device run (masks drawn from the process RNG:
-    |Δloss| ~1e-2, |Δparameter| ~4e-2, FAILED)."""
+    |Δloss| ~1e-2, |Δparameter| ~4e-2, FAILED). With --accumulate 4 each micro-step draws its rows of the whole
+    batch's masks, as the one-device run on the whole batch does (each micro-batch drawing as a batch of its own:
+    FAILED)."""
     r, run = train(tmp_path, "check", *argv, "--model", "gpt2", "--nproc", "1", "--steps", "2", "--dropout", "0.1",
                    "--check")
     assert check_line(r).endswith(": OK")

@@ -125,6 +125,14 @@ class PieceSite:
     shape: tuple[int, ...]
     start: tuple[int, ...]
 
-    def at(self, seed: int, step: int) -> DrawSite:
-        """The draw site of this piece at training ``step`` (from 1) of a run seeded ``seed``."""
-        return DrawSite(seed, step, self.node, self.shape, self.start)
+    def at(self, seed: int, step: int, micro: int = 0, micros: int = 1) -> DrawSite:
+        """The draw site of this piece at training ``step`` (from 1) of a run seeded ``seed``. Under gradient
+        accumulation the tensor is that of micro-batch ``micro`` of ``micros``, which stack along dim 0 into the
+        whole batch's: the site is the piece's place in the whole batch's tensor (dim 0 ``micros`` times as long),
+        so the micro-steps draw what one step on the whole batch draws where dim 0 is the batch's (as in the
+        dropouts of token models), and numbers of their own wherever else."""
+        if micros == 1 or not self.shape:
+            return DrawSite(seed, step, self.node, self.shape, self.start)
+        rows = self.shape[0]
+        return DrawSite(seed, step, self.node, (rows * micros, *self.shape[1:]),
+                        (micro * rows + self.start[0], *self.start[1:]))

@@ -46,13 +46,15 @@ class MicroSteps:
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run every micro-step on its part of the full ``inputs`` (by graph input name); returns the mean of their
         losses — the whole batch's loss when the loss is a mean over equally many elements in every micro-batch.
-        Every micro-step counts as the optimizer step it belongs to (AdamW's step, dropout's draws). Raises
+        Every micro-step counts as the optimizer step it belongs to (AdamW's step, dropout's draws), and draws its
+        random numbers as its rows of the whole batch (``Executor.micro``). Raises
         BatchSplitError for inputs that do not split."""
         last = self.executors[-1]
         done = last.steps_done
         losses = []
-        for ex, part in zip(self.executors, split_batch(inputs, len(self.executors))):
-            ex.steps_done = done
+        n = len(self.executors)
+        for i, (ex, part) in enumerate(zip(self.executors, split_batch(inputs, n))):
+            ex.steps_done, ex.micro = done, (i, n)
             losses.append(ex.step(part))
         last.steps_done = done + 1
         return sum(losses) / len(losses)

@@ -178,7 +178,8 @@ class DistributedExecutor(Executor):
         self.saved: dict = {}  # forward autograd graphs, consumed by the backward
         once = single_calls(self.program)
         self.kernels = {i.dnode: make_kernel(i, optimizer, lambda: self.steps_done + 1,
-                                             self.saved if i.dnode in once else None, seed)
+                                             self.saved if i.dnode in once else None, seed,
+                                             lambda: self.micro)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
         # buffers packed for one communication and read by nothing else: reduced in place, not copied first

@@ -20,10 +20,13 @@ from shardflow.lower.dynamic import DynamicGraph, NodeKind, forward_id
 
 
 class Executor:
-    """Base of both executors. ``dg`` is the lowered step's dynamic graph; ``steps_done`` counts steps."""
+    """Base of both executors. ``dg`` is the lowered step's dynamic graph; ``steps_done`` counts steps;
+    ``micro``: the micro-step the next step runs, (index, count), under gradient accumulation (its random ops
+    draw as rows of the whole batch: :meth:`~shardflow.graph.rng.PieceSite.at`)."""
 
     dg: DynamicGraph
     steps_done: int = 0
+    micro: tuple[int, int] = (0, 1)
 
     def _index_updates(self) -> None:
         """After a step, each value that replaces another (an update's new weight and state, a micro-step's new

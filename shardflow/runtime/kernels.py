@@ -68,10 +68,10 @@ def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *s
 
 
 def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], saved: dict | None = None,
-                seed: int = 0) -> Kernel:
+                seed: int = 0, micro: Callable[[], tuple[int, int]] = lambda: (0, 1)) -> Kernel:
     """The kernel of compute ``instr``, built from its description (``instr.kernel``) alone. ``step()`` gives
     the current step, counted from 1 (for AdamW and for random ops); ``seed`` is the run's seed random ops draw
-    with (see :func:`forward`).
+    with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`).
 
     ``saved``: this rank's store of forward autograd graphs, by PCG node. When given, a forward whose node has a
     backward records its graph there and the backward reuses it (no second forward); without it, or when the
@@ -81,7 +81,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     """
     spec = instr.kernel
     if isinstance(spec, Forward):
-        fwd = forward(spec.local, spec.draw, seed, step)
+        fwd = forward(spec.local, spec.draw, seed, step, micro)
         if saved is None or not spec.record or hand_vjp(spec.local.op) is not None:
             return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.node, saved)
@@ -89,7 +89,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
         hand = hand_vjp(spec.local.op)
         if hand is not None:
             return _hand_vjp_kernel(hand, spec)
-        return _vjp_kernel(forward(spec.local, spec.draw, seed, step), spec, instr.node, saved)
+        return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.node, saved)
     if isinstance(spec, OnesLike):
         return lambda xs: [torch.full_like(xs[0], spec.scale)]
     if isinstance(spec, Sum):
@@ -113,14 +113,16 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     raise ValueError(f"compute {instr.op!r} of {instr.dnode!r} carries no kernel description")
 
 
-def forward(local: LocalOp, draw: PieceSite | None, seed: int, step: Callable[[], int]) -> Callable[..., tuple]:
+def forward(local: LocalOp, draw: PieceSite | None, seed: int, step: Callable[[], int],
+            micro: Callable[[], tuple[int, int]] = lambda: (0, 1)) -> Callable[..., tuple]:
     """The local forward ``local`` of a compute op: pieces in, pieces out. A random op (dropout) draws at its
-    piece's site ``draw`` for the current ``step()`` (:meth:`PieceSite.at`): the same numbers as one device, on
-    every replica, and again when the backward recomputes the forward."""
+    piece's site ``draw`` for the current ``step()`` and micro-step ``micro()`` (:meth:`PieceSite.at`): the same
+    numbers as one device on the whole batch, on every replica, and again when the backward recomputes the
+    forward."""
     if draw is None:
         plain = local.out_scale == 1.0 and all(s == 1.0 for s in local.in_scale)
         return local.op.compute if plain else local.compute  # the op's own compute: no scale checks per call
-    return lambda *xs: local.compute(*xs, at=draw.at(seed, step()))
+    return lambda *xs: local.compute(*xs, at=draw.at(seed, step(), *micro()))
 
 
 def single_calls(program) -> set[str]:

@@ -44,7 +44,8 @@ class LocalExecutor(Executor):
             for i in p.instrs:
                 if isinstance(i, Compute) and i.dnode:
                     self.kernels[(r, i.dnode)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
-                                                             self.saved[r] if i.dnode in once else None, seed)
+                                                             self.saved[r] if i.dnode in once else None, seed,
+                                                             lambda: self.micro)
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.ledgers = {r: Ledger() for r in step.programs}
         self._index_updates()
