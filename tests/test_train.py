@@ -187,6 +187,7 @@ def test_check_passes_with_accumulation(tmp_path, train, argv):
     r, run = train(tmp_path, "check", *argv, "--steps", "2", "--check", "--accumulate", "4")
     assert r.returncode == 0, r.stderr + r.stdout
     assert "batch 8×16 in 4 micro-steps of 2 (gradients reduced after the last)" in r.stdout
+    assert "plan (rank 0, per step, all micro-steps): " in r.stdout  # the 4 micro-steps' communications, summed
     assert check_line(r).endswith(": OK")
 
 

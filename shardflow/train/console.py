@@ -61,9 +61,10 @@ class Console:
         if self.lead:
             print(text, flush=True)
 
-    def banner(self, s, step, baseline: float) -> None:
-        """Data, model, strategy and mesh, the plan's communication per step (lowest rank of ``step``'s programs)
-        and the unigram baseline. ``s``: the run's :class:`~shardflow.train.recipe.Setup`."""
+    def banner(self, s, steps, baseline: float) -> None:
+        """Data, model, strategy and mesh, the plan's communication per optimizer step (lowest rank's programs of
+        ``steps``, the lowered micro-steps of one step in order: one, the step, unless ``--accumulate``) and the
+        unigram baseline. ``s``: the run's :class:`~shardflow.train.recipe.Setup`."""
         if not self.lead:
             return
         n_params = sum(p.numel() for p in s.model.parameters())
@@ -78,12 +79,15 @@ class Console:
                  f"the last)" if cfg.accumulate > 1 else "")
         self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}"
                  f"{micro}")
-        per = {}
-        for r, kind, axis, n, planned, _ in bytes_rows(step.programs):
-            if r == min(step.programs):
-                per[f"{kind}/{axis or '-'}"] = (n, planned)
+        lowest = min(steps[-1].programs)
+        per: dict[str, tuple[int, int]] = {}
+        for step in steps:
+            for r, kind, axis, n, planned, _ in bytes_rows(step.programs):
+                if r == lowest:
+                    was = per.get(f"{kind}/{axis or '-'}", (0, 0))
+                    per[f"{kind}/{axis or '-'}"] = (was[0] + n, was[1] + planned)
         comm = ", ".join(f"{k} ×{n} ({b / 2**20:.2f} MiB)" for k, (n, b) in per.items()) or "no communication"
-        self.say(f"plan (rank {min(step.programs)}, per step): {comm}")
+        self.say(f"plan (rank {lowest}, per step{', all micro-steps' if len(steps) > 1 else ''}): {comm}")
         if s.pcg.redistributions:
             self.say(s.pcg.redistribution_listing())
         self.say(f"unigram baseline (validation): {baseline:.4f} nats/token")
