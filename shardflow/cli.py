@@ -62,7 +62,7 @@ USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanV
 OWN_MODELS = ("gpt", "mlp")
 _OWN_DEFAULTS = {"layers": 2, "heads": 4, "embd": 64, "vocab": 65, "seq_len": 64, "batch_size": 8}
 _TRAIN = TrainConfig()
-_TRAIN_DEFAULTS = {**{k: v for k, v in dataclasses.asdict(DEFAULT_SIZES).items()}, "vocab": _TRAIN.vocab_size,
+_TRAIN_DEFAULTS = {**dataclasses.asdict(DEFAULT_SIZES), "vocab": _TRAIN.vocab_size,
                    "seq_len": _TRAIN.seq_len, "batch_size": _TRAIN.batch_size}
 
 # The range of each numeric flag of plan, check and generate, by its name (train's are TrainConfig's:

@@ -4,6 +4,7 @@ reader of the metrics a run writes."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -14,6 +15,15 @@ import pytest
 # Later flags override these (argparse: the last one wins).
 TINY = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
         "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30", "--peak-tflops", "0.1")
+
+
+@pytest.fixture(autouse=True)
+def keep_sigterm_handler():
+    """``train --nproc 1`` run in the test's process installs a SIGTERM handler; put pytest's back after each test.
+    (A module-scoped fixture that trains is set up before this one, so it restores the handler itself.)"""
+    old = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, old)
 
 
 @pytest.fixture(scope="session", autouse=True)

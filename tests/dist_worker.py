@@ -213,7 +213,6 @@ def main():
             executor("dp" if rank == 0 else "tp", f"{'dp' if rank == 0 else 'tp'}={world}", torch.float64, rank, cfg)
             results[case] = "ran"  # must not get here: the fingerprints differ
         elif case == "diverge":  # rank 1's program has its first two forward all-reduces swapped; debug mode
-            import dataclasses
             from shardflow.lower.program import Comm, Program
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=10.0)

@@ -9,7 +9,7 @@ import torch
 
 from shardflow.lower import LowerOptions, MicroStep, lower_step
 from shardflow.lower.dynamic import NodeKind, TaskType, ValueRole
-from shardflow.lower.program import Compute, Free
+from shardflow.lower.program import Free
 from dataclasses import replace
 
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh

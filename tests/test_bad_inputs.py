@@ -4,7 +4,6 @@ Each must end with one paragraph on stderr (what is wrong, where, how to fix it)
 and nothing half-written. The CLI runs in this process (``shardflow.cli.main``) where no process would start;
 the torchrun-style rendezvous failures run as real processes, side by side, each bounded by a timeout."""
 
-import json
 import os
 import shutil
 import signal
@@ -14,19 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from shardflow.cli import main as cli_main
 
 PLAN = ["plan", "--model", "gpt", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4"]
-
-
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """``train --nproc 1`` in this process installs a SIGTERM handler; put pytest's back."""
-    old = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, old)
 
 
 def files(root: Path) -> set[str]:

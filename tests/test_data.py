@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections import Counter
@@ -27,14 +26,6 @@ from shardflow.train.tokenizer import (TOKENIZER_FILE, Tokenizer, TokenizerChoic
 BPE = TokenizerChoice(TokenizerKind.BPE, 300)
 CHAR = TokenizerChoice(TokenizerKind.CHAR)
 TEXT = "the quick brown fox jumps over the lazy dog. " * 200
-
-
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """``train --nproc 1`` in this process installs a SIGTERM handler; put pytest's back."""
-    old = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, old)
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from shardflow.runtime.launch import describe_failure, launch
 
 WORKER = str(Path(__file__).with_name("dist_worker.py"))

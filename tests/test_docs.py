@@ -765,11 +765,3 @@ def test_command_runs(command, workdir, started, monkeypatch, capsys):
         if s.output is not None and not _generated(s):
             assert _matches(s.output, printed.replace(f"{work}/", "/tmp/")), \
                 f"{s.doc.name}:{s.line}: {command} does not print what the doc shows; it prints:\n{printed}"
-
-
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """A command run in this process may install a SIGTERM handler; put pytest's back."""
-    old = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, old)

@@ -1,7 +1,5 @@
 """Lowering: exact plan structure — copies, collectives, bytes, tokens — for small plans (no processes)."""
 
-from collections import Counter
-
 import pytest
 
 from shardflow.graph import GraphBuilder
@@ -18,8 +16,8 @@ from shardflow.lower import lower
 from shardflow.lower.shard_expansion import axis_group_index, axis_members, steps
 from shardflow.lower import LowerOptions
 from shardflow.lower.program import Comm, Compute, Free, Wait
-from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Combine, Reduction, Replicate as ReplicateOp
+from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
+from shardflow.parallel.ops import Reduction, Replicate as ReplicateOp
 from shardflow.parallel.pcg import Annotations, build_pcg
 from shardflow.strategy import ModulePlan, Plan, data_parallel, make_plan, resolve
 from shardflow.parallel.sharding import Sharding
@@ -381,7 +379,7 @@ def _sp_step(options, d=4):
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
     from shardflow.lower.comm_lowering import ring_peers
-    from shardflow.lower.program import Compute, Wait
+    from shardflow.lower.program import Compute
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():
         fwd = [c for c in prog.comms if c.pass_ == "FWD"]

@@ -5,7 +5,6 @@ split, config.toml from one process, --plan. The tiny model on the local executo
 
 import argparse
 import os
-import signal
 import stat
 from pathlib import Path
 
@@ -16,14 +15,6 @@ from shardflow.cli import main as cli_main
 from shardflow.train import checkpoint
 from shardflow.train.config import TrainConfig
 from shardflow.train.rundir import lock
-
-
-@pytest.fixture(autouse=True)
-def keep_signal_handlers():
-    """``train --nproc 1`` in this process installs a SIGTERM handler; put pytest's back."""
-    old = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, old)
 
 
 @pytest.fixture
