@@ -220,6 +220,13 @@ class DistributedExecutor(Executor):
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         return {self.rank: self.buffers[vid]} if vid in self.buffers else {}
 
+    def _here(self) -> tuple[int, ...]:
+        return (self.rank,)
+
+    def _place(self, vid: str, pieces: Mapping[int, torch.Tensor]) -> None:
+        if self.rank in pieces:
+            self.buffers[vid] = pieces[self.rank]
+
     def _max_over_ranks(self, x: float) -> float:
         t = torch.tensor(x, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

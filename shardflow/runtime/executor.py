@@ -1,10 +1,12 @@
-"""The one executor interface: load full weights and optimizer state, run steps, read full results.
+"""The one executor interface: load full weights and optimizer state (or only the pieces held here, read in place:
+:meth:`Executor.load_pieces`), run steps, read full results or the pieces held here (:meth:`Executor.held_pieces`).
 
 :class:`~shardflow.runtime.local.LocalExecutor` (every rank in this process) and
 :class:`~shardflow.runtime.distributed.DistributedExecutor` (this rank on torch.distributed) implement how a
-value's pieces are put and gathered (``_put`` / ``_get``), which pieces are held here (``_pieces``), how a number
-is reduced over the ranks (``_max_over_ranks``) or gathered from every process (:meth:`Executor.per_process`) and
-how a step runs; everything else is here.
+value's pieces are put and gathered (``_put`` / ``_get``), which devices run here (``_here``), which pieces are held
+here (``_pieces``) and how pieces are taken as buffers (``_place``), how a number is reduced over the ranks
+(``_max_over_ranks``) or gathered from every process (:meth:`Executor.per_process`) and how a step runs; everything
+else is here.
 
 Both take the run's ``seed``: random ops (dropout) draw as a pure function of (seed, step, node, global element
 index), so any strategy draws what one device draws (:mod:`shardflow.graph.rng`).
@@ -12,11 +14,14 @@ index), so any strategy draws what one device draws (:mod:`shardflow.graph.rng`)
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from shardflow.lower.dynamic import DynamicGraph, NodeKind, forward_id
+
+# a piece of a value and the offsets of its block in the full tensor (per dim, the index of its first element)
+Block = tuple[tuple[int, ...], torch.Tensor]
 
 
 class Executor:
@@ -45,6 +50,14 @@ class Executor:
 
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         """Device → its piece of value ``vid``, for every device of this executor that holds one."""
+        raise NotImplementedError
+
+    def _here(self) -> tuple[int, ...]:
+        """The devices whose programs this executor runs."""
+        raise NotImplementedError
+
+    def _place(self, vid: str, pieces: Mapping[int, torch.Tensor]) -> None:
+        """Hold ``pieces`` (device of this executor → its piece of value ``vid``) as the value's buffers."""
         raise NotImplementedError
 
     def _max_over_ranks(self, x: float) -> float:
@@ -88,6 +101,48 @@ class Executor:
             v = self.dg.values[vid]
             self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
         self.steps_done = steps_done
+
+    def load_pieces(self, dtypes: Mapping[str, torch.dtype], read: Callable[[dict[str, list[Block]]], None],
+                    steps_done: int = 0) -> None:
+        """Load values without any full tensor: allocate the pieces this executor holds of each value of ``dtypes``
+        (value id → dtype: weights by forward id, optimizer state by value id) — every replica held here, each at
+        its piece's shape —, let ``read`` fill them in place (it gets value id → the pieces with the offsets of
+        their blocks, as :meth:`held_pieces` lists them; e.g. a sharded checkpoint's load), then hold them as the
+        values' buffers, after ``steps_done`` steps. If ``read`` raises, nothing is held. Raises ValueError for a
+        partial value (as :meth:`held_pieces`)."""
+        here = set(self._here())
+        new: dict[str, dict[int, torch.Tensor]] = {}
+        for vid, dtype in dtypes.items():
+            v = self.dg.values[vid]
+            shape = v.sharding.parallel_shape(v.group, v.type.shape).piece_shape
+            new[vid] = {d: torch.empty(shape, dtype=dtype) for d in v.group.devices() if d in here}
+        read({vid: self._blocks(vid, pieces, replica0_only=False) for vid, pieces in new.items()})
+        for vid, pieces in new.items():
+            self._place(vid, pieces)
+        self.steps_done = steps_done
+
+    def held_pieces(self, vid: str, replica0_only: bool) -> list[Block]:
+        """The pieces of value ``vid`` held here, each with the offsets of its block in the full tensor (the block
+        has the piece's shape: ``ParallelTensorShape.piece_slices``), in device order. ``replica0_only``: only
+        replica 0 of each block — over every rank those tile the full tensor once (what a checkpoint writes); else
+        every replica held here. The tensors are the executor's buffers, not copies. Raises ValueError for a
+        partial value (sum degree > 1): its pieces are not blocks of the full tensor."""
+        return self._blocks(vid, self._pieces(vid), replica0_only)
+
+    def _blocks(self, vid: str, pieces: Mapping[int, torch.Tensor], replica0_only: bool) -> list[Block]:
+        """``pieces`` (device → its piece of value ``vid``) with the offsets of their blocks, in device order; only
+        replica 0's with ``replica0_only``."""
+        v = self.dg.values[vid]
+        p = v.sharding.parallel_shape(v.group, v.type.shape)
+        if p.sum_degree > 1:
+            raise ValueError(f"value {vid} is partial ({p}: each block is the {p.reduce_op} of {p.sum_degree} "
+                             f"pieces), so its pieces are not blocks of the full tensor; reduce it first")
+        out = []
+        for d in sorted(pieces):
+            c = v.sharding.coord_of(v.group, d)
+            if c.replica == 0 or not replica0_only:
+                out.append((tuple(s.start for s in p.piece_slices(c)), pieces[d]))
+        return out
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Full weights by graph name (= the module's parameter names), read from replica 0 of each block."""

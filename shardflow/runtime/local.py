@@ -68,6 +68,13 @@ class LocalExecutor(Executor):
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         return {d: b[vid] for d, b in self.buffers.items() if vid in b}
 
+    def _here(self) -> tuple[int, ...]:
+        return tuple(self.buffers)  # every rank of the mesh
+
+    def _place(self, vid: str, pieces: Mapping[int, torch.Tensor]) -> None:
+        for d, x in pieces.items():
+            self.buffers[d][vid] = x
+
     def _max_over_ranks(self, x: float) -> float:
         return x  # every rank is here
 

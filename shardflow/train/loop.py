@@ -87,10 +87,8 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         if console.nothing_to_do(resumed):
             return 0
         start, newest = resumed.step, resumed.path
-        t = resumed.load(s.checkpoint_entries())  # full tensors on every rank; the executor keeps its pieces
-        weights = {w: t[f"model/{w}"] for w in s.graph.weights}
-        state = {k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")}
-        ex.load(weights, state, steps_done=start)
+        resumed.restore(ex, world)  # collective: each rank reads only the pieces it holds
+        weights, state = _full_state(s, resumed) if cfg.check else (None, None)
     else:
         weights, state = s.initial_weights(), None
         ex.load(weights)
@@ -153,6 +151,14 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         console.done(record["val_loss"], baseline)
         metrics.close()
     return 0 if check is None else check.finish(ex, console)  # collective: every rank takes part
+
+
+def _full_state(s: Setup, ck: checkpoint.Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The full weights (by graph name) and optimizer state (by value id) of checkpoint ``ck``: what ``--check``'s
+    one-device reference starts from when the run resumes."""
+    t = ck.load(s.checkpoint_entries())
+    weights = {w: t[f"model/{w}"] for w in s.graph.weights}
+    return weights, {k.removeprefix("optim/"): v for k, v in t.items() if k.startswith("optim/")}
 
 
 def _write_trace(s: Setup, ex, rank: int, world: int) -> None:

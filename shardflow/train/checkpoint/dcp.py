@@ -2,11 +2,19 @@
 atomic store (:mod:`shardflow.train.checkpoint.store`).
 
 Entries: the model's weights by graph name (``model/<name>``; graph weight names are the ``named_parameters()``
-names of the module) and the optimizer state by value id (``optim/opt:<slot>:<weight>``), every tensor whole
-(unsharded). Every rank assembles the full tensors with the executor's collective ``weights()`` / ``state()``
-and hands the same state dict to ``dcp.save``, which deduplicates identical entries across ranks (each tensor is
-written by one rank, the bytes spread over the ranks) and coordinates the write. Loading reads full-size tensors
-and the executor keeps its own pieces (``ex.load``).
+names of the module) and the optimizer state by value id (``optim/opt:<slot>:<weight>``).
+
+**Sharded.** Each entry is stored as chunks of the full tensor with their offsets — DCP's
+``TensorStorageMetadata`` with one ``ChunkStorageMetadata`` per chunk, the format DTensor and FSDP2 write. To save,
+every rank hands DCP only the pieces it holds (:class:`~shardflow.train.checkpoint.pieces.Pieces`, from the
+executor's :meth:`~shardflow.runtime.executor.Executor.held_pieces`), and of each block only replica 0, so the
+chunks tile each tensor once and a replicated piece is written once; no rank assembles a full tensor. Before
+anything is written each rank checks its pieces for NaN and inf, and the ranks agree (:class:`NonFiniteState`).
+To load (:meth:`Checkpoint.restore`), every rank asks DCP for the pieces it holds — every replica — at their offsets
+(:meth:`~shardflow.runtime.executor.Executor.load_pieces`), and DCP reads into each the overlap of every chunk
+saved: a checkpoint written under one strategy, mesh and process count loads under any other. A plain
+``dcp.load`` into full tensors reads the same files (:meth:`Checkpoint.load`: ``export``, ``generate``, and the
+one-device reference of ``train --check --resume``).
 
 **Safe to load.** Nothing is unpickled except DCP's ``.metadata``, and that through an unpickler that admits
 only DCP's own metadata classes, torch dtypes and sizes; tensors come back with ``torch.load(weights_only=True)``
@@ -23,7 +31,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from shardflow.lower.dynamic import state_id
+from shardflow.graph.ops import torch_dtype
+from shardflow.lower.dynamic import forward_id, state_id
 from shardflow.train.checkpoint import store
 from shardflow.train.checkpoint.store import CheckpointError
 from shardflow.train.family import Family, ModelError, family_of
@@ -40,6 +49,19 @@ def model_entries(model: torch.nn.Module, names, slots: tuple[str, ...] = ()) ->
     for s in slots:
         out.update({f"optim/{state_id(s, n)}": (tuple(params[n].shape), params[n].dtype) for n in names})
     return out
+
+
+def _values(ex) -> dict[str, str]:
+    """Entry → the value id of executor ``ex`` it holds: each weight ``model/<graph name>`` (its forward value), each
+    optimizer state ``optim/<value id>``."""
+    graph = ex.dg.pcg.graph
+    return {**{f"model/{w}": forward_id(w) for w in graph.weights}, **{f"optim/{v}": v for v in ex.dg.state_values()}}
+
+
+def _entry(ex, vid: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """The full shape and dtype of value ``vid`` of executor ``ex``."""
+    t = ex.dg.values[vid].type
+    return tuple(t.shape), torch_dtype(t.dtype)
 
 
 # --- reading ------------------------------------------------------------------------------------------------
@@ -133,21 +155,44 @@ class Checkpoint:
                                   f"{fix}")
 
     def load(self, want: Entries) -> dict[str, torch.Tensor]:
-        """Full-size tensors of ``want`` (entry name → shape, dtype), read with DCP on this process alone."""
-        import torch.distributed.checkpoint as dcp
-
+        """Full-size tensors of ``want`` (entry name → shape, dtype), read with a plain ``dcp.load`` on this process
+        alone (whatever chunks were saved). Raises CheckpointError."""
         self.check_entries(want, store.fallback(self.path))
         sd = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in want.items()}
+        self._read(sd, None, no_dist=True)
+        return sd
+
+    def restore(self, ex, world: int) -> None:
+        """Load the weights and optimizer state of executor ``ex`` from this checkpoint, after :attr:`step` steps,
+        each rank reading only the pieces it holds (every replica; :meth:`Executor.load_pieces
+        <shardflow.runtime.executor.Executor.load_pieces>`): DCP reads into each piece the overlap of every chunk
+        saved, under whatever strategy, mesh and process count, so no rank holds a full tensor — only, one at a
+        time, a chunk as it was saved. ``world``: the processes of the run (> 1: collective, every rank calls it).
+        Raises CheckpointError for an entry that is missing or of another shape or dtype, or that cannot be read."""
+        values = _values(ex)
+        want = {k: _entry(ex, vid) for k, vid in values.items()}
+        self.check_entries(want, store.fallback(self.path))
+
+        def read(pieces) -> None:
+            from shardflow.train.checkpoint.pieces import LoadPlanner, Pieces
+            sd = {k: Pieces(*want[k], tuple(pieces[vid])) for k, vid in values.items()}
+            self._read(sd, LoadPlanner(), no_dist=world == 1)
+
+        ex.load_pieces({vid: want[k][1] for k, vid in values.items()}, read, self.step)
+
+    def _read(self, sd: dict[str, Any], planner: Any, no_dist: bool) -> None:
+        """``dcp.load`` of ``sd`` with ``planner`` (None: DCP's default) through the safe reader; any failure to read
+        is a corrupt checkpoint to the user (CheckpointError, on every rank)."""
+        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                dcp.load(sd, storage_reader=_reader(self.path), no_dist=True)
-        except (Exception, CheckpointException) as e:  # any failure to read is a corrupt checkpoint to the user
+                dcp.load(sd, storage_reader=_reader(self.path), planner=planner, no_dist=no_dist)
+        except (Exception, CheckpointException) as e:
             raise CheckpointError(f"checkpoint {self.path} is corrupt: its tensors cannot be read ({_why(e)}); "
                                   f"{store.fallback(self.path)}") from None
-        return sd
 
 
 def _why(e: BaseException) -> str:
@@ -222,12 +267,24 @@ class Saver:
             import torch.distributed as dist
             dist.barrier()
 
+    def _non_finite(self, names: list[str], mine: set[str]) -> list[str]:
+        """The entries of ``names`` (the same list on every rank) whose pieces hold NaN or inf on any rank, ``mine``
+        on this one: the ranks agree with one all-reduce of a flag per entry (none on one process)."""
+        if self.world > 1:
+            import torch.distributed as dist
+            flags = torch.tensor([k in mine for k in names], dtype=torch.int32)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            mine = {k for k, f in zip(names, flags.tolist()) if f}
+        return [k for k in names if k in mine]
+
     def save(self, ex, step: int) -> tuple[Path, int]:
-        """Save the executor's weights and optimizer state after ``step`` steps (collective: every rank calls it).
-        Returns the checkpoint's directory and its size in bytes (on rank 0; 0 elsewhere). Raises NonFiniteState,
-        writing nothing, when a tensor holds NaN or inf; CheckpointError where this rank cannot write it (e.g. a full
-        disk); and PeerLost or CommTimeout where another rank left or
-        stopped answering during the save; either way the complete checkpoints saved before stay."""
+        """Save the executor's weights and optimizer state after ``step`` steps (collective: every rank calls it),
+        each rank writing replica 0 of the pieces it holds, as they are (no copy, no full tensor). Returns the
+        checkpoint's directory and its size in bytes (on rank 0; 0 elsewhere). Raises NonFiniteState on every rank,
+        writing nothing, when a piece to write holds NaN or inf on any rank; ValueError for a partial value;
+        CheckpointError where this rank cannot write it (e.g. a full disk); and PeerLost or CommTimeout where
+        another rank left or stopped answering during the save; either way the complete checkpoints saved before
+        stay."""
         from torch.distributed.checkpoint.api import CheckpointException
 
         from shardflow.runtime.distributed import CommFailure, comm_failure
@@ -249,18 +306,19 @@ class Saver:
         from torch.distributed.checkpoint.api import CheckpointException
 
         from shardflow.runtime.distributed import comm_failure
-        sd = {f"model/{k}": v for k, v in ex.weights().items()}  # collective on the distributed executor
-        sd.update({f"optim/{k}": v for k, v in ex.state().items()})
-        # every rank holds the same full tensors: every rank refuses the same save, before anything is written
-        bad = [k for k, t in sd.items() if not bool(torch.isfinite(t).all())]
-        if bad:
+        from shardflow.train.checkpoint.pieces import Pieces, SavePlanner
+        sd = {k: Pieces(*_entry(ex, vid), tuple(ex.held_pieces(vid, replica0_only=True)))
+              for k, vid in _values(ex).items()}
+        bad = self._non_finite(list(sd), {k for k, p in sd.items() if p.non_finite()})
+        if bad:  # every rank refuses the same save, before anything is written
             raise NonFiniteState(step, bad)
         tmp = store.begin(self.root, step) if self.rank == 0 else store.staging(self.root, step)
         self._barrier()
         try:
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=self.world == 1)
+                dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=SavePlanner(),
+                         no_dist=self.world == 1)
         except (Exception, CheckpointException) as e:  # e.g. disk full, on any rank
             why = _why(e)  # an interrupt is raised again here
             if comm_failure(e, "") is not None:  # another rank left or stopped answering: not this disk
