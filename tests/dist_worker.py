@@ -7,7 +7,8 @@ Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CA
 CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64" or
 "sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
 "die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
-"groups" (process groups from a list of regular and irregular groups, 4 ranks).
+"groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
+saved under one strategy, restored under others; a NaN in one rank's pieces).
 """
 
 import json
@@ -81,6 +82,58 @@ def run_dropout(rank, world):
     one.load(weights_of(model, graph))
     loss = max(abs(ex.step(inputs) - one.step(inputs)) for _ in range(2))
     return {"loss": loss, "weight": ex.weight_error(one.weights())}
+
+
+# per world size: the strategy a checkpoint is saved under, then those it is restored under
+CHECKPOINT_STRATEGIES = {2: (("tp", "tp=2"), ("dp", "dp=2"), ("pp", "pp=2")),
+                         4: (("dp,tp", "dp=2,tp=2"), ("pp,tp", "pp=2,tp=2"), ("tp", "tp=4"))}
+
+
+def run_checkpoint(rank, world, out):
+    """A sharded checkpoint between strategies (AdamW, float64): saved after 2 steps under the first strategy of
+    :data:`CHECKPOINT_STRATEGIES` (each rank writing replica 0 of its pieces), restored under the others (each rank
+    reading every replica it holds; pipeline stages hold values on sub-meshes): every replica of every weight equals
+    the saved one, and the next 2 steps give the saver's losses and weights (the optimizer state came along). Then
+    a NaN in one piece of rank 1 alone: every rank refuses the save, naming that entry, and nothing is written."""
+    import torch.distributed as dist
+
+    from shardflow.lower.dynamic import forward_id
+    from shardflow.train import checkpoint
+
+    cfg = OptimizerConfig("adamw", 0.01)
+    (strategy, mesh_text), *others = CHECKPOINT_STRATEGIES[world]
+    _, inputs, ex = executor(strategy, mesh_text, torch.float64, rank, cfg)
+    for _ in range(2):
+        ex.step(inputs)
+    root = out / "checkpoints"
+    root.mkdir(exist_ok=True)  # the parent's work in shardflow train (check_writable)
+    saver = checkpoint.Saver(root, rank, world, {"model": {}, "data": {}, "train": {}}, fresh=True)
+    ck = checkpoint.read(saver.save(ex, 2)[0])
+    saved = ex.weights()
+    losses = [ex.step(inputs) for _ in range(2)]
+    after = ex.weights()
+    diffs = {}
+    for strategy, mesh_text in others:
+        _, _, other = executor(strategy, mesh_text, torch.float64, rank, cfg)
+        ck.restore(other, world)
+        diffs[f"{strategy}: weights restored"] = other.weight_error(saved)
+        diffs[f"{strategy}: next losses"] = max(abs(other.step(inputs) - want) for want in losses)
+        diffs[f"{strategy}: weights after"] = other.weight_error(after)
+    poisoned = []
+    if rank == 1:
+        w = next(w for w in ex.dg.pcg.graph.weights if ex.held_pieces(forward_id(w), replica0_only=True))
+        ex.held_pieces(forward_id(w), replica0_only=True)[0][1].view(-1)[0] = float("nan")
+        poisoned = [f"model/{w}"]
+    try:
+        saver.save(ex, 4)
+        names = None
+    except checkpoint.NonFiniteState as e:
+        names = e.names
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (names, poisoned))
+    diffs["NaN refused alike"] = float(not everyone[1][1] or any(n != everyone[1][1] for n, _ in everyone))
+    diffs["NaN wrote nothing"] = float(sorted(p.name for p in root.iterdir()) != ["step_2"])
+    return diffs
 
 
 def run_explicit(rank):
@@ -232,6 +285,8 @@ def main():
             results[case] = run_groups(rank, world)
         elif case == "dropout":
             results[case] = run_dropout(rank, world)
+        elif case == "checkpoint":
+            results[case] = run_checkpoint(rank, world, out)
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

@@ -159,7 +159,7 @@ class Checkpoint:
         alone (whatever chunks were saved). Raises CheckpointError."""
         self.check_entries(want, store.fallback(self.path))
         sd = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in want.items()}
-        self._read(sd, None, no_dist=True)
+        self._load(sd, None, no_dist=True)
         return sd
 
     def restore(self, ex, world: int) -> None:
@@ -176,11 +176,11 @@ class Checkpoint:
         def read(pieces) -> None:
             from shardflow.train.checkpoint.pieces import LoadPlanner, Pieces
             sd = {k: Pieces(*want[k], tuple(pieces[vid])) for k, vid in values.items()}
-            self._read(sd, LoadPlanner(), no_dist=world == 1)
+            self._load(sd, LoadPlanner(), no_dist=world == 1)
 
         ex.load_pieces({vid: want[k][1] for k, vid in values.items()}, read, self.step)
 
-    def _read(self, sd: dict[str, Any], planner: Any, no_dist: bool) -> None:
+    def _load(self, sd: dict[str, Any], planner: Any, no_dist: bool) -> None:
         """``dcp.load`` of ``sd`` with ``planner`` (None: DCP's default) through the safe reader; any failure to read
         is a corrupt checkpoint to the user (CheckpointError, on every rank)."""
         import torch.distributed.checkpoint as dcp
