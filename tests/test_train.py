@@ -79,15 +79,17 @@ def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_afte
         tmp_path, train, read_metrics):
     """tp=2 on 2 processes with --tensorboard and the peak measured, then resumed (one process) from its checkpoint
     at step 2, the one at step 4 removed: TensorBoard's scalars are metrics.jsonl's — every key, every step, once
-    (the first run's steps 3 and 4, with other step times, purged). Event files hold float32: rel 1e-6."""
+    (the first run's steps 3 and 4, with other step times, purged). Event files hold float32: rel 1e-6. The resumed
+    run has --check: its one-device reference starts from the checkpoint's full tensors, the run from its pieces."""
     r, run = train(tmp_path, "tb", "--strategy", "tp", "--nproc", "2", "--tensorboard", "--checkpoint-every", "2",
                    "--peak-tflops", "0")
     assert r.returncode == 0, r.stderr + r.stdout
     assert "measured at start-up: best of 3 float32 2048×2048 matmuls on cpu" in r.stdout
     assert all(len(m["mem_mib_ranks"]) == 2 and m["mem_mib"] == max(m["mem_mib_ranks"]) for m in read_metrics(run))
     shutil.rmtree(run / "checkpoints" / "step_4")
-    r, run = train(tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard", "--resume")
-    assert r.returncode == 0, r.stderr + r.stdout
+    r, run = train(tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard", "--resume",
+                   "--check")
+    assert check_line(r).endswith(": OK")
     want: dict[str, list] = {}
     for m in read_metrics(run):
         for key, v in m.items():
