@@ -13,7 +13,9 @@ Every rank builds the same variants and runs them interleaved (``harness.interle
 * ``sp``      — (d) a column-parallel linear fed by an all-gather of a sequence-sharded input, each form of
                 the all-gather and of its backward reduce-scatter, through ``DistributedExecutor``;
 * ``profile`` — where the time of one shardflow tp=2 step of (a) goes (timers around the executor's kernels
-                and communications, and cProfile), rank 0.
+                and communications, and cProfile), rank 0;
+* ``ckpt``    — (f) the memory a checkpoint save allocates on each rank beyond its state: the sharded save of
+                ``shardflow train`` against a save of full tensors gathered first.
 """
 
 from __future__ import annotations
@@ -779,7 +781,82 @@ def _aten_profile(ex: DistributedExecutor | None, fn: Callable, n: int, rank: in
 # ==========================================================================================================
 # main
 # ==========================================================================================================
-WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile}
+def peak_extra_bytes(fn: Callable[[], object]) -> dict[str, int]:
+    """What ``fn()`` allocates at its peak beyond what was live before it (bytes): ``tensors`` — torch's CPU
+    allocator (torch.profiler's memory records, in time order, summed: + allocations, − frees) — and ``python`` —
+    Python's heap (tracemalloc: e.g. the bytes DCP pickles, the blocks a file's sha256 is read in); the peaks need
+    not coincide, so their sum bounds the whole from above."""
+    import tracemalloc
+    from torch.profiler import ProfilerActivity, profile
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    python = tracemalloc.get_traced_memory()[1] - before
+    tracemalloc.stop()
+    live = peak = 0
+    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                       if e.name() == "[memory]"):  # every allocation (+) and free (−), whatever op made it
+        live += n
+        peak = max(peak, live)
+    return {"tensors": peak, "python": python}
+
+
+def run_ckpt(p: dict, rank: int, world: int) -> dict:
+    """(f) The default GPT under tp (AdamW, 2 steps), saved: by ``checkpoint.Saver`` (each rank writes replica 0
+    of its pieces) and, as before sharded checkpoints, by gathering the full weights and optimizer state on every
+    rank (the executor's collective ``weights()`` / ``state()``) and handing them to ``dcp.save``. Each variant is
+    saved once to warm up, then measured (:func:`peak_extra_bytes`) on its second save."""
+    import dataclasses
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from shardflow.train import checkpoint
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.data import Split
+    from shardflow.train.recipe import setup
+    base = TrainConfig()
+    s = setup(dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world), world)
+    cfg = s.optimizer
+    ex = DistributedExecutor(lower_step(s.pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=TIMEOUT_S)
+    ex.load(weights_of(s.model, s.graph))
+    for step in range(2):
+        ex.step(s.batch(Split.TRAIN, step))
+    box = [tempfile.mkdtemp(prefix="ckpt-bench-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = Path(box[0])
+    saver = checkpoint.Saver(root / "sharded", rank, world, s.checkpoint_meta(world), fresh=True)
+    (root / "sharded").mkdir(exist_ok=True)
+
+    def full_save(step: int) -> None:
+        sd = {f"model/{k}": v for k, v in ex.weights().items()} | {f"optim/{k}": v for k, v in ex.state().items()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(root / f"full_{step}", sync_files=True))
+
+    out: dict = {"params": sum(q.numel() for q in s.model.parameters()), "state": state_bytes(ex.dg, rank)}
+    variants = {"sharded": lambda step: saver.save(ex, step), "full": full_save}
+    for name, save in variants.items():
+        save(1)
+        dist.barrier()
+        out[name] = peak_extra_bytes(lambda: save(2))
+        dist.barrier()
+    files = {}
+    for name, d in (("sharded", root / "sharded" / "step_2"), ("full", root / "full_2")):
+        files[name] = {f.name: f.stat().st_size for f in sorted(d.iterdir()) if f.suffix == ".distcp"}
+    out["files"] = files
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, out)
+    if rank == 0:
+        import shutil
+        shutil.rmtree(root, ignore_errors=True)
+    return {"model_params": out["params"], "ranks": everyone}
+
+
+WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile,
+             "ckpt": run_ckpt}
 
 
 def main() -> None:

@@ -4,20 +4,21 @@ under any strategy and mesh. By concern:
 * :mod:`~shardflow.train.checkpoint.store` — the atomic store: ``step_<n>.tmp/`` → manifest (size and sha256 of
   every file) → ``COMPLETE`` → one ``rename``; finding checkpoints; checking a directory is writable;
 * :mod:`~shardflow.train.checkpoint.dcp` — the tensors, written and read with DCP (safely: no unpickling beyond
-  DCP's own metadata classes);
+  DCP's own metadata classes); :mod:`~shardflow.train.checkpoint.pieces` — how a rank's pieces are handed to DCP;
 * :mod:`~shardflow.train.checkpoint.resume` — whether a checkpoint fits the run about to continue from it;
 * :mod:`~shardflow.train.checkpoint.export` — the plain module with a checkpoint's weights, and the Hugging Face
   model directory of ``shardflow export``.
 
 What they know of the model is its :class:`~shardflow.train.family.Family`, recorded by name with its config.
 
-**What is saved, and why full tensors.** Every tensor whole (unsharded): nothing in the files depends on how the
-run was sharded, so a checkpoint written by any strategy and mesh loads under any other, and ``export`` /
-``generate`` read it on one process. The price is memory: while saving or loading, every rank holds the whole
-model and its optimizer state (for AdamW 3× the parameters) next to its own shards. Fine for the models
-``shardflow train`` trains; a sharded save (DTensor-style entries, each rank writing only its pieces) is the way
-out for models that do not fit one rank. Batches depend only on (seed, step), so the step count is also the
-position in the data.
+**What is saved: each rank's pieces.** Every tensor is stored as chunks of the full tensor at their offsets (DCP's
+``TensorStorageMetadata``, one ``ChunkStorageMetadata`` per chunk: the format DTensor and FSDP2 write). Each rank
+writes replica 0 of the pieces it holds, as they are — no tensor is gathered or copied, and a replicated piece is
+written once. A resume reads into each piece a rank holds (every replica) the overlap of the chunks saved: a
+checkpoint written under any strategy, mesh and process count loads under any other, and a rank holds its own
+pieces and, one at a time, a chunk as it was saved — never the whole model. ``export`` and ``generate`` read full tensors from
+the same files on one process (a plain ``dcp.load``). Batches depend only on (seed, step), so the step count is
+also the position in the data.
 
 ``--resume`` takes the newest ``step_<n>/`` that has the marker; leftover ``.tmp`` directories are ignored and
 removed by rank 0 at the next save. A fresh run (no ``--resume``) replaces an earlier run's checkpoints in the same

@@ -37,8 +37,9 @@ class Pieces:
         return torch.Size(self.shape)
 
     def non_finite(self) -> bool:
-        """Whether a piece holds NaN or inf (each piece checked on its own: no full-size temporary)."""
-        return any(not bool(torch.isfinite(t).all()) for _, t in self.pieces)
+        """Whether a piece holds NaN or inf. From each piece's minimum and maximum (NaN propagates to both, an
+        infinity is one of them): no temporary of a piece's size, as ``isfinite`` would make."""
+        return any(not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()) for _, t in self.pieces if t.numel())
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in self.pieces]
