@@ -145,11 +145,12 @@ def test_resume_with_dropout_reproduces_the_uninterrupted_run(train_argv, read_m
     assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) < 1e-5
 
 
-def test_checkpoint_of_tp_resumes_under_dp_and_single(runs, train_argv, read_metrics, tmp_path):
+def test_checkpoint_of_tp_resumes_under_dp_and_on_one_process(runs, train_argv, read_metrics, tmp_path):
     """tp6's checkpoint of step 3, saved as each rank's pieces by 2 processes, resumed under dp=2 (2 processes, every
-    rank reading the whole of each weight from both ranks' chunks), on one device, and under dp=2,tp=2 on one process
-    (a local mesh of 4 devices: each device reads every replica it holds): steps 4-6 give tp6's losses."""
-    runs_ = {"dp": ["--strategy", "dp", "--nproc", "2"], "single": ["--strategy", "single", "--nproc", "1"],
+    rank reading the whole of each weight from both ranks' chunks) and under dp=2,tp=2 on one process (a local mesh
+    of 4 devices: each device reads every replica it holds): steps 4-6 give tp6's losses. (One device, pipeline
+    stages and more: test_a_save_writes_each_block_once_and_any_mesh_resumes_from_it, in this process.)"""
+    runs_ = {"dp": ["--strategy", "dp", "--nproc", "2"],
              "dp,tp": ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "1"]}
     argvs = []
     for name, flags in runs_.items():
