@@ -458,8 +458,8 @@ def section_e(res: dict, quick: bool) -> str:
 def section_f(res: dict, quick: bool) -> str:
     ranks = res["ranks"]
     lines = ["## Checkpoint save memory (f)", "",
-             f"The default model of `shardflow train` (`TrainConfig` defaults: {res['model_params']:,} parameters, AdamW, "
-             f"float32) under tp=2 on 2 processes, "
+             f"The default model of `shardflow train` (`TrainConfig` defaults: {res['model_params']:,} parameters, "
+             f"AdamW, float32) under tp=2 on 2 processes, "
              f"saved after 2 steps. *sharded*: `checkpoint.Saver`, as `shardflow train` saves — each rank hands DCP "
              f"replica 0 of the pieces it holds. *full*: the format before sharded checkpoints — every rank gathers "
              f"the full weights and optimizer state (the executor's collective `weights()` / `state()`) and hands "

@@ -456,8 +456,8 @@ def test_non_finite_state_is_never_saved(tmp_path):
     root.mkdir()
     _saver(root).save(_filled(1.0), 1)
     for bad in (float("nan"), float("inf")):
-        with pytest.raises(checkpoint.NonFiniteState, match=r"^the state after step 2 holds NaN or inf "
-                                                            r"\(model/layers.0.weight and 11 more\): checkpoint not saved$"):
+        with pytest.raises(checkpoint.NonFiniteState, match=r"^the state after step 2 holds NaN or inf \(model/layers"
+                                                            r".0.weight and 11 more\): checkpoint not saved$"):
             _saver(root, fresh=False).save(_filled(bad), 2)
     ex = _filled(1.0)
     (_, piece), = ex.held_pieces(forward_id("layers.1.bias"), replica0_only=True)  # replicated: one piece written

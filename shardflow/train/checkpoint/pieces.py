@@ -42,9 +42,11 @@ class Pieces:
         return any(not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()) for _, t in self.pieces if t.numel())
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """Each piece's block (offsets, sizes): what a load asks DCP to fill."""
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in self.pieces]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        """One chunk (``WriteItemType.SHARD``) per piece of entry ``fqn``: what a save writes."""
         props = TensorProperties(dtype=self.dtype)
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()))
