@@ -41,6 +41,7 @@ from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg
 from shardflow.reference import leaves, weights_of
+from shardflow.runtime.materialize import materialise
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
@@ -400,6 +401,9 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     Args:
         model: any ``nn.Module`` whose ``model(**batch)`` returns the loss (or an object with ``.loss``). It is
             read, not changed: its parameters are copied in; :meth:`Trainer.state_dict` gives them back trained.
+            A model built on the meta device (``with torch.device("meta"): model = ...``) is never materialised
+            whole: its initialisation is replayed on each device's pieces alone, draws seeded by ``seed``
+            (:mod:`shardflow.runtime.materialize`; its buffers get their values in place).
         batch: an example batch, input name → tensor; every step's batch has its keys, shapes and dtypes.
         mesh: the device mesh, a :class:`Mesh` or its text (``"dp=2,tp=2"``).
         strategy: a preset — dp, tp, sp, pp or a combination (``"dp,tp"``); default: the one the mesh's axes name.
@@ -411,7 +415,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             agree), ``distributed`` (this process is one rank: it joins the process group torchrun's environment
             describes and builds only its own program — the ranks compare their plans' fingerprints at start-up;
             the mesh must have one device per process), or ``auto`` (distributed when ``WORLD_SIZE`` > 1).
-        seed: the run seed random ops (dropout) draw with.
+        seed: the run seed random ops (dropout) and a meta-device model's initialisation draw with.
         timeout_s: distributed executor: seconds any communication may wait.
         accumulate: gradient accumulation: each step runs as this many micro-steps, each on an equal part of the
             batch along dim 0 (the model is captured on one part), the weights' gradients summed where they lie
@@ -420,6 +424,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
 
     Raises:
         CaptureError: export cannot capture the model (the message names the model's source line).
+        InitError (a ValueError): a meta-device model whose initialisation cannot be replayed piece by piece.
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
         ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer or executor;
             ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); distributed: the world
@@ -439,9 +444,10 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     if accumulate < 1:
         raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
     micro_steps = MicroStep.sequence(accumulate)
+    inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
     graph = capture(model, split_batch(batch, accumulate)[0])
     chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)
-    weights = weights_of(model, graph)
+    weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
     if kind == ExecutorKind.DISTRIBUTED:
         from shardflow.runtime.distributed import DistributedExecutor, init_from_env
         rank, _ = init_from_env(timeout_s)
@@ -454,7 +460,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         make, lead = functools.partial(LocalExecutor, optimizer=opt, seed=seed), True
     lowered = steps[micro_steps[-1]]  # the step that reduces the gradients and updates
     ex: Executor = make(lowered)  # distributed: checks the world size and that every rank has the same plan
-    if kind == ExecutorKind.DISTRIBUTED:
+    if kind == ExecutorKind.DISTRIBUTED and not inits:  # materialised pieces are the same everywhere by design
         _same_weights_everywhere(weights)
     others = {m: make(step, share=ex) for m, step in steps.items() if not m.last}
     micro = MicroSteps([others.get(m, ex) for m in micro_steps])
