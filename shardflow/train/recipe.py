@@ -26,7 +26,7 @@ from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.materialize import TensorInit, materialise
 from shardflow.strategy import PlanError
-from shardflow.strategy.presets import default_mesh
+from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
 from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig
@@ -73,7 +73,8 @@ class Setup:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
                             CostModel("nccl" if torch.cuda.is_available() else "gloo"),
-                            bucket_bytes=int(self.cfg.bucket_mb * 2**20))
+                            bucket_bytes=int(self.cfg.bucket_mb * 2**20),
+                            reshard_after_forward=self.cfg.reshard_after_forward)
 
     @property
     def micro_steps(self) -> tuple[MicroStep, ...]:
@@ -115,6 +116,19 @@ class Setup:
         if self.inits is not None:
             return {w: self.inits[w] for w in self.graph.weights}
         return {w: params[w].detach().clone() for w in self.graph.weights}
+
+    def whole_model(self) -> nn.Module:
+        """The model with its initial weights, materialised whole on this process: for a one-device reference or a
+        PyTorch baseline to compare with (a run's ranks never build it). Under ``--init-from`` the directory's
+        weights, read whole."""
+        if self.inits is None and self.pretrained is None:
+            return self.model
+        torch.manual_seed(self.cfg.seed)
+        model = self.family.build(self.config)
+        weights = self.initial_weights()
+        full = {w: v[tuple(slice(None) for _ in v.shape)] for w, v in weights.items()}
+        model.load_state_dict(full, strict=False)  # tied weights load under their first name
+        return model
 
     def checkpoint_entries(self) -> checkpoint.Entries:
         """What a checkpoint of this run holds: every weight and its optimizer state."""
@@ -201,8 +215,10 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
 
 def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
     """Under ``--accumulate N`` (N > 1), raise ValueError (one paragraph) unless ``--batch-size`` splits into N
-    micro-batches of whole sequences that each split over the data-parallel degree (the mesh's ``dp`` axis)."""
-    n, dp = cfg.accumulate, mesh.axis_size("dp") if "dp" in mesh.axis_names else 1
+    micro-batches of whole sequences that each split over the data-parallel degree (the mesh's ``dp`` and ``fsdp``
+    axes)."""
+    n = cfg.accumulate
+    dp = math.prod(mesh.axis_size(a) for a in DATA_AXES if a in mesh.axis_names)
     if n > 1 and cfg.batch_size % (n * dp):
         fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
         other = f"an --accumulate of {', '.join(map(str, fits))}" if fits else "--accumulate 1"
