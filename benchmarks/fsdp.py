@@ -10,7 +10,7 @@ the ledger, not read from the operating system.
 
 Usage::
 
-    python benchmarks/fsdp.py              # writes the section "FSDP: per-rank memory (f)" of docs/benchmarks.md
+    python benchmarks/fsdp.py              # writes the section "FSDP: per-rank memory" of docs/benchmarks.md
     python benchmarks/fsdp.py --no-write   # prints it only
 """
 
@@ -60,7 +60,7 @@ def section(rows: list[dict], seconds: float) -> str:
     m = machine()
     one = rows[0]
     base = sum(one["state"].values())
-    lines = ["## FSDP: per-rank memory (f)", "",
+    lines = ["## FSDP: per-rank memory", "",
              f"`python benchmarks/fsdp.py`: the main job's Llama at `shardflow train`'s defaults ({one['params']:,} "
              f"parameters, AdamW, float32), rank 0. State = parameters + gradients (those the update reads) + "
              f"optimizer state, the pieces of the plan (equal to the pieces the executor holds after a step: checked); "
