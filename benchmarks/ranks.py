@@ -271,7 +271,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
     out: dict = {}
     s_tp = setup(dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world), world)
     cfg = s_tp.optimizer
-    model = s_tp.model
+    model = s_tp.whole_model()
     batch = s_tp.corpus.batch("train", 0, base.batch_size, base.seq_len, base.seed)
     out["model"] = {"params": sum(q.numel() for q in model.parameters()), "vocab": model.config.vocab_size,
                     "layers": base.layers, "heads": base.heads, "embd": base.embd, "seq_len": base.seq_len,
@@ -282,12 +282,12 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
     if p.get("timing", True):
         s_dp = setup(dataclasses.replace(base, strategy="dp", mesh=f"dp={world}", nproc=world), world)
         ex_dp = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=TIMEOUT_S)
-        ex_dp.load(weights_of(s_dp.model, s_dp.graph))
+        ex_dp.load(s_dp.initial_weights())
         out["program_dp"] = program_size(ex_dp)
         ex_dp0 = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank],
                                                 options=LowerOptions("collective", "collective", bucket_bytes=0)),
                                      cfg, timeout_s=TIMEOUT_S)
-        ex_dp0.load(weights_of(s_dp.model, s_dp.graph))
+        ex_dp0.load(s_dp.initial_weights())
         out["program_dp0"] = program_size(ex_dp0)
         dt = dtensor_gpt(model, world)
         dt_opt = adamw(dt.parameters(), cfg)

@@ -36,11 +36,13 @@ from torch import nn
 
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph, TensorRole
-from shardflow.lower import LoweredStep, MicroStep, lower_step
+from shardflow.lower import LoweredStep, LowerOptions, MicroStep, lower_step
+from shardflow.lower.cost import CommForm
 from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg
 from shardflow.reference import leaves, weights_of
+from shardflow.runtime.materialize import materialise
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
@@ -181,8 +183,8 @@ def mesh_strategy(mesh: Mesh) -> str:
     axes = [a for a, s in zip(mesh.axis_names, mesh.shape) if s > 1]
     other = [a for a in axes if a not in AXIS_OF.values()]
     if other:
-        raise PlanError(f"mesh {mesh}: axis {other[0]!r} names no preset strategy (axes: dp, tp, pp); name the "
-                        f"strategy (dp, tp, sp, pp or a combination) or give a plan")
+        raise PlanError(f"mesh {mesh}: axis {other[0]!r} names no preset strategy (axes: dp, fsdp, tp, pp); name "
+                        f"the strategy (dp, fsdp, hsdp, tp, sp, pp or a combination) or give a plan")
     return ",".join(axes) or "single"
 
 
@@ -394,15 +396,20 @@ class Trainer:
 def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str, strategy: str | None = None,
                 plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
                 lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
-                seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1) -> Trainer:
+                seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1,
+                reshard_after_forward: bool = True) -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
 
     Args:
         model: any ``nn.Module`` whose ``model(**batch)`` returns the loss (or an object with ``.loss``). It is
             read, not changed: its parameters are copied in; :meth:`Trainer.state_dict` gives them back trained.
+            A model built on the meta device (``with torch.device("meta"): model = ...``) is never materialised
+            whole: its initialisation is replayed on each device's pieces alone, draws seeded by ``seed``
+            (:mod:`shardflow.runtime.materialize`; its buffers get their values in place).
         batch: an example batch, input name → tensor; every step's batch has its keys, shapes and dtypes.
         mesh: the device mesh, a :class:`Mesh` or its text (``"dp=2,tp=2"``).
-        strategy: a preset — dp, tp, sp, pp or a combination (``"dp,tp"``); default: the one the mesh's axes name.
+        strategy: a preset — dp, fsdp, hsdp, tp, sp, pp or a combination (``"dp,tp"``, ``"fsdp,tp"``); default: the
+            one the mesh's axes name.
         plan: a user plan instead (a :class:`Plan` or a JSON/TOML file, see docs/concepts.md).
         optimizer: ``"sgd"``, ``"adamw"`` (with ``lr``, default 0.1), or an :class:`OptimizerConfig` (momentum,
             weight decay, betas...; then no ``lr``).
@@ -411,15 +418,18 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             agree), ``distributed`` (this process is one rank: it joins the process group torchrun's environment
             describes and builds only its own program — the ranks compare their plans' fingerprints at start-up;
             the mesh must have one device per process), or ``auto`` (distributed when ``WORLD_SIZE`` > 1).
-        seed: the run seed random ops (dropout) draw with.
+        seed: the run seed random ops (dropout) and a meta-device model's initialisation draw with.
         timeout_s: distributed executor: seconds any communication may wait.
         accumulate: gradient accumulation: each step runs as this many micro-steps, each on an equal part of the
             batch along dim 0 (the model is captured on one part), the weights' gradients summed where they lie
             and reduced once, after the last; with a loss that is a mean over the batch, the step equals one on
             the whole batch (each micro-step's loss gradient is seeded with 1/accumulate).
+        reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
+            the backward (FSDP2's default); False keeps the forward's gather.
 
     Raises:
         CaptureError: export cannot capture the model (the message names the model's source line).
+        InitError (a ValueError): a meta-device model whose initialisation cannot be replayed piece by piece.
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
         ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer or executor;
             ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); distributed: the world
@@ -439,22 +449,26 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     if accumulate < 1:
         raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
     micro_steps = MicroStep.sequence(accumulate)
+    inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
     graph = capture(model, split_batch(batch, accumulate)[0])
     chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)
-    weights = weights_of(model, graph)
+    weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard_after_forward)
     if kind == ExecutorKind.DISTRIBUTED:
         from shardflow.runtime.distributed import DistributedExecutor, init_from_env
         rank, _ = init_from_env(timeout_s)
-        steps = {m: lower_step(pcg, opt.slots, ranks=[rank], micro=m) for m in dict.fromkeys(micro_steps)}
+        steps = {m: lower_step(pcg, opt.slots, ranks=[rank], micro=m, options=options)
+                 for m in dict.fromkeys(micro_steps)}
         make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=timeout_s, seed=seed)
         lead = rank == 0
     else:
         from shardflow.runtime.local import LocalExecutor
-        steps = {m: lower_step(pcg, opt.slots, micro=m) for m in dict.fromkeys(micro_steps)}  # proven to agree
+        steps = {m: lower_step(pcg, opt.slots, micro=m, options=options)  # proven to agree
+                 for m in dict.fromkeys(micro_steps)}
         make, lead = functools.partial(LocalExecutor, optimizer=opt, seed=seed), True
     lowered = steps[micro_steps[-1]]  # the step that reduces the gradients and updates
     ex: Executor = make(lowered)  # distributed: checks the world size and that every rank has the same plan
-    if kind == ExecutorKind.DISTRIBUTED:
+    if kind == ExecutorKind.DISTRIBUTED and not inits:  # materialised pieces are the same everywhere by design
         _same_weights_everywhere(weights)
     others = {m: make(step, share=ex) for m, step in steps.items() if not m.last}
     micro = MicroSteps([others.get(m, ex) for m in micro_steps])

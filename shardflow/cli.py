@@ -34,7 +34,8 @@ from shardflow.api import (ExecutorKind, ParallelPlan, load_model, parallelize, 
                            summary)
 from shardflow.capture import CaptureError, capture, wide_floats
 from shardflow.graph.ops import OpError, dtype_name
-from shardflow.lower import lower_step
+from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower.cost import CommForm
 from shardflow.lower.dynamic import Optimizer, PassError, UpdateRule
 from shardflow.lower.comm_lowering import lowering_summary
 from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
@@ -71,6 +72,13 @@ FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "emb
                "seq_len": Range(1), "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1),
                "tol": Range(0), "lr": RANGES["lr"], "timeout": RANGES["timeout"], "tokens": Range(0),
                "temperature": Range(0), "seed": Range(0, 2**63, high_open=True)}
+
+
+def add_reshard_arg(p: argparse.ArgumentParser) -> None:
+    """``--[no-]reshard-after-forward``, as ``shardflow train`` has it (TrainConfig.reshard_after_forward)."""
+    f = next(f for f in dataclasses.fields(TrainConfig) if f.name == "reshard_after_forward")
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=f.default,
+                   help=f.metadata["help"])
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -173,13 +181,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(graph.listing())
         return 0
     plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=args.reshard_after_forward)
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
-        _, records = run_passes(pcg, LowerContext(args.optimizer), dump=dump)
+        _, records = run_passes(pcg, LowerContext(args.optimizer, options=options), dump=dump)
         if args.passes:
             print(pass_table(records))
         return 0
-    step = lower_step(pcg, args.optimizer)  # proves the programs agree (raises PlanVerificationError)
+    step = lower_step(pcg, args.optimizer, options=options)  # proves the programs agree (PlanVerificationError)
     if args.rank is not None and args.rank not in step.programs:
         raise ValueError(f"--rank {args.rank}: mesh {mesh} has ranks 0..{mesh.size - 1}; pass one of them, or omit "
                          f"--rank to show every rank")
@@ -261,7 +270,8 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
     with precision(args.dtype):
         trainer = parallelize(model, batch, mesh=mesh, strategy=strategy, plan=args.plan,
                               optimizer=OptimizerConfig(args.optimizer, args.lr), strict=args.strict,
-                              executor=executor, timeout_s=args.timeout)
+                              executor=executor, timeout_s=args.timeout,
+                              reshard_after_forward=args.reshard_after_forward)
         steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
         say = print if trainer.lead else (lambda *_, **__: None)
         n_params = sum(p.numel() for p in model.parameters())
@@ -308,7 +318,9 @@ def launch_check(args: argparse.Namespace) -> int:
         graph = capture(model, batch)
     require_eager_comparable(graph)
     _, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
-    lower_step(pcg, OptimizerConfig(args.optimizer, args.lr).slots)  # every rank's program, proven to agree
+    lower_step(pcg, OptimizerConfig(args.optimizer, args.lr).slots,  # every rank's program, proven to agree
+               options=LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE,
+                                    reshard_after_forward=args.reshard_after_forward))
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))
     res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
     codes = set(res.returncodes)
@@ -360,8 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the parallel computation graph of a model under a strategy (no processes)")
     add_model_args(p)
-    p.add_argument("--strategy", help="single, dp, tp, sp, pp or a combination such as dp,tp (default tp, or none with "
-                                      "--plan)")
+    p.add_argument("--strategy", help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp (default "
+                                      "tp, or none with --plan)")
     p.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
                                   "with --nproc devices)")
     p.add_argument("--nproc", type=int, default=2, help="devices when --mesh is not given (default 2)")
@@ -370,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="refuse the strategy where a sharding rule refuses its inputs (the error names the parallel "
                         "op to insert) instead of inserting the cheapest redistribution")
+    add_reshard_arg(p)
     p.add_argument("--format", choices=("text", "json", "dot"), default="text",
                    help="text: PCG + per-rank programs + bytes + proof; json: the same, machine-readable; "
                         "dot: the PCG as Graphviz (SVG too when Graphviz is installed)")
@@ -385,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="train a model under a strategy beside eager PyTorch on one device and print the "
                                      "largest differences of loss, gradients and weights over every replica")
     add_model_args(c)
-    c.add_argument("--strategy", help="single, dp, tp, sp, pp or a combination such as dp,tp (default: the one the "
-                                      "--mesh axes name; tp without --mesh)")
+    c.add_argument("--strategy", help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp (default: "
+                                      "the one the --mesh axes name; tp without --mesh)")
     c.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
                                   "with --nproc devices, 2 when --nproc is 1)")
     c.add_argument("--plan", help="a user plan (JSON or TOML: per-module placements) instead of --strategy")
@@ -404,6 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     c.add_argument("--strict", action="store_true",
                    help="refuse the strategy where a sharding rule refuses its inputs instead of redistributing them")
+    add_reshard_arg(c)
     c.add_argument("--timeout", type=float, default=120.0,
                    help="--nproc: seconds any rank may wait on one communication (default 120)")
     c.set_defaults(func=cmd_check)

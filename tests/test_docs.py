@@ -78,7 +78,7 @@ _KIND_WORDS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_s
                "all_to_all": "all-to-all", "p2p": "send/recv"}
 STRATEGY_ROWS = [("single", "d=1"), ("dp", "dp=2"), ("dp", "dp=4"), ("tp", "tp=2"), ("tp", "tp=4"), ("sp", "tp=2"),
                  ("pp", "pp=2"), ("dp,tp", "dp=2,tp=2"), ("dp,sp", "dp=2,tp=2"), ("pp,tp", "pp=2,tp=2"),
-                 ("dp,pp", "dp=2,pp=2")]
+                 ("dp,pp", "dp=2,pp=2"), ("fsdp", "fsdp=2"), ("hsdp", "dp=2,fsdp=2"), ("fsdp,tp", "fsdp=2,tp=2")]
 
 
 def collectives_per_strategy() -> list[str]:

@@ -60,11 +60,11 @@ def test_small_plans_scaled_equal_the_run_s_plan(corpus, strategy, world):
 
 
 def test_runs_that_cannot_fit_are_refused_in_seconds_with_nothing_allocated(tmp_path, corpus):
-    """The default model with --embd 65536 (its parameters alone: ~257 GiB per process) and with --batch-size 200000
+    """The default model with --embd 65536 (its parameter pieces alone: ~257 GiB per process under tp=2) and with --batch-size 200000
     (activations: hundreds of GiB; capturing at that size took 5.5 GB and 14 s): each refused by the parent,
     one paragraph with the estimate broken down and the fix, before any process starts; the parent's peak resident
     size stays that of a small run (measured: ~0.4 GB)."""
-    runs = {"--embd": ("65536", "the model it builds whole to seed its pieces", "a smaller model (--embd, --layers)"),
+    runs = {"--embd": ("65536", "parameters", "optimizer state", "a smaller model (--embd, --layers)"),
             "--batch-size": ("200000", "activations", "a smaller --batch-size or --seq-len")}
     procs = {}
     for flag, (value, *_) in runs.items():

@@ -33,6 +33,7 @@ def single(tmp_path_factory, train, read_metrics):
     ["--strategy", "tp", "--nproc", "2"],
     ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
+    ["--strategy", "fsdp", "--nproc", "2"],
 ])
 def test_strategies_match_single_device_step_by_step(tmp_path, train, read_metrics, single, argv):
     r, run = train(tmp_path, "run", *argv)
@@ -166,6 +167,8 @@ def test_check_compares_with_one_device(tmp_path, train):
     ["--strategy", "sp", "--mesh", "tp=2"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
     ["--strategy", "pp", "--mesh", "pp=2", "--layers", "2"],
+    ["--strategy", "hsdp", "--mesh", "dp=2,fsdp=2"],
+    ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--no-reshard-after-forward"],
 ])
 def test_check_passes_on_the_llama(tmp_path, train, argv):
     """--check on the default model (Llama: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention), every
@@ -180,6 +183,7 @@ def test_check_passes_on_the_llama(tmp_path, train, argv):
     ["--strategy", "dp", "--mesh", "dp=2", "--nproc", "1"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "1"],
     ["--strategy", "dp", "--nproc", "2"],
+    ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--nproc", "1"],
 ])
 def test_check_passes_with_accumulation(tmp_path, train, argv):
     """--accumulate 4 on the Llama: each step as 4 micro-steps of 2 sequences (1 per data-parallel rank), the

@@ -380,8 +380,8 @@ def _alias(c, node, x, *_, memory_format=None, **__):
 
 def _to_copy(c, node, x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
              memory_format=None):
-    if device is not None and torch.device(device) != node.args[0].meta["val"].device:
-        return None
+    """A cast, or the value itself: a device move is none of the graph's business (the executors place every
+    buffer on their rank's device; a model built on the meta device moves its labels to ``meta``)."""
     want = dtype_name(node.meta["val"].dtype)
     if isinstance(x, _T) and c.b.type_of(x.name).dtype == want:
         return x

@@ -95,12 +95,18 @@ class LowerOptions:
     bytes (the last one may be smaller), each issued without waiting as soon as its last gradient is ready,
     so it travels while the backward goes on; 0 = one all-reduce per gradient. PyTorch DDP's gradient
     bucketing (Li et al., "PyTorch Distributed", VLDB 2020), default 25 MiB as DDP's ``bucket_cap_mb``.
+
+    ``reshard_after_forward``: a weight gathered by a Combine (FSDP) is gathered again for the backward instead of
+    kept from the forward (:func:`~shardflow.lower.dynamic.pass_expansion`; FSDP2's ``reshard_after_forward``).
+    Off here, so a plan lowers as written; ``shardflow train``/``plan``/``check`` and ``parallelize`` turn it on by
+    default, as FSDP2 does.
     """
 
     all_gather: CommForm | str = "auto"
     reduce_scatter: CommForm | str = "auto"
     cost: CostModel = field(default_factory=CostModel)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    reshard_after_forward: bool = False
 
     def __post_init__(self):
         if self.bucket_bytes < 0:

@@ -39,7 +39,7 @@ from typing import Iterable, Mapping
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType, torch_dtype
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import ParallelOp, Replicate, redistribute
+from shardflow.parallel.ops import Combine, ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
 from shardflow.parallel.sharding import Sharding
 
@@ -170,6 +170,11 @@ def grad_id(tensor: str, consumer: str = "") -> str:
 def state_id(slot: str, weight: str) -> str:
     """The id of optimizer-state ``slot`` of ``weight`` (``opt:<slot>:<weight>``; checkpoints key state by it)."""
     return f"{ValueRole.OPT}:{slot}:{weight}"
+
+
+def regathered_id(tensor: str) -> str:
+    """The id of PCG tensor ``tensor`` (a gathered weight) gathered again for the backward (``fwd:<tensor>@bwd``)."""
+    return f"{forward_id(tensor)}@bwd"
 
 
 def accumulated_id(part: str) -> str:
@@ -439,7 +444,7 @@ def _weight_side(pcg: PCG) -> set[str]:
 
 def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, training: bool = True,
                    clip_norm: float | None = None, grad_norm: bool = False,
-                   micro: MicroStep = MicroStep()) -> DynamicGraph:
+                   micro: MicroStep = MicroStep(), reshard_after_forward: bool = False) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
@@ -450,6 +455,11 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     every contribution to a weight's gradient (or to a parallel op's output on a weight) is summed with its
     ``acc`` value, a SUM node before any reduction; a micro-step that is not the last stops there — no gradient
     of a weight is reduced, no update, no gradient norm — and leaves the sums for the next one.
+
+    ``reshard_after_forward``: a weight gathered by a Combine (FSDP's all-gather) is freed after its last forward
+    use and gathered again, by a second Combine in the backward right before the first backward node that reads
+    it (FSDP's ``reshard_after_forward=True``: the whole weight lives twice briefly instead of through the step);
+    False keeps the forward's gather for the backward (ZeRO-2-like memory, half the all-gathers).
 
     ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
     if the PCG has no loss or the optimizer is unknown.
@@ -530,6 +540,22 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
             want = Sharding(want.dims, tuple(a for a in have.partial if a == keep_axis))
         return g.redistribute(cur, want, TaskType.BWD, t)
 
+    gathers = {n.outputs[0]: n for n in pcg.nodes if reshard_after_forward and n.is_parallel
+               and isinstance(n.op, Combine) and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT}
+    again: dict[str, str] = {}
+
+    def for_backward(t: str) -> str:
+        """The value a backward node reads for forward tensor ``t``: a gathered weight gathered again (once, before
+        its first backward reader) under ``reshard_after_forward``, else the forward's."""
+        if t not in gathers:
+            return forward_id(t)
+        if t not in again:
+            n, v = gathers[t], g.values[forward_id(t)]
+            again[t] = g.value(regathered_id(t), t, ValueRole.FWD, v.type, v.sharding, v.group)
+            g.nodes.append(DNode(f"BWD regather {n.name}", TaskType.BWD, NodeKind.PARALLEL, (forward_id(n.inputs[0]),),
+                                 (again[t],), n.group, n.name, n.op, label=n.op.describe()))
+        return again[t]
+
     # A weight's gradient is finalized (its synchronisation issued) as soon as its last consumer's backward
     # has run, so that data parallelism's all-reduces can overlap the rest of the backward.
     weights = [w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT and w in pcg.graph.tensors]
@@ -589,7 +615,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                 tt = pcg.tensors[t]
                 outs.append(g.value(grad_id(t, n.name), t, ValueRole.GRAD, tt.type, s, n.group))
                 contributions[t].append(outs[-1])
-        ins = tuple(map(forward_id, n.inputs)) + tuple(d for d in dys if d is not None)
+        ins = tuple(map(for_backward, n.inputs)) + tuple(d for d in dys if d is not None)
         g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, NodeKind.COMPUTE, ins, tuple(outs), n.group, n.name,
                              grad_mask=mask, unscale=tuple(unscale), dy_mask=tuple(d is not None for d in dys),
                              label=f"vjp[{n.op.describe()}]"))

@@ -19,25 +19,34 @@ structure gets the same plan:
   input is all-gathered (Combine) and a row-parallel output reduce-scattered (Reduction + Repartition).
 * **pp** (axis ``pp``): the repeated blocks (children of the model's first ``ModuleList``) are cut into
   contiguous ranges, one per stage; what comes before the blocks runs on stage 0, what follows on the last.
+* **fsdp** (axis ``fsdp``; ZeRO-3, Rajbhandari et al. 2020; PyTorch FSDP, Zhao et al. 2023): a data-parallel
+  axis (the batch is ``Shard(0)`` on it, as under dp) on which every weight is stored ``Shard(d)`` — its first dim
+  the other strategies leave whole and the degree divides — with a Combine (all-gather) right after it: every use
+  reads the whole weight, the Combine's backward reduce-scatters the gradient to ``Shard(d)``, and the optimizer
+  state and update are the piece's. **hsdp** is ``dp,fsdp``: replicated on ``dp``, sharded on ``fsdp``.
 
-Strategies combine on a multi-axis mesh: ``dp,tp`` on ``dp=2,tp=2``.
+Strategies combine on a multi-axis mesh: ``dp,tp`` on ``dp=2,tp=2``; ``fsdp,tp`` on ``fsdp=2,tp=2``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 from shardflow.graph import ops as O
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
+from shardflow.parallel.ops import Combine
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
 from shardflow.parallel.shape import DegreeError
 from shardflow.strategy.plan import (ModulePlan, Plan, PlanError, fused_linears, module_nodes, resolve,
                                      split_fused)
 
-STRATEGIES = ("single", "dp", "tp", "sp", "pp")
-AXIS_OF = {"dp": "dp", "tp": "tp", "sp": "tp", "pp": "pp"}
+STRATEGIES = ("single", "dp", "fsdp", "hsdp", "tp", "sp", "pp")
+AXIS_OF = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "sp": "tp", "pp": "pp"}
+COMBINED = {"hsdp": ("dp", "fsdp")}  # a name for a combination of strategies
+DATA_AXES = ("dp", "fsdp")  # the axes a preset splits the batch over
 
 
 def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
@@ -271,6 +280,31 @@ def tensor_parallel(graph: ComputationGraph, degree: int, axis: str = "tp", sequ
     return Plan(modules, name="sp")
 
 
+def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", others: Plan | None = None) -> Plan:
+    """FSDP on ``axis`` of ``degree`` devices (see the module docstring): the batch split as :func:`data_parallel`
+    splits it, every weight ``Shard(d)`` and gathered by a ``Combine(d)`` before any use. ``d`` is the weight's
+    first dim that ``others`` (the plan of the strategies it combines with, e.g. tp's) does not shard and that
+    ``degree`` divides; a weight without one, or of the root module (no module path to place it by), stays
+    replicated on ``axis`` (its gradient all-reduced, as under dp)."""
+    taken: dict[str, set[int]] = {}
+    for pat, mp in (others.modules.items() if others else ()):
+        for leaf, spec in mp.params.items():
+            placements = spec.values() if isinstance(spec, dict) else spec
+            taken.setdefault(f"{pat}.{leaf}", set()).update(p.dim for p in placements if isinstance(p, Shard))
+    modules: dict[str, dict[str, dict[str, Shard]]] = {}
+    ops = {}
+    for w in graph.weights:
+        path, _, leaf = w.rpartition(".")
+        shape = graph.tensors[w].shape
+        d = next((d for d, n in enumerate(shape) if d not in taken.get(w, ()) and n % degree == 0), None)
+        if not path or d is None:
+            continue
+        modules.setdefault(path, {})[leaf] = {axis: Shard(d)}
+        ops[w] = (Combine(dim=d, degree=degree, axis=axis),)
+    sharded = Plan({path: ModulePlan(params=params) for path, params in modules.items()}, ops=ops, name="fsdp")
+    return dataclasses.replace(data_parallel(graph, axis).merge(sharded), name="fsdp")
+
+
 def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp") -> Plan:
     """Cut the repeated blocks into ``stages`` contiguous ranges of (nearly) equal length on ``axis``."""
     blocks = repeated_blocks(graph)
@@ -282,9 +316,9 @@ def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp") -> Plan:
 
 
 def parse_strategy(text: str) -> list[str]:
-    """``"dp,tp"`` / ``"dp+tp"`` → ["dp", "tp"]. Raises PlanError for unknown names, an empty part (``"tp,"``) and
-    a name given twice."""
-    parts = [s.strip() for s in re.split(r"[,+x×]", text)]
+    """``"dp,tp"`` / ``"dp+tp"`` → ["dp", "tp"]; ``"hsdp"`` → ["dp", "fsdp"]. Raises PlanError for unknown names, an
+    empty part (``"tp,"``) and a name given twice."""
+    parts = [p for s in re.split(r"[,+x×]", text) for p in COMBINED.get(s.strip(), (s.strip(),))]
     if "" in parts:
         named = ",".join(filter(None, parts)) or "tp"
         raise PlanError(f"strategy {text!r} has an empty part; write the names separated by commas, e.g. {named!r}")
@@ -314,7 +348,8 @@ def default_mesh(strategy: str, nproc: int) -> Mesh:
                             f"{nproc} devices: dp, tp, sp or pp")
         return Mesh(("d",), (1,))
     if len(names) > 1:
-        raise PlanError(f"strategy {strategy!r} combines several axes: give the mesh, e.g. --mesh dp=2,tp=2")
+        example = ",".join(f"{AXIS_OF[n]}=2" for n in names)
+        raise PlanError(f"strategy {strategy!r} combines several axes: give the mesh, e.g. --mesh {example}")
     return Mesh((AXIS_OF[names[0]],), (nproc,))
 
 
@@ -332,18 +367,19 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str) -> Plan:
     unknown = [a for a in mesh.axis_names if a not in AXIS_OF.values()] if mesh.size > 1 else []
     if unknown:
         rest = ",".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape) if a in AXIS_OF.values())
-        raise PlanError(f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, tp (also sp), pp), "
+        raise PlanError(f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, fsdp, tp (also sp), pp), "
                         f"so no strategy in {strategy!r} would use it; drop it (--mesh {rest or 'dp=2'}) or name it "
                         f"after the strategy that should use it")
     unused = [a for a, s in zip(mesh.axis_names, mesh.shape) if a not in axes and s > 1]
     if unused:
         raise PlanError(f"mesh axes {unused} of {mesh} are used by no strategy in {strategy!r}; "
-                        f"add one (axis names: dp, tp (also sp), pp) or drop the axis")
+                        f"add one (axis names: dp, fsdp, tp (also sp), pp) or drop the axis")
     plan = Plan(name="single")
-    for n in names:
+    for n in sorted(names, key=lambda n: n == "fsdp"):  # fsdp last: it shards a dim the others leave whole
         size = mesh.axis_size(AXIS_OF[n])
         part = {
             "dp": lambda: data_parallel(graph),
+            "fsdp": lambda: fully_sharded(graph, size, others=plan),
             "tp": lambda: tensor_parallel(graph, size),
             "sp": lambda: tensor_parallel(graph, size, sequence=True),
             "pp": lambda: pipeline(graph, size),

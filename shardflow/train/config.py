@@ -33,8 +33,8 @@ def _f(default, help: str, **kw):
 class TrainConfig:
     """Everything a training run depends on."""
 
-    strategy: str | None = _f(None, f"single, dp, tp, sp, pp or a combination such as dp,tp (default "
-                                    f"{DEFAULT_STRATEGY}; not with --plan)")
+    strategy: str | None = _f(None, f"single, dp, fsdp, hsdp (= dp,fsdp), tp, sp, pp or a combination such as dp,tp "
+                                    f"or fsdp,tp (default {DEFAULT_STRATEGY}; not with --plan)")
     plan: str | None = _f(None, "a user plan instead of --strategy: a JSON or TOML file of per-module placements, "
                                 "as shardflow plan --plan and shardflow check --plan take (docs/concepts.md)")
     mesh: str | None = _f(None, "device mesh, e.g. dp=2,tp=2 (default: the strategy's axis with --nproc devices)")
@@ -98,6 +98,9 @@ class TrainConfig:
                              choices=("auto", *map(str, REDUCE_SCATTER_FORMS)))
     bucket_mb: float = _f(25.0, "pack gradient all-reduces into buckets of this many MiB, each issued while the "
                                 "backward goes on (as DDP's bucket_cap_mb; 0 = one all-reduce per gradient)")
+    reshard_after_forward: bool = _f(True, "fsdp: free each gathered weight after its forward use and gather it again "
+                                           "for the backward (FSDP2's default); --no-reshard-after-forward keeps it "
+                                           "from the forward (more memory, half the all-gathers)")
     debug: bool = _f(False, "check before every communication that all its members are at the same token")
     trace: str | None = _f(None, "write a Chrome-trace timeline (Perfetto) of step 2 to this JSON file: per-rank "
                                  "compute and communication lanes, and the cost model's prediction beside them")
@@ -112,8 +115,9 @@ class TrainConfig:
         p.add_argument("--config", help="TOML file of these settings (flags override it)")
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool":
-                p.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+            if f.type == "bool":  # on by default: --no-<flag> turns it off
+                action = argparse.BooleanOptionalAction if f.default else "store_true"
+                p.add_argument(flag, action=action, default=None, help=f.metadata["help"])
                 continue
             typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
             default = f" (default {f.default})" if f.default is not None else ""  # None's help says what happens

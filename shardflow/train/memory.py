@@ -9,7 +9,9 @@ A process holds (:class:`Estimate`):
   their gradients, the step's data and constants, communication buffers) — replayed from the lowered programs
   (:func:`~shardflow.runtime.memory.program_memory`, which counts as the executors do). One process of ``--nproc 1``
   runs every rank of the mesh: it holds them all;
-* the model it builds whole to seed its pieces (every process does, also with ``--init-from``);
+* what it holds of the model whole: a built-in family's buffers (its parameters are built on the meta device and
+  materialised piece by piece, :mod:`shardflow.runtime.materialize`: they are in the pieces above), or the whole
+  module a ``--model FILE.py:FACTORY`` builds;
 * the captured graph's folded constants, whole (e.g. a Hugging Face attention mask [B, 1, T, T]);
 * the interpreter and its libraries: this process's resident size before it built the model.
 
@@ -43,6 +45,7 @@ GiB = 2**30
 # elements of a [B, T, T] tensor (a folded attention mask) beyond which capturing at the run's size could itself take
 # much memory (2**26 float32: 256 MiB): the estimate is then made from small plans, scaled
 PROBE_ABOVE = 2**26
+MODEL_PART = "the model's tensors it holds whole (buffers; a factory's module)"  # a part of an Estimate
 
 
 class MemoryFitError(ValueError):
@@ -52,7 +55,7 @@ class MemoryFitError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Estimate:
     """Bytes one process of a run holds at its peak: ``program`` its ranks' buffers at their peak by kind, ``model``
-    the model it builds whole, ``constants`` the captured graph's folded constants, ``runtime`` the interpreter and
+    what it holds of the model whole (buffers; a factory's module), ``constants`` the captured graph's folded constants, ``runtime`` the interpreter and
     libraries; ``basis`` how the program's bytes were found (the run's own plan, or small plans scaled)."""
 
     program: Mapping[MemoryKind, int]
@@ -67,8 +70,8 @@ class Estimate:
 
     def parts(self) -> list[tuple[str, int]]:
         """(what, bytes), largest first."""
-        named = [*((str(k), n) for k, n in self.program.items()), ("the model it builds whole to seed its pieces",
-                 self.model), ("folded constants", self.constants), ("the interpreter and libraries", self.runtime)]
+        named = [*((str(k), n) for k, n in self.program.items()), (MODEL_PART, self.model),
+                 ("folded constants", self.constants), ("the interpreter and libraries", self.runtime)]
         return sorted(named, key=lambda p: -p[1])
 
 
@@ -82,8 +85,7 @@ FIXES = {
     str(MemoryKind.GRADIENTS): (_SMALLER_MODEL, _SPLIT_WEIGHTS),
     str(MemoryKind.OPTIMIZER): ("--optimizer sgd (one state per weight with momentum, none without; AdamW keeps "
                                 "two)", _SPLIT_WEIGHTS),
-    "the model it builds whole to seed its pieces": (f"{_SMALLER_MODEL}: every process builds it whole",
-                                                     "fewer processes on this machine (--nproc)"),
+    MODEL_PART: (f"{_SMALLER_MODEL}: every process builds it whole", "fewer processes on this machine (--nproc)"),
     "folded constants": (_SMALLER_BATCH,),
     "the interpreter and libraries": ("fewer processes on this machine (--nproc)",),
 }
@@ -120,9 +122,10 @@ def resident_bytes() -> int:
     return 0
 
 
-def module_bytes(model: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers (on the meta device too: from their shapes)."""
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+def module_bytes(model: nn.Module, buffers_only: bool = False) -> int:
+    """Bytes of a module's parameters and buffers, or of its buffers alone (on the meta device too: from their
+    shapes)."""
+    return sum(t.numel() * t.element_size() for t in [*([] if buffers_only else model.parameters()), *model.buffers()])
 
 
 def processes_here(env: Mapping[str, str], nproc: int) -> int:

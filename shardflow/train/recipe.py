@@ -24,8 +24,9 @@ from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.runtime.materialize import TensorInit, materialise
 from shardflow.strategy import PlanError
-from shardflow.strategy.presets import default_mesh
+from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
 from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig
@@ -36,8 +37,11 @@ from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
 
 @dataclass
 class Setup:
-    """What every rank builds identically from the config: data, the model (its family and config), graph, PCG;
-    ``pretrained``: the ``--init-from`` directory's weights; ``runtime_bytes``: see :func:`check_memory`."""
+    """What every rank builds identically from the config: data, the model (its family and config; a built-in
+    family's on the meta device, its buffers real), graph, PCG; ``pretrained``: the ``--init-from`` directory's
+    weights; ``inits``: how each parameter is initialised, piece by piece (a built-in family's,
+    :mod:`shardflow.runtime.materialize`; None for a factory's model, built whole); ``runtime_bytes``: see
+    :func:`check_memory`."""
 
     cfg: TrainConfig
     corpus: Corpus
@@ -48,6 +52,7 @@ class Setup:
     pcg: PCG
     mesh: Mesh
     pretrained: Pretrained | None = None
+    inits: Mapping[str, TensorInit] | None = None
     runtime_bytes: int = 0  # this process's resident size before it built the model (the memory estimate's runtime)
 
     def batch(self, split: Split, step: int) -> dict[str, torch.Tensor]:
@@ -68,7 +73,8 @@ class Setup:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
                             CostModel("nccl" if torch.cuda.is_available() else "gloo"),
-                            bucket_bytes=int(self.cfg.bucket_mb * 2**20))
+                            bucket_bytes=int(self.cfg.bucket_mb * 2**20),
+                            reshard_after_forward=self.cfg.reshard_after_forward)
 
     @property
     def micro_steps(self) -> tuple[MicroStep, ...]:
@@ -100,12 +106,29 @@ class Setup:
         return OptimizerConfig(c.optimizer, c.lr, c.momentum if c.optimizer == Optimizer.SGD else 0.0, c.weight_decay)
 
     def initial_weights(self) -> Mapping[str, Any]:
-        """The weights to start from by graph name: the ``--init-from`` directory's (each read lazily: an executor
-        reads only its pieces) or the seeded model's (full tensors; each executor keeps its pieces)."""
+        """The weights to start from by graph name, each indexed by the executors for the pieces they hold
+        (``w[slices]``): the ``--init-from`` directory's (read lazily), the seeded initialisation of a built-in
+        family (each piece computed alone: :class:`~shardflow.runtime.materialize.TensorInit`), or a factory's
+        model's full tensors."""
         params = dict(self.model.named_parameters())
         if self.pretrained is not None:
             return self.pretrained.weights({w: params[w] for w in self.graph.weights})
+        if self.inits is not None:
+            return {w: self.inits[w] for w in self.graph.weights}
         return {w: params[w].detach().clone() for w in self.graph.weights}
+
+    def whole_model(self) -> nn.Module:
+        """The model with its initial weights, materialised whole on this process: for a one-device reference or a
+        PyTorch baseline to compare with (a run's ranks never build it). Under ``--init-from`` the directory's
+        weights, read whole."""
+        if self.inits is None and self.pretrained is None:
+            return self.model
+        torch.manual_seed(self.cfg.seed)
+        model = self.family.build(self.config)
+        weights = self.initial_weights()
+        full = {w: v[tuple(slice(None) for _ in v.shape)] for w, v in weights.items()}
+        model.load_state_dict(full, strict=False)  # tied weights load under their first name
+        return model
 
     def checkpoint_entries(self) -> checkpoint.Entries:
         """What a checkpoint of this run holds: every weight and its optimizer state."""
@@ -135,8 +158,10 @@ class Setup:
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None) -> tuple[Family, Any, nn.Module]:
-    """The family, config and module (seeded with ``--seed``) of ``--model``, sized by ``--model-config`` (or the
-    ``--init-from`` directory's config) and the size flags. Raises ModelError, ModelSpecError."""
+    """The family, config and module of ``--model``, sized by ``--model-config`` (or the ``--init-from``
+    directory's config) and the size flags: a built-in family's on the meta device (shapes only; see
+    :func:`~shardflow.runtime.materialize.materialise`), a factory's as the factory builds it (seeded with ``--seed``). Raises ModelError,
+    ModelSpecError."""
     sizes = Sizes(cfg.layers, cfg.heads, cfg.kv_heads, cfg.embd)
     given = [f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(sizes).items() if v is not None]
     if is_factory(cfg.model):
@@ -160,8 +185,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None
             raise ModelError(f"{', '.join(changed)}: --init-from {cfg.init_from} fixes the model's sizes; drop "
                              f"those flags or give the model's values")
     family = hf_family(config.model_type)
-    torch.manual_seed(cfg.seed)
-    return family, config, family.build(config)
+    with torch.device("meta"):
+        return family, config, family.build(config)
 
 
 def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
@@ -190,8 +215,10 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
 
 def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
     """Under ``--accumulate N`` (N > 1), raise ValueError (one paragraph) unless ``--batch-size`` splits into N
-    micro-batches of whole sequences that each split over the data-parallel degree (the mesh's ``dp`` axis)."""
-    n, dp = cfg.accumulate, mesh.axis_size("dp") if "dp" in mesh.axis_names else 1
+    micro-batches of whole sequences that each split over the data-parallel degree (the mesh's ``dp`` and ``fsdp``
+    axes)."""
+    n = cfg.accumulate
+    dp = math.prod(mesh.axis_size(a) for a in DATA_AXES if a in mesh.axis_names)
     if n > 1 and cfg.batch_size % (n * dp):
         fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
         other = f"an --accumulate of {', '.join(map(str, fits))}" if fits else "--accumulate 1"
@@ -205,28 +232,28 @@ def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
 
 def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False,
            runtime: int = 0) -> Setup:
-    """The model of ``cfg`` (seeded; ``meta``: on the meta device, shapes only), captured on a micro-batch of the
-    corpus (``--batch-size / --accumulate`` sequences: the whole batch without accumulation), and its PCG on
-    ``mesh``."""
+    """The model of ``cfg`` (``meta``: shapes only, nothing materialised, not even buffers), captured on a
+    micro-batch of the corpus (``--batch-size / --accumulate`` sequences: the whole batch without accumulation), and
+    its PCG on ``mesh``."""
     with torch.device("meta") if meta else contextlib.nullcontext():
         family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
+    inits = None if meta or is_factory(cfg.model) else materialise(model, cfg.seed)
     micro = cfg.batch_size // cfg.accumulate
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
     strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
     _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict)
-    return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained, runtime)
+    return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained, inits, runtime)
 
 
 def _check_memory_before_build(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus,
                                pretrained: Pretrained | None, processes: int, runtime: int) -> None:
-    """Refuse (MemoryFitError) a run whose model alone cannot fit — every process builds it whole; its size from the
-    meta device — and, where capturing at the run's size could itself take much memory
-    (:func:`memory.needs_probe`), a run whose estimate from small plans (:func:`probe_estimate`) cannot fit."""
-    with torch.device("meta"):
-        whole = memory.module_bytes(build_model(cfg, corpus.tokenizer.vocab_size, pretrained)[2])
-    memory.check(memory.Estimate({}, whole, 0, runtime, "the model's size alone"), processes)
+    """Where capturing at the run's size could itself take much memory (:func:`memory.needs_probe`), refuse
+    (MemoryFitError) a run whose estimate from small plans (:func:`probe_estimate`) cannot fit. (A built-in family's
+    parameters are never whole on a process: they are in the plan's pieces, which :func:`check_memory` counts.)"""
     if memory.needs_probe(cfg):
+        with torch.device("meta"):
+            whole = memory.module_bytes(build_model(cfg, corpus.tokenizer.vocab_size, pretrained)[2], buffers_only=True)
         memory.check(probe_estimate(cfg, world, mesh, corpus, pretrained, whole, runtime), processes)
 
 
@@ -258,8 +285,10 @@ def probe_estimate(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pre
 def check_memory(s: Setup, step: LoweredStep, world: int, processes: int) -> None:
     """Raise MemoryFitError unless ``processes`` processes of the run fit in this machine's memory, each running
     one rank's program of ``step`` (``world`` > 1) or every rank's (``world`` 1: one process runs the mesh), with
-    the model it builds whole, the graph's constants and its runtime (nothing when ``processes`` is 0)."""
+    what it holds of the model whole (its buffers; a factory's module), the graph's constants and its runtime
+    (nothing when ``processes`` is 0)."""
     if processes:
         constants = sum(v.numel() * v.element_size() for v in s.graph.constants.values())
-        memory.check(memory.of_plan(step, world == 1, memory.module_bytes(s.model), constants, s.runtime_bytes),
+        memory.check(memory.of_plan(step, world == 1, memory.module_bytes(s.model, buffers_only=s.inits is not None),
+                                    constants, s.runtime_bytes),
                      processes)

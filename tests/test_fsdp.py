@@ -1,0 +1,128 @@
+"""FSDP as placements (strategy presets fsdp, hsdp = dp,fsdp, and fsdp,tp): the exact plan — every weight stored
+Shard(d) on the fsdp axis, one all-gather per weight before its use (two with reshard-after-forward: again for the
+backward), one reduce-scatter of its gradient — and the numbers of one device, at float64, for each."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from shardflow.capture import capture, wide_floats  # noqa: E402
+from shardflow.lower import LowerOptions, lower_step  # noqa: E402
+from shardflow.lower.cost import CommForm  # noqa: E402
+from shardflow.lower.dynamic import UpdateRule  # noqa: E402
+from shardflow.lower.program import Comm  # noqa: E402
+from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
+from shardflow.parallel.pcg import build_pcg  # noqa: E402
+from shardflow.reference import weights_of  # noqa: E402
+from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
+from shardflow.runtime.local import LocalExecutor  # noqa: E402
+from shardflow.runtime.memory import MemoryKind, program_memory  # noqa: E402
+from shardflow.strategy import PlanError, resolve  # noqa: E402
+from shardflow.strategy.presets import default_mesh, make_plan, parse_strategy  # noqa: E402
+
+STEPS = 3
+TOL = 1e-12  # float64: partial sums in another order than one device (seen ~1e-14)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                         use_cache=False)).double()
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    with wide_floats():
+        graph = capture(model, batch)
+    return model, batch, graph
+
+
+def _lower(graph, mesh_text: str, strategy: str, reshard: bool):
+    mesh = Mesh.parse(mesh_text)
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard)
+    return pcg, lower_step(pcg, UpdateRule.ADAMW, options=options)
+
+
+def _run(model, batch, graph, step):
+    ex = LocalExecutor(step, OptimizerConfig("adamw", 1e-2), seed=0)
+    ex.load(weights_of(model, graph))
+    return [ex.step(batch) for _ in range(STEPS)], ex
+
+
+@pytest.fixture(scope="module")
+def one_device(llama):
+    model, batch, graph = llama
+    return _run(model, batch, graph, _lower(graph, "d=1", "single", False)[1])
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_its_gradient(llama, reshard):
+    _, _, graph = llama
+    pcg, step = _lower(graph, "fsdp=2", "fsdp", reshard)
+    weights = graph.weights
+    for w in weights:  # stored Shard(0) on fsdp: every dim 0 of this model divides by 2
+        assert pcg.tensors[w].sharding.placements(pcg.tensors[w].group) == (Shard(0),), w
+    for rank, prog in step.programs.items():
+        comms = [i for i in prog.instrs if isinstance(i, Comm)]
+        kinds = Counter(str(c.kind) for c in comms)
+        # one gather per weight (forward), again per weight read by a backward (reshard), one reduce-scatter per
+        # weight's gradient, and the loss's label count (a 4-byte all-reduce: the batch is split)
+        gathered_again = len(weights) if reshard else 0
+        assert kinds == {"all_gather": len(weights) + gathered_again, "reduce_scatter": len(weights),
+                         "all_reduce": 1}, (rank, kinds)
+        per_weight = {w: graph.tensors[w].type.nbytes for w in weights}
+        gather_bytes = sum(c.nbytes for c in comms if str(c.kind) == "all_gather")
+        assert gather_bytes == sum(per_weight.values()) // 2 * (2 if reshard else 1), gather_bytes
+
+
+def test_reshard_after_forward_holds_less_of_the_weights_at_the_peak(llama):
+    _, _, graph = llama
+    steps = {r: _lower(graph, "fsdp=2", "fsdp", r)[1] for r in (True, False)}
+    peaks = {r: program_memory(s.programs[0], s.dg) for r, s in steps.items()}
+    assert peaks[True].by_kind[MemoryKind.PARAMETERS] < 0.5 * peaks[False].by_kind[MemoryKind.PARAMETERS]
+    assert peaks[True].peak < peaks[False].peak
+
+
+@pytest.mark.parametrize("mesh, strategy, reshard", [
+    ("fsdp=2", "fsdp", True),
+    ("fsdp=4", "fsdp", False),
+    ("dp=2,fsdp=2", "hsdp", True),
+    ("fsdp=2,tp=2", "fsdp,tp", True),
+    ("fsdp=2,tp=2", "fsdp,tp", False),
+])
+def test_fsdp_equals_one_device(llama, one_device, mesh, strategy, reshard):
+    """AdamW, 3 steps: the loss of each step and every replica of every weight piece equal one device's (float64)."""
+    model, batch, graph = llama
+    losses, ex = _run(model, batch, graph, _lower(graph, mesh, strategy, reshard)[1])
+    ref_losses, ref = one_device
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
+    assert ex.weight_error(ref.weights()) < TOL
+
+
+def test_fsdp_with_tp_shards_another_dim_than_tp(llama):
+    """Under fsdp,tp a column-parallel weight (tp: Shard(0)) is stored Shard(1) on fsdp, a row-parallel one (tp:
+    Shard(1)) Shard(0), a norm's weight Shard(0) and replicated on tp: each device holds a quarter of the linears'."""
+    _, _, graph = llama
+    pcg, _ = _lower(graph, "fsdp=2,tp=2", "fsdp,tp", True)
+
+    def placed(w):
+        t = pcg.tensors[w]
+        return t.sharding.placements(t.group)
+    layer = "model.layers.0"
+    assert placed(f"{layer}.self_attn.q_proj.weight") == (Shard(1), Shard(0))
+    assert placed(f"{layer}.mlp.down_proj.weight") == (Shard(0), Shard(1))
+    assert placed(f"{layer}.input_layernorm.weight") == (Shard(0), Replicate())
+
+
+def test_strategy_names():
+    assert parse_strategy("hsdp") == ["dp", "fsdp"] and parse_strategy("fsdp,tp") == ["fsdp", "tp"]
+    assert default_mesh("fsdp", 4) == Mesh(("fsdp",), (4,))
+    with pytest.raises(PlanError, match=r"give the mesh, e.g. --mesh dp=2,fsdp=2"):
+        default_mesh("hsdp", 4)
