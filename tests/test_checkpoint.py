@@ -572,7 +572,7 @@ def test_a_save_writes_each_block_once_and_any_mesh_resumes_from_it(tmp_path, me
     """The local executor writes replica 0 of every piece as a DCP chunk at its offsets — under dp×tp the dp replicas
     are not written again. A plain dcp.load into full tensors reads them (what export and generate do), and an
     executor of any other strategy and mesh (each device reading every replica it holds, pipeline stages on
-    sub-meshes) resumes with the saver's weights and state, bit for bit, and so with its next losses (float32:
+    sub-meshes, FSDP's weights and state sharded on its axis) resumes with the saver's weights and state, bit for bit, and so with its next losses (float32:
     another strategy adds partial sums in another order, ~1e-7)."""
     src = _trained(mesh, strategy)
     path, _ = _saver(tmp_path).save(src, 2)
@@ -587,7 +587,8 @@ def test_a_save_writes_each_block_once_and_any_mesh_resumes_from_it(tmp_path, me
     assert all(torch.equal(full[f"optim/{k}"], t) for k, t in state.items())
     _, inputs, _ = _mlp()
     want = [src.step(inputs) for _ in range(2)]
-    for other_mesh, other in (("d=1", "single"), ("dp=2", "dp"), ("pp=2", "pp"), ("pp=2,tp=2", "pp,tp")):
+    for other_mesh, other in (("d=1", "single"), ("dp=2", "dp"), ("pp=2", "pp"), ("pp=2,tp=2", "pp,tp"),
+                              ("fsdp=2", "fsdp")):
         ex = _executor(other_mesh, other)
         checkpoint.read(path).restore(ex, world=1)
         assert ex.steps_done == 2 and ex.weight_error(weights) == 0.0  # every replica of every piece
