@@ -169,12 +169,10 @@ class Executor:
         ``values`` (name → value id), maximised over the ranks."""
         err = 0.0
         for name, vid in values.items():
-            v = self.dg.values[vid]
-            p = v.sharding.parallel_shape(v.group, v.type.shape)
             full = reference[name].detach()
-            for device, piece in self._pieces(vid).items():
-                want = full[p.piece_slices(v.sharding.coord_of(v.group, device))]
+            for start, piece in self.held_pieces(vid, replica0_only=False):
                 if piece.numel():
+                    want = full[tuple(slice(s, s + n) for s, n in zip(start, piece.shape))]
                     err = max(err, (piece - want).abs().max().item())
         return self._max_over_ranks(err)
 
