@@ -397,7 +397,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
                 plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
                 lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
                 seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1,
-                reshard_after_forward: bool = True) -> Trainer:
+                reshard_after_forward: bool = True, ac: str = "none") -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
 
     Args:
@@ -426,12 +426,15 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             the whole batch (each micro-step's loss gradient is seeded with 1/accumulate).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
+        ac: activation checkpointing, ``"none"`` or ``"block"``: each block (a module under an integer index, such
+            as ``model.layers.3``) runs its forward again right before its backward instead of keeping its
+            activations (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`).
 
     Raises:
         CaptureError: export cannot capture the model (the message names the model's source line).
         InitError (a ValueError): a meta-device model whose initialisation cannot be replayed piece by piece.
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
-        ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer or executor;
+        ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer, executor or ``ac``;
             ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); distributed: the world
             size is not the mesh's size, or the ranks' models have different weights.
     """
@@ -449,11 +452,12 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     if accumulate < 1:
         raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
     micro_steps = MicroStep.sequence(accumulate)
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard_after_forward,
+                           ac=ac)
     inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
     graph = capture(model, split_batch(batch, accumulate)[0])
     chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard_after_forward)
     if kind == ExecutorKind.DISTRIBUTED:
         from shardflow.runtime.distributed import DistributedExecutor, init_from_env
         rank, _ = init_from_env(timeout_s)

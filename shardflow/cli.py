@@ -26,7 +26,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
@@ -74,11 +74,21 @@ FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "emb
                "temperature": Range(0), "seed": Range(0, 2**63, high_open=True)}
 
 
-def add_reshard_arg(p: argparse.ArgumentParser) -> None:
-    """``--[no-]reshard-after-forward``, as ``shardflow train`` has it (TrainConfig.reshard_after_forward)."""
-    f = next(f for f in dataclasses.fields(TrainConfig) if f.name == "reshard_after_forward")
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=f.default,
-                   help=f.metadata["help"])
+MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
+
+
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    """``--[no-]reshard-after-forward`` and ``--ac``, as ``shardflow train`` has them (TrainConfig's fields)."""
+    f = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
+                   default=f["reshard_after_forward"].default, help=f["reshard_after_forward"].metadata["help"])
+    p.add_argument("--ac", default=f["ac"].default, choices=f["ac"].metadata["choices"],
+                   help=f["ac"].metadata["help"] + f" (default {f['ac'].default})")
+
+
+def memory_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :data:`MEMORY_FLAGS` given to a command, as keyword arguments of LowerOptions and ``parallelize``."""
+    return {k: getattr(args, k) for k in MEMORY_FLAGS}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -181,7 +191,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(graph.listing())
         return 0
     plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=args.reshard_after_forward)
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, **memory_options(args))
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
         _, records = run_passes(pcg, LowerContext(args.optimizer, options=options), dump=dump)
@@ -271,7 +281,7 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
         trainer = parallelize(model, batch, mesh=mesh, strategy=strategy, plan=args.plan,
                               optimizer=OptimizerConfig(args.optimizer, args.lr), strict=args.strict,
                               executor=executor, timeout_s=args.timeout,
-                              reshard_after_forward=args.reshard_after_forward)
+                              **memory_options(args))
         steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
         say = print if trainer.lead else (lambda *_, **__: None)
         n_params = sum(p.numel() for p in model.parameters())
@@ -320,7 +330,7 @@ def launch_check(args: argparse.Namespace) -> int:
     _, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
     lower_step(pcg, OptimizerConfig(args.optimizer, args.lr).slots,  # every rank's program, proven to agree
                options=LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE,
-                                    reshard_after_forward=args.reshard_after_forward))
+                                    **memory_options(args)))
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))
     res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
     codes = set(res.returncodes)
@@ -382,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="refuse the strategy where a sharding rule refuses its inputs (the error names the parallel "
                         "op to insert) instead of inserting the cheapest redistribution")
-    add_reshard_arg(p)
+    add_memory_args(p)
     p.add_argument("--format", choices=("text", "json", "dot"), default="text",
                    help="text: PCG + per-rank programs + bytes + proof; json: the same, machine-readable; "
                         "dot: the PCG as Graphviz (SVG too when Graphviz is installed)")
@@ -417,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
     c.add_argument("--strict", action="store_true",
                    help="refuse the strategy where a sharding rule refuses its inputs instead of redistributing them")
-    add_reshard_arg(c)
+    add_memory_args(c)
     c.add_argument("--timeout", type=float, default=120.0,
                    help="--nproc: seconds any rank may wait on one communication (default 120)")
     c.set_defaults(func=cmd_check)

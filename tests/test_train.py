@@ -167,7 +167,7 @@ def test_check_compares_with_one_device(tmp_path, train):
     ["--strategy", "sp", "--mesh", "tp=2"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
     ["--strategy", "pp", "--mesh", "pp=2", "--layers", "2"],
-    ["--strategy", "hsdp", "--mesh", "dp=2,fsdp=2"],
+    ["--strategy", "hsdp", "--mesh", "dp=2,fsdp=2", "--ac", "block"],
     ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--no-reshard-after-forward"],
 ])
 def test_check_passes_on_the_llama(tmp_path, train, argv):
@@ -183,11 +183,11 @@ def test_check_passes_on_the_llama(tmp_path, train, argv):
     ["--strategy", "dp", "--mesh", "dp=2", "--nproc", "1"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "1"],
     ["--strategy", "dp", "--nproc", "2"],
-    ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--nproc", "1"],
+    ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--nproc", "1", "--ac", "block"],
 ])
 def test_check_passes_with_accumulation(tmp_path, train, argv):
     """--accumulate 4 on the Llama: each step as 4 micro-steps of 2 sequences (1 per data-parallel rank), the
-    weights' gradients reduced once, after the last; --check trains one device on the whole batch of 8 at once, and
+    weights' gradients reduced once, after the last (under fsdp,tp with each block recomputed, --ac block); --check trains one device on the whole batch of 8 at once, and
     the mean loss of each step and every replica of every parameter equal it (5e-3, float32 AdamW; seen ~1e-6 and
     ~4e-5 — a missing 1/4 or a lost micro-step is O(lr) in the weights after the first step)."""
     r, run = train(tmp_path, "check", *argv, "--steps", "2", "--check", "--accumulate", "4")
@@ -199,7 +199,7 @@ def test_check_passes_with_accumulation(tmp_path, train, argv):
 
 @pytest.mark.parametrize("argv", [
     ["--strategy", "sp", "--mesh", "tp=2"],
-    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
+    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--ac", "block"],
     ["--strategy", "dp", "--mesh", "dp=2", "--accumulate", "4"],
 ])
 def test_check_passes_with_dropout(tmp_path, train, argv):
@@ -207,7 +207,7 @@ def test_check_passes_with_dropout(tmp_path, train, argv):
     element), so every replica of every parameter equals the one-device run (masks drawn from the process RNG:
     |Δloss| ~1e-2, |Δparameter| ~4e-2, FAILED). With --accumulate 4 each micro-step draws its rows of the whole
     batch's masks, as the one-device run on the whole batch does (each micro-batch drawing as a batch of its own:
-    FAILED)."""
+    FAILED). Under --ac block each block's recomputed forward draws its forward's masks again."""
     r, run = train(tmp_path, "check", *argv, "--model", "gpt2", "--nproc", "1", "--steps", "2", "--dropout", "0.1",
                    "--check")
     assert check_line(r).endswith(": OK")

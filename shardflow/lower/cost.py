@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Mapping
 
+from shardflow.lower.dynamic import ActivationCheckpointing
+
 GB = 1e9
 
 DEFAULT_BANDWIDTH: Mapping[str, Mapping[str, float]] = {
@@ -100,6 +102,9 @@ class LowerOptions:
     kept from the forward (:func:`~shardflow.lower.dynamic.pass_expansion`; FSDP2's ``reshard_after_forward``).
     Off here, so a plan lowers as written; ``shardflow train``/``plan``/``check`` and ``parallelize`` turn it on by
     default, as FSDP2 does.
+
+    ``ac``: activation checkpointing, ``none`` or ``block`` (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`):
+    each block's forward runs again before its backward instead of keeping its activations (``--ac``).
     """
 
     all_gather: CommForm | str = "auto"
@@ -107,6 +112,7 @@ class LowerOptions:
     cost: CostModel = field(default_factory=CostModel)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     reshard_after_forward: bool = False
+    ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE
 
     def __post_init__(self):
         if self.bucket_bytes < 0:
@@ -114,6 +120,8 @@ class LowerOptions:
         if self.all_gather not in ("auto",) + ALL_GATHER_FORMS:
             raise ValueError(f"all_gather must be 'auto' or one of {tuple(map(str, ALL_GATHER_FORMS))}, got "
                              f"{self.all_gather!r}")
+        if self.ac not in set(ActivationCheckpointing):
+            raise ValueError(f"ac must be one of {[str(a) for a in ActivationCheckpointing]}, got {self.ac!r}")
         if self.reduce_scatter not in ("auto",) + REDUCE_SCATTER_FORMS:
             raise ValueError(f"reduce_scatter must be 'auto' or one of {tuple(map(str, REDUCE_SCATTER_FORMS))}, got "
                              f"{self.reduce_scatter!r}")

@@ -112,6 +112,49 @@ class MicroStep:
         return f"{where} of {self.count} micro-steps"
 
 
+class ActivationCheckpointing(StrEnum):
+    """Which forward activations the backward recomputes instead of keeping (``--ac``; activation checkpointing,
+    Chen et al., "Training Deep Nets with Sublinear Memory Cost", 2016; torch.utils.checkpoint per block as
+    torchtitan's ``--activation_checkpoint.mode full`` applies it).
+
+    ``none``: every activation a backward reads is kept from the forward. ``block``: the forward of each block
+    (:func:`block_of`) runs again right before the block's backward, and the block's backward reads the recomputed
+    activations; the forward keeps only what crosses a block boundary (each block's input and output), at the
+    cost of a second forward of every block, its communication included.
+    """
+
+    NONE = "none"
+    BLOCK = "block"
+
+
+def block_of(scope: str) -> str:
+    """The block a node in module ``scope`` belongs to under ``--ac block``: the module path up to its first
+    integer component — a module held in a ``ModuleList``/``ModuleDict``/``Sequential`` under an index
+    (``model.layers.3.mlp.up_proj`` → ``model.layers.3``; GPT-2's ``transformer.h.0.attn`` →
+    ``transformer.h.0``) — or "" for a node outside every block (embedding, final norm, loss)."""
+    parts = scope.split(".") if scope else []
+    first = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return "" if first is None else ".".join(parts[:first + 1])
+
+
+def checkpoint_blocks(pcg: PCG) -> dict[str, str]:
+    """PCG node → its block under ``--ac block`` (:func:`block_of`), for the nodes that recompute: compute nodes
+    by their scope, and parallel ops on an activation of a block (a tensor-parallel all-reduce of a block's
+    partial sums) with the block of the node that made it. Nodes on the weight side (an FSDP gather) are left
+    out: the backward reads the gathered weight as it would without recomputation."""
+    weight_side = _weight_side(pcg)
+    made_in: dict[str, str] = {}
+    out: dict[str, str] = {}
+    for n in pcg.nodes:
+        if n.outputs[0] in weight_side:
+            continue
+        b = made_in.get(n.inputs[0], "") if n.is_parallel else block_of(n.scope)
+        if b:
+            out[n.name] = b
+            made_in.update(dict.fromkeys(n.outputs, b))
+    return out
+
+
 class NodeKind(StrEnum):
     """What a dynamic-graph node does (see :class:`DNode`)."""
 
@@ -177,6 +220,12 @@ def regathered_id(tensor: str) -> str:
     return f"{forward_id(tensor)}@bwd"
 
 
+def recomputed_id(tensor: str) -> str:
+    """The id of PCG tensor ``tensor`` computed again for its block's backward under ``--ac block``
+    (``fwd:<tensor>@re``)."""
+    return f"{forward_id(tensor)}@re"
+
+
 def accumulated_id(part: str) -> str:
     """The id of the sum over the micro-steps so far of gradient contribution ``part`` (``acc:<part>``)."""
     return f"{ValueRole.ACC}:{part}"
@@ -231,6 +280,8 @@ class DNode:
     An ``update`` with ``clip`` > 0 reads the squared global gradient norm as its last input; ``sumsq``
     sums the squares of the gradient pieces each device holds (see :attr:`DynamicGraph.grad_norm_sq`). A
     ``seed`` fills the loss gradient with ``scale`` (1, or 1/N in each of N micro-steps: :class:`MicroStep`).
+    ``recompute``: a FWD node run again before its block's backward (:class:`ActivationCheckpointing`); the
+    forward's own node of a recomputed op keeps nothing for the backward.
     """
 
     name: str
@@ -247,6 +298,7 @@ class DNode:
     label: str = ""
     clip: float = 0.0
     scale: float = 1.0
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,6 +335,11 @@ class DynamicGraph:
     def backward_of(self) -> dict[str, DNode]:
         """PCG compute node name → its BWD compute node, for the nodes that have one; built once per graph."""
         return {n.src: n for n in self.nodes if n.kind == NodeKind.COMPUTE and n.pass_ == TaskType.BWD}
+
+    @cached_property
+    def recomputed(self) -> frozenset[str]:
+        """PCG nodes whose forward runs again before their backward (``--ac block``); built once per graph."""
+        return frozenset(n.src for n in self.nodes if n.recompute)
 
     def state_values(self) -> tuple[str, ...]:
         """Optimizer-state values a step starts from (not the updates' new versions)."""
@@ -444,7 +501,8 @@ def _weight_side(pcg: PCG) -> set[str]:
 
 def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, training: bool = True,
                    clip_norm: float | None = None, grad_norm: bool = False,
-                   micro: MicroStep = MicroStep(), reshard_after_forward: bool = False) -> DynamicGraph:
+                   micro: MicroStep = MicroStep(), reshard_after_forward: bool = False,
+                   ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
@@ -461,6 +519,12 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     it (FSDP's ``reshard_after_forward=True``: the whole weight lives twice briefly instead of through the step);
     False keeps the forward's gather for the backward (ZeRO-2-like memory, half the all-gathers).
 
+    ``ac``: activation checkpointing (:class:`ActivationCheckpointing`). Under ``block``, right before the first
+    backward node of a block, FWD nodes (``recompute``) run the block's forward again (:func:`checkpoint_blocks`:
+    its compute ops and the parallel ops on its activations, reading the block's input and its weights, a gathered
+    weight gathered again under ``reshard_after_forward``); the block's backward nodes read those values, so the
+    forward's activations inside a block die with their last forward reader.
+
     ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
     if the PCG has no loss or the optimizer is unknown.
     """
@@ -469,6 +533,8 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     if optimizer not in set(UpdateRule):
         raise PassError(f"unknown optimizer {optimizer!r}; use one of {sorted(map(str, UpdateRule))}")
     optimizer = UpdateRule(optimizer)
+    if ac not in set(ActivationCheckpointing):
+        raise PassError(f"unknown activation checkpointing {ac!r}; use one of {sorted(map(str, ActivationCheckpointing))}")
     g = _Graph()
     for name, t in pcg.tensors.items():
         g.value(forward_id(name), name, ValueRole.FWD, t.type, t.sharding, t.group)
@@ -556,6 +622,32 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                                  (again[t],), n.group, n.name, n.op, label=n.op.describe()))
         return again[t]
 
+    blocks = checkpoint_blocks(pcg) if ActivationCheckpointing(ac) == ActivationCheckpointing.BLOCK else {}
+    if ac == ActivationCheckpointing.BLOCK and not blocks:
+        raise PassError("activation checkpointing 'block': no op of the graph lies in a block (a module under an "
+                        "integer index, such as model.layers.0: a ModuleList's entry); this model has nothing to "
+                        "recompute by block; leave --ac out (ac='none')")
+    recomputed: dict[str, str] = {}  # PCG tensor → its value computed again for its block's backward
+    rerun: set[str] = set()  # the blocks recomputed so far
+
+    def read(t: str) -> str:
+        """The value a backward node (or a recomputation) reads for forward tensor ``t``."""
+        return recomputed.get(t) or for_backward(t)
+
+    def recompute(block: str) -> None:
+        """FWD nodes computing ``block``'s forward again, in forward order (``--ac block``)."""
+        for m in pcg.nodes:
+            if blocks.get(m.name) != block:
+                continue
+            ins = tuple(map(read, m.inputs))
+            for t in m.outputs:
+                v = g.values[forward_id(t)]
+                recomputed[t] = g.value(recomputed_id(t), t, ValueRole.FWD, v.type, v.sharding, v.group)
+            g.nodes.append(DNode(f"FWD recompute {m.name}", TaskType.FWD,
+                                 NodeKind.PARALLEL if m.is_parallel else NodeKind.COMPUTE, ins,
+                                 tuple(recomputed[t] for t in m.outputs), m.group, m.name,
+                                 m.op if m.is_parallel else None, label=m.op.describe(), recompute=True))
+
     # A weight's gradient is finalized (its synchronisation issued) as soon as its last consumer's backward
     # has run, so that data parallelism's all-reduces can overlap the rest of the backward.
     weights = [w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT and w in pcg.graph.tensors]
@@ -574,6 +666,9 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
         if not any(contributions[o] for o in n.outputs) or not any(i in need for i in n.inputs):
             consumed(n)
             continue
+        if (block := blocks.get(n.name)) and block not in rerun:
+            rerun.add(block)
+            recompute(block)
         if n.is_parallel:
             (i,), (o,) = n.inputs, n.outputs
             if isinstance(n.op, Replicate):
@@ -615,7 +710,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                 tt = pcg.tensors[t]
                 outs.append(g.value(grad_id(t, n.name), t, ValueRole.GRAD, tt.type, s, n.group))
                 contributions[t].append(outs[-1])
-        ins = tuple(map(for_backward, n.inputs)) + tuple(d for d in dys if d is not None)
+        ins = tuple(map(read, n.inputs)) + tuple(d for d in dys if d is not None)
         g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, NodeKind.COMPUTE, ins, tuple(outs), n.group, n.name,
                              grad_mask=mask, unscale=tuple(unscale), dy_mask=tuple(d is not None for d in dys),
                              label=f"vjp[{n.op.describe()}]"))

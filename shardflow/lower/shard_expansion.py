@@ -228,9 +228,10 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
     if n.kind == NodeKind.COMPUTE:
         src = dg.sources[n.src]
         draw = dg.pcg.piece_site(src, r) if src.op.random else None
-        if n.pass_ == TaskType.FWD:
+        if n.pass_ == TaskType.FWD:  # records for its backward unless the op is recomputed and this is the first run
             bwd = dg.backward_of.get(n.src)
-            return Forward(src.local, draw, bwd.grad_mask if bwd is not None else ())
+            keeps = bwd is not None and (n.recompute or n.src not in dg.recomputed)
+            return Forward(src.local, draw, bwd.grad_mask if keeps else ())
         return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask)
     if n.kind == NodeKind.SEED:
         return OnesLike(n.scale)

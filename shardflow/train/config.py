@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS
-from shardflow.lower.dynamic import Optimizer
+from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
 from shardflow.train.checkpoint.store import CheckpointError, check_writable
 
 
@@ -101,6 +101,10 @@ class TrainConfig:
     reshard_after_forward: bool = _f(True, "fsdp: free each gathered weight after its forward use and gather it again "
                                            "for the backward (FSDP2's default); --no-reshard-after-forward keeps it "
                                            "from the forward (more memory, half the all-gathers)")
+    ac: str = _f(str(ActivationCheckpointing.NONE), "activation checkpointing: none, or block (each block — a module "
+                 "under an integer index such as model.layers.3 — runs its forward again right before its backward "
+                 "instead of keeping its activations: less memory, one more forward per step)",
+                 choices=tuple(map(str, ActivationCheckpointing)))
     debug: bool = _f(False, "check before every communication that all its members are at the same token")
     trace: str | None = _f(None, "write a Chrome-trace timeline (Perfetto) of step 2 to this JSON file: per-rank "
                                  "compute and communication lanes, and the cost model's prediction beside them")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shardflow.graph.flops import TRAINING_FACTOR
+from shardflow.lower.dynamic import ActivationCheckpointing, checkpoint_blocks
 from shardflow.lower.report import bytes_rows
 from shardflow.train.checkpoint import Checkpoint
 from shardflow.train.config import placement
@@ -77,8 +78,10 @@ class Console:
                  f"{cfg.optimizer} lr {cfg.lr}")
         micro = (f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after "
                  f"the last)" if cfg.accumulate > 1 else "")
+        recomputed = len(set(checkpoint_blocks(s.pcg).values())) if cfg.ac == ActivationCheckpointing.BLOCK else 0
+        ac = f"; {recomputed} blocks recomputed in the backward (--ac block)" if recomputed else ""
         self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}"
-                 f"{micro}")
+                 f"{micro}{ac}")
         lowest = min(steps[-1].programs)
         per: dict[str, tuple[int, int]] = {}
         for step in steps:

@@ -70,11 +70,12 @@ class Setup:
 
     @property
     def lower_options(self) -> LowerOptions:
-        """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend."""
+        """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend; the
+        bucket size; FSDP's resharding and activation checkpointing."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
                             CostModel("nccl" if torch.cuda.is_available() else "gloo"),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20),
-                            reshard_after_forward=self.cfg.reshard_after_forward)
+                            reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac)
 
     @property
     def micro_steps(self) -> tuple[MicroStep, ...]:

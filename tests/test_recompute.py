@@ -1,0 +1,172 @@
+"""Activation checkpointing (``--ac block``): the exact plan — each block's forward run again right before its
+backward, the backward reading only recomputed activations of its block — fewer activation bytes at the peak, and
+the numbers of the plan without it (float64, every replica), dropout masks included."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from shardflow.api import parallelize  # noqa: E402
+from shardflow.capture import capture, wide_floats  # noqa: E402
+from shardflow.lower import LowerOptions, lower_step  # noqa: E402
+from shardflow.lower.cost import CommForm  # noqa: E402
+from shardflow.lower.dynamic import (ActivationCheckpointing, NodeKind, PassError, TaskType, UpdateRule,  # noqa: E402
+                                     ValueRole, block_of, checkpoint_blocks, pass_expansion)
+from shardflow.lower.program import Comm  # noqa: E402
+from shardflow.models.gpt import GPT, GPTConfig  # noqa: E402
+from shardflow.parallel.mesh import Mesh  # noqa: E402
+from shardflow.parallel.pcg import build_pcg  # noqa: E402
+from shardflow.reference import weights_of  # noqa: E402
+from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
+from shardflow.runtime.local import LocalExecutor  # noqa: E402
+from shardflow.runtime.memory import MemoryKind, program_memory  # noqa: E402
+from shardflow.strategy import resolve  # noqa: E402
+from shardflow.strategy.presets import make_plan  # noqa: E402
+
+STEPS = 3
+TOL = 1e-12  # float64: partial sums in another order than one device (seen ~1e-14)
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                         use_cache=False)).double()
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    with wide_floats():
+        graph = capture(model, batch)
+    return model, batch, graph
+
+
+def _pcg(graph, mesh_text: str, strategy: str):
+    mesh = Mesh.parse(mesh_text)
+    return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+
+
+def _lower(graph, mesh_text: str, strategy: str, ac: str, reshard: bool = True):
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard, ac=ac)
+    return lower_step(_pcg(graph, mesh_text, strategy), UpdateRule.ADAMW, options=options)
+
+
+def _run(model, batch, graph, step):
+    ex = LocalExecutor(step, OptimizerConfig("adamw", 1e-2), seed=0)
+    ex.load(weights_of(model, graph))
+    return [ex.step(batch) for _ in range(STEPS)], ex
+
+
+def test_block_of_is_the_module_under_the_first_integer_index():
+    assert block_of("model.layers.3.mlp.up_proj") == "model.layers.3"
+    assert block_of("transformer.h.0") == "transformer.h.0"
+    assert block_of("encoder.layer.1.attention.self.layers.2") == "encoder.layer.1"
+    assert block_of("model.embed_tokens") == block_of("") == ""
+
+
+def test_each_block_is_recomputed_once_right_before_its_backward_and_its_backward_reads_only_recomputed_activations(
+        llama):
+    _, _, graph = llama
+    pcg = _pcg(graph, "d=1", "single")
+    blocks = checkpoint_blocks(pcg)
+    assert set(blocks.values()) == {f"model.layers.{i}" for i in range(LAYERS)}
+    assert not any(n.scope.startswith("model.layers.") for n in pcg.nodes if n.name not in blocks)
+    dg = pass_expansion(pcg, UpdateRule.ADAMW, ac=ActivationCheckpointing.BLOCK)
+    plain = pass_expansion(pcg, UpdateRule.ADAMW)
+    again = [n for n in dg.nodes if n.recompute]
+    # every node of a block once more, in forward order, block by block from the last
+    assert [n.src for n in again] == [m for b in reversed(sorted(set(blocks.values())))
+                                      for m in (n.name for n in pcg.nodes) if blocks.get(m) == b]
+    assert all(n.pass_ == TaskType.FWD and n.kind == NodeKind.COMPUTE for n in again)
+    assert len(dg.nodes) == len(plain.nodes) + len(again)
+    position = {n.name: k for k, n in enumerate(dg.nodes)}
+    made_by = {v: n for n in dg.nodes for v in n.outputs}
+    first_bwd = {}
+    for n in dg.nodes:
+        if n.pass_ == TaskType.BWD and n.kind == NodeKind.COMPUTE and n.src in blocks:
+            first_bwd.setdefault(blocks[n.src], position[n.name])
+            for v in n.inputs:  # an activation of its own block: the recomputed one
+                maker = made_by.get(v)
+                if maker is not None and dg.values[v].role == ValueRole.FWD and blocks.get(maker.src) == blocks[n.src]:
+                    assert maker.recompute, (n.name, v)
+    for b, k in first_bwd.items():  # the block's recomputation runs after every other block's forward, before its
+        own = [position[n.name] for n in again if blocks[n.src] == b]  # backward, with nothing else in between
+        assert max(position[n.name] for n in dg.nodes if n.pass_ == TaskType.FWD and not n.recompute) < min(own)
+        assert own == list(range(min(own), max(own) + 1)) and max(own) < k
+
+
+def test_recomputation_holds_fewer_activation_bytes_and_repeats_the_blocks_forward_communication(llama):
+    _, _, graph = llama
+    for mesh, strategy in (("d=1", "single"), ("fsdp=2", "fsdp")):
+        steps = {ac: _lower(graph, mesh, strategy, ac) for ac in ActivationCheckpointing}
+        held = {ac: program_memory(s.programs[0], s.dg) for ac, s in steps.items()}
+        assert held["block"].peak < held["none"].peak, mesh
+    # tp: the row-parallel linears' all-reduce (two per block) runs again in each block's recomputation; fsdp: each
+    # weight of a block is gathered once more (the recomputation's and its backward's read the same regather)
+    for mesh, strategy, extra in (("tp=2", "tp", {"all_reduce": 2 * LAYERS}), ("fsdp=2", "fsdp", {})):
+        counts = {ac: Counter(str(i.kind) for i in _lower(graph, mesh, strategy, ac).programs[0].instrs
+                              if isinstance(i, Comm)) for ac in ActivationCheckpointing}
+        assert counts["block"] - counts["none"] == Counter(extra), (mesh, counts)
+
+
+@pytest.mark.parametrize("mesh, strategy", [("d=1", "single"), ("fsdp=2", "fsdp"), ("dp=2,tp=2", "dp,tp"),
+                                            ("fsdp=2,tp=2", "fsdp,tp")])
+def test_recomputation_gives_the_numbers_of_one_device(llama, mesh, strategy):
+    """AdamW, 3 steps: the loss of each step and every replica of every weight piece equal one device's without
+    recomputation (float64)."""
+    model, batch, graph = llama
+    ref_losses, ref = _run(model, batch, graph, _lower(graph, "d=1", "single", "none"))
+    losses, ex = _run(model, batch, graph, _lower(graph, mesh, strategy, "block"))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
+    assert ex.weight_error(ref.weights()) < TOL
+
+
+def test_recomputed_dropout_draws_the_forwards_mask():
+    """GPT with dropout in every block: the recomputed forward draws the same mask as the forward (the backward
+    would otherwise differ from the forward's function); bitwise the plan without recomputation on dp=2."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.2)).double()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    batch = {"idx": ids, "targets": ids}
+    graph = capture(model, batch)
+    assert any(n.op.random for n in graph.nodes)
+    runs = {ac: _run(model, batch, graph, _lower(graph, "dp=2", "dp", ac)) for ac in ActivationCheckpointing}
+    assert runs["block"][0] == runs["none"][0]
+    assert runs["block"][1].weight_error(runs["none"][1].weights()) == 0.0
+
+
+def test_an_unknown_mode_is_refused_before_capture():
+    model, batch = _tiny()
+    with pytest.raises(ValueError, match=r"^ac must be one of \['none', 'block'\], got 'selective'$"):
+        parallelize(model, batch, mesh="d=1", ac="selective")
+    with pytest.raises(PassError, match="unknown activation checkpointing"):
+        pass_expansion(_pcg(capture(model, batch), "d=1", "single"), ac="selective")
+
+
+class _Flat(torch.nn.Module):
+    """Two linears as attributes: no module under an integer index, no block."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.down(torch.relu(self.up(x))), y)
+
+
+def test_a_model_without_blocks_is_refused_by_name():
+    batch = {"x": torch.randn(4, 4), "y": torch.zeros(4, dtype=torch.long)}
+    with pytest.raises(PassError, match=r"no op of the graph lies in a block .*leave --ac out \(ac='none'\)$"):
+        parallelize(_Flat(), batch, mesh="d=1", ac="block")
+
+
+def _tiny():
+    model = GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=1, n_embd=8))
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    return model, {"idx": ids, "targets": ids}
