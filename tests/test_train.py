@@ -33,7 +33,7 @@ def single(tmp_path_factory, train, read_metrics):
     ["--strategy", "tp", "--nproc", "2"],
     ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
     ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
-    ["--strategy", "fsdp", "--nproc", "2"],
+    ["--strategy", "fsdp", "--nproc", "2", "--ac", "block"],
 ])
 def test_strategies_match_single_device_step_by_step(tmp_path, train, read_metrics, single, argv):
     r, run = train(tmp_path, "run", *argv)
