@@ -397,7 +397,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
                 plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
                 lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
                 seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1,
-                reshard_after_forward: bool = True, ac: str = "none") -> Trainer:
+                reshard_after_forward: bool = True, ac: str = "none", master_dtype: str = "") -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
 
     Args:
@@ -429,6 +429,10 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         ac: activation checkpointing, ``"none"`` or ``"block"``: each block (a module under an integer index, such
             as ``model.layers.3``) runs its forward again right before its backward instead of keeping its
             activations (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`).
+        master_dtype: mixed precision: with a model in bfloat16 (``model.to(torch.bfloat16)``), ``"float32"`` holds
+            its weights, gradient reductions and optimizer state in float32 and casts the weights to bfloat16 for
+            each step (FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); "" (default):
+            every weight in its own dtype. :meth:`Trainer.state_dict` gives the float32 weights.
 
     Raises:
         CaptureError: export cannot capture the model (the message names the model's source line).
@@ -453,7 +457,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
     micro_steps = MicroStep.sequence(accumulate)
     options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard_after_forward,
-                           ac=ac)
+                           ac=ac, master_dtype=master_dtype)
     inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
     graph = capture(model, split_batch(batch, accumulate)[0])
     chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)

@@ -537,7 +537,7 @@ def test_computes_carry_their_kernels():
         kernels = {i.dnode: i.kernel for i in computes if i.dnode}
         # x needs no gradient: mul(x, scale)'s forward records (and its backward makes) the gradient of scale only
         assert kernels["FWD mul"] == Forward(local["mul"], None, (False, True))
-        assert kernels["BWD mul"] == Vjp(local["mul"], None, (False, True), (1.0, 1.0), (True,))
+        assert kernels["BWD mul"] == Vjp(local["mul"], None, (False, True), (1.0, 1.0), (True,), ("float32",))
         assert kernels["FWD loss"] == Forward(local["loss"], None, (True, False))
         assert kernels["LOSS seed"] == OnesLike() and kernels["UPD grad-norm sumsq"] == SumOfSquares()
         assert {k: v for k, v in kernels.items() if k.startswith("UPD ") and k != "UPD grad-norm sumsq"} == {

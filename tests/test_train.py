@@ -169,14 +169,19 @@ def test_check_compares_with_one_device(tmp_path, train):
     ["--strategy", "pp", "--mesh", "pp=2", "--layers", "2"],
     ["--strategy", "hsdp", "--mesh", "dp=2,fsdp=2", "--ac", "block"],
     ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--no-reshard-after-forward"],
+    ["--strategy", "fsdp", "--mesh", "fsdp=2", "--dtype", "bf16"],
 ])
 def test_check_passes_on_the_llama(tmp_path, train, argv):
     """--check on the default model (Llama: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention), every
     rank of the mesh in one process: the loss of each step and every replica of every parameter equal the
-    one-device run within --check's tolerance (5e-3, float32 AdamW)."""
+    one-device run within --check's tolerance (5e-3, float32 AdamW; 3e-2 under --dtype bf16, both sides bfloat16
+    compute with float32 masters)."""
     r, run = train(tmp_path, "check", *argv, "--nproc", "1", "--steps", "2", "--check")
     assert "model: Llama (llama)" in r.stdout
     assert check_line(r).endswith(": OK")
+    if "bf16" in argv:
+        assert "bfloat16 parameters and compute, float32 master weights" in r.stdout
+        assert "(tolerance 0.03)" in check_line(r)
 
 
 @pytest.mark.parametrize("argv", [

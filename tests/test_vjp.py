@@ -59,7 +59,7 @@ def _kernel(local: LocalOp, types, out_types, grad_mask, dy_mask, unscale):
     dys = tuple(Buffer(f"dy{k}", t) for k, t in enumerate(out_types) if dy_mask[k])
     outs = tuple(Buffer(f"g{i}", types[i]) for i, m in enumerate(grad_mask) if m)
     instr = Compute(TaskType.BWD, "op", local.op.kind, ins + dys, outs, "bwd:op",
-                    kernel=Vjp(local, None, grad_mask, unscale, dy_mask))
+                    kernel=Vjp(local, None, grad_mask, unscale, dy_mask, tuple(b.type.dtype for b in outs)))
     return make_kernel(instr, OptimizerConfig(), lambda: 1)
 
 

@@ -85,6 +85,7 @@ class CostModel:
         return min(REDUCE_SCATTER_FORMS, key=lambda f: self.reduce_scatter_s(f, chunk_bytes, d))
 
 
+MASTER_DTYPES = ("float32", "float64")  # what LowerOptions.master_dtype may hold weights in
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb=25
 
 
@@ -105,6 +106,10 @@ class LowerOptions:
 
     ``ac``: activation checkpointing, ``none`` or ``block`` (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`):
     each block's forward runs again before its backward instead of keeping its activations (``--ac``).
+
+    ``master_dtype``: mixed precision — weights narrower than it (a model captured in bf16) are held, reduced and
+    updated in it and cast to their own dtype for each step (``--dtype bf16``: float32;
+    ``master_dtype`` of :func:`~shardflow.lower.dynamic.pass_expansion`); "" keeps every weight in its own dtype.
     """
 
     all_gather: CommForm | str = "auto"
@@ -113,6 +118,7 @@ class LowerOptions:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     reshard_after_forward: bool = False
     ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE
+    master_dtype: str = ""
 
     def __post_init__(self):
         if self.bucket_bytes < 0:
@@ -120,6 +126,9 @@ class LowerOptions:
         if self.all_gather not in ("auto",) + ALL_GATHER_FORMS:
             raise ValueError(f"all_gather must be 'auto' or one of {tuple(map(str, ALL_GATHER_FORMS))}, got "
                              f"{self.all_gather!r}")
+        if self.master_dtype and self.master_dtype not in MASTER_DTYPES:
+            raise ValueError(f"master_dtype must be one of {MASTER_DTYPES} or '' (every weight in its own dtype), got "
+                             f"{self.master_dtype!r}")
         if self.ac not in set(ActivationCheckpointing):
             raise ValueError(f"ac must be one of {[str(a) for a in ActivationCheckpointing]}, got {self.ac!r}")
         if self.reduce_scatter not in ("auto",) + REDUCE_SCATTER_FORMS:

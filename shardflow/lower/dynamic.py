@@ -155,6 +155,18 @@ def checkpoint_blocks(pcg: PCG) -> dict[str, str]:
     return out
 
 
+def narrow_weights(pcg: PCG, master_dtype: str) -> tuple[str, ...]:
+    """The weights of ``pcg`` held in ``master_dtype`` instead of their dtype in the graph: the floating ones of fewer
+    bits (none when ``master_dtype`` is ""). Raises PassError if ``master_dtype`` is not a floating dtype."""
+    if not master_dtype:
+        return ()
+    master = torch_dtype(master_dtype)
+    if not master.is_floating_point:
+        raise PassError(f"master_dtype {master_dtype!r} is not a floating dtype; give float32 (or float64)")
+    return tuple(w for w in pcg.graph.weights if w in pcg.tensors
+                 and (d := torch_dtype(pcg.tensors[w].type.dtype)).is_floating_point and d.itemsize < master.itemsize)
+
+
 class NodeKind(StrEnum):
     """What a dynamic-graph node does (see :class:`DNode`)."""
 
@@ -166,6 +178,7 @@ class NodeKind(StrEnum):
     UPDATE = "update"
     SELECT = "select"
     SUMSQ = "sumsq"
+    CAST = "cast"
 
 
 class Optimizer(StrEnum):
@@ -218,6 +231,12 @@ def state_id(slot: str, weight: str) -> str:
 def regathered_id(tensor: str) -> str:
     """The id of PCG tensor ``tensor`` (a gathered weight) gathered again for the backward (``fwd:<tensor>@bwd``)."""
     return f"{forward_id(tensor)}@bwd"
+
+
+def compute_id(weight: str) -> str:
+    """The id of a weight held in a wider master dtype, cast to its dtype in the graph for the step's readers
+    (``fwd:<weight>@compute``; see ``master_dtype`` of :func:`pass_expansion`)."""
+    return f"{forward_id(weight)}@compute"
 
 
 def recomputed_id(tensor: str) -> str:
@@ -274,7 +293,9 @@ class DNode:
     ``kind``: ``compute`` (a PCG compute op; FWD runs ``local``, BWD its vjp), ``parallel`` (a parallel op
     on a value), ``copy`` (same sharding, other sub-mesh), ``sum`` (gradient accumulation), ``seed`` (loss
     gradient), ``update`` (optimizer step), ``select`` (Replicate's backward when the gradient is replicated:
-    the devices of the root sub-mesh keep their copy). ``src`` is the PCG node it comes from.
+    the devices of the root sub-mesh keep their copy), ``cast`` (a weight held in a master dtype converted to its
+    dtype in the graph: ``master_dtype`` of :func:`pass_expansion`). ``src`` is the PCG node it comes from (a
+    cast's: its weight).
     For a BWD compute node, ``grad_mask[i]`` tells whether input i gets a gradient, ``unscale[i]`` undoes a
     linearity scale on it, and ``dy_mask[k]`` whether output k has a gradient (its ``dy`` is an input).
     An ``update`` with ``clip`` > 0 reads the squared global gradient norm as its last input; ``sumsq``
@@ -488,11 +509,11 @@ def grad_sharding(pcg: PCG, node: PNode, i: int) -> tuple[Sharding, float]:
     return Sharding(s.dims, tuple(partial)), (1.0 / scale if scale != 1.0 else 1.0)
 
 
-def _weight_side(pcg: PCG) -> set[str]:
-    """The weights and the outputs of parallel ops applied to them (a weight gathered before use): the tensors
-    whose gradient reaches only weights, and only through data movement — linear, so contributions to it may be
-    summed over micro-steps and moved once (:class:`MicroStep`)."""
-    side = {w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT}
+def _weight_side(pcg: PCG, weights: Iterable[str] | None = None) -> set[str]:
+    """The weights (or those of ``weights``) and the outputs of parallel ops applied to them (a weight gathered
+    before use): the tensors whose gradient reaches only weights, and only through data movement — linear, so
+    contributions to it may be summed over micro-steps and moved once (:class:`MicroStep`)."""
+    side = {w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT} if weights is None else set(weights)
     for n in pcg.nodes:
         if n.is_parallel and n.inputs[0] in side:
             side.update(n.outputs)
@@ -502,7 +523,8 @@ def _weight_side(pcg: PCG) -> set[str]:
 def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, training: bool = True,
                    clip_norm: float | None = None, grad_norm: bool = False,
                    micro: MicroStep = MicroStep(), reshard_after_forward: bool = False,
-                   ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE) -> DynamicGraph:
+                   ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE,
+                   master_dtype: str = "") -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
@@ -525,8 +547,18 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     weight gathered again under ``reshard_after_forward``); the block's backward nodes read those values, so the
     forward's activations inside a block die with their last forward reader.
 
+    ``master_dtype``: mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype=<the graph's>,
+    reduce_dtype=master_dtype)``, Micikevicius et al., "Mixed Precision Training", 2018). A weight whose dtype in the
+    graph is a narrower float (bfloat16 from a model captured in bf16) is held in ``master_dtype`` (``fwd:W`` — what
+    the executor places, checkpoints and updates); a FWD ``cast`` node makes its copy in the graph's dtype
+    (``fwd:W@compute``) at the start of the step, and every reader — a compute op, an FSDP gather (so it gathers the
+    narrow copy) — reads that. The gradients of the weight side (the weight and its gathered copies) are
+    ``master_dtype`` values: each backward writes its contribution in it, so every reduction of a weight's gradient
+    (all-reduce, reduce-scatter, the micro-steps' sums), the gradient norm and the optimizer state are in
+    ``master_dtype``. "" (default): every weight in its own dtype.
+
     ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
-    if the PCG has no loss or the optimizer is unknown.
+    if the PCG has no loss, the optimizer is unknown or ``master_dtype`` is not a float dtype.
     """
     if pcg.loss is None:
         raise PassError("pass expansion needs a loss: the graph has no scalar loss output")
@@ -535,12 +567,25 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     optimizer = UpdateRule(optimizer)
     if ac not in set(ActivationCheckpointing):
         raise PassError(f"unknown activation checkpointing {ac!r}; use one of {sorted(map(str, ActivationCheckpointing))}")
+    narrow = narrow_weights(pcg, master_dtype)
     g = _Graph()
     for name, t in pcg.tensors.items():
-        g.value(forward_id(name), name, ValueRole.FWD, t.type, t.sharding, t.group)
+        kept = TensorType(t.type.shape, master_dtype) if name in narrow else t.type
+        g.value(forward_id(name), name, ValueRole.FWD, kept, t.sharding, t.group)
+    used: dict[str, str] = {}  # weight held in master_dtype → its copy in the graph's dtype, what every reader reads
+    for w in narrow:
+        t = pcg.tensors[w]
+        used[w] = g.value(compute_id(w), w, ValueRole.FWD, t.type, t.sharding, t.group)
+        g.nodes.append(DNode(f"FWD cast {w}", TaskType.FWD, NodeKind.CAST, (forward_id(w),), (used[w],), t.group, w,
+                             label=f"cast({t.type.dtype})"))
+
+    def fwd(t: str) -> str:
+        """The value a node reads for forward tensor ``t``."""
+        return used.get(t) or forward_id(t)
+
     for n in pcg.nodes:
         g.nodes.append(DNode(f"FWD {n.name}", TaskType.FWD, NodeKind.PARALLEL if n.is_parallel else NodeKind.COMPUTE,
-                             tuple(map(forward_id, n.inputs)), tuple(map(forward_id, n.outputs)), n.group,
+                             tuple(map(fwd, n.inputs)), tuple(map(forward_id, n.outputs)), n.group,
                              n.name, n.op if n.is_parallel else None, label=n.op.describe()))
 
     if not training:
@@ -554,6 +599,13 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                 f"{list(s.partial)}: only Partial('sum') is differentiated piece by piece. Reduce it first "
                 f"(Reduction / output=Replicate()) or place its source Partial('sum')")
     contributions: dict[str, list[str]] = {t: [] for t in pcg.tensors}
+    master_side = _weight_side(pcg, narrow)
+
+    def grad_type(t: str) -> TensorType:
+        """The type of tensor ``t``'s gradient values: ``master_dtype`` on a narrow weight's side, else t's."""
+        tt = pcg.tensors[t].type
+        return TensorType(tt.shape, master_dtype) if t in master_side else tt
+
     loss = pcg.tensors[pcg.loss]
     seed = g.value(grad_id(pcg.loss, "loss"), pcg.loss, ValueRole.GRAD, loss.type, canonical_grad(loss.sharding),
                    loss.group)
@@ -596,7 +648,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
         if len({g.values[p].sharding for p in parts}) > 1:  # bring each to the canonical sharding first
             parts = [g.redistribute(p, want, TaskType.BWD, t) for p in parts]
         if len(parts) > 1:
-            out = g.value(grad_id(t), t, ValueRole.GRAD, tt.type, g.values[parts[0]].sharding, tt.group)
+            out = g.value(grad_id(t), t, ValueRole.GRAD, grad_type(t), g.values[parts[0]].sharding, tt.group)
             g.nodes.append(DNode(f"BWD sum {grad_id(t)}", TaskType.BWD, NodeKind.SUM, tuple(parts), (out,), tt.group,
                                  t))
             parts = [out]
@@ -614,11 +666,11 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
         """The value a backward node reads for forward tensor ``t``: a gathered weight gathered again (once, before
         its first backward reader) under ``reshard_after_forward``, else the forward's."""
         if t not in gathers:
-            return forward_id(t)
+            return fwd(t)
         if t not in again:
             n, v = gathers[t], g.values[forward_id(t)]
             again[t] = g.value(regathered_id(t), t, ValueRole.FWD, v.type, v.sharding, v.group)
-            g.nodes.append(DNode(f"BWD regather {n.name}", TaskType.BWD, NodeKind.PARALLEL, (forward_id(n.inputs[0]),),
+            g.nodes.append(DNode(f"BWD regather {n.name}", TaskType.BWD, NodeKind.PARALLEL, (fwd(n.inputs[0]),),
                                  (again[t],), n.group, n.name, n.op, label=n.op.describe()))
         return again[t]
 
@@ -683,7 +735,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                 kind = NodeKind.PARALLEL if n.op.axis in dyv.sharding.partial else NodeKind.SELECT
                 at = src.group if kind == NodeKind.PARALLEL else \
                     dyv.group.with_fixed(n.op.axis, dict(src.group.fixed)[n.op.axis])
-                out = g.value(grad_id(i, n.name), i, ValueRole.GRAD, src.type, Sharding(dyv.sharding.dims,
+                out = g.value(grad_id(i, n.name), i, ValueRole.GRAD, grad_type(i), Sharding(dyv.sharding.dims,
                               tuple(a for a in dyv.sharding.partial if a != n.op.axis)), at)
                 g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, kind, (dy,), (out,), at, n.name,
                                      n.op if kind == NodeKind.PARALLEL else None))
@@ -708,7 +760,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
             unscale.append(f)
             if mask[k]:
                 tt = pcg.tensors[t]
-                outs.append(g.value(grad_id(t, n.name), t, ValueRole.GRAD, tt.type, s, n.group))
+                outs.append(g.value(grad_id(t, n.name), t, ValueRole.GRAD, grad_type(t), s, n.group))
                 contributions[t].append(outs[-1])
         ins = tuple(map(read, n.inputs)) + tuple(d for d in dys if d is not None)
         g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, NodeKind.COMPUTE, ins, tuple(outs), n.group, n.name,
@@ -727,7 +779,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
         mesh = pcg.mesh
         axes = tuple(a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1)
         whole = SubMesh(mesh)
-        part = g.value("grad_norm:sumsq", "grad_norm", ValueRole.GRAD, TensorType((), loss.type.dtype),
+        part = g.value("grad_norm:sumsq", "grad_norm", ValueRole.GRAD, TensorType((), master_dtype or loss.type.dtype),
                        Sharding((), axes), whole)
         g.nodes.append(DNode("UPD grad-norm sumsq", TaskType.UPD, NodeKind.SUMSQ, tuple(grads.values()), (part,),
                              whole))
@@ -736,9 +788,10 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     norm2 = (squared_norm(),) if clip_norm and micro.last else ()  # the updates clip with it: computed before them
     for w, dw in grads.items():
         t = pcg.tensors[w]
-        slots = tuple(g.value(state_id(s, w), w, ValueRole.OPT, t.type, t.sharding, t.group, slot=s)
+        kept = g.values[forward_id(w)].type  # master_dtype for a narrow weight
+        slots = tuple(g.value(state_id(s, w), w, ValueRole.OPT, kept, t.sharding, t.group, slot=s)
                       for s in OPTIMIZER_SLOTS[optimizer])
-        new = tuple(g.value(update_id(x), w, g.values[x].role, t.type, t.sharding, t.group,
+        new = tuple(g.value(update_id(x), w, g.values[x].role, kept, t.sharding, t.group,
                             slot=g.values[x].slot, replaces=x) for x in (forward_id(w),) + slots)
         g.nodes.append(DNode(f"UPD {w}", TaskType.UPD, NodeKind.UPDATE, (forward_id(w), dw) + slots + norm2, new,
                              t.group, w, clip=clip_norm or 0.0))

@@ -66,7 +66,8 @@ def _verify(sg: ShardedGraph, ctx: LowerContext) -> ShardedGraph:
 PASSES: tuple[Pass, ...] = (
     Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm,
                                                                 c.grad_norm, c.micro,
-                                                                c.options.reshard_after_forward, c.options.ac),
+                                                                c.options.reshard_after_forward, c.options.ac,
+                                                                c.options.master_dtype),
          "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state"),
     Pass(PassName.COPY_INSERTION, lambda dg, c: copy_insertion(dg),
          "COPY wherever a node reads a value held by another sub-mesh"),

@@ -56,13 +56,15 @@ class Forward:
 class Vjp:
     """A compute op's backward: the vjp of ``local`` (``draw`` as in :class:`Forward`). Reads the op's inputs,
     then the gradients of its outputs where ``dy_mask[k]``; writes the gradient of input i where
-    ``grad_mask[i]``, multiplied by ``unscale[i]`` (undoing a linearity scale)."""
+    ``grad_mask[i]``, multiplied by ``unscale[i]`` (undoing a linearity scale), in ``dtypes`` (one per gradient
+    written: its input's dtype, or a weight's master dtype under mixed precision)."""
 
     local: LocalOp
     draw: PieceSite | None
     grad_mask: tuple[bool, ...]
     unscale: tuple[float, ...]
     dy_mask: tuple[bool, ...]
+    dtypes: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +108,14 @@ class Block:
     index: int
 
 
-KernelSpec = Forward | Vjp | OnesLike | Sum | Update | SumOfSquares | Keep | Block
+@dataclass(frozen=True, slots=True)
+class Convert:
+    """A weight held in a master dtype converted to ``dtype``, its dtype in the graph (mixed precision)."""
+
+    dtype: str
+
+
+KernelSpec = Forward | Vjp | OnesLike | Sum | Update | SumOfSquares | Keep | Block | Convert
 
 
 @dataclass(frozen=True, slots=True)

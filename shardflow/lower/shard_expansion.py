@@ -22,8 +22,8 @@ from shardflow.graph.ops import TensorType
 from shardflow.lower.comms import CommKind, wire_bytes
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value,
                                      cross_submesh_reads, require)
-from shardflow.lower.program import (Block, Buffer, Compute, Forward, Instr, Keep, KernelSpec, OnesLike, Program, Sum,
-                                     SumOfSquares, Update, Vjp)
+from shardflow.lower.program import (Block, Buffer, Compute, Convert, Forward, Instr, Keep, KernelSpec, OnesLike,
+                                     Program, Sum, SumOfSquares, Update, Vjp)
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition, Replicate
 from shardflow.parallel.sharding import Sharding
@@ -54,7 +54,7 @@ LOWERING: dict[tuple[str, ...], CommKind | LocalKind] = {
 }
 # Steps each device runs on its own pieces; every other step (parallel ops by LOWERING, copies) communicates.
 LOCAL_STEPS = frozenset({LocalKind.SPLIT, LocalKind.ALIAS, NodeKind.SUMSQ, NodeKind.COMPUTE, NodeKind.SEED,
-                         NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT})
+                         NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT, NodeKind.CAST})
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -232,7 +232,8 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
             bwd = dg.backward_of.get(n.src)
             keeps = bwd is not None and (n.recompute or n.src not in dg.recomputed)
             return Forward(src.local, draw, bwd.grad_mask if keeps else ())
-        return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask)
+        dtypes = tuple(dg.values[v].type.dtype for v in n.outputs)  # a master dtype under mixed precision
+        return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask, dtypes)
     if n.kind == NodeKind.SEED:
         return OnesLike(n.scale)
     if n.kind == NodeKind.SUM:
@@ -241,6 +242,8 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
         return Update(tuple(dg.values[v].slot for v in n.inputs[2:len(n.inputs) - (n.clip > 0)]), n.clip)
     if n.kind == NodeKind.SUMSQ:
         return SumOfSquares()
+    if n.kind == NodeKind.CAST:
+        return Convert(dg.values[n.outputs[0]].type.dtype)
     if n.kind == NodeKind.PARALLEL and n.op.degree > 1:  # a Repartition of replicas: r keeps its block of the dim
         return Block(n.op.dim, n.op.degree, n.group.coords(r)[n.op.axis])
     if n.kind in (NodeKind.SELECT, NodeKind.COPY, NodeKind.PARALLEL):  # the piece is already here; an axis of one device
@@ -253,7 +256,7 @@ def _compute_op(n: DNode, dg: DynamicGraph) -> str:
     if n.kind == NodeKind.COMPUTE:
         return n.label
     return {NodeKind.SEED: "ones", NodeKind.SUM: "sum", NodeKind.UPDATE: f"{dg.optimizer}_update",
-            NodeKind.SELECT: "keep_root"}[n.kind]
+            NodeKind.SELECT: "keep_root", NodeKind.CAST: n.label}[n.kind]
 
 
 def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
@@ -273,7 +276,7 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
                      and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
         return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name,
                         kernel=kernel(first, dg, r))]
-    if st.kind in (NodeKind.COMPUTE, NodeKind.SEED, NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT):
+    if st.kind in (NodeKind.COMPUTE, NodeKind.SEED, NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT, NodeKind.CAST):
         if not in_group(first.group, r) or (st.kind == NodeKind.SELECT and not in_group(vout.group, r)):
             return []
         ins = tuple(piece(dg.values[v]) for v in first.inputs)

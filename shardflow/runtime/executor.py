@@ -18,10 +18,21 @@ from typing import Callable, Mapping
 
 import torch
 
-from shardflow.lower.dynamic import DynamicGraph, NodeKind, forward_id
+from shardflow.graph.ops import torch_dtype
+from shardflow.lower.dynamic import DynamicGraph, NodeKind, ValueRole, forward_id
 
 # a piece of a value and the offsets of its block in the full tensor (per dim, the index of its first element)
 Block = tuple[tuple[int, ...], torch.Tensor]
+
+
+class _Cast:
+    """A full value ``src`` (a tensor, or anything indexed by blocks) whose blocks are read in ``dtype``."""
+
+    def __init__(self, src, dtype: torch.dtype):
+        self.src, self.dtype = src, dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.src[index].to(self.dtype)
 
 
 class Executor:
@@ -94,12 +105,17 @@ class Executor:
     def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
              steps_done: int = 0) -> None:
         """Place the full weights (by graph name) and optimizer ``state`` (full tensors by value id, as
-        :meth:`state` returns them; zero when None) after ``steps_done`` steps. Every rank passes the same."""
-        for w in self.dg.pcg.graph.weights:
-            self._put(forward_id(w), weights[w])
-        for vid in self.dg.state_values():
+        :meth:`state` returns them; zero when None) after ``steps_done`` steps, each in its value's dtype (a weight
+        given in bfloat16 held in a float32 master: ``master_dtype`` of the lowering). Every rank passes the same.
+        A weight may be anything indexed by blocks (``w[slices]``), as a lazily read or replayed one is."""
+        for vid in (*map(forward_id, self.dg.pcg.graph.weights), *self.dg.state_values()):
             v = self.dg.values[vid]
-            self._put(vid, state[vid] if state else torch.zeros(v.type.shape, dtype=weights[v.tensor].dtype))
+            dtype = torch_dtype(v.type.dtype)
+            if v.role == ValueRole.FWD:
+                full = weights[v.tensor]
+            else:
+                full = state[vid] if state else torch.zeros(v.type.shape, dtype=dtype)
+            self._put(vid, full if getattr(full, "dtype", dtype) == dtype else _Cast(full, dtype))
         self.steps_done = steps_done
 
     def load_pieces(self, dtypes: Mapping[str, torch.dtype], read: Callable[[dict[str, list[Block]]], None],

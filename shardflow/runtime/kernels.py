@@ -18,8 +18,8 @@ import torch
 from shardflow.graph.ops import torch_dtype
 from shardflow.graph.rng import PieceSite
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer, UpdateRule
-from shardflow.lower.program import (LOCAL_MOVES, Block, Compute, Forward, Keep, OnesLike, Sum, SumOfSquares, Update,
-                                     Vjp)
+from shardflow.lower.program import (LOCAL_MOVES, Block, Compute, Convert, Forward, Keep, OnesLike, Sum, SumOfSquares,
+                                     Update, Vjp)
 from shardflow.parallel.rules import LocalOp
 from shardflow.runtime.vjp import HandVjp, hand_vjp
 
@@ -110,6 +110,9 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
         return lambda xs: [xs[0]]
     if isinstance(spec, Block):
         return lambda xs: [xs[0].chunk(spec.degree, spec.dim)[spec.index].contiguous()]
+    if isinstance(spec, Convert):
+        dtype = torch_dtype(spec.dtype)
+        return lambda xs: [xs[0].to(dtype)]
     raise ValueError(f"compute {instr.op!r} of {instr.dnode!r} carries no kernel description")
 
 
@@ -166,9 +169,10 @@ _ENGINE = torch.autograd.Variable._execution_engine
 
 def _hand_vjp_kernel(vjp: HandVjp, spec: Vjp) -> Kernel:
     """The backward of ``spec.local`` by its hand-written ``vjp`` (:mod:`shardflow.runtime.vjp`): the local op's
-    input and output scales applied by the chain rule, then ``unscale``; each gradient in its input's dtype."""
+    input and output scales applied by the chain rule, then ``unscale``; each gradient in its dtype of ``spec``."""
     local, n_in, op, need = spec.local, len(spec.grad_mask), spec.local.op, spec.grad_mask
     diff = [i for i, m in enumerate(need) if m]
+    dtypes = [torch_dtype(d) for d in spec.dtypes]
     scale = [local.in_scale[i] * spec.unscale[i] for i in range(n_in)]
     scaled_in = any(s != 1.0 for s in local.in_scale)
     every_dy = all(spec.dy_mask) and local.out_scale == 1.0  # the gradients given are the vjp's dys as they are
@@ -182,10 +186,10 @@ def _hand_vjp_kernel(vjp: HandVjp, spec: Vjp) -> Kernel:
             dys = [(next(given) * local.out_scale) if m else None for m in spec.dy_mask]
         grads = vjp(op, ins, dys, need)
         out = []
-        for i in diff:
+        for i, dtype in zip(diff, dtypes):
             g = grads[i]
-            if g.dtype != xs[i].dtype:
-                g = g.to(xs[i].dtype)
+            if g.dtype != dtype:
+                g = g.to(dtype)
             out.append(g if scale[i] == 1.0 else g * scale[i])
         return out
 
@@ -195,6 +199,7 @@ def _hand_vjp_kernel(vjp: HandVjp, spec: Vjp) -> Kernel:
 def _vjp_kernel(fwd: Callable, spec: Vjp, key: str, saved: dict | None = None) -> Kernel:
     n_in = len(spec.grad_mask)
     diff = [i for i, m in enumerate(spec.grad_mask) if m]
+    dtypes = [torch_dtype(d) for d in spec.dtypes]
 
     def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         args, dys = list(xs[:n_in]), iter(xs[n_in:])
@@ -216,6 +221,7 @@ def _vjp_kernel(fwd: Callable, spec: Vjp, key: str, saved: dict | None = None) -
             outs, vjp = torch.func.vjp(f, *(args[i] for i in diff))
             cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, spec.dy_mask))
             grads = vjp(cot)
+        grads = [g if g.dtype == d else g.to(d) for g, d in zip(grads, dtypes)]
         return [g * spec.unscale[i] if spec.unscale[i] != 1.0 else g for i, g in zip(diff, grads)]
 
     return kernel

@@ -29,6 +29,10 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+# --dtype → the dtype the weights are held, reduced and updated in ("": the model's own, nothing cast).
+MASTER_DTYPE = {"float32": "", "bf16": "float32"}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run depends on."""
@@ -58,6 +62,11 @@ class TrainConfig:
                                      "config, weights (each rank reads only its pieces) and tokenizer")
     dropout: float = _f(0.0, "dropout probability of the residual and embedding dropout (gpt2; Llama-style models have "
                                   "none outside attention, whose dropout shardflow does not support)")
+    dtype: str = _f("float32", "float32, or bf16: mixed precision — parameters and compute in bfloat16 (the model "
+                               "captured in bfloat16, with its own upcasts), float32 master weights, gradient "
+                               "reductions and optimizer state (as FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, "
+                               "reduce_dtype=float32)); checkpoints hold the float32 masters",
+                    choices=tuple(MASTER_DTYPE))
     lr: float = _f(3e-3, "learning rate")
     optimizer: str = _f(str(Optimizer.ADAMW), "sgd or adamw", choices=tuple(map(str, Optimizer)))
     momentum: float = _f(0.9, "SGD momentum")

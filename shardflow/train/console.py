@@ -74,8 +74,10 @@ class Console:
         self.say(f"shardflow train: {c.source}, {len(c.train):,} train / {len(c.val):,} val tokens "
                  f"({c.chars / len(c.tokens):.2f} characters per token)")
         self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
+        mixed = ("; bfloat16 parameters and compute, float32 master weights, gradient reductions and optimizer state"
+                 if cfg.dtype == "bf16" else "")
         self.say(f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
-                 f"{cfg.optimizer} lr {cfg.lr}")
+                 f"{cfg.optimizer} lr {cfg.lr}{mixed}")
         micro = (f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after "
                  f"the last)" if cfg.accumulate > 1 else "")
         recomputed = len(set(checkpoint_blocks(s.pcg).values())) if cfg.ac == ActivationCheckpointing.BLOCK else 0

@@ -18,6 +18,7 @@ from torch import nn
 
 from shardflow.api import plan_pcg
 from shardflow.capture import capture
+from shardflow.graph.ops import torch_dtype
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import CostModel, LowerOptions, LoweredStep, MicroStep, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
@@ -29,7 +30,7 @@ from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
-from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig
+from shardflow.train.config import DEFAULT_STRATEGY, MASTER_DTYPE, TrainConfig
 from shardflow.train.data import Corpus, Split
 from shardflow.train.family import Family, ModelError, Sizes, factory_family, hf_config, hf_family, is_factory
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
@@ -71,11 +72,12 @@ class Setup:
     @property
     def lower_options(self) -> LowerOptions:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend; the
-        bucket size; FSDP's resharding and activation checkpointing."""
+        bucket size; FSDP's resharding, activation checkpointing and the master weights' dtype (``--dtype``)."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
                             CostModel("nccl" if torch.cuda.is_available() else "gloo"),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20),
-                            reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac)
+                            reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac,
+                            master_dtype=MASTER_DTYPE[self.cfg.dtype])
 
     @property
     def micro_steps(self) -> tuple[MicroStep, ...]:
@@ -133,7 +135,9 @@ class Setup:
 
     def checkpoint_entries(self) -> checkpoint.Entries:
         """What a checkpoint of this run holds: every weight and its optimizer state."""
-        return checkpoint.model_entries(self.model, self.graph.weights, OPTIMIZER_SLOTS[self.optimizer.slots])
+        master = MASTER_DTYPE[self.cfg.dtype]
+        return checkpoint.model_entries(self.model, self.graph.weights, OPTIMIZER_SLOTS[self.optimizer.slots],
+                                        torch_dtype(master) if master else None)
 
     def checkpoint_meta(self, world: int) -> dict[str, Any]:
         """What a checkpoint of this run records besides its tensors (``world``: processes of the run)."""
@@ -239,6 +243,10 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
     with torch.device("meta") if meta else contextlib.nullcontext():
         family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
     inits = None if meta or is_factory(cfg.model) else materialise(model, cfg.seed)
+    if cfg.dtype == "bf16":  # captured in bfloat16 (the model's own upcasts kept), started from its float32 weights
+        if inits is None and not meta:
+            inits = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model.to(torch.bfloat16)
     micro = cfg.batch_size // cfg.accumulate
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
