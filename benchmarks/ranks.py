@@ -15,7 +15,8 @@ Every rank builds the same variants and runs them interleaved (``harness.interle
 * ``profile`` — where the time of one shardflow tp=2 step of (a) goes (timers around the executor's kernels
                 and communications, and cProfile), rank 0;
 * ``ckpt``    — (f) the memory a checkpoint save allocates on each rank beyond its state: the sharded save of
-                ``shardflow train`` against a save of full tensors gathered first.
+                ``shardflow train`` against a save of full tensors gathered first;
+* ``fsdp``    — (g) the training job's default model: shardflow's fsdp against PyTorch FSDP2 (``fully_shard``).
 """
 
 from __future__ import annotations
@@ -855,8 +856,52 @@ def run_ckpt(p: dict, rank: int, world: int) -> dict:
     return {"model_params": out["params"], "ranks": everyone}
 
 
+def run_fsdp(p: dict, rank: int, world: int) -> dict:
+    """(g) The training job's default model (the Llama) under shardflow's fsdp (``DistributedExecutor``, the plan
+    ``shardflow train --strategy fsdp`` lowers: resharding after the forward) against PyTorch FSDP2 (``fully_shard``
+    on every decoder layer and on the root, ``reshard_after_forward=True``), same weights, AdamW, the same batch
+    split over the ranks; interleaved rounds."""
+    import dataclasses
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.data import Split
+    from shardflow.train.recipe import setup
+    base = dataclasses.replace(TrainConfig(), strategy="fsdp", mesh=f"fsdp={world}", nproc=world)
+    s = setup(base, world)
+    cfg = s.optimizer
+    ex = DistributedExecutor(lower_step(s.pcg, cfg.slots, ranks=[rank], options=s.lower_options), cfg,
+                             timeout_s=TIMEOUT_S)
+    ex.load(s.initial_weights())
+    model = s.whole_model()
+    batch = s.batch(Split.TRAIN, 0)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = adamw(model.parameters(), cfg)
+    per = base.batch_size // world
+    local = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+    def fsdp2() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = model(**local).loss
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    variants = [Variant("shardflow_fsdp", lambda: ex.step(batch)), Variant("fsdp2", fsdp2)]
+    losses = first_losses(variants, 2, rank)
+    say(rank, "(g) first losses (fsdp2: this rank's half batch) "
+        + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()))
+    samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
+    return {"losses": losses, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
+            "tokens_per_step": base.batch_size * base.seq_len, "rounds": p["rounds"], "iters": p["iters"],
+            "program": program_size(ex), "params": sum(q.numel() for q in s.model.parameters())}
+
+
 WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile,
-             "ckpt": run_ckpt}
+             "ckpt": run_ckpt, "fsdp": run_fsdp}
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ sections, e.g. "Planning time", stay as they are).
 * e — per-rank memory of the default GPT under tp=2 against one device;
 * f — the memory a checkpoint save of the training job's default model under tp=2 allocates beyond each rank's
       state: the sharded save against a save of full tensors gathered first;
+* g — the training job's default model (the Llama) under fsdp on 2 ranks: shardflow against PyTorch FSDP2
+      (``fully_shard``); tokens/s;
 * p — profile of one shardflow tp=2 step of (a), h=1024 (timers, cProfile, torch.profiler) on rank 0.
 
 Usage::
@@ -46,7 +48,7 @@ from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 from harness import write_section  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
-KEYS = "abcdefp"
+KEYS = "abcdefgp"
 KiB, MiB = 1 << 10, 1 << 20
 SP_FORMS = [["collective", "collective"], ["ring", "collective"], ["broadcast_loop", "collective"],
             ["collective", "ring"], ["ring", "ring"], ["broadcast_loop", "ring"]]
@@ -74,6 +76,9 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
                                    "iters": 1 if quick else 2, "warmup": 1, "breakdown_steps": 2 if quick else 5}))
     if "f" in keys:
         out.append(("f", "ckpt", 2, {}))
+    if "g" in keys:
+        out.append(("g", "fsdp", 2, {"rounds": 4 if quick else 11, "iters": 2 if quick else 3,
+                                     "warmup": 1 if quick else 2}))
     if "p" in keys:
         out.append(("p", "profile", 2, {"h": 1024, "tiny_h": 16, "batch": 64, "rounds": 3 if quick else 7,
                                         "iters": 3 if quick else 5, "warmup": 3, "steps": 10 if quick else 30}))
@@ -491,6 +496,32 @@ def section_f(res: dict, quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section_g(res: dict, quick: bool) -> str:
+    st, n = res["samples"], res["tokens_per_step"]
+    per_dev = {k: n / med(v) / res["world"] for k, v in st.items()}
+    rs = ratios(st["fsdp2"], st["shardflow_fsdp"])  # FSDP2's step time ÷ shardflow's = shardflow's tokens/s ÷ FSDP2's
+    losses = res["losses"]
+    lines = ["## FSDP against PyTorch FSDP2 (g)", "",
+             f"`python benchmarks/run.py --only g`: the training job's default model (the Llama, {res['params']:,} "
+             f"parameters; `shardflow train`'s batch of {n:,} tokens per step, AdamW, float32) on 2 gloo ranks. "
+             f"shardflow: `setup(--strategy fsdp)` → `lower_step` for the rank with the run's options (weights "
+             f"`Shard(0)` on `fsdp`, gathered before each use, gathered again for the backward, gradients "
+             f"reduce-scattered) → `DistributedExecutor` ({res['program']['instrs']} instructions, "
+             f"{res['program']['comms']} communications per step on rank 0). FSDP2: the same model and weights, "
+             f"`fully_shard` on each decoder layer and on the root (`reshard_after_forward=True`), "
+             f"`torch.optim.AdamW`, each rank on its half of the batch. {res['rounds']} interleaved rounds of "
+             f"{res['iters']} steps.", "",
+             machine_line(res, 2), "", TIMING_NOTE, "",
+             "| variant | step (ms, median) | range | tokens/s per device |", "|---|---|---|---|"]
+    for k, label in (("shardflow_fsdp", "shardflow fsdp=2"), ("fsdp2", "PyTorch FSDP2 (`fully_shard`)")):
+        lines.append(f"| {label} | {ms(med(st[k]))} | {spread_ms(st[k])} | {per_dev[k]:,.0f} |")
+    lines += ["", f"shardflow ÷ FSDP2 tokens/s, per round: {ratio_text(rs)}, target ≥ 1.0: {verdict(med(rs) >= 1.0)}. "
+              f"First two losses (FSDP2: rank 0's half batch, so it differs): shardflow "
+              f"{losses['shardflow_fsdp'][0]:.6f}/{losses['shardflow_fsdp'][1]:.6f}, FSDP2 "
+              f"{losses['fsdp2'][0]:.6f}/{losses['fsdp2'][1]:.6f}.", ""]
+    return "\n".join(lines)
+
+
 def _outside(a: dict, instrs: int) -> tuple[float, float, float, float]:
     """(wall, ATen, communication, rest) seconds per step of a torch.profiler run of the executor."""
     n = a["steps"]
@@ -639,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         texts.append(section_d(results["d"], args.quick))
     if "f" in results:
         texts.append(section_f(results["f"], args.quick))
+    if "g" in results:
+        texts.append(section_g(results["g"], args.quick))
     if "p" in results:
         texts.append(section_p(results["p"], args.quick))
     for t in texts:
