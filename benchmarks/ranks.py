@@ -897,7 +897,8 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
     samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
     return {"losses": losses, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
             "tokens_per_step": base.batch_size * base.seq_len, "rounds": p["rounds"], "iters": p["iters"],
-            "program": program_size(ex), "params": sum(q.numel() for q in s.model.parameters())}
+            "program": program_size(ex), "params": sum(q.numel() for q in s.model.parameters()),
+            "comm_share": comm_share(ex, batch)}
 
 
 WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile,

@@ -515,7 +515,12 @@ def section_g(res: dict, quick: bool) -> str:
              "| variant | step (ms, median) | range | tokens/s per device |", "|---|---|---|---|"]
     for k, label in (("shardflow_fsdp", "shardflow fsdp=2"), ("fsdp2", "PyTorch FSDP2 (`fully_shard`)")):
         lines.append(f"| {label} | {ms(med(st[k]))} | {spread_ms(st[k])} | {per_dev[k]:,.0f} |")
+    share = res["comm_share"]
     lines += ["", f"shardflow ÷ FSDP2 tokens/s, per round: {ratio_text(rs)}, target ≥ 1.0: {verdict(med(rs) >= 1.0)}. "
+              f"Where shardflow's step goes (rank 0, its tracer, 5 steps): {share['comm_ms']:.1f} ms of "
+              f"{share['step_ms']:.1f} ms in its {res['program']['comms']} communications (issue + wait, so "
+              f"including the wait for the other rank); both gather and reduce-scatter one flat buffer per decoder "
+              f"layer and one for the rest of the weights (shardflow: gather and scatter buckets per block). "
               f"First two losses (FSDP2: rank 0's half batch, so it differs): shardflow "
               f"{losses['shardflow_fsdp'][0]:.6f}/{losses['shardflow_fsdp'][1]:.6f}, FSDP2 "
               f"{losses['fsdp2'][0]:.6f}/{losses['fsdp2'][1]:.6f}.", ""]

@@ -13,8 +13,8 @@ pytest.importorskip("transformers")
 
 from shardflow.capture import capture, wide_floats  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
-from shardflow.lower.cost import CommForm  # noqa: E402
-from shardflow.lower.dynamic import UpdateRule  # noqa: E402
+from shardflow.lower.cost import DEFAULT_BUCKET_BYTES, CommForm  # noqa: E402
+from shardflow.lower.dynamic import UpdateRule, block_of  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
 from shardflow.parallel.pcg import build_pcg  # noqa: E402
@@ -43,10 +43,11 @@ def llama():
     return model, batch, graph
 
 
-def _lower(graph, mesh_text: str, strategy: str, reshard: bool):
+def _lower(graph, mesh_text: str, strategy: str, reshard: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard)
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard,
+                           bucket_bytes=bucket_bytes)
     return pcg, lower_step(pcg, UpdateRule.ADAMW, options=options)
 
 
@@ -63,23 +64,31 @@ def one_device(llama):
 
 
 @pytest.mark.parametrize("reshard", [True, False])
-def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_its_gradient(llama, reshard):
+@pytest.mark.parametrize("bucket_bytes", [DEFAULT_BUCKET_BYTES, 0])
+def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_its_gradient(llama, reshard,
+                                                                                           bucket_bytes):
     _, _, graph = llama
-    pcg, step = _lower(graph, "fsdp=2", "fsdp", reshard)
+    pcg, step = _lower(graph, "fsdp=2", "fsdp", reshard, bucket_bytes)
     weights = graph.weights
     for w in weights:  # stored Shard(0) on fsdp: every dim 0 of this model divides by 2
         assert pcg.tensors[w].sharding.placements(pcg.tensors[w].group) == (Shard(0),), w
+    # bucketed (the default): one all-gather and one reduce-scatter per block's weights — model.layers.0,
+    # model.layers.1, and the rest (embedding, final norm, head) — as FSDP2 gathers one flat parameter per module
+    # and reduce-scatters its flat gradient; without buckets one per weight
+    gathers = len({block_of(w) for w in weights}) if bucket_bytes else len(weights)
+    assert gathers == (3 if bucket_bytes else 21)
     for rank, prog in step.programs.items():
         comms = [i for i in prog.instrs if isinstance(i, Comm)]
         kinds = Counter(str(c.kind) for c in comms)
-        # one gather per weight (forward), again per weight read by a backward (reshard), one reduce-scatter per
+        # the gathers in the forward, again before the backward reads the weights (reshard), one reduce-scatter per
         # weight's gradient, and the loss's label count (a 4-byte all-reduce: the batch is split)
-        gathered_again = len(weights) if reshard else 0
-        assert kinds == {"all_gather": len(weights) + gathered_again, "reduce_scatter": len(weights),
+        assert kinds == {"all_gather": gathers * (2 if reshard else 1), "reduce_scatter": gathers,
                          "all_reduce": 1}, (rank, kinds)
         per_weight = {w: graph.tensors[w].type.nbytes for w in weights}
         gather_bytes = sum(c.nbytes for c in comms if str(c.kind) == "all_gather")
         assert gather_bytes == sum(per_weight.values()) // 2 * (2 if reshard else 1), gather_bytes
+        scatter_bytes = sum(c.nbytes for c in comms if str(c.kind) == "reduce_scatter")
+        assert scatter_bytes == sum(per_weight.values()) // 2, scatter_bytes  # (d-1)/d of every gradient, once
 
 
 def test_reshard_after_forward_holds_less_of_the_weights_at_the_peak(llama):

@@ -94,9 +94,10 @@ def test_weights_are_held_in_float32_and_every_reader_reads_their_bfloat16_copy(
 
 
 @pytest.mark.parametrize("mesh, strategy, want", [
-    # fsdp: each weight gathered in bfloat16 (twice: resharded for the backward), its gradient reduce-scattered in
-    # float32; the loss's label count (a float32 scalar) all-reduced
-    ("fsdp=2", "fsdp", lambda n: {("all_gather", "bfloat16"): 2 * n, ("reduce_scatter", "float32"): n,
+    # fsdp: the weights gathered in bfloat16, one bucket per block (2 layers and the rest; twice: resharded for the
+    # backward), their gradients reduce-scattered in float32, one bucket per block; the loss's label count (a
+    # float32 scalar) all-reduced
+    ("fsdp=2", "fsdp", lambda n: {("all_gather", "bfloat16"): 2 * 3, ("reduce_scatter", "float32"): 3,
                                   ("all_reduce", "float32"): 1}),
     # dp: the weights' gradients in one float32 bucket, with the label count
     ("dp=2", "dp", lambda n: {("all_reduce", "float32"): 2}),

@@ -7,7 +7,8 @@ of another dim on the same axis → all-to-all; Replicate → broadcast from the
 reduce to the root; copies → send/recv, one per piece, issued by the device that holds it (a piece whose
 source and destination device coincide moves nowhere). All-gathers and reduce-scatters may instead run as
 rings of collective-permutes (all-gathers also as broadcast loops), chosen by the cost model
-(:class:`~shardflow.lower.cost.LowerOptions`); final gradient all-reduces are packed into buckets.
+(:class:`~shardflow.lower.cost.LowerOptions`); final gradient all-reduces are packed into buckets, and the
+all-gathers of one block's weights (FSDP) into one all-gather per block and pass.
 ``nbytes`` is what one rank puts on the wire (:func:`~shardflow.lower.comms.wire_bytes`, the one byte
 formula of every communication kind). Tokens are relative to their step here; ordering makes them global.
 """
@@ -23,8 +24,8 @@ from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
 from shardflow.lower.comms import CommKind, ReduceOp, wire_bytes
 from shardflow.lower.cost import CommForm, LowerOptions
-from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, forward_id,
-                                     require)
+from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, block_of,
+                                     forward_id, require)
 from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
 from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
                                              in_group, kernel, piece, steps)
@@ -39,6 +40,8 @@ class Decisions:
     forms: Mapping[str, CommForm]
     fused: Mapping[str, tuple[DNode, ...]]
     buckets: tuple[tuple[DNode, ...], ...] = ()
+    gathers: tuple[tuple[DNode, ...], ...] = ()
+    scatters: tuple[tuple[Step, ...], ...] = ()
 
     @property
     def suppressed(self) -> set[str]:
@@ -48,6 +51,16 @@ class Decisions:
     def bucket_of(self) -> dict[str, int]:
         """Node name → index of its gradient bucket."""
         return {n.name: k for k, b in enumerate(self.buckets) for n in b}
+
+    @cached_property
+    def gather_of(self) -> dict[str, int]:
+        """Node name → index of its weight all-gather bucket."""
+        return {n.name: k for k, b in enumerate(self.gathers) for n in b}
+
+    @cached_property
+    def scatter_of(self) -> dict[str, int]:
+        """Node name (a step's first) → index of its gradient reduce-scatter bucket."""
+        return {st.nodes[0].name: k for k, b in enumerate(self.scatters) for st in b}
 
 
 def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> Decisions:
@@ -76,7 +89,53 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> D
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
             summed = dg.values[n.inputs[0]].sharding.reduce_op == ReduceOp.SUM  # the ring adds; others stay plain
             forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else CommForm.COLLECTIVE
-    return Decisions(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes))
+    gathers = _gather_buckets(dg, all_steps) if options.bucket_bytes > 0 else ()
+    scatters = _scatter_buckets(dg, all_steps) if options.bucket_bytes > 0 else ()
+    packed = {n.name for b in gathers for n in b} | {st.nodes[0].name for b in scatters for st in b}
+    forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
+    fused = {k: v for k, v in fused.items() if k not in packed}
+    return Decisions(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes), gathers, scatters)
+
+
+def _scatter_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[Step, ...], ...]:
+    """Gradient reduce-scatters packed into buckets, as FSDP2 reduce-scatters one flat gradient per module: those
+    of BWD, summing, whose result only the updates (and the gradient-norm sum) read, grouped by (sub-mesh, axis,
+    dim, dtype, the tensor's block: :func:`~shardflow.lower.dynamic.block_of` of its name), in the order the backward
+    makes them. A bucket is issued at its last member's step; its results are unpacked before their first reader.
+    Buckets of one are left out."""
+    final = {v for n in dg.nodes if n.kind in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
+    elsewhere = {v for n in dg.nodes if n.kind not in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
+    open_: dict[tuple, list[Step]] = {}
+    for st in all_steps:
+        first, last = st.nodes[0], st.nodes[-1]
+        if (st.kind != CommKind.REDUCE_SCATTER or first.pass_ != TaskType.BWD or last.outputs[0] not in final
+                or last.outputs[0] in elsewhere):
+            continue
+        vin = dg.values[first.inputs[0]]
+        if vin.sharding.reduce_op != ReduceOp.SUM:
+            continue
+        key = (first.group, last.op.axis, last.op.dim, vin.type.dtype, block_of(vin.tensor))
+        open_.setdefault(key, []).append(st)
+    return tuple(tuple(b) for b in open_.values() if len(b) > 1)
+
+
+def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNode, ...], ...]:
+    """All-gathers of weights packed into buckets, as FSDP2 gathers one flat parameter per module: the
+    all-gathers of one pass whose input is a weight (or its copy cast for compute), grouped by (pass, sub-mesh,
+    axis, dim, dtype, the weight's block: :func:`~shardflow.lower.dynamic.block_of` of its name, "" for the weights
+    outside every block), in step order. A bucket is issued at its first member's step — every member's input is
+    held from the start of the step — and each member is unpacked before its first reader. Buckets of one are
+    left out."""
+    weights = set(dg.pcg.graph.weights)
+    open_: dict[tuple, list[DNode]] = {}
+    for st in all_steps:
+        n = st.nodes[0]
+        vin = dg.values[n.inputs[0]] if n.inputs else None
+        if st.kind != CommKind.ALL_GATHER or len(st.nodes) > 1 or vin.tensor not in weights:
+            continue
+        key = (n.pass_, n.group, n.op.axis, n.op.dim, vin.type.dtype, block_of(vin.tensor))
+        open_.setdefault(key, []).append(n)
+    return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
 
 def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[DNode, ...], ...]:
@@ -122,6 +181,12 @@ def instances(st: Step, plan: Decisions) -> int:
     b = plan.bucket_of.get(n.name)
     if b is not None and plan.buckets[b][-1] is not n:
         return 0  # issued with the bucket, at its last member
+    g = plan.gather_of.get(n.name)
+    if g is not None and plan.gathers[g][0] is not n:
+        return 0  # issued with the bucket, at its first member
+    s = plan.scatter_of.get(n.name)
+    if s is not None and plan.scatters[s][-1] is not st:
+        return 0  # issued with the bucket, at its last member
     if st.kind not in _COLLECTIVES:
         return 0
     group = plan.dg.values[n.inputs[0]].group if st.kind == CommKind.REDUCE else n.group
@@ -147,8 +212,13 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
             if st.local:
                 mine = [] if st.kind == NodeKind.COMPUTE and st.nodes[0].name in suppressed else list(local)
             else:
-                b = plan.bucket_of.get(st.nodes[0].name)
-                if b is None:
+                b, g = plan.bucket_of.get(st.nodes[0].name), plan.gather_of.get(st.nodes[0].name)
+                s = plan.scatter_of.get(st.nodes[0].name)
+                if g is not None:
+                    mine, after = _gather_bucket(plan, g, r) if plan.gathers[g][0] is st.nodes[0] else ([], [])
+                elif s is not None:
+                    mine, after = _scatter_bucket(plan, s, r) if plan.scatters[s][-1] is st else ([], [])
+                elif b is None:
                     mine = _expand_comm(st, plan, r, 0)
                 elif plan.buckets[b][-1] is st.nodes[0]:
                     mine, after = _bucket(plan, b, r, 0)
@@ -191,6 +261,67 @@ def _bucket(plan: Decisions, k: int, r: int, token: int) -> tuple[list[Instr], l
                 send=packed, recv=reduced, note=note, wait=False, value=packed.value)
     return ([Compute(TaskType.BWD, f"bucket{k}", "pack", ins, (packed,)), comm],
             [Wait(t), Compute(TaskType.BWD, f"bucket{k}", "unpack", (reduced,), outs)])
+
+
+def _gather_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[Instr]]:
+    """Weight all-gather bucket ``k`` on rank ``r``: what runs at its first member (pack the members' pieces into
+    one flat buffer, issue one all-gather of it without waiting) and what runs before the first read of a member
+    (wait; the gathered buffer chunked by rank, each chunk unpacked into views of the pieces, each member's pieces
+    concatenated along its dim)."""
+    dg = plan.dg
+    members = plan.gathers[k]
+    n0 = members[0]
+    if not in_group(n0.group, r):
+        return [], []
+    axis, dim = n0.op.axis, n0.op.dim
+    ins = tuple(piece(dg.values[n.inputs[0]]) for n in members)
+    outs = tuple(piece(dg.values[n.outputs[0]]) for n in members)
+    group_members = axis_members(n0.group, axis, r)
+    d = len(group_members)
+    flat = TensorType((sum(b.type.numel for b in ins),), ins[0].type.dtype)
+    name = f"gather{k}:{axis}"
+    packed, gathered = Buffer(name, flat), Buffer(f"{name}.gathered", TensorType((d * flat.numel,), flat.dtype))
+    parts = tuple(Buffer(f"{name}.from{j}", flat) for j in range(d))
+    views = [tuple(Buffer(f"{name}.from{j}.{i}", b.type) for i, b in enumerate(ins)) for j in range(d)]
+    note = f"gather bucket {k}: " + ", ".join(n.name for n in members)
+    t = axis_group_index(n0.group, axis, r)
+    comm = Comm(t, CommKind.ALL_GATHER, n0.pass_, group_members, flat, wire_bytes(CommKind.ALL_GATHER, flat.nbytes, d),
+                axis, send=packed, recv=gathered, dim=0, note=note, wait=False, value=packed.value)
+    after: list[Instr] = [Wait(t), Compute(n0.pass_, name, "chunk", (gathered,), parts, dim=0)]
+    after += [Compute(n0.pass_, name, "unpack", (parts[j],), views[j]) for j in range(d)]
+    after += [Compute(n0.pass_, n.src, "concat", tuple(views[j][i] for j in range(d)), (outs[i],), dim=dim)
+              for i, n in enumerate(members)]
+    return [Compute(n0.pass_, name, "pack", ins, (packed,)), comm], after
+
+
+def _scatter_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[Instr]]:
+    """Gradient reduce-scatter bucket ``k`` on rank ``r``: what runs at its last member (each member's gradient
+    chunked along its dim, the chunks packed by destination rank into one flat buffer — rank j's chunks of every
+    member, then rank j+1's —, one reduce-scatter of it issued without waiting) and what runs before the first read
+    of a member's result (wait, unpack this rank's flat chunk into views of the members' pieces)."""
+    dg = plan.dg
+    members = plan.scatters[k]
+    first = members[0].nodes[0]
+    if not in_group(first.group, r):
+        return [], []
+    axis, dim = members[0].nodes[-1].op.axis, members[0].nodes[-1].op.dim
+    ins = tuple(piece(dg.values[st.nodes[0].inputs[0]]) for st in members)
+    outs = tuple(piece(dg.values[st.nodes[-1].outputs[0]]) for st in members)
+    group_members = axis_members(first.group, axis, r)
+    d = len(group_members)
+    flat = TensorType((sum(b.type.numel for b in outs),), outs[0].type.dtype)
+    name = f"scatter{k}:{axis}"
+    chunks = [tuple(Buffer(f"{name}.{i}.to{j}", o.type) for j in range(d)) for i, o in enumerate(outs)]
+    packed, mine = Buffer(name, TensorType((d * flat.numel,), flat.dtype)), Buffer(f"{name}.reduced", flat)
+    note = f"scatter bucket {k}: " + ", ".join(st.nodes[0].name for st in members)
+    t = axis_group_index(first.group, axis, r)
+    comm = Comm(t, CommKind.REDUCE_SCATTER, TaskType.BWD, group_members, packed.type,
+                wire_bytes(CommKind.REDUCE_SCATTER, packed.type.nbytes, d), axis, send=packed, recv=mine, dim=0,
+                note=note, wait=False, value=packed.value)
+    now: list[Instr] = [Compute(TaskType.BWD, name, "chunk", (b,), chunks[i], dim=dim) for i, b in enumerate(ins)]
+    now += [Compute(TaskType.BWD, name, "pack", tuple(chunks[i][j] for j in range(d) for i in range(len(ins))),
+                    (packed,)), comm]
+    return now, [Wait(t), Compute(TaskType.BWD, name, "unpack", (mine,), outs)]
 
 
 def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:

@@ -37,7 +37,7 @@ def ordering(sg: ShardedGraph) -> ShardedGraph:
             _emit(prog, later, [_shift(i, base[k]) for i in sg.instrs[r][k]])
             if sg.deferred[r][k]:
                 after = [_shift(i, base[k]) for i in sg.deferred[r][k]]
-                later.append(({b.value for b in writes(after[-1])}, after))
+                later.append(({b.value for i in after for b in writes(i)}, after))
         for _, instrs in later:
             prog.extend(instrs)
         tokens = [i.token for i in prog if isinstance(i, Comm)]
