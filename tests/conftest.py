@@ -3,8 +3,11 @@ reader of the metrics a run writes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,6 +54,26 @@ def train_argv(corpus):
     def argv(run: Path, *flags: str, data: Path | str = corpus, entry: tuple[str, ...] = ("-m", "shardflow.cli")):
         return [sys.executable, *entry, "train", *TINY, "--data", str(data), "--run-dir", str(run), *flags]
     return argv
+
+
+@pytest.fixture(scope="session")
+def train_here(corpus):
+    """``train_here(run, *flags, data=corpus)``: ``shardflow train`` on the tiny model (:data:`TINY`) run by
+    ``shardflow.cli.main`` in this process (no interpreter or torch import to pay for: a one-process run, or one that
+    fails before starting any), writing the run directory ``run``; returns what ``subprocess.run`` would:
+    a ``CompletedProcess`` with the exit status and the printed stdout and stderr. SIGTERM's handler is put back."""
+    from shardflow.cli import main
+
+    def run_here(run: Path, *flags: str, data: Path | str = corpus) -> subprocess.CompletedProcess:
+        argv = ["train", *TINY, "--data", str(data), "--run-dir", str(run), *flags]
+        out, err, old = io.StringIO(), io.StringIO(), signal.getsignal(signal.SIGTERM)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(argv)
+        finally:
+            signal.signal(signal.SIGTERM, old)
+        return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return run_here
 
 
 @pytest.fixture(scope="session")
