@@ -77,6 +77,28 @@ def train_here(corpus):
 
 
 @pytest.fixture(scope="session")
+def run_train(train_argv):
+    """``run_train(tmp_path, name, *argv)``: ``shardflow train`` of 4 steps (tiny model) in a subprocess (the runs of
+    several processes, whose rank 0 prints to the command's stdout); returns the completed process and the run
+    directory ``tmp_path/name``."""
+    def run_train(tmp_path, name, *argv):
+        run = tmp_path / name
+        r = subprocess.run(train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=300)
+        return r, run
+    return run_train
+
+
+@pytest.fixture(scope="session")
+def run_here(train_here):
+    """``run_here(tmp_path, name, *argv)``: as :func:`run_train`, in this process (:func:`train_here`): the runs of
+    one process (``--nproc 1``) and the ones refused before any process starts."""
+    def run_here(tmp_path, name, *argv):
+        run = tmp_path / name
+        return train_here(run, "--steps", "4", *argv), run
+    return run_here
+
+
+@pytest.fixture(scope="session")
 def tiny() -> tuple[str, ...]:
     """The tiny model's flags (:data:`TINY`), for ``shardflow.cli.main`` in this process."""
     return TINY
