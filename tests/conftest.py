@@ -1,4 +1,5 @@
-"""Fixtures shared by the tests that train: a small text, the tiny model's ``shardflow train`` command line, and a
+"""Fixtures shared by the tests that train: a small text, the tiny model's ``shardflow train`` command line, runs of
+it in a subprocess (several processes) or in the test's process (one process: no interpreter start-up), and a
 reader of the metrics a run writes."""
 
 from __future__ import annotations
