@@ -33,8 +33,8 @@ def tp2(tmp_path_factory, run_train):
 
 
 def _matches_single_device_step_by_step(r, run, want, read_metrics):
-    """Run ``run`` (its command's completed process ``r``) trained 4 steps with the losses of ``want``, the metrics
-    of one device, and wrote rank 0's and rank 1's logs."""
+    """The run in ``run`` (``r``: its command's completed process) trained steps 1-4 with the losses of ``want`` (one
+    device's metrics; 1e-4), printed its progress, and wrote config.toml and rank 0's and rank 1's logs."""
     assert r.returncode == 0, r.stderr + r.stdout
     got = read_metrics(run)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
