@@ -1,10 +1,14 @@
-"""Fixtures shared by the tests that train: a small text, the tiny model's ``shardflow train`` command line, and a
+"""Fixtures shared by the tests that train: a small text, the tiny model's ``shardflow train`` command line, runs of
+it in a subprocess (several processes) or in the test's process (one process: no interpreter start-up), and a
 reader of the metrics a run writes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -51,6 +55,48 @@ def train_argv(corpus):
     def argv(run: Path, *flags: str, data: Path | str = corpus, entry: tuple[str, ...] = ("-m", "shardflow.cli")):
         return [sys.executable, *entry, "train", *TINY, "--data", str(data), "--run-dir", str(run), *flags]
     return argv
+
+
+@pytest.fixture(scope="session")
+def train_here(corpus):
+    """``train_here(run, *flags, data=corpus)``: ``shardflow train`` on the tiny model (:data:`TINY`) run by
+    ``shardflow.cli.main`` in this process (no interpreter or torch import to pay for: a one-process run, or one that
+    fails before starting any), writing the run directory ``run``; returns what ``subprocess.run`` would:
+    a ``CompletedProcess`` with the exit status and the printed stdout and stderr. SIGTERM's handler is put back."""
+    from shardflow.cli import main
+
+    def run_here(run: Path, *flags: str, data: Path | str = corpus) -> subprocess.CompletedProcess:
+        argv = ["train", *TINY, "--data", str(data), "--run-dir", str(run), *flags]
+        out, err, old = io.StringIO(), io.StringIO(), signal.getsignal(signal.SIGTERM)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(argv)
+        finally:
+            signal.signal(signal.SIGTERM, old)
+        return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+    return run_here
+
+
+@pytest.fixture(scope="session")
+def run_train(train_argv):
+    """``run_train(tmp_path, name, *argv)``: ``shardflow train`` of 4 steps (tiny model) in a subprocess (the runs of
+    several processes, whose rank 0 prints to the command's stdout); returns the completed process and the run
+    directory ``tmp_path/name``."""
+    def run_train(tmp_path, name, *argv):
+        run = tmp_path / name
+        r = subprocess.run(train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=300)
+        return r, run
+    return run_train
+
+
+@pytest.fixture(scope="session")
+def run_here(train_here):
+    """``run_here(tmp_path, name, *argv)``: as :func:`run_train`, in this process (:func:`train_here`): the runs of
+    one process (``--nproc 1``) and the ones refused before any process starts."""
+    def run_here(tmp_path, name, *argv):
+        run = tmp_path / name
+        return train_here(run, "--steps", "4", *argv), run
+    return run_here
 
 
 @pytest.fixture(scope="session")

@@ -35,26 +35,25 @@ from shardflow.train.config import TrainConfig
 from shardflow.train.data import Corpus, Split
 from shardflow.train.tokenizer import TokenizerChoice, TokenizerKind
 
-def run_all(*argvs):
-    """Run independent commands side by side (the tests' wall time is mostly interpreter start-up and planning)."""
-    procs = [subprocess.Popen(a, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for a in argvs]
-    out = []
-    for a, p in zip(argvs, procs):
+def started(argv):
+    """``argv`` started in the background (a run of several processes; the one-process runs train in this process
+    meanwhile: conftest's ``train_here``); call the result for its ``CompletedProcess`` (within 300 s)."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish():
         stdout, stderr = p.communicate(timeout=300)
-        out.append(subprocess.CompletedProcess(a, p.returncode, stdout, stderr))
-    return out
+        return subprocess.CompletedProcess(argv, p.returncode, stdout, stderr)
+    return finish
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, train_argv):
+def runs(tmp_path_factory, train_argv, train_here):
     """Uninterrupted 6-step runs with a checkpoint at step 3: single (one process) and tp=2 (two processes); and a
     separate 3-step single run (its final checkpoint at step 3)."""
     d = tmp_path_factory.mktemp("runs")
-    r = run_all(train_argv(d / "single6", "--strategy", "single", "--nproc", "1", "--steps", "6",
-                           "--checkpoint-every", "3"),
-                train_argv(d / "tp6", "--strategy", "tp", "--nproc", "2", "--steps", "6",
-                           "--checkpoint-every", "3"),
-                train_argv(d / "single3", "--strategy", "single", "--nproc", "1", "--steps", "3"))
+    tp6 = started(train_argv(d / "tp6", "--strategy", "tp", "--nproc", "2", "--steps", "6", "--checkpoint-every", "3"))
+    r = [train_here(d / "single6", "--strategy", "single", "--nproc", "1", "--steps", "6", "--checkpoint-every", "3"),
+         train_here(d / "single3", "--strategy", "single", "--nproc", "1", "--steps", "3"), tp6()]
     for x in r:
         assert x.returncode == 0, x.stderr + x.stdout
     return d
@@ -111,10 +110,10 @@ def test_each_rank_of_a_tp_run_writes_only_its_pieces(runs):
         assert n["all"] < (path / f).stat().st_size < n["all"] + 2048 * n["chunks"], (f, n)
 
 
-def test_resume_reproduces_the_uninterrupted_run(runs, train_argv, read_metrics, tmp_path):
+def test_resume_reproduces_the_uninterrupted_run(runs, train_here, read_metrics, tmp_path):
     run = tmp_path / "single3"
     shutil.copytree(runs / "single3", run)
-    (r,) = run_all(train_argv(run, "--strategy", "single", "--nproc", "1", "--steps", "6", "--resume"))
+    r = train_here(run, "--strategy", "single", "--nproc", "1", "--steps", "6", "--resume")
     assert r.returncode == 0, r.stderr + r.stdout
     assert f"resumed from {run / 'checkpoints' / 'step_3'}" in r.stdout
     got, want = read_metrics(run), read_metrics(runs / "single6")
@@ -128,15 +127,15 @@ def test_resume_reproduces_the_uninterrupted_run(runs, train_argv, read_metrics,
     assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [3, 6]
 
 
-def test_resume_with_dropout_reproduces_the_uninterrupted_run(train_argv, read_metrics, tmp_path):
+def test_resume_with_dropout_reproduces_the_uninterrupted_run(train_here, read_metrics, tmp_path):
     """Dropout masks depend on (seed, step, node, element) only, and validation runs without dropout: a GPT-2 tp=2 run
     (one process) with --dropout 0.1 stopped at step 2 and resumed to 4 gives the uninterrupted run's training and
     validation losses (1e-5: float32 rounding only, as above; seen: exactly equal)."""
     dropout = ["--model", "gpt2", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--dropout", "0.1"]
-    whole, cut = run_all(train_argv(tmp_path / "whole", *dropout, "--steps", "4"),
-                         train_argv(tmp_path / "cut", *dropout, "--steps", "2"))
+    whole, cut = (train_here(tmp_path / "whole", *dropout, "--steps", "4"),
+                  train_here(tmp_path / "cut", *dropout, "--steps", "2"))
     assert whole.returncode == 0 and cut.returncode == 0, whole.stderr + cut.stderr
-    (r,) = run_all(train_argv(tmp_path / "cut", *dropout, "--steps", "4", "--resume"))
+    r = train_here(tmp_path / "cut", *dropout, "--steps", "4", "--resume")
     assert r.returncode == 0, r.stderr + r.stdout
     got, want = read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")
     assert [m["step"] for m in got] == [1, 2, 3, 4]
@@ -145,20 +144,20 @@ def test_resume_with_dropout_reproduces_the_uninterrupted_run(train_argv, read_m
     assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) < 1e-5
 
 
-def test_checkpoint_of_tp_resumes_under_dp_and_on_one_process(runs, train_argv, read_metrics, tmp_path):
+def test_checkpoint_of_tp_resumes_under_dp_and_on_one_process(runs, train_argv, train_here, read_metrics, tmp_path):
     """tp6's checkpoint of step 3, saved as each rank's pieces by 2 processes, resumed under dp=2 (2 processes, every
     rank reading the whole of each weight from both ranks' chunks) and under dp=2,tp=2 on one process (a local mesh
     of 4 devices: each device reads every replica it holds): steps 4-6 give tp6's losses. (One device, pipeline
     stages and more: test_a_save_writes_each_block_once_and_any_mesh_resumes_from_it, in this process.)"""
-    runs_ = {"dp": ["--strategy", "dp", "--nproc", "2"],
+    flags = {"dp": ["--strategy", "dp", "--nproc", "2"],
              "dp,tp": ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "1"]}
-    argvs = []
-    for name, flags in runs_.items():
+    for name in flags:
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         shutil.copytree(runs / "tp6" / "checkpoints" / "step_3", tmp_path / name / "checkpoints" / "step_3")
-        argvs.append(train_argv(tmp_path / name, *flags, "--steps", "6", "--resume"))
+    dp = started(train_argv(tmp_path / "dp", *flags["dp"], "--steps", "6", "--resume"))
+    done = {"dp,tp": train_here(tmp_path / "dp,tp", *flags["dp,tp"], "--steps", "6", "--resume"), "dp": dp()}
     want = read_metrics(runs / "tp6")
-    for r, name in zip(run_all(*argvs), runs_):
+    for name, r in done.items():
         assert r.returncode == 0, r.stderr + r.stdout
         assert "written under strategy tp on mesh tp=2" in r.stdout
         got = read_metrics(tmp_path / name)
@@ -203,8 +202,8 @@ def test_init_from_an_exported_directory_continues_its_weights(runs, train_argv,
     tp6's weights give on batch 0 (the fresh optimizer changes nothing before the first update)."""
     out = tmp_path / "hf"
     assert cli_main(["export", str(runs / "tp6"), "--out", str(out)]) == 0
-    r = run_all(train_argv(tmp_path / "ft", "--strategy", "tp", "--nproc", "2", "--steps", "2",
-                           "--init-from", str(out)))[0]
+    r = started(train_argv(tmp_path / "ft", "--strategy", "tp", "--nproc", "2", "--steps", "2",
+                           "--init-from", str(out)))()
     assert r.returncode == 0, r.stderr + r.stdout
     family, plain, ck = checkpoint.load_model(runs / "tp6")
     from shardflow.train.recipe import setup
@@ -332,20 +331,20 @@ def test_export_and_generate_arguments(runs, tmp_path, capsys):
     (_garbage, [], ["corrupt", "sha256", "fall back to"]),
     (None, ["--embd", "32"], ["different model", "--embd 16", "--embd 32"]),
 ])
-def test_resume_from_bad_checkpoint_fails_before_any_process(runs, train_argv, tmp_path, spoil, argv, words):
+def test_resume_from_bad_checkpoint_fails_before_any_process(runs, train_here, tmp_path, spoil, argv, words):
     run, step6 = _copy(runs, tmp_path)
     if spoil:
         spoil(step6)
     for f in run.glob("rank*.log"):
         f.unlink()
-    (r,) = run_all(train_argv(run, "--strategy", "dp", "--nproc", "2", "--steps", "8", "--resume", *argv))
+    r = train_here(run, "--strategy", "dp", "--nproc", "2", "--steps", "8", "--resume", *argv)
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.startswith("shardflow train: error: checkpoint ") and "Traceback" not in r.stderr
     assert str(step6) in r.stderr and all(w in r.stderr for w in words), r.stderr
     assert not (run / "rank0.log").exists()
 
 
-def test_unwritable_checkpoint_dir_fails_before_any_process(train_argv, tmp_path):
+def test_unwritable_checkpoint_dir_fails_before_any_process(train_here, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     cases = [(blocker / "ckpt", "a file")]
@@ -355,8 +354,7 @@ def test_unwritable_checkpoint_dir_fails_before_any_process(train_argv, tmp_path
         cases.append((ro / "ckpt", "not writable"))
     for ckdir, words in cases:
         run = tmp_path / "run"
-        (r,) = run_all(train_argv(run, "--strategy", "dp", "--nproc", "2", "--steps", "2",
-                                  "--checkpoint-dir", str(ckdir)))
+        r = train_here(run, "--strategy", "dp", "--nproc", "2", "--steps", "2", "--checkpoint-dir", str(ckdir))
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.startswith(f"shardflow train: error: checkpoint directory {ckdir}") and words in r.stderr
         assert not (run / "rank0.log").exists()

@@ -197,16 +197,16 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
 # (c) ---------------------------------------------------------------------------------------------------------
 
 def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops_every_rank(tmp_path, start,
-                                                                                             train_argv):
+                                                                                             train_here):
     r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", "10")
     try:
         r.wait({"running": ("rank0.log", "step     3/")}, until="running")
         assert r.p.poll() is None, r.stderr + r.logs()
         r.ranks.update(children(r.p.pid))
         assert len(r.ranks) == 2, r.ranks
-        # the launcher holds the run directory's lock (its ranks inherited it): a second run into it is refused
-        second = subprocess.run(train_argv(r.run, "--strategy", "single", "--nproc", "1", "--steps", "2"),
-                                capture_output=True, text=True, timeout=LIMIT)
+        # the launcher holds the run directory's lock (its ranks inherited it): a second run into it (here, in the
+        # test's process) is refused
+        second = train_here(r.run, "--strategy", "single", "--nproc", "1", "--steps", "2")
         assert second.returncode == 2 and second.stderr == (
             f"shardflow train: error: run directory {r.run} is in use by another shardflow train (PID {r.p.pid} on "
             f"{socket.gethostname()} holds {r.run / '.lock'}); wait for that run to end or stop it, or pass another "

@@ -10,40 +10,33 @@ import pytest
 from shardflow.train import checkpoint
 
 
-@pytest.fixture(scope="module")
-def train(train_argv):
-    """``train(tmp_path, name, *argv)``: ``shardflow train`` of 4 steps (tiny model) in a subprocess; returns the
-    completed process and the run directory ``tmp_path/name``."""
-    def run_train(tmp_path, name, *argv):
-        run = tmp_path / name
-        r = subprocess.run(train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=300)
-        return r, run
-    return run_train
+# `make train`'s flags (the Makefile's recipe: tests/test_docs.py checks that this line holds them)
+MAKE_TRAIN = ["--strategy", "tp", "--nproc", "2"]
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, train, read_metrics):
-    r, run = train(tmp_path_factory.mktemp("single"), "single", "--strategy", "single", "--nproc", "1")
+def single(tmp_path_factory, run_here, read_metrics):
+    r, run = run_here(tmp_path_factory.mktemp("single"), "single", "--strategy", "single", "--nproc", "1")
     assert r.returncode == 0, r.stderr
     return read_metrics(run)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--strategy", "dp", "--nproc", "2"],
-    ["--strategy", "tp", "--nproc", "2"],
-    ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
-    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
-    ["--strategy", "fsdp", "--nproc", "2", "--ac", "block"],
-])
-def test_strategies_match_single_device_step_by_step(tmp_path, train, read_metrics, single, argv):
-    r, run = train(tmp_path, "run", *argv)
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory, run_train):
+    """One tp=2 run on 2 processes that several tests read (none changes it): with --tensorboard, a checkpoint every
+    2 steps, the peak measured (--peak-tflops 0) and a Chrome trace (``trace.json`` beside the run directory)."""
+    d = tmp_path_factory.mktemp("tp2")
+    r, run = run_train(d, "tb", *MAKE_TRAIN, "--tensorboard", "--checkpoint-every", "2", "--peak-tflops", "0",
+                       "--trace", str(d / "trace.json"))
+    assert r.returncode == 0, r.stderr + r.stdout
+    return r, run, d / "trace.json"
+
+
+def _matches_single_device_step_by_step(r, run, want, read_metrics):
+    """The run in ``run`` (``r``: its command's completed process) trained steps 1-4 with the losses of ``want`` (one
+    device's metrics; 1e-4), printed its progress, and wrote config.toml and rank 0's and rank 1's logs."""
     assert r.returncode == 0, r.stderr + r.stdout
     got = read_metrics(run)
-    want = single
-    if "--layers" in argv:  # a 2-layer model (one per stage): compare with one device running both layers
-        r1, run1 = train(tmp_path, "ref", "--strategy", "single", "--nproc", "1", "--layers", "2")
-        assert r1.returncode == 0, r1.stderr
-        want = read_metrics(run1)
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         # float32 on both sides; partial sums are added in another order → ~1e-6 relative.
@@ -51,6 +44,28 @@ def test_strategies_match_single_device_step_by_step(tmp_path, train, read_metri
         assert ("val_loss" in a) == ("val_loss" in b)
     assert "step     4/4" in r.stdout and "unigram baseline" in r.stdout
     assert (run / "rank0.log").exists() and (run / "rank1.log").exists() and (run / "config.toml").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--strategy", "dp", "--nproc", "2"],
+    ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
+    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
+    ["--strategy", "fsdp", "--nproc", "2", "--ac", "block"],
+])
+def test_strategies_match_single_device_step_by_step(tmp_path, run_train, run_here, read_metrics, single, argv):
+    """(tp: test_tp_matches_single_device_step_by_step, on the run other tests read too.)"""
+    r, run = run_train(tmp_path, "run", *argv)
+    want = single
+    if "--layers" in argv:  # a 2-layer model (one per stage): compare with one device running both layers
+        r1, run1 = run_here(tmp_path, "ref", "--strategy", "single", "--nproc", "1", "--layers", "2")
+        assert r1.returncode == 0, r1.stderr
+        want = read_metrics(run1)
+    _matches_single_device_step_by_step(r, run, want, read_metrics)
+
+
+def test_tp_matches_single_device_step_by_step(tp2, single, read_metrics):
+    r, run, _ = tp2
+    _matches_single_device_step_by_step(r, run, single, read_metrics)
 
 
 def test_metrics_fields(single):
@@ -77,19 +92,19 @@ def _board(run) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_after_its_checkpoint(
-        tmp_path, train, read_metrics):
-    """tp=2 on 2 processes with --tensorboard and the peak measured, then resumed (one process) from its checkpoint
-    at step 2, the one at step 4 removed: TensorBoard's scalars are metrics.jsonl's — every key, every step, once
-    (the first run's steps 3 and 4, with other step times, purged). Event files hold float32: rel 1e-6. The resumed
-    run has --check: its one-device reference starts from the checkpoint's full tensors, the run from its pieces."""
-    r, run = train(tmp_path, "tb", "--strategy", "tp", "--nproc", "2", "--tensorboard", "--checkpoint-every", "2",
-                   "--peak-tflops", "0")
-    assert r.returncode == 0, r.stderr + r.stdout
+        tmp_path, tp2, run_here, read_metrics):
+    """tp=2 on 2 processes with --tensorboard and the peak measured, then (a copy of it) resumed in one process
+    from its checkpoint at step 2, the one at step 4 removed: TensorBoard's scalars are metrics.jsonl's — every key,
+    every step, once (the first run's steps 3 and 4, with other step times, purged). Event files hold float32: rel
+    1e-6. The resumed run has --check: its one-device reference starts from the checkpoint's full tensors, the run
+    from its pieces."""
+    r, first, _ = tp2
     assert "measured at start-up: best of 3 float32 2048×2048 matmuls on cpu" in r.stdout
-    assert all(len(m["mem_mib_ranks"]) == 2 and m["mem_mib"] == max(m["mem_mib_ranks"]) for m in read_metrics(run))
-    shutil.rmtree(run / "checkpoints" / "step_4")
-    r, run = train(tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard", "--resume",
-                   "--check")
+    assert all(len(m["mem_mib_ranks"]) == 2 and m["mem_mib"] == max(m["mem_mib_ranks"]) for m in read_metrics(first))
+    shutil.copytree(first, tmp_path / "tb")
+    shutil.rmtree(tmp_path / "tb" / "checkpoints" / "step_4")
+    r, run = run_here(tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard",
+                      "--resume", "--check")
     assert check_line(r).endswith(": OK")
     want: dict[str, list] = {}
     for m in read_metrics(run):
@@ -107,8 +122,8 @@ def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_afte
     (["--strategy", "tp", "--mesh", "tp=2", "--nproc", "4"], ["4 processes", "--nproc"]),
     (["--strategy", "dp", "--nproc", "2", "--batch-size", "3"], ["degree 2 does not divide", "size 3"]),
 ])
-def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, train, argv, words):
-    r, run = train(tmp_path, "bad", *argv)
+def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, run_here, argv, words):
+    r, run = run_here(tmp_path, "bad", *argv)
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.startswith("shardflow train: error: ") and "Traceback" not in r.stderr
     for w in words:
@@ -116,22 +131,24 @@ def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, train, 
     assert not (run / "rank0.log").exists()
 
 
-def test_empty_and_non_utf8_data(tmp_path, train):
+def test_empty_and_non_utf8_data(tmp_path, run_here):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     latin = tmp_path / "latin.txt"
     latin.write_bytes("café ".encode("latin-1") * 100)
     for path, word in ((empty, "is empty"), (latin, "is not UTF-8")):
-        r, _ = train(tmp_path, "bad", "--data", str(path), "--nproc", "1", "--strategy", "single")
+        r, _ = run_here(tmp_path, "bad", "--data", str(path), "--nproc", "1", "--strategy", "single")
         assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("argv", [["--strategy", "single", "--nproc", "1"], ["--strategy", "tp", "--nproc", "2"]])
-def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_path, train, read_metrics,
-                                                                                   argv):
-    """--lr 1e12: step 1's loss is finite and its update huge; step 2's loss is NaN. One process (the local executor)
-    and two (each rank sees the same loss, so both stop at step 2 with status 2, and nothing hangs)."""
-    r, run = train(tmp_path, "nan", *argv, "--lr", "1e12", "--checkpoint-every", "1")
+def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_path, run_train, run_here,
+                                                                                   read_metrics, argv):
+    """--lr 1e12: step 1's loss is finite and its update huge; step 2's loss is NaN. One process (the local executor,
+    run in this one) and two (each rank sees the same loss, so both stop at step 2 with status 2, and nothing
+    hangs)."""
+    r, run = (run_train if argv[-1] == "2" else run_here)(tmp_path, "nan", *argv, "--lr", "1e12",
+                                                          "--checkpoint-every", "1")
     assert r.returncode == 2, r.stderr + r.stdout
     rank = "rank 0: " if argv[-1] == "2" else ""  # the command prints rank 0's paragraph
     assert r.stderr == (f"shardflow train: error: {rank}the loss is nan at step 2: training diverged, most likely "
@@ -153,71 +170,6 @@ def check_line(r) -> str:
     return next(l for l in r.stdout.splitlines() if l.startswith("check against one device"))
 
 
-def test_check_compares_with_one_device(tmp_path, train):
-    """Two processes, GPT-2 with dropout: each rank draws its pieces' masks, and --check compares every replica."""
-    r, run = train(tmp_path, "check", "--model", "gpt2", "--strategy", "tp", "--nproc", "2", "--dropout", "0.1",
-                   "--check")
-    line = check_line(r)
-    assert "over every replica" in line and line.endswith(": OK")
-
-
-@pytest.mark.parametrize("argv", [
-    ["--strategy", "dp", "--mesh", "dp=2"],
-    ["--strategy", "tp", "--mesh", "tp=2"],
-    ["--strategy", "sp", "--mesh", "tp=2"],
-    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2"],
-    ["--strategy", "pp", "--mesh", "pp=2", "--layers", "2"],
-    ["--strategy", "hsdp", "--mesh", "dp=2,fsdp=2", "--ac", "block"],
-    ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--no-reshard-after-forward"],
-    ["--strategy", "fsdp", "--mesh", "fsdp=2", "--dtype", "bf16"],
-])
-def test_check_passes_on_the_llama(tmp_path, train, argv):
-    """--check on the default model (Llama: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention), every
-    rank of the mesh in one process: the loss of each step and every replica of every parameter equal the
-    one-device run within --check's tolerance (5e-3, float32 AdamW; 3e-2 under --dtype bf16, both sides bfloat16
-    compute with float32 masters)."""
-    r, run = train(tmp_path, "check", *argv, "--nproc", "1", "--steps", "2", "--check")
-    assert "model: Llama (llama)" in r.stdout
-    assert check_line(r).endswith(": OK")
-    if "bf16" in argv:
-        assert "bfloat16 parameters and compute, float32 master weights" in r.stdout
-        assert "(tolerance 0.03)" in check_line(r)
-
-
-@pytest.mark.parametrize("argv", [
-    ["--strategy", "dp", "--mesh", "dp=2", "--nproc", "1"],
-    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "1"],
-    ["--strategy", "dp", "--nproc", "2"],
-    ["--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2", "--nproc", "1", "--ac", "block"],
-])
-def test_check_passes_with_accumulation(tmp_path, train, argv):
-    """--accumulate 4 on the Llama: each step as 4 micro-steps of 2 sequences (1 per data-parallel rank), the
-    weights' gradients reduced once, after the last (under fsdp,tp with each block recomputed, --ac block); --check trains one device on the whole batch of 8 at once, and
-    the mean loss of each step and every replica of every parameter equal it (5e-3, float32 AdamW; seen ~1e-6 and
-    ~4e-5 — a missing 1/4 or a lost micro-step is O(lr) in the weights after the first step)."""
-    r, run = train(tmp_path, "check", *argv, "--steps", "2", "--check", "--accumulate", "4")
-    assert r.returncode == 0, r.stderr + r.stdout
-    assert "batch 8×16 in 4 micro-steps of 2 (gradients reduced after the last)" in r.stdout
-    assert "plan (rank 0, per step, all micro-steps): " in r.stdout  # the 4 micro-steps' communications, summed
-    assert check_line(r).endswith(": OK")
-
-
-@pytest.mark.parametrize("argv", [
-    ["--strategy", "sp", "--mesh", "tp=2"],
-    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--ac", "block"],
-    ["--strategy", "dp", "--mesh", "dp=2", "--accumulate", "4"],
-])
-def test_check_passes_with_dropout(tmp_path, train, argv):
-    """GPT-2 with --dropout 0.1 --check, every rank of the mesh in one process: masks depend on (seed, step, node,
-    element), so every replica of every parameter equals the one-device run (masks drawn from the process RNG:
-    |Δloss| ~1e-2, |Δparameter| ~4e-2, FAILED). With --accumulate 4 each micro-step draws its rows of the whole
-    batch's masks, as the one-device run on the whole batch does (each micro-batch drawing as a batch of its own:
-    FAILED). Under --ac block each block's recomputed forward draws its forward's masks again."""
-    r, run = train(tmp_path, "check", *argv, "--model", "gpt2", "--nproc", "1", "--steps", "2", "--dropout", "0.1",
-                   "--check")
-    assert check_line(r).endswith(": OK")
-
-
 def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
     """Without --run-dir: rank 0 makes the new run directory (and config.toml) once the ranks have joined, and tells
     rank 1 its name — both write their files of the checkpoint there."""
@@ -234,10 +186,8 @@ def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
         assert abs(a["loss"] - b["loss"]) < 1e-4
 
 
-def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tmp_path, train):
-    out = tmp_path / "trace.json"
-    r, run = train(tmp_path, "trace", "--strategy", "tp", "--nproc", "2", "--trace", str(out))
-    assert r.returncode == 0, r.stderr + r.stdout
+def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tp2):
+    _, _, out = tp2
     events = json.loads(out.read_text())["traceEvents"]
     lanes = {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"}
     assert lanes == {(0, 0), (0, 1), (1, 0), (1, 1), (1000, 0), (1000, 1), (1001, 0), (1001, 1)}
