@@ -92,11 +92,19 @@ def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_it
 
 
 def test_reshard_after_forward_holds_less_of_the_weights_at_the_peak(llama):
+    """Without resharding every gathered weight lives from its forward use to the backward; with it, at the peak
+    at most two blocks' (the one computing and the one prefetched) besides the pieces each rank stores. (The total
+    peak is the benchmark's: on this tiny model the regathers' communication buffers outweigh what they save.)"""
     _, _, graph = llama
     steps = {r: _lower(graph, "fsdp=2", "fsdp", r)[1] for r in (True, False)}
     peaks = {r: program_memory(s.programs[0], s.dg) for r, s in steps.items()}
-    assert peaks[True].by_kind[MemoryKind.PARAMETERS] < 0.5 * peaks[False].by_kind[MemoryKind.PARAMETERS]
-    assert peaks[True].peak < peaks[False].peak
+    stored = sum(graph.tensors[w].type.nbytes for w in graph.weights) // 2  # rank 0's pieces
+    gathered = {r: p.by_kind[MemoryKind.PARAMETERS] - stored for r, p in peaks.items()}
+    per_block = Counter()
+    for w in graph.weights:
+        per_block[block_of(w)] += graph.tensors[w].type.nbytes
+    assert gathered[False] == sum(per_block.values())  # every weight whole at once
+    assert gathered[True] <= 2 * max(per_block.values()) < gathered[False]
 
 
 @pytest.mark.parametrize("mesh, strategy, reshard", [

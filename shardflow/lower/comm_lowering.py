@@ -58,6 +58,19 @@ class Decisions:
         return {n.name: k for k, b in enumerate(self.gathers) for n in b}
 
     @cached_property
+    def gather_issue(self) -> dict[str, tuple[int, ...]]:
+        """Node name → the weight all-gather buckets issued at its step, in order: each bucket one bucket ahead of
+        its use (prefetch, as FSDP2's): bucket j + 1 of a pass and sub-mesh axis is issued where bucket j's first
+        member is — while block j computes — and the first bucket at its own first member, with the second."""
+        issue: dict[str, list[int]] = {}
+        head: dict[tuple, DNode] = {}  # per (pass, sub-mesh, axis): the first member of the bucket issued last
+        for k, b in enumerate(self.gathers):  # in the order of their first members
+            key = (b[0].pass_, b[0].group, b[0].op.axis)
+            issue.setdefault(head.get(key, b[0]).name, []).append(k)
+            head[key] = b[0]
+        return {name: tuple(ks) for name, ks in issue.items()}
+
+    @cached_property
     def scatter_of(self) -> dict[str, int]:
         """Node name (a step's first) → index of its gradient reduce-scatter bucket."""
         return {st.nodes[0].name: k for k, b in enumerate(self.scatters) for st in b}
@@ -123,9 +136,10 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
     """All-gathers of weights packed into buckets, as FSDP2 gathers one flat parameter per module: the
     all-gathers of one pass whose input is a weight (or its copy cast for compute), grouped by (pass, sub-mesh,
     axis, dim, dtype, the weight's block: :func:`~shardflow.lower.dynamic.block_of` of its name, "" for the weights
-    outside every block), in step order. A bucket is issued at its first member's step — every member's input is
-    held from the start of the step — and each member is unpacked before its first reader. Buckets of one are
-    left out."""
+    outside every block), in the order of their first members. Every member's input is held from the start of the
+    step, so a bucket may be issued before its first member's step: one bucket ahead
+    (:attr:`Decisions.gather_issue`); each member is unpacked before its first reader. Buckets of one are left
+    out."""
     weights = set(dg.pcg.graph.weights)
     open_: dict[tuple, list[DNode]] = {}
     for st in all_steps:
@@ -181,9 +195,9 @@ def instances(st: Step, plan: Decisions) -> int:
     b = plan.bucket_of.get(n.name)
     if b is not None and plan.buckets[b][-1] is not n:
         return 0  # issued with the bucket, at its last member
-    g = plan.gather_of.get(n.name)
-    if g is not None and plan.gathers[g][0] is not n:
-        return 0  # issued with the bucket, at its first member
+    if n.name in plan.gather_of:  # the buckets issued at this step (one collective per axis group each), or none
+        d = n.group.mesh.axis_size(n.op.axis)
+        return len(plan.gather_issue.get(n.name, ())) * (n.group.size // d)
     s = plan.scatter_of.get(n.name)
     if s is not None and plan.scatters[s][-1] is not st:
         return 0  # issued with the bucket, at its last member
@@ -215,7 +229,11 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
                 b, g = plan.bucket_of.get(st.nodes[0].name), plan.gather_of.get(st.nodes[0].name)
                 s = plan.scatter_of.get(st.nodes[0].name)
                 if g is not None:
-                    mine, after = _gather_bucket(plan, g, r) if plan.gathers[g][0] is st.nodes[0] else ([], [])
+                    mine = []
+                    for j, k in enumerate(plan.gather_issue.get(st.nodes[0].name, ())):
+                        now_k, after_k = _gather_bucket(plan, k, r, j)
+                        mine += now_k
+                        after += after_k
                 elif s is not None:
                     mine, after = _scatter_bucket(plan, s, r) if plan.scatters[s][-1] is st else ([], [])
                 elif b is None:
@@ -263,11 +281,11 @@ def _bucket(plan: Decisions, k: int, r: int, token: int) -> tuple[list[Instr], l
             [Wait(t), Compute(TaskType.BWD, f"bucket{k}", "unpack", (reduced,), outs)])
 
 
-def _gather_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[Instr]]:
-    """Weight all-gather bucket ``k`` on rank ``r``: what runs at its first member (pack the members' pieces into
-    one flat buffer, issue one all-gather of it without waiting) and what runs before the first read of a member
-    (wait; the gathered buffer chunked by rank, each chunk unpacked into views of the pieces, each member's pieces
-    concatenated along its dim)."""
+def _gather_bucket(plan: Decisions, k: int, r: int, j: int) -> tuple[list[Instr], list[Instr]]:
+    """Weight all-gather bucket ``k`` on rank ``r``, the ``j``-th issued at its step (:attr:`Decisions.gather_issue`):
+    what runs there (pack the members' pieces into one flat buffer, issue one all-gather of it without waiting) and
+    what runs before the first read of a member (wait; ``ungather``: each member's pieces, one per rank's row of
+    the gathered buffer, concatenated along its dim)."""
     dg = plan.dg
     members = plan.gathers[k]
     n0 = members[0]
@@ -278,19 +296,16 @@ def _gather_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[I
     outs = tuple(piece(dg.values[n.outputs[0]]) for n in members)
     group_members = axis_members(n0.group, axis, r)
     d = len(group_members)
-    flat = TensorType((sum(b.type.numel for b in ins),), ins[0].type.dtype)
+    n_flat = sum(b.type.numel for b in ins)
     name = f"gather{k}:{axis}"
-    packed, gathered = Buffer(name, flat), Buffer(f"{name}.gathered", TensorType((d * flat.numel,), flat.dtype))
-    parts = tuple(Buffer(f"{name}.from{j}", flat) for j in range(d))
-    views = [tuple(Buffer(f"{name}.from{j}.{i}", b.type) for i, b in enumerate(ins)) for j in range(d)]
+    packed = Buffer(name, TensorType((1, n_flat), ins[0].type.dtype))  # a row: gathered, one row per rank
+    gathered = Buffer(f"{name}.gathered", TensorType((d, n_flat), ins[0].type.dtype))
     note = f"gather bucket {k}: " + ", ".join(n.name for n in members)
-    t = axis_group_index(n0.group, axis, r)
-    comm = Comm(t, CommKind.ALL_GATHER, n0.pass_, group_members, flat, wire_bytes(CommKind.ALL_GATHER, flat.nbytes, d),
-                axis, send=packed, recv=gathered, dim=0, note=note, wait=False, value=packed.value)
-    after: list[Instr] = [Wait(t), Compute(n0.pass_, name, "chunk", (gathered,), parts, dim=0)]
-    after += [Compute(n0.pass_, name, "unpack", (parts[j],), views[j]) for j in range(d)]
-    after += [Compute(n0.pass_, n.src, "concat", tuple(views[j][i] for j in range(d)), (outs[i],), dim=dim)
-              for i, n in enumerate(members)]
+    t = j * (n0.group.size // d) + axis_group_index(n0.group, axis, r)
+    comm = Comm(t, CommKind.ALL_GATHER, n0.pass_, group_members, packed.type,
+                wire_bytes(CommKind.ALL_GATHER, packed.type.nbytes, d), axis, send=packed, recv=gathered, dim=0,
+                note=note, wait=False, value=packed.value)
+    after: list[Instr] = [Wait(t), Compute(n0.pass_, name, "ungather", (gathered,), outs, dim=dim)]
     return [Compute(n0.pass_, name, "pack", ins, (packed,)), comm], after
 
 

@@ -583,10 +583,25 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
         """The value a node reads for forward tensor ``t``."""
         return used.get(t) or forward_id(t)
 
-    for n in pcg.nodes:
+    # A parallel op on a weight (an FSDP gather) runs right before its output's first reader, not where the PCG lists
+    # it (right after the weight): the whole weight then lives from its first to its last use, block by block.
+    side = _weight_side(pcg)
+    lazy = {n.outputs[0]: n for n in pcg.nodes if n.is_parallel and n.inputs[0] in side}
+
+    def emit(n: PNode) -> None:
+        for t in n.inputs:
+            if t in lazy:
+                emit(lazy.pop(t))
         g.nodes.append(DNode(f"FWD {n.name}", TaskType.FWD, NodeKind.PARALLEL if n.is_parallel else NodeKind.COMPUTE,
                              tuple(map(fwd, n.inputs)), tuple(map(forward_id, n.outputs)), n.group,
                              n.name, n.op if n.is_parallel else None, label=n.op.describe()))
+
+    waiting = {n.name for n in lazy.values()}
+    for n in pcg.nodes:
+        if n.name not in waiting:
+            emit(n)
+    for n in list(lazy.values()):  # read by no forward node
+        emit(n)
 
     if not training:
         return _expanded(pcg, g, optimizer)

@@ -35,9 +35,9 @@ def ordering(sg: ShardedGraph) -> ShardedGraph:
         later: list[tuple[set[str], list[Instr]]] = []  # (values they fill, deferred instructions)
         for k in range(len(sg.steps)):
             _emit(prog, later, [_shift(i, base[k]) for i in sg.instrs[r][k]])
-            if sg.deferred[r][k]:
-                after = [_shift(i, base[k]) for i in sg.deferred[r][k]]
-                later.append(({b.value for i in after for b in writes(i)}, after))
+            after = [_shift(i, base[k]) for i in sg.deferred[r][k]]
+            for group in _wait_groups(after):
+                later.append(({b.value for i in group for b in writes(i)}, group))
         for _, instrs in later:
             prog.extend(instrs)
         tokens = [i.token for i in prog if isinstance(i, Comm)]
@@ -46,6 +46,18 @@ def ordering(sg: ShardedGraph) -> ShardedGraph:
         inputs = tuple(piece(dg.values[v]) for v in placed if in_group(dg.values[v].group, r))
         programs[r] = Program(r, with_frees(prog, keep), inputs, groups)
     return dataclasses.replace(sg, programs=programs, done=sg.done + (PassName.ORDERING,))
+
+
+def _wait_groups(instrs: list[Instr]) -> list[list[Instr]]:
+    """Deferred instructions cut into groups, each a :class:`Wait` and what follows it up to the next one: each
+    group is placed on its own, before the first read of what it fills (a step that issues two buckets defers
+    two)."""
+    groups: list[list[Instr]] = []
+    for i in instrs:
+        if isinstance(i, Wait) or not groups:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
 
 
 def _shift(i: Instr, base: int) -> Instr:

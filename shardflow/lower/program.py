@@ -139,8 +139,10 @@ class Compute:
 
 # Data-movement computes that have no dynamic-graph node: split a piece into chunks along ``dim``, concatenate
 # chunks along ``dim``, add two buffers (the local adds of a reduce-scatter ring), pack pieces into one flat
-# buffer and unpack it into views of the pieces' shapes (a gradient bucket).
-LOCAL_MOVES = ("chunk", "concat", "add", "pack", "unpack")
+# buffer (in the output's shape) and unpack it into views of the pieces' shapes (a gradient bucket), and ungather
+# a weight bucket's gathered rows (one per rank: its packed pieces) into each member whole, its rows' pieces
+# concatenated along ``dim``.
+LOCAL_MOVES = ("chunk", "concat", "add", "pack", "unpack", "ungather")
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,7 +138,7 @@ def single_calls(program) -> set[str]:
 
 
 def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The data-movement computes lowering adds around rings (:data:`LOCAL_MOVES`): chunk, concat, add."""
+    """The data-movement computes lowering adds around rings and buckets (:data:`LOCAL_MOVES`)."""
     if instr.op == "chunk":
         return [x.contiguous() for x in xs[0].chunk(len(instr.outs), instr.dim)]
     if instr.op == "concat":
@@ -146,10 +146,20 @@ def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]
     if instr.op == "add":
         return [xs[0] + xs[1]]
     if instr.op == "pack":
-        return [torch.cat([x.reshape(-1) for x in xs])]
+        return [torch.cat([x.reshape(-1) for x in xs]).view(instr.outs[0].type.shape)]
     if instr.op == "unpack":  # views into the flat buffer, no copy
         parts = xs[0].split([b.type.numel for b in instr.outs])
         return [x.view(b.type.shape) for x, b in zip(parts, instr.outs)]
+    if instr.op == "ungather":  # rows [d, n]: row j = rank j's pieces, packed; each member = its d pieces joined
+        rows, out = xs[0], []
+        d, at = rows.shape[0], 0
+        for b in instr.outs:
+            shape = list(b.type.shape)
+            shape[instr.dim] //= d
+            n = b.type.numel // d
+            out.append(torch.cat([rows[j, at:at + n].view(shape) for j in range(d)], instr.dim))
+            at += n
+        return out
     raise ValueError(f"no local kernel for {instr.op!r} (one of {LOCAL_MOVES})")
 
 
