@@ -41,17 +41,23 @@ RUNS = [("single", "d=1", True), ("dp", "dp=4", True), ("fsdp", "fsdp=2", True),
 TARGET = 0.28  # issue #15: params + grads + optimizer state per rank under fsdp on 4 ranks ÷ one device
 
 
-def measure(strategy: str, mesh: str, reshard: bool) -> dict:
-    cfg = dataclasses.replace(TrainConfig(), strategy=strategy, mesh=mesh, nproc=1, reshard_after_forward=reshard)
+def main_job(strategy: str, mesh: str, **settings):
+    """The main job's model at ``shardflow train``'s defaults (``settings`` override them) under ``strategy`` on
+    ``mesh``, every rank in this process: its local executor, loaded, its setup and its first batch."""
+    cfg = dataclasses.replace(TrainConfig(), strategy=strategy, mesh=mesh, nproc=1, **settings)
     s = setup(cfg, 1)
-    step = s.lower()
-    ex = LocalExecutor(step, s.optimizer, seed=cfg.seed)
+    ex = LocalExecutor(s.lower(), s.optimizer, seed=cfg.seed)
     ex.load(s.initial_weights())
-    ex.step(s.batch(Split.TRAIN, 0))
+    return ex, s, s.batch(Split.TRAIN, 0)
+
+
+def measure(strategy: str, mesh: str, reshard: bool) -> dict:
+    ex, s, batch = main_job(strategy, mesh, reshard_after_forward=reshard)
+    ex.step(batch)
     held = sum(t.numel() * t.element_size() for vid in (*(f"fwd:{w}" for w in s.graph.weights),
-                                                        *step.dg.state_values())
+                                                        *ex.dg.state_values())
                for d, t in ex._pieces(vid).items() if d == 0)
-    state = state_bytes(step.dg, 0)
+    state = state_bytes(ex.dg, 0)
     return {"strategy": strategy, "mesh": mesh, "reshard": reshard, "state": state, "held": held,
             "peak": ex.peak_bytes[0], "params": sum(p.numel() for p in s.model.parameters())}
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import dataclasses
 import json
 import os
 import statistics
@@ -37,25 +36,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
+from fsdp import main_job  # noqa: E402
 from harness import Variant, interleave, machine, write_section  # noqa: E402
 from shardflow.lower.dynamic import ActivationCheckpointing, checkpoint_blocks  # noqa: E402
-from shardflow.runtime.local import LocalExecutor  # noqa: E402
-from shardflow.train.config import TrainConfig  # noqa: E402
-from shardflow.train.data import Split  # noqa: E402
-from shardflow.train.recipe import setup  # noqa: E402
 
 MESHES = [("single", "d=1"), ("fsdp", "fsdp=4")]
 MODES = tuple(map(str, ActivationCheckpointing))
-
-
-def executor(strategy: str, mesh: str, ac: str):
-    """A local executor of the main job's step under ``strategy`` on ``mesh`` with ``--ac ac``, loaded, and its
-    setup and first batch."""
-    cfg = dataclasses.replace(TrainConfig(), strategy=strategy, mesh=mesh, nproc=1, ac=ac)
-    s = setup(cfg, 1)
-    ex = LocalExecutor(s.lower(), s.optimizer, seed=cfg.seed)
-    ex.load(s.initial_weights())
-    return ex, s, s.batch(Split.TRAIN, 0)
 
 
 def _status(key: str) -> int:
@@ -66,7 +52,7 @@ def _status(key: str) -> int:
 
 def process_peak(ac: str) -> int:
     """Peak resident bytes of two one-device steps above the resident set before them (run in a fresh process)."""
-    ex, _, batch = executor("single", "d=1", ac)
+    ex, _, batch = main_job("single", "d=1", ac=ac)
     ex.step(batch)  # warm-up: the kernels' first-call work
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap back to the OS: the resident set is what is live
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
@@ -114,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for strategy, mesh in MESHES:
         for ac in MODES:
-            ex, s, batch = executor(strategy, mesh, ac)
+            ex, s, batch = main_job(strategy, mesh, ac=ac)
             ex.step(batch)
             ledger.setdefault(mesh, {})[ac] = ex.peak_bytes[0]
             if mesh == "d=1":

@@ -1,6 +1,6 @@
 """Fixtures shared by the tests that train: a small text, the tiny model's ``shardflow train`` command line, runs of
 it in a subprocess (several processes) or in the test's process (one process: no interpreter start-up), and a
-reader of the metrics a run writes."""
+reader of the metrics a run writes; the tiny Hugging Face Llama the plan tests capture."""
 
 from __future__ import annotations
 
@@ -13,6 +13,19 @@ import sys
 from pathlib import Path
 
 import pytest
+
+def tiny_hf_llama():
+    """The tiny Hugging Face Llama of the plan tests (2 layers, width 64, 4 heads over 2 key/value heads, MLP 128,
+    vocabulary 96; float32, seeded) and its batch of 8 sequences of 8 tokens, the labels being the tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                         use_cache=False))
+    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
 
 # A GPT of 1 layer, 2 heads, width 16 on 16-character sequences, batch 8: a step takes milliseconds; validation
 # every 2 steps on 1 batch; a line every step; MFU against a given peak (measuring one takes a second per run).

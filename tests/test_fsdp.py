@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
+from conftest import tiny_hf_llama  # noqa: E402
 from shardflow.capture import capture, wide_floats  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.cost import DEFAULT_BUCKET_BYTES, CommForm  # noqa: E402
@@ -31,13 +31,8 @@ TOL = 1e-12  # float64: partial sums in another order than one device (seen ~1e-
 
 @pytest.fixture(scope="module")
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                         use_cache=False)).double()
-    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = tiny_hf_llama()
+    model = model.double()
     with wide_floats():
         graph = capture(model, batch)
     return model, batch, graph

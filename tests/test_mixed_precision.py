@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import tiny_hf_llama  # noqa: E402
 from shardflow.api import parallelize  # noqa: E402
 from shardflow.capture import capture  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
@@ -36,13 +37,7 @@ TOL_WEIGHT, TOL_LOSS = 1.5e-2, 5e-3
 @pytest.fixture(scope="module")
 def llama():
     """A float32 Llama's weights, its bfloat16 copy and that copy's graph."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                         use_cache=False))
-    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = tiny_hf_llama()
     masters = {k: v.detach().clone() for k, v in model.named_parameters()}
     narrow = model.to(torch.bfloat16)
     return masters, narrow, batch, capture(narrow, batch)

@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import tiny_hf_llama  # noqa: E402
 from shardflow.api import parallelize  # noqa: E402
 from shardflow.capture import capture, wide_floats  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
@@ -24,24 +25,19 @@ from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.reference import weights_of  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
-from shardflow.runtime.memory import MemoryKind, program_memory  # noqa: E402
+from shardflow.runtime.memory import program_memory  # noqa: E402
 from shardflow.strategy import resolve  # noqa: E402
 from shardflow.strategy.presets import make_plan  # noqa: E402
 
 STEPS = 3
 TOL = 1e-12  # float64: partial sums in another order than one device (seen ~1e-14)
-LAYERS = 2
+LAYERS = 2  # of conftest's tiny Llama
 
 
 @pytest.fixture(scope="module")
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, intermediate_size=128,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                         use_cache=False)).double()
-    ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
-    batch = {"input_ids": ids, "labels": ids}
+    model, batch = tiny_hf_llama()
+    model = model.double()
     with wide_floats():
         graph = capture(model, batch)
     return model, batch, graph

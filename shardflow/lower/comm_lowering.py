@@ -102,31 +102,43 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> D
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
             summed = dg.values[n.inputs[0]].sharding.reduce_op == ReduceOp.SUM  # the ring adds; others stay plain
             forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else CommForm.COLLECTIVE
-    gathers = _gather_buckets(dg, all_steps) if options.bucket_bytes > 0 else ()
-    scatters = _scatter_buckets(dg, all_steps) if options.bucket_bytes > 0 else ()
+    if options.bucket_bytes <= 0:
+        return Decisions(dg, forms, fused)
+    final = _final_gradients(dg)
+    gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final)
     packed = {n.name for b in gathers for n in b} | {st.nodes[0].name for b in scatters for st in b}
     forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
     fused = {k: v for k, v in fused.items() if k not in packed}
-    return Decisions(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes), gathers, scatters)
+    return Decisions(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes, final), gathers, scatters)
 
 
-def _scatter_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[Step, ...], ...]:
+def _final_gradients(dg: DynamicGraph) -> frozenset[str]:
+    """The values only the updates (and the gradient-norm sum) read: the weights' final gradients."""
+    final = {v for n in dg.nodes if n.kind in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
+    elsewhere = {v for n in dg.nodes if n.kind not in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
+    return frozenset(final - elsewhere)
+
+
+def _final_sum(dg: DynamicGraph, st: Step, kind: CommKind, final: frozenset[str]) -> bool:
+    """Whether step ``st`` is a ``kind`` of the backward that sums and whose result is a final gradient (``final``):
+    what may wait in a bucket, read by nothing before the updates."""
+    first, last = st.nodes[0], st.nodes[-1]
+    return (st.kind == kind and first.pass_ == TaskType.BWD and last.outputs[0] in final
+            and dg.values[first.inputs[0]].sharding.reduce_op == ReduceOp.SUM)
+
+
+def _scatter_buckets(dg: DynamicGraph, all_steps: list[Step], final: frozenset[str]) -> tuple[tuple[Step, ...], ...]:
     """Gradient reduce-scatters packed into buckets, as FSDP2 reduce-scatters one flat gradient per module: those
     of BWD, summing, whose result only the updates (and the gradient-norm sum) read, grouped by (sub-mesh, axis,
     dim, dtype, the tensor's block: :func:`~shardflow.lower.dynamic.block_of` of its name), in the order the backward
     makes them. A bucket is issued at its last member's step; its results are unpacked before their first reader.
     Buckets of one are left out."""
-    final = {v for n in dg.nodes if n.kind in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
-    elsewhere = {v for n in dg.nodes if n.kind not in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
     open_: dict[tuple, list[Step]] = {}
     for st in all_steps:
+        if not _final_sum(dg, st, CommKind.REDUCE_SCATTER, final):
+            continue
         first, last = st.nodes[0], st.nodes[-1]
-        if (st.kind != CommKind.REDUCE_SCATTER or first.pass_ != TaskType.BWD or last.outputs[0] not in final
-                or last.outputs[0] in elsewhere):
-            continue
         vin = dg.values[first.inputs[0]]
-        if vin.sharding.reduce_op != ReduceOp.SUM:
-            continue
         key = (first.group, last.op.axis, last.op.dim, vin.type.dtype, block_of(vin.tensor))
         open_.setdefault(key, []).append(st)
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
@@ -152,24 +164,18 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
 
-def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int) -> tuple[tuple[DNode, ...], ...]:
+def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str]
+             ) -> tuple[tuple[DNode, ...], ...]:
     """Gradient all-reduces packed into buckets (see :class:`LowerOptions`): those of BWD, summing, whose
     result only the updates (and the gradient-norm sum) read; grouped by (sub-mesh, axis, dtype) in the
     order the backward makes them, a bucket closed once it holds ``cap`` bytes. Buckets of one are left out."""
-    if cap <= 0:
-        return ()
-    final = {v for n in dg.nodes if n.kind in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
-    elsewhere = {v for n in dg.nodes if n.kind not in (NodeKind.UPDATE, NodeKind.SUMSQ) for v in n.inputs}
     open_: dict[tuple, tuple[list[DNode], int]] = {}
     out: list[tuple[DNode, ...]] = []
     for st in all_steps:
+        if not _final_sum(dg, st, CommKind.ALL_REDUCE, final):
+            continue
         n = st.nodes[0]
-        if (st.kind != CommKind.ALL_REDUCE or n.pass_ != TaskType.BWD or n.outputs[0] not in final
-                or n.outputs[0] in elsewhere):
-            continue
         vin = dg.values[n.inputs[0]]
-        if vin.sharding.reduce_op != ReduceOp.SUM:
-            continue
         key = (n.group, n.op.axis, vin.type.dtype)
         members, size = open_.pop(key, ([], 0))
         members.append(n)

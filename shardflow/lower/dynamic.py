@@ -627,7 +627,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     g.nodes.append(DNode("LOSS seed", TaskType.LOSS, NodeKind.SEED, (forward_id(pcg.loss),), (seed,), loss.group,
                          pcg.loss, scale=micro.seed))
     contributions[pcg.loss].append(seed)
-    accumulated = _weight_side(pcg) if micro.count > 1 else set()
+    accumulated = side if micro.count > 1 else set()
     summed: set[str] = set()  # contributions that hold every micro-step already (moved back from a summed one)
 
     def accumulate(part: str) -> str:
@@ -774,7 +774,6 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
             s, f = grad_sharding(pcg, n, k)
             unscale.append(f)
             if mask[k]:
-                tt = pcg.tensors[t]
                 outs.append(g.value(grad_id(t, n.name), t, ValueRole.GRAD, grad_type(t), s, n.group))
                 contributions[t].append(outs[-1])
         ins = tuple(map(read, n.inputs)) + tuple(d for d in dys if d is not None)
