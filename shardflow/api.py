@@ -42,6 +42,7 @@ from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg
 from shardflow.reference import leaves, weights_of
+from shardflow.runtime.device import rank_device
 from shardflow.runtime.materialize import materialise
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.executor import Executor
@@ -397,7 +398,8 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
                 plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
                 lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
                 seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1,
-                reshard_after_forward: bool = True, ac: str = "none", master_dtype: str = "") -> Trainer:
+                reshard_after_forward: bool = True, ac: str = "none", master_dtype: str = "",
+                device: str = "auto") -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
 
     Args:
@@ -433,6 +435,10 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             its weights, gradient reductions and optimizer state in float32 and casts the weights to bfloat16 for
             each step (FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); "" (default):
             every weight in its own dtype. :meth:`Trainer.state_dict` gives the float32 weights.
+        device: where every buffer of the step lives, as torchrun's convention has it: ``"auto"`` (default):
+            ``cuda:LOCAL_RANK`` when CUDA is available (the distributed executor then talks NCCL), else the CPU
+            (gloo); ``"cpu"``; ``"cuda"``. The model itself may be on any device; full tensors handed back
+            (:meth:`Trainer.state_dict`) are on the CPU.
 
     Raises:
         CaptureError: export cannot capture the model (the message names the model's source line).
@@ -440,7 +446,8 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
         ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer, executor or ``ac``;
             ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); distributed: the world
-            size is not the mesh's size, or the ranks' models have different weights.
+            size is not the mesh's size, or the ranks' models have different weights; an unknown ``device``.
+        DeviceError (a ValueError): ``device="cuda"`` without CUDA, or a local rank with no GPU of its own.
     """
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
     if isinstance(optimizer, OptimizerConfig):
@@ -462,18 +469,19 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     graph = capture(model, split_batch(batch, accumulate)[0])
     chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
+    where = rank_device(device)
     if kind == ExecutorKind.DISTRIBUTED:
         from shardflow.runtime.distributed import DistributedExecutor, init_from_env
-        rank, _ = init_from_env(timeout_s)
+        rank, _ = init_from_env(timeout_s, where)
         steps = {m: lower_step(pcg, opt.slots, ranks=[rank], micro=m, options=options)
                  for m in dict.fromkeys(micro_steps)}
-        make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=timeout_s, seed=seed)
+        make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=timeout_s, seed=seed, device=where)
         lead = rank == 0
     else:
         from shardflow.runtime.local import LocalExecutor
         steps = {m: lower_step(pcg, opt.slots, micro=m, options=options)  # proven to agree
                  for m in dict.fromkeys(micro_steps)}
-        make, lead = functools.partial(LocalExecutor, optimizer=opt, seed=seed), True
+        make, lead = functools.partial(LocalExecutor, optimizer=opt, seed=seed, device=where), True
     lowered = steps[micro_steps[-1]]  # the step that reduces the gradients and updates
     ex: Executor = make(lowered)  # distributed: checks the world size and that every rank has the same plan
     if kind == ExecutorKind.DISTRIBUTED and not inits:  # materialised pieces are the same everywhere by design
@@ -494,7 +502,7 @@ def _same_weights_everywhere(weights: Mapping[str, torch.Tensor]) -> None:
     digest = hashlib.sha256()
     for name in sorted(weights):
         digest.update(name.encode())
-        digest.update(weights[name].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(weights[name].detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, digest.hexdigest())
     differ = [r for r, d in enumerate(everyone) if d != everyone[0]]

@@ -101,6 +101,6 @@ def weights_of(module: nn.Module, graph: ComputationGraph) -> dict[str, torch.Te
     params = dict(module.named_parameters(remove_duplicate=False))
     missing = [n for n in graph.weights if n not in params]
     if missing:
-        raise KeyError(f"module has no parameter(s) for graph weight(s): "
+        raise KeyError("module has no parameter(s) for graph weight(s): "
                        + ", ".join(f"{n!r} (expected {_describe(graph, n)})" for n in missing))
     return leaves(graph, {n: params[n].detach().clone() for n in graph.weights}, TensorRole.WEIGHT)

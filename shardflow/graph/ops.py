@@ -221,7 +221,7 @@ class Dropout(Op):
         if at is None:
             raise OpError(f"dropout(p={self.p}) draws its mask from (seed, step, node, element index): pass "
                           f"at=DrawSite(...) for the piece it runs on")
-        scale = at.keep(tuple(x.shape), self.p).to(x.dtype).mul_(1.0 / (1.0 - self.p))  # 0 or 1/(1-p)
+        scale = at.keep(tuple(x.shape), self.p, x.device).to(x.dtype).mul_(1.0 / (1.0 - self.p))  # 0 or 1/(1-p)
         return (x * scale,)
 
 

@@ -85,34 +85,34 @@ class DrawSite:
         digest = hashlib.blake2b(repr((self.seed, self.step, self.node)).encode(), digest_size=8).digest()
         return _int64(int.from_bytes(digest, "little"))
 
-    def indices(self, piece: tuple[int, ...]) -> torch.Tensor:
-        """int64 ``piece``-shaped tensor: each element's row-major linear index in the full tensor.
+    def indices(self, piece: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 ``piece``-shaped tensor on ``device``: each element's row-major linear index in the full tensor.
 
         Raises ValueError if the piece does not fit in the full shape at ``start``.
         """
         if len(piece) != len(self.shape) or any(s + n > full for s, n, full in zip(self.start, piece, self.shape)):
             raise ValueError(f"node {self.node!r}: a piece of shape {list(piece)} at {list(self.start)} does not fit "
                              f"in the full tensor {list(self.shape)}")
-        idx = torch.zeros(piece, dtype=torch.int64)
+        idx = torch.zeros(piece, dtype=torch.int64, device=device)
         for d, (s, n) in enumerate(zip(self.start, piece)):
             stride = math.prod(self.shape[d + 1:])
-            idx += (torch.arange(s, s + n, dtype=torch.int64) * stride).view((n,) + (1,) * (len(piece) - d - 1))
+            idx += (torch.arange(s, s + n, dtype=torch.int64, device=device) * stride).view((n,) + (1,) * (len(piece) - d - 1))
         return idx
 
-    def bits(self, piece: tuple[int, ...]) -> torch.Tensor:
+    def bits(self, piece: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 ``piece``-shaped numbers in [0, 2^53): element i of the full tensor gets the top 53 bits of
         splitmix64's output number i + 1 seeded with :attr:`key`."""
-        z = self.indices(piece).add_(1).mul_(_int64(_GAMMA)).add_(self.key)
+        z = self.indices(piece, device).add_(1).mul_(_int64(_GAMMA)).add_(self.key)
         return _srl(splitmix64(z), 11)
 
     def uniform(self, piece: tuple[int, ...]) -> torch.Tensor:
         """float64 ``piece``-shaped uniforms in [0, 1), multiples of 2^-53: :meth:`bits` · 2^-53."""
         return self.bits(piece).to(torch.float64).mul_(2.0 ** -53)
 
-    def keep(self, piece: tuple[int, ...], p: float) -> torch.Tensor:
+    def keep(self, piece: tuple[int, ...], p: float, device: torch.device | str = "cpu") -> torch.Tensor:
         """bool ``piece``-shaped dropout mask: True where the element is kept (probability ``1 - p``), i.e. where
         :meth:`uniform` ≥ p — compared on the integers (p · 2^53 is exact in float64)."""
-        return self.bits(piece) >= math.ceil(p * 2.0 ** 53)
+        return self.bits(piece, device) >= math.ceil(p * 2.0 ** 53)
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ def gather(pieces: Mapping[int, torch.Tensor], t: PTensor) -> torch.Tensor:
     p = _pshape(t)
     dmap = t.sharding.device_map(t.group)
     first = next(iter(pieces.values()))
-    full = torch.zeros(p.shape, dtype=first.dtype)
+    full = torch.zeros(p.shape, dtype=first.dtype, device=first.device)
     by_block: dict[tuple, list[torch.Tensor]] = {}
     for d, c in dmap.items():
         if c.replica == 0:

@@ -1,5 +1,5 @@
-"""Distributed executor: this rank's program on torch.distributed with gloo (every buffer is on the CPU: NCCL and
-GPUs are not supported yet).
+"""Distributed executor: this rank's program on torch.distributed — NCCL with every buffer on the rank's GPU
+(``cuda:LOCAL_RANK``), or gloo with every buffer on the CPU (:mod:`shardflow.runtime.device`).
 
 Every rank builds the same plan deterministically and lowers only its own program; at start-up the ranks
 compare the fingerprint of the plan (the dynamic graph of the step) and refuse to run on a mismatch. The kernels
@@ -7,6 +7,12 @@ are built from the program's instructions and its process groups from the progra
 (:class:`ProcessGroups`), in one order on every rank. Every communication waits with a timeout; its failure names
 the rank, the token, the operation and the peer or group it waited on, and whether a member stopped answering
 (:class:`CommTimeout`) or left (:class:`PeerLost`).
+
+On NCCL every communication is issued asynchronously (``async_op=True``): it runs on NCCL's own stream while the
+compute stream goes on, and its wait makes the compute stream wait for it, so a communication issued ahead of its
+wait (a bucket, a prefetched FSDP all-gather) overlaps the compute between them. All-gathers and
+reduce-scatters go straight to ``all_gather_single``/``reduce_scatter_single`` (formerly
+``all_gather_into_tensor``/``reduce_scatter_tensor``) on flat buffers.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from shardflow.lower.comms import Issued, issue
 from shardflow.lower.program import Comm, Compute, Free, Group, Wait
 from shardflow.parallel.mesh import Mesh
 from shardflow.lower.verify import check_fingerprints
+from shardflow.runtime.device import backend_for
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
 from shardflow.runtime import trace
@@ -72,17 +79,17 @@ class CommDivergence(RuntimeError):
     """Debug mode: the members of a communication are at different tokens (code outside the plan diverged)."""
 
 
-def init_from_env(timeout_s: float = 300.0) -> tuple[int, int]:
-    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
-
-    Backend: NCCL when CUDA is available, else gloo — but the executors create every buffer on the CPU, which NCCL
-    cannot communicate: NCCL and GPUs are not supported yet. Returns (rank, world size).
-    """
+def init_from_env(timeout_s: float = 300.0, device: torch.device | None = None) -> tuple[int, int]:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+    with the backend of ``device`` (:func:`~shardflow.runtime.device.backend_for`: NCCL for ``cuda:LOCAL_RANK``,
+    bound to this process — :func:`~shardflow.runtime.device.rank_device` — gloo for the CPU; default the CPU).
+    Returns (rank, world size)."""
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device = device or torch.device("cpu")
         if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL: communicators on this GPU
+        dist.init_process_group(backend_for(device.type), timeout=datetime.timedelta(seconds=timeout_s), **bound)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -112,13 +119,13 @@ class ProcessGroups:
     once, as ``init_device_mesh`` does. Any other group is made by ``dist.new_group`` (with ``timeout``); a group
     of every rank is the world's. Every rank must call :meth:`create` with the same lists in the same order
     (torch.distributed needs every rank in every group's creation, member or not): then every rank creates the
-    same groups in the same order. The DeviceMesh is a ``cpu`` one: every buffer is on the CPU. The executor's
-    waits carry their own timeout, which also bounds a wait on a DeviceMesh group.
+    same groups in the same order. The DeviceMesh's device type is the buffers' (``device_type``: "cuda" or
+    "cpu"). The executor's waits carry their own timeout, which also bounds a wait on a DeviceMesh group.
     """
 
-    def __init__(self, timeout: datetime.timedelta):
+    def __init__(self, timeout: datetime.timedelta, device_type: str = "cpu"):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.timeout = timeout
+        self.timeout, self.device_type = timeout, device_type
         self.meshes: dict[Mesh, DeviceMesh] = {}
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # those this rank is a member of
         self.made: set[tuple[int, ...]] = set()  # members of every group created, member or not
@@ -131,7 +138,7 @@ class ProcessGroups:
             self.made.add(g.members)
             if g.mesh is not None:
                 if g.mesh not in self.meshes:
-                    self.meshes[g.mesh] = init_device_mesh("cpu", g.mesh.shape, mesh_dim_names=g.mesh.axis_names)
+                    self.meshes[g.mesh] = init_device_mesh(self.device_type, g.mesh.shape, mesh_dim_names=g.mesh.axis_names)
                 pg = self.meshes[g.mesh].get_group(g.axis)  # this rank's group along the axis: g's if a member
             else:
                 pg = None if len(g.members) == self.world else dist.new_group(list(g.members), timeout=self.timeout)
@@ -156,11 +163,15 @@ class DistributedExecutor(Executor):
     """
 
     def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0,
-                 share: DistributedExecutor | None = None, debug: bool = False, seed: int = 0):
+                 share: DistributedExecutor | None = None, debug: bool = False, seed: int = 0,
+                 device: torch.device | None = None):
         """``share``: another executor of the same PCG whose weights and process groups this one uses.
         ``debug``: before each communication, check that every member is at the same token.
-        ``seed``: the run seed random ops (dropout) draw with (the same on every rank)."""
+        ``seed``: the run seed random ops (dropout) draw with (the same on every rank).
+        ``device``: where every buffer lives, the device the process group's backend talks (default: ``share``'s,
+        else the CPU)."""
         self.debug = debug
+        self.device = device or (share.device if share else torch.device("cpu"))
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.dg = step.dg
@@ -173,13 +184,13 @@ class DistributedExecutor(Executor):
             raise ValueError(f"the plan is for mesh {mesh} ({mesh.size} devices) but the world has {self.world} "
                              f"processes; start {mesh.size} processes or change --mesh")
         self._check_fingerprints()
-        self.groups = share.groups if share else ProcessGroups(self.timeout)
+        self.groups = share.groups if share else ProcessGroups(self.timeout, self.device.type)
         self.groups.create(self.program.groups)  # same order on every rank
         self.saved: dict = {}  # forward autograd graphs, consumed by the backward
         once = single_calls(self.program)
         self.kernels = {i.dnode: make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                              self.saved if i.dnode in once else None, seed,
-                                             lambda: self.micro)
+                                             lambda: self.micro, self.device)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
         # buffers packed for one communication and read by nothing else: reduced in place, not copied first
@@ -202,20 +213,21 @@ class DistributedExecutor(Executor):
         v = self.dg.values[vid]
         if v.group.index(self.rank) is not None:
             p = v.sharding.parallel_shape(v.group, v.type.shape)
-            self.buffers[vid] = full[p.piece_slices(v.sharding.coord_of(v.group, self.rank))].clone()
+            self.buffers[vid] = full[p.piece_slices(v.sharding.coord_of(v.group, self.rank))].to(self.device, copy=True)
 
     def _get(self, vid: str) -> torch.Tensor:
-        """The full value, assembled on every rank (an all-reduce over the world; for results, not the step)."""
+        """The full value on the CPU, assembled on every rank (an all-reduce over the world; for results, not the
+        step)."""
         v = self.dg.values[vid]
         p = v.sharding.parallel_shape(v.group, v.type.shape)
         dtype = self.buffers[vid].dtype if vid in self.buffers else torch_dtype(v.type.dtype)
-        out = torch.zeros(v.type.shape, dtype=dtype)
+        out = torch.zeros(v.type.shape, dtype=dtype, device=self.device)
         if vid in self.buffers:
             c = v.sharding.coord_of(v.group, self.rank)
             if c.replica == 0:
                 out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == "avg" else 1)
         dist.all_reduce(out)
-        return out
+        return out.cpu()
 
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         return {self.rank: self.buffers[vid]} if vid in self.buffers else {}
@@ -228,14 +240,14 @@ class DistributedExecutor(Executor):
             self.buffers[vid] = pieces[self.rank]
 
     def _max_over_ranks(self, x: float) -> float:
-        t = torch.tensor(x, dtype=torch.float64)
+        t = torch.tensor(x, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 
     def per_process(self, x: float) -> list[float]:
         """Every rank's ``x`` (an all-gather on the default group). Raises CommTimeout past the run's timeout."""
-        out = [torch.zeros((), dtype=torch.float64) for _ in range(self.world)]
-        self._wait(dist.all_gather(out, torch.tensor(x, dtype=torch.float64), async_op=True),
+        out = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(self.world)]
+        self._wait(dist.all_gather(out, torch.tensor(x, dtype=torch.float64, device=self.device), async_op=True),
                    f"rank {self.rank} waited on the all-gather of a number from every rank")
         return [t.item() for t in out]
 
@@ -310,15 +322,15 @@ class DistributedExecutor(Executor):
 
     def _check_token(self, c: Comm) -> None:
         """Debug mode: exchange tokens with the other members of ``c``; raise CommDivergence on a mismatch."""
-        mine = torch.tensor([c.token], dtype=torch.long)
+        mine = torch.tensor([c.token], dtype=torch.long, device=self.device)
         if c.kind in ("send", "recv", "permute"):
             to, frm = (c.peer, c.peer) if c.kind != "permute" else (c.peer, c.peer_from)
-            theirs = torch.empty(1, dtype=torch.long)
+            theirs = torch.empty(1, dtype=torch.long, device=self.device)
             for h in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, to), dist.P2POp(dist.irecv, theirs, frm)]):
                 self._wait(h, c)
             others = {frm: int(theirs)}
         else:
-            got = torch.empty(len(c.members), dtype=torch.long)
+            got = torch.empty(len(c.members), dtype=torch.long, device=self.device)
             self._wait(dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c)
             others = dict(zip(c.members, got.tolist()))
         bad = {r: t for r, t in others.items() if t != c.token}
@@ -334,7 +346,8 @@ class DistributedExecutor(Executor):
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
         group = None if c.family in ("p2p", "permute") else self.groups.get(c.members)  # point-to-point: none
-        issued = issue(c, send, self.rank, group, in_place=c.send is not None and c.send.value in self.scratch)
+        issued = issue(c, send, self.rank, group, in_place=c.send is not None and c.send.value in self.scratch,
+                       device=self.device)
         if not c.wait:
             self.pending[c.token] = (issued, c)
             return None

@@ -41,6 +41,7 @@ class Executor:
     draw as rows of the whole batch: :meth:`~shardflow.graph.rng.PieceSite.at`)."""
 
     dg: DynamicGraph
+    device: torch.device = torch.device("cpu")  # where every buffer lives (:mod:`shardflow.runtime.device`)
     steps_done: int = 0
     micro: tuple[int, int] = (0, 1)
 
@@ -114,7 +115,7 @@ class Executor:
             if v.role == ValueRole.FWD:
                 full = weights[v.tensor]
             else:
-                full = state[vid] if state else torch.zeros(v.type.shape, dtype=dtype)
+                full = state[vid] if state else torch.zeros(v.type.shape, dtype=dtype, device="cpu")
             self._put(vid, full if getattr(full, "dtype", dtype) == dtype else _Cast(full, dtype))
         self.steps_done = steps_done
 
@@ -131,7 +132,7 @@ class Executor:
         for vid, dtype in dtypes.items():
             v = self.dg.values[vid]
             shape = v.sharding.parallel_shape(v.group, v.type.shape).piece_shape
-            new[vid] = {d: torch.empty(shape, dtype=dtype) for d in v.group.devices() if d in here}
+            new[vid] = {d: torch.empty(shape, dtype=dtype, device=self.device) for d in v.group.devices() if d in here}
         read({vid: self._blocks(vid, pieces, replica0_only=False) for vid, pieces in new.items()})
         for vid, pieces in new.items():
             self._place(vid, pieces)
@@ -161,7 +162,8 @@ class Executor:
         return out
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Full weights by graph name (= the module's parameter names), read from replica 0 of each block."""
+        """Full weights by graph name (= the module's parameter names), read from replica 0 of each block, on the
+        CPU (as every full tensor an executor hands out: :meth:`state`, :meth:`grads`)."""
         return {w: self._get(forward_id(w)) for w in self.dg.pcg.graph.weights}
 
     def weight_error(self, reference: Mapping[str, torch.Tensor]) -> float:
@@ -188,7 +190,7 @@ class Executor:
             full = reference[name].detach()
             for start, piece in self.held_pieces(vid, replica0_only=False):
                 if piece.numel():
-                    want = full[tuple(slice(s, s + n) for s, n in zip(start, piece.shape))]
+                    want = full[tuple(slice(s, s + n) for s, n in zip(start, piece.shape))].to(piece.device)
                     err = max(err, (piece - want).abs().max().item())
         return self._max_over_ranks(err)
 

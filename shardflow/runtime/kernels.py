@@ -68,10 +68,12 @@ def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *s
 
 
 def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], saved: dict | None = None,
-                seed: int = 0, micro: Callable[[], tuple[int, int]] = lambda: (0, 1)) -> Kernel:
+                seed: int = 0, micro: Callable[[], tuple[int, int]] = lambda: (0, 1),
+                device: torch.device | None = None) -> Kernel:
     """The kernel of compute ``instr``, built from its description (``instr.kernel``) alone. ``step()`` gives
     the current step, counted from 1 (for AdamW and for random ops); ``seed`` is the run's seed random ops draw
-    with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`).
+    with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`);
+    ``device``: the executor's, where a kernel with no input makes its output (a sum of squares of no piece).
 
     ``saved``: this rank's store of forward autograd graphs, by PCG node. When given, a forward whose node has a
     backward records its graph there and the backward reuses it (no second forward); without it, or when the
@@ -105,7 +107,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
         return lambda xs: update(cfg, step(), *xs)
     if isinstance(spec, SumOfSquares):
         dtype = torch_dtype(instr.outs[0].type.dtype)
-        return lambda xs: [sum((x.pow(2).sum() for x in xs), torch.zeros((), dtype=dtype))]
+        return lambda xs: [sum((x.pow(2).sum() for x in xs), torch.zeros((), dtype=dtype, device=device))]
     if isinstance(spec, Keep):
         return lambda xs: [xs[0]]
     if isinstance(spec, Block):

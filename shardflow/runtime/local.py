@@ -31,10 +31,12 @@ class LocalExecutor(Executor):
     """
 
     def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, share: LocalExecutor | None = None,
-                 seed: int = 0):
+                 seed: int = 0, device: torch.device | None = None):
         """``share``: another executor of the same PCG whose weights this one reads (e.g. evaluation).
-        ``seed``: the run seed random ops (dropout) draw with."""
+        ``seed``: the run seed random ops (dropout) draw with. ``device``: where every rank's buffers live
+        (default: ``share``'s, else the CPU; ``cuda``: every rank of the mesh on this one GPU)."""
         self.lowered, self.cfg = step, optimizer
+        self.device = device or (share.device if share else torch.device("cpu"))
         self.dg = step.dg
         self.steps_done = 0
         self.saved: dict[int, dict] = {r: {} for r in step.programs}  # forward autograd graphs per rank
@@ -45,7 +47,7 @@ class LocalExecutor(Executor):
                 if isinstance(i, Compute) and i.dnode:
                     self.kernels[(r, i.dnode)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                                              self.saved[r] if i.dnode in once else None, seed,
-                                                             lambda: self.micro)
+                                                             lambda: self.micro, self.device)
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.ledgers = {r: Ledger() for r in step.programs}
         self._index_updates()
@@ -59,11 +61,11 @@ class LocalExecutor(Executor):
         v = self.dg.values[vid]
         for d, x in scatter(full, v).items():
             if d in self.buffers:
-                self.buffers[d][vid] = x
+                self.buffers[d][vid] = x.to(self.device)
 
     def _get(self, vid: str) -> torch.Tensor:
         v: Value = self.dg.values[vid]
-        return gather(self._pieces(vid), v)
+        return gather(self._pieces(vid), v).cpu()
 
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         return {d: b[vid] for d, b in self.buffers.items() if vid in b}

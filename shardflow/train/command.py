@@ -26,6 +26,9 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+
+from shardflow.runtime.device import rank_device
 from shardflow.runtime.launch import LAUNCHED, describe_failure, launch, stop_with_launcher, tail
 from shardflow.train import checkpoint, hooks
 from shardflow.train.config import TrainConfig, check_config, check_outputs, check_processes
@@ -146,7 +149,7 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
     from shardflow.runtime.launch import Status
     # configuration, data, plan and memory errors: one paragraph (exit 2), before joining the group
     s = s or setup(cfg, world, processes_here(os.environ, cfg.nproc))
-    rank, world = _join(cfg.timeout)
+    rank, world = _join(cfg.timeout, rank_device(cfg.device))
     try:
         cfg = _claimed_by_rank0(cfg, run)
         code = train(cfg, rank, world, dataclasses.replace(s, cfg=cfg))
@@ -199,9 +202,9 @@ class RendezvousError(ValueError):
     """This process could not join the process group its environment (torchrun's variables) describes."""
 
 
-def _join(timeout_s: float) -> tuple[int, int]:
-    """init_from_env, saying every :func:`_progress_every` seconds that it still waits for the other processes, with
-    torch's rendezvous failures turned into one paragraph that says how to fix them."""
+def _join(timeout_s: float, device: torch.device) -> tuple[int, int]:
+    """init_from_env with ``device``'s backend, saying every :func:`_progress_every` seconds that it still waits for
+    the other processes, with torch's rendezvous failures turned into one paragraph that says how to fix them."""
     import tempfile
 
     from shardflow.runtime.distributed import init_from_env
@@ -223,7 +226,7 @@ def _join(timeout_s: float) -> tuple[int, int]:
     failure = None
     threading.Thread(target=progress, daemon=True).start()
     try:
-        joined = init_from_env(timeout_s)
+        joined = init_from_env(timeout_s, device)
     except (RuntimeError, ValueError) as e:  # torch's DistNetworkError / DistStoreError, a missing variable
         failure = e
     finally:

@@ -26,6 +26,7 @@ import torch
 from shardflow.graph.flops import training_flops
 from shardflow.runtime import trace
 from shardflow.runtime.accumulate import MicroSteps
+from shardflow.runtime.device import rank_device
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
@@ -66,12 +67,14 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     train_step = lowered[s.micro_steps[-1]]  # the step that reduces the gradients and updates
     check_memory(s, train_step, world, here)
     eval_step = s.lower(ranks, verify=world == 1, training=False)
+    device = rank_device(cfg.device)  # where the executors keep every buffer
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
-        make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=cfg.timeout, debug=cfg.debug)
+        make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=cfg.timeout, debug=cfg.debug,
+                                 device=device)
     else:
         from shardflow.runtime.local import LocalExecutor
-        make = functools.partial(LocalExecutor, optimizer=opt)
+        make = functools.partial(LocalExecutor, optimizer=opt, device=device)
     ex = make(train_step, seed=cfg.seed)  # the run's weights, state and gradients: read there
     ev = make(eval_step, share=ex)
     others = {m: make(step, share=ex, seed=cfg.seed) for m, step in lowered.items() if not m.last}
@@ -98,7 +101,6 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cpu")  # where the executors keep every buffer
     meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate,
                   Peak.of(cfg.peak_tflops, device) if lead else None, device)
     metrics_file = metrics_path(cfg)

@@ -25,6 +25,7 @@ from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.runtime.device import backend_for, device_type
 from shardflow.runtime.materialize import TensorInit, materialise
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
@@ -74,7 +75,7 @@ class Setup:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend; the
         bucket size; FSDP's resharding, activation checkpointing and the master weights' dtype (``--dtype``)."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
-                            CostModel("nccl" if torch.cuda.is_available() else "gloo"),
+                            CostModel(backend_for(device_type(self.cfg.device))),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20),
                             reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac,
                             master_dtype=MASTER_DTYPE[self.cfg.dtype])

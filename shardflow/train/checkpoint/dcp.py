@@ -269,12 +269,13 @@ class Saver:
             import torch.distributed as dist
             dist.barrier()
 
-    def _non_finite(self, names: list[str], mine: set[str]) -> list[str]:
+    def _non_finite(self, names: list[str], mine: set[str], device: torch.device) -> list[str]:
         """The entries of ``names`` (the same list on every rank) whose pieces hold NaN or inf on any rank, ``mine``
-        on this one: the ranks agree with one all-reduce of a flag per entry (none on one process)."""
+        on this one: the ranks agree with one all-reduce of a flag per entry on ``device`` (the executor's: NCCL
+        talks CUDA tensors), none on one process."""
         if self.world > 1:
             import torch.distributed as dist
-            flags = torch.tensor([k in mine for k in names], dtype=torch.int32)
+            flags = torch.tensor([k in mine for k in names], dtype=torch.int32, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             mine = {k for k, f in zip(names, flags.tolist()) if f}
         return [k for k in names if k in mine]
@@ -311,7 +312,7 @@ class Saver:
         from shardflow.train.checkpoint.pieces import Pieces, SavePlanner
         sd = {k: Pieces(*_entry(ex, vid), tuple(ex.held_pieces(vid, replica0_only=True)))
               for k, vid in _values(ex).items()}
-        bad = self._non_finite(list(sd), {k for k, p in sd.items() if p.non_finite()})
+        bad = self._non_finite(list(sd), {k for k, p in sd.items() if p.non_finite()}, ex.device)
         if bad:  # every rank refuses the same save, before anything is written
             raise NonFiniteState(step, bad)
         tmp = store.begin(self.root, step) if self.rank == 0 else store.staging(self.root, step)

@@ -1,0 +1,161 @@
+"""Where the executors keep their buffers (shardflow/runtime/device.py): torchrun's convention, ``cuda:LOCAL_RANK``
+with NCCL when CUDA is available, else the CPU with gloo.
+
+On a machine without CUDA the device path is checked by what it must never do: make a tensor without naming a
+device. Under a torch function mode that records every factory call (zeros, empty, tensor, arange, ...) made
+without ``device=`` from shardflow's own code, a step, a load, a save and a restore under every kind of plan
+(dp, tp, fsdp×tp, pp, accumulation, dropout, gradient clipping) make none — so on a GPU every tensor lands on
+the executor's device. The tests marked ``cuda`` run the real thing and skip, with the reason, without CUDA.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from shardflow.capture import capture
+from shardflow.lower import LowerOptions, MicroStep, lower_step
+from shardflow.lower.dynamic import UpdateRule
+from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.pcg import build_pcg
+from shardflow.reference import weights_of
+from shardflow.runtime.accumulate import MicroSteps, split_batch
+from shardflow.runtime.device import DeviceError, backend_for, check_device, device_type, rank_device
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.runtime.local import LocalExecutor
+from shardflow.strategy import make_plan, resolve
+from shardflow.train import checkpoint
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is "
+                                                                 "False on this machine)")
+ADAMW = OptimizerConfig("adamw", 1e-2)
+FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange, torch.rand, torch.randn,
+             torch.randint, torch.scalar_tensor, torch.as_tensor, torch.linspace, torch.eye, torch.empty_strided}
+
+
+class DevicelessFactories(TorchFunctionMode):
+    """Records each factory call made without ``device=`` from a shardflow source line (the innermost one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and kwargs.get("device") is None:
+            ours = [f for f in traceback.extract_stack()[:-1] if "/shardflow/" in f.filename]
+            if ours:
+                self.sites.add(f"{ours[-1].filename.split('/shardflow/')[-1]}:{ours[-1].lineno} {func.__name__}")
+        return func(*args, **kwargs)
+
+
+def _gpt():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    return model, {"idx": ids, "targets": ids}
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, batch = _gpt()
+    return model, batch, {n: capture(model, split_batch(batch, n)[0]) for n in (1, 2)}  # by micro-steps per step
+
+
+@pytest.mark.parametrize("mesh, strategy, accumulate", [("dp=2", "dp", 1), ("tp=2", "tp", 1),
+                                                        ("fsdp=2,tp=2", "fsdp,tp", 2), ("pp=2", "pp", 1)])
+def test_no_tensor_of_a_step_load_save_or_restore_is_made_without_a_device(gpt, tmp_path, mesh, strategy, accumulate):
+    model, batch, graphs = gpt
+    graph = graphs[accumulate]
+    m = Mesh.parse(mesh)
+    pcg = build_pcg(graph, m, resolve(make_plan(graph, m, strategy), graph, m))
+    steps = {mi: lower_step(pcg, UpdateRule.ADAMW, micro=mi, options=LowerOptions(), clip_norm=1.0)
+             for mi in dict.fromkeys(MicroStep.sequence(accumulate))}
+    last = steps[MicroStep.sequence(accumulate)[-1]]
+    with DevicelessFactories() as mode:
+        ex = LocalExecutor(last, ADAMW, seed=3, device=torch.device("cpu"))
+        others = {mi: LocalExecutor(s, ADAMW, share=ex, seed=3) for mi, s in steps.items() if not mi.last}
+        ex.load(weights_of(model, graph))
+        run = MicroSteps([others.get(mi, ex) for mi in MicroStep.sequence(accumulate)])
+        losses = [run.step(batch) for _ in range(2)]
+        assert ex.grad_norm > 0
+        path, _ = checkpoint.Saver(tmp_path, 0, 1, {"model": {}, "data": {}, "train": {}},
+                                     fresh=True).save(ex, 2)
+        back = LocalExecutor(last, ADAMW, seed=3, device=torch.device("cpu"))
+        checkpoint.read(path).restore(back, world=1)
+        assert back.weight_error(ex.weights()) == 0.0
+    assert mode.sites == set(), sorted(mode.sites)
+    assert all(torch.isfinite(torch.tensor(x)) for x in losses)
+
+
+def test_the_cpu_is_chosen_without_cuda_and_gloo_goes_with_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert rank_device("auto", {"LOCAL_RANK": "3"}) == torch.device("cpu")
+    assert rank_device("cpu") == torch.device("cpu")
+    assert device_type("auto") == "cpu" and device_type("cuda") == "cuda"
+    assert backend_for("cpu") == "gloo" and backend_for("cuda") == "nccl"
+    with pytest.raises(DeviceError, match=r"--device cuda: this machine has no CUDA device .* use --device cpu"):
+        rank_device("cuda")
+    with pytest.raises(ValueError, match=r"device 'gpu': choose one of \['auto', 'cpu', 'cuda'\]"):
+        check_device("gpu")
+
+
+def test_more_local_ranks_than_gpus_are_refused_before_any_process(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("auto", 2)
+    with pytest.raises(DeviceError, match=r"local rank 2 has no GPU of its own: this machine has 2 CUDA device\(s\); "
+                                          r"start at most 2 processes per machine \(--nproc 2\)"):
+        check_device("cuda", 3)
+    check_device("cpu", 8)  # the CPU takes any number
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is no bad input here")
+def test_train_on_cuda_without_cuda_is_refused_before_any_process(run_here, tmp_path):
+    run, path = run_here(tmp_path, "nogpu", "--device", "cuda")
+    assert run.returncode == 2 and not path.exists()
+    assert run.stderr.strip() == ("shardflow train: error: --device cuda: this machine has no CUDA device torch can "
+                                  "use (torch.cuda.is_available() is False); use --device cpu (gloo), or install a "
+                                  "CUDA build of torch"), run.stderr
+
+
+# --- on a GPU ----------------------------------------------------------------------------------------------------
+@CUDA
+@pytest.mark.parametrize("mesh, strategy", [("d=1", "single"), ("tp=2", "tp"), ("fsdp=2", "fsdp")])
+def test_a_step_on_the_gpu_gives_the_numbers_of_the_cpu(mesh, strategy):
+    """float64 with dropout: every rank's buffers on cuda:0 (the local executor), the loss and every replica of every
+    weight after 3 AdamW steps equal the CPU's to 1e-9 (kernels differ, masks do not: they are drawn by index)."""
+    model, batch = _gpt()
+    model = model.double()
+    graph = capture(model, batch)
+    m = Mesh.parse(mesh)
+    step = lower_step(build_pcg(graph, m, resolve(make_plan(graph, m, strategy), graph, m)), UpdateRule.ADAMW)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        ex = LocalExecutor(step, ADAMW, seed=3, device=torch.device(device))
+        ex.load(weights_of(model, graph))
+        runs[device] = ([ex.step(batch) for _ in range(3)], ex)
+    assert all(b.is_cuda for bufs in runs["cuda"][1].buffers.values() for b in bufs.values())
+    assert max(abs(a - b) for a, b in zip(runs["cpu"][0], runs["cuda"][0])) < 1e-9
+    assert runs["cuda"][1].weight_error(runs["cpu"][1].weights()) < 1e-9
+
+
+@CUDA
+def test_train_on_one_gpu(run_here, tmp_path):
+    """``shardflow train --nproc 1 --device cuda`` (every rank of tp=2 on cuda:0) trains 4 steps and checks them
+    against one device."""
+    run, _ = run_here(tmp_path, "gpu", "--nproc", "1", "--device", "cuda", "--check")
+    assert run.returncode == 0 and "check against one device" in run.stdout, run.stderr
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL between two ranks)")
+@pytest.mark.parametrize("strategy", ["tp", "fsdp"])
+def test_train_on_two_gpus_with_nccl_equals_one_device(run_train, tmp_path, strategy):
+    """``shardflow train --nproc 2 --device cuda --check``: NCCL between cuda:0 and cuda:1, the loss and every weight
+    against one device within --check's tolerance."""
+    run, _ = run_train(tmp_path, strategy, "--nproc", "2", "--device", "cuda", "--strategy", strategy, "--check")
+    assert run.returncode == 0 and "check against one device" in run.stdout, run.stderr
