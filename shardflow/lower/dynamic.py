@@ -23,7 +23,10 @@ axis (each device holds only its contribution), else ``Replicate``. An operand t
 1/(sum degree) for partial-sum linearity (a bias added to a partial sum) gets a ``Replicate`` gradient with the
 scale undone. Before a gradient is used it is brought to its tensor's canonical gradient sharding (partial
 axes of the forward become replicated): ``Partial → Replicate`` is an all-reduce — e.g. data parallelism's
-gradient synchronisation, or Megatron's all-reduce of the input gradient of a column-parallel linear.
+gradient synchronisation, or Megatron's all-reduce of the input gradient of a column-parallel linear. The
+gradient of a parallel op's output is the exception: its summed pieces go straight to the op's input's canonical
+sharding, one redistribution (an FSDP gather's gradient, Partial on dp and fsdp, becomes Shard on fsdp by a
+reduce-scatter and then an all-reduce of the piece, not by an all-reduce of the whole first).
 """
 
 from __future__ import annotations
