@@ -189,7 +189,7 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
 
-def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str], skip: frozenset[str] | set[str]
+def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str], skip: set[str]
              ) -> tuple[tuple[DNode, ...], ...]:
     """Gradient all-reduces packed into buckets (see :class:`LowerOptions`): those of BWD, summing, whose
     result only the updates (and the gradient-norm sum) read, except the nodes named in ``skip`` (bucketed with
