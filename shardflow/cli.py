@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
@@ -36,7 +37,7 @@ from shardflow.capture import CaptureError, capture, wide_floats
 from shardflow.graph.ops import OpError, dtype_name
 from shardflow.lower import LowerOptions, lower_step
 from shardflow.lower.cost import CommForm
-from shardflow.lower.dynamic import Optimizer, PassError, UpdateRule
+from shardflow.lower.dynamic import MicroStep, Optimizer, PassError, UpdateRule
 from shardflow.lower.comm_lowering import lowering_summary
 from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
 from shardflow.lower.program import programs_json
@@ -46,10 +47,11 @@ from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
+from shardflow.runtime.accumulate import split_batch
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
-from shardflow.train.config import RANGES, Range, TrainConfig
+from shardflow.train.config import MASTER_DTYPE, RANGES, Range, TrainConfig
 from shardflow.train.data import DataError
 from shardflow.train.family import (DEFAULT_SIZES, Feed, ModelError, Sizes, hf_config, hf_family, is_factory,
                                     is_model_type)
@@ -71,19 +73,23 @@ _TRAIN_DEFAULTS = {**dataclasses.asdict(DEFAULT_SIZES), "vocab": _TRAIN.vocab_si
 FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab": Range(1),
                "seq_len": Range(1), "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1),
                "tol": Range(0), "lr": RANGES["lr"], "timeout": RANGES["timeout"], "tokens": Range(0),
-               "temperature": Range(0), "seed": Range(0, 2**63, high_open=True)}
+               "temperature": Range(0), "seed": Range(0, 2**63, high_open=True), "accumulate": RANGES["accumulate"]}
 
 
 MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
+STEP_FLAGS = ("accumulate", "dtype")  # what one optimizer step is, as shardflow train has them (plan shows it)
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     """``--[no-]reshard-after-forward`` and ``--ac``, as ``shardflow train`` has them (TrainConfig's fields)."""
-    f = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    p.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction,
-                   default=f["reshard_after_forward"].default, help=f["reshard_after_forward"].metadata["help"])
-    p.add_argument("--ac", default=f["ac"].default, choices=f["ac"].metadata["choices"],
-                   help=f["ac"].metadata["help"] + f" (default {f['ac'].default})")
+    for name in MEMORY_FLAGS:
+        TrainConfig.add_argument(p, name, own_default=True)
+
+
+def add_step_args(p: argparse.ArgumentParser) -> None:
+    """``--accumulate`` and ``--dtype``, as ``shardflow train`` has them (TrainConfig's fields)."""
+    for name in STEP_FLAGS:
+        TrainConfig.add_argument(p, name, own_default=True)
 
 
 def memory_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -183,22 +189,45 @@ def redistributions_json(pcg: PCG) -> list[dict]:
             for r in pcg.redistributions]
 
 
+def plan_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``--model``'s module and the batch ``shardflow train`` captures it on: in bfloat16 under ``--dtype bf16``, and
+    under ``--accumulate N`` the first of N equal parts of the batch (a micro-batch; BatchSplitError where its dim 0
+    does not split)."""
+    model, batch = model_and_batch(args)
+    if args.dtype == "bf16":
+        model, batch = at_dtype(model, batch, torch.bfloat16)
+    return model, split_batch(batch, args.accumulate)[0]
+
+
+def micro_step_comms(pcg: PCG, optimizer: str, options: LowerOptions, rank: int, count: int) -> list[str]:
+    """One line per distinct micro-step of an optimizer step of ``count`` (``--accumulate``): its communications
+    on ``rank``, by pass and kind (only the last reduces the weights' gradients)."""
+    lines = []
+    for m in dict.fromkeys(MicroStep.sequence(count)):
+        prog = lower_step(pcg, optimizer, ranks=(rank,), verify=False, options=options, micro=m).programs[rank]
+        kinds = Counter(f"{c.pass_} {c.kind}" for c in prog.comms)
+        lines.append(f"#   {m}: " + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none"))
+    return lines
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     strategy = None if args.plan else args.strategy or "tp"
     mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(strategy or "tp", args.nproc)
-    graph = capture(*model_and_batch(args))
+    graph = capture(*plan_model(args))
     if args.graph:
         print(graph.listing())
         return 0
     plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, **memory_options(args))
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, master_dtype=MASTER_DTYPE[args.dtype],
+                           **memory_options(args))
+    micro = MicroStep.sequence(args.accumulate)[-1]  # the micro-step that reduces the gradients and updates
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
-        _, records = run_passes(pcg, LowerContext(args.optimizer, options=options), dump=dump)
+        _, records = run_passes(pcg, LowerContext(args.optimizer, options=options, micro=micro), dump=dump)
         if args.passes:
             print(pass_table(records))
         return 0
-    step = lower_step(pcg, args.optimizer, options=options)  # proves the programs agree (PlanVerificationError)
+    step = lower_step(pcg, args.optimizer, options=options, micro=micro)  # proves the programs agree
     if args.rank is not None and args.rank not in step.programs:
         raise ValueError(f"--rank {args.rank}: mesh {mesh} has ranks 0..{mesh.size - 1}; pass one of them, or omit "
                          f"--rank to show every rank")
@@ -210,8 +239,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
              f"shape and dtype, every pair of ranks shares one order, no deadlock")
     if args.format == "json":
         doc = json.loads(programs_json(programs))
-        doc.update(strategy=plan.name, mesh=str(mesh), summary=summary(pcg), verified=True,
-                   collectives=lowering_summary(step.programs), redistributions=redistributions_json(pcg))
+        doc.update(strategy=plan.name, mesh=str(mesh), summary=summary(pcg), micro_step=str(micro), dtype=args.dtype,
+                   verified=True, collectives=lowering_summary(step.programs), redistributions=redistributions_json(pcg))
         print(json.dumps(doc, indent=1))
         return 0
     if args.format == "dot":
@@ -228,6 +257,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(ParallelPlan(plan.name, pcg, step))
     print()
+    if MASTER_DTYPE[args.dtype]:
+        print(f"# --dtype {args.dtype}: each weight held, reduced and updated in {MASTER_DTYPE[args.dtype]} (the "
+              f"master, fwd:W), cast to its graph's dtype at the start of the step (fwd:W@compute) for every reader")
+    if args.accumulate > 1:
+        print(f"# --accumulate {args.accumulate}: the programs below are those of the {micro} (it adds the "
+              f"earlier micro-steps' gradient contributions to its own, reduces them and updates); communications of "
+              f"rank {ranks[0]} per micro-step:")
+        print("\n".join(micro_step_comms(pcg, args.optimizer, options, ranks[0], args.accumulate)))
+        print()
     for r in ranks:
         print(programs[r].listing())
         print()
@@ -259,11 +297,16 @@ def check_mesh(args: argparse.Namespace) -> tuple[Mesh, str | None]:
     return default_mesh(strategy or "tp", devices), strategy
 
 
+def at_dtype(model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype
+             ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``model`` (converted in place) and ``batch`` with their floating parameters, buffers and tensors in
+    ``dtype``."""
+    return model.to(dtype), {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
 def check_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """``--model``'s module and batch at ``--dtype`` (floating parameters, buffers and batch tensors converted)."""
-    model, batch = model_and_batch(args)
-    dtype = getattr(torch, args.dtype)
-    return model.to(dtype), {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+    return at_dtype(*model_and_batch(args), getattr(torch, args.dtype))
 
 
 def precision(dtype: str) -> contextlib.AbstractContextManager:
@@ -393,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse the strategy where a sharding rule refuses its inputs (the error names the parallel "
                         "op to insert) instead of inserting the cheapest redistribution")
     add_memory_args(p)
+    add_step_args(p)
     p.add_argument("--format", choices=("text", "json", "dot"), default="text",
                    help="text: PCG + per-rank programs + bytes + proof; json: the same, machine-readable; "
                         "dot: the PCG as Graphviz (SVG too when Graphviz is installed)")

@@ -3,6 +3,7 @@ reproduces the uninterrupted run, a checkpoint written under one strategy and me
 to a Hugging Face directory and --init-from it, generate; bad checkpoints, an unwritable directory and Ctrl-C end cleanly, and a checkpoint is
 complete or absent."""
 
+import copy
 import functools
 import json
 import math
@@ -20,7 +21,8 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.cli import main as cli_main
-from shardflow.lower import lower_step
+from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower.cost import CommForm
 from shardflow.lower.dynamic import forward_id
 from shardflow.models import MLP
 from shardflow.parallel.mesh import Mesh
@@ -374,20 +376,34 @@ def _mlp():
     return model, inputs, capture(model, inputs)
 
 
-def _executor(mesh: str = "tp=2", strategy: str = "tp") -> LocalExecutor:
-    """The MLP's step under ``strategy`` on ``mesh``, every device in this process; nothing loaded."""
-    _, _, graph = _mlp()
+@functools.cache
+def _mlp_bf16():
+    """The MLP of :func:`_mlp` in bfloat16, its batch (x in bfloat16) and its graph: what ``--dtype bf16`` captures."""
+    model, inputs, _ = _mlp()
+    narrow = copy.deepcopy(model).to(torch.bfloat16)
+    inputs = {"x": inputs["x"].to(torch.bfloat16), "y": inputs["y"]}
+    return narrow, inputs, capture(narrow, inputs)
+
+
+def _executor(mesh: str = "tp=2", strategy: str = "tp", bf16: bool = False) -> LocalExecutor:
+    """The MLP's step under ``strategy`` on ``mesh``, every device in this process; nothing loaded. ``bf16``: the
+    bfloat16 MLP with float32 master weights (``--dtype bf16``)."""
+    _, _, graph = _mlp_bf16() if bf16 else _mlp()
     m = Mesh.parse(mesh)
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, master_dtype="float32" if bf16 else "")
     return LocalExecutor(lower_step(build_pcg(graph, m, resolve(make_plan(graph, m, strategy), graph, m)),
-                                    ADAMW.slots), ADAMW)
+                                    ADAMW.slots, options=options), ADAMW)
 
 
-def _trained(mesh: str = "tp=2", strategy: str = "tp", steps: int = 2) -> LocalExecutor:
+def _trained(mesh: str = "tp=2", strategy: str = "tp", steps: int = 2, bf16: bool = False) -> LocalExecutor:
+    """The MLP's executor after ``steps`` steps on its batch, started from the float32 weights (under ``bf16`` the
+    masters)."""
     model, inputs, graph = _mlp()
-    ex = _executor(mesh, strategy)
+    ex = _executor(mesh, strategy, bf16)
     ex.load(weights_of(model, graph))
+    batch = _mlp_bf16()[1] if bf16 else inputs
     for _ in range(steps):
-        ex.step(inputs)
+        ex.step(batch)
     return ex
 
 
@@ -613,6 +629,38 @@ def test_an_fsdp_checkpoint_resumes_under_tp_and_on_one_device(tmp_path):
         assert ex.weight_error(weights) == 0.0 and all(torch.equal(ex.state()[k], t) for k, t in state.items())
         got = [ex.step(inputs) for _ in range(2)]
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, (strategy, got, want)
+
+
+# A bfloat16 step against a float32 one from the same weights: bfloat16 keeps 8 significant bits, and the bfloat16
+# run's loss (~1.4) is itself a bfloat16 value, spaced 2^-7 ≈ 7.8e-3 there (seen: |Δloss| ≤ 6.5e-3). A resumption
+# that lost the optimizer state and kept bfloat16-rounded weights is off by 0.1, a fresh start by 0.12.
+BF16_LOSS_TOL = 2e-2
+
+
+def test_a_bf16_fsdp_checkpoint_holds_float32_masters_and_resumes_in_float32_under_tp_and_dp(tmp_path):
+    """--dtype bf16 under fsdp=2 saves the float32 masters and their float32 optimizer state (each Shard(0) half a
+    chunk); a float32 run under tp=2 and under dp=2 resumes from them with the saver's masters and state bit for bit,
+    and its next losses are the bfloat16 run's within BF16_LOSS_TOL (and each other's within float32 rounding:
+    another strategy adds partial sums in another order, ~1e-7)."""
+    src = _trained("fsdp=2", "fsdp", bf16=True)
+    path, _ = _saver(tmp_path).save(src, 2)
+    from torch.distributed.checkpoint import FileSystemReader
+    md = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert {md[k].properties.dtype for k in md} == {torch.float32}
+    assert [list(c.offsets) for c in md["model/layers.0.weight"].chunks] == [[0, 0], [8, 0]]
+    weights, state = src.weights(), src.state()
+    assert {t.dtype for t in (*weights.values(), *state.values())} == {torch.float32}
+    want = [src.step(_mlp_bf16()[1]) for _ in range(2)]
+    _, inputs, _ = _mlp()
+    got = {}
+    for mesh, strategy in (("tp=2", "tp"), ("dp=2", "dp")):
+        ex = _executor(mesh, strategy)
+        checkpoint.read(path).restore(ex, world=1)
+        assert ex.steps_done == 2 and ex.weight_error(weights) == 0.0  # every replica of every piece
+        assert all(torch.equal(ex.state()[k], t) for k, t in state.items())
+        got[strategy] = [ex.step(inputs) for _ in range(2)]
+        assert max(abs(a - b) for a, b in zip(got[strategy], want)) < BF16_LOSS_TOL, (strategy, got, want)
+    assert max(abs(a - b) for a, b in zip(got["tp"], got["dp"])) < 1e-6, got
 
 
 def test_a_partial_value_has_no_blocks_to_save():

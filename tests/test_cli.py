@@ -135,3 +135,79 @@ def test_help_is_plain_text_with_each_default_once(capsys, command):
     assert "(default None)" not in flat
     if command == ["train"]:
         assert "(default: a new directory runs/YYYYmmdd-HHMMSS per run" in flat and "(default 100)" in flat
+
+
+def _rank0(out: str) -> list[str]:
+    """Rank 0's program lines of a plan's text output."""
+    lines = out.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.startswith("rank 0: "))
+    end = next(k for k, line in enumerate(lines) if line.startswith("rank 1: "))
+    return lines[start:end]
+
+
+def test_plan_dtype_bf16_casts_each_float32_master_and_gathers_bfloat16(capsys):
+    """--dtype bf16 (train's flag): the model captured in bfloat16, each weight a float32 master cast once per step,
+    FSDP's all-gathers in bfloat16 and its gradient reduce-scatters in float32; --dtype float32 (the default) casts
+    nothing and gathers float32."""
+    code, out, err = run(capsys, "--strategy", "fsdp", "--nproc", "2", "--dtype", "bf16")
+    assert code == 0 and not err
+    weights = [line.split()[1].rstrip(":") for line in out.splitlines() if line.startswith("weight ")]
+    assert "# --dtype bf16: each weight held, reduced and updated in float32 (the master, fwd:W)" in out
+    prog = _rank0(out)
+    casts = [line for line in prog if "= cast(bfloat16)(fwd:" in line and "@compute" in line]
+    assert sorted(line.split()[1].split("@")[0].removeprefix("fwd:") for line in casts) == sorted(weights)
+    assert all(line.split("(fwd:")[1].split(":")[1].startswith("float32[") for line in casts)  # read the master
+    gathers = [line for line in prog if " all_gather " in line]
+    scatters = [line for line in prog if " reduce_scatter " in line]
+    assert gathers and all(" axis=fsdp bfloat16[" in line for line in gathers)
+    assert scatters and all(" axis=fsdp float32[" in line for line in scatters)
+    code, out, _ = run(capsys, "--strategy", "fsdp", "--nproc", "2")
+    prog = _rank0(out)
+    assert code == 0 and "# --dtype" not in out and not any("= cast(" in line and "@compute" in line for line in prog)
+    assert all(" axis=fsdp float32[" in line for line in prog if " all_gather " in line)
+
+
+def test_plan_accumulate_shows_the_last_micro_step_and_each_ones_communications(capsys):
+    """--accumulate N (train's flag): the graph of a micro-batch (B/N rows), the programs of the last micro-step —
+    which adds the earlier ones' gradient contributions (acc:) and reduces them once — and per micro-step its
+    communications: the gradient all-reduce (one bucket under dp) only in the last."""
+    argv = ["--model", "mlp", "--layers", "2", "--batch-size", "8", "--strategy", "dp", "--nproc", "2"]
+    code, out, err = run(capsys, *argv, "--accumulate", "4")
+    assert code == 0 and not err
+    assert "input    x: float32[2/2, 32]" in out  # a micro-batch: 8 / 4 rows, split over dp
+    lines = out.splitlines()
+    k = lines.index("# --accumulate 4: the programs below are those of the last of 4 micro-steps (it adds the earlier "
+                    "micro-steps' gradient contributions to its own, reduces them and updates); communications of "
+                    "rank 0 per micro-step:")
+    assert lines[k + 1:k + 4] == ["#   first of 4 micro-steps: FWD all_reduce ×1",  # the loss's label count
+                                  "#   middle of 4 micro-steps: FWD all_reduce ×1",
+                                  "#   last of 4 micro-steps: FWD all_reduce ×1, BWD all_reduce ×1"]
+    prog = _rank0(out)
+    assert sum("= sum(" in line and ", acc:grad:" in line for line in prog) == 4  # each weight's earlier sum added
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "input    x: float32[8/2, 32]" in out and "# --accumulate" not in out
+    assert not any("acc:" in line for line in _rank0(out))
+    code, out, _ = run(capsys, *argv, "--accumulate", "4", "--dtype", "bf16", "--format", "json")
+    import json
+    doc = json.loads(out)
+    assert code == 0 and (doc["micro_step"], doc["dtype"]) == ("last of 4 micro-steps", "bf16")
+    code, out, err = run(capsys, *argv, "--accumulate", "3")
+    assert code == 2 and not out and err == ("shardflow plan: error: input 'x' [8, 32] has 8 rows along dim 0, which "
+                                             "do not split into 3 micro-batches of equal size; give a batch whose "
+                                             "size is a multiple of 3\n")
+
+
+def test_plan_shares_train_flags_help(capsys):
+    """plan's --accumulate, --dtype, --ac and --[no-]reshard-after-forward are train's: the same help, choices and
+    default, from TrainConfig's fields."""
+    import argparse
+
+    from shardflow.cli import build_parser
+    from shardflow.train.config import TrainConfig
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {name: {o: a for a in sub.choices[name]._actions for o in a.option_strings} for name in ("plan", "train")}
+    for flag in ("--accumulate", "--dtype", "--ac", "--reshard-after-forward"):
+        plan, train = flags["plan"][flag], flags["train"][flag]
+        assert (plan.help, plan.choices, plan.type) == (train.help, train.choices, train.type), flag
+        assert plan.default == getattr(TrainConfig(), plan.dest) and train.default is None, flag

@@ -86,6 +86,35 @@ def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_it
         assert scatter_bytes == sum(per_weight.values()) // 2, scatter_bytes  # (d-1)/d of every gradient, once
 
 
+@pytest.mark.parametrize("bucket_bytes", [DEFAULT_BUCKET_BYTES, 0])
+def test_hsdp_reduce_scatters_over_fsdp_then_all_reduces_the_piece_over_dp(llama, bucket_bytes):
+    """hsdp (dp=2, fsdp=2): a weight's gradient, Partial on dp and fsdp, is reduce-scattered over fsdp first and the
+    half it leaves all-reduced over dp (FSDP2's HSDP order): the dp all-reduces move 1/F of every gradient (the whole
+    gradient when they ran first). Bucketed, the all-reduce of a block's pieces is one bucket issued right after that
+    block's reduce-scatter bucket."""
+    _, _, graph = llama
+    _, step = _lower(graph, "dp=2,fsdp=2", "hsdp", True, bucket_bytes)
+    weights = graph.weights
+    total = sum(graph.tensors[w].type.nbytes for w in weights)
+    per_weight = len({block_of(w) for w in weights}) if bucket_bytes else len(weights)
+    for rank, prog in step.programs.items():
+        comms = [i for i in prog.instrs if isinstance(i, Comm)]
+        kinds = Counter((str(c.kind), c.axis) for c in comms)
+        # the forward's: the loss's label count, a scalar all-reduced on each axis (the batch is split on both)
+        assert kinds == {("all_gather", "fsdp"): 2 * per_weight, ("reduce_scatter", "fsdp"): per_weight,
+                         ("all_reduce", "dp"): per_weight + 1, ("all_reduce", "fsdp"): 1}, (rank, kinds)
+        nbytes = Counter()
+        for c in comms:
+            if c.pass_ == "BWD":
+                nbytes[str(c.kind), c.axis] += c.nbytes
+        assert nbytes["reduce_scatter", "fsdp"] == total // 2  # (F−1)/F of every gradient
+        assert nbytes["all_reduce", "dp"] == total // 2  # 2(D−1)/D of its 1/F piece (of the whole: total)
+        order = [(str(c.kind), c.axis) for c in comms if c.pass_ == "BWD"]
+        for k, kind in enumerate(order):  # each reduce-scatter is followed by the all-reduce of what it leaves
+            if kind == ("reduce_scatter", "fsdp"):
+                assert order[k + 1] == ("all_reduce", "dp"), order
+
+
 def test_reshard_after_forward_holds_less_of_the_weights_at_the_peak(llama):
     """Without resharding every gathered weight lives from its forward use to the backward; with it, at the peak
     at most two blocks' (the one computing and the one prefetched) besides the pieces each rank stores. (The total

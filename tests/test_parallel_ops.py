@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardflow.graph.ops import TensorType
 from shardflow.parallel import ops as P
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition, redistribute
@@ -235,6 +236,24 @@ def test_redistribute_two_axes():
         Combine(0, 3, "tp"), Combine(0, 2, "dp"), Repartition(0, 3, "tp")]
     assert redistribute(_s(Partial(), Shard(1), g=g), _s(Shard(1), Shard(0), g=g), g) == [
         Reduction(2, "dp"), Combine(1, 3, "tp"), Repartition(0, 3, "tp"), Repartition(1, 2, "dp")]
+
+
+def test_redistribute_cuts_the_pieces_before_it_sums_them():
+    """A partial axis that ends sharding a dim is reduce-scattered before the other partial axes are all-reduced (the
+    all-reduce then moves the piece, not the whole: HSDP's gradient), and a local split comes before an all-reduce."""
+    g = SubMesh(Mesh.parse("dp=2,fsdp=3"))
+    assert redistribute(_s(Partial(), Partial(), g=g), _s(Replicate(), Shard(0), g=g), g) == [
+        Reduction(3, "fsdp"), Repartition(0, 3, "fsdp"), Reduction(2, "dp")]
+    assert redistribute(_s(Partial(), Replicate(), g=g), _s(Replicate(), Shard(1), g=g), g) == [
+        Repartition(1, 3, "fsdp"), Reduction(2, "dp")]
+    assert redistribute(_s(Partial(), Partial(), g=g), _s(Replicate(), Replicate(), g=g), g) == [
+        Reduction(2, "dp"), Reduction(3, "fsdp")]
+    # bytes one device sends for a float32[6, 4] (N = 96 bytes): the reduce-scatter's (F−1)/F·N = 64, then
+    # 2(D−1)/D of the N/F piece = 32 (summing first would send N + 64 = 160)
+    from shardflow.lower.shard_expansion import redistribution_cost
+    src = _s(Partial(), Partial(), g=g)
+    ops = redistribute(src, _s(Replicate(), Shard(0), g=g), g)
+    assert redistribution_cost(ops, src, g, TensorType((6, 4), "float32")) == (64 + 32, 2)
 
 
 def test_redistribute_errors():

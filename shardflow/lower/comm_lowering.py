@@ -16,6 +16,7 @@ formula of every communication kind). Tokens are relative to their step here; or
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Mapping
@@ -105,11 +106,16 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> D
     if options.bucket_bytes <= 0:
         return Decisions(dg, forms, fused)
     final = _final_gradients(dg)
-    gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final)
+    then = _then_all_reduced(dg, all_steps, final)
+    gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final, then)
+    # the all-reduces of a scatter bucket's pieces: one bucket, issued right after it (FSDP2's HSDP)
+    pieces = tuple(tuple(then[st.nodes[-1].outputs[0]] for st in b) for b in scatters
+                   if b[0].nodes[-1].outputs[0] in then)
     packed = {n.name for b in gathers for n in b} | {st.nodes[0].name for b in scatters for st in b}
     forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
     fused = {k: v for k, v in fused.items() if k not in packed}
-    return Decisions(dg, forms, fused, _buckets(dg, all_steps, options.bucket_bytes, final), gathers, scatters)
+    buckets = _buckets(dg, all_steps, options.bucket_bytes, final, {n.name for b in pieces for n in b}) + pieces
+    return Decisions(dg, forms, fused, buckets, gathers, scatters)
 
 
 def _final_gradients(dg: DynamicGraph) -> frozenset[str]:
@@ -127,19 +133,38 @@ def _final_sum(dg: DynamicGraph, st: Step, kind: CommKind, final: frozenset[str]
             and dg.values[first.inputs[0]].sharding.reduce_op == ReduceOp.SUM)
 
 
-def _scatter_buckets(dg: DynamicGraph, all_steps: list[Step], final: frozenset[str]) -> tuple[tuple[Step, ...], ...]:
+def _then_all_reduced(dg: DynamicGraph, all_steps: list[Step], final: frozenset[str]) -> dict[str, DNode]:
+    """Reduce-scatter result → the all-reduce over another axis that alone reads it, in the next step, and makes a
+    final gradient (``final``): a gradient Partial on two axes brought to Shard on one of them
+    (:func:`~shardflow.parallel.ops.redistribute` cuts first: HSDP's reduce-scatter over fsdp, then the all-reduce of
+    the piece over dp)."""
+    readers = Counter(v for n in dg.nodes for v in n.inputs)
+    out: dict[str, DNode] = {}
+    for st, nxt in zip(all_steps, all_steps[1:]):
+        v = st.nodes[-1].outputs[0]
+        if (st.kind == CommKind.REDUCE_SCATTER and _final_sum(dg, nxt, CommKind.ALL_REDUCE, final)
+                and nxt.nodes[0].inputs[0] == v and readers[v] == 1):
+            out[v] = nxt.nodes[0]
+    return out
+
+
+def _scatter_buckets(dg: DynamicGraph, all_steps: list[Step], final: frozenset[str], then: Mapping[str, DNode]
+                     ) -> tuple[tuple[Step, ...], ...]:
     """Gradient reduce-scatters packed into buckets, as FSDP2 reduce-scatters one flat gradient per module: those
-    of BWD, summing, whose result only the updates (and the gradient-norm sum) read, grouped by (sub-mesh, axis,
-    dim, dtype, the tensor's block: :func:`~shardflow.lower.dynamic.block_of` of its name), in the order the backward
+    of BWD, summing, whose result only the updates (and the gradient-norm sum) read, or only the all-reduce of
+    ``then`` (:func:`_then_all_reduced`), grouped by (sub-mesh, axis, dim, dtype, the tensor's block:
+    :func:`~shardflow.lower.dynamic.block_of` of its name, the axis of that all-reduce), in the order the backward
     makes them. A bucket is issued at its last member's step; its results are unpacked before their first reader.
     Buckets of one are left out."""
     open_: dict[tuple, list[Step]] = {}
     for st in all_steps:
-        if not _final_sum(dg, st, CommKind.REDUCE_SCATTER, final):
+        if not _final_sum(dg, st, CommKind.REDUCE_SCATTER, final | then.keys()):
             continue
         first, last = st.nodes[0], st.nodes[-1]
         vin = dg.values[first.inputs[0]]
-        key = (first.group, last.op.axis, last.op.dim, vin.type.dtype, block_of(vin.tensor))
+        after = then.get(last.outputs[0])
+        key = (first.group, last.op.axis, last.op.dim, vin.type.dtype, block_of(vin.tensor),
+               after.op.axis if after else "")
         open_.setdefault(key, []).append(st)
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
@@ -164,15 +189,16 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
 
-def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str]
+def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str], skip: set[str]
              ) -> tuple[tuple[DNode, ...], ...]:
     """Gradient all-reduces packed into buckets (see :class:`LowerOptions`): those of BWD, summing, whose
-    result only the updates (and the gradient-norm sum) read; grouped by (sub-mesh, axis, dtype) in the
-    order the backward makes them, a bucket closed once it holds ``cap`` bytes. Buckets of one are left out."""
+    result only the updates (and the gradient-norm sum) read, except the nodes named in ``skip`` (bucketed with
+    their reduce-scatter bucket's); grouped by (sub-mesh, axis, dtype) in the order the backward makes them, a
+    bucket closed once it holds ``cap`` bytes. Buckets of one are left out."""
     open_: dict[tuple, tuple[list[DNode], int]] = {}
     out: list[tuple[DNode, ...]] = []
     for st in all_steps:
-        if not _final_sum(dg, st, CommKind.ALL_REDUCE, final):
+        if not _final_sum(dg, st, CommKind.ALL_REDUCE, final) or st.nodes[0].name in skip:
             continue
         n = st.nodes[0]
         vin = dg.values[n.inputs[0]]

@@ -23,7 +23,10 @@ axis (each device holds only its contribution), else ``Replicate``. An operand t
 1/(sum degree) for partial-sum linearity (a bias added to a partial sum) gets a ``Replicate`` gradient with the
 scale undone. Before a gradient is used it is brought to its tensor's canonical gradient sharding (partial
 axes of the forward become replicated): ``Partial → Replicate`` is an all-reduce — e.g. data parallelism's
-gradient synchronisation, or Megatron's all-reduce of the input gradient of a column-parallel linear.
+gradient synchronisation, or Megatron's all-reduce of the input gradient of a column-parallel linear. The
+gradient of a parallel op's output is the exception: its summed pieces go straight to the op's input's canonical
+sharding, one redistribution (an FSDP gather's gradient, Partial on dp and fsdp, becomes Shard on fsdp by a
+reduce-scatter and then an all-reduce of the piece, not by an all-reduce of the whole first).
 """
 
 from __future__ import annotations
@@ -647,9 +650,12 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
         g.nodes.append(DNode(f"BWD accumulate {part}", TaskType.BWD, NodeKind.SUM, ins, (out,), v.group, v.tensor))
         return out
 
-    def finalize(t: str, keep_axis: str = "") -> str | None:
+    def finalize(t: str, keep_axis: str = "", to: Sharding | None = None) -> str | None:
         """The gradient of PCG tensor t: contributions summed on t's sub-mesh, at its canonical sharding
-        (except ``keep_axis``, left as it came). For a tensor on the weight side under accumulation, each
+        (except ``keep_axis``, left as it came), or at ``to`` — the backward of a parallel op moves the summed
+        partial pieces straight to its input's sharding, so that :func:`~shardflow.parallel.ops.redistribute`
+        orders the whole move (Partial(dp, fsdp) → Shard(0) on fsdp: a reduce-scatter, then an all-reduce of the
+        piece), not first to t's replicated sharding. For a tensor on the weight side under accumulation, each
         contribution is first summed over the micro-steps; None (no gradient yet) before the last micro-step."""
         parts = contributions[t]
         if not parts:
@@ -668,6 +674,8 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                                  t))
             parts = [out]
         cur = parts[0]
+        if to is not None:
+            want = to
         if keep_axis:
             have = g.values[cur].sharding
             want = Sharding(want.dims, tuple(a for a in have.partial if a == keep_axis))
@@ -759,12 +767,11 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                     summed.add(out)
                 consumed(n)
                 continue
-            dy = finalize(o)
+            dy = finalize(o, to=canonical_grad(pcg.tensors[i].sharding))
             if dy is not None:  # None: a weight's, summed for a later micro-step
-                contributions[i].append(g.redistribute(dy, canonical_grad(pcg.tensors[i].sharding), TaskType.BWD,
-                                                       n.name))
+                contributions[i].append(dy)
                 if i in accumulated:
-                    summed.add(contributions[i][-1])
+                    summed.add(dy)
             consumed(n)
             continue
         dys = [finalize(o) for o in n.outputs]

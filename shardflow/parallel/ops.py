@@ -184,6 +184,14 @@ def redistribute(src: Sharding, dst: Sharding, group: SubMesh) -> list[ParallelO
     Partial→Replicate = Reduction (all-reduce); Partial→Shard = Reduction then Repartition (reduce-scatter);
     Shard→Replicate = Combine (all-gather); Replicate→Shard = Repartition (local split);
     Shard(i)→Shard(j) = Combine then Repartition (all-to-all). Axes sharding a dim are removed minor first.
+
+    Order, the cheapest by bytes: every op's wire bytes are proportional to the piece entering it, and only a
+    Repartition makes the piece smaller, so the pieces are cut first. Each dim that keeps its axes and gains more
+    gains them first — a partial axis as a reduce-scatter, a replica axis as a local split — up to the first axis
+    that still holds another dim's blocks (it is combined first). Then the remaining partial axes are all-reduced,
+    on the cut pieces, then the gathers and the other splits. So Partial(dp, fsdp) → Shard(0) on fsdp is FSDP2's
+    HSDP order: a reduce-scatter over fsdp, then an all-reduce over dp of a 1/F piece (not of the whole tensor
+    before the reduce-scatter: 2(D−1)/D·N/F bytes instead of 2(D−1)/D·N).
     Raises ShardingError for Replicate/Shard→Partial (a strategy never needs to create partial sums).
     """
     if src.ndim != dst.ndim:
@@ -195,16 +203,29 @@ def redistribute(src: Sharding, dst: Sharding, group: SubMesh) -> list[ParallelO
     size = group.mesh.axis_size
     ops: list[ParallelOp] = []
     cur = src
-    for a in src.partial:
-        if a not in dst.partial:
-            ops.append(Reduction(size(a), a))
+
+    def add(op: ParallelOp) -> None:
+        nonlocal cur
+        ops.append(op)
+        cur = op.apply(cur, group)[0]
+
+    summed = [a for a in src.partial if a not in dst.partial]
+    for d in range(src.ndim):  # cut first: the axes a dim gains while it keeps its own
+        if cur.dims[d] != dst.dims[d][:len(cur.dims[d])]:
+            continue
+        for a in dst.dims[d][len(cur.dims[d]):]:
+            if a in summed:
+                add(Reduction(size(a), a))
+                summed.remove(a)
+            elif a in cur.used_axes:
+                break
+            add(Repartition(d, size(a), a))
+    for a in summed:
+        add(Reduction(size(a), a))
     for d in range(src.ndim):
-        axes = cur.dims[d]
-        while axes != dst.dims[d][:len(axes)]:
-            ops.append(Combine(d, size(axes[-1]), axes[-1]))
-            axes = axes[:-1]
-        cur = cur.replace_dim(d, axes) if axes != cur.dims[d] else cur
+        while cur.dims[d] != dst.dims[d][:len(cur.dims[d])]:
+            add(Combine(d, size(cur.dims[d][-1]), cur.dims[d][-1]))
     for d in range(src.ndim):
         for a in dst.dims[d][len(cur.dims[d]):]:
-            ops.append(Repartition(d, size(a), a))
+            add(Repartition(d, size(a), a))
     return ops

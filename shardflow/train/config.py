@@ -128,17 +128,27 @@ class TrainConfig:
 
     @classmethod
     def add_arguments(cls, p: argparse.ArgumentParser) -> None:
+        """Every field as a flag (:meth:`add_argument`), unset (None) where not given, and ``--config``."""
         p.add_argument("--config", help="TOML file of these settings (flags override it)")
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool":  # on by default: --no-<flag> turns it off
-                action = argparse.BooleanOptionalAction if f.default else "store_true"
-                p.add_argument(flag, action=action, default=None, help=f.metadata["help"])
-                continue
-            typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
-            default = f" (default {f.default})" if f.default is not None else ""  # None's help says what happens
-            p.add_argument(flag, type=typ, default=None, choices=f.metadata.get("choices"),
-                           help=f"{f.metadata['help']}{default}")
+            cls.add_argument(p, f.name)
+
+    @classmethod
+    def add_argument(cls, p: argparse.ArgumentParser, name: str, own_default: bool = False) -> None:
+        """Field ``name`` as the flag ``--name`` (underscores as dashes) with the field's help, type and choices: the
+        one definition of a setting that other commands share with ``shardflow train``. Parsed as None where not
+        given (so that a ``--config`` file's value stands), or as the field's default with ``own_default``."""
+        f = {f.name: f for f in fields(cls)}[name]
+        flag = "--" + f.name.replace("_", "-")
+        unset = f.default if own_default else None
+        if f.type == "bool":  # on by default: --no-<flag> turns it off
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            p.add_argument(flag, action=action, default=unset, help=f.metadata["help"])
+            return
+        typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
+        default = f" (default {f.default})" if f.default is not None else ""  # None's help says what happens
+        p.add_argument(flag, type=typ, default=unset, choices=f.metadata.get("choices"),
+                       help=f"{f.metadata['help']}{default}")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
