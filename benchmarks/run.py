@@ -77,7 +77,7 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
     if "f" in keys:
         out.append(("f", "ckpt", 2, {}))
     if "g" in keys:
-        out.append(("g", "fsdp", 2, {"rounds": 4 if quick else 11, "iters": 2 if quick else 3,
+        out.append(("g", "fsdp", 2, {"rounds": 4 if quick else 25, "iters": 2 if quick else 3,
                                      "warmup": 1 if quick else 2}))
     if "p" in keys:
         out.append(("p", "profile", 2, {"h": 1024, "tiny_h": 16, "batch": 64, "rounds": 3 if quick else 7,
