@@ -16,6 +16,7 @@ Usage::
     python benchmarks/step.py                          # writes the section of docs/benchmarks.md
     python benchmarks/step.py --no-write --rounds 5
     python benchmarks/step.py --compare before=/tmp/old_tree
+    python benchmarks/step.py --device cuda              # on a GPU: its own section ("... on a GPU")
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADING = "## Single-device step of the tiny Llama"
+HEADING = {"cpu": "## Single-device step of the tiny Llama", "cuda": "## Single-device step of the tiny Llama on a GPU"}
 SIZES = ((2, 8), (8, 64), (16, 128))  # (batch, sequence): the tests' batch, then larger ones
 LR = 1e-3
 TARGET = 1.1  # shardflow ÷ eager
 
 
-def session(tree: Path, sizes, rounds: int, iters: int) -> dict:
-    """Times eager and shardflow (imported from ``tree``) in this process; per size: samples (s) and losses."""
+def session(tree: Path, sizes, rounds: int, iters: int, device: str = "cpu") -> dict:
+    """Times eager and shardflow (imported from ``tree``) in this process, both on ``device`` (cpu or cuda: the
+    model, the batch and every buffer of the executor); per size: samples (s) and losses. Each step ends reading
+    the loss (``.item()``), which waits for the GPU."""
     sys.path[:0] = [str(tree), str(ROOT / "benchmarks")]
     import torch
 
@@ -54,13 +57,15 @@ def session(tree: Path, sizes, rounds: int, iters: int) -> dict:
 
     assert Path(shardflow.__file__).resolve().is_relative_to(tree.resolve()), shardflow.__file__
     torch.set_num_threads(1)
-    out = {"machine_start": machine(), "sizes": []}
+    gpu = torch.cuda.get_device_name() if device == "cuda" else None
+    out = {"machine_start": machine(), "sizes": [], "device": device, "gpu": gpu}
     for batch_size, seq in sizes:
-        model, batch = llama(), tokens(batch_size, seq)
+        model = llama().to(device)
+        batch = {k: v.to(device) for k, v in tokens(batch_size, seq).items()}
         graph = capture(model, batch)
         mesh, cfg = Mesh.parse("d=1"), OptimizerConfig("sgd", LR)
         step = lower_step(build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "single"), graph, mesh)), cfg.slots)
-        ex = LocalExecutor(step, cfg)
+        ex = LocalExecutor(step, cfg, device=torch.device(device))
         ex.load(weights_of(model, graph))
         opt = torch.optim.SGD(model.parameters(), lr=LR)
 
@@ -84,7 +89,8 @@ def session(tree: Path, sizes, rounds: int, iters: int) -> dict:
 
 def run_session(tree: Path, args) -> dict:
     """:func:`session` in a fresh process."""
-    cmd = [sys.executable, __file__, "--session", str(tree), "--rounds", str(args.rounds), "--iters", str(args.iters)]
+    cmd = [sys.executable, __file__, "--session", str(tree), "--rounds", str(args.rounds), "--iters", str(args.iters),
+           "--device", args.device]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout)
 
@@ -100,18 +106,19 @@ def _text(rs: list[float]) -> str:
 def section(results: dict[str, dict], args) -> str:
     now = results["this tree"]
     m0, m1 = now["machine_start"], now["machine_end"]
-    lines = [HEADING, "",
+    where = f", on {now['gpu']} (`--device cuda`)" if now.get("gpu") else ""
+    lines = [HEADING[args.device], "",
              "The tiny Llama of the tests (`transformers.LlamaForCausalLM`: 2 layers, hidden 64, 4 heads, 2 key/value "
              "heads, MLP 128, vocabulary 96), float32, one intra-op thread; one step = forward + backward + SGD update "
              f"(lr {LR:g}) + reading the loss. Eager: the module and `torch.optim.SGD`. shardflow: the captured "
-             "graph planned on one device (`d=1`, strategy `single`), lowered, run by `LocalExecutor`.", "",
+             f"graph planned on one device (`d=1`, strategy `single`), lowered, run by `LocalExecutor`{where}.", "",
              f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
              f"{m0['date'].replace('T', ' ')}; load average {m0['load']:.2f} at the start of the session, "
              f"{m1['load']:.2f} at the end.", "",
              f"Timing: each session is a fresh process; both variants warmed up, then {args.rounds} interleaved rounds "
              f"(order rotating), a sample = the mean of {args.iters} steps back to back; the ratio is the median "
              "(min–max) of the per-round ratios shardflow ÷ eager.", "",
-             f"Reproduce: `python benchmarks/step.py`.", "",
+             "Reproduce: `python benchmarks/step.py" + (" --device cuda" if where else "") + "`.", "",
              "| batch × sequence | instructions | eager step median (ms) | shardflow step median (ms) | "
              "shardflow ÷ eager (per round) | first two losses (eager / shardflow) |",
              "|---|---:|---:|---:|---|---|"]
@@ -140,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the shardflow of the checkout in DIR (a row NAME of the before/after table)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the section only")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where both run (default cpu; cuda writes its own section)")
     p.add_argument("--session", metavar="TREE", help=argparse.SUPPRESS)  # internal: one session, JSON on stdout
     args = p.parse_args(argv)
     if args.session:
-        print(json.dumps(session(Path(args.session), SIZES, args.rounds, args.iters)))
+        print(json.dumps(session(Path(args.session), SIZES, args.rounds, args.iters, args.device)))
         return 0
     trees = {"this tree": ROOT, **dict(c.split("=", 1) for c in args.compare)}
     results = {}
