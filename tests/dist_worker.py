@@ -8,7 +8,8 @@ CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@
 "sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
 "die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
-saved under one strategy, restored under others; a NaN in one rank's pieces).
+saved under one strategy, restored under others; a NaN in one rank's pieces), "devices" (fsdp, dropout and the
+checkpoint case under tests/devices.py's DevicelessFactories: no tensor made without naming a device).
 """
 
 import json
@@ -256,6 +257,22 @@ def run_groups(rank, world):
     return {"failed groups": float(failed)}
 
 
+def run_devices(rank, world, out):
+    """An fsdp run against one device, the dropout case and the checkpoint case under
+    :class:`~devices.DevicelessFactories`: their differences, and how many shardflow source lines made a tensor
+    without naming a device (0: on a GPU every tensor of the distributed executor, its communications and its
+    checkpoints would be on the rank's device), which it prints."""
+    from devices import DevicelessFactories
+
+    with DevicelessFactories() as mode:
+        diffs = {f"fsdp {k}": v for k, v in run_case(f"fsdp@fsdp={world}@float64", rank).items()}
+        diffs |= {f"dropout {k}": v for k, v in run_dropout(rank, world).items()}
+        (out / "devices").mkdir(exist_ok=True)
+        diffs |= run_checkpoint(rank, world, out / "devices")
+    print(f"rank {rank}: tensors made without a device at {sorted(mode.sites)}", flush=True)
+    return {**diffs, "deviceless factories": float(len(mode.sites))}
+
+
 def main():
     out, cases = Path(sys.argv[1]), sys.argv[2:]
     rank, world = init_from_env(timeout_s=60)
@@ -287,6 +304,8 @@ def main():
             results[case] = run_dropout(rank, world)
         elif case == "checkpoint":
             results[case] = run_checkpoint(rank, world, out)
+        elif case == "devices":
+            results[case] = run_devices(rank, world, out)
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

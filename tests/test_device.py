@@ -3,19 +3,17 @@ with NCCL when CUDA is available, else the CPU with gloo.
 
 On a machine without CUDA the device path is checked by what it must never do: make a tensor without naming a
 device. Under a torch function mode that records every factory call (zeros, empty, tensor, arange, ...) made
-without ``device=`` from shardflow's own code, a step, a load, a save and a restore under every kind of plan
-(dp, tp, fsdp×tp, pp, accumulation, dropout, gradient clipping) make none — so on a GPU every tensor lands on
-the executor's device. The tests marked ``cuda`` run the real thing and skip, with the reason, without CUDA.
+without ``device=`` from shardflow's own code (tests/devices.py), a step, a load, a save and a restore under
+every kind of plan (dp, tp, fsdp×tp, pp, accumulation, dropout, gradient clipping) make none — so on a GPU every
+tensor lands on the executor's device (tests/test_distributed.py checks the distributed executor the same way). The tests marked ``cuda`` run the real thing and skip, with the reason, without CUDA.
 """
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
+from devices import PACKAGE, DevicelessFactories
 from shardflow.capture import capture
 from shardflow.lower import LowerOptions, MicroStep, lower_step
 from shardflow.lower.dynamic import UpdateRule
@@ -33,24 +31,6 @@ from shardflow.train import checkpoint
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is "
                                                                  "False on this machine)")
 ADAMW = OptimizerConfig("adamw", 1e-2)
-FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange, torch.rand, torch.randn,
-             torch.randint, torch.scalar_tensor, torch.as_tensor, torch.linspace, torch.eye, torch.empty_strided}
-
-
-class DevicelessFactories(TorchFunctionMode):
-    """Records each factory call made without ``device=`` from a shardflow source line (the innermost one)."""
-
-    def __init__(self):
-        super().__init__()
-        self.sites: set[str] = set()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in FACTORIES and kwargs.get("device") is None:
-            ours = [f for f in traceback.extract_stack()[:-1] if "/shardflow/" in f.filename]
-            if ours:
-                self.sites.add(f"{ours[-1].filename.split('/shardflow/')[-1]}:{ours[-1].lineno} {func.__name__}")
-        return func(*args, **kwargs)
 
 
 def _gpt():
@@ -64,6 +44,16 @@ def _gpt():
 def gpt():
     model, batch = _gpt()
     return model, batch, {n: capture(model, split_batch(batch, n)[0]) for n in (1, 2)}  # by micro-steps per step
+
+
+def test_the_check_sees_a_factory_without_a_device_in_shardflows_code_only():
+    code = compile("torch.zeros(2)\ntorch.zeros(2, device='cpu')\n", PACKAGE + "runtime/probe.py", "exec")
+    exempt = compile("torch.zeros(2)\n", PACKAGE + "models/probe.py", "exec")
+    with DevicelessFactories() as mode:
+        exec(code, {"torch": torch})
+        exec(exempt, {"torch": torch})
+        torch.zeros(2)  # a test's own line
+    assert mode.sites == {"runtime/probe.py:1 zeros"}
 
 
 @pytest.mark.parametrize("mesh, strategy, accumulate", [("dp=2", "dp", 1), ("tp=2", "tp", 1),

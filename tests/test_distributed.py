@@ -36,7 +36,7 @@ def check(res, results, tmp_path):
 def test_two_processes(tmp_path):
     cases = ["dp@dp=2@float64", "tp@tp=2@float64", "sp@tp=2@float64", "pp@pp=2@float64", "tp@tp=2@float32",
              "sp@tp=2@float64@ring@ring", "sp@tp=2@float64@broadcast_loop@collective", "tp@tp=2@bfloat16",
-             "explicit", "dropout", "checkpoint"]
+             "explicit", "dropout", "checkpoint", "devices"]
     check(*run(tmp_path, 2, cases), tmp_path)
     for r in range(2):  # sp's all-gathers use torch's current API: no deprecation warning in any rank's log
         assert "deprecated" not in (tmp_path / "logs" / f"rank{r}.log").read_text()
