@@ -436,7 +436,8 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             each step (FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); "" (default):
             every weight in its own dtype. :meth:`Trainer.state_dict` gives the float32 weights.
         device: where every buffer of the step lives, as torchrun's convention has it: ``"auto"`` (default):
-            ``cuda:LOCAL_RANK`` when CUDA is available (the distributed executor then talks NCCL), else the CPU
+            ``cuda:LOCAL_RANK`` when CUDA is available with a GPU for each of the machine's ``LOCAL_WORLD_SIZE``
+            processes (the distributed executor then talks NCCL), else the CPU
             (gloo); ``"cpu"``; ``"cuda"``. The model itself may be on any device; full tensors handed back
             (:meth:`Trainer.state_dict`) are on the CPU.
 

@@ -94,10 +94,12 @@ def test_the_cpu_is_chosen_without_cuda_and_gloo_goes_with_it(monkeypatch):
         check_device("gpu")
 
 
-def test_more_local_ranks_than_gpus_are_refused_before_any_process(monkeypatch):
+def test_more_local_ranks_than_gpus_are_refused_for_cuda_and_fall_back_to_the_cpu_for_auto(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    check_device("auto", 2)
+    assert device_type("auto", 2) == "cuda" and device_type("auto", 3) == "cpu"
+    check_device("auto", 3)
+    assert rank_device("auto", {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}) == torch.device("cpu")
     with pytest.raises(DeviceError, match=r"local rank 2 has no GPU of its own: this machine has 2 CUDA device\(s\); "
                                           r"start at most 2 processes per machine \(--nproc 2\)"):
         check_device("cuda", 3)

@@ -158,7 +158,7 @@ def test_train_with_a_user_plan(train, tmp_path, tiny, corpus, capsys):
                      "--nproc", "1", "--check"])
     out, err = capsys.readouterr()
     assert code == 0, err
-    assert "plan plan.toml on mesh tp=2 (2 devices)" in out and "all_reduce/tp" in out
+    assert "plan plan.toml on mesh tp=2 (2 devices; buffers on cpu)" in out and "all_reduce/tp" in out
     assert next(line for line in out.splitlines() if line.startswith("check against one device")).endswith(": OK")
     one_paragraph(*train("--plan", "plan.toml", "--strategy", "tp"), "train",
                   "--plan plan.toml and --strategy tp: the plan places every tensor itself; give one of them")

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS
 from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
-from shardflow.runtime.device import DEVICES, check_device
+from shardflow.runtime.device import DEVICES, check_device, local_processes
 from shardflow.train.checkpoint.store import CheckpointError, check_writable
 
 
@@ -69,7 +69,8 @@ class TrainConfig:
                                "reduce_dtype=float32)); checkpoints hold the float32 masters",
                     choices=tuple(MASTER_DTYPE))
     device: str = _f("auto", "where each rank keeps every buffer: auto (cuda:LOCAL_RANK, talking NCCL, when CUDA is "
-                             "available; else the CPU, talking gloo), cpu, or cuda", choices=DEVICES)
+                             "available with a GPU for each local process; else the CPU, talking gloo), cpu, or cuda",
+                     choices=DEVICES)
     lr: float = _f(3e-3, "learning rate")
     optimizer: str = _f(str(Optimizer.ADAMW), "sgd or adamw", choices=tuple(map(str, Optimizer)))
     momentum: float = _f(0.9, "SGD momentum")
@@ -316,7 +317,7 @@ def check_processes(cfg: TrainConfig, env: Mapping[str, str]) -> None:
                          f"make this process the only rank, so --nproc {cfg.nproc} would start no process and run "
                          f"every device here; unset them (env -u RANK -u WORLD_SIZE shardflow train ...) to start "
                          f"{cfg.nproc} processes, or pass --nproc 1 to run in this one")
-    check_device(cfg.device, int(env.get("LOCAL_WORLD_SIZE", "1")) if "RANK" in env else cfg.nproc)
+    check_device(cfg.device, local_processes(env, cfg.nproc))
     if cfg.trace and world == 1 and cfg.nproc == 1:
         raise ValueError(f"--trace {cfg.trace}: the timeline is of the ranks' processes (compute and "
                          f"communication lanes), and --nproc 1 runs every rank in this one; pass --nproc 2 or more, "

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardflow.graph.flops import TRAINING_FACTOR
 from shardflow.lower.dynamic import ActivationCheckpointing, checkpoint_blocks
 from shardflow.lower.report import bytes_rows
@@ -62,10 +64,10 @@ class Console:
         if self.lead:
             print(text, flush=True)
 
-    def banner(self, s, steps, baseline: float) -> None:
-        """Data, model, strategy and mesh, the plan's communication per optimizer step (lowest rank's programs of
-        ``steps``, the lowered micro-steps of one step in order: one, the step, unless ``--accumulate``) and the
-        unigram baseline. ``s``: the run's :class:`~shardflow.train.recipe.Setup`."""
+    def banner(self, s, steps, baseline: float, device: torch.device) -> None:
+        """Data, model, strategy, mesh and this rank's device, the plan's communication per optimizer step (lowest
+        rank's programs of ``steps``, the lowered micro-steps of one step in order: one, the step, unless
+        ``--accumulate``) and the unigram baseline. ``s``: the run's :class:`~shardflow.train.recipe.Setup`."""
         if not self.lead:
             return
         n_params = sum(p.numel() for p in s.model.parameters())
@@ -82,8 +84,8 @@ class Console:
                  f"the last)" if cfg.accumulate > 1 else "")
         recomputed = len(set(checkpoint_blocks(s.pcg).values())) if cfg.ac == ActivationCheckpointing.BLOCK else 0
         ac = f"; {recomputed} blocks recomputed in the backward (--ac block)" if recomputed else ""
-        self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices); batch {cfg.batch_size}×{cfg.seq_len}"
-                 f"{micro}{ac}")
+        self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "
+                 f"{cfg.batch_size}×{cfg.seq_len}{micro}{ac}")
         lowest = min(steps[-1].programs)
         per: dict[str, tuple[int, int]] = {}
         for step in steps:

@@ -107,7 +107,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
     metrics = MetricsWriter(metrics_file, start, board) if lead else None
     baseline = s.corpus.unigram_loss()
-    console.banner(s, [lowered[m] for m in s.micro_steps], baseline)
+    console.banner(s, [lowered[m] for m in s.micro_steps], baseline, device)
     console.metrics(meter, [metrics_file] + ([board] if board else []))
     if resumed is not None:
         console.resumed(resumed, start)

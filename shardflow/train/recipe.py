@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,7 +26,7 @@ from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.runtime.device import backend_for, device_type
+from shardflow.runtime.device import backend_for, device_type, local_processes
 from shardflow.runtime.materialize import TensorInit, materialise
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
@@ -75,7 +76,8 @@ class Setup:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend; the
         bucket size; FSDP's resharding, activation checkpointing and the master weights' dtype (``--dtype``)."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
-                            CostModel(backend_for(device_type(self.cfg.device))),
+                            CostModel(backend_for(device_type(self.cfg.device,
+                                                              local_processes(os.environ, self.cfg.nproc)))),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20),
                             reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac,
                             master_dtype=MASTER_DTYPE[self.cfg.dtype])
