@@ -80,10 +80,30 @@ def session(tree: Path, sizes, rounds: int, iters: int, device: str = "cpu") -> 
         samples = interleave([Variant("eager", eager), Variant("shardflow", lambda: ex.step(batch))], rounds, iters,
                              warmup=3, rank=0)
         out["sizes"].append({"batch": batch_size, "seq": seq, "samples": samples, "losses": losses,
-                             "instructions": len(step.programs[0].instrs)})
+                             "instructions": len(step.programs[0].instrs),
+                             "ops": op_times({"eager": eager, "shardflow": lambda: ex.step(batch)})})
         print(f"  {batch_size}×{seq}: eager {statistics.median(samples['eager']) * 1e3:.2f} ms, shardflow "
               f"{statistics.median(samples['shardflow']) * 1e3:.2f} ms", file=sys.stderr)
     out["machine_end"] = machine()
+    return out
+
+
+def op_times(variants: dict, steps: int = 5, rounds: int = 3) -> dict[str, dict[str, list[float]]]:
+    """Per variant (name → one step), ATen op → [calls, self CPU time in ms] per step: ``torch.profiler`` over
+    ``steps`` steps, in ``rounds`` rounds alternating the variants, each op's time the smallest of its rounds (the
+    round least disturbed). On a GPU the CPU side only: where the time of launching goes."""
+    from torch.profiler import ProfilerActivity, profile
+    out: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
+    for _ in range(rounds):
+        for name, step in variants.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    step()
+            for e in prof.key_averages():
+                if e.key.startswith("aten::"):
+                    ms = e.self_cpu_time_total / 1e3 / steps
+                    have = out[name].get(e.key)
+                    out[name][e.key] = [e.count / steps, ms if have is None else min(have[1], ms)]
     return out
 
 
@@ -130,6 +150,27 @@ def section(results: dict[str, dict], args) -> str:
     medians = {(s["batch"], s["seq"]): round(statistics.median(_ratios(s)), 2) for s in now["sizes"]}
     verdicts = [f"{b} × {t}: {m:.2f}, {'**met**' if m <= TARGET else '**missed**'}" for (b, t), m in medians.items()]
     lines += ["", f"Target: shardflow ≤ {TARGET}× eager. " + "; ".join(verdicts) + "."]
+    big = now["sizes"][-1]
+    if "ops" in big:
+        e, s_ = big["ops"]["eager"], big["ops"]["shardflow"]
+        gap = {k: s_.get(k, [0, 0.0])[1] - e.get(k, [0, 0.0])[1] for k in set(e) | set(s_)}
+        top = sorted(gap, key=lambda k: -abs(gap[k]))[:10]
+        total = (sum(v[1] for v in s_.values()), sum(v[1] for v in e.values()))
+        lines += ["", f"Where the time goes at {big['batch']} × {big['seq']} (torch.profiler: self CPU time of ATen ops "
+                  "per step, 5 steps in each of 3 rounds alternating the two, each op's smallest round; shardflow "
+                  f"{total[0]:.2f} ms, eager {total[1]:.2f} ms in ATen ops; the ten largest differences):", "",
+                  "| ATen op | eager calls | eager ms | shardflow calls | shardflow ms | shardflow − eager ms |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for k in top:
+            ec, et = e.get(k, [0, 0.0])
+            sc, st = s_.get(k, [0, 0.0])
+            lines.append(f"| `{k}` | {ec:g} | {et:.2f} | {sc:g} | {st:.2f} | {gap[k]:+.2f} |")
+        step_gap = (statistics.median(big["samples"]["shardflow"]) - statistics.median(big["samples"]["eager"])) * 1e3
+        lines += ["", f"The step-time gap at this size is {step_gap:+.2f} ms (medians of the rounds above); the ATen "
+                  f"ops account for {total[0] - total[1]:+.2f} ms of it (profiled, so only roughly), the rest, "
+                  f"{step_gap - (total[0] - total[1]):+.2f} ms, lies outside them: the executor's Python for each of "
+                  f"its {big['instructions']} instructions (hand-written vjps, buffers, the memory ledger) against "
+                  "eager's autograd engine in C++ — what compiled segments (issue #16) would remove."]
     if len(results) > 1:
         lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",
                   "| tree | " + " | ".join(f"{s['batch']} × {s['seq']}" for s in now["sizes"]) + " |",
