@@ -43,6 +43,9 @@ INTERRUPTED = 130
 ERROR = "shardflow train: error: "  # how every one-paragraph error of the command begins
 
 _signalled: list[str] = []
+# how long a rank whose peer left waits for a signal of its own before it reports the peer (seconds): the launcher
+# sends SIGTERM to every rank at once, so one that lands later than a peer's exit lands within milliseconds
+SIGNAL_GRACE_S = 0.5
 
 
 def _interrupt(signum, _frame):
@@ -154,16 +157,19 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
         cfg = _claimed_by_rank0(cfg, run)
         code = train(cfg, rank, world, dataclasses.replace(s, cfg=cfg))
     except BaseException as e:  # report, then leave without gloo's teardown (peers fail on their timeouts)
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one report: a second signal must not cut it short
-        # a peer stopped by the same Ctrl-C can make this rank's communication fail first
-        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
+        if threading.current_thread() is threading.main_thread():  # one report: a later signal is noted, not raised
+            signal.signal(signal.SIGTERM, lambda signum, _: _signalled.append(signal.Signals(signum).name))
         # one paragraph, status 2: e.g. --resume under torchrun from an unfit checkpoint, a non-finite loss, a step
         # that does not fit in memory (checked once lowered)
         said = isinstance(e, (checkpoint.CheckpointError, RunDirError, Diverged, MemoryFitError))
         # another rank left or stopped answering (also where torch raised it, outside the executor): one paragraph
         failure = e if isinstance(e, CommFailure) else comm_failure(e, f"rank {rank}") \
             if isinstance(e, RuntimeError) else None
+        if failure is not None and not _signalled:
+            # a peer stopped by the same Ctrl-C or SIGTERM (the launcher forwards it to every rank at once) can make
+            # this rank's communication fail before its own signal lands: give it that moment
+            time.sleep(SIGNAL_GRACE_S)
+        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit)) or bool(_signalled)
         if interrupted:
             print(f"rank {rank}: interrupted", flush=True)
         elif said:
