@@ -27,6 +27,17 @@ def tiny_hf_llama():
     return model, {"input_ids": ids, "labels": ids}
 
 
+def tiny_hf_llama_float64():
+    """:func:`tiny_hf_llama` in float64, its batch, and its graph captured keeping float64 (``wide_floats``: the
+    loss too), for checks against one device at 1e-12."""
+    from shardflow.capture import capture, wide_floats
+    model, batch = tiny_hf_llama()
+    model = model.double()
+    with wide_floats():
+        graph = capture(model, batch)
+    return model, batch, graph
+
+
 # A GPT of 1 layer, 2 heads, width 16 on 16-character sequences, batch 8: a step takes milliseconds; validation
 # every 2 steps on 1 batch; a line every step; MFU against a given peak (measuring one takes a second per run).
 # Later flags override these (argparse: the last one wins).

@@ -10,8 +10,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from conftest import tiny_hf_llama  # noqa: E402
-from shardflow.capture import capture, wide_floats  # noqa: E402
+from conftest import tiny_hf_llama_float64  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.cost import DEFAULT_BUCKET_BYTES, CommForm  # noqa: E402
 from shardflow.lower.dynamic import UpdateRule, block_of  # noqa: E402
@@ -31,11 +30,7 @@ TOL = 1e-12  # float64: partial sums in another order than one device (seen ~1e-
 
 @pytest.fixture(scope="module")
 def llama():
-    model, batch = tiny_hf_llama()
-    model = model.double()
-    with wide_floats():
-        graph = capture(model, batch)
-    return model, batch, graph
+    return tiny_hf_llama_float64()
 
 
 def _lower(graph, mesh_text: str, strategy: str, reshard: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES):

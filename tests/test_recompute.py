@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import tiny_hf_llama  # noqa: E402
+from conftest import tiny_hf_llama_float64  # noqa: E402
 from shardflow.api import parallelize  # noqa: E402
-from shardflow.capture import capture, wide_floats  # noqa: E402
+from shardflow.capture import capture  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.cost import CommForm  # noqa: E402
 from shardflow.lower.dynamic import (ActivationCheckpointing, NodeKind, PassError, TaskType, UpdateRule,  # noqa: E402
@@ -36,11 +36,7 @@ LAYERS = 2  # of conftest's tiny Llama
 
 @pytest.fixture(scope="module")
 def llama():
-    model, batch = tiny_hf_llama()
-    model = model.double()
-    with wide_floats():
-        graph = capture(model, batch)
-    return model, batch, graph
+    return tiny_hf_llama_float64()
 
 
 def _pcg(graph, mesh_text: str, strategy: str):
