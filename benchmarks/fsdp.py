@@ -46,7 +46,7 @@ def main_job(strategy: str, mesh: str, **settings):
     ``mesh``, every rank in this process: its local executor, loaded, its setup and its first batch."""
     cfg = dataclasses.replace(TrainConfig(), strategy=strategy, mesh=mesh, nproc=1, **settings)
     s = setup(cfg, 1)
-    ex = LocalExecutor(s.lower(), s.optimizer, seed=cfg.seed)
+    ex = LocalExecutor(s.lower(), s.optimizer, seed=cfg.seed, memory=True)
     ex.load(s.initial_weights())
     return ex, s, s.batch(Split.TRAIN, 0)
 

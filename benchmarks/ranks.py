@@ -65,6 +65,7 @@ from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.strategy import make_plan, resolve  # noqa: E402
 
 TIMEOUT_S = 300.0
+UPDATES = "kernel: UPD every update (one call)"  # the timer of the optimizer updates (one kernel per run of them)
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
 
 
@@ -74,6 +75,15 @@ def shardflow_executor(graph, mesh_text: str, strategy: str | None, cfg: Optimiz
     ann = annotations if annotations is not None else resolve(make_plan(graph, mesh, strategy), graph, mesh)
     step = lower_step(build_pcg(graph, mesh, ann), cfg.slots, ranks=[rank], options=options)
     return DistributedExecutor(step, cfg, timeout_s=TIMEOUT_S)
+
+
+def measured_peak(step, cfg: OptimizerConfig, ex: DistributedExecutor, batch: dict) -> int:
+    """This rank's peak of live buffers (bytes) over two steps of ``step``, run by an executor that counts them
+    (``memory=True``) on ``ex``'s weights: the timed executors do no accounting."""
+    counted = DistributedExecutor(step, cfg, timeout_s=TIMEOUT_S, share=ex, memory=True)
+    for _ in range(2):
+        counted.step(batch)
+    return counted.peak_bytes
 
 
 def program_size(ex: DistributedExecutor) -> dict[str, int]:
@@ -277,12 +287,14 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
     out["model"] = {"params": sum(q.numel() for q in model.parameters()), "vocab": model.config.vocab_size,
                     "layers": base.layers, "heads": base.heads, "embd": base.embd, "seq_len": base.seq_len,
                     "batch": base.batch_size, "optimizer": dataclasses.asdict(cfg)}
-    ex_tp = DistributedExecutor(lower_step(s_tp.pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=TIMEOUT_S)
+    step_tp = lower_step(s_tp.pcg, cfg.slots, ranks=[rank])
+    ex_tp = DistributedExecutor(step_tp, cfg, timeout_s=TIMEOUT_S)
     ex_tp.load(weights_of(model, s_tp.graph))
     out["program_tp"] = program_size(ex_tp)
     if p.get("timing", True):
         s_dp = setup(dataclasses.replace(base, strategy="dp", mesh=f"dp={world}", nproc=world), world)
-        ex_dp = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank]), cfg, timeout_s=TIMEOUT_S)
+        step_dp = lower_step(s_dp.pcg, cfg.slots, ranks=[rank])
+        ex_dp = DistributedExecutor(step_dp, cfg, timeout_s=TIMEOUT_S)
         ex_dp.load(s_dp.initial_weights())
         out["program_dp"] = program_size(ex_dp)
         ex_dp0 = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank],
@@ -315,13 +327,10 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         out.update(losses=losses, samples=samples, stats={k: stats(v) for k, v in samples.items()},
                    tokens_per_step=base.batch_size * base.seq_len, rounds=p["rounds"], iters=p["iters"])
         out["comm_share"] = {"tp": comm_share(ex_tp, batch), "dp": comm_share(ex_dp, batch)}
-        out["peak_dp"] = ex_dp.peak_bytes
+        out["peak_dp"] = measured_peak(step_dp, cfg, ex_dp, batch)
         out["state_dp"] = state_bytes(ex_dp.dg, rank)
-    else:
-        for _ in range(2):
-            ex_tp.step(batch)
     # (e) memory: this rank's peak under tp, and one device (local executor on a 1-device mesh, rank 0)
-    mem = {"peak_tp": ex_tp.peak_bytes, "state_tp": state_bytes(ex_tp.dg, rank),
+    mem = {"peak_tp": measured_peak(step_tp, cfg, ex_tp, batch), "state_tp": state_bytes(ex_tp.dg, rank),
            "state_tp_measured": sum(ex_tp.buffers[v].numel() * ex_tp.buffers[v].element_size()
                                     for v in ex_tp.buffers if v in _state_vids(ex_tp.dg))}
     peaks = torch.tensor([mem["peak_tp"]], dtype=torch.float64)
@@ -331,7 +340,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
     if rank == 0:
         one_pcg = build_pcg(s_tp.graph, Mesh(("d",), (1,)))
         one_step = lower_step(one_pcg, cfg.slots)
-        lx = LocalExecutor(one_step, cfg)
+        lx = LocalExecutor(one_step, cfg, memory=True)
         lx.load(weights_of(model, s_tp.graph))
         for _ in range(2):
             lx.step(batch)
@@ -677,13 +686,16 @@ def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -
     if kernels:
         for key, k in plain.items():
             ex.kernels[key] = timers.wrap(f"kernel: {labels.get(key, key)}", k)
+        ex._update_kernel = lambda us: timers.wrap(UPDATES, DistributedExecutor._update_kernel(ex, us))
+        ex.compiled.clear()  # segments bind their kernels when compiled: compile again with the timed ones
     ex._communicate = timers.wrap("communication (issue + wait)", ex._communicate)
     ex._put = timers.wrap("input placement (_put)", ex._put)
     ex._get = timers.wrap("loss read-back (_get: an all-reduce)", ex._get)
 
     def undo() -> None:
         ex.kernels.update(plain)
-        for attr in ("_communicate", "_put", "_get"):
+        ex.compiled.clear()
+        for attr in ("_communicate", "_put", "_get", *(("_update_kernel",) if kernels else ())):
             delattr(ex, attr)
     return undo
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from shardflow.lower import LowerOptions  # noqa: E402
 from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 from harness import write_section  # noqa: E402
+from ranks import UPDATES  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
 KEYS = "abcdefgp"
@@ -606,14 +607,13 @@ def section_p(res: dict, quick: bool) -> str:
     if sf and hd:
         def op(a, name):
             return a["ops"].get(name, {"self_s": 0.0})["self_s"] / a["steps"]
-        upd = parts.get("kernel: UPD sgd_update", 0.0)
+        upd = parts.get(UPDATES, 0.0)
         back = parts.get("loss read-back (_get: an all-reduce)", 0.0)
         tback = tparts.get("loss read-back (_get: an all-reduce)", 0.0)
         lines += ["", "**Findings** (this run's numbers):", "",
-                  f"* SGD update: {ms(upd)} ms per step in the 4 `sgd_update` kernels (timers); it updates in place "
-                  f"(`aten::sub_` {ms(op(sf, 'aten::sub_'))} ms) like the hand-written `w.add_(g, alpha=-lr)` "
-                  f"(`aten::add_` {ms(op(hd, 'aten::add_'))} ms). An out-of-place update (two fresh weight-sized "
-                  f"tensors per weight per step, each page-faulting) was most of the h=4096 gap in the first runs.",
+                  f"* SGD update: {ms(upd)} ms per step in one kernel for the 4 weights (timers: torch.optim's fused "
+                  f"SGD, `aten::_fused_sgd_` {ms(op(sf, 'aten::_fused_sgd_'))} ms), in place like the hand-written "
+                  f"`w.add_(g, alpha=-lr)` (`aten::add_` {ms(op(hd, 'aten::add_'))} ms).",
                   f"* Reading the loss: {ms(back)} ms per step at h={h} and {tback * 1e6:.0f} µs at h={th} (the loss is "
                   f"replicated under tp, so it is read locally; a partial loss, as under dp, takes one scalar all-reduce).",
                   f"* Fixed cost: at h={th} shardflow's step is {ms(med(tiny['samples']['shardflow']) - med(tiny['samples']['hand']))} ms "

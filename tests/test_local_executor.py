@@ -250,7 +250,7 @@ def test_each_rank_holds_only_its_pieces():
     for mesh_text, strategy in (("d=1", "single"), ("tp=4", "tp"), ("dp=4", "dp")):
         mesh = Mesh.parse(mesh_text)
         step = lower_step(build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh)), cfg.slots)
-        ex = LocalExecutor(step, cfg)
+        ex = LocalExecutor(step, cfg, memory=True)
         ex.load(weights_of(model, graph))
         ex.step(inputs)
         peaks[strategy] = max(ex.peak_bytes.values())

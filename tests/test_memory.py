@@ -35,7 +35,7 @@ def test_replay_counts_what_the_executor_counts(corpus, strategy, mesh, optimize
     parts add up to it (the optimizer state: AdamW two slots per parameter, SGD with momentum one)."""
     s = setup(tiny(strategy=strategy, mesh=mesh, nproc=1, layers=2, optimizer=optimizer, data=str(corpus)), 1)
     step = s.lower()
-    ex = LocalExecutor(step, s.optimizer, seed=0)
+    ex = LocalExecutor(step, s.optimizer, seed=0, memory=True)
     ex.load(s.initial_weights())
     for i in range(3):
         ex.step(s.batch(Split.TRAIN, i))

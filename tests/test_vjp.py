@@ -27,6 +27,10 @@ EXTRA = (
     Case("sum(keepdim, two dims)", O.Reduce("sum", (0, 2), True), (_x("x", 4, 8, 4),)),
     Case("mean(dim 1)", O.Reduce("mean", (1,)), (_x("x", 4, 8, 4),)),
     Case("sub(broadcast)", O.Binary("sub"), (_x("a", 4, 1), _x("b", 8))),
+    # one short broadcast dim (summed by adding its slices): in the middle, of 2 and 3, and a leading one
+    Case("expand(grouped-query heads, 2)", O.Expand((2, 2, 2, 4, 8)), (_x("x", 2, 2, 1, 4, 8),)),
+    Case("mul(short middle dim, 3)", O.Binary("mul"), (_x("a", 2, 3, 8), _x("b", 2, 1, 8))),
+    Case("add(short leading dim)", O.Binary("add"), (_x("a", 2, 4, 8), _x("b", 4, 8))),
     Case("div(broadcast)", O.Binary("div"), (_x("a", 4, 8), _x("b", 8, positive=True))),
     Case("mul(int mask)", O.Binary("mul"), (_x("a", 4, 8), _x("m", 8, dtype="int64", high=2))),
     Case("scalar sub", O.Scalar("sub", 0.5), (_x("x", 4, 8),)),

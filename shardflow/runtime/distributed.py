@@ -18,6 +18,7 @@ reduce-scatters go straight to ``all_gather_single``/``reduce_scatter_single`` (
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import sys
 from typing import Iterable, Mapping, NoReturn
@@ -29,14 +30,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.comms import Issued, issue
-from shardflow.lower.program import Comm, Compute, Free, Group, Wait
+from shardflow.lower.program import Comm, Compute, Group, Wait
 from shardflow.parallel.mesh import Mesh
 from shardflow.lower.verify import check_fingerprints
 from shardflow.runtime.device import backend_for
 from shardflow.runtime.executor import Executor
-from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
+from shardflow.runtime.kernels import Kernel, OptimizerConfig, local_move, make_kernel, single_calls, update_kernel
 from shardflow.runtime import trace
-from shardflow.runtime.memory import Ledger
+from shardflow.runtime.memory import Ledger, peak
+from shardflow.runtime.segments import Segment, compile_segment, runs
 
 
 class CommFailure(RuntimeError):
@@ -164,12 +166,13 @@ class DistributedExecutor(Executor):
 
     def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0,
                  share: DistributedExecutor | None = None, debug: bool = False, seed: int = 0,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, memory: bool = False):
         """``share``: another executor of the same PCG whose weights and process groups this one uses.
         ``debug``: before each communication, check that every member is at the same token.
         ``seed``: the run seed random ops (dropout) draw with (the same on every rank).
         ``device``: where every buffer lives, the device the process group's backend talks (default: ``share``'s,
-        else the CPU)."""
+        else the CPU). ``memory``: count the live bytes of the rank's buffers as the step runs (:attr:`peak_bytes`;
+        off, the compiled segments do no accounting)."""
         self.debug = debug
         self.device = device or (share.device if share else torch.device("cpu"))
         self.rank = dist.get_rank()
@@ -196,8 +199,9 @@ class DistributedExecutor(Executor):
         # buffers packed for one communication and read by nothing else: reduced in place, not copied first
         self.scratch = {b.value for i in self.program.instrs if isinstance(i, Compute) and i.op == "pack"
                         for b in i.outs}
-        self.ledger = Ledger()
+        self.ledger = Ledger() if memory else None
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
+        self.compiled: dict[bool, list[Segment | Comm | Wait]] = {}  # traced? → the program, compiled
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
         self._index_updates()
 
@@ -256,40 +260,51 @@ class DistributedExecutor(Executor):
         """Run one training step on the full ``inputs`` (every rank passes the same); returns the loss."""
         self._place_inputs(inputs)
         b, ledger, tracer = self.buffers, self.ledger, self.tracer
-        ledger.sync(b)
-        for instr in self.program.instrs:
-            t0 = trace.now() if tracer else 0.0
-            if isinstance(instr, Free):
-                for v in instr.values:
-                    b.pop(v, None)
-                    ledger.free(v)
+        if ledger:
+            ledger.sync(b)
+        for item in self._compiled(tracer is not None):
+            if not isinstance(item, (Comm, Wait)):
+                item(b, tracer)
                 continue
-            if isinstance(instr, Compute):
-                xs = [b[x.value] for x in instr.ins]
-                outs = self.kernels[instr.dnode](xs) if instr.dnode else local_move(instr, xs)
-                for x, t in zip(instr.outs, outs):
-                    b[x.value] = t
-                    ledger.write(x.value, t.numel() * t.element_size())
+            t0 = trace.now() if tracer else 0.0
+            if isinstance(item, Wait):
+                issued, c = self.pending.pop(item.token)
+                for h in issued.handles:
+                    self._wait(h, c)
+                out = issued.result()
             else:
-                if isinstance(instr, Wait):
-                    issued, c = self.pending.pop(instr.token)
-                    for h in issued.handles:
-                        self._wait(h, c)
-                    out = issued.result()
-                else:
-                    c, out = instr, self._communicate(instr)
-                if out is not None:
-                    b[c.recv.value] = out
-                    ledger.write(c.recv.value, out.numel() * out.element_size())
+                c, out = item, self._communicate(item)
+            if out is not None:
+                b[c.recv.value] = out
+                if ledger:
+                    ledger.write(c.recv.value, c.recv.type.nbytes)
             if tracer:
-                tracer.record(instr, t0, trace.now())
+                tracer.record(item, t0, trace.now())
         loss = self._loss()
         for new, old in self.renames:
             if new in b:
                 b[old] = b.pop(new)
-        ledger.sync(b)
+        if ledger:
+            ledger.sync(b)
         self.steps_done += 1
         return loss
+
+    def _compiled(self, traced: bool) -> list[Segment | Comm | Wait]:
+        """The program as compiled segments (:mod:`~shardflow.runtime.segments`) between its communications and
+        waits, built at first use; ``traced``: segments that record each compute on the tracer."""
+        if traced not in self.compiled:
+            instrs = self.program.instrs
+            self.compiled[traced] = [
+                instrs[a] if isinstance(instrs[a], (Comm, Wait)) else
+                compile_segment(instrs[a:z], self._kernel, self._update_kernel, self.ledger, traced)
+                for a, z in runs(instrs, (Comm, Wait))]
+        return self.compiled[traced]
+
+    def _kernel(self, instr: Compute) -> Kernel:
+        return self.kernels[instr.dnode] if instr.dnode else functools.partial(local_move, instr)
+
+    def _update_kernel(self, updates) -> Kernel:
+        return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)
 
     def _loss(self) -> float:
         """The loss: read locally when every rank holds it whole; else summed over the ranks (a scalar)."""
@@ -301,8 +316,8 @@ class DistributedExecutor(Executor):
     @property
     def peak_bytes(self) -> int:
         """Largest sum of this rank's live buffers so far (bytes): its pieces of weights, optimizer state,
-        gradients and activations."""
-        return self.ledger.peak
+        gradients and activations. Raises RuntimeError when the executor was built without ``memory=True``."""
+        return peak(self.ledger)
 
     def _wait(self, work, c: Comm | str) -> None:
         """Wait for ``work`` (once) with the timeout; raise CommTimeout naming communication ``c`` (or saying

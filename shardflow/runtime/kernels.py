@@ -4,8 +4,8 @@ instruction's kernel description alone (:data:`~shardflow.lower.program.KernelSp
 Forward runs the sharding rule's :class:`~shardflow.parallel.rules.LocalOp`; backward is its vjp — the
 hand-written one of :mod:`shardflow.runtime.vjp` for the ops that table covers (measurably faster at ATen sizes),
 else torch autograd (the forward's recorded graph, or ``torch.func.vjp``) — with the linearity scale undone where
-the gradient sharding says so; the optimizer updates each shard where it lives (same formulas as
-``torch.optim.SGD``/``AdamW``).
+the gradient sharding says so; the optimizer updates each shard where it lives, every shard of a run of updates at
+once (:func:`update_kernel`: torch.optim's fused SGD/AdamW).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+from torch.optim.adamw import adamw
+from torch.optim.sgd import sgd
 
 from shardflow.graph.ops import torch_dtype
 from shardflow.graph.rng import PieceSite
@@ -46,25 +48,51 @@ class OptimizerConfig:
         return UpdateRule.of(self.name, self.momentum)
 
 
-def update(cfg: OptimizerConfig, step: int, w: torch.Tensor, g: torch.Tensor, *state: torch.Tensor) -> list[torch.Tensor]:
-    """One optimizer step on one shard, in place (the weight and state buffers are updated and returned;
-    fresh weight-sized allocations every step cost more than the arithmetic). ``step`` counts from 1."""
-    if cfg.name == Optimizer.SGD:
-        if cfg.weight_decay:
-            g = g.add(w, alpha=cfg.weight_decay)
-        if cfg.momentum:
-            (buf,) = state
-            buf.mul_(cfg.momentum).add_(g)
-            return [w.sub_(buf, alpha=cfg.lr), buf]
-        return [w.sub_(g, alpha=cfg.lr)]
-    m, v = state
-    b1, b2 = cfg.betas
-    if cfg.weight_decay:
-        w.mul_(1 - cfg.lr * cfg.weight_decay)
-    m.mul_(b1).add_(g, alpha=1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    denom = (v.sqrt() / (1 - b2 ** step) ** 0.5).add_(cfg.eps)
-    return [w.addcdiv_(m, denom, value=-cfg.lr / (1 - b1 ** step)), m, v]
+FUSED_DTYPES = ("float32", "float64")  # shards torch.optim's fused kernels update as eager torch.optim does
+
+
+def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callable[[], int]) -> Kernel:
+    """One kernel for the optimizer updates ``updates`` (computes of :class:`Update` kernels, one shard each): its
+    inputs are each update's (weight, gradient, state slots in order, and the squared global gradient norm when
+    clipping), concatenated; its outputs each update's (weight, state), the same tensors updated in place.
+    ``step()`` counts from 1.
+
+    The update is torch.optim's own functional SGD / AdamW over every shard at once (grouped by device and dtype),
+    the formulas of ``torch.optim.SGD``/``AdamW``: ``fused=True`` (one kernel per group) for float32 and float64
+    shards, else ``foreach=True`` (torch 2.13's fused CPU kernels compute reduced precision in float32 and round
+    once, so bfloat16 weights would drift from eager's ``torch.optim`` step; its fused SGD's momentum is wrong
+    in bfloat16 outright). Clipping scales the
+    gradients by max_norm / (norm + 1e-6), at most 1, as ``torch.nn.utils.clip_grad_norm_``. Raises ValueError when
+    the updates were lowered for other optimizer state than ``cfg`` keeps, or differ in their state or clipping.
+    """
+    spec = updates[0].kernel
+    if any(u.kernel != spec for u in updates):
+        raise ValueError(f"updates of one kernel must keep the same state and clipping: {[u.kernel for u in updates]}")
+    if OPTIMIZER_SLOTS[cfg.slots] != spec.slots:
+        raise ValueError(f"the plan was lowered for optimizer state {list(spec.slots)}, not for {cfg}")
+    n_in, n, k = 2 + len(spec.slots) + (1 if spec.clip else 0), len(updates), len(spec.slots)
+    steps: list[torch.Tensor] = []  # AdamW's step count per shard (torch.optim increments it: reset every call)
+    fast = {"fused": True} if all(x.type.dtype in FUSED_DTYPES for u in updates for x in u.outs) else {"foreach": True}
+
+    def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        ws, gs = list(xs[0::n_in]), list(xs[1::n_in])
+        state = [list(xs[2 + j::n_in]) for j in range(k)]
+        if spec.clip:
+            scale = (spec.clip / (xs[n_in - 1].sqrt() + 1e-6)).clamp(max=1.0)
+            gs = torch._foreach_mul(gs, scale)
+        if cfg.name == Optimizer.SGD:
+            sgd(ws, gs, state[0] if k else [None] * n, **fast, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                lr=cfg.lr, dampening=0.0, nesterov=False, maximize=False)
+        else:
+            if not steps:
+                steps.extend(torch.zeros((), dtype=torch.float32, device=w.device) for w in ws)
+            for t in steps:
+                t.fill_(step() - 1)
+            adamw(ws, gs, state[0], state[1], [], steps, **fast, amsgrad=False, beta1=cfg.betas[0],
+                  beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+        return [t for i in range(n) for t in (ws[i], *(s[i] for s in state))]
+
+    return kernel
 
 
 def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], saved: dict | None = None,
@@ -97,17 +125,11 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     if isinstance(spec, Sum):
         return lambda xs: [sum(xs[1:], xs[0])]
     if isinstance(spec, Update):
-        if OPTIMIZER_SLOTS[cfg.slots] != spec.slots:
-            raise ValueError(f"the plan was lowered for optimizer state {list(spec.slots)}, not for {cfg}")
-        if spec.clip:  # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1
-            def clipped(xs):
-                scale = (spec.clip / (xs[-1].sqrt() + 1e-6)).clamp(max=1.0)
-                return update(cfg, step(), xs[0], xs[1] * scale, *xs[2:-1])
-            return clipped
-        return lambda xs: update(cfg, step(), *xs)
+        return update_kernel([instr], cfg, step)
     if isinstance(spec, SumOfSquares):
         dtype = torch_dtype(instr.outs[0].type.dtype)
-        return lambda xs: [sum((x.pow(2).sum() for x in xs), torch.zeros((), dtype=dtype, device=device))]
+        return lambda xs: [torch.stack(torch._foreach_norm(xs, dtype=dtype)).square().sum() if xs
+                           else torch.zeros((), dtype=dtype, device=device)]  # a sum of no piece: fresh, may be reduced in place
     if isinstance(spec, Keep):
         return lambda xs: [xs[0]]
     if isinstance(spec, Block):

@@ -8,19 +8,20 @@ distributed executor runs; only the communication differs.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
 from shardflow.lower.comms import run_local
-from shardflow.lower.program import Comm, Compute, Free, Instr
+from shardflow.lower.program import Comm, Compute
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import gather, scatter
 from shardflow.runtime.executor import Executor
-from shardflow.runtime.kernels import OptimizerConfig, local_move, make_kernel, single_calls
-from shardflow.runtime.memory import Ledger
+from shardflow.runtime.kernels import Kernel, OptimizerConfig, local_move, make_kernel, single_calls, update_kernel
+from shardflow.runtime.memory import Ledger, peak
+from shardflow.runtime.segments import Segment, compile_segment, runs
 
 
 class LocalExecutor(Executor):
@@ -31,10 +32,12 @@ class LocalExecutor(Executor):
     """
 
     def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, share: LocalExecutor | None = None,
-                 seed: int = 0, device: torch.device | None = None):
+                 seed: int = 0, device: torch.device | None = None, memory: bool = False):
         """``share``: another executor of the same PCG whose weights this one reads (e.g. evaluation).
         ``seed``: the run seed random ops (dropout) draw with. ``device``: where every rank's buffers live
-        (default: ``share``'s, else the CPU; ``cuda``: every rank of the mesh on this one GPU)."""
+        (default: ``share``'s, else the CPU; ``cuda``: every rank of the mesh on this one GPU). ``memory``: count
+        the live bytes of each rank's buffers as the step runs (:attr:`peak_bytes`; off, the compiled segments do no
+        accounting)."""
         self.lowered, self.cfg = step, optimizer
         self.device = device or (share.device if share else torch.device("cpu"))
         self.dg = step.dg
@@ -49,11 +52,13 @@ class LocalExecutor(Executor):
                                                              self.saved[r] if i.dnode in once else None, seed,
                                                              lambda: self.micro, self.device)
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
-        self.ledgers = {r: Ledger() for r in step.programs}
+        self.ledgers = {r: Ledger() for r in step.programs} if memory else None
         self._index_updates()
-        # per rank, each local instruction as a closure over the rank's buffers, built once (None for a Comm)
-        self.compiled: dict[int, list[Callable[[], None] | None]] = {
-            r: [None if isinstance(i, Comm) else self._compile(r, i) for i in p.instrs]
+        # per rank, its program's runs between communications (the local calls of the rendezvous), compiled
+        self.compiled: dict[int, dict[tuple[int, int], Segment]] = {
+            r: {(a, z): compile_segment(p.instrs[a:z], functools.partial(self._kernel, r), self._update_kernel,
+                                        self.ledgers[r] if memory else None)
+                for a, z in runs(p.instrs, (Comm,)) if not isinstance(p.instrs[a], Comm)}
             for r, p in step.programs.items()}
 
     # --- data in and out ------------------------------------------------------------------------------
@@ -87,50 +92,35 @@ class LocalExecutor(Executor):
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on full ``inputs`` (by graph input name); returns the loss."""
         self._place_inputs(inputs)
-        for r, bufs in self.buffers.items():
-            self.ledgers[r].sync(bufs)
+        self._sync_ledgers()
         blocked = rendezvous(self.lowered.programs, self._run, self._meet)
         if blocked:
             raise RuntimeError("deadlock: " + ", ".join(f"rank {r} blocks at instruction {k}"
                                                         for r, k in sorted(blocked.items())))
         loss = self._get(self.dg.loss_value).item()
-        for r, bufs in self.buffers.items():
+        for bufs in self.buffers.values():
             for new, old in self.renames:
                 if new in bufs:
                     bufs[old] = bufs.pop(new)
-            self.ledgers[r].sync(bufs)
+        self._sync_ledgers()
         self.steps_done += 1
         return loss
 
-    def _compile(self, r: int, instr: Instr) -> Callable[[], None]:
-        """What local instruction ``instr`` of rank ``r`` does, with its buffer names and sizes resolved: a
-        compute reads its inputs, runs its kernel and writes its outputs; a free drops its values (communications
-        complete when all their members issued them, so a ``Wait`` does nothing)."""
-        bufs, ledger = self.buffers[r], self.ledgers[r]
-        if isinstance(instr, Free):
-            values = instr.values
+    def _sync_ledgers(self) -> None:
+        if self.ledgers:
+            for r, bufs in self.buffers.items():
+                self.ledgers[r].sync(bufs)
 
-            def free() -> None:
-                for v in values:
-                    bufs.pop(v, None)
-                    ledger.free(v)
-            return free
-        if isinstance(instr, Compute):
-            kernel = self.kernels[(r, instr.dnode)] if instr.dnode else functools.partial(local_move, instr)
-            ins = [b.value for b in instr.ins]
-            outs = [(b.value, b.type.nbytes) for b in instr.outs]
+    def _kernel(self, r: int, instr: Compute) -> Kernel:
+        return self.kernels[(r, instr.dnode)] if instr.dnode else functools.partial(local_move, instr)
 
-            def compute() -> None:
-                for (v, n), x in zip(outs, kernel([bufs[i] for i in ins])):
-                    bufs[v] = x
-                    ledger.write(v, n)
-            return compute
-        return lambda: None
+    def _update_kernel(self, updates) -> Kernel:
+        return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)
 
     def _run(self, r: int, start: int, stop: int) -> None:
-        """Instructions ``start`` to ``stop - 1`` of rank ``r``'s program, none a communication."""
-        for run in self.compiled[r][start:stop]:
-            run()
+        """Instructions ``start`` to ``stop - 1`` of rank ``r``'s program, none a communication (a ``Wait`` does
+        nothing here: communications complete when all their members issued them)."""
+        self.compiled[r][start, stop](self.buffers[r], None)
 
     def _meet(self, holders: list[tuple[int, Comm]]) -> None:
         """A communication every member has reached: each receives what :func:`run_local` gives it."""
@@ -138,10 +128,12 @@ class LocalExecutor(Executor):
         for (r, c), x in zip(holders, run_local([c for _, c in holders], sends)):
             if c.recv is not None:
                 self.buffers[r][c.recv.value] = x
-                self.ledgers[r].write(c.recv.value, c.recv.type.nbytes)
+                if self.ledgers:
+                    self.ledgers[r].write(c.recv.value, c.recv.type.nbytes)
 
 
     @property
     def peak_bytes(self) -> dict[int, int]:
-        """Per rank: the largest sum of its live buffers so far (bytes)."""
-        return {r: ledger.peak for r, ledger in self.ledgers.items()}
+        """Per rank: the largest sum of its live buffers so far (bytes). Raises RuntimeError when the executor was
+        built without ``memory=True``."""
+        return {r: peak(ledger) for r, ledger in (self.ledgers or {0: None}).items()}

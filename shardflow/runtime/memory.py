@@ -43,6 +43,15 @@ class Ledger:
         self.peak = max(self.peak, self.total)
 
 
+def peak(ledger: Ledger | None) -> int:
+    """The ``ledger``'s peak (bytes). Raises RuntimeError when there is none: the executor was built without
+    ``memory=True``."""
+    if ledger is None:
+        raise RuntimeError("this executor does not count its buffers' bytes: build it with memory=True to read "
+                           "peak_bytes")
+    return ledger.peak
+
+
 class MemoryKind(StrEnum):
     """What a rank's bytes hold."""
 

@@ -31,9 +31,25 @@ Grads = list[torch.Tensor | None]
 HandVjp = Callable[[O.Op, Sequence[torch.Tensor], Sequence[torch.Tensor | None], Sequence[bool]], Grads]
 
 
+FEW_SLICES = 8  # a broadcast dim at most this long is summed by adding its slices
+
+
 def _to(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``g`` summed over the dims ``x`` was broadcast along (broadcasting's backward)."""
-    return g if g.shape == x.shape else g.sum_to_size(x.shape)
+    """``g`` summed over the dims ``x`` was broadcast along (broadcasting's backward). One broadcast dim of at most
+    :data:`FEW_SLICES` (grouped-query attention's key/value heads repeated over the query heads of a group) is
+    summed by adding its slices: ATen's reduction over a short dim in the middle of a tensor is strided and, on a
+    [16, 2, 2, 64, 128] gradient, 7× slower than one element-wise add (measured on this project's CPU)."""
+    if g.shape == x.shape:
+        return g
+    lead = g.ndim - x.ndim
+    dims = [d for d in range(g.ndim) if d < lead or (x.shape[d - lead] == 1 and g.shape[d] != 1)]
+    if len(dims) == 1 and g.shape[dims[0]] <= FEW_SLICES:
+        first, *rest = g.unbind(dims[0])
+        out = first + rest[0] if rest else first.clone()
+        for s in rest[1:]:
+            out.add_(s)
+        return out.reshape(x.shape)
+    return g.sum_to_size(x.shape)
 
 
 def _reshape(op, xs, dys, need) -> Grads:
