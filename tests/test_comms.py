@@ -199,3 +199,21 @@ def test_run_local_writes_a_shared_reduction_into_the_send_buffer():
     for flag in (True, False):
         out = run_local([bc, replace(bc, send=None)], sends, [flag, False])
         assert (out[0] is a) == flag and out[1] is not a and torch.equal(out[1], a)
+
+
+def test_gpt_data_parallel_copies_only_the_gradient_the_add_shares():
+    """dp=2 on the tiny GPT: the loss's all-reduce and the gradient bucket's are in place; the position
+    embedding's gradient is copied first — the add (token + position embeddings) vjp hands the one output gradient
+    to both operands, and the token embedding's backward reads it after that all-reduce."""
+    from shardflow.capture import capture
+    from shardflow.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    batch = {"idx": torch.randint(0, 11, (4, 8)), "targets": torch.randint(0, 11, (4, 8))}
+    graph = capture(model, batch)
+    step = lowered(graph, "dp=2", make_plan(graph, Mesh.parse("dp=2"), "dp"))
+    assert shared(step)[0] == [("FWD", "all_reduce", True), ("BWD", "all_reduce", False), ("BWD", "all_reduce", True)]
+    p = step.programs[0]
+    copied = [c for c in p.comms if c.token not in shared_sends(p, recorded_nodes(p))]
+    assert [c.send.value for c in copied] == ["grad:embedding_1@add"]
