@@ -103,5 +103,4 @@ def test_every_op_a_ring_fuses_has_a_hand_written_vjp():
     recomputes nothing only because every op a ring may fuse (``contracts_last_dim``) has a hand-written vjp, which
     reads the forward's inputs and no graph (issue #16: no recomputed forward for ring-fused linears)."""
     fusable = [cls for cls in O.OPS.values() if cls.contracts_last_dim]
-    assert fusable == [O.Linear, O.Matmul]
-    assert all(hand_vjp(cls()) is not None for cls in fusable)
+    assert fusable and all(hand_vjp(cls()) is not None for cls in fusable)
