@@ -15,7 +15,8 @@ from shardflow.lower import LowerOptions, lower_step
 from shardflow.lower.comms import run_local
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
-from shardflow.lower.program import Buffer, Comm, Compute, Forward, Keep, Program, Update, Vjp, Wait, shared_sends
+from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Update, Vjp, Wait,
+                                     shared_sends)
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Replicate as ReplicateOp
 from shardflow.parallel.pcg import build_pcg
@@ -126,6 +127,11 @@ def buf(v: str) -> Buffer:
     return Buffer(v, F64)
 
 
+def made(v: str) -> Compute:
+    """``v``, a new tensor made on this rank (from the input x)."""
+    return Compute(TaskType.FWD, v, "ones", (buf("x"),), (buf(v),), v, kernel=OnesLike())
+
+
 def keep(src: str, dst: str) -> Compute:
     return Compute(TaskType.FWD, dst, "keep", (buf(src),), (buf(dst),), dst, kernel=Keep())
 
@@ -153,11 +159,15 @@ def program(*instrs, keep_values=("w", "upd:w")) -> Program:
 
 
 def test_an_all_reduce_is_in_place_only_when_nothing_sharing_its_storage_is_read_after_it():
-    # y = x itself (a kept piece): reducing y in place would change x, read afterwards
-    assert shared_sends(program(keep("x", "y"), all_reduce(0, "y"), read("x", "y.sum", out="z")), ()) == frozenset()
-    assert shared_sends(program(keep("x", "y"), read("x", out="z"), all_reduce(0, "y")), ()) == {0}
-    # a value that outlives the step (a weight, a gradient the update reads, the loss) is never overwritten
-    assert shared_sends(program(keep("x", "y"), all_reduce(0, "y"), keep_values=("x",)), ()) == frozenset()
+    # y = a itself (a kept piece): reducing y in place would change a, read afterwards
+    assert shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), read("a", "y.sum", out="z")),
+                        ()) == frozenset()
+    assert shared_sends(program(made("a"), keep("a", "y"), read("a", out="z"), all_reduce(0, "y")), ()) == {0}
+    # a value that outlives the step (a weight, a gradient the update reads, the loss) is never overwritten, nor
+    # one the executor placed (the step's data may be the caller's tensors)
+    assert shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), keep_values=("a",)),
+                        ()) == frozenset()
+    assert shared_sends(program(keep("x", "y"), all_reduce(0, "y")), ()) == frozenset()
 
 
 def test_a_recorded_forward_keeps_its_outputs_until_the_backward():
@@ -170,11 +180,11 @@ def test_a_recorded_forward_keeps_its_outputs_until_the_backward():
 
 
 def test_a_buffer_in_flight_is_not_overwritten():
-    # x is read by an async broadcast until its wait: y = x may not be reduced in place before that wait
-    assert shared_sends(program(keep("x", "y"), broadcast(0, "x", wait=False), all_reduce(1, "y"), Wait(0)),
-                        ()) == {0}
-    assert shared_sends(program(keep("x", "y"), broadcast(0, "x", wait=False), Wait(0), all_reduce(1, "y")),
-                        ()) == {0, 1}
+    # a is read by an async broadcast until its wait: y = a may not be reduced in place before that wait
+    assert shared_sends(program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), all_reduce(1, "y"),
+                                Wait(0)), ()) == {0}
+    assert shared_sends(program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), Wait(0),
+                                all_reduce(1, "y")), ()) == {0, 1}
 
 
 def test_a_broadcast_root_shares_a_weight_only_if_its_replica_is_not_read_after_the_update():
@@ -184,7 +194,10 @@ def test_a_broadcast_root_shares_a_weight_only_if_its_replica_is_not_read_after_
     assert shared_sends(program(broadcast(0, "w"), read("w.rep", out="z"), update("w", "g")), ()) == {0}
     assert shared_sends(program(broadcast(0, "w"), update("w", "g"), read("w.rep", out="z")), ()) == frozenset()
     # nor may an in-place reduction overwrite a replica whose root buffer is still read
-    assert shared_sends(program(broadcast(0, "x"), all_reduce(1, "x.rep"), read("x", out="z")), ()) == {0}
+    assert shared_sends(program(made("a"), broadcast(0, "a"), all_reduce(1, "a.rep"), read("a", out="z")),
+                        ()) == {0}
+    assert shared_sends(program(made("a"), broadcast(0, "a"), read("a", out="z"), all_reduce(1, "a.rep")),
+                        ()) == {0, 1}
 
 
 def test_run_local_writes_a_shared_reduction_into_the_send_buffer():

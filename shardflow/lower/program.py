@@ -359,8 +359,9 @@ def shared_sends(program: Program, recorded: Collection[str]) -> frozenset[int]:
 
     A buffer may be overwritten by a communication issued at instruction k when no buffer that may share its
     storage is read after k — by an instruction, by a forward's recorded autograd graph (read again by the
-    backward of its node), or by an earlier communication still in flight — or outlives the step (never freed:
-    weights, optimizer state, the gradients the updates read, the loss). Storage is shared along compute kernels
+    backward of its node), or by an earlier communication still in flight —, outlives the step (never freed:
+    weights, optimizer state, the gradients the updates read, the loss) or was placed by the executor (the
+    program's inputs: the step's data may be the caller's tensors). Storage is shared along compute kernels
     that return inputs or views of them (:func:`_aliased`), optimizer updates (in place) and the communications
     chosen here (the result is the send buffer). A broadcast root that is not the last reader of its buffer
     sends it as it is too, and its result shares the buffer, unless an optimizer update later overwrites one of
@@ -376,7 +377,7 @@ def _sharing(program: Program, recorded: Collection[str], live_roots: bool) -> t
     buffer whose storage another buffer still read shares. ``live_roots``: broadcast roots send their buffer as it
     is even when it is read afterwards."""
     instrs = program.instrs
-    freed = {v for i in instrs if isinstance(i, Free) for v in i.values}
+    freed = {v for i in instrs if isinstance(i, Free) for v in i.values} - {b.value for b in program.inputs}
     last: dict[str, int] = {}  # value → the last instruction that reads it
     for k, i in enumerate(instrs):
         for b in reads(i):
