@@ -422,10 +422,10 @@ def section_d(res: dict, quick: bool) -> str:
             lines += [f"Backward linear kernel (`BWD vjp[linear]`, timers): {ms(kern('collective / collective', 'BWD vjp[linear'))} "
                       f"ms with the plain all-gather, {ms(kern('ring / collective', 'BWD vjp[linear'))} ms after the "
                       f"fused ring (forward chunks: {ms(kern('ring / collective', 'FWD linear'))} ms vs "
-                      f"{ms(kern('collective / collective', 'FWD linear'))} ms). A forward computed chunk by chunk "
-                      f"records no autograd graph (`kernels.make_kernel` only records forwards that run as one "
-                      f"instruction), so its backward recomputes the forward under `torch.func.vjp`: one more linear "
-                      f"per step, which on this CPU costs more than the all-gather the ring hides.", ""]
+                      f"{ms(kern('collective / collective', 'FWD linear'))} ms). Both run the hand-written linear "
+                      f"vjp (`runtime/vjp.py`: dx = dy·W, dW = dyᵀ·x, db = Σ dy), which reads the forward's inputs "
+                      f"and no autograd graph, so the chunked forward of the fused ring costs its backward no "
+                      f"recomputation (every op a ring fuses — linear, matmul — has one).", ""]
     return "\n".join(lines)
 
 

@@ -8,8 +8,9 @@ CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@
 "sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
 "die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
-saved under one strategy, restored under others; a NaN in one rank's pieces), "devices" (fsdp, dropout and the
-checkpoint case under tests/devices.py's DevicelessFactories: no tensor made without naming a device).
+saved under one strategy, restored under others; a NaN in one rank's pieces), "comms" (every communication kind
+against the local implementation), "devices" (fsdp, dropout and the checkpoint case under tests/devices.py's
+DevicelessFactories: no tensor made without naming a device).
 """
 
 import json
@@ -257,6 +258,62 @@ def run_groups(rank, world):
     return {"failed groups": float(failed)}
 
 
+def run_comms(rank, world):
+    """Every communication kind through :func:`~shardflow.lower.comms.issue` on this world against
+    :func:`~shardflow.lower.comms.run_local` on every rank's send buffer (float64, shape [2d, 3d, 2d]): the largest
+    difference per case — all-gather and reduce-scatter on each dim, all-to-all between dims, all-reduce, broadcast
+    and reduce with the send buffer shared or copied, contiguous or not. Also 1.0 where a shared all-reduce did not
+    reduce into its send buffer, a copied one did, or an all-gather on a dim other than 0 copied its result."""
+    from shardflow.graph.ops import TensorType
+    from shardflow.lower.comms import issue, run_local
+    from shardflow.lower.program import Buffer, Comm
+
+    d, members = world, tuple(range(world))
+    shape = (2 * d, 3 * d, 2 * d)
+
+    def comm(kind, piece, result, **kw):
+        t = TensorType(piece, "float64")
+        return Comm(0, kind, "FWD", members, t, 0, send=Buffer("x", t), recv=Buffer("y", TensorType(result, "float64")),
+                    **kw)
+
+    def scaled(dim, f):
+        return tuple(n * f if i == dim else n for i, n in enumerate(shape))
+
+    cases = {f"all_gather dim {k}": (comm("all_gather", shape, scaled(k, d), dim=k), False) for k in range(3)}
+    cases |= {f"reduce_scatter dim {k}": (comm("reduce_scatter", shape, tuple(n // d if i == k else n
+                                                                             for i, n in enumerate(shape)), dim=k), False)
+              for k in range(3)}
+    cases |= {f"all_to_all {a}->{b}": (comm("all_to_all", shape, shape, dim=a, dim2=b), False)
+              for a, b in ((0, 1), (1, 0), (2, 1), (1, 1))}
+    for own in (True, False):
+        cases[f"all_reduce shared={own}"] = (comm("all_reduce", shape, shape), own)
+        cases[f"all_reduce avg shared={own}"] = (comm("all_reduce", shape, shape, reduce_op="avg"), own)
+        cases[f"broadcast root {d - 1} shared={own}"] = (comm("broadcast", shape, shape, root=d - 1), own)
+        cases[f"reduce root 1 shared={own}"] = (comm("reduce", shape, shape, root=1), own)
+    diffs = {}
+    for k, (name, (c, own)) in enumerate(cases.items()):
+        gen = torch.Generator().manual_seed(k)
+        sends = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(d)]
+        for transposed in (False, True):  # a non-contiguous send buffer: a transposed view of its values
+            mine = sends[rank].clone()
+            if transposed:
+                mine = mine.transpose(0, 2).contiguous().transpose(0, 2)
+            issued = issue(c, mine, rank, in_place=own)
+            for h in issued.handles:
+                h.wait()
+            got = issued.result()
+            want = run_local([c] * d, [x.clone() for x in sends], [own] * d)[rank]
+            if c.kind == "reduce" and rank != c.root:
+                diffs[f"{name}{' transposed' * transposed}"] = float(got is not None)
+                continue
+            diffs[f"{name}{' transposed' * transposed}"] = (got - want).abs().max().item()
+            if c.kind == "all_reduce" and c.reduce_op == "sum" and not transposed:
+                diffs[f"{name}: reduced into its send buffer as told"] = float((got.data_ptr() == mine.data_ptr()) != own)
+            if c.kind == "all_gather" and c.dim != 0:
+                diffs[f"{name}: result a view"] = float(got.is_contiguous())
+    return diffs
+
+
 def run_devices(rank, world, out):
     """An fsdp run against one device, the dropout case and the checkpoint case under
     :class:`~devices.DevicelessFactories`: their differences, and how many shardflow source lines made a tensor
@@ -306,6 +363,8 @@ def main():
             results[case] = run_checkpoint(rank, world, out)
         elif case == "devices":
             results[case] = run_devices(rank, world, out)
+        elif case == "comms":  # every communication kind against the local implementation
+            results[case] = run_comms(rank, world)
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

@@ -36,7 +36,7 @@ def check(res, results, tmp_path):
 def test_two_processes(tmp_path):
     cases = ["dp@dp=2@float64", "tp@tp=2@float64", "sp@tp=2@float64", "pp@pp=2@float64", "tp@tp=2@float32",
              "sp@tp=2@float64@ring@ring", "sp@tp=2@float64@broadcast_loop@collective", "tp@tp=2@bfloat16",
-             "explicit", "dropout", "checkpoint", "devices"]
+             "explicit", "dropout", "checkpoint", "devices", "comms"]
     check(*run(tmp_path, 2, cases), tmp_path)
     for r in range(2):  # sp's all-gathers use torch's current API: no deprecation warning in any rank's log
         assert "deprecated" not in (tmp_path / "logs" / f"rank{r}.log").read_text()
@@ -45,7 +45,7 @@ def test_two_processes(tmp_path):
 def test_four_processes(tmp_path):
     cases = ["dp,tp@dp=2,tp=2@float64", "dp,sp@dp=2,tp=2@float64", "tp@tp=4@float64", "pp,tp@pp=2,tp=2@float64",
              "sp@tp=4@float64@ring@ring", "dp,sp@dp=2,tp=2@float64@broadcast_loop@ring", "outside_view", "groups",
-             "checkpoint"]
+             "checkpoint", "comms"]
     check(*run(tmp_path, 4, cases), tmp_path)
 
 

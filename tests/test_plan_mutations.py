@@ -24,7 +24,7 @@ from shardflow.capture import capture
 from shardflow.graph.ops import TensorType
 from shardflow.lower import LowerOptions, lower_step
 from shardflow.lower.program import Comm, Free, Program, Wait
-from shardflow.lower.verify import reads
+from shardflow.lower.program import reads
 from shardflow.lower.verify import PlanVerificationError, verify
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh

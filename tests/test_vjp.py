@@ -100,3 +100,11 @@ def test_hand_vjp_equals_autograd(case, scaled):
     for i, g, w in zip(diff, got, want):
         assert g.shape == w.shape and g.dtype == xs[i].dtype, case.label
         torch.testing.assert_close(g, w * unscale[i], atol=1e-12, rtol=0, msg=f"{case.label}: input {i}")
+
+
+def test_every_op_a_ring_fuses_has_a_hand_written_vjp():
+    """A fused ring computes its consumer's forward chunk by chunk, recording no autograd graph; its backward
+    recomputes nothing only because every op a ring may fuse (``contracts_last_dim``) has a hand-written vjp, which
+    reads the forward's inputs and no graph (issue #16: no recomputed forward for ring-fused linears)."""
+    fusable = [cls for cls in O.OPS.values() if cls.contracts_last_dim]
+    assert fusable and all(hand_vjp(cls()) is not None for cls in fusable)

@@ -98,6 +98,11 @@ class Op:
     # Input 0's last dim is contracted with the other inputs (linear, matmul); its other dims carry over to the
     # output dims of the same index, so the op runs chunk by chunk along them (a ring all-gather fuses it).
     contracts_last_dim: ClassVar[bool] = False
+    # compute returns new tensors only, never an input or a view of one (an executor may then overwrite an output
+    # while the inputs live on: :func:`~shardflow.lower.program.shared_sends`); False where unsure
+    fresh: ClassVar[bool] = False
+    # likewise for its vjp: the input gradients are new tensors, never an output gradient or a view of one
+    fresh_grads: ClassVar[bool] = False
 
     def infer(self, ins: tuple[TensorType, ...]) -> tuple[TensorType, ...]:
         raise NotImplementedError
@@ -126,6 +131,8 @@ class Linear(Op):
     """
 
     kind: ClassVar[str] = "linear"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     contracts_last_dim: ClassVar[bool] = True
     bias: bool = True
     transposed: bool = quiet(False)
@@ -155,6 +162,8 @@ class Embedding(Op):
     """Row lookup. Inputs: indices ``[*]`` (int64), weight ``[vocab, C]``. Output ``[*, C]``."""
 
     kind: ClassVar[str] = "embedding"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     padding_idx: int = quiet(-1)  # ATen's spelling of "none": the row whose gradient stays zero
 
     def infer(self, ins):
@@ -175,6 +184,8 @@ class LayerNorm(Op):
     """Layer norm over the last ``ndim`` dims. Inputs: x, then weight and bias (shape of those dims)."""
 
     kind: ClassVar[str] = "layer_norm"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     ndim: int = 1
     eps: float = 1e-5
     affine: bool = True
@@ -268,6 +279,8 @@ class Unary(Op):
     """Element-wise function of one tensor: one of :data:`UNARY_FNS`."""
 
     kind: ClassVar[str] = "unary"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     fn: str = "relu"
 
     def infer(self, ins):
@@ -299,6 +312,7 @@ class Binary(Op):
     dtype is PyTorch's promotion of the two (bool for comparisons)."""
 
     kind: ClassVar[str] = "binary"
+    fresh: ClassVar[bool] = True
     fn: str = "add"
 
     def infer(self, ins):
@@ -333,6 +347,7 @@ class Scalar(Op):
     the number keeps its Python type, so PyTorch's promotion (``int_tensor * 2`` stays int) holds."""
 
     kind: ClassVar[str] = "scalar"
+    fresh: ClassVar[bool] = True
     fn: str = "mul"
     value: float | int | bool = 1.0
 
@@ -354,6 +369,8 @@ class Where(Op):
     """``torch.where(cond, a, b)`` with broadcasting of all three. Inputs: cond (bool), a, b."""
 
     kind: ClassVar[str] = "where"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
 
     def infer(self, ins):
         _expect(3, ins, self)
@@ -391,6 +408,8 @@ class Matmul(Op):
     """Batched matrix product ``[*, n, k] @ [*, k, m] -> [*, n, m]`` (torch.matmul / bmm, both ≥ 2-D)."""
 
     kind: ClassVar[str] = "matmul"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     contracts_last_dim: ClassVar[bool] = True
 
     def infer(self, ins):
@@ -531,6 +550,8 @@ class Gather(Op):
     """``torch.gather(x, dim, index)``: inputs x and index (int64, same number of dims); output like index."""
 
     kind: ClassVar[str] = "gather"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     dim: int = 0
 
     def infer(self, ins):
@@ -580,6 +601,8 @@ class Softmax(Op):
     """Softmax (``log``: log-softmax) along ``dim``."""
 
     kind: ClassVar[str] = "softmax"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     dim: int = -1
     log: bool = False
 
@@ -604,6 +627,7 @@ class Reduce(Op):
     as size 1. A sum of integers or bools is int64, as in PyTorch."""
 
     kind: ClassVar[str] = "reduce"
+    fresh: ClassVar[bool] = True
     fn: str = "sum"
     dims: tuple[int, ...] = ()
     keepdim: bool = False
@@ -636,6 +660,8 @@ class Attention(Op):
     """
 
     kind: ClassVar[str] = "attention"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     causal: bool = True
     scale: float | None = None
     mask: bool = quiet(False)
@@ -666,6 +692,8 @@ class Conv(Op):
     ``[O, C/groups, *kernel]``, bias ``[O]``. Output ``[N, O, *spatial']``."""
 
     kind: ClassVar[str] = "conv"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     stride: tuple[int, ...] = (1, 1)
     padding: tuple[int, ...] = (0, 0)
     dilation: tuple[int, ...] = (1, 1)
@@ -744,6 +772,8 @@ class CrossEntropy(Op):
     """
 
     kind: ClassVar[str] = "cross_entropy"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
     reduction: str = "mean"
 
     def infer(self, ins):

@@ -85,29 +85,34 @@ _REDUCE = {"sum": lambda x: x.sum(0), "avg": lambda x: x.mean(0), "max": lambda 
            "min": lambda x: x.amin(0)}
 
 
-def run_local(members: Sequence[Comm], sends: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """What each member receives (``None``: nothing), from what each sends; both in ``members[0].members``
-    order. Raises ValueError for an unknown kind."""
+def run_local(members: Sequence[Comm], sends: Sequence[torch.Tensor | None],
+              shared: Sequence[bool]) -> list[torch.Tensor | None]:
+    """What each member receives (``None``: nothing), from what each sends; all three in ``members[0].members``
+    order. ``shared``: per member, whether its send buffer is the communication's to use
+    (:func:`~shardflow.lower.program.shared_sends`): a reduction then writes its result there and a broadcast root
+    keeps its buffer as its result, as :func:`issue` does — so the local executor runs the same buffer sharing as
+    the distributed one. Raises ValueError for an unknown kind."""
     c = members[0]
     d = len(members)
     kind = c.family
     if kind == "all_reduce":
         s = _REDUCE[c.reduce_op](torch.stack(list(sends)))
-        return [s.clone() for _ in range(d)]
+        return [x.copy_(s) if own else s.clone() for x, own in zip(sends, shared)]
     if kind == "all_gather":
         s = torch.cat(list(sends), c.dim)
-        return [s.clone() for _ in range(d)]
+        return [s if j == 0 else s.clone() for j in range(d)]
     if kind == "reduce_scatter":
-        return [x.contiguous() for x in _REDUCE[c.reduce_op](torch.stack(list(sends))).chunk(d, c.dim)]
+        return list(_REDUCE[c.reduce_op](torch.stack(list(sends))).chunk(d, c.dim))
     if kind == "all_to_all":
         chunks = [x.chunk(d, c.dim) for x in sends]
         return [torch.cat([chunks[i][j] for i in range(d)], c.dim2) for j in range(d)]
     if kind == "broadcast":
-        root = sends[c.members.index(c.root)]
-        return [None if m.recv is None else root.clone() for m in members]
+        k = c.members.index(c.root)
+        root = sends[k] if shared[k] else sends[k].clone()
+        return [None if m.recv is None else root if j == k else sends[k].clone() for j, m in enumerate(members)]
     if kind == "reduce":  # a root outside the group (a machine view) adds nothing
         s = torch.stack([x for x in sends if x is not None]).sum(0)
-        return [s if m.recv is not None else None for m in members]
+        return [None if m.recv is None else x.copy_(s) if own else s for m, x, own in zip(members, sends, shared)]
     if kind == "permute":  # each member sends to its peer; each receives what was sent to it
         sent_to = {m.peer: x for m, x in zip(members, sends)}
         return [sent_to[r].clone() for r in c.members]
@@ -131,11 +136,19 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
           device: torch.device | str = "cpu") -> Issued:
     """Issue this rank's side of ``c`` without waiting. ``send``: this rank's send buffer (shape
     ``c.send.type.shape``); ``group``: the process group of ``c.members`` (None = the world); ``in_place``: the
-    send buffer is dead after ``c`` and may be reduced in place. Raises ValueError for an unknown kind."""
+    send buffer is the communication's to use (:func:`~shardflow.lower.program.shared_sends`): an all-reduce or a
+    reduce overwrites it with the result, a broadcast root sends it as it is and returns it (a non-contiguous one is
+    copied all the same: the backends take contiguous buffers). An all-gather or reduce-scatter along a dim other
+    than 0 copies its input once (that dim to the front) and returns a view of the received buffer, not a copy;
+    an all-to-all likewise (its result is a copy only where the chunks cannot be viewed in place: ``dim2`` ≠ 0).
+    Raises ValueError for an unknown kind."""
     import torch.distributed as dist
 
     def empty(shape) -> torch.Tensor:
         return torch.empty(shape, dtype=torch_dtype(c.type.dtype), device=device)
+
+    def working(x: torch.Tensor) -> torch.Tensor:  # the buffer the backend works on
+        return x if in_place and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
 
     d = len(c.members)
     op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -148,30 +161,29 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
         out = empty(c.recv.type.shape)
         return Issued((dist.irecv(out, c.peer),), lambda: out)
     if kind == "all_reduce":
-        out = send if in_place else send.clone()
+        out = working(send)
         return Issued((dist.all_reduce(out, op=op, group=group, async_op=True),), lambda: scale(out))
-    if kind == "all_gather":  # gathered dim to the front
+    if kind == "all_gather":  # gathered dim to the front; the result is a view of the gathered buffer
         x = send.movedim(c.dim, 0).contiguous()
         out = empty((d * x.shape[0],) + tuple(x.shape[1:]))
-        return Issued((dist.all_gather_single(out, x, group=group, async_op=True),),
-                      lambda: out.movedim(0, c.dim).contiguous())
-    if kind == "reduce_scatter":  # scattered dim to the front
+        return Issued((dist.all_gather_single(out, x, group=group, async_op=True),), lambda: out.movedim(0, c.dim))
+    if kind == "reduce_scatter":  # scattered dim to the front; the result is a view of the received buffer
         x = send.movedim(c.dim, 0).contiguous()
         out = empty((x.shape[0] // d,) + tuple(x.shape[1:]))
         return Issued((dist.reduce_scatter_single(out, x, op=op, group=group, async_op=True),),
-                      lambda: scale(out.movedim(0, c.dim).contiguous()))
-    if kind == "all_to_all":
-        x = torch.stack(send.chunk(d, c.dim)).contiguous()
+                      lambda: scale(out.movedim(0, c.dim)))
+    if kind == "all_to_all":  # x[j]: the chunk for member j; out[i]: the chunk from member i
+        x = send.unflatten(c.dim, (d, -1)).movedim(c.dim, 0).contiguous()
         out = torch.empty_like(x)
         return Issued((dist.all_to_all_single(out, x, group=group, async_op=True),),
-                      lambda: torch.cat(list(out.unbind(0)), c.dim2).contiguous())
+                      lambda: out.movedim(0, c.dim2).flatten(c.dim2, c.dim2 + 1))
     if kind == "broadcast":
         root = rank == c.root
-        out = (send if in_place else send.clone()) if root else empty(c.recv.type.shape)
+        out = working(send) if root else empty(c.recv.type.shape)
         work = dist.broadcast(out, src=c.root, group=group, async_op=True)
         return Issued((work,), lambda: out if c.recv is not None else None)
     if kind == "reduce":  # a root outside the group (a machine view) adds zeros
-        out = empty(c.type.shape).zero_() if send is None else send if in_place else send.clone()
+        out = empty(c.type.shape).zero_() if send is None else working(send)
         work = dist.reduce(out, dst=c.root, group=group, async_op=True)
         return Issued((work,), lambda: out if rank == c.root else None)
     if kind == "permute":  # one ring step: send and recv issued together

@@ -17,9 +17,8 @@ from itertools import accumulate
 
 from shardflow.lower.comm_lowering import instances, process_groups
 from shardflow.lower.dynamic import PassError, PassName, require
-from shardflow.lower.program import Comm, Free, Instr, Program, Wait
+from shardflow.lower.program import Comm, Free, Instr, Program, Wait, reads, writes
 from shardflow.lower.shard_expansion import ShardedGraph, in_group, piece
-from shardflow.lower.verify import reads, writes
 
 
 def ordering(sg: ShardedGraph) -> ShardedGraph:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.dynamic import TaskType
@@ -317,6 +317,127 @@ class Program:
         groups = [{"members": list(g.members), "axis": g.axis} for g in self.groups]
         return {"rank": self.rank, "fingerprint": self.fingerprint(), "bytes": totals,
                 "inputs": [buf(b) for b in self.inputs], "groups": groups, "instructions": instrs}
+
+
+# --- which communications may use their send buffer itself ------------------------------------------------------
+# Communications that may hand their send buffer to the backend as it is: a reduction (all-reduce, reduce) then
+# overwrites it with the result, a broadcast root only reads it (its result at the root is that buffer itself).
+SHARING_KINDS = ("all_reduce", "reduce", "broadcast")
+
+
+def _aliased(i: Compute) -> tuple[tuple[int, ...], ...]:
+    """Per output of compute ``i``, the inputs whose storage its kernel may return it in: the input itself, a
+    view of it, or the input updated in place (:mod:`shardflow.runtime.kernels`, :func:`local_move`). A table by
+    kernel kind, conservative where a kernel may or may not copy: an op not known to be ``fresh`` may alias every
+    input; a vjp's gradients are linear in the output gradients and, unless the op is known to have ``fresh_grads``,
+    may be those (an add's, a view's backward), never a forward input."""
+    every, none = tuple(range(len(i.ins))), ()
+    spec = i.kernel
+    if isinstance(spec, Forward):
+        per = none if spec.local.op.fresh else every
+    elif isinstance(spec, Vjp):
+        per = none if spec.local.op.fresh_grads else tuple(range(len(spec.grad_mask), len(i.ins)))
+    elif isinstance(spec, Update):  # new weight, new state slots: the old ones, updated in place
+        return ((0,),) + tuple((2 + s,) for s in range(len(spec.slots)))
+    elif isinstance(spec, Sum):
+        per = every if len(i.ins) == 1 else none
+    elif isinstance(spec, Convert):
+        per = every if i.ins[0].type.dtype == i.outs[0].type.dtype else none
+    elif isinstance(spec, (Keep, Block)) or (spec is None and i.op in ("chunk", "unpack")):
+        per = every
+    else:  # OnesLike, SumOfSquares; concat, add, pack, ungather: new tensors
+        per = none
+    return (per,) * len(i.outs)
+
+
+def shared_sends(program: Program, recorded: Collection[str]) -> frozenset[int]:
+    """Tokens of the communications of ``program`` (kinds :data:`SHARING_KINDS`) that may use their send buffer
+    itself instead of a copy: an all-reduce or reduce whose send buffer is dead after it (reduced in place), a
+    broadcast root's buffer (sent as it is). ``recorded``: the PCG nodes whose forward kernel keeps its autograd
+    graph, outputs included, until the backward of the node (the executor's choice:
+    :func:`~shardflow.runtime.kernels.records_graph`).
+
+    A buffer may be overwritten by a communication issued at instruction k when no buffer that may share its
+    storage is read after k — by an instruction, by a forward's recorded autograd graph (read again by the
+    backward of its node), or by an earlier communication still in flight —, outlives the step (never freed:
+    weights, optimizer state, the gradients the updates read, the loss) or was placed by the executor (the
+    program's inputs: the step's data may be the caller's tensors). Storage is shared along compute kernels
+    that return inputs or views of them (:func:`_aliased`), optimizer updates (in place) and the communications
+    chosen here (the result is the send buffer). A broadcast root that is not the last reader of its buffer
+    sends it as it is too, and its result shares the buffer, unless an optimizer update later overwrites one of
+    them while the other is still read (a received value must never alias a buffer updated in place); then every
+    broadcast root whose buffer is read afterwards sends a copy.
+    """
+    shared, clash = _sharing(program, recorded, live_roots=True)
+    return _sharing(program, recorded, live_roots=False)[0] if clash else shared
+
+
+def _sharing(program: Program, recorded: Collection[str], live_roots: bool) -> tuple[frozenset[int], bool]:
+    """:func:`shared_sends`' pass over ``program``: the tokens chosen, and whether an optimizer update overwrites a
+    buffer whose storage another buffer still read shares. ``live_roots``: broadcast roots send their buffer as it
+    is even when it is read afterwards."""
+    instrs = program.instrs
+    freed = {v for i in instrs if isinstance(i, Free) for v in i.values} - {b.value for b in program.inputs}
+    last: dict[str, int] = {}  # value → the last instruction that reads it
+    for k, i in enumerate(instrs):
+        for b in reads(i):
+            last[b.value] = k
+    backward = {i.node: k for k, i in enumerate(instrs) if isinstance(i, Compute) and isinstance(i.kernel, Vjp)}
+    for i in instrs:  # a recorded forward's outputs live in its autograd graph until the backward of its node
+        if isinstance(i, Compute) and isinstance(i.kernel, Forward) and i.node in recorded and i.node in backward:
+            for b in i.outs:
+                last[b.value] = max(last.get(b.value, -1), backward[i.node])
+    group: dict[str, list[str]] = {}  # value → the values that may share its storage (one list per class)
+
+    def union(a: str, b: str) -> None:
+        ga, gb = group.setdefault(a, [a]), group.setdefault(b, [b])
+        if ga is not gb:
+            ga.extend(gb)
+            for u in gb:
+                group[u] = ga
+
+    def free_after(v: str, k: int, spare: str = "") -> bool:  # no buffer sharing v's storage is needed after k
+        same = group.get(v, [v])
+        return (all(u not in same for u in in_flight.values())
+                and all(u == spare or (u in freed and last.get(u, -1) <= k) for u in same))
+
+    in_flight: dict[int, str] = {}  # token → the send buffer of a communication issued, not waited
+    chosen: set[int] = set()
+    clash = False
+    for k, i in enumerate(instrs):
+        if isinstance(i, Wait):
+            in_flight.pop(i.token, None)
+        elif isinstance(i, Compute):
+            if isinstance(i.kernel, Update):  # overwrites the weight and state slots it was given
+                for j in (0, *range(2, 2 + len(i.kernel.slots))):
+                    clash |= not free_after(i.ins[j].value, k, spare=i.ins[j].value)
+            for b, per in zip(i.outs, _aliased(i)):
+                for j in per:
+                    union(b.value, i.ins[j].value)
+        elif isinstance(i, Comm):
+            if i.send is not None and i.kind in SHARING_KINDS:
+                reads_only = i.kind == "broadcast" and (live_roots or i.recv is None)
+                if reads_only or free_after(i.send.value, k):
+                    chosen.add(i.token)
+                    if i.recv is not None:
+                        union(i.recv.value, i.send.value)
+            if i.send is not None and not i.wait:
+                in_flight[i.token] = i.send.value
+    return frozenset(chosen), clash
+
+
+def reads(i: Instr) -> tuple[Buffer, ...]:
+    """The buffers instruction ``i`` reads on its rank: a compute's inputs, a communication's send buffer."""
+    if isinstance(i, Compute):
+        return i.ins
+    return (i.send,) if isinstance(i, Comm) and i.send is not None else ()
+
+
+def writes(i: Instr) -> tuple[Buffer, ...]:
+    """The buffers instruction ``i`` fills on its rank (an async receive: filled at its ``Wait``)."""
+    if isinstance(i, Compute):
+        return i.outs
+    return (i.recv,) if isinstance(i, Comm) and i.recv is not None else ()
 
 
 def programs_json(programs: Mapping[int, Program]) -> str:

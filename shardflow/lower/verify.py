@@ -10,7 +10,7 @@ from itertools import combinations
 from typing import Iterator, Mapping
 
 from shardflow.lower.comms import FIELDS, CommKind
-from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait
+from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait, reads, writes
 from shardflow.lower.rendezvous import rendezvous
 
 SHOWN = 5  # problems quoted in the error message; all are in ``problems``
@@ -211,20 +211,6 @@ def _check_waits(programs: Mapping[int, Program]) -> list[str]:
                 open_[instr.token] = instr
         out += [f"rank {r} never waits on token {t} ({c.kind}), issued without waiting" for t, c in open_.items()]
     return out
-
-
-def reads(i: Instr) -> tuple[Buffer, ...]:
-    """The buffers instruction ``i`` reads on its rank: a compute's inputs, a communication's send buffer."""
-    if isinstance(i, Compute):
-        return i.ins
-    return (i.send,) if isinstance(i, Comm) and i.send is not None else ()
-
-
-def writes(i: Instr) -> tuple[Buffer, ...]:
-    """The buffers instruction ``i`` fills on its rank (an async receive: filled at its ``Wait``)."""
-    if isinstance(i, Compute):
-        return i.outs
-    return (i.recv,) if isinstance(i, Comm) and i.recv is not None else ()
 
 
 def _instr(k: int, i: Instr) -> str:

@@ -30,12 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.comms import Issued, issue
-from shardflow.lower.program import Comm, Compute, Group, Wait
+from shardflow.lower.program import Comm, Compute, Group, Wait, shared_sends
 from shardflow.parallel.mesh import Mesh
 from shardflow.lower.verify import check_fingerprints
 from shardflow.runtime.device import backend_for
 from shardflow.runtime.executor import Executor
-from shardflow.runtime.kernels import Kernel, OptimizerConfig, local_move, make_kernel, single_calls, update_kernel
+from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
+                                       update_kernel)
 from shardflow.runtime import trace
 from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
@@ -196,9 +197,8 @@ class DistributedExecutor(Executor):
                                              lambda: self.micro, self.device)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
-        # buffers packed for one communication and read by nothing else: reduced in place, not copied first
-        self.scratch = {b.value for i in self.program.instrs if isinstance(i, Compute) and i.op == "pack"
-                        for b in i.outs}
+        # communications whose send buffer is theirs to use: reduced in place, or broadcast from as it is
+        self.shared = shared_sends(self.program, recorded_nodes(self.program))
         self.ledger = Ledger() if memory else None
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.compiled: dict[bool, list[Segment | Comm | Wait]] = {}  # traced? → the program, compiled
@@ -361,8 +361,7 @@ class DistributedExecutor(Executor):
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
         group = None if c.family in ("p2p", "permute") else self.groups.get(c.members)  # point-to-point: none
-        issued = issue(c, send, self.rank, group, in_place=c.send is not None and c.send.value in self.scratch,
-                       device=self.device)
+        issued = issue(c, send, self.rank, group, in_place=c.token in self.shared, device=self.device)
         if not c.wait:
             self.pending[c.token] = (issued, c)
             return None

@@ -112,7 +112,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     spec = instr.kernel
     if isinstance(spec, Forward):
         fwd = forward(spec.local, spec.draw, seed, step, micro)
-        if saved is None or not spec.record or hand_vjp(spec.local.op) is not None:
+        if saved is None or not records_graph(spec):
             return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.node, saved)
     if isinstance(spec, Vjp):
@@ -150,6 +150,20 @@ def forward(local: LocalOp, draw: PieceSite | None, seed: int, step: Callable[[]
         plain = local.out_scale == 1.0 and all(s == 1.0 for s in local.in_scale)
         return local.op.compute if plain else local.compute  # the op's own compute: no scale checks per call
     return lambda *xs: local.compute(*xs, at=draw.at(seed, step(), *micro()))
+
+
+def records_graph(spec: Forward) -> bool:
+    """Whether a forward of ``spec``, computed by one instruction, records its autograd graph (its outputs
+    included) for the backward: its op has a backward and no hand-written vjp."""
+    return bool(spec.record) and hand_vjp(spec.local.op) is None
+
+
+def recorded_nodes(program) -> frozenset[str]:
+    """PCG nodes whose forward records its autograd graph in ``program`` (:func:`records_graph`), kept until
+    their backward."""
+    once = single_calls(program)
+    return frozenset(i.node for i in program.instrs if isinstance(i, Compute) and isinstance(i.kernel, Forward)
+                     and i.dnode in once and records_graph(i.kernel))
 
 
 def single_calls(program) -> set[str]:

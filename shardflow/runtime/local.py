@@ -15,11 +15,12 @@ import torch
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
 from shardflow.lower.comms import run_local
-from shardflow.lower.program import Comm, Compute
+from shardflow.lower.program import Comm, Compute, shared_sends
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import gather, scatter
 from shardflow.runtime.executor import Executor
-from shardflow.runtime.kernels import Kernel, OptimizerConfig, local_move, make_kernel, single_calls, update_kernel
+from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
+                                       update_kernel)
 from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
@@ -51,6 +52,8 @@ class LocalExecutor(Executor):
                     self.kernels[(r, i.dnode)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                                              self.saved[r] if i.dnode in once else None, seed,
                                                              lambda: self.micro, self.device)
+        # per rank, the communications whose send buffer is theirs to use, as the distributed executor decides
+        self.shared = {r: shared_sends(p, recorded_nodes(p)) for r, p in step.programs.items()}
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.ledgers = {r: Ledger() for r in step.programs} if memory else None
         self._index_updates()
@@ -125,7 +128,8 @@ class LocalExecutor(Executor):
     def _meet(self, holders: list[tuple[int, Comm]]) -> None:
         """A communication every member has reached: each receives what :func:`run_local` gives it."""
         sends = [self.buffers[r][c.send.value] if c.send is not None else None for r, c in holders]
-        for (r, c), x in zip(holders, run_local([c for _, c in holders], sends)):
+        shared = [c.token in self.shared[r] for r, c in holders]
+        for (r, c), x in zip(holders, run_local([c for _, c in holders], sends, shared)):
             if c.recv is not None:
                 self.buffers[r][c.recv.value] = x
                 if self.ledgers:

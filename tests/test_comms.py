@@ -1,0 +1,232 @@
+"""Communications and their buffers (no processes): which communications of a per-rank program may use their send
+buffer itself (:func:`shardflow.lower.program.shared_sends`) — exact plan structure, and each hazard that forbids
+it on a hand-written program — and the local implementation sharing buffers as the distributed one does, checked
+against one device. The distributed side (``issue`` against ``run_local`` on real ranks) is the ``comms`` case of
+tests/dist_worker.py."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardflow.graph import GraphBuilder
+from shardflow.graph.ops import TensorType, Unary
+from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower.comms import run_local
+from shardflow.lower.dynamic import TaskType
+from shardflow.lower.ordering import with_frees
+from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Update, Vjp, Wait,
+                                     shared_sends)
+from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
+from shardflow.parallel.ops import Replicate as ReplicateOp
+from shardflow.parallel.pcg import build_pcg
+from shardflow.parallel.rules import LocalOp
+from shardflow.parallel.sharding import Sharding
+from shardflow.runtime.kernels import OptimizerConfig, recorded_nodes
+from shardflow.runtime.local import LocalExecutor
+from shardflow.strategy import ModulePlan, Plan, make_plan, resolve
+
+
+def shared(step) -> dict[int, list[tuple[str, str, bool]]]:
+    """Per rank, each reduction or broadcast with a send buffer: (pass, kind, shares its send buffer)."""
+    out = {}
+    for r, p in step.programs.items():
+        chosen = shared_sends(p, recorded_nodes(p))
+        out[r] = [(c.pass_, c.kind, c.token in chosen) for c in p.comms
+                  if c.send is not None and c.kind in ("all_reduce", "reduce", "broadcast")]
+    return out
+
+
+def mlp(B=8, D=16, H=64):
+    """x [B, D] → tanh(x · scale) → fc1 [H] → gelu → fc2 [D] → cross-entropy."""
+    b = GraphBuilder()
+    x, y = b.input("x", (B, D)), b.input("y", (B,), "int64")
+    x = b.tanh(b.mul(x, b.weight("scale", (D,))))
+    h = b.gelu(b.dense(x, H, name="fc1"))
+    loss = b.cross_entropy(b.dense(h, D, name="fc2"), y)
+    return b.build([loss], loss)
+
+
+MEGATRON = Plan(modules={
+    "fc1": ModulePlan(params={"weight": [Shard(0)], "bias": [Shard(0)]}, input=[Replicate()]),
+    "fc2": ModulePlan(params={"weight": [Shard(1)]}, output=[Replicate()]),
+})
+
+
+def lowered(graph, mesh_text, plan, options=None):
+    mesh = Mesh.parse(mesh_text)
+    return lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)), "sgd", verify=False, options=options)
+
+
+def against_one_device(step, graph, steps=2, tol=1e-5):
+    """Losses and weights of ``steps`` SGD steps of ``step`` on the local executor equal one device's (float32:
+    partial sums are added in another order, ~1e-7 relative; a buffer overwritten while still read is off by O(1))."""
+    gen = torch.Generator().manual_seed(0)
+    weights = {w: torch.randn(graph.tensors[w].shape, generator=gen) for w in graph.weights}
+    inputs = {n: torch.randint(0, 4, t.shape, generator=gen) if t.dtype == "int64" else
+              torch.randn(t.shape, generator=gen) for n, t in ((n, graph.tensors[n]) for n in graph.inputs)}
+    one = LocalExecutor(lower_step(build_pcg(graph, Mesh.parse("d=1")), "sgd"), OptimizerConfig("sgd", 0.1))
+    many = LocalExecutor(step, OptimizerConfig("sgd", 0.1))
+    one.load(weights)
+    many.load(weights)
+    for _ in range(steps):
+        assert abs(one.step(inputs) - many.step(inputs)) < tol
+    assert all((one.weights()[w] - many.weights()[w]).abs().max() < tol for w in graph.weights)
+
+
+def test_tensor_parallel_all_reduces_are_in_place():
+    """fc2's partial output (a linear's: new storage, its forward records no graph — the linear's vjp is
+    hand-written) and fc1's input gradient (the linear vjp's: new storage) are read by nothing after their
+    all-reduce: both are reduced in place, on both ranks; the numbers are one device's."""
+    graph = mlp()
+    step = lowered(graph, "tp=2", MEGATRON)
+    assert shared(step) == {r: [("FWD", "all_reduce", True), ("BWD", "all_reduce", True)] for r in (0, 1)}
+    against_one_device(step, graph)
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, None])
+def test_data_parallel_gradient_all_reduces_are_in_place(bucket_bytes):
+    """Each weight gradient's all-reduce (unbucketed) or the one bucket's reads a gradient nothing reads again:
+    in place — the scale's gradient too, though the mul's vjp may return the output gradient it was given, since
+    that is read by nothing after the vjp."""
+    graph = mlp()
+    options = LowerOptions() if bucket_bytes is None else LowerOptions(bucket_bytes=bucket_bytes)
+    step = lowered(graph, "dp=2", make_plan(graph, Mesh.parse("dp=2"), "dp"), options)
+    n = 1 if bucket_bytes is None else len(graph.weights)
+    assert shared(step) == {r: [("BWD", "all_reduce", True)] * n for r in (0, 1)}
+    against_one_device(step, graph)
+
+
+def test_replicate_broadcast_root_sends_its_buffer_and_the_reduce_is_in_place():
+    """h on stage 0, broadcast to both stages (root 0), consumed by a linear sharded on pp; its gradient's partial
+    sums reduced to the root. The root sends h as it is (its own replica is h's buffer: nothing updates either in
+    place) and reduces its partial gradient in place (read by nothing after); rank 1 sends no broadcast buffer and
+    reduces in place too. The numbers are one device's."""
+    b = GraphBuilder()
+    x, w0, w1 = b.input("x", (4, 4)), b.weight("w0", (4, 4)), b.weight("w1", (6, 4))
+    loss = b.sum(b.tanh(b.linear(b.linear(x, w0), w1)))
+    g = b.build([loss], loss)
+    mesh = Mesh.parse("pp=2")
+    plan = Plan(modules={"linear": ModulePlan(stage=0), "linear_1": ModulePlan(stage=1)},
+                ops={"linear": (ReplicateOp(2, "pp"),)})
+    ann = resolve(plan, g, mesh)
+    whole = SubMesh(mesh)
+    ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "sum": whole},
+                  leaves={**ann.leaves, "w1": Sharding((("pp",), ()))})
+    step = lower_step(build_pcg(g, mesh, ann), verify=False)
+    assert shared(step) == {0: [("FWD", "broadcast", True), ("BWD", "reduce", True)], 1: [("BWD", "reduce", True)]}
+    against_one_device(step, g)
+
+
+# --- hand-written programs: each hazard ---------------------------------------------------------------------
+F64 = TensorType((4,), "float64")
+TANH = LocalOp(Unary("tanh"), (1.0,))
+
+
+def buf(v: str) -> Buffer:
+    return Buffer(v, F64)
+
+
+def made(v: str) -> Compute:
+    """``v``, a new tensor made on this rank (from the input x)."""
+    return Compute(TaskType.FWD, v, "ones", (buf("x"),), (buf(v),), v, kernel=OnesLike())
+
+
+def keep(src: str, dst: str) -> Compute:
+    return Compute(TaskType.FWD, dst, "keep", (buf(src),), (buf(dst),), dst, kernel=Keep())
+
+
+def read(*vs: str, out: str) -> Compute:
+    return Compute(TaskType.FWD, out, "keep", tuple(map(buf, vs)), (buf(out),), out, kernel=Keep())
+
+
+def all_reduce(t: int, send: str, wait: bool = True) -> Comm:
+    return Comm(t, "all_reduce", TaskType.FWD, (0, 1), F64, 64, send=buf(send), recv=buf(f"{send}.sum"), wait=wait)
+
+
+def broadcast(t: int, send: str, wait: bool = True) -> Comm:
+    return Comm(t, "broadcast", TaskType.FWD, (0, 1), F64, 32, root=0, send=buf(send), recv=buf(f"{send}.rep"),
+                wait=wait)
+
+
+def update(w: str, g: str) -> Compute:
+    return Compute(TaskType.UPD, "upd", "sgd", (buf(w), buf(g)), (buf(f"upd:{w}"),), "upd", kernel=Update((), 0.0))
+
+
+def program(*instrs, keep_values=("w", "upd:w")) -> Program:
+    """Rank 0's program of ``instrs`` with the frees lowering adds; ``keep_values`` outlive the step."""
+    return Program(0, with_frees(list(instrs), frozenset(keep_values)), (buf("x"), buf("w"), buf("g")))
+
+
+def test_an_all_reduce_is_in_place_only_when_nothing_sharing_its_storage_is_read_after_it():
+    # y = a itself (a kept piece): reducing y in place would change a, read afterwards
+    assert shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), read("a", "y.sum", out="z")),
+                        ()) == frozenset()
+    assert shared_sends(program(made("a"), keep("a", "y"), read("a", out="z"), all_reduce(0, "y")), ()) == {0}
+    # a value that outlives the step (a weight, a gradient the update reads, the loss) is never overwritten, nor
+    # one the executor placed (the step's data may be the caller's tensors)
+    assert shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), keep_values=("a",)),
+                        ()) == frozenset()
+    assert shared_sends(program(keep("x", "y"), all_reduce(0, "y")), ()) == frozenset()
+
+
+def test_a_recorded_forward_keeps_its_outputs_until_the_backward():
+    fwd = Compute(TaskType.FWD, "n", "tanh", (buf("x"),), (buf("y"),), "fwd:n", kernel=Forward(TANH, None, (True,)))
+    bwd = Compute(TaskType.BWD, "n", "vjp", (buf("x"), buf("y.sum")), (buf("dx"),), "bwd:n",
+                  kernel=Vjp(TANH, None, (True,), (1.0,), (True,), ("float64",)))
+    p = program(fwd, all_reduce(0, "y"), bwd)
+    assert shared_sends(p, ()) == {0}  # no graph recorded: y is dead after its all-reduce
+    assert shared_sends(p, ("n",)) == frozenset()  # tanh's graph saves y for the backward
+
+
+def test_a_buffer_in_flight_is_not_overwritten():
+    # a is read by an async broadcast until its wait: y = a may not be reduced in place before that wait
+    assert shared_sends(program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), all_reduce(1, "y"),
+                                Wait(0)), ()) == {0}
+    assert shared_sends(program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), Wait(0),
+                                all_reduce(1, "y")), ()) == {0, 1}
+
+
+def test_a_broadcast_root_shares_a_weight_only_if_its_replica_is_not_read_after_the_update():
+    """The root's replica of a weight broadcast as it is shares the weight's storage; the optimizer then updates
+    the weight in place, so the replica must not be read after the update (a received value must never alias a
+    buffer updated in place while it is still read). If it is, the root sends a copy."""
+    assert shared_sends(program(broadcast(0, "w"), read("w.rep", out="z"), update("w", "g")), ()) == {0}
+    assert shared_sends(program(broadcast(0, "w"), update("w", "g"), read("w.rep", out="z")), ()) == frozenset()
+    # nor may an in-place reduction overwrite a replica whose root buffer is still read
+    assert shared_sends(program(made("a"), broadcast(0, "a"), all_reduce(1, "a.rep"), read("a", out="z")),
+                        ()) == {0}
+    assert shared_sends(program(made("a"), broadcast(0, "a"), read("a", out="z"), all_reduce(1, "a.rep")),
+                        ()) == {0, 1}
+
+
+def test_run_local_writes_a_shared_reduction_into_the_send_buffer():
+    c = all_reduce(0, "y")
+    a, b = torch.ones(4, dtype=torch.float64), torch.full((4,), 2.0, dtype=torch.float64)
+    got = run_local([c, c], [a, b], [True, False])
+    assert got[0] is a and got[1] is not b
+    assert torch.equal(a, torch.full((4,), 3.0, dtype=torch.float64)) and torch.equal(got[1], a)
+    assert torch.equal(b, torch.full((4,), 2.0, dtype=torch.float64))  # not shared: left as it was
+    bc = broadcast(0, "x")
+    sends = [a, None]
+    for flag in (True, False):
+        out = run_local([bc, replace(bc, send=None)], sends, [flag, False])
+        assert (out[0] is a) == flag and out[1] is not a and torch.equal(out[1], a)
+
+
+def test_gpt_data_parallel_copies_only_the_gradient_the_add_shares():
+    """dp=2 on the tiny GPT: the loss's all-reduce and the gradient bucket's are in place; the position
+    embedding's gradient is copied first — the add (token + position embeddings) vjp hands the one output gradient
+    to both operands, and the token embedding's backward reads it after that all-reduce."""
+    from shardflow.capture import capture
+    from shardflow.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    batch = {"idx": torch.randint(0, 11, (4, 8)), "targets": torch.randint(0, 11, (4, 8))}
+    graph = capture(model, batch)
+    step = lowered(graph, "dp=2", make_plan(graph, Mesh.parse("dp=2"), "dp"))
+    assert shared(step)[0] == [("FWD", "all_reduce", True), ("BWD", "all_reduce", False), ("BWD", "all_reduce", True)]
+    p = step.programs[0]
+    copied = [c for c in p.comms if c.token not in shared_sends(p, recorded_nodes(p))]
+    assert [c.send.value for c in copied] == ["grad:embedding_1@add"]
