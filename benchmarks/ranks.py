@@ -681,11 +681,10 @@ def _mlp_pair(h: int, B: int, rank: int, world: int):
 def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -> Callable[[], None]:
     """Wrap the executor's kernels (per instruction label), ``_communicate``, ``_put`` and ``_get`` with timers
     (instance attributes shadow the methods; the library is not changed). Returns the undo."""
-    labels = {i.dnode: f"{i.pass_} {i.op.split('(')[0]}" for i in ex.program.instrs if isinstance(i, Compute) and i.dnode}
     plain = dict(ex.kernels)
     if kernels:
         for key, k in plain.items():
-            ex.kernels[key] = timers.wrap(f"kernel: {labels.get(key, key)}", k)
+            ex.kernels[key] = timers.wrap(f"kernel: {key.pass_} {key.op.split('(')[0]}", k)
         ex._update_kernel = lambda us: timers.wrap(UPDATES, DistributedExecutor._update_kernel(ex, us))
         ex.compiled.clear()  # segments bind their kernels when compiled: compile again with the timed ones
     ex._communicate = timers.wrap("communication (issue + wait)", ex._communicate)

@@ -107,6 +107,10 @@ class LowerOptions:
     ``ac``: activation checkpointing, ``none`` or ``block`` (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`):
     each block's forward runs again before its backward instead of keeping its activations (``--ac``).
 
+    ``overlap``: each backward all-reduce or reduce-scatter is issued without waiting and waited after the computes
+    that do not feed it, a linear's weight gradient computed while its input gradient is reduced (Megatron's
+    overlap; :func:`~shardflow.lower.ordering.overlap_reductions`).
+
     ``master_dtype``: mixed precision — weights narrower than it (a model captured in bf16) are held, reduced and
     updated in it and cast to their own dtype for each step (``--dtype bf16``: float32;
     ``master_dtype`` of :func:`~shardflow.lower.dynamic.pass_expansion`); "" keeps every weight in its own dtype.
@@ -119,6 +123,7 @@ class LowerOptions:
     reshard_after_forward: bool = False
     ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE
     master_dtype: str = ""
+    overlap: bool = True
 
     def __post_init__(self):
         if self.bucket_bytes < 0:

@@ -15,15 +15,19 @@ from __future__ import annotations
 import dataclasses
 from itertools import accumulate
 
+from shardflow.graph import ops as O
 from shardflow.lower.comm_lowering import instances, process_groups
-from shardflow.lower.dynamic import PassError, PassName, require
-from shardflow.lower.program import Comm, Free, Instr, Program, Wait, reads, writes
+from shardflow.lower.comms import CommKind
+from shardflow.lower.dynamic import PassError, PassName, TaskType, require
+from shardflow.lower.program import Comm, Compute, Free, Instr, Program, Vjp, Wait, reads, writes
 from shardflow.lower.shard_expansion import ShardedGraph, in_group, piece
 
 
-def ordering(sg: ShardedGraph) -> ShardedGraph:
-    """Number every communication of ``sg`` globally and build each lowered rank's :class:`Program`.
-    Raises PassError if communication lowering has not run, or if a rank's tokens would not increase."""
+def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
+    """Number every communication of ``sg`` globally and build each lowered rank's :class:`Program`; with
+    ``overlap``, the backward's gradient reductions travel while the computes that do not feed them run
+    (:func:`overlap_reductions`). Raises PassError if communication lowering has not run, or if a rank's tokens
+    would not increase."""
     require(sg.done, PassName.ORDERING, (PassName.COMM_LOWERING,))
     base = [0, *accumulate(instances(st, sg.decisions) for st in sg.steps)]
     dg = sg.dg
@@ -39,12 +43,83 @@ def ordering(sg: ShardedGraph) -> ShardedGraph:
                 later.append(({b.value for i in group for b in writes(i)}, group))
         for _, instrs in later:
             prog.extend(instrs)
+        if overlap:
+            prog = overlap_reductions(prog)
         tokens = [i.token for i in prog if isinstance(i, Comm)]
         if any(b <= a for a, b in zip(tokens, tokens[1:])):
             raise PassError(f"ordering: rank {r}'s tokens do not increase: {tokens}")
         inputs = tuple(piece(dg.values[v]) for v in placed if in_group(dg.values[v].group, r))
         programs[r] = Program(r, with_frees(prog, keep), inputs, groups)
     return dataclasses.replace(sg, programs=programs, done=sg.done + (PassName.ORDERING,))
+
+
+# the communications that may travel while the backward computes what they do not need
+OVERLAPPED = (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
+# the ops whose backward is split when only some of its gradients feed a reduction: each gradient is its own
+# matmul (the hand-written vjp computes exactly those asked for, from the op's inputs alone)
+SPLIT_OPS = (O.Linear, O.Matmul)
+
+
+def overlap_reductions(prog: list[Instr]) -> list[Instr]:
+    """Megatron's overlap of a tensor-parallel backward (Narayanan et al., SC 2021, §4.2; DDP's buckets do the
+    same for dp): each backward all-reduce or reduce-scatter that waits at once is issued without waiting as soon
+    as what it sends is computed, the computes since the previous communication that do not feed it run while it
+    travels, and its :class:`Wait` follows them.
+
+    A backward op whose outputs are partly needed (a linear's vjp: the input gradient is reduced, the weight
+    gradient is not) is split in two computes of the same kernel description with complementary gradient masks
+    (:func:`split_vjp`): the input gradient before the issue, the weight gradients after (ops of :data:`SPLIT_OPS`;
+    any other op stays whole, before the issue if it feeds it). Communications keep their order, so the token order and every proof about it are unchanged."""
+    out: list[Instr] = []
+    start = 0  # where the run of computes before the next communication begins in ``out``
+    for i in prog:
+        if (isinstance(i, Comm) and i.wait and i.pass_ == TaskType.BWD and i.kind in OVERLAPPED
+                and i.send is not None):
+            first, then = _feeding(out[start:], i.send.value)
+            if then:
+                out[start:] = [*first, dataclasses.replace(i, wait=False), *then, Wait(i.token)]
+                start = len(out)
+                continue
+        out.append(i)
+        if not isinstance(i, Compute):
+            start = len(out)
+    return out
+
+
+def _feeding(computes: list[Instr], sent: str) -> tuple[list[Instr], list[Instr]]:
+    """``computes`` (in order) as those that ``sent`` depends on and those it does not, each in order; a split
+    backward op's two halves go one to each."""
+    need = {sent}
+    first: list[Instr] = []
+    then: list[Instr] = []
+    for c in reversed(computes):
+        outs = {b.value for b in c.outs}
+        if not outs & need:
+            then.append(c)
+            continue
+        if outs - need and isinstance(c.kernel, Vjp) and isinstance(c.kernel.local.op, SPLIT_OPS):
+            now, later = split_vjp(c, outs & need)
+            first.append(now)
+            then.append(later)
+        else:
+            first.append(c)
+        need |= {b.value for b in c.ins}
+    return first[::-1], then[::-1]
+
+
+def split_vjp(c: Compute, now: set[str]) -> tuple[Compute, Compute]:
+    """Backward compute ``c`` as two computes of its op's vjp: the one writing the gradients in ``now``, and the
+    one writing the others (same inputs, complementary gradient masks)."""
+    spec = c.kernel
+    wanted = [i for i, m in enumerate(spec.grad_mask) if m]  # input index of each output, in order
+    halves = []
+    for keep in (True, False):
+        picked = [k for k, b in enumerate(c.outs) if (b.value in now) == keep]
+        inputs = {wanted[k] for k in picked}
+        mask = tuple(i in inputs for i in range(len(spec.grad_mask)))
+        halves.append(dataclasses.replace(c, outs=tuple(c.outs[k] for k in picked), kernel=dataclasses.replace(
+            spec, grad_mask=mask, dtypes=tuple(spec.dtypes[k] for k in picked))))
+    return halves[0], halves[1]
 
 
 def _wait_groups(instrs: list[Instr]) -> list[list[Instr]]:

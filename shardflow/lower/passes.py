@@ -75,7 +75,7 @@ PASSES: tuple[Pass, ...] = (
          "steps; one invocation per device of each local step, on its pieces"),
     Pass(PassName.COMM_LOWERING, lambda sg, c: comm_lowering(sg, c.options),
          "parallel ops and copies → collectives, rings, buckets, send/recv"),
-    Pass(PassName.ORDERING, lambda sg, c: ordering(sg),
+    Pass(PassName.ORDERING, lambda sg, c: ordering(sg, c.options.overlap),
          "global token order; per-rank programs with inputs, frees and process groups"),
     Pass(PassName.VERIFY, _verify, "matching communications, one order, no deadlock, per-rank dataflow"),
 )

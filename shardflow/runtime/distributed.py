@@ -192,7 +192,7 @@ class DistributedExecutor(Executor):
         self.groups.create(self.program.groups)  # same order on every rank
         self.saved: dict = {}  # forward autograd graphs, consumed by the backward
         once = single_calls(self.program)
-        self.kernels = {i.dnode: make_kernel(i, optimizer, lambda: self.steps_done + 1,
+        self.kernels = {i: make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                              self.saved if i.dnode in once else None, seed,
                                              lambda: self.micro, self.device)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
@@ -301,7 +301,7 @@ class DistributedExecutor(Executor):
         return self.compiled[traced]
 
     def _kernel(self, instr: Compute) -> Kernel:
-        return self.kernels[instr.dnode] if instr.dnode else functools.partial(local_move, instr)
+        return self.kernels[instr] if instr.dnode else functools.partial(local_move, instr)
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)

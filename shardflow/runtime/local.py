@@ -49,7 +49,7 @@ class LocalExecutor(Executor):
             once = single_calls(p)
             for i in p.instrs:
                 if isinstance(i, Compute) and i.dnode:
-                    self.kernels[(r, i.dnode)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
+                    self.kernels[(r, i)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                                              self.saved[r] if i.dnode in once else None, seed,
                                                              lambda: self.micro, self.device)
         # per rank, the communications whose send buffer is theirs to use, as the distributed executor decides
@@ -115,7 +115,7 @@ class LocalExecutor(Executor):
                 self.ledgers[r].sync(bufs)
 
     def _kernel(self, r: int, instr: Compute) -> Kernel:
-        return self.kernels[(r, instr.dnode)] if instr.dnode else functools.partial(local_move, instr)
+        return self.kernels[(r, instr)] if instr.dnode else functools.partial(local_move, instr)
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)

@@ -55,10 +55,12 @@ def comm_seconds(c: Comm, cost: CostModel) -> float:
 
 def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]], cost: CostModel) -> list[dict]:
     """Events of the predicted timeline (pid = 1000 + rank): computes take their measured time, communications
-    the model's, each communication starting when all its members reached it."""
+    the model's, each communication starting when all its members reached it. A communication issued without
+    waiting travels while its rank goes on computing; the rank waits for it at its ``Wait``."""
     comp = {r: [e["dur"] / 1e6 for e in evs if e["tid"] == LANES["compute"]] for r, evs in measured.items()}
     clock = {r: 0.0 for r in programs}
     ci = {r: 0 for r in programs}
+    arrives: dict[tuple[int, int], float] = {}  # (rank, token) of an asynchronous communication → when it is done
     out: list[dict] = []
     t0 = min((e["ts"] for evs in measured.values() for e in evs), default=0.0) / 1e6
 
@@ -73,13 +75,18 @@ def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]
                 emit(r, f"{i.pass_} {i.op}", LANES["compute"], clock[r], d)
                 clock[r] += d
                 ci[r] += 1
+            elif isinstance(i, Wait):
+                clock[r] = max(clock[r], arrives.pop((r, i.token)))
 
     def meet(holders: list[tuple[int, Comm]]) -> None:
         start = max(clock[m] for m, _ in holders)
         for m, c in holders:
             d = comm_seconds(c, cost)
-            emit(m, f"#{c.token} {c.kind} (model)", LANES["communication"], start, d)
-            clock[m] = start + d
+            emit(m, f"#{c.token} {c.kind}{'' if c.wait else ' (async)'} (model)", LANES["communication"], start, d)
+            if c.wait:
+                clock[m] = start + d
+            else:
+                clock[m], arrives[m, c.token] = start, start + d
 
     rendezvous(programs, local, meet)
     return out
