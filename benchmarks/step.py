@@ -169,8 +169,8 @@ def section(results: dict[str, dict], args) -> str:
         lines += ["", f"The step-time gap at this size is {step_gap:+.2f} ms (medians of the rounds above); the ATen "
                   f"ops account for {total[0] - total[1]:+.2f} ms of it (profiled, so only roughly), the rest, "
                   f"{step_gap - (total[0] - total[1]):+.2f} ms, lies outside them: the executor's Python for each of "
-                  f"its {big['instructions']} instructions (hand-written vjps, buffers, the memory ledger) against "
-                  "eager's autograd engine in C++ — what compiled segments (issue #16) would remove."]
+                  f"its {big['instructions']} instructions (compiled segments calling hand-written vjps) against "
+                  "eager's autograd engine in C++."]
     if len(results) > 1:
         lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",
                   "| tree | " + " | ".join(f"{s['batch']} × {s['seq']}" for s in now["sizes"]) + " |",

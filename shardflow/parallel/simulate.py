@@ -23,36 +23,44 @@ def _pshape(t):
     return t.sharding.parallel_shape(t.group, t.type.shape, t.type.dtype)
 
 
+def blocks(t: PTensor) -> dict[int, tuple[slice, ...]]:
+    """Device → the block of the full tensor its piece of ``t`` covers (its index into the full tensor, ``t.type``'s
+    shape), for every device of ``t``'s sub-mesh."""
+    p = _pshape(t)
+    return {d: p.piece_slices(c) for d, c in t.sharding.device_map(t.group).items()}
+
+
 def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) -> Pieces:
-    """Cut ``full`` into the pieces ``t``'s sharding gives each device of its sub-mesh.
+    """Cut ``full`` into the pieces ``t``'s sharding gives each device of its sub-mesh (copies: a piece never
+    shares the caller's storage).
 
     ``t``: anything with ``sharding``, ``group`` and ``type`` (a PCG tensor or a dynamic-graph value).
     Shape: ``full`` is ``t.type.shape``; each piece the parallel shape's piece shape.
     """
+    if not t.sharding.partial:
+        return {d: full[b].clone() for d, b in blocks(t).items()}
     p = _pshape(t)
     dmap = t.sharding.device_map(t.group)
-    blocks = {d: full[p.piece_slices(c)] for d, c in dmap.items()}
-    if p.sum_degree == 1:
-        return {d: b.clone() for d, b in blocks.items()}
+    blocks_ = {d: full[p.piece_slices(c)] for d, c in dmap.items()}
     gen = gen or torch.Generator().manual_seed(0)
     noise: dict[tuple, torch.Tensor] = {}
     out: Pieces = {}
     for d, c in dmap.items():
         key = (c.replica, c.shard)
         if key not in noise:
-            r = torch.randn((p.sum_degree,) + blocks[d].shape, generator=gen, dtype=torch.float64)
+            r = torch.randn((p.sum_degree,) + blocks_[d].shape, generator=gen, dtype=torch.float64)
             noise[key] = r.to(full.dtype)
         r = noise[key]
         if p.reduce_op == "sum" and not full.dtype.is_floating_point:  # integers: exact pieces summing to the block
             r = r.round()
-            piece = blocks[d] - r[1:].sum(0) if c.sum == 0 else r[c.sum]
+            piece = blocks_[d] - r[1:].sum(0) if c.sum == 0 else r[c.sum]
         elif p.reduce_op == "sum":
-            piece = blocks[d] / p.sum_degree + r[c.sum] - r.mean(0)
+            piece = blocks_[d] / p.sum_degree + r[c.sum] - r.mean(0)
         elif p.reduce_op == "avg":
-            piece = blocks[d] + r[c.sum] - r.mean(0)
+            piece = blocks_[d] + r[c.sum] - r.mean(0)
         else:  # max / min: one piece holds the value, the others are beyond it on the losing side
             sign = -1 if p.reduce_op == "max" else 1
-            piece = blocks[d] + (0 if c.sum == 0 else sign * (r[c.sum].abs() + 1))
+            piece = blocks_[d] + (0 if c.sum == 0 else sign * (r[c.sum].abs() + 1))
         out[d] = piece
     return out
 

@@ -17,7 +17,7 @@ from shardflow.lower.dynamic import Value
 from shardflow.lower.comms import run_local
 from shardflow.lower.program import Comm, Compute, shared_sends
 from shardflow.lower.rendezvous import rendezvous
-from shardflow.parallel.simulate import gather, scatter
+from shardflow.parallel.simulate import blocks, gather, scatter
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
                                        update_kernel)
@@ -55,6 +55,7 @@ class LocalExecutor(Executor):
         # per rank, the communications whose send buffer is theirs to use, as the distributed executor decides
         self.shared = {r: shared_sends(p, recorded_nodes(p)) for r, p in step.programs.items()}
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
+        self.blocks: dict[str, dict[int, tuple[slice, ...]]] = {}  # value → device → its block (values placed each step)
         self.ledgers = {r: Ledger() for r in step.programs} if memory else None
         self._index_updates()
         # per rank, its program's runs between communications (the local calls of the rendezvous), compiled
@@ -67,9 +68,15 @@ class LocalExecutor(Executor):
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
         v = self.dg.values[vid]
-        for d, x in scatter(full, v).items():
+        if v.sharding.partial:
+            cut = scatter(full, v)
+        else:  # the blocks of a value placed every step (data, constants) worked out once
+            if vid not in self.blocks:
+                self.blocks[vid] = blocks(v)
+            cut = {d: full[b] for d, b in self.blocks[vid].items()}
+        for d, x in cut.items():
             if d in self.buffers:
-                self.buffers[d][vid] = x.to(self.device)
+                self.buffers[d][vid] = x.to(self.device, copy=True)
 
     def _get(self, vid: str) -> torch.Tensor:
         v: Value = self.dg.values[vid]
@@ -100,7 +107,7 @@ class LocalExecutor(Executor):
         if blocked:
             raise RuntimeError("deadlock: " + ", ".join(f"rank {r} blocks at instruction {k}"
                                                         for r, k in sorted(blocked.items())))
-        loss = self._get(self.dg.loss_value).item()
+        loss = self._loss()
         for bufs in self.buffers.values():
             for new, old in self.renames:
                 if new in bufs:
@@ -108,6 +115,14 @@ class LocalExecutor(Executor):
         self._sync_ledgers()
         self.steps_done += 1
         return loss
+
+    def _loss(self) -> float:
+        """The loss (a scalar): replica 0's piece when it is not partial, else assembled from its pieces."""
+        v = self.dg.values[self.dg.loss_value]
+        if v.sharding.partial:
+            return self._get(v.id).item()
+        holder = next(d for d, c in v.sharding.device_map(v.group).items() if c.replica == 0)
+        return self.buffers[holder][v.id].item()
 
     def _sync_ledgers(self) -> None:
         if self.ledgers:
