@@ -414,8 +414,8 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     ``64K,1M``, sorted. Raises ValueError (one paragraph) for a size it cannot read, one below 4 bytes (one float32)
     or fewer than two distinct sizes (a line needs two points)."""
     sizes = set()
-    for part in filter(None, (p.strip().upper() for p in text.split(","))):
-        num, unit = (part[:-1], part[-1]) if part[-1] in _UNITS else (part, "")
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        num, unit = (part[:-1], part[-1].upper()) if part[-1].upper() in _UNITS else (part, "")
         if not num.isdigit() or int(num) * _UNITS[unit] < 4:
             raise ValueError(f"--sizes {text}: cannot read {part!r} as a message size of at least 4 bytes; write "
                              f"byte counts with an optional K, M or G, such as {CALIBRATION_SIZES}")

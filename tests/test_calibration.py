@@ -119,7 +119,7 @@ def test_calibrate_nproc_2_writes_a_file_the_cost_model_reads(tmp_path, monkeypa
     (["--nproc", "1"], "--nproc 1: calibration times communications between processes; give --nproc 2 or more"),
     (["--mesh", "dp=2,tp=2"], "mesh dp=2,tp=2 has 4 devices but --nproc 2 starts 2 processes"),
     (["--sizes", "1M"], "--sizes 1M: fitting α and the bandwidth needs at least two distinct sizes"),
-    (["--sizes", "64K,lots"], "--sizes 64K,lots: cannot read 'LOTS' as a message size"),
+    (["--sizes", "64K,lots"], "--sizes 64K,lots: cannot read 'lots' as a message size"),
     (["--reps", "0"], "--reps"),
     (["--out", "/nonexistent/dir/c.json"], "--out /nonexistent/dir/c.json: /nonexistent/dir does not exist"),
 ])
