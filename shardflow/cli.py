@@ -73,7 +73,7 @@ _TRAIN_DEFAULTS = {**dataclasses.asdict(DEFAULT_SIZES), "vocab": _TRAIN.vocab_si
 FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab": Range(1),
                "seq_len": Range(1), "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1),
                "tol": Range(0), "lr": RANGES["lr"], "timeout": RANGES["timeout"], "tokens": Range(0),
-               "temperature": Range(0), "seed": Range(0, 2**63, high_open=True), "accumulate": RANGES["accumulate"]}
+               "temperature": Range(0), "reps": Range(1), "seed": Range(0, 2**63, high_open=True), "accumulate": RANGES["accumulate"]}
 
 
 MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
@@ -405,6 +405,101 @@ def cmd_train(args: argparse.Namespace) -> int:
     return train_main(TrainConfig.from_args(args))
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+CALIBRATION_SIZES = "64K,256K,1M,4M"  # ~5 s on 2 gloo ranks of 2 CPU cores
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """``--sizes`` of calibrate: comma-separated byte counts with an optional K, M or G (KiB, MiB, GiB), e.g.
+    ``64K,1M``, sorted. Raises ValueError (one paragraph) for a size it cannot read, one below 4 bytes (one float32)
+    or fewer than two distinct sizes (a line needs two points)."""
+    sizes = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        num, unit = (part[:-1], part[-1].upper()) if part[-1].upper() in _UNITS else (part, "")
+        if not num.isdigit() or int(num) * _UNITS[unit] < 4:
+            raise ValueError(f"--sizes {text}: cannot read {part!r} as a message size of at least 4 bytes; write "
+                             f"byte counts with an optional K, M or G, such as {CALIBRATION_SIZES}")
+        sizes.add(int(num) * _UNITS[unit])
+    if len(sizes) < 2:
+        raise ValueError(f"--sizes {text}: fitting α and the bandwidth needs at least two distinct sizes; give two "
+                         f"or more, such as {CALIBRATION_SIZES}")
+    return tuple(sorted(sizes))
+
+
+def calibrate_plan(args: argparse.Namespace) -> tuple[Mesh | None, tuple[int, ...], str, Path]:
+    """Check calibrate's flags before any process starts: the mesh (its size must be ``--nproc``), the sizes, the
+    backend (``auto``: NCCL where every rank gets a GPU, else gloo; ``nccl`` needs them) and the file to write
+    (``--out``, default :func:`~shardflow.lower.calibration.calibration_path` of the backend), whose directory is
+    created. Returns (mesh or None, sizes in bytes, backend, file). Raises ValueError (one paragraph) or what
+    :func:`~shardflow.runtime.device.check_device` raises."""
+    from shardflow.lower.calibration import calibration_path
+    from shardflow.runtime.device import backend_for, check_device, device_type
+    if args.nproc < 2:
+        raise ValueError(f"--nproc {args.nproc}: calibration times communications between processes; give --nproc 2 "
+                         f"or more")
+    mesh = Mesh.parse(args.mesh) if args.mesh else None
+    if mesh is not None and mesh.size != args.nproc:
+        raise ValueError(f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
+                         f"processes; make --nproc {mesh.size}, or change --mesh")
+    sizes = parse_sizes(args.sizes)
+    choice = {"auto": "auto", "gloo": "cpu", "nccl": "cuda"}[args.backend]
+    check_device(choice, args.nproc)
+    backend = backend_for(device_type(choice, args.nproc))
+    out = Path(args.out) if args.out else calibration_path(backend)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; pass a file name such as {out / f'calibration-{backend}.json'}")
+    if args.out and not out.parent.is_dir():
+        raise ValueError(f"--out {out}: {out.parent} does not exist; pass --out with a file in an existing directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return mesh, sizes, backend, out
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    if "RANK" in os.environ:
+        return calibrate_rank(args)
+    from shardflow.runtime.launch import describe_failure, launch
+    from shardflow.train import hooks
+    mesh, sizes, backend, out = calibrate_plan(args)
+    print(f"shardflow calibrate: {backend}, {args.nproc} processes, "
+          f"{'mesh ' + str(mesh) if mesh else 'every rank'}; sizes {', '.join(map(str, sizes))} bytes, "
+          f"{args.reps} calls each", flush=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="shardflow-calibrate-"))
+    res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
+    if res.ok:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 0
+    print(f"shardflow calibrate: error: {describe_failure(res, run_dir)}", file=sys.stderr)
+    return 2 if set(res.returncodes) == {2} else 1
+
+
+def calibrate_rank(args: argparse.Namespace) -> NoReturn:
+    """One rank of ``shardflow calibrate``: time, fit (rank 0 writes the file and prints the table), leave the
+    process group and exit 0; 2 after a user error (one paragraph), 1 after a traceback."""
+    from shardflow.runtime.calibrate import measure, table
+    from shardflow.runtime.device import rank_device
+    from shardflow.runtime.distributed import init_from_env, shutdown
+    try:
+        mesh, sizes, backend, out = calibrate_plan(args)
+        rank, world = init_from_env(args.timeout, rank_device("cuda" if backend == "nccl" else "cpu"))
+        say = print if rank == 0 else (lambda *_, **__: None)
+        cal = measure(rank, world, mesh, sizes, args.reps, backend,
+                      torch.device(f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"),
+                      lambda line: say(line, flush=True))
+        if cal is not None:
+            out.write_text(cal.to_json())
+            say(table(cal))
+            say(f"wrote {out}" + ("" if args.out else "; shardflow train and plan read it for the " + backend +
+                                  " backend's cost model"))
+    except USER_ERRORS as e:
+        print(f"shardflow calibrate: error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    shutdown(0)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from shardflow.train.checkpoint import export
     out, ck = export(args.run, args.out)
@@ -479,6 +574,21 @@ def build_parser() -> argparse.ArgumentParser:
                                      "strategy")
     TrainConfig.add_arguments(t)
     t.set_defaults(func=cmd_train)
+    cal = sub.add_parser("calibrate", help="time each kind of communication on this machine and write the cost "
+                                           "model's α and bandwidths, which train and plan then use")
+    cal.add_argument("--nproc", type=int, default=2, help="processes to start, one per device (default 2)")
+    cal.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2: each axis's groups are timed "
+                                    "(default: every rank as one group)")
+    cal.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                     help="auto (default): nccl where every process gets a GPU, else gloo")
+    cal.add_argument("--sizes", default=CALIBRATION_SIZES,
+                     help=f"message sizes, the piece one rank holds, in bytes with K, M or G (default {CALIBRATION_SIZES})")
+    cal.add_argument("--reps", type=int, default=5, help="timed calls per kind and size, their median kept (default 5)")
+    cal.add_argument("--out", help="the file to write (default calibration-BACKEND.json in $SHARDFLOW_CALIBRATION_DIR, "
+                                   "else $XDG_CACHE_HOME/shardflow or ~/.cache/shardflow: where train and plan read it)")
+    cal.add_argument("--timeout", type=float, default=60.0,
+                     help="seconds any rank may wait on one communication (default 60)")
+    cal.set_defaults(func=cmd_calibrate)
     ck_help = ("a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoint directory or a run directory (its newest "
                "complete checkpoint)")
     e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (config, safetensors "
@@ -494,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy (default 1.0)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     g.set_defaults(func=cmd_generate)
-    for command in (p, c, e, g):  # what check_flags reads: each flag's name and help, by its destination
+    for command in (p, c, e, g, cal):  # what check_flags reads: each flag's name and help, by its destination
         command.set_defaults(flags={a.dest: (a.option_strings[-1] if a.option_strings else a.metavar, a.help)
                                     for a in command._actions if a.dest != "help"})
     return parser

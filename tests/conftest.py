@@ -57,9 +57,12 @@ def keep_sigterm_handler():
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory):
     """The default corpus's tokenizer and token file are cached in a directory of this session (``XDG_CACHE_HOME``,
-    inherited by every process the tests start), never in the user's ~/.cache."""
+    inherited by every process the tests start), never in the user's ~/.cache; no calibration file is read from
+    there either (``SHARDFLOW_CALIBRATION_DIR``: an empty directory of this session, which no test writes — a test
+    that calibrates writes to its own ``--out`` or directory), so every cost model is the defaults."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        mp.setenv("SHARDFLOW_CALIBRATION_DIR", str(tmp_path_factory.mktemp("no-calibration")))
         yield
 
 

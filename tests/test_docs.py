@@ -433,6 +433,8 @@ COMMANDS = {
     "shardflow plan --model gpt --strategy tp --nproc 2 --heads 3 --embd 48": Run(),  # exit status 2: its output is the error
     "shardflow plan --model gpt --plan column_plan.toml --mesh tp=2 --layers 1": Run(),
     "shardflow plan --model gpt --plan column_plan.toml --mesh tp=2 --layers 1 --strict": Run(),  # exit status 2
+    # docs/lowering.md
+    "shardflow calibrate --nproc 2 --sizes 64K,1M": Run(("--reps", "3", "--out", "calibration.json")),
     # docs/execution.md
     ".venv/bin/shardflow train --data 'books/**/*.txt' --vocab-size 4096": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --data my.txt --tokenizer char": Run(SHRINK_TRAIN),

@@ -90,7 +90,7 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> D
         n = st.nodes[0]
         if st.kind == CommKind.ALL_GATHER:
             chunk = piece(dg.values[n.inputs[0]]).type.nbytes
-            forms[n.name] = form = options.all_gather_form(chunk, n.op.degree)
+            forms[n.name] = form = options.all_gather_form(chunk, n.op.degree, n.op.axis)
             out = n.outputs[0]
             last_dim = len(dg.values[out].type.shape) - 1
             if form != CommForm.COLLECTIVE and n.op.dim != last_dim:
@@ -102,7 +102,7 @@ def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> D
         elif st.kind == CommKind.REDUCE_SCATTER:
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
             summed = dg.values[n.inputs[0]].sharding.reduce_op == ReduceOp.SUM  # the ring adds; others stay plain
-            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree) if summed else CommForm.COLLECTIVE
+            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree, n.op.axis) if summed else CommForm.COLLECTIVE
     if options.bucket_bytes <= 0:
         return Decisions(dg, forms, fused)
     final = _final_gradients(dg)

@@ -1,7 +1,8 @@
 """α–β cost model of communication, used by lowering to choose how an all-gather or reduce-scatter runs.
 
 time = α per call + bytes this rank sends / bandwidth of that kind of call (a "bus bandwidth": bytes per
-rank per second). Defaults per backend; every number can be overridden.
+rank per second). Defaults per backend; ``shardflow calibrate`` measures them on the machine, per mesh axis
+(:mod:`shardflow.lower.calibration`; :meth:`CostModel.for_backend` reads its file); every number can be overridden.
 
 gloo defaults are measured on these machines (torch 2.13, 2 ranks; design note and docs/benchmarks.md):
 a collective-permute step sends and receives at once, ~0.6 GB/s each way (one-way send/recv reaches ~1.1);
@@ -13,10 +14,14 @@ reduce-scatter wins and the ring all-gather does not (it ties on bandwidth and p
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Mapping
 
+from shardflow.lower.calibration import (WORLD, Calibration, CalibrationError, CalibrationWarning, KindCost,
+                                         calibration_path, this_machine)
 from shardflow.lower.dynamic import ActivationCheckpointing
 
 GB = 1e9
@@ -28,7 +33,6 @@ DEFAULT_BANDWIDTH: Mapping[str, Mapping[str, float]] = {
              "broadcast": 100 * GB, "all_to_all": 50 * GB, "reduce": 100 * GB},
 }
 DEFAULT_ALPHA_S = {"gloo": 4e-4, "nccl": 2e-5}
-
 
 
 class CommForm(StrEnum):
@@ -47,42 +51,88 @@ REDUCE_SCATTER_FORMS = (CommForm.COLLECTIVE, CommForm.RING)
 @dataclass(frozen=True)
 class CostModel:
     """``alpha_s``: seconds per communication call; ``bandwidth``: bytes/s per kind (``p2p`` for send/recv and
-    collective-permute steps)."""
+    collective-permute steps) — overrides, each beating ``calibration`` (what ``shardflow calibrate`` measured, per
+    mesh axis; :mod:`shardflow.lower.calibration`), which beats the backend's defaults. A kind on an axis the
+    calibration did not measure takes its :data:`~shardflow.lower.calibration.WORLD` group's numbers, else the
+    defaults."""
 
     backend: str = "gloo"
     alpha_s: float | None = None
     bandwidth: Mapping[str, float] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
-    def bw(self, kind: str) -> float:
-        return self.bandwidth.get(kind, DEFAULT_BANDWIDTH[self.backend][kind])
+    @classmethod
+    def for_backend(cls, backend: str, env: Mapping[str, str] = os.environ) -> CostModel:
+        """The cost model of ``backend`` on this machine: its calibration file
+        (:func:`~shardflow.lower.calibration.calibration_path`) where there is one, else the defaults. Raises
+        CalibrationError for a file that cannot be used (naming it and the fix); a file of another machine is
+        ignored with a CalibrationWarning."""
+        path = calibration_path(backend, env)
+        if not path.is_file():
+            return cls(backend)
+        cal = Calibration.load(path)
+        if cal.backend != backend:
+            raise CalibrationError(f"calibration file {path}: measured on {cal.backend}, read for {backend}; run "
+                                   f"`shardflow calibrate --backend {backend}` again, or delete it")
+        if cal.machine != this_machine():
+            warnings.warn(f"calibration file {path} was measured on {cal.machine}, not on this machine "
+                          f"({this_machine()}): ignored, the {backend} defaults apply; run `shardflow calibrate` "
+                          f"here", CalibrationWarning, stacklevel=2)
+            return cls(backend)
+        return cls(backend, calibration=cal)
 
-    @property
-    def alpha(self) -> float:
-        return DEFAULT_ALPHA_S[self.backend] if self.alpha_s is None else self.alpha_s
+    def describe(self) -> str:
+        """Where the numbers come from, in one line: the calibration file, or the backend's defaults."""
+        return self.calibration.describe() if self.calibration else f"{self.backend} defaults (no calibration)"
 
-    def all_gather_s(self, form: CommForm, chunk_bytes: int, d: int) -> float:
-        """Seconds for a ``d``-member all-gather of ``chunk_bytes`` per member, in ``form``."""
+    def _measured(self, kind: str, axis: str | None) -> KindCost | None:
+        groups = self.calibration.groups if self.calibration else {}
+        return next((groups[g][kind] for g in (axis, WORLD) if g in groups and kind in groups[g]), None)
+
+    def bw(self, kind: str, axis: str | None = None) -> float:
+        """Bytes/s of one rank's sends in a call of cost kind ``kind`` along mesh ``axis`` (None: any)."""
+        if kind in self.bandwidth:
+            return self.bandwidth[kind]
+        m = self._measured(kind, axis)
+        return DEFAULT_BANDWIDTH[self.backend][kind] if m is None else m.bandwidth
+
+    def alpha(self, kind: str, axis: str | None = None) -> float:
+        """Seconds per call of cost kind ``kind`` along mesh ``axis`` (None: any)."""
+        if self.alpha_s is not None:
+            return self.alpha_s
+        m = self._measured(kind, axis)
+        return DEFAULT_ALPHA_S[self.backend] if m is None else m.alpha_s
+
+    def call_s(self, kind: str, nbytes: int, axis: str | None = None) -> float:
+        """Seconds for one call of cost kind ``kind`` (:data:`~shardflow.lower.calibration.COST_KINDS`) in which
+        this rank sends ``nbytes`` (:func:`~shardflow.lower.comms.wire_bytes`): α + bytes / bandwidth."""
+        return self.alpha(kind, axis) + nbytes / self.bw(kind, axis)
+
+    def all_gather_s(self, form: CommForm, chunk_bytes: int, d: int, axis: str | None = None) -> float:
+        """Seconds for a ``d``-member all-gather of ``chunk_bytes`` per member along ``axis``, in ``form``."""
         if form == CommForm.COLLECTIVE:
-            return self.alpha + (d - 1) * chunk_bytes / self.bw("all_gather")
+            return self.call_s("all_gather", (d - 1) * chunk_bytes, axis)
         if form == CommForm.RING:  # d−1 collective-permute steps, each moving one chunk
-            return (d - 1) * (self.alpha + chunk_bytes / self.bw("p2p"))
+            return (d - 1) * self.call_s("p2p", chunk_bytes, axis)
         if form == CommForm.BROADCAST_LOOP:  # d broadcasts, root = step
-            return d * (self.alpha + chunk_bytes / self.bw("broadcast"))
+            return d * self.call_s("broadcast", chunk_bytes, axis)
         raise ValueError(f"unknown all-gather form {form!r}; one of {tuple(map(str, ALL_GATHER_FORMS))}")
 
-    def reduce_scatter_s(self, form: CommForm, chunk_bytes: int, d: int) -> float:
-        """Seconds for a ``d``-member reduce-scatter whose result is ``chunk_bytes`` per member."""
+    def reduce_scatter_s(self, form: CommForm, chunk_bytes: int, d: int, axis: str | None = None) -> float:
+        """Seconds for a ``d``-member reduce-scatter along ``axis`` whose result is ``chunk_bytes`` per member."""
         if form == CommForm.COLLECTIVE:
-            return self.alpha + (d - 1) * chunk_bytes / self.bw("reduce_scatter")
+            return self.call_s("reduce_scatter", (d - 1) * chunk_bytes, axis)
         if form == CommForm.RING:
-            return (d - 1) * (self.alpha + chunk_bytes / self.bw("p2p"))
+            return (d - 1) * self.call_s("p2p", chunk_bytes, axis)
         raise ValueError(f"unknown reduce-scatter form {form!r}; one of {tuple(map(str, REDUCE_SCATTER_FORMS))}")
 
-    def choose_all_gather(self, chunk_bytes: int, d: int) -> CommForm:
-        return min(ALL_GATHER_FORMS, key=lambda f: self.all_gather_s(f, chunk_bytes, d))
+    def choose_all_gather(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:
+        """The cheapest all-gather form (:meth:`all_gather_s`)."""
+        return min(ALL_GATHER_FORMS, key=lambda f: self.all_gather_s(f, chunk_bytes, d, axis))
 
-    def choose_reduce_scatter(self, chunk_bytes: int, d: int) -> CommForm:
-        return min(REDUCE_SCATTER_FORMS, key=lambda f: self.reduce_scatter_s(f, chunk_bytes, d))
+    def choose_reduce_scatter(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:
+        """The cheapest reduce-scatter form (:meth:`reduce_scatter_s`)."""
+        return min(REDUCE_SCATTER_FORMS, key=lambda f: self.reduce_scatter_s(f, chunk_bytes, d, axis))
 
 
 MASTER_DTYPES = ("float32", "float64")  # what LowerOptions.master_dtype may hold weights in
@@ -140,12 +190,14 @@ class LowerOptions:
             raise ValueError(f"reduce_scatter must be 'auto' or one of {tuple(map(str, REDUCE_SCATTER_FORMS))}, got "
                              f"{self.reduce_scatter!r}")
 
-    def all_gather_form(self, chunk_bytes: int, d: int) -> CommForm:
+    def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:
+        """The form of a ``d``-member all-gather of ``chunk_bytes`` per member along mesh ``axis``."""
         if self.all_gather == "auto":
-            return self.cost.choose_all_gather(chunk_bytes, d)
+            return self.cost.choose_all_gather(chunk_bytes, d, axis)
         return CommForm(self.all_gather)
 
-    def reduce_scatter_form(self, chunk_bytes: int, d: int) -> CommForm:
+    def reduce_scatter_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:
+        """The form of a ``d``-member reduce-scatter along mesh ``axis`` whose result is ``chunk_bytes`` per member."""
         if self.reduce_scatter == "auto":
-            return self.cost.choose_reduce_scatter(chunk_bytes, d)
+            return self.cost.choose_reduce_scatter(chunk_bytes, d, axis)
         return CommForm(self.reduce_scatter)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from shardflow.lower.calibration import cost_kind
 from shardflow.lower.cost import CostModel
 from shardflow.lower.program import Comm, Compute, Program, Wait
 from shardflow.lower.rendezvous import rendezvous
@@ -48,9 +49,9 @@ def now() -> float:
 
 
 def comm_seconds(c: Comm, cost: CostModel) -> float:
-    """The cost model's time for one communication (what this rank sends, at the kind's bandwidth)."""
-    kind = {"send": "p2p", "recv": "p2p", "permute": "p2p"}.get(c.kind, c.kind)
-    return cost.alpha + c.nbytes / cost.bw(kind)
+    """The cost model's time for one communication (what this rank sends, at its kind's bandwidth on its axis), in
+    seconds."""
+    return cost.call_s(cost_kind(c.kind), c.nbytes, c.axis)
 
 
 def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]], cost: CostModel) -> list[dict]:

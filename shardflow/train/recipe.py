@@ -73,11 +73,11 @@ class Setup:
 
     @property
     def lower_options(self) -> LowerOptions:
-        """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend; the
-        bucket size; FSDP's resharding, activation checkpointing and the master weights' dtype (``--dtype``)."""
+        """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend (its
+        calibration file where ``shardflow calibrate`` wrote one: :meth:`CostModel.for_backend`); the bucket size; FSDP's resharding, activation checkpointing and the master weights' dtype (``--dtype``)."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
-                            CostModel(backend_for(device_type(self.cfg.device,
-                                                              local_processes(os.environ, self.cfg.nproc)))),
+                            CostModel.for_backend(backend_for(device_type(
+                                self.cfg.device, local_processes(os.environ, self.cfg.nproc)))),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20),
                             reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac,
                             master_dtype=MASTER_DTYPE[self.cfg.dtype])

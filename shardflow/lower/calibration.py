@@ -1,0 +1,167 @@
+"""Calibration of the α–β cost model: the file ``shardflow calibrate`` writes and the cost model reads.
+
+A calibration holds, per group of ranks (a mesh axis, or :data:`WORLD` when no mesh was given) and per kind of call
+the cost model prices (:data:`COST_KINDS`), α (seconds per call) and the bandwidth (bytes one rank sends per second),
+fitted by least squares (:func:`fit`) to timings of ``shardflow.lower.comms.issue`` at a few message sizes.
+
+Where it lives: ``$SHARDFLOW_CALIBRATION_DIR/calibration-<backend>.json``, by default in
+``$XDG_CACHE_HOME/shardflow`` (``~/.cache/shardflow``) (:func:`calibration_path`). A file that cannot be read, of
+another schema version or of another backend raises :class:`CalibrationError` (naming the file and the fix:
+calibrate again, or delete it); one measured on another machine (host name) is ignored with a
+:class:`CalibrationWarning`: the defaults apply.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+SCHEMA = 1  # version of the file's layout; another is refused
+ENV_DIR = "SHARDFLOW_CALIBRATION_DIR"  # the directory of the calibration files, overriding the default
+WORLD = "world"  # the group key of a calibration taken over every rank (no mesh)
+BACKENDS = ("gloo", "nccl")
+# The kinds of call the cost model prices: ``p2p`` = one collective-permute step (send and recv at once, the ring's
+# step), the others the collectives of the same names.
+COST_KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
+_COMM_TO_COST = {"send": "p2p", "recv": "p2p", "permute": "p2p"}
+
+
+def cost_kind(comm_kind: str) -> str:
+    """The cost model's kind of a communication kind (:class:`~shardflow.lower.comms.CommKind`): send, recv and
+    permute are ``p2p``; a collective is its own."""
+    return _COMM_TO_COST.get(comm_kind, comm_kind)
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used (unreadable, malformed, another schema or backend); the message names
+    the file and the fix."""
+
+
+class CalibrationWarning(UserWarning):
+    """A calibration file measured on another machine: ignored, the defaults apply."""
+
+
+@dataclass(frozen=True, slots=True)
+class KindCost:
+    """One kind of call on one group: ``alpha_s`` seconds per call (≥ 0) and ``bandwidth`` bytes/s (> 0) of what one
+    rank sends (:func:`~shardflow.lower.comms.wire_bytes`)."""
+
+    alpha_s: float
+    bandwidth: float
+
+    def seconds(self, nbytes: int) -> float:
+        """α + bytes / bandwidth, in seconds."""
+        return self.alpha_s + nbytes / self.bandwidth
+
+
+def fit(samples: Sequence[tuple[int, float]]) -> KindCost:
+    """Least-squares line seconds = α + bytes / bandwidth through ``samples`` of (bytes sent by one rank, seconds).
+    A negative intercept (noise at small sizes) is clamped to 0. Raises ValueError with fewer than two distinct
+    sizes, or where the time does not grow with the size (slope ≤ 0: the sizes are too small to see the bandwidth)."""
+    xs = [float(b) for b, _ in samples]
+    if len(set(xs)) < 2:
+        raise ValueError(f"fitting α and bandwidth needs at least two distinct message sizes, got {sorted(set(xs))}")
+    n = len(samples)
+    mx, my = sum(xs) / n, sum(t for _, t in samples) / n
+    slope = sum((x - mx) * (t - my) for x, (_, t) in zip(xs, samples)) / sum((x - mx) ** 2 for x in xs)
+    if not slope > 0:
+        raise ValueError(f"time does not grow with the message size ({', '.join(f'{int(x)} B: {t:.3g} s' for x, (_, t) in zip(xs, samples))}); "
+                         f"measure larger sizes (--sizes)")
+    return KindCost(max(0.0, my - slope * mx), 1.0 / slope)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What ``shardflow calibrate`` measured: ``groups`` maps a mesh axis (or :data:`WORLD`) to each cost kind's
+    :class:`KindCost`; ``backend``, ``world_size`` (ranks that took part), ``machine`` (host name), ``date`` (ISO
+    8601), ``torch`` (version). ``path``: the file it was read from ("" when made here)."""
+
+    backend: str
+    world_size: int
+    machine: str
+    date: str
+    torch: str
+    groups: Mapping[str, Mapping[str, KindCost]]
+    path: str = field(default="", compare=False)
+
+    def to_json(self) -> str:
+        """The file's text: ``version`` (:data:`SCHEMA`), the fields, ``groups`` → kind → ``alpha_s`` (s) and
+        ``bandwidth`` (bytes/s)."""
+        return json.dumps({"version": SCHEMA, "backend": self.backend, "world_size": self.world_size,
+                           "machine": self.machine, "date": self.date, "torch": self.torch,
+                           "groups": {g: {k: {"alpha_s": c.alpha_s, "bandwidth": c.bandwidth} for k, c in kinds.items()}
+                                      for g, kinds in self.groups.items()}}, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, path: str = "") -> Calibration:
+        """Parse and validate a file's text. Raises CalibrationError naming ``path`` and the fix."""
+        fix = f"run `shardflow calibrate` again to rewrite it, or delete {path}"
+
+        def bad(why: str) -> CalibrationError:
+            return CalibrationError(f"calibration file {path}: {why}; {fix}")
+
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise bad(f"not JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise bad("not a JSON object")
+        if doc.get("version") != SCHEMA:
+            raise bad(f"version {doc.get('version')!r}, this shardflow reads version {SCHEMA}")
+        if doc.get("backend") not in BACKENDS:
+            raise bad(f"backend {doc.get('backend')!r}, expected one of {list(BACKENDS)}")
+        for key, typ in (("world_size", int), ("machine", str), ("date", str), ("torch", str), ("groups", dict)):
+            if not isinstance(doc.get(key), typ):
+                raise bad(f"{key!r} missing or not a{'n' * (typ is int)} {typ.__name__}")
+        groups: dict[str, dict[str, KindCost]] = {}
+        for g, kinds in doc["groups"].items():
+            if not isinstance(kinds, dict):
+                raise bad(f"group {g!r} is not an object of kinds")
+            groups[g] = {}
+            for k, c in kinds.items():
+                if k not in COST_KINDS:
+                    raise bad(f"group {g!r}: unknown kind {k!r}, expected one of {list(COST_KINDS)}")
+                a, b = (c.get("alpha_s"), c.get("bandwidth")) if isinstance(c, dict) else (None, None)
+                if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b)) or a < 0 or b <= 0:
+                    raise bad(f"group {g!r}, kind {k!r}: need alpha_s ≥ 0 (s) and bandwidth > 0 (bytes/s), got {c!r}")
+                groups[g][k] = KindCost(float(a), float(b))
+        return cls(doc["backend"], doc["world_size"], doc["machine"], doc["date"], doc["torch"], groups, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Calibration:
+        """Read and validate ``path``. Raises CalibrationError (unreadable or invalid, naming the file and the
+        fix)."""
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CalibrationError(f"calibration file {path}: cannot read it ({getattr(e, 'strerror', None) or e}); "
+                                   f"run `shardflow calibrate` again, or delete it") from None
+        return cls.from_json(text, str(path))
+
+    def describe(self) -> str:
+        """One line: where the numbers come from."""
+        return (f"calibration {self.path or '(in memory)'} ({self.backend}, {self.world_size} ranks on "
+                f"{self.machine}, {self.date})")
+
+
+def this_machine() -> str:
+    """The host name a calibration is recorded for (and checked against)."""
+    return platform.node()
+
+
+def calibration_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """``$SHARDFLOW_CALIBRATION_DIR``, else ``$XDG_CACHE_HOME/shardflow``, else ``~/.cache/shardflow``."""
+    if env.get(ENV_DIR):
+        return Path(env[ENV_DIR])
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "shardflow"
+
+
+def calibration_path(backend: str, env: Mapping[str, str] = os.environ) -> Path:
+    """Where the calibration of ``backend`` is written and read: ``calibration-<backend>.json`` in
+    :func:`calibration_dir`."""
+    return calibration_dir(env) / f"calibration-{backend}.json"

@@ -1,0 +1,130 @@
+"""Calibration of the cost model: the least-squares fit, the file (round trip, validation, where it is read), that
+"auto" follows it, and one real ``shardflow calibrate --nproc 2`` run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from shardflow.lower.calibration import (COST_KINDS, WORLD, Calibration, CalibrationError, CalibrationWarning,
+                                         KindCost, calibration_path, fit, this_machine)
+from shardflow.lower.cost import CostModel, DEFAULT_BANDWIDTH, LowerOptions
+from test_lower import _sp_step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cal(groups, machine=None, backend="gloo") -> Calibration:
+    return Calibration(backend, 2, machine or this_machine(), "2026-01-01T00:00:00+00:00", "2.13", groups)
+
+
+def test_fit_recovers_alpha_and_bandwidth_exactly_from_synthetic_timings():
+    alpha, bw = 3e-4, 1.5e9
+    got = fit([(n, alpha + n / bw) for n in (2**16, 2**18, 2**20, 2**22)])
+    assert got.alpha_s == pytest.approx(alpha, rel=1e-9)
+    assert got.bandwidth == pytest.approx(bw, rel=1e-9)
+
+
+def test_fit_refuses_one_size_and_times_that_do_not_grow():
+    with pytest.raises(ValueError, match="at least two distinct message sizes"):
+        fit([(1024, 1e-3), (1024, 2e-3)])
+    with pytest.raises(ValueError, match="does not grow with the message size"):
+        fit([(1024, 2e-3), (2048, 1e-3)])
+
+
+def test_the_file_round_trips_and_names_itself_and_the_fix_when_bad(tmp_path):
+    cal = _cal({WORLD: {"p2p": KindCost(1e-4, 2e9)}, "tp": {"all_gather": KindCost(0.0, 5e8)}})
+    path = tmp_path / "c.json"
+    path.write_text(cal.to_json())
+    back = Calibration.load(path)
+    assert back == cal and back.path == str(path)
+    doc = json.loads(cal.to_json())
+    for change, why in [({"version": 0}, "version 0"), ({"backend": "mpi"}, "backend 'mpi'"),
+                        ({"world_size": "2"}, "'world_size' missing"),
+                        ({"groups": {WORLD: {"ring": {"alpha_s": 0, "bandwidth": 1}}}}, "unknown kind 'ring'"),
+                        ({"groups": {WORLD: {"p2p": {"alpha_s": 0, "bandwidth": 0}}}}, "bandwidth > 0")]:
+        path.write_text(json.dumps({**doc, **change}))
+        with pytest.raises(CalibrationError, match=f"calibration file {path}: .*{why}.*shardflow calibrate"):
+            Calibration.load(path)
+    path.write_text("{")
+    with pytest.raises(CalibrationError, match="not JSON"):
+        Calibration.load(path)
+
+
+def test_the_cost_model_reads_the_file_of_its_backend_per_axis_and_falls_back(tmp_path):
+    env = {"SHARDFLOW_CALIBRATION_DIR": str(tmp_path)}
+    assert CostModel.for_backend("gloo", env).describe() == "gloo defaults (no calibration)"
+    cal = _cal({WORLD: {"p2p": KindCost(1e-4, 2e9)}, "tp": {"p2p": KindCost(2e-4, 4e9)}})
+    calibration_path("gloo", env).write_text(cal.to_json())
+    cost = CostModel.for_backend("gloo", env)
+    assert cost.calibration == cal and cost.describe().startswith(f"calibration {tmp_path}/calibration-gloo.json")
+    assert (cost.bw("p2p", "tp"), cost.alpha("p2p", "tp")) == (4e9, 2e-4)  # the axis's own
+    assert (cost.bw("p2p", "dp"), cost.alpha("p2p", "dp")) == (2e9, 1e-4)  # another axis: the world's
+    assert cost.bw("all_gather", "tp") == DEFAULT_BANDWIDTH["gloo"]["all_gather"]  # not measured: the default
+    assert CostModel("gloo", bandwidth={"p2p": 1.0}, calibration=cal).bw("p2p", "tp") == 1.0  # an override wins
+    calibration_path("gloo", env).write_text(_cal(cal.groups, machine="elsewhere").to_json())
+    with pytest.warns(CalibrationWarning, match="measured on elsewhere"):
+        assert CostModel.for_backend("gloo", env).calibration is None
+    calibration_path("gloo", env).write_text(_cal(cal.groups, backend="nccl").to_json())
+    with pytest.raises(CalibrationError, match="measured on nccl, read for gloo"):
+        CostModel.for_backend("gloo", env)
+
+
+def _kinds(step):
+    prog = step.programs[0]
+    return {p: Counter(c.kind for c in prog.comms if c.pass_ == p) for p in ("FWD", "BWD")}
+
+
+@pytest.mark.parametrize("slow", ["ring", "collective"])
+def test_auto_follows_the_calibration(slow):
+    """tp=4 sequence-parallel linear: its forward all-gather and backward reduce-scatter along tp. A calibration whose
+    ring steps (p2p) are 1000× slower than the collectives makes "auto" pick the collectives, and the other way
+    round the rings (3 permute steps each)."""
+    fast, crawl = KindCost(1e-5, 1e10), KindCost(1e-2, 1e6)
+    ring, coll = (crawl, fast) if slow == "ring" else (fast, crawl)
+    cal = _cal({"tp": {"p2p": ring, "all_gather": coll, "reduce_scatter": coll, "broadcast": crawl}})
+    got = _kinds(_sp_step(LowerOptions(cost=CostModel("gloo", calibration=cal))))
+    if slow == "ring":
+        assert got["FWD"] == {"all_gather": 1} and got["BWD"]["reduce_scatter"] == 1 and not got["BWD"]["permute"]
+    else:
+        assert got["FWD"] == {"permute": 3} and got["BWD"]["permute"] == 3 and not got["BWD"]["reduce_scatter"]
+
+
+def _cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "shardflow.cli", "calibrate", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env=env)
+
+
+def test_calibrate_nproc_2_writes_a_file_the_cost_model_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFLOW_CALIBRATION_DIR", str(tmp_path))
+    res = _cli("--nproc", "2", "--sizes", "64K,1M", "--reps", "3")
+    assert res.returncode == 0, res.stderr + res.stdout
+    path = calibration_path("gloo")
+    assert f"wrote {path}" in res.stdout and "group    kind" in res.stdout
+    cal = Calibration.load(path)
+    assert (cal.backend, cal.world_size, cal.machine, list(cal.groups)) == ("gloo", 2, this_machine(), [WORLD])
+    fitted = set(cal.groups[WORLD])
+    assert fitted <= set(COST_KINDS) and len(fitted) >= 4  # a kind drowned in a busy machine's noise is left out
+    for kind in set(COST_KINDS) - fitted:
+        assert f"{kind} not fitted" in res.stdout
+    assert CostModel.for_backend("gloo").calibration == cal
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "1"], "--nproc 1: calibration times communications between processes; give --nproc 2 or more"),
+    (["--mesh", "dp=2,tp=2"], "mesh dp=2,tp=2 has 4 devices but --nproc 2 starts 2 processes"),
+    (["--sizes", "1M"], "--sizes 1M: fitting α and the bandwidth needs at least two distinct sizes"),
+    (["--sizes", "64K,lots"], "--sizes 64K,lots: cannot read 'lots' as a message size"),
+    (["--reps", "0"], "--reps"),
+    (["--out", "/nonexistent/dir/c.json"], "--out /nonexistent/dir/c.json: /nonexistent/dir does not exist"),
+])
+def test_calibrate_refuses_bad_inputs_before_any_process_starts(argv, message, capsys):
+    from shardflow.cli import main
+    assert main(["calibrate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardflow calibrate: error: ") and message in err and "rank" not in err.split(":")[2]
