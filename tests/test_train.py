@@ -194,4 +194,6 @@ def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tp2):
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"rank 0 (measured)", "rank 1 (measured)", "rank 0 (cost model)", "rank 1 (cost model)"}
     measured = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 1]
-    assert measured and all(e["name"].split()[1] == "all_reduce" for e in measured)
+    kinds = [tuple(e["name"].split()[:2]) for e in measured]  # ("#token", kind); an overlapped one is waited later
+    assert kinds and {k for _, k in kinds} == {"all_reduce", "wait"}
+    assert {t for t, k in kinds if k == "wait"} <= {t for t, k in kinds if k == "all_reduce"}
