@@ -147,7 +147,8 @@ class HandTP:
 def torch_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: dict) -> Callable:
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = model(**inputs)
+        out = model(**inputs)
+        loss = out if isinstance(out, torch.Tensor) else out.loss  # a Hugging Face model returns its output
         loss.backward()
         opt.step()
         return loss.item()
@@ -234,12 +235,21 @@ def _attn_forward_local_heads(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def dtensor_gpt(model: nn.Module, world: int) -> nn.Module:
-    """torchtitan-style plan: q, k, v and c_fc column-parallel, both c_proj row-parallel; the rest replicated."""
+    """torchtitan-style plan: q, k, v and c_fc column-parallel, both c_proj row-parallel (a Hugging Face Llama: q, k,
+    v, gate and up column-parallel, o and down row-parallel); the rest replicated."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     mesh = init_device_mesh("cpu", (world,))
     m = copy.deepcopy(model)
     plan = {}
+    if hasattr(m, "model"):  # a Hugging Face Llama: its attention already views q, k, v with -1 heads
+        for i in range(len(m.model.layers)):
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+            for name in ("self_attn.o_proj", "mlp.down_proj"):
+                plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+        parallelize_module(m, mesh, plan)
+        return m
     for i, block in enumerate(m.transformer.h):
         for name in ("attn.q", "attn.k", "attn.v", "mlp.c_fc"):
             plan[f"transformer.h.{i}.{name}"] = ColwiseParallel()
@@ -283,13 +293,19 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
     s_tp = setup(dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world), world)
     cfg = s_tp.optimizer
     model = s_tp.whole_model()
-    batch = s_tp.corpus.batch("train", 0, base.batch_size, base.seq_len, base.seed)
-    out["model"] = {"params": sum(q.numel() for q in model.parameters()), "vocab": model.config.vocab_size,
-                    "layers": base.layers, "heads": base.heads, "embd": base.embd, "seq_len": base.seq_len,
+    batch = s_tp.batch("train", 0)  # the model's inputs (token ids, labels) of the run's first batch
+    c = model.config
+    out["model"] = {"params": sum(q.numel() for q in model.parameters()), "vocab": c.vocab_size,
+                    "layers": c.num_hidden_layers, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
+                    "embd": c.hidden_size, "seq_len": base.seq_len,
                     "batch": base.batch_size, "optimizer": dataclasses.asdict(cfg)}
     step_tp = lower_step(s_tp.pcg, cfg.slots, ranks=[rank])
     ex_tp = DistributedExecutor(step_tp, cfg, timeout_s=TIMEOUT_S)
     ex_tp.load(weights_of(model, s_tp.graph))
+    blocking = LowerOptions("collective", "collective", overlap=False)  # every backward all-reduce waited at once
+    ex_tp_blocking = DistributedExecutor(lower_step(s_tp.pcg, cfg.slots, ranks=[rank], options=blocking), cfg,
+                                         timeout_s=TIMEOUT_S)
+    ex_tp_blocking.load(weights_of(model, s_tp.graph))
     out["program_tp"] = program_size(ex_tp)
     if p.get("timing", True):
         s_dp = setup(dataclasses.replace(base, strategy="dp", mesh=f"dp={world}", nproc=world), world)
@@ -309,6 +325,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         per = base.batch_size // world
         local = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
         variants = [Variant("shardflow_tp", lambda: ex_tp.step(batch)),
+                    Variant("shardflow_tp_blocking", lambda: ex_tp_blocking.step(batch)),
                     Variant("dtensor_tp", torch_step(dt, dt_opt, batch)),
                     Variant("shardflow_dp", lambda: ex_dp.step(batch)),
                     Variant("shardflow_dp_nobucket", lambda: ex_dp0.step(batch)),
