@@ -9,22 +9,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from shardflow.graph import GraphBuilder
 from shardflow.graph.ops import TensorType, Unary
-from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower import LowerOptions
 from shardflow.lower.comms import run_local
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
 from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Update, Vjp, Wait,
                                      shared_sends)
-from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Replicate as ReplicateOp
-from shardflow.parallel.pcg import build_pcg
+from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.rules import LocalOp
-from shardflow.parallel.sharding import Sharding
-from shardflow.runtime.kernels import OptimizerConfig, recorded_nodes
-from shardflow.runtime.local import LocalExecutor
-from shardflow.strategy import ModulePlan, Plan, make_plan, resolve
+from shardflow.runtime.kernels import recorded_nodes
+from shardflow.strategy import make_plan
+
+from test_lower import MEGATRON, against_one_device, lowered, mlp, replicate_broadcast  # the same plans
 
 
 def shared(step) -> dict[int, list[tuple[str, str, bool]]]:
@@ -37,48 +34,11 @@ def shared(step) -> dict[int, list[tuple[str, str, bool]]]:
     return out
 
 
-def mlp(B=8, D=16, H=64):
-    """x [B, D] → tanh(x · scale) → fc1 [H] → gelu → fc2 [D] → cross-entropy."""
-    b = GraphBuilder()
-    x, y = b.input("x", (B, D)), b.input("y", (B,), "int64")
-    x = b.tanh(b.mul(x, b.weight("scale", (D,))))
-    h = b.gelu(b.dense(x, H, name="fc1"))
-    loss = b.cross_entropy(b.dense(h, D, name="fc2"), y)
-    return b.build([loss], loss)
-
-
-MEGATRON = Plan(modules={
-    "fc1": ModulePlan(params={"weight": [Shard(0)], "bias": [Shard(0)]}, input=[Replicate()]),
-    "fc2": ModulePlan(params={"weight": [Shard(1)]}, output=[Replicate()]),
-})
-
-
-def lowered(graph, mesh_text, plan, options=None):
-    mesh = Mesh.parse(mesh_text)
-    return lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)), "sgd", verify=False, options=options)
-
-
-def against_one_device(step, graph, steps=2, tol=1e-5):
-    """Losses and weights of ``steps`` SGD steps of ``step`` on the local executor equal one device's (float32:
-    partial sums are added in another order, ~1e-7 relative; a buffer overwritten while still read is off by O(1))."""
-    gen = torch.Generator().manual_seed(0)
-    weights = {w: torch.randn(graph.tensors[w].shape, generator=gen) for w in graph.weights}
-    inputs = {n: torch.randint(0, 4, t.shape, generator=gen) if t.dtype == "int64" else
-              torch.randn(t.shape, generator=gen) for n, t in ((n, graph.tensors[n]) for n in graph.inputs)}
-    one = LocalExecutor(lower_step(build_pcg(graph, Mesh.parse("d=1")), "sgd"), OptimizerConfig("sgd", 0.1))
-    many = LocalExecutor(step, OptimizerConfig("sgd", 0.1))
-    one.load(weights)
-    many.load(weights)
-    for _ in range(steps):
-        assert abs(one.step(inputs) - many.step(inputs)) < tol
-    assert all((one.weights()[w] - many.weights()[w]).abs().max() < tol for w in graph.weights)
-
-
 def test_tensor_parallel_all_reduces_are_in_place():
     """fc2's partial output (a linear's: new storage, its forward records no graph — the linear's vjp is
     hand-written) and fc1's input gradient (the linear vjp's: new storage) are read by nothing after their
     all-reduce: both are reduced in place, on both ranks; the numbers are one device's."""
-    graph = mlp()
+    graph = mlp(pre=True)
     step = lowered(graph, "tp=2", MEGATRON)
     assert shared(step) == {r: [("FWD", "all_reduce", True), ("BWD", "all_reduce", True)] for r in (0, 1)}
     against_one_device(step, graph)
@@ -89,9 +49,9 @@ def test_data_parallel_gradient_all_reduces_are_in_place(bucket_bytes):
     """Each weight gradient's all-reduce (unbucketed) or the one bucket's reads a gradient nothing reads again:
     in place — the scale's gradient too, though the mul's vjp may return the output gradient it was given, since
     that is read by nothing after the vjp."""
-    graph = mlp()
+    graph = mlp(pre=True)
     options = LowerOptions() if bucket_bytes is None else LowerOptions(bucket_bytes=bucket_bytes)
-    step = lowered(graph, "dp=2", make_plan(graph, Mesh.parse("dp=2"), "dp"), options)
+    step = lowered(graph, "dp=2", make_plan(graph, Mesh.parse("dp=2"), "dp"), options=options)
     n = 1 if bucket_bytes is None else len(graph.weights)
     assert shared(step) == {r: [("BWD", "all_reduce", True)] * n for r in (0, 1)}
     against_one_device(step, graph)
@@ -102,18 +62,7 @@ def test_replicate_broadcast_root_sends_its_buffer_and_the_reduce_is_in_place():
     sums reduced to the root. The root sends h as it is (its own replica is h's buffer: nothing updates either in
     place) and reduces its partial gradient in place (read by nothing after); rank 1 sends no broadcast buffer and
     reduces in place too. The numbers are one device's."""
-    b = GraphBuilder()
-    x, w0, w1 = b.input("x", (4, 4)), b.weight("w0", (4, 4)), b.weight("w1", (6, 4))
-    loss = b.sum(b.tanh(b.linear(b.linear(x, w0), w1)))
-    g = b.build([loss], loss)
-    mesh = Mesh.parse("pp=2")
-    plan = Plan(modules={"linear": ModulePlan(stage=0), "linear_1": ModulePlan(stage=1)},
-                ops={"linear": (ReplicateOp(2, "pp"),)})
-    ann = resolve(plan, g, mesh)
-    whole = SubMesh(mesh)
-    ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "sum": whole},
-                  leaves={**ann.leaves, "w1": Sharding((("pp",), ()))})
-    step = lower_step(build_pcg(g, mesh, ann), verify=False)
+    g, step = replicate_broadcast()
     assert shared(step) == {0: [("FWD", "broadcast", True), ("BWD", "reduce", True)], 1: [("BWD", "reduce", True)]}
     against_one_device(step, g)
 

@@ -48,6 +48,26 @@ def lowered(graph, mesh_text, plan, optimizer="sgd", options=None, verify=False)
     return lower_step(pcg, optimizer, verify=verify, options=options)
 
 
+def against_one_device(step, graph, steps=2, tol=1e-5):
+    """Losses of ``steps`` SGD steps of ``step`` on the local executor, and every replica of every weight after them
+    (``weight_error``), equal one device's (float32: partial sums are added in another order, ~1e-7 relative; a
+    buffer overwritten while still read is off by O(1))."""
+    import torch
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.runtime.local import LocalExecutor
+    gen = torch.Generator().manual_seed(0)
+    weights = {w: torch.randn(graph.tensors[w].shape, generator=gen) for w in graph.weights}
+    inputs = {n: torch.randint(0, 4, t.shape, generator=gen) if t.dtype == "int64" else
+              torch.randn(t.shape, generator=gen) for n, t in ((n, graph.tensors[n]) for n in graph.inputs)}
+    one = LocalExecutor(lower_step(build_pcg(graph, Mesh.parse("d=1")), "sgd"), OptimizerConfig("sgd", 0.1))
+    many = LocalExecutor(step, OptimizerConfig("sgd", 0.1))
+    one.load(weights)
+    many.load(weights)
+    for _ in range(steps):
+        assert abs(one.step(inputs) - many.step(inputs)) < tol
+    assert many.weight_error(one.weights()) < tol
+
+
 def comms(programs, pass_=None):
     """Distinct communications (by token) as (pass, kind, members, shape)."""
     seen = {}
@@ -121,19 +141,7 @@ def test_backward_all_reduce_travels_while_the_weight_gradient_is_computed(overl
         assert (dx.node, dx.kernel.grad_mask) == ("linear", (True, False, False))
         assert dx.ins == dw.ins and [b.value for b in dx.outs] == [comm.send.value]
         assert [b.value for b in dw.outs] == ["grad:fc1.weight@linear", "grad:fc1.bias@linear"]
-    import torch
-    from shardflow.runtime.kernels import OptimizerConfig
-    from shardflow.runtime.local import LocalExecutor
-    gen = torch.Generator().manual_seed(0)
-    weights = {w: torch.randn(graph.tensors[w].shape, generator=gen) for w in graph.weights}
-    inputs = {"x": torch.randn(8, 16, generator=gen), "y": torch.randint(0, 16, (8,), generator=gen)}
-    ex = LocalExecutor(step, OptimizerConfig("sgd", 0.1))
-    ex.load(weights)
-    one = LocalExecutor(lower_step(build_pcg(graph, Mesh.parse("d=1")), "sgd"), OptimizerConfig("sgd", 0.1))
-    one.load(weights)
-    for _ in range(2):
-        assert ex.step(inputs) == pytest.approx(one.step(inputs), abs=1e-5)
-    assert ex.weight_error(one.weights()) < 1e-5
+    against_one_device(step, graph)
 
 
 def test_predicted_timeline_draws_an_async_reduction_beside_the_computes():
@@ -282,13 +290,12 @@ def test_reduction_lowers_to_all_reduce_or_fused_reduce_scatter():
         assert not [s for s in steps(step.dg) if s.nodes[0].pass_ == "BWD" and s.kind == "all_reduce"]
 
 
-def test_replicate_op_broadcasts_forward_and_reduces_backward():
-    """h on stage 0, broadcast to both stages, consumed by a linear sharded on pp: the replicas' gradients are
-    partial sums → reduce to the root. A replicated (redundant) consumer would need no reduce."""
+def replicate_broadcast():
+    """h = linear(x, w0) on stage 0, broadcast to both stages (Replicate on pp, root 0), consumed by a linear whose
+    weight w1 is sharded on pp, then tanh and sum: (graph, its lowered step, unverified)."""
     b = GraphBuilder()
     x, w0, w1 = b.input("x", (4, 4)), b.weight("w0", (4, 4)), b.weight("w1", (6, 4))
-    h = b.linear(x, w0)
-    loss = b.sum(b.tanh(b.linear(h, w1)))
+    loss = b.sum(b.tanh(b.linear(b.linear(x, w0), w1)))
     g = b.build([loss], loss)
     mesh = Mesh.parse("pp=2")
     plan = Plan(modules={"linear": ModulePlan(stage=0), "linear_1": ModulePlan(stage=1)},
@@ -297,7 +304,13 @@ def test_replicate_op_broadcasts_forward_and_reduces_backward():
     whole = SubMesh(mesh)
     ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "sum": whole},
                   leaves={**ann.leaves, "w1": Sharding((("pp",), ()))})
-    step = lower_step(build_pcg(g, mesh, ann), verify=False)
+    return g, lower_step(build_pcg(g, mesh, ann), verify=False)
+
+
+def test_replicate_op_broadcasts_forward_and_reduces_backward():
+    """h on stage 0, broadcast to both stages, consumed by a linear sharded on pp: the replicas' gradients are
+    partial sums → reduce to the root. A replicated (redundant) consumer would need no reduce."""
+    _, step = replicate_broadcast()
     got = comms(step.programs)
     assert [(c[0], c[1], c[2]) for c in got] == [("FWD", "broadcast", (0, 1)), ("BWD", "reduce", (0, 1))]
     bc = {r: next(c for c in p.comms if c.kind == "broadcast") for r, p in step.programs.items()}

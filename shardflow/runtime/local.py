@@ -58,6 +58,9 @@ class LocalExecutor(Executor):
         self.blocks: dict[str, dict[int, tuple[slice, ...]]] = {}  # value → device → its block (values placed each step)
         self.ledgers = {r: Ledger() for r in step.programs} if memory else None
         self._index_updates()
+        loss = self.dg.values[self.dg.loss_value]  # the device whose piece is the loss (None: partial, assembled)
+        self.loss_holder = None if loss.sharding.partial else next(
+            d for d, c in loss.sharding.device_map(loss.group).items() if c.replica == 0)
         # per rank, its program's runs between communications (the local calls of the rendezvous), compiled
         self.compiled: dict[int, dict[tuple[int, int], Segment]] = {
             r: {(a, z): compile_segment(p.instrs[a:z], functools.partial(self._kernel, r), self._update_kernel,
@@ -118,11 +121,9 @@ class LocalExecutor(Executor):
 
     def _loss(self) -> float:
         """The loss (a scalar): replica 0's piece when it is not partial, else assembled from its pieces."""
-        v = self.dg.values[self.dg.loss_value]
-        if v.sharding.partial:
-            return self._get(v.id).item()
-        holder = next(d for d, c in v.sharding.device_map(v.group).items() if c.replica == 0)
-        return self.buffers[holder][v.id].item()
+        if self.loss_holder is None:
+            return self._get(self.dg.loss_value).item()
+        return self.buffers[self.loss_holder][self.dg.loss_value].item()
 
     def _sync_ledgers(self) -> None:
         if self.ledgers:
