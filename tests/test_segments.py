@@ -148,3 +148,23 @@ def test_update_kernel_equals_torch_optim(dtype, cfg, clip):
     tol = {"float32": 1e-6, "float64": 1e-12, "bfloat16": 1e-2}[dtype]
     for w, p in zip(ws, params):
         torch.testing.assert_close(w, p.detach(), rtol=tol, atol=tol)
+
+
+def test_update_kernel_reads_a_gradient_that_is_a_broadcast_view():
+    """The gradient of a weight added to the batch and averaged is the mean's vjp, a scalar expanded to the weight's
+    shape (stride 0): the multi-tensor kernels must read it as its values (they read raw memory), two SGD steps with
+    momentum against torch.optim."""
+    cfg = OptimizerConfig("sgd", 0.1, 0.9)
+    (u,) = _updates(1, cfg, "float64", 0.0)
+    step = [0]
+    kernel = update_kernel([u], cfg, lambda: step[0])
+    w = torch.randn(u.ins[0].type.shape, dtype=torch.float64)
+    p = torch.nn.Parameter(w.clone())
+    ref = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    buf = torch.zeros_like(w)
+    for step[0] in (1, 2):
+        g = torch.tensor(0.25, dtype=torch.float64).expand(w.shape)
+        p.grad = g.clone()
+        ref.step()
+        kernel([w, g, buf])
+    torch.testing.assert_close(w, p.detach(), rtol=1e-12, atol=1e-12)

@@ -75,7 +75,9 @@ def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callab
     fast = {"fused": True} if all(x.type.dtype in FUSED_DTYPES for u in updates for x in u.outs) else {"foreach": True}
 
     def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        ws, gs = list(xs[0::n_in]), list(xs[1::n_in])
+        # a gradient may be a view (a broadcast's vjp expands a scalar: stride 0), which torch's multi-tensor kernels
+        # read as if it were dense: each gradient contiguous first (itself when it already is)
+        ws, gs = list(xs[0::n_in]), [g.contiguous() for g in xs[1::n_in]]
         state = [list(xs[2 + j::n_in]) for j in range(k)]
         if spec.clip:
             scale = (spec.clip / (xs[n_in - 1].sqrt() + 1e-6)).clamp(max=1.0)
