@@ -344,7 +344,7 @@ def test_every_pass_checks_its_preconditions():
     mesh = Mesh.parse("pp=2")
     pcg = build_pcg(g, mesh, resolve(make_plan(g, mesh, "pp"), g, mesh))
     expanded = pass_expansion(pcg)
-    with pytest.raises(PassError, match=r"pass 'shard_expansion' needs \['copy_insertion'\] first"):
+    with pytest.raises(PassError, match=r"pass 'schedule' needs \['copy_insertion'\] first"):
         lower(expanded)
     with pytest.raises(PassError, match="reads 'fwd:relu', held by another sub-mesh; run copy insertion first"):
         shard_expansion(dataclasses.replace(expanded, done=expanded.done + (PassName.COPY_INSERTION,)))
@@ -520,7 +520,7 @@ def test_value_ids_are_made_from_fields():
     upd = next(n for n in dg.nodes if n.kind == NodeKind.UPDATE and n.src == w)
     assert [dg.values[o].replaces for o in upd.outputs] == [forward_id(w), *state]
     assert dg.backward_of["linear"].outputs == (grad_id("fc1.weight", "linear"), grad_id("fc1.bias", "linear"))
-    assert dg.loss_value == forward_id(dg.pcg.loss) and dg.values[dg.loss_value].tensor == dg.pcg.loss
+    assert dg.loss_values == (forward_id(dg.pcg.loss),) and dg.values[dg.loss_values[0]].tensor == dg.pcg.loss
 
 
 def test_optimizer_update_rules():

@@ -131,8 +131,15 @@ class PieceSite:
         whole batch's: the site is the piece's place in the whole batch's tensor (dim 0 ``micros`` times as long),
         so the micro-steps draw what one step on the whole batch draws where dim 0 is the batch's (as in the
         dropouts of token models), and numbers of their own wherever else."""
+        site = self.within(micro, micros)
+        return DrawSite(seed, step, self.node, site.shape, site.start)
+
+    def within(self, micro: int, micros: int) -> PieceSite:
+        """This piece, of micro-batch ``micro`` of ``micros``, as a piece of the whole batch's tensor: ``micros``
+        micro-batches stack along dim 0 (a 0-d tensor, or one micro-batch, stays as it is). A step's
+        microbatches (pipeline parallelism) fold in here at planning time, gradient accumulation's micro-steps in
+        :meth:`at`: the two compose."""
         if micros == 1 or not self.shape:
-            return DrawSite(seed, step, self.node, self.shape, self.start)
+            return self
         rows = self.shape[0]
-        return DrawSite(seed, step, self.node, (rows * micros, *self.shape[1:]),
-                        (micro * rows + self.start[0], *self.start[1:]))
+        return PieceSite(self.node, (rows * micros, *self.shape[1:]), (micro * rows + self.start[0], *self.start[1:]))

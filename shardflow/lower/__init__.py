@@ -3,7 +3,7 @@
 The passes (:data:`~shardflow.lower.passes.PASSES`) run in order, each checked before and after;
 :func:`lower_step` runs them all::
 
-    pass_expansion → copy_insertion → shard_expansion → comm_lowering → ordering → verify
+    pass_expansion → copy_insertion → schedule → shard_expansion → comm_lowering → ordering → verify
 """
 
 from __future__ import annotations

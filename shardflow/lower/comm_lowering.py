@@ -503,7 +503,7 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
         for c, k in zip(consumers, kernels):
             y = piece(dg.values[c.outputs[0]])
             ins = (chunks[j],) + tuple(piece(dg.values[v]) for v in c.inputs[1:])
-            out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name, kernel=k))
+            out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name, kernel=k, micro=c.micro))
         return out
 
     n_comms = d - 1 if form == CommForm.RING else d

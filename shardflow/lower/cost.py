@@ -23,6 +23,7 @@ from typing import Mapping
 from shardflow.lower.calibration import (WORLD, Calibration, CalibrationError, CalibrationWarning, KindCost,
                                          calibration_path, this_machine)
 from shardflow.lower.dynamic import ActivationCheckpointing
+from shardflow.lower.schedule import ScheduleKind
 
 GB = 1e9
 
@@ -164,6 +165,10 @@ class LowerOptions:
     ``master_dtype``: mixed precision — weights narrower than it (a model captured in bf16) are held, reduced and
     updated in it and cast to their own dtype for each step (``--dtype bf16``: float32;
     ``master_dtype`` of :func:`~shardflow.lower.dynamic.pass_expansion`); "" keeps every weight in its own dtype.
+
+    ``microbatches``: the step's batch cut into this many microbatches (``--microbatches``; the graph is captured on
+    one), run in the order of pipeline ``schedule`` (``--schedule``: :class:`~shardflow.lower.schedule.ScheduleKind`);
+    the updates run once per step (:mod:`shardflow.lower.schedule`).
     """
 
     all_gather: CommForm | str = "auto"
@@ -174,8 +179,14 @@ class LowerOptions:
     ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE
     master_dtype: str = ""
     overlap: bool = True
+    microbatches: int = 1
+    schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
 
     def __post_init__(self):
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule not in set(ScheduleKind):
+            raise ValueError(f"schedule must be one of {[str(k) for k in ScheduleKind]}, got {self.schedule!r}")
         if self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0 (0 = no bucketing), got {self.bucket_bytes}")
         if self.all_gather not in ("auto",) + ALL_GATHER_FORMS:

@@ -258,6 +258,12 @@ def with_accumulated_id(part: str) -> str:
     return f"{part}+{ValueRole.ACC}"
 
 
+def microbatch_id(vid: str, micro: int) -> str:
+    """The id of value ``vid`` of a one-microbatch step in microbatch ``micro`` of a step of several
+    (``<vid>#<micro>``; :attr:`DynamicGraph.microbatches`)."""
+    return f"{vid}#{micro}"
+
+
 def update_id(replaced: str) -> str:
     """The id of an update's new version of value ``replaced`` (``upd:<replaced>``)."""
     return f"upd:{replaced}"
@@ -323,6 +329,7 @@ class DNode:
     clip: float = 0.0
     scale: float = 1.0
     recompute: bool = False
+    micro: int = 0
 
 
 @dataclass(frozen=True)
@@ -331,6 +338,9 @@ class DynamicGraph:
 
     ``grad_norm_sq``: the id of the squared global L2 norm of all gradients (a scalar whole on every device of
     the mesh, kept after the step), or "" when the step does not compute it (no clipping, no ``grad_norm``).
+    ``microbatches``: how many microbatches the step's batch is cut into (``microbatches`` of
+    :func:`pass_expansion`): each has its own data inputs, forward, loss and backward values
+    (:func:`microbatch_id`), the PCG's shapes being one microbatch's.
     """
 
     pcg: PCG
@@ -339,16 +349,25 @@ class DynamicGraph:
     optimizer: UpdateRule = UpdateRule.SGD
     done: tuple[str, ...] = ()
     grad_norm_sq: str = ""
+    microbatches: int = 1
 
     def producers(self) -> dict[str, DNode]:
         return {v: n for n in self.nodes for v in n.outputs}
 
     @property
-    def loss_value(self) -> str:
-        """The id of the loss's forward value. Raises PassError if the PCG has no loss."""
+    def loss_values(self) -> tuple[str, ...]:
+        """The ids of the loss's forward values, one per microbatch (the step's loss is their mean). Raises
+        PassError if the PCG has no loss."""
         if self.pcg.loss is None:
             raise PassError("the graph has no scalar loss output")
-        return forward_id(self.pcg.loss)
+        return self.per_microbatch(forward_id(self.pcg.loss))
+
+    def per_microbatch(self, vid: str) -> tuple[str, ...]:
+        """The ids of value ``vid`` of a one-microbatch step in each microbatch of this one, in order (``vid``
+        itself when the step has one)."""
+        if self.microbatches == 1:
+            return (vid,)
+        return tuple(microbatch_id(vid, m) for m in range(self.microbatches))
 
     @cached_property
     def sources(self) -> dict[str, PNode]:
@@ -371,11 +390,12 @@ class DynamicGraph:
 
     def placed(self) -> tuple[str, ...]:
         """Values the executor places before a step: the weights, the optimizer state, the step's data
-        inputs and the graph's constants (each rank holds the pieces its sub-mesh gives it)."""
+        inputs (each microbatch's: :meth:`per_microbatch`) and the graph's constants (each rank holds the pieces
+        its sub-mesh gives it)."""
         graph = self.pcg.graph
-        leaves = (*graph.weights, *graph.inputs, *graph.constants)
-        return (tuple(forward_id(t) for t in leaves if forward_id(t) in self.values) + self.state_values()
-                + self.accumulated()[0])
+        inputs = [v for t in graph.inputs for v in self.per_microbatch(forward_id(t))]
+        leaves = (*map(forward_id, graph.weights), *inputs, *map(forward_id, graph.constants))
+        return tuple(v for v in leaves if v in self.values) + self.state_values() + self.accumulated()[0]
 
     def accumulated(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The gradient contributions summed over earlier micro-steps that this step reads (the executor holds
@@ -389,7 +409,7 @@ class DynamicGraph:
         """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
         gradients the updates read (kept for inspection), the squared gradient norm, the loss, and the sums of
         gradient contributions a micro-step leaves for the next (:meth:`accumulated`)."""
-        keep = {self.loss_value} if self.pcg.loss else set()
+        keep = set(self.loss_values) if self.pcg.loss else set()
         keep.update(self.accumulated()[1])
         if self.grad_norm_sq:
             keep.add(self.grad_norm_sq)
@@ -422,7 +442,8 @@ class DynamicGraph:
         """sha256 of the whole step (nodes, values with their shardings, every local kernel): equal on every
         rank that built the same plan, whatever its rank — what ranks compare at start-up."""
         local = tuple((n.name, n.local) for n in self.pcg.nodes)
-        return hashlib.sha256(repr((self.nodes, sorted(self.values.items()), local)).encode()).hexdigest()
+        return hashlib.sha256(repr((self.nodes, sorted(self.values.items()), local, self.microbatches)).encode()
+                              ).hexdigest()
 
 
 class PassError(RuntimeError):
@@ -434,6 +455,7 @@ class PassName(StrEnum):
 
     PASS_EXPANSION = "pass_expansion"
     COPY_INSERTION = "copy_insertion"
+    SCHEDULE = "schedule"
     SHARD_EXPANSION = "shard_expansion"
     COMM_LOWERING = "comm_lowering"
     ORDERING = "ordering"
@@ -527,7 +549,7 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
                    clip_norm: float | None = None, grad_norm: bool = False,
                    micro: MicroStep = MicroStep(), reshard_after_forward: bool = False,
                    ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE,
-                   master_dtype: str = "") -> DynamicGraph:
+                   master_dtype: str = "", microbatches: int = 1) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
@@ -560,9 +582,81 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     (all-reduce, reduce-scatter, the micro-steps' sums), the gradient norm and the optimizer state are in
     ``master_dtype``. "" (default): every weight in its own dtype.
 
+    ``microbatches``: the step's batch is cut along dim 0 into this many microbatches, ``pcg`` being captured on
+    one (pipeline parallelism's microbatches, Huang et al., "GPipe", 2019): each microbatch gets its own forward,
+    loss seed and backward (:func:`microbatch_id` values, :attr:`DNode.micro`), its weight-gradient contributions
+    summed with the earlier microbatches' as ``micro`` sums micro-steps — microbatch m is micro-step m of
+    ``microbatches`` within this step's ``micro`` — so only the last microbatch reduces and the updates run once. The
+    nodes come microbatch after microbatch; the schedule pass (:mod:`shardflow.lower.schedule`) interleaves them.
+
     ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
-    if the PCG has no loss, the optimizer is unknown or ``master_dtype`` is not a float dtype.
+    if the PCG has no loss, the optimizer is unknown, ``master_dtype`` is not a float dtype or ``microbatches`` < 1.
     """
+    if microbatches < 1:
+        raise PassError(f"a step has at least one microbatch, not {microbatches}")
+    if microbatches == 1:
+        return _expand(pcg, optimizer, training, clip_norm, grad_norm, micro, reshard_after_forward, ac, master_dtype)
+    parts = [_expand(pcg, optimizer, training, clip_norm, grad_norm, m, reshard_after_forward, ac, master_dtype)
+             for m in _microbatch_steps(micro, microbatches)]
+    return _microbatched(pcg, parts)
+
+
+def _microbatch_steps(micro: MicroStep, count: int) -> list[MicroStep]:
+    """The micro-steps that ``count`` microbatches of micro-step ``micro`` are, among ``micro.count · count``: the
+    first is first only in the first micro-step, the last is last only in the last one."""
+    total = micro.count * count
+    return [MicroStep(total, micro.first and m == 0, micro.last and m == count - 1) for m in range(count)]
+
+
+def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
+    """One step of ``len(parts)`` microbatches from the graphs of its micro-steps (:func:`_microbatch_steps`):
+    microbatch m's values get :func:`microbatch_id` ids except those every microbatch shares — the weights, the
+    constants, optimizer state, the updates' new versions, a weight's cast (made once, in microbatch 0) — and
+    the gradient sums one microbatch hands the next: microbatch m + 1 reads microbatch m's sum (no longer an
+    ``acc`` value of the step: it dies inside it), the first reads the step's ``acc`` input and the last writes the
+    step's ``acc`` output, as one micro-step would."""
+    graph = pcg.graph
+    shared = {forward_id(t) for t in (*graph.weights, *graph.constants)}
+    values: dict[str, Value] = {}
+    nodes: list[DNode] = []
+    handed: dict[str, str] = {}  # the sum a microbatch leaves for the next: the step's acc id → its id in the step
+    last = len(parts) - 1
+    for m, dg in enumerate(parts):
+        written = {v for n in dg.nodes for v in n.outputs}
+        cast = {v for n in dg.nodes if n.kind == NodeKind.CAST for v in n.outputs}
+        ids: dict[str, str] = {}
+        for vid, v in dg.values.items():
+            if vid in shared or vid in cast or v.role == ValueRole.OPT or (v.replaces and v.role != ValueRole.ACC):
+                ids[vid] = vid
+            elif v.role == ValueRole.ACC and vid not in written:  # the sum the microbatch before left
+                ids[vid] = handed.get(vid, vid) if m else vid
+            elif v.role == ValueRole.ACC and m == last:  # the step's own sum, for its next micro-step
+                ids[vid] = vid
+            elif v.role == ValueRole.ACC:
+                ids[vid] = microbatch_id(vid, m)
+                handed[v.replaces or vid] = ids[vid]
+                v = dataclasses.replace(v, role=ValueRole.GRAD, replaces="")
+            else:
+                ids[vid] = microbatch_id(vid, m)
+            if ids[vid] not in values:
+                values[ids[vid]] = dataclasses.replace(v, id=ids[vid])
+        for n in dg.nodes:
+            if n.kind == NodeKind.CAST and m:
+                continue
+            shared_node = n.kind in (NodeKind.CAST, NodeKind.UPDATE) or n.pass_ == TaskType.UPD
+            nodes.append(dataclasses.replace(
+                n, name=n.name if shared_node else microbatch_id(n.name, m), micro=0 if shared_node else m,
+                inputs=tuple(ids[v] for v in n.inputs), outputs=tuple(ids[v] for v in n.outputs)))
+    norm = parts[-1].grad_norm_sq
+    out = DynamicGraph(pcg, values, tuple(nodes), parts[0].optimizer, (PassName.PASS_EXPANSION,),
+                       microbatch_id(norm, last) if norm else "", len(parts))
+    return _checked(out)
+
+
+def _expand(pcg: PCG, optimizer: UpdateRule | str, training: bool, clip_norm: float | None, grad_norm: bool,
+            micro: MicroStep, reshard_after_forward: bool, ac: ActivationCheckpointing | str,
+            master_dtype: str) -> DynamicGraph:
+    """:func:`pass_expansion` of one microbatch."""
     if pcg.loss is None:
         raise PassError("pass expansion needs a loss: the graph has no scalar loss output")
     if optimizer not in set(UpdateRule):
@@ -824,7 +918,12 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
 def _expanded(pcg: PCG, g: _Graph, optimizer: UpdateRule, grad_norm_sq: str = "") -> DynamicGraph:
     """The graph pass expansion returns, after its check: every PCG node has its FWD node, and every node
     reads only values made by an earlier node or placed by the executor (weights, state, inputs)."""
-    dg = DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, (PassName.PASS_EXPANSION,), grad_norm_sq)
+    return _checked(DynamicGraph(pcg, g.values, tuple(g.nodes), optimizer, (PassName.PASS_EXPANSION,), grad_norm_sq))
+
+
+def _checked(dg: DynamicGraph) -> DynamicGraph:
+    """``dg`` after pass expansion's check (see :func:`_expanded`)."""
+    pcg = dg.pcg
     have = set(dg.placed())
     for n in dg.nodes:
         if missing := [v for v in n.inputs if v not in have]:
@@ -866,12 +965,11 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
             if key not in copies:
                 out = g.value(f"{vid}@{n.group}", v.tensor, v.role, v.type, v.sharding, n.group)
                 g.nodes.append(DNode(f"{v.pass_} copy {vid} {v.group}->{n.group}", v.pass_, NodeKind.COPY, (vid,),
-                                     (out,), n.group, n.src))
+                                     (out,), n.group, n.src, micro=n.micro))
                 copies[key] = out
             ins.append(copies[key])
         g.nodes.append(dataclasses.replace(n, inputs=tuple(ins)))
-    out = DynamicGraph(dg.pcg, g.values, tuple(g.nodes), dg.optimizer, dg.done + (PassName.COPY_INSERTION,),
-                       dg.grad_norm_sq)
+    out = dataclasses.replace(dg, values=g.values, nodes=tuple(g.nodes), done=dg.done + (PassName.COPY_INSERTION,))
     if bad := cross_submesh_reads(out):
         raise PassError(f"copy insertion left {bad[0][0]!r} reading {bad[0][1]!r} from another sub-mesh")
     return out

@@ -26,7 +26,8 @@ from shardflow.lower.shard_expansion import ShardedGraph, in_group, piece
 def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
     """Number every communication of ``sg`` globally and build each lowered rank's :class:`Program`; with
     ``overlap``, the backward's gradient reductions travel while the computes that do not feed them run
-    (:func:`overlap_reductions`). Raises PassError if communication lowering has not run, or if a rank's tokens
+    (:func:`overlap_reductions`); in a step of several microbatches (a pipeline), transfers between stages
+    travel while each stage works on other microbatches (:func:`overlap_transfers`). Raises PassError if communication lowering has not run, or if a rank's tokens
     would not increase."""
     require(sg.done, PassName.ORDERING, (PassName.COMM_LOWERING,))
     base = [0, *accumulate(instances(st, sg.decisions) for st in sg.steps)]
@@ -45,6 +46,8 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
             prog.extend(instrs)
         if overlap:
             prog = overlap_reductions(prog)
+        if dg.microbatches > 1:
+            prog = overlap_transfers(prog)
         tokens = [i.token for i in prog if isinstance(i, Comm)]
         if any(b <= a for a, b in zip(tokens, tokens[1:])):
             raise PassError(f"ordering: rank {r}'s tokens do not increase: {tokens}")
@@ -83,6 +86,40 @@ def overlap_reductions(prog: list[Instr]) -> list[Instr]:
         out.append(i)
         if not isinstance(i, Compute):
             start = len(out)
+    return out
+
+
+def overlap_transfers(prog: list[Instr]) -> list[Instr]:
+    """A pipeline's point-to-point transfers issued without waiting, as torch.distributed.pipelining issues
+    them (``batch_isend_irecv``): each receive's :class:`Wait` goes right before the first instruction that reads
+    what it receives, so a stage posts its receives in token order and goes on with the actions of other
+    microbatches meanwhile; each send's goes right before the next send to the same peer (one send in flight
+    per peer, its buffer kept until then) or at the end. Tokens keep their order; any rank's wait is on a
+    communication it has issued, so the token order still rules out a deadlock."""
+    transfers = [k for k, i in enumerate(prog)
+                 if isinstance(i, Comm) and i.wait and i.kind in (CommKind.SEND, CommKind.RECV)]
+    first_read: dict[str, int] = {}
+    for k in reversed(range(len(prog))):  # after the loop: value → its first reader after its receive
+        for b in reads(prog[k]):
+            first_read[b.value] = k
+    next_send: dict[int, int] = {}  # a send's index → the index of the next send to the same peer
+    last_to: dict[int, int] = {}
+    for k in transfers:
+        if prog[k].kind == CommKind.SEND:
+            if prog[k].peer in last_to:
+                next_send[last_to[prog[k].peer]] = k
+            last_to[prog[k].peer] = k
+    waits: dict[int, list[Wait]] = {}  # instruction index → the waits that go right before it
+    for k in transfers:
+        i = prog[k]
+        end = first_read.get(i.recv.value, len(prog)) if i.kind == CommKind.RECV else next_send.get(k, len(prog))
+        waits.setdefault(end, []).append(Wait(i.token))
+    issued = set(transfers)
+    out: list[Instr] = []
+    for k, i in enumerate(prog):
+        out.extend(waits.get(k, ()))
+        out.append(dataclasses.replace(i, wait=False) if k in issued else i)
+    out.extend(waits.get(len(prog), ()))
     return out
 
 

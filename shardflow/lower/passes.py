@@ -6,7 +6,7 @@ in which a node reads a value held by another sub-mesh), and after that its work
 done before, all done after"). :func:`run_passes` runs them in order, times each and can hand the graph
 after any pass to a printer (``shardflow plan --passes`` / ``--dump-after NAME``)::
 
-    pass_expansion → copy_insertion → shard_expansion → comm_lowering → ordering → verify
+    pass_expansion → copy_insertion → schedule → shard_expansion → comm_lowering → ordering → verify
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from shardflow.lower.cost import CommForm, LowerOptions
 from shardflow.lower.dynamic import (DynamicGraph, MicroStep, PassError, PassName, UpdateRule, copy_insertion,
                                      pass_expansion)
 from shardflow.lower.ordering import ordering
+from shardflow.lower.schedule import schedule
 from shardflow.lower.program import Program
 from shardflow.lower.shard_expansion import ShardedGraph, shard_expansion
 from shardflow.lower import verify as proof
@@ -67,10 +68,12 @@ PASSES: tuple[Pass, ...] = (
     Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm,
                                                                 c.grad_norm, c.micro,
                                                                 c.options.reshard_after_forward, c.options.ac,
-                                                                c.options.master_dtype),
+                                                                c.options.master_dtype, c.options.microbatches),
          "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state"),
     Pass(PassName.COPY_INSERTION, lambda dg, c: copy_insertion(dg),
          "COPY wherever a node reads a value held by another sub-mesh"),
+    Pass(PassName.SCHEDULE, lambda dg, c: schedule(dg, c.options.schedule),
+         "nodes in the pipeline schedule's order (GPipe, 1F1B) over the step's microbatches"),
     Pass(PassName.SHARD_EXPANSION, lambda dg, c: shard_expansion(dg, c.ranks),
          "steps; one invocation per device of each local step, on its pieces"),
     Pass(PassName.COMM_LOWERING, lambda sg, c: comm_lowering(sg, c.options),
@@ -126,6 +129,8 @@ def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None,
     """Per-rank programs of dynamic graph ``dg`` (after pass expansion and copy insertion) for ``ranks``
     (default: every device): shard expansion, communication lowering and ordering. Deterministic: every rank
     that lowers the same graph gets the same tokens. Raises PassError if copy insertion has not run."""
+    if PassName.SCHEDULE not in dg.done:
+        dg = schedule(dg, (options or LowerOptions()).schedule)
     sg = shard_expansion(dg, None if ranks is None else tuple(ranks))
     return dict(ordering(comm_lowering(sg, options)).programs)
 

@@ -122,7 +122,8 @@ KernelSpec = Forward | Vjp | OnesLike | Sum | Update | SumOfSquares | Keep | Blo
 class Compute:
     """Run ``op`` on this rank: ``node`` is the PCG node, ``dnode`` the dynamic-graph node whose kernel runs,
     ``kernel`` that kernel's description (None for the data movements of :data:`LOCAL_MOVES`, which ``op`` and
-    ``dim`` describe)."""
+    ``dim`` describe), ``micro`` the microbatch it works on (:attr:`DNode.micro`): a forward and the backward of
+    its node in the same microbatch share a recorded autograd graph (:attr:`saved_as`)."""
 
     pass_: TaskType
     node: str
@@ -132,6 +133,12 @@ class Compute:
     dnode: str = ""
     dim: int | None = None
     kernel: KernelSpec | None = None
+    micro: int = 0
+
+    @property
+    def saved_as(self) -> tuple[str, int]:
+        """The key of the autograd graph a forward records for its backward: (PCG node, microbatch)."""
+        return self.node, self.micro
 
     def __str__(self) -> str:
         return f"      {self.pass_:<4} {', '.join(map(str, self.outs))} = {self.op}({', '.join(map(str, self.ins))})"
@@ -350,11 +357,11 @@ def _aliased(i: Compute) -> tuple[tuple[int, ...], ...]:
     return (per,) * len(i.outs)
 
 
-def shared_sends(program: Program, recorded: Collection[str]) -> frozenset[int]:
+def shared_sends(program: Program, recorded: Collection[tuple[str, int]]) -> frozenset[int]:
     """Tokens of the communications of ``program`` (kinds :data:`SHARING_KINDS`) that may use their send buffer
     itself instead of a copy: an all-reduce or reduce whose send buffer is dead after it (reduced in place), a
-    broadcast root's buffer (sent as it is). ``recorded``: the PCG nodes whose forward kernel keeps its autograd
-    graph, outputs included, until the backward of the node (the executor's choice:
+    broadcast root's buffer (sent as it is). ``recorded``: the (PCG node, microbatch) pairs whose forward kernel
+    keeps its autograd graph, outputs included, until the backward of the node (the executor's choice:
     :func:`~shardflow.runtime.kernels.records_graph`).
 
     A buffer may be overwritten by a communication issued at instruction k when no buffer that may share its
@@ -372,7 +379,7 @@ def shared_sends(program: Program, recorded: Collection[str]) -> frozenset[int]:
     return _sharing(program, recorded, live_roots=False)[0] if clash else shared
 
 
-def _sharing(program: Program, recorded: Collection[str], live_roots: bool) -> tuple[frozenset[int], bool]:
+def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots: bool) -> tuple[frozenset[int], bool]:
     """:func:`shared_sends`' pass over ``program``: the tokens chosen, and whether an optimizer update overwrites a
     buffer whose storage another buffer still read shares. ``live_roots``: broadcast roots send their buffer as it
     is even when it is read afterwards."""
@@ -382,11 +389,11 @@ def _sharing(program: Program, recorded: Collection[str], live_roots: bool) -> t
     for k, i in enumerate(instrs):
         for b in reads(i):
             last[b.value] = k
-    backward = {i.node: k for k, i in enumerate(instrs) if isinstance(i, Compute) and isinstance(i.kernel, Vjp)}
+    backward = {i.saved_as: k for k, i in enumerate(instrs) if isinstance(i, Compute) and isinstance(i.kernel, Vjp)}
     for i in instrs:  # a recorded forward's outputs live in its autograd graph until the backward of its node
-        if isinstance(i, Compute) and isinstance(i.kernel, Forward) and i.node in recorded and i.node in backward:
+        if isinstance(i, Compute) and isinstance(i.kernel, Forward) and i.saved_as in recorded and i.saved_as in backward:
             for b in i.outs:
-                last[b.value] = max(last.get(b.value, -1), backward[i.node])
+                last[b.value] = max(last.get(b.value, -1), backward[i.saved_as])
     group: dict[str, list[str]] = {}  # value → the values that may share its storage (one list per class)
 
     def union(a: str, b: str) -> None:

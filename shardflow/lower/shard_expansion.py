@@ -227,7 +227,7 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
     of an update; the block r keeps of a Repartition of replicas."""
     if n.kind == NodeKind.COMPUTE:
         src = dg.sources[n.src]
-        draw = dg.pcg.piece_site(src, r) if src.op.random else None
+        draw = dg.pcg.piece_site(src, r).within(n.micro, dg.microbatches) if src.op.random else None
         if n.pass_ == TaskType.FWD:  # records for its backward unless the op is recomputed and this is the first run
             bwd = dg.backward_of.get(n.src)
             keeps = bwd is not None and (n.recompute or n.src not in dg.recomputed)
@@ -282,5 +282,5 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
         ins = tuple(piece(dg.values[v]) for v in first.inputs)
         outs = tuple(piece(dg.values[v]) for v in first.outputs)
         return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name,
-                        kernel=kernel(first, dg, r))]
+                        kernel=kernel(first, dg, r), micro=first.micro)]
     raise PassError(f"shard expansion: step {st.kind!r} of {first.name!r} is not a local step")

@@ -8,11 +8,12 @@ their buffers (each built with ``share=`` the last one's), so the sums stay wher
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import torch
 
-from shardflow.runtime.executor import Executor
+if TYPE_CHECKING:
+    from shardflow.runtime.executor import Executor
 
 
 class BatchSplitError(ValueError):

@@ -307,11 +307,14 @@ class DistributedExecutor(Executor):
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)
 
     def _loss(self) -> float:
-        """The loss: read locally when every rank holds it whole; else summed over the ranks (a scalar)."""
-        v = self.dg.values[self.dg.loss_value]
+        """The loss (the mean over the step's microbatches): read locally when every rank holds it whole; else
+        summed over the ranks (a scalar per microbatch)."""
+        v = self.dg.values[self.dg.loss_values[0]]
         if not v.sharding.partial and v.group.size == self.world:
-            return self.buffers[v.id].item()
-        return self._get(v.id).item()
+            losses = [self.buffers[vid].item() for vid in self.dg.loss_values]
+        else:
+            losses = [self._get(vid).item() for vid in self.dg.loss_values]
+        return sum(losses) / len(losses)
 
     @property
     def peak_bytes(self) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.dynamic import DynamicGraph, NodeKind, ValueRole, forward_id
+from shardflow.runtime.accumulate import split_batch
 
 # a piece of a value and the offsets of its block in the full tensor (per dim, the index of its first element)
 Block = tuple[tuple[int, ...], torch.Tensor]
@@ -96,10 +97,14 @@ class Executor:
         return next(iter(pieces.values())).sqrt().item() if pieces else None
 
     def _place_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
-        """Place a step's data inputs (by graph input name) and the graph's constants."""
+        """Place a step's data inputs (by graph input name; in a step of several microbatches each is cut along
+        dim 0, microbatch m's part placed as its value of microbatch m) and the graph's constants. Raises
+        BatchSplitError for an input that does not split into the step's microbatches."""
         graph = self.dg.pcg.graph
+        parts = split_batch({name: inputs[name] for name in graph.inputs}, self.dg.microbatches)
         for name in graph.inputs:
-            self._put(forward_id(name), inputs[name])
+            for vid, part in zip(self.dg.per_microbatch(forward_id(name)), parts):
+                self._put(vid, part[name])
         for name, value in graph.constants.items():
             self._put(forward_id(name), value)
 

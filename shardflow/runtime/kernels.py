@@ -105,9 +105,9 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`);
     ``device``: the executor's, where a kernel with no input makes its output (a sum of squares of no piece).
 
-    ``saved``: this rank's store of forward autograd graphs, by PCG node. When given, a forward whose node has a
-    backward records its graph there and the backward reuses it (no second forward); without it, or when the
-    forward ran in chunks (a fused ring), the backward recomputes the forward under ``torch.func.vjp``.
+    ``saved``: this rank's store of forward autograd graphs, by (PCG node, microbatch). When given, a forward whose
+    node has a backward records its graph there and the backward reuses it (no second forward); without it, or when
+    the forward ran in chunks (a fused ring), the backward recomputes the forward under ``torch.func.vjp``.
     Raises ValueError for a compute without a kernel description, or an update lowered for other optimizer state
     than ``cfg`` keeps.
     """
@@ -116,12 +116,12 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
         fwd = forward(spec.local, spec.draw, seed, step, micro)
         if saved is None or not records_graph(spec):
             return lambda xs: fwd(*xs)
-        return _recording_forward(fwd, spec.record, instr.node, saved)
+        return _recording_forward(fwd, spec.record, instr.saved_as, saved)
     if isinstance(spec, Vjp):
         hand = hand_vjp(spec.local.op)
         if hand is not None:
             return _hand_vjp_kernel(hand, spec)
-        return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.node, saved)
+        return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.saved_as, saved)
     if isinstance(spec, OnesLike):
         return lambda xs: [torch.full_like(xs[0], spec.scale)]
     if isinstance(spec, Sum):
@@ -161,10 +161,10 @@ def records_graph(spec: Forward) -> bool:
 
 
 def recorded_nodes(program) -> frozenset[str]:
-    """PCG nodes whose forward records its autograd graph in ``program`` (:func:`records_graph`), kept until
-    their backward."""
+    """The (PCG node, microbatch) whose forward records its autograd graph in ``program`` (:func:`records_graph`),
+    kept until their backward (:attr:`~shardflow.lower.program.Compute.saved_as`)."""
     once = single_calls(program)
-    return frozenset(i.node for i in program.instrs if isinstance(i, Compute) and isinstance(i.kernel, Forward)
+    return frozenset(i.saved_as for i in program.instrs if isinstance(i, Compute) and isinstance(i.kernel, Forward)
                      and i.dnode in once and records_graph(i.kernel))
 
 
@@ -203,7 +203,7 @@ def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]
     raise ValueError(f"no local kernel for {instr.op!r} (one of {LOCAL_MOVES})")
 
 
-def _recording_forward(fwd: Callable, grad_mask: Sequence[bool], key: str, saved: dict) -> Kernel:
+def _recording_forward(fwd: Callable, grad_mask: Sequence[bool], key: tuple[str, int], saved: dict) -> Kernel:
     def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         args = [x.detach().requires_grad_() if m else x for x, m in zip(xs, grad_mask)]
         with torch.enable_grad():
@@ -246,7 +246,7 @@ def _hand_vjp_kernel(vjp: HandVjp, spec: Vjp) -> Kernel:
     return kernel
 
 
-def _vjp_kernel(fwd: Callable, spec: Vjp, key: str, saved: dict | None = None) -> Kernel:
+def _vjp_kernel(fwd: Callable, spec: Vjp, key: tuple[str, int], saved: dict | None = None) -> Kernel:
     n_in = len(spec.grad_mask)
     diff = [i for i, m in enumerate(spec.grad_mask) if m]
     dtypes = [torch_dtype(d) for d in spec.dtypes]

@@ -58,7 +58,7 @@ class LocalExecutor(Executor):
         self.blocks: dict[str, dict[int, tuple[slice, ...]]] = {}  # value → device → its block (values placed each step)
         self.ledgers = {r: Ledger() for r in step.programs} if memory else None
         self._index_updates()
-        loss = self.dg.values[self.dg.loss_value]  # the device whose piece is the loss (None: partial, assembled)
+        loss = self.dg.values[self.dg.loss_values[0]]  # the device whose piece is the loss (None: partial, assembled)
         self.loss_holder = None if loss.sharding.partial else next(
             d for d, c in loss.sharding.device_map(loss.group).items() if c.replica == 0)
         # per rank, its program's runs between communications (the local calls of the rendezvous), compiled
@@ -120,10 +120,11 @@ class LocalExecutor(Executor):
         return loss
 
     def _loss(self) -> float:
-        """The loss (a scalar): replica 0's piece when it is not partial, else assembled from its pieces."""
-        if self.loss_holder is None:
-            return self._get(self.dg.loss_value).item()
-        return self.buffers[self.loss_holder][self.dg.loss_value].item()
+        """The loss (a scalar; the mean over the step's microbatches): replica 0's piece when it is not partial,
+        else assembled from its pieces."""
+        losses = [self._get(v).item() if self.loss_holder is None else self.buffers[self.loss_holder][v].item()
+                  for v in self.dg.loss_values]
+        return sum(losses) / len(losses)
 
     def _sync_ledgers(self) -> None:
         if self.ledgers:
