@@ -42,6 +42,7 @@ from shardflow.lower.comm_lowering import lowering_summary
 from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
 from shardflow.lower.program import programs_json
 from shardflow.lower.report import bytes_table, pcg_dot
+from shardflow.lower.schedule import Schedule, stages_of
 from shardflow.lower.verify import PlanVerificationError
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
@@ -73,11 +74,13 @@ _TRAIN_DEFAULTS = {**dataclasses.asdict(DEFAULT_SIZES), "vocab": _TRAIN.vocab_si
 FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab": Range(1),
                "seq_len": Range(1), "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1),
                "tol": Range(0), "lr": RANGES["lr"], "timeout": RANGES["timeout"], "tokens": Range(0),
-               "temperature": Range(0), "reps": Range(1), "seed": Range(0, 2**63, high_open=True), "accumulate": RANGES["accumulate"]}
+               "temperature": Range(0), "reps": Range(1), "seed": Range(0, 2**63, high_open=True), "accumulate": RANGES["accumulate"],
+               "microbatches": RANGES["microbatches"]}
 
 
 MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
-STEP_FLAGS = ("accumulate", "dtype")  # what one optimizer step is, as shardflow train has them (plan shows it)
+# what one optimizer step is, as shardflow train has them (plan shows it)
+STEP_FLAGS = ("accumulate", "microbatches", "schedule", "dtype")
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +90,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
-    """``--accumulate`` and ``--dtype``, as ``shardflow train`` has them (TrainConfig's fields)."""
+    """``--accumulate``, ``--microbatches``, ``--schedule`` and ``--dtype``, as ``shardflow train`` has them
+    (TrainConfig's fields)."""
     for name in STEP_FLAGS:
         TrainConfig.add_argument(p, name, own_default=True)
 
@@ -191,12 +195,12 @@ def redistributions_json(pcg: PCG) -> list[dict]:
 
 def plan_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """``--model``'s module and the batch ``shardflow train`` captures it on: in bfloat16 under ``--dtype bf16``, and
-    under ``--accumulate N`` the first of N equal parts of the batch (a micro-batch; BatchSplitError where its dim 0
-    does not split)."""
+    under ``--accumulate N`` and ``--microbatches M`` the first of N·M equal parts of the batch (a micro-batch;
+    BatchSplitError where its dim 0 does not split)."""
     model, batch = model_and_batch(args)
     if args.dtype == "bf16":
         model, batch = at_dtype(model, batch, torch.bfloat16)
-    return model, split_batch(batch, args.accumulate)[0]
+    return model, split_batch(batch, args.accumulate * args.microbatches)[0]
 
 
 def micro_step_comms(pcg: PCG, optimizer: str, options: LowerOptions, rank: int, count: int) -> list[str]:
@@ -210,6 +214,14 @@ def micro_step_comms(pcg: PCG, optimizer: str, options: LowerOptions, rank: int,
     return lines
 
 
+def schedule_json(dg, kind: str) -> dict[str, Any]:
+    """The pipeline schedule of lowered step ``dg`` for ``shardflow plan --format json``: kind, stages,
+    microbatches, the ideal bubble fraction and each stage's actions in order."""
+    sched = Schedule(kind, len(stages_of(dg)), dg.microbatches)
+    return {"kind": str(sched.kind), "stages": sched.stages, "microbatches": sched.microbatches,
+            "bubble": sched.bubble, "actions": [[str(a) for a in sched.actions(s)] for s in range(sched.stages)]}
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     strategy = None if args.plan else args.strategy or "tp"
     mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(strategy or "tp", args.nproc)
@@ -219,7 +231,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
     options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, master_dtype=MASTER_DTYPE[args.dtype],
-                           **memory_options(args))
+                           microbatches=args.microbatches, schedule=args.schedule, **memory_options(args))
     micro = MicroStep.sequence(args.accumulate)[-1]  # the micro-step that reduces the gradients and updates
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
@@ -240,7 +252,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.format == "json":
         doc = json.loads(programs_json(programs))
         doc.update(strategy=plan.name, mesh=str(mesh), summary=summary(pcg), micro_step=str(micro), dtype=args.dtype,
-                   verified=True, collectives=lowering_summary(step.programs), redistributions=redistributions_json(pcg))
+                   verified=True, collectives=lowering_summary(step.programs), redistributions=redistributions_json(pcg),
+                   schedule=schedule_json(step.dg, args.schedule))
         print(json.dumps(doc, indent=1))
         return 0
     if args.format == "dot":
@@ -260,6 +273,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if MASTER_DTYPE[args.dtype]:
         print(f"# --dtype {args.dtype}: each weight held, reduced and updated in {MASTER_DTYPE[args.dtype]} (the "
               f"master, fwd:W), cast to its graph's dtype at the start of the step (fwd:W@compute) for every reader")
+    if args.microbatches > 1:
+        print("# " + Schedule(args.schedule, len(stages_of(step.dg)), args.microbatches).timeline().replace(
+            "\n", "\n# "))
+        print()
     if args.accumulate > 1:
         print(f"# --accumulate {args.accumulate}: the programs below are those of the {micro} (it adds the "
               f"earlier micro-steps' gradient contributions to its own, reduces them and updates); communications of "

@@ -1,5 +1,6 @@
 """`shardflow plan`: prints the PCG without starting processes; user errors exit 2 with one paragraph."""
 
+import json
 import subprocess
 import sys
 
@@ -109,8 +110,8 @@ def test_plan_passes_lists_each_pass_with_its_time(capsys):
     code, out, _ = run(capsys, "--strategy", "tp", "--nproc", "2", "--passes")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:3] == ["pass", "ms", "graph"]
-    assert [line.split()[0] for line in lines[1:]] == ["pass_expansion", "copy_insertion", "shard_expansion",
-                                                       "comm_lowering", "ordering", "verify"]
+    assert [line.split()[0] for line in lines[1:]] == ["pass_expansion", "copy_insertion", "schedule",
+                                                       "shard_expansion", "comm_lowering", "ordering", "verify"]
     assert all(float(line.split()[1]) >= 0 for line in lines[1:])
 
 
@@ -120,6 +121,22 @@ def test_plan_dump_after_prints_the_graph_after_one_pass(capsys):
     assert "FWD  copy     FWD copy fwd:relu mesh[pp=0]->mesh[pp=1]" in out
     code, out, _ = run(capsys, "--model", "mlp", "--layers", "2", "--strategy", "pp", "--mesh", "pp=2", "--dump-after", "ordering")
     assert code == 0 and out.startswith("rank 0: ") and "recv" in out and "free " in out
+
+
+def test_plan_draws_the_pipeline_schedule(capsys):
+    """--microbatches 4 on pp=2: the schedule as a timeline per stage with its bubble, the per-rank programs of the
+    whole step (4 activations sent by stage 0, issued without waiting), and the schedule in the JSON."""
+    argv = ("--model", "mlp", "--layers", "4", "--strategy", "pp", "--mesh", "pp=2", "--microbatches", "4")
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    assert "# pipeline schedule 1f1b: 2 stages, 4 microbatches, 10 ticks; bubble (p-1)/(m+p-1) = 0.200" in out
+    assert "#   stage 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3   (at most 2 microbatch(es) in flight)" in out
+    code, out, _ = run(capsys, *argv, "--schedule", "gpipe", "--format", "json")
+    doc = json.loads(out)
+    assert doc["schedule"] == {"kind": "gpipe", "stages": 2, "microbatches": 4, "bubble": 0.2,
+                               "actions": [["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]] * 2}
+    sends = [i for i in doc["ranks"][0]["instructions"] if i["type"] == "comm" and i["kind"] == "send"]
+    assert len(sends) == 4 and not any(i["wait"] for i in sends)
 
 
 @pytest.mark.parametrize("command", [[], ["plan"], ["check"], ["train"], ["export"], ["generate"]])

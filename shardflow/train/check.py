@@ -1,9 +1,12 @@
 """``shardflow train --check``: the same steps on one device alongside the sharded run (local executor, unsharded
-plan, same weights, optimizer state, batches and dropout masks; under ``--accumulate`` the whole batch in one step,
+plan, same weights, optimizer state, batches and dropout masks; under ``--accumulate`` or ``--microbatches`` the
+whole batch in one step,
 the reference the micro-steps must equal); at the end the largest loss difference and the
 largest parameter difference over every replica of every piece, against :data:`CHECK_TOL`."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from shardflow.lower import lower_step
 from shardflow.parallel.mesh import Mesh
@@ -24,9 +27,10 @@ class Check:
 
     def __init__(self, s, weights, state, steps_done: int):
         from shardflow.runtime.local import LocalExecutor
-        one = build_pcg(s.whole_batch_graph(), Mesh(("d",), (1,)))  # the whole batch at once, even under --accumulate
-        self.ref = LocalExecutor(lower_step(one, s.optimizer.slots, options=s.lower_options), s.optimizer,
-                                 seed=s.cfg.seed)
+        # the whole batch at once, even under --accumulate or --microbatches
+        one = build_pcg(s.whole_batch_graph(), Mesh(("d",), (1,)))
+        options = dataclasses.replace(s.lower_options, microbatches=1)
+        self.ref = LocalExecutor(lower_step(one, s.optimizer.slots, options=options), s.optimizer, seed=s.cfg.seed)
         self.tol = CHECK_TOL[s.cfg.dtype]
         self.ref.load(weights, state, steps_done)
         self.max_dloss = 0.0

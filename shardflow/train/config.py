@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS
+from shardflow.lower.schedule import ScheduleKind
 from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
 from shardflow.runtime.device import DEVICES, check_device, local_processes
 from shardflow.train.checkpoint.store import CheckpointError, check_writable
@@ -48,6 +49,13 @@ class TrainConfig:
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")
     accumulate: int = _f(1, "gradient accumulation: run each step as N micro-steps of --batch-size/N sequences, "
                             "reducing the gradients once, after the last (the same step as the whole batch at once)")
+    microbatches: int = _f(1, "pipeline microbatches: run each step's batch as M microbatches of "
+                              "--batch-size/(M × --accumulate) sequences through the pipeline stages in the order of "
+                              "--schedule, summing their gradients (one update per step)")
+    schedule: str = _f(str(ScheduleKind.ONE_F_ONE_B), "pipeline schedule of the microbatches: 1f1b (each stage warms "
+                       "up with at most p-1 forwards, then alternates one forward and one backward: at most p "
+                       "microbatches' activations held) or gpipe (every forward, then every backward)",
+                       choices=tuple(map(str, ScheduleKind)))
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(None, "llama (Hugging Face LlamaForCausalLM, built from a config: nothing is downloaded), "
                                  "gpt2, another Hugging Face causal-LM model type, or FILE.py:FACTORY (a function "
@@ -256,7 +264,8 @@ class Range:
 # torch.distributed's C++ stores take (a C int of milliseconds, rounded down to a round number: 23 days)
 _F32_MAX, _TIMEOUT_MAX = 3.4e38, 2e6
 # the range of every numeric setting (a float must be finite even where it has no bound)
-RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "accumulate": Range(1), "seq_len": Range(1),
+RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "accumulate": Range(1), "microbatches": Range(1),
+          "seq_len": Range(1),
           "layers": Range(1),
           "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256, 2**31 - 1),
           "dropout": Range(0, 1, high_open=True), "lr": Range(0, _F32_MAX), "momentum": Range(0, 1, high_open=True),

@@ -101,7 +101,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate,
+    meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate * cfg.microbatches,
                   Peak.of(cfg.peak_tflops, device) if lead else None, device)
     metrics_file = metrics_path(cfg)
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None

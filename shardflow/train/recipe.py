@@ -74,13 +74,16 @@ class Setup:
     @property
     def lower_options(self) -> LowerOptions:
         """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend (its
-        calibration file where ``shardflow calibrate`` wrote one: :meth:`CostModel.for_backend`); the bucket size; FSDP's resharding, activation checkpointing and the master weights' dtype (``--dtype``)."""
+        calibration file where ``shardflow calibrate`` wrote one: :meth:`CostModel.for_backend`); the bucket size;
+        FSDP's resharding, activation checkpointing, the master weights' dtype (``--dtype``), the pipeline's
+        microbatches and schedule."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
                             CostModel.for_backend(backend_for(device_type(
                                 self.cfg.device, local_processes(os.environ, self.cfg.nproc)))),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20),
                             reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac,
-                            master_dtype=MASTER_DTYPE[self.cfg.dtype])
+                            master_dtype=MASTER_DTYPE[self.cfg.dtype], microbatches=self.cfg.microbatches,
+                            schedule=self.cfg.schedule)
 
     @property
     def micro_steps(self) -> tuple[MicroStep, ...]:
@@ -102,8 +105,10 @@ class Setup:
 
     def whole_batch_graph(self) -> ComputationGraph:
         """The model captured on a whole batch (what ``--check``'s one device trains on): the run's graph, or under
-        ``--accumulate`` (whose graph is a micro-batch's) a second capture at ``--batch-size``."""
-        return self.graph if self.cfg.accumulate == 1 else capture(self.model, self.batch(Split.TRAIN, 0))
+        ``--accumulate`` or ``--microbatches`` (whose graph is a microbatch's) a second capture at ``--batch-size``."""
+        if self.cfg.accumulate * self.cfg.microbatches == 1:
+            return self.graph
+        return capture(self.model, self.batch(Split.TRAIN, 0))
 
     @property
     def optimizer(self) -> OptimizerConfig:
@@ -222,27 +227,29 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
 
 
 def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
-    """Under ``--accumulate N`` (N > 1), raise ValueError (one paragraph) unless ``--batch-size`` splits into N
-    micro-batches of whole sequences that each split over the data-parallel degree (the mesh's ``dp`` and ``fsdp``
-    axes)."""
-    n = cfg.accumulate
+    """Under ``--accumulate N`` or ``--microbatches M`` (N·M > 1), raise ValueError (one paragraph) unless
+    ``--batch-size`` splits into N·M micro-batches of whole sequences that each split over the data-parallel degree
+    (the mesh's ``dp`` and ``fsdp`` axes)."""
+    n = cfg.accumulate * cfg.microbatches
     dp = math.prod(mesh.axis_size(a) for a in DATA_AXES if a in mesh.axis_names)
     if n > 1 and cfg.batch_size % (n * dp):
+        flag = "--microbatches" if cfg.accumulate == 1 else "--accumulate" if cfg.microbatches == 1 else \
+            "--accumulate × --microbatches"
         fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
-        other = f"an --accumulate of {', '.join(map(str, fits))}" if fits else "--accumulate 1"
+        other = f"{flag} of {', '.join(map(str, fits))}" if fits else f"{flag} 1"
         up = -(-cfg.batch_size // (n * dp)) * n * dp
-        raise ValueError(f"--batch-size {cfg.batch_size} does not split into --accumulate {n} micro-batches over "
-                         f"data-parallel degree {dp} (mesh {mesh}): each micro-step trains on --batch-size / "
-                         f"--accumulate whole sequences, an equal number on each data-parallel rank, so --batch-size "
-                         f"must be a multiple of --accumulate × dp = {n * dp}; give --batch-size {up} (or another "
-                         f"multiple of {n * dp}), or {other}")
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split into {flag} {n} micro-batches over "
+                         f"data-parallel degree {dp} (mesh {mesh}): each micro-batch is --batch-size / {n} whole "
+                         f"sequences, an equal number on each data-parallel rank, so --batch-size must be a multiple "
+                         f"of {flag} × dp = {n * dp}; give --batch-size {up} (or another multiple of {n * dp}), or "
+                         f"{other}")
 
 
 def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False,
            runtime: int = 0) -> Setup:
     """The model of ``cfg`` (``meta``: shapes only, nothing materialised, not even buffers), captured on a
-    micro-batch of the corpus (``--batch-size / --accumulate`` sequences: the whole batch without accumulation), and
-    its PCG on ``mesh``."""
+    micro-batch of the corpus (``--batch-size / (--accumulate × --microbatches)`` sequences: the whole batch without
+    either), and its PCG on ``mesh``."""
     with torch.device("meta") if meta else contextlib.nullcontext():
         family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
     inits = None if meta or is_factory(cfg.model) else materialise(model, cfg.seed)
@@ -250,7 +257,7 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
         if inits is None and not meta:
             inits = {n: p.detach().clone() for n, p in model.named_parameters()}
         model.to(torch.bfloat16)
-    micro = cfg.batch_size // cfg.accumulate
+    micro = cfg.batch_size // (cfg.accumulate * cfg.microbatches)
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
     strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
@@ -275,10 +282,12 @@ def probe_estimate(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pre
     on the meta device (:func:`memory.probe_sizes`), each buffer and constant scaled to the run's batch and sequence
     (:func:`memory.scaling`); ``whole``: the bytes of the model each process builds, ``runtime``: of the rest of the
     process. Nothing of the run's size is allocated. Under ``--accumulate`` a step's buffers are a micro-step's:
-    the estimate is of the run at the micro-batch's size."""
+    the estimate is of the run at the micro-batch's size; under ``--microbatches M`` each probe runs M microbatches
+    (the schedule's activations in flight counted)."""
     cfg = dataclasses.replace(cfg, batch_size=cfg.batch_size // cfg.accumulate, accumulate=1)
     steps, probes = [], {}
     for b, t in memory.probe_sizes(mesh.size):
+        b *= cfg.microbatches
         small = _build(dataclasses.replace(cfg, batch_size=b, seq_len=t), mesh, corpus, pretrained, meta=True)
         step = small.lower(verify=False)
         steps.append((small, step))
