@@ -454,6 +454,7 @@ COMMANDS = {
     "tests/test_plan_mutations.py": NotRun("the long versions of three test files (minutes)"),
     # docs/lowering.md
     "shardflow plan --model gpt --strategy tp --nproc 2 --passes": Run(),
+    "shardflow plan --model mlp --layers 4 --strategy pp --mesh pp=2 --microbatches 4 --rank 1": Run(),
     "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0": Run(),
     "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0 --format json": Run(),
     "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --format dot --out /tmp/pcg.dot": Run(),

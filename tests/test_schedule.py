@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardflow.capture import capture
+from shardflow.graph.builder import GraphBuilder
 from shardflow.lower import LowerOptions, lower_step
 from shardflow.lower.dynamic import NodeKind, PassError, TaskType, microbatch_id
 from shardflow.lower.program import Comm, Compute, Wait
@@ -15,7 +16,7 @@ from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
-from shardflow.strategy import make_plan, resolve
+from shardflow.strategy import ModulePlan, Plan, make_plan, resolve
 
 B = 8
 
@@ -186,3 +187,22 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     activation = 32 * 512 * 4  # one microbatch's hidden activation, bytes
     assert peaks["gpipe"][0] - peaks["1f1b"][0] >= 4 * activation
     assert peaks["gpipe"][1] - peaks["1f1b"][1] >= 4 * activation
+
+
+def test_a_forward_that_comes_back_to_an_earlier_stage_is_refused():
+    """test_lower's pipeline MLP puts the loss back on stage 0, after fc2 on stage 1: one microbatch lowers (the
+    step is one forward, one backward), but microbatches cannot be scheduled stage by stage — refused, naming the
+    node, the value and the fix."""
+    b = GraphBuilder()
+    x, y = b.input("x", (4, 6)), b.input("y", (4,), "int64")
+    loss = b.cross_entropy(b.dense(b.relu(b.dense(x, 8, name="fc1")), 3, name="fc2"), y)
+    graph = b.build([loss], loss)
+    plan = Plan(modules={"fc1": ModulePlan(stage=0), "relu": ModulePlan(stage=0), "fc2": ModulePlan(stage=1),
+                         "loss": ModulePlan(stage=0)})
+    mesh = Mesh.parse("pp=2")
+    pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
+    lower_step(pcg)
+    with pytest.raises(PassError, match=r"schedule: 'FWD loss#0' on stage 0 reads 'fwd:linear_1#0@mesh\[pp=0\]' from "
+                                        r"the F of stage 1: a microbatched pipeline's forward visits the stages once "
+                                        r"each, in order"):
+        lower_step(pcg, options=LowerOptions(microbatches=2))

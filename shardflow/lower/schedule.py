@@ -205,7 +205,17 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind | str = ScheduleKind.ONE_F_ONE
             made_by[v] = key if key not in (_PROLOGUE, _EPILOGUE) else None
     needs: dict[Key, set[Key]] = {}
     for key, nodes in by_action.items():
-        needs[key] = {k for n in nodes for v in n.inputs if (k := made_by.get(v)) is not None and k != key}
+        needs[key] = set()
+        for n in nodes:
+            for v in n.inputs:
+                if (k := made_by.get(v)) is None or k == key:
+                    continue
+                if k[1].phase == key[1].phase and (k[0] > key[0]) == (key[1].phase == Phase.F) and k[0] != key[0]:
+                    raise PassError(f"schedule: {n.name!r} on stage {stages[key[0]]} reads {v!r} from the "
+                                    f"{key[1].phase} of stage {stages[k[0]]}: a microbatched pipeline's forward visits "
+                                    f"the stages once each, in order (and its backward in reverse); put the module "
+                                    f"that makes it on stage {stages[key[0]]} or earlier, or run one microbatch")
+                needs[key].add(k)
     order = {s: [a for a in plan.actions(s) if (s, a) in by_action] for s in range(len(stages))}
     ticks = simulate(order, {k: sorted(v, key=str) for k, v in needs.items()})
     nodes = [*first, *(n for t in ticks for s in sorted(t) for n in by_action[(s, t[s])]), *last]

@@ -236,7 +236,7 @@ def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
         flag = "--microbatches" if cfg.accumulate == 1 else "--accumulate" if cfg.microbatches == 1 else \
             "--accumulate × --microbatches"
         fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
-        other = f"{flag} of {', '.join(map(str, fits))}" if fits else f"{flag} 1"
+        other = f"an {flag} of {', '.join(map(str, fits))}" if fits else f"{flag} 1"
         up = -(-cfg.batch_size // (n * dp)) * n * dp
         raise ValueError(f"--batch-size {cfg.batch_size} does not split into {flag} {n} micro-batches over "
                          f"data-parallel degree {dp} (mesh {mesh}): each micro-batch is --batch-size / {n} whole "
