@@ -16,7 +16,9 @@ Every rank builds the same variants and runs them interleaved (``harness.interle
                 and communications, and cProfile), rank 0;
 * ``ckpt``    — (f) the memory a checkpoint save allocates on each rank beyond its state: the sharded save of
                 ``shardflow train`` against a save of full tensors gathered first;
-* ``fsdp``    — (g) the training job's default model: shardflow's fsdp against PyTorch FSDP2 (``fully_shard``).
+* ``fsdp``    — (g) the training job's default model: shardflow's fsdp against PyTorch FSDP2 (``fully_shard``);
+* ``pipeline`` — (q) pp=2 with microbatches: shardflow 1F1B and GPipe against torch.distributed.pipelining's
+                ``Schedule1F1B`` / ``ScheduleGPipe``, each stage's measured bubble and peak memory.
 """
 
 from __future__ import annotations
@@ -929,8 +931,112 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
             "comm_share": comm_share(ex, batch)}
 
 
+def _pipeline_stage_module(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """Stage ``stage`` of ``stages`` of shardflow's MLP as torch.distributed.pipelining takes it: its range of
+    linear layers (the ranges the ``pp`` preset cuts) with the ReLUs between them (the loss is the schedule's)."""
+    layers = list(model.layers)
+    cut = [i * stages // len(layers) for i in range(len(layers))]
+    mods: list[nn.Module] = []
+    for i, layer in enumerate(layers):
+        if cut[i] == stage:
+            mods.append(layer)
+            if i < len(layers) - 1:
+                mods.append(nn.ReLU())
+    return nn.Sequential(*mods)
+
+
+def _blocked_share(ex: DistributedExecutor, batch: dict, steps: int) -> dict:
+    """This rank's time per step blocked on another stage (its waits and blocking communications, the tracer's
+    communication lane) and in its computes, over ``steps`` traced steps back to back (seconds per step)."""
+    from shardflow.runtime import trace
+    ex.tracer = trace.Tracer(dist.get_rank())
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ex.step(batch)
+    wall = (time.perf_counter() - t0) / steps
+    events, ex.tracer = ex.tracer.events, None
+    lane = {0: 0.0, 1: 0.0}
+    for e in events:
+        lane[e["tid"]] += e["dur"] / 1e6 / steps
+    return {"step_s": wall, "compute_s": lane[0], "blocked_s": lane[1]}
+
+
+def run_pipeline(p: dict, rank: int, world: int) -> dict:
+    """(q) Pipeline parallelism with microbatches: an MLP of ``layers`` linear layers of width ``width`` cut into
+    ``world`` stages, ``microbatches`` microbatches of a batch of ``batch`` rows, SGD. shardflow 1F1B and GPipe
+    (``--microbatches``, ``DistributedExecutor``) against torch.distributed.pipelining's ``Schedule1F1B`` and
+    ``ScheduleGPipe`` on the same stages, weights and batch; interleaved rounds. Then each shardflow stage's time
+    blocked on the other stage (its measured bubble), and each stage's peak of live buffers under both schedules
+    (local executor's ledger, rank 0)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from shardflow.models import MLP
+    from shardflow.runtime.local import LocalExecutor
+    W, L, B, M = p["width"], p["layers"], p["batch"], p["microbatches"]
+    torch.manual_seed(0)
+    model = MLP(d_in=W, hidden=W, d_out=W, n_layers=L)
+    cfg = OptimizerConfig("sgd", lr=1e-3)
+    micro = capture(model, {"x": torch.zeros(B // M, W), "y": torch.zeros(B // M, dtype=torch.long)})
+    mesh = Mesh.parse(f"pp={world}")
+    pcg = build_pcg(micro, mesh, resolve(make_plan(micro, mesh, "pp"), micro, mesh))
+    weights = {k: v.detach().clone() for k, v in model.named_parameters()}
+    gen = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(B, W, generator=gen), "y": torch.randint(0, W, (B,), generator=gen)}
+    ours, programs = {}, {}
+    for kind in ("1f1b", "gpipe"):
+        step = lower_step(pcg, "sgd", ranks=[rank], options=LowerOptions(microbatches=M, schedule=kind))
+        ours[kind] = DistributedExecutor(step, cfg, timeout_s=TIMEOUT_S)
+        ours[kind].load(weights)
+        programs[kind] = program_size(ours[kind])
+
+    def torch_variant(schedule_cls) -> Callable[[], float]:
+        stage_mod = copy.deepcopy(_pipeline_stage_module(model, rank, world))
+        stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
+        sched = schedule_cls(stage, n_microbatches=M, loss_fn=lambda out, y: F.cross_entropy(out, y))
+        opt = torch.optim.SGD(stage_mod.parameters(), lr=cfg.lr)
+
+        def step() -> float:
+            opt.zero_grad(set_to_none=True)
+            losses: list = []
+            if rank == 0:
+                sched.step(batch["x"])
+            elif rank == world - 1:
+                sched.step(target=batch["y"], losses=losses)
+            else:
+                sched.step()
+            opt.step()
+            return float(sum(losses) / len(losses)) if losses else math.nan
+        return step
+
+    variants = [Variant("shardflow_1f1b", lambda: ours["1f1b"].step(batch)),
+                Variant("shardflow_gpipe", lambda: ours["gpipe"].step(batch)),
+                Variant("torch_1f1b", torch_variant(Schedule1F1B)),
+                Variant("torch_gpipe", torch_variant(ScheduleGPipe))]
+    losses: list = [None] * world  # torch's losses are the last stage's
+    dist.all_gather_object(losses, first_losses(variants, 2, rank))
+    samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
+    blocked = {kind: _blocked_share(ex, batch, p["traced_steps"]) for kind, ex in ours.items()}
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, blocked)
+    out = {"losses": {k: v if k.startswith("shardflow") else losses[-1][k] for k, v in losses[0].items()}, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
+           "rounds": p["rounds"], "iters": p["iters"], "programs": programs, "blocked": everyone,
+           "traced_steps": p["traced_steps"],
+           "params": sum(q.numel() for q in model.parameters()), "model": {k: p[k] for k in
+                                                                          ("width", "layers", "batch", "microbatches")}}
+    if rank == 0:  # each stage's peak of live buffers, both schedules (every rank in this process: the ledger)
+        peaks = {}
+        for kind in ("1f1b", "gpipe"):
+            lx = LocalExecutor(lower_step(pcg, "sgd", options=LowerOptions(microbatches=M, schedule=kind)), cfg,
+                               memory=True)
+            lx.load(weights)
+            lx.step(batch)
+            peaks[kind] = lx.peak_bytes
+        out.update(peaks=peaks, activation_bytes=B // M * W * 4)
+    return out
+
+
 WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile,
-             "ckpt": run_ckpt, "fsdp": run_fsdp}
+             "ckpt": run_ckpt, "fsdp": run_fsdp, "pipeline": run_pipeline}
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ sections, e.g. "Planning time", stay as they are).
       state: the sharded save against a save of full tensors gathered first;
 * g — the training job's default model (the Llama) under fsdp on 2 ranks: shardflow against PyTorch FSDP2
       (``fully_shard``); tokens/s;
-* p — profile of one shardflow tp=2 step of (a), h=1024 (timers, cProfile, torch.profiler) on rank 0.
+* p — profile of one shardflow tp=2 step of (a), h=1024 (timers, cProfile, torch.profiler) on rank 0;
+* q — pipeline parallelism, pp=2, 8 microbatches: shardflow 1F1B and GPipe against torch.distributed.pipelining's
+      ``Schedule1F1B`` / ``ScheduleGPipe``; each stage's measured bubble and peak memory.
 
 Usage::
 
@@ -49,7 +51,7 @@ from harness import write_section  # noqa: E402
 from ranks import UPDATES  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
-KEYS = "abcdefgp"
+KEYS = "abcdefgpq"
 KiB, MiB = 1 << 10, 1 << 20
 SP_FORMS = [["collective", "collective"], ["ring", "collective"], ["broadcast_loop", "collective"],
             ["collective", "ring"], ["ring", "ring"], ["broadcast_loop", "ring"]]
@@ -80,6 +82,9 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
     if "g" in keys:
         out.append(("g", "fsdp", 2, {"rounds": 4 if quick else 25, "iters": 2 if quick else 3,
                                      "warmup": 1 if quick else 2}))
+    if "q" in keys:
+        out.append(("q", "pipeline", 2, {"width": 1024, "layers": 8, "batch": 512, "microbatches": 8,
+                                         "rounds": 3 if quick else 9, "iters": 2, "warmup": 1, "traced_steps": 3}))
     if "p" in keys:
         out.append(("p", "profile", 2, {"h": 1024, "tiny_h": 16, "batch": 64, "rounds": 3 if quick else 7,
                                         "iters": 3 if quick else 5, "warmup": 3, "steps": 10 if quick else 30}))
@@ -528,6 +533,64 @@ def section_g(res: dict, quick: bool) -> str:
     return "\n".join(lines)
 
 
+def section_q(res: dict, quick: bool) -> str:
+    st, m = res["samples"], res["model"]
+    p, M = len(res["blocked"]), m["microbatches"]
+    tokens = m["batch"]  # rows per step
+    rs = ratios(st["torch_1f1b"], st["shardflow_1f1b"])  # torch's step time ÷ shardflow's = shardflow's rows/s ÷ torch's
+    rg = ratios(st["torch_gpipe"], st["shardflow_gpipe"])
+    ideal = (p - 1) / (M + p - 1)
+    labels = {"shardflow_1f1b": "shardflow `--microbatches 8 --schedule 1f1b`",
+              "shardflow_gpipe": "shardflow `--microbatches 8 --schedule gpipe`",
+              "torch_1f1b": "torch.distributed.pipelining `Schedule1F1B`",
+              "torch_gpipe": "torch.distributed.pipelining `ScheduleGPipe`"}
+    lines = ["## Pipeline schedules against torch.distributed.pipelining (q)", "",
+             f"`python benchmarks/run.py --only q`: shardflow's MLP ({m['layers']} linear layers {m['width']} → "
+             f"{m['width']}, ReLU between, cross-entropy; {res['params']:,} parameters) cut by the `pp` preset into "
+             f"{p} stages of {m['layers'] // p} layers, a batch of {m['batch']} rows as {M} microbatches of "
+             f"{m['batch'] // M}, SGD, float32, on {p} gloo ranks. shardflow: the plan lowered with "
+             f"`LowerOptions(microbatches={M}, schedule=...)` → `DistributedExecutor` (1F1B: "
+             f"{res['programs']['1f1b']['instrs']} instructions, {res['programs']['1f1b']['comms']} communications "
+             f"on rank 0). PyTorch: the same stages (`nn.Sequential` of the same layers and weights) in "
+             f"`PipelineStage`, the same loss, `torch.optim.SGD` per stage. {res['rounds']} interleaved rounds of "
+             f"{res['iters']} steps.", "", machine_line(res, p), "", TIMING_NOTE, "",
+             "| variant | step (ms, median) | range | rows/s |", "|---|---|---|---|"]
+    for k, label in labels.items():
+        lines.append(f"| {label} | {ms(med(st[k]))} | {spread_ms(st[k])} | {tokens / med(st[k]):,.0f} |")
+    lines += ["", f"shardflow ÷ PyTorch rows/s per round, 1F1B: {ratio_text(rs)} (target ≥ 1.0: "
+              f"{verdict(med(rs) >= 1.0)}); GPipe: {ratio_text(rg)}. First two losses: "
+              + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in res["losses"].items()) + ".", "",
+              f"**Measured bubble.** Each shardflow stage's time blocked on the other stage (waits and blocking "
+              f"communications, its tracer's communication lane) over {res['traced_steps']} traced steps, as a share "
+              f"of the step, against the ideal (p−1)/(m+p−1) = {ideal:.3f} (forwards and backwards of equal length "
+              f"on every stage):", "",
+              "| schedule | stage | step (ms) | computing (ms) | blocked (ms) | blocked ÷ step |", "|---|---|---|---|---|---|"]
+    shares = {}
+    for kind in ("1f1b", "gpipe"):
+        for s, b in enumerate(res["blocked"]):
+            x = b[kind]
+            shares.setdefault(kind, []).append(x["blocked_s"] / x["step_s"])
+            lines.append(f"| {kind} | {s} | {x['step_s'] * 1e3:.1f} | {x['compute_s'] * 1e3:.1f} | "
+                         f"{x['blocked_s'] * 1e3:.1f} | {shares[kind][-1]:.3f} |")
+    mean = sum(shares["1f1b"]) / p
+    lines += ["", f"1F1B: mean blocked share over the stages {mean:.3f} against {ideal:.3f} "
+              f"({(mean - ideal) / ideal:+.0%}; target within 20 %: {verdict(abs(mean - ideal) <= 0.2 * ideal)}). "
+              f"The step is also longer than the computing and blocked time by the executor's own work between "
+              f"kernels (traced steps record every compute, which adds to it).", ""]
+    if "peaks" in res:
+        act = res["activation_bytes"]
+        lines += ["**Activation memory per stage.** Each stage's peak of live buffers during a step (the local "
+                  "executor's ledger: weights, gradients, activations, communication buffers), MiB; one "
+                  f"microbatch's hidden activation is {act / 2**20:.2f} MiB:", "",
+                  "| stage | 1F1B peak | GPipe peak | GPipe − 1F1B (microbatch activations) |", "|---|---|---|---|"]
+        for s in sorted(res["peaks"]["1f1b"], key=int):
+            a, g = res["peaks"]["1f1b"][s], res["peaks"]["gpipe"][s]
+            lines.append(f"| {s} | {a / 2**20:.2f} | {g / 2**20:.2f} | {(g - a) / 2**20:.2f} ({(g - a) / act:.1f}) |")
+        lines += ["", "1F1B ≤ GPipe on every stage: " + verdict(all(
+            res["peaks"]["1f1b"][s] <= res["peaks"]["gpipe"][s] for s in res["peaks"]["1f1b"])) + ".", ""]
+    return "\n".join(lines)
+
+
 def _outside(a: dict, instrs: int) -> tuple[float, float, float, float]:
     """(wall, ATen, communication, rest) seconds per step of a torch.profiler run of the executor."""
     n = a["steps"]
@@ -679,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
         texts.append(section_g(results["g"], args.quick))
     if "p" in results:
         texts.append(section_p(results["p"], args.quick))
+    if "q" in results:
+        texts.append(section_q(results["q"], args.quick))
     for t in texts:
         print(t)
     if not args.no_write:

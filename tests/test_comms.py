@@ -14,11 +14,11 @@ from shardflow.lower import LowerOptions
 from shardflow.lower.comms import run_local
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
-from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Update, Vjp, Wait,
-                                     shared_sends)
+from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Sum, Update, Vjp, Wait,
+                                     inplace_sums, shared_sends)
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.rules import LocalOp
-from shardflow.runtime.kernels import recorded_nodes
+from shardflow.runtime.kernels import OptimizerConfig, make_kernel, recorded_nodes
 from shardflow.strategy import make_plan
 
 from test_lower import MEGATRON, against_one_device, lowered, mlp, replicate_broadcast  # the same plans
@@ -179,3 +179,31 @@ def test_gpt_data_parallel_copies_only_the_gradient_the_add_shares():
     p = step.programs[0]
     copied = [c for c in p.comms if c.token not in shared_sends(p, recorded_nodes(p))]
     assert [c.send.value for c in copied] == ["grad:embedding_1@add"]
+
+
+def add(*vs: str, out: str) -> Compute:
+    return Compute(TaskType.BWD, out, "sum", tuple(map(buf, vs)), (buf(out),), out, kernel=Sum())
+
+
+def test_a_gradient_sum_accumulates_into_its_first_input_only_when_that_buffer_is_dead_after_it():
+    """As autograd accumulates ``.grad``: a + b written into a's buffer when nothing sharing a's storage is read after
+    the sum; not when a (or y, a itself) is read later, when b shares a's storage, or when a is a placed input."""
+    assert inplace_sums(program(made("a"), made("b"), add("a", "b", out="s"), read("s", out="z")), ()) == {"s"}
+    assert inplace_sums(program(made("a"), made("b"), keep("a", "y"), add("a", "b", out="s"), read("y", out="z")),
+                        ()) == frozenset()
+    assert inplace_sums(program(made("a"), keep("a", "b"), add("a", "b", out="s")), ()) == frozenset()
+    assert inplace_sums(program(made("b"), add("g", "b", out="s")), ()) == frozenset()  # g: placed before the step
+    chain = program(made("a"), made("b"), add("a", "b", out="s"), made("c"), add("s", "c", out="t"))
+    assert inplace_sums(chain, ()) == {"s", "t"}  # microbatches' running sums: one buffer throughout
+
+
+def test_the_in_place_sum_kernel_adds_into_a_dense_first_input_and_copies_an_expanded_one():
+    instr = add("a", "b", out="s")
+    kernel = make_kernel(instr, OptimizerConfig("sgd", lr=0.1), lambda: 1, in_place=True)
+    a, b = torch.ones(4, dtype=torch.float64), torch.arange(4.0, dtype=torch.float64)
+    (s,) = kernel([a, b])
+    assert s.data_ptr() == a.data_ptr() and torch.equal(s, 1 + torch.arange(4.0, dtype=torch.float64))
+    wide = torch.ones(1, dtype=torch.float64).expand(4)  # a broadcast's vjp: one element stored for four
+    (s,) = kernel([wide, b])
+    assert s.data_ptr() != wide.data_ptr() and torch.equal(s, 1 + b)
+    assert torch.equal(wide, torch.ones(4, dtype=torch.float64))

@@ -375,13 +375,30 @@ def shared_sends(program: Program, recorded: Collection[tuple[str, int]]) -> fro
     them while the other is still read (a received value must never alias a buffer updated in place); then every
     broadcast root whose buffer is read afterwards sends a copy.
     """
-    shared, clash = _sharing(program, recorded, live_roots=True)
-    return _sharing(program, recorded, live_roots=False)[0] if clash else shared
+    return _reuse(program, recorded)[0]
 
 
-def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots: bool) -> tuple[frozenset[int], bool]:
-    """:func:`shared_sends`' pass over ``program``: the tokens chosen, and whether an optimizer update overwrites a
-    buffer whose storage another buffer still read shares. ``live_roots``: broadcast roots send their buffer as it
+def inplace_sums(program: Program, recorded: Collection[tuple[str, int]]) -> frozenset[str]:
+    """The outputs of the gradient sums (:class:`Sum` computes of several inputs) of ``program`` that may be
+    accumulated into their first input's buffer (``x0 += x1 + ...``, as autograd accumulates ``.grad``) instead of a
+    new one: that buffer, and every buffer sharing its storage, is dead after the sum (under the same rules as
+    :func:`shared_sends`: not read later, not kept by a recorded autograd graph, not in flight, not persistent, not a
+    placed input), it has the output's type, and no other input of the sum shares its storage. The microbatches'
+    running sums of weight gradients are such sums."""
+    return _reuse(program, recorded)[1]
+
+
+def _reuse(program: Program, recorded: Collection[tuple[str, int]]) -> tuple[frozenset[int], frozenset[str]]:
+    """:func:`shared_sends` and :func:`inplace_sums`: broadcast roots send their buffer as it is unless an optimizer
+    update would then overwrite storage another buffer still reads."""
+    tokens, sums, clash = _sharing(program, recorded, live_roots=True)
+    return _sharing(program, recorded, live_roots=False)[:2] if clash else (tokens, sums)
+
+
+def _sharing(program: Program, recorded: Collection[tuple[str, int]],
+             live_roots: bool) -> tuple[frozenset[int], frozenset[str], bool]:
+    """:func:`shared_sends`' and :func:`inplace_sums`' pass over ``program``: the tokens and the sums chosen, and
+    whether an optimizer update overwrites a buffer whose storage another buffer still read shares. ``live_roots``: broadcast roots send their buffer as it
     is even when it is read afterwards."""
     instrs = program.instrs
     freed = {v for i in instrs if isinstance(i, Free) for v in i.values} - {b.value for b in program.inputs}
@@ -410,6 +427,7 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
 
     in_flight: dict[int, str] = {}  # token → the send buffer of a communication issued, not waited
     chosen: set[int] = set()
+    sums: set[str] = set()
     clash = False
     for k, i in enumerate(instrs):
         if isinstance(i, Wait):
@@ -418,6 +436,11 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
             if isinstance(i.kernel, Update):  # overwrites the weight and state slots it was given
                 for j in (0, *range(2, 2 + len(i.kernel.slots))):
                     clash |= not free_after(i.ins[j].value, k, spare=i.ins[j].value)
+            if isinstance(i.kernel, Sum) and len(i.ins) > 1 and i.ins[0].type == i.outs[0].type:
+                first = group.get(i.ins[0].value, [i.ins[0].value])
+                if free_after(i.ins[0].value, k) and not any(x.value in first for x in i.ins[1:]):
+                    sums.add(i.outs[0].value)
+                    union(i.outs[0].value, i.ins[0].value)
             for b, per in zip(i.outs, _aliased(i)):
                 for j in per:
                     union(b.value, i.ins[j].value)
@@ -430,7 +453,7 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
                         union(i.recv.value, i.send.value)
             if i.send is not None and not i.wait:
                 in_flight[i.token] = i.send.value
-    return frozenset(chosen), clash
+    return frozenset(chosen), frozenset(sums), clash
 
 
 def reads(i: Instr) -> tuple[Buffer, ...]:

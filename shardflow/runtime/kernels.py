@@ -99,11 +99,12 @@ def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callab
 
 def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], saved: dict | None = None,
                 seed: int = 0, micro: Callable[[], tuple[int, int]] = lambda: (0, 1),
-                device: torch.device | None = None) -> Kernel:
+                device: torch.device | None = None, in_place: bool = False) -> Kernel:
     """The kernel of compute ``instr``, built from its description (``instr.kernel``) alone. ``step()`` gives
     the current step, counted from 1 (for AdamW and for random ops); ``seed`` is the run's seed random ops draw
     with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`);
     ``device``: the executor's, where a kernel with no input makes its output (a sum of squares of no piece).
+    ``in_place``: a gradient sum accumulates into its first input (:func:`~shardflow.lower.program.inplace_sums`).
 
     ``saved``: this rank's store of forward autograd graphs, by (PCG node, microbatch). When given, a forward whose
     node has a backward records its graph there and the backward reuses it (no second forward); without it, or when
@@ -125,7 +126,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     if isinstance(spec, OnesLike):
         return lambda xs: [torch.full_like(xs[0], spec.scale)]
     if isinstance(spec, Sum):
-        return lambda xs: [sum(xs[1:], xs[0])]
+        return _sum_into_first if in_place else lambda xs: [sum(xs[1:], xs[0])]
     if isinstance(spec, Update):
         return update_kernel([instr], cfg, step)
     if isinstance(spec, SumOfSquares):
@@ -166,6 +167,17 @@ def recorded_nodes(program) -> frozenset[str]:
     once = single_calls(program)
     return frozenset(i.saved_as for i in program.instrs if isinstance(i, Compute) and isinstance(i.kernel, Forward)
                      and i.dnode in once and records_graph(i.kernel))
+
+
+def _sum_into_first(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The sum of ``xs``, accumulated into ``xs[0]``'s buffer when it is dense (a broadcast's vjp may hand an
+    expanded view, one element stored for many: then a new tensor)."""
+    acc = xs[0]
+    if not acc.is_contiguous():
+        return [sum(xs[1:], acc)]
+    for x in xs[1:]:
+        acc.add_(x)
+    return [acc]
 
 
 def single_calls(program) -> set[str]:

@@ -15,7 +15,7 @@ import torch
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
 from shardflow.lower.comms import run_local
-from shardflow.lower.program import Comm, Compute, shared_sends
+from shardflow.lower.program import Comm, Compute, inplace_sums, shared_sends
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import blocks, gather, scatter
 from shardflow.runtime.executor import Executor
@@ -45,15 +45,16 @@ class LocalExecutor(Executor):
         self.steps_done = 0
         self.saved: dict[int, dict] = {r: {} for r in step.programs}  # forward autograd graphs per rank
         self.kernels = {}
+        # per rank, the communications whose send buffer is theirs to use and the sums accumulated in place, as the
+        # distributed executor decides
+        self.shared = {r: shared_sends(p, recorded_nodes(p)) for r, p in step.programs.items()}
         for r, p in step.programs.items():
-            once = single_calls(p)
+            once, into = single_calls(p), inplace_sums(p, recorded_nodes(p))
             for i in p.instrs:
                 if isinstance(i, Compute) and i.dnode:
                     self.kernels[(r, i)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
-                                                             self.saved[r] if i.dnode in once else None, seed,
-                                                             lambda: self.micro, self.device)
-        # per rank, the communications whose send buffer is theirs to use, as the distributed executor decides
-        self.shared = {r: shared_sends(p, recorded_nodes(p)) for r, p in step.programs.items()}
+                                                       self.saved[r] if i.dnode in once else None, seed,
+                                                       lambda: self.micro, self.device, i.outs[0].value in into)
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.blocks: dict[str, dict[int, tuple[slice, ...]]] = {}  # value → device → its block (values placed each step)
         self.ledgers = {r: Ledger() for r in step.programs} if memory else None
