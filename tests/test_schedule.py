@@ -166,6 +166,15 @@ def test_every_schedule_equals_one_device(mesh, strategy, m, kind):
     run_against_one_device(lowered(mesh, strategy, m, kind, grad_norm=True))
 
 
+@pytest.mark.parametrize("mesh, strategy, m, kind", [("pp=2,fsdp=2", "pp,fsdp", 2, "gpipe"),
+                                                    ("pp=2,dp=2,tp=2", "pp,dp,tp", 2, "1f1b"),
+                                                    ("pp=2,fsdp=2,tp=2", "pp,fsdp,tp", 4, "1f1b")])
+def test_pipelines_on_two_and_three_dimensional_meshes_equal_one_device(mesh, strategy, m, kind):
+    """pp with FSDP (each microbatch gathers its stage's weights, the last reduce-scatters the summed gradients),
+    and 3-D meshes pp × dp × tp and pp × fsdp × tp: 3 AdamW steps equal one device (1e-5)."""
+    run_against_one_device(lowered(mesh, strategy, m, kind, grad_norm=True))
+
+
 def test_1f1b_holds_fewer_activations_than_gpipe():
     """pp=2, M=8 on a wide MLP (activations dominate): stage 0's peak of live buffers under 1F1B (at most 2
     microbatches in flight) is below GPipe's (8 in flight) by at least 4 microbatches' hidden activations, and so is

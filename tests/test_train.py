@@ -187,6 +187,8 @@ def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
 
 
 def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tp2):
+    """The Chrome trace of step 2: both ranks measured and predicted, compute and communication lanes; rank 0 prints
+    each rank's time blocked on the other (its communication lane's total)."""
     _, _, out = tp2
     events = json.loads(out.read_text())["traceEvents"]
     lanes = {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"}
@@ -194,6 +196,10 @@ def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tp2):
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"rank 0 (measured)", "rank 1 (measured)", "rank 0 (cost model)", "rank 1 (cost model)"}
     measured = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 1]
+    r, _, _ = tp2
+    blocked = sum(e["dur"] for e in measured) / 1e3  # ms rank 0 spent in its communication lane
+    line = next(x for x in r.stdout.splitlines() if x.startswith("time blocked on other ranks in step 2"))
+    assert f"rank 0 {blocked:.1f} of " in line and "rank 1 " in line
     kinds = [tuple(e["name"].split()[:2]) for e in measured]  # ("#token", kind); an overlapped one is waited later
     assert kinds and {k for _, k in kinds} == {"all_reduce", "wait"}
     assert {t for t, k in kinds if k == "wait"} <= {t for t, k in kinds if k == "all_reduce"}

@@ -93,6 +93,18 @@ def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]
     return out
 
 
+def blocked(measured: Mapping[int, list[dict]]) -> dict[int, tuple[float, float]]:
+    """Per rank of a measured timeline: the seconds it spent blocked on other ranks (its communication lane: blocking
+    communications and the waits of those issued without waiting) and the span of its step, seconds. Under a
+    pipeline schedule the blocked share is the stage's measured bubble."""
+    out = {}
+    for r, events in measured.items():
+        xs = [e for e in events if e["ph"] == "X"]
+        span = (max(e["ts"] + e["dur"] for e in xs) - min(e["ts"] for e in xs)) / 1e6 if xs else 0.0
+        out[r] = (sum(e["dur"] for e in xs if e["tid"] == LANES["communication"]) / 1e6, span)
+    return out
+
+
 def write(path: str | Path, measured: Mapping[int, list[dict]], predicted_events: list[dict] = ()) -> Path:
     """One Chrome-trace JSON file: measured ranks (pid = rank) and the prediction (pid = 1000 + rank)."""
     meta = []
