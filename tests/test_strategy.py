@@ -16,7 +16,7 @@ from shardflow.parallel.shape import DegreeError
 from shardflow.parallel.simulate import simulate_outputs
 from shardflow.reference import weights_of
 from shardflow.strategy import ModulePlan, Plan, PlanError, make_plan, resolve
-from shardflow.strategy.presets import megatron_regions, repeated_blocks
+from shardflow.strategy.presets import block_costs, megatron_regions, repeated_blocks, stage_cuts
 
 B, T = 4, 8
 
@@ -130,6 +130,32 @@ def test_pp_puts_block_ranges_on_stages():
     assert by_scope["transformer.h.2"] == by_scope["transformer.h.3"] == {1}
     assert by_scope["transformer.wte"] == {0} and by_scope["lm_head"] == {1}
     assert stage[graph.loss] == 1 and not pcg.parallel_nodes
+
+
+def test_stage_cuts_minimise_the_largest_stage():
+    """The linear partition: contiguous ranges of at least one block, the largest stage cost (the first stage also
+    pays what runs before the blocks, the last what follows them) as small as it can be; the even split when it is
+    as good."""
+    assert stage_cuts([1, 1, 1, 1], 2) == [0, 0, 1, 1]
+    assert stage_cuts([1, 1, 1], 2) == [0, 0, 1]  # the even split, as good as [0, 1, 1]
+    assert stage_cuts([1, 1, 1, 1], 2, after=3) == [0, 0, 0, 1]  # a heavy head: the last stage takes one block
+    assert stage_cuts([5, 1, 1, 1], 2) == [0, 1, 1, 1]
+    assert stage_cuts([1, 1, 1, 1, 1, 1], 3, before=2) == [0, 1, 1, 2, 2, 2]  # loads 3, 2, 3 (even split: 4, 2, 2)
+    with pytest.raises(PlanError, match="2 blocks cannot fill 3 stages"):
+        stage_cuts([1, 1], 3)
+
+
+def test_pp_balances_stages_by_flops():
+    """An MLP whose last layer (16 → 4096) costs 256 times each of the three before it: the even split would give
+    the last stage 64 times the first's FLOPs; pp puts three layers on stage 0 and the wide one alone on stage 1."""
+    torch.manual_seed(0)
+    model = MLP(d_in=16, hidden=16, d_out=4096, n_layers=4)
+    g = capture(model, {"x": torch.zeros(2, 16), "y": torch.zeros(2, dtype=torch.long)})
+    costs, before, after = block_costs(g, repeated_blocks(g))
+    assert costs == [2 * 2 * 16 * 16] * 3 + [2 * 2 * 16 * 4096] and before == after == 0
+    pcg = pcg_for(g, "pp=2", "pp")
+    stage = {n.scope: dict(n.group.fixed)["pp"] for n in pcg.nodes if n.scope.startswith("layers.")}
+    assert stage == {"layers.0": 0, "layers.1": 0, "layers.2": 0, "layers.3": 1}
 
 
 def test_repeated_blocks():

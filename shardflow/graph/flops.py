@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from shardflow.graph.graph import ComputationGraph
+from shardflow.graph.graph import ComputationGraph, Node
 from shardflow.graph.ops import Attention, Conv, Linear, Matmul, Op, TensorType
 
 # forward + backward (2 products per forward product): PaLM appendix B, torchtitan
@@ -51,16 +51,20 @@ FORWARD_FLOPS: dict[type[Op], Callable[[Op, tuple[TensorType, ...], tuple[Tensor
     Linear: _contracted, Matmul: _contracted, Attention: _attention, Conv: _conv}
 
 
+def node_flops(graph: ComputationGraph, node: Node) -> int:
+    """FLOPs of one forward of ``node`` of ``graph`` at its captured shapes (:data:`FORWARD_FLOPS`; 0 for any other
+    op)."""
+    count = FORWARD_FLOPS.get(type(node.op))
+    if count is None:
+        return 0
+    return count(node.op, tuple(graph.tensors[t].type for t in node.inputs),
+                 tuple(graph.tensors[t].type for t in node.outputs))
+
+
 def forward_flops(graph: ComputationGraph) -> int:
-    """FLOPs of one forward pass of ``graph`` at its captured shapes (the whole batch): the sum of
-    :data:`FORWARD_FLOPS` over its nodes, 0 for any other op."""
-    total = 0
-    for n in graph.nodes:
-        count = FORWARD_FLOPS.get(type(n.op))
-        if count is not None:
-            total += count(n.op, tuple(graph.tensors[t].type for t in n.inputs),
-                           tuple(graph.tensors[t].type for t in n.outputs))
-    return total
+    """FLOPs of one forward pass of ``graph`` at its captured shapes (the whole batch): :func:`node_flops` summed
+    over its nodes."""
+    return sum(node_flops(graph, n) for n in graph.nodes)
 
 
 def training_flops(graph: ComputationGraph) -> int:

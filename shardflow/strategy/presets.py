@@ -18,7 +18,8 @@ structure gets the same plan:
   sharded on the sequence dim (dim 1): norms, dropout and residual adds run on ``Shard(1)``; a column group's
   input is all-gathered (Combine) and a row-parallel output reduce-scattered (Reduction + Repartition).
 * **pp** (axis ``pp``): the repeated blocks (children of the model's first ``ModuleList``) are cut into
-  contiguous ranges, one per stage; what comes before the blocks runs on stage 0, what follows on the last.
+  contiguous ranges, one per stage, balanced by forward FLOPs (:func:`stage_cuts`); what comes before the blocks
+  runs on stage 0, what follows on the last.
 * **fsdp** (axis ``fsdp``; ZeRO-3, Rajbhandari et al. 2020; PyTorch FSDP, Zhao et al. 2023): a data-parallel
   axis (the batch is ``Shard(0)`` on it, as under dp) on which every weight is stored ``Shard(d)`` — its first dim
   the other strategies leave whole and the degree divides — with a Combine (all-gather) right after it: every use
@@ -34,6 +35,7 @@ import dataclasses
 import re
 
 from shardflow.graph import ops as O
+from shardflow.graph.flops import node_flops
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
 from shardflow.parallel.ops import Combine
@@ -306,13 +308,86 @@ def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", othe
 
 
 def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp") -> Plan:
-    """Cut the repeated blocks into ``stages`` contiguous ranges of (nearly) equal length on ``axis``."""
+    """Cut the repeated blocks into ``stages`` contiguous ranges on ``axis``, balanced by cost
+    (:func:`stage_cuts`): what comes before the blocks (an embedding) runs on the first stage, what follows them (a
+    final norm, the head, the loss) on the last."""
     blocks = repeated_blocks(graph)
     if len(blocks) < stages:
         raise PlanError(f"a pipeline of {stages} stages needs at least {stages} repeated blocks; the model has "
                         f"{len(blocks)} ({', '.join(blocks) or 'none'}). Use fewer stages or more layers")
-    modules = {b: ModulePlan(stage=i * stages // len(blocks)) for i, b in enumerate(blocks)}
+    costs, before, after = block_costs(graph, blocks)
+    stage = stage_cuts(costs, stages, before, after)
+    modules = {b: ModulePlan(stage=s) for b, s in zip(blocks, stage)}
     return Plan(modules, stage_axis=axis, name="pp")
+
+
+def block_costs(graph: ComputationGraph, blocks: list[str]) -> tuple[list[int], int, int]:
+    """The cost of each block of ``blocks`` (module paths), of what runs before the first and after the last: forward
+    FLOPs (:func:`~shardflow.graph.flops.node_flops`: the backward's are proportional), or — for a graph whose ops
+    count no FLOPs — the weights' elements the nodes read."""
+    flops = sum(node_flops(graph, n) for n in graph.nodes) > 0
+    weights = set(graph.weights)
+
+    def cost(n: Node) -> int:
+        if flops:
+            return node_flops(graph, n)
+        return sum(graph.tensors[t].type.numel for t in n.inputs if t in weights)
+
+    index = {b: i for i, b in enumerate(blocks)}
+    costs, before, after, seen = [0] * len(blocks), 0, 0, False
+    for n in graph.nodes:
+        b = next((index[p] for p in _prefixes(n.scope) if p in index), None)
+        if b is not None:
+            costs[b] += cost(n)
+            seen = True
+        elif seen:
+            after += cost(n)
+        else:
+            before += cost(n)
+    return costs, before, after
+
+
+def _prefixes(scope: str) -> list[str]:
+    parts = scope.split(".") if scope else []
+    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+
+
+def stage_cuts(costs: list[int], stages: int, before: int = 0, after: int = 0) -> list[int]:
+    """The stage of each of ``len(costs)`` blocks in order, contiguous ranges of at least one block, minimising the
+    largest stage cost (the first stage also pays ``before``, the last ``after``): the linear partition problem,
+    solved exactly by dynamic programming (O(stages · n²)). The even split (block i on stage ⌊i·stages/n⌋) is kept
+    when it is as good. Raises PlanError when there are fewer blocks than stages."""
+    n = len(costs)
+    if n < stages:
+        raise PlanError(f"{n} blocks cannot fill {stages} stages")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def load(s: int, i: int, j: int) -> int:  # stage s holding blocks i..j-1
+        return prefix[j] - prefix[i] + (before if s == 0 else 0) + (after if s == stages - 1 else 0)
+
+    even = [i * stages // n for i in range(n)]
+    starts = [even.index(s) for s in range(stages)] + [n]
+    even_max = max(load(s, starts[s], starts[s + 1]) for s in range(stages))
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[s][j]: blocks 0..j-1 on stages 0..s-1
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for j in range(s, n - (stages - s) + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], load(s - 1, i, j))
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    if even_max <= best[stages][n]:
+        return even
+    out, j = [0] * n, n
+    for s in range(stages, 0, -1):
+        i = cut[s][j]
+        out[i:j] = [s - 1] * (j - i)
+        j = i
+    return out
 
 
 def parse_strategy(text: str) -> list[str]:
