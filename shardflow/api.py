@@ -190,14 +190,15 @@ def mesh_strategy(mesh: Mesh) -> str:
 
 
 def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str | None = None, plan: Plan | str | Path | None = None,
-             strict: bool = False) -> tuple[Plan, PCG]:
+             strict: bool = False, stages_per_rank: int = 1) -> tuple[Plan, PCG]:
     """The plan — ``plan`` (a :class:`Plan` or a JSON/TOML file), else the preset ``strategy``, else the preset the
     mesh's axes name (:func:`mesh_strategy`) — and its PCG on ``mesh``. ``strict``: a rule's refusal is an error
-    instead of a redistribution. Raises PlanError, DegreeError, RuleError (strict) as planning does."""
+    instead of a redistribution; ``stages_per_rank``: the chunks of the model each pipeline stage of a preset holds
+    (the interleaved schedule's). Raises PlanError, DegreeError, RuleError (strict) as planning does."""
     if plan is not None and strategy is not None:
         raise PlanError("give a strategy or a plan, not both")
     if plan is None:
-        plan = make_plan(graph, mesh, strategy or mesh_strategy(mesh))
+        plan = make_plan(graph, mesh, strategy or mesh_strategy(mesh), stages_per_rank)
     elif not isinstance(plan, Plan):
         plan = load_plan(plan)
     return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh), strict=strict)

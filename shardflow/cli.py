@@ -42,7 +42,7 @@ from shardflow.lower.comm_lowering import lowering_summary
 from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
 from shardflow.lower.program import programs_json
 from shardflow.lower.report import bytes_table, pcg_dot
-from shardflow.lower.schedule import Schedule, stages_of
+from shardflow.lower.schedule import requested, schedule_of
 from shardflow.lower.verify import PlanVerificationError
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
@@ -75,12 +75,12 @@ FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "emb
                "seq_len": Range(1), "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1),
                "tol": Range(0), "lr": RANGES["lr"], "timeout": RANGES["timeout"], "tokens": Range(0),
                "temperature": Range(0), "reps": Range(1), "seed": Range(0, 2**63, high_open=True), "accumulate": RANGES["accumulate"],
-               "microbatches": RANGES["microbatches"]}
+               "microbatches": RANGES["microbatches"], "stages_per_rank": RANGES["stages_per_rank"]}
 
 
 MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
 # what one optimizer step is, as shardflow train has them (plan shows it)
-STEP_FLAGS = ("accumulate", "microbatches", "schedule", "dtype")
+STEP_FLAGS = ("accumulate", "microbatches", "schedule", "stages_per_rank", "dtype")
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
@@ -90,8 +90,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
-    """``--accumulate``, ``--microbatches``, ``--schedule`` and ``--dtype``, as ``shardflow train`` has them
-    (TrainConfig's fields)."""
+    """``--accumulate``, ``--microbatches``, ``--schedule``, ``--stages-per-rank`` and ``--dtype``, as ``shardflow
+    train`` has them (TrainConfig's fields)."""
     for name in STEP_FLAGS:
         TrainConfig.add_argument(p, name, own_default=True)
 
@@ -217,7 +217,7 @@ def micro_step_comms(pcg: PCG, optimizer: str, options: LowerOptions, rank: int,
 def schedule_json(dg, kind: str) -> dict[str, Any]:
     """The pipeline schedule of lowered step ``dg`` for ``shardflow plan --format json``: kind, stages,
     microbatches, the ideal bubble fraction and each stage's actions in order."""
-    sched = Schedule(kind, len(stages_of(dg)), dg.microbatches)
+    sched = schedule_of(dg, kind)
     return {"kind": str(sched.kind), "stages": sched.stages, "microbatches": sched.microbatches,
             "bubble": sched.bubble, "actions": [[str(a) for a in sched.actions(s)] for s in range(sched.stages)]}
 
@@ -225,11 +225,12 @@ def schedule_json(dg, kind: str) -> dict[str, Any]:
 def cmd_plan(args: argparse.Namespace) -> int:
     strategy = None if args.plan else args.strategy or "tp"
     mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(strategy or "tp", args.nproc)
+    requested(mesh, args.schedule, args.microbatches, args.stages_per_rank)
     graph = capture(*plan_model(args))
     if args.graph:
         print(graph.listing())
         return 0
-    plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
+    plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict, args.stages_per_rank)
     options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, master_dtype=MASTER_DTYPE[args.dtype],
                            microbatches=args.microbatches, schedule=args.schedule, **memory_options(args))
     micro = MicroStep.sequence(args.accumulate)[-1]  # the micro-step that reduces the gradients and updates
@@ -274,7 +275,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"# --dtype {args.dtype}: each weight held, reduced and updated in {MASTER_DTYPE[args.dtype]} (the "
               f"master, fwd:W), cast to its graph's dtype at the start of the step (fwd:W@compute) for every reader")
     if args.microbatches > 1:
-        print("# " + Schedule(args.schedule, len(stages_of(step.dg)), args.microbatches).timeline().replace(
+        print("# " + schedule_of(step.dg, args.schedule).timeline().replace(
             "\n", "\n# "))
         print()
     if args.accumulate > 1:

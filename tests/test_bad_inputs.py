@@ -86,6 +86,14 @@ def train(capsys, tiny):
     (["--strategy", "dp", "--accumulate", "8"], ["--batch-size 8 does not split into --accumulate 8 micro-batches "
                                                  "over data-parallel degree 2 (mesh dp=2)", "give --batch-size 16",
                                                  "or an --accumulate of 2, 4"]),
+    (["--strategy", "pp", "--layers", "4", "--microbatches", "4", "--stages-per-rank", "2"],
+     ["--schedule 1f1b --microbatches 4 --stages-per-rank 2 on mesh pp=2", "give --schedule interleaved with "
+      "--stages-per-rank ≥ 2, or neither"]),
+    (["--strategy", "pp", "--layers", "4", "--microbatches", "3", "--schedule", "interleaved", "--stages-per-rank", "2"],
+     ["the interleaved schedule runs microbatches in groups of one per stage: 3 microbatch(es) do not split over 2 "
+      "stages; give a multiple of 2"]),
+    (["--strategy", "pp", "--microbatches", "3"], ["does not split into --microbatches 3 micro-batches",
+                                                   "or a --microbatches of 2, 4, 8"]),
     (["--seed", "-1"], ["--seed -1 is out of range: give a value in [0, 4294967296)"]),
     (["--run-dir", ""], ["--run-dir is empty; leave it out or give a value"]),
     (["--strategy", " "], ["--strategy is empty; leave it out or give a value"]),

@@ -37,17 +37,32 @@ def test_1f1b_warms_up_alternates_and_drains():
     assert [Schedule("gpipe", 4, 8).in_flight(s) for s in range(4)] == [8] * 4
 
 
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 8), (3, 5)])
-def test_unit_time_bubble_is_the_formula(kind, p, m):
-    """With forwards and backwards of one tick each, both schedules take 2(m+p-1) ticks: each stage is idle
-    2(p-1) of them, the bubble (p-1)/(m+p-1)."""
-    s = Schedule(kind, p, m)
+def test_interleaved_runs_chunks_in_groups_of_p_microbatches():
+    """p=2, V=2, M=4 (Megatron-LM's interleaved 1F1B): forwards of chunk 0 for microbatches 0-1, chunk 1 for the
+    same, then the next two; stage 0 warms up with (p-1-s)·2 + (V-1)·p = 4 forwards, stage 1 with 2; backwards visit
+    the chunks in reverse."""
+    s = Schedule("interleaved", 2, 4, 2)
+    assert " ".join(map(str, s.actions(0))) == "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0"
+    assert " ".join(map(str, s.actions(1))) == "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0"
+    assert s.virtual_stage(1, Action(Phase.F, 0, 1)) == 3 and s.bubble == pytest.approx(1 / 9)
+    with pytest.raises(ValueError, match="do not split over 2 stages; give a multiple of 2"):
+        Schedule("interleaved", 2, 3, 2)
+    with pytest.raises(ValueError, match="give --schedule interleaved with --stages-per-rank ≥ 2, or neither"):
+        Schedule("1f1b", 2, 4, 2)
+
+
+@pytest.mark.parametrize("kind, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (4, 8), (3, 6)])
+def test_unit_time_bubble_is_the_formula(kind, v, p, m):
+    """With every chunk's forward and backward one tick each, every schedule takes 2(V·m+p-1) ticks: each stage is
+    idle 2(p-1) of them, the bubble (p-1)/(V·m+p-1) — V times smaller than 1F1B's under the interleaved
+    schedule."""
+    s = Schedule(kind, p, m, v)
     ticks = s.ticks()
-    assert len(ticks) == 2 * (m + p - 1)
+    assert len(ticks) == 2 * (v * m + p - 1)
     for stage in range(p):
         idle = sum(stage not in t for t in ticks)
-        assert idle / len(ticks) == pytest.approx(s.bubble) == pytest.approx((p - 1) / (m + p - 1))
+        assert idle / len(ticks) == pytest.approx(s.bubble) == pytest.approx((p - 1) / (v * m + p - 1))
 
 
 def test_timeline_draws_each_stage():
@@ -74,11 +89,12 @@ def model_and_graph(rows: int):
     return model, capture(model, batch)
 
 
-def lowered(mesh_text: str, strategy: str, m: int, kind: str = "1f1b", optimizer: str = "adamw", **kw):
-    """The MLP's step on a microbatch of B/m rows, m microbatches in ``kind``'s order, lowered and proven."""
+def lowered(mesh_text: str, strategy: str, m: int, kind: str = "1f1b", optimizer: str = "adamw", v: int = 1, **kw):
+    """The MLP's step on a microbatch of B/m rows, m microbatches in ``kind``'s order (``v`` chunks per stage),
+    lowered and proven."""
     _, graph = model_and_graph(B // m)
     mesh = Mesh.parse(mesh_text)
-    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy, v), graph, mesh))
     return lower_step(pcg, optimizer, options=LowerOptions(microbatches=m, schedule=kind), **kw)
 
 
@@ -164,6 +180,21 @@ def test_every_schedule_equals_one_device(mesh, strategy, m, kind):
     if "dp=2" in mesh and m == 8:
         pytest.skip("8 microbatches of 1 row do not split over dp=2")
     run_against_one_device(lowered(mesh, strategy, m, kind, grad_norm=True))
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+@pytest.mark.parametrize("mesh, strategy", [("pp=2", "pp"), ("pp=2,dp=2", "pp,dp"), ("pp=2,tp=2", "pp,tp")])
+def test_interleaved_equals_one_device(mesh, strategy, m):
+    """The interleaved schedule, 2 chunks of one layer per stage (layers 0 and 2 on stage 0, 1 and 3 on stage 1),
+    M ∈ {2, 4, 8}: 3 AdamW steps equal one device (1e-5)."""
+    if "dp=2" in mesh and m == 8:
+        pytest.skip("8 microbatches of 1 row do not split over dp=2")
+    step = lowered(mesh, strategy, m, "interleaved", v=2, grad_norm=True)
+    stage = {n.src: dict(n.group.fixed)["pp"] for n in step.dg.nodes if n.kind == NodeKind.COMPUTE
+             and step.dg.sources[n.src].scope.startswith("layers.")}
+    assert {step.dg.sources[k].scope: v for k, v in stage.items()} == {"layers.0": 0, "layers.1": 1, "layers.2": 0,
+                                                                         "layers.3": 1}
+    run_against_one_device(step)
 
 
 @pytest.mark.parametrize("mesh, strategy, m, kind", [("pp=2,fsdp=2", "pp,fsdp", 2, "gpipe"),

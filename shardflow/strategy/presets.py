@@ -307,16 +307,19 @@ def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", othe
     return dataclasses.replace(data_parallel(graph, axis).merge(sharded), name="fsdp")
 
 
-def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp") -> Plan:
+def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp", virtual: int = 1) -> Plan:
     """Cut the repeated blocks into ``stages`` contiguous ranges on ``axis``, balanced by cost
     (:func:`stage_cuts`): what comes before the blocks (an embedding) runs on the first stage, what follows them (a
-    final norm, the head, the loss) on the last."""
+    final norm, the head, the loss) on the last. With ``virtual`` V > 1 (the interleaved schedule's chunks), into
+    ``stages``·V ranges, range c on stage c mod ``stages``."""
     blocks = repeated_blocks(graph)
-    if len(blocks) < stages:
-        raise PlanError(f"a pipeline of {stages} stages needs at least {stages} repeated blocks; the model has "
+    chunks = stages * virtual
+    if len(blocks) < chunks:
+        what = f"{stages} stages" if virtual == 1 else f"{stages} stages × {virtual} chunks per stage"
+        raise PlanError(f"a pipeline of {what} needs at least {chunks} repeated blocks; the model has "
                         f"{len(blocks)} ({', '.join(blocks) or 'none'}). Use fewer stages or more layers")
     costs, before, after = block_costs(graph, blocks)
-    stage = stage_cuts(costs, stages, before, after)
+    stage = [c % stages for c in stage_cuts(costs, chunks, before, after)]
     modules = {b: ModulePlan(stage=s) for b, s in zip(blocks, stage)}
     return Plan(modules, stage_axis=axis, name="pp")
 
@@ -428,12 +431,17 @@ def default_mesh(strategy: str, nproc: int) -> Mesh:
     return Mesh((AXIS_OF[names[0]],), (nproc,))
 
 
-def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str) -> Plan:
-    """The combined plan of the named strategies on ``mesh`` (each uses the axis of its name; sp uses tp).
+def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_rank: int = 1) -> Plan:
+    """The combined plan of the named strategies on ``mesh`` (each uses the axis of its name; sp uses tp);
+    ``stages_per_rank``: the chunks of the model each pipeline stage holds (:func:`pipeline`'s ``virtual``).
 
-    Raises PlanError if a strategy's axis is missing from the mesh or a mesh axis is used by no strategy.
+    Raises PlanError if a strategy's axis is missing from the mesh, a mesh axis is used by no strategy, or
+    ``stages_per_rank`` > 1 without pp.
     """
     names = parse_strategy(strategy)
+    if stages_per_rank > 1 and "pp" not in names:
+        raise PlanError(f"--stages-per-rank {stages_per_rank} cuts a pipeline into chunks, but strategy {strategy!r} "
+                        f"has no pp; add pp (e.g. --strategy pp) or drop --stages-per-rank")
     axes = {AXIS_OF[n] for n in names}
     for n in names:
         if AXIS_OF[n] not in mesh.axis_names:
@@ -457,7 +465,7 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str) -> Plan:
             "fsdp": lambda: fully_sharded(graph, size, others=plan),
             "tp": lambda: tensor_parallel(graph, size),
             "sp": lambda: tensor_parallel(graph, size, sequence=True),
-            "pp": lambda: pipeline(graph, size),
+            "pp": lambda: pipeline(graph, size, virtual=stages_per_rank),
         }[n]()
         plan = part if plan.name == "single" else plan.merge(part)
     return plan

@@ -54,8 +54,11 @@ class TrainConfig:
                               "--schedule, summing their gradients (one update per step)")
     schedule: str = _f(str(ScheduleKind.ONE_F_ONE_B), "pipeline schedule of the microbatches: 1f1b (each stage warms "
                        "up with at most p-1 forwards, then alternates one forward and one backward: at most p "
-                       "microbatches' activations held) or gpipe (every forward, then every backward)",
+                       "microbatches' activations held), gpipe (every forward, then every backward) or interleaved "
+                       "(1F1B over --stages-per-rank chunks per stage; --microbatches a multiple of the stages)",
                        choices=tuple(map(str, ScheduleKind)))
+    stages_per_rank: int = _f(1, "chunks of the model each pipeline stage holds (virtual stages; 2 or more with "
+                                 "--schedule interleaved, whose bubble shrinks by that factor)")
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(None, "llama (Hugging Face LlamaForCausalLM, built from a config: nothing is downloaded), "
                                  "gpt2, another Hugging Face causal-LM model type, or FILE.py:FACTORY (a function "
@@ -265,7 +268,7 @@ class Range:
 _F32_MAX, _TIMEOUT_MAX = 3.4e38, 2e6
 # the range of every numeric setting (a float must be finite even where it has no bound)
 RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "accumulate": Range(1), "microbatches": Range(1),
-          "seq_len": Range(1),
+          "stages_per_rank": Range(1), "seq_len": Range(1),
           "layers": Range(1),
           "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256, 2**31 - 1),
           "dropout": Range(0, 1, high_open=True), "lr": Range(0, _F32_MAX), "momentum": Range(0, 1, high_open=True),

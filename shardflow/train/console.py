@@ -17,7 +17,7 @@ import torch
 from shardflow.graph.flops import TRAINING_FACTOR
 from shardflow.lower.dynamic import ActivationCheckpointing, checkpoint_blocks
 from shardflow.lower.report import bytes_rows
-from shardflow.lower.schedule import Schedule, stages_of
+from shardflow.lower.schedule import schedule_of
 from shardflow.train.checkpoint import Checkpoint
 from shardflow.train.config import placement
 from shardflow.train.metrics import Meter, memory_source
@@ -84,9 +84,11 @@ class Console:
         micro = (f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after "
                  f"the last)" if cfg.accumulate > 1 else "")
         if cfg.microbatches > 1:
-            sched = Schedule(cfg.schedule, len(stages_of(steps[-1].dg)), cfg.microbatches)
+            sched = schedule_of(steps[-1].dg, cfg.schedule)
             micro += (f"; {sched.microbatches} microbatches of {cfg.batch_size // (cfg.accumulate * cfg.microbatches)}"
-                      f" per step, {sched.kind} over {sched.stages} stage(s) (bubble {sched.bubble:.0%})")
+                      f" per step, {sched.kind} over {sched.stages} stage(s) ("
+                      + (f"{sched.virtual} chunks per stage, " if sched.virtual > 1 else "")
+                      + f"bubble {sched.bubble:.0%})")
         recomputed = len(set(checkpoint_blocks(s.pcg).values())) if cfg.ac == ActivationCheckpointing.BLOCK else 0
         ac = f"; {recomputed} blocks recomputed in the backward (--ac block)" if recomputed else ""
         self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "

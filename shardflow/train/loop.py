@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from shardflow.graph.flops import training_flops
-from shardflow.lower.schedule import Schedule, stages_of
+from shardflow.lower.schedule import schedule_of
 from shardflow.runtime import trace
 from shardflow.runtime.accumulate import MicroSteps
 from shardflow.runtime.device import rank_device
@@ -177,7 +177,7 @@ def _write_trace(s: Setup, ex, rank: int, world: int) -> None:
         print(f"wrote the timeline of step 2 to {path} (open it in https://ui.perfetto.dev)", flush=True)
         ideal = ""
         if s.cfg.microbatches > 1:
-            sched = Schedule(s.cfg.schedule, len(stages_of(ex.dg)), s.cfg.microbatches)
+            sched = schedule_of(ex.dg, s.cfg.schedule)
             ideal = f"; the schedule's bubble (p-1)/(m+p-1) = {sched.bubble:.1%}"
         print("time blocked on other ranks in step 2 (waits and blocking communications): " + ", ".join(
             f"rank {r} {b * 1e3:.1f} of {span * 1e3:.1f} ms ({b / span if span else 0.0:.1%})"

@@ -23,6 +23,7 @@ from shardflow.graph.ops import torch_dtype
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import CostModel, LowerOptions, LoweredStep, MicroStep, lower_step
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
+from shardflow.lower.schedule import requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
@@ -227,16 +228,19 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
 
 
 def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
-    """Under ``--accumulate N`` or ``--microbatches M`` (N·M > 1), raise ValueError (one paragraph) unless
-    ``--batch-size`` splits into N·M micro-batches of whole sequences that each split over the data-parallel degree
-    (the mesh's ``dp`` and ``fsdp`` axes)."""
+    """Raise ValueError (one paragraph) unless the pipeline schedule fits (:func:`~shardflow.lower.schedule.requested`:
+    ``--stages-per-rank`` with ``--schedule interleaved``, its microbatches a multiple of the stages) and, under
+    ``--accumulate N`` or ``--microbatches M`` (N·M > 1), ``--batch-size`` splits into N·M micro-batches of whole
+    sequences that each split over the data-parallel degree (the mesh's ``dp`` and ``fsdp`` axes)."""
+    requested(mesh, cfg.schedule, cfg.microbatches, cfg.stages_per_rank)
     n = cfg.accumulate * cfg.microbatches
     dp = math.prod(mesh.axis_size(a) for a in DATA_AXES if a in mesh.axis_names)
     if n > 1 and cfg.batch_size % (n * dp):
         flag = "--microbatches" if cfg.accumulate == 1 else "--accumulate" if cfg.microbatches == 1 else \
             "--accumulate × --microbatches"
         fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
-        other = f"an {flag} of {', '.join(map(str, fits))}" if fits else f"{flag} 1"
+        article = "a" if flag == "--microbatches" else "an"
+        other = f"{article} {flag} of {', '.join(map(str, fits))}" if fits else f"{flag} 1"
         up = -(-cfg.batch_size // (n * dp)) * n * dp
         raise ValueError(f"--batch-size {cfg.batch_size} does not split into {flag} {n} micro-batches over "
                          f"data-parallel degree {dp} (mesh {mesh}): each micro-batch is --batch-size / {n} whole "
@@ -261,7 +265,7 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
     graph = capture(model, example)
     strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
-    _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict)
+    _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict, cfg.stages_per_rank)
     return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained, inits, runtime)
 
 
