@@ -931,14 +931,15 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
             "comm_share": comm_share(ex, batch)}
 
 
-def _pipeline_stage_module(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """Stage ``stage`` of ``stages`` of shardflow's MLP as torch.distributed.pipelining takes it: its range of
-    linear layers (the ranges the ``pp`` preset cuts) with the ReLUs between them (the loss is the schedule's)."""
+def _pipeline_stage_module(model: nn.Module, chunk: int, chunks: int) -> nn.Module:
+    """Chunk ``chunk`` of ``chunks`` of shardflow's MLP as torch.distributed.pipelining takes it: its range of
+    linear layers (the ranges the ``pp`` preset cuts equal layers into) with the ReLUs between them (the loss is the
+    schedule's)."""
     layers = list(model.layers)
-    cut = [i * stages // len(layers) for i in range(len(layers))]
+    cut = [i * chunks // len(layers) for i in range(len(layers))]
     mods: list[nn.Module] = []
     for i, layer in enumerate(layers):
-        if cut[i] == stage:
+        if cut[i] == chunk:
             mods.append(layer)
             if i < len(layers) - 1:
                 mods.append(nn.ReLU())
@@ -964,12 +965,13 @@ def _blocked_share(ex: DistributedExecutor, batch: dict, steps: int) -> dict:
 
 def run_pipeline(p: dict, rank: int, world: int) -> dict:
     """(q) Pipeline parallelism with microbatches: an MLP of ``layers`` linear layers of width ``width`` cut into
-    ``world`` stages, ``microbatches`` microbatches of a batch of ``batch`` rows, SGD. shardflow 1F1B and GPipe
-    (``--microbatches``, ``DistributedExecutor``) against torch.distributed.pipelining's ``Schedule1F1B`` and
-    ``ScheduleGPipe`` on the same stages, weights and batch; interleaved rounds. Then each shardflow stage's time
+    ``world`` stages, ``microbatches`` microbatches of a batch of ``batch`` rows, SGD. shardflow 1F1B, GPipe and
+    interleaved 1F1B with 2 chunks per stage (``--microbatches``, ``DistributedExecutor``) against
+    torch.distributed.pipelining's ``Schedule1F1B``, ``ScheduleGPipe`` and ``ScheduleInterleaved1F1B`` on the same
+    stages, weights and batch; interleaved rounds. Then each shardflow stage's time
     blocked on the other stage (its measured bubble), and each stage's peak of live buffers under both schedules
     (local executor's ledger, rank 0)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
     from shardflow.models import MLP
     from shardflow.runtime.local import LocalExecutor
     W, L, B, M = p["width"], p["layers"], p["batch"], p["microbatches"]
@@ -978,22 +980,26 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
     cfg = OptimizerConfig("sgd", lr=1e-3)
     micro = capture(model, {"x": torch.zeros(B // M, W), "y": torch.zeros(B // M, dtype=torch.long)})
     mesh = Mesh.parse(f"pp={world}")
-    pcg = build_pcg(micro, mesh, resolve(make_plan(micro, mesh, "pp"), micro, mesh))
+    pcgs = {v: build_pcg(micro, mesh, resolve(make_plan(micro, mesh, "pp", v), micro, mesh)) for v in (1, 2)}
+    pcg = pcgs[1]
     weights = {k: v.detach().clone() for k, v in model.named_parameters()}
     gen = torch.Generator().manual_seed(1)
     batch = {"x": torch.randn(B, W, generator=gen), "y": torch.randint(0, W, (B,), generator=gen)}
     ours, programs = {}, {}
-    for kind in ("1f1b", "gpipe"):
-        step = lower_step(pcg, "sgd", ranks=[rank], options=LowerOptions(microbatches=M, schedule=kind))
+    for kind in ("1f1b", "gpipe", "interleaved"):
+        step = lower_step(pcgs[2 if kind == "interleaved" else 1], "sgd", ranks=[rank],
+                          options=LowerOptions(microbatches=M, schedule=kind))
         ours[kind] = DistributedExecutor(step, cfg, timeout_s=TIMEOUT_S)
         ours[kind].load(weights)
         programs[kind] = program_size(ours[kind])
 
-    def torch_variant(schedule_cls) -> Callable[[], float]:
-        stage_mod = copy.deepcopy(_pipeline_stage_module(model, rank, world))
-        stage = PipelineStage(stage_mod, rank, world, torch.device("cpu"))
-        sched = schedule_cls(stage, n_microbatches=M, loss_fn=lambda out, y: F.cross_entropy(out, y))
-        opt = torch.optim.SGD(stage_mod.parameters(), lr=cfg.lr)
+    def torch_variant(schedule_cls, v: int = 1) -> Callable[[], float]:
+        chunks = [rank + k * world for k in range(v)]  # chunk c on rank c mod p
+        mods = [copy.deepcopy(_pipeline_stage_module(model, c, world * v)) for c in chunks]
+        stages = [PipelineStage(m, c, world * v, torch.device("cpu")) for m, c in zip(mods, chunks)]
+        sched = schedule_cls(stages if v > 1 else stages[0], n_microbatches=M,
+                             loss_fn=lambda out, y: F.cross_entropy(out, y))
+        opt = torch.optim.SGD([q for m in mods for q in m.parameters()], lr=cfg.lr)
 
         def step() -> float:
             opt.zero_grad(set_to_none=True)
@@ -1010,8 +1016,10 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
 
     variants = [Variant("shardflow_1f1b", lambda: ours["1f1b"].step(batch)),
                 Variant("shardflow_gpipe", lambda: ours["gpipe"].step(batch)),
+                Variant("shardflow_interleaved", lambda: ours["interleaved"].step(batch)),
                 Variant("torch_1f1b", torch_variant(Schedule1F1B)),
-                Variant("torch_gpipe", torch_variant(ScheduleGPipe))]
+                Variant("torch_gpipe", torch_variant(ScheduleGPipe)),
+                Variant("torch_interleaved", torch_variant(ScheduleInterleaved1F1B, 2))]
     losses: list = [None] * world  # torch's losses are the last stage's
     dist.all_gather_object(losses, first_losses(variants, 2, rank))
     samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
