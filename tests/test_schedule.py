@@ -9,7 +9,7 @@ from shardflow.capture import capture
 from shardflow.graph.builder import GraphBuilder
 from shardflow.lower import LowerOptions, lower_step
 from shardflow.lower.dynamic import NodeKind, PassError, TaskType, microbatch_id
-from shardflow.lower.program import Comm, Compute, Wait
+from shardflow.lower.program import Comm, Compute, Vjp, Wait
 from shardflow.lower.schedule import Action, Phase, Schedule, simulate
 from shardflow.models import MLP
 from shardflow.parallel.mesh import Mesh
@@ -106,7 +106,8 @@ def test_1f1b_programs_transfer_in_the_schedules_order():
     """pp=2, M=4, 1F1B: stage 0 sends F0's and F1's activations (warm-up), then receives each backward's gradient
     between its forwards; stage 1 mirrors it. Every transfer is issued without waiting; each receive is waited
     right before its first reader, and stage 1 receives a microbatch's activation while it still computes the
-    one before. The weights are updated once, after every microbatch."""
+    one before, and sends each backward's gradient before computing its weight gradients. The weights are updated
+    once, after every microbatch."""
     plain = lowered("pp=2", "pp", 1)
     step = lowered("pp=2", "pp", 4)
     (act, _), (grad, _) = [(c.value, c.kind) for c in plain.programs[0].comms]
@@ -129,6 +130,10 @@ def test_1f1b_programs_transfer_in_the_schedules_order():
     recv_f1 = next(k for k, i in enumerate(rank1) if isinstance(i, Comm) and i.value == microbatch_id(act, 1))
     wait_f1 = next(k for k, i in enumerate(rank1) if isinstance(i, Wait) and i.token == rank1[recv_f1].token)
     assert any(isinstance(i, Compute) and i.micro == 0 for i in rank1[recv_f1:wait_f1])  # F1 travels during F0/B0
+    send_b0 = next(k for k, i in enumerate(rank1) if isinstance(i, Comm) and i.value == microbatch_id(grad, 0))
+    wait_b0 = next(k for k, i in enumerate(rank1) if isinstance(i, Wait) and i.token == rank1[send_b0].token)
+    weight_grads = [i for i in rank1[send_b0:wait_b0] if isinstance(i, Compute) and isinstance(i.kernel, Vjp)]
+    assert weight_grads and all(i.micro == 0 for i in weight_grads)  # B0's weight gradients after its send
     updates = [n for n in step.dg.nodes if n.kind == NodeKind.UPDATE]
     assert len(updates) == len(plain.dg.pcg.graph.weights) and step.dg.nodes[-len(updates):] == tuple(updates)
 

@@ -158,9 +158,9 @@ class LowerOptions:
     ``ac``: activation checkpointing, ``none`` or ``block`` (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`):
     each block's forward runs again before its backward instead of keeping its activations (``--ac``).
 
-    ``overlap``: each backward all-reduce or reduce-scatter is issued without waiting and waited after the computes
-    that do not feed it, a linear's weight gradient computed while its input gradient is reduced (Megatron's
-    overlap; :func:`~shardflow.lower.ordering.overlap_reductions`).
+    ``overlap``: each backward all-reduce, reduce-scatter or send is issued without waiting and waited after the
+    computes that do not feed it, a linear's weight gradient computed while its input gradient is reduced or sent
+    (Megatron's overlap; :func:`~shardflow.lower.ordering.overlap_reductions`).
 
     ``master_dtype``: mixed precision — weights narrower than it (a model captured in bf16) are held, reduced and
     updated in it and cast to their own dtype for each step (``--dtype bf16``: float32;

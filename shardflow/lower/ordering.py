@@ -57,7 +57,7 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
 
 
 # the communications that may travel while the backward computes what they do not need
-OVERLAPPED = (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
+OVERLAPPED = (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.SEND)
 # the ops whose backward is split when only some of its gradients feed a reduction: each gradient is its own
 # matmul (the hand-written vjp computes exactly those asked for, from the op's inputs alone)
 SPLIT_OPS = (O.Linear, O.Matmul)
@@ -65,9 +65,9 @@ SPLIT_OPS = (O.Linear, O.Matmul)
 
 def overlap_reductions(prog: list[Instr]) -> list[Instr]:
     """Megatron's overlap of a tensor-parallel backward (Narayanan et al., SC 2021, §4.2; DDP's buckets do the
-    same for dp): each backward all-reduce or reduce-scatter that waits at once is issued without waiting as soon
-    as what it sends is computed, the computes since the previous communication that do not feed it run while it
-    travels, and its :class:`Wait` follows them.
+    same for dp), applied to a pipeline stage's gradient send too: each backward all-reduce, reduce-scatter or send
+    that waits at once is issued without waiting as soon as what it sends is computed, the computes since the
+    previous communication that do not feed it run while it travels, and its :class:`Wait` follows them.
 
     A backward op whose outputs are partly needed (a linear's vjp: the input gradient is reduced, the weight
     gradient is not) is split in two computes of the same kernel description with complementary gradient masks
