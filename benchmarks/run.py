@@ -582,12 +582,14 @@ def section_q(res: dict, quick: bool) -> str:
               f"({(mean - ideal) / ideal:+.0%}; target within 20 %: {verdict(abs(mean - ideal) <= 0.2 * ideal)}); "
               f"interleaved (V = 2): {inter:.3f} against (p−1)/(V·m+p−1) = {ideal_i:.3f}. "
               f"The step is also longer than the computing and blocked time by the executor's own work between "
-              f"kernels (traced steps record every compute, which adds to it). Why the blocked share exceeds the "
-              f"formula: the stages are not equal — the last computes one more matmul per microbatch (the input "
-              f"gradient of its first layer, which stage 0 skips for the data) and the loss, so stage 0 waits "
-              f"for it every microbatch, which counts as blocked — and each microbatch's forward and gradient "
-              f"cross between the stages on the critical path, two gloo transfers whose latency the formula leaves "
-              f"out. The interleaved schedule halves the ideal bubble but doubles those crossings; on this "
+              f"kernels (traced steps record every compute, which adds to it). What moves the blocked share off the "
+              f"formula, which counts whole forwards and backwards of equal length: upwards, the stages are not "
+              f"equal — the last computes one more matmul per microbatch (the input gradient of its first layer, "
+              f"which stage 0 skips for the data) and the loss, so stage 0 waits for it, which counts as blocked — "
+              f"and each microbatch's forward and gradient cross between the stages on the critical path, two gloo "
+              f"transfers whose latency the formula leaves out; downwards, a stage sends its gradient before it "
+              f"computes its weight gradients (lowering.md §15), so the stage before waits for part of a backward, "
+              f"not all of it. The interleaved schedule halves the ideal bubble but doubles the crossings; on this "
               f"machine that costs more than it saves, for PyTorch's schedule as for shardflow's.", ""]
     if "peaks" in res:
         act = res["activation_bytes"]
