@@ -45,6 +45,7 @@ from shardflow.reference import leaves, weights_of
 from shardflow.runtime.device import rank_device
 from shardflow.runtime.materialize import materialise
 from shardflow.runtime.accumulate import MicroSteps, split_batch
+from shardflow.lower.schedule import requested
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
@@ -316,15 +317,18 @@ class Trainer:
     def step(self, batch: Mapping[str, torch.Tensor]) -> float:
         """One training step (forward, backward, optimizer update) on the full ``batch`` — the example batch's keys,
         shapes and dtypes; each device takes its pieces; under ``accumulate=N``, N micro-steps on its N equal parts
-        along dim 0, the gradients reduced once. Returns the loss (the mean of the micro-steps' losses).
+        along dim 0 (each cut again into ``microbatches``), the gradients reduced once. Returns the loss (the mean of
+        the micro-batches' losses).
 
         Raises:
             KeyError: an input is missing or unknown (the message gives the expected shape and dtype).
             ValueError: an input has another shape or dtype than the example batch's (BatchSplitError: one that
                 does not split into the micro-batches).
         """
-        count = len(self.micro.executors)
-        of = f" (one of the {count} micro-batches of accumulate={count})" if count > 1 else ""
+        steps, microbatches = len(self.micro.executors), self.executor.dg.microbatches
+        count = steps * microbatches
+        of = (f" (one of the {count} micro-batches of accumulate={steps} × microbatches={microbatches})"
+              if count > 1 else "")
         for part in split_batch(batch, count):
             try:
                 leaves(self.graph, part, TensorRole.INPUT)
@@ -398,7 +402,8 @@ class Trainer:
 def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str, strategy: str | None = None,
                 plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
                 lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
-                seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1,
+                seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1, microbatches: int = 1,
+                schedule: str = "1f1b", stages_per_rank: int = 1,
                 reshard_after_forward: bool = True, ac: str = "none", master_dtype: str = "",
                 device: str = "auto") -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
@@ -427,6 +432,10 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             batch along dim 0 (the model is captured on one part), the weights' gradients summed where they lie
             and reduced once, after the last; with a loss that is a mean over the batch, the step equals one on
             the whole batch (each micro-step's loss gradient is seeded with 1/accumulate).
+        microbatches: pipeline parallelism's microbatches: each step (each micro-step under ``accumulate``) runs as
+            this many microbatches through the stages of a ``pp`` mesh, in ``schedule``'s order (``"1f1b"``,
+            ``"gpipe"`` or ``"interleaved"`` with ``stages_per_rank`` ≥ 2 chunks of the model per stage); the model
+            is captured on one microbatch, the weights are updated once per step (docs/lowering.md §15).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
         ac: activation checkpointing, ``"none"`` or ``"block"``: each block (a module under an integer index, such
@@ -447,7 +456,8 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         InitError (a ValueError): a meta-device model whose initialisation cannot be replayed piece by piece.
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
         ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer, executor or ``ac``;
-            ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); distributed: the world
+            ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); a schedule that does not
+            fit (:func:`~shardflow.lower.schedule.requested`); distributed: the world
             size is not the mesh's size, or the ranks' models have different weights; an unknown ``device``.
         DeviceError (a ValueError): ``device="cuda"`` without CUDA, or a local rank with no GPU of its own.
     """
@@ -465,11 +475,12 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     if accumulate < 1:
         raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
     micro_steps = MicroStep.sequence(accumulate)
+    requested(mesh, schedule, microbatches, stages_per_rank)
     options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard_after_forward,
-                           ac=ac, master_dtype=master_dtype)
+                           ac=ac, master_dtype=master_dtype, microbatches=microbatches, schedule=schedule)
     inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
-    graph = capture(model, split_batch(batch, accumulate)[0])
-    chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict)
+    graph = capture(model, split_batch(batch, accumulate * microbatches)[0])
+    chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict, stages_per_rank)
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
     where = rank_device(device)
     if kind == ExecutorKind.DISTRIBUTED:

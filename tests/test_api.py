@@ -108,6 +108,23 @@ def test_accumulated_steps_equal_eager_on_the_whole_batch():
     assert trainer.steps_done == 2
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_microbatches_equal_eager_on_the_whole_batch(schedule):
+    """microbatches=2 on pp=2 (issue #17): the Llama is captured on 2 of the 4 sequences; each step runs both
+    microbatches through the 2 stages in the schedule's order and updates once; each step's loss, the gradients and
+    every replica of every weight piece equal eager PyTorch's on the whole batch (TOL)."""
+    model, batch = made(hf_llama)
+    with wide_floats():
+        trainer = shardflow.parallelize(model, batch, mesh="pp=2", lr=0.1, microbatches=2, schedule=schedule)
+        assert trainer.graph.tensors["input_ids"].shape == (B // 2, T)
+        steps = list(trainer.compare_with_eager(model, batch, 2))
+    assert all(s.dloss <= TOL and s.grad <= TOL and s.weight <= TOL for s in steps), steps
+    with pytest.raises(ValueError, match=r"one of the 2 micro-batches of accumulate=1 × microbatches=2"):
+        trainer.step({k: v[:2] for k, v in batch.items()})
+    with pytest.raises(ValueError, match="give --schedule interleaved with --stages-per-rank ≥ 2, or neither"):
+        shardflow.parallelize(model, batch, mesh="pp=2", microbatches=2, stages_per_rank=2)
+
+
 def test_tp_shards_llama_attention_and_mlp():
     """The strategy a tp=2 mesh names (tp) shards q/k/v and gate/up column-parallel, o_proj and down_proj
     row-parallel, in both layers; the plan prints with its summary."""
