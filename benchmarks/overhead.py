@@ -145,9 +145,10 @@ def section(results: dict[str, dict], rounds: int) -> str:
                      f"{losses} |")
     lines += ["", "The executor's own cost is what the MLP measures: its 95 instructions run as one compiled segment "
               "(issue #16), every update in one fused call. What is left on the main job is in the ATen ops "
-              "(the profile in \"Single-device step of the tiny Llama\"): gradient contributions summed out of place "
-              "where autograd accumulates in place, the log-softmax recomputed by the cross-entropy's hand-written "
-              "vjp, and fresh buffers filled where autograd reuses them."]
+              "(the profile in \"Single-device step of the tiny Llama\"): the log-softmax recomputed by the "
+              "cross-entropy's hand-written vjp, fresh buffers filled where autograd reuses them, and the one "
+              "gradient sum of the step whose first input is an expanded view (summed into a new buffer; the "
+              "others accumulate in place, as autograd does)."]
     if len(results) > 1:
         lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",
                   "| tree | " + " | ".join(now["models"]) + " |", "|---" * (len(now["models"]) + 1) + "|"]
