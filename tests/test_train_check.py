@@ -76,8 +76,6 @@ def test_check_passes_with_dropout(tmp_path, run_here, argv):
 
 @pytest.mark.parametrize("argv", [
     ["--strategy", "pp", "--mesh", "pp=2", "--nproc", "2", "--microbatches", "4", "--layers", "2"],
-    ["--strategy", "pp,dp", "--mesh", "pp=2,dp=2", "--nproc", "1", "--microbatches", "2", "--schedule", "gpipe",
-     "--layers", "2"],
     ["--strategy", "pp,tp", "--mesh", "pp=2,tp=2", "--nproc", "1", "--microbatches", "4", "--accumulate", "2",
      "--layers", "2"],
     ["--strategy", "pp", "--mesh", "pp=2", "--nproc", "1", "--microbatches", "4", "--schedule", "interleaved",
@@ -85,8 +83,8 @@ def test_check_passes_with_dropout(tmp_path, run_here, argv):
 ])
 def test_check_passes_with_pipeline_microbatches(tmp_path, run_train, run_here, argv):
     """Pipeline parallelism with microbatches on the Llama (issue #17): 1F1B over 4 microbatches on two processes,
-    GPipe with dp, 1F1B with tp under --accumulate 2 (8 microbatches of 1 sequence per optimizer step), the
-    interleaved schedule with 2 chunks of one block per stage; --check
+    1F1B with tp under --accumulate 2 (8 microbatches of 1 sequence per optimizer step), the interleaved schedule
+    with 2 chunks of one block per stage (GPipe and dp: test_schedule, test_api); --check
     trains one device on the whole batch of 8 at once and every replica of every parameter equals it (5e-3, float32
     AdamW; a lost microbatch or a missing 1/M is O(lr) in the weights)."""
     flags = dict(zip(argv[::2], argv[1::2]))
