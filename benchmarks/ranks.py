@@ -957,10 +957,9 @@ def _blocked_share(ex: DistributedExecutor, batch: dict, steps: int) -> dict:
         ex.step(batch)
     wall = (time.perf_counter() - t0) / steps
     events, ex.tracer = ex.tracer.events, None
-    lane = {0: 0.0, 1: 0.0}
-    for e in events:
-        lane[e["tid"]] += e["dur"] / 1e6 / steps
-    return {"step_s": wall, "compute_s": lane[0], "blocked_s": lane[1]}
+    blocked, _ = trace.blocked({0: events})[0]
+    computing = sum(e["dur"] for e in events if e["tid"] == trace.LANES["compute"]) / 1e6
+    return {"step_s": wall, "compute_s": computing / steps, "blocked_s": blocked / steps}
 
 
 def run_pipeline(p: dict, rank: int, world: int) -> dict:

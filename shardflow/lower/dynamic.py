@@ -643,7 +643,7 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
         for n in dg.nodes:
             if n.kind == NodeKind.CAST and m:
                 continue
-            shared_node = n.kind in (NodeKind.CAST, NodeKind.UPDATE) or n.pass_ == TaskType.UPD
+            shared_node = n.kind == NodeKind.CAST or n.pass_ == TaskType.UPD  # the casts, the updates
             nodes.append(dataclasses.replace(
                 n, name=n.name if shared_node else microbatch_id(n.name, m), micro=0 if shared_node else m,
                 inputs=tuple(ids[v] for v in n.inputs), outputs=tuple(ids[v] for v in n.outputs)))

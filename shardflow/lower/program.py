@@ -375,7 +375,7 @@ def shared_sends(program: Program, recorded: Collection[tuple[str, int]]) -> fro
     them while the other is still read (a received value must never alias a buffer updated in place); then every
     broadcast root whose buffer is read afterwards sends a copy.
     """
-    return _reuse(program, recorded)[0]
+    return buffer_reuse(program, recorded)[0]
 
 
 def inplace_sums(program: Program, recorded: Collection[tuple[str, int]]) -> frozenset[str]:
@@ -385,12 +385,13 @@ def inplace_sums(program: Program, recorded: Collection[tuple[str, int]]) -> fro
     :func:`shared_sends`: not read later, not kept by a recorded autograd graph, not in flight, not persistent, not a
     placed input), it has the output's type, and no other input of the sum shares its storage. The microbatches'
     running sums of weight gradients are such sums."""
-    return _reuse(program, recorded)[1]
+    return buffer_reuse(program, recorded)[1]
 
 
-def _reuse(program: Program, recorded: Collection[tuple[str, int]]) -> tuple[frozenset[int], frozenset[str]]:
-    """:func:`shared_sends` and :func:`inplace_sums`: broadcast roots send their buffer as it is unless an optimizer
-    update would then overwrite storage another buffer still reads."""
+def buffer_reuse(program: Program, recorded: Collection[tuple[str, int]]) -> tuple[frozenset[int], frozenset[str]]:
+    """:func:`shared_sends` and :func:`inplace_sums` of ``program`` in one pass (what an executor asks, once):
+    broadcast roots send their buffer as it is unless an optimizer update would then overwrite storage another
+    buffer still reads."""
     tokens, sums, clash = _sharing(program, recorded, live_roots=True)
     return _sharing(program, recorded, live_roots=False)[:2] if clash else (tokens, sums)
 

@@ -32,6 +32,7 @@ waits only where it reads.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Mapping, Sequence
@@ -208,10 +209,9 @@ def stage_axis(dg: DynamicGraph) -> str:
     return next(iter(axes), "")
 
 
-def stages_of(dg: DynamicGraph) -> tuple[int, ...]:
-    """The stage indices along :func:`stage_axis` that nodes of ``dg`` run on, in the order the forward of the
-    first microbatch reaches them (``(0,)`` for a graph of one stage)."""
-    axis = stage_axis(dg)
+def stages_of(dg: DynamicGraph, axis: str) -> tuple[int, ...]:
+    """The stage indices along ``axis`` (:func:`stage_axis`) that nodes of ``dg`` run on, in the order the forward
+    of the first microbatch reaches them (``(0,)`` for a graph of one stage)."""
     seen: dict[int, None] = {}
     for n in dg.nodes:
         if n.pass_ == TaskType.FWD and n.kind == NodeKind.COMPUTE:
@@ -234,10 +234,8 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind | str = ScheduleKind.ONE_F_ONE
     done = dg.done + (PassName.SCHEDULE,)
     if dg.microbatches == 1:
         return _replace(dg, dg.nodes, done)
-    axis, stages = stage_axis(dg), stages_of(dg)
+    plan, axis, stages, chunk_of = _fitted(dg, kind)
     position = {s: k for k, s in enumerate(stages)}
-    plan = schedule_of(dg, kind)
-    chunk_of = chunks(dg, axis, position)[0] if plan.virtual > 1 else {}
     made_by: dict[str, Key | None] = {}  # value → the action that makes it (None: the prologue or the epilogue)
     first: list[DNode] = []
     by_action: dict[Key, list[DNode]] = {}
@@ -252,7 +250,7 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind | str = ScheduleKind.ONE_F_ONE
             key = None
         else:  # a copy goes with what makes the value it moves: its sender's action
             key = made_by[n.inputs[0]] if n.kind == NodeKind.COPY else (
-                position[_stage(n, n.group, axis, position)], Action(_phase(n), n.micro, chunk_of.get(n.name)))
+                position[_stage(n, axis, position)], Action(_phase(n), n.micro, chunk_of.get(n.name)))
             by_action.setdefault(key, []).append(n)
         made_by.update(dict.fromkeys(n.outputs, key))
     needs: dict[Key, set[Key]] = {}
@@ -291,11 +289,19 @@ def requested(mesh: Mesh, kind: ScheduleKind | str, microbatches: int, stages_pe
 def schedule_of(dg: DynamicGraph, kind: ScheduleKind | str) -> Schedule:
     """The schedule ``kind`` as it runs on ``dg`` (after copy insertion): its stages, microbatches and, under the
     interleaved schedule, its chunks per stage (:func:`chunks`). Raises PassError as :func:`schedule` does."""
-    axis, stages = stage_axis(dg), stages_of(dg)
-    position = {s: k for k, s in enumerate(stages)}
-    virtual = chunks(dg, axis, position)[1] if kind == ScheduleKind.INTERLEAVED and dg.microbatches > 1 else 1
+    return _fitted(dg, kind)[0]
+
+
+def _fitted(dg: DynamicGraph, kind: ScheduleKind | str) -> tuple[Schedule, str, tuple[int, ...], dict[str, int]]:
+    """Schedule ``kind`` on ``dg``, with the stage axis, the stages in forward order and, under the interleaved
+    schedule, each node's chunk on its stage (:func:`chunks`; empty otherwise)."""
+    axis = stage_axis(dg)
+    stages = stages_of(dg, axis)
+    chunk_of, virtual = ({}, 1)
+    if kind == ScheduleKind.INTERLEAVED and dg.microbatches > 1:
+        chunk_of, virtual = chunks(dg, axis, {s: k for k, s in enumerate(stages)})
     try:
-        return Schedule(kind, len(stages), dg.microbatches, virtual)
+        return Schedule(kind, len(stages), dg.microbatches, virtual), axis, stages, chunk_of
     except ValueError as e:
         raise PassError(f"schedule: {e}") from None
 
@@ -316,7 +322,7 @@ def chunks(dg: DynamicGraph, axis: str, position: Mapping[int, int]) -> tuple[di
     for (phase, m), nodes in parts.items():
         runs: list[tuple[int, list[DNode]]] = []
         for n in nodes:
-            at = position[_stage(n, n.group, axis, position)]
+            at = position[_stage(n, axis, position)]
             if not runs or runs[-1][0] != at:
                 runs.append((at, []))
             runs[-1][1].append(n)
@@ -342,11 +348,11 @@ def _phase(n: DNode) -> Phase:
     return Phase.F if n.pass_ == TaskType.FWD and not n.recompute else Phase.B
 
 
-def _stage(n: DNode, group, axis: str, position: Mapping[int, int]) -> int:
-    """The stage index of node ``n`` running on ``group``. Raises PassError when the group spans several stages."""
-    fixed = dict(group.fixed)
+def _stage(n: DNode, axis: str, position: Mapping[int, int]) -> int:
+    """The stage index of node ``n``. Raises PassError when its sub-mesh spans several stages."""
+    fixed = dict(n.group.fixed)
     if axis and axis not in fixed and len(position) > 1:
-        raise PassError(f"schedule: {n.name!r} runs on {group}, which spans several pipeline stages (axis "
+        raise PassError(f"schedule: {n.name!r} runs on {n.group}, which spans several pipeline stages (axis "
                         f"{axis!r}); a microbatched pipeline needs each forward and backward node on one stage")
     return fixed.get(axis, next(iter(position)))
 
@@ -361,4 +367,4 @@ def _replace(dg: DynamicGraph, nodes: tuple[DNode, ...], done: tuple[str, ...]) 
         have.update(n.outputs)
     if sorted(n.name for n in nodes) != sorted(n.name for n in dg.nodes):
         raise PassError("schedule: the ordered nodes are not those of the graph")
-    return DynamicGraph(dg.pcg, dg.values, nodes, dg.optimizer, done, dg.grad_norm_sq, dg.microbatches)
+    return dataclasses.replace(dg, nodes=nodes, done=done)

@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.comms import Issued, issue
-from shardflow.lower.program import Comm, Compute, Group, Wait, inplace_sums, shared_sends
+from shardflow.lower.program import Comm, Compute, Group, Wait, buffer_reuse
 from shardflow.parallel.mesh import Mesh
 from shardflow.lower.verify import check_fingerprints
 from shardflow.runtime.device import backend_for
@@ -191,14 +191,15 @@ class DistributedExecutor(Executor):
         self.groups = share.groups if share else ProcessGroups(self.timeout, self.device.type)
         self.groups.create(self.program.groups)  # same order on every rank
         self.saved: dict = {}  # forward autograd graphs, consumed by the backward
-        once, into = single_calls(self.program), inplace_sums(self.program, recorded_nodes(self.program))
+        # communications whose send buffer is theirs to use (reduced in place, or broadcast from as it is), and the
+        # gradient sums accumulated into their first input
+        self.shared, into = buffer_reuse(self.program, recorded_nodes(self.program))
+        once = single_calls(self.program)
         self.kernels = {i: make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                        self.saved if i.dnode in once else None, seed, lambda: self.micro,
                                        self.device, i.outs[0].value in into)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
-        # communications whose send buffer is theirs to use: reduced in place, or broadcast from as it is
-        self.shared = shared_sends(self.program, recorded_nodes(self.program))
         self.ledger = Ledger() if memory else None
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.compiled: dict[bool, list[Segment | Comm | Wait]] = {}  # traced? → the program, compiled

@@ -15,7 +15,7 @@ import torch
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
 from shardflow.lower.comms import run_local
-from shardflow.lower.program import Comm, Compute, inplace_sums, shared_sends
+from shardflow.lower.program import Comm, Compute, buffer_reuse
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import blocks, gather, scatter
 from shardflow.runtime.executor import Executor
@@ -47,9 +47,10 @@ class LocalExecutor(Executor):
         self.kernels = {}
         # per rank, the communications whose send buffer is theirs to use and the sums accumulated in place, as the
         # distributed executor decides
-        self.shared = {r: shared_sends(p, recorded_nodes(p)) for r, p in step.programs.items()}
+        self.shared: dict[int, frozenset[int]] = {}
         for r, p in step.programs.items():
-            once, into = single_calls(p), inplace_sums(p, recorded_nodes(p))
+            self.shared[r], into = buffer_reuse(p, recorded_nodes(p))
+            once = single_calls(p)
             for i in p.instrs:
                 if isinstance(i, Compute) and i.dnode:
                     self.kernels[(r, i)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,

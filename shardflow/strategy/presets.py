@@ -336,23 +336,13 @@ def block_costs(graph: ComputationGraph, blocks: list[str]) -> tuple[list[int], 
             return node_flops(graph, n)
         return sum(graph.tensors[t].type.numel for t in n.inputs if t in weights)
 
-    index = {b: i for i, b in enumerate(blocks)}
-    costs, before, after, seen = [0] * len(blocks), 0, 0, False
-    for n in graph.nodes:
-        b = next((index[p] for p in _prefixes(n.scope) if p in index), None)
-        if b is not None:
-            costs[b] += cost(n)
-            seen = True
-        elif seen:
-            after += cost(n)
-        else:
-            before += cost(n)
+    mods = module_nodes(graph)
+    inside = {n.name for b in blocks for n in mods.get(b, ())}
+    first = next((k for k, n in enumerate(graph.nodes) if n.name in inside), len(graph.nodes))
+    costs = [sum(map(cost, mods.get(b, ()))) for b in blocks]
+    before = sum(cost(n) for n in graph.nodes[:first] if n.name not in inside)
+    after = sum(cost(n) for n in graph.nodes[first:] if n.name not in inside)
     return costs, before, after
-
-
-def _prefixes(scope: str) -> list[str]:
-    parts = scope.split(".") if scope else []
-    return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
 def stage_cuts(costs: list[int], stages: int, before: int = 0, after: int = 0) -> list[int]:
