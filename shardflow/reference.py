@@ -12,13 +12,18 @@ import torch
 from torch import nn
 
 from shardflow.graph import ComputationGraph, TensorRole
+from shardflow.graph.fused import stored
 from shardflow.graph.ops import dtype_name
 from shardflow.graph.rng import DrawSite
 
 
+def _shape(graph: ComputationGraph, name: str) -> tuple[int, ...]:
+    """The shape a tensor is given in: a weight in its module parameter's (:meth:`ComputationGraph.module_shape`)."""
+    return graph.module_shape(name) if graph.tensors[name].role == TensorRole.WEIGHT else graph.tensors[name].shape
+
+
 def _describe(graph: ComputationGraph, name: str) -> str:
-    t = graph.tensors[name]
-    return f"{t.dtype}{list(t.shape)}"
+    return f"{graph.tensors[name].dtype}{list(_shape(graph, name))}"
 
 
 def leaves(graph: ComputationGraph, given: Mapping[str, torch.Tensor], role: TensorRole) -> dict[str, torch.Tensor]:
@@ -39,7 +44,7 @@ def leaves(graph: ComputationGraph, given: Mapping[str, torch.Tensor], role: Ten
         raise KeyError(f"unknown {role}(s) {extra}; the graph's {role}s are {list(names)}")
     for n in names:
         t = given[n]
-        if tuple(t.shape) != graph.tensors[n].shape or dtype_name(t.dtype) != graph.tensors[n].dtype:
+        if tuple(t.shape) != _shape(graph, n) or dtype_name(t.dtype) != graph.tensors[n].dtype:
             raise ValueError(f"{role} {n!r} is {dtype_name(t.dtype)}{list(t.shape)}, expected {_describe(graph, n)}")
     return {n: given[n] for n in names}
 
@@ -50,7 +55,8 @@ def run_forward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
 
     Args:
         inputs: one tensor per graph input (e.g. ``idx [B, T]``), with the graph's shape and dtype.
-        weights: one tensor per graph weight (e.g. ``transformer.wte.weight [V, C]``); see :func:`weights_of`.
+        weights: one tensor per graph weight (e.g. ``transformer.wte.weight [V, C]``) in its module parameter's
+            shape; see :func:`weights_of`.
         seed, step: the run seed and the training step (from 1) random ops draw for: dropout drops what the
             executors' step ``step`` of a run with that seed drops (:mod:`shardflow.graph.rng`).
 
@@ -58,7 +64,8 @@ def run_forward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
         KeyError: an input or weight is missing (the message gives its expected dtype and shape) or unknown.
         ValueError: an input or weight has the wrong shape or dtype.
     """
-    env = {**leaves(graph, inputs, TensorRole.INPUT), **leaves(graph, weights, TensorRole.WEIGHT), **graph.constants}
+    env = {**leaves(graph, inputs, TensorRole.INPUT), **stored(graph, leaves(graph, weights, TensorRole.WEIGHT)),
+           **graph.constants}
     for node in graph.nodes:
         draw = {"at": DrawSite.whole(seed, step, node.name, graph.tensors[node.outputs[0]].shape)} \
             if node.op.random else {}

@@ -144,11 +144,13 @@ def test_tp_shards_llama_attention_and_mlp():
 
 
 def test_state_dict_of_tied_weights_loads_into_the_plain_module():
-    """GPT-2 ties lm_head to wte (one graph weight): the state dict has both keys, equal and trained, and loads
-    strictly into a fresh module, which then computes the trainer's next loss."""
+    """GPT-2 ties lm_head to wte (one graph weight) and fuses q|k|v in c_attn (held by parts, [64, 3, 64], sharded by
+    heads under tp): the state dict has both tied keys, equal and trained, every parameter in its module's shape, and
+    loads strictly into a fresh module, which then computes the trainer's next loss."""
     model, batch = made(hf_gpt2)
     with wide_floats():
-        trainer = shardflow.parallelize(model, batch, mesh="dp=2", lr=0.5)
+        trainer = shardflow.parallelize(model, batch, mesh="dp=2,tp=2", lr=0.5)
+        assert trainer.plan.pcg.tensors["transformer.h.0.attn.c_attn.weight"].placements == (Replicate(), Shard(2))
         first = trainer.step(batch)
         state = trainer.state_dict()
         assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])

@@ -129,21 +129,39 @@ def test_resume_reproduces_the_uninterrupted_run(runs, train_here, read_metrics,
     assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [3, 6]
 
 
-def test_resume_with_dropout_reproduces_the_uninterrupted_run(train_here, read_metrics, tmp_path):
-    """Dropout masks depend on (seed, step, node, element) only, and validation runs without dropout: a GPT-2 tp=2 run
-    (one process) with --dropout 0.1 stopped at step 2 and resumed to 4 gives the uninterrupted run's training and
-    validation losses (1e-5: float32 rounding only, as above; seen: exactly equal)."""
-    dropout = ["--model", "gpt2", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--dropout", "0.1"]
-    whole, cut = (train_here(tmp_path / "whole", *dropout, "--steps", "4"),
-                  train_here(tmp_path / "cut", *dropout, "--steps", "2"))
+def test_gpt2_resumes_with_dropout_under_another_strategy_and_exports(train_here, read_metrics, corpus, tmp_path,
+                                                                       capsys):
+    """GPT-2 (q|k|v fused in c_attn, held by parts and sharded by heads under tp) with --dropout 0.1: a tp=2 run (one
+    process) stopped at step 2 and resumed to 4 under fsdp=2 gives the uninterrupted tp run's training and
+    validation losses: the checkpoint holds c_attn as [C, 3, C] pieces of both layouts, and dropout masks depend on
+    (seed, step, node, element) only (validation runs without dropout). 1e-5: another strategy adds partial sums in
+    another order, float32 rounding over 2 steps. Its export loads in transformers as GPT2LMHeadModel, whose
+    validation loss from the exported weights is the run's last."""
+    from transformers import AutoModelForCausalLM
+
+    gpt2 = ["--model", "gpt2", "--nproc", "1", "--dropout", "0.1"]
+    tp, fsdp = ["--strategy", "tp", "--mesh", "tp=2"], ["--strategy", "fsdp", "--mesh", "fsdp=2"]
+    whole, cut = (train_here(tmp_path / "whole", *gpt2, *tp, "--steps", "4"),
+                  train_here(tmp_path / "cut", *gpt2, *tp, "--steps", "2"))
     assert whole.returncode == 0 and cut.returncode == 0, whole.stderr + cut.stderr
-    r = train_here(tmp_path / "cut", *dropout, "--steps", "4", "--resume")
+    r = train_here(tmp_path / "cut", *gpt2, *fsdp, "--steps", "4", "--resume")
     assert r.returncode == 0, r.stderr + r.stdout
+    assert "written under strategy tp on mesh tp=2" in r.stdout
     got, want = read_metrics(tmp_path / "cut"), read_metrics(tmp_path / "whole")
     assert [m["step"] for m in got] == [1, 2, 3, 4]
     for a, b in zip(got, want):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     assert abs(got[-1]["val_loss"] - want[-1]["val_loss"]) < 1e-5
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(tmp_path / "cut"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, TrainConfig().vocab_size), 16).batch(
+        Split.VAL, 0, 8, 16, 0)
+    with torch.no_grad():
+        loss = model(input_ids=batch["idx"], labels=batch["targets"], shift_labels=batch["targets"]).loss.item()
+    assert abs(loss - got[-1]["val_loss"]) < 1e-5
 
 
 def test_checkpoint_of_tp_resumes_under_dp_and_on_one_process(runs, train_argv, train_here, read_metrics, tmp_path):

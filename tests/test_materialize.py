@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from shardflow.graph.fused import ByParts
 from shardflow.runtime.materialize import InitError, materialise_buffers, record
 
 transformers = pytest.importorskip("transformers")
@@ -79,6 +80,20 @@ def test_every_piece_is_its_block_of_the_whole_and_allocates_no_more_than_itself
     other = record(_meta(_hf(name)), seed=8)
     w = next(n for n, p in model.named_parameters() if p.ndim == 2)
     assert torch.equal(again[w].full(), inits[w].full()) and not torch.equal(other[w].full(), inits[w].full())
+
+
+def test_a_weight_stored_by_parts_is_replayed_block_by_block():
+    """GPT-2's c_attn weight [64, 192] and bias [192] are held as [64, 3, 64] and [3, 64] (q|k|v by parts:
+    shardflow.graph.fused): every block of that shape, read through ByParts from the replay in the module's shape,
+    is the block of the whole tensor so viewed."""
+    inits = record(_meta(_hf("gpt2")), seed=7)
+    for n in ("transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"):
+        module = inits[n].shape
+        shape = module[:-1] + (3, module[-1] // 3)
+        full = inits[n].full().reshape(shape)
+        by_parts = ByParts(inits[n], shape, len(module) - 1)
+        for block in _blocks(shape, parts=2):
+            assert torch.equal(by_parts[block], full[block]), (n, block)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])

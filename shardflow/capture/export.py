@@ -4,7 +4,10 @@
 exported program to core ATen (:data:`KEEP` lists the few ops kept whole, and why), and lifts it node by node:
 
 * parameters become ``weight`` tensors named by their module FQN (``model.layers.0.self_attn.q_proj.weight``;
-  tied parameters appear once, as ``torch.export`` lists them), data inputs are named by the batch's keys;
+  tied parameters appear once, as ``torch.export`` lists them), data inputs are named by the batch's keys; a
+  fused linear's weight and bias whose output the model splits into equal parts (GPT-2's ``c_attn``: q|k|v) are
+  stored by parts, ``[C, 3C]`` as ``[C, 3, C]`` (:func:`~shardflow.graph.fused.store_by_parts`), so tensor
+  parallelism can shard each part by heads;
 * a node whose arguments hold no graph tensor (masks from ``arange``/``cumsum``/``eq``, position ids, rotary
   tables from buffers) is **folded**: evaluated once on real values; a folded tensor read by a graph op becomes a
   ``constant`` tensor;
@@ -31,6 +34,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from shardflow.graph.fused import store_by_parts
 from shardflow.graph import ComputationGraph, GraphBuilder, OpError
 from shardflow.graph import ops as O
 from shardflow.graph.ops import TensorType, dtype_name
@@ -213,7 +217,7 @@ class _Lift:
         if loss and self.b.shape(out) != ():
             raise CaptureError(f"the forward's output has shape {list(self.b.shape(out))}, not a scalar loss: return "
                                f"the loss (Hugging Face models: pass labels in the batch)")
-        return self.b.build([out], out if loss else None)
+        return store_by_parts(self.b.build([out], out if loss else None))
 
     # --- nodes ----------------------------------------------------------------------------------------------
     def _call(self, node: torch.fx.Node) -> None:

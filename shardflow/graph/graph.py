@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -67,7 +68,9 @@ class ComputationGraph:
     """A whole model: tensors by name, nodes in topological order, graph outputs and the loss.
 
     ``constants`` holds the values of role-``constant`` tensors. ``loss`` (if set) names a scalar output.
-    Treat it as immutable: passes build new graphs.
+    ``module_shapes``: the weights held in another shape than their module parameter's, each with the parameter's
+    shape (a fused linear's weight stored by parts, :mod:`shardflow.graph.fused`); the two hold the same
+    elements in the same row-major order. Treat it as immutable: passes build new graphs.
     """
 
     tensors: Mapping[str, TensorSpec]
@@ -75,6 +78,7 @@ class ComputationGraph:
     outputs: tuple[str, ...]
     loss: str | None = None
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    module_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         self.validate()
@@ -82,8 +86,8 @@ class ComputationGraph:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ComputationGraph):
             return NotImplemented
-        return (dict(self.tensors), self.nodes, self.outputs, self.loss) == (
-            dict(other.tensors), other.nodes, other.outputs, other.loss) and self.constants.keys() == \
+        return (dict(self.tensors), self.nodes, self.outputs, self.loss, dict(self.module_shapes)) == (
+            dict(other.tensors), other.nodes, other.outputs, other.loss, dict(other.module_shapes)) and self.constants.keys() == \
             other.constants.keys() and all(
             v.dtype == other.constants[k].dtype and torch.equal(v, other.constants[k]) for k, v in self.constants.items())
 
@@ -99,6 +103,10 @@ class ComputationGraph:
     @property
     def weights(self) -> tuple[str, ...]:
         return self.by_role(TensorRole.WEIGHT)
+
+    def module_shape(self, weight: str) -> tuple[int, ...]:
+        """The shape of ``weight``'s module parameter (its graph shape unless it is stored in another)."""
+        return tuple(self.module_shapes.get(weight, self.tensors[weight].shape))
 
     def producer(self) -> dict[str, Node]:
         """Tensor name → the node that produces it (graph inputs have none)."""
@@ -139,6 +147,10 @@ class ComputationGraph:
         for n in self.by_role(TensorRole.CONSTANT):
             if n not in self.constants:
                 raise ValueError(f"constant {n!r} has no value")
+        for n, shape in self.module_shapes.items():
+            if n not in self.tensors or self.tensors[n].role != TensorRole.WEIGHT or \
+                    math.prod(shape) != self.tensors[n].type.numel:
+                raise ValueError(f"module shape {list(shape)} of {n!r}: not a weight of as many elements")
 
     # --- text and JSON --------------------------------------------------------------------------------
     def listing(self) -> str:
@@ -170,6 +182,7 @@ class ComputationGraph:
             "loss": self.loss,
             "constants": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
                               "data": v.flatten().tolist()} for k, v in self.constants.items()},
+            "module_shapes": {k: list(v) for k, v in self.module_shapes.items()},
         }
 
     @classmethod
@@ -185,7 +198,8 @@ class ComputationGraph:
             k: torch.tensor(v["data"], dtype=torch_dtype(v["dtype"])).reshape(v["shape"])
             for k, v in d.get("constants", {}).items()
         }
-        return cls(tensors, nodes, tuple(d["outputs"]), d.get("loss"), constants)
+        shapes = {k: tuple(v) for k, v in d.get("module_shapes", {}).items()}
+        return cls(tensors, nodes, tuple(d["outputs"]), d.get("loss"), constants, shapes)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

@@ -13,6 +13,7 @@ from typing import Mapping
 
 import torch
 
+from shardflow.graph.fused import stored
 from shardflow.graph.graph import TensorRole
 from shardflow.parallel.pcg import PCG, PTensor
 
@@ -93,11 +94,13 @@ def _moved(pieces: Pieces, t: PTensor, group) -> Pieces:
 def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0, step: int = 1) -> dict[str, Pieces]:
     """Forward of ``pcg``: every tensor's pieces on every device, from full values of the leaf tensors.
 
-    ``leaves`` holds inputs and weights by graph name (constants come from the graph). ``seed`` seeds the random
+    ``leaves`` holds inputs and weights by graph name, weights in their module parameters' shapes (constants come
+    from the graph). ``seed`` seeds the random
     partial pieces and, with ``step``, the draws of random ops (dropout: the same as
     :func:`shardflow.reference.run_forward` with that seed and step). Raises KeyError naming a missing leaf.
     """
     gen = torch.Generator().manual_seed(seed)
+    leaves = stored(pcg.graph, leaves)
     values: dict[str, Pieces] = {}
     for name, t in pcg.tensors.items():
         if t.role != TensorRole.ACTIVATION and name in pcg.graph.tensors:

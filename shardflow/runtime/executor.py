@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
+from shardflow.graph.fused import as_module, stored
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.dynamic import DynamicGraph, NodeKind, ValueRole, forward_id
 from shardflow.runtime.accumulate import split_batch
@@ -110,17 +111,21 @@ class Executor:
 
     def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
              steps_done: int = 0) -> None:
-        """Place the full weights (by graph name) and optimizer ``state`` (full tensors by value id, as
-        :meth:`state` returns them; zero when None) after ``steps_done`` steps, each in its value's dtype (a weight
-        given in bfloat16 held in a float32 master: ``master_dtype`` of the lowering). Every rank passes the same.
-        A weight may be anything indexed by blocks (``w[slices]``), as a lazily read or replayed one is."""
+        """Place the full weights (by graph name, in their module parameters' shapes: a weight the graph stores by
+        parts is cut here, :func:`~shardflow.graph.fused.stored`) and optimizer ``state`` (full tensors by value
+        id, as :meth:`state` returns them or in their weight's module shape; zero when None) after ``steps_done``
+        steps, each in its value's dtype (a weight given in bfloat16 held in a float32 master: ``master_dtype`` of
+        the lowering). Every rank passes the same. A weight may be anything indexed by blocks (``w[slices]``), as a
+        lazily read or replayed one is."""
+        weights = stored(self.dg.pcg.graph, weights)
         for vid in (*map(forward_id, self.dg.pcg.graph.weights), *self.dg.state_values()):
             v = self.dg.values[vid]
             dtype = torch_dtype(v.type.dtype)
             if v.role == ValueRole.FWD:
                 full = weights[v.tensor]
             else:
-                full = state[vid] if state else torch.zeros(v.type.shape, dtype=dtype, device="cpu")
+                full = state[vid].reshape(v.type.shape) if state else torch.zeros(v.type.shape, dtype=dtype,
+                                                                                 device="cpu")
             self._put(vid, full if getattr(full, "dtype", dtype) == dtype else _Cast(full, dtype))
         self.steps_done = steps_done
 
@@ -167,14 +172,17 @@ class Executor:
         return out
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Full weights by graph name (= the module's parameter names), read from replica 0 of each block, on the
-        CPU (as every full tensor an executor hands out: :meth:`state`, :meth:`grads`)."""
-        return {w: self._get(forward_id(w)) for w in self.dg.pcg.graph.weights}
+        """Full weights by graph name (= the module's parameter names) in the module parameters' shapes, read from
+        replica 0 of each block, on the CPU (as every full tensor an executor hands out: :meth:`state`,
+        :meth:`grads`)."""
+        graph = self.dg.pcg.graph
+        return as_module(graph, {w: self._get(forward_id(w)) for w in graph.weights})
 
     def weight_error(self, reference: Mapping[str, torch.Tensor]) -> float:
         """The largest |piece − the same block of ``reference``| (in the weights' units) over every piece of every
         weight held here — every replica, not replica 0 alone as :meth:`weights` reads, so replicas that drifted
-        apart show. ``reference``: full weights by graph name (e.g. the single-device run's).
+        apart show. ``reference``: full weights by graph name in the module parameters' shapes (e.g. the
+        single-device run's).
 
         No weight is gathered: each rank compares its own pieces; on the distributed executor the maximum is
         all-reduced (collective: every rank calls it and gets the same number).
@@ -191,8 +199,9 @@ class Executor:
         """The largest |piece − its block of ``reference[name]``| over every piece held here of each value of
         ``values`` (name → value id), maximised over the ranks."""
         err = 0.0
+        reference = stored(self.dg.pcg.graph, {name: reference[name].detach() for name in values})
         for name, vid in values.items():
-            full = reference[name].detach()
+            full = reference[name]
             for start, piece in self.held_pieces(vid, replica0_only=False):
                 if piece.numel():
                     want = full[tuple(slice(s, s + n) for s, n in zip(start, piece.shape))].to(piece.device)
@@ -204,5 +213,5 @@ class Executor:
         return {vid: self._get(vid) for vid in self.dg.state_values()}
 
     def grads(self) -> dict[str, torch.Tensor]:
-        """The gradients the last step's updates used, as full tensors by weight name."""
-        return {w: self._get(g) for w, g in self.grad_values.items()}
+        """The gradients the last step's updates used, as full tensors by weight name (modules' shapes)."""
+        return as_module(self.dg.pcg.graph, {w: self._get(g) for w, g in self.grad_values.items()})

@@ -23,8 +23,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph import ops as O
-from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.parallel.mesh import Mesh, Placement, Shard, SubMesh, parse_placement
 from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp, Replicate
 from shardflow.parallel.pcg import Annotations, Layout
@@ -168,102 +169,6 @@ def module_nodes(graph: ComputationGraph) -> dict[str, list[Node]]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class FusedLinear:
-    """A linear whose output the model splits along its output features: GPT-2's ``c_attn`` computes q, k and v
-    in one ``addmm`` with a weight ``[C, 3C]`` and splits the result ``[B, T, 3C]`` into three ``[B, T, C]``.
-
-    ``linear`` is the node, ``views`` the reshapes between it and ``split`` that keep the features as the last
-    dim (Hugging Face's ``Conv1D`` flattens the tokens around its ``addmm``), ``split`` the node that cuts them.
-    """
-
-    linear: Node
-    views: tuple[Node, ...]
-    split: Node
-
-    @property
-    def features(self) -> tuple[tuple[str, int], ...]:
-        """(parameter, its output-feature dim) for the weight and, with a bias, the bias."""
-        lin = self.linear
-        return ((lin.inputs[1], lin.op.out_dim),) + (((lin.inputs[2], 0),) if lin.op.bias else ())
-
-
-def fused_linears(graph: ComputationGraph) -> list[FusedLinear]:
-    """Every linear of ``graph`` with a weight parameter whose output alone feeds, through reshapes that keep the
-    last dim, one Split of that last dim into two or more parts, in node order."""
-    consumers = graph.consumers()
-    weights = set(graph.weights)
-    found = []
-    for lin in graph.nodes:
-        if not isinstance(lin.op, O.Linear) or lin.inputs[1] not in weights:
-            continue
-        features = graph.tensors[lin.outputs[0]].shape[-1]
-        views: list[Node] = []
-        t = lin.outputs[0]
-        while len(consumers[t]) == 1 and t not in graph.outputs:
-            node = consumers[t][0][0]
-            if isinstance(node.op, O.Reshape) and node.op.shape[-1:] == (features,):
-                views.append(node)
-                t = node.outputs[0]
-                continue
-            if isinstance(node.op, O.Split) and node.op.dim == len(graph.tensors[t].shape) - 1 and \
-                    len(node.op.sizes) > 1:
-                found.append(FusedLinear(lin, tuple(views), node))
-            break
-    return found
-
-
-def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> ComputationGraph:
-    """``graph`` with each of ``fused`` computed part by part, the same values (each output element is the same
-    dot product): the weight and bias are split along the output features into the split's sizes (nodes
-    ``<linear>.weight`` and ``<linear>.bias``, in the linear's module), one linear per part on the same input
-    (``<linear>.part<k>``), the views per part, and part k's last node produces the split's output k, so every
-    consumer reads what it read before. The parameters stay whole: one FQN each, as in the model's state dict.
-
-    Why: column parallelism must give each device a block of heads of q, of k and of v. On the fused weight
-    ``[C, 3C]`` that is no block of its columns (a plain ``Shard(1)`` hands device 0 all of q and half of k),
-    but a strided shard (DTensor's ``_StridedShard``), which every rule, redistribution and piece layout would
-    have to learn. Split first, each part is an ordinary linear whose weight ``[C, C]`` is cut by heads
-    (:func:`resolve` places the parameter part by part). The price: the fused parameter stays whole on every
-    device of the tp axis (its parts are cut locally, no communication forward), so it and its optimizer
-    state are not divided, and its gradient parts are all-gathered in the backward pass.
-    """
-    tensors = dict(graph.tensors)
-    names = set(tensors) | {n.name for n in graph.nodes}
-    replace: dict[str, list[Node]] = {}  # node name → the nodes that replace it (none: removed)
-
-    def add(name: str, op: O.Op, inputs: tuple[str, ...], outputs: tuple[str, ...] | None, scope: str) -> Node:
-        """A new node; its outputs are named after it unless ``outputs`` (existing tensors it now produces)."""
-        types = op.infer(tuple(tensors[t].type for t in inputs))
-        made = (name,) if outputs or len(types) == 1 else tuple(f"{name}.{k}" for k in range(len(types)))
-        taken = names & {name, *made}
-        if taken:
-            raise ValueError(f"split_fused: the graph already has a node or tensor called {sorted(taken)}")
-        names.update({name, *made})
-        outputs = outputs or made
-        for o, ty in zip(outputs, types):
-            tensors[o] = TensorSpec(o, ty)
-        return Node(name, op, inputs, outputs, scope)
-
-    for f in fused:
-        lin, sizes, last = f.linear, f.split.op.sizes, f.split.outputs
-        for t in [lin.outputs[0]] + [v.outputs[0] for v in f.views]:
-            del tensors[t]
-        params = [add(f"{lin.name}.{kind}", O.Split(sizes, dim), (p,), None, lin.scope)
-                  for kind, (p, dim) in zip(("weight", "bias"), f.features)]
-        parts = [add(f"{lin.name}.part{k}", lin.op, (lin.inputs[0],) + tuple(p.outputs[k] for p in params),
-                     None if f.views else (last[k],), lin.scope) for k in range(len(sizes))]
-        replace[lin.name] = params + parts
-        for i, v in enumerate(f.views):
-            final = i == len(f.views) - 1
-            parts = [add(f"{v.name}.part{k}", O.Reshape(v.op.shape[:-1] + (sizes[k],)), part.outputs,
-                         (last[k],) if final else None, v.scope) for k, part in enumerate(parts)]
-            replace[v.name] = parts
-        replace[f.split.name] = []
-    nodes = tuple(m for n in graph.nodes for m in replace.get(n.name, [n]))
-    return ComputationGraph(tensors, nodes, graph.outputs, graph.loss, graph.constants)
-
-
 def _layout(spec: PlacementSpec, group: SubMesh, what: str) -> Layout:
     if isinstance(spec, Mapping):
         bad = set(spec) - set(group.free_axes)
@@ -316,13 +221,14 @@ class _Targets:
 def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     """The plan's decisions on the tensors and nodes of ``graph``. Raises PlanError naming the module/tensor.
 
-    A parameter that one Split node alone reads (its *parts*, e.g. after :func:`split_fused`) and that the plan
-    shards on the split dim is placed part by part: the parameter keeps its other placements, each part is
-    sharded on that dim (a local split of the replicated parameter), so column parallelism shards every part —
-    every head group of q, k and v — instead of cutting ``q|k|v`` into blocks. A fused linear
-    (:func:`fused_linears`) whose weight or bias the plan shards on the output features is first split into
-    its parts (:func:`split_fused`); the annotations then name that graph (``Annotations.graph``), which
-    :func:`~shardflow.parallel.pcg.build_pcg` plans instead.
+    Placements of parameters are given in the module's shapes (as ``parallelize_module`` takes them). A fused
+    linear (:func:`~shardflow.graph.fused.fused_linears`) whose weight or bias the plan shards on the output
+    features is first split into its parts (:func:`~shardflow.graph.fused.split_fused`); the annotations then
+    name that graph (``Annotations.graph``), which :func:`~shardflow.parallel.pcg.build_pcg` plans instead. Its
+    parameter stored by parts (``[C, 3C]`` held as ``[C, 3, C]``) is sharded on the features of every part: each
+    of q, k and v by heads. One stored whole (unequal parts) that one Split node alone reads is placed part by
+    part: the parameter keeps its other placements, each part is sharded on the split dim (a local split of the
+    replicated parameter) — every head group of q, k and v, not ``q|k|v`` cut into blocks.
     """
     targets = _Targets.of(plan, graph)
     placed = {f"{m}.{p}": spec for pat, mp in plan.modules.items() for m, _ in targets.units(pat)
@@ -368,7 +274,8 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                     owned = [t for t in graph.weights if t.rsplit(".", 1)[0] == m]
                     raise PlanError(f"plan for module {m!r} places parameter {p!r}, which it does not have "
                                     f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})")
-                layout = _layout(spec, group_of_tensor(w), f"placement of {w}")
+                layout = {a: Shard(stored_dim(graph, w, pl.dim)) if isinstance(pl, Shard) else pl
+                          for a, pl in _layout(spec, group_of_tensor(w), f"placement of {w}").items()}
                 split = consumers[w][0][0] if len(consumers[w]) == 1 else None
                 if split is not None and isinstance(split.op, O.Split) and Shard(split.op.dim) in layout.values():
                     per_part = {a: pl for a, pl in layout.items() if pl == Shard(split.op.dim)}

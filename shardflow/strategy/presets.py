@@ -12,7 +12,7 @@ structure gets the same plan:
   (weight sharded on the input features) and their output is reduced to ``Replicate``. In a GPT block this
   finds q/k/v → attention → output projection, and c_fc → GELU → c_proj; in Llama's, q/k/v (grouped-query:
   the key/value heads shard too) and gate/up → SiLU·mul → down. A linear whose output the model splits into
-  q|k|v (GPT-2's ``c_attn``) is searched and planned part by part (:func:`~shardflow.strategy.plan.split_fused`),
+  q|k|v (GPT-2's ``c_attn``) is searched and planned part by part (:func:`~shardflow.graph.fused.split_fused`),
   so its heads shard like separate projections.
 * **sp** (axis ``tp``, Korthikanti et al. 2022): tp, plus the residual stream between the repeated blocks
   sharded on the sequence dim (dim 1): norms, dropout and residual adds run on ``Shard(1)``; a column group's
@@ -42,8 +42,8 @@ from shardflow.parallel.ops import Combine
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
 from shardflow.parallel.shape import DegreeError
-from shardflow.strategy.plan import (ModulePlan, Plan, PlanError, fused_linears, module_nodes, resolve,
-                                     split_fused)
+from shardflow.graph.fused import fused_linears, split_fused, stored_dim
+from shardflow.strategy.plan import ModulePlan, Plan, PlanError, module_nodes, resolve
 
 STRATEGIES = ("single", "dp", "fsdp", "hsdp", "tp", "sp", "pp")
 AXIS_OF = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "sp": "tp", "pp": "pp"}
@@ -94,9 +94,14 @@ def repeated_blocks(graph: ComputationGraph) -> list[str]:
 
 def _parameters(graph: ComputationGraph) -> set[str]:
     """The weights, and the parts of a weight that one Split node cuts it into (a fused linear's weight after
-    :func:`~shardflow.strategy.plan.split_fused`)."""
+    :func:`~shardflow.graph.fused.split_fused`; of one stored by parts, each part viewed without the parts dim)."""
     weights = set(graph.weights)
-    return weights | {o for n in graph.nodes if isinstance(n.op, O.Split) and n.inputs[0] in weights for o in n.outputs}
+    params = set(weights)
+    for n in graph.nodes:
+        if isinstance(n.op, O.Split) and n.inputs[0] in weights or \
+                isinstance(n.op, O.Reshape) and n.inputs[0] in params - weights:
+            params.update(n.outputs)
+    return params
 
 
 def _linears(graph: ComputationGraph) -> list[Node]:
@@ -114,7 +119,7 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
     (e.g. heads, or a grouped-query attention's key/value heads, not divisible by tp), naming the module, dim,
     size and degree.
 
-    A fused linear (:func:`~shardflow.strategy.plan.fused_linears`: GPT-2's ``c_attn``, q|k|v in one weight) is
+    A fused linear (:func:`~shardflow.graph.fused.fused_linears`: GPT-2's ``c_attn``, q|k|v in one weight) is
     searched part by part: the pairs name the nodes of ``split_fused(graph, fused_linears(graph))``, where each
     part is a linear of its own, so q, k and v join the group of their input like separate projections.
 
@@ -192,7 +197,7 @@ def _trial_nodes(graph: ComputationGraph, candidate: tuple[list[Node], list[Node
     called), places its ``weight`` (and a column's ``bias``) and sets the layouts entering the columns' modules
     and leaving the rows'. It stays within: the linears, the region, every node of their modules (Hugging Face's
     ``Conv1D`` reshapes around its ``addmm``) and the Split nodes that cut a placed parameter into the parts a
-    column reads (a fused q|k|v) — provided only those read the placed parameters, the linears read no other
+    column reads (a fused q|k|v; stored by parts, each part viewed without its parts dim) — provided only those read the placed parameters, the linears read no other
     activation than their input 0, and whatever leaves these nodes leaves a row's module (whose output layout
     restores it to ``Replicate``). Then the sharding rules accept the group on the whole graph (with the other
     such groups) exactly when they accept it on the sub-graph of these nodes."""
@@ -212,11 +217,17 @@ def _trial_nodes(graph: ComputationGraph, candidate: tuple[list[Node], list[Node
             for reader, _ in consumers[p]:
                 if reader.name in linears:
                     continue
-                if not isinstance(reader.op, O.Split) or any(
-                        r.name not in linears for o in reader.outputs for r, _ in consumers[o]):
+                if not isinstance(reader.op, O.Split):
                     return None
                 nodes[reader.name] = reader
-                readable.update(reader.outputs)
+                for o in reader.outputs:  # each part read by linears, or viewed (stored by parts) for them
+                    for r, _ in consumers[o]:
+                        if isinstance(r.op, O.Reshape) and all(c.name in linears for c, _ in consumers[r.outputs[0]]):
+                            nodes[r.name] = r
+                            readable.update(r.outputs)
+                        elif r.name not in linears:
+                            return None
+                    readable.add(o)
         if any(t not in readable and graph.tensors[t].role == TensorRole.ACTIVATION for t in lin.inputs[1:]):
             return None
     in_rows = {n.name for r in rows for n in modules[r.scope]}
@@ -246,7 +257,8 @@ def _trial_graph(graph: ComputationGraph, nodes: list[Node], outputs: list[str],
         for o in n.outputs:
             tensors[o] = graph.tensors[o]
     constants = {t: graph.constants[t] for t, spec in tensors.items() if spec.role == TensorRole.CONSTANT}
-    return ComputationGraph(tensors, tuple(nodes), tuple(outputs), None, constants)
+    shapes = {w: s for w, s in graph.module_shapes.items() if w in tensors}
+    return ComputationGraph(tensors, tuple(nodes), tuple(outputs), None, constants, shapes)
 
 
 def _megatron_plan(regions, axis: str, sequence: bool) -> Plan:
@@ -297,12 +309,12 @@ def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", othe
     ops = {}
     for w in graph.weights:
         path, _, leaf = w.rpartition(".")
-        shape = graph.tensors[w].shape
+        shape = graph.module_shape(w)  # a plan places parameters in their modules' shapes
         d = next((d for d, n in enumerate(shape) if d not in taken.get(w, ()) and n % degree == 0), None)
         if not path or d is None:
             continue
         modules.setdefault(path, {})[leaf] = {axis: Shard(d)}
-        ops[w] = (Combine(dim=d, degree=degree, axis=axis),)
+        ops[w] = (Combine(dim=stored_dim(graph, w, d), degree=degree, axis=axis),)
     sharded = Plan({path: ModulePlan(params=params) for path, params in modules.items()}, ops=ops, name="fsdp")
     return dataclasses.replace(data_parallel(graph, axis).merge(sharded), name="fsdp")
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from shardflow.graph.fused import same_elements
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.dynamic import forward_id, state_id
 from shardflow.train.checkpoint import store
@@ -142,12 +143,14 @@ class Checkpoint:
                                   f"({type(e).__name__}: {e}); {store.fallback(self.path)}") from None
 
     def check_entries(self, want: Entries, fix: str) -> None:
-        """Raise CheckpointError unless every wanted entry is stored with its shape and dtype."""
+        """Raise CheckpointError unless every wanted entry is stored with its shape (or, wanted in its module
+        parameter's shape, stored by parts: :func:`~shardflow.graph.fused.same_elements`) and dtype."""
         problems = []
         for k, (shape, dtype) in want.items():
             if k not in self.entries:
                 problems.append(f"{k} is missing")
-            elif self.entries[k] != (tuple(shape), dtype):
+            elif self.entries[k] != (tuple(shape), dtype) and not (
+                    self.entries[k][1] == dtype and same_elements(shape, self.entries[k][0])):
                 have = self.entries[k]
                 problems.append(f"{k} is {list(have[0])} {str(have[1]).removeprefix('torch.')}, the model needs "
                                 f"{list(shape)} {str(dtype).removeprefix('torch.')}")
@@ -158,11 +161,12 @@ class Checkpoint:
 
     def load(self, want: Entries) -> dict[str, torch.Tensor]:
         """Full-size tensors of ``want`` (entry name → shape, dtype), read with a plain ``dcp.load`` on this process
-        alone (whatever chunks were saved). Raises CheckpointError."""
+        alone (whatever chunks were saved); an entry stored by parts comes in the wanted (module's) shape. Raises
+        CheckpointError."""
         self.check_entries(want, store.fallback(self.path))
-        sd = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in want.items()}
+        sd = {k: torch.empty(self.entries[k][0], dtype=dtype) for k, (_, dtype) in want.items()}
         self._load(sd, None, no_dist=True)
-        return sd
+        return {k: t.reshape(want[k][0]) for k, t in sd.items()}
 
     def restore(self, ex, world: int) -> None:
         """Load the weights and optimizer state of executor ``ex`` from this checkpoint, after :attr:`step` steps,
