@@ -320,7 +320,7 @@ def section_c(res: dict, res4: dict | None, quick: bool) -> str:
               "rounds and runs.", ""]
     lines += _comm_tables(res, bound)
     if res4 is not None:
-        lines += ["", f"### 4 ranks (2 cores: oversubscribed, 4 processes on 2 cores)", "", machine_line(res4, 4), ""]
+        lines += ["", "### 4 ranks (2 cores: oversubscribed, 4 processes on 2 cores)", "", machine_line(res4, 4), ""]
         lines += _comm_tables(res4, bound)
     lines += ["", "Targets at ≥ 4 MiB (2 ranks; the form shardflow's cost model picks with `LowerOptions()` "
               "(\"auto\"), and the best shardflow form; speed-up = gloo built-in's time ÷ shardflow's, per round):", ""]

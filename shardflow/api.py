@@ -270,13 +270,15 @@ def require_eager_comparable(graph: ComputationGraph) -> None:
 class StepDeviation:
     """One step of :meth:`Trainer.compare_with_eager`: shardflow's ``loss`` and eager PyTorch's, the largest
     |difference| of any gradient piece (``grad``) and of any weight piece after the update (``weight``) over every
-    replica of every piece, in the model's units."""
+    replica of every piece, and of any buffer the step updates (``buffer``: batch norm's running statistics), in the
+    model's units."""
 
     step: int
     loss: float
     eager_loss: float
     grad: float
     weight: float
+    buffer: float = 0.0
 
     @property
     def dloss(self) -> float:
@@ -297,7 +299,7 @@ class Trainer:
     def __init__(self, plan: ParallelPlan, executor: Executor, optimizer: OptimizerConfig, lead: bool,
                  names: Mapping[str, str], buffers: Mapping[str, torch.Tensor], micro: MicroSteps | None = None):
         """``names``: each parameter name of the module's state dict (tied parameters under all their names) → its
-        graph weight; ``buffers``: the state dict's other entries (copies; training does not change them);
+        graph weight; ``buffers``: the state dict's other entries (copies; the steps update batch norm's);
         ``micro``: the micro-steps of one step under gradient accumulation, the last on ``executor`` (default: one,
         ``executor``'s plain step)."""
         self.plan, self.executor, self.optimizer, self.lead = plan, executor, optimizer, lead
@@ -334,14 +336,31 @@ class Trainer:
                 leaves(self.graph, part, TensorRole.INPUT)
             except ValueError as e:
                 raise ValueError(f"{e}{of}") from None
-        return self.micro.step({name: batch[name] for name in self.graph.inputs})
+        return self.micro.step({name: batch[name] for name in self.graph.inputs}, after=self._update_buffers)
+
+    def _update_buffers(self, ex: Executor) -> None:
+        """Apply the buffer updates of the micro-step ``ex`` ran (:class:`~shardflow.graph.graph.BufferUpdate`):
+        each microbatch's batch statistics blended into the running ones, in order, as eager PyTorch's forward
+        calls would; counters advanced once per microbatch."""
+        updates = self.graph.buffer_updates
+        if not updates:
+            return
+        stats = ex.statistics()  # collective
+        for name, u in updates.items():
+            buf = self._buffers[name]
+            if u.stat is None:
+                buf.add_(torch.tensor(u.momentum * ex.dg.microbatches).to(buf.dtype))
+                continue
+            for stat in stats[u.stat]:
+                buf.mul_(1 - u.momentum).add_(stat.to(buf.dtype), alpha=u.momentum)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The plain module's state dict, trained: full tensors under the module's ``state_dict()`` keys, ready for
         ``module.load_state_dict``. Parameters are read from replica 0 of each piece (tied ones under every name);
-        buffers are as the module had them (a step updates parameters only)."""
+        buffers as the steps left them (batch norm's running statistics and counters updated; others as the
+        module had them)."""
         weights = self.executor.weights()
-        return {k: weights[self._names[k]] if k in self._names else self._buffers[k]
+        return {k: weights[self._names[k]] if k in self._names else self._buffers[k].clone()
                 for k in (*self._names, *self._buffers)}
 
     def grads(self) -> dict[str, torch.Tensor]:
@@ -396,7 +415,10 @@ class Trainer:
                                     for k, p in params.items()})
             opt.step()
             weight = self.weight_error({k: p.detach() for k, p in params.items()})
-            yield StepDeviation(i, loss, eager.item(), grad, weight)
+            eager_buffers = dict(model.named_buffers())
+            buffer = max((float((self._buffers[k] - eager_buffers[k]).abs().max()) for k in
+                          self.graph.buffer_updates), default=0.0)
+            yield StepDeviation(i, loss, eager.item(), grad, weight, buffer)
 
 
 def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str, strategy: str | None = None,

@@ -351,15 +351,18 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
         say(f"strategy {trainer.plan.name}: {summary(trainer.plan.pcg)}")
         say(f"against eager PyTorch on one device (torch.optim): {args.optimizer} lr {args.lr:g}, {args.steps} "
             f"step{'s' * (args.steps != 1)} on the batch")
-        worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+        buffers = bool(trainer.graph.buffer_updates)  # batch norm's running statistics: compared too
+        worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "buffer": 0.0}
         for d in steps:
             say(f"step {d.step}: loss {d.loss:.6f} (eager {d.eager_loss:.6f}), |Δloss| {d.dloss:.1e}, "
-                f"|Δgrad| {d.grad:.1e}, |Δweight| {d.weight:.1e}", flush=True)
+                f"|Δgrad| {d.grad:.1e}, |Δweight| {d.weight:.1e}" + (f", |Δbuffer| {d.buffer:.1e}" if buffers else ""),
+                flush=True)
             worst = {"loss": max(worst["loss"], d.dloss), "grad": max(worst["grad"], d.grad),
-                     "weight": max(worst["weight"], d.weight)}
+                     "weight": max(worst["weight"], d.weight), "buffer": max(worst["buffer"], d.buffer)}
     ok = max(worst.values()) <= tol
-    say(f"max |Δloss| {worst['loss']:.1e}, |Δgrad| {worst['grad']:.1e}, |Δweight| {worst['weight']:.1e} over every "
-        f"replica (tolerance {tol:g}): {'OK' if ok else 'FAILED'}", flush=True)
+    say(f"max |Δloss| {worst['loss']:.1e}, |Δgrad| {worst['grad']:.1e}, |Δweight| {worst['weight']:.1e}"
+        + (f", |Δbuffer| {worst['buffer']:.1e}" if buffers else "") + f" over every replica (tolerance {tol:g}): "
+        f"{'OK' if ok else 'FAILED'}", flush=True)
     return 0 if ok else DEVIATES
 
 

@@ -4,19 +4,22 @@ blocks (batch norm), and a small conv-relu-maxpool-fc net.
 Batch-norm statistics over a data-parallel batch are reductions: capture lifts them to mean/sub/mul/sum ops whose
 rules make the statistics partial sums over ``dp``, and planning all-reduces them (the mean, and the variance
 before its ``rsqrt``) — synchronized batch norm, with nothing written for it. So dp=2 gives the single-device
-numbers, which per-rank (DDP-style) batch norm does not. Tolerance: float64, 1e-9 (sums in another order agree to
-~1e-15; a per-rank statistic is off by O(1e-2)).
+numbers, which per-rank (DDP-style) batch norm does not, and the running statistics a step leaves are one
+device's too. Tolerance: float64, 1e-9 (sums in another order agree to ~1e-15; a per-rank statistic is off by
+O(1e-2)).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from shardflow.capture import capture
+import shardflow
+from shardflow.capture import CaptureError, capture
 from shardflow.graph import ComputationGraph
 from shardflow.graph import ops as O
 from shardflow.lower import lower_step
@@ -133,6 +136,62 @@ def test_resnet_dp_equals_one_device():
     """dp=2, float64: loss and every gradient at each of 2 SGD steps (momentum 0.9) and every replica of every
     weight after them equal the eager module on the whole batch (1e-9)."""
     check_against_eager(resnet(), images(), "dp=2", "dp", atol=1e-9, steps=2)
+
+
+def test_running_statistics_equal_one_device_under_dp():
+    """Training also updates batch norm's running statistics: the step's batch mean and unbiased variance per
+    channel are graph outputs (partial sums over dp, summed when read), blended into the buffers as nn.BatchNorm2d
+    does, and the batch counter advances. After 2 steps on dp=2 and dp=4 every running mean, variance and counter
+    equals eager PyTorch's on one device (float64, 1e-12; before any update they differ by O(0.1)), so the trained
+    module normalises in eval mode as the eager one does. (DDP keeps each rank's own statistics instead.)"""
+    for mesh in ("dp=2", "dp=4"):
+        model, b = resnet(), images()
+        fresh = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = shardflow.parallelize(model, b, mesh=mesh, lr=0.1)
+        updated = trainer.graph.buffer_updates
+        assert set(updated) == {f"{s}.{k}" for s in BN_SCOPES for k in ("running_mean", "running_var",
+                                                                        "num_batches_tracked")}
+        assert all(u.stat in trainer.graph.outputs for u in updated.values() if u.stat is not None)
+        rows = list(trainer.compare_with_eager(model, b, 2))  # trains the eager model alongside
+        assert max(max(r.dloss, r.grad, r.weight, r.buffer) for r in rows) <= 1e-12, rows
+        state = trainer.state_dict()
+        assert all(int(state[f"{s}.num_batches_tracked"]) == 2 for s in BN_SCOPES)
+        assert min((state[k] - fresh[k]).abs().max().item() for k in updated if "running" in k) > 1e-3
+        plain = resnet()
+        plain.load_state_dict(state)
+        with torch.no_grad():
+            assert torch.allclose(plain.eval()(**b), model.eval()(**b), rtol=0, atol=1e-12)
+
+
+def resnet_and_images():
+    """A factory for ``shardflow check --model``."""
+    return resnet(), images()
+
+
+def test_check_on_two_processes_compares_the_running_statistics(capsys):
+    """``shardflow check`` on 2 gloo processes (each rank reads the statistics' sum over both): the running statistics
+    are compared with eager PyTorch's too, and equal them."""
+    from shardflow.cli import main
+
+    assert main(["check", "--model", f"{__file__}:resnet_and_images", "--mesh", "dp=2", "--nproc", "2",
+                 "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2:" in out and "|Δbuffer|" in out.splitlines()[-1] and out.rstrip().endswith(": OK")
+
+
+def test_a_forward_that_changes_another_buffer_is_refused():
+    class Counts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+            self.register_buffer("seen", torch.zeros(3))
+
+        def forward(self, x):
+            self.seen.copy_(x.sum(0))
+            return (x * self.w).sum()
+
+    with pytest.raises(CaptureError, match=r"changes its buffer 'seen' .*keep the buffer constant in the forward"):
+        capture(Counts(), {"x": torch.randn(2, 3)})
 
 
 def test_batch_norm_statistics_are_all_reduced():

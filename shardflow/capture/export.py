@@ -17,12 +17,14 @@ exported program to core ATen (:data:`KEEP` lists the few ops kept whole, and wh
   ``nn_module_stack``) as its scope, and each lifted tensor is checked against the shape and dtype export recorded.
 
 The model contract: ``module(**batch)`` returns a scalar loss, or an object with a ``.loss`` (the Hugging Face
-convention: pass ``labels``). Buffer mutations (batch-norm running statistics) are not part of the graph: a
-training step here updates parameters only.
+convention: pass ``labels``). Buffer mutations are batch norm's: its running statistics and batch counter
+(``ComputationGraph.buffer_updates``: the batch's statistics are graph outputs, and the step blends them into the
+buffers as ``nn.BatchNorm`` does); a forward that changes a buffer any other way is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 import traceback
@@ -36,6 +38,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from shardflow.graph.fused import store_by_parts
 from shardflow.graph import ComputationGraph, GraphBuilder, OpError
+from shardflow.graph.graph import BufferUpdate
 from shardflow.graph import ops as O
 from shardflow.graph.ops import TensorType, dtype_name
 
@@ -184,6 +187,7 @@ class _Lift:
         self.folded: list[torch.Tensor] = []
         state = {**ep.state_dict, **ep.constants}
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+        self.buffers: dict[torch.fx.Node, str] = {}  # placeholder → the buffer's FQN
         tied: dict[int, _T] = {}
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]  # data inputs first, then the state
         for node in sorted(placeholders, key=lambda n: specs[n.name].kind != InputKind.USER_INPUT):
@@ -195,6 +199,7 @@ class _Lift:
                 self.env[node] = tied[id(p)]
             elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 self.env[node] = state[spec.target].detach()
+                self.buffers[node] = _fqn(spec.target)
             elif spec.kind == InputKind.USER_INPUT:
                 x = batch[node.name]
                 self.env[node] = _T(self.b.input(node.name, x.shape, dtype_name(x.dtype)))
@@ -217,7 +222,24 @@ class _Lift:
         if loss and self.b.shape(out) != ():
             raise CaptureError(f"the forward's output has shape {list(self.b.shape(out))}, not a scalar loss: return "
                                f"the loss (Hugging Face models: pass labels in the batch)")
-        return store_by_parts(self.b.build([out], out if loss else None))
+        updates = {_fqn(s.target): self._buffer_update(a, _fqn(s.target)) for a, s in zip(out_node.args[0], specs)
+                   if s.kind == OutputKind.BUFFER_MUTATION}
+        stats = [u.stat for u in updates.values() if u.stat is not None]
+        graph = self.b.build([out, *stats], out if loss else None)
+        return store_by_parts(dataclasses.replace(graph, buffer_updates=updates))
+
+    def _buffer_update(self, node: torch.fx.Node, name: str) -> BufferUpdate:
+        """How the step changes buffer ``name`` to the value of ``node``: a running statistic of batch norm, or a
+        counter (``buffer + k``). Raises CaptureError for any other change."""
+        value = self.env.get(node)
+        if isinstance(value, _RunningStat):
+            return BufferUpdate(value.momentum, value.stat.name)
+        if node.target in (aten.add.Tensor, aten.add.Scalar) and len(node.args) == 2 and \
+                self.buffers.get(node.args[0]) == name and isinstance(node.args[1], (int, float)):
+            return BufferUpdate(float(node.args[1]))
+        raise CaptureError(f"the model's forward changes its buffer {name!r} (to a value of {node.target}, in module "
+                           f"{_scope(node) or '<root>'!r}); shardflow updates only batch norm's running statistics "
+                           f"and counters: keep the buffer constant in the forward, or update it outside the step")
 
     # --- nodes ----------------------------------------------------------------------------------------------
     def _call(self, node: torch.fx.Node) -> None:
@@ -488,17 +510,34 @@ def _var_mean(c, node, x, dims=None, *, correction=None, keepdim=False):
     return _moments(c, node, x, dims, 1 if correction is None else correction, keepdim)
 
 
+class _RunningStat:
+    """What batch norm gives a running statistic of the step: the batch's ``stat`` [C] and the ``momentum``."""
+
+    __slots__ = ("stat", "momentum")
+
+    def __init__(self, stat: _T, momentum: float):
+        self.stat, self.momentum = stat, momentum
+
+
 def _batch_norm(c, node, x, w, b, running_mean, running_var, training, momentum, eps):
     """Batch norm (``_native_batch_norm_legit_functional``) over every dim but the channels (dim 1). Training:
     normalised by the batch's :func:`_moments` (biased variance); otherwise by the running statistics (folded
-    constants). Outputs: the normalised tensor; the saved statistics (the backward's business) and the updated
-    running statistics (buffer mutations, which capture leaves out) are no graph tensors."""
+    constants). Outputs: the normalised tensor; the saved statistics (the backward's business) are no graph
+    tensors; in training, the running statistics' updates (:class:`_RunningStat`: the batch's mean and unbiased
+    variance per channel, ``_batch_mean`` and ``_batch_var``, become graph outputs; the step applies them,
+    :class:`~shardflow.graph.graph.BufferUpdate`)."""
     val = node.args[0].meta["val"]
     nd = val.ndim
     stat_shape = (int(val.shape[1]),) + (1,) * (nd - 2)  # [C, 1, ...]: broadcasts against [N, C, *spatial]
+    running: tuple[_RunningStat | None, ...] = (None, None)
     if training:
         var, mean = _moments(c, node, x, (0, *range(2, nd)), 0, True, "_var")
         rstd = c.apply(O.Unary("rsqrt"), [c.apply(O.Scalar("add", eps), [var], node, "_eps")], node, "_rstd")
+        if running_mean is not None:
+            n = val.numel() // stat_shape[0]  # elements per channel; the running variance is the unbiased one
+            unbiased = c.apply(O.Scalar("mul", n / max(n - 1, 1)), [var], node, "_unbiased")
+            running = (_RunningStat(c.apply(O.Reshape(stat_shape[:1]), [mean], node, "_batch_mean"), momentum),
+                       _RunningStat(c.apply(O.Reshape(stat_shape[:1]), [unbiased], node, "_batch_var"), momentum))
     else:
         mean, rstd = running_mean.reshape(stat_shape), torch.rsqrt(running_var + eps).reshape(stat_shape)
     out = c.apply(O.Binary("mul"), [c.apply(O.Binary("sub"), [x, mean], node, "_centred"), rstd], node,
@@ -509,7 +548,7 @@ def _batch_norm(c, node, x, w, b, running_mean, running_var, training, momentum,
     if b is not None:
         b = c.apply(O.Reshape(stat_shape), [b], node, "_b")
         out = c.apply(O.Binary("add"), [out, b], node)
-    return out, None, None, None, None
+    return out, None, None, *running
 
 
 def _batch_norm_eval(c, node, x, w, b, running_mean, running_var, momentum, eps):

@@ -21,6 +21,7 @@ Where a model's parameters meet the graph (initial weights, ``state_dict``, ``--
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -152,7 +153,7 @@ def store_by_parts(graph: ComputationGraph) -> ComputationGraph:
         return graph
     nodes = tuple(m for n in graph.nodes for m in (*before.get(n.name, ()), Node(
         n.name, n.op, inputs.get(n.name, n.inputs), n.outputs, n.scope)))
-    return ComputationGraph(names.tensors, nodes, graph.outputs, graph.loss, graph.constants, shapes)
+    return dataclasses.replace(graph, tensors=names.tensors, nodes=nodes, module_shapes=shapes)
 
 
 def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> ComputationGraph:
@@ -198,7 +199,7 @@ def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> Comput
             replace[v.name] = parts
         replace[f.split.name] = []
     nodes = tuple(m for n in graph.nodes for m in replace.get(n.name, [n]))
-    return ComputationGraph(names.tensors, nodes, graph.outputs, graph.loss, graph.constants, graph.module_shapes)
+    return dataclasses.replace(graph, tensors=names.tensors, nodes=nodes)
 
 
 # --- where parameters meet the graph ------------------------------------------------------------------------

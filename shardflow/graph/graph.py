@@ -30,6 +30,17 @@ class TensorRole(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class BufferUpdate:
+    """How a training step changes a buffer of the module outside the gradient: batch norm's running statistics
+    ``new = (1 − momentum)·old + momentum·stat`` for ``stat`` (a graph output: the batch's mean or unbiased variance
+    per channel, one value per step), or, with no ``stat``, a counter ``new = old + momentum`` (its batches
+    tracked). PyTorch's ``BatchNorm`` updates, as ``torch.export`` records them (buffer mutations)."""
+
+    momentum: float
+    stat: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TensorSpec:
     """A named tensor: full ``shape``, ``dtype`` name and ``role`` (a :class:`TensorRole` or its spelling,
     stored as the member; ValueError for any other)."""
@@ -70,7 +81,8 @@ class ComputationGraph:
     ``constants`` holds the values of role-``constant`` tensors. ``loss`` (if set) names a scalar output.
     ``module_shapes``: the weights held in another shape than their module parameter's, each with the parameter's
     shape (a fused linear's weight stored by parts, :mod:`shardflow.graph.fused`); the two hold the same
-    elements in the same row-major order. Treat it as immutable: passes build new graphs.
+    elements in the same row-major order. ``buffer_updates``: the module's buffers a step changes, by FQN
+    (:class:`BufferUpdate`). Treat it as immutable: passes build new graphs.
     """
 
     tensors: Mapping[str, TensorSpec]
@@ -79,6 +91,7 @@ class ComputationGraph:
     loss: str | None = None
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
     module_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    buffer_updates: Mapping[str, BufferUpdate] = field(default_factory=dict)
 
     def __post_init__(self):
         self.validate()
@@ -86,8 +99,9 @@ class ComputationGraph:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ComputationGraph):
             return NotImplemented
-        return (dict(self.tensors), self.nodes, self.outputs, self.loss, dict(self.module_shapes)) == (
-            dict(other.tensors), other.nodes, other.outputs, other.loss, dict(other.module_shapes)) and self.constants.keys() == \
+        return (dict(self.tensors), self.nodes, self.outputs, self.loss, dict(self.module_shapes),
+                dict(self.buffer_updates)) == (dict(other.tensors), other.nodes, other.outputs, other.loss,
+                                               dict(other.module_shapes), dict(other.buffer_updates)) and self.constants.keys() == \
             other.constants.keys() and all(
             v.dtype == other.constants[k].dtype and torch.equal(v, other.constants[k]) for k, v in self.constants.items())
 
@@ -151,6 +165,9 @@ class ComputationGraph:
             if n not in self.tensors or self.tensors[n].role != TensorRole.WEIGHT or \
                     math.prod(shape) != self.tensors[n].type.numel:
                 raise ValueError(f"module shape {list(shape)} of {n!r}: not a weight of as many elements")
+        for n, u in self.buffer_updates.items():
+            if u.stat is not None and u.stat not in self.outputs:
+                raise ValueError(f"buffer {n!r} is updated from {u.stat!r}, which is no graph output")
 
     # --- text and JSON --------------------------------------------------------------------------------
     def listing(self) -> str:
@@ -183,6 +200,7 @@ class ComputationGraph:
             "constants": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
                               "data": v.flatten().tolist()} for k, v in self.constants.items()},
             "module_shapes": {k: list(v) for k, v in self.module_shapes.items()},
+            "buffer_updates": {k: dataclasses.asdict(u) for k, u in self.buffer_updates.items()},
         }
 
     @classmethod
@@ -199,7 +217,8 @@ class ComputationGraph:
             for k, v in d.get("constants", {}).items()
         }
         shapes = {k: tuple(v) for k, v in d.get("module_shapes", {}).items()}
-        return cls(tensors, nodes, tuple(d["outputs"]), d.get("loss"), constants, shapes)
+        updates = {k: BufferUpdate(**u) for k, u in d.get("buffer_updates", {}).items()}
+        return cls(tensors, nodes, tuple(d["outputs"]), d.get("loss"), constants, shapes, updates)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

@@ -8,7 +8,7 @@ their buffers (each built with ``share=`` the last one's), so the sums stay wher
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 
@@ -44,12 +44,12 @@ class MicroSteps:
             raise ValueError("a step has at least one micro-step")
         self.executors = tuple(executors)
 
-    def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
+    def step(self, inputs: Mapping[str, torch.Tensor], after: Callable[[Executor], None] | None = None) -> float:
         """Run every micro-step on its part of the full ``inputs`` (by graph input name); returns the mean of their
         losses — the whole batch's loss when the loss is a mean over equally many elements in every micro-batch.
         Every micro-step counts as the optimizer step it belongs to (AdamW's step, dropout's draws), and draws its
-        random numbers as its rows of the whole batch (``Executor.micro``). Raises
-        BatchSplitError for inputs that do not split."""
+        random numbers as its rows of the whole batch (``Executor.micro``). ``after(executor)`` runs after each
+        micro-step (e.g. to read its batch statistics). Raises BatchSplitError for inputs that do not split."""
         last = self.executors[-1]
         done = last.steps_done
         losses = []
@@ -57,5 +57,7 @@ class MicroSteps:
         for i, (ex, part) in enumerate(zip(self.executors, split_batch(inputs, n))):
             ex.steps_done, ex.micro = done, (i, n)
             losses.append(ex.step(part))
+            if after is not None:
+                after(ex)
         last.steps_done = done + 1
         return sum(losses) / len(losses)

@@ -208,6 +208,12 @@ class Executor:
                     err = max(err, (piece - want).abs().max().item())
         return self._max_over_ranks(err)
 
+    def statistics(self) -> dict[str, list[torch.Tensor]]:
+        """The last step's batch statistics that buffer updates read (``BufferUpdate.stat`` → one full tensor per
+        microbatch, in order; e.g. a batch norm's mean over the whole batch, however the batch is sharded). On the
+        distributed executor: collective."""
+        return {stat: [self._get(v) for v in vids] for stat, vids in self.dg.buffer_stats().items()}
+
     def state(self) -> dict[str, torch.Tensor]:
         """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""
         return {vid: self._get(vid) for vid in self.dg.state_values()}
