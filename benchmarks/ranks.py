@@ -264,6 +264,64 @@ def dtensor_gpt(model: nn.Module, world: int) -> nn.Module:
     return m
 
 
+class _CopyToTP(torch.autograd.Function):
+    """Megatron-LM's f: identity forward; the gradient all-reduced over the tp ranks (each rank's column shards
+    give a partial input gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron-LM's g: the row shards' partial outputs all-reduced forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def megatron_llama(model: nn.Module, rank: int, world: int) -> nn.Module:
+    """A Hugging Face Llama under tensor parallelism written by hand as Megatron-LM writes it, on plain tensors: each
+    rank keeps its rows of q, k, v, gate and up (column-parallel) and its columns of o and down (row-parallel) as
+    ordinary ``nn.Linear`` weights; f (:class:`_CopyToTP`) on the input of attention and MLP, g
+    (:class:`_ReduceFromTP`) on the outputs of o and down: two all-reduces per layer each way, no DTensor. The
+    attention views q, k, v with the local head count (the model's ``-1``); the rest is replicated."""
+    m = copy.deepcopy(model)
+
+    def cut(lin: nn.Linear, dim: int) -> None:
+        n = lin.weight.shape[dim]
+        lin.weight = nn.Parameter(lin.weight.detach().narrow(dim, rank * n // world, n // world).clone())
+
+    def f_on_input(module, args, kwargs):
+        if args:
+            return (_CopyToTP.apply(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _CopyToTP.apply(kwargs["hidden_states"])}
+
+    for layer in m.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        for lin in (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj):
+            cut(lin, 0)
+        for lin in (a.o_proj, mlp.down_proj):
+            cut(lin, 1)
+            lin.register_forward_hook(lambda mod, args, out: _ReduceFromTP.apply(out))
+        a.register_forward_pre_hook(f_on_input, with_kwargs=True)
+        mlp.register_forward_pre_hook(f_on_input, with_kwargs=True)
+    return m
+
+
 def adamw(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
@@ -322,6 +380,8 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         out["program_dp0"] = program_size(ex_dp0)
         dt = dtensor_gpt(model, world)
         dt_opt = adamw(dt.parameters(), cfg)
+        meg = megatron_llama(model, rank, world)
+        meg_opt = adamw(meg.parameters(), cfg)
         ddp = DDP(copy.deepcopy(model))
         ddp_opt = adamw(ddp.parameters(), cfg)
         per = base.batch_size // world
@@ -329,6 +389,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         variants = [Variant("shardflow_tp", lambda: ex_tp.step(batch)),
                     Variant("shardflow_tp_blocking", lambda: ex_tp_blocking.step(batch)),
                     Variant("dtensor_tp", torch_step(dt, dt_opt, batch)),
+                    Variant("megatron_tp", torch_step(meg, meg_opt, batch)),
                     Variant("shardflow_dp", lambda: ex_dp.step(batch)),
                     Variant("shardflow_dp_nobucket", lambda: ex_dp0.step(batch)),
                     Variant("ddp", torch_step(ddp, ddp_opt, local))]
