@@ -35,7 +35,7 @@ from shardflow.api import (ExecutorKind, ParallelPlan, load_model, parallelize, 
                            summary)
 from shardflow.capture import CaptureError, capture, wide_floats
 from shardflow.graph.ops import OpError, dtype_name
-from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower import CostModel, LowerOptions, lower_step
 from shardflow.lower.cost import CommForm
 from shardflow.lower.dynamic import MicroStep, Optimizer, PassError, UpdateRule
 from shardflow.lower.comm_lowering import lowering_summary
@@ -49,6 +49,7 @@ from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
 from shardflow.runtime.accumulate import split_batch
+from shardflow.runtime.device import run_backend
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
@@ -81,6 +82,8 @@ FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "emb
 MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
 # what one optimizer step is, as shardflow train has them (plan shows it)
 STEP_FLAGS = ("accumulate", "microbatches", "schedule", "stages_per_rank", "dtype")
+# how a step communicates, as shardflow train has them: "auto" forms follow the machine's cost model
+COMM_FLAGS = ("all_gather", "reduce_scatter", "bucket_mb")
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
@@ -90,9 +93,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
-    """``--accumulate``, ``--microbatches``, ``--schedule``, ``--stages-per-rank`` and ``--dtype``, as ``shardflow
-    train`` has them (TrainConfig's fields)."""
-    for name in STEP_FLAGS:
+    """``--accumulate``, ``--microbatches``, ``--schedule``, ``--stages-per-rank`` and ``--dtype``, and the forms of
+    communication ``--all-gather``, ``--reduce-scatter``, ``--bucket-mb``, as ``shardflow train`` has them
+    (TrainConfig's fields)."""
+    for name in STEP_FLAGS + COMM_FLAGS:
         TrainConfig.add_argument(p, name, own_default=True)
 
 
@@ -231,8 +235,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(graph.listing())
         return 0
     plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict, args.stages_per_rank)
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, master_dtype=MASTER_DTYPE[args.dtype],
-                           microbatches=args.microbatches, schedule=args.schedule, **memory_options(args))
+    cost = CostModel.for_backend(run_backend("auto", mesh.size))  # train's: its calibration file, if written
+    options = LowerOptions(args.all_gather, args.reduce_scatter, cost, bucket_bytes=int(args.bucket_mb * 2**20),
+                           master_dtype=MASTER_DTYPE[args.dtype], microbatches=args.microbatches,
+                           schedule=args.schedule, **memory_options(args))
     micro = MicroStep.sequence(args.accumulate)[-1]  # the micro-step that reduces the gradients and updates
     if args.passes or args.dump_after:
         dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None

@@ -97,6 +97,30 @@ def test_plan_json_is_machine_readable(capsys):
     assert sum(i["type"] == "comm" for i in r0["instructions"]) == 4
 
 
+def test_plan_lowers_with_train_s_communication_forms(capsys):
+    """plan shows the programs `shardflow train` would run: its --all-gather / --reduce-scatter forms, "auto" by the
+    cost model train uses on this machine (calibrated or default), and ring forms as collective-permutes."""
+    from shardflow.lower.comm_lowering import lowering_summary
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.recipe import setup
+
+    sizes = {"layers": 1, "seq_len": 8, "batch_size": 4}  # the Llama train trains, small
+
+    def kinds(*argv):
+        flags = [x for k, v in sizes.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+        assert main(["plan", *flags, "--strategy", "sp", "--mesh", "tp=2", "--format", "json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)["collectives"]
+
+    collective = kinds("--all-gather", "collective", "--reduce-scatter", "collective")
+    assert collective == {"all_gather": 6, "reduce_scatter": 4, "all_reduce": 1}
+    # on 2 ranks a ring is one collective-permute step
+    assert kinds("--all-gather", "ring", "--reduce-scatter", "ring") == {"permute": 6 + 4, "all_reduce": 1}
+    cfg = TrainConfig(**sizes, strategy="sp", mesh="tp=2", nproc=2)
+    train = lowering_summary(setup(cfg, 2).lower().programs)
+    forms = ("all_gather", "reduce_scatter", "permute")  # (train also all-reduces the gradient norm it reports)
+    assert {k: v for k, v in kinds().items() if k in forms} == {k: v for k, v in train.items() if k in forms}
+
+
 def test_plan_dot_writes_the_pcg(capsys, tmp_path):
     out_file = tmp_path / "p.dot"
     code, out, _ = run(capsys, "--strategy", "pp", "--mesh", "pp=2", "--layers", "2", "--format", "dot",

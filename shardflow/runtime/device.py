@@ -70,6 +70,12 @@ def rank_device(choice: str = "auto", env: Mapping[str, str] | None = None) -> t
     return torch.device("cuda", local)
 
 
+def run_backend(choice: str, nproc: int) -> str:
+    """The torch.distributed backend a run of ``nproc`` processes on this machine uses with ``--device choice``
+    (:func:`device_type`, :func:`backend_for`): what its cost model is calibrated for."""
+    return backend_for(device_type(choice, local_processes(os.environ, nproc)))
+
+
 def backend_for(device_type: str) -> str:
     """The torch.distributed backend for buffers on a device of type ``device_type``: NCCL for "cuda", gloo for
     "cpu"."""

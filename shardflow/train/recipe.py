@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,7 +26,7 @@ from shardflow.lower.schedule import requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.runtime.device import backend_for, device_type, local_processes
+from shardflow.runtime.device import run_backend
 from shardflow.runtime.materialize import TensorInit, materialise
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
@@ -79,8 +78,7 @@ class Setup:
         FSDP's resharding, activation checkpointing, the master weights' dtype (``--dtype``), the pipeline's
         microbatches and schedule."""
         return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
-                            CostModel.for_backend(backend_for(device_type(
-                                self.cfg.device, local_processes(os.environ, self.cfg.nproc)))),
+                            CostModel.for_backend(run_backend(self.cfg.device, self.cfg.nproc)),
                             bucket_bytes=int(self.cfg.bucket_mb * 2**20),
                             reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac,
                             master_dtype=MASTER_DTYPE[self.cfg.dtype], microbatches=self.cfg.microbatches,
