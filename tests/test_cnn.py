@@ -163,6 +163,25 @@ def test_running_statistics_equal_one_device_under_dp():
             assert torch.allclose(plain.eval()(**b), model.eval()(**b), rtol=0, atol=1e-12)
 
 
+def test_running_statistics_under_accumulation_follow_each_micro_batch():
+    """accumulate=2 on dp=2: each micro-step normalises its half of the batch by that half's statistics and blends
+    them into the running ones in order, as an eager loop over the two halves does (two forwards, one SGD step);
+    the counter advances twice per step. float64, 1e-12."""
+    model, b = resnet(), images()
+    eager = resnet()
+    trainer = shardflow.parallelize(model, b, mesh="dp=2", lr=0.1, accumulate=2)
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    for _ in range(2):
+        trainer.step(b)
+        opt.zero_grad()
+        for half in range(2):
+            (eager(**{k: v[half * 4:(half + 1) * 4] for k, v in b.items()}) / 2).backward()
+        opt.step()
+    state, want = trainer.state_dict(), eager.state_dict()
+    assert all(int(state[f"{s}.num_batches_tracked"]) == 4 for s in BN_SCOPES)
+    assert max((state[k] - want[k]).abs().max().item() for k in want) <= 1e-12
+
+
 def resnet_and_images():
     """A factory for ``shardflow check --model``."""
     return resnet(), images()
