@@ -36,10 +36,10 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from shardflow.graph.fused import store_by_parts
 from shardflow.graph import ComputationGraph, GraphBuilder, OpError
-from shardflow.graph.graph import BufferUpdate
 from shardflow.graph import ops as O
+from shardflow.graph.fused import store_by_parts
+from shardflow.graph.graph import BufferUpdate
 from shardflow.graph.ops import TensorType, dtype_name
 
 aten = torch.ops.aten

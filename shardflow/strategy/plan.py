@@ -23,8 +23,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph import ops as O
+from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.parallel.mesh import Mesh, Placement, Shard, SubMesh, parse_placement
 from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp, Replicate
