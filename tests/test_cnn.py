@@ -163,13 +163,16 @@ def test_running_statistics_equal_one_device_under_dp():
             assert torch.allclose(plain.eval()(**b), model.eval()(**b), rtol=0, atol=1e-12)
 
 
-def test_running_statistics_under_accumulation_follow_each_micro_batch():
-    """accumulate=2 on dp=2: each micro-step normalises its half of the batch by that half's statistics and blends
-    them into the running ones in order, as an eager loop over the two halves does (two forwards, one SGD step);
-    the counter advances twice per step. float64, 1e-12."""
+@pytest.mark.parametrize("options", [dict(mesh="dp=2", accumulate=2), dict(mesh="pp=2", microbatches=2)],
+                         ids=["dp-accumulate", "pp-microbatches"])
+def test_running_statistics_follow_each_micro_batch(options):
+    """accumulate=2 on dp=2, and 2 microbatches through a 2-stage pipeline (the statistics held by the stage that
+    computes them): each micro-batch is normalised by its own statistics, which are blended into the running ones in
+    order, as an eager loop over the two halves does (two forwards, one SGD step); the counter advances twice per
+    step. Every parameter and buffer equals eager's (float64, 1e-12)."""
     model, b = resnet(), images()
     eager = resnet()
-    trainer = shardflow.parallelize(model, b, mesh="dp=2", lr=0.1, accumulate=2)
+    trainer = shardflow.parallelize(model, b, lr=0.1, **options)
     opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     for _ in range(2):
         trainer.step(b)
