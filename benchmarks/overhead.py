@@ -145,10 +145,12 @@ def section(results: dict[str, dict], rounds: int) -> str:
                      f"{losses} |")
     lines += ["", "The executor's own cost is what the MLP measures: its 95 instructions run as one compiled segment "
               "(issue #16), every update in one fused call. What is left on the main job is in the ATen ops "
-              "(the profile in \"Single-device step of the tiny Llama\"): the log-softmax recomputed by the "
-              "cross-entropy's hand-written vjp, fresh buffers filled where autograd reuses them, and the one "
-              "gradient sum of the step whose first input is an expanded view (summed into a new buffer; the "
-              "others accumulate in place, as autograd does)."]
+              "(the profile in \"Single-device step of the tiny Llama\"): fresh buffers filled where autograd "
+              "reuses them, the decomposed cross-entropy's small ops (`where`, `gather`), and the one gradient sum "
+              "of the step whose first input is an expanded view (summed into a new buffer; the others accumulate "
+              "in place, as autograd does). The loss's log-softmax over the vocabulary ([1024, 1024]) is no "
+              "longer recomputed in the backward: from 2^16 elements a softmax goes through autograd, which keeps "
+              "its output (`shardflow/runtime/vjp.py`); the \"before\" tree below recomputed it."]
     if len(results) > 1:
         lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",
                   "| tree | " + " | ".join(now["models"]) + " |", "|---" * (len(now["models"]) + 1) + "|"]

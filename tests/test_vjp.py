@@ -13,7 +13,7 @@ from shardflow.lower.dynamic import TaskType
 from shardflow.parallel.rules import LocalOp
 from shardflow.parallel.validate import CASES, Case, InputSpec, case_values
 from shardflow.runtime.kernels import OptimizerConfig, make_kernel
-from shardflow.runtime.vjp import BINARY_FNS, REDUCE_FNS, SCALAR_FNS, UNARY_VJPS, VJPS, hand_vjp
+from shardflow.runtime.vjp import AUTOGRAD_NUMEL, BINARY_FNS, REDUCE_FNS, SCALAR_FNS, UNARY_VJPS, VJPS, hand_vjp
 
 
 def _x(name, *shape, **kw):
@@ -108,3 +108,12 @@ def test_every_op_a_ring_fuses_has_a_hand_written_vjp():
     reads the forward's inputs and no graph (issue #16: no recomputed forward for ring-fused linears)."""
     fusable = [cls for cls in O.OPS.values() if cls.contracts_last_dim]
     assert fusable and all(hand_vjp(cls()) is not None for cls in fusable)
+
+
+def test_a_large_softmax_goes_through_autograd_which_keeps_its_output():
+    """A hand vjp recomputes softmax from its input; from AUTOGRAD_NUMEL input elements autograd differentiates it
+    from the output the forward kept (cheaper than recomputing: shardflow/runtime/vjp.py). The loss's log-softmax
+    over the main job's vocabulary goes that way; a small one keeps its hand vjp."""
+    op = O.Softmax(1, True)
+    assert hand_vjp(op, AUTOGRAD_NUMEL - 1) is not None and hand_vjp(op, AUTOGRAD_NUMEL) is None
+    assert hand_vjp(O.Binary("mul"), 10 * AUTOGRAD_NUMEL) is not None  # only ops that recompute their output

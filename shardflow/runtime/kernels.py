@@ -115,11 +115,11 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     spec = instr.kernel
     if isinstance(spec, Forward):
         fwd = forward(spec.local, spec.draw, seed, step, micro)
-        if saved is None or not records_graph(spec):
+        if saved is None or not records_graph(instr):
             return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.saved_as, saved)
     if isinstance(spec, Vjp):
-        hand = hand_vjp(spec.local.op)
+        hand = hand_vjp(spec.local.op, instr.ins[0].type.numel)
         if hand is not None:
             return _hand_vjp_kernel(hand, spec)
         return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.saved_as, saved)
@@ -155,10 +155,12 @@ def forward(local: LocalOp, draw: PieceSite | None, seed: int, step: Callable[[]
     return lambda *xs: local.compute(*xs, at=draw.at(seed, step(), *micro()))
 
 
-def records_graph(spec: Forward) -> bool:
-    """Whether a forward of ``spec``, computed by one instruction, records its autograd graph (its outputs
-    included) for the backward: its op has a backward and no hand-written vjp."""
-    return bool(spec.record) and hand_vjp(spec.local.op) is None
+def records_graph(instr: Compute) -> bool:
+    """Whether forward ``instr``, computed by one instruction, records its autograd graph (its outputs included)
+    for the backward: its op has a backward and no hand-written vjp on pieces of its input's size (the backward
+    reads the same input piece, so both decide alike)."""
+    spec = instr.kernel
+    return bool(spec.record) and hand_vjp(spec.local.op, instr.ins[0].type.numel) is None
 
 
 def recorded_nodes(program) -> frozenset[str]:
@@ -166,7 +168,7 @@ def recorded_nodes(program) -> frozenset[str]:
     kept until their backward (:attr:`~shardflow.lower.program.Compute.saved_as`)."""
     once = single_calls(program)
     return frozenset(i.saved_as for i in program.instrs if isinstance(i, Compute) and isinstance(i.kernel, Forward)
-                     and i.dnode in once and records_graph(i.kernel))
+                     and i.dnode in once and records_graph(i))
 
 
 def _sum_into_first(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

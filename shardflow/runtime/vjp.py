@@ -10,7 +10,8 @@ Each entry computes, from the op's inputs ``xs`` (the pieces this device holds, 
 op's input scales) and the gradients ``dys`` of its outputs (None for an output no gradient reaches), the
 gradient of every input that ``need`` marks (None for the others). Only the op's inputs are available (the
 forward's outputs are not kept for the backward): where a formula needs an output (softmax, tanh), it recomputes
-it, one kernel. Formulas follow ATen's derivatives (``tools/autograd/derivatives.yaml``), using ATen's own
+it, one kernel — except on a large softmax, which autograd differentiates from its kept output
+(:data:`RECOMPUTES_OUTPUT`). Formulas follow ATen's derivatives (``tools/autograd/derivatives.yaml``), using ATen's own
 backward kernels where there is one (``threshold_backward``, ``gelu_backward``, ``convolution_backward``...), so the
 gradients are autograd's to rounding; tests/test_vjp.py checks every entry against ``torch.func.vjp``.
 
@@ -246,11 +247,20 @@ BINARY_FNS = frozenset({"add", "sub", "mul", "div"})
 REDUCE_FNS = frozenset({"sum", "mean"})
 
 
-def hand_vjp(op: O.Op) -> HandVjp | None:
-    """The hand-written vjp of ``op``, or None where autograd differentiates it (no entry, a random op, a function
-    of its kind the table does not cover: ``maximum``, ``amax``, ``erf``...)."""
+# A hand vjp that recomputes its op's output (softmax: two passes over the piece) costs more than autograd's
+# recording (~5 µs) and engine call (~21 µs) once the piece is large: log_softmax of 65,536 float32 elements takes
+# ~40 µs on these machines, of 2^20 ~0.7 ms. From this many elements of its input such an op goes through autograd,
+# which keeps the output from the forward, as eager PyTorch does.
+RECOMPUTES_OUTPUT = (O.Softmax,)
+AUTOGRAD_NUMEL = 2**16
+
+
+def hand_vjp(op: O.Op, numel: int = 0) -> HandVjp | None:
+    """The hand-written vjp of ``op`` on an input piece of ``numel`` elements, or None where autograd differentiates
+    it (no entry, a random op, a function of its kind the table does not cover: ``maximum``, ``amax``, ``erf``...;
+    an op of :data:`RECOMPUTES_OUTPUT` on a piece of :data:`AUTOGRAD_NUMEL` elements or more)."""
     fn = VJPS.get(type(op))
-    if fn is None or op.random:
+    if fn is None or op.random or (isinstance(op, RECOMPUTES_OUTPUT) and numel >= AUTOGRAD_NUMEL):
         return None
     if isinstance(op, O.Unary) and op.fn not in UNARY_VJPS:
         return None
