@@ -147,12 +147,16 @@ def test_stage_cuts_minimise_the_largest_stage():
 
 def test_pp_balances_stages_by_flops():
     """An MLP whose last layer (16 → 4096) costs 256 times each of the three before it: the even split would give
-    the last stage 64 times the first's FLOPs; pp puts three layers on stage 0 and the wide one alone on stage 1."""
+    the last stage about 128 times the first's FLOPs; pp puts three layers on stage 0 and the wide one alone on
+    stage 1."""
     torch.manual_seed(0)
     model = MLP(d_in=16, hidden=16, d_out=4096, n_layers=4)
     g = capture(model, {"x": torch.zeros(2, 16), "y": torch.zeros(2, dtype=torch.long)})
     costs, before, after = block_costs(g, repeated_blocks(g))
-    assert costs == [2 * 2 * 16 * 16] * 3 + [2 * 2 * 16 * 4096] and before == after == 0
+    # a step: 3 × the forward's 2·B·in·out FLOPs, plus 12 FLOPs of AdamW update per parameter (weight and bias)
+    params = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    assert costs == [3 * 2 * 2 * 16 * n + 12 * p for n, p in zip([16, 16, 16, 4096], params)]
+    assert before == after == 0
     pcg = pcg_for(g, "pp=2", "pp")
     stage = {n.scope: dict(n.group.fixed)["pp"] for n in pcg.nodes if n.scope.startswith("layers.")}
     assert stage == {"layers.0": 0, "layers.1": 0, "layers.2": 0, "layers.3": 1}

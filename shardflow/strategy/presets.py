@@ -18,8 +18,8 @@ structure gets the same plan:
   sharded on the sequence dim (dim 1): norms, dropout and residual adds run on ``Shard(1)``; a column group's
   input is all-gathered (Combine) and a row-parallel output reduce-scattered (Reduction + Repartition).
 * **pp** (axis ``pp``): the repeated blocks (children of the model's first ``ModuleList``) are cut into
-  contiguous ranges, one per stage, balanced by forward FLOPs (:func:`stage_cuts`); what comes before the blocks
-  runs on stage 0, what follows on the last.
+  contiguous ranges, one per stage, balanced by a step's FLOPs — compute and the parameters' update
+  (:func:`block_costs`, :func:`stage_cuts`); what comes before the blocks runs on stage 0, what follows on the last.
 * **fsdp** (axis ``fsdp``; ZeRO-3, Rajbhandari et al. 2020; PyTorch FSDP, Zhao et al. 2023): a data-parallel
   axis (the batch is ``Shard(0)`` on it, as under dp) on which every weight is stored ``Shard(d)`` — its first dim
   the other strategies leave whole and the degree divides — with a Combine (all-gather) right after it: every use
@@ -336,17 +336,24 @@ def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp", virtual: in
     return Plan(modules, stage_axis=axis, name="pp")
 
 
+# A step's cost of a node in FLOPs: forward and backward ≈ 3 × the forward's (the backward computes two products
+# for each of the forward's: 6·N FLOPs per token for N parameters, Narayanan et al., SC'21), plus the optimizer's
+# update of the weights it reads, ≈ 12 FLOPs per element (AdamW: two moments, their bias corrections, the step).
+STEP_PER_FORWARD_FLOP = 3
+UPDATE_FLOPS_PER_PARAMETER = 12
+
+
 def block_costs(graph: ComputationGraph, blocks: list[str]) -> tuple[list[int], int, int]:
-    """The cost of each block of ``blocks`` (module paths), of what runs before the first and after the last: forward
-    FLOPs (:func:`~shardflow.graph.flops.node_flops`: the backward's are proportional), or — for a graph whose ops
-    count no FLOPs — the weights' elements the nodes read."""
-    flops = sum(node_flops(graph, n) for n in graph.nodes) > 0
+    """The cost of each block of ``blocks`` (module paths), of what runs before the first and after the last, in
+    FLOPs of a training step: :data:`STEP_PER_FORWARD_FLOP` × the forward's
+    (:func:`~shardflow.graph.flops.node_flops`) plus :data:`UPDATE_FLOPS_PER_PARAMETER` × the elements of the
+    weights its nodes read — compute and parameters, so an embedding, which computes nothing, still weighs on its
+    stage."""
     weights = set(graph.weights)
 
     def cost(n: Node) -> int:
-        if flops:
-            return node_flops(graph, n)
-        return sum(graph.tensors[t].type.numel for t in n.inputs if t in weights)
+        params = sum(graph.tensors[t].type.numel for t in n.inputs if t in weights)
+        return STEP_PER_FORWARD_FLOP * node_flops(graph, n) + UPDATE_FLOPS_PER_PARAMETER * params
 
     mods = module_nodes(graph)
     inside = {n.name for b in blocks for n in mods.get(b, ())}
