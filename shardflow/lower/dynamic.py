@@ -362,9 +362,10 @@ class DynamicGraph:
             raise PassError("the graph has no scalar loss output")
         return self.per_microbatch(forward_id(self.pcg.loss))
 
+    @cached_property
     def buffer_stats(self) -> dict[str, tuple[str, ...]]:
         """Each batch statistic a buffer update reads (graph output ``BufferUpdate.stat``: batch norm's mean and
-        variance) → its forward values, one per microbatch, in order."""
+        variance) → its forward values, one per microbatch, in order; built once per graph."""
         graph = self.pcg.graph
         pcg_name = dict(zip(graph.outputs, self.pcg.outputs))
         return {u.stat: self.per_microbatch(forward_id(pcg_name[u.stat]))
@@ -416,10 +417,10 @@ class DynamicGraph:
     def persistent(self) -> frozenset[str]:
         """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
         gradients the updates read (kept for inspection), the squared gradient norm, the loss, the batch statistics
-        of buffer updates (:meth:`buffer_stats`), and the sums of gradient contributions a micro-step leaves for the
+        of buffer updates (:attr:`buffer_stats`), and the sums of gradient contributions a micro-step leaves for the
         next (:meth:`accumulated`)."""
         keep = set(self.loss_values) if self.pcg.loss else set()
-        keep.update(v for vids in self.buffer_stats().values() for v in vids)
+        keep.update(v for vids in self.buffer_stats.values() for v in vids)
         keep.update(self.accumulated()[1])
         if self.grad_norm_sq:
             keep.add(self.grad_norm_sq)

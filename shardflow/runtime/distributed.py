@@ -223,6 +223,25 @@ class DistributedExecutor(Executor):
     def _get(self, vid: str) -> torch.Tensor:
         """The full value on the CPU, assembled on every rank (an all-reduce over the world; for results, not the
         step)."""
+        return self._get_many([vid])[0]
+
+    def _get_many(self, vids: list[str]) -> list[torch.Tensor]:
+        """The full values of ``vids`` on the CPU, assembled on every rank: each rank's replica-0 pieces placed in
+        zeros, packed by dtype, one all-reduce over the world per dtype (in order of first appearance, the same on
+        every rank)."""
+        mine = [self._contribution(v) for v in vids]
+        out = list(mine)
+        for dtype in dict.fromkeys(t.dtype for t in mine):
+            idx = [i for i, t in enumerate(mine) if t.dtype == dtype]
+            flat = torch.cat([mine[i].reshape(-1) for i in idx])
+            dist.all_reduce(flat)
+            for i, part in zip(idx, flat.split([mine[i].numel() for i in idx])):
+                out[i] = part.view(mine[i].shape).cpu()
+        return out
+
+    def _contribution(self, vid: str) -> torch.Tensor:
+        """Value ``vid``'s full shape in zeros, with this rank's piece in place where it holds replica 0 (a partial
+        piece as it sums; an average's divided by its count): what the world's sum assembles."""
         v = self.dg.values[vid]
         p = v.sharding.parallel_shape(v.group, v.type.shape)
         dtype = self.buffers[vid].dtype if vid in self.buffers else torch_dtype(v.type.dtype)
@@ -231,8 +250,7 @@ class DistributedExecutor(Executor):
             c = v.sharding.coord_of(v.group, self.rank)
             if c.replica == 0:
                 out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == "avg" else 1)
-        dist.all_reduce(out)
-        return out.cpu()
+        return out
 
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         return {self.rank: self.buffers[vid]} if vid in self.buffers else {}

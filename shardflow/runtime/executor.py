@@ -62,6 +62,11 @@ class Executor:
         """The full tensor of value ``vid`` (on the distributed executor: collective, every rank calls it)."""
         raise NotImplementedError
 
+    def _get_many(self, vids: list[str]) -> list[torch.Tensor]:
+        """The full tensors of ``vids``, in order (:meth:`_get` of each; the distributed executor packs them into one
+        collective)."""
+        return [self._get(v) for v in vids]
+
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         """Device → its piece of value ``vid``, for every device of this executor that holds one."""
         raise NotImplementedError
@@ -212,7 +217,8 @@ class Executor:
         """The last step's batch statistics that buffer updates read (``BufferUpdate.stat`` → one full tensor per
         microbatch, in order; e.g. a batch norm's mean over the whole batch, however the batch is sharded). On the
         distributed executor: collective."""
-        return {stat: [self._get(v) for v in vids] for stat, vids in self.dg.buffer_stats().items()}
+        got = iter(self._get_many([v for vids in self.dg.buffer_stats.values() for v in vids]))
+        return {stat: [next(got) for _ in vids] for stat, vids in self.dg.buffer_stats.items()}
 
     def state(self) -> dict[str, torch.Tensor]:
         """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""
