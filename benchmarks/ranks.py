@@ -24,6 +24,7 @@ Every rank builds the same variants and runs them interleaved (``harness.interle
 from __future__ import annotations
 
 import copy
+import functools
 import cProfile
 import io
 import json
@@ -62,6 +63,7 @@ from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh  # noqa: E40
 from shardflow.parallel.pcg import Annotations, build_pcg  # noqa: E402
 from shardflow.parallel.sharding import Sharding  # noqa: E402
 from shardflow.reference import weights_of  # noqa: E402
+from shardflow.runtime.buffers import Kept  # noqa: E402
 from shardflow.runtime.distributed import DistributedExecutor, init_from_env, shutdown  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.strategy import make_plan, resolve  # noqa: E402
@@ -474,41 +476,47 @@ def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = N
     chunk_t, full_t = TensorType((n // d,), "float32"), TensorType((n,), "float32")
     buf = Buffer("x", chunk_t)
 
-    def run(c: Comm, send: torch.Tensor | None) -> torch.Tensor | None:
-        """One communication through shardflow's own implementation (:func:`shardflow.lower.comms.issue`)."""
-        issued = issue(c, send, p)
+    slots = {form: Kept(torch.device("cpu")) for form in ("ag", "ag_ring", "ag_loop", "rs", "rs_ring", "ar")}
+
+    def run(c: Comm, send: torch.Tensor | None, slot: str,
+            alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor | None:
+        """One communication through shardflow's own implementation (:func:`shardflow.lower.comms.issue`),
+        received into a buffer kept from call to call, as the executor's receive slots are (or by ``alloc``)."""
+        issued = issue(c, send, p, alloc=alloc or functools.partial(slots[slot], torch.float32))
         _wait_all(issued.handles)
         return issued.result()
 
     def sf_ag_collective():  # the executor's all-gather
-        return run(Comm(0, "all_gather", "FWD", members, chunk_t, 0, dim=0), own)
+        return run(Comm(0, "all_gather", "FWD", members, chunk_t, 0, dim=0), own, "ag")
 
-    def sf_ag_ring():  # d−1 collective-permute steps, then the concat compute
-        chunks = [None] * d
-        chunks[p] = own
+    def sf_ag_ring():  # d−1 collective-permute steps into their blocks of one buffer, then own chunk copied in
+        out = slots["ag_ring"](torch.float32, (n,))
         for i in range(1, d):
             to, frm = ring_peers(p, i, d)
-            chunks[frm] = run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf), own)
-        return torch.cat(chunks, 0)
+            run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf, dim=0), own, "",
+                alloc=lambda shape, j=frm: out[j * shape[0]:(j + 1) * shape[0]])
+        out[p * own.numel():(p + 1) * own.numel()].copy_(own)
+        return out
 
     def sf_ag_broadcast_loop():  # d broadcasts, root = step, then the concat compute
         chunks = [run(Comm(root, "broadcast", "FWD", members, chunk_t, 0, root=root, recv=None if p == root else buf),
-                      own if p == root else None) for root in range(d)]
+                      own if p == root else None, "ag_loop") for root in range(d)]
         return torch.cat([own if x is None else x for x in chunks], 0)
 
     def sf_rs_collective():  # the executor's reduce-scatter
-        return run(Comm(0, "reduce_scatter", "FWD", members, full_t, 0, dim=0), full)
+        return run(Comm(0, "reduce_scatter", "FWD", members, full_t, 0, dim=0), full, "rs")
 
     def sf_rs_ring():  # chunk compute, then d−1 permute steps each followed by a local add
         parts = [c.contiguous() for c in full.chunk(d, 0)]
         acc = parts[p]
         for i in range(1, d):
             to, frm = ring_peers(p, i, d)
-            acc = acc + run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf), parts[to])
+            acc = acc + run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf), parts[to],
+                            "rs_ring")
         return acc
 
     def sf_all_reduce():  # the executor's all-reduce
-        return run(Comm(0, "all_reduce", "FWD", members, full_t, 0), full)
+        return run(Comm(0, "all_reduce", "FWD", members, full_t, 0), full, "ar")
 
     def gloo_ag():
         dist.all_gather_into_tensor(gathered, own)

@@ -15,13 +15,13 @@ from shardflow.lower.comms import run_local
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
 from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Sum, Update, Vjp, Wait,
-                                     inplace_sums, shared_sends)
+                                     inplace_sums, kept_receives, ring_regions, shared_sends)
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.rules import LocalOp
 from shardflow.runtime.kernels import OptimizerConfig, make_kernel, recorded_nodes
 from shardflow.strategy import make_plan
 
-from test_lower import MEGATRON, against_one_device, lowered, mlp, replicate_broadcast  # the same plans
+from test_lower import MEGATRON, _sp_step, against_one_device, lowered, mlp, replicate_broadcast  # the same plans
 
 
 def shared(step) -> dict[int, list[tuple[str, str, bool]]]:
@@ -207,3 +207,75 @@ def test_the_in_place_sum_kernel_adds_into_a_dense_first_input_and_copies_an_exp
     (s,) = kernel([wide, b])
     assert s.data_ptr() != wide.data_ptr() and torch.equal(s, 1 + b)
     assert torch.equal(wide, torch.ones(4, dtype=torch.float64))
+
+
+# --- receive slots: received buffers kept from step to step -------------------------------------------------------
+def recv(t: int, v: str, wait: bool = True) -> Comm:
+    return Comm(t, "recv", TaskType.FWD, (1, 0), F64, 0, peer=1, recv=buf(v), wait=wait)
+
+
+def test_a_receive_reuses_a_slot_only_once_everything_sharing_the_earlier_one_is_dead():
+    """Interval colouring of received buffers: r2 takes r1's slot when r1 was read and freed before r2 arrives; two
+    receives live at once take two slots; a received value that outlives the step, directly or through a buffer
+    sharing its storage, gets none; one still in flight as a send holds its slot until its wait."""
+    assert kept_receives(program(recv(0, "r1"), read("r1", out="z1"), recv(1, "r2"), read("r2", out="z2")),
+                         ()) == {0: 0, 1: 0}
+    assert kept_receives(program(recv(0, "r1"), recv(1, "r2"), read("r1", "r2", out="z")), ()) == {0: 0, 1: 1}
+    assert kept_receives(program(recv(0, "r1"), read("r1", out="z"), keep_values=("w", "r1")), ()) == {}
+    assert kept_receives(program(recv(0, "r1"), keep("r1", "k"), recv(1, "r2"), read("r2", out="z"),
+                                 keep_values=("w", "k")), ()) == {1: 0}
+    assert kept_receives(program(recv(0, "r1"), all_reduce(1, "r1", wait=False), recv(2, "r2"), Wait(1),
+                                 read("r2", "r1.sum", out="z")), ()) == {0: 0, 2: 1}
+    # a received value reduced in place is the all-reduce's own buffer: the all-reduce itself receives nothing
+    assert kept_receives(program(recv(0, "r1"), all_reduce(1, "r1"), read("r1.sum", out="z")), ()) == {0: 0}
+
+
+def test_fsdp_receives_share_slots_only_between_disjoint_lives_and_match_one_device():
+    """fsdp=2 on the MLP, unbucketed: every weight all-gather and every reduce-scatter ring step receives into a kept
+    slot; fc1's and fc2's gathered weights (1,024 elements each) both live until the backward, so they take two
+    slots, while the two weight gradients' ring receives (512 elements each, one dead before the other arrives)
+    share one. The all-reduce of scale's gradient works in place (no slot). Two steps on the local executor (which
+    copies each receive into its slot) give one device's losses and weights."""
+    graph = mlp(pre=True)
+    step = lowered(graph, "fsdp=2", make_plan(graph, Mesh.parse("fsdp=2"), "fsdp"), options=LowerOptions(bucket_bytes=0))
+    for p in step.programs.values():
+        assert [(c.kind, c.recv.type.numel) for c in p.comms] == [
+            ("all_gather", 1024), ("all_gather", 64), ("all_gather", 1024), ("all_gather", 16), ("all_reduce", 16),
+            ("permute", 8), ("permute", 512), ("permute", 32), ("permute", 512)]
+        assert kept_receives(p, recorded_nodes(p)) == {0: 0, 1: 1, 2: 2, 3: 3, 5: 4, 6: 5, 7: 6, 8: 5}
+    against_one_device(step, graph)
+
+
+def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
+    """x [4, 8, 8] sharded on dim 1 over tp=4, gathered by a ring of collective-permutes into a fused linear. Rank
+    1's three received chunks are blocks of the gathered buffer (``ring_regions``: their places in its concat),
+    taken as one slot of the whole value, and the backward's reduce-scatter ring receives into another, one chunk
+    at a time. The ring's concat copies in only the rank's own chunk and returns the slot's storage, the full
+    tensor; two steps on the local executor give one device's numbers."""
+    import torch
+    from shardflow.lower import LowerOptions
+    from shardflow.runtime.buffers import Assembly, receive_slots
+
+    step, graph = _sp_step(LowerOptions("ring", "ring"), with_graph=True)
+    p = step.programs[1]
+    joins = [k for k, i in enumerate(p.instrs) if isinstance(i, Compute) and i.op == "concat" and not i.dnode]
+    assert ring_regions(p) == {f"fwd:x.combine#{j}": (joins[0], j) for j in (0, 2, 3)}
+    assert [(c.kind, c.pass_, c.dim) for c in p.comms] == [("permute", "FWD", 1)] * 3 + [("permute", "BWD", None)] * 3
+    slots = kept_receives(p, recorded_nodes(p))
+    assert slots == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+
+    kept = receive_slots(slots, torch.device("cpu"))
+    assembly = Assembly(p, kept, torch.device("cpu"))
+    full = torch.randn(4, 8, 8)
+    chunks = list(full.chunk(4, 1))
+    got = {}
+    for c in p.comms[:3]:  # what each step receives, written where the communication would write it
+        j = ring_regions(p)[c.recv.value][1]
+        block = assembly.receiver(c)((2, 4, 8))
+        got[j] = block.copy_(chunks[j].movedim(1, 0)).movedim(0, 1)
+    concat = p.instrs[joins[0]]
+    xs = [got.get(j, chunks[1].clone()) for j in range(4)]
+    out, = assembly.kernel(concat)(xs)
+    assert torch.equal(out, full)
+    assert out.data_ptr() == kept[0].flat.data_ptr() and kept[0].nbytes == full.numel() * 4
+    against_one_device(step, graph)

@@ -437,8 +437,9 @@ GOLDEN = """
 
 
 # --- all-gather / reduce-scatter forms -------------------------------------------------------------------
-def _sp_step(options, d=4):
-    """x [B=4, T=8, C=8] sharded on the sequence dim, all-gathered into a column-parallel linear."""
+def _sp_step(options, d=4, with_graph=False):
+    """x [B=4, T=8, C=8] sharded on the sequence dim, all-gathered into a column-parallel linear (and the graph,
+    ``with_graph``)."""
     b = GraphBuilder()
     x = b.weight("x", (4, 8, 8))
     loss = b.sum(b.tanh(b.dense(x, 8, name="fc")))
@@ -449,7 +450,8 @@ def _sp_step(options, d=4):
                               "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
                               "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
                       edges={("linear", 0): {"tp": Replicate()}})
-    return lower_step(build_pcg(g, mesh, ann), options=options)  # verified
+    step = lower_step(build_pcg(g, mesh, ann), options=options)  # verified
+    return (step, g) if with_graph else step
 
 
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():

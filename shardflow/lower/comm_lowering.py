@@ -491,7 +491,8 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
             to, frm = ring_peers(p, step + 1, d)
             return Comm(token(step), CommKind.PERMUTE, n.pass_, members, own.type,
                         wire_bytes(CommKind.PERMUTE, own.type.nbytes, d), axis, peer=members[to],
-                        peer_from=members[frm], send=own, recv=chunks[frm], wait=wait, note=n.name, value=vin.id)
+                        peer_from=members[frm], send=own, recv=chunks[frm], dim=dim, wait=wait, note=n.name,
+                        value=vin.id)
         root = members[step]
         return Comm(token(step), CommKind.BROADCAST, n.pass_, members, own.type,
                     wire_bytes(CommKind.BROADCAST, own.type.nbytes, d, r == root), axis,

@@ -133,22 +133,27 @@ class Issued:
 
 
 def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: bool = False,
-          device: torch.device | str = "cpu") -> Issued:
+          device: torch.device | str = "cpu", alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> Issued:
     """Issue this rank's side of ``c`` without waiting. ``send``: this rank's send buffer (shape
     ``c.send.type.shape``); ``group``: the process group of ``c.members`` (None = the world); ``in_place``: the
     send buffer is the communication's to use (:func:`~shardflow.lower.program.shared_sends`): an all-reduce or a
     reduce overwrites it with the result, a broadcast root sends it as it is and returns it (a non-contiguous one is
     copied all the same: the backends take contiguous buffers). An all-gather or reduce-scatter along a dim other
     than 0 copies its input once (that dim to the front) and returns a view of the received buffer, not a copy;
-    an all-to-all likewise (its result is a copy only where the chunks cannot be viewed in place: ``dim2`` ≠ 0).
-    Raises ValueError for an unknown kind."""
+    so does a collective-permute step with a ``dim`` (a ring all-gather's, whose chunks are then blocks of the
+    gathered buffer in that layout: :class:`~shardflow.runtime.memory.Assembly`); an all-to-all likewise (its result is a copy only where the chunks cannot be viewed in place: ``dim2`` ≠ 0).
+    ``alloc(shape)``: the buffer the communication receives into (its result's storage, of the dtype of ``c``; e.g. one
+    the caller keeps from step to step: :func:`~shardflow.lower.program.kept_receives`); default a new one. Raises
+    ValueError for an unknown kind."""
     import torch.distributed as dist
 
     def empty(shape) -> torch.Tensor:
         return torch.empty(shape, dtype=torch_dtype(c.type.dtype), device=device)
 
+    alloc = alloc or empty
+
     def working(x: torch.Tensor) -> torch.Tensor:  # the buffer the backend works on
-        return x if in_place and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+        return x if in_place and x.is_contiguous() else alloc(tuple(x.shape)).copy_(x)
 
     d = len(c.members)
     op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -158,37 +163,38 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
     if kind == "send":
         return Issued((dist.isend(send.contiguous(), c.peer),), lambda: None)
     if kind == "recv":
-        out = empty(c.recv.type.shape)
+        out = alloc(c.recv.type.shape)
         return Issued((dist.irecv(out, c.peer),), lambda: out)
     if kind == "all_reduce":
         out = working(send)
         return Issued((dist.all_reduce(out, op=op, group=group, async_op=True),), lambda: scale(out))
     if kind == "all_gather":  # gathered dim to the front; the result is a view of the gathered buffer
         x = send.movedim(c.dim, 0).contiguous()
-        out = empty((d * x.shape[0],) + tuple(x.shape[1:]))
+        out = alloc((d * x.shape[0],) + tuple(x.shape[1:]))
         return Issued((dist.all_gather_single(out, x, group=group, async_op=True),), lambda: out.movedim(0, c.dim))
     if kind == "reduce_scatter":  # scattered dim to the front; the result is a view of the received buffer
         x = send.movedim(c.dim, 0).contiguous()
-        out = empty((x.shape[0] // d,) + tuple(x.shape[1:]))
+        out = alloc((x.shape[0] // d,) + tuple(x.shape[1:]))
         return Issued((dist.reduce_scatter_single(out, x, op=op, group=group, async_op=True),),
                       lambda: scale(out.movedim(0, c.dim)))
     if kind == "all_to_all":  # x[j]: the chunk for member j; out[i]: the chunk from member i
         x = send.unflatten(c.dim, (d, -1)).movedim(c.dim, 0).contiguous()
-        out = torch.empty_like(x)
+        out = alloc(tuple(x.shape))
         return Issued((dist.all_to_all_single(out, x, group=group, async_op=True),),
                       lambda: out.movedim(0, c.dim2).flatten(c.dim2, c.dim2 + 1))
     if kind == "broadcast":
         root = rank == c.root
-        out = working(send) if root else empty(c.recv.type.shape)
+        out = working(send) if root else alloc(c.recv.type.shape)
         work = dist.broadcast(out, src=c.root, group=group, async_op=True)
         return Issued((work,), lambda: out if c.recv is not None else None)
     if kind == "reduce":  # a root outside the group (a machine view) adds zeros
-        out = empty(c.type.shape).zero_() if send is None else working(send)
+        out = alloc(c.type.shape).zero_() if send is None else working(send)
         work = dist.reduce(out, dst=c.root, group=group, async_op=True)
         return Issued((work,), lambda: out if rank == c.root else None)
-    if kind == "permute":  # one ring step: send and recv issued together
-        out = empty(c.recv.type.shape)
-        handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, send.contiguous(), c.peer),
-                                          dist.P2POp(dist.irecv, out, c.peer_from)])
-        return Issued(tuple(handles), lambda: out)
+    if kind == "permute":  # one ring step, send and recv issued together; with a dim, moved with that dim first
+        at = 0 if c.dim is None else c.dim
+        x = send.movedim(at, 0).contiguous()
+        out = alloc(tuple(x.shape))
+        handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, c.peer), dist.P2POp(dist.irecv, out, c.peer_from)])
+        return Issued(tuple(handles), lambda: out.movedim(0, at))
     raise ValueError(f"rank {rank}: no implementation of communication kind {c.kind!r} (token {c.token})")

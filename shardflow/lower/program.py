@@ -352,7 +352,8 @@ def _aliased(i: Compute) -> tuple[tuple[int, ...], ...]:
         per = every if i.ins[0].type.dtype == i.outs[0].type.dtype else none
     elif isinstance(spec, (Keep, Block)) or (spec is None and i.op in ("chunk", "unpack")):
         per = every
-    else:  # OnesLike, SumOfSquares; concat, add, pack, ungather: new tensors
+    else:  # OnesLike, SumOfSquares; concat (a ring's shares the storage of its received chunks: _sharing), add,
+        # pack, ungather: new tensors
         per = none
     return (per,) * len(i.outs)
 
@@ -375,7 +376,7 @@ def shared_sends(program: Program, recorded: Collection[tuple[str, int]]) -> fro
     them while the other is still read (a received value must never alias a buffer updated in place); then every
     broadcast root whose buffer is read afterwards sends a copy.
     """
-    return buffer_reuse(program, recorded)[0]
+    return buffer_reuse(program, recorded).sends
 
 
 def inplace_sums(program: Program, recorded: Collection[tuple[str, int]]) -> frozenset[str]:
@@ -385,23 +386,64 @@ def inplace_sums(program: Program, recorded: Collection[tuple[str, int]]) -> fro
     :func:`shared_sends`: not read later, not kept by a recorded autograd graph, not in flight, not persistent, not a
     placed input), it has the output's type, and no other input of the sum shares its storage. The microbatches'
     running sums of weight gradients are such sums."""
-    return buffer_reuse(program, recorded)[1]
+    return buffer_reuse(program, recorded).sums
 
 
-def buffer_reuse(program: Program, recorded: Collection[tuple[str, int]]) -> tuple[frozenset[int], frozenset[str]]:
-    """:func:`shared_sends` and :func:`inplace_sums` of ``program`` in one pass (what an executor asks, once):
-    broadcast roots send their buffer as it is unless an optimizer update would then overwrite storage another
-    buffer still reads."""
-    tokens, sums, clash = _sharing(program, recorded, live_roots=True)
-    return _sharing(program, recorded, live_roots=False)[:2] if clash else (tokens, sums)
+def ring_regions(program: Program) -> dict[str, tuple[int, int]]:
+    """The chunks of ring all-gathers that are received in place: value → (index of the ``concat`` compute that
+    joins them, the chunk's place in it), for every input of such a concat that a collective-permute step with a
+    ``dim`` receives (communication lowering's ring all-gather). An executor receives each of them straight into its
+    block of the concat's output, allocated when the first one is issued (with the gathered dim first, so each block
+    is contiguous), and the concat only copies in the chunks it did not receive (the rank's own)."""
+    received = {c.recv.value for c in program.comms if c.kind == "permute" and c.dim is not None}
+    return {b.value: (k, j) for k, i in enumerate(program.instrs)
+            if isinstance(i, Compute) and i.op == "concat" and not i.dnode
+            for j, b in enumerate(i.ins) if b.value in received}
 
 
-def _sharing(program: Program, recorded: Collection[tuple[str, int]],
-             live_roots: bool) -> tuple[frozenset[int], frozenset[str], bool]:
-    """:func:`shared_sends`' and :func:`inplace_sums`' pass over ``program``: the tokens and the sums chosen, and
-    whether an optimizer update overwrites a buffer whose storage another buffer still read shares. ``live_roots``: broadcast roots send their buffer as it
+def kept_receives(program: Program, recorded: Collection[tuple[str, int]]) -> dict[int, int]:
+    """Receive slots: token → slot, for the communications of ``program`` whose received buffer, and every buffer
+    that may share its storage (under the rules of :func:`shared_sends`), is freed within the step. An executor
+    receives those into buffers it keeps from step to step (one per slot, allocated once, as DDP keeps its buckets
+    and a caching allocator its blocks) instead of new ones each step. Two communications share a slot only when
+    their received values have the same number of elements and dtype and the first one's storage is no longer needed
+    (read, kept by a recorded autograd graph, in flight, or held) when the second is issued: interval colouring in
+    program order, so a program holds as many slots of a size as it has such receives live at once. The chunks of a
+    ring all-gather received in place (:func:`ring_regions`) share the slot of the whole gathered value, taken when
+    the first of them is issued.
+
+    A communication whose result is its send buffer (:func:`shared_sends`) receives nothing; a received value that
+    outlives the step (a gathered weight kept as the new weight, a gradient an update reads) or that an optimizer
+    update overwrites in place gets no slot."""
+    return buffer_reuse(program, recorded).kept
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """What an executor may do with its buffers (:func:`buffer_reuse`): ``sends``, the tokens of
+    :func:`shared_sends`; ``sums``, the values of :func:`inplace_sums`; ``kept``, the receive slots of
+    :func:`kept_receives`."""
+
+    sends: frozenset[int]
+    sums: frozenset[str]
+    kept: Mapping[int, int]
+
+
+def buffer_reuse(program: Program, recorded: Collection[tuple[str, int]]) -> Reuse:
+    """:func:`shared_sends`, :func:`inplace_sums` and :func:`kept_receives` of ``program`` in one pass (what an
+    executor asks, once): broadcast roots send their buffer as it is unless an optimizer update would then
+    overwrite storage another buffer still reads."""
+    reuse, clash = _sharing(program, recorded, live_roots=True)
+    return _sharing(program, recorded, live_roots=False)[0] if clash else reuse
+
+
+def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots: bool) -> tuple[Reuse, bool]:
+    """The pass of :func:`buffer_reuse` over ``program``: what it chose, and whether an optimizer update overwrites a
+    buffer whose storage another buffer still read shares. ``live_roots``: broadcast roots send their buffer as it
     is even when it is read afterwards."""
     instrs = program.instrs
+    regions = ring_regions(program)
+    joins = {k for k, _ in regions.values()}
     freed = {v for i in instrs if isinstance(i, Free) for v in i.values} - {b.value for b in program.inputs}
     last: dict[str, int] = {}  # value → the last instruction that reads it
     for k, i in enumerate(instrs):
@@ -445,6 +487,9 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]],
             for b, per in zip(i.outs, _aliased(i)):
                 for j in per:
                     union(b.value, i.ins[j].value)
+            for b in i.ins if k in joins else ():  # a ring's concat: assembled in the storage of its received chunks
+                if b.value in regions:
+                    union(i.outs[0].value, b.value)
         elif isinstance(i, Comm):
             if i.send is not None and i.kind in SHARING_KINDS:
                 reads_only = i.kind == "broadcast" and (live_roots or i.recv is None)
@@ -454,7 +499,49 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]],
                         union(i.recv.value, i.send.value)
             if i.send is not None and not i.wait:
                 in_flight[i.token] = i.send.value
-    return frozenset(chosen), frozenset(sums), clash
+    return Reuse(frozenset(chosen), frozenset(sums), _slots(program, chosen, freed, last, group)), clash
+
+
+def _slots(program: Program, chosen: Collection[int], freed: Collection[str], last: Mapping[str, int],
+           group: Mapping[str, list[str]]) -> dict[int, int]:
+    """:func:`kept_receives` from :func:`_sharing`'s pass: its storage classes (``group``), the last reader of each
+    value (``last``, recorded autograd graphs included) and the values freed in the step."""
+    instrs = program.instrs
+    end = dict(last)  # value → the last instruction that needs its storage: a read, its free, the wait of its send
+    waits = {i.token: k for k, i in enumerate(instrs) if isinstance(i, Wait)}
+    for k, i in enumerate(instrs):
+        for v in i.values if isinstance(i, Free) else ():
+            end[v] = max(end.get(v, -1), k)
+        if isinstance(i, Comm) and i.send is not None and not i.wait:
+            end[i.send.value] = max(end.get(i.send.value, -1), waits.get(i.token, len(instrs)))
+    regions = ring_regions(program)
+    slots: dict[int, int] = {}
+    whole: dict[int, int] = {}  # a ring's concat → the slot its chunks are received in
+    idle: dict[tuple[int, str], list[int]] = {}  # (elements, dtype) → slots free to take
+    busy: list[tuple[int, int, tuple[int, str]]] = []  # (the last instruction needing it, slot, its size)
+    n = 0
+    for k, i in enumerate(instrs):
+        for item in [b for b in busy if b[0] < k]:
+            busy.remove(item)
+            idle[item[2]].append(item[1])
+        if not isinstance(i, Comm) or i.recv is None or i.token in chosen:
+            continue
+        same = group.get(i.recv.value, [i.recv.value])
+        if i.recv.value in regions and regions[i.recv.value][0] in whole:
+            slots[i.token] = whole[regions[i.recv.value][0]]
+        elif all(u in freed for u in same):
+            t = instrs[regions[i.recv.value][0]].outs[0].type if i.recv.value in regions else i.recv.type
+            size = (t.numel, t.dtype)
+            free = idle.setdefault(size, [])
+            if free:
+                slot = free.pop()
+            else:
+                slot, n = n, n + 1
+            slots[i.token] = slot
+            if i.recv.value in regions:
+                whole[regions[i.recv.value][0]] = slot
+            busy.append((max(end.get(u, k) for u in same), slot, size))
+    return slots
 
 
 def reads(i: Instr) -> tuple[Buffer, ...]:

@@ -7,12 +7,15 @@ A kind's message size is the piece one rank holds (``size`` bytes of float32: th
 reduction's input, the broadcast root's buffer, one ring step's chunk); the bytes fitted against are what the cost
 model counts for it (:func:`~shardflow.lower.comms.wire_bytes`; ``p2p`` is one collective-permute step, the ring's).
 Each call is timed alone, from its issue to the end of its waits, after a barrier of its group; a sample is the
-median of ``reps`` calls, the slowest rank's (the call ends for the group when it ends on its last member).
+median of ``reps`` calls, the slowest rank's (the call ends for the group when it ends on its last member). Each kind
+and size receives into one buffer from call to call, as the executor's receive slots do
+(:class:`~shardflow.runtime.buffers.Kept`).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import statistics
 import time
 from typing import Callable, Sequence
@@ -26,6 +29,7 @@ from shardflow.lower.comms import issue, wire_bytes
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Comm
 from shardflow.parallel.mesh import Mesh
+from shardflow.runtime.buffers import Kept
 
 WARMUP = 1  # untimed calls per kind and size (first-call set-up: connections, buffers)
 
@@ -83,11 +87,12 @@ def measure(rank: int, world: int, mesh: Mesh | None, sizes: Sequence[int], reps
             for size in sizes:
                 c, sends, nbytes = probe(kind, members, rank, size)
                 send = torch.ones(c.type.shape, device=device) if sends else None
+                kept = functools.partial(Kept(device), torch.float32)  # received into one buffer, as the executor does
                 times = []
                 for k in range(WARMUP + reps):
                     dist.barrier(group=group)
                     t0 = time.perf_counter()
-                    issued = issue(c, send, rank, group, device=device)
+                    issued = issue(c, send, rank, group, device=device, alloc=kept)
                     for h in issued.handles:
                         h.wait()
                     if device.type == "cuda":

@@ -129,3 +129,4 @@ class _KindLedger(Ledger):
     def free(self, vid: str) -> None:
         self.by_kind[self.kind(vid)] -= self.live.get(vid, 0)
         super().free(vid)
+
