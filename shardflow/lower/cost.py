@@ -4,11 +4,12 @@ time = α per call + bytes this rank sends / bandwidth of that kind of call (a "
 rank per second). Defaults per backend; ``shardflow calibrate`` measures them on the machine, per mesh axis
 (:mod:`shardflow.lower.calibration`; :meth:`CostModel.for_backend` reads its file); every number can be overridden.
 
-gloo defaults are measured on these machines (torch 2.13, 2 ranks; design note and docs/benchmarks.md):
-a collective-permute step sends and receives at once, ~0.6 GB/s each way (one-way send/recv reaches ~1.1);
-all-reduce ~0.8–1.0; all-gather ~0.6 at ≥ 4 MiB (the design note's 0.3–0.4 was smaller messages);
-reduce-scatter ~0.2 (an all-reduce underneath, twice the bytes); ~0.4 ms per call. So on gloo the ring
-reduce-scatter wins and the ring all-gather does not (it ties on bandwidth and pays more calls). NCCL defaults are order-of-magnitude figures for one node
+gloo defaults are measured on these machines (torch 2.13, 2 ranks; design note and docs/benchmarks.md (c)):
+a collective-permute step sends and receives at once, ~1.0 GB/s each way into a kept receive buffer (0.6 into a
+new one each call: page faults; :mod:`shardflow.runtime.buffers`); all-reduce ~0.8–1.0; all-gather ~0.6 at
+≥ 4 MiB (the design note's 0.3–0.4 was smaller messages); reduce-scatter ~0.2 (an all-reduce's bytes); ~0.4 ms
+per call. So on gloo the ring reduce-scatter wins, and the ring all-gather wins where its d−1 calls' latency is
+small against the bytes (always on 2 ranks, one call either way). NCCL defaults are order-of-magnitude figures for one node
 (NVLink-class), where the built-in collectives are the fast path.
 """
 
@@ -28,7 +29,7 @@ from shardflow.lower.schedule import ScheduleKind
 GB = 1e9
 
 DEFAULT_BANDWIDTH: Mapping[str, Mapping[str, float]] = {
-    "gloo": {"p2p": 0.6 * GB, "all_reduce": 0.9 * GB, "all_gather": 0.6 * GB, "reduce_scatter": 0.2 * GB,
+    "gloo": {"p2p": 1.0 * GB, "all_reduce": 0.9 * GB, "all_gather": 0.6 * GB, "reduce_scatter": 0.2 * GB,
              "broadcast": 0.9 * GB, "all_to_all": 0.35 * GB, "reduce": 0.9 * GB},
     "nccl": {"p2p": 20 * GB, "all_reduce": 100 * GB, "all_gather": 100 * GB, "reduce_scatter": 100 * GB,
              "broadcast": 100 * GB, "all_to_all": 50 * GB, "reduce": 100 * GB},
