@@ -231,13 +231,15 @@ def test_a_receive_reuses_a_slot_only_once_everything_sharing_the_earlier_one_is
 
 
 def test_fsdp_receives_share_slots_only_between_disjoint_lives_and_match_one_device():
-    """fsdp=2 on the MLP, unbucketed: every weight all-gather and every reduce-scatter ring step receives into a kept
-    slot; fc1's and fc2's gathered weights (1,024 elements each) both live until the backward, so they take two
-    slots, while the two weight gradients' ring receives (512 elements each, one dead before the other arrives)
-    share one. The all-reduce of scale's gradient works in place (no slot). Two steps on the local executor (which
-    copies each receive into its slot) give one device's losses and weights."""
+    """fsdp=2 on the MLP, unbucketed, all-gathers collective and reduce-scatters rings: every weight all-gather and
+    every reduce-scatter ring step receives into a kept slot; fc1's and fc2's gathered weights (1,024 elements each)
+    both live until the backward, so they take two slots, while the two weight gradients' ring receives (512
+    elements each, one dead before the other arrives) share one. The all-reduce of scale's gradient works in place
+    (no slot). Two steps on the local executor (which copies each receive into its slot) give one device's losses
+    and weights."""
     graph = mlp(pre=True)
-    step = lowered(graph, "fsdp=2", make_plan(graph, Mesh.parse("fsdp=2"), "fsdp"), options=LowerOptions(bucket_bytes=0))
+    step = lowered(graph, "fsdp=2", make_plan(graph, Mesh.parse("fsdp=2"), "fsdp"),
+                   options=LowerOptions("collective", "ring", bucket_bytes=0))
     for p in step.programs.values():
         assert [(c.kind, c.recv.type.numel) for c in p.comms] == [
             ("all_gather", 1024), ("all_gather", 64), ("all_gather", 1024), ("all_gather", 16), ("all_reduce", 16),
