@@ -499,13 +499,14 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
                         union(i.recv.value, i.send.value)
             if i.send is not None and not i.wait:
                 in_flight[i.token] = i.send.value
-    return Reuse(frozenset(chosen), frozenset(sums), _slots(program, chosen, freed, last, group)), clash
+    return Reuse(frozenset(chosen), frozenset(sums), _slots(program, chosen, freed, last, group, regions)), clash
 
 
 def _slots(program: Program, chosen: Collection[int], freed: Collection[str], last: Mapping[str, int],
-           group: Mapping[str, list[str]]) -> dict[int, int]:
+           group: Mapping[str, list[str]], regions: Mapping[str, tuple[int, int]]) -> dict[int, int]:
     """:func:`kept_receives` from :func:`_sharing`'s pass: its storage classes (``group``), the last reader of each
-    value (``last``, recorded autograd graphs included) and the values freed in the step."""
+    value (``last``, recorded autograd graphs included), the values freed in the step and the ring chunks received
+    in place (``regions``)."""
     instrs = program.instrs
     end = dict(last)  # value → the last instruction that needs its storage: a read, its free, the wait of its send
     waits = {i.token: k for k, i in enumerate(instrs) if isinstance(i, Wait)}
@@ -514,7 +515,6 @@ def _slots(program: Program, chosen: Collection[int], freed: Collection[str], la
             end[v] = max(end.get(v, -1), k)
         if isinstance(i, Comm) and i.send is not None and not i.wait:
             end[i.send.value] = max(end.get(i.send.value, -1), waits.get(i.token, len(instrs)))
-    regions = ring_regions(program)
     slots: dict[int, int] = {}
     whole: dict[int, int] = {}  # a ring's concat → the slot its chunks are received in
     idle: dict[tuple[int, str], list[int]] = {}  # (elements, dtype) → slots free to take
