@@ -256,7 +256,8 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     tensor; two steps on the local executor give one device's numbers."""
     import torch
     from shardflow.lower import LowerOptions
-    from shardflow.runtime.buffers import Assembly, receive_slots
+    from shardflow.lower.program import buffer_reuse
+    from shardflow.runtime.buffers import Receives
 
     step, graph = _sp_step(LowerOptions("ring", "ring"), with_graph=True)
     p = step.programs[1]
@@ -266,18 +267,18 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     slots = kept_receives(p, recorded_nodes(p))
     assert slots == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
 
-    kept = receive_slots(slots, torch.device("cpu"))
-    assembly = Assembly(p, kept, torch.device("cpu"))
+    receives = Receives(p, buffer_reuse(p, recorded_nodes(p)), torch.device("cpu"))
+    kept = receives.kept
     full = torch.randn(4, 8, 8)
     chunks = list(full.chunk(4, 1))
     got = {}
     for c in p.comms[:3]:  # what each step receives, written where the communication would write it
         j = ring_regions(p)[c.recv.value][1]
-        block = assembly.receiver(c)((2, 4, 8))
+        block = receives.alloc(c)((2, 4, 8))
         got[j] = block.copy_(chunks[j].movedim(1, 0)).movedim(0, 1)
     concat = p.instrs[joins[0]]
     xs = [got.get(j, chunks[1].clone()) for j in range(4)]
-    out, = assembly.kernel(concat)(xs)
+    out, = receives.kernel(concat)(xs)
     assert torch.equal(out, full)
     assert out.data_ptr() == kept[0].flat.data_ptr() and kept[0].nbytes == full.numel() * 4
     against_one_device(step, graph)

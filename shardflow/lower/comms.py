@@ -122,6 +122,12 @@ def run_local(members: Sequence[Comm], sends: Sequence[torch.Tensor | None],
     raise ValueError(f"no local implementation of communication kind {c.kind!r} (token {c.token})")
 
 
+def front_dim(c: Comm) -> int:
+    """The tensor dim that the buffer ``c`` receives into holds first (:func:`issue`): the gathered or scattered dim
+    of an all-gather, a reduce-scatter or a ring step that carries one; else 0 (the received value's own layout)."""
+    return c.dim if c.kind in ("all_gather", "reduce_scatter", "permute") and c.dim is not None else 0
+
+
 # --- torch.distributed implementation: this rank's side ------------------------------------------------
 @dataclass(frozen=True)
 class Issued:
@@ -141,7 +147,8 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
     copied all the same: the backends take contiguous buffers). An all-gather or reduce-scatter along a dim other
     than 0 copies its input once (that dim to the front) and returns a view of the received buffer, not a copy;
     so does a collective-permute step with a ``dim`` (a ring all-gather's, whose chunks are then blocks of the
-    gathered buffer in that layout: :class:`~shardflow.runtime.memory.Assembly`); an all-to-all likewise (its result is a copy only where the chunks cannot be viewed in place: ``dim2`` ≠ 0).
+    gathered buffer in that layout: :class:`~shardflow.runtime.buffers.Receives`; :func:`front_dim`); an
+    all-to-all likewise (its result is a copy only where the chunks cannot be viewed in place: ``dim2`` ≠ 0).
     ``alloc(shape)``: the buffer the communication receives into (its result's storage, of the dtype of ``c``; e.g. one
     the caller keeps from step to step: :func:`~shardflow.lower.program.kept_receives`); default a new one. Raises
     ValueError for an unknown kind."""
@@ -192,7 +199,7 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
         work = dist.reduce(out, dst=c.root, group=group, async_op=True)
         return Issued((work,), lambda: out if rank == c.root else None)
     if kind == "permute":  # one ring step, send and recv issued together; with a dim, moved with that dim first
-        at = 0 if c.dim is None else c.dim
+        at = front_dim(c)
         x = send.movedim(at, 0).contiguous()
         out = alloc(tuple(x.shape))
         handles = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, c.peer), dist.P2POp(dist.irecv, out, c.peer_from)])

@@ -18,6 +18,7 @@ Programs print as listings a person can read (Alpa-style instruction streams) an
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
@@ -422,11 +423,12 @@ def kept_receives(program: Program, recorded: Collection[tuple[str, int]]) -> di
 class Reuse:
     """What an executor may do with its buffers (:func:`buffer_reuse`): ``sends``, the tokens of
     :func:`shared_sends`; ``sums``, the values of :func:`inplace_sums`; ``kept``, the receive slots of
-    :func:`kept_receives`."""
+    :func:`kept_receives`; ``regions``, the program's :func:`ring_regions`."""
 
     sends: frozenset[int]
     sums: frozenset[str]
     kept: Mapping[int, int]
+    regions: Mapping[str, tuple[int, int]]
 
 
 def buffer_reuse(program: Program, recorded: Collection[tuple[str, int]]) -> Reuse:
@@ -499,7 +501,8 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
                         union(i.recv.value, i.send.value)
             if i.send is not None and not i.wait:
                 in_flight[i.token] = i.send.value
-    return Reuse(frozenset(chosen), frozenset(sums), _slots(program, chosen, freed, last, group, regions)), clash
+    slots = _slots(program, chosen, freed, last, group, regions)
+    return Reuse(frozenset(chosen), frozenset(sums), slots, regions), clash
 
 
 def _slots(program: Program, chosen: Collection[int], freed: Collection[str], last: Mapping[str, int],
@@ -518,12 +521,12 @@ def _slots(program: Program, chosen: Collection[int], freed: Collection[str], la
     slots: dict[int, int] = {}
     whole: dict[int, int] = {}  # a ring's concat → the slot its chunks are received in
     idle: dict[tuple[int, str], list[int]] = {}  # (elements, dtype) → slots free to take
-    busy: list[tuple[int, int, tuple[int, str]]] = []  # (the last instruction needing it, slot, its size)
+    busy: list[tuple[int, int, tuple[int, str]]] = []  # heap of (the last instruction needing it, slot, its size)
     n = 0
     for k, i in enumerate(instrs):
-        for item in [b for b in busy if b[0] < k]:
-            busy.remove(item)
-            idle[item[2]].append(item[1])
+        while busy and busy[0][0] < k:
+            _, slot, size = heapq.heappop(busy)
+            idle[size].append(slot)
         if not isinstance(i, Comm) or i.recv is None or i.token in chosen:
             continue
         same = group.get(i.recv.value, [i.recv.value])
@@ -540,7 +543,7 @@ def _slots(program: Program, chosen: Collection[int], freed: Collection[str], la
             slots[i.token] = slot
             if i.recv.value in regions:
                 whole[regions[i.recv.value][0]] = slot
-            busy.append((max(end.get(u, k) for u in same), slot, size))
+            heapq.heappush(busy, (max(end.get(u, k) for u in same), slot, size))
     return slots
 
 

@@ -7,19 +7,21 @@ and the CUDA caching allocator its blocks for the same reason.
 
 * :class:`Kept`: a receive slot of :func:`~shardflow.lower.program.kept_receives` — one buffer, allocated at
   first use, that every communication of the slot receives into, step after step;
-* :class:`Assembly`: a ring all-gather's chunks received straight into their blocks of the gathered buffer
-  (:func:`~shardflow.lower.program.ring_regions`), so its concat copies only the rank's own chunk.
+* :class:`Receives`: where each communication of a rank's program receives — its slot, or, for a ring
+  all-gather's chunks (:func:`~shardflow.lower.program.ring_regions`), straight into their blocks of the gathered
+  buffer, so the ring's concat copies only the rank's own chunk.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.program import Comm, Compute, Program, ring_regions
+from shardflow.lower.program import Comm, Compute, Program, Reuse
 
 
 class Kept:
@@ -44,47 +46,51 @@ class Kept:
         return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
 
 
-def receive_slots(slots: Mapping[int, int], device: torch.device) -> dict[int, Kept]:
-    """``slots`` (token → slot, :func:`~shardflow.lower.program.kept_receives`) as token → its slot's buffer on
-    ``device`` (tokens of one slot share it)."""
-    kept = [Kept(device) for _ in range(max(slots.values(), default=-1) + 1)]
-    return {t: kept[k] for t, k in slots.items()}
+class Receives:
+    """Where the communications of one rank's ``program`` receive, from its :class:`~shardflow.lower.program.Reuse`
+    (``reuse``, :func:`~shardflow.lower.program.buffer_reuse`), on ``device``:
 
+    * a communication with a receive slot (``reuse.kept``) receives into the slot's :class:`Kept` buffer (tokens of
+      one slot share it);
+    * a ring all-gather's chunks (``reuse.regions``) are received into their blocks of the gathered buffer,
+      allocated with the gathered dim first (in its receive slot when it has one; else new each step) when the
+      first of them is issued; the ring's concat (:meth:`kernel`) copies in the chunks that are not blocks of it
+      (the rank's own) and returns the buffer with the dim back in its place;
+    * any other communication receives into a new buffer (:meth:`alloc` gives None).
+    """
 
-class Assembly:
-    """The ring all-gathers of one rank's ``program`` received in place. The gathered buffer of each is allocated
-    with the gathered dim first (in its receive slot when it has one, from ``kept``; else new each step) when the
-    first of its chunks is received: :meth:`receiver`. Each received chunk is a block of it; the ring's concat
-    (:meth:`kernel`) copies in the chunks that are not (the rank's own) and returns the buffer with the dim back
-    in its place."""
-
-    def __init__(self, program: Program, kept: Mapping[int, Kept], device: torch.device):
-        self.regions = ring_regions(program)
+    def __init__(self, program: Program, reuse: Reuse, device: torch.device):
+        slots = [Kept(device) for _ in range(max(reuse.kept.values(), default=-1) + 1)]
+        self.kept = {t: slots[k] for t, k in reuse.kept.items()}  # token → its receive slot
+        self.regions = reuse.regions
         self.joins: dict[int, Compute] = {k: program.instrs[k] for k, _ in self.regions.values()}  # index → concat
         self.concats = {i: k for k, i in self.joins.items()}
         self.first: dict[int, int] = {}  # concat index → the token of the first communication receiving a chunk
         for c in program.comms:
             if c.recv is not None and c.recv.value in self.regions:
                 self.first.setdefault(self.regions[c.recv.value][0], c.token)
-        self.kept, self.device = kept, device
+        self.device = device
         self.gathered: dict[int, torch.Tensor] = {}  # concat index → this step's gathered buffer, dim first
 
-    def receiver(self, c: Comm) -> Callable[[tuple[int, ...]], torch.Tensor] | None:
-        """Where communication ``c`` receives (a function of the received shape, gathered dim first) when what it
-        receives is a chunk of a ring all-gather: its block of the gathered buffer, allocated here when ``c`` is
-        the first of the ring's communications in the program (call once per issue of ``c``). None otherwise."""
-        if c.recv is None or c.recv.value not in self.regions:
-            return None
-        k, j = self.regions[c.recv.value]
-        if self.first[k] == c.token:
-            out = self.joins[k].outs[0].type
-            shape = list(out.shape)
-            shape.insert(0, shape.pop(c.dim))
-            dtype = torch_dtype(out.dtype)
-            self.gathered[k] = (self.kept[c.token](dtype, tuple(shape)) if c.token in self.kept else
-                                torch.empty(shape, dtype=dtype, device=self.device))
-        gathered = self.gathered[k]
-        return lambda shape: gathered[j * shape[0]:(j + 1) * shape[0]]
+    def alloc(self, c: Comm) -> Callable[[tuple[int, ...]], torch.Tensor] | None:
+        """The buffer communication ``c`` receives into, as a function of its shape (the received value's with
+        :func:`~shardflow.lower.comms.front_dim` first; what :func:`~shardflow.lower.comms.issue` takes as
+        ``alloc``): a ring chunk's block of the gathered buffer (allocated here when ``c`` is the ring's first
+        communication in the program: call once per issue of ``c``), else its slot; None for a new buffer."""
+        if c.recv is not None and c.recv.value in self.regions:
+            k, j = self.regions[c.recv.value]
+            if self.first[k] == c.token:
+                out = self.joins[k].outs[0].type
+                shape = list(out.shape)
+                shape.insert(0, shape.pop(c.dim))
+                dtype = torch_dtype(out.dtype)
+                self.gathered[k] = (self.kept[c.token](dtype, tuple(shape)) if c.token in self.kept else
+                                    torch.empty(shape, dtype=dtype, device=self.device))
+            gathered = self.gathered[k]
+            return lambda shape: gathered[j * shape[0]:(j + 1) * shape[0]]
+        if c.token in self.kept:
+            return functools.partial(self.kept[c.token], torch_dtype(c.type.dtype))
+        return None
 
     def kernel(self, concat: Compute) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None:
         """The kernel of ``concat`` when it joins a ring's chunks received in place; None for any other compute."""

@@ -38,7 +38,7 @@ from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
                                        update_kernel)
 from shardflow.runtime import trace
-from shardflow.runtime.buffers import Assembly, receive_slots
+from shardflow.runtime.buffers import Receives
 from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
@@ -193,11 +193,10 @@ class DistributedExecutor(Executor):
         self.groups.create(self.program.groups)  # same order on every rank
         self.saved: dict = {}  # forward autograd graphs, consumed by the backward
         # communications whose send buffer is theirs to use (reduced in place, or broadcast from as it is), the
-        # gradient sums accumulated into their first input, and the communications receiving into a kept buffer
+        # gradient sums accumulated into their first input, and where each communication receives
         reuse = buffer_reuse(self.program, recorded_nodes(self.program))
         self.shared, into = reuse.sends, reuse.sums
-        self.kept = receive_slots(reuse.kept, self.device)  # token → its receive slot, kept between steps
-        self.assembly = Assembly(self.program, self.kept, self.device)  # ring all-gathers received in place
+        self.receives = Receives(self.program, reuse, self.device)  # receive slots, ring all-gathers in place
         once = single_calls(self.program)
         self.kernels = {i: make_kernel(i, optimizer, lambda: self.steps_done + 1,
                                        self.saved if i.dnode in once else None, seed, lambda: self.micro,
@@ -326,7 +325,7 @@ class DistributedExecutor(Executor):
     def _kernel(self, instr: Compute) -> Kernel:
         if instr.dnode:
             return self.kernels[instr]
-        return self.assembly.kernel(instr) or functools.partial(local_move, instr)
+        return self.receives.kernel(instr) or functools.partial(local_move, instr)
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)
@@ -389,10 +388,8 @@ class DistributedExecutor(Executor):
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
         group = None if c.family in ("p2p", "permute") else self.groups.get(c.members)  # point-to-point: none
-        alloc = self.assembly.receiver(c)
-        if alloc is None and c.token in self.kept:
-            alloc = functools.partial(self.kept[c.token], torch_dtype(c.type.dtype))
-        issued = issue(c, send, self.rank, group, in_place=c.token in self.shared, device=self.device, alloc=alloc)
+        issued = issue(c, send, self.rank, group, in_place=c.token in self.shared, device=self.device,
+                       alloc=self.receives.alloc(c))
         if not c.wait:
             self.pending[c.token] = (issued, c)
             return None

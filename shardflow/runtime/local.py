@@ -14,14 +14,14 @@ import torch
 
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
-from shardflow.lower.comms import run_local
+from shardflow.lower.comms import front_dim, run_local
 from shardflow.lower.program import Comm, Compute, buffer_reuse
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import blocks, gather, scatter
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
                                        update_kernel)
-from shardflow.runtime.buffers import Assembly, Kept, receive_slots
+from shardflow.runtime.buffers import Receives
 from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
@@ -49,14 +49,11 @@ class LocalExecutor(Executor):
         # per rank, the communications whose send buffer is theirs to use and the sums accumulated in place, as the
         # distributed executor decides
         self.shared: dict[int, frozenset[int]] = {}
-        self.kept: dict[tuple[int, int], Kept] = {}  # (rank, token) → its receive slot, kept between steps
-        self.assembly: dict[int, Assembly] = {}
+        self.receives: dict[int, Receives] = {}  # per rank: receive slots, ring all-gathers in place
         for r, p in step.programs.items():
             reuse = buffer_reuse(p, recorded_nodes(p))
             self.shared[r], into = reuse.sends, reuse.sums
-            kept = receive_slots(reuse.kept, self.device)
-            self.kept.update({(r, t): k for t, k in kept.items()})
-            self.assembly[r] = Assembly(p, kept, self.device)  # ring all-gathers received in place
+            self.receives[r] = Receives(p, reuse, self.device)
             once = single_calls(p)
             for i in p.instrs:
                 if isinstance(i, Compute) and i.dnode:
@@ -143,7 +140,7 @@ class LocalExecutor(Executor):
     def _kernel(self, r: int, instr: Compute) -> Kernel:
         if instr.dnode:
             return self.kernels[(r, instr)]
-        return self.assembly[r].kernel(instr) or functools.partial(local_move, instr)
+        return self.receives[r].kernel(instr) or functools.partial(local_move, instr)
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)
@@ -157,12 +154,12 @@ class LocalExecutor(Executor):
         """A communication every member has reached: each receives what :func:`run_local` gives it."""
         sends = [self.buffers[r][c.send.value] if c.send is not None else None for r, c in holders]
         shared = [c.token in self.shared[r] for r, c in holders]
-        for (r, c), send, x in zip(holders, sends, run_local([c for _, c in holders], sends, shared)):
-            block = self.assembly[r].receiver(c)
-            if block is not None:  # a ring's chunk, received into its block of the gathered buffer
-                x = block(tuple(x.movedim(c.dim, 0).shape)).copy_(x.movedim(c.dim, 0)).movedim(0, c.dim)
-            elif (r, c.token) in self.kept and x is not None and x is not send:  # received into its slot
-                x = self.kept[r, c.token](x.dtype, tuple(x.shape)).copy_(x)
+        for (r, c), x in zip(holders, run_local([c for _, c in holders], sends, shared)):
+            alloc = self.receives[r].alloc(c)
+            if alloc is not None:  # copied where the distributed executor receives it: its slot, its ring's block
+                at = front_dim(c)  # in the layout the distributed executor receives in
+                y = alloc(tuple(x.movedim(at, 0).shape) if at else tuple(x.shape))
+                x = y.copy_(x.movedim(at, 0)).movedim(0, at) if at else y.copy_(x)
             if c.recv is not None:
                 self.buffers[r][c.recv.value] = x
                 if self.ledgers:
