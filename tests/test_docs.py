@@ -263,7 +263,8 @@ def _tried_models() -> dict[str, Callable[[], tuple]]:
 def _aten_census() -> dict[str, dict[str, set[str]]]:
     """Per model tried: each core ATen op of its exported program → how its nodes ran: the shardflow op kinds it
     lifted to (ops with a rule), ``replicated`` (the generic Aten op, no rule), ``folded`` (reads no input or
-    parameter: a constant) or ``no-op`` (an alias, a clone, a cast to its own dtype, a metadata check). A node
+    parameter: a constant) or ``no-op`` (an alias, a clone, a cast to its own dtype, a metadata check, a repeat of
+    key/value heads that grouped-query attention reads unrepeated: nothing in the graph). A node
     lifted to several ops (batch norm, var_mean, select) counts all of them: the graph nodes after the previous
     lifted ATen node's, up to the one that carries its name."""
     import torch

@@ -76,9 +76,57 @@ def test_llama_lifts_to_rules_not_the_fallback():
     graph = capture(hf_llama(), batch())
     assert [n.op.describe() for n in graph.nodes if isinstance(n.op, O.Aten)] == []
     attn = [n.op for n in graph.nodes if isinstance(n.op, O.Attention)]
-    assert len(attn) == 2 and all(a.causal or a.mask for a in attn)
+    # its traced forward builds the causal mask as a tensor and repeats the 2 key/value heads over the 4 query
+    # heads; the eager forward calls sdpa with is_causal and enable_gqa, and so does the lifted graph
+    assert len(attn) == 2 and all(a.causal and not a.mask and a.gqa for a in attn)
+    assert not any(isinstance(n.op, O.Expand) for n in graph.nodes)
     linears = [n for n in graph.nodes if isinstance(n.op, O.Linear)]
     assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + lm_head
+
+
+class _Attention(nn.Module):
+    """Attention of [B, T, C] inputs with 4 query heads and 2 key/value heads repeated as Hugging Face's repeat_kv
+    does, under ``mask`` (a buffer, so a constant of the capture)."""
+
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.q, self.kv = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, 4, 4).transpose(1, 2)
+        k, v = (t.view(B, T, 2, 4).transpose(1, 2) for t in self.kv(x).split(8, dim=-1))
+        k, v = (t[:, :, None].expand(B, 2, 2, T, 4).reshape(B, 4, T, 4) for t in (k, v))
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).square().mean()
+
+
+def _masks(T: int) -> dict[str, tuple[torch.Tensor, bool]]:
+    """name → (a [1, 1, T, T] mask, whether it is the causal one)."""
+    lower = torch.ones(T, T, dtype=torch.bool).tril()
+    ninf = torch.zeros(T, T, dtype=torch.float64).masked_fill(~lower, float("-inf"))
+    band = lower & ~torch.ones(T, T, dtype=torch.bool).tril(-3)  # sliding window: not causal
+    tiny = torch.zeros(T, T, dtype=torch.float64).masked_fill(~lower, torch.finfo(torch.float64).min)
+    return {"causal bool": (lower, True), "causal -inf": (ninf, True), "window": (band, False),
+            "finfo.min": (tiny, False)}
+
+
+@pytest.mark.parametrize("name", list(_masks(6)))
+def test_causal_mask_and_repeated_heads_lift_to_flags(name):
+    """A constant mask equal to the causal one lifts to ``causal`` (no mask), and then key/value heads repeated by
+    unsqueeze-expand-reshape to ``gqa`` on the unrepeated heads (the copies and their ops dropped); any other mask
+    stays, with the repeated heads. The numbers are eager's either way."""
+    mask, causal = _masks(6)[name]
+    torch.manual_seed(0)
+    model = _Attention(mask[None, None]).double()
+    b = {"x": torch.randn(3, 6, 16, dtype=torch.float64)}
+    graph = capture(model, b)
+    check_against_eager(model, b, graph)
+    (attn,) = [n for n in graph.nodes if isinstance(n.op, O.Attention)]
+    assert (attn.op.causal, attn.op.mask, attn.op.gqa) == (causal, not causal, causal)
+    assert [graph.tensors[t].shape[1] for t in attn.inputs[1:3]] == [2 if causal else 4] * 2
+    assert any(isinstance(n.op, O.Expand) for n in graph.nodes) is not causal
+    assert bool(graph.constants) is not causal  # the causal mask is no constant of the graph
 
 
 def test_our_gpt_captures_with_eager_numbers():

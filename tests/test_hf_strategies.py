@@ -85,12 +85,11 @@ def test_llama_tp_shards_attention_heads_and_the_swiglu_mlp(captured):
     # Grouped-query attention: each device holds 1 of the 2 key/value heads and the 2 query heads that read it.
     attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
     assert len(attn) == LAYERS
-    for n in attn:
-        q, k, v = (t[x] for x in n.inputs[:3])
-        assert q.type.shape == k.type.shape == (2, 4, 8, 16)  # Hugging Face repeats the kv heads before sdpa
+    for n in attn:  # the key/value heads unrepeated (capture lifts Hugging Face's repeat_kv to GQA)
+        assert n.op.gqa and n.op.causal and len(n.inputs) == 3
+        q, k, v = (t[x] for x in n.inputs)
+        assert q.type.shape == (2, 4, 8, 16) and k.type.shape == v.type.shape == (2, 2, 8, 16)
         assert q.pshape.shard == k.pshape.shard == v.pshape.shard == t[n.outputs[0]].pshape.shard == (1, 2, 1, 1)
-    kv = [x for x in pcg.tensors.values() if x.type.shape == (2, 2, 8, 16)]  # k and v before the repeat
-    assert kv and all(x.pshape.shard == (1, 2, 1, 1) for x in kv)
 
 
 def test_llama_tp_beyond_the_key_value_heads_is_an_error_naming_them(captured):
@@ -158,13 +157,12 @@ def test_sp_gathers_and_scatters_the_sequence_per_block(captured, name):
 @pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("dp=2,tp=2", "dp,tp")])
 def test_dp_needs_only_the_label_count(captured, name, mesh, strategy):
     """The loss is sum(token losses) / count(labels not ignored), both partial over the batch: the count (one
-    scalar) is all-reduced. The attention mask, folded at capture ([B, 1, T, T]), is split like the batch."""
+    scalar) is all-reduced. The causal mask the traced model builds is the attention's causal flag, no tensor."""
     _, _, graph = captured[name]
     pcg = plan_pcg(graph, mesh, strategy)
     (r,) = pcg.redistributions
     assert r.node == pcg.graph.loss and pcg.tensors[r.tensor].type.shape == () and r.nbytes == 8
-    masks = [t for t in graph.by_role("constant") if graph.tensors[t].shape == (2, 1, 8, 8)]
-    assert len(masks) == 1 and pcg.tensors[masks[0]].sharding.dims[0] == ("dp",)
+    assert all(n.op.causal and not n.op.mask for n in graph.nodes if isinstance(n.op, O.Attention))
     assert all(pcg.tensors[w].sharding.dims[0] != ("dp",) for w in graph.weights)
 
 

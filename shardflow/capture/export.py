@@ -225,6 +225,7 @@ class _Lift:
         updates = {_fqn(s.target): self._buffer_update(a, _fqn(s.target)) for a, s in zip(out_node.args[0], specs)
                    if s.kind == OutputKind.BUFFER_MUTATION}
         stats = [u.stat for u in updates.values() if u.stat is not None]
+        self.b.prune([out, *stats])  # the repeated key/value heads an attention no longer reads (_sdpa)
         graph = self.b.build([out, *stats], out if loss else None)
         return store_by_parts(dataclasses.replace(graph, buffer_updates=updates))
 
@@ -604,8 +605,48 @@ def _sdpa(c, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, s
         raise CaptureError(f"ATen node {node.name!r}: attention dropout (p={dropout_p}) is not supported: its mask "
                            f"is drawn inside the fused kernel. Set the model's attention dropout to 0 "
                            f"(Hugging Face: attn_pdrop=0.0 / attention_dropout=0.0)")
+    if isinstance(attn_mask, torch.Tensor) and _is_causal_mask(attn_mask, c.shape(node.args[0])[-2],
+                                                             c.shape(node.args[1])[-2]):
+        attn_mask, is_causal = None, True
+    sources = [_repeated_heads(n) for n in node.args[1:3]]
+    if attn_mask is None and not enable_gqa and sources[0] and sources[1] and \
+            c.shape(sources[0])[:-2] == c.shape(sources[1])[:-2]:
+        k, v, enable_gqa = c.env[sources[0]], c.env[sources[1]], True
     ins = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
     return c.apply(O.Attention(bool(is_causal), scale, attn_mask is not None, bool(enable_gqa)), ins, node)
+
+
+def _is_causal_mask(mask: torch.Tensor, t: int, s: int) -> bool:
+    """``mask`` (a constant of the capture) is the causal mask of ``[T, S]`` scores, broadcast: True (bool) or 0
+    (float) on and below the diagonal, False or −inf above — what ``is_causal`` applies without a mask (torch's
+    top-left alignment). Hugging Face models build it as a tensor when traced; as the flag, attention skips the
+    masked blocks (and may read grouped key/value heads unrepeated, :func:`_repeated_heads`)."""
+    if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, s) or mask.device.type == "meta":
+        return False
+    lower = torch.ones(t, s, dtype=torch.bool, device=mask.device).tril()
+    want = lower if mask.dtype == torch.bool else \
+        torch.zeros(t, s, dtype=mask.dtype, device=mask.device).masked_fill(~lower, float("-inf"))
+    return torch.equal(mask, want.expand(mask.shape))
+
+
+def _repeated_heads(node: Any) -> torch.fx.Node | None:
+    """The key or value heads ``x`` ``[*, Hkv, S, D]`` when ``node`` repeats each head n times in place, as Hugging
+    Face's ``repeat_kv`` writes it: ``x.unsqueeze(-3).expand(*, Hkv, n, S, D).reshape(*, Hkv·n, S, D)``. Attention
+    with ``enable_gqa`` on ``x`` reads the same head for each query head (query head h: key/value head h // n),
+    without the repeated copy or the sum of its gradient."""
+    expanded = node
+    while isinstance(expanded, torch.fx.Node) and expanded.target in _RESHAPES and expanded.args:
+        expanded = expanded.args[0]  # reshape: a view, or a clone and a view
+    one = expanded.args[0] if isinstance(expanded, torch.fx.Node) and expanded.target is aten.expand.default else None
+    x = one.args[0] if isinstance(one, torch.fx.Node) and one.target in (aten.unsqueeze.default, *_RESHAPES) else None
+    if not all(isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
+               for n in (node, expanded, one, x)):
+        return None
+    xs, ones, es, os_ = (tuple(n.meta["val"].shape) for n in (x, one, expanded, node))
+    return x if len(xs) >= 3 and ones == xs[:-2] + (1,) + xs[-2:] and es == xs[:-2] + (es[-3],) + xs[-2:] and \
+        os_ == xs[:-3] + (xs[-3] * es[-3],) + xs[-2:] else None
+
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default)
 
 
 def _where(c, node, cond, a, b):

@@ -220,6 +220,22 @@ class GraphBuilder:
         return self._one(ops.CrossEntropy(reduction), logits, target, name="loss")
 
     # --- result ---------------------------------------------------------------------------------------
+    def prune(self, outputs: Sequence[str]) -> None:
+        """Drop the nodes none of whose outputs reaches ``outputs``, with their tensors and the constants only they
+        read (the ops a rewrite at capture bypassed; inputs and weights stay, read or not)."""
+        live = set(outputs)
+        kept: list[Node] = []
+        for n in reversed(self.nodes):
+            if live.intersection(n.outputs):
+                kept.append(n)
+                live.update(n.inputs + n.outputs)
+        self.nodes = kept[::-1]
+        dead = [t for t, spec in self.tensors.items()
+                if t not in live and spec.role in (TensorRole.ACTIVATION, TensorRole.CONSTANT)]
+        for t in dead:
+            del self.tensors[t]
+            self.constants.pop(t, None)
+
     def build(self, outputs: Sequence[str], loss: str | None = None) -> ComputationGraph:
         """The finished, validated graph."""
         return ComputationGraph(dict(self.tensors), tuple(self.nodes), tuple(outputs), loss, dict(self.constants))
