@@ -144,13 +144,18 @@ def section(results: dict[str, dict], rounds: int) -> str:
                      f"{statistics.median(s) * 1e3:.3f} | {_text(_ratios(m))} | ≤ {TARGETS[name]}: {verdict} | "
                      f"{losses} |")
     lines += ["", "The executor's own cost is what the MLP measures: its 95 instructions run as one compiled segment "
-              "(issue #16), every update in one fused call. What is left on the main job is in the ATen ops "
-              "(the profile in \"Single-device step of the tiny Llama\"): fresh buffers filled where autograd "
-              "reuses them, the decomposed cross-entropy's small ops (`where`, `gather`), and the one gradient sum "
-              "of the step whose first input is an expanded view (summed into a new buffer; the others accumulate "
-              "in place, as autograd does). The loss's log-softmax over the vocabulary ([1024, 1024]) is no "
-              "longer recomputed in the backward: from 2^16 elements a softmax goes through autograd, which keeps "
-              "its output (`shardflow/runtime/vjp.py`); the \"before\" tree below recomputed it."]
+              "(issue #16), every update in one fused call. On the main job the two run the same ATen kernels: "
+              "capture lifts the causal mask the traced Llama builds as a tensor to sdpa's causal flag, and the "
+              "key/value heads its `repeat_kv` copies over the query heads to grouped-query attention on the "
+              "unrepeated heads (`shardflow/capture/export.py`), as the eager forward calls sdpa; the \"before\" "
+              "tree below ran the masked attention on repeated heads (their copies, the sum of their gradients "
+              "and a slower flash-attention backward: +1.3 ms of 13 ms). What is left is in the ATen ops: fresh "
+              "buffers filled where autograd reuses them, the decomposed cross-entropy's small ops (`where`, "
+              "`gather`), and page faults: the four [1024, 1024] buffers of the loss (logits, log-softmax, their "
+              "gradients) come back from the kernel as fresh pages in some steps (200–1,000 minor faults per "
+              "step, eager none: glibc returns the top of its heap when the step's frees leave it large); keeping "
+              "the heap (`MALLOC_TRIM_THRESHOLD_` with a fixed `MALLOC_MMAP_THRESHOLD_`) cut them to 20 per step "
+              "but moved the ratio by less than its noise, so shardflow leaves the allocator alone."]
     if len(results) > 1:
         lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",
                   "| tree | " + " | ".join(now["models"]) + " |", "|---" * (len(now["models"]) + 1) + "|"]
