@@ -144,6 +144,40 @@ def test_backward_all_reduce_travels_while_the_weight_gradient_is_computed(overl
     against_one_device(step, graph)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "blocking"])
+def test_forward_all_reduce_travels_while_the_forward_computes(overlap):
+    """Cross-entropy's mean over the labels kept (``ignore_index``), captured, under dp=2: a partial sum of token
+    losses divided by the count of kept labels, a partial sum (4 bytes) computed from the labels alone. With
+    overlap the count is computed first, its all-reduce issued without waiting before the first linear, and waited
+    right before the division; off, a blocking all-reduce right before it. One device's numbers either way."""
+    import torch
+    from torch import nn
+
+    from shardflow.capture import capture
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.fc2(torch.tanh(self.fc1(x))), y)
+
+    graph = capture(Net(), {"x": torch.randn(8, 16), "y": torch.randint(0, 4, (8,))})
+    step = lowered(graph, "dp=2", data_parallel(graph), options=LowerOptions("collective", "collective", overlap=overlap))
+    for p in step.programs.values():
+        instrs = [i for i in p.instrs if not isinstance(i, Free)]
+        (k,) = [j for j, i in enumerate(instrs) if isinstance(i, Comm) and i.pass_ == "FWD"]
+        comm = instrs[k]
+        assert comm.kind == "all_reduce" and comm.nbytes == 4
+        ops = [i.op for i in instrs if isinstance(i, Compute)]
+        end = instrs.index(Wait(comm.token)) if overlap else k
+        assert instrs[end + 1].op == "div" and comm.recv.value in [b.value for b in instrs[end + 1].ins]
+        first_linear = next(j for j, i in enumerate(instrs) if isinstance(i, Compute) and i.op.startswith("linear"))
+        assert comm.wait is not overlap and (k < first_linear) is overlap, ops
+    against_one_device(step, graph)
+
+
 def test_predicted_timeline_draws_an_async_reduction_beside_the_computes():
     """--trace's cost-model timeline of the overlapped Megatron MLP: every compute measured at 1 ms, the all-reduce
     priced at 10 ms. The backward all-reduce starts when fc1's input gradient ends; the weight gradients start at

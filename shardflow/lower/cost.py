@@ -161,7 +161,8 @@ class LowerOptions:
 
     ``overlap``: each backward all-reduce, reduce-scatter or send is issued without waiting and waited after the
     computes that do not feed it, a linear's weight gradient computed while its input gradient is reduced or sent
-    (Megatron's overlap; :func:`~shardflow.lower.ordering.overlap_reductions`).
+    (Megatron's overlap; :func:`~shardflow.lower.ordering.overlap_reductions`); a forward all-reduce or
+    reduce-scatter likewise (dp's label count travels while the forward computes).
 
     ``master_dtype``: mixed precision — weights narrower than it (a model captured in bf16) are held, reduced and
     updated in it and cast to their own dtype for each step (``--dtype bf16``: float32;

@@ -56,8 +56,9 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
     return dataclasses.replace(sg, programs=programs, done=sg.done + (PassName.ORDERING,))
 
 
-# the communications that may travel while the backward computes what they do not need
-OVERLAPPED = (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.SEND)
+# per pass, the communications that may travel while that pass computes what they do not need
+OVERLAPPED = {TaskType.BWD: (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.SEND),
+              TaskType.FWD: (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)}
 # the ops whose backward is split when only some of its gradients feed a reduction: each gradient is its own
 # matmul (the hand-written vjp computes exactly those asked for, from the op's inputs alone)
 SPLIT_OPS = (O.Linear, O.Matmul)
@@ -67,7 +68,9 @@ def overlap_reductions(prog: list[Instr]) -> list[Instr]:
     """Megatron's overlap of a tensor-parallel backward (Narayanan et al., SC 2021, §4.2; DDP's buckets do the
     same for dp), applied to a pipeline stage's gradient send too: each backward all-reduce, reduce-scatter or send
     that waits at once is issued without waiting as soon as what it sends is computed, the computes since the
-    previous communication that do not feed it run while it travels, and its :class:`Wait` follows them.
+    previous communication that do not feed it run while it travels, and its :class:`Wait` follows them. A
+    forward all-reduce or reduce-scatter likewise: the loss's label count under dp (a sum over the batch read
+    only by the loss's division) is computed and issued first and travels while the whole forward computes.
 
     A backward op whose outputs are partly needed (a linear's vjp: the input gradient is reduced, the weight
     gradient is not) is split in two computes of the same kernel description with complementary gradient masks
@@ -76,8 +79,7 @@ def overlap_reductions(prog: list[Instr]) -> list[Instr]:
     out: list[Instr] = []
     start = 0  # where the run of computes before the next communication begins in ``out``
     for i in prog:
-        if (isinstance(i, Comm) and i.wait and i.pass_ == TaskType.BWD and i.kind in OVERLAPPED
-                and i.send is not None):
+        if (isinstance(i, Comm) and i.wait and i.kind in OVERLAPPED.get(i.pass_, ()) and i.send is not None):
             first, then = _feeding(out[start:], i.send.value)
             if then:
                 out[start:] = [*first, dataclasses.replace(i, wait=False), *then, Wait(i.token)]
