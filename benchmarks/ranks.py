@@ -380,6 +380,11 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
                                      cfg, timeout_s=TIMEOUT_S)
         ex_dp0.load(s_dp.initial_weights())
         out["program_dp0"] = program_size(ex_dp0)
+        ex_dp1 = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank],  # DDP's first bucket's size
+                                                options=LowerOptions(bucket_bytes=dist._DEFAULT_FIRST_BUCKET_BYTES)),
+                                     cfg, timeout_s=TIMEOUT_S)
+        ex_dp1.load(s_dp.initial_weights())
+        out["program_dp1"] = program_size(ex_dp1)
         dt = dtensor_gpt(model, world)
         dt_opt = adamw(dt.parameters(), cfg)
         meg = megatron_llama(model, rank, world)
@@ -394,6 +399,7 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
                     Variant("megatron_tp", torch_step(meg, meg_opt, batch)),
                     Variant("shardflow_dp", lambda: ex_dp.step(batch)),
                     Variant("shardflow_dp_nobucket", lambda: ex_dp0.step(batch)),
+                    Variant("shardflow_dp_1mib", lambda: ex_dp1.step(batch)),
                     Variant("ddp", torch_step(ddp, ddp_opt, local))]
         if rank == 0:
             one = copy.deepcopy(model)

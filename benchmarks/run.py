@@ -61,11 +61,11 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
     """(label, workload, ranks, params) of every session to run, in order."""
     out = []
     if "a" in keys:
-        sizes = [[1024, 4, 3]] if quick else [[1024, 11, 5], [4096, 7, 2]]
-        out.append(("a", "mlp", 2, {"sizes": sizes, "batch": 64, "warmup": 1 if quick else 2}))
+        sizes = [[1024, 4, 3]] if quick else [[1024, 21, 5], [4096, 7, 2]]
+        out.append(("a", "mlp", 2, {"sizes": sizes, "batch": 64, "warmup": 1 if quick else 5}))
     if "b" in keys or "e" in keys:
-        out.append(("b+e" if "b" in keys else "e", "gpt", 2, {"timing": "b" in keys, "rounds": 4 if quick else 11,
-                                                              "iters": 2 if quick else 3, "warmup": 1 if quick else 2}))
+        out.append(("b+e" if "b" in keys else "e", "gpt", 2, {"timing": "b" in keys, "rounds": 4 if quick else 21,
+                                                              "iters": 2 if quick else 3, "warmup": 1 if quick else 3}))
     if "c" in keys:
         sizes = [256 * KiB, 4 * MiB, 16 * MiB] if quick else [64 * KiB * 4 ** i for i in range(6)]
         out.append(("c", "comm", 2, {"sizes": sizes, "rounds": 3 if quick else 7, "warmup": 1, "max_iters": 20,
@@ -175,7 +175,8 @@ def section_a(res: dict, quick: bool) -> str:
         dt = ratios(s["shardflow"], s["dtensor"])
         if row["h"] == 1024:
             targets.append(f"h=1024: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.05: "
-                           f"{verdict(med(hand) <= 1.05)}; shardflow ÷ DTensor = {ratio_text(dt)}, target ≤ 0.85: "
+                           f"{verdict(med(hand) <= 1.05)}, issue #16's ≤ 1.0: {verdict(med(hand) <= 1.0)}; "
+                           f"shardflow ÷ DTensor = {ratio_text(dt)}, target ≤ 0.85: "
                            f"{verdict(med(dt) <= 0.85)}.")
         elif row["h"] == 4096:
             targets.append(f"h=4096: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.02: "
@@ -201,6 +202,7 @@ GPT_LABELS = {"shardflow_tp": "shardflow tp=2",
               "megatron_tp": "hand-written Megatron tp=2 (local shards, f/g all-reduces; `benchmarks/ranks.py`) + AdamW",
               "shardflow_dp": "shardflow dp=2 (gradient buckets, 25 MiB)",
               "shardflow_dp_nobucket": "shardflow dp=2, one all-reduce per gradient (`bucket_bytes=0`)",
+              "shardflow_dp_1mib": "shardflow dp=2, 1 MiB buckets (DDP's first bucket size)",
               "ddp": "DDP dp=2 + AdamW",
               "one_process": "one process, 2 threads (eager + AdamW)", "one_process_1t": "one process, 1 thread"}
 
@@ -261,7 +263,15 @@ def section_b(res: dict, quick: bool) -> str:
               f"step in all). With one all-reduce per gradient (`bucket_bytes=0`: "
               f"{res['program_dp0']['comms']} communications, each waited before the next instruction) the step "
               f"takes {ratio_text(ratios(s['shardflow_dp_nobucket'], s['shardflow_dp']))} times as long: on gloo "
-              f"every call costs a rendezvous of both ranks, about a millisecond here."]
+              f"every call costs a rendezvous of both ranks, about a millisecond here. Buckets of 1 MiB "
+              f"({res['program_dp1']['comms']} communications, the first issued while most of the backward is "
+              f"still to run, as DDP's first bucket) take "
+              f"{ratio_text(ratios(s['shardflow_dp_1mib'], s['shardflow_dp']))} times as long as one bucket: "
+              f"the overlap does not pay here, since gloo reduces on CPU threads that compete with the two ranks' "
+              f"computes for this machine's 2 cores. Both sides run the same kernels (shardflow ÷ eager on one "
+              f"device: the section \"Single-device step\" below) and all-reduce the same bytes"
+              + (", so the 5 % over DDP that the dp target asks for has no place to come from on this machine."
+                 if med(vs_ddp) < 1.05 else ".")]
     share = res.get("comm_share")
     if share:
         tp, dp = share["tp"], share["dp"]
