@@ -492,6 +492,7 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
     from shardflow.lower.comm_lowering import ring_peers
     from shardflow.lower.program import Compute
+    from shardflow.runtime.vjp import hand_vjp
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():
         fwd = [c for c in prog.comms if c.pass_ == "FWD"]
@@ -507,6 +508,11 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
         kinds = [type(i).__name__ if not isinstance(i, Compute) else i.op.split("(")[0] for i in fwd_instrs]
         assert kinds[:9] == ["Comm", "linear", "Wait", "Comm", "linear", "Wait", "Comm", "linear", "Wait"]
         assert not any(isinstance(i, Comm) and i.wait for i in fwd_instrs[:7])
+        # Its backward is the hand-written vjp on the assembled value (a linear's reads only its inputs): nothing
+        # of the chunked forward is recomputed.
+        vjps = [i for i in prog.instrs if isinstance(i, Compute) and i.pass_ == "BWD" and i.op.startswith("vjp[linear")]
+        assert vjps and all(hand_vjp(i.kernel.local.op, i.ins[0].type.numel) is not None
+                            and i.ins[0].value == "fwd:x.combine" for i in vjps)
 
 
 def test_ring_reduce_scatter_and_broadcast_loop_shapes():

@@ -107,8 +107,9 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     ``in_place``: a gradient sum accumulates into its first input (:func:`~shardflow.lower.program.inplace_sums`).
 
     ``saved``: this rank's store of forward autograd graphs, by (PCG node, microbatch). When given, a forward whose
-    node has a backward records its graph there and the backward reuses it (no second forward); without it, or when
-    the forward ran in chunks (a fused ring), the backward recomputes the forward under ``torch.func.vjp``.
+    node has a backward records its graph there and the backward reuses it (no second forward); without it, the
+    backward of an op with no hand-written vjp recomputes the forward under ``torch.func.vjp`` (the consumers a ring
+    fuses, linear and matmul, have one: they recompute nothing).
     Raises ValueError for a compute without a kernel description, or an update lowered for other optimizer state
     than ``cfg`` keeps.
     """
