@@ -439,17 +439,19 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
 
 
 def comm_share(ex: DistributedExecutor, batch: dict, steps: int = 5) -> dict:
-    """Per step (ms, this rank, the executor's tracer): the whole step and the time spent in communication
-    instructions (issue + wait, so including the wait for the peer)."""
+    """Per step (ms, this rank, the executor's tracer): the whole step, the time spent in communication
+    instructions (issue + wait, so including the wait for the peer), and the part of it in the forward's."""
     from shardflow.runtime.trace import LANES, Tracer
     ex.tracer = Tracer(ex.rank)
     t0 = time.perf_counter()
     for _ in range(steps):
         ex.step(batch)
     step_ms = (time.perf_counter() - t0) / steps * 1e3
-    comm = sum(e["dur"] for e in ex.tracer.events if e["tid"] == LANES["communication"]) / steps / 1e3
+    forward = {f"#{c.token}" for c in ex.program.comms if c.pass_ == "FWD"}
+    events = [e for e in ex.tracer.events if e["tid"] == LANES["communication"]]
     ex.tracer = None
-    return {"step_ms": step_ms, "comm_ms": comm}
+    return {"step_ms": step_ms, "comm_ms": sum(e["dur"] for e in events) / steps / 1e3,
+            "fwd_comm_ms": sum(e["dur"] for e in events if e["name"].split()[0] in forward) / steps / 1e3}
 
 
 def _state_vids(dg) -> set[str]:
