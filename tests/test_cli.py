@@ -82,7 +82,7 @@ def test_plan_text_shows_programs_bytes_and_proof(capsys):
     code, out, _ = run(capsys, "--strategy", "dp", "--nproc", "2", "--rank", "1")
     assert code == 0
     assert "rank 1: " in out and "rank 0: " not in out
-    assert "all_reduce group=[0, 1] axis=dp" in out
+    assert "all_reduce (async) group=[0, 1] axis=dp" in out  # the label count and the gradient bucket travel
     assert out.rstrip().splitlines()[-1].startswith("# verified: 2 ranks")
 
 

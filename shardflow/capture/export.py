@@ -646,6 +646,7 @@ def _repeated_heads(node: Any) -> torch.fx.Node | None:
     return x if len(xs) >= 3 and ones == xs[:-2] + (1,) + xs[-2:] and es == xs[:-2] + (es[-3],) + xs[-2:] and \
         os_ == xs[:-3] + (xs[-3] * es[-3],) + xs[-2:] else None
 
+
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default)
 
 
