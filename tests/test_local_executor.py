@@ -255,7 +255,33 @@ def test_each_rank_holds_only_its_pieces():
         ex.step(inputs)
         peaks[strategy] = max(ex.peak_bytes.values())
         live_after = sum(t.numel() * t.element_size() for t in ex.buffers[0].values())
-        # between steps only weights, optimizer state, last gradients and the loss stay
+        # between steps only weights, optimizer state, last gradients, the loss and the graph's constants stay
         n_params = sum(p.numel() for p in model.parameters()) * 8
-        assert live_after <= 4 * n_params + 64
+        constants = sum(c.numel() * c.element_size() for c in graph.constants.values())
+        assert live_after <= 4 * n_params + 64 + constants
     assert peaks["tp"] < 0.75 * peaks["single"] and peaks["dp"] <= peaks["single"]
+
+
+def test_constants_are_placed_once_and_kept():
+    """The graph's constants (what capture folds: rotary tables, index tensors) are placed at the first step and
+    kept: no program frees them, the second step reads the same buffers, and the losses are one device's (for
+    dp=2, whose plan splits the constant like the batch, as it does a folded per-example mask)."""
+    b = GraphBuilder()
+    x, w = b.input("x", (4, 8)), b.weight("w", (8,))
+    c = b.constant("c", torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    loss = b.sum(b.tanh(b.mul(b.add(x, c), w)))
+    graph = b.build([loss], loss)
+    inputs = {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(1))}
+    losses = {}
+    for mesh_text, strategy in (("d=1", "single"), ("dp=2", "dp")):
+        mesh = Mesh.parse(mesh_text)
+        step = lower_step(build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh)), "sgd")
+        freed = {v for p in step.programs.values() for i in p.instrs if type(i).__name__ == "Free" for v in i.values}
+        assert "fwd:c" not in freed and "fwd:x" in freed
+        ex = LocalExecutor(step, OptimizerConfig("sgd", 0.1))
+        ex.load({"w": torch.ones(8)})
+        losses[strategy] = [ex.step(inputs)]
+        held = {r: ex.buffers[r]["fwd:c"] for r in step.programs}
+        losses[strategy].append(ex.step(inputs))
+        assert all(ex.buffers[r]["fwd:c"] is held[r] for r in step.programs)
+    assert losses["dp"] == pytest.approx(losses["single"], rel=1e-6)

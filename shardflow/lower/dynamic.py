@@ -417,9 +417,10 @@ class DynamicGraph:
     def persistent(self) -> frozenset[str]:
         """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
         gradients the updates read (kept for inspection), the squared gradient norm, the loss, the batch statistics
-        of buffer updates (:attr:`buffer_stats`), and the sums of gradient contributions a micro-step leaves for the
-        next (:meth:`accumulated`)."""
+        of buffer updates (:attr:`buffer_stats`), the sums of gradient contributions a micro-step leaves for the
+        next (:meth:`accumulated`), and the graph's constants (placed once, not every step)."""
         keep = set(self.loss_values) if self.pcg.loss else set()
+        keep.update(v for v in map(forward_id, self.pcg.graph.constants) if v in self.values)
         keep.update(v for vids in self.buffer_stats.values() for v in vids)
         keep.update(self.accumulated()[1])
         if self.grad_norm_sq:

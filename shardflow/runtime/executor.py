@@ -46,6 +46,7 @@ class Executor:
     device: torch.device = torch.device("cpu")  # where every buffer lives (:mod:`shardflow.runtime.device`)
     steps_done: int = 0
     micro: tuple[int, int] = (0, 1)
+    constants_placed: bool = False  # the graph's constants are placed at the first step and kept (they outlive it)
 
     def _index_updates(self) -> None:
         """After a step, each value that replaces another (an update's new weight and state, a micro-step's new
@@ -104,15 +105,18 @@ class Executor:
 
     def _place_inputs(self, inputs: Mapping[str, torch.Tensor]) -> None:
         """Place a step's data inputs (by graph input name; in a step of several microbatches each is cut along
-        dim 0, microbatch m's part placed as its value of microbatch m) and the graph's constants. Raises
+        dim 0, microbatch m's part placed as its value of microbatch m) and, at the first step, the graph's
+        constants (the programs never free them: :meth:`~shardflow.lower.dynamic.DynamicGraph.persistent`). Raises
         BatchSplitError for an input that does not split into the step's microbatches."""
         graph = self.dg.pcg.graph
         parts = split_batch({name: inputs[name] for name in graph.inputs}, self.dg.microbatches)
         for name in graph.inputs:
             for vid, part in zip(self.dg.per_microbatch(forward_id(name)), parts):
                 self._put(vid, part[name])
-        for name, value in graph.constants.items():
-            self._put(forward_id(name), value)
+        if not self.constants_placed:
+            for name, value in graph.constants.items():
+                self._put(forward_id(name), value)
+            self.constants_placed = True
 
     def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
              steps_done: int = 0) -> None:
