@@ -207,6 +207,7 @@ class DistributedExecutor(Executor):
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.compiled: dict[bool, list[Segment | Comm | Wait]] = {}  # traced? → the program, compiled
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
+        self.blocks: dict[str, tuple[slice, ...] | None] = {}  # value placed here → this rank's block (None: no piece)
         self._index_updates()
 
     def _check_fingerprints(self) -> None:
@@ -217,11 +218,15 @@ class DistributedExecutor(Executor):
 
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
-        """This rank's piece of the full value (values put here are never partial)."""
-        v = self.dg.values[vid]
-        if v.group.index(self.rank) is not None:
+        """This rank's piece of the full value (values put here are never partial; the block of a value placed
+        every step, the data, worked out once)."""
+        if vid not in self.blocks:
+            v = self.dg.values[vid]
             p = v.sharding.parallel_shape(v.group, v.type.shape)
-            self.buffers[vid] = full[p.piece_slices(v.sharding.coord_of(v.group, self.rank))].to(self.device, copy=True)
+            self.blocks[vid] = None if v.group.index(self.rank) is None else \
+                p.piece_slices(v.sharding.coord_of(v.group, self.rank))
+        if self.blocks[vid] is not None:
+            self.buffers[vid] = full[self.blocks[vid]].to(self.device, copy=True)
 
     def _get(self, vid: str) -> torch.Tensor:
         """The full value on the CPU, assembled on every rank (an all-reduce over the world; for results, not the
