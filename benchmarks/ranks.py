@@ -18,7 +18,9 @@ Every rank builds the same variants and runs them interleaved (``harness.interle
                 ``shardflow train`` against a save of full tensors gathered first;
 * ``fsdp``    — (g) the training job's default model: shardflow's fsdp against PyTorch FSDP2 (``fully_shard``);
 * ``pipeline`` — (q) pp=2 with microbatches: shardflow 1F1B and GPipe against torch.distributed.pipelining's
-                ``Schedule1F1B`` / ``ScheduleGPipe``, each stage's measured bubble and peak memory.
+                ``Schedule1F1B`` / ``ScheduleGPipe``, each stage's measured bubble and peak memory;
+* ``chunked`` — (t) a row-parallel matmul's all-reduce waited at once against the same cut in chunks whose
+                all-reduces travel while the next chunk computes (the technique of async tensor parallelism).
 """
 
 from __future__ import annotations
@@ -1119,8 +1121,44 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
     return out
 
 
+def run_chunked(p: dict, rank: int, world: int) -> dict:
+    """(t) The forward of a tensor-parallel block at the main job's shape under tp=2: a row-parallel matmul
+    (tokens × k/world → tokens × n), the all-reduce of its partial sum, and a matmul that reads the sum (n → m).
+    ``whole``: the all-reduce waited at once (shardflow's, Megatron's, DTensor's forward). ``chunks=c``: the rows cut
+    in c chunks, each chunk's all-reduce issued without waiting right after its matmul and waited before the next
+    matmul reads it, so it travels while the later chunks compute (async tensor parallelism's decomposition)."""
+    gen = torch.Generator().manual_seed(rank)
+    tokens, k, n, m = p["tokens"], p["k"], p["n"], p["m"]
+    x, w = torch.randn(tokens, k // world, generator=gen), torch.randn(n, k // world, generator=gen)
+    w_next = torch.randn(m, n, generator=gen)
+
+    def whole() -> torch.Tensor:
+        y = x @ w.t()
+        dist.all_reduce(y)
+        return y @ w_next.t()
+
+    def chunked(c: int) -> Callable[[], torch.Tensor]:
+        def step() -> torch.Tensor:
+            parts, works = [], []
+            for xc in x.chunk(c):
+                parts.append(xc @ w.t())
+                works.append(dist.all_reduce(parts[-1], async_op=True))
+            outs = []
+            for y, work in zip(parts, works):
+                work.wait()
+                outs.append(y @ w_next.t())
+            return torch.cat(outs)
+        return step
+
+    variants = [Variant("whole", whole)] + [Variant(f"chunks={c}", chunked(c)) for c in p["chunks"]]
+    ref = whole()
+    worst = max(float((v.step() - ref).abs().max()) for v in variants[1:])
+    samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank)
+    return {"samples": samples, "worst": worst}
+
+
 WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile,
-             "ckpt": run_ckpt, "fsdp": run_fsdp, "pipeline": run_pipeline}
+             "ckpt": run_ckpt, "fsdp": run_fsdp, "pipeline": run_pipeline, "chunked": run_chunked}
 
 
 def main() -> None:
