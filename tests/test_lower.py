@@ -503,8 +503,10 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
         # The fused linear computes on its own chunk first, then on the chunk each step delivered, after
         # waiting for it — and the next step is already issued (overlap).
         fwd_instrs = [i for i in prog.instrs if getattr(i, "pass_", "FWD") == "FWD"]
-        chunks = [i.ins[0].value for i in fwd_instrs if isinstance(i, Compute) and i.op.startswith("linear")]
-        assert chunks == ["fwd:x"] + [f"fwd:x.combine#{(r + i) % 4}" for i in (1, 2, 3)]
+        linears = [i for i in fwd_instrs if isinstance(i, Compute) and i.op.startswith("linear")]
+        assert [i.ins[0].value for i in linears] == ["fwd:x"] + [f"fwd:x.combine#{(r + i) % 4}" for i in (1, 2, 3)]
+        # a received chunk is stored with the gathered dim (1) first: the linear runs on that layout
+        assert [i.kernel.front for i in linears] == [None, 1, 1, 1]
         kinds = [type(i).__name__ if not isinstance(i, Compute) else i.op.split("(")[0] for i in fwd_instrs]
         assert kinds[:9] == ["Comm", "linear", "Wait", "Comm", "linear", "Wait", "Comm", "linear", "Wait"]
         assert not any(isinstance(i, Comm) and i.wait for i in fwd_instrs[:7])

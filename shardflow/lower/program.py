@@ -46,11 +46,15 @@ class Buffer:
 class Forward:
     """A compute op's forward: ``local`` (the rule's local op) on this rank's pieces. ``draw``: for a random op
     (dropout), where this rank's piece of the output lies. ``record``: when the op has a backward, which inputs
-    get a gradient (the forward may record its autograd graph for them); empty otherwise."""
+    get a gradient (the forward may record its autograd graph for them); empty otherwise. ``front``: the first
+    input arrives with this dim stored first (a chunk a ring all-gather received in place, :func:`ring_regions`):
+    a linear, which acts on the last dim alone, runs on that contiguous layout and moves the dim back in its
+    output, instead of copying the chunk to fold its leading dims."""
 
     local: LocalOp
     draw: PieceSite | None
     record: tuple[bool, ...]
+    front: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
