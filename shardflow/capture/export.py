@@ -609,7 +609,7 @@ def _sdpa(c, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, s
                                                              c.shape(node.args[1])[-2]):
         attn_mask, is_causal = None, True
     sources = [_repeated_heads(n) for n in node.args[1:3]]
-    if attn_mask is None and not enable_gqa and sources[0] and sources[1] and \
+    if attn_mask is None and not enable_gqa and None not in sources and \
             c.shape(sources[0])[:-2] == c.shape(sources[1])[:-2]:
         k, v, enable_gqa = c.env[sources[0]], c.env[sources[1]], True
     ins = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
