@@ -777,12 +777,14 @@ def _mlp_pair(h: int, B: int, rank: int, world: int):
 
 
 def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -> Callable[[], None]:
-    """Wrap the executor's kernels (per instruction label), ``_communicate``, ``_put`` and ``_get`` with timers
+    """Wrap the executor's kernels (those of dynamic-graph nodes, per instruction label, wherever the executor
+    takes them: a ring's fused linears write into its buffers), ``_communicate``, ``_put`` and ``_get`` with timers
     (instance attributes shadow the methods; the library is not changed). Returns the undo."""
-    plain = dict(ex.kernels)
     if kernels:
-        for key, k in plain.items():
-            ex.kernels[key] = timers.wrap(f"kernel: {key.pass_} {key.op.split('(')[0]}", k)
+        def timed(instr):
+            k = DistributedExecutor._kernel(ex, instr)
+            return timers.wrap(f"kernel: {instr.pass_} {instr.op.split('(')[0]}", k) if instr.dnode else k
+        ex._kernel = timed
         ex._update_kernel = lambda us: timers.wrap(UPDATES, DistributedExecutor._update_kernel(ex, us))
         ex.compiled.clear()  # segments bind their kernels when compiled: compile again with the timed ones
     ex._communicate = timers.wrap("communication (issue + wait)", ex._communicate)
@@ -790,9 +792,8 @@ def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -
     ex._get = timers.wrap("loss read-back (_get: an all-reduce)", ex._get)
 
     def undo() -> None:
-        ex.kernels.update(plain)
         ex.compiled.clear()
-        for attr in ("_communicate", "_put", "_get", *(("_update_kernel",) if kernels else ())):
+        for attr in ("_communicate", "_put", "_get", *(("_kernel", "_update_kernel") if kernels else ())):
             delattr(ex, attr)
     return undo
 

@@ -253,8 +253,11 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     1's three received chunks are blocks of the gathered buffer (``ring_regions``: their places in its concat),
     taken as one slot of the whole value, and the backward's reduce-scatter ring receives into another, one chunk
     at a time. The ring's concat copies in only the rank's own chunk and returns the slot's storage, the full
-    tensor; two steps on the local executor give one device's numbers."""
+    tensor. The fused linear's output chunks are computed into blocks of one buffer the same way (all four: the
+    first one computed allocates it), so its concat copies nothing either and returns that buffer, the gathered
+    dim stored first. Two steps on the local executor give one device's numbers."""
     import torch
+    import torch.nn.functional as F
     from shardflow.lower import LowerOptions
     from shardflow.lower.program import buffer_reuse
     from shardflow.runtime.buffers import Receives
@@ -262,7 +265,8 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     step, graph = _sp_step(LowerOptions("ring", "ring"), with_graph=True)
     p = step.programs[1]
     joins = [k for k, i in enumerate(p.instrs) if isinstance(i, Compute) and i.op == "concat" and not i.dnode]
-    assert ring_regions(p) == {f"fwd:x.combine#{j}": (joins[0], j) for j in (0, 2, 3)}
+    outputs = {f"fwd:linear#{j}": (joins[1], j) for j in range(4)}
+    assert ring_regions(p) == {**{f"fwd:x.combine#{j}": (joins[0], j) for j in (0, 2, 3)}, **outputs}
     assert [(c.kind, c.pass_, c.dim) for c in p.comms] == [("permute", "FWD", 1)] * 3 + [("permute", "BWD", None)] * 3
     slots = kept_receives(p, recorded_nodes(p))
     assert slots == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
@@ -281,4 +285,16 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     out, = receives.kernel(concat)(xs)
     assert torch.equal(out, full)
     assert out.data_ptr() == kept[0].flat.data_ptr() and kept[0].nbytes == full.numel() * 4
+
+    w, bias = torch.randn(2, 8), torch.randn(2)  # rank 1's rows of fc's weight [8, 8] and bias
+    ys = {}
+    for i in p.instrs:  # in program order: the own chunk first
+        if isinstance(i, Compute) and i.outs[0].value in outputs:
+            j = outputs[i.outs[0].value][1]
+            ys[j], = receives.kernel(i)([xs[j], w, bias])
+    assert sorted(ys) == [0, 1, 2, 3]
+    y, = receives.kernel(p.instrs[joins[1]])([ys[j] for j in range(4)])
+    torch.testing.assert_close(y, F.linear(full, w, bias), rtol=1e-6, atol=1e-6)
+    stored = y.movedim(1, 0)
+    assert stored.is_contiguous() and all(ys[j].data_ptr() == stored[2 * j].data_ptr() for j in range(4))
     against_one_device(step, graph)

@@ -491,7 +491,7 @@ def _sp_step(options, d=4, with_graph=False):
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
     from shardflow.lower.comm_lowering import ring_peers
-    from shardflow.lower.program import Compute
+    from shardflow.lower.program import Compute, in_place_linear, ring_regions
     from shardflow.runtime.vjp import hand_vjp
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():
@@ -505,8 +505,10 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
         fwd_instrs = [i for i in prog.instrs if getattr(i, "pass_", "FWD") == "FWD"]
         linears = [i for i in fwd_instrs if isinstance(i, Compute) and i.op.startswith("linear")]
         assert [i.ins[0].value for i in linears] == ["fwd:x"] + [f"fwd:x.combine#{(r + i) % 4}" for i in (1, 2, 3)]
-        # a received chunk is stored with the gathered dim (1) first: the linear runs on that layout
-        assert [i.kernel.front for i in linears] == [None, 1, 1, 1]
+        # each writes its output chunk into its block of one buffer (the executor's Receives), joined by no copy
+        assert all(in_place_linear(i) for i in linears)
+        joined = {ring_regions(prog)[i.outs[0].value] for i in linears}
+        assert {j for _, j in joined} == {0, 1, 2, 3} and len({k for k, _ in joined}) == 1
         kinds = [type(i).__name__ if not isinstance(i, Compute) else i.op.split("(")[0] for i in fwd_instrs]
         assert kinds[:9] == ["Comm", "linear", "Wait", "Comm", "linear", "Wait", "Comm", "linear", "Wait"]
         assert not any(isinstance(i, Comm) and i.wait for i in fwd_instrs[:7])

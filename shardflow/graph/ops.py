@@ -66,6 +66,25 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def row_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The order of ``t``'s leading dims (all but the last) in which they are laid out in memory, when ``t``
+    permuted that way is contiguous (its rows [*lead, last] foldable into one matrix without a copy); None when no
+    order is (a strided slice, an expanded view). A contiguous ``t`` gives ``(0, 1, ..., ndim - 2)``; a block of a
+    ring all-gather's buffer stored with the gathered dim first, viewed with that dim back in place
+    (:func:`~shardflow.lower.comms.issue`), gives that dim first. Megatron-LM keeps activations [s, b, h] for
+    the same reason: a matrix multiply folds the leading dims of whatever layout it is given."""
+    order = tuple(sorted(range(t.ndim - 1), key=lambda d: -t.stride(d)))
+    return order if t.permute(*order, t.ndim - 1).is_contiguous() else None
+
+
+def inverse(order: Sequence[int]) -> list[int]:
+    """The permutation that undoes ``order`` (``t.permute(order).permute(inverse(order))`` is ``t``)."""
+    out = [0] * len(order)
+    for i, d in enumerate(order):
+        out[d] = i
+    return out
+
+
 def _norm_dim(dim: int, ndim: int, what: str) -> int:
     if not -ndim <= dim < ndim:
         raise OpError(f"{what}: dim {dim} is out of range for a tensor with {ndim} dims")
@@ -154,7 +173,11 @@ class Linear(Op):
         return (TensorType(x.shape[:-1] + (out,), _promote(x.dtype, w.dtype)),)
 
     def compute(self, x, w, b=None):
-        return (F.linear(x, w.t() if self.transposed else w, b),)
+        w = w.t() if self.transposed else w
+        order = None if x.is_contiguous() else row_order(x)  # rows stored in another order: folded as they lie
+        if order is None:
+            return (F.linear(x, w, b),)
+        return (F.linear(x.permute(*order, -1), w, b).permute(*inverse(order), -1),)
 
 
 @dataclass(frozen=True, slots=True)

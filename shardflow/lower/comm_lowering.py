@@ -22,7 +22,7 @@ from functools import cached_property
 from typing import Mapping
 
 from shardflow.graph.graph import TensorRole
-from shardflow.graph.ops import Linear, TensorType
+from shardflow.graph.ops import TensorType
 from shardflow.lower.comms import CommKind, ReduceOp, wire_bytes
 from shardflow.lower.cost import CommForm, LowerOptions
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, block_of,
@@ -501,12 +501,9 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
 
     def compute_on(j: int) -> list[Instr]:
         out = []
-        received = form == CommForm.RING and j != p  # in place: stored with ``dim`` first (ring_regions)
         for c, k in zip(consumers, kernels):
             y = piece(dg.values[c.outputs[0]])
             ins = (chunks[j],) + tuple(piece(dg.values[v]) for v in c.inputs[1:])
-            if received and isinstance(dg.sources[c.src].op, Linear):
-                k = dataclasses.replace(k, front=dim)
             out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name, kernel=k, micro=c.micro))
         return out
 

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
-from shardflow.graph.ops import TensorType
+from shardflow.graph.ops import Linear, TensorType
 from shardflow.lower.dynamic import TaskType
 from shardflow.graph.rng import PieceSite
 from shardflow.parallel.mesh import Mesh
@@ -46,15 +46,11 @@ class Buffer:
 class Forward:
     """A compute op's forward: ``local`` (the rule's local op) on this rank's pieces. ``draw``: for a random op
     (dropout), where this rank's piece of the output lies. ``record``: when the op has a backward, which inputs
-    get a gradient (the forward may record its autograd graph for them); empty otherwise. ``front``: the first
-    input arrives with this dim stored first (a chunk a ring all-gather received in place, :func:`ring_regions`):
-    a linear, which acts on the last dim alone, runs on that contiguous layout and moves the dim back in its
-    output, instead of copying the chunk to fold its leading dims."""
+    get a gradient (the forward may record its autograd graph for them); empty otherwise."""
 
     local: LocalOp
     draw: PieceSite | None
     record: tuple[bool, ...]
-    front: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,15 +391,26 @@ def inplace_sums(program: Program, recorded: Collection[tuple[str, int]]) -> fro
 
 
 def ring_regions(program: Program) -> dict[str, tuple[int, int]]:
-    """The chunks of ring all-gathers that are received in place: value → (index of the ``concat`` compute that
-    joins them, the chunk's place in it), for every input of such a concat that a collective-permute step with a
-    ``dim`` receives (communication lowering's ring all-gather). An executor receives each of them straight into its
-    block of the concat's output, allocated when the first one is issued (with the gathered dim first, so each block
-    is contiguous), and the concat only copies in the chunks it did not receive (the rank's own)."""
+    """The chunks of ring all-gathers, and of their fused linears' outputs, that are assembled in place: value →
+    (index of the ``concat`` compute that joins them, the chunk's place in it), for every input of such a concat
+    that a collective-permute step with a ``dim`` receives (communication lowering's ring all-gather) or that a fused
+    linear computes (:func:`in_place_linear`). An executor stores the concat's output with the gathered dim first, so
+    each block is contiguous, allocated when the first chunk is received or computed; each chunk is received or
+    computed straight into its block, and the concat only copies in the chunks that are not (the rank's own, for
+    the gathered value) and returns the buffer with the dim back in place."""
     received = {c.recv.value for c in program.comms if c.kind == "permute" and c.dim is not None}
+    computed = {i.outs[0].value for i in program.instrs if isinstance(i, Compute) and in_place_linear(i)}
     return {b.value: (k, j) for k, i in enumerate(program.instrs)
             if isinstance(i, Compute) and i.op == "concat" and not i.dnode
-            for j, b in enumerate(i.ins) if b.value in received}
+            for j, b in enumerate(i.ins) if b.value in received or b.value in computed}
+
+
+def in_place_linear(i: Compute) -> bool:
+    """Whether compute ``i`` is a linear that may write its output into a given buffer: the forward of a linear
+    (``x @ W.T + b``) with no input or output scale."""
+    spec = i.kernel
+    return (isinstance(spec, Forward) and isinstance(spec.local.op, Linear) and spec.draw is None
+            and spec.local.out_scale == 1.0 and all(s == 1.0 for s in spec.local.in_scale))
 
 
 def kept_receives(program: Program, recorded: Collection[tuple[str, int]]) -> dict[int, int]:

@@ -9,7 +9,8 @@ and the CUDA caching allocator its blocks for the same reason.
   first use, that every communication of the slot receives into, step after step;
 * :class:`Receives`: where each communication of a rank's program receives — its slot, or, for a ring
   all-gather's chunks (:func:`~shardflow.lower.program.ring_regions`), straight into their blocks of the gathered
-  buffer, so the ring's concat copies only the rank's own chunk.
+  buffer, so the ring's concat copies only the rank's own chunk; and where the linears fused into a ring write
+  their output chunks: straight into their blocks of the whole output, so their concat copies nothing.
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ class Receives:
       allocated with the gathered dim first (in its receive slot when it has one; else new each step) when the
       first of them is issued; the ring's concat (:meth:`kernel`) copies in the chunks that are not blocks of it
       (the rank's own) and returns the buffer with the dim back in its place;
-    * any other communication receives into a new buffer (:meth:`alloc` gives None).
+    * any other communication receives into a new buffer (:meth:`alloc` gives None);
+    * a linear fused into a ring (a chunk of ``reuse.regions`` computed by
+      :func:`~shardflow.lower.program.in_place_linear`) writes its output chunk into its block of the output's
+      buffer, laid out as the gathered one (allocated by the first such chunk), and the concat of its chunks returns
+      that buffer: the output is left with the gathered dim first in memory (:meth:`kernel`).
     """
 
     def __init__(self, program: Program, reuse: Reuse, device: torch.device):
@@ -69,6 +74,11 @@ class Receives:
         for c in program.comms:
             if c.recv is not None and c.recv.value in self.regions:
                 self.first.setdefault(self.regions[c.recv.value][0], c.token)
+        self.computed = {i: self.regions[i.outs[0].value] for i in program.instrs
+                         if isinstance(i, Compute) and i.outs and i.outs[0].value in self.regions}
+        self.allocates: dict[int, Compute] = {}  # concat index → the first compute of a chunk of it
+        for i, (k, _) in self.computed.items():
+            self.allocates.setdefault(k, i)
         self.device = device
         self.gathered: dict[int, torch.Tensor] = {}  # concat index → this step's gathered buffer, dim first
 
@@ -80,23 +90,33 @@ class Receives:
         if c.recv is not None and c.recv.value in self.regions:
             k, j = self.regions[c.recv.value]
             if self.first[k] == c.token:
-                out = self.joins[k].outs[0].type
-                shape = list(out.shape)
-                shape.insert(0, shape.pop(c.dim))
-                dtype = torch_dtype(out.dtype)
-                self.gathered[k] = (self.kept[c.token](dtype, tuple(shape)) if c.token in self.kept else
-                                    torch.empty(shape, dtype=dtype, device=self.device))
+                self.gathered[k] = self.kept[c.token](*self._layout(k)) if c.token in self.kept else self._buffer(k)
             gathered = self.gathered[k]
             return lambda shape: gathered[j * shape[0]:(j + 1) * shape[0]]
         if c.token in self.kept:
             return functools.partial(self.kept[c.token], torch_dtype(c.type.dtype))
         return None
 
-    def kernel(self, concat: Compute) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None:
-        """The kernel of ``concat`` when it joins a ring's chunks received in place; None for any other compute."""
-        if concat not in self.concats:
+    def _layout(self, k: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The dtype of concat ``k``'s output and its shape stored with the concatenated dim first."""
+        out = self.joins[k].outs[0].type
+        shape = list(out.shape)
+        shape.insert(0, shape.pop(self.joins[k].dim))
+        return torch_dtype(out.dtype), tuple(shape)
+
+    def _buffer(self, k: int) -> torch.Tensor:
+        """A new buffer for concat ``k``'s output, its dim stored first."""
+        dtype, shape = self._layout(k)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def kernel(self, instr: Compute) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None:
+        """The kernel of ``instr`` when it joins chunks assembled in place (a concat) or computes one of them (a
+        fused linear); None for any other compute."""
+        if instr in self.computed:
+            return self._linear_into(instr)
+        if instr not in self.concats:
             return None
-        k, dim = self.concats[concat], concat.dim
+        k, dim = self.concats[instr], instr.dim
 
         def assemble(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             gathered = self.gathered.pop(k)
@@ -108,3 +128,28 @@ class Receives:
             return [gathered.movedim(0, dim)]
 
         return assemble
+
+    def _linear_into(self, instr: Compute) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+        """Linear ``instr`` (``x @ W.T + b``, or ``x @ W + b`` for a transposed weight) on its chunk ``x`` of the
+        gathered value, written into its block of the output's buffer with ``torch.addmm(out=)``: the block
+        is [chunk, *other dims, out features] with the gathered dim first, so ``x`` is read with that dim first
+        (a chunk received in place already is: no copy)."""
+        k, j = self.computed[instr]
+        dim, first = self.joins[k].dim, self.allocates[k] is instr
+        op = instr.kernel.local.op
+
+        def linear(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            if first:
+                self.gathered[k] = self._buffer(k)
+            x, w = xs[0], xs[1]
+            n = x.shape[dim]
+            block = self.gathered[k][j * n:(j + 1) * n]
+            rows, flat = x.movedim(dim, 0).reshape(-1, x.shape[-1]), block.view(-1, block.shape[-1])
+            w = w if op.transposed else w.t()
+            if op.bias:
+                torch.addmm(xs[2], rows, w, out=flat)
+            else:
+                torch.mm(rows, w, out=flat)
+            return [block.movedim(0, dim)]
+
+        return linear

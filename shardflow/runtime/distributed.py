@@ -328,9 +328,8 @@ class DistributedExecutor(Executor):
         return self.compiled[traced]
 
     def _kernel(self, instr: Compute) -> Kernel:
-        if instr.dnode:
-            return self.kernels[instr]
-        return self.receives.kernel(instr) or functools.partial(local_move, instr)
+        return self.receives.kernel(instr) or (self.kernels[instr] if instr.dnode else
+                                               functools.partial(local_move, instr))
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)

@@ -116,9 +116,6 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     spec = instr.kernel
     if isinstance(spec, Forward):
         fwd = forward(spec.local, spec.draw, seed, step, micro)
-        if spec.front is not None:  # a ring chunk stored with its dim first: run on that layout, move it back
-            f = spec.front
-            return lambda xs: [y.movedim(0, f) for y in fwd(xs[0].movedim(f, 0), *xs[1:])]
         if saved is None or not records_graph(instr):
             return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.saved_as, saved)

@@ -138,9 +138,8 @@ class LocalExecutor(Executor):
                 self.ledgers[r].sync(bufs)
 
     def _kernel(self, r: int, instr: Compute) -> Kernel:
-        if instr.dnode:
-            return self.kernels[(r, instr)]
-        return self.receives[r].kernel(instr) or functools.partial(local_move, instr)
+        return self.receives[r].kernel(instr) or (self.kernels[(r, instr)] if instr.dnode else
+                                                  functools.partial(local_move, instr))
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)

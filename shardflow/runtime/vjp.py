@@ -58,10 +58,7 @@ def _reshape(op, xs, dys, need) -> Grads:
 
 
 def _permute(op: O.Permute, xs, dys, need) -> Grads:
-    inverse = [0] * len(op.dims)
-    for i, d in enumerate(op.dims):
-        inverse[d] = i
-    return [dys[0].permute(inverse)]
+    return [dys[0].permute(O.inverse(op.dims))]
 
 
 def _expand(op, xs, dys, need) -> Grads:
@@ -164,11 +161,18 @@ def _softmax(op: O.Softmax, xs, dys, need) -> Grads:
 
 
 def _linear(op: O.Linear, xs, dys, need) -> Grads:
+    """In the order ``dy``'s rows are stored (:func:`~shardflow.graph.ops.row_order`; ``x`` is read in the same
+    order, as the forward of a ring's fused linear laid it out): no copy to fold the leading dims, and ``dx`` comes
+    out in that layout."""
     x, w = xs[0], xs[1]
     dy = dys[0]
     out = [None] * len(xs)
+    order = None if dy.is_contiguous() else O.row_order(dy)
+    if order is not None:
+        dy, x = dy.permute(*order, -1), x.permute(*order, -1)
     if need[0]:
-        out[0] = dy @ (w.t() if op.transposed else w)
+        dx = dy @ (w.t() if op.transposed else w)
+        out[0] = dx if order is None else dx.permute(*O.inverse(order), -1)
     flat_dy = dy.reshape(-1, dy.shape[-1])
     if need[1]:
         flat_x = x.reshape(-1, x.shape[-1])
