@@ -248,6 +248,22 @@ def test_fsdp_receives_share_slots_only_between_disjoint_lives_and_match_one_dev
     against_one_device(step, graph)
 
 
+@pytest.mark.parametrize("form", ["ring", "broadcast_loop"])
+def test_a_product_by_a_matrix_fused_into_the_gather_writes_into_one_output(form):
+    """x [4, 8, 8] sharded on dim 1 over tp=4, gathered into ``x @ w`` (w [8, 8] sharded on its columns): the
+    product's four output chunks are blocks of one buffer (``ring_regions``, ``in_place_product``), as a linear's;
+    the local executor gives one device's numbers over two steps."""
+    from shardflow.lower import LowerOptions
+    from shardflow.lower.program import in_place_product
+
+    step, graph = _sp_step(LowerOptions(form, "ring"), with_graph=True, matmul=True)
+    for p in step.programs.values():
+        products = [i for i in p.instrs if isinstance(i, Compute) and i.op.startswith("matmul") and i.pass_ == "FWD"]
+        assert len(products) == 4 and all(in_place_product(i) for i in products)
+        assert sorted(ring_regions(p)[i.outs[0].value][1] for i in products) == [0, 1, 2, 3]
+    against_one_device(step, graph)
+
+
 def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     """x [4, 8, 8] sharded on dim 1 over tp=4, gathered by a ring of collective-permutes into a fused linear. Rank
     1's three received chunks are blocks of the gathered buffer (``ring_regions``: their places in its concat),

@@ -471,19 +471,21 @@ GOLDEN = """
 
 
 # --- all-gather / reduce-scatter forms -------------------------------------------------------------------
-def _sp_step(options, d=4, with_graph=False):
-    """x [B=4, T=8, C=8] sharded on the sequence dim, all-gathered into a column-parallel linear (and the graph,
-    ``with_graph``)."""
+def _sp_step(options, d=4, with_graph=False, matmul=False):
+    """x [B=4, T=8, C=8] sharded on the sequence dim, all-gathered into a column-parallel linear (``matmul``: a
+    product by the matrix w [8, 8] sharded on its columns) (and the graph, ``with_graph``)."""
     b = GraphBuilder()
     x = b.weight("x", (4, 8, 8))
-    loss = b.sum(b.tanh(b.dense(x, 8, name="fc")))
+    y = b.matmul(x, b.weight("w", (8, 8))) if matmul else b.dense(x, 8, name="fc")
+    loss = b.sum(b.tanh(y))
     g = b.build([loss], loss)
     mesh = Mesh.parse(f"tp={d}")
     whole = SubMesh(mesh)
-    ann = Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3),
-                              "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
-                              "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
-                      edges={("linear", 0): {"tp": Replicate()}})
+    weights = {"w": Sharding.from_placements([Shard(1)], whole, 2)} if matmul else {
+        "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
+        "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)}
+    ann = Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3), **weights},
+                      edges={("matmul" if matmul else "linear", 0): {"tp": Replicate()}})
     step = lower_step(build_pcg(g, mesh, ann), options=options)  # verified
     return (step, g) if with_graph else step
 
@@ -491,7 +493,7 @@ def _sp_step(options, d=4, with_graph=False):
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
     from shardflow.lower.comm_lowering import ring_peers
-    from shardflow.lower.program import Compute, in_place_linear, ring_regions
+    from shardflow.lower.program import Compute, in_place_product, ring_regions
     from shardflow.runtime.vjp import hand_vjp
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():
@@ -506,7 +508,7 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
         linears = [i for i in fwd_instrs if isinstance(i, Compute) and i.op.startswith("linear")]
         assert [i.ins[0].value for i in linears] == ["fwd:x"] + [f"fwd:x.combine#{(r + i) % 4}" for i in (1, 2, 3)]
         # each writes its output chunk into its block of one buffer (the executor's Receives), joined by no copy
-        assert all(in_place_linear(i) for i in linears)
+        assert all(in_place_product(i) for i in linears)
         joined = {ring_regions(prog)[i.outs[0].value] for i in linears}
         assert {j for _, j in joined} == {0, 1, 2, 3} and len({k for k, _ in joined}) == 1
         kinds = [type(i).__name__ if not isinstance(i, Compute) else i.op.split("(")[0] for i in fwd_instrs]

@@ -119,23 +119,23 @@ def test_a_large_softmax_goes_through_autograd_which_keeps_its_output():
     assert hand_vjp(O.Binary("mul"), 10 * AUTOGRAD_NUMEL) is not None  # only ops that recompute their output
 
 
-@pytest.mark.parametrize("transposed", [False, True], ids=["[out, in]", "[in, out]"])
-def test_a_linear_works_in_the_order_its_rows_are_stored(transposed):
+@pytest.mark.parametrize("op", [O.Linear(bias=True), O.Linear(bias=True, transposed=True), O.Matmul()],
+                         ids=["linear [out, in]", "linear [in, out]", "matmul by a matrix"])
+def test_a_linear_works_in_the_order_its_rows_are_stored(op):
     """x [B=2, T=6, C=4] stored sequence-first (a ring all-gather's buffer, viewed with T back in place) and its
     output gradient likewise (what the elementwise ops after a ring-fused linear keep): the forward, and the hand
     vjp's dx, come out in that layout (no copy folds the leading dims) and equal autograd's on contiguous copies
     (float64, 1e-12). A gradient stored batch-first takes the plain path."""
-    op = O.Linear(bias=True, transposed=transposed)
     x = torch.randn(6, 2, 4, dtype=torch.float64).movedim(0, 1)
-    w = torch.randn(*((4, 3) if transposed else (3, 4)), dtype=torch.float64)
-    b = torch.randn(3, dtype=torch.float64)
+    w = torch.randn(*((3, 4) if isinstance(op, O.Linear) and not op.transposed else (4, 3)), dtype=torch.float64)
+    ins = (x, w, torch.randn(3, dtype=torch.float64)) if isinstance(op, O.Linear) else (x, w)
     assert O.row_order(x) == (1, 0) and O.row_order(x.contiguous()) == (0, 1) and O.row_order(x[:, ::2]) is None
-    y, = op.compute(x, w, b)
+    y, = op.compute(*ins)
     assert y.movedim(1, 0).is_contiguous()
-    torch.testing.assert_close(y, op.compute(x.contiguous(), w, b)[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(y, op.compute(x.contiguous(), *ins[1:])[0], atol=1e-12, rtol=0)
     for dy in (torch.randn(6, 2, 3, dtype=torch.float64).movedim(0, 1), torch.randn(2, 6, 3, dtype=torch.float64)):
-        got = hand_vjp(op)(op, (x, w, b), (dy,), (True, True, True))
-        _, vjp = torch.func.vjp(lambda *a: op.compute(*a)[0], x.contiguous(), w, b)
+        got = hand_vjp(op)(op, ins, (dy,), (True,) * len(ins))
+        _, vjp = torch.func.vjp(lambda *a: op.compute(*a)[0], x.contiguous(), *ins[1:])
         for g, want in zip(got, vjp(dy.contiguous())):
             torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
         assert got[0].movedim(1, 0).is_contiguous() == (not dy.is_contiguous())

@@ -77,6 +77,16 @@ def row_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return order if t.permute(*order, t.ndim - 1).is_contiguous() else None
 
 
+def by_rows(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn(x)`` for an ``fn`` that acts on the last dim of ``x`` alone (a linear, a product by a matrix), run on
+    ``x``'s rows in the order they are stored (:func:`row_order`): no copy folds the leading dims of a permuted
+    ``x``, and the result is laid out as ``x`` is."""
+    order = None if x.is_contiguous() else row_order(x)
+    if order is None:
+        return fn(x)
+    return fn(x.permute(*order, -1)).permute(*inverse(order), -1)
+
+
 def inverse(order: Sequence[int]) -> list[int]:
     """The permutation that undoes ``order`` (``t.permute(order).permute(inverse(order))`` is ``t``)."""
     out = [0] * len(order)
@@ -174,10 +184,7 @@ class Linear(Op):
 
     def compute(self, x, w, b=None):
         w = w.t() if self.transposed else w
-        order = None if x.is_contiguous() else row_order(x)  # rows stored in another order: folded as they lie
-        if order is None:
-            return (F.linear(x, w, b),)
-        return (F.linear(x.permute(*order, -1), w, b).permute(*inverse(order), -1),)
+        return (by_rows(x, lambda rows: F.linear(rows, w, b)),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -446,7 +453,7 @@ class Matmul(Op):
         return (TensorType(batch + (a.shape[-2], b.shape[-1]), _promote(a.dtype, b.dtype)),)
 
     def compute(self, a, b):
-        return (torch.matmul(a, b),)
+        return (by_rows(a, lambda rows: torch.matmul(rows, b)) if b.ndim == 2 else torch.matmul(a, b),)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
-from shardflow.graph.ops import Linear, TensorType
+from shardflow.graph.ops import Linear, Matmul, TensorType
 from shardflow.lower.dynamic import TaskType
 from shardflow.graph.rng import PieceSite
 from shardflow.parallel.mesh import Mesh
@@ -394,22 +394,23 @@ def ring_regions(program: Program) -> dict[str, tuple[int, int]]:
     """The chunks of ring all-gathers, and of their fused linears' outputs, that are assembled in place: value →
     (index of the ``concat`` compute that joins them, the chunk's place in it), for every input of such a concat
     that a collective-permute step with a ``dim`` receives (communication lowering's ring all-gather) or that a fused
-    linear computes (:func:`in_place_linear`). An executor stores the concat's output with the gathered dim first, so
+    linear or product by a matrix computes (:func:`in_place_product`). An executor stores the concat's output with the gathered dim first, so
     each block is contiguous, allocated when the first chunk is received or computed; each chunk is received or
     computed straight into its block, and the concat only copies in the chunks that are not (the rank's own, for
     the gathered value) and returns the buffer with the dim back in place."""
     received = {c.recv.value for c in program.comms if c.kind == "permute" and c.dim is not None}
-    computed = {i.outs[0].value for i in program.instrs if isinstance(i, Compute) and in_place_linear(i)}
+    computed = {i.outs[0].value for i in program.instrs if isinstance(i, Compute) and in_place_product(i)}
     return {b.value: (k, j) for k, i in enumerate(program.instrs)
             if isinstance(i, Compute) and i.op == "concat" and not i.dnode
             for j, b in enumerate(i.ins) if b.value in received or b.value in computed}
 
 
-def in_place_linear(i: Compute) -> bool:
-    """Whether compute ``i`` is a linear that may write its output into a given buffer: the forward of a linear
-    (``x @ W.T + b``) with no input or output scale."""
+def in_place_product(i: Compute) -> bool:
+    """Whether compute ``i`` may write its output into a given buffer: the forward of a linear (``x @ W.T + b``) or
+    of a product by a matrix (``x @ W``, ``W`` 2-D), with no input or output scale."""
     spec = i.kernel
-    return (isinstance(spec, Forward) and isinstance(spec.local.op, Linear) and spec.draw is None
+    return (isinstance(spec, Forward) and spec.draw is None
+            and (isinstance(spec.local.op, Linear) or (isinstance(spec.local.op, Matmul) and i.ins[1].type.ndim == 2))
             and spec.local.out_scale == 1.0 and all(s == 1.0 for s in spec.local.in_scale))
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from shardflow.graph.ops import torch_dtype
+from shardflow.graph.ops import Linear, torch_dtype
 from shardflow.lower.program import Comm, Compute, Program, Reuse
 
 
@@ -58,8 +58,8 @@ class Receives:
       first of them is issued; the ring's concat (:meth:`kernel`) copies in the chunks that are not blocks of it
       (the rank's own) and returns the buffer with the dim back in its place;
     * any other communication receives into a new buffer (:meth:`alloc` gives None);
-    * a linear fused into a ring (a chunk of ``reuse.regions`` computed by
-      :func:`~shardflow.lower.program.in_place_linear`) writes its output chunk into its block of the output's
+    * a linear or a product by a matrix fused into a ring (a chunk of ``reuse.regions`` computed by
+      :func:`~shardflow.lower.program.in_place_product`) writes its output chunk into its block of the output's
       buffer, laid out as the gathered one (allocated by the first such chunk), and the concat of its chunks returns
       that buffer: the output is left with the gathered dim first in memory (:meth:`kernel`).
     """
@@ -111,9 +111,9 @@ class Receives:
 
     def kernel(self, instr: Compute) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None:
         """The kernel of ``instr`` when it joins chunks assembled in place (a concat) or computes one of them (a
-        fused linear); None for any other compute."""
+        fused linear or product by a matrix); None for any other compute."""
         if instr in self.computed:
-            return self._linear_into(instr)
+            return self._product_into(instr)
         if instr not in self.concats:
             return None
         k, dim = self.concats[instr], instr.dim
@@ -129,27 +129,29 @@ class Receives:
 
         return assemble
 
-    def _linear_into(self, instr: Compute) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
-        """Linear ``instr`` (``x @ W.T + b``, or ``x @ W + b`` for a transposed weight) on its chunk ``x`` of the
-        gathered value, written into its block of the output's buffer with ``torch.addmm(out=)``: the block
-        is [chunk, *other dims, out features] with the gathered dim first, so ``x`` is read with that dim first
-        (a chunk received in place already is: no copy)."""
+    def _product_into(self, instr: Compute) -> Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]:
+        """Linear ``instr`` (``x @ W.T + b``; ``x @ W + b`` for a transposed weight; ``x @ W`` for a product by a
+        matrix) on its chunk ``x`` of the gathered value, written into its block of the output's buffer with
+        ``torch.addmm``/``torch.mm(out=)``: the block is [chunk, *other dims, out features] with the gathered dim
+        first, so ``x`` is read with that dim first (a chunk received in place already is: no copy)."""
         k, j = self.computed[instr]
         dim, first = self.joins[k].dim, self.allocates[k] is instr
         op = instr.kernel.local.op
+        linear = isinstance(op, Linear)
+        transpose, bias = linear and not op.transposed, linear and op.bias
 
-        def linear(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        def product(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             if first:
                 self.gathered[k] = self._buffer(k)
             x, w = xs[0], xs[1]
             n = x.shape[dim]
             block = self.gathered[k][j * n:(j + 1) * n]
             rows, flat = x.movedim(dim, 0).reshape(-1, x.shape[-1]), block.view(-1, block.shape[-1])
-            w = w if op.transposed else w.t()
-            if op.bias:
+            w = w.t() if transpose else w
+            if bias:
                 torch.addmm(xs[2], rows, w, out=flat)
             else:
                 torch.mm(rows, w, out=flat)
             return [block.movedim(0, dim)]
 
-        return linear
+        return product

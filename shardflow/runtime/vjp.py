@@ -182,8 +182,13 @@ def _linear(op: O.Linear, xs, dys, need) -> Grads:
     return out
 
 
+PRODUCT = O.Linear(bias=False, transposed=True)  # a @ b for a matrix b: a linear by the weight [in, out] b
+
+
 def _matmul(op, xs, dys, need) -> Grads:
     a, b = xs
+    if b.ndim == 2:
+        return _linear(PRODUCT, xs, dys, need)
     dy = dys[0]
     return [_to(dy @ b.transpose(-1, -2), a) if need[0] else None,
             _to(a.transpose(-1, -2) @ dy, b) if need[1] else None]
