@@ -423,7 +423,9 @@ def section_d(res: dict, quick: bool) -> str:
              "with `GraphBuilder` + `Annotations` + `build_pcg`, lowered with `LowerOptions(all_gather, "
              "reduce_scatter)` and run by `DistributedExecutor`; one step = forward + backward + SGD on x, W, b + "
              "reading the loss. With *ring* or *broadcast loop* the linear is fused into the loop (computed chunk by "
-             "chunk while the next chunk travels). *compute only*: each rank's local work of the same step with no "
+             "chunk while the next chunk travels), each output chunk written into its block of one buffer stored "
+             "sequence-first, which the tanh, the linear's vjp and the reduce-scatter then read in that layout with "
+             "no copy (docs/lowering.md, §10). *compute only*: each rank's local work of the same step with no "
              "communication (the whole x already present; torch autograd; no update of x), a floor.", "",
              machine_line(res, 2), "", TIMING_NOTE, "",
              f"Reproduce: `python benchmarks/run.py --only d{' --quick' if quick else ''}`.", ""]
