@@ -66,7 +66,7 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
         sizes = [[1024, 4, 3]] if quick else [[1024, 21, 5], [4096, 7, 2]]
         out.append(("a", "mlp", 2, {"sizes": sizes, "batch": 64, "warmup": 1 if quick else 5}))
     if "b" in keys or "e" in keys:
-        out.append(("b+e" if "b" in keys else "e", "gpt", 2, {"timing": "b" in keys, "rounds": 4 if quick else 21,
+        out.append(("b+e" if "b" in keys else "e", "gpt", 2, {"timing": "b" in keys, "rounds": 4 if quick else 61,
                                                               "iters": 2 if quick else 3, "warmup": 1 if quick else 3}))
     if "c" in keys:
         sizes = [256 * KiB, 4 * MiB, 16 * MiB] if quick else [64 * KiB * 4 ** i for i in range(6)]
