@@ -391,13 +391,14 @@ def inplace_sums(program: Program, recorded: Collection[tuple[str, int]]) -> fro
 
 
 def ring_regions(program: Program) -> dict[str, tuple[int, int]]:
-    """The chunks of ring all-gathers, and of their fused linears' outputs, that are assembled in place: value →
-    (index of the ``concat`` compute that joins them, the chunk's place in it), for every input of such a concat
-    that a collective-permute step with a ``dim`` receives (communication lowering's ring all-gather) or that a fused
-    linear or product by a matrix computes (:func:`in_place_product`). An executor stores the concat's output with the gathered dim first, so
-    each block is contiguous, allocated when the first chunk is received or computed; each chunk is received or
-    computed straight into its block, and the concat only copies in the chunks that are not (the rank's own, for
-    the gathered value) and returns the buffer with the dim back in place."""
+    """The chunks of ring all-gathers, and of the outputs of the linears fused into all-gather loops, that are
+    assembled in place: value → (index of the ``concat`` compute that joins them, the chunk's place in it), for
+    every input of such a concat that a collective-permute step with a ``dim`` receives (communication lowering's
+    ring all-gather) or that a fused linear or product by a matrix computes (:func:`in_place_product`). An executor
+    stores the concat's output with the gathered dim first, so each block is contiguous, allocated when the first
+    chunk is received or computed; each chunk is received or computed straight into its block, and the concat only
+    copies in the chunks that are not (the rank's own, for the gathered value) and returns the buffer with the dim
+    back in place."""
     received = {c.recv.value for c in program.comms if c.kind == "permute" and c.dim is not None}
     computed = {i.outs[0].value for i in program.instrs if isinstance(i, Compute) and in_place_product(i)}
     return {b.value: (k, j) for k, i in enumerate(program.instrs)

@@ -9,8 +9,9 @@ and the CUDA caching allocator its blocks for the same reason.
   first use, that every communication of the slot receives into, step after step;
 * :class:`Receives`: where each communication of a rank's program receives — its slot, or, for a ring
   all-gather's chunks (:func:`~shardflow.lower.program.ring_regions`), straight into their blocks of the gathered
-  buffer, so the ring's concat copies only the rank's own chunk; and where the linears fused into a ring write
-  their output chunks: straight into their blocks of the whole output, so their concat copies nothing.
+  buffer, so the ring's concat copies only the rank's own chunk; and where the linears fused into an all-gather
+  loop (ring or broadcasts) write their output chunks: straight into their blocks of the whole output, so their
+  concat copies nothing.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Receives:
       first of them is issued; the ring's concat (:meth:`kernel`) copies in the chunks that are not blocks of it
       (the rank's own) and returns the buffer with the dim back in its place;
     * any other communication receives into a new buffer (:meth:`alloc` gives None);
-    * a linear or a product by a matrix fused into a ring (a chunk of ``reuse.regions`` computed by
+    * a linear or a product by a matrix fused into an all-gather loop (a chunk of ``reuse.regions`` computed by
       :func:`~shardflow.lower.program.in_place_product`) writes its output chunk into its block of the output's
       buffer, laid out as the gathered one (allocated by the first such chunk), and the concat of its chunks returns
       that buffer: the output is left with the gathered dim first in memory (:meth:`kernel`).
