@@ -125,13 +125,17 @@ def test_a_linear_works_in_the_order_its_rows_are_stored(op):
     """x [B=2, T=6, C=4] stored sequence-first (a ring all-gather's buffer, viewed with T back in place) and its
     output gradient likewise (what the elementwise ops after a ring-fused linear keep): the forward, and the hand
     vjp's dx, come out in that layout (no copy folds the leading dims) and equal autograd's on contiguous copies
-    (float64, 1e-12). A gradient stored batch-first takes the plain path."""
+    (float64, 1e-12). A gradient stored batch-first takes the plain path; a product to wider rows (8 features from 4)
+    folds a copy of x and is contiguous."""
     x = torch.randn(6, 2, 4, dtype=torch.float64).movedim(0, 1)
     w = torch.randn(*((3, 4) if isinstance(op, O.Linear) and not op.transposed else (4, 3)), dtype=torch.float64)
     ins = (x, w, torch.randn(3, dtype=torch.float64)) if isinstance(op, O.Linear) else (x, w)
     assert O.row_order(x) == (1, 0) and O.row_order(x.contiguous()) == (0, 1) and O.row_order(x[:, ::2]) is None
     y, = op.compute(*ins)
     assert y.movedim(1, 0).is_contiguous()
+    wider = (torch.randn(*((8, 4) if isinstance(op, O.Linear) and not op.transposed else (4, 8)), dtype=torch.float64),
+             *((torch.randn(8, dtype=torch.float64),) if isinstance(op, O.Linear) else ()))
+    assert op.compute(x, *wider)[0].is_contiguous()
     torch.testing.assert_close(y, op.compute(x.contiguous(), *ins[1:])[0], atol=1e-12, rtol=0)
     for dy in (torch.randn(6, 2, 3, dtype=torch.float64).movedim(0, 1), torch.randn(2, 6, 3, dtype=torch.float64)):
         got = hand_vjp(op)(op, ins, (dy,), (True,) * len(ins))

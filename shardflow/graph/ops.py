@@ -77,11 +77,14 @@ def row_order(t: torch.Tensor) -> tuple[int, ...] | None:
     return order if t.permute(*order, t.ndim - 1).is_contiguous() else None
 
 
-def by_rows(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``fn(x)`` for an ``fn`` that acts on the last dim of ``x`` alone (a linear, a product by a matrix), run on
-    ``x``'s rows in the order they are stored (:func:`row_order`): no copy folds the leading dims of a permuted
-    ``x``, and the result is laid out as ``x`` is."""
-    order = None if x.is_contiguous() else row_order(x)
+def by_rows(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], width: int) -> torch.Tensor:
+    """``fn(x)`` for an ``fn`` that acts on the last dim of ``x`` alone (a linear, a product by a matrix) and gives
+    rows of ``width`` elements. When they are no wider than ``x``'s, it runs on ``x``'s rows in the order they are
+    stored (:func:`row_order`): no copy folds the leading dims of a permuted ``x``, and the result is laid out as
+    ``x`` is. A wider result is computed on ``x`` copied to fold them, and is contiguous: an op after it that needs
+    its rows in order (a reshape merging its leading dims: the logits before the loss) would otherwise copy the
+    larger of the two."""
+    order = None if x.is_contiguous() or width > x.shape[-1] else row_order(x)
     if order is None:
         return fn(x)
     return fn(x.permute(*order, -1)).permute(*inverse(order), -1)
@@ -184,7 +187,7 @@ class Linear(Op):
 
     def compute(self, x, w, b=None):
         w = w.t() if self.transposed else w
-        return (by_rows(x, lambda rows: F.linear(rows, w, b)),)
+        return (by_rows(x, lambda rows: F.linear(rows, w, b), w.shape[0]),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,7 +456,7 @@ class Matmul(Op):
         return (TensorType(batch + (a.shape[-2], b.shape[-1]), _promote(a.dtype, b.dtype)),)
 
     def compute(self, a, b):
-        return (by_rows(a, lambda rows: torch.matmul(rows, b)) if b.ndim == 2 else torch.matmul(a, b),)
+        return (by_rows(a, lambda rows: torch.matmul(rows, b), b.shape[1]) if b.ndim == 2 else torch.matmul(a, b),)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,8 +78,12 @@ class Receives:
         self.computed = {i: self.regions[i.outs[0].value] for i in program.instrs
                          if isinstance(i, Compute) and i.outs and i.outs[0].value in self.regions}
         self.allocates: dict[int, Compute] = {}  # concat index → the first compute of a chunk of it
+        readers: dict[str, list[Compute]] = {}  # a chunk of a gathered value → the fused products reading it
         for i, (k, _) in self.computed.items():
             self.allocates.setdefault(k, i)
+            readers.setdefault(i.ins[0].value, []).append(i)
+        self.reads = {i: (v, i is group[0], i is group[-1]) for v, group in readers.items() for i in group}
+        self.rows: dict[str, torch.Tensor] = {}  # a chunk not stored dim first → its rows, copied once per step
         self.device = device
         self.gathered: dict[int, torch.Tensor] = {}  # concat index → this step's gathered buffer, dim first
 
@@ -134,9 +138,11 @@ class Receives:
         """Linear ``instr`` (``x @ W.T + b``; ``x @ W + b`` for a transposed weight; ``x @ W`` for a product by a
         matrix) on its chunk ``x`` of the gathered value, written into its block of the output's buffer with
         ``torch.addmm``/``torch.mm(out=)``: the block is [chunk, *other dims, out features] with the gathered dim
-        first, so ``x`` is read with that dim first (a chunk received in place already is: no copy)."""
+        first, so ``x`` is read with that dim first: a chunk received in place already is (no copy); the rank's own
+        chunk is copied so once, by the first product reading it, for all of them."""
         k, j = self.computed[instr]
         dim, first = self.joins[k].dim, self.allocates[k] is instr
+        chunk, first_reader, last_reader = self.reads[instr]
         op = instr.kernel.local.op
         linear = isinstance(op, Linear)
         transpose, bias = linear and not op.transposed, linear and op.bias
@@ -147,7 +153,14 @@ class Receives:
             x, w = xs[0], xs[1]
             n = x.shape[dim]
             block = self.gathered[k][j * n:(j + 1) * n]
-            rows, flat = x.movedim(dim, 0).reshape(-1, x.shape[-1]), block.view(-1, block.shape[-1])
+            rows = x.movedim(dim, 0)
+            if rows.is_contiguous():
+                rows = rows.view(-1, x.shape[-1])
+            else:
+                if first_reader:
+                    self.rows[chunk] = rows.reshape(-1, x.shape[-1])
+                rows = self.rows.pop(chunk) if last_reader else self.rows[chunk]
+            flat = block.view(-1, block.shape[-1])
             w = w.t() if transpose else w
             if bias:
                 torch.addmm(xs[2], rows, w, out=flat)
