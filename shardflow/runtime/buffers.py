@@ -71,16 +71,16 @@ class Receives:
         self.regions = reuse.regions
         self.joins: dict[int, Compute] = {k: program.instrs[k] for k, _ in self.regions.values()}  # index → concat
         self.concats = {i: k for k, i in self.joins.items()}
-        self.first: dict[int, int] = {}  # concat index → the token of the first communication receiving a chunk
-        for c in program.comms:
-            if c.recv is not None and c.recv.value in self.regions:
-                self.first.setdefault(self.regions[c.recv.value][0], c.token)
         self.computed = {i: self.regions[i.outs[0].value] for i in program.instrs
                          if isinstance(i, Compute) and i.outs and i.outs[0].value in self.regions}
-        self.allocates: dict[int, Compute] = {}  # concat index → the first compute of a chunk of it
+        self.first: dict[int, Comm | Compute] = {}  # concat index → the first instruction receiving or computing a
+        for i in program.instrs:                    # chunk of it (in program order): it allocates the buffer
+            if isinstance(i, Comm) and i.recv is not None and i.recv.value in self.regions:
+                self.first.setdefault(self.regions[i.recv.value][0], i)
+            elif isinstance(i, Compute) and i in self.computed:
+                self.first.setdefault(self.computed[i][0], i)
         readers: dict[str, list[Compute]] = {}  # a chunk of a gathered value → the fused products reading it
-        for i, (k, _) in self.computed.items():
-            self.allocates.setdefault(k, i)
+        for i in self.computed:
             readers.setdefault(i.ins[0].value, []).append(i)
         self.reads = {i: (v, i is group[0], i is group[-1]) for v, group in readers.items() for i in group}
         self.rows: dict[str, torch.Tensor] = {}  # a chunk not stored dim first → its rows, copied once per step
@@ -94,7 +94,7 @@ class Receives:
         communication in the program: call once per issue of ``c``), else its slot; None for a new buffer."""
         if c.recv is not None and c.recv.value in self.regions:
             k, j = self.regions[c.recv.value]
-            if self.first[k] == c.token:
+            if self.first[k] == c:
                 self.gathered[k] = self.kept[c.token](*self._layout(k)) if c.token in self.kept else self._buffer(k)
             gathered = self.gathered[k]
             return lambda shape: gathered[j * shape[0]:(j + 1) * shape[0]]
@@ -141,7 +141,7 @@ class Receives:
         first, so ``x`` is read with that dim first: a chunk received in place already is (no copy); the rank's own
         chunk is copied so once, by the first product reading it, for all of them."""
         k, j = self.computed[instr]
-        dim, first = self.joins[k].dim, self.allocates[k] is instr
+        dim, first = self.joins[k].dim, self.first[k] is instr
         chunk, first_reader, last_reader = self.reads[instr]
         op = instr.kernel.local.op
         linear = isinstance(op, Linear)
