@@ -10,8 +10,12 @@ tensor lands on the executor's device (tests/test_distributed.py checks the dist
 
 from __future__ import annotations
 
+import datetime
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from devices import PACKAGE, DevicelessFactories
 from shardflow.capture import capture
@@ -23,6 +27,7 @@ from shardflow.parallel.pcg import build_pcg
 from shardflow.reference import weights_of
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.device import DeviceError, backend_for, check_device, device_type, rank_device
+from shardflow.runtime.distributed import CommTimeout, PeerLost, Waits
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
 from shardflow.strategy import make_plan, resolve
@@ -104,6 +109,67 @@ def test_more_local_ranks_than_gpus_are_refused_for_cuda_and_fall_back_to_the_cp
                                           r"start at most 2 processes per machine \(--nproc 2\)"):
         check_device("cuda", 3)
     check_device("cpu", 8)  # the CPU takes any number
+
+
+class _Work:
+    """A communication handle that completes at its ``polls``-th look (never: None), recording each wait's
+    arguments; its wait returns ``answer`` or raises it."""
+
+    def __init__(self, polls: int | None = 0, answer: bool | Exception = True):
+        self.polls, self.answer, self.waited, self.looks = polls, answer, [], 0
+
+    def wait(self, *timeout):
+        self.waited.append(timeout)
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def is_completed(self) -> bool:
+        self.looks += 1
+        return self.polls is not None and self.looks > self.polls
+
+
+def test_on_the_cpu_every_wait_blocks_with_the_timeout():
+    two = datetime.timedelta(seconds=2)
+    waits = Waits(two, on_stream=False, where=lambda c: f"rank 0 waited on {c}")
+    work = _Work()
+    waits.wait(work, "x")
+    waits.settle()
+    assert work.waited == [(two,)] and work.looks == 0  # blocked at its wait; nothing left for the step's end
+    with pytest.raises(CommTimeout, match=r"^rank 0 waited on y: no completion within 2 s$"):
+        waits.wait(_Work(answer=False), "y")
+    with pytest.raises(PeerLost, match=r"^rank 0 waited on z: a member left \(Connection closed by peer"):
+        waits.wait(_Work(answer=RuntimeError("[../gloo/pair.cc:1] Connection closed by peer [::1]:5")), "z")
+
+
+def test_on_a_gpu_a_wait_in_the_step_only_orders_the_stream_and_the_step_end_bounds_it():
+    """NCCL's wait given a timeout blocks the CPU until the communication ends (``torch.distributed.Work.wait``);
+    inside the step a wait must not: the step's end polls them instead, and names the first unfinished one."""
+    timeout = datetime.timedelta(seconds=0.3)
+    waits = Waits(timeout, on_stream=True, where=lambda c: f"rank 1 waited on {c}")
+    bucket, gathered, number = _Work(polls=3), _Work(polls=0), _Work()
+    waits.wait(bucket, "a bucket")
+    waits.wait(gathered, "a gather")
+    waits.wait(number, "a number", read=True)  # the CPU reads it next: it blocks, with the timeout
+    assert bucket.waited == [()] and gathered.waited == [()] and number.waited == [(timeout,)]
+    assert bucket.looks == 0  # nothing waited for on the CPU before the step's end
+    waits.settle()
+    assert (bucket.looks, gathered.looks, number.looks) == (4, 1, 0)
+    waits.settle()  # each communication is seen complete once
+    assert bucket.looks == 4
+
+    store = dist.HashStore()  # a real handle: torch's Work has the two calls used on a GPU
+    group = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=5))
+    waits.wait(group.allreduce([torch.ones(2)]), "a real all-reduce")
+    waits.settle()
+
+    waits.wait(_Work(polls=2), "token 3 (all_gather)")
+    waits.wait(_Work(polls=None), "token 4 (reduce_scatter)")
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match=r"^rank 1 waited on token 4 \(reduce_scatter\): not complete 0.3 s after the "
+                                          r"step's last instruction was queued; a member stopped answering"):
+        waits.settle()
+    assert 0.3 <= time.monotonic() - t0 < 5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is no bad input here")

@@ -10,7 +10,8 @@ the rank, the token, the operation and the peer or group it waited on, and wheth
 
 On NCCL every communication is issued asynchronously (``async_op=True``): it runs on NCCL's own stream while the
 compute stream goes on, and its wait makes the compute stream wait for it, so a communication issued ahead of its
-wait (a bucket, a prefetched FSDP all-gather) overlaps the compute between them. All-gathers and
+wait (a bucket, a prefetched FSDP all-gather) overlaps the compute between them; the CPU does not stop at those
+waits, and the step's end bounds them all (:class:`Waits`). All-gathers and
 reduce-scatters go straight to ``all_gather_single``/``reduce_scatter_single`` (formerly
 ``all_gather_into_tensor``/``reduce_scatter_tensor``) on flat buffers.
 """
@@ -21,7 +22,8 @@ import datetime
 import functools
 import os
 import sys
-from typing import Iterable, Mapping, NoReturn
+import time
+from typing import Callable, Iterable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -81,6 +83,54 @@ def comm_failure(e: BaseException, where: str) -> CommFailure | None:
 
 class CommDivergence(RuntimeError):
     """Debug mode: the members of a communication are at different tokens (code outside the plan diverged)."""
+
+
+class Waits:
+    """How a rank waits for its communications: each handle once (gloo blocks on a second wait of a finished
+    send), every wait bounded by ``timeout``, a failure raised as :class:`CommTimeout` or :class:`PeerLost` whose
+    message begins with ``where(c)`` for the communication ``c`` (or the sentence) it was given.
+
+    On the CPU (gloo) a wait blocks with the timeout. On a GPU (NCCL; ``on_stream``) a wait inside the step only makes
+    the current (compute) stream wait for the communication, ``work.wait()``: given a timeout, NCCL's wait blocks
+    the CPU thread until the communication has completed (torch 2.13, the docstring of
+    ``torch.distributed.Work.wait``), so the CPU would stop queueing kernels at every wait while the GPU still
+    has work ahead of it. Those waits are bounded together at the step's end (:meth:`settle`), before the CPU reads
+    the loss.
+    """
+
+    POLL_S = 1e-4  # seconds between two looks at an unfinished communication in :meth:`settle`
+
+    def __init__(self, timeout: datetime.timedelta, on_stream: bool, where: Callable[[Comm | str], str]):
+        self.timeout, self.on_stream, self.where = timeout, on_stream, where
+        self.streamed: list[tuple[dist.Work, Comm | str]] = []  # waited on the stream, not yet seen complete
+
+    def wait(self, work: dist.Work, c: Comm | str, read: bool = False) -> None:
+        """Wait for ``work``, a handle of communication ``c``. ``read``: the CPU reads the result next (a number
+        gathered from the ranks, a debug token), so the wait blocks with the timeout on a GPU too. Raises
+        CommTimeout or PeerLost naming ``c`` when it fails or does not complete within the timeout."""
+        stream = self.on_stream and not read
+        try:
+            ok = work.wait() if stream else work.wait(self.timeout)
+        except RuntimeError as e:
+            raise comm_failure(e, self.where(c)) or CommTimeout(f"{self.where(c)}: {e}") from None
+        if ok is False:
+            raise CommTimeout(f"{self.where(c)}: no completion within {self.timeout.total_seconds():.0f} s")
+        if stream:
+            self.streamed.append((work, c))
+
+    def settle(self) -> None:
+        """Return once every communication waited on the stream since the last call has completed, looking at each
+        in the order waited every :attr:`POLL_S` seconds. Raises CommTimeout naming the first one still
+        unfinished ``timeout`` after this call began."""
+        streamed, self.streamed = self.streamed, []
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        for work, c in streamed:
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise CommTimeout(f"{self.where(c)}: not complete {self.timeout.total_seconds():g} s after "
+                                      f"the step's last instruction was queued; a member stopped answering "
+                                      f"(stalled, stopped, or slower than the timeout): its log shows where it is")
+                time.sleep(self.POLL_S)
 
 
 def init_from_env(timeout_s: float = 300.0, device: torch.device | None = None) -> tuple[int, int]:
@@ -203,6 +253,7 @@ class DistributedExecutor(Executor):
                                        self.device, i.outs[0].value in into)
                         for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
+        self.waits = Waits(self.timeout, self.device.type == "cuda", self._where)
         self.ledger = Ledger() if memory else None
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.compiled: dict[bool, list[Segment | Comm | Wait]] = {}  # traced? → the program, compiled
@@ -242,7 +293,8 @@ class DistributedExecutor(Executor):
         for dtype in dict.fromkeys(t.dtype for t in mine):
             idx = [i for i, t in enumerate(mine) if t.dtype == dtype]
             flat = torch.cat([mine[i].reshape(-1) for i in idx])
-            dist.all_reduce(flat)
+            self.waits.wait(dist.all_reduce(flat, async_op=True),
+                            f"rank {self.rank} waited on the all-reduce assembling {len(idx)} value(s)", read=True)
             for i, part in zip(idx, flat.split([mine[i].numel() for i in idx])):
                 out[i] = part.view(mine[i].shape).cpu()
         return out
@@ -272,14 +324,16 @@ class DistributedExecutor(Executor):
 
     def _max_over_ranks(self, x: float) -> float:
         t = torch.tensor(x, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.waits.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True),
+                        f"rank {self.rank} waited on the all-reduce of a maximum over the ranks", read=True)
         return t.item()
 
     def per_process(self, x: float) -> list[float]:
         """Every rank's ``x`` (an all-gather on the default group). Raises CommTimeout past the run's timeout."""
         out = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(self.world)]
-        self._wait(dist.all_gather(out, torch.tensor(x, dtype=torch.float64, device=self.device), async_op=True),
-                   f"rank {self.rank} waited on the all-gather of a number from every rank")
+        self.waits.wait(dist.all_gather(out, torch.tensor(x, dtype=torch.float64, device=self.device),
+                                        async_op=True),
+                        f"rank {self.rank} waited on the all-gather of a number from every rank", read=True)
         return [t.item() for t in out]
 
     # --- one step -------------------------------------------------------------------------------------
@@ -297,7 +351,7 @@ class DistributedExecutor(Executor):
             if isinstance(item, Wait):
                 issued, c = self.pending.pop(item.token)
                 for h in issued.handles:
-                    self._wait(h, c)
+                    self.waits.wait(h, c)
                 out = issued.result()
             else:
                 c, out = item, self._communicate(item)
@@ -307,6 +361,7 @@ class DistributedExecutor(Executor):
                     ledger.write(c.recv.value, c.recv.type.nbytes)
             if tracer:
                 tracer.record(item, t0, trace.now())
+        self.waits.settle()
         loss = self._loss()
         for new, old in self.renames:
             if new in b:
@@ -350,16 +405,6 @@ class DistributedExecutor(Executor):
         gradients and activations. Raises RuntimeError when the executor was built without ``memory=True``."""
         return peak(self.ledger)
 
-    def _wait(self, work, c: Comm | str) -> None:
-        """Wait for ``work`` (once) with the timeout; raise CommTimeout naming communication ``c`` (or saying
-        ``c``, a sentence) when it fails or does not complete."""
-        try:
-            ok = work.wait(self.timeout)
-        except RuntimeError as e:
-            raise comm_failure(e, self._where(c)) or CommTimeout(f"{self._where(c)}: {e}") from None
-        if ok is False:
-            raise CommTimeout(f"{self._where(c)}: no completion within {self.timeout.total_seconds():.0f} s")
-
     def _where(self, c: Comm | str) -> str:
         if isinstance(c, str):
             return c
@@ -373,11 +418,12 @@ class DistributedExecutor(Executor):
             to, frm = (c.peer, c.peer) if c.kind != "permute" else (c.peer, c.peer_from)
             theirs = torch.empty(1, dtype=torch.long, device=self.device)
             for h in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, to), dist.P2POp(dist.irecv, theirs, frm)]):
-                self._wait(h, c)
+                self.waits.wait(h, c, read=True)
             others = {frm: int(theirs)}
         else:
             got = torch.empty(len(c.members), dtype=torch.long, device=self.device)
-            self._wait(dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c)
+            self.waits.wait(dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c,
+                            read=True)
             others = dict(zip(c.members, got.tolist()))
         bad = {r: t for r, t in others.items() if t != c.token}
         if bad:
@@ -398,6 +444,6 @@ class DistributedExecutor(Executor):
             self.pending[c.token] = (issued, c)
             return None
         for h in issued.handles:
-            self._wait(h, c)
+            self.waits.wait(h, c)
         return issued.result()
 
