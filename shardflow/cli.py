@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import shutil
@@ -511,7 +512,7 @@ def calibrate_rank(args: argparse.Namespace) -> NoReturn:
         say = print if rank == 0 else (lambda *_, **__: None)
         cal = measure(rank, world, mesh, sizes, args.reps, backend,
                       torch.device(f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"),
-                      lambda line: say(line, flush=True))
+                      lambda line: say(line, flush=True), datetime.timedelta(seconds=args.timeout))
         if cal is not None:
             out.write_text(cal.to_json())
             say(table(cal))

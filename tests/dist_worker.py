@@ -225,8 +225,9 @@ def run_outside_view(rank):
 def run_groups(rank, world):
     """:class:`ProcessGroups` from regular groups (axis groups of a pp=2,tp=2 mesh: a DeviceMesh's) and plain member
     lists, created twice (the second time creates nothing): each group of this rank spans exactly its members, a
-    regular one is the DeviceMesh's group along its axis, a non-member has none, and an all-reduce over each
-    counts its members. Returns the number of groups that failed."""
+    regular one is the DeviceMesh's group along its axis, a non-member has none, each has the run's timeout (the
+    world's, from init_from_env, is 60 s) and an all-reduce over each counts its members. Returns the number of
+    groups that failed."""
     import datetime
 
     import torch.distributed as dist
@@ -253,8 +254,10 @@ def run_groups(rank, world):
         ranks = list(range(world)) if pg is None else dist.get_process_group_ranks(pg)
         x = torch.ones(1)
         dist.all_reduce(x, group=pg)
+        timeout = (pg or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
         failed += (sorted(ranks) != sorted(g.members) or x.item() != len(g.members)
-                   or (g.mesh is not None and pg is not pgs.meshes[mesh].get_group(g.axis)))
+                   or (g.mesh is not None and pg is not pgs.meshes[mesh].get_group(g.axis))
+                   or timeout != datetime.timedelta(seconds=60))
     return {"failed groups": float(failed)}
 
 

@@ -27,7 +27,7 @@ from shardflow.parallel.pcg import build_pcg
 from shardflow.reference import weights_of
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.device import DeviceError, backend_for, check_device, device_type, rank_device
-from shardflow.runtime.distributed import CommTimeout, PeerLost, Waits
+from shardflow.runtime.distributed import CommTimeout, PeerLost, Waits, comm_failure, group_timeout
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
 from shardflow.strategy import make_plan, resolve
@@ -170,6 +170,19 @@ def test_on_a_gpu_a_wait_in_the_step_only_orders_the_stream_and_the_step_end_bou
                                           r"step's last instruction was queued; a member stopped answering"):
         waits.settle()
     assert 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_nccls_watchdog_waits_longer_than_the_executor_and_its_remote_error_is_a_member_lost():
+    """NCCL ends the process a group's timeout after a communication was queued; the executor's bound counts from
+    the step's end, so the groups' must be longer for a stalled member to be named (tests/dist_worker.py's "groups"
+    checks every group of a run is made with it)."""
+    two = datetime.timedelta(seconds=2)
+    assert group_timeout(two, "cuda") == 2 * two and group_timeout(two, "cpu") == two
+    nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:2042, remote process exited or there was a network "
+                        "error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network error")
+    lost = comm_failure(nccl, "rank 0 waited on token 7")
+    assert isinstance(lost, PeerLost) and str(lost).startswith(
+        "rank 0 waited on token 7: a member left (remote process exited or there was a network error, NCCL version")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is no bad input here")

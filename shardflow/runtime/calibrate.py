@@ -67,18 +67,20 @@ def axis_members(mesh: Mesh, axis: str, rank: int) -> tuple[int, ...]:
 
 
 def measure(rank: int, world: int, mesh: Mesh | None, sizes: Sequence[int], reps: int, backend: str,
-            device: torch.device, say: Callable[[str], None] = print) -> Calibration | None:
+            device: torch.device, say: Callable[[str], None] = print,
+            timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> Calibration | None:
     """Time every cost kind on every group of this rank (each axis of ``mesh``, or the world) at ``sizes`` (bytes),
     ``reps`` calls each (median), and fit them. Every rank of the world calls it (it runs collectives over the
     world); rank 0 gets the :class:`Calibration` (the slowest rank's times), the others None. ``say``: progress
     lines (rank 0's); a kind whose times do not grow with the size (:func:`fit` refuses it: noise on a busy machine)
-    is left out of the calibration, with a line saying so — the cost model keeps its default for it."""
+    is left out of the calibration, with a line saying so — the cost model keeps its default for it. ``timeout``:
+    the run's (``--timeout``), which the mesh's axis groups are made with (:func:`~shardflow.runtime.distributed.mesh_groups`)."""
     import torch.distributed as dist
     if mesh is None:
         groups = [(WORLD, tuple(range(world)), None)]
     else:
-        from torch.distributed.device_mesh import init_device_mesh
-        dm = init_device_mesh(device.type, mesh.shape, mesh_dim_names=mesh.axis_names)
+        from shardflow.runtime.distributed import mesh_groups
+        dm = mesh_groups(device.type, mesh, timeout)
         groups = [(a, axis_members(mesh, a, rank), dm.get_group(a)) for a in mesh.axis_names if mesh.axis_size(a) > 1]
     seconds: list[float] = []
     counted: list[tuple[str, str, int]] = []  # (group, kind, bytes) of each sample, rank 0's side

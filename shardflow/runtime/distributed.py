@@ -60,8 +60,9 @@ class PeerLost(CommFailure):
 
 # gloo's words for a member that closed or reset its connection; torch raises a plain RuntimeError for it as for a
 # timeout, with gloo's message as its text (torch 2.13: "Connection closed by peer [addr]:port", "Read error
-# [addr]:port: Connection reset by peer")
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# [addr]:port: Connection reset by peer"); NCCL's (its ncclRemoteError: "remote process exited or there was a network
+# error")
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 TIMED_OUT = ("timed out", "timeout")  # lower case: "Operation timed out!", "Application timeout caused pair closure"
 
 
@@ -133,6 +134,25 @@ class Waits:
                 time.sleep(self.POLL_S)
 
 
+def group_timeout(timeout: datetime.timedelta, device_type: str) -> datetime.timedelta:
+    """The timeout every process group of a run whose waits take ``timeout`` is made with, for buffers on
+    ``device_type``. On NCCL it is the watchdog's: NCCL aborts a communication that long after it was queued and
+    ends the process (torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, 3 by default); it is twice the waits' timeout so
+    that the executor's own bound (:meth:`Waits.settle`, counted from the step's end) names the communication first,
+    with NCCL's abort left as the backstop. On gloo the waits' own (its waits are given it)."""
+    return 2 * timeout if device_type == "cuda" else timeout
+
+
+def mesh_groups(device_type: str, mesh: Mesh, timeout: datetime.timedelta) -> DeviceMesh:
+    """The ``DeviceMesh`` of ``mesh`` for buffers on ``device_type`` (every rank calls it), its axis groups made with
+    :func:`group_timeout` (``init_device_mesh`` gives them the backend's default, 10 minutes on NCCL: torch 2.13
+    has no public way to pass one)."""
+    dm = init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axis_names)
+    for axis in mesh.axis_names:
+        dist.distributed_c10d._set_pg_timeout(group_timeout(timeout, device_type), dm.get_group(axis))
+    return dm
+
+
 def init_from_env(timeout_s: float = 300.0, device: torch.device | None = None) -> tuple[int, int]:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     with the backend of ``device`` (:func:`~shardflow.runtime.device.backend_for`: NCCL for ``cuda:LOCAL_RANK``,
@@ -143,7 +163,8 @@ def init_from_env(timeout_s: float = 300.0, device: torch.device | None = None) 
         if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL: communicators on this GPU
-        dist.init_process_group(backend_for(device.type), timeout=datetime.timedelta(seconds=timeout_s), **bound)
+        dist.init_process_group(backend_for(device.type), **bound,
+                                timeout=group_timeout(datetime.timedelta(seconds=timeout_s), device.type))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -192,10 +213,11 @@ class ProcessGroups:
             self.made.add(g.members)
             if g.mesh is not None:
                 if g.mesh not in self.meshes:
-                    self.meshes[g.mesh] = init_device_mesh(self.device_type, g.mesh.shape, mesh_dim_names=g.mesh.axis_names)
+                    self.meshes[g.mesh] = mesh_groups(self.device_type, g.mesh, self.timeout)
                 pg = self.meshes[g.mesh].get_group(g.axis)  # this rank's group along the axis: g's if a member
             else:
-                pg = None if len(g.members) == self.world else dist.new_group(list(g.members), timeout=self.timeout)
+                pg = None if len(g.members) == self.world else \
+                    dist.new_group(list(g.members), timeout=group_timeout(self.timeout, self.device_type))
             if self.rank in g.members:
                 self.groups[g.members] = pg
 
