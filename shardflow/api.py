@@ -349,10 +349,10 @@ class Trainer:
         for name, u in updates.items():
             buf = self._buffers[name]
             if u.stat is None:
-                buf.add_(torch.tensor(u.momentum * ex.dg.microbatches).to(buf.dtype))
+                buf.add_(torch.tensor(u.momentum * ex.dg.microbatches, device=buf.device).to(buf.dtype))
                 continue
-            for stat in stats[u.stat]:
-                buf.mul_(1 - u.momentum).add_(stat.to(buf.dtype), alpha=u.momentum)
+            for stat in stats[u.stat]:  # gathered on the CPU; the buffer is where the module keeps it
+                buf.mul_(1 - u.momentum).add_(stat.to(buf.device, buf.dtype), alpha=u.momentum)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The plain module's state dict, trained: full tensors under the module's ``state_dict()`` keys, ready for
