@@ -139,3 +139,51 @@ def _children(pid: int) -> list[int]:
             except OSError:
                 continue
     return out
+
+
+def test_with_buffers_on_gpus_each_gpu_holds_its_process_buffers_and_the_machine_the_rest(monkeypatch):
+    """8 processes of 38 GiB of buffers and 1 GiB of constants each, 1.5 GiB on the host each: they fit on 8 GPUs of
+    80 GiB and a machine with 64 GiB available, not on that machine alone (--device cpu), not on GPUs of 32 GiB, and
+    not on a machine with 8 GiB available (the model, constants and interpreter stay on the CPU)."""
+    gib = 2**30
+    est = memory.Estimate({MemoryKind.PARAMETERS: 8 * gib, MemoryKind.GRADIENTS: 0, MemoryKind.OPTIMIZER: 0,
+                           MemoryKind.ACTIVATIONS: 30 * gib}, model=gib // 4, constants=gib, runtime=gib // 4,
+                          basis="the run's plan")
+    host, gpu = [64 * gib], [80 * gib]
+    monkeypatch.setattr(memory, "available_bytes", lambda: (host[0], "MemAvailable"))
+    monkeypatch.setattr(memory, "gpu_bytes", lambda n: (gpu[0], "the total memory of cuda:0, NVIDIA H100"))
+    memory.check(est, 8, "cuda")
+    with pytest.raises(memory.MemoryFitError, match=r"^not enough memory for this run: each of the 8 processes on "
+                                                    r"this machine would hold about 39.5 GiB at its peak"):
+        memory.check(est, 8, "cpu")
+    gpu[0] = 32 * gib
+    with pytest.raises(memory.MemoryFitError) as e:
+        memory.check(est, 8, "cuda")
+    assert str(e.value) == (
+        "not enough GPU memory for this run: each of the 8 processes on this machine would hold about 39.0 GiB on its "
+        "GPU at its peak — activations 30.0 GiB, parameters 8.0 GiB, folded constants 1.0 GiB (estimated from the "
+        "run's plan) — but a GPU has 32.0 GiB (the total memory of cuda:0, NVIDIA H100); use a smaller --batch-size "
+        "or --seq-len (activations and attention masks grow with both), or more devices along dp (the batch) or sp "
+        "(the sequence), or a smaller model (--embd, --layers)")
+    gpu[0], host[0] = 80 * gib, 8 * gib
+    with pytest.raises(memory.MemoryFitError, match=r"^not enough memory for this run: each of the 8 processes on "
+                                                    r"this machine would hold about 1.5 GiB at its peak — folded "
+                                                    r"constants 1.0 GiB, .* 12.0 GiB in all, but this machine has 8.0 "
+                                                    r"GiB available \(MemAvailable\)"):
+        memory.check(est, 8, "cuda")
+
+
+def test_the_gpu_memory_is_the_smallest_of_the_local_ranks_gpus(monkeypatch):
+    import torch
+    sizes = [80, 40, 24]  # GiB; a third GPU no local rank of 2 processes uses
+
+    class Props:
+        def __init__(self, i):
+            self.total_memory, self.name = sizes[i] * 2**30, f"GPU {i}"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", Props)
+    assert memory.gpu_bytes(2) == (40 * 2**30, "the total memory of cuda:1, GPU 1")
+    assert memory.gpu_bytes(1) == (80 * 2**30, "the total memory of cuda:0, GPU 0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert memory.gpu_bytes(2) is None

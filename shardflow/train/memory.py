@@ -45,7 +45,9 @@ GiB = 2**30
 # elements of a [B, T, T] tensor (a folded attention mask) beyond which capturing at the run's size could itself take
 # much memory (2**26 float32: 256 MiB): the estimate is then made from small plans, scaled
 PROBE_ABOVE = 2**26
-MODEL_PART = "the model's tensors it holds whole (buffers; a factory's module)"  # a part of an Estimate
+MODEL_PART = "the model's tensors it holds whole (buffers; a factory's module)"  # parts of an Estimate
+CONSTANTS_PART = "folded constants"
+RUNTIME_PART = "the interpreter and libraries"
 
 
 class MemoryFitError(ValueError):
@@ -71,7 +73,7 @@ class Estimate:
     def parts(self) -> list[tuple[str, int]]:
         """(what, bytes), largest first."""
         named = [*((str(k), n) for k, n in self.program.items()), (MODEL_PART, self.model),
-                 ("folded constants", self.constants), ("the interpreter and libraries", self.runtime)]
+                 (CONSTANTS_PART, self.constants), (RUNTIME_PART, self.runtime)]
         return sorted(named, key=lambda p: -p[1])
 
 
@@ -86,8 +88,8 @@ FIXES = {
     str(MemoryKind.OPTIMIZER): ("--optimizer sgd (one state per weight with momentum, none without; AdamW keeps "
                                 "two)", _SPLIT_WEIGHTS),
     MODEL_PART: (f"{_SMALLER_MODEL}: every process builds it whole", "fewer processes on this machine (--nproc)"),
-    "folded constants": (_SMALLER_BATCH,),
-    "the interpreter and libraries": ("fewer processes on this machine (--nproc)",),
+    CONSTANTS_PART: (_SMALLER_BATCH,),
+    RUNTIME_PART: ("fewer processes on this machine (--nproc)",),
 }
 
 
@@ -179,23 +181,57 @@ def scaling(cfg: TrainConfig, probes: Mapping[tuple[int, int], Mapping[str, int]
     return grow
 
 
-def check(est: Estimate, processes: int) -> None:
-    """Raise MemoryFitError (one paragraph: the estimate per process broken down, the machine's available memory,
-    the fix) unless ``processes`` processes of ``est`` fit in the memory this machine has available (where that
-    cannot be read, nothing is checked)."""
-    found = available_bytes()
-    need = est.total * processes
+HOST_PARTS = (MODEL_PART, CONSTANTS_PART, RUNTIME_PART)  # on the CPU whatever --device (the constants on the GPU too)
+
+
+def check(est: Estimate, processes: int, device_type: str = "cpu") -> None:
+    """Raise MemoryFitError (one paragraph: the estimate per process broken down, the memory found, the fix) unless
+    ``processes`` processes of ``est`` fit in this machine's memory: everything in its available memory with buffers
+    on the CPU (``device_type`` "cpu"); with buffers on the GPUs ("cuda"), :data:`HOST_PARTS` in its available
+    memory, and each process's buffers and constants on its own GPU (:func:`gpu_bytes`). Where a memory cannot be
+    read, it is not checked."""
+    parts = est.parts()
+    if device_type == "cpu":
+        _fit(parts, processes, available_bytes(), est.basis)
+        return
+    _fit([p for p in parts if p[0] in HOST_PARTS], processes, available_bytes(), est.basis)
+    _fit([p for p in parts if p[0] not in (MODEL_PART, RUNTIME_PART)], processes, gpu_bytes(processes), est.basis,
+         gpu=True)
+
+
+def gpu_bytes(processes: int) -> tuple[int, str] | None:
+    """The memory of the smallest GPU of local ranks 0 … ``processes`` − 1 (``total_memory`` of
+    ``torch.cuda.get_device_properties``: the free memory would need a CUDA context in the process that checks, the
+    launcher too) and what it is; None without CUDA."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    i = min(range(max(1, min(processes, torch.cuda.device_count()))),
+            key=lambda i: torch.cuda.get_device_properties(i).total_memory)
+    props = torch.cuda.get_device_properties(i)
+    return props.total_memory, f"the total memory of cuda:{i}, {props.name}"
+
+
+def _fit(parts: list[tuple[str, int]], processes: int, found: tuple[int, str] | None, basis: str,
+         gpu: bool = False) -> None:
+    """Raise MemoryFitError unless ``processes`` processes holding ``parts`` ((what, bytes), largest first) each fit
+    in ``found`` (bytes, where from): this machine's memory, or (``gpu``) each its own GPU's."""
+    total = sum(n for _, n in parts)
+    need = total if gpu else total * processes
     if found is None or need <= found[0]:
         return
     avail, source = found
-    parts = est.parts()
     each = "this process" if processes == 1 else f"each of the {processes} processes on this machine"
     fixes = list(dict.fromkeys(f for what, _ in parts[:2] for f in FIXES[what]))[:3]
+    held = ", ".join(f"{what} {_size(n)}" for what, n in parts if n >= total / 100)
+    if gpu:
+        raise MemoryFitError(
+            f"not enough GPU memory for this run: {each} would hold about {_size(total)} on its GPU at its peak — "
+            f"{held} (estimated from {basis}) — but a GPU has {_size(avail)} ({source}); use " + ", or ".join(fixes))
     raise MemoryFitError(
-        f"not enough memory for this run: {each} would hold about {_size(est.total)} at its peak — "
-        + ", ".join(f"{what} {_size(n)}" for what, n in parts if n >= est.total / 100)
-        + f" (estimated from {est.basis}) — {_size(need)} in all, but this machine has {_size(avail)} available "
-        f"({source}); use " + ", or ".join(fixes))
+        f"not enough memory for this run: {each} would hold about {_size(total)} at its peak — {held} (estimated "
+        f"from {basis}) — {_size(need)} in all, but this machine has {_size(avail)} available ({source}); use "
+        + ", or ".join(fixes))
 
 
 def _size(n: int) -> str:

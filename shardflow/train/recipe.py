@@ -26,7 +26,7 @@ from shardflow.lower.schedule import requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, evaluation
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.runtime.device import run_backend
+from shardflow.runtime.device import device_type, run_backend
 from shardflow.runtime.materialize import TensorInit, materialise
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
@@ -275,7 +275,8 @@ def _check_memory_before_build(cfg: TrainConfig, world: int, mesh: Mesh, corpus:
     if memory.needs_probe(cfg):
         with torch.device("meta"):
             whole = memory.module_bytes(build_model(cfg, corpus.tokenizer.vocab_size, pretrained)[2], buffers_only=True)
-        memory.check(probe_estimate(cfg, world, mesh, corpus, pretrained, whole, runtime), processes)
+        memory.check(probe_estimate(cfg, world, mesh, corpus, pretrained, whole, runtime), processes,
+                     device_type(cfg.device, processes))
 
 
 def probe_estimate(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None,
@@ -309,9 +310,10 @@ def check_memory(s: Setup, step: LoweredStep, world: int, processes: int) -> Non
     """Raise MemoryFitError unless ``processes`` processes of the run fit in this machine's memory, each running
     one rank's program of ``step`` (``world`` > 1) or every rank's (``world`` 1: one process runs the mesh), with
     what it holds of the model whole (its buffers; a factory's module), the graph's constants and its runtime
-    (nothing when ``processes`` is 0)."""
+    (nothing when ``processes`` is 0); the buffers in the GPUs' memory where ``--device`` puts them there
+    (:func:`~shardflow.train.memory.check`)."""
     if processes:
         constants = sum(v.numel() * v.element_size() for v in s.graph.constants.values())
         memory.check(memory.of_plan(step, world == 1, memory.module_bytes(s.model, buffers_only=s.inits is not None),
                                     constants, s.runtime_bytes),
-                     processes)
+                     processes, device_type(s.cfg.device, processes))
