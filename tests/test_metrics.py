@@ -74,6 +74,9 @@ def test_peak_is_the_flag_or_measured():
     measured = measure_peak_tflops(CPU)  # a second on a core: 2·2048³ FLOPs, best of 3
     # A core of this machine does ~0.03-0.1 TFLOP/s in float32; a unit slip (GFLOP/s, FLOP/s) lands far outside.
     assert 1e-3 < measured < 20, measured
+    assert 1e-3 < measure_peak_tflops(CPU, torch.bfloat16) < 20  # --dtype bf16's peak: its matmuls in bfloat16
+    assert Peak.of(0, CPU, torch.bfloat16).source == ("measured at start-up: best of 3 bfloat16 2048×2048 matmuls "
+                                                       "on cpu")
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")

@@ -33,6 +33,7 @@ def _f(default, help: str, **kw):
 
 # --dtype → the dtype the weights are held, reduced and updated in ("": the model's own, nothing cast).
 MASTER_DTYPE = {"float32": "", "bf16": "float32"}
+COMPUTE_DTYPE = {"float32": "float32", "bf16": "bfloat16"}  # --dtype → the torch dtype the model computes in
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from shardflow.runtime.accumulate import MicroSteps
 from shardflow.runtime.device import rank_device
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
-from shardflow.train.config import TrainConfig, check_outputs
+from shardflow.train.config import COMPUTE_DTYPE, TrainConfig, check_outputs
 from shardflow.train.console import Console
 from shardflow.train.data import Split
 from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
@@ -103,7 +103,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
 
     run_dir.mkdir(parents=True, exist_ok=True)
     meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate * cfg.microbatches,
-                  Peak.of(cfg.peak_tflops, device) if lead else None, device)
+                  Peak.of(cfg.peak_tflops, device, getattr(torch, COMPUTE_DTYPE[cfg.dtype])) if lead else None, device)
     metrics_file = metrics_path(cfg)
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
     metrics = MetricsWriter(metrics_file, start, board) if lead else None

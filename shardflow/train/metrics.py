@@ -70,18 +70,19 @@ def open_metrics(path: Path, start: int):
 
 # --- the denominators: peak FLOP/s and memory of one device -----------------------------------------------------
 
-PEAK_MATMUL = 2048  # the side of the float32 matmul timed to measure a device's peak
+PEAK_MATMUL = 2048  # the side of the matmul timed to measure a device's peak
 PEAK_REPEATS = 3  # timed repeats after one warm-up; the best counts
 
 
-def measure_peak_tflops(device: torch.device) -> float:
-    """The FLOP/s of one float32 ``PEAK_MATMUL``² matmul on ``device`` (TFLOP/s; 2 FLOPs per multiply-add), best
-    of ``PEAK_REPEATS`` after a warm-up — what this device reaches on the kind of work model FLOPs count, with the
-    threads this process has. About a second on a CPU core, milliseconds on a GPU."""
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """The FLOP/s of one ``PEAK_MATMUL``² matmul in ``dtype`` (the run's compute dtype: a GPU's bfloat16 peak is many
+    times its float32 one) on ``device`` (TFLOP/s; 2 FLOPs per multiply-add), best of ``PEAK_REPEATS`` after a
+    warm-up — what this device reaches on the kind of work model FLOPs count, with the threads this process has.
+    About a second on a CPU core, milliseconds on a GPU."""
     n = PEAK_MATMUL
     gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, generator=gen)
-    b = torch.randn(n, n, device=device, generator=gen)
+    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
     best = math.inf
     for k in range(PEAK_REPEATS + 1):
         t0 = time.perf_counter()
@@ -102,12 +103,14 @@ class Peak:
     source: str
 
     @classmethod
-    def of(cls, given_tflops: float, device: torch.device) -> Peak:
-        """``--peak-tflops`` when it is > 0, else measured on ``device`` (:func:`measure_peak_tflops`)."""
+    def of(cls, given_tflops: float, device: torch.device, dtype: torch.dtype = torch.float32) -> Peak:
+        """``--peak-tflops`` when it is > 0, else measured on ``device`` in the run's compute ``dtype``
+        (:func:`measure_peak_tflops`)."""
         if given_tflops > 0:
             return cls(given_tflops, "--peak-tflops")
-        return cls(measure_peak_tflops(device), f"measured at start-up: best of {PEAK_REPEATS} float32 "
-                                                f"{PEAK_MATMUL}×{PEAK_MATMUL} matmuls on {device}")
+        return cls(measure_peak_tflops(device, dtype), f"measured at start-up: best of {PEAK_REPEATS} "
+                                                       f"{str(dtype).removeprefix('torch.')} "
+                                                       f"{PEAK_MATMUL}×{PEAK_MATMUL} matmuls on {device}")
 
 
 def peak_memory_mib(device: torch.device) -> float:
