@@ -444,7 +444,7 @@ def comm_share(ex: DistributedExecutor, batch: dict, steps: int = 5) -> dict:
     """Per step (ms, this rank, the executor's tracer): the whole step, the time spent in communication
     instructions (issue + wait, so including the wait for the peer), and the part of it in the forward's."""
     from shardflow.runtime.trace import LANES, Tracer
-    ex.tracer = Tracer(ex.rank)
+    ex.tracer = Tracer(ex.rank, ex.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         ex.step(batch)
@@ -1030,7 +1030,7 @@ def _blocked_share(ex: DistributedExecutor, batch: dict, steps: int) -> dict:
     """This rank's time per step blocked on another stage (its waits and blocking communications, the tracer's
     communication lane) and in its computes, over ``steps`` traced steps back to back (seconds per step)."""
     from shardflow.runtime import trace
-    ex.tracer = trace.Tracer(dist.get_rank())
+    ex.tracer = trace.Tracer(dist.get_rank(), ex.device)
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):

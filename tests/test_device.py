@@ -185,6 +185,16 @@ def test_nccls_watchdog_waits_longer_than_the_executor_and_its_remote_error_is_a
         "rank 0 waited on token 7: a member left (remote process exited or there was a network error, NCCL version")
 
 
+def test_a_tracer_on_a_gpu_times_what_the_device_did_not_what_was_queued(monkeypatch):
+    from shardflow.runtime.trace import Tracer
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    gpu = torch.device("cuda", 1)
+    t0 = Tracer(0, gpu).now()
+    Tracer(0).now()  # the CPU's work is done when its call returns
+    assert synced == [gpu] and abs(t0 - time.time()) < 60
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: --device cuda is no bad input here")
 def test_train_on_cuda_without_cuda_is_refused_before_any_process(run_here, tmp_path):
     run, path = run_here(tmp_path, "nogpu", "--device", "cuda")

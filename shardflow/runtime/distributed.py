@@ -369,7 +369,7 @@ class DistributedExecutor(Executor):
             if not isinstance(item, (Comm, Wait)):
                 item(b, tracer)
                 continue
-            t0 = trace.now() if tracer else 0.0
+            t0 = tracer.now() if tracer else 0.0
             if isinstance(item, Wait):
                 issued, c = self.pending.pop(item.token)
                 for h in issued.handles:
@@ -382,7 +382,7 @@ class DistributedExecutor(Executor):
                 if ledger:
                     ledger.write(c.recv.value, c.recv.type.nbytes)
             if tracer:
-                tracer.record(item, t0, trace.now())
+                tracer.record(item, t0, tracer.now())
         self.waits.settle()
         loss = self._loss()
         for new, old in self.renames:

@@ -81,7 +81,7 @@ def compile_segment(instrs: Sequence[Instr], kernel: Callable[[Compute], Kernel]
     (:meth:`~shardflow.runtime.trace.Tracer.record`, of the group's first compute for a group of updates).
     """
     freed = {v for i in instrs if isinstance(i, Free) for v in i.values}
-    env: dict[str, object] = {"now": trace.now, "L": ledger}
+    env: dict[str, object] = {"L": ledger}
     lines = ["def segment(b, T):"]
     local: dict[str, str] = {}  # value id → its local variable
     made: set[str] = set()  # values written here
@@ -112,7 +112,7 @@ def compile_segment(instrs: Sequence[Instr], kernel: Callable[[Compute], Kernel]
             made.add(x.value)
         if traced:
             env[f"I{k}"] = call[0]
-            lines.append("    t0 = now()")
+            lines.append("    t0 = T.now()")
         lines.append(f"    {', '.join(local[x.value] for x in outs)}, = K{k}(({', '.join(args)}{',' if len(args) == 1 else ''}))")
         for x in outs:
             if x.value not in freed:
@@ -120,7 +120,7 @@ def compile_segment(instrs: Sequence[Instr], kernel: Callable[[Compute], Kernel]
             if account:
                 lines.append(f"    L.write({x.value!r}, {x.type.nbytes})")
         if traced:
-            lines.append(f"    T.record(I{k}, t0, now())")
+            lines.append(f"    T.record(I{k}, t0, T.now())")
     lines.append("    return None")
     exec(compile("\n".join(lines), f"<segment of {len(instrs)} instructions>", "exec"), env)
     return env["segment"]

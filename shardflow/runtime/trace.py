@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+import torch
+
 from shardflow.lower.calibration import cost_kind
 from shardflow.lower.cost import CostModel
 from shardflow.lower.program import Comm, Compute, Program, Wait
@@ -25,10 +27,19 @@ LANES = {"compute": 0, "communication": 1}
 
 @dataclass
 class Tracer:
-    """Collects (lane, name, start µs, duration µs, args) events of one rank."""
+    """Collects (lane, name, start µs, duration µs, args) events of one rank. ``device``: where the rank computes;
+    on a GPU :meth:`now` waits for the device first, so that an instruction's time is its kernels' and a wait's the
+    communication's, not the time to queue them (the traced step runs without the CPU running ahead of the GPU)."""
 
     rank: int
+    device: torch.device = torch.device("cpu")
     events: list[dict] = field(default_factory=list)
+
+    def now(self) -> float:
+        """Seconds (wall clock), once the work queued on the device has finished."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.time()
 
     def record(self, instr, start_s: float, end_s: float) -> None:
         lane = "communication" if isinstance(instr, (Comm, Wait)) else "compute"
@@ -42,10 +53,6 @@ class Tracer:
             name, args = f"#{instr.token} wait", {}
         self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": LANES[lane],
                             "ts": start_s * 1e6, "dur": max((end_s - start_s) * 1e6, 0.01), "args": args})
-
-
-def now() -> float:
-    return time.time()
 
 
 def comm_seconds(c: Comm, cost: CostModel) -> float:

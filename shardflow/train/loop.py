@@ -122,7 +122,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         data_s = time.perf_counter() - t0
         tracing = cfg.trace and world > 1 and step == min(start + 1, cfg.steps - 1)  # step 2: past warm-up
         if tracing:
-            ex.tracer = trace.Tracer(rank)
+            ex.tracer = trace.Tracer(rank, device)
         with hook.step(rank, step + 1):
             loss = micro.step(batch)
         if not math.isfinite(loss):  # the same loss on every rank: every rank stops here
