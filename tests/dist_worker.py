@@ -10,7 +10,8 @@ CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
 saved under one strategy, restored under others; a NaN in one rank's pieces), "comms" (every communication kind
 against the local implementation), "devices" (fsdp, dropout and the checkpoint case under tests/devices.py's
-DevicelessFactories: no tensor made without naming a device).
+DevicelessFactories: no tensor made without naming a device), "stream_waits" (two 4-rank cases waiting as on a
+GPU).
 """
 
 import json
@@ -49,11 +50,18 @@ def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("coll
     return model, inputs, ex
 
 
-def run_case(case, rank):
+def run_case(case, rank, stream=False):
+    """``stream``: the executor waits as on a GPU (:class:`~shardflow.runtime.distributed.Waits`: each wait inside
+    the step ``work.wait()`` without a timeout — on gloo that still blocks — and the step's end looks at them all);
+    the diffs then also say whether a step streamed none of its waits."""
     strategy, mesh_text, dtype_name, *forms = case.split("@")
     dtype = getattr(torch, dtype_name)
     cfg = OptimizerConfig("sgd", 0.1, 0.9)
     model, inputs, ex = executor(strategy, mesh_text, dtype, rank, cfg, forms=forms or ("collective", "collective"))
+    streamed, settle = [], ex.waits.settle
+    if stream:
+        ex.waits.on_stream = True
+        ex.waits.settle = lambda: (streamed.append(len(ex.waits.streamed)), settle())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     diffs = {"loss": 0.0, "grad": 0.0, "grad_norm": 0.0, "weight": 0.0}
     for _ in range(3):
@@ -69,6 +77,8 @@ def run_case(case, rank):
         opt.step()
     diffs["weight"] = ex.weight_error({k: p.detach() for k, p in model.named_parameters()})
     diffs["per_process"] = float(ex.per_process(rank + 0.5) != [r + 0.5 for r in range(ex.world)])
+    if stream:
+        diffs["a step streamed no wait"] = float(len(streamed) != 3 or not all(streamed) or ex.waits.streamed != [])
     return diffs
 
 
@@ -368,6 +378,9 @@ def main():
             results[case] = run_devices(rank, world, out)
         elif case == "comms":  # every communication kind against the local implementation
             results[case] = run_comms(rank, world)
+        elif case == "stream_waits":  # a GPU's way of waiting, on gloo: pipeline sends and receives, ring steps
+            results[case] = {f"{k} ({c})": v for c in ("pp,tp@pp=2,tp=2@float64", "sp@tp=4@float64@ring@ring")
+                             for k, v in run_case(c, rank, stream=True).items()}
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

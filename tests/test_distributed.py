@@ -45,7 +45,7 @@ def test_two_processes(tmp_path):
 def test_four_processes(tmp_path):
     cases = ["dp,tp@dp=2,tp=2@float64", "dp,sp@dp=2,tp=2@float64", "tp@tp=4@float64", "pp,tp@pp=2,tp=2@float64",
              "sp@tp=4@float64@ring@ring", "dp,sp@dp=2,tp=2@float64@broadcast_loop@ring", "outside_view", "groups",
-             "checkpoint", "comms"]
+             "checkpoint", "comms", "stream_waits"]
     check(*run(tmp_path, 4, cases), tmp_path)
 
 
