@@ -27,7 +27,7 @@ from shardflow.parallel.pcg import build_pcg
 from shardflow.reference import weights_of
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.device import DeviceError, backend_for, check_device, device_type, rank_device
-from shardflow.runtime.distributed import CommTimeout, PeerLost, Waits, comm_failure, group_timeout
+from shardflow.runtime.distributed import CommTimeout, PeerLost, Waits, check_backend, comm_failure, group_timeout
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
 from shardflow.strategy import make_plan, resolve
@@ -183,6 +183,19 @@ def test_nccls_watchdog_waits_longer_than_the_executor_and_its_remote_error_is_a
     lost = comm_failure(nccl, "rank 0 waited on token 7")
     assert isinstance(lost, PeerLost) and str(lost).startswith(
         "rank 0 waited on token 7: a member left (remote process exited or there was a network error, NCCL version")
+
+
+def test_a_process_group_initialised_before_must_carry_the_buffers_device():
+    gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
+    for backend, device in [("nccl", gpu), ("gloo", cpu), ("cpu:gloo,cuda:nccl", gpu), ("cpu:gloo,cuda:nccl", cpu)]:
+        check_backend(backend, device)
+    with pytest.raises(ValueError, match=r"^the process group was initialised before shardflow joined it, with "
+                                         r"backend 'gloo', which cannot carry this rank's buffers on cuda:1 \(nccl "
+                                         r"does\): initialise it with init_process_group\('nccl', device_id=torch"
+                                         r"\.device\('cuda', LOCAL_RANK\)\), or leave it to shardflow"):
+        check_backend("gloo", gpu)
+    with pytest.raises(ValueError, match=r"with backend 'nccl', which cannot carry this rank's buffers on cpu"):
+        check_backend("nccl", cpu)
 
 
 def test_a_tracer_on_a_gpu_times_what_the_device_did_not_what_was_queued(monkeypatch):

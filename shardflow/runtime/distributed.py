@@ -157,15 +157,30 @@ def init_from_env(timeout_s: float = 300.0, device: torch.device | None = None) 
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     with the backend of ``device`` (:func:`~shardflow.runtime.device.backend_for`: NCCL for ``cuda:LOCAL_RANK``,
     bound to this process — :func:`~shardflow.runtime.device.rank_device` — gloo for the CPU; default the CPU).
-    Returns (rank, world size)."""
-    if not dist.is_initialized():
-        device = device or torch.device("cpu")
+    A process group the program initialised before is kept, if its backend carries ``device``'s buffers
+    (:func:`check_backend`). Returns (rank, world size)."""
+    device = device or torch.device("cpu")
+    if dist.is_initialized():
+        check_backend(dist.get_backend(), device)
+    else:
         if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL: communicators on this GPU
         dist.init_process_group(backend_for(device.type), **bound,
                                 timeout=group_timeout(datetime.timedelta(seconds=timeout_s), device.type))
     return dist.get_rank(), dist.get_world_size()
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Raise ValueError unless a process group of ``backend`` (``dist.get_backend()``'s text: "gloo", "nccl",
+    "cpu:gloo,cuda:nccl", ...) carries buffers on ``device`` (:func:`~shardflow.runtime.device.backend_for`)."""
+    want = backend_for(device.type)
+    if want not in backend.split(",") and f"{device.type}:{want}" not in backend.split(","):
+        bind = ", device_id=torch.device('cuda', LOCAL_RANK)" if want == "nccl" else ""
+        raise ValueError(f"the process group was initialised before shardflow joined it, with backend {backend!r}, "
+                         f"which cannot carry this rank's buffers on {device} ({want} does): initialise it with "
+                         f"init_process_group({want!r}{bind}), or leave it to shardflow (do not initialise it), or "
+                         f"keep the buffers where {backend} can (device='{'cuda' if want == 'gloo' else 'cpu'}')")
 
 
 def shutdown(code: int = 0) -> NoReturn:
