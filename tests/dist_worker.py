@@ -97,8 +97,9 @@ def run_dropout(rank, world):
 
 
 # per world size: the strategy a checkpoint is saved under, then those it is restored under
-CHECKPOINT_STRATEGIES = {2: (("tp", "tp=2"), ("dp", "dp=2"), ("pp", "pp=2")),
-                         4: (("dp,tp", "dp=2,tp=2"), ("pp,tp", "pp=2,tp=2"), ("tp", "tp=4"))}
+CHECKPOINT_STRATEGIES = {2: (("fsdp", "fsdp=2"), ("tp", "tp=2"), ("dp", "dp=2"), ("pp", "pp=2")),
+                         4: (("dp,tp", "dp=2,tp=2"), ("pp,tp", "pp=2,tp=2"), ("tp", "tp=4"),
+                             ("fsdp,tp", "fsdp=2,tp=2"))}
 
 
 def run_checkpoint(rank, world, out):
