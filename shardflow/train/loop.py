@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from shardflow.graph.flops import training_flops
+from shardflow.graph.ops import torch_dtype
 from shardflow.lower.schedule import schedule_of
 from shardflow.runtime import trace
 from shardflow.runtime.accumulate import MicroSteps
@@ -103,7 +104,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
 
     run_dir.mkdir(parents=True, exist_ok=True)
     meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate * cfg.microbatches,
-                  Peak.of(cfg.peak_tflops, device, getattr(torch, COMPUTE_DTYPE[cfg.dtype])) if lead else None, device)
+                  Peak.of(cfg.peak_tflops, device, torch_dtype(COMPUTE_DTYPE[cfg.dtype])) if lead else None, device)
     metrics_file = metrics_path(cfg)
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
     metrics = MetricsWriter(metrics_file, start, board) if lead else None

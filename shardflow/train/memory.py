@@ -206,9 +206,8 @@ def gpu_bytes(processes: int) -> tuple[int, str] | None:
     import torch
     if not torch.cuda.is_available():
         return None
-    i = min(range(max(1, min(processes, torch.cuda.device_count()))),
-            key=lambda i: torch.cuda.get_device_properties(i).total_memory)
-    props = torch.cuda.get_device_properties(i)
+    gpus = range(max(1, min(processes, torch.cuda.device_count())))
+    i, props = min(((i, torch.cuda.get_device_properties(i)) for i in gpus), key=lambda gpu: gpu[1].total_memory)
     return props.total_memory, f"the total memory of cuda:{i}, {props.name}"
 
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from shardflow.graph.ops import dtype_name
 from shardflow.runtime.executor import Executor
 
 TENSORBOARD_DIR = "tensorboard"  # under the run directory
@@ -109,7 +110,7 @@ class Peak:
         if given_tflops > 0:
             return cls(given_tflops, "--peak-tflops")
         return cls(measure_peak_tflops(device, dtype), f"measured at start-up: best of {PEAK_REPEATS} "
-                                                       f"{str(dtype).removeprefix('torch.')} "
+                                                       f"{dtype_name(dtype)} "
                                                        f"{PEAK_MATMUL}×{PEAK_MATMUL} matmuls on {device}")
 
 
