@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import datetime
 import json
@@ -34,7 +35,7 @@ import torch
 
 from shardflow.api import (ExecutorKind, ParallelPlan, load_model, parallelize, plan_pcg, require_eager_comparable,
                            summary)
-from shardflow.capture import CaptureError, capture, wide_floats
+from shardflow.capture import CaptureError, at_dtype, capture, wide_floats
 from shardflow.graph.ops import OpError, dtype_name
 from shardflow.lower import CostModel, LowerOptions, lower_step
 from shardflow.lower.cost import CommForm
@@ -204,7 +205,7 @@ def plan_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, tor
     BatchSplitError where its dim 0 does not split)."""
     model, batch = model_and_batch(args)
     if args.dtype == "bf16":
-        model, batch = at_dtype(model, batch, torch.bfloat16)
+        model, batch, _ = at_dtype(model, batch, torch.bfloat16)
     return model, split_batch(batch, args.accumulate * args.microbatches)[0]
 
 
@@ -322,16 +323,53 @@ def check_mesh(args: argparse.Namespace) -> tuple[Mesh, str | None]:
     return default_mesh(strategy or "tp", devices), strategy
 
 
-def at_dtype(model: torch.nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype
-             ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """``model`` (converted in place) and ``batch`` with their floating parameters, buffers and tensors in
-    ``dtype``."""
-    return model.to(dtype), {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+@dataclasses.dataclass(frozen=True)
+class CheckModel:
+    """What a check compares: ``model`` and ``batch`` in ``dtype`` (``--dtype``, or float32 where the model has a
+    kernel with no float64), what :func:`~shardflow.capture.at_dtype` converted (``widened``: name → (old, new)
+    dtype) and, where the check fell back from float64, why (``fallback``: the eager forward's error)."""
+
+    model: torch.nn.Module
+    batch: dict[str, torch.Tensor]
+    dtype: str
+    widened: dict[str, tuple[str, str]]
+    fallback: str = ""
+
+    def describe(self) -> str:
+        """One line: what was converted and, after a fallback, why the check runs in the model's own dtype."""
+        if self.fallback:
+            return (f"float64: the eager model fails in float64 ({self.fallback}): a kernel of it has no float64; "
+                    f"checking in the model's own {self.dtype} instead (tolerance {CHECK_TOL[self.dtype]:g})")
+        kinds = Counter(f"{a} → {b}" for a, b in self.widened.values())
+        text = ", ".join(f"{n} tensor{'s' * (n != 1)} {k}" for k, n in kinds.items()) or "nothing"
+        complex_ = [k for k, (a, _) in self.widened.items() if a.startswith("complex")]
+        return (f"converted to {self.dtype}: {text}" + (f" ({', '.join(complex_)}: imaginary parts kept)"
+                                                         if complex_ else "")
+                + ("; casts down and dtype= arguments inside the model stay float64" if self.dtype == "float64"
+                   else ""))
 
 
-def check_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """``--model``'s module and batch at ``--dtype`` (floating parameters, buffers and batch tensors converted)."""
-    return at_dtype(*model_and_batch(args), getattr(torch, args.dtype))
+def check_model(args: argparse.Namespace) -> CheckModel:
+    """``--model``'s module and batch at ``--dtype`` (floating parameters, buffers and batch tensors converted;
+    complex ones to complex128 under float64). Under float64, one eager forward (no gradient) inside
+    :func:`wide_floats` first: where it fails (Mixtral's grouped-matmul experts accept float32, bfloat16 and float16
+    only), the model is checked in its own dtype, as built, and :meth:`CheckModel.describe` says so."""
+    model, batch = model_and_batch(args)
+    own = copy.deepcopy(model) if args.dtype == "float64" else None
+    wide, wide_batch, changed = at_dtype(model, batch, getattr(torch, args.dtype))
+    checked = CheckModel(wide, wide_batch, args.dtype, changed)
+    if own is None:
+        return checked
+    try:
+        with torch.no_grad(), wide_floats():
+            checked.model(**checked.batch)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        dtypes = {v.dtype for v in own.parameters() if v.is_floating_point()}
+        if len(dtypes) != 1 or dtypes == {torch.float64}:
+            raise
+        return CheckModel(own, batch, dtype_name(dtypes.pop()), {}, first)
+    return checked
 
 
 def precision(dtype: str) -> contextlib.AbstractContextManager:
@@ -342,10 +380,11 @@ def precision(dtype: str) -> contextlib.AbstractContextManager:
 def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
     """``--steps`` steps of the plan on ``executor`` and of eager PyTorch on one device, side by side; the lead
     process prints each step and the verdict. Returns 0 within ``--tol``, :data:`DEVIATES` beyond."""
-    model, batch = check_model(args)
+    checked = check_model(args)
+    model, batch = checked.model, checked.batch
     mesh, strategy = check_mesh(args)
-    tol = CHECK_TOL[args.dtype] if args.tol is None else args.tol
-    with precision(args.dtype):
+    tol = CHECK_TOL[checked.dtype] if args.tol is None else args.tol
+    with precision(checked.dtype):
         trainer = parallelize(model, batch, mesh=mesh, strategy=strategy, plan=args.plan,
                               optimizer=OptimizerConfig(args.optimizer, args.lr), strict=args.strict,
                               executor=executor, timeout_s=args.timeout,
@@ -353,8 +392,9 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
         steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
         say = print if trainer.lead else (lambda *_, **__: None)
         n_params = sum(p.numel() for p in model.parameters())
-        say(f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {args.dtype}; "
+        say(f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {checked.dtype}; "
             f"batch " + ", ".join(f"{k} {dtype_name(v.dtype)}{list(v.shape)}" for k, v in batch.items()))
+        say(checked.describe())
         say(f"strategy {trainer.plan.name}: {summary(trainer.plan.pcg)}")
         say(f"against eager PyTorch on one device (torch.optim): {args.optimizer} lr {args.lr:g}, {args.steps} "
             f"step{'s' * (args.steps != 1)} on the batch")
@@ -390,13 +430,13 @@ def launch_check(args: argparse.Namespace) -> int:
     end of the failed rank's log, which is kept."""
     from shardflow.runtime.launch import describe_failure, launch
     from shardflow.train import hooks
-    model, batch = check_model(args)
+    checked = check_model(args)
     mesh, strategy = check_mesh(args)
     if mesh.size != args.nproc:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
                          f"processes; make --nproc {mesh.size}, or change --mesh")
-    with precision(args.dtype):
-        graph = capture(model, batch)
+    with precision(checked.dtype):
+        graph = capture(checked.model, checked.batch)
     require_eager_comparable(graph)
     _, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
     lower_step(pcg, OptimizerConfig(args.optimizer, args.lr).slots,  # every rank's program, proven to agree

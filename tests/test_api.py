@@ -341,3 +341,32 @@ def test_load_model_errors_name_the_spec_and_the_fix(factories, name, words):
 def test_load_model_errors_for_what_cannot_be_found(spec, words):
     with pytest.raises(ModelSpecError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         load_model(spec)
+
+
+def test_wide_floats_keeps_float64_through_dtype_arguments_and_complex_casts():
+    """Gemma 2's attention calls ``softmax(x, dtype=torch.float32)``: inside wide_floats the argument is widened too
+    (the eager side of a float64 check otherwise rounds there and shardflow's capture does not); a complex128 tensor
+    stays complex128."""
+    x = torch.randn(2, 3, dtype=torch.float64)
+    z = torch.randn(2, 3, dtype=torch.complex128)
+    with wide_floats():
+        assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
+        assert x.sum(dtype=torch.float32).dtype == torch.float64
+        assert z.to(torch.complex64).dtype == torch.complex128
+        assert torch.softmax(x.to(torch.float32), -1).dtype == torch.float64
+    assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float32
+
+
+def test_at_dtype_keeps_the_imaginary_part_of_complex_buffers():
+    """``Module.to(torch.float64)`` casts a complex buffer to float64, dropping its imaginary part (torchtitan's
+    rotary table ``freqs_cis``); at_dtype makes it complex128 and says what it converted."""
+    from shardflow.capture import at_dtype
+    module = nn.Linear(2, 2)
+    table = torch.polar(torch.ones(3), torch.tensor([0.5, 1.0, 2.0]))
+    module.register_buffer("table", table)
+    model, batch, changed = at_dtype(module, {"x": torch.ones(2), "i": torch.ones(2, dtype=torch.int64)},
+                                     torch.float64)
+    assert model.table.dtype == torch.complex128 and torch.equal(model.table, table.to(torch.complex128))
+    assert model.weight.dtype == torch.float64 and batch["x"].dtype == torch.float64 and batch["i"].dtype == torch.int64
+    assert changed == {"weight": ("float32", "float64"), "bias": ("float32", "float64"),
+                       "table": ("complex64", "complex128"), "batch.x": ("float32", "float64")}

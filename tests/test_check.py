@@ -42,7 +42,9 @@ def test_check_passes(capsys, argv):
     lines = out.splitlines()
     assert code == 0, out + err
     assert re.fullmatch(r"shardflow check: (LlamaForCausalLM|GPT), [\d,]+ parameters, float64; batch .*", lines[0])
-    assert [line.split(":")[0] for line in lines[3:5]] == ["step 1", "step 2"]
+    assert lines[1].startswith("converted to float64: ") and lines[1].endswith(
+        "float32 → float64; casts down and dtype= arguments inside the model stay float64")
+    assert [line.split(":")[0] for line in lines[4:6]] == ["step 1", "step 2"]
     worst, tol, word = verdict(out)
     assert word == "OK" and tol == 1e-9 and max(worst) <= 1e-9
 
@@ -50,8 +52,9 @@ def test_check_passes(capsys, argv):
 def test_check_shows_the_plan_it_runs(capsys):
     code, out, _ = check(capsys, "--model", LLAMA, "--strategy", "sp", "--steps", "1", "--dtype", "float32")
     assert code == 0
-    assert out.splitlines()[1].startswith("strategy sp: mesh tp=2 (2 devices);")
-    assert "combine ×" in out.splitlines()[1]  # sequence parallelism gathers the sequence before each block
+    assert out.splitlines()[1] == "converted to float32: nothing"
+    assert out.splitlines()[2].startswith("strategy sp: mesh tp=2 (2 devices);")
+    assert "combine ×" in out.splitlines()[2]  # sequence parallelism gathers the sequence before each block
     worst, tol, _ = verdict(out)
     assert tol == 1e-4 and max(worst) <= 1e-4
 
@@ -123,7 +126,7 @@ def test_a_user_plan(capsys, tmp_path):
                     '[modules."model.layers.*.mlp.down_proj"]\nparams = {weight = {tp = "Shard(1)"}}\n'
                     'output = {tp = "Replicate()"}\n')
     code, out, _ = check(capsys, "--model", LLAMA, "--plan", str(plan), "--mesh", "tp=2", "--steps", "2")
-    assert code == 0 and out.splitlines()[1].startswith("strategy user: mesh tp=2 (2 devices)")
+    assert code == 0 and out.splitlines()[2].startswith("strategy user: mesh tp=2 (2 devices)")
     assert verdict(out)[2] == "OK"
 
 
@@ -134,7 +137,7 @@ def test_two_gloo_processes(capsys, strategy):
     code, out, err = check(capsys, "--model", LLAMA, "--strategy", strategy, "--nproc", "2", "--steps", "2",
                            "--timeout", "60")
     assert code == 0, out + err
-    assert out.splitlines()[1].startswith(f"strategy {strategy}: mesh {strategy}=2 (2 devices)")
+    assert out.splitlines()[2].startswith(f"strategy {strategy}: mesh {strategy}=2 (2 devices)")
     worst, tol, word = verdict(out)
     assert word == "OK" and max(worst) <= tol == 1e-9
 
@@ -163,3 +166,42 @@ def test_plan_takes_a_factory(capsys):
                  "weight   model.layers.1.mlp.down_proj.weight: float32[64, 128/2] (S(1))"):
         assert line in out
     assert out.rstrip().splitlines()[-1].startswith("# verified: 2 ranks")
+
+
+ZOO = ROOT / "tests" / "zoo.py"
+
+
+@pytest.mark.parametrize("dtype, tol", [("float64", 1e-9), ("float32", 1e-5)])
+def test_torchtitans_llama3_checks_with_its_complex_rotary_table_kept(capsys, dtype, tol):
+    """torchtitan's Llama 3 (tests/zoo.py) under tp: its rotary table ``freqs_cis`` is a complex64 buffer; in float64
+    it becomes complex128 (``model.to(float64)`` would have dropped its imaginary part: another model on both
+    sides) and the check says so; every gradient agrees, through the complex rotation."""
+    code, out, err = check(capsys, "--model", f"{ZOO}:torchtitan_llama3", "--strategy", "tp", "--steps", "2",
+                           "--dtype", dtype, "--tol", str(tol))
+    assert code == 0, out + err
+    assert ("freqs_cis: imaginary parts kept" in out.splitlines()[1]) == (dtype == "float64")
+    worst, _, word = verdict(out)
+    assert word == "OK" and max(worst) <= tol
+
+
+def test_a_model_without_float64_kernels_is_checked_in_its_own_dtype_and_says_so(capsys):
+    """Mixtral's default experts (transformers' grouped matmul) have no float64 kernel: the eager float64 forward
+    fails, so the check runs the model as built (float32, tolerance 1e-4) and names the reason, instead of failing
+    after planning."""
+    code, out, err = check(capsys, "--model", f"{ZOO}:mixtral", "--strategy", "dp", "--steps", "1")
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith("shardflow check: MixtralForCausalLM, ") and ", float32; batch " in lines[0]
+    assert re.fullmatch(r"float64: the eager model fails in float64 \(.*Double.*\): a kernel of it has no float64; "
+                        r"checking in the model's own float32 instead \(tolerance 0.0001\)", lines[1])
+    worst, tol, word = verdict(out)
+    assert word == "OK" and tol == 1e-4
+
+
+def test_an_explicit_float32_softmax_is_widened_on_both_sides(capsys):
+    """Gemma 2's attention computes ``softmax(..., dtype=torch.float32)``: widened in the eager reference as in the
+    capture, the float64 check holds to 1e-9 (it failed by 8e-10 when only the eager side rounded)."""
+    code, out, err = check(capsys, "--model", f"{ZOO}:gemma2", "--strategy", "dp", "--steps", "2")
+    assert code == 0, out + err
+    worst, tol, word = verdict(out)
+    assert word == "OK" and max(worst) <= 1e-12

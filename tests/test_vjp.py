@@ -115,8 +115,12 @@ def test_a_large_softmax_goes_through_autograd_which_keeps_its_output():
     from the output the forward kept (cheaper than recomputing: shardflow/runtime/vjp.py). The loss's log-softmax
     over the main job's vocabulary goes that way; a small one keeps its hand vjp."""
     op = O.Softmax(1, True)
-    assert hand_vjp(op, AUTOGRAD_NUMEL - 1) is not None and hand_vjp(op, AUTOGRAD_NUMEL) is None
-    assert hand_vjp(O.Binary("mul"), 10 * AUTOGRAD_NUMEL) is not None  # only ops that recompute their output
+    assert hand_vjp(op, [_piece(AUTOGRAD_NUMEL - 1)]) is not None and hand_vjp(op, [_piece(AUTOGRAD_NUMEL)]) is None
+    assert hand_vjp(O.Binary("mul"), [_piece(10 * AUTOGRAD_NUMEL)] * 2) is not None  # only ops recomputing their output
+
+
+def _piece(numel: int, dtype: str = "float32") -> O.TensorType:
+    return O.TensorType((numel,), dtype)
 
 
 @pytest.mark.parametrize("op", [O.Linear(bias=True), O.Linear(bias=True, transposed=True), O.Matmul()],
@@ -143,3 +147,19 @@ def test_a_linear_works_in_the_order_its_rows_are_stored(op):
         for g, want in zip(got, vjp(dy.contiguous())):
             torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
         assert got[0].movedim(1, 0).is_contiguous() == (not dy.is_contiguous())
+
+
+def test_a_complex_op_takes_autograds_vjp_which_conjugates():
+    """The hand formulas are written for real numbers (the gradient of a·b by a is dy·b); for complex values
+    autograd's is dy·conj(b) (ATen's derivatives.yaml). A complex input routes an op to autograd: its kernel's
+    gradients equal ``torch.func.vjp``'s (complex128, 1e-12), which the real formula's would not."""
+    op = O.Binary("mul")
+    gen = torch.Generator().manual_seed(0)
+    a, b, dy = (torch.randn(4, 8, generator=gen, dtype=torch.complex128) for _ in range(3))
+    types = (O.TensorType((4, 8), "complex128"),) * 2
+    assert hand_vjp(op, types) is None and hand_vjp(op, (O.TensorType((4, 8), "float64"),) * 2) is not None
+    got = _kernel(LocalOp(op, (1.0, 1.0), 1.0), types, types[:1], (True, True), (True,), (1.0, 1.0))([a, b, dy])
+    _, vjp = torch.func.vjp(lambda x, y: x * y, a, b)
+    for g, want in zip(got, vjp(dy)):
+        torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
+    assert (got[0] - dy * b).abs().max() > 0.1  # what the real formula gives is another number

@@ -66,6 +66,13 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def differentiable(name: str) -> bool:
+    """Whether a tensor of dtype ``name`` carries a gradient: floating point or complex (a rotary embedding written
+    with ``view_as_complex``, as torchtitan's Llama 3, differentiates through complex values)."""
+    dt = torch_dtype(name)
+    return dt.is_floating_point or dt.is_complex
+
+
 def row_order(t: torch.Tensor) -> tuple[int, ...] | None:
     """The order of ``t``'s leading dims (all but the last) in which they are laid out in memory, when ``t``
     permuted that way is contiguous (its rows [*lead, last] foldable into one matrix without a copy); None when no

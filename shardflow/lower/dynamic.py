@@ -40,7 +40,7 @@ from functools import cached_property
 from typing import Iterable, Mapping
 
 from shardflow.graph.graph import TensorRole
-from shardflow.graph.ops import TensorType, torch_dtype
+from shardflow.graph.ops import TensorType, differentiable, torch_dtype
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
@@ -522,7 +522,7 @@ def _needs_grad(pcg: PCG) -> set[str]:
     """PCG tensors whose gradient the step needs: weights and everything computed from them."""
     need = {n for n, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT}
     for n in pcg.nodes:
-        if any(i in need for i in n.inputs) and torch_dtype(pcg.tensors[n.outputs[0]].type.dtype).is_floating_point:
+        if any(i in need for i in n.inputs) and differentiable(pcg.tensors[n.outputs[0]].type.dtype):
             need.update(n.outputs)
     return need
 

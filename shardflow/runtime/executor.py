@@ -201,8 +201,12 @@ class Executor:
     def grad_error(self, reference: Mapping[str, torch.Tensor]) -> float:
         """As :meth:`weight_error`, for the gradients the last step's updates used: every piece of every replica
         against ``reference`` (full gradients by weight name, e.g. eager PyTorch's ``p.grad``). Collective on the
-        distributed executor."""
-        return self._piece_error(self.grad_values, reference)
+        distributed executor. A weight the step computes no gradient for (no update: as the plan sees it, nothing
+        it feeds reaches the loss) counts its whole reference gradient, so a gradient eager PyTorch has and the plan
+        lost is an error, not a weight left out of the comparison."""
+        lost = max((float(g.abs().max()) for w, g in reference.items()
+                    if w in self.dg.pcg.graph.weights and w not in self.grad_values and g.numel()), default=0.0)
+        return max(lost, self._piece_error(self.grad_values, reference))
 
     def _piece_error(self, values: Mapping[str, str], reference: Mapping[str, torch.Tensor]) -> float:
         """The largest |piece − its block of ``reference[name]``| over every piece held here of each value of

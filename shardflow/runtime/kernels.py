@@ -120,7 +120,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
             return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.saved_as, saved)
     if isinstance(spec, Vjp):
-        hand = hand_vjp(spec.local.op, instr.ins[0].type.numel)
+        hand = hand_vjp(spec.local.op, [b.type for b in instr.ins])
         if hand is not None:
             return _hand_vjp_kernel(hand, spec)
         return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.saved_as, saved)
@@ -161,7 +161,7 @@ def records_graph(instr: Compute) -> bool:
     for the backward: its op has a backward and no hand-written vjp on pieces of its input's size (the backward
     reads the same input piece, so both decide alike)."""
     spec = instr.kernel
-    return bool(spec.record) and hand_vjp(spec.local.op, instr.ins[0].type.numel) is None
+    return bool(spec.record) and hand_vjp(spec.local.op, [b.type for b in instr.ins]) is None
 
 
 def recorded_nodes(program) -> frozenset[str]:

@@ -264,12 +264,18 @@ RECOMPUTES_OUTPUT = (O.Softmax,)
 AUTOGRAD_NUMEL = 2**16
 
 
-def hand_vjp(op: O.Op, numel: int = 0) -> HandVjp | None:
-    """The hand-written vjp of ``op`` on an input piece of ``numel`` elements, or None where autograd differentiates
-    it (no entry, a random op, a function of its kind the table does not cover: ``maximum``, ``amax``, ``erf``...;
-    an op of :data:`RECOMPUTES_OUTPUT` on a piece of :data:`AUTOGRAD_NUMEL` elements or more)."""
+def hand_vjp(op: O.Op, ins: Sequence[O.TensorType] = ()) -> HandVjp | None:
+    """The hand-written vjp of ``op`` on input pieces of types ``ins`` (the first one's size decides
+    :data:`RECOMPUTES_OUTPUT`), or None where autograd differentiates it: no entry, a random op, a function of its
+    kind the table does not cover (``maximum``, ``amax``, ``erf``...), an op of :data:`RECOMPUTES_OUTPUT` on a piece
+    of :data:`AUTOGRAD_NUMEL` elements or more, or a complex input. The formulas are written for real numbers; a
+    complex vjp conjugates (the gradient of ``a * b`` by ``a`` is ``dy * conj(b)``: ATen's ``derivatives.yaml``),
+    so complex ops (a rotary embedding written with ``view_as_complex``, as torchtitan's Llama 3) take autograd's."""
     fn = VJPS.get(type(op))
+    numel = ins[0].numel if ins else 0
     if fn is None or op.random or (isinstance(op, RECOMPUTES_OUTPUT) and numel >= AUTOGRAD_NUMEL):
+        return None
+    if any(O.torch_dtype(t.dtype).is_complex for t in ins):
         return None
     if isinstance(op, O.Unary) and op.fn not in UNARY_VJPS:
         return None
