@@ -423,6 +423,12 @@ def _permute(c, node, x, dims):
     return c.apply(O.Permute(tuple(_dim(d, nd) for d in dims)), [x], node)
 
 
+def _complex_view(to_complex: bool):
+    def lift(c, node, x):
+        return c.apply(O.ComplexView(to_complex), [x], node)
+    return lift
+
+
 def _transpose(c, node, x, d0=0, d1=1):
     nd = len(node.meta["val"].shape)
     dims = list(range(nd))
@@ -729,6 +735,8 @@ LIFT: dict[Any, Callable] = {
     aten.unsqueeze.default: _view,
     aten.permute.default: _permute,
     aten.t.default: _transpose,
+    aten.view_as_complex.default: _complex_view(True),
+    aten.view_as_real.default: _complex_view(False),
     aten.transpose.int: _transpose,
     aten.expand.default: _expand,
     aten.slice.Tensor: _slice,

@@ -503,6 +503,33 @@ class Reshape(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class ComplexView(Op):
+    """``view_as_complex`` (``to_complex``): real ``[*, n, 2]`` (float32, float64) → complex ``[*, n]`` (complex64,
+    complex128), each pair (real, imaginary) one number; or ``view_as_real``, the inverse. Rotary embeddings
+    written with complex numbers (torchtitan's Llama 3) go through both; every dim but the pair's carries over."""
+
+    kind: ClassVar[str] = "complex_view"
+    to_complex: bool = True
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        (x,) = ins
+        dt = torch_dtype(x.dtype)
+        if self.to_complex:
+            if not dt.is_floating_point or x.ndim == 0 or x.shape[-1] != 2:
+                raise OpError(f"view_as_complex: {x.dtype}{list(x.shape)} must be float [*, n, 2]")
+            return (TensorType(x.shape[:-1], dtype_name(dt.to_complex())),)
+        if not dt.is_complex:
+            raise OpError(f"view_as_real: {x.dtype}{list(x.shape)} is not complex")
+        return (TensorType(x.shape + (2,), dtype_name(dt.to_real())),)
+
+    def compute(self, x):
+        if self.to_complex:  # a piece cut from its tensor may have strides view_as_complex refuses
+            return (torch.view_as_complex(x.contiguous()),)
+        return (torch.view_as_real(x),)
+
+
+@dataclass(frozen=True, slots=True)
 class Expand(Op):
     """Broadcast size-1 dims (and new leading dims) to ``shape`` without copying (``Tensor.expand``)."""
 
@@ -894,5 +921,5 @@ class Aten(Op):
 OPS: dict[str, type[Op]] = {
     cls.kind: cls
     for cls in (Linear, Embedding, LayerNorm, Dropout, Unary, Binary, Scalar, Where, Cast, Matmul, Permute, Reshape,
-                Expand, Slice, Split, Cat, Gather, Pad, Softmax, Reduce, Attention, Conv, Pool, CrossEntropy, Aten)
+                ComplexView, Expand, Slice, Split, Cat, Gather, Pad, Softmax, Reduce, Attention, Conv, Pool, CrossEntropy, Aten)
 }

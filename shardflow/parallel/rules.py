@@ -409,6 +409,19 @@ def rule_permute(ctx: Ctx) -> RuleResult:
     return RuleResult((ctx.output([s.dims[d] for d in op.dims], s.partial, s.reduce_op),), ctx.local())
 
 
+def rule_complex_view(ctx: Ctx) -> RuleResult:
+    """view_as_complex / view_as_real: every dim but the (real, imaginary) pair keeps its sharding; the pair is
+    never cut. No partial sums: complex values are reduced as real ones, before the view (no collective of shardflow
+    carries a complex dtype)."""
+    op: O.ComplexView = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(0)
+    s = ctx.shardings[0]
+    if op.to_complex:
+        ctx.unsharded(0, [len(s.dims) - 1], "it holds the (real, imaginary) pairs")
+        return RuleResult((ctx.output(s.dims[:-1]),), ctx.local())
+    return RuleResult((ctx.output(s.dims + ((),)),), ctx.local())
+
+
 def rule_split(ctx: Ctx) -> RuleResult:
     op: O.Split = ctx.op  # type: ignore[assignment]
     ctx.linear_partials([0])
@@ -550,6 +563,7 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Matmul: rule_matmul,
     O.Permute: rule_permute,
     O.Reshape: rule_reshape,
+    O.ComplexView: rule_complex_view,
     O.Split: rule_split,
     O.Softmax: rule_softmax,
     O.Cast: rule_unary,

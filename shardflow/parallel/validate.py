@@ -109,6 +109,8 @@ CASES: tuple[Case, ...] = (
     Case("reshape(split dim)", O.Reshape((4, 4, 4)), (_x("x", 4, 16),)),
     Case("reshape(merge dims)", O.Reshape((4, 16)), (_x("x", 4, 4, 4),)),
     Case("reshape(flatten)", O.Reshape((32,)), (_x("x", 4, 8),)),
+    Case("view_as_complex", O.ComplexView(True), (_x("x", 4, 8, 2),)),
+    Case("view_as_real", O.ComplexView(False), (_x("z", 4, 8, dtype="complex128"),)),
     Case("split", O.Split((4, 4), 1), (_x("x", 4, 8),)),
     Case("softmax", O.Softmax(1), (_x("x", 4, 8, 4),)),
     Case("sum(dim 1)", O.Reduce("sum", (1,)), (_x("x", 4, 8),)),
@@ -154,7 +156,7 @@ def case_graph(case: Case) -> ComputationGraph:
 
 
 def case_values(case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Full input values: float64 normal, integers in [0, high), divisors in [1, 2]."""
+    """Full input values: float64 (complex128) normal, integers in [0, high), divisors in [1, 2]."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for s in case.inputs:
@@ -164,6 +166,8 @@ def case_values(case: Case, seed: int = 0) -> dict[str, torch.Tensor]:
             out[s.name] = torch.randint(0, s.high, s.shape, generator=gen)
         elif s.positive:
             out[s.name] = 1.0 + torch.rand(s.shape, generator=gen, dtype=torch.float64)
+        elif s.dtype == "complex128":
+            out[s.name] = torch.randn(s.shape, generator=gen, dtype=torch.complex128)
         else:
             out[s.name] = torch.randn(s.shape, generator=gen, dtype=torch.float64)
     return out
@@ -208,6 +212,11 @@ def combinations(case: Case, mesh: Mesh, limit: int | None = None, seed: int = 0
 
 
 # --- checking one combination ------------------------------------------------------------------------------
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, or complex128 for a complex ``t`` (its imaginary part compared too)."""
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
 def piece_error(pieces: dict[int, torch.Tensor], sharding: Sharding, group: SubMesh, full: torch.Tensor) -> str | None:
     """None if ``pieces`` (device → piece) are exactly what ``sharding`` says each device holds of ``full``:
     every device has a piece of the piece shape, and for *every* replica the partial pieces of each block
@@ -225,8 +234,8 @@ def piece_error(pieces: dict[int, torch.Tensor], sharding: Sharding, group: SubM
     reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[p.reduce_op]
     for (replica, shard), parts in blocks.items():
         want = full[p.piece_slices(next(c for c in dmap.values() if c.shard == shard))]
-        got = reduce(torch.stack(parts).to(torch.float64), 0) if len(parts) > 1 else parts[0].to(torch.float64)
-        err = (got - want.to(torch.float64)).abs().max().item() if want.numel() else 0.0
+        got = reduce(_wide(torch.stack(parts)), 0) if len(parts) > 1 else _wide(parts[0])
+        err = (got - _wide(want)).abs().max().item() if want.numel() else 0.0
         if not err <= ATOL:  # also catches NaN
             return f"replica {replica} block {list(shard)} is off by {err:.3g}"
     return None
