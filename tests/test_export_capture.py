@@ -215,3 +215,43 @@ def test_one_tensor_under_two_names_stays_two_inputs():
     (emb,) = [n for n in graph.nodes if isinstance(n.op, O.Embedding) and "transformer.wte.weight" in n.inputs]
     assert emb.inputs[0] == "idx"
     assert any("targets" in n.inputs for n in graph.nodes)
+
+
+class _MultiQuery(nn.Module):
+    """Falcon's layout in small: ``x @ W.T`` (+ bias) linears (``FalconLinear``), and sdpa on 4 query heads and one
+    key/value head that sdpa broadcasts over them (multi-query attention; no ``enable_gqa``), with or without a
+    mask."""
+
+    def __init__(self, mask: torch.Tensor | None):
+        super().__init__()
+        self.q = nn.Linear(16, 16)
+        self.kv = nn.Linear(16, 8, bias=False)
+        self.mask = mask
+
+    def forward(self, x):  # x [B, T, 16]
+        B, T, _ = x.shape
+        q = (x @ self.q.weight.T + self.q.bias).view(B, T, 4, 4).transpose(1, 2)  # [B, 4, T, 4]
+        k, v = (x @ self.kv.weight.t()).view(B, T, 2, 1, 4).transpose(1, 3).unbind(2)  # [B, 1, T, 4] each
+        causal = self.mask is None
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask,
+                                                          is_causal=causal).square().mean()
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
+def test_one_broadcast_key_value_head_and_x_at_w_transposed_lift_to_gqa_and_linears(masked):
+    """One key/value head broadcast over the query heads lifts to grouped-query attention (Hkv = 1; capture refused
+    it before); ``x @ W.T`` and ``x @ W.t()`` by a parameter lift to linears reading W as ``[out, in]`` (tensor
+    parallelism's column/row pairs), not to a matmul of a permuted weight. Numbers: eager's."""
+    torch.manual_seed(0)
+    mask = torch.randn(1, 1, 6, 6, dtype=torch.float64) if masked else None
+    model = _MultiQuery(mask).double()
+    b = {"x": torch.randn(3, 6, 16, dtype=torch.float64)}
+    graph = capture(model, b)
+    check_against_eager(model, b, graph)
+    (attn,) = [n for n in graph.nodes if isinstance(n.op, O.Attention)]
+    assert (attn.op.gqa, attn.op.mask) == (True, masked)
+    assert [graph.tensors[t].shape[1] for t in attn.inputs] == [4, 1, 1] + ([1] if masked else [])
+    linears = [n for n in graph.nodes if isinstance(n.op, O.Linear)]
+    assert [(n.inputs[1], n.op.transposed) for n in linears] == [("q.weight", False), ("kv.weight", False)]
+    assert not any(isinstance(n.op, (O.Matmul, O.Permute)) and graph.tensors[n.inputs[-1]].role.name == "WEIGHT"
+                   for n in graph.nodes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -162,3 +163,104 @@ def test_strategy_names():
     assert default_mesh("fsdp", 4) == Mesh(("fsdp",), (4,))
     with pytest.raises(PlanError, match=r"give the mesh, e.g. --mesh dp=2,fsdp=2"):
         default_mesh("hsdp", 4)
+
+
+class SelectiveScanLike(torch.nn.Module):
+    """The weight layouts of a Mamba mixer, in small: a linear whose output is split into equal halves (stored by
+    parts), one whose output is split into unequal parts (Mamba's ``x_proj``: dt | B | C), a depthwise conv1d and a
+    parameter read through slices."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj = torch.nn.Linear(8, 32, bias=False)
+        self.conv1d = torch.nn.Conv1d(16, 16, 3, groups=16, padding=2)
+        self.x_proj = torch.nn.Linear(16, 10)
+        self.A = torch.nn.Parameter(torch.randn(16, 4))
+        self.out_proj = torch.nn.Linear(16, 8)
+
+    def forward(self, x):  # x [B, T, 8] → a scalar
+        h, gate = self.in_proj(x).split([16, 16], dim=-1)  # [B, T, 16] each
+        h = self.conv1d(h.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)  # causal conv over T
+        dt, b, c = self.x_proj(h).split([2, 4, 4], dim=-1)  # [B, T, 2], [B, T, 4], [B, T, 4]
+        y = h * (dt.sum(-1, keepdim=True) + b @ self.A[:, :4].T[:, :16] + (c @ self.A.T) * self.A[:, 0])
+        return self.out_proj(y * torch.nn.functional.silu(gate)).square().mean()
+
+
+class OneMixer(torch.nn.Module):
+    """:class:`SelectiveScanLike` as a child module (fsdp leaves the root module's own parameters replicated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixer = SelectiveScanLike()
+
+    def forward(self, x):
+        return self.mixer(x)
+
+
+@pytest.fixture(scope="module")
+def scan_like():
+    from shardflow.capture import capture
+    torch.manual_seed(0)
+    model = OneMixer().double()
+    batch = {"x": torch.randn(4, 6, 8, dtype=torch.float64)}
+    return model, batch, capture(model, batch)
+
+
+def test_fsdp_stores_every_weight_layout_sharded_and_computes_on_the_unchanged_graph(scan_like):
+    """A weight whose linear's output is split (equal or unequal parts), a conv1d's and a sliced one: each stored
+    Shard(0) of its module's shape on fsdp and gathered by one Combine before its readers, which see the graph as
+    captured — fsdp's storage shard is no column-parallel split of a fused linear."""
+    _, _, graph = scan_like
+    mesh = Mesh.parse("fsdp=2")
+    ann = resolve(make_plan(graph, mesh, "fsdp"), graph, mesh)
+    assert ann.graph is None  # no linear computed part by part
+    pcg = build_pcg(graph, mesh, ann)
+    for w in graph.weights:
+        t = pcg.tensors[w]
+        stored = 1 if w == "mixer.in_proj.weight" else 0  # [32, 8] stored by parts as [2, 16, 8]: dim 0's features
+        assert t.sharding.placements(t.group) == (Shard(stored),), w
+    gathered = Counter(n.inputs[0] for n in pcg.parallel_nodes if n.op.kind == "combine" and n.inputs[0] in graph.weights)
+    assert gathered == {w: 1 for w in graph.weights}
+    assert not pcg.redistributions
+
+
+@pytest.mark.parametrize("strategy, mesh", [("fsdp", "fsdp=2"), ("hsdp", "dp=2,fsdp=2")])
+def test_fsdp_on_every_weight_layout_equals_eager_pytorch(scan_like, strategy, mesh):
+    """AdamW, 2 steps: the loss of each step and every replica of every weight piece after them equal
+    eager PyTorch's at 1e-9 (float64; partial sums in another order differ by ~1e-15)."""
+    import copy
+    model, batch, graph = scan_like
+    model = copy.deepcopy(model)
+    ex = LocalExecutor(_lower(graph, mesh, strategy, True)[1], OptimizerConfig("adamw", 1e-2))
+    ex.load(weights_of(model, graph))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(2):
+        loss = ex.step(batch)
+        opt.zero_grad()
+        want = model(**batch)
+        want.backward()
+        opt.step()
+        assert abs(loss - want.item()) < 1e-9
+    assert ex.weight_error({k: p.detach() for k, p in model.named_parameters()}) < 1e-9
+
+
+def test_fsdp_on_hugging_face_mamba_shards_every_weight_and_moves_what_dp_moves():
+    """Mamba's mixer (in_proj split in halves after a transpose, x_proj into dt | B | C, a depthwise conv1d, A_log
+    and D): every weight stored Shard(d) on fsdp and gathered once, and the rules refuse what they refuse under
+    dp (log1p, which has no rule, and the loss's label count) — the fsdp plan of any other model."""
+    from transformers import MambaConfig, MambaForCausalLM
+    from shardflow.capture import capture, wide_floats
+    torch.manual_seed(0)
+    model = MambaForCausalLM(MambaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, state_size=8,
+                                         use_cache=False)).double()
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    with wide_floats():
+        graph = capture(model, {"input_ids": ids, "labels": ids})
+    pcg, _ = _lower(graph, "fsdp=2", "fsdp", True)
+    dp, _ = _lower(graph, "dp=2", "dp", True)
+    for w in graph.weights:
+        t = pcg.tensors[w]
+        assert t.sharding.placements(t.group)[0] in (Shard(0), Shard(1)), w
+    gathered = Counter(n.inputs[0] for n in pcg.parallel_nodes if n.op.kind == "combine" and n.inputs[0] in graph.weights)
+    assert gathered == {w: 1 for w in graph.weights}
+    assert [r.node for r in pcg.redistributions] == [r.node for r in dp.redistributions] == ["log1p", "div"]

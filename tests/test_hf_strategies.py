@@ -229,3 +229,47 @@ def test_two_gloo_processes(tmp_path):
         assert sorted(results) == sorted(cases)
         for case, diffs in results.items():
             assert all(d <= TOL for d in diffs.values()), (r, case, diffs)
+
+
+@pytest.fixture(scope="module")
+def falcon():
+    """Hugging Face Falcon (2 layers, hidden 64, 4 query heads and one key/value head: multi-query attention; its
+    linears ``FalconLinear``, ``x @ W.T``), float64, its batch and its graph."""
+    import torch
+    import transformers
+    from shardflow.capture import capture, wide_floats
+    from test_export_capture import batch
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=96, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, multi_query=True,
+        new_decoder_architecture=False, use_cache=False, hidden_dropout=0.0, attention_dropout=0.0)).double()
+    b = batch()
+    with wide_floats():
+        return model, b, capture(model, b)
+
+
+@pytest.mark.parametrize("mesh, strategy", [
+    ("dp=2", "dp"), ("fsdp=2", "fsdp"), ("tp=2", "tp"), ("tp=2", "sp"), ("pp=2", "pp")])
+def test_falcon_multi_query_equals_eager_pytorch(falcon, mesh, strategy):
+    model, b, graph = falcon
+    ex = LocalExecutor(lower_step(plan_pcg(graph, mesh, strategy), SGD.slots), SGD)
+    diffs = compare(model, b, graph, ex)
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def test_falcon_tp_shards_its_x_at_w_transposed_mlp_like_llama(falcon):
+    """``x @ W.T`` is a linear, so tp finds Falcon's MLP pair: dense_h_to_4h column-parallel, dense_4h_to_h
+    row-parallel, one all-reduce per layer. The attention stays replicated: its q|k|v weight is one linear whose
+    output is cut into 4 query heads and one key and one value head by a view and slices, not a Split (no part of
+    it to shard by heads)."""
+    _, _, graph = falcon
+    pcg = plan_pcg(graph, "tp=2", "tp")
+    t = pcg.tensors
+    for i in range(LAYERS):
+        layer = f"transformer.h.{i}"
+        assert t[f"{layer}.mlp.dense_h_to_4h.weight"].placements == (Shard(0),)
+        assert t[f"{layer}.mlp.dense_4h_to_h.weight"].placements == (Shard(1),)
+        for m in ("self_attention.query_key_value", "self_attention.dense", "input_layernorm"):
+            assert t[f"{layer}.{m}.weight"].placements == (Replicate(),), m
+    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": LAYERS}
+    assert not pcg.redistributions

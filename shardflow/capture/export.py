@@ -39,7 +39,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from shardflow.graph import ComputationGraph, GraphBuilder, OpError
 from shardflow.graph import ops as O
 from shardflow.graph.fused import store_by_parts
-from shardflow.graph.graph import BufferUpdate
+from shardflow.graph.graph import BufferUpdate, TensorRole
 from shardflow.graph.ops import TensorType, dtype_name
 
 aten = torch.ops.aten
@@ -582,7 +582,20 @@ def _addmm(c, node, b, x, w, *, beta=1, alpha=1):
 
 
 def _matmul(c, node, a, b):
+    w = _transposed_weight(c, node.args[1])
+    if w is not None:  # x @ W.T (Falcon's FalconLinear): the linear it computes, which tensor parallelism plans
+        return c.apply(O.Linear(bias=False), [a, w], node)
     return c.apply(O.Matmul(), [a, b], node)
+
+
+def _transposed_weight(c, node: Any) -> _T | None:
+    """The parameter W ``[out, in]`` when fx ``node`` is its transpose (``W.T``, ``W.t()``: ATen ``permute(W, [1, 0])``
+    or ``t(W)``), else None."""
+    if not isinstance(node, torch.fx.Node) or not (node.target is aten.t.default or (
+            node.target is aten.permute.default and list(node.args[1]) == [1, 0])):
+        return None
+    w = c.env.get(node.args[0])
+    return w if isinstance(w, _T) and c.b.tensors[w.name].role == TensorRole.WEIGHT else None
 
 
 def _embedding(c, node, w, idx, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
@@ -618,6 +631,9 @@ def _sdpa(c, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, s
     if attn_mask is None and not enable_gqa and None not in sources and \
             c.shape(sources[0])[:-2] == c.shape(sources[1])[:-2]:
         k, v, enable_gqa = c.env[sources[0]], c.env[sources[1]], True
+    heads = [c.shape(a)[-3:-2] for a in node.args[:3]]  # (H,), (Hkv,), (Hkv,)
+    if heads[1] == heads[2] == (1,) != heads[0]:
+        enable_gqa = True  # one key/value head that sdpa broadcasts over the query heads: multi-query attention
     ins = [q, k, v] + ([attn_mask] if attn_mask is not None else [])
     return c.apply(O.Attention(bool(is_causal), scale, attn_mask is not None, bool(enable_gqa)), ins, node)
 

@@ -27,7 +27,7 @@ from shardflow.graph import ops as O
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.parallel.mesh import Mesh, Placement, Shard, SubMesh, parse_placement
-from shardflow.parallel.ops import PARALLEL_OPS, ParallelOp, Replicate
+from shardflow.parallel.ops import PARALLEL_OPS, Combine, ParallelOp, Replicate
 from shardflow.parallel.pcg import Annotations, Layout
 from shardflow.parallel.shape import DegreeError, ShardingError
 from shardflow.parallel.sharding import Sharding
@@ -229,12 +229,17 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     of q, k and v by heads. One stored whole (unequal parts) that one Split node alone reads is placed part by
     part: the parameter keeps its other placements, each part is sharded on the split dim (a local split of the
     replicated parameter) — every head group of q, k and v, not ``q|k|v`` cut into blocks.
+
+    A placement that a ``Combine`` of ``plan.ops`` gathers right after the parameter (FSDP's: stored ``Shard(d)``,
+    all-gathered before any use) is how the parameter is *stored*, not how its readers compute: it neither splits
+    a fused linear nor places its parts; the readers see the parameter without it.
     """
     targets = _Targets.of(plan, graph)
     placed = {f"{m}.{p}": spec for pat, mp in plan.modules.items() for m, _ in targets.units(pat)
               for p, spec in mp.params.items()}
     fused = [f for f in fused_linears(graph)
-             if any(Shard(d) in _placements(placed.get(t)) for t, d in f.features)]
+             if any(Shard(d) in _read(graph, t, _placements(placed.get(t)), plan.ops.get(t, ()))
+                    for t, d in f.features)]
     rewritten = split_fused(graph, fused) if fused else None
     if rewritten is not None:
         graph = rewritten
@@ -277,9 +282,12 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                 layout = {a: Shard(stored_dim(graph, w, pl.dim)) if isinstance(pl, Shard) else pl
                           for a, pl in _layout(spec, group_of_tensor(w), f"placement of {w}").items()}
                 split = consumers[w][0][0] if len(consumers[w]) == 1 else None
-                if split is not None and isinstance(split.op, O.Split) and Shard(split.op.dim) in layout.values():
-                    per_part = {a: pl for a, pl in layout.items() if pl == Shard(split.op.dim)}
-                    layout = {a: pl for a, pl in layout.items() if pl != Shard(split.op.dim)}
+                stored = {a for a, pl in layout.items() if any(
+                    isinstance(op, Combine) and op.axis == a and pl == Shard(op.dim) for op in plan.ops.get(w, ()))}
+                if split is not None and isinstance(split.op, O.Split) and any(
+                        pl == Shard(split.op.dim) and a not in stored for a, pl in layout.items()):
+                    per_part = {a: pl for a, pl in layout.items() if pl == Shard(split.op.dim) and a not in stored}
+                    layout = {a: pl for a, pl in layout.items() if a not in per_part}
                     for part in split.outputs:
                         after[part] = per_part
                         why[part] = f"part of {w}, placed part by part"
@@ -310,6 +318,19 @@ def _placements(spec: PlacementSpec | None) -> tuple[Placement, ...]:
     if spec is None:
         return ()
     return tuple(spec.values()) if isinstance(spec, Mapping) else tuple(spec)
+
+
+def _read(graph: ComputationGraph, weight: str, placements: tuple[Placement, ...],
+          ops: Sequence[ParallelOp]) -> tuple[Placement, ...]:
+    """``placements`` of ``weight`` (its module's shape) as its readers see them: without a ``Shard`` that a
+    ``Combine`` of ``ops`` (the parallel ops right after it) gathers — a storage shard, FSDP's."""
+    left = list(placements)
+    for op in ops:
+        shard = next((p for p in left if isinstance(p, Shard) and isinstance(op, Combine)
+                      and stored_dim(graph, weight, p.dim) == op.dim), None)
+        if shard is not None:
+            left.remove(shard)
+    return tuple(left)
 
 
 def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name: str) -> Sharding:
