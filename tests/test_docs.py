@@ -325,10 +325,23 @@ def models_aten_ops() -> list[str]:
     return rows
 
 
+def models_matrix() -> list[str]:
+    """docs/models.md: the model matrix of tests/test_model_matrix.py, a row per family of tests/zoo.py."""
+    from test_model_matrix import FLOAT32, MATRIX, PASS, STRATEGIES
+    from zoo import FAMILIES
+    rows = ["| family | module | checked in | " + " | ".join(STRATEGIES) + " |", "|---|---|---|" + "---|" * len(STRATEGIES)]
+    for family, row in MATRIX.items():
+        module = type(FAMILIES[family]()[0]).__name__
+        dtype = "float32 (no float64 kernel), 1e-4" if family in FLOAT32 else "float64, 1e-9"
+        cells = ["✓" if row[s] == PASS else f"refused: {row[s]}" for s in STRATEGIES]
+        rows.append(f"| `{family}` | `{module}` | {dtype} | " + " | ".join(cells) + " |")
+    return rows
+
+
 GENERATORS = {f.__name__: f for f in (collectives_per_strategy, bytes_dp_tp_mlp, tokens_dp_tp_mlp, verify_reordered,
                                       verify_dropped, verify_rows, plan_json_example, own_model_errors,
                                       own_model_redistribution, dtensor_cases, cost_defaults, auto_forms,
-                                      models_summary, models_aten_ops)}
+                                      models_summary, models_aten_ops, models_matrix)}
 
 
 @dataclass(frozen=True)
