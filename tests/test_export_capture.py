@@ -254,3 +254,26 @@ def test_nodes_keep_their_source_line():
     (cat,) = [n for n in graph.nodes if isinstance(n.op, O.Cat)]
     assert re.fullmatch(r".*/tests/test_export_capture\.py:\d+ \(k\[\.\.\., 6:\]\.copy_\(rot\)\)", cat.source)
     assert ComputationGraph.from_json(graph.to_json()) == graph
+
+
+class TwoDims(nn.Module):
+    """Slices of a zero tensor written along two dims in turn: the second write's parts are not the first's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x):  # x [2, 3, 4]
+        h = x @ self.w
+        k = x.new_zeros(2, 3, 4)
+        k[:, 1:].copy_(h[:, :2])
+        k[..., :2].copy_(h[..., 2:].sin())
+        return k.tanh().pow(2).sum()
+
+
+def test_slices_written_along_two_dims_keep_each_write():
+    torch.manual_seed(0)
+    model, b = TwoDims(), {"x": torch.randn(2, 3, 4, dtype=torch.float64)}
+    graph = capture(model, b)
+    assert not any(isinstance(n.op, O.Aten) for n in graph.nodes)
+    check_against_eager(model, b, graph)

@@ -201,7 +201,7 @@ class _Lift:
         self.env: dict[torch.fx.Node, Any] = {}  # fx node → graph tensor name (str wrapped in _T) or a real value
         self.const_names: dict[int, str] = {}  # id(folded tensor) → its graph constant
         self.folded: list[torch.Tensor] = []
-        self.parts: dict[str, tuple] = {}  # graph tensor → (start, end, value) along the dim a slice_scatter wrote
+        self.parts: dict[str, tuple] = {}  # graph tensor a slice_scatter made → (dim, its (start, end, value)s)
         state = {**ep.state_dict, **ep.constants}
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
         self.buffers: dict[torch.fx.Node, str] = {}  # placeholder → the buffer's FQN
@@ -488,7 +488,8 @@ def _slice_scatter(c, node, x, src, dim=0, start=None, end=None, step=1):
     lo, hi, _ = slice(start, end).indices(size[d])
     hi = max(lo, hi)
     parts = [(lo, hi, src)] if hi > lo else []
-    for a, b, v in c.parts.get(x.name, ((0, size[d], x),)) if isinstance(x, _T) else ((0, size[d], x),):
+    known = c.parts.get(x.name) if isinstance(x, _T) else None
+    for a, b, v in known[1] if known and known[0] == d else ((0, size[d], x),):
         for p, q in ((a, min(b, lo)), (max(a, hi), b)):
             if p < q:
                 parts.append((p, q, v if (p, q) == (a, b) else _narrow(c, node, v, d, p - a, q - a, len(parts))))
@@ -496,7 +497,7 @@ def _slice_scatter(c, node, x, src, dim=0, start=None, end=None, step=1):
     if len(parts) == 1:
         return parts[0][2]
     out = c.apply(O.Cat(d), [v for _, _, v in parts], node)
-    c.parts[out.name] = tuple(parts)
+    c.parts[out.name] = (d, tuple(parts))
     return out
 
 
