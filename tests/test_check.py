@@ -184,16 +184,42 @@ def test_torchtitans_llama3_checks_with_its_complex_rotary_table_kept(capsys, dt
     assert word == "OK" and max(worst) <= tol
 
 
-def test_a_model_without_float64_kernels_is_checked_in_its_own_dtype_and_says_so(capsys):
-    """Mixtral's default experts (transformers' grouped matmul) have no float64 kernel: the eager float64 forward
-    fails, so the check runs the model as built (float32, tolerance 1e-4) and names the reason, instead of failing
-    after planning."""
-    code, out, err = check(capsys, "--model", f"{ZOO}:mixtral", "--strategy", "dp", "--steps", "1")
+NO_FLOAT64 = '''
+import torch
+from torch import nn
+
+
+class Float32Only(nn.Module):
+    """A kernel without float64 (as torch._grouped_mm, Mixtral's experts in eager mode, had none), in small."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        if x.dtype == torch.float64:
+            raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+        return nn.functional.cross_entropy(self.fc(x), y)
+
+
+def float32_only():
+    torch.manual_seed(0)
+    return Float32Only(), {"x": torch.randn(4, 4), "y": torch.tensor([0, 1, 2, 0])}
+'''
+
+
+def test_a_model_without_float64_kernels_is_checked_in_its_own_dtype_and_says_so(capsys, tmp_path):
+    """A model with a kernel that has no float64: the eager float64 forward fails, so the check runs the model as
+    built (float32, tolerance 1e-4) and names the reason, instead of failing after planning."""
+    (tmp_path / "no_float64.py").write_text(NO_FLOAT64)
+    code, out, err = check(capsys, "--model", f"{tmp_path / 'no_float64.py'}:float32_only", "--strategy", "dp",
+                           "--steps", "1")
     assert code == 0, out + err
     lines = out.splitlines()
-    assert lines[0].startswith("shardflow check: MixtralForCausalLM, ") and ", float32; batch " in lines[0]
-    assert re.fullmatch(r"float64: the eager model fails in float64 \(.*Double.*\): a kernel of it has no float64; "
-                        r"checking in the model's own float32 instead \(tolerance 0.0001\)", lines[1])
+    assert lines[0].startswith("shardflow check: Float32Only, 15 parameters, float32; batch ")
+    assert lines[1] == ("float64: the eager model fails in float64 (Expected mat_a to be Float32, BFloat16 or Float16 "
+                        "matrix, got Double): a kernel of it has no float64; checking in the model's own float32 "
+                        "instead (tolerance 0.0001)")
     worst, tol, word = verdict(out)
     assert word == "OK" and tol == 1e-4
 

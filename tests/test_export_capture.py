@@ -3,6 +3,8 @@ init) and our own GPT arrive as core ATen and lift to shardflow's ops with the e
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -255,3 +257,63 @@ def test_one_broadcast_key_value_head_and_x_at_w_transposed_lift_to_gqa_and_line
     assert [(n.inputs[1], n.op.transposed) for n in linears] == [("q.weight", False), ("kv.weight", False)]
     assert not any(isinstance(n.op, (O.Matmul, O.Permute)) and graph.tensors[n.inputs[-1]].role.name == "WEIGHT"
                    for n in graph.nodes)
+
+
+class KeyStates(nn.Module):
+    """DeepSeek-V3's key states: a new empty tensor whose two slices of the last dim are written by ``copy_`` (the
+    second from a broadcast source), read by a nonlinear loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6, dtype=torch.float64)
+        self.b = nn.Linear(4, 2, dtype=torch.float64)
+
+    def forward(self, x):  # x [B, T, 4]
+        rot = self.b(x[:, :1])  # [B, 1, 2], broadcast over T by copy_
+        k = x.new_empty(*x.shape[:-1], 8)
+        k[..., :6].copy_(self.a(x))
+        k[..., 6:].copy_(rot)
+        return k.tanh().pow(2).sum()
+
+
+def test_copy_into_slices_of_a_new_tensor_lifts_to_a_cat():
+    """The slice_scatter of a copy that functionalization makes of ``k[..., :n].copy_(v)`` lifts to a cat of the
+    written values (the expand of the broadcast one): no generic op, the empty tensor read by nothing, and the
+    gradient eager PyTorch computes (ATen's copy has no derivative: autograd refused the generic op's backward)."""
+    torch.manual_seed(0)
+    model, b = KeyStates(), {"x": torch.randn(2, 3, 4, dtype=torch.float64)}
+    graph = capture(model, b)
+    assert [n.op.kind for n in graph.nodes if isinstance(n.op, (O.Aten, O.Cat))] == ["cat"]
+    assert not any(t.shape == (2, 3, 8) for t in graph.constants.values())
+    check_against_eager(model, b, graph)
+
+
+def test_nodes_keep_their_source_line():
+    """Each node names the model's line that made it (what planning's errors quote), and keeps it through JSON."""
+    graph = capture(KeyStates(), {"x": torch.randn(2, 3, 4, dtype=torch.float64)})
+    (cat,) = [n for n in graph.nodes if isinstance(n.op, O.Cat)]
+    assert re.fullmatch(r".*/tests/test_export_capture\.py:\d+ \(k\[\.\.\., 6:\]\.copy_\(rot\)\)", cat.source)
+    assert ComputationGraph.from_json(graph.to_json()) == graph
+
+
+class TwoDims(nn.Module):
+    """Slices of a zero tensor written along two dims in turn: the second write's parts are not the first's."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x):  # x [2, 3, 4]
+        h = x @ self.w
+        k = x.new_zeros(2, 3, 4)
+        k[:, 1:].copy_(h[:, :2])
+        k[..., :2].copy_(h[..., 2:].sin())
+        return k.tanh().pow(2).sum()
+
+
+def test_slices_written_along_two_dims_keep_each_write():
+    torch.manual_seed(0)
+    model, b = TwoDims(), {"x": torch.randn(2, 3, 4, dtype=torch.float64)}
+    graph = capture(model, b)
+    assert not any(isinstance(n.op, O.Aten) for n in graph.nodes)
+    check_against_eager(model, b, graph)

@@ -11,6 +11,7 @@ between our update formula and torch's fused one: 1e-8. float32: 1e-4.
 
 import pytest
 import torch
+from torch import nn
 
 from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
@@ -299,3 +300,28 @@ def test_gradients_flow_through_complex_values(mesh, strategy):
     assert model.freqs_cis.dtype == torch.complex128
     with wide_floats():
         check_against_eager(model, batch, mesh, strategy)
+
+
+class Router(nn.Module):
+    """A mixture of experts' router, reduced: the top-2 scores by index (topk's indices are integers, no
+    gradient) and a mask made from ``zeros_like`` (a constant of its input: no gradient either)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x):
+        s = (x @ self.w).sigmoid()
+        idx = s.topk(2, dim=-1).indices
+        mask = torch.zeros_like(s).scatter(1, idx, 1.0)
+        return s.gather(1, idx).sum() + (s * mask).pow(2).sum()
+
+
+@pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("dp=4", "dp")])
+def test_outputs_without_a_gradient_get_no_backward(mesh, strategy):
+    """Only the outputs autograd differentiates need a gradient: the backward skips topk's indices (the gather's
+    hand vjp gave None for them: 'NoneType' object has no attribute 'dtype', DeepSeek-V3 under tp) and the
+    zeros_like mask (autograd refused its backward: 'element 0 of tensors does not require grad', Mamba2). The
+    gradient sums rows' contributions in another order than eager: float64 rounding, 1e-12."""
+    x = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    check_against_eager(Router(), {"x": x}, mesh, strategy, atol=1e-12)

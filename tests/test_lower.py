@@ -1,7 +1,9 @@
 """Lowering: exact plan structure — copies, collectives, bytes, tokens — for small plans (no processes)."""
 
 import pytest
+import torch
 
+from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
 from shardflow.lower import lower_step
 import dataclasses
@@ -723,3 +725,41 @@ def test_programs_carry_their_process_groups():
     assert groups == (Group((3, 0, 2)), Group((1, 3), mesh, "pp"), Group((0, 1), mesh, "tp"),
                       Group((2, 3), mesh, "tp"), Group((3, 1)))
     assert lower_step(pcg, ranks=[2], verify=False).programs[2].groups == groups  # the same on every rank
+
+
+class NoDerivative(torch.nn.Module):
+    """A weight's product through an op torch's autograd cannot differentiate in its first input (the regularized
+    incomplete gamma functions, which export keeps whole), in module ``step``."""
+
+    def __init__(self, fn: str):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.rand(4, 3, dtype=torch.float64) + 0.5)
+        self.step = Step(fn)
+
+    def forward(self, x):
+        return self.step(x @ self.w).sum()
+
+
+class Step(torch.nn.Module):
+    def __init__(self, fn: str):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, h):
+        return getattr(torch, self.fn)(h, h)
+
+
+@pytest.mark.parametrize("fn", ["igamma", "igammac"])
+def test_an_op_without_derivative_is_refused_when_the_backward_is_planned(fn):
+    """Refused while the backward is planned (lowering, before any step), in one paragraph naming the op, its
+    module, the model's source line and the fix; at step 1 it was autograd's "the derivative for 'igamma: input' is
+    not implemented" traceback. Without training nothing needs the derivative: the same graph lowers."""
+    graph = capture(NoDerivative(fn), {"x": torch.rand(2, 4, dtype=torch.float64)})
+    mesh = Mesh.parse("dp=2")
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "dp"), graph, mesh))
+    where = rf"op '{fn}' \({fn}\) in module 'step' at .*/tests/test_lower\.py:\d+ \(return getattr\(torch, self\.fn\)"
+    with pytest.raises(PassError, match=where + rf".*cannot differentiate it: the derivative for '{fn}: input' is not "
+                                                r"implemented\. .*torch\.no_grad\(\)") as e:
+        lower_step(pcg, "sgd")
+    assert "\n" not in str(e.value)
+    lower_step(pcg, "sgd", training=False)

@@ -2,8 +2,7 @@
 under dp, fsdp, tp, pp and sp (one process, the local executor, 1 SGD step against eager PyTorch on one device).
 
 :data:`MATRIX` states the expected outcome of every cell: ``PASS`` (exit 0, every loss, gradient and weight within
-the check's tolerance: 1e-9 in float64; 1e-4 in float32 for the models whose kernels have no float64, where the
-check says so) or a refusal (exit 2, one paragraph on stderr holding the stated reason, no traceback). Anything
+the check's tolerance, 1e-9 in float64) or a refusal (exit 2, one paragraph on stderr holding the stated reason, no traceback). Anything
 else — a traceback, a wrong number, a refusal where a pass is stated or the reverse — fails the cell.
 docs/models.md's matrix is generated from this table (tests/test_docs.py: models_matrix).
 """
@@ -22,8 +21,6 @@ ZOO = Path(__file__).parent / "zoo.py"
 STRATEGIES = ("dp", "fsdp", "tp", "pp", "sp")
 PASS = "pass"
 NO_PAIR = "tensor parallelism found no column-parallel/row-parallel pair of linears"
-# families whose default kernels have no float64 (transformers' grouped-matmul experts): checked in float32
-FLOAT32 = frozenset({"mixtral", "qwen3_moe"})
 
 # family → strategy → PASS, or the reason a refusal must name (a substring of its one paragraph)
 MATRIX: dict[str, dict[str, str]] = {
@@ -50,9 +47,7 @@ def test_cell(capsys, family, strategy):
     want = MATRIX[family][strategy]
     if want == PASS:
         assert code == 0, out + err
-        tol = "0.0001" if family in FLOAT32 else "1e-09"
-        assert out.rstrip().endswith(f"over every replica (tolerance {tol}): OK"), out
-        assert (family in FLOAT32) == ("checking in the model's own float32 instead" in out)
+        assert out.rstrip().endswith("over every replica (tolerance 1e-09): OK"), out
     else:
         assert code == 2, out + err
         assert err.startswith("shardflow check: error: ") and want in err and "Traceback" not in err, err

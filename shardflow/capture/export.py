@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 import traceback
 import warnings
 from typing import Any, Callable, Mapping
@@ -40,7 +41,7 @@ from shardflow.graph import ComputationGraph, GraphBuilder, OpError
 from shardflow.graph import ops as O
 from shardflow.graph.fused import store_by_parts
 from shardflow.graph.graph import BufferUpdate, TensorRole
-from shardflow.graph.ops import TensorType, dtype_name
+from shardflow.graph.ops import TensorType, dtype_name, torch_dtype
 
 aten = torch.ops.aten
 
@@ -110,11 +111,26 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
 def _export_failure(module: nn.Module, e: Exception) -> str:
     text = str(e).strip()
     first = text.splitlines()[0] if text else type(e).__name__
-    frames = [f for f in _frames(e) if "/torch/" not in f.filename and "shardflow" not in f.filename]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    where = _model_line(_frames(e))
+    where = f" at {where}" if where else ""
     fix = ("pass use_cache=False in a Hugging Face model's config (no KV cache in training), and make sure the "
            "forward does not branch on tensor values (.item(), data-dependent shapes)")
     return f"torch.export cannot capture {type(module).__name__}{where}: {type(e).__name__}: {first}. Usual fix: {fix}"
+
+
+def _model_line(frames: list[traceback.FrameSummary]) -> str:
+    """``"file.py:123 (code)"`` of the innermost frame of the model's own code (neither torch's nor shardflow's),
+    or "" if none."""
+    frames = [f for f in frames if "/torch/" not in f.filename and "shardflow" not in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+
+
+def _source(node: torch.fx.Node) -> str:
+    """The model's source line that made fx ``node`` (:func:`_model_line` of the stack export recorded)."""
+    return _model_line(traceback.StackSummary.from_list(_FRAME.findall(node.meta.get("stack_trace") or "")))
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n +(.*)')  # one frame of a formatted stack
 
 
 def _frames(e: BaseException) -> list[traceback.FrameSummary]:
@@ -185,6 +201,7 @@ class _Lift:
         self.env: dict[torch.fx.Node, Any] = {}  # fx node → graph tensor name (str wrapped in _T) or a real value
         self.const_names: dict[int, str] = {}  # id(folded tensor) → its graph constant
         self.folded: list[torch.Tensor] = []
+        self.parts: dict[str, tuple] = {}  # graph tensor a slice_scatter made → (dim, its (start, end, value)s)
         state = {**ep.state_dict, **ep.constants}
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
         self.buffers: dict[torch.fx.Node, str] = {}  # placeholder → the buffer's FQN
@@ -256,7 +273,7 @@ class _Lift:
             self.env[node] = target(*_real(args, meta), **_real(kwargs, meta))
             return
         handler = LIFT.get(target)
-        with self.b.scope(_scope(node)):
+        with self.b.scope(_scope(node), _source(node)):
             try:
                 value = handler(self, node, *args, **kwargs) if handler else None
                 if value is None:
@@ -447,6 +464,55 @@ def _slice(c, node, x, dim=0, start=None, end=None, step=1):
     d = _dim(dim, len(size))
     lo, hi, _ = slice(start, end, step).indices(int(size[d]))
     return c.apply(O.Slice(d, lo, max(lo, hi), step), [x], node)
+
+
+def _copy(c, node, x, src, non_blocking=False):
+    """``x.copy_(src)``, functional: ``src`` broadcast to ``x``'s shape in ``x``'s dtype (an expand and a cast, both
+    differentiable; autograd has no derivative for ATen's ``copy``). ``x``'s values are not read: its gradient is
+    zero, as in eager PyTorch."""
+    shape, want = c.shape(node), dtype_name(node.meta["val"].dtype)
+    if not isinstance(src, _T):  # a folded value (or a number) written into a graph tensor: a constant
+        return torch.as_tensor(src).to(torch_dtype(want)).expand(shape).clone()
+    steps = ([O.Expand(shape)] if c.b.shape(src.name) != shape else []) + \
+        ([O.Cast(want)] if c.b.type_of(src.name).dtype != want else [])
+    for k, op in enumerate(steps):
+        src = c.apply(op, [src], node, "" if k == len(steps) - 1 else f"_{op.kind}")
+    return src
+
+
+def _slice_scatter(c, node, x, src, dim=0, start=None, end=None, step=1):
+    """``x`` with ``src`` written into its slice ``start:end`` of ``dim`` (``x[..., a:b].copy_(src)``, functional):
+    what is left of ``x`` and ``src`` concatenated along ``dim`` (slices and a cat, which have rules; the generic
+    ``slice_scatter`` would replicate its inputs). A value made so is remembered by parts (:attr:`_Lift.parts`),
+    so writing every slice of an empty tensor in turn (DeepSeek-V3's key states: ``new_empty``, then ``copy_`` into
+    ``[..., :n]`` and ``[..., n:]``) is the cat of the written values alone, the empty tensor read by nothing. A
+    ``step`` other than 1 stays the generic op."""
+    if step != 1:
+        return None
+    size = c.shape(node)
+    d = _dim(dim, len(size))
+    lo, hi, _ = slice(start, end).indices(size[d])
+    hi = max(lo, hi)
+    parts = [(lo, hi, src)] if hi > lo else []
+    known = c.parts.get(x.name) if isinstance(x, _T) else None
+    for a, b, v in known[1] if known and known[0] == d else ((0, size[d], x),):
+        for p, q in ((a, min(b, lo)), (max(a, hi), b)):
+            if p < q:
+                parts.append((p, q, v if (p, q) == (a, b) else _narrow(c, node, v, d, p - a, q - a, len(parts))))
+    parts.sort(key=lambda part: part[0])
+    if len(parts) == 1:
+        return parts[0][2]
+    out = c.apply(O.Cat(d), [v for _, _, v in parts], node)
+    c.parts[out.name] = (d, tuple(parts))
+    return out
+
+
+def _narrow(c, node, v, d: int, lo: int, hi: int, k: int):
+    """``v[lo:hi]`` along dim ``d``: a Slice op of a graph tensor (named after ``node``, part ``k``), or the folded
+    slice of a folded one."""
+    if isinstance(v, _T):
+        return c.apply(O.Slice(d, lo, hi), [v], node, f"_part{k}")
+    return v.narrow(d, lo, hi - lo).clone()
 
 
 def _select(c, node, x, dim, index):
@@ -756,6 +822,8 @@ LIFT: dict[Any, Callable] = {
     aten.transpose.int: _transpose,
     aten.expand.default: _expand,
     aten.slice.Tensor: _slice,
+    aten.slice_scatter.default: _slice_scatter,
+    aten.copy.default: _copy,
     aten.select.int: _select,
     aten.split_with_sizes.default: _split_sizes,
     aten.split.Tensor: _split,

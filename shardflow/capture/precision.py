@@ -3,10 +3,13 @@
 Hugging Face models upcast the logits to float32 before their loss (``logits.float()``), so a float64 model
 still computes its loss and the logits' gradient in float32, and two runs that differ only in summation order
 (one device against a sharded plan) differ by ~1e-7. Inside ``wide_floats()`` a cast of a float64 tensor to a
-narrower float dtype (``.float()``, ``.half()``, ``.bfloat16()``, ``.to(torch.float32)``) keeps it float64, and so
-does an op's explicit ``dtype=`` argument (Gemma 2's ``softmax(x, dtype=torch.float32)``); a complex128 tensor
-likewise stays complex128. This holds in eager runs and in ``torch.export`` capture alike, so both sides of a check
-run the same model and can hold to float64 tolerances (1e-9).
+narrower float dtype (``.float()``, ``.half()``, ``.bfloat16()``, ``.to(torch.float32)``, ``.type(torch.float32)``)
+keeps it float64, and so does an op's explicit ``dtype=`` argument (Gemma 2's ``softmax(x, dtype=torch.float32)``);
+a complex128 tensor likewise stays complex128. This holds in eager runs and in ``torch.export`` capture alike, so
+both sides of a check run the same model and can hold to float64 tolerances (1e-9). Where torch has no float64
+kernel for what such a model calls in eager mode, the mode computes it in float64 by definition:
+``torch._grouped_mm`` (a mixture of experts' grouped product, Hugging Face's default on the CPU; what export
+traces instead is the model's own loop of matrix products, its fallback).
 """
 
 from __future__ import annotations
@@ -30,6 +33,17 @@ def _wide(a, complex_: bool):
     return a
 
 
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` of ``mat_a [S, K]`` by ``mat_b [E, K, N]`` with ``offs [E]`` (cumulative row counts,
+    int32): rows ``offs[i-1]:offs[i]`` times ``mat_b[i]``; rows past ``offs[-1]`` are zero. Output ``[S, N]``."""
+    out = mat_a.new_zeros(mat_a.shape[0], mat_b.shape[2])
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        out[start:end] = mat_a[start:end] @ mat_b[i]
+        start = end
+    return out
+
+
 class wide_floats(TorchFunctionMode):
     """Context manager: float64 (complex128) tensors are never cast to a narrower float (complex) dtype while it is
     active, by a cast or by an op's ``dtype=`` argument."""
@@ -40,7 +54,11 @@ class wide_floats(TorchFunctionMode):
         if isinstance(x, torch.Tensor) and x.dtype in (torch.float64, torch.complex128):
             if func in _NARROWING and x.dtype == torch.float64:
                 return x
-            if func is torch.Tensor.to:  # any float dtype, positional or keyword (Module.to passes all three)
+            if func is torch._grouped_mm and x.ndim == 2 and args[1].ndim == 3 and kwargs.get("offs") is not None \
+                    and kwargs.get("bias") is None and kwargs.get("out_dtype") in (None, torch.float64):
+                return _grouped_mm(x, args[1], offs=kwargs["offs"])
+            if func in (torch.Tensor.to, torch.Tensor.type):  # any float dtype, positional or keyword (Module.to
+                # passes all three; DeepSeek-V3's router casts by .type(torch.float32))
                 args = tuple(_wide(a, False) for a in args)
                 kwargs = {k: _wide(v, False) for k, v in kwargs.items()}
             elif "dtype" in kwargs:  # softmax(x, dtype=torch.float32), sum(x, dtype=...), ...

@@ -34,7 +34,7 @@ class GraphBuilder:
         self.tensors: dict[str, TensorSpec] = {}
         self.nodes: list[Node] = []
         self.constants: dict[str, torch.Tensor] = {}
-        self._scope: list[str] = []
+        self._scope: list[tuple[str, str]] = []  # (module path, source line)
         self._counts: dict[str, int] = {}
         self._names: set[str] = set()
 
@@ -51,9 +51,9 @@ class GraphBuilder:
         return name
 
     @contextlib.contextmanager
-    def scope(self, path: str) -> Iterator[None]:
-        """Nodes created inside carry ``path`` as their module scope."""
-        self._scope.append(path)
+    def scope(self, path: str, source: str = "") -> Iterator[None]:
+        """Nodes created inside carry ``path`` as their module scope and ``source`` as their source line."""
+        self._scope.append((path, source))
         try:
             yield
         finally:
@@ -61,7 +61,11 @@ class GraphBuilder:
 
     @property
     def current_scope(self) -> str:
-        return self._scope[-1] if self._scope else ""
+        return self._scope[-1][0] if self._scope else ""
+
+    @property
+    def current_source(self) -> str:
+        return self._scope[-1][1] if self._scope else ""
 
     def type_of(self, t: str) -> TensorType:
         return self.tensors[t].type
@@ -101,7 +105,8 @@ class GraphBuilder:
         out_names = [node_name] if len(outs) == 1 else [f"{node_name}.{i}" for i in range(len(outs))]
         for o, ty in zip(out_names, outs):
             self.tensors[o] = TensorSpec(o, ty, TensorRole.ACTIVATION)
-        self.nodes.append(Node(node_name, op, tuple(inputs), tuple(out_names), self.current_scope))
+        self.nodes.append(Node(node_name, op, tuple(inputs), tuple(out_names), self.current_scope,
+                               self.current_source))
         return tuple(out_names)
 
     def _one(self, op: Op, *inputs: str, name: str | None = None) -> str:

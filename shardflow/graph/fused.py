@@ -151,8 +151,8 @@ def store_by_parts(graph: ComputationGraph) -> ComputationGraph:
         inputs[lin.name] = tuple(new)
     if not inputs:
         return graph
-    nodes = tuple(m for n in graph.nodes for m in (*before.get(n.name, ()), Node(
-        n.name, n.op, inputs.get(n.name, n.inputs), n.outputs, n.scope)))
+    nodes = tuple(m for n in graph.nodes for m in (*before.get(n.name, ()),
+                                                   dataclasses.replace(n, inputs=inputs.get(n.name, n.inputs))))
     return dataclasses.replace(graph, tensors=names.tensors, nodes=nodes, module_shapes=shapes)
 
 

@@ -65,13 +65,15 @@ class TensorSpec:
 
 @dataclass(frozen=True, slots=True)
 class Node:
-    """One operator application: ``outputs = op(*inputs)``; ``scope`` is the module path it came from."""
+    """One operator application: ``outputs = op(*inputs)``; ``scope`` is the module path it came from and
+    ``source`` the model's source line that made it, ``"file.py:123 (code)"`` (captured graphs; empty where unknown)."""
 
     name: str
     op: Op
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     scope: str = ""
+    source: str = ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,7 +194,7 @@ class ComputationGraph:
             ],
             "nodes": [
                 {"name": n.name, "op": n.op.kind, "attrs": _attrs_to_json(n.op), "inputs": list(n.inputs),
-                 "outputs": list(n.outputs), "scope": n.scope}
+                 "outputs": list(n.outputs), "scope": n.scope, "source": n.source}
                 for n in self.nodes
             ],
             "outputs": list(self.outputs),
@@ -209,7 +211,8 @@ class ComputationGraph:
             t["name"]: TensorSpec(t["name"], TensorType(tuple(t["shape"]), t["dtype"]), t["role"]) for t in d["tensors"]
         }
         nodes = tuple(
-            Node(n["name"], _op_from_json(n["op"], n["attrs"]), tuple(n["inputs"]), tuple(n["outputs"]), n["scope"])
+            Node(n["name"], _op_from_json(n["op"], n["attrs"]), tuple(n["inputs"]), tuple(n["outputs"]), n["scope"],
+                 n.get("source", ""))
             for n in d["nodes"]
         )
         constants = {

@@ -149,6 +149,13 @@ class Op:
     def compute(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def grad_outputs(self, ins: tuple[TensorType, ...], need: tuple[bool, ...]) -> tuple[bool, ...]:
+        """Which outputs carry a gradient back, per output, when the inputs ``need`` marks need one: every
+        floating-point or complex output as soon as one input does (the ops of this module are differentiable in every
+        floating input: :mod:`shardflow.runtime.vjp` or autograd of their compute). Raises OpError where an output
+        depends on a marked input through no derivative (:meth:`Aten.grad_outputs`)."""
+        return tuple(any(need) and differentiable(t.dtype) for t in self.infer(ins))
+
     def describe(self) -> str:
         """``kind(attr=value, ...)`` for listings; a :func:`quiet` attribute only when it is not its default."""
         attrs = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -913,6 +920,29 @@ class Aten(Op):
 
     def compute(self, *xs):
         return self._call(xs)
+
+    def grad_outputs(self, ins, need):
+        """Autograd's answer, asked on the meta device (no data): an output carries a gradient where torch gives it
+        a ``grad_fn`` (``full_like``'s, ``histc``'s, ``topk``'s indices have none: constants of the inputs), and
+        the backward from those outputs to the marked inputs must exist. Raises OpError where it does not: autograd's
+        reason (``copy``: "derivative for aten::copy is not implemented"; ``igamma``: "the derivative
+        for 'igamma: input' is not implemented."); a backward op without a meta kernel is taken to exist (it runs
+        on real tensors)."""
+        xs = [torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta",
+                          requires_grad=m and differentiable(t.dtype)) for t, m in zip(ins, need)]
+        with torch.enable_grad():
+            outs = self._call(xs)
+        carried = tuple(o.requires_grad for o in outs)
+        wrt = [x for x in xs if x.requires_grad]
+        if any(carried):
+            try:
+                torch.autograd.grad([o for o in outs if o.requires_grad], wrt,
+                                    [torch.empty_like(o) for o in outs if o.requires_grad], allow_unused=True)
+            except RuntimeError as e:  # NotImplementedError included
+                reason = str(e).strip().splitlines()[0]
+                if "derivative" in reason:  # not "Could not run ... 'Meta' backend": a kernel without a meta version
+                    raise OpError(reason.rstrip(".")) from None
+        return carried
 
     def describe(self) -> str:
         return self.target.removeprefix("aten.").removesuffix(".default")

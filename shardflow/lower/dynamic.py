@@ -40,7 +40,7 @@ from functools import cached_property
 from typing import Iterable, Mapping
 
 from shardflow.graph.graph import TensorRole
-from shardflow.graph.ops import TensorType, differentiable, torch_dtype
+from shardflow.graph.ops import OpError, TensorType, torch_dtype
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
@@ -519,11 +519,33 @@ class _Graph:
 
 
 def _needs_grad(pcg: PCG) -> set[str]:
-    """PCG tensors whose gradient the step needs: weights and everything computed from them."""
+    """PCG tensors whose gradient the step needs: weights and each output an op computes from them differentiably
+    (:meth:`~shardflow.graph.ops.Op.grad_outputs`: a floating-point output, and not a constant of its inputs such
+    as ``full_like``'s). The backward is planned from this set, so an op autograd cannot differentiate is refused
+    here, before any step runs.
+
+    Raises:
+        PassError: an op on the gradient's path has no derivative; names the op, its module and source line.
+    """
     need = {n for n, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT}
     for n in pcg.nodes:
-        if any(i in need for i in n.inputs) and differentiable(pcg.tensors[n.outputs[0]].type.dtype):
+        mask = tuple(i in need for i in n.inputs)
+        if not any(mask):
+            continue
+        if n.is_parallel:
             need.update(n.outputs)
+            continue
+        try:
+            carried = n.op.grad_outputs(tuple(pcg.tensors[t].type for t in n.inputs), mask)
+        except OpError as e:
+            node = next((m for m in pcg.graph.nodes if m.name == n.name), None)
+            source = f" at {node.source}" if node is not None and node.source else ""
+            raise PassError(
+                f"op {n.name!r} ({n.op.describe()}) in module {n.scope or '<root>'!r}{source} lies on the "
+                f"gradient's path from the loss to the weights, but torch's autograd cannot differentiate it: {e}. "
+                f"Write that line of the model with differentiable ops, or compute it under torch.no_grad() (or "
+                f"from .detach()ed inputs) if no gradient should flow through it") from None
+        need.update(o for o, c in zip(n.outputs, carried) if c)
     return need
 
 
