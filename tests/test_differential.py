@@ -95,10 +95,10 @@ ALL_CASES = CASES + EXTRA + MORE
 def _inputs(case: Case, dtype: torch.dtype) -> list[torch.Tensor]:
     """The case's inputs (``validate.case_values``) in ``dtype``: floating ones cast, given an imaginary part (a
     standard normal) for a complex dtype; integer and bool ones as they are."""
-    gen = torch.Generator().manual_seed(3)
+    gen, values = torch.Generator().manual_seed(3), case_values(case, seed=1)
     out = []
     for s in case.inputs:
-        x = case_values(case, seed=1)[s.name]
+        x = values[s.name]
         if x.is_floating_point():
             x = torch.complex(x, torch.randn(x.shape, generator=gen, dtype=x.dtype)) if dtype.is_complex else x
             x = x.to(dtype)
