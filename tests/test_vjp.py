@@ -58,13 +58,16 @@ def test_every_table_entry_and_function_is_covered():
     assert hand_vjp(O.Dropout(0.1)) is None and hand_vjp(O.Reduce("amax", (1,))) is None
 
 
-def _kernel(local: LocalOp, types, out_types, grad_mask, dy_mask, unscale):
+def _kernel(local: LocalOp, types, out_types, grad_mask, dy_mask, unscale, saved: dict | None = None):
+    """The executor's backward kernel of ``local`` on inputs of ``types``: make_kernel on its Vjp compute. With
+    ``saved`` (the executor's store of recorded forward graphs), an op autograd differentiates reuses the graph its
+    forward recorded there (test_differential's ``_recording_forward``)."""
     ins = tuple(Buffer(f"x{i}", t) for i, t in enumerate(types))
     dys = tuple(Buffer(f"dy{k}", t) for k, t in enumerate(out_types) if dy_mask[k])
     outs = tuple(Buffer(f"g{i}", types[i]) for i, m in enumerate(grad_mask) if m)
     instr = Compute(TaskType.BWD, "op", local.op.kind, ins + dys, outs, "bwd:op",
                     kernel=Vjp(local, None, grad_mask, unscale, dy_mask, tuple(b.type.dtype for b in outs)))
-    return make_kernel(instr, OptimizerConfig(), lambda: 1)
+    return make_kernel(instr, OptimizerConfig(), lambda: 1, saved)
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])

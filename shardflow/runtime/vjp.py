@@ -79,10 +79,12 @@ def _cat(op: O.Cat, xs, dys, need) -> Grads:
 
 
 def _split(op: O.Split, xs, dys, need) -> Grads:
-    x = xs[0]
-    parts = [dy if dy is not None else x.new_zeros(x.shape[:op.dim] + (s,) + x.shape[op.dim + 1:])
+    """The gradients joined, zeros for a missing one (ATen's ``split_with_sizes_backward``, which wraps a negative
+    dim first: ``Split(dim=-1)``'s zeros were shaped on the wrong dim)."""
+    x, d = xs[0], op.dim % xs[0].ndim
+    parts = [dy if dy is not None else x.new_zeros(x.shape[:d] + (s,) + x.shape[d + 1:])
              for dy, s in zip(dys, op.sizes)]
-    return [torch.cat(parts, op.dim)]
+    return [torch.cat(parts, d)]
 
 
 def _pad(op: O.Pad, xs, dys, need) -> Grads:
