@@ -65,12 +65,13 @@ NO_GRADIENT = {
 # ATen ops torch's autograd has no derivative for: the executors cannot differentiate them either (test below).
 NO_AUTOGRAD = {
     "aten.copy.default": "export's functional copy_ (an in-place slice write, x[..., :k] = y): torch has no "
-                         "derivative for aten::copy; capture is to lift it differently (issue #33 item 3)",
+                         "derivative for aten::copy; capture lifts it to an expand and a cast, and planning refuses "
+                         "a generic op without a derivative before step 1 (tests/test_lower.py)",
 }
 # The op classes whose forward must take complex inputs (a rotary embedding written with view_as_complex runs
 # linears, element-wise ops, views and the generic ATen op on complex values); the probe may find more.
 COMPLEX_CLASSES = {O.Linear, O.Matmul, O.Binary, O.Scalar, O.Unary, O.Reshape, O.Permute, O.Expand, O.Slice, O.Split,
-                   O.Cat, O.Pad, O.Cast, O.Reduce, O.Where, O.Aten}
+                   O.Cat, O.Pad, O.Cast, O.Reduce, O.Where, O.ComplexView, O.Aten}
 # (ATen target, layout) that torch's forward refuses, as eager torch refuses the same view of its input.
 LAYOUT_REFUSED = {
     ("aten.view_as_complex.default", "sliced"): "view_as_complex needs the last dim at stride 1",
