@@ -171,12 +171,14 @@ def test_plan_takes_a_factory(capsys):
 ZOO = ROOT / "tests" / "zoo.py"
 
 
-@pytest.mark.parametrize("dtype, tol", [("float64", 1e-9), ("float32", 1e-5)])
-def test_torchtitans_llama3_checks_with_its_complex_rotary_table_kept(capsys, dtype, tol):
-    """torchtitan's Llama 3 (tests/zoo.py) under tp: its rotary table ``freqs_cis`` is a complex64 buffer; in float64
-    it becomes complex128 (``model.to(float64)`` would have dropped its imaginary part: another model on both
-    sides) and the check says so; every gradient agrees, through the complex rotation."""
-    code, out, err = check(capsys, "--model", f"{ZOO}:torchtitan_llama3", "--strategy", "tp", "--steps", "2",
+@pytest.mark.parametrize("dtype, tol, strategy", [("float64", 1e-9, "tp")] + [
+    ("float32", 1e-5, s) for s in ("dp", "fsdp", "tp", "pp", "sp")])
+def test_torchtitans_llama3_checks_with_its_complex_rotary_table_kept(capsys, dtype, tol, strategy):
+    """torchtitan's Llama 3 (tests/zoo.py): its rotary table ``freqs_cis`` is a complex64 buffer; in float64 it
+    becomes complex128 (``model.to(float64)`` would have dropped its imaginary part: another model on both sides)
+    and the check says so; every gradient agrees, through the complex rotation — in float32 within 1e-5 under every
+    preset (float64 under every preset: tests/test_model_matrix.py)."""
+    code, out, err = check(capsys, "--model", f"{ZOO}:torchtitan_llama3", "--strategy", strategy, "--steps", "2",
                            "--dtype", dtype, "--tol", str(tol))
     assert code == 0, out + err
     assert ("freqs_cis: imaginary parts kept" in out.splitlines()[1]) == (dtype == "float64")

@@ -1,9 +1,10 @@
-"""The model matrix: ``shardflow check`` on the tiny models of tests/zoo.py — 19 families nobody wrote for shardflow —
-under dp, fsdp, tp, pp and sp (one process, the local executor, 1 SGD step against eager PyTorch on one device).
+"""The model matrix: ``shardflow check`` on the tiny models of tests/zoo.py — 19 families nobody wrote for
+shardflow — under dp, fsdp, tp, pp and sp (one process, the local executor, 1 SGD step against eager PyTorch on one
+device).
 
 :data:`MATRIX` states the expected outcome of every cell: ``PASS`` (exit 0, every loss, gradient and weight within
-the check's tolerance, 1e-9 in float64) or a refusal (exit 2, one paragraph on stderr holding the stated reason, no traceback). Anything
-else — a traceback, a wrong number, a refusal where a pass is stated or the reverse — fails the cell.
+the check's tolerance, 1e-9 in float64) or a refusal (exit 2, one paragraph on stderr holding the stated reason, no
+traceback). Anything else — a traceback, a wrong number, a refusal where a pass is stated or the reverse — fails the cell.
 docs/models.md's matrix is generated from this table (tests/test_docs.py: models_matrix).
 """
 
@@ -52,3 +53,17 @@ def test_cell(capsys, family, strategy):
         assert code == 2, out + err
         assert err.startswith("shardflow check: error: ") and want in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1, err  # one paragraph
+
+
+@pytest.mark.parametrize("family, strategy", [("deepseek_v3", "tp"), ("mamba2", "pp"), ("falcon", "tp"),
+                                              ("mixtral", "dp")])
+def test_shardflow_train_trains_the_families_fixed_for_issue_33(capsys, corpus, tmp_path, family, strategy):
+    """``shardflow train --model tests/zoo.py:FAMILY`` (the factory given the tokenizer's vocabulary) on a 2-device
+    mesh in this process, 2 steps, with its self-check against one device (``--check``: the run's own tolerance,
+    float32) — the families whose gradients or capture issue #33 fixed, each under a strategy that shards it."""
+    code = main(["train", "--model", f"{ZOO}:{family}", "--data", str(corpus), "--run-dir", str(tmp_path / "run"),
+                 "--steps", "2", "--nproc", "1", "--strategy", strategy, "--mesh", f"{strategy}=2", "--seq-len", "8",
+                 "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--check"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "check against one device: " in out and out.rstrip().endswith("OK"), out

@@ -19,19 +19,23 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
              max_position_embeddings=64, use_cache=False)
 
 
-def _tokens(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+def _tokens(seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _causal(make) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+def _causal(make, vocab_size: int) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A causal LM (``make(vocab_size)``) and its batch, the labels being the tokens (the model shifts them)."""
     torch.manual_seed(0)
-    ids = _tokens()
-    return make(), {"input_ids": ids, "labels": ids}
+    ids = _tokens(vocab=vocab_size)
+    return make(vocab_size), {"input_ids": ids, "labels": ids}
 
 
 def _hf(cls: str, config: str, **kw):
+    """``make(vocab_size)`` of Hugging Face's ``cls`` from ``config(**kw)``; ``shardflow train --model`` passes its
+    tokenizer's vocabulary size to a factory that takes ``vocab_size``."""
     import transformers
-    return lambda: getattr(transformers, cls)(getattr(transformers, config)(**kw))
+    return lambda vocab_size=VOCAB: getattr(transformers, cls)(getattr(transformers, config)(
+        **{**kw, "vocab_size": vocab_size}))
 
 
 # --- torchtitan's Llama 3, as its models/llama3 writes it: the rotary table a complex64 buffer (torch.polar),
@@ -106,81 +110,84 @@ class TitanLlama3(nn.Module):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(0, 1))
 
 
-def torchtitan_llama3():
+def torchtitan_llama3(vocab_size: int = VOCAB):
     torch.manual_seed(0)
-    ids = _tokens()
-    return TitanLlama3(), {"tokens": ids, "labels": ids}
+    ids = _tokens(vocab=vocab_size)
+    return TitanLlama3(vocab_size), {"tokens": ids, "labels": ids}
 
 
 # --- Hugging Face families ------------------------------------------------------------------------------------
-def llama():
-    return _causal(_hf("LlamaForCausalLM", "LlamaConfig", **SIZES, num_key_value_heads=2))
+def llama(vocab_size: int = VOCAB):
+    return _causal(_hf("LlamaForCausalLM", "LlamaConfig", **SIZES, num_key_value_heads=2), vocab_size)
 
 
-def gpt2():
+def gpt2(vocab_size: int = VOCAB):
     return _causal(_hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
-                       n_positions=64, use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+                       n_positions=64, use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), vocab_size)
 
 
-def qwen3():
-    return _causal(_hf("Qwen3ForCausalLM", "Qwen3Config", **SIZES, num_key_value_heads=2, head_dim=16))
+def qwen3(vocab_size: int = VOCAB):
+    return _causal(_hf("Qwen3ForCausalLM", "Qwen3Config", **SIZES, num_key_value_heads=2, head_dim=16), vocab_size)
 
 
-def gemma2():
-    return _causal(_hf("Gemma2ForCausalLM", "Gemma2Config", **SIZES, num_key_value_heads=2, head_dim=16))
+def gemma2(vocab_size: int = VOCAB):
+    return _causal(_hf("Gemma2ForCausalLM", "Gemma2Config", **SIZES, num_key_value_heads=2, head_dim=16), vocab_size)
 
 
-def gemma3():
-    return _causal(_hf("Gemma3ForCausalLM", "Gemma3TextConfig", **SIZES, num_key_value_heads=2, head_dim=16))
+def gemma3(vocab_size: int = VOCAB):
+    return _causal(_hf("Gemma3ForCausalLM", "Gemma3TextConfig", **SIZES, num_key_value_heads=2, head_dim=16),
+                   vocab_size)
 
 
-def phi3():
-    return _causal(_hf("Phi3ForCausalLM", "Phi3Config", **SIZES, num_key_value_heads=2, pad_token_id=0))
+def phi3(vocab_size: int = VOCAB):
+    return _causal(_hf("Phi3ForCausalLM", "Phi3Config", **SIZES, num_key_value_heads=2, pad_token_id=0), vocab_size)
 
 
-def olmo2():
-    return _causal(_hf("Olmo2ForCausalLM", "Olmo2Config", **SIZES, num_key_value_heads=2))
+def olmo2(vocab_size: int = VOCAB):
+    return _causal(_hf("Olmo2ForCausalLM", "Olmo2Config", **SIZES, num_key_value_heads=2), vocab_size)
 
 
-def gpt_neox():
-    return _causal(_hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **SIZES, hidden_dropout=0.0, attention_dropout=0.0))
+def gpt_neox(vocab_size: int = VOCAB):
+    return _causal(_hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **SIZES, hidden_dropout=0.0, attention_dropout=0.0),
+                   vocab_size)
 
 
-def stablelm():
-    return _causal(_hf("StableLmForCausalLM", "StableLmConfig", **SIZES, num_key_value_heads=2))
+def stablelm(vocab_size: int = VOCAB):
+    return _causal(_hf("StableLmForCausalLM", "StableLmConfig", **SIZES, num_key_value_heads=2), vocab_size)
 
 
-def falcon():
+def falcon(vocab_size: int = VOCAB):
     return _causal(_hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
                        num_attention_heads=4, multi_query=True, new_decoder_architecture=False, use_cache=False,
-                       hidden_dropout=0.0, attention_dropout=0.0))
+                       hidden_dropout=0.0, attention_dropout=0.0), vocab_size)
 
 
-def mixtral():
+def mixtral(vocab_size: int = VOCAB):
     return _causal(_hf("MixtralForCausalLM", "MixtralConfig", **SIZES, num_key_value_heads=2, num_local_experts=4,
-                       num_experts_per_tok=2))
+                       num_experts_per_tok=2), vocab_size)
 
 
-def qwen3_moe():
+def qwen3_moe(vocab_size: int = VOCAB):
     return _causal(_hf("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **SIZES, num_key_value_heads=2, num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16))
+                       num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16), vocab_size)
 
 
-def deepseek_v3():
+def deepseek_v3(vocab_size: int = VOCAB):
     return _causal(_hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **SIZES, num_key_value_heads=4,
                        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                       qk_nope_head_dim=8, v_head_dim=16))
+                       qk_nope_head_dim=8, v_head_dim=16), vocab_size)
 
 
-def mamba():
+def mamba(vocab_size: int = VOCAB):
     return _causal(_hf("MambaForCausalLM", "MambaConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                       state_size=8, use_cache=False))
+                       state_size=8, use_cache=False), vocab_size)
 
 
-def mamba2():
+def mamba2(vocab_size: int = VOCAB):
     return _causal(_hf("Mamba2ForCausalLM", "Mamba2Config", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                       num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2, chunk_size=8, use_cache=False))
+                       num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2, chunk_size=8, use_cache=False),
+                   vocab_size)
 
 
 def roberta():
