@@ -67,3 +67,17 @@ def test_shardflow_train_trains_the_families_fixed_for_issue_33(capsys, corpus, 
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "check against one device: " in out and out.rstrip().endswith("OK"), out
+
+
+@pytest.mark.parametrize("family", list(MATRIX))
+def test_plan_proves_or_refuses_as_check_does(capsys, family):
+    """``shardflow plan --model tests/zoo.py:FAMILY --strategy tp --nproc 2``: the per-rank programs, proven to agree
+    (the listing's last line), where the tp cell of :data:`MATRIX` passes; the same one-paragraph refusal where it
+    is refused — never a traceback."""
+    code = main(["plan", "--model", f"{ZOO}:{family}", "--strategy", "tp", "--nproc", "2"])
+    out, err = capsys.readouterr()
+    want = MATRIX[family]["tp"]
+    if want == PASS:
+        assert code == 0 and out.rstrip().splitlines()[-1].startswith("# verified: 2 ranks"), out + err
+    else:
+        assert code == 2 and err.startswith("shardflow plan: error: ") and want in err, err
