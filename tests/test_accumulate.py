@@ -25,9 +25,10 @@ B = 8
 
 
 def micro_steps(mesh_text: str, strategy: str, count: int, optimizer: str = "sgd", bucket_bytes: int | None = None,
-                **kw):
-    """Each distinct micro-step of ``count`` lowered (proven) for the MLP on a micro-batch of B/count rows."""
-    graph = mlp(pre=True, B=B // count)
+                dtype: str = "float32", **kw):
+    """Each distinct micro-step of ``count`` lowered (proven) for the MLP (in ``dtype``) on a micro-batch of B/count
+    rows."""
+    graph = mlp(pre=True, B=B // count, dtype=dtype)
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
     options = LowerOptions() if bucket_bytes is None else LowerOptions(bucket_bytes=bucket_bytes)
@@ -85,13 +86,15 @@ def test_sums_live_from_one_micro_step_to_the_next():
 def test_micro_steps_equal_one_device_on_the_whole_batch(mesh, strategy):
     """3 optimizer steps of AdamW, each as 4 micro-steps of 2 rows on the sharded mesh, against one device on the
     whole batch of 8: the mean loss of each step, the gradients the updates used and every replica of every weight
-    piece agree. float32 on both sides, partial sums added in another order: ~1e-6; 1e-5 still catches a missing
-    1/N (O(1) in the gradients) or a micro-step left out."""
-    whole = mlp(pre=True, B=B)
-    _, steps = micro_steps(mesh, strategy, 4, "adamw", grad_norm=True)
+    piece agree. float64 on both sides, partial sums added in another order: AdamW's first update of an element,
+    lr·g/(|g| + eps), turns a rounding error δ of a near-zero gradient (tanh saturates: some are 1e-19) into up to
+    lr·δ/eps = 1e6·δ — in float32 (δ ~ 1e-6) 8e-5 on this project's machine, so float64 (δ ~ 1e-17); 1e-9 still
+    catches a missing 1/N (O(1) in the gradients) or a micro-step left out."""
+    whole = mlp(pre=True, B=B, dtype="float64")
+    _, steps = micro_steps(mesh, strategy, 4, "adamw", dtype="float64", grad_norm=True)
     opt = OptimizerConfig("adamw", lr=1e-2)
     torch.manual_seed(0)
-    weights = {w: torch.randn(whole.tensors[w].shape) for w in whole.weights}
+    weights = {w: torch.randn(whole.tensors[w].shape, dtype=torch.float64) for w in whole.weights}
     ref = LocalExecutor(lower_step(build_pcg(whole, Mesh.parse("d=1")), "adamw", grad_norm=True), opt)
     ref.load(weights)
     *others, last = steps.values()
@@ -100,11 +103,11 @@ def test_micro_steps_equal_one_device_on_the_whole_batch(mesh, strategy):
     run = MicroSteps([first, middle, middle, last])
     last.load(weights)
     for _ in range(3):
-        batch = {"x": torch.randn(B, 16), "y": torch.randint(0, 16, (B,))}
-        assert run.step(batch) == pytest.approx(ref.step(batch), abs=1e-5)
-        assert last.grad_error(ref.grads()) < 1e-5
-        assert last.grad_norm == pytest.approx(ref.grad_norm, rel=1e-5)
-    assert last.steps_done == 3 and last.weight_error(ref.weights()) < 1e-5
+        batch = {"x": torch.randn(B, 16, dtype=torch.float64), "y": torch.randint(0, 16, (B,))}
+        assert run.step(batch) == pytest.approx(ref.step(batch), abs=1e-9)
+        assert last.grad_error(ref.grads()) < 1e-9
+        assert last.grad_norm == pytest.approx(ref.grad_norm, rel=1e-9)
+    assert last.steps_done == 3 and last.weight_error(ref.weights()) < 1e-9
 
 
 def test_a_weight_gathered_before_use_sums_the_gathered_gradient():

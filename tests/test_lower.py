@@ -26,12 +26,13 @@ from shardflow.parallel.sharding import Sharding
 from dataclasses import replace
 
 
-def mlp(pre: bool = False, B=8, D=16, H=64):
-    """x [B, D] → (optionally tanh(x·2) so x's consumer needs a gradient) → fc1 [H] → gelu → fc2 [D] → loss."""
+def mlp(pre: bool = False, B=8, D=16, H=64, dtype: str = "float32"):
+    """x [B, D] → (optionally tanh(x·2) so x's consumer needs a gradient) → fc1 [H] → gelu → fc2 [D] → loss; the
+    input and every weight in ``dtype``."""
     b = GraphBuilder()
-    x, y = b.input("x", (B, D)), b.input("y", (B,), "int64")
+    x, y = b.input("x", (B, D), dtype), b.input("y", (B,), "int64")
     if pre:
-        w = b.weight("scale", (D,))
+        w = b.weight("scale", (D,), dtype)
         x = b.tanh(b.mul(x, w))
     h = b.gelu(b.dense(x, H, name="fc1"))
     loss = b.cross_entropy(b.dense(h, D, name="fc2"), y)
