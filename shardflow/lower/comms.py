@@ -61,6 +61,8 @@ class CommSpec:
     receives with ``dim`` moved to the front (:func:`front_dim`). ``sent(piece_bytes, d, is_root)``: the
     bandwidth-optimal bytes one rank of a ``d``-member communication sends (``piece_bytes``: its send piece;
     for an all-gather the piece it contributes). ``local``: the one-process implementation (:func:`run_local`).
+    ``priced_as``: the cost model's kind of call (:data:`~shardflow.lower.calibration.COST_KINDS`): send, recv and
+    a permute step are ``p2p``, a collective is its own.
     ``distributed``: this rank's side on torch.distributed, registered by :mod:`shardflow.runtime.comms`."""
 
     kind: CommKind
@@ -71,6 +73,10 @@ class CommSpec:
     point_to_point: bool = False
     dim_first: bool = False
     distributed: Callable | None = None
+
+    @property
+    def priced_as(self) -> str:
+        return "p2p" if self.point_to_point else self.kind.value
 
 
 # --- local implementations: every member's buffers in one process -----------------------------------------
