@@ -93,8 +93,8 @@ def _d(c: Comm) -> str:
 def _what(c: Comm) -> str:
     """What the holders of a token must agree on (:meth:`Comm.signature`), in words."""
     return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}" + (
-        f" root={c.root}" if c.root is not None else "") + (f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "") + (
-        f" of {c.value}" if c.value else "") + (f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
+        f" root={c.root}" if c.root is not None else "") + (
+        f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "") + (f" of {c.value}" if c.value else "") + (f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
 
 
 def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[str]:
@@ -155,8 +155,10 @@ def _check_tokens(programs: Mapping[int, Program]) -> list[str]:
         held = dict(hs)
         for m in sorted({m for _, c in hs for m in c.members} - held.keys()):
             r, c = next((r, c) for r, c in hs if m in c.members)
-            out.append(f"rank {r} sends token {t} to rank {m}, which has no matching recv" if c.kind == CommKind.SEND else
-                       f"rank {r} receives token {t} from rank {m}, which has no matching send" if c.kind == CommKind.RECV
+            out.append(f"rank {r} sends token {t} to rank {m}, which has no matching recv"
+                       if c.kind == CommKind.SEND else
+                       f"rank {r} receives token {t} from rank {m}, which has no matching send"
+                       if c.kind == CommKind.RECV
                        else f"rank {m} is a member of {_d(c)} over {list(c.members)} on rank {r} but lacks it")
         for r, c in hs:
             to = held.get(c.peer) if c.kind == CommKind.PERMUTE else None

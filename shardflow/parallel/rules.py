@@ -201,7 +201,8 @@ def rule_unary(ctx: Ctx) -> RuleResult:
     linear = fn in O.LINEAR_UNARY or (
         isinstance(op, O.Cast) and _is_float(ctx.out_types[0])  # int → float is exact, float → int truncates
         and (_is_float(ctx.types[0]) or s.reduce_op == ReduceOp.SUM))  # an integer average is no integer
-    if s.partial and reduce_op in (ReduceOp.MAX, ReduceOp.MIN) and fn in O.NON_DECREASING_UNARY | O.NON_INCREASING_UNARY:
+    monotone = fn in O.NON_DECREASING_UNARY | O.NON_INCREASING_UNARY
+    if s.partial and reduce_op in (ReduceOp.MAX, ReduceOp.MIN) and monotone:
         if fn in O.NON_INCREASING_UNARY:
             reduce_op = ReduceOp.MIN if reduce_op == ReduceOp.MAX else ReduceOp.MAX
     elif linear:

@@ -53,7 +53,8 @@ def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) 
             r = torch.randn((p.sum_degree,) + blocks_[d].shape, generator=gen, dtype=torch.float64)
             noise[key] = r.to(full.dtype)
         r = noise[key]
-        if p.reduce_op == ReduceOp.SUM and not full.dtype.is_floating_point:  # integers: exact pieces summing to the block
+        # integers: exact pieces summing to the block
+        if p.reduce_op == ReduceOp.SUM and not full.dtype.is_floating_point:
             r = r.round()
             piece = blocks_[d] - r[1:].sum(0) if c.sum == 0 else r[c.sum]
         elif p.reduce_op == ReduceOp.SUM:
