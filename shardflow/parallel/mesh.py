@@ -45,6 +45,8 @@ class ReduceOp(StrEnum):
     @classmethod
     def parse(cls, value: str, where: str, error: type[ValueError] = ValueError) -> ReduceOp:
         """``value`` as a reduce op; raises ``error`` naming ``where`` when it is none."""
+        if isinstance(value, cls):  # the planner's own: no lookup (Shardings are built by the thousand)
+            return value
         try:
             return cls(value)
         except ValueError:
