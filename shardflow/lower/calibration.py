@@ -27,14 +27,8 @@ WORLD = "world"  # the group key of a calibration taken over every rank (no mesh
 BACKENDS = ("gloo", "nccl")
 # The kinds of call the cost model prices: ``p2p`` = one collective-permute step (send and recv at once, the ring's
 # step), the others the collectives of the same names.
+# A communication kind's is its entry's ``priced_as`` (:class:`~shardflow.lower.comms.CommSpec`).
 COST_KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
-_COMM_TO_COST = {"send": "p2p", "recv": "p2p", "permute": "p2p"}
-
-
-def cost_kind(comm_kind: str) -> str:
-    """The cost model's kind of a communication kind (:class:`~shardflow.lower.comms.CommKind`): send, recv and
-    permute are ``p2p``; a collective is its own."""
-    return _COMM_TO_COST.get(comm_kind, comm_kind)
 
 
 class CalibrationError(ValueError):

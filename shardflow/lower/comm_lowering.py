@@ -23,14 +23,14 @@ from typing import Mapping
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
-from shardflow.lower.comms import CommKind, ReduceOp, wire_bytes
+from shardflow.lower.comms import CommKind, wire_bytes
 from shardflow.lower.cost import CommForm, LowerOptions
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, block_of,
                                      forward_id, require)
 from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
 from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
                                              in_group, kernel, piece, steps)
-from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.mesh import ReduceOp, SubMesh
 
 @dataclass(frozen=True)
 class Decisions:

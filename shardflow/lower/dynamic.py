@@ -41,7 +41,7 @@ from typing import Iterable, Mapping
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import OpError, TensorType, torch_dtype
-from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.ops import Combine, ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
 from shardflow.parallel.sharding import Sharding
@@ -739,7 +739,7 @@ def _expand(pcg: PCG, optimizer: UpdateRule | str, training: bool, clip_norm: fl
     need = _needs_grad(pcg)
     for t in sorted(need):
         s = pcg.tensors[t].sharding
-        if s.partial and s.reduce_op != "sum":
+        if s.partial and s.reduce_op != ReduceOp.SUM:
             raise PassError(
                 f"tensor {t!r} needs a gradient but holds Partial({s.reduce_op!r}) pieces on mesh axes "
                 f"{list(s.partial)}: only Partial('sum') is differentiated piece by piece. Reduce it first "
