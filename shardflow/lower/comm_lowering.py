@@ -77,7 +77,8 @@ class Decisions:
         return {st.nodes[0].name: k for k, b in enumerate(self.scatters) for st in b}
 
 
-def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> Decisions:
+def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> Decisions:
+    """The :class:`Decisions` communication lowering takes for the steps ``all_steps`` of ``dg`` under ``options``."""
     forms: dict[str, CommForm] = {}
     fused: dict[str, tuple[DNode, ...]] = {}
     leaves = {forward_id(n) for n, t in dg.pcg.tensors.items() if t.role != TensorRole.ACTIVATION}
@@ -248,7 +249,7 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
     ``options``: the forms of all-gathers and reduce-scatters and the gradient bucket size (default: plain
     collectives, default buckets). Raises PassError if shard expansion has not run or this pass has."""
     require(sg.done, PassName.COMM_LOWERING, (PassName.SHARD_EXPANSION,))
-    plan = _decide(sg.dg, options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE), list(sg.steps))
+    plan = decide(sg.dg, options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE), list(sg.steps))
     suppressed = plan.suppressed
     instrs, deferred = {}, {}
     for r in sg.ranks:
@@ -277,11 +278,12 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
             now.append(tuple(mine))
             later.append(tuple(after))
         instrs[r], deferred[r] = tuple(now), tuple(later)
-    out = dataclasses.replace(sg, instrs=instrs, deferred=deferred, decisions=plan,
+    tokens = tuple(instances(st, plan) for st in sg.steps)
+    out = dataclasses.replace(sg, instrs=instrs, deferred=deferred, tokens=tokens,
                               done=sg.done + (PassName.COMM_LOWERING,))
     for r in sg.ranks:  # after: every token within its step's count
         for k, st in enumerate(sg.steps):
-            n = instances(st, plan)
+            n = tokens[k]
             bad = [i for i in instrs[r][k] + deferred[r][k] if isinstance(i, (Comm, Wait)) and not 0 <= i.token < n]
             if bad:
                 raise PassError(f"communication lowering: rank {r} step {k} ({st.kind}) has token {bad[0].token} "

@@ -16,7 +16,7 @@ import dataclasses
 from itertools import accumulate
 
 from shardflow.graph import ops as O
-from shardflow.lower.comm_lowering import instances, process_groups
+from shardflow.lower.comm_lowering import process_groups
 from shardflow.lower.comms import CommKind
 from shardflow.lower.dynamic import PassError, PassName, TaskType, require
 from shardflow.lower.program import Comm, Compute, Free, Instr, Program, Vjp, Wait, reads, writes
@@ -30,7 +30,7 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
     travel while each stage works on other microbatches (:func:`overlap_transfers`). Raises PassError if communication lowering has not run, or if a rank's tokens
     would not increase."""
     require(sg.done, PassName.ORDERING, (PassName.COMM_LOWERING,))
-    base = [0, *accumulate(instances(st, sg.decisions) for st in sg.steps)]
+    base = [0, *accumulate(sg.tokens)]
     dg = sg.dg
     placed, keep, groups = dg.placed(), dg.persistent(), tuple(process_groups(dg))
     programs = {}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.comms import CommKind, wire_bytes
@@ -27,10 +27,6 @@ from shardflow.lower.program import (Block, Buffer, Compute, Convert, Forward, I
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition, Replicate
 from shardflow.parallel.sharding import Sharding
-
-if TYPE_CHECKING:  # comm lowering fills it; importing it here would be circular
-    from shardflow.lower.comm_lowering import Decisions
-
 
 
 class LocalKind(StrEnum):
@@ -170,15 +166,16 @@ class ShardedGraph:
     """The step after shard expansion, for the lowered ``ranks``: the dynamic graph grouped into ``steps``,
     and per rank, per step, the instructions it runs (``instrs``). Communication lowering fills the
     communication steps — ``deferred``: per rank, per step, instructions that wait until something reads what
-    they fill (a gradient bucket's Wait and unpack) — with tokens relative to the step and its ``decisions``;
-    ordering numbers the tokens globally and makes the ``programs``. ``done``: the passes applied so far."""
+    they fill (a gradient bucket's Wait and unpack) — with tokens relative to the step, and ``tokens``: per step,
+    how many communications (tokens) it makes; ordering numbers the tokens globally and makes the ``programs``.
+    ``done``: the passes applied so far."""
 
     dg: DynamicGraph
     ranks: tuple[int, ...]
     steps: tuple[Step, ...]
     instrs: Mapping[int, tuple[tuple[Instr, ...], ...]]
     deferred: Mapping[int, tuple[tuple[Instr, ...], ...]] = field(default_factory=dict)
-    decisions: Decisions | None = None
+    tokens: tuple[int, ...] = ()
     programs: Mapping[int, Program] | None = None
     done: tuple[str, ...] = ()
 
