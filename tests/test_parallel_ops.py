@@ -250,7 +250,7 @@ def test_redistribute_cuts_the_pieces_before_it_sums_them():
         Reduction(2, "dp"), Reduction(3, "fsdp")]
     # bytes one device sends for a float32[6, 4] (N = 96 bytes): the reduce-scatter's (F−1)/F·N = 64, then
     # 2(D−1)/D of the N/F piece = 32 (summing first would send N + 64 = 160)
-    from shardflow.lower.shard_expansion import redistribution_cost
+    from shardflow.parallel.collectives import redistribution_cost
     src = _s(Partial(), Partial(), g=g)
     ops = redistribute(src, _s(Replicate(), Shard(0), g=g), g)
     assert redistribution_cost(ops, src, g, TensorType((6, 4), "float32")) == (64 + 32, 2)

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from shardflow.cli import main
 from shardflow.graph import GraphBuilder
 from shardflow.graph.ops import Op, OpError, TensorType
-from shardflow.lower.shard_expansion import redistribution_cost
 from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh, parse_placement
 from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition, redistribute
 from shardflow.parallel.pcg import Annotations, build_pcg, placements_text

@@ -32,7 +32,7 @@ _COMM_TO_COST = {"send": "p2p", "recv": "p2p", "permute": "p2p"}
 
 
 def cost_kind(comm_kind: str) -> str:
-    """The cost model's kind of a communication kind (:class:`~shardflow.lower.comms.CommKind`): send, recv and
+    """The cost model's kind of a communication kind (:class:`~shardflow.parallel.collectives.CommKind`): send, recv and
     permute are ``p2p``; a collective is its own."""
     return _COMM_TO_COST.get(comm_kind, comm_kind)
 
@@ -49,7 +49,7 @@ class CalibrationWarning(UserWarning):
 @dataclass(frozen=True, slots=True)
 class KindCost:
     """One kind of call on one group: ``alpha_s`` seconds per call (≥ 0) and ``bandwidth`` bytes/s (> 0) of what one
-    rank sends (:func:`~shardflow.lower.comms.wire_bytes`)."""
+    rank sends (:func:`~shardflow.parallel.collectives.wire_bytes`)."""
 
     alpha_s: float
     bandwidth: float

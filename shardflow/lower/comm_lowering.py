@@ -9,7 +9,7 @@ source and destination device coincide moves nowhere). All-gathers and reduce-sc
 rings of collective-permutes (all-gathers also as broadcast loops), chosen by the cost model
 (:class:`~shardflow.lower.cost.LowerOptions`); final gradient all-reduces are packed into buckets, and the
 all-gathers of one block's weights (FSDP) into one all-gather per block and pass.
-``nbytes`` is what one rank puts on the wire (:func:`~shardflow.lower.comms.wire_bytes`, the one byte
+``nbytes`` is what one rank puts on the wire (:func:`~shardflow.parallel.collectives.wire_bytes`, the one byte
 formula of every communication kind). Tokens are relative to their step here; ordering makes them global.
 """
 
@@ -23,13 +23,14 @@ from typing import Mapping
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
-from shardflow.lower.comms import CommKind, ReduceOp, wire_bytes
+from shardflow.lower.comms import ReduceOp
 from shardflow.lower.cost import CommForm, LowerOptions
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, block_of,
                                      forward_id, require)
 from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
 from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
                                              in_group, kernel, piece, steps)
+from shardflow.parallel.collectives import CommKind, wire_bytes
 from shardflow.parallel.mesh import SubMesh
 
 @dataclass(frozen=True)

@@ -1,18 +1,12 @@
-"""Communication kinds, each defined once: bytes on the wire, the verifier's view, the local implementation
-and the torch.distributed implementation.
+"""Communication kinds (:class:`~shardflow.parallel.collectives.CommKind`, their bytes on the wire:
+:func:`~shardflow.parallel.collectives.wire_bytes`), each implemented once here: the verifier's view, the local
+implementation and the torch.distributed implementation.
 
-Lowering asks :func:`wire_bytes` what a :class:`~shardflow.lower.program.Comm` costs; the verifier asks
-:data:`FIELDS` which of ``peer``/``peer_from``/``root`` it uses; the local executor runs :func:`run_local`
-(every member's buffers in one process), the distributed executor and the benchmarks :func:`issue`
-(this rank's side on torch.distributed); the bytes report and the benchmarks use :func:`wire_bytes` and
-:func:`bound_bytes`. A new kind is added here and nowhere else.
-
-Bytes: what one rank sends per call. The bandwidth-optimal bound (Patarasuk & Yuan, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations", JPDC 2009): (d−1)/d·N for all-gather (N = the gathered
-bytes), reduce-scatter and all-to-all (N = the input piece), 2(d−1)/d·N for all-reduce; a send or one
-collective-permute step moves its piece; a broadcast root sends N once; a reduce (d−1)/d·N. Every kind
-below is implemented with a call whose ring algorithm meets the bound, so the wire bytes *are* the bound
-(gloo's reduce-scatter included: ``reduce_scatter_single``, not an all-reduce underneath).
+The verifier asks :data:`FIELDS` which of ``peer``/``peer_from``/``root`` a
+:class:`~shardflow.lower.program.Comm` uses; the local executor runs :func:`run_local` (every member's buffers in one
+process), the distributed executor and the benchmarks :func:`issue` (this rank's side on torch.distributed). Every
+kind is implemented with a call whose ring algorithm meets the bandwidth-optimal bound, so the wire bytes *are* the
+bound (gloo's reduce-scatter included: ``reduce_scatter_single``, not an all-reduce underneath).
 """
 
 from __future__ import annotations
@@ -27,21 +21,6 @@ from shardflow.graph.ops import torch_dtype
 from shardflow.lower.program import Comm
 
 
-class CommKind(StrEnum):
-    """The kinds of :class:`~shardflow.lower.program.Comm`. ``send``/``recv`` are the two ends of one
-    point-to-point transfer (family ``p2p``); ``permute`` is one step of a collective-permute ring."""
-
-    SEND = "send"
-    RECV = "recv"
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    BROADCAST = "broadcast"
-    REDUCE = "reduce"
-    PERMUTE = "permute"
-
-
 class ReduceOp(StrEnum):
     """How partial pieces combine (DTensor's ``Partial(reduce_op)``)."""
 
@@ -54,30 +33,6 @@ class ReduceOp(StrEnum):
 # Which of peer / peer_from / root each family uses (each must name a member); the others stay None.
 FIELDS: dict[str, tuple[str, ...]] = {"p2p": ("peer",), "permute": ("peer", "peer_from"), "broadcast": ("root",),
                                       "reduce": ("root",)}
-
-
-def bound_bytes(kind: str, piece_bytes: int, d: int, is_root: bool = False) -> int:
-    """Bandwidth-optimal bytes one rank of a ``d``-member communication sends; ``piece_bytes``: the rank's
-    send piece (for all-gather the piece it contributes)."""
-    if d <= 1 and kind not in ("send", "permute"):
-        return 0
-    if kind == "all_gather":
-        return (d - 1) * piece_bytes
-    if kind in ("reduce_scatter", "all_to_all", "reduce"):
-        return piece_bytes * (d - 1) // d
-    if kind == "all_reduce":
-        return 2 * piece_bytes * (d - 1) // d
-    if kind in ("send", "permute"):
-        return piece_bytes
-    if kind == "broadcast":
-        return piece_bytes if is_root else 0
-    return 0  # recv: the sender counts the bytes
-
-
-def wire_bytes(kind: str, piece_bytes: int, d: int, is_root: bool = False) -> int:
-    """Bytes one rank puts on the wire with shardflow's implementation of ``kind`` (:func:`issue`): every
-    implementation is a ring-algorithm call, so this is :func:`bound_bytes`."""
-    return bound_bytes(kind, piece_bytes, d, is_root)
 
 
 # --- local implementation: every member's buffers in one process ---------------------------------------

@@ -107,7 +107,7 @@ class CostModel:
 
     def call_s(self, kind: str, nbytes: int, axis: str | None = None) -> float:
         """Seconds for one call of cost kind ``kind`` (:data:`~shardflow.lower.calibration.COST_KINDS`) in which
-        this rank sends ``nbytes`` (:func:`~shardflow.lower.comms.wire_bytes`): α + bytes / bandwidth."""
+        this rank sends ``nbytes`` (:func:`~shardflow.parallel.collectives.wire_bytes`): α + bytes / bandwidth."""
         return self.alpha(kind, axis) + nbytes / self.bw(kind, axis)
 
     def all_gather_s(self, form: CommForm, chunk_bytes: int, d: int, axis: str | None = None) -> float:

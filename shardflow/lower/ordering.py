@@ -17,10 +17,10 @@ from itertools import accumulate
 
 from shardflow.graph import ops as O
 from shardflow.lower.comm_lowering import process_groups
-from shardflow.lower.comms import CommKind
 from shardflow.lower.dynamic import PassError, PassName, TaskType, require
 from shardflow.lower.program import Comm, Compute, Free, Instr, Program, Vjp, Wait, reads, writes
 from shardflow.lower.shard_expansion import ShardedGraph, in_group, piece
+from shardflow.parallel.collectives import CommKind
 
 
 def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:

@@ -9,9 +9,10 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from typing import Iterator, Mapping
 
-from shardflow.lower.comms import FIELDS, CommKind
+from shardflow.lower.comms import FIELDS
 from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait, reads, writes
 from shardflow.lower.rendezvous import rendezvous
+from shardflow.parallel.collectives import CommKind
 
 SHOWN = 5  # problems quoted in the error message; all are in ``problems``
 

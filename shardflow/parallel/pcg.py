@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.graph.ops import Binary, Dropout, Op, TensorType, Where
 from shardflow.graph.rng import DrawSite, PieceSite
+from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
 from shardflow.parallel.rules import (LocalOp, RuleError, RuleResult, align_operands, propagate, rule_for,
@@ -267,7 +268,6 @@ class _Builder:
         t = self.tensors[src]
         if t.sharding == want or (src, want, t.group) in self.cache:
             return 0, 0
-        from shardflow.lower.shard_expansion import redistribution_cost  # shardflow.lower imports this module
         return redistribution_cost(redistribute(t.sharding, want, t.group), t.sharding, t.group, t.type)
 
     def candidates(self, src: str, replicated: bool) -> list[tuple[int, int, Sharding]]:
