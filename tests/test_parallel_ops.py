@@ -1,4 +1,5 @@
-"""The four parallel operators: degree rules, axis rules, duality and redistribution (design §3)."""
+"""The four parallel operators: degree rules, axis rules, duality and redistribution
+(docs/concepts.md#3-parallel-operators)."""
 
 from __future__ import annotations
 
@@ -193,10 +194,10 @@ def test_replicate_grows_the_group():
 
 
 def test_parallel_op_table():
-    """Each parallel op's data movement comes from the one lowering table (design §3): alone, a Repartition is
-    a local split, a Combine an all-gather, a Reduction an all-reduce; a Replicate broadcasts forward and
-    reduces backward; fused with a following Repartition, Reduction and Combine become reduce-scatter and
-    all-to-all."""
+    """Each parallel op's data movement comes from the one lowering table
+    (docs/lowering.md#4-communication-lowering): alone, a Repartition is a local split, a Combine an all-gather, a
+    Reduction an all-reduce; a Replicate broadcasts forward and reduces backward; fused with a following Repartition,
+    Reduction and Combine become reduce-scatter and all-to-all."""
     from shardflow.lower.dynamic import TaskType
     from shardflow.lower.shard_expansion import LOWERING
     assert set(P.PARALLEL_OPS) == {"repartition", "combine", "replicate", "reduction"}

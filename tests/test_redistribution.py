@@ -1,6 +1,6 @@
-"""Planning never stops at a refusal (design §4, issue #12): where a rule refuses its inputs, ``build_pcg`` inserts
-the cheapest redistribution the rule accepts, lists it on the PCG, and the plan trains exactly like one device;
-``strict=True`` (``--strict``) refuses as before.
+"""Planning never stops at a refusal (docs/concepts.md#4-sharding-rules-and-partial-sums, issue #12): where a rule
+refuses its inputs, ``build_pcg`` inserts the cheapest redistribution the rule accepts, lists it on the PCG, and the
+plan trains exactly like one device; ``strict=True`` (``--strict``) refuses as before.
 
 The DTensor cases (DTENSOR_CASES), each on ``tp=2`` in float64 with its inputs placed by ``Annotations``:
 

@@ -1,4 +1,5 @@
-"""Communication lowering (design §6): the communication steps of a sharded graph → communications.
+"""Communication lowering (docs/lowering.md#4-communication-lowering): the communication steps of a sharded graph →
+communications.
 
 From the one table :data:`~shardflow.lower.shard_expansion.LOWERING`: along the mesh axis a parallel op acts
 on, every group of devices that differ only in that axis runs one collective — Reduction → all-reduce;

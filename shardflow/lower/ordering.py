@@ -1,4 +1,4 @@
-"""Ordering (design §6, "Order"): one global order of every communication, and the per-rank programs.
+"""Ordering (docs/lowering.md#5-ordering-tokens): one global order of every communication, and the per-rank programs.
 
 Every communication instance gets a token, its position in one global order: the steps' order (the
 dynamic graph's node order), then the order within the step (group, ring step). Token numbers are

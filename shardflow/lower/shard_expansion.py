@@ -1,4 +1,5 @@
-"""Shard expansion (design §5): the dynamic graph → one invocation per device of each local step.
+"""Shard expansion (docs/lowering.md#3-shard-expansion-shardflowlowershard_expansion): the dynamic graph → one
+invocation per device of each local step.
 
 The dynamic graph is grouped into lowering **steps**: one node, or a Reduction/Combine fused with the
 Repartition after it on the same axis (a reduce-scatter, an all-to-all). A step is *local* — a compute op,
@@ -6,7 +7,7 @@ gradient sum, loss seed, update, gradient-norm sum, Replicate's backward keeping
 Repartition of replicas (each device keeps its block), or any parallel op along an axis of one device (an
 alias: nothing moves) — or a *communication*, named by the one table :data:`LOWERING` and left to
 communication lowering. Each local step becomes one invocation per device of its sub-mesh, on that device's
-pieces (every buffer at its piece size, design §5). Only the requested ranks are expanded, with mesh
+pieces (every buffer at its piece size). Only the requested ranks are expanded, with mesh
 arithmetic rather than enumeration, so a rank expands its own program at a cost that does not grow with
 the world size.
 """

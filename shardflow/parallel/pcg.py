@@ -5,8 +5,9 @@ tensor a :class:`Sharding` (hence a :class:`ParallelTensorShape` and DTensor pla
 makes every change of sharding an explicit parallel-operator node (Repartition, Combine, Replicate,
 Reduction). What to shard is decided by a strategy and handed over as :class:`Annotations`; the rules of
 :mod:`shardflow.parallel.rules` decide everything else. Where a rule refuses its inputs, planning does not stop
-(design §4): the inputs are redistributed to the cheapest placements the rule accepts (bytes each device sends,
-as lowering will send them), at worst Replicate, and each such :class:`Redistribution` is listed on the PCG.
+(docs/concepts.md#4-sharding-rules-and-partial-sums): the inputs are redistributed to the cheapest placements the
+rule accepts (bytes each device sends, as lowering will send them), at worst Replicate, and each such
+:class:`Redistribution` is listed on the PCG.
 ``strict=True`` keeps the refusal instead.
 """
 
