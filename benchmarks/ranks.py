@@ -57,10 +57,10 @@ from shardflow.graph import GraphBuilder  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.graph.ops import TensorType  # noqa: E402
 from shardflow.lower.comm_lowering import ring_peers  # noqa: E402
-from shardflow.lower.comms import bound_bytes  # noqa: E402
 from shardflow.lower.dynamic import NodeKind, forward_id  # noqa: E402
 from shardflow.lower.shard_expansion import in_group, piece  # noqa: E402
 from shardflow.lower.program import Buffer, Comm, Compute  # noqa: E402
+from shardflow.parallel.collectives import bound_bytes  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh  # noqa: E402
 from shardflow.parallel.pcg import Annotations, build_pcg  # noqa: E402
 from shardflow.parallel.sharding import Sharding  # noqa: E402

@@ -279,8 +279,9 @@ def run_comms(rank, world):
     and reduce with the send buffer shared or copied, contiguous or not. Also 1.0 where a shared all-reduce did not
     reduce into its send buffer, a copied one did, or an all-gather on a dim other than 0 copied its result."""
     from shardflow.graph.ops import TensorType
-    from shardflow.lower.comms import CommKind, run_local
+    from shardflow.lower.comms import run_local
     from shardflow.lower.program import Buffer, Comm
+    from shardflow.parallel.collectives import CommKind
     from shardflow.parallel.mesh import ReduceOp
     from shardflow.runtime.comms import issue
 

@@ -11,7 +11,8 @@ import torch
 
 from shardflow.graph.ops import TensorType, Unary
 from shardflow.lower import LowerOptions
-from shardflow.lower.comms import KINDS, CommKind, bound_bytes, run_local
+from shardflow.lower.comms import run_local
+from shardflow.parallel.collectives import KINDS, CommKind, bound_bytes
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
 from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Sum, Update, Vjp, Wait,

@@ -67,7 +67,8 @@ class TaskType(StrEnum):
     UPD = "UPD"
 
 
-# The task type of the nodes that make, move or copy a value of each role (design §5).
+# The task type of the nodes that make, move or copy a value of each role
+# (docs/lowering.md#2-copy-insertion-copy_insertion).
 ROLE_TASK = {ValueRole.FWD: TaskType.FWD, ValueRole.GRAD: TaskType.BWD, ValueRole.OPT: TaskType.UPD,
              ValueRole.ACC: TaskType.BWD}
 

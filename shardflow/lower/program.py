@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
 from shardflow.graph.ops import Linear, Matmul, TensorType
-from shardflow.lower.comms import KINDS, CommKind
+from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.lower.dynamic import TaskType
 from shardflow.graph.rng import PieceSite
 from shardflow.parallel.mesh import Mesh, ReduceOp
@@ -195,7 +195,7 @@ class Comm:
 
     @property
     def family(self) -> str:
-        """What every member holds (:attr:`~shardflow.lower.comms.CommSpec.family`): send and recv are one
+        """What every member holds (:attr:`~shardflow.parallel.collectives.CommSpec.family`): send and recv are one
         communication seen from its two ends; an unknown kind (refused by the verifier) is its own."""
         spec = KINDS.get(self.kind)
         return spec.family if spec else self.kind

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from shardflow.graph.graph import TensorRole
-from shardflow.lower.comms import CommKind, bound_bytes
 from shardflow.lower.program import Program
+from shardflow.parallel.collectives import CommKind, bound_bytes
 from shardflow.parallel.pcg import PCG
 
 

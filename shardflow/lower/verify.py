@@ -1,6 +1,6 @@
-"""Static checks of per-rank programs (design §6, "Order"): :func:`verify` runs before any process starts and
-proves the programs can run together; :func:`fingerprints` / :func:`check_fingerprints` compare plan hashes
-across ranks at start-up, so that ranks holding different plans refuse to run.
+"""Static checks of per-rank programs (docs/lowering.md#6-the-verifier-shardflowlowerverifyverify): :func:`verify` runs
+before any process starts and proves the programs can run together; :func:`fingerprints` / :func:`check_fingerprints`
+compare plan hashes across ranks at start-up, so that ranks holding different plans refuse to run.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from typing import Iterator, Mapping
 
-from shardflow.lower.comms import KINDS, CommKind
 from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait, reads, writes
 from shardflow.lower.rendezvous import rendezvous
+from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.parallel.mesh import ReduceOp
 
 SHOWN = 5  # problems quoted in the error message; all are in ``problems``

@@ -20,7 +20,8 @@ input block ``c // d``; Combine removes the minor axis of the dim. Duals: Replic
 Repartition↔Combine.
 
 Lowering names the communication of each movement in one table,
-:data:`shardflow.lower.shard_expansion.LOWERING`. A backward is lowered as the parallel ops that bring the
+:data:`shardflow.lower.shard_expansion.LOWERING`, built on the collectives of a redistribution's steps
+(:data:`shardflow.parallel.collectives.REDISTRIBUTION`). A backward is lowered as the parallel ops that bring the
 gradient to its input's sharding (the dual op; a Reduction's broadcast moves nothing, every device already
 holds the gradient), except Replicate's, whose sum of the replica gradients is a reduce to the root.
 """

@@ -1,8 +1,8 @@
 """Sharding rules: from the input shardings of a compute op to its output shardings and the local kernel.
 
-Each rule is "unparallel rule + degree rule": the op's own ``infer`` gives full shapes; the rule says which
-mesh axes each output dim inherits (a table of input dim → output dim), which dims must not be sharded, and
-where partial sums appear or pass through. Partial-sum linearity (PyTorch PR #157340, design §4):
+Each rule is "unparallel rule + degree rule": the op's own ``infer`` gives full shapes; the rule says which mesh axes
+each output dim inherits (a table of input dim → output dim), which dims must not be sharded, and where partial sums
+appear or pass through. Partial-sum linearity (PyTorch PR #157340, docs/concepts.md#4-sharding-rules-and-partial-sums):
 
 * only ``Partial(sum|avg)`` is linear; ``max``/``min`` partials pass through monotone element-wise functions
   only (relu, tanh keep them; neg swaps max and min — DTensor's table) and must be reduced before any other op;

@@ -5,7 +5,7 @@ bandwidth per kind (:func:`~shardflow.lower.calibration.fit`); rank 0 writes the
 
 A kind's message size is the piece one rank holds (``size`` bytes of float32: the all-gather's contribution, the
 reduction's input, the broadcast root's buffer, one ring step's chunk); the bytes fitted against are what the cost
-model counts for it (:func:`~shardflow.lower.comms.wire_bytes`; ``p2p`` is one collective-permute step, the ring's).
+model counts for it (:func:`~shardflow.parallel.collectives.wire_bytes`; ``p2p`` is one collective-permute step, the ring's).
 Each call is timed alone, from its issue to the end of its waits, after a barrier of its group; a sample is the
 median of ``reps`` calls, the slowest rank's (the call ends for the group when it ends on its last member). Each kind
 and size receives into one buffer from call to call, as the executor's receive slots do
@@ -25,9 +25,9 @@ import torch
 from shardflow.graph.ops import TensorType
 from shardflow.lower.calibration import (COST_KINDS, WORLD, Calibration, KindCost, fit, this_machine)
 from shardflow.lower.comm_lowering import ring_peers
-from shardflow.lower.comms import CommKind, wire_bytes
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Comm
+from shardflow.parallel.collectives import CommKind, wire_bytes
 from shardflow.parallel.mesh import Mesh
 from shardflow.runtime.buffers import Kept
 from shardflow.runtime.comms import issue

@@ -1,6 +1,6 @@
 """The torch.distributed implementation of each communication kind: this rank's side, registered on the kind's
-entry in :data:`shardflow.lower.comms.KINDS` (:func:`~shardflow.lower.comms.register_distributed`), and
-:func:`issue`, which the distributed executor, the calibration and the benchmarks call."""
+entry in :data:`shardflow.parallel.collectives.KINDS` (:func:`~shardflow.parallel.collectives.register_distributed`),
+and :func:`issue`, which the distributed executor, the calibration and the benchmarks call."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.comms import KINDS, CommKind, front_dim, register_distributed
+from shardflow.lower.comms import front_dim
 from shardflow.lower.program import Comm
+from shardflow.parallel.collectives import KINDS, CommKind, register_distributed
 from shardflow.parallel.mesh import ReduceOp
 
 # gloo has no average: sum, then divide by the group size (Call.scale)

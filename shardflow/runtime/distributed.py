@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.comms import KINDS, CommKind
+from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.lower.program import Comm, Compute, Group, Wait, buffer_reuse
 from shardflow.parallel.mesh import Mesh, ReduceOp
 from shardflow.lower.verify import check_fingerprints

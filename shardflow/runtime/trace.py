@@ -17,7 +17,7 @@ from typing import Mapping
 
 import torch
 
-from shardflow.lower.comms import KINDS
+from shardflow.parallel.collectives import KINDS
 from shardflow.lower.cost import CostModel
 from shardflow.lower.program import Comm, Compute, Program, Wait
 from shardflow.lower.rendezvous import rendezvous
