@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
 from shardflow.graph.ops import Linear, Matmul, TensorType
-from shardflow.parallel.collectives import KINDS, CommKind
-from shardflow.lower.dynamic import TaskType
 from shardflow.graph.rng import PieceSite
+from shardflow.lower.dynamic import TaskType
+from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.parallel.mesh import Mesh, ReduceOp
 from shardflow.parallel.rules import LocalOp
 

@@ -94,7 +94,8 @@ def _what(c: Comm) -> str:
     """What the holders of a token must agree on (:meth:`Comm.signature`), in words."""
     return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}" + (
         f" root={c.root}" if c.root is not None else "") + (
-        f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "") + (f" of {c.value}" if c.value else "") + (f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
+        f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "") + (f" of {c.value}" if c.value else "") + (
+        f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
 
 
 def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[str]:

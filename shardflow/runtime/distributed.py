@@ -31,10 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
-from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.lower.program import Comm, Compute, Group, Wait, buffer_reuse
-from shardflow.parallel.mesh import Mesh, ReduceOp
 from shardflow.lower.verify import check_fingerprints
+from shardflow.parallel.collectives import KINDS, CommKind
+from shardflow.parallel.mesh import Mesh, ReduceOp
 from shardflow.runtime.device import backend_for
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,

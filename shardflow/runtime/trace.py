@@ -17,10 +17,10 @@ from typing import Mapping
 
 import torch
 
-from shardflow.parallel.collectives import KINDS
 from shardflow.lower.cost import CostModel
 from shardflow.lower.program import Comm, Compute, Program, Wait
 from shardflow.lower.rendezvous import rendezvous
+from shardflow.parallel.collectives import KINDS
 
 LANES = {"compute": 0, "communication": 1}
 
