@@ -1,8 +1,8 @@
 """Per-rank planning time of the built-in GPT and of Hugging Face Llamas: capture, strategy, PCG, and lowering of one
 rank's program.
 
-Each rank of a run plans for itself (design §1): it captures the model, makes and resolves the strategy's
-plan, builds the PCG, and lowers *its own* program (``lower_step(pcg, ranks=[rank], verify=False)``). This
+Each rank of a run plans for itself (docs/execution.md#executors): it captures the model, makes and resolves the
+strategy's plan, builds the PCG, and lowers *its own* program (``lower_step(pcg, ranks=[rank], verify=False)``). This
 script times those four stages separately (best of ``--repeat`` runs, ``time.perf_counter``) for
 
 * depth: ``n_layer`` in {6, 12, 24, 48} on a fixed mesh (``dp=8,tp=8`` by default), and

@@ -57,15 +57,16 @@ from shardflow.graph import GraphBuilder  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.graph.ops import TensorType  # noqa: E402
 from shardflow.lower.comm_lowering import ring_peers  # noqa: E402
-from shardflow.lower.comms import bound_bytes, issue  # noqa: E402
 from shardflow.lower.dynamic import NodeKind, forward_id  # noqa: E402
 from shardflow.lower.shard_expansion import in_group, piece  # noqa: E402
 from shardflow.lower.program import Buffer, Comm, Compute  # noqa: E402
+from shardflow.parallel.collectives import bound_bytes  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh  # noqa: E402
 from shardflow.parallel.pcg import Annotations, build_pcg  # noqa: E402
 from shardflow.parallel.sharding import Sharding  # noqa: E402
 from shardflow.reference import weights_of  # noqa: E402
 from shardflow.runtime.buffers import Kept  # noqa: E402
+from shardflow.runtime.comms import issue  # noqa: E402
 from shardflow.runtime.distributed import DistributedExecutor, init_from_env, shutdown  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.strategy import make_plan, resolve  # noqa: E402
@@ -490,7 +491,7 @@ def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = N
 
     def run(c: Comm, send: torch.Tensor | None, slot: str,
             alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """One communication through shardflow's own implementation (:func:`shardflow.lower.comms.issue`),
+        """One communication through shardflow's own implementation (:func:`shardflow.runtime.comms.issue`),
         received into a buffer kept from call to call, as the executor's receive slots are (or by ``alloc``)."""
         issued = issue(c, send, p, alloc=alloc or functools.partial(slots[slot], torch.float32))
         _wait_all(issued.handles)

@@ -273,14 +273,17 @@ def run_groups(rank, world):
 
 
 def run_comms(rank, world):
-    """Every communication kind through :func:`~shardflow.lower.comms.issue` on this world against
+    """Every communication kind through :func:`~shardflow.runtime.comms.issue` on this world against
     :func:`~shardflow.lower.comms.run_local` on every rank's send buffer (float64, shape [2d, 3d, 2d]): the largest
     difference per case — all-gather and reduce-scatter on each dim, all-to-all between dims, all-reduce, broadcast
     and reduce with the send buffer shared or copied, contiguous or not. Also 1.0 where a shared all-reduce did not
     reduce into its send buffer, a copied one did, or an all-gather on a dim other than 0 copied its result."""
     from shardflow.graph.ops import TensorType
-    from shardflow.lower.comms import issue, run_local
+    from shardflow.lower.comms import run_local
     from shardflow.lower.program import Buffer, Comm
+    from shardflow.parallel.collectives import CommKind
+    from shardflow.parallel.mesh import ReduceOp
+    from shardflow.runtime.comms import issue
 
     d, members = world, tuple(range(world))
     shape = (2 * d, 3 * d, 2 * d)
@@ -301,7 +304,7 @@ def run_comms(rank, world):
               for a, b in ((0, 1), (1, 0), (2, 1), (1, 1))}
     for own in (True, False):
         cases[f"all_reduce shared={own}"] = (comm("all_reduce", shape, shape), own)
-        cases[f"all_reduce avg shared={own}"] = (comm("all_reduce", shape, shape, reduce_op="avg"), own)
+        cases[f"all_reduce avg shared={own}"] = (comm("all_reduce", shape, shape, reduce_op=ReduceOp.AVG), own)
         cases[f"broadcast root {d - 1} shared={own}"] = (comm("broadcast", shape, shape, root=d - 1), own)
         cases[f"reduce root 1 shared={own}"] = (comm("reduce", shape, shape, root=1), own)
     diffs = {}
@@ -317,13 +320,13 @@ def run_comms(rank, world):
                 h.wait()
             got = issued.result()
             want = run_local([c] * d, [x.clone() for x in sends], [own] * d)[rank]
-            if c.kind == "reduce" and rank != c.root:
+            if c.kind == CommKind.REDUCE and rank != c.root:
                 diffs[f"{name}{' transposed' * transposed}"] = float(got is not None)
                 continue
             diffs[f"{name}{' transposed' * transposed}"] = (got - want).abs().max().item()
-            if c.kind == "all_reduce" and c.reduce_op == "sum" and not transposed:
+            if c.kind == CommKind.ALL_REDUCE and c.reduce_op == ReduceOp.SUM and not transposed:
                 diffs[f"{name}: reduced into its send buffer as told"] = float((got.data_ptr() == mine.data_ptr()) != own)
-            if c.kind == "all_gather" and c.dim != 0:
+            if c.kind == CommKind.ALL_GATHER and c.dim != 0:
                 diffs[f"{name}: result a view"] = float(got.is_contiguous())
     return diffs
 

@@ -14,7 +14,8 @@ from dataclasses import replace
 
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
 from shardflow.parallel.pcg import build_pcg
-from shardflow.runtime.accumulate import BatchSplitError, MicroSteps, split_batch
+from shardflow.runtime.accumulate import MicroSteps
+from shardflow.runtime.batch import BatchSplitError, split_batch
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
 from shardflow.parallel.sharding import Sharding

@@ -93,7 +93,7 @@ def test_accumulated_steps_equal_eager_on_the_whole_batch():
     """accumulate=2 on dp=2: the Llama is captured on 2 of the 4 sequences; each step runs 2 micro-steps (1 sequence
     per rank each), the weights' gradients reduced once; each step's loss, the gradients and every replica of every
     weight piece equal eager PyTorch's on the whole batch (TOL; a missing 1/2 would be O(1) in the gradients)."""
-    from shardflow.runtime.accumulate import BatchSplitError
+    from shardflow.runtime.batch import BatchSplitError
     model, batch = made(hf_llama)
     with wide_floats():
         trainer = shardflow.parallelize(model, batch, mesh="dp=2", lr=0.1, accumulate=2)

@@ -12,12 +12,14 @@ import torch
 from shardflow.graph.ops import TensorType, Unary
 from shardflow.lower import LowerOptions
 from shardflow.lower.comms import run_local
+from shardflow.parallel.collectives import KINDS, CommKind, bound_bytes
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
 from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Sum, Update, Vjp, Wait,
                                      inplace_sums, kept_receives, ring_regions, shared_sends)
-from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.mesh import Mesh, Partial, ReduceOp
 from shardflow.parallel.rules import LocalOp
+from shardflow.runtime.comms import issue
 from shardflow.runtime.kernels import OptimizerConfig, make_kernel, recorded_nodes
 from shardflow.strategy import make_plan
 
@@ -314,3 +316,32 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     stored = y.movedim(1, 0)
     assert stored.is_contiguous() and all(ys[j].data_ptr() == stored[2 * j].data_ptr() for j in range(4))
     against_one_device(step, graph)
+
+
+def test_every_kind_is_one_entry_with_both_implementations():
+    """Each kind's entry carries its local implementation and, registered from the runtime, its torch.distributed
+    one; a kind without an entry is refused by both."""
+    assert list(KINDS) == list(CommKind) and all(s.kind == k for k, s in KINDS.items())
+    assert all(s.local is not None and s.distributed is not None for s in KINDS.values())
+    bogus = Comm(0, "gather", TaskType.FWD, (0, 1), F64, 0)
+    with pytest.raises(ValueError, match="no local implementation of communication kind 'gather'"):
+        run_local([bogus, bogus], [None, None], [False, False])
+    with pytest.raises(ValueError, match="rank 0: no implementation of communication kind 'gather'"):
+        issue(bogus, None, 0)
+
+
+@pytest.mark.parametrize("kind,d,root,want", [
+    ("all_gather", 4, False, 300), ("reduce_scatter", 4, False, 75), ("all_to_all", 4, False, 75),
+    ("reduce", 4, False, 75), ("all_reduce", 4, False, 150), ("broadcast", 4, True, 100), ("broadcast", 4, False, 0),
+    ("send", 2, False, 100), ("recv", 2, False, 0), ("permute", 1, False, 100), ("all_reduce", 1, False, 0),
+    ("broadcast", 1, True, 0)])
+def test_bound_bytes_per_kind(kind, d, root, want):
+    assert bound_bytes(CommKind(kind), 100, d, root) == want
+
+
+def test_one_reduce_op_spelled_as_the_user_writes_it():
+    assert Partial("avg").reduce_op is ReduceOp.AVG and repr(Partial("max")) == "Partial('max')"
+    with pytest.raises(ValueError, match=r"reduce_op must be one of \('sum', 'avg', 'max', 'min'\), got 'prod'"):
+        Partial("prod")
+    pieces = torch.tensor([[1.0, 4.0], [3.0, 2.0]])
+    assert [op.combine(pieces).tolist() for op in ReduceOp] == [[4.0, 6.0], [2.0, 3.0], [3.0, 4.0], [1.0, 2.0]]

@@ -25,7 +25,8 @@ from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.reference import weights_of
-from shardflow.runtime.accumulate import MicroSteps, split_batch
+from shardflow.runtime.accumulate import MicroSteps
+from shardflow.runtime.batch import split_batch
 from shardflow.runtime.device import DeviceError, backend_for, check_device, device_type, rank_device
 from shardflow.runtime.distributed import CommTimeout, PeerLost, Waits, check_backend, comm_failure, group_timeout
 from shardflow.runtime.kernels import OptimizerConfig

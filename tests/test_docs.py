@@ -11,6 +11,8 @@
    not run (with the reason). A command that is not listed fails. The output shown after a ``$`` command must be
    what it prints: its lines in order, ``...`` standing for lines left out, a long line wrapped in the doc, any
    value for a number with a decimal point (a time, a rounding difference such as ``2.2e-16``).
+3. **Anchors.** Every section a doc or a source file cites by anchor (``docs/<doc>.md#<anchor>`` in code,
+   ``<doc>.md#<anchor>`` from another doc) is a heading of that doc, by GitHub's rule for heading anchors.
 
 Plans are built in this process (no process starts for them); the commands that train start their processes.
 """
@@ -30,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -781,3 +784,37 @@ def test_command_runs(command, workdir, started, monkeypatch, capsys):
         if s.output is not None and not _generated(s):
             assert _matches(s.output, printed.replace(f"{work}/", "/tmp/")), \
                 f"{s.doc.name}:{s.line}: {command} does not print what the doc shows; it prints:\n{printed}"
+
+
+# --- 3. anchors ---------------------------------------------------------------------------------------------------
+
+CITED = re.compile(r"((?:docs/)?[\w-]+\.md)#([\w-]+)")
+SOURCES = [*DOCS, *(p for d in ("shardflow", "tests", "benchmarks", "tools", "examples")
+                   for p in sorted((ROOT / d).rglob("*.py")))]
+
+
+def heading_anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``doc`` (fenced blocks skipped): the heading's text lowercased, every
+    character but letters, digits, ``_``, ``-`` and spaces dropped, spaces made ``-``; the n-th repeat gets ``-n``."""
+    anchors: set[str] = set()
+    repeats: Counter[str] = Counter()
+    fenced = False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"#{1,6} (.+)", line)):
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{repeats[slug]}" if repeats[slug] else slug)
+            repeats[slug] += 1
+    return anchors
+
+
+def test_every_cited_anchor_is_a_heading():
+    bad = []
+    for source in SOURCES:
+        for i, line in enumerate(source.read_text().splitlines(), 1):
+            for doc, anchor in CITED.findall(line):
+                path = ROOT / doc if doc.startswith("docs/") else source.parent / doc
+                if not path.is_file() or anchor not in heading_anchors(path):
+                    bad.append(f"{source.relative_to(ROOT)}:{i}: {doc}#{anchor}")
+    assert not bad, "no such heading:\n" + "\n".join(bad)

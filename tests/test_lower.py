@@ -8,7 +8,7 @@ from shardflow.graph import GraphBuilder
 from shardflow.lower import lower_step
 import dataclasses
 
-from shardflow.lower.comm_lowering import comm_lowering
+from shardflow.lower.comm_lowering import comm_lowering, decide
 from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassName, TaskType, UpdateRule,
                                      ValueRole, copy_insertion, forward_id, grad_id, pass_expansion, state_id)
 from shardflow.lower.ordering import ordering
@@ -549,8 +549,9 @@ def test_ring_fuses_only_ops_that_contract_the_last_dim():
                               "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
                               "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
                       after={"x": {"tp": Replicate()}})
-    sg, _ = run_passes(build_pcg(b.build([loss], loss), mesh, ann), LowerContext(options=LowerOptions("ring", "ring")))
-    (gather, fused), = sg.decisions.fused.items()
+    options = LowerOptions("ring", "ring")
+    sg, _ = run_passes(build_pcg(b.build([loss], loss), mesh, ann), LowerContext(options=options))
+    (gather, fused), = decide(sg.dg, options, list(sg.steps)).fused.items()
     gathered = next(n for n in sg.dg.nodes if n.name == gather).outputs[0]
     readers = [n.name for n in sg.dg.nodes if gathered in n.inputs and n.pass_ == TaskType.FWD]
     assert readers == ["FWD linear", "FWD tanh_1"] and [c.name for c in fused] == ["FWD linear"]

@@ -1,4 +1,5 @@
-"""The four parallel operators: degree rules, axis rules, duality and redistribution (design §3)."""
+"""The four parallel operators: degree rules, axis rules, duality and redistribution
+(docs/concepts.md#3-parallel-operators)."""
 
 from __future__ import annotations
 
@@ -193,10 +194,10 @@ def test_replicate_grows_the_group():
 
 
 def test_parallel_op_table():
-    """Each parallel op's data movement comes from the one lowering table (design §3): alone, a Repartition is
-    a local split, a Combine an all-gather, a Reduction an all-reduce; a Replicate broadcasts forward and
-    reduces backward; fused with a following Repartition, Reduction and Combine become reduce-scatter and
-    all-to-all."""
+    """Each parallel op's data movement comes from the one lowering table
+    (docs/lowering.md#4-communication-lowering): alone, a Repartition is a local split, a Combine an all-gather, a
+    Reduction an all-reduce; a Replicate broadcasts forward and reduces backward; fused with a following Repartition,
+    Reduction and Combine become reduce-scatter and all-to-all."""
     from shardflow.lower.dynamic import TaskType
     from shardflow.lower.shard_expansion import LOWERING
     assert set(P.PARALLEL_OPS) == {"repartition", "combine", "replicate", "reduction"}
@@ -250,7 +251,7 @@ def test_redistribute_cuts_the_pieces_before_it_sums_them():
         Reduction(2, "dp"), Reduction(3, "fsdp")]
     # bytes one device sends for a float32[6, 4] (N = 96 bytes): the reduce-scatter's (F−1)/F·N = 64, then
     # 2(D−1)/D of the N/F piece = 32 (summing first would send N + 64 = 160)
-    from shardflow.lower.shard_expansion import redistribution_cost
+    from shardflow.parallel.collectives import redistribution_cost
     src = _s(Partial(), Partial(), g=g)
     ops = redistribute(src, _s(Replicate(), Shard(0), g=g), g)
     assert redistribution_cost(ops, src, g, TensorType((6, 4), "float32")) == (64 + 32, 2)

@@ -1,4 +1,4 @@
-"""Parallel tensor shapes, meshes, placements and shardings (design §2)."""
+"""Parallel tensor shapes, meshes, placements and shardings (docs/concepts.md#2-mesh-placements-parallel-shapes)."""
 
 from __future__ import annotations
 

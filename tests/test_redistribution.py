@@ -1,6 +1,6 @@
-"""Planning never stops at a refusal (design §4, issue #12): where a rule refuses its inputs, ``build_pcg`` inserts
-the cheapest redistribution the rule accepts, lists it on the PCG, and the plan trains exactly like one device;
-``strict=True`` (``--strict``) refuses as before.
+"""Planning never stops at a refusal (docs/concepts.md#4-sharding-rules-and-partial-sums, issue #12): where a rule
+refuses its inputs, ``build_pcg`` inserts the cheapest redistribution the rule accepts, lists it on the PCG, and the
+plan trains exactly like one device; ``strict=True`` (``--strict``) refuses as before.
 
 The DTensor cases (DTENSOR_CASES), each on ``tp=2`` in float64 with its inputs placed by ``Annotations``:
 
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from shardflow.cli import main
 from shardflow.graph import GraphBuilder
 from shardflow.graph.ops import Op, OpError, TensorType
-from shardflow.lower.shard_expansion import redistribution_cost
 from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh, parse_placement
 from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition, redistribute
 from shardflow.parallel.pcg import Annotations, build_pcg, placements_text

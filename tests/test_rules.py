@@ -1,5 +1,6 @@
-"""Sharding rules at planning level (design §4): graphs built with GraphBuilder, sharded with build_pcg,
-checked for exact placements / inserted parallel ops / local scales, and for numbers with simulate_outputs.
+"""Sharding rules at planning level (docs/concepts.md#4-sharding-rules-and-partial-sums): graphs built with
+GraphBuilder, sharded with build_pcg, checked for exact placements / inserted parallel ops / local scales, and for
+numbers with simulate_outputs.
 
 Numbers are compared in float64 with atol 1e-10: the sharded run adds the same terms in another order (and
 partial pieces carry random offsets that cancel), so the only differences are float64 round-off, ~1e-15 on

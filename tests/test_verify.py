@@ -1,6 +1,6 @@
-"""The plan verifier (design §6, "Order"): hand-built valid multi-rank programs pass; every single mutation of
-them (swap, drop, duplicate, wrong peer / shape / dtype / members / root / token, a cross-rank cycle) is
-rejected with a message naming the ranks and tokens involved. Planning level only: no processes.
+"""The plan verifier (docs/lowering.md#6-the-verifier-shardflowlowerverifyverify): hand-built valid multi-rank programs
+pass; every single mutation of them (swap, drop, duplicate, wrong peer / shape / dtype / members / root / token, a
+cross-rank cycle) is rejected with a message naming the ranks and tokens involved. Planning level only: no processes.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def row_order(t: torch.Tensor) -> tuple[int, ...] | None:
     permuted that way is contiguous (its rows [*lead, last] foldable into one matrix without a copy); None when no
     order is (a strided slice, an expanded view). A contiguous ``t`` gives ``(0, 1, ..., ndim - 2)``; a block of a
     ring all-gather's buffer stored with the gathered dim first, viewed with that dim back in place
-    (:func:`~shardflow.lower.comms.issue`), gives that dim first. Megatron-LM keeps activations [s, b, h] for
+    (:func:`~shardflow.runtime.comms.issue`), gives that dim first. Megatron-LM keeps activations [s, b, h] for
     the same reason: a matrix multiply folds the leading dims of whatever layout it is given."""
     order = tuple(sorted(range(t.ndim - 1), key=lambda d: -t.stride(d)))
     return order if t.permute(*order, t.ndim - 1).is_contiguous() else None

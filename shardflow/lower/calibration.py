@@ -2,7 +2,7 @@
 
 A calibration holds, per group of ranks (a mesh axis, or :data:`WORLD` when no mesh was given) and per kind of call
 the cost model prices (:data:`COST_KINDS`), α (seconds per call) and the bandwidth (bytes one rank sends per second),
-fitted by least squares (:func:`fit`) to timings of ``shardflow.lower.comms.issue`` at a few message sizes.
+fitted by least squares (:func:`fit`) to timings of ``shardflow.runtime.comms.issue`` at a few message sizes.
 
 Where it lives: ``$SHARDFLOW_CALIBRATION_DIR/calibration-<backend>.json``, by default in
 ``$XDG_CACHE_HOME/shardflow`` (``~/.cache/shardflow``) (:func:`calibration_path`). A file that cannot be read, of
@@ -27,14 +27,8 @@ WORLD = "world"  # the group key of a calibration taken over every rank (no mesh
 BACKENDS = ("gloo", "nccl")
 # The kinds of call the cost model prices: ``p2p`` = one collective-permute step (send and recv at once, the ring's
 # step), the others the collectives of the same names.
+# A communication kind's is its entry's ``priced_as`` (:class:`~shardflow.parallel.collectives.CommSpec`).
 COST_KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
-_COMM_TO_COST = {"send": "p2p", "recv": "p2p", "permute": "p2p"}
-
-
-def cost_kind(comm_kind: str) -> str:
-    """The cost model's kind of a communication kind (:class:`~shardflow.lower.comms.CommKind`): send, recv and
-    permute are ``p2p``; a collective is its own."""
-    return _COMM_TO_COST.get(comm_kind, comm_kind)
 
 
 class CalibrationError(ValueError):
@@ -49,7 +43,7 @@ class CalibrationWarning(UserWarning):
 @dataclass(frozen=True, slots=True)
 class KindCost:
     """One kind of call on one group: ``alpha_s`` seconds per call (≥ 0) and ``bandwidth`` bytes/s (> 0) of what one
-    rank sends (:func:`~shardflow.lower.comms.wire_bytes`)."""
+    rank sends (:func:`~shardflow.parallel.collectives.wire_bytes`)."""
 
     alpha_s: float
     bandwidth: float

@@ -1,4 +1,5 @@
-"""Communication lowering (design §6): the communication steps of a sharded graph → communications.
+"""Communication lowering (docs/lowering.md#4-communication-lowering): the communication steps of a sharded graph →
+communications.
 
 From the one table :data:`~shardflow.lower.shard_expansion.LOWERING`: along the mesh axis a parallel op acts
 on, every group of devices that differ only in that axis runs one collective — Reduction → all-reduce;
@@ -9,7 +10,7 @@ source and destination device coincide moves nowhere). All-gathers and reduce-sc
 rings of collective-permutes (all-gathers also as broadcast loops), chosen by the cost model
 (:class:`~shardflow.lower.cost.LowerOptions`); final gradient all-reduces are packed into buckets, and the
 all-gathers of one block's weights (FSDP) into one all-gather per block and pass.
-``nbytes`` is what one rank puts on the wire (:func:`~shardflow.lower.comms.wire_bytes`, the one byte
+``nbytes`` is what one rank puts on the wire (:func:`~shardflow.parallel.collectives.wire_bytes`, the one byte
 formula of every communication kind). Tokens are relative to their step here; ordering makes them global.
 """
 
@@ -23,14 +24,14 @@ from typing import Mapping
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
-from shardflow.lower.comms import CommKind, ReduceOp, wire_bytes
 from shardflow.lower.cost import CommForm, LowerOptions
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, block_of,
                                      forward_id, require)
 from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
 from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
                                              in_group, kernel, piece, steps)
-from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.collectives import CommKind, wire_bytes
+from shardflow.parallel.mesh import ReduceOp, SubMesh
 
 @dataclass(frozen=True)
 class Decisions:
@@ -77,7 +78,8 @@ class Decisions:
         return {st.nodes[0].name: k for k, b in enumerate(self.scatters) for st in b}
 
 
-def _decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> Decisions:
+def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> Decisions:
+    """The :class:`Decisions` communication lowering takes for the steps ``all_steps`` of ``dg`` under ``options``."""
     forms: dict[str, CommForm] = {}
     fused: dict[str, tuple[DNode, ...]] = {}
     leaves = {forward_id(n) for n, t in dg.pcg.tensors.items() if t.role != TensorRole.ACTIVATION}
@@ -248,7 +250,7 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
     ``options``: the forms of all-gathers and reduce-scatters and the gradient bucket size (default: plain
     collectives, default buckets). Raises PassError if shard expansion has not run or this pass has."""
     require(sg.done, PassName.COMM_LOWERING, (PassName.SHARD_EXPANSION,))
-    plan = _decide(sg.dg, options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE), list(sg.steps))
+    plan = decide(sg.dg, options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE), list(sg.steps))
     suppressed = plan.suppressed
     instrs, deferred = {}, {}
     for r in sg.ranks:
@@ -277,11 +279,12 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
             now.append(tuple(mine))
             later.append(tuple(after))
         instrs[r], deferred[r] = tuple(now), tuple(later)
-    out = dataclasses.replace(sg, instrs=instrs, deferred=deferred, decisions=plan,
+    tokens = tuple(instances(st, plan) for st in sg.steps)
+    out = dataclasses.replace(sg, instrs=instrs, deferred=deferred, tokens=tokens,
                               done=sg.done + (PassName.COMM_LOWERING,))
     for r in sg.ranks:  # after: every token within its step's count
         for k, st in enumerate(sg.steps):
-            n = instances(st, plan)
+            n = tokens[k]
             bad = [i for i in instrs[r][k] + deferred[r][k] if isinstance(i, (Comm, Wait)) and not 0 <= i.token < n]
             if bad:
                 raise PassError(f"communication lowering: rank {r} step {k} ({st.kind}) has token {bad[0].token} "

@@ -4,13 +4,11 @@ time = α per call + bytes this rank sends / bandwidth of that kind of call (a "
 rank per second). Defaults per backend; ``shardflow calibrate`` measures them on the machine, per mesh axis
 (:mod:`shardflow.lower.calibration`; :meth:`CostModel.for_backend` reads its file); every number can be overridden.
 
-gloo defaults are measured on these machines (torch 2.13, 2 ranks; design note and docs/benchmarks.md (c)):
-a collective-permute step sends and receives at once, ~1.0 GB/s each way into a kept receive buffer (0.6 into a
-new one each call: page faults; :mod:`shardflow.runtime.buffers`); all-reduce ~0.8–1.0; all-gather ~0.6 at
-≥ 4 MiB (the design note's 0.3–0.4 was smaller messages); reduce-scatter ~0.2 (an all-reduce's bytes); ~0.4 ms
-per call. So on gloo the ring reduce-scatter wins, and the ring all-gather wins where its d−1 calls' latency is
-small against the bytes (always on 2 ranks, one call either way). NCCL defaults are order-of-magnitude figures for one node
-(NVLink-class), where the built-in collectives are the fast path.
+gloo defaults are what these machines measured (docs/benchmarks.md#the-cost-models-gloo-defaults): gloo's
+reduce-scatter is its slowest collective (it moves an all-reduce's bytes), so on gloo the ring reduce-scatter wins,
+and the ring all-gather wins where its d−1 calls' latency is small against the bytes (always on 2 ranks, one call
+either way). NCCL defaults are order-of-magnitude figures for one node (NVLink-class), where the built-in
+collectives are the fast path.
 """
 
 from __future__ import annotations
@@ -38,8 +36,9 @@ DEFAULT_ALPHA_S = {"gloo": 4e-4, "nccl": 2e-5}
 
 
 class CommForm(StrEnum):
-    """How lowering runs an all-gather or a reduce-scatter (design §6): the plain collective, a ring of d−1
-    collective-permute steps (nvFuser PR #5963), or a loop of d broadcasts, root = step (all-gather only)."""
+    """How lowering runs an all-gather or a reduce-scatter
+    (docs/lowering.md#10-all-gather-and-reduce-scatter-forms-the-cost-model-machine-views): the plain collective, a ring
+    of d−1 collective-permute steps (nvFuser PR #5963), or a loop of d broadcasts, root = step (all-gather only)."""
 
     COLLECTIVE = "collective"
     RING = "ring"
@@ -107,7 +106,7 @@ class CostModel:
 
     def call_s(self, kind: str, nbytes: int, axis: str | None = None) -> float:
         """Seconds for one call of cost kind ``kind`` (:data:`~shardflow.lower.calibration.COST_KINDS`) in which
-        this rank sends ``nbytes`` (:func:`~shardflow.lower.comms.wire_bytes`): α + bytes / bandwidth."""
+        this rank sends ``nbytes`` (:func:`~shardflow.parallel.collectives.wire_bytes`): α + bytes / bandwidth."""
         return self.alpha(kind, axis) + nbytes / self.bw(kind, axis)
 
     def all_gather_s(self, form: CommForm, chunk_bytes: int, d: int, axis: str | None = None) -> float:

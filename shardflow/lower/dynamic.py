@@ -41,7 +41,7 @@ from typing import Iterable, Mapping
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import OpError, TensorType, torch_dtype
-from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.ops import Combine, ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
 from shardflow.parallel.sharding import Sharding
@@ -67,7 +67,8 @@ class TaskType(StrEnum):
     UPD = "UPD"
 
 
-# The task type of the nodes that make, move or copy a value of each role (design §5).
+# The task type of the nodes that make, move or copy a value of each role
+# (docs/lowering.md#2-copy-insertion-copy_insertion).
 ROLE_TASK = {ValueRole.FWD: TaskType.FWD, ValueRole.GRAD: TaskType.BWD, ValueRole.OPT: TaskType.UPD,
              ValueRole.ACC: TaskType.BWD}
 
@@ -739,7 +740,7 @@ def _expand(pcg: PCG, optimizer: UpdateRule | str, training: bool, clip_norm: fl
     need = _needs_grad(pcg)
     for t in sorted(need):
         s = pcg.tensors[t].sharding
-        if s.partial and s.reduce_op != "sum":
+        if s.partial and s.reduce_op != ReduceOp.SUM:
             raise PassError(
                 f"tensor {t!r} needs a gradient but holds Partial({s.reduce_op!r}) pieces on mesh axes "
                 f"{list(s.partial)}: only Partial('sum') is differentiated piece by piece. Reduce it first "

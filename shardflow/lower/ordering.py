@@ -1,4 +1,4 @@
-"""Ordering (design §6, "Order"): one global order of every communication, and the per-rank programs.
+"""Ordering (docs/lowering.md#5-ordering-tokens): one global order of every communication, and the per-rank programs.
 
 Every communication instance gets a token, its position in one global order: the steps' order (the
 dynamic graph's node order), then the order within the step (group, ring step). Token numbers are
@@ -16,11 +16,11 @@ import dataclasses
 from itertools import accumulate
 
 from shardflow.graph import ops as O
-from shardflow.lower.comm_lowering import instances, process_groups
-from shardflow.lower.comms import CommKind
+from shardflow.lower.comm_lowering import process_groups
 from shardflow.lower.dynamic import PassError, PassName, TaskType, require
 from shardflow.lower.program import Comm, Compute, Free, Instr, Program, Vjp, Wait, reads, writes
 from shardflow.lower.shard_expansion import ShardedGraph, in_group, piece
+from shardflow.parallel.collectives import CommKind
 
 
 def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
@@ -30,7 +30,7 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
     travel while each stage works on other microbatches (:func:`overlap_transfers`). Raises PassError if communication lowering has not run, or if a rank's tokens
     would not increase."""
     require(sg.done, PassName.ORDERING, (PassName.COMM_LOWERING,))
-    base = [0, *accumulate(instances(st, sg.decisions) for st in sg.steps)]
+    base = [0, *accumulate(sg.tokens)]
     dg = sg.dg
     placed, keep, groups = dg.placed(), dg.persistent(), tuple(process_groups(dg))
     programs = {}

@@ -1,4 +1,5 @@
-"""Lowering as data: the ordered list of named passes from a PCG to verified per-rank programs (design §1).
+"""Lowering as data: the ordered list of named passes from a PCG to verified per-rank programs
+(docs/lowering.md#lowering-from-a-pcg-to-verified-per-rank-programs).
 
 Each :class:`Pass` is a pure function ``(graph, context) -> graph``; each checks before that what it needs
 has run and that it has not (and the structural precondition itself, e.g. shard expansion refuses a graph

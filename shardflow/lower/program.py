@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
 from shardflow.graph.ops import Linear, Matmul, TensorType
-from shardflow.lower.dynamic import TaskType
 from shardflow.graph.rng import PieceSite
-from shardflow.parallel.mesh import Mesh
+from shardflow.lower.dynamic import TaskType
+from shardflow.parallel.collectives import KINDS, CommKind
+from shardflow.parallel.mesh import Mesh, ReduceOp
 from shardflow.parallel.rules import LocalOp
 
 
@@ -173,7 +174,7 @@ class Comm:
     """
 
     token: int
-    kind: str
+    kind: CommKind
     pass_: TaskType
     members: tuple[int, ...]
     type: TensorType
@@ -188,24 +189,26 @@ class Comm:
     dim2: int | None = None
     note: str = ""
     wait: bool = True
-    reduce_op: str = "sum"
+    reduce_op: ReduceOp = ReduceOp.SUM
     value: str = ""
     piece: tuple[int, ...] = ()
 
     @property
     def family(self) -> str:
-        """send and recv are one communication seen from its two ends."""
-        return "p2p" if self.kind in ("send", "recv") else self.kind
+        """What every member holds (:attr:`~shardflow.parallel.collectives.CommSpec.family`): send and recv are one
+        communication seen from its two ends; an unknown kind (refused by the verifier) is its own."""
+        spec = KINDS.get(self.kind)
+        return spec.family if spec else self.kind
 
     def signature(self) -> tuple:
         """What every member must agree on: token, family, members, piece shape, dtype, reduce op, the
         dynamic-graph value moved and — for a send/recv, whose two ends move one piece — that piece."""
         return (self.token, self.family, self.members, self.type.shape, self.type.dtype, self.reduce_op,
-                self.value, self.piece if self.family == "p2p" else ())
+                self.value, self.piece if self.kind in (CommKind.SEND, CommKind.RECV) else ())
 
     def __str__(self) -> str:
-        who = (f"peer={self.peer}" if self.kind in ("send", "recv") else
-               f"to={self.peer} from={self.peer_from}" if self.kind == "permute" else
+        who = (f"peer={self.peer}" if self.kind in (CommKind.SEND, CommKind.RECV) else
+               f"to={self.peer} from={self.peer_from}" if self.kind == CommKind.PERMUTE else
                f"group={list(self.members)}" + (f" root={self.root}" if self.root is not None else ""))
         bufs = " ".join(f"{k}={b}" for k, b in (("send", self.send), ("recv", self.recv)) if b is not None)
         issue = " (async)" if not self.wait else ""
@@ -330,7 +333,7 @@ class Program:
 # --- which communications may use their send buffer itself ------------------------------------------------------
 # Communications that may hand their send buffer to the backend as it is: a reduction (all-reduce, reduce) then
 # overwrites it with the result, a broadcast root only reads it (its result at the root is that buffer itself).
-SHARING_KINDS = ("all_reduce", "reduce", "broadcast")
+SHARING_KINDS = (CommKind.ALL_REDUCE, CommKind.REDUCE, CommKind.BROADCAST)
 
 
 def _aliased(i: Compute) -> tuple[tuple[int, ...], ...]:
@@ -399,7 +402,7 @@ def ring_regions(program: Program) -> dict[str, tuple[int, int]]:
     chunk is received or computed; each chunk is received or computed straight into its block, and the concat only
     copies in the chunks that are not (the rank's own, for the gathered value) and returns the buffer with the dim
     back in place."""
-    received = {c.recv.value for c in program.comms if c.kind == "permute" and c.dim is not None}
+    received = {c.recv.value for c in program.comms if c.kind == CommKind.PERMUTE and c.dim is not None}
     computed = {i.outs[0].value for i in program.instrs if isinstance(i, Compute) and in_place_product(i)}
     return {b.value: (k, j) for k, i in enumerate(program.instrs)
             if isinstance(i, Compute) and i.op == "concat" and not i.dnode
@@ -507,7 +510,7 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
                     union(i.outs[0].value, b.value)
         elif isinstance(i, Comm):
             if i.send is not None and i.kind in SHARING_KINDS:
-                reads_only = i.kind == "broadcast" and (live_roots or i.recv is None)
+                reads_only = i.kind == CommKind.BROADCAST and (live_roots or i.recv is None)
                 if reads_only or free_after(i.send.value, k):
                     chosen.add(i.token)
                     if i.recv is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from shardflow.graph.graph import TensorRole
-from shardflow.lower.comms import bound_bytes
 from shardflow.lower.program import Program
+from shardflow.parallel.collectives import CommKind, bound_bytes
 from shardflow.parallel.pcg import PCG
 
 
@@ -15,7 +15,7 @@ def bytes_rows(programs: Mapping[int, Program]) -> list[tuple[int, str, str, int
     rows: dict[tuple[int, str, str], list[int]] = {}
     for r, p in sorted(programs.items()):
         for c in p.comms:
-            if c.kind == "recv":
+            if c.kind == CommKind.RECV:
                 continue
             acc = rows.setdefault((r, c.kind, c.axis), [0, 0, 0])
             acc[0] += 1

@@ -1,5 +1,6 @@
-"""Pipeline schedules (design §8): the order in which each stage runs the forwards and backwards of a step's
-microbatches, and the pass that puts the dynamic graph's nodes in that order.
+"""Pipeline schedules (docs/lowering.md#15-pipeline-schedules-microbatches---microbatches---schedule): the order in
+which each stage runs the forwards and backwards of a step's microbatches, and the pass that puts the dynamic graph's
+nodes in that order.
 
 A step of M microbatches (``microbatches`` of :func:`~shardflow.lower.dynamic.pass_expansion`) on p stages (the
 sub-meshes of the stage axis) is, per stage, a sequence of **actions**: ``F m`` (the stage's forward nodes of

@@ -1,4 +1,5 @@
-"""Shard expansion (design §5): the dynamic graph → one invocation per device of each local step.
+"""Shard expansion (docs/lowering.md#3-shard-expansion-shardflowlowershard_expansion): the dynamic graph → one
+invocation per device of each local step.
 
 The dynamic graph is grouped into lowering **steps**: one node, or a Reduction/Combine fused with the
 Repartition after it on the same axis (a reduce-scatter, an all-to-all). A step is *local* — a compute op,
@@ -6,7 +7,7 @@ gradient sum, loss seed, update, gradient-norm sum, Replicate's backward keeping
 Repartition of replicas (each device keeps its block), or any parallel op along an axis of one device (an
 alias: nothing moves) — or a *communication*, named by the one table :data:`LOWERING` and left to
 communication lowering. Each local step becomes one invocation per device of its sub-mesh, on that device's
-pieces (every buffer at its piece size, design §5). Only the requested ranks are expanded, with mesh
+pieces (every buffer at its piece size). Only the requested ranks are expanded, with mesh
 arithmetic rather than enumeration, so a rank expands its own program at a cost that does not grow with
 the world size.
 """
@@ -15,40 +16,23 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.comms import CommKind, wire_bytes
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value,
                                      cross_submesh_reads, require)
 from shardflow.lower.program import (Block, Buffer, Compute, Convert, Forward, Instr, Keep, KernelSpec, OnesLike,
                                      Program, Sum, SumOfSquares, Update, Vjp)
+from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition, Replicate
-from shardflow.parallel.sharding import Sharding
-
-if TYPE_CHECKING:  # comm lowering fills it; importing it here would be circular
-    from shardflow.lower.comm_lowering import Decisions
+from shardflow.parallel.ops import Replicate
 
 
-
-class LocalKind(StrEnum):
-    """Steps of parallel ops that move nothing between devices: a Repartition of replicas (``split``: each
-    device keeps its block) and any parallel op along an axis of one device (``alias``: the same piece)."""
-
-    SPLIT = "split"
-    ALIAS = "alias"
-
-
-# (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out (design
-# §3, §6): the one table from which every parallel op is lowered. A Repartition alone is local (a split).
+# (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out
+# (docs/lowering.md#4-communication-lowering): the one table from which every parallel op is lowered — a
+# redistribution's steps as the planner prices them (REDISTRIBUTION), and a Replicate, forward and backward.
 LOWERING: dict[tuple[str, ...], CommKind | LocalKind] = {
-    (Reduction.kind,): CommKind.ALL_REDUCE,
-    (Reduction.kind, Repartition.kind): CommKind.REDUCE_SCATTER,
-    (Combine.kind,): CommKind.ALL_GATHER,
-    (Combine.kind, Repartition.kind): CommKind.ALL_TO_ALL,
-    (Repartition.kind,): LocalKind.SPLIT,
+    **REDISTRIBUTION,
     (Replicate.kind, TaskType.FWD): CommKind.BROADCAST,
     (Replicate.kind, TaskType.BWD): CommKind.REDUCE,
 }
@@ -104,14 +88,6 @@ class Step:
         return self.kind in LOCAL_STEPS
 
 
-def fuses(first: ParallelOp, second: ParallelOp) -> bool:
-    """Whether ``second`` right after ``first`` (reading only its output) lowers as one communication: a Reduction
-    or a Combine followed by a Repartition on the same axis — a reduce-scatter, an all-to-all (a Combine and a
-    Repartition of the same dim are not fused)."""
-    return (isinstance(first, (Reduction, Combine)) and isinstance(second, Repartition) and first.axis == second.axis
-            and not (isinstance(first, Combine) and first.dim == second.dim))
-
-
 def steps(dg: DynamicGraph) -> list[Step]:
     """Group the nodes into lowering steps, fusing Reduction→Repartition and Combine→Repartition pairs on
     one axis when nothing else reads the intermediate value."""
@@ -144,41 +120,21 @@ def steps(dg: DynamicGraph) -> list[Step]:
     return out
 
 
-def redistribution_cost(ops: Sequence[ParallelOp], src: Sharding, group: SubMesh, type_: TensorType) -> tuple[int, int]:
-    """(bytes one device sends, communications) of running ``ops`` forward on a tensor of ``type_`` held as ``src``
-    on ``group`` — the parallel ops of :func:`~shardflow.parallel.ops.redistribute` (never a Replicate), grouped
-    into steps as :func:`steps` groups them (consecutive ops that :func:`fuses` are one step), each
-    communication step costing :func:`~shardflow.lower.comms.wire_bytes` of the piece entering it. The planner
-    prices redistributions with this, so planning and lowering count bytes by one definition."""
-    nbytes = comms = 0
-    i = 0
-    while i < len(ops):
-        step = tuple(ops[i:i + 2]) if i + 1 < len(ops) and fuses(ops[i], ops[i + 1]) else (ops[i],)
-        kind = LocalKind.ALIAS if step[0].degree == 1 else LOWERING[tuple(op.kind for op in step)]
-        if kind not in LOCAL_STEPS:
-            piece_bytes = TensorType(src.parallel_shape(group, type_.shape).piece_shape, type_.dtype).nbytes
-            nbytes += wire_bytes(kind, piece_bytes, step[0].degree)
-            comms += 1
-        for op in step:
-            src, group = op.apply(src, group)
-        i += len(step)
-    return nbytes, comms
-
-
 @dataclass(frozen=True)
 class ShardedGraph:
     """The step after shard expansion, for the lowered ``ranks``: the dynamic graph grouped into ``steps``,
     and per rank, per step, the instructions it runs (``instrs``). Communication lowering fills the
     communication steps — ``deferred``: per rank, per step, instructions that wait until something reads what
-    they fill (a gradient bucket's Wait and unpack) — with tokens relative to the step and its ``decisions``;
-    ordering numbers the tokens globally and makes the ``programs``. ``done``: the passes applied so far."""
+    they fill (a gradient bucket's Wait and unpack) — with tokens relative to the step, and ``tokens``: per step,
+    how many communications (tokens) it makes; ordering numbers the tokens globally and makes the ``programs``.
+    ``done``: the passes applied so far."""
 
     dg: DynamicGraph
     ranks: tuple[int, ...]
     steps: tuple[Step, ...]
     instrs: Mapping[int, tuple[tuple[Instr, ...], ...]]
     deferred: Mapping[int, tuple[tuple[Instr, ...], ...]] = field(default_factory=dict)
-    decisions: Decisions | None = None
+    tokens: tuple[int, ...] = ()
     programs: Mapping[int, Program] | None = None
     done: tuple[str, ...] = ()
 

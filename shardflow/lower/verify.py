@@ -1,6 +1,6 @@
-"""Static checks of per-rank programs (design §6, "Order"): :func:`verify` runs before any process starts and
-proves the programs can run together; :func:`fingerprints` / :func:`check_fingerprints` compare plan hashes
-across ranks at start-up, so that ranks holding different plans refuse to run.
+"""Static checks of per-rank programs (docs/lowering.md#6-the-verifier-shardflowlowerverifyverify): :func:`verify` runs
+before any process starts and proves the programs can run together; :func:`fingerprints` / :func:`check_fingerprints`
+compare plan hashes across ranks at start-up, so that ranks holding different plans refuse to run.
 """
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from typing import Iterator, Mapping
 
-from shardflow.lower.comms import FIELDS, CommKind
 from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait, reads, writes
 from shardflow.lower.rendezvous import rendezvous
+from shardflow.parallel.collectives import KINDS, CommKind
+from shardflow.parallel.mesh import ReduceOp
 
 SHOWN = 5  # problems quoted in the error message; all are in ``problems``
 
@@ -82,6 +83,9 @@ def check_fingerprints(local: Mapping[int, str]) -> None:
             + "; every rank must lower the same plan (same graph, strategy, mesh and shardflow version)", differ)
 
 
+_P2P = (CommKind.SEND, CommKind.RECV)  # the two ends of one transfer
+
+
 def _d(c: Comm) -> str:
     return f"token {c.token} ({c.kind})"
 
@@ -89,8 +93,9 @@ def _d(c: Comm) -> str:
 def _what(c: Comm) -> str:
     """What the holders of a token must agree on (:meth:`Comm.signature`), in words."""
     return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}" + (
-        f" root={c.root}" if c.root is not None else "") + (f" op={c.reduce_op}" if c.reduce_op != "sum" else "") + (
-        f" of {c.value}" if c.value else "") + (f" piece {list(c.piece)}" if c.family == "p2p" and c.piece else "")
+        f" root={c.root}" if c.root is not None else "") + (
+        f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "") + (f" of {c.value}" if c.value else "") + (
+        f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
 
 
 def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[str]:
@@ -105,7 +110,7 @@ def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[st
 
 
 def _comm_errors(rank: int, c: Comm, world_size: int) -> Iterator[str]:
-    if c.kind not in {k.value for k in CommKind}:
+    if c.kind not in KINDS:
         yield f"unknown kind; expected one of {', '.join(CommKind)}"
         return
     m = c.members
@@ -115,15 +120,15 @@ def _comm_errors(rank: int, c: Comm, world_size: int) -> Iterator[str]:
         yield f"the holding rank is not among members {list(m)}"
     if len(set(m)) != len(m):
         yield f"duplicate members in {list(m)}"
-    used = FIELDS.get(c.family, ())
+    used = KINDS[c.kind].fields
     for field in ("peer", "peer_from", "root"):
         v = getattr(c, field)
-        if field in used and v not in m and c.family != "p2p":  # p2p peers: checked against (src, dst) below
+        if field in used and v not in m and c.kind not in _P2P:  # p2p peers: checked against (src, dst) below
             yield f"{field}={v} is not among members {list(m)}"
         elif field not in used and v is not None:
             yield f"{field}={v} is set but {c.kind} takes no {field}"
-    if c.family == "p2p" and (len(m) != 2 or (rank, c.peer) != (m if c.kind == "send" else m[::-1])):
-        end, other = ("src", "dst") if c.kind == "send" else ("dst", "src")
+    if c.kind in _P2P and (len(m) != 2 or (rank, c.peer) != (m if c.kind == CommKind.SEND else m[::-1])):
+        end, other = ("src", "dst") if c.kind == CommKind.SEND else ("dst", "src")
         yield f"needs members (src, dst), held by {end} with peer={other}; got members {list(m)}, peer={c.peer}"
 
 
@@ -151,12 +156,14 @@ def _check_tokens(programs: Mapping[int, Program]) -> list[str]:
         held = dict(hs)
         for m in sorted({m for _, c in hs for m in c.members} - held.keys()):
             r, c = next((r, c) for r, c in hs if m in c.members)
-            out.append(f"rank {r} sends token {t} to rank {m}, which has no matching recv" if c.kind == "send" else
-                       f"rank {r} receives token {t} from rank {m}, which has no matching send" if c.kind == "recv"
+            out.append(f"rank {r} sends token {t} to rank {m}, which has no matching recv"
+                       if c.kind == CommKind.SEND else
+                       f"rank {r} receives token {t} from rank {m}, which has no matching send"
+                       if c.kind == CommKind.RECV
                        else f"rank {m} is a member of {_d(c)} over {list(c.members)} on rank {r} but lacks it")
         for r, c in hs:
-            to = held.get(c.peer) if c.kind == "permute" else None
-            if to is not None and to.kind == "permute" and to.peer_from != r:
+            to = held.get(c.peer) if c.kind == CommKind.PERMUTE else None
+            if to is not None and to.kind == CommKind.PERMUTE and to.peer_from != r:
                 out.append(f"{_d(c)}: rank {r} sends to rank {c.peer}, which receives from rank {to.peer_from}")
     return out
 

@@ -14,10 +14,46 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Iterator
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
-LINEAR_REDUCE_OPS = ("sum", "avg")
+import torch
+
+
+class ReduceOp(StrEnum):
+    """How partial pieces combine into the tensor (DTensor's ``Partial(reduce_op)``): the one spelling of a
+    reduce op, from placements to the communications that apply it. Its repr is the word a user writes
+    (``Partial('avg')``, ``one of ('sum', 'avg', 'max', 'min')``)."""
+
+    SUM = "sum"
+    AVG = "avg"
+    MAX = "max"
+    MIN = "min"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @property
+    def linear(self) -> bool:
+        """Only ``sum`` and ``avg`` are linear (PyTorch PR #157340): linear ops may run on the pieces."""
+        return self in (ReduceOp.SUM, ReduceOp.AVG)
+
+    def combine(self, pieces: torch.Tensor) -> torch.Tensor:
+        """The pieces stacked along dim 0, combined into one."""
+        return _COMBINE[self](pieces, 0)
+
+    @classmethod
+    def parse(cls, value: str, where: str, error: type[ValueError] = ValueError) -> ReduceOp:
+        """``value`` as a reduce op; raises ``error`` naming ``where`` when it is none."""
+        if isinstance(value, cls):  # the planner's own: no lookup (Shardings are built by the thousand)
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise error(f"{where}: reduce_op must be one of {tuple(cls)}, got {value!r}") from None
+
+
+_COMBINE = {ReduceOp.SUM: torch.sum, ReduceOp.AVG: torch.mean, ReduceOp.MAX: torch.amax, ReduceOp.MIN: torch.amin}
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +78,13 @@ class Replicate:
 class Partial:
     """The devices along the axis hold pieces whose element-wise ``reduce_op`` is the tensor.
 
-    Only ``sum`` and ``avg`` are linear (PyTorch PR #157340): linear ops may run on the pieces.
+    Only ``sum`` and ``avg`` are linear (:attr:`ReduceOp.linear`): linear ops may run on the pieces.
     """
 
-    reduce_op: str = "sum"
+    reduce_op: ReduceOp = ReduceOp.SUM
 
     def __post_init__(self):
-        if self.reduce_op not in REDUCE_OPS:
-            raise ValueError(f"Partial: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+        object.__setattr__(self, "reduce_op", ReduceOp.parse(self.reduce_op, "Partial"))
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op!r})"

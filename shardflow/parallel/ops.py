@@ -20,7 +20,8 @@ input block ``c // d``; Combine removes the minor axis of the dim. Duals: Replic
 Repartition↔Combine.
 
 Lowering names the communication of each movement in one table,
-:data:`shardflow.lower.shard_expansion.LOWERING`. A backward is lowered as the parallel ops that bring the
+:data:`shardflow.lower.shard_expansion.LOWERING`, built on the collectives of a redistribution's steps
+(:data:`shardflow.parallel.collectives.REDISTRIBUTION`). A backward is lowered as the parallel ops that bring the
 gradient to its input's sharding (the dual op; a Reduction's broadcast moves nothing, every device already
 holds the gradient), except Replicate's, whose sum of the replica gradients is a reduce to the root.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardingError
 from shardflow.parallel.sharding import Sharding
 
@@ -161,14 +162,14 @@ class Reduction(ParallelOp):
             raise ShardingError(f"{self.describe()}: sum degree {p.sum_degree} is not a multiple of {self.degree}")
         sum_degree = p.sum_degree // self.degree
         return replace(p, sum_degree=sum_degree, replica_degree=p.replica_degree * self.degree,
-                       reduce_op=p.reduce_op if sum_degree > 1 else "sum")
+                       reduce_op=p.reduce_op if sum_degree > 1 else ReduceOp.SUM)
 
     def apply(self, s, group):
         self._check_degree(group)
         if self.axis not in s.partial:
             raise ShardingError(f"{self.describe()}: the tensor {s} holds no partial pieces along axis {self.axis!r}")
         partial = tuple(a for a in s.partial if a != self.axis)
-        return Sharding(s.dims, partial, s.reduce_op if partial else "sum"), group
+        return Sharding(s.dims, partial, s.reduce_op if partial else ReduceOp.SUM), group
 
     def describe(self):
         return f"Reduction(degree={self.degree}, axis={self.axis})"

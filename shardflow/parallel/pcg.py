@@ -5,8 +5,9 @@ tensor a :class:`Sharding` (hence a :class:`ParallelTensorShape` and DTensor pla
 makes every change of sharding an explicit parallel-operator node (Repartition, Combine, Replicate,
 Reduction). What to shard is decided by a strategy and handed over as :class:`Annotations`; the rules of
 :mod:`shardflow.parallel.rules` decide everything else. Where a rule refuses its inputs, planning does not stop
-(design §4): the inputs are redistributed to the cheapest placements the rule accepts (bytes each device sends,
-as lowering will send them), at worst Replicate, and each such :class:`Redistribution` is listed on the PCG.
+(docs/concepts.md#4-sharding-rules-and-partial-sums): the inputs are redistributed to the cheapest placements the
+rule accepts (bytes each device sends, as lowering will send them), at worst Replicate, and each such
+:class:`Redistribution` is listed on the PCG.
 ``strict=True`` keeps the refusal instead.
 """
 
@@ -21,6 +22,7 @@ from typing import Mapping, Sequence
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.graph.ops import Binary, Dropout, Op, TensorType, Where
 from shardflow.graph.rng import DrawSite, PieceSite
+from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
 from shardflow.parallel.rules import (LocalOp, RuleError, RuleResult, align_operands, propagate, rule_for,
@@ -267,7 +269,6 @@ class _Builder:
         t = self.tensors[src]
         if t.sharding == want or (src, want, t.group) in self.cache:
             return 0, 0
-        from shardflow.lower.shard_expansion import redistribution_cost  # shardflow.lower imports this module
         return redistribution_cost(redistribute(t.sharding, want, t.group), t.sharding, t.group, t.type)
 
     def candidates(self, src: str, replicated: bool) -> list[tuple[int, int, Sharding]]:

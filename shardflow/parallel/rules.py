@@ -1,8 +1,8 @@
 """Sharding rules: from the input shardings of a compute op to its output shardings and the local kernel.
 
-Each rule is "unparallel rule + degree rule": the op's own ``infer`` gives full shapes; the rule says which
-mesh axes each output dim inherits (a table of input dim → output dim), which dims must not be sharded, and
-where partial sums appear or pass through. Partial-sum linearity (PyTorch PR #157340, design §4):
+Each rule is "unparallel rule + degree rule": the op's own ``infer`` gives full shapes; the rule says which mesh axes
+each output dim inherits (a table of input dim → output dim), which dims must not be sharded, and where partial sums
+appear or pass through. Partial-sum linearity (PyTorch PR #157340, docs/concepts.md#4-sharding-rules-and-partial-sums):
 
 * only ``Partial(sum|avg)`` is linear; ``max``/``min`` partials pass through monotone element-wise functions
   only (relu, tanh keep them; neg swaps max and min — DTensor's table) and must be reduced before any other op;
@@ -33,7 +33,7 @@ import torch
 from shardflow.graph import ops as O
 from shardflow.graph.ops import Op, TensorType, torch_dtype
 from shardflow.graph.rng import DrawSite
-from shardflow.parallel.mesh import SubMesh
+from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.shape import DegreeError, ShardingError
 from shardflow.parallel.sharding import Sharding
 
@@ -125,8 +125,8 @@ class Ctx:
                 )
         return found[2] if found else ()
 
-    def partial_of(self, idx: Sequence[int], extra: Sequence[str] = (), extra_op: str = "sum"
-                   ) -> tuple[tuple[str, ...], str]:
+    def partial_of(self, idx: Sequence[int], extra: Sequence[str] = (), extra_op: ReduceOp = ReduceOp.SUM
+                   ) -> tuple[tuple[str, ...], ReduceOp]:
         """Union of the partial axes of inputs ``idx`` plus new ``extra_op``-partial axes ``extra``, and the
         reduce op."""
         axes, reduce_ops = [], set()
@@ -141,7 +141,7 @@ class Ctx:
         if len(reduce_ops) > 1:
             raise self.error(f"partial pieces with different reduce ops {sorted(reduce_ops)} meet",
                              "reduce one of them first (Reduction)")
-        return tuple(axes), reduce_ops.pop() if reduce_ops else "sum"
+        return tuple(axes), reduce_ops.pop() if reduce_ops else ReduceOp.SUM
 
     def linear_partials(self, idx: Sequence[int]) -> None:
         for i in idx:
@@ -152,11 +152,11 @@ class Ctx:
                     f"insert Reduction(axis={s.partial[0]}) before it",
                 )
 
-    def output(self, dims: Sequence[tuple[str, ...]], partial: tuple[str, ...] = (), reduce_op: str = "sum",
+    def output(self, dims: Sequence[tuple[str, ...]], partial: tuple[str, ...] = (), reduce_op: ReduceOp = ReduceOp.SUM,
                k: int = 0) -> Sharding:
         """Build output ``k``'s sharding, checking no axis is used twice and every degree divides its dim."""
         try:
-            s = Sharding(tuple(dims), partial, reduce_op if partial else "sum")
+            s = Sharding(tuple(dims), partial, reduce_op if partial else ReduceOp.SUM)
         except ShardingError:
             used = [a for ax in dims for a in ax] + list(partial)
             raise self.error(f"the output would use a mesh axis twice ({used})",
@@ -171,9 +171,9 @@ class Ctx:
         return LocalOp(op or self.op, tuple(in_scale or (1.0,) * len(self.names)), out_scale)
 
 
-def _sum_scale(ctx: Ctx, partial: tuple[str, ...], reduce_op: str) -> float:
+def _sum_scale(ctx: Ctx, partial: tuple[str, ...], reduce_op: ReduceOp) -> float:
     """What a replicated operand added to ``Partial(reduce_op)`` pieces on ``partial`` is multiplied by."""
-    return 1.0 / ctx.degree(partial) if partial and reduce_op == "sum" else 1.0
+    return 1.0 / ctx.degree(partial) if partial and reduce_op == ReduceOp.SUM else 1.0
 
 
 # --- the rules -------------------------------------------------------------------------------------------
@@ -200,10 +200,11 @@ def rule_unary(ctx: Ctx) -> RuleResult:
     reduce_op = s.reduce_op
     linear = fn in O.LINEAR_UNARY or (
         isinstance(op, O.Cast) and _is_float(ctx.out_types[0])  # int → float is exact, float → int truncates
-        and (_is_float(ctx.types[0]) or s.reduce_op == "sum"))  # an integer average is no integer
-    if s.partial and reduce_op in ("max", "min") and fn in O.NON_DECREASING_UNARY | O.NON_INCREASING_UNARY:
+        and (_is_float(ctx.types[0]) or s.reduce_op == ReduceOp.SUM))  # an integer average is no integer
+    monotone = fn in O.NON_DECREASING_UNARY | O.NON_INCREASING_UNARY
+    if s.partial and reduce_op in (ReduceOp.MAX, ReduceOp.MIN) and monotone:
         if fn in O.NON_INCREASING_UNARY:
-            reduce_op = "min" if reduce_op == "max" else "max"
+            reduce_op = ReduceOp.MIN if reduce_op == ReduceOp.MAX else ReduceOp.MAX
     elif linear:
         ctx.linear_partials([0])
     else:
@@ -232,7 +233,7 @@ def rule_binary(ctx: Ctx) -> RuleResult:
     scale = [1.0, 1.0]
     if op.fn not in O.ADDITIVE | O.MULTIPLICATIVE:  # pow, maximum, comparisons, bitwise
         ctx.no_partial(0, 1)
-        partial, reduce_op = (), "sum"
+        partial, reduce_op = (), ReduceOp.SUM
     elif op.fn in O.ADDITIVE:
         if a.partial and b.partial and (a.partial != b.partial or a.reduce_op != b.reduce_op):
             raise ctx.error(f"{op.fn} of partial pieces on different axes ({list(a.partial)} vs {list(b.partial)})",
@@ -371,7 +372,7 @@ def rule_pool(ctx: Ctx) -> RuleResult:
     ctx.unsharded(0, range(nd - len(op.kernel), nd), "pooling windows cross shard borders")
     if op.fn == "avg":
         ctx.linear_partials([0])
-    elif s.reduce_op != "max":
+    elif s.reduce_op != ReduceOp.MAX:
         ctx.no_partial(0)
     return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
 
@@ -382,7 +383,7 @@ def rule_cross_entropy(ctx: Ctx) -> RuleResult:
     ctx.unsharded(0, [1], "vocabulary-parallel cross-entropy is not supported")
     n_axes = ctx.agree([(0, 0), (1, 0)])
     out_scale = 1.0 / ctx.degree(n_axes) if op.reduction == "mean" else 1.0
-    return RuleResult((ctx.output((), n_axes, "sum"),), ctx.local(out_scale=out_scale))
+    return RuleResult((ctx.output((), n_axes, ReduceOp.SUM),), ctx.local(out_scale=out_scale))
 
 
 def rule_reduce(ctx: Ctx) -> RuleResult:
@@ -390,8 +391,8 @@ def rule_reduce(ctx: Ctx) -> RuleResult:
     amax → max, amin → min. Sums keep Partial(sum); amax keeps Partial(max) (and amin, min)."""
     op: O.Reduce = ctx.op  # type: ignore[assignment]
     s = ctx.shardings[0]
-    kind = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min"}[op.fn]
-    if kind == "sum":
+    kind = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "amax": ReduceOp.MAX, "amin": ReduceOp.MIN}[op.fn]
+    if kind == ReduceOp.SUM:
         ctx.linear_partials([0])
     elif s.partial and s.reduce_op != kind:
         ctx.no_partial(0)

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
-from shardflow.parallel.mesh import REDUCE_OPS
+from shardflow.parallel.mesh import ReduceOp
 
 
 class ShardingError(ValueError):
@@ -63,7 +63,7 @@ class ParallelTensorShape:
     shard: tuple[int, ...]
     sum_degree: int = 1
     replica_degree: int = 1
-    reduce_op: str = "sum"
+    reduce_op: ReduceOp = ReduceOp.SUM
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -71,8 +71,7 @@ class ParallelTensorShape:
             raise ShardingError(f"parallel shape: {len(self.shard)} shard degrees for {len(self.shape)} dims")
         if min((*self.shard, self.sum_degree, self.replica_degree), default=1) < 1:
             raise ShardingError(f"parallel shape: degrees must be ≥ 1, got {self}")
-        if self.reduce_op not in REDUCE_OPS:
-            raise ShardingError(f"parallel shape: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+        object.__setattr__(self, "reduce_op", ReduceOp.parse(self.reduce_op, "parallel shape", ShardingError))
         for d, (size, deg) in enumerate(zip(self.shape, self.shard)):
             if size % deg:
                 raise DegreeError(d, size, deg)
@@ -108,7 +107,7 @@ class ParallelTensorShape:
 
     def __str__(self) -> str:
         dims = ", ".join(f"{s}/{d}" if d > 1 else f"{s}" for s, d in zip(self.shape, self.shard))
-        extra = (f" sum={self.sum_degree}" + (f"({self.reduce_op})" if self.reduce_op != "sum" else "")
+        extra = (f" sum={self.sum_degree}" + (f"({self.reduce_op})" if self.reduce_op != ReduceOp.SUM else "")
                  if self.sum_degree > 1 else "")
         extra += f" rep={self.replica_degree}" if self.replica_degree > 1 else ""
         return f"[{dims}]{extra}"

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shardflow.parallel.mesh import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Placement, Replicate, Shard, SubMesh
+from shardflow.parallel.mesh import Partial, Placement, ReduceOp, Replicate, Shard, SubMesh
 from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardCoord, ShardingError
 
 
@@ -28,7 +28,7 @@ class Sharding:
 
     dims: tuple[tuple[str, ...], ...]
     partial: tuple[str, ...] = ()
-    reduce_op: str = "sum"
+    reduce_op: ReduceOp = ReduceOp.SUM
     _used: frozenset[str] = field(init=False, repr=False, compare=False)  # every axis in dims and partial
 
     @classmethod
@@ -40,8 +40,7 @@ class Sharding:
         object.__setattr__(self, "_used", frozenset(used))
         if len(used) != len(self._used):
             raise ShardingError(f"sharding {self}: a mesh axis is used twice ({used})")
-        if self.reduce_op not in REDUCE_OPS:
-            raise ShardingError(f"sharding: reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}")
+        object.__setattr__(self, "reduce_op", ReduceOp.parse(self.reduce_op, "sharding", ShardingError))
 
     @property
     def ndim(self) -> int:
@@ -58,7 +57,7 @@ class Sharding:
 
     @property
     def is_linear_partial(self) -> bool:
-        return not self.partial or self.reduce_op in LINEAR_REDUCE_OPS
+        return not self.partial or self.reduce_op.linear
 
     def axis_dim(self, axis: str) -> int | None:
         """The tensor dim ``axis`` shards, or None."""
@@ -86,7 +85,7 @@ class Sharding:
             elif isinstance(p, Partial):
                 partial.append(a)
                 reduce_op = p.reduce_op
-        return Sharding(tuple(tuple(d) for d in dims), tuple(partial), reduce_op if partial else "sum")
+        return Sharding(tuple(tuple(d) for d in dims), tuple(partial), reduce_op if partial else ReduceOp.SUM)
 
     # --- degrees --------------------------------------------------------------------------------------
     def shard_degree(self, group: SubMesh, d: int) -> int:
@@ -127,7 +126,7 @@ class Sharding:
             tuple(self.shard_degree(group, d) for d in range(self.ndim)),
             sum_degree,
             math.prod(group.mesh.axis_size(a) for a in self.replica_axes(group)),
-            self.reduce_op if sum_degree > 1 else "sum",
+            self.reduce_op if sum_degree > 1 else ReduceOp.SUM,
             dtype,
         )
 
@@ -175,7 +174,7 @@ class Sharding:
                 raise ShardingError(f"not a placement: {p!r} on axis {a!r}")
         if len(ops) > 1:
             raise ShardingError(f"Partial placements with different ops {sorted(ops)} cannot be combined")
-        return cls(tuple(tuple(x) for x in dims), tuple(partial), ops.pop() if ops else "sum")
+        return cls(tuple(tuple(x) for x in dims), tuple(partial), ops.pop() if ops else ReduceOp.SUM)
 
     # --- pieces on devices ----------------------------------------------------------------------------
     def coord_of(self, group: SubMesh, device: int) -> ShardCoord:

@@ -15,6 +15,7 @@ import torch
 
 from shardflow.graph.fused import stored
 from shardflow.graph.graph import TensorRole
+from shardflow.parallel.mesh import ReduceOp
 from shardflow.parallel.pcg import PCG, PTensor
 
 Pieces = dict[int, torch.Tensor]  # device → piece
@@ -52,15 +53,16 @@ def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) 
             r = torch.randn((p.sum_degree,) + blocks_[d].shape, generator=gen, dtype=torch.float64)
             noise[key] = r.to(full.dtype)
         r = noise[key]
-        if p.reduce_op == "sum" and not full.dtype.is_floating_point:  # integers: exact pieces summing to the block
+        # integers: exact pieces summing to the block
+        if p.reduce_op == ReduceOp.SUM and not full.dtype.is_floating_point:
             r = r.round()
             piece = blocks_[d] - r[1:].sum(0) if c.sum == 0 else r[c.sum]
-        elif p.reduce_op == "sum":
+        elif p.reduce_op == ReduceOp.SUM:
             piece = blocks_[d] / p.sum_degree + r[c.sum] - r.mean(0)
-        elif p.reduce_op == "avg":
+        elif p.reduce_op == ReduceOp.AVG:
             piece = blocks_[d] + r[c.sum] - r.mean(0)
         else:  # max / min: one piece holds the value, the others are beyond it on the losing side
-            sign = -1 if p.reduce_op == "max" else 1
+            sign = -1 if p.reduce_op == ReduceOp.MAX else 1
             piece = blocks_[d] + (0 if c.sum == 0 else sign * (r[c.sum].abs() + 1))
         out[d] = piece
     return out
@@ -77,10 +79,8 @@ def gather(pieces: Mapping[int, torch.Tensor], t: PTensor) -> torch.Tensor:
         if c.replica == 0:
             by_block.setdefault(c.shard, []).append(pieces[d])
     for shard, parts in by_block.items():
-        stacked = torch.stack(parts)
-        reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[p.reduce_op]
         coord = next(c for c in dmap.values() if c.shard == shard)
-        full[p.piece_slices(coord)] = reduce(stacked, 0)
+        full[p.piece_slices(coord)] = p.reduce_op.combine(torch.stack(parts))
     return full
 
 

@@ -231,10 +231,9 @@ def piece_error(pieces: dict[int, torch.Tensor], sharding: Sharding, group: SubM
         if tuple(x.shape) != p.piece_shape:
             return f"device {d} holds a piece of shape {list(x.shape)}, expected {list(p.piece_shape)}"
         blocks.setdefault((c.replica, c.shard), []).append(x)
-    reduce = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[p.reduce_op]
     for (replica, shard), parts in blocks.items():
         want = full[p.piece_slices(next(c for c in dmap.values() if c.shard == shard))]
-        got = reduce(_wide(torch.stack(parts)), 0) if len(parts) > 1 else _wide(parts[0])
+        got = p.reduce_op.combine(_wide(torch.stack(parts))) if len(parts) > 1 else _wide(parts[0])
         err = (got - _wide(want)).abs().max().item() if want.numel() else 0.0
         if not err <= ATOL:  # also catches NaN
             return f"replica {replica} block {list(shard)} is off by {err:.3g}"

@@ -89,7 +89,7 @@ class Receives:
 
     def alloc(self, c: Comm) -> Callable[[tuple[int, ...]], torch.Tensor] | None:
         """The buffer communication ``c`` receives into, as a function of its shape (the received value's with
-        :func:`~shardflow.lower.comms.front_dim` first; what :func:`~shardflow.lower.comms.issue` takes as
+        :func:`~shardflow.lower.comms.front_dim` first; what :func:`~shardflow.runtime.comms.issue` takes as
         ``alloc``): a ring chunk's block of the gathered buffer (allocated here when ``c`` is the ring's first
         communication in the program: call once per issue of ``c``), else its slot; None for a new buffer."""
         if c.recv is not None and c.recv.value in self.regions:

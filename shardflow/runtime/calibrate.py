@@ -1,11 +1,11 @@
 """``shardflow calibrate``'s measurement, in each rank: time every kind of call the cost model prices
-(:data:`~shardflow.lower.calibration.COST_KINDS`) through :func:`shardflow.lower.comms.issue` — the calls the
+(:data:`~shardflow.lower.calibration.COST_KINDS`) through :func:`shardflow.runtime.comms.issue` — the calls the
 distributed executor makes — per mesh axis group (or over every rank), at a few message sizes, and fit α and the
 bandwidth per kind (:func:`~shardflow.lower.calibration.fit`); rank 0 writes the file.
 
 A kind's message size is the piece one rank holds (``size`` bytes of float32: the all-gather's contribution, the
 reduction's input, the broadcast root's buffer, one ring step's chunk); the bytes fitted against are what the cost
-model counts for it (:func:`~shardflow.lower.comms.wire_bytes`; ``p2p`` is one collective-permute step, the ring's).
+model counts for it (:func:`~shardflow.parallel.collectives.wire_bytes`; ``p2p`` is one collective-permute step, the ring's).
 Each call is timed alone, from its issue to the end of its waits, after a barrier of its group; a sample is the
 median of ``reps`` calls, the slowest rank's (the call ends for the group when it ends on its last member). Each kind
 and size receives into one buffer from call to call, as the executor's receive slots do
@@ -25,11 +25,12 @@ import torch
 from shardflow.graph.ops import TensorType
 from shardflow.lower.calibration import (COST_KINDS, WORLD, Calibration, KindCost, fit, this_machine)
 from shardflow.lower.comm_lowering import ring_peers
-from shardflow.lower.comms import issue, wire_bytes
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Comm
+from shardflow.parallel.collectives import CommKind, wire_bytes
 from shardflow.parallel.mesh import Mesh
 from shardflow.runtime.buffers import Kept
+from shardflow.runtime.comms import issue
 
 WARMUP = 1  # untimed calls per kind and size (first-call set-up: connections, buffers)
 
@@ -46,17 +47,18 @@ def probe(kind: str, members: tuple[int, ...], rank: int, size: int) -> tuple[Co
     root = members[0]
     if kind == "p2p":  # one collective-permute step of the ring (step 1)
         to, frm = ring_peers(i, 1, d)
-        c = Comm(0, "permute", TaskType.FWD, members, t, 0, peer=members[to], peer_from=members[frm],
+        c = Comm(0, CommKind.PERMUTE, TaskType.FWD, members, t, 0, peer=members[to], peer_from=members[frm],
                  recv=Buffer("x", t))
-        return c, True, wire_bytes("permute", t.nbytes, d)
-    if kind == "broadcast":
-        c = Comm(0, kind, TaskType.FWD, members, t, 0, root=root, recv=None if rank == root else Buffer("x", t))
-        return c, rank == root, wire_bytes(kind, t.nbytes, d, is_root=True)
-    if kind == "reduce":
-        return Comm(0, kind, TaskType.FWD, members, t, 0, root=root), True, wire_bytes(kind, t.nbytes, d)
-    if kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        return Comm(0, kind, TaskType.FWD, members, t, 0, dim=0, dim2=0), True, wire_bytes(kind, t.nbytes, d)
-    raise ValueError(f"no probe for cost kind {kind!r}; one of {list(COST_KINDS)}")
+        return c, True, wire_bytes(CommKind.PERMUTE, t.nbytes, d)
+    if kind not in COST_KINDS:
+        raise ValueError(f"no probe for cost kind {kind!r}; one of {list(COST_KINDS)}")
+    comm = CommKind(kind)  # every other cost kind is the communication kind of that name
+    if comm == CommKind.BROADCAST:
+        c = Comm(0, comm, TaskType.FWD, members, t, 0, root=root, recv=None if rank == root else Buffer("x", t))
+        return c, rank == root, wire_bytes(comm, t.nbytes, d, is_root=True)
+    if comm == CommKind.REDUCE:
+        return Comm(0, comm, TaskType.FWD, members, t, 0, root=root), True, wire_bytes(comm, t.nbytes, d)
+    return Comm(0, comm, TaskType.FWD, members, t, 0, dim=0, dim2=0), True, wire_bytes(comm, t.nbytes, d)
 
 
 def axis_members(mesh: Mesh, axis: str, rank: int) -> tuple[int, ...]:

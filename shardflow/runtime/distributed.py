@@ -31,16 +31,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.comms import Issued, issue
 from shardflow.lower.program import Comm, Compute, Group, Wait, buffer_reuse
-from shardflow.parallel.mesh import Mesh
 from shardflow.lower.verify import check_fingerprints
+from shardflow.parallel.collectives import KINDS, CommKind
+from shardflow.parallel.mesh import Mesh, ReduceOp
 from shardflow.runtime.device import backend_for
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
                                        update_kernel)
 from shardflow.runtime import trace
 from shardflow.runtime.buffers import Receives
+from shardflow.runtime.comms import Issued, issue
 from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
@@ -346,7 +347,7 @@ class DistributedExecutor(Executor):
         if vid in self.buffers:
             c = v.sharding.coord_of(v.group, self.rank)
             if c.replica == 0:
-                out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == "avg" else 1)
+                out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == ReduceOp.AVG else 1)
         return out
 
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
@@ -445,14 +446,14 @@ class DistributedExecutor(Executor):
     def _where(self, c: Comm | str) -> str:
         if isinstance(c, str):
             return c
-        who = f"peer {c.peer}" if c.kind in ("send", "recv") else f"group {list(c.members)}"
+        who = f"peer {c.peer}" if c.kind in (CommKind.SEND, CommKind.RECV) else f"group {list(c.members)}"
         return f"rank {self.rank} waited on token {c.token} ({c.kind} of {c.type.dtype}{list(c.type.shape)}, {who})"
 
     def _check_token(self, c: Comm) -> None:
         """Debug mode: exchange tokens with the other members of ``c``; raise CommDivergence on a mismatch."""
         mine = torch.tensor([c.token], dtype=torch.long, device=self.device)
-        if c.kind in ("send", "recv", "permute"):
-            to, frm = (c.peer, c.peer) if c.kind != "permute" else (c.peer, c.peer_from)
+        if KINDS[c.kind].point_to_point:
+            to, frm = (c.peer, c.peer) if c.kind != CommKind.PERMUTE else (c.peer, c.peer_from)
             theirs = torch.empty(1, dtype=torch.long, device=self.device)
             for h in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, to), dist.P2POp(dist.irecv, theirs, frm)]):
                 self.waits.wait(h, c, read=True)
@@ -469,12 +470,12 @@ class DistributedExecutor(Executor):
                                  + "; something outside the plan ran a different sequence of communications")
 
     def _communicate(self, c: Comm) -> torch.Tensor | None:
-        """Issue communication ``c`` on this rank (:func:`~shardflow.lower.comms.issue`); wait for it now
+        """Issue communication ``c`` on this rank (:func:`~shardflow.runtime.comms.issue`); wait for it now
         (once, with the timeout) and return what it received, or leave it to the ``Wait`` of its token."""
         if self.debug:
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
-        group = None if c.family in ("p2p", "permute") else self.groups.get(c.members)  # point-to-point: none
+        group = None if KINDS[c.kind].point_to_point else self.groups.get(c.members)
         issued = issue(c, send, self.rank, group, in_place=c.token in self.shared, device=self.device,
                        alloc=self.receives.alloc(c))
         if not c.wait:

@@ -21,7 +21,7 @@ import torch
 from shardflow.graph.fused import as_module, stored
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.dynamic import DynamicGraph, NodeKind, ValueRole, forward_id
-from shardflow.runtime.accumulate import split_batch
+from shardflow.runtime.batch import split_batch
 
 # a piece of a value and the offsets of its block in the full tensor (per dim, the index of its first element)
 Block = tuple[tuple[int, ...], torch.Tensor]

@@ -17,10 +17,10 @@ from typing import Mapping
 
 import torch
 
-from shardflow.lower.calibration import cost_kind
 from shardflow.lower.cost import CostModel
 from shardflow.lower.program import Comm, Compute, Program, Wait
 from shardflow.lower.rendezvous import rendezvous
+from shardflow.parallel.collectives import KINDS
 
 LANES = {"compute": 0, "communication": 1}
 
@@ -58,7 +58,7 @@ class Tracer:
 def comm_seconds(c: Comm, cost: CostModel) -> float:
     """The cost model's time for one communication (what this rank sends, at its kind's bandwidth on its axis), in
     seconds."""
-    return cost.call_s(cost_kind(c.kind), c.nbytes, c.axis)
+    return cost.call_s(KINDS[c.kind].priced_as, c.nbytes, c.axis)
 
 
 def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]], cost: CostModel) -> list[dict]:

@@ -1,10 +1,10 @@
 """Hand-written backward of the ops that are cheap to differentiate: a table, op class → vjp.
 
-Design §7: the backward of an op is torch's own autograd unless a hand-written kernel is measurably faster. For
-ATen-sized ops it is: recording an op's autograd graph in the forward and calling the autograd engine for it in
-the backward cost about 25 µs of Python and engine set-up per op (measured on a [2, 8, 64] ``mul``: 21 µs for the
-engine call alone, 5 µs for the recording), while the formulas below take about 5 µs. With one backward per op, a
-training step of a small ATen graph (the tiny Llama: 124 backward ops) spent most of its time there.
+The backward of an op is torch's own autograd unless a hand-written kernel is measurably faster
+(docs/execution.md#executors). For ATen-sized ops it is: recording an op's autograd graph in the forward and calling
+the autograd engine for it in the backward cost several times what the formulas below take, per op
+(docs/benchmarks.md#hand-written-vjps-against-autograd); with one backward per op, a training step of a small ATen
+graph spent most of its time there.
 
 Each entry computes, from the op's inputs ``xs`` (the pieces this device holds, already multiplied by the local
 op's input scales) and the gradients ``dys`` of its outputs (None for an output no gradient reaches), the
@@ -38,8 +38,8 @@ FEW_SLICES = 8  # a broadcast dim at most this long is summed by adding its slic
 def _to(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``g`` summed over the dims ``x`` was broadcast along (broadcasting's backward). One broadcast dim of at most
     :data:`FEW_SLICES` (grouped-query attention's key/value heads repeated over the query heads of a group) is
-    summed by adding its slices: ATen's reduction over a short dim in the middle of a tensor is strided and, on a
-    [16, 2, 2, 64, 128] gradient, 7× slower than one element-wise add (measured on this project's CPU)."""
+    summed by adding its slices: ATen's reduction over a short dim in the middle of a tensor is strided and several
+    times slower than one element-wise add (docs/benchmarks.md#hand-written-vjps-against-autograd)."""
     if g.shape == x.shape:
         return g
     lead = g.ndim - x.ndim
@@ -259,9 +259,9 @@ REDUCE_FNS = frozenset({"sum", "mean"})
 
 
 # A hand vjp that recomputes its op's output (softmax: two passes over the piece) costs more than autograd's
-# recording (~5 µs) and engine call (~21 µs) once the piece is large: log_softmax of 65,536 float32 elements takes
-# ~40 µs on these machines, of 2^20 ~0.7 ms. From this many elements of its input such an op goes through autograd,
-# which keeps the output from the forward, as eager PyTorch does.
+# recording and engine call once the piece is large (docs/benchmarks.md#hand-written-vjps-against-autograd). From
+# this many elements of its input such an op goes through autograd, which keeps the output from the forward, as eager
+# PyTorch does.
 RECOMPUTES_OUTPUT = (O.Softmax,)
 AUTOGRAD_NUMEL = 2**16
 
