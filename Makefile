@@ -1,11 +1,12 @@
-# Newcomer targets: `make train` (set up + main job) and `make test` (set up + tests).
+# Newcomer targets: `make train` (set up + main job) and `make test` (set up + every test); `make test-fast`: the unit
+# tier only (tests/conftest.py sorts the tests into tiers).
 # Every install uses constraints.txt, which pins torch==2.13.0 (an unpinned torch pulls CUDA packages).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test train plan clean
+.PHONY: venv test test-fast train plan clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +18,9 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+test-fast: venv
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m unit
 
 train: venv
 	$(BIN)/shardflow train --strategy tp --nproc 2

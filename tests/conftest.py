@@ -1,6 +1,7 @@
-"""Fixtures shared by the tests that train: a small text, the tiny model's ``shardflow train`` command line, runs of
-it in a subprocess (several processes) or in the test's process (one process: no interpreter start-up), and a
-reader of the metrics a run writes; the tiny Hugging Face Llama the plan tests capture."""
+"""The two test tiers (``unit``, ``integration``: see :func:`pytest_collection_modifyitems`), and fixtures shared by
+the tests that train: a small text, the tiny model's ``shardflow train`` command line, runs of it in a subprocess
+(several processes) or in the test's process (one process: no interpreter start-up), and a reader of the metrics a
+run writes; the tiny Hugging Face Llama the plan tests capture."""
 
 from __future__ import annotations
 
@@ -13,6 +14,74 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# --- tiers --------------------------------------------------------------------------------------------------------
+# Every test is in one of two tiers (markers registered in pyproject.toml):
+#   unit         planning, lowering, rules, kernels, executors in this process: seconds, no process started
+#                (`make test-fast` = `pytest -m unit`);
+#   integration  what starts processes (launch, subprocess, torchrun), the CLI, training runs, checkpoints, the docs'
+#                commands and generated blocks, the model matrix.
+# A test is integration when it is marked @pytest.mark.integration, its file is in INTEGRATION_FILES, it uses one of
+# INTEGRATION_FIXTURES (they run `shardflow train`) or its name is in INTEGRATION_TESTS; every other test is unit.
+# A new test that starts a process or trains: mark it, or list it (or its file) here.
+
+INTEGRATION_FILES = {
+    "test_api.py": "the public API end to end: parallelize's Trainer against eager PyTorch (a minute)",
+    "test_bad_inputs.py": "the CLI on bad inputs; rendezvous failures in processes",
+    "test_check.py": "shardflow check: eager vs shardflow, gloo processes",
+    "test_checkpoint.py": "checkpoints, resume, export, generate",
+    "test_cnn.py": "ResNet end to end against one device, also in 2 processes (45 s)",
+    "test_cli.py": "the shardflow command, also in a subprocess",
+    "test_distributed.py": "4 processes (tests/dist_worker.py)",
+    "test_docs.py": "the documented commands and the generated blocks",
+    "test_examples.py": "the examples, run as scripts",
+    "test_faults.py": "processes that fail (tests/fault_worker.py)",
+    "test_hf_models.py": "Hugging Face models end to end: captured, trained as eager, every op's rule (a minute)",
+    "test_hf_strategies.py": "2 processes (tests/hf_worker.py)",
+    "test_memory.py": "training runs in subprocesses",
+    "test_model_matrix.py": "the model matrix: shardflow check on every family and strategy",
+    "test_rundir.py": "training runs and their directories",
+    "test_train.py": "shardflow train",
+    "test_train_check.py": "shardflow train --check",
+}
+INTEGRATION_FIXTURES = {"run_train", "run_here", "train_here", "train_argv"}
+INTEGRATION_TESTS = {  # file::test (all its parameters) in files otherwise unit; seconds are measured on 2 busy cores
+    "test_calibration.py::test_calibrate_nproc_2_writes_a_file_the_cost_model_reads": "2 processes",
+    "test_calibration.py::test_calibrate_refuses_bad_inputs_before_any_process_starts": "the CLI",
+    "test_captured_properties.py::test_a_captured_model_trains_like_eager": "random models captured and trained (18 s)",
+    "test_data.py::test_bpe_training_is_deterministic_across_processes": "a subprocess",
+    "test_data.py::test_char_run_saves_its_tokenizer_for_generate_and_resume": "shardflow train and generate",
+    "test_device.py::test_no_tensor_of_a_step_load_save_or_restore_is_made_without_a_device": "checkpoints",
+    "test_export_capture.py::test_hugging_face_models_capture_with_eager_numbers": "HF models against eager (12 s)",
+    "test_fsdp.py::test_fsdp_on_hugging_face_mamba_shards_every_weight_and_moves_what_dp_moves": "HF Mamba2 (11 s)",
+    "test_materialize.py::test_a_model_built_on_meta_captures_the_graph_of_the_model_built_whole": "25 s",
+    "test_materialize.py::test_the_main_jobs_ranks_materialise_only_their_pieces": "the main job's model and data",
+    "test_materialize.py::test_parallelize_takes_a_model_built_on_the_meta_device": "18 s",
+    "test_plan_mutations.py::test_train_verifies_the_plan_before_launching": "shardflow train",
+    "test_redistribution.py::test_bytes_match_or_beat_dtensor": "a subprocess (DTensor's process group)",
+    "test_redistribution.py::test_plan_lists_redistributions_and_strict_refuses": "the CLI",
+    "test_redistribution.py::test_train_strict_reaches_the_planner": "shardflow train",
+    "test_rule_validator.py::test_no_accepted_combination_is_wrong": "the validator's reduced sweep (12 s)",
+    "test_rule_validator.py::test_rules_are_not_over_restrictive": "the validator's reduced sweep",
+    "test_rule_validator.py::test_counts_add_up": "the validator's reduced sweep",
+    "test_rule_validator.py::test_full_sweep": "the validator's full sweep (SHARDFLOW_LONG=1)",
+}
+
+
+def tier(item: pytest.Item) -> str:
+    """``integration`` or ``unit``, by the rule above."""
+    file, name = item.path.name, getattr(item, "originalname", item.name)  # originalname: without parameters
+    if (item.get_closest_marker("integration") or file in INTEGRATION_FILES or f"{file}::{name}" in INTEGRATION_TESTS
+            or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))):
+        return "integration"
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(tier(item))
+
 
 def tiny_hf_llama():
     """The tiny Hugging Face Llama of the plan tests (2 layers, width 64, 4 heads over 2 key/value heads, MLP 128,

@@ -433,6 +433,7 @@ COMMANDS = {
     # README.md
     "make train": RunBy("test_train.py", '["--strategy", "tp", "--nproc", "2"]'),  # the Makefile's recipe, checked
     "make test": NotRun("it runs this test suite"),
+    "make test-fast": RunBy("test_docs.py", "def test_make_test_fast_runs_the_unit_tier("),  # collecting only
     ".venv/bin/shardflow train --strategy dp,tp --mesh dp=2,tp=2 --nproc 4":
         RunBy("test_train.py", '["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"]'),
     ".venv/bin/shardflow train --strategy sp --nproc 2 --steps 50 --data my.txt": Run(SHRINK_TRAIN),
@@ -582,10 +583,41 @@ def test_every_shown_command_is_tested():
 def test_command_is_run_by_another_test(command):
     how = COMMANDS[command]
     assert how.literal in (ROOT / "tests" / how.test).read_text(), f"{how.test} no longer runs {command!r}"
-    if command.startswith("make "):  # the Makefile's recipe for the target is that command
+    if command.startswith("make ") and how.literal.startswith("["):  # the Makefile's recipe for the target is that argv
         target = command.split()[1]
         recipe = re.search(rf"^{target}:.*\n\t\$\(BIN\)/(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
         assert shlex.split(recipe)[1:] == ["train", *json.loads(how.literal)], recipe
+
+
+def _recipe(target: str) -> list[str]:
+    """The words of the Makefile's one-line recipe for ``target``, after ``$(BIN)/``."""
+    return shlex.split(re.search(rf"^{target}:.*\n\t\$\(BIN\)/(.+)$", (ROOT / "Makefile").read_text(), re.M).group(1))
+
+
+def test_make_test_fast_runs_the_unit_tier():
+    """``make test`` selects nothing (every test of both tiers); ``make test-fast`` is the same pytest with ``-m unit``,
+    and that command, collecting only, selects the unit tier of tests/conftest.py: some tests, none of a file or test
+    its integration lists name; those lists name files and tests that exist."""
+    from conftest import INTEGRATION_FILES, INTEGRATION_TESTS
+
+    assert _recipe("test")[:3] == ["python", "-m", "pytest"] and not {"-m", "-k"} & set(_recipe("test")[3:])
+    assert _recipe("test-fast") == [*_recipe("test"), "-m", "unit"]
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    r = subprocess.run([sys.executable, *_recipe("test-fast")[1:], "--collect-only", "-q", "-o", "addopts=", "-p",
+                        "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": path})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    selected = [line for line in r.stdout.splitlines() if "::" in line]
+    counts = re.search(r"^(\d+)/(\d+) tests collected \((\d+) deselected\)", r.stdout, re.M)
+    assert counts and int(counts[1]) == len(selected) > 0 and int(counts[3]) > 0, r.stdout[-500:]
+    for nodeid in selected:
+        file, name = nodeid.removeprefix("tests/").split("[")[0].split("::")
+        assert file not in INTEGRATION_FILES and f"{file}::{name}" not in INTEGRATION_TESTS, nodeid
+    for file in INTEGRATION_FILES:
+        assert (ROOT / "tests" / file).is_file(), file
+    for entry in INTEGRATION_TESTS:
+        file, name = entry.split("::")
+        assert f"def {name}(" in (ROOT / "tests" / file).read_text(), entry
 
 
 def _torchrun_takes(words: list[str]) -> list[str] | None:

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -193,18 +196,83 @@ def test_replicate_grows_the_group():
         P.Replicate(4, "pp").apply(s, stage)
 
 
-def test_parallel_op_table():
-    """Each parallel op's data movement comes from the one lowering table
-    (docs/lowering.md#4-communication-lowering): alone, a Repartition is a local split, a Combine an all-gather, a
-    Reduction an all-reduce; a Replicate broadcasts forward and reduces backward; fused with a following Repartition,
-    Reduction and Combine become reduce-scatter and all-to-all."""
-    from shardflow.lower.dynamic import TaskType
-    from shardflow.lower.shard_expansion import LOWERING
-    assert set(P.PARALLEL_OPS) == {"repartition", "combine", "replicate", "reduction"}
-    assert {k: LOWERING.get((k,)) for k in P.PARALLEL_OPS} == {
-        "repartition": "split", "combine": "all_gather", "replicate": None, "reduction": "all_reduce"}
-    assert [LOWERING[("replicate", p)] for p in (TaskType.FWD, TaskType.BWD)] == ["broadcast", "reduce"]
-    assert [LOWERING[(k, "repartition")] for k in ("reduction", "combine")] == ["reduce_scatter", "all_to_all"]
+# --- what each op does to real pieces, and what it costs -------------------------------------------------
+# Each op's data movement written from its definition (a split, an all-gather, an all-reduce, a broadcast), run on
+# the pieces a real tensor has on each device: the result must be the pieces of the op's output sharding, and the
+# bytes the planner charges (redistribution_cost) those of the one collective it lowers to — fused pairs included.
+M23 = Mesh.parse("dp=2,tp=3")
+G23 = SubMesh(M23)
+X = torch.arange(72, dtype=torch.float64).reshape(6, 12) / 7  # float64[6, 12]: 576 bytes
+
+
+@dataclass(frozen=True)
+class _On:
+    """A tensor of X's type held as ``sharding`` on ``group`` (what simulate's scatter and gather take)."""
+
+    sharding: Sharding
+    group: SubMesh
+    type: TensorType = TensorType((6, 12), "float64")
+
+
+def _peers(group, device, axis):
+    """The devices of ``group`` that differ from ``device`` only on ``axis``, in the order of their coordinate."""
+    here = group.coords(device)
+    return [group.device_of({**here, axis: i}) for i in range(group.mesh.axis_size(axis))]
+
+
+def _move(op, pieces, group):
+    """``op`` carried out on real pieces (device → piece) as its collective would: Repartition splits each piece
+    locally, Combine concatenates the pieces of its axis (all-gather), Reduction sums them (all-reduce), Replicate
+    copies each piece to the devices of the axis it adds (broadcast)."""
+    if isinstance(op, Repartition):
+        return {d: x.chunk(op.degree, op.dim)[group.coords(d)[op.axis]] for d, x in pieces.items()}
+    if isinstance(op, Combine):
+        return {d: torch.cat([pieces[p] for p in _peers(group, d, op.axis)], op.dim) for d in pieces}
+    if isinstance(op, Reduction):
+        return {d: sum(pieces[p] for p in _peers(group, d, op.axis)) for d in pieces}
+    assert isinstance(op, P.Replicate)
+    whole = group.without_fixed(op.axis)
+    return {d: pieces[group.device_of(whole.coords(d))].clone() for d in whole.devices()}
+
+
+@pytest.mark.parametrize("group, src, ops, cost", [
+    # a local split: no bytes
+    (G23, (Shard(0), Replicate()), [Repartition(1, 3, "tp")], (0, 0)),
+    # all-gather of a float64[3, 4] piece (96 bytes) among 3: each device sends its piece to 2 others
+    (G23, (Shard(0), Shard(1)), [Combine(1, 3, "tp")], (2 * 96, 1)),
+    # all-reduce of a float64[3, 12] piece (288 bytes) among 3: 2·(3−1)/3 of it
+    (G23, (Shard(0), Partial()), [Reduction(3, "tp")], (2 * 288 * 2 // 3, 1)),
+    # Reduction then Repartition: one reduce-scatter, (3−1)/3 of the piece — half the all-reduce's bytes
+    (G23, (Shard(0), Partial()), [Reduction(3, "tp"), Repartition(1, 3, "tp")], (288 * 2 // 3, 1)),
+    # Combine then Repartition of another dim: one all-to-all of a float64[2, 12] piece (192 bytes)
+    (G23, (Replicate(), Shard(0)), [Combine(0, 3, "tp"), Repartition(1, 3, "tp")], (192 * 2 // 3, 1)),
+    # the last partial axis first: the pieces stay partial on dp
+    (G23, (Partial(), Partial()), [Reduction(3, "tp")], (2 * 576 * 2 // 3, 1)),
+    # Replicate: a pipeline stage's pieces (dp=1) copied to the other stage; the planner never redistributes by it
+    (SubMesh(M23, (("dp", 1),)), (Shard(1),), [P.Replicate(2, "dp")], None),
+], ids=["split", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "partial_all_reduce", "broadcast"])
+def test_each_parallel_op_moves_the_pieces_of_its_output_sharding_at_its_collectives_cost(group, src, ops, cost):
+    from shardflow.parallel.collectives import redistribution_cost
+    from shardflow.parallel.simulate import gather, scatter
+
+    here = _On(Sharding.from_placements(src, group, 2), group)
+    pieces = scatter(X, here)
+    shape = here.sharding.parallel_shape(group, X.shape, "float64")
+    for op in ops:
+        pieces = _move(op, pieces, here.group)
+        here = _On(*op.apply(here.sharding, here.group))
+        shape = op.apply_shape(shape)
+        assert set(pieces) == set(here.group.devices())
+        assert {tuple(x.shape) for x in pieces.values()} == {shape.piece_shape}
+    if here.sharding.partial:  # random pieces that add up to X
+        torch.testing.assert_close(gather(pieces, here), X, rtol=0, atol=1e-12)
+    else:  # the block of X each device holds under the output sharding (sums of random pieces: to rounding)
+        want = scatter(X, here)
+        for d in want:
+            torch.testing.assert_close(pieces[d], want[d], rtol=0, atol=1e-12)
+    if cost is not None:
+        start = Sharding.from_placements(src, group, 2)
+        assert redistribution_cost(ops, start, group, here.type) == cost
 
 
 # --- redistribute -----------------------------------------------------------------------------------------
