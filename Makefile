@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: venv test test-fast train plan clean
+.PHONY: venv test test-fast lint typecheck train plan clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m unit
 
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/python tools/typecheck.py
+
 train: venv
 	$(BIN)/shardflow train --strategy tp --nproc 2
 
@@ -29,4 +36,4 @@ plan: venv
 	$(BIN)/shardflow plan --model gpt --strategy tp --nproc 2
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache
