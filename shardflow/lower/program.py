@@ -575,6 +575,8 @@ def writes(i: Instr) -> tuple[Buffer, ...]:
 
 
 def programs_json(programs: Mapping[int, Program]) -> str:
+    """The programs as JSON (``shardflow plan --format json``'s ``ranks``): each rank's :meth:`Program.to_json`, by
+    rank."""
     return json.dumps({"ranks": [p.to_json() for _, p in sorted(programs.items())]}, indent=1)
 
 
