@@ -981,7 +981,7 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
     base = dataclasses.replace(TrainConfig(), strategy="fsdp", mesh=f"fsdp={world}", nproc=world)
     s = setup(base, world)
     cfg = s.optimizer
-    ex = DistributedExecutor(lower_step(s.pcg, cfg.slots, ranks=[rank], options=s.lower_options), cfg,
+    ex = DistributedExecutor(lower_step(s.pcg, cfg.slots, ranks=[rank], options=s.pipeline.options), cfg,
                              timeout_s=TIMEOUT_S)
     ex.load(s.initial_weights())
     model = s.whole_model()

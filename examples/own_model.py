@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shardflow
-from shardflow import ModulePlan, OptimizerConfig, Plan
+from shardflow import ModulePlan, Optimizer, OptimizerConfig, Plan
 from shardflow.parallel.mesh import Replicate, Shard
 
 
@@ -58,7 +58,7 @@ def main():
     # Capture, plan (errors name the op, tensor, dim and fix), lower and load the weights. Under torchrun this
     # process is one rank (the executor defaults to "auto": distributed when WORLD_SIZE > 1).
     trainer = shardflow.parallelize(model, batch, mesh=mesh, plan=plan,
-                                    optimizer=OptimizerConfig("sgd", lr=0.5, momentum=0.9))
+                                    optimizer=OptimizerConfig(Optimizer.SGD, lr=0.5, momentum=0.9))
     for step in range(20):
         loss = trainer.step(batch)
         if trainer.lead and step % 5 == 4:

@@ -7,9 +7,11 @@ __version__ = "0.1.0"
 
 from shardflow.api import ParallelPlan, Trainer, load_model, parallelize  # noqa: E402
 from shardflow.capture import wide_floats  # noqa: E402
+from shardflow.lower import MixedPrecision  # noqa: E402
+from shardflow.lower.dynamic import Optimizer  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.strategy import ModulePlan, Plan  # noqa: E402
 
-__all__ = ["Mesh", "ModulePlan", "OptimizerConfig", "ParallelPlan", "Plan", "Trainer", "load_model", "parallelize",
-           "wide_floats"]
+__all__ = ["Mesh", "MixedPrecision", "ModulePlan", "Optimizer", "OptimizerConfig", "ParallelPlan", "Plan", "Trainer",
+           "load_model", "parallelize", "wide_floats"]

@@ -34,22 +34,19 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from shardflow.capture import capture
 from shardflow.graph import ComputationGraph, TensorRole
-from shardflow.lower import LoweredStep, LowerOptions, MicroStep, lower_step
-from shardflow.lower.cost import CommForm
+from shardflow.lower import LoweredStep, LowerOptions, MixedPrecision
 from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, build_pcg
+from shardflow.parallel.pcg import PCG
+from shardflow.pipeline import Pipeline, machine_cost
 from shardflow.reference import leaves, weights_of
 from shardflow.runtime.device import rank_device
 from shardflow.runtime.materialize import materialise
 from shardflow.runtime.accumulate import MicroSteps, split_batch
-from shardflow.lower.schedule import requested
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.strategy import Plan, PlanError, make_plan, resolve
-from shardflow.strategy.presets import AXIS_OF
+from shardflow.strategy import Plan
 
 
 # --- models named on the command line --------------------------------------------------------------------------
@@ -163,48 +160,6 @@ def _checked(spec: str, name: str, made: object) -> tuple[nn.Module, dict[str, t
 
 # --- planning ---------------------------------------------------------------------------------------------------
 
-def load_plan(path: str | Path) -> Plan:
-    """``Plan.load`` with errors that name the file and say how to fix it (raises PlanError)."""
-    p = Path(path)
-    fix = ("write a JSON or TOML object with tables modules, inputs and ops (docs/concepts.md), or use --strategy "
-           "instead of --plan")
-    if not p.is_file():
-        raise PlanError(f"plan file {p}: No such file (or not a file); pass --plan with a JSON or TOML plan file, "
-                        f"or use --strategy instead")
-    try:
-        return Plan.load(p)
-    except PlanError as e:
-        raise PlanError(f"plan file {p}: {e}") from None
-    except (ValueError, TypeError, AttributeError, UnicodeDecodeError) as e:  # bad JSON/TOML, not an object
-        raise PlanError(f"cannot read plan file {p} ({type(e).__name__}: {e}); {fix}") from None
-
-
-def mesh_strategy(mesh: Mesh) -> str:
-    """The preset strategy named by the mesh's axes of more than one device (``dp=2,tp=2`` → ``dp,tp``; a mesh of
-    one device → ``single``). Raises PlanError for an axis that names no strategy."""
-    axes = [a for a, s in zip(mesh.axis_names, mesh.shape) if s > 1]
-    other = [a for a in axes if a not in AXIS_OF.values()]
-    if other:
-        raise PlanError(f"mesh {mesh}: axis {other[0]!r} names no preset strategy (axes: dp, fsdp, tp, pp); name "
-                        f"the strategy (dp, fsdp, hsdp, tp, sp, pp or a combination) or give a plan")
-    return ",".join(axes) or "single"
-
-
-def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str | None = None, plan: Plan | str | Path | None = None,
-             strict: bool = False, stages_per_rank: int = 1) -> tuple[Plan, PCG]:
-    """The plan — ``plan`` (a :class:`Plan` or a JSON/TOML file), else the preset ``strategy``, else the preset the
-    mesh's axes name (:func:`mesh_strategy`) — and its PCG on ``mesh``. ``strict``: a rule's refusal is an error
-    instead of a redistribution; ``stages_per_rank``: the chunks of the model each pipeline stage of a preset holds
-    (the interleaved schedule's). Raises PlanError, DegreeError, RuleError (strict) as planning does."""
-    if plan is not None and strategy is not None:
-        raise PlanError("give a strategy or a plan, not both")
-    if plan is None:
-        plan = make_plan(graph, mesh, strategy or mesh_strategy(mesh), stages_per_rank)
-    elif not isinstance(plan, Plan):
-        plan = load_plan(plan)
-    return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh), strict=strict)
-
-
 def summary(pcg: PCG) -> str:
     """One line: devices, tensors, the parallel ops by kind, and the redistributions inserted where rules refused."""
     kinds = Counter(n.op.kind for n in pcg.parallel_nodes)
@@ -310,6 +265,12 @@ class Trainer:
     def graph(self) -> ComputationGraph:
         """The captured graph (ATen ops, its inputs named by the batch's keys, weights by parameter name)."""
         return self.plan.pcg.graph
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (every step computes it, as ``shardflow train`` logs it; None
+        before the first step)."""
+        return self.executor.grad_norm
 
     @property
     def steps_done(self) -> int:
@@ -425,10 +386,11 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
                 plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
                 lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
                 seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1, microbatches: int = 1,
-                schedule: str = "1f1b", stages_per_rank: int = 1,
-                reshard_after_forward: bool = True, ac: str = "none", master_dtype: str = "",
-                device: str = "auto") -> Trainer:
-    """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights.
+                schedule: str = "1f1b", stages_per_rank: int = 1, reshard_after_forward: bool = True,
+                ac: str = "none", mixed_precision: MixedPrecision | None = None, all_gather: str = "auto",
+                reduce_scatter: str = "auto", bucket_mb: float = 25.0, device: str = "auto") -> Trainer:
+    """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights
+    (:class:`~shardflow.pipeline.Pipeline`, as ``shardflow train`` and ``plan`` do: the same programs).
 
     Args:
         model: any ``nn.Module`` whose ``model(**batch)`` returns the loss (or an object with ``.loss``). It is
@@ -463,10 +425,15 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         ac: activation checkpointing, ``"none"`` or ``"block"``: each block (a module under an integer index, such
             as ``model.layers.3``) runs its forward again right before its backward instead of keeping its
             activations (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`).
-        master_dtype: mixed precision: with a model in bfloat16 (``model.to(torch.bfloat16)``), ``"float32"`` holds
-            its weights, gradient reductions and optimizer state in float32 and casts the weights to bfloat16 for
-            each step (FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); "" (default):
-            every weight in its own dtype. :meth:`Trainer.state_dict` gives the float32 weights.
+        mixed_precision: a :class:`~shardflow.lower.MixedPrecision` (FSDP2's ``MixedPrecisionPolicy``) for a model
+            already in its ``param_dtype`` (``model.to(torch.bfloat16)``): its weights, gradient reductions and
+            optimizer state are held in ``reduce_dtype`` (float32) and the weights cast to ``param_dtype`` for each
+            step; :meth:`Trainer.state_dict` gives the ``reduce_dtype`` weights. None (default): every weight in
+            its own dtype.
+        all_gather, reduce_scatter: the form of each all-gather (``collective``, ``ring``, ``broadcast_loop``) and
+            reduce-scatter (``collective``, ``ring``); ``"auto"`` (default): the cheapest by this machine's
+            calibrated cost model (:func:`~shardflow.pipeline.machine_cost`), as in ``shardflow train``.
+        bucket_mb: gradient all-reduces packed into buckets of this many MiB (DDP's ``bucket_cap_mb``; 0: none).
         device: where every buffer of the step lives, as torchrun's convention has it: ``"auto"`` (default):
             ``cuda:LOCAL_RANK`` when CUDA is available with a GPU for each of the machine's ``LOCAL_WORLD_SIZE``
             processes (the distributed executor then talks NCCL), else the CPU
@@ -477,57 +444,70 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         CaptureError: export cannot capture the model (the message names the model's source line).
         InitError (a ValueError): a meta-device model whose initialisation cannot be replayed piece by piece.
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
-        ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer, executor or ``ac``;
-            ``accumulate`` < 1, or a batch whose dim 0 it does not divide (BatchSplitError); a schedule that does not
-            fit (:func:`~shardflow.lower.schedule.requested`); distributed: the world
-            size is not the mesh's size, or the ranks' models have different weights; an unknown ``device``.
+        ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer, executor, ``ac``,
+            schedule or form; ``accumulate``, ``microbatches`` or ``stages_per_rank`` < 1
+            (:meth:`~shardflow.lower.LowerOptions.parse`), or a batch whose dim 0 they do not divide
+            (BatchSplitError); a schedule that does not fit (:func:`~shardflow.lower.schedule.requested`);
+            distributed: the world size is not the mesh's size, or the ranks' models have different weights; an
+            unknown ``device``.
         DeviceError (a ValueError): ``device="cuda"`` without CUDA, or a local rank with no GPU of its own.
+        CalibrationError: this machine's calibration file cannot be used.
     """
     mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
-    if isinstance(optimizer, OptimizerConfig):
-        if lr is not None:
-            raise ValueError(f"lr={lr} with an OptimizerConfig (lr={optimizer.lr}): set lr in the config")
-        opt = optimizer
-    else:
-        opt = OptimizerConfig(optimizer, 0.1 if lr is None else lr)
+    opt = optimizer_config(optimizer, lr)
     try:
         kind = ExecutorKind(executor).resolved()
     except ValueError:
         raise ValueError(f"executor={executor!r}: use one of {', '.join(map(str, ExecutorKind))}") from None
-    if accumulate < 1:
-        raise ValueError(f"accumulate={accumulate}: give the micro-steps per step, 1 (no accumulation) or more")
-    micro_steps = MicroStep.sequence(accumulate)
-    requested(mesh, schedule, microbatches, stages_per_rank)
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard_after_forward,
-                           ac=ac, master_dtype=master_dtype, microbatches=microbatches, schedule=schedule)
+    options = mesh_options(mesh, device, all_gather=all_gather, reduce_scatter=reduce_scatter, bucket_mb=bucket_mb,
+                           reshard_after_forward=reshard_after_forward, ac=ac, precision=mixed_precision,
+                           microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+                           accumulate=accumulate)
     inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
-    graph = capture(model, split_batch(batch, accumulate * microbatches)[0])
-    chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict, stages_per_rank)
+    pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict)
+    graph = pipeline.graph
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
     where = rank_device(device)
     if kind == ExecutorKind.DISTRIBUTED:
         from shardflow.runtime.distributed import DistributedExecutor, init_from_env
         rank, _ = init_from_env(timeout_s, where)
-        steps = {m: lower_step(pcg, opt.slots, ranks=[rank], micro=m, options=options)
-                 for m in dict.fromkeys(micro_steps)}
+        lowered = pipeline.lower_micro_steps(ranks=(rank,))
         make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=timeout_s, seed=seed, device=where)
+        if not inits:  # materialised pieces are the same everywhere by design
+            _same_weights_everywhere(weights)
         lead = rank == 0
     else:
         from shardflow.runtime.local import LocalExecutor
-        steps = {m: lower_step(pcg, opt.slots, micro=m, options=options)  # proven to agree
-                 for m in dict.fromkeys(micro_steps)}
+        lowered = pipeline.lower_micro_steps(verify=True)  # every rank's programs, proven to agree
         make, lead = functools.partial(LocalExecutor, optimizer=opt, seed=seed, device=where), True
-    lowered = steps[micro_steps[-1]]  # the step that reduces the gradients and updates
-    ex: Executor = make(lowered)  # distributed: checks the world size and that every rank has the same plan
-    if kind == ExecutorKind.DISTRIBUTED and not inits:  # materialised pieces are the same everywhere by design
-        _same_weights_everywhere(weights)
-    others = {m: make(step, share=ex) for m, step in steps.items() if not m.last}
-    micro = MicroSteps([others.get(m, ex) for m in micro_steps])
-    ex.load(weights)
+    # distributed: each executor checks the world size and that every rank has the same plan
+    ex, micro = pipeline.executors(lowered, make, weights)
     tied: dict[int, str] = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if n in graph.weights}
     names = {n: tied[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in names}
-    return Trainer(ParallelPlan(chosen.name, pcg, lowered), ex, opt, lead, names, buffers, micro)
+    return Trainer(ParallelPlan(pipeline.plan.name, pipeline.pcg, lowered[pipeline.micro_steps[-1]]), ex, opt, lead,
+                   names, buffers, micro)
+
+
+def mesh_options(mesh: Mesh, device: str = "auto", **settings) -> LowerOptions:
+    """:func:`parallelize`'s step ``settings`` (keyword arguments of :meth:`LowerOptions.parse`) parsed, with the
+    cost model of one process per device of ``mesh`` on ``device`` (:func:`~shardflow.pipeline.machine_cost`), which
+    chooses the ``auto`` forms. Raises ValueError as :meth:`LowerOptions.parse` does, CalibrationError."""
+    return LowerOptions.parse(cost=machine_cost(device, mesh.size), **settings)
+
+
+def optimizer_config(optimizer: OptimizerConfig | str, lr: float | None) -> OptimizerConfig:
+    """``optimizer`` as an :class:`OptimizerConfig`: given as one (then no ``lr``), or by name (``sgd``,
+    ``adamw``) with ``lr`` (default 0.1). Raises ValueError for an unknown name, or a config given with ``lr``."""
+    if isinstance(optimizer, OptimizerConfig):
+        if lr is not None:
+            raise ValueError(f"lr={lr} with an OptimizerConfig (lr={optimizer.lr}): set lr in the config")
+        return optimizer
+    try:
+        name = Optimizer(optimizer)
+    except ValueError:
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(map(str, Optimizer))}") from None
+    return OptimizerConfig(name, 0.1 if lr is None else lr)
 
 
 def _same_weights_everywhere(weights: Mapping[str, torch.Tensor]) -> None:

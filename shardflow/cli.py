@@ -33,29 +33,25 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
-from shardflow.api import (ExecutorKind, ParallelPlan, load_model, parallelize, plan_pcg, require_eager_comparable,
-                           summary)
+from shardflow.api import (ExecutorKind, LowerOptions, ParallelPlan, Pipeline, load_model, machine_cost,
+                           mesh_options, parallelize, require_eager_comparable, summary)
 from shardflow.capture import CaptureError, at_dtype, capture, wide_floats
 from shardflow.graph.ops import OpError, dtype_name
-from shardflow.lower import CostModel, LowerOptions, lower_step
-from shardflow.lower.cost import CommForm
-from shardflow.lower.dynamic import MicroStep, Optimizer, PassError, UpdateRule
+from shardflow.lower.dynamic import Optimizer, PassError, UpdateRule
 from shardflow.lower.comm_lowering import lowering_summary
-from shardflow.lower.passes import PASSES, LowerContext, pass_table, run_passes
+from shardflow.lower.passes import PASSES, pass_table
 from shardflow.lower.program import programs_json
 from shardflow.lower.report import bytes_table, pcg_dot
-from shardflow.lower.schedule import requested, schedule_of
+from shardflow.lower.schedule import ScheduleKind, schedule_of
 from shardflow.lower.verify import PlanVerificationError
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
-from shardflow.runtime.accumulate import split_batch
-from shardflow.runtime.device import run_backend
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
-from shardflow.train.config import MASTER_DTYPE, RANGES, Range, TrainConfig
+from shardflow.train.config import RANGES, Range, TrainConfig, step_options
 from shardflow.train.data import DataError
 from shardflow.train.family import (DEFAULT_SIZES, Feed, ModelError, Sizes, hf_config, hf_family, is_factory,
                                     is_model_type)
@@ -103,7 +99,8 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
 
 
 def memory_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The :data:`MEMORY_FLAGS` given to a command, as keyword arguments of LowerOptions and ``parallelize``."""
+    """The :data:`MEMORY_FLAGS` given to a command, as keyword arguments of ``LowerOptions.parse`` and
+    ``parallelize``."""
     return {k: getattr(args, k) for k in MEMORY_FLAGS}
 
 
@@ -199,28 +196,34 @@ def redistributions_json(pcg: PCG) -> list[dict]:
             for r in pcg.redistributions]
 
 
-def plan_model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """``--model``'s module and the batch ``shardflow train`` captures it on: in bfloat16 under ``--dtype bf16``, and
-    under ``--accumulate N`` and ``--microbatches M`` the first of N·M equal parts of the batch (a micro-batch;
-    BatchSplitError where its dim 0 does not split)."""
+def plan_model(args: argparse.Namespace, options: LowerOptions) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``--model``'s module and batch as ``shardflow train`` captures them: in the ``param_dtype`` of ``options``'s
+    mixed precision (``--dtype bf16``: bfloat16)."""
     model, batch = model_and_batch(args)
-    if args.dtype == "bf16":
-        model, batch, _ = at_dtype(model, batch, torch.bfloat16)
-    return model, split_batch(batch, args.accumulate * args.microbatches)[0]
+    if options.precision:
+        model, batch, _ = at_dtype(model, batch, options.precision.param_dtype)
+    return model, batch
 
 
-def micro_step_comms(pcg: PCG, optimizer: str, options: LowerOptions, rank: int, count: int) -> list[str]:
-    """One line per distinct micro-step of an optimizer step of ``count`` (``--accumulate``): its communications
-    on ``rank``, by pass and kind (only the last reduces the weights' gradients)."""
+def plan_optimizer(update: str) -> OptimizerConfig:
+    """The optimizer whose state ``--optimizer`` (an :class:`UpdateRule`: sgd, sgd_momentum, adamw) names."""
+    if update == UpdateRule.ADAMW:
+        return OptimizerConfig(Optimizer.ADAMW)
+    return OptimizerConfig(Optimizer.SGD, momentum=0.9 if update == UpdateRule.SGD_MOMENTUM else 0.0)
+
+
+def micro_step_comms(pipeline: Pipeline, rank: int) -> list[str]:
+    """One line per distinct micro-step of an optimizer step (``--accumulate``): its communications on ``rank``,
+    by pass and kind (only the last reduces the weights' gradients)."""
     lines = []
-    for m in dict.fromkeys(MicroStep.sequence(count)):
-        prog = lower_step(pcg, optimizer, ranks=(rank,), verify=False, options=options, micro=m).programs[rank]
+    for m in dict.fromkeys(pipeline.micro_steps):
+        prog = pipeline.lower((rank,), micro=m).programs[rank]
         kinds = Counter(f"{c.pass_} {c.kind}" for c in prog.comms)
         lines.append(f"#   {m}: " + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none"))
     return lines
 
 
-def schedule_json(dg, kind: str) -> dict[str, Any]:
+def schedule_json(dg, kind: ScheduleKind) -> dict[str, Any]:
     """The pipeline schedule of lowered step ``dg`` for ``shardflow plan --format json``: kind, stages,
     microbatches, the ideal bubble fraction and each stage's actions in order."""
     sched = schedule_of(dg, kind)
@@ -231,24 +234,21 @@ def schedule_json(dg, kind: str) -> dict[str, Any]:
 def cmd_plan(args: argparse.Namespace) -> int:
     strategy = None if args.plan else args.strategy or "tp"
     mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(strategy or "tp", args.nproc)
-    requested(mesh, args.schedule, args.microbatches, args.stages_per_rank)
-    graph = capture(*plan_model(args))
+    options = step_options(args, machine_cost("auto", mesh.size))  # train's, its calibration file's auto forms
+    model, batch = plan_model(args, options)
     if args.graph:
-        print(graph.listing())
+        print(capture(model, Pipeline.example(batch, options)).listing())
         return 0
-    plan, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict, args.stages_per_rank)
-    cost = CostModel.for_backend(run_backend("auto", mesh.size))  # train's: its calibration file, if written
-    options = LowerOptions(args.all_gather, args.reduce_scatter, cost, bucket_bytes=int(args.bucket_mb * 2**20),
-                           master_dtype=MASTER_DTYPE[args.dtype], microbatches=args.microbatches,
-                           schedule=args.schedule, **memory_options(args))
-    micro = MicroStep.sequence(args.accumulate)[-1]  # the micro-step that reduces the gradients and updates
+    pipeline = Pipeline.capture(model, batch, mesh, options, plan_optimizer(args.optimizer), strategy, args.plan,
+                                args.strict)
+    plan, pcg = pipeline.plan, pipeline.pcg
+    micro = pipeline.micro_steps[-1]  # the micro-step that reduces the gradients and updates
     if args.passes or args.dump_after:
-        dump = {args.dump_after: lambda g: print(g.listing())} if args.dump_after else None
-        _, records = run_passes(pcg, LowerContext(args.optimizer, options=options, micro=micro), dump=dump)
+        records = pipeline.passes({args.dump_after: lambda g: print(g.listing())} if args.dump_after else None)
         if args.passes:
             print(pass_table(records))
         return 0
-    step = lower_step(pcg, args.optimizer, options=options, micro=micro)  # proves the programs agree
+    step = pipeline.lower(verify=True)  # proves the programs agree
     if args.rank is not None and args.rank not in step.programs:
         raise ValueError(f"--rank {args.rank}: mesh {mesh} has ranks 0..{mesh.size - 1}; pass one of them, or omit "
                          f"--rank to show every rank")
@@ -262,7 +262,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         doc = json.loads(programs_json(programs))
         doc.update(strategy=plan.name, mesh=str(mesh), summary=summary(pcg), micro_step=str(micro), dtype=args.dtype,
                    verified=True, collectives=lowering_summary(step.programs), redistributions=redistributions_json(pcg),
-                   schedule=schedule_json(step.dg, args.schedule))
+                   schedule=schedule_json(step.dg, options.schedule))
         print(json.dumps(doc, indent=1))
         return 0
     if args.format == "dot":
@@ -279,18 +279,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(ParallelPlan(plan.name, pcg, step))
     print()
-    if MASTER_DTYPE[args.dtype]:
-        print(f"# --dtype {args.dtype}: each weight held, reduced and updated in {MASTER_DTYPE[args.dtype]} (the "
+    if options.precision:
+        print(f"# --dtype {args.dtype}: each weight held, reduced and updated in "
+              f"{dtype_name(options.precision.reduce_dtype)} (the "
               f"master, fwd:W), cast to its graph's dtype at the start of the step (fwd:W@compute) for every reader")
     if args.microbatches > 1:
-        print("# " + schedule_of(step.dg, args.schedule).timeline().replace(
+        print("# " + schedule_of(step.dg, options.schedule).timeline().replace(
             "\n", "\n# "))
         print()
     if args.accumulate > 1:
         print(f"# --accumulate {args.accumulate}: the programs below are those of the {micro} (it adds the "
               f"earlier micro-steps' gradient contributions to its own, reduces them and updates); communications of "
               f"rank {ranks[0]} per micro-step:")
-        print("\n".join(micro_step_comms(pcg, args.optimizer, options, ranks[0], args.accumulate)))
+        print("\n".join(micro_step_comms(pipeline, ranks[0])))
         print()
     for r in ranks:
         print(programs[r].listing())
@@ -386,7 +387,7 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
     tol = CHECK_TOL[checked.dtype] if args.tol is None else args.tol
     with precision(checked.dtype):
         trainer = parallelize(model, batch, mesh=mesh, strategy=strategy, plan=args.plan,
-                              optimizer=OptimizerConfig(args.optimizer, args.lr), strict=args.strict,
+                              optimizer=OptimizerConfig(Optimizer(args.optimizer), args.lr), strict=args.strict,
                               executor=executor, timeout_s=args.timeout,
                               **memory_options(args))
         steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
@@ -435,13 +436,13 @@ def launch_check(args: argparse.Namespace) -> int:
     if mesh.size != args.nproc:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
                          f"processes; make --nproc {mesh.size}, or change --mesh")
+    options = mesh_options(mesh, **memory_options(args))  # what each rank's parallelize parses
     with precision(checked.dtype):
-        graph = capture(checked.model, checked.batch)
-    require_eager_comparable(graph)
-    _, pcg = plan_pcg(graph, mesh, strategy, args.plan, args.strict)
-    lower_step(pcg, OptimizerConfig(args.optimizer, args.lr).slots,  # every rank's program, proven to agree
-               options=LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE,
-                                    **memory_options(args)))
+        pipeline = Pipeline.capture(checked.model, checked.batch, mesh, options,
+                                    OptimizerConfig(Optimizer(args.optimizer), args.lr), strategy, args.plan,
+                                    args.strict)
+    require_eager_comparable(pipeline.graph)
+    pipeline.lower(verify=True)  # every rank's program, proven to agree
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))
     res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
     codes = set(res.returncodes)

@@ -125,7 +125,8 @@ def test_a_weight_gathered_before_use_sums_the_gathered_gradient():
             edges={**ann.edges, ("linear", 1): {"dp": Replicate()}}))
 
     whole, micro = mlp(pre=True, B=B), mlp(pre=True, B=B // 2)
-    options = LowerOptions(all_gather="collective", bucket_bytes=0)  # the plain gather, whatever the cost model
+    # the plain gather, whatever the cost model, kept for the backward (no resharding: one gather per micro-step)
+    options = LowerOptions(all_gather="collective", bucket_bytes=0, reshard_after_forward=False)
     first, last = (lower_step(pcg(micro), "sgd", options=options, micro=m) for m in MicroStep.sequence(2))
     plain = lower_step(pcg(whole), "sgd", options=options)
     assert [c[:2] for c in comms(first.programs)] == [("FWD", "all_gather")]

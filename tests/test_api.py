@@ -81,6 +81,9 @@ def test_trainer_equals_eager(factory, mesh):
         for _ in range(2):
             loss = trainer.step(batch)
             assert abs(loss - eager_step(model, opt, batch)) <= TOL
+            # the global gradient norm every step computes, as shardflow train logs it
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            assert trainer.grad_norm == pytest.approx(norm.item(), abs=TOL)
     state, want = trainer.state_dict(), model.state_dict()
     assert list(state) == list(want)
     for k, v in want.items():

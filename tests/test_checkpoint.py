@@ -21,7 +21,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.cli import main as cli_main
-from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower import LowerOptions, MixedPrecision, lower_step
 from shardflow.lower.cost import CommForm
 from shardflow.lower.dynamic import forward_id
 from shardflow.models import MLP
@@ -408,7 +408,8 @@ def _executor(mesh: str = "tp=2", strategy: str = "tp", bf16: bool = False) -> L
     bfloat16 MLP with float32 master weights (``--dtype bf16``)."""
     _, _, graph = _mlp_bf16() if bf16 else _mlp()
     m = Mesh.parse(mesh)
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, master_dtype="float32" if bf16 else "")
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=False,
+                           precision=MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None)
     return LocalExecutor(lower_step(build_pcg(graph, m, resolve(make_plan(graph, m, strategy), graph, m)),
                                     ADAMW.slots, options=options), ADAMW)
 

@@ -5,6 +5,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
+from shardflow.api import optimizer_config
 from shardflow.lower import lower_step
 import dataclasses
 
@@ -489,7 +490,8 @@ def _sp_step(options, d=4, with_graph=False, matmul=False):
         "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)}
     ann = Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3), **weights},
                       edges={("matmul" if matmul else "linear", 0): {"tp": Replicate()}})
-    step = lower_step(build_pcg(g, mesh, ann), options=options)  # verified
+    # x is a weight here: lowered as written, its gather kept for the backward (no resharding after the forward)
+    step = lower_step(build_pcg(g, mesh, ann), options=replace(options, reshard_after_forward=False))  # verified
     return (step, g) if with_graph else step
 
 
@@ -549,7 +551,7 @@ def test_ring_fuses_only_ops_that_contract_the_last_dim():
                               "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
                               "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
                       after={"x": {"tp": Replicate()}})
-    options = LowerOptions("ring", "ring")
+    options = LowerOptions("ring", "ring", reshard_after_forward=False)  # x is a weight: its gather kept, as written
     sg, _ = run_passes(build_pcg(b.build([loss], loss), mesh, ann), LowerContext(options=options))
     (gather, fused), = decide(sg.dg, options, list(sg.steps)).fused.items()
     gathered = next(n for n in sg.dg.nodes if n.name == gather).outputs[0]
@@ -580,9 +582,7 @@ def test_optimizer_update_rules():
     assert [UpdateRule.of(o, m) for o, m in (("sgd", 0.0), ("sgd", 0.9), ("adamw", 0.9))] == [
         UpdateRule.SGD, UpdateRule.SGD_MOMENTUM, UpdateRule.ADAMW]
     with pytest.raises(ValueError, match=r"unknown optimizer 'adam'; use one of \['sgd', 'adamw'\]"):
-        UpdateRule.of("adam")
-    with pytest.raises(PassError, match=r"unknown optimizer 'adam'; use one of \['adamw', 'sgd', 'sgd_momentum'\]"):
-        lowered(mlp(), "tp=2", MEGATRON, optimizer="adam")
+        optimizer_config("adam", None)  # refused where it is parsed: the lowering takes an UpdateRule
 
 
 def test_cost_model_choices():

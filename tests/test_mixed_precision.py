@@ -1,4 +1,4 @@
-"""Mixed precision (``--dtype bf16``, ``LowerOptions(master_dtype="float32")``): a Llama captured in bfloat16 trains
+"""Mixed precision (``--dtype bf16``, ``LowerOptions(precision=MixedPrecision(torch.bfloat16, torch.float32))``): a Llama captured in bfloat16 trains
 with float32 master weights — the exact plan (one cast per weight, every reader on the bfloat16 copy, all-gathers
 in bfloat16, every reduction of a weight's gradient and the optimizer state in float32) — and the numbers of eager
 PyTorch doing the same by hand (bfloat16 module, float32 masters, SGD), on one device and sharded."""
@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 from conftest import tiny_hf_llama  # noqa: E402
 from shardflow.api import parallelize  # noqa: E402
 from shardflow.capture import capture  # noqa: E402
-from shardflow.lower import LowerOptions, lower_step  # noqa: E402
+from shardflow.lower import LowerOptions, MixedPrecision, lower_step  # noqa: E402
 from shardflow.lower.cost import CommForm  # noqa: E402
 from shardflow.lower.dynamic import NodeKind, TaskType, ValueRole, compute_id, forward_id  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
@@ -43,10 +43,11 @@ def llama():
     return masters, narrow, batch, capture(narrow, batch)
 
 
-def _lower(graph, mesh_text: str, strategy: str, master: str = "float32", optimizer: str = "sgd"):
+def _lower(graph, mesh_text: str, strategy: str, master: torch.dtype | None = torch.float32, optimizer: str = "sgd"):
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=True, master_dtype=master)
+    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=True,
+                           precision=master and MixedPrecision(torch.bfloat16, master))
     return lower_step(pcg, optimizer, options=options)
 
 
@@ -125,15 +126,16 @@ def test_mixed_precision_equals_eager_with_float32_masters(llama, eager, mesh, s
 
 def test_without_a_master_dtype_the_weights_stay_bfloat16(llama):
     _, _, _, graph = llama
-    dg = _lower(graph, "dp=2", "dp", master="").dg
+    dg = _lower(graph, "dp=2", "dp", master=None).dg
     assert not any(n.kind == NodeKind.CAST for n in dg.nodes)
     assert {dg.values[forward_id(w)].type.dtype for w in graph.weights} == {"bfloat16"}
 
 
-def test_parallelize_takes_the_master_dtype_and_refuses_an_integer_one(llama):
+def test_parallelize_takes_the_precision_policy_and_refuses_an_integer_dtype(llama):
     masters, narrow, batch, _ = llama
-    trainer = parallelize(copy.deepcopy(narrow), batch, mesh="dp=2", lr=LR, master_dtype="float32")
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    trainer = parallelize(copy.deepcopy(narrow), batch, mesh="dp=2", lr=LR, mixed_precision=policy)
     trained = trainer.state_dict()
     assert {trained[k].dtype for k, _ in narrow.named_parameters()} == {torch.float32}
-    with pytest.raises(ValueError, match=r"^master_dtype must be one of \('float32', 'float64'\) or ''"):
-        parallelize(narrow, batch, mesh="dp=2", master_dtype="int32")
+    with pytest.raises(ValueError, match=r"param_dtype and reduce_dtype must be floating dtypes"):
+        parallelize(narrow, batch, mesh="dp=2", mixed_precision=MixedPrecision(torch.bfloat16, torch.int32))

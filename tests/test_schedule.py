@@ -7,7 +7,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.graph.builder import GraphBuilder
-from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower import CostModel, LowerOptions, lower_step
 from shardflow.lower.dynamic import NodeKind, PassError, TaskType, microbatch_id
 from shardflow.lower.program import Comm, Compute, Vjp, Wait
 from shardflow.lower.schedule import Action, Phase, Schedule, simulate
@@ -78,8 +78,8 @@ def test_a_cycle_is_refused_naming_the_stuck_stages():
     with pytest.raises(PassError, match=r"deadlocks: stage 0 at F0 waits for B0 of stage 1; stage 1 at B0 waits "
                                         r"for F0 of stage 0"):
         simulate({0: [f0], 1: [b0]}, {(0, f0): [(1, b0)], (1, b0): [(0, f0)]})
-    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
-        Schedule("zb", 2, 2)
+    with pytest.raises(ValueError, match=r"schedule must be one of \['gpipe', '1f1b', 'interleaved'\], got 'zb'"):
+        LowerOptions.parse(cost=CostModel(), schedule="zb")  # refused where it is parsed, before any Schedule
 
 
 def model_and_graph(rows: int):

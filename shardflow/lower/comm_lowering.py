@@ -24,7 +24,7 @@ from typing import Mapping
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
-from shardflow.lower.cost import CommForm, LowerOptions
+from shardflow.lower.cost import PLAIN, CommForm, LowerOptions
 from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, block_of,
                                      forward_id, require)
 from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
@@ -250,7 +250,7 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
     ``options``: the forms of all-gathers and reduce-scatters and the gradient bucket size (default: plain
     collectives, default buckets). Raises PassError if shard expansion has not run or this pass has."""
     require(sg.done, PassName.COMM_LOWERING, (PassName.SHARD_EXPANSION,))
-    plan = decide(sg.dg, options or LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE), list(sg.steps))
+    plan = decide(sg.dg, options or PLAIN, list(sg.steps))
     suppressed = plan.suppressed
     instrs, deferred = {}, {}
     for r in sg.ranks:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Mapping
 
+import torch
+
 from shardflow.lower.calibration import (WORLD, Calibration, CalibrationError, CalibrationWarning, KindCost,
                                          calibration_path, this_machine)
 from shardflow.lower.dynamic import ActivationCheckpointing
@@ -136,14 +138,43 @@ class CostModel:
         return min(REDUCE_SCATTER_FORMS, key=lambda f: self.reduce_scatter_s(f, chunk_bytes, d, axis))
 
 
-MASTER_DTYPES = ("float32", "float64")  # what LowerOptions.master_dtype may hold weights in
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # PyTorch DDP's bucket_cap_mb=25
 
 
 @dataclass(frozen=True)
+class MixedPrecision:
+    """Mixed precision, as FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: the model computes in
+    ``param_dtype`` (the entry points capture it in that dtype: ``shardflow train``/``plan --dtype bf16`` convert it,
+    :func:`~shardflow.api.parallelize` takes a model already in it); every floating weight narrower than
+    ``reduce_dtype`` is held, reduced (its gradients) and updated (its optimizer state) in ``reduce_dtype`` and cast
+    to ``param_dtype`` at the start of each step (``master_dtype`` of :func:`~shardflow.lower.dynamic.pass_expansion`).
+    Both must be floating dtypes (:meth:`LowerOptions.parse` checks)."""
+
+    param_dtype: torch.dtype = torch.bfloat16
+    reduce_dtype: torch.dtype = torch.float32
+
+
+def _choice(name: str, value: str, choices: tuple[StrEnum, ...], auto: bool = False):
+    """The member of ``choices`` named ``value`` (None for ``"auto"`` where ``auto``). Raises ValueError naming the
+    setting ``name`` and its choices."""
+    if auto and value == "auto":
+        return None
+    found = next((c for c in choices if c == value), None)
+    if found is None:
+        listed = [str(c) for c in choices]
+        raise ValueError(f"{name} must be {'auto or ' if auto else ''}one of {listed}, got {value!r}")
+    return found
+
+
+@dataclass(frozen=True)
 class LowerOptions:
-    """How lowering implements all-gathers and reduce-scatters: ``"auto"`` (cheapest by ``cost``) or a form
-    of :data:`ALL_GATHER_FORMS` / :data:`REDUCE_SCATTER_FORMS`.
+    """How one optimizer step becomes per-rank programs: the one typed options object of a run. Every entry point
+    (:func:`~shardflow.api.parallelize`, ``shardflow train``, ``plan`` and ``check``) parses its settings into it
+    once, with :meth:`parse`; the planner and the passes read typed values and check nothing again.
+
+    ``all_gather``, ``reduce_scatter``: the form of each all-gather / reduce-scatter, a form of
+    :data:`ALL_GATHER_FORMS` / :data:`REDUCE_SCATTER_FORMS`, or None: the cheapest by ``cost`` (``auto``; the entry
+    points pass the machine's calibrated cost model, :meth:`CostModel.for_backend`).
 
     ``bucket_bytes``: gradient all-reduces over the same group are packed into buckets of at least this many
     bytes (the last one may be smaller), each issued without waiting as soon as its last gradient is ready,
@@ -151,11 +182,10 @@ class LowerOptions:
     bucketing (Li et al., "PyTorch Distributed", VLDB 2020), default 25 MiB as DDP's ``bucket_cap_mb``.
 
     ``reshard_after_forward``: a weight gathered by a Combine (FSDP) is gathered again for the backward instead of
-    kept from the forward (:func:`~shardflow.lower.dynamic.pass_expansion`; FSDP2's ``reshard_after_forward``).
-    Off here, so a plan lowers as written; ``shardflow train``/``plan``/``check`` and ``parallelize`` turn it on by
-    default, as FSDP2 does.
+    kept from the forward (:func:`~shardflow.lower.dynamic.pass_expansion`; FSDP2's ``reshard_after_forward``, on
+    by default as there and in every entry point); False keeps the forward's gather.
 
-    ``ac``: activation checkpointing, ``none`` or ``block`` (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`):
+    ``ac``: activation checkpointing (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`): under ``block``
     each block's forward runs again before its backward instead of keeping its activations (``--ac``).
 
     ``overlap``: each backward all-reduce, reduce-scatter or send is issued without waiting and waited after the
@@ -163,53 +193,70 @@ class LowerOptions:
     (Megatron's overlap; :func:`~shardflow.lower.ordering.overlap_reductions`); a forward all-reduce or
     reduce-scatter likewise (dp's label count travels while the forward computes).
 
-    ``master_dtype``: mixed precision — weights narrower than it (a model captured in bf16) are held, reduced and
-    updated in it and cast to their own dtype for each step (``--dtype bf16``: float32;
-    ``master_dtype`` of :func:`~shardflow.lower.dynamic.pass_expansion`); "" keeps every weight in its own dtype.
+    ``precision``: mixed precision (:class:`MixedPrecision`, ``--dtype bf16``); None keeps every weight in its own
+    dtype.
 
     ``microbatches``: the step's batch cut into this many microbatches (``--microbatches``; the graph is captured on
     one), run in the order of pipeline ``schedule`` (``--schedule``: :class:`~shardflow.lower.schedule.ScheduleKind`);
-    the updates run once per step (:mod:`shardflow.lower.schedule`).
+    the updates run once per step (:mod:`shardflow.lower.schedule`). ``stages_per_rank``: the chunks of the model
+    each pipeline stage of a preset holds (the interleaved schedule's).
+
+    ``accumulate``: gradient accumulation, the micro-steps of one optimizer step (``--accumulate``;
+    :class:`~shardflow.lower.dynamic.MicroStep`), each on an equal part of the batch.
     """
 
-    all_gather: CommForm | str = "auto"
-    reduce_scatter: CommForm | str = "auto"
+    all_gather: CommForm | None = None
+    reduce_scatter: CommForm | None = None
     cost: CostModel = field(default_factory=CostModel)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    reshard_after_forward: bool = False
-    ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE
-    master_dtype: str = ""
+    reshard_after_forward: bool = True
+    ac: ActivationCheckpointing = ActivationCheckpointing.NONE
+    precision: MixedPrecision | None = None
     overlap: bool = True
     microbatches: int = 1
-    schedule: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    stages_per_rank: int = 1
+    accumulate: int = 1
 
-    def __post_init__(self):
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.schedule not in set(ScheduleKind):
-            raise ValueError(f"schedule must be one of {[str(k) for k in ScheduleKind]}, got {self.schedule!r}")
-        if self.bucket_bytes < 0:
-            raise ValueError(f"bucket_bytes must be >= 0 (0 = no bucketing), got {self.bucket_bytes}")
-        if self.all_gather not in ("auto",) + ALL_GATHER_FORMS:
-            raise ValueError(f"all_gather must be 'auto' or one of {tuple(map(str, ALL_GATHER_FORMS))}, got "
-                             f"{self.all_gather!r}")
-        if self.master_dtype and self.master_dtype not in MASTER_DTYPES:
-            raise ValueError(f"master_dtype must be one of {MASTER_DTYPES} or '' (every weight in its own dtype), got "
-                             f"{self.master_dtype!r}")
-        if self.ac not in set(ActivationCheckpointing):
-            raise ValueError(f"ac must be one of {[str(a) for a in ActivationCheckpointing]}, got {self.ac!r}")
-        if self.reduce_scatter not in ("auto",) + REDUCE_SCATTER_FORMS:
-            raise ValueError(f"reduce_scatter must be 'auto' or one of {tuple(map(str, REDUCE_SCATTER_FORMS))}, got "
-                             f"{self.reduce_scatter!r}")
+    @classmethod
+    def parse(cls, *, cost: CostModel, all_gather: str = "auto", reduce_scatter: str = "auto",
+              bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20, reshard_after_forward: bool = True, ac: str = "none",
+              precision: MixedPrecision | None = None, microbatches: int = 1, schedule: str = "1f1b",
+              stages_per_rank: int = 1, accumulate: int = 1) -> LowerOptions:
+        """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
+        arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.
+
+        Raises:
+            ValueError: a name that is none of its choices, a floating-point ``precision`` dtype that is not one,
+                ``bucket_mb`` < 0, or ``microbatches``, ``stages_per_rank`` or ``accumulate`` < 1 (one paragraph
+                naming the setting).
+        """
+        for name, v, what in (("accumulate", accumulate, "micro-steps per step, 1 (no accumulation)"),
+                              ("microbatches", microbatches, "microbatches per step, 1 (no pipelining)"),
+                              ("stages_per_rank", stages_per_rank, "chunks of the model per pipeline stage, 1")):
+            if v < 1:
+                raise ValueError(f"{name}={v}: give the {what} or more")
+        if bucket_mb < 0:
+            raise ValueError(f"bucket_mb={bucket_mb}: give the MiB of a gradient bucket, 0 (no bucketing) or more")
+        if precision is not None and not (precision.param_dtype.is_floating_point
+                                          and precision.reduce_dtype.is_floating_point):
+            raise ValueError(f"mixed precision {precision}: param_dtype and reduce_dtype must be floating dtypes "
+                             f"(e.g. MixedPrecision(torch.bfloat16, torch.float32))")
+        return cls(_choice("all_gather", all_gather, ALL_GATHER_FORMS, auto=True),
+                   _choice("reduce_scatter", reduce_scatter, REDUCE_SCATTER_FORMS, auto=True), cost,
+                   int(bucket_mb * 2**20), reshard_after_forward, _choice("ac", ac, tuple(ActivationCheckpointing)),
+                   precision, microbatches=microbatches, schedule=_choice("schedule", schedule, tuple(ScheduleKind)),
+                   stages_per_rank=stages_per_rank, accumulate=accumulate)
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:
         """The form of a ``d``-member all-gather of ``chunk_bytes`` per member along mesh ``axis``."""
-        if self.all_gather == "auto":
-            return self.cost.choose_all_gather(chunk_bytes, d, axis)
-        return CommForm(self.all_gather)
+        return self.all_gather or self.cost.choose_all_gather(chunk_bytes, d, axis)
 
     def reduce_scatter_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:
         """The form of a ``d``-member reduce-scatter along mesh ``axis`` whose result is ``chunk_bytes`` per member."""
-        if self.reduce_scatter == "auto":
-            return self.cost.choose_reduce_scatter(chunk_bytes, d, axis)
-        return CommForm(self.reduce_scatter)
+        return self.reduce_scatter or self.cost.choose_reduce_scatter(chunk_bytes, d, axis)
+
+
+# the options of lowering without a run's settings (lower_step alone): the plain collectives, no resharding of a
+# gathered weight — a plan lowers as written
+PLAIN = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=False)

@@ -39,8 +39,10 @@ from enum import StrEnum
 from functools import cached_property
 from typing import Iterable, Mapping
 
+import torch
+
 from shardflow.graph.graph import TensorRole
-from shardflow.graph.ops import OpError, TensorType, torch_dtype
+from shardflow.graph.ops import OpError, TensorType, dtype_name, torch_dtype
 from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.ops import Combine, ParallelOp, Replicate, redistribute
 from shardflow.parallel.pcg import PCG, PNode
@@ -159,14 +161,11 @@ def checkpoint_blocks(pcg: PCG) -> dict[str, str]:
     return out
 
 
-def narrow_weights(pcg: PCG, master_dtype: str) -> tuple[str, ...]:
-    """The weights of ``pcg`` held in ``master_dtype`` instead of their dtype in the graph: the floating ones of fewer
-    bits (none when ``master_dtype`` is ""). Raises PassError if ``master_dtype`` is not a floating dtype."""
-    if not master_dtype:
+def narrow_weights(pcg: PCG, master: torch.dtype | None) -> tuple[str, ...]:
+    """The weights of ``pcg`` held in ``master`` (a floating dtype) instead of their dtype in the graph: the floating
+    ones of fewer bits (none when ``master`` is None)."""
+    if master is None:
         return ()
-    master = torch_dtype(master_dtype)
-    if not master.is_floating_point:
-        raise PassError(f"master_dtype {master_dtype!r} is not a floating dtype; give float32 (or float64)")
     return tuple(w for w in pcg.graph.weights if w in pcg.tensors
                  and (d := torch_dtype(pcg.tensors[w].type.dtype)).is_floating_point and d.itemsize < master.itemsize)
 
@@ -201,14 +200,11 @@ class UpdateRule(StrEnum):
     ADAMW = "adamw"
 
     @classmethod
-    def of(cls, optimizer: Optimizer | str, momentum: float = 0.0) -> UpdateRule:
-        """The update of ``optimizer`` (SGD with a nonzero ``momentum`` keeps a momentum slot). Raises
-        ValueError for an unknown optimizer."""
+    def of(cls, optimizer: Optimizer, momentum: float = 0.0) -> UpdateRule:
+        """The update of ``optimizer`` (SGD with a nonzero ``momentum`` keeps a momentum slot)."""
         if optimizer == Optimizer.ADAMW:
             return cls.ADAMW
-        if optimizer == Optimizer.SGD:
-            return cls.SGD_MOMENTUM if momentum else cls.SGD
-        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {list(map(str, Optimizer))}")
+        return cls.SGD_MOMENTUM if momentum else cls.SGD
 
 
 OPTIMIZER_SLOTS: dict[UpdateRule, tuple[str, ...]] = {
@@ -580,11 +576,11 @@ def _weight_side(pcg: PCG, weights: Iterable[str] | None = None) -> set[str]:
     return side
 
 
-def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, training: bool = True,
+def pass_expansion(pcg: PCG, optimizer: UpdateRule = UpdateRule.SGD, training: bool = True,
                    clip_norm: float | None = None, grad_norm: bool = False,
-                   micro: MicroStep = MicroStep(), reshard_after_forward: bool = False,
-                   ac: ActivationCheckpointing | str = ActivationCheckpointing.NONE,
-                   master_dtype: str = "", microbatches: int = 1) -> DynamicGraph:
+                   micro: MicroStep = MicroStep(), reshard_after_forward: bool = True,
+                   ac: ActivationCheckpointing = ActivationCheckpointing.NONE,
+                   master_dtype: torch.dtype | None = None, microbatches: int = 1) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
@@ -615,7 +611,8 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     narrow copy) — reads that. The gradients of the weight side (the weight and its gathered copies) are
     ``master_dtype`` values: each backward writes its contribution in it, so every reduction of a weight's gradient
     (all-reduce, reduce-scatter, the micro-steps' sums), the gradient norm and the optimizer state are in
-    ``master_dtype``. "" (default): every weight in its own dtype.
+    ``master_dtype``. None (default): every weight in its own dtype (``reduce_dtype`` of
+    :class:`~shardflow.lower.cost.MixedPrecision` otherwise).
 
     ``microbatches``: the step's batch is cut along dim 0 into this many microbatches, ``pcg`` being captured on
     one (pipeline parallelism's microbatches, Huang et al., "GPipe", 2019): each microbatch gets its own forward,
@@ -624,8 +621,8 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule | str = UpdateRule.SGD, train
     ``microbatches`` within this step's ``micro`` — so only the last microbatch reduces and the updates run once. The
     nodes come microbatch after microbatch; the schedule pass (:mod:`shardflow.lower.schedule`) interleaves them.
 
-    ``optimizer``: an :class:`UpdateRule` or its name (its state slots become UPD values). Raises PassError
-    if the PCG has no loss, the optimizer is unknown, ``master_dtype`` is not a float dtype or ``microbatches`` < 1.
+    ``optimizer``: the :class:`UpdateRule` (its state slots become UPD values). Raises PassError if the PCG has no
+    loss or ``microbatches`` < 1.
     """
     if microbatches < 1:
         raise PassError(f"a step has at least one microbatch, not {microbatches}")
@@ -688,18 +685,14 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
     return _checked(out)
 
 
-def _expand(pcg: PCG, optimizer: UpdateRule | str, training: bool, clip_norm: float | None, grad_norm: bool,
-            micro: MicroStep, reshard_after_forward: bool, ac: ActivationCheckpointing | str,
-            master_dtype: str) -> DynamicGraph:
+def _expand(pcg: PCG, optimizer: UpdateRule, training: bool, clip_norm: float | None, grad_norm: bool,
+            micro: MicroStep, reshard_after_forward: bool, ac: ActivationCheckpointing,
+            master: torch.dtype | None) -> DynamicGraph:
     """:func:`pass_expansion` of one microbatch."""
     if pcg.loss is None:
         raise PassError("pass expansion needs a loss: the graph has no scalar loss output")
-    if optimizer not in set(UpdateRule):
-        raise PassError(f"unknown optimizer {optimizer!r}; use one of {sorted(map(str, UpdateRule))}")
-    optimizer = UpdateRule(optimizer)
-    if ac not in set(ActivationCheckpointing):
-        raise PassError(f"unknown activation checkpointing {ac!r}; use one of {sorted(map(str, ActivationCheckpointing))}")
-    narrow = narrow_weights(pcg, master_dtype)
+    narrow = narrow_weights(pcg, master)
+    master_dtype = "" if master is None else dtype_name(master)  # the graph's name of it
     g = _Graph()
     for name, t in pcg.tensors.items():
         kept = TensorType(t.type.shape, master_dtype) if name in narrow else t.type
@@ -826,7 +819,7 @@ def _expand(pcg: PCG, optimizer: UpdateRule | str, training: bool, clip_norm: fl
                                  (again[t],), n.group, n.name, n.op, label=n.op.describe()))
         return again[t]
 
-    blocks = checkpoint_blocks(pcg) if ActivationCheckpointing(ac) == ActivationCheckpointing.BLOCK else {}
+    blocks = checkpoint_blocks(pcg) if ac == ActivationCheckpointing.BLOCK else {}
     if ac == ActivationCheckpointing.BLOCK and not blocks:
         raise PassError("activation checkpointing 'block': no op of the graph lies in a block (a module under an "
                         "integer index, such as model.layers.0: a ModuleList's entry); this model has nothing to "

@@ -13,11 +13,11 @@ after any pass to a printer (``shardflow plan --passes`` / ``--dump-after NAME``
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from shardflow.lower.comm_lowering import comm_lowering
-from shardflow.lower.cost import CommForm, LowerOptions
+from shardflow.lower.cost import PLAIN, LowerOptions
 from shardflow.lower.dynamic import (DynamicGraph, MicroStep, PassError, PassName, UpdateRule, copy_insertion,
                                      pass_expansion)
 from shardflow.lower.ordering import ordering
@@ -31,17 +31,17 @@ from shardflow.parallel.pcg import PCG
 @dataclass(frozen=True, slots=True)
 class LowerContext:
     """What the passes need besides the graph. ``optimizer``: the
-    :class:`~shardflow.lower.dynamic.UpdateRule` (or its name) the updates run; ``training``: False lowers the
+    :class:`~shardflow.lower.dynamic.UpdateRule` the updates run; ``training``: False lowers the
     forward only;
     ``clip_norm``: clip gradients to this global norm; ``options``: forms of all-gathers/reduce-scatters and
     the bucket size; ``ranks``: the ranks whose programs are built (None: every device); ``grad_norm``: compute
     the global gradient norm even without clipping (the executors expose it after each step); ``micro``: which
     micro-step of an optimizer step under gradient accumulation (default: the plain step)."""
 
-    optimizer: UpdateRule | str = UpdateRule.SGD
+    optimizer: UpdateRule = UpdateRule.SGD
     training: bool = True
     clip_norm: float | None = None
-    options: LowerOptions = field(default_factory=lambda: LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE))
+    options: LowerOptions = PLAIN
     ranks: tuple[int, ...] | None = None
     grad_norm: bool = False
     micro: MicroStep = MicroStep()
@@ -69,7 +69,8 @@ PASSES: tuple[Pass, ...] = (
     Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm,
                                                                 c.grad_norm, c.micro,
                                                                 c.options.reshard_after_forward, c.options.ac,
-                                                                c.options.master_dtype, c.options.microbatches),
+                                                                c.options.precision and c.options.precision.reduce_dtype,
+                                                                c.options.microbatches),
          "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state"),
     Pass(PassName.COPY_INSERTION, lambda dg, c: copy_insertion(dg),
          "COPY wherever a node reads a value held by another sub-mesh"),
@@ -131,7 +132,7 @@ def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None,
     (default: every device): shard expansion, communication lowering and ordering. Deterministic: every rank
     that lowers the same graph gets the same tokens. Raises PassError if copy insertion has not run."""
     if PassName.SCHEDULE not in dg.done:
-        dg = schedule(dg, (options or LowerOptions()).schedule)
+        dg = schedule(dg, (options or PLAIN).schedule)
     sg = shard_expansion(dg, None if ranks is None else tuple(ranks))
     return dict(ordering(comm_lowering(sg, options)).programs)
 

@@ -578,4 +578,13 @@ def writes(i: Instr) -> tuple[Buffer, ...]:
 
 
 def programs_json(programs: Mapping[int, Program]) -> str:
+    """The programs as JSON (``shardflow plan --format json``'s ``ranks``): each rank's :meth:`Program.to_json`, by
+    rank."""
     return json.dumps({"ranks": [p.to_json() for _, p in sorted(programs.items())]}, indent=1)
+
+
+def programs_fingerprint(programs: Mapping[int, Program]) -> str:
+    """sha256 (hex) of :func:`programs_json`: every rank's inputs, instructions, frees, communications and process
+    groups, in order. Two entry points that lower the same model on the same mesh with the same options give the
+    same fingerprint (:class:`Program.fingerprint` hashes one rank's communications only)."""
+    return hashlib.sha256(programs_json(programs).encode()).hexdigest()

@@ -74,18 +74,15 @@ class Action:
 class Schedule:
     """A pipeline schedule: ``kind`` over ``stages`` stages (ranks along the stage axis) and ``microbatches``
     microbatches per step, each rank holding ``virtual`` chunks of the model (virtual stages; the interleaved
-    schedule's V). Raises ValueError for an unknown kind, a count below 1, V ≥ 2 without the interleaved schedule
+    schedule's V). Raises ValueError for a count below 1, V ≥ 2 without the interleaved schedule
     (or V = 1 with it), or an interleaved schedule whose microbatches are not a multiple of the stages."""
 
-    kind: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B
+    kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     stages: int = 1
     microbatches: int = 1
     virtual: int = 1
 
     def __post_init__(self):
-        if self.kind not in set(ScheduleKind):
-            raise ValueError(f"unknown pipeline schedule {self.kind!r}; use one of {[str(k) for k in ScheduleKind]}")
-        object.__setattr__(self, "kind", ScheduleKind(self.kind))
         if self.stages < 1 or self.microbatches < 1 or self.virtual < 1:
             raise ValueError(f"a pipeline schedule has at least one stage, one microbatch and one chunk per rank, not "
                              f"{self.stages} stage(s), {self.microbatches} microbatch(es) and {self.virtual} chunk(s)")
@@ -220,7 +217,7 @@ def stages_of(dg: DynamicGraph, axis: str) -> tuple[int, ...]:
     return tuple(seen) or (0,)
 
 
-def schedule(dg: DynamicGraph, kind: ScheduleKind | str = ScheduleKind.ONE_F_ONE_B) -> DynamicGraph:
+def schedule(dg: DynamicGraph, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B) -> DynamicGraph:
     """The nodes of ``dg`` in the order of pipeline schedule ``kind`` (see the module docstring): the weights'
     casts (and copies of what is placed before the step) first, then each (stage, action)'s nodes tick by tick,
     then the updates. A step of one microbatch keeps the order pass expansion made (all forwards, then all
@@ -275,7 +272,7 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind | str = ScheduleKind.ONE_F_ONE
     return _replace(dg, tuple(nodes), done)
 
 
-def requested(mesh: Mesh, kind: ScheduleKind | str, microbatches: int, stages_per_rank: int,
+def requested(mesh: Mesh, kind: ScheduleKind, microbatches: int, stages_per_rank: int,
               axis: str = "pp") -> Schedule:
     """The schedule a command's flags ask for on ``mesh`` (its ``axis`` size the stages; 1 without it), checked
     before anything is planned. Raises ValueError naming the flags and the fix (:class:`Schedule`'s rules)."""
@@ -287,13 +284,13 @@ def requested(mesh: Mesh, kind: ScheduleKind | str, microbatches: int, stages_pe
                          f"mesh {mesh}: {e}") from None
 
 
-def schedule_of(dg: DynamicGraph, kind: ScheduleKind | str) -> Schedule:
+def schedule_of(dg: DynamicGraph, kind: ScheduleKind) -> Schedule:
     """The schedule ``kind`` as it runs on ``dg`` (after copy insertion): its stages, microbatches and, under the
     interleaved schedule, its chunks per stage (:func:`chunks`). Raises PassError as :func:`schedule` does."""
     return _fitted(dg, kind)[0]
 
 
-def _fitted(dg: DynamicGraph, kind: ScheduleKind | str) -> tuple[Schedule, str, tuple[int, ...], dict[str, int]]:
+def _fitted(dg: DynamicGraph, kind: ScheduleKind) -> tuple[Schedule, str, tuple[int, ...], dict[str, int]]:
     """Schedule ``kind`` on ``dg``, with the stage axis, the stages in forward order and, under the interleaved
     schedule, each node's chunk on its stage (:func:`chunks`; empty otherwise)."""
     axis = stage_axis(dg)

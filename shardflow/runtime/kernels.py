@@ -30,11 +30,11 @@ Kernel = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """``name``: an :class:`~shardflow.lower.dynamic.Optimizer` or its name (sgd, adamw). SGD: ``lr``,
+    """``name``: the :class:`~shardflow.lower.dynamic.Optimizer` (sgd, adamw). SGD: ``lr``,
     ``momentum``, ``weight_decay``; AdamW: ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled). Defaults
     follow torch.optim."""
 
-    name: Optimizer | str = Optimizer.SGD
+    name: Optimizer = Optimizer.SGD
     lr: float = 0.1
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -43,8 +43,7 @@ class OptimizerConfig:
 
     @property
     def slots(self) -> UpdateRule:
-        """The update (a key of :data:`OPTIMIZER_SLOTS`) whose state this optimizer keeps. Raises ValueError for
-        an unknown optimizer."""
+        """The update (a key of :data:`OPTIMIZER_SLOTS`) whose state this optimizer keeps."""
         return UpdateRule.of(self.name, self.momentum)
 
 

@@ -29,7 +29,7 @@ class Check:
         from shardflow.runtime.local import LocalExecutor
         # the whole batch at once, even under --accumulate or --microbatches
         one = build_pcg(s.whole_batch_graph(), Mesh(("d",), (1,)))
-        options = dataclasses.replace(s.lower_options, microbatches=1)
+        options = dataclasses.replace(s.pipeline.options, microbatches=1)
         self.ref = LocalExecutor(lower_step(one, s.optimizer.slots, options=options), s.optimizer, seed=s.cfg.seed)
         self.tol = CHECK_TOL[s.cfg.dtype]
         self.ref.load(weights, state, steps_done)

@@ -75,7 +75,7 @@ def _main(run: RunDir, launched: bool) -> int:
     s = setup(cfg, world, processes_here(os.environ, cfg.nproc))
     if not torchrun and world > 1:
         # prove every rank's programs (each kind of micro-step's, and the evaluation's) before launch
-        step = s.lower_micro_steps(verify=True)[s.micro_steps[-1]]
+        step = s.pipeline.lower_micro_steps(verify=True)[s.pipeline.micro_steps[-1]]
         s.lower(verify=True, training=False)
         check_memory(s, step, world, processes_here(os.environ, cfg.nproc))
     if run.owner and (world == 1 or not torchrun):  # torchrun's rank 0 claims it once every rank has joined

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS
+import torch
+
+from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS, CostModel, LowerOptions, MixedPrecision
 from shardflow.lower.schedule import ScheduleKind
 from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
 from shardflow.runtime.device import DEVICES, check_device, local_processes
@@ -31,9 +33,9 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
-# --dtype → the dtype the weights are held, reduced and updated in ("": the model's own, nothing cast).
-MASTER_DTYPE = {"float32": "", "bf16": "float32"}
-COMPUTE_DTYPE = {"float32": "float32", "bf16": "bfloat16"}  # --dtype → the torch dtype the model computes in
+# --dtype → mixed precision: the dtype the model computes in, and the one its weights are held, reduced and updated
+# in (None: float32, the model's own, nothing cast)
+PRECISION: dict[str, MixedPrecision | None] = {"float32": None, "bf16": MixedPrecision(torch.bfloat16, torch.float32)}
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class TrainConfig:
                                "captured in bfloat16, with its own upcasts), float32 master weights, gradient "
                                "reductions and optimizer state (as FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16, "
                                "reduce_dtype=float32)); checkpoints hold the float32 masters",
-                    choices=tuple(MASTER_DTYPE))
+                    choices=tuple(PRECISION))
     device: str = _f("auto", "where each rank keeps every buffer: auto (cuda:LOCAL_RANK, talking NCCL, when CUDA is "
                              "available with a GPU for each local process; else the CPU, talking gloo), cpu, or cuda",
                      choices=DEVICES)
@@ -224,6 +226,19 @@ class TrainConfig:
             flag = "--" + f.name.replace("_", "-")
             out += [flag] if v is True else [flag, str(v)]
         return out
+
+
+def step_options(settings: Any, cost: CostModel) -> LowerOptions:
+    """The typed options of the step settings ``settings`` names as ``shardflow train`` does — a
+    :class:`TrainConfig`, or ``shardflow plan``'s flags of the same names (``all_gather``, ``reduce_scatter``,
+    ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
+    ``accumulate``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
+    it does)."""
+    return LowerOptions.parse(cost=cost, all_gather=settings.all_gather, reduce_scatter=settings.reduce_scatter,
+                              bucket_mb=settings.bucket_mb, reshard_after_forward=settings.reshard_after_forward,
+                              ac=settings.ac, precision=PRECISION[settings.dtype], microbatches=settings.microbatches,
+                              schedule=settings.schedule, stages_per_rank=settings.stages_per_rank,
+                              accumulate=settings.accumulate)
 
 
 def placement(strategy: str | None, plan: str | None) -> str:

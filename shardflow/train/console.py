@@ -84,12 +84,13 @@ class Console:
         micro = (f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after "
                  f"the last)" if cfg.accumulate > 1 else "")
         if cfg.microbatches > 1:
-            sched = schedule_of(steps[-1].dg, cfg.schedule)
+            sched = schedule_of(steps[-1].dg, s.pipeline.options.schedule)
             micro += (f"; {sched.microbatches} microbatches of {cfg.batch_size // (cfg.accumulate * cfg.microbatches)}"
                       f" per step, {sched.kind} over {sched.stages} stage(s) ("
                       + (f"{sched.virtual} chunks per stage, " if sched.virtual > 1 else "")
                       + f"bubble {sched.bubble:.0%})")
-        recomputed = len(set(checkpoint_blocks(s.pcg).values())) if cfg.ac == ActivationCheckpointing.BLOCK else 0
+        recomputed = len(set(checkpoint_blocks(s.pcg).values())) if s.pipeline.options.ac == ActivationCheckpointing.BLOCK \
+            else 0
         ac = f"; {recomputed} blocks recomputed in the backward (--ac block)" if recomputed else ""
         self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "
                  f"{cfg.batch_size}×{cfg.seq_len}{micro}{ac}")

@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 
 from shardflow.graph.flops import training_flops
-from shardflow.graph.ops import torch_dtype
 from shardflow.lower.schedule import schedule_of
 from shardflow.runtime import trace
 from shardflow.runtime.accumulate import MicroSteps
 from shardflow.runtime.device import rank_device
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
-from shardflow.train.config import COMPUTE_DTYPE, TrainConfig, check_outputs
+from shardflow.train.config import TrainConfig, check_outputs
 from shardflow.train.console import Console
 from shardflow.train.data import Split
 from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
@@ -64,23 +63,22 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     s = s or setup(cfg, world, here)
     run_dir = Path(cfg.run_dir)
     opt = s.optimizer
-    ranks = [rank] if world > 1 else None
-    lowered = s.lower_micro_steps(ranks, verify=world == 1)  # launched ranks: the parent proved the plans already
-    train_step = lowered[s.micro_steps[-1]]  # the step that reduces the gradients and updates
+    ranks = (rank,) if world > 1 else None
+    lowered = s.pipeline.lower_micro_steps(ranks, verify=world == 1)  # launched ranks: the parent proved the plans
+    train_step = lowered[s.pipeline.micro_steps[-1]]  # the step that reduces the gradients and updates
     check_memory(s, train_step, world, here)
     eval_step = s.lower(ranks, verify=world == 1, training=False)
     device = rank_device(cfg.device)  # where the executors keep every buffer
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
         make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=cfg.timeout, debug=cfg.debug,
-                                 device=device)
+                                 device=device, seed=cfg.seed)
     else:
         from shardflow.runtime.local import LocalExecutor
-        make = functools.partial(LocalExecutor, optimizer=opt, device=device)
-    ex = make(train_step, seed=cfg.seed)  # the run's weights, state and gradients: read there
+        make = functools.partial(LocalExecutor, optimizer=opt, device=device, seed=cfg.seed)
+    # the run's weights, state and gradients: read on ex; --accumulate: one step, N micro-steps
+    ex, micro = s.pipeline.executors(lowered, make)
     ev = make(eval_step, share=ex)
-    others = {m: make(step, share=ex, seed=cfg.seed) for m, step in lowered.items() if not m.last}
-    micro = MicroSteps([others.get(m, ex) for m in s.micro_steps])  # --accumulate: one step, N micro-steps
     evaluate = MicroSteps([ev] * cfg.accumulate)
     lead = rank == 0
     console = Console(lead, cfg.steps, cfg.log_every)
@@ -103,13 +101,15 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    precision = s.pipeline.options.precision  # the dtype the model computes in: MFU's peak
     meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate * cfg.microbatches,
-                  Peak.of(cfg.peak_tflops, device, torch_dtype(COMPUTE_DTYPE[cfg.dtype])) if lead else None, device)
+                  Peak.of(cfg.peak_tflops, device, precision.param_dtype if precision else torch.float32) if lead
+                  else None, device)
     metrics_file = metrics_path(cfg)
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
     metrics = MetricsWriter(metrics_file, start, board) if lead else None
     baseline = s.corpus.unigram_loss()
-    console.banner(s, [lowered[m] for m in s.micro_steps], baseline, device)
+    console.banner(s, [lowered[m] for m in s.pipeline.micro_steps], baseline, device)
     console.metrics(meter, [metrics_file] + ([board] if board else []))
     if resumed is not None:
         console.resumed(resumed, start)
@@ -173,12 +173,12 @@ def _write_trace(s: Setup, ex, rank: int, world: int) -> None:
     ex.tracer = None
     if rank == 0:
         measured = dict(enumerate(everyone))
-        model = trace.predicted(s.lower().programs, measured, s.lower_options.cost)
+        model = trace.predicted(s.lower().programs, measured, s.pipeline.options.cost)
         path = trace.write(s.cfg.trace, measured, model)
         print(f"wrote the timeline of step 2 to {path} (open it in https://ui.perfetto.dev)", flush=True)
         ideal = ""
         if s.cfg.microbatches > 1:
-            sched = schedule_of(ex.dg, s.cfg.schedule)
+            sched = schedule_of(ex.dg, s.pipeline.options.schedule)
             ideal = f"; the schedule's bubble (p-1)/(m+p-1) = {sched.bubble:.1%}"
         print("time blocked on other ranks in step 2 (waits and blocking communications): " + ", ".join(
             f"rank {r} {b * 1e3:.1f} of {span * 1e3:.1f} ms ({b / span if span else 0.0:.1%})"

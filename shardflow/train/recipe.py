@@ -16,23 +16,22 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from shardflow.api import plan_pcg
 from shardflow.capture import capture
-from shardflow.graph.ops import torch_dtype
 from shardflow.graph.graph import ComputationGraph
-from shardflow.lower import CostModel, LowerOptions, LoweredStep, MicroStep, lower_step
+from shardflow.lower import LoweredStep, MicroStep
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
-from shardflow.lower.schedule import requested
+from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.pcg import PCG, evaluation
+from shardflow.parallel.pcg import PCG
+from shardflow.pipeline import Pipeline, machine_cost
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.runtime.device import device_type, run_backend
+from shardflow.runtime.device import device_type
 from shardflow.runtime.materialize import TensorInit, materialise
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
-from shardflow.train.config import DEFAULT_STRATEGY, MASTER_DTYPE, TrainConfig
+from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig, step_options
 from shardflow.train.data import Corpus, Split
 from shardflow.train.family import Family, ModelError, Sizes, factory_family, hf_config, hf_family, is_factory
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
@@ -41,7 +40,8 @@ from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
 @dataclass
 class Setup:
     """What every rank builds identically from the config: data, the model (its family and config; a built-in
-    family's on the meta device, its buffers real), graph, PCG; ``pretrained``: the ``--init-from`` directory's
+    family's on the meta device, its buffers real), the :class:`~shardflow.pipeline.Pipeline` (graph, PCG, options,
+    optimizer); ``pretrained``: the ``--init-from`` directory's
     weights; ``inits``: how each parameter is initialised, piece by piece (a built-in family's,
     :mod:`shardflow.runtime.materialize`; None for a factory's model, built whole); ``runtime_bytes``: see
     :func:`check_memory`."""
@@ -51,8 +51,7 @@ class Setup:
     family: Family
     config: Any
     model: nn.Module
-    graph: ComputationGraph
-    pcg: PCG
+    pipeline: Pipeline
     mesh: Mesh
     pretrained: Pretrained | None = None
     inits: Mapping[str, TensorInit] | None = None
@@ -72,48 +71,32 @@ class Setup:
         return min(c.eval_batches, max(1, math.ceil(len(self.corpus.val) / (c.batch_size * c.seq_len))))
 
     @property
-    def lower_options(self) -> LowerOptions:
-        """The forms of all-gathers and reduce-scatters, chosen by the cost model of this machine's backend (its
-        calibration file where ``shardflow calibrate`` wrote one: :meth:`CostModel.for_backend`); the bucket size;
-        FSDP's resharding, activation checkpointing, the master weights' dtype (``--dtype``), the pipeline's
-        microbatches and schedule."""
-        return LowerOptions(self.cfg.all_gather, self.cfg.reduce_scatter,
-                            CostModel.for_backend(run_backend(self.cfg.device, self.cfg.nproc)),
-                            bucket_bytes=int(self.cfg.bucket_mb * 2**20),
-                            reshard_after_forward=self.cfg.reshard_after_forward, ac=self.cfg.ac,
-                            master_dtype=MASTER_DTYPE[self.cfg.dtype], microbatches=self.cfg.microbatches,
-                            schedule=self.cfg.schedule)
+    def graph(self) -> ComputationGraph:
+        """The model captured on a micro-batch (the pipeline's graph)."""
+        return self.pipeline.graph
 
     @property
-    def micro_steps(self) -> tuple[MicroStep, ...]:
-        """The micro-steps of one optimizer step (``--accumulate``; one, the plain step, by default)."""
-        return MicroStep.sequence(self.cfg.accumulate)
+    def pcg(self) -> PCG:
+        """The strategy's PCG on the mesh (the pipeline's)."""
+        return self.pipeline.pcg
 
-    def lower(self, ranks=None, verify: bool = False, training: bool = True, micro: MicroStep | None = None):
-        """Lower one step (training, or evaluation: forward only, no dropout) for ``ranks`` (default all;
-        ``verify`` proves them); a training step computes the global gradient norm (a metric). ``micro``: which
-        micro-step (default the last of :attr:`micro_steps`, the one that updates the weights)."""
-        return lower_step(self.pcg if training else evaluation(self.pcg), self.optimizer.slots, ranks=ranks,
-                          verify=verify, training=training, options=self.lower_options,
-                          clip_norm=self.cfg.clip_norm or None, grad_norm=True, micro=micro or self.micro_steps[-1])
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The optimizer of the config (the pipeline's)."""
+        return self.pipeline.optimizer
 
-    def lower_micro_steps(self, ranks=None, verify: bool = False) -> dict[MicroStep, LoweredStep]:
-        """Each distinct micro-step of :attr:`micro_steps` lowered (first, middle, last; one when not
-        accumulating), for ``ranks`` (default all; ``verify`` proves each)."""
-        return {m: self.lower(ranks, verify, micro=m) for m in dict.fromkeys(self.micro_steps)}
+    def lower(self, ranks: tuple[int, ...] | None = None, verify: bool = False, training: bool = True,
+              micro: MicroStep | None = None) -> LoweredStep:
+        """:meth:`Pipeline.lower <shardflow.pipeline.Pipeline.lower>`: one step (training, or evaluation) for
+        ``ranks`` (default all; ``verify`` proves them), micro-step ``micro`` (default the last)."""
+        return self.pipeline.lower(ranks, verify, training, micro)
 
     def whole_batch_graph(self) -> ComputationGraph:
         """The model captured on a whole batch (what ``--check``'s one device trains on): the run's graph, or under
         ``--accumulate`` or ``--microbatches`` (whose graph is a microbatch's) a second capture at ``--batch-size``."""
         if self.cfg.accumulate * self.cfg.microbatches == 1:
-            return self.graph
+            return self.pipeline.graph
         return capture(self.model, self.batch(Split.TRAIN, 0))
-
-    @property
-    def optimizer(self) -> OptimizerConfig:
-        """The optimizer of the config (SGD keeps its momentum, AdamW ignores it)."""
-        c = self.cfg
-        return OptimizerConfig(c.optimizer, c.lr, c.momentum if c.optimizer == Optimizer.SGD else 0.0, c.weight_decay)
 
     def initial_weights(self) -> Mapping[str, Any]:
         """The weights to start from by graph name, each indexed by the executors for the pieces they hold
@@ -142,9 +125,9 @@ class Setup:
 
     def checkpoint_entries(self) -> checkpoint.Entries:
         """What a checkpoint of this run holds: every weight and its optimizer state."""
-        master = MASTER_DTYPE[self.cfg.dtype]
+        precision = self.pipeline.options.precision
         return checkpoint.model_entries(self.model, self.graph.weights, OPTIMIZER_SLOTS[self.optimizer.slots],
-                                        torch_dtype(master) if master else None)
+                                        precision and precision.reduce_dtype)
 
     def checkpoint_meta(self, world: int) -> dict[str, Any]:
         """What a checkpoint of this run records besides its tensors (``world``: processes of the run)."""
@@ -230,7 +213,7 @@ def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
     ``--stages-per-rank`` with ``--schedule interleaved``, its microbatches a multiple of the stages) and, under
     ``--accumulate N`` or ``--microbatches M`` (N·M > 1), ``--batch-size`` splits into N·M micro-batches of whole
     sequences that each split over the data-parallel degree (the mesh's ``dp`` and ``fsdp`` axes)."""
-    requested(mesh, cfg.schedule, cfg.microbatches, cfg.stages_per_rank)
+    requested(mesh, ScheduleKind(cfg.schedule), cfg.microbatches, cfg.stages_per_rank)
     n = cfg.accumulate * cfg.microbatches
     dp = math.prod(mesh.axis_size(a) for a in DATA_AXES if a in mesh.axis_names)
     if n > 1 and cfg.batch_size % (n * dp):
@@ -255,16 +238,23 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
     with torch.device("meta") if meta else contextlib.nullcontext():
         family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
     inits = None if meta or is_factory(cfg.model) else materialise(model, cfg.seed)
-    if cfg.dtype == "bf16":  # captured in bfloat16 (the model's own upcasts kept), started from its float32 weights
+    options = step_options(cfg, machine_cost(cfg.device, cfg.nproc))
+    if options.precision:  # captured in param_dtype (the model's own upcasts kept), started from its float32 weights
         if inits is None and not meta:
             inits = {n: p.detach().clone() for n, p in model.named_parameters()}
-        model.to(torch.bfloat16)
+        model.to(options.precision.param_dtype)
     micro = cfg.batch_size // (cfg.accumulate * cfg.microbatches)
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
-    graph = capture(model, example)
     strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
-    _, pcg = plan_pcg(graph, mesh, strategy, cfg.plan, cfg.strict, cfg.stages_per_rank)
-    return Setup(cfg, corpus, family, config, model, graph, pcg, mesh, pretrained, inits, runtime)
+    pipeline = Pipeline.planned(capture(model, example), mesh, options, optimizer(cfg), strategy, cfg.plan, cfg.strict,
+                                cfg.clip_norm or None)
+    return Setup(cfg, corpus, family, config, model, pipeline, mesh, pretrained, inits, runtime)
+
+
+def optimizer(cfg: TrainConfig) -> OptimizerConfig:
+    """The optimizer of the config (SGD keeps its momentum, AdamW ignores it)."""
+    return OptimizerConfig(Optimizer(cfg.optimizer), cfg.lr, cfg.momentum if cfg.optimizer == Optimizer.SGD else 0.0,
+                           cfg.weight_decay)
 
 
 def _check_memory_before_build(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus,
