@@ -5,10 +5,11 @@ The entry point for a model of your own: :func:`parallelize` (``shardflow.api``)
 
 __version__ = "0.1.0"
 
-from shardflow.api import ParallelPlan, Trainer, load_model, parallelize  # noqa: E402
+from shardflow.api import ParallelPlan, Trainer, parallelize  # noqa: E402
 from shardflow.capture import wide_floats  # noqa: E402
 from shardflow.lower import MixedPrecision  # noqa: E402
 from shardflow.lower.dynamic import Optimizer  # noqa: E402
+from shardflow.model_spec import load_model  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.strategy import ModulePlan, Plan  # noqa: E402

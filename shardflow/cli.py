@@ -6,7 +6,7 @@ directory; ``shardflow generate`` samples text from a run or such a directory.
 
 ``plan`` and ``check`` take the built-in models (``--model gpt`` or ``mlp``, sized by flags) or the user's:
 ``--model FILE.py:FACTORY`` or ``package.module:FACTORY``, a function returning ``(module, batch)``
-(:func:`shardflow.api.load_model`).
+(:func:`shardflow.model_spec.load_model`).
 
 Errors a user can fix (bad mesh, strategy that does not fit the model, unsupported op, ...) end with one
 paragraph on stderr and exit status 2, never a traceback from inside the library.
@@ -33,8 +33,8 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
-from shardflow.api import (ExecutorKind, LowerOptions, ParallelPlan, Pipeline, load_model, machine_cost,
-                           mesh_options, parallelize, require_eager_comparable, summary)
+from shardflow.api import (ExecutorKind, LowerOptions, ParallelPlan, Pipeline, machine_cost, mesh_options, parallelize,
+                           require_eager_comparable, summary)
 from shardflow.capture import CaptureError, at_dtype, capture, wide_floats
 from shardflow.graph.ops import OpError, dtype_name
 from shardflow.lower.dynamic import Optimizer, PassError, UpdateRule
@@ -43,6 +43,7 @@ from shardflow.lower.passes import PASSES, pass_table
 from shardflow.lower.program import programs_json
 from shardflow.lower.report import bytes_table, pcg_dot
 from shardflow.lower.schedule import ScheduleKind, schedule_of
+from shardflow.model_spec import load_model
 from shardflow.lower.verify import PlanVerificationError
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh

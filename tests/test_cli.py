@@ -263,7 +263,8 @@ def test_every_entry_point_lowers_the_same_programs(capsys, monkeypatch, tmp_pat
     machine's cost model choosing the "auto" forms, FSDP resharding after the forward and the gradient norm in
     every one."""
     import shardflow.cli as cli
-    from shardflow.api import load_model, parallelize
+    from shardflow.api import parallelize
+    from shardflow.model_spec import load_model
     from shardflow.lower.program import programs_fingerprint
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import setup

@@ -5,7 +5,7 @@
 * ``gpt2`` — Hugging Face ``GPT2LMHeadModel`` likewise;
 * any other causal-LM ``model_type`` of ``transformers`` (``mistral``, ``qwen2``, ...) through ``--model-config``;
 * ``FILE.py:FACTORY`` / ``package.module:FACTORY`` — the factory ``shardflow check`` takes
-  (:func:`shardflow.api.load_model`), fed from the data pipeline.
+  (:func:`shardflow.model_spec.load_model`), fed from the data pipeline.
 
 Sizes: the family's defaults (:data:`DEFAULT_SIZES`) < ``--model-config config.json`` (a Hugging Face config) <
 the flags ``--layers --heads --kv-heads --embd`` (``--seq-len`` sets the positions, the tokenizer the vocabulary).
@@ -27,6 +27,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+
+from shardflow.model_spec import load_model
 
 
 class ModelError(ValueError):
@@ -244,7 +246,6 @@ def _factory_build(config: FactoryConfig) -> nn.Module:
 
 
 def _call_factory(config: FactoryConfig) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    from shardflow.api import load_model
     return load_model(config.spec, seed=torch.initial_seed(), vocab_size=config.vocab_size)
 
 
