@@ -11,8 +11,8 @@ from shardflow.lower import MixedPrecision  # noqa: E402
 from shardflow.lower.dynamic import Optimizer  # noqa: E402
 from shardflow.model_spec import load_model  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
-from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
+from shardflow.runtime.kernels import LRDecay, LRSchedule, OptimizerConfig  # noqa: E402
 from shardflow.strategy import ModulePlan, Plan  # noqa: E402
 
-__all__ = ["Mesh", "MixedPrecision", "ModulePlan", "Optimizer", "OptimizerConfig", "ParallelPlan", "Plan", "Trainer",
-           "load_model", "parallelize", "wide_floats"]
+__all__ = ["LRDecay", "LRSchedule", "Mesh", "MixedPrecision", "ModulePlan", "Optimizer", "OptimizerConfig",
+           "ParallelPlan", "Plan", "Trainer", "load_model", "parallelize", "wide_floats"]

@@ -4,7 +4,9 @@
 lowers one training step to verified per-rank programs and loads the module's weights into an executor — every
 device of the mesh in this process, or this rank's device under torchrun — and returns a :class:`Trainer`::
 
-    trainer = shardflow.parallelize(model, batch, mesh="dp=2,tp=2", lr=0.1)
+    trainer = shardflow.parallelize(model, batch, mesh="dp=2,tp=2", optimizer=torch.optim.AdamW,
+                                    optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.1}, clip_norm=1.0,
+                                    lr_schedule=LRSchedule("cosine", warmup_steps=10, steps=100))
     for _ in range(100):
         loss = trainer.step(batch)
     model.load_state_dict(trainer.state_dict())
@@ -15,17 +17,20 @@ that a ``--model`` spec names is :mod:`shardflow.model_spec`'s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import inspect
 import os
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardflow.graph import ComputationGraph, TensorRole
 from shardflow.lower import LoweredStep, LowerOptions, MixedPrecision
@@ -38,7 +43,7 @@ from shardflow.runtime.device import rank_device
 from shardflow.runtime.materialize import materialise
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.executor import Executor
-from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.runtime.kernels import LRSchedule, OptimizerConfig
 from shardflow.strategy import Plan
 
 
@@ -88,11 +93,71 @@ class ExecutorKind(StrEnum):
         return ExecutorKind.DISTRIBUTED if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ExecutorKind.LOCAL
 
 
+# the torch.optim optimizers whose update shardflow's kernels compute (elementwise, per shard), by their Optimizer
+TORCH_OPTIMIZERS: dict[Optimizer, type[torch.optim.Optimizer]] = {
+    Optimizer.SGD: torch.optim.SGD, Optimizer.ADAM: torch.optim.Adam, Optimizer.ADAMW: torch.optim.AdamW}
+# their options OptimizerConfig holds; every other option must keep torch.optim's default, but for how torch runs the
+# update (no effect on its numbers): implementation choices
+CONFIG_OPTIONS = ("lr", "momentum", "weight_decay", "betas", "eps")
+HOW_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+
+
 def torch_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer whose update shardflow's ``cfg`` computes (SGD or AdamW, same settings)."""
-    if cfg.name == Optimizer.SGD:
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    """The ``torch.optim`` optimizer whose update shardflow's ``cfg`` computes (SGD, Adam or AdamW, same settings;
+    at the peak ``lr``: a LambdaLR of ``cfg.schedule.factor`` gives each step's)."""
+    cls = TORCH_OPTIMIZERS[cfg.name]
+    taken = inspect.signature(cls).parameters
+    return cls(params, **{k: getattr(cfg, k) for k in CONFIG_OPTIONS if k in taken})
+
+
+def from_torch_optim(optimizer: type[torch.optim.Optimizer] | functools.partial,
+                     kwargs: Mapping[str, Any]) -> OptimizerConfig:
+    """The :class:`OptimizerConfig` of ``torch.optim`` class ``optimizer`` (or a ``functools.partial`` of one) with
+    options ``kwargs`` (over the partial's), torch.optim's defaults for the rest: ``torch.optim.SGD``, ``Adam``
+    (``decoupled_weight_decay=True``: AdamW) or ``AdamW``, with the options ``lr``, ``momentum``, ``weight_decay``,
+    ``betas``, ``eps`` and the implementation choices ``foreach``, ``fused``, ``capturable``, ``differentiable``.
+
+    Raises:
+        ValueError: another optimizer (its update is not one shardflow computes per shard), an option with another
+            value than torch.optim's default (``amsgrad=True``, ``nesterov=True``, ``maximize=True``...), an
+            unknown option or positional arguments in the partial; the message names the fix.
+    """
+    cls, given = optimizer, dict(kwargs)
+    if isinstance(optimizer, functools.partial):
+        cls, given = optimizer.func, {**optimizer.keywords, **given}
+        if optimizer.args:
+            raise ValueError(f"optimizer=partial({cls.__name__}, {', '.join(map(repr, optimizer.args))}, ...): give "
+                             f"its options by name (functools.partial({cls.__name__}, lr=...)) or in optimizer_kwargs")
+    names = {c: n for n, c in TORCH_OPTIMIZERS.items()}
+    if cls not in names:
+        what = getattr(cls, "__qualname__", repr(cls))
+        raise ValueError(f"optimizer={what}: shardflow updates each shard of a weight where it lies, so it computes "
+                         f"only optimizers whose update is elementwise, with its own kernels for "
+                         f"{', '.join(c.__name__ for c in names)} (torch.optim's classes themselves, not subclasses); "
+                         f"{what} is not one of them (LBFGS, for one, needs the whole model's gradient and a "
+                         f"closure). Pass torch.optim.SGD, torch.optim.Adam or torch.optim.AdamW with its options in "
+                         f"optimizer_kwargs, or an OptimizerConfig")
+    defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
+    if set(given) - set(defaults):
+        raise ValueError(f"optimizer={cls.__name__}: no option {', '.join(sorted(set(given) - set(defaults)))}; "
+                         f"{cls.__name__} takes {', '.join(defaults)}")
+    settings = {**defaults, **given}
+    name = names[cls]
+    if name == Optimizer.ADAM and settings.pop("decoupled_weight_decay"):
+        name = Optimizer.ADAMW  # torch.optim.Adam(decoupled_weight_decay=True) is AdamW
+    other = {k: v for k, v in settings.items() if k not in (*CONFIG_OPTIONS, *HOW_OPTIONS) and v != defaults[k]}
+    if other:
+        given_text = ", ".join(f"{k}={v!r}" for k, v in other.items())
+        raise ValueError(f"optimizer={cls.__name__} with {given_text}: shardflow computes {cls.__name__}'s update "
+                         f"with torch.optim's default for {', '.join(other)} only (its kernels take "
+                         f"{', '.join(k for k in CONFIG_OPTIONS if k in defaults)}); drop {given_text} from the "
+                         f"options, or train with eager torch.optim")
+    return OptimizerConfig(name, **{k: _number(settings[k]) for k in CONFIG_OPTIONS if k in settings})
+
+
+def _number(value: Any) -> Any:
+    """An option's value as OptimizerConfig holds it: floats (a 0-dim tensor's value), a pair of them for betas."""
+    return tuple(map(float, value)) if isinstance(value, (tuple, list)) else float(value)
 
 
 def require_eager_comparable(graph: ComputationGraph) -> None:
@@ -249,7 +314,9 @@ class Trainer:
 
     def _side_by_side(self, model: nn.Module, params: Mapping[str, nn.Parameter], batch: Mapping[str, torch.Tensor],
                       steps: int) -> Iterator[StepDeviation]:
-        opt = torch_optimizer(self.optimizer, model.parameters())
+        opt, done = torch_optimizer(self.optimizer, model.parameters()), self.steps_done
+        # the trainer's schedule as torch's LambdaLR (stepped after each update) from the trainer's next step on
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: self.optimizer.schedule.factor(done + i + 1))
         for i in range(1, steps + 1):
             loss = self.step(batch)
             opt.zero_grad()
@@ -259,6 +326,7 @@ class Trainer:
             grad = self.grad_error({k: p.grad if p.grad is not None else torch.zeros_like(p)
                                     for k, p in params.items()})
             opt.step()
+            sched.step()
             weight = self.weight_error({k: p.detach() for k, p in params.items()})
             eager_buffers = dict(model.named_buffers())
             buffer = max((float((self._buffers[k] - eager_buffers[k]).abs().max()) for k in
@@ -266,9 +334,14 @@ class Trainer:
             yield StepDeviation(i, loss, eager.item(), grad, weight, buffer)
 
 
-def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str, strategy: str | None = None,
-                plan: Plan | str | Path | None = None, optimizer: OptimizerConfig | str = "sgd",
-                lr: float | None = None, strict: bool = False, executor: ExecutorKind | str = ExecutorKind.AUTO,
+OptimizerSpec = OptimizerConfig | str | type[torch.optim.Optimizer] | functools.partial
+
+
+def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str | DeviceMesh,
+                strategy: str | None = None, plan: Plan | str | Path | None = None, optimizer: OptimizerSpec = "sgd",
+                lr: float | None = None, optimizer_kwargs: Mapping[str, Any] | None = None,
+                lr_schedule: LRSchedule | None = None, clip_norm: float | None = None, strict: bool = False,
+                executor: ExecutorKind | str = ExecutorKind.AUTO,
                 seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1, microbatches: int = 1,
                 schedule: str = "1f1b", stages_per_rank: int = 1, reshard_after_forward: bool = True,
                 ac: str = "none", mixed_precision: MixedPrecision | None = None, all_gather: str = "auto",
@@ -283,12 +356,27 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
             whole: its initialisation is replayed on each device's pieces alone, draws seeded by ``seed``
             (:mod:`shardflow.runtime.materialize`; its buffers get their values in place).
         batch: an example batch, input name → tensor; every step's batch has its keys, shapes and dtypes.
-        mesh: the device mesh, a :class:`Mesh` or its text (``"dp=2,tp=2"``).
+        mesh: the device mesh, a :class:`Mesh`, its text (``"dp=2,tp=2"``) or a ``torch.distributed`` ``DeviceMesh``
+            with ``mesh_dim_names`` over ranks 0..n-1 in order (``init_device_mesh(device_type, (2, 2),
+            mesh_dim_names=("dp", "tp"))``: the same mesh as ``"dp=2,tp=2"``; :func:`as_mesh`). Its axes compose
+            as docs/concepts.md §7 says: the first the outermost. Where each rank keeps its buffers is still
+            ``device``'s choice, not the DeviceMesh's ``device_type``.
         strategy: a preset — dp, fsdp, hsdp, tp, sp, pp or a combination (``"dp,tp"``, ``"fsdp,tp"``); default: the
             one the mesh's axes name.
         plan: a user plan instead (a :class:`Plan` or a JSON/TOML file, see docs/concepts.md).
-        optimizer: ``"sgd"``, ``"adamw"`` (with ``lr``, default 0.1), or an :class:`OptimizerConfig` (momentum,
-            weight decay, betas...; then no ``lr``).
+        optimizer: your ``torch.optim`` optimizer class — ``torch.optim.SGD``, ``Adam`` or ``AdamW`` — or a
+            ``functools.partial`` of one, its options in ``optimizer_kwargs`` (``{"lr": 1e-3, "betas": (0.9,
+            0.95), "weight_decay": 0.1}``; torch.optim's defaults for the rest; :func:`from_torch_optim`); or
+            ``"sgd"``, ``"adam"``, ``"adamw"`` (with ``lr``, default 0.1); or an :class:`OptimizerConfig`
+            (momentum, weight decay, betas...; then neither ``lr`` nor ``optimizer_kwargs``).
+        lr: the learning rate (the peak one under ``lr_schedule``) of an optimizer given by name or class.
+        optimizer_kwargs: the options of a ``torch.optim`` class given as ``optimizer``.
+        lr_schedule: each step's learning rate as a factor of the peak (:class:`LRSchedule`: linear warm-up, then
+            constant, cosine or linear decay to a minimum ratio, as torchtitan's ``lr_scheduler``); it replaces
+            the schedule of an :class:`OptimizerConfig`. Default: the config's (a constant rate).
+        clip_norm: clip the gradients to this global L2 norm before each update, as
+            ``torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)`` (one scalar all-reduce per mesh axis
+            a gradient is split over); None (default): no clipping.
         strict: refuse the plan where a sharding rule refuses its inputs, instead of redistributing them.
         executor: ``local`` (every device of the mesh in this process; every rank's program is built and proven to
             agree), ``distributed`` (this process is one rank: it joins the process group torchrun's environment
@@ -328,7 +416,9 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         CaptureError: export cannot capture the model (the message names the model's source line).
         InitError (a ValueError): a meta-device model whose initialisation cannot be replayed piece by piece.
         PlanError, DegreeError, RuleError: the strategy or plan does not fit the model or the mesh.
-        ValueError: an optimizer given both as a config and with ``lr``; an unknown optimizer, executor, ``ac``,
+        ValueError: an optimizer given both as a config and with ``lr`` or ``optimizer_kwargs``; a ``torch.optim``
+            optimizer or option shardflow does not compute (:func:`from_torch_optim`); an unknown optimizer,
+            executor, ``ac``,
             schedule or form; ``accumulate``, ``microbatches`` or ``stages_per_rank`` < 1
             (:meth:`~shardflow.lower.LowerOptions.parse`), or a batch whose dim 0 they do not divide
             (BatchSplitError); a schedule that does not fit (:func:`~shardflow.lower.schedule.requested`);
@@ -337,8 +427,10 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         DeviceError (a ValueError): ``device="cuda"`` without CUDA, or a local rank with no GPU of its own.
         CalibrationError: this machine's calibration file cannot be used.
     """
-    mesh = Mesh.parse(mesh) if isinstance(mesh, str) else mesh
-    opt = optimizer_config(optimizer, lr)
+    mesh = as_mesh(mesh)
+    opt = optimizer_config(optimizer, lr, optimizer_kwargs)
+    if lr_schedule is not None:
+        opt = dataclasses.replace(opt, schedule=lr_schedule)
     try:
         kind = ExecutorKind(executor).resolved()
     except ValueError:
@@ -348,7 +440,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
                            microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                            accumulate=accumulate)
     inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
-    pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict)
+    pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict, clip_norm)
     graph = pipeline.graph
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
     where = rank_device(device)
@@ -380,13 +472,44 @@ def mesh_options(mesh: Mesh, device: str = "auto", **settings) -> LowerOptions:
     return LowerOptions.parse(cost=machine_cost(device, mesh.size), **settings)
 
 
-def optimizer_config(optimizer: OptimizerConfig | str, lr: float | None) -> OptimizerConfig:
-    """``optimizer`` as an :class:`OptimizerConfig`: given as one (then no ``lr``), or by name (``sgd``,
-    ``adamw``) with ``lr`` (default 0.1). Raises ValueError for an unknown name, or a config given with ``lr``."""
+def as_mesh(mesh: Mesh | str | DeviceMesh) -> Mesh:
+    """``mesh`` as a :class:`Mesh`: parsed from its text, or a ``DeviceMesh``'s ``mesh_dim_names`` and sizes.
+    Raises ValueError for a DeviceMesh without dim names or whose ranks are not 0..n-1 in row-major order (its
+    axis i of size s_i must be the Mesh's: device id = rank), TypeError for anything else."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, str):
+        return Mesh.parse(mesh)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh={mesh!r}: give a shardflow Mesh, its text such as 'dp=2,tp=2', or a DeviceMesh")
+    names, ranks = mesh.mesh_dim_names, mesh.mesh.reshape(-1).tolist()
+    if names is None:
+        raise ValueError(f"mesh={mesh}: a DeviceMesh without mesh_dim_names; name its axes by the strategies they "
+                         f"carry (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+    if ranks != list(range(len(ranks))):
+        raise ValueError(f"mesh={mesh}: its ranks {ranks} are not 0..{len(ranks) - 1} in order; shardflow's device "
+                         f"i of the mesh is rank i: build the DeviceMesh over the whole world (init_device_mesh)")
+    return Mesh(tuple(names), tuple(mesh.mesh.shape))
+
+
+def optimizer_config(optimizer: OptimizerSpec, lr: float | None,
+                     kwargs: Mapping[str, Any] | None = None) -> OptimizerConfig:
+    """``optimizer`` as an :class:`OptimizerConfig`: given as one (then no ``lr``, no ``kwargs``), by name
+    (``sgd``, ``adam``, ``adamw``) with ``lr`` (default 0.1), or as a ``torch.optim`` class with options
+    ``kwargs`` and ``lr`` (:func:`from_torch_optim`). Raises ValueError for an unknown name, a config given with
+    ``lr`` or ``kwargs``, ``lr`` both alone and in ``kwargs``, and what :func:`from_torch_optim` raises."""
     if isinstance(optimizer, OptimizerConfig):
-        if lr is not None:
-            raise ValueError(f"lr={lr} with an OptimizerConfig (lr={optimizer.lr}): set lr in the config")
+        if lr is not None or kwargs:
+            raise ValueError(f"lr={lr}, optimizer_kwargs={kwargs} with an OptimizerConfig (lr={optimizer.lr}): set "
+                             f"lr and the options in the config")
         return optimizer
+    if not isinstance(optimizer, str):
+        if lr is not None and "lr" in (kwargs or {}):
+            raise ValueError(f"lr={lr} and optimizer_kwargs lr={kwargs['lr']}: give the learning rate once")
+        return from_torch_optim(optimizer, {**(kwargs or {}), **({} if lr is None else {"lr": lr})})
+    if kwargs:
+        raise ValueError(f"optimizer_kwargs with optimizer={optimizer!r}: options go with a torch.optim class "
+                         f"(optimizer=torch.optim.AdamW, optimizer_kwargs={{...}}) or in an OptimizerConfig")
     try:
         name = Optimizer(optimizer)
     except ValueError:

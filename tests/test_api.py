@@ -9,6 +9,7 @@ catches any wrong scale or misplaced block (O(1)) and a missed or doubled gradie
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -16,12 +17,14 @@ import torch
 from torch import nn
 
 import shardflow
-from shardflow.api import ModelSpecError, StepDeviation, load_model
+from shardflow.api import StepDeviation
+from shardflow.model_spec import ModelSpecError, load_model
 from shardflow.capture import wide_floats
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Replicate, Shard
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
+from titan import titan_lambda
 
 transformers = pytest.importorskip("transformers")
 
@@ -209,7 +212,7 @@ def test_step_checks_the_batch_against_the_example():
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    ({"optimizer": OptimizerConfig("sgd", 0.1), "lr": 0.2}, ValueError, "set lr in the config"),
+    ({"optimizer": OptimizerConfig("sgd", 0.1), "lr": 0.2}, ValueError, "set lr and the options in the config"),
     ({"optimizer": "lion"}, ValueError, "lion"),
     ({"executor": "gpu"}, ValueError, "use one of local, distributed, auto"),
     ({"strategy": "dp", "plan": shardflow.Plan()}, PlanError, "a strategy or a plan, not both"),
@@ -373,3 +376,107 @@ def test_at_dtype_keeps_the_imaginary_part_of_complex_buffers():
     assert model.weight.dtype == torch.float64 and batch["x"].dtype == torch.float64 and batch["i"].dtype == torch.int64
     assert changed == {"weight": ("float32", "float64"), "bias": ("float32", "float64"),
                        "table": ("complex64", "complex128"), "batch.x": ("float32", "float64")}
+
+
+# --- the torchtitan user's API: torch.optim classes, an lr schedule, clipping, a DeviceMesh -----------------------
+
+@pytest.mark.parametrize("decay, warmup, min_ratio", [("constant", 3, 0.0), ("cosine", 2, 0.1), ("linear", 0, 0.0),
+                                                      ("cosine", 0, 0.0)])
+def test_lr_schedule_equals_torchtitans_lambda_lr(decay, warmup, min_ratio):
+    """Each step's learning rate equals torch's LambdaLR with torchtitan's formula, stepped after each optimizer
+    step (step s, counted from 1, trains at the factor of scheduler step s − 1)."""
+    steps, peak = 10, 0.5
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=peak)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, titan_lambda(warmup, steps, decay, min_ratio))
+    cfg = OptimizerConfig("sgd", peak, schedule=shardflow.LRSchedule(decay, warmup, steps, min_ratio))
+    for step in range(1, steps + 1):
+        assert cfg.lr_at(step) == pytest.approx(opt.param_groups[0]["lr"], abs=1e-15), step
+        opt.step()
+        sched.step()
+    assert cfg.lr_at(steps) == pytest.approx(peak * (min_ratio if decay != "constant" else 1.0))
+
+
+@pytest.mark.parametrize("optimizer, kwargs", [
+    (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}),
+    (functools.partial(torch.optim.SGD, momentum=0.9), {"lr": 0.1, "weight_decay": 0.01}),
+], ids=["adam", "adamw", "sgd-partial"])
+def test_torch_optim_class_schedule_and_clipping_equal_eager(optimizer, kwargs):
+    """The user's torch.optim class and options, a warm-up + cosine schedule and clipping by global norm on dp=2:
+    3 steps' losses and the weights equal eager torch.optim with LambdaLR (torchtitan's formula) and
+    clip_grad_norm_ (float64, TOL). Adam's L2 weight decay (added to the gradient) and AdamW's decoupled one
+    differ by O(lr·wd) per step: either mix-up fails."""
+    model, batch = made(our_gpt)
+    schedule = shardflow.LRSchedule("cosine", warmup_steps=1, steps=3, min_lr_ratio=0.1)
+    with wide_floats():
+        trainer = shardflow.parallelize(model, batch, mesh="dp=2", optimizer=optimizer, optimizer_kwargs=kwargs,
+                                        lr_schedule=schedule, clip_norm=0.05)
+        opt = (optimizer.func if isinstance(optimizer, functools.partial) else optimizer)(
+            model.parameters(), **{**getattr(optimizer, "keywords", {}), **kwargs})
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, titan_lambda(1, 3, "cosine", 0.1))
+        for step in range(1, 4):
+            loss = trainer.step(batch)
+            opt.zero_grad()
+            eager = model(**batch)
+            eager.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            sched.step()
+            assert abs(loss - eager.item()) <= TOL, step
+    assert trainer.optimizer.name == {torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(optimizer, "sgd")
+    assert trainer.weight_error(model.state_dict()) <= TOL
+
+
+@pytest.mark.parametrize("optimizer, kwargs, words", [
+    (torch.optim.LBFGS, {}, r"optimizer=LBFGS: shardflow updates each shard .* only optimizers whose update is "
+                            r"elementwise.*Pass torch.optim.SGD, torch.optim.Adam or torch.optim.AdamW"),
+    (torch.optim.RMSprop, {}, r"optimizer=RMSprop: .* Pass torch.optim.SGD"),
+    (torch.optim.Adam, {"amsgrad": True}, r"optimizer=Adam with amsgrad=True: shardflow computes Adam's update with "
+                                          r"torch.optim's default for amsgrad only .* drop amsgrad=True"),
+    (torch.optim.SGD, {"nesterov": True, "momentum": 0.9}, r"SGD with nesterov=True: .* drop nesterov=True"),
+    (torch.optim.AdamW, {"momentum": 0.9}, r"AdamW: no option momentum; AdamW takes lr, betas"),
+    (functools.partial(torch.optim.SGD, 0.1), {}, r"give its options by name"),
+    ("sgd", {"lr": 0.1}, r"options go with a torch.optim class"),
+    (OptimizerConfig("adam"), {"lr": 0.1}, r"set lr and the options in the config"),
+])
+def test_optimizers_shardflow_does_not_compute_are_refused(optimizer, kwargs, words):
+    model, batch = our_gpt()
+    with pytest.raises(ValueError, match=words):
+        shardflow.parallelize(model, batch, mesh="dp=2", optimizer=optimizer, optimizer_kwargs=kwargs)
+
+
+def test_adam_with_decoupled_weight_decay_is_adamw():
+    """torch.optim.Adam(decoupled_weight_decay=True) is AdamW, as torch documents."""
+    from shardflow.api import from_torch_optim
+    cfg = from_torch_optim(torch.optim.Adam, {"decoupled_weight_decay": True, "lr": torch.tensor(0.5)})
+    assert cfg == OptimizerConfig("adamw", 0.5)  # a 0-dim tensor lr taken as its value
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A one-process gloo group (file:// rendezvous in tmp_path): what init_device_mesh needs to make a DeviceMesh;
+    destroyed after the test."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_device_mesh_is_taken_for_its_names_and_shape(world_of_one):
+    """A torch DeviceMesh (init_device_mesh on the CPU, world 1) is the Mesh of its dim names and sizes: the
+    one-device dp mesh trains as eager does; a DeviceMesh without names is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardflow.api import as_mesh
+    assert as_mesh(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))) == shardflow.Mesh(("dp", "tp"),
+                                                                                                    (1, 1))
+    with pytest.raises(ValueError, match="a DeviceMesh without mesh_dim_names; name its axes"):
+        as_mesh(init_device_mesh("cpu", (1,)))
+    model, batch = made(our_gpt)
+    with wide_floats():
+        trainer = shardflow.parallelize(model, batch, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
+                                        lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert abs(trainer.step(batch) - eager_step(model, opt, batch)) <= TOL
+    assert trainer.plan.pcg.mesh == shardflow.Mesh(("dp",), (1,))
+    assert trainer.weight_error(model.state_dict()) <= TOL

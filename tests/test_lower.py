@@ -579,10 +579,10 @@ def test_value_ids_are_made_from_fields():
 
 def test_optimizer_update_rules():
     """(optimizer, momentum) → the update a step is lowered for, and so its state slots."""
-    assert [UpdateRule.of(o, m) for o, m in (("sgd", 0.0), ("sgd", 0.9), ("adamw", 0.9))] == [
-        UpdateRule.SGD, UpdateRule.SGD_MOMENTUM, UpdateRule.ADAMW]
-    with pytest.raises(ValueError, match=r"unknown optimizer 'adam'; use one of \['sgd', 'adamw'\]"):
-        optimizer_config("adam", None)  # refused where it is parsed: the lowering takes an UpdateRule
+    assert [UpdateRule.of(o, m) for o, m in (("sgd", 0.0), ("sgd", 0.9), ("adam", 0.0), ("adamw", 0.9))] == [
+        UpdateRule.SGD, UpdateRule.SGD_MOMENTUM, UpdateRule.ADAMW, UpdateRule.ADAMW]  # Adam keeps AdamW's state
+    with pytest.raises(ValueError, match=r"unknown optimizer 'lion'; use one of \['sgd', 'adam', 'adamw'\]"):
+        optimizer_config("lion", None)  # refused where it is parsed: the lowering takes an UpdateRule
 
 
 def test_cost_model_choices():

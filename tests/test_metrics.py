@@ -62,10 +62,10 @@ def test_record_rates_and_mfu():
     50 % of an 8 TFLOP/s peak. Without a peak (ranks that write nothing) or a gradient norm, those keys are left
     out."""
     meter = Meter(tokens=1000, devices=4, flops=8 * 10**12, peak=Peak(8.0, "--peak-tflops"), device=CPU)
-    assert meter.record(7, 3.5, step_s=0.5, data_s=0.1, grad_norm=1.25) == pytest.approx(
+    assert meter.record(7, 3.5, step_s=0.5, data_s=0.1, grad_norm=1.25, lr=2e-3) == pytest.approx(
         {"step": 7, "loss": 3.5, "step_s": 0.5, "data_s": 0.1, "tokens_per_s": 2000.0,
-         "tokens_per_s_per_device": 500.0, "tflops_per_device": 4.0, "mfu_pct": 50.0, "grad_norm": 1.25})
-    quiet = Meter(1000, 4, 8 * 10**12, None, CPU).record(7, 3.5, 0.5, 0.1, None)
+         "tokens_per_s_per_device": 500.0, "tflops_per_device": 4.0, "mfu_pct": 50.0, "grad_norm": 1.25, "lr": 2e-3})
+    quiet = Meter(1000, 4, 8 * 10**12, None, CPU).record(7, 3.5, 0.5, 0.1, None, 2e-3)
     assert "mfu_pct" not in quiet and "grad_norm" not in quiet
 
 

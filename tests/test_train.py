@@ -72,15 +72,34 @@ def test_metrics_fields(single):
     """One device in one process, a line every step (so the memory every step), --peak-tflops 0.1 (conftest.TINY),
     batch 8 × 16 tokens: the rates and the MFU follow from the step time; the model FLOPs per step are constant."""
     every = {"step", "loss", "step_s", "data_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
-             "mfu_pct", "grad_norm", "mem_mib", "mem_mib_ranks"}
+             "mfu_pct", "grad_norm", "lr", "mem_mib", "mem_mib_ranks"}
     assert set(single[0]) == every and set(single[1]) == every | {"val_loss"}
     flops = single[0]["tflops_per_device"] * single[0]["step_s"]
     for m in single:
         assert m["tokens_per_s"] == pytest.approx(8 * 16 / m["step_s"]) == m["tokens_per_s_per_device"]
         assert m["mfu_pct"] == pytest.approx(100 * m["tflops_per_device"] / 0.1)
         assert m["tflops_per_device"] * m["step_s"] == pytest.approx(flops)
-        assert 0 < m["data_s"] < m["step_s"] and m["grad_norm"] > 0
+        assert 0 < m["data_s"] < m["step_s"] and m["grad_norm"] > 0 and m["lr"] == 0.01  # --lr, constant
         assert len(m["mem_mib_ranks"]) == 1 and m["mem_mib"] == m["mem_mib_ranks"][0] > 10  # torch alone: > 100
+
+
+def test_lr_schedule_reaches_the_metrics_and_the_console(tmp_path, run_here, read_metrics, single):
+    """--warmup-steps 1 --lr-schedule cosine --lr-min-ratio 0.1 over 4 steps: metrics.jsonl's ``lr`` is torch's
+    LambdaLR with torchtitan's formula at each step and the console prints it; the first step trains at half of
+    --lr, so its loss is the constant-rate run's but the second's differs. A decay with no step after the warm-up
+    is refused before any process starts."""
+    from titan import titan_lambda
+    r, run = run_here(tmp_path, "cosine", "--strategy", "single", "--nproc", "1", "--warmup-steps", "1",
+                      "--lr-schedule", "cosine", "--lr-min-ratio", "0.1")
+    assert r.returncode == 0, r.stderr
+    got = read_metrics(run)
+    factor = titan_lambda(1, 4, "cosine", 0.1)
+    assert [m["lr"] for m in got] == pytest.approx([0.01 * factor(s) for s in range(4)], rel=1e-12)
+    assert got[0]["lr"] == pytest.approx(0.005) and got[-1]["lr"] == pytest.approx(0.001)
+    assert f"lr {got[1]['lr']:.3g}" in r.stdout and "1 warm-up steps, then cosine to 0.1×" in r.stdout
+    assert got[0]["loss"] == single[0]["loss"] and abs(got[1]["loss"] - single[1]["loss"]) > 1e-6
+    r, _ = run_here(tmp_path, "refused", "--lr-schedule", "linear", "--warmup-steps", "4")
+    assert r.returncode != 0 and "give fewer --warmup-steps than --steps, or --lr-schedule constant" in r.stderr
 
 
 def _board(run) -> dict[str, list[tuple[int, float]]]:

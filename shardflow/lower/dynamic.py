@@ -185,9 +185,10 @@ class NodeKind(StrEnum):
 
 
 class Optimizer(StrEnum):
-    """The optimizers a run trains with (``--optimizer``), with torch.optim.SGD's and AdamW's formulas."""
+    """The optimizers a run trains with (``--optimizer``), with torch.optim.SGD's, Adam's and AdamW's formulas."""
 
     SGD = "sgd"
+    ADAM = "adam"
     ADAMW = "adamw"
 
 
@@ -202,7 +203,7 @@ class UpdateRule(StrEnum):
     @classmethod
     def of(cls, optimizer: Optimizer, momentum: float = 0.0) -> UpdateRule:
         """The update of ``optimizer`` (SGD with a nonzero ``momentum`` keeps a momentum slot)."""
-        if optimizer == Optimizer.ADAMW:
+        if optimizer in (Optimizer.ADAM, Optimizer.ADAMW):  # the same state; Adam couples its weight decay
             return cls.ADAMW
         return cls.SGD_MOMENTUM if momentum else cls.SGD
 

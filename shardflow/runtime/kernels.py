@@ -5,16 +5,18 @@ Forward runs the sharding rule's :class:`~shardflow.parallel.rules.LocalOp`; bac
 hand-written one of :mod:`shardflow.runtime.vjp` for the ops that table covers (measurably faster at ATen sizes),
 else torch autograd (the forward's recorded graph, or ``torch.func.vjp``) — with the linearity scale undone where
 the gradient sharding says so; the optimizer updates each shard where it lives, every shard of a run of updates at
-once (:func:`update_kernel`: torch.optim's fused SGD/AdamW).
+once (:func:`update_kernel`: torch.optim's fused SGD/Adam/AdamW, at the step's learning rate: :class:`LRSchedule`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Callable, Sequence
 
 import torch
-from torch.optim.adamw import adamw
+from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
 from shardflow.graph.ops import torch_dtype
@@ -28,11 +30,60 @@ from shardflow.runtime.vjp import HandVjp, hand_vjp
 Kernel = Callable[[Sequence[torch.Tensor]], Sequence[torch.Tensor]]
 
 
+class LRDecay(StrEnum):
+    """How the learning rate falls after the warm-up (``--lr-schedule``): not at all (``constant``), along half a
+    cosine (``cosine``) or a straight line (``linear``) to ``min_lr_ratio`` × the peak at the last step."""
+
+    CONSTANT = "constant"
+    COSINE = "cosine"
+    LINEAR = "linear"
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate of each step as a factor of the peak ``lr`` (torchtitan's ``lr_scheduler``, its
+    ``linear_warmup_stable_decay`` with no stable phase, as a ``torch.optim.lr_scheduler.LambdaLR`` stepped after
+    each optimizer step): step ``s`` (counted from 1) of ``warmup_steps`` (steps) warm-up takes
+    ``s / (warmup_steps + 1)``; after it, with ``p = (s − warmup_steps) / (steps − warmup_steps)`` the fraction of
+    the decay done, ``decay`` takes 1 (``constant``), ``0.5 (1 + cos πp)`` (``cosine``) or ``1 − p`` (``linear``),
+    lifted to ``min_lr_ratio + (1 − min_lr_ratio) ×`` that, so the last of ``steps`` (the run's steps) ends at
+    ``min_lr_ratio`` (a ratio, 0 to 1). The default is a constant rate. Raises ValueError for a negative
+    ``warmup_steps``, a ``min_lr_ratio`` outside [0, 1], or a decay with ``steps`` ≤ ``warmup_steps``."""
+
+    decay: LRDecay = LRDecay.CONSTANT  # its text ("cosine") is parsed on construction
+    warmup_steps: int = 0
+    steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "decay", LRDecay(self.decay))  # its text parsed here, once
+        except ValueError:
+            raise ValueError(f"lr schedule {self.decay!r}: use one of {', '.join(LRDecay)}") from None
+        if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"lr schedule: warmup_steps={self.warmup_steps} must be ≥ 0 and min_lr_ratio="
+                             f"{self.min_lr_ratio} in [0, 1]")
+        if self.decay != LRDecay.CONSTANT and self.steps <= self.warmup_steps:
+            raise ValueError(f"lr schedule {self.decay}: decays over steps={self.steps} (the run's steps) after "
+                             f"warmup_steps={self.warmup_steps}; give steps > warmup_steps")
+
+    def factor(self, step: int) -> float:
+        """The learning rate of step ``step`` (counted from 1) / the peak learning rate."""
+        if step <= self.warmup_steps:
+            return step / (self.warmup_steps + 1)
+        if self.decay == LRDecay.CONSTANT:
+            return 1.0
+        done = (step - self.warmup_steps) / (self.steps - self.warmup_steps)
+        left = 0.5 * (1.0 + math.cos(math.pi * done)) if self.decay == LRDecay.COSINE else 1.0 - done
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * left
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """``name``: the :class:`~shardflow.lower.dynamic.Optimizer` (sgd, adamw). SGD: ``lr``,
-    ``momentum``, ``weight_decay``; AdamW: ``lr``, ``betas``, ``eps``, ``weight_decay`` (decoupled). Defaults
-    follow torch.optim."""
+    """``name``: the :class:`~shardflow.lower.dynamic.Optimizer` (sgd, adam, adamw). SGD: ``lr``,
+    ``momentum``, ``weight_decay``; Adam and AdamW: ``lr``, ``betas``, ``eps``, ``weight_decay`` (added to the
+    gradient, L2, for Adam; decoupled for AdamW). Defaults follow torch.optim. ``lr`` is the peak learning rate;
+    ``schedule`` gives each step's (:meth:`lr_at`)."""
 
     name: Optimizer = Optimizer.SGD
     lr: float = 0.1
@@ -40,11 +91,16 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    schedule: LRSchedule = field(default_factory=LRSchedule)
 
     @property
     def slots(self) -> UpdateRule:
         """The update (a key of :data:`OPTIMIZER_SLOTS`) whose state this optimizer keeps."""
         return UpdateRule.of(self.name, self.momentum)
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (counted from 1): ``lr`` × the schedule's factor."""
+        return self.lr * self.schedule.factor(step)
 
 
 FUSED_DTYPES = ("float32", "float64")  # shards torch.optim's fused kernels update as eager torch.optim does
@@ -54,13 +110,14 @@ def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callab
     """One kernel for the optimizer updates ``updates`` (computes of :class:`Update` kernels, one shard each): its
     inputs are each update's (weight, gradient, state slots in order, and the squared global gradient norm when
     clipping), concatenated; its outputs each update's (weight, state), the same tensors updated in place.
-    ``step()`` counts from 1.
+    ``step()`` counts from 1; each call updates at that step's learning rate (:meth:`OptimizerConfig.lr_at`), a
+    value of the run, not of the lowered programs.
 
-    The update is torch.optim's own functional SGD / AdamW over every shard at once (grouped by device and dtype),
-    the formulas of ``torch.optim.SGD``/``AdamW``: ``fused=True`` (one kernel per group) for float32 and float64
-    shards, else ``foreach=True`` (torch 2.13's fused CPU kernels compute reduced precision in float32 and round
-    once, so bfloat16 weights would drift from eager's ``torch.optim`` step; its fused SGD's momentum is wrong
-    in bfloat16 outright). Clipping scales the
+    The update is torch.optim's own functional SGD / Adam over every shard at once (grouped by device and dtype),
+    the formulas of ``torch.optim.SGD``/``Adam``/``AdamW`` (AdamW: Adam with decoupled weight decay):
+    ``fused=True`` (one kernel per group) for float32 and float64 shards, else ``foreach=True`` (torch 2.13's fused
+    CPU kernels compute reduced precision in float32 and round once, so bfloat16 weights would drift from eager's
+    ``torch.optim`` step; its fused SGD's momentum is wrong in bfloat16 outright). Clipping scales the
     gradients by max_norm / (norm + 1e-6), at most 1, as ``torch.nn.utils.clip_grad_norm_``. Raises ValueError when
     the updates were lowered for other optimizer state than ``cfg`` keeps, or differ in their state or clipping.
     """
@@ -70,7 +127,7 @@ def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callab
     if OPTIMIZER_SLOTS[cfg.slots] != spec.slots:
         raise ValueError(f"the plan was lowered for optimizer state {list(spec.slots)}, not for {cfg}")
     n_in, n, k = 2 + len(spec.slots) + (1 if spec.clip else 0), len(updates), len(spec.slots)
-    steps: list[torch.Tensor] = []  # AdamW's step count per shard (torch.optim increments it: reset every call)
+    steps: list[torch.Tensor] = []  # Adam's step count per shard (torch.optim increments it: reset every call)
     fast = {"fused": True} if all(x.type.dtype in FUSED_DTYPES for u in updates for x in u.outs) else {"foreach": True}
 
     def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -81,16 +138,18 @@ def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callab
         if spec.clip:
             scale = (spec.clip / (xs[n_in - 1].sqrt() + 1e-6)).clamp(max=1.0)
             gs = torch._foreach_mul(gs, scale)
+        lr = cfg.lr_at(step())
         if cfg.name == Optimizer.SGD:
             sgd(ws, gs, state[0] if k else [None] * n, **fast, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                lr=cfg.lr, dampening=0.0, nesterov=False, maximize=False)
+                lr=lr, dampening=0.0, nesterov=False, maximize=False)
         else:
             if not steps:
                 steps.extend(torch.zeros((), dtype=torch.float32, device=w.device) for w in ws)
             for t in steps:
                 t.fill_(step() - 1)
-            adamw(ws, gs, state[0], state[1], [], steps, **fast, amsgrad=False, beta1=cfg.betas[0],
-                  beta2=cfg.betas[1], lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False)
+            adam(ws, gs, state[0], state[1], [], steps, **fast, decoupled_weight_decay=cfg.name == Optimizer.ADAMW,
+                 amsgrad=False, beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr, weight_decay=cfg.weight_decay,
+                 eps=cfg.eps, maximize=False)
         return [t for i in range(n) for t in (ws[i], *(s[i] for s in state))]
 
     return kernel
@@ -100,7 +159,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
                 seed: int = 0, micro: Callable[[], tuple[int, int]] = lambda: (0, 1),
                 device: torch.device | None = None, in_place: bool = False) -> Kernel:
     """The kernel of compute ``instr``, built from its description (``instr.kernel``) alone. ``step()`` gives
-    the current step, counted from 1 (for AdamW and for random ops); ``seed`` is the run's seed random ops draw
+    the current step, counted from 1 (for the learning rate, Adam and random ops); ``seed`` is the run's seed random ops draw
     with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`);
     ``device``: the executor's, where a kernel with no input makes its output (a sum of squares of no piece).
     ``in_place``: a gradient sum accumulates into its first input (:func:`~shardflow.lower.program.inplace_sums`).

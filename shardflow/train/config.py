@@ -21,6 +21,7 @@ from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS, CostMod
 from shardflow.lower.schedule import ScheduleKind
 from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
 from shardflow.runtime.device import DEVICES, check_device, local_processes
+from shardflow.runtime.kernels import LRDecay, LRSchedule
 from shardflow.train.checkpoint.store import CheckpointError, check_writable
 
 
@@ -85,10 +86,17 @@ class TrainConfig:
     device: str = _f("auto", "where each rank keeps every buffer: auto (cuda:LOCAL_RANK, talking NCCL, when CUDA is "
                              "available with a GPU for each local process; else the CPU, talking gloo), cpu, or cuda",
                      choices=DEVICES)
-    lr: float = _f(3e-3, "learning rate")
-    optimizer: str = _f(str(Optimizer.ADAMW), "sgd or adamw", choices=tuple(map(str, Optimizer)))
+    lr: float = _f(3e-3, "learning rate (the peak, after --warmup-steps)")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up: step s of these N steps trains at --lr × s / (N + 1)")
+    lr_schedule: str = _f(str(LRDecay.CONSTANT), "learning rate after the warm-up, as torchtitan's lr_scheduler: "
+                          "constant (--lr), cosine (half a cosine from --lr down to --lr-min-ratio × --lr at the last "
+                          "step) or linear (a straight line down to it)", choices=tuple(map(str, LRDecay)))
+    lr_min_ratio: float = _f(0.0, "the learning rate of the last step as a fraction of --lr (--lr-schedule cosine or "
+                                  "linear)")
+    optimizer: str = _f(str(Optimizer.ADAMW), "sgd, adam (L2 weight decay added to the gradient, as torch.optim.Adam) "
+                        "or adamw", choices=tuple(map(str, Optimizer)))
     momentum: float = _f(0.9, "SGD momentum")
-    weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW)")
+    weight_decay: float = _f(0.0, "weight decay (decoupled for AdamW, added to the gradient for SGD and Adam)")
     seed: int = _f(0, "seed for the initial weights, the batches and the dropout masks")
     data: str | None = _f(None, "UTF-8 text to train on: a file, a directory (every file under it, sorted) or a glob "
                                 "such as 'books/**/*.txt' (default: the Python documentation of this CPython)")
@@ -204,6 +212,13 @@ class TrainConfig:
         return placement(self.strategy, self.plan)
 
     @property
+    def lr_scheduler(self) -> LRSchedule:
+        """Each step's learning rate as a factor of ``--lr``: ``--lr-schedule`` after ``--warmup-steps`` (steps),
+        down to ``--lr-min-ratio`` at the last of ``--steps``. Raises ValueError (a decay with no step after the
+        warm-up) as :class:`~shardflow.runtime.kernels.LRSchedule` does."""
+        return LRSchedule(LRDecay(self.lr_schedule), self.warmup_steps, self.steps, self.lr_min_ratio)
+
+    @property
     def checkpoints(self) -> Path:
         """``--checkpoint-dir``, else ``RUN_DIR/checkpoints`` (once the run directory is resolved)."""
         return Path(self.checkpoint_dir) if self.checkpoint_dir else Path(self.run_dir) / "checkpoints"
@@ -287,7 +302,8 @@ RANGES = {"nproc": Range(1), "steps": Range(1), "batch_size": Range(1), "accumul
           "stages_per_rank": Range(1), "seq_len": Range(1),
           "layers": Range(1),
           "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab_size": Range(256, 2**31 - 1),
-          "dropout": Range(0, 1, high_open=True), "lr": Range(0, _F32_MAX), "momentum": Range(0, 1, high_open=True),
+          "dropout": Range(0, 1, high_open=True), "lr": Range(0, _F32_MAX), "warmup_steps": Range(0),
+          "lr_min_ratio": Range(0, 1), "momentum": Range(0, 1, high_open=True),
           "weight_decay": Range(0, _F32_MAX), "seed": Range(0, 2**32, high_open=True), "checkpoint_every": Range(0),
           "keep_checkpoints": Range(0),
           "log_every": Range(1), "eval_every": Range(1), "eval_batches": Range(1), "clip_norm": Range(0),
@@ -321,6 +337,11 @@ def check_config(cfg: TrainConfig) -> None:
             raise ValueError(f"{flag} is empty; leave it out{default} or give a value ({help_})")
         if f.name in RANGES and v is not None:
             RANGES[f.name].check(flag, v, help_)
+    try:
+        cfg.lr_scheduler
+    except ValueError as e:
+        raise ValueError(f"{e} (--lr-schedule {cfg.lr_schedule}, --warmup-steps {cfg.warmup_steps}, --steps "
+                         f"{cfg.steps}): give fewer --warmup-steps than --steps, or --lr-schedule constant") from None
     if cfg.tensorboard:
         try:
             import tensorboard  # noqa: F401  (torch.utils.tensorboard writes with it)

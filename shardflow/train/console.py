@@ -79,8 +79,11 @@ class Console:
         self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
         mixed = ("; bfloat16 parameters and compute, float32 master weights, gradient reductions and optimizer state"
                  if cfg.dtype == "bf16" else "")
+        schedule = (f" ({cfg.warmup_steps} warm-up steps, then {cfg.lr_schedule}"
+                    + (f" to {cfg.lr_min_ratio:g}×" if cfg.lr_schedule != "constant" else "") + ")"
+                    if cfg.warmup_steps or cfg.lr_schedule != "constant" else "")
         self.say(f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
-                 f"{cfg.optimizer} lr {cfg.lr}{mixed}")
+                 f"{cfg.optimizer} lr {cfg.lr}{schedule}{mixed}")
         micro = (f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after "
                  f"the last)" if cfg.accumulate > 1 else "")
         if cfg.microbatches > 1:
@@ -151,7 +154,7 @@ class Console:
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
             norm = f"  |g| {record['grad_norm']:.3g}" if "grad_norm" in record else ""
             print(f"{CLEAR if self.bar else ''}step {n:>5}/{self.steps}  loss {loss:.4f}{val}  "
-                  f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}  mem {record['mem_mib']:,.0f} MiB  "
+                  f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}  lr {record['lr']:.3g}  mem {record['mem_mib']:,.0f} MiB  "
                   f"data {record['data_s'] * 1000:.1f} ms  {record['step_s'] * 1000:.0f} ms/step", flush=True)
         elif self.bar:
             done = n * _BAR // self.steps

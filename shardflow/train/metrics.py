@@ -22,6 +22,8 @@ key                         unit        what
 ``mfu_pct``                 %           model FLOPs utilisation: ``tflops_per_device`` / the peak TFLOP/s of one
                                         device (``--peak-tflops``, or measured: :class:`Peak`) × 100
 ``grad_norm``               —           global L2 norm of all gradients before clipping (``clip_grad_norm_``'s)
+``lr``                      —           the learning rate the step's update used (``--lr`` × the ``--warmup-steps``
+                                        / ``--lr-schedule`` factor of the step; the optimizer's units)
 ``mem_mib``                 MiB         at the steps the console prints: the largest peak memory of any process
 ``mem_mib_ranks``           MiB         at those steps: each process's peak memory, in rank order (one value
                                         when every rank runs in one process)
@@ -145,11 +147,12 @@ class Meter:
     peak: Peak | None
     device: torch.device
 
-    def record(self, step: int, loss: float, step_s: float, data_s: float, grad_norm: float | None
-               ) -> dict[str, Any]:
+    def record(self, step: int, loss: float, step_s: float, data_s: float, grad_norm: float | None,
+               lr: float) -> dict[str, Any]:
         """The record of step ``step`` (counted from 1): ``loss`` (nats/token), the step's wall time ``step_s``
         and the part of it spent building the batch ``data_s`` (seconds), the gradient norm (None: not
-        measured); the rates per device and the MFU follow (see the module docstring)."""
+        measured), the learning rate of its update ``lr``; the rates per device and the MFU follow (see the
+        module docstring)."""
         tflops = self.flops / step_s / self.devices / 1e12
         rec: dict[str, Any] = {"step": step, "loss": loss, "step_s": step_s, "data_s": data_s,
                                "tokens_per_s": self.tokens / step_s,
@@ -159,6 +162,7 @@ class Meter:
             rec["mfu_pct"] = 100 * tflops / self.peak.tflops
         if grad_norm is not None:
             rec["grad_norm"] = grad_norm
+        rec["lr"] = lr
         return rec
 
     def memory(self, ex: Executor) -> dict[str, Any]:

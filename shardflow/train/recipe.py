@@ -252,9 +252,10 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
 
 
 def optimizer(cfg: TrainConfig) -> OptimizerConfig:
-    """The optimizer of the config (SGD keeps its momentum, AdamW ignores it)."""
+    """The optimizer of the config (SGD keeps its momentum, Adam and AdamW ignore it), at the config's learning-rate
+    schedule."""
     return OptimizerConfig(Optimizer(cfg.optimizer), cfg.lr, cfg.momentum if cfg.optimizer == Optimizer.SGD else 0.0,
-                           cfg.weight_decay)
+                           cfg.weight_decay, schedule=cfg.lr_scheduler)
 
 
 def _check_memory_before_build(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus,
