@@ -133,7 +133,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
             _write_trace(s, ex, rank, world)
         if check is not None:
             check.step(batch, loss)
-        record = meter.record(step + 1, loss, dt, data_s, ex.grad_norm, s.pipeline.optimizer.lr_at(step + 1))
+        record = meter.record(step + 1, loss, dt, data_s, ex.grad_norm, opt.lr_at(step + 1))
         last = step + 1 == cfg.steps
         if (step + 1) % cfg.eval_every == 0 or last:
             record["val_loss"] = val_loss()
