@@ -43,7 +43,7 @@ from shardflow.pipeline import Pipeline, machine_cost
 from shardflow.graph.fused import stored
 from shardflow.reference import leaves, run_backward, weights_of
 from shardflow.runtime.device import rank_device
-from shardflow.runtime.materialize import materialise
+from shardflow.runtime.materialize import materialize
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
@@ -481,7 +481,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
                            reshard_after_forward=reshard_after_forward, ac=ac, precision=mixed_precision,
                            microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                            accumulate=accumulate)
-    inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
+    inits = materialize(model, seed) if any(p.is_meta for p in model.parameters()) else None
     pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict)
     graph = pipeline.graph
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
