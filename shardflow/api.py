@@ -38,9 +38,10 @@ from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
 from shardflow.pipeline import Pipeline, machine_cost
-from shardflow.reference import leaves, weights_of
+from shardflow.graph.fused import stored
+from shardflow.reference import leaves, run_backward, weights_of
 from shardflow.runtime.device import rank_device
-from shardflow.runtime.materialize import materialise
+from shardflow.runtime.materialize import materialize
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import LRSchedule, OptimizerConfig
@@ -312,6 +313,23 @@ class Trainer:
                              f"pass the module parallelize was given, before either trains")
         return self._side_by_side(model, params, batch, steps)
 
+    def capture_error(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+        """How far the captured graph, run on one device by shardflow's reference interpreter
+        (:func:`shardflow.reference.run_backward`), is from eager PyTorch at ``model``'s current weights: the
+        largest |Δloss| and |Δgradient| (every weight). Where a check fails, this tells the sides apart: ~0 means
+        capture computes what eager does and the plan's run differs; beyond the tolerance, the model as captured (or
+        the eager reference itself) differs, whatever the plan. Leaves ``model``'s gradients set."""
+        model.zero_grad()
+        out = model(**batch)
+        eager = getattr(out, "loss", out)
+        eager.backward()
+        graph = self.graph
+        tensors, grads = run_backward(graph, batch, weights_of(model, graph))
+        want = stored(graph, self._by_weight({k: p.grad if p.grad is not None else torch.zeros_like(p)
+                                              for k, p in model.named_parameters(remove_duplicate=False)}))
+        dgrad = max((float((grads[w] - g).abs().max()) for w, g in want.items() if g.numel()), default=0.0)
+        return abs(float(tensors[graph.loss]) - eager.item()), dgrad
+
     def _side_by_side(self, model: nn.Module, params: Mapping[str, nn.Parameter], batch: Mapping[str, torch.Tensor],
                       steps: int) -> Iterator[StepDeviation]:
         opt, done = torch_optimizer(self.optimizer, model.parameters()), self.steps_done
@@ -439,7 +457,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
                            reshard_after_forward=reshard_after_forward, ac=ac, precision=mixed_precision,
                            microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
                            accumulate=accumulate)
-    inits = materialise(model, seed) if any(p.is_meta for p in model.parameters()) else None
+    inits = materialize(model, seed) if any(p.is_meta for p in model.parameters()) else None
     pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict, clip_norm)
     graph = pipeline.graph
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)

@@ -392,6 +392,7 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
                               executor=executor, timeout_s=args.timeout,
                               **memory_options(args))
         steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
+        first = {k: p.detach().clone() for k, p in model.named_parameters()}  # to tell the sides apart on a failure
         say = print if trainer.lead else (lambda *_, **__: None)
         n_params = sum(p.numel() for p in model.parameters())
         say(f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {checked.dtype}; "
@@ -408,11 +409,30 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
                 flush=True)
             worst = {"loss": max(worst["loss"], d.dloss), "grad": max(worst["grad"], d.grad),
                      "weight": max(worst["weight"], d.weight), "buffer": max(worst["buffer"], d.buffer)}
-    ok = max(worst.values()) <= tol
-    say(f"max |Δloss| {worst['loss']:.1e}, |Δgrad| {worst['grad']:.1e}, |Δweight| {worst['weight']:.1e}"
-        + (f", |Δbuffer| {worst['buffer']:.1e}" if buffers else "") + f" over every replica (tolerance {tol:g}): "
-        f"{'OK' if ok else 'FAILED'}", flush=True)
+        ok = max(worst.values()) <= tol
+        say(f"max |Δloss| {worst['loss']:.1e}, |Δgrad| {worst['grad']:.1e}, |Δweight| {worst['weight']:.1e}"
+            + (f", |Δbuffer| {worst['buffer']:.1e}" if buffers else "") + f" over every replica (tolerance {tol:g}): "
+            f"{'OK' if ok else 'FAILED'}", flush=True)
+        if not ok and trainer.lead:
+            say(which_side(trainer, model, batch, first, tol), flush=True)
     return 0 if ok else DEVIATES
+
+
+def which_side(trainer, model: torch.nn.Module, batch: dict[str, torch.Tensor], first: dict[str, torch.Tensor],
+               tol: float) -> str:
+    """After a failed check: the captured graph on one device (shardflow's reference interpreter) against eager
+    PyTorch at the first step's weights ``first`` (:meth:`~shardflow.api.Trainer.capture_error`), and on which side
+    the mismatch therefore lies. ``model`` gets those weights back."""
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.copy_(first[k])
+    dloss, dgrad = trainer.capture_error(model, batch)
+    where = ("within the tolerance: capture computes what eager does, so the sharded run (or its update) is what "
+             "differs" if max(dloss, dgrad) <= tol else
+             "beyond the tolerance: the model as captured differs from eager PyTorch (capture, or the eager reference "
+             "itself: a kernel that rounds differently), whatever the plan")
+    return (f"the captured graph on one device (shardflow's reference interpreter) against eager PyTorch at the "
+            f"first step's weights: |Δloss| {dloss:.1e}, |Δgrad| {dgrad:.1e}, {where}")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -70,6 +70,8 @@ def test_beyond_the_tolerance_exits_1(capsys, monkeypatch):
     code, out, _ = check(capsys, "--model", "mlp", "--layers", "2", "--strategy", "dp", "--steps", "2")
     worst, _, word = verdict(out)
     assert code == 1 and word == "FAILED" and worst[2] > 1e-3
+    assert re.search(r"\|Δloss\| \S+, \|Δgrad\| \S+, within the tolerance: capture computes what eager does, so "
+                     r"the sharded run \(or its update\) is what differs$", out.rstrip()), out
 
 
 BAD_FACTORIES = '''
@@ -208,6 +210,40 @@ def float32_only():
     torch.manual_seed(0)
     return Float32Only(), {"x": torch.randn(4, 4), "y": torch.tensor([0, 1, 2, 0])}
 '''
+
+
+EXPORT_DIFFERS = '''
+import torch
+from torch import nn
+
+
+class Doubled(nn.Module):
+    """A model that computes another loss when torch.export traces it than when it runs eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        loss = nn.functional.cross_entropy(self.fc(x), y)
+        return loss * 2 if torch.compiler.is_exporting() else loss
+
+
+def doubled():
+    torch.manual_seed(0)
+    return Doubled(), {"x": torch.randn(4, 4), "y": torch.tensor([0, 1, 2, 0])}
+'''
+
+
+def test_a_failed_check_says_whether_capture_or_the_sharded_run_differs(capsys, tmp_path):
+    """A model whose captured graph is not what eager PyTorch runs: the check fails, and its last line says the
+    captured graph on one device already differs from eager (the reference interpreter against eager at the first
+    step's weights), so the plan is not to blame. (The other side: test_beyond_the_tolerance_exits_1.)"""
+    (tmp_path / "doubled.py").write_text(EXPORT_DIFFERS)
+    code, out, err = check(capsys, "--model", f"{tmp_path / 'doubled.py'}:doubled", "--strategy", "dp", "--steps", "1")
+    assert code == 1 and verdict(out)[2] == "FAILED", out + err
+    assert re.search(r"at the first step's weights: \|Δloss\| [1-9]\S+, \|Δgrad\| \S+, beyond the tolerance: the "
+                     r"model as captured differs from eager PyTorch", out.splitlines()[-1]), out
 
 
 def test_a_model_without_float64_kernels_is_checked_in_its_own_dtype_and_says_so(capsys, tmp_path):

@@ -15,7 +15,7 @@ from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassN
 from shardflow.lower.ordering import ordering
 from shardflow.lower.passes import PASSES, LowerContext, run_passes
 from shardflow.lower.shard_expansion import shard_expansion
-from shardflow.lower import lower
+from shardflow.lower import lower_programs
 from shardflow.lower.shard_expansion import axis_group_index, axis_members, steps
 from shardflow.lower import LowerOptions
 from shardflow.lower.program import Comm, Compute, Free, Wait
@@ -383,7 +383,7 @@ def test_every_pass_checks_its_preconditions():
     pcg = build_pcg(g, mesh, resolve(make_plan(g, mesh, "pp"), g, mesh))
     expanded = pass_expansion(pcg)
     with pytest.raises(PassError, match=r"pass 'schedule' needs \['copy_insertion'\] first"):
-        lower(expanded)
+        lower_programs(expanded)
     with pytest.raises(PassError, match="reads 'fwd:relu', held by another sub-mesh; run copy insertion first"):
         shard_expansion(dataclasses.replace(expanded, done=expanded.done + (PassName.COPY_INSERTION,)))
     dg = copy_insertion(expanded)
@@ -437,9 +437,9 @@ def dp_tp_mlp_pcg():
 
 def test_per_rank_lowering_equals_the_global_one():
     dg = copy_insertion(pass_expansion(dp_tp_mlp_pcg()))
-    everyone = lower(dg)
+    everyone = lower_programs(dg)
     for r in range(4):
-        assert lower(dg, [r])[r] == everyone[r]
+        assert lower_programs(dg, [r])[r] == everyone[r]
     # Tokens: dp all-reduces of the 2 replicated weights... each rank's tokens strictly increase.
     for p in everyone.values():
         tokens = [c.token for c in p.comms]

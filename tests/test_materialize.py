@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardflow.graph.fused import ByParts
-from shardflow.runtime.materialize import InitError, materialise_buffers, record
+from shardflow.runtime.materialize import InitError, materialize_buffers, record
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,7 +104,7 @@ def test_values_follow_the_models_own_initialisation(name):
     real = _hf(name)()
     model = _meta(_hf(name))
     inits = record(model, seed=0)
-    materialise_buffers(model, inits)
+    materialize_buffers(model, inits)
     for n, b in real.named_buffers():
         assert torch.equal(dict(model.named_buffers())[n], b), n
     for n, p in real.named_parameters():
@@ -187,7 +187,7 @@ def test_a_model_built_on_meta_captures_the_graph_of_the_model_built_whole():
     from shardflow.capture import capture
     real = _hf("llama")()
     model = _meta(_hf("llama"))
-    materialise_buffers(model, record(model, 0))
+    materialize_buffers(model, record(model, 0))
     ids = torch.randint(0, 96, (2, 8))
     a, b = (capture(m, {"input_ids": ids, "labels": ids}) for m in (real, model))
     assert [n.op for n in a.nodes] == [n.op for n in b.nodes]

@@ -13,7 +13,7 @@ from typing import Iterable, Mapping
 
 from shardflow.lower.cost import PLAIN, CostModel, LowerOptions, MixedPrecision
 from shardflow.lower.dynamic import DynamicGraph, MicroStep, PassName, UpdateRule
-from shardflow.lower.passes import PASSES, LowerContext, PassRecord, lower, run_passes
+from shardflow.lower.passes import PASSES, LowerContext, PassRecord, lower_programs, run_passes
 from shardflow.lower.program import Program
 from shardflow.parallel.pcg import PCG
 
@@ -54,5 +54,5 @@ def lower_step(pcg: PCG, optimizer: UpdateRule = UpdateRule.SGD, ranks: Iterable
     return LoweredStep(sg.dg, sg.programs, records)
 
 
-__all__ = ["PASSES", "PLAIN", "CostModel", "LowerOptions", "LoweredStep", "MicroStep", "MixedPrecision", "lower",
-           "lower_step", "run_passes"]
+__all__ = ["PASSES", "PLAIN", "CostModel", "LowerOptions", "LoweredStep", "MicroStep", "MixedPrecision",
+           "lower_programs", "lower_step", "run_passes"]

@@ -126,7 +126,7 @@ def run_passes(pcg: PCG, ctx: LowerContext, skip: Iterable[str] = (),
     return graph, tuple(records)
 
 
-def lower(dg: DynamicGraph, ranks: Iterable[int] | None = None,
+def lower_programs(dg: DynamicGraph, ranks: Iterable[int] | None = None,
           options: LowerOptions | None = None) -> dict[int, Program]:
     """Per-rank programs of dynamic graph ``dg`` (after pass expansion and copy insertion) for ``ranks``
     (default: every device): shard expansion, communication lowering and ordering. Deterministic: every rank

@@ -42,6 +42,18 @@ class ParallelOp:
 
     kind: ClassVar[str] = "parallel"
 
+    # Every parallel op has a degree and an axis; each subclass holds them as dataclass fields in its own order
+    # (Repartition(dim, degree, axis)), which replace these.
+    @property
+    def degree(self) -> int:
+        """How many devices the op spans: the size of mesh axis :attr:`axis`."""
+        raise NotImplementedError
+
+    @property
+    def axis(self) -> str:
+        """The mesh axis the op works along."""
+        raise NotImplementedError
+
     def apply_shape(self, p: ParallelTensorShape) -> ParallelTensorShape:
         """Degree rule. Raises DegreeError / ShardingError when the degrees do not allow the op."""
         raise NotImplementedError
@@ -51,9 +63,9 @@ class ParallelOp:
         raise NotImplementedError
 
     def _check_degree(self, group: SubMesh) -> None:
-        size = group.mesh.axis_size(self.axis)  # type: ignore[attr-defined]
-        if size != self.degree:  # type: ignore[attr-defined]
-            raise ShardingError(f"{self.describe()}: axis {self.axis!r} has {size} devices, not {self.degree}")  # type: ignore[attr-defined]
+        size = group.mesh.axis_size(self.axis)
+        if size != self.degree:
+            raise ShardingError(f"{self.describe()}: axis {self.axis!r} has {size} devices, not {self.degree}")
 
     def describe(self) -> str:
         raise NotImplementedError

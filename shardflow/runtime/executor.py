@@ -14,6 +14,7 @@ index), so any strategy draws what one device draws (:mod:`shardflow.graph.rng`)
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Callable, Mapping
 
 import torch
@@ -37,10 +38,11 @@ class _Cast:
         return self.src[index].to(self.dtype)
 
 
-class Executor:
-    """Base of both executors. ``dg`` is the lowered step's dynamic graph; ``steps_done`` counts steps;
-    ``micro``: the micro-step the next step runs, (index, count), under gradient accumulation (its random ops
-    draw as rows of the whole batch: :meth:`~shardflow.graph.rng.PieceSite.at`)."""
+class Executor(ABC):
+    """Base of both executors; its abstract methods are the interface each implements. ``dg`` is the lowered step's
+    dynamic graph; ``steps_done`` counts steps; ``micro``: the micro-step the next step runs, (index, count), under
+    gradient accumulation (its random ops draw as rows of the whole batch: :meth:`~shardflow.graph.rng.PieceSite.at`).
+    """
 
     dg: DynamicGraph
     device: torch.device = torch.device("cpu")  # where every buffer lives (:mod:`shardflow.runtime.device`)
@@ -55,43 +57,43 @@ class Executor:
         self.renames = [(new, v.replaces) for new, v in self.dg.values.items() if v.replaces]
         self.grad_values = {n.src: n.inputs[1] for n in self.dg.nodes if n.kind == NodeKind.UPDATE}
 
+    @abstractmethod
     def _put(self, vid: str, full: torch.Tensor) -> None:
         """Place the pieces of value ``vid`` cut from its full tensor."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _get(self, vid: str) -> torch.Tensor:
         """The full tensor of value ``vid`` (on the distributed executor: collective, every rank calls it)."""
-        raise NotImplementedError
 
     def _get_many(self, vids: list[str]) -> list[torch.Tensor]:
         """The full tensors of ``vids``, in order (:meth:`_get` of each; the distributed executor packs them into one
         collective)."""
         return [self._get(v) for v in vids]
 
+    @abstractmethod
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:
         """Device → its piece of value ``vid``, for every device of this executor that holds one."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _here(self) -> tuple[int, ...]:
         """The devices whose programs this executor runs."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _place(self, vid: str, pieces: Mapping[int, torch.Tensor]) -> None:
         """Hold ``pieces`` (device of this executor → its piece of value ``vid``) as the value's buffers."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _max_over_ranks(self, x: float) -> float:
         """The largest ``x`` over the ranks (on the distributed executor: collective, every rank calls it)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def per_process(self, x: float) -> list[float]:
         """Every process's ``x``, in rank order: one value on the local executor (every rank is this process);
         on the distributed executor one per rank (collective: every rank calls it, with the run's timeout)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """One training step on full ``inputs`` (by graph input name); returns the loss."""
-        raise NotImplementedError
 
     @property
     def grad_norm(self) -> float | None:

@@ -258,7 +258,7 @@ def default_initialise(model: nn.Module) -> Callable[[], None]:
     return lambda: [m.reset_parameters() for m in model.modules() if hasattr(m, "reset_parameters")]
 
 
-def materialise_buffers(model: nn.Module, inits: Mapping[str, TensorInit]) -> None:
+def materialize_buffers(model: nn.Module, inits: Mapping[str, TensorInit]) -> None:
     """Give every buffer of ``model`` its values, whole, on the CPU (in place; parameters stay on meta).
     ``inits``: :func:`record`'s, by first FQN (a buffer registered in several modules gets one tensor)."""
     made: dict[int, torch.Tensor] = {}
@@ -271,10 +271,10 @@ def materialise_buffers(model: nn.Module, inits: Mapping[str, TensorInit]) -> No
                 module._buffers[leaf] = made[key]
 
 
-def materialise(model: nn.Module, seed: int, initialise: Callable[[], None] | None = None) -> dict[str, TensorInit]:
+def materialize(model: nn.Module, seed: int, initialise: Callable[[], None] | None = None) -> dict[str, TensorInit]:
     """Prepare ``model``, built on the meta device, to be materialised piece by piece: how every parameter and
     buffer is initialised (:func:`record`, draws seeded by ``seed``); its buffers get their values now, whole
-    (:func:`materialise_buffers`), its parameters stay on meta. Raises InitError."""
+    (:func:`materialize_buffers`), its parameters stay on meta. Raises InitError."""
     inits = record(model, seed, initialise)
-    materialise_buffers(model, inits)
+    materialize_buffers(model, inits)
     return inits

@@ -26,7 +26,7 @@ from shardflow.parallel.pcg import PCG
 from shardflow.pipeline import Pipeline, machine_cost
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.device import device_type
-from shardflow.runtime.materialize import TensorInit, materialise
+from shardflow.runtime.materialize import TensorInit, materialize
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
@@ -155,7 +155,7 @@ class Setup:
 def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None) -> tuple[Family, Any, nn.Module]:
     """The family, config and module of ``--model``, sized by ``--model-config`` (or the ``--init-from``
     directory's config) and the size flags: a built-in family's on the meta device (shapes only; see
-    :func:`~shardflow.runtime.materialize.materialise`), a factory's as the factory builds it (seeded with ``--seed``). Raises ModelError,
+    :func:`~shardflow.runtime.materialize.materialize`), a factory's as the factory builds it (seeded with ``--seed``). Raises ModelError,
     ModelSpecError."""
     sizes = Sizes(cfg.layers, cfg.heads, cfg.kv_heads, cfg.embd)
     given = [f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(sizes).items() if v is not None]
@@ -237,7 +237,7 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
     either), and its PCG on ``mesh``."""
     with torch.device("meta") if meta else contextlib.nullcontext():
         family, config, model = build_model(cfg, corpus.tokenizer.vocab_size, pretrained)
-    inits = None if meta or is_factory(cfg.model) else materialise(model, cfg.seed)
+    inits = None if meta or is_factory(cfg.model) else materialize(model, cfg.seed)
     options = step_options(cfg, machine_cost(cfg.device, cfg.nproc))
     if options.precision:  # captured in param_dtype (the model's own upcasts kept), started from its float32 weights
         if inits is None and not meta:
