@@ -123,7 +123,8 @@ def from_torch_optim(optimizer: type[torch.optim.Optimizer] | functools.partial,
             value than torch.optim's default (``amsgrad=True``, ``nesterov=True``, ``maximize=True``...), an
             unknown option or positional arguments in the partial; the message names the fix.
     """
-    cls, given = optimizer, dict(kwargs)
+    cls: Any = optimizer  # the class, once the partial is unwrapped
+    given = dict(kwargs)
     if isinstance(optimizer, functools.partial):
         cls, given = optimizer.func, {**optimizer.keywords, **given}
         if optimizer.args:
@@ -521,11 +522,12 @@ def optimizer_config(optimizer: OptimizerSpec, lr: float | None,
             raise ValueError(f"lr={lr}, optimizer_kwargs={kwargs} with an OptimizerConfig (lr={optimizer.lr}): set "
                              f"lr and the options in the config")
         return optimizer
+    options = dict(kwargs or {})
     if not isinstance(optimizer, str):
-        if lr is not None and "lr" in (kwargs or {}):
-            raise ValueError(f"lr={lr} and optimizer_kwargs lr={kwargs['lr']}: give the learning rate once")
-        return from_torch_optim(optimizer, {**(kwargs or {}), **({} if lr is None else {"lr": lr})})
-    if kwargs:
+        if lr is not None and "lr" in options:
+            raise ValueError(f"lr={lr} and optimizer_kwargs lr={options['lr']}: give the learning rate once")
+        return from_torch_optim(optimizer, {**options, **({} if lr is None else {"lr": lr})})
+    if options:
         raise ValueError(f"optimizer_kwargs with optimizer={optimizer!r}: options go with a torch.optim class "
                          f"(optimizer=torch.optim.AdamW, optimizer_kwargs={{...}}) or in an OptimizerConfig")
     try:
