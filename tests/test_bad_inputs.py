@@ -136,7 +136,7 @@ def test_tensorboard_without_its_package(train, tmp_path, corpus, monkeypatch):
     ("steps = 2.5\n", ["setting steps = 2.5 is a number, but steps takes a whole number", "e.g. steps = 600"]),
     ('resume = "yes"\n', ["setting resume = 'yes' is a string, but resume takes true or false"]),
     ("mesh = 2\n", ["setting mesh = 2 is a whole number, but mesh takes a string"]),
-    ('optimizer = "adam"\n', ["setting optimizer = 'adam' is not one of sgd, adamw"]),
+    ('optimizer = "lion"\n', ["setting optimizer = 'lion' is not one of sgd, adam, adamw"]),
     (None, ["does not exist"]),
 ])
 def test_bad_config_file(capsys, tmp_path, corpus, tiny, text, words):
