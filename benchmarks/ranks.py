@@ -204,9 +204,9 @@ def run_mlp(p: dict, rank: int, world: int) -> dict:
         dt = dtensor_mlp(model, world)
         dt_opt = torch.optim.SGD(dt.parameters(), lr=lr)
         hand = HandTP(model, rank, world, lr)
-        variants = [Variant("shardflow", lambda: ex.step(inputs)),
+        variants = [Variant("shardflow", lambda ex=ex: ex.step(inputs)),  # bound now: deleted after the size
                     Variant("dtensor", torch_step(dt, dt_opt, inputs)),
-                    Variant("hand", lambda: hand.step(**inputs))]
+                    Variant("hand", lambda hand=hand: hand.step(**inputs))]
         if rank == 0:
             one = model
             one_opt = torch.optim.SGD(one.parameters(), lr=lr)
@@ -816,7 +816,8 @@ def run_profile(p: dict, rank: int, world: int) -> dict:
     out: dict = {"batch": B}
     for h in (p["h"], p["tiny_h"]):
         ex, hand, inputs = _mlp_pair(h, B, rank, world)
-        variants = [Variant("shardflow", lambda: ex.step(inputs)), Variant("hand", lambda: hand.step(**inputs))]
+        variants = [Variant("shardflow", lambda ex=ex: ex.step(inputs)),  # bound now: deleted after the size
+                    Variant("hand", lambda hand=hand: hand.step(**inputs))]
         iters = p["iters"] if h == p["h"] else p["iters"] * 10
         samples = interleave(variants, p["rounds"], iters, p["warmup"], rank)
         r: dict = {"h": h, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
@@ -825,11 +826,11 @@ def run_profile(p: dict, rank: int, world: int) -> dict:
         # 1. timers around every kernel, communication, input placement and loss read-back
         r["timers"] = _timed_steps(ex, inputs, k)
         # 2. torch.profiler (ATen self time) with timers on the communication calls in the same run
-        r["aten"] = {"shardflow": _aten_profile(ex, lambda: ex.step(inputs), k, rank),
-                     "hand": _aten_profile(None, lambda: hand.step(**inputs), k, rank)}
+        r["aten"] = {"shardflow": _aten_profile(ex, lambda ex=ex: ex.step(inputs), k, rank),
+                     "hand": _aten_profile(None, lambda hand=hand: hand.step(**inputs), k, rank)}
         if h == p["h"]:
             out["listing"] = [str(i).strip() for i in ex.program.instrs]
-            r["cprofile"] = _cprofile(lambda: ex.step(inputs), n, rank)
+            r["cprofile"] = _cprofile(lambda ex=ex: ex.step(inputs), n, rank)
         out[f"h{h}" if h != p["h"] else "main"] = r
         del ex, hand, variants
     return out

@@ -14,7 +14,7 @@ HF_LLAMA = str(Path(__file__).parents[1] / "examples" / "hf_llama.py")
 
 
 def final_loss(text):
-    return float(next(l for l in text.splitlines() if l.startswith("final loss")).split()[-1])
+    return float(next(line for line in text.splitlines() if line.startswith("final loss")).split()[-1])
 
 
 def test_own_model_example_in_one_process_and_two(tmp_path):
@@ -34,6 +34,6 @@ def test_hugging_face_example_trains_and_gives_the_weights_back():
     pytest.importorskip("transformers")
     r = subprocess.run([sys.executable, HF_LLAMA], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    losses = [float(l.split()[-1]) for l in r.stdout.splitlines() if l.startswith("step ")]
+    losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 4 and losses == sorted(losses, reverse=True) and losses[0] < 4.6  # log(96) ≈ 4.56 at init
     assert final_loss(r.stdout) < losses[-1]

@@ -72,7 +72,8 @@ def test_run_forward_returns_every_tensor():
 def test_unused_weight_gets_zero_gradient():
     b = GraphBuilder()
     x = b.input("x", (2, 3))
-    w, unused = b.weight("w", (3,)), b.weight("unused", (4,))
+    w = b.weight("w", (3,))
+    b.weight("unused", (4,))  # read by nothing
     loss = b.sum(b.mul(x, w))
     graph = b.build([loss], loss)
     _, grads = run_backward(graph, {"x": torch.ones(2, 3)}, {"w": torch.ones(3), "unused": torch.ones(4)})

@@ -186,7 +186,7 @@ def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint
 
 def check_line(r) -> str:
     assert r.returncode == 0, r.stderr + r.stdout
-    return next(l for l in r.stdout.splitlines() if l.startswith("check against one device"))
+    return next(line for line in r.stdout.splitlines() if line.startswith("check against one device"))
 
 
 def test_under_torchrun(tmp_path, train_argv, read_metrics, single):

@@ -180,8 +180,12 @@ def test_cycle_is_caught_by_order_and_deadlock():
     """rank 0: send t0 to 1, recv t1 from 1; rank 1: send t1 to 0, recv t0 from 0. Peers and signatures are
     consistent; no token numbering can order both ranks (rank 0 needs t0 < t1, rank 1 t1 < t0), so the order
     checks report it — and the deadlock simulation, which ignores token numbers, catches the cycle too."""
-    send = lambda t, s, d: Comm(t, "send", "FWD", (s, d), T, 128, peer=d)
-    recv = lambda t, s, d: Comm(t, "recv", "FWD", (s, d), T, 0, peer=s)
+    def send(t, s, d):
+        return Comm(t, "send", "FWD", (s, d), T, 128, peer=d)
+
+    def recv(t, s, d):
+        return Comm(t, "recv", "FWD", (s, d), T, 0, peer=s)
+
     programs = {0: Program(0, (send(0, 0, 1), recv(1, 1, 0))), 1: Program(1, (send(1, 1, 0), recv(0, 0, 1)))}
     problems = rejected(programs).problems
     assert "rank 1 issues token 0 (recv) after token 1 (send): tokens must strictly increase" in problems
