@@ -10,9 +10,11 @@ from shardflow.lower import lower_step
 import dataclasses
 
 from shardflow.lower.comm_lowering import comm_lowering, decide
-from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassName, TaskType, UpdateRule,
-                                     ValueRole, copy_insertion, forward_id, grad_id, pass_expansion, state_id)
+from shardflow.lower.copy_insertion import copy_insertion
+from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassName, TaskType, UpdateRule, ValueRole,
+                                     forward_id, grad_id, state_id)
 from shardflow.lower.ordering import ordering
+from shardflow.lower.pass_expansion import pass_expansion
 from shardflow.lower.passes import PASSES, LowerContext, run_passes
 from shardflow.lower.shard_expansion import shard_expansion
 from shardflow.lower import lower
