@@ -500,7 +500,8 @@ def _sp_step(options, d=4, with_graph=False, matmul=False):
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
     from shardflow.lower.comm_lowering import ring_peers
-    from shardflow.lower.program import Compute, in_place_product, ring_regions
+    from shardflow.lower.buffer_reuse import in_place_product, ring_regions
+    from shardflow.lower.program import Compute
     from shardflow.runtime.vjp import hand_vjp
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():
