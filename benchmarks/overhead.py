@@ -147,7 +147,7 @@ def section(results: dict[str, dict], rounds: int) -> str:
               "(issue #16), every update in one fused call. On the main job the two run the same ATen kernels: "
               "capture lifts the causal mask the traced Llama builds as a tensor to sdpa's causal flag, and the "
               "key/value heads its `repeat_kv` copies over the query heads to grouped-query attention on the "
-              "unrepeated heads (`shardflow/capture/export.py`), as the eager forward calls sdpa (before that "
+              "unrepeated heads (`shardflow/capture/lift_table.py`), as the eager forward calls sdpa (before that "
               "lift, the masked attention on repeated heads cost their copies, the sum of their gradients and a "
               "slower flash-attention backward: +1.3 ms of 13 ms, 1.04 × eager). What is left is in the ATen ops: "
               "fresh buffers filled where autograd reuses them, the decomposed cross-entropy's small ops (`where`, "

@@ -38,7 +38,8 @@ import torch  # noqa: E402
 
 from fsdp import main_job  # noqa: E402
 from harness import Variant, interleave, machine, write_section  # noqa: E402
-from shardflow.lower.dynamic import ActivationCheckpointing, checkpoint_blocks  # noqa: E402
+from shardflow.lower.dynamic import ActivationCheckpointing  # noqa: E402
+from shardflow.lower.pass_expansion import checkpoint_blocks  # noqa: E402
 
 MESHES = [("single", "d=1"), ("fsdp", "fsdp=4")]
 MODES = tuple(map(str, ActivationCheckpointing))

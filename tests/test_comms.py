@@ -1,5 +1,5 @@
 """Communications and their buffers (no processes): which communications of a per-rank program may use their send
-buffer itself (:func:`shardflow.lower.program.shared_sends`) — exact plan structure, and each hazard that forbids
+buffer itself (:func:`shardflow.lower.buffer_reuse.shared_sends`) — exact plan structure, and each hazard that forbids
 it on a hand-written program — and the local implementation sharing buffers as the distributed one does, checked
 against one device. The distributed side (``issue`` against ``run_local`` on real ranks) is the ``comms`` case of
 tests/dist_worker.py."""
@@ -15,8 +15,8 @@ from shardflow.lower.comms import run_local
 from shardflow.parallel.collectives import KINDS, CommKind, bound_bytes
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
-from shardflow.lower.program import (Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Sum, Update, Vjp, Wait,
-                                     inplace_sums, kept_receives, ring_regions, shared_sends)
+from shardflow.lower.buffer_reuse import inplace_sums, kept_receives, ring_regions, shared_sends
+from shardflow.lower.program import Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Sum, Update, Vjp, Wait
 from shardflow.parallel.mesh import Mesh, Partial, ReduceOp
 from shardflow.parallel.rules import LocalOp
 from shardflow.runtime.comms import issue
@@ -256,7 +256,7 @@ def test_a_product_by_a_matrix_fused_into_the_gather_writes_into_one_output(form
     product's four output chunks are blocks of one buffer (``ring_regions``, ``in_place_product``), as a linear's;
     the local executor gives one device's numbers over two steps."""
     from shardflow.lower import LowerOptions
-    from shardflow.lower.program import in_place_product
+    from shardflow.lower.buffer_reuse import in_place_product
 
     step, graph = _sp_step(LowerOptions(form, "ring"), with_graph=True, matmul=True)
     for p in step.programs.values():
@@ -277,7 +277,7 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     import torch
     import torch.nn.functional as F
     from shardflow.lower import LowerOptions
-    from shardflow.lower.program import buffer_reuse
+    from shardflow.lower.buffer_reuse import buffer_reuse
     from shardflow.runtime.buffers import Receives
 
     step, graph = _sp_step(LowerOptions("ring", "ring"), with_graph=True)

@@ -10,9 +10,11 @@ from shardflow.lower import lower_step
 import dataclasses
 
 from shardflow.lower.comm_lowering import comm_lowering, decide
-from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassName, TaskType, UpdateRule,
-                                     ValueRole, copy_insertion, forward_id, grad_id, pass_expansion, state_id)
+from shardflow.lower.copy_insertion import copy_insertion
+from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassName, TaskType, UpdateRule, ValueRole,
+                                     forward_id, grad_id, state_id)
 from shardflow.lower.ordering import ordering
+from shardflow.lower.pass_expansion import pass_expansion
 from shardflow.lower.passes import PASSES, LowerContext, run_passes
 from shardflow.lower.shard_expansion import shard_expansion
 from shardflow.lower import lower_programs
@@ -498,7 +500,8 @@ def _sp_step(options, d=4, with_graph=False, matmul=False):
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
     from shardflow.lower.comm_lowering import ring_peers
-    from shardflow.lower.program import Compute, in_place_product, ring_regions
+    from shardflow.lower.buffer_reuse import in_place_product, ring_regions
+    from shardflow.lower.program import Compute
     from shardflow.runtime.vjp import hand_vjp
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():

@@ -17,7 +17,8 @@ from shardflow.capture import capture  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.cost import CommForm  # noqa: E402
 from shardflow.lower.dynamic import (ActivationCheckpointing, NodeKind, PassError, TaskType, UpdateRule,  # noqa: E402
-                                     ValueRole, block_of, checkpoint_blocks, pass_expansion)
+                                     ValueRole, block_of)
+from shardflow.lower.pass_expansion import checkpoint_blocks, pass_expansion  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
 from shardflow.models.gpt import GPT, GPTConfig  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402

@@ -138,7 +138,7 @@ class Op:
     # output dims of the same index, so the op runs chunk by chunk along them (a ring all-gather fuses it).
     contracts_last_dim: ClassVar[bool] = False
     # compute returns new tensors only, never an input or a view of one (an executor may then overwrite an output
-    # while the inputs live on: :func:`~shardflow.lower.program.shared_sends`); False where unsure
+    # while the inputs live on: :func:`~shardflow.lower.buffer_reuse.shared_sends`); False where unsure
     fresh: ClassVar[bool] = False
     # likewise for its vjp: the input gradients are new tensors, never an output gradient or a view of one
     fresh_grads: ClassVar[bool] = False

@@ -78,7 +78,7 @@ def run_local(members: Sequence[Comm], sends: Sequence[torch.Tensor | None],
               shared: Sequence[bool]) -> list[torch.Tensor | None]:
     """What each member receives (``None``: nothing), from what each sends; all three in ``members[0].members``
     order. ``shared``: per member, whether its send buffer is the communication's to use
-    (:func:`~shardflow.lower.program.shared_sends`): a reduction then writes its result there and a broadcast root
+    (:func:`~shardflow.lower.buffer_reuse.shared_sends`): a reduction then writes its result there and a broadcast root
     keeps its buffer as its result, as :func:`shardflow.runtime.comms.issue` does — so the local executor runs the
     same buffer sharing as the distributed one. Raises ValueError for an unknown kind."""
     c = members[0]

@@ -147,7 +147,8 @@ class MixedPrecision:
     ``param_dtype`` (the entry points capture it in that dtype: ``shardflow train``/``plan --dtype bf16`` convert it,
     :func:`~shardflow.api.parallelize` takes a model already in it); every floating weight narrower than
     ``reduce_dtype`` is held, reduced (its gradients) and updated (its optimizer state) in ``reduce_dtype`` and cast
-    to ``param_dtype`` at the start of each step (``master_dtype`` of :func:`~shardflow.lower.dynamic.pass_expansion`).
+    to ``param_dtype`` at the start of each step (``master_dtype`` of
+    :func:`~shardflow.lower.pass_expansion.pass_expansion`).
     Both must be floating dtypes (:meth:`LowerOptions.parse` checks)."""
 
     param_dtype: torch.dtype = torch.bfloat16
@@ -182,7 +183,7 @@ class LowerOptions:
     bucketing (Li et al., "PyTorch Distributed", VLDB 2020), default 25 MiB as DDP's ``bucket_cap_mb``.
 
     ``reshard_after_forward``: a weight gathered by a Combine (FSDP) is gathered again for the backward instead of
-    kept from the forward (:func:`~shardflow.lower.dynamic.pass_expansion`; FSDP2's ``reshard_after_forward``, on
+    kept from the forward (:func:`~shardflow.lower.pass_expansion.pass_expansion`; FSDP2's ``reshard_after_forward``, on
     by default as there and in every entry point); False keeps the forward's gather.
 
     ``ac``: activation checkpointing (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`): under ``block``

@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 from shardflow.lower.comm_lowering import comm_lowering
 from shardflow.lower.cost import PLAIN, LowerOptions
-from shardflow.lower.dynamic import (DynamicGraph, MicroStep, PassError, PassName, UpdateRule, copy_insertion,
-                                     pass_expansion)
+from shardflow.lower.copy_insertion import copy_insertion
+from shardflow.lower.dynamic import DynamicGraph, MicroStep, PassError, PassName, UpdateRule
 from shardflow.lower.ordering import ordering
+from shardflow.lower.pass_expansion import pass_expansion
 from shardflow.lower.schedule import schedule
 from shardflow.lower.program import Program
 from shardflow.lower.shard_expansion import ShardedGraph, shard_expansion

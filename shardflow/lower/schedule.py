@@ -2,7 +2,7 @@
 which each stage runs the forwards and backwards of a step's microbatches, and the pass that puts the dynamic graph's
 nodes in that order.
 
-A step of M microbatches (``microbatches`` of :func:`~shardflow.lower.dynamic.pass_expansion`) on p stages (the
+A step of M microbatches (``microbatches`` of :func:`~shardflow.lower.pass_expansion.pass_expansion`) on p stages (the
 sub-meshes of the stage axis) is, per stage, a sequence of **actions**: ``F m`` (the stage's forward nodes of
 microbatch m) and ``B m`` (its loss seed and backward nodes of microbatch m, activation recomputation included);
 under the interleaved schedule an action is also of one of the rank's chunks (``F3.1``: chunk 1, microbatch 3).

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value,
-                                     cross_submesh_reads, require)
+from shardflow.lower.copy_insertion import cross_submesh_reads
+from shardflow.lower.dynamic import DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, require
 from shardflow.lower.program import (Block, Buffer, Compute, Convert, Forward, Instr, Keep, KernelSpec, OnesLike,
                                      Program, Sum, SumOfSquares, Update, Vjp)
 from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses

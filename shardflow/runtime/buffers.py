@@ -5,10 +5,10 @@ they are freed), so every first write pays a page fault per 4 KiB: receiving a 1
 took 16.7 ms against 8.8 ms into one kept from call to call (2 gloo ranks, this machine). DDP keeps its buckets
 and the CUDA caching allocator its blocks for the same reason.
 
-* :class:`Kept`: a receive slot of :func:`~shardflow.lower.program.kept_receives` — one buffer, allocated at
+* :class:`Kept`: a receive slot of :func:`~shardflow.lower.buffer_reuse.kept_receives` — one buffer, allocated at
   first use, that every communication of the slot receives into, step after step;
 * :class:`Receives`: where each communication of a rank's program receives — its slot, or, for a ring
-  all-gather's chunks (:func:`~shardflow.lower.program.ring_regions`), straight into their blocks of the gathered
+  all-gather's chunks (:func:`~shardflow.lower.buffer_reuse.ring_regions`), straight into their blocks of the gathered
   buffer, so the ring's concat copies only the rank's own chunk; and where the linears fused into an all-gather
   loop (ring or broadcasts) write their output chunks: straight into their blocks of the whole output, so their
   concat copies nothing.
@@ -23,7 +23,8 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph.ops import Linear, torch_dtype
-from shardflow.lower.program import Comm, Compute, Program, Reuse
+from shardflow.lower.buffer_reuse import Reuse
+from shardflow.lower.program import Comm, Compute, Program
 
 
 class Kept:
@@ -49,8 +50,8 @@ class Kept:
 
 
 class Receives:
-    """Where the communications of one rank's ``program`` receive, from its :class:`~shardflow.lower.program.Reuse`
-    (``reuse``, :func:`~shardflow.lower.program.buffer_reuse`), on ``device``:
+    """Where the communications of one rank's ``program`` receive, from its :class:`~shardflow.lower.buffer_reuse.Reuse`
+    (``reuse``, :func:`~shardflow.lower.buffer_reuse.buffer_reuse`), on ``device``:
 
     * a communication with a receive slot (``reuse.kept``) receives into the slot's :class:`Kept` buffer (tokens of
       one slot share it);
@@ -60,7 +61,7 @@ class Receives:
       (the rank's own) and returns the buffer with the dim back in its place;
     * any other communication receives into a new buffer (:meth:`alloc` gives None);
     * a linear or a product by a matrix fused into an all-gather loop (a chunk of ``reuse.regions`` computed by
-      :func:`~shardflow.lower.program.in_place_product`) writes its output chunk into its block of the output's
+      :func:`~shardflow.lower.buffer_reuse.in_place_product`) writes its output chunk into its block of the output's
       buffer, laid out as the gathered one (allocated by the first such chunk), and the concat of its chunks returns
       that buffer: the output is left with the gathered dim first in memory (:meth:`kernel`).
     """

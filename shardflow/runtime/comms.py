@@ -61,7 +61,7 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
           device: torch.device | str = "cpu", alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> Issued:
     """Issue this rank's side of ``c`` without waiting. ``send``: this rank's send buffer (shape
     ``c.send.type.shape``); ``group``: the process group of ``c.members`` (None = the world); ``in_place``: the
-    send buffer is the communication's to use (:func:`~shardflow.lower.program.shared_sends`): an all-reduce or a
+    send buffer is the communication's to use (:func:`~shardflow.lower.buffer_reuse.shared_sends`): an all-reduce or a
     reduce overwrites it with the result, a broadcast root sends it as it is and returns it (a non-contiguous one is
     copied all the same: the backends take contiguous buffers). An all-gather or reduce-scatter along a dim other
     than 0 copies its input once (that dim to the front) and returns a view of the received buffer, not a copy;
@@ -70,7 +70,7 @@ def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: b
     :func:`~shardflow.lower.comms.front_dim`); an all-to-all likewise (its result is a copy only where the chunks
     cannot be viewed in place: ``dim2`` ≠ 0). ``alloc(shape)``: the buffer the communication receives into (its
     result's storage, of the dtype of ``c``; e.g. one the caller keeps from step to step:
-    :func:`~shardflow.lower.program.kept_receives`); default a new one. Raises ValueError for an unknown kind."""
+    :func:`~shardflow.lower.buffer_reuse.kept_receives`); default a new one. Raises ValueError for an unknown kind."""
     spec = KINDS.get(c.kind)
     if spec is None or spec.distributed is None:
         raise ValueError(f"rank {rank}: no implementation of communication kind {c.kind!r} (token {c.token})")

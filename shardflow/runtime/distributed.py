@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
-from shardflow.lower.program import Comm, Compute, Group, Wait, buffer_reuse
+from shardflow.lower.buffer_reuse import buffer_reuse
+from shardflow.lower.program import Comm, Compute, Group, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.parallel.mesh import Mesh, ReduceOp

@@ -162,7 +162,7 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     the current step, counted from 1 (for the learning rate, Adam and random ops); ``seed`` is the run's seed random ops draw
     with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`);
     ``device``: the executor's, where a kernel with no input makes its output (a sum of squares of no piece).
-    ``in_place``: a gradient sum accumulates into its first input (:func:`~shardflow.lower.program.inplace_sums`).
+    ``in_place``: a gradient sum accumulates into its first input (:func:`~shardflow.lower.buffer_reuse.inplace_sums`).
 
     ``saved``: this rank's store of forward autograd graphs, by (PCG node, microbatch). When given, a forward whose
     node has a backward records its graph there and the backward reuses it (no second forward); without it, the

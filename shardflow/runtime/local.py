@@ -15,7 +15,8 @@ import torch
 from shardflow.lower import LoweredStep
 from shardflow.lower.dynamic import Value
 from shardflow.lower.comms import front_dim, run_local
-from shardflow.lower.program import Comm, Compute, buffer_reuse
+from shardflow.lower.buffer_reuse import buffer_reuse
+from shardflow.lower.program import Comm, Compute
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import blocks, gather, scatter
 from shardflow.runtime.executor import Executor

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from shardflow.graph.flops import TRAINING_FACTOR
-from shardflow.lower.dynamic import ActivationCheckpointing, checkpoint_blocks
+from shardflow.lower.dynamic import ActivationCheckpointing
+from shardflow.lower.pass_expansion import checkpoint_blocks
 from shardflow.lower.report import bytes_rows
 from shardflow.lower.schedule import schedule_of
 from shardflow.train.checkpoint import Checkpoint
