@@ -28,16 +28,23 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-
 from harness import machine, write_section  # noqa: E402
 from ranks import state_bytes  # noqa: E402
+
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
 from shardflow.train.config import TrainConfig  # noqa: E402
 from shardflow.train.data import Split  # noqa: E402
 from shardflow.train.recipe import setup  # noqa: E402
 
-RUNS = [("single", "d=1", True), ("dp", "dp=4", True), ("fsdp", "fsdp=2", True), ("fsdp", "fsdp=4", True),
-        ("fsdp", "fsdp=4", False), ("hsdp", "dp=2,fsdp=2", True), ("fsdp,tp", "fsdp=2,tp=2", True)]
+RUNS = [
+    ("single", "d=1", True),
+    ("dp", "dp=4", True),
+    ("fsdp", "fsdp=2", True),
+    ("fsdp", "fsdp=4", True),
+    ("fsdp", "fsdp=4", False),
+    ("hsdp", "dp=2,fsdp=2", True),
+    ("fsdp,tp", "fsdp=2,tp=2", True),
+]
 TARGET = 0.28  # issue #15: params + grads + optimizer state per rank under fsdp on 4 ranks ÷ one device
 
 
@@ -54,41 +61,63 @@ def main_job(strategy: str, mesh: str, **settings):
 def measure(strategy: str, mesh: str, reshard: bool) -> dict:
     ex, s, batch = main_job(strategy, mesh, reshard_after_forward=reshard)
     ex.step(batch)
-    held = sum(t.numel() * t.element_size() for vid in (*(f"fwd:{w}" for w in s.graph.weights),
-                                                        *ex.dg.state_values())
-               for d, t in ex._pieces(vid).items() if d == 0)
+    held = sum(
+        t.numel() * t.element_size()
+        for vid in (*(f"fwd:{w}" for w in s.graph.weights), *ex.dg.state_values())
+        for d, t in ex._pieces(vid).items()
+        if d == 0
+    )
     state = state_bytes(ex.dg, 0)
-    return {"strategy": strategy, "mesh": mesh, "reshard": reshard, "state": state, "held": held,
-            "peak": ex.peak_bytes[0], "params": sum(p.numel() for p in s.model.parameters())}
+    return {
+        "strategy": strategy,
+        "mesh": mesh,
+        "reshard": reshard,
+        "state": state,
+        "held": held,
+        "peak": ex.peak_bytes[0],
+        "params": sum(p.numel() for p in s.model.parameters()),
+    }
 
 
 def section(rows: list[dict], seconds: float) -> str:
     m = machine()
     one = rows[0]
     base = sum(one["state"].values())
-    lines = ["## FSDP: per-rank memory", "",
-             f"`python benchmarks/fsdp.py`: the main job's Llama at `shardflow train`'s defaults ({one['params']:,} "
-             f"parameters, AdamW, float32), rank 0. State = parameters + gradients (those the update reads) + "
-             f"optimizer state, the pieces of the plan (equal to the pieces the executor holds after a step: checked); "
-             f"peak = the largest sum of the rank's live buffers during a step (the local executor's ledger: state, "
-             f"gathered weights, activations, communication buffers). One process runs every rank (local executor).",
-             "", f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, {m['date']}; {seconds:.0f} s.", "",
-             "| strategy | mesh | reshard after forward | params | grads | optimizer | state ÷ one device | "
-             "peak | peak ÷ one device |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## FSDP: per-rank memory",
+        "",
+        f"`python benchmarks/fsdp.py`: the main job's Llama at `shardflow train`'s defaults ({one['params']:,} "
+        f"parameters, AdamW, float32), rank 0. State = parameters + gradients (those the update reads) + "
+        f"optimizer state, the pieces of the plan (equal to the pieces the executor holds after a step: checked); "
+        f"peak = the largest sum of the rank's live buffers during a step (the local executor's ledger: state, "
+        f"gathered weights, activations, communication buffers). One process runs every rank (local executor).",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, {m['date']}; {seconds:.0f} s.",
+        "",
+        "| strategy | mesh | reshard after forward | params | grads | optimizer | state ÷ one device | "
+        "peak | peak ÷ one device |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         st = r["state"]
         total = sum(st.values())
-        lines.append(f"| `{r['strategy']}` | `{r['mesh']}` | {'yes' if r['reshard'] else 'no'} | {st['params']:,} | "
-                     f"{st['grads']:,} | {st['optimizer']:,} | **{total / base:.3f}** | {r['peak']:,} | "
-                     f"{r['peak'] / one['peak']:.3f} |")
+        lines.append(
+            f"| `{r['strategy']}` | `{r['mesh']}` | {'yes' if r['reshard'] else 'no'} | {st['params']:,} | "
+            f"{st['grads']:,} | {st['optimizer']:,} | **{total / base:.3f}** | {r['peak']:,} | "
+            f"{r['peak'] / one['peak']:.3f} |"
+        )
     four, kept = (next(r for r in rows if r["mesh"] == "fsdp=4" and r["reshard"] == on) for on in (True, False))
     ratio = sum(four["state"].values()) / base
-    lines += ["", f"Target: state per rank under fsdp on 4 ranks ≤ {TARGET} × one device: {ratio:.3f} — "
-              f"**{'met' if ratio <= TARGET else 'missed'}**. At this size activations dominate the peak and split "
-              f"with the batch under dp as under fsdp; what fsdp removes is the state, and resharding after the "
-              f"forward removes the gathered weights kept for the backward ({kept['peak'] - four['peak']:,} B at "
-              f"fsdp=4: each whole weight lives from its gather to its last reader, not from the forward to the "
-              f"backward).", ""]
+    lines += [
+        "",
+        f"Target: state per rank under fsdp on 4 ranks ≤ {TARGET} × one device: {ratio:.3f} — "
+        f"**{'met' if ratio <= TARGET else 'missed'}**. At this size activations dominate the peak and split "
+        f"with the batch under dp as under fsdp; what fsdp removes is the state, and resharding after the "
+        f"forward removes the gathered weights kept for the backward ({kept['peak'] - four['peak']:,} B at "
+        f"fsdp=4: each whole weight lives from its gather to its last reader, not from the forward to the "
+        f"backward).",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -105,10 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(strategy, mesh, reshard))
         r = rows[-1]
         if r["held"] != r["state"]["params"] + r["state"]["optimizer"]:
-            raise SystemExit(f"{strategy} {mesh}: the executor holds {r['held']:,} B of weights and state, the plan "
-                             f"says {r['state']['params'] + r['state']['optimizer']:,}")
-        print(f"{strategy} {mesh} reshard={reshard}: state {sum(r['state'].values()):,} B, peak {r['peak']:,} B",
-              file=sys.stderr)
+            raise SystemExit(
+                f"{strategy} {mesh}: the executor holds {r['held']:,} B of weights and state, the plan "
+                f"says {r['state']['params'] + r['state']['optimizer']:,}"
+            )
+        print(
+            f"{strategy} {mesh} reshard={reshard}: state {sum(r['state'].values()):,} B, peak {r['peak']:,} B",
+            file=sys.stderr,
+        )
     text = section(rows, time.monotonic() - t0)
     print(text)
     if not args.no_write:

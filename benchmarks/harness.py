@@ -19,8 +19,8 @@ import datetime
 import json
 import math
 import os
-import re
 import platform
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -69,8 +69,14 @@ def _sample(v: Variant, iters: int, rank: int) -> float:
     return dt
 
 
-def interleave(variants: Sequence[Variant], rounds: int, iters: int, warmup: int, rank: int,
-               log: Callable[[str], None] | None = None) -> dict[str, list[float]]:
+def interleave(
+    variants: Sequence[Variant],
+    rounds: int,
+    iters: int,
+    warmup: int,
+    rank: int,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, list[float]]:
     """Per variant, ``rounds`` samples (seconds per step; each the largest over the ranks; rank 0's for a solo
     variant). Every rank must call this with the same variants in the same order; in a single process (no process
     group) it times that process alone."""
@@ -83,8 +89,11 @@ def interleave(variants: Sequence[Variant], rounds: int, iters: int, warmup: int
         for v in list(variants[k:]) + list(variants[:k]):
             samples[v.name].append(_sample(v, iters, rank))
         if log:
-            log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{n} {s[-1] * 1e3:.1f}" for n, s in samples.items()
-                                                       if not math.isnan(s[-1])) + " ms")
+            log(
+                f"  round {r + 1}/{rounds}: "
+                + ", ".join(f"{n} {s[-1] * 1e3:.1f}" for n, s in samples.items() if not math.isnan(s[-1]))
+                + " ms"
+            )
     names = [v.name for v in variants]
     t = torch.tensor([[0.0 if math.isnan(x) else x for x in samples[n]] for n in names], dtype=torch.float64)
     if dist.is_initialized():
@@ -106,10 +115,17 @@ def machine() -> dict[str, object]:
                 break
     except OSError:
         pass
-    return {"cores": os.cpu_count(), "cpu": cpu, "arch": platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "load": os.getloadavg()[0], "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "(unset)")}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load": os.getloadavg()[0],
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "(unset)"),
+    }
 
 
 def write_result(out_dir: Path, rank: int, result: dict) -> None:
@@ -127,13 +143,16 @@ def write_section(path: Path, text: str) -> None:
     """Replace the section whose heading is ``text``'s first line (up to the next heading of level ≤ 2), or
     append it; the rest of the file stays as it is."""
     heading = text.splitlines()[0]
-    old = path.read_text() if path.exists() else ("# shardflow benchmarks\n\nResults of the scripts in "
-                                                  "`benchmarks/` (see `benchmarks/README.md`).\n")
+    old = (
+        path.read_text()
+        if path.exists()
+        else ("# shardflow benchmarks\n\nResults of the scripts in `benchmarks/` (see `benchmarks/README.md`).\n")
+    )
     m = re.search(rf"^{re.escape(heading)}[ \t]*$", old, flags=re.M)
     if m is None:
         path.write_text(old.rstrip("\n") + "\n\n" + text)
         return
-    nxt = re.search(r"^#{1,2} ", old[m.end():], flags=re.M)
+    nxt = re.search(r"^#{1,2} ", old[m.end() :], flags=re.M)
     end = m.end() + nxt.start() if nxt else len(old)
     rest = old[end:]
-    path.write_text(old[:m.start()] + text + ("\n" + rest if rest else ""))
+    path.write_text(old[: m.start()] + text + ("\n" + rest if rest else ""))

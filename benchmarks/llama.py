@@ -8,13 +8,21 @@ import torch
 import transformers
 
 
-def llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 96,
-          device: str | None = None) -> transformers.LlamaForCausalLM:
+def llama(
+    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 96, device: str | None = None
+) -> transformers.LlamaForCausalLM:
     """A Llama with ``layers`` decoder layers of width ``hidden`` (MLP 2 × hidden), built on ``device`` (``"meta"``:
     shapes only, for planning), seeded with 0."""
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   max_position_embeddings=256, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     with torch.device(device or "cpu"):
         return transformers.LlamaForCausalLM(cfg)

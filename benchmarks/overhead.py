@@ -89,17 +89,19 @@ def models():
         mopt.step()
         return loss.item()
 
-    return {"main job": (lambda: ex.step(batch), llama_eager, len(lowered.programs[0].instrs)),
-            "MLP 4×8": (lambda: mx.step(data), mlp_eager, len(mlp_step.programs[0].instrs))}
+    return {
+        "main job": (lambda: ex.step(batch), llama_eager, len(lowered.programs[0].instrs)),
+        "MLP 4×8": (lambda: mx.step(data), mlp_eager, len(mlp_step.programs[0].instrs)),
+    }
 
 
 def session(tree: Path, rounds: int) -> dict:
     """Times every model's two variants with the shardflow of ``tree``, in this process."""
     sys.path[:0] = [str(tree), str(ROOT / "benchmarks")]
     import torch
+    from harness import Variant, interleave, machine
 
     import shardflow
-    from harness import Variant, interleave, machine
 
     assert Path(shardflow.__file__).resolve().is_relative_to(tree.resolve()), shardflow.__file__
     torch.set_num_threads(1)
@@ -109,8 +111,11 @@ def session(tree: Path, rounds: int) -> dict:
         iters = 3 if name == "main job" else 100
         samples = interleave([Variant("eager", eager), Variant("shardflow", sf)], rounds, iters, warmup=3, rank=0)
         out["models"][name] = {"samples": samples, "losses": losses, "instructions": instrs, "iters": iters}
-        print(f"  {name}: eager {statistics.median(samples['eager']) * 1e3:.3f} ms, shardflow "
-              f"{statistics.median(samples['shardflow']) * 1e3:.3f} ms", file=sys.stderr)
+        print(
+            f"  {name}: eager {statistics.median(samples['eager']) * 1e3:.3f} ms, shardflow "
+            f"{statistics.median(samples['shardflow']) * 1e3:.3f} ms",
+            file=sys.stderr,
+        )
     out["machine_end"] = machine()
     return out
 
@@ -126,39 +131,59 @@ def _text(rs: list[float]) -> str:
 def section(results: dict[str, dict], rounds: int) -> str:
     now = results["this tree"]
     m0, m1 = now["machine_start"], now["machine_end"]
-    lines = [HEADING, "", " ".join(__doc__.split("\n\n")[1].split()), "",
-             *(f"* {' '.join(item.split())}" for item in __doc__.split("\n\n")[2].split("* ")[1:]), "",
-             f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
-             f"{m0['date'].replace('T', ' ')}; load average {m0['load']:.2f} at the start of the session, "
-             f"{m1['load']:.2f} at the end. {rounds} interleaved rounds; a sample = the mean of "
-             + ", ".join(f"{m['iters']} steps ({n})" for n, m in now["models"].items()) + ".", "",
-             "Reproduce: `python benchmarks/overhead.py`.", "",
-             "| model | instructions | eager step median (ms) | shardflow step median (ms) | shardflow ÷ eager (per "
-             "round) | target | first two losses (eager / shardflow) |", "|---|---:|---:|---:|---|---|---|"]
+    lines = [
+        HEADING,
+        "",
+        " ".join(__doc__.split("\n\n")[1].split()),
+        "",
+        *(f"* {' '.join(item.split())}" for item in __doc__.split("\n\n")[2].split("* ")[1:]),
+        "",
+        f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
+        f"{m0['date'].replace('T', ' ')}; load average {m0['load']:.2f} at the start of the session, "
+        f"{m1['load']:.2f} at the end. {rounds} interleaved rounds; a sample = the mean of "
+        + ", ".join(f"{m['iters']} steps ({n})" for n, m in now["models"].items())
+        + ".",
+        "",
+        "Reproduce: `python benchmarks/overhead.py`.",
+        "",
+        "| model | instructions | eager step median (ms) | shardflow step median (ms) | shardflow ÷ eager (per "
+        "round) | target | first two losses (eager / shardflow) |",
+        "|---|---:|---:|---:|---|---|---|",
+    ]
     for name, m in now["models"].items():
         e, s = m["samples"]["eager"], m["samples"]["shardflow"]
         med = round(statistics.median(_ratios(m)), 2)
         losses = " / ".join(", ".join(f"{x:.5f}" for x in m["losses"][k]) for k in ("eager", "shardflow"))
         verdict = "**met**" if med <= TARGETS[name] else "**missed**"
-        lines.append(f"| {name} | {m['instructions']} | {statistics.median(e) * 1e3:.3f} | "
-                     f"{statistics.median(s) * 1e3:.3f} | {_text(_ratios(m))} | ≤ {TARGETS[name]}: {verdict} | "
-                     f"{losses} |")
-    lines += ["", "The executor's own cost is what the MLP measures: its 95 instructions run as one compiled segment "
-              "(issue #16), every update in one fused call. On the main job the two run the same ATen kernels: "
-              "capture lifts the causal mask the traced Llama builds as a tensor to sdpa's causal flag, and the "
-              "key/value heads its `repeat_kv` copies over the query heads to grouped-query attention on the "
-              "unrepeated heads (`shardflow/capture/lift_table.py`), as the eager forward calls sdpa (before that "
-              "lift, the masked attention on repeated heads cost their copies, the sum of their gradients and a "
-              "slower flash-attention backward: +1.3 ms of 13 ms, 1.04 × eager). What is left is in the ATen ops: "
-              "fresh buffers filled where autograd reuses them, the decomposed cross-entropy's small ops (`where`, "
-              "`gather`), and page faults: the four [1024, 1024] buffers of the loss (logits, log-softmax, their "
-              "gradients) come back from the kernel as fresh pages in some steps (200–1,000 minor faults per "
-              "step, eager none: glibc returns the top of its heap when the step's frees leave it large); keeping "
-              "the heap (`MALLOC_TRIM_THRESHOLD_` with a fixed `MALLOC_MMAP_THRESHOLD_`) cut them to 20 per step "
-              "but moved the ratio by less than its noise, so shardflow leaves the allocator alone."]
+        lines.append(
+            f"| {name} | {m['instructions']} | {statistics.median(e) * 1e3:.3f} | "
+            f"{statistics.median(s) * 1e3:.3f} | {_text(_ratios(m))} | ≤ {TARGETS[name]}: {verdict} | "
+            f"{losses} |"
+        )
+    lines += [
+        "",
+        "The executor's own cost is what the MLP measures: its 95 instructions run as one compiled segment "
+        "(issue #16), every update in one fused call. On the main job the two run the same ATen kernels: "
+        "capture lifts the causal mask the traced Llama builds as a tensor to sdpa's causal flag, and the "
+        "key/value heads its `repeat_kv` copies over the query heads to grouped-query attention on the "
+        "unrepeated heads (`shardflow/capture/lift_table.py`), as the eager forward calls sdpa (before that "
+        "lift, the masked attention on repeated heads cost their copies, the sum of their gradients and a "
+        "slower flash-attention backward: +1.3 ms of 13 ms, 1.04 × eager). What is left is in the ATen ops: "
+        "fresh buffers filled where autograd reuses them, the decomposed cross-entropy's small ops (`where`, "
+        "`gather`), and page faults: the four [1024, 1024] buffers of the loss (logits, log-softmax, their "
+        "gradients) come back from the kernel as fresh pages in some steps (200–1,000 minor faults per "
+        "step, eager none: glibc returns the top of its heap when the step's frees leave it large); keeping "
+        "the heap (`MALLOC_TRIM_THRESHOLD_` with a fixed `MALLOC_MMAP_THRESHOLD_`) cut them to 20 per step "
+        "but moved the ratio by less than its noise, so shardflow leaves the allocator alone.",
+    ]
     if len(results) > 1:
-        lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",
-                  "| tree | " + " | ".join(now["models"]) + " |", "|---" * (len(now["models"]) + 1) + "|"]
+        lines += [
+            "",
+            "Before/after (shardflow ÷ eager per round, each tree in its own session):",
+            "",
+            "| tree | " + " | ".join(now["models"]) + " |",
+            "|---" * (len(now["models"]) + 1) + "|",
+        ]
         for name, res in results.items():
             lines.append(f"| {name} | " + " | ".join(_text(_ratios(m)) for m in res["models"].values()) + " |")
     return "\n".join(lines) + "\n"
@@ -167,8 +192,13 @@ def section(results: dict[str, dict], rounds: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
-    p.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
-                   help="also time the shardflow of the checkout in DIR (a row NAME of the before/after table)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also time the shardflow of the checkout in DIR (a row NAME of the before/after table)",
+    )
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the section only")
     p.add_argument("--session", metavar="TREE", help=argparse.SUPPRESS)  # internal: one session, JSON on stdout
@@ -187,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from harness import write_section
+
         write_section(Path(args.out), text)
     return 0
 

@@ -49,23 +49,24 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from harness import write_section  # noqa: E402
+from llama import llama, tokens  # noqa: E402
+
 from shardflow.capture import export, lift_exported  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.models import GPT, GPTConfig  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.strategy import make_plan, resolve  # noqa: E402
-from harness import write_section  # noqa: E402
-from llama import llama, tokens  # noqa: E402
 
 HEADING = "## Planning time"
 MAX_TP = 8
-N_HEAD = 8          # divisible by every tp degree used (≤ 8)
-N_EMBD = 64         # divisible by n_head and by tp
+N_HEAD = 8  # divisible by every tp degree used (≤ 8)
+N_EMBD = 64  # divisible by n_head and by tp
 SEQ_LEN = 64
 VOCAB = 256
-BATCH = 128         # divisible by every dp degree used (≤ 1024 / 8)
-SMALL_BATCH = 8     # the batch sweep's other point (divisible by dp=8)
+BATCH = 128  # divisible by every dp degree used (≤ 1024 / 8)
+SMALL_BATCH = 8  # the batch sweep's other point (divisible by dp=8)
 STRATEGY = "dp,tp"
 STAGES = ("capture", "strategy", "pcg", "lower")
 MEASURED = STAGES + ("lift",)  # lift: the part of capture after torch.export (shardflow's lifting to its ops)
@@ -76,14 +77,14 @@ TINY_LLAMA_BATCH = (2, 8)
 @dataclass
 class Row:
     sweep: str
-    model: str                  # "GPT" (shardflow's) or "Llama" (Hugging Face)
+    model: str  # "GPT" (shardflow's) or "Llama" (Hugging Face)
     n_layer: int
     batch: int
     mesh: str
     world: int
-    times: dict[str, float]     # stage -> best seconds
-    instrs: int                 # instructions in the rank's program
-    comms: int                  # communications among them
+    times: dict[str, float]  # stage -> best seconds
+    instrs: int  # instructions in the rank's program
+    comms: int  # communications among them
     pcg_nodes: int
 
     @property
@@ -136,8 +137,16 @@ def plan_once(model, inputs, mesh: Mesh, rank: int = 0):
     return t, step, pcg
 
 
-def measure(sweep: str, n_layer: int, mesh_text: str, repeat: int, batch: int = BATCH, model: str = "GPT",
-            seq: int = SEQ_LEN, meta: bool = False) -> Row:
+def measure(
+    sweep: str,
+    n_layer: int,
+    mesh_text: str,
+    repeat: int,
+    batch: int = BATCH,
+    model: str = "GPT",
+    seq: int = SEQ_LEN,
+    meta: bool = False,
+) -> Row:
     if model == "GPT":
         module, inputs = model_and_inputs(n_layer, batch)
     else:
@@ -149,71 +158,104 @@ def measure(sweep: str, n_layer: int, mesh_text: str, repeat: int, batch: int = 
         t, step, pcg = plan_once(module, inputs, mesh)
         best = {k: min(best[k], t[k]) for k in MEASURED}
     prog = step.programs[0]
-    return Row(sweep, model, n_layer, batch, mesh_text, mesh.size, best, len(prog.instrs), len(prog.comms),
-               len(pcg.nodes))
+    return Row(
+        sweep, model, n_layer, batch, mesh_text, mesh.size, best, len(prog.instrs), len(prog.comms), len(pcg.nodes)
+    )
 
 
 def measure_cold(repeat: int) -> Row:
     """The tiny Llama's first capture and plan in a fresh process (best of ``repeat`` processes)."""
-    code = ("import json, torch; torch.set_num_threads(1); import planning as p; "
-            "from shardflow.parallel.mesh import Mesh; "
-            f"m, b = p.llama_and_inputs(2, {TINY_LLAMA_BATCH[0]}, {TINY_LLAMA_BATCH[1]}, False); "
-            f"mesh = Mesh.parse({TINY_LLAMA_MESH!r}); t, step, pcg = p.plan_once(m, b, mesh); "
-            "print(json.dumps([t, len(step.programs[0].instrs), len(step.programs[0].comms), len(pcg.nodes)]))")
+    code = (
+        "import json, torch; torch.set_num_threads(1); import planning as p; "
+        "from shardflow.parallel.mesh import Mesh; "
+        f"m, b = p.llama_and_inputs(2, {TINY_LLAMA_BATCH[0]}, {TINY_LLAMA_BATCH[1]}, False); "
+        f"mesh = Mesh.parse({TINY_LLAMA_MESH!r}); t, step, pcg = p.plan_once(m, b, mesh); "
+        "print(json.dumps([t, len(step.programs[0].instrs), len(step.programs[0].comms), len(pcg.nodes)]))"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])}
-    runs = [json.loads(subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True,
-                                      env=env).stdout.splitlines()[-1]) for _ in range(repeat)]
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True, env=env
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(repeat)
+    ]
     t, instrs, comms, nodes = min(runs, key=lambda r: sum(r[0].values()))
     mesh = Mesh.parse(TINY_LLAMA_MESH)
     return Row("llama cold", "Llama", 2, TINY_LLAMA_BATCH[0], TINY_LLAMA_MESH, mesh.size, t, instrs, comms, nodes)
 
 
 def table(rows: list[Row]) -> str:
-    head = ("| sweep | model | layers | batch | mesh | devices | capture (s) | of which lift (s) | strategy (s) "
-            "| build_pcg (s) "
-            "| lower rank 0 (s) | total (s) | without capture (s) | rank 0 program: instrs / comms | PCG nodes |")
+    head = (
+        "| sweep | model | layers | batch | mesh | devices | capture (s) | of which lift (s) | strategy (s) "
+        "| build_pcg (s) "
+        "| lower rank 0 (s) | total (s) | without capture (s) | rank 0 program: instrs / comms | PCG nodes |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         t = r.times
-        lines.append(f"| {r.sweep} | {r.model} | {r.n_layer} | {r.batch} | `{r.mesh}` | {r.world} | {t['capture']:.3f} "
-                     f"| {t['lift']:.3f} "
-                     f"| {t['strategy']:.3f} | {t['pcg']:.3f} | {t['lower']:.3f} | **{r.total:.3f}** "
-                     f"| {r.planning:.3f} | {r.instrs} / {r.comms} | {r.pcg_nodes} |")
+        lines.append(
+            f"| {r.sweep} | {r.model} | {r.n_layer} | {r.batch} | `{r.mesh}` | {r.world} | {t['capture']:.3f} "
+            f"| {t['lift']:.3f} "
+            f"| {t['strategy']:.3f} | {t['pcg']:.3f} | {t['lower']:.3f} | **{r.total:.3f}** "
+            f"| {r.planning:.3f} | {r.instrs} / {r.comms} | {r.pcg_nodes} |"
+        )
     return "\n".join(lines)
 
 
 def machine() -> str:
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}, {platform.processor() or 'unknown CPU'}), "
-            f"Python {platform.python_version()}, torch {torch.__version__}, {datetime.date.today().isoformat()}")
+    return (
+        f"{os.cpu_count()} CPU cores ({platform.machine()}, {platform.processor() or 'unknown CPU'}), "
+        f"Python {platform.python_version()}, torch {torch.__version__}, {datetime.date.today().isoformat()}"
+    )
 
 
 def section(rows: list[Row], args: argparse.Namespace, load: tuple[float, float]) -> str:
     verdict = ""
-    target = next((r for r in rows if r.model == "GPT" and r.n_layer == 24 and r.mesh == "dp=8,tp=8"
-                   and r.batch == BATCH), None)
+    target = next(
+        (r for r in rows if r.model == "GPT" and r.n_layer == 24 and r.mesh == "dp=8,tp=8" and r.batch == BATCH), None
+    )
     small = next((r for r in rows if r.sweep == "batch"), None)
     if target is not None:
+
         def met(r: Row) -> str:
             return f"{'met' if r.total < 1.0 else 'missed'} at batch {r.batch} ({r.total:.3f} s)"
+
         parts = [met(target)] + ([met(small)] if small and small.n_layer == 24 else [])
-        verdict = (f"\nTarget: a 24-layer GPT on 64 devices (`dp=8,tp=8`) planned per rank in under a second. "
-                   f"With capture: {'; '.join(parts)}. Without capture: {target.planning:.3f} s. Of the capture "
-                   f"({target.times['capture']:.3f} s), shardflow's lifting took {target.times['lift']:.3f} s; the rest "
-                   f"is `torch.export`'s trace and its decomposition to core ATen.\n")
+        verdict = (
+            f"\nTarget: a 24-layer GPT on 64 devices (`dp=8,tp=8`) planned per rank in under a second. "
+            f"With capture: {'; '.join(parts)}. Without capture: {target.planning:.3f} s. Of the capture "
+            f"({target.times['capture']:.3f} s), shardflow's lifting took {target.times['lift']:.3f} s; the rest "
+            f"is `torch.export`'s trace and its decomposition to core ATen.\n"
+        )
     llamas = {r.sweep: r for r in rows if r.model == "Llama"}
     if llamas:
+
         def within(x: float, limit: float, strict: bool) -> str:
             return "met" if (x < limit if strict else x <= limit) else "missed"
-        tiny = [f"{name.removeprefix('llama ')} {r.total:.3f} s, {within(r.total, 2.0, False)}"
-                for name, r in llamas.items() if r.n_layer == 2]
-        deep = [f"{r.n_layer} layers: {r.planning:.3f} s, {within(r.planning, 1.0, True)} (capture of the meta "
-                f"model: {r.times['capture']:.3f} s)" for r in llamas.values() if r.n_layer > 2]
-        verdict += (f"\nHugging Face Llama: capture + plan of the tiny one (batch {TINY_LLAMA_BATCH[0]} × "
-                    f"{TINY_LLAMA_BATCH[1]}, `{TINY_LLAMA_MESH}`) within 2 s: {'; '.join(tiny)}. Per-rank plan of "
-                    f"the deep one on 64 devices (`dp=8,tp=8`) after capture under 1 s: {'; '.join(deep)}.\n")
+
+        tiny = [
+            f"{name.removeprefix('llama ')} {r.total:.3f} s, {within(r.total, 2.0, False)}"
+            for name, r in llamas.items()
+            if r.n_layer == 2
+        ]
+        deep = [
+            f"{r.n_layer} layers: {r.planning:.3f} s, {within(r.planning, 1.0, True)} (capture of the meta "
+            f"model: {r.times['capture']:.3f} s)"
+            for r in llamas.values()
+            if r.n_layer > 2
+        ]
+        verdict += (
+            f"\nHugging Face Llama: capture + plan of the tiny one (batch {TINY_LLAMA_BATCH[0]} × "
+            f"{TINY_LLAMA_BATCH[1]}, `{TINY_LLAMA_MESH}`) within 2 s: {'; '.join(tiny)}. Per-rank plan of "
+            f"the deep one on 64 devices (`dp=8,tp=8`) after capture under 1 s: {'; '.join(deep)}.\n"
+        )
     if max(load) > (os.cpu_count() or 1):
-        verdict += ("\nThe machine was busy during this run (load average above its core count), so rows doing "
-                    "the same work (the world-size sweep) show how much the numbers vary.\n")
+        verdict += (
+            "\nThe machine was busy during this run (load average above its core count), so rows doing "
+            "the same work (the world-size sweep) show how much the numbers vary.\n"
+        )
     quick = " Quick run (reduced sweep)." if args.quick else ""
     return f"""{HEADING}
 
@@ -231,7 +273,7 @@ Llama of the tests (2 layers, hidden 64, 4 heads, 2 key/value heads) planned by 
 Machine: {machine()}; torch threads: {torch.get_num_threads()}; load average {load[0]:.2f} before the
 run, {load[1]:.2f} after.
 
-Reproduce: `python benchmarks/planning.py{' --quick' if args.quick else ''}`.
+Reproduce: `python benchmarks/planning.py{" --quick" if args.quick else ""}`.
 
 {table(rows)}
 {verdict}"""
@@ -260,9 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, help="runs per configuration, best kept (default 3; 1 with --quick)")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the table only")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (capture's constant folding; default 1: one rank per core; several "
-                        "threads on a busy machine make torch spin and the numbers noisy)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (capture's constant folding; default 1: one rank per core; several "
+        "threads on a busy machine make torch spin and the numbers noisy)",
+    )
     p.add_argument("--profile", action="store_true", help="cProfile one plan of 24 layers on dp=8,tp=8")
     args = p.parse_args(argv)
     args.repeat = args.repeat or (1 if args.quick else 3)
@@ -282,12 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"batch {SMALL_BATCH}, {depth_layers(args)} layers on dp=8,tp=8: {rows[-1].total:.3f} s", file=sys.stderr)
     rows.append(measure_cold(args.repeat))
     print(f"tiny Llama, cold: {rows[-1].total:.3f} s", file=sys.stderr)
-    rows.append(measure("llama warm", 2, TINY_LLAMA_MESH, args.repeat, TINY_LLAMA_BATCH[0], "Llama",
-                        TINY_LLAMA_BATCH[1]))
+    rows.append(
+        measure("llama warm", 2, TINY_LLAMA_MESH, args.repeat, TINY_LLAMA_BATCH[0], "Llama", TINY_LLAMA_BATCH[1])
+    )
     print(f"tiny Llama, warm: {rows[-1].total:.3f} s", file=sys.stderr)
     rows.append(measure("llama meta", depth_layers(args), "dp=8,tp=8", args.repeat, BATCH, "Llama", meta=True))
-    print(f"Llama {depth_layers(args)} layers (meta) on dp=8,tp=8: {rows[-1].planning:.3f} s after capture",
-          file=sys.stderr)
+    print(
+        f"Llama {depth_layers(args)} layers (meta) on dp=8,tp=8: {rows[-1].planning:.3f} s after capture",
+        file=sys.stderr,
+    )
 
     text = section(rows, args, (load0, os.getloadavg()[0]))
     print(text)

@@ -26,8 +26,8 @@ Every rank builds the same variants and runs them interleaved (``harness.interle
 from __future__ import annotations
 
 import copy
-import functools
 import cProfile
+import functools
 import io
 import json
 import math
@@ -54,12 +54,12 @@ from harness import Variant, interleave, machine, say, stats, write_result  # no
 
 from shardflow.capture import capture  # noqa: E402
 from shardflow.graph import GraphBuilder  # noqa: E402
-from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.graph.ops import TensorType  # noqa: E402
+from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.comm_lowering import ring_peers  # noqa: E402
 from shardflow.lower.dynamic import NodeKind, forward_id  # noqa: E402
-from shardflow.lower.shard_expansion import in_group, piece  # noqa: E402
 from shardflow.lower.program import Buffer, Comm, Compute  # noqa: E402
+from shardflow.lower.shard_expansion import in_group, piece  # noqa: E402
 from shardflow.parallel.collectives import bound_bytes  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh  # noqa: E402
 from shardflow.parallel.pcg import Annotations, build_pcg  # noqa: E402
@@ -76,8 +76,15 @@ UPDATES = "kernel: UPD every update (one call)"  # the timer of the optimizer up
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
 
 
-def shardflow_executor(graph, mesh_text: str, strategy: str | None, cfg: OptimizerConfig, rank: int,
-                       annotations: Annotations | None = None, options: LowerOptions | None = None):
+def shardflow_executor(
+    graph,
+    mesh_text: str,
+    strategy: str | None,
+    cfg: OptimizerConfig,
+    rank: int,
+    annotations: Annotations | None = None,
+    options: LowerOptions | None = None,
+):
     mesh = Mesh.parse(mesh_text)
     ann = annotations if annotations is not None else resolve(make_plan(graph, mesh, strategy), graph, mesh)
     step = lower_step(build_pcg(graph, mesh, ann), cfg.slots, ranks=[rank], options=options)
@@ -95,8 +102,7 @@ def measured_peak(step, cfg: OptimizerConfig, ex: DistributedExecutor, batch: di
 
 def program_size(ex: DistributedExecutor) -> dict[str, int]:
     p = ex.program
-    return {"instrs": len(p.instrs), "comms": len(p.comms),
-            "computes": sum(isinstance(i, Compute) for i in p.instrs)}
+    return {"instrs": len(p.instrs), "comms": len(p.comms), "computes": sum(isinstance(i, Compute) for i in p.instrs)}
 
 
 # ==========================================================================================================
@@ -123,22 +129,22 @@ class HandTP:
     def __init__(self, model: MegatronMLP, rank: int, world: int, lr: float):
         h4 = model.fc1.out_features
         s = slice(rank * h4 // world, (rank + 1) * h4 // world)
-        self.w1 = model.fc1.weight.detach()[s].clone()          # [4h/d, h]
-        self.b1 = model.fc1.bias.detach()[s].clone()            # [4h/d]
+        self.w1 = model.fc1.weight.detach()[s].clone()  # [4h/d, h]
+        self.b1 = model.fc1.bias.detach()[s].clone()  # [4h/d]
         self.w2 = model.fc2.weight.detach()[:, s].contiguous()  # [h, 4h/d]
-        self.b2 = model.fc2.bias.detach().clone()               # [h]
+        self.b2 = model.fc2.bias.detach().clone()  # [h]
         self.lr = lr
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        z = torch.addmm(self.b1, x, self.w1.t())       # [B, 4h/d]
+        z = torch.addmm(self.b1, x, self.w1.t())  # [B, 4h/d]
         a = F.gelu(z)
-        out = a @ self.w2.t()                          # [B, h], partial sum over ranks
+        out = a @ self.w2.t()  # [B, h], partial sum over ranks
         dist.all_reduce(out)
         out += self.b2
         logp = out.log_softmax(1)
         rows = torch.arange(x.shape[0])
         loss = -logp[rows, y].mean()
-        dout = logp.exp_()                             # softmax
+        dout = logp.exp_()  # softmax
         dout[rows, y] -= 1
         dout /= x.shape[0]
         dw2 = dout.t() @ a
@@ -159,12 +165,14 @@ def torch_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: dict) -> Ca
         loss.backward()
         opt.step()
         return loss.item()
+
     return step
 
 
 def dtensor_mlp(model: MegatronMLP, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     mesh = init_device_mesh("cpu", (world,))
     m = copy.deepcopy(model)
     parallelize_module(m, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
@@ -195,7 +203,10 @@ def run_mlp(p: dict, rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = MegatronMLP(h)
         gen = torch.Generator().manual_seed(1)
-        inputs = {"x": torch.randn(p["batch"], h, generator=gen), "y": torch.randint(0, h, (p["batch"],), generator=gen)}
+        inputs = {
+            "x": torch.randn(p["batch"], h, generator=gen),
+            "y": torch.randint(0, h, (p["batch"],), generator=gen),
+        }
         say(rank, f"(a) h={h}: building the variants")
         graph = capture(model, inputs)
         cfg = OptimizerConfig("sgd", lr)
@@ -204,9 +215,11 @@ def run_mlp(p: dict, rank: int, world: int) -> dict:
         dt = dtensor_mlp(model, world)
         dt_opt = torch.optim.SGD(dt.parameters(), lr=lr)
         hand = HandTP(model, rank, world, lr)
-        variants = [Variant("shardflow", lambda ex=ex: ex.step(inputs)),  # bound now: deleted after the size
-                    Variant("dtensor", torch_step(dt, dt_opt, inputs)),
-                    Variant("hand", lambda hand=hand: hand.step(**inputs))]
+        variants = [
+            Variant("shardflow", lambda ex=ex: ex.step(inputs)),  # bound now: deleted after the size
+            Variant("dtensor", torch_step(dt, dt_opt, inputs)),
+            Variant("hand", lambda hand=hand: hand.step(**inputs)),
+        ]
         if rank == 0:
             one = model
             one_opt = torch.optim.SGD(one.parameters(), lr=lr)
@@ -218,9 +231,18 @@ def run_mlp(p: dict, rank: int, world: int) -> dict:
         losses = first_losses(variants, 2, rank)
         say(rank, f"(a) h={h}: first losses " + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()))
         samples = interleave(variants, rounds, iters, p["warmup"], rank, log=lambda s: say(rank, s))
-        results.append({"h": h, "batch": p["batch"], "rounds": rounds, "iters": iters, "losses": losses,
-                        "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
-                        "program": program_size(ex)})
+        results.append(
+            {
+                "h": h,
+                "batch": p["batch"],
+                "rounds": rounds,
+                "iters": iters,
+                "losses": losses,
+                "samples": samples,
+                "stats": {k: stats(v) for k, v in samples.items()},
+                "program": program_size(ex),
+            }
+        )
         del ex, dt, dt_opt, hand, variants, model
     return {"rows": results}
 
@@ -246,6 +268,7 @@ def dtensor_gpt(model: nn.Module, world: int) -> nn.Module:
     v, gate and up column-parallel, o and down row-parallel); the rest replicated."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     mesh = init_device_mesh("cpu", (world,))
     m = copy.deepcopy(model)
     plan = {}
@@ -334,25 +357,32 @@ def adamw(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
 def _state_parts(dg) -> dict[str, tuple[str, ...]]:
     """The values a step keeps, by kind: the weights, the gradients the updates read (the executor keeps them)
     and the optimizer state."""
-    return {"params": tuple(forward_id(w) for w in dg.pcg.graph.weights),
-            "grads": tuple(n.inputs[1] for n in dg.nodes if n.kind == NodeKind.UPDATE),
-            "optimizer": dg.state_values()}
+    return {
+        "params": tuple(forward_id(w) for w in dg.pcg.graph.weights),
+        "grads": tuple(n.inputs[1] for n in dg.nodes if n.kind == NodeKind.UPDATE),
+        "optimizer": dg.state_values(),
+    }
 
 
 def state_bytes(dg, rank: int) -> dict[str, int]:
     """This rank's bytes of parameters, gradients (those the updates read) and optimizer state, from the plan
     (piece sizes)."""
+
     def total(vids) -> int:
         return sum(piece(dg.values[v]).type.nbytes for v in vids if in_group(dg.values[v].group, rank))
+
     return {k: total(vids) for k, vids in _state_parts(dg).items()}
 
 
 def run_gpt(p: dict, rank: int, world: int) -> dict:
     import dataclasses
+
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     from shardflow.runtime.local import LocalExecutor
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import setup
+
     base = TrainConfig()
     out: dict = {}
     s_tp = setup(dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world), world)
@@ -360,16 +390,24 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
     model = s_tp.whole_model()
     batch = s_tp.batch("train", 0)  # the model's inputs (token ids, labels) of the run's first batch
     c = model.config
-    out["model"] = {"params": sum(q.numel() for q in model.parameters()), "vocab": c.vocab_size,
-                    "layers": c.num_hidden_layers, "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
-                    "embd": c.hidden_size, "seq_len": base.seq_len,
-                    "batch": base.batch_size, "optimizer": dataclasses.asdict(cfg)}
+    out["model"] = {
+        "params": sum(q.numel() for q in model.parameters()),
+        "vocab": c.vocab_size,
+        "layers": c.num_hidden_layers,
+        "heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads,
+        "embd": c.hidden_size,
+        "seq_len": base.seq_len,
+        "batch": base.batch_size,
+        "optimizer": dataclasses.asdict(cfg),
+    }
     step_tp = lower_step(s_tp.pcg, cfg.slots, ranks=[rank])
     ex_tp = DistributedExecutor(step_tp, cfg, timeout_s=TIMEOUT_S)
     ex_tp.load(weights_of(model, s_tp.graph))
     blocking = LowerOptions("collective", "collective", overlap=False)  # every backward all-reduce waited at once
-    ex_tp_blocking = DistributedExecutor(lower_step(s_tp.pcg, cfg.slots, ranks=[rank], options=blocking), cfg,
-                                         timeout_s=TIMEOUT_S)
+    ex_tp_blocking = DistributedExecutor(
+        lower_step(s_tp.pcg, cfg.slots, ranks=[rank], options=blocking), cfg, timeout_s=TIMEOUT_S
+    )
     ex_tp_blocking.load(weights_of(model, s_tp.graph))
     out["program_tp"] = program_size(ex_tp)
     if p.get("timing", True):
@@ -378,14 +416,25 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         ex_dp = DistributedExecutor(step_dp, cfg, timeout_s=TIMEOUT_S)
         ex_dp.load(s_dp.initial_weights())
         out["program_dp"] = program_size(ex_dp)
-        ex_dp0 = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank],
-                                                options=LowerOptions("collective", "collective", bucket_bytes=0)),
-                                     cfg, timeout_s=TIMEOUT_S)
+        ex_dp0 = DistributedExecutor(
+            lower_step(
+                s_dp.pcg, cfg.slots, ranks=[rank], options=LowerOptions("collective", "collective", bucket_bytes=0)
+            ),
+            cfg,
+            timeout_s=TIMEOUT_S,
+        )
         ex_dp0.load(s_dp.initial_weights())
         out["program_dp0"] = program_size(ex_dp0)
-        ex_dp1 = DistributedExecutor(lower_step(s_dp.pcg, cfg.slots, ranks=[rank],  # DDP's first bucket's size
-                                                options=LowerOptions(bucket_bytes=dist._DEFAULT_FIRST_BUCKET_BYTES)),
-                                     cfg, timeout_s=TIMEOUT_S)
+        ex_dp1 = DistributedExecutor(
+            lower_step(
+                s_dp.pcg,
+                cfg.slots,
+                ranks=[rank],  # DDP's first bucket's size
+                options=LowerOptions(bucket_bytes=dist._DEFAULT_FIRST_BUCKET_BYTES),
+            ),
+            cfg,
+            timeout_s=TIMEOUT_S,
+        )
         ex_dp1.load(s_dp.initial_weights())
         out["program_dp1"] = program_size(ex_dp1)
         dt = dtensor_gpt(model, world)
@@ -395,15 +444,17 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         ddp = DDP(copy.deepcopy(model))
         ddp_opt = adamw(ddp.parameters(), cfg)
         per = base.batch_size // world
-        local = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
-        variants = [Variant("shardflow_tp", lambda: ex_tp.step(batch)),
-                    Variant("shardflow_tp_blocking", lambda: ex_tp_blocking.step(batch)),
-                    Variant("dtensor_tp", torch_step(dt, dt_opt, batch)),
-                    Variant("megatron_tp", torch_step(meg, meg_opt, batch)),
-                    Variant("shardflow_dp", lambda: ex_dp.step(batch)),
-                    Variant("shardflow_dp_nobucket", lambda: ex_dp0.step(batch)),
-                    Variant("shardflow_dp_1mib", lambda: ex_dp1.step(batch)),
-                    Variant("ddp", torch_step(ddp, ddp_opt, local))]
+        local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+        variants = [
+            Variant("shardflow_tp", lambda: ex_tp.step(batch)),
+            Variant("shardflow_tp_blocking", lambda: ex_tp_blocking.step(batch)),
+            Variant("dtensor_tp", torch_step(dt, dt_opt, batch)),
+            Variant("megatron_tp", torch_step(meg, meg_opt, batch)),
+            Variant("shardflow_dp", lambda: ex_dp.step(batch)),
+            Variant("shardflow_dp_nobucket", lambda: ex_dp0.step(batch)),
+            Variant("shardflow_dp_1mib", lambda: ex_dp1.step(batch)),
+            Variant("ddp", torch_step(ddp, ddp_opt, local)),
+        ]
         if rank == 0:
             one = copy.deepcopy(model)
             one_step = torch_step(one, adamw(one.parameters(), cfg), batch)
@@ -412,18 +463,33 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
         variants.append(Variant("one_process", lambda: one_step(), solo=True))
         variants.append(Variant("one_process_1t", lambda: one_step(), solo=True, threads=1))
         losses = first_losses(variants, 2, rank)
-        say(rank, "(b) first losses (ddp: rank 0's half batch) "
-            + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()))
+        say(
+            rank,
+            "(b) first losses (ddp: rank 0's half batch) "
+            + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()),
+        )
         samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda s: say(rank, s))
-        out.update(losses=losses, samples=samples, stats={k: stats(v) for k, v in samples.items()},
-                   tokens_per_step=base.batch_size * base.seq_len, rounds=p["rounds"], iters=p["iters"])
+        out.update(
+            losses=losses,
+            samples=samples,
+            stats={k: stats(v) for k, v in samples.items()},
+            tokens_per_step=base.batch_size * base.seq_len,
+            rounds=p["rounds"],
+            iters=p["iters"],
+        )
         out["comm_share"] = {"tp": comm_share(ex_tp, batch), "dp": comm_share(ex_dp, batch)}
         out["peak_dp"] = measured_peak(step_dp, cfg, ex_dp, batch)
         out["state_dp"] = state_bytes(ex_dp.dg, rank)
     # (e) memory: this rank's peak under tp, and one device (local executor on a 1-device mesh, rank 0)
-    mem = {"peak_tp": measured_peak(step_tp, cfg, ex_tp, batch), "state_tp": state_bytes(ex_tp.dg, rank),
-           "state_tp_measured": sum(ex_tp.buffers[v].numel() * ex_tp.buffers[v].element_size()
-                                    for v in ex_tp.buffers if v in _state_vids(ex_tp.dg))}
+    mem = {
+        "peak_tp": measured_peak(step_tp, cfg, ex_tp, batch),
+        "state_tp": state_bytes(ex_tp.dg, rank),
+        "state_tp_measured": sum(
+            ex_tp.buffers[v].numel() * ex_tp.buffers[v].element_size()
+            for v in ex_tp.buffers
+            if v in _state_vids(ex_tp.dg)
+        ),
+    }
     peaks = torch.tensor([mem["peak_tp"]], dtype=torch.float64)
     everyone = [torch.zeros_like(peaks) for _ in range(world)]
     dist.all_gather(everyone, peaks)
@@ -445,6 +511,7 @@ def comm_share(ex: DistributedExecutor, batch: dict, steps: int = 5) -> dict:
     """Per step (ms, this rank, the executor's tracer): the whole step, the time spent in communication
     instructions (issue + wait, so including the wait for the peer), and the part of it in the forward's."""
     from shardflow.runtime.trace import LANES, Tracer
+
     ex.tracer = Tracer(ex.rank, ex.device)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -453,8 +520,11 @@ def comm_share(ex: DistributedExecutor, batch: dict, steps: int = 5) -> dict:
     forward = {f"#{c.token}" for c in ex.program.comms if c.pass_ == "FWD"}
     events = [e for e in ex.tracer.events if e["tid"] == LANES["communication"]]
     ex.tracer = None
-    return {"step_ms": step_ms, "comm_ms": sum(e["dur"] for e in events) / steps / 1e3,
-            "fwd_comm_ms": sum(e["dur"] for e in events if e["name"].split()[0] in forward) / steps / 1e3}
+    return {
+        "step_ms": step_ms,
+        "comm_ms": sum(e["dur"] for e in events) / steps / 1e3,
+        "fwd_comm_ms": sum(e["dur"] for e in events if e["name"].split()[0] in forward) / steps / 1e3,
+    }
 
 
 def _state_vids(dg) -> set[str]:
@@ -469,8 +539,9 @@ def _wait_all(works) -> None:
         w.wait()
 
 
-def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = None,
-               full: torch.Tensor | None = None) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
+def comm_forms(
+    n_bytes: int, rank: int, world: int, own: torch.Tensor | None = None, full: torch.Tensor | None = None
+) -> dict[str, tuple[str, Callable[[], torch.Tensor]]]:
     """kind and step of each form, for a full tensor of ``n_bytes`` (float32): what shardflow's executor issues
     for each form (``DistributedExecutor._communicate`` and the ring / broadcast-loop lowering, on dim 0),
     and gloo's built-ins. ``own`` (this rank's chunk, all-gather input) and ``full`` (reduce input) default to
@@ -489,8 +560,9 @@ def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = N
 
     slots = {form: Kept(torch.device("cpu")) for form in ("ag", "ag_ring", "ag_loop", "rs", "rs_ring", "ar")}
 
-    def run(c: Comm, send: torch.Tensor | None, slot: str,
-            alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> torch.Tensor | None:
+    def run(
+        c: Comm, send: torch.Tensor | None, slot: str, alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
         """One communication through shardflow's own implementation (:func:`shardflow.runtime.comms.issue`),
         received into a buffer kept from call to call, as the executor's receive slots are (or by ``alloc``)."""
         issued = issue(c, send, p, alloc=alloc or functools.partial(slots[slot], torch.float32))
@@ -504,14 +576,24 @@ def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = N
         out = slots["ag_ring"](torch.float32, (n,))
         for i in range(1, d):
             to, frm = ring_peers(p, i, d)
-            run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf, dim=0), own, "",
-                alloc=lambda shape, j=frm: out[j * shape[0]:(j + 1) * shape[0]])
-        out[p * own.numel():(p + 1) * own.numel()].copy_(own)
+            run(
+                Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf, dim=0),
+                own,
+                "",
+                alloc=lambda shape, j=frm: out[j * shape[0] : (j + 1) * shape[0]],
+            )
+        out[p * own.numel() : (p + 1) * own.numel()].copy_(own)
         return out
 
     def sf_ag_broadcast_loop():  # d broadcasts, root = step, then the concat compute
-        chunks = [run(Comm(root, "broadcast", "FWD", members, chunk_t, 0, root=root, recv=None if p == root else buf),
-                      own if p == root else None, "ag_loop") for root in range(d)]
+        chunks = [
+            run(
+                Comm(root, "broadcast", "FWD", members, chunk_t, 0, root=root, recv=None if p == root else buf),
+                own if p == root else None,
+                "ag_loop",
+            )
+            for root in range(d)
+        ]
         return torch.cat([own if x is None else x for x in chunks], 0)
 
     def sf_rs_collective():  # the executor's reduce-scatter
@@ -522,8 +604,9 @@ def comm_forms(n_bytes: int, rank: int, world: int, own: torch.Tensor | None = N
         acc = parts[p]
         for i in range(1, d):
             to, frm = ring_peers(p, i, d)
-            acc = acc + run(Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf), parts[to],
-                            "rs_ring")
+            acc = acc + run(
+                Comm(i, "permute", "FWD", members, chunk_t, 0, peer=to, peer_from=frm, recv=buf), parts[to], "rs_ring"
+            )
         return acc
 
     def sf_all_reduce():  # the executor's all-reduce
@@ -614,27 +697,39 @@ def run_comm(p: dict, rank: int, world: int) -> dict:
         for form, (kind, fn) in comm_forms(n_bytes, rank, world).items():
             name = f"{form}@{n_bytes}"
             variants.append(Variant(name, _repeat(fn, iters)))
-            meta[name] = {"form": form, "kind": kind, "bytes": n_bytes, "calls_per_step": iters,
-                          "bound_bytes": bound_bytes(kind, n_bytes // world if kind == "all_gather" else n_bytes, world)}
+            meta[name] = {
+                "form": form,
+                "kind": kind,
+                "bytes": n_bytes,
+                "calls_per_step": iters,
+                "bound_bytes": bound_bytes(kind, n_bytes // world if kind == "all_gather" else n_bytes, world),
+            }
     if p.get("loopback") and world >= 2:
         lb = Loopback(rank, p["loopback"])
         variants += [Variant("loopback one_way", lb.one_way), Variant("loopback both_ways", lb.both_ways)]
         meta["loopback one_way"] = {"bytes": p["loopback"], "calls_per_step": 1}
         meta["loopback both_ways"] = {"bytes": p["loopback"], "calls_per_step": 1}
     # correctness of the forms (all ranks: ones → gathered ones; a reduce-scatter of ones → world)
-    samples = interleave(variants, p["rounds"], 1, p["warmup"], rank,
-                         log=lambda s: say(rank, s.split(":")[0] + ": done"))
+    samples = interleave(
+        variants, p["rounds"], 1, p["warmup"], rank, log=lambda s: say(rank, s.split(":")[0] + ": done")
+    )
     for name, s in samples.items():
         k = meta[name]["calls_per_step"]
         samples[name] = [x / k for x in s]
-    return {"samples": samples, "meta": meta, "stats": {k: stats(v) for k, v in samples.items()},
-            "rounds": p["rounds"], "check": _check_forms(rank, world)}
+    return {
+        "samples": samples,
+        "meta": meta,
+        "stats": {k: stats(v) for k, v in samples.items()},
+        "rounds": p["rounds"],
+        "check": _check_forms(rank, world),
+    }
 
 
 def _repeat(fn: Callable, k: int) -> Callable:
     def run():
         for _ in range(k):
             fn()
+
     return run
 
 
@@ -645,8 +740,11 @@ def _check_forms(rank: int, world: int) -> dict[str, bool]:
     own = torch.full((n // world,), float(rank + 1))
     full = torch.arange(n, dtype=torch.float32) * (rank + 1)
     total = torch.arange(n, dtype=torch.float32) * sum(range(1, world + 1))
-    want = {"all_gather": torch.cat([torch.full((n // world,), float(r + 1)) for r in range(world)]),
-            "reduce_scatter": total.chunk(world)[rank], "all_reduce": total}
+    want = {
+        "all_gather": torch.cat([torch.full((n // world,), float(r + 1)) for r in range(world)]),
+        "reduce_scatter": total.chunk(world)[rank],
+        "all_reduce": total,
+    }
     ok = {}
     for form, (kind, fn) in comm_forms(n * 4, rank, world, own=own, full=full).items():
         if form == "ar:gloo all_reduce":
@@ -670,10 +768,14 @@ def sp_annotations(mesh: Mesh) -> Annotations:
     """x sharded on T (Shard(1)), fc's weight and bias on dim 0 (column parallel); the linear reads x replicated,
     so x is all-gathered forward and its gradient reduce-scattered backward."""
     whole = SubMesh(mesh)
-    return Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3),
-                               "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
-                               "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
-                       edges={("linear", 0): {"tp": Replicate()}})
+    return Annotations(
+        leaves={
+            "x": Sharding.from_placements([Shard(1)], whole, 3),
+            "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
+            "fc.bias": Sharding.from_placements([Shard(0)], whole, 1),
+        },
+        edges={("linear", 0): {"tp": Replicate()}},
+    )
 
 
 class ComputeOnly:
@@ -706,19 +808,22 @@ def _sp_shape(shape: list[int], p: dict, rank: int, world: int) -> dict:
     graph = sp_graph(B, T, C)
     mesh = Mesh.parse(f"tp={world}")
     torch.manual_seed(0)
-    full = {"x": torch.randn(B, T, C), "fc.weight": torch.randn(4 * C, C) / math.sqrt(C),
-            "fc.bias": torch.zeros(4 * C)}
+    full = {"x": torch.randn(B, T, C), "fc.weight": torch.randn(4 * C, C) / math.sqrt(C), "fc.bias": torch.zeros(4 * C)}
     cfg = OptimizerConfig("sgd", lr)
     variants, programs, executors = [], {}, {}
     for ag, rs in p["forms"]:
-        ex = shardflow_executor(graph, f"tp={world}", None, cfg, rank, annotations=sp_annotations(mesh),
-                                options=LowerOptions(ag, rs))
+        ex = shardflow_executor(
+            graph, f"tp={world}", None, cfg, rank, annotations=sp_annotations(mesh), options=LowerOptions(ag, rs)
+        )
         ex.load(full)
         name = f"{ag} / {rs}"
         executors[name] = ex
         variants.append(Variant(name, (lambda e: lambda: e.step({}))(ex)))
-        programs[name] = {**program_size(ex), "comm_kinds": sorted({c.kind for c in ex.program.comms}),
-                          "comm_bytes": sum(c.nbytes for c in ex.program.comms)}
+        programs[name] = {
+            **program_size(ex),
+            "comm_kinds": sorted({c.kind for c in ex.program.comms}),
+            "comm_bytes": sum(c.nbytes for c in ex.program.comms),
+        }
     auto = lower_step(build_pcg(graph, mesh, sp_annotations(mesh)), cfg.slots, ranks=[rank], options=LowerOptions())
     auto_kinds = sorted({(c.pass_, c.kind) for c in auto.programs[rank].comms})
     floor = ComputeOnly(full["x"], full["fc.weight"], full["fc.bias"], rank, world, lr)
@@ -728,9 +833,17 @@ def _sp_shape(shape: list[int], p: dict, rank: int, world: int) -> dict:
     samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda s: say(rank, s))
     # where each form's time goes (timers around kernels and communications, a few steps, after the rounds)
     breakdown = {name: _timed_steps(ex, {}, p["breakdown_steps"]) for name, ex in executors.items()}
-    return {"shape": shape, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
-            "losses": losses, "programs": programs, "auto": [list(k) for k in auto_kinds], "rounds": p["rounds"],
-            "iters": p["iters"], "breakdown": breakdown}
+    return {
+        "shape": shape,
+        "samples": samples,
+        "stats": {k: stats(v) for k, v in samples.items()},
+        "losses": losses,
+        "programs": programs,
+        "auto": [list(k) for k in auto_kinds],
+        "rounds": p["rounds"],
+        "iters": p["iters"],
+        "breakdown": breakdown,
+    }
 
 
 # ==========================================================================================================
@@ -749,6 +862,7 @@ class Timers:
             finally:
                 self.s[label] = self.s.get(label, 0.0) + time.perf_counter() - t0
                 self.n[label] = self.n.get(label, 0) + 1
+
         return timed
 
 
@@ -782,9 +896,11 @@ def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -
     takes them: a ring's fused linears write into its buffers), ``_communicate``, ``_put`` and ``_get`` with timers
     (instance attributes shadow the methods; the library is not changed). Returns the undo."""
     if kernels:
+
         def timed(instr):
             k = DistributedExecutor._kernel(ex, instr)
             return timers.wrap(f"kernel: {instr.pass_} {instr.op.split('(')[0]}", k) if instr.dnode else k
+
         ex._kernel = timed
         ex._update_kernel = lambda us: timers.wrap(UPDATES, DistributedExecutor._update_kernel(ex, us))
         ex.compiled.clear()  # segments bind their kernels when compiled: compile again with the timed ones
@@ -796,6 +912,7 @@ def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -
         ex.compiled.clear()
         for attr in ("_communicate", "_put", "_get", *(("_kernel", "_update_kernel") if kernels else ())):
             delattr(ex, attr)
+
     return undo
 
 
@@ -816,18 +933,27 @@ def run_profile(p: dict, rank: int, world: int) -> dict:
     out: dict = {"batch": B}
     for h in (p["h"], p["tiny_h"]):
         ex, hand, inputs = _mlp_pair(h, B, rank, world)
-        variants = [Variant("shardflow", lambda ex=ex: ex.step(inputs)),  # bound now: deleted after the size
-                    Variant("hand", lambda hand=hand: hand.step(**inputs))]
+        variants = [
+            Variant("shardflow", lambda ex=ex: ex.step(inputs)),  # bound now: deleted after the size
+            Variant("hand", lambda hand=hand: hand.step(**inputs)),
+        ]
         iters = p["iters"] if h == p["h"] else p["iters"] * 10
         samples = interleave(variants, p["rounds"], iters, p["warmup"], rank)
-        r: dict = {"h": h, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
-                   "program": program_size(ex), "iters": iters}
+        r: dict = {
+            "h": h,
+            "samples": samples,
+            "stats": {k: stats(v) for k, v in samples.items()},
+            "program": program_size(ex),
+            "iters": iters,
+        }
         k = n if h == p["h"] else n * 10
         # 1. timers around every kernel, communication, input placement and loss read-back
         r["timers"] = _timed_steps(ex, inputs, k)
         # 2. torch.profiler (ATen self time) with timers on the communication calls in the same run
-        r["aten"] = {"shardflow": _aten_profile(ex, lambda ex=ex: ex.step(inputs), k, rank),
-                     "hand": _aten_profile(None, lambda hand=hand: hand.step(**inputs), k, rank)}
+        r["aten"] = {
+            "shardflow": _aten_profile(ex, lambda ex=ex: ex.step(inputs), k, rank),
+            "hand": _aten_profile(None, lambda hand=hand: hand.step(**inputs), k, rank),
+        }
         if h == p["h"]:
             out["listing"] = [str(i).strip() for i in ex.program.instrs]
             r["cprofile"] = _cprofile(lambda ex=ex: ex.step(inputs), n, rank)
@@ -860,14 +986,20 @@ def _cprofile(fn: Callable, n: int, rank: int) -> dict | None:
     rows.sort(reverse=True)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)
-    return {"steps": n, "wall_s": wall, "categories_s": cats, "top_tottime": [list(r) for r in rows[:25]],
-            "cumulative_text": text.getvalue()}
+    return {
+        "steps": n,
+        "wall_s": wall,
+        "categories_s": cats,
+        "top_tottime": [list(r) for r in rows[:25]],
+        "cumulative_text": text.getvalue(),
+    }
 
 
 def _aten_profile(ex: DistributedExecutor | None, fn: Callable, n: int, rank: int) -> dict | None:
     """Per ATen op: calls and self CPU seconds over ``n`` steps of ``fn`` (rank 0 profiles, the others run the
     same steps), the wall time, and (with ``ex``) the time in the executor's communication calls."""
     from torch.profiler import ProfilerActivity, profile
+
     timers = Timers()
     undo = _instrument(ex, timers, kernels=False) if ex is not None else None
     dist.barrier()
@@ -887,8 +1019,12 @@ def _aten_profile(ex: DistributedExecutor | None, fn: Callable, n: int, rank: in
     ops = {}
     for e in prof.key_averages():
         ops[e.key] = {"calls": e.count, "self_s": e.self_cpu_time_total / 1e6}
-    return {"steps": n, "wall_s": wall, "timers_s": timers.s,
-            "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]["self_s"]))}
+    return {
+        "steps": n,
+        "wall_s": wall,
+        "timers_s": timers.s,
+        "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]["self_s"])),
+    }
 
 
 # ==========================================================================================================
@@ -900,6 +1036,7 @@ def peak_extra_bytes(fn: Callable[[], object]) -> dict[str, int]:
     Python's heap (tracemalloc: e.g. the bytes DCP pickles, the blocks a file's sha256 is read in); the peaks need
     not coincide, so their sum bounds the whole from above."""
     import tracemalloc
+
     from torch.profiler import ProfilerActivity, profile
 
     tracemalloc.start()
@@ -909,8 +1046,9 @@ def peak_extra_bytes(fn: Callable[[], object]) -> dict[str, int]:
     python = tracemalloc.get_traced_memory()[1] - before
     tracemalloc.stop()
     live = peak = 0
-    for _, n in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                       if e.name() == "[memory]"):  # every allocation (+) and free (−), whatever op made it
+    for _, n in sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    ):  # every allocation (+) and free (−), whatever op made it
         live += n
         peak = max(peak, live)
     return {"tensors": peak, "python": python}
@@ -930,6 +1068,7 @@ def run_ckpt(p: dict, rank: int, world: int) -> dict:
     from shardflow.train.config import TrainConfig
     from shardflow.train.data import Split
     from shardflow.train.recipe import setup
+
     base = TrainConfig()
     s = setup(dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world), world)
     cfg = s.optimizer
@@ -964,6 +1103,7 @@ def run_ckpt(p: dict, rank: int, world: int) -> dict:
     dist.all_gather_object(everyone, out)
     if rank == 0:
         import shutil
+
         shutil.rmtree(root, ignore_errors=True)
     return {"model_params": out["params"], "ranks": everyone}
 
@@ -974,16 +1114,20 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
     on every decoder layer and on the root, ``reshard_after_forward=True``), same weights, AdamW, the same batch
     split over the ranks; interleaved rounds."""
     import dataclasses
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
     from shardflow.train.config import TrainConfig
     from shardflow.train.data import Split
     from shardflow.train.recipe import setup
+
     base = dataclasses.replace(TrainConfig(), strategy="fsdp", mesh=f"fsdp={world}", nproc=world)
     s = setup(base, world)
     cfg = s.optimizer
-    ex = DistributedExecutor(lower_step(s.pcg, cfg.slots, ranks=[rank], options=s.pipeline.options), cfg,
-                             timeout_s=TIMEOUT_S)
+    ex = DistributedExecutor(
+        lower_step(s.pcg, cfg.slots, ranks=[rank], options=s.pipeline.options), cfg, timeout_s=TIMEOUT_S
+    )
     ex.load(s.initial_weights())
     model = s.whole_model()
     batch = s.batch(Split.TRAIN, 0)
@@ -993,7 +1137,7 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
     fully_shard(model, mesh=mesh)
     opt = adamw(model.parameters(), cfg)
     per = base.batch_size // world
-    local = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
 
     def fsdp2() -> float:
         opt.zero_grad(set_to_none=True)
@@ -1004,13 +1148,23 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
 
     variants = [Variant("shardflow_fsdp", lambda: ex.step(batch)), Variant("fsdp2", fsdp2)]
     losses = first_losses(variants, 2, rank)
-    say(rank, "(g) first losses (fsdp2: this rank's half batch) "
-        + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()))
+    say(
+        rank,
+        "(g) first losses (fsdp2: this rank's half batch) "
+        + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in losses.items()),
+    )
     samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
-    return {"losses": losses, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
-            "tokens_per_step": base.batch_size * base.seq_len, "rounds": p["rounds"], "iters": p["iters"],
-            "program": program_size(ex), "params": sum(q.numel() for q in s.model.parameters()),
-            "comm_share": comm_share(ex, batch)}
+    return {
+        "losses": losses,
+        "samples": samples,
+        "stats": {k: stats(v) for k, v in samples.items()},
+        "tokens_per_step": base.batch_size * base.seq_len,
+        "rounds": p["rounds"],
+        "iters": p["iters"],
+        "program": program_size(ex),
+        "params": sum(q.numel() for q in s.model.parameters()),
+        "comm_share": comm_share(ex, batch),
+    }
 
 
 def _pipeline_stage_module(model: nn.Module, chunk: int, chunks: int) -> nn.Module:
@@ -1032,6 +1186,7 @@ def _blocked_share(ex: DistributedExecutor, batch: dict, steps: int) -> dict:
     """This rank's time per step blocked on another stage (its waits and blocking communications, the tracer's
     communication lane) and in its computes, over ``steps`` traced steps back to back (seconds per step)."""
     from shardflow.runtime import trace
+
     ex.tracer = trace.Tracer(dist.get_rank(), ex.device)
     dist.barrier()
     t0 = time.perf_counter()
@@ -1053,8 +1208,10 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
     blocked on the other stage (its measured bubble), and each stage's peak of live buffers under both schedules
     (local executor's ledger, rank 0)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
     from shardflow.models import MLP
     from shardflow.runtime.local import LocalExecutor
+
     W, L, B, M = p["width"], p["layers"], p["batch"], p["microbatches"]
     torch.manual_seed(0)
     model = MLP(d_in=W, hidden=W, d_out=W, n_layers=L)
@@ -1068,8 +1225,12 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
     batch = {"x": torch.randn(B, W, generator=gen), "y": torch.randint(0, W, (B,), generator=gen)}
     ours, programs = {}, {}
     for kind in ("1f1b", "gpipe", "interleaved"):
-        step = lower_step(pcgs[2 if kind == "interleaved" else 1], "sgd", ranks=[rank],
-                          options=LowerOptions(microbatches=M, schedule=kind))
+        step = lower_step(
+            pcgs[2 if kind == "interleaved" else 1],
+            "sgd",
+            ranks=[rank],
+            options=LowerOptions(microbatches=M, schedule=kind),
+        )
         ours[kind] = DistributedExecutor(step, cfg, timeout_s=TIMEOUT_S)
         ours[kind].load(weights)
         programs[kind] = program_size(ours[kind])
@@ -1078,8 +1239,9 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
         chunks = [rank + k * world for k in range(v)]  # chunk c on rank c mod p
         mods = [copy.deepcopy(_pipeline_stage_module(model, c, world * v)) for c in chunks]
         stages = [PipelineStage(m, c, world * v, torch.device("cpu")) for m, c in zip(mods, chunks)]
-        sched = schedule_cls(stages if v > 1 else stages[0], n_microbatches=M,
-                             loss_fn=lambda out, y: F.cross_entropy(out, y))
+        sched = schedule_cls(
+            stages if v > 1 else stages[0], n_microbatches=M, loss_fn=lambda out, y: F.cross_entropy(out, y)
+        )
         opt = torch.optim.SGD([q for m in mods for q in m.parameters()], lr=cfg.lr)
 
         def step() -> float:
@@ -1093,30 +1255,41 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
                 sched.step()
             opt.step()
             return float(sum(losses) / len(losses)) if losses else math.nan
+
         return step
 
-    variants = [Variant("shardflow_1f1b", lambda: ours["1f1b"].step(batch)),
-                Variant("shardflow_gpipe", lambda: ours["gpipe"].step(batch)),
-                Variant("shardflow_interleaved", lambda: ours["interleaved"].step(batch)),
-                Variant("torch_1f1b", torch_variant(Schedule1F1B)),
-                Variant("torch_gpipe", torch_variant(ScheduleGPipe)),
-                Variant("torch_interleaved", torch_variant(ScheduleInterleaved1F1B, 2))]
+    variants = [
+        Variant("shardflow_1f1b", lambda: ours["1f1b"].step(batch)),
+        Variant("shardflow_gpipe", lambda: ours["gpipe"].step(batch)),
+        Variant("shardflow_interleaved", lambda: ours["interleaved"].step(batch)),
+        Variant("torch_1f1b", torch_variant(Schedule1F1B)),
+        Variant("torch_gpipe", torch_variant(ScheduleGPipe)),
+        Variant("torch_interleaved", torch_variant(ScheduleInterleaved1F1B, 2)),
+    ]
     losses: list = [None] * world  # torch's losses are the last stage's
     dist.all_gather_object(losses, first_losses(variants, 2, rank))
     samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
     blocked = {kind: _blocked_share(ex, batch, p["traced_steps"]) for kind, ex in ours.items()}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, blocked)
-    out = {"losses": {k: v if k.startswith("shardflow") else losses[-1][k] for k, v in losses[0].items()}, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()},
-           "rounds": p["rounds"], "iters": p["iters"], "programs": programs, "blocked": everyone,
-           "traced_steps": p["traced_steps"],
-           "params": sum(q.numel() for q in model.parameters()), "model": {k: p[k] for k in
-                                                                          ("width", "layers", "batch", "microbatches")}}
+    out = {
+        "losses": {k: v if k.startswith("shardflow") else losses[-1][k] for k, v in losses[0].items()},
+        "samples": samples,
+        "stats": {k: stats(v) for k, v in samples.items()},
+        "rounds": p["rounds"],
+        "iters": p["iters"],
+        "programs": programs,
+        "blocked": everyone,
+        "traced_steps": p["traced_steps"],
+        "params": sum(q.numel() for q in model.parameters()),
+        "model": {k: p[k] for k in ("width", "layers", "batch", "microbatches")},
+    }
     if rank == 0:  # each stage's peak of live buffers, both schedules (every rank in this process: the ledger)
         peaks = {}
         for kind in ("1f1b", "gpipe"):
-            lx = LocalExecutor(lower_step(pcg, "sgd", options=LowerOptions(microbatches=M, schedule=kind)), cfg,
-                               memory=True)
+            lx = LocalExecutor(
+                lower_step(pcg, "sgd", options=LowerOptions(microbatches=M, schedule=kind)), cfg, memory=True
+            )
             lx.load(weights)
             lx.step(batch)
             peaks[kind] = lx.peak_bytes
@@ -1151,6 +1324,7 @@ def run_chunked(p: dict, rank: int, world: int) -> dict:
                 work.wait()
                 outs.append(y @ w_next.t())
             return torch.cat(outs)
+
         return step
 
     variants = [Variant("whole", whole)] + [Variant(f"chunks={c}", chunked(c)) for c in p["chunks"]]
@@ -1160,8 +1334,17 @@ def run_chunked(p: dict, rank: int, world: int) -> dict:
     return {"samples": samples, "worst": worst}
 
 
-WORKLOADS = {"mlp": run_mlp, "gpt": run_gpt, "comm": run_comm, "sp": run_sp, "profile": run_profile,
-             "ckpt": run_ckpt, "fsdp": run_fsdp, "pipeline": run_pipeline, "chunked": run_chunked}
+WORKLOADS = {
+    "mlp": run_mlp,
+    "gpt": run_gpt,
+    "comm": run_comm,
+    "sp": run_sp,
+    "profile": run_profile,
+    "ckpt": run_ckpt,
+    "fsdp": run_fsdp,
+    "pipeline": run_pipeline,
+    "chunked": run_chunked,
+}
 
 
 def main() -> None:

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-
 from fsdp import main_job  # noqa: E402
 from harness import Variant, interleave, machine, write_section  # noqa: E402
+
 from shardflow.lower.dynamic import ActivationCheckpointing  # noqa: E402
 from shardflow.lower.pass_expansion import checkpoint_blocks  # noqa: E402
 
@@ -66,22 +66,34 @@ def process_peak(ac: str) -> int:
 def section(ledger: dict, rss: dict, times: dict, blocks: int, params: int, seconds: float, rounds: int) -> str:
     m = machine()
     ratios = [b / n for b, n in zip(times["block"], times["none"])]
-    lines = ["## Activation checkpointing", "",
-             f"`python benchmarks/recompute.py`: the main job's Llama at `shardflow train`'s defaults ({params:,} "
-             f"parameters, {blocks} blocks, AdamW, float32), `--ac none` against `--ac block` (each block's forward "
-             f"run again right before its backward). Ledger peak: the largest sum of rank 0's live buffers during a "
-             f"step (local executor). Process peak: one device, each variant in a fresh process, the peak resident "
-             f"set of two steps above the resident set before them (everything the step allocates, autograd's records "
-             f"inside an op included). Step time: one device, {rounds} interleaved rounds, block ÷ none per round.",
-             "", f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, {m['date']}; {seconds:.0f} s.", "",
-             "| mesh | ledger peak, none | ledger peak, block | block ÷ none |", "|---|---|---|---|"]
+    lines = [
+        "## Activation checkpointing",
+        "",
+        f"`python benchmarks/recompute.py`: the main job's Llama at `shardflow train`'s defaults ({params:,} "
+        f"parameters, {blocks} blocks, AdamW, float32), `--ac none` against `--ac block` (each block's forward "
+        f"run again right before its backward). Ledger peak: the largest sum of rank 0's live buffers during a "
+        f"step (local executor). Process peak: one device, each variant in a fresh process, the peak resident "
+        f"set of two steps above the resident set before them (everything the step allocates, autograd's records "
+        f"inside an op included). Step time: one device, {rounds} interleaved rounds, block ÷ none per round.",
+        "",
+        f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, {m['date']}; {seconds:.0f} s.",
+        "",
+        "| mesh | ledger peak, none | ledger peak, block | block ÷ none |",
+        "|---|---|---|---|",
+    ]
     for mesh, peaks in ledger.items():
-        lines.append(f"| `{mesh}` | {peaks['none']:,} | {peaks['block']:,} | **{peaks['block'] / peaks['none']:.3f}** |")
-    lines += ["", f"One device, process peak above the resting set: none {rss['none']:,} B, block {rss['block']:,} B "
-              f"(**{rss['block'] / rss['none']:.3f}**). Step time: none {statistics.median(times['none']) * 1e3:.1f} "
-              f"ms, block {statistics.median(times['block']) * 1e3:.1f} ms; block ÷ none "
-              f"**{statistics.median(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) — a second forward of every "
-              f"block, about a third more compute where the backward costs twice the forward.", ""]
+        lines.append(
+            f"| `{mesh}` | {peaks['none']:,} | {peaks['block']:,} | **{peaks['block'] / peaks['none']:.3f}** |"
+        )
+    lines += [
+        "",
+        f"One device, process peak above the resting set: none {rss['none']:,} B, block {rss['block']:,} B "
+        f"(**{rss['block'] / rss['none']:.3f}**). Step time: none {statistics.median(times['none']) * 1e3:.1f} "
+        f"ms, block {statistics.median(times['block']) * 1e3:.1f} ms; block ÷ none "
+        f"**{statistics.median(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) — a second forward of every "
+        f"block, about a third more compute where the backward costs twice the forward.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -108,12 +120,26 @@ def main(argv: list[str] | None = None) -> int:
                 runs[ac] = (ex, batch)
             print(f"{mesh} --ac {ac}: ledger peak {ex.peak_bytes[0]:,} B", file=sys.stderr)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rss = {ac: json.loads(subprocess.run([sys.executable, __file__, "--process-peak", ac], check=True, text=True,
-                                         stdout=subprocess.PIPE, env=env).stdout) for ac in MODES}
-    times = interleave([Variant(ac, lambda ex=ex, b=b: ex.step(b)) for ac, (ex, b) in runs.items()], args.rounds, 2,
-                       warmup=2, rank=0)
-    text = section(ledger, rss, times, len(set(checkpoint_blocks(s.pcg).values())),
-                   sum(p.numel() for p in s.model.parameters()), time.monotonic() - t0, args.rounds)
+    rss = {
+        ac: json.loads(
+            subprocess.run(
+                [sys.executable, __file__, "--process-peak", ac], check=True, text=True, stdout=subprocess.PIPE, env=env
+            ).stdout
+        )
+        for ac in MODES
+    }
+    times = interleave(
+        [Variant(ac, lambda ex=ex, b=b: ex.step(b)) for ac, (ex, b) in runs.items()], args.rounds, 2, warmup=2, rank=0
+    )
+    text = section(
+        ledger,
+        rss,
+        times,
+        len(set(checkpoint_blocks(s.pcg).values())),
+        sum(p.numel() for p in s.model.parameters()),
+        time.monotonic() - t0,
+        args.rounds,
+    )
     print(text)
     if not args.no_write:
         write_section(Path(args.out), text)

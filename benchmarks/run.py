@@ -47,16 +47,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shardflow.lower import LowerOptions  # noqa: E402
-from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 from harness import write_section  # noqa: E402
 from ranks import UPDATES  # noqa: E402
+
+from shardflow.lower import LowerOptions  # noqa: E402
+from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
 KEYS = "abcdefgpqt"
 KiB, MiB = 1 << 10, 1 << 20
-SP_FORMS = [["collective", "collective"], ["ring", "collective"], ["broadcast_loop", "collective"],
-            ["collective", "ring"], ["ring", "ring"], ["broadcast_loop", "ring"]]
+SP_FORMS = [
+    ["collective", "collective"],
+    ["ring", "collective"],
+    ["broadcast_loop", "collective"],
+    ["collective", "ring"],
+    ["ring", "ring"],
+    ["broadcast_loop", "ring"],
+]
 
 
 def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
@@ -66,33 +73,128 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
         sizes = [[1024, 4, 3]] if quick else [[1024, 21, 5], [4096, 7, 2]]
         out.append(("a", "mlp", 2, {"sizes": sizes, "batch": 64, "warmup": 1 if quick else 5}))
     if "b" in keys or "e" in keys:
-        out.append(("b+e" if "b" in keys else "e", "gpt", 2, {"timing": "b" in keys, "rounds": 4 if quick else 61,
-                                                              "iters": 2 if quick else 3, "warmup": 1 if quick else 3}))
+        out.append(
+            (
+                "b+e" if "b" in keys else "e",
+                "gpt",
+                2,
+                {
+                    "timing": "b" in keys,
+                    "rounds": 4 if quick else 61,
+                    "iters": 2 if quick else 3,
+                    "warmup": 1 if quick else 3,
+                },
+            )
+        )
     if "c" in keys:
-        sizes = [256 * KiB, 4 * MiB, 16 * MiB] if quick else [64 * KiB * 4 ** i for i in range(6)]
-        out.append(("c", "comm", 2, {"sizes": sizes, "rounds": 3 if quick else 7, "warmup": 1, "max_iters": 20,
-                                     "bytes_per_sample": 32 * MiB, "loopback": (16 if quick else 64) * MiB}))
+        sizes = [256 * KiB, 4 * MiB, 16 * MiB] if quick else [64 * KiB * 4**i for i in range(6)]
+        out.append(
+            (
+                "c",
+                "comm",
+                2,
+                {
+                    "sizes": sizes,
+                    "rounds": 3 if quick else 7,
+                    "warmup": 1,
+                    "max_iters": 20,
+                    "bytes_per_sample": 32 * MiB,
+                    "loopback": (16 if quick else 64) * MiB,
+                },
+            )
+        )
         if not quick:
-            out.append(("c4", "comm", 4, {"sizes": [256 * KiB, 4 * MiB, 16 * MiB], "rounds": 3, "warmup": 1,
-                                          "max_iters": 10, "bytes_per_sample": 16 * MiB, "loopback": 0}))
+            out.append(
+                (
+                    "c4",
+                    "comm",
+                    4,
+                    {
+                        "sizes": [256 * KiB, 4 * MiB, 16 * MiB],
+                        "rounds": 3,
+                        "warmup": 1,
+                        "max_iters": 10,
+                        "bytes_per_sample": 16 * MiB,
+                        "loopback": 0,
+                    },
+                )
+            )
     if "d" in keys:
         shapes = [[8, 256, 512]] if quick else [[8, 256, 512], [8, 256, 128]]
-        out.append(("d", "sp", 2, {"shapes": shapes, "forms": SP_FORMS, "rounds": 3 if quick else 9,
-                                   "iters": 1 if quick else 2, "warmup": 1, "breakdown_steps": 2 if quick else 5}))
+        out.append(
+            (
+                "d",
+                "sp",
+                2,
+                {
+                    "shapes": shapes,
+                    "forms": SP_FORMS,
+                    "rounds": 3 if quick else 9,
+                    "iters": 1 if quick else 2,
+                    "warmup": 1,
+                    "breakdown_steps": 2 if quick else 5,
+                },
+            )
+        )
     if "f" in keys:
         out.append(("f", "ckpt", 2, {}))
     if "g" in keys:
-        out.append(("g", "fsdp", 2, {"rounds": 4 if quick else 25, "iters": 2 if quick else 3,
-                                     "warmup": 1 if quick else 2}))
+        out.append(
+            ("g", "fsdp", 2, {"rounds": 4 if quick else 25, "iters": 2 if quick else 3, "warmup": 1 if quick else 2})
+        )
     if "q" in keys:
-        out.append(("q", "pipeline", 2, {"width": 1024, "layers": 8, "batch": 512, "microbatches": 8,
-                                         "rounds": 3 if quick else 15, "iters": 2, "warmup": 1, "traced_steps": 5}))
+        out.append(
+            (
+                "q",
+                "pipeline",
+                2,
+                {
+                    "width": 1024,
+                    "layers": 8,
+                    "batch": 512,
+                    "microbatches": 8,
+                    "rounds": 3 if quick else 15,
+                    "iters": 2,
+                    "warmup": 1,
+                    "traced_steps": 5,
+                },
+            )
+        )
     if "t" in keys:
-        out.append(("t", "chunked", 2, {"tokens": 1024, "k": 512, "n": 128, "m": 384, "chunks": [2, 4],
-                                        "rounds": 5 if quick else 25, "iters": 10, "warmup": 5}))
+        out.append(
+            (
+                "t",
+                "chunked",
+                2,
+                {
+                    "tokens": 1024,
+                    "k": 512,
+                    "n": 128,
+                    "m": 384,
+                    "chunks": [2, 4],
+                    "rounds": 5 if quick else 25,
+                    "iters": 10,
+                    "warmup": 5,
+                },
+            )
+        )
     if "p" in keys:
-        out.append(("p", "profile", 2, {"h": 1024, "tiny_h": 16, "batch": 64, "rounds": 3 if quick else 7,
-                                        "iters": 3 if quick else 5, "warmup": 3, "steps": 10 if quick else 30}))
+        out.append(
+            (
+                "p",
+                "profile",
+                2,
+                {
+                    "h": 1024,
+                    "tiny_h": 16,
+                    "batch": 64,
+                    "rounds": 3 if quick else 7,
+                    "iters": 3 if quick else 5,
+                    "warmup": 3,
+                    "steps": 10 if quick else 30,
+                },
+            )
+        )
     return out
 
 
@@ -134,40 +236,54 @@ def verdict(ok: bool) -> str:
 
 def machine_line(res: dict, nproc: int, threads: str = "1 intra-op thread per rank") -> str:
     m0, m1 = res["machine_start"], res["machine_end"]
-    return (f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
-            f"{m0['date'].replace('T', ' ')}; {nproc} ranks × {threads} (gloo, `OMP_WAIT_POLICY="
-            f"{m0.get('omp_wait_policy', os.environ.get('OMP_WAIT_POLICY', ''))}`); load average {m0['load']:.2f} at the start of the session, "
-            f"{m1['load']:.2f} at the end; session {res['session_s']:.0f} s.")
+    return (
+        f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
+        f"{m0['date'].replace('T', ' ')}; {nproc} ranks × {threads} (gloo, `OMP_WAIT_POLICY="
+        f"{m0.get('omp_wait_policy', os.environ.get('OMP_WAIT_POLICY', ''))}`); load average {m0['load']:.2f} at the start of the session, "
+        f"{m1['load']:.2f} at the end; session {res['session_s']:.0f} s."
+    )
 
 
-TIMING_NOTE = ("Timing: every variant warmed up, then run in interleaved rounds (order rotating each round); a "
-               "sample = mean step time of a few steps back to back, the largest over the ranks; the table gives "
-               "the median and min–max of the samples, and ratios are the median (min–max) of the per-round ratios "
-               "of two variants measured in the same round.")
+TIMING_NOTE = (
+    "Timing: every variant warmed up, then run in interleaved rounds (order rotating each round); a "
+    "sample = mean step time of a few steps back to back, the largest over the ranks; the table gives "
+    "the median and min–max of the samples, and ratios are the median (min–max) of the per-round ratios "
+    "of two variants measured in the same round."
+)
 
 
 # ------------------------------------------------------------------------------------------------------------
 # sections
 # ------------------------------------------------------------------------------------------------------------
-MLP_LABELS = {"shardflow": "shardflow tp=2 (`DistributedExecutor`)",
-              "dtensor": "DTensor `parallelize_module` (Colwise fc1, Rowwise fc2) + `torch.optim.SGD`",
-              "hand": "hand-written TP (plain tensors, one `dist.all_reduce`)",
-              "one_process": "one process, 2 threads (eager + `torch.optim.SGD`)",
-              "one_process_1t": "one process, 1 thread (reference)"}
+MLP_LABELS = {
+    "shardflow": "shardflow tp=2 (`DistributedExecutor`)",
+    "dtensor": "DTensor `parallelize_module` (Colwise fc1, Rowwise fc2) + `torch.optim.SGD`",
+    "hand": "hand-written TP (plain tensors, one `dist.all_reduce`)",
+    "one_process": "one process, 2 threads (eager + `torch.optim.SGD`)",
+    "one_process_1t": "one process, 1 thread (reference)",
+}
 
 
 def section_a(res: dict, quick: bool) -> str:
-    lines = ["## Megatron MLP step time (a)", "",
-             "h → 4h → GELU → h with biases, mean cross-entropy against random class ids, batch 64 rows, float32; one "
-             "step = forward + backward + SGD update (lr 1e-3, no momentum) + reading the loss. tp=2: fc1 "
-             "column-parallel, fc2 row-parallel, one all-reduce of fc2's output (the input needs no gradient, so the "
-             "backward has no communication). shardflow: the module captured with `shardflow.capture`, planned "
-             "with `make_plan(graph, mesh, \"tp\")`, lowered for the rank and run by `DistributedExecutor`. All "
-             "variants start from the same weights; their first two losses agree (checked below).", "",
-             machine_line(res, 2) + " The one-process variants run on rank 0 while rank 1 waits in a barrier.", "",
-             TIMING_NOTE, "", f"Reproduce: `python benchmarks/run.py --only a{' --quick' if quick else ''}`.", "",
-             "| h | variant | step median (ms) | min–max (ms) | shardflow ÷ variant (per round) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "## Megatron MLP step time (a)",
+        "",
+        "h → 4h → GELU → h with biases, mean cross-entropy against random class ids, batch 64 rows, float32; one "
+        "step = forward + backward + SGD update (lr 1e-3, no momentum) + reading the loss. tp=2: fc1 "
+        "column-parallel, fc2 row-parallel, one all-reduce of fc2's output (the input needs no gradient, so the "
+        "backward has no communication). shardflow: the module captured with `shardflow.capture`, planned "
+        'with `make_plan(graph, mesh, "tp")`, lowered for the rank and run by `DistributedExecutor`. All '
+        "variants start from the same weights; their first two losses agree (checked below).",
+        "",
+        machine_line(res, 2) + " The one-process variants run on rank 0 while rank 1 waits in a barrier.",
+        "",
+        TIMING_NOTE,
+        "",
+        f"Reproduce: `python benchmarks/run.py --only a{' --quick' if quick else ''}`.",
+        "",
+        "| h | variant | step median (ms) | min–max (ms) | shardflow ÷ variant (per round) |",
+        "|---|---|---|---|---|",
+    ]
     targets = []
     for row in res["rows"]:
         s = row["samples"]
@@ -179,66 +295,85 @@ def section_a(res: dict, quick: bool) -> str:
         hand = ratios(s["shardflow"], s["hand"])
         dt = ratios(s["shardflow"], s["dtensor"])
         if row["h"] == 1024:
-            targets.append(f"h=1024: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.05: "
-                           f"{verdict(med(hand) <= 1.05)}, issue #16's ≤ 1.0: {verdict(med(hand) <= 1.0)}; "
-                           f"shardflow ÷ DTensor = {ratio_text(dt)}, target ≤ 0.85: "
-                           f"{verdict(med(dt) <= 0.85)}.")
+            targets.append(
+                f"h=1024: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.05: "
+                f"{verdict(med(hand) <= 1.05)}, issue #16's ≤ 1.0: {verdict(med(hand) <= 1.0)}; "
+                f"shardflow ÷ DTensor = {ratio_text(dt)}, target ≤ 0.85: "
+                f"{verdict(med(dt) <= 0.85)}."
+            )
         elif row["h"] == 4096:
-            targets.append(f"h=4096: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.02: "
-                           f"{verdict(med(hand) <= 1.02)} (÷ DTensor: {ratio_text(dt)}).")
+            targets.append(
+                f"h=4096: shardflow ÷ hand-written = {ratio_text(hand)}, target ≤ 1.02: "
+                f"{verdict(med(hand) <= 1.02)} (÷ DTensor: {ratio_text(dt)})."
+            )
     lines.append("")
     for row in res["rows"]:
         lo = row["losses"]
         ref = lo.get("one_process")
         if ref:
             worst = max(abs(a - b) for k, v in lo.items() if k != "one_process_1t" for a, b in zip(v, ref))
-            lines.append(f"h={row['h']}: first two losses {ref[0]:.5f}, {ref[1]:.5f}; largest difference between "
-                         f"variants {worst:.1e}. shardflow's rank program: {row['program']['instrs']} instructions, "
-                         f"{row['program']['comms']} communication. Rounds × steps per sample: {row['rounds']} × "
-                         f"{row['iters']}.")
+            lines.append(
+                f"h={row['h']}: first two losses {ref[0]:.5f}, {ref[1]:.5f}; largest difference between "
+                f"variants {worst:.1e}. shardflow's rank program: {row['program']['instrs']} instructions, "
+                f"{row['program']['comms']} communication. Rounds × steps per sample: {row['rounds']} × "
+                f"{row['iters']}."
+            )
     lines += ["", "Targets (medians of per-round ratios): " + " ".join(targets)] if targets else []
     lines += ["", "Where shardflow's time goes: see the profile section (p) below."]
     return "\n".join(lines) + "\n"
 
 
-GPT_LABELS = {"shardflow_tp": "shardflow tp=2",
-              "shardflow_tp_blocking": "shardflow tp=2 without overlap (`LowerOptions(overlap=False)`)",
-              "dtensor_tp": "DTensor tp=2 (torchtitan-style plan) + AdamW",
-              "megatron_tp": "hand-written Megatron tp=2 (local shards, f/g all-reduces; `benchmarks/ranks.py`) + AdamW",
-              "shardflow_dp": "shardflow dp=2 (gradient buckets, 25 MiB)",
-              "shardflow_dp_nobucket": "shardflow dp=2, one all-reduce per gradient (`bucket_bytes=0`)",
-              "shardflow_dp_1mib": "shardflow dp=2, 1 MiB buckets (DDP's first bucket size)",
-              "ddp": "DDP dp=2 + AdamW",
-              "one_process": "one process, 2 threads (eager + AdamW)", "one_process_1t": "one process, 1 thread"}
+GPT_LABELS = {
+    "shardflow_tp": "shardflow tp=2",
+    "shardflow_tp_blocking": "shardflow tp=2 without overlap (`LowerOptions(overlap=False)`)",
+    "dtensor_tp": "DTensor tp=2 (torchtitan-style plan) + AdamW",
+    "megatron_tp": "hand-written Megatron tp=2 (local shards, f/g all-reduces; `benchmarks/ranks.py`) + AdamW",
+    "shardflow_dp": "shardflow dp=2 (gradient buckets, 25 MiB)",
+    "shardflow_dp_nobucket": "shardflow dp=2, one all-reduce per gradient (`bucket_bytes=0`)",
+    "shardflow_dp_1mib": "shardflow dp=2, 1 MiB buckets (DDP's first bucket size)",
+    "ddp": "DDP dp=2 + AdamW",
+    "one_process": "one process, 2 threads (eager + AdamW)",
+    "one_process_1t": "one process, 1 thread",
+}
 
 
 def section_b(res: dict, quick: bool) -> str:
     m = res["model"]
     s = res["samples"]
     tok = res["tokens_per_step"]
-    lines = ["## Main job tokens/s (b)", "",
-             f"The training job's default model (`TrainConfig` defaults): the Hugging Face Llama with {m['layers']} "
-             f"layers, {m['heads']} heads ({m['kv_heads']} key/value heads), width {m['embd']}, context {m['seq_len']}, "
-             f"vocabulary {m['vocab']} (byte-level BPE of the default corpus), {m['params']:,} parameters; global batch "
-             f"{m['batch']} × {m['seq_len']} = {tok} tokens per step; AdamW lr {m['optimizer']['lr']}, no weight decay; "
-             f"one step = forward + backward + update + reading the loss, on a fixed batch of the default corpus. "
-             f"shardflow: `shardflow.train.recipe.setup` (capture, preset plan) → `lower_step` for the rank → "
-             f"`DistributedExecutor`. DTensor: `parallelize_module` with q, k, v, gate and up `ColwiseParallel`, o and "
-             f"down `RowwiseParallel`, the rest replicated (the model's attention views q, k, v with the local head "
-             f"count). Hand-written Megatron: each rank's rows of q, k, v, gate and up and columns of o and down as "
-             f"plain `nn.Linear` weights of the same model, Megatron-LM's f and g as autograd functions around attention "
-             f"and MLP (`megatron_llama`). DDP: `DistributedDataParallel` on {m['batch'] // 2} sequences per rank.", "",
-             machine_line(res, 2) + " The one-process variants run on rank 0 while rank 1 waits in a barrier.", "",
-             TIMING_NOTE, "", f"Reproduce: `python benchmarks/run.py --only b{' --quick' if quick else ''}`.", "",
-             "| variant | step median (ms) | min–max (ms) | tokens/s (median) | shardflow tp=2 tokens/s ÷ variant's "
-             "(per round) | shardflow dp=2 tokens/s ÷ variant's (per round) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "## Main job tokens/s (b)",
+        "",
+        f"The training job's default model (`TrainConfig` defaults): the Hugging Face Llama with {m['layers']} "
+        f"layers, {m['heads']} heads ({m['kv_heads']} key/value heads), width {m['embd']}, context {m['seq_len']}, "
+        f"vocabulary {m['vocab']} (byte-level BPE of the default corpus), {m['params']:,} parameters; global batch "
+        f"{m['batch']} × {m['seq_len']} = {tok} tokens per step; AdamW lr {m['optimizer']['lr']}, no weight decay; "
+        f"one step = forward + backward + update + reading the loss, on a fixed batch of the default corpus. "
+        f"shardflow: `shardflow.train.recipe.setup` (capture, preset plan) → `lower_step` for the rank → "
+        f"`DistributedExecutor`. DTensor: `parallelize_module` with q, k, v, gate and up `ColwiseParallel`, o and "
+        f"down `RowwiseParallel`, the rest replicated (the model's attention views q, k, v with the local head "
+        f"count). Hand-written Megatron: each rank's rows of q, k, v, gate and up and columns of o and down as "
+        f"plain `nn.Linear` weights of the same model, Megatron-LM's f and g as autograd functions around attention "
+        f"and MLP (`megatron_llama`). DDP: `DistributedDataParallel` on {m['batch'] // 2} sequences per rank.",
+        "",
+        machine_line(res, 2) + " The one-process variants run on rank 0 while rank 1 waits in a barrier.",
+        "",
+        TIMING_NOTE,
+        "",
+        f"Reproduce: `python benchmarks/run.py --only b{' --quick' if quick else ''}`.",
+        "",
+        "| variant | step median (ms) | min–max (ms) | tokens/s (median) | shardflow tp=2 tokens/s ÷ variant's "
+        "(per round) | shardflow dp=2 tokens/s ÷ variant's (per round) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, label in GPT_LABELS.items():
         if name not in s:
             continue
         rt = ratio_text(ratios(s[name], s["shardflow_tp"]))
         rd = ratio_text(ratios(s[name], s["shardflow_dp"]))
-        lines.append(f"| {label} | {ms(med(s[name]))} | {spread_ms(s[name])} | {tok / med(s[name]):,.0f} | {rt} | {rd} |")
+        lines.append(
+            f"| {label} | {ms(med(s[name]))} | {spread_ms(s[name])} | {tok / med(s[name]):,.0f} | {rt} | {rd} |"
+        )
     lo = res["losses"]
     ref = lo["one_process"]
     same = [k for k in lo if k not in ("ddp", "one_process_1t")]
@@ -248,61 +383,86 @@ def section_b(res: dict, quick: bool) -> str:
     vs_one = ratios(s["one_process"], s["shardflow_tp"])
     vs_one_dp = ratios(s["one_process"], s["shardflow_dp"])
     vs_ddp = ratios(s["ddp"], s["shardflow_dp"])
-    lines += ["", f"First two losses {ref[0]:.5f}, {ref[1]:.5f} (one process); shardflow tp, dp and DTensor agree within "
-              f"{worst:.1e} (DDP's rank 0 reports its half batch). shardflow programs per rank: tp "
-              f"{res['program_tp']['instrs']} instructions / {res['program_tp']['comms']} communications, dp "
-              f"{res['program_dp']['instrs']} / {res['program_dp']['comms']}. Rounds × steps per sample: "
-              f"{res['rounds']} × {res['iters']}.", "",
-              f"Targets of issue #16 (tokens/s ratios, per-round medians): shardflow tp=2 ÷ DTensor tp=2 = "
-              f"{ratio_text(vs_dt)}, target ≥ 1.5: {verdict(med(vs_dt) >= 1.5)}; shardflow tp=2 ÷ the hand-written "
-              f"Megatron version = {ratio_text(vs_meg)}, target ≥ 1.0: {verdict(med(vs_meg) >= 1.0)}; dp=2: shardflow ÷ DDP = "
-              f"{ratio_text(vs_ddp)}, target ≥ 1.05: {verdict(med(vs_ddp) >= 1.05)}. For reference: shardflow tp=2 ÷ "
-              f"one process (2 threads) = {ratio_text(vs_one)}; dp=2 ÷ one process = {ratio_text(vs_one_dp)}. "
-              f"The overlap of the backward's all-reduces with the weight gradients: shardflow tp=2 ÷ the same "
-              f"program with every all-reduce waited at once = "
-              f"{ratio_text(ratios(s['shardflow_tp_blocking'], s['shardflow_tp']))} (tokens/s).", "",
-              f"dp: shardflow packs the weight gradients into buckets (`LowerOptions.bucket_bytes`, 25 MiB like DDP's "
-              f"`bucket_cap_mb`; this model's {4 * m['params'] / 1e6:.1f} MB of gradients fit in one) and all-reduces "
-              f"each bucket with one call issued without waiting as soon as its last gradient is ready; the wait "
-              f"sits right before the first update that reads it ({res['program_dp']['comms']} communications per "
-              f"step in all). With one all-reduce per gradient (`bucket_bytes=0`: "
-              f"{res['program_dp0']['comms']} communications, each waited before the next instruction) the step "
-              f"takes {ratio_text(ratios(s['shardflow_dp_nobucket'], s['shardflow_dp']))} times as long: on gloo "
-              f"every call costs a rendezvous of both ranks, about a millisecond here. Buckets of 1 MiB "
-              f"({res['program_dp1']['comms']} communications, the first issued while most of the backward is "
-              f"still to run, as DDP's first bucket) take "
-              f"{ratio_text(ratios(s['shardflow_dp_1mib'], s['shardflow_dp']))} times as long as one bucket: "
-              f"the overlap does not pay here, since gloo reduces on CPU threads that compete with the two ranks' "
-              f"computes for this machine's 2 cores. Both sides run the same kernels (shardflow ÷ eager on one "
-              f"device: the section \"Single-device step\" below) and all-reduce the same bytes"
-              + (", so the 5 % over DDP that the dp target asks for has no place to come from on this machine."
-                 if med(vs_ddp) < 1.05 else ".")]
+    lines += [
+        "",
+        f"First two losses {ref[0]:.5f}, {ref[1]:.5f} (one process); shardflow tp, dp and DTensor agree within "
+        f"{worst:.1e} (DDP's rank 0 reports its half batch). shardflow programs per rank: tp "
+        f"{res['program_tp']['instrs']} instructions / {res['program_tp']['comms']} communications, dp "
+        f"{res['program_dp']['instrs']} / {res['program_dp']['comms']}. Rounds × steps per sample: "
+        f"{res['rounds']} × {res['iters']}.",
+        "",
+        f"Targets of issue #16 (tokens/s ratios, per-round medians): shardflow tp=2 ÷ DTensor tp=2 = "
+        f"{ratio_text(vs_dt)}, target ≥ 1.5: {verdict(med(vs_dt) >= 1.5)}; shardflow tp=2 ÷ the hand-written "
+        f"Megatron version = {ratio_text(vs_meg)}, target ≥ 1.0: {verdict(med(vs_meg) >= 1.0)}; dp=2: shardflow ÷ DDP = "
+        f"{ratio_text(vs_ddp)}, target ≥ 1.05: {verdict(med(vs_ddp) >= 1.05)}. For reference: shardflow tp=2 ÷ "
+        f"one process (2 threads) = {ratio_text(vs_one)}; dp=2 ÷ one process = {ratio_text(vs_one_dp)}. "
+        f"The overlap of the backward's all-reduces with the weight gradients: shardflow tp=2 ÷ the same "
+        f"program with every all-reduce waited at once = "
+        f"{ratio_text(ratios(s['shardflow_tp_blocking'], s['shardflow_tp']))} (tokens/s).",
+        "",
+        f"dp: shardflow packs the weight gradients into buckets (`LowerOptions.bucket_bytes`, 25 MiB like DDP's "
+        f"`bucket_cap_mb`; this model's {4 * m['params'] / 1e6:.1f} MB of gradients fit in one) and all-reduces "
+        f"each bucket with one call issued without waiting as soon as its last gradient is ready; the wait "
+        f"sits right before the first update that reads it ({res['program_dp']['comms']} communications per "
+        f"step in all). With one all-reduce per gradient (`bucket_bytes=0`: "
+        f"{res['program_dp0']['comms']} communications, each waited before the next instruction) the step "
+        f"takes {ratio_text(ratios(s['shardflow_dp_nobucket'], s['shardflow_dp']))} times as long: on gloo "
+        f"every call costs a rendezvous of both ranks, about a millisecond here. Buckets of 1 MiB "
+        f"({res['program_dp1']['comms']} communications, the first issued while most of the backward is "
+        f"still to run, as DDP's first bucket) take "
+        f"{ratio_text(ratios(s['shardflow_dp_1mib'], s['shardflow_dp']))} times as long as one bucket: "
+        f"the overlap does not pay here, since gloo reduces on CPU threads that compete with the two ranks' "
+        f"computes for this machine's 2 cores. Both sides run the same kernels (shardflow ÷ eager on one "
+        f'device: the section "Single-device step" below) and all-reduce the same bytes'
+        + (
+            ", so the 5 % over DDP that the dp target asks for has no place to come from on this machine."
+            if med(vs_ddp) < 1.05
+            else "."
+        ),
+    ]
     share = res.get("comm_share")
     if share:
         tp, dp = share["tp"], share["dp"]
-        lines += ["", f"Rank 0's executor tracer (5 steps after the timing): tp=2 spends {tp['comm_ms']:.1f} of "
-                  f"{tp['step_ms']:.1f} ms per step ({100 * tp['comm_ms'] / tp['step_ms']:.0f} %) in its "
-                  f"{res['program_tp']['comms']} communications (issue + wait, so including the wait for the other "
-                  f"rank; the backward's all-reduces are issued without waiting and waited after the weight "
-                  f"gradients, `LowerOptions.overlap`), against {dp['comm_ms']:.1f} of {dp['step_ms']:.1f} ms for "
-                  f"dp=2."]
+        lines += [
+            "",
+            f"Rank 0's executor tracer (5 steps after the timing): tp=2 spends {tp['comm_ms']:.1f} of "
+            f"{tp['step_ms']:.1f} ms per step ({100 * tp['comm_ms'] / tp['step_ms']:.0f} %) in its "
+            f"{res['program_tp']['comms']} communications (issue + wait, so including the wait for the other "
+            f"rank; the backward's all-reduces are issued without waiting and waited after the weight "
+            f"gradients, `LowerOptions.overlap`), against {dp['comm_ms']:.1f} of {dp['step_ms']:.1f} ms for "
+            f"dp=2.",
+        ]
         if "fwd_comm_ms" in tp:
-            lines[-1] += (f" Of tp's, {tp['fwd_comm_ms']:.1f} ms are the forward's all-reduces (one after each "
-                          f"row-parallel linear), which wait at once: the next op reads their sum. The hand-written "
-                          f"Megatron version and DTensor wait on the same all-reduces")
-            lines[-1] += (": shardflow tp runs at the hand-written version's speed, and the 1.5 × DTensor target "
-                          "asks it to beat that version by what DTensor's own overhead leaves; hiding the forward's "
-                          "all-reduces (the batch cut in chunks whose all-reduces travel while the next chunk "
-                          "computes, as async tensor parallelism does) is not built, and does not pay on gloo here "
-                          "(section (t))." if med(vs_dt) < 1.5 else ".")
+            lines[-1] += (
+                f" Of tp's, {tp['fwd_comm_ms']:.1f} ms are the forward's all-reduces (one after each "
+                f"row-parallel linear), which wait at once: the next op reads their sum. The hand-written "
+                f"Megatron version and DTensor wait on the same all-reduces"
+            )
+            lines[-1] += (
+                ": shardflow tp runs at the hand-written version's speed, and the 1.5 × DTensor target "
+                "asks it to beat that version by what DTensor's own overhead leaves; hiding the forward's "
+                "all-reduces (the batch cut in chunks whose all-reduces travel while the next chunk "
+                "computes, as async tensor parallelism does) is not built, and does not pay on gloo here "
+                "(section (t))."
+                if med(vs_dt) < 1.5
+                else "."
+            )
     return "\n".join(lines) + "\n"
 
 
-AG_FORMS = ["ag:shardflow collective", "ag:shardflow ring", "ag:shardflow broadcast_loop", "ag:gloo all_gather_into_tensor"]
+AG_FORMS = [
+    "ag:shardflow collective",
+    "ag:shardflow ring",
+    "ag:shardflow broadcast_loop",
+    "ag:gloo all_gather_into_tensor",
+]
 RS_FORMS = ["rs:shardflow collective", "rs:shardflow ring", "rs:gloo reduce_scatter_single"]
 AR_FORMS = ["ar:shardflow all_reduce", "ar:gloo all_reduce"]
-SF_FORM = {"collective": "ag:shardflow collective", "ring": "ag:shardflow ring",
-           "broadcast_loop": "ag:shardflow broadcast_loop"}
+SF_FORM = {
+    "collective": "ag:shardflow collective",
+    "ring": "ag:shardflow ring",
+    "broadcast_loop": "ag:shardflow broadcast_loop",
+}
 
 
 def _bus(res: dict, name: str) -> list[float]:
@@ -322,46 +482,71 @@ def _auto(kind: str, n_bytes: int, d: int) -> str:
 
 def section_c(res: dict, res4: dict | None, quick: bool) -> str:
     d = res["world"]
-    lb = {k: [gbps(res["meta"][k]["bytes"], t) for t in res["samples"][k]]
-          for k in ("loopback one_way", "loopback both_ways") if k in res["samples"]}
+    lb = {
+        k: [gbps(res["meta"][k]["bytes"], t) for t in res["samples"][k]]
+        for k in ("loopback one_way", "loopback both_ways")
+        if k in res["samples"]
+    }
     bound = med(lb["loopback one_way"]) if lb else math.nan
-    lines = ["## Collectives: bus bandwidth (c)", "",
-             "Each shardflow form is timed as the exact torch.distributed calls `DistributedExecutor._communicate` "
-             "issues for it (on dim 0, float32), including its local copies, each receiving into a buffer kept "
-             "from call to call as the executor's receive slots do: all-gather *collective* = "
-             "`all_gather_single` (gloo's built-in), *ring* = d−1 collective-permute steps "
-             "(`batch_isend_irecv`) received into their blocks of the gathered buffer + the own chunk copied in, "
-             "*broadcast loop* = d broadcasts + concat; reduce-scatter *collective* = `reduce_scatter_single`, "
-             "*ring* = chunk + d−1 permute steps with local adds; "
-             "all-reduce = copy + `all_reduce`. gloo's built-ins: `all_gather_into_tensor`, `reduce_scatter_single` "
-             "(gloo supports it), `all_reduce` in place. Size = the full tensor N (all-gather output, "
-             "reduce-scatter / all-reduce input). **Bus bandwidth** = bandwidth-optimal bytes each rank sends "
-             "((d−1)/d·N for all-gather and reduce-scatter, 2(d−1)/d·N for all-reduce) ÷ time, GB/s = 1e9 B/s; "
-             "cells: median (min–max) over rounds. The loopback bound: one 64 MiB buffer (16 MiB with --quick) sent "
-             "with `socket.sendall` between ranks 0 and 1 over 127.0.0.1 and received with `recv_into`, timed "
-             "in the same rounds.", "",
-             machine_line(res, d), "", TIMING_NOTE, "",
-             f"Reproduce: `python benchmarks/run.py --only c{' --quick' if quick else ''}`.", ""]
+    lines = [
+        "## Collectives: bus bandwidth (c)",
+        "",
+        "Each shardflow form is timed as the exact torch.distributed calls `DistributedExecutor._communicate` "
+        "issues for it (on dim 0, float32), including its local copies, each receiving into a buffer kept "
+        "from call to call as the executor's receive slots do: all-gather *collective* = "
+        "`all_gather_single` (gloo's built-in), *ring* = d−1 collective-permute steps "
+        "(`batch_isend_irecv`) received into their blocks of the gathered buffer + the own chunk copied in, "
+        "*broadcast loop* = d broadcasts + concat; reduce-scatter *collective* = `reduce_scatter_single`, "
+        "*ring* = chunk + d−1 permute steps with local adds; "
+        "all-reduce = copy + `all_reduce`. gloo's built-ins: `all_gather_into_tensor`, `reduce_scatter_single` "
+        "(gloo supports it), `all_reduce` in place. Size = the full tensor N (all-gather output, "
+        "reduce-scatter / all-reduce input). **Bus bandwidth** = bandwidth-optimal bytes each rank sends "
+        "((d−1)/d·N for all-gather and reduce-scatter, 2(d−1)/d·N for all-reduce) ÷ time, GB/s = 1e9 B/s; "
+        "cells: median (min–max) over rounds. The loopback bound: one 64 MiB buffer (16 MiB with --quick) sent "
+        "with `socket.sendall` between ranks 0 and 1 over 127.0.0.1 and received with `recv_into`, timed "
+        "in the same rounds.",
+        "",
+        machine_line(res, d),
+        "",
+        TIMING_NOTE,
+        "",
+        f"Reproduce: `python benchmarks/run.py --only c{' --quick' if quick else ''}`.",
+        "",
+    ]
     if lb:
-        lines += [f"Loopback TCP, same session: one way {_cell(lb['loopback one_way'])} GB/s; both ways at once "
-                  f"{_cell(lb['loopback both_ways'])} GB/s per direction. The bound used below is the one-way "
-                  f"median, {bound:.2f} GB/s.", ""]
-    lines += ["Below 4 MiB a call takes about a millisecond and the cells are dominated by scheduling on the shared "
-              "machine: a sample (the mean of up to 20 calls) is either near the per-call latency or several times "
-              "it, depending on whether a rank lost its core during the sample, so small sizes vary widely between "
-              "rounds and runs.", ""]
+        lines += [
+            f"Loopback TCP, same session: one way {_cell(lb['loopback one_way'])} GB/s; both ways at once "
+            f"{_cell(lb['loopback both_ways'])} GB/s per direction. The bound used below is the one-way "
+            f"median, {bound:.2f} GB/s.",
+            "",
+        ]
+    lines += [
+        "Below 4 MiB a call takes about a millisecond and the cells are dominated by scheduling on the shared "
+        "machine: a sample (the mean of up to 20 calls) is either near the per-call latency or several times "
+        "it, depending on whether a rank lost its core during the sample, so small sizes vary widely between "
+        "rounds and runs.",
+        "",
+    ]
     lines += _comm_tables(res, bound)
     if res4 is not None:
         lines += ["", "### 4 ranks (2 cores: oversubscribed, 4 processes on 2 cores)", "", machine_line(res4, 4), ""]
         lines += _comm_tables(res4, bound)
-    lines += ["", "Targets at ≥ 4 MiB (2 ranks; the form shardflow's cost model picks with `LowerOptions()` "
-              "(\"auto\"), and the best shardflow form; speed-up = gloo built-in's time ÷ shardflow's, per round):", ""]
+    lines += [
+        "",
+        "Targets at ≥ 4 MiB (2 ranks; the form shardflow's cost model picks with `LowerOptions()` "
+        "(\"auto\"), and the best shardflow form; speed-up = gloo built-in's time ÷ shardflow's, per round):",
+        "",
+    ]
     both = med(lb["loopback both_ways"]) if lb else math.nan
-    lines += ["| collective | size | auto form | auto ÷ gloo speed-up | best form | best speed-up | best bus GB/s | "
-              "% of loopback (one way) | % of loopback both ways | target (× gloo) | target ≥ 50 % loopback |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for kind, forms, gloo, want in (("all_gather", AG_FORMS[:3], AG_FORMS[3], 1.0),
-                                    ("reduce_scatter", RS_FORMS[:2], RS_FORMS[2], 2.0)):
+    lines += [
+        "| collective | size | auto form | auto ÷ gloo speed-up | best form | best speed-up | best bus GB/s | "
+        "% of loopback (one way) | % of loopback both ways | target (× gloo) | target ≥ 50 % loopback |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, forms, gloo, want in (
+        ("all_gather", AG_FORMS[:3], AG_FORMS[3], 1.0),
+        ("reduce_scatter", RS_FORMS[:2], RS_FORMS[2], 2.0),
+    ):
         for n in sorted({m["bytes"] for k, m in res["meta"].items() if "form" in m}):
             if n < 4 * MiB:
                 continue
@@ -372,25 +557,33 @@ def section_c(res: dict, res4: dict | None, quick: bool) -> str:
             best = max(forms, key=lambda f: med(speed[f]))
             bus = _bus(res, f"{best}@{n}")
             pct = 100 * med(bus) / bound
-            lines.append(f"| {kind.replace('_', '-')} | {size_text(n)} | {auto} | {ratio_text(ratios(g, res['samples'][auto_name]))} "
-                         f"| {best.split('shardflow ')[1]} | {ratio_text(speed[best])} | {med(bus):.2f} | {pct:.0f} % | "
-                         f"{100 * med(bus) / both:.0f} % | ≥ {want:g}×: {verdict(med(speed[best]) >= want)} | "
-                         f"{verdict(pct >= 50)} |")
+            lines.append(
+                f"| {kind.replace('_', '-')} | {size_text(n)} | {auto} | {ratio_text(ratios(g, res['samples'][auto_name]))} "
+                f"| {best.split('shardflow ')[1]} | {ratio_text(speed[best])} | {med(bus):.2f} | {pct:.0f} % | "
+                f"{100 * med(bus) / both:.0f} % | ≥ {want:g}×: {verdict(med(speed[best]) >= want)} | "
+                f"{verdict(pct >= 50)} |"
+            )
     big = [n for n in sorted({m["bytes"] for m in res["meta"].values() if "form" in m}) if n >= 4 * MiB]
     if big:
         rs_ar = [med(ratios(res["samples"][f"{RS_FORMS[2]}@{n}"], res["samples"][f"{AR_FORMS[1]}@{n}"])) for n in big]
         ag_ring = [med(ratios(res["samples"][f"{AG_FORMS[3]}@{n}"], res["samples"][f"{AG_FORMS[1]}@{n}"])) for n in big]
-        lines += ["", f"Why, at ≥ 4 MiB on 2 ranks: gloo's reduce-scatter takes {min(rs_ar):.2f}–{max(rs_ar):.2f}× the time "
-                  f"of gloo's all-reduce of the same tensor (it moves at least the all-reduce's bytes), so the ring, "
-                  f"which sends only the other rank's half, gains about 2×. gloo's all-gather sends the same bytes "
-                  f"as the ring, which takes {1 / max(ag_ring):.2f}–{1 / min(ag_ring):.2f}× its time; both are "
-                  f"limited by moving data through loopback TCP in both directions at once on 2 busy cores (the "
-                  f"both-ways loopback figure). The auto form is the one the cost model's gloo defaults pick; "
-                  f"`shardflow calibrate` measures the machine's own (execution.md)."]
+        lines += [
+            "",
+            f"Why, at ≥ 4 MiB on 2 ranks: gloo's reduce-scatter takes {min(rs_ar):.2f}–{max(rs_ar):.2f}× the time "
+            f"of gloo's all-reduce of the same tensor (it moves at least the all-reduce's bytes), so the ring, "
+            f"which sends only the other rank's half, gains about 2×. gloo's all-gather sends the same bytes "
+            f"as the ring, which takes {1 / max(ag_ring):.2f}–{1 / min(ag_ring):.2f}× its time; both are "
+            f"limited by moving data through loopback TCP in both directions at once on 2 busy cores (the "
+            f"both-ways loopback figure). The auto form is the one the cost model's gloo defaults pick; "
+            f"`shardflow calibrate` measures the machine's own (execution.md).",
+        ]
     chk = res.get("check", {})
     bad = [k for k, v in chk.items() if not v]
-    lines += ["", f"Every form's result was checked on known data before timing: "
-              f"{'all correct' if not bad else 'WRONG: ' + ', '.join(bad)}."]
+    lines += [
+        "",
+        f"Every form's result was checked on known data before timing: "
+        f"{'all correct' if not bad else 'WRONG: ' + ', '.join(bad)}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -402,8 +595,12 @@ def _comm_tables(res: dict, bound: float) -> list[str]:
         kind = {"All-gather": "all_gather", "Reduce-scatter": "reduce_scatter", "All-reduce": "all_reduce"}[title]
         head = "| size | " + " | ".join(f.split(":")[1] for f in forms) + " |"
         extra = " auto form |" if kind != "all_reduce" else ""
-        out += [f"{title}, {d} ranks: bus bandwidth GB/s (time per call, median)", "",
-                head + extra, "|---" * (len(forms) + 1 + bool(extra)) + "|"]
+        out += [
+            f"{title}, {d} ranks: bus bandwidth GB/s (time per call, median)",
+            "",
+            head + extra,
+            "|---" * (len(forms) + 1 + bool(extra)) + "|",
+        ]
         for n in sizes:
             cells = []
             for f in forms:
@@ -416,28 +613,40 @@ def _comm_tables(res: dict, bound: float) -> list[str]:
 
 
 def section_d(res: dict, quick: bool) -> str:
-    lines = ["## Sequence-parallel column linear (d)", "",
-             "x [B, T, C] sharded on T (a trainable leaf, so it has a gradient) → linear to 4C features with the "
-             "weight [4C, C] and bias sharded on dim 0 (column parallel) → tanh → sum; tp=2, float32. The linear "
-             "reads x replicated, so x is all-gathered forward and its gradient reduce-scattered backward. Built "
-             "with `GraphBuilder` + `Annotations` + `build_pcg`, lowered with `LowerOptions(all_gather, "
-             "reduce_scatter)` and run by `DistributedExecutor`; one step = forward + backward + SGD on x, W, b + "
-             "reading the loss. With *ring* or *broadcast loop* the linear is fused into the loop (computed chunk by "
-             "chunk while the next chunk travels), each output chunk written into its block of one buffer stored "
-             "sequence-first, which the tanh, the linear's vjp and the reduce-scatter then read in that layout with "
-             "no copy (docs/lowering.md, §10). *compute only*: each rank's local work of the same step with no "
-             "communication (the whole x already present; torch autograd; no update of x), a floor.", "",
-             machine_line(res, 2), "", TIMING_NOTE, "",
-             f"Reproduce: `python benchmarks/run.py --only d{' --quick' if quick else ''}`.", ""]
+    lines = [
+        "## Sequence-parallel column linear (d)",
+        "",
+        "x [B, T, C] sharded on T (a trainable leaf, so it has a gradient) → linear to 4C features with the "
+        "weight [4C, C] and bias sharded on dim 0 (column parallel) → tanh → sum; tp=2, float32. The linear "
+        "reads x replicated, so x is all-gathered forward and its gradient reduce-scattered backward. Built "
+        "with `GraphBuilder` + `Annotations` + `build_pcg`, lowered with `LowerOptions(all_gather, "
+        "reduce_scatter)` and run by `DistributedExecutor`; one step = forward + backward + SGD on x, W, b + "
+        "reading the loss. With *ring* or *broadcast loop* the linear is fused into the loop (computed chunk by "
+        "chunk while the next chunk travels), each output chunk written into its block of one buffer stored "
+        "sequence-first, which the tanh, the linear's vjp and the reduce-scatter then read in that layout with "
+        "no copy (docs/lowering.md, §10). *compute only*: each rank's local work of the same step with no "
+        "communication (the whole x already present; torch autograd; no update of x), a floor.",
+        "",
+        machine_line(res, 2),
+        "",
+        TIMING_NOTE,
+        "",
+        f"Reproduce: `python benchmarks/run.py --only d{' --quick' if quick else ''}`.",
+        "",
+    ]
     for row in res["rows"]:
         B, T, C = row["shape"]
         s = row["samples"]
         base = s["collective / collective"]
-        lines += [f"B={B}, T={T}, C={C}: x {B * T * C * 4 / MiB:g} MiB (a {B * T * C * 4 / MiB / 2:g} MiB piece per "
-                  f"rank), linear output {B * T * 4 * C * 4 / MiB / 2:g} MiB per rank.", "",
-                  "| all-gather / reduce-scatter form | step median (ms) | min–max (ms) | ÷ collective / collective "
-                  "(per round) | communications per step (kinds) | instructions | kernels / communication / other "
-                  "(ms per step, timers) |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"B={B}, T={T}, C={C}: x {B * T * C * 4 / MiB:g} MiB (a {B * T * C * 4 / MiB / 2:g} MiB piece per "
+            f"rank), linear output {B * T * 4 * C * 4 / MiB / 2:g} MiB per rank.",
+            "",
+            "| all-gather / reduce-scatter form | step median (ms) | min–max (ms) | ÷ collective / collective "
+            "(per round) | communications per step (kinds) | instructions | kernels / communication / other "
+            "(ms per step, timers) |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, xs in s.items():
             prog = row["programs"].get(name)
             info = f"{prog['comms']} ({', '.join(prog['comm_kinds'])}) | {prog['instrs']}" if prog else "0 | –"
@@ -449,23 +658,34 @@ def section_d(res: dict, quick: bool) -> str:
                 split = f"{ms(k)} / {ms(c)} / {ms(b['total_s'] / n - k - c)}"
             else:
                 split = "–"
-            lines.append(f"| {name} | {ms(med(xs))} | {spread_ms(xs)} | {ratio_text(ratios(xs, base))} | {info} | {split} |")
+            lines.append(
+                f"| {name} | {ms(med(xs))} | {spread_ms(xs)} | {ratio_text(ratios(xs, base))} | {info} | {split} |"
+            )
         auto = ", ".join(f"{p} {k}" for p, k in row["auto"])
         best = min((k for k in s if k != "compute only"), key=lambda k: med(s[k]))
-        lines += ["", f"`LowerOptions()` (\"auto\", the cost model's choice) lowers this step to: {auto}. Fastest form "
-                  f"in this run: {best}. Rounds × steps per sample: {row['rounds']} × {row['iters']}.", ""]
+        lines += [
+            "",
+            f'`LowerOptions()` ("auto", the cost model\'s choice) lowers this step to: {auto}. Fastest form '
+            f"in this run: {best}. Rounds × steps per sample: {row['rounds']} × {row['iters']}.",
+            "",
+        ]
         bd = row.get("breakdown", {})
         if "collective / collective" in bd and "ring / collective" in bd:
+
             def kern(name, label):
                 b = bd[name]
                 return sum(v for key, v in b["sum_s"].items() if key.startswith(f"kernel: {label}")) / b["steps"]
-            lines += [f"Backward linear kernel (`BWD vjp[linear]`, timers): {ms(kern('collective / collective', 'BWD vjp[linear'))} "
-                      f"ms with the plain all-gather, {ms(kern('ring / collective', 'BWD vjp[linear'))} ms after the "
-                      f"fused ring (forward chunks: {ms(kern('ring / collective', 'FWD linear'))} ms vs "
-                      f"{ms(kern('collective / collective', 'FWD linear'))} ms). Both run the hand-written linear "
-                      f"vjp (`runtime/vjp.py`: dx = dy·W, dW = dyᵀ·x, db = Σ dy), which reads the forward's inputs "
-                      f"and no autograd graph, so the chunked forward of the fused ring costs its backward no "
-                      f"recomputation (every op a ring fuses — linear, matmul — has one).", ""]
+
+            lines += [
+                f"Backward linear kernel (`BWD vjp[linear]`, timers): {ms(kern('collective / collective', 'BWD vjp[linear'))} "
+                f"ms with the plain all-gather, {ms(kern('ring / collective', 'BWD vjp[linear'))} ms after the "
+                f"fused ring (forward chunks: {ms(kern('ring / collective', 'FWD linear'))} ms vs "
+                f"{ms(kern('collective / collective', 'FWD linear'))} ms). Both run the hand-written linear "
+                f"vjp (`runtime/vjp.py`: dx = dy·W, dW = dyᵀ·x, db = Σ dy), which reads the forward's inputs "
+                f"and no autograd graph, so the chunked forward of the fused ring costs its backward no "
+                f"recomputation (every op a ring fuses — linear, matmul — has one).",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -473,52 +693,72 @@ def section_e(res: dict, quick: bool) -> str:
     mem = res["memory"]
     one, tp = mem["state_one"], mem["state_tp"]
     d = res["world"]
-    lines = ["## Per-rank memory (e)", "",
-             f"The default model of (b) (the Llama, {res['model']['params']:,} parameters, AdamW: two state tensors per weight), "
-             f"float32. Parameters + gradients + optimizer state: this rank's pieces, from the plan (the executor keeps "
-             f"the gradients the update read, so they are live between steps); the measured buffers agree "
-             f"({mem['state_tp_measured']:,} B on rank 0). Peak: `DistributedExecutor.peak_bytes` (largest sum of "
-             f"the rank's live buffers during a step: the above plus activations and communication buffers); one "
-             f"device: `LocalExecutor` on a 1-device mesh.", "",
-             machine_line(res, 2), "",
-             "| bytes | one device | tp=2, per rank | per rank ÷ (one device / 2) |", "|---|---|---|---|"]
+    lines = [
+        "## Per-rank memory (e)",
+        "",
+        f"The default model of (b) (the Llama, {res['model']['params']:,} parameters, AdamW: two state tensors per weight), "
+        f"float32. Parameters + gradients + optimizer state: this rank's pieces, from the plan (the executor keeps "
+        f"the gradients the update read, so they are live between steps); the measured buffers agree "
+        f"({mem['state_tp_measured']:,} B on rank 0). Peak: `DistributedExecutor.peak_bytes` (largest sum of "
+        f"the rank's live buffers during a step: the above plus activations and communication buffers); one "
+        f"device: `LocalExecutor` on a 1-device mesh.",
+        "",
+        machine_line(res, 2),
+        "",
+        "| bytes | one device | tp=2, per rank | per rank ÷ (one device / 2) |",
+        "|---|---|---|---|",
+    ]
     for k in ("params", "grads", "optimizer"):
         lines.append(f"| {k} | {one[k]:,} | {tp[k]:,} | {tp[k] / (one[k] / d):.3f} |")
     s1, st = sum(one.values()), sum(tp.values())
     lines.append(f"| **params + grads + optimizer** | {s1:,} | {st:,} | **{st / (s1 / d):.3f}** |")
     peak_tp = max(mem["peak_tp_per_rank"])
-    lines.append(f"| peak (all live buffers) | {mem['peak_one']:,} | {peak_tp:,} (ranks: "
-                 f"{', '.join(f'{x:,}' for x in mem['peak_tp_per_rank'])}) | {peak_tp / (mem['peak_one'] / d):.3f} |")
+    lines.append(
+        f"| peak (all live buffers) | {mem['peak_one']:,} | {peak_tp:,} (ranks: "
+        f"{', '.join(f'{x:,}' for x in mem['peak_tp_per_rank'])}) | {peak_tp / (mem['peak_one'] / d):.3f} |"
+    )
     if "peak_dp" in res:
         dp = res["state_dp"]
-        lines.append(f"| dp=2 for comparison: params + grads + optimizer / peak | | {sum(dp.values()):,} / "
-                     f"{res['peak_dp']:,} | {sum(dp.values()) / (s1 / d):.3f} / {res['peak_dp'] / (mem['peak_one'] / d):.3f} |")
+        lines.append(
+            f"| dp=2 for comparison: params + grads + optimizer / peak | | {sum(dp.values()):,} / "
+            f"{res['peak_dp']:,} | {sum(dp.values()) / (s1 / d):.3f} / {res['peak_dp'] / (mem['peak_one'] / d):.3f} |"
+        )
     ratio = st / (s1 / d)
     rep = st - s1 / d
-    lines += ["", f"Target: parameters + gradients + optimizer state per rank ≤ 1.1 × (one device / tp): {ratio:.3f} — "
-              f"{verdict(ratio <= 1.1)}. What the tp preset leaves replicated (the token embedding, the norms, the "
-              f"output head: vocabulary × width each, large next to this model's 2 small blocks) is on every rank: "
-              f"{rep:,.0f} B per rank above an even split; sharding the embedding and the head along the vocabulary "
-              f"(Megatron's vocab-parallel embedding and cross-entropy) would remove most of it."]
+    lines += [
+        "",
+        f"Target: parameters + gradients + optimizer state per rank ≤ 1.1 × (one device / tp): {ratio:.3f} — "
+        f"{verdict(ratio <= 1.1)}. What the tp preset leaves replicated (the token embedding, the norms, the "
+        f"output head: vocabulary × width each, large next to this model's 2 small blocks) is on every rank: "
+        f"{rep:,.0f} B per rank above an even split; sharding the embedding and the head along the vocabulary "
+        f"(Megatron's vocab-parallel embedding and cross-entropy) would remove most of it.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def section_f(res: dict, quick: bool) -> str:
     ranks = res["ranks"]
-    lines = ["## Checkpoint save memory (f)", "",
-             f"The default model of `shardflow train` (`TrainConfig` defaults: {res['model_params']:,} parameters, "
-             f"AdamW, float32) under tp=2 on 2 processes, "
-             f"saved after 2 steps. *sharded*: `checkpoint.Saver`, as `shardflow train` saves — each rank hands DCP "
-             f"replica 0 of the pieces it holds. *full*: the format before sharded checkpoints — every rank gathers "
-             f"the full weights and optimizer state (the executor's collective `weights()` / `state()`) and hands "
-             f"them to `dcp.save`. Each variant saved once to warm up, then measured on its second save: the peak of "
-             f"the bytes torch's CPU allocator holds beyond those live before the save (torch.profiler's memory "
-             f"events) and the peak of Python's heap (tracemalloc: DCP's plans and metadata); their sum bounds the "
-             f"extra memory of the save from above. The rank's state: its pieces of the weights and optimizer state "
-             f"(what a save writes at most).", "",
-             machine_line(res, 2), "", "Reproduce: `python benchmarks/run.py --only f`.", "",
-             "| rank | state (B) | save | tensors (B) | Python heap (B) | extra ÷ state | its .distcp file (B) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Checkpoint save memory (f)",
+        "",
+        f"The default model of `shardflow train` (`TrainConfig` defaults: {res['model_params']:,} parameters, "
+        f"AdamW, float32) under tp=2 on 2 processes, "
+        f"saved after 2 steps. *sharded*: `checkpoint.Saver`, as `shardflow train` saves — each rank hands DCP "
+        f"replica 0 of the pieces it holds. *full*: the format before sharded checkpoints — every rank gathers "
+        f"the full weights and optimizer state (the executor's collective `weights()` / `state()`) and hands "
+        f"them to `dcp.save`. Each variant saved once to warm up, then measured on its second save: the peak of "
+        f"the bytes torch's CPU allocator holds beyond those live before the save (torch.profiler's memory "
+        f"events) and the peak of Python's heap (tracemalloc: DCP's plans and metadata); their sum bounds the "
+        f"extra memory of the save from above. The rank's state: its pieces of the weights and optimizer state "
+        f"(what a save writes at most).",
+        "",
+        machine_line(res, 2),
+        "",
+        "Reproduce: `python benchmarks/run.py --only f`.",
+        "",
+        "| rank | state (B) | save | tensors (B) | Python heap (B) | extra ÷ state | its .distcp file (B) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     worst = 0.0
     for r, x in enumerate(ranks):
         state = x["state"]["params"] + x["state"]["optimizer"]
@@ -529,13 +769,16 @@ def section_f(res: dict, quick: bool) -> str:
                 worst = max(worst, ratio)
             size = x["files"][name].get(f"__{r}_0.distcp", 0)
             lines.append(f"| {r} | {state:,} | {name} | {m['tensors']:,} | {m['python']:,} | {ratio:.3f} | {size:,} |")
-    lines += ["", f"Target: the extra memory of a save per rank ≤ 1.1 × the rank's state: {worst:.3f} at most — "
-              f"{verdict(worst <= 1.1)}. The sharded save allocates no tensor of a piece's size: it writes the "
-              f"executor's buffers as they are, and checks them for NaN and inf from each piece's minimum and maximum "
-              f"(`isfinite` would make temporaries of 1.75 × the largest piece); what it allocates is DCP's own "
-              f"bookkeeping (its plans, exchanged between the ranks as pickled tensors, and its metadata) and the "
-              f"256 KiB buffer each file's sha256 is read through — per entry and per file, not per byte. The full "
-              f"save holds every tensor whole on every rank (gathered by an all-reduce each)."]
+    lines += [
+        "",
+        f"Target: the extra memory of a save per rank ≤ 1.1 × the rank's state: {worst:.3f} at most — "
+        f"{verdict(worst <= 1.1)}. The sharded save allocates no tensor of a piece's size: it writes the "
+        f"executor's buffers as they are, and checks them for NaN and inf from each piece's minimum and maximum "
+        f"(`isfinite` would make temporaries of 1.75 × the largest piece); what it allocates is DCP's own "
+        f"bookkeeping (its plans, exchanged between the ranks as pickled tensors, and its metadata) and the "
+        f"256 KiB buffer each file's sha256 is read through — per entry and per file, not per byte. The full "
+        f"save holds every tensor whole on every rank (gathered by an all-reduce each).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -544,29 +787,41 @@ def section_g(res: dict, quick: bool) -> str:
     per_dev = {k: n / med(v) / res["world"] for k, v in st.items()}
     rs = ratios(st["fsdp2"], st["shardflow_fsdp"])  # FSDP2's step time ÷ shardflow's = shardflow's tokens/s ÷ FSDP2's
     losses = res["losses"]
-    lines = ["## FSDP against PyTorch FSDP2 (g)", "",
-             f"`python benchmarks/run.py --only g`: the training job's default model (the Llama, {res['params']:,} "
-             f"parameters; `shardflow train`'s batch of {n:,} tokens per step, AdamW, float32) on 2 gloo ranks. "
-             f"shardflow: `setup(--strategy fsdp)` → `lower_step` for the rank with the run's options (weights "
-             f"`Shard(0)` on `fsdp`, gathered before each use, gathered again for the backward, gradients "
-             f"reduce-scattered) → `DistributedExecutor` ({res['program']['instrs']} instructions, "
-             f"{res['program']['comms']} communications per step on rank 0). FSDP2: the same model and weights, "
-             f"`fully_shard` on each decoder layer and on the root (`reshard_after_forward=True`), "
-             f"`torch.optim.AdamW`, each rank on its half of the batch. {res['rounds']} interleaved rounds of "
-             f"{res['iters']} steps.", "",
-             machine_line(res, 2), "", TIMING_NOTE, "",
-             "| variant | step (ms, median) | range | tokens/s per device |", "|---|---|---|---|"]
+    lines = [
+        "## FSDP against PyTorch FSDP2 (g)",
+        "",
+        f"`python benchmarks/run.py --only g`: the training job's default model (the Llama, {res['params']:,} "
+        f"parameters; `shardflow train`'s batch of {n:,} tokens per step, AdamW, float32) on 2 gloo ranks. "
+        f"shardflow: `setup(--strategy fsdp)` → `lower_step` for the rank with the run's options (weights "
+        f"`Shard(0)` on `fsdp`, gathered before each use, gathered again for the backward, gradients "
+        f"reduce-scattered) → `DistributedExecutor` ({res['program']['instrs']} instructions, "
+        f"{res['program']['comms']} communications per step on rank 0). FSDP2: the same model and weights, "
+        f"`fully_shard` on each decoder layer and on the root (`reshard_after_forward=True`), "
+        f"`torch.optim.AdamW`, each rank on its half of the batch. {res['rounds']} interleaved rounds of "
+        f"{res['iters']} steps.",
+        "",
+        machine_line(res, 2),
+        "",
+        TIMING_NOTE,
+        "",
+        "| variant | step (ms, median) | range | tokens/s per device |",
+        "|---|---|---|---|",
+    ]
     for k, label in (("shardflow_fsdp", "shardflow fsdp=2"), ("fsdp2", "PyTorch FSDP2 (`fully_shard`)")):
         lines.append(f"| {label} | {ms(med(st[k]))} | {spread_ms(st[k])} | {per_dev[k]:,.0f} |")
     share = res["comm_share"]
-    lines += ["", f"shardflow ÷ FSDP2 tokens/s, per round: {ratio_text(rs)}, target ≥ 1.0: {verdict(med(rs) >= 1.0)}. "
-              f"Where shardflow's step goes (rank 0, its tracer, 5 steps): {share['comm_ms']:.1f} ms of "
-              f"{share['step_ms']:.1f} ms in its {res['program']['comms']} communications (issue + wait, so "
-              f"including the wait for the other rank); both gather and reduce-scatter one flat buffer per decoder "
-              f"layer and one for the rest of the weights (shardflow: gather and scatter buckets per block). "
-              f"First two losses (FSDP2: rank 0's half batch, so it differs): shardflow "
-              f"{losses['shardflow_fsdp'][0]:.6f}/{losses['shardflow_fsdp'][1]:.6f}, FSDP2 "
-              f"{losses['fsdp2'][0]:.6f}/{losses['fsdp2'][1]:.6f}.", ""]
+    lines += [
+        "",
+        f"shardflow ÷ FSDP2 tokens/s, per round: {ratio_text(rs)}, target ≥ 1.0: {verdict(med(rs) >= 1.0)}. "
+        f"Where shardflow's step goes (rank 0, its tracer, 5 steps): {share['comm_ms']:.1f} ms of "
+        f"{share['step_ms']:.1f} ms in its {res['program']['comms']} communications (issue + wait, so "
+        f"including the wait for the other rank); both gather and reduce-scatter one flat buffer per decoder "
+        f"layer and one for the rest of the weights (shardflow: gather and scatter buckets per block). "
+        f"First two losses (FSDP2: rank 0's half batch, so it differs): shardflow "
+        f"{losses['shardflow_fsdp'][0]:.6f}/{losses['shardflow_fsdp'][1]:.6f}, FSDP2 "
+        f"{losses['fsdp2'][0]:.6f}/{losses['fsdp2'][1]:.6f}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -574,98 +829,147 @@ def section_q(res: dict, quick: bool) -> str:
     st, m = res["samples"], res["model"]
     p, M = len(res["blocked"]), m["microbatches"]
     tokens = m["batch"]  # rows per step
-    rs = ratios(st["torch_1f1b"], st["shardflow_1f1b"])  # torch's step time ÷ shardflow's = shardflow's rows/s ÷ torch's
+    rs = ratios(
+        st["torch_1f1b"], st["shardflow_1f1b"]
+    )  # torch's step time ÷ shardflow's = shardflow's rows/s ÷ torch's
     rg = ratios(st["torch_gpipe"], st["shardflow_gpipe"])
     ri = ratios(st["torch_interleaved"], st["shardflow_interleaved"])
     ideal = (p - 1) / (M + p - 1)
-    labels = {"shardflow_1f1b": "shardflow `--microbatches 8 --schedule 1f1b`",
-              "shardflow_gpipe": "shardflow `--microbatches 8 --schedule gpipe`",
-              "shardflow_interleaved": "shardflow `--microbatches 8 --schedule interleaved --stages-per-rank 2`",
-              "torch_1f1b": "torch.distributed.pipelining `Schedule1F1B`",
-              "torch_gpipe": "torch.distributed.pipelining `ScheduleGPipe`",
-              "torch_interleaved": "torch.distributed.pipelining `ScheduleInterleaved1F1B` (2 chunks per rank)"}
-    lines = ["## Pipeline schedules against torch.distributed.pipelining (q)", "",
-             f"`python benchmarks/run.py --only q`: shardflow's MLP ({m['layers']} linear layers {m['width']} → "
-             f"{m['width']}, ReLU between, cross-entropy; {res['params']:,} parameters) cut by the `pp` preset into "
-             f"{p} stages of {m['layers'] // p} layers, a batch of {m['batch']} rows as {M} microbatches of "
-             f"{m['batch'] // M}, SGD, float32, on {p} gloo ranks. shardflow: the plan lowered with "
-             f"`LowerOptions(microbatches={M}, schedule=...)` → `DistributedExecutor` (1F1B: "
-             f"{res['programs']['1f1b']['instrs']} instructions, {res['programs']['1f1b']['comms']} communications "
-             f"on rank 0). PyTorch: the same stages (`nn.Sequential` of the same layers and weights) in "
-             f"`PipelineStage`, the same loss, `torch.optim.SGD` per stage. {res['rounds']} interleaved rounds of "
-             f"{res['iters']} steps.", "", machine_line(res, p), "", TIMING_NOTE, "",
-             "| variant | step (ms, median) | range | rows/s |", "|---|---|---|---|"]
+    labels = {
+        "shardflow_1f1b": "shardflow `--microbatches 8 --schedule 1f1b`",
+        "shardflow_gpipe": "shardflow `--microbatches 8 --schedule gpipe`",
+        "shardflow_interleaved": "shardflow `--microbatches 8 --schedule interleaved --stages-per-rank 2`",
+        "torch_1f1b": "torch.distributed.pipelining `Schedule1F1B`",
+        "torch_gpipe": "torch.distributed.pipelining `ScheduleGPipe`",
+        "torch_interleaved": "torch.distributed.pipelining `ScheduleInterleaved1F1B` (2 chunks per rank)",
+    }
+    lines = [
+        "## Pipeline schedules against torch.distributed.pipelining (q)",
+        "",
+        f"`python benchmarks/run.py --only q`: shardflow's MLP ({m['layers']} linear layers {m['width']} → "
+        f"{m['width']}, ReLU between, cross-entropy; {res['params']:,} parameters) cut by the `pp` preset into "
+        f"{p} stages of {m['layers'] // p} layers, a batch of {m['batch']} rows as {M} microbatches of "
+        f"{m['batch'] // M}, SGD, float32, on {p} gloo ranks. shardflow: the plan lowered with "
+        f"`LowerOptions(microbatches={M}, schedule=...)` → `DistributedExecutor` (1F1B: "
+        f"{res['programs']['1f1b']['instrs']} instructions, {res['programs']['1f1b']['comms']} communications "
+        f"on rank 0). PyTorch: the same stages (`nn.Sequential` of the same layers and weights) in "
+        f"`PipelineStage`, the same loss, `torch.optim.SGD` per stage. {res['rounds']} interleaved rounds of "
+        f"{res['iters']} steps.",
+        "",
+        machine_line(res, p),
+        "",
+        TIMING_NOTE,
+        "",
+        "| variant | step (ms, median) | range | rows/s |",
+        "|---|---|---|---|",
+    ]
     for k, label in labels.items():
         lines.append(f"| {label} | {ms(med(st[k]))} | {spread_ms(st[k])} | {tokens / med(st[k]):,.0f} |")
-    lines += ["", f"shardflow ÷ PyTorch rows/s per round, 1F1B: {ratio_text(rs)} (target ≥ 1.0: "
-              f"{verdict(med(rs) >= 1.0)}); GPipe: {ratio_text(rg)}; interleaved: {ratio_text(ri)}. First two losses: "
-              + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in res["losses"].items()) + ".", "",
-              f"**Measured bubble.** Each shardflow stage's time blocked on the other stage (waits and blocking "
-              f"communications, its tracer's communication lane) over {res['traced_steps']} traced steps, as a share "
-              f"of the step, against the ideal (p−1)/(m+p−1) = {ideal:.3f} (forwards and backwards of equal length "
-              f"on every stage):", "",
-              "| schedule | stage | step (ms) | computing (ms) | blocked (ms) | blocked ÷ step |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"shardflow ÷ PyTorch rows/s per round, 1F1B: {ratio_text(rs)} (target ≥ 1.0: "
+        f"{verdict(med(rs) >= 1.0)}); GPipe: {ratio_text(rg)}; interleaved: {ratio_text(ri)}. First two losses: "
+        + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in res["losses"].items())
+        + ".",
+        "",
+        f"**Measured bubble.** Each shardflow stage's time blocked on the other stage (waits and blocking "
+        f"communications, its tracer's communication lane) over {res['traced_steps']} traced steps, as a share "
+        f"of the step, against the ideal (p−1)/(m+p−1) = {ideal:.3f} (forwards and backwards of equal length "
+        f"on every stage):",
+        "",
+        "| schedule | stage | step (ms) | computing (ms) | blocked (ms) | blocked ÷ step |",
+        "|---|---|---|---|---|---|",
+    ]
     shares = {}
     for kind in ("1f1b", "gpipe", "interleaved"):
         for s, b in enumerate(res["blocked"]):
             x = b[kind]
             shares.setdefault(kind, []).append(x["blocked_s"] / x["step_s"])
-            lines.append(f"| {kind} | {s} | {x['step_s'] * 1e3:.1f} | {x['compute_s'] * 1e3:.1f} | "
-                         f"{x['blocked_s'] * 1e3:.1f} | {shares[kind][-1]:.3f} |")
+            lines.append(
+                f"| {kind} | {s} | {x['step_s'] * 1e3:.1f} | {x['compute_s'] * 1e3:.1f} | "
+                f"{x['blocked_s'] * 1e3:.1f} | {shares[kind][-1]:.3f} |"
+            )
     mean = sum(shares["1f1b"]) / p
     inter = sum(shares["interleaved"]) / p
     ideal_i = (p - 1) / (2 * M + p - 1)
-    lines += ["", f"1F1B: mean blocked share over the stages {mean:.3f} against {ideal:.3f} "
-              f"({(mean - ideal) / ideal:+.0%}; target within 20 %: {verdict(abs(mean - ideal) <= 0.2 * ideal)}); "
-              f"interleaved (V = 2): {inter:.3f} against (p−1)/(V·m+p−1) = {ideal_i:.3f}. "
-              f"The step is also longer than the computing and blocked time by the executor's own work between "
-              f"kernels (traced steps record every compute, which adds to it). What moves the blocked share off the "
-              f"formula, which counts whole forwards and backwards of equal length: upwards, the stages are not "
-              f"equal — the last computes one more matmul per microbatch (the input gradient of its first layer, "
-              f"which stage 0 skips for the data) and the loss, so stage 0 waits for it, which counts as blocked — "
-              f"and each microbatch's forward and gradient cross between the stages on the critical path, two gloo "
-              f"transfers whose latency the formula leaves out; downwards, a stage sends its gradient before it "
-              f"computes its weight gradients (lowering.md §15), so the stage before waits for part of a backward, "
-              f"not all of it. The interleaved schedule halves the ideal bubble but doubles the crossings; on this "
-              f"machine that costs more than it saves, for PyTorch's schedule as for shardflow's.", ""]
+    lines += [
+        "",
+        f"1F1B: mean blocked share over the stages {mean:.3f} against {ideal:.3f} "
+        f"({(mean - ideal) / ideal:+.0%}; target within 20 %: {verdict(abs(mean - ideal) <= 0.2 * ideal)}); "
+        f"interleaved (V = 2): {inter:.3f} against (p−1)/(V·m+p−1) = {ideal_i:.3f}. "
+        f"The step is also longer than the computing and blocked time by the executor's own work between "
+        f"kernels (traced steps record every compute, which adds to it). What moves the blocked share off the "
+        f"formula, which counts whole forwards and backwards of equal length: upwards, the stages are not "
+        f"equal — the last computes one more matmul per microbatch (the input gradient of its first layer, "
+        f"which stage 0 skips for the data) and the loss, so stage 0 waits for it, which counts as blocked — "
+        f"and each microbatch's forward and gradient cross between the stages on the critical path, two gloo "
+        f"transfers whose latency the formula leaves out; downwards, a stage sends its gradient before it "
+        f"computes its weight gradients (lowering.md §15), so the stage before waits for part of a backward, "
+        f"not all of it. The interleaved schedule halves the ideal bubble but doubles the crossings; on this "
+        f"machine that costs more than it saves, for PyTorch's schedule as for shardflow's.",
+        "",
+    ]
     if "peaks" in res:
         act = res["activation_bytes"]
-        lines += ["**Activation memory per stage.** Each stage's peak of live buffers during a step (the local "
-                  "executor's ledger: weights, gradients, activations, communication buffers), MiB; one "
-                  f"microbatch's hidden activation is {act / 2**20:.2f} MiB:", "",
-                  "| stage | 1F1B peak | GPipe peak | GPipe − 1F1B (microbatch activations) |", "|---|---|---|---|"]
+        lines += [
+            "**Activation memory per stage.** Each stage's peak of live buffers during a step (the local "
+            "executor's ledger: weights, gradients, activations, communication buffers), MiB; one "
+            f"microbatch's hidden activation is {act / 2**20:.2f} MiB:",
+            "",
+            "| stage | 1F1B peak | GPipe peak | GPipe − 1F1B (microbatch activations) |",
+            "|---|---|---|---|",
+        ]
         for s in sorted(res["peaks"]["1f1b"], key=int):
             a, g = res["peaks"]["1f1b"][s], res["peaks"]["gpipe"][s]
             lines.append(f"| {s} | {a / 2**20:.2f} | {g / 2**20:.2f} | {(g - a) / 2**20:.2f} ({(g - a) / act:.1f}) |")
-        lines += ["", "1F1B ≤ GPipe on every stage: " + verdict(all(
-            res["peaks"]["1f1b"][s] <= res["peaks"]["gpipe"][s] for s in res["peaks"]["1f1b"])) + ".", ""]
+        lines += [
+            "",
+            "1F1B ≤ GPipe on every stage: "
+            + verdict(all(res["peaks"]["1f1b"][s] <= res["peaks"]["gpipe"][s] for s in res["peaks"]["1f1b"]))
+            + ".",
+            "",
+        ]
     return "\n".join(lines)
 
 
 def section_t(res: dict, quick: bool) -> str:
     p, s = res["params"], res["samples"]
-    lines = ["## Chunked forward all-reduce (t)", "",
-             f"The forward of a tensor-parallel block of the main job's Llama under tp=2 (batch 16 × 64 = "
-             f"{p['tokens']} tokens): the row-parallel o_proj (each rank's {p['k'] // 2} of its {p['k']} input "
-             f"features → {p['n']}), the all-reduce of its partial sum ({p['tokens'] * p['n'] * 4 // 1024} KiB), and "
-             f"the gate projection that reads the sum ({p['n']} → {p['m']}), float32. *whole*: the all-reduce waited "
-             f"at once, as shardflow's tp, the hand-written Megatron version and DTensor do (the next op reads the "
-             f"sum). *chunks=c*: the tokens cut in c chunks, each chunk's all-reduce issued without waiting after its "
-             f"matmul and waited before the gate projection reads it, so it travels while the later chunks compute "
-             f"(the decomposition of async tensor parallelism). Not built in shardflow: this measures whether it "
-             f"would pay on this machine. Largest difference from *whole*'s output: {res['worst']:.1e}.", "",
-             machine_line(res, 2), "", "Reproduce: `python benchmarks/run.py --only t`.", "",
-             "| variant | time per block (ms) | min–max (ms) | ÷ whole (per round) |", "|---|---|---|---|"]
+    lines = [
+        "## Chunked forward all-reduce (t)",
+        "",
+        f"The forward of a tensor-parallel block of the main job's Llama under tp=2 (batch 16 × 64 = "
+        f"{p['tokens']} tokens): the row-parallel o_proj (each rank's {p['k'] // 2} of its {p['k']} input "
+        f"features → {p['n']}), the all-reduce of its partial sum ({p['tokens'] * p['n'] * 4 // 1024} KiB), and "
+        f"the gate projection that reads the sum ({p['n']} → {p['m']}), float32. *whole*: the all-reduce waited "
+        f"at once, as shardflow's tp, the hand-written Megatron version and DTensor do (the next op reads the "
+        f"sum). *chunks=c*: the tokens cut in c chunks, each chunk's all-reduce issued without waiting after its "
+        f"matmul and waited before the gate projection reads it, so it travels while the later chunks compute "
+        f"(the decomposition of async tensor parallelism). Not built in shardflow: this measures whether it "
+        f"would pay on this machine. Largest difference from *whole*'s output: {res['worst']:.1e}.",
+        "",
+        machine_line(res, 2),
+        "",
+        "Reproduce: `python benchmarks/run.py --only t`.",
+        "",
+        "| variant | time per block (ms) | min–max (ms) | ÷ whole (per round) |",
+        "|---|---|---|---|",
+    ]
     for name, xs in s.items():
         r = ratio_text(ratios(xs, s["whole"])) if name != "whole" else "1"
         lines.append(f"| {name} | {ms(med(xs))} | {spread_ms(xs)} | {r} |")
     best = min((k for k in s if k != "whole"), key=lambda k: med(ratios(s[k], s["whole"])))
-    lines += ["", f"Rounds × blocks per sample: {p['rounds']} × {p['iters']}. "
-              + ("Cutting does not pay here: every extra gloo call costs its rendezvous of both ranks (about a "
-                 "millisecond, (c)), more than the compute it could hide, and gloo's reduction competes with the "
-                 "ranks' matmuls for the 2 cores. On NCCL the collective runs on its own stream and the trade "
-                 "differs (issue #15's GPU machine)." if med(ratios(s[best], s["whole"])) >= 1.0 else
-                 f"The best cut, {best}, is faster than waiting at once: worth building into the lowering.")]
+    lines += [
+        "",
+        f"Rounds × blocks per sample: {p['rounds']} × {p['iters']}. "
+        + (
+            "Cutting does not pay here: every extra gloo call costs its rendezvous of both ranks (about a "
+            "millisecond, (c)), more than the compute it could hide, and gloo's reduction competes with the "
+            "ranks' matmuls for the 2 cores. On NCCL the collective runs on its own stream and the trade "
+            "differs (issue #15's GPU machine)."
+            if med(ratios(s[best], s["whole"])) >= 1.0
+            else f"The best cut, {best}, is faster than waiting at once: worth building into the lowering."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -682,50 +986,74 @@ def section_p(res: dict, quick: bool) -> str:
     main, tiny = res["main"], next(v for k, v in res.items() if k.startswith("h") and isinstance(v, dict))
     h, th = main["h"], tiny["h"]
     instrs = main["program"]["instrs"]
-    lines = [f"## Profile: one shardflow tp=2 step of (a), h={h} (p)", "",
-             f"Rank 0 of the (a) MLP (batch {res['batch']}) under tp=2; the rank's program has {instrs} instructions "
-             f"({main['program']['computes']} computes, {main['program']['comms']} communication). The same model at "
-             f"h={th} shows the cost that does not depend on tensor sizes (its torch ops take microseconds).", "",
-             machine_line(res, 2), "", f"Reproduce: `python benchmarks/run.py --only p{' --quick' if quick else ''}`.", "",
-             "Step time, shardflow and hand-written interleaved in this session:", "",
-             "| h | shardflow (ms) | hand-written (ms) | shardflow ÷ hand (per round) | difference per step (medians) |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"## Profile: one shardflow tp=2 step of (a), h={h} (p)",
+        "",
+        f"Rank 0 of the (a) MLP (batch {res['batch']}) under tp=2; the rank's program has {instrs} instructions "
+        f"({main['program']['computes']} computes, {main['program']['comms']} communication). The same model at "
+        f"h={th} shows the cost that does not depend on tensor sizes (its torch ops take microseconds).",
+        "",
+        machine_line(res, 2),
+        "",
+        f"Reproduce: `python benchmarks/run.py --only p{' --quick' if quick else ''}`.",
+        "",
+        "Step time, shardflow and hand-written interleaved in this session:",
+        "",
+        "| h | shardflow (ms) | hand-written (ms) | shardflow ÷ hand (per round) | difference per step (medians) |",
+        "|---|---|---|---|---|",
+    ]
     for r in (main, tiny):
         sf, hd = r["samples"]["shardflow"], r["samples"]["hand"]
         extra = med(sf) - med(hd)
         per = f" = {extra / instrs * 1e6:.0f} µs × {instrs} instructions" if r is tiny else ""
-        lines.append(f"| {r['h']} | {ms(med(sf))} ({spread_ms(sf)}) | {ms(med(hd))} ({spread_ms(hd)}) | "
-                     f"{ratio_text(ratios(sf, hd))} | {ms(extra)} ms{per} |")
+        lines.append(
+            f"| {r['h']} | {ms(med(sf))} ({spread_ms(sf)}) | {ms(med(hd))} ({spread_ms(hd)}) | "
+            f"{ratio_text(ratios(sf, hd))} | {ms(extra)} ms{per} |"
+        )
     t, tt = main["timers"], tiny["timers"]
     total, ttotal = t["total_s"] / t["steps"], tt["total_s"] / tt["steps"]
     parts = {k: v / t["steps"] for k, v in t["sum_s"].items()}
     tparts = {k: v / tt["steps"] for k, v in tt["sum_s"].items()}
     loop, tloop = total - sum(parts.values()), ttotal - sum(tparts.values())
-    lines += ["", f"**1. Timers**: `time.perf_counter` around each kernel call (by instruction), `_communicate`, `_put` and "
-              f"`_get` of the executor ({t['steps']} steps at h={h}: {ms(total)} ms per step; {tt['steps']} at "
-              f"h={th}: {ttotal * 1e6:.0f} µs per step). A collective's time includes waiting for the other rank to "
-              f"reach it.", "",
-              f"| part | h={h}: ms per step | share | h={th}: µs per step | calls per step |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"**1. Timers**: `time.perf_counter` around each kernel call (by instruction), `_communicate`, `_put` and "
+        f"`_get` of the executor ({t['steps']} steps at h={h}: {ms(total)} ms per step; {tt['steps']} at "
+        f"h={th}: {ttotal * 1e6:.0f} µs per step). A collective's time includes waiting for the other rank to "
+        f"reach it.",
+        "",
+        f"| part | h={h}: ms per step | share | h={th}: µs per step | calls per step |",
+        "|---|---|---|---|---|",
+    ]
     for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {k} | {ms(v)} | {100 * v / total:.0f} % | {tparts.get(k, 0) * 1e6:.0f} | "
-                     f"{t['calls'][k] / t['steps']:g} |")
-    lines.append(f"| executor loop between instructions (remainder: frees, ledger, dict traffic, tensor deallocation) "
-                 f"| {ms(loop)} | {100 * loop / total:.0f} % | {tloop * 1e6:.0f} | – |")
+        lines.append(
+            f"| {k} | {ms(v)} | {100 * v / total:.0f} % | {tparts.get(k, 0) * 1e6:.0f} | "
+            f"{t['calls'][k] / t['steps']:g} |"
+        )
+    lines.append(
+        f"| executor loop between instructions (remainder: frees, ledger, dict traffic, tensor deallocation) "
+        f"| {ms(loop)} | {100 * loop / total:.0f} % | {tloop * 1e6:.0f} | – |"
+    )
     sf, hd = main["aten"].get("shardflow"), main["aten"].get("hand")
     if sf and hd:
         wall, aten, comm, rest = _outside(sf, instrs)
         twall, taten, tcomm, trest = _outside(tiny["aten"]["shardflow"], instrs)
-        lines += ["", f"**2. Outside torch ops**: torch.profiler (ATen ops' self CPU time) with timers on the "
-                  f"communication calls in the same run. h={h}: {ms(wall)} ms per step = {ms(aten)} ATen + {ms(comm)} "
-                  f"communication calls + {ms(rest)} other (Python: executor, kernel wrappers, autograd glue); "
-                  f"h={th}: {twall * 1e6:.0f} µs = {taten * 1e6:.0f} ATen + {tcomm * 1e6:.0f} communication + "
-                  f"{trest * 1e6:.0f} other, i.e. **≈ {trest / instrs * 1e6:.0f} µs per instruction outside torch ops** "
-                  f"({instrs} instructions; at h={h} {rest / instrs * 1e6:.0f} µs, which includes the profiler's own "
-                  f"cost and scheduling noise).", "",
-                  f"ATen ops at h={h} ({sf['steps']} steps each; single runs, not interleaved: compare calls and the "
-                  f"large differences):", "",
-                  "| ATen op | shardflow calls/step | shardflow ms/step | hand-written calls/step | hand-written ms/step |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"**2. Outside torch ops**: torch.profiler (ATen ops' self CPU time) with timers on the "
+            f"communication calls in the same run. h={h}: {ms(wall)} ms per step = {ms(aten)} ATen + {ms(comm)} "
+            f"communication calls + {ms(rest)} other (Python: executor, kernel wrappers, autograd glue); "
+            f"h={th}: {twall * 1e6:.0f} µs = {taten * 1e6:.0f} ATen + {tcomm * 1e6:.0f} communication + "
+            f"{trest * 1e6:.0f} other, i.e. **≈ {trest / instrs * 1e6:.0f} µs per instruction outside torch ops** "
+            f"({instrs} instructions; at h={h} {rest / instrs * 1e6:.0f} µs, which includes the profiler's own "
+            f"cost and scheduling noise).",
+            "",
+            f"ATen ops at h={h} ({sf['steps']} steps each; single runs, not interleaved: compare calls and the "
+            f"large differences):",
+            "",
+            "| ATen op | shardflow calls/step | shardflow ms/step | hand-written calls/step | hand-written ms/step |",
+            "|---|---|---|---|---|",
+        ]
         keys = [k for k in list(sf["ops"]) if k.startswith("aten::")][:12]
         keys += [k for k in list(hd["ops"]) if k.startswith("aten::") and k not in keys][:3]
         for k in keys:
@@ -737,44 +1065,61 @@ def section_p(res: dict, quick: bool) -> str:
     if cp:
         c = cp["categories_s"]
         w = cp["wall_s"]
-        lines += ["", f"**3. cProfile** of rank 0 ({cp['steps']} steps at h={h}, {ms(w / cp['steps'])} ms per step under "
-                  f"the profiler). tottime by kind: torch built-ins {100 * c['torch'] / w:.0f} %, communication "
-                  f"built-ins (`wait`, `allreduce`) {100 * c['comm'] / w:.0f} %, Python functions "
-                  f"{100 * c['python'] / w:.0f} %. cProfile does not see tensor operators (`w - lr * g` is counted in "
-                  f"the Python function that writes it, e.g. `kernels.update`).", "",
-                  "| function | tottime ms/step | cumtime ms/step | calls/step | kind |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"**3. cProfile** of rank 0 ({cp['steps']} steps at h={h}, {ms(w / cp['steps'])} ms per step under "
+            f"the profiler). tottime by kind: torch built-ins {100 * c['torch'] / w:.0f} %, communication "
+            f"built-ins (`wait`, `allreduce`) {100 * c['comm'] / w:.0f} %, Python functions "
+            f"{100 * c['python'] / w:.0f} %. cProfile does not see tensor operators (`w - lr * g` is counted in "
+            f"the Python function that writes it, e.g. `kernels.update`).",
+            "",
+            "| function | tottime ms/step | cumtime ms/step | calls/step | kind |",
+            "|---|---|---|---|---|",
+        ]
         for tt_, ct, nc, cat, name in cp["top_tottime"][:14]:
-            lines.append(f"| `{name}` | {ms(tt_ / cp['steps'])} | {ms(ct / cp['steps'])} | {nc / cp['steps']:g} | {cat} |")
+            lines.append(
+                f"| `{name}` | {ms(tt_ / cp['steps'])} | {ms(ct / cp['steps'])} | {nc / cp['steps']:g} | {cat} |"
+            )
     if sf and hd:
+
         def op(a, name):
             return a["ops"].get(name, {"self_s": 0.0})["self_s"] / a["steps"]
+
         upd = parts.get(UPDATES, 0.0)
         back = parts.get("loss read-back (_get: an all-reduce)", 0.0)
         tback = tparts.get("loss read-back (_get: an all-reduce)", 0.0)
-        lines += ["", "**Findings** (this run's numbers):", "",
-                  f"* SGD update: {ms(upd)} ms per step in one kernel for the 4 weights (timers: torch.optim's fused "
-                  f"SGD, `aten::_fused_sgd_` {ms(op(sf, 'aten::_fused_sgd_'))} ms), in place like the hand-written "
-                  f"`w.add_(g, alpha=-lr)` (`aten::add_` {ms(op(hd, 'aten::add_'))} ms).",
-                  f"* Reading the loss: {ms(back)} ms per step at h={h} and {tback * 1e6:.0f} µs at h={th} (the loss is "
-                  f"replicated under tp, so it is read locally; a partial loss, as under dp, takes one scalar all-reduce).",
-                  f"* Fixed cost: at h={th} shardflow's step is {ms(med(tiny['samples']['shardflow']) - med(tiny['samples']['hand']))} ms "
-                  f"longer than the hand-written one ({instrs} instructions); outside torch ops and communication "
-                  f"≈ {trest / instrs * 1e6:.0f} µs per instruction; input placement (`_put`, this rank's piece of each "
-                  f"input) {tparts.get('input placement (_put)', 0) * 1e6:.0f} µs per step; the executor loop between "
-                  f"instructions {tloop / instrs * 1e6:.0f} µs per instruction."]
+        lines += [
+            "",
+            "**Findings** (this run's numbers):",
+            "",
+            f"* SGD update: {ms(upd)} ms per step in one kernel for the 4 weights (timers: torch.optim's fused "
+            f"SGD, `aten::_fused_sgd_` {ms(op(sf, 'aten::_fused_sgd_'))} ms), in place like the hand-written "
+            f"`w.add_(g, alpha=-lr)` (`aten::add_` {ms(op(hd, 'aten::add_'))} ms).",
+            f"* Reading the loss: {ms(back)} ms per step at h={h} and {tback * 1e6:.0f} µs at h={th} (the loss is "
+            f"replicated under tp, so it is read locally; a partial loss, as under dp, takes one scalar all-reduce).",
+            f"* Fixed cost: at h={th} shardflow's step is {ms(med(tiny['samples']['shardflow']) - med(tiny['samples']['hand']))} ms "
+            f"longer than the hand-written one ({instrs} instructions); outside torch ops and communication "
+            f"≈ {trest / instrs * 1e6:.0f} µs per instruction; input placement (`_put`, this rank's piece of each "
+            f"input) {tparts.get('input placement (_put)', 0) * 1e6:.0f} µs per step; the executor loop between "
+            f"instructions {tloop / instrs * 1e6:.0f} µs per instruction.",
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="h=1024 only, fewer sizes and rounds, no 4-rank run (< 4 min)")
-    p.add_argument("--only", default=",".join(KEYS), help=f"comma-separated workloads among {', '.join(KEYS)} "
-                                                          f"(default: all)")
+    p.add_argument(
+        "--only", default=",".join(KEYS), help=f"comma-separated workloads among {', '.join(KEYS)} (default: all)"
+    )
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the sections only")
     p.add_argument("--run-dir", default=str(ROOT / "runs" / "bench"), help="rank logs and JSON results")
-    p.add_argument("--render-only", action="store_true",
-                   help="run nothing: rebuild the sections from the JSON results an earlier run left in --run-dir")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="run nothing: rebuild the sections from the JSON results an earlier run left in --run-dir",
+    )
     args = p.parse_args(argv)
     keys = "".join(k.strip() for k in args.only.split(","))
     unknown = set(keys) - set(KEYS)

@@ -42,10 +42,10 @@ def session(tree: Path, sizes, rounds: int, iters: int, device: str = "cpu") -> 
     the loss (``.item()``), which waits for the GPU."""
     sys.path[:0] = [str(tree), str(ROOT / "benchmarks")]
     import torch
-
-    import shardflow
     from harness import Variant, interleave, machine
     from llama import llama, tokens
+
+    import shardflow
     from shardflow.capture import capture
     from shardflow.lower import lower_step
     from shardflow.parallel.mesh import Mesh
@@ -77,13 +77,24 @@ def session(tree: Path, sizes, rounds: int, iters: int, device: str = "cpu") -> 
             return loss.item()
 
         losses = {"eager": [eager(), eager()], "shardflow": [ex.step(batch), ex.step(batch)]}
-        samples = interleave([Variant("eager", eager), Variant("shardflow", lambda: ex.step(batch))], rounds, iters,
-                             warmup=3, rank=0)
-        out["sizes"].append({"batch": batch_size, "seq": seq, "samples": samples, "losses": losses,
-                             "instructions": len(step.programs[0].instrs),
-                             "ops": op_times({"eager": eager, "shardflow": lambda: ex.step(batch)})})
-        print(f"  {batch_size}×{seq}: eager {statistics.median(samples['eager']) * 1e3:.2f} ms, shardflow "
-              f"{statistics.median(samples['shardflow']) * 1e3:.2f} ms", file=sys.stderr)
+        samples = interleave(
+            [Variant("eager", eager), Variant("shardflow", lambda: ex.step(batch))], rounds, iters, warmup=3, rank=0
+        )
+        out["sizes"].append(
+            {
+                "batch": batch_size,
+                "seq": seq,
+                "samples": samples,
+                "losses": losses,
+                "instructions": len(step.programs[0].instrs),
+                "ops": op_times({"eager": eager, "shardflow": lambda: ex.step(batch)}),
+            }
+        )
+        print(
+            f"  {batch_size}×{seq}: eager {statistics.median(samples['eager']) * 1e3:.2f} ms, shardflow "
+            f"{statistics.median(samples['shardflow']) * 1e3:.2f} ms",
+            file=sys.stderr,
+        )
     out["machine_end"] = machine()
     return out
 
@@ -93,6 +104,7 @@ def op_times(variants: dict, steps: int = 5, rounds: int = 3) -> dict[str, dict[
     ``steps`` steps, in ``rounds`` rounds alternating the variants, each op's time the smallest of its rounds (the
     round least disturbed). On a GPU the CPU side only: where the time of launching goes."""
     from torch.profiler import ProfilerActivity, profile
+
     out: dict[str, dict[str, list[float]]] = {name: {} for name in variants}
     for _ in range(rounds):
         for name, step in variants.items():
@@ -109,8 +121,18 @@ def op_times(variants: dict, steps: int = 5, rounds: int = 3) -> dict[str, dict[
 
 def run_session(tree: Path, args) -> dict:
     """:func:`session` in a fresh process."""
-    cmd = [sys.executable, __file__, "--session", str(tree), "--rounds", str(args.rounds), "--iters", str(args.iters),
-           "--device", args.device]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--session",
+        str(tree),
+        "--rounds",
+        str(args.rounds),
+        "--iters",
+        str(args.iters),
+        "--device",
+        args.device,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=env).stdout)
 
@@ -127,26 +149,35 @@ def section(results: dict[str, dict], args) -> str:
     now = results["this tree"]
     m0, m1 = now["machine_start"], now["machine_end"]
     where = f", on {now['gpu']} (`--device cuda`)" if now.get("gpu") else ""
-    lines = [HEADING[args.device], "",
-             "The tiny Llama of the tests (`transformers.LlamaForCausalLM`: 2 layers, hidden 64, 4 heads, 2 key/value "
-             "heads, MLP 128, vocabulary 96), float32, one intra-op thread; one step = forward + backward + SGD update "
-             f"(lr {LR:g}) + reading the loss. Eager: the module and `torch.optim.SGD`. shardflow: the captured "
-             f"graph planned on one device (`d=1`, strategy `single`), lowered, run by `LocalExecutor`{where}.", "",
-             f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
-             f"{m0['date'].replace('T', ' ')}; load average {m0['load']:.2f} at the start of the session, "
-             f"{m1['load']:.2f} at the end.", "",
-             f"Timing: each session is a fresh process; both variants warmed up, then {args.rounds} interleaved rounds "
-             f"(order rotating), a sample = the mean of {args.iters} steps back to back; the ratio is the median "
-             "(min–max) of the per-round ratios shardflow ÷ eager.", "",
-             "Reproduce: `python benchmarks/step.py" + (" --device cuda" if where else "") + "`.", "",
-             "| batch × sequence | instructions | eager step median (ms) | shardflow step median (ms) | "
-             "shardflow ÷ eager (per round) | first two losses (eager / shardflow) |",
-             "|---|---:|---:|---:|---|---|"]
+    lines = [
+        HEADING[args.device],
+        "",
+        "The tiny Llama of the tests (`transformers.LlamaForCausalLM`: 2 layers, hidden 64, 4 heads, 2 key/value "
+        "heads, MLP 128, vocabulary 96), float32, one intra-op thread; one step = forward + backward + SGD update "
+        f"(lr {LR:g}) + reading the loss. Eager: the module and `torch.optim.SGD`. shardflow: the captured "
+        f"graph planned on one device (`d=1`, strategy `single`), lowered, run by `LocalExecutor`{where}.",
+        "",
+        f"Machine: {m0['cores']} cores ({m0['cpu']}, {m0['arch']}), Python {m0['python']}, torch {m0['torch']}, "
+        f"{m0['date'].replace('T', ' ')}; load average {m0['load']:.2f} at the start of the session, "
+        f"{m1['load']:.2f} at the end.",
+        "",
+        f"Timing: each session is a fresh process; both variants warmed up, then {args.rounds} interleaved rounds "
+        f"(order rotating), a sample = the mean of {args.iters} steps back to back; the ratio is the median "
+        "(min–max) of the per-round ratios shardflow ÷ eager.",
+        "",
+        "Reproduce: `python benchmarks/step.py" + (" --device cuda" if where else "") + "`.",
+        "",
+        "| batch × sequence | instructions | eager step median (ms) | shardflow step median (ms) | "
+        "shardflow ÷ eager (per round) | first two losses (eager / shardflow) |",
+        "|---|---:|---:|---:|---|---|",
+    ]
     for size in now["sizes"]:
         e, s = size["samples"]["eager"], size["samples"]["shardflow"]
         losses = " / ".join(", ".join(f"{x:.5f}" for x in size["losses"][k]) for k in ("eager", "shardflow"))
-        lines.append(f"| {size['batch']} × {size['seq']} | {size['instructions']} | {statistics.median(e) * 1e3:.2f} | "
-                     f"{statistics.median(s) * 1e3:.2f} | {_text(_ratios(size))} | {losses} |")
+        lines.append(
+            f"| {size['batch']} × {size['seq']} | {size['instructions']} | {statistics.median(e) * 1e3:.2f} | "
+            f"{statistics.median(s) * 1e3:.2f} | {_text(_ratios(size))} | {losses} |"
+        )
     medians = {(s["batch"], s["seq"]): round(statistics.median(_ratios(s)), 2) for s in now["sizes"]}
     verdicts = [f"{b} × {t}: {m:.2f}, {'**met**' if m <= TARGET else '**missed**'}" for (b, t), m in medians.items()]
     lines += ["", f"Target: shardflow ≤ {TARGET}× eager. " + "; ".join(verdicts) + "."]
@@ -156,25 +187,36 @@ def section(results: dict[str, dict], args) -> str:
         gap = {k: s_.get(k, [0, 0.0])[1] - e.get(k, [0, 0.0])[1] for k in set(e) | set(s_)}
         top = sorted(gap, key=lambda k: -abs(gap[k]))[:10]
         total = (sum(v[1] for v in s_.values()), sum(v[1] for v in e.values()))
-        lines += ["", f"Where the time goes at {big['batch']} × {big['seq']} (torch.profiler: self CPU time of ATen ops "
-                  "per step, 5 steps in each of 3 rounds alternating the two, each op's smallest round; shardflow "
-                  f"{total[0]:.2f} ms, eager {total[1]:.2f} ms in ATen ops; the ten largest differences):", "",
-                  "| ATen op | eager calls | eager ms | shardflow calls | shardflow ms | shardflow − eager ms |",
-                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Where the time goes at {big['batch']} × {big['seq']} (torch.profiler: self CPU time of ATen ops "
+            "per step, 5 steps in each of 3 rounds alternating the two, each op's smallest round; shardflow "
+            f"{total[0]:.2f} ms, eager {total[1]:.2f} ms in ATen ops; the ten largest differences):",
+            "",
+            "| ATen op | eager calls | eager ms | shardflow calls | shardflow ms | shardflow − eager ms |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for k in top:
             ec, et = e.get(k, [0, 0.0])
             sc, st = s_.get(k, [0, 0.0])
             lines.append(f"| `{k}` | {ec:g} | {et:.2f} | {sc:g} | {st:.2f} | {gap[k]:+.2f} |")
         step_gap = (statistics.median(big["samples"]["shardflow"]) - statistics.median(big["samples"]["eager"])) * 1e3
-        lines += ["", f"The step-time gap at this size is {step_gap:+.2f} ms (medians of the rounds above); the ATen "
-                  f"ops account for {total[0] - total[1]:+.2f} ms of it (profiled, so only roughly), the rest, "
-                  f"{step_gap - (total[0] - total[1]):+.2f} ms, lies outside them: the executor's Python for each of "
-                  f"its {big['instructions']} instructions (compiled segments calling hand-written vjps) against "
-                  "eager's autograd engine in C++."]
+        lines += [
+            "",
+            f"The step-time gap at this size is {step_gap:+.2f} ms (medians of the rounds above); the ATen "
+            f"ops account for {total[0] - total[1]:+.2f} ms of it (profiled, so only roughly), the rest, "
+            f"{step_gap - (total[0] - total[1]):+.2f} ms, lies outside them: the executor's Python for each of "
+            f"its {big['instructions']} instructions (compiled segments calling hand-written vjps) against "
+            "eager's autograd engine in C++.",
+        ]
     if len(results) > 1:
-        lines += ["", "Before/after (shardflow ÷ eager per round, each tree in its own session):", "",
-                  "| tree | " + " | ".join(f"{s['batch']} × {s['seq']}" for s in now["sizes"]) + " |",
-                  "|---" * (len(now["sizes"]) + 1) + "|"]
+        lines += [
+            "",
+            "Before/after (shardflow ÷ eager per round, each tree in its own session):",
+            "",
+            "| tree | " + " | ".join(f"{s['batch']} × {s['seq']}" for s in now["sizes"]) + " |",
+            "|---" * (len(now["sizes"]) + 1) + "|",
+        ]
         for name, res in results.items():
             lines.append(f"| {name} | " + " | ".join(_text(_ratios(s)) for s in res["sizes"]) + " |")
     return "\n".join(lines) + "\n"
@@ -184,12 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds per size (default 10)")
     p.add_argument("--iters", type=int, default=5, help="steps per sample (default 5)")
-    p.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
-                   help="also time the shardflow of the checkout in DIR (a row NAME of the before/after table)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also time the shardflow of the checkout in DIR (a row NAME of the before/after table)",
+    )
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to update")
     p.add_argument("--no-write", action="store_true", help="print the section only")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where both run (default cpu; cuda writes its own section)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both run (default cpu; cuda writes its own section)",
+    )
     p.add_argument("--session", metavar="TREE", help=argparse.SUPPRESS)  # internal: one session, JSON on stdout
     args = p.parse_args(argv)
     if args.session:
@@ -205,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         sys.path.insert(0, str(ROOT / "benchmarks"))
         from harness import write_section
+
         write_section(Path(args.out), text)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -21,9 +21,16 @@ def tiny_llama(vocab_size: int = 96):
     """2 layers, width 64, 4 attention heads over 2 key/value heads (grouped-query), SwiGLU MLP of 128; a batch of
     4 sequences of 16 tokens, the labels being the tokens (the model shifts them). ``shardflow train --model`` passes
     its tokenizer's ``vocab_size``."""
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         use_cache=False)  # export captures the training forward: no KV cache
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )  # export captures the training forward: no KV cache
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     tokens = torch.randint(0, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -47,7 +47,8 @@ def classifier_plan(data_parallel: bool) -> Plan:
         modules={
             "up": ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
             "down": ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()}),
-        })
+        },
+    )
 
 
 def main():
@@ -57,8 +58,9 @@ def main():
     plan = classifier_plan(data_parallel=not distributed)
     # Capture, plan (errors name the op, tensor, dim and fix), lower and load the weights. Under torchrun this
     # process is one rank (the executor defaults to "auto": distributed when WORLD_SIZE > 1).
-    trainer = shardflow.parallelize(model, batch, mesh=mesh, plan=plan,
-                                    optimizer=OptimizerConfig(Optimizer.SGD, lr=0.5, momentum=0.9))
+    trainer = shardflow.parallelize(
+        model, batch, mesh=mesh, plan=plan, optimizer=OptimizerConfig(Optimizer.SGD, lr=0.5, momentum=0.9)
+    )
     for step in range(20):
         loss = trainer.step(batch)
         if trainer.lead and step % 5 == 4:
@@ -69,6 +71,7 @@ def main():
         print(f"final loss of the plain module: {model(**batch).item():.4f}", flush=True)
     if distributed:
         from shardflow.runtime.distributed import shutdown
+
         shutdown(0)
 
 

@@ -14,5 +14,18 @@ from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.runtime.kernels import LRDecay, LRSchedule, OptimizerConfig  # noqa: E402
 from shardflow.strategy import ModulePlan, Plan  # noqa: E402
 
-__all__ = ["LRDecay", "LRSchedule", "Mesh", "MixedPrecision", "ModulePlan", "Optimizer", "OptimizerConfig",
-           "ParallelPlan", "Plan", "Trainer", "load_model", "parallelize", "wide_floats"]
+__all__ = [
+    "LRDecay",
+    "LRSchedule",
+    "Mesh",
+    "MixedPrecision",
+    "ModulePlan",
+    "Optimizer",
+    "OptimizerConfig",
+    "ParallelPlan",
+    "Plan",
+    "Trainer",
+    "load_model",
+    "parallelize",
+    "wide_floats",
+]

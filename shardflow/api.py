@@ -33,32 +33,38 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardflow.graph import ComputationGraph, TensorRole
+from shardflow.graph.fused import stored
 from shardflow.lower import LoweredStep, LowerOptions, MixedPrecision
 from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
 from shardflow.pipeline import Pipeline, machine_cost
-from shardflow.graph.fused import stored
 from shardflow.reference import leaves, run_backward, weights_of
-from shardflow.runtime.device import rank_device
-from shardflow.runtime.materialize import materialize
 from shardflow.runtime.accumulate import MicroSteps, split_batch
+from shardflow.runtime.device import rank_device
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import LRSchedule, OptimizerConfig
+from shardflow.runtime.materialize import materialize
 from shardflow.strategy import Plan
 
-
 # --- planning ---------------------------------------------------------------------------------------------------
+
 
 def summary(pcg: PCG) -> str:
     """One line: devices, tensors, the parallel ops by kind, and the redistributions inserted where rules refused."""
     kinds = Counter(n.op.kind for n in pcg.parallel_nodes)
     ops = ", ".join(f"{k} ×{v}" for k, v in sorted(kinds.items())) or "none"
     n = len(pcg.redistributions)
-    redistributed = (f"; {n} redistribution{'s' * (n != 1)} where a rule refused "
-                     f"({sum(r.nbytes for r in pcg.redistributions):,} bytes per device)" if n else "")
-    return (f"mesh {pcg.mesh} ({pcg.mesh.size} devices); {len(pcg.nodes) - len(pcg.parallel_nodes)} compute ops; "
-            f"parallel ops: {ops}{redistributed}")
+    redistributed = (
+        f"; {n} redistribution{'s' * (n != 1)} where a rule refused "
+        f"({sum(r.nbytes for r in pcg.redistributions):,} bytes per device)"
+        if n
+        else ""
+    )
+    return (
+        f"mesh {pcg.mesh} ({pcg.mesh.size} devices); {len(pcg.nodes) - len(pcg.parallel_nodes)} compute ops; "
+        f"parallel ops: {ops}{redistributed}"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class ParallelPlan:
 
 # --- the trainer ------------------------------------------------------------------------------------------------
 
+
 class ExecutorKind(StrEnum):
     """Where :func:`parallelize` runs the mesh: ``local`` (every device in this process), ``distributed`` (this
     process is one rank of torch.distributed, joined from torchrun's environment), ``auto`` (distributed when the
@@ -96,7 +103,10 @@ class ExecutorKind(StrEnum):
 
 # the torch.optim optimizers whose update shardflow's kernels compute (elementwise, per shard), by their Optimizer
 TORCH_OPTIMIZERS: dict[Optimizer, type[torch.optim.Optimizer]] = {
-    Optimizer.SGD: torch.optim.SGD, Optimizer.ADAM: torch.optim.Adam, Optimizer.ADAMW: torch.optim.AdamW}
+    Optimizer.SGD: torch.optim.SGD,
+    Optimizer.ADAM: torch.optim.Adam,
+    Optimizer.ADAMW: torch.optim.AdamW,
+}
 # their options OptimizerConfig holds; every other option must keep torch.optim's default, but for how torch runs the
 # update (no effect on its numbers): implementation choices
 CONFIG_OPTIONS = ("lr", "momentum", "weight_decay", "betas", "eps")
@@ -111,8 +121,9 @@ def torch_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
     return cls(params, **{k: getattr(cfg, k) for k in CONFIG_OPTIONS if k in taken})
 
 
-def from_torch_optim(optimizer: type[torch.optim.Optimizer] | functools.partial,
-                     kwargs: Mapping[str, Any]) -> OptimizerConfig:
+def from_torch_optim(
+    optimizer: type[torch.optim.Optimizer] | functools.partial, kwargs: Mapping[str, Any]
+) -> OptimizerConfig:
     """The :class:`OptimizerConfig` of ``torch.optim`` class ``optimizer`` (or a ``functools.partial`` of one) with
     options ``kwargs`` (over the partial's), torch.optim's defaults for the rest: ``torch.optim.SGD``, ``Adam``
     (``decoupled_weight_decay=True``: AdamW) or ``AdamW``, with the options ``lr``, ``momentum``, ``weight_decay``,
@@ -128,21 +139,27 @@ def from_torch_optim(optimizer: type[torch.optim.Optimizer] | functools.partial,
     if isinstance(optimizer, functools.partial):
         cls, given = optimizer.func, {**optimizer.keywords, **given}
         if optimizer.args:
-            raise ValueError(f"optimizer=partial({cls.__name__}, {', '.join(map(repr, optimizer.args))}, ...): give "
-                             f"its options by name (functools.partial({cls.__name__}, lr=...)) or in optimizer_kwargs")
+            raise ValueError(
+                f"optimizer=partial({cls.__name__}, {', '.join(map(repr, optimizer.args))}, ...): give "
+                f"its options by name (functools.partial({cls.__name__}, lr=...)) or in optimizer_kwargs"
+            )
     names = {c: n for n, c in TORCH_OPTIMIZERS.items()}
     if cls not in names:
         what = getattr(cls, "__qualname__", repr(cls))
-        raise ValueError(f"optimizer={what}: shardflow updates each shard of a weight where it lies, so it computes "
-                         f"only optimizers whose update is elementwise, with its own kernels for "
-                         f"{', '.join(c.__name__ for c in names)} (torch.optim's classes themselves, not subclasses); "
-                         f"{what} is not one of them (LBFGS, for one, needs the whole model's gradient and a "
-                         f"closure). Pass torch.optim.SGD, torch.optim.Adam or torch.optim.AdamW with its options in "
-                         f"optimizer_kwargs, or an OptimizerConfig")
+        raise ValueError(
+            f"optimizer={what}: shardflow updates each shard of a weight where it lies, so it computes "
+            f"only optimizers whose update is elementwise, with its own kernels for "
+            f"{', '.join(c.__name__ for c in names)} (torch.optim's classes themselves, not subclasses); "
+            f"{what} is not one of them (LBFGS, for one, needs the whole model's gradient and a "
+            f"closure). Pass torch.optim.SGD, torch.optim.Adam or torch.optim.AdamW with its options in "
+            f"optimizer_kwargs, or an OptimizerConfig"
+        )
     defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items() if p.default is not p.empty}
     if set(given) - set(defaults):
-        raise ValueError(f"optimizer={cls.__name__}: no option {', '.join(sorted(set(given) - set(defaults)))}; "
-                         f"{cls.__name__} takes {', '.join(defaults)}")
+        raise ValueError(
+            f"optimizer={cls.__name__}: no option {', '.join(sorted(set(given) - set(defaults)))}; "
+            f"{cls.__name__} takes {', '.join(defaults)}"
+        )
     settings = {**defaults, **given}
     name = names[cls]
     if name == Optimizer.ADAM and settings.pop("decoupled_weight_decay"):
@@ -150,10 +167,12 @@ def from_torch_optim(optimizer: type[torch.optim.Optimizer] | functools.partial,
     other = {k: v for k, v in settings.items() if k not in (*CONFIG_OPTIONS, *HOW_OPTIONS) and v != defaults[k]}
     if other:
         given_text = ", ".join(f"{k}={v!r}" for k, v in other.items())
-        raise ValueError(f"optimizer={cls.__name__} with {given_text}: shardflow computes {cls.__name__}'s update "
-                         f"with torch.optim's default for {', '.join(other)} only (its kernels take "
-                         f"{', '.join(k for k in CONFIG_OPTIONS if k in defaults)}); drop {given_text} from the "
-                         f"options, or train with eager torch.optim")
+        raise ValueError(
+            f"optimizer={cls.__name__} with {given_text}: shardflow computes {cls.__name__}'s update "
+            f"with torch.optim's default for {', '.join(other)} only (its kernels take "
+            f"{', '.join(k for k in CONFIG_OPTIONS if k in defaults)}); drop {given_text} from the "
+            f"options, or train with eager torch.optim"
+        )
     return OptimizerConfig(name, **{k: _number(settings[k]) for k in CONFIG_OPTIONS if k in settings})
 
 
@@ -167,9 +186,11 @@ def require_eager_comparable(graph: ComputationGraph) -> None:
     runs of a model that draws random numbers cannot be compared. Raises ValueError naming where it draws."""
     drawing = sorted({n.scope or n.name for n in graph.nodes if n.op.random})
     if drawing:
-        raise ValueError(f"the model draws random numbers (dropout) in {', '.join(map(repr, drawing))}: eager PyTorch "
-                         f"draws other masks than shardflow, so their runs differ; set the dropout probabilities to 0 "
-                         f"to compare them")
+        raise ValueError(
+            f"the model draws random numbers (dropout) in {', '.join(map(repr, drawing))}: eager PyTorch "
+            f"draws other masks than shardflow, so their runs differ; set the dropout probabilities to 0 "
+            f"to compare them"
+        )
 
 
 @dataclass(frozen=True)
@@ -202,8 +223,16 @@ class Trainer:
     executor's process, or rank 0); ``optimizer``: the settings every update uses.
     """
 
-    def __init__(self, plan: ParallelPlan, executor: Executor, optimizer: OptimizerConfig, lead: bool,
-                 names: Mapping[str, str], buffers: Mapping[str, torch.Tensor], micro: MicroSteps | None = None):
+    def __init__(
+        self,
+        plan: ParallelPlan,
+        executor: Executor,
+        optimizer: OptimizerConfig,
+        lead: bool,
+        names: Mapping[str, str],
+        buffers: Mapping[str, torch.Tensor],
+        micro: MicroSteps | None = None,
+    ):
         """``names``: each parameter name of the module's state dict (tied parameters under all their names) → its
         graph weight; ``buffers``: the state dict's other entries (copies; the steps update batch norm's);
         ``micro``: the micro-steps of one step under gradient accumulation, the last on ``executor`` (default: one,
@@ -241,8 +270,11 @@ class Trainer:
         """
         steps, microbatches = len(self.micro.executors), self.executor.dg.microbatches
         count = steps * microbatches
-        of = (f" (one of the {count} micro-batches of accumulate={steps} × microbatches={microbatches})"
-              if count > 1 else "")
+        of = (
+            f" (one of the {count} micro-batches of accumulate={steps} × microbatches={microbatches})"
+            if count > 1
+            else ""
+        )
         for part in split_batch(batch, count):
             try:
                 leaves(self.graph, part, TensorRole.INPUT)
@@ -272,8 +304,10 @@ class Trainer:
         buffers as the steps left them (batch norm's running statistics and counters updated; others as the
         module had them)."""
         weights = self.executor.weights()
-        return {k: weights[self._names[k]] if k in self._names else self._buffers[k].clone()
-                for k in (*self._names, *self._buffers)}
+        return {
+            k: weights[self._names[k]] if k in self._names else self._buffers[k].clone()
+            for k in (*self._names, *self._buffers)
+        }
 
     def grads(self) -> dict[str, torch.Tensor]:
         """The last step's gradients as full tensors, by graph weight name (= parameter name)."""
@@ -292,8 +326,9 @@ class Trainer:
         """``reference`` by graph weight, whichever name of a tied parameter it uses."""
         return {w: reference[k] for k, w in self._names.items() if k in reference}
 
-    def compare_with_eager(self, model: nn.Module, batch: Mapping[str, torch.Tensor],
-                           steps: int) -> Iterator[StepDeviation]:
+    def compare_with_eager(
+        self, model: nn.Module, batch: Mapping[str, torch.Tensor], steps: int
+    ) -> Iterator[StepDeviation]:
         """Train ``steps`` steps on ``batch`` here and with eager PyTorch on ``model`` (``torch.optim`` with this
         trainer's optimizer settings, on one device) side by side; the iterator yields each step's deviations as
         the steps run.
@@ -310,8 +345,10 @@ class Trainer:
         params = dict(model.named_parameters(remove_duplicate=False))
         start = self.weight_error({k: p.detach() for k, p in params.items()})
         if start:
-            raise ValueError(f"the eager model's parameters differ from the trainer's weights by up to {start:.3g}; "
-                             f"pass the module parallelize was given, before either trains")
+            raise ValueError(
+                f"the eager model's parameters differ from the trainer's weights by up to {start:.3g}; "
+                f"pass the module parallelize was given, before either trains"
+            )
         return self._side_by_side(model, params, batch, steps)
 
     def capture_error(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[float, float]:
@@ -326,13 +363,21 @@ class Trainer:
         eager.backward()
         graph = self.graph
         tensors, grads = run_backward(graph, batch, weights_of(model, graph))
-        want = stored(graph, self._by_weight({k: p.grad if p.grad is not None else torch.zeros_like(p)
-                                              for k, p in model.named_parameters(remove_duplicate=False)}))
+        want = stored(
+            graph,
+            self._by_weight(
+                {
+                    k: p.grad if p.grad is not None else torch.zeros_like(p)
+                    for k, p in model.named_parameters(remove_duplicate=False)
+                }
+            ),
+        )
         dgrad = max((float((grads[w] - g).abs().max()) for w, g in want.items() if g.numel()), default=0.0)
         return abs(float(tensors[graph.loss]) - eager.item()), dgrad
 
-    def _side_by_side(self, model: nn.Module, params: Mapping[str, nn.Parameter], batch: Mapping[str, torch.Tensor],
-                      steps: int) -> Iterator[StepDeviation]:
+    def _side_by_side(
+        self, model: nn.Module, params: Mapping[str, nn.Parameter], batch: Mapping[str, torch.Tensor], steps: int
+    ) -> Iterator[StepDeviation]:
         opt, done = torch_optimizer(self.optimizer, model.parameters()), self.steps_done
         # the trainer's schedule as torch's LambdaLR (stepped after each update) from the trainer's next step on
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: self.optimizer.schedule.factor(done + i + 1))
@@ -342,29 +387,51 @@ class Trainer:
             out = model(**batch)
             eager = getattr(out, "loss", out)  # the capture's contract: the loss, or an object with .loss
             eager.backward()
-            grad = self.grad_error({k: p.grad if p.grad is not None else torch.zeros_like(p)
-                                    for k, p in params.items()})
+            grad = self.grad_error(
+                {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
+            )
             opt.step()
             sched.step()
             weight = self.weight_error({k: p.detach() for k, p in params.items()})
             eager_buffers = dict(model.named_buffers())
-            buffer = max((float((self._buffers[k] - eager_buffers[k]).abs().max()) for k in
-                          self.graph.buffer_updates), default=0.0)
+            buffer = max(
+                (float((self._buffers[k] - eager_buffers[k]).abs().max()) for k in self.graph.buffer_updates),
+                default=0.0,
+            )
             yield StepDeviation(i, loss, eager.item(), grad, weight, buffer)
 
 
 OptimizerSpec = OptimizerConfig | str | type[torch.optim.Optimizer] | functools.partial
 
 
-def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Mesh | str | DeviceMesh,
-                strategy: str | None = None, plan: Plan | str | Path | None = None, optimizer: OptimizerSpec = "sgd",
-                lr: float | None = None, optimizer_kwargs: Mapping[str, Any] | None = None,
-                lr_schedule: LRSchedule | None = None, clip_norm: float | None = None, strict: bool = False,
-                executor: ExecutorKind | str = ExecutorKind.AUTO,
-                seed: int = 0, timeout_s: float = 300.0, accumulate: int = 1, microbatches: int = 1,
-                schedule: str = "1f1b", stages_per_rank: int = 1, reshard_after_forward: bool = True,
-                ac: str = "none", mixed_precision: MixedPrecision | None = None, all_gather: str = "auto",
-                reduce_scatter: str = "auto", bucket_mb: float = 25.0, device: str = "auto") -> Trainer:
+def parallelize(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    mesh: Mesh | str | DeviceMesh,
+    strategy: str | None = None,
+    plan: Plan | str | Path | None = None,
+    optimizer: OptimizerSpec = "sgd",
+    lr: float | None = None,
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+    lr_schedule: LRSchedule | None = None,
+    clip_norm: float | None = None,
+    strict: bool = False,
+    executor: ExecutorKind | str = ExecutorKind.AUTO,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    accumulate: int = 1,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    reshard_after_forward: bool = True,
+    ac: str = "none",
+    mixed_precision: MixedPrecision | None = None,
+    all_gather: str = "auto",
+    reduce_scatter: str = "auto",
+    bucket_mb: float = 25.0,
+    device: str = "auto",
+) -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights
     (:class:`~shardflow.pipeline.Pipeline`, as ``shardflow train`` and ``plan`` do: the same programs).
 
@@ -454,10 +521,20 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         kind = ExecutorKind(executor).resolved()
     except ValueError:
         raise ValueError(f"executor={executor!r}: use one of {', '.join(map(str, ExecutorKind))}") from None
-    options = mesh_options(mesh, device, all_gather=all_gather, reduce_scatter=reduce_scatter, bucket_mb=bucket_mb,
-                           reshard_after_forward=reshard_after_forward, ac=ac, precision=mixed_precision,
-                           microbatches=microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
-                           accumulate=accumulate)
+    options = mesh_options(
+        mesh,
+        device,
+        all_gather=all_gather,
+        reduce_scatter=reduce_scatter,
+        bucket_mb=bucket_mb,
+        reshard_after_forward=reshard_after_forward,
+        ac=ac,
+        precision=mixed_precision,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages_per_rank=stages_per_rank,
+        accumulate=accumulate,
+    )
     inits = materialize(model, seed) if any(p.is_meta for p in model.parameters()) else None
     pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict, clip_norm)
     graph = pipeline.graph
@@ -465,6 +542,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     where = rank_device(device)
     if kind == ExecutorKind.DISTRIBUTED:
         from shardflow.runtime.distributed import DistributedExecutor, init_from_env
+
         rank, _ = init_from_env(timeout_s, where)
         lowered = pipeline.lower_micro_steps(ranks=(rank,))
         make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=timeout_s, seed=seed, device=where)
@@ -473,6 +551,7 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
         lead = rank == 0
     else:
         from shardflow.runtime.local import LocalExecutor
+
         lowered = pipeline.lower_micro_steps(verify=True)  # every rank's programs, proven to agree
         make, lead = functools.partial(LocalExecutor, optimizer=opt, seed=seed, device=where), True
     # distributed: each executor checks the world size and that every rank has the same plan
@@ -480,8 +559,15 @@ def parallelize(model: nn.Module, batch: Mapping[str, torch.Tensor], *, mesh: Me
     tied: dict[int, str] = {id(p): n for n, p in model.named_parameters(remove_duplicate=False) if n in graph.weights}
     names = {n: tied[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
     buffers = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in names}
-    return Trainer(ParallelPlan(pipeline.plan.name, pipeline.pcg, lowered[pipeline.micro_steps[-1]]), ex, opt, lead,
-                   names, buffers, micro)
+    return Trainer(
+        ParallelPlan(pipeline.plan.name, pipeline.pcg, lowered[pipeline.micro_steps[-1]]),
+        ex,
+        opt,
+        lead,
+        names,
+        buffers,
+        micro,
+    )
 
 
 def mesh_options(mesh: Mesh, device: str = "auto", **settings) -> LowerOptions:
@@ -503,24 +589,31 @@ def as_mesh(mesh: Mesh | str | DeviceMesh) -> Mesh:
         raise TypeError(f"mesh={mesh!r}: give a shardflow Mesh, its text such as 'dp=2,tp=2', or a DeviceMesh")
     names, ranks = mesh.mesh_dim_names, mesh.mesh.reshape(-1).tolist()
     if names is None:
-        raise ValueError(f"mesh={mesh}: a DeviceMesh without mesh_dim_names; name its axes by the strategies they "
-                         f"carry (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+        raise ValueError(
+            f"mesh={mesh}: a DeviceMesh without mesh_dim_names; name its axes by the strategies they "
+            f"carry (init_device_mesh(..., mesh_dim_names=('dp', 'tp')))"
+        )
     if ranks != list(range(len(ranks))):
-        raise ValueError(f"mesh={mesh}: its ranks {ranks} are not 0..{len(ranks) - 1} in order; shardflow's device "
-                         f"i of the mesh is rank i: build the DeviceMesh over the whole world (init_device_mesh)")
+        raise ValueError(
+            f"mesh={mesh}: its ranks {ranks} are not 0..{len(ranks) - 1} in order; shardflow's device "
+            f"i of the mesh is rank i: build the DeviceMesh over the whole world (init_device_mesh)"
+        )
     return Mesh(tuple(names), tuple(mesh.mesh.shape))
 
 
-def optimizer_config(optimizer: OptimizerSpec, lr: float | None,
-                     kwargs: Mapping[str, Any] | None = None) -> OptimizerConfig:
+def optimizer_config(
+    optimizer: OptimizerSpec, lr: float | None, kwargs: Mapping[str, Any] | None = None
+) -> OptimizerConfig:
     """``optimizer`` as an :class:`OptimizerConfig`: given as one (then no ``lr``, no ``kwargs``), by name
     (``sgd``, ``adam``, ``adamw``) with ``lr`` (default 0.1), or as a ``torch.optim`` class with options
     ``kwargs`` and ``lr`` (:func:`from_torch_optim`). Raises ValueError for an unknown name, a config given with
     ``lr`` or ``kwargs``, ``lr`` both alone and in ``kwargs``, and what :func:`from_torch_optim` raises."""
     if isinstance(optimizer, OptimizerConfig):
         if lr is not None or kwargs:
-            raise ValueError(f"lr={lr}, optimizer_kwargs={kwargs} with an OptimizerConfig (lr={optimizer.lr}): set "
-                             f"lr and the options in the config")
+            raise ValueError(
+                f"lr={lr}, optimizer_kwargs={kwargs} with an OptimizerConfig (lr={optimizer.lr}): set "
+                f"lr and the options in the config"
+            )
         return optimizer
     options = dict(kwargs or {})
     if not isinstance(optimizer, str):
@@ -528,8 +621,10 @@ def optimizer_config(optimizer: OptimizerSpec, lr: float | None,
             raise ValueError(f"lr={lr} and optimizer_kwargs lr={options['lr']}: give the learning rate once")
         return from_torch_optim(optimizer, {**options, **({} if lr is None else {"lr": lr})})
     if options:
-        raise ValueError(f"optimizer_kwargs with optimizer={optimizer!r}: options go with a torch.optim class "
-                         f"(optimizer=torch.optim.AdamW, optimizer_kwargs={{...}}) or in an OptimizerConfig")
+        raise ValueError(
+            f"optimizer_kwargs with optimizer={optimizer!r}: options go with a torch.optim class "
+            f"(optimizer=torch.optim.AdamW, optimizer_kwargs={{...}}) or in an OptimizerConfig"
+        )
     try:
         name = Optimizer(optimizer)
     except ValueError:
@@ -541,6 +636,7 @@ def _same_weights_everywhere(weights: Mapping[str, torch.Tensor]) -> None:
     """Every rank must load the same weights (each keeps its pieces of them). Raises ValueError naming the ranks
     whose weights differ from rank 0's — a model initialised without a common seed. Collective."""
     import torch.distributed as dist
+
     digest = hashlib.sha256()
     for name in sorted(weights):
         digest.update(name.encode())
@@ -549,5 +645,7 @@ def _same_weights_everywhere(weights: Mapping[str, torch.Tensor]) -> None:
     dist.all_gather_object(everyone, digest.hexdigest())
     differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
     if differ:
-        raise ValueError(f"ranks {differ} built other initial weights than rank 0: every rank must pass the same "
-                         f"model (call torch.manual_seed with the same seed before building it)")
+        raise ValueError(
+            f"ranks {differ} built other initial weights than rank 0: every rank must pass the same "
+            f"model (call torch.manual_seed with the same seed before building it)"
+        )

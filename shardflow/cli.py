@@ -33,18 +33,27 @@ from typing import Any, NoReturn, Sequence
 
 import torch
 
-from shardflow.api import (ExecutorKind, LowerOptions, ParallelPlan, Pipeline, machine_cost, mesh_options, parallelize,
-                           require_eager_comparable, summary)
+from shardflow.api import (
+    ExecutorKind,
+    LowerOptions,
+    ParallelPlan,
+    Pipeline,
+    machine_cost,
+    mesh_options,
+    parallelize,
+    require_eager_comparable,
+    summary,
+)
 from shardflow.capture import CaptureError, at_dtype, capture, wide_floats
 from shardflow.graph.ops import OpError, dtype_name
-from shardflow.lower.dynamic import Optimizer, PassError, UpdateRule
 from shardflow.lower.comm_lowering import lowering_summary
+from shardflow.lower.dynamic import Optimizer, PassError, UpdateRule
 from shardflow.lower.passes import PASSES, pass_table
 from shardflow.lower.program import programs_json
 from shardflow.lower.report import bytes_table, pcg_dot
 from shardflow.lower.schedule import ScheduleKind, schedule_of
-from shardflow.model_spec import load_model
 from shardflow.lower.verify import PlanVerificationError
+from shardflow.model_spec import load_model
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
@@ -54,11 +63,28 @@ from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
 from shardflow.train.config import RANGES, Range, TrainConfig, step_options
 from shardflow.train.data import DataError
-from shardflow.train.family import (DEFAULT_SIZES, Feed, ModelError, Sizes, hf_config, hf_family, is_factory,
-                                    is_model_type)
+from shardflow.train.family import (
+    DEFAULT_SIZES,
+    Feed,
+    ModelError,
+    Sizes,
+    hf_config,
+    hf_family,
+    is_factory,
+    is_model_type,
+)
 
-USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanVerificationError, DataError,
-               ValueError, FileNotFoundError)
+USER_ERRORS = (
+    PlanError,
+    ShardingError,
+    OpError,
+    CaptureError,
+    PassError,
+    PlanVerificationError,
+    DataError,
+    ValueError,
+    FileNotFoundError,
+)
 
 
 # shardflow's own small test models (sized by the flags, with their own defaults below); every other built-in name
@@ -66,16 +92,37 @@ USER_ERRORS = (PlanError, ShardingError, OpError, CaptureError, PassError, PlanV
 OWN_MODELS = ("gpt", "mlp")
 _OWN_DEFAULTS = {"layers": 2, "heads": 4, "embd": 64, "vocab": 65, "seq_len": 64, "batch_size": 8}
 _TRAIN = TrainConfig()
-_TRAIN_DEFAULTS = {**dataclasses.asdict(DEFAULT_SIZES), "vocab": _TRAIN.vocab_size,
-                   "seq_len": _TRAIN.seq_len, "batch_size": _TRAIN.batch_size}
+_TRAIN_DEFAULTS = {
+    **dataclasses.asdict(DEFAULT_SIZES),
+    "vocab": _TRAIN.vocab_size,
+    "seq_len": _TRAIN.seq_len,
+    "batch_size": _TRAIN.batch_size,
+}
 
 # The range of each numeric flag of plan, check and generate, by its name (train's are TrainConfig's:
 # shardflow.train.config.RANGES); checked with the flags' other rules by check_flags before a command runs.
-FLAG_RANGES = {"layers": Range(1), "heads": Range(1), "kv_heads": Range(1), "embd": Range(1), "vocab": Range(1),
-               "seq_len": Range(1), "batch_size": Range(1), "nproc": Range(1), "rank": Range(0), "steps": Range(1),
-               "tol": Range(0), "lr": RANGES["lr"], "timeout": RANGES["timeout"], "tokens": Range(0),
-               "temperature": Range(0), "reps": Range(1), "seed": Range(0, 2**63, high_open=True), "accumulate": RANGES["accumulate"],
-               "microbatches": RANGES["microbatches"], "stages_per_rank": RANGES["stages_per_rank"]}
+FLAG_RANGES = {
+    "layers": Range(1),
+    "heads": Range(1),
+    "kv_heads": Range(1),
+    "embd": Range(1),
+    "vocab": Range(1),
+    "seq_len": Range(1),
+    "batch_size": Range(1),
+    "nproc": Range(1),
+    "rank": Range(0),
+    "steps": Range(1),
+    "tol": Range(0),
+    "lr": RANGES["lr"],
+    "timeout": RANGES["timeout"],
+    "tokens": Range(0),
+    "temperature": Range(0),
+    "reps": Range(1),
+    "seed": Range(0, 2**63, high_open=True),
+    "accumulate": RANGES["accumulate"],
+    "microbatches": RANGES["microbatches"],
+    "stages_per_rank": RANGES["stages_per_rank"],
+}
 
 
 MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
@@ -107,18 +154,27 @@ def memory_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="llama", metavar="MODEL",
-                   help="the model `shardflow train` trains by default, llama (Hugging Face LlamaForCausalLM built "
-                        "from a config, nothing downloaded; default), gpt2 or another Hugging Face causal-LM model "
-                        "type, with train's default sizes; shardflow's own small test models gpt and mlp; or your "
-                        "own: FILE.py:FACTORY or package.module:FACTORY, a function returning (module, batch) such "
-                        "that module(**batch) returns the loss")
-    sizes = (f"{_TRAIN_DEFAULTS[k]} for llama and gpt2 as in `shardflow train`, {_OWN_DEFAULTS[k]} for gpt and mlp"
-             for k in ("layers", "heads", "embd", "vocab", "seq_len", "batch_size"))
+    g.add_argument(
+        "--model",
+        default="llama",
+        metavar="MODEL",
+        help="the model `shardflow train` trains by default, llama (Hugging Face LlamaForCausalLM built "
+        "from a config, nothing downloaded; default), gpt2 or another Hugging Face causal-LM model "
+        "type, with train's default sizes; shardflow's own small test models gpt and mlp; or your "
+        "own: FILE.py:FACTORY or package.module:FACTORY, a function returning (module, batch) such "
+        "that module(**batch) returns the loss",
+    )
+    sizes = (
+        f"{_TRAIN_DEFAULTS[k]} for llama and gpt2 as in `shardflow train`, {_OWN_DEFAULTS[k]} for gpt and mlp"
+        for k in ("layers", "heads", "embd", "vocab", "seq_len", "batch_size")
+    )
     g.add_argument("--layers", type=int, help=f"transformer blocks, or linear layers (mlp) (default {next(sizes)})")
     g.add_argument("--heads", type=int, help=f"attention heads (default {next(sizes)})")
-    g.add_argument("--kv-heads", type=int, help=f"key/value heads of grouped-query attention (llama; default "
-                                                f"{_TRAIN_DEFAULTS['kv_heads']})")
+    g.add_argument(
+        "--kv-heads",
+        type=int,
+        help=f"key/value heads of grouped-query attention (llama; default {_TRAIN_DEFAULTS['kv_heads']})",
+    )
     g.add_argument("--embd", type=int, help=f"embedding width C, or hidden width (mlp) (default {next(sizes)})")
     g.add_argument("--vocab", type=int, help=f"vocabulary size V, or classes (mlp) (default {next(sizes)})")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence T (default {next(sizes)})")
@@ -136,11 +192,15 @@ def check_flags(args: argparse.Namespace) -> None:
         if dest in FLAG_RANGES and v is not None:
             FLAG_RANGES[dest].check(name, v, help_)
     if getattr(args, "plan", None) and getattr(args, "strategy", None):
-        raise ValueError(f"--plan {args.plan} and --strategy {args.strategy} both say how to split the model: the "
-                         f"plan places every tensor itself and the strategy would be ignored; drop one of them")
+        raise ValueError(
+            f"--plan {args.plan} and --strategy {args.strategy} both say how to split the model: the "
+            f"plan places every tensor itself and the strategy would be ignored; drop one of them"
+        )
     if getattr(args, "out", None) and getattr(args, "format", "dot") != "dot":
-        raise ValueError(f"--out {args.out} is the file of --format dot, but --format is {args.format} (printed "
-                         f"on the console); add --format dot, or redirect the output: > {args.out}")
+        raise ValueError(
+            f"--out {args.out} is the file of --format dot, but --format is {args.format} (printed "
+            f"on the console); add --format dot, or redirect the output: > {args.out}"
+        )
 
 
 def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -153,24 +213,41 @@ def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str
     defaults = _OWN_DEFAULTS if own else _TRAIN_DEFAULTS
     size = {k: getattr(args, k) if getattr(args, k) is not None else defaults.get(k) for k in _TRAIN_DEFAULTS}
     if own and args.kv_heads is not None:
-        raise ModelError(f"--kv-heads {args.kv_heads}: --model {args.model} has no grouped-query attention; drop "
-                         f"--kv-heads, or plan --model llama")
+        raise ModelError(
+            f"--kv-heads {args.kv_heads}: --model {args.model} has no grouped-query attention; drop "
+            f"--kv-heads, or plan --model llama"
+        )
     gen = torch.Generator().manual_seed(1)
     shape = (size["batch_size"], size["seq_len"])
     idx, targets = (torch.randint(0, size["vocab"], shape, generator=gen) for _ in range(2))
     if not own:
-        config = hf_config(args.model, None, Sizes(size["layers"], size["heads"], size["kv_heads"], size["embd"]),
-                           size["vocab"], size["seq_len"], 0.0)
+        config = hf_config(
+            args.model,
+            None,
+            Sizes(size["layers"], size["heads"], size["kv_heads"], size["embd"]),
+            size["vocab"],
+            size["seq_len"],
+            0.0,
+        )
         torch.manual_seed(0)
         return hf_family(config.model_type).build(config), Feed.CAUSAL_LM.inputs(idx, targets)
     torch.manual_seed(0)
     if args.model == "gpt":
-        model = GPT(GPTConfig(vocab_size=size["vocab"], block_size=size["seq_len"], n_layer=size["layers"],
-                              n_head=size["heads"], n_embd=size["embd"]))
+        model = GPT(
+            GPTConfig(
+                vocab_size=size["vocab"],
+                block_size=size["seq_len"],
+                n_layer=size["layers"],
+                n_head=size["heads"],
+                n_embd=size["embd"],
+            )
+        )
         return model, {"idx": idx, "targets": targets}
     model = MLP(d_in=size["embd"], hidden=4 * size["embd"], d_out=size["vocab"], n_layers=size["layers"])
-    return model, {"x": torch.randn(size["batch_size"], size["embd"], generator=gen),
-                   "y": torch.randint(0, size["vocab"], (size["batch_size"],), generator=gen)}
+    return model, {
+        "x": torch.randn(size["batch_size"], size["embd"], generator=gen),
+        "y": torch.randint(0, size["vocab"], (size["batch_size"],), generator=gen),
+    }
 
 
 def write_out(out: Path, text: str) -> None:
@@ -184,17 +261,29 @@ def write_out(out: Path, text: str) -> None:
     try:
         out.write_text(text)
     except OSError as e:
-        raise ValueError(f"cannot write --out {out} ({e.strerror or e}); pass --out with a file in a directory you "
-                         f"can write") from None
+        raise ValueError(
+            f"cannot write --out {out} ({e.strerror or e}); pass --out with a file in a directory you can write"
+        ) from None
 
 
 def redistributions_json(pcg: PCG) -> list[dict]:
     """The PCG's redistributions: node, op, module, input, tensor, placements from and to, parallel ops, bytes per
     device (forward), reason."""
-    return [{"node": r.node, "op": r.op.describe(), "module": r.scope, "input": r.index, "tensor": r.tensor,
-             "from": placements_text(r.src, r.group), "to": placements_text(r.dst, r.group),
-             "ops": [op.describe() for op in r.ops], "bytes": r.nbytes, "reason": r.reason}
-            for r in pcg.redistributions]
+    return [
+        {
+            "node": r.node,
+            "op": r.op.describe(),
+            "module": r.scope,
+            "input": r.index,
+            "tensor": r.tensor,
+            "from": placements_text(r.src, r.group),
+            "to": placements_text(r.dst, r.group),
+            "ops": [op.describe() for op in r.ops],
+            "bytes": r.nbytes,
+            "reason": r.reason,
+        }
+        for r in pcg.redistributions
+    ]
 
 
 def plan_model(args: argparse.Namespace, options: LowerOptions) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -228,8 +317,13 @@ def schedule_json(dg, kind: ScheduleKind) -> dict[str, Any]:
     """The pipeline schedule of lowered step ``dg`` for ``shardflow plan --format json``: kind, stages,
     microbatches, the ideal bubble fraction and each stage's actions in order."""
     sched = schedule_of(dg, kind)
-    return {"kind": str(sched.kind), "stages": sched.stages, "microbatches": sched.microbatches,
-            "bubble": sched.bubble, "actions": [[str(a) for a in sched.actions(s)] for s in range(sched.stages)]}
+    return {
+        "kind": str(sched.kind),
+        "stages": sched.stages,
+        "microbatches": sched.microbatches,
+        "bubble": sched.bubble,
+        "actions": [[str(a) for a in sched.actions(s)] for s in range(sched.stages)],
+    }
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -240,8 +334,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.graph:
         print(capture(model, Pipeline.example(batch, options)).listing())
         return 0
-    pipeline = Pipeline.capture(model, batch, mesh, options, plan_optimizer(args.optimizer), strategy, args.plan,
-                                args.strict)
+    pipeline = Pipeline.capture(
+        model, batch, mesh, options, plan_optimizer(args.optimizer), strategy, args.plan, args.strict
+    )
     plan, pcg = pipeline.plan, pipeline.pcg
     micro = pipeline.micro_steps[-1]  # the micro-step that reduces the gradients and updates
     if args.passes or args.dump_after:
@@ -251,19 +346,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     step = pipeline.lower(verify=True)  # proves the programs agree
     if args.rank is not None and args.rank not in step.programs:
-        raise ValueError(f"--rank {args.rank}: mesh {mesh} has ranks 0..{mesh.size - 1}; pass one of them, or omit "
-                         f"--rank to show every rank")
+        raise ValueError(
+            f"--rank {args.rank}: mesh {mesh} has ranks 0..{mesh.size - 1}; pass one of them, or omit "
+            f"--rank to show every rank"
+        )
     ranks = [args.rank] if args.rank is not None else sorted(step.programs)
     programs = {r: step.programs[r] for r in ranks}
     comms = sum(len(p.comms) for p in step.programs.values())
-    proof = (f"verified: {mesh.size} ranks, {len(lowering_summary(step.programs))} communication kinds, "
-             f"{comms} communication endpoints; every send has its recv, every collective agrees on members, "
-             f"shape and dtype, every pair of ranks shares one order, no deadlock")
+    proof = (
+        f"verified: {mesh.size} ranks, {len(lowering_summary(step.programs))} communication kinds, "
+        f"{comms} communication endpoints; every send has its recv, every collective agrees on members, "
+        f"shape and dtype, every pair of ranks shares one order, no deadlock"
+    )
     if args.format == "json":
         doc = json.loads(programs_json(programs))
-        doc.update(strategy=plan.name, mesh=str(mesh), summary=summary(pcg), micro_step=str(micro), dtype=args.dtype,
-                   verified=True, collectives=lowering_summary(step.programs), redistributions=redistributions_json(pcg),
-                   schedule=schedule_json(step.dg, options.schedule))
+        doc.update(
+            strategy=plan.name,
+            mesh=str(mesh),
+            summary=summary(pcg),
+            micro_step=str(micro),
+            dtype=args.dtype,
+            verified=True,
+            collectives=lowering_summary(step.programs),
+            redistributions=redistributions_json(pcg),
+            schedule=schedule_json(step.dg, options.schedule),
+        )
         print(json.dumps(doc, indent=1))
         return 0
     if args.format == "dot":
@@ -272,26 +379,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
         msg = f"wrote {out}"
         if shutil.which("dot"):
             svg = out.with_suffix(".svg")
-            done = subprocess.run(["dot", "-Tsvg", str(out), "-o", str(svg)], capture_output=True, text=True,
-                                  timeout=120)
-            msg += f" and {svg}" if done.returncode == 0 else \
-                f"; Graphviz could not write {svg} ({done.stderr.strip() or f'status {done.returncode}'})"
+            done = subprocess.run(
+                ["dot", "-Tsvg", str(out), "-o", str(svg)], capture_output=True, text=True, timeout=120
+            )
+            msg += (
+                f" and {svg}"
+                if done.returncode == 0
+                else f"; Graphviz could not write {svg} ({done.stderr.strip() or f'status {done.returncode}'})"
+            )
         print(msg)
         return 0
     print(ParallelPlan(plan.name, pcg, step))
     print()
     if options.precision:
-        print(f"# --dtype {args.dtype}: each weight held, reduced and updated in "
-              f"{dtype_name(options.precision.reduce_dtype)} (the "
-              f"master, fwd:W), cast to its graph's dtype at the start of the step (fwd:W@compute) for every reader")
+        print(
+            f"# --dtype {args.dtype}: each weight held, reduced and updated in "
+            f"{dtype_name(options.precision.reduce_dtype)} (the "
+            f"master, fwd:W), cast to its graph's dtype at the start of the step (fwd:W@compute) for every reader"
+        )
     if args.microbatches > 1:
-        print("# " + schedule_of(step.dg, options.schedule).timeline().replace(
-            "\n", "\n# "))
+        print("# " + schedule_of(step.dg, options.schedule).timeline().replace("\n", "\n# "))
         print()
     if args.accumulate > 1:
-        print(f"# --accumulate {args.accumulate}: the programs below are those of the {micro} (it adds the "
-              f"earlier micro-steps' gradient contributions to its own, reduces them and updates); communications of "
-              f"rank {ranks[0]} per micro-step:")
+        print(
+            f"# --accumulate {args.accumulate}: the programs below are those of the {micro} (it adds the "
+            f"earlier micro-steps' gradient contributions to its own, reduces them and updates); communications of "
+            f"rank {ranks[0]} per micro-step:"
+        )
         print("\n".join(micro_step_comms(pipeline, ranks[0])))
         print()
     for r in ranks:
@@ -340,15 +454,18 @@ class CheckModel:
     def describe(self) -> str:
         """One line: what was converted and, after a fallback, why the check runs in the model's own dtype."""
         if self.fallback:
-            return (f"float64: the eager model fails in float64 ({self.fallback}): a kernel of it has no float64; "
-                    f"checking in the model's own {self.dtype} instead (tolerance {CHECK_TOL[self.dtype]:g})")
+            return (
+                f"float64: the eager model fails in float64 ({self.fallback}): a kernel of it has no float64; "
+                f"checking in the model's own {self.dtype} instead (tolerance {CHECK_TOL[self.dtype]:g})"
+            )
         kinds = Counter(f"{a} → {b}" for a, b in self.widened.values())
         text = ", ".join(f"{n} tensor{'s' * (n != 1)} {k}" for k, n in kinds.items()) or "nothing"
         complex_ = [k for k, (a, _) in self.widened.items() if a.startswith("complex")]
-        return (f"converted to {self.dtype}: {text}" + (f" ({', '.join(complex_)}: imaginary parts kept)"
-                                                         if complex_ else "")
-                + ("; casts down and dtype= arguments inside the model stay float64" if self.dtype == "float64"
-                   else ""))
+        return (
+            f"converted to {self.dtype}: {text}"
+            + (f" ({', '.join(complex_)}: imaginary parts kept)" if complex_ else "")
+            + ("; casts down and dtype= arguments inside the model stay float64" if self.dtype == "float64" else "")
+        )
 
 
 def check_model(args: argparse.Namespace) -> CheckModel:
@@ -387,39 +504,62 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
     mesh, strategy = check_mesh(args)
     tol = CHECK_TOL[checked.dtype] if args.tol is None else args.tol
     with precision(checked.dtype):
-        trainer = parallelize(model, batch, mesh=mesh, strategy=strategy, plan=args.plan,
-                              optimizer=OptimizerConfig(Optimizer(args.optimizer), args.lr), strict=args.strict,
-                              executor=executor, timeout_s=args.timeout,
-                              **memory_options(args))
+        trainer = parallelize(
+            model,
+            batch,
+            mesh=mesh,
+            strategy=strategy,
+            plan=args.plan,
+            optimizer=OptimizerConfig(Optimizer(args.optimizer), args.lr),
+            strict=args.strict,
+            executor=executor,
+            timeout_s=args.timeout,
+            **memory_options(args),
+        )
         steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
         first = {k: p.detach().clone() for k, p in model.named_parameters()}  # to tell the sides apart on a failure
         say = print if trainer.lead else (lambda *_, **__: None)
         n_params = sum(p.numel() for p in model.parameters())
-        say(f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {checked.dtype}; "
-            f"batch " + ", ".join(f"{k} {dtype_name(v.dtype)}{list(v.shape)}" for k, v in batch.items()))
+        say(
+            f"shardflow check: {type(model).__name__}, {n_params:,} parameters, {checked.dtype}; "
+            f"batch " + ", ".join(f"{k} {dtype_name(v.dtype)}{list(v.shape)}" for k, v in batch.items())
+        )
         say(checked.describe())
         say(f"strategy {trainer.plan.name}: {summary(trainer.plan.pcg)}")
-        say(f"against eager PyTorch on one device (torch.optim): {args.optimizer} lr {args.lr:g}, {args.steps} "
-            f"step{'s' * (args.steps != 1)} on the batch")
+        say(
+            f"against eager PyTorch on one device (torch.optim): {args.optimizer} lr {args.lr:g}, {args.steps} "
+            f"step{'s' * (args.steps != 1)} on the batch"
+        )
         buffers = bool(trainer.graph.buffer_updates)  # batch norm's running statistics: compared too
         worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "buffer": 0.0}
         for d in steps:
-            say(f"step {d.step}: loss {d.loss:.6f} (eager {d.eager_loss:.6f}), |Δloss| {d.dloss:.1e}, "
+            say(
+                f"step {d.step}: loss {d.loss:.6f} (eager {d.eager_loss:.6f}), |Δloss| {d.dloss:.1e}, "
                 f"|Δgrad| {d.grad:.1e}, |Δweight| {d.weight:.1e}" + (f", |Δbuffer| {d.buffer:.1e}" if buffers else ""),
-                flush=True)
-            worst = {"loss": max(worst["loss"], d.dloss), "grad": max(worst["grad"], d.grad),
-                     "weight": max(worst["weight"], d.weight), "buffer": max(worst["buffer"], d.buffer)}
+                flush=True,
+            )
+            worst = {
+                "loss": max(worst["loss"], d.dloss),
+                "grad": max(worst["grad"], d.grad),
+                "weight": max(worst["weight"], d.weight),
+                "buffer": max(worst["buffer"], d.buffer),
+            }
         ok = max(worst.values()) <= tol
-        say(f"max |Δloss| {worst['loss']:.1e}, |Δgrad| {worst['grad']:.1e}, |Δweight| {worst['weight']:.1e}"
-            + (f", |Δbuffer| {worst['buffer']:.1e}" if buffers else "") + f" over every replica (tolerance {tol:g}): "
-            f"{'OK' if ok else 'FAILED'}", flush=True)
+        say(
+            f"max |Δloss| {worst['loss']:.1e}, |Δgrad| {worst['grad']:.1e}, |Δweight| {worst['weight']:.1e}"
+            + (f", |Δbuffer| {worst['buffer']:.1e}" if buffers else "")
+            + f" over every replica (tolerance {tol:g}): "
+            f"{'OK' if ok else 'FAILED'}",
+            flush=True,
+        )
         if not ok and trainer.lead:
             say(which_side(trainer, model, batch, first, tol), flush=True)
     return 0 if ok else DEVIATES
 
 
-def which_side(trainer, model: torch.nn.Module, batch: dict[str, torch.Tensor], first: dict[str, torch.Tensor],
-               tol: float) -> str:
+def which_side(
+    trainer, model: torch.nn.Module, batch: dict[str, torch.Tensor], first: dict[str, torch.Tensor], tol: float
+) -> str:
     """After a failed check: the captured graph on one device (shardflow's reference interpreter) against eager
     PyTorch at the first step's weights ``first`` (:meth:`~shardflow.api.Trainer.capture_error`), and on which side
     the mismatch therefore lies. ``model`` gets those weights back."""
@@ -427,12 +567,16 @@ def which_side(trainer, model: torch.nn.Module, batch: dict[str, torch.Tensor], 
         for k, p in model.named_parameters():
             p.copy_(first[k])
     dloss, dgrad = trainer.capture_error(model, batch)
-    where = ("within the tolerance: capture computes what eager does, so the sharded run (or its update) is what "
-             "differs" if max(dloss, dgrad) <= tol else
-             "beyond the tolerance: the model as captured differs from eager PyTorch (capture, or the eager reference "
-             "itself: a kernel that rounds differently), whatever the plan")
-    return (f"the captured graph on one device (shardflow's reference interpreter) against eager PyTorch at the "
-            f"first step's weights: |Δloss| {dloss:.1e}, |Δgrad| {dgrad:.1e}, {where}")
+    where = (
+        "within the tolerance: capture computes what eager does, so the sharded run (or its update) is what differs"
+        if max(dloss, dgrad) <= tol
+        else "beyond the tolerance: the model as captured differs from eager PyTorch (capture, or the eager reference "
+        "itself: a kernel that rounds differently), whatever the plan"
+    )
+    return (
+        f"the captured graph on one device (shardflow's reference interpreter) against eager PyTorch at the "
+        f"first step's weights: |Δloss| {dloss:.1e}, |Δgrad| {dgrad:.1e}, {where}"
+    )
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -452,16 +596,26 @@ def launch_check(args: argparse.Namespace) -> int:
     end of the failed rank's log, which is kept."""
     from shardflow.runtime.launch import describe_failure, launch
     from shardflow.train import hooks
+
     checked = check_model(args)
     mesh, strategy = check_mesh(args)
     if mesh.size != args.nproc:
-        raise ValueError(f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
-                         f"processes; make --nproc {mesh.size}, or change --mesh")
+        raise ValueError(
+            f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
+            f"processes; make --nproc {mesh.size}, or change --mesh"
+        )
     options = mesh_options(mesh, **memory_options(args))  # what each rank's parallelize parses
     with precision(checked.dtype):
-        pipeline = Pipeline.capture(checked.model, checked.batch, mesh, options,
-                                    OptimizerConfig(Optimizer(args.optimizer), args.lr), strategy, args.plan,
-                                    args.strict)
+        pipeline = Pipeline.capture(
+            checked.model,
+            checked.batch,
+            mesh,
+            options,
+            OptimizerConfig(Optimizer(args.optimizer), args.lr),
+            strategy,
+            args.plan,
+            args.strict,
+        )
     require_eager_comparable(pipeline.graph)
     pipeline.lower(verify=True)  # every rank's program, proven to agree
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))
@@ -478,6 +632,7 @@ def check_rank(args: argparse.Namespace) -> NoReturn:
     """One rank of a check (launched by ``--nproc`` or torchrun): the distributed executor; leaves the process
     group in order and exits with the verdict, or 2 after a user error (one paragraph), 1 after a traceback."""
     from shardflow.runtime.distributed import shutdown
+
     try:
         code = compare(args, ExecutorKind.DISTRIBUTED)
     except USER_ERRORS as e:
@@ -492,6 +647,7 @@ def check_rank(args: argparse.Namespace) -> NoReturn:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from shardflow.train.command import main as train_main
+
     return train_main(TrainConfig.from_args(args))
 
 
@@ -507,12 +663,16 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         num, unit = (part[:-1], part[-1].upper()) if part[-1].upper() in _UNITS else (part, "")
         if not num.isdigit() or int(num) * _UNITS[unit] < 4:
-            raise ValueError(f"--sizes {text}: cannot read {part!r} as a message size of at least 4 bytes; write "
-                             f"byte counts with an optional K, M or G, such as {CALIBRATION_SIZES}")
+            raise ValueError(
+                f"--sizes {text}: cannot read {part!r} as a message size of at least 4 bytes; write "
+                f"byte counts with an optional K, M or G, such as {CALIBRATION_SIZES}"
+            )
         sizes.add(int(num) * _UNITS[unit])
     if len(sizes) < 2:
-        raise ValueError(f"--sizes {text}: fitting α and the bandwidth needs at least two distinct sizes; give two "
-                         f"or more, such as {CALIBRATION_SIZES}")
+        raise ValueError(
+            f"--sizes {text}: fitting α and the bandwidth needs at least two distinct sizes; give two "
+            f"or more, such as {CALIBRATION_SIZES}"
+        )
     return tuple(sorted(sizes))
 
 
@@ -524,13 +684,17 @@ def calibrate_plan(args: argparse.Namespace) -> tuple[Mesh | None, tuple[int, ..
     :func:`~shardflow.runtime.device.check_device` raises."""
     from shardflow.lower.calibration import calibration_path
     from shardflow.runtime.device import backend_for, check_device, device_type
+
     if args.nproc < 2:
-        raise ValueError(f"--nproc {args.nproc}: calibration times communications between processes; give --nproc 2 "
-                         f"or more")
+        raise ValueError(
+            f"--nproc {args.nproc}: calibration times communications between processes; give --nproc 2 or more"
+        )
     mesh = Mesh.parse(args.mesh) if args.mesh else None
     if mesh is not None and mesh.size != args.nproc:
-        raise ValueError(f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
-                         f"processes; make --nproc {mesh.size}, or change --mesh")
+        raise ValueError(
+            f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
+            f"processes; make --nproc {mesh.size}, or change --mesh"
+        )
     sizes = parse_sizes(args.sizes)
     choice = {"auto": "auto", "gloo": "cpu", "nccl": "cuda"}[args.backend]
     check_device(choice, args.nproc)
@@ -549,10 +713,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return calibrate_rank(args)
     from shardflow.runtime.launch import describe_failure, launch
     from shardflow.train import hooks
+
     mesh, sizes, backend, out = calibrate_plan(args)
-    print(f"shardflow calibrate: {backend}, {args.nproc} processes, "
-          f"{'mesh ' + str(mesh) if mesh else 'every rank'}; sizes {', '.join(map(str, sizes))} bytes, "
-          f"{args.reps} calls each", flush=True)
+    print(
+        f"shardflow calibrate: {backend}, {args.nproc} processes, "
+        f"{'mesh ' + str(mesh) if mesh else 'every rank'}; sizes {', '.join(map(str, sizes))} bytes, "
+        f"{args.reps} calls each",
+        flush=True,
+    )
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-calibrate-"))
     res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
     if res.ok:
@@ -568,18 +736,33 @@ def calibrate_rank(args: argparse.Namespace) -> NoReturn:
     from shardflow.runtime.calibrate import measure, table
     from shardflow.runtime.device import rank_device
     from shardflow.runtime.distributed import init_from_env, shutdown
+
     try:
         mesh, sizes, backend, out = calibrate_plan(args)
         rank, world = init_from_env(args.timeout, rank_device("cuda" if backend == "nccl" else "cpu"))
         say = print if rank == 0 else (lambda *_, **__: None)
-        cal = measure(rank, world, mesh, sizes, args.reps, backend,
-                      torch.device(f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"),
-                      lambda line: say(line, flush=True), datetime.timedelta(seconds=args.timeout))
+        cal = measure(
+            rank,
+            world,
+            mesh,
+            sizes,
+            args.reps,
+            backend,
+            torch.device(f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"),
+            lambda line: say(line, flush=True),
+            datetime.timedelta(seconds=args.timeout),
+        )
         if cal is not None:
             out.write_text(cal.to_json())
             say(table(cal))
-            say(f"wrote {out}" + ("" if args.out else "; shardflow train and plan read it for the " + backend +
-                                  " backend's cost model"))
+            say(
+                f"wrote {out}"
+                + (
+                    ""
+                    if args.out
+                    else "; shardflow train and plan read it for the " + backend + " backend's cost model"
+                )
+            )
     except USER_ERRORS as e:
         print(f"shardflow calibrate: error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
@@ -592,102 +775,184 @@ def calibrate_rank(args: argparse.Namespace) -> NoReturn:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from shardflow.train.checkpoint import export
+
     out, ck = export(args.run, args.out)
-    print(f"wrote {out}: the Hugging Face model of {ck.path} (step {ck.step}) with its tokenizer; load it with "
-          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})")
+    print(
+        f"wrote {out}: the Hugging Face model of {ck.path} (step {ck.step}) with its tokenizer; load it with "
+        f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})"
+    )
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardflow.train.generate import main as generate_main
+
     return generate_main(args.source, args.prompt, args.tokens, args.temperature, args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="shardflow", description="Plan, check and train a model across devices "
-                                     "from a parallel computation graph: plan (no processes), check (against eager "
-                                     "PyTorch), train, export (a Hugging Face directory) and generate.")
+    parser = argparse.ArgumentParser(
+        prog="shardflow",
+        description="Plan, check and train a model across devices "
+        "from a parallel computation graph: plan (no processes), check (against eager "
+        "PyTorch), train, export (a Hugging Face directory) and generate.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="print the parallel computation graph of a model under a strategy (no processes)")
     add_model_args(p)
-    p.add_argument("--strategy", help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp (default "
-                                      "tp, or none with --plan)")
-    p.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
-                                  "with --nproc devices)")
+    p.add_argument(
+        "--strategy",
+        help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp (default tp, or none with --plan)",
+    )
+    p.add_argument(
+        "--mesh",
+        help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis with --nproc devices)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="devices when --mesh is not given (default 2)")
     p.add_argument("--plan", help="a user plan (JSON or TOML: per-module placements) instead of --strategy")
     p.add_argument("--graph", action="store_true", help="print the captured computation graph instead")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse the strategy where a sharding rule refuses its inputs (the error names the parallel "
-                        "op to insert) instead of inserting the cheapest redistribution")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse the strategy where a sharding rule refuses its inputs (the error names the parallel "
+        "op to insert) instead of inserting the cheapest redistribution",
+    )
     add_memory_args(p)
     add_step_args(p)
-    p.add_argument("--format", choices=("text", "json", "dot"), default="text",
-                   help="text: PCG + per-rank programs + bytes + proof; json: the same, machine-readable; "
-                        "dot: the PCG as Graphviz (SVG too when Graphviz is installed)")
+    p.add_argument(
+        "--format",
+        choices=("text", "json", "dot"),
+        default="text",
+        help="text: PCG + per-rank programs + bytes + proof; json: the same, machine-readable; "
+        "dot: the PCG as Graphviz (SVG too when Graphviz is installed)",
+    )
     p.add_argument("--rank", type=int, help="show only this rank's program")
-    p.add_argument("--passes", action="store_true",
-                   help="list the lowering passes in order with their time and the size of the graph each returned")
-    p.add_argument("--dump-after", metavar="PASS", choices=[str(x.name) for x in PASSES],
-                   help="print the graph after this lowering pass (" + ", ".join(str(x.name) for x in PASSES) + ")")
+    p.add_argument(
+        "--passes",
+        action="store_true",
+        help="list the lowering passes in order with their time and the size of the graph each returned",
+    )
+    p.add_argument(
+        "--dump-after",
+        metavar="PASS",
+        choices=[str(x.name) for x in PASSES],
+        help="print the graph after this lowering pass (" + ", ".join(str(x.name) for x in PASSES) + ")",
+    )
     p.add_argument("--out", help="file for --format dot (default pcg.dot)")
-    p.add_argument("--optimizer", choices=tuple(map(str, UpdateRule)), default=str(UpdateRule.SGD),
-                   help="optimizer whose state slots the update step carries (default sgd)")
+    p.add_argument(
+        "--optimizer",
+        choices=tuple(map(str, UpdateRule)),
+        default=str(UpdateRule.SGD),
+        help="optimizer whose state slots the update step carries (default sgd)",
+    )
     p.set_defaults(func=cmd_plan)
-    c = sub.add_parser("check", help="train a model under a strategy beside eager PyTorch on one device and print the "
-                                     "largest differences of loss, gradients and weights over every replica")
+    c = sub.add_parser(
+        "check",
+        help="train a model under a strategy beside eager PyTorch on one device and print the "
+        "largest differences of loss, gradients and weights over every replica",
+    )
     add_model_args(c)
-    c.add_argument("--strategy", help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp (default: "
-                                      "the one the --mesh axes name; tp without --mesh)")
-    c.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
-                                  "with --nproc devices, 2 when --nproc is 1)")
+    c.add_argument(
+        "--strategy",
+        help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp (default: "
+        "the one the --mesh axes name; tp without --mesh)",
+    )
+    c.add_argument(
+        "--mesh",
+        help="device mesh as axis=size pairs, e.g. dp=2,tp=2 (default: the strategy's axis "
+        "with --nproc devices, 2 when --nproc is 1)",
+    )
     c.add_argument("--plan", help="a user plan (JSON or TOML: per-module placements) instead of --strategy")
-    c.add_argument("--nproc", type=int, default=1,
-                   help="processes: 1 (default) runs every device of the mesh in this process (the local executor); "
-                        "N > 1 starts N gloo processes, one per device (under torchrun, WORLD_SIZE decides)")
+    c.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes: 1 (default) runs every device of the mesh in this process (the local executor); "
+        "N > 1 starts N gloo processes, one per device (under torchrun, WORLD_SIZE decides)",
+    )
     c.add_argument("--steps", type=int, default=3, help="optimizer steps on the batch (default 3)")
-    c.add_argument("--dtype", choices=tuple(CHECK_TOL), default="float64",
-                   help="dtype of the model's floating parameters and the batch's floating tensors (default float64: "
-                        "every float stays float64, also where the model casts down)")
-    c.add_argument("--tol", type=float, help="largest difference accepted, in the model's units (default: "
-                   + ", ".join(f"{t:g} at {d}" for d, t in CHECK_TOL.items()) + "); beyond it the exit status is 1")
-    c.add_argument("--optimizer", choices=tuple(map(str, Optimizer)), default=str(Optimizer.SGD),
-                   help="sgd (torch.optim.SGD) or adamw (torch.optim.AdamW) on both sides (default sgd)")
+    c.add_argument(
+        "--dtype",
+        choices=tuple(CHECK_TOL),
+        default="float64",
+        help="dtype of the model's floating parameters and the batch's floating tensors (default float64: "
+        "every float stays float64, also where the model casts down)",
+    )
+    c.add_argument(
+        "--tol",
+        type=float,
+        help="largest difference accepted, in the model's units (default: "
+        + ", ".join(f"{t:g} at {d}" for d, t in CHECK_TOL.items())
+        + "); beyond it the exit status is 1",
+    )
+    c.add_argument(
+        "--optimizer",
+        choices=tuple(map(str, Optimizer)),
+        default=str(Optimizer.SGD),
+        help="sgd (torch.optim.SGD) or adamw (torch.optim.AdamW) on both sides (default sgd)",
+    )
     c.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
-    c.add_argument("--strict", action="store_true",
-                   help="refuse the strategy where a sharding rule refuses its inputs instead of redistributing them")
+    c.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse the strategy where a sharding rule refuses its inputs instead of redistributing them",
+    )
     add_memory_args(c)
-    c.add_argument("--timeout", type=float, default=120.0,
-                   help="--nproc: seconds any rank may wait on one communication (default 120)")
+    c.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="--nproc: seconds any rank may wait on one communication (default 120)",
+    )
     c.set_defaults(func=cmd_check)
-    t = sub.add_parser("train", help="train a Llama (or --model) on text across local processes with a chosen "
-                                     "strategy")
+    t = sub.add_parser("train", help="train a Llama (or --model) on text across local processes with a chosen strategy")
     TrainConfig.add_arguments(t)
     t.set_defaults(func=cmd_train)
-    cal = sub.add_parser("calibrate", help="time each kind of communication on this machine and write the cost "
-                                           "model's α and bandwidths, which train and plan then use")
+    cal = sub.add_parser(
+        "calibrate",
+        help="time each kind of communication on this machine and write the cost "
+        "model's α and bandwidths, which train and plan then use",
+    )
     cal.add_argument("--nproc", type=int, default=2, help="processes to start, one per device (default 2)")
-    cal.add_argument("--mesh", help="device mesh as axis=size pairs, e.g. dp=2,tp=2: each axis's groups are timed "
-                                    "(default: every rank as one group)")
-    cal.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
-                     help="auto (default): nccl where every process gets a GPU, else gloo")
-    cal.add_argument("--sizes", default=CALIBRATION_SIZES,
-                     help=f"message sizes, the piece one rank holds, in bytes with K, M or G (default {CALIBRATION_SIZES})")
+    cal.add_argument(
+        "--mesh",
+        help="device mesh as axis=size pairs, e.g. dp=2,tp=2: each axis's groups are timed "
+        "(default: every rank as one group)",
+    )
+    cal.add_argument(
+        "--backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="auto (default): nccl where every process gets a GPU, else gloo",
+    )
+    cal.add_argument(
+        "--sizes",
+        default=CALIBRATION_SIZES,
+        help=f"message sizes, the piece one rank holds, in bytes with K, M or G (default {CALIBRATION_SIZES})",
+    )
     cal.add_argument("--reps", type=int, default=5, help="timed calls per kind and size, their median kept (default 5)")
-    cal.add_argument("--out", help="the file to write (default calibration-BACKEND.json in $SHARDFLOW_CALIBRATION_DIR, "
-                                   "else $XDG_CACHE_HOME/shardflow or ~/.cache/shardflow: where train and plan read it)")
-    cal.add_argument("--timeout", type=float, default=60.0,
-                     help="seconds any rank may wait on one communication (default 60)")
+    cal.add_argument(
+        "--out",
+        help="the file to write (default calibration-BACKEND.json in $SHARDFLOW_CALIBRATION_DIR, "
+        "else $XDG_CACHE_HOME/shardflow or ~/.cache/shardflow: where train and plan read it)",
+    )
+    cal.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds any rank may wait on one communication (default 60)"
+    )
     cal.set_defaults(func=cmd_calibrate)
-    ck_help = ("a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoint directory or a run directory (its newest "
-               "complete checkpoint)")
-    e = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory (config, safetensors "
-                                      "weights, tokenizer)")
+    ck_help = (
+        "a checkpoint (RUN_DIR/checkpoints/step_N), a checkpoint directory or a run directory (its newest "
+        "complete checkpoint)"
+    )
+    e = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model directory (config, safetensors weights, tokenizer)"
+    )
     e.add_argument("run", metavar="RUN", help=ck_help)
     e.add_argument("--out", required=True, help="the directory to write (new: nothing is overwritten)")
     e.set_defaults(func=cmd_export)
-    g = sub.add_parser("generate", help="sample text from a run of shardflow train or a Hugging Face model directory "
-                                        "(one process)")
+    g = sub.add_parser(
+        "generate", help="sample text from a run of shardflow train or a Hugging Face model directory (one process)"
+    )
     g.add_argument("source", metavar="RUN", help=f"{ck_help}, or a Hugging Face model directory (shardflow export's)")
     g.add_argument("--prompt", required=True, help="text to continue (encoded with the run's tokenizer)")
     g.add_argument("--tokens", type=int, default=200, help="tokens to sample (default 200)")
@@ -695,8 +960,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler (default 0)")
     g.set_defaults(func=cmd_generate)
     for command in (p, c, e, g, cal):  # what check_flags reads: each flag's name and help, by its destination
-        command.set_defaults(flags={a.dest: (a.option_strings[-1] if a.option_strings else a.metavar, a.help)
-                                    for a in command._actions if a.dest != "help"})
+        command.set_defaults(
+            flags={
+                a.dest: (a.option_strings[-1] if a.option_strings else a.metavar, a.help)
+                for a in command._actions
+                if a.dest != "help"
+            }
+        )
     return parser
 
 

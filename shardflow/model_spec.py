@@ -39,21 +39,28 @@ def load_model(spec: str, seed: int = 0, vocab_size: int | None = None) -> tuple
     """
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise ModelSpecError(f"--model {spec!r}: write FILE.py:FACTORY or package.module:FACTORY (a function that "
-                             f"returns (module, batch)), or name a built-in model (llama, gpt2 or another Hugging Face "
-                             f"causal-LM model type; gpt, mlp)")
+        raise ModelSpecError(
+            f"--model {spec!r}: write FILE.py:FACTORY or package.module:FACTORY (a function that "
+            f"returns (module, batch)), or name a built-in model (llama, gpt2 or another Hugging Face "
+            f"causal-LM model type; gpt, mlp)"
+        )
     module = _import(spec, where)
     factory = module
     for part in name.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
-            found = sorted(n for n, f in vars(module).items() if inspect.isfunction(f) and not n.startswith("_")
-                           and f.__module__ == module.__name__)
-            raise ModelSpecError(f"--model {spec}: {where} has no {name!r}; its functions: "
-                                 f"{', '.join(found) or 'none'}")
+            found = sorted(
+                n
+                for n, f in vars(module).items()
+                if inspect.isfunction(f) and not n.startswith("_") and f.__module__ == module.__name__
+            )
+            raise ModelSpecError(
+                f"--model {spec}: {where} has no {name!r}; its functions: {', '.join(found) or 'none'}"
+            )
     if not callable(factory):
-        raise ModelSpecError(f"--model {spec}: {name!r} ({type(factory).__name__}) is not a function returning "
-                             f"(module, batch)")
+        raise ModelSpecError(
+            f"--model {spec}: {name!r} ({type(factory).__name__}) is not a function returning (module, batch)"
+        )
     kwargs = {"vocab_size": vocab_size} if vocab_size is not None and _takes(factory, "vocab_size") else {}
     torch.manual_seed(seed)
     try:
@@ -78,8 +85,10 @@ def _import(spec: str, where: str) -> ModuleType:
             return importlib.import_module(where)
         path = Path(where).resolve()
         if not path.is_file():
-            raise ModelSpecError(f"--model {spec}: no file {where} (from {Path.cwd()}); give the path of a Python "
-                                 f"file, or a module importable as package.module")
+            raise ModelSpecError(
+                f"--model {spec}: no file {where} (from {Path.cwd()}); give the path of a Python "
+                f"file, or a module importable as package.module"
+            )
         if str(path.parent) not in sys.path:
             sys.path.insert(0, str(path.parent))  # its sibling modules import as they do under `python FILE.py`
         name = f"shardflow_model_{path.stem}"
@@ -117,9 +126,14 @@ def _checked(spec: str, name: str, made: object) -> tuple[nn.Module, dict[str, t
     if not isinstance(batch, Mapping) or not batch:
         got = "an empty dict" if isinstance(batch, Mapping) else f"a {type(batch).__name__}"
         raise ModelSpecError(f"--model {spec}: {fix}; its second item is {got}")
-    bad = [f"{k!r} ({type(v).__name__})" for k, v in batch.items() if not isinstance(k, str)
-           or not isinstance(v, torch.Tensor)]
+    bad = [
+        f"{k!r} ({type(v).__name__})"
+        for k, v in batch.items()
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor)
+    ]
     if bad:
-        raise ModelSpecError(f"--model {spec}: {fix}; the batch has non-tensor entries {', '.join(bad)} (settings "
-                             f"such as use_cache=False belong in the model's config)")
+        raise ModelSpecError(
+            f"--model {spec}: {fix}; the batch has non-tensor entries {', '.join(bad)} (settings "
+            f"such as use_cache=False belong in the model's config)"
+        )
     return module, dict(batch)

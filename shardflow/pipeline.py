@@ -61,20 +61,38 @@ class Pipeline:
         return split_batch(batch, options.accumulate * options.microbatches)[0]
 
     @classmethod
-    def capture(cls, model: nn.Module, batch: Mapping[str, torch.Tensor], mesh: Mesh, options: LowerOptions,
-                optimizer: OptimizerConfig, strategy: str | None = None, plan: Plan | str | Path | None = None,
-                strict: bool = False, clip_norm: float | None = None) -> Pipeline:
+    def capture(
+        cls,
+        model: nn.Module,
+        batch: Mapping[str, torch.Tensor],
+        mesh: Mesh,
+        options: LowerOptions,
+        optimizer: OptimizerConfig,
+        strategy: str | None = None,
+        plan: Plan | str | Path | None = None,
+        strict: bool = False,
+        clip_norm: float | None = None,
+    ) -> Pipeline:
         """Check the pipeline schedule fits ``mesh`` (:func:`~shardflow.lower.schedule.requested`), capture
         ``model`` on the :meth:`example` of a step's ``batch`` and plan it (:meth:`planned`). Raises ValueError
         (schedule, batch split), CaptureError and what :meth:`planned` raises."""
         requested(mesh, options.schedule, options.microbatches, options.stages_per_rank)
-        return cls.planned(capture(model, cls.example(batch, options)), mesh, options, optimizer, strategy, plan,
-                           strict, clip_norm)
+        return cls.planned(
+            capture(model, cls.example(batch, options)), mesh, options, optimizer, strategy, plan, strict, clip_norm
+        )
 
     @classmethod
-    def planned(cls, graph: ComputationGraph, mesh: Mesh, options: LowerOptions, optimizer: OptimizerConfig,
-                strategy: str | None = None, plan: Plan | str | Path | None = None, strict: bool = False,
-                clip_norm: float | None = None) -> Pipeline:
+    def planned(
+        cls,
+        graph: ComputationGraph,
+        mesh: Mesh,
+        options: LowerOptions,
+        optimizer: OptimizerConfig,
+        strategy: str | None = None,
+        plan: Plan | str | Path | None = None,
+        strict: bool = False,
+        clip_norm: float | None = None,
+    ) -> Pipeline:
         """The pipeline of captured ``graph`` planned on ``mesh`` (:func:`plan_pcg`: ``plan``, else preset
         ``strategy``, else the mesh's; ``strict`` refuses where a rule refuses). Raises PlanError, DegreeError,
         RuleError."""
@@ -86,18 +104,32 @@ class Pipeline:
         """The micro-steps of one optimizer step (``accumulate``; one, the plain step, by default)."""
         return MicroStep.sequence(self.options.accumulate)
 
-    def lower(self, ranks: tuple[int, ...] | None = None, verify: bool = False, training: bool = True,
-              micro: MicroStep | None = None) -> LoweredStep:
+    def lower(
+        self,
+        ranks: tuple[int, ...] | None = None,
+        verify: bool = False,
+        training: bool = True,
+        micro: MicroStep | None = None,
+    ) -> LoweredStep:
         """One step lowered for ``ranks`` (default every rank; ``verify`` then proves they agree): a training
         step's micro-step ``micro`` (default the last, which reduces the gradients and updates), or with
         ``training=False`` an evaluation step (forward only, no dropout). Raises PassError,
         PlanVerificationError."""
-        return lower_step(self.pcg if training else evaluation(self.pcg), self.optimizer.slots, ranks=ranks,
-                          verify=verify, training=training, options=self.options, clip_norm=self.clip_norm,
-                          grad_norm=True, micro=micro or self.micro_steps[-1])
+        return lower_step(
+            self.pcg if training else evaluation(self.pcg),
+            self.optimizer.slots,
+            ranks=ranks,
+            verify=verify,
+            training=training,
+            options=self.options,
+            clip_norm=self.clip_norm,
+            grad_norm=True,
+            micro=micro or self.micro_steps[-1],
+        )
 
-    def lower_micro_steps(self, ranks: tuple[int, ...] | None = None,
-                          verify: bool = False) -> dict[MicroStep, LoweredStep]:
+    def lower_micro_steps(
+        self, ranks: tuple[int, ...] | None = None, verify: bool = False
+    ) -> dict[MicroStep, LoweredStep]:
         """Each distinct micro-step of :attr:`micro_steps` lowered (first, middle, last; one without accumulation)
         for ``ranks`` (:meth:`lower`)."""
         return {m: self.lower(ranks, verify, micro=m) for m in dict.fromkeys(self.micro_steps)}
@@ -108,8 +140,12 @@ class Pipeline:
         ctx = LowerContext(self.optimizer.slots, True, self.clip_norm, self.options, None, True, self.micro_steps[-1])
         return run_passes(self.pcg, ctx, dump=dump)[1]
 
-    def executors(self, lowered: Mapping[MicroStep, LoweredStep], make: Callable[..., Executor],
-                  weights: Mapping[str, Any] | None = None) -> tuple[Executor, MicroSteps]:
+    def executors(
+        self,
+        lowered: Mapping[MicroStep, LoweredStep],
+        make: Callable[..., Executor],
+        weights: Mapping[str, Any] | None = None,
+    ) -> tuple[Executor, MicroSteps]:
         """The executors of the :meth:`lower_micro_steps` ``lowered``: ``make(step)`` for the last micro-step's
         (whose weights, optimizer state and gradients the others share: ``make(step, share=it)``), loaded with
         ``weights`` (by graph weight name; None: loaded later, e.g. from a checkpoint). Returns it and the
@@ -123,14 +159,19 @@ class Pipeline:
 
 # --- planning ---------------------------------------------------------------------------------------------------
 
+
 def load_plan(path: str | Path) -> Plan:
     """``Plan.load`` with errors that name the file and say how to fix it (raises PlanError)."""
     p = Path(path)
-    fix = ("write a JSON or TOML object with tables modules, inputs and ops (docs/concepts.md), or use --strategy "
-           "instead of --plan")
+    fix = (
+        "write a JSON or TOML object with tables modules, inputs and ops (docs/concepts.md), or use --strategy "
+        "instead of --plan"
+    )
     if not p.is_file():
-        raise PlanError(f"plan file {p}: No such file (or not a file); pass --plan with a JSON or TOML plan file, "
-                        f"or use --strategy instead")
+        raise PlanError(
+            f"plan file {p}: No such file (or not a file); pass --plan with a JSON or TOML plan file, "
+            f"or use --strategy instead"
+        )
     try:
         return Plan.load(p)
     except PlanError as e:
@@ -145,13 +186,21 @@ def mesh_strategy(mesh: Mesh) -> str:
     axes = [a for a, s in zip(mesh.axis_names, mesh.shape) if s > 1]
     other = [a for a in axes if a not in AXIS_OF.values()]
     if other:
-        raise PlanError(f"mesh {mesh}: axis {other[0]!r} names no preset strategy (axes: dp, fsdp, tp, pp); name "
-                        f"the strategy (dp, fsdp, hsdp, tp, sp, pp or a combination) or give a plan")
+        raise PlanError(
+            f"mesh {mesh}: axis {other[0]!r} names no preset strategy (axes: dp, fsdp, tp, pp); name "
+            f"the strategy (dp, fsdp, hsdp, tp, sp, pp or a combination) or give a plan"
+        )
     return ",".join(axes) or "single"
 
 
-def plan_pcg(graph: ComputationGraph, mesh: Mesh, strategy: str | None = None, plan: Plan | str | Path | None = None,
-             strict: bool = False, stages_per_rank: int = 1) -> tuple[Plan, PCG]:
+def plan_pcg(
+    graph: ComputationGraph,
+    mesh: Mesh,
+    strategy: str | None = None,
+    plan: Plan | str | Path | None = None,
+    strict: bool = False,
+    stages_per_rank: int = 1,
+) -> tuple[Plan, PCG]:
     """The plan — ``plan`` (a :class:`Plan` or a JSON/TOML file), else the preset ``strategy``, else the preset the
     mesh's axes name (:func:`mesh_strategy`) — and its PCG on ``mesh``. ``strict``: a rule's refusal is an error
     instead of a redistribution; ``stages_per_rank``: the chunks of the model each pipeline stage of a preset holds

@@ -49,8 +49,13 @@ def leaves(graph: ComputationGraph, given: Mapping[str, torch.Tensor], role: Ten
     return {n: given[n] for n in names}
 
 
-def run_forward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
-                weights: Mapping[str, torch.Tensor], seed: int = 0, step: int = 1) -> dict[str, torch.Tensor]:
+def run_forward(
+    graph: ComputationGraph,
+    inputs: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
+    seed: int = 0,
+    step: int = 1,
+) -> dict[str, torch.Tensor]:
     """Run every node in order; returns every tensor of the graph by name (inputs, weights, constants too).
 
     Args:
@@ -64,17 +69,28 @@ def run_forward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor],
         KeyError: an input or weight is missing (the message gives its expected dtype and shape) or unknown.
         ValueError: an input or weight has the wrong shape or dtype.
     """
-    env = {**leaves(graph, inputs, TensorRole.INPUT), **stored(graph, leaves(graph, weights, TensorRole.WEIGHT)),
-           **graph.constants}
+    env = {
+        **leaves(graph, inputs, TensorRole.INPUT),
+        **stored(graph, leaves(graph, weights, TensorRole.WEIGHT)),
+        **graph.constants,
+    }
     for node in graph.nodes:
-        draw = {"at": DrawSite.whole(seed, step, node.name, graph.tensors[node.outputs[0]].shape)} \
-            if node.op.random else {}
+        draw = (
+            {"at": DrawSite.whole(seed, step, node.name, graph.tensors[node.outputs[0]].shape)}
+            if node.op.random
+            else {}
+        )
         env.update(zip(node.outputs, node.op.compute(*(env[t] for t in node.inputs), **draw)))
     return env
 
 
-def run_backward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor],
-                 seed: int = 0, step: int = 1) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def run_backward(
+    graph: ComputationGraph,
+    inputs: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
+    seed: int = 0,
+    step: int = 1,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Forward (``seed`` and ``step`` as in :func:`run_forward`), then ``d(loss)/d(weight)`` for every graph
     weight by torch autograd.
 
@@ -92,8 +108,9 @@ def run_backward(graph: ComputationGraph, inputs: Mapping[str, torch.Tensor], we
     with torch.enable_grad():
         env = run_forward(graph, inputs, leaves, seed, step)
         names = list(graph.weights)
-        grads = torch.autograd.grad(env[graph.loss], [leaves[n] for n in names], allow_unused=True,
-                                    materialize_grads=True)
+        grads = torch.autograd.grad(
+            env[graph.loss], [leaves[n] for n in names], allow_unused=True, materialize_grads=True
+        )
     return {n: t.detach() for n, t in env.items()}, dict(zip(names, grads))
 
 
@@ -108,6 +125,8 @@ def weights_of(module: nn.Module, graph: ComputationGraph) -> dict[str, torch.Te
     params = dict(module.named_parameters(remove_duplicate=False))
     missing = [n for n in graph.weights if n not in params]
     if missing:
-        raise KeyError("module has no parameter(s) for graph weight(s): "
-                       + ", ".join(f"{n!r} (expected {_describe(graph, n)})" for n in missing))
+        raise KeyError(
+            "module has no parameter(s) for graph weight(s): "
+            + ", ".join(f"{n!r} (expected {_describe(graph, n)})" for n in missing)
+        )
     return leaves(graph, {n: params[n].detach().clone() for n in graph.weights}, TensorRole.WEIGHT)

@@ -71,8 +71,12 @@ INTEGRATION_TESTS = {  # file::test (all its parameters) in files otherwise unit
 def tier(item: pytest.Item) -> str:
     """``integration`` or ``unit``, by the rule above."""
     file, name = item.path.name, getattr(item, "originalname", item.name)  # originalname: without parameters
-    if (item.get_closest_marker("integration") or file in INTEGRATION_FILES or f"{file}::{name}" in INTEGRATION_TESTS
-            or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))):
+    if (
+        item.get_closest_marker("integration")
+        or file in INTEGRATION_FILES
+        or f"{file}::{name}" in INTEGRATION_TESTS
+        or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ()))
+    ):
         return "integration"
     return "unit"
 
@@ -88,10 +92,19 @@ def tiny_hf_llama():
     vocabulary 96; float32, seeded) and its batch of 8 sequences of 8 tokens, the labels being the tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                         use_cache=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+            use_cache=False,
+        )
+    )
     ids = torch.randint(0, 96, (8, 8), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
 
@@ -100,6 +113,7 @@ def tiny_hf_llama_float64():
     """:func:`tiny_hf_llama` in float64, its batch, and its graph captured keeping float64 (``wide_floats``: the
     loss too), for checks against one device at 1e-12."""
     from shardflow.capture import capture, wide_floats
+
     model, batch = tiny_hf_llama()
     model = model.double()
     with wide_floats():
@@ -110,8 +124,30 @@ def tiny_hf_llama_float64():
 # A GPT of 1 layer, 2 heads, width 16 on 16-character sequences, batch 8: a step takes milliseconds; validation
 # every 2 steps on 1 batch; a line every step; MFU against a given peak (measuring one takes a second per run).
 # Later flags override these (argparse: the last one wins).
-TINY = ("--layers", "1", "--heads", "2", "--embd", "16", "--seq-len", "16", "--batch-size", "8", "--eval-every", "2",
-        "--eval-batches", "1", "--log-every", "1", "--lr", "0.01", "--timeout", "30", "--peak-tflops", "0.1")
+TINY = (
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--embd",
+    "16",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "8",
+    "--eval-every",
+    "2",
+    "--eval-batches",
+    "1",
+    "--log-every",
+    "1",
+    "--lr",
+    "0.01",
+    "--timeout",
+    "30",
+    "--peak-tflops",
+    "0.1",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -148,8 +184,10 @@ def corpus(tmp_path_factory) -> Path:
 def train_argv(corpus):
     """``train_argv(run, *flags, data=corpus, entry=("-m", "shardflow.cli"))``: the argv of ``shardflow train`` on
     the tiny model (:data:`TINY`) reading ``data`` and writing the run directory ``run``; ``flags`` go last."""
+
     def argv(run: Path, *flags: str, data: Path | str = corpus, entry: tuple[str, ...] = ("-m", "shardflow.cli")):
         return [sys.executable, *entry, "train", *TINY, "--data", str(data), "--run-dir", str(run), *flags]
+
     return argv
 
 
@@ -170,6 +208,7 @@ def train_here(corpus):
         finally:
             signal.signal(signal.SIGTERM, old)
         return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
     return run_here
 
 
@@ -178,10 +217,12 @@ def run_train(train_argv):
     """``run_train(tmp_path, name, *argv)``: ``shardflow train`` of 4 steps (tiny model) in a subprocess (the runs of
     several processes, whose rank 0 prints to the command's stdout); returns the completed process and the run
     directory ``tmp_path/name``."""
+
     def run_train(tmp_path, name, *argv):
         run = tmp_path / name
         r = subprocess.run(train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=300)
         return r, run
+
     return run_train
 
 
@@ -189,9 +230,11 @@ def run_train(train_argv):
 def run_here(train_here):
     """``run_here(tmp_path, name, *argv)``: as :func:`run_train`, in this process (:func:`train_here`): the runs of
     one process (``--nproc 1``) and the ones refused before any process starts."""
+
     def run_here(tmp_path, name, *argv):
         run = tmp_path / name
         return train_here(run, "--steps", "4", *argv), run
+
     return run_here
 
 

@@ -20,8 +20,22 @@ import shardflow
 
 PACKAGE = str(Path(shardflow.__file__).resolve().parent) + "/"
 EXEMPT = ("models/", "capture/")  # under PACKAGE
-FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.arange, torch.rand, torch.randn,
-             torch.randint, torch.scalar_tensor, torch.as_tensor, torch.linspace, torch.eye, torch.empty_strided}
+FACTORIES = {
+    torch.zeros,
+    torch.ones,
+    torch.empty,
+    torch.full,
+    torch.tensor,
+    torch.arange,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.scalar_tensor,
+    torch.as_tensor,
+    torch.linspace,
+    torch.eye,
+    torch.empty_strided,
+}
 
 
 class DevicelessFactories(TorchFunctionMode):

@@ -35,8 +35,9 @@ from shardflow.strategy import make_plan, resolve
 B, T, V = 4, 8, 11
 
 
-def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("collective", "collective"), dropout=0.0,
-             seed=0):
+def executor(
+    strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("collective", "collective"), dropout=0.0, seed=0
+):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32, dropout=dropout)).to(dtype)
     gen = torch.Generator().manual_seed(1)
@@ -44,8 +45,12 @@ def executor(strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("coll
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    ex = DistributedExecutor(lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms), grad_norm=True),
-                             cfg, timeout_s=timeout_s, seed=seed)
+    ex = DistributedExecutor(
+        lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms), grad_norm=True),
+        cfg,
+        timeout_s=timeout_s,
+        seed=seed,
+    )
     ex.load(weights_of(model, graph))
     return model, inputs, ex
 
@@ -71,7 +76,9 @@ def run_case(case, rank, stream=False):
         want.backward()
         diffs["loss"] = max(diffs["loss"], abs(loss - want.item()))
         grads = ex.grads()
-        diffs["grad"] = max([diffs["grad"]] + [(grads[k] - p.grad).abs().max().item() for k, p in model.named_parameters()])
+        diffs["grad"] = max(
+            [diffs["grad"]] + [(grads[k] - p.grad).abs().max().item() for k, p in model.named_parameters()]
+        )
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # clip_grad_norm_'s
         diffs["grad_norm"] = max(diffs["grad_norm"], abs(ex.grad_norm - norm) / max(1.0, norm))
         opt.step()
@@ -97,9 +104,10 @@ def run_dropout(rank, world):
 
 
 # per world size: the strategy a checkpoint is saved under, then those it is restored under
-CHECKPOINT_STRATEGIES = {2: (("fsdp", "fsdp=2"), ("tp", "tp=2"), ("dp", "dp=2"), ("pp", "pp=2")),
-                         4: (("dp,tp", "dp=2,tp=2"), ("pp,tp", "pp=2,tp=2"), ("tp", "tp=4"),
-                             ("fsdp,tp", "fsdp=2,tp=2"))}
+CHECKPOINT_STRATEGIES = {
+    2: (("fsdp", "fsdp=2"), ("tp", "tp=2"), ("dp", "dp=2"), ("pp", "pp=2")),
+    4: (("dp,tp", "dp=2,tp=2"), ("pp,tp", "pp=2,tp=2"), ("tp", "tp=4"), ("fsdp,tp", "fsdp=2,tp=2")),
+}
 
 
 def run_checkpoint(rank, world, out):
@@ -169,9 +177,12 @@ def run_explicit(rank):
     mesh = Mesh.parse("pp=2")
     whole = SubMesh(mesh)
     ann = resolve(Plan(modules={"linear": ModulePlan(stage=0)}), g, mesh)
-    ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "mean": whole},
-                  leaves={**ann.leaves, "w1": Sharding(((), ("pp",)))},
-                  ops={"linear": (Replicate(2, "pp"), Repartition(1, 2, "pp")), "linear_1": (Reduction(2, "pp"),)})
+    ann = replace(
+        ann,
+        groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "mean": whole},
+        leaves={**ann.leaves, "w1": Sharding(((), ("pp",)))},
+        ops={"linear": (Replicate(2, "pp"), Repartition(1, 2, "pp")), "linear_1": (Reduction(2, "pp"),)},
+    )
     cfg = OptimizerConfig("sgd", 0.1)
     ex = DistributedExecutor(lower_step(build_pcg(g, mesh, ann), cfg.slots, ranks=[rank]), cfg, timeout_s=60)
     torch.manual_seed(0)
@@ -181,8 +192,11 @@ def run_explicit(rank):
     loss_v = ex.step(inputs)
     outs, grads = run_backward(g, inputs, weights)
     got = ex.grads()
-    return {"loss": abs(loss_v - outs["mean"].item()),
-            "grad": max((got[k] - grads[k]).abs().max().item() for k in weights), "weight": 0.0}
+    return {
+        "loss": abs(loss_v - outs["mean"].item()),
+        "grad": max((got[k] - grads[k]).abs().max().item() for k in weights),
+        "weight": 0.0,
+    }
 
 
 def replicate_outside_view(partial):
@@ -203,13 +217,19 @@ def replicate_outside_view(partial):
     loss = b.mean(b.tanh(b.dense(b.dense(x, 6, bias=False, name="fc0"), 4, bias=False, name="fc1")))
     g = b.build([loss], loss)
     mesh = Mesh.parse("pp=2,tp=2")
-    plan = Plan(inputs={"x": {"tp": Shard(0)}}, modules={"fc0": ModulePlan(stage=0, devices=(3, 1))},
-                ops={"linear": (Replicate(2, "pp"),)})
+    plan = Plan(
+        inputs={"x": {"tp": Shard(0)}},
+        modules={"fc0": ModulePlan(stage=0, devices=(3, 1))},
+        ops={"linear": (Replicate(2, "pp"),)},
+    )
     ann = resolve(plan, g, mesh)
     whole = SubMesh(mesh)
     w1 = Sharding.replicated(2).with_layout({"pp": Shard(0)} if partial else {}, whole)
-    ann = replace(ann, groups={"linear": ann.groups["linear"], "linear_1": whole, "tanh": whole, "mean": whole},
-                  leaves={**ann.leaves, "fc1.weight": w1})
+    ann = replace(
+        ann,
+        groups={"linear": ann.groups["linear"], "linear_1": whole, "tanh": whole, "mean": whole},
+        leaves={**ann.leaves, "fc1.weight": w1},
+    )
     gen = torch.Generator().manual_seed(0)
     weights = {w: torch.randn(g.tensors[w].shape, generator=gen, dtype=torch.float64) for w in g.weights}
     return g, build_pcg(g, mesh, ann), weights, {"x": torch.randn(4, 6, generator=gen, dtype=torch.float64)}
@@ -247,8 +267,14 @@ def run_groups(rank, world):
     from shardflow.runtime.distributed import ProcessGroups
 
     mesh = Mesh.parse("pp=2,tp=2")
-    groups = [Group((3, 0, 2)), Group((0, 1), mesh, "tp"), Group((2, 3), mesh, "tp"), Group((1, 3), mesh, "pp"),
-              Group((3, 1)), Group(tuple(range(world)))]
+    groups = [
+        Group((3, 0, 2)),
+        Group((0, 1), mesh, "tp"),
+        Group((2, 3), mesh, "tp"),
+        Group((1, 3), mesh, "pp"),
+        Group((3, 1)),
+        Group(tuple(range(world))),
+    ]
     pgs = ProcessGroups(datetime.timedelta(seconds=60))
     for _ in range(2):
         pgs.create(groups)
@@ -266,9 +292,12 @@ def run_groups(rank, world):
         x = torch.ones(1)
         dist.all_reduce(x, group=pg)
         timeout = (pg or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
-        failed += (sorted(ranks) != sorted(g.members) or x.item() != len(g.members)
-                   or (g.mesh is not None and pg is not pgs.meshes[mesh].get_group(g.axis))
-                   or timeout != datetime.timedelta(seconds=60))
+        failed += (
+            sorted(ranks) != sorted(g.members)
+            or x.item() != len(g.members)
+            or (g.mesh is not None and pg is not pgs.meshes[mesh].get_group(g.axis))
+            or timeout != datetime.timedelta(seconds=60)
+        )
     return {"failed groups": float(failed)}
 
 
@@ -290,18 +319,25 @@ def run_comms(rank, world):
 
     def comm(kind, piece, result, **kw):
         t = TensorType(piece, "float64")
-        return Comm(0, kind, "FWD", members, t, 0, send=Buffer("x", t), recv=Buffer("y", TensorType(result, "float64")),
-                    **kw)
+        return Comm(
+            0, kind, "FWD", members, t, 0, send=Buffer("x", t), recv=Buffer("y", TensorType(result, "float64")), **kw
+        )
 
     def scaled(dim, f):
         return tuple(n * f if i == dim else n for i, n in enumerate(shape))
 
     cases = {f"all_gather dim {k}": (comm("all_gather", shape, scaled(k, d), dim=k), False) for k in range(3)}
-    cases |= {f"reduce_scatter dim {k}": (comm("reduce_scatter", shape, tuple(n // d if i == k else n
-                                                                             for i, n in enumerate(shape)), dim=k), False)
-              for k in range(3)}
-    cases |= {f"all_to_all {a}->{b}": (comm("all_to_all", shape, shape, dim=a, dim2=b), False)
-              for a, b in ((0, 1), (1, 0), (2, 1), (1, 1))}
+    cases |= {
+        f"reduce_scatter dim {k}": (
+            comm("reduce_scatter", shape, tuple(n // d if i == k else n for i, n in enumerate(shape)), dim=k),
+            False,
+        )
+        for k in range(3)
+    }
+    cases |= {
+        f"all_to_all {a}->{b}": (comm("all_to_all", shape, shape, dim=a, dim2=b), False)
+        for a, b in ((0, 1), (1, 0), (2, 1), (1, 1))
+    }
     for own in (True, False):
         cases[f"all_reduce shared={own}"] = (comm("all_reduce", shape, shape), own)
         cases[f"all_reduce avg shared={own}"] = (comm("all_reduce", shape, shape, reduce_op=ReduceOp.AVG), own)
@@ -325,7 +361,9 @@ def run_comms(rank, world):
                 continue
             diffs[f"{name}{' transposed' * transposed}"] = (got - want).abs().max().item()
             if c.kind == CommKind.ALL_REDUCE and c.reduce_op == ReduceOp.SUM and not transposed:
-                diffs[f"{name}: reduced into its send buffer as told"] = float((got.data_ptr() == mine.data_ptr()) != own)
+                diffs[f"{name}: reduced into its send buffer as told"] = float(
+                    (got.data_ptr() == mine.data_ptr()) != own
+                )
             if c.kind == CommKind.ALL_GATHER and c.dim != 0:
                 diffs[f"{name}: result a view"] = float(got.is_contiguous())
     return diffs
@@ -358,6 +396,7 @@ def main():
             results[case] = "ran"  # must not get here: the fingerprints differ
         elif case == "diverge":  # rank 1's program has its first two forward all-reduces swapped; debug mode
             from shardflow.lower.program import Comm, Program
+
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=10.0)
             ex.debug = True
@@ -383,8 +422,11 @@ def main():
         elif case == "comms":  # every communication kind against the local implementation
             results[case] = run_comms(rank, world)
         elif case == "stream_waits":  # a GPU's way of waiting, on gloo: pipeline sends and receives, ring steps
-            results[case] = {f"{k} ({c})": v for c in ("pp,tp@pp=2,tp=2@float64", "sp@tp=4@float64@ring@ring")
-                             for k, v in run_case(c, rank, stream=True).items()}
+            results[case] = {
+                f"{k} ({c})": v
+                for c in ("pp,tp@pp=2,tp=2@float64", "sp@tp=4@float64@ring@ring")
+                for k, v in run_case(c, rank, stream=True).items()
+            }
         elif case == "die":
             cfg = OptimizerConfig("sgd", 0.1)
             _, inputs, ex = executor("tp", f"tp={world}", torch.float64, rank, cfg, timeout_s=5.0)

@@ -17,7 +17,7 @@ from pathlib import Path
 def _address(hex_addr: str) -> str:
     """'0100007F:1F90' (from /proc/net/tcp, host byte order per 32-bit word) → '127.0.0.1'."""
     host = hex_addr.split(":")[0]
-    raw = b"".join(bytes.fromhex(host[i:i + 8])[::-1] for i in range(0, len(host), 8))
+    raw = b"".join(bytes.fromhex(host[i : i + 8])[::-1] for i in range(0, len(host), 8))
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
@@ -45,7 +45,7 @@ def socket_inodes(pid: int) -> set[str]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     return inodes
 
 
@@ -57,11 +57,13 @@ def main() -> None:
     parent_listeners = [a for a, _, i in listening() if i in parent]
 
     from shardflow.runtime.distributed import init_from_env, shutdown
+
     rank, _ = init_from_env(30)
     mine = socket_inodes(os.getpid())
     rank_listeners = [a for a, _, i in listening() if i in mine]
-    (out / f"listeners{rank}.json").write_text(json.dumps(
-        {"store": store, "parent": parent_listeners, "rank": rank_listeners}))
+    (out / f"listeners{rank}.json").write_text(
+        json.dumps({"store": store, "parent": parent_listeners, "rank": rank_listeners})
+    )
     shutdown(0)
 
 

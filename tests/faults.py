@@ -40,8 +40,10 @@ class Fault:
         need = self.KINDS.get(kind)
         bad = [p for p in parts if "=" not in p] + sorted(set(fields) - {"rank", "step", "seconds"})
         if need is None or bad or not set(need) <= set(fields):
-            raise ValueError(f"{FAULT_ENV}={text!r}: write kill:rank=R:step=N, stall:rank=R:step=N:seconds=S or "
-                             f"kill_in_save:rank=R[:step=N] (a test hook; unset it for normal runs)")
+            raise ValueError(
+                f"{FAULT_ENV}={text!r}: write kill:rank=R:step=N, stall:rank=R:step=N:seconds=S or "
+                f"kill_in_save:rank=R[:step=N] (a test hook; unset it for normal runs)"
+            )
         try:
             self.kind, self.rank = kind, int(fields["rank"])
             self.step = int(fields["step"]) if "step" in fields else None
@@ -72,8 +74,9 @@ class Fault:
             if half == 0:
                 self._strike(rank, f"kills itself (SIGKILL) at the start of step {step}")
             self.ops.calls, self.ops.at = 0, half
-            self.ops.then = lambda: self._strike(rank, f"kills itself (SIGKILL) in the middle of step {step} "
-                                                       f"(torch operation {half})")
+            self.ops.then = lambda: self._strike(
+                rank, f"kills itself (SIGKILL) in the middle of step {step} (torch operation {half})"
+            )
             return self.ops
         return contextlib.nullcontext()
 

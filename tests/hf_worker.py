@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from test_export_capture import batch, hf_gpt2, hf_llama
 
 from shardflow.capture import capture, wide_floats
 from shardflow.lower import lower_step
@@ -28,8 +29,6 @@ from shardflow.reference import weights_of
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
-
-from test_export_capture import batch, hf_gpt2, hf_llama
 
 MODELS = {"llama": hf_llama, "gpt2": hf_gpt2}
 SGD = OptimizerConfig("sgd", 0.1, 0.9)
@@ -66,8 +65,9 @@ def compare(model: torch.nn.Module, b: dict, graph, ex: Executor) -> dict[str, f
             want.backward()
         diffs["loss"] = max(diffs["loss"], abs(loss - want.item()))
         grads = ex.grads()
-        diffs["grad"] = max([diffs["grad"]] + [(grads[k] - p.grad).abs().max().item()
-                                               for k, p in model.named_parameters()])
+        diffs["grad"] = max(
+            [diffs["grad"]] + [(grads[k] - p.grad).abs().max().item() for k, p in model.named_parameters()]
+        )
         opt.step()
     diffs["weight"] = ex.weight_error({k: p.detach() for k, p in model.named_parameters()})
     return diffs

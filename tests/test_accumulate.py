@@ -3,38 +3,45 @@ communication only in the last micro-step, as much of it as one step on the whol
 of a sharded run equal one device on the whole batch), on the small MLP of test_lower (no processes)."""
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
+from test_lower import comms, mlp
 
 from shardflow.lower import LowerOptions, MicroStep, lower_step
 from shardflow.lower.dynamic import NodeKind, TaskType, ValueRole
 from shardflow.lower.program import Free
-from dataclasses import replace
-
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
 from shardflow.parallel.pcg import build_pcg
+from shardflow.parallel.sharding import Sharding
 from shardflow.runtime.accumulate import MicroSteps
 from shardflow.runtime.batch import BatchSplitError, split_batch
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
-from shardflow.parallel.sharding import Sharding
 from shardflow.strategy import make_plan, resolve
-from test_lower import comms, mlp
 
 B = 8
 
 
-def micro_steps(mesh_text: str, strategy: str, count: int, optimizer: str = "sgd", bucket_bytes: int | None = None,
-                dtype: str = "float32", **kw):
+def micro_steps(
+    mesh_text: str,
+    strategy: str,
+    count: int,
+    optimizer: str = "sgd",
+    bucket_bytes: int | None = None,
+    dtype: str = "float32",
+    **kw,
+):
     """Each distinct micro-step of ``count`` lowered (proven) for the MLP (in ``dtype``) on a micro-batch of B/count
     rows."""
     graph = mlp(pre=True, B=B // count, dtype=dtype)
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
     options = LowerOptions() if bucket_bytes is None else LowerOptions(bucket_bytes=bucket_bytes)
-    return graph, {m: lower_step(pcg, optimizer, options=options, micro=m, **kw)
-                   for m in dict.fromkeys(MicroStep.sequence(count))}
+    return graph, {
+        m: lower_step(pcg, optimizer, options=options, micro=m, **kw) for m in dict.fromkeys(MicroStep.sequence(count))
+    }
 
 
 def comm_counts(step) -> Counter:
@@ -78,8 +85,13 @@ def test_sums_live_from_one_micro_step_to_the_next():
     for step in steps.values():
         (seed,) = [n for n in step.dg.nodes if n.kind == NodeKind.SEED]
         assert seed.scale == 0.25 and step.dg.values[seed.outputs[0]].role == ValueRole.GRAD
-        sums = [n for n in step.dg.nodes if n.kind == NodeKind.SUM and n.pass_ == TaskType.BWD
-                and any(step.dg.values[v].role == ValueRole.ACC for v in n.inputs + n.outputs)]
+        sums = [
+            n
+            for n in step.dg.nodes
+            if n.kind == NodeKind.SUM
+            and n.pass_ == TaskType.BWD
+            and any(step.dg.values[v].role == ValueRole.ACC for v in n.inputs + n.outputs)
+        ]
         assert len(sums) == n_weights
 
 
@@ -120,9 +132,15 @@ def test_a_weight_gathered_before_use_sums_the_gathered_gradient():
 
     def pcg(graph):
         ann = resolve(make_plan(graph, mesh, "dp"), graph, mesh)
-        return build_pcg(graph, mesh, replace(
-            ann, leaves={**ann.leaves, "fc1.weight": Sharding.from_placements([Shard(0)], SubMesh(mesh), 2)},
-            edges={**ann.edges, ("linear", 1): {"dp": Replicate()}}))
+        return build_pcg(
+            graph,
+            mesh,
+            replace(
+                ann,
+                leaves={**ann.leaves, "fc1.weight": Sharding.from_placements([Shard(0)], SubMesh(mesh), 2)},
+                edges={**ann.edges, ("linear", 1): {"dp": Replicate()}},
+            ),
+        )
 
     whole, micro = mlp(pre=True, B=B), mlp(pre=True, B=B // 2)
     # the plain gather, whatever the cost model, kept for the backward (no resharding: one gather per micro-step)
@@ -147,8 +165,11 @@ def test_a_weight_gathered_before_use_sums_the_gathered_gradient():
 
 def test_micro_step_and_batch_split_errors():
     assert MicroStep.sequence(1) == (MicroStep(),)
-    assert [str(m) for m in MicroStep.sequence(3)] == ["first of 3 micro-steps", "middle of 3 micro-steps",
-                                                       "last of 3 micro-steps"]
+    assert [str(m) for m in MicroStep.sequence(3)] == [
+        "first of 3 micro-steps",
+        "middle of 3 micro-steps",
+        "last of 3 micro-steps",
+    ]
     with pytest.raises(ValueError, match="at least one micro-step, not 0"):
         MicroStep.sequence(0)
     with pytest.raises(ValueError, match="one micro-step is both first and last"):

@@ -14,17 +14,17 @@ import sys
 
 import pytest
 import torch
+from titan import titan_lambda
 from torch import nn
 
 import shardflow
 from shardflow.api import StepDeviation
-from shardflow.model_spec import ModelSpecError, load_model
 from shardflow.capture import wide_floats
+from shardflow.model_spec import ModelSpecError, load_model
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Replicate, Shard
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import PlanError
-from titan import titan_lambda
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,8 +35,10 @@ B, T = 4, 8
 def our_gpt():
     model = GPT(GPTConfig(vocab_size=11, block_size=T, n_layer=1, n_head=4, n_embd=32))
     gen = torch.Generator().manual_seed(1)
-    return model, {"idx": torch.randint(0, 11, (B, T), generator=gen),
-                   "targets": torch.randint(0, 11, (B, T), generator=gen)}
+    return model, {
+        "idx": torch.randint(0, 11, (B, T), generator=gen),
+        "targets": torch.randint(0, 11, (B, T), generator=gen),
+    }
 
 
 def hf_batch(vocab=96):
@@ -45,15 +47,33 @@ def hf_batch(vocab=96):
 
 
 def hf_llama():
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg), hf_batch()
 
 
 def hf_gpt2():
-    cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False,
-                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=96,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        use_cache=False,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(cfg), hf_batch()
 
 
@@ -100,6 +120,7 @@ def test_accumulated_steps_equal_eager_on_the_whole_batch():
     per rank each), the weights' gradients reduced once; each step's loss, the gradients and every replica of every
     weight piece equal eager PyTorch's on the whole batch (TOL; a missing 1/2 would be O(1) in the gradients)."""
     from shardflow.runtime.batch import BatchSplitError
+
     model, batch = made(hf_llama)
     with wide_floats():
         trainer = shardflow.parallelize(model, batch, mesh="dp=2", lr=0.1, accumulate=2)
@@ -211,16 +232,19 @@ def test_step_checks_the_batch_against_the_example():
     assert trainer.steps_done == 0
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    ({"optimizer": OptimizerConfig("sgd", 0.1), "lr": 0.2}, ValueError, "set lr and the options in the config"),
-    ({"optimizer": "lion"}, ValueError, "lion"),
-    ({"executor": "gpu"}, ValueError, "use one of local, distributed, auto"),
-    ({"strategy": "dp", "plan": shardflow.Plan()}, PlanError, "a strategy or a plan, not both"),
-    ({"mesh": "x=2"}, PlanError, "axis 'x' names no preset strategy"),
-    ({"plan": "/nonexistent/plan.toml"}, PlanError, "No such file"),
-    ({"accumulate": 0}, ValueError, r"accumulate=0: give the micro-steps per step, 1 \(no accumulation\) or more"),
-    ({"accumulate": 3}, ValueError, r"input 'idx' \[4, 8\] has 4 rows along dim 0, which do not split into 3 "),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        ({"optimizer": OptimizerConfig("sgd", 0.1), "lr": 0.2}, ValueError, "set lr and the options in the config"),
+        ({"optimizer": "lion"}, ValueError, "lion"),
+        ({"executor": "gpu"}, ValueError, "use one of local, distributed, auto"),
+        ({"strategy": "dp", "plan": shardflow.Plan()}, PlanError, "a strategy or a plan, not both"),
+        ({"mesh": "x=2"}, PlanError, "axis 'x' names no preset strategy"),
+        ({"plan": "/nonexistent/plan.toml"}, PlanError, "No such file"),
+        ({"accumulate": 0}, ValueError, r"accumulate=0: give the micro-steps per step, 1 \(no accumulation\) or more"),
+        ({"accumulate": 3}, ValueError, r"input 'idx' \[4, 8\] has 4 rows along dim 0, which do not split into 3 "),
+    ],
+)
 def test_parallelize_argument_errors(kwargs, error, words):
     model, batch = our_gpt()
     with pytest.raises(error, match=words):
@@ -230,6 +254,7 @@ def test_parallelize_argument_errors(kwargs, error, words):
 def test_a_user_plan_and_a_single_device_mesh():
     """A Plan object (the classifier's Megatron pair on tp) and a one-device mesh (strategy single) both train as
     eager does."""
+
     class Classifier(nn.Module):
         def __init__(self):
             super().__init__()
@@ -241,9 +266,12 @@ def test_a_user_plan_and_a_single_device_mesh():
     gen = torch.Generator().manual_seed(0)
     batch = {"x": torch.randn(B, 8, dtype=torch.float64, generator=gen), "y": torch.randint(0, 4, (B,), generator=gen)}
 
-    plan = shardflow.Plan(modules={
-        "net.0": shardflow.ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
-        "net.2": shardflow.ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})})
+    plan = shardflow.Plan(
+        modules={
+            "net.0": shardflow.ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
+            "net.2": shardflow.ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()}),
+        }
+    )
     for mesh, kw in (("tp=2", {"plan": plan}), ("d=1", {})):
         torch.manual_seed(0)
         model = Classifier().double()
@@ -259,8 +287,16 @@ def test_wide_floats_keeps_float64_through_every_spelling_of_to():
     spelled (Module.to passes device, dtype and non_blocking positionally), and other conversions still happen."""
     x = torch.ones(2, dtype=torch.float64)
     with wide_floats():
-        assert {y.dtype for y in (x.float(), x.to(torch.float32), x.to(None, torch.float16, False),
-                                  x.to(dtype=torch.bfloat16), x.to("cpu", torch.float32))} == {torch.float64}
+        assert {
+            y.dtype
+            for y in (
+                x.float(),
+                x.to(torch.float32),
+                x.to(None, torch.float16, False),
+                x.to(dtype=torch.bfloat16),
+                x.to("cpu", torch.float32),
+            )
+        } == {torch.float64}
         assert x.to(torch.int64).dtype == torch.int64 and x.float().to(torch.float32) is x
         module = nn.Linear(2, 2).double().to(torch.float64)
         assert module.weight.dtype == torch.float64
@@ -269,7 +305,7 @@ def test_wide_floats_keeps_float64_through_every_spelling_of_to():
 
 # --- load_model ---------------------------------------------------------------------------------------------------
 
-FACTORIES = '''
+FACTORIES = """
 import torch
 from torch import nn
 from sibling import WIDTH
@@ -299,7 +335,7 @@ def flagged():
 
 def raises():
     return undefined_name
-'''
+"""
 
 
 @pytest.fixture
@@ -325,25 +361,37 @@ def test_load_model_from_a_file_and_a_module(factories):
     assert load_model(f"{factories}:good")[0].weight.equal(load_model("mypkg.factories:good")[0].weight)
 
 
-@pytest.mark.parametrize("name, words", [
-    ("missing", "has no 'missing'; its functions: flagged, good, raises, random_weight, wrong"),
-    ("wrong", "wrong() must return (module, batch): an nn.Module and a dict of input name → tensor; it returned Linear"),
-    ("random_weight", "random_weight() must return (module, batch)"),
-    ("flagged", "the batch has non-tensor entries 'use_cache' (bool) (settings such as use_cache=False belong in "
-                "the model's config)"),
-    ("raises", "calling raises() raised NameError: name 'undefined_name' is not defined (at "),
-])
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("missing", "has no 'missing'; its functions: flagged, good, raises, random_weight, wrong"),
+        (
+            "wrong",
+            "wrong() must return (module, batch): an nn.Module and a dict of input name → tensor; it returned Linear",
+        ),
+        ("random_weight", "random_weight() must return (module, batch)"),
+        (
+            "flagged",
+            "the batch has non-tensor entries 'use_cache' (bool) (settings such as use_cache=False belong in "
+            "the model's config)",
+        ),
+        ("raises", "calling raises() raised NameError: name 'undefined_name' is not defined (at "),
+    ],
+)
 def test_load_model_errors_name_the_spec_and_the_fix(factories, name, words):
     with pytest.raises(ModelSpecError) as e:
         load_model(f"{factories}:{name}")
     assert str(e.value).startswith(f"--model {factories}:{name}: ") and words in str(e.value)
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("nofile.py:f", "no file nofile.py (from "),
-    ("no_such_package.models:f", "no module named 'no_such_package.models' (a file needs its .py suffix)"),
-    ("examples/hf_llama.py", "write FILE.py:FACTORY or package.module:FACTORY"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("nofile.py:f", "no file nofile.py (from "),
+        ("no_such_package.models:f", "no module named 'no_such_package.models' (a file needs its .py suffix)"),
+        ("examples/hf_llama.py", "write FILE.py:FACTORY or package.module:FACTORY"),
+    ],
+)
 def test_load_model_errors_for_what_cannot_be_found(spec, words):
     with pytest.raises(ModelSpecError, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         load_model(spec)
@@ -367,21 +415,27 @@ def test_at_dtype_keeps_the_imaginary_part_of_complex_buffers():
     """``Module.to(torch.float64)`` casts a complex buffer to float64, dropping its imaginary part (torchtitan's
     rotary table ``freqs_cis``); at_dtype makes it complex128 and says what it converted."""
     from shardflow.capture import at_dtype
+
     module = nn.Linear(2, 2)
     table = torch.polar(torch.ones(3), torch.tensor([0.5, 1.0, 2.0]))
     module.register_buffer("table", table)
-    model, batch, changed = at_dtype(module, {"x": torch.ones(2), "i": torch.ones(2, dtype=torch.int64)},
-                                     torch.float64)
+    model, batch, changed = at_dtype(module, {"x": torch.ones(2), "i": torch.ones(2, dtype=torch.int64)}, torch.float64)
     assert model.table.dtype == torch.complex128 and torch.equal(model.table, table.to(torch.complex128))
     assert model.weight.dtype == torch.float64 and batch["x"].dtype == torch.float64 and batch["i"].dtype == torch.int64
-    assert changed == {"weight": ("float32", "float64"), "bias": ("float32", "float64"),
-                       "table": ("complex64", "complex128"), "batch.x": ("float32", "float64")}
+    assert changed == {
+        "weight": ("float32", "float64"),
+        "bias": ("float32", "float64"),
+        "table": ("complex64", "complex128"),
+        "batch.x": ("float32", "float64"),
+    }
 
 
 # --- the torchtitan user's API: torch.optim classes, an lr schedule, clipping, a DeviceMesh -----------------------
 
-@pytest.mark.parametrize("decay, warmup, min_ratio", [("constant", 3, 0.0), ("cosine", 2, 0.1), ("linear", 0, 0.0),
-                                                      ("cosine", 0, 0.0)])
+
+@pytest.mark.parametrize(
+    "decay, warmup, min_ratio", [("constant", 3, 0.0), ("cosine", 2, 0.1), ("linear", 0, 0.0), ("cosine", 0, 0.0)]
+)
 def test_lr_schedule_equals_torchtitans_lambda_lr(decay, warmup, min_ratio):
     """Each step's learning rate equals torch's LambdaLR with torchtitan's formula, stepped after each optimizer
     step (step s, counted from 1, trains at the factor of scheduler step s − 1)."""
@@ -396,11 +450,15 @@ def test_lr_schedule_equals_torchtitans_lambda_lr(decay, warmup, min_ratio):
     assert cfg.lr_at(steps) == pytest.approx(peak * (min_ratio if decay != "constant" else 1.0))
 
 
-@pytest.mark.parametrize("optimizer, kwargs", [
-    (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}),
-    (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}),
-    (functools.partial(torch.optim.SGD, momentum=0.9), {"lr": 0.1, "weight_decay": 0.01}),
-], ids=["adam", "adamw", "sgd-partial"])
+@pytest.mark.parametrize(
+    "optimizer, kwargs",
+    [
+        (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}),
+        (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": True}),
+        (functools.partial(torch.optim.SGD, momentum=0.9), {"lr": 0.1, "weight_decay": 0.01}),
+    ],
+    ids=["adam", "adamw", "sgd-partial"],
+)
 def test_torch_optim_class_schedule_and_clipping_equal_eager(optimizer, kwargs):
     """The user's torch.optim class and options, a warm-up + cosine schedule and clipping by global norm on dp=2:
     3 steps' losses and the weights equal eager torch.optim with LambdaLR (torchtitan's formula) and
@@ -409,10 +467,18 @@ def test_torch_optim_class_schedule_and_clipping_equal_eager(optimizer, kwargs):
     model, batch = made(our_gpt)
     schedule = shardflow.LRSchedule("cosine", warmup_steps=1, steps=3, min_lr_ratio=0.1)
     with wide_floats():
-        trainer = shardflow.parallelize(model, batch, mesh="dp=2", optimizer=optimizer, optimizer_kwargs=kwargs,
-                                        lr_schedule=schedule, clip_norm=0.05)
+        trainer = shardflow.parallelize(
+            model,
+            batch,
+            mesh="dp=2",
+            optimizer=optimizer,
+            optimizer_kwargs=kwargs,
+            lr_schedule=schedule,
+            clip_norm=0.05,
+        )
         opt = (optimizer.func if isinstance(optimizer, functools.partial) else optimizer)(
-            model.parameters(), **{**getattr(optimizer, "keywords", {}), **kwargs})
+            model.parameters(), **{**getattr(optimizer, "keywords", {}), **kwargs}
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, titan_lambda(1, 3, "cosine", 0.1))
         for step in range(1, 4):
             loss = trainer.step(batch)
@@ -427,18 +493,29 @@ def test_torch_optim_class_schedule_and_clipping_equal_eager(optimizer, kwargs):
     assert trainer.weight_error(model.state_dict()) <= TOL
 
 
-@pytest.mark.parametrize("optimizer, kwargs, words", [
-    (torch.optim.LBFGS, {}, r"optimizer=LBFGS: shardflow updates each shard .* only optimizers whose update is "
-                            r"elementwise.*Pass torch.optim.SGD, torch.optim.Adam or torch.optim.AdamW"),
-    (torch.optim.RMSprop, {}, r"optimizer=RMSprop: .* Pass torch.optim.SGD"),
-    (torch.optim.Adam, {"amsgrad": True}, r"optimizer=Adam with amsgrad=True: shardflow computes Adam's update with "
-                                          r"torch.optim's default for amsgrad only .* drop amsgrad=True"),
-    (torch.optim.SGD, {"nesterov": True, "momentum": 0.9}, r"SGD with nesterov=True: .* drop nesterov=True"),
-    (torch.optim.AdamW, {"momentum": 0.9}, r"AdamW: no option momentum; AdamW takes lr, betas"),
-    (functools.partial(torch.optim.SGD, 0.1), {}, r"give its options by name"),
-    ("sgd", {"lr": 0.1}, r"options go with a torch.optim class"),
-    (OptimizerConfig("adam"), {"lr": 0.1}, r"set lr and the options in the config"),
-])
+@pytest.mark.parametrize(
+    "optimizer, kwargs, words",
+    [
+        (
+            torch.optim.LBFGS,
+            {},
+            r"optimizer=LBFGS: shardflow updates each shard .* only optimizers whose update is "
+            r"elementwise.*Pass torch.optim.SGD, torch.optim.Adam or torch.optim.AdamW",
+        ),
+        (torch.optim.RMSprop, {}, r"optimizer=RMSprop: .* Pass torch.optim.SGD"),
+        (
+            torch.optim.Adam,
+            {"amsgrad": True},
+            r"optimizer=Adam with amsgrad=True: shardflow computes Adam's update with "
+            r"torch.optim's default for amsgrad only .* drop amsgrad=True",
+        ),
+        (torch.optim.SGD, {"nesterov": True, "momentum": 0.9}, r"SGD with nesterov=True: .* drop nesterov=True"),
+        (torch.optim.AdamW, {"momentum": 0.9}, r"AdamW: no option momentum; AdamW takes lr, betas"),
+        (functools.partial(torch.optim.SGD, 0.1), {}, r"give its options by name"),
+        ("sgd", {"lr": 0.1}, r"options go with a torch.optim class"),
+        (OptimizerConfig("adam"), {"lr": 0.1}, r"set lr and the options in the config"),
+    ],
+)
 def test_optimizers_shardflow_does_not_compute_are_refused(optimizer, kwargs, words):
     model, batch = our_gpt()
     with pytest.raises(ValueError, match=words):
@@ -448,6 +525,7 @@ def test_optimizers_shardflow_does_not_compute_are_refused(optimizer, kwargs, wo
 def test_adam_with_decoupled_weight_decay_is_adamw():
     """torch.optim.Adam(decoupled_weight_decay=True) is AdamW, as torch documents."""
     from shardflow.api import from_torch_optim
+
     cfg = from_torch_optim(torch.optim.Adam, {"decoupled_weight_decay": True, "lr": torch.tensor(0.5)})
     assert cfg == OptimizerConfig("adamw", 0.5)  # a 0-dim tensor lr taken as its value
 
@@ -457,6 +535,7 @@ def world_of_one(tmp_path):
     """A one-process gloo group (file:// rendezvous in tmp_path): what init_device_mesh needs to make a DeviceMesh;
     destroyed after the test."""
     import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
@@ -468,14 +547,15 @@ def test_a_device_mesh_is_taken_for_its_names_and_shape(world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
 
     from shardflow.api import as_mesh
-    assert as_mesh(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))) == shardflow.Mesh(("dp", "tp"),
-                                                                                                    (1, 1))
+
+    assert as_mesh(init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))) == shardflow.Mesh(("dp", "tp"), (1, 1))
     with pytest.raises(ValueError, match="a DeviceMesh without mesh_dim_names; name its axes"):
         as_mesh(init_device_mesh("cpu", (1,)))
     model, batch = made(our_gpt)
     with wide_floats():
-        trainer = shardflow.parallelize(model, batch, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)),
-                                        lr=0.1)
+        trainer = shardflow.parallelize(
+            model, batch, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)), lr=0.1
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         assert abs(trainer.step(batch) - eager_step(model, opt, batch)) <= TOL
     assert trainer.plan.pcg.mesh == shardflow.Mesh(("dp",), (1,))

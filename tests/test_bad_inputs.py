@@ -36,85 +36,139 @@ def train(capsys, tiny):
     """``train(run, data, *argv)``: ``shardflow train`` (tiny model, 2 steps) in this process; returns (exit status,
     stdout, stderr) and checks that the run directory holds no new file (nothing half-written: no config.toml,
     log, metrics or checkpoint)."""
+
     def run_train(run: Path, data, *argv: str):
         before = files(run)
         code = cli_main(["train", *tiny, "--steps", "2", "--data", str(data), "--run-dir", str(run), *argv])
         out, err = capsys.readouterr()
         assert files(run) == before, sorted(files(run) - before)
         return code, out, err
+
     return run_train
 
 
 # --- configuration: flags and --config files ------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, words", [
-    (["--steps", "0"], ["--steps 0 is out of range", "≥ 1"]),
-    (["--batch-size", "0"], ["--batch-size 0 is out of range"]),
-    (["--seq-len", "0"], ["--seq-len 0 is out of range"]),
-    (["--vocab-size", "100"], ["--vocab-size 100 is out of range", "in [256, 2147483647]", "its 256 byte tokens"]),
-    (["--vocab-size", "100000000000000000000"], ["--vocab-size 100000000000000000000 is out of range"]),
-    (["--eval-every", "0"], ["--eval-every 0 is out of range"]),
-    (["--log-every", "0"], ["--log-every 0 is out of range"]),
-    (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
-    (["--nproc", "0"], ["--nproc 0 is out of range"]),
-    (["--bucket-mb", "-1"], ["--bucket-mb -1.0 is out of range", "≥ 0"]),
-    (["--peak-tflops", "-1"], ["--peak-tflops -1.0 is out of range", "≥ 0"]),
-    (["--timeout", "0"], ["--timeout 0.0 is out of range: give a finite value in (0, 2000000]", "--timeout: seconds"]),
-    (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is out of range: give a value ≥ 0"]),
-    (["--keep-checkpoints", "-1"], ["--keep-checkpoints -1 is out of range: give a value ≥ 0"]),
-    (["--dropout", "1.5"], ["--dropout 1.5 is out of range: give a finite value in [0, 1)"]),
-    # numbers that were accepted (or crashed later): signs, ranges and non-finite floats
-    (["--lr", "-1"], ["--lr -1.0 is out of range: give a finite value in [0, 3.4e+38]. --lr: learning rate"]),
-    (["--lr", "1e39"], ["--lr 1e+39 is out of range: give a finite value in [0, 3.4e+38]"]),
-    (["--lr", "nan"], ["--lr nan is out of range: give a finite value in [0, 3.4e+38]"]),
-    (["--lr", "inf"], ["--lr inf is out of range"]),
-    (["--momentum", "1"], ["--momentum 1.0 is out of range: give a finite value in [0, 1)"]),
-    (["--momentum", "-0.5"], ["--momentum -0.5 is out of range"]),
-    (["--weight-decay", "-1"], ["--weight-decay -1.0 is out of range: give a finite value in [0, 3.4e+38]"]),
-    (["--weight-decay", "1e39"], ["--weight-decay 1e+39 is out of range"]),
-    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value in (0, 2000000]"]),
-    (["--timeout", "1e39"], ["--timeout 1e+39 is out of range: give a finite value in (0, 2000000]"]),
-    (["--timeout", "nan"], ["--timeout nan is out of range"]),
-    (["--bucket-mb", "nan"], ["--bucket-mb nan is out of range: give a finite value ≥ 0"]),
-    (["--clip-norm", "nan"], ["--clip-norm nan is out of range: give a finite value ≥ 0"]),
-    (["--dropout", "nan"], ["--dropout nan is out of range"]),
-    (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
-    (["--accumulate", "0"], ["--accumulate 0 is out of range: give a value ≥ 1. --accumulate: gradient accumulation"]),
-    (["--accumulate", "3"], ["--batch-size 8 does not split into --accumulate 3 micro-batches over data-parallel "
-                             "degree 1 (mesh tp=2)", "multiple of --accumulate × dp = 3", "give --batch-size 9",
-                             "an --accumulate of 2, 4, 8"]),
-    (["--strategy", "dp", "--accumulate", "8"], ["--batch-size 8 does not split into --accumulate 8 micro-batches "
-                                                 "over data-parallel degree 2 (mesh dp=2)", "give --batch-size 16",
-                                                 "or an --accumulate of 2, 4"]),
-    (["--strategy", "pp", "--layers", "4", "--microbatches", "4", "--stages-per-rank", "2"],
-     ["--schedule 1f1b --microbatches 4 --stages-per-rank 2 on mesh pp=2", "give --schedule interleaved with "
-      "--stages-per-rank ≥ 2, or neither"]),
-    (["--strategy", "pp", "--layers", "4", "--microbatches", "3", "--schedule", "interleaved", "--stages-per-rank", "2"],
-     ["the interleaved schedule runs microbatches in groups of one per stage: 3 microbatch(es) do not split over 2 "
-      "stages; give a multiple of 2"]),
-    (["--strategy", "pp", "--microbatches", "3"], ["does not split into --microbatches 3 micro-batches",
-                                                   "or a --microbatches of 2, 4, 8"]),
-    (["--seed", "-1"], ["--seed -1 is out of range: give a value in [0, 4294967296)"]),
-    (["--run-dir", ""], ["--run-dir is empty; leave it out or give a value"]),
-    (["--strategy", " "], ["--strategy is empty; leave it out or give a value"]),
-    (["--metrics", ""], ["--metrics is empty; leave it out or give a value"]),
-    (["--heads", "3"], ["--embd 16 is not a multiple of --heads 3", "e.g. --heads 2"]),
-    (["--strategy", "zp"], ["unknown strategy 'zp'", "dp,tp"]),
-    (["--strategy", "tp,"], ["strategy 'tp,' has an empty part", "e.g. 'tp'"]),
-    (["--strategy", "dp,dp"], ["strategy 'dp,dp' names dp twice", "e.g. 'dp'"]),
-    (["--strategy", "single,dp", "--mesh", "dp=2"], ["single runs on one device and combines with nothing"]),
-    (["--strategy", "single", "--nproc", "2"], ["strategy 'single' runs on one device, but 2 are asked for",
-                                                "pass --nproc 1"]),
-    (["--strategy", "tp", "--mesh", "dp=2"], ["mesh axis 'tp'", "--mesh tp=2"]),
-    (["--strategy", "tp", "--mesh", "tp=2,zz=1"], ["mesh tp=2,zz=1: axis 'zz' is none of the strategies' axes",
-                                                   "drop it (--mesh tp=2)"]),
-    (["--strategy", "tp", "--mesh", "dp=2,tp=2", "--nproc", "4"], ["mesh axes ['dp'] of dp=2,tp=2 are used by no "
-                                                                   "strategy in 'tp'"]),
-    (["--mesh", "dp2"], ["cannot read mesh 'dp2'", "dp=2,tp=2"]),
-    (["--strategy", "pp", "--nproc", "4"], ["4 stages needs at least 4 repeated blocks", "more layers"]),
-    (["--trace", "t.json", "--nproc", "1", "--strategy", "single"], ["--trace t.json: the timeline is of the ranks'",
-                                                                     "pass --nproc 2 or more, or drop --trace"]),
-])
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--steps", "0"], ["--steps 0 is out of range", "≥ 1"]),
+        (["--batch-size", "0"], ["--batch-size 0 is out of range"]),
+        (["--seq-len", "0"], ["--seq-len 0 is out of range"]),
+        (["--vocab-size", "100"], ["--vocab-size 100 is out of range", "in [256, 2147483647]", "its 256 byte tokens"]),
+        (["--vocab-size", "100000000000000000000"], ["--vocab-size 100000000000000000000 is out of range"]),
+        (["--eval-every", "0"], ["--eval-every 0 is out of range"]),
+        (["--log-every", "0"], ["--log-every 0 is out of range"]),
+        (["--eval-batches", "0"], ["--eval-batches 0 is out of range"]),
+        (["--nproc", "0"], ["--nproc 0 is out of range"]),
+        (["--bucket-mb", "-1"], ["--bucket-mb -1.0 is out of range", "≥ 0"]),
+        (["--peak-tflops", "-1"], ["--peak-tflops -1.0 is out of range", "≥ 0"]),
+        (
+            ["--timeout", "0"],
+            ["--timeout 0.0 is out of range: give a finite value in (0, 2000000]", "--timeout: seconds"],
+        ),
+        (["--checkpoint-every", "-1"], ["--checkpoint-every -1 is out of range: give a value ≥ 0"]),
+        (["--keep-checkpoints", "-1"], ["--keep-checkpoints -1 is out of range: give a value ≥ 0"]),
+        (["--dropout", "1.5"], ["--dropout 1.5 is out of range: give a finite value in [0, 1)"]),
+        # numbers that were accepted (or crashed later): signs, ranges and non-finite floats
+        (["--lr", "-1"], ["--lr -1.0 is out of range: give a finite value in [0, 3.4e+38]. --lr: learning rate"]),
+        (["--lr", "1e39"], ["--lr 1e+39 is out of range: give a finite value in [0, 3.4e+38]"]),
+        (["--lr", "nan"], ["--lr nan is out of range: give a finite value in [0, 3.4e+38]"]),
+        (["--lr", "inf"], ["--lr inf is out of range"]),
+        (["--momentum", "1"], ["--momentum 1.0 is out of range: give a finite value in [0, 1)"]),
+        (["--momentum", "-0.5"], ["--momentum -0.5 is out of range"]),
+        (["--weight-decay", "-1"], ["--weight-decay -1.0 is out of range: give a finite value in [0, 3.4e+38]"]),
+        (["--weight-decay", "1e39"], ["--weight-decay 1e+39 is out of range"]),
+        (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value in (0, 2000000]"]),
+        (["--timeout", "1e39"], ["--timeout 1e+39 is out of range: give a finite value in (0, 2000000]"]),
+        (["--timeout", "nan"], ["--timeout nan is out of range"]),
+        (["--bucket-mb", "nan"], ["--bucket-mb nan is out of range: give a finite value ≥ 0"]),
+        (["--clip-norm", "nan"], ["--clip-norm nan is out of range: give a finite value ≥ 0"]),
+        (["--dropout", "nan"], ["--dropout nan is out of range"]),
+        (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
+        (
+            ["--accumulate", "0"],
+            ["--accumulate 0 is out of range: give a value ≥ 1. --accumulate: gradient accumulation"],
+        ),
+        (
+            ["--accumulate", "3"],
+            [
+                "--batch-size 8 does not split into --accumulate 3 micro-batches over data-parallel "
+                "degree 1 (mesh tp=2)",
+                "multiple of --accumulate × dp = 3",
+                "give --batch-size 9",
+                "an --accumulate of 2, 4, 8",
+            ],
+        ),
+        (
+            ["--strategy", "dp", "--accumulate", "8"],
+            [
+                "--batch-size 8 does not split into --accumulate 8 micro-batches "
+                "over data-parallel degree 2 (mesh dp=2)",
+                "give --batch-size 16",
+                "or an --accumulate of 2, 4",
+            ],
+        ),
+        (
+            ["--strategy", "pp", "--layers", "4", "--microbatches", "4", "--stages-per-rank", "2"],
+            [
+                "--schedule 1f1b --microbatches 4 --stages-per-rank 2 on mesh pp=2",
+                "give --schedule interleaved with --stages-per-rank ≥ 2, or neither",
+            ],
+        ),
+        (
+            [
+                "--strategy",
+                "pp",
+                "--layers",
+                "4",
+                "--microbatches",
+                "3",
+                "--schedule",
+                "interleaved",
+                "--stages-per-rank",
+                "2",
+            ],
+            [
+                "the interleaved schedule runs microbatches in groups of one per stage: 3 microbatch(es) do not split over 2 "
+                "stages; give a multiple of 2"
+            ],
+        ),
+        (
+            ["--strategy", "pp", "--microbatches", "3"],
+            ["does not split into --microbatches 3 micro-batches", "or a --microbatches of 2, 4, 8"],
+        ),
+        (["--seed", "-1"], ["--seed -1 is out of range: give a value in [0, 4294967296)"]),
+        (["--run-dir", ""], ["--run-dir is empty; leave it out or give a value"]),
+        (["--strategy", " "], ["--strategy is empty; leave it out or give a value"]),
+        (["--metrics", ""], ["--metrics is empty; leave it out or give a value"]),
+        (["--heads", "3"], ["--embd 16 is not a multiple of --heads 3", "e.g. --heads 2"]),
+        (["--strategy", "zp"], ["unknown strategy 'zp'", "dp,tp"]),
+        (["--strategy", "tp,"], ["strategy 'tp,' has an empty part", "e.g. 'tp'"]),
+        (["--strategy", "dp,dp"], ["strategy 'dp,dp' names dp twice", "e.g. 'dp'"]),
+        (["--strategy", "single,dp", "--mesh", "dp=2"], ["single runs on one device and combines with nothing"]),
+        (
+            ["--strategy", "single", "--nproc", "2"],
+            ["strategy 'single' runs on one device, but 2 are asked for", "pass --nproc 1"],
+        ),
+        (["--strategy", "tp", "--mesh", "dp=2"], ["mesh axis 'tp'", "--mesh tp=2"]),
+        (
+            ["--strategy", "tp", "--mesh", "tp=2,zz=1"],
+            ["mesh tp=2,zz=1: axis 'zz' is none of the strategies' axes", "drop it (--mesh tp=2)"],
+        ),
+        (
+            ["--strategy", "tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
+            ["mesh axes ['dp'] of dp=2,tp=2 are used by no strategy in 'tp'"],
+        ),
+        (["--mesh", "dp2"], ["cannot read mesh 'dp2'", "dp=2,tp=2"]),
+        (["--strategy", "pp", "--nproc", "4"], ["4 stages needs at least 4 repeated blocks", "more layers"]),
+        (
+            ["--trace", "t.json", "--nproc", "1", "--strategy", "single"],
+            ["--trace t.json: the timeline is of the ranks'", "pass --nproc 2 or more, or drop --trace"],
+        ),
+    ],
+)
 def test_bad_settings(train, tmp_path, corpus, argv, words):
     run = tmp_path / "run"
     one_paragraph(*train(run, corpus, *argv), "train", *words)
@@ -124,21 +178,25 @@ def test_bad_settings(train, tmp_path, corpus, argv, words):
 def test_tensorboard_without_its_package(train, tmp_path, corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # what `import tensorboard` meets where it is missing
     run = tmp_path / "run"
-    one_paragraph(*train(run, corpus, "--tensorboard"), "train", "pip install tensorboard",
-                  "pip install 'shardflow[tensorboard]'")
+    one_paragraph(
+        *train(run, corpus, "--tensorboard"), "train", "pip install tensorboard", "pip install 'shardflow[tensorboard]'"
+    )
     assert not run.exists()
 
 
-@pytest.mark.parametrize("text, words", [
-    ("steps = = 3\n", ["is not valid TOML", "line 1"]),
-    ("stepz = 3\n", ["unknown settings ['stepz']", "known: "]),
-    ('lr = "fast"\n', ["setting lr = 'fast' is a string, but lr takes a number", "e.g. lr = 0.003"]),
-    ("steps = 2.5\n", ["setting steps = 2.5 is a number, but steps takes a whole number", "e.g. steps = 600"]),
-    ('resume = "yes"\n', ["setting resume = 'yes' is a string, but resume takes true or false"]),
-    ("mesh = 2\n", ["setting mesh = 2 is a whole number, but mesh takes a string"]),
-    ('optimizer = "lion"\n', ["setting optimizer = 'lion' is not one of sgd, adam, adamw"]),
-    (None, ["does not exist"]),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("steps = = 3\n", ["is not valid TOML", "line 1"]),
+        ("stepz = 3\n", ["unknown settings ['stepz']", "known: "]),
+        ('lr = "fast"\n', ["setting lr = 'fast' is a string, but lr takes a number", "e.g. lr = 0.003"]),
+        ("steps = 2.5\n", ["setting steps = 2.5 is a number, but steps takes a whole number", "e.g. steps = 600"]),
+        ('resume = "yes"\n', ["setting resume = 'yes' is a string, but resume takes true or false"]),
+        ("mesh = 2\n", ["setting mesh = 2 is a whole number, but mesh takes a string"]),
+        ('optimizer = "lion"\n', ["setting optimizer = 'lion' is not one of sgd, adam, adamw"]),
+        (None, ["does not exist"]),
+    ],
+)
 def test_bad_config_file(capsys, tmp_path, corpus, tiny, text, words):
     """Flags are typed and checked by the command line; a --config file can hold anything."""
     cfg = tmp_path / "cfg.toml"
@@ -160,22 +218,39 @@ def test_bad_config_file(capsys, tmp_path, corpus, tiny, text, words):
 
 def test_config_file_that_cannot_be_read(train, tmp_path, corpus):
     """A directory given as --config, and a config file that is not UTF-8 (named, with the fix)."""
-    one_paragraph(*train(tmp_path / "run", corpus, "--config", str(tmp_path)), "train",
-                  f"config file {tmp_path} is a directory", f"such as {tmp_path / 'config.toml'}")
+    one_paragraph(
+        *train(tmp_path / "run", corpus, "--config", str(tmp_path)),
+        "train",
+        f"config file {tmp_path} is a directory",
+        f"such as {tmp_path / 'config.toml'}",
+    )
     latin = tmp_path / "latin.toml"
     latin.write_bytes("data = 'caf\u00e9.txt'\n".encode("latin-1"))
-    one_paragraph(*train(tmp_path / "run", corpus, "--config", str(latin)), "train",
-                  f"config file {latin} is not UTF-8 text (byte 11: invalid continuation byte)",
-                  f"iconv -f latin1 -t utf-8 {latin}")
+    one_paragraph(
+        *train(tmp_path / "run", corpus, "--config", str(latin)),
+        "train",
+        f"config file {latin} is not UTF-8 text (byte 11: invalid continuation byte)",
+        f"iconv -f latin1 -t utf-8 {latin}",
+    )
 
 
-@pytest.mark.parametrize("env, argv, words", [
-    ({"RANK": "0", "WORLD_SIZE": "1"}, ["--nproc", "2"],
-     ["RANK=0 and WORLD_SIZE=1 in the environment make this process the only rank", "--nproc 2 would start no "
-      "process", "env -u RANK -u WORLD_SIZE", "or pass --nproc 1"]),
-    ({"RANK": "0"}, ["--nproc", "2"], ["RANK=0 and WORLD_SIZE=(unset)"]),
-    ({"RANK": "0", "WORLD_SIZE": "two"}, [], ["environment variable WORLD_SIZE='two' is not a whole number"]),
-])
+@pytest.mark.parametrize(
+    "env, argv, words",
+    [
+        (
+            {"RANK": "0", "WORLD_SIZE": "1"},
+            ["--nproc", "2"],
+            [
+                "RANK=0 and WORLD_SIZE=1 in the environment make this process the only rank",
+                "--nproc 2 would start no process",
+                "env -u RANK -u WORLD_SIZE",
+                "or pass --nproc 1",
+            ],
+        ),
+        ({"RANK": "0"}, ["--nproc", "2"], ["RANK=0 and WORLD_SIZE=(unset)"]),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, [], ["environment variable WORLD_SIZE='two' is not a whole number"]),
+    ],
+)
 def test_stray_torchrun_variables(train, tmp_path, corpus, monkeypatch, env, argv, words):
     """Variables torchrun sets, left in the environment by hand: refused before anything runs (under torchrun,
     TORCHELASTIC_RUN_ID is set and WORLD_SIZE decides)."""
@@ -189,29 +264,41 @@ def test_stray_torchrun_variables(train, tmp_path, corpus, monkeypatch, env, arg
 def test_corpus_of_one_token(train, tmp_path):
     same = tmp_path / "same.txt"
     same.write_text("a" * 9000)
-    one_paragraph(*train(tmp_path / "run", same, "--tokenizer", "char"), "train",
-                  f"data from {same}: its training split (the first 90%, 8,100 tokens) is one token repeated, 'a'",
-                  "use a text with more than one distinct character")
+    one_paragraph(
+        *train(tmp_path / "run", same, "--tokenizer", "char"),
+        "train",
+        f"data from {same}: its training split (the first 90%, 8,100 tokens) is one token repeated, 'a'",
+        "use a text with more than one distinct character",
+    )
 
 
 def test_data_too_short_for_the_context(train, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("abcdefghij" * 3)
-    one_paragraph(*train(tmp_path / "run", short, "--strategy", "dp"), "train",
-                  f"data from {short} has 31 characters, 2 tokens (BPE, 267 tokens)", "--seq-len 16",
-                  "needs more than 17 tokens", "use more text or a shorter --seq-len")
+    one_paragraph(
+        *train(tmp_path / "run", short, "--strategy", "dp"),
+        "train",
+        f"data from {short} has 31 characters, 2 tokens (BPE, 267 tokens)",
+        "--seq-len 16",
+        "needs more than 17 tokens",
+        "use more text or a shorter --seq-len",
+    )
 
 
 # --- outputs: run directory and metrics file ------------------------------------------------------------------
 
-@pytest.mark.parametrize("where, words", [
-    ("run_is_file", ["run directory", "cannot be created: it or one of its parents is a file", "--run-dir"]),
-    ("run_under_file", ["run directory", "cannot be created", "--run-dir"]),
-    ("metrics_under_file", ["directory of --metrics", "is a file", "omit it"]),
-    ("metrics_is_dir", ["is a directory", "metrics.jsonl"]),
-    ("trace_under_file", ["directory of --trace", "is a file", "omit it"]),
-    ("trace_is_dir", ["--trace", "is a directory", "trace.json"]),
-])
+
+@pytest.mark.parametrize(
+    "where, words",
+    [
+        ("run_is_file", ["run directory", "cannot be created: it or one of its parents is a file", "--run-dir"]),
+        ("run_under_file", ["run directory", "cannot be created", "--run-dir"]),
+        ("metrics_under_file", ["directory of --metrics", "is a file", "omit it"]),
+        ("metrics_is_dir", ["is a directory", "metrics.jsonl"]),
+        ("trace_under_file", ["directory of --trace", "is a file", "omit it"]),
+        ("trace_is_dir", ["--trace", "is a directory", "trace.json"]),
+    ],
+)
 def test_unwritable_outputs_fail_before_any_process(train, tmp_path, corpus, where, words):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -231,13 +318,13 @@ def test_unwritable_outputs_fail_before_any_process(train, tmp_path, corpus, whe
         extra += ["--trace", str(tmp_path)]
     for nproc in ("2",) if "trace" in where else ("2", "1"):  # checked in the parent (before launch) and in one
         # process (--trace needs several)
-        code, out, err = train(run, corpus, "--strategy", "single" if nproc == "1" else "tp",
-                               "--nproc", nproc, *extra)
+        code, out, err = train(run, corpus, "--strategy", "single" if nproc == "1" else "tp", "--nproc", nproc, *extra)
         one_paragraph(code, out, err, "train", *words)
     assert blocker.read_text() == "" and files(tmp_path / "ck") == set()
 
 
 # --- resume ---------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, corpus, tiny):
@@ -245,8 +332,25 @@ def finished(tmp_path_factory, corpus, tiny):
     old = signal.getsignal(signal.SIGTERM)
     run = tmp_path_factory.mktemp("finished") / "run"
     try:
-        assert cli_main(["train", *tiny, "--steps", "2", "--data", str(corpus), "--run-dir", str(run),
-                         "--strategy", "single", "--nproc", "1"]) == 0
+        assert (
+            cli_main(
+                [
+                    "train",
+                    *tiny,
+                    "--steps",
+                    "2",
+                    "--data",
+                    str(corpus),
+                    "--run-dir",
+                    str(run),
+                    "--strategy",
+                    "single",
+                    "--nproc",
+                    "1",
+                ]
+            )
+            == 0
+        )
     finally:
         signal.signal(signal.SIGTERM, old)
     return run
@@ -254,19 +358,26 @@ def finished(tmp_path_factory, corpus, tiny):
 
 def test_resume_without_a_complete_checkpoint(train, tmp_path, corpus, finished):
     run = tmp_path / "run"
-    one_paragraph(*train(run, corpus, "--resume", "--steps", "4"), "train", "--resume",
-                  "holds no complete checkpoint", "start a new run without --resume")
+    one_paragraph(
+        *train(run, corpus, "--resume", "--steps", "4"),
+        "train",
+        "--resume",
+        "holds no complete checkpoint",
+        "start a new run without --resume",
+    )
     shutil.copytree(finished / "checkpoints" / "step_2", run / "checkpoints" / "step_4.tmp")  # a save cut short
-    one_paragraph(*train(run, corpus, "--resume", "--steps", "4"), "train",
-                  "only incomplete saves: step_4.tmp")
+    one_paragraph(*train(run, corpus, "--resume", "--steps", "4"), "train", "only incomplete saves: step_4.tmp")
 
 
 def test_resume_from_a_step_directory(train, tmp_path, corpus, finished):
     """--checkpoint-dir names the directory of the step_N checkpoints; one of them given instead is named as such."""
     step = finished / "checkpoints" / "step_2"
-    one_paragraph(*train(tmp_path / "run", corpus, "--resume", "--steps", "4", "--checkpoint-dir", str(step)),
-                  "train", f"--resume: {step} is one checkpoint, not a checkpoint directory",
-                  f"pass --checkpoint-dir {step.parent}")
+    one_paragraph(
+        *train(tmp_path / "run", corpus, "--resume", "--steps", "4", "--checkpoint-dir", str(step)),
+        "train",
+        f"--resume: {step} is one checkpoint, not a checkpoint directory",
+        f"pass --checkpoint-dir {step.parent}",
+    )
 
 
 def test_resume_on_another_text_or_optimizer(train, tmp_path, corpus, finished):
@@ -275,11 +386,21 @@ def test_resume_on_another_text_or_optimizer(train, tmp_path, corpus, finished):
     other = tmp_path / "other.txt"
     other.write_text("THE QUICK BROWN FOX, AND THE LAZY DOG! " * 200)
     step2 = run / "checkpoints" / "step_2"
-    one_paragraph(*train(run, other, "--resume", "--steps", "4"), "train", str(step2),
-                  "was trained on another text", f"resume with the data it was trained on ({corpus})")
-    one_paragraph(*train(run, corpus, "--resume", "--steps", "4", "--optimizer", "sgd"), "train",
-                  str(step2), "holds the optimizer state of AdamW", "this run uses SGD with momentum",
-                  "resume with --optimizer adamw")
+    one_paragraph(
+        *train(run, other, "--resume", "--steps", "4"),
+        "train",
+        str(step2),
+        "was trained on another text",
+        f"resume with the data it was trained on ({corpus})",
+    )
+    one_paragraph(
+        *train(run, corpus, "--resume", "--steps", "4", "--optimizer", "sgd"),
+        "train",
+        str(step2),
+        "holds the optimizer state of AdamW",
+        "this run uses SGD with momentum",
+        "resume with --optimizer adamw",
+    )
 
 
 def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, train_argv, finished):
@@ -291,25 +412,36 @@ def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, train_argv, f
     shutil.copytree(finished, run)
     data = run / "checkpoints" / "step_2" / "__0_0.distcp"
     data.write_bytes(os.urandom(data.stat().st_size))
-    res = launch(train_argv(run, "--steps", "4", "--resume", "--strategy", "dp", "--nproc", "2"), 2,
-                 tmp_path / "logs", grace_s=20, echo_rank0=False)
+    res = launch(
+        train_argv(run, "--steps", "4", "--resume", "--strategy", "dp", "--nproc", "2"),
+        2,
+        tmp_path / "logs",
+        grace_s=20,
+        echo_rank0=False,
+    )
     assert res.returncodes == (2, 2), res
     for r in (0, 1):
         log = (tmp_path / "logs" / f"rank{r}.log").read_text()
-        assert log.startswith(f"shardflow train: error: rank {r}: checkpoint {data.parent} is corrupt: the contents "
-                              f"of __0_0.distcp differ from what was written (sha256 mismatch)"), log
+        assert log.startswith(
+            f"shardflow train: error: rank {r}: checkpoint {data.parent} is corrupt: the contents "
+            f"of __0_0.distcp differ from what was written (sha256 mismatch)"
+        ), log
         assert log.count("\n") == 1 and "Traceback" not in log, log
 
 
 # --- shardflow plan, export -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("content, words", [
-    ("{not json", ["cannot read plan file", "JSONDecodeError", "JSON or TOML object"]),
-    ("[modules\n", ["cannot read plan file", "TOMLDecodeError"]),
-    ("[1, 2]", ["cannot read plan file", "JSON or TOML object"]),
-    ('{"modules": {"lm_head": {"params": {"weight": ["Shard(x)"]}}}}', ["cannot read plan", "Shard(0)"]),
-    ('{"modules": {"nope.*": {"stage": 0}}}', ["plan pattern 'nope.*' matches no module", "modules are: "]),
-])
+
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ("{not json", ["cannot read plan file", "JSONDecodeError", "JSON or TOML object"]),
+        ("[modules\n", ["cannot read plan file", "TOMLDecodeError"]),
+        ("[1, 2]", ["cannot read plan file", "JSON or TOML object"]),
+        ('{"modules": {"lm_head": {"params": {"weight": ["Shard(x)"]}}}}', ["cannot read plan", "Shard(0)"]),
+        ('{"modules": {"nope.*": {"stage": 0}}}', ["plan pattern 'nope.*' matches no module", "modules are: "]),
+    ],
+)
 def test_bad_plan_file(capsys, tmp_path, content, words):
     f = tmp_path / ("plan.toml" if content.startswith("[m") else "plan.json")
     f.write_text(content)
@@ -343,60 +475,78 @@ def _read_only(tmp_path: Path) -> list[Path]:
     return places
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
-    (["--nproc", "0"], ["--nproc 0 is out of range"]),
-    (["--rank", "-1"], ["--rank -1 is out of range: give a value ≥ 0"]),
-    (["--mesh", ""], ["--mesh is empty; give a value (device mesh"]),
-    (["--strategy", "tp,"], ["strategy 'tp,' has an empty part"]),
-    (["--strategy", "dp,dp"], ["strategy 'dp,dp' names dp twice"]),
-    (["--strategy", "single", "--nproc", "2"], ["strategy 'single' runs on one device, but 2 are asked for"]),
-    (["--mesh", "tp=2,zz=1"], ["axis 'zz' is none of the strategies' axes"]),
-    (["--plan", "p.toml", "--strategy", "dp"], ["--plan p.toml and --strategy dp both say how to split the model",
-                                                "drop one of them"]),
-    (["--out", "x.dot"], ["--out x.dot is the file of --format dot, but --format is text", "> x.dot"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--layers", "0"], ["--layers 0 is out of range: give a value ≥ 1. --layers: transformer blocks"]),
+        (["--nproc", "0"], ["--nproc 0 is out of range"]),
+        (["--rank", "-1"], ["--rank -1 is out of range: give a value ≥ 0"]),
+        (["--mesh", ""], ["--mesh is empty; give a value (device mesh"]),
+        (["--strategy", "tp,"], ["strategy 'tp,' has an empty part"]),
+        (["--strategy", "dp,dp"], ["strategy 'dp,dp' names dp twice"]),
+        (["--strategy", "single", "--nproc", "2"], ["strategy 'single' runs on one device, but 2 are asked for"]),
+        (["--mesh", "tp=2,zz=1"], ["axis 'zz' is none of the strategies' axes"]),
+        (
+            ["--plan", "p.toml", "--strategy", "dp"],
+            ["--plan p.toml and --strategy dp both say how to split the model", "drop one of them"],
+        ),
+        (["--out", "x.dot"], ["--out x.dot is the file of --format dot, but --format is text", "> x.dot"]),
+    ],
+)
 def test_plan_flags(capsys, argv, words):
     """Checked before the model is built (in one place, shardflow.cli.check_flags), or when the strategy is read."""
     one_paragraph(cli_main([*PLAN, *argv]), *capsys.readouterr(), "plan", *words)
 
 
 def test_plan_out_that_cannot_be_written(capsys, tmp_path):
-    one_paragraph(cli_main([*PLAN, "--format", "dot", "--out", str(tmp_path)]), *capsys.readouterr(), "plan",
-                  f"--out {tmp_path} is a directory; pass a file name such as {tmp_path / 'pcg.dot'}")
+    one_paragraph(
+        cli_main([*PLAN, "--format", "dot", "--out", str(tmp_path)]),
+        *capsys.readouterr(),
+        "plan",
+        f"--out {tmp_path} is a directory; pass a file name such as {tmp_path / 'pcg.dot'}",
+    )
     for place in _read_only(tmp_path):
-        one_paragraph(cli_main([*PLAN, "--format", "dot", "--out", str(place)]), *capsys.readouterr(), "plan",
-                      f"--out {place}")
+        one_paragraph(
+            cli_main([*PLAN, "--format", "dot", "--out", str(place)]), *capsys.readouterr(), "plan", f"--out {place}"
+        )
         assert not place.exists()
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--lr", "nan"], ["--lr nan is out of range: give a finite value in [0, 3.4e+38]"]),
-    (["--tol", "-1"], ["--tol -1.0 is out of range"]),
-    (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value in (0, 2000000]"]),
-    (["--steps", "0"], ["--steps 0 is out of range: give a value ≥ 1"]),
-    (["--plan", "p.toml", "--strategy", "tp"], ["--plan p.toml and --strategy tp both say how to split the model"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--lr", "nan"], ["--lr nan is out of range: give a finite value in [0, 3.4e+38]"]),
+        (["--tol", "-1"], ["--tol -1.0 is out of range"]),
+        (["--timeout", "inf"], ["--timeout inf is out of range: give a finite value in (0, 2000000]"]),
+        (["--steps", "0"], ["--steps 0 is out of range: give a value ≥ 1"]),
+        (["--plan", "p.toml", "--strategy", "tp"], ["--plan p.toml and --strategy tp both say how to split the model"]),
+    ],
+)
 def test_check_flags(capsys, argv, words):
     one_paragraph(cli_main(["check", *PLAN[1:], *argv]), *capsys.readouterr(), "check", *words)
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--temperature", "nan"], ["--temperature nan is out of range: give a finite value ≥ 0"]),
-    (["--temperature", "-1"], ["--temperature -1.0 is out of range"]),
-    (["--tokens", "-1"], ["--tokens -1 is out of range: give a value ≥ 0"]),
-    (["--prompt", ""], ["--prompt is empty; give a value (text to continue"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--temperature", "nan"], ["--temperature nan is out of range: give a finite value ≥ 0"]),
+        (["--temperature", "-1"], ["--temperature -1.0 is out of range"]),
+        (["--tokens", "-1"], ["--tokens -1 is out of range: give a value ≥ 0"]),
+        (["--prompt", ""], ["--prompt is empty; give a value (text to continue"]),
+    ],
+)
 def test_generate_flags(capsys, finished, argv, words):
-    one_paragraph(cli_main(["generate", str(finished), "--prompt", "the", *argv]), *capsys.readouterr(), "generate",
-                  *words)
+    one_paragraph(
+        cli_main(["generate", str(finished), "--prompt", "the", *argv]), *capsys.readouterr(), "generate", *words
+    )
 
 
 def test_export_where_nothing_can_be_written(capsys, tmp_path, finished):
     """Refused before the checkpoint is read."""
     for place in _read_only(tmp_path):
-        one_paragraph(cli_main(["export", str(finished), "--out", str(place)]), *capsys.readouterr(), "export",
-                      f"{place.parent}")
+        one_paragraph(
+            cli_main(["export", str(finished), "--out", str(place)]), *capsys.readouterr(), "export", f"{place.parent}"
+        )
         assert not place.exists()
 
 
@@ -414,6 +564,7 @@ def test_export_onto_an_existing_directory(capsys, tmp_path, finished):
 
 # --- the Python API -------------------------------------------------------------------------------------------
 
+
 def test_world_size_that_does_not_fit_the_mesh(corpus, monkeypatch):
     """Under torchrun the world size comes from the environment; the planner and the executor both refuse a mesh
     of another size, saying how to fix it."""
@@ -425,22 +576,27 @@ def test_world_size_that_does_not_fit_the_mesh(corpus, monkeypatch):
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import setup
 
-    cfg = TrainConfig(strategy="tp", mesh="tp=2", layers=1, heads=2, embd=16, seq_len=16, batch_size=8,
-                      data=str(corpus))
+    cfg = TrainConfig(
+        strategy="tp", mesh="tp=2", layers=1, heads=2, embd=16, seq_len=16, batch_size=8, data=str(corpus)
+    )
     with pytest.raises(ValueError, match=r"mesh tp=2 has 2 devices but 4 processes run; make --nproc .* equal 2"):
         setup(cfg, 4)
     s = setup(cfg, 2)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match=r"the plan is for mesh tp=2 \(2 devices\) but the world has 1 "
-                                             r"processes; start 2 processes or change --mesh"):
+        with pytest.raises(
+            ValueError,
+            match=r"the plan is for mesh tp=2 \(2 devices\) but the world has 1 "
+            r"processes; start 2 processes or change --mesh",
+        ):
             DistributedExecutor(lower_step(s.pcg, "adamw", ranks=[0]), OptimizerConfig("adamw", 0.01), 5.0)
     finally:
         dist.destroy_process_group()
 
 
 # --- torchrun-style environment: rendezvous failures, as real processes -----------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -458,37 +614,70 @@ def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
     busy.listen(1)
     port = busy.getsockname()[1]
     nobody, alone = _free_port(), _free_port()
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     cases = {
-        "in use": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), [],
-                   [f"rank 0 of 2 could not join the process group at 127.0.0.1:{port}", "address already in use",
-                    f"port {port} is already in use on this machine", "choose a free MASTER_PORT"]),
-        "nobody": (dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)), [],
-                   [f"rank 1 of 2 could not join the process group at 127.0.0.1:{nobody}", "timed out",
-                    "within --timeout 1 s: start rank 0", "or raise --timeout"]),
-        "alone": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(alone)), ["--timeout", "3"],
-                  [f"rank 0 of 2 could not join the process group at 127.0.0.1:{alone}", "waiting for clients",
-                   "it reached the rendezvous", "start all 2 processes", "or raise --timeout"]),
-        "unset": (dict(RANK="1", WORLD_SIZE="2"), [],
-                  ["MASTER_ADDR expected, but not set", "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"]),
-        "plan": (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
-                 ["--strategy", "dp", "--batch-size", "3"], ["degree 2 does not divide", "size 3"]),
-        "world": (dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
-                  ["--strategy", "tp", "--mesh", "tp=2"], ["mesh tp=2 has 2 devices but 4 processes run"]),
+        "in use": (
+            dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+            [],
+            [
+                f"rank 0 of 2 could not join the process group at 127.0.0.1:{port}",
+                "address already in use",
+                f"port {port} is already in use on this machine",
+                "choose a free MASTER_PORT",
+            ],
+        ),
+        "nobody": (
+            dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
+            [],
+            [
+                f"rank 1 of 2 could not join the process group at 127.0.0.1:{nobody}",
+                "timed out",
+                "within --timeout 1 s: start rank 0",
+                "or raise --timeout",
+            ],
+        ),
+        "alone": (
+            dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(alone)),
+            ["--timeout", "3"],
+            [
+                f"rank 0 of 2 could not join the process group at 127.0.0.1:{alone}",
+                "waiting for clients",
+                "it reached the rendezvous",
+                "start all 2 processes",
+                "or raise --timeout",
+            ],
+        ),
+        "unset": (
+            dict(RANK="1", WORLD_SIZE="2"),
+            [],
+            ["MASTER_ADDR expected, but not set", "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"],
+        ),
+        "plan": (
+            dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
+            ["--strategy", "dp", "--batch-size", "3"],
+            ["degree 2 does not divide", "size 3"],
+        ),
+        "world": (
+            dict(RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
+            ["--strategy", "tp", "--mesh", "tp=2"],
+            ["mesh tp=2 has 2 devices but 4 processes run"],
+        ),
     }
     procs = {}
     for name, (env, extra, _) in cases.items():
         argv = train_argv(tmp_path / name, "--steps", "2", "--timeout", "1", "--strategy", "dp", *extra)
-        procs[name] = subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True)
+        procs[name] = subprocess.Popen(
+            argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     try:
         for name, p in procs.items():
             out, err = p.communicate(timeout=120)
             one_paragraph(p.returncode, out, err, "train", *cases[name][2])
             if name == "alone":  # it said it was waiting, every --timeout / 3 seconds
-                assert f"rank 0 of 2: waiting for the other processes to join the process group at 127.0.0.1:{alone}" \
-                       f" (1 s; --timeout 3 s)" in out, out
+                assert (
+                    f"rank 0 of 2: waiting for the other processes to join the process group at 127.0.0.1:{alone}"
+                    f" (1 s; --timeout 3 s)" in out
+                ), out
             assert "frame #" not in err and "[W" not in err and "[E" not in err, err  # torch's C++ log held back
             assert files(tmp_path / name) == set(), name
     finally:

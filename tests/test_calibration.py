@@ -10,11 +10,20 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from shardflow.lower.calibration import (COST_KINDS, WORLD, Calibration, CalibrationError, CalibrationWarning,
-                                         KindCost, calibration_path, fit, this_machine)
-from shardflow.lower.cost import CostModel, DEFAULT_BANDWIDTH, LowerOptions
 from test_lower import _sp_step
+
+from shardflow.lower.calibration import (
+    COST_KINDS,
+    WORLD,
+    Calibration,
+    CalibrationError,
+    CalibrationWarning,
+    KindCost,
+    calibration_path,
+    fit,
+    this_machine,
+)
+from shardflow.lower.cost import DEFAULT_BANDWIDTH, CostModel, LowerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,10 +53,13 @@ def test_the_file_round_trips_and_names_itself_and_the_fix_when_bad(tmp_path):
     back = Calibration.load(path)
     assert back == cal and back.path == str(path)
     doc = json.loads(cal.to_json())
-    for change, why in [({"version": 0}, "version 0"), ({"backend": "mpi"}, "backend 'mpi'"),
-                        ({"world_size": "2"}, "'world_size' missing"),
-                        ({"groups": {WORLD: {"ring": {"alpha_s": 0, "bandwidth": 1}}}}, "unknown kind 'ring'"),
-                        ({"groups": {WORLD: {"p2p": {"alpha_s": 0, "bandwidth": 0}}}}, "bandwidth > 0")]:
+    for change, why in [
+        ({"version": 0}, "version 0"),
+        ({"backend": "mpi"}, "backend 'mpi'"),
+        ({"world_size": "2"}, "'world_size' missing"),
+        ({"groups": {WORLD: {"ring": {"alpha_s": 0, "bandwidth": 1}}}}, "unknown kind 'ring'"),
+        ({"groups": {WORLD: {"p2p": {"alpha_s": 0, "bandwidth": 0}}}}, "bandwidth > 0"),
+    ]:
         path.write_text(json.dumps({**doc, **change}))
         with pytest.raises(CalibrationError, match=f"calibration file {path}: .*{why}.*shardflow calibrate"):
             Calibration.load(path)
@@ -96,8 +108,14 @@ def test_auto_follows_the_calibration(slow):
 
 
 def _cli(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "shardflow.cli", "calibrate", *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "shardflow.cli", "calibrate", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_calibrate_nproc_2_writes_a_file_the_cost_model_reads(tmp_path, monkeypatch):
@@ -115,16 +133,20 @@ def test_calibrate_nproc_2_writes_a_file_the_cost_model_reads(tmp_path, monkeypa
     assert CostModel.for_backend("gloo").calibration == cal
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--nproc", "1"], "--nproc 1: calibration times communications between processes; give --nproc 2 or more"),
-    (["--mesh", "dp=2,tp=2"], "mesh dp=2,tp=2 has 4 devices but --nproc 2 starts 2 processes"),
-    (["--sizes", "1M"], "--sizes 1M: fitting α and the bandwidth needs at least two distinct sizes"),
-    (["--sizes", "64K,lots"], "--sizes 64K,lots: cannot read 'lots' as a message size"),
-    (["--reps", "0"], "--reps"),
-    (["--out", "/nonexistent/dir/c.json"], "--out /nonexistent/dir/c.json: /nonexistent/dir does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nproc", "1"], "--nproc 1: calibration times communications between processes; give --nproc 2 or more"),
+        (["--mesh", "dp=2,tp=2"], "mesh dp=2,tp=2 has 4 devices but --nproc 2 starts 2 processes"),
+        (["--sizes", "1M"], "--sizes 1M: fitting α and the bandwidth needs at least two distinct sizes"),
+        (["--sizes", "64K,lots"], "--sizes 64K,lots: cannot read 'lots' as a message size"),
+        (["--reps", "0"], "--reps"),
+        (["--out", "/nonexistent/dir/c.json"], "--out /nonexistent/dir/c.json: /nonexistent/dir does not exist"),
+    ],
+)
 def test_calibrate_refuses_bad_inputs_before_any_process_starts(argv, message, capsys):
     from shardflow.cli import main
+
     assert main(["calibrate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardflow calibrate: error: ") and message in err and "rank" not in err.split(":")[2]

@@ -21,10 +21,10 @@ Settings: 20 examples, ``deadline=None`` (a capture is ~1 s of torch.export), no
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
-from torch import nn
-
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_local_executor import check_against_eager
+from torch import nn
 
 B, T, C, H = 4, 4, 8, 16  # batch, sequence, model width, hidden width (between a block's linears)
 STRATEGIES = (("dp=2", "dp"), ("tp=2", "tp"), ("tp=2", "sp"))
@@ -44,7 +44,7 @@ def _rotary(block, h):
 
 
 def _complex_product(block, h):
-    a, b = h[..., :H // 2], h[..., H // 2:]
+    a, b = h[..., : H // 2], h[..., H // 2 :]
     return torch.cat([_real(_complex(a) * _complex(b)), b], -1)
 
 
@@ -104,8 +104,11 @@ def _check(kinds, mesh, strategy, seed):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kinds=st.lists(st.sampled_from(sorted(MENU)), min_size=1, max_size=3),
-       placed=st.sampled_from(STRATEGIES), seed=st.integers(0, 2**16))
+@given(
+    kinds=st.lists(st.sampled_from(sorted(MENU)), min_size=1, max_size=3),
+    placed=st.sampled_from(STRATEGIES),
+    seed=st.integers(0, 2**16),
+)
 def test_a_captured_model_trains_like_eager(kinds, placed, seed):
     _check(kinds, *placed, seed)
 

@@ -37,6 +37,7 @@ from shardflow.train.config import TrainConfig
 from shardflow.train.data import Corpus, Split
 from shardflow.train.tokenizer import TokenizerChoice, TokenizerKind
 
+
 def started(argv):
     """``argv`` started in the background (a run of several processes; the one-process runs train in this process
     meanwhile: conftest's ``train_here``); call the result for its ``CompletedProcess`` (within 300 s)."""
@@ -45,6 +46,7 @@ def started(argv):
     def finish():
         stdout, stderr = p.communicate(timeout=300)
         return subprocess.CompletedProcess(argv, p.returncode, stdout, stderr)
+
     return finish
 
 
@@ -54,8 +56,11 @@ def runs(tmp_path_factory, train_argv, train_here):
     separate 3-step single run (its final checkpoint at step 3)."""
     d = tmp_path_factory.mktemp("runs")
     tp6 = started(train_argv(d / "tp6", "--strategy", "tp", "--nproc", "2", "--steps", "6", "--checkpoint-every", "3"))
-    r = [train_here(d / "single6", "--strategy", "single", "--nproc", "1", "--steps", "6", "--checkpoint-every", "3"),
-         train_here(d / "single3", "--strategy", "single", "--nproc", "1", "--steps", "3"), tp6()]
+    r = [
+        train_here(d / "single6", "--strategy", "single", "--nproc", "1", "--steps", "6", "--checkpoint-every", "3"),
+        train_here(d / "single3", "--strategy", "single", "--nproc", "1", "--steps", "3"),
+        tp6(),
+    ]
     for x in r:
         assert x.returncode == 0, x.stderr + x.stdout
     return d
@@ -88,15 +93,26 @@ def test_each_rank_of_a_tp_run_writes_only_its_pieces(runs):
 
     path = runs / "tp6" / "checkpoints" / "step_3"
     md = FileSystemReader(path).read_metadata()
-    where = {k: sorted((list(c.offsets), list(c.sizes), md.storage_data[MetadataIndex(k, c.offsets)].relative_path)
-                       for c in v.chunks) for k, v in md.state_dict_metadata.items()}
+    where = {
+        k: sorted(
+            (list(c.offsets), list(c.sizes), md.storage_data[MetadataIndex(k, c.offsets)].relative_path)
+            for c in v.chunks
+        )
+        for k, v in md.state_dict_metadata.items()
+    }
     layer = "model.layers.0"
-    assert where[f"model/{layer}.self_attn.q_proj.weight"] == [([0, 0], [128, 16], "__0_0.distcp"),
-                                                                ([128, 0], [128, 16], "__1_0.distcp")]
-    assert where[f"optim/opt:exp_avg_sq:{layer}.self_attn.o_proj.weight"] == [([0, 0], [16, 128], "__0_0.distcp"),
-                                                                             ([0, 128], [16, 128], "__1_0.distcp")]
-    assert where[f"model/{layer}.mlp.down_proj.weight"] == [([0, 0], [16, 32], "__0_0.distcp"),
-                                                            ([0, 32], [16, 32], "__1_0.distcp")]
+    assert where[f"model/{layer}.self_attn.q_proj.weight"] == [
+        ([0, 0], [128, 16], "__0_0.distcp"),
+        ([128, 0], [128, 16], "__1_0.distcp"),
+    ]
+    assert where[f"optim/opt:exp_avg_sq:{layer}.self_attn.o_proj.weight"] == [
+        ([0, 0], [16, 128], "__0_0.distcp"),
+        ([0, 128], [16, 128], "__1_0.distcp"),
+    ]
+    assert where[f"model/{layer}.mlp.down_proj.weight"] == [
+        ([0, 0], [16, 32], "__0_0.distcp"),
+        ([0, 32], [16, 32], "__1_0.distcp"),
+    ]
     assert where["optim/opt:exp_avg:lm_head.weight"] == [([0, 0], [289, 16], "__0_0.distcp")]
     split = {k for k, chunks in where.items() if len(chunks) == 2}
     assert len(split) == 7 * 3 and all(len(where[k]) == 1 for k in set(where) - split)
@@ -129,8 +145,9 @@ def test_resume_reproduces_the_uninterrupted_run(runs, train_here, read_metrics,
     assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [3, 6]
 
 
-def test_gpt2_resumes_with_dropout_under_another_strategy_and_exports(train_here, read_metrics, corpus, tmp_path,
-                                                                       capsys):
+def test_gpt2_resumes_with_dropout_under_another_strategy_and_exports(
+    train_here, read_metrics, corpus, tmp_path, capsys
+):
     """GPT-2 (q|k|v fused in c_attn, held by parts and sharded by heads under tp) with --dropout 0.1: a tp=2 run (one
     process) stopped at step 2 and resumed to 4 under fsdp=2 gives the uninterrupted tp run's training and
     validation losses: the checkpoint holds c_attn as [C, 3, C] pieces of both layouts, and dropout masks depend on
@@ -141,8 +158,10 @@ def test_gpt2_resumes_with_dropout_under_another_strategy_and_exports(train_here
 
     gpt2 = ["--model", "gpt2", "--nproc", "1", "--dropout", "0.1"]
     tp, fsdp = ["--strategy", "tp", "--mesh", "tp=2"], ["--strategy", "fsdp", "--mesh", "fsdp=2"]
-    whole, cut = (train_here(tmp_path / "whole", *gpt2, *tp, "--steps", "4"),
-                  train_here(tmp_path / "cut", *gpt2, *tp, "--steps", "2"))
+    whole, cut = (
+        train_here(tmp_path / "whole", *gpt2, *tp, "--steps", "4"),
+        train_here(tmp_path / "cut", *gpt2, *tp, "--steps", "2"),
+    )
     assert whole.returncode == 0 and cut.returncode == 0, whole.stderr + cut.stderr
     r = train_here(tmp_path / "cut", *gpt2, *fsdp, "--steps", "4", "--resume")
     assert r.returncode == 0, r.stderr + r.stdout
@@ -158,7 +177,8 @@ def test_gpt2_resumes_with_dropout_under_another_strategy_and_exports(train_here
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(model).__name__ == "GPT2LMHeadModel"
     batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, TrainConfig().vocab_size), 16).batch(
-        Split.VAL, 0, 8, 16, 0)
+        Split.VAL, 0, 8, 16, 0
+    )
     with torch.no_grad():
         loss = model(input_ids=batch["idx"], labels=batch["targets"], shift_labels=batch["targets"]).loss.item()
     assert abs(loss - got[-1]["val_loss"]) < 1e-5
@@ -169,8 +189,10 @@ def test_checkpoint_of_tp_resumes_under_dp_and_on_one_process(runs, train_argv, 
     rank reading the whole of each weight from both ranks' chunks) and under dp=2,tp=2 on one process (a local mesh
     of 4 devices: each device reads every replica it holds): steps 4-6 give tp6's losses. (One device, pipeline
     stages and more: test_a_save_writes_each_block_once_and_any_mesh_resumes_from_it, in this process.)"""
-    flags = {"dp": ["--strategy", "dp", "--nproc", "2"],
-             "dp,tp": ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "1"]}
+    flags = {
+        "dp": ["--strategy", "dp", "--nproc", "2"],
+        "dp,tp": ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "1"],
+    }
     for name in flags:
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         shutil.copytree(runs / "tp6" / "checkpoints" / "step_3", tmp_path / name / "checkpoints" / "step_3")
@@ -207,7 +229,8 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, corpus, read_me
         # the run's last validation loss (step 6, eval_batches 1), recomputed by transformers from the exported
         # weights; float32, the tp run added partial sums in another order (~1e-7 relative)
         batch = Corpus.load(str(corpus), TokenizerChoice(TokenizerKind.BPE, TrainConfig().vocab_size), 16).batch(
-            Split.VAL, 0, 8, 16, 0)
+            Split.VAL, 0, 8, 16, 0
+        )
         loss = model(input_ids=batch["idx"], labels=batch["targets"], shift_labels=batch["targets"]).loss.item()
     assert abs(loss - read_metrics(runs / "tp6")[-1]["val_loss"]) < 1e-5
     generated = model.generate(ids[:, :3], max_new_tokens=5, do_sample=False)
@@ -222,11 +245,13 @@ def test_init_from_an_exported_directory_continues_its_weights(runs, train_argv,
     tp6's weights give on batch 0 (the fresh optimizer changes nothing before the first update)."""
     out = tmp_path / "hf"
     assert cli_main(["export", str(runs / "tp6"), "--out", str(out)]) == 0
-    r = started(train_argv(tmp_path / "ft", "--strategy", "tp", "--nproc", "2", "--steps", "2",
-                           "--init-from", str(out)))()
+    r = started(
+        train_argv(tmp_path / "ft", "--strategy", "tp", "--nproc", "2", "--steps", "2", "--init-from", str(out))
+    )()
     assert r.returncode == 0, r.stderr + r.stdout
     family, plain, ck = checkpoint.load_model(runs / "tp6")
     from shardflow.train.recipe import setup
+
     s = setup(TrainConfig.from_args(_train_args(train_argv(tmp_path / "x", "--init-from", str(out)))), 1)
     with torch.no_grad():
         want = plain(**s.batch(Split.TRAIN, 0)).loss.item()
@@ -236,7 +261,8 @@ def test_init_from_an_exported_directory_continues_its_weights(runs, train_argv,
 def _train_args(argv):
     """The parsed ``shardflow train`` flags of a ``train_argv`` command line."""
     from shardflow.cli import build_parser
-    return build_parser().parse_args(argv[argv.index("train"):])
+
+    return build_parser().parse_args(argv[argv.index("train") :])
 
 
 def test_generate_prints_prompt_and_sampled_text(runs, capsys):
@@ -245,6 +271,7 @@ def test_generate_prints_prompt_and_sampled_text(runs, capsys):
     assert cli_main(["generate", str(runs / "tp6"), "--prompt", "The Fox ", "--tokens", "25", "--seed", "1"]) == 0
     text = capsys.readouterr().out.rstrip("\n")
     from shardflow.train.generate import load, sample
+
     family, model, tok, context, _ = load(str(runs / "tp6"))
     assert context == 16
     assert sample(family, model, tok, context, "The Fox ", 25, 1.0, 1) == text  # seeded: the same text again
@@ -252,6 +279,7 @@ def test_generate_prints_prompt_and_sampled_text(runs, capsys):
 
 
 # --- bad checkpoints -------------------------------------------------------------------------------------------
+
 
 def _copy(runs, tmp_path, name="bad"):
     dst = tmp_path / name
@@ -307,15 +335,18 @@ def _malicious_metadata(d):
     (d / "shardflow.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("spoil, words", [
-    (_truncate, ["corrupt", "__0_0.distcp has 1000 bytes", "truncated"]),
-    (_garbage, ["corrupt", "sha256"]),
-    (_garbage_rehashed, ["corrupt", "tensors cannot be read"]),
-    (_bad_json, ["corrupt", "shardflow.json cannot be read"]),
-    (_other_model, ["does not fit this model", "[289, 16]", "[289, 32]"]),  # the BPE of the tiny corpus: 289 tokens
-    (_unmarked, ["no complete checkpoint"]),
-    (_malicious_metadata, ["corrupt", ".metadata cannot be read", "not allowed"]),
-])
+@pytest.mark.parametrize(
+    "spoil, words",
+    [
+        (_truncate, ["corrupt", "__0_0.distcp has 1000 bytes", "truncated"]),
+        (_garbage, ["corrupt", "sha256"]),
+        (_garbage_rehashed, ["corrupt", "tensors cannot be read"]),
+        (_bad_json, ["corrupt", "shardflow.json cannot be read"]),
+        (_other_model, ["does not fit this model", "[289, 16]", "[289, 32]"]),  # the BPE of the tiny corpus: 289 tokens
+        (_unmarked, ["no complete checkpoint"]),
+        (_malicious_metadata, ["corrupt", ".metadata cannot be read", "not allowed"]),
+    ],
+)
 @pytest.mark.parametrize("command", ["export", "generate"])
 def test_bad_checkpoint_is_a_one_paragraph_error(runs, tmp_path, capsys, spoil, words, command):
     run, step6 = _copy(runs, tmp_path)
@@ -338,19 +369,24 @@ def test_bad_checkpoint_is_a_one_paragraph_error(runs, tmp_path, capsys, spoil, 
 
 def test_export_and_generate_arguments(runs, tmp_path, capsys):
     step = runs / "single6" / "checkpoints" / "step_6"
-    for argv, words in ((["export", str(tmp_path / "nope"), "--out", str(tmp_path / "m")], ["does not exist"]),
-                        (["export", str(step), "--out", str(tmp_path / "no" / "hf")], ["does not exist", "--out"]),
-                        (["generate", str(step), "--prompt", ""], ["--prompt is empty"]),
-                        (["generate", str(step), "--prompt", "a", "--tokens", "-1"], ["--tokens"])):
+    for argv, words in (
+        (["export", str(tmp_path / "nope"), "--out", str(tmp_path / "m")], ["does not exist"]),
+        (["export", str(step), "--out", str(tmp_path / "no" / "hf")], ["does not exist", "--out"]),
+        (["generate", str(step), "--prompt", ""], ["--prompt is empty"]),
+        (["generate", str(step), "--prompt", "a", "--tokens", "-1"], ["--tokens"]),
+    ):
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"shardflow {argv[0]}: error: ") and all(w in err for w in words), err
 
 
-@pytest.mark.parametrize("spoil, argv, words", [
-    (_garbage, [], ["corrupt", "sha256", "fall back to"]),
-    (None, ["--embd", "32"], ["different model", "--embd 16", "--embd 32"]),
-])
+@pytest.mark.parametrize(
+    "spoil, argv, words",
+    [
+        (_garbage, [], ["corrupt", "sha256", "fall back to"]),
+        (None, ["--embd", "32"], ["different model", "--embd 16", "--embd 32"]),
+    ],
+)
 def test_resume_from_bad_checkpoint_fails_before_any_process(runs, train_here, tmp_path, spoil, argv, words):
     run, step6 = _copy(runs, tmp_path)
     if spoil:
@@ -408,10 +444,16 @@ def _executor(mesh: str = "tp=2", strategy: str = "tp", bf16: bool = False) -> L
     bfloat16 MLP with float32 master weights (``--dtype bf16``)."""
     _, _, graph = _mlp_bf16() if bf16 else _mlp()
     m = Mesh.parse(mesh)
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=False,
-                           precision=MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None)
-    return LocalExecutor(lower_step(build_pcg(graph, m, resolve(make_plan(graph, m, strategy), graph, m)),
-                                    ADAMW.slots, options=options), ADAMW)
+    options = LowerOptions(
+        CommForm.COLLECTIVE,
+        CommForm.COLLECTIVE,
+        reshard_after_forward=False,
+        precision=MixedPrecision(torch.bfloat16, torch.float32) if bf16 else None,
+    )
+    return LocalExecutor(
+        lower_step(build_pcg(graph, m, resolve(make_plan(graph, m, strategy), graph, m)), ADAMW.slots, options=options),
+        ADAMW,
+    )
 
 
 def _trained(mesh: str = "tp=2", strategy: str = "tp", steps: int = 2, bf16: bool = False) -> LocalExecutor:
@@ -430,8 +472,10 @@ def _filled(value: float) -> LocalExecutor:
     """The MLP on tp=2 with every weight ``value`` and every optimizer state ``-value``."""
     model, _, graph = _mlp()
     ex = _executor()
-    ex.load({w: torch.full_like(t, value) for w, t in weights_of(model, graph).items()},
-            {vid: torch.full(ex.dg.values[vid].type.shape, -value) for vid in ex.dg.state_values()})
+    ex.load(
+        {w: torch.full_like(t, value) for w, t in weights_of(model, graph).items()},
+        {vid: torch.full(ex.dg.values[vid].type.shape, -value) for vid in ex.dg.state_values()},
+    )
     return ex
 
 
@@ -489,11 +533,14 @@ def test_non_finite_state_is_never_saved(tmp_path):
     root.mkdir()
     _saver(root).save(_filled(1.0), 1)
     for bad in (float("nan"), float("inf")):
-        with pytest.raises(checkpoint.NonFiniteState, match=r"^the state after step 2 holds NaN or inf \(model/layers"
-                                                            r".0.weight and 11 more\): checkpoint not saved$"):
+        with pytest.raises(
+            checkpoint.NonFiniteState,
+            match=r"^the state after step 2 holds NaN or inf \(model/layers"
+            r".0.weight and 11 more\): checkpoint not saved$",
+        ):
             _saver(root, fresh=False).save(_filled(bad), 2)
     ex = _filled(1.0)
-    (_, piece), = ex.held_pieces(forward_id("layers.1.bias"), replica0_only=True)  # replicated: one piece written
+    ((_, piece),) = ex.held_pieces(forward_id("layers.1.bias"), replica0_only=True)  # replicated: one piece written
     piece[3] = float("nan")
     with pytest.raises(checkpoint.NonFiniteState) as e:
         _saver(root, fresh=False).save(ex, 2)
@@ -513,22 +560,54 @@ def test_non_finite_weights_at_a_save_stop_the_run_with_one_paragraph(tmp_path, 
 
     monkeypatch.setattr(LocalExecutor, "held_pieces", held_pieces)
     run = tmp_path / "run"
-    code = cli_main(["train", *tiny, "--steps", "3", "--data", str(corpus), "--run-dir", str(run), "--strategy",
-                     "single", "--nproc", "1", "--checkpoint-every", "1"])
+    code = cli_main(
+        [
+            "train",
+            *tiny,
+            "--steps",
+            "3",
+            "--data",
+            str(corpus),
+            "--run-dir",
+            str(run),
+            "--strategy",
+            "single",
+            "--nproc",
+            "1",
+            "--checkpoint-every",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err == (
         f"shardflow train: error: the weights or optimizer state hold NaN or inf (model/model.embed_tokens.weight) "
         f"at step 2: training diverged, most likely because the learning rate is too high (--lr 0.01); try "
         f"--clip-norm 1.0 or a lower --lr. Nothing of step 2 was saved; the last complete checkpoint, "
-        f"{run / 'checkpoints' / 'step_1'}, is kept (continue from it with --resume and a lower --lr)\n"), err
+        f"{run / 'checkpoints' / 'step_1'}, is kept (continue from it with --resume and a lower --lr)\n"
+    ), err
     assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [1]
 
 
 def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(train_argv, tmp_path):
     run = tmp_path / "run"
-    p = subprocess.Popen(train_argv(run, "--strategy", "tp", "--nproc", "2", "--steps", "100000",
-                                    "--checkpoint-every", "1", "--eval-every", "1000"),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        train_argv(
+            run,
+            "--strategy",
+            "tp",
+            "--nproc",
+            "2",
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "1",
+            "--eval-every",
+            "1000",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = threading.Event()
 
     def watch():
@@ -564,8 +643,12 @@ def test_resumed_metrics_keep_the_records_up_to_the_checkpoint(tmp_path):
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
     with open_metrics(path, 3) as f:  # the stopped run got to step 5 (and half a line) after its checkpoint at 3
         f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
-    assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == \
-        [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+    assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == [
+        (1, 1.0),
+        (2, 1.0),
+        (3, 1.0),
+        (4, 2.0),
+    ]
 
 
 def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):
@@ -574,6 +657,7 @@ def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):
     from safetensors.torch import save_file
 
     from shardflow.train.checkpoint.export import LazyPiece, Pretrained
+
     full = torch.arange(24, dtype=torch.bfloat16).reshape(6, 4)
     save_file({"w": full}, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")
@@ -585,7 +669,9 @@ def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):
     assert block.dtype == torch.float32 and torch.equal(block, full[3:6, 0:2].float())
     with pytest.raises(checkpoint.CheckpointError, match="has no v .*1 weights of the model missing"):
         p.weights({"v": torch.zeros(6, 4)})
-    with pytest.raises(checkpoint.CheckpointError, match=r"w is \[6, 4\] in model.safetensors, the model needs \[4, 6\]"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"w is \[6, 4\] in model.safetensors, the model needs \[4, 6\]"
+    ):
         p.weights({"w": torch.zeros(4, 6)})
     (tmp_path / "tokenizer.json").unlink()
     with pytest.raises(checkpoint.CheckpointError, match="no tokenizer.json"):
@@ -596,8 +682,12 @@ def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):
 
 # The MLP's blocks under tp (offsets, sizes): layers.0 column-parallel (rows split), layers.1 row-parallel (columns
 # split; its bias replicated: one chunk). A weight's optimizer state has its blocks.
-TP_BLOCKS = {"layers.0.weight": [([0, 0], [8, 8]), ([8, 0], [8, 8])], "layers.0.bias": [([0], [8]), ([8], [8])],
-             "layers.1.weight": [([0, 0], [4, 8]), ([0, 8], [4, 8])], "layers.1.bias": [([0], [4])]}
+TP_BLOCKS = {
+    "layers.0.weight": [([0, 0], [8, 8]), ([8, 0], [8, 8])],
+    "layers.0.bias": [([0], [8]), ([8], [8])],
+    "layers.1.weight": [([0, 0], [4, 8]), ([0, 8], [4, 8])],
+    "layers.1.bias": [([0], [4])],
+}
 
 
 @pytest.mark.parametrize("mesh, strategy", [("tp=2", "tp"), ("dp=2,tp=2", "dp,tp")])
@@ -610,18 +700,27 @@ def test_a_save_writes_each_block_once_and_any_mesh_resumes_from_it(tmp_path, me
     src = _trained(mesh, strategy)
     path, _ = _saver(tmp_path).save(src, 2)
     from torch.distributed.checkpoint import FileSystemReader
+
     md = FileSystemReader(path).read_metadata()
     chunks = {k: sorted((list(c.offsets), list(c.sizes)) for c in v.chunks) for k, v in md.state_dict_metadata.items()}
-    assert chunks == {f"{kind}{w}": blocks for w, blocks in TP_BLOCKS.items()
-                      for kind in ("model/", "optim/opt:exp_avg:", "optim/opt:exp_avg_sq:")}
+    assert chunks == {
+        f"{kind}{w}": blocks
+        for w, blocks in TP_BLOCKS.items()
+        for kind in ("model/", "optim/opt:exp_avg:", "optim/opt:exp_avg_sq:")
+    }
     weights, state = src.weights(), src.state()
     full = checkpoint.read(path).load(_entries())
     assert all(torch.equal(full[f"model/{w}"], t) for w, t in weights.items())
     assert all(torch.equal(full[f"optim/{k}"], t) for k, t in state.items())
     _, inputs, _ = _mlp()
     want = [src.step(inputs) for _ in range(2)]
-    for other_mesh, other in (("d=1", "single"), ("dp=2", "dp"), ("pp=2", "pp"), ("pp=2,tp=2", "pp,tp"),
-                              ("fsdp=2", "fsdp")):
+    for other_mesh, other in (
+        ("d=1", "single"),
+        ("dp=2", "dp"),
+        ("pp=2", "pp"),
+        ("pp=2,tp=2", "pp,tp"),
+        ("fsdp=2", "fsdp"),
+    ):
         ex = _executor(other_mesh, other)
         checkpoint.read(path).restore(ex, world=1)
         assert ex.steps_done == 2 and ex.weight_error(weights) == 0.0  # every replica of every piece
@@ -636,9 +735,13 @@ def test_an_fsdp_checkpoint_resumes_under_tp_and_on_one_device(tmp_path):
     src = _trained("fsdp=2", "fsdp")
     path, _ = _saver(tmp_path).save(src, 2)
     from torch.distributed.checkpoint import FileSystemReader
+
     md = FileSystemReader(path).read_metadata()
     halves = {k: [list(c.offsets) for c in v.chunks] for k, v in md.state_dict_metadata.items()}
-    assert halves["model/layers.0.weight"] == [[0, 0], [8, 0]] and halves["optim/opt:exp_avg:layers.1.bias"] == [[0], [2]]
+    assert halves["model/layers.0.weight"] == [[0, 0], [8, 0]] and halves["optim/opt:exp_avg:layers.1.bias"] == [
+        [0],
+        [2],
+    ]
     weights, state = src.weights(), src.state()
     _, inputs, _ = _mlp()
     want = [src.step(inputs) for _ in range(2)]
@@ -664,6 +767,7 @@ def test_a_bf16_fsdp_checkpoint_holds_float32_masters_and_resumes_in_float32_und
     src = _trained("fsdp=2", "fsdp", bf16=True)
     path, _ = _saver(tmp_path).save(src, 2)
     from torch.distributed.checkpoint import FileSystemReader
+
     md = FileSystemReader(path).read_metadata().state_dict_metadata
     assert {md[k].properties.dtype for k in md} == {torch.float32}
     assert [list(c.offsets) for c in md["model/layers.0.weight"].chunks] == [[0, 0], [8, 0]]

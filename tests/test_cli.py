@@ -11,8 +11,9 @@ from shardflow.cli import main
 
 
 def run(capsys, *argv):
-    code = main(["plan", "--model", "gpt", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4",
-                 *argv])
+    code = main(
+        ["plan", "--model", "gpt", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4", *argv]
+    )
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -37,6 +38,7 @@ def test_plan_defaults_to_the_model_train_trains(capsys):
     from the same defaults (one source: TrainConfig and DEFAULT_SIZES), with train's batch shape."""
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import build_model
+
     cfg = TrainConfig()
     _, _, model = build_model(cfg, cfg.vocab_size, None)
     assert main(["plan", "--graph"]) == 0
@@ -45,16 +47,21 @@ def test_plan_defaults_to_the_model_train_trains(capsys):
     weights = [line for line in out.splitlines() if line.startswith("weight ")]
     assert weights == [f"weight   {n}: float32[{', '.join(map(str, p.shape))}]" for n, p in model.named_parameters()]
     code, out, err = run(capsys, "--kv-heads", "2")
-    assert code == 2 and err == ("shardflow plan: error: --kv-heads 2: --model gpt has no grouped-query attention; "
-                                 "drop --kv-heads, or plan --model llama\n")
+    assert code == 2 and err == (
+        "shardflow plan: error: --kv-heads 2: --model gpt has no grouped-query attention; "
+        "drop --kv-heads, or plan --model llama\n"
+    )
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--strategy", "tp", "--nproc", "3"], ["degree 3", "does not divide"]),
-    (["--strategy", "tp", "--mesh", "dp=2"], ["mesh axis 'tp'", "--mesh tp=2"]),
-    (["--mesh", "dp2"], ["cannot read mesh", "dp=2,tp=2"]),
-    (["--plan", "/nonexistent/plan.toml"], ["No such file"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--strategy", "tp", "--nproc", "3"], ["degree 3", "does not divide"]),
+        (["--strategy", "tp", "--mesh", "dp=2"], ["mesh axis 'tp'", "--mesh tp=2"]),
+        (["--mesh", "dp2"], ["cannot read mesh", "dp=2,tp=2"]),
+        (["--plan", "/nonexistent/plan.toml"], ["No such file"]),
+    ],
+)
 def test_user_errors_exit_2_with_one_paragraph(capsys, argv, words):
     code, out, err = run(capsys, *argv)
     assert code == 2 and not out
@@ -66,15 +73,25 @@ def test_user_errors_exit_2_with_one_paragraph(capsys, argv, words):
 def test_output_cut_short_by_its_reader_is_no_traceback():
     """``shardflow plan ... | head -c 100``: the plan (about 180 KB, more than a pipe holds) stops quietly when head
     has read its 100 bytes, with status 141 (128 + SIGPIPE) as a writer killed by SIGPIPE shows in a shell."""
-    r = subprocess.run(f"{sys.executable} -m shardflow.cli plan --model mlp --layers 8 --strategy dp --nproc 2 "
-                       f"--format json | head -c 100; echo \" ${{PIPESTATUS[0]}}\"", shell=True, executable="/bin/bash",
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        f"{sys.executable} -m shardflow.cli plan --model mlp --layers 8 --strategy dp --nproc 2 "
+        f'--format json | head -c 100; echo " ${{PIPESTATUS[0]}}"',
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.stderr == "" and r.stdout.startswith("{") and r.stdout.endswith(" 141\n"), (r.stdout, r.stderr)
 
 
 def test_console_entry_point_runs():
-    r = subprocess.run([sys.executable, "-m", "shardflow.cli", "plan", "--model", "mlp", "--strategy", "pp",
-                        "--mesh", "pp=2"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "shardflow.cli", "plan", "--model", "mlp", "--strategy", "pp", "--mesh", "pp=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "@mesh[pp=1]" in r.stdout and "@mesh[pp=0]" in r.stdout
 
@@ -89,6 +106,7 @@ def test_plan_text_shows_programs_bytes_and_proof(capsys):
 
 def test_plan_json_is_machine_readable(capsys):
     import json
+
     code, out, _ = run(capsys, "--strategy", "tp", "--nproc", "2", "--format", "json")
     doc = json.loads(out)
     # 4 of the tp step and the gradient norm's, as shardflow train runs it
@@ -124,8 +142,9 @@ def test_plan_lowers_with_train_s_communication_forms(capsys):
 
 def test_plan_dot_writes_the_pcg(capsys, tmp_path):
     out_file = tmp_path / "p.dot"
-    code, out, _ = run(capsys, "--strategy", "pp", "--mesh", "pp=2", "--layers", "2", "--format", "dot",
-                       "--out", str(out_file))
+    code, out, _ = run(
+        capsys, "--strategy", "pp", "--mesh", "pp=2", "--layers", "2", "--format", "dot", "--out", str(out_file)
+    )
     text = out_file.read_text()
     assert code == 0 and out.startswith(f"wrote {out_file}")
     assert text.startswith("digraph pcg {") and "style=dashed color=red" in text  # a stage crossing
@@ -135,16 +154,37 @@ def test_plan_passes_lists_each_pass_with_its_time(capsys):
     code, out, _ = run(capsys, "--strategy", "tp", "--nproc", "2", "--passes")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:3] == ["pass", "ms", "graph"]
-    assert [line.split()[0] for line in lines[1:]] == ["pass_expansion", "copy_insertion", "schedule",
-                                                       "shard_expansion", "comm_lowering", "ordering", "verify"]
+    assert [line.split()[0] for line in lines[1:]] == [
+        "pass_expansion",
+        "copy_insertion",
+        "schedule",
+        "shard_expansion",
+        "comm_lowering",
+        "ordering",
+        "verify",
+    ]
     assert all(float(line.split()[1]) >= 0 for line in lines[1:])
 
 
 def test_plan_dump_after_prints_the_graph_after_one_pass(capsys):
-    code, out, _ = run(capsys, "--model", "mlp", "--layers", "2", "--strategy", "pp", "--mesh", "pp=2", "--dump-after", "copy_insertion")
+    code, out, _ = run(
+        capsys,
+        "--model",
+        "mlp",
+        "--layers",
+        "2",
+        "--strategy",
+        "pp",
+        "--mesh",
+        "pp=2",
+        "--dump-after",
+        "copy_insertion",
+    )
     assert code == 0 and out.startswith("dynamic graph: ") and "passes done: pass_expansion, copy_insertion" in out
     assert "FWD  copy     FWD copy fwd:relu mesh[pp=0]->mesh[pp=1]" in out
-    code, out, _ = run(capsys, "--model", "mlp", "--layers", "2", "--strategy", "pp", "--mesh", "pp=2", "--dump-after", "ordering")
+    code, out, _ = run(
+        capsys, "--model", "mlp", "--layers", "2", "--strategy", "pp", "--mesh", "pp=2", "--dump-after", "ordering"
+    )
     assert code == 0 and out.startswith("rank 0: ") and "recv" in out and "free " in out
 
 
@@ -158,8 +198,13 @@ def test_plan_draws_the_pipeline_schedule(capsys):
     assert "#   stage 0 | F0 F1 .  B0 F2 B1 F3 B2 .  B3   (at most 2 microbatch(es) in flight)" in out
     code, out, _ = run(capsys, *argv, "--schedule", "gpipe", "--format", "json")
     doc = json.loads(out)
-    assert doc["schedule"] == {"kind": "gpipe", "stages": 2, "microbatches": 4, "bubble": 0.2,
-                               "actions": [["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]] * 2}
+    assert doc["schedule"] == {
+        "kind": "gpipe",
+        "stages": 2,
+        "microbatches": 4,
+        "bubble": 0.2,
+        "actions": [["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]] * 2,
+    }
     sends = [i for i in doc["ranks"][0]["instructions"] if i["type"] == "comm" and i["kind"] == "send"]
     assert len(sends) == 4 and not any(i["wait"] for i in sends)
 
@@ -218,13 +263,16 @@ def test_plan_accumulate_shows_the_last_micro_step_and_each_ones_communications(
     assert code == 0 and not err
     assert "input    x: float32[2/2, 32]" in out  # a micro-batch: 8 / 4 rows, split over dp
     lines = out.splitlines()
-    k = lines.index("# --accumulate 4: the programs below are those of the last of 4 micro-steps (it adds the earlier "
-                    "micro-steps' gradient contributions to its own, reduces them and updates); communications of "
-                    "rank 0 per micro-step:")
-    assert lines[k + 1:k + 4] == ["#   first of 4 micro-steps: FWD all_reduce ×1",  # the loss's label count
-                                  "#   middle of 4 micro-steps: FWD all_reduce ×1",
-                                  "#   last of 4 micro-steps: FWD all_reduce ×1, BWD all_reduce ×1, "
-                                  "UPD all_reduce ×1"]  # and the gradient norm, as train computes it
+    k = lines.index(
+        "# --accumulate 4: the programs below are those of the last of 4 micro-steps (it adds the earlier "
+        "micro-steps' gradient contributions to its own, reduces them and updates); communications of "
+        "rank 0 per micro-step:"
+    )
+    assert lines[k + 1 : k + 4] == [
+        "#   first of 4 micro-steps: FWD all_reduce ×1",  # the loss's label count
+        "#   middle of 4 micro-steps: FWD all_reduce ×1",
+        "#   last of 4 micro-steps: FWD all_reduce ×1, BWD all_reduce ×1, UPD all_reduce ×1",
+    ]  # and the gradient norm, as train computes it
     prog = _rank0(out)
     assert sum("= sum(" in line and ", acc:grad:" in line for line in prog) == 4  # each weight's earlier sum added
     code, out, _ = run(capsys, *argv)
@@ -232,12 +280,20 @@ def test_plan_accumulate_shows_the_last_micro_step_and_each_ones_communications(
     assert not any("acc:" in line for line in _rank0(out))
     code, out, _ = run(capsys, *argv, "--accumulate", "4", "--dtype", "bf16", "--format", "json")
     import json
+
     doc = json.loads(out)
     assert code == 0 and (doc["micro_step"], doc["dtype"]) == ("last of 4 micro-steps", "bf16")
     code, out, err = run(capsys, *argv, "--accumulate", "3")
-    assert code == 2 and not out and err == ("shardflow plan: error: input 'x' [8, 32] has 8 rows along dim 0, which "
-                                             "do not split into 3 micro-batches of equal size; give a batch whose "
-                                             "size is a multiple of 3\n")
+    assert (
+        code == 2
+        and not out
+        and err
+        == (
+            "shardflow plan: error: input 'x' [8, 32] has 8 rows along dim 0, which "
+            "do not split into 3 micro-batches of equal size; give a batch whose "
+            "size is a multiple of 3\n"
+        )
+    )
 
 
 def test_plan_shares_train_flags_help(capsys):
@@ -247,6 +303,7 @@ def test_plan_shares_train_flags_help(capsys):
 
     from shardflow.cli import build_parser
     from shardflow.train.config import TrainConfig
+
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     flags = {name: {o: a for a in sub.choices[name]._actions for o in a.option_strings} for name in ("plan", "train")}
@@ -264,18 +321,20 @@ def test_every_entry_point_lowers_the_same_programs(capsys, monkeypatch, tmp_pat
     every one."""
     import shardflow.cli as cli
     from shardflow.api import parallelize
-    from shardflow.model_spec import load_model
     from shardflow.lower.program import programs_fingerprint
+    from shardflow.model_spec import load_model
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import setup
 
     factory = tmp_path / "tiny.py"
-    factory.write_text("import torch\n"
-                       "from shardflow.models import GPT, GPTConfig\n\n\n"
-                       "def tiny():  # a vocabulary of 1024 holds any token of train's BPE\n"
-                       "    g = torch.Generator().manual_seed(1)\n"
-                       "    idx, targets = (torch.randint(0, 1024, (4, 8), generator=g) for _ in range(2))\n"
-                       "    return GPT(GPTConfig(1024, block_size=8, n_layer=1)), {'idx': idx, 'targets': targets}\n")
+    factory.write_text(
+        "import torch\n"
+        "from shardflow.models import GPT, GPTConfig\n\n\n"
+        "def tiny():  # a vocabulary of 1024 holds any token of train's BPE\n"
+        "    g = torch.Generator().manual_seed(1)\n"
+        "    idx, targets = (torch.randint(0, 1024, (4, 8), generator=g) for _ in range(2))\n"
+        "    return GPT(GPTConfig(1024, block_size=8, n_layer=1)), {'idx': idx, 'targets': targets}\n"
+    )
     spec = f"{factory}:tiny"
     cfg = TrainConfig(model=spec, seq_len=8, batch_size=4, strategy="fsdp", mesh="fsdp=2", nproc=2)
     fingerprints = {"train": programs_fingerprint(setup(cfg, 2).lower().programs)}

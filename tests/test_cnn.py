@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from test_local_executor import check_against_eager
 from torch import nn
 from torch.nn import functional as F
 
@@ -28,7 +29,6 @@ from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.reference import run_backward, weights_of
 from shardflow.strategy import make_plan, resolve
-from test_local_executor import check_against_eager
 
 
 def conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
@@ -73,8 +73,9 @@ class ResNet(nn.Module):
         self.maxpool = nn.MaxPool2d(3, 2, 1)
         stages, c = [], widths[0]
         for i, w in enumerate(widths):
-            stages.append(nn.Sequential(*(BasicBlock(c if k == 0 else w, w, 2 if i and k == 0 else 1)
-                                          for k in range(blocks))))
+            stages.append(
+                nn.Sequential(*(BasicBlock(c if k == 0 else w, w, 2 if i and k == 0 else 1) for k in range(blocks)))
+            )
             c = w
         self.layers = nn.Sequential(*stages)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
@@ -107,8 +108,10 @@ def resnet() -> ResNet:
 
 def images(n=8, size=16, seed=1) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(n, 3, size, size, generator=gen, dtype=torch.float64),
-            "y": torch.randint(0, 10, (n,), generator=gen)}
+    return {
+        "x": torch.randn(n, 3, size, size, generator=gen, dtype=torch.float64),
+        "y": torch.randint(0, 10, (n,), generator=gen),
+    }
 
 
 def dp2(graph: ComputationGraph):
@@ -116,8 +119,9 @@ def dp2(graph: ComputationGraph):
     return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "dp"), graph, mesh))
 
 
-BN_SCOPES = ["bn1"] + [f"layers.{s}.{b}.bn{k}" for s in (0, 1) for b in (0, 1) for k in (1, 2)] + \
-    ["layers.1.0.downsample.1"]
+BN_SCOPES = (
+    ["bn1"] + [f"layers.{s}.{b}.bn{k}" for s in (0, 1) for b in (0, 1) for k in (1, 2)] + ["layers.1.0.downsample.1"]
+)
 
 
 def test_resnet_lifts_every_op_to_a_rule():
@@ -125,8 +129,9 @@ def test_resnet_lifts_every_op_to_a_rule():
     and no batch-norm node is left whole (it is mean/sub/mul/sum/rsqrt ops in its module)."""
     graph = capture(resnet(), images())
     assert [n.op.describe() for n in graph.nodes if isinstance(n.op, O.Aten)] == []
-    assert sorted({n.scope for n in graph.nodes if n.scope.split(".")[-1].startswith("bn") or
-                   n.scope.endswith("downsample.1")}) == sorted(BN_SCOPES)
+    assert sorted(
+        {n.scope for n in graph.nodes if n.scope.split(".")[-1].startswith("bn") or n.scope.endswith("downsample.1")}
+    ) == sorted(BN_SCOPES)
     assert [n.op for n in graph.nodes if isinstance(n.op, O.Pool)] == [O.Pool("max", (3, 3), (2, 2), (1, 1))]
     means = [n.op for n in graph.nodes if n.scope == "bn1" and isinstance(n.op, O.Reduce)]
     assert means == [O.Reduce("mean", (0, 2, 3), True), O.Reduce("sum", (0, 2, 3), True)]
@@ -149,8 +154,9 @@ def test_running_statistics_equal_one_device_under_dp():
         fresh = {k: v.clone() for k, v in model.state_dict().items()}
         trainer = shardflow.parallelize(model, b, mesh=mesh, lr=0.1)
         updated = trainer.graph.buffer_updates
-        assert set(updated) == {f"{s}.{k}" for s in BN_SCOPES for k in ("running_mean", "running_var",
-                                                                        "num_batches_tracked")}
+        assert set(updated) == {
+            f"{s}.{k}" for s in BN_SCOPES for k in ("running_mean", "running_var", "num_batches_tracked")
+        }
         assert all(u.stat in trainer.graph.outputs for u in updated.values() if u.stat is not None)
         rows = list(trainer.compare_with_eager(model, b, 2))  # trains the eager model alongside
         assert max(max(r.dloss, r.grad, r.weight, r.buffer) for r in rows) <= 1e-12, rows
@@ -163,8 +169,11 @@ def test_running_statistics_equal_one_device_under_dp():
             assert torch.allclose(plain.eval()(**b), model.eval()(**b), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("options", [dict(mesh="dp=2", accumulate=2), dict(mesh="pp=2", microbatches=2)],
-                         ids=["dp-accumulate", "pp-microbatches"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(mesh="dp=2", accumulate=2), dict(mesh="pp=2", microbatches=2)],
+    ids=["dp-accumulate", "pp-microbatches"],
+)
 def test_running_statistics_follow_each_micro_batch(options):
     """accumulate=2 on dp=2, and 2 microbatches through a 2-stage pipeline (the statistics held by the stage that
     computes them): each micro-batch is normalised by its own statistics, which are blended into the running ones in
@@ -178,7 +187,7 @@ def test_running_statistics_follow_each_micro_batch(options):
         trainer.step(b)
         opt.zero_grad()
         for half in range(2):
-            (eager(**{k: v[half * 4:(half + 1) * 4] for k, v in b.items()}) / 2).backward()
+            (eager(**{k: v[half * 4 : (half + 1) * 4] for k, v in b.items()}) / 2).backward()
         opt.step()
     state, want = trainer.state_dict(), eager.state_dict()
     assert all(int(state[f"{s}.num_batches_tracked"]) == 4 for s in BN_SCOPES)
@@ -195,8 +204,10 @@ def test_check_on_two_processes_compares_the_running_statistics(capsys):
     are compared with eager PyTorch's too, and equal them."""
     from shardflow.cli import main
 
-    assert main(["check", "--model", f"{__file__}:resnet_and_images", "--mesh", "dp=2", "--nproc", "2",
-                 "--steps", "2"]) == 0
+    assert (
+        main(["check", "--model", f"{__file__}:resnet_and_images", "--mesh", "dp=2", "--nproc", "2", "--steps", "2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "step 2:" in out and "|Δbuffer|" in out.splitlines()[-1] and out.rstrip().endswith(": OK")
 
@@ -232,9 +243,11 @@ def test_batch_norm_statistics_are_all_reduced():
             per_bn.setdefault(r.scope, []).append((r.op, type(producer[r.tensor].op), [op.kind for op in r.ops]))
     assert sorted(per_bn) == sorted(BN_SCOPES)
     for scope, moves in per_bn.items():
-        assert moves == [(O.Binary("sub"), O.Reduce, ["reduction"]),  # x - mean: the mean all-reduced
-                         (O.Unary("rsqrt"), O.Scalar, ["reduction", "repartition"]),  # rsqrt(var + eps)
-                         (O.Binary("mul"), O.Unary, ["combine"])], scope  # (x - mean) * rstd
+        assert moves == [
+            (O.Binary("sub"), O.Reduce, ["reduction"]),  # x - mean: the mean all-reduced
+            (O.Unary("rsqrt"), O.Scalar, ["reduction", "repartition"]),  # rsqrt(var + eps)
+            (O.Binary("mul"), O.Unary, ["combine"]),
+        ], scope  # (x - mean) * rstd
     step = lower_step(pcg)
     fwd = Counter(c.kind for c in step.programs[0].comms if c.pass_ == TaskType.FWD)
     assert fwd == {"all_reduce": 10 + 1, "reduce_scatter": 10, "all_gather": 10}
@@ -247,7 +260,7 @@ def test_per_rank_batch_norm_would_differ():
     model, b = resnet(), images()
     whole = model(**b)
     grads = torch.autograd.grad(whole, list(model.parameters()))
-    halves = [model(**{k: v[i * 4:(i + 1) * 4] for k, v in b.items()}) for i in (0, 1)]
+    halves = [model(**{k: v[i * 4 : (i + 1) * 4] for k, v in b.items()}) for i in (0, 1)]
     ddp = (halves[0] + halves[1]) / 2
     ddp_grads = torch.autograd.grad(ddp, list(model.parameters()))
     assert abs(ddp.item() - whole.item()) > 1e-3  # measured 8.8e-3
@@ -285,6 +298,7 @@ def test_small_cnn_dp_equals_one_device():
 def test_pooling_variants_lift_with_eager_numbers():
     """max pool (padding, dilation, ceil mode) and average pool (padding without counting it, a divisor override),
     2-d and 1-d, lift to Pool ops with the eager loss and gradient (float64, 1e-12)."""
+
     class Pools(nn.Module):
         def __init__(self):
             super().__init__()

@@ -8,22 +8,21 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_lower import MEGATRON, _sp_step, against_one_device, lowered, mlp, replicate_broadcast  # the same plans
 
 from shardflow.graph.ops import TensorType, Unary
 from shardflow.lower import LowerOptions
+from shardflow.lower.buffer_reuse import inplace_sums, kept_receives, ring_regions, shared_sends
 from shardflow.lower.comms import run_local
-from shardflow.parallel.collectives import KINDS, CommKind, bound_bytes
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.ordering import with_frees
-from shardflow.lower.buffer_reuse import inplace_sums, kept_receives, ring_regions, shared_sends
 from shardflow.lower.program import Buffer, Comm, Compute, Forward, Keep, OnesLike, Program, Sum, Update, Vjp, Wait
+from shardflow.parallel.collectives import KINDS, CommKind, bound_bytes
 from shardflow.parallel.mesh import Mesh, Partial, ReduceOp
 from shardflow.parallel.rules import LocalOp
 from shardflow.runtime.comms import issue
 from shardflow.runtime.kernels import OptimizerConfig, make_kernel, recorded_nodes
 from shardflow.strategy import make_plan
-
-from test_lower import MEGATRON, _sp_step, against_one_device, lowered, mlp, replicate_broadcast  # the same plans
 
 
 def shared(step) -> dict[int, list[tuple[str, str, bool]]]:
@@ -31,8 +30,11 @@ def shared(step) -> dict[int, list[tuple[str, str, bool]]]:
     out = {}
     for r, p in step.programs.items():
         chosen = shared_sends(p, recorded_nodes(p))
-        out[r] = [(c.pass_, c.kind, c.token in chosen) for c in p.comms
-                  if c.send is not None and c.kind in ("all_reduce", "reduce", "broadcast")]
+        out[r] = [
+            (c.pass_, c.kind, c.token in chosen)
+            for c in p.comms
+            if c.send is not None and c.kind in ("all_reduce", "reduce", "broadcast")
+        ]
     return out
 
 
@@ -96,8 +98,9 @@ def all_reduce(t: int, send: str, wait: bool = True) -> Comm:
 
 
 def broadcast(t: int, send: str, wait: bool = True) -> Comm:
-    return Comm(t, "broadcast", TaskType.FWD, (0, 1), F64, 32, root=0, send=buf(send), recv=buf(f"{send}.rep"),
-                wait=wait)
+    return Comm(
+        t, "broadcast", TaskType.FWD, (0, 1), F64, 32, root=0, send=buf(send), recv=buf(f"{send}.rep"), wait=wait
+    )
 
 
 def update(w: str, g: str) -> Compute:
@@ -111,20 +114,28 @@ def program(*instrs, keep_values=("w", "upd:w")) -> Program:
 
 def test_an_all_reduce_is_in_place_only_when_nothing_sharing_its_storage_is_read_after_it():
     # y = a itself (a kept piece): reducing y in place would change a, read afterwards
-    assert shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), read("a", "y.sum", out="z")),
-                        ()) == frozenset()
+    assert (
+        shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), read("a", "y.sum", out="z")), ())
+        == frozenset()
+    )
     assert shared_sends(program(made("a"), keep("a", "y"), read("a", out="z"), all_reduce(0, "y")), ()) == {0}
     # a value that outlives the step (a weight, a gradient the update reads, the loss) is never overwritten, nor
     # one the executor placed (the step's data may be the caller's tensors)
-    assert shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), keep_values=("a",)),
-                        ()) == frozenset()
+    assert shared_sends(program(made("a"), keep("a", "y"), all_reduce(0, "y"), keep_values=("a",)), ()) == frozenset()
     assert shared_sends(program(keep("x", "y"), all_reduce(0, "y")), ()) == frozenset()
 
 
 def test_a_recorded_forward_keeps_its_outputs_until_the_backward():
     fwd = Compute(TaskType.FWD, "n", "tanh", (buf("x"),), (buf("y"),), "fwd:n", kernel=Forward(TANH, None, (True,)))
-    bwd = Compute(TaskType.BWD, "n", "vjp", (buf("x"), buf("y.sum")), (buf("dx"),), "bwd:n",
-                  kernel=Vjp(TANH, None, (True,), (1.0,), (True,), ("float64",)))
+    bwd = Compute(
+        TaskType.BWD,
+        "n",
+        "vjp",
+        (buf("x"), buf("y.sum")),
+        (buf("dx"),),
+        "bwd:n",
+        kernel=Vjp(TANH, None, (True,), (1.0,), (True,), ("float64",)),
+    )
     p = program(fwd, all_reduce(0, "y"), bwd)
     assert shared_sends(p, ()) == {0}  # no graph recorded: y is dead after its all-reduce
     assert shared_sends(p, (("n", 0),)) == frozenset()  # tanh's graph saves y for the backward
@@ -132,10 +143,12 @@ def test_a_recorded_forward_keeps_its_outputs_until_the_backward():
 
 def test_a_buffer_in_flight_is_not_overwritten():
     # a is read by an async broadcast until its wait: y = a may not be reduced in place before that wait
-    assert shared_sends(program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), all_reduce(1, "y"),
-                                Wait(0)), ()) == {0}
-    assert shared_sends(program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), Wait(0),
-                                all_reduce(1, "y")), ()) == {0, 1}
+    assert shared_sends(
+        program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), all_reduce(1, "y"), Wait(0)), ()
+    ) == {0}
+    assert shared_sends(
+        program(made("a"), keep("a", "y"), broadcast(0, "a", wait=False), Wait(0), all_reduce(1, "y")), ()
+    ) == {0, 1}
 
 
 def test_a_broadcast_root_shares_a_weight_only_if_its_replica_is_not_read_after_the_update():
@@ -145,10 +158,8 @@ def test_a_broadcast_root_shares_a_weight_only_if_its_replica_is_not_read_after_
     assert shared_sends(program(broadcast(0, "w"), read("w.rep", out="z"), update("w", "g")), ()) == {0}
     assert shared_sends(program(broadcast(0, "w"), update("w", "g"), read("w.rep", out="z")), ()) == frozenset()
     # nor may an in-place reduction overwrite a replica whose root buffer is still read
-    assert shared_sends(program(made("a"), broadcast(0, "a"), all_reduce(1, "a.rep"), read("a", out="z")),
-                        ()) == {0}
-    assert shared_sends(program(made("a"), broadcast(0, "a"), read("a", out="z"), all_reduce(1, "a.rep")),
-                        ()) == {0, 1}
+    assert shared_sends(program(made("a"), broadcast(0, "a"), all_reduce(1, "a.rep"), read("a", out="z")), ()) == {0}
+    assert shared_sends(program(made("a"), broadcast(0, "a"), read("a", out="z"), all_reduce(1, "a.rep")), ()) == {0, 1}
 
 
 def test_run_local_writes_a_shared_reduction_into_the_send_buffer():
@@ -191,8 +202,10 @@ def test_a_gradient_sum_accumulates_into_its_first_input_only_when_that_buffer_i
     """As autograd accumulates ``.grad``: a + b written into a's buffer when nothing sharing a's storage is read after
     the sum; not when a (or y, a itself) is read later, when b shares a's storage, or when a is a placed input."""
     assert inplace_sums(program(made("a"), made("b"), add("a", "b", out="s"), read("s", out="z")), ()) == {"s"}
-    assert inplace_sums(program(made("a"), made("b"), keep("a", "y"), add("a", "b", out="s"), read("y", out="z")),
-                        ()) == frozenset()
+    assert (
+        inplace_sums(program(made("a"), made("b"), keep("a", "y"), add("a", "b", out="s"), read("y", out="z")), ())
+        == frozenset()
+    )
     assert inplace_sums(program(made("a"), keep("a", "b"), add("a", "b", out="s")), ()) == frozenset()
     assert inplace_sums(program(made("b"), add("g", "b", out="s")), ()) == frozenset()  # g: placed before the step
     chain = program(made("a"), made("b"), add("a", "b", out="s"), made("c"), add("s", "c", out="t"))
@@ -220,14 +233,19 @@ def test_a_receive_reuses_a_slot_only_once_everything_sharing_the_earlier_one_is
     """Interval colouring of received buffers: r2 takes r1's slot when r1 was read and freed before r2 arrives; two
     receives live at once take two slots; a received value that outlives the step, directly or through a buffer
     sharing its storage, gets none; one still in flight as a send holds its slot until its wait."""
-    assert kept_receives(program(recv(0, "r1"), read("r1", out="z1"), recv(1, "r2"), read("r2", out="z2")),
-                         ()) == {0: 0, 1: 0}
+    assert kept_receives(program(recv(0, "r1"), read("r1", out="z1"), recv(1, "r2"), read("r2", out="z2")), ()) == {
+        0: 0,
+        1: 0,
+    }
     assert kept_receives(program(recv(0, "r1"), recv(1, "r2"), read("r1", "r2", out="z")), ()) == {0: 0, 1: 1}
     assert kept_receives(program(recv(0, "r1"), read("r1", out="z"), keep_values=("w", "r1")), ()) == {}
-    assert kept_receives(program(recv(0, "r1"), keep("r1", "k"), recv(1, "r2"), read("r2", out="z"),
-                                 keep_values=("w", "k")), ()) == {1: 0}
-    assert kept_receives(program(recv(0, "r1"), all_reduce(1, "r1", wait=False), recv(2, "r2"), Wait(1),
-                                 read("r2", "r1.sum", out="z")), ()) == {0: 0, 2: 1}
+    assert kept_receives(
+        program(recv(0, "r1"), keep("r1", "k"), recv(1, "r2"), read("r2", out="z"), keep_values=("w", "k")), ()
+    ) == {1: 0}
+    assert kept_receives(
+        program(recv(0, "r1"), all_reduce(1, "r1", wait=False), recv(2, "r2"), Wait(1), read("r2", "r1.sum", out="z")),
+        (),
+    ) == {0: 0, 2: 1}
     # a received value reduced in place is the all-reduce's own buffer: the all-reduce itself receives nothing
     assert kept_receives(program(recv(0, "r1"), all_reduce(1, "r1"), read("r1.sum", out="z")), ()) == {0: 0}
 
@@ -240,12 +258,24 @@ def test_fsdp_receives_share_slots_only_between_disjoint_lives_and_match_one_dev
     (no slot). Two steps on the local executor (which copies each receive into its slot) give one device's losses
     and weights."""
     graph = mlp(pre=True)
-    step = lowered(graph, "fsdp=2", make_plan(graph, Mesh.parse("fsdp=2"), "fsdp"),
-                   options=LowerOptions("collective", "ring", bucket_bytes=0, reshard_after_forward=False))
+    step = lowered(
+        graph,
+        "fsdp=2",
+        make_plan(graph, Mesh.parse("fsdp=2"), "fsdp"),
+        options=LowerOptions("collective", "ring", bucket_bytes=0, reshard_after_forward=False),
+    )
     for p in step.programs.values():
         assert [(c.kind, c.recv.type.numel) for c in p.comms] == [
-            ("all_gather", 1024), ("all_gather", 64), ("all_gather", 1024), ("all_gather", 16), ("all_reduce", 16),
-            ("permute", 8), ("permute", 512), ("permute", 32), ("permute", 512)]
+            ("all_gather", 1024),
+            ("all_gather", 64),
+            ("all_gather", 1024),
+            ("all_gather", 16),
+            ("all_reduce", 16),
+            ("permute", 8),
+            ("permute", 512),
+            ("permute", 32),
+            ("permute", 512),
+        ]
         assert kept_receives(p, recorded_nodes(p)) == {0: 0, 1: 1, 2: 2, 3: 3, 5: 4, 6: 5, 7: 6, 8: 5}
     against_one_device(step, graph)
 
@@ -276,6 +306,7 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     dim stored first. Two steps on the local executor give one device's numbers."""
     import torch
     import torch.nn.functional as F
+
     from shardflow.lower import LowerOptions
     from shardflow.lower.buffer_reuse import buffer_reuse
     from shardflow.runtime.buffers import Receives
@@ -300,7 +331,7 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
         got[j] = block.copy_(chunks[j].movedim(1, 0)).movedim(0, 1)
     concat = p.instrs[joins[0]]
     xs = [got.get(j, chunks[1].clone()) for j in range(4)]
-    out, = receives.kernel(concat)(xs)
+    (out,) = receives.kernel(concat)(xs)
     assert torch.equal(out, full)
     assert out.data_ptr() == kept[0].flat.data_ptr() and kept[0].nbytes == full.numel() * 4
 
@@ -309,9 +340,9 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     for i in p.instrs:  # in program order: the own chunk first
         if isinstance(i, Compute) and i.outs[0].value in outputs:
             j = outputs[i.outs[0].value][1]
-            ys[j], = receives.kernel(i)([xs[j], w, bias])
+            (ys[j],) = receives.kernel(i)([xs[j], w, bias])
     assert sorted(ys) == [0, 1, 2, 3]
-    y, = receives.kernel(p.instrs[joins[1]])([ys[j] for j in range(4)])
+    (y,) = receives.kernel(p.instrs[joins[1]])([ys[j] for j in range(4)])
     torch.testing.assert_close(y, F.linear(full, w, bias), rtol=1e-6, atol=1e-6)
     stored = y.movedim(1, 0)
     assert stored.is_contiguous() and all(ys[j].data_ptr() == stored[2 * j].data_ptr() for j in range(4))
@@ -330,11 +361,23 @@ def test_every_kind_is_one_entry_with_both_implementations():
         issue(bogus, None, 0)
 
 
-@pytest.mark.parametrize("kind,d,root,want", [
-    ("all_gather", 4, False, 300), ("reduce_scatter", 4, False, 75), ("all_to_all", 4, False, 75),
-    ("reduce", 4, False, 75), ("all_reduce", 4, False, 150), ("broadcast", 4, True, 100), ("broadcast", 4, False, 0),
-    ("send", 2, False, 100), ("recv", 2, False, 0), ("permute", 1, False, 100), ("all_reduce", 1, False, 0),
-    ("broadcast", 1, True, 0)])
+@pytest.mark.parametrize(
+    "kind,d,root,want",
+    [
+        ("all_gather", 4, False, 300),
+        ("reduce_scatter", 4, False, 75),
+        ("all_to_all", 4, False, 75),
+        ("reduce", 4, False, 75),
+        ("all_reduce", 4, False, 150),
+        ("broadcast", 4, True, 100),
+        ("broadcast", 4, False, 0),
+        ("send", 2, False, 100),
+        ("recv", 2, False, 0),
+        ("permute", 1, False, 100),
+        ("all_reduce", 1, False, 0),
+        ("broadcast", 1, True, 0),
+    ],
+)
 def test_bound_bytes_per_kind(kind, d, root, want):
     assert bound_bytes(CommKind(kind), 100, d, root) == want
 

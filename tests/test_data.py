@@ -18,10 +18,21 @@ import torch
 
 from shardflow.cli import main as cli_main
 from shardflow.train import data
-from shardflow.train.data import (CACHE_DIR_NAME, META_FILE, TOKENS_FILE, Corpus, DataError, Split, cache_entry,
-                                  data_files, load_text, read_tokens, token_dtype, write_tokens)
-from shardflow.train.tokenizer import (TOKENIZER_FILE, Tokenizer, TokenizerChoice, TokenizerError,
-                                       TokenizerKind)
+from shardflow.train.data import (
+    CACHE_DIR_NAME,
+    META_FILE,
+    TOKENS_FILE,
+    Corpus,
+    DataError,
+    Split,
+    cache_entry,
+    data_files,
+    load_text,
+    read_tokens,
+    token_dtype,
+    write_tokens,
+)
+from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerChoice, TokenizerError, TokenizerKind
 
 BPE = TokenizerChoice(TokenizerKind.BPE, 300)
 CHAR = TokenizerChoice(TokenizerKind.CHAR)
@@ -38,6 +49,7 @@ def text_file(tmp_path):
 
 # --- tokenizers -----------------------------------------------------------------------------------------------------
 
+
 def test_bpe_round_trips_any_text_and_merges_frequent_words():
     tok = Tokenizer.train_bpe([TEXT], 300)
     assert tok.kind == "BPE" and 256 < tok.vocab_size <= 300
@@ -53,12 +65,18 @@ def test_bpe_training_is_deterministic_across_processes(tmp_path):
     docs = [TEXT, "Some other document, with Capitals and 123 numbers.\n" * 50]
     text = data.Text.of(tuple(docs), "test", tmp_path)
     here = cache_entry(text, BPE, tmp_path / "here")
-    code = (f"import sys; from pathlib import Path; from shardflow.train import data; from shardflow.train.tokenizer "
-            f"import TokenizerChoice, TokenizerKind; docs = {docs!r}; "
-            f"t = data.Text.of(tuple(docs), 'test', Path('.')); "
-            f"data.cache_entry(t, TokenizerChoice(TokenizerKind.BPE, 300), Path(sys.argv[1]))")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path / "there")], check=True, timeout=120,
-                   env={**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": os.pathsep.join(sys.path)})
+    code = (
+        f"import sys; from pathlib import Path; from shardflow.train import data; from shardflow.train.tokenizer "
+        f"import TokenizerChoice, TokenizerKind; docs = {docs!r}; "
+        f"t = data.Text.of(tuple(docs), 'test', Path('.')); "
+        f"data.cache_entry(t, TokenizerChoice(TokenizerKind.BPE, 300), Path(sys.argv[1]))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "there")],
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     there = tmp_path / "there" / here.path.relative_to(tmp_path / "here")
     for name in (TOKENIZER_FILE, TOKENS_FILE, META_FILE):
         assert (here.path / name).read_bytes() == (there / name).read_bytes(), name
@@ -94,20 +112,29 @@ def test_tokenizer_file_choice(tmp_path):
 def test_tokenizer_that_cannot_encode_the_data(text_file, tmp_path):
     path = tmp_path / "abc.json"
     Tokenizer.characters(["abc \n"]).save(path)
-    with pytest.raises(DataError, match=r"data from .*text.txt: the tokenizer \(WordLevel, 5 tokens\) cannot encode the "
-                                        r"characters '\.', 'd', 'e', "):
+    with pytest.raises(
+        DataError,
+        match=r"data from .*text.txt: the tokenizer \(WordLevel, 5 tokens\) cannot encode the "
+        r"characters '\.', 'd', 'e', ",
+    ):
         Corpus.load(str(text_file), TokenizerChoice.of(str(path), 0), 16)
     assert not list((text_file.parent / CACHE_DIR_NAME).rglob("tokens.bin"))  # nothing left behind
 
 
 # --- --data: files, directories, globs ------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def tree(tmp_path):
     """books/a.txt, books/b/c.txt, books/b/d.md, books/.hidden/x.txt, books/.shardflow-cache/y.txt"""
     books = tmp_path / "books"
-    for name, content in (("a.txt", "alpha"), ("b/c.txt", "gamma\n"), ("b/d.md", "# delta"),
-                          (".hidden/x.txt", "hidden"), (f"{CACHE_DIR_NAME}/y.txt", "cache")):
+    for name, content in (
+        ("a.txt", "alpha"),
+        ("b/c.txt", "gamma\n"),
+        ("b/d.md", "# delta"),
+        (".hidden/x.txt", "hidden"),
+        (f"{CACHE_DIR_NAME}/y.txt", "cache"),
+    ):
         (books / name).parent.mkdir(parents=True, exist_ok=True)
         (books / name).write_text(content)
     return books
@@ -137,8 +164,11 @@ def test_data_errors(tmp_path, tree):
     with pytest.raises(DataError, match="data directory .*empty holds no files"):
         data_files(str(tmp_path / "empty"))
     (tree / "b" / "latin.txt").write_bytes("café".encode("latin-1"))
-    with pytest.raises(DataError, match=r"data file .*latin.txt is not UTF-8 text .*narrow --data to the text files "
-                                        r"with a glob such as '.*books/\*\*/\*\.txt'"):
+    with pytest.raises(
+        DataError,
+        match=r"data file .*latin.txt is not UTF-8 text .*narrow --data to the text files "
+        r"with a glob such as '.*books/\*\*/\*\.txt'",
+    ):
         load_text(str(tree))
     (tmp_path / "e1.txt").write_text("")
     with pytest.raises(DataError, match="data file .*e1.txt is empty"):
@@ -154,6 +184,7 @@ def test_default_corpus_is_the_python_documentation():
 
 
 # --- the cache and the token file -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("vocab_size, dtype", [(256, "uint16"), (65_536, "uint16"), (65_537, "uint32")])
 def test_token_file_round_trip(tmp_path, vocab_size, dtype):
@@ -196,8 +227,11 @@ def test_cache_dir_flag_and_corrupt_or_unwritable_cache(text_file, tmp_path):
     assert corpus.cache.parent.parent == tmp_path / "elsewhere" and corpus.cache.name == "char"
     tokens = corpus.cache / TOKENS_FILE
     tokens.write_bytes(tokens.read_bytes()[:100])
-    with pytest.raises(DataError, match=r"data cache entry .* is corrupt \(tokens.bin has 100 bytes, not 18002\); "
-                                        r"remove .* and run again"):
+    with pytest.raises(
+        DataError,
+        match=r"data cache entry .* is corrupt \(tokens.bin has 100 bytes, not 18002\); "
+        r"remove .* and run again",
+    ):
         Corpus.load(str(text_file), CHAR, 16, cache_dir=str(tmp_path / "elsewhere"))
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -219,6 +253,7 @@ def test_splits_and_unigram_baseline_in_tokens(text_file):
 
 # --- batches ------------------------------------------------------------------------------------------------------
 
+
 def test_batches_depend_only_on_seed_split_and_step(text_file, tmp_path):
     a = Corpus.load(str(text_file), BPE, 16)
     b = Corpus.load(str(text_file), BPE, 16, cache_dir=str(tmp_path / "other"))  # another build of the same data
@@ -232,20 +267,37 @@ def test_batches_depend_only_on_seed_split_and_step(text_file, tmp_path):
             assert torch.equal(x["idx"][:, 1:], x["targets"][:, :-1])  # targets: the next tokens
     assert torch.equal(later["idx"], a.batch(Split.TRAIN, 7, 8, 16, 0)["idx"])
     base = a.batch(Split.TRAIN, 0, 8, 16, 0)["idx"]
-    for other in (a.batch(Split.TRAIN, 1, 8, 16, 0), a.batch(Split.VAL, 0, 8, 16, 0), a.batch(Split.TRAIN, 0, 8, 16, 1)):
+    for other in (
+        a.batch(Split.TRAIN, 1, 8, 16, 0),
+        a.batch(Split.VAL, 0, 8, 16, 0),
+        a.batch(Split.TRAIN, 0, 8, 16, 1),
+    ):
         assert not torch.equal(base, other["idx"])
     # windows lie inside their split
     val = a.val.long().tolist()
     for row in a.batch(Split.VAL, 3, 8, 16, 0)["idx"].tolist():
-        assert any(val[s:s + 16] == row for s in range(len(val) - 15))
+        assert any(val[s : s + 16] == row for s in range(len(val) - 15))
 
 
 # --- the tokenizer travels with the run -----------------------------------------------------------------------------
 
+
 def test_char_run_saves_its_tokenizer_for_generate_and_resume(tmp_path, text_file, tiny, capsys):
     run = tmp_path / "run"
-    argv = ["train", *tiny, "--steps", "2", "--data", str(text_file), "--run-dir", str(run), "--strategy", "single",
-            "--nproc", "1"]
+    argv = [
+        "train",
+        *tiny,
+        "--steps",
+        "2",
+        "--data",
+        str(text_file),
+        "--run-dir",
+        str(run),
+        "--strategy",
+        "single",
+        "--nproc",
+        "1",
+    ]
     assert cli_main([*argv, "--tokenizer", "char"]) == 0
     assert "tokenizer: WordLevel, 29 tokens" in capsys.readouterr().out
     step2 = run / "checkpoints" / "step_2"
@@ -254,8 +306,13 @@ def test_char_run_saves_its_tokenizer_for_generate_and_resume(tmp_path, text_fil
     # generate uses it: a character the text lacks cannot be encoded
     assert cli_main(["generate", str(run), "--prompt", "The Fox"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("shardflow generate: error: --prompt has characters outside the model's vocabulary: "
-                          "'F', 'T'; the tokenizer of ") and "WordLevel, 29 tokens" in err
+    assert (
+        err.startswith(
+            "shardflow generate: error: --prompt has characters outside the model's vocabulary: "
+            "'F', 'T'; the tokenizer of "
+        )
+        and "WordLevel, 29 tokens" in err
+    )
     assert cli_main(["generate", str(run), "--prompt", "the ", "--tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("the ") and len(out.rstrip("\n")) == 4 + 5  # one character per token

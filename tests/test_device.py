@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from devices import PACKAGE, DevicelessFactories
+
 from shardflow.capture import capture
 from shardflow.lower import LowerOptions, MicroStep, lower_step
 from shardflow.lower.dynamic import UpdateRule
@@ -34,8 +34,9 @@ from shardflow.runtime.local import LocalExecutor
 from shardflow.strategy import make_plan, resolve
 from shardflow.train import checkpoint
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is "
-                                                                 "False on this machine)")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False on this machine)"
+)
 ADAMW = OptimizerConfig("adamw", 1e-2)
 
 
@@ -62,15 +63,19 @@ def test_the_check_sees_a_factory_without_a_device_in_shardflows_code_only():
     assert mode.sites == {"runtime/probe.py:1 zeros"}
 
 
-@pytest.mark.parametrize("mesh, strategy, accumulate", [("dp=2", "dp", 1), ("tp=2", "tp", 1),
-                                                        ("fsdp=2,tp=2", "fsdp,tp", 2), ("pp=2", "pp", 1)])
+@pytest.mark.parametrize(
+    "mesh, strategy, accumulate",
+    [("dp=2", "dp", 1), ("tp=2", "tp", 1), ("fsdp=2,tp=2", "fsdp,tp", 2), ("pp=2", "pp", 1)],
+)
 def test_no_tensor_of_a_step_load_save_or_restore_is_made_without_a_device(gpt, tmp_path, mesh, strategy, accumulate):
     model, batch, graphs = gpt
     graph = graphs[accumulate]
     m = Mesh.parse(mesh)
     pcg = build_pcg(graph, m, resolve(make_plan(graph, m, strategy), graph, m))
-    steps = {mi: lower_step(pcg, UpdateRule.ADAMW, micro=mi, options=LowerOptions(), clip_norm=1.0)
-             for mi in dict.fromkeys(MicroStep.sequence(accumulate))}
+    steps = {
+        mi: lower_step(pcg, UpdateRule.ADAMW, micro=mi, options=LowerOptions(), clip_norm=1.0)
+        for mi in dict.fromkeys(MicroStep.sequence(accumulate))
+    }
     last = steps[MicroStep.sequence(accumulate)[-1]]
     with DevicelessFactories() as mode:
         ex = LocalExecutor(last, ADAMW, seed=3, device=torch.device("cpu"))
@@ -79,8 +84,7 @@ def test_no_tensor_of_a_step_load_save_or_restore_is_made_without_a_device(gpt, 
         run = MicroSteps([others.get(mi, ex) for mi in MicroStep.sequence(accumulate)])
         losses = [run.step(batch) for _ in range(2)]
         assert ex.grad_norm > 0
-        path, _ = checkpoint.Saver(tmp_path, 0, 1, {"model": {}, "data": {}, "train": {}},
-                                     fresh=True).save(ex, 2)
+        path, _ = checkpoint.Saver(tmp_path, 0, 1, {"model": {}, "data": {}, "train": {}}, fresh=True).save(ex, 2)
         back = LocalExecutor(last, ADAMW, seed=3, device=torch.device("cpu"))
         checkpoint.read(path).restore(back, world=1)
         assert back.weight_error(ex.weights()) == 0.0
@@ -106,8 +110,11 @@ def test_more_local_ranks_than_gpus_are_refused_for_cuda_and_fall_back_to_the_cp
     assert device_type("auto", 2) == "cuda" and device_type("auto", 3) == "cpu"
     check_device("auto", 3)
     assert rank_device("auto", {"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3"}) == torch.device("cpu")
-    with pytest.raises(DeviceError, match=r"local rank 2 has no GPU of its own: this machine has 2 CUDA device\(s\); "
-                                          r"start at most 2 processes per machine \(--nproc 2\)"):
+    with pytest.raises(
+        DeviceError,
+        match=r"local rank 2 has no GPU of its own: this machine has 2 CUDA device\(s\); "
+        r"start at most 2 processes per machine \(--nproc 2\)",
+    ):
         check_device("cuda", 3)
     check_device("cpu", 8)  # the CPU takes any number
 
@@ -167,8 +174,11 @@ def test_on_a_gpu_a_wait_in_the_step_only_orders_the_stream_and_the_step_end_bou
     waits.wait(_Work(polls=2), "token 3 (all_gather)")
     waits.wait(_Work(polls=None), "token 4 (reduce_scatter)")
     t0 = time.monotonic()
-    with pytest.raises(CommTimeout, match=r"^rank 1 waited on token 4 \(reduce_scatter\): not complete 0.3 s after the "
-                                          r"step's last instruction was queued; a member stopped answering"):
+    with pytest.raises(
+        CommTimeout,
+        match=r"^rank 1 waited on token 4 \(reduce_scatter\): not complete 0.3 s after the "
+        r"step's last instruction was queued; a member stopped answering",
+    ):
         waits.settle()
     assert 0.3 <= time.monotonic() - t0 < 5
 
@@ -179,21 +189,27 @@ def test_nccls_watchdog_waits_longer_than_the_executor_and_its_remote_error_is_a
     checks every group of a run is made with it)."""
     two = datetime.timedelta(seconds=2)
     assert group_timeout(two, "cuda") == 2 * two and group_timeout(two, "cpu") == two
-    nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:2042, remote process exited or there was a network "
-                        "error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network error")
+    nccl = RuntimeError(
+        "NCCL error in: ProcessGroupNCCL.cpp:2042, remote process exited or there was a network "
+        "error, NCCL version 2.27.5\nncclRemoteError: A call failed possibly due to a network error"
+    )
     lost = comm_failure(nccl, "rank 0 waited on token 7")
     assert isinstance(lost, PeerLost) and str(lost).startswith(
-        "rank 0 waited on token 7: a member left (remote process exited or there was a network error, NCCL version")
+        "rank 0 waited on token 7: a member left (remote process exited or there was a network error, NCCL version"
+    )
 
 
 def test_a_process_group_initialised_before_must_carry_the_buffers_device():
     gpu, cpu = torch.device("cuda", 1), torch.device("cpu")
     for backend, device in [("nccl", gpu), ("gloo", cpu), ("cpu:gloo,cuda:nccl", gpu), ("cpu:gloo,cuda:nccl", cpu)]:
         check_backend(backend, device)
-    with pytest.raises(ValueError, match=r"^the process group was initialised before shardflow joined it, with "
-                                         r"backend 'gloo', which cannot carry this rank's buffers on cuda:1 \(nccl "
-                                         r"does\): initialise it with init_process_group\('nccl', device_id=torch"
-                                         r"\.device\('cuda', LOCAL_RANK\)\), or leave it to shardflow"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the process group was initialised before shardflow joined it, with "
+        r"backend 'gloo', which cannot carry this rank's buffers on cuda:1 \(nccl "
+        r"does\): initialise it with init_process_group\('nccl', device_id=torch"
+        r"\.device\('cuda', LOCAL_RANK\)\), or leave it to shardflow",
+    ):
         check_backend("gloo", gpu)
     with pytest.raises(ValueError, match=r"with backend 'nccl', which cannot carry this rank's buffers on cpu"):
         check_backend("nccl", cpu)
@@ -201,6 +217,7 @@ def test_a_process_group_initialised_before_must_carry_the_buffers_device():
 
 def test_a_tracer_on_a_gpu_times_what_the_device_did_not_what_was_queued(monkeypatch):
     from shardflow.runtime.trace import Tracer
+
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
     gpu = torch.device("cuda", 1)
@@ -213,9 +230,11 @@ def test_a_tracer_on_a_gpu_times_what_the_device_did_not_what_was_queued(monkeyp
 def test_train_on_cuda_without_cuda_is_refused_before_any_process(run_here, tmp_path):
     run, path = run_here(tmp_path, "nogpu", "--device", "cuda")
     assert run.returncode == 2 and not path.exists()
-    assert run.stderr.strip() == ("shardflow train: error: --device cuda: this machine has no CUDA device torch can "
-                                  "use (torch.cuda.is_available() is False); use --device cpu (gloo), or install a "
-                                  "CUDA build of torch"), run.stderr
+    assert run.stderr.strip() == (
+        "shardflow train: error: --device cuda: this machine has no CUDA device torch can "
+        "use (torch.cuda.is_available() is False); use --device cpu (gloo), or install a "
+        "CUDA build of torch"
+    ), run.stderr
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ import warnings
 
 import pytest
 import torch
+from test_vjp import EXTRA, _kernel, _x
 
 from shardflow.graph import ops as O
 from shardflow.lower.dynamic import TaskType
@@ -50,28 +51,50 @@ from shardflow.parallel.validate import CASES, Case, case_values
 from shardflow.runtime.kernels import OptimizerConfig, make_kernel
 from shardflow.runtime.vjp import UNARY_VJPS, hand_vjp
 
-from test_vjp import EXTRA, _kernel, _x
-
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.complex128, torch.complex64)
-TOL = {torch.float64: 1e-12, torch.complex128: 1e-12, torch.float32: 1e-5, torch.complex64: 1e-5,
-       torch.bfloat16: 1.6e-2}
+TOL = {
+    torch.float64: 1e-12,
+    torch.complex128: 1e-12,
+    torch.float32: 1e-5,
+    torch.complex64: 1e-5,
+    torch.bfloat16: 1.6e-2,
+}
 
 # Functions whose result carries no gradient: nothing to compare (torch's autograd gives none either).
 NO_GRADIENT = {
     **dict.fromkeys(("eq", "ne", "lt", "le", "gt", "ge"), "a comparison: its result is bool"),
-    **dict.fromkeys(("bitwise_and", "bitwise_or", "bitwise_not", "logical_not"),
-                    "defined on integers and bools only, which carry no gradient"),
+    **dict.fromkeys(
+        ("bitwise_and", "bitwise_or", "bitwise_not", "logical_not"),
+        "defined on integers and bools only, which carry no gradient",
+    ),
 }
 # ATen ops torch's autograd has no derivative for: the executors cannot differentiate them either (test below).
 NO_AUTOGRAD = {
     "aten.copy.default": "export's functional copy_ (an in-place slice write, x[..., :k] = y): torch has no "
-                         "derivative for aten::copy; capture lifts it to an expand and a cast, and planning refuses "
-                         "a generic op without a derivative before step 1 (tests/test_lower.py)",
+    "derivative for aten::copy; capture lifts it to an expand and a cast, and planning refuses "
+    "a generic op without a derivative before step 1 (tests/test_lower.py)",
 }
 # The op classes whose forward must take complex inputs (a rotary embedding written with view_as_complex runs
 # linears, element-wise ops, views and the generic ATen op on complex values); the probe may find more.
-COMPLEX_CLASSES = {O.Linear, O.Matmul, O.Binary, O.Scalar, O.Unary, O.Reshape, O.Permute, O.Expand, O.Slice, O.Split,
-                   O.Cat, O.Pad, O.Cast, O.Reduce, O.Where, O.ComplexView, O.Aten}
+COMPLEX_CLASSES = {
+    O.Linear,
+    O.Matmul,
+    O.Binary,
+    O.Scalar,
+    O.Unary,
+    O.Reshape,
+    O.Permute,
+    O.Expand,
+    O.Slice,
+    O.Split,
+    O.Cat,
+    O.Pad,
+    O.Cast,
+    O.Reduce,
+    O.Where,
+    O.ComplexView,
+    O.Aten,
+}
 # (ATen target, layout) that torch's forward refuses, as eager torch refuses the same view of its input.
 LAYOUT_REFUSED = {
     ("aten.view_as_complex.default", "sliced"): "view_as_complex needs the last dim at stride 1",
@@ -86,10 +109,15 @@ MORE = (
     Case("aten(view_as_real)", O.Aten("aten.view_as_real.default", (O.Arg(0),)), (_x("x", 4, 4),)),
     # x[..., :3] = y, as capture lifts it: the slice's copy of y, scattered back into x
     Case("aten(copy)", O.Aten("aten.copy.default", (O.Arg(0), O.Arg(1))), (_x("a", 4, 3), _x("b", 4, 3))),
-    Case("aten(slice_scatter)", O.Aten("aten.slice_scatter.default", (O.Arg(0), O.Arg(1), 1, 0, 3)),
-         (_x("x", 4, 8), _x("src", 4, 3))),
-) + tuple(Case(f"unary {fn}", O.Unary(fn), (_x("x", 4, 8),))
-          for fn in sorted(set(O.UNARY_FNS) - set(UNARY_VJPS) - set(NO_GRADIENT)))
+    Case(
+        "aten(slice_scatter)",
+        O.Aten("aten.slice_scatter.default", (O.Arg(0), O.Arg(1), 1, 0, 3)),
+        (_x("x", 4, 8), _x("src", 4, 3)),
+    ),
+) + tuple(
+    Case(f"unary {fn}", O.Unary(fn), (_x("x", 4, 8),))
+    for fn in sorted(set(O.UNARY_FNS) - set(UNARY_VJPS) - set(NO_GRADIENT))
+)
 ALL_CASES = CASES + EXTRA + MORE
 
 
@@ -197,20 +225,28 @@ def test_every_op_class_and_function_has_a_case():
         classes = {type(c.op) for c, d in RUNS if d == dt}
         want = set(O.OPS.values()) if not dt.is_complex else COMPLEX_CLASSES
         assert want <= classes, f"{dt}: no case with a gradient for {sorted(k.kind for k in want - classes)}"
-    tables = {O.Unary: O.UNARY_FNS, O.Binary: O.BINARY_FNS, O.Scalar: O.SCALAR_FNS, O.Reduce: O.REDUCE_FNS,
-              O.Pool: O.POOL_FNS}
+    tables = {
+        O.Unary: O.UNARY_FNS,
+        O.Binary: O.BINARY_FNS,
+        O.Scalar: O.SCALAR_FNS,
+        O.Reduce: O.REDUCE_FNS,
+        O.Pool: O.POOL_FNS,
+    }
     f64 = {c.label for c, d in RUNS if d == torch.float64}
     untested = [c for c in ALL_CASES if c.label not in f64 and _differentiable(c)]
     assert {getattr(c.op, "target", None) for c in untested} <= set(NO_AUTOGRAD), [c.label for c in untested]
     for cls, fns in tables.items():
         covered = {c.op.fn for c, _ in RUNS if type(c.op) is cls}
-        assert set(fns) - covered <= set(NO_GRADIENT), f"{cls.kind}: no case for {set(fns) - covered - set(NO_GRADIENT)}"
+        assert set(fns) - covered <= set(NO_GRADIENT), (
+            f"{cls.kind}: no case for {set(fns) - covered - set(NO_GRADIENT)}"
+        )
         assert not covered & set(NO_GRADIENT), "NO_GRADIENT lists a function that has a gradient"
 
 
 @pytest.mark.filterwarnings("ignore:Casting complex values to real")
-@pytest.mark.parametrize("case, dtype", RUNS, ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
-                         else v.label)
+@pytest.mark.parametrize(
+    "case, dtype", RUNS, ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v.label
+)
 def test_executor_gradients_equal_autograds(case, dtype):
     """Each layout on the inputs and output gradients together, on the inputs alone and on the gradients alone."""
     op = case.op
@@ -238,14 +274,18 @@ def test_executor_gradients_equal_autograds(case, dtype):
             dys = [d if m else None for d, m in zip(all_dys, dy_mask)]
             want = _autograd(op, xs, dys, diff)
             given = [d for d in dys if d is not None]
-            runs = {"hand" if hand else "autograd": _kernel(local, types, out_types, grad_mask, dy_mask,
-                                                            (1.0,) * len(xs))(xs + given)}
+            runs = {
+                "hand" if hand else "autograd": _kernel(local, types, out_types, grad_mask, dy_mask, (1.0,) * len(xs))(
+                    xs + given
+                )
+            }
             if not hand:
                 saved = {}
                 _recording_forward(local, types, out_types, grad_mask, saved)(xs)
                 assert set(saved) == {("op", 0)}
-                runs["recorded graph"] = _kernel(local, types, out_types, grad_mask, dy_mask, (1.0,) * len(xs),
-                                                 saved)(xs + given)
+                runs["recorded graph"] = _kernel(local, types, out_types, grad_mask, dy_mask, (1.0,) * len(xs), saved)(
+                    xs + given
+                )
                 assert not saved  # the backward took the recorded graph
             for path, got in runs.items():
                 assert len(got) == len(want)

@@ -18,10 +18,13 @@ TOL = {"float64": 1e-10, "float32": 1e-4, "bfloat16": 5e-2}
 
 
 def run(tmp_path, nproc, cases, grace_s=30.0):
-    res = launch([sys.executable, WORKER, str(tmp_path), *cases], nproc, tmp_path / "logs", grace_s=grace_s,
-                 echo_rank0=False)
-    results = [json.loads((tmp_path / f"result{r}.json").read_text()) if (tmp_path / f"result{r}.json").exists()
-               else None for r in range(nproc)]
+    res = launch(
+        [sys.executable, WORKER, str(tmp_path), *cases], nproc, tmp_path / "logs", grace_s=grace_s, echo_rank0=False
+    )
+    results = [
+        json.loads((tmp_path / f"result{r}.json").read_text()) if (tmp_path / f"result{r}.json").exists() else None
+        for r in range(nproc)
+    ]
     return res, results
 
 
@@ -34,18 +37,40 @@ def check(res, results, tmp_path):
 
 
 def test_two_processes(tmp_path):
-    cases = ["dp@dp=2@float64", "tp@tp=2@float64", "sp@tp=2@float64", "pp@pp=2@float64", "tp@tp=2@float32",
-             "sp@tp=2@float64@ring@ring", "sp@tp=2@float64@broadcast_loop@collective", "tp@tp=2@bfloat16",
-             "explicit", "dropout", "checkpoint", "devices", "comms"]
+    cases = [
+        "dp@dp=2@float64",
+        "tp@tp=2@float64",
+        "sp@tp=2@float64",
+        "pp@pp=2@float64",
+        "tp@tp=2@float32",
+        "sp@tp=2@float64@ring@ring",
+        "sp@tp=2@float64@broadcast_loop@collective",
+        "tp@tp=2@bfloat16",
+        "explicit",
+        "dropout",
+        "checkpoint",
+        "devices",
+        "comms",
+    ]
     check(*run(tmp_path, 2, cases), tmp_path)
     for r in range(2):  # sp's all-gathers use torch's current API: no deprecation warning in any rank's log
         assert "deprecated" not in (tmp_path / "logs" / f"rank{r}.log").read_text()
 
 
 def test_four_processes(tmp_path):
-    cases = ["dp,tp@dp=2,tp=2@float64", "dp,sp@dp=2,tp=2@float64", "tp@tp=4@float64", "pp,tp@pp=2,tp=2@float64",
-             "sp@tp=4@float64@ring@ring", "dp,sp@dp=2,tp=2@float64@broadcast_loop@ring", "outside_view", "groups",
-             "checkpoint", "comms", "stream_waits"]
+    cases = [
+        "dp,tp@dp=2,tp=2@float64",
+        "dp,sp@dp=2,tp=2@float64",
+        "tp@tp=4@float64",
+        "pp,tp@pp=2,tp=2@float64",
+        "sp@tp=4@float64@ring@ring",
+        "dp,sp@dp=2,tp=2@float64@broadcast_loop@ring",
+        "outside_view",
+        "groups",
+        "checkpoint",
+        "comms",
+        "stream_waits",
+    ]
     check(*run(tmp_path, 4, cases), tmp_path)
 
 

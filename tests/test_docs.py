@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from test_lower import dp_tp_mlp_pcg
 
 from shardflow.cli import main as cli_main
 from shardflow.lower import LowerOptions, lower_step
@@ -49,7 +50,6 @@ from shardflow.parallel.mesh import Mesh, Shard, SubMesh
 from shardflow.parallel.pcg import build_pcg, placements_text
 from shardflow.parallel.sharding import Sharding
 from shardflow.strategy import ModulePlan, Plan, resolve
-from test_lower import dp_tp_mlp_pcg
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -58,6 +58,7 @@ UPDATE = os.environ.get("SHARDFLOW_UPDATE_DOCS") == "1"
 
 
 # --- 1. generated blocks ------------------------------------------------------------------------------------------
+
 
 def _plan_json(strategy: str, mesh: str) -> dict:
     """``shardflow plan --model gpt --strategy S --mesh M --format json``."""
@@ -77,25 +78,49 @@ def _per_rank(values: dict[int, int]) -> str:
     return " / ".join(f"{', '.join(f'r{r}' for r in rs)}: {v:,}" for v, rs in groups.items())
 
 
-_KIND_WORDS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "reduce_scatter": "reduce-scatter",
-               "all_to_all": "all-to-all", "p2p": "send/recv"}
-STRATEGY_ROWS = [("single", "d=1"), ("dp", "dp=2"), ("dp", "dp=4"), ("tp", "tp=2"), ("tp", "tp=4"), ("sp", "tp=2"),
-                 ("pp", "pp=2"), ("dp,tp", "dp=2,tp=2"), ("dp,sp", "dp=2,tp=2"), ("pp,tp", "pp=2,tp=2"),
-                 ("dp,pp", "dp=2,pp=2"), ("fsdp", "fsdp=2"), ("hsdp", "dp=2,fsdp=2"), ("fsdp,tp", "fsdp=2,tp=2")]
+_KIND_WORDS = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "p2p": "send/recv",
+}
+STRATEGY_ROWS = [
+    ("single", "d=1"),
+    ("dp", "dp=2"),
+    ("dp", "dp=4"),
+    ("tp", "tp=2"),
+    ("tp", "tp=4"),
+    ("sp", "tp=2"),
+    ("pp", "pp=2"),
+    ("dp,tp", "dp=2,tp=2"),
+    ("dp,sp", "dp=2,tp=2"),
+    ("pp,tp", "pp=2,tp=2"),
+    ("dp,pp", "dp=2,pp=2"),
+    ("fsdp", "fsdp=2"),
+    ("hsdp", "dp=2,fsdp=2"),
+    ("fsdp,tp", "fsdp=2,tp=2"),
+]
 
 
 def collectives_per_strategy() -> list[str]:
     """docs/lowering.md §9: per strategy, the collectives of the whole mesh, communications and bytes per rank."""
-    rows = ["| strategy | mesh | collectives (whole mesh) | per rank | bytes per rank per step | rank 0 by kind (axis) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| strategy | mesh | collectives (whole mesh) | per rank | bytes per rank per step | rank 0 by kind (axis) |",
+        "|---|---|---|---|---|---|",
+    ]
     for strategy, mesh in STRATEGY_ROWS:
         doc = _plan_json(strategy, mesh)
         ranks = {r["rank"]: r for r in doc["ranks"]}
         collectives = ", ".join(f"{_KIND_WORDS.get(k, k)} ×{n}" for k, n in doc["collectives"].items()) or "none"
         count = {r: sum(i["type"] == "comm" for i in p["instructions"]) for r, p in ranks.items()}
         sent = {r: sum(b for axes in p["bytes"].values() for b in axes.values()) for r, p in ranks.items()}
-        rank0 = ", ".join(f"{kind}({axis}) {b:,}" for kind, axes in ranks[0]["bytes"].items() for axis, b in axes.items()
-                          if kind != "recv")
+        rank0 = ", ".join(
+            f"{kind}({axis}) {b:,}"
+            for kind, axes in ranks[0]["bytes"].items()
+            for axis, b in axes.items()
+            if kind != "recv"
+        )
         rows.append(f"| `{strategy}` | `{mesh}` | {collectives} | {_per_rank(count)} | {_per_rank(sent)} | {rank0} |")
     return rows
 
@@ -114,8 +139,10 @@ def bytes_dp_tp_mlp() -> list[str]:
 
 def tokens_dp_tp_mlp() -> list[str]:
     """docs/lowering.md §5: each rank's communications in the order it issues them, with their tokens."""
-    return [f"rank {r}: " + "  ".join(f"#{c.token} {c.kind}({c.axis})[{', '.join(map(str, c.members))}]"
-                                      for c in p.comms) for r, p in sorted(_dp_tp_mlp().items())]
+    return [
+        f"rank {r}: " + "  ".join(f"#{c.token} {c.kind}({c.axis})[{', '.join(map(str, c.members))}]" for c in p.comms)
+        for r, p in sorted(_dp_tp_mlp().items())
+    ]
 
 
 def _rejected(rank: int, mutate) -> list[str]:
@@ -131,9 +158,11 @@ def _rejected(rank: int, mutate) -> list[str]:
 
 def verify_reordered() -> list[str]:
     """docs/lowering.md §6: rank 3 issues its last two all-reduces on ``dp`` in the other order."""
+
     def swap(instrs, comms):
         a, b = [k for k in comms if instrs[k].axis == "dp"][-2:]
         instrs[a], instrs[b] = instrs[b], instrs[a]
+
     return _rejected(3, swap)
 
 
@@ -144,10 +173,12 @@ def verify_dropped() -> list[str]:
 
 def verify_rows() -> list[str]:
     """docs/lowering.md §6: rank 2 believes its first communication has twice the rows."""
+
     def double(instrs, comms):
         c = instrs[comms[0]]
         rows, *rest = c.type.shape
         instrs[comms[0]] = dataclasses.replace(c, type=dataclasses.replace(c.type, shape=(2 * rows, *rest)))
+
     return _rejected(2, double)
 
 
@@ -155,17 +186,39 @@ def plan_json_example() -> list[str]:
     """docs/lowering.md §8: the head of ``shardflow plan ... --format json``, re-wrapped, instructions left out."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert cli_main(["plan", "--model", "gpt", "--strategy", "tp", "--nproc", "2", "--layers", "1", "--rank", "0", "--format",
-                         "json"]) == 0
+        assert (
+            cli_main(
+                [
+                    "plan",
+                    "--model",
+                    "gpt",
+                    "--strategy",
+                    "tp",
+                    "--nproc",
+                    "2",
+                    "--layers",
+                    "1",
+                    "--rank",
+                    "0",
+                    "--format",
+                    "json",
+                ]
+            )
+            == 0
+        )
     doc = json.loads(out.getvalue())
     r0 = doc["ranks"][0]
+
     def j(value):
         return json.dumps(value, ensure_ascii=False)
-    return ["$ shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0 --format json",
-            f'{{"strategy": {j(doc["strategy"])}, "mesh": {j(doc["mesh"])}, "summary": {j(doc["summary"])},',
-            f' "verified": {j(doc["verified"])}, "collectives": {j(doc["collectives"])},',
-            f' "ranks": [{{"rank": {r0["rank"]}, "fingerprint": {j(r0["fingerprint"])},',
-            f'            "bytes": {j(r0["bytes"])}, "instructions": [...]}}]}}']
+
+    return [
+        "$ shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0 --format json",
+        f'{{"strategy": {j(doc["strategy"])}, "mesh": {j(doc["mesh"])}, "summary": {j(doc["summary"])},',
+        f' "verified": {j(doc["verified"])}, "collectives": {j(doc["collectives"])},',
+        f' "ranks": [{{"rank": {r0["rank"]}, "fingerprint": {j(r0["fingerprint"])},',
+        f'            "bytes": {j(r0["bytes"])}, "instructions": [...]}}]}}',
+    ]
 
 
 def _own_model_misfits():
@@ -208,25 +261,35 @@ def dtensor_cases() -> list[str]:
     def moves(case, rows):
         return "; ".join(f"`{case.inputs[i][0]}` {a} → {b}" for i, a, b, *_ in rows) or "nothing"
 
-    rows = ["| case | inputs on tp=2 (float64) | shardflow moves | bytes | result | DTensor moves | bytes |",
-            "|---|---|---|---:|---|---|---:|"]
+    rows = [
+        "| case | inputs on tp=2 (float64) | shardflow moves | bytes | result | DTensor moves | bytes |",
+        "|---|---|---|---:|---|---|---:|",
+    ]
     for c in DTENSOR_CASES:
-        inputs = ", ".join(f"`{name}` {list(shape)} "
-                           f"{placements_text(Sharding.from_placements((pl,), group, len(shape)), group)}"
-                           for name, shape, pl, _ in c.inputs)
-        rows.append(f"| `{c.name}` | {inputs} | {moves(c, c.ours)} | {sum(r[4] for r in c.ours)} | {c.out} | "
-                    f"{moves(c, c.dtensor)} | {dtensor_bytes(c)} |")
+        inputs = ", ".join(
+            f"`{name}` {list(shape)} {placements_text(Sharding.from_placements((pl,), group, len(shape)), group)}"
+            for name, shape, pl, _ in c.inputs
+        )
+        rows.append(
+            f"| `{c.name}` | {inputs} | {moves(c, c.ours)} | {sum(r[4] for r in c.ours)} | {c.out} | "
+            f"{moves(c, c.dtensor)} | {dtensor_bytes(c)} |"
+        )
     return rows
 
 
 def cost_defaults() -> list[str]:
     """docs/lowering.md §10: the cost model's default α and bandwidth per backend and kind."""
     kinds = list(DEFAULT_BANDWIDTH["gloo"])
-    rows = ["| backend | α per call | " + " | ".join(f"{k} (GB/s)" for k in kinds) + " |",
-            "|---|---" + "|---" * len(kinds) + "|"]
+    rows = [
+        "| backend | α per call | " + " | ".join(f"{k} (GB/s)" for k in kinds) + " |",
+        "|---|---" + "|---" * len(kinds) + "|",
+    ]
     for backend, bw in DEFAULT_BANDWIDTH.items():
-        rows.append(f"| {backend} | {DEFAULT_ALPHA_S[backend] * 1e3:g} ms | "
-                    + " | ".join(f"{bw[k] / 1e9:g}" for k in kinds) + " |")
+        rows.append(
+            f"| {backend} | {DEFAULT_ALPHA_S[backend] * 1e3:g} ms | "
+            + " | ".join(f"{bw[k] / 1e9:g}" for k in kinds)
+            + " |"
+        )
     return rows
 
 
@@ -238,15 +301,15 @@ def auto_forms() -> list[str]:
         for kib in (16, 256, 1024, 4096):
             chunk = kib * 2**10
             size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
-            rows.append(f"| {d} | {size} | {model.choose_all_gather(chunk, d)} | "
-                        f"{model.choose_reduce_scatter(chunk, d)} |")
+            rows.append(
+                f"| {d} | {size} | {model.choose_all_gather(chunk, d)} | {model.choose_reduce_scatter(chunk, d)} |"
+            )
     return rows
 
 
 # docs/models.md: the models tried, by column title → (model, batch) factory (float32: only shapes matter here)
 def _tried_models() -> dict[str, Callable[[], tuple]]:
     import torch
-
     from test_cnn import SmallCNN, images, resnet
     from test_hf_models import model_and_batch
 
@@ -254,12 +317,21 @@ def _tried_models() -> dict[str, Callable[[], tuple]]:
         def build():
             torch.manual_seed(0)
             return make().float(), {k: v.float() if v.is_floating_point() else v for k, v in images(**kw).items()}
+
         return build
 
-    hf = {"GPT-2": "GPT2LMHeadModel", "Llama": "LlamaForCausalLM", "Qwen2": "Qwen2ForCausalLM",
-          "Mistral": "MistralForCausalLM", "BERT": "BertForMaskedLM"}
-    return {**{title: functools.partial(model_and_batch, name, torch.float32) for title, name in hf.items()},
-            "ResNet": cnn(resnet), "small CNN": cnn(SmallCNN, size=8)}
+    hf = {
+        "GPT-2": "GPT2LMHeadModel",
+        "Llama": "LlamaForCausalLM",
+        "Qwen2": "Qwen2ForCausalLM",
+        "Mistral": "MistralForCausalLM",
+        "BERT": "BertForMaskedLM",
+    }
+    return {
+        **{title: functools.partial(model_and_batch, name, torch.float32) for title, name in hf.items()},
+        "ResNet": cnn(resnet),
+        "small CNN": cnn(SmallCNN, size=8),
+    }
 
 
 @functools.cache
@@ -298,7 +370,7 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
             if n.name not in index:
                 how.add("no-op")
                 continue
-            lifted = graph.nodes[last + 1:index[n.name] + 1]
+            lifted = graph.nodes[last + 1 : index[n.name] + 1]
             last = index[n.name]
             how.update("replicated" if isinstance(m.op, O.Aten) else f"`{m.op.kind}`" for m in lifted)
         out[title] = ops
@@ -307,13 +379,17 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
 
 def models_summary() -> list[str]:
     """docs/models.md: per model tried, its distinct core ATen ops and how many ran on a rule, replicated, folded."""
-    rows = ["| model | distinct ATen ops | on a rule | replicated (no rule) | folded only | no-op only |",
-            "|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| model | distinct ATen ops | on a rule | replicated (no rule) | folded only | no-op only |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for title, ops in _aten_census().items():
         rule = sum(any(h.startswith("`") for h in how) for how in ops.values())
         replicated = sum("replicated" in how for how in ops.values())
-        rows.append(f"| {title} | {len(ops)} | {rule} | {replicated} | "
-                    f"{sum(how == {'folded'} for how in ops.values())} | {sum(how == {'no-op'} for how in ops.values())} |")
+        rows.append(
+            f"| {title} | {len(ops)} | {rule} | {replicated} | "
+            f"{sum(how == {'folded'} for how in ops.values())} | {sum(how == {'no-op'} for how in ops.values())} |"
+        )
     return rows
 
 
@@ -322,8 +398,10 @@ def models_aten_ops() -> list[str]:
     census = _aten_census()
     rows = ["| ATen op | " + " | ".join(census) + " |", "|---" * (len(census) + 1) + "|"]
     for op in sorted(set().union(*census.values())):
-        cells = [", ".join(sorted(ops.get(op, ()), key=lambda h: (not h.startswith("`"), h))) or "·"
-                 for ops in census.values()]
+        cells = [
+            ", ".join(sorted(ops.get(op, ()), key=lambda h: (not h.startswith("`"), h))) or "·"
+            for ops in census.values()
+        ]
         rows.append(f"| `{op}` | " + " | ".join(cells) + " |")
     return rows
 
@@ -332,6 +410,7 @@ def models_matrix() -> list[str]:
     """docs/models.md: the model matrix of tests/test_model_matrix.py, a row per family of tests/zoo.py."""
     from test_model_matrix import MATRIX, PASS, STRATEGIES
     from zoo import FAMILIES
+
     rows = ["| family | module | " + " | ".join(STRATEGIES) + " |", "|---|---|" + "---|" * len(STRATEGIES)]
     for family, row in MATRIX.items():
         module = type(FAMILIES[family]()[0]).__name__
@@ -340,10 +419,26 @@ def models_matrix() -> list[str]:
     return rows
 
 
-GENERATORS = {f.__name__: f for f in (collectives_per_strategy, bytes_dp_tp_mlp, tokens_dp_tp_mlp, verify_reordered,
-                                      verify_dropped, verify_rows, plan_json_example, own_model_errors,
-                                      own_model_redistribution, dtensor_cases, cost_defaults, auto_forms,
-                                      models_summary, models_aten_ops, models_matrix)}
+GENERATORS = {
+    f.__name__: f
+    for f in (
+        collectives_per_strategy,
+        bytes_dp_tp_mlp,
+        tokens_dp_tp_mlp,
+        verify_reordered,
+        verify_dropped,
+        verify_rows,
+        plan_json_example,
+        own_model_errors,
+        own_model_redistribution,
+        dtensor_cases,
+        cost_defaults,
+        auto_forms,
+        models_summary,
+        models_aten_ops,
+        models_matrix,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -385,22 +480,35 @@ def test_every_generator_is_used_once():
 def test_generated_block_matches_the_code(block):
     block = next(b for b in generated_blocks(block.doc) if b.name == block.name)  # where it is now
     lines = block.doc.read_text().splitlines(keepends=True)
-    have = [line.rstrip("\n") for line in lines[block.start:block.end]]
+    have = [line.rstrip("\n") for line in lines[block.start : block.end]]
     want = GENERATORS[block.name]()
     if have != want and UPDATE:
-        lines[block.start:block.end] = [line + "\n" for line in want]
+        lines[block.start : block.end] = [line + "\n" for line in want]
         block.doc.write_text("".join(lines))
         pytest.skip(f"rewrote {block.name} in {block.doc.name}")
-    diff = "\n".join(difflib.unified_diff(have, want, f"{block.doc.name} (doc)", f"{block.name}() (code)",
-                                          lineterm=""))
+    diff = "\n".join(difflib.unified_diff(have, want, f"{block.doc.name} (doc)", f"{block.name}() (code)", lineterm=""))
     assert have == want, f"{block.doc.name} is stale (SHARDFLOW_UPDATE_DOCS=1 rewrites it):\n{diff}"
 
 
 # --- 2. commands --------------------------------------------------------------------------------------------------
 
 # Flags appended to a documented `shardflow train` (the last flag wins): the tiny model of conftest.TINY, 2 steps.
-SHRINK_DATA = ("--seq-len", "16", "--batch-size", "8", "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
-               "--timeout", "120", "--peak-tflops", "0.1")
+SHRINK_DATA = (
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "8",
+    "--steps",
+    "2",
+    "--eval-every",
+    "2",
+    "--eval-batches",
+    "1",
+    "--timeout",
+    "120",
+    "--peak-tflops",
+    "0.1",
+)
 SHRINK_TRAIN = ("--layers", "1", "--heads", "2", "--embd", "16", *SHRINK_DATA)
 
 
@@ -434,8 +542,9 @@ COMMANDS = {
     "make train": RunBy("test_train.py", '["--strategy", "tp", "--nproc", "2"]'),  # the Makefile's recipe, checked
     "make test": NotRun("it runs this test suite"),
     "make test-fast": RunBy("test_docs.py", "def test_make_test_fast_runs_the_unit_tier("),  # collecting only
-    ".venv/bin/shardflow train --strategy dp,tp --mesh dp=2,tp=2 --nproc 4":
-        RunBy("test_train.py", '["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"]'),
+    ".venv/bin/shardflow train --strategy dp,tp --mesh dp=2,tp=2 --nproc 4": RunBy(
+        "test_train.py", '["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"]'
+    ),
     ".venv/bin/shardflow train --strategy sp --nproc 2 --steps 50 --data my.txt": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --strategy tp --mesh tp=2 --nproc 1": Run(SHRINK_TRAIN),
     "torchrun --standalone --nproc-per-node 2 -m shardflow.cli train --strategy tp": Run(SHRINK_TRAIN),
@@ -465,8 +574,9 @@ COMMANDS = {
     'shardflow generate exported --prompt "The " --tokens 20 --temperature 0': Run(),
     # docs/guarantees.md
     ".venv/bin/python tools/validate_rules.py": Run(("--max-combinations", "20", "--ops", "relu,matmul")),
-    ".venv/bin/python tools/validate_rules.py --ops attention,linear --mesh dp=2,tp=2": Run(("--max-combinations",
-                                                                                             "20")),
+    ".venv/bin/python tools/validate_rules.py --ops attention,linear --mesh dp=2,tp=2": Run(
+        ("--max-combinations", "20")
+    ),
     "SHARDFLOW_LONG=1 .venv/bin/python -m pytest tests/test_rule_validator.py tests/test_properties.py "
     "tests/test_plan_mutations.py": NotRun("the long versions of three test files (minutes)"),
     # docs/lowering.md
@@ -479,10 +589,12 @@ COMMANDS = {
     # docs/own-model.md (the checks shrunk to one step)
     "shardflow check --model examples/hf_llama.py:tiny_llama --mesh dp=2,tp=2": Run(),
     ".venv/bin/shardflow check --model examples/hf_llama.py:tiny_llama --strategy tp --nproc 2": Run(("--steps", "1")),
-    ".venv/bin/shardflow check --model examples/hf_llama.py:tiny_llama --strategy sp --dtype float32":
-        Run(("--steps", "1")),
-    ".venv/bin/shardflow check --model examples/own_model.py:classifier --plan classifier_plan.toml --mesh dp=2,tp=2":
-        Run(("--steps", "1")),
+    ".venv/bin/shardflow check --model examples/hf_llama.py:tiny_llama --strategy sp --dtype float32": Run(
+        ("--steps", "1")
+    ),
+    ".venv/bin/shardflow check --model examples/own_model.py:classifier --plan classifier_plan.toml --mesh dp=2,tp=2": Run(
+        ("--steps", "1")
+    ),
     ".venv/bin/torchrun --standalone --nproc-per-node 2 -m shardflow.cli check --model examples/hf_llama.py:tiny_llama "
     "--strategy dp": Run(("--steps", "1")),
     "shardflow plan --model examples/hf_llama.py:tiny_llama --strategy tp": Run(),
@@ -548,7 +660,7 @@ def shown_commands(doc: Path) -> list[Shown]:
             i += 1
             continue
         lang, end = lines[i][3:].strip(), next(k for k in range(i + 1, len(lines)) if lines[k].startswith("```"))
-        body, start = lines[i + 1:end], i + 2
+        body, start = lines[i + 1 : end], i + 2
         if lang in ("bash", "sh"):
             joined, first = "", None
             for k, line in enumerate(body):
@@ -563,7 +675,7 @@ def shown_commands(doc: Path) -> list[Shown]:
             prompts = [k for k, line in enumerate(body) if line.startswith("$ ")]
             for n, k in enumerate(prompts):
                 stop = prompts[n + 1] if n + 1 < len(prompts) else len(body)
-                out.append(Shown(doc, start + k, body[k][2:].strip(), tuple(body[k + 1:stop])))
+                out.append(Shown(doc, start + k, body[k][2:].strip(), tuple(body[k + 1 : stop])))
         i = end + 1
     return out
 
@@ -603,9 +715,14 @@ def test_make_test_fast_runs_the_unit_tier():
     assert _recipe("test")[:3] == ["python", "-m", "pytest"] and not {"-m", "-k"} & set(_recipe("test")[3:])
     assert _recipe("test-fast") == [*_recipe("test"), "-m", "unit"]
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    r = subprocess.run([sys.executable, *_recipe("test-fast")[1:], "--collect-only", "-q", "-o", "addopts=", "-p",
-                        "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": path})
+    r = subprocess.run(
+        [sys.executable, *_recipe("test-fast")[1:], "--collect-only", "-q", "-o", "addopts=", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     selected = [line for line in r.stdout.splitlines() if "::" in line]
     counts = re.search(r"^(\d+)/(\d+) tests collected \((\d+) deselected\)", r.stdout, re.M)
@@ -663,8 +780,11 @@ def test_torchrun_takes_no_flag_of_shardflow_but_nproc():
         for action in parser._actions:
             for flag in set(action.option_strings) - {"-h", "--help"}:
                 for given in ([flag] if action.nargs == 0 else [flag, "1"], [f"{flag}=1"] * (action.nargs != 0)):
-                    if given and _torchrun_takes(["-m", "shardflow.cli", name, *given]) != ["shardflow.cli", name,
-                                                                                          *given]:
+                    if given and _torchrun_takes(["-m", "shardflow.cli", name, *given]) != [
+                        "shardflow.cli",
+                        name,
+                        *given,
+                    ]:
                         taken.add(flag)
     assert taken == {"--nproc"}, taken
     assert all("--nproc " not in c.split(" -m ", 1)[-1] for c in TORCHRUN)
@@ -682,8 +802,11 @@ def _argv(command: str, work: Path, extra: tuple[str, ...]) -> tuple[dict[str, s
     program = words.pop(0).removeprefix(".venv/bin/")
     if program == "head":  # head -N FILE
         return env, [program, *words]
-    head = {"shardflow": [sys.executable, "-m", "shardflow.cli"], "python": [sys.executable],
-            "torchrun": [sys.executable, "-m", "torch.distributed.run"]}[program]
+    head = {
+        "shardflow": [sys.executable, "-m", "shardflow.cli"],
+        "python": [sys.executable],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    }[program]
     words = [str(ROOT / w) if not w.startswith("-") and (ROOT / w.partition(":")[0]).is_file() else w for w in words]
     return env, [*head, *words, *extra]
 
@@ -737,6 +860,7 @@ def test_classifier_plan_is_the_example_s():
     import tomllib
 
     from shardflow.strategy import Plan
+
     built = runpy.run_path(str(ROOT / "examples" / "own_model.py"))["classifier_plan"](data_parallel=True)
     read = Plan.from_json(tomllib.loads(CLASSIFIER_PLAN))
     assert (read.modules, read.inputs) == (built.modules, built.inputs)
@@ -762,8 +886,10 @@ def _in_process(argv: list[str]) -> bool:
     return argv[0] == "head" or (argv[1:3] == ["-m", "shardflow.cli"] and (argv[3] != "train" or "--help" in argv))
 
 
-RUN = sorted({s.command for s in SHOWN if isinstance(COMMANDS.get(s.command), Run)},
-             key=lambda c: [s.command for s in SHOWN].index(c))
+RUN = sorted(
+    {s.command for s in SHOWN if isinstance(COMMANDS.get(s.command), Run)},
+    key=lambda c: [s.command for s in SHOWN].index(c),
+)
 
 
 @pytest.fixture(scope="module")
@@ -780,8 +906,17 @@ def started(tmp_path_factory):
             continue
         _prepare(work)
         with open(work / "output.txt", "w") as out:
-            procs[command] = (work, subprocess.Popen(argv, cwd=work, env={**os.environ, **env, "PYTHONPATH": path},
-                                                     stdout=out, stderr=subprocess.STDOUT, text=True))
+            procs[command] = (
+                work,
+                subprocess.Popen(
+                    argv,
+                    cwd=work,
+                    env={**os.environ, **env, "PYTHONPATH": path},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+            )
     yield procs
     for _, p in procs.values():
         if p.poll() is None:
@@ -814,15 +949,18 @@ def test_command_runs(command, workdir, started, monkeypatch, capsys):
     assert code == (2 if expect_error else 0), f"{command} exited with {code}:\n{printed[-3000:]}"
     for s in shown:
         if s.output is not None and not _generated(s):
-            assert _matches(s.output, printed.replace(f"{work}/", "/tmp/")), \
+            assert _matches(s.output, printed.replace(f"{work}/", "/tmp/")), (
                 f"{s.doc.name}:{s.line}: {command} does not print what the doc shows; it prints:\n{printed}"
+            )
 
 
 # --- 3. anchors ---------------------------------------------------------------------------------------------------
 
 CITED = re.compile(r"((?:docs/)?[\w-]+\.md)#([\w-]+)")
-SOURCES = [*DOCS, *(p for d in ("shardflow", "tests", "benchmarks", "tools", "examples")
-                   for p in sorted((ROOT / d).rglob("*.py")))]
+SOURCES = [
+    *DOCS,
+    *(p for d in ("shardflow", "tests", "benchmarks", "tools", "examples") for p in sorted((ROOT / d).rglob("*.py"))),
+]
 
 
 def heading_anchors(doc: Path) -> set[str]:

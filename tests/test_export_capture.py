@@ -21,15 +21,33 @@ TOL = 1e-12  # float64, same ops in the same order: equal to rounding
 
 
 def hf_llama():
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def hf_gpt2():
-    cfg = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False,
-                                  attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=96,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        use_cache=False,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -109,8 +127,12 @@ def _masks(T: int) -> dict[str, tuple[torch.Tensor, bool]]:
     ninf = torch.zeros(T, T, dtype=torch.float64).masked_fill(~lower, float("-inf"))
     band = lower & ~torch.ones(T, T, dtype=torch.bool).tril(-3)  # sliding window: not causal
     tiny = torch.zeros(T, T, dtype=torch.float64).masked_fill(~lower, torch.finfo(torch.float64).min)
-    return {"causal bool": (lower, True), "causal -inf": (ninf, True), "window": (band, False),
-            "finfo.min": (tiny, False)}
+    return {
+        "causal bool": (lower, True),
+        "causal -inf": (ninf, True),
+        "window": (band, False),
+        "finfo.min": (tiny, False),
+    }
 
 
 @pytest.mark.parametrize("name", list(_masks(6)))
@@ -193,15 +215,27 @@ def test_export_failure_names_the_source_line_and_fix():
                 return x.sum()
             return -x.sum()
 
-    with pytest.raises(CaptureError, match=r"torch.export cannot capture DataDependent at .*test_export_capture.py:\d+"
-                                           r".*Usual fix"):
+    with pytest.raises(
+        CaptureError,
+        match=r"torch.export cannot capture DataDependent at .*test_export_capture.py:\d+"
+        r".*Usual fix",
+    ):
         capture(DataDependent(), {"x": torch.randn(2, 3)})
 
 
 def test_attention_dropout_is_refused_with_the_config_fix():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=16, use_cache=False,
-                                  attn_pdrop=0.1, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=96,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        n_positions=16,
+        use_cache=False,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = transformers.GPT2LMHeadModel(cfg)
     model.config._attn_implementation = "sdpa"
     with pytest.raises(CaptureError, match="attention dropout .* attn_pdrop=0.0"):
@@ -235,8 +269,9 @@ class _MultiQuery(nn.Module):
         q = (x @ self.q.weight.T + self.q.bias).view(B, T, 4, 4).transpose(1, 2)  # [B, 4, T, 4]
         k, v = (x @ self.kv.weight.t()).view(B, T, 2, 1, 4).transpose(1, 3).unbind(2)  # [B, 1, T, 4] each
         causal = self.mask is None
-        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask,
-                                                          is_causal=causal).square().mean()
+        return (
+            nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, is_causal=causal).square().mean()
+        )
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["causal", "mask"])
@@ -255,8 +290,10 @@ def test_one_broadcast_key_value_head_and_x_at_w_transposed_lift_to_gqa_and_line
     assert [graph.tensors[t].shape[1] for t in attn.inputs] == [4, 1, 1] + ([1] if masked else [])
     linears = [n for n in graph.nodes if isinstance(n.op, O.Linear)]
     assert [(n.inputs[1], n.op.transposed) for n in linears] == [("q.weight", False), ("kv.weight", False)]
-    assert not any(isinstance(n.op, (O.Matmul, O.Permute)) and graph.tensors[n.inputs[-1]].role.name == "WEIGHT"
-                   for n in graph.nodes)
+    assert not any(
+        isinstance(n.op, (O.Matmul, O.Permute)) and graph.tensors[n.inputs[-1]].role.name == "WEIGHT"
+        for n in graph.nodes
+    )
 
 
 class KeyStates(nn.Module):

@@ -12,8 +12,14 @@ from shardflow.train.family import Feed, ModelError, Sizes, factory_family, hf_c
 
 def test_default_llama_and_gpt2_sizes():
     llama = hf_config(None, None, Sizes(), vocab_size=300, seq_len=32, dropout=0.0)
-    assert (llama.model_type, llama.num_hidden_layers, llama.num_attention_heads, llama.num_key_value_heads,
-            llama.hidden_size, llama.intermediate_size) == ("llama", 2, 4, 2, 128, 384)  # 8/3·128 → a multiple of 64
+    assert (
+        llama.model_type,
+        llama.num_hidden_layers,
+        llama.num_attention_heads,
+        llama.num_key_value_heads,
+        llama.hidden_size,
+        llama.intermediate_size,
+    ) == ("llama", 2, 4, 2, 128, 384)  # 8/3·128 → a multiple of 64
     assert (llama.vocab_size, llama.max_position_embeddings, llama.use_cache) == (300, 32, False)
     gpt2 = hf_config("gpt2", None, Sizes(layers=3, embd=64), vocab_size=300, seq_len=32, dropout=0.1)
     assert (gpt2.n_layer, gpt2.n_head, gpt2.n_embd, gpt2.n_inner, gpt2.n_positions) == (3, 4, 64, 256, 32)
@@ -22,9 +28,19 @@ def test_default_llama_and_gpt2_sizes():
 
 def test_model_config_file_sizes_and_flags_override(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
-                                "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "max_position_embeddings": 128}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 128,
+            }
+        )
+    )
     c = hf_config(None, str(path), Sizes(layers=1), vocab_size=300, seq_len=32, dropout=0.0)
     assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.intermediate_size) == ("qwen2", 1, 64, 96)
     assert (c.vocab_size, c.max_position_embeddings) == (300, 128)  # the tokenizer's; the file's positions
@@ -34,13 +50,16 @@ def test_model_config_file_sizes_and_flags_override(tmp_path):
         hf_config("llama", str(path), Sizes(), 300, 32, 0.0)
 
 
-@pytest.mark.parametrize("model, sizes, dropout, words", [
-    (None, Sizes(heads=3), 0.0, ["--embd 128 is not a multiple of --heads 3", "e.g. --heads 2"]),
-    (None, Sizes(heads=4, kv_heads=3), 0.0, ["--heads 4 is not a multiple of --kv-heads 3"]),
-    ("gpt2", Sizes(kv_heads=2), 0.0, ["--kv-heads 2: gpt2 has no grouped-query attention"]),
-    (None, Sizes(), 0.1, ["--dropout 0.1: llama has dropout only inside attention", "train gpt2"]),
-    ("nonsense", Sizes(), 0.0, ["--model nonsense: not a model type of transformers", "FILE.py:FACTORY"]),
-])
+@pytest.mark.parametrize(
+    "model, sizes, dropout, words",
+    [
+        (None, Sizes(heads=3), 0.0, ["--embd 128 is not a multiple of --heads 3", "e.g. --heads 2"]),
+        (None, Sizes(heads=4, kv_heads=3), 0.0, ["--heads 4 is not a multiple of --kv-heads 3"]),
+        ("gpt2", Sizes(kv_heads=2), 0.0, ["--kv-heads 2: gpt2 has no grouped-query attention"]),
+        (None, Sizes(), 0.1, ["--dropout 0.1: llama has dropout only inside attention", "train gpt2"]),
+        ("nonsense", Sizes(), 0.0, ["--model nonsense: not a model type of transformers", "FILE.py:FACTORY"]),
+    ],
+)
 def test_sizes_that_make_no_model(model, sizes, dropout, words):
     with pytest.raises(ModelError) as e:
         hf_config(model, None, sizes, 300, 32, dropout)
@@ -60,7 +79,7 @@ def test_a_hugging_face_model_is_fed_so_its_loss_is_the_next_token_loss():
     assert torch.allclose(loss, nn.functional.cross_entropy(logits.reshape(-1, 50), targets.reshape(-1)))
 
 
-FACTORIES = '''
+FACTORIES = """
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -88,7 +107,7 @@ def not_hf():
 
 def other_keys():
     return Bigram(7), {"x": torch.zeros(2, 4, dtype=torch.long)}
-'''
+"""
 
 
 def test_factories_are_fed_by_their_batch_keys(tmp_path):
@@ -109,6 +128,7 @@ def test_factories_are_fed_by_their_batch_keys(tmp_path):
 def test_size_flags_do_not_apply_to_a_factory(tmp_path):
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import build_model
+
     f = tmp_path / "factories.py"
     f.write_text(FACTORIES)
     with pytest.raises(ModelError, match=f"--layers 2: size the built-in models .* --model {f}:bigram sizes its own"):

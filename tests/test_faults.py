@@ -114,8 +114,10 @@ class Run:
 def start(train_argv):
     """``start(run, *flags, fault=None)``: ``python tests/faults.py train`` (tiny model, tp=2) in the background
     with the fault ``SHARDFLOW_FAULT=fault``."""
+
     def start_run(run: Path, *flags: str, fault: str | None = None) -> Run:
         return Run(train_argv(run, "--strategy", "tp", "--nproc", "2", *flags, entry=(FAULTS,)), run, fault)
+
     return start_run
 
 
@@ -125,12 +127,17 @@ def first_line(text: str) -> str:
 
 # (a) ---------------------------------------------------------------------------------------------------------
 
+
 def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metrics):
     timeout = 10
     r = start(tmp_path / "run", "--steps", "8", "--timeout", str(timeout), fault="kill:rank=1:step=3")
     try:
-        r.wait({"kill": ("rank1.log", "kills itself (SIGKILL) in the middle of step 3"),
-                "peer": ("rank0.log", "rank 0 waited on token")})
+        r.wait(
+            {
+                "kill": ("rank1.log", "kills itself (SIGKILL) in the middle of step 3"),
+                "peer": ("rank0.log", "rank 0 waited on token"),
+            }
+        )
     finally:
         r.kill()
     assert r.p.returncode == 1, r.stderr
@@ -138,8 +145,9 @@ def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metric
     print(f"\n(a) SIGKILL mid-step: launcher exited {took:.2f} s after the kill (timeout {timeout} s)")
     assert took < timeout + 5, took  # measured ~0.3 s: gloo sees the closed connection at once
     line = first_line(r.stderr)
-    assert line.startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: rank 0: 4)"), \
+    assert line.startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: rank 0: 4)"), (
         r.stderr
+    )
     assert f"its log {r.run / 'rank1.log'} ends with:" in line
     assert "peer" in r.seen  # rank 0 failed on its pending communication, naming it, in one paragraph (status 4)
     peer = (r.run / "rank0.log").read_text()
@@ -151,8 +159,10 @@ def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metric
 
 # (b) ---------------------------------------------------------------------------------------------------------
 
-def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resume_matches(tmp_path, start,
-                                                                                         read_metrics):
+
+def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resume_matches(
+    tmp_path, start, read_metrics
+):
     common = ["--steps", "6", "--checkpoint-every", "2", "--timeout", "10"]
     root = tmp_path / "bad" / "checkpoints"
     ref = start(tmp_path / "ref", *common)
@@ -170,8 +180,13 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
     assert first_line(bad.stderr).startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL)")
     # rank 0 lost its peer in the middle of the save: a peer failure, not its disk's ("free space ...")
     peer = (bad.run / "rank0.log").read_text().splitlines()[-1]
-    assert peer.startswith(f"shardflow train: error: rank 0 saving {root / 'step_4.tmp'} (the complete checkpoints "
-                           f"before it stay): a member left (Connection") and "free space" not in peer, peer
+    assert (
+        peer.startswith(
+            f"shardflow train: error: rank 0 saving {root / 'step_4.tmp'} (the complete checkpoints "
+            f"before it stay): a member left (Connection"
+        )
+        and "free space" not in peer
+    ), peer
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
     assert not (root / "step_4.tmp" / checkpoint.MARKER).exists()
     ck = checkpoint.read(root / "step_2")  # every file checked against its recorded size and sha256
@@ -196,8 +211,10 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
 
 # (c) ---------------------------------------------------------------------------------------------------------
 
-def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops_every_rank(tmp_path, start,
-                                                                                             train_here):
+
+def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops_every_rank(
+    tmp_path, start, train_here
+):
     r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", "10")
     try:
         r.wait({"running": ("rank0.log", "step     3/")}, until="running")
@@ -210,7 +227,8 @@ def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops
         assert second.returncode == 2 and second.stderr == (
             f"shardflow train: error: run directory {r.run} is in use by another shardflow train (PID {r.p.pid} on "
             f"{socket.gethostname()} holds {r.run / '.lock'}); wait for that run to end or stop it, or pass another "
-            f"--run-dir\n"), second.stderr
+            f"--run-dir\n"
+        ), second.stderr
         assert r.p.poll() is None  # the first run goes on
         r.p.send_signal(signal.SIGTERM)
         r.seen["sigterm"] = time.monotonic()
@@ -234,8 +252,19 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
     signal), so no rank trains on orphaned; the run directory's lock, which the ranks inherited, is free once they
     are gone, and only complete checkpoints are left beside at most a ``.tmp``."""
     # no log line after the first step: a rank writes nothing to the dead launcher's pipes (which would end it)
-    r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--log-every", "100000",
-              "--timeout", "10", "--checkpoint-every", "2")
+    r = start(
+        tmp_path / "run",
+        "--steps",
+        "100000",
+        "--eval-every",
+        "100000",
+        "--log-every",
+        "100000",
+        "--timeout",
+        "10",
+        "--checkpoint-every",
+        "2",
+    )
     root = r.run / "checkpoints"
     try:
         while not (root / "step_2").is_dir() and r.p.poll() is None and time.monotonic() - r.t0 < LIMIT:
@@ -303,43 +332,53 @@ def test_stop_with_launcher_asks_the_kernel_for_sigterm_when_the_launcher_dies(t
 
 # (d) ---------------------------------------------------------------------------------------------------------
 
+
 def test_a_stalled_rank_is_named_not_the_peer_that_timed_out_waiting_on_it(tmp_path, start):
     timeout, stall = 5, 9  # the stalled rank wakes after its peer has given up, and fails at once too
-    r = start(tmp_path / "run", "--steps", "6", "--timeout", str(timeout),
-              fault=f"stall:rank=1:step=2:seconds={stall}")
+    r = start(tmp_path / "run", "--steps", "6", "--timeout", str(timeout), fault=f"stall:rank=1:step=2:seconds={stall}")
     try:
-        r.wait({"stall": ("rank1.log", "stalls for 9 s before step 2"),
-                "timeout": ("rank0.log", "rank 0 waited on token")})
+        r.wait(
+            {"stall": ("rank1.log", "stalls for 9 s before step 2"), "timeout": ("rank0.log", "rank 0 waited on token")}
+        )
     finally:
         r.kill()
     assert r.p.returncode == 1, r.stderr
     waited = r.seen["timeout"] - r.seen["stall"]
-    print(f"\n(d) stall: rank 0's timeout {waited:.2f} s into the stall (timeout {timeout} s); launcher exited "
-          f"{r.since('stall'):.2f} s into it")
+    print(
+        f"\n(d) stall: rank 0's timeout {waited:.2f} s into the stall (timeout {timeout} s); launcher exited "
+        f"{r.since('stall'):.2f} s into it"
+    )
     assert timeout - 1 < waited < timeout + 4, waited
     assert r.since("stall") < stall + timeout, r.since("stall")
     err = r.stderr
     # the first line names rank 1, which stopped answering, not rank 0, which gave up waiting on it (status 3); rank
     # 1 woke to find rank 0 gone (status 4)
-    assert first_line(err).startswith("shardflow train: error: rank 1 stopped answering: rank 0 gave up waiting on it "
-                                      "after the communication timeout, then rank 1 exited with status 4 (others: "
-                                      "rank 0: 3)"), err
+    assert first_line(err).startswith(
+        "shardflow train: error: rank 1 stopped answering: rank 0 gave up waiting on it "
+        "after the communication timeout, then rank 1 exited with status 4 (others: "
+        "rank 0: 3)"
+    ), err
     # and quotes rank 0's last line: the timeout names rank, token, operation, shape and group
-    assert ("rank 0's log ends with: shardflow train: error: rank 0 waited on token 0 (all_reduce of float32[8, 16, "
-            "16], group [0, 1]): no answer within the timeout") in err, err
+    assert (
+        "rank 0's log ends with: shardflow train: error: rank 0 waited on token 0 (all_reduce of float32[8, 16, "
+        "16], group [0, 1]): no answer within the timeout"
+    ) in err, err
     assert "Traceback" not in err
     assert not any(alive(pid) for pid in r.ranks), r.ranks
 
 
 # (e) ---------------------------------------------------------------------------------------------------------
 
+
 def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
     """From outside, once both runs train: rank 1 of one run SIGSTOPped (it never answers again: rank 0 waits out
     --timeout, the launcher kills rank 1 after its grace period), rank 1 of the other SIGKILLed (rank 1 prints
     nothing: its log is empty). Each first line names rank 1."""
     timeout = 6  # the ranks also join within it: 4 processes at once on 2 busy cores take seconds
-    runs = {how: start(tmp_path / how, "--steps", "100000", "--eval-every", "100000", "--timeout", str(timeout))
-            for how in ("stop", "kill")}
+    runs = {
+        how: start(tmp_path / how, "--steps", "100000", "--eval-every", "100000", "--timeout", str(timeout))
+        for how in ("stop", "kill")
+    }
     try:
         for how, r in runs.items():
             r.wait({"running": ("rank0.log", "step     2/")}, until="running")
@@ -354,13 +393,18 @@ def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
         for r in runs.values():
             r.kill()
     stop, kill = runs["stop"], runs["kill"]
-    print(f"\n(e) SIGSTOP: launcher exited {stop.since('fault'):.1f} s later (timeout {timeout} s, grace "
-          f"{timeout + 10} s); SIGKILL: {kill.since('fault'):.1f} s later")
+    print(
+        f"\n(e) SIGSTOP: launcher exited {stop.since('fault'):.1f} s later (timeout {timeout} s, grace "
+        f"{timeout + 10} s); SIGKILL: {kill.since('fault'):.1f} s later"
+    )
     assert first_line(stop.stderr).startswith(
         "shardflow train: error: rank 1 stopped answering: rank 0 gave up waiting on it after the communication "
-        "timeout, then rank 1 was still stuck when the launcher killed it (others: rank 0: 3)"), stop.stderr
-    assert first_line(kill.stderr) == (f"shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: "
-                                       f"rank 0: 4); its log {kill.run / 'rank1.log'} is empty"), kill.stderr
+        "timeout, then rank 1 was still stuck when the launcher killed it (others: rank 0: 3)"
+    ), stop.stderr
+    assert first_line(kill.stderr) == (
+        f"shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: "
+        f"rank 0: 4); its log {kill.run / 'rank1.log'} is empty"
+    ), kill.stderr
     # the waits they are made of (--timeout, then the launcher's grace of --timeout + 10 s) plus 10 s for 4 processes
     # on 2 busy cores (seen 23 s and 1.4 s on a quiet machine, 32 s and 21 s beside another test run): a hang is
     # never within it
@@ -369,6 +413,7 @@ def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
 
 
 # safety --------------------------------------------------------------------------------------------------------
+
 
 def test_rendezvous_store_and_gloo_listen_on_loopback_only(tmp_path):
     from shardflow.runtime.launch import describe_failure, launch
@@ -388,21 +433,26 @@ def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, train_a
     run = tmp_path / "run"
     assert faults.main(train_argv(run, entry=(FAULTS,))[2:]) == 2  # [python, faults.py, train, ...]
     out, err = capsys.readouterr()
-    assert not out and err == ("shardflow train: error: SHARDFLOW_FAULT='explode:rank=1': write kill:rank=R:step=N, "
-                               "stall:rank=R:step=N:seconds=S or kill_in_save:rank=R[:step=N] (a test hook; unset it "
-                               "for normal runs)\n")
+    assert not out and err == (
+        "shardflow train: error: SHARDFLOW_FAULT='explode:rank=1': write kill:rank=R:step=N, "
+        "stall:rank=R:step=N:seconds=S or kill_in_save:rank=R[:step=N] (a test hook; unset it "
+        "for normal runs)\n"
+    )
     assert not run.exists()
 
 
-@pytest.mark.parametrize("codes, seen, killed, root, waited_by", [
-    ((-9, 4), {0: 1, 1: 1}, set(), (0, -9), None),  # killed by a signal (not the launcher's) before its peer
-    ((4, 1), {0: 2, 1: 1}, set(), (1, 1), None),  # its own error (a traceback); its peer lost it
-    ((3, 4), {0: 1, 1: 5}, set(), (1, 4), 0),  # rank 1 stalled; rank 0 waited out; rank 1 woke to find it gone
-    ((3, -9), {0: 1, 1: 9}, {1}, (1, -9), 0),  # rank 1 stopped for good: the launcher killed it
-    ((3, 3, 4, 3), {0: 1, 1: 2, 2: 4, 3: 1}, set(), (2, 4), 0),  # 4 ranks: the others waited out, some later
-    ((3, 3), {0: 1, 1: 1}, set(), (0, 3), None),  # both waited out at once: no one else to blame
-    ((0, 0), {0: 1, 1: 1}, set(), None, None),
-])
+@pytest.mark.parametrize(
+    "codes, seen, killed, root, waited_by",
+    [
+        ((-9, 4), {0: 1, 1: 1}, set(), (0, -9), None),  # killed by a signal (not the launcher's) before its peer
+        ((4, 1), {0: 2, 1: 1}, set(), (1, 1), None),  # its own error (a traceback); its peer lost it
+        ((3, 4), {0: 1, 1: 5}, set(), (1, 4), 0),  # rank 1 stalled; rank 0 waited out; rank 1 woke to find it gone
+        ((3, -9), {0: 1, 1: 9}, {1}, (1, -9), 0),  # rank 1 stopped for good: the launcher killed it
+        ((3, 3, 4, 3), {0: 1, 1: 2, 2: 4, 3: 1}, set(), (2, 4), 0),  # 4 ranks: the others waited out, some later
+        ((3, 3), {0: 1, 1: 1}, set(), (0, 3), None),  # both waited out at once: no one else to blame
+        ((0, 0), {0: 1, 1: 1}, set(), None, None),
+    ],
+)
 def test_root_cause_from_statuses_and_exit_order(codes, seen, killed, root, waited_by):
     """The launcher's rule, without processes: statuses (3: waited out the timeout, 4: a peer left), the look at
     which each rank was seen exited, the ranks the launcher killed."""

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import tiny_hf_llama_float64  # noqa: E402
+
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.cost import DEFAULT_BUCKET_BYTES, CommForm  # noqa: E402
 from shardflow.lower.dynamic import UpdateRule, block_of  # noqa: E402
@@ -37,8 +38,9 @@ def llama():
 def _lower(graph, mesh_text: str, strategy: str, reshard: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard,
-                           bucket_bytes=bucket_bytes)
+    options = LowerOptions(
+        CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard, bucket_bytes=bucket_bytes
+    )
     return pcg, lower_step(pcg, UpdateRule.ADAMW, options=options)
 
 
@@ -56,8 +58,9 @@ def one_device(llama):
 
 @pytest.mark.parametrize("reshard", [True, False])
 @pytest.mark.parametrize("bucket_bytes", [DEFAULT_BUCKET_BYTES, 0])
-def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_its_gradient(llama, reshard,
-                                                                                           bucket_bytes):
+def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_its_gradient(
+    llama, reshard, bucket_bytes
+):
     _, _, graph = llama
     pcg, step = _lower(graph, "fsdp=2", "fsdp", reshard, bucket_bytes)
     weights = graph.weights
@@ -73,8 +76,10 @@ def test_fsdp_plan_shards_every_weight_gathers_before_use_and_reduce_scatters_it
         kinds = Counter(str(c.kind) for c in comms)
         # the gathers in the forward, again before the backward reads the weights (reshard), one reduce-scatter per
         # weight's gradient, and the loss's label count (a 4-byte all-reduce: the batch is split)
-        assert kinds == {"all_gather": gathers * (2 if reshard else 1), "reduce_scatter": gathers,
-                         "all_reduce": 1}, (rank, kinds)
+        assert kinds == {"all_gather": gathers * (2 if reshard else 1), "reduce_scatter": gathers, "all_reduce": 1}, (
+            rank,
+            kinds,
+        )
         per_weight = {w: graph.tensors[w].type.nbytes for w in weights}
         gather_bytes = sum(c.nbytes for c in comms if str(c.kind) == "all_gather")
         assert gather_bytes == sum(per_weight.values()) // 2 * (2 if reshard else 1), gather_bytes
@@ -97,8 +102,12 @@ def test_hsdp_reduce_scatters_over_fsdp_then_all_reduces_the_piece_over_dp(llama
         comms = [i for i in prog.instrs if isinstance(i, Comm)]
         kinds = Counter((str(c.kind), c.axis) for c in comms)
         # the forward's: the loss's label count, a scalar all-reduced on each axis (the batch is split on both)
-        assert kinds == {("all_gather", "fsdp"): 2 * per_weight, ("reduce_scatter", "fsdp"): per_weight,
-                         ("all_reduce", "dp"): per_weight + 1, ("all_reduce", "fsdp"): 1}, (rank, kinds)
+        assert kinds == {
+            ("all_gather", "fsdp"): 2 * per_weight,
+            ("reduce_scatter", "fsdp"): per_weight,
+            ("all_reduce", "dp"): per_weight + 1,
+            ("all_reduce", "fsdp"): 1,
+        }, (rank, kinds)
         nbytes = Counter()
         for c in comms:
             if c.pass_ == "BWD":
@@ -127,13 +136,16 @@ def test_reshard_after_forward_holds_less_of_the_weights_at_the_peak(llama):
     assert gathered[True] <= 2 * max(per_block.values()) < gathered[False]
 
 
-@pytest.mark.parametrize("mesh, strategy, reshard", [
-    ("fsdp=2", "fsdp", True),
-    ("fsdp=4", "fsdp", False),
-    ("dp=2,fsdp=2", "hsdp", True),
-    ("fsdp=2,tp=2", "fsdp,tp", True),
-    ("fsdp=2,tp=2", "fsdp,tp", False),
-])
+@pytest.mark.parametrize(
+    "mesh, strategy, reshard",
+    [
+        ("fsdp=2", "fsdp", True),
+        ("fsdp=4", "fsdp", False),
+        ("dp=2,fsdp=2", "hsdp", True),
+        ("fsdp=2,tp=2", "fsdp,tp", True),
+        ("fsdp=2,tp=2", "fsdp,tp", False),
+    ],
+)
 def test_fsdp_equals_one_device(llama, one_device, mesh, strategy, reshard):
     """AdamW, 3 steps: the loss of each step and every replica of every weight piece equal one device's (float64)."""
     model, batch, graph = llama
@@ -152,6 +164,7 @@ def test_fsdp_with_tp_shards_another_dim_than_tp(llama):
     def placed(w):
         t = pcg.tensors[w]
         return t.sharding.placements(t.group)
+
     layer = "model.layers.0"
     assert placed(f"{layer}.self_attn.q_proj.weight") == (Shard(1), Shard(0))
     assert placed(f"{layer}.mlp.down_proj.weight") == (Shard(0), Shard(1))
@@ -180,7 +193,7 @@ class SelectiveScanLike(torch.nn.Module):
 
     def forward(self, x):  # x [B, T, 8] → a scalar
         h, gate = self.in_proj(x).split([16, 16], dim=-1)  # [B, T, 16] each
-        h = self.conv1d(h.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)  # causal conv over T
+        h = self.conv1d(h.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)  # causal conv over T
         dt, b, c = self.x_proj(h).split([2, 4, 4], dim=-1)  # [B, T, 2], [B, T, 4], [B, T, 4]
         y = h * (dt.sum(-1, keepdim=True) + b @ self.A[:, :4].T[:, :16] + (c @ self.A.T) * self.A[:, 0])
         return self.out_proj(y * torch.nn.functional.silu(gate)).square().mean()
@@ -200,6 +213,7 @@ class OneMixer(torch.nn.Module):
 @pytest.fixture(scope="module")
 def scan_like():
     from shardflow.capture import capture
+
     torch.manual_seed(0)
     model = OneMixer().double()
     batch = {"x": torch.randn(4, 6, 8, dtype=torch.float64)}
@@ -219,7 +233,9 @@ def test_fsdp_stores_every_weight_layout_sharded_and_computes_on_the_unchanged_g
         t = pcg.tensors[w]
         stored = 1 if w == "mixer.in_proj.weight" else 0  # [32, 8] stored by parts as [2, 16, 8]: dim 0's features
         assert t.sharding.placements(t.group) == (Shard(stored),), w
-    gathered = Counter(n.inputs[0] for n in pcg.parallel_nodes if n.op.kind == "combine" and n.inputs[0] in graph.weights)
+    gathered = Counter(
+        n.inputs[0] for n in pcg.parallel_nodes if n.op.kind == "combine" and n.inputs[0] in graph.weights
+    )
     assert gathered == {w: 1 for w in graph.weights}
     assert not pcg.redistributions
 
@@ -229,6 +245,7 @@ def test_fsdp_on_every_weight_layout_equals_eager_pytorch(scan_like, strategy, m
     """AdamW, 2 steps: the loss of each step and every replica of every weight piece after them equal
     eager PyTorch's at 1e-9 (float64; partial sums in another order differ by ~1e-15)."""
     import copy
+
     model, batch, graph = scan_like
     model = copy.deepcopy(model)
     ex = LocalExecutor(_lower(graph, mesh, strategy, True)[1], OptimizerConfig("adamw", 1e-2))
@@ -249,10 +266,13 @@ def test_fsdp_on_hugging_face_mamba_shards_every_weight_and_moves_what_dp_moves(
     and D): every weight stored Shard(d) on fsdp and gathered once, and the rules refuse what they refuse under
     dp (log1p, which has no rule, and the loss's label count) — the fsdp plan of any other model."""
     from transformers import MambaConfig, MambaForCausalLM
+
     from shardflow.capture import capture, wide_floats
+
     torch.manual_seed(0)
-    model = MambaForCausalLM(MambaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, state_size=8,
-                                         use_cache=False)).double()
+    model = MambaForCausalLM(
+        MambaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=1, state_size=8, use_cache=False)
+    ).double()
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
     with wide_floats():
         graph = capture(model, {"input_ids": ids, "labels": ids})
@@ -261,6 +281,8 @@ def test_fsdp_on_hugging_face_mamba_shards_every_weight_and_moves_what_dp_moves(
     for w in graph.weights:
         t = pcg.tensors[w]
         assert t.sharding.placements(t.group)[0] in (Shard(0), Shard(1)), w
-    gathered = Counter(n.inputs[0] for n in pcg.parallel_nodes if n.op.kind == "combine" and n.inputs[0] in graph.weights)
+    gathered = Counter(
+        n.inputs[0] for n in pcg.parallel_nodes if n.op.kind == "combine" and n.inputs[0] in graph.weights
+    )
     assert gathered == {w: 1 for w in graph.weights}
     assert [r.node for r in pcg.redistributions] == [r.node for r in dp.redistributions] == ["log1p", "div"]

@@ -14,24 +14,42 @@ from typing import Callable
 
 import pytest
 import torch
+from test_local_executor import check_against_eager
 from torch import nn
 
 from shardflow.capture import capture, wide_floats
 from shardflow.graph import ops as O
 from shardflow.reference import run_backward, weights_of
-from test_local_executor import check_against_eager
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB, B, T = 96, 2, 8
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64)
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+)
 
 
 def gpt2() -> nn.Module:
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False, attn_pdrop=0.0,
-        resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            use_cache=False,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def llama() -> nn.Module:
@@ -47,21 +65,47 @@ def mistral() -> nn.Module:
 
 
 def bert() -> nn.Module:
-    return transformers.BertForMaskedLM(transformers.BertConfig(**SIZES, hidden_dropout_prob=0.0,
-                                                                attention_probs_dropout_prob=0.0))
+    return transformers.BertForMaskedLM(
+        transformers.BertConfig(**SIZES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    )
 
 
 def deepseek_v3() -> nn.Module:
-    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        **SIZES, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=16, use_cache=False))
+    return transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            **SIZES,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            use_cache=False,
+        )
+    )
 
 
 def mamba2() -> nn.Module:
-    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, n_groups=1,
-        expand=2, chunk_size=8, use_cache=False))
+    return transformers.Mamba2ForCausalLM(
+        transformers.Mamba2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=16,
+            state_size=16,
+            n_groups=1,
+            expand=2,
+            chunk_size=8,
+            use_cache=False,
+        )
+    )
 
 
 def causal_batch(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -126,8 +170,9 @@ def test_dp_equals_one_device(name):
         check_against_eager(model, b, "dp=2", "dp", atol=1e-9, steps=2)
 
 
-@pytest.mark.parametrize("name, mesh, strategy", [("DeepseekV3ForCausalLM", "tp=2", "tp"),
-                                                  ("Mamba2ForCausalLM", "pp=2", "pp")])
+@pytest.mark.parametrize(
+    "name, mesh, strategy", [("DeepseekV3ForCausalLM", "tp=2", "tp"), ("Mamba2ForCausalLM", "pp=2", "pp")]
+)
 def test_models_with_generic_ops_train_as_eager(name, mesh, strategy):
     """DeepSeek-V3: its key states written by copy_ into slices of a new tensor (ATen's copy has no derivative) and
     its router's topk indices (no gradient: the gather's vjp had none to give). Mamba2: a zeros_like of an

@@ -21,6 +21,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from hf_worker import SGD, compare, model_and_graph, plan_pcg  # noqa: E402
+
 from shardflow.graph import ops as O  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
@@ -31,8 +33,6 @@ from shardflow.reference import weights_of  # noqa: E402
 from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
 from shardflow.strategy import ModulePlan, Plan, make_plan, resolve  # noqa: E402
-
-from hf_worker import SGD, compare, model_and_graph, plan_pcg  # noqa: E402
 
 TOL = 1e-9
 LAYERS = 2
@@ -53,8 +53,9 @@ def redistributions(pcg):
     return [(r.node, [op.describe() for op in r.ops]) for r in pcg.redistributions]
 
 
-@pytest.mark.parametrize("mesh, strategy", [
-    ("dp=2", "dp"), ("tp=2", "tp"), ("tp=2", "sp"), ("dp=2,tp=2", "dp,tp"), ("pp=2", "pp")])
+@pytest.mark.parametrize(
+    "mesh, strategy", [("dp=2", "dp"), ("tp=2", "tp"), ("tp=2", "sp"), ("dp=2,tp=2", "dp,tp"), ("pp=2", "pp")]
+)
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_strategies_equal_eager_pytorch(captured, name, mesh, strategy):
     model, b, graph = captured[name]
@@ -94,8 +95,11 @@ def test_llama_tp_shards_attention_heads_and_the_swiglu_mlp(captured):
 
 def test_llama_tp_beyond_the_key_value_heads_is_an_error_naming_them(captured):
     _, _, graph = captured["llama"]
-    with pytest.raises(DegreeError, match=r"degree 4 does not divide dim 2 of size 2.*model\.layers\.0\.self_attn.*"
-                                          r"key/value heads"):
+    with pytest.raises(
+        DegreeError,
+        match=r"degree 4 does not divide dim 2 of size 2.*model\.layers\.0\.self_attn.*"
+        r"key/value heads",
+    ):
         make_plan(graph, Mesh.parse("tp=4"), "tp")
 
 
@@ -114,8 +118,9 @@ def test_gpt2_tp_shards_the_fused_qkv_by_heads(captured):
         # sharded: q, k and v are each cut by heads, and every device holds half of the weight.
         w, b = f"{h}.attn.c_attn.weight", f"{h}.attn.c_attn.bias"
         assert graph.module_shapes[w] == (64, 192) and graph.module_shapes[b] == (192,)
-        assert t[w].type.shape == (64, 3, 64) and t[w].placements == (Shard(2),) and t[w].pshape.piece_shape == (
-            64, 3, 32)
+        assert (
+            t[w].type.shape == (64, 3, 64) and t[w].placements == (Shard(2),) and t[w].pshape.piece_shape == (64, 3, 32)
+        )
         assert t[b].type.shape == (3, 64) and t[b].placements == (Shard(1),)
         parts = [n for n in pcg.nodes if isinstance(n.op, O.Linear) and n.scope == f"{h}.attn.c_attn"]
         assert len(parts) == 3
@@ -181,8 +186,14 @@ def test_pp_puts_one_layer_on_each_stage(captured, name, prefix):
 # --- user plans naming modules by FQN, as parallelize_module does -------------------------------------------------
 COLUMN = ModulePlan(params={"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}})  # Conv1D: weight [in, out]
 ROW = ModulePlan(params={"weight": {"tp": Shard(0)}}, output={"tp": Replicate()})
-GPT2_TP = Plan(modules={"transformer.h.*.attn.c_attn": COLUMN, "transformer.h.*.attn.c_proj": ROW,
-                        "transformer.h.*.mlp.c_fc": COLUMN, "transformer.h.*.mlp.c_proj": ROW})
+GPT2_TP = Plan(
+    modules={
+        "transformer.h.*.attn.c_attn": COLUMN,
+        "transformer.h.*.attn.c_proj": ROW,
+        "transformer.h.*.mlp.c_fc": COLUMN,
+        "transformer.h.*.mlp.c_proj": ROW,
+    }
+)
 
 
 def test_user_plan_shards_the_fused_qkv_by_heads_as_the_preset_does(captured):
@@ -221,8 +232,13 @@ def test_user_plan_by_fqn_on_a_flat_graph(captured):
 def test_two_gloo_processes(tmp_path):
     """tp=2 and dp=2 of both models, one process per device."""
     cases = [f"{m}@{s}@{s}=2" for m in ("llama", "gpt2") for s in ("tp", "dp")]
-    res = launch([sys.executable, str(Path(__file__).with_name("hf_worker.py")), str(tmp_path), *cases], 2,
-                 tmp_path / "logs", grace_s=30.0, echo_rank0=False)
+    res = launch(
+        [sys.executable, str(Path(__file__).with_name("hf_worker.py")), str(tmp_path), *cases],
+        2,
+        tmp_path / "logs",
+        grace_s=30.0,
+        echo_rank0=False,
+    )
     assert res.ok, describe_failure(res, tmp_path / "logs")
     for r in range(2):
         results = json.loads((tmp_path / f"result{r}.json").read_text())
@@ -237,19 +253,32 @@ def falcon():
     linears ``FalconLinear``, ``x @ W.T``), float64, its batch and its graph."""
     import torch
     import transformers
-    from shardflow.capture import capture, wide_floats
     from test_export_capture import batch
+
+    from shardflow.capture import capture, wide_floats
+
     torch.manual_seed(0)
-    model = transformers.FalconForCausalLM(transformers.FalconConfig(
-        vocab_size=96, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, multi_query=True,
-        new_decoder_architecture=False, use_cache=False, hidden_dropout=0.0, attention_dropout=0.0)).double()
+    model = transformers.FalconForCausalLM(
+        transformers.FalconConfig(
+            vocab_size=96,
+            hidden_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            multi_query=True,
+            new_decoder_architecture=False,
+            use_cache=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+    ).double()
     b = batch()
     with wide_floats():
         return model, b, capture(model, b)
 
 
-@pytest.mark.parametrize("mesh, strategy", [
-    ("dp=2", "dp"), ("fsdp=2", "fsdp"), ("tp=2", "tp"), ("tp=2", "sp"), ("pp=2", "pp")])
+@pytest.mark.parametrize(
+    "mesh, strategy", [("dp=2", "dp"), ("fsdp=2", "fsdp"), ("tp=2", "tp"), ("tp=2", "sp"), ("pp=2", "pp")]
+)
 def test_falcon_multi_query_equals_eager_pytorch(falcon, mesh, strategy):
     model, b, graph = falcon
     ex = LocalExecutor(lower_step(plan_pcg(graph, mesh, strategy), SGD.slots), SGD)

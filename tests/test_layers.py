@@ -60,10 +60,13 @@ def test_every_package_has_a_layer():
 def test_no_import_goes_up_a_layer_or_across_one():
     """A module imports its own package or a lower layer: never a higher one, never another package of its own."""
     layer = layers()
-    bad = [f"{MODULES[m].relative_to(ROOT)}:{line}: {m} (layer {layer[package_of(m)]}) imports {target} "
-           f"(layer {layer[package_of(target)]})"
-           for m, targets in GRAPH.items() for target, line in targets
-           if package_of(target) != package_of(m) and layer[package_of(target)] >= layer[package_of(m)]]
+    bad = [
+        f"{MODULES[m].relative_to(ROOT)}:{line}: {m} (layer {layer[package_of(m)]}) imports {target} "
+        f"(layer {layer[package_of(target)]})"
+        for m, targets in GRAPH.items()
+        for target, line in targets
+        if package_of(target) != package_of(m) and layer[package_of(target)] >= layer[package_of(m)]
+    ]
     assert not bad, "\n".join(bad)
 
 

@@ -11,6 +11,7 @@ between our update formula and torch's fused one: 1e-8. float32: 1e-4.
 
 import pytest
 import torch
+from dist_worker import replicate_outside_view  # one case, run here and in 4 processes (test_distributed)
 from torch import nn
 
 from shardflow.capture import capture
@@ -18,15 +19,14 @@ from shardflow.graph import GraphBuilder
 from shardflow.lower import lower_step
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Reduction, Repartition, Replicate as ReplicateOp
+from shardflow.parallel.ops import Reduction, Repartition
+from shardflow.parallel.ops import Replicate as ReplicateOp
 from shardflow.parallel.pcg import build_pcg, evaluation
 from shardflow.parallel.sharding import Sharding
 from shardflow.reference import run_backward, weights_of
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.local import LocalExecutor
 from shardflow.strategy import ModulePlan, Plan, make_plan, resolve
-
-from dist_worker import replicate_outside_view  # one case, run here and in 4 processes (test_distributed)
 
 B, T, V = 4, 8, 11
 
@@ -45,13 +45,23 @@ def torch_optimizer(cfg: OptimizerConfig, params):
     return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 
-def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=OptimizerConfig("sgd", 0.1, 0.9),
-                        atol=1e-10, steps=3, clip_norm=None):
+def check_against_eager(
+    model,
+    inputs,
+    mesh_text,
+    strategy=None,
+    plan=None,
+    cfg=OptimizerConfig("sgd", 0.1, 0.9),
+    atol=1e-10,
+    steps=3,
+    clip_norm=None,
+):
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
     plan = plan or make_plan(graph, mesh, strategy)
-    step = lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)), cfg.slots, clip_norm=clip_norm,
-                      grad_norm=True)
+    step = lower_step(
+        build_pcg(graph, mesh, resolve(plan, graph, mesh)), cfg.slots, clip_norm=clip_norm, grad_norm=True
+    )
     ex = LocalExecutor(step, cfg)
     ex.load(weights_of(model, graph))
     opt = torch_optimizer(cfg, model.parameters())
@@ -72,10 +82,20 @@ def check_against_eager(model, inputs, mesh_text, strategy=None, plan=None, cfg=
     assert ex.weight_error({k: p.detach() for k, p in model.named_parameters()}) <= atol  # every replica
 
 
-@pytest.mark.parametrize("mesh, strategy", [
-    ("dp=2", "dp"), ("dp=4", "dp"), ("tp=2", "tp"), ("tp=4", "tp"), ("tp=2", "sp"), ("pp=2", "pp"),
-    ("dp=2,tp=2", "dp,tp"), ("dp=2,tp=2", "dp,sp"), ("pp=2,tp=2", "pp,tp"),
-])
+@pytest.mark.parametrize(
+    "mesh, strategy",
+    [
+        ("dp=2", "dp"),
+        ("dp=4", "dp"),
+        ("tp=2", "tp"),
+        ("tp=4", "tp"),
+        ("tp=2", "sp"),
+        ("pp=2", "pp"),
+        ("dp=2,tp=2", "dp,tp"),
+        ("dp=2,tp=2", "dp,sp"),
+        ("pp=2,tp=2", "pp,tp"),
+    ],
+)
 def test_gpt_strategies_match_one_device(mesh, strategy):
     model, inputs = gpt_case(n_layer=2 if "pp" in strategy else 1)
     check_against_eager(model, inputs, mesh, strategy)
@@ -87,9 +107,16 @@ def executor(graph, mesh_text, strategy, cfg, seed=0):
     return LocalExecutor(step, cfg, seed=seed)
 
 
-@pytest.mark.parametrize("mesh, strategy", [
-    ("dp=2", "dp"), ("tp=2", "tp"), ("tp=2", "sp"), ("dp=2,tp=2", "dp,tp"), ("pp=2", "pp"),
-])
+@pytest.mark.parametrize(
+    "mesh, strategy",
+    [
+        ("dp=2", "dp"),
+        ("tp=2", "tp"),
+        ("tp=2", "sp"),
+        ("dp=2,tp=2", "dp,tp"),
+        ("pp=2", "pp"),
+    ],
+)
 def test_dropout_every_replica_matches_one_device(mesh, strategy):
     """Dropout 0.1 after the embeddings and in every block, 2 SGD steps: the loss of each step and every replica of
     every weight equal the single-device run with the same seed (reference interpreter + the SGD formula), because
@@ -134,8 +161,9 @@ def test_weight_error_reads_every_replica():
     ex.load(weights)
     assert ex.weight_error(weights) == 0.0
     ex.buffers[1]["fwd:transformer.ln_f.weight"] += 1e-3
-    torch.testing.assert_close(ex.weights()["transformer.ln_f.weight"], weights["transformer.ln_f.weight"],
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        ex.weights()["transformer.ln_f.weight"], weights["transformer.ln_f.weight"], atol=0, rtol=0
+    )
     assert ex.weight_error(weights) == pytest.approx(1e-3, rel=1e-9)
 
 
@@ -148,8 +176,9 @@ def test_megatron_mlp_matches_one_device():
 
 def test_adamw_and_weight_decay():
     model, inputs = gpt_case()
-    check_against_eager(model, inputs, "dp=2,tp=2", "dp,tp", cfg=OptimizerConfig("adamw", 1e-2, weight_decay=0.01),
-                        atol=1e-8)
+    check_against_eager(
+        model, inputs, "dp=2,tp=2", "dp,tp", cfg=OptimizerConfig("adamw", 1e-2, weight_decay=0.01), atol=1e-8
+    )
     model, inputs = gpt_case()
     check_against_eager(model, inputs, "tp=2", "sp", cfg=OptimizerConfig("sgd", 0.1, 0.0, weight_decay=0.1))
 
@@ -173,10 +202,14 @@ def test_explicit_replicate_and_reduction_ops():
     whole = SubMesh(mesh)
     plan = Plan(modules={"linear": ModulePlan(stage=0)}, ops={"linear": (ReplicateOp(2, "pp"),)})
     from dataclasses import replace
+
     ann = resolve(plan, g, mesh)
-    ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "mean": whole},
-                  leaves={**ann.leaves, "w1": Sharding(((), ("pp",)))},
-                  ops={"linear": (ReplicateOp(2, "pp"), Repartition(1, 2, "pp")), "linear_1": (Reduction(2, "pp"),)})
+    ann = replace(
+        ann,
+        groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "mean": whole},
+        leaves={**ann.leaves, "w1": Sharding(((), ("pp",)))},
+        ops={"linear": (ReplicateOp(2, "pp"), Repartition(1, 2, "pp")), "linear_1": (Reduction(2, "pp"),)},
+    )
     pcg = build_pcg(g, mesh, ann)
     assert [n.op.kind for n in pcg.parallel_nodes] == ["replicate", "repartition", "reduction"]
     cfg = OptimizerConfig("sgd", 0.1)
@@ -225,10 +258,14 @@ def test_replicate_in_a_user_plan_spreads_a_stage_over_the_axis():
     torch.manual_seed(0)
     model = MLP(d_in=8, hidden=16, d_out=5, n_layers=3).double()
     inputs = {"x": torch.randn(6, 8, dtype=torch.float64), "y": torch.randint(0, 5, (6,))}
-    plan = Plan(modules={"layers.0": ModulePlan(stage=0),
-                         "layers.1": ModulePlan(params={"weight": {"pp": Shard(0)}, "bias": {"pp": Shard(0)}}),
-                         "layers.2": ModulePlan(params={"weight": {"pp": Shard(1)}}, output={"pp": Replicate()})},
-                ops={"relu": (ReplicateOp(2, "pp"),)})
+    plan = Plan(
+        modules={
+            "layers.0": ModulePlan(stage=0),
+            "layers.1": ModulePlan(params={"weight": {"pp": Shard(0)}, "bias": {"pp": Shard(0)}}),
+            "layers.2": ModulePlan(params={"weight": {"pp": Shard(1)}}, output={"pp": Replicate()}),
+        },
+        ops={"relu": (ReplicateOp(2, "pp"),)},
+    )
     check_against_eager(model, inputs, "pp=2", plan=plan)
 
 
@@ -294,8 +331,10 @@ def test_gradients_flow_through_complex_values(mesh, strategy):
     rotary table → view_as_real). Every gradient, in float64 with the table in complex128, equals eager PyTorch's
     over 3 SGD steps (1e-10). Planning once took complex tensors for integer-like (no gradient): nothing reached
     wq and wk through the rotation, 7 % of their gradient."""
-    from shardflow.capture import at_dtype, wide_floats
     from zoo import torchtitan_llama3
+
+    from shardflow.capture import at_dtype, wide_floats
+
     model, batch, _ = at_dtype(*torchtitan_llama3(), torch.float64)
     assert model.freqs_cis.dtype == torch.complex128
     with wide_floats():

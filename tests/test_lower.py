@@ -1,32 +1,40 @@
 """Lowering: exact plan structure — copies, collectives, bytes, tokens — for small plans (no processes)."""
 
+import dataclasses
+from dataclasses import replace
+
 import pytest
 import torch
 
+from shardflow.api import optimizer_config
 from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
-from shardflow.api import optimizer_config
-from shardflow.lower import lower_step
-import dataclasses
-
+from shardflow.lower import LowerOptions, lower_programs, lower_step
 from shardflow.lower.comm_lowering import comm_lowering, decide
 from shardflow.lower.copy_insertion import copy_insertion
-from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, NodeKind, PassError, PassName, TaskType, UpdateRule, ValueRole,
-                                     forward_id, grad_id, state_id)
+from shardflow.lower.dynamic import (
+    OPTIMIZER_SLOTS,
+    NodeKind,
+    PassError,
+    PassName,
+    TaskType,
+    UpdateRule,
+    ValueRole,
+    forward_id,
+    grad_id,
+    state_id,
+)
 from shardflow.lower.ordering import ordering
 from shardflow.lower.pass_expansion import pass_expansion
 from shardflow.lower.passes import PASSES, LowerContext, run_passes
-from shardflow.lower.shard_expansion import shard_expansion
-from shardflow.lower import lower_programs
-from shardflow.lower.shard_expansion import axis_group_index, axis_members, steps
-from shardflow.lower import LowerOptions
 from shardflow.lower.program import Comm, Compute, Free, Wait
+from shardflow.lower.shard_expansion import axis_group_index, axis_members, shard_expansion, steps
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Reduction, Replicate as ReplicateOp
+from shardflow.parallel.ops import Reduction
+from shardflow.parallel.ops import Replicate as ReplicateOp
 from shardflow.parallel.pcg import Annotations, build_pcg
-from shardflow.strategy import ModulePlan, Plan, data_parallel, make_plan, resolve
 from shardflow.parallel.sharding import Sharding
-from dataclasses import replace
+from shardflow.strategy import ModulePlan, Plan, data_parallel, make_plan, resolve
 
 
 def mlp(pre: bool = False, B=8, D=16, H=64, dtype: str = "float32"):
@@ -42,10 +50,12 @@ def mlp(pre: bool = False, B=8, D=16, H=64, dtype: str = "float32"):
     return b.build([loss], loss)
 
 
-MEGATRON = Plan(modules={
-    "fc1": ModulePlan(params={"weight": [Shard(0)], "bias": [Shard(0)]}, input=[Replicate()]),
-    "fc2": ModulePlan(params={"weight": [Shard(1)]}, output=[Replicate()]),
-})
+MEGATRON = Plan(
+    modules={
+        "fc1": ModulePlan(params={"weight": [Shard(0)], "bias": [Shard(0)]}, input=[Replicate()]),
+        "fc2": ModulePlan(params={"weight": [Shard(1)]}, output=[Replicate()]),
+    }
+)
 
 
 def lowered(graph, mesh_text, plan, optimizer="sgd", options=None, verify=False):
@@ -59,12 +69,16 @@ def against_one_device(step, graph, steps=2, tol=1e-5):
     (``weight_error``), equal one device's (float32: partial sums are added in another order, ~1e-7 relative; a
     buffer overwritten while still read is off by O(1))."""
     import torch
+
     from shardflow.runtime.kernels import OptimizerConfig
     from shardflow.runtime.local import LocalExecutor
+
     gen = torch.Generator().manual_seed(0)
     weights = {w: torch.randn(graph.tensors[w].shape, generator=gen) for w in graph.weights}
-    inputs = {n: torch.randint(0, 4, t.shape, generator=gen) if t.dtype == "int64" else
-              torch.randn(t.shape, generator=gen) for n, t in ((n, graph.tensors[n]) for n in graph.inputs)}
+    inputs = {
+        n: torch.randint(0, 4, t.shape, generator=gen) if t.dtype == "int64" else torch.randn(t.shape, generator=gen)
+        for n, t in ((n, graph.tensors[n]) for n in graph.inputs)
+    }
     one = LocalExecutor(lower_step(build_pcg(graph, Mesh.parse("d=1")), "sgd"), OptimizerConfig("sgd", 0.1))
     many = LocalExecutor(step, OptimizerConfig("sgd", 0.1))
     one.load(weights)
@@ -91,19 +105,33 @@ def test_pipeline_mlp_has_exactly_four_copies():
     h = b.relu(b.dense(x, 8, name="fc1"))
     loss = b.cross_entropy(b.dense(h, 3, name="fc2"), y)
     graph = b.build([loss], loss)
-    plan = Plan(modules={"fc1": ModulePlan(stage=0), "relu": ModulePlan(stage=0), "fc2": ModulePlan(stage=1),
-                         "loss": ModulePlan(stage=0)})
+    plan = Plan(
+        modules={
+            "fc1": ModulePlan(stage=0),
+            "relu": ModulePlan(stage=0),
+            "fc2": ModulePlan(stage=1),
+            "loss": ModulePlan(stage=0),
+        }
+    )
     step = lowered(graph, "pp=2", plan)
     copies = [(n.pass_, n.inputs[0]) for n in step.dg.nodes if n.kind == "copy"]
-    assert copies == [("FWD", "fwd:relu"), ("FWD", "fwd:linear_1"), ("BWD", "grad:linear_1@loss"),
-                      ("BWD", "grad:relu@linear_1")]
+    assert copies == [
+        ("FWD", "fwd:relu"),
+        ("FWD", "fwd:linear_1"),
+        ("BWD", "grad:linear_1@loss"),
+        ("BWD", "grad:relu@linear_1"),
+    ]
     assert comms(step.programs) == [
-        ("FWD", "p2p", (0, 1), (4, 8)), ("FWD", "p2p", (1, 0), (4, 3)),
-        ("BWD", "p2p", (0, 1), (4, 3)), ("BWD", "p2p", (1, 0), (4, 8)),
+        ("FWD", "p2p", (0, 1), (4, 8)),
+        ("FWD", "p2p", (1, 0), (4, 3)),
+        ("BWD", "p2p", (0, 1), (4, 3)),
+        ("BWD", "p2p", (1, 0), (4, 8)),
     ]
     sends = {r: [(c.token, c.kind, c.peer, c.nbytes) for c in p.comms] for r, p in step.programs.items()}
-    assert sends == {0: [(0, "send", 1, 128), (1, "recv", 1, 0), (2, "send", 1, 48), (3, "recv", 1, 0)],
-                     1: [(0, "recv", 0, 0), (1, "send", 0, 48), (2, "recv", 0, 0), (3, "send", 0, 128)]}
+    assert sends == {
+        0: [(0, "send", 1, 128), (1, "recv", 1, 0), (2, "send", 1, 48), (3, "recv", 1, 0)],
+        1: [(0, "recv", 0, 0), (1, "send", 0, 48), (2, "recv", 0, 0), (3, "send", 0, 128)],
+    }
 
 
 def test_megatron_mlp_input_without_gradient():
@@ -135,14 +163,18 @@ def test_backward_all_reduce_travels_while_the_weight_gradient_is_computed(overl
         instrs = [i for i in p.instrs if not isinstance(i, Free)]
         (k,) = [j for j, i in enumerate(instrs) if isinstance(i, Comm) and i.pass_ == "BWD"]
         comm = instrs[k]
-        vjps = [(i.node, i.kernel.grad_mask) for i in instrs if isinstance(i, Compute) and i.op.startswith("vjp[linear")]
+        vjps = [
+            (i.node, i.kernel.grad_mask) for i in instrs if isinstance(i, Compute) and i.op.startswith("vjp[linear")
+        ]
         if not overlap:
             assert comm.wait and not any(isinstance(i, Wait) for i in instrs)
             assert vjps == [("linear_1", (True, True, True)), ("linear", (True, True, True))]
             continue
         w = instrs.index(Wait(comm.token))
-        assert not comm.wait and [(i.node, i.kernel.grad_mask) for i in instrs[k + 1:w]] == [
-            ("linear_1", (False, True, True)), ("linear", (False, True, True))]
+        assert not comm.wait and [(i.node, i.kernel.grad_mask) for i in instrs[k + 1 : w]] == [
+            ("linear_1", (False, True, True)),
+            ("linear", (False, True, True)),
+        ]
         dx, dw = instrs[k - 1], instrs[w - 1]
         assert (dx.node, dx.kernel.grad_mask) == ("linear", (True, False, False))
         assert dx.ins == dw.ins and [b.value for b in dx.outs] == [comm.send.value]
@@ -170,7 +202,9 @@ def test_forward_all_reduce_travels_while_the_forward_computes(overlap):
             return nn.functional.cross_entropy(self.fc2(torch.tanh(self.fc1(x))), y)
 
     graph = capture(Net(), {"x": torch.randn(8, 16), "y": torch.randint(0, 4, (8,))})
-    step = lowered(graph, "dp=2", data_parallel(graph), options=LowerOptions("collective", "collective", overlap=overlap))
+    step = lowered(
+        graph, "dp=2", data_parallel(graph), options=LowerOptions("collective", "collective", overlap=overlap)
+    )
     for p in step.programs.values():
         instrs = [i for i in p.instrs if not isinstance(i, Free)]
         (k,) = [j for j, i in enumerate(instrs) if isinstance(i, Comm) and i.pass_ == "FWD"]
@@ -191,14 +225,17 @@ def test_predicted_timeline_draws_an_async_reduction_beside_the_computes():
     it arrives."""
     from shardflow.lower.cost import CostModel
     from shardflow.runtime.trace import LANES, predicted
+
     step = lowered(mlp(pre=True), "tp=2", MEGATRON)
-    measured = {r: [{"tid": LANES["compute"], "dur": 1000.0, "ts": 0.0}
-                    for i in p.instrs if isinstance(i, Compute)] for r, p in step.programs.items()}
+    measured = {
+        r: [{"tid": LANES["compute"], "dur": 1000.0, "ts": 0.0} for i in p.instrs if isinstance(i, Compute)]
+        for r, p in step.programs.items()
+    }
     events = predicted(step.programs, measured, CostModel("gloo", alpha_s=0.01, bandwidth={"all_reduce": 1e15}))
     for r in step.programs:
         mine = [e for e in events if e["pid"] == 1000 + r]
         (k,) = [j for j, e in enumerate(mine) if "(async)" in e["name"]]
-        comm, dw2, dw1, after = mine[k:k + 4]  # fc2's and fc1's weight gradients travel beside it (2 ms < 10 ms)
+        comm, dw2, dw1, after = mine[k : k + 4]  # fc2's and fc1's weight gradients travel beside it (2 ms < 10 ms)
         assert mine[k - 1]["ts"] + mine[k - 1]["dur"] == pytest.approx(comm["ts"])
         assert comm["dur"] == pytest.approx(10_000, rel=1e-6)
         assert dw2["name"].startswith("BWD vjp[linear") and dw2["ts"] == pytest.approx(comm["ts"])
@@ -241,8 +278,9 @@ def test_gradient_norm_without_clipping_is_one_scalar_all_reduce_after_the_updat
 def _bucket_plan(cap, optimizer="sgd"):
     graph = mlp(pre=True)
     mesh = Mesh.parse("dp=2")
-    return graph, lowered(graph, "dp=2", make_plan(graph, mesh, "dp"), optimizer,
-                          options=LowerOptions(bucket_bytes=cap), verify=True)
+    return graph, lowered(
+        graph, "dp=2", make_plan(graph, mesh, "dp"), optimizer, options=LowerOptions(bucket_bytes=cap), verify=True
+    )
 
 
 def test_gradient_all_reduces_share_one_bucket():
@@ -256,7 +294,7 @@ def test_gradient_all_reduces_share_one_bucket():
     ops = [i.op if isinstance(i, Compute) else type(i).__name__ for i in instrs]
     k = ops.index("Comm")
     # pack right before the all-reduce; its wait and the unpack right before the first update
-    assert ops[k - 1:k + 4] == ["pack", "Comm", "Wait", "unpack", "sgd_update"]
+    assert ops[k - 1 : k + 4] == ["pack", "Comm", "Wait", "unpack", "sgd_update"]
     assert {b.value for b in instrs[k + 2].outs} == {n.inputs[1] for n in step.dg.nodes if n.kind == "update"}
 
 
@@ -265,19 +303,24 @@ def test_gradient_buckets_close_at_the_cap_and_travel_during_the_backward():
     graph, step = _bucket_plan(4096 + 64)
     sizes = {w: graph.tensors[w].type.numel for w in graph.weights}
     # two full buckets; scale's gradient, alone in the last, is all-reduced as it is
-    assert [c[3] for c in comms(step.programs)] == [(sizes["fc2.bias"] + sizes["fc2.weight"],),
-                                                    (sizes["fc1.bias"] + sizes["fc1.weight"],), (sizes["scale"],)]
+    assert [c[3] for c in comms(step.programs)] == [
+        (sizes["fc2.bias"] + sizes["fc2.weight"],),
+        (sizes["fc1.bias"] + sizes["fc1.weight"],),
+        (sizes["scale"],),
+    ]
     p0 = step.programs[0]
     first = next(k for k, i in enumerate(p0.instrs) if isinstance(i, Comm))
     wait = next(k for k, i in enumerate(p0.instrs) if isinstance(i, Wait) and i.token == p0.instrs[first].token)
-    between = [i for i in p0.instrs[first + 1:wait] if isinstance(i, Compute) and i.pass_ == "BWD" and i.dnode]
+    between = [i for i in p0.instrs[first + 1 : wait] if isinstance(i, Compute) and i.pass_ == "BWD" and i.dnode]
     assert [i.dnode for i in between] == ["BWD gelu", "BWD linear", "BWD tanh", "BWD mul"]  # the rest of the backward
 
 
 def test_gradient_buckets_give_the_same_step_as_one_all_reduce_per_gradient():
+    import torch
+
     from shardflow.runtime.kernels import OptimizerConfig
     from shardflow.runtime.local import LocalExecutor
-    import torch
+
     graph = mlp(pre=True)
     torch.manual_seed(0)
     weights = {w: torch.randn(graph.tensors[w].shape) for w in graph.weights}
@@ -293,11 +336,14 @@ def test_gradient_buckets_give_the_same_step_as_one_all_reduce_per_gradient():
         assert all(torch.equal(w[k], results[0][1][k]) for k in w)
 
 
-@pytest.mark.parametrize("src, dst, fwd, bwd", [
-    (Shard(0), Replicate(), "all_gather", "split"),      # Combine: gather forward, split backward
-    (Replicate(), Shard(0), "split", "all_gather"),      # Repartition: split forward, gather backward
-    (Shard(0), Shard(1), "all_to_all", "all_to_all"),    # reshard between dims: all-to-all both ways
-])
+@pytest.mark.parametrize(
+    "src, dst, fwd, bwd",
+    [
+        (Shard(0), Replicate(), "all_gather", "split"),  # Combine: gather forward, split backward
+        (Replicate(), Shard(0), "split", "all_gather"),  # Repartition: split forward, gather backward
+        (Shard(0), Shard(1), "all_to_all", "all_to_all"),  # reshard between dims: all-to-all both ways
+    ],
+)
 def test_parallel_ops_lower_per_table(src, dst, fwd, bwd):
     b = GraphBuilder()
     x = b.weight("x", (8, 4))
@@ -307,8 +353,10 @@ def test_parallel_ops_lower_per_table(src, dst, fwd, bwd):
     whole = SubMesh(mesh)
     ann = Annotations(leaves={"x": Sharding.from_placements([src], whole, 2)}, edges={("tanh", 0): {"tp": dst}})
     step = lower_step(build_pcg(g, mesh, ann), verify=False)
-    kinds = {p: [s.kind for s in steps(step.dg) if s.nodes[0].pass_ == p and s.nodes[0].kind == "parallel"]
-             for p in ("FWD", "BWD")}
+    kinds = {
+        p: [s.kind for s in steps(step.dg) if s.nodes[0].pass_ == p and s.nodes[0].kind == "parallel"]
+        for p in ("FWD", "BWD")
+    }
     assert kinds == {"FWD": [fwd], "BWD": [bwd]}
 
 
@@ -338,12 +386,17 @@ def replicate_broadcast():
     loss = b.sum(b.tanh(b.linear(b.linear(x, w0), w1)))
     g = b.build([loss], loss)
     mesh = Mesh.parse("pp=2")
-    plan = Plan(modules={"linear": ModulePlan(stage=0), "linear_1": ModulePlan(stage=1)},
-                ops={"linear": (ReplicateOp(2, "pp"),)})
+    plan = Plan(
+        modules={"linear": ModulePlan(stage=0), "linear_1": ModulePlan(stage=1)},
+        ops={"linear": (ReplicateOp(2, "pp"),)},
+    )
     ann = resolve(plan, g, mesh)
     whole = SubMesh(mesh)
-    ann = replace(ann, groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "sum": whole},
-                  leaves={**ann.leaves, "w1": Sharding((("pp",), ()))})
+    ann = replace(
+        ann,
+        groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "sum": whole},
+        leaves={**ann.leaves, "w1": Sharding((("pp",), ()))},
+    )
     return g, lower_step(build_pcg(g, mesh, ann), verify=False)
 
 
@@ -378,9 +431,13 @@ def test_every_pass_checks_its_preconditions():
     """Hole 3 of issue #11: lowering a pp=2 MLP without copy insertion gave programs in which rank 1 reads
     ``fwd:relu`` it never received; now every pass refuses a graph it cannot work on, naming what is missing."""
     import torch
+
     from shardflow.capture import capture
     from shardflow.models import MLP
-    g = capture(MLP(d_in=8, hidden=8, d_out=4, n_layers=2), {"x": torch.zeros(4, 8), "y": torch.zeros(4, dtype=torch.long)})
+
+    g = capture(
+        MLP(d_in=8, hidden=8, d_out=4, n_layers=2), {"x": torch.zeros(4, 8), "y": torch.zeros(4, dtype=torch.long)}
+    )
     mesh = Mesh.parse("pp=2")
     pcg = build_pcg(g, mesh, resolve(make_plan(g, mesh, "pp"), g, mesh))
     expanded = pass_expansion(pcg)
@@ -431,9 +488,14 @@ def dp_tp_mlp_pcg():
     ``tp`` of a ``dp=2,tp=2`` mesh."""
     graph = mlp(pre=True)
     mesh = Mesh.parse("dp=2,tp=2")
-    plan = data_parallel(graph).merge(Plan(modules={
-        "fc1": ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
-        "fc2": ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})}))
+    plan = data_parallel(graph).merge(
+        Plan(
+            modules={
+                "fc1": ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
+                "fc2": ModulePlan(params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()}),
+            }
+        )
+    )
     return build_pcg(graph, mesh, resolve(plan, graph, mesh))
 
 
@@ -487,11 +549,18 @@ def _sp_step(options, d=4, with_graph=False, matmul=False):
     g = b.build([loss], loss)
     mesh = Mesh.parse(f"tp={d}")
     whole = SubMesh(mesh)
-    weights = {"w": Sharding.from_placements([Shard(1)], whole, 2)} if matmul else {
-        "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
-        "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)}
-    ann = Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3), **weights},
-                      edges={("matmul" if matmul else "linear", 0): {"tp": Replicate()}})
+    weights = (
+        {"w": Sharding.from_placements([Shard(1)], whole, 2)}
+        if matmul
+        else {
+            "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
+            "fc.bias": Sharding.from_placements([Shard(0)], whole, 1),
+        }
+    )
+    ann = Annotations(
+        leaves={"x": Sharding.from_placements([Shard(1)], whole, 3), **weights},
+        edges={("matmul" if matmul else "linear", 0): {"tp": Replicate()}},
+    )
     # x is a weight here: lowered as written, its gather kept for the backward (no resharding after the forward)
     step = lower_step(build_pcg(g, mesh, ann), options=replace(options, reshard_after_forward=False))  # verified
     return (step, g) if with_graph else step
@@ -499,10 +568,11 @@ def _sp_step(options, d=4, with_graph=False, matmul=False):
 
 def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
     from shardflow.lower import LowerOptions
-    from shardflow.lower.comm_lowering import ring_peers
     from shardflow.lower.buffer_reuse import in_place_product, ring_regions
+    from shardflow.lower.comm_lowering import ring_peers
     from shardflow.lower.program import Compute
     from shardflow.runtime.vjp import hand_vjp
+
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():
         fwd = [c for c in prog.comms if c.pass_ == "FWD"]
@@ -525,12 +595,15 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
         # Its backward is the hand-written vjp on the assembled value (a linear's reads only its inputs): nothing
         # of the chunked forward is recomputed.
         vjps = [i for i in prog.instrs if isinstance(i, Compute) and i.pass_ == "BWD" and i.op.startswith("vjp[linear")]
-        assert vjps and all(hand_vjp(i.kernel.local.op, [b.type for b in i.ins]) is not None
-                            and i.ins[0].value == "fwd:x.combine" for i in vjps)
+        assert vjps and all(
+            hand_vjp(i.kernel.local.op, [b.type for b in i.ins]) is not None and i.ins[0].value == "fwd:x.combine"
+            for i in vjps
+        )
 
 
 def test_ring_reduce_scatter_and_broadcast_loop_shapes():
     from shardflow.lower import LowerOptions
+
     step = _sp_step(LowerOptions("broadcast_loop", "ring"))
     p1 = step.programs[1]
     bcasts = [c for c in p1.comms if c.kind == "broadcast"]
@@ -550,13 +623,17 @@ def test_ring_fuses_only_ops_that_contract_the_last_dim():
     loss = b.add(b.sum(b.tanh(b.dense(x, 8, name="fc"))), b.sum(b.tanh(x)))
     mesh = Mesh.parse("tp=4")
     whole = SubMesh(mesh)
-    ann = Annotations(leaves={"x": Sharding.from_placements([Shard(1)], whole, 3),
-                              "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
-                              "fc.bias": Sharding.from_placements([Shard(0)], whole, 1)},
-                      after={"x": {"tp": Replicate()}})
+    ann = Annotations(
+        leaves={
+            "x": Sharding.from_placements([Shard(1)], whole, 3),
+            "fc.weight": Sharding.from_placements([Shard(0)], whole, 2),
+            "fc.bias": Sharding.from_placements([Shard(0)], whole, 1),
+        },
+        after={"x": {"tp": Replicate()}},
+    )
     options = LowerOptions("ring", "ring", reshard_after_forward=False)  # x is a weight: its gather kept, as written
     sg, _ = run_passes(build_pcg(b.build([loss], loss), mesh, ann), LowerContext(options=options))
-    (gather, fused), = decide(sg.dg, options, list(sg.steps)).fused.items()
+    ((gather, fused),) = decide(sg.dg, options, list(sg.steps)).fused.items()
     gathered = next(n for n in sg.dg.nodes if n.name == gather).outputs[0]
     readers = [n.name for n in sg.dg.nodes if gathered in n.inputs and n.pass_ == TaskType.FWD]
     assert readers == ["FWD linear", "FWD tanh_1"] and [c.name for c in fused] == ["FWD linear"]
@@ -571,8 +648,10 @@ def test_value_ids_are_made_from_fields():
         assert (v.tensor, v.role) == (t, ValueRole.FWD)
     w = "fc1.weight"
     state = [state_id(s, w) for s in OPTIMIZER_SLOTS[UpdateRule.ADAMW]]
-    assert [(dg.values[s].role, dg.values[s].slot) for s in state] == [(ValueRole.OPT, "exp_avg"),
-                                                                      (ValueRole.OPT, "exp_avg_sq")]
+    assert [(dg.values[s].role, dg.values[s].slot) for s in state] == [
+        (ValueRole.OPT, "exp_avg"),
+        (ValueRole.OPT, "exp_avg_sq"),
+    ]
     assert set(state) <= set(dg.state_values())
     upd = next(n for n in dg.nodes if n.kind == NodeKind.UPDATE and n.src == w)
     assert [dg.values[o].replaces for o in upd.outputs] == [forward_id(w), *state]
@@ -583,7 +662,11 @@ def test_value_ids_are_made_from_fields():
 def test_optimizer_update_rules():
     """(optimizer, momentum) → the update a step is lowered for, and so its state slots."""
     assert [UpdateRule.of(o, m) for o, m in (("sgd", 0.0), ("sgd", 0.9), ("adam", 0.0), ("adamw", 0.9))] == [
-        UpdateRule.SGD, UpdateRule.SGD_MOMENTUM, UpdateRule.ADAMW, UpdateRule.ADAMW]  # Adam keeps AdamW's state
+        UpdateRule.SGD,
+        UpdateRule.SGD_MOMENTUM,
+        UpdateRule.ADAMW,
+        UpdateRule.ADAMW,
+    ]  # Adam keeps AdamW's state
     with pytest.raises(ValueError, match=r"unknown optimizer 'lion'; use one of \['sgd', 'adam', 'adamw'\]"):
         optimizer_config("lion", None)  # refused where it is parsed: the lowering takes an UpdateRule
 
@@ -594,6 +677,7 @@ def test_cost_model_choices():
     ~0.6, so on 2 ranks (one step, one call either way) the ring wins too, while on 8 its 7 calls' latency loses at
     64 KiB. NCCL's collectives are the fast path."""
     from shardflow.lower import CostModel
+
     gloo = CostModel("gloo")
     assert gloo.choose_reduce_scatter(4 << 20, 4) == "ring" and gloo.choose_reduce_scatter(1 << 10, 4) == "collective"
     assert gloo.choose_all_gather(4 << 20, 2) == "ring" and gloo.choose_all_gather(64 << 10, 8) == "collective"
@@ -605,27 +689,39 @@ def test_cost_model_choices():
 def test_machine_view_override_moves_only_the_shard_that_changes_device():
     """relu on mesh[pp=0] (devices 0, 1 hold blocks 0, 1); tanh and sum use the view (0, 3): block 0 stays on
     device 0, block 1 moves 1 → 3 — one copy carrying only that block, forward and (gradient) backward."""
+    import torch
+
     from shardflow.lower.program import Compute
     from shardflow.runtime.kernels import OptimizerConfig
     from shardflow.runtime.local import LocalExecutor
-    import torch
+
     b = GraphBuilder()
     x = b.input("x", (4, 6), "float64")
     w = b.weight("w", (4, 6), "float64")
     loss = b.sum(b.tanh(b.relu(b.mul(x, w))))
     g = b.build([loss], loss)
     mesh = Mesh.parse("pp=2,tp=2")
-    plan = Plan(inputs={"x": {"tp": Shard(0)}},
-                modules={"mul": ModulePlan(stage=0), "relu": ModulePlan(stage=0),
-                         "tanh": ModulePlan(stage=0, devices=(0, 3)), "sum": ModulePlan(stage=0, devices=(0, 3))})
+    plan = Plan(
+        inputs={"x": {"tp": Shard(0)}},
+        modules={
+            "mul": ModulePlan(stage=0),
+            "relu": ModulePlan(stage=0),
+            "tanh": ModulePlan(stage=0, devices=(0, 3)),
+            "sum": ModulePlan(stage=0, devices=(0, 3)),
+        },
+    )
     pcg = build_pcg(g, mesh, resolve(plan, g, mesh))
     step = lower_step(pcg)  # verified
     copies = [n for n in step.dg.nodes if n.kind == "copy"]
     assert [(c.pass_, c.inputs[0]) for c in copies] == [("FWD", "fwd:relu"), ("BWD", "grad:relu@tanh")]
     sends = {r: [(c.kind, c.peer, c.type.shape) for c in p.comms if c.axis == "copy"] for r, p in step.programs.items()}
     # forward: block 1 goes 1 → 3; backward: its gradient comes back 3 → 1. Device 0 and 2 move nothing.
-    assert sends == {0: [], 1: [("send", 3, (2, 6)), ("recv", 3, (2, 6))], 2: [],
-                     3: [("recv", 1, (2, 6)), ("send", 1, (2, 6))]}
+    assert sends == {
+        0: [],
+        1: [("send", 3, (2, 6)), ("recv", 3, (2, 6))],
+        2: [],
+        3: [("recv", 1, (2, 6)), ("send", 1, (2, 6))],
+    }
     aliases = [i for i in step.programs[0].instrs if isinstance(i, Compute) and i.op == "alias"]
     assert len(aliases) == 2  # device 0 keeps block 0, forward and backward
     cfg = OptimizerConfig("sgd", 0.1)
@@ -649,10 +745,12 @@ def test_parallel_ops_along_an_axis_of_one_device_communicate_nothing():
         ones = [c for c in comms(step.programs) if len(c[2]) == 1]
         assert ones == []
         aliases = [i for p in step.programs.values() for i in p.instrs if isinstance(i, Compute) and i.op == "alias"]
-        assert aliases and all(step.dg.values[i.outs[0].value].type == step.dg.values[i.ins[0].value].type
-                               for i in aliases)
-    assert comms(lowered(graph, "dp=1,tp=2", make_plan(graph, Mesh.parse("dp=1,tp=2"), "dp,tp")).programs) == \
-        comms(tp2.programs)
+        assert aliases and all(
+            step.dg.values[i.outs[0].value].type == step.dg.values[i.ins[0].value].type for i in aliases
+        )
+    assert comms(lowered(graph, "dp=1,tp=2", make_plan(graph, Mesh.parse("dp=1,tp=2"), "dp,tp")).programs) == comms(
+        tp2.programs
+    )
 
 
 # --- self-contained programs: kernels and process groups -----------------------------------------------------
@@ -661,6 +759,7 @@ def test_computes_carry_their_kernels():
     forward records gradients for, a backward's masks, an update's state slots and clip — and the data movements
     around communications carry none."""
     from shardflow.lower.program import Forward, OnesLike, SumOfSquares, Update, Vjp
+
     pcg = dp_tp_mlp_pcg()
     step = lower_step(pcg, "adamw", clip_norm=1.0)
     local = {n.name: n.local for n in pcg.nodes}
@@ -674,17 +773,20 @@ def test_computes_carry_their_kernels():
         assert kernels["FWD loss"] == Forward(local["loss"], None, (True, False))
         assert kernels["LOSS seed"] == OnesLike() and kernels["UPD grad-norm sumsq"] == SumOfSquares()
         assert {k: v for k, v in kernels.items() if k.startswith("UPD ") and k != "UPD grad-norm sumsq"} == {
-            f"UPD {w}": Update(("exp_avg", "exp_avg_sq"), 1.0) for w in pcg.graph.weights}
+            f"UPD {w}": Update(("exp_avg", "exp_avg_sq"), 1.0) for w in pcg.graph.weights
+        }
 
 
 def test_random_and_repartition_kernels_are_per_rank():
     """A Repartition of replicas keeps the rank's block; a dropout on the blocks draws at the rank's piece of the
     full tensor — the PCG's draw site — and its kernel, built from the instruction alone, draws those numbers."""
     import torch
+
     from shardflow.graph.rng import PieceSite
     from shardflow.lower.program import Block
     from shardflow.parallel.ops import Repartition
     from shardflow.runtime.kernels import OptimizerConfig, make_kernel
+
     b = GraphBuilder()
     x, w = b.input("x", (4, 6), "float64"), b.weight("w", (4, 6), "float64")
     loss = b.sum(b.dropout(b.mul(x, w), 0.5))
@@ -701,8 +803,9 @@ def test_random_and_repartition_kernels_are_per_rank():
         assert drop.kernel.draw.at(7, 3) == pcg.draw_site(node, r, 7, 3)
         piece = torch.randn(2, 6, dtype=torch.float64)
         got = make_kernel(drop, OptimizerConfig(), lambda: 3, seed=7)([piece])
-        torch.testing.assert_close(got[0], node.local.compute(piece, at=pcg.draw_site(node, r, 7, 3))[0],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            got[0], node.local.compute(piece, at=pcg.draw_site(node, r, 7, 3))[0], rtol=0, atol=0
+        )
 
 
 def test_programs_carry_their_process_groups():
@@ -710,7 +813,9 @@ def test_programs_carry_their_process_groups():
     stage's too) marked regular with their mesh and axis, any other member list (a machine view, a Replicate
     whose root a view puts outside its axis group) plain."""
     from dist_worker import replicate_outside_view
+
     from shardflow.lower.program import Group
+
     step = lower_step(dp_tp_mlp_pcg())
     mesh = step.dg.pcg.mesh
     want = (Group((0, 1), mesh, "tp"), Group((2, 3), mesh, "tp"), Group((0, 2), mesh, "dp"), Group((1, 3), mesh, "dp"))
@@ -718,17 +823,27 @@ def test_programs_carry_their_process_groups():
 
     graph = mlp(pre=True)
     mesh = Mesh.parse("pp=2,tp=2")
-    plan = Plan(modules={"fc1": ModulePlan(stage=0, params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
-                         "gelu": ModulePlan(stage=0), "loss": ModulePlan(stage=1),
-                         "fc2": ModulePlan(stage=1, params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()})})
+    plan = Plan(
+        modules={
+            "fc1": ModulePlan(stage=0, params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}}),
+            "gelu": ModulePlan(stage=0),
+            "loss": ModulePlan(stage=1),
+            "fc2": ModulePlan(stage=1, params={"weight": {"tp": Shard(1)}}, output={"tp": Replicate()}),
+        }
+    )
     stages = lower_step(build_pcg(graph, mesh, resolve(plan, graph, mesh)))
     assert stages.programs[0].groups == (Group((2, 3), mesh, "tp"), Group((0, 1), mesh, "tp"))
 
     _, pcg, _, _ = replicate_outside_view(partial=True)
     mesh = pcg.mesh
     groups = lower_step(pcg).programs[0].groups
-    assert groups == (Group((3, 0, 2)), Group((1, 3), mesh, "pp"), Group((0, 1), mesh, "tp"),
-                      Group((2, 3), mesh, "tp"), Group((3, 1)))
+    assert groups == (
+        Group((3, 0, 2)),
+        Group((1, 3), mesh, "pp"),
+        Group((0, 1), mesh, "tp"),
+        Group((2, 3), mesh, "tp"),
+        Group((3, 1)),
+    )
     assert lower_step(pcg, ranks=[2], verify=False).programs[2].groups == groups  # the same on every rank
 
 
@@ -763,8 +878,11 @@ def test_an_op_without_derivative_is_refused_when_the_backward_is_planned(fn):
     mesh = Mesh.parse("dp=2")
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "dp"), graph, mesh))
     where = rf"op '{fn}' \({fn}\) in module 'step' at .*/tests/test_lower\.py:\d+ \(return getattr\(torch, self\.fn\)"
-    with pytest.raises(PassError, match=where + rf".*cannot differentiate it: the derivative for '{fn}: input' is not "
-                                                r"implemented\. .*torch\.no_grad\(\)") as e:
+    with pytest.raises(
+        PassError,
+        match=where + rf".*cannot differentiate it: the derivative for '{fn}: input' is not "
+        r"implemented\. .*torch\.no_grad\(\)",
+    ) as e:
         lower_step(pcg, "sgd")
     assert "\n" not in str(e.value)
     lower_step(pcg, "sgd", training=False)

@@ -21,14 +21,31 @@ transformers = pytest.importorskip("transformers")
 def _hf(name: str):
     t = transformers
     return {
-        "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(
-            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=96, use_cache=False)),
-        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=96, n_positions=64,
-                                                       use_cache=False)),
-        "bert": lambda: t.BertForMaskedLM(t.BertConfig(
-            num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=96,
-            max_position_embeddings=64, pad_token_id=3)),
+        "llama": lambda: t.LlamaForCausalLM(
+            t.LlamaConfig(
+                num_hidden_layers=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=96,
+                use_cache=False,
+            )
+        ),
+        "gpt2": lambda: t.GPT2LMHeadModel(
+            t.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=96, n_positions=64, use_cache=False)
+        ),
+        "bert": lambda: t.BertForMaskedLM(
+            t.BertConfig(
+                num_hidden_layers=1,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                vocab_size=96,
+                max_position_embeddings=64,
+                pad_token_id=3,
+            )
+        ),
     }[name]
 
 
@@ -139,8 +156,9 @@ def test_torch_modules_reset_parameters_and_element_wise_chains_replay():
     w = inits["fc.weight"].full()
     bound = 1 / math.sqrt(48)  # kaiming_uniform_(a=√5) on fan_in 48
     assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
-    assert torch.equal(inits["norm.weight"].full(), torch.ones(32)) and torch.equal(inits["norm.bias"].full(),
-                                                                                      torch.zeros(32))
+    assert torch.equal(inits["norm.weight"].full(), torch.ones(32)) and torch.equal(
+        inits["norm.bias"].full(), torch.zeros(32)
+    )
     t = inits["table"]
     full = t.full()
     assert full.abs().max() <= 0.4 and full.std() > 0.15
@@ -168,9 +186,13 @@ def test_what_cannot_be_replayed_is_refused_naming_the_tensor():
 
     with pytest.raises(InitError, match=r"copies into w \[8, 8\] a value computed on the meta device"):
         record(_meta(Symmetric), 0)
-    with pytest.raises(InitError, match=r"applies aten.exponential_.default to w \[8, 8\], which shardflow cannot "
-                                        r"replay on one piece"):
+    with pytest.raises(
+        InitError,
+        match=r"applies aten.exponential_.default to w \[8, 8\], which shardflow cannot "
+        r"replay on one piece",
+    ):
         record(_meta(Exponential), 0)
+
     class Truncated(Never):
         def reset_parameters(self):
             nn.init.trunc_normal_(self.w)  # rejection sampling; torch skips it on the meta device
@@ -185,6 +207,7 @@ def test_a_model_built_on_meta_captures_the_graph_of_the_model_built_whole():
     """Capture of the meta-built model (buffers materialised) = capture of the eagerly built one: same ops, same
     folded constants (rotary tables, masks); the labels' move to the logits' device (meta) is no op in the graph."""
     from shardflow.capture import capture
+
     real = _hf("llama")()
     model = _meta(_hf("llama"))
     materialize_buffers(model, record(model, 0))
@@ -203,8 +226,22 @@ def test_the_main_jobs_ranks_materialise_only_their_pieces(corpus):
     from shardflow.runtime.local import LocalExecutor
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import setup
-    s = setup(TrainConfig(layers=1, heads=2, kv_heads=2, embd=32, seq_len=16, batch_size=4, strategy="tp",
-                          mesh="tp=2", nproc=1, data=str(corpus)), 1)
+
+    s = setup(
+        TrainConfig(
+            layers=1,
+            heads=2,
+            kv_heads=2,
+            embd=32,
+            seq_len=16,
+            batch_size=4,
+            strategy="tp",
+            mesh="tp=2",
+            nproc=1,
+            data=str(corpus),
+        ),
+        1,
+    )
     assert all(p.is_meta for p in s.model.parameters()) and not any(b.is_meta for b in s.model.buffers())
     ex = LocalExecutor(s.lower(), s.optimizer, seed=0)
     with _Largest() as seen:
@@ -222,6 +259,7 @@ def test_parallelize_takes_a_model_built_on_the_meta_device():
     device: dp=2,tp=2 on the local executor equals the single-device run of the materialised model (float64, 1e-12)."""
     import shardflow
     from shardflow.capture import wide_floats
+
     model = _meta(_hf("llama")).double()
     ids = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}

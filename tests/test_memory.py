@@ -28,8 +28,10 @@ def tiny(**kw) -> TrainConfig:
     return TrainConfig(**{"layers": 1, "heads": 2, "embd": 16, "seq_len": 16, "batch_size": 8, **kw})
 
 
-@pytest.mark.parametrize("strategy, mesh, optimizer", [("single", None, "adamw"), ("tp", "tp=2", "adamw"),
-                                                       ("dp", "dp=2", "sgd"), ("pp", "pp=2", "adamw")])
+@pytest.mark.parametrize(
+    "strategy, mesh, optimizer",
+    [("single", None, "adamw"), ("tp", "tp=2", "adamw"), ("dp", "dp=2", "sgd"), ("pp", "pp=2", "adamw")],
+)
 def test_replay_counts_what_the_executor_counts(corpus, strategy, mesh, optimizer):
     """program_memory's peak of every rank is the local executor's ledger peak over three steps, exactly; and its
     parts add up to it (the optimizer state: AdamW two slots per parameter, SGD with momentum one)."""
@@ -64,13 +66,32 @@ def test_runs_that_cannot_fit_are_refused_in_seconds_with_nothing_allocated(tmp_
     (activations: hundreds of GiB; capturing at that size took 5.5 GB and 14 s): each refused by the parent,
     one paragraph with the estimate broken down and the fix, before any process starts; the parent's peak resident
     size stays that of a small run (measured: ~0.4 GB)."""
-    runs = {"--embd": ("65536", "parameters", "optimizer state", "a smaller model (--embd, --layers)"),
-            "--batch-size": ("200000", "activations", "a smaller --batch-size or --seq-len")}
+    runs = {
+        "--embd": ("65536", "parameters", "optimizer state", "a smaller model (--embd, --layers)"),
+        "--batch-size": ("200000", "activations", "a smaller --batch-size or --seq-len"),
+    }
     procs = {}
     for flag, (value, *_) in runs.items():
-        procs[flag] = (time.monotonic(), subprocess.Popen(
-            [sys.executable, "-m", "shardflow.cli", "train", "--data", str(corpus), "--run-dir", str(tmp_path / flag),
-             flag, value], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs[flag] = (
+            time.monotonic(),
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "shardflow.cli",
+                    "train",
+                    "--data",
+                    str(corpus),
+                    "--run-dir",
+                    str(tmp_path / flag),
+                    flag,
+                    value,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
     for flag, (t0, p) in procs.items():
         _, status, usage = os.wait4(p.pid, 0)
         took = time.monotonic() - t0
@@ -78,8 +99,13 @@ def test_runs_that_cannot_fit_are_refused_in_seconds_with_nothing_allocated(tmp_
         err = p.stderr.read()
         print(f"\n{flag} {runs[flag][0]}: refused after {took:.1f} s, peak resident {usage.ru_maxrss / 2**20:.2f} GB")
         assert p.returncode == 2, err
-        assert err.startswith("shardflow train: error: not enough memory for this run: each of the 2 processes on "
-                              "this machine would hold about ") and err.count("\n") == 1, err
+        assert (
+            err.startswith(
+                "shardflow train: error: not enough memory for this run: each of the 2 processes on "
+                "this machine would hold about "
+            )
+            and err.count("\n") == 1
+        ), err
         assert all(w in err for w in runs[flag][1:]) and "available (" in err, err
         assert usage.ru_maxrss < 2**20, usage.ru_maxrss  # KiB: under 1 GiB
         assert took < 60, took
@@ -103,11 +129,29 @@ def test_estimate_is_within_a_factor_of_the_measured_peak(tmp_path, corpus):
     """A run of the default model whose activations dominate (batch 64 × 128 tokens, tp=2): each rank's peak
     resident size (VmHWM, read while it runs) is within FACTOR of the estimate, which another process computes as the
     parent does (its resident size before the model stands for the ranks' interpreter and libraries)."""
-    argv = ["--data", str(corpus), "--batch-size", "64", "--seq-len", "128", "--steps", "3", "--eval-batches", "1",
-            "--strategy", "tp", "--nproc", "2"]
+    argv = [
+        "--data",
+        str(corpus),
+        "--batch-size",
+        "64",
+        "--seq-len",
+        "128",
+        "--steps",
+        "3",
+        "--eval-batches",
+        "1",
+        "--strategy",
+        "tp",
+        "--nproc",
+        "2",
+    ]
     est = subprocess.Popen([sys.executable, "-c", _ESTIMATE, *argv], stdout=subprocess.PIPE, text=True)
-    run = subprocess.Popen([sys.executable, "-m", "shardflow.cli", "train", *argv, "--run-dir", str(tmp_path / "run")],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "shardflow.cli", "train", *argv, "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     peaks: dict[int, int] = {}
     deadline = time.monotonic() + 240
     while run.poll() is None and time.monotonic() < deadline:
@@ -116,8 +160,12 @@ def test_estimate_is_within_a_factor_of_the_measured_peak(tmp_path, corpus):
                 status = Path(f"/proc/{pid}/status").read_text()
             except OSError:
                 continue
-            peaks[pid] = max([peaks.get(pid, 0), *(int(line.split()[1]) * 1024 for line in status.splitlines()
-                                                   if line.startswith("VmHWM:"))])
+            peaks[pid] = max(
+                [
+                    peaks.get(pid, 0),
+                    *(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")),
+                ]
+            )
         time.sleep(0.05)
     if run.poll() is None:
         run.kill()
@@ -146,15 +194,27 @@ def test_with_buffers_on_gpus_each_gpu_holds_its_process_buffers_and_the_machine
     80 GiB and a machine with 64 GiB available, not on that machine alone (--device cpu), not on GPUs of 32 GiB, and
     not on a machine with 8 GiB available (the model, constants and interpreter stay on the CPU)."""
     gib = 2**30
-    est = memory.Estimate({MemoryKind.PARAMETERS: 8 * gib, MemoryKind.GRADIENTS: 0, MemoryKind.OPTIMIZER: 0,
-                           MemoryKind.ACTIVATIONS: 30 * gib}, model=gib // 4, constants=gib, runtime=gib // 4,
-                          basis="the run's plan")
+    est = memory.Estimate(
+        {
+            MemoryKind.PARAMETERS: 8 * gib,
+            MemoryKind.GRADIENTS: 0,
+            MemoryKind.OPTIMIZER: 0,
+            MemoryKind.ACTIVATIONS: 30 * gib,
+        },
+        model=gib // 4,
+        constants=gib,
+        runtime=gib // 4,
+        basis="the run's plan",
+    )
     host, gpu = [64 * gib], [80 * gib]
     monkeypatch.setattr(memory, "available_bytes", lambda: (host[0], "MemAvailable"))
     monkeypatch.setattr(memory, "gpu_bytes", lambda n: (gpu[0], "the total memory of cuda:0, NVIDIA H100"))
     memory.check(est, 8, "cuda")
-    with pytest.raises(memory.MemoryFitError, match=r"^not enough memory for this run: each of the 8 processes on "
-                                                    r"this machine would hold about 39.5 GiB at its peak"):
+    with pytest.raises(
+        memory.MemoryFitError,
+        match=r"^not enough memory for this run: each of the 8 processes on "
+        r"this machine would hold about 39.5 GiB at its peak",
+    ):
         memory.check(est, 8, "cpu")
     gpu[0] = 32 * gib
     with pytest.raises(memory.MemoryFitError) as e:
@@ -164,22 +224,28 @@ def test_with_buffers_on_gpus_each_gpu_holds_its_process_buffers_and_the_machine
         "GPU at its peak — activations 30.0 GiB, parameters 8.0 GiB, folded constants 1.0 GiB (estimated from the "
         "run's plan) — but a GPU has 32.0 GiB (the total memory of cuda:0, NVIDIA H100); use a smaller --batch-size "
         "or --seq-len (activations and attention masks grow with both), or more devices along dp (the batch) or sp "
-        "(the sequence), or a smaller model (--embd, --layers)")
+        "(the sequence), or a smaller model (--embd, --layers)"
+    )
     gpu[0], host[0] = 80 * gib, 8 * gib
-    with pytest.raises(memory.MemoryFitError, match=r"^not enough memory for this run: each of the 8 processes on "
-                                                    r"this machine would hold about 1.5 GiB at its peak — folded "
-                                                    r"constants 1.0 GiB, .* 12.0 GiB in all, but this machine has 8.0 "
-                                                    r"GiB available \(MemAvailable\)"):
+    with pytest.raises(
+        memory.MemoryFitError,
+        match=r"^not enough memory for this run: each of the 8 processes on "
+        r"this machine would hold about 1.5 GiB at its peak — folded "
+        r"constants 1.0 GiB, .* 12.0 GiB in all, but this machine has 8.0 "
+        r"GiB available \(MemAvailable\)",
+    ):
         memory.check(est, 8, "cuda")
 
 
 def test_the_gpu_memory_is_the_smallest_of_the_local_ranks_gpus(monkeypatch):
     import torch
+
     sizes = [80, 40, 24]  # GiB; a third GPU no local rank of 2 processes uses
 
     class Props:
         def __init__(self, i):
             self.total_memory, self.name = sizes[i] * 2**30, f"GPU {i}"
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.setattr(torch.cuda, "get_device_properties", Props)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_cnn import images, resnet
+from test_hf_models import model_and_batch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -14,9 +16,6 @@ from shardflow.capture import capture
 from shardflow.graph.flops import forward_flops, training_flops
 from shardflow.models import GPT, GPTConfig
 from shardflow.train.metrics import Meter, Peak, measure_peak_tflops, peak_memory_mib
-
-from test_cnn import images, resnet
-from test_hf_models import model_and_batch
 
 CPU = torch.device("cpu")
 
@@ -43,7 +42,8 @@ def test_forward_flops_of_the_graph_are_torchs_count_of_the_eager_model(name):
     """Linear (nanoGPT layout; Hugging Face GPT-2's Conv1D, captured as addmm), causal sdpa (grouped-query in
     Llama: 4 query heads over 2 key/value heads), convolutions with strides and 1×1 shortcuts (ResNet): equal."""
     model, batch = {"gpt": gpt_and_batch, "resnet": lambda: (resnet(), images())}.get(
-        name, lambda: model_and_batch(name))()
+        name, lambda: model_and_batch(name)
+    )()
     assert forward_flops(capture(model, batch)) == eager_forward_flops(model, batch)
 
 
@@ -63,8 +63,19 @@ def test_record_rates_and_mfu():
     out."""
     meter = Meter(tokens=1000, devices=4, flops=8 * 10**12, peak=Peak(8.0, "--peak-tflops"), device=CPU)
     assert meter.record(7, 3.5, step_s=0.5, data_s=0.1, grad_norm=1.25, lr=2e-3) == pytest.approx(
-        {"step": 7, "loss": 3.5, "step_s": 0.5, "data_s": 0.1, "tokens_per_s": 2000.0,
-         "tokens_per_s_per_device": 500.0, "tflops_per_device": 4.0, "mfu_pct": 50.0, "grad_norm": 1.25, "lr": 2e-3})
+        {
+            "step": 7,
+            "loss": 3.5,
+            "step_s": 0.5,
+            "data_s": 0.1,
+            "tokens_per_s": 2000.0,
+            "tokens_per_s_per_device": 500.0,
+            "tflops_per_device": 4.0,
+            "mfu_pct": 50.0,
+            "grad_norm": 1.25,
+            "lr": 2e-3,
+        }
+    )
     quiet = Meter(1000, 4, 8 * 10**12, None, CPU).record(7, 3.5, 0.5, 0.1, None, 2e-3)
     assert "mfu_pct" not in quiet and "grad_norm" not in quiet
 
@@ -75,8 +86,9 @@ def test_peak_is_the_flag_or_measured():
     # A core of this machine does ~0.03-0.1 TFLOP/s in float32; a unit slip (GFLOP/s, FLOP/s) lands far outside.
     assert 1e-3 < measured < 20, measured
     assert 1e-3 < measure_peak_tflops(CPU, torch.bfloat16) < 20  # --dtype bf16's peak: its matmuls in bfloat16
-    assert Peak.of(0, CPU, torch.bfloat16).source == ("measured at start-up: best of 3 bfloat16 2048×2048 matmuls "
-                                                       "on cpu")
+    assert Peak.of(0, CPU, torch.bfloat16).source == (
+        "measured at start-up: best of 3 bfloat16 2048×2048 matmuls on cpu"
+    )
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux's /proc")

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import tiny_hf_llama  # noqa: E402
+
 from shardflow.api import parallelize  # noqa: E402
 from shardflow.capture import capture  # noqa: E402
 from shardflow.lower import LowerOptions, MixedPrecision, lower_step  # noqa: E402
@@ -46,8 +47,12 @@ def llama():
 def _lower(graph, mesh_text: str, strategy: str, master: torch.dtype | None = torch.float32, optimizer: str = "sgd"):
     mesh = Mesh.parse(mesh_text)
     pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=True,
-                           precision=master and MixedPrecision(torch.bfloat16, master))
+    options = LowerOptions(
+        CommForm.COLLECTIVE,
+        CommForm.COLLECTIVE,
+        reshard_after_forward=True,
+        precision=master and MixedPrecision(torch.bfloat16, master),
+    )
     return lower_step(pcg, optimizer, options=options)
 
 
@@ -89,17 +94,27 @@ def test_weights_are_held_in_float32_and_every_reader_reads_their_bfloat16_copy(
     assert update_grads == {"float32"}
 
 
-@pytest.mark.parametrize("mesh, strategy, want", [
-    # fsdp: the weights gathered in bfloat16, one bucket per block (2 layers and the rest; twice: resharded for the
-    # backward), their gradients reduce-scattered in float32, one bucket per block; the loss's label count (a
-    # float32 scalar) all-reduced
-    ("fsdp=2", "fsdp", lambda n: {("all_gather", "bfloat16"): 2 * 3, ("reduce_scatter", "float32"): 3,
-                                  ("all_reduce", "float32"): 1}),
-    # dp: the weights' gradients in one float32 bucket, with the label count
-    ("dp=2", "dp", lambda n: {("all_reduce", "float32"): 2}),
-    # tp: activations stay bfloat16 — two forward and two backward all-reduces per block
-    ("tp=2", "tp", lambda n: {("all_reduce", "bfloat16"): 8}),
-])
+@pytest.mark.parametrize(
+    "mesh, strategy, want",
+    [
+        # fsdp: the weights gathered in bfloat16, one bucket per block (2 layers and the rest; twice: resharded for the
+        # backward), their gradients reduce-scattered in float32, one bucket per block; the loss's label count (a
+        # float32 scalar) all-reduced
+        (
+            "fsdp=2",
+            "fsdp",
+            lambda n: {
+                ("all_gather", "bfloat16"): 2 * 3,
+                ("reduce_scatter", "float32"): 3,
+                ("all_reduce", "float32"): 1,
+            },
+        ),
+        # dp: the weights' gradients in one float32 bucket, with the label count
+        ("dp=2", "dp", lambda n: {("all_reduce", "float32"): 2}),
+        # tp: activations stay bfloat16 — two forward and two backward all-reduces per block
+        ("tp=2", "tp", lambda n: {("all_reduce", "bfloat16"): 8}),
+    ],
+)
 def test_collectives_move_bfloat16_weights_and_float32_gradients(llama, mesh, strategy, want):
     _, _, _, graph = llama
     step = _lower(graph, mesh, strategy)

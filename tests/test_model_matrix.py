@@ -25,9 +25,27 @@ NO_PAIR = "tensor parallelism found no column-parallel/row-parallel pair of line
 
 # family → strategy → PASS, or the reason a refusal must name (a substring of its one paragraph)
 MATRIX: dict[str, dict[str, str]] = {
-    **{f: dict.fromkeys(STRATEGIES, PASS) for f in (
-        "torchtitan_llama3", "llama", "gpt2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "gpt_neox", "stablelm",
-        "falcon", "mixtral", "qwen3_moe", "deepseek_v3", "roberta", "t5")},
+    **{
+        f: dict.fromkeys(STRATEGIES, PASS)
+        for f in (
+            "torchtitan_llama3",
+            "llama",
+            "gpt2",
+            "qwen3",
+            "gemma2",
+            "gemma3",
+            "phi3",
+            "olmo2",
+            "gpt_neox",
+            "stablelm",
+            "falcon",
+            "mixtral",
+            "qwen3_moe",
+            "deepseek_v3",
+            "roberta",
+            "t5",
+        )
+    },
     "mamba": {"dp": PASS, "fsdp": PASS, "tp": NO_PAIR, "pp": PASS, "sp": NO_PAIR},
     "mamba2": {"dp": PASS, "fsdp": PASS, "tp": NO_PAIR, "pp": PASS, "sp": NO_PAIR},
     "vit": {**dict.fromkeys(("dp", "fsdp", "tp", "pp"), PASS), "sp": "degree 2 does not divide dim 1 of size 17"},
@@ -36,12 +54,14 @@ MATRIX: dict[str, dict[str, str]] = {
 
 def test_the_matrix_covers_every_family_of_the_zoo_under_every_strategy():
     from zoo import FAMILIES
+
     assert set(MATRIX) == set(FAMILIES) and len(FAMILIES) == 19
     assert all(set(row) == set(STRATEGIES) for row in MATRIX.values())
 
 
-@pytest.mark.parametrize("family, strategy", [(f, s) for f in MATRIX for s in STRATEGIES],
-                         ids=lambda x: x if isinstance(x, str) else None)
+@pytest.mark.parametrize(
+    "family, strategy", [(f, s) for f in MATRIX for s in STRATEGIES], ids=lambda x: x if isinstance(x, str) else None
+)
 def test_cell(capsys, family, strategy):
     code = main(["check", "--model", f"{ZOO}:{family}", "--strategy", strategy, "--steps", "1"])
     out, err = capsys.readouterr()
@@ -55,15 +75,41 @@ def test_cell(capsys, family, strategy):
         assert len(err.strip().splitlines()) == 1, err  # one paragraph
 
 
-@pytest.mark.parametrize("family, strategy", [("deepseek_v3", "tp"), ("mamba2", "pp"), ("falcon", "tp"),
-                                              ("mixtral", "dp")])
+@pytest.mark.parametrize(
+    "family, strategy", [("deepseek_v3", "tp"), ("mamba2", "pp"), ("falcon", "tp"), ("mixtral", "dp")]
+)
 def test_shardflow_train_trains_the_families_fixed_for_issue_33(capsys, corpus, tmp_path, family, strategy):
     """``shardflow train --model tests/zoo.py:FAMILY`` (the factory given the tokenizer's vocabulary) on a 2-device
     mesh in this process, 2 steps, with its self-check against one device (``--check``: the run's own tolerance,
     float32) — the families whose gradients or capture issue #33 fixed, each under a strategy that shards it."""
-    code = main(["train", "--model", f"{ZOO}:{family}", "--data", str(corpus), "--run-dir", str(tmp_path / "run"),
-                 "--steps", "2", "--nproc", "1", "--strategy", strategy, "--mesh", f"{strategy}=2", "--seq-len", "8",
-                 "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--check"])
+    code = main(
+        [
+            "train",
+            "--model",
+            f"{ZOO}:{family}",
+            "--data",
+            str(corpus),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "2",
+            "--nproc",
+            "1",
+            "--strategy",
+            strategy,
+            "--mesh",
+            f"{strategy}=2",
+            "--seq-len",
+            "8",
+            "--batch-size",
+            "2",
+            "--eval-every",
+            "2",
+            "--eval-batches",
+            "1",
+            "--check",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "check against one device: " in out and out.rstrip().endswith("OK"), out

@@ -168,8 +168,10 @@ def test_axis_rule_matches_degree_rule(case):
 
 
 # --- duality ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("placements", [(Replicate(), Replicate()), (Shard(0), Replicate()), (Partial(), Replicate()),
-                                        (Shard(1), Replicate())])
+@pytest.mark.parametrize(
+    "placements",
+    [(Replicate(), Replicate()), (Shard(0), Replicate()), (Partial(), Replicate()), (Shard(1), Replicate())],
+)
 @pytest.mark.parametrize("dim", [0, 1])
 def test_repartition_then_combine_is_identity(placements, dim):
     s = Sharding.from_placements(placements, G, 2)
@@ -235,22 +237,26 @@ def _move(op, pieces, group):
     return {d: pieces[group.device_of(whole.coords(d))].clone() for d in whole.devices()}
 
 
-@pytest.mark.parametrize("group, src, ops, cost", [
-    # a local split: no bytes
-    (G23, (Shard(0), Replicate()), [Repartition(1, 3, "tp")], (0, 0)),
-    # all-gather of a float64[3, 4] piece (96 bytes) among 3: each device sends its piece to 2 others
-    (G23, (Shard(0), Shard(1)), [Combine(1, 3, "tp")], (2 * 96, 1)),
-    # all-reduce of a float64[3, 12] piece (288 bytes) among 3: 2·(3−1)/3 of it
-    (G23, (Shard(0), Partial()), [Reduction(3, "tp")], (2 * 288 * 2 // 3, 1)),
-    # Reduction then Repartition: one reduce-scatter, (3−1)/3 of the piece — half the all-reduce's bytes
-    (G23, (Shard(0), Partial()), [Reduction(3, "tp"), Repartition(1, 3, "tp")], (288 * 2 // 3, 1)),
-    # Combine then Repartition of another dim: one all-to-all of a float64[2, 12] piece (192 bytes)
-    (G23, (Replicate(), Shard(0)), [Combine(0, 3, "tp"), Repartition(1, 3, "tp")], (192 * 2 // 3, 1)),
-    # the last partial axis first: the pieces stay partial on dp
-    (G23, (Partial(), Partial()), [Reduction(3, "tp")], (2 * 576 * 2 // 3, 1)),
-    # Replicate: a pipeline stage's pieces (dp=1) copied to the other stage; the planner never redistributes by it
-    (SubMesh(M23, (("dp", 1),)), (Shard(1),), [P.Replicate(2, "dp")], None),
-], ids=["split", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "partial_all_reduce", "broadcast"])
+@pytest.mark.parametrize(
+    "group, src, ops, cost",
+    [
+        # a local split: no bytes
+        (G23, (Shard(0), Replicate()), [Repartition(1, 3, "tp")], (0, 0)),
+        # all-gather of a float64[3, 4] piece (96 bytes) among 3: each device sends its piece to 2 others
+        (G23, (Shard(0), Shard(1)), [Combine(1, 3, "tp")], (2 * 96, 1)),
+        # all-reduce of a float64[3, 12] piece (288 bytes) among 3: 2·(3−1)/3 of it
+        (G23, (Shard(0), Partial()), [Reduction(3, "tp")], (2 * 288 * 2 // 3, 1)),
+        # Reduction then Repartition: one reduce-scatter, (3−1)/3 of the piece — half the all-reduce's bytes
+        (G23, (Shard(0), Partial()), [Reduction(3, "tp"), Repartition(1, 3, "tp")], (288 * 2 // 3, 1)),
+        # Combine then Repartition of another dim: one all-to-all of a float64[2, 12] piece (192 bytes)
+        (G23, (Replicate(), Shard(0)), [Combine(0, 3, "tp"), Repartition(1, 3, "tp")], (192 * 2 // 3, 1)),
+        # the last partial axis first: the pieces stay partial on dp
+        (G23, (Partial(), Partial()), [Reduction(3, "tp")], (2 * 576 * 2 // 3, 1)),
+        # Replicate: a pipeline stage's pieces (dp=1) copied to the other stage; the planner never redistributes by it
+        (SubMesh(M23, (("dp", 1),)), (Shard(1),), [P.Replicate(2, "dp")], None),
+    ],
+    ids=["split", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "partial_all_reduce", "broadcast"],
+)
 def test_each_parallel_op_moves_the_pieces_of_its_output_sharding_at_its_collectives_cost(group, src, ops, cost):
     from shardflow.parallel.collectives import redistribution_cost
     from shardflow.parallel.simulate import gather, scatter
@@ -283,15 +289,18 @@ def _s(*placements, g=T, ndim=2):
     return Sharding.from_placements(placements, g, ndim)
 
 
-@pytest.mark.parametrize("src,dst,want", [
-    ((Partial(),), (Replicate(),), [Reduction(4, "tp")]),
-    ((Partial(),), (Shard(1),), [Reduction(4, "tp"), Repartition(1, 4, "tp")]),
-    ((Shard(0),), (Replicate(),), [Combine(0, 4, "tp")]),
-    ((Replicate(),), (Shard(1),), [Repartition(1, 4, "tp")]),
-    ((Shard(0),), (Shard(1),), [Combine(0, 4, "tp"), Repartition(1, 4, "tp")]),
-    ((Shard(0),), (Shard(0),), []),
-    ((Partial("avg"),), (Partial("avg"),), []),
-])
+@pytest.mark.parametrize(
+    "src,dst,want",
+    [
+        ((Partial(),), (Replicate(),), [Reduction(4, "tp")]),
+        ((Partial(),), (Shard(1),), [Reduction(4, "tp"), Repartition(1, 4, "tp")]),
+        ((Shard(0),), (Replicate(),), [Combine(0, 4, "tp")]),
+        ((Replicate(),), (Shard(1),), [Repartition(1, 4, "tp")]),
+        ((Shard(0),), (Shard(1),), [Combine(0, 4, "tp"), Repartition(1, 4, "tp")]),
+        ((Shard(0),), (Shard(0),), []),
+        ((Partial("avg"),), (Partial("avg"),), []),
+    ],
+)
 def test_redistribute_table(src, dst, want):
     assert redistribute(_s(*src), _s(*dst), T) == want
 
@@ -302,9 +311,16 @@ def test_redistribute_two_axes():
     assert redistribute(src, _s(Shard(0), Replicate(), g=g), g) == [Combine(0, 3, "tp")]
     # removing the major axis needs the minor one combined first
     assert redistribute(src, _s(Replicate(), Shard(0), g=g), g) == [
-        Combine(0, 3, "tp"), Combine(0, 2, "dp"), Repartition(0, 3, "tp")]
+        Combine(0, 3, "tp"),
+        Combine(0, 2, "dp"),
+        Repartition(0, 3, "tp"),
+    ]
     assert redistribute(_s(Partial(), Shard(1), g=g), _s(Shard(1), Shard(0), g=g), g) == [
-        Reduction(2, "dp"), Combine(1, 3, "tp"), Repartition(0, 3, "tp"), Repartition(1, 2, "dp")]
+        Reduction(2, "dp"),
+        Combine(1, 3, "tp"),
+        Repartition(0, 3, "tp"),
+        Repartition(1, 2, "dp"),
+    ]
 
 
 def test_redistribute_cuts_the_pieces_before_it_sums_them():
@@ -312,14 +328,22 @@ def test_redistribute_cuts_the_pieces_before_it_sums_them():
     all-reduce then moves the piece, not the whole: HSDP's gradient), and a local split comes before an all-reduce."""
     g = SubMesh(Mesh.parse("dp=2,fsdp=3"))
     assert redistribute(_s(Partial(), Partial(), g=g), _s(Replicate(), Shard(0), g=g), g) == [
-        Reduction(3, "fsdp"), Repartition(0, 3, "fsdp"), Reduction(2, "dp")]
+        Reduction(3, "fsdp"),
+        Repartition(0, 3, "fsdp"),
+        Reduction(2, "dp"),
+    ]
     assert redistribute(_s(Partial(), Replicate(), g=g), _s(Replicate(), Shard(1), g=g), g) == [
-        Repartition(1, 3, "fsdp"), Reduction(2, "dp")]
+        Repartition(1, 3, "fsdp"),
+        Reduction(2, "dp"),
+    ]
     assert redistribute(_s(Partial(), Partial(), g=g), _s(Replicate(), Replicate(), g=g), g) == [
-        Reduction(2, "dp"), Reduction(3, "fsdp")]
+        Reduction(2, "dp"),
+        Reduction(3, "fsdp"),
+    ]
     # bytes one device sends for a float32[6, 4] (N = 96 bytes): the reduce-scatter's (F−1)/F·N = 64, then
     # 2(D−1)/D of the N/F piece = 32 (summing first would send N + 64 = 160)
     from shardflow.parallel.collectives import redistribution_cost
+
     src = _s(Partial(), Partial(), g=g)
     ops = redistribute(src, _s(Replicate(), Shard(0), g=g), g)
     assert redistribution_cost(ops, src, g, TensorType((6, 4), "float32")) == (64 + 32, 2)
@@ -337,14 +361,20 @@ def test_redistribute_errors():
 
 @st.composite
 def redistribute_cases(draw):
-    names = ("dp", "tp")[:draw(st.integers(1, 2))]
+    names = ("dp", "tp")[: draw(st.integers(1, 2))]
     mesh = Mesh(names, tuple(draw(st.integers(1, 4)) for _ in names))
     g = SubMesh(mesh)
     ndim = draw(st.integers(1, 3))
     op = draw(st.sampled_from(["sum", "avg"]))
     src_pl = [draw(st.sampled_from([Shard(d) for d in range(ndim)] + [Replicate(), Partial(op)])) for _ in names]
-    dst_pl = [draw(st.sampled_from([Shard(d) for d in range(ndim)] + [Replicate()] +
-                                   ([Partial(op)] if p == Partial(op) else []))) for p in src_pl]
+    dst_pl = [
+        draw(
+            st.sampled_from(
+                [Shard(d) for d in range(ndim)] + [Replicate()] + ([Partial(op)] if p == Partial(op) else [])
+            )
+        )
+        for p in src_pl
+    ]
     shape = tuple(mesh.size * draw(st.integers(1, 2)) for _ in range(ndim))
     return g, Sharding.from_placements(src_pl, g, ndim), Sharding.from_placements(dst_pl, g, ndim), shape
 

@@ -161,8 +161,11 @@ def test_device_of_an_out_of_range_coordinate_names_axis_coordinate_size_and_sub
     g = SubMesh(Mesh(("pp", "dp"), (2, 3)), (("pp", 1),), view)
     assert [g.device_of({"dp": i}) for i in range(3)] == list(g.devices())
     where = "mesh[pp=1]" + ("@[5, 1, 3]" if view else "")
-    with pytest.raises(ValueError, match=fr"{re.escape(where)} of mesh pp=2,dp=3: coordinate {coord} on axis 'dp', "
-                                         r"which has 3 devices \(coordinates 0\.\.2\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{re.escape(where)} of mesh pp=2,dp=3: coordinate {coord} on axis 'dp', "
+        r"which has 3 devices \(coordinates 0\.\.2\)",
+    ):
         g.device_of({"dp": coord})
     with pytest.raises(ValueError, match="no coordinate on axis 'dp'"):
         g.device_of({"pp": 1})

@@ -18,13 +18,13 @@ import re
 
 import pytest
 import torch
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from shardflow.capture import capture
 from shardflow.graph.ops import TensorType
 from shardflow.lower import LowerOptions, lower_step
-from shardflow.lower.program import Comm, Free, Program, Wait
-from shardflow.lower.program import reads
+from shardflow.lower.program import Comm, Free, Program, Wait, reads
 from shardflow.lower.verify import PlanVerificationError, verify
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
@@ -90,8 +90,21 @@ def test_plans_cover_every_family_the_lowering_makes():
 
 
 # --- mutations ------------------------------------------------------------------------------------------------
-KINDS = ("swap", "drop", "duplicate", "peer", "peer_from", "root", "shape", "dtype", "members",
-         "drop_wait", "duplicate_wait", "early_wait", "late_wait")
+KINDS = (
+    "swap",
+    "drop",
+    "duplicate",
+    "peer",
+    "peer_from",
+    "root",
+    "shape",
+    "dtype",
+    "members",
+    "drop_wait",
+    "duplicate_wait",
+    "early_wait",
+    "late_wait",
+)
 DTYPES = ("float64", "float32", "bfloat16", "float16", "int64")
 
 
@@ -135,7 +148,12 @@ def mutate(ps: dict[int, Program], rank: int, kind: str, i: int, j: int, v: int)
         instrs[k] = dataclasses.replace(c, **{field: new[v % len(new)]})
     elif kind == "shape":
         shape = c.type.shape
-        options = [shape + (1,), shape[:-1], tuple(s + 1 for s in shape), shape[:-1] + (2 * shape[-1],) if shape else (2,)]
+        options = [
+            shape + (1,),
+            shape[:-1],
+            tuple(s + 1 for s in shape),
+            shape[:-1] + (2 * shape[-1],) if shape else (2,),
+        ]
         new_shape = options[v % len(options)]
         require(new_shape != shape)
         instrs[k] = dataclasses.replace(c, type=TensorType(new_shape, c.type.dtype))
@@ -194,8 +212,14 @@ def _mutate_wait(ps: dict[int, Program], rank: int, kind: str, i: int) -> dict[i
 
 
 @settings(max_examples=5000 if LONG else 600, deadline=None)
-@given(plan=st.sampled_from(list(PLANS)), rank=st.integers(0, 3), kind=st.sampled_from(KINDS),
-       i=st.integers(0, 10**4), j=st.integers(0, 10**4), v=st.integers(0, 100))
+@given(
+    plan=st.sampled_from(list(PLANS)),
+    rank=st.integers(0, 3),
+    kind=st.sampled_from(KINDS),
+    i=st.integers(0, 10**4),
+    j=st.integers(0, 10**4),
+    v=st.integers(0, 100),
+)
 def test_every_single_mutation_is_rejected(plan, rank, kind, i, j, v):
     ps = programs(plan)
     rank %= len(ps)
@@ -272,8 +296,19 @@ def test_train_verifies_the_plan_before_launching(tmp_path, monkeypatch):
     monkeypatch.setattr(launch_module, "launch", no_launch)
     data = tmp_path / "text.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 50)
-    cfg = TrainConfig(strategy="dp", nproc=2, steps=1, layers=1, heads=2, embd=16, seq_len=16, batch_size=8,
-                      data=str(data), run_dir=str(tmp_path / "run"), timeout=5.0)
+    cfg = TrainConfig(
+        strategy="dp",
+        nproc=2,
+        steps=1,
+        layers=1,
+        heads=2,
+        embd=16,
+        seq_len=16,
+        batch_size=8,
+        data=str(data),
+        run_dir=str(tmp_path / "run"),
+        timeout=5.0,
+    )
     with pytest.raises(PlanVerificationError, match="planted"):
         command.main(cfg)
 
@@ -291,21 +326,28 @@ def test_a_value_never_received_is_rejected():
     recv = next(c for c in ps[recv_rank].comms if c.kind == "recv")
     bad = {}
     for r, p in ps.items():
-        bad[r] = dataclasses.replace(p, instrs=tuple(i for i in p.instrs
-                                                     if not (isinstance(i, Comm) and i.token == recv.token)))
+        bad[r] = dataclasses.replace(
+            p, instrs=tuple(i for i in p.instrs if not (isinstance(i, Comm) and i.token == recv.token))
+        )
     with pytest.raises(PlanVerificationError) as e:
         verify(bad, len(bad))
     text = "\n".join(e.value.problems)
-    assert re.search(rf"rank {recv_rank} instruction \d+ \[.*\] reads '{re.escape(recv.recv.value)}': never computed, "
-                     "received or held", text), text
+    assert re.search(
+        rf"rank {recv_rank} instruction \d+ \[.*\] reads '{re.escape(recv.recv.value)}': never computed, "
+        "received or held",
+        text,
+    ), text
 
 
 def test_a_read_after_its_free_is_rejected():
     """Hole 2: nothing is read after its Free (a Free moved before the last reader)."""
     ps = programs("gpt tp=2")
     instrs = list(ps[0].instrs)
-    k = next(k for k, i in enumerate(instrs) if isinstance(i, Free) and any(
-        v in {b.value for b in reads(instrs[k - 1])} for v in i.values))
+    k = next(
+        k
+        for k, i in enumerate(instrs)
+        if isinstance(i, Free) and any(v in {b.value for b in reads(instrs[k - 1])} for v in i.values)
+    )
     free = instrs.pop(k)
     instrs.insert(k - 1, free)
     with pytest.raises(PlanVerificationError) as e:

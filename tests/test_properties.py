@@ -36,7 +36,8 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from shardflow.graph import GraphBuilder
 from shardflow.lower import lower_step
@@ -60,8 +61,21 @@ CFG = OptimizerConfig("sgd", lr=0.1, momentum=0.9)
 STEPS = 2
 SEED = 11  # the run seed dropout draws with
 MESHES = ("tp=2", "dp=2,tp=2", "tp=4", "tp=2", "dp=2,tp=2", "tp=3", "dp=1,tp=2", "dp=2,tp=1", "d=1")
-OPS = ("dense", "relu", "gelu", "tanh", "add", "mul", "scalar", "reduce", "softmax", "layer_norm", "reshape",
-       "permute", "dropout")
+OPS = (
+    "dense",
+    "relu",
+    "gelu",
+    "tanh",
+    "add",
+    "mul",
+    "scalar",
+    "reduce",
+    "softmax",
+    "layer_norm",
+    "reshape",
+    "permute",
+    "dropout",
+)
 
 
 # --- random graphs -------------------------------------------------------------------------------------------
@@ -158,8 +172,14 @@ def layouts(draw, axes: tuple[str, ...], ndim: int):
     a Partial, which must be refused (partial pieces are made by ops, not by moving data)."""
     axes = draw(st.lists(st.sampled_from(axes), min_size=1, max_size=len(axes), unique=True))
     choices = [Replicate()] * (ndim + 1) + [Shard(d) for d in range(ndim)]
-    return {a: draw(st.sampled_from(choices) | st.just(Partial("sum")) if draw(st.integers(0, 15)) == 0 else
-                    st.sampled_from(choices)) for a in axes}
+    return {
+        a: draw(
+            st.sampled_from(choices) | st.just(Partial("sum"))
+            if draw(st.integers(0, 15)) == 0
+            else st.sampled_from(choices)
+        )
+        for a in axes
+    }
 
 
 @st.composite
@@ -173,8 +193,12 @@ def strategies(draw, graph):
     leaves = {}
     for name, t in graph.tensors.items():
         if t.role in ("input", "weight") and (batch or draw(st.integers(0, 2))):
-            pl = tuple((Shard(0) if t.role == "input" else Replicate()) if a in batch else
-                       draw(placement(len(t.shape), t.role, t.dtype)) for a in mesh.axis_names)
+            pl = tuple(
+                (Shard(0) if t.role == "input" else Replicate())
+                if a in batch
+                else draw(placement(len(t.shape), t.role, t.dtype))
+                for a in mesh.axis_names
+            )
             try:
                 leaves[name] = Sharding.from_placements(pl, group, len(t.shape))
             except ShardingError:  # two different Partial ops on one tensor: no Sharding can say that
@@ -254,8 +278,13 @@ def test_any_strategy_is_refused_or_exact():
         mesh, ann = data.draw(strategies(graph), label="strategy")
         inputs, weights = values(graph, ints, data.draw(st.integers(0, 2**16), label="seed"))
         out = check_trains_like_one_device(graph, mesh, ann, inputs, weights)
-        kind = f"refused: {type(out).__name__}" if isinstance(out, REFUSALS) else \
-            "ran on several devices" if parallel(out) else "ran replicated or on one device"
+        kind = (
+            f"refused: {type(out).__name__}"
+            if isinstance(out, REFUSALS)
+            else "ran on several devices"
+            if parallel(out)
+            else "ran replicated or on one device"
+        )
         event(kind)
         tally[kind] += 1
 
@@ -274,11 +303,15 @@ def test_the_property_runs_real_plans():
     graph = b.build([loss], loss)
     mesh = Mesh.parse("dp=2,tp=2")
     g = SubMesh(mesh)
-    ann = Annotations(leaves={"x": Sharding.from_placements((Shard(0), Replicate()), g, 2),
-                              "fc1.weight": Sharding.from_placements((Replicate(), Shard(0)), g, 2),
-                              "fc1.bias": Sharding.from_placements((Replicate(), Shard(0)), g, 1),
-                              "fc2.weight": Sharding.from_placements((Replicate(), Shard(1)), g, 2)},
-                      after={y: {"tp": Replicate()}})
+    ann = Annotations(
+        leaves={
+            "x": Sharding.from_placements((Shard(0), Replicate()), g, 2),
+            "fc1.weight": Sharding.from_placements((Replicate(), Shard(0)), g, 2),
+            "fc1.bias": Sharding.from_placements((Replicate(), Shard(0)), g, 1),
+            "fc2.weight": Sharding.from_placements((Replicate(), Shard(1)), g, 2),
+        },
+        after={y: {"tp": Replicate()}},
+    )
     inputs, weights = values(graph, {}, 0)
     assert parallel(check_trains_like_one_device(graph, mesh, ann, inputs, weights))
 

@@ -12,12 +12,20 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import tiny_hf_llama_float64  # noqa: E402
+
 from shardflow.api import parallelize  # noqa: E402
 from shardflow.capture import capture  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.cost import CommForm  # noqa: E402
-from shardflow.lower.dynamic import (ActivationCheckpointing, NodeKind, PassError, TaskType, UpdateRule,  # noqa: E402
-                                     ValueRole, block_of)
+from shardflow.lower.dynamic import (
+    ActivationCheckpointing,
+    NodeKind,
+    PassError,
+    TaskType,
+    UpdateRule,  # noqa: E402
+    ValueRole,
+    block_of,
+)
 from shardflow.lower.pass_expansion import checkpoint_blocks, pass_expansion  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
 from shardflow.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -64,7 +72,8 @@ def test_block_of_is_the_module_under_the_first_integer_index():
 
 
 def test_each_block_is_recomputed_once_right_before_its_backward_and_its_backward_reads_only_recomputed_activations(
-        llama):
+    llama,
+):
     _, _, graph = llama
     pcg = _pcg(graph, "d=1", "single")
     blocks = checkpoint_blocks(pcg)
@@ -74,8 +83,9 @@ def test_each_block_is_recomputed_once_right_before_its_backward_and_its_backwar
     plain = pass_expansion(pcg, UpdateRule.ADAMW)
     again = [n for n in dg.nodes if n.recompute]
     # every node of a block once more, in forward order, block by block from the last
-    assert [n.src for n in again] == [m for b in reversed(sorted(set(blocks.values())))
-                                      for m in (n.name for n in pcg.nodes) if blocks.get(m) == b]
+    assert [n.src for n in again] == [
+        m for b in reversed(sorted(set(blocks.values()))) for m in (n.name for n in pcg.nodes) if blocks.get(m) == b
+    ]
     assert all(n.pass_ == TaskType.FWD and n.kind == NodeKind.COMPUTE for n in again)
     assert len(dg.nodes) == len(plain.nodes) + len(again)
     position = {n.name: k for k, n in enumerate(dg.nodes)}
@@ -103,13 +113,18 @@ def test_recomputation_holds_fewer_activation_bytes_and_repeats_the_blocks_forwa
     # tp: the row-parallel linears' all-reduce (two per block) runs again in each block's recomputation; fsdp: each
     # weight of a block is gathered once more (the recomputation's and its backward's read the same regather)
     for mesh, strategy, extra in (("tp=2", "tp", {"all_reduce": 2 * LAYERS}), ("fsdp=2", "fsdp", {})):
-        counts = {ac: Counter(str(i.kind) for i in _lower(graph, mesh, strategy, ac).programs[0].instrs
-                              if isinstance(i, Comm)) for ac in ActivationCheckpointing}
+        counts = {
+            ac: Counter(
+                str(i.kind) for i in _lower(graph, mesh, strategy, ac).programs[0].instrs if isinstance(i, Comm)
+            )
+            for ac in ActivationCheckpointing
+        }
         assert counts["block"] - counts["none"] == Counter(extra), (mesh, counts)
 
 
-@pytest.mark.parametrize("mesh, strategy", [("d=1", "single"), ("fsdp=2", "fsdp"), ("dp=2,tp=2", "dp,tp"),
-                                            ("fsdp=2,tp=2", "fsdp,tp")])
+@pytest.mark.parametrize(
+    "mesh, strategy", [("d=1", "single"), ("fsdp=2", "fsdp"), ("dp=2,tp=2", "dp,tp"), ("fsdp=2,tp=2", "fsdp,tp")]
+)
 def test_recomputation_gives_the_numbers_of_one_device(llama, mesh, strategy):
     """AdamW, 3 steps: the loss of each step and every replica of every weight piece equal one device's without
     recomputation (float64)."""

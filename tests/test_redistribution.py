@@ -31,6 +31,8 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from test_local_executor import check_against_eager
+from test_properties import check_trains_like_one_device, values
 
 from shardflow.cli import main
 from shardflow.graph import GraphBuilder
@@ -44,8 +46,6 @@ from shardflow.parallel.rules import RuleError, rule_for, rule_replicated
 from shardflow.parallel.shape import DegreeError
 from shardflow.parallel.sharding import Sharding
 from shardflow.strategy import ModulePlan, Plan
-from test_local_executor import check_against_eager
-from test_properties import check_trains_like_one_device, values
 
 F64 = "float64"
 TP2 = Mesh.parse("tp=2")
@@ -80,56 +80,110 @@ def _xy(x_shape, x_pl, y_shape, y_pl, y_role="input"):
 RS0 = (Reduction(2, "tp"), Repartition(0, 2, "tp"))  # reduce-scatter onto dim 0
 DTENSOR_CASES = (
     # mul of two partials: reduce one of them (the second, as DTensor does); the product stays partial.
-    Case("P·P", lambda b, x, y: b.mul(x, y), torch.mul, _xy((4, 6), P, (4, 6), P),
-         ((1, "(P(sum))", "(R)", (Reduction(2, "tp"),), 192),), "(P(sum))",
-         r"mul of two partial operands is not linear \(Partial·Partial\)\. Fix: insert Reduction\(axis=tp\) on 'y'",
-         ((1, "(P(sum))", "(R)"),)),
+    Case(
+        "P·P",
+        lambda b, x, y: b.mul(x, y),
+        torch.mul,
+        _xy((4, 6), P, (4, 6), P),
+        ((1, "(P(sum))", "(R)", (Reduction(2, "tp"),), 192),),
+        "(P(sum))",
+        r"mul of two partial operands is not linear \(Partial·Partial\)\. Fix: insert Reduction\(axis=tp\) on 'y'",
+        ((1, "(P(sum))", "(R)"),),
+    ),
     # relu of a partial: a reduce-scatter (96 B) instead of DTensor's all-reduce (192 B).
-    Case("relu(P)", lambda b, x: b.relu(x), torch.relu, (_x((4, 6), P),),
-         ((0, "(P(sum))", "(S(0))", RS0, 96),), "(S(0))",
-         r"unary is not linear but input 'x' holds Partial\('sum'\).*Fix: insert Reduction\(axis=tp\)",
-         ((0, "(P(sum))", "(R)"),)),
+    Case(
+        "relu(P)",
+        lambda b, x: b.relu(x),
+        torch.relu,
+        (_x((4, 6), P),),
+        ((0, "(P(sum))", "(S(0))", RS0, 96),),
+        "(S(0))",
+        r"unary is not linear but input 'x' holds Partial\('sum'\).*Fix: insert Reduction\(axis=tp\)",
+        ((0, "(P(sum))", "(R)"),),
+    ),
     # operands sharded on different dims: an all-to-all of the second onto the first's dim (DTensor: the same).
-    Case("S(0)+S(1)", lambda b, x, y: b.add(x, y), torch.add, _xy((4, 6), S0, (4, 6), S1),
-         ((1, "(S(1))", "(S(0))", (Combine(1, 2, "tp"), Repartition(0, 2, "tp")), 48),), "(S(0))",
-         r"dim 0 of 'x' is sharded on \['tp'\] but dim 0 of 'y' on no axes",
-         ((1, "(S(1))", "(S(0))"),)),
+    Case(
+        "S(0)+S(1)",
+        lambda b, x, y: b.add(x, y),
+        torch.add,
+        _xy((4, 6), S0, (4, 6), S1),
+        ((1, "(S(1))", "(S(0))", (Combine(1, 2, "tp"), Repartition(0, 2, "tp")), 48),),
+        "(S(0))",
+        r"dim 0 of 'x' is sharded on \['tp'\] but dim 0 of 'y' on no axes",
+        ((1, "(S(1))", "(S(0))"),),
+    ),
     # contraction dim sharded on one side: split the replicated weight locally (0 B): row parallel, output partial.
-    Case("S(1)@R", lambda b, x, y: b.matmul(x, y), torch.matmul, _xy((4, 8), S1, (8, 6), R, "weight"),
-         ((1, "(R)", "(S(0))", (Repartition(0, 2, "tp"),), 0),), "(P(sum))",
-         r"dim 1 of 'x' is sharded on \['tp'\] but dim 0 of 'y' on no axes",
-         ((1, "(R)", "(S(0))"),)),
+    Case(
+        "S(1)@R",
+        lambda b, x, y: b.matmul(x, y),
+        torch.matmul,
+        _xy((4, 8), S1, (8, 6), R, "weight"),
+        ((1, "(R)", "(S(0))", (Repartition(0, 2, "tp"),), 0),),
+        "(P(sum))",
+        r"dim 1 of 'x' is sharded on \['tp'\] but dim 0 of 'y' on no axes",
+        ((1, "(R)", "(S(0))"),),
+    ),
     # rows of x and the contraction of the weight sharded: an all-to-all of x onto its contraction dim (64 B)
     # instead of DTensor's all-gather of the weight (192 B); the product is then partial.
-    Case("S(0)@S(0)", lambda b, x, y: b.matmul(x, y), torch.matmul, _xy((4, 8), S0, (8, 6), S0, "weight"),
-         ((0, "(S(0))", "(S(1))", (Combine(0, 2, "tp"), Repartition(1, 2, "tp")), 64),), "(P(sum))",
-         r"dim 1 of 'x' is sharded on no axes but dim 0 of 'y' on \['tp'\]",
-         ((1, "(S(0))", "(R)"),)),
+    Case(
+        "S(0)@S(0)",
+        lambda b, x, y: b.matmul(x, y),
+        torch.matmul,
+        _xy((4, 8), S0, (8, 6), S0, "weight"),
+        ((0, "(S(0))", "(S(1))", (Combine(0, 2, "tp"), Repartition(1, 2, "tp")), 64),),
+        "(P(sum))",
+        r"dim 1 of 'x' is sharded on no axes but dim 0 of 'y' on \['tp'\]",
+        ((1, "(S(0))", "(R)"),),
+    ),
     # softmax over the sharded dim: an all-to-all onto the other dim (64 B; DTensor all-gathers, 128 B).
-    Case("softmax(S(1), dim=1)", lambda b, x: b.softmax(x, -1), lambda x: torch.softmax(x, -1), (_x((4, 8), S1),),
-         ((0, "(S(1))", "(S(0))", (Combine(1, 2, "tp"), Repartition(0, 2, "tp")), 64),), "(S(0))",
-         r"dim 1 \(size 8\) of 'x' is sharded on mesh axes \['tp'\]; softmax normalises over it\. "
-         r"Fix: insert Combine\(dim=1, axis=tp\) first",
-         ((0, "(S(1))", "(R)"),)),
+    Case(
+        "softmax(S(1), dim=1)",
+        lambda b, x: b.softmax(x, -1),
+        lambda x: torch.softmax(x, -1),
+        (_x((4, 8), S1),),
+        ((0, "(S(1))", "(S(0))", (Combine(1, 2, "tp"), Repartition(0, 2, "tp")), 64),),
+        "(S(0))",
+        r"dim 1 \(size 8\) of 'x' is sharded on mesh axes \['tp'\]; softmax normalises over it\. "
+        r"Fix: insert Combine\(dim=1, axis=tp\) first",
+        ((0, "(S(1))", "(R)"),),
+    ),
     # layer_norm over the sharded dim: an all-to-all onto the batch dim (128 B; DTensor all-gathers, 256 B).
-    Case("layer_norm(S(2))", lambda b, x, w, c: b.layer_norm(x, w, c), lambda x, w, c: F.layer_norm(x, (8,), w, c),
-         (_x((2, 4, 8), S2), _x((8,), R, "weight", "w"), _x((8,), R, "weight", "c")),
-         ((0, "(S(2))", "(S(0))", (Combine(2, 2, "tp"), Repartition(0, 2, "tp")), 128),), "(S(0))",
-         r"dim 2 \(size 8\) of 'x' is sharded on mesh axes \['tp'\]; layer_norm normalises over it",
-         ((0, "(S(2))", "(R)"),)),
+    Case(
+        "layer_norm(S(2))",
+        lambda b, x, w, c: b.layer_norm(x, w, c),
+        lambda x, w, c: F.layer_norm(x, (8,), w, c),
+        (_x((2, 4, 8), S2), _x((8,), R, "weight", "w"), _x((8,), R, "weight", "c")),
+        ((0, "(S(2))", "(S(0))", (Combine(2, 2, "tp"), Repartition(0, 2, "tp")), 128),),
+        "(S(0))",
+        r"dim 2 \(size 8\) of 'x' is sharded on mesh axes \['tp'\]; layer_norm normalises over it",
+        ((0, "(S(2))", "(R)"),),
+    ),
     # max-preserving: relu and tanh keep Partial('max'), neg makes it Partial('min') — no communication (DTensor:
     # the same); gelu is not monotone, and a scalar add is refused on max pieces: a reduce-scatter (DTensor:
     # all-reduce).
     Case("relu(P(max))", lambda b, x: b.relu(x), torch.relu, (_x((4, 6), PMAX),), (), "(P(max))", None, ()),
     Case("tanh(P(max))", lambda b, x: b.tanh(x), torch.tanh, (_x((4, 6), PMAX),), (), "(P(max))", None, ()),
     Case("neg(P(max))", lambda b, x: b.neg(x), torch.neg, (_x((4, 6), PMAX),), (), "(P(min))", None, ()),
-    Case("gelu(P(max))", lambda b, x: b.gelu(x), F.gelu, (_x((4, 6), PMAX),),
-         ((0, "(P(max))", "(S(0))", RS0, 96),), "(S(0))",
-         r"unary is not linear but input 'x' holds Partial\('max'\)", ((0, "(P(max))", "(R)"),)),
-    Case("P(max)+1", lambda b, x: b.add(x, 1.0), lambda x: x + 1.0, (_x((4, 6), PMAX),),
-         ((0, "(P(max))", "(S(0))", RS0, 96),), "(S(0))",
-         r"input 'x' holds Partial\('max'\) pieces, which no op is linear in\. Fix: insert Reduction\(axis=tp\)",
-         ((0, "(P(max))", "(R)"),)),
+    Case(
+        "gelu(P(max))",
+        lambda b, x: b.gelu(x),
+        F.gelu,
+        (_x((4, 6), PMAX),),
+        ((0, "(P(max))", "(S(0))", RS0, 96),),
+        "(S(0))",
+        r"unary is not linear but input 'x' holds Partial\('max'\)",
+        ((0, "(P(max))", "(R)"),),
+    ),
+    Case(
+        "P(max)+1",
+        lambda b, x: b.add(x, 1.0),
+        lambda x: x + 1.0,
+        (_x((4, 6), PMAX),),
+        ((0, "(P(max))", "(S(0))", RS0, 96),),
+        "(S(0))",
+        r"input 'x' holds Partial\('max'\) pieces, which no op is linear in\. Fix: insert Reduction\(axis=tp\)",
+        ((0, "(P(max))", "(R)"),),
+    ),
 )
 
 
@@ -137,8 +191,9 @@ def case_graph(case: Case):
     """``out = op(inputs)``, then ``loss = mean(out * probe)``; the annotations place the inputs and gather ``out``
     to Replicate before the loss."""
     b = GraphBuilder()
-    names = [b.input(n, shape, F64) if role == "input" else b.weight(n, shape, F64)
-             for n, shape, _, role in case.inputs]
+    names = [
+        b.input(n, shape, F64) if role == "input" else b.weight(n, shape, F64) for n, shape, _, role in case.inputs
+    ]
     out = case.op(b, *names)
     loss = b.mean(b.mul(out, b.weight("probe", b.shape(out), F64)))
     graph = b.build([loss], loss)
@@ -151,8 +206,10 @@ def case_graph(case: Case):
 def test_dtensor_case(case):
     graph, out, ann = case_graph(case)
     pcg = build_pcg(graph, TP2, ann)
-    got = [(r.index, placements_text(r.src, r.group), placements_text(r.dst, r.group), r.ops, r.nbytes)
-           for r in pcg.redistributions]
+    got = [
+        (r.index, placements_text(r.src, r.group), placements_text(r.dst, r.group), r.ops, r.nbytes)
+        for r in pcg.redistributions
+    ]
     assert got == list(case.ours)
     assert all(r.node == out and r.reason.startswith(f"node {out!r}") for r in pcg.redistributions)
     redistributed = [n.op for n in pcg.parallel_nodes if n.why.startswith(f"redistributed: the rule of {out}")]
@@ -176,7 +233,10 @@ def dtensor_redistributions() -> dict[str, list[list]]:
     import torch.distributed as dist
     import torch.distributed.tensor._dispatch as dispatch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Partial as TPartial, Replicate as TReplicate, Shard as TShard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Partial as TPartial
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -196,14 +256,24 @@ def dtensor_redistributions() -> dict[str, list[list]]:
         for _, shape, pl, _ in case.inputs:
             full = torch.randn(shape, dtype=torch.float64, generator=gen)
             local = full.chunk(2, pl.dim)[int(dist.get_rank())] if isinstance(pl, Shard) else full
-            spelled = TShard(pl.dim) if isinstance(pl, Shard) else TPartial(pl.reduce_op) if isinstance(pl, Partial) \
+            spelled = (
+                TShard(pl.dim)
+                if isinstance(pl, Shard)
+                else TPartial(pl.reduce_op)
+                if isinstance(pl, Partial)
                 else TReplicate()
+            )
             args.append(DTensor.from_local(local.contiguous(), mesh, [spelled], run_check=False))
         calls.clear()
         case.torch_op(*args)
-        found[case.name] = [[next(i for i, a in enumerate(args) if a._local_tensor is local),
-                             "(" + ",".join(map(_dtensor_placement, cur)) + ")",
-                             "(" + ",".join(map(_dtensor_placement, tgt)) + ")"] for local, cur, tgt in calls]
+        found[case.name] = [
+            [
+                next(i for i, a in enumerate(args) if a._local_tensor is local),
+                "(" + ",".join(map(_dtensor_placement, cur)) + ")",
+                "(" + ",".join(map(_dtensor_placement, tgt)) + ")",
+            ]
+            for local, cur, tgt in calls
+        ]
     dist.destroy_process_group()
     return found
 
@@ -260,8 +330,10 @@ def test_an_op_without_a_rule_runs_on_replicated_inputs():
     pcg = build_pcg(graph, TP2, ann)
     (r,) = pcg.redistributions
     assert (r.node, r.index, r.ops, r.nbytes) == (out, 0, (Combine(0, 2, "tp"),), 96)
-    assert r.reason == (f"node {out!r} (cumsum(dim=0)): cumsum has no sharding rule, so it runs on replicated inputs "
-                        f"only, but input 'x' is <tp,·>. Fix: redistribute 'x' to Replicate() first.")
+    assert r.reason == (
+        f"node {out!r} (cumsum(dim=0)): cumsum has no sharding rule, so it runs on replicated inputs "
+        f"only, but input 'x' is <tp,·>. Fix: redistribute 'x' to Replicate() first."
+    )
     assert pcg.tensors[out].sharding == Sharding.replicated(2)
     inputs, weights = values(graph, {}, seed=3)
     assert not isinstance(check_trains_like_one_device(graph, TP2, ann, inputs, weights), Exception)
@@ -308,6 +380,7 @@ def test_bytes_are_what_lowering_sends():
     """The bytes listed for each redistribution are what the lowered programs send for its parallel ops in the
     forward pass (rank 0; the all-reduce, reduce-scatter and all-to-all of the cases above)."""
     from shardflow.lower import lower_step
+
     for case in (c for c in DTENSOR_CASES if c.ours and c.ours[0][4]):
         graph, _, ann = case_graph(case)
         pcg = build_pcg(graph, TP2, ann)
@@ -340,22 +413,44 @@ def test_a_plan_with_only_column_parallel_trains_like_one_device():
 def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
     plan = tmp_path / "plan.toml"
     plan.write_text(COLUMN_ONLY_TOML)
-    argv = ["plan", "--model", "gpt", "--layers", "1", "--embd", "32", "--seq-len", "8", "--batch-size", "4", "--plan", str(plan),
-            "--mesh", "tp=2"]
+    argv = [
+        "plan",
+        "--model",
+        "gpt",
+        "--layers",
+        "1",
+        "--embd",
+        "32",
+        "--seq-len",
+        "8",
+        "--batch-size",
+        "4",
+        "--plan",
+        str(plan),
+        "--mesh",
+        "tp=2",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith("; 3 redistributions where a rule refused (2,048 bytes per device)")
-    listing = out[out.index("# 3 redistributions inserted"):].split("\n\n")[0].splitlines()
-    assert listing[0] == ("# 3 redistributions inserted where a rule refused its inputs (2,048 bytes per device, "
-                          "forward)")
-    assert listing[1] == ("node 'linear_5' (linear(bias=True) in module 'transformer.h.0.mlp.c_proj'), input 1 "
-                          "'transformer.h.0.mlp.c_proj.weight': (R) → (S(1)) by Repartition(dim=1, degree=2, "
-                          "axis=tp), 0 bytes per device")
-    assert listing[2].startswith("    reason: node 'linear_5' (linear(bias=True) in module "
-                                 "'transformer.h.0.mlp.c_proj'): dim 2 of 'gelu' is sharded on ['tp']")
-    assert listing[3].startswith("node 'layer_norm_2' (layer_norm(ndim=1, eps=1e-05, affine=True, bias=True) in module "
-                                 "'transformer.ln_f'), input 0 'add_2': (P(sum)) → (S(0)) by Reduction(degree=2, "
-                                 "axis=tp), Repartition(dim=0, degree=2, axis=tp), 2,048 bytes per device")
+    listing = out[out.index("# 3 redistributions inserted") :].split("\n\n")[0].splitlines()
+    assert listing[0] == (
+        "# 3 redistributions inserted where a rule refused its inputs (2,048 bytes per device, forward)"
+    )
+    assert listing[1] == (
+        "node 'linear_5' (linear(bias=True) in module 'transformer.h.0.mlp.c_proj'), input 1 "
+        "'transformer.h.0.mlp.c_proj.weight': (R) → (S(1)) by Repartition(dim=1, degree=2, "
+        "axis=tp), 0 bytes per device"
+    )
+    assert listing[2].startswith(
+        "    reason: node 'linear_5' (linear(bias=True) in module "
+        "'transformer.h.0.mlp.c_proj'): dim 2 of 'gelu' is sharded on ['tp']"
+    )
+    assert listing[3].startswith(
+        "node 'layer_norm_2' (layer_norm(ndim=1, eps=1e-05, affine=True, bias=True) in module "
+        "'transformer.ln_f'), input 0 'add_2': (P(sum)) → (S(0)) by Reduction(degree=2, "
+        "axis=tp), Repartition(dim=0, degree=2, axis=tp), 2,048 bytes per device"
+    )
     assert "# redistributed: the rule of linear_5 refused input 1" in out
 
     assert main([*argv, "--format", "json"]) == 0
@@ -363,15 +458,18 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
     assert [(r["node"], r["module"], r["input"], r["from"], r["to"], r["bytes"]) for r in doc["redistributions"]] == [
         ("linear_5", "transformer.h.0.mlp.c_proj", 1, "(R)", "(S(1))", 0),
         ("layer_norm_2", "transformer.ln_f", 0, "(P(sum))", "(S(0))", 2048),
-        ("gather", "", 1, "(R)", "(S(0))", 0)]
+        ("gather", "", 1, "(R)", "(S(0))", 0),
+    ]
     assert doc["redistributions"][1]["ops"] == ["Reduction(degree=2, axis=tp)", "Repartition(dim=0, degree=2, axis=tp)"]
 
     assert main([*argv, "--strict"]) == 2
     out, err = capsys.readouterr()
-    assert not out and err == ("shardflow plan: error: node 'linear_5' (linear(bias=True) in module "
-                               "'transformer.h.0.mlp.c_proj'): dim 2 of 'gelu' is sharded on ['tp'] but dim 1 of "
-                               "'transformer.h.0.mlp.c_proj.weight' on no axes. Fix: redistribute one operand so both "
-                               "dims have the same placement.\n")
+    assert not out and err == (
+        "shardflow plan: error: node 'linear_5' (linear(bias=True) in module "
+        "'transformer.h.0.mlp.c_proj'): dim 2 of 'gelu' is sharded on ['tp'] but dim 1 of "
+        "'transformer.h.0.mlp.c_proj.weight' on no axes. Fix: redistribute one operand so both "
+        "dims have the same placement.\n"
+    )
 
 
 # The Llama's MLP half planned: gate_proj and up_proj column-parallel, down_proj left out (its rule refuses the
@@ -394,8 +492,25 @@ def test_train_strict_reaches_the_planner(corpus, tmp_path):
 
     plan = tmp_path / "column_only.toml"
     plan.write_text(LLAMA_COLUMN_ONLY_TOML)
-    argv = ["train", "--plan", str(plan), "--mesh", "tp=2", "--layers", "1", "--heads", "2", "--embd", "16",
-            "--seq-len", "16", "--batch-size", "8", "--data", str(corpus)]
+    argv = [
+        "train",
+        "--plan",
+        str(plan),
+        "--mesh",
+        "tp=2",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--embd",
+        "16",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "8",
+        "--data",
+        str(corpus),
+    ]
     cfg = TrainConfig.from_args(build_parser().parse_args(argv))
     assert not cfg.strict and len(recipe.setup(cfg, 1).pcg.redistributions) == 3
     cfg = TrainConfig.from_args(build_parser().parse_args([*argv, "--strict"]))

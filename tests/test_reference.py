@@ -7,7 +7,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
-from shardflow.models import GPT, GPTConfig, MLP
+from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.reference import run_backward, run_forward, weights_of
 
 CFG = GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16)

@@ -42,7 +42,7 @@ def test_uniforms_are_splitmix64_outputs_of_the_global_index():
     """Element i of the full tensor gets the top 53 bits of splitmix64 output i + 1 seeded with the site's key."""
     site = DrawSite.whole(3, 7, "dropout_2", (5, 40))
     key = site.key & U64
-    want = [(splitmix64_python(key + (i + 1) * 0x9E3779B97F4A7C15) >> 11) * 2.0 ** -53 for i in range(200)]
+    want = [(splitmix64_python(key + (i + 1) * 0x9E3779B97F4A7C15) >> 11) * 2.0**-53 for i in range(200)]
     assert site.uniform((5, 40)).reshape(-1).tolist() == want
 
 
@@ -66,8 +66,11 @@ def test_same_key_same_mask_and_any_other_key_another():
     mask = base.keep(shape, p)
     assert torch.equal(mask, base.uniform(shape) >= p)  # keep compares on the integers, the same as on uniforms
     assert torch.equal(mask, DrawSite.whole(0, 1, "dropout", shape).keep(shape, p))
-    for other in (DrawSite.whole(0, 2, "dropout", shape), DrawSite.whole(0, 1, "dropout_1", shape),
-                  DrawSite.whole(1, 1, "dropout", shape)):
+    for other in (
+        DrawSite.whole(0, 2, "dropout", shape),
+        DrawSite.whole(0, 1, "dropout_1", shape),
+        DrawSite.whole(1, 1, "dropout", shape),
+    ):
         differ = (other.keep(shape, p) != mask).double().mean().item()
         assert 0.45 < differ < 0.55, (other, differ)
 
@@ -89,7 +92,7 @@ def test_fraction_dropped_is_p(p):
 def test_uniforms_lie_in_zero_one_on_a_2_to_minus_53_grid():
     u = DrawSite.whole(9, 3, "x", (4096,)).uniform((4096,))
     assert 0 <= u.min().item() and u.max().item() < 1
-    assert torch.equal(u * 2.0 ** 53, torch.floor(u * 2.0 ** 53))
+    assert torch.equal(u * 2.0**53, torch.floor(u * 2.0**53))
     assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / 4096)
 
 
@@ -131,6 +134,8 @@ def test_micro_batches_draw_their_rows_of_the_whole_batch():
     for i in range(4):
         for start in (0, 1):  # a micro-batch of 2 rows, split over dp=2: one row per device
             piece = PieceSite("dropout", (2, 3), (start, 0)).at(7, 2, i, 4).bits((1, 3))
-            assert torch.equal(piece, whole[2 * i + start:2 * i + start + 1])
-    assert not torch.equal(PieceSite("dropout", (2, 3), (0, 0)).at(7, 2, 0, 4).bits((2, 3)),
-                           PieceSite("dropout", (2, 3), (0, 0)).at(7, 2, 1, 4).bits((2, 3)))
+            assert torch.equal(piece, whole[2 * i + start : 2 * i + start + 1])
+    assert not torch.equal(
+        PieceSite("dropout", (2, 3), (0, 0)).at(7, 2, 0, 4).bits((2, 3)),
+        PieceSite("dropout", (2, 3), (0, 0)).at(7, 2, 1, 4).bits((2, 3)),
+    )

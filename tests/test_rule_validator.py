@@ -31,13 +31,44 @@ TOOL = Path(__file__).parents[1] / "tools" / "validate_rules.py"
 
 # Accepted (and correct) combinations per case, summed over tp=2, tp=4 and dp=2,tp=2.
 MIN_ACCEPTED_REDUCED = {
-    "linear": 19, "linear(no bias)": 64, "embedding": 24, "layer_norm": 4, "dropout(p=0)": 15, "relu": 24,
-    "gelu": 15, "tanh": 24, "neg": 42, "add": 157, "add(broadcast)": 109, "sub": 157, "mul": 123,
-    "mul(broadcast)": 83, "div": 89, "scalar add": 33, "scalar rsub": 33, "scalar mul": 33, "scalar div": 33,
-    "scalar rdiv": 15, "matmul": 64, "matmul(batched)": 73, "permute": 46, "reshape(split dim)": 33,
-    "reshape(merge dims)": 33, "reshape(flatten)": 22, "split": 22, "softmax": 15, "sum(dim 1)": 31,
-    "mean(dim 0, keepdim)": 31, "mean(all)": 29, "attention": 4, "cross_entropy(mean)": 8, "cross_entropy(sum)": 8,
-    "max_pool": 24, "avg_pool(padded)": 33, "view_as_complex": 15, "view_as_real": 15,
+    "linear": 19,
+    "linear(no bias)": 64,
+    "embedding": 24,
+    "layer_norm": 4,
+    "dropout(p=0)": 15,
+    "relu": 24,
+    "gelu": 15,
+    "tanh": 24,
+    "neg": 42,
+    "add": 157,
+    "add(broadcast)": 109,
+    "sub": 157,
+    "mul": 123,
+    "mul(broadcast)": 83,
+    "div": 89,
+    "scalar add": 33,
+    "scalar rsub": 33,
+    "scalar mul": 33,
+    "scalar div": 33,
+    "scalar rdiv": 15,
+    "matmul": 64,
+    "matmul(batched)": 73,
+    "permute": 46,
+    "reshape(split dim)": 33,
+    "reshape(merge dims)": 33,
+    "reshape(flatten)": 22,
+    "split": 22,
+    "softmax": 15,
+    "sum(dim 1)": 31,
+    "mean(dim 0, keepdim)": 31,
+    "mean(all)": 29,
+    "attention": 4,
+    "cross_entropy(mean)": 8,
+    "cross_entropy(sum)": 8,
+    "max_pool": 24,
+    "avg_pool(padded)": 33,
+    "view_as_complex": 15,
+    "view_as_real": 15,
 }
 MIN_ACCEPTED_FULL = MIN_ACCEPTED_REDUCED | {"linear": 64, "layer_norm": 8, "matmul(batched)": 83, "attention": 8}
 
@@ -51,7 +82,7 @@ def test_every_op_kind_has_a_case():
     assert {c.kind for c in CASES} == set(O.OPS)
     for c in CASES:  # degrees 2 and 4 must divide every input dim but broadcast (size-1) ones and complex pairs
         pair = isinstance(c.op, O.ComplexView) and c.op.to_complex  # the last dim: (real, imaginary), never cut
-        assert all(n % 4 == 0 for s in c.inputs for n in s.shape[:len(s.shape) - pair] if n > 1), c.label
+        assert all(n % 4 == 0 for s in c.inputs for n in s.shape[: len(s.shape) - pair] if n > 1), c.label
 
 
 def test_no_accepted_combination_is_wrong(reduced):
@@ -76,7 +107,7 @@ def test_counts_add_up(reduced):
 def test_sampling_is_deterministic_and_covers_small_sets():
     case = next(c for c in CASES if c.label == "attention")
     mesh = Mesh.parse("dp=2,tp=2")
-    assert count_combinations(case, mesh) == (7 ** 2) ** 3
+    assert count_combinations(case, mesh) == (7**2) ** 3
     a, b = list(combinations(case, mesh, 50, seed=3)), list(combinations(case, mesh, 50, seed=3))
     assert a == b and len(set(a)) == 50
     relu = next(c for c in CASES if c.label == "relu")
@@ -88,6 +119,7 @@ def test_a_broken_rule_is_caught(monkeypatch):
     (row parallel), and a unary rule that lets any function run on any partial, are reported as WRONG exactly
     where the math breaks: relu of sum/avg pieces (relu is monotone, so it does commute with max), and neg of
     max pieces (neg turns a max into a min)."""
+
     def no_bias_scale(ctx):
         res = rules.rule_linear(ctx)
         return dataclasses.replace(res, local=dataclasses.replace(res.local, in_scale=(1.0,) * len(ctx.names)))

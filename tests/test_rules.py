@@ -15,9 +15,9 @@ import torch
 from shardflow.graph import GraphBuilder
 from shardflow.graph import ops as O
 from shardflow.graph.ops import Scalar
+from shardflow.parallel import ops as P
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import Combine, Reduction, Repartition
-from shardflow.parallel import ops as P
 from shardflow.parallel.pcg import Annotations, build_pcg, lift
 from shardflow.parallel.rules import RuleError, reshape_groups
 from shardflow.parallel.shape import DegreeError, ShardingError
@@ -93,8 +93,9 @@ def test_linear_row_parallel_partial_then_reduction():
     b, x, y = _mlp()
     z = b.relu(y)
     graph = b.build([z])
-    ann = Annotations(leaves={"x": sh(MESH, 2, R, Shard(1)), "fc.weight": sh(MESH, 2, R, Shard(1))},
-                      after={y: {"tp": R}})
+    ann = Annotations(
+        leaves={"x": sh(MESH, 2, R, Shard(1)), "fc.weight": sh(MESH, 2, R, Shard(1))}, after={y: {"tp": R}}
+    )
     pcg = build_pcg(graph, MESH, ann)
     assert pcg.tensors[y].placements == (R, Partial("sum"))
     assert pcg.tensors[y].pshape.sum_degree == 2
@@ -112,8 +113,9 @@ def test_linear_row_parallel_without_bias_has_no_scale():
     x = b.input("x", (4, 8), F64)
     y = b.dense(x, 6, bias=False, name="fc")
     graph = b.build([y])
-    ann = Annotations(leaves={"x": sh(MESH, 2, Shard(0), Shard(1)), "fc.weight": sh(MESH, 2, R, Shard(1))},
-                      after={y: {"tp": R}})
+    ann = Annotations(
+        leaves={"x": sh(MESH, 2, Shard(0), Shard(1)), "fc.weight": sh(MESH, 2, R, Shard(1))}, after={y: {"tp": R}}
+    )
     pcg = build_pcg(graph, MESH, ann)
     assert pcg.tensors[y].placements == (Shard(0), Partial("sum"))
     assert node(pcg, y).local.in_scale == (1.0, 1.0)
@@ -124,8 +126,9 @@ def test_linear_row_parallel_without_bias_has_no_scale():
 def test_linear_column_parallel():
     b, x, y = _mlp((2, 3, 8), 6)
     graph = b.build([y])
-    ann = Annotations(leaves={"fc.weight": sh(MESH, 2, R, Shard(0)), "fc.bias": sh(MESH, 1, R, Shard(0))},
-                      after={y: {"tp": R}})
+    ann = Annotations(
+        leaves={"fc.weight": sh(MESH, 2, R, Shard(0)), "fc.bias": sh(MESH, 1, R, Shard(0))}, after={y: {"tp": R}}
+    )
     pcg = build_pcg(graph, MESH, ann)
     assert pcg.tensors[y].placements == (R, Shard(2))
     assert pcg.tensors[y].pshape.shard == (1, 1, 2)
@@ -171,21 +174,24 @@ def _binary(fn, x_sh, y_sh, y_shape=(4, 6), mesh=TP4, positive_y=False):
     return graph, z, Annotations(leaves=leaves, after={z: {a: R for a in mesh.axis_names}}), values
 
 
-@pytest.mark.parametrize("fn,x_sh,y_sh,want_partial,scale", [
-    ("add", P4, P4, P4, (1.0, 1.0)),
-    ("sub", P4, P4, P4, (1.0, 1.0)),
-    ("add", P4, None, P4, (1.0, 0.25)),
-    ("add", None, P4, P4, (0.25, 1.0)),
-    ("sub", P4, None, P4, (1.0, 0.25)),
-    ("sub", None, P4, P4, (0.25, 1.0)),
-    ("add", P4_AVG, None, P4_AVG, (1.0, 1.0)),
-    ("sub", None, P4_AVG, P4_AVG, (1.0, 1.0)),
-    ("add", P4_AVG, P4_AVG, P4_AVG, (1.0, 1.0)),
-    ("mul", P4, None, P4, (1.0, 1.0)),
-    ("mul", None, P4, P4, (1.0, 1.0)),
-    ("mul", P4_AVG, None, P4_AVG, (1.0, 1.0)),
-    ("div", P4, None, P4, (1.0, 1.0)),
-])
+@pytest.mark.parametrize(
+    "fn,x_sh,y_sh,want_partial,scale",
+    [
+        ("add", P4, P4, P4, (1.0, 1.0)),
+        ("sub", P4, P4, P4, (1.0, 1.0)),
+        ("add", P4, None, P4, (1.0, 0.25)),
+        ("add", None, P4, P4, (0.25, 1.0)),
+        ("sub", P4, None, P4, (1.0, 0.25)),
+        ("sub", None, P4, P4, (0.25, 1.0)),
+        ("add", P4_AVG, None, P4_AVG, (1.0, 1.0)),
+        ("sub", None, P4_AVG, P4_AVG, (1.0, 1.0)),
+        ("add", P4_AVG, P4_AVG, P4_AVG, (1.0, 1.0)),
+        ("mul", P4, None, P4, (1.0, 1.0)),
+        ("mul", None, P4, P4, (1.0, 1.0)),
+        ("mul", P4_AVG, None, P4_AVG, (1.0, 1.0)),
+        ("div", P4, None, P4, (1.0, 1.0)),
+    ],
+)
 def test_elementwise_partial_rules(fn, x_sh, y_sh, want_partial, scale):
     graph, z, ann, values = _binary(fn, x_sh, y_sh, positive_y=(fn == "div"))
     pcg = build_pcg(graph, TP4, ann)
@@ -215,13 +221,16 @@ def test_partial_plus_replicated_on_two_axes():
     check_numbers(graph, pcg, values)
 
 
-@pytest.mark.parametrize("fn,value,local_value", [
-    ("add", 3.0, 0.75),
-    ("sub", 3.0, 0.75),
-    ("rsub", 2.0, 0.5),
-    ("mul", 3.0, 3.0),
-    ("div", 2.0, 2.0),
-])
+@pytest.mark.parametrize(
+    "fn,value,local_value",
+    [
+        ("add", 3.0, 0.75),
+        ("sub", 3.0, 0.75),
+        ("rsub", 2.0, 0.5),
+        ("mul", 3.0, 3.0),
+        ("div", 2.0, 2.0),
+    ],
+)
 @pytest.mark.parametrize("reduce_op", ["sum", "avg"])
 def test_partial_and_scalar(fn, value, local_value, reduce_op):
     b = GraphBuilder()
@@ -305,8 +314,17 @@ def test_partial_max_rejected_by_linear_ops(build):
         build_pcg(graph, TP4, Annotations(leaves={"x": P4_MAX}), strict=True)
 
 
-@pytest.mark.parametrize("fn,reduce_op,want", [("relu", "max", "max"), ("tanh", "max", "max"), ("relu", "min", "min"),
-                                               ("tanh", "min", "min"), ("neg", "max", "min"), ("neg", "min", "max")])
+@pytest.mark.parametrize(
+    "fn,reduce_op,want",
+    [
+        ("relu", "max", "max"),
+        ("tanh", "max", "max"),
+        ("relu", "min", "min"),
+        ("tanh", "min", "min"),
+        ("neg", "max", "min"),
+        ("neg", "min", "max"),
+    ],
+)
 def test_monotone_functions_keep_partial_max_and_min(fn, reduce_op, want):
     """f(max(a, b)) = max(f(a), f(b)) for a non-decreasing f, min(f(a), f(b)) for a non-increasing one (DTensor's
     _NON_DECREASING_RULES and _NEG_RULES): the pieces pass through with no communication."""
@@ -350,8 +368,9 @@ def _nonlinear_graph(kind):
     return b.build([]), len(b.shape(x))
 
 
-@pytest.mark.parametrize("kind", ["relu", "gelu", "tanh", "softmax", "layer_norm", "attention", "cross_entropy",
-                                  "dropout"])
+@pytest.mark.parametrize(
+    "kind", ["relu", "gelu", "tanh", "softmax", "layer_norm", "attention", "cross_entropy", "dropout"]
+)
 def test_nonlinear_on_partial_is_rejected(kind):
     graph, ndim = _nonlinear_graph(kind)
     with pytest.raises(RuleError) as ei:
@@ -555,8 +574,9 @@ def test_matmul_contraction_sharded_is_partial():
     w = b.input("w", (2, 8, 3), F64)
     y = b.matmul(a, w)
     graph = b.build([y])
-    ann = Annotations(leaves={"a": sh(MESH, 3, Shard(0), Shard(2)), "w": sh(MESH, 3, Shard(0), Shard(1))},
-                      after={y: {"tp": R}})
+    ann = Annotations(
+        leaves={"a": sh(MESH, 3, Shard(0), Shard(2)), "w": sh(MESH, 3, Shard(0), Shard(1))}, after={y: {"tp": R}}
+    )
     pcg = build_pcg(graph, MESH, ann)
     assert pcg.tensors[y].placements == (Shard(0), Partial("sum"))
     assert pops(pcg) == [(Reduction(2, "tp"), y)]
@@ -639,19 +659,22 @@ def test_transformer_heads_block_numbers():
 
 
 # --- reshape_groups -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("a,b,want", [
-    ((2, 3, 8), (2, 3, 4, 2), [([0], [0]), ([1], [1]), ([2], [2, 3])]),
-    ((2, 3, 4), (6, 4), [([0, 1], [0]), ([2], [1])]),
-    ((2, 3), (3, 2), [([0, 1], [0, 1])]),
-    ((1, 4), (4,), [([0, 1], [0])]),
-    ((4, 1), (4,), [([0], [0]), ([1], [])]),
-    ((4,), (1, 4), [([0], [0, 1])]),
-    ((4,), (4, 1), [([0], [0]), ([], [1])]),
-    ((6,), (2, 1, 3), [([0], [0, 1, 2])]),
-    ((1, 1), (1,), [([0], [0]), ([1], [])]),
-    ((), (), []),
-    ((), (1,), [([], [0])]),
-])
+@pytest.mark.parametrize(
+    "a,b,want",
+    [
+        ((2, 3, 8), (2, 3, 4, 2), [([0], [0]), ([1], [1]), ([2], [2, 3])]),
+        ((2, 3, 4), (6, 4), [([0, 1], [0]), ([2], [1])]),
+        ((2, 3), (3, 2), [([0, 1], [0, 1])]),
+        ((1, 4), (4,), [([0, 1], [0])]),
+        ((4, 1), (4,), [([0], [0]), ([1], [])]),
+        ((4,), (1, 4), [([0], [0, 1])]),
+        ((4,), (4, 1), [([0], [0]), ([], [1])]),
+        ((6,), (2, 1, 3), [([0], [0, 1, 2])]),
+        ((1, 1), (1,), [([0], [0]), ([1], [])]),
+        ((), (), []),
+        ((), (1,), [([], [0])]),
+    ],
+)
 def test_reshape_groups(a, b, want):
     assert reshape_groups(a, b) == want
 
@@ -684,8 +707,9 @@ def test_binary_with_two_sharded_operands_on_different_axes_is_rejected():
     b.add(x, y)
     graph = b.build([])
     with pytest.raises(RuleError, match="dim 0 of 'x' is sharded on \\['dp'\\] but dim 0 of 'y' on \\['tp'\\]"):
-        build_pcg(graph, MESH, Annotations(leaves={"x": sh(MESH, 2, Shard(0), R), "y": sh(MESH, 2, R, Shard(0))}),
-                  strict=True)
+        build_pcg(
+            graph, MESH, Annotations(leaves={"x": sh(MESH, 2, Shard(0), R), "y": sh(MESH, 2, R, Shard(0))}), strict=True
+        )
 
 
 def _two_stage():
@@ -742,12 +766,18 @@ def test_consumer_on_other_free_axes_is_rejected():
     graph = b.build([])
     mesh = Mesh.parse("pp=2,dp=2")
     st0 = SubMesh(mesh, (("pp", 0),))
-    with pytest.raises(ShardingError, match=r"input 'linear' lives on mesh\[pp=0\]; insert Replicate\(2, 'pp'\) "
-                                            r"after 'linear' \(Plan.ops\)"):
+    with pytest.raises(
+        ShardingError,
+        match=r"input 'linear' lives on mesh\[pp=0\]; insert Replicate\(2, 'pp'\) "
+        r"after 'linear' \(Plan.ops\)",
+    ):
         build_pcg(graph, mesh, Annotations(groups={h: st0}))
     # The other way round: a Replicate spread h over pp, but relu runs on one stage.
-    with pytest.raises(ShardingError, match=r"the input spans axes \['pp'\], where 'relu' runs at one index: "
-                                            r"run 'relu' on every index of those axes too \(no stage="):
+    with pytest.raises(
+        ShardingError,
+        match=r"the input spans axes \['pp'\], where 'relu' runs at one index: "
+        r"run 'relu' on every index of those axes too \(no stage=",
+    ):
         build_pcg(graph, mesh, Annotations(groups={h: st0, "relu": st0}, ops={h: (P.Replicate(2, "pp"),)}))
 
 
@@ -755,8 +785,11 @@ def test_listing_shows_inserted_parallel_ops():
     b, x, y = _mlp()
     z = b.relu(y)
     graph = b.build([z])
-    ann = Annotations(leaves={"x": sh(MESH, 2, R, Shard(1)), "fc.weight": sh(MESH, 2, R, Shard(1))},
-                      after={y: {"tp": R}}, edges={(z, 0): {"dp": Shard(0)}})
+    ann = Annotations(
+        leaves={"x": sh(MESH, 2, R, Shard(1)), "fc.weight": sh(MESH, 2, R, Shard(1))},
+        after={y: {"tp": R}},
+        edges={(z, 0): {"dp": Shard(0)}},
+    )
     pcg = build_pcg(graph, MESH, ann)
     assert pops(pcg) == [(Reduction(2, "tp"), y), (Repartition(0, 2, "dp"), f"{y}.reduction")]
     star = [line for line in pcg.listing().splitlines() if line.startswith("*")]

@@ -24,9 +24,11 @@ def train(capsys, tiny, corpus, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
     def run_train(*argv: str):
-        code = cli_main(["train", *tiny, "--steps", "2", "--data", str(corpus), "--strategy", "single", "--nproc", "1",
-                         *argv])
+        code = cli_main(
+            ["train", *tiny, "--steps", "2", "--data", str(corpus), "--strategy", "single", "--nproc", "1", *argv]
+        )
         return (code, *capsys.readouterr())
+
     return run_train
 
 
@@ -79,12 +81,18 @@ def test_an_earlier_run_is_refused_unless_resume_or_overwrite(train, tmp_path):
     code, out, err = train("--run-dir", "run")
     assert code == 0, err
     kept = contents(run)
-    one_paragraph(*train("--run-dir", "run", "--steps", "3"), "train",
-                  "run directory run holds an earlier run (run/config.toml, run/metrics.jsonl, 1 checkpoint in "
-                  "run/checkpoints, the newest step_2), which this run would overwrite: pass --resume to continue it, "
-                  "--overwrite to replace it, or another --run-dir")
-    one_paragraph(*train("--run-dir", "run", "--resume", "--overwrite"), "train",
-                  "--resume continues the earlier run in the run directory and --overwrite replaces it: give one")
+    one_paragraph(
+        *train("--run-dir", "run", "--steps", "3"),
+        "train",
+        "run directory run holds an earlier run (run/config.toml, run/metrics.jsonl, 1 checkpoint in "
+        "run/checkpoints, the newest step_2), which this run would overwrite: pass --resume to continue it, "
+        "--overwrite to replace it, or another --run-dir",
+    )
+    one_paragraph(
+        *train("--run-dir", "run", "--resume", "--overwrite"),
+        "train",
+        "--resume continues the earlier run in the run directory and --overwrite replaces it: give one",
+    )
     assert contents(run) == kept
 
     code, out, err = train("--run-dir", "run", "--steps", "3", "--overwrite")
@@ -100,9 +108,12 @@ def test_a_run_directory_in_use_is_refused_naming_the_process(train, tmp_path):
     run.mkdir()
     fd = lock(run)
     try:
-        one_paragraph(*train("--run-dir", "run"), "train",
-                      f"run directory run is in use by another shardflow train (PID {os.getpid()} on ",
-                      "holds run/.lock); wait for that run to end or stop it, or pass another --run-dir")
+        one_paragraph(
+            *train("--run-dir", "run"),
+            "train",
+            f"run directory run is in use by another shardflow train (PID {os.getpid()} on ",
+            "holds run/.lock); wait for that run to end or stop it, or pass another --run-dir",
+        )
     finally:
         os.close(fd)
     assert list(contents(run)) == [".lock"]  # no file written but the lock's
@@ -110,17 +121,30 @@ def test_a_run_directory_in_use_is_refused_naming_the_process(train, tmp_path):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--metrics", "run/config.toml"], "--metrics run/config.toml would overwrite the run's resolved configuration"),
-    (["--metrics", "run/rank0.log"], "--metrics run/rank0.log would overwrite the log of rank 0"),
-    (["--metrics", "run/.lock"], "--metrics run/.lock would overwrite the run directory's lock"),
-    (["--metrics", "run/checkpoints/m.jsonl"], "would overwrite a file of the checkpoint directory run/checkpoints"),
-    # --trace is of the ranks' processes: 2 of them (refused before they start)
-    (["--trace", "run/metrics.jsonl", "--nproc", "2", "--strategy", "dp"],
-     "--trace run/metrics.jsonl would overwrite the metrics file"),
-    (["--metrics", "m.jsonl", "--trace", "m.jsonl", "--nproc", "2", "--strategy", "dp"],
-     "--metrics m.jsonl would overwrite the --trace file"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            ["--metrics", "run/config.toml"],
+            "--metrics run/config.toml would overwrite the run's resolved configuration",
+        ),
+        (["--metrics", "run/rank0.log"], "--metrics run/rank0.log would overwrite the log of rank 0"),
+        (["--metrics", "run/.lock"], "--metrics run/.lock would overwrite the run directory's lock"),
+        (
+            ["--metrics", "run/checkpoints/m.jsonl"],
+            "would overwrite a file of the checkpoint directory run/checkpoints",
+        ),
+        # --trace is of the ranks' processes: 2 of them (refused before they start)
+        (
+            ["--trace", "run/metrics.jsonl", "--nproc", "2", "--strategy", "dp"],
+            "--trace run/metrics.jsonl would overwrite the metrics file",
+        ),
+        (
+            ["--metrics", "m.jsonl", "--trace", "m.jsonl", "--nproc", "2", "--strategy", "dp"],
+            "--metrics m.jsonl would overwrite the --trace file",
+        ),
+    ],
+)
 def test_metrics_and_trace_stay_off_the_runs_own_files(train, tmp_path, argv, words):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.toml").write_text("steps = 2\n")  # e.g. left by a run stopped before it trained
@@ -129,11 +153,19 @@ def test_metrics_and_trace_stay_off_the_runs_own_files(train, tmp_path, argv, wo
 
 
 def test_runs_latest_missing_for_resume_or_a_directory_of_an_earlier_version(train, tmp_path):
-    one_paragraph(*train("--resume"), "train", "--resume without --run-dir continues the newest run, runs/latest, "
-                  "which does not exist; pass --run-dir with the directory of the run to continue")
+    one_paragraph(
+        *train("--resume"),
+        "train",
+        "--resume without --run-dir continues the newest run, runs/latest, "
+        "which does not exist; pass --run-dir with the directory of the run to continue",
+    )
     (tmp_path / "runs" / "latest").mkdir(parents=True)
-    one_paragraph(*train(), "train", "runs/latest is a directory (a run of an earlier shardflow",
-                  "rename it (e.g. mv runs/latest runs/old)")
+    one_paragraph(
+        *train(),
+        "train",
+        "runs/latest is a directory (a run of an earlier shardflow",
+        "rename it (e.g. mv runs/latest runs/old)",
+    )
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["latest"]
 
 
@@ -154,14 +186,32 @@ output = {tp = "Replicate()"}
 
 def test_train_with_a_user_plan(train, tmp_path, tiny, corpus, capsys):
     (tmp_path / "plan.toml").write_text(LLAMA_PLAN)
-    code = cli_main(["train", *tiny, "--steps", "2", "--data", str(corpus), "--plan", "plan.toml", "--mesh", "tp=2",
-                     "--nproc", "1", "--check"])
+    code = cli_main(
+        [
+            "train",
+            *tiny,
+            "--steps",
+            "2",
+            "--data",
+            str(corpus),
+            "--plan",
+            "plan.toml",
+            "--mesh",
+            "tp=2",
+            "--nproc",
+            "1",
+            "--check",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "plan plan.toml on mesh tp=2 (2 devices; buffers on cpu)" in out and "all_reduce/tp" in out
     assert next(line for line in out.splitlines() if line.startswith("check against one device")).endswith(": OK")
-    one_paragraph(*train("--plan", "plan.toml", "--strategy", "tp"), "train",
-                  "--plan plan.toml and --strategy tp: the plan places every tensor itself; give one of them")
+    one_paragraph(
+        *train("--plan", "plan.toml", "--strategy", "tp"),
+        "train",
+        "--plan plan.toml and --strategy tp: the plan places every tensor itself; give one of them",
+    )
 
 
 def test_keep_checkpoints_removes_the_older_ones_of_the_run_only(train, tmp_path):
@@ -175,7 +225,8 @@ def test_keep_checkpoints_removes_the_older_ones_of_the_run_only(train, tmp_path
     code, _, err = train("--run-dir", str(run), "--steps", "7", "--checkpoint-every", "1", "--resume")
     assert code == 0, err
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_5", "step_6", "step_7"]
-    code, _, err = train("--run-dir", str(run), "--steps", "8", "--checkpoint-every", "1", "--resume",
-                         "--keep-checkpoints", "1")
+    code, _, err = train(
+        "--run-dir", str(run), "--steps", "8", "--checkpoint-every", "1", "--resume", "--keep-checkpoints", "1"
+    )
     assert code == 0, err
     assert [p.name for p in root.iterdir()] == ["step_8"] and checkpoint.newest(root) == root / "step_8"

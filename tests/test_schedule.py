@@ -42,8 +42,14 @@ def test_interleaved_runs_chunks_in_groups_of_p_microbatches():
     same, then the next two; stage 0 warms up with (p-1-s)·2 + (V-1)·p = 4 forwards, stage 1 with 2; backwards visit
     the chunks in reverse."""
     s = Schedule("interleaved", 2, 4, 2)
-    assert " ".join(map(str, s.actions(0))) == "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0"
-    assert " ".join(map(str, s.actions(1))) == "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0"
+    assert (
+        " ".join(map(str, s.actions(0)))
+        == "F0.0 F1.0 F0.1 F1.1 F2.0 B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 B1.0 B2.1 B3.1 B2.0 B3.0"
+    )
+    assert (
+        " ".join(map(str, s.actions(1)))
+        == "F0.0 F1.0 F0.1 B0.1 F1.1 B1.1 F2.0 B0.0 F3.0 B1.0 F2.1 B2.1 F3.1 B3.1 B2.0 B3.0"
+    )
     assert s.virtual_stage(1, Action(Phase.F, 0, 1)) == 3 and s.bubble == pytest.approx(1 / 9)
     with pytest.raises(ValueError, match="do not split over 2 stages; give a multiple of 2"):
         Schedule("interleaved", 2, 3, 2)
@@ -70,13 +76,17 @@ def test_timeline_draws_each_stage():
     assert text.splitlines() == [
         "pipeline schedule 1f1b: 2 stages, 3 microbatches, 8 ticks; bubble (p-1)/(m+p-1) = 0.250",
         "  stage 0 | F0 F1 .  B0 F2 B1 .  B2   (at most 2 microbatch(es) in flight)",
-        "  stage 1 | .  F0 B0 F1 B1 F2 B2 .   (at most 1 microbatch(es) in flight)"]
+        "  stage 1 | .  F0 B0 F1 B1 F2 B2 .   (at most 1 microbatch(es) in flight)",
+    ]
 
 
 def test_a_cycle_is_refused_naming_the_stuck_stages():
     f0, b0 = Action(Phase.F, 0), Action(Phase.B, 0)
-    with pytest.raises(PassError, match=r"deadlocks: stage 0 at F0 waits for B0 of stage 1; stage 1 at B0 waits "
-                                        r"for F0 of stage 0"):
+    with pytest.raises(
+        PassError,
+        match=r"deadlocks: stage 0 at F0 waits for B0 of stage 1; stage 1 at B0 waits "
+        r"for F0 of stage 0",
+    ):
         simulate({0: [f0], 1: [b0]}, {(0, f0): [(1, b0)], (1, b0): [(0, f0)]})
     with pytest.raises(ValueError, match=r"schedule must be one of \['gpipe', '1f1b', 'interleaved'\], got 'zb'"):
         LowerOptions.parse(cost=CostModel(), schedule="zb")  # refused where it is parsed, before any Schedule
@@ -111,8 +121,16 @@ def test_1f1b_programs_transfer_in_the_schedules_order():
     plain = lowered("pp=2", "pp", 1)
     step = lowered("pp=2", "pp", 4)
     (act, _), (grad, _) = [(c.value, c.kind) for c in plain.programs[0].comms]
-    want0 = [("send", "FWD", 0), ("send", "FWD", 1), ("recv", "BWD", 0), ("send", "FWD", 2), ("recv", "BWD", 1),
-             ("send", "FWD", 3), ("recv", "BWD", 2), ("recv", "BWD", 3)]
+    want0 = [
+        ("send", "FWD", 0),
+        ("send", "FWD", 1),
+        ("recv", "BWD", 0),
+        ("send", "FWD", 2),
+        ("recv", "BWD", 1),
+        ("send", "FWD", 3),
+        ("recv", "BWD", 2),
+        ("recv", "BWD", 3),
+    ]
     assert transfers(step, 0) == [(k, p, microbatch_id(act if p == "FWD" else grad, m)) for k, p, m in want0]
     flip = {"send": "recv", "recv": "send"}
     assert transfers(step, 1) == [(flip[k], p, v) for k, p, v in transfers(step, 0)]
@@ -123,9 +141,12 @@ def test_1f1b_programs_transfer_in_the_schedules_order():
         assert all(not c.wait for c in prog.comms) and set(waited) == set(issued)
         for c in prog.comms:
             if c.kind == "recv":
-                reader = next(k for k, i in enumerate(instrs) if isinstance(i, Compute)
-                              and c.recv.value in {b.value for b in i.ins})
-                assert waited[c.token] < reader and all(isinstance(i, Wait) for i in instrs[waited[c.token]:reader])
+                reader = next(
+                    k
+                    for k, i in enumerate(instrs)
+                    if isinstance(i, Compute) and c.recv.value in {b.value for b in i.ins}
+                )
+                assert waited[c.token] < reader and all(isinstance(i, Wait) for i in instrs[waited[c.token] : reader])
     rank1 = list(step.programs[1].instrs)
     recv_f1 = next(k for k, i in enumerate(rank1) if isinstance(i, Comm) and i.value == microbatch_id(act, 1))
     wait_f1 = next(k for k, i in enumerate(rank1) if isinstance(i, Wait) and i.token == rank1[recv_f1].token)
@@ -135,7 +156,7 @@ def test_1f1b_programs_transfer_in_the_schedules_order():
     weight_grads = [i for i in rank1[send_b0:wait_b0] if isinstance(i, Compute) and isinstance(i.kernel, Vjp)]
     assert weight_grads and all(i.micro == 0 for i in weight_grads)  # B0's weight gradients after its send
     updates = [n for n in step.dg.nodes if n.kind == NodeKind.UPDATE]
-    assert len(updates) == len(plain.dg.pcg.graph.weights) and step.dg.nodes[-len(updates):] == tuple(updates)
+    assert len(updates) == len(plain.dg.pcg.graph.weights) and step.dg.nodes[-len(updates) :] == tuple(updates)
 
 
 def test_weight_gradients_are_reduced_once_per_step():
@@ -145,8 +166,13 @@ def test_weight_gradients_are_reduced_once_per_step():
     plain, step = lowered("pp=2,dp=2", "pp,dp", 1), lowered("pp=2,dp=2", "pp,dp", 4)
 
     def reductions(s):
-        return sorted((c.kind, c.type.shape) for p in s.programs.values() for c in p.comms
-                      if c.kind == "all_reduce" and c.pass_ == TaskType.BWD)
+        return sorted(
+            (c.kind, c.type.shape)
+            for p in s.programs.values()
+            for c in p.comms
+            if c.kind == "all_reduce" and c.pass_ == TaskType.BWD
+        )
+
     assert reductions(step) == reductions(plain) and reductions(plain)
     seeds = [n for n in step.dg.nodes if n.kind == NodeKind.SEED]
     assert sorted(n.micro for n in seeds) == [0, 1, 2, 3] and {n.scale for n in seeds} == {0.25}
@@ -176,8 +202,9 @@ def run_against_one_device(step, steps: int = 3, tol: float = 1e-5):
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("m", [1, 2, 4, 8])
-@pytest.mark.parametrize("mesh, strategy", [("pp=2", "pp"), ("pp=2,dp=2", "pp,dp"), ("pp=2,tp=2", "pp,tp"),
-                                            ("pp=4", "pp")])
+@pytest.mark.parametrize(
+    "mesh, strategy", [("pp=2", "pp"), ("pp=2,dp=2", "pp,dp"), ("pp=2,tp=2", "pp,tp"), ("pp=4", "pp")]
+)
 def test_every_schedule_equals_one_device(mesh, strategy, m, kind):
     """Every schedule, M ∈ {1, 2, 4, 8} (dp=2: at least one row per rank), with dp and tp: 3 AdamW steps equal
     one device on the whole batch of 8. float32 both sides, partial sums added in another order: ~1e-7; 1e-5
@@ -195,16 +222,28 @@ def test_interleaved_equals_one_device(mesh, strategy, m):
     if "dp=2" in mesh and m == 8:
         pytest.skip("8 microbatches of 1 row do not split over dp=2")
     step = lowered(mesh, strategy, m, "interleaved", v=2, grad_norm=True)
-    stage = {n.src: dict(n.group.fixed)["pp"] for n in step.dg.nodes if n.kind == NodeKind.COMPUTE
-             and step.dg.sources[n.src].scope.startswith("layers.")}
-    assert {step.dg.sources[k].scope: v for k, v in stage.items()} == {"layers.0": 0, "layers.1": 1, "layers.2": 0,
-                                                                         "layers.3": 1}
+    stage = {
+        n.src: dict(n.group.fixed)["pp"]
+        for n in step.dg.nodes
+        if n.kind == NodeKind.COMPUTE and step.dg.sources[n.src].scope.startswith("layers.")
+    }
+    assert {step.dg.sources[k].scope: v for k, v in stage.items()} == {
+        "layers.0": 0,
+        "layers.1": 1,
+        "layers.2": 0,
+        "layers.3": 1,
+    }
     run_against_one_device(step)
 
 
-@pytest.mark.parametrize("mesh, strategy, m, kind", [("pp=2,fsdp=2", "pp,fsdp", 2, "gpipe"),
-                                                    ("pp=2,dp=2,tp=2", "pp,dp,tp", 2, "1f1b"),
-                                                    ("pp=2,fsdp=2,tp=2", "pp,fsdp,tp", 4, "1f1b")])
+@pytest.mark.parametrize(
+    "mesh, strategy, m, kind",
+    [
+        ("pp=2,fsdp=2", "pp,fsdp", 2, "gpipe"),
+        ("pp=2,dp=2,tp=2", "pp,dp,tp", 2, "1f1b"),
+        ("pp=2,fsdp=2,tp=2", "pp,fsdp,tp", 4, "1f1b"),
+    ],
+)
 def test_pipelines_on_two_and_three_dimensional_meshes_equal_one_device(mesh, strategy, m, kind):
     """pp with FSDP (each microbatch gathers its stage's weights, the last reduce-scatters the summed gradients),
     and 3-D meshes pp × dp × tp and pp × fsdp × tp: 3 AdamW steps equal one device (1e-5)."""
@@ -224,8 +263,11 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
     batch = {"x": torch.randn(256, 64), "y": torch.randint(0, 8, (256,))}
     peaks = {}
     for kind in ("gpipe", "1f1b"):
-        ex = LocalExecutor(lower_step(pcg, "sgd", options=LowerOptions(microbatches=8, schedule=kind)),
-                           OptimizerConfig("sgd", lr=0.1), memory=True)
+        ex = LocalExecutor(
+            lower_step(pcg, "sgd", options=LowerOptions(microbatches=8, schedule=kind)),
+            OptimizerConfig("sgd", lr=0.1),
+            memory=True,
+        )
         ex.load(weights)
         ex.step(batch)
         peaks[kind] = ex.peak_bytes
@@ -242,12 +284,21 @@ def test_a_forward_that_comes_back_to_an_earlier_stage_is_refused():
     x, y = b.input("x", (4, 6)), b.input("y", (4,), "int64")
     loss = b.cross_entropy(b.dense(b.relu(b.dense(x, 8, name="fc1")), 3, name="fc2"), y)
     graph = b.build([loss], loss)
-    plan = Plan(modules={"fc1": ModulePlan(stage=0), "relu": ModulePlan(stage=0), "fc2": ModulePlan(stage=1),
-                         "loss": ModulePlan(stage=0)})
+    plan = Plan(
+        modules={
+            "fc1": ModulePlan(stage=0),
+            "relu": ModulePlan(stage=0),
+            "fc2": ModulePlan(stage=1),
+            "loss": ModulePlan(stage=0),
+        }
+    )
     mesh = Mesh.parse("pp=2")
     pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
     lower_step(pcg)
-    with pytest.raises(PassError, match=r"schedule: 'FWD loss#0' on stage 0 reads 'fwd:linear_1#0@mesh\[pp=0\]' from "
-                                        r"the F of stage 1: a microbatched pipeline's forward visits the stages once "
-                                        r"each, in order"):
+    with pytest.raises(
+        PassError,
+        match=r"schedule: 'FWD loss#0' on stage 0 reads 'fwd:linear_1#0@mesh\[pp=0\]' from "
+        r"the F of stage 1: a microbatched pipeline's forward visits the stages once "
+        r"each, in order",
+    ):
         lower_step(pcg, options=LowerOptions(microbatches=2))

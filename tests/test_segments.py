@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardflow.capture import capture
 from shardflow.graph.ops import TensorType
 from shardflow.lower import lower_step
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Compute, Free, Update
 from shardflow.models import MLP
-from shardflow.capture import capture
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.runtime.kernels import OptimizerConfig, update_kernel
@@ -52,6 +52,7 @@ class Recorder(dict):
 def _segment(instrs, ledger=None):
     def kernel(c):
         return lambda xs: [sum(xs[1:], xs[0])]
+
     return compile_segment(instrs, kernel, lambda us: None, ledger)
 
 
@@ -110,15 +111,22 @@ def _updates(n: int, cfg: OptimizerConfig, dtype: str, clip: float) -> list[Comp
         ins = [Buffer(f"w{i}", t), Buffer(f"g{i}", t), *(Buffer(f"{s}{i}", t) for s in slots)]
         ins += [Buffer("norm", TensorType((), dtype))] if clip else []
         outs = [Buffer(f"w{i}'", t), *(Buffer(f"{s}{i}'", t) for s in slots)]
-        out.append(Compute(TaskType.UPD, f"w{i}", "adamw", tuple(ins), tuple(outs), f"upd:w{i}",
-                           kernel=Update(slots, clip)))
+        out.append(
+            Compute(TaskType.UPD, f"w{i}", "adamw", tuple(ins), tuple(outs), f"upd:w{i}", kernel=Update(slots, clip))
+        )
     return out
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
-@pytest.mark.parametrize("cfg, clip", [(OptimizerConfig("sgd", 0.1, 0.9, 0.01), 0.0),
-                                       (OptimizerConfig("adamw", 0.01, weight_decay=0.1), 0.0),
-                                       (OptimizerConfig("adamw", 0.01), 0.5)], ids=["sgd", "adamw", "adamw-clip"])
+@pytest.mark.parametrize(
+    "cfg, clip",
+    [
+        (OptimizerConfig("sgd", 0.1, 0.9, 0.01), 0.0),
+        (OptimizerConfig("adamw", 0.01, weight_decay=0.1), 0.0),
+        (OptimizerConfig("adamw", 0.01), 0.5),
+    ],
+    ids=["sgd", "adamw", "adamw-clip"],
+)
 def test_update_kernel_equals_torch_optim(dtype, cfg, clip):
     """Three updates of three shards at once against torch.optim (SGD with momentum and weight decay, AdamW with
     decoupled weight decay, AdamW after clip_grad_norm_), three steps; the state is the kernel's own tensors."""
@@ -130,8 +138,11 @@ def test_update_kernel_equals_torch_optim(dtype, cfg, clip):
     shapes = [u.ins[0].type.shape for u in updates]
     ws = [torch.randn(s).to(dt) for s in shapes]
     params = [torch.nn.Parameter(w.clone()) for w in ws]
-    ref = (torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-           if cfg.name == "sgd" else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay))
+    ref = (
+        torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        if cfg.name == "sgd"
+        else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    )
     n_state = len(updates[0].kernel.slots)
     state = [[torch.zeros(s, dtype=dt) for _ in range(n_state)] for s in shapes]
     for step[0] in (1, 2, 3):

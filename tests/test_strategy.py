@@ -10,7 +10,8 @@ from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
-from shardflow.parallel.ops import Reduction, Replicate as ReplicateOp
+from shardflow.parallel.ops import Reduction
+from shardflow.parallel.ops import Replicate as ReplicateOp
 from shardflow.parallel.pcg import build_pcg, lift
 from shardflow.parallel.shape import DegreeError
 from shardflow.parallel.simulate import simulate_outputs
@@ -50,10 +51,20 @@ def parallel_ops(pcg):
 ATOL = 1e-10
 
 
-@pytest.mark.parametrize("mesh, strategy", [
-    ("dp=2", "dp"), ("tp=2", "tp"), ("tp=4", "tp"), ("tp=2", "sp"), ("pp=2", "pp"),
-    ("dp=2,tp=2", "dp,tp"), ("dp=2,tp=2", "dp,sp"), ("pp=2,tp=2", "pp,tp"), ("dp=2,pp=2", "dp,pp"),
-])
+@pytest.mark.parametrize(
+    "mesh, strategy",
+    [
+        ("dp=2", "dp"),
+        ("tp=2", "tp"),
+        ("tp=4", "tp"),
+        ("tp=2", "sp"),
+        ("pp=2", "pp"),
+        ("dp=2,tp=2", "dp,tp"),
+        ("dp=2,tp=2", "dp,sp"),
+        ("pp=2,tp=2", "pp,tp"),
+        ("dp=2,pp=2", "dp,pp"),
+    ],
+)
 def test_every_strategy_computes_the_single_device_values(gpt2, mesh, strategy):
     model, graph, leaves = gpt2
     want = simulate_outputs(lift(graph), leaves)
@@ -69,9 +80,15 @@ def test_megatron_finds_attention_and_mlp_pairs(gpt2):
     regions = megatron_regions(graph, 2)
     pairs = [(sorted(c.scope for c in cols), sorted(r.scope for r in rows)) for cols, rows in regions]
     assert pairs == [
-        (["transformer.h.0.attn.k", "transformer.h.0.attn.q", "transformer.h.0.attn.v"], ["transformer.h.0.attn.c_proj"]),
+        (
+            ["transformer.h.0.attn.k", "transformer.h.0.attn.q", "transformer.h.0.attn.v"],
+            ["transformer.h.0.attn.c_proj"],
+        ),
         (["transformer.h.0.mlp.c_fc"], ["transformer.h.0.mlp.c_proj"]),
-        (["transformer.h.1.attn.k", "transformer.h.1.attn.q", "transformer.h.1.attn.v"], ["transformer.h.1.attn.c_proj"]),
+        (
+            ["transformer.h.1.attn.k", "transformer.h.1.attn.q", "transformer.h.1.attn.v"],
+            ["transformer.h.1.attn.c_proj"],
+        ),
         (["transformer.h.1.mlp.c_fc"], ["transformer.h.1.mlp.c_proj"]),
     ]
 
@@ -116,6 +133,7 @@ def test_dp_plan_shards_only_the_batch(gpt2):
     assert pcg.tensors["idx"].placements == (Shard(0),)
     assert all(pcg.tensors[w].placements == (Replicate(),) for w in graph.weights)
     from shardflow.parallel.mesh import Partial
+
     assert pcg.tensors[pcg.loss].placements == (Partial("sum"),)  # each rank's loss piece: sum/(global N)
 
 
@@ -166,7 +184,9 @@ def test_repeated_blocks():
     _, graph, _ = gpt(n_layer=3)
     assert repeated_blocks(graph) == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
     torch.manual_seed(0)
-    g = capture(MLP(d_in=4, hidden=8, d_out=3, n_layers=3), {"x": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long)})
+    g = capture(
+        MLP(d_in=4, hidden=8, d_out=3, n_layers=3), {"x": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long)}
+    )
     assert repeated_blocks(g) == ["layers.0", "layers.1", "layers.2"]
 
 
@@ -184,13 +204,16 @@ def test_width_not_divisible_by_tp_is_an_error_naming_the_weight():
         pcg_for(graph, "tp=5", "tp")
 
 
-@pytest.mark.parametrize("mesh, strategy, match", [
-    ("dp=2", "tp", "mesh axis 'tp', which mesh dp=2 lacks"),
-    ("dp=2,tp=2", "dp", r"axes \['tp'\].*used by no strategy"),
-    ("pp=4", "pp", "needs at least 4 repeated blocks"),
-    ("tp=2", "tp,sp", "sp already includes tp"),
-    ("tp=2", "zp", "unknown strategy"),
-])
+@pytest.mark.parametrize(
+    "mesh, strategy, match",
+    [
+        ("dp=2", "tp", "mesh axis 'tp', which mesh dp=2 lacks"),
+        ("dp=2,tp=2", "dp", r"axes \['tp'\].*used by no strategy"),
+        ("pp=4", "pp", "needs at least 4 repeated blocks"),
+        ("tp=2", "tp,sp", "sp already includes tp"),
+        ("tp=2", "zp", "unknown strategy"),
+    ],
+)
 def test_strategy_errors(gpt2, mesh, strategy, match):
     _, graph, _ = gpt2
     with pytest.raises(PlanError, match=match):
@@ -199,7 +222,9 @@ def test_strategy_errors(gpt2, mesh, strategy, match):
 
 def test_mlp_without_a_pair_has_no_tensor_parallelism():
     torch.manual_seed(0)
-    g = capture(MLP(d_in=4, hidden=8, d_out=3, n_layers=1), {"x": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long)})
+    g = capture(
+        MLP(d_in=4, hidden=8, d_out=3, n_layers=1), {"x": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long)}
+    )
     with pytest.raises(PlanError, match="no column-parallel/row-parallel pair"):
         make_plan(g, Mesh.parse("tp=2"), "tp")
 
@@ -209,8 +234,14 @@ def test_user_plan_equals_the_tp_preset(gpt2):
     _, graph, leaves = gpt2
     col = ModulePlan(params={"weight": [Shard(0)], "bias": [Shard(0)]})
     row = ModulePlan(params={"weight": [Shard(1)]}, output=[Replicate()])
-    plan = Plan(modules={"transformer.h.*.attn.[qkv]": col, "transformer.h.*.attn.c_proj": row,
-                         "transformer.h.*.mlp.c_fc": col, "transformer.h.*.mlp.c_proj": row})
+    plan = Plan(
+        modules={
+            "transformer.h.*.attn.[qkv]": col,
+            "transformer.h.*.attn.c_proj": row,
+            "transformer.h.*.mlp.c_fc": col,
+            "transformer.h.*.mlp.c_proj": row,
+        }
+    )
     mesh = Mesh.parse("tp=2")
     mine = build_pcg(graph, mesh, resolve(plan, graph, mesh))
     preset = pcg_for(graph, "tp=2", "tp")
@@ -221,7 +252,7 @@ def test_user_plan_equals_the_tp_preset(gpt2):
 def test_user_plan_from_toml(tmp_path, gpt2):
     _, graph, leaves = gpt2
     f = tmp_path / "plan.toml"
-    f.write_text('''
+    f.write_text("""
 [inputs]
 idx = {dp = "Shard(0)"}
 targets = {dp = "Shard(0)"}
@@ -231,7 +262,7 @@ bias = {tp = "Shard(0)"}
 [modules."transformer.h.*.mlp.c_proj"]
 params = {weight = {tp = "Shard(1)"}}
 output = {tp = "R"}
-''')
+""")
     mesh = Mesh.parse("dp=2,tp=2")
     pcg = build_pcg(graph, mesh, resolve(Plan.load(f), graph, mesh))
     # The MLPs' two all-reduces on tp, and the loss's label count on dp (see test_dp_plan_shards_only_the_batch).
@@ -267,9 +298,15 @@ def test_user_pipeline_plan_with_node_names_and_explicit_parallel_ops():
     loss = b.cross_entropy(logits, y)
     graph = b.build([loss], loss)
     mesh = Mesh.parse("pp=2")
-    plan = Plan(modules={"fc1": ModulePlan(stage=0), "relu": ModulePlan(stage=0), "fc2": ModulePlan(stage=1),
-                         "loss": ModulePlan(stage=0)},
-                ops={"loss": (ReplicateOp(2, "pp"),)})
+    plan = Plan(
+        modules={
+            "fc1": ModulePlan(stage=0),
+            "relu": ModulePlan(stage=0),
+            "fc2": ModulePlan(stage=1),
+            "loss": ModulePlan(stage=0),
+        },
+        ops={"loss": (ReplicateOp(2, "pp"),)},
+    )
     pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
     stage = {n.name: n.group.fixed for n in pcg.nodes if not n.is_parallel}
     assert stage == {"linear": (("pp", 0),), "relu": (("pp", 0),), "linear_1": (("pp", 1),), "loss": (("pp", 0),)}

@@ -9,7 +9,6 @@ import pytest
 
 from shardflow.train import checkpoint
 
-
 # `make train`'s flags (the Makefile's recipe: tests/test_docs.py checks that this line holds them)
 MAKE_TRAIN = ["--strategy", "tp", "--nproc", "2"]
 
@@ -26,8 +25,18 @@ def tp2(tmp_path_factory, run_train):
     """One tp=2 run on 2 processes that several tests read (none changes it): with --tensorboard, a checkpoint every
     2 steps, the peak measured (--peak-tflops 0) and a Chrome trace (``trace.json`` beside the run directory)."""
     d = tmp_path_factory.mktemp("tp2")
-    r, run = run_train(d, "tb", *MAKE_TRAIN, "--tensorboard", "--checkpoint-every", "2", "--peak-tflops", "0",
-                       "--trace", str(d / "trace.json"))
+    r, run = run_train(
+        d,
+        "tb",
+        *MAKE_TRAIN,
+        "--tensorboard",
+        "--checkpoint-every",
+        "2",
+        "--peak-tflops",
+        "0",
+        "--trace",
+        str(d / "trace.json"),
+    )
     assert r.returncode == 0, r.stderr + r.stdout
     return r, run, d / "trace.json"
 
@@ -46,12 +55,15 @@ def _matches_single_device_step_by_step(r, run, want, read_metrics):
     assert (run / "rank0.log").exists() and (run / "rank1.log").exists() and (run / "config.toml").exists()
 
 
-@pytest.mark.parametrize("argv", [
-    ["--strategy", "dp", "--nproc", "2"],
-    ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
-    ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
-    ["--strategy", "fsdp", "--nproc", "2", "--ac", "block"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--strategy", "dp", "--nproc", "2"],
+        ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
+        ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
+        ["--strategy", "fsdp", "--nproc", "2", "--ac", "block"],
+    ],
+)
 def test_strategies_match_single_device_step_by_step(tmp_path, run_train, run_here, read_metrics, single, argv):
     """(tp: test_tp_matches_single_device_step_by_step, on the run other tests read too.)"""
     r, run = run_train(tmp_path, "run", *argv)
@@ -71,8 +83,20 @@ def test_tp_matches_single_device_step_by_step(tp2, single, read_metrics):
 def test_metrics_fields(single):
     """One device in one process, a line every step (so the memory every step), --peak-tflops 0.1 (conftest.TINY),
     batch 8 × 16 tokens: the rates and the MFU follow from the step time; the model FLOPs per step are constant."""
-    every = {"step", "loss", "step_s", "data_s", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
-             "mfu_pct", "grad_norm", "lr", "mem_mib", "mem_mib_ranks"}
+    every = {
+        "step",
+        "loss",
+        "step_s",
+        "data_s",
+        "tokens_per_s",
+        "tokens_per_s_per_device",
+        "tflops_per_device",
+        "mfu_pct",
+        "grad_norm",
+        "lr",
+        "mem_mib",
+        "mem_mib_ranks",
+    }
     assert set(single[0]) == every and set(single[1]) == every | {"val_loss"}
     flops = single[0]["tflops_per_device"] * single[0]["step_s"]
     for m in single:
@@ -89,8 +113,21 @@ def test_lr_schedule_reaches_the_metrics_and_the_console(tmp_path, run_here, rea
     --lr, so its loss is the constant-rate run's but the second's differs. A decay with no step after the warm-up
     is refused before any process starts."""
     from titan import titan_lambda
-    r, run = run_here(tmp_path, "cosine", "--strategy", "single", "--nproc", "1", "--warmup-steps", "1",
-                      "--lr-schedule", "cosine", "--lr-min-ratio", "0.1")
+
+    r, run = run_here(
+        tmp_path,
+        "cosine",
+        "--strategy",
+        "single",
+        "--nproc",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--lr-schedule",
+        "cosine",
+        "--lr-min-ratio",
+        "0.1",
+    )
     assert r.returncode == 0, r.stderr
     got = read_metrics(run)
     factor = titan_lambda(1, 4, "cosine", 0.1)
@@ -105,13 +142,15 @@ def test_lr_schedule_reaches_the_metrics_and_the_console(tmp_path, run_here, rea
 def _board(run) -> dict[str, list[tuple[int, float]]]:
     """The scalars of ``run/tensorboard`` as TensorBoard reads them: tag → [(step, value)], purges applied."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every event
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_after_its_checkpoint(
-        tmp_path, tp2, run_here, read_metrics):
+    tmp_path, tp2, run_here, read_metrics
+):
     """tp=2 on 2 processes with --tensorboard and the peak measured, then (a copy of it) resumed in one process
     from its checkpoint at step 2, the one at step 4 removed: TensorBoard's scalars are metrics.jsonl's — every key,
     every step, once (the first run's steps 3 and 4, with other step times, purged). Event files hold float32: rel
@@ -122,8 +161,9 @@ def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_afte
     assert all(len(m["mem_mib_ranks"]) == 2 and m["mem_mib"] == max(m["mem_mib_ranks"]) for m in read_metrics(first))
     shutil.copytree(first, tmp_path / "tb")
     shutil.rmtree(tmp_path / "tb" / "checkpoints" / "step_4")
-    r, run = run_here(tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard",
-                      "--resume", "--check")
+    r, run = run_here(
+        tmp_path, "tb", "--strategy", "tp", "--mesh", "tp=2", "--nproc", "1", "--tensorboard", "--resume", "--check"
+    )
     assert check_line(r).endswith(": OK")
     want: dict[str, list] = {}
     for m in read_metrics(run):
@@ -135,12 +175,15 @@ def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_afte
     assert _board(run) == want
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--data", "/nonexistent.txt"], ["does not exist"]),
-    (["--strategy", "tp", "--nproc", "3", "--heads", "2"], ["degree 3", "does not divide"]),
-    (["--strategy", "tp", "--mesh", "tp=2", "--nproc", "4"], ["4 processes", "--nproc"]),
-    (["--strategy", "dp", "--nproc", "2", "--batch-size", "3"], ["degree 2 does not divide", "size 3"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--data", "/nonexistent.txt"], ["does not exist"]),
+        (["--strategy", "tp", "--nproc", "3", "--heads", "2"], ["degree 3", "does not divide"]),
+        (["--strategy", "tp", "--mesh", "tp=2", "--nproc", "4"], ["4 processes", "--nproc"]),
+        (["--strategy", "dp", "--nproc", "2", "--batch-size", "3"], ["degree 2 does not divide", "size 3"]),
+    ],
+)
 def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, run_here, argv, words):
     r, run = run_here(tmp_path, "bad", *argv)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -161,19 +204,23 @@ def test_empty_and_non_utf8_data(tmp_path, run_here):
 
 
 @pytest.mark.parametrize("argv", [["--strategy", "single", "--nproc", "1"], ["--strategy", "tp", "--nproc", "2"]])
-def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint(tmp_path, run_train, run_here,
-                                                                                   read_metrics, argv):
+def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint(
+    tmp_path, run_train, run_here, read_metrics, argv
+):
     """--lr 1e12: step 1's loss is finite and its update huge; step 2's loss is NaN. One process (the local executor,
     run in this one) and two (each rank sees the same loss, so both stop at step 2 with status 2, and nothing
     hangs)."""
-    r, run = (run_train if argv[-1] == "2" else run_here)(tmp_path, "nan", *argv, "--lr", "1e12",
-                                                          "--checkpoint-every", "1")
+    r, run = (run_train if argv[-1] == "2" else run_here)(
+        tmp_path, "nan", *argv, "--lr", "1e12", "--checkpoint-every", "1"
+    )
     assert r.returncode == 2, r.stderr + r.stdout
     rank = "rank 0: " if argv[-1] == "2" else ""  # the command prints rank 0's paragraph
-    assert r.stderr == (f"shardflow train: error: {rank}the loss is nan at step 2: training diverged, most likely "
-                        f"because the learning rate is too high (--lr 1e+12); try --clip-norm 1.0 or a lower --lr. "
-                        f"Nothing of step 2 was saved; the last complete checkpoint, {run / 'checkpoints' / 'step_1'}, "
-                        f"is kept (continue from it with --resume and a lower --lr)\n"), r.stderr
+    assert r.stderr == (
+        f"shardflow train: error: {rank}the loss is nan at step 2: training diverged, most likely "
+        f"because the learning rate is too high (--lr 1e+12); try --clip-norm 1.0 or a lower --lr. "
+        f"Nothing of step 2 was saved; the last complete checkpoint, {run / 'checkpoints' / 'step_1'}, "
+        f"is kept (continue from it with --resume and a lower --lr)\n"
+    ), r.stderr
     assert "Traceback" not in r.stdout
     assert [m["step"] for m in read_metrics(run)] == [1]
     root = run / "checkpoints"
@@ -195,7 +242,7 @@ def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardflow.cli")
     argv = train_argv(tmp_path / "unused", "--steps", "4", "--strategy", "dp", entry=torchrun)
     at = argv.index("--run-dir")
-    r = subprocess.run(argv[:at] + argv[at + 2:], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(argv[:at] + argv[at + 2 :], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "runs" / "latest"
     assert run.is_symlink() and (run / "config.toml").exists()

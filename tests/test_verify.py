@@ -9,12 +9,12 @@ import dataclasses
 import re
 
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from shardflow.graph.ops import TensorType
 from shardflow.lower.program import Buffer, Comm, Compute, Program
-from shardflow.lower.verify import (PlanMismatchError, PlanVerificationError, check_fingerprints,
-                                    fingerprints, verify)
+from shardflow.lower.verify import PlanMismatchError, PlanVerificationError, check_fingerprints, fingerprints, verify
 
 T = TensorType((4, 8))
 
@@ -48,8 +48,19 @@ class Plan:
         """nvFuser's swizzle1d: at step i ring position k sends to (k - i) mod d, receives from (k + i) mod d."""
         d = len(ring)
         for k, r in enumerate(ring):
-            self.instrs[r].append(Comm(self.token, "permute", "FWD", tuple(ring), T, 128, "tp",
-                                       peer=ring[(k - step) % d], peer_from=ring[(k + step) % d]))
+            self.instrs[r].append(
+                Comm(
+                    self.token,
+                    "permute",
+                    "FWD",
+                    tuple(ring),
+                    T,
+                    128,
+                    "tp",
+                    peer=ring[(k - step) % d],
+                    peer_from=ring[(k + step) % d],
+                )
+            )
         self.token += 1
         return self
 
@@ -139,24 +150,49 @@ def swap_comms(ps):
 
     def swap(xs):
         xs[i], xs[j] = xs[j], xs[i]
+
     return edit(ps, 1, swap)
 
 
 MUTATIONS = {
     "swap": (swap_comms, [1], [1, 3], "rank 1 issues token 1 (all_reduce) after token 3 (send)"),
-    "drop_recv": (lambda ps: edit(ps, 2, lambda xs: xs.pop(comm_at(ps, 2, 3))), [1, 2], [3],
-                  "rank 1 sends token 3 to rank 2, which has no matching recv"),
-    "drop_send": (lambda ps: edit(ps, 3, lambda xs: xs.pop(comm_at(ps, 3, 11))), [0, 3], [11],
-                  "rank 0 receives token 11 from rank 3, which has no matching send"),
-    "drop_member": (lambda ps: edit(ps, 2, lambda xs: xs.pop(comm_at(ps, 2, 0))), [2], [0],
-                    "rank 2 is a member of token 0 (all_gather)"),
-    "duplicate": (lambda ps: edit(ps, 0, lambda xs: xs.insert(comm_at(ps, 0, 4), xs[comm_at(ps, 0, 4)])), [0], [4],
-                  "rank 0 holds token 4 2 times"),
+    "drop_recv": (
+        lambda ps: edit(ps, 2, lambda xs: xs.pop(comm_at(ps, 2, 3))),
+        [1, 2],
+        [3],
+        "rank 1 sends token 3 to rank 2, which has no matching recv",
+    ),
+    "drop_send": (
+        lambda ps: edit(ps, 3, lambda xs: xs.pop(comm_at(ps, 3, 11))),
+        [0, 3],
+        [11],
+        "rank 0 receives token 11 from rank 3, which has no matching send",
+    ),
+    "drop_member": (
+        lambda ps: edit(ps, 2, lambda xs: xs.pop(comm_at(ps, 2, 0))),
+        [2],
+        [0],
+        "rank 2 is a member of token 0 (all_gather)",
+    ),
+    "duplicate": (
+        lambda ps: edit(ps, 0, lambda xs: xs.insert(comm_at(ps, 0, 4), xs[comm_at(ps, 0, 4)])),
+        [0],
+        [4],
+        "rank 0 holds token 4 2 times",
+    ),
     "peer": (lambda ps: change(ps, 2, 3, peer=0), [2], [3], "rank 2 token 3 (recv)"),
-    "permute_peer": (lambda ps: change(ps, 1, 7, peer=0), [0, 1], [7],
-                     "token 7 (permute): rank 1 sends to rank 0, which receives from rank 2"),
-    "permute_from": (lambda ps: change(ps, 0, 8, peer_from=2), [0, 3], [8],
-                     "token 8 (permute): rank 3 sends to rank 0, which receives from rank 2"),
+    "permute_peer": (
+        lambda ps: change(ps, 1, 7, peer=0),
+        [0, 1],
+        [7],
+        "token 7 (permute): rank 1 sends to rank 0, which receives from rank 2",
+    ),
+    "permute_from": (
+        lambda ps: change(ps, 0, 8, peer_from=2),
+        [0, 3],
+        [8],
+        "token 8 (permute): rank 3 sends to rank 0, which receives from rank 2",
+    ),
     "shape": (lambda ps: change(ps, 3, 9, type=TensorType((4, 4))), [3], [9], "token 9: holders disagree"),
     "dtype": (lambda ps: change(ps, 0, 1, type=TensorType((4, 8), "bfloat16")), [0], [1], "bfloat16"),
     "members": (lambda ps: change(ps, 3, 2, members=(1, 2, 3)), [3], [2], "token 2: holders disagree"),
@@ -180,6 +216,7 @@ def test_cycle_is_caught_by_order_and_deadlock():
     """rank 0: send t0 to 1, recv t1 from 1; rank 1: send t1 to 0, recv t0 from 0. Peers and signatures are
     consistent; no token numbering can order both ranks (rank 0 needs t0 < t1, rank 1 t1 < t0), so the order
     checks report it — and the deadlock simulation, which ignores token numbers, catches the cycle too."""
+
     def send(t, s, d):
         return Comm(t, "send", "FWD", (s, d), T, 128, peer=d)
 
@@ -190,8 +227,10 @@ def test_cycle_is_caught_by_order_and_deadlock():
     problems = rejected(programs).problems
     assert "rank 1 issues token 0 (recv) after token 1 (send): tokens must strictly increase" in problems
     assert any(p.startswith("ranks 0 and 1 order their shared communications differently") for p in problems)
-    assert "deadlock: rank 0 blocks at token 0 (send) over [0, 1] waiting for rank 1 (blocked at token 1 (send))" \
+    assert (
+        "deadlock: rank 0 blocks at token 0 (send) over [0, 1] waiting for rank 1 (blocked at token 1 (send))"
         in problems
+    )
     assert len([p for p in problems if p.startswith("deadlock")]) == 2
     assert not [p for p in problems if "no matching" in p or "disagree" in p]
 
@@ -206,11 +245,14 @@ def test_malformed_programs():
     with pytest.raises(PlanVerificationError) as e:
         verify(ps, 4)
     text = "\n".join(e.value.problems)
-    for phrase in ("rank 0 token 0 (all_gather): members [7] out of range for world size 4",
-                   "rank 1 token 1 (all_reduce): duplicate members in [0, 1, 1]",
-                   "rank 3 token 5 (reduce): root=0 is not among members [1, 3]",
-                   "rank 2 token 9 (reduce_scatter): peer=1 is set but reduce_scatter takes no peer",
-                   "programs[5] holds the program of rank 7", "rank 7 is out of range for world size 4"):
+    for phrase in (
+        "rank 0 token 0 (all_gather): members [7] out of range for world size 4",
+        "rank 1 token 1 (all_reduce): duplicate members in [0, 1, 1]",
+        "rank 3 token 5 (reduce): root=0 is not among members [1, 3]",
+        "rank 2 token 9 (reduce_scatter): peer=1 is set but reduce_scatter takes no peer",
+        "programs[5] holds the program of rank 7",
+        "rank 7 is out of range for world size 4",
+    ):
         assert phrase in text, text
 
 
@@ -251,18 +293,29 @@ def mutate(programs, rank: int, i: int, j: int, kind: str, value: int):
     elif kind == "duplicate":
         instrs.insert(k, c)
     else:
-        new = {"peer": {"peer": value}, "peer_from": {"peer_from": value}, "root": {"root": value},
-               "shape": {"type": TensorType((value + 1, 8))}, "dtype": {"type": TensorType((4, 8), "float16")},
-               "members": {"members": c.members[:-1] if value % 2 and len(c.members) > 2 else c.members + (value,)},
-               "token": {"token": c.token + value - 3}}[kind]
+        new = {
+            "peer": {"peer": value},
+            "peer_from": {"peer_from": value},
+            "root": {"root": value},
+            "shape": {"type": TensorType((value + 1, 8))},
+            "dtype": {"type": TensorType((4, 8), "float16")},
+            "members": {"members": c.members[:-1] if value % 2 and len(c.members) > 2 else c.members + (value,)},
+            "token": {"token": c.token + value - 3},
+        }[kind]
         instrs[k] = dataclasses.replace(c, **new)
         assume(instrs[k] != c)
     return {**programs, rank: dataclasses.replace(programs[rank], instrs=tuple(instrs))}
 
 
 @settings(max_examples=200, deadline=None)
-@given(make=st.sampled_from(list(VALID)), rank=st.integers(0, 3), i=st.integers(0, 50), j=st.integers(0, 50),
-       kind=st.sampled_from(KINDS), value=st.integers(0, 5))
+@given(
+    make=st.sampled_from(list(VALID)),
+    rank=st.integers(0, 3),
+    i=st.integers(0, 50),
+    j=st.integers(0, 50),
+    kind=st.sampled_from(KINDS),
+    value=st.integers(0, 5),
+)
 def test_random_mutation_rejected(make, rank, i, j, kind, value):
     programs = VALID[make]()
     rank %= len(programs)

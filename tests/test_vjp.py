@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shardflow.graph import ops as O
-from shardflow.lower.program import Buffer, Compute, Vjp
 from shardflow.lower.dynamic import TaskType
+from shardflow.lower.program import Buffer, Compute, Vjp
 from shardflow.parallel.rules import LocalOp
 from shardflow.parallel.validate import CASES, Case, InputSpec, case_values
 from shardflow.runtime.kernels import OptimizerConfig, make_kernel
@@ -39,14 +39,20 @@ EXTRA = (
     Case("cast(float64 → float32)", O.Cast("float32"), (_x("x", 4, 8),)),
     Case("layer_norm(no bias, 2 dims)", O.LayerNorm(2, 1e-5, True, False), (_x("x", 2, 4, 8), _x("w", 4, 8))),
     Case("layer_norm(no affine)", O.LayerNorm(1, 1e-5, False, False), (_x("x", 4, 8),)),
-    Case("conv(strided, no bias)", O.Conv((2, 2), (1, 1), (1, 1), 1, False), (_x("x", 2, 4, 8, 8), _x("w", 4, 4, 3, 3))),
-    Case("conv(grouped)", O.Conv((1, 1), (1, 1), (1, 1), 2, True), (_x("x", 2, 4, 8, 8), _x("w", 4, 2, 3, 3), _x("b", 4))),
+    Case(
+        "conv(strided, no bias)", O.Conv((2, 2), (1, 1), (1, 1), 1, False), (_x("x", 2, 4, 8, 8), _x("w", 4, 4, 3, 3))
+    ),
+    Case(
+        "conv(grouped)", O.Conv((1, 1), (1, 1), (1, 1), 2, True), (_x("x", 2, 4, 8, 8), _x("w", 4, 2, 3, 3), _x("b", 4))
+    ),
     Case("cat(three)", O.Cat(0), (_x("a", 4, 8), _x("b", 8, 8), _x("c", 4, 8))),
     Case("split(three)", O.Split((2, 4, 2), 1), (_x("x", 4, 8),)),
     Case("slice(step)", O.Slice(0, 1, 4, 2), (_x("x", 4, 8),)),
     Case("embedding(padding)", O.Embedding(padding_idx=2), (_x("idx", 4, 8, dtype="int64", high=8), _x("w", 8, 4))),
-) + tuple(Case(f"unary {fn}", O.Unary(fn), (_x("x", 4, 8, positive=fn in ("rsqrt", "sqrt", "log")),))
-          for fn in sorted(UNARY_VJPS))
+) + tuple(
+    Case(f"unary {fn}", O.Unary(fn), (_x("x", 4, 8, positive=fn in ("rsqrt", "sqrt", "log")),))
+    for fn in sorted(UNARY_VJPS)
+)
 COVERED = [c for c in CASES + EXTRA if hand_vjp(c.op) is not None]
 
 
@@ -65,8 +71,15 @@ def _kernel(local: LocalOp, types, out_types, grad_mask, dy_mask, unscale, saved
     ins = tuple(Buffer(f"x{i}", t) for i, t in enumerate(types))
     dys = tuple(Buffer(f"dy{k}", t) for k, t in enumerate(out_types) if dy_mask[k])
     outs = tuple(Buffer(f"g{i}", types[i]) for i, m in enumerate(grad_mask) if m)
-    instr = Compute(TaskType.BWD, "op", local.op.kind, ins + dys, outs, "bwd:op",
-                    kernel=Vjp(local, None, grad_mask, unscale, dy_mask, tuple(b.type.dtype for b in outs)))
+    instr = Compute(
+        TaskType.BWD,
+        "op",
+        local.op.kind,
+        ins + dys,
+        outs,
+        "bwd:op",
+        kernel=Vjp(local, None, grad_mask, unscale, dy_mask, tuple(b.type.dtype for b in outs)),
+    )
     return make_kernel(instr, OptimizerConfig(), lambda: 1, saved)
 
 
@@ -86,8 +99,7 @@ def test_hand_vjp_equals_autograd(case, scaled):
     unscale = tuple(3.0 if scaled and i == 0 else 1.0 for i in range(len(xs)))
     gen = torch.Generator().manual_seed(2)
     dys = [torch.randn(t.shape, generator=gen, dtype=O.torch_dtype(t.dtype)) for t in out_types]
-    got = _kernel(local, types, out_types, grad_mask, dy_mask, unscale)(
-        xs + [d for d, m in zip(dys, dy_mask) if m])
+    got = _kernel(local, types, out_types, grad_mask, dy_mask, unscale)(xs + [d for d, m in zip(dys, dy_mask) if m])
 
     diff = [i for i, m in enumerate(grad_mask) if m]
 
@@ -126,8 +138,11 @@ def _piece(numel: int, dtype: str = "float32") -> O.TensorType:
     return O.TensorType((numel,), dtype)
 
 
-@pytest.mark.parametrize("op", [O.Linear(bias=True), O.Linear(bias=True, transposed=True), O.Matmul()],
-                         ids=["linear [out, in]", "linear [in, out]", "matmul by a matrix"])
+@pytest.mark.parametrize(
+    "op",
+    [O.Linear(bias=True), O.Linear(bias=True, transposed=True), O.Matmul()],
+    ids=["linear [out, in]", "linear [in, out]", "matmul by a matrix"],
+)
 def test_a_linear_works_in_the_order_its_rows_are_stored(op):
     """x [B=2, T=6, C=4] stored sequence-first (a ring all-gather's buffer, viewed with T back in place) and its
     output gradient likewise (what the elementwise ops after a ring-fused linear keep): the forward, and the hand
@@ -138,10 +153,12 @@ def test_a_linear_works_in_the_order_its_rows_are_stored(op):
     w = torch.randn(*((3, 4) if isinstance(op, O.Linear) and not op.transposed else (4, 3)), dtype=torch.float64)
     ins = (x, w, torch.randn(3, dtype=torch.float64)) if isinstance(op, O.Linear) else (x, w)
     assert O.row_order(x) == (1, 0) and O.row_order(x.contiguous()) == (0, 1) and O.row_order(x[:, ::2]) is None
-    y, = op.compute(*ins)
+    (y,) = op.compute(*ins)
     assert y.movedim(1, 0).is_contiguous()
-    wider = (torch.randn(*((8, 4) if isinstance(op, O.Linear) and not op.transposed else (4, 8)), dtype=torch.float64),
-             *((torch.randn(8, dtype=torch.float64),) if isinstance(op, O.Linear) else ()))
+    wider = (
+        torch.randn(*((8, 4) if isinstance(op, O.Linear) and not op.transposed else (4, 8)), dtype=torch.float64),
+        *((torch.randn(8, dtype=torch.float64),) if isinstance(op, O.Linear) else ()),
+    )
     assert op.compute(x, *wider)[0].is_contiguous()
     torch.testing.assert_close(y, op.compute(x.contiguous(), *ins[1:])[0], atol=1e-12, rtol=0)
     for dy in (torch.randn(6, 2, 3, dtype=torch.float64).movedim(0, 1), torch.randn(2, 6, 3, dtype=torch.float64)):

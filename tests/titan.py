@@ -7,6 +7,7 @@ import math
 def titan_lambda(warmup: int, steps: int, decay: str, min_ratio: float):
     """torchtitan's ``linear_warmup_stable_decay`` (lr_scheduler.py, no stable phase, decay over the steps after
     the warm-up) as the LambdaLR factor of a 0-indexed scheduler step; "constant": its warm-up, then 1."""
+
     def factor(current: int) -> float:
         if current < warmup:
             return (current + 1) / (warmup + 1)

@@ -9,14 +9,20 @@ heads where the family has grouped-query attention), vocabulary 96, a batch of 2
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 VOCAB, B, T = 96, 2, 8
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=64, use_cache=False)
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    use_cache=False,
+)
 
 
 def _tokens(seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
@@ -34,8 +40,10 @@ def _hf(cls: str, config: str, **kw):
     """``make(vocab_size)`` of Hugging Face's ``cls`` from ``config(**kw)``; ``shardflow train --model`` passes its
     tokenizer's vocabulary size to a factory that takes ``vocab_size``."""
     import transformers
-    return lambda vocab_size=VOCAB: getattr(transformers, cls)(getattr(transformers, config)(
-        **{**kw, "vocab_size": vocab_size}))
+
+    return lambda vocab_size=VOCAB: getattr(transformers, cls)(
+        getattr(transformers, config)(**{**kw, "vocab_size": vocab_size})
+    )
 
 
 # --- torchtitan's Llama 3, as its models/llama3 writes it: the rotary table a complex64 buffer (torch.polar),
@@ -50,7 +58,7 @@ def _rotary_table(head_dim: int, length: int, theta: float = 10000.0) -> torch.T
 def _rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D] rotated pairwise by table [T', D/2] (complex), in float32 then back to x's dtype."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))  # [B, T, H, D/2]
-    rotated = torch.view_as_real(pairs * table[:x.shape[1]].view(1, x.shape[1], 1, -1)).flatten(3)
+    rotated = torch.view_as_real(pairs * table[: x.shape[1]].view(1, x.shape[1], 1, -1)).flatten(3)
     return rotated.type_as(x)
 
 
@@ -69,10 +77,10 @@ class _TitanAttention(nn.Module):
         k = _rotate(self.wk(x).view(b, t, -1, self.head_dim), table)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         rep = self.heads // self.kv_heads  # repeat_kv
-        k, v = (y.unsqueeze(3).expand(b, t, self.kv_heads, rep, self.head_dim).reshape(b, t, self.heads, -1)
-                for y in (k, v))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True)
+        k, v = (
+            y.unsqueeze(3).expand(b, t, self.kv_heads, rep, self.head_dim).reshape(b, t, self.heads, -1) for y in (k, v)
+        )
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).contiguous().view(b, t, -1))
 
 
@@ -80,8 +88,11 @@ class _TitanBlock(nn.Module):
     def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int):
         super().__init__()
         self.attention = _TitanAttention(dim, heads, kv_heads)
-        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
-            nn.Linear(dim, hidden, bias=False)
+        self.w1, self.w2, self.w3 = (
+            nn.Linear(dim, hidden, bias=False),
+            nn.Linear(hidden, dim, bias=False),
+            nn.Linear(dim, hidden, bias=False),
+        )
         self.attention_norm, self.ffn_norm = nn.RMSNorm(dim, eps=1e-5), nn.RMSNorm(dim, eps=1e-5)
 
     def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -93,8 +104,16 @@ class _TitanBlock(nn.Module):
 class TitanLlama3(nn.Module):
     """torchtitan's Llama 3 at debug size: ``forward(tokens, labels)`` → the mean cross-entropy of next tokens."""
 
-    def __init__(self, vocab: int = VOCAB, dim: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                 hidden: int = 128, max_seq: int = 64):
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        dim: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+        kv_heads: int = 2,
+        hidden: int = 128,
+        max_seq: int = 64,
+    ):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.register_buffer("freqs_cis", _rotary_table(dim // heads, max_seq), persistent=True)
@@ -122,8 +141,22 @@ def llama(vocab_size: int = VOCAB):
 
 
 def gpt2(vocab_size: int = VOCAB):
-    return _causal(_hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
-                       n_positions=64, use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), vocab_size)
+    return _causal(
+        _hf(
+            "GPT2LMHeadModel",
+            "GPT2Config",
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            use_cache=False,
+            attn_pdrop=0.0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+        ),
+        vocab_size,
+    )
 
 
 def qwen3(vocab_size: int = VOCAB):
@@ -135,8 +168,9 @@ def gemma2(vocab_size: int = VOCAB):
 
 
 def gemma3(vocab_size: int = VOCAB):
-    return _causal(_hf("Gemma3ForCausalLM", "Gemma3TextConfig", **SIZES, num_key_value_heads=2, head_dim=16),
-                   vocab_size)
+    return _causal(
+        _hf("Gemma3ForCausalLM", "Gemma3TextConfig", **SIZES, num_key_value_heads=2, head_dim=16), vocab_size
+    )
 
 
 def phi3(vocab_size: int = VOCAB):
@@ -148,8 +182,9 @@ def olmo2(vocab_size: int = VOCAB):
 
 
 def gpt_neox(vocab_size: int = VOCAB):
-    return _causal(_hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **SIZES, hidden_dropout=0.0, attention_dropout=0.0),
-                   vocab_size)
+    return _causal(
+        _hf("GPTNeoXForCausalLM", "GPTNeoXConfig", **SIZES, hidden_dropout=0.0, attention_dropout=0.0), vocab_size
+    )
 
 
 def stablelm(vocab_size: int = VOCAB):
@@ -157,44 +192,123 @@ def stablelm(vocab_size: int = VOCAB):
 
 
 def falcon(vocab_size: int = VOCAB):
-    return _causal(_hf("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, multi_query=True, new_decoder_architecture=False, use_cache=False,
-                       hidden_dropout=0.0, attention_dropout=0.0), vocab_size)
+    return _causal(
+        _hf(
+            "FalconForCausalLM",
+            "FalconConfig",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            multi_query=True,
+            new_decoder_architecture=False,
+            use_cache=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+        vocab_size,
+    )
 
 
 def mixtral(vocab_size: int = VOCAB):
-    return _causal(_hf("MixtralForCausalLM", "MixtralConfig", **SIZES, num_key_value_heads=2, num_local_experts=4,
-                       num_experts_per_tok=2), vocab_size)
+    return _causal(
+        _hf(
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            **SIZES,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        vocab_size,
+    )
 
 
 def qwen3_moe(vocab_size: int = VOCAB):
-    return _causal(_hf("Qwen3MoeForCausalLM", "Qwen3MoeConfig", **SIZES, num_key_value_heads=2, num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16), vocab_size)
+    return _causal(
+        _hf(
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeConfig",
+            **SIZES,
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            head_dim=16,
+        ),
+        vocab_size,
+    )
 
 
 def deepseek_v3(vocab_size: int = VOCAB):
-    return _causal(_hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **SIZES, num_key_value_heads=4,
-                       moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-                       first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                       qk_nope_head_dim=8, v_head_dim=16), vocab_size)
+    return _causal(
+        _hf(
+            "DeepseekV3ForCausalLM",
+            "DeepseekV3Config",
+            **SIZES,
+            num_key_value_heads=4,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+        vocab_size,
+    )
 
 
 def mamba(vocab_size: int = VOCAB):
-    return _causal(_hf("MambaForCausalLM", "MambaConfig", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                       state_size=8, use_cache=False), vocab_size)
+    return _causal(
+        _hf(
+            "MambaForCausalLM",
+            "MambaConfig",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            state_size=8,
+            use_cache=False,
+        ),
+        vocab_size,
+    )
 
 
 def mamba2(vocab_size: int = VOCAB):
-    return _causal(_hf("Mamba2ForCausalLM", "Mamba2Config", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                       num_heads=8, head_dim=16, state_size=16, n_groups=1, expand=2, chunk_size=8, use_cache=False),
-                   vocab_size)
+    return _causal(
+        _hf(
+            "Mamba2ForCausalLM",
+            "Mamba2Config",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_heads=8,
+            head_dim=16,
+            state_size=16,
+            n_groups=1,
+            expand=2,
+            chunk_size=8,
+            use_cache=False,
+        ),
+        vocab_size,
+    )
 
 
 def roberta():
     """Masked LM: labels on every third token, -100 (ignored) elsewhere."""
     torch.manual_seed(0)
-    model = _hf("RobertaForMaskedLM", "RobertaConfig", **{**SIZES, "max_position_embeddings": 66},
-                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1)()
+    model = _hf(
+        "RobertaForMaskedLM",
+        "RobertaConfig",
+        **{**SIZES, "max_position_embeddings": 66},
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        pad_token_id=1,
+    )()
     ids = _tokens() + 2  # clear of the padding token
     labels = torch.full_like(ids, -100)
     labels[:, ::3] = ids[:, ::3]
@@ -204,22 +318,66 @@ def roberta():
 def t5():
     """Encoder-decoder: the decoder reads the labels shifted right (Hugging Face does the shift)."""
     torch.manual_seed(0)
-    model = _hf("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128,
-                num_layers=2, num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)()
+    model = _hf(
+        "T5ForConditionalGeneration",
+        "T5Config",
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+    )()
     return model, {"input_ids": _tokens(), "labels": _tokens(1)}
 
 
 def vit():
     """Image classification: 16 × 16 images in 4 × 4 patches, 10 classes."""
     torch.manual_seed(0)
-    model = _hf("ViTForImageClassification", "ViTConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=128, image_size=16, patch_size=4, num_labels=10, hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0)()
+    model = _hf(
+        "ViTForImageClassification",
+        "ViTConfig",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=16,
+        patch_size=4,
+        num_labels=10,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )()
     gen = torch.Generator().manual_seed(0)
-    return model, {"pixel_values": torch.randn(B, 3, 16, 16, generator=gen),
-                   "labels": torch.randint(0, 10, (B,), generator=gen)}
+    return model, {
+        "pixel_values": torch.randn(B, 3, 16, 16, generator=gen),
+        "labels": torch.randint(0, 10, (B,), generator=gen),
+    }
 
 
-FAMILIES = {f.__name__: f for f in (
-    torchtitan_llama3, llama, gpt2, qwen3, gemma2, gemma3, phi3, olmo2, gpt_neox, stablelm, falcon, mixtral,
-    qwen3_moe, deepseek_v3, mamba, mamba2, roberta, t5, vit)}
+FAMILIES = {
+    f.__name__: f
+    for f in (
+        torchtitan_llama3,
+        llama,
+        gpt2,
+        qwen3,
+        gemma2,
+        gemma3,
+        phi3,
+        olmo2,
+        gpt_neox,
+        stablelm,
+        falcon,
+        mixtral,
+        qwen3_moe,
+        deepseek_v3,
+        mamba,
+        mamba2,
+        roberta,
+        t5,
+        vit,
+    )
+}

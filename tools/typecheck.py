@@ -56,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"typecheck: baseline rewritten, {sum(found.values())} errors ({sum(base.values())} before)")
         return 0
     new, fixed = found - base, base - found
-    for title, entries in (("new type errors (fix them)", new),
-                           ("fixed, still in the baseline (run python tools/typecheck.py --update)", fixed)):
+    for title, entries in (
+        ("new type errors (fix them)", new),
+        ("fixed, still in the baseline (run python tools/typecheck.py --update)", fixed),
+    ):
         if entries:
             print(f"typecheck: {sum(entries.values())} {title}:", *sorted(entries.elements()), sep="\n  ")
     if new or fixed:

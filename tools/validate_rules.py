@@ -17,9 +17,11 @@ from shardflow.parallel.validate import DEFAULT_MESHES, validate_rules
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweep the arguments ``argv`` choose; print progress on stderr and the table on stdout."""
-    ap = argparse.ArgumentParser(prog="python tools/validate_rules.py",
-                                 description="Check every sharding rule against the single-device result for every "
-                                             "combination of input placements.")
+    ap = argparse.ArgumentParser(
+        prog="python tools/validate_rules.py",
+        description="Check every sharding rule against the single-device result for every "
+        "combination of input placements.",
+    )
     ap.add_argument("--ops", help="comma-separated op kinds or case labels (default: all)")
     ap.add_argument("--mesh", action="append", help=f"a mesh such as dp=2,tp=2 (repeatable; default {DEFAULT_MESHES})")
     ap.add_argument("--max-combinations", type=int, help="sample at most this many combinations per op and mesh")
@@ -28,10 +30,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     ops = [s.strip() for s in args.ops.split(",")] if args.ops else None
-    report = validate_rules(ops, args.mesh, max_combinations=args.max_combinations,
-                            local_check=not args.no_local_check, seed=args.seed,
-                            progress=lambda r: print(f"  {r.label} on {r.mesh}: {r.tried} tried, {r.accepted} ok, "
-                                                     f"{r.wrong} wrong ({r.seconds:.1f}s)", file=sys.stderr))
+    report = validate_rules(
+        ops,
+        args.mesh,
+        max_combinations=args.max_combinations,
+        local_check=not args.no_local_check,
+        seed=args.seed,
+        progress=lambda r: print(
+            f"  {r.label} on {r.mesh}: {r.tried} tried, {r.accepted} ok, {r.wrong} wrong ({r.seconds:.1f}s)",
+            file=sys.stderr,
+        ),
+    )
     print(report.table())
     if args.candidates:
         print(f"\nvalid-but-rejected CANDIDATES ({len(report.candidates)}):")

@@ -50,8 +50,10 @@ class _LossOf(nn.Module):
         out = self.inner(**batch)
         loss = getattr(out, "loss", out)
         if not isinstance(loss, torch.Tensor):
-            raise CaptureError(f"{type(self.inner).__name__}(**batch) must return a scalar loss tensor or an object "
-                               f"with .loss (Hugging Face models: pass labels), got {type(out).__name__}")
+            raise CaptureError(
+                f"{type(self.inner).__name__}(**batch) must return a scalar loss tensor or an object "
+                f"with .loss (Hugging Face models: pass labels), got {type(out).__name__}"
+            )
         return loss
 
 
@@ -88,8 +90,10 @@ def _export_failure(module: nn.Module, e: Exception) -> str:
     first = text.splitlines()[0] if text else type(e).__name__
     where = _model_line(_frames(e))
     where = f" at {where}" if where else ""
-    fix = ("pass use_cache=False in a Hugging Face model's config (no KV cache in training), and make sure the "
-           "forward does not branch on tensor values (.item(), data-dependent shapes)")
+    fix = (
+        "pass use_cache=False in a Hugging Face model's config (no KV cache in training), and make sure the "
+        "forward does not branch on tensor values (.item(), data-dependent shapes)"
+    )
     return f"torch.export cannot capture {type(module).__name__}{where}: {type(e).__name__}: {first}. Usual fix: {fix}"
 
 

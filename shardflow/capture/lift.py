@@ -25,7 +25,6 @@ convention: pass ``labels``). Buffer mutations are batch norm's: its running sta
 buffers as ``nn.BatchNorm`` does); a forward that changes a buffer any other way is refused.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +37,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from shardflow.capture.export import CaptureError, _source, export
-from shardflow.capture.lift_table import LIFT, _RunningStat, _T
+from shardflow.capture.lift_table import _T, LIFT, _RunningStat
 from shardflow.graph import ComputationGraph, GraphBuilder, OpError
 from shardflow.graph import ops as O
 from shardflow.graph.fused import store_by_parts
@@ -144,10 +143,15 @@ class _Lift:
             raise CaptureError("the forward must return one tensor computed from the batch and the parameters")
         out = self.env[users[0]].name
         if loss and self.b.shape(out) != ():
-            raise CaptureError(f"the forward's output has shape {list(self.b.shape(out))}, not a scalar loss: return "
-                               f"the loss (Hugging Face models: pass labels in the batch)")
-        updates = {_fqn(s.target): self._buffer_update(a, _fqn(s.target)) for a, s in zip(out_node.args[0], specs)
-                   if s.kind == OutputKind.BUFFER_MUTATION}
+            raise CaptureError(
+                f"the forward's output has shape {list(self.b.shape(out))}, not a scalar loss: return "
+                f"the loss (Hugging Face models: pass labels in the batch)"
+            )
+        updates = {
+            _fqn(s.target): self._buffer_update(a, _fqn(s.target))
+            for a, s in zip(out_node.args[0], specs)
+            if s.kind == OutputKind.BUFFER_MUTATION
+        }
         stats = [u.stat for u in updates.values() if u.stat is not None]
         self.b.prune([out, *stats])  # the repeated key/value heads an attention no longer reads (lift_table._sdpa)
         graph = self.b.build([out, *stats], out if loss else None)
@@ -159,12 +163,18 @@ class _Lift:
         value = self.env.get(node)
         if isinstance(value, _RunningStat):
             return BufferUpdate(value.momentum, value.stat.name)
-        if node.target in (aten.add.Tensor, aten.add.Scalar) and len(node.args) == 2 and \
-                self.buffers.get(node.args[0]) == name and isinstance(node.args[1], (int, float)):
+        if (
+            node.target in (aten.add.Tensor, aten.add.Scalar)
+            and len(node.args) == 2
+            and self.buffers.get(node.args[0]) == name
+            and isinstance(node.args[1], (int, float))
+        ):
             return BufferUpdate(float(node.args[1]))
-        raise CaptureError(f"the model's forward changes its buffer {name!r} (to a value of {node.target}, in module "
-                           f"{_scope(node) or '<root>'!r}); shardflow updates only batch norm's running statistics "
-                           f"and counters: keep the buffer constant in the forward, or update it outside the step")
+        raise CaptureError(
+            f"the model's forward changes its buffer {name!r} (to a value of {node.target}, in module "
+            f"{_scope(node) or '<root>'!r}); shardflow updates only batch norm's running statistics "
+            f"and counters: keep the buffer constant in the forward, or update it outside the step"
+        )
 
     # --- nodes ----------------------------------------------------------------------------------------------
     def _call(self, node: torch.fx.Node) -> None:
@@ -186,8 +196,9 @@ class _Lift:
                 if value is None:
                     value = self._generic(node, args, kwargs)
             except OpError as e:
-                raise CaptureError(f"ATen node {node.name!r} ({target}) in module {_scope(node) or '<root>'!r}: {e}") \
-                    from None
+                raise CaptureError(
+                    f"ATen node {node.name!r} ({target}) in module {_scope(node) or '<root>'!r}: {e}"
+                ) from None
         self._check(node, value)
         self.env[node] = value
 
@@ -214,8 +225,10 @@ class _Lift:
             if isinstance(v, _T) and isinstance(m, torch.Tensor):
                 got, want = self.b.type_of(v.name), TensorType(tuple(m.shape), dtype_name(m.dtype))
                 if got != want:
-                    raise CaptureError(f"ATen node {node.name!r} ({node.target}) lifted to {got}, but export says "
-                                       f"{want}: a bug in shardflow's lifting of this op")
+                    raise CaptureError(
+                        f"ATen node {node.name!r} ({node.target}) lifted to {got}, but export says "
+                        f"{want}: a bug in shardflow's lifting of this op"
+                    )
 
     # --- helpers for the handlers ---------------------------------------------------------------------------
     def tensor(self, v: Any) -> str:

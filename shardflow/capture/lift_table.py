@@ -55,12 +55,14 @@ def _binary(fn: str, scalar_fn: str | None = None, reverse_fn: str | None = None
         if isinstance(a, (int, float, bool)) and reverse_fn:
             return c.apply(O.Scalar(reverse_fn, a), [b], node)
         return c.apply(O.Binary(fn), [a, b], node)
+
     return handler
 
 
 def _scalar(fn: str) -> Callable:
     def handler(c, node, x, s, *, alpha=1):
         return c.apply(O.Scalar(fn, s), [x], node) if alpha == 1 else None
+
     return handler
 
 
@@ -72,8 +74,9 @@ def _alias(c, node, x, *_, memory_format=None, **__):
     return x  # clone / alias / contiguous: the value itself (no node)
 
 
-def _to_copy(c, node, x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
-             memory_format=None):
+def _to_copy(
+    c, node, x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None
+):
     """A cast, or the value itself: a device move is none of the graph's business (the executors place every
     buffer on their rank's device; a model built on the meta device moves its labels to ``meta``)."""
     want = dtype_name(node.meta["val"].dtype)
@@ -90,6 +93,7 @@ def _permute(c, node, x, dims):
 def _complex_view(to_complex: bool):
     def lift(c, node, x):
         return c.apply(O.ComplexView(to_complex), [x], node)
+
     return lift
 
 
@@ -120,8 +124,9 @@ def _copy(c, node, x, src, non_blocking=False):
     shape, want = c.shape(node), dtype_name(node.meta["val"].dtype)
     if not isinstance(src, _T):  # a folded value (or a number) written into a graph tensor: a constant
         return torch.as_tensor(src).to(torch_dtype(want)).expand(shape).clone()
-    steps = ([O.Expand(shape)] if c.b.shape(src.name) != shape else []) + \
-        ([O.Cast(want)] if c.b.type_of(src.name).dtype != want else [])
+    steps = ([O.Expand(shape)] if c.b.shape(src.name) != shape else []) + (
+        [O.Cast(want)] if c.b.type_of(src.name).dtype != want else []
+    )
     for k, op in enumerate(steps):
         src = c.apply(op, [src], node, "" if k == len(steps) - 1 else f"_{op.kind}")
     return src
@@ -192,12 +197,14 @@ def _reduce(fn: str) -> Callable:
             return None
         dims = range(nd) if dims is None or list(dims) == [] else dims
         return c.apply(O.Reduce(fn, tuple(sorted(_dim(d, nd) for d in dims)), keepdim), [x], node)
+
     return handler
 
 
 def _reduce_all(fn: str) -> Callable:
     def handler(c, node, x, *, dtype=None):
         return None if dtype is not None else _reduce(fn)(c, node, x)
+
     return handler
 
 
@@ -256,12 +263,18 @@ def _batch_norm(c, node, x, w, b, running_mean, running_var, training, momentum,
         if running_mean is not None:
             n = val.numel() // stat_shape[0]  # elements per channel; the running variance is the unbiased one
             unbiased = c.apply(O.Scalar("mul", n / max(n - 1, 1)), [var], node, "_unbiased")
-            running = (_RunningStat(c.apply(O.Reshape(stat_shape[:1]), [mean], node, "_batch_mean"), momentum),
-                       _RunningStat(c.apply(O.Reshape(stat_shape[:1]), [unbiased], node, "_batch_var"), momentum))
+            running = (
+                _RunningStat(c.apply(O.Reshape(stat_shape[:1]), [mean], node, "_batch_mean"), momentum),
+                _RunningStat(c.apply(O.Reshape(stat_shape[:1]), [unbiased], node, "_batch_var"), momentum),
+            )
     else:
         mean, rstd = running_mean.reshape(stat_shape), torch.rsqrt(running_var + eps).reshape(stat_shape)
-    out = c.apply(O.Binary("mul"), [c.apply(O.Binary("sub"), [x, mean], node, "_centred"), rstd], node,
-                  "_normed" if w is not None or b is not None else "")
+    out = c.apply(
+        O.Binary("mul"),
+        [c.apply(O.Binary("sub"), [x, mean], node, "_centred"), rstd],
+        node,
+        "_normed" if w is not None or b is not None else "",
+    )
     if w is not None:
         w = c.apply(O.Reshape(stat_shape), [w], node, "_w")
         out = c.apply(O.Binary("mul"), [out, w], node, "_scaled" if b is not None else "")
@@ -281,6 +294,7 @@ def _softmax(log: bool) -> Callable:
         if half_to_float:
             return None
         return c.apply(O.Softmax(_dim(dim, len(c.shape(node))), log), [x], node)
+
     return handler
 
 
@@ -304,8 +318,9 @@ def _matmul(c, node, a, b):
 def _transposed_weight(c, node: Any) -> _T | None:
     """The parameter W ``[out, in]`` when fx ``node`` is its transpose (``W.T``, ``W.t()``: ATen ``permute(W, [1, 0])``
     or ``t(W)``), else None."""
-    if not isinstance(node, torch.fx.Node) or not (node.target is aten.t.default or (
-            node.target is aten.permute.default and list(node.args[1]) == [1, 0])):
+    if not isinstance(node, torch.fx.Node) or not (
+        node.target is aten.t.default or (node.target is aten.permute.default and list(node.args[1]) == [1, 0])
+    ):
         return None
     w = c.env.get(node.args[0])
     return w if isinstance(w, _T) and c.b.tensors[w.name].role == TensorRole.WEIGHT else None
@@ -334,15 +349,22 @@ def _dropout(c, node, x, p, train):
 
 def _sdpa(c, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     if dropout_p:
-        raise CaptureError(f"ATen node {node.name!r}: attention dropout (p={dropout_p}) is not supported: its mask "
-                           f"is drawn inside the fused kernel. Set the model's attention dropout to 0 "
-                           f"(Hugging Face: attn_pdrop=0.0 / attention_dropout=0.0)")
-    if isinstance(attn_mask, torch.Tensor) and _is_causal_mask(attn_mask, c.shape(node.args[0])[-2],
-                                                             c.shape(node.args[1])[-2]):
+        raise CaptureError(
+            f"ATen node {node.name!r}: attention dropout (p={dropout_p}) is not supported: its mask "
+            f"is drawn inside the fused kernel. Set the model's attention dropout to 0 "
+            f"(Hugging Face: attn_pdrop=0.0 / attention_dropout=0.0)"
+        )
+    if isinstance(attn_mask, torch.Tensor) and _is_causal_mask(
+        attn_mask, c.shape(node.args[0])[-2], c.shape(node.args[1])[-2]
+    ):
         attn_mask, is_causal = None, True
     sources = [_repeated_heads(n) for n in node.args[1:3]]
-    if attn_mask is None and not enable_gqa and None not in sources and \
-            c.shape(sources[0])[:-2] == c.shape(sources[1])[:-2]:
+    if (
+        attn_mask is None
+        and not enable_gqa
+        and None not in sources
+        and c.shape(sources[0])[:-2] == c.shape(sources[1])[:-2]
+    ):
         k, v, enable_gqa = c.env[sources[0]], c.env[sources[1]], True
     heads = [c.shape(a)[-3:-2] for a in node.args[:3]]  # (H,), (Hkv,), (Hkv,)
     if heads[1] == heads[2] == (1,) != heads[0]:
@@ -359,8 +381,11 @@ def _is_causal_mask(mask: torch.Tensor, t: int, s: int) -> bool:
     if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, s) or mask.device.type == "meta":
         return False
     lower = torch.ones(t, s, dtype=torch.bool, device=mask.device).tril()
-    want = lower if mask.dtype == torch.bool else \
-        torch.zeros(t, s, dtype=mask.dtype, device=mask.device).masked_fill(~lower, float("-inf"))
+    want = (
+        lower
+        if mask.dtype == torch.bool
+        else torch.zeros(t, s, dtype=mask.dtype, device=mask.device).masked_fill(~lower, float("-inf"))
+    )
     return torch.equal(mask, want.expand(mask.shape))
 
 
@@ -374,12 +399,19 @@ def _repeated_heads(node: Any) -> torch.fx.Node | None:
         expanded = expanded.args[0]  # reshape: a view, or a clone and a view
     one = expanded.args[0] if isinstance(expanded, torch.fx.Node) and expanded.target is aten.expand.default else None
     x = one.args[0] if isinstance(one, torch.fx.Node) and one.target in (aten.unsqueeze.default, *_RESHAPES) else None
-    if not all(isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)
-               for n in (node, expanded, one, x)):
+    if not all(
+        isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in (node, expanded, one, x)
+    ):
         return None
     xs, ones, es, os_ = (tuple(n.meta["val"].shape) for n in (x, one, expanded, node))
-    return x if len(xs) >= 3 and ones == xs[:-2] + (1,) + xs[-2:] and es == xs[:-2] + (es[-3],) + xs[-2:] and \
-        os_ == xs[:-3] + (xs[-3] * es[-3],) + xs[-2:] else None
+    return (
+        x
+        if len(xs) >= 3
+        and ones == xs[:-2] + (1,) + xs[-2:]
+        and es == xs[:-2] + (es[-3],) + xs[-2:]
+        and os_ == xs[:-3] + (xs[-3] * es[-3],) + xs[-2:]
+        else None
+    )
 
 
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default)
@@ -420,8 +452,7 @@ def _max_pool(c, node, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=Fa
     return c.apply(O.Pool("max", k, st, pad, dil, bool(ceil_mode)), [x], node), None  # indices: backward only
 
 
-def _avg_pool(c, node, x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
-              divisor_override=None):
+def _avg_pool(c, node, x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
     k, st, pad, _ = _pool_dims(kernel, stride, padding)
     op = O.Pool("avg", k, st, pad, (1,) * len(k), bool(ceil_mode), bool(count_include_pad), divisor_override or 0)
     return c.apply(op, [x], node)
@@ -505,7 +536,22 @@ for _fn in ("eq", "ne", "lt", "le", "gt", "ge"):
     LIFT[getattr(aten, _fn).Scalar] = _scalar(_fn)
 for _fn in ("bitwise_and", "bitwise_or"):
     LIFT[getattr(aten, _fn).Tensor] = _binary(_fn)
-for _fn in ("relu", "tanh", "neg", "silu", "sigmoid", "rsqrt", "sqrt", "exp", "log", "cos", "sin", "abs", "erf",
-            "logical_not", "bitwise_not"):
+for _fn in (
+    "relu",
+    "tanh",
+    "neg",
+    "silu",
+    "sigmoid",
+    "rsqrt",
+    "sqrt",
+    "exp",
+    "log",
+    "cos",
+    "sin",
+    "abs",
+    "erf",
+    "logical_not",
+    "bitwise_not",
+):
     LIFT[getattr(aten, _fn).default] = _unary(_fn)
 LIFT[aten.gelu.default] = _gelu

@@ -54,8 +54,14 @@ class wide_floats(TorchFunctionMode):
         if isinstance(x, torch.Tensor) and x.dtype in (torch.float64, torch.complex128):
             if func in _NARROWING and x.dtype == torch.float64:
                 return x
-            if func is torch._grouped_mm and x.ndim == 2 and args[1].ndim == 3 and kwargs.get("offs") is not None \
-                    and kwargs.get("bias") is None and kwargs.get("out_dtype") in (None, torch.float64):
+            if (
+                func is torch._grouped_mm
+                and x.ndim == 2
+                and args[1].ndim == 3
+                and kwargs.get("offs") is not None
+                and kwargs.get("bias") is None
+                and kwargs.get("out_dtype") in (None, torch.float64)
+            ):
                 return _grouped_mm(x, args[1], offs=kwargs["offs"])
             if func in (torch.Tensor.to, torch.Tensor.type):  # any float dtype, positional or keyword (Module.to
                 # passes all three; DeepSeek-V3's router casts by .type(torch.float32))
@@ -66,8 +72,9 @@ class wide_floats(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def at_dtype(model: nn.Module, batch: Mapping[str, torch.Tensor], dtype: torch.dtype
-             ) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, tuple[str, str]]]:
+def at_dtype(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[nn.Module, dict[str, torch.Tensor], dict[str, tuple[str, str]]]:
     """``model`` (converted in place) and ``batch`` with their floating parameters, buffers and tensors in ``dtype``,
     and what was converted: tensor name (``batch.<key>`` for the batch's) → (old dtype, new dtype).
 
@@ -83,10 +90,10 @@ def at_dtype(model: nn.Module, batch: Mapping[str, torch.Tensor], dtype: torch.d
         return dtype if t.is_floating_point() else t.dtype
 
     named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    changed = {name: (dtype_name(t.dtype), dtype_name(target(t)))
-               for name, t in named.items() if target(t) != t.dtype}
+    changed = {name: (dtype_name(t.dtype), dtype_name(target(t))) for name, t in named.items() if target(t) != t.dtype}
     model._apply(lambda t: t.to(target(t)))  # Module.to's own walk (parameters, buffers, their gradients)
     new_batch = {k: v.to(target(v)) for k, v in batch.items()}
-    changed.update({f"batch.{k}": (dtype_name(v.dtype), dtype_name(target(v)))
-                    for k, v in batch.items() if target(v) != v.dtype})
+    changed.update(
+        {f"batch.{k}": (dtype_name(v.dtype), dtype_name(target(v))) for k, v in batch.items() if target(v) != v.dtype}
+    )
     return model, new_batch, changed

@@ -105,8 +105,7 @@ class GraphBuilder:
         out_names = [node_name] if len(outs) == 1 else [f"{node_name}.{i}" for i in range(len(outs))]
         for o, ty in zip(out_names, outs):
             self.tensors[o] = TensorSpec(o, ty, TensorRole.ACTIVATION)
-        self.nodes.append(Node(node_name, op, tuple(inputs), tuple(out_names), self.current_scope,
-                               self.current_source))
+        self.nodes.append(Node(node_name, op, tuple(inputs), tuple(out_names), self.current_scope, self.current_source))
         return tuple(out_names)
 
     def _one(self, op: Op, *inputs: str, name: str | None = None) -> str:
@@ -128,8 +127,7 @@ class GraphBuilder:
     def embedding(self, idx: str, w: str) -> str:
         return self._one(ops.Embedding(), idx, w)
 
-    def layer_norm(self, x: str, w: str | None = None, b: str | None = None, eps: float = 1e-5,
-                   ndim: int = 1) -> str:
+    def layer_norm(self, x: str, w: str | None = None, b: str | None = None, eps: float = 1e-5, ndim: int = 1) -> str:
         params = [p for p in (w, b) if p is not None]
         return self._one(ops.LayerNorm(ndim, eps, affine=w is not None, bias=b is not None), x, *params)
 
@@ -235,8 +233,11 @@ class GraphBuilder:
                 kept.append(n)
                 live.update(n.inputs + n.outputs)
         self.nodes = kept[::-1]
-        dead = [t for t, spec in self.tensors.items()
-                if t not in live and spec.role in (TensorRole.ACTIVATION, TensorRole.CONSTANT)]
+        dead = [
+            t
+            for t, spec in self.tensors.items()
+            if t not in live and spec.role in (TensorRole.ACTIVATION, TensorRole.CONSTANT)
+        ]
         for t in dead:
             del self.tensors[t]
             self.constants.pop(t, None)

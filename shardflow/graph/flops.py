@@ -48,7 +48,11 @@ def _conv(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> 
 
 
 FORWARD_FLOPS: dict[type[Op], Callable[[Op, tuple[TensorType, ...], tuple[TensorType, ...]], int]] = {
-    Linear: _contracted, Matmul: _contracted, Attention: _attention, Conv: _conv}
+    Linear: _contracted,
+    Matmul: _contracted,
+    Attention: _attention,
+    Conv: _conv,
+}
 
 
 def node_flops(graph: ComputationGraph, node: Node) -> int:
@@ -57,8 +61,9 @@ def node_flops(graph: ComputationGraph, node: Node) -> int:
     count = FORWARD_FLOPS.get(type(node.op))
     if count is None:
         return 0
-    return count(node.op, tuple(graph.tensors[t].type for t in node.inputs),
-                 tuple(graph.tensors[t].type for t in node.outputs))
+    return count(
+        node.op, tuple(graph.tensors[t].type for t in node.inputs), tuple(graph.tensors[t].type for t in node.outputs)
+    )
 
 
 def forward_flops(graph: ComputationGraph) -> int:

@@ -80,8 +80,11 @@ def fused_linears(graph: ComputationGraph) -> list[FusedLinear]:
 
     def merge(t: str) -> Node | None:
         node = producer.get(t)
-        return node if node is not None and isinstance(node.op, O.Reshape) and node.inputs[0] in graph.module_shapes \
+        return (
+            node
+            if node is not None and isinstance(node.op, O.Reshape) and node.inputs[0] in graph.module_shapes
             else None
+        )
 
     found = []
     for lin in graph.nodes:
@@ -96,8 +99,11 @@ def fused_linears(graph: ComputationGraph) -> list[FusedLinear]:
                 views.append(node)
                 t = node.outputs[0]
                 continue
-            if isinstance(node.op, O.Split) and node.op.dim == len(graph.tensors[t].shape) - 1 and \
-                    len(node.op.sizes) > 1:
+            if (
+                isinstance(node.op, O.Split)
+                and node.op.dim == len(graph.tensors[t].shape) - 1
+                and len(node.op.sizes) > 1
+            ):
                 merges = tuple(m for m in map(merge, lin.inputs[1:]) if m is not None)
                 found.append(FusedLinear(lin, tuple(views), node, merges))
             break
@@ -143,16 +149,20 @@ def store_by_parts(graph: ComputationGraph) -> ComputationGraph:
         for i, (p, d) in enumerate(f.features, start=1):
             spec = graph.tensors[p]
             module = spec.shape
-            names.tensors[p] = TensorSpec(p, O.TensorType(module[:d] + (len(sizes), sizes[0]) + module[d + 1:],
-                                                          spec.dtype), TensorRole.WEIGHT)
+            names.tensors[p] = TensorSpec(
+                p, O.TensorType(module[:d] + (len(sizes), sizes[0]) + module[d + 1 :], spec.dtype), TensorRole.WEIGHT
+            )
             shapes[p] = module
             before.setdefault(lin.name, []).append(names.add(f"{p}.whole", O.Reshape(module), (p,), None, lin.scope))
             new[i] = f"{p}.whole"
         inputs[lin.name] = tuple(new)
     if not inputs:
         return graph
-    nodes = tuple(m for n in graph.nodes for m in (*before.get(n.name, ()),
-                                                   dataclasses.replace(n, inputs=inputs.get(n.name, n.inputs))))
+    nodes = tuple(
+        m
+        for n in graph.nodes
+        for m in (*before.get(n.name, ()), dataclasses.replace(n, inputs=inputs.get(n.name, n.inputs)))
+    )
     return dataclasses.replace(graph, tensors=names.tensors, nodes=nodes, module_shapes=shapes)
 
 
@@ -179,7 +189,7 @@ def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> Comput
             if p in graph.module_shapes:
                 pd = parts_dim(graph.module_shapes[p], graph.tensors[p].shape)
                 split = names.add(f"{lin.name}.{kind}", O.Split((1,) * len(sizes), pd), (p,), None, lin.scope)
-                shape = graph.tensors[p].shape[:pd] + graph.tensors[p].shape[pd + 1:]
+                shape = graph.tensors[p].shape[:pd] + graph.tensors[p].shape[pd + 1 :]
                 views = [names.add(f"{o}.view", O.Reshape(shape), (o,), None, lin.scope) for o in split.outputs]
                 params += [split, *views]
                 per_part.append([v.outputs[0] for v in views])
@@ -187,15 +197,31 @@ def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> Comput
                 split = names.add(f"{lin.name}.{kind}", O.Split(sizes, d), (p,), None, lin.scope)
                 params.append(split)
                 per_part.append(list(split.outputs))
-        parts = [names.add(f"{lin.name}.part{k}", lin.op, (lin.inputs[0],) + tuple(pp[k] for pp in per_part),
-                           None if f.views else (last[k],), lin.scope) for k in range(len(sizes))]
+        parts = [
+            names.add(
+                f"{lin.name}.part{k}",
+                lin.op,
+                (lin.inputs[0],) + tuple(pp[k] for pp in per_part),
+                None if f.views else (last[k],),
+                lin.scope,
+            )
+            for k in range(len(sizes))
+        ]
         replace[lin.name] = params + parts
         for m in f.merges:
             replace[m.name] = []
         for i, v in enumerate(f.views):
             final = i == len(f.views) - 1
-            parts = [names.add(f"{v.name}.part{k}", O.Reshape(v.op.shape[:-1] + (sizes[k],)), part.outputs,
-                               (last[k],) if final else None, v.scope) for k, part in enumerate(parts)]
+            parts = [
+                names.add(
+                    f"{v.name}.part{k}",
+                    O.Reshape(v.op.shape[:-1] + (sizes[k],)),
+                    part.outputs,
+                    (last[k],) if final else None,
+                    v.scope,
+                )
+                for k, part in enumerate(parts)
+            ]
             replace[v.name] = parts
         replace[f.split.name] = []
     nodes = tuple(m for n in graph.nodes for m in replace.get(n.name, [n]))
@@ -203,6 +229,7 @@ def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> Comput
 
 
 # --- where parameters meet the graph ------------------------------------------------------------------------
+
 
 class ByParts:
     """A weight given in its module's shape (anything indexed by blocks, ``w[slices]``: a lazily read or replayed
@@ -218,8 +245,9 @@ class ByParts:
         index = index + (slice(None),) * (len(self.shape) - len(index))
         p, m = self.parts_at, self.shape[self.parts_at + 1]
         (j0, j1, _), (c0, c1, _) = (index[p].indices(self.shape[p]), index[p + 1].indices(m))
-        return torch.stack([self.value[index[:p] + (slice(j * m + c0, j * m + c1),) + index[p + 2:]]
-                            for j in range(j0, j1)], dim=p)
+        return torch.stack(
+            [self.value[index[:p] + (slice(j * m + c0, j * m + c1),) + index[p + 2 :]] for j in range(j0, j1)], dim=p
+        )
 
 
 def stored(graph: ComputationGraph, weights: Mapping[str, Any]) -> dict[str, Any]:
@@ -242,6 +270,11 @@ def as_module(graph: ComputationGraph, tensors: Mapping[str, torch.Tensor]) -> d
 
 def same_elements(module_shape: Sequence[int], shape: Sequence[int]) -> bool:
     """Whether ``shape`` is ``module_shape`` with one dim cut in two (a weight stored by parts)."""
-    return len(shape) == len(module_shape) + 1 and math.prod(shape) == math.prod(module_shape) and any(
-        tuple(shape[:d]) + (shape[d] * shape[d + 1],) + tuple(shape[d + 2:]) == tuple(module_shape)
-        for d in range(len(module_shape)))
+    return (
+        len(shape) == len(module_shape) + 1
+        and math.prod(shape) == math.prod(module_shape)
+        and any(
+            tuple(shape[:d]) + (shape[d] * shape[d + 1],) + tuple(shape[d + 2 :]) == tuple(module_shape)
+            for d in range(len(module_shape))
+        )
+    )

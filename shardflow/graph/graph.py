@@ -19,6 +19,7 @@ import torch
 
 from shardflow.graph.ops import OPS, Arg, Op, TensorType, dtype_name, torch_dtype
 
+
 class TensorRole(StrEnum):
     """What a graph tensor is: a data input of each step, a trained weight, a constant captured from the model,
     or an activation some node computes. The value is the spelling in graph files and listings."""
@@ -101,11 +102,29 @@ class ComputationGraph:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ComputationGraph):
             return NotImplemented
-        return (dict(self.tensors), self.nodes, self.outputs, self.loss, dict(self.module_shapes),
-                dict(self.buffer_updates)) == (dict(other.tensors), other.nodes, other.outputs, other.loss,
-                                               dict(other.module_shapes), dict(other.buffer_updates)) and self.constants.keys() == \
-            other.constants.keys() and all(
-            v.dtype == other.constants[k].dtype and torch.equal(v, other.constants[k]) for k, v in self.constants.items())
+        return (
+            (
+                dict(self.tensors),
+                self.nodes,
+                self.outputs,
+                self.loss,
+                dict(self.module_shapes),
+                dict(self.buffer_updates),
+            )
+            == (
+                dict(other.tensors),
+                other.nodes,
+                other.outputs,
+                other.loss,
+                dict(other.module_shapes),
+                dict(other.buffer_updates),
+            )
+            and self.constants.keys() == other.constants.keys()
+            and all(
+                v.dtype == other.constants[k].dtype and torch.equal(v, other.constants[k])
+                for k, v in self.constants.items()
+            )
+        )
 
     # --- queries -------------------------------------------------------------------------------------
     def by_role(self, role: TensorRole) -> tuple[str, ...]:
@@ -164,8 +183,11 @@ class ComputationGraph:
             if n not in self.constants:
                 raise ValueError(f"constant {n!r} has no value")
         for n, shape in self.module_shapes.items():
-            if n not in self.tensors or self.tensors[n].role != TensorRole.WEIGHT or \
-                    math.prod(shape) != self.tensors[n].type.numel:
+            if (
+                n not in self.tensors
+                or self.tensors[n].role != TensorRole.WEIGHT
+                or math.prod(shape) != self.tensors[n].type.numel
+            ):
                 raise ValueError(f"module shape {list(shape)} of {n!r}: not a weight of as many elements")
         for n, u in self.buffer_updates.items():
             if u.stat is not None and u.stat not in self.outputs:
@@ -190,17 +212,27 @@ class ComputationGraph:
         """A JSON-able dict; :meth:`from_json` inverts it exactly."""
         return {
             "tensors": [
-                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "role": t.role} for t in self.tensors.values()
+                {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "role": t.role}
+                for t in self.tensors.values()
             ],
             "nodes": [
-                {"name": n.name, "op": n.op.kind, "attrs": _attrs_to_json(n.op), "inputs": list(n.inputs),
-                 "outputs": list(n.outputs), "scope": n.scope, "source": n.source}
+                {
+                    "name": n.name,
+                    "op": n.op.kind,
+                    "attrs": _attrs_to_json(n.op),
+                    "inputs": list(n.inputs),
+                    "outputs": list(n.outputs),
+                    "scope": n.scope,
+                    "source": n.source,
+                }
                 for n in self.nodes
             ],
             "outputs": list(self.outputs),
             "loss": self.loss,
-            "constants": {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
-                              "data": v.flatten().tolist()} for k, v in self.constants.items()},
+            "constants": {
+                k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape), "data": v.flatten().tolist()}
+                for k, v in self.constants.items()
+            },
             "module_shapes": {k: list(v) for k, v in self.module_shapes.items()},
             "buffer_updates": {k: dataclasses.asdict(u) for k, u in self.buffer_updates.items()},
         }
@@ -211,8 +243,14 @@ class ComputationGraph:
             t["name"]: TensorSpec(t["name"], TensorType(tuple(t["shape"]), t["dtype"]), t["role"]) for t in d["tensors"]
         }
         nodes = tuple(
-            Node(n["name"], _op_from_json(n["op"], n["attrs"]), tuple(n["inputs"]), tuple(n["outputs"]), n["scope"],
-                 n.get("source", ""))
+            Node(
+                n["name"],
+                _op_from_json(n["op"], n["attrs"]),
+                tuple(n["inputs"]),
+                tuple(n["outputs"]),
+                n["scope"],
+                n.get("source", ""),
+            )
             for n in d["nodes"]
         )
         constants = {

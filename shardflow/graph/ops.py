@@ -158,8 +158,11 @@ class Op:
 
     def describe(self) -> str:
         """``kind(attr=value, ...)`` for listings; a :func:`quiet` attribute only when it is not its default."""
-        attrs = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                          if not (f.metadata.get("quiet") and getattr(self, f.name) == f.default))
+        attrs = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if not (f.metadata.get("quiet") and getattr(self, f.name) == f.default)
+        )
         return f"{self.kind}({attrs})"
 
 
@@ -241,7 +244,7 @@ class LayerNorm(Op):
     def infer(self, ins):
         _expect(1 + self.affine + (self.affine and self.bias), ins, self)
         x = ins[0]
-        norm = x.shape[-self.ndim:] if self.ndim else ()
+        norm = x.shape[-self.ndim :] if self.ndim else ()
         if x.ndim < self.ndim:
             raise OpError(f"layer_norm: input {list(x.shape)} has fewer than {self.ndim} dims")
         for p in ins[1:]:
@@ -250,7 +253,7 @@ class LayerNorm(Op):
         return (x,)
 
     def compute(self, x, w=None, b=None):
-        return (F.layer_norm(x, x.shape[x.ndim - self.ndim:], w, b, self.eps),)
+        return (F.layer_norm(x, x.shape[x.ndim - self.ndim :], w, b, self.eps),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,8 +280,10 @@ class Dropout(Op):
         if self.p == 0:
             return (x,)
         if at is None:
-            raise OpError(f"dropout(p={self.p}) draws its mask from (seed, step, node, element index): pass "
-                          f"at=DrawSite(...) for the piece it runs on")
+            raise OpError(
+                f"dropout(p={self.p}) draws its mask from (seed, step, node, element index): pass "
+                f"at=DrawSite(...) for the piece it runs on"
+            )
         scale = at.keep(tuple(x.shape), self.p, x.device).to(x.dtype).mul_(1.0 / (1.0 - self.p))  # 0 or 1/(1-p)
         return (x * scale,)
 
@@ -344,10 +349,21 @@ class Unary(Op):
 
 
 BINARY_FNS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "pow": torch.pow,
-    "maximum": torch.maximum, "minimum": torch.minimum,
-    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
-    "bitwise_and": torch.bitwise_and, "bitwise_or": torch.bitwise_or,
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "pow": torch.pow,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "bitwise_and": torch.bitwise_and,
+    "bitwise_or": torch.bitwise_or,
 }
 ADDITIVE = frozenset({"add", "sub", "rsub"})  # f(a + a', b) = f(a, b) + f(a', 0): partial sums pass, scaled
 MULTIPLICATIVE = frozenset({"mul", "div"})  # linear in the first operand (and in the second for mul)
@@ -384,7 +400,12 @@ SCALAR_FNS: dict[str, Callable] = {
     "div": lambda x, s: x / s,
     "rdiv": lambda x, s: s / x,
     "pow": torch.pow,
-    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
 }
 
 
@@ -572,7 +593,7 @@ class Slice(Op):
         if not (0 <= self.start <= self.end <= x.shape[d]) or self.step < 1:
             raise OpError(f"slice: [{self.start}:{self.end}:{self.step}] does not lie in dim {d} of {list(x.shape)}")
         n = -(-(self.end - self.start) // self.step)
-        return (TensorType(x.shape[:d] + (n,) + x.shape[d + 1:], x.dtype),)
+        return (TensorType(x.shape[:d] + (n,) + x.shape[d + 1 :], x.dtype),)
 
     def compute(self, x):
         return (torch.ops.aten.slice.Tensor(x, self.dim, self.start, self.end, self.step),)
@@ -592,7 +613,7 @@ class Split(Op):
         d = _norm_dim(self.dim, x.ndim, "split")
         if sum(self.sizes) != x.shape[d]:
             raise OpError(f"split: sizes {list(self.sizes)} do not add up to dim {d} of {list(x.shape)}")
-        return tuple(TensorType(x.shape[:d] + (s,) + x.shape[d + 1:], x.dtype) for s in self.sizes)
+        return tuple(TensorType(x.shape[:d] + (s,) + x.shape[d + 1 :], x.dtype) for s in self.sizes)
 
     def compute(self, x):
         return tuple(torch.split(x, list(self.sizes), dim=self.dim))
@@ -610,10 +631,10 @@ class Cat(Op):
             raise OpError("cat takes at least one input")
         d = _norm_dim(self.dim, ins[0].ndim, "cat")
         for t in ins:
-            if t.ndim != ins[0].ndim or t.shape[:d] + t.shape[d + 1:] != ins[0].shape[:d] + ins[0].shape[d + 1:]:
+            if t.ndim != ins[0].ndim or t.shape[:d] + t.shape[d + 1 :] != ins[0].shape[:d] + ins[0].shape[d + 1 :]:
                 raise OpError(f"cat: {[list(t.shape) for t in ins]} differ outside dim {d}")
         size = sum(t.shape[d] for t in ins)
-        return (TensorType(ins[0].shape[:d] + (size,) + ins[0].shape[d + 1:], _promote(*(t.dtype for t in ins))),)
+        return (TensorType(ins[0].shape[:d] + (size,) + ins[0].shape[d + 1 :], _promote(*(t.dtype for t in ins))),)
 
     def compute(self, *xs):
         return (torch.cat(xs, self.dim),)
@@ -632,9 +653,14 @@ class Gather(Op):
         _expect(2, ins, self)
         x, idx = ins
         d = _norm_dim(self.dim, x.ndim, "gather")
-        if idx.ndim != x.ndim or not idx.dtype.startswith("int") or any(
-                i > s for k, (i, s) in enumerate(zip(idx.shape, x.shape)) if k != d):
-            raise OpError(f"gather: index {list(idx.shape)} ({idx.dtype}) does not fit input {list(x.shape)} on dim {d}")
+        if (
+            idx.ndim != x.ndim
+            or not idx.dtype.startswith("int")
+            or any(i > s for k, (i, s) in enumerate(zip(idx.shape, x.shape)) if k != d)
+        ):
+            raise OpError(
+                f"gather: index {list(idx.shape)} ({idx.dtype}) does not fit input {list(x.shape)} on dim {d}"
+            )
         return (TensorType(idx.shape, x.dtype),)
 
     def compute(self, x, idx):
@@ -744,20 +770,30 @@ class Attention(Op):
     def infer(self, ins):
         _expect(4 if self.mask else 3, ins, self)
         q, k, v = ins[:3]
-        ok = q.ndim >= 3 and k.ndim == q.ndim == v.ndim and k.shape[:-1] == v.shape[:-1] and \
-            q.shape[:-3] == k.shape[:-3] and q.shape[-1] == k.shape[-1] and \
-            (q.shape[-3] % k.shape[-3] == 0 if self.gqa else q.shape[-3] == k.shape[-3])
+        ok = (
+            q.ndim >= 3
+            and k.ndim == q.ndim == v.ndim
+            and k.shape[:-1] == v.shape[:-1]
+            and q.shape[:-3] == k.shape[:-3]
+            and q.shape[-1] == k.shape[-1]
+            and (q.shape[-3] % k.shape[-3] == 0 if self.gqa else q.shape[-3] == k.shape[-3])
+        )
         if not ok:
-            raise OpError(f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must be [*, H, T, D], "
-                          f"[*, Hkv, S, D], [*, Hkv, S, Dv] with Hkv {'dividing' if self.gqa else 'equal to'} H")
+            raise OpError(
+                f"attention: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} must be [*, H, T, D], "
+                f"[*, Hkv, S, D], [*, Hkv, S, Dv] with Hkv {'dividing' if self.gqa else 'equal to'} H"
+            )
         out = q.shape[:-1] + (v.shape[-1],)
         if self.mask:
             broadcast_shapes(ins[3].shape, out[:-1] + (k.shape[-2],), "attention mask")
         return (TensorType(out, q.dtype),)
 
     def compute(self, q, k, v, mask=None):
-        return (F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale,
-                                               enable_gqa=self.gqa),)
+        return (
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale, enable_gqa=self.gqa
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -775,8 +811,17 @@ class Conv(Op):
     bias: bool = True
 
     def _run(self, x, w, b=None):
-        return torch.ops.aten.convolution(x, w, b, list(self.stride), list(self.padding), list(self.dilation),
-                                          False, [0] * len(self.stride), self.groups)
+        return torch.ops.aten.convolution(
+            x,
+            w,
+            b,
+            list(self.stride),
+            list(self.padding),
+            list(self.dilation),
+            False,
+            [0] * len(self.stride),
+            self.groups,
+        )
 
     def infer(self, ins):
         _expect(3 if self.bias else 2, ins, self)
@@ -784,8 +829,9 @@ class Conv(Op):
         try:
             y = self._run(*meta)
         except RuntimeError as e:
-            raise OpError(f"conv: inputs {[list(t.shape) for t in ins]} do not fit {self.describe()}: "
-                          f"{str(e).splitlines()[0]}") from None
+            raise OpError(
+                f"conv: inputs {[list(t.shape) for t in ins]} do not fit {self.describe()}: {str(e).splitlines()[0]}"
+            ) from None
         return (TensorType(tuple(y.shape), dtype_name(y.dtype)),)
 
     def compute(self, x, w, b=None):
@@ -819,19 +865,22 @@ class Pool(Op):
         n = len(self.kernel)
         if self.fn == "max":
             return getattr(F, f"max_pool{n}d")(x, self.kernel, self.stride, self.padding, self.dilation, self.ceil_mode)
-        return getattr(F, f"avg_pool{n}d")(x, self.kernel, self.stride, self.padding, self.ceil_mode,
-                                             self.count_include_pad, self.divisor or None)
+        return getattr(F, f"avg_pool{n}d")(
+            x, self.kernel, self.stride, self.padding, self.ceil_mode, self.count_include_pad, self.divisor or None
+        )
 
     def infer(self, ins):
         _expect(1, ins, self)
         if self.fn not in POOL_FNS or not 1 <= len(self.kernel) <= 3:
-            raise OpError(f"pool: fn must be one of {POOL_FNS} over 1 to 3 dims, got {self.fn!r} over "
-                          f"{len(self.kernel)}")
+            raise OpError(
+                f"pool: fn must be one of {POOL_FNS} over 1 to 3 dims, got {self.fn!r} over {len(self.kernel)}"
+            )
         try:
             y = self._run(torch.empty(ins[0].shape, dtype=torch_dtype(ins[0].dtype), device="meta"))
         except RuntimeError as e:
-            raise OpError(f"pool: input {list(ins[0].shape)} does not fit {self.describe()}: "
-                          f"{str(e).splitlines()[0]}") from None
+            raise OpError(
+                f"pool: input {list(ins[0].shape)} does not fit {self.describe()}: {str(e).splitlines()[0]}"
+            ) from None
         return (TensorType(tuple(y.shape), ins[0].dtype),)
 
     def compute(self, x):
@@ -914,8 +963,9 @@ class Aten(Op):
         try:
             outs = self._call(meta)
         except (RuntimeError, TypeError, IndexError) as e:
-            raise OpError(f"{self.target}: inputs {[list(t.shape) for t in ins]} do not fit: "
-                          f"{str(e).splitlines()[0]}") from None
+            raise OpError(
+                f"{self.target}: inputs {[list(t.shape) for t in ins]} do not fit: {str(e).splitlines()[0]}"
+            ) from None
         return tuple(TensorType(tuple(o.shape), dtype_name(o.dtype)) for o in outs)
 
     def compute(self, *xs):
@@ -928,16 +978,22 @@ class Aten(Op):
         reason (``copy``: "derivative for aten::copy is not implemented"; ``igamma``: "the derivative
         for 'igamma: input' is not implemented."); a backward op without a meta kernel is taken to exist (it runs
         on real tensors)."""
-        xs = [torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta",
-                          requires_grad=m and differentiable(t.dtype)) for t, m in zip(ins, need)]
+        xs = [
+            torch.empty(t.shape, dtype=torch_dtype(t.dtype), device="meta", requires_grad=m and differentiable(t.dtype))
+            for t, m in zip(ins, need)
+        ]
         with torch.enable_grad():
             outs = self._call(xs)
         carried = tuple(o.requires_grad for o in outs)
         wrt = [x for x in xs if x.requires_grad]
         if any(carried):
             try:
-                torch.autograd.grad([o for o in outs if o.requires_grad], wrt,
-                                    [torch.empty_like(o) for o in outs if o.requires_grad], allow_unused=True)
+                torch.autograd.grad(
+                    [o for o in outs if o.requires_grad],
+                    wrt,
+                    [torch.empty_like(o) for o in outs if o.requires_grad],
+                    allow_unused=True,
+                )
             except RuntimeError as e:  # NotImplementedError included
                 reason = str(e).strip().splitlines()[0]
                 if "derivative" in reason:  # not "Could not run ... 'Meta' backend": a kernel without a meta version
@@ -950,6 +1006,32 @@ class Aten(Op):
 
 OPS: dict[str, type[Op]] = {
     cls.kind: cls
-    for cls in (Linear, Embedding, LayerNorm, Dropout, Unary, Binary, Scalar, Where, Cast, Matmul, Permute, Reshape,
-                ComplexView, Expand, Slice, Split, Cat, Gather, Pad, Softmax, Reduce, Attention, Conv, Pool, CrossEntropy, Aten)
+    for cls in (
+        Linear,
+        Embedding,
+        LayerNorm,
+        Dropout,
+        Unary,
+        Binary,
+        Scalar,
+        Where,
+        Cast,
+        Matmul,
+        Permute,
+        Reshape,
+        ComplexView,
+        Expand,
+        Slice,
+        Split,
+        Cat,
+        Gather,
+        Pad,
+        Softmax,
+        Reduce,
+        Attention,
+        Conv,
+        Pool,
+        CrossEntropy,
+        Aten,
+    )
 }

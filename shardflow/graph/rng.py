@@ -71,8 +71,10 @@ class DrawSite:
 
     def __post_init__(self):
         if len(self.start) != len(self.shape):
-            raise ValueError(f"draw site of node {self.node!r}: start {list(self.start)} needs one index per dim of "
-                             f"the full shape {list(self.shape)}")
+            raise ValueError(
+                f"draw site of node {self.node!r}: start {list(self.start)} needs one index per dim of "
+                f"the full shape {list(self.shape)}"
+            )
 
     @classmethod
     def whole(cls, seed: int, step: int, node: str, shape: tuple[int, ...]) -> DrawSite:
@@ -91,12 +93,16 @@ class DrawSite:
         Raises ValueError if the piece does not fit in the full shape at ``start``.
         """
         if len(piece) != len(self.shape) or any(s + n > full for s, n, full in zip(self.start, piece, self.shape)):
-            raise ValueError(f"node {self.node!r}: a piece of shape {list(piece)} at {list(self.start)} does not fit "
-                             f"in the full tensor {list(self.shape)}")
+            raise ValueError(
+                f"node {self.node!r}: a piece of shape {list(piece)} at {list(self.start)} does not fit "
+                f"in the full tensor {list(self.shape)}"
+            )
         idx = torch.zeros(piece, dtype=torch.int64, device=device)
         for d, (s, n) in enumerate(zip(self.start, piece)):
-            stride = math.prod(self.shape[d + 1:])
-            idx += (torch.arange(s, s + n, dtype=torch.int64, device=device) * stride).view((n,) + (1,) * (len(piece) - d - 1))
+            stride = math.prod(self.shape[d + 1 :])
+            idx += (torch.arange(s, s + n, dtype=torch.int64, device=device) * stride).view(
+                (n,) + (1,) * (len(piece) - d - 1)
+            )
         return idx
 
     def bits(self, piece: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -107,12 +113,12 @@ class DrawSite:
 
     def uniform(self, piece: tuple[int, ...]) -> torch.Tensor:
         """float64 ``piece``-shaped uniforms in [0, 1), multiples of 2^-53: :meth:`bits` · 2^-53."""
-        return self.bits(piece).to(torch.float64).mul_(2.0 ** -53)
+        return self.bits(piece).to(torch.float64).mul_(2.0**-53)
 
     def keep(self, piece: tuple[int, ...], p: float, device: torch.device | str = "cpu") -> torch.Tensor:
         """bool ``piece``-shaped dropout mask: True where the element is kept (probability ``1 - p``), i.e. where
         :meth:`uniform` ≥ p — compared on the integers (p · 2^53 is exact in float64)."""
-        return self.bits(piece, device) >= math.ceil(p * 2.0 ** 53)
+        return self.bits(piece, device) >= math.ceil(p * 2.0**53)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,10 +28,17 @@ class LoweredStep:
     passes: tuple[PassRecord, ...] = ()
 
 
-def lower_step(pcg: PCG, optimizer: UpdateRule = UpdateRule.SGD, ranks: Iterable[int] | None = None,
-               verify: bool = True, training: bool = True, options: LowerOptions | None = None,
-               clip_norm: float | None = None, grad_norm: bool = False,
-               micro: MicroStep = MicroStep()) -> LoweredStep:
+def lower_step(
+    pcg: PCG,
+    optimizer: UpdateRule = UpdateRule.SGD,
+    ranks: Iterable[int] | None = None,
+    verify: bool = True,
+    training: bool = True,
+    options: LowerOptions | None = None,
+    clip_norm: float | None = None,
+    grad_norm: bool = False,
+    micro: MicroStep = MicroStep(),
+) -> LoweredStep:
     """Lower one training step of ``pcg``. With ``ranks`` given, only those ranks' programs are built (each
     rank of a run builds its own); ``verify`` (all ranks only) proves the programs agree before any launch.
 
@@ -47,12 +54,23 @@ def lower_step(pcg: PCG, optimizer: UpdateRule = UpdateRule.SGD, ranks: Iterable
     Raises PassError if a pass finds the graph inconsistent, PlanVerificationError if the proof fails.
     """
     options = options or PLAIN
-    ctx = LowerContext(optimizer, training, clip_norm, options, None if ranks is None else tuple(ranks), grad_norm,
-                       micro)
+    ctx = LowerContext(
+        optimizer, training, clip_norm, options, None if ranks is None else tuple(ranks), grad_norm, micro
+    )
     skip = () if verify and ranks is None else (PassName.VERIFY,)
     sg, records = run_passes(pcg, ctx, skip=skip)
     return LoweredStep(sg.dg, sg.programs, records)
 
 
-__all__ = ["PASSES", "PLAIN", "CostModel", "LowerOptions", "LoweredStep", "MicroStep", "MixedPrecision",
-           "lower_programs", "lower_step", "run_passes"]
+__all__ = [
+    "PASSES",
+    "PLAIN",
+    "CostModel",
+    "LowerOptions",
+    "LoweredStep",
+    "MicroStep",
+    "MixedPrecision",
+    "lower_programs",
+    "lower_step",
+    "run_passes",
+]

@@ -13,10 +13,22 @@ from dataclasses import dataclass
 from typing import Collection, Mapping
 
 from shardflow.graph.ops import Linear, Matmul
-from shardflow.lower.program import (Block, Comm, Compute, Convert, Forward, Free, Keep, Program, Sum, Update, Vjp,
-                                     Wait, reads)
+from shardflow.lower.program import (
+    Block,
+    Comm,
+    Compute,
+    Convert,
+    Forward,
+    Free,
+    Keep,
+    Program,
+    Sum,
+    Update,
+    Vjp,
+    Wait,
+    reads,
+)
 from shardflow.parallel.collectives import CommKind
-
 
 # --- which communications may use their send buffer itself ------------------------------------------------------
 # Communications that may hand their send buffer to the backend as it is: a reduction (all-reduce, reduce) then
@@ -92,18 +104,26 @@ def ring_regions(program: Program) -> dict[str, tuple[int, int]]:
     back in place."""
     received = {c.recv.value for c in program.comms if c.kind == CommKind.PERMUTE and c.dim is not None}
     computed = {i.outs[0].value for i in program.instrs if isinstance(i, Compute) and in_place_product(i)}
-    return {b.value: (k, j) for k, i in enumerate(program.instrs)
-            if isinstance(i, Compute) and i.op == "concat" and not i.dnode
-            for j, b in enumerate(i.ins) if b.value in received or b.value in computed}
+    return {
+        b.value: (k, j)
+        for k, i in enumerate(program.instrs)
+        if isinstance(i, Compute) and i.op == "concat" and not i.dnode
+        for j, b in enumerate(i.ins)
+        if b.value in received or b.value in computed
+    }
 
 
 def in_place_product(i: Compute) -> bool:
     """Whether compute ``i`` may write its output into a given buffer: the forward of a linear (``x @ W.T + b``) or
     of a product by a matrix (``x @ W``, ``W`` 2-D), with no input or output scale."""
     spec = i.kernel
-    return (isinstance(spec, Forward) and spec.draw is None
-            and (isinstance(spec.local.op, Linear) or (isinstance(spec.local.op, Matmul) and i.ins[1].type.ndim == 2))
-            and spec.local.out_scale == 1.0 and all(s == 1.0 for s in spec.local.in_scale))
+    return (
+        isinstance(spec, Forward)
+        and spec.draw is None
+        and (isinstance(spec.local.op, Linear) or (isinstance(spec.local.op, Matmul) and i.ins[1].type.ndim == 2))
+        and spec.local.out_scale == 1.0
+        and all(s == 1.0 for s in spec.local.in_scale)
+    )
 
 
 def kept_receives(program: Program, recorded: Collection[tuple[str, int]]) -> dict[int, int]:
@@ -157,7 +177,12 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
             last[b.value] = k
     backward = {i.saved_as: k for k, i in enumerate(instrs) if isinstance(i, Compute) and isinstance(i.kernel, Vjp)}
     for i in instrs:  # a recorded forward's outputs live in its autograd graph until the backward of its node
-        if isinstance(i, Compute) and isinstance(i.kernel, Forward) and i.saved_as in recorded and i.saved_as in backward:
+        if (
+            isinstance(i, Compute)
+            and isinstance(i.kernel, Forward)
+            and i.saved_as in recorded
+            and i.saved_as in backward
+        ):
             for b in i.outs:
                 last[b.value] = max(last.get(b.value, -1), backward[i.saved_as])
     group: dict[str, list[str]] = {}  # value → the values that may share its storage (one list per class)
@@ -171,8 +196,9 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
 
     def free_after(v: str, k: int, spare: str = "") -> bool:  # no buffer sharing v's storage is needed after k
         same = group.get(v, [v])
-        return (all(u not in same for u in in_flight.values())
-                and all(u == spare or (u in freed and last.get(u, -1) <= k) for u in same))
+        return all(u not in same for u in in_flight.values()) and all(
+            u == spare or (u in freed and last.get(u, -1) <= k) for u in same
+        )
 
     in_flight: dict[int, str] = {}  # token → the send buffer of a communication issued, not waited
     chosen: set[int] = set()
@@ -209,8 +235,14 @@ def _sharing(program: Program, recorded: Collection[tuple[str, int]], live_roots
     return Reuse(frozenset(chosen), frozenset(sums), slots, regions), clash
 
 
-def _slots(program: Program, chosen: Collection[int], freed: Collection[str], last: Mapping[str, int],
-           group: Mapping[str, list[str]], regions: Mapping[str, tuple[int, int]]) -> dict[int, int]:
+def _slots(
+    program: Program,
+    chosen: Collection[int],
+    freed: Collection[str],
+    last: Mapping[str, int],
+    group: Mapping[str, list[str]],
+    regions: Mapping[str, tuple[int, int]],
+) -> dict[int, int]:
     """:func:`kept_receives` from :func:`_sharing`'s pass: its storage classes (``group``), the last reader of each
     value (``last``, recorded autograd graphs included), the values freed in the step and the ring chunks received
     in place (``regions``)."""

@@ -64,8 +64,10 @@ def fit(samples: Sequence[tuple[int, float]]) -> KindCost:
     mx, my = sum(xs) / n, sum(t for _, t in samples) / n
     slope = sum((x - mx) * (t - my) for x, (_, t) in zip(xs, samples)) / sum((x - mx) ** 2 for x in xs)
     if not slope > 0:
-        raise ValueError(f"time does not grow with the message size ({', '.join(f'{int(x)} B: {t:.3g} s' for x, (_, t) in zip(xs, samples))}); "
-                         f"measure larger sizes (--sizes)")
+        raise ValueError(
+            f"time does not grow with the message size ({', '.join(f'{int(x)} B: {t:.3g} s' for x, (_, t) in zip(xs, samples))}); "
+            f"measure larger sizes (--sizes)"
+        )
     return KindCost(max(0.0, my - slope * mx), 1.0 / slope)
 
 
@@ -86,10 +88,24 @@ class Calibration:
     def to_json(self) -> str:
         """The file's text: ``version`` (:data:`SCHEMA`), the fields, ``groups`` → kind → ``alpha_s`` (s) and
         ``bandwidth`` (bytes/s)."""
-        return json.dumps({"version": SCHEMA, "backend": self.backend, "world_size": self.world_size,
-                           "machine": self.machine, "date": self.date, "torch": self.torch,
-                           "groups": {g: {k: {"alpha_s": c.alpha_s, "bandwidth": c.bandwidth} for k, c in kinds.items()}
-                                      for g, kinds in self.groups.items()}}, indent=1) + "\n"
+        return (
+            json.dumps(
+                {
+                    "version": SCHEMA,
+                    "backend": self.backend,
+                    "world_size": self.world_size,
+                    "machine": self.machine,
+                    "date": self.date,
+                    "torch": self.torch,
+                    "groups": {
+                        g: {k: {"alpha_s": c.alpha_s, "bandwidth": c.bandwidth} for k, c in kinds.items()}
+                        for g, kinds in self.groups.items()
+                    },
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
     @classmethod
     def from_json(cls, text: str, path: str = "") -> Calibration:
@@ -133,14 +149,18 @@ class Calibration:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise CalibrationError(f"calibration file {path}: cannot read it ({getattr(e, 'strerror', None) or e}); "
-                                   f"run `shardflow calibrate` again, or delete it") from None
+            raise CalibrationError(
+                f"calibration file {path}: cannot read it ({getattr(e, 'strerror', None) or e}); "
+                f"run `shardflow calibrate` again, or delete it"
+            ) from None
         return cls.from_json(text, str(path))
 
     def describe(self) -> str:
         """One line: where the numbers come from."""
-        return (f"calibration {self.path or '(in memory)'} ({self.backend}, {self.world_size} ranks on "
-                f"{self.machine}, {self.date})")
+        return (
+            f"calibration {self.path or '(in memory)'} ({self.backend}, {self.world_size} ranks on "
+            f"{self.machine}, {self.date})"
+        )
 
 
 def this_machine() -> str:

@@ -25,13 +25,33 @@ from typing import Mapping
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
 from shardflow.lower.cost import PLAIN, CommForm, LowerOptions
-from shardflow.lower.dynamic import (DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, block_of,
-                                     forward_id, require)
+from shardflow.lower.dynamic import (
+    DNode,
+    DynamicGraph,
+    NodeKind,
+    PassError,
+    PassName,
+    TaskType,
+    Value,
+    block_of,
+    forward_id,
+    require,
+)
 from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
-from shardflow.lower.shard_expansion import (ShardedGraph, Step, axis_group_index, axis_members, device_index,
-                                             in_group, kernel, piece, steps)
+from shardflow.lower.shard_expansion import (
+    ShardedGraph,
+    Step,
+    axis_group_index,
+    axis_members,
+    device_index,
+    in_group,
+    kernel,
+    piece,
+    steps,
+)
 from shardflow.parallel.collectives import CommKind, wire_bytes
 from shardflow.parallel.mesh import ReduceOp, SubMesh
+
 
 @dataclass(frozen=True)
 class Decisions:
@@ -97,22 +117,30 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
             last_dim = len(dg.values[out].type.shape) - 1
             if form != CommForm.COLLECTIVE and n.op.dim != last_dim:
                 fused[n.name] = tuple(
-                    c for c in readers.get(out, ()) if c.kind == NodeKind.COMPUTE and c.pass_ == TaskType.FWD
-                    and ops[c.src].contracts_last_dim and c.inputs[0] == out
+                    c
+                    for c in readers.get(out, ())
+                    if c.kind == NodeKind.COMPUTE
+                    and c.pass_ == TaskType.FWD
+                    and ops[c.src].contracts_last_dim
+                    and c.inputs[0] == out
                     and all(v in leaves for v in c.inputs[1:])
-                    and len(dg.values[c.outputs[0]].type.shape) == last_dim + 1)
+                    and len(dg.values[c.outputs[0]].type.shape) == last_dim + 1
+                )
         elif st.kind == CommKind.REDUCE_SCATTER:
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
             summed = dg.values[n.inputs[0]].sharding.reduce_op == ReduceOp.SUM  # the ring adds; others stay plain
-            forms[n.name] = options.reduce_scatter_form(chunk, n.op.degree, n.op.axis) if summed else CommForm.COLLECTIVE
+            forms[n.name] = (
+                options.reduce_scatter_form(chunk, n.op.degree, n.op.axis) if summed else CommForm.COLLECTIVE
+            )
     if options.bucket_bytes <= 0:
         return Decisions(dg, forms, fused)
     final = _final_gradients(dg)
     then = _then_all_reduced(dg, all_steps, final)
     gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final, then)
     # the all-reduces of a scatter bucket's pieces: one bucket, issued right after it (FSDP2's HSDP)
-    pieces = tuple(tuple(then[st.nodes[-1].outputs[0]] for st in b) for b in scatters
-                   if b[0].nodes[-1].outputs[0] in then)
+    pieces = tuple(
+        tuple(then[st.nodes[-1].outputs[0]] for st in b) for b in scatters if b[0].nodes[-1].outputs[0] in then
+    )
     packed = {n.name for b in gathers for n in b} | {st.nodes[0].name for b in scatters for st in b}
     forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
     fused = {k: v for k, v in fused.items() if k not in packed}
@@ -131,8 +159,12 @@ def _final_sum(dg: DynamicGraph, st: Step, kind: CommKind, final: frozenset[str]
     """Whether step ``st`` is a ``kind`` of the backward that sums and whose result is a final gradient (``final``):
     what may wait in a bucket, read by nothing before the updates."""
     first, last = st.nodes[0], st.nodes[-1]
-    return (st.kind == kind and first.pass_ == TaskType.BWD and last.outputs[0] in final
-            and dg.values[first.inputs[0]].sharding.reduce_op == ReduceOp.SUM)
+    return (
+        st.kind == kind
+        and first.pass_ == TaskType.BWD
+        and last.outputs[0] in final
+        and dg.values[first.inputs[0]].sharding.reduce_op == ReduceOp.SUM
+    )
 
 
 def _then_all_reduced(dg: DynamicGraph, all_steps: list[Step], final: frozenset[str]) -> dict[str, DNode]:
@@ -144,14 +176,19 @@ def _then_all_reduced(dg: DynamicGraph, all_steps: list[Step], final: frozenset[
     out: dict[str, DNode] = {}
     for st, nxt in zip(all_steps, all_steps[1:]):
         v = st.nodes[-1].outputs[0]
-        if (st.kind == CommKind.REDUCE_SCATTER and _final_sum(dg, nxt, CommKind.ALL_REDUCE, final)
-                and nxt.nodes[0].inputs[0] == v and readers[v] == 1):
+        if (
+            st.kind == CommKind.REDUCE_SCATTER
+            and _final_sum(dg, nxt, CommKind.ALL_REDUCE, final)
+            and nxt.nodes[0].inputs[0] == v
+            and readers[v] == 1
+        ):
             out[v] = nxt.nodes[0]
     return out
 
 
-def _scatter_buckets(dg: DynamicGraph, all_steps: list[Step], final: frozenset[str], then: Mapping[str, DNode]
-                     ) -> tuple[tuple[Step, ...], ...]:
+def _scatter_buckets(
+    dg: DynamicGraph, all_steps: list[Step], final: frozenset[str], then: Mapping[str, DNode]
+) -> tuple[tuple[Step, ...], ...]:
     """Gradient reduce-scatters packed into buckets, as FSDP2 reduce-scatters one flat gradient per module: those
     of BWD, summing, whose result only the updates (and the gradient-norm sum) read, or only the all-reduce of
     ``then`` (:func:`_then_all_reduced`), grouped by (sub-mesh, axis, dim, dtype, the tensor's block:
@@ -165,8 +202,14 @@ def _scatter_buckets(dg: DynamicGraph, all_steps: list[Step], final: frozenset[s
         first, last = st.nodes[0], st.nodes[-1]
         vin = dg.values[first.inputs[0]]
         after = then.get(last.outputs[0])
-        key = (first.group, last.op.axis, last.op.dim, vin.type.dtype, block_of(vin.tensor),
-               after.op.axis if after else "")
+        key = (
+            first.group,
+            last.op.axis,
+            last.op.dim,
+            vin.type.dtype,
+            block_of(vin.tensor),
+            after.op.axis if after else "",
+        )
         open_.setdefault(key, []).append(st)
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
@@ -191,8 +234,9 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
 
-def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str], skip: set[str]
-             ) -> tuple[tuple[DNode, ...], ...]:
+def _buckets(
+    dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str], skip: set[str]
+) -> tuple[tuple[DNode, ...], ...]:
     """Gradient all-reduces packed into buckets (see :class:`LowerOptions`): those of BWD, summing, whose
     result only the updates (and the gradient-norm sum) read, except the nodes named in ``skip`` (bucketed with
     their reduce-scatter bucket's); grouped by (sub-mesh, axis, dtype) in the order the backward makes them, a
@@ -217,8 +261,16 @@ def _buckets(dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset
 
 
 # The step kinds that lower to collectives along a mesh axis (one per axis group, or a ring / loop of them).
-_COLLECTIVES = frozenset({CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.ALL_GATHER, CommKind.ALL_TO_ALL,
-                          CommKind.BROADCAST, CommKind.REDUCE})
+_COLLECTIVES = frozenset(
+    {
+        CommKind.ALL_REDUCE,
+        CommKind.REDUCE_SCATTER,
+        CommKind.ALL_GATHER,
+        CommKind.ALL_TO_ALL,
+        CommKind.BROADCAST,
+        CommKind.REDUCE,
+    }
+)
 
 
 def instances(st: Step, plan: Decisions) -> int:
@@ -280,15 +332,18 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
             later.append(tuple(after))
         instrs[r], deferred[r] = tuple(now), tuple(later)
     tokens = tuple(instances(st, plan) for st in sg.steps)
-    out = dataclasses.replace(sg, instrs=instrs, deferred=deferred, tokens=tokens,
-                              done=sg.done + (PassName.COMM_LOWERING,))
+    out = dataclasses.replace(
+        sg, instrs=instrs, deferred=deferred, tokens=tokens, done=sg.done + (PassName.COMM_LOWERING,)
+    )
     for r in sg.ranks:  # after: every token within its step's count
         for k, st in enumerate(sg.steps):
             n = tokens[k]
             bad = [i for i in instrs[r][k] + deferred[r][k] if isinstance(i, (Comm, Wait)) and not 0 <= i.token < n]
             if bad:
-                raise PassError(f"communication lowering: rank {r} step {k} ({st.kind}) has token {bad[0].token} "
-                                f"outside its {n} communication(s)")
+                raise PassError(
+                    f"communication lowering: rank {r} step {k} ({st.kind}) has token {bad[0].token} "
+                    f"outside its {n} communication(s)"
+                )
     return out
 
 
@@ -309,11 +364,24 @@ def _bucket(plan: Decisions, k: int, r: int, token: int) -> tuple[list[Instr], l
     d = len(group_members)
     t = token + axis_group_index(n0.group, n0.op.axis, r)
     note = f"bucket {k}: " + ", ".join(n.name for n in members)
-    comm = Comm(t, CommKind.ALL_REDUCE, TaskType.BWD, group_members, flat,
-                wire_bytes(CommKind.ALL_REDUCE, flat.nbytes, d), n0.op.axis,
-                send=packed, recv=reduced, note=note, wait=False, value=packed.value)
-    return ([Compute(TaskType.BWD, f"bucket{k}", "pack", ins, (packed,)), comm],
-            [Wait(t), Compute(TaskType.BWD, f"bucket{k}", "unpack", (reduced,), outs)])
+    comm = Comm(
+        t,
+        CommKind.ALL_REDUCE,
+        TaskType.BWD,
+        group_members,
+        flat,
+        wire_bytes(CommKind.ALL_REDUCE, flat.nbytes, d),
+        n0.op.axis,
+        send=packed,
+        recv=reduced,
+        note=note,
+        wait=False,
+        value=packed.value,
+    )
+    return (
+        [Compute(TaskType.BWD, f"bucket{k}", "pack", ins, (packed,)), comm],
+        [Wait(t), Compute(TaskType.BWD, f"bucket{k}", "unpack", (reduced,), outs)],
+    )
 
 
 def _gather_bucket(plan: Decisions, k: int, r: int, j: int) -> tuple[list[Instr], list[Instr]]:
@@ -337,9 +405,21 @@ def _gather_bucket(plan: Decisions, k: int, r: int, j: int) -> tuple[list[Instr]
     gathered = Buffer(f"{name}.gathered", TensorType((d, n_flat), ins[0].type.dtype))
     note = f"gather bucket {k}: " + ", ".join(n.name for n in members)
     t = j * (n0.group.size // d) + axis_group_index(n0.group, axis, r)
-    comm = Comm(t, CommKind.ALL_GATHER, n0.pass_, group_members, packed.type,
-                wire_bytes(CommKind.ALL_GATHER, packed.type.nbytes, d), axis, send=packed, recv=gathered, dim=0,
-                note=note, wait=False, value=packed.value)
+    comm = Comm(
+        t,
+        CommKind.ALL_GATHER,
+        n0.pass_,
+        group_members,
+        packed.type,
+        wire_bytes(CommKind.ALL_GATHER, packed.type.nbytes, d),
+        axis,
+        send=packed,
+        recv=gathered,
+        dim=0,
+        note=note,
+        wait=False,
+        value=packed.value,
+    )
     after: list[Instr] = [Wait(t), Compute(n0.pass_, name, "ungather", (gathered,), outs, dim=dim)]
     return [Compute(n0.pass_, name, "pack", ins, (packed,)), comm], after
 
@@ -365,12 +445,26 @@ def _scatter_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[
     packed, mine = Buffer(name, TensorType((d * flat.numel,), flat.dtype)), Buffer(f"{name}.reduced", flat)
     note = f"scatter bucket {k}: " + ", ".join(st.nodes[0].name for st in members)
     t = axis_group_index(first.group, axis, r)
-    comm = Comm(t, CommKind.REDUCE_SCATTER, TaskType.BWD, group_members, packed.type,
-                wire_bytes(CommKind.REDUCE_SCATTER, packed.type.nbytes, d), axis, send=packed, recv=mine, dim=0,
-                note=note, wait=False, value=packed.value)
+    comm = Comm(
+        t,
+        CommKind.REDUCE_SCATTER,
+        TaskType.BWD,
+        group_members,
+        packed.type,
+        wire_bytes(CommKind.REDUCE_SCATTER, packed.type.nbytes, d),
+        axis,
+        send=packed,
+        recv=mine,
+        dim=0,
+        note=note,
+        wait=False,
+        value=packed.value,
+    )
     now: list[Instr] = [Compute(TaskType.BWD, name, "chunk", (b,), chunks[i], dim=dim) for i, b in enumerate(ins)]
-    now += [Compute(TaskType.BWD, name, "pack", tuple(chunks[i][j] for j in range(d) for i in range(len(ins))),
-                    (packed,)), comm]
+    now += [
+        Compute(TaskType.BWD, name, "pack", tuple(chunks[i][j] for j in range(d) for i in range(len(ins))), (packed,)),
+        comm,
+    ]
     return now, [Wait(t), Compute(TaskType.BWD, name, "unpack", (mine,), outs)]
 
 
@@ -398,13 +492,35 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     nbytes = wire_bytes(st.kind, tin.type.nbytes, d)
     # all-gather: Combine's dim; reduce-scatter: the Repartition's; all-to-all: split the Repartition's dim,
     # concatenate along the Combine's.
-    dims = (None, None) if st.kind == CommKind.ALL_REDUCE else (first.op.dim, None) if st.kind == CommKind.ALL_GATHER \
-        else (last.op.dim, None) if st.kind == CommKind.REDUCE_SCATTER else (last.op.dim, first.op.dim)
-    return [Comm(base + axis_group_index(group, axis, r), st.kind, first.pass_, members, tin.type, nbytes, axis,
-                 send=tin, recv=tout, dim=dims[0], dim2=dims[1], note=" + ".join(n.name for n in st.nodes),
-                 reduce_op=vin.sharding.reduce_op if st.kind in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
-                 else ReduceOp.SUM,
-                 value=vin.id)]
+    dims = (
+        (None, None)
+        if st.kind == CommKind.ALL_REDUCE
+        else (first.op.dim, None)
+        if st.kind == CommKind.ALL_GATHER
+        else (last.op.dim, None)
+        if st.kind == CommKind.REDUCE_SCATTER
+        else (last.op.dim, first.op.dim)
+    )
+    return [
+        Comm(
+            base + axis_group_index(group, axis, r),
+            st.kind,
+            first.pass_,
+            members,
+            tin.type,
+            nbytes,
+            axis,
+            send=tin,
+            recv=tout,
+            dim=dims[0],
+            dim2=dims[1],
+            note=" + ".join(n.name for n in st.nodes),
+            reduce_op=vin.sharding.reduce_op
+            if st.kind in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
+            else ReduceOp.SUM,
+            value=vin.id,
+        )
+    ]
 
 
 def _replicate_meshes(n: DNode, dg: DynamicGraph) -> tuple[SubMesh, SubMesh]:
@@ -445,8 +561,22 @@ def _replicate_comms(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Inst
             kind, send, recv = CommKind.BROADCAST, piece(vin) if r == root else None, piece(vout) if own else None
         else:  # the members send their partial pieces, the root receives the sum
             kind, send, recv = CommKind.REDUCE, piece(vin) if own else None, piece(vout) if r == root else None
-        out.append(Comm(base + g, kind, n.pass_, members, t, wire_bytes(kind, t.nbytes, len(members), r == root),
-                        axis, root=root, send=send, recv=recv, note=n.name, value=vin.id))
+        out.append(
+            Comm(
+                base + g,
+                kind,
+                n.pass_,
+                members,
+                t,
+                wire_bytes(kind, t.nbytes, len(members), r == root),
+                axis,
+                root=root,
+                send=send,
+                recv=recv,
+                note=n.name,
+                value=vin.id,
+            )
+        )
     return out
 
 
@@ -492,15 +622,39 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
     def comm(step: int, wait: bool) -> Comm:
         if form == CommForm.RING:
             to, frm = ring_peers(p, step + 1, d)
-            return Comm(token(step), CommKind.PERMUTE, n.pass_, members, own.type,
-                        wire_bytes(CommKind.PERMUTE, own.type.nbytes, d), axis, peer=members[to],
-                        peer_from=members[frm], send=own, recv=chunks[frm], dim=dim, wait=wait, note=n.name,
-                        value=vin.id)
+            return Comm(
+                token(step),
+                CommKind.PERMUTE,
+                n.pass_,
+                members,
+                own.type,
+                wire_bytes(CommKind.PERMUTE, own.type.nbytes, d),
+                axis,
+                peer=members[to],
+                peer_from=members[frm],
+                send=own,
+                recv=chunks[frm],
+                dim=dim,
+                wait=wait,
+                note=n.name,
+                value=vin.id,
+            )
         root = members[step]
-        return Comm(token(step), CommKind.BROADCAST, n.pass_, members, own.type,
-                    wire_bytes(CommKind.BROADCAST, own.type.nbytes, d, r == root), axis,
-                    root=root, send=own if r == root else None, recv=None if r == root else chunks[step],
-                    wait=wait, note=n.name, value=vin.id)
+        return Comm(
+            token(step),
+            CommKind.BROADCAST,
+            n.pass_,
+            members,
+            own.type,
+            wire_bytes(CommKind.BROADCAST, own.type.nbytes, d, r == root),
+            axis,
+            root=root,
+            send=own if r == root else None,
+            recv=None if r == root else chunks[step],
+            wait=wait,
+            note=n.name,
+            value=vin.id,
+        )
 
     def compute_on(j: int) -> list[Instr]:
         out = []
@@ -551,9 +705,23 @@ def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: Com
     for i in range(1, d):
         to, frm = ring_peers(p, i, d)
         tmp = _chunk(src, i, d, dim, tag="recv")
-        instrs.append(Comm(base + (i - 1) * groups + g, CommKind.PERMUTE, n.pass_, members, parts[to].type,
-                           wire_bytes(CommKind.PERMUTE, parts[to].type.nbytes, d), axis, peer=members[to],
-                           peer_from=members[frm], send=parts[to], recv=tmp, note=f"{n.name} + {m.name}", value=vin.id))
+        instrs.append(
+            Comm(
+                base + (i - 1) * groups + g,
+                CommKind.PERMUTE,
+                n.pass_,
+                members,
+                parts[to].type,
+                wire_bytes(CommKind.PERMUTE, parts[to].type.nbytes, d),
+                axis,
+                peer=members[to],
+                peer_from=members[frm],
+                send=parts[to],
+                recv=tmp,
+                note=f"{n.name} + {m.name}",
+                value=vin.id,
+            )
+        )
         nxt = out if i == d - 1 else Buffer(f"{out.value}#acc{i}", out.type)
         instrs.append(Compute(n.pass_, n.src, "add", (acc, tmp), (nxt,)))
         acc = nxt
@@ -583,16 +751,42 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         if src == r:
             out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name, kernel=kernel(n, dg, r)))
         else:
-            out.append(Comm(base + device_index(dst_v.group, r), CommKind.RECV, n.pass_, (src, r), b.type,
-                            wire_bytes(CommKind.RECV, b.type.nbytes, 2), "copy",
-                            peer=src, recv=b, note=n.name, value=src_v.id, piece=_piece_index(src_v, dst_v, r)))
+            out.append(
+                Comm(
+                    base + device_index(dst_v.group, r),
+                    CommKind.RECV,
+                    n.pass_,
+                    (src, r),
+                    b.type,
+                    wire_bytes(CommKind.RECV, b.type.nbytes, 2),
+                    "copy",
+                    peer=src,
+                    recv=b,
+                    note=n.name,
+                    value=src_v.id,
+                    piece=_piece_index(src_v, dst_v, r),
+                )
+            )
     if in_group(src_v.group, r):  # r as source of every destination it serves
         b = piece(src_v)
         for d in dst_v.group.devices():
             if d != r and _copy_source(src_v, dst_v, d) == r:
-                out.append(Comm(base + device_index(dst_v.group, d), CommKind.SEND, n.pass_, (r, d), b.type,
-                                wire_bytes(CommKind.SEND, b.type.nbytes, 2), "copy", peer=d, send=b, note=n.name,
-                                value=src_v.id, piece=_piece_index(src_v, dst_v, d)))
+                out.append(
+                    Comm(
+                        base + device_index(dst_v.group, d),
+                        CommKind.SEND,
+                        n.pass_,
+                        (r, d),
+                        b.type,
+                        wire_bytes(CommKind.SEND, b.type.nbytes, 2),
+                        "copy",
+                        peer=d,
+                        send=b,
+                        note=n.name,
+                        value=src_v.id,
+                        piece=_piece_index(src_v, dst_v, d),
+                    )
+                )
     out.sort(key=lambda i: i.token if isinstance(i, Comm) else -1)
     return out
 
@@ -635,7 +829,13 @@ def process_groups(dg: DynamicGraph) -> list[Group]:
     seen: dict[tuple[int, ...], str] = {}  # members → the mesh axis their collectives run along
     for (group, axis, _, kind), n in keys.items():
         for d in group.devices():
-            seen.setdefault(replicate_group(n, dg, d)[0] if kind in (CommKind.BROADCAST, CommKind.REDUCE) else
-                            axis_members(group, axis, d), axis)
+            seen.setdefault(
+                replicate_group(n, dg, d)[0]
+                if kind in (CommKind.BROADCAST, CommKind.REDUCE)
+                else axis_members(group, axis, d),
+                axis,
+            )
     whole = SubMesh(dg.pcg.mesh)
-    return [Group(m, whole.mesh, axis) if m == axis_members(whole, axis, m[0]) else Group(m) for m, axis in seen.items()]
+    return [
+        Group(m, whole.mesh, axis) if m == axis_members(whole, axis, m[0]) else Group(m) for m, axis in seen.items()
+    ]

@@ -74,8 +74,9 @@ def _p2p(members, sends, shared):
     return [None if m.kind == CommKind.SEND else src.clone() for m in members]
 
 
-def run_local(members: Sequence[Comm], sends: Sequence[torch.Tensor | None],
-              shared: Sequence[bool]) -> list[torch.Tensor | None]:
+def run_local(
+    members: Sequence[Comm], sends: Sequence[torch.Tensor | None], shared: Sequence[bool]
+) -> list[torch.Tensor | None]:
     """What each member receives (``None``: nothing), from what each sends; all three in ``members[0].members``
     order. ``shared``: per member, whether its send buffer is the communication's to use
     (:func:`~shardflow.lower.buffer_reuse.shared_sends`): a reduction then writes its result there and a broadcast root

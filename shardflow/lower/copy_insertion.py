@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardflow.lower.dynamic import (DNode, DynamicGraph, GraphBuilder, NodeKind, PassError, PassName, copied_id,
-                                     require)
+from shardflow.lower.dynamic import DNode, DynamicGraph, GraphBuilder, NodeKind, PassError, PassName, copied_id, require
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Replicate
 
@@ -23,8 +22,13 @@ def _moves_between_submeshes(n: DNode) -> bool:
 def cross_submesh_reads(dg: DynamicGraph) -> list[tuple[str, str]]:
     """(node, value) for every read of a value held by another sub-mesh by a node that does not move data
     between sub-meshes itself: what copy insertion removes, and what every later pass refuses."""
-    return [(n.name, v) for n in dg.nodes if not _moves_between_submeshes(n)
-            for v in n.inputs if dg.values[v].group != n.group]
+    return [
+        (n.name, v)
+        for n in dg.nodes
+        if not _moves_between_submeshes(n)
+        for v in n.inputs
+        if dg.values[v].group != n.group
+    ]
 
 
 def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
@@ -44,8 +48,18 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
             key = (vid, n.group)
             if key not in copies:
                 out = g.value(copied_id(vid, n.group), v.tensor, v.role, v.type, v.sharding, n.group)
-                g.nodes.append(DNode(f"{v.pass_} copy {vid} {v.group}->{n.group}", v.pass_, NodeKind.COPY, (vid,),
-                                     (out,), n.group, n.src, micro=n.micro))
+                g.nodes.append(
+                    DNode(
+                        f"{v.pass_} copy {vid} {v.group}->{n.group}",
+                        v.pass_,
+                        NodeKind.COPY,
+                        (vid,),
+                        (out,),
+                        n.group,
+                        n.src,
+                        micro=n.micro,
+                    )
+                )
                 copies[key] = out
             ins.append(copies[key])
         g.nodes.append(dataclasses.replace(n, inputs=tuple(ins)))

@@ -21,18 +21,39 @@ from typing import Mapping
 
 import torch
 
-from shardflow.lower.calibration import (WORLD, Calibration, CalibrationError, CalibrationWarning, KindCost,
-                                         calibration_path, this_machine)
+from shardflow.lower.calibration import (
+    WORLD,
+    Calibration,
+    CalibrationError,
+    CalibrationWarning,
+    KindCost,
+    calibration_path,
+    this_machine,
+)
 from shardflow.lower.dynamic import ActivationCheckpointing
 from shardflow.lower.schedule import ScheduleKind
 
 GB = 1e9
 
 DEFAULT_BANDWIDTH: Mapping[str, Mapping[str, float]] = {
-    "gloo": {"p2p": 1.0 * GB, "all_reduce": 0.9 * GB, "all_gather": 0.6 * GB, "reduce_scatter": 0.2 * GB,
-             "broadcast": 0.9 * GB, "all_to_all": 0.35 * GB, "reduce": 0.9 * GB},
-    "nccl": {"p2p": 20 * GB, "all_reduce": 100 * GB, "all_gather": 100 * GB, "reduce_scatter": 100 * GB,
-             "broadcast": 100 * GB, "all_to_all": 50 * GB, "reduce": 100 * GB},
+    "gloo": {
+        "p2p": 1.0 * GB,
+        "all_reduce": 0.9 * GB,
+        "all_gather": 0.6 * GB,
+        "reduce_scatter": 0.2 * GB,
+        "broadcast": 0.9 * GB,
+        "all_to_all": 0.35 * GB,
+        "reduce": 0.9 * GB,
+    },
+    "nccl": {
+        "p2p": 20 * GB,
+        "all_reduce": 100 * GB,
+        "all_gather": 100 * GB,
+        "reduce_scatter": 100 * GB,
+        "broadcast": 100 * GB,
+        "all_to_all": 50 * GB,
+        "reduce": 100 * GB,
+    },
 }
 DEFAULT_ALPHA_S = {"gloo": 4e-4, "nccl": 2e-5}
 
@@ -75,12 +96,18 @@ class CostModel:
             return cls(backend)
         cal = Calibration.load(path)
         if cal.backend != backend:
-            raise CalibrationError(f"calibration file {path}: measured on {cal.backend}, read for {backend}; run "
-                                   f"`shardflow calibrate --backend {backend}` again, or delete it")
+            raise CalibrationError(
+                f"calibration file {path}: measured on {cal.backend}, read for {backend}; run "
+                f"`shardflow calibrate --backend {backend}` again, or delete it"
+            )
         if cal.machine != this_machine():
-            warnings.warn(f"calibration file {path} was measured on {cal.machine}, not on this machine "
-                          f"({this_machine()}): ignored, the {backend} defaults apply; run `shardflow calibrate` "
-                          f"here", CalibrationWarning, stacklevel=2)
+            warnings.warn(
+                f"calibration file {path} was measured on {cal.machine}, not on this machine "
+                f"({this_machine()}): ignored, the {backend} defaults apply; run `shardflow calibrate` "
+                f"here",
+                CalibrationWarning,
+                stacklevel=2,
+            )
             return cls(backend)
         return cls(backend, calibration=cal)
 
@@ -220,10 +247,21 @@ class LowerOptions:
     accumulate: int = 1
 
     @classmethod
-    def parse(cls, *, cost: CostModel, all_gather: str = "auto", reduce_scatter: str = "auto",
-              bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20, reshard_after_forward: bool = True, ac: str = "none",
-              precision: MixedPrecision | None = None, microbatches: int = 1, schedule: str = "1f1b",
-              stages_per_rank: int = 1, accumulate: int = 1) -> LowerOptions:
+    def parse(
+        cls,
+        *,
+        cost: CostModel,
+        all_gather: str = "auto",
+        reduce_scatter: str = "auto",
+        bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        reshard_after_forward: bool = True,
+        ac: str = "none",
+        precision: MixedPrecision | None = None,
+        microbatches: int = 1,
+        schedule: str = "1f1b",
+        stages_per_rank: int = 1,
+        accumulate: int = 1,
+    ) -> LowerOptions:
         """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
         arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.
 
@@ -232,22 +270,35 @@ class LowerOptions:
                 ``bucket_mb`` < 0, or ``microbatches``, ``stages_per_rank`` or ``accumulate`` < 1 (one paragraph
                 naming the setting).
         """
-        for name, v, what in (("accumulate", accumulate, "micro-steps per step, 1 (no accumulation)"),
-                              ("microbatches", microbatches, "microbatches per step, 1 (no pipelining)"),
-                              ("stages_per_rank", stages_per_rank, "chunks of the model per pipeline stage, 1")):
+        for name, v, what in (
+            ("accumulate", accumulate, "micro-steps per step, 1 (no accumulation)"),
+            ("microbatches", microbatches, "microbatches per step, 1 (no pipelining)"),
+            ("stages_per_rank", stages_per_rank, "chunks of the model per pipeline stage, 1"),
+        ):
             if v < 1:
                 raise ValueError(f"{name}={v}: give the {what} or more")
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb={bucket_mb}: give the MiB of a gradient bucket, 0 (no bucketing) or more")
-        if precision is not None and not (precision.param_dtype.is_floating_point
-                                          and precision.reduce_dtype.is_floating_point):
-            raise ValueError(f"mixed precision {precision}: param_dtype and reduce_dtype must be floating dtypes "
-                             f"(e.g. MixedPrecision(torch.bfloat16, torch.float32))")
-        return cls(_choice("all_gather", all_gather, ALL_GATHER_FORMS, auto=True),
-                   _choice("reduce_scatter", reduce_scatter, REDUCE_SCATTER_FORMS, auto=True), cost,
-                   int(bucket_mb * 2**20), reshard_after_forward, _choice("ac", ac, tuple(ActivationCheckpointing)),
-                   precision, microbatches=microbatches, schedule=_choice("schedule", schedule, tuple(ScheduleKind)),
-                   stages_per_rank=stages_per_rank, accumulate=accumulate)
+        if precision is not None and not (
+            precision.param_dtype.is_floating_point and precision.reduce_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"mixed precision {precision}: param_dtype and reduce_dtype must be floating dtypes "
+                f"(e.g. MixedPrecision(torch.bfloat16, torch.float32))"
+            )
+        return cls(
+            _choice("all_gather", all_gather, ALL_GATHER_FORMS, auto=True),
+            _choice("reduce_scatter", reduce_scatter, REDUCE_SCATTER_FORMS, auto=True),
+            cost,
+            int(bucket_mb * 2**20),
+            reshard_after_forward,
+            _choice("ac", ac, tuple(ActivationCheckpointing)),
+            precision,
+            microbatches=microbatches,
+            schedule=_choice("schedule", schedule, tuple(ScheduleKind)),
+            stages_per_rank=stages_per_rank,
+            accumulate=accumulate,
+        )
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:
         """The form of a ``d``-member all-gather of ``chunk_bytes`` per member along mesh ``axis``."""

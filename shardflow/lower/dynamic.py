@@ -51,8 +51,12 @@ class TaskType(StrEnum):
 
 # The task type of the nodes that make, move or copy a value of each role
 # (docs/lowering.md#2-copy-insertion-shardflowlowercopy_insertion).
-ROLE_TASK = {ValueRole.FWD: TaskType.FWD, ValueRole.GRAD: TaskType.BWD, ValueRole.OPT: TaskType.UPD,
-             ValueRole.ACC: TaskType.BWD}
+ROLE_TASK = {
+    ValueRole.FWD: TaskType.FWD,
+    ValueRole.GRAD: TaskType.BWD,
+    ValueRole.OPT: TaskType.UPD,
+    ValueRole.ACC: TaskType.BWD,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +78,11 @@ class MicroStep:
 
     def __post_init__(self):
         if self.count < 1 or (self.count == 1) != (self.first and self.last):
-            raise ValueError(f"micro-step {self}: {self.count} micro-step(s) per optimizer step, first={self.first}, "
-                             f"last={self.last}; one micro-step is both first and last, two or more have one first "
-                             f"and one last")
+            raise ValueError(
+                f"micro-step {self}: {self.count} micro-step(s) per optimizer step, first={self.first}, "
+                f"last={self.last}; one micro-step is both first and last, two or more have one first "
+                f"and one last"
+            )
 
     @classmethod
     def sequence(cls, count: int) -> tuple[MicroStep, ...]:
@@ -120,7 +126,7 @@ def block_of(scope: str) -> str:
     ``transformer.h.0``) — or "" for a node outside every block (embedding, final norm, loss)."""
     parts = scope.split(".") if scope else []
     first = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    return "" if first is None else ".".join(parts[:first + 1])
+    return "" if first is None else ".".join(parts[: first + 1])
 
 
 class NodeKind(StrEnum):
@@ -162,7 +168,10 @@ class UpdateRule(StrEnum):
 
 
 OPTIMIZER_SLOTS: dict[UpdateRule, tuple[str, ...]] = {
-    UpdateRule.SGD: (), UpdateRule.SGD_MOMENTUM: ("momentum",), UpdateRule.ADAMW: ("exp_avg", "exp_avg_sq")}
+    UpdateRule.SGD: (),
+    UpdateRule.SGD_MOMENTUM: ("momentum",),
+    UpdateRule.ADAMW: ("exp_avg", "exp_avg_sq"),
+}
 
 
 # --- value ids: names for listings and buffers, formatted here and nowhere else ------------------------------
@@ -325,8 +334,11 @@ class DynamicGraph:
         variance) → its forward values, one per microbatch, in order; built once per graph."""
         graph = self.pcg.graph
         pcg_name = dict(zip(graph.outputs, self.pcg.outputs))
-        return {u.stat: self.per_microbatch(forward_id(pcg_name[u.stat]))
-                for u in graph.buffer_updates.values() if u.stat is not None}
+        return {
+            u.stat: self.per_microbatch(forward_id(pcg_name[u.stat]))
+            for u in graph.buffer_updates.values()
+            if u.stat is not None
+        }
 
     def per_microbatch(self, vid: str) -> tuple[str, ...]:
         """The ids of value ``vid`` of a one-microbatch step in each microbatch of this one, in order (``vid``
@@ -391,8 +403,10 @@ class DynamicGraph:
         """One line per node in execution order — pass, kind, name, inputs → outputs — and each value's
         sharding and sub-mesh at its first appearance (``--dump-after pass_expansion``)."""
         seen: set[str] = set()
-        lines = [f"dynamic graph: {len(self.nodes)} nodes, {len(self.values)} values, passes done: "
-                 f"{', '.join(map(str, self.done))}"]
+        lines = [
+            f"dynamic graph: {len(self.nodes)} nodes, {len(self.values)} values, passes done: "
+            f"{', '.join(map(str, self.done))}"
+        ]
 
         def show(vid: str) -> str:
             if vid in seen:
@@ -411,8 +425,9 @@ class DynamicGraph:
         """sha256 of the whole step (nodes, values with their shardings, every local kernel): equal on every
         rank that built the same plan, whatever its rank — what ranks compare at start-up."""
         local = tuple((n.name, n.local) for n in self.pcg.nodes)
-        return hashlib.sha256(repr((self.nodes, sorted(self.values.items()), local, self.microbatches)).encode()
-                              ).hexdigest()
+        return hashlib.sha256(
+            repr((self.nodes, sorted(self.values.items()), local, self.microbatches)).encode()
+        ).hexdigest()
 
 
 class PassError(RuntimeError):
@@ -449,8 +464,17 @@ class GraphBuilder:
         self.values: dict[str, Value] = dict(values or {})
         self.nodes: list[DNode] = []
 
-    def value(self, id_: str, tensor: str, role: ValueRole, type_: TensorType, sharding: Sharding, group: SubMesh,
-              slot: str = "", replaces: str = "") -> str:
+    def value(
+        self,
+        id_: str,
+        tensor: str,
+        role: ValueRole,
+        type_: TensorType,
+        sharding: Sharding,
+        group: SubMesh,
+        slot: str = "",
+        replaces: str = "",
+    ) -> str:
         base, i = id_, 1
         while id_ in self.values:
             i += 1
@@ -464,7 +488,8 @@ class GraphBuilder:
         for k, pop in enumerate(redistribute(v.sharding, want, v.group)):
             s, g = pop.apply(v.sharding, v.group)
             out = self.value(f"{v.id}.{pop.kind}", v.tensor, v.role, v.type, s, g)
-            self.nodes.append(DNode(f"{pass_} {pop.describe()} {v.id}", pass_, NodeKind.PARALLEL, (v.id,), (out,), g,
-                                    src, pop))
+            self.nodes.append(
+                DNode(f"{pass_} {pop.describe()} {v.id}", pass_, NodeKind.PARALLEL, (v.id,), (out,), g, src, pop)
+            )
             v = self.values[out]
         return v.id

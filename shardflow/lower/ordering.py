@@ -57,8 +57,10 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
 
 
 # per pass, the communications that may travel while that pass computes what they do not need
-OVERLAPPED = {TaskType.BWD: (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.SEND),
-              TaskType.FWD: (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)}
+OVERLAPPED = {
+    TaskType.BWD: (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER, CommKind.SEND),
+    TaskType.FWD: (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER),
+}
 # the ops whose backward is split when only some of its gradients feed a reduction: each gradient is its own
 # matmul (the hand-written vjp computes exactly those asked for, from the op's inputs alone)
 SPLIT_OPS = (O.Linear, O.Matmul)
@@ -79,7 +81,7 @@ def overlap_reductions(prog: list[Instr]) -> list[Instr]:
     out: list[Instr] = []
     start = 0  # where the run of computes before the next communication begins in ``out``
     for i in prog:
-        if (isinstance(i, Comm) and i.wait and i.kind in OVERLAPPED.get(i.pass_, ()) and i.send is not None):
+        if isinstance(i, Comm) and i.wait and i.kind in OVERLAPPED.get(i.pass_, ()) and i.send is not None:
             first, then = _feeding(out[start:], i.send.value)
             if then:
                 out[start:] = [*first, dataclasses.replace(i, wait=False), *then, Wait(i.token)]
@@ -98,8 +100,9 @@ def overlap_transfers(prog: list[Instr]) -> list[Instr]:
     microbatches meanwhile; each send's goes right before the next send to the same peer (one send in flight
     per peer, its buffer kept until then) or at the end. Tokens keep their order; any rank's wait is on a
     communication it has issued, so the token order still rules out a deadlock."""
-    transfers = [k for k, i in enumerate(prog)
-                 if isinstance(i, Comm) and i.wait and i.kind in (CommKind.SEND, CommKind.RECV)]
+    transfers = [
+        k for k, i in enumerate(prog) if isinstance(i, Comm) and i.wait and i.kind in (CommKind.SEND, CommKind.RECV)
+    ]
     first_read: dict[str, int] = {}
     for k in reversed(range(len(prog))):  # after the loop: value → its first reader after its receive
         for b in reads(prog[k]):
@@ -156,8 +159,13 @@ def split_vjp(c: Compute, now: set[str]) -> tuple[Compute, Compute]:
         picked = [k for k, b in enumerate(c.outs) if (b.value in now) == keep]
         inputs = {wanted[k] for k in picked}
         mask = tuple(i in inputs for i in range(len(spec.grad_mask)))
-        halves.append(dataclasses.replace(c, outs=tuple(c.outs[k] for k in picked), kernel=dataclasses.replace(
-            spec, grad_mask=mask, dtypes=tuple(spec.dtypes[k] for k in picked))))
+        halves.append(
+            dataclasses.replace(
+                c,
+                outs=tuple(c.outs[k] for k in picked),
+                kernel=dataclasses.replace(spec, grad_mask=mask, dtypes=tuple(spec.dtypes[k] for k in picked)),
+            )
+        )
     return halves[0], halves[1]
 
 

@@ -33,10 +33,32 @@ import torch
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import OpError, TensorType, dtype_name, torch_dtype
-from shardflow.lower.dynamic import (OPTIMIZER_SLOTS, ActivationCheckpointing, DNode, DynamicGraph, GraphBuilder,
-                                     MicroStep, NodeKind, PassError, PassName, TaskType, UpdateRule, Value, ValueRole,
-                                     accumulated_id, block_of, compute_id, forward_id, grad_id, microbatch_id,
-                                     recomputed_id, regathered_id, state_id, update_id, with_accumulated_id)
+from shardflow.lower.dynamic import (
+    OPTIMIZER_SLOTS,
+    ActivationCheckpointing,
+    DNode,
+    DynamicGraph,
+    GraphBuilder,
+    MicroStep,
+    NodeKind,
+    PassError,
+    PassName,
+    TaskType,
+    UpdateRule,
+    Value,
+    ValueRole,
+    accumulated_id,
+    block_of,
+    compute_id,
+    forward_id,
+    grad_id,
+    microbatch_id,
+    recomputed_id,
+    regathered_id,
+    state_id,
+    update_id,
+    with_accumulated_id,
+)
 from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.ops import Combine, Replicate
 from shardflow.parallel.pcg import PCG, PNode
@@ -66,8 +88,14 @@ def narrow_weights(pcg: PCG, master: torch.dtype | None) -> tuple[str, ...]:
     ones of fewer bits (none when ``master`` is None)."""
     if master is None:
         return ()
-    return tuple(w for w in pcg.graph.weights if w in pcg.tensors
-                 and (d := torch_dtype(pcg.tensors[w].type.dtype)).is_floating_point and d.itemsize < master.itemsize)
+    return tuple(
+        w
+        for w in pcg.graph.weights
+        if w in pcg.tensors
+        and (d := torch_dtype(pcg.tensors[w].type.dtype)).is_floating_point
+        and d.itemsize < master.itemsize
+    )
+
 
 def canonical_grad(s: Sharding) -> Sharding:
     """The sharding a tensor's gradient is used in: the forward's, with partial axes replicated."""
@@ -100,7 +128,8 @@ def _needs_grad(pcg: PCG) -> set[str]:
                 f"op {n.name!r} ({n.op.describe()}) in module {n.scope or '<root>'!r}{source} lies on the "
                 f"gradient's path from the loss to the weights, but torch's autograd cannot differentiate it: {e}. "
                 f"Write that line of the model with differentiable ops, or compute it under torch.no_grad() (or "
-                f"from .detach()ed inputs) if no gradient should flow through it") from None
+                f"from .detach()ed inputs) if no gradient should flow through it"
+            ) from None
         need.update(o for o, c in zip(n.outputs, carried) if c)
     return need
 
@@ -135,11 +164,18 @@ def _weight_side(pcg: PCG, weights: Iterable[str] | None = None) -> set[str]:
     return side
 
 
-def pass_expansion(pcg: PCG, optimizer: UpdateRule = UpdateRule.SGD, training: bool = True,
-                   clip_norm: float | None = None, grad_norm: bool = False,
-                   micro: MicroStep = MicroStep(), reshard_after_forward: bool = True,
-                   ac: ActivationCheckpointing = ActivationCheckpointing.NONE,
-                   master_dtype: torch.dtype | None = None, microbatches: int = 1) -> DynamicGraph:
+def pass_expansion(
+    pcg: PCG,
+    optimizer: UpdateRule = UpdateRule.SGD,
+    training: bool = True,
+    clip_norm: float | None = None,
+    grad_norm: bool = False,
+    micro: MicroStep = MicroStep(),
+    reshard_after_forward: bool = True,
+    ac: ActivationCheckpointing = ActivationCheckpointing.NONE,
+    master_dtype: torch.dtype | None = None,
+    microbatches: int = 1,
+) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
     (torch.nn.utils.clip_grad_norm_ semantics) — one reduction over all devices before the updates.
@@ -187,8 +223,10 @@ def pass_expansion(pcg: PCG, optimizer: UpdateRule = UpdateRule.SGD, training: b
         raise PassError(f"a step has at least one microbatch, not {microbatches}")
     if microbatches == 1:
         return _expand(pcg, optimizer, training, clip_norm, grad_norm, micro, reshard_after_forward, ac, master_dtype)
-    parts = [_expand(pcg, optimizer, training, clip_norm, grad_norm, m, reshard_after_forward, ac, master_dtype)
-             for m in _microbatch_steps(micro, microbatches)]
+    parts = [
+        _expand(pcg, optimizer, training, clip_norm, grad_norm, m, reshard_after_forward, ac, master_dtype)
+        for m in _microbatch_steps(micro, microbatches)
+    ]
     return _microbatched(pcg, parts)
 
 
@@ -235,18 +273,39 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
             if n.kind == NodeKind.CAST and m:
                 continue
             shared_node = n.kind == NodeKind.CAST or n.pass_ == TaskType.UPD  # the casts, the updates
-            nodes.append(dataclasses.replace(
-                n, name=n.name if shared_node else microbatch_id(n.name, m), micro=0 if shared_node else m,
-                inputs=tuple(ids[v] for v in n.inputs), outputs=tuple(ids[v] for v in n.outputs)))
+            nodes.append(
+                dataclasses.replace(
+                    n,
+                    name=n.name if shared_node else microbatch_id(n.name, m),
+                    micro=0 if shared_node else m,
+                    inputs=tuple(ids[v] for v in n.inputs),
+                    outputs=tuple(ids[v] for v in n.outputs),
+                )
+            )
     norm = parts[-1].grad_norm_sq
-    out = DynamicGraph(pcg, values, tuple(nodes), parts[0].optimizer, (PassName.PASS_EXPANSION,),
-                       microbatch_id(norm, last) if norm else "", len(parts))
+    out = DynamicGraph(
+        pcg,
+        values,
+        tuple(nodes),
+        parts[0].optimizer,
+        (PassName.PASS_EXPANSION,),
+        microbatch_id(norm, last) if norm else "",
+        len(parts),
+    )
     return _checked(out)
 
 
-def _expand(pcg: PCG, optimizer: UpdateRule, training: bool, clip_norm: float | None, grad_norm: bool,
-            micro: MicroStep, reshard_after_forward: bool, ac: ActivationCheckpointing,
-            master: torch.dtype | None) -> DynamicGraph:
+def _expand(
+    pcg: PCG,
+    optimizer: UpdateRule,
+    training: bool,
+    clip_norm: float | None,
+    grad_norm: bool,
+    micro: MicroStep,
+    reshard_after_forward: bool,
+    ac: ActivationCheckpointing,
+    master: torch.dtype | None,
+) -> DynamicGraph:
     """:func:`pass_expansion` of one microbatch: its emitters (:class:`_Expansion`), in the order of the step."""
     if pcg.loss is None:
         raise PassError("pass expansion needs a loss: the graph has no scalar loss output")
@@ -301,8 +360,18 @@ class _Expansion:
         for w in self.narrow:
             t = self.pcg.tensors[w]
             self.used[w] = self.g.value(compute_id(w), w, ValueRole.FWD, t.type, t.sharding, t.group)
-            self.g.nodes.append(DNode(f"FWD cast {w}", TaskType.FWD, NodeKind.CAST, (forward_id(w),), (self.used[w],),
-                                      t.group, w, label=f"cast({t.type.dtype})"))
+            self.g.nodes.append(
+                DNode(
+                    f"FWD cast {w}",
+                    TaskType.FWD,
+                    NodeKind.CAST,
+                    (forward_id(w),),
+                    (self.used[w],),
+                    t.group,
+                    w,
+                    label=f"cast({t.type.dtype})",
+                )
+            )
 
     def fwd(self, t: str) -> str:
         """The value a node reads for forward tensor ``t``."""
@@ -318,10 +387,19 @@ class _Expansion:
             for t in n.inputs:
                 if t in lazy:
                     emit(lazy.pop(t))
-            self.g.nodes.append(DNode(f"FWD {n.name}", TaskType.FWD,
-                                      NodeKind.PARALLEL if n.is_parallel else NodeKind.COMPUTE,
-                                      tuple(map(self.fwd, n.inputs)), tuple(map(forward_id, n.outputs)), n.group,
-                                      n.name, n.op if n.is_parallel else None, label=n.op.describe()))
+            self.g.nodes.append(
+                DNode(
+                    f"FWD {n.name}",
+                    TaskType.FWD,
+                    NodeKind.PARALLEL if n.is_parallel else NodeKind.COMPUTE,
+                    tuple(map(self.fwd, n.inputs)),
+                    tuple(map(forward_id, n.outputs)),
+                    n.group,
+                    n.name,
+                    n.op if n.is_parallel else None,
+                    label=n.op.describe(),
+                )
+            )
 
         waiting = {n.name for n in lazy.values()}
         for n in self.pcg.nodes:
@@ -342,7 +420,8 @@ class _Expansion:
                 raise PassError(
                     f"tensor {t!r} needs a gradient but holds Partial({s.reduce_op!r}) pieces on mesh axes "
                     f"{list(s.partial)}: only Partial('sum') is differentiated piece by piece. Reduce it first "
-                    f"(Reduction / output=Replicate()) or place its source Partial('sum')")
+                    f"(Reduction / output=Replicate()) or place its source Partial('sum')"
+                )
         self.contributions = {t: [] for t in pcg.tensors}
         self.master_side = _weight_side(pcg, self.narrow)
         self.accumulated = self.side if self.micro.count > 1 else set()
@@ -356,10 +435,21 @@ class _Expansion:
         """The LOSS node seeding the loss gradient with the micro-step's scale (:attr:`MicroStep.seed`)."""
         g, name = self.g, self.loss
         loss = self.pcg.tensors[name]
-        seed = g.value(grad_id(name, "loss"), name, ValueRole.GRAD, loss.type, canonical_grad(loss.sharding),
-                       loss.group)
-        g.nodes.append(DNode("LOSS seed", TaskType.LOSS, NodeKind.SEED, (forward_id(name),), (seed,), loss.group,
-                             name, scale=self.micro.seed))
+        seed = g.value(
+            grad_id(name, "loss"), name, ValueRole.GRAD, loss.type, canonical_grad(loss.sharding), loss.group
+        )
+        g.nodes.append(
+            DNode(
+                "LOSS seed",
+                TaskType.LOSS,
+                NodeKind.SEED,
+                (forward_id(name),),
+                (seed,),
+                loss.group,
+                name,
+                scale=self.micro.seed,
+            )
+        )
         self.contributions[name].append(seed)
 
     # --- gradient sums ----------------------------------------------------------------------------------------------
@@ -402,8 +492,9 @@ class _Expansion:
             parts = [g.redistribute(p, want, TaskType.BWD, t) for p in parts]
         if len(parts) > 1:
             out = g.value(grad_id(t), t, ValueRole.GRAD, self.grad_type(t), g.values[parts[0]].sharding, tt.group)
-            g.nodes.append(DNode(f"BWD sum {grad_id(t)}", TaskType.BWD, NodeKind.SUM, tuple(parts), (out,), tt.group,
-                                 t))
+            g.nodes.append(
+                DNode(f"BWD sum {grad_id(t)}", TaskType.BWD, NodeKind.SUM, tuple(parts), (out,), tt.group, t)
+            )
             parts = [out]
         cur = parts[0]
         if to is not None:
@@ -430,8 +521,19 @@ class _Expansion:
             g = self.g
             n, v = self.gathers[t], g.values[forward_id(t)]
             self.again[t] = g.value(regathered_id(t), t, ValueRole.FWD, v.type, v.sharding, v.group)
-            g.nodes.append(DNode(f"BWD regather {n.name}", TaskType.BWD, NodeKind.PARALLEL, (self.fwd(n.inputs[0]),),
-                                 (self.again[t],), n.group, n.name, n.op, label=n.op.describe()))
+            g.nodes.append(
+                DNode(
+                    f"BWD regather {n.name}",
+                    TaskType.BWD,
+                    NodeKind.PARALLEL,
+                    (self.fwd(n.inputs[0]),),
+                    (self.again[t],),
+                    n.group,
+                    n.name,
+                    n.op,
+                    label=n.op.describe(),
+                )
+            )
         return self.again[t]
 
     def read(self, t: str) -> str:
@@ -448,10 +550,20 @@ class _Expansion:
             for t in m.outputs:
                 v = g.values[forward_id(t)]
                 self.recomputed[t] = g.value(recomputed_id(t), t, ValueRole.FWD, v.type, v.sharding, v.group)
-            g.nodes.append(DNode(f"FWD recompute {m.name}", TaskType.FWD,
-                                 NodeKind.PARALLEL if m.is_parallel else NodeKind.COMPUTE, ins,
-                                 tuple(self.recomputed[t] for t in m.outputs), m.group, m.name,
-                                 m.op if m.is_parallel else None, label=m.op.describe(), recompute=True))
+            g.nodes.append(
+                DNode(
+                    f"FWD recompute {m.name}",
+                    TaskType.FWD,
+                    NodeKind.PARALLEL if m.is_parallel else NodeKind.COMPUTE,
+                    ins,
+                    tuple(self.recomputed[t] for t in m.outputs),
+                    m.group,
+                    m.name,
+                    m.op if m.is_parallel else None,
+                    label=m.op.describe(),
+                    recompute=True,
+                )
+            )
 
     # --- backward ---------------------------------------------------------------------------------------------------
     def backward(self, reshard_after_forward: bool, ac: ActivationCheckpointing) -> dict[str, str]:
@@ -461,13 +573,21 @@ class _Expansion:
         consumer's backward has run, so that data parallelism's all-reduces can overlap the rest of the backward.
         Raises PassError under ``--ac block`` if no op lies in a block."""
         pcg = self.pcg
-        self.gathers = {n.outputs[0]: n for n in pcg.nodes if reshard_after_forward and n.is_parallel
-                        and isinstance(n.op, Combine) and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT}
+        self.gathers = {
+            n.outputs[0]: n
+            for n in pcg.nodes
+            if reshard_after_forward
+            and n.is_parallel
+            and isinstance(n.op, Combine)
+            and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT
+        }
         self.blocks = checkpoint_blocks(pcg) if ac == ActivationCheckpointing.BLOCK else {}
         if ac == ActivationCheckpointing.BLOCK and not self.blocks:
-            raise PassError("activation checkpointing 'block': no op of the graph lies in a block (a module under an "
-                            "integer index, such as model.layers.0: a ModuleList's entry); this model has nothing to "
-                            "recompute by block; leave --ac out (ac='none')")
+            raise PassError(
+                "activation checkpointing 'block': no op of the graph lies in a block (a module under an "
+                "integer index, such as model.layers.0: a ModuleList's entry); this model has nothing to "
+                "recompute by block; leave --ac out (ac='none')"
+            )
         weights = [w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT and w in pcg.graph.tensors]
         readers = Counter(t for n in pcg.nodes for t in dict.fromkeys(n.inputs))
         self.pending = {w: readers[w] for w in weights}
@@ -507,12 +627,27 @@ class _Expansion:
             return
         dyv, src = g.values[dy], self.pcg.tensors[i]
         kind = NodeKind.PARALLEL if op.axis in dyv.sharding.partial else NodeKind.SELECT
-        at = src.group if kind == NodeKind.PARALLEL else \
-            dyv.group.with_fixed(op.axis, dict(src.group.fixed)[op.axis])
-        out = g.value(grad_id(i, n.name), i, ValueRole.GRAD, self.grad_type(i), Sharding(dyv.sharding.dims,
-                      tuple(a for a in dyv.sharding.partial if a != op.axis)), at)
-        g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, kind, (dy,), (out,), at, n.name,
-                             op if kind == NodeKind.PARALLEL else None))
+        at = src.group if kind == NodeKind.PARALLEL else dyv.group.with_fixed(op.axis, dict(src.group.fixed)[op.axis])
+        out = g.value(
+            grad_id(i, n.name),
+            i,
+            ValueRole.GRAD,
+            self.grad_type(i),
+            Sharding(dyv.sharding.dims, tuple(a for a in dyv.sharding.partial if a != op.axis)),
+            at,
+        )
+        g.nodes.append(
+            DNode(
+                f"BWD {n.name}",
+                TaskType.BWD,
+                kind,
+                (dy,),
+                (out,),
+                at,
+                n.name,
+                op if kind == NodeKind.PARALLEL else None,
+            )
+        )
         self.contribute(i, out)
 
     def backward_parallel(self, n: PNode) -> None:
@@ -537,9 +672,21 @@ class _Expansion:
                 outs.append(g.value(grad_id(t, n.name), t, ValueRole.GRAD, self.grad_type(t), s, n.group))
                 self.contributions[t].append(outs[-1])
         ins = tuple(map(self.read, n.inputs)) + tuple(d for d in dys if d is not None)
-        g.nodes.append(DNode(f"BWD {n.name}", TaskType.BWD, NodeKind.COMPUTE, ins, tuple(outs), n.group, n.name,
-                             grad_mask=mask, unscale=tuple(unscale), dy_mask=tuple(d is not None for d in dys),
-                             label=f"vjp[{n.op.describe()}]"))
+        g.nodes.append(
+            DNode(
+                f"BWD {n.name}",
+                TaskType.BWD,
+                NodeKind.COMPUTE,
+                ins,
+                tuple(outs),
+                n.group,
+                n.name,
+                grad_mask=mask,
+                unscale=tuple(unscale),
+                dy_mask=tuple(d is not None for d in dys),
+                label=f"vjp[{n.op.describe()}]",
+            )
+        )
 
     # --- clipping and updates ---------------------------------------------------------------------------------------
     def squared_norm(self, grads: dict[str, str]) -> str:
@@ -550,24 +697,40 @@ class _Expansion:
         whole = SubMesh(mesh)
         dtype = self.master_dtype or self.pcg.tensors[self.loss].type.dtype
         part = g.value("grad_norm:sumsq", "grad_norm", ValueRole.GRAD, TensorType((), dtype), Sharding((), axes), whole)
-        g.nodes.append(DNode("UPD grad-norm sumsq", TaskType.UPD, NodeKind.SUMSQ, tuple(grads.values()), (part,),
-                             whole))
+        g.nodes.append(
+            DNode("UPD grad-norm sumsq", TaskType.UPD, NodeKind.SUMSQ, tuple(grads.values()), (part,), whole)
+        )
         return g.redistribute(part, Sharding(()), TaskType.UPD, "grad_norm")
 
-    def updates(self, grads: dict[str, str], optimizer: UpdateRule, norm2: tuple[str, ...],
-                clip_norm: float | None) -> None:
+    def updates(
+        self, grads: dict[str, str], optimizer: UpdateRule, norm2: tuple[str, ...], clip_norm: float | None
+    ) -> None:
         """An UPD node per weight with a gradient: its new version and its optimizer-state slots' (in the weight's
         kept dtype), clipped by the squared norm ``norm2`` when given."""
         g = self.g
         for w, dw in grads.items():
             t = self.pcg.tensors[w]
             kept = g.values[forward_id(w)].type  # master_dtype for a narrow weight
-            slots = tuple(g.value(state_id(s, w), w, ValueRole.OPT, kept, t.sharding, t.group, slot=s)
-                          for s in OPTIMIZER_SLOTS[optimizer])
-            new = tuple(g.value(update_id(x), w, g.values[x].role, kept, t.sharding, t.group,
-                                slot=g.values[x].slot, replaces=x) for x in (forward_id(w),) + slots)
-            g.nodes.append(DNode(f"UPD {w}", TaskType.UPD, NodeKind.UPDATE, (forward_id(w), dw) + slots + norm2, new,
-                                 t.group, w, clip=clip_norm or 0.0))
+            slots = tuple(
+                g.value(state_id(s, w), w, ValueRole.OPT, kept, t.sharding, t.group, slot=s)
+                for s in OPTIMIZER_SLOTS[optimizer]
+            )
+            new = tuple(
+                g.value(update_id(x), w, g.values[x].role, kept, t.sharding, t.group, slot=g.values[x].slot, replaces=x)
+                for x in (forward_id(w),) + slots
+            )
+            g.nodes.append(
+                DNode(
+                    f"UPD {w}",
+                    TaskType.UPD,
+                    NodeKind.UPDATE,
+                    (forward_id(w), dw) + slots + norm2,
+                    new,
+                    t.group,
+                    w,
+                    clip=clip_norm or 0.0,
+                )
+            )
 
 
 def _expanded(pcg: PCG, g: GraphBuilder, optimizer: UpdateRule, grad_norm_sq: str = "") -> DynamicGraph:

@@ -16,16 +16,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from shardflow.lower import verify as proof
 from shardflow.lower.comm_lowering import comm_lowering
-from shardflow.lower.cost import PLAIN, LowerOptions
 from shardflow.lower.copy_insertion import copy_insertion
+from shardflow.lower.cost import PLAIN, LowerOptions
 from shardflow.lower.dynamic import DynamicGraph, MicroStep, PassError, PassName, UpdateRule
 from shardflow.lower.ordering import ordering
 from shardflow.lower.pass_expansion import pass_expansion
-from shardflow.lower.schedule import schedule
 from shardflow.lower.program import Program
+from shardflow.lower.schedule import schedule
 from shardflow.lower.shard_expansion import ShardedGraph, shard_expansion
-from shardflow.lower import verify as proof
 from shardflow.parallel.pcg import PCG
 
 
@@ -67,22 +67,47 @@ def _verify(sg: ShardedGraph, ctx: LowerContext) -> ShardedGraph:
 
 
 PASSES: tuple[Pass, ...] = (
-    Pass(PassName.PASS_EXPANSION, lambda pcg, c: pass_expansion(pcg, c.optimizer, c.training, c.clip_norm,
-                                                                c.grad_norm, c.micro,
-                                                                c.options.reshard_after_forward, c.options.ac,
-                                                                c.options.precision and c.options.precision.reduce_dtype,
-                                                                c.options.microbatches),
-         "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state"),
-    Pass(PassName.COPY_INSERTION, lambda dg, c: copy_insertion(dg),
-         "COPY wherever a node reads a value held by another sub-mesh"),
-    Pass(PassName.SCHEDULE, lambda dg, c: schedule(dg, c.options.schedule),
-         "nodes in the pipeline schedule's order (GPipe, 1F1B) over the step's microbatches"),
-    Pass(PassName.SHARD_EXPANSION, lambda dg, c: shard_expansion(dg, c.ranks),
-         "steps; one invocation per device of each local step, on its pieces"),
-    Pass(PassName.COMM_LOWERING, lambda sg, c: comm_lowering(sg, c.options),
-         "parallel ops and copies → collectives, rings, buckets, send/recv"),
-    Pass(PassName.ORDERING, lambda sg, c: ordering(sg, c.options.overlap),
-         "global token order; per-rank programs with inputs, frees and process groups"),
+    Pass(
+        PassName.PASS_EXPANSION,
+        lambda pcg, c: pass_expansion(
+            pcg,
+            c.optimizer,
+            c.training,
+            c.clip_norm,
+            c.grad_norm,
+            c.micro,
+            c.options.reshard_after_forward,
+            c.options.ac,
+            c.options.precision and c.options.precision.reduce_dtype,
+            c.options.microbatches,
+        ),
+        "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state",
+    ),
+    Pass(
+        PassName.COPY_INSERTION,
+        lambda dg, c: copy_insertion(dg),
+        "COPY wherever a node reads a value held by another sub-mesh",
+    ),
+    Pass(
+        PassName.SCHEDULE,
+        lambda dg, c: schedule(dg, c.options.schedule),
+        "nodes in the pipeline schedule's order (GPipe, 1F1B) over the step's microbatches",
+    ),
+    Pass(
+        PassName.SHARD_EXPANSION,
+        lambda dg, c: shard_expansion(dg, c.ranks),
+        "steps; one invocation per device of each local step, on its pieces",
+    ),
+    Pass(
+        PassName.COMM_LOWERING,
+        lambda sg, c: comm_lowering(sg, c.options),
+        "parallel ops and copies → collectives, rings, buckets, send/recv",
+    ),
+    Pass(
+        PassName.ORDERING,
+        lambda sg, c: ordering(sg, c.options.overlap),
+        "global token order; per-rank programs with inputs, frees and process groups",
+    ),
     Pass(PassName.VERIFY, _verify, "matching communications, one order, no deadlock, per-rank dataflow"),
 )
 
@@ -105,8 +130,9 @@ def size_of(graph: Any) -> str:
     return graph.size()
 
 
-def run_passes(pcg: PCG, ctx: LowerContext, skip: Iterable[str] = (),
-               dump: Mapping[str, Callable[[Any], None]] | None = None) -> tuple[ShardedGraph, tuple[PassRecord, ...]]:
+def run_passes(
+    pcg: PCG, ctx: LowerContext, skip: Iterable[str] = (), dump: Mapping[str, Callable[[Any], None]] | None = None
+) -> tuple[ShardedGraph, tuple[PassRecord, ...]]:
     """Run :data:`PASSES` on ``pcg`` in order, except those named in ``skip`` (e.g. ``verify`` when only
     some ranks are lowered); ``dump[name](graph)`` is called with the graph after pass ``name``.
     Returns the final graph and one :class:`PassRecord` per pass run. Raises PassError (a pass found the
@@ -127,8 +153,9 @@ def run_passes(pcg: PCG, ctx: LowerContext, skip: Iterable[str] = (),
     return graph, tuple(records)
 
 
-def lower_programs(dg: DynamicGraph, ranks: Iterable[int] | None = None,
-          options: LowerOptions | None = None) -> dict[int, Program]:
+def lower_programs(
+    dg: DynamicGraph, ranks: Iterable[int] | None = None, options: LowerOptions | None = None
+) -> dict[int, Program]:
     """Per-rank programs of dynamic graph ``dg`` (after pass expansion and copy insertion) for ``ranks``
     (default: every device): shard expansion, communication lowering and ordering. Deterministic: every rank
     that lowers the same graph gets the same tokens. Raises PassError if copy insertion has not run."""

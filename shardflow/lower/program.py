@@ -204,17 +204,31 @@ class Comm:
     def signature(self) -> tuple:
         """What every member must agree on: token, family, members, piece shape, dtype, reduce op, the
         dynamic-graph value moved and — for a send/recv, whose two ends move one piece — that piece."""
-        return (self.token, self.family, self.members, self.type.shape, self.type.dtype, self.reduce_op,
-                self.value, self.piece if self.kind in (CommKind.SEND, CommKind.RECV) else ())
+        return (
+            self.token,
+            self.family,
+            self.members,
+            self.type.shape,
+            self.type.dtype,
+            self.reduce_op,
+            self.value,
+            self.piece if self.kind in (CommKind.SEND, CommKind.RECV) else (),
+        )
 
     def __str__(self) -> str:
-        who = (f"peer={self.peer}" if self.kind in (CommKind.SEND, CommKind.RECV) else
-               f"to={self.peer} from={self.peer_from}" if self.kind == CommKind.PERMUTE else
-               f"group={list(self.members)}" + (f" root={self.root}" if self.root is not None else ""))
+        who = (
+            f"peer={self.peer}"
+            if self.kind in (CommKind.SEND, CommKind.RECV)
+            else f"to={self.peer} from={self.peer_from}"
+            if self.kind == CommKind.PERMUTE
+            else f"group={list(self.members)}" + (f" root={self.root}" if self.root is not None else "")
+        )
         bufs = " ".join(f"{k}={b}" for k, b in (("send", self.send), ("recv", self.recv)) if b is not None)
         issue = " (async)" if not self.wait else ""
-        return (f"#{self.token:<4} {self.pass_:<4} {self.kind}{issue} {who} axis={self.axis or '-'} "
-                f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}").rstrip()
+        return (
+            f"#{self.token:<4} {self.pass_:<4} {self.kind}{issue} {who} axis={self.axis or '-'} "
+            f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}"
+        ).rstrip()
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,8 +301,25 @@ class Program:
         value and piece moved and this rank's send/recv buffers."""
         h = hashlib.sha256()
         for c in self.comms:
-            h.update(repr((c.token, str(c.kind), c.members, c.peer, c.peer_from, c.root, c.type.shape, c.type.dtype,
-                           str(c.reduce_op), c.value, c.piece, c.send, c.recv)).encode())
+            h.update(
+                repr(
+                    (
+                        c.token,
+                        str(c.kind),
+                        c.members,
+                        c.peer,
+                        c.peer_from,
+                        c.root,
+                        c.type.shape,
+                        c.type.dtype,
+                        str(c.reduce_op),
+                        c.value,
+                        c.piece,
+                        c.send,
+                        c.recv,
+                    )
+                ).encode()
+            )
         return h.hexdigest()
 
     def bytes_by_kind(self) -> dict[tuple[str, str], int]:
@@ -299,8 +330,10 @@ class Program:
         return out
 
     def listing(self) -> str:
-        lines = [f"rank {self.rank}: {len(self.instrs)} instructions, {len(self.comms)} communications, "
-                 f"fingerprint {self.fingerprint()[:12]}"]
+        lines = [
+            f"rank {self.rank}: {len(self.instrs)} instructions, {len(self.comms)} communications, "
+            f"fingerprint {self.fingerprint()[:12]}"
+        ]
         lines += [f"  {i}" for i in self.instrs]
         return "\n".join(lines)
 
@@ -311,24 +344,55 @@ class Program:
         instrs = []
         for i in self.instrs:
             if isinstance(i, Compute):
-                instrs.append({"type": "compute", "pass": i.pass_, "node": i.node, "op": i.op,
-                               "ins": [buf(b) for b in i.ins], "outs": [buf(b) for b in i.outs]})
+                instrs.append(
+                    {
+                        "type": "compute",
+                        "pass": i.pass_,
+                        "node": i.node,
+                        "op": i.op,
+                        "ins": [buf(b) for b in i.ins],
+                        "outs": [buf(b) for b in i.outs],
+                    }
+                )
             elif isinstance(i, Wait):
                 instrs.append({"type": "wait", "token": i.token})
             elif isinstance(i, Free):
                 instrs.append({"type": "free", "values": list(i.values)})
             else:
-                instrs.append({"type": "comm", "token": i.token, "kind": i.kind, "pass": i.pass_,
-                               "members": list(i.members), "shape": list(i.type.shape), "dtype": i.type.dtype,
-                               "bytes": i.nbytes, "axis": i.axis, "peer": i.peer, "peer_from": i.peer_from,
-                               "root": i.root, "send": buf(i.send), "recv": buf(i.recv), "wait": i.wait,
-                               "reduce_op": i.reduce_op, "value": i.value, "piece": list(i.piece)})
+                instrs.append(
+                    {
+                        "type": "comm",
+                        "token": i.token,
+                        "kind": i.kind,
+                        "pass": i.pass_,
+                        "members": list(i.members),
+                        "shape": list(i.type.shape),
+                        "dtype": i.type.dtype,
+                        "bytes": i.nbytes,
+                        "axis": i.axis,
+                        "peer": i.peer,
+                        "peer_from": i.peer_from,
+                        "root": i.root,
+                        "send": buf(i.send),
+                        "recv": buf(i.recv),
+                        "wait": i.wait,
+                        "reduce_op": i.reduce_op,
+                        "value": i.value,
+                        "piece": list(i.piece),
+                    }
+                )
         totals: dict[str, dict[str, int]] = {}
         for (kind, axis), n in self.bytes_by_kind().items():
             totals.setdefault(kind, {})[axis or "-"] = n
         groups = [{"members": list(g.members), "axis": g.axis} for g in self.groups]
-        return {"rank": self.rank, "fingerprint": self.fingerprint(), "bytes": totals,
-                "inputs": [buf(b) for b in self.inputs], "groups": groups, "instructions": instrs}
+        return {
+            "rank": self.rank,
+            "fingerprint": self.fingerprint(),
+            "bytes": totals,
+            "inputs": [buf(b) for b in self.inputs],
+            "groups": groups,
+            "instructions": instrs,
+        }
 
 
 def reads(i: Instr) -> tuple[Buffer, ...]:

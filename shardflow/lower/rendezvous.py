@@ -11,8 +11,11 @@ from typing import Callable, Mapping
 from shardflow.lower.program import Comm, Program
 
 
-def rendezvous(programs: Mapping[int, Program], local: Callable[[int, int, int], None] | None = None,
-               meet: Callable[[list[tuple[int, Comm]]], None] | None = None) -> dict[int, int]:
+def rendezvous(
+    programs: Mapping[int, Program],
+    local: Callable[[int, int, int], None] | None = None,
+    meet: Callable[[list[tuple[int, Comm]]], None] | None = None,
+) -> dict[int, int]:
     """Run ``programs`` (rank → program): each rank runs its instructions in order; a :class:`Comm` blocks
     its rank until every member has reached the same token, then completes for all of them at once.
 

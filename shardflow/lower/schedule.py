@@ -84,17 +84,23 @@ class Schedule:
 
     def __post_init__(self):
         if self.stages < 1 or self.microbatches < 1 or self.virtual < 1:
-            raise ValueError(f"a pipeline schedule has at least one stage, one microbatch and one chunk per rank, not "
-                             f"{self.stages} stage(s), {self.microbatches} microbatch(es) and {self.virtual} chunk(s)")
+            raise ValueError(
+                f"a pipeline schedule has at least one stage, one microbatch and one chunk per rank, not "
+                f"{self.stages} stage(s), {self.microbatches} microbatch(es) and {self.virtual} chunk(s)"
+            )
         interleaved = self.kind == ScheduleKind.INTERLEAVED
         if interleaved != (self.virtual > 1):
-            raise ValueError(f"schedule {self.kind} with {self.virtual} stage(s) per rank: the interleaved schedule "
-                             f"runs 2 or more chunks of the model per rank (--stages-per-rank 2 or more), gpipe and "
-                             f"1f1b one; give --schedule interleaved with --stages-per-rank ≥ 2, or neither")
+            raise ValueError(
+                f"schedule {self.kind} with {self.virtual} stage(s) per rank: the interleaved schedule "
+                f"runs 2 or more chunks of the model per rank (--stages-per-rank 2 or more), gpipe and "
+                f"1f1b one; give --schedule interleaved with --stages-per-rank ≥ 2, or neither"
+            )
         if interleaved and self.microbatches % self.stages:
-            raise ValueError(f"the interleaved schedule runs microbatches in groups of one per stage: "
-                             f"{self.microbatches} microbatch(es) do not split over {self.stages} stages; give a "
-                             f"multiple of {self.stages}")
+            raise ValueError(
+                f"the interleaved schedule runs microbatches in groups of one per stage: "
+                f"{self.microbatches} microbatch(es) do not split over {self.stages} stages; give a "
+                f"multiple of {self.stages}"
+            )
 
     def actions(self, stage: int) -> tuple[Action, ...]:
         """Stage ``stage``'s actions in order (stage 0 is the first; see the module docstring)."""
@@ -105,6 +111,7 @@ class Schedule:
             def nth(k: int, phase: Phase) -> Action:  # the k-th forward (backward) of the rank
                 chunk = (k // p) % v
                 return Action(phase, (k // (p * v)) * p + k % p, chunk if phase == Phase.F else v - 1 - chunk)
+
             fwd = [nth(k, Phase.F) for k in range(total)]
             bwd = [nth(k, Phase.B) for k in range(total)]
             warmup = total if m == p else min((p - 1 - stage) * 2 + (v - 1) * p, total)
@@ -116,7 +123,7 @@ class Schedule:
             warmup = min(p - 1 - stage, m)
         n = len(fwd)
         steady = [a for i in range(n - warmup) for a in (fwd[warmup + i], bwd[i])]
-        return (*fwd[:warmup], *steady, *bwd[n - warmup:])
+        return (*fwd[:warmup], *steady, *bwd[n - warmup :])
 
     def virtual_stage(self, stage: int, a: Action) -> int:
         """The index along the model of the chunk that stage ``stage`` runs in action ``a``."""
@@ -159,14 +166,19 @@ class Schedule:
         ticks = self.ticks()
         chunks = f", {self.virtual} chunks per stage" if self.virtual > 1 else ""
         formula = "(p-1)/(V·m+p-1)" if self.virtual > 1 else "(p-1)/(m+p-1)"
-        lines = [f"pipeline schedule {self.kind}: {self.stages} stages{chunks}, {self.microbatches} microbatches, "
-                 f"{len(ticks)} ticks; bubble {formula} = {self.bubble:.3f}"]
+        lines = [
+            f"pipeline schedule {self.kind}: {self.stages} stages{chunks}, {self.microbatches} microbatches, "
+            f"{len(ticks)} ticks; bubble {formula} = {self.bubble:.3f}"
+        ]
         width = max(len(str(a)) for t in ticks for a in t.values())
         for s in range(self.stages):
             cells = [str(t[s]) if s in t else "." for t in ticks]
             unit = "microbatch(es)" if self.virtual == 1 else "chunk forwards"
-            lines.append(f"  stage {s} | " + " ".join(c.ljust(width) for c in cells).rstrip()
-                         + f"   (at most {self.in_flight(s)} {unit} in flight)")
+            lines.append(
+                f"  stage {s} | "
+                + " ".join(c.ljust(width) for c in cells).rstrip()
+                + f"   (at most {self.in_flight(s)} {unit} in flight)"
+            )
         return "\n".join(lines)
 
 
@@ -186,9 +198,12 @@ def simulate(order: Mapping[int, Sequence[Action]], needs: Mapping[Key, Sequence
             if next_[s] < len(acts) and all(k in done for k in needs.get((s, acts[next_[s]]), ())):
                 tick[s] = acts[next_[s]]
         if not tick:
-            stuck = [f"stage {s} at {acts[next_[s]]} waits for "
-                     + ", ".join(f"{a} of stage {t}" for t, a in needs[(s, acts[next_[s]])] if (t, a) not in done)
-                     for s, acts in order.items() if next_[s] < len(acts)]
+            stuck = [
+                f"stage {s} at {acts[next_[s]]} waits for "
+                + ", ".join(f"{a} of stage {t}" for t, a in needs[(s, acts[next_[s]])] if (t, a) not in done)
+                for s, acts in order.items()
+                if next_[s] < len(acts)
+            ]
             raise PassError("the pipeline schedule deadlocks: " + "; ".join(stuck))
         for s, a in tick.items():
             done.add((s, a))
@@ -202,8 +217,9 @@ def stage_axis(dg: DynamicGraph) -> str:
     fix ("" when none does: one stage). Raises PassError when compute nodes fix several."""
     axes = {a for n in dg.nodes if n.kind == NodeKind.COMPUTE for a, _ in n.group.fixed}
     if len(axes) > 1:
-        raise PassError(f"schedule: compute nodes run on sub-meshes fixing axes {sorted(axes)}; a pipeline has one "
-                        f"stage axis")
+        raise PassError(
+            f"schedule: compute nodes run on sub-meshes fixing axes {sorted(axes)}; a pipeline has one stage axis"
+        )
     return next(iter(axes), "")
 
 
@@ -239,16 +255,20 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B) ->
     by_action: dict[Key, list[DNode]] = {}
     last: list[DNode] = []
     for n in dg.nodes:
-        if n.kind == NodeKind.CAST or (n.kind == NodeKind.COPY and made_by.get(n.inputs[0]) is None
-                                       and n.pass_ != TaskType.UPD):
+        if n.kind == NodeKind.CAST or (
+            n.kind == NodeKind.COPY and made_by.get(n.inputs[0]) is None and n.pass_ != TaskType.UPD
+        ):
             first.append(n)  # a weight's cast, a copy of a value placed before the step (or of a cast)
             key = None
         elif n.pass_ == TaskType.UPD:
             last.append(n)
             key = None
         else:  # a copy goes with what makes the value it moves: its sender's action
-            key = made_by[n.inputs[0]] if n.kind == NodeKind.COPY else (
-                position[_stage(n, axis, position)], Action(_phase(n), n.micro, chunk_of.get(n.name)))
+            key = (
+                made_by[n.inputs[0]]
+                if n.kind == NodeKind.COPY
+                else (position[_stage(n, axis, position)], Action(_phase(n), n.micro, chunk_of.get(n.name)))
+            )
             by_action.setdefault(key, []).append(n)
         made_by.update(dict.fromkeys(n.outputs, key))
     needs: dict[Key, set[Key]] = {}
@@ -261,10 +281,12 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B) ->
                     continue
                 there = plan.virtual_stage(*k)
                 if k[1].phase == key[1].phase and there != here and (there > here) == (key[1].phase == Phase.F):
-                    raise PassError(f"schedule: {n.name!r} on stage {stages[key[0]]} reads {v!r} from the "
-                                    f"{key[1].phase} of stage {stages[k[0]]}: a microbatched pipeline's forward visits "
-                                    f"the stages once each, in order (and its backward in reverse); put the module "
-                                    f"that makes it on stage {stages[key[0]]} or earlier, or run one microbatch")
+                    raise PassError(
+                        f"schedule: {n.name!r} on stage {stages[key[0]]} reads {v!r} from the "
+                        f"{key[1].phase} of stage {stages[k[0]]}: a microbatched pipeline's forward visits "
+                        f"the stages once each, in order (and its backward in reverse); put the module "
+                        f"that makes it on stage {stages[key[0]]} or earlier, or run one microbatch"
+                    )
                 needs[key].add(k)
     order = {s: [a for a in plan.actions(s) if (s, a) in by_action] for s in range(len(stages))}
     ticks = simulate(order, {k: sorted(v, key=str) for k, v in needs.items()})
@@ -272,16 +294,16 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B) ->
     return _replace(dg, tuple(nodes), done)
 
 
-def requested(mesh: Mesh, kind: ScheduleKind, microbatches: int, stages_per_rank: int,
-              axis: str = "pp") -> Schedule:
+def requested(mesh: Mesh, kind: ScheduleKind, microbatches: int, stages_per_rank: int, axis: str = "pp") -> Schedule:
     """The schedule a command's flags ask for on ``mesh`` (its ``axis`` size the stages; 1 without it), checked
     before anything is planned. Raises ValueError naming the flags and the fix (:class:`Schedule`'s rules)."""
     stages = mesh.axis_size(axis) if axis in mesh.axis_names else 1
     try:
         return Schedule(kind, stages, microbatches, stages_per_rank)
     except ValueError as e:
-        raise ValueError(f"--schedule {kind} --microbatches {microbatches} --stages-per-rank {stages_per_rank} on "
-                         f"mesh {mesh}: {e}") from None
+        raise ValueError(
+            f"--schedule {kind} --microbatches {microbatches} --stages-per-rank {stages_per_rank} on mesh {mesh}: {e}"
+        ) from None
 
 
 def schedule_of(dg: DynamicGraph, kind: ScheduleKind) -> Schedule:
@@ -328,16 +350,20 @@ def chunks(dg: DynamicGraph, axis: str, position: Mapping[int, int]) -> tuple[di
         for r, (at, ns) in enumerate(runs):
             c = r if phase == Phase.F else len(runs) - 1 - r
             if c % p != at:
-                raise PassError(f"schedule interleaved: part {r} of the {phase} of microbatch {m} ({ns[0].name!r}, ...) "
-                                f"runs on stage {at}, but chunk {c} of the model belongs on stage {c % p}: the "
-                                f"interleaved schedule needs chunk c on stage c mod p (the pp preset with "
-                                f"--stages-per-rank cuts the model so)")
+                raise PassError(
+                    f"schedule interleaved: part {r} of the {phase} of microbatch {m} ({ns[0].name!r}, ...) "
+                    f"runs on stage {at}, but chunk {c} of the model belongs on stage {c % p}: the "
+                    f"interleaved schedule needs chunk c on stage c mod p (the pp preset with "
+                    f"--stages-per-rank cuts the model so)"
+                )
             out.update(dict.fromkeys((n.name for n in ns), c // p))
     total = counts.pop() if len(counts) == 1 else 0
     if total < 2 * p or total % p:
-        raise PassError(f"schedule interleaved: the forward and backward of the microbatches visit the {p} stages "
-                        f"in {sorted(counts | {total})} runs, not in 2 or more rounds of one run per stage; the "
-                        f"interleaved schedule needs the model in p·V chunks (--stages-per-rank V ≥ 2)")
+        raise PassError(
+            f"schedule interleaved: the forward and backward of the microbatches visit the {p} stages "
+            f"in {sorted(counts | {total})} runs, not in 2 or more rounds of one run per stage; the "
+            f"interleaved schedule needs the model in p·V chunks (--stages-per-rank V ≥ 2)"
+        )
     return out, total // p
 
 
@@ -350,8 +376,10 @@ def _stage(n: DNode, axis: str, position: Mapping[int, int]) -> int:
     """The stage index of node ``n``. Raises PassError when its sub-mesh spans several stages."""
     fixed = dict(n.group.fixed)
     if axis and axis not in fixed and len(position) > 1:
-        raise PassError(f"schedule: {n.name!r} runs on {n.group}, which spans several pipeline stages (axis "
-                        f"{axis!r}); a microbatched pipeline needs each forward and backward node on one stage")
+        raise PassError(
+            f"schedule: {n.name!r} runs on {n.group}, which spans several pipeline stages (axis "
+            f"{axis!r}); a microbatched pipeline needs each forward and backward node on one stage"
+        )
     return fixed.get(axis, next(iter(position)))
 
 

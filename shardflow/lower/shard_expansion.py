@@ -21,12 +21,25 @@ from typing import Mapping
 from shardflow.graph.ops import TensorType
 from shardflow.lower.copy_insertion import cross_submesh_reads
 from shardflow.lower.dynamic import DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, require
-from shardflow.lower.program import (Block, Buffer, Compute, Convert, Forward, Instr, Keep, KernelSpec, OnesLike,
-                                     Program, Sum, SumOfSquares, Update, Vjp)
+from shardflow.lower.program import (
+    Block,
+    Buffer,
+    Compute,
+    Convert,
+    Forward,
+    Instr,
+    Keep,
+    KernelSpec,
+    OnesLike,
+    Program,
+    Sum,
+    SumOfSquares,
+    Update,
+    Vjp,
+)
 from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import Replicate
-
 
 # (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out
 # (docs/lowering.md#4-communication-lowering): the one table from which every parallel op is lowered — a
@@ -37,8 +50,19 @@ LOWERING: dict[tuple[str, ...], CommKind | LocalKind] = {
     (Replicate.kind, TaskType.BWD): CommKind.REDUCE,
 }
 # Steps each device runs on its own pieces; every other step (parallel ops by LOWERING, copies) communicates.
-LOCAL_STEPS = frozenset({LocalKind.SPLIT, LocalKind.ALIAS, NodeKind.SUMSQ, NodeKind.COMPUTE, NodeKind.SEED,
-                         NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT, NodeKind.CAST})
+LOCAL_STEPS = frozenset(
+    {
+        LocalKind.SPLIT,
+        LocalKind.ALIAS,
+        NodeKind.SUMSQ,
+        NodeKind.COMPUTE,
+        NodeKind.SEED,
+        NodeKind.SUM,
+        NodeKind.UPDATE,
+        NodeKind.SELECT,
+        NodeKind.CAST,
+    }
+)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -106,8 +130,12 @@ def steps(dg: DynamicGraph) -> list[Step]:
             continue
         if n.kind == NodeKind.PARALLEL and i + 1 < len(nodes):
             m = nodes[i + 1]
-            if (m.kind == NodeKind.PARALLEL and fuses(n.op, m.op) and m.inputs == n.outputs
-                    and readers.get(n.outputs[0], 0) == 1):
+            if (
+                m.kind == NodeKind.PARALLEL
+                and fuses(n.op, m.op)
+                and m.inputs == n.outputs
+                and readers.get(n.outputs[0], 0) == 1
+            ):
                 out.append(Step((n, m), LOWERING[(n.op.kind, m.op.kind)]))
                 i += 2
                 continue
@@ -169,8 +197,9 @@ def shard_expansion(dg: DynamicGraph, ranks: tuple[int, ...] | None = None) -> S
         raise PassError(f"shard expansion: {n!r} reads {v!r}, held by another sub-mesh; run copy insertion first")
     ranks = tuple(range(dg.pcg.mesh.size)) if ranks is None else tuple(ranks)
     if bad := [r for r in ranks if not 0 <= r < dg.pcg.mesh.size]:
-        raise PassError(f"shard expansion: ranks {bad} are not devices of mesh {dg.pcg.mesh} "
-                        f"({dg.pcg.mesh.size} devices)")
+        raise PassError(
+            f"shard expansion: ranks {bad} are not devices of mesh {dg.pcg.mesh} ({dg.pcg.mesh.size} devices)"
+        )
     piece.cache_clear()  # one cache per lowering: pieces of this graph's values only
     all_steps = tuple(steps(dg))
     instrs = {r: tuple(tuple(_expand_local(st, dg, r)) if st.local else () for st in all_steps) for r in ranks}
@@ -195,14 +224,18 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
     if n.kind == NodeKind.SUM:
         return Sum()
     if n.kind == NodeKind.UPDATE:
-        return Update(tuple(dg.values[v].slot for v in n.inputs[2:len(n.inputs) - (n.clip > 0)]), n.clip)
+        return Update(tuple(dg.values[v].slot for v in n.inputs[2 : len(n.inputs) - (n.clip > 0)]), n.clip)
     if n.kind == NodeKind.SUMSQ:
         return SumOfSquares()
     if n.kind == NodeKind.CAST:
         return Convert(dg.values[n.outputs[0]].type.dtype)
     if n.kind == NodeKind.PARALLEL and n.op.degree > 1:  # a Repartition of replicas: r keeps its block of the dim
         return Block(n.op.dim, n.op.degree, n.group.coords(r)[n.op.axis])
-    if n.kind in (NodeKind.SELECT, NodeKind.COPY, NodeKind.PARALLEL):  # the piece is already here; an axis of one device
+    if n.kind in (
+        NodeKind.SELECT,
+        NodeKind.COPY,
+        NodeKind.PARALLEL,
+    ):  # the piece is already here; an axis of one device
         return Keep()
     raise PassError(f"shard expansion: no kernel for {n.name!r} of kind {n.kind!r}")
 
@@ -211,8 +244,13 @@ def _compute_op(n: DNode, dg: DynamicGraph) -> str:
     """The op a local node's instruction shows: a compute node's label, else what the node does."""
     if n.kind == NodeKind.COMPUTE:
         return n.label
-    return {NodeKind.SEED: "ones", NodeKind.SUM: "sum", NodeKind.UPDATE: f"{dg.optimizer}_update",
-            NodeKind.SELECT: "keep_root", NodeKind.CAST: n.label}[n.kind]
+    return {
+        NodeKind.SEED: "ones",
+        NodeKind.SUM: "sum",
+        NodeKind.UPDATE: f"{dg.optimizer}_update",
+        NodeKind.SELECT: "keep_root",
+        NodeKind.CAST: n.label,
+    }[n.kind]
 
 
 def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
@@ -225,18 +263,41 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
         if not in_group(first.group, r):
             return []
         op = first.op.describe() if st.kind == LocalKind.SPLIT else "alias"
-        return [Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name,
-                        kernel=kernel(first, dg, r))]
+        return [
+            Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name, kernel=kernel(first, dg, r))
+        ]
     if st.kind == NodeKind.SUMSQ:  # the gradient pieces this rank holds, one replica of each counted
-        held = tuple(piece(dg.values[v]) for v in first.inputs if in_group(dg.values[v].group, r)
-                     and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0)
-        return [Compute(first.pass_, "grad_norm", "sum_of_squares", held, (piece(vout),), first.name,
-                        kernel=kernel(first, dg, r))]
+        held = tuple(
+            piece(dg.values[v])
+            for v in first.inputs
+            if in_group(dg.values[v].group, r) and dg.values[v].sharding.coord_of(dg.values[v].group, r).replica == 0
+        )
+        return [
+            Compute(
+                first.pass_,
+                "grad_norm",
+                "sum_of_squares",
+                held,
+                (piece(vout),),
+                first.name,
+                kernel=kernel(first, dg, r),
+            )
+        ]
     if st.kind in (NodeKind.COMPUTE, NodeKind.SEED, NodeKind.SUM, NodeKind.UPDATE, NodeKind.SELECT, NodeKind.CAST):
         if not in_group(first.group, r) or (st.kind == NodeKind.SELECT and not in_group(vout.group, r)):
             return []
         ins = tuple(piece(dg.values[v]) for v in first.inputs)
         outs = tuple(piece(dg.values[v]) for v in first.outputs)
-        return [Compute(first.pass_, first.src, _compute_op(first, dg), ins, outs, first.name,
-                        kernel=kernel(first, dg, r), micro=first.micro)]
+        return [
+            Compute(
+                first.pass_,
+                first.src,
+                _compute_op(first, dg),
+                ins,
+                outs,
+                first.name,
+                kernel=kernel(first, dg, r),
+                micro=first.micro,
+            )
+        ]
     raise PassError(f"shard expansion: step {st.kind!r} of {first.name!r} is not a local step")

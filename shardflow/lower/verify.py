@@ -23,8 +23,9 @@ class PlanVerificationError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         more = f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
-        super().__init__(f"plan verification failed ({len(problems)} problem(s)):\n  "
-                         + "\n  ".join(problems[:SHOWN]) + more)
+        super().__init__(
+            f"plan verification failed ({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:SHOWN]) + more
+        )
 
 
 class PlanMismatchError(RuntimeError):
@@ -56,9 +57,15 @@ def verify(programs: Mapping[int, Program], world_size: int) -> None:
 
     Raises :class:`PlanVerificationError` listing every problem, naming ranks, tokens, instructions and values.
     """
-    problems = (_check_programs(programs, world_size) + _check_order(programs) + _check_tokens(programs)
-                + _check_pairs(programs) + _check_deadlock(programs) + _check_waits(programs)
-                + _check_dataflow(programs))
+    problems = (
+        _check_programs(programs, world_size)
+        + _check_order(programs)
+        + _check_tokens(programs)
+        + _check_pairs(programs)
+        + _check_deadlock(programs)
+        + _check_waits(programs)
+        + _check_dataflow(programs)
+    )
     if problems:
         raise PlanVerificationError(problems)
 
@@ -80,7 +87,9 @@ def check_fingerprints(local: Mapping[int, str]) -> None:
         raise PlanMismatchError(
             f"plan differs from rank 0 (fingerprint {local[0][:12]}) on "
             + ", ".join(f"rank {r} ({local[r][:12]})" for r in differ)
-            + "; every rank must lower the same plan (same graph, strategy, mesh and shardflow version)", differ)
+            + "; every rank must lower the same plan (same graph, strategy, mesh and shardflow version)",
+            differ,
+        )
 
 
 _P2P = (CommKind.SEND, CommKind.RECV)  # the two ends of one transfer
@@ -92,10 +101,13 @@ def _d(c: Comm) -> str:
 
 def _what(c: Comm) -> str:
     """What the holders of a token must agree on (:meth:`Comm.signature`), in words."""
-    return f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}" + (
-        f" root={c.root}" if c.root is not None else "") + (
-        f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "") + (f" of {c.value}" if c.value else "") + (
-        f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
+    return (
+        f"{c.family} over {list(c.members)} {c.type.dtype}{list(c.type.shape)}"
+        + (f" root={c.root}" if c.root is not None else "")
+        + (f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "")
+        + (f" of {c.value}" if c.value else "")
+        + (f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
+    )
 
 
 def _check_programs(programs: Mapping[int, Program], world_size: int) -> list[str]:
@@ -133,8 +145,12 @@ def _comm_errors(rank: int, c: Comm, world_size: int) -> Iterator[str]:
 
 
 def _check_order(programs: Mapping[int, Program]) -> list[str]:
-    return [f"rank {r} issues {_d(b)} after {_d(a)}: tokens must strictly increase"
-            for r, p in programs.items() for a, b in zip(p.comms, p.comms[1:]) if b.token <= a.token]
+    return [
+        f"rank {r} issues {_d(b)} after {_d(a)}: tokens must strictly increase"
+        for r, p in programs.items()
+        for a, b in zip(p.comms, p.comms[1:])
+        if b.token <= a.token
+    ]
 
 
 def _check_tokens(programs: Mapping[int, Program]) -> list[str]:
@@ -150,17 +166,23 @@ def _check_tokens(programs: Mapping[int, Program]) -> list[str]:
             groups[_what(c)].append(r)
         if len(groups) > 1:
             parts = sorted(groups.items(), key=lambda g: (-len(g[1]), g[1]))
-            out.append(f"token {t}: holders disagree: " + "; ".join(
-                f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} hold{'s' * (len(rs) == 1)} {w}"
-                for w, rs in parts))
+            out.append(
+                f"token {t}: holders disagree: "
+                + "; ".join(
+                    f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} hold{'s' * (len(rs) == 1)} {w}"
+                    for w, rs in parts
+                )
+            )
         held = dict(hs)
         for m in sorted({m for _, c in hs for m in c.members} - held.keys()):
             r, c = next((r, c) for r, c in hs if m in c.members)
-            out.append(f"rank {r} sends token {t} to rank {m}, which has no matching recv"
-                       if c.kind == CommKind.SEND else
-                       f"rank {r} receives token {t} from rank {m}, which has no matching send"
-                       if c.kind == CommKind.RECV
-                       else f"rank {m} is a member of {_d(c)} over {list(c.members)} on rank {r} but lacks it")
+            out.append(
+                f"rank {r} sends token {t} to rank {m}, which has no matching recv"
+                if c.kind == CommKind.SEND
+                else f"rank {r} receives token {t} from rank {m}, which has no matching send"
+                if c.kind == CommKind.RECV
+                else f"rank {m} is a member of {_d(c)} over {list(c.members)} on rank {r} but lacks it"
+            )
         for r, c in hs:
             to = held.get(c.peer) if c.kind == CommKind.PERMUTE else None
             if to is not None and to.kind == CommKind.PERMUTE and to.peer_from != r:
@@ -180,8 +202,10 @@ def _check_pairs(programs: Mapping[int, Program]) -> list[str]:
         seq_b = [c for t, c in first[b].items() if t in shared]
         for i, (x, y) in enumerate(zip(seq_a, seq_b)):
             if x.token != y.token:
-                out.append(f"ranks {a} and {b} order their shared communications differently: at shared "
-                           f"position {i} rank {a} issues {_d(x)}, rank {b} issues {_d(y)}")
+                out.append(
+                    f"ranks {a} and {b} order their shared communications differently: at shared "
+                    f"position {i} rank {a} issues {_d(x)}, rank {b} issues {_d(y)}"
+                )
                 break
     return out
 
@@ -194,14 +218,18 @@ def _check_deadlock(programs: Mapping[int, Program]) -> list[str]:
         at[c.token].add(r)
 
     def state(m: int) -> str:
-        return f"rank {m} (" + ("no program" if m not in programs else "finished" if m not in comms else
-                                f"blocked at {_d(comms[m])}") + ")"
+        return (
+            f"rank {m} ("
+            + ("no program" if m not in programs else "finished" if m not in comms else f"blocked at {_d(comms[m])}")
+            + ")"
+        )
 
     out = []
     for r, c in sorted(comms.items()):
         absent = sorted({m for q in at[c.token] for m in comms[q].members} - at[c.token])
-        out.append(f"deadlock: rank {r} blocks at {_d(c)} over {list(c.members)} waiting for "
-                   + ", ".join(map(state, absent)))
+        out.append(
+            f"deadlock: rank {r} blocks at {_d(c)} over {list(c.members)} waiting for " + ", ".join(map(state, absent))
+        )
     return out
 
 
@@ -221,8 +249,15 @@ def _check_waits(programs: Mapping[int, Program]) -> list[str]:
 
 
 def _instr(k: int, i: Instr) -> str:
-    what = f"token {i.token} ({i.kind})" if isinstance(i, Comm) else f"{i.op}" if isinstance(i, Compute) else \
-        f"wait {i.token}" if isinstance(i, Wait) else "free"
+    what = (
+        f"token {i.token} ({i.kind})"
+        if isinstance(i, Comm)
+        else f"{i.op}"
+        if isinstance(i, Compute)
+        else f"wait {i.token}"
+        if isinstance(i, Wait)
+        else "free"
+    )
     return f"instruction {k} [{what}]"
 
 
@@ -238,13 +273,19 @@ def _check_dataflow(programs: Mapping[int, Program]) -> list[str]:
                 have = held.get(b.value)
                 if have is None:
                     token = next((t for t, x in arriving.items() if x.value == b.value), None)
-                    why = (f"freed at instruction {freed[b.value]}" if b.value in freed else
-                           f"token {token} fills it only at its wait, later" if token is not None
-                           else "never computed, received or held as an input on this rank")
+                    why = (
+                        f"freed at instruction {freed[b.value]}"
+                        if b.value in freed
+                        else f"token {token} fills it only at its wait, later"
+                        if token is not None
+                        else "never computed, received or held as an input on this rank"
+                    )
                     out.append(f"rank {r} {_instr(k, i)} reads {b.value!r}: {why}")
                 elif have.type != b.type:
-                    out.append(f"rank {r} {_instr(k, i)} reads {b.value!r} as {b.type.dtype}{list(b.type.shape)} "
-                               f"but it holds {have.type.dtype}{list(have.type.shape)}")
+                    out.append(
+                        f"rank {r} {_instr(k, i)} reads {b.value!r} as {b.type.dtype}{list(b.type.shape)} "
+                        f"but it holds {have.type.dtype}{list(have.type.shape)}"
+                    )
             if isinstance(i, Wait):
                 if (b := arriving.pop(i.token, None)) is not None:
                     held[b.value] = b

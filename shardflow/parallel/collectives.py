@@ -80,18 +80,27 @@ def _ring(n: int, d: int) -> int:  # (d−1)/d of the piece
     return n * (d - 1) // d
 
 
-KINDS: dict[CommKind, CommSpec] = {s.kind: s for s in (
-    CommSpec(CommKind.SEND, "p2p", lambda n, d, root: n, ("peer",), point_to_point=True),
-    CommSpec(CommKind.RECV, "p2p", lambda n, d, root: 0, ("peer",), point_to_point=True),  # the sender counts
-    CommSpec(CommKind.ALL_REDUCE, "all_reduce", lambda n, d, root: 2 * _ring(n, d)),
-    CommSpec(CommKind.ALL_GATHER, "all_gather", lambda n, d, root: (d - 1) * n, dim_first=True),
-    CommSpec(CommKind.REDUCE_SCATTER, "reduce_scatter", lambda n, d, root: _ring(n, d), dim_first=True),
-    CommSpec(CommKind.ALL_TO_ALL, "all_to_all", lambda n, d, root: _ring(n, d)),
-    CommSpec(CommKind.BROADCAST, "broadcast", lambda n, d, root: n if root else 0, ("root",)),
-    CommSpec(CommKind.REDUCE, "reduce", lambda n, d, root: _ring(n, d), ("root",)),
-    CommSpec(CommKind.PERMUTE, "permute", lambda n, d, root: n, ("peer", "peer_from"), point_to_point=True,
-             dim_first=True),
-)}
+KINDS: dict[CommKind, CommSpec] = {
+    s.kind: s
+    for s in (
+        CommSpec(CommKind.SEND, "p2p", lambda n, d, root: n, ("peer",), point_to_point=True),
+        CommSpec(CommKind.RECV, "p2p", lambda n, d, root: 0, ("peer",), point_to_point=True),  # the sender counts
+        CommSpec(CommKind.ALL_REDUCE, "all_reduce", lambda n, d, root: 2 * _ring(n, d)),
+        CommSpec(CommKind.ALL_GATHER, "all_gather", lambda n, d, root: (d - 1) * n, dim_first=True),
+        CommSpec(CommKind.REDUCE_SCATTER, "reduce_scatter", lambda n, d, root: _ring(n, d), dim_first=True),
+        CommSpec(CommKind.ALL_TO_ALL, "all_to_all", lambda n, d, root: _ring(n, d)),
+        CommSpec(CommKind.BROADCAST, "broadcast", lambda n, d, root: n if root else 0, ("root",)),
+        CommSpec(CommKind.REDUCE, "reduce", lambda n, d, root: _ring(n, d), ("root",)),
+        CommSpec(
+            CommKind.PERMUTE,
+            "permute",
+            lambda n, d, root: n,
+            ("peer", "peer_from"),
+            point_to_point=True,
+            dim_first=True,
+        ),
+    )
+}
 
 F = TypeVar("F", bound=Callable)
 
@@ -100,6 +109,7 @@ def _register(side: str, kind: CommKind) -> Callable[[F], F]:
     def register(fn: F) -> F:
         KINDS[kind] = dataclasses.replace(KINDS[kind], **{side: fn})
         return fn
+
     return register
 
 
@@ -146,8 +156,12 @@ def fuses(first: ParallelOp, second: ParallelOp) -> bool:
     """Whether ``second`` right after ``first`` (reading only its output) lowers as one communication: a Reduction
     or a Combine followed by a Repartition on the same axis — a reduce-scatter, an all-to-all (a Combine and a
     Repartition of the same dim are not fused)."""
-    return (isinstance(first, (Reduction, Combine)) and isinstance(second, Repartition) and first.axis == second.axis
-            and not (isinstance(first, Combine) and first.dim == second.dim))
+    return (
+        isinstance(first, (Reduction, Combine))
+        and isinstance(second, Repartition)
+        and first.axis == second.axis
+        and not (isinstance(first, Combine) and first.dim == second.dim)
+    )
 
 
 def redistribution_cost(ops: Sequence[ParallelOp], src: Sharding, group: SubMesh, type_: TensorType) -> tuple[int, int]:
@@ -159,7 +173,7 @@ def redistribution_cost(ops: Sequence[ParallelOp], src: Sharding, group: SubMesh
     nbytes = comms = 0
     i = 0
     while i < len(ops):
-        step = tuple(ops[i:i + 2]) if i + 1 < len(ops) and fuses(ops[i], ops[i + 1]) else (ops[i],)
+        step = tuple(ops[i : i + 2]) if i + 1 < len(ops) and fuses(ops[i], ops[i + 1]) else (ops[i],)
         kind = LocalKind.ALIAS if step[0].degree == 1 else REDISTRIBUTION[tuple(op.kind for op in step)]
         if isinstance(kind, CommKind):
             piece_bytes = TensorType(src.parallel_shape(group, type_.shape).piece_shape, type_.dtype).nbytes

@@ -98,16 +98,17 @@ def parse_placement(text: str) -> Placement:
     t = text.strip().replace(" ", "").replace('"', "").replace("'", "")
     for prefix in ("Shard(", "S("):
         if t.startswith(prefix) and t.endswith(")"):
-            dim = t[len(prefix):-1]
+            dim = t[len(prefix) : -1]
             if not dim.lstrip("-").isdigit():
-                raise ValueError(f"cannot read placement {text!r}: Shard takes a tensor dim number, e.g. Shard(0) "
-                                 f"or Shard(-1)")
+                raise ValueError(
+                    f"cannot read placement {text!r}: Shard takes a tensor dim number, e.g. Shard(0) or Shard(-1)"
+                )
             return Shard(int(dim))
     if t in ("R", "Replicate()", "Replicate"):
         return Replicate()
     for prefix in ("Partial(", "P("):
         if t.startswith(prefix) and t.endswith(")"):
-            return Partial(t[len(prefix):-1] or "sum")
+            return Partial(t[len(prefix) : -1] or "sum")
     if t in ("P", "Partial()", "Partial"):
         return Partial()
     raise ValueError(f"cannot read placement {text!r}; write Shard(d), Replicate() or Partial('sum'|'avg'|'max'|'min')")
@@ -203,11 +204,16 @@ class SubMesh:
             if not 0 <= idx < self.mesh.axis_size(axis):
                 raise ValueError(f"sub-mesh: index {idx} out of range for axis {axis!r} of mesh {self.mesh}")
         if self.view is not None:
-            if len(self.view) != self.size or len(set(self.view)) != len(self.view) or \
-                    not all(0 <= d < self.mesh.size for d in self.view):
-                raise ValueError(f"machine view {list(self.view)}: needs {self.size} distinct devices of mesh "
-                                 f"{self.mesh} (0..{self.mesh.size - 1}), one per coordinate of axes "
-                                 f"{list(self.free_axes)}")
+            if (
+                len(self.view) != self.size
+                or len(set(self.view)) != len(self.view)
+                or not all(0 <= d < self.mesh.size for d in self.view)
+            ):
+                raise ValueError(
+                    f"machine view {list(self.view)}: needs {self.size} distinct devices of mesh "
+                    f"{self.mesh} (0..{self.mesh.size - 1}), one per coordinate of axes "
+                    f"{list(self.free_axes)}"
+                )
 
     @property
     def free_axes(self) -> tuple[str, ...]:
@@ -268,8 +274,10 @@ class SubMesh:
             c = coords.get(a)
             if c is None or not 0 <= c < s:
                 got = f"coordinate {c}" if c is not None else "no coordinate"
-                raise ValueError(f"{self} of mesh {self.mesh}: {got} on axis {a!r}, which has {s} devices "
-                                 f"(coordinates 0..{s - 1}); give each free axis {list(self.free_axes)} one in range")
+                raise ValueError(
+                    f"{self} of mesh {self.mesh}: {got} on axis {a!r}, which has {s} devices "
+                    f"(coordinates 0..{s - 1}); give each free axis {list(self.free_axes)} one in range"
+                )
             idx = idx * s + c
         return self.device_at(idx)
 

@@ -100,7 +100,9 @@ class Repartition(ParallelOp):
         _dim(self.dim, s.ndim, self.describe())
         self._check_degree(group)
         if self.axis in s.used_axes or self.axis not in group.free_axes:
-            raise ShardingError(f"{self.describe()}: axis {self.axis!r} must hold replicas, but the tensor is {s} on {group}")
+            raise ShardingError(
+                f"{self.describe()}: axis {self.axis!r} must hold replicas, but the tensor is {s} on {group}"
+            )
         return s.replace_dim(self.dim, s.dims[self.dim] + (self.axis,)), group
 
     def describe(self):
@@ -119,7 +121,9 @@ class Combine(ParallelOp):
     def apply_shape(self, p):
         d = _dim(self.dim, len(p.shape), self.describe())
         if p.shard[d] % self.degree:
-            raise ShardingError(f"{self.describe()}: dim {d} has shard degree {p.shard[d]}, not a multiple of {self.degree}")
+            raise ShardingError(
+                f"{self.describe()}: dim {d} has shard degree {p.shard[d]}, not a multiple of {self.degree}"
+            )
         shard = list(p.shard)
         shard[d] //= self.degree
         return replace(p, shard=tuple(shard), replica_degree=p.replica_degree * self.degree)
@@ -173,8 +177,12 @@ class Reduction(ParallelOp):
         if p.sum_degree % self.degree:
             raise ShardingError(f"{self.describe()}: sum degree {p.sum_degree} is not a multiple of {self.degree}")
         sum_degree = p.sum_degree // self.degree
-        return replace(p, sum_degree=sum_degree, replica_degree=p.replica_degree * self.degree,
-                       reduce_op=p.reduce_op if sum_degree > 1 else ReduceOp.SUM)
+        return replace(
+            p,
+            sum_degree=sum_degree,
+            replica_degree=p.replica_degree * self.degree,
+            reduce_op=p.reduce_op if sum_degree > 1 else ReduceOp.SUM,
+        )
 
     def apply(self, s, group):
         self._check_degree(group)
@@ -224,9 +232,9 @@ def redistribute(src: Sharding, dst: Sharding, group: SubMesh) -> list[ParallelO
 
     summed = [a for a in src.partial if a not in dst.partial]
     for d in range(src.ndim):  # cut first: the axes a dim gains while it keeps its own
-        if cur.dims[d] != dst.dims[d][:len(cur.dims[d])]:
+        if cur.dims[d] != dst.dims[d][: len(cur.dims[d])]:
             continue
-        for a in dst.dims[d][len(cur.dims[d]):]:
+        for a in dst.dims[d][len(cur.dims[d]) :]:
             if a in summed:
                 add(Reduction(size(a), a))
                 summed.remove(a)
@@ -236,9 +244,9 @@ def redistribute(src: Sharding, dst: Sharding, group: SubMesh) -> list[ParallelO
     for a in summed:
         add(Reduction(size(a), a))
     for d in range(src.ndim):
-        while cur.dims[d] != dst.dims[d][:len(cur.dims[d])]:
+        while cur.dims[d] != dst.dims[d][: len(cur.dims[d])]:
             add(Combine(d, size(cur.dims[d][-1]), cur.dims[d][-1]))
     for d in range(src.ndim):
-        for a in dst.dims[d][len(cur.dims[d]):]:
+        for a in dst.dims[d][len(cur.dims[d]) :]:
             add(Repartition(d, size(a), a))
     return ops

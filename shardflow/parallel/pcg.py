@@ -25,8 +25,15 @@ from shardflow.graph.rng import DrawSite, PieceSite
 from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
-from shardflow.parallel.rules import (LocalOp, RuleError, RuleResult, align_operands, propagate, rule_for,
-                                     rule_replicated)
+from shardflow.parallel.rules import (
+    LocalOp,
+    RuleError,
+    RuleResult,
+    align_operands,
+    propagate,
+    rule_for,
+    rule_replicated,
+)
 from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardingError
 from shardflow.parallel.sharding import Sharding
 
@@ -124,9 +131,11 @@ class Redistribution:
         """Two lines: node, module, input, placements from → to, the parallel ops and their bytes; the reason."""
         where = f"node {self.node!r} ({self.op.describe()}" + (f" in module {self.scope!r})" if self.scope else ")")
         ops = ", ".join(op.describe() for op in self.ops)
-        return (f"{where}, input {self.index} {self.tensor!r}: {placements_text(self.src, self.group)} → "
-                f"{placements_text(self.dst, self.group)} by {ops}, {self.nbytes:,} bytes per device\n"
-                f"    reason: {self.reason}")
+        return (
+            f"{where}, input {self.index} {self.tensor!r}: {placements_text(self.src, self.group)} → "
+            f"{placements_text(self.dst, self.group)} by {ops}, {self.nbytes:,} bytes per device\n"
+            f"    reason: {self.reason}"
+        )
 
 
 @dataclass(frozen=True)
@@ -172,8 +181,10 @@ class PCG:
         if not self.redistributions:
             return ""
         n, total = len(self.redistributions), sum(r.nbytes for r in self.redistributions)
-        head = (f"# {n} redistribution{'s' * (n != 1)} inserted where a rule refused its inputs ({total:,} bytes "
-                f"per device, forward)")
+        head = (
+            f"# {n} redistribution{'s' * (n != 1)} inserted where a rule refused its inputs ({total:,} bytes "
+            f"per device, forward)"
+        )
         return "\n".join([head, *(r.describe() for r in self.redistributions)])
 
     def draw_site(self, node: PNode, device: int, seed: int, step: int) -> DrawSite:
@@ -289,8 +300,9 @@ class _Builder:
                 costs[s] = self.cost(src, s)
         return sorted(((*c, s) for s, c in costs.items()), key=lambda x: x[:2])
 
-    def accepted(self, node: Node, ins: Sequence[str], group: SubMesh,
-                 refusal: ShardingError) -> tuple[list[Sharding], RuleResult]:
+    def accepted(
+        self, node: Node, ins: Sequence[str], group: SubMesh, refusal: ShardingError
+    ) -> tuple[list[Sharding], RuleResult]:
         """The cheapest input shardings the rule of ``node`` accepts, and its result on them.
 
         Combinations of the inputs' :meth:`candidates` are tried cheapest first (total bytes, then communications,
@@ -317,7 +329,7 @@ class _Builder:
             except (RuleError, DegreeError):
                 pass
             for i in range(len(idx)):
-                nxt = idx[:i] + (idx[i] + 1,) + idx[i + 1:]
+                nxt = idx[:i] + (idx[i] + 1,) + idx[i + 1 :]
                 if nxt[i] < len(options[i]) and nxt not in seen:
                     seen.add(nxt)
                     heapq.heappush(heap, key(nxt))
@@ -335,19 +347,33 @@ class _Builder:
         start = len(self.nodes)
         out = self.to_sharding(src, want, f"redistributed: the rule of {node.name} refused input {index}")
         if len(self.nodes) > start:
-            self.redistributions.append(Redistribution(
-                node.name, node.op, node.scope, index, src, t.sharding, want, t.group,
-                tuple(n.op for n in self.nodes[start:]), nbytes, str(refusal).splitlines()[0]))
+            self.redistributions.append(
+                Redistribution(
+                    node.name,
+                    node.op,
+                    node.scope,
+                    index,
+                    src,
+                    t.sharding,
+                    want,
+                    t.group,
+                    tuple(n.op for n in self.nodes[start:]),
+                    nbytes,
+                    str(refusal).splitlines()[0],
+                )
+            )
         return out
 
-    def define(self, name: str, type_: TensorType, role: TensorRole, sharding: Sharding, group: SubMesh,
-               op: str) -> None:
+    def define(
+        self, name: str, type_: TensorType, role: TensorRole, sharding: Sharding, group: SubMesh, op: str
+    ) -> None:
         sharding.check(group, type_.shape, op, name)
         if role == TensorRole.WEIGHT and sharding.partial:
             raise ShardingError(
                 f"weight {name!r} is placed Partial({sharding.reduce_op!r}) on mesh axes {list(sharding.partial)}; "
                 f"a weight must be Shard or Replicate on every axis (an optimizer step on partial pieces would "
-                f"apply the whole gradient to each piece). Place it Replicate() or Shard(dim) instead")
+                f"apply the whole gradient to each piece). Place it Replicate() or Shard(dim) instead"
+            )
         self.tensors[name] = PTensor(name, type_, role, sharding, group)
         after = self.ann.after.get(name)
         cur = self.to_layout(name, after, self.ann.why.get(name, f"layout of {name}")) if after else name
@@ -364,8 +390,10 @@ def _group_fix(src: SubMesh, dst: SubMesh, tensor: str, node: str) -> str:
         ops = ", ".join(f"Replicate({dst.mesh.axis_size(a)}, {a!r})" for a in missing)
         return f"insert {ops} after {tensor!r} (Plan.ops) or place both on the same sub-mesh"
     extra = [a for a in src.free_axes if a not in dst.free_axes]
-    return (f"the input spans axes {extra}, where {node!r} runs at one index: run {node!r} on every index of "
-            f"those axes too (no stage= in its module plan) or place both on the same sub-mesh")
+    return (
+        f"the input spans axes {extra}, where {node!r} runs at one index: run {node!r} on every index of "
+        f"those axes too (no stage= in its module plan) or place both on the same sub-mesh"
+    )
 
 
 def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = None, strict: bool = False) -> PCG:
@@ -395,8 +423,10 @@ def build_pcg(graph: ComputationGraph, mesh: Mesh, ann: Annotations | None = Non
             cur = b.current[t]
             src_group = b.tensors[cur].group
             if src_group.free_axes != group.free_axes:
-                raise ShardingError(f"node {node.name!r} (module {node.scope!r}) runs on {group} but its input {t!r} "
-                                    f"lives on {src_group}; {_group_fix(src_group, group, t, node.name)}")
+                raise ShardingError(
+                    f"node {node.name!r} (module {node.scope!r}) runs on {group} but its input {t!r} "
+                    f"lives on {src_group}; {_group_fix(src_group, group, t, node.name)}"
+                )
             want = ann.edges.get((node.name, i))
             if want is not None:
                 cur = b.to_layout(cur, want, ann.why.get((node.name, i), f"input {i} of {node.name}"))
@@ -429,8 +459,10 @@ def lift(graph: ComputationGraph) -> PCG:
 def evaluation(pcg: PCG) -> PCG:
     """``pcg`` as ``model.eval()`` runs it: every dropout an identity (p = 0). Tensors, shardings and node names
     are unchanged, so an evaluation step lowered from it reads the training step's weights (same value ids)."""
+
     def off(n: PNode) -> PNode:
         if not isinstance(n.op, Dropout):
             return n
         return dataclasses.replace(n, op=Dropout(0.0), local=dataclasses.replace(n.local, op=Dropout(0.0)))
+
     return dataclasses.replace(pcg, nodes=tuple(off(n) for n in pcg.nodes))

@@ -125,8 +125,9 @@ class Ctx:
                 )
         return found[2] if found else ()
 
-    def partial_of(self, idx: Sequence[int], extra: Sequence[str] = (), extra_op: ReduceOp = ReduceOp.SUM
-                   ) -> tuple[tuple[str, ...], ReduceOp]:
+    def partial_of(
+        self, idx: Sequence[int], extra: Sequence[str] = (), extra_op: ReduceOp = ReduceOp.SUM
+    ) -> tuple[tuple[str, ...], ReduceOp]:
         """Union of the partial axes of inputs ``idx`` plus new ``extra_op``-partial axes ``extra``, and the
         reduce op."""
         axes, reduce_ops = [], set()
@@ -139,8 +140,10 @@ class Ctx:
             axes += extra
             reduce_ops.add(extra_op)
         if len(reduce_ops) > 1:
-            raise self.error(f"partial pieces with different reduce ops {sorted(reduce_ops)} meet",
-                             "reduce one of them first (Reduction)")
+            raise self.error(
+                f"partial pieces with different reduce ops {sorted(reduce_ops)} meet",
+                "reduce one of them first (Reduction)",
+            )
         return tuple(axes), reduce_ops.pop() if reduce_ops else ReduceOp.SUM
 
     def linear_partials(self, idx: Sequence[int]) -> None:
@@ -152,15 +155,22 @@ class Ctx:
                     f"insert Reduction(axis={s.partial[0]}) before it",
                 )
 
-    def output(self, dims: Sequence[tuple[str, ...]], partial: tuple[str, ...] = (), reduce_op: ReduceOp = ReduceOp.SUM,
-               k: int = 0) -> Sharding:
+    def output(
+        self,
+        dims: Sequence[tuple[str, ...]],
+        partial: tuple[str, ...] = (),
+        reduce_op: ReduceOp = ReduceOp.SUM,
+        k: int = 0,
+    ) -> Sharding:
         """Build output ``k``'s sharding, checking no axis is used twice and every degree divides its dim."""
         try:
             s = Sharding(tuple(dims), partial, reduce_op if partial else ReduceOp.SUM)
         except ShardingError:
             used = [a for ax in dims for a in ax] + list(partial)
-            raise self.error(f"the output would use a mesh axis twice ({used})",
-                             "shard the operands on different axes, or combine one first") from None
+            raise self.error(
+                f"the output would use a mesh axis twice ({used})",
+                "shard the operands on different axes, or combine one first",
+            ) from None
         try:
             s.check(self.group, self.out_types[k].shape, self.node, self.node if k == 0 else f"{self.node}.{k}")
         except DegreeError as e:
@@ -199,8 +209,10 @@ def rule_unary(ctx: Ctx) -> RuleResult:
     fn = op.fn if isinstance(op, O.Unary) else None
     reduce_op = s.reduce_op
     linear = fn in O.LINEAR_UNARY or (
-        isinstance(op, O.Cast) and _is_float(ctx.out_types[0])  # int → float is exact, float → int truncates
-        and (_is_float(ctx.types[0]) or s.reduce_op == ReduceOp.SUM))  # an integer average is no integer
+        isinstance(op, O.Cast)
+        and _is_float(ctx.out_types[0])  # int → float is exact, float → int truncates
+        and (_is_float(ctx.types[0]) or s.reduce_op == ReduceOp.SUM)
+    )  # an integer average is no integer
     monotone = fn in O.NON_DECREASING_UNARY | O.NON_INCREASING_UNARY
     if s.partial and reduce_op in (ReduceOp.MAX, ReduceOp.MIN) and monotone:
         if fn in O.NON_INCREASING_UNARY:
@@ -236,8 +248,10 @@ def rule_binary(ctx: Ctx) -> RuleResult:
         partial, reduce_op = (), ReduceOp.SUM
     elif op.fn in O.ADDITIVE:
         if a.partial and b.partial and (a.partial != b.partial or a.reduce_op != b.reduce_op):
-            raise ctx.error(f"{op.fn} of partial pieces on different axes ({list(a.partial)} vs {list(b.partial)})",
-                            "reduce one operand first (Reduction)")
+            raise ctx.error(
+                f"{op.fn} of partial pieces on different axes ({list(a.partial)} vs {list(b.partial)})",
+                "reduce one operand first (Reduction)",
+            )
         partial, reduce_op = (a.partial, a.reduce_op) if a.partial else (b.partial, b.reduce_op)
         if a.partial and not b.partial:
             scale[1] = _sum_scale(ctx, partial, reduce_op)
@@ -245,11 +259,15 @@ def rule_binary(ctx: Ctx) -> RuleResult:
             scale[0] = _sum_scale(ctx, partial, reduce_op)
     else:
         if a.partial and b.partial:
-            raise ctx.error(f"{op.fn} of two partial operands is not linear (Partial·Partial)",
-                            f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}")
+            raise ctx.error(
+                f"{op.fn} of two partial operands is not linear (Partial·Partial)",
+                f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}",
+            )
         if op.fn == "div" and b.partial:
-            raise ctx.error(f"division by a partial operand {ctx.names[1]!r} is not linear",
-                            f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}")
+            raise ctx.error(
+                f"division by a partial operand {ctx.names[1]!r} is not linear",
+                f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}",
+            )
         partial, reduce_op = ctx.partial_of([0, 1])
     return RuleResult((ctx.output(dims, partial, reduce_op),), ctx.local(in_scale=scale))
 
@@ -258,8 +276,10 @@ def _contract(ctx: Ctx, x: int, w: int, x_dim: int, w_dim: int) -> tuple[tuple[s
     """Partial axes of a product of inputs x and w contracting x_dim with w_dim."""
     ctx.linear_partials([x, w])
     if ctx.shardings[x].partial and ctx.shardings[w].partial:
-        raise ctx.error("both operands of the product hold partial pieces (Partial·Partial)",
-                        f"insert Reduction(axis={ctx.shardings[w].partial[0]}) on {ctx.names[w]!r}")
+        raise ctx.error(
+            "both operands of the product hold partial pieces (Partial·Partial)",
+            f"insert Reduction(axis={ctx.shardings[w].partial[0]}) on {ctx.names[w]!r}",
+        )
     k_axes = ctx.agree([(x, x_dim), (w, w_dim)])
     return ctx.partial_of([x, w], k_axes)
 
@@ -471,7 +491,9 @@ def rule_cat(ctx: Ctx) -> RuleResult:
         ctx.unsharded(i, [d], "cat joins along it")
     kinds = {(s.partial, s.reduce_op) for s in ctx.shardings}
     if len(kinds) > 1:
-        raise ctx.error("cat of inputs with different partial placements", "reduce the partial inputs first (Reduction)")
+        raise ctx.error(
+            "cat of inputs with different partial placements", "reduce the partial inputs first (Reduction)"
+        )
     dims = [ctx.agree([(i, k) for i in range(n)]) for k in range(nd)]
     s = ctx.shardings[0]
     return RuleResult((ctx.output(dims, s.partial, s.reduce_op),), ctx.local())
@@ -543,8 +565,9 @@ def rule_reshape(ctx: Ctx) -> RuleResult:
     dims: list[tuple[str, ...]] = [()] * len(dst)
     for gi, gj in reshape_groups(src, dst):
         lead_in = [d for d in gi if src[d] > 1][:1]
-        ctx.unsharded(0, [d for d in gi if d not in lead_in],
-                      f"viewing {list(src)} as {list(dst)} merges it into a preceding dim")
+        ctx.unsharded(
+            0, [d for d in gi if d not in lead_in], f"viewing {list(src)} as {list(dst)} merges it into a preceding dim"
+        )
         if lead_in and s.dims[lead_in[0]]:
             lead_out = next(d for d in gj if dst[d] > 1)
             dims[lead_out] = s.dims[lead_in[0]]
@@ -587,8 +610,11 @@ def rule_replicated(ctx: Ctx) -> RuleResult:
     whole (replicated) inputs, its outputs replicated."""
     for i, s in enumerate(ctx.shardings):
         if s.used_axes:
-            raise ctx.error(f"{ctx.op.kind} has no sharding rule, so it runs on replicated inputs only, but input "
-                            f"{ctx.names[i]!r} is {s}", f"redistribute {ctx.names[i]!r} to Replicate() first")
+            raise ctx.error(
+                f"{ctx.op.kind} has no sharding rule, so it runs on replicated inputs only, but input "
+                f"{ctx.names[i]!r} is {s}",
+                f"redistribute {ctx.names[i]!r} to Replicate() first",
+            )
     return RuleResult(tuple(ctx.output(((),) * t.ndim, k=k) for k, t in enumerate(ctx.out_types)), ctx.local())
 
 
@@ -597,14 +623,20 @@ def rule_for(op: Op) -> Callable[[Ctx], RuleResult]:
     return RULES.get(type(op), rule_replicated)
 
 
-def propagate(op: Op, names: Sequence[str], types: Sequence[TensorType], shardings: Sequence[Sharding],
-              group: SubMesh, node: str = "", scope: str = "") -> RuleResult:
+def propagate(
+    op: Op,
+    names: Sequence[str],
+    types: Sequence[TensorType],
+    shardings: Sequence[Sharding],
+    group: SubMesh,
+    node: str = "",
+    scope: str = "",
+) -> RuleResult:
     """Output shardings and the local kernel of ``op`` for inputs with ``shardings`` on ``group``.
 
     Raises RuleError (or DegreeError) naming the node, module, tensor, dim, axes and the parallel op to insert.
     """
-    ctx = Ctx(op, node or op.kind, scope, tuple(names), tuple(types), tuple(shardings), group,
-              op.infer(tuple(types)))
+    ctx = Ctx(op, node or op.kind, scope, tuple(names), tuple(types), tuple(shardings), group, op.infer(tuple(types)))
     return rule_for(op)(ctx)
 
 
@@ -618,10 +650,12 @@ def align_operands(types: Sequence[TensorType], shardings: Sequence[Sharding], g
     nd = max(t.ndim for t in types)
     out = list(shardings)
     for k in range(nd):
-        members = [(i, t.ndim - nd + k) for i, t in enumerate(types) if t.ndim - nd + k >= 0 and t.shape[t.ndim - nd + k] > 1]
+        members = [
+            (i, t.ndim - nd + k) for i, t in enumerate(types) if t.ndim - nd + k >= 0 and t.shape[t.ndim - nd + k] > 1
+        ]
         target = max((shardings[i].dims[d] for i, d in members), key=len, default=())
         for i, d in members:
             s = out[i]
-            if s.dims[d] == target[:len(s.dims[d])] and not (set(target[len(s.dims[d]):]) & s.used_axes):
+            if s.dims[d] == target[: len(s.dims[d])] and not (set(target[len(s.dims[d]) :]) & s.used_axes):
                 out[i] = s.replace_dim(d, target)
     return out

@@ -107,7 +107,10 @@ class ParallelTensorShape:
 
     def __str__(self) -> str:
         dims = ", ".join(f"{s}/{d}" if d > 1 else f"{s}" for s, d in zip(self.shape, self.shard))
-        extra = (f" sum={self.sum_degree}" + (f"({self.reduce_op})" if self.reduce_op != ReduceOp.SUM else "")
-                 if self.sum_degree > 1 else "")
+        extra = (
+            f" sum={self.sum_degree}" + (f"({self.reduce_op})" if self.reduce_op != ReduceOp.SUM else "")
+            if self.sum_degree > 1
+            else ""
+        )
         extra += f" rep={self.replica_degree}" if self.replica_degree > 1 else ""
         return f"[{dims}]{extra}"

@@ -139,7 +139,9 @@ class Sharding:
         order = {a: i for i, a in enumerate(group.free_axes)}
         for d, axes in enumerate(self.dims):
             if [order[a] for a in axes] != sorted(order[a] for a in axes):
-                raise ShardingError(f"dim {d} is sharded by axes {list(axes)} out of mesh order; placements cannot say so")
+                raise ShardingError(
+                    f"dim {d} is sharded by axes {list(axes)} out of mesh order; placements cannot say so"
+                )
         out: list[Placement] = []
         for a in group.free_axes:
             d = self.axis_dim(a)
@@ -153,7 +155,9 @@ class Sharding:
         if isinstance(placements, dict):
             unknown = set(placements) - set(free)
             if unknown:
-                raise ShardingError(f"placements name axes {sorted(unknown)} that are not free axes of {group} {list(free)}")
+                raise ShardingError(
+                    f"placements name axes {sorted(unknown)} that are not free axes of {group} {list(free)}"
+                )
             placements = [placements.get(a, Replicate()) for a in free]
         placements = tuple(placements)
         if len(placements) != len(free):
@@ -229,8 +233,10 @@ def placements_for(pshape: ParallelTensorShape, group: SubMesh) -> tuple[Placeme
             s = Sharding.from_placements(combo, group, len(pshape.shape))
         except ShardingError:
             continue
-        if all(s.shard_degree(group, d) == pshape.shard[d] for d in range(len(pshape.shape))) and \
-                s.sum_degree(group) == pshape.sum_degree and \
-                math.prod(sizes) == pshape.num_pieces:
+        if (
+            all(s.shard_degree(group, d) == pshape.shard[d] for d in range(len(pshape.shape)))
+            and s.sum_degree(group) == pshape.sum_degree
+            and math.prod(sizes) == pshape.num_pieces
+        ):
             return combo
     raise ShardingError(f"parallel shape {pshape} cannot be placed on {group} with axes {dict(zip(free, sizes))}")

@@ -114,8 +114,10 @@ def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0, step: 
             full = gather(values[src], pcg.tensors[src])
             values[node.outputs[0]] = scatter(full, pcg.tensors[node.outputs[0]], gen)
             continue
-        ins = [values[i] if pcg.tensors[i].group == node.group else _moved(values[i], pcg.tensors[i], node.group)
-               for i in node.inputs]
+        ins = [
+            values[i] if pcg.tensors[i].group == node.group else _moved(values[i], pcg.tensors[i], node.group)
+            for i in node.inputs
+        ]
         per_device: dict[int, tuple[torch.Tensor, ...]] = {}
         for d in node.group.devices():
             at = pcg.draw_site(node, d, seed, step) if node.op.random else None
@@ -125,8 +127,9 @@ def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0, step: 
     return values
 
 
-def simulate_outputs(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0,
-                     step: int = 1) -> dict[str, torch.Tensor]:
+def simulate_outputs(
+    pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0, step: int = 1
+) -> dict[str, torch.Tensor]:
     """Full values of every tensor of the original graph, as the sharded run computes them (``seed`` and
     ``step`` as in :func:`simulate`)."""
     values = simulate(pcg, leaves, seed, step)

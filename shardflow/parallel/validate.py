@@ -42,7 +42,7 @@ from shardflow.graph import GraphBuilder
 from shardflow.graph import ops as O
 from shardflow.graph.graph import ComputationGraph
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
-from shardflow.parallel.pcg import Annotations, PCG, build_pcg, lift
+from shardflow.parallel.pcg import PCG, Annotations, build_pcg, lift
 from shardflow.parallel.shape import ShardingError
 from shardflow.parallel.sharding import Sharding
 from shardflow.parallel.simulate import scatter, simulate, simulate_outputs
@@ -136,8 +136,11 @@ CASES: tuple[Case, ...] = (
     Case("pad(value)", O.Pad((0, 0, 1, 0), 1.5), (_x("x", 4, 8),)),
     Case("log_softmax", O.Softmax(1, log=True), (_x("x", 4, 8, 4),)),
     Case("amax(dim 1)", O.Reduce("amax", (1,)), (_x("x", 4, 8),)),
-    Case("attention(mask, gqa)", O.Attention(causal=False, mask=True, gqa=True),
-         (_x("q", 4, 8, 4, 4), _x("k", 4, 4, 4, 4), _x("v", 4, 4, 4, 4), _x("m", 4, 1, 4, 4, dtype="bool"))),
+    Case(
+        "attention(mask, gqa)",
+        O.Attention(causal=False, mask=True, gqa=True),
+        (_x("q", 4, 8, 4, 4), _x("k", 4, 4, 4, 4), _x("v", 4, 4, 4, 4), _x("m", 4, 1, 4, 4, dtype="bool")),
+    ),
     Case("conv", O.Conv((1, 1), (0, 0), (1, 1)), (_x("x", 4, 4, 4, 4), _x("w", 4, 4, 1, 1), _x("b", 4))),
     Case("max_pool", O.Pool("max", (2, 2), (2, 2)), (_x("x", 4, 4, 8, 8),)),
     Case("avg_pool(padded)", O.Pool("avg", (3, 3), (2, 2), (1, 1), count_include_pad=False), (_x("x", 4, 4, 8, 8),)),
@@ -306,35 +309,73 @@ class ValidationReport:
         head = ("op", "mesh", "tried", "ok", "WRONG", "rejected", "unrepr.", "cand.", "local", "s")
         lines = [head]
         for r in self.rows:
-            lines.append((r.label, r.mesh, str(r.tried), str(r.accepted), str(r.wrong), str(r.rejected),
-                          str(r.unrepresentable), str(r.candidates), str(r.local_candidates), f"{r.seconds:.1f}"))
-        lines.append(("TOTAL", "", *(str(self.total(a)) for a in ("tried", "accepted", "wrong", "rejected",
-                                                                   "unrepresentable", "candidates",
-                                                                   "local_candidates")),
-                      f"{self.total('seconds'):.1f}"))
+            lines.append(
+                (
+                    r.label,
+                    r.mesh,
+                    str(r.tried),
+                    str(r.accepted),
+                    str(r.wrong),
+                    str(r.rejected),
+                    str(r.unrepresentable),
+                    str(r.candidates),
+                    str(r.local_candidates),
+                    f"{r.seconds:.1f}",
+                )
+            )
+        lines.append(
+            (
+                "TOTAL",
+                "",
+                *(
+                    str(self.total(a))
+                    for a in (
+                        "tried",
+                        "accepted",
+                        "wrong",
+                        "rejected",
+                        "unrepresentable",
+                        "candidates",
+                        "local_candidates",
+                    )
+                ),
+                f"{self.total('seconds'):.1f}",
+            )
+        )
         widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-        out = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-               for line in lines]
+        out = [
+            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+            for line in lines
+        ]
         out.insert(1, "-" * len(out[0]))
         out.insert(len(out) - 1, "-" * len(out[0]))
         out.append("")
-        out.append("ok = accepted and equal to the single-device result on every device; WRONG = accepted but not "
-                   "(a rule bug); unrepr. = placements no Sharding can hold; cand. = rejected with Shard/Replicate "
-                   "inputs only (\"valid but rejected\" CANDIDATES, mostly rightly rejected); local = candidates "
-                   "the unchanged op computes with no communication.")
+        out.append(
+            "ok = accepted and equal to the single-device result on every device; WRONG = accepted but not "
+            "(a rule bug); unrepr. = placements no Sharding can hold; cand. = rejected with Shard/Replicate "
+            'inputs only ("valid but rejected" CANDIDATES, mostly rightly rejected); local = candidates '
+            "the unchanged op computes with no communication."
+        )
         out.append(f"accepted-but-WRONG combinations: {len(self.wrong)}")
         out += [f"  WRONG {f}" for f in self.wrong[:50]]
         if self.local_candidates:
-            out.append(f"locally computable yet rejected (candidates for over-restrictive rules): "
-                       f"{len(self.local_candidates)}")
+            out.append(
+                f"locally computable yet rejected (candidates for over-restrictive rules): {len(self.local_candidates)}"
+            )
             out += [f"  {f}" for f in self.local_candidates[:50]]
             if len(self.local_candidates) > 50:
                 out.append(f"  ... and {len(self.local_candidates) - 50} more")
         return "\n".join(out)
 
 
-def _local_output(case: Case, graph: ComputationGraph, mesh: Mesh, shardings: Sequence[Sharding],
-                  values: dict[str, torch.Tensor], want: Sequence[torch.Tensor]) -> str | None:
+def _local_output(
+    case: Case,
+    graph: ComputationGraph,
+    mesh: Mesh,
+    shardings: Sequence[Sharding],
+    values: dict[str, torch.Tensor],
+    want: Sequence[torch.Tensor],
+) -> str | None:
     """If the op run unchanged on every device's input pieces yields a valid sharding of every output,
     that sharding (as text); else None."""
     group = SubMesh(mesh)
@@ -372,9 +413,15 @@ class _Holder:
     type: O.TensorType
 
 
-def check_combination(case: Case, graph: ComputationGraph, mesh: Mesh, combo: Sequence[Sequence[Placement]],
-                      values: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                      seed: int = 0) -> tuple[str, str, list[Sharding] | None]:
+def check_combination(
+    case: Case,
+    graph: ComputationGraph,
+    mesh: Mesh,
+    combo: Sequence[Sequence[Placement]],
+    values: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    seed: int = 0,
+) -> tuple[str, str, list[Sharding] | None]:
     """``(outcome, detail, input shardings)``; outcome one of ``unrepresentable``, ``rejected``, ``ok``, ``wrong``."""
     group = SubMesh(mesh)
     try:
@@ -384,8 +431,9 @@ def check_combination(case: Case, graph: ComputationGraph, mesh: Mesh, combo: Se
     except ShardingError as e:
         return "unrepresentable", str(e), None
     try:
-        pcg = build_pcg(graph, mesh, Annotations(leaves={s.name: sh for s, sh in zip(case.inputs, shardings)}),
-                        strict=True)
+        pcg = build_pcg(
+            graph, mesh, Annotations(leaves={s.name: sh for s, sh in zip(case.inputs, shardings)}), strict=True
+        )
     except ShardingError as e:  # RuleError and DegreeError are ShardingErrors
         return "rejected", str(e), shardings
     except Exception as e:  # noqa: BLE001 - anything else is a bug in the rules
@@ -412,9 +460,15 @@ def _numbers_error(pcg: PCG, graph: ComputationGraph, values, want, seed: int) -
     return None
 
 
-def validate_rules(ops: Iterable[str] | None = None, meshes: Iterable[Mesh | str] | None = None, *,
-                   max_combinations: int | None = None, local_check: bool = True, seed: int = 0,
-                   progress=None) -> ValidationReport:
+def validate_rules(
+    ops: Iterable[str] | None = None,
+    meshes: Iterable[Mesh | str] | None = None,
+    *,
+    max_combinations: int | None = None,
+    local_check: bool = True,
+    seed: int = 0,
+    progress=None,
+) -> ValidationReport:
     """Validate the sharding rules (see the module docstring).
 
     Args:
@@ -431,7 +485,9 @@ def validate_rules(ops: Iterable[str] | None = None, meshes: Iterable[Mesh | str
     if wanted is not None:
         unknown = wanted - {c.kind for c in CASES} - {c.label for c in CASES}
         if unknown:
-            raise ValueError(f"unknown ops {sorted(unknown)}; kinds: {sorted(O.OPS)}; labels: {[c.label for c in CASES]}")
+            raise ValueError(
+                f"unknown ops {sorted(unknown)}; kinds: {sorted(O.OPS)}; labels: {[c.label for c in CASES]}"
+            )
     mesh_list = [Mesh.parse(m) if isinstance(m, str) else m for m in (meshes or DEFAULT_MESHES)]
     report = ValidationReport()
     for case in cases:
@@ -455,13 +511,19 @@ def validate_rules(ops: Iterable[str] | None = None, meshes: Iterable[Mesh | str
                         finding = Finding(case.label, str(mesh), combo_text(case, combo), detail)
                         report.candidates.append(finding)
                         if local_check:
-                            local = _local_output(case, graph, mesh, shardings, values,
-                                                  [want[o] for o in graph.outputs])
+                            local = _local_output(
+                                case, graph, mesh, shardings, values, [want[o] for o in graph.outputs]
+                            )
                             if local is not None:
                                 row.local_candidates += 1
-                                report.local_candidates.append(Finding(
-                                    case.label, str(mesh), combo_text(case, combo),
-                                    f"unchanged op gives output {local}; rule said: {detail}"))
+                                report.local_candidates.append(
+                                    Finding(
+                                        case.label,
+                                        str(mesh),
+                                        combo_text(case, combo),
+                                        f"unchanged op gives output {local}; rule said: {detail}",
+                                    )
+                                )
                 else:
                     row.wrong += 1
                     report.wrong.append(Finding(case.label, str(mesh), combo_text(case, combo), detail))

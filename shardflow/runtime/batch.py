@@ -21,6 +21,8 @@ def split_batch(inputs: Mapping[str, torch.Tensor], count: int) -> list[dict[str
     for name, x in inputs.items():
         if x.dim() == 0 or x.shape[0] % count:
             rows = "a scalar" if x.dim() == 0 else f"{x.shape[0]} rows along dim 0"
-            raise BatchSplitError(f"input {name!r} {list(x.shape)} has {rows}, which do not split into {count} "
-                                  f"micro-batches of equal size; give a batch whose size is a multiple of {count}")
+            raise BatchSplitError(
+                f"input {name!r} {list(x.shape)} has {rows}, which do not split into {count} "
+                f"micro-batches of equal size; give a batch whose size is a multiple of {count}"
+            )
     return [{name: x.chunk(count)[i] for name, x in inputs.items()} for i in range(count)]

@@ -72,10 +72,13 @@ class Receives:
         self.regions = reuse.regions
         self.joins: dict[int, Compute] = {k: program.instrs[k] for k, _ in self.regions.values()}  # index → concat
         self.concats = {i: k for k, i in self.joins.items()}
-        self.computed = {i: self.regions[i.outs[0].value] for i in program.instrs
-                         if isinstance(i, Compute) and i.outs and i.outs[0].value in self.regions}
+        self.computed = {
+            i: self.regions[i.outs[0].value]
+            for i in program.instrs
+            if isinstance(i, Compute) and i.outs and i.outs[0].value in self.regions
+        }
         self.first: dict[int, Comm | Compute] = {}  # concat index → the first instruction receiving or computing a
-        for i in program.instrs:                    # chunk of it (in program order): it allocates the buffer
+        for i in program.instrs:  # chunk of it (in program order): it allocates the buffer
             if isinstance(i, Comm) and i.recv is not None and i.recv.value in self.regions:
                 self.first.setdefault(self.regions[i.recv.value][0], i)
             elif isinstance(i, Compute) and i in self.computed:
@@ -98,7 +101,7 @@ class Receives:
             if self.first[k] == c:
                 self.gathered[k] = self.kept[c.token](*self._layout(k)) if c.token in self.kept else self._buffer(k)
             gathered = self.gathered[k]
-            return lambda shape: gathered[j * shape[0]:(j + 1) * shape[0]]
+            return lambda shape: gathered[j * shape[0] : (j + 1) * shape[0]]
         if c.token in self.kept:
             return functools.partial(self.kept[c.token], torch_dtype(c.type.dtype))
         return None
@@ -128,7 +131,7 @@ class Receives:
             gathered = self.gathered.pop(k)
             n = gathered.shape[0] // len(xs)
             for j, x in enumerate(xs):
-                block = gathered[j * n:(j + 1) * n].movedim(0, dim)
+                block = gathered[j * n : (j + 1) * n].movedim(0, dim)
                 if x.data_ptr() != block.data_ptr() or x.stride() != block.stride():
                     block.copy_(x)
             return [gathered.movedim(0, dim)]
@@ -153,7 +156,7 @@ class Receives:
                 self.gathered[k] = self._buffer(k)
             x, w = xs[0], xs[1]
             n = x.shape[dim]
-            block = self.gathered[k][j * n:(j + 1) * n]
+            block = self.gathered[k][j * n : (j + 1) * n]
             rows = x.movedim(dim, 0)
             if rows.is_contiguous():
                 rows = rows.view(-1, x.shape[-1])

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.calibration import (COST_KINDS, WORLD, Calibration, KindCost, fit, this_machine)
+from shardflow.lower.calibration import COST_KINDS, WORLD, Calibration, KindCost, fit, this_machine
 from shardflow.lower.comm_lowering import ring_peers
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Comm
@@ -47,8 +47,17 @@ def probe(kind: str, members: tuple[int, ...], rank: int, size: int) -> tuple[Co
     root = members[0]
     if kind == "p2p":  # one collective-permute step of the ring (step 1)
         to, frm = ring_peers(i, 1, d)
-        c = Comm(0, CommKind.PERMUTE, TaskType.FWD, members, t, 0, peer=members[to], peer_from=members[frm],
-                 recv=Buffer("x", t))
+        c = Comm(
+            0,
+            CommKind.PERMUTE,
+            TaskType.FWD,
+            members,
+            t,
+            0,
+            peer=members[to],
+            peer_from=members[frm],
+            recv=Buffer("x", t),
+        )
         return c, True, wire_bytes(CommKind.PERMUTE, t.nbytes, d)
     if kind not in COST_KINDS:
         raise ValueError(f"no probe for cost kind {kind!r}; one of {list(COST_KINDS)}")
@@ -65,12 +74,20 @@ def axis_members(mesh: Mesh, axis: str, rank: int) -> tuple[int, ...]:
     """The global ranks of ``rank``'s group along mesh ``axis`` (row-major devices), in axis order."""
     k = mesh.axis_index(axis)
     coords = list(mesh.coords(rank))
-    return tuple(mesh.device(tuple(coords[:k] + [j] + coords[k + 1:])) for j in range(mesh.shape[k]))
+    return tuple(mesh.device(tuple(coords[:k] + [j] + coords[k + 1 :])) for j in range(mesh.shape[k]))
 
 
-def measure(rank: int, world: int, mesh: Mesh | None, sizes: Sequence[int], reps: int, backend: str,
-            device: torch.device, say: Callable[[str], None] = print,
-            timeout: datetime.timedelta = datetime.timedelta(seconds=300)) -> Calibration | None:
+def measure(
+    rank: int,
+    world: int,
+    mesh: Mesh | None,
+    sizes: Sequence[int],
+    reps: int,
+    backend: str,
+    device: torch.device,
+    say: Callable[[str], None] = print,
+    timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+) -> Calibration | None:
     """Time every cost kind on every group of this rank (each axis of ``mesh``, or the world) at ``sizes`` (bytes),
     ``reps`` calls each (median), and fit them. Every rank of the world calls it (it runs collectives over the
     world); rank 0 gets the :class:`Calibration` (the slowest rank's times), the others None. ``say``: progress
@@ -78,10 +95,12 @@ def measure(rank: int, world: int, mesh: Mesh | None, sizes: Sequence[int], reps
     is left out of the calibration, with a line saying so — the cost model keeps its default for it. ``timeout``:
     the run's (``--timeout``), which the mesh's axis groups are made with (:func:`~shardflow.runtime.distributed.mesh_groups`)."""
     import torch.distributed as dist
+
     if mesh is None:
         groups = [(WORLD, tuple(range(world)), None)]
     else:
         from shardflow.runtime.distributed import mesh_groups
+
         dm = mesh_groups(device.type, mesh, timeout)
         groups = [(a, axis_members(mesh, a, rank), dm.get_group(a)) for a in mesh.axis_names if mesh.axis_size(a) > 1]
     seconds: list[float] = []
@@ -119,13 +138,22 @@ def measure(rank: int, world: int, mesh: Mesh | None, sizes: Sequence[int], reps
             fitted.setdefault(name, {})[kind] = fit(xs)
         except ValueError as e:  # noise larger than the sizes' difference: this kind keeps the default
             say(f"  {name}: {kind} not fitted, the cost model keeps its default: {e}")
-    return Calibration(backend, world, this_machine(), datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                       torch.__version__, fitted)
+    return Calibration(
+        backend,
+        world,
+        this_machine(),
+        datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        torch.__version__,
+        fitted,
+    )
 
 
 def table(cal: Calibration) -> str:
     """The fitted numbers: one row per group and kind, α in µs and the bandwidth in GB/s."""
     rows = [f"{'group':<8} {'kind':<15} {'alpha (us)':>10} {'bandwidth (GB/s)':>17}"]
-    rows += [f"{g:<8} {k:<15} {c.alpha_s * 1e6:>10.1f} {c.bandwidth / 1e9:>17.3f}"
-             for g, kinds in cal.groups.items() for k, c in kinds.items()]
+    rows += [
+        f"{g:<8} {k:<15} {c.alpha_s * 1e6:>10.1f} {c.bandwidth / 1e9:>17.3f}"
+        for g, kinds in cal.groups.items()
+        for k, c in kinds.items()
+    ]
     return "\n".join(rows)

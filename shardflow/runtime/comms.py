@@ -17,8 +17,12 @@ from shardflow.parallel.collectives import KINDS, CommKind, register_distributed
 from shardflow.parallel.mesh import ReduceOp
 
 # gloo has no average: sum, then divide by the group size (Call.scale)
-_DIST_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX,
-            ReduceOp.MIN: dist.ReduceOp.MIN}
+_DIST_OP = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.SUM,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+}
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,15 @@ class Call:
         return x if self.in_place and x.is_contiguous() else self.alloc(tuple(x.shape)).copy_(x)
 
 
-def issue(c: Comm, send: torch.Tensor | None, rank: int, group=None, in_place: bool = False,
-          device: torch.device | str = "cpu", alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> Issued:
+def issue(
+    c: Comm,
+    send: torch.Tensor | None,
+    rank: int,
+    group=None,
+    in_place: bool = False,
+    device: torch.device | str = "cpu",
+    alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None,
+) -> Issued:
     """Issue this rank's side of ``c`` without waiting. ``send``: this rank's send buffer (shape
     ``c.send.type.shape``); ``group``: the process group of ``c.members`` (None = the world); ``in_place``: the
     send buffer is the communication's to use (:func:`~shardflow.lower.buffer_reuse.shared_sends`): an all-reduce or a
@@ -109,8 +120,10 @@ def _all_gather(x: Call) -> Issued:  # gathered dim to the front; the result is 
 def _reduce_scatter(x: Call) -> Issued:  # scattered dim to the front; the result is a view of the received buffer
     t = x.send.movedim(x.c.dim, 0).contiguous()
     out = x.alloc((t.shape[0] // x.d,) + tuple(t.shape[1:]))
-    return Issued((dist.reduce_scatter_single(out, t, op=x.op, group=x.group, async_op=True),),
-                  lambda: x.scale(out.movedim(0, x.c.dim)))
+    return Issued(
+        (dist.reduce_scatter_single(out, t, op=x.op, group=x.group, async_op=True),),
+        lambda: x.scale(out.movedim(0, x.c.dim)),
+    )
 
 
 @register_distributed(CommKind.ALL_TO_ALL)
@@ -118,8 +131,10 @@ def _all_to_all(x: Call) -> Issued:  # t[j]: the chunk for member j; out[i]: the
     c = x.c
     t = x.send.unflatten(c.dim, (x.d, -1)).movedim(c.dim, 0).contiguous()
     out = x.alloc(tuple(t.shape))
-    return Issued((dist.all_to_all_single(out, t, group=x.group, async_op=True),),
-                  lambda: out.movedim(0, c.dim2).flatten(c.dim2, c.dim2 + 1))
+    return Issued(
+        (dist.all_to_all_single(out, t, group=x.group, async_op=True),),
+        lambda: out.movedim(0, c.dim2).flatten(c.dim2, c.dim2 + 1),
+    )
 
 
 @register_distributed(CommKind.BROADCAST)

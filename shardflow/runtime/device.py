@@ -28,13 +28,14 @@ def local_processes(env: Mapping[str, str], nproc: int) -> int:
 
 
 def device_type(choice: str, local_ranks: int = 1) -> str:
-    """"cuda" or "cpu": the type of device each of ``local_ranks`` processes on this machine gets for ``choice`` —
+    """ "cuda" or "cpu": the type of device each of ``local_ranks`` processes on this machine gets for ``choice`` —
     "cuda" for ``cuda``, and for ``auto`` when CUDA is available with a GPU for each of them; else "cpu" (the
     same answer in every process of a run, before any of them binds a device)."""
     if choice == "cuda":
         return "cuda"
-    return "cuda" if choice == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks \
-        else "cpu"
+    return (
+        "cuda" if choice == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks else "cpu"
+    )
 
 
 def check_device(choice: str, local_ranks: int = 1) -> None:
@@ -46,13 +47,17 @@ def check_device(choice: str, local_ranks: int = 1) -> None:
     if choice != "cuda":
         return
     if not torch.cuda.is_available():
-        raise DeviceError("--device cuda: this machine has no CUDA device torch can use (torch.cuda.is_available() "
-                          "is False); use --device cpu (gloo), or install a CUDA build of torch")
+        raise DeviceError(
+            "--device cuda: this machine has no CUDA device torch can use (torch.cuda.is_available() "
+            "is False); use --device cpu (gloo), or install a CUDA build of torch"
+        )
     count = torch.cuda.device_count()
     if local_ranks > count:
-        raise DeviceError(f"local rank {local_ranks - 1} has no GPU of its own: this machine has {count} CUDA "
-                          f"device(s); start at most {count} processes per machine (--nproc {count}), or use "
-                          f"--device cpu")
+        raise DeviceError(
+            f"local rank {local_ranks - 1} has no GPU of its own: this machine has {count} CUDA "
+            f"device(s); start at most {count} processes per machine (--nproc {count}), or use "
+            f"--device cpu"
+        )
 
 
 def rank_device(choice: str = "auto", env: Mapping[str, str] | None = None) -> torch.device:

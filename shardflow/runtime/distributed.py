@@ -29,20 +29,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardflow.lower import LoweredStep
 from shardflow.graph.ops import torch_dtype
+from shardflow.lower import LoweredStep
 from shardflow.lower.buffer_reuse import buffer_reuse
 from shardflow.lower.program import Comm, Compute, Group, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.parallel.mesh import Mesh, ReduceOp
-from shardflow.runtime.device import backend_for
-from shardflow.runtime.executor import Executor
-from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
-                                       update_kernel)
 from shardflow.runtime import trace
 from shardflow.runtime.buffers import Receives
 from shardflow.runtime.comms import Issued, issue
+from shardflow.runtime.device import backend_for
+from shardflow.runtime.executor import Executor
+from shardflow.runtime.kernels import (
+    Kernel,
+    OptimizerConfig,
+    local_move,
+    make_kernel,
+    recorded_nodes,
+    single_calls,
+    update_kernel,
+)
 from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
@@ -74,13 +81,16 @@ def comm_failure(e: BaseException, where: str) -> CommFailure | None:
     to look at; None when ``e`` says neither."""
     texts = [str(e), *(str(f[0]) for f in getattr(e, "failures", {}).values())]
     first = next((t.strip().splitlines()[0] for t in texts if t.strip()), type(e).__name__)
-    gone = next((t[t.index(w):] for t in texts for w in PEER_GONE if w in t), None)
+    gone = next((t[t.index(w) :] for t in texts for w in PEER_GONE if w in t), None)
     if gone is not None:  # gloo's words up to the end of their sentence: "Connection closed by peer [addr]:port"
-        return PeerLost(f"{where}: a member left ({gone.split('. ')[0]}); it exited or was killed, and its log "
-                        f"says why")
+        return PeerLost(
+            f"{where}: a member left ({gone.split('. ')[0]}); it exited or was killed, and its log says why"
+        )
     if any(w in t.lower() for t in texts for w in TIMED_OUT):
-        return CommTimeout(f"{where}: no answer within the timeout ({first}); a member stopped answering (stalled, "
-                           f"stopped, or slower than the timeout): its log shows where it is")
+        return CommTimeout(
+            f"{where}: no answer within the timeout ({first}); a member stopped answering (stalled, "
+            f"stopped, or slower than the timeout): its log shows where it is"
+        )
     return None
 
 
@@ -130,9 +140,11 @@ class Waits:
         for work, c in streamed:
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    raise CommTimeout(f"{self.where(c)}: not complete {self.timeout.total_seconds():g} s after "
-                                      f"the step's last instruction was queued; a member stopped answering "
-                                      f"(stalled, stopped, or slower than the timeout): its log shows where it is")
+                    raise CommTimeout(
+                        f"{self.where(c)}: not complete {self.timeout.total_seconds():g} s after "
+                        f"the step's last instruction was queued; a member stopped answering "
+                        f"(stalled, stopped, or slower than the timeout): its log shows where it is"
+                    )
                 time.sleep(self.POLL_S)
 
 
@@ -165,11 +177,15 @@ def init_from_env(timeout_s: float = 300.0, device: torch.device | None = None) 
     if dist.is_initialized():
         check_backend(dist.get_backend(), device)
     else:
-        if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
+        if (
+            os.environ.get("MASTER_ADDR", "127.0.0.1").startswith("127.")
+            or os.environ.get("MASTER_ADDR") == "localhost"
+        ):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         bound = {"device_id": device} if device.type == "cuda" else {}  # NCCL: communicators on this GPU
-        dist.init_process_group(backend_for(device.type), **bound,
-                                timeout=group_timeout(datetime.timedelta(seconds=timeout_s), device.type))
+        dist.init_process_group(
+            backend_for(device.type), **bound, timeout=group_timeout(datetime.timedelta(seconds=timeout_s), device.type)
+        )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -179,10 +195,12 @@ def check_backend(backend: str, device: torch.device) -> None:
     want = backend_for(device.type)
     if want not in backend.split(",") and f"{device.type}:{want}" not in backend.split(","):
         bind = ", device_id=torch.device('cuda', LOCAL_RANK)" if want == "nccl" else ""
-        raise ValueError(f"the process group was initialised before shardflow joined it, with backend {backend!r}, "
-                         f"which cannot carry this rank's buffers on {device} ({want} does): initialise it with "
-                         f"init_process_group({want!r}{bind}), or leave it to shardflow (do not initialise it), or "
-                         f"keep the buffers where {backend} can (device='{'cuda' if want == 'gloo' else 'cpu'}')")
+        raise ValueError(
+            f"the process group was initialised before shardflow joined it, with backend {backend!r}, "
+            f"which cannot carry this rank's buffers on {device} ({want} does): initialise it with "
+            f"init_process_group({want!r}{bind}), or leave it to shardflow (do not initialise it), or "
+            f"keep the buffers where {backend} can (device='{'cuda' if want == 'gloo' else 'cpu'}')"
+        )
 
 
 def shutdown(code: int = 0) -> NoReturn:
@@ -233,8 +251,11 @@ class ProcessGroups:
                     self.meshes[g.mesh] = mesh_groups(self.device_type, g.mesh, self.timeout)
                 pg = self.meshes[g.mesh].get_group(g.axis)  # this rank's group along the axis: g's if a member
             else:
-                pg = None if len(g.members) == self.world else \
-                    dist.new_group(list(g.members), timeout=group_timeout(self.timeout, self.device_type))
+                pg = (
+                    None
+                    if len(g.members) == self.world
+                    else dist.new_group(list(g.members), timeout=group_timeout(self.timeout, self.device_type))
+                )
             if self.rank in g.members:
                 self.groups[g.members] = pg
 
@@ -244,8 +265,10 @@ class ProcessGroups:
         try:
             return self.groups[members]
         except KeyError:
-            raise KeyError(f"rank {self.rank} has no process group of members {list(members)}: it is not among the "
-                           f"groups of the programs it was created from") from None
+            raise KeyError(
+                f"rank {self.rank} has no process group of members {list(members)}: it is not among the "
+                f"groups of the programs it was created from"
+            ) from None
 
 
 class DistributedExecutor(Executor):
@@ -255,9 +278,17 @@ class DistributedExecutor(Executor):
     construction if the ranks' plans differ, CommTimeout when a communication waits longer than ``timeout_s``.
     """
 
-    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, timeout_s: float = 300.0,
-                 share: DistributedExecutor | None = None, debug: bool = False, seed: int = 0,
-                 device: torch.device | None = None, memory: bool = False):
+    def __init__(
+        self,
+        step: LoweredStep,
+        optimizer: OptimizerConfig,
+        timeout_s: float = 300.0,
+        share: DistributedExecutor | None = None,
+        debug: bool = False,
+        seed: int = 0,
+        device: torch.device | None = None,
+        memory: bool = False,
+    ):
         """``share``: another executor of the same PCG whose weights and process groups this one uses.
         ``debug``: before each communication, check that every member is at the same token.
         ``seed``: the run seed random ops (dropout) draw with (the same on every rank).
@@ -275,8 +306,10 @@ class DistributedExecutor(Executor):
         self.steps_done = 0
         mesh = self.dg.pcg.mesh
         if mesh.size != self.world:
-            raise ValueError(f"the plan is for mesh {mesh} ({mesh.size} devices) but the world has {self.world} "
-                             f"processes; start {mesh.size} processes or change --mesh")
+            raise ValueError(
+                f"the plan is for mesh {mesh} ({mesh.size} devices) but the world has {self.world} "
+                f"processes; start {mesh.size} processes or change --mesh"
+            )
         self._check_fingerprints()
         self.groups = share.groups if share else ProcessGroups(self.timeout, self.device.type)
         self.groups.create(self.program.groups)  # same order on every rank
@@ -287,10 +320,20 @@ class DistributedExecutor(Executor):
         self.shared, into = reuse.sends, reuse.sums
         self.receives = Receives(self.program, reuse, self.device)  # receive slots, ring all-gathers in place
         once = single_calls(self.program)
-        self.kernels = {i: make_kernel(i, optimizer, lambda: self.steps_done + 1,
-                                       self.saved if i.dnode in once else None, seed, lambda: self.micro,
-                                       self.device, i.outs[0].value in into)
-                        for i in self.program.instrs if isinstance(i, Compute) and i.dnode}
+        self.kernels = {
+            i: make_kernel(
+                i,
+                optimizer,
+                lambda: self.steps_done + 1,
+                self.saved if i.dnode in once else None,
+                seed,
+                lambda: self.micro,
+                self.device,
+                i.outs[0].value in into,
+            )
+            for i in self.program.instrs
+            if isinstance(i, Compute) and i.dnode
+        }
         self.pending: dict[int, tuple[Issued, Comm]] = {}  # token → a communication issued, not waited
         self.waits = Waits(self.timeout, self.device.type == "cuda", self._where)
         self.ledger = Ledger() if memory else None
@@ -313,8 +356,9 @@ class DistributedExecutor(Executor):
         if vid not in self.blocks:
             v = self.dg.values[vid]
             p = v.sharding.parallel_shape(v.group, v.type.shape)
-            self.blocks[vid] = None if v.group.index(self.rank) is None else \
-                p.piece_slices(v.sharding.coord_of(v.group, self.rank))
+            self.blocks[vid] = (
+                None if v.group.index(self.rank) is None else p.piece_slices(v.sharding.coord_of(v.group, self.rank))
+            )
         if self.blocks[vid] is not None:
             self.buffers[vid] = full[self.blocks[vid]].to(self.device, copy=True)
 
@@ -332,8 +376,11 @@ class DistributedExecutor(Executor):
         for dtype in dict.fromkeys(t.dtype for t in mine):
             idx = [i for i, t in enumerate(mine) if t.dtype == dtype]
             flat = torch.cat([mine[i].reshape(-1) for i in idx])
-            self.waits.wait(dist.all_reduce(flat, async_op=True),
-                            f"rank {self.rank} waited on the all-reduce assembling {len(idx)} value(s)", read=True)
+            self.waits.wait(
+                dist.all_reduce(flat, async_op=True),
+                f"rank {self.rank} waited on the all-reduce assembling {len(idx)} value(s)",
+                read=True,
+            )
             for i, part in zip(idx, flat.split([mine[i].numel() for i in idx])):
                 out[i] = part.view(mine[i].shape).cpu()
         return out
@@ -363,16 +410,21 @@ class DistributedExecutor(Executor):
 
     def _max_over_ranks(self, x: float) -> float:
         t = torch.tensor(x, dtype=torch.float64, device=self.device)
-        self.waits.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True),
-                        f"rank {self.rank} waited on the all-reduce of a maximum over the ranks", read=True)
+        self.waits.wait(
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True),
+            f"rank {self.rank} waited on the all-reduce of a maximum over the ranks",
+            read=True,
+        )
         return t.item()
 
     def per_process(self, x: float) -> list[float]:
         """Every rank's ``x`` (an all-gather on the default group). Raises CommTimeout past the run's timeout."""
         out = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(self.world)]
-        self.waits.wait(dist.all_gather(out, torch.tensor(x, dtype=torch.float64, device=self.device),
-                                        async_op=True),
-                        f"rank {self.rank} waited on the all-gather of a number from every rank", read=True)
+        self.waits.wait(
+            dist.all_gather(out, torch.tensor(x, dtype=torch.float64, device=self.device), async_op=True),
+            f"rank {self.rank} waited on the all-gather of a number from every rank",
+            read=True,
+        )
         return [t.item() for t in out]
 
     # --- one step -------------------------------------------------------------------------------------
@@ -416,14 +468,17 @@ class DistributedExecutor(Executor):
         if traced not in self.compiled:
             instrs = self.program.instrs
             self.compiled[traced] = [
-                instrs[a] if isinstance(instrs[a], (Comm, Wait)) else
-                compile_segment(instrs[a:z], self._kernel, self._update_kernel, self.ledger, traced)
-                for a, z in runs(instrs, (Comm, Wait))]
+                instrs[a]
+                if isinstance(instrs[a], (Comm, Wait))
+                else compile_segment(instrs[a:z], self._kernel, self._update_kernel, self.ledger, traced)
+                for a, z in runs(instrs, (Comm, Wait))
+            ]
         return self.compiled[traced]
 
     def _kernel(self, instr: Compute) -> Kernel:
-        return self.receives.kernel(instr) or (self.kernels[instr] if instr.dnode else
-                                               functools.partial(local_move, instr))
+        return self.receives.kernel(instr) or (
+            self.kernels[instr] if instr.dnode else functools.partial(local_move, instr)
+        )
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)
@@ -461,14 +516,17 @@ class DistributedExecutor(Executor):
             others = {frm: int(theirs)}
         else:
             got = torch.empty(len(c.members), dtype=torch.long, device=self.device)
-            self.waits.wait(dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c,
-                            read=True)
+            self.waits.wait(
+                dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c, read=True
+            )
             others = dict(zip(c.members, got.tolist()))
         bad = {r: t for r, t in others.items() if t != c.token}
         if bad:
-            raise CommDivergence(f"rank {self.rank} is at token {c.token} ({c.kind}, {c.note}) but "
-                                 + ", ".join(f"rank {r} is at token {t}" for r, t in sorted(bad.items()))
-                                 + "; something outside the plan ran a different sequence of communications")
+            raise CommDivergence(
+                f"rank {self.rank} is at token {c.token} ({c.kind}, {c.note}) but "
+                + ", ".join(f"rank {r} is at token {t}" for r, t in sorted(bad.items()))
+                + "; something outside the plan ran a different sequence of communications"
+            )
 
     def _communicate(self, c: Comm) -> torch.Tensor | None:
         """Issue communication ``c`` on this rank (:func:`~shardflow.runtime.comms.issue`); wait for it now
@@ -477,12 +535,12 @@ class DistributedExecutor(Executor):
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
         group = None if KINDS[c.kind].point_to_point else self.groups.get(c.members)
-        issued = issue(c, send, self.rank, group, in_place=c.token in self.shared, device=self.device,
-                       alloc=self.receives.alloc(c))
+        issued = issue(
+            c, send, self.rank, group, in_place=c.token in self.shared, device=self.device, alloc=self.receives.alloc(c)
+        )
         if not c.wait:
             self.pending[c.token] = (issued, c)
             return None
         for h in issued.handles:
             self.waits.wait(h, c)
         return issued.result()
-

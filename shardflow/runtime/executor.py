@@ -120,8 +120,9 @@ class Executor(ABC):
                 self._put(forward_id(name), value)
             self.constants_placed = True
 
-    def load(self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None,
-             steps_done: int = 0) -> None:
+    def load(
+        self, weights: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor] | None = None, steps_done: int = 0
+    ) -> None:
         """Place the full weights (by graph name, in their module parameters' shapes: a weight the graph stores by
         parts is cut here, :func:`~shardflow.graph.fused.stored`) and optimizer ``state`` (full tensors by value
         id, as :meth:`state` returns them or in their weight's module shape; zero when None) after ``steps_done``
@@ -135,13 +136,15 @@ class Executor(ABC):
             if v.role == ValueRole.FWD:
                 full = weights[v.tensor]
             else:
-                full = state[vid].reshape(v.type.shape) if state else torch.zeros(v.type.shape, dtype=dtype,
-                                                                                 device="cpu")
+                full = (
+                    state[vid].reshape(v.type.shape) if state else torch.zeros(v.type.shape, dtype=dtype, device="cpu")
+                )
             self._put(vid, full if getattr(full, "dtype", dtype) == dtype else _Cast(full, dtype))
         self.steps_done = steps_done
 
-    def load_pieces(self, dtypes: Mapping[str, torch.dtype], read: Callable[[dict[str, list[Block]]], None],
-                    steps_done: int = 0) -> None:
+    def load_pieces(
+        self, dtypes: Mapping[str, torch.dtype], read: Callable[[dict[str, list[Block]]], None], steps_done: int = 0
+    ) -> None:
         """Load values without any full tensor: allocate the pieces this executor holds of each value of ``dtypes``
         (value id → dtype: weights by forward id, optimizer state by value id) — every replica held here, each at
         its piece's shape —, let ``read`` fill them in place (it gets value id → the pieces with the offsets of
@@ -173,8 +176,10 @@ class Executor(ABC):
         v = self.dg.values[vid]
         p = v.sharding.parallel_shape(v.group, v.type.shape)
         if p.sum_degree > 1:
-            raise ValueError(f"value {vid} is partial ({p}: each block is the {p.reduce_op} of {p.sum_degree} "
-                             f"pieces), so its pieces are not blocks of the full tensor; reduce it first")
+            raise ValueError(
+                f"value {vid} is partial ({p}: each block is the {p.reduce_op} of {p.sum_degree} "
+                f"pieces), so its pieces are not blocks of the full tensor; reduce it first"
+            )
         out = []
         for d in sorted(pieces):
             c = v.sharding.coord_of(v.group, d)
@@ -206,8 +211,14 @@ class Executor(ABC):
         distributed executor. A weight the step computes no gradient for (no update: as the plan sees it, nothing
         it feeds reaches the loss) counts its whole reference gradient, so a gradient eager PyTorch has and the plan
         lost is an error, not a weight left out of the comparison."""
-        lost = max((float(g.abs().max()) for w, g in reference.items()
-                    if w in self.dg.pcg.graph.weights and w not in self.grad_values and g.numel()), default=0.0)
+        lost = max(
+            (
+                float(g.abs().max())
+                for w, g in reference.items()
+                if w in self.dg.pcg.graph.weights and w not in self.grad_values and g.numel()
+            ),
+            default=0.0,
+        )
         return max(lost, self._piece_error(self.grad_values, reference))
 
     def _piece_error(self, values: Mapping[str, str], reference: Mapping[str, torch.Tensor]) -> float:

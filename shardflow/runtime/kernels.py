@@ -22,8 +22,19 @@ from torch.optim.sgd import sgd
 from shardflow.graph.ops import torch_dtype
 from shardflow.graph.rng import PieceSite
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer, UpdateRule
-from shardflow.lower.program import (LOCAL_MOVES, Block, Compute, Convert, Forward, Keep, OnesLike, Sum, SumOfSquares,
-                                     Update, Vjp)
+from shardflow.lower.program import (
+    LOCAL_MOVES,
+    Block,
+    Compute,
+    Convert,
+    Forward,
+    Keep,
+    OnesLike,
+    Sum,
+    SumOfSquares,
+    Update,
+    Vjp,
+)
 from shardflow.parallel.rules import LocalOp
 from shardflow.runtime.vjp import HandVjp, hand_vjp
 
@@ -61,11 +72,15 @@ class LRSchedule:
         except ValueError:
             raise ValueError(f"lr schedule {self.decay!r}: use one of {', '.join(LRDecay)}") from None
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"lr schedule: warmup_steps={self.warmup_steps} must be ≥ 0 and min_lr_ratio="
-                             f"{self.min_lr_ratio} in [0, 1]")
+            raise ValueError(
+                f"lr schedule: warmup_steps={self.warmup_steps} must be ≥ 0 and min_lr_ratio="
+                f"{self.min_lr_ratio} in [0, 1]"
+            )
         if self.decay != LRDecay.CONSTANT and self.steps <= self.warmup_steps:
-            raise ValueError(f"lr schedule {self.decay}: decays over steps={self.steps} (the run's steps) after "
-                             f"warmup_steps={self.warmup_steps}; give steps > warmup_steps")
+            raise ValueError(
+                f"lr schedule {self.decay}: decays over steps={self.steps} (the run's steps) after "
+                f"warmup_steps={self.warmup_steps}; give steps > warmup_steps"
+            )
 
     def factor(self, step: int) -> float:
         """The learning rate of step ``step`` (counted from 1) / the peak learning rate."""
@@ -134,30 +149,61 @@ def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callab
         # a gradient may be a view (a broadcast's vjp expands a scalar: stride 0), which torch's multi-tensor kernels
         # read as if it were dense: each gradient contiguous first (itself when it already is)
         ws, gs = list(xs[0::n_in]), [g.contiguous() for g in xs[1::n_in]]
-        state = [list(xs[2 + j::n_in]) for j in range(k)]
+        state = [list(xs[2 + j :: n_in]) for j in range(k)]
         if spec.clip:
             scale = (spec.clip / (xs[n_in - 1].sqrt() + 1e-6)).clamp(max=1.0)
             gs = torch._foreach_mul(gs, scale)
         lr = cfg.lr_at(step())
         if cfg.name == Optimizer.SGD:
-            sgd(ws, gs, state[0] if k else [None] * n, **fast, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                lr=lr, dampening=0.0, nesterov=False, maximize=False)
+            sgd(
+                ws,
+                gs,
+                state[0] if k else [None] * n,
+                **fast,
+                weight_decay=cfg.weight_decay,
+                momentum=cfg.momentum,
+                lr=lr,
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+            )
         else:
             if not steps:
                 steps.extend(torch.zeros((), dtype=torch.float32, device=w.device) for w in ws)
             for t in steps:
                 t.fill_(step() - 1)
-            adam(ws, gs, state[0], state[1], [], steps, **fast, decoupled_weight_decay=cfg.name == Optimizer.ADAMW,
-                 amsgrad=False, beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr, weight_decay=cfg.weight_decay,
-                 eps=cfg.eps, maximize=False)
+            adam(
+                ws,
+                gs,
+                state[0],
+                state[1],
+                [],
+                steps,
+                **fast,
+                decoupled_weight_decay=cfg.name == Optimizer.ADAMW,
+                amsgrad=False,
+                beta1=cfg.betas[0],
+                beta2=cfg.betas[1],
+                lr=lr,
+                weight_decay=cfg.weight_decay,
+                eps=cfg.eps,
+                maximize=False,
+            )
         return [t for i in range(n) for t in (ws[i], *(s[i] for s in state))]
 
     return kernel
 
 
-def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], saved: dict | None = None,
-                seed: int = 0, micro: Callable[[], tuple[int, int]] = lambda: (0, 1),
-                device: torch.device | None = None, in_place: bool = False) -> Kernel:
+def make_kernel(
+    instr: Compute,
+    cfg: OptimizerConfig,
+    step: Callable[[], int],
+    saved: dict | None = None,
+    seed: int = 0,
+    micro: Callable[[], tuple[int, int]] = lambda: (0, 1),
+    device: torch.device | None = None,
+    in_place: bool = False,
+) -> Kernel:
     """The kernel of compute ``instr``, built from its description (``instr.kernel``) alone. ``step()`` gives
     the current step, counted from 1 (for the learning rate, Adam and random ops); ``seed`` is the run's seed random ops draw
     with and ``micro()`` the micro-step running, (index, count) under gradient accumulation (see :func:`forward`);
@@ -190,8 +236,11 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
         return update_kernel([instr], cfg, step)
     if isinstance(spec, SumOfSquares):
         dtype = torch_dtype(instr.outs[0].type.dtype)
-        return lambda xs: [torch.stack(torch._foreach_norm(xs, dtype=dtype)).square().sum() if xs
-                           else torch.zeros((), dtype=dtype, device=device)]  # a sum of no piece: fresh, may be reduced in place
+        return lambda xs: [
+            torch.stack(torch._foreach_norm(xs, dtype=dtype)).square().sum()
+            if xs
+            else torch.zeros((), dtype=dtype, device=device)
+        ]  # a sum of no piece: fresh, may be reduced in place
     if isinstance(spec, Keep):
         return lambda xs: [xs[0]]
     if isinstance(spec, Block):
@@ -202,8 +251,13 @@ def make_kernel(instr: Compute, cfg: OptimizerConfig, step: Callable[[], int], s
     raise ValueError(f"compute {instr.op!r} of {instr.dnode!r} carries no kernel description")
 
 
-def forward(local: LocalOp, draw: PieceSite | None, seed: int, step: Callable[[], int],
-            micro: Callable[[], tuple[int, int]] = lambda: (0, 1)) -> Callable[..., tuple]:
+def forward(
+    local: LocalOp,
+    draw: PieceSite | None,
+    seed: int,
+    step: Callable[[], int],
+    micro: Callable[[], tuple[int, int]] = lambda: (0, 1),
+) -> Callable[..., tuple]:
     """The local forward ``local`` of a compute op: pieces in, pieces out. A random op (dropout) draws at its
     piece's site ``draw`` for the current ``step()`` and micro-step ``micro()`` (:meth:`PieceSite.at`): the same
     numbers as one device on the whole batch, on every replica, and again when the backward recomputes the
@@ -226,8 +280,11 @@ def recorded_nodes(program) -> frozenset[str]:
     """The (PCG node, microbatch) whose forward records its autograd graph in ``program`` (:func:`records_graph`),
     kept until their backward (:attr:`~shardflow.lower.program.Compute.saved_as`)."""
     once = single_calls(program)
-    return frozenset(i.saved_as for i in program.instrs if isinstance(i, Compute) and isinstance(i.kernel, Forward)
-                     and i.dnode in once and records_graph(i))
+    return frozenset(
+        i.saved_as
+        for i in program.instrs
+        if isinstance(i, Compute) and isinstance(i.kernel, Forward) and i.dnode in once and records_graph(i)
+    )
 
 
 def _sum_into_first(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -270,7 +327,7 @@ def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]
             shape = list(b.type.shape)
             shape[instr.dim] //= d
             n = b.type.numel // d
-            out.append(torch.cat([rows[j, at:at + n].view(shape) for j in range(d)], instr.dim))
+            out.append(torch.cat([rows[j, at : at + n].view(shape) for j in range(d)], instr.dim))
             at += n
         return out
     raise ValueError(f"no local kernel for {instr.op!r} (one of {LOCAL_MOVES})")
@@ -331,10 +388,12 @@ def _vjp_kernel(fwd: Callable, spec: Vjp, key: tuple[str, int], saved: dict | No
             inputs, outs = recorded
             pairs = [(o, next(dys)) for o, m in zip(outs, spec.dy_mask) if m]
             # torch.autograd.grad without its Python argument checks (half the cost of a small op's backward)
-            grads = _ENGINE.run_backward(tuple(o for o, _ in pairs), tuple(d for _, d in pairs), False, False,
-                                         tuple(inputs), True, False)
+            grads = _ENGINE.run_backward(
+                tuple(o for o, _ in pairs), tuple(d for _, d in pairs), False, False, tuple(inputs), True, False
+            )
             grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
         else:
+
             def f(*d):
                 a = list(args)
                 for i, t in zip(diff, d):

@@ -106,8 +106,15 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0, echo_rank0: bool = True,
-           host: str = "127.0.0.1", keep_fds: Sequence[int] = ()) -> LaunchResult:
+def launch(
+    cmd: Sequence[str],
+    nproc: int,
+    run_dir: Path,
+    grace_s: float = 30.0,
+    echo_rank0: bool = True,
+    host: str = "127.0.0.1",
+    keep_fds: Sequence[int] = (),
+) -> LaunchResult:
     """Run ``cmd`` (an argv, e.g. ``[python, -m, shardflow.cli, train, ...]``) as ``nproc`` ranks.
 
     Returns when every rank has exited (killed ``grace_s`` after the first failure). Per-rank logs:
@@ -122,19 +129,37 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
     direct = echo_rank0 and sys.stdout.isatty()
     procs, pumps = [], []
     for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                   MASTER_ADDR=host, MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
-                   OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
-                   **{LAUNCHED: "1", LAUNCHER_PID: str(os.getpid())})
+        env = dict(
+            os.environ,
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR=host,
+            MASTER_PORT=str(store.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            OMP_NUM_THREADS=str(threads),
+            GLOO_SOCKET_IFNAME="lo",
+            PYTHONUNBUFFERED="1",
+            **{LAUNCHED: "1", LAUNCHER_PID: str(os.getpid())},
+        )
         if r == 0 and direct:
             # On a terminal rank 0 writes to it directly (so it can draw a progress bar) and tees its own log.
             env["SHARDFLOW_TEE"] = str(run_dir / "rank0.log")
             p = subprocess.Popen(list(cmd), env=env, start_new_session=True, pass_fds=keep_fds)
         else:
-            p = subprocess.Popen(list(cmd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 start_new_session=True, pass_fds=keep_fds)
-            t = threading.Thread(target=_pump, args=(p.stdout, run_dir / f"rank{r}.log", echo_rank0 and r == 0),
-                                 daemon=True)
+            p = subprocess.Popen(
+                list(cmd),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+                pass_fds=keep_fds,
+            )
+            t = threading.Thread(
+                target=_pump, args=(p.stdout, run_dir / f"rank{r}.log", echo_rank0 and r == 0), daemon=True
+            )
             t.start()
             pumps.append(t)
         procs.append(p)
@@ -144,8 +169,11 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} \
-        if threading.current_thread() is threading.main_thread() else {}
+    old = (
+        {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
     seen: dict[int, int] = {}  # rank → the look at which it was first seen exited
     killed: list[int] = []
     deadline = None
@@ -173,8 +201,9 @@ def launch(cmd: Sequence[str], nproc: int, run_dir: Path, grace_s: float = 30.0,
     return LaunchResult(codes, *root_cause(codes, seen, set(killed)), tuple(killed), direct)
 
 
-def root_cause(codes: Sequence[int], seen: Mapping[int, int], killed: Set[int]) -> tuple[tuple[int, int] | None,
-                                                                                          int | None]:
+def root_cause(
+    codes: Sequence[int], seen: Mapping[int, int], killed: Set[int]
+) -> tuple[tuple[int, int] | None, int | None]:
     """The failed rank at the root of a failure, as (rank, status), and the rank that gave up waiting on it (or
     None), from every rank's exit status, the look at which the launcher first saw it exited (``seen``) and the
     ranks it killed itself. In order: a rank killed by a signal the launcher did not send (its peers lose their
@@ -208,17 +237,24 @@ def describe_failure(result: LaunchResult, run_dir: Path) -> str:
     log is empty)."""
     r, code = result.failed
     log = run_dir / f"rank{r}.log"
-    how = (f"was killed by signal {-code} ({_signal_name(-code)})" if code < 0 and r not in result.killed else
-           "was still stuck when the launcher killed it" if code < 0 else f"exited with status {code}")
+    how = (
+        f"was killed by signal {-code} ({_signal_name(-code)})"
+        if code < 0 and r not in result.killed
+        else "was still stuck when the launcher killed it"
+        if code < 0
+        else f"exited with status {code}"
+    )
     others = [f"rank {i}: {c}" for i, c in enumerate(result.returncodes) if i != r]
     end = tail(log)
     logged = f"its log {log} ends with:\n{end}" if end.strip() else f"its log {log} is empty"
     if result.waited_by is not None:
         w = result.waited_by
         said = tail(run_dir / f"rank{w}.log", 1).strip()
-        return (f"rank {r} stopped answering: rank {w} gave up waiting on it after the communication timeout, then "
-                f"rank {r} {how} (others: {', '.join(others)}); rank {w}'s log ends with: {said}; rank {r}'s "
-                f"{logged.removeprefix('its ')}")
+        return (
+            f"rank {r} stopped answering: rank {w} gave up waiting on it after the communication timeout, then "
+            f"rank {r} {how} (others: {', '.join(others)}); rank {w}'s log ends with: {said}; rank {r}'s "
+            f"{logged.removeprefix('its ')}"
+        )
     return f"rank {r} {how} (others: {', '.join(others)}); {logged}"
 
 

@@ -13,16 +13,23 @@ from typing import Mapping
 import torch
 
 from shardflow.lower import LoweredStep
-from shardflow.lower.dynamic import Value
-from shardflow.lower.comms import front_dim, run_local
 from shardflow.lower.buffer_reuse import buffer_reuse
+from shardflow.lower.comms import front_dim, run_local
+from shardflow.lower.dynamic import Value
 from shardflow.lower.program import Comm, Compute
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import blocks, gather, scatter
-from shardflow.runtime.executor import Executor
-from shardflow.runtime.kernels import (Kernel, OptimizerConfig, local_move, make_kernel, recorded_nodes, single_calls,
-                                       update_kernel)
 from shardflow.runtime.buffers import Receives
+from shardflow.runtime.executor import Executor
+from shardflow.runtime.kernels import (
+    Kernel,
+    OptimizerConfig,
+    local_move,
+    make_kernel,
+    recorded_nodes,
+    single_calls,
+    update_kernel,
+)
 from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
@@ -34,8 +41,15 @@ class LocalExecutor(Executor):
     ``ex.weights()`` / ``ex.grads()`` assemble full tensors. Raises RuntimeError on a deadlock.
     """
 
-    def __init__(self, step: LoweredStep, optimizer: OptimizerConfig, share: LocalExecutor | None = None,
-                 seed: int = 0, device: torch.device | None = None, memory: bool = False):
+    def __init__(
+        self,
+        step: LoweredStep,
+        optimizer: OptimizerConfig,
+        share: LocalExecutor | None = None,
+        seed: int = 0,
+        device: torch.device | None = None,
+        memory: bool = False,
+    ):
         """``share``: another executor of the same PCG whose weights this one reads (e.g. evaluation).
         ``seed``: the run seed random ops (dropout) draw with. ``device``: where every rank's buffers live
         (default: ``share``'s, else the CPU; ``cuda``: every rank of the mesh on this one GPU). ``memory``: count
@@ -58,22 +72,42 @@ class LocalExecutor(Executor):
             once = single_calls(p)
             for i in p.instrs:
                 if isinstance(i, Compute) and i.dnode:
-                    self.kernels[(r, i)] = make_kernel(i, optimizer, lambda: self.steps_done + 1,
-                                                       self.saved[r] if i.dnode in once else None, seed,
-                                                       lambda: self.micro, self.device, i.outs[0].value in into)
+                    self.kernels[(r, i)] = make_kernel(
+                        i,
+                        optimizer,
+                        lambda: self.steps_done + 1,
+                        self.saved[r] if i.dnode in once else None,
+                        seed,
+                        lambda: self.micro,
+                        self.device,
+                        i.outs[0].value in into,
+                    )
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
-        self.blocks: dict[str, dict[int, tuple[slice, ...]]] = {}  # value → device → its block (values placed each step)
+        self.blocks: dict[
+            str, dict[int, tuple[slice, ...]]
+        ] = {}  # value → device → its block (values placed each step)
         self.ledgers = {r: Ledger() for r in step.programs} if memory else None
         self._index_updates()
         loss = self.dg.values[self.dg.loss_values[0]]  # the device whose piece is the loss (None: partial, assembled)
-        self.loss_holder = None if loss.sharding.partial else next(
-            d for d, c in loss.sharding.device_map(loss.group).items() if c.replica == 0)
+        self.loss_holder = (
+            None
+            if loss.sharding.partial
+            else next(d for d, c in loss.sharding.device_map(loss.group).items() if c.replica == 0)
+        )
         # per rank, its program's runs between communications (the local calls of the rendezvous), compiled
         self.compiled: dict[int, dict[tuple[int, int], Segment]] = {
-            r: {(a, z): compile_segment(p.instrs[a:z], functools.partial(self._kernel, r), self._update_kernel,
-                                        self.ledgers[r] if memory else None)
-                for a, z in runs(p.instrs, (Comm,)) if not isinstance(p.instrs[a], Comm)}
-            for r, p in step.programs.items()}
+            r: {
+                (a, z): compile_segment(
+                    p.instrs[a:z],
+                    functools.partial(self._kernel, r),
+                    self._update_kernel,
+                    self.ledgers[r] if memory else None,
+                )
+                for a, z in runs(p.instrs, (Comm,))
+                if not isinstance(p.instrs[a], Comm)
+            }
+            for r, p in step.programs.items()
+        }
 
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
@@ -115,8 +149,9 @@ class LocalExecutor(Executor):
         self._sync_ledgers()
         blocked = rendezvous(self.lowered.programs, self._run, self._meet)
         if blocked:
-            raise RuntimeError("deadlock: " + ", ".join(f"rank {r} blocks at instruction {k}"
-                                                        for r, k in sorted(blocked.items())))
+            raise RuntimeError(
+                "deadlock: " + ", ".join(f"rank {r} blocks at instruction {k}" for r, k in sorted(blocked.items()))
+            )
         loss = self._loss()
         for bufs in self.buffers.values():
             for new, old in self.renames:
@@ -129,8 +164,10 @@ class LocalExecutor(Executor):
     def _loss(self) -> float:
         """The loss (a scalar; the mean over the step's microbatches): replica 0's piece when it is not partial,
         else assembled from its pieces."""
-        losses = [self._get(v).item() if self.loss_holder is None else self.buffers[self.loss_holder][v].item()
-                  for v in self.dg.loss_values]
+        losses = [
+            self._get(v).item() if self.loss_holder is None else self.buffers[self.loss_holder][v].item()
+            for v in self.dg.loss_values
+        ]
         return sum(losses) / len(losses)
 
     def _sync_ledgers(self) -> None:
@@ -139,8 +176,9 @@ class LocalExecutor(Executor):
                 self.ledgers[r].sync(bufs)
 
     def _kernel(self, r: int, instr: Compute) -> Kernel:
-        return self.receives[r].kernel(instr) or (self.kernels[(r, instr)] if instr.dnode else
-                                                  functools.partial(local_move, instr))
+        return self.receives[r].kernel(instr) or (
+            self.kernels[(r, instr)] if instr.dnode else functools.partial(local_move, instr)
+        )
 
     def _update_kernel(self, updates) -> Kernel:
         return update_kernel(updates, self.cfg, lambda: self.steps_done + 1)
@@ -164,7 +202,6 @@ class LocalExecutor(Executor):
                 self.buffers[r][c.recv.value] = x
                 if self.ledgers:
                     self.ledgers[r].write(c.recv.value, c.recv.type.nbytes)
-
 
     @property
     def peak_bytes(self) -> dict[int, int]:

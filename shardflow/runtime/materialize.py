@@ -49,7 +49,7 @@ class InitError(ValueError):
 
 def _normal(u: torch.Tensor, a: Mapping[str, float]) -> torch.Tensor:
     """Normal(mean, std) from float64 uniforms ``u`` in [0, 1) by the inverse CDF, u moved to its cell's midpoint."""
-    z = torch.erfinv(u.add(2.0 ** -54).mul_(2.0).sub_(1.0)).mul_(math.sqrt(2.0))
+    z = torch.erfinv(u.add(2.0**-54).mul_(2.0).sub_(1.0)).mul_(math.sqrt(2.0))
     return z.mul_(a["std"]).add_(a["mean"])
 
 
@@ -111,7 +111,7 @@ class TensorInit:
     def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)
         start = tuple(s.indices(n)[0] for s, n in zip(index, self.shape)) + (0,) * (len(self.shape) - len(index))
-        size = tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)) + self.shape[len(index):]
+        size = tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)) + self.shape[len(index) :]
         return self.block(start, size)
 
     def full(self) -> torch.Tensor:
@@ -178,22 +178,32 @@ def _region(view: torch.Tensor, whole: torch.Tensor) -> torch.Tensor | None:
 
 def _op(name: str, func, view: torch.Tensor, whole: torch.Tensor, args: tuple, kwargs: dict) -> InitOp:
     """One recorded op as an :class:`InitOp`; raises InitError for one no replay can cut into pieces."""
-    given = {**{s.name: s.default_value for s in func._schema.arguments if s.has_default_value()},
-             **{s.name: v for s, v in zip(func._schema.arguments[1:], args)}, **kwargs}
+    given = {
+        **{s.name: s.default_value for s in func._schema.arguments if s.has_default_value()},
+        **{s.name: v for s, v in zip(func._schema.arguments[1:], args)},
+        **kwargs,
+    }
     if func == COPY:
         src = given["src"]
         if src.device.type == "meta":
-            raise InitError(f"the model's initialisation copies into {name} {list(whole.shape)} a value computed on the "
-                            f"meta device, which has no numbers; initialise it with an in-place op (normal_, "
-                            f"uniform_, fill_, zero_ ...) or from a real tensor")
+            raise InitError(
+                f"the model's initialisation copies into {name} {list(whole.shape)} a value computed on the "
+                f"meta device, which has no numbers; initialise it with an in-place op (normal_, "
+                f"uniform_, fill_, zero_ ...) or from a real tensor"
+            )
         return InitOp(func, (), _region(view, whole), src.detach().to("cpu").broadcast_to(view.shape).clone())
-    named = {k: v.item() if isinstance(v, torch.Tensor) and v.ndim == 0 and v.device.type != "meta" else v
-             for k, v in given.items() if k not in _IGNORED}
+    named = {
+        k: v.item() if isinstance(v, torch.Tensor) and v.ndim == 0 and v.device.type != "meta" else v
+        for k, v in given.items()
+        if k not in _IGNORED
+    }
     if func not in {**RANDOM, **CONSTANT, **ELEMENTWISE} or any(isinstance(v, torch.Tensor) for v in named.values()):
-        raise InitError(f"the model's initialisation applies {func} to {name} {list(whole.shape)}, which shardflow "
-                        f"cannot replay on one piece of it (it replays element-wise in-place ops with number "
-                        f"arguments — normal_, uniform_, fill_, zero_, mul_, add_, erfinv_, clamp_ ... — and copies "
-                        f"from real tensors); initialise {name} with those, or load the weights (--init-from)")
+        raise InitError(
+            f"the model's initialisation applies {func} to {name} {list(whole.shape)}, which shardflow "
+            f"cannot replay on one piece of it (it replays element-wise in-place ops with number "
+            f"arguments — normal_, uniform_, fill_, zero_, mul_, add_, erfinv_, clamp_ ... — and copies "
+            f"from real tensors); initialise {name} with those, or load the weights (--init-from)"
+        )
     return InitOp(func, tuple(sorted(named.items())), _region(view, whole))
 
 
@@ -208,8 +218,10 @@ def record(model: nn.Module, seed: int, initialise: Callable[[], None] | None = 
         key = t.untyped_storage()._cdata
         if key not in watched:
             if t.storage_offset() != 0 or not t.is_contiguous():
-                raise InitError(f"{name} {list(t.shape)} is a view of another tensor; shardflow materialises "
-                                f"contiguous parameters and buffers that own their storage")
+                raise InitError(
+                    f"{name} {list(t.shape)} is a view of another tensor; shardflow materialises "
+                    f"contiguous parameters and buffers that own their storage"
+                )
             watched[key] = (name, t)
     rec = _Recorder({k: t for k, (_, t) in watched.items()})
     with _untied(model), rec, torch.no_grad():
@@ -219,11 +231,13 @@ def record(model: nn.Module, seed: int, initialise: Callable[[], None] | None = 
         ops = tuple(_op(name, f, view, whole, a, kw) for f, view, a, kw in rec.log.get(key, ()))
         first = next((i for i, o in enumerate(ops) if o.region is None and o.op not in ELEMENTWISE), None)
         if first is None:
-            raise InitError(f"the model's initialisation never sets all of {name} {list(whole.shape)} (recorded: "
-                            f"{[str(o.op) for o in ops] or 'nothing'}); on the meta device it would have no values (torch's "
-                            f"trunc_normal_, orthogonal_, dirac_ and sparse_ do nothing there): initialise it in the "
-                            f"model's init (Hugging Face: _init_weights; torch: reset_parameters) with normal_, "
-                            f"uniform_, fill_, zero_ and element-wise ops, or load the weights (--init-from)")
+            raise InitError(
+                f"the model's initialisation never sets all of {name} {list(whole.shape)} (recorded: "
+                f"{[str(o.op) for o in ops] or 'nothing'}); on the meta device it would have no values (torch's "
+                f"trunc_normal_, orthogonal_, dirac_ and sparse_ do nothing there): initialise it in the "
+                f"model's init (Hugging Face: _init_weights; torch: reset_parameters) with normal_, "
+                f"uniform_, fill_, zero_ and element-wise ops, or load the weights (--init-from)"
+            )
         out[name] = TensorInit(name, tuple(whole.shape), whole.dtype, ops[first:], seed)
     return out
 

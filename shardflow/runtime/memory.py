@@ -47,8 +47,9 @@ def peak(ledger: Ledger | None) -> int:
     """The ``ledger``'s peak (bytes). Raises RuntimeError when there is none: the executor was built without
     ``memory=True``."""
     if ledger is None:
-        raise RuntimeError("this executor does not count its buffers' bytes: build it with memory=True to read "
-                           "peak_bytes")
+        raise RuntimeError(
+            "this executor does not count its buffers' bytes: build it with memory=True to read peak_bytes"
+        )
     return ledger.peak
 
 
@@ -129,4 +130,3 @@ class _KindLedger(Ledger):
     def free(self, vid: str) -> None:
         self.by_kind[self.kind(vid)] -= self.live.get(vid, 0)
         super().free(vid)
-

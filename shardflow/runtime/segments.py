@@ -69,9 +69,13 @@ def calls(instrs: Sequence[Instr]) -> list[list[Compute] | Free]:
     return out
 
 
-def compile_segment(instrs: Sequence[Instr], kernel: Callable[[Compute], Kernel],
-                    group: Callable[[Sequence[Compute]], Kernel], ledger: Ledger | None = None,
-                    traced: bool = False) -> Segment:
+def compile_segment(
+    instrs: Sequence[Instr],
+    kernel: Callable[[Compute], Kernel],
+    group: Callable[[Sequence[Compute]], Kernel],
+    ledger: Ledger | None = None,
+    traced: bool = False,
+) -> Segment:
     """One function ``segment(buffers, tracer)`` that runs ``instrs`` (a run of computes and frees, in order) on
     ``buffers`` (value id → this rank's piece), reading and writing them as the instructions say.
 
@@ -113,7 +117,9 @@ def compile_segment(instrs: Sequence[Instr], kernel: Callable[[Compute], Kernel]
         if traced:
             env[f"I{k}"] = call[0]
             lines.append("    t0 = T.now()")
-        lines.append(f"    {', '.join(local[x.value] for x in outs)}, = K{k}(({', '.join(args)}{',' if len(args) == 1 else ''}))")
+        lines.append(
+            f"    {', '.join(local[x.value] for x in outs)}, = K{k}(({', '.join(args)}{',' if len(args) == 1 else ''}))"
+        )
         for x in outs:
             if x.value not in freed:
                 lines.append(f"    b[{x.value!r}] = {local[x.value]}")

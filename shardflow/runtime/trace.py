@@ -47,12 +47,25 @@ class Tracer:
             name, args = f"{instr.pass_} {instr.op}", {"node": instr.node, "out": [b.value for b in instr.outs]}
         elif isinstance(instr, Comm):
             name = f"#{instr.token} {instr.kind}"
-            args = {"members": list(instr.members), "bytes": instr.nbytes, "shape": list(instr.type.shape),
-                    "axis": instr.axis}
+            args = {
+                "members": list(instr.members),
+                "bytes": instr.nbytes,
+                "shape": list(instr.type.shape),
+                "axis": instr.axis,
+            }
         else:
             name, args = f"#{instr.token} wait", {}
-        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": LANES[lane],
-                            "ts": start_s * 1e6, "dur": max((end_s - start_s) * 1e6, 0.01), "args": args})
+        self.events.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": self.rank,
+                "tid": LANES[lane],
+                "ts": start_s * 1e6,
+                "dur": max((end_s - start_s) * 1e6, 0.01),
+                "args": args,
+            }
+        )
 
 
 def comm_seconds(c: Comm, cost: CostModel) -> float:
@@ -73,8 +86,16 @@ def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]
     t0 = min((e["ts"] for evs in measured.values() for e in evs), default=0.0) / 1e6
 
     def emit(r, name, lane, start, dur):
-        out.append({"name": name, "ph": "X", "pid": 1000 + r, "tid": lane, "ts": (t0 + start) * 1e6,
-                    "dur": max(dur * 1e6, 0.01)})
+        out.append(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": 1000 + r,
+                "tid": lane,
+                "ts": (t0 + start) * 1e6,
+                "dur": max(dur * 1e6, 0.01),
+            }
+        )
 
     def local(r: int, start: int, stop: int) -> None:
         for i in programs[r].instrs[start:stop]:

@@ -82,8 +82,9 @@ def _split(op: O.Split, xs, dys, need) -> Grads:
     """The gradients joined, zeros for a missing one (ATen's ``split_with_sizes_backward``, which wraps a negative
     dim first: ``Split(dim=-1)``'s zeros were shaped on the wrong dim)."""
     x, d = xs[0], op.dim % xs[0].ndim
-    parts = [dy if dy is not None else x.new_zeros(x.shape[:d] + (s,) + x.shape[d + 1:])
-             for dy, s in zip(dys, op.sizes)]
+    parts = [
+        dy if dy is not None else x.new_zeros(x.shape[:d] + (s,) + x.shape[d + 1 :]) for dy, s in zip(dys, op.sizes)
+    ]
     return [torch.cat(parts, d)]
 
 
@@ -192,8 +193,10 @@ def _matmul(op, xs, dys, need) -> Grads:
     if b.ndim == 2:
         return _linear(PRODUCT, xs, dys, need)
     dy = dys[0]
-    return [_to(dy @ b.transpose(-1, -2), a) if need[0] else None,
-            _to(a.transpose(-1, -2) @ dy, b) if need[1] else None]
+    return [
+        _to(dy @ b.transpose(-1, -2), a) if need[0] else None,
+        _to(a.transpose(-1, -2) @ dy, b) if need[1] else None,
+    ]
 
 
 def _embedding(op: O.Embedding, xs, dys, need) -> Grads:
@@ -204,8 +207,11 @@ def _embedding(op: O.Embedding, xs, dys, need) -> Grads:
 def _where(op, xs, dys, need) -> Grads:
     c, a, b = xs
     dy = dys[0]
-    return [None, _to(torch.where(c, dy, 0.0), a) if need[1] else None,
-            _to(torch.where(c, 0.0, dy), b) if need[2] else None]
+    return [
+        None,
+        _to(torch.where(c, dy, 0.0), a) if need[1] else None,
+        _to(torch.where(c, 0.0, dy), b) if need[2] else None,
+    ]
 
 
 def _gather(op: O.Gather, xs, dys, need) -> Grads:
@@ -215,20 +221,30 @@ def _gather(op: O.Gather, xs, dys, need) -> Grads:
 
 def _layer_norm(op: O.LayerNorm, xs, dys, need) -> Grads:
     x, w, b = xs[0], (xs[1] if op.affine else None), (xs[2] if op.affine and op.bias else None)
-    shape = x.shape[x.ndim - op.ndim:]
+    shape = x.shape[x.ndim - op.ndim :]
     _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, w, b, op.eps)
     mask = [need[0], op.affine and need[1], op.affine and op.bias and need[2]]
     gx, gw, gb = torch.ops.aten.native_layer_norm_backward(dys[0], x, shape, mean, rstd, w, b, mask)
-    return [gx, gw, gb][:len(xs)]
+    return [gx, gw, gb][: len(xs)]
 
 
 def _conv(op: O.Conv, xs, dys, need) -> Grads:
     x, w = xs[0], xs[1]
     mask = [need[0], need[1], op.bias and need[2]]
-    grads = torch.ops.aten.convolution_backward(dys[0], x, w, [w.shape[0]] if op.bias else None, list(op.stride),
-                                                list(op.padding), list(op.dilation), False, [0] * len(op.stride),
-                                                op.groups, mask)
-    return list(grads)[:len(xs)]
+    grads = torch.ops.aten.convolution_backward(
+        dys[0],
+        x,
+        w,
+        [w.shape[0]] if op.bias else None,
+        list(op.stride),
+        list(op.padding),
+        list(op.dilation),
+        False,
+        [0] * len(op.stride),
+        op.groups,
+        mask,
+    )
+    return list(grads)[: len(xs)]
 
 
 VJPS: dict[type[O.Op], HandVjp] = {

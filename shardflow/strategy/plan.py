@@ -98,7 +98,10 @@ class Plan:
                 for pat, m in data.get("modules", {}).items()
             }
             inputs = {k: _spec(v) for k, v in data.get("inputs", {}).items()}
-            ops = {t: tuple(PARALLEL_OPS[o.pop("op")](**o) for o in map(dict, lst)) for t, lst in data.get("ops", {}).items()}
+            ops = {
+                t: tuple(PARALLEL_OPS[o.pop("op")](**o) for o in map(dict, lst))
+                for t, lst in data.get("ops", {}).items()
+            }
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"cannot read plan: {e}") from None
         return cls(modules, inputs, ops, data.get("stage_axis", "pp"), data.get("name", "user"))
@@ -109,6 +112,7 @@ class Plan:
         text = path.read_text()
         if path.suffix == ".toml":
             import tomllib
+
             return cls.from_json(tomllib.loads(text))
         return cls.from_json(json.loads(text))
 
@@ -138,8 +142,12 @@ def _merge_module(a: ModulePlan, b: ModulePlan, pat: str) -> ModulePlan:
 
     if a.stage is not None and b.stage is not None and a.stage != b.stage:
         raise PlanError(f"module {pat}: plans put it on stages {a.stage} and {b.stage}")
-    return ModulePlan(params, one(a.input, b.input, "input"), one(a.output, b.output, "output"),
-                      a.stage if a.stage is not None else b.stage)
+    return ModulePlan(
+        params,
+        one(a.input, b.input, "input"),
+        one(a.output, b.output, "output"),
+        a.stage if a.stage is not None else b.stage,
+    )
 
 
 # --- resolution onto a graph ------------------------------------------------------------------------------
@@ -177,8 +185,10 @@ def _layout(spec: PlacementSpec, group: SubMesh, what: str) -> Layout:
         return dict(spec)
     spec = tuple(spec)
     if len(spec) != len(group.free_axes):
-        raise PlanError(f"{what}: {len(spec)} placements for the {len(group.free_axes)} axes "
-                        f"{list(group.free_axes)} of {group}; give one per axis or a dict {{axis: placement}}")
+        raise PlanError(
+            f"{what}: {len(spec)} placements for the {len(group.free_axes)} axes "
+            f"{list(group.free_axes)} of {group}; give one per axis or a dict {{axis: placement}}"
+        )
     return dict(zip(group.free_axes, spec))
 
 
@@ -206,8 +216,10 @@ class _Targets:
                 named[pat] = [by_name[pat]] if pat in by_name else []
             if not matched[pat] and not named[pat]:
                 paths = list(modules)
-                raise PlanError(f"plan pattern {pat!r} matches no module or node; modules are: "
-                                f"{', '.join(paths[:12])}{' ...' if len(paths) > 12 else ''}")
+                raise PlanError(
+                    f"plan pattern {pat!r} matches no module or node; modules are: "
+                    f"{', '.join(paths[:12])}{' ...' if len(paths) > 12 else ''}"
+                )
         return cls(modules, matched, named)
 
     def units(self, pat: str) -> list[tuple[str, list[Node]]]:
@@ -215,7 +227,8 @@ class _Targets:
         each node it matches by name outside those modules."""
         paths = set(self.matched[pat])
         return [(m, self.modules[m]) for m in self.matched[pat]] + [
-            (n.name, [n]) for n in self.named[pat] if n.scope not in paths]
+            (n.name, [n]) for n in self.named[pat] if n.scope not in paths
+        ]
 
 
 def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
@@ -235,11 +248,17 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     a fused linear nor places its parts; the readers see the parameter without it.
     """
     targets = _Targets.of(plan, graph)
-    placed = {f"{m}.{p}": spec for pat, mp in plan.modules.items() for m, _ in targets.units(pat)
-              for p, spec in mp.params.items()}
-    fused = [f for f in fused_linears(graph)
-             if any(Shard(d) in _read(graph, t, _placements(placed.get(t)), plan.ops.get(t, ()))
-                    for t, d in f.features)]
+    placed = {
+        f"{m}.{p}": spec
+        for pat, mp in plan.modules.items()
+        for m, _ in targets.units(pat)
+        for p, spec in mp.params.items()
+    }
+    fused = [
+        f
+        for f in fused_linears(graph)
+        if any(Shard(d) in _read(graph, t, _placements(placed.get(t)), plan.ops.get(t, ())) for t, d in f.features)
+    ]
     rewritten = split_fused(graph, fused) if fused else None
     if rewritten is not None:
         graph = rewritten
@@ -265,8 +284,10 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     leaves: dict[str, Sharding] = {}
     for name, spec in plan.inputs.items():
         if name not in graph.tensors or graph.tensors[name].role not in (TensorRole.INPUT, TensorRole.CONSTANT):
-            raise PlanError(f"plan places input {name!r}, but the graph's inputs are {list(graph.inputs)} (and its "
-                            f"constants {list(graph.by_role(TensorRole.CONSTANT))})")
+            raise PlanError(
+                f"plan places input {name!r}, but the graph's inputs are {list(graph.inputs)} (and its "
+                f"constants {list(graph.by_role(TensorRole.CONSTANT))})"
+            )
         leaves[name] = _sharding(spec, group_of_tensor(name), graph, name)
     edges: dict[tuple[str, int], Layout] = {}
     after: dict[str, Layout] = {}
@@ -277,15 +298,27 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                 w = f"{m}.{p}"
                 if w not in graph.tensors or graph.tensors[w].role != TensorRole.WEIGHT:
                     owned = [t for t in graph.weights if t.rsplit(".", 1)[0] == m]
-                    raise PlanError(f"plan for module {m!r} places parameter {p!r}, which it does not have "
-                                    f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})")
-                layout = {a: Shard(stored_dim(graph, w, pl.dim)) if isinstance(pl, Shard) else pl
-                          for a, pl in _layout(spec, group_of_tensor(w), f"placement of {w}").items()}
+                    raise PlanError(
+                        f"plan for module {m!r} places parameter {p!r}, which it does not have "
+                        f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})"
+                    )
+                layout = {
+                    a: Shard(stored_dim(graph, w, pl.dim)) if isinstance(pl, Shard) else pl
+                    for a, pl in _layout(spec, group_of_tensor(w), f"placement of {w}").items()
+                }
                 split = consumers[w][0][0] if len(consumers[w]) == 1 else None
-                stored = {a for a, pl in layout.items() if any(
-                    isinstance(op, Combine) and op.axis == a and pl == Shard(op.dim) for op in plan.ops.get(w, ()))}
-                if split is not None and isinstance(split.op, O.Split) and any(
-                        pl == Shard(split.op.dim) and a not in stored for a, pl in layout.items()):
+                stored = {
+                    a
+                    for a, pl in layout.items()
+                    if any(
+                        isinstance(op, Combine) and op.axis == a and pl == Shard(op.dim) for op in plan.ops.get(w, ())
+                    )
+                }
+                if (
+                    split is not None
+                    and isinstance(split.op, O.Split)
+                    and any(pl == Shard(split.op.dim) and a not in stored for a, pl in layout.items())
+                ):
                     per_part = {a: pl for a, pl in layout.items() if pl == Shard(split.op.dim) and a not in stored}
                     layout = {a: pl for a, pl in layout.items() if a not in per_part}
                     for part in split.outputs:
@@ -297,8 +330,9 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                 for n in members:
                     for i, t in enumerate(n.inputs):
                         src = producer.get(t)
-                        entering = graph.tensors[t].role == TensorRole.INPUT if src is None else \
-                            src.name not in member_names
+                        entering = (
+                            graph.tensors[t].role == TensorRole.INPUT if src is None else src.name not in member_names
+                        )
                         if entering:
                             edges[(n.name, i)] = _layout(mp.input, groups.get(n.name, whole), f"input layout of {m}")
                             why[(n.name, i)] = f"input layout of {m}"
@@ -320,14 +354,21 @@ def _placements(spec: PlacementSpec | None) -> tuple[Placement, ...]:
     return tuple(spec.values()) if isinstance(spec, Mapping) else tuple(spec)
 
 
-def _read(graph: ComputationGraph, weight: str, placements: tuple[Placement, ...],
-          ops: Sequence[ParallelOp]) -> tuple[Placement, ...]:
+def _read(
+    graph: ComputationGraph, weight: str, placements: tuple[Placement, ...], ops: Sequence[ParallelOp]
+) -> tuple[Placement, ...]:
     """``placements`` of ``weight`` (its module's shape) as its readers see them: without a ``Shard`` that a
     ``Combine`` of ``ops`` (the parallel ops right after it) gathers — a storage shard, FSDP's."""
     left = list(placements)
     for op in ops:
-        shard = next((p for p in left if isinstance(p, Shard) and isinstance(op, Combine)
-                      and stored_dim(graph, weight, p.dim) == op.dim), None)
+        shard = next(
+            (
+                p
+                for p in left
+                if isinstance(p, Shard) and isinstance(op, Combine) and stored_dim(graph, weight, p.dim) == op.dim
+            ),
+            None,
+        )
         if shard is not None:
             left.remove(shard)
     return tuple(left)
@@ -354,7 +395,9 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, targets: _Tar
     staged = {pat: mp.stage for pat, mp in plan.modules.items() if mp.stage is not None}
     if not staged:
         if plan.stage_axis in mesh.axis_names and mesh.axis_size(plan.stage_axis) > 1:
-            raise PlanError(f"mesh {mesh} has a pipeline axis {plan.stage_axis!r} but the plan puts no module on a stage")
+            raise PlanError(
+                f"mesh {mesh} has a pipeline axis {plan.stage_axis!r} but the plan puts no module on a stage"
+            )
         return {}
     if plan.stage_axis not in mesh.axis_names:
         raise PlanError(f"the plan has pipeline stages but mesh {mesh} has no axis {plan.stage_axis!r}")
@@ -363,8 +406,9 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, targets: _Tar
         if not 0 <= s < n_stages:
             raise PlanError(f"module {pat!r} is put on stage {s}, but axis {plan.stage_axis!r} has {n_stages} stages")
     whole = SubMesh(mesh)
-    every_stage = {t for t, pops in plan.ops.items()
-                   if any(isinstance(p, Replicate) and p.axis == plan.stage_axis for p in pops)}
+    every_stage = {
+        t for t, pops in plan.ops.items() if any(isinstance(p, Replicate) and p.axis == plan.stage_axis for p in pops)
+    }
     # The most specific pattern (longest matched module path, or a node-name match) decides; the first on ties.
     decided: dict[str, tuple[int, int]] = {}  # node → (depth, stage)
     for pat, s in staged.items():

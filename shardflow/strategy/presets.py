@@ -36,13 +36,13 @@ import re
 
 from shardflow.graph import ops as O
 from shardflow.graph.flops import node_flops
+from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
 from shardflow.parallel.ops import Combine
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
 from shardflow.parallel.shape import DegreeError
-from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.strategy.plan import ModulePlan, Plan, PlanError, module_nodes, resolve
 
 STRATEGIES = ("single", "dp", "fsdp", "hsdp", "tp", "sp", "pp")
@@ -67,8 +67,13 @@ def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
         while t in producer and isinstance(producer[t].op, _MASK_PATH) and len(producer[t].inputs) == 1:
             t = producer[t].inputs[0]
         spec = graph.tensors[t]
-        if (spec.role == TensorRole.CONSTANT and len(sizes) == 1 and len(spec.shape) > 1 and spec.shape[0] in sizes
-                and t not in masks):
+        if (
+            spec.role == TensorRole.CONSTANT
+            and len(sizes) == 1
+            and len(spec.shape) > 1
+            and spec.shape[0] in sizes
+            and t not in masks
+        ):
             masks.append(t)
     return Plan(inputs={name: {axis: Shard(0)} for name in graph.inputs + tuple(masks)}, name="dp")
 
@@ -98,8 +103,12 @@ def _parameters(graph: ComputationGraph) -> set[str]:
     weights = set(graph.weights)
     params = set(weights)
     for n in graph.nodes:
-        if isinstance(n.op, O.Split) and n.inputs[0] in weights or \
-                isinstance(n.op, O.Reshape) and n.inputs[0] in params - weights:
+        if (
+            isinstance(n.op, O.Split)
+            and n.inputs[0] in weights
+            or isinstance(n.op, O.Reshape)
+            and n.inputs[0] in params - weights
+        ):
             params.update(n.outputs)
     return params
 
@@ -161,12 +170,19 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
                     region[node.name] = node
                     frontier.extend(node.outputs)
         inside = {o for n in list(region.values()) + cols for o in n.outputs}
-        if not ok or not rows or len(region) > 64 or any(
-                t not in inside and t not in leaves for n in region.values() for t in n.inputs):
+        if (
+            not ok
+            or not rows
+            or len(region) > 64
+            or any(t not in inside and t not in leaves for n in region.values() for t in n.inputs)
+        ):
             continue
         candidate = (cols, list(rows.values()))
-        trial = _trial_nodes(graph, candidate, list(region.values()), consumers, modules, order) \
-            if isolated_so_far and not (set(rows) & used) else None
+        trial = (
+            _trial_nodes(graph, candidate, list(region.values()), consumers, modules, order)
+            if isolated_so_far and not (set(rows) & used)
+            else None
+        )
         try:
             if trial is not None:
                 sub = _trial_graph(graph, *trial, order)
@@ -176,8 +192,10 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
                 plan = _megatron_plan(accepted + [candidate], axis, sequence=False)
                 build_pcg(graph, trial_mesh, resolve(plan, graph, trial_mesh), strict=True)
         except DegreeError as e:
-            raise e.at(hint=f"tensor parallelism splits the heads of each attention (with grouped-query attention, "
-                            f"its key/value heads too) and the features of each linear pair {degree} ways") from None
+            raise e.at(
+                hint=f"tensor parallelism splits the heads of each attention (with grouped-query attention, "
+                f"its key/value heads too) and the features of each linear pair {degree} ways"
+            ) from None
         except (RuleError, PlanError):
             continue
         isolated_so_far = trial is not None
@@ -187,9 +205,14 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
     return accepted
 
 
-def _trial_nodes(graph: ComputationGraph, candidate: tuple[list[Node], list[Node]], region: list[Node],
-                 consumers: dict, modules: dict[str, list[Node]], order: dict[str, int]
-                 ) -> tuple[list[Node], list[str]] | None:
+def _trial_nodes(
+    graph: ComputationGraph,
+    candidate: tuple[list[Node], list[Node]],
+    region: list[Node],
+    consumers: dict,
+    modules: dict[str, list[Node]],
+    order: dict[str, int],
+) -> tuple[list[Node], list[str]] | None:
     """The nodes the plan of ``candidate`` can affect and the tensors they hand to the rest of the graph, when
     that plan affects nothing else; else None.
 
@@ -241,8 +264,9 @@ def _trial_nodes(graph: ComputationGraph, candidate: tuple[list[Node], list[Node
     return sorted(nodes.values(), key=lambda n: order[n.name]), leaving
 
 
-def _trial_graph(graph: ComputationGraph, nodes: list[Node], outputs: list[str],
-                 order: dict[str, int]) -> ComputationGraph:
+def _trial_graph(
+    graph: ComputationGraph, nodes: list[Node], outputs: list[str], order: dict[str, int]
+) -> ComputationGraph:
     """The sub-graph of ``nodes`` (in graph order): tensors they read from outside become leaves (an activation
     becomes an input), ``outputs`` its outputs."""
     nodes = sorted(nodes, key=lambda n: order[n.name])
@@ -268,8 +292,9 @@ def _megatron_plan(regions, axis: str, sequence: bool) -> Plan:
             params = {"weight": {axis: Shard(c.op.out_dim)}} | ({"bias": {axis: Shard(0)}} if c.op.bias else {})
             modules[c.scope] = ModulePlan(params=params, input={axis: Replicate()})
         for r in rows:  # weight sharded on the input features
-            modules[r.scope] = ModulePlan(params={"weight": {axis: Shard(1 - r.op.out_dim)}},
-                                          output={axis: Shard(1) if sequence else Replicate()})
+            modules[r.scope] = ModulePlan(
+                params={"weight": {axis: Shard(1 - r.op.out_dim)}}, output={axis: Shard(1) if sequence else Replicate()}
+            )
     return Plan(modules, name="sp" if sequence else "tp")
 
 
@@ -278,15 +303,19 @@ def tensor_parallel(graph: ComputationGraph, degree: int, axis: str = "tp", sequ
     model has no column/row pair, DegreeError when a size does not divide ``degree``."""
     regions = megatron_regions(graph, degree, axis)
     if not regions:
-        raise PlanError("tensor parallelism found no column-parallel/row-parallel pair of linears in the model "
-                        "(a linear whose output reaches another linear through shardable ops only)")
+        raise PlanError(
+            "tensor parallelism found no column-parallel/row-parallel pair of linears in the model "
+            "(a linear whose output reaches another linear through shardable ops only)"
+        )
     plan = _megatron_plan(regions, axis, sequence)
     if not sequence:
         return plan
     blocks = repeated_blocks(graph)
     if not blocks:
-        raise PlanError("sequence parallelism shards the residual stream between repeated blocks, "
-                        "but the model has no ModuleList of blocks")
+        raise PlanError(
+            "sequence parallelism shards the residual stream between repeated blocks, "
+            "but the model has no ModuleList of blocks"
+        )
     modules = dict(plan.modules)
     for b in blocks:
         modules[b] = ModulePlan(input={axis: Shard(1)})
@@ -301,7 +330,7 @@ def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", othe
     ``degree`` divides; a weight without one, or of the root module (no module path to place it by), stays
     replicated on ``axis`` (its gradient all-reduced, as under dp)."""
     taken: dict[str, set[int]] = {}
-    for pat, mp in (others.modules.items() if others else ()):
+    for pat, mp in others.modules.items() if others else ():
         for leaf, spec in mp.params.items():
             placements = spec.values() if isinstance(spec, dict) else spec
             taken.setdefault(f"{pat}.{leaf}", set()).update(p.dim for p in placements if isinstance(p, Shard))
@@ -328,8 +357,10 @@ def pipeline(graph: ComputationGraph, stages: int, axis: str = "pp", virtual: in
     chunks = stages * virtual
     if len(blocks) < chunks:
         what = f"{stages} stages" if virtual == 1 else f"{stages} stages × {virtual} chunks per stage"
-        raise PlanError(f"a pipeline of {what} needs at least {chunks} repeated blocks; the model has "
-                        f"{len(blocks)} ({', '.join(blocks) or 'none'}). Use fewer stages or more layers")
+        raise PlanError(
+            f"a pipeline of {what} needs at least {chunks} repeated blocks; the model has "
+            f"{len(blocks)} ({', '.join(blocks) or 'none'}). Use fewer stages or more layers"
+        )
     costs, before, after = block_costs(graph, blocks)
     stage = [c % stages for c in stage_cuts(costs, chunks, before, after)]
     modules = {b: ModulePlan(stage=s) for b, s in zip(blocks, stage)}
@@ -414,13 +445,17 @@ def parse_strategy(text: str) -> list[str]:
         raise PlanError(f"unknown strategy {text!r}; use {', '.join(STRATEGIES)} or a combination such as 'dp,tp'")
     twice = sorted({s for s in parts if parts.count(s) > 1})
     if twice:
-        raise PlanError(f"strategy {text!r} names {twice[0]} twice; each strategy uses its own mesh axis once: write "
-                        f"it once (e.g. '{','.join(dict.fromkeys(parts))}')")
+        raise PlanError(
+            f"strategy {text!r} names {twice[0]} twice; each strategy uses its own mesh axis once: write "
+            f"it once (e.g. '{','.join(dict.fromkeys(parts))}')"
+        )
     if "tp" in parts and "sp" in parts:
         raise PlanError("sp already includes tp: use 'sp' (or 'dp,sp')")
     if "single" in parts and len(parts) > 1:
-        raise PlanError(f"strategy {text!r}: single runs on one device and combines with nothing; use "
-                        f"'{','.join(p for p in parts if p != 'single')}' or 'single'")
+        raise PlanError(
+            f"strategy {text!r}: single runs on one device and combines with nothing; use "
+            f"'{','.join(p for p in parts if p != 'single')}' or 'single'"
+        )
     return [n for n in parts if n != "single"]
 
 
@@ -430,9 +465,11 @@ def default_mesh(strategy: str, nproc: int) -> Mesh:
     names = parse_strategy(strategy)
     if not names:
         if nproc > 1:
-            raise PlanError(f"strategy {strategy!r} runs on one device, but {nproc} are asked for (--nproc {nproc}, "
-                            f"or torchrun's world size); pass --nproc 1, or a strategy that splits the work over "
-                            f"{nproc} devices: dp, tp, sp or pp")
+            raise PlanError(
+                f"strategy {strategy!r} runs on one device, but {nproc} are asked for (--nproc {nproc}, "
+                f"or torchrun's world size); pass --nproc 1, or a strategy that splits the work over "
+                f"{nproc} devices: dp, tp, sp or pp"
+            )
         return Mesh(("d",), (1,))
     if len(names) > 1:
         example = ",".join(f"{AXIS_OF[n]}=2" for n in names)
@@ -449,23 +486,30 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_ran
     """
     names = parse_strategy(strategy)
     if stages_per_rank > 1 and "pp" not in names:
-        raise PlanError(f"--stages-per-rank {stages_per_rank} cuts a pipeline into chunks, but strategy {strategy!r} "
-                        f"has no pp; add pp (e.g. --strategy pp) or drop --stages-per-rank")
+        raise PlanError(
+            f"--stages-per-rank {stages_per_rank} cuts a pipeline into chunks, but strategy {strategy!r} "
+            f"has no pp; add pp (e.g. --strategy pp) or drop --stages-per-rank"
+        )
     axes = {AXIS_OF[n] for n in names}
     for n in names:
         if AXIS_OF[n] not in mesh.axis_names:
-            raise PlanError(f"strategy {n!r} runs on mesh axis {AXIS_OF[n]!r}, which mesh {mesh} lacks; "
-                            f"e.g. --mesh {AXIS_OF[n]}=2")
+            raise PlanError(
+                f"strategy {n!r} runs on mesh axis {AXIS_OF[n]!r}, which mesh {mesh} lacks; e.g. --mesh {AXIS_OF[n]}=2"
+            )
     unknown = [a for a in mesh.axis_names if a not in AXIS_OF.values()] if mesh.size > 1 else []
     if unknown:
         rest = ",".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape) if a in AXIS_OF.values())
-        raise PlanError(f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, fsdp, tp (also sp), pp), "
-                        f"so no strategy in {strategy!r} would use it; drop it (--mesh {rest or 'dp=2'}) or name it "
-                        f"after the strategy that should use it")
+        raise PlanError(
+            f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, fsdp, tp (also sp), pp), "
+            f"so no strategy in {strategy!r} would use it; drop it (--mesh {rest or 'dp=2'}) or name it "
+            f"after the strategy that should use it"
+        )
     unused = [a for a, s in zip(mesh.axis_names, mesh.shape) if a not in axes and s > 1]
     if unused:
-        raise PlanError(f"mesh axes {unused} of {mesh} are used by no strategy in {strategy!r}; "
-                        f"add one (axis names: dp, fsdp, tp (also sp), pp) or drop the axis")
+        raise PlanError(
+            f"mesh axes {unused} of {mesh} are used by no strategy in {strategy!r}; "
+            f"add one (axis names: dp, fsdp, tp (also sp), pp) or drop the axis"
+        )
     plan = Plan(name="single")
     for n in sorted(names, key=lambda n: n == "fsdp"):  # fsdp last: it shards a dim the others leave whole
         size = mesh.axis_size(AXIS_OF[n])

@@ -27,6 +27,7 @@ class Check:
 
     def __init__(self, s, weights, state, steps_done: int):
         from shardflow.runtime.local import LocalExecutor
+
         # the whole batch at once, even under --accumulate or --microbatches
         one = build_pcg(s.whole_batch_graph(), Mesh(("d",), (1,)))
         options = dataclasses.replace(s.pipeline.options, microbatches=1)
@@ -45,6 +46,8 @@ class Check:
         beyond."""
         max_dparam = ex.weight_error(self.ref.weights())
         ok = self.max_dloss <= self.tol and max_dparam <= self.tol
-        console.say(f"check against one device: max |Δloss| {self.max_dloss:.2e}, max |Δparameter| {max_dparam:.2e} "
-                    f"over every replica (tolerance {self.tol:g}): {'OK' if ok else 'FAILED'}")
+        console.say(
+            f"check against one device: max |Δloss| {self.max_dloss:.2e}, max |Δparameter| {max_dparam:.2e} "
+            f"over every replica (tolerance {self.tol:g}): {'OK' if ok else 'FAILED'}"
+        )
         return 0 if ok else 1

@@ -95,11 +95,19 @@ def _launch(cfg: TrainConfig, run: RunDir) -> int:
     signals_r, signals_w = os.pipe()
     os.set_blocking(signals_r, False)
     os.set_blocking(signals_w, False)
-    old_fd = signal.set_wakeup_fd(signals_w, warn_on_full_buffer=False) \
-        if threading.current_thread() is threading.main_thread() else None
+    old_fd = (
+        signal.set_wakeup_fd(signals_w, warn_on_full_buffer=False)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     try:
-        res = launch([*hooks.installed().command, "train", *cfg.argv()], cfg.nproc, run.path,
-                     grace_s=cfg.timeout + 10, keep_fds=(run.fd,))
+        res = launch(
+            [*hooks.installed().command, "train", *cfg.argv()],
+            cfg.nproc,
+            run.path,
+            grace_s=cfg.timeout + 10,
+            keep_fds=(run.fd,),
+        )
     finally:
         if old_fd is not None:
             signal.set_wakeup_fd(old_fd)
@@ -150,6 +158,7 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
         return train(cfg, 0, 1, s)
     from shardflow.runtime.distributed import CommFailure, CommTimeout, comm_failure, shutdown
     from shardflow.runtime.launch import Status
+
     # configuration, data, plan and memory errors: one paragraph (exit 2), before joining the group
     s = s or setup(cfg, world, processes_here(os.environ, cfg.nproc))
     rank, world = _join(cfg.timeout, rank_device(cfg.device))
@@ -163,8 +172,13 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
         # that does not fit in memory (checked once lowered)
         said = isinstance(e, (checkpoint.CheckpointError, RunDirError, Diverged, MemoryFitError))
         # another rank left or stopped answering (also where torch raised it, outside the executor): one paragraph
-        failure = e if isinstance(e, CommFailure) else comm_failure(e, f"rank {rank}") \
-            if isinstance(e, RuntimeError) else None
+        failure = (
+            e
+            if isinstance(e, CommFailure)
+            else comm_failure(e, f"rank {rank}")
+            if isinstance(e, RuntimeError)
+            else None
+        )
         if failure is not None and not _signalled:
             # a peer stopped by the same Ctrl-C or SIGTERM (the launcher forwards it to every rank at once) can make
             # this rank's communication fail before its own signal lands: give it that moment
@@ -180,9 +194,17 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
             traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(INTERRUPTED if interrupted else Status.REFUSED if said else
-                 Status.WAITED_OUT if isinstance(failure, CommTimeout) else
-                 Status.PEER_LOST if failure is not None else Status.FAILED)
+        os._exit(
+            INTERRUPTED
+            if interrupted
+            else Status.REFUSED
+            if said
+            else Status.WAITED_OUT
+            if isinstance(failure, CommTimeout)
+            else Status.PEER_LOST
+            if failure is not None
+            else Status.FAILED
+        )
     shutdown(code)
 
 
@@ -190,6 +212,7 @@ def _claimed_by_rank0(cfg: TrainConfig, run: RunDir) -> TrainConfig:
     """``cfg`` with rank 0's run directory (collective, once the ranks have joined). Under torchrun rank 0 claims it
     now (the name of a new one is known to it alone), and its refusal is every rank's: RunDirError everywhere."""
     import torch.distributed as dist
+
     refused = None
     if run.owner:  # torchrun's rank 0
         try:
@@ -214,6 +237,7 @@ def _join(timeout_s: float, device: torch.device) -> tuple[int, int]:
     import tempfile
 
     from shardflow.runtime.distributed import init_from_env
+
     env = os.environ
     where = f"{env.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{env.get('MASTER_PORT', '(MASTER_PORT unset)')}"
     who = f"rank {env.get('RANK', '?')} of {env.get('WORLD_SIZE', '?')}"
@@ -222,8 +246,11 @@ def _join(timeout_s: float, device: torch.device) -> tuple[int, int]:
     def progress() -> None:
         t0, every = time.monotonic(), _progress_every(timeout_s)
         while not joined_event.wait(every):
-            print(f"{who}: waiting for the other processes to join the process group at {where} "
-                  f"({time.monotonic() - t0:.0f} s; --timeout {timeout_s:g} s)", flush=True)
+            print(
+                f"{who}: waiting for the other processes to join the process group at {where} "
+                f"({time.monotonic() - t0:.0f} s; --timeout {timeout_s:g} s)",
+                flush=True,
+            )
 
     # torch logs each failed connection attempt on fd 2 with a C++ backtrace: hold that back; replay it on success
     sys.stderr.flush()
@@ -249,22 +276,29 @@ def _join(timeout_s: float, device: torch.device) -> tuple[int, int]:
     text = str(failure).strip()
     first = text.splitlines()[0] if text else ""
     if "address already in use" in text.lower():
-        fix = (f"port {env.get('MASTER_PORT')} is already in use on this machine: choose a free MASTER_PORT "
-               f"(torchrun --master-port), use torchrun --standalone, or let shardflow train --nproc N start the "
-               f"ranks (it picks a free port)")
+        fix = (
+            f"port {env.get('MASTER_PORT')} is already in use on this machine: choose a free MASTER_PORT "
+            f"(torchrun --master-port), use torchrun --standalone, or let shardflow train --nproc N start the "
+            f"ranks (it picks a free port)"
+        )
     elif "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         fix = "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torchrun does), or run shardflow train --nproc N"
     elif "waiting for clients" in text or "wait timeout" in text:  # this rank got in; the others did not come
-        fix = (f"it reached the rendezvous at {where}, but not every other rank joined within --timeout "
-               f"{timeout_s:g} s: start all {env.get('WORLD_SIZE', '?')} processes (torchrun on every node with the "
-               f"same --nnodes, --master-addr and --master-port), make that port reachable from the other machines, "
-               f"or raise --timeout")
+        fix = (
+            f"it reached the rendezvous at {where}, but not every other rank joined within --timeout "
+            f"{timeout_s:g} s: start all {env.get('WORLD_SIZE', '?')} processes (torchrun on every node with the "
+            f"same --nnodes, --master-addr and --master-port), make that port reachable from the other machines, "
+            f"or raise --timeout"
+        )
     else:
-        fix = (f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
-               f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable from "
-               f"this machine, or raise --timeout")
-    raise RendezvousError(f"{who} could not join the process group at {where} ({type(failure).__name__}: "
-                          f"{first}); {fix}") from None
+        fix = (
+            f"nothing let it in at {where} within --timeout {timeout_s:g} s: start rank 0 (it hosts the "
+            f"rendezvous), give every rank the same MASTER_ADDR and MASTER_PORT, make that port reachable from "
+            f"this machine, or raise --timeout"
+        )
+    raise RendezvousError(
+        f"{who} could not join the process group at {where} ({type(failure).__name__}: {first}); {fix}"
+    ) from None
 
 
 def _progress_every(timeout_s: float) -> float:

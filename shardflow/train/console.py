@@ -75,29 +75,48 @@ class Console:
         n_params = sum(p.numel() for p in s.model.parameters())
         cfg = s.cfg
         c = s.corpus
-        self.say(f"shardflow train: {c.source}, {len(c.train):,} train / {len(c.val):,} val tokens "
-                 f"({c.chars / len(c.tokens):.2f} characters per token)")
+        self.say(
+            f"shardflow train: {c.source}, {len(c.train):,} train / {len(c.val):,} val tokens "
+            f"({c.chars / len(c.tokens):.2f} characters per token)"
+        )
         self.say(f"tokenizer: {c.tokenizer.describe()} (cached with the tokens in {c.cache})")
-        mixed = ("; bfloat16 parameters and compute, float32 master weights, gradient reductions and optimizer state"
-                 if cfg.dtype == "bf16" else "")
-        schedule = (f" ({cfg.warmup_steps} warm-up steps, then {cfg.lr_schedule}"
-                    + (f" to {cfg.lr_min_ratio:g}×" if cfg.lr_schedule != "constant" else "") + ")"
-                    if cfg.warmup_steps or cfg.lr_schedule != "constant" else "")
-        self.say(f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
-                 f"{cfg.optimizer} lr {cfg.lr}{schedule}{mixed}")
-        micro = (f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after "
-                 f"the last)" if cfg.accumulate > 1 else "")
+        mixed = (
+            "; bfloat16 parameters and compute, float32 master weights, gradient reductions and optimizer state"
+            if cfg.dtype == "bf16"
+            else ""
+        )
+        schedule = (
+            f" ({cfg.warmup_steps} warm-up steps, then {cfg.lr_schedule}"
+            + (f" to {cfg.lr_min_ratio:g}×" if cfg.lr_schedule != "constant" else "")
+            + ")"
+            if cfg.warmup_steps or cfg.lr_schedule != "constant"
+            else ""
+        )
+        self.say(
+            f"model: {s.family.describe(s.config)}, context {cfg.seq_len}: {n_params:,} parameters; optimizer "
+            f"{cfg.optimizer} lr {cfg.lr}{schedule}{mixed}"
+        )
+        micro = (
+            f" in {cfg.accumulate} micro-steps of {cfg.batch_size // cfg.accumulate} (gradients reduced after the last)"
+            if cfg.accumulate > 1
+            else ""
+        )
         if cfg.microbatches > 1:
             sched = schedule_of(steps[-1].dg, s.pipeline.options.schedule)
-            micro += (f"; {sched.microbatches} microbatches of {cfg.batch_size // (cfg.accumulate * cfg.microbatches)}"
-                      f" per step, {sched.kind} over {sched.stages} stage(s) ("
-                      + (f"{sched.virtual} chunks per stage, " if sched.virtual > 1 else "")
-                      + f"bubble {sched.bubble:.0%})")
-        recomputed = len(set(checkpoint_blocks(s.pcg).values())) if s.pipeline.options.ac == ActivationCheckpointing.BLOCK \
-            else 0
+            micro += (
+                f"; {sched.microbatches} microbatches of {cfg.batch_size // (cfg.accumulate * cfg.microbatches)}"
+                f" per step, {sched.kind} over {sched.stages} stage(s) ("
+                + (f"{sched.virtual} chunks per stage, " if sched.virtual > 1 else "")
+                + f"bubble {sched.bubble:.0%})"
+            )
+        recomputed = (
+            len(set(checkpoint_blocks(s.pcg).values())) if s.pipeline.options.ac == ActivationCheckpointing.BLOCK else 0
+        )
         ac = f"; {recomputed} blocks recomputed in the backward (--ac block)" if recomputed else ""
-        self.say(f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "
-                 f"{cfg.batch_size}×{cfg.seq_len}{micro}{ac}")
+        self.say(
+            f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "
+            f"{cfg.batch_size}×{cfg.seq_len}{micro}{ac}"
+        )
         lowest = min(steps[-1].programs)
         per: dict[str, tuple[int, int]] = {}
         for step in steps:
@@ -111,8 +130,10 @@ class Console:
             self.say(s.pcg.redistribution_listing())
         self.say(f"unigram baseline (validation): {baseline:.4f} nats/token")
         if s.eval_batches < cfg.eval_batches:
-            self.say(f"validation: {s.eval_batches} batches per measurement, not --eval-batches {cfg.eval_batches}: "
-                     f"they hold the {len(c.val):,} tokens of the validation split")
+            self.say(
+                f"validation: {s.eval_batches} batches per measurement, not --eval-batches {cfg.eval_batches}: "
+                f"they hold the {len(c.val):,} tokens of the validation split"
+            )
         self.say(f"run directory: {cfg.run_dir}")
 
     def resumed(self, ck: Checkpoint, start: int) -> None:
@@ -124,8 +145,10 @@ class Console:
         """Whether the checkpoint ``--resume`` found is already at ``--steps`` (says so on rank 0)."""
         if ck.step < self.steps:
             return False
-        self.say(f"shardflow train: {ck.path} is at step {ck.step}, --steps is {self.steps}: nothing to train; raise "
-                 f"--steps to continue")
+        self.say(
+            f"shardflow train: {ck.path} is at step {ck.step}, --steps is {self.steps}: nothing to train; raise "
+            f"--steps to continue"
+        )
         return True
 
     def metrics(self, meter: Meter, outputs: list[Path]) -> None:
@@ -134,9 +157,11 @@ class Console:
         if not self.lead:
             return
         self.say(f"metrics → {', '.join(map(str, outputs))}")
-        self.say(f"MFU = model FLOPs {meter.flops / meter.tokens / 1e6:,.3f} MFLOP/token ({TRAINING_FACTOR} × the "
-                 f"forward's linear, matmul, attention and conv ops in the captured graph; causal attention counted "
-                 f"whole) ÷ peak {meter.peak.tflops:.4g} TFLOP/s per device ({meter.peak.source})")
+        self.say(
+            f"MFU = model FLOPs {meter.flops / meter.tokens / 1e6:,.3f} MFLOP/token ({TRAINING_FACTOR} × the "
+            f"forward's linear, matmul, attention and conv ops in the captured graph; causal attention counted "
+            f"whole) ÷ peak {meter.peak.tflops:.4g} TFLOP/s per device ({meter.peak.source})"
+        )
         self.say(f"memory: {memory_source(meter.device)}, MiB")
 
     def logs(self, record: dict[str, Any], last: bool) -> bool:
@@ -154,13 +179,18 @@ class Console:
         if self.logs(record, last):
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
             norm = f"  |g| {record['grad_norm']:.3g}" if "grad_norm" in record else ""
-            print(f"{CLEAR if self.bar else ''}step {n:>5}/{self.steps}  loss {loss:.4f}{val}  "
-                  f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}  lr {record['lr']:.3g}  mem {record['mem_mib']:,.0f} MiB  "
-                  f"data {record['data_s'] * 1000:.1f} ms  {record['step_s'] * 1000:.0f} ms/step", flush=True)
+            print(
+                f"{CLEAR if self.bar else ''}step {n:>5}/{self.steps}  loss {loss:.4f}{val}  "
+                f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}  lr {record['lr']:.3g}  mem {record['mem_mib']:,.0f} MiB  "
+                f"data {record['data_s'] * 1000:.1f} ms  {record['step_s'] * 1000:.0f} ms/step",
+                flush=True,
+            )
         elif self.bar:
             done = n * _BAR // self.steps
-            sys.__stdout__.write(f"{CLEAR}[{'#' * done}{'.' * (_BAR - done)}] step {n}/{self.steps}  "
-                                 f"loss {loss:.4f}  {tps:,.0f} tok/s/dev")
+            sys.__stdout__.write(
+                f"{CLEAR}[{'#' * done}{'.' * (_BAR - done)}] step {n}/{self.steps}  "
+                f"loss {loss:.4f}  {tps:,.0f} tok/s/dev"
+            )
             sys.__stdout__.flush()
 
     def saved(self, path, size: int, seconds: float) -> None:

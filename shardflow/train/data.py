@@ -59,6 +59,7 @@ class Split(StrEnum):
 
 # --- the text ---------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Text:
     """The documents of a corpus (each ends with a newline), a description of where they came from, the directory
@@ -98,22 +99,29 @@ def data_files(spec: str) -> tuple[list[Path], Path]:
     if p.is_file():
         return [p], p.parent
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*")
-                       if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        files = sorted(
+            f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
         if not files:
-            raise DataError(f"data directory {p} holds no files (hidden ones are skipped); put UTF-8 text files in "
-                            f"it, or pass --data with a file or a glob")
+            raise DataError(
+                f"data directory {p} holds no files (hidden ones are skipped); put UTF-8 text files in "
+                f"it, or pass --data with a file or a glob"
+            )
         return files, p
     if _has_magic(spec):
         files = sorted(Path(f) for f in glob.glob(spec, recursive=True) if Path(f).is_file())
         if not files:
-            raise DataError(f"--data {spec}: no file matches the pattern; check it (** matches any depth: "
-                            f"'books/**/*.txt'), or pass a file or a directory")
+            raise DataError(
+                f"--data {spec}: no file matches the pattern; check it (** matches any depth: "
+                f"'books/**/*.txt'), or pass a file or a directory"
+            )
         fixed = p.parts[:-1]
         stop = next((i for i, part in enumerate(fixed) if _has_magic(part)), len(fixed))
         return files, Path(*fixed[:stop]) if stop else Path(".")
-    raise DataError(f"data file {p} does not exist (or is not a file); pass --data with a UTF-8 text file, a "
-                    f"directory or a glob, or omit --data to train on the Python documentation")
+    raise DataError(
+        f"data file {p} does not exist (or is not a file); pass --data with a UTF-8 text file, a "
+        f"directory or a glob, or omit --data to train on the Python documentation"
+    )
 
 
 def _has_magic(pattern: str) -> bool:
@@ -133,10 +141,15 @@ def load_text(spec: str | None) -> Text:
         try:
             docs.append(_ending(f.read_bytes().decode("utf-8")))
         except UnicodeDecodeError as e:
-            narrow = (f"; or narrow --data to the text files with a glob such as '{spec.rstrip('/')}/**/*.txt'"
-                      if Path(spec).is_dir() else "")
-            raise DataError(f"data file {f} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
-                            f"iconv -f latin1 -t utf-8 {f} > {f.stem}.utf8.txt{narrow}") from None
+            narrow = (
+                f"; or narrow --data to the text files with a glob such as '{spec.rstrip('/')}/**/*.txt'"
+                if Path(spec).is_dir()
+                else ""
+            )
+            raise DataError(
+                f"data file {f} is not UTF-8 text (byte {e.start}: {e.reason}); convert it, e.g. "
+                f"iconv -f latin1 -t utf-8 {f} > {f.stem}.utf8.txt{narrow}"
+            ) from None
     source = str(files[0]) if len(files) == 1 else f"{spec} ({len(files)} files)"
     text = Text.of(tuple(docs), source, root / CACHE_DIR_NAME)
     if text.chars < 2:
@@ -150,6 +163,7 @@ def _ending(doc: str) -> str:
 
 
 # --- the token file ----------------------------------------------------------------------------------------------
+
 
 def token_dtype(vocab_size: int) -> str:
     """The token file's dtype name for a vocabulary of ``vocab_size`` ids: ``uint16`` up to 65,536, else ``uint32``."""
@@ -197,9 +211,16 @@ def cache_entry(text: Text, choice: TokenizerChoice, cache_dir: Path | None = No
         dtype = token_dtype(tok.vocab_size)
         tok.save(tmp / TOKENIZER_FILE)
         count = write_tokens(tmp / TOKENS_FILE, tok.encode_documents(text.documents), dtype)
-        meta = {"source": text.source, "corpus_sha256": text.sha256, "documents": len(text.documents),
-                "chars": text.chars, "tokenizer": tok.describe(), "tokenizer_sha256": tok.sha256, "dtype": dtype,
-                "tokens": count}
+        meta = {
+            "source": text.source,
+            "corpus_sha256": text.sha256,
+            "documents": len(text.documents),
+            "chars": text.chars,
+            "tokenizer": tok.describe(),
+            "tokenizer_sha256": tok.sha256,
+            "dtype": dtype,
+            "tokens": count,
+        }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         try:
             os.rename(tmp, final)
@@ -210,8 +231,9 @@ def cache_entry(text: Text, choice: TokenizerChoice, cache_dir: Path | None = No
             return _read_entry(final, text, built=False)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"cannot write the data cache {root} ({e.strerror or e}); pass --cache-dir with a directory "
-                        f"you can write") from None
+        raise DataError(
+            f"cannot write the data cache {root} ({e.strerror or e}); pass --cache-dir with a directory you can write"
+        ) from None
     except TokenizerError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(f"data from {text.source}: {e}") from None
@@ -226,9 +248,15 @@ def _read_entry(path: Path, text: Text, built: bool) -> Entry:
         count, dtype = int(meta["tokens"]), meta["dtype"]
         size = (path / TOKENS_FILE).stat().st_size
         want = count * _DTYPES[dtype][1].itemsize
-        problem = ("it was made from another corpus" if meta["corpus_sha256"] != text.sha256 else
-                   "its tokenizer.json was changed" if meta["tokenizer_sha256"] != tok.sha256 else
-                   f"{TOKENS_FILE} has {size} bytes, not {want}" if size != want else None)
+        problem = (
+            "it was made from another corpus"
+            if meta["corpus_sha256"] != text.sha256
+            else "its tokenizer.json was changed"
+            if meta["tokenizer_sha256"] != tok.sha256
+            else f"{TOKENS_FILE} has {size} bytes, not {want}"
+            if size != want
+            else None
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:  # TokenizerError is a ValueError
         problem = f"{type(e).__name__}: {e}"
     if problem:
@@ -237,6 +265,7 @@ def _read_entry(path: Path, text: Text, built: bool) -> Entry:
 
 
 # --- the corpus ---------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Corpus:
@@ -261,28 +290,32 @@ class Corpus:
         entry = cache_entry(text, tokenizer, Path(cache_dir) if cache_dir else None)
         corpus = cls(entry.tokenizer, entry.tokens, text.source, text.sha256, text.chars, entry.path, entry.built)
         if len(corpus.val) <= seq_len + 1:
-            raise DataError(f"data from {text.source} has {text.chars} characters, {len(entry.tokens)} tokens "
-                            f"({entry.tokenizer.describe()}): too few for --seq-len {seq_len} (the validation split, "
-                            f"the last {VAL_FRACTION:.0%}, needs more than {seq_len + 1} tokens); use more text or a "
-                            f"shorter --seq-len")
+            raise DataError(
+                f"data from {text.source} has {text.chars} characters, {len(entry.tokens)} tokens "
+                f"({entry.tokenizer.describe()}): too few for --seq-len {seq_len} (the validation split, "
+                f"the last {VAL_FRACTION:.0%}, needs more than {seq_len + 1} tokens); use more text or a "
+                f"shorter --seq-len"
+            )
         train = corpus.train
         if not bool((train != train[0]).any()):
-            raise DataError(f"data from {text.source}: its training split (the first {1 - VAL_FRACTION:.0%}, "
-                            f"{len(train):,} tokens) is one token repeated, "
-                            f"{entry.tokenizer.decode([int(train[0])])!r}: a model has nothing to learn from it (it "
-                            f"predicts that token and its loss is 0); use a text with more than one distinct "
-                            f"character")
+            raise DataError(
+                f"data from {text.source}: its training split (the first {1 - VAL_FRACTION:.0%}, "
+                f"{len(train):,} tokens) is one token repeated, "
+                f"{entry.tokenizer.decode([int(train[0])])!r}: a model has nothing to learn from it (it "
+                f"predicts that token and its loss is 0); use a text with more than one distinct "
+                f"character"
+            )
         return corpus
 
     @property
     def train(self) -> torch.Tensor:
         """The training split: the first 90 % of the tokens, [N_train]."""
-        return self.tokens[:self._cut]
+        return self.tokens[: self._cut]
 
     @property
     def val(self) -> torch.Tensor:
         """The validation split: the last 10 % of the tokens, [N_val]."""
-        return self.tokens[self._cut:]
+        return self.tokens[self._cut :]
 
     @property
     def _cut(self) -> int:
@@ -294,7 +327,7 @@ class Corpus:
         data = self.train if split == Split.TRAIN else self.val
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 2 + (split != Split.TRAIN))
         starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=gen)
-        rows = torch.stack([data[s:s + seq_len + 1] for s in starts.tolist()]).long()  # [B, T + 1]
+        rows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()  # [B, T + 1]
         return {"idx": rows[:, :-1].contiguous(), "targets": rows[:, 1:].contiguous()}
 
     def unigram_loss(self) -> float:

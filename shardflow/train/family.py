@@ -56,15 +56,18 @@ class Feed(StrEnum):
         if keys == {"input_ids", "labels"} and is_hf(module):
             return cls.CAUSAL_LM
         hf = " (a Hugging Face PreTrainedModel)" if keys == {"input_ids", "labels"} else ""
-        raise ModelError(f"--model {spec}: shardflow train feeds token batches as idx and targets (the next tokens, "
-                         f"for forward(idx, targets) → loss) or as input_ids and labels{hf}; the factory's batch has "
-                         f"{', '.join(sorted(keys))}: return one of those two batches")
+        raise ModelError(
+            f"--model {spec}: shardflow train feeds token batches as idx and targets (the next tokens, "
+            f"for forward(idx, targets) → loss) or as input_ids and labels{hf}; the factory's batch has "
+            f"{', '.join(sorted(keys))}: return one of those two batches"
+        )
 
 
 def is_hf(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face ``PreTrainedModel`` (without importing transformers when it is not)."""
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
-               for c in type(module).__mro__)
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(module).__mro__
+    )
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,12 @@ class Sizes:
 DEFAULT_SIZES = Sizes(layers=2, heads=4, kv_heads=2, embd=128)
 
 # Hugging Face config attributes per size flag (the standard names: GPT2Config maps them onto n_layer, ...)
-_ATTRS = {"layers": "num_hidden_layers", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
-          "embd": "hidden_size"}
+_ATTRS = {
+    "layers": "num_hidden_layers",
+    "heads": "num_attention_heads",
+    "kv_heads": "num_key_value_heads",
+    "embd": "hidden_size",
+}
 
 
 @dataclass(frozen=True)
@@ -98,10 +105,12 @@ class _HFType:
     attention_dropout: str
 
 
-_HF_TYPES = {"llama": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
-             "mistral": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
-             "qwen2": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
-             "gpt2": _HFType("n_inner", 4, ("resid_pdrop", "embd_pdrop"), "attn_pdrop")}
+_HF_TYPES = {
+    "llama": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
+    "mistral": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
+    "qwen2": _HFType("intermediate_size", 8 / 3, (), "attention_dropout"),
+    "gpt2": _HFType("n_inner", 4, ("resid_pdrop", "embd_pdrop"), "attn_pdrop"),
+}
 
 
 @dataclass(frozen=True)
@@ -129,19 +138,24 @@ class Family:
             return model(input_ids=idx).logits
         if hasattr(model, "logits"):
             return model.logits(idx)
-        raise ModelError(f"model {self.name} ({type(model).__name__}) has no logits(idx) method: shardflow "
-                         f"generate samples from Hugging Face models and from models with logits(idx) → [B, T, V]")
+        raise ModelError(
+            f"model {self.name} ({type(model).__name__}) has no logits(idx) method: shardflow "
+            f"generate samples from Hugging Face models and from models with logits(idx) → [B, T, V]"
+        )
 
 
 # --- Hugging Face families ---------------------------------------------------------------------------------------
 
+
 def _hf_build(config) -> nn.Module:
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_config(config)
 
 
 def _hf_from_json(saved: Mapping[str, Any]):
     from transformers import AutoConfig
+
     saved = dict(saved)
     model_type = saved.pop("model_type", None)
     if model_type is None:
@@ -152,46 +166,64 @@ def _hf_from_json(saved: Mapping[str, Any]):
 def _hf_describe(config) -> str:
     kv = getattr(config, "num_key_value_heads", None)
     kv = f" ({kv} key/value)" if kv and kv != config.num_attention_heads else ""
-    return (f"{type(config).__name__.removesuffix('Config')} ({config.model_type}): {config.num_hidden_layers} layers, "
-            f"{config.num_attention_heads} heads{kv}, width {config.hidden_size}")
+    return (
+        f"{type(config).__name__.removesuffix('Config')} ({config.model_type}): {config.num_hidden_layers} layers, "
+        f"{config.num_attention_heads} heads{kv}, width {config.hidden_size}"
+    )
 
 
 def hf_family(model_type: str) -> Family:
     """The family of a Hugging Face causal LM ``model_type``."""
     match = tuple((a, f"--{k.replace('_', '-')}") for k, a in _ATTRS.items()) + (("vocab_size", "--vocab-size"),)
-    return Family(model_type, Feed.CAUSAL_LM, _hf_build, lambda c: c.to_dict(), _hf_from_json, _hf_describe,
-                  match)
+    return Family(model_type, Feed.CAUSAL_LM, _hf_build, lambda c: c.to_dict(), _hf_from_json, _hf_describe, match)
 
 
-def hf_config(model: str | None, config_file: str | None, sizes: Sizes, vocab_size: int, seq_len: int,
-              dropout: float, keep_vocab: bool = False):
+def hf_config(
+    model: str | None,
+    config_file: str | None,
+    sizes: Sizes,
+    vocab_size: int,
+    seq_len: int,
+    dropout: float,
+    keep_vocab: bool = False,
+):
     """The Hugging Face config of ``--model`` (a model type; None: ``--model-config``'s, else llama) sized by
     ``--model-config`` and the flags, with the tokenizer's ``vocab_size`` (``keep_vocab``: the config's, which must
     hold the tokenizer's ids — a pretrained model's embedding), at least ``seq_len`` positions, the given dropout
     and no KV cache (the training forward is captured). Raises ModelError."""
     from transformers import CONFIG_MAPPING, AutoConfig
+
     base: dict[str, Any] = {}
     if config_file:
         try:
             base = json.loads(Path(config_file).read_text())
         except (OSError, ValueError) as e:
-            raise ModelError(f"--model-config {config_file}: cannot read it as JSON ({e}); pass a Hugging Face "
-                             f"config.json") from None
+            raise ModelError(
+                f"--model-config {config_file}: cannot read it as JSON ({e}); pass a Hugging Face config.json"
+            ) from None
         if not isinstance(base, dict) or "model_type" not in base:
-            raise ModelError(f"--model-config {config_file}: no model_type in it; pass a Hugging Face config.json "
-                             f"(as save_pretrained writes)")
+            raise ModelError(
+                f"--model-config {config_file}: no model_type in it; pass a Hugging Face config.json "
+                f"(as save_pretrained writes)"
+            )
     model_type = model or base.get("model_type", "llama")
     if base and base["model_type"] != model_type:
-        raise ModelError(f"--model {model} but --model-config {config_file} is of model_type "
-                         f"{base['model_type']!r}; drop --model, or pass a config of {model_type}")
+        raise ModelError(
+            f"--model {model} but --model-config {config_file} is of model_type "
+            f"{base['model_type']!r}; drop --model, or pass a config of {model_type}"
+        )
     if model_type not in CONFIG_MAPPING:
-        raise ModelError(f"--model {model_type}: not a model type of transformers, nor FILE.py:FACTORY; use llama, "
-                         f"gpt2, another causal-LM type (mistral, qwen2, ...) or a factory")
+        raise ModelError(
+            f"--model {model_type}: not a model type of transformers, nor FILE.py:FACTORY; use llama, "
+            f"gpt2, another causal-LM type (mistral, qwen2, ...) or a factory"
+        )
     config = AutoConfig.for_model(**(base or {"model_type": model_type}))
     gqa = hasattr(config, "num_key_value_heads")
     if sizes.kv_heads is not None and not gqa:
-        raise ModelError(f"--kv-heads {sizes.kv_heads}: {model_type} has no grouped-query attention (every head has "
-                         f"its own keys and values); drop --kv-heads")
+        raise ModelError(
+            f"--kv-heads {sizes.kv_heads}: {model_type} has no grouped-query attention (every head has "
+            f"its own keys and values); drop --kv-heads"
+        )
     kind = _HF_TYPES.get(model_type)
     for flag, default in asdict(DEFAULT_SIZES).items():
         v = getattr(sizes, flag)
@@ -203,9 +235,11 @@ def hf_config(model: str | None, config_file: str | None, sizes: Sizes, vocab_si
         setattr(config, kind.ffn, -(-int(config.hidden_size * kind.ffn_ratio) // 64) * 64)
     if dropout and not (kind and kind.dropouts):
         with_dropout = [t for t, k in _HF_TYPES.items() if k.dropouts]
-        raise ModelError(f"--dropout {dropout}: {model_type} has dropout only inside attention, which shardflow "
-                         f"does not support (the fused kernel draws its mask); drop --dropout, or train "
-                         f"{' or '.join(with_dropout)} (residual and embedding dropout)")
+        raise ModelError(
+            f"--dropout {dropout}: {model_type} has dropout only inside attention, which shardflow "
+            f"does not support (the fused kernel draws its mask); drop --dropout, or train "
+            f"{' or '.join(with_dropout)} (residual and embedding dropout)"
+        )
     if kind is not None:
         for attr in kind.dropouts:
             setattr(config, attr, dropout)
@@ -213,24 +247,31 @@ def hf_config(model: str | None, config_file: str | None, sizes: Sizes, vocab_si
     if not keep_vocab:
         config.vocab_size = vocab_size
     elif config.vocab_size < vocab_size:
-        raise ModelError(f"the tokenizer has {vocab_size} tokens but the model's embedding only {config.vocab_size}: "
-                         f"pass the tokenizer the model was trained with")
+        raise ModelError(
+            f"the tokenizer has {vocab_size} tokens but the model's embedding only {config.vocab_size}: "
+            f"pass the tokenizer the model was trained with"
+        )
     # GPT-2 learns a position embedding per position: as many as --seq-len (a --model-config may hold more)
     config.max_position_embeddings = max(seq_len, config.max_position_embeddings) if base else seq_len
     config.use_cache = False
     heads, embd = config.num_attention_heads, config.hidden_size
     if embd % heads:
         fits = [h for h in range(1, heads + 1) if embd % h == 0][-1]
-        raise ModelError(f"--embd {embd} is not a multiple of --heads {heads} (every head gets --embd / --heads "
-                         f"features); change one of them, e.g. --heads {fits}")
+        raise ModelError(
+            f"--embd {embd} is not a multiple of --heads {heads} (every head gets --embd / --heads "
+            f"features); change one of them, e.g. --heads {fits}"
+        )
     kv = getattr(config, "num_key_value_heads", None)
     if kv is not None and heads % kv:
-        raise ModelError(f"--heads {heads} is not a multiple of --kv-heads {kv} (each key/value head serves "
-                         f"--heads / --kv-heads query heads); change one of them, e.g. --kv-heads 1")
+        raise ModelError(
+            f"--heads {heads} is not a multiple of --kv-heads {kv} (each key/value head serves "
+            f"--heads / --kv-heads query heads); change one of them, e.g. --kv-heads 1"
+        )
     return config
 
 
 # --- factories (FILE.py:FACTORY) ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class FactoryConfig:
@@ -255,8 +296,14 @@ def factory_family(spec: str, vocab_size: int) -> tuple[Family, FactoryConfig]:
     config = FactoryConfig(spec, vocab_size)
     module, batch = _call_factory(config)
     feed = Feed.of_batch(spec, set(batch), module)
-    return Family(spec, feed, _factory_build, asdict, lambda saved: FactoryConfig(**saved),
-                  lambda c: f"{type(module).__name__} from {c.spec}"), config
+    return Family(
+        spec,
+        feed,
+        _factory_build,
+        asdict,
+        lambda saved: FactoryConfig(**saved),
+        lambda c: f"{type(module).__name__} from {c.spec}",
+    ), config
 
 
 def is_factory(model: str | None) -> bool:
@@ -267,6 +314,7 @@ def is_factory(model: str | None) -> bool:
 def is_model_type(model: str) -> bool:
     """Whether ``model`` is a model type of transformers (llama, gpt2, qwen2, ...)."""
     from transformers import CONFIG_MAPPING
+
     return model in CONFIG_MAPPING
 
 

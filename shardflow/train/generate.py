@@ -5,12 +5,10 @@ directory (``shardflow export``'s, loaded with ``AutoModelForCausalLM``)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import torch
-
-from pathlib import Path
-
 from torch import nn
 
 from shardflow.train.checkpoint import CheckpointError, load_model
@@ -21,8 +19,17 @@ from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 _CUT = "\ufffd"
 
 
-def sample(family: Family, model: nn.Module, tok: Tokenizer, context: int, prompt: str, tokens: int,
-           temperature: float = 1.0, seed: int = 0, out: TextIO | None = None) -> str:
+def sample(
+    family: Family,
+    model: nn.Module,
+    tok: Tokenizer,
+    context: int,
+    prompt: str,
+    tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    out: TextIO | None = None,
+) -> str:
     """``prompt`` followed by the text of ``tokens`` sampled tokens (greedy when ``temperature`` is 0); the model sees
     the last ``context`` tokens. The sampled text is written to ``out`` as it grows, when given, whole characters
     only (a character whose bytes span several tokens appears once they have all been sampled)."""
@@ -41,12 +48,12 @@ def sample(family: Family, model: nn.Module, tok: Tokenizer, context: int, promp
             new.append(int(nxt))
             text = tok.decode(new)
             if out is not None and not text.endswith(_CUT):
-                out.write(text[len(shown):])
+                out.write(text[len(shown) :])
                 out.flush()
                 shown = text
     text = tok.decode(new)
     if out is not None:
-        out.write(text[len(shown):])
+        out.write(text[len(shown) :])
     return prompt + text
 
 
@@ -57,13 +64,21 @@ def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
     path = Path(source)
     if (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
+
         if not (path / TOKENIZER_FILE).is_file():
-            raise CheckpointError(f"{path} has no {TOKENIZER_FILE}: shardflow generate needs the fast tokenizer "
-                                  f"(shardflow export writes it)")
+            raise CheckpointError(
+                f"{path} has no {TOKENIZER_FILE}: shardflow generate needs the fast tokenizer "
+                f"(shardflow export writes it)"
+            )
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         config = model.config
-        return (hf_family(config.model_type), model, Tokenizer.load(path / TOKENIZER_FILE),
-                config.max_position_embeddings, f"the Hugging Face model in {path}")
+        return (
+            hf_family(config.model_type),
+            model,
+            Tokenizer.load(path / TOKENIZER_FILE),
+            config.max_position_embeddings,
+            f"the Hugging Face model in {path}",
+        )
     family, model, ck = load_model(source)
     return family, model, ck.tokenizer, int(ck.train.get("seq_len", 64)), f"checkpoint {ck.path}"
 
@@ -75,9 +90,11 @@ def main(source: str, prompt: str, tokens: int, temperature: float, seed: int) -
     family, model, tok, context, what = load(source)
     unknown = tok.unknown(prompt)
     if unknown:
-        raise CheckpointError(f"--prompt has characters outside the model's vocabulary: "
-                              f"{', '.join(repr(c) for c in unknown)}; the tokenizer of {what} "
-                              f"({tok.describe()}) has no token for them: use characters of its training text")
+        raise CheckpointError(
+            f"--prompt has characters outside the model's vocabulary: "
+            f"{', '.join(repr(c) for c in unknown)}; the tokenizer of {what} "
+            f"({tok.describe()}) has no token for them: use characters of its training text"
+        )
     sys.stdout.write(prompt)
     sample(family, model, tok, context, prompt, tokens, temperature, seed, out=sys.stdout)
     sys.stdout.write("\n")

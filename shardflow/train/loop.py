@@ -33,8 +33,8 @@ from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
 from shardflow.train.console import Console
 from shardflow.train.data import Split
-from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
 from shardflow.train.memory import processes_here
+from shardflow.train.metrics import TENSORBOARD_DIR, Meter, MetricsWriter, Peak
 from shardflow.train.recipe import Setup, check_memory, setup
 from shardflow.train.rundir import metrics_path
 
@@ -47,12 +47,20 @@ class Diverged(ValueError):
 def diverged(cfg: TrainConfig, step: int, what: str, newest: Path | None) -> Diverged:
     """The :class:`Diverged` of ``what`` (e.g. ``the loss is nan``) at ``step``; ``newest``: the newest complete
     checkpoint of the run (None: none)."""
-    fix = (f"try a lower --lr (the gradients are already clipped to --clip-norm {cfg.clip_norm:g})" if cfg.clip_norm
-           else "try --clip-norm 1.0 or a lower --lr")
-    kept = (f"the last complete checkpoint, {newest}, is kept (continue from it with --resume and a lower --lr)"
-            if newest else "no checkpoint had been saved before it")
-    return Diverged(f"{what} at step {step}: training diverged, most likely because the learning rate is too high "
-                    f"(--lr {cfg.lr:g}); {fix}. Nothing of step {step} was saved; {kept}")
+    fix = (
+        f"try a lower --lr (the gradients are already clipped to --clip-norm {cfg.clip_norm:g})"
+        if cfg.clip_norm
+        else "try --clip-norm 1.0 or a lower --lr"
+    )
+    kept = (
+        f"the last complete checkpoint, {newest}, is kept (continue from it with --resume and a lower --lr)"
+        if newest
+        else "no checkpoint had been saved before it"
+    )
+    return Diverged(
+        f"{what} at step {step}: training diverged, most likely because the learning rate is too high "
+        f"(--lr {cfg.lr:g}); {fix}. Nothing of step {step} was saved; {kept}"
+    )
 
 
 def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> int:
@@ -71,10 +79,13 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     device = rank_device(cfg.device)  # where the executors keep every buffer
     if world > 1:
         from shardflow.runtime.distributed import DistributedExecutor
-        make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=cfg.timeout, debug=cfg.debug,
-                                 device=device, seed=cfg.seed)
+
+        make = functools.partial(
+            DistributedExecutor, optimizer=opt, timeout_s=cfg.timeout, debug=cfg.debug, device=device, seed=cfg.seed
+        )
     else:
         from shardflow.runtime.local import LocalExecutor
+
         make = functools.partial(LocalExecutor, optimizer=opt, device=device, seed=cfg.seed)
     # the run's weights, state and gradients: read on ex; --accumulate: one step, N micro-steps
     ex, micro = s.pipeline.executors(lowered, make)
@@ -96,15 +107,26 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         weights, state = s.initial_weights(), None
         ex.load(weights)
     check = Check(s, weights, state, start) if cfg.check else None
-    saver = checkpoint.Saver(cfg.checkpoints, rank, world, s.checkpoint_meta(world), fresh=not cfg.resume,
-                             files=s.checkpoint_files(), keep=cfg.keep_checkpoints)
+    saver = checkpoint.Saver(
+        cfg.checkpoints,
+        rank,
+        world,
+        s.checkpoint_meta(world),
+        fresh=not cfg.resume,
+        files=s.checkpoint_files(),
+        keep=cfg.keep_checkpoints,
+    )
     saver.on_written = functools.partial(hook.saved, rank)
 
     run_dir.mkdir(parents=True, exist_ok=True)
     precision = s.pipeline.options.precision  # the dtype the model computes in: MFU's peak
-    meter = Meter(cfg.batch_size * cfg.seq_len, s.mesh.size, training_flops(s.graph) * cfg.accumulate * cfg.microbatches,
-                  Peak.of(cfg.peak_tflops, device, precision.param_dtype if precision else torch.float32) if lead
-                  else None, device)
+    meter = Meter(
+        cfg.batch_size * cfg.seq_len,
+        s.mesh.size,
+        training_flops(s.graph) * cfg.accumulate * cfg.microbatches,
+        Peak.of(cfg.peak_tflops, device, precision.param_dtype if precision else torch.float32) if lead else None,
+        device,
+    )
     metrics_file = metrics_path(cfg)
     board = run_dir / TENSORBOARD_DIR if cfg.tensorboard else None
     metrics = MetricsWriter(metrics_file, start, board) if lead else None
@@ -147,8 +169,9 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
             try:
                 path, size = saver.save(ex, step + 1)  # collective: every rank takes part
             except checkpoint.NonFiniteState as e:
-                raise diverged(cfg, step + 1, f"the weights or optimizer state hold NaN or inf ({e.names[0]})",
-                               newest) from None
+                raise diverged(
+                    cfg, step + 1, f"the weights or optimizer state hold NaN or inf ({e.names[0]})", newest
+                ) from None
             newest = path
             console.saved(path, size, time.perf_counter() - t0)
     if lead:
@@ -168,6 +191,7 @@ def _full_state(s: Setup, ck: checkpoint.Checkpoint) -> tuple[dict[str, torch.Te
 def _write_trace(s: Setup, ex, rank: int, world: int) -> None:
     """Gather every rank's measured timeline to rank 0, which adds the cost model's and writes the file."""
     import torch.distributed as dist
+
     everyone: list = [None] * world
     dist.all_gather_object(everyone, ex.tracer.events)
     ex.tracer = None
@@ -180,6 +204,12 @@ def _write_trace(s: Setup, ex, rank: int, world: int) -> None:
         if s.cfg.microbatches > 1:
             sched = schedule_of(ex.dg, s.pipeline.options.schedule)
             ideal = f"; the schedule's bubble (p-1)/(m+p-1) = {sched.bubble:.1%}"
-        print("time blocked on other ranks in step 2 (waits and blocking communications): " + ", ".join(
-            f"rank {r} {b * 1e3:.1f} of {span * 1e3:.1f} ms ({b / span if span else 0.0:.1%})"
-            for r, (b, span) in trace.blocked(measured).items()) + ideal, flush=True)
+        print(
+            "time blocked on other ranks in step 2 (waits and blocking communications): "
+            + ", ".join(
+                f"rank {r} {b * 1e3:.1f} of {span * 1e3:.1f} ms ({b / span if span else 0.0:.1%})"
+                for r, (b, span) in trace.blocked(measured).items()
+            )
+            + ideal,
+            flush=True,
+        )

@@ -72,8 +72,12 @@ class Estimate:
 
     def parts(self) -> list[tuple[str, int]]:
         """(what, bytes), largest first."""
-        named = [*((str(k), n) for k, n in self.program.items()), (MODEL_PART, self.model),
-                 (CONSTANTS_PART, self.constants), (RUNTIME_PART, self.runtime)]
+        named = [
+            *((str(k), n) for k, n in self.program.items()),
+            (MODEL_PART, self.model),
+            (CONSTANTS_PART, self.constants),
+            (RUNTIME_PART, self.runtime),
+        ]
         return sorted(named, key=lambda p: -p[1])
 
 
@@ -85,8 +89,10 @@ FIXES = {
     str(MemoryKind.ACTIVATIONS): (_SMALLER_BATCH, "more devices along dp (the batch) or sp (the sequence)"),
     str(MemoryKind.PARAMETERS): (_SMALLER_MODEL, _SPLIT_WEIGHTS),
     str(MemoryKind.GRADIENTS): (_SMALLER_MODEL, _SPLIT_WEIGHTS),
-    str(MemoryKind.OPTIMIZER): ("--optimizer sgd (one state per weight with momentum, none without; AdamW keeps "
-                                "two)", _SPLIT_WEIGHTS),
+    str(MemoryKind.OPTIMIZER): (
+        "--optimizer sgd (one state per weight with momentum, none without; AdamW keeps two)",
+        _SPLIT_WEIGHTS,
+    ),
     MODEL_PART: (f"{_SMALLER_MODEL}: every process builds it whole", "fewer processes on this machine (--nproc)"),
     CONSTANTS_PART: (_SMALLER_BATCH,),
     RUNTIME_PART: ("fewer processes on this machine (--nproc)",),
@@ -141,15 +147,23 @@ def processes_here(env: Mapping[str, str], nproc: int) -> int:
     return nproc
 
 
-def of_plan(step: LoweredStep, together: bool, model: int, constants: int, runtime: int,
-            size: Callable[[Buffer], int] | None = None, basis: str = "the run's plan") -> Estimate:
+def of_plan(
+    step: LoweredStep,
+    together: bool,
+    model: int,
+    constants: int,
+    runtime: int,
+    size: Callable[[Buffer], int] | None = None,
+    basis: str = "the run's plan",
+) -> Estimate:
     """The estimate of a process that runs ``step``'s programs: all of them (``together``: one process of
     ``--nproc 1`` runs every rank; their peaks summed) or one each (the rank of the highest peak), with the
     process's ``model``, ``constants`` and ``runtime`` bytes. ``size``: a buffer's bytes (default its piece's;
     :func:`scaling` scales them)."""
     peaks = [program_memory(p, step.dg, size).by_kind for p in step.programs.values()]
-    program = ({k: sum(p[k] for p in peaks) for k in MemoryKind} if together
-               else max(peaks, key=lambda p: sum(p.values())))
+    program = (
+        {k: sum(p[k] for p in peaks) for k in MemoryKind} if together else max(peaks, key=lambda p: sum(p.values()))
+    )
     return Estimate(program, model, constants, runtime, basis)
 
 
@@ -162,7 +176,7 @@ def probe_sizes(devices: int) -> tuple[tuple[int, int], tuple[int, int], tuple[i
 
 def needs_probe(cfg: TrainConfig) -> bool:
     """Whether capturing at the run's size could itself take much memory (:data:`PROBE_ABOVE`)."""
-    return cfg.batch_size * cfg.seq_len ** 2 > PROBE_ABOVE
+    return cfg.batch_size * cfg.seq_len**2 > PROBE_ABOVE
 
 
 def scaling(cfg: TrainConfig, probes: Mapping[tuple[int, int], Mapping[str, int]]) -> Callable[[str, int], int]:
@@ -178,6 +192,7 @@ def scaling(cfg: TrainConfig, probes: Mapping[tuple[int, int], Mapping[str, int]
 
     def grow(name: str, n: int) -> int:
         return int(n * (cfg.batch_size / b) ** power(name, wide) * (cfg.seq_len / t) ** power(name, long))
+
     return grow
 
 
@@ -195,8 +210,13 @@ def check(est: Estimate, processes: int, device_type: str = "cpu") -> None:
         _fit(parts, processes, available_bytes(), est.basis)
         return
     _fit([p for p in parts if p[0] in HOST_PARTS], processes, available_bytes(), est.basis)
-    _fit([p for p in parts if p[0] not in (MODEL_PART, RUNTIME_PART)], processes, gpu_bytes(processes), est.basis,
-         gpu=True)
+    _fit(
+        [p for p in parts if p[0] not in (MODEL_PART, RUNTIME_PART)],
+        processes,
+        gpu_bytes(processes),
+        est.basis,
+        gpu=True,
+    )
 
 
 def gpu_bytes(processes: int) -> tuple[int, str] | None:
@@ -204,6 +224,7 @@ def gpu_bytes(processes: int) -> tuple[int, str] | None:
     ``torch.cuda.get_device_properties``: the free memory would need a CUDA context in the process that checks, the
     launcher too) and what it is; None without CUDA."""
     import torch
+
     if not torch.cuda.is_available():
         return None
     gpus = range(max(1, min(processes, torch.cuda.device_count())))
@@ -211,8 +232,9 @@ def gpu_bytes(processes: int) -> tuple[int, str] | None:
     return props.total_memory, f"the total memory of cuda:{i}, {props.name}"
 
 
-def _fit(parts: list[tuple[str, int]], processes: int, found: tuple[int, str] | None, basis: str,
-         gpu: bool = False) -> None:
+def _fit(
+    parts: list[tuple[str, int]], processes: int, found: tuple[int, str] | None, basis: str, gpu: bool = False
+) -> None:
     """Raise MemoryFitError unless ``processes`` processes holding ``parts`` ((what, bytes), largest first) each fit
     in ``found`` (bytes, where from): this machine's memory, or (``gpu``) each its own GPU's."""
     total = sum(n for _, n in parts)
@@ -226,11 +248,13 @@ def _fit(parts: list[tuple[str, int]], processes: int, found: tuple[int, str] | 
     if gpu:
         raise MemoryFitError(
             f"not enough GPU memory for this run: {each} would hold about {_size(total)} on its GPU at its peak — "
-            f"{held} (estimated from {basis}) — but a GPU has {_size(avail)} ({source}); use " + ", or ".join(fixes))
+            f"{held} (estimated from {basis}) — but a GPU has {_size(avail)} ({source}); use " + ", or ".join(fixes)
+        )
     raise MemoryFitError(
         f"not enough memory for this run: {each} would hold about {_size(total)} at its peak — {held} (estimated "
         f"from {basis}) — {_size(need)} in all, but this machine has {_size(avail)} available ({source}); use "
-        + ", or ".join(fixes))
+        + ", or ".join(fixes)
+    )
 
 
 def _size(n: int) -> str:

@@ -94,7 +94,7 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32
             torch.cuda.synchronize(device)
         if k:  # the first is the warm-up
             best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e12
+    return 2 * n**3 / best / 1e12
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +111,12 @@ class Peak:
         (:func:`measure_peak_tflops`)."""
         if given_tflops > 0:
             return cls(given_tflops, "--peak-tflops")
-        return cls(measure_peak_tflops(device, dtype), f"measured at start-up: best of {PEAK_REPEATS} "
-                                                       f"{dtype_name(dtype)} "
-                                                       f"{PEAK_MATMUL}×{PEAK_MATMUL} matmuls on {device}")
+        return cls(
+            measure_peak_tflops(device, dtype),
+            f"measured at start-up: best of {PEAK_REPEATS} "
+            f"{dtype_name(dtype)} "
+            f"{PEAK_MATMUL}×{PEAK_MATMUL} matmuls on {device}",
+        )
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -134,6 +137,7 @@ def memory_source(device: torch.device) -> str:
 
 # --- one step's record ------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True, slots=True)
 class Meter:
     """How the records of a run are computed. ``tokens``: tokens of one step (the global batch); ``devices``:
@@ -147,17 +151,23 @@ class Meter:
     peak: Peak | None
     device: torch.device
 
-    def record(self, step: int, loss: float, step_s: float, data_s: float, grad_norm: float | None,
-               lr: float) -> dict[str, Any]:
+    def record(
+        self, step: int, loss: float, step_s: float, data_s: float, grad_norm: float | None, lr: float
+    ) -> dict[str, Any]:
         """The record of step ``step`` (counted from 1): ``loss`` (nats/token), the step's wall time ``step_s``
         and the part of it spent building the batch ``data_s`` (seconds), the gradient norm (None: not
         measured), the learning rate of its update ``lr``; the rates per device and the MFU follow (see the
         module docstring)."""
         tflops = self.flops / step_s / self.devices / 1e12
-        rec: dict[str, Any] = {"step": step, "loss": loss, "step_s": step_s, "data_s": data_s,
-                               "tokens_per_s": self.tokens / step_s,
-                               "tokens_per_s_per_device": self.tokens / step_s / self.devices,
-                               "tflops_per_device": tflops}
+        rec: dict[str, Any] = {
+            "step": step,
+            "loss": loss,
+            "step_s": step_s,
+            "data_s": data_s,
+            "tokens_per_s": self.tokens / step_s,
+            "tokens_per_s_per_device": self.tokens / step_s / self.devices,
+            "tflops_per_device": tflops,
+        }
         if self.peak is not None:
             rec["mfu_pct"] = 100 * tflops / self.peak.tflops
         if grad_norm is not None:
@@ -183,6 +193,7 @@ class MetricsWriter:
         self.board = None
         if tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked up front)
+
             self.board = SummaryWriter(str(tensorboard), purge_step=start + 1, flush_secs=10)
 
     def write(self, record: dict[str, Any]) -> None:

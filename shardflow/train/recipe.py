@@ -24,8 +24,8 @@ from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
 from shardflow.pipeline import Pipeline, machine_cost
-from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.device import device_type
+from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.materialize import TensorInit, materialize
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
@@ -85,8 +85,13 @@ class Setup:
         """The optimizer of the config (the pipeline's)."""
         return self.pipeline.optimizer
 
-    def lower(self, ranks: tuple[int, ...] | None = None, verify: bool = False, training: bool = True,
-              micro: MicroStep | None = None) -> LoweredStep:
+    def lower(
+        self,
+        ranks: tuple[int, ...] | None = None,
+        verify: bool = False,
+        training: bool = True,
+        micro: MicroStep | None = None,
+    ) -> LoweredStep:
         """:meth:`Pipeline.lower <shardflow.pipeline.Pipeline.lower>`: one step (training, or evaluation) for
         ``ranks`` (default all; ``verify`` proves them), micro-step ``micro`` (default the last)."""
         return self.pipeline.lower(ranks, verify, training, micro)
@@ -126,14 +131,19 @@ class Setup:
     def checkpoint_entries(self) -> checkpoint.Entries:
         """What a checkpoint of this run holds: every weight and its optimizer state."""
         precision = self.pipeline.options.precision
-        return checkpoint.model_entries(self.model, self.graph.weights, OPTIMIZER_SLOTS[self.optimizer.slots],
-                                        precision and precision.reduce_dtype)
+        return checkpoint.model_entries(
+            self.model, self.graph.weights, OPTIMIZER_SLOTS[self.optimizer.slots], precision and precision.reduce_dtype
+        )
 
     def checkpoint_meta(self, world: int) -> dict[str, Any]:
         """What a checkpoint of this run records besides its tensors (``world``: processes of the run)."""
-        return {"model": {"family": self.family.name, "config": self.family.to_json(self.config)},
-                "data": self.data_record(),
-                "train": dataclasses.asdict(self.cfg), "mesh": str(self.mesh), "processes": world}
+        return {
+            "model": {"family": self.family.name, "config": self.family.to_json(self.config)},
+            "data": self.data_record(),
+            "train": dataclasses.asdict(self.cfg),
+            "mesh": str(self.mesh),
+            "processes": world,
+        }
 
     def checkpoint_files(self) -> dict[str, str]:
         """The files a checkpoint of this run holds besides its tensors: the tokenizer (name → contents)."""
@@ -142,14 +152,26 @@ class Setup:
     def data_record(self) -> dict[str, Any]:
         """The corpus as a checkpoint records it: source, sha256, characters, tokens, tokenizer."""
         c = self.corpus
-        return {"source": c.source, "sha256": c.sha256, "chars": c.chars, "tokens": len(c.tokens),
-                "tokenizer": c.tokenizer.describe()}
+        return {
+            "source": c.source,
+            "sha256": c.sha256,
+            "chars": c.chars,
+            "tokens": len(c.tokens),
+            "tokenizer": c.tokenizer.describe(),
+        }
 
     def resume_point(self) -> checkpoint.Checkpoint:
         """The checkpoint ``--resume`` continues from, checked against this run (raises CheckpointError)."""
         c = self.cfg
-        return checkpoint.for_resume(c.checkpoints, self.family, self.config, self.data_record(),
-                                     self.corpus.tokenizer, self.optimizer.slots, self.checkpoint_entries())
+        return checkpoint.for_resume(
+            c.checkpoints,
+            self.family,
+            self.config,
+            self.data_record(),
+            self.corpus.tokenizer,
+            self.optimizer.slots,
+            self.checkpoint_entries(),
+        )
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None) -> tuple[Family, Any, nn.Module]:
@@ -162,23 +184,30 @@ def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None
     if is_factory(cfg.model):
         if given or cfg.model_config or pretrained:
             what = ", ".join(given + ["--model-config"] * bool(cfg.model_config) + ["--init-from"] * bool(pretrained))
-            raise ModelError(f"{what}: size the built-in models (llama, gpt2, ...); --model {cfg.model} sizes its own "
-                             f"model: drop {what}, or change the factory")
+            raise ModelError(
+                f"{what}: size the built-in models (llama, gpt2, ...); --model {cfg.model} sizes its own "
+                f"model: drop {what}, or change the factory"
+            )
         torch.manual_seed(cfg.seed)
         family, config = factory_family(cfg.model, vocab_size)
         torch.manual_seed(cfg.seed)
         return family, config, family.build(config)
     config_file = str(pretrained.config_file) if pretrained else cfg.model_config
-    config = hf_config(cfg.model, config_file, sizes, vocab_size, cfg.seq_len, cfg.dropout,
-                       keep_vocab=pretrained is not None)
+    config = hf_config(
+        cfg.model, config_file, sizes, vocab_size, cfg.seq_len, cfg.dropout, keep_vocab=pretrained is not None
+    )
     if pretrained is not None:
         theirs = hf_config(cfg.model, config_file, Sizes(), vocab_size, cfg.seq_len, cfg.dropout, keep_vocab=True)
-        changed = [f"{flag} {getattr(config, attr)} (the model has {getattr(theirs, attr)})"
-                   for attr, flag in hf_family(config.model_type).must_match
-                   if getattr(config, attr, None) != getattr(theirs, attr, None)]
+        changed = [
+            f"{flag} {getattr(config, attr)} (the model has {getattr(theirs, attr)})"
+            for attr, flag in hf_family(config.model_type).must_match
+            if getattr(config, attr, None) != getattr(theirs, attr, None)
+        ]
         if changed:
-            raise ModelError(f"{', '.join(changed)}: --init-from {cfg.init_from} fixes the model's sizes; drop "
-                             f"those flags or give the model's values")
+            raise ModelError(
+                f"{', '.join(changed)}: --init-from {cfg.init_from} fixes the model's sizes; drop "
+                f"those flags or give the model's values"
+            )
     family = hf_family(config.model_type)
     with torch.device("meta"):
         return family, config, family.build(config)
@@ -191,14 +220,21 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
     model could itself exhaust memory, the run is estimated and refused (MemoryFitError) before the model is built
     (:func:`check_memory` checks the lowered step)."""
     if cfg.plan and cfg.strategy:
-        raise PlanError(f"--plan {cfg.plan} and --strategy {cfg.strategy}: the plan places every tensor itself; give "
-                        f"one of them (drop --strategy to train with the plan)")
-    mesh = Mesh.parse(cfg.mesh) if cfg.mesh else default_mesh(cfg.strategy or DEFAULT_STRATEGY,
-                                                              world if world > 1 else cfg.nproc)
+        raise PlanError(
+            f"--plan {cfg.plan} and --strategy {cfg.strategy}: the plan places every tensor itself; give "
+            f"one of them (drop --strategy to train with the plan)"
+        )
+    mesh = (
+        Mesh.parse(cfg.mesh)
+        if cfg.mesh
+        else default_mesh(cfg.strategy or DEFAULT_STRATEGY, world if world > 1 else cfg.nproc)
+    )
     check_accumulation(cfg, mesh)
     if world > 1 and mesh.size != world:
-        raise ValueError(f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
-                         f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh")
+        raise ValueError(
+            f"mesh {mesh} has {mesh.size} devices but {world} processes run; make --nproc (or "
+            f"torchrun's --nproc-per-node × nodes) equal {mesh.size}, or change --mesh"
+        )
     pretrained = Pretrained.open(Path(cfg.init_from)) if cfg.init_from else None
     tokenizer = str(pretrained.tokenizer_file) if pretrained else cfg.tokenizer
     corpus = Corpus.load(cfg.data, TokenizerChoice.of(tokenizer, cfg.vocab_size), cfg.seq_len, cfg.cache_dir)
@@ -217,21 +253,29 @@ def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
     n = cfg.accumulate * cfg.microbatches
     dp = math.prod(mesh.axis_size(a) for a in DATA_AXES if a in mesh.axis_names)
     if n > 1 and cfg.batch_size % (n * dp):
-        flag = "--microbatches" if cfg.accumulate == 1 else "--accumulate" if cfg.microbatches == 1 else \
-            "--accumulate × --microbatches"
+        flag = (
+            "--microbatches"
+            if cfg.accumulate == 1
+            else "--accumulate"
+            if cfg.microbatches == 1
+            else "--accumulate × --microbatches"
+        )
         fits = sorted({k for k in range(1, cfg.batch_size + 1) if cfg.batch_size % (k * dp) == 0} - {1})
         article = "a" if flag == "--microbatches" else "an"
         other = f"{article} {flag} of {', '.join(map(str, fits))}" if fits else f"{flag} 1"
         up = -(-cfg.batch_size // (n * dp)) * n * dp
-        raise ValueError(f"--batch-size {cfg.batch_size} does not split into {flag} {n} micro-batches over "
-                         f"data-parallel degree {dp} (mesh {mesh}): each micro-batch is --batch-size / {n} whole "
-                         f"sequences, an equal number on each data-parallel rank, so --batch-size must be a multiple "
-                         f"of {flag} × dp = {n * dp}; give --batch-size {up} (or another multiple of {n * dp}), or "
-                         f"{other}")
+        raise ValueError(
+            f"--batch-size {cfg.batch_size} does not split into {flag} {n} micro-batches over "
+            f"data-parallel degree {dp} (mesh {mesh}): each micro-batch is --batch-size / {n} whole "
+            f"sequences, an equal number on each data-parallel rank, so --batch-size must be a multiple "
+            f"of {flag} × dp = {n * dp}; give --batch-size {up} (or another multiple of {n * dp}), or "
+            f"{other}"
+        )
 
 
-def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False,
-           runtime: int = 0) -> Setup:
+def _build(
+    cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False, runtime: int = 0
+) -> Setup:
     """The model of ``cfg`` (``meta``: shapes only, nothing materialised, not even buffers), captured on a
     micro-batch of the corpus (``--batch-size / (--accumulate × --microbatches)`` sequences: the whole batch without
     either), and its PCG on ``mesh``."""
@@ -246,32 +290,49 @@ def _build(cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained 
     micro = cfg.batch_size // (cfg.accumulate * cfg.microbatches)
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
     strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
-    pipeline = Pipeline.planned(capture(model, example), mesh, options, optimizer(cfg), strategy, cfg.plan, cfg.strict,
-                                cfg.clip_norm or None)
+    pipeline = Pipeline.planned(
+        capture(model, example), mesh, options, optimizer(cfg), strategy, cfg.plan, cfg.strict, cfg.clip_norm or None
+    )
     return Setup(cfg, corpus, family, config, model, pipeline, mesh, pretrained, inits, runtime)
 
 
 def optimizer(cfg: TrainConfig) -> OptimizerConfig:
     """The optimizer of the config (SGD keeps its momentum, Adam and AdamW ignore it), at the config's learning-rate
     schedule."""
-    return OptimizerConfig(Optimizer(cfg.optimizer), cfg.lr, cfg.momentum if cfg.optimizer == Optimizer.SGD else 0.0,
-                           cfg.weight_decay, schedule=cfg.lr_scheduler)
+    return OptimizerConfig(
+        Optimizer(cfg.optimizer),
+        cfg.lr,
+        cfg.momentum if cfg.optimizer == Optimizer.SGD else 0.0,
+        cfg.weight_decay,
+        schedule=cfg.lr_scheduler,
+    )
 
 
-def _check_memory_before_build(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus,
-                               pretrained: Pretrained | None, processes: int, runtime: int) -> None:
+def _check_memory_before_build(
+    cfg: TrainConfig,
+    world: int,
+    mesh: Mesh,
+    corpus: Corpus,
+    pretrained: Pretrained | None,
+    processes: int,
+    runtime: int,
+) -> None:
     """Where capturing at the run's size could itself take much memory (:func:`memory.needs_probe`), refuse
     (MemoryFitError) a run whose estimate from small plans (:func:`probe_estimate`) cannot fit. (A built-in family's
     parameters are never whole on a process: they are in the plan's pieces, which :func:`check_memory` counts.)"""
     if memory.needs_probe(cfg):
         with torch.device("meta"):
             whole = memory.module_bytes(build_model(cfg, corpus.tokenizer.vocab_size, pretrained)[2], buffers_only=True)
-        memory.check(probe_estimate(cfg, world, mesh, corpus, pretrained, whole, runtime), processes,
-                     device_type(cfg.device, processes))
+        memory.check(
+            probe_estimate(cfg, world, mesh, corpus, pretrained, whole, runtime),
+            processes,
+            device_type(cfg.device, processes),
+        )
 
 
-def probe_estimate(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None,
-                   whole: int, runtime: int) -> memory.Estimate:
+def probe_estimate(
+    cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, whole: int, runtime: int
+) -> memory.Estimate:
     """The memory estimate of a process of the run (``world`` 1: one process runs every rank) from three small plans
     on the meta device (:func:`memory.probe_sizes`), each buffer and constant scaled to the run's batch and sequence
     (:func:`memory.scaling`); ``whole``: the bytes of the model each process builds, ``runtime``: of the rest of the
@@ -285,15 +346,18 @@ def probe_estimate(cfg: TrainConfig, world: int, mesh: Mesh, corpus: Corpus, pre
         small = _build(dataclasses.replace(cfg, batch_size=b, seq_len=t), mesh, corpus, pretrained, meta=True)
         step = small.lower(verify=False)
         steps.append((small, step))
-        probes[(b, t)] = {**{f"const:{k}": v.numel() * v.element_size() for k, v in small.graph.constants.items()},
-                          **{x.value: x.type.nbytes for p in step.programs.values()
-                             for x in (*p.inputs, *p.written().values())}}
+        probes[(b, t)] = {
+            **{f"const:{k}": v.numel() * v.element_size() for k, v in small.graph.constants.items()},
+            **{x.value: x.type.nbytes for p in step.programs.values() for x in (*p.inputs, *p.written().values())},
+        }
     grow = memory.scaling(cfg, probes)
     (b, t), _, (_, t2) = probes
     small, step = steps[0]
     constants = sum(grow(f"const:{k}", v.numel() * v.element_size()) for k, v in small.graph.constants.items())
-    basis = (f"plans at batch {b} and {2 * b}, sequence {t} and {t2}, scaled to --batch-size {cfg.batch_size} "
-             f"--seq-len {cfg.seq_len}")
+    basis = (
+        f"plans at batch {b} and {2 * b}, sequence {t} and {t2}, scaled to --batch-size {cfg.batch_size} "
+        f"--seq-len {cfg.seq_len}"
+    )
     return memory.of_plan(step, world == 1, whole, constants, runtime, lambda x: grow(x.value, x.type.nbytes), basis)
 
 
@@ -305,6 +369,14 @@ def check_memory(s: Setup, step: LoweredStep, world: int, processes: int) -> Non
     (:func:`~shardflow.train.memory.check`)."""
     if processes:
         constants = sum(v.numel() * v.element_size() for v in s.graph.constants.values())
-        memory.check(memory.of_plan(step, world == 1, memory.module_bytes(s.model, buffers_only=s.inits is not None),
-                                    constants, s.runtime_bytes),
-                     processes, device_type(s.cfg.device, processes))
+        memory.check(
+            memory.of_plan(
+                step,
+                world == 1,
+                memory.module_bytes(s.model, buffers_only=s.inits is not None),
+                constants,
+                s.runtime_bytes,
+            ),
+            processes,
+            device_type(s.cfg.device, processes),
+        )

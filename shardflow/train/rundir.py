@@ -60,8 +60,9 @@ class RunDir:
     def __init__(self, cfg: TrainConfig, owner: bool):
         self.owner, self.fd, self.new = owner, None, False
         if owner and cfg.resume and cfg.overwrite:
-            raise RunDirError("--resume continues the earlier run in the run directory and --overwrite replaces it: "
-                              "give one of them")
+            raise RunDirError(
+                "--resume continues the earlier run in the run directory and --overwrite replaces it: give one of them"
+            )
         if owner and cfg.run_dir is None:
             self.new = not cfg.resume
             cfg = dataclasses.replace(cfg, run_dir=str(_new_dir() if self.new else _latest_run()))
@@ -93,9 +94,11 @@ class RunDir:
         if not (cfg.resume or cfg.overwrite):
             earlier = earlier_run(cfg)
             if earlier:
-                raise RunDirError(f"run directory {run} holds an earlier run ({', '.join(earlier)}), which this run "
-                                  f"would overwrite: pass --resume to continue it, --overwrite to replace it, or "
-                                  f"another --run-dir (without --run-dir every run gets a new directory under {RUNS}/)")
+                raise RunDirError(
+                    f"run directory {run} holds an earlier run ({', '.join(earlier)}), which this run "
+                    f"would overwrite: pass --resume to continue it, --overwrite to replace it, or "
+                    f"another --run-dir (without --run-dir every run gets a new directory under {RUNS}/)"
+                )
         if self.new:
             _point_latest(run)
         (run / CONFIG).write_text(cfg.to_toml())
@@ -107,8 +110,9 @@ def earlier_run(cfg: TrainConfig) -> list[str]:
     found = [str(p) for p in (Path(cfg.run_dir) / CONFIG, metrics_path(cfg)) if p.exists()]
     steps = complete_steps(cfg.checkpoints)
     if steps:
-        found.append(f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} in {cfg.checkpoints}, the newest "
-                     f"{steps[-1][1].name}")
+        found.append(
+            f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} in {cfg.checkpoints}, the newest {steps[-1][1].name}"
+        )
     return found
 
 
@@ -124,8 +128,10 @@ def lock(run: Path) -> int:
         holder = os.read(fd, 200).decode(errors="replace").split()
         os.close(fd)
         who = f"PID {holder[0]} on {holder[1]}" if len(holder) == 2 else "a process that is just starting"
-        raise RunDirError(f"run directory {run} is in use by another shardflow train ({who} holds {path}); wait for "
-                          f"that run to end or stop it, or pass another --run-dir") from None
+        raise RunDirError(
+            f"run directory {run} is in use by another shardflow train ({who} holds {path}); wait for "
+            f"that run to end or stop it, or pass another --run-dir"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
     return fd
@@ -134,9 +140,11 @@ def lock(run: Path) -> int:
 def _new_dir() -> Path:
     """Make and return ``runs/<YYYYmmdd-HHMMSS>``, with ``-2``, ``-3``, ... when another run took that name."""
     if LATEST.exists() and not LATEST.is_symlink():
-        raise RunDirError(f"{LATEST} is a directory (a run of an earlier shardflow, whose default --run-dir it was); "
-                          f"rename it (e.g. mv {LATEST} {RUNS}/old) so that {LATEST} can point at the newest run, or "
-                          f"pass --run-dir")
+        raise RunDirError(
+            f"{LATEST} is a directory (a run of an earlier shardflow, whose default --run-dir it was); "
+            f"rename it (e.g. mv {LATEST} {RUNS}/old) so that {LATEST} can point at the newest run, or "
+            f"pass --run-dir"
+        )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     RUNS.mkdir(parents=True, exist_ok=True)
     for n in range(1, 1000):
@@ -155,8 +163,10 @@ def _latest_run() -> Path:
         return RUNS / os.readlink(LATEST)
     if LATEST.is_dir():
         return LATEST
-    raise RunDirError(f"--resume without --run-dir continues the newest run, {LATEST}, which does not exist; pass "
-                      f"--run-dir with the directory of the run to continue")
+    raise RunDirError(
+        f"--resume without --run-dir continues the newest run, {LATEST}, which does not exist; pass "
+        f"--run-dir with the directory of the run to continue"
+    )
 
 
 def _point_latest(run: Path) -> None:
@@ -172,17 +182,27 @@ def _check_targets(cfg: TrainConfig) -> None:
     run = Path(cfg.run_dir).resolve()
     ckpts = cfg.checkpoints.resolve()
     metrics = metrics_path(cfg)
-    for flag, value, other in (("--metrics", cfg.metrics, cfg.trace and Path(cfg.trace)),
-                               ("--trace", cfg.trace, metrics)):
+    for flag, value, other in (
+        ("--metrics", cfg.metrics, cfg.trace and Path(cfg.trace)),
+        ("--trace", cfg.trace, metrics),
+    ):
         if not value:
             continue
         p = Path(value).resolve()
-        what = ("the run's resolved configuration" if p == run / CONFIG else
-                "the run directory's lock" if p == run / LOCK else
-                f"the log of {p.stem.replace('rank', 'rank ')}" if p.parent == run and _RANK_LOG.fullmatch(p.name) else
-                f"a file of the checkpoint directory {cfg.checkpoints}" if p.is_relative_to(ckpts) else
-                ("the --trace file" if flag == "--metrics" else "the metrics file")
-                if other and p == other.resolve() else None)
+        what = (
+            "the run's resolved configuration"
+            if p == run / CONFIG
+            else "the run directory's lock"
+            if p == run / LOCK
+            else f"the log of {p.stem.replace('rank', 'rank ')}"
+            if p.parent == run and _RANK_LOG.fullmatch(p.name)
+            else f"a file of the checkpoint directory {cfg.checkpoints}"
+            if p.is_relative_to(ckpts)
+            else ("the --trace file" if flag == "--metrics" else "the metrics file")
+            if other and p == other.resolve()
+            else None
+        )
         if what:
-            raise RunDirError(f"{flag} {value} would overwrite {what}, which the run writes too; pass another file "
-                              f"for {flag}")
+            raise RunDirError(
+                f"{flag} {value} would overwrite {what}, which the run writes too; pass another file for {flag}"
+            )

@@ -44,8 +44,9 @@ class Tokenizer:
         hf = tokenizers.Tokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         hf.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        )
         hf.train_from_iterator(documents, trainer=trainer, length=len(documents))
         return cls(hf)
 
@@ -66,9 +67,11 @@ class Tokenizer:
         try:
             return cls(tokenizers.Tokenizer.from_str(text))
         except Exception as e:  # noqa: BLE001 — tokenizers raises plain Exception for every parse error
-            raise TokenizerError(f"{where} is not a tokenizer.json that Hugging Face tokenizers can read "
-                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); pass the "
-                                 f"tokenizer.json of a Hugging Face tokenizer, or --tokenizer bpe") from None
+            raise TokenizerError(
+                f"{where} is not a tokenizer.json that Hugging Face tokenizers can read "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); pass the "
+                f"tokenizer.json of a Hugging Face tokenizer, or --tokenizer bpe"
+            ) from None
 
     @classmethod
     def load(cls, path: Path) -> Tokenizer:
@@ -76,8 +79,10 @@ class Tokenizer:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"tokenizer {path} cannot be read ({getattr(e, 'strerror', None) or e}); pass "
-                                 f"--tokenizer bpe, char or an existing tokenizer.json") from None
+            raise TokenizerError(
+                f"tokenizer {path} cannot be read ({getattr(e, 'strerror', None) or e}); pass "
+                f"--tokenizer bpe, char or an existing tokenizer.json"
+            ) from None
         return cls.from_json(text, f"tokenizer {path}")
 
     @property
@@ -112,16 +117,20 @@ class Tokenizer:
         try:
             return self.hf.encode(text).ids
         except Exception:  # noqa: BLE001 — e.g. WordLevel's "Missing [UNK] token"
-            raise TokenizerError(f"the tokenizer ({self.describe()}) cannot encode the characters "
-                                 f"{', '.join(map(repr, self.unknown(text)))}") from None
+            raise TokenizerError(
+                f"the tokenizer ({self.describe()}) cannot encode the characters "
+                f"{', '.join(map(repr, self.unknown(text)))}"
+            ) from None
 
     def encode_documents(self, documents: Sequence[str]) -> list[list[int]]:
         """The token ids of each document (encoded in parallel). Raises TokenizerError like :meth:`encode`."""
         try:
             return [e.ids for e in self.hf.encode_batch(list(documents))]
         except Exception:  # noqa: BLE001
-            raise TokenizerError(f"the tokenizer ({self.describe()}) cannot encode the characters "
-                                 f"{', '.join(map(repr, self.unknown(''.join(documents))))}") from None
+            raise TokenizerError(
+                f"the tokenizer ({self.describe()}) cannot encode the characters "
+                f"{', '.join(map(repr, self.unknown(''.join(documents))))}"
+            ) from None
 
     def unknown(self, text: str) -> list[str]:
         """The characters of ``text`` this tokenizer cannot encode, sorted (none for byte-level BPE)."""
@@ -162,9 +171,11 @@ class TokenizerChoice:
             return cls(TokenizerKind(value), vocab_size if value == TokenizerKind.BPE else 0)
         path = Path(value)
         if not path.is_file():
-            raise TokenizerError(f"--tokenizer {value}: neither bpe, char nor an existing file; pass bpe (train a "
-                                 f"byte-level BPE on the data), char (one token per character) or the path of a "
-                                 f"tokenizer.json")
+            raise TokenizerError(
+                f"--tokenizer {value}: neither bpe, char nor an existing file; pass bpe (train a "
+                f"byte-level BPE on the data), char (one token per character) or the path of a "
+                f"tokenizer.json"
+            )
         return cls(TokenizerKind.FILE, path=path)
 
     @property

@@ -31,5 +31,19 @@ from shardflow.train.checkpoint.export import export, load_model
 from shardflow.train.checkpoint.resume import for_resume
 from shardflow.train.checkpoint.store import MARKER, CheckpointError, check_writable, complete_steps, newest
 
-__all__ = ["MARKER", "Checkpoint", "CheckpointError", "Entries", "NonFiniteState", "Saver", "check_writable",
-           "complete_steps", "export", "for_resume", "load_model", "model_entries", "newest", "read"]
+__all__ = [
+    "MARKER",
+    "Checkpoint",
+    "CheckpointError",
+    "Entries",
+    "NonFiniteState",
+    "Saver",
+    "check_writable",
+    "complete_steps",
+    "export",
+    "for_resume",
+    "load_model",
+    "model_entries",
+    "newest",
+    "read",
+]

@@ -42,8 +42,9 @@ from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 Entries = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def model_entries(model: torch.nn.Module, names, slots: tuple[str, ...] = (), master: torch.dtype | None = None
-                  ) -> Entries:
+def model_entries(
+    model: torch.nn.Module, names, slots: tuple[str, ...] = (), master: torch.dtype | None = None
+) -> Entries:
     """The entries a checkpoint of ``model`` holds: weights ``model/<name>`` and optimizer state
     ``optim/opt:<slot>:<name>`` (same shape as the weight), in the parameters' dtype or, under mixed precision, the
     ``master`` dtype the weights are held in."""
@@ -69,12 +70,21 @@ def _entry(ex, vid: str) -> tuple[tuple[int, ...], torch.dtype]:
 
 # --- reading ------------------------------------------------------------------------------------------------
 
+
 def _metadata_classes() -> set[tuple[str, str]]:
     import torch.distributed.checkpoint.metadata as md
+
     allowed = {(md.__name__, n) for n, o in vars(md).items() if isinstance(o, type) and o.__module__ == md.__name__}
-    return allowed | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                      ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+    return allowed | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("collections", "OrderedDict"),
+    }
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -84,7 +94,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     allowed: set[tuple[str, str]] = set()
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in self.allowed or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (module, name) in self.allowed or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
 
@@ -139,8 +151,10 @@ class Checkpoint:
         try:
             return read()
         except (ValueError, TypeError, KeyError, ModelError) as e:
-            raise CheckpointError(f"checkpoint {self.path} is corrupt: {store.META} cannot be read "
-                                  f"({type(e).__name__}: {e}); {store.fallback(self.path)}") from None
+            raise CheckpointError(
+                f"checkpoint {self.path} is corrupt: {store.META} cannot be read "
+                f"({type(e).__name__}: {e}); {store.fallback(self.path)}"
+            ) from None
 
     def check_entries(self, want: Entries, fix: str) -> None:
         """Raise CheckpointError unless every wanted entry is stored with its shape (or, wanted in its module
@@ -150,14 +164,18 @@ class Checkpoint:
             if k not in self.entries:
                 problems.append(f"{k} is missing")
             elif self.entries[k] != (tuple(shape), dtype) and not (
-                    self.entries[k][1] == dtype and same_elements(shape, self.entries[k][0])):
+                self.entries[k][1] == dtype and same_elements(shape, self.entries[k][0])
+            ):
                 have = self.entries[k]
-                problems.append(f"{k} is {list(have[0])} {str(have[1]).removeprefix('torch.')}, the model needs "
-                                f"{list(shape)} {str(dtype).removeprefix('torch.')}")
+                problems.append(
+                    f"{k} is {list(have[0])} {str(have[1]).removeprefix('torch.')}, the model needs "
+                    f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+                )
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise CheckpointError(f"checkpoint {self.path} does not fit this model: {'; '.join(problems[:3])}{more}; "
-                                  f"{fix}")
+            raise CheckpointError(
+                f"checkpoint {self.path} does not fit this model: {'; '.join(problems[:3])}{more}; {fix}"
+            )
 
     def load(self, want: Entries) -> dict[str, torch.Tensor]:
         """Full-size tensors of ``want`` (entry name → shape, dtype), read with a plain ``dcp.load`` on this process
@@ -181,6 +199,7 @@ class Checkpoint:
 
         def read(pieces) -> None:
             from shardflow.train.checkpoint.pieces import LoadPlanner, Pieces
+
             sd = {k: Pieces(*want[k], tuple(pieces[vid])) for k, vid in values.items()}
             self._load(sd, LoadPlanner(), no_dist=world == 1)
 
@@ -197,8 +216,10 @@ class Checkpoint:
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
                 dcp.load(sd, storage_reader=_reader(self.path), planner=planner, no_dist=no_dist)
         except (Exception, CheckpointException) as e:
-            raise CheckpointError(f"checkpoint {self.path} is corrupt: its tensors cannot be read ({_why(e)}); "
-                                  f"{store.fallback(self.path)}") from None
+            raise CheckpointError(
+                f"checkpoint {self.path} is corrupt: its tensors cannot be read ({_why(e)}); "
+                f"{store.fallback(self.path)}"
+            ) from None
 
 
 def _why(e: BaseException) -> str:
@@ -225,18 +246,22 @@ def read(path: Path) -> Checkpoint:
         entries: Entries = {}
         for k, v in md.state_dict_metadata.items():
             if not hasattr(v, "properties") or not hasattr(v, "size"):
-                raise CheckpointError(f"checkpoint {path} holds a non-tensor entry {k!r}, which shardflow does not "
-                                      f"write and will not unpickle; {fix}")
+                raise CheckpointError(
+                    f"checkpoint {path} holds a non-tensor entry {k!r}, which shardflow does not "
+                    f"write and will not unpickle; {fix}"
+                )
             entries[k] = (tuple(v.size), v.properties.dtype)
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 — an unreadable or refused index
         raise CheckpointError(f"checkpoint {path} is corrupt: DCP's .metadata cannot be read ({e}); {fix}") from None
-    return Checkpoint(path, meta["step"], meta["model"], meta["data"], meta.get("train", {}), entries,
-                      str(meta.get("mesh", "?")))
+    return Checkpoint(
+        path, meta["step"], meta["model"], meta["data"], meta.get("train", {}), entries, str(meta.get("mesh", "?"))
+    )
 
 
 # --- writing ------------------------------------------------------------------------------------------------
+
 
 class NonFiniteState(CheckpointError):
     """The state to save after ``step`` holds NaN or inf (``names``: those tensors' entries): nothing was written, and
@@ -258,8 +283,16 @@ class Saver:
     only the ``keep`` newest complete checkpoints stay (``--keep-checkpoints``).
     """
 
-    def __init__(self, root: Path, rank: int, world: int, meta: Mapping[str, Any], fresh: bool,
-                 files: Mapping[str, str] | None = None, keep: int = 0):
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        world: int,
+        meta: Mapping[str, Any],
+        fresh: bool,
+        files: Mapping[str, str] | None = None,
+        keep: int = 0,
+    ):
         self.root, self.rank, self.world, self.meta, self.fresh = root, rank, world, dict(meta), fresh
         self.keep = keep
         self.files = dict(files or {})
@@ -271,6 +304,7 @@ class Saver:
     def _barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as dist
+
             dist.barrier()
 
     def _non_finite(self, names: list[str], mine: set[str], device: torch.device) -> list[str]:
@@ -279,6 +313,7 @@ class Saver:
         talks CUDA tensors), none on one process."""
         if self.world > 1:
             import torch.distributed as dist
+
             flags = torch.tensor([k in mine for k in names], dtype=torch.int32, device=device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
             mine = {k for k, f in zip(names, flags.tolist()) if f}
@@ -295,13 +330,15 @@ class Saver:
         from torch.distributed.checkpoint.api import CheckpointException
 
         from shardflow.runtime.distributed import CommFailure, comm_failure
+
         try:
             return self._save(ex, step)
         except (CheckpointError, CommFailure):  # NonFiniteState is a CheckpointError
             raise
         except (Exception, CheckpointException) as e:
-            failure = comm_failure(e, f"rank {self.rank} saving {store.staging(self.root, step)} (the complete "
-                                      f"checkpoints before it stay)")
+            failure = comm_failure(
+                e, f"rank {self.rank} saving {store.staging(self.root, step)} (the complete checkpoints before it stay)"
+            )
             if failure is None:
                 raise
             raise failure from None
@@ -314,8 +351,11 @@ class Saver:
 
         from shardflow.runtime.distributed import comm_failure
         from shardflow.train.checkpoint.pieces import Pieces, SavePlanner
-        sd = {k: Pieces(*_entry(ex, vid), tuple(ex.held_pieces(vid, replica0_only=True)))
-              for k, vid in _values(ex).items()}
+
+        sd = {
+            k: Pieces(*_entry(ex, vid), tuple(ex.held_pieces(vid, replica0_only=True)))
+            for k, vid in _values(ex).items()
+        }
         bad = self._non_finite(list(sd), {k for k, p in sd.items() if p.non_finite()}, ex.device)
         if bad:  # every rank refuses the same save, before anything is written
             raise NonFiniteState(step, bad)
@@ -324,14 +364,20 @@ class Saver:
         try:
             with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                dcp.save(sd, storage_writer=FileSystemWriter(tmp, sync_files=True), planner=SavePlanner(),
-                         no_dist=self.world == 1)
+                dcp.save(
+                    sd,
+                    storage_writer=FileSystemWriter(tmp, sync_files=True),
+                    planner=SavePlanner(),
+                    no_dist=self.world == 1,
+                )
         except (Exception, CheckpointException) as e:  # e.g. disk full, on any rank
             why = _why(e)  # an interrupt is raised again here
             if comm_failure(e, "") is not None:  # another rank left or stopped answering: not this disk
                 raise
-            raise CheckpointError(f"writing checkpoint {tmp} failed ({why}); free space or fix --checkpoint-dir, "
-                                  f"then --resume from the last complete checkpoint") from None
+            raise CheckpointError(
+                f"writing checkpoint {tmp} failed ({why}); free space or fix --checkpoint-dir, "
+                f"then --resume from the last complete checkpoint"
+            ) from None
         prefix = f"__{self.rank}_" if self.world > 1 else "__"
         mine = {p.name: store.digest(p) for p in sorted(tmp.iterdir()) if p.name.startswith(prefix)}
         if self.on_written is not None:

@@ -39,6 +39,7 @@ def load_model(path: str | os.PathLike) -> tuple[Family, torch.nn.Module, Checkp
 def hf_tokenizer(tok: Tokenizer):
     """``tok`` as a transformers ``PreTrainedTokenizerFast`` (what ``AutoTokenizer`` loads from a saved directory)."""
     from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=tok.hf, clean_up_tokenization_spaces=False)
 
 
@@ -49,18 +50,23 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Check
     before the checkpoint is read) and for a model that is not a Hugging Face ``PreTrainedModel``."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"--out {out} already exists; shardflow export writes a new directory and overwrites "
-                              f"nothing: pass another --out, or remove {out} first")
+        raise CheckpointError(
+            f"--out {out} already exists; shardflow export writes a new directory and overwrites "
+            f"nothing: pass another --out, or remove {out} first"
+        )
     if not out.parent.is_dir():
         why = "is a file" if out.parent.exists() else "does not exist"
         raise CheckpointError(f"--out {out}: directory {out.parent} {why}; create it or write elsewhere")
     check_writable(out.parent, "directory of --out", "pass --out with a directory you can write")  # before loading
     family, model, ck = load_model(path)
     if not is_hf(model):
-        raise CheckpointError(f"checkpoint {ck.path} holds a {type(model).__name__} ({family.name}), not a Hugging "
-                              f"Face PreTrainedModel: shardflow export writes Hugging Face directories; train "
-                              f"--model llama, gpt2 or a factory that returns a transformers model")
+        raise CheckpointError(
+            f"checkpoint {ck.path} holds a {type(model).__name__} ({family.name}), not a Hugging "
+            f"Face PreTrainedModel: shardflow export writes Hugging Face directories; train "
+            f"--model llama, gpt2 or a factory that returns a transformers model"
+        )
     from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()  # the command prints its own line
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
@@ -122,11 +128,16 @@ class Pretrained:
     def open(cls, path: Path) -> Pretrained:
         """The directory at ``path``; raises CheckpointError naming the file it lacks."""
         p = cls(path)
-        for f, what in ((p.config_file, "config.json"), (p.tokenizer_file, "tokenizer.json (a fast tokenizer)"),
-                        (p.weights_file, "model.safetensors (one file)")):
+        for f, what in (
+            (p.config_file, "config.json"),
+            (p.tokenizer_file, "tokenizer.json (a fast tokenizer)"),
+            (p.weights_file, "model.safetensors (one file)"),
+        ):
             if not f.is_file():
-                raise CheckpointError(f"--init-from {path}: no {what} in it; pass a Hugging Face model directory "
-                                      f"as shardflow export or save_pretrained(safe_serialization=True) writes it")
+                raise CheckpointError(
+                    f"--init-from {path}: no {what} in it; pass a Hugging Face model directory "
+                    f"as shardflow export or save_pretrained(safe_serialization=True) writes it"
+                )
         return p
 
     def weights(self, params: Mapping[str, torch.Tensor]) -> dict[str, LazyPiece]:
@@ -134,22 +145,25 @@ class Pretrained:
         must have; pieces come in the parameters' dtypes). Raises CheckpointError for a weight the file lacks or
         holds in another shape."""
         from safetensors import safe_open
+
         f = safe_open(str(self.weights_file), framework="pt")
         stored = set(f.keys())
         missing = [n for n in params if n not in stored]
         fix = "pass the directory of a model of this architecture and size"
         if missing:
-            raise CheckpointError(f"--init-from {self.path}: {self.weights_file.name} has no "
-                                  f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} ({len(missing)} "
-                                  f"weights of the model missing); {fix}")
+            raise CheckpointError(
+                f"--init-from {self.path}: {self.weights_file.name} has no "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} ({len(missing)} "
+                f"weights of the model missing); {fix}"
+            )
         out = {}
         for n, p in params.items():
             part = f.get_slice(n)
             shape = tuple(part.get_shape())
             if shape != tuple(p.shape):
-                raise CheckpointError(f"--init-from {self.path}: {n} is {list(shape)} in {self.weights_file.name}, "
-                                      f"the model needs {list(p.shape)}; {fix}")
+                raise CheckpointError(
+                    f"--init-from {self.path}: {n} is {list(shape)} in {self.weights_file.name}, "
+                    f"the model needs {list(p.shape)}; {fix}"
+                )
             out[n] = LazyPiece(part, shape, p.dtype)
         return out
-
-

@@ -48,9 +48,14 @@ class Pieces:
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         """One chunk (``WriteItemType.SHARD``) per piece of entry ``fqn``: what a save writes."""
         props = TensorProperties(dtype=self.dtype)
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()))
-                for c in self.__create_chunk_list__()]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, c.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()),
+            )
+            for c in self.__create_chunk_list__()
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         """The piece at ``index.offset``. When loading, ``index.index`` is the position in

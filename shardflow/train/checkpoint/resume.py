@@ -14,56 +14,83 @@ from shardflow.train.checkpoint.store import CheckpointError
 from shardflow.train.family import Family
 from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
-_OPT_NAMES = {UpdateRule.SGD: "SGD without momentum", UpdateRule.SGD_MOMENTUM: "SGD with momentum",
-              UpdateRule.ADAMW: "AdamW"}
+_OPT_NAMES = {
+    UpdateRule.SGD: "SGD without momentum",
+    UpdateRule.SGD_MOMENTUM: "SGD with momentum",
+    UpdateRule.ADAMW: "AdamW",
+}
 
 
-def for_resume(root: Path, family: Family, config: Any, corpus: Mapping[str, Any], tokenizer: Tokenizer,
-               optimizer_slots: UpdateRule, want: Entries) -> Checkpoint:
+def for_resume(
+    root: Path,
+    family: Family,
+    config: Any,
+    corpus: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    optimizer_slots: UpdateRule,
+    want: Entries,
+) -> Checkpoint:
     """The newest complete checkpoint under ``root``, checked against the run about to continue from it: its model
     ``family`` and ``config``, its ``corpus`` (``source``, ``sha256``, ``chars``, as the checkpoint records
     it), its ``tokenizer``, the optimizer's state slots and the ``want``ed entries. Raises CheckpointError."""
     if store.is_checkpoint(root):
-        raise CheckpointError(f"--resume: {root} is one checkpoint, not a checkpoint directory; --checkpoint-dir "
-                              f"names the directory that holds the step_N checkpoints (the newest complete one is "
-                              f"resumed): pass --checkpoint-dir {root.parent}")
+        raise CheckpointError(
+            f"--resume: {root} is one checkpoint, not a checkpoint directory; --checkpoint-dir "
+            f"names the directory that holds the step_N checkpoints (the newest complete one is "
+            f"resumed): pass --checkpoint-dir {root.parent}"
+        )
     path = store.newest(root)
     if path is None:
         partial = store.incomplete(root)
         extra = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
-        raise CheckpointError(f"--resume: {root} holds no complete checkpoint{extra}; point --checkpoint-dir (or "
-                              f"--run-dir) at the run to continue, or start a new run without --resume")
+        raise CheckpointError(
+            f"--resume: {root} holds no complete checkpoint{extra}; point --checkpoint-dir (or "
+            f"--run-dir) at the run to continue, or start a new run without --resume"
+        )
     ck = read(path)
     new_run = "or start a new run without --resume (or with another --checkpoint-dir)"
     theirs_family = ck.family()
     if theirs_family.name != family.name:
-        raise CheckpointError(f"checkpoint {path} is of a {theirs_family.name} model, this run trains "
-                              f"{family.name}; resume with --model {theirs_family.name}, {new_run}")
+        raise CheckpointError(
+            f"checkpoint {path} is of a {theirs_family.name} model, this run trains "
+            f"{family.name}; resume with --model {theirs_family.name}, {new_run}"
+        )
     saved = ck.config(family)
     if ck.data.get("sha256") != corpus["sha256"]:
-        raise CheckpointError(f"checkpoint {path} was trained on another text: {_text(ck.data)}, this run's --data "
-                              f"is {_text(corpus)}; resume with the data it was trained on "
-                              f"({ck.train.get('data') or 'the default corpus'}), {new_run}")
+        raise CheckpointError(
+            f"checkpoint {path} was trained on another text: {_text(ck.data)}, this run's --data "
+            f"is {_text(corpus)}; resume with the data it was trained on "
+            f"({ck.train.get('data') or 'the default corpus'}), {new_run}"
+        )
     theirs_tok = ck.tokenizer
     if theirs_tok.sha256 != tokenizer.sha256:
-        raise CheckpointError(f"checkpoint {path} was trained with another tokenizer: {theirs_tok.describe()} (sha256 "
-                              f"{theirs_tok.sha256[:12]}), this run's is {tokenizer.describe()} (sha256 "
-                              f"{tokenizer.sha256[:12]}); resume with --tokenizer {path / TOKENIZER_FILE}, {new_run}")
-    diff = [(flag, getattr(saved, name, None), getattr(config, name, None)) for name, flag in family.must_match
-            if getattr(saved, name, None) != getattr(config, name, None)]
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another tokenizer: {theirs_tok.describe()} (sha256 "
+            f"{theirs_tok.sha256[:12]}), this run's is {tokenizer.describe()} (sha256 "
+            f"{tokenizer.sha256[:12]}); resume with --tokenizer {path / TOKENIZER_FILE}, {new_run}"
+        )
+    diff = [
+        (flag, getattr(saved, name, None), getattr(config, name, None))
+        for name, flag in family.must_match
+        if getattr(saved, name, None) != getattr(config, name, None)
+    ]
     if diff:
         theirs_, ours = (" ".join(f"{flag} {v[i]}" for flag, *v in diff) for i in (0, 1))
-        raise CheckpointError(f"checkpoint {path} is of a different model: it has {theirs_}, this run {ours}; "
-                              f"resume with the checkpoint's sizes ({theirs_}), {new_run}")
+        raise CheckpointError(
+            f"checkpoint {path} is of a different model: it has {theirs_}, this run {ours}; "
+            f"resume with the checkpoint's sizes ({theirs_}), {new_run}"
+        )
     theirs = _slots_of(ck.train)
     momentum = f" --momentum {ck.train.get('momentum')}"
     if theirs is not None and theirs != optimizer_slots:
-        raise CheckpointError(f"checkpoint {path} holds the optimizer state of {_OPT_NAMES[theirs]} "
-                              f"({', '.join(OPTIMIZER_SLOTS[theirs]) or 'none'}) but this run uses "
-                              f"{_OPT_NAMES.get(optimizer_slots, optimizer_slots)}; "
-                              f"resume with --optimizer {ck.train.get('optimizer')}"
-                              f"{momentum if theirs != UpdateRule.ADAMW else ''}, "
-                              f"{new_run}")
+        raise CheckpointError(
+            f"checkpoint {path} holds the optimizer state of {_OPT_NAMES[theirs]} "
+            f"({', '.join(OPTIMIZER_SLOTS[theirs]) or 'none'}) but this run uses "
+            f"{_OPT_NAMES.get(optimizer_slots, optimizer_slots)}; "
+            f"resume with --optimizer {ck.train.get('optimizer')}"
+            f"{momentum if theirs != UpdateRule.ADAMW else ''}, "
+            f"{new_run}"
+        )
     ck.check_entries(want, store.fallback(path))
     return ck
 

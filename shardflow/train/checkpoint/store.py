@@ -37,6 +37,7 @@ class CheckpointError(ValueError):
 
 # --- finding checkpoints ------------------------------------------------------------------------------------
 
+
 def complete_steps(root: Path) -> list[tuple[int, Path]]:
     """The complete checkpoints (``step_<n>/`` with the marker) under ``root``, oldest first."""
     out = []
@@ -58,8 +59,11 @@ def incomplete(root: Path) -> list[str]:
     """Names of the ``step_*`` entries under ``root`` that are not complete checkpoints (saves cut short)."""
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if p.name.startswith("step_") and p.name not in
-                  {q.name for _, q in complete_steps(root)})
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if p.name.startswith("step_") and p.name not in {q.name for _, q in complete_steps(root)}
+    )
 
 
 def is_checkpoint(p: Path) -> bool:
@@ -72,12 +76,15 @@ def find(path: str | os.PathLike) -> Path:
     checkpoint) or a run directory (the newest in its ``checkpoints/``). Raises CheckpointError."""
     p = Path(path)
     if not p.exists():
-        raise CheckpointError(f"checkpoint {p} does not exist; pass a checkpoint (RUN_DIR/checkpoints/step_N), a "
-                              f"checkpoint directory or a run directory of shardflow train")
+        raise CheckpointError(
+            f"checkpoint {p} does not exist; pass a checkpoint (RUN_DIR/checkpoints/step_N), a "
+            f"checkpoint directory or a run directory of shardflow train"
+        )
     if is_checkpoint(p):
         if not (p / MARKER).is_file():
-            raise CheckpointError(f"checkpoint {p} is incomplete (no {MARKER} marker: its save did not finish); "
-                                  f"{fallback(p)}")
+            raise CheckpointError(
+                f"checkpoint {p} is incomplete (no {MARKER} marker: its save did not finish); {fallback(p)}"
+            )
         return p
     for root in (p, p / "checkpoints"):
         found = newest(root)
@@ -85,8 +92,10 @@ def find(path: str | os.PathLike) -> Path:
             return found
     partial = incomplete(p) or incomplete(p / "checkpoints")
     extra = f" (only incomplete saves: {', '.join(partial)})" if partial else ""
-    raise CheckpointError(f"{p} holds no complete checkpoint{extra}; pass a checkpoint step_N directory, or the "
-                          f"--checkpoint-dir / --run-dir of a shardflow train run that saved one")
+    raise CheckpointError(
+        f"{p} holds no complete checkpoint{extra}; pass a checkpoint step_N directory, or the "
+        f"--checkpoint-dir / --run-dir of a shardflow train run that saved one"
+    )
 
 
 def fallback(path: Path) -> str:
@@ -103,6 +112,7 @@ def _step_of(path: Path) -> int:
 
 
 # --- reading ------------------------------------------------------------------------------------------------
+
 
 def digest(path: Path) -> dict[str, Any]:
     """Size (bytes) and sha256 of the file ``path``, as the manifest records them."""
@@ -125,34 +135,44 @@ def read_manifest(path: Path, required: tuple[str, ...] = ()) -> dict[str, Any]:
         if missing:
             raise KeyError(missing[0])
         if meta.get("format") != FORMAT:
-            raise CheckpointError(f"checkpoint {path} has format {meta.get('format')!r}; this shardflow reads format "
-                                  f"{FORMAT}; use the shardflow version that wrote it")
+            raise CheckpointError(
+                f"checkpoint {path} has format {meta.get('format')!r}; this shardflow reads format "
+                f"{FORMAT}; use the shardflow version that wrote it"
+            )
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a shardflow checkpoint (it has no {META}); {fix}") from None
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"checkpoint {path} is corrupt: {META} cannot be read ({type(e).__name__}: {e}); "
-                              f"{fix}") from None
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt: {META} cannot be read ({type(e).__name__}: {e}); {fix}"
+        ) from None
     for name, want in sorted(files.items()):
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path} is corrupt: its file {name} is missing; {fix}")
         size = f.stat().st_size
         if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {path} is corrupt: {name} has {size} bytes but {want['bytes']} were "
-                                  f"written (truncated or overwritten); {fix}")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: {name} has {size} bytes but {want['bytes']} were "
+                f"written (truncated or overwritten); {fix}"
+            )
         if digest(f)["sha256"] != want["sha256"]:
-            raise CheckpointError(f"checkpoint {path} is corrupt: the contents of {name} differ from what was written "
-                                  f"(sha256 mismatch); {fix}")
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt: the contents of {name} differ from what was written "
+                f"(sha256 mismatch); {fix}"
+            )
     return meta
 
 
 # --- writing ------------------------------------------------------------------------------------------------
 
-def check_writable(root: Path, what: str = "checkpoint directory",
-                   fix: str = "pass --checkpoint-dir (or --run-dir) with a directory you can write, or fix its "
-                              "permissions") -> None:
+
+def check_writable(
+    root: Path,
+    what: str = "checkpoint directory",
+    fix: str = "pass --checkpoint-dir (or --run-dir) with a directory you can write, or fix its permissions",
+) -> None:
     """Create ``root`` if needed and prove a file can be written there; raises CheckpointError otherwise, naming
     ``what`` the directory is and the ``fix``. The parent calls this before any process starts."""
     try:
@@ -189,8 +209,13 @@ def commit(root: Path, step: int, files: Mapping[str, Mapping[str, Any]], meta: 
     directory and its size in bytes."""
     tmp, final = staging(root, step), root / f"step_{step}"
     size = sum(f["bytes"] for f in files.values())
-    manifest = {"format": FORMAT, "step": step, **meta, "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "files": dict(files)}
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        **meta,
+        "saved": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "files": dict(files),
+    }
     write_synced(tmp / META, json.dumps(manifest, indent=1) + "\n")
     write_synced(tmp / MARKER, f"step {step}\n")
     _fsync_dir(tmp)
