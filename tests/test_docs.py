@@ -542,6 +542,8 @@ COMMANDS = {
     "make train": RunBy("test_train.py", '["--strategy", "tp", "--nproc", "2"]'),  # the Makefile's recipe, checked
     "make test": NotRun("it runs this test suite"),
     "make test-fast": RunBy("test_docs.py", "def test_make_test_fast_runs_the_unit_tier("),  # collecting only
+    "make lint": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),
+    "make typecheck": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),
     ".venv/bin/shardflow train --strategy dp,tp --mesh dp=2,tp=2 --nproc 4": RunBy(
         "test_train.py", '["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"]'
     ),
@@ -735,6 +737,19 @@ def test_make_test_fast_runs_the_unit_tier():
     for entry in INTEGRATION_TESTS:
         file, name = entry.split("::")
         assert f"def {name}(" in (ROOT / "tests" / file).read_text(), entry
+
+
+def test_make_lint_and_typecheck_pass():
+    """Every line of the Makefile's ``lint`` and ``typecheck`` recipes, run with this environment's tools: ruff's checks
+    and format check find nothing, and mypy's errors are exactly tools/mypy-baseline.txt's."""
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("lint", "typecheck"):
+        lines = re.search(rf"^{target}:.*\n((?:\t.+\n)+)", makefile, re.M).group(1).splitlines()
+        for line in lines:
+            words = shlex.split(line.strip().removeprefix("$(BIN)/"))
+            argv = [sys.executable, *words[1:]] if words[0] == "python" else [sys.executable, "-m", *words]
+            r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            assert r.returncode == 0, f"make {target}: {line.strip()}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
 
 
 def _torchrun_takes(words: list[str]) -> list[str] | None:
