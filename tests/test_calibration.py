@@ -127,7 +127,9 @@ def test_calibrate_nproc_2_writes_a_file_the_cost_model_reads(tmp_path, monkeypa
     cal = Calibration.load(path)
     assert (cal.backend, cal.world_size, cal.machine, list(cal.groups)) == ("gloo", 2, this_machine(), [WORLD])
     fitted = set(cal.groups[WORLD])
-    assert fitted <= set(COST_KINDS) and len(fitted) >= 4  # a kind drowned in a busy machine's noise is left out
+    # A kind drowned in a busy machine's noise is left out, and said to be: with the suite's other worker beside it
+    # on 2 cores, 3 of the 7 kinds were fitted in one CI-like run (4 or more alone), so only "some" is certain here.
+    assert fitted <= set(COST_KINDS) and fitted
     for kind in set(COST_KINDS) - fitted:
         assert f"{kind} not fitted" in res.stdout
     assert CostModel.for_backend("gloo").calibration == cal
