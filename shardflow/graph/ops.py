@@ -149,12 +149,14 @@ class Op:
     def compute(self, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def grad_outputs(self, ins: tuple[TensorType, ...], need: tuple[bool, ...]) -> tuple[bool, ...]:
-        """Which outputs carry a gradient back, per output, when the inputs ``need`` marks need one: every
-        floating-point or complex output as soon as one input does (the ops of this module are differentiable in every
-        floating input: :mod:`shardflow.runtime.vjp` or autograd of their compute). Raises OpError where an output
-        depends on a marked input through no derivative (:meth:`Aten.grad_outputs`)."""
-        return tuple(any(need) and differentiable(t.dtype) for t in self.infer(ins))
+    def grad_outputs(
+        self, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...], need: tuple[bool, ...]
+    ) -> tuple[bool, ...]:
+        """Which of the outputs (types ``outs``) carry a gradient back when the inputs (types ``ins``) ``need`` marks
+        need one: every floating-point or complex output as soon as one input does (the ops of this module are
+        differentiable in every floating input: :mod:`shardflow.runtime.vjp` or autograd of their compute). Raises
+        OpError where an output depends on a marked input through no derivative (:meth:`Aten.grad_outputs`)."""
+        return tuple(any(need) and differentiable(t.dtype) for t in outs)
 
     def describe(self) -> str:
         """``kind(attr=value, ...)`` for listings; a :func:`quiet` attribute only when it is not its default."""
@@ -971,7 +973,7 @@ class Aten(Op):
     def compute(self, *xs):
         return self._call(xs)
 
-    def grad_outputs(self, ins, need):
+    def grad_outputs(self, ins, outs, need):
         """Autograd's answer, asked on the meta device (no data): an output carries a gradient where torch gives it
         a ``grad_fn`` (``full_like``'s, ``histc``'s, ``topk``'s indices have none: constants of the inputs), and
         the backward from those outputs to the marked inputs must exist. Raises OpError where it does not: autograd's

@@ -120,7 +120,9 @@ def _needs_grad(pcg: PCG) -> set[str]:
             need.update(n.outputs)
             continue
         try:
-            carried = n.op.grad_outputs(tuple(pcg.tensors[t].type for t in n.inputs), mask)
+            carried = n.op.grad_outputs(
+                tuple(pcg.tensors[t].type for t in n.inputs), tuple(pcg.tensors[t].type for t in n.outputs), mask
+            )
         except OpError as e:
             node = next((m for m in pcg.graph.nodes if m.name == n.name), None)
             source = f" at {node.source}" if node is not None and node.source else ""
