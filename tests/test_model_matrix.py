@@ -10,6 +10,7 @@ docs/models.md's matrix is generated from this table (tests/test_docs.py: models
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,35 @@ def test_plan_proves_or_refuses_as_check_does(capsys, family):
         assert code == 0 and out.rstrip().splitlines()[-1].startswith("# verified: 2 ranks"), out + err
     else:
         assert code == 2 and err.startswith("shardflow plan: error: ") and want in err, err
+
+
+def test_a_factory_model_smaller_than_the_tokenizer_is_refused(capsys, corpus, tmp_path):
+    """T5's factory (tests/zoo.py) takes no ``vocab_size``: its embedding has 96 rows, fewer than the corpus's
+    tokenizer has tokens. ``shardflow train`` refuses it in one paragraph before any step (it was an IndexError
+    traceback at step 1)."""
+    code = main(
+        [
+            "train",
+            "--model",
+            f"{ZOO}:t5",
+            "--data",
+            str(corpus),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--nproc",
+            "1",
+            "--seq-len",
+            "8",
+            "--batch-size",
+            "2",
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err, out + err
+    assert re.search(
+        r"^shardflow train: error: --model \S+zoo.py:t5: its input embedding has 96 rows but the "
+        r"tokenizer has \d+ tokens, so a token id would index past it; make the factory take vocab_size",
+        err,
+    ), err
