@@ -296,8 +296,9 @@ def factory_family(spec: str, vocab_size: int) -> tuple[Family, FactoryConfig]:
     config = FactoryConfig(spec, vocab_size)
     module, batch = _call_factory(config)
     feed = Feed.of_batch(spec, set(batch), module)
-    embedding = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-    if isinstance(embedding, nn.Embedding) and embedding.num_embeddings < vocab_size:  # a Hugging Face model's
+    inputs_of = getattr(module, "get_input_embeddings", None)  # a Hugging Face model's
+    embedding = inputs_of() if callable(inputs_of) else None
+    if isinstance(embedding, nn.Embedding) and embedding.num_embeddings < vocab_size:
         raise ModelError(
             f"--model {spec}: its input embedding has {embedding.num_embeddings} rows but the tokenizer has "
             f"{vocab_size} tokens, so a token id would index past it; make the factory take vocab_size (shardflow "
