@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import datetime
 import json
@@ -471,23 +470,23 @@ class CheckModel:
 def check_model(args: argparse.Namespace) -> CheckModel:
     """``--model``'s module and batch at ``--dtype`` (floating parameters, buffers and batch tensors converted;
     complex ones to complex128 under float64). Under float64, one eager forward (no gradient) inside
-    :func:`wide_floats` first: where it fails (Mixtral's grouped-matmul experts accept float32, bfloat16 and float16
-    only), the model is checked in its own dtype, as built, and :meth:`CheckModel.describe` says so."""
+    :func:`wide_floats` first: where it fails (a kernel without float64), the model is built again and checked in its
+    own dtype, as built, and :meth:`CheckModel.describe` says so."""
     model, batch = model_and_batch(args)
-    own = copy.deepcopy(model) if args.dtype == "float64" else None
     wide, wide_batch, changed = at_dtype(model, batch, getattr(torch, args.dtype))
     checked = CheckModel(wide, wide_batch, args.dtype, changed)
-    if own is None:
+    if args.dtype != "float64":
         return checked
     try:
         with torch.no_grad(), wide_floats():
             checked.model(**checked.batch)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        dtypes = {v.dtype for v in own.parameters() if v.is_floating_point()}
+        own, own_batch = model_and_batch(args)  # as built: a factory seeds itself, built-in models are seeded
+        dtypes = {p.dtype for p in own.parameters() if p.is_floating_point()}
         if len(dtypes) != 1 or dtypes == {torch.float64}:
             raise
-        return CheckModel(own, batch, dtype_name(dtypes.pop()), {}, first)
+        return CheckModel(own, own_batch, dtype_name(dtypes.pop()), {}, first)
     return checked
 
 

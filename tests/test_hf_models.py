@@ -14,6 +14,7 @@ from typing import Callable
 
 import pytest
 import torch
+import zoo
 from test_local_executor import check_against_eager
 from torch import nn
 
@@ -70,44 +71,6 @@ def bert() -> nn.Module:
     )
 
 
-def deepseek_v3() -> nn.Module:
-    return transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(
-            **SIZES,
-            num_key_value_heads=4,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=1,
-            topk_group=1,
-            first_k_dense_replace=1,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=16,
-            use_cache=False,
-        )
-    )
-
-
-def mamba2() -> nn.Module:
-    return transformers.Mamba2ForCausalLM(
-        transformers.Mamba2Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_heads=8,
-            head_dim=16,
-            state_size=16,
-            n_groups=1,
-            expand=2,
-            chunk_size=8,
-            use_cache=False,
-        )
-    )
-
-
 def causal_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
     return {"input_ids": ids, "labels": ids}
@@ -131,17 +94,9 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict]]] = {
 }
 
 
-# models some of whose ATen ops stay generic (a router's topk, a scan's cumsum), each with the strategy it was
-# fixed under
-MORE: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict]]] = {
-    "DeepseekV3ForCausalLM": (deepseek_v3, causal_batch),
-    "Mamba2ForCausalLM": (mamba2, causal_batch),
-}
-
-
 def model_and_batch(name: str, dtype=torch.float64) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The tiny ``name`` model (seed 0, ``dtype``) and its example batch."""
-    make, batch = {**MODELS, **MORE}[name]
+    make, batch = MODELS[name]
     torch.manual_seed(0)
     model = make().to(dtype)
     assert type(model).__name__ == name
@@ -170,17 +125,15 @@ def test_dp_equals_one_device(name):
         check_against_eager(model, b, "dp=2", "dp", atol=1e-9, steps=2)
 
 
-@pytest.mark.parametrize(
-    "name, mesh, strategy", [("DeepseekV3ForCausalLM", "tp=2", "tp"), ("Mamba2ForCausalLM", "pp=2", "pp")]
-)
-def test_models_with_generic_ops_train_as_eager(name, mesh, strategy):
+@pytest.mark.parametrize("family, mesh, strategy", [("deepseek_v3", "tp=2", "tp"), ("mamba2", "pp=2", "pp")])
+def test_models_with_generic_ops_train_as_eager(family, mesh, strategy):
     """DeepSeek-V3: its key states written by copy_ into slices of a new tensor (ATen's copy has no derivative) and
     its router's topk indices (no gradient: the gather's vjp had none to give). Mamba2: a zeros_like of an
-    activation (no gradient: autograd refused its backward). Float64 inside wide_floats, 2 SGD steps: the
-    sharded step sums in another order than eager, 1e-9."""
-    model, b = model_and_batch(name)
+    activation (no gradient: autograd refused its backward). The tiny models of tests/zoo.py, float64 inside
+    wide_floats, 2 SGD steps: the sharded step sums in another order than eager, 1e-9."""
+    model, b = zoo.FAMILIES[family]()
     with wide_floats():
-        check_against_eager(model, b, mesh, strategy, atol=1e-9, steps=2)
+        check_against_eager(model.to(torch.float64), b, mesh, strategy, atol=1e-9, steps=2)
 
 
 def test_every_op_has_a_rule():
