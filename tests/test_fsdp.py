@@ -16,13 +16,13 @@ from conftest import tiny_hf_llama_float64  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.cost import DEFAULT_BUCKET_BYTES, CommForm  # noqa: E402
 from shardflow.lower.dynamic import UpdateRule, block_of  # noqa: E402
+from shardflow.lower.memory import MemoryKind, program_memory  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
 from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.reference import weights_of  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
-from shardflow.runtime.memory import MemoryKind, program_memory  # noqa: E402
 from shardflow.strategy import PlanError, resolve  # noqa: E402
 from shardflow.strategy.presets import default_mesh, make_plan, parse_strategy  # noqa: E402
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shardflow.lower.memory import MemoryKind, program_memory
 from shardflow.runtime.local import LocalExecutor
-from shardflow.runtime.memory import MemoryKind, program_memory
 from shardflow.train import memory
 from shardflow.train.config import TrainConfig
 from shardflow.train.data import Split

@@ -26,6 +26,7 @@ from shardflow.lower.dynamic import (
     ValueRole,
     block_of,
 )
+from shardflow.lower.memory import program_memory  # noqa: E402
 from shardflow.lower.pass_expansion import checkpoint_blocks, pass_expansion  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
 from shardflow.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -34,7 +35,6 @@ from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.reference import weights_of  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
-from shardflow.runtime.memory import program_memory  # noqa: E402
 from shardflow.strategy import resolve  # noqa: E402
 from shardflow.strategy.presets import make_plan  # noqa: E402
 

@@ -17,13 +17,13 @@ from shardflow.capture import capture
 from shardflow.graph.ops import TensorType
 from shardflow.lower import lower_step
 from shardflow.lower.dynamic import TaskType
+from shardflow.lower.memory import Ledger
 from shardflow.lower.program import Buffer, Compute, Free, Update
 from shardflow.models import MLP
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.runtime.kernels import OptimizerConfig, update_kernel
 from shardflow.runtime.local import LocalExecutor
-from shardflow.runtime.memory import Ledger
 from shardflow.runtime.segments import calls, compile_segment, is_update, runs
 
 F32 = TensorType((2,), "float32")

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LoweredStep
 from shardflow.lower.buffer_reuse import buffer_reuse
+from shardflow.lower.memory import Ledger, peak
 from shardflow.lower.program import Comm, Compute, Group, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.collectives import KINDS, CommKind
@@ -50,7 +51,6 @@ from shardflow.runtime.kernels import (
     single_calls,
     update_kernel,
 )
-from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
 

@@ -16,6 +16,7 @@ from shardflow.lower import LoweredStep
 from shardflow.lower.buffer_reuse import buffer_reuse
 from shardflow.lower.comms import front_dim, run_local
 from shardflow.lower.dynamic import Value
+from shardflow.lower.memory import Ledger, peak
 from shardflow.lower.program import Comm, Compute
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.simulate import blocks, gather, scatter
@@ -30,7 +31,6 @@ from shardflow.runtime.kernels import (
     single_calls,
     update_kernel,
 )
-from shardflow.runtime.memory import Ledger, peak
 from shardflow.runtime.segments import Segment, compile_segment, runs
 
 

@@ -24,10 +24,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from shardflow.lower.memory import Ledger
 from shardflow.lower.program import Compute, Free, Instr, Update
 from shardflow.runtime import trace
 from shardflow.runtime.kernels import Kernel
-from shardflow.runtime.memory import Ledger
 
 Segment = Callable[[dict[str, torch.Tensor], "trace.Tracer | None"], None]
 

@@ -7,7 +7,7 @@ A process holds (:class:`Estimate`):
 * its ranks' buffers at their peak in a step — pieces of the parameters, their gradients, the optimizer state
   (AdamW: two per parameter, SGD with momentum one) and the activations (forward values kept for the backward,
   their gradients, the step's data and constants, communication buffers) — replayed from the lowered programs
-  (:func:`~shardflow.runtime.memory.program_memory`, which counts as the executors do). One process of ``--nproc 1``
+  (:func:`~shardflow.lower.memory.program_memory`, which counts as the executors do). One process of ``--nproc 1``
   runs every rank of the mesh: it holds them all;
 * what it holds of the model whole: a built-in family's buffers (its parameters are built on the meta device and
   materialised piece by piece, :mod:`shardflow.runtime.materialize`: they are in the pieces above), or the whole
@@ -37,8 +37,8 @@ from typing import Callable, Mapping
 from torch import nn
 
 from shardflow.lower import LoweredStep
+from shardflow.lower.memory import MemoryKind, program_memory
 from shardflow.lower.program import Buffer
-from shardflow.runtime.memory import MemoryKind, program_memory
 from shardflow.train.config import TrainConfig
 
 GiB = 2**30

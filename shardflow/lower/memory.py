@@ -65,10 +65,13 @@ class MemoryKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ProgramMemory:
-    """The peak of one rank's live buffers during a step (bytes) and what they held at that moment, by kind."""
+    """The peak of one rank's live buffers during a step (bytes), what they held at that moment, by kind, and
+    ``at``: the index in the program's instructions whose write reached the peak (-1: before the first, its inputs
+    and the values that outlive the step)."""
 
     peak: int
     by_kind: Mapping[MemoryKind, int]
+    at: int = -1
 
 
 def buffer_kind(dg: DynamicGraph, vid: str) -> MemoryKind:
@@ -100,7 +103,8 @@ def program_memory(program: Program, dg: DynamicGraph, size: Callable[[Buffer], 
         v = dg.values.get(vid)
         if vid not in freed and not (v is not None and v.replaces):
             ledger.write(vid, size(b))
-    for i in program.instrs:
+    for k, i in enumerate(program.instrs):
+        ledger.now = k
         if isinstance(i, Compute):
             for b in i.outs:
                 ledger.write(b.value, size(b))
@@ -109,7 +113,7 @@ def program_memory(program: Program, dg: DynamicGraph, size: Callable[[Buffer], 
         elif isinstance(i, Free):
             for vid in i.values:
                 ledger.free(vid)
-    return ProgramMemory(ledger.peak, dict(ledger.at_peak))
+    return ProgramMemory(ledger.peak, dict(ledger.at_peak), ledger.peak_at)
 
 
 class _KindLedger(Ledger):
@@ -120,12 +124,14 @@ class _KindLedger(Ledger):
         self.kind = kind
         self.by_kind = dict.fromkeys(MemoryKind, 0)
         self.at_peak = dict(self.by_kind)
+        self.now = self.peak_at = -1  # the instruction being replayed, and the one that reached the peak
 
     def write(self, vid: str, n: int) -> None:
         self.by_kind[self.kind(vid)] += n - self.live.get(vid, 0)
         super().write(vid, n)
         if self.total == self.peak:
             self.at_peak = dict(self.by_kind)
+            self.peak_at = self.now
 
     def free(self, vid: str) -> None:
         self.by_kind[self.kind(vid)] -= self.live.get(vid, 0)
