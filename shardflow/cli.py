@@ -732,7 +732,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def calibrate_rank(args: argparse.Namespace) -> NoReturn:
     """One rank of ``shardflow calibrate``: time, fit (rank 0 writes the file and prints the table), leave the
     process group and exit 0; 2 after a user error (one paragraph), 1 after a traceback."""
-    from shardflow.runtime.calibrate import measure, table
+    from shardflow.runtime.calibrate import describe_compute, measure, table
     from shardflow.runtime.device import rank_device
     from shardflow.runtime.distributed import init_from_env, shutdown
 
@@ -754,6 +754,8 @@ def calibrate_rank(args: argparse.Namespace) -> NoReturn:
         if cal is not None:
             out.write_text(cal.to_json())
             say(table(cal))
+            if cal.compute is not None:
+                say(describe_compute(cal.compute))
             say(
                 f"wrote {out}"
                 + (

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from test_lower import _sp_step
 
 from shardflow.lower.calibration import (
@@ -18,6 +20,7 @@ from shardflow.lower.calibration import (
     Calibration,
     CalibrationError,
     CalibrationWarning,
+    ComputeCost,
     KindCost,
     calibration_path,
     fit,
@@ -66,6 +69,58 @@ def test_the_file_round_trips_and_names_itself_and_the_fix_when_bad(tmp_path):
     path.write_text("{")
     with pytest.raises(CalibrationError, match="not JSON"):
         Calibration.load(path)
+
+
+COMPUTE = ComputeCost({"float32": 2e11, "bfloat16": 1.5e12}, 8e9, 9e-7, 5e-6, 1.02)
+
+
+def test_the_compute_section_round_trips_and_is_optional(tmp_path):
+    """A calibration with its compute section reads back equal; a file without one (written before it existed,
+    schema 1 all the same) reads with compute None."""
+    cal = dataclasses.replace(_cal({WORLD: {"p2p": KindCost(1e-4, 2e9)}}), compute=COMPUTE)
+    path = tmp_path / "c.json"
+    path.write_text(cal.to_json())
+    back = Calibration.load(path)
+    assert back == cal and back.compute == COMPUTE
+    assert json.loads(cal.to_json())["compute"]["matmul_flops"] == {"float32": 2e11, "bfloat16": 1.5e12}
+    old = json.loads(cal.to_json())
+    del old["compute"]
+    path.write_text(json.dumps(old))
+    assert Calibration.load(path).compute is None and "compute" not in _cal(cal.groups).to_json()
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"contention": 0}, "'compute.contention' must be a finite number > 0, got 0"),
+        ({"launch_s": -1e-6}, "'compute.launch_s' must be a finite number ≥ 0"),
+        ({"memory_bandwidth": "fast"}, "'compute.memory_bandwidth' must be a finite number > 0"),
+        ({"matmul_flops": {"float33": 1e9}}, "'compute.matmul_flops': 'float33' is not a torch dtype"),
+        ({"matmul_flops": {}}, "'compute.matmul_flops' must be an object"),
+        ({"speed": 1}, "'compute' has unknown keys \\['speed'\\]"),
+        ({"launch_s": None}, "'compute' misses \\['launch_s'\\]"),  # None: the key removed
+    ],
+)
+def test_a_bad_compute_section_names_its_key_and_the_fix(tmp_path, change, why):
+    doc = json.loads(dataclasses.replace(_cal({}), compute=COMPUTE).to_json())
+    doc["compute"].update(change)
+    doc["compute"] = {k: v for k, v in doc["compute"].items() if v is not None}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match=f"calibration file {path}: {why}.*shardflow calibrate"):
+        Calibration.load(path)
+
+
+def test_measure_compute_in_one_process_gives_positive_figures():
+    """The compute measurement alone (no process group: the identity for the slowest rank, no contention): every
+    figure in range, float32 and bfloat16 measured, a launch floor well under the tiny step's per-instruction time."""
+    from shardflow.runtime.calibrate import MATMUL_DTYPES, measure_compute
+
+    got = measure_compute(torch.device("cpu"))
+    assert set(got.matmul_flops) == {str(d).removeprefix("torch.") for d in MATMUL_DTYPES}
+    assert all(v > 1e8 for v in got.matmul_flops.values()) and got.memory_bandwidth > 1e8
+    assert 0 < got.launch_s < 1e-3 and 0 <= got.instr_overhead_s < 1e-2 and got.contention == 1.0
+    assert ComputeCost.from_doc(got.to_doc()) == got
 
 
 def test_the_cost_model_reads_the_file_of_its_backend_per_axis_and_falls_back(tmp_path):
@@ -133,6 +188,8 @@ def test_calibrate_nproc_2_writes_a_file_the_cost_model_reads(tmp_path, monkeypa
     for kind in set(COST_KINDS) - fitted:
         assert f"{kind} not fitted" in res.stdout
     assert CostModel.for_backend("gloo").calibration == cal
+    assert cal.compute is not None and set(cal.compute.matmul_flops) == {"float32", "bfloat16"}
+    assert "compute measured on 2 ranks at once in" in res.stdout and "compute: matmul GFLOP/s float32" in res.stdout
 
 
 @pytest.mark.parametrize(

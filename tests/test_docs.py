@@ -307,6 +307,51 @@ def auto_forms() -> list[str]:
     return rows
 
 
+def _link(link, same=None) -> str:
+    """A link as ``name: α, bandwidth (other kinds' bandwidths)`` in µs and GB/s; ``the same`` when it is ``same``."""
+    if link == same:
+        return "the same"
+    alphas = {c.alpha_s for c in link.kinds.values()}
+    common = Counter(c.bandwidth for c in link.kinds.values()).most_common(1)[0][0]
+    others = ", ".join(f"{k} {c.bandwidth / 1e9:g}" for k, c in link.kinds.items() if c.bandwidth != common)
+    alpha = " / ".join(f"{a * 1e6:g} µs" for a in sorted(alphas))
+    return f"{link.name}: {alpha}, {common / 1e9:g}" + (f" ({others})" if others else "")
+
+
+def machine_specs() -> list[str]:
+    """docs/simulator.md: the shipped machine specs and ``this`` without a calibration (gloo), their key numbers."""
+    import tempfile
+    import warnings
+
+    import torch
+
+    from shardflow.simulator.machine import MachineSpec, shipped
+
+    with tempfile.TemporaryDirectory() as empty, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        this = MachineSpec.this("gloo", env={"SHARDFLOW_CALIBRATION_DIR": empty})
+    rows = [
+        "| spec | device | peak TFLOP/s fp32 / bf16 / fp8 | matmul efficiency | memory | launch | per node | "
+        "intra link: α, GB/s | inter link: α, GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, spec in [
+        *((f"`{n}`", MachineSpec.named(n)) for n in shipped()),
+        ("`this` without a calibration (gloo)", this),
+    ]:
+        d = spec.device
+        peaks = " / ".join(
+            f"{d.peak_flops[t] / 1e12:g}" if t in d.peak_flops else "–"
+            for t in (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+        )
+        memory = "host ÷ ranks" if spec is this else f"{d.memory_bytes / 2**30:g} GiB"
+        rows.append(
+            f"| {name} | {d.name} | {peaks} | {d.matmul_efficiency:g} | {memory} at {d.memory_bandwidth / 1e9:g} GB/s "
+            f"| {d.launch_s * 1e6:g} µs | {spec.devices_per_node} | {_link(spec.intra)} | {_link(spec.inter, spec.intra)} |"
+        )
+    return rows
+
+
 # docs/models.md: the models tried, by column title → (model, batch) factory (float32: only shapes matter here)
 def _tried_models() -> dict[str, Callable[[], tuple]]:
     import torch
@@ -434,6 +479,7 @@ GENERATORS = {
         dtensor_cases,
         cost_defaults,
         auto_forms,
+        machine_specs,
         models_summary,
         models_aten_ops,
         models_matrix,

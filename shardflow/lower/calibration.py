@@ -2,7 +2,11 @@
 
 A calibration holds, per group of ranks (a mesh axis, or :data:`WORLD` when no mesh was given) and per kind of call
 the cost model prices (:data:`COST_KINDS`), α (seconds per call) and the bandwidth (bytes one rank sends per second),
-fitted by least squares (:func:`fit`) to timings of ``shardflow.runtime.comms.issue`` at a few message sizes.
+fitted by least squares (:func:`fit`) to timings of ``shardflow.runtime.comms.issue`` at a few message sizes; and,
+optionally (:class:`ComputeCost`, the file's ``compute`` section, absent from files written before it), what the
+ranks' computation reaches with every rank computing at once: matmul FLOP/s per dtype, memory bandwidth, the
+per-kernel launch floor, the executor's host seconds per instruction and the slowdown of compute while
+communication runs (the machine spec ``this`` of :mod:`shardflow.simulator.machine` reads it).
 
 Where it lives: ``$SHARDFLOW_CALIBRATION_DIR/calibration-<backend>.json``, by default in
 ``$XDG_CACHE_HOME/shardflow`` (``~/.cache/shardflow``) (:func:`calibration_path`). A file that cannot be read, of
@@ -19,7 +23,9 @@ import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
+
+import torch
 
 SCHEMA = 1  # version of the file's layout; another is refused
 ENV_DIR = "SHARDFLOW_CALIBRATION_DIR"  # the directory of the calibration files, overriding the default
@@ -53,6 +59,69 @@ class KindCost:
         return self.alpha_s + nbytes / self.bandwidth
 
 
+@dataclass(frozen=True)
+class ComputeCost:
+    """What one rank's computation reaches while every rank of the calibration computes at once (the contention of
+    N processes on one machine is in the figures; the slowest rank's, as for communication).
+
+    ``matmul_flops``: dtype name (``float32``, ``bfloat16``: a :class:`torch.dtype`'s name) → FLOP/s of the fastest
+    square matmul measured (2·n³ FLOP per ``n×n @ n×n``), > 0. ``memory_bandwidth``: bytes/s an elementwise add
+    moves (two reads and one write), > 0. ``launch_s``: seconds per call of a one-element op (the per-kernel floor),
+    ≥ 0. ``instr_overhead_s``: host seconds per program instruction of the executor beyond its kernels' launch
+    floors, ≥ 0. ``contention``: compute time while a collective runs ÷ compute time alone (≥ 1 where gloo's
+    threads share the cores; 1.0 where not measured), > 0."""
+
+    matmul_flops: Mapping[str, float]
+    memory_bandwidth: float
+    launch_s: float
+    instr_overhead_s: float
+    contention: float = 1.0
+
+    def to_doc(self) -> dict[str, Any]:
+        """The file's ``compute`` section (units as the fields')."""
+        return {
+            "matmul_flops": dict(self.matmul_flops),
+            "memory_bandwidth": self.memory_bandwidth,
+            "launch_s": self.launch_s,
+            "instr_overhead_s": self.instr_overhead_s,
+            "contention": self.contention,
+        }
+
+    @classmethod
+    def from_doc(cls, doc: object) -> ComputeCost:
+        """Parse a file's ``compute`` section. Raises ValueError (the key and what it needs; the caller names the
+        file): not an object, a key missing or unknown, a dtype name that is no torch dtype, a number out of
+        range."""
+        if not isinstance(doc, dict):
+            raise ValueError("'compute' is not an object")
+        keys = ("matmul_flops", "memory_bandwidth", "launch_s", "instr_overhead_s", "contention")
+        if unknown := sorted(set(doc) - set(keys)):
+            raise ValueError(f"'compute' has unknown keys {unknown}, expected {list(keys)}")
+        if missing := [k for k in keys if k not in doc]:
+            raise ValueError(f"'compute' misses {missing}")
+        flops = doc["matmul_flops"]
+        if not isinstance(flops, dict) or not flops:
+            raise ValueError("'compute.matmul_flops' must be an object of dtype name → FLOP/s")
+        for name, v in flops.items():
+            if not isinstance(getattr(torch, name, None), torch.dtype):
+                raise ValueError(f"'compute.matmul_flops': {name!r} is not a torch dtype (e.g. float32, bfloat16)")
+            _number(f"compute.matmul_flops.{name}", v, positive=True)
+        return cls(
+            {k: float(v) for k, v in flops.items()},
+            _number("compute.memory_bandwidth", doc["memory_bandwidth"], positive=True),
+            _number("compute.launch_s", doc["launch_s"]),
+            _number("compute.instr_overhead_s", doc["instr_overhead_s"]),
+            _number("compute.contention", doc["contention"], positive=True),
+        )
+
+
+def _number(key: str, v: object, positive: bool = False) -> float:
+    """``v`` as a float: finite, ≥ 0 (> 0 with ``positive``). Raises ValueError naming ``key``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(f"{key!r} must be a finite number {'> 0' if positive else '≥ 0'}, got {v!r}")
+    return float(v)
+
+
 def fit(samples: Sequence[tuple[int, float]]) -> KindCost:
     """Least-squares line seconds = α + bytes / bandwidth through ``samples`` of (bytes sent by one rank, seconds).
     A negative intercept (noise at small sizes) is clamped to 0. Raises ValueError with fewer than two distinct
@@ -75,7 +144,8 @@ def fit(samples: Sequence[tuple[int, float]]) -> KindCost:
 class Calibration:
     """What ``shardflow calibrate`` measured: ``groups`` maps a mesh axis (or :data:`WORLD`) to each cost kind's
     :class:`KindCost`; ``backend``, ``world_size`` (ranks that took part), ``machine`` (host name), ``date`` (ISO
-    8601), ``torch`` (version). ``path``: the file it was read from ("" when made here)."""
+    8601), ``torch`` (version). ``compute``: what the ranks' computation reaches (:class:`ComputeCost`), None in a
+    file written without it (before it existed). ``path``: the file it was read from ("" when made here)."""
 
     backend: str
     world_size: int
@@ -84,10 +154,12 @@ class Calibration:
     torch: str
     groups: Mapping[str, Mapping[str, KindCost]]
     path: str = field(default="", compare=False)
+    compute: ComputeCost | None = None
 
     def to_json(self) -> str:
         """The file's text: ``version`` (:data:`SCHEMA`), the fields, ``groups`` → kind → ``alpha_s`` (s) and
-        ``bandwidth`` (bytes/s)."""
+        ``bandwidth`` (bytes/s), then ``compute`` (:meth:`ComputeCost.to_doc`) where measured."""
+        compute = {} if self.compute is None else {"compute": self.compute.to_doc()}
         return (
             json.dumps(
                 {
@@ -101,6 +173,7 @@ class Calibration:
                         g: {k: {"alpha_s": c.alpha_s, "bandwidth": c.bandwidth} for k, c in kinds.items()}
                         for g, kinds in self.groups.items()
                     },
+                    **compute,
                 },
                 indent=1,
             )
@@ -140,7 +213,11 @@ class Calibration:
                 if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (a, b)) or a < 0 or b <= 0:
                     raise bad(f"group {g!r}, kind {k!r}: need alpha_s ≥ 0 (s) and bandwidth > 0 (bytes/s), got {c!r}")
                 groups[g][k] = KindCost(float(a), float(b))
-        return cls(doc["backend"], doc["world_size"], doc["machine"], doc["date"], doc["torch"], groups, path)
+        try:
+            compute = None if "compute" not in doc else ComputeCost.from_doc(doc["compute"])
+        except ValueError as e:
+            raise bad(str(e)) from None
+        return cls(doc["backend"], doc["world_size"], doc["machine"], doc["date"], doc["torch"], groups, path, compute)
 
     @classmethod
     def load(cls, path: Path) -> Calibration:

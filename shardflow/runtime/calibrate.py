@@ -10,6 +10,14 @@ Each call is timed alone, from its issue to the end of its waits, after a barrie
 median of ``reps`` calls, the slowest rank's (the call ends for the group when it ends on its last member). Each kind
 and size receives into one buffer from call to call, as the executor's receive slots do
 (:class:`~shardflow.runtime.buffers.Kept`).
+
+Then the computation, in every rank at once so that the contention of the ranks sharing this machine is in the
+figures (:func:`measure_compute`, the file's ``compute`` section: :class:`~shardflow.lower.calibration.ComputeCost`):
+square matmuls per dtype of :data:`MATMUL_DTYPES` (256, 512, ... while the next size's call would stay under
+:data:`MATMUL_BUDGET_S`), an elementwise add of :data:`ADD_BYTES` per tensor (memory bandwidth), a one-element add
+(the per-kernel launch floor), a training step of a tiny 8-layer network on the local executor (the host seconds
+per instruction) and, on the CPU, matmuls while a gloo all-reduce runs (the contention of compute and
+communication). A few seconds on 2 gloo ranks of 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.calibration import COST_KINDS, WORLD, Calibration, KindCost, fit, this_machine
+from shardflow.lower.calibration import COST_KINDS, WORLD, Calibration, ComputeCost, KindCost, fit, this_machine
 from shardflow.lower.comm_lowering import ring_peers
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Comm
@@ -87,13 +95,16 @@ def measure(
     device: torch.device,
     say: Callable[[str], None] = print,
     timeout: datetime.timedelta = datetime.timedelta(seconds=300),
+    compute: bool = True,
 ) -> Calibration | None:
     """Time every cost kind on every group of this rank (each axis of ``mesh``, or the world) at ``sizes`` (bytes),
     ``reps`` calls each (median), and fit them. Every rank of the world calls it (it runs collectives over the
     world); rank 0 gets the :class:`Calibration` (the slowest rank's times), the others None. ``say``: progress
     lines (rank 0's); a kind whose times do not grow with the size (:func:`fit` refuses it: noise on a busy machine)
     is left out of the calibration, with a line saying so — the cost model keeps its default for it. ``timeout``:
-    the run's (``--timeout``), which the mesh's axis groups are made with (:func:`~shardflow.runtime.distributed.mesh_groups`)."""
+    the run's (``--timeout``), which the mesh's axis groups are made with (:func:`~shardflow.runtime.distributed.mesh_groups`).
+    ``compute``: then measure the computation of every rank at once (:func:`measure_compute`, the slowest rank's
+    figures), the calibration's ``compute``; False leaves it None."""
     import torch.distributed as dist
 
     if mesh is None:
@@ -127,6 +138,12 @@ def measure(
             say(f"  {name}: {kind} timed at {len(sizes)} sizes")
     slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank times the same list of samples
+    computed = None
+    if compute:
+        dist.barrier()
+        t0 = time.perf_counter()
+        computed = measure_compute(device, functools.partial(slowest_rank, device), _contender(device))
+        say(f"  compute measured on {world} ranks at once in {time.perf_counter() - t0:.1f} s")
     if rank != 0:
         return None
     samples: dict[tuple[str, str], list[tuple[int, float]]] = {}
@@ -145,6 +162,7 @@ def measure(
         datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         torch.__version__,
         fitted,
+        compute=computed,
     )
 
 
@@ -157,3 +175,155 @@ def table(cal: Calibration) -> str:
         for k, c in kinds.items()
     ]
     return "\n".join(rows)
+
+
+MATMUL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes whose matmul FLOP/s are measured
+MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)  # square sizes tried in turn, n×n @ n×n
+MATMUL_BUDGET_S = 0.05  # the next size is tried only while its call would take less (8× the last call), seconds
+ADD_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # bytes of each tensor of the bandwidth's add (above L2)
+LAUNCH_CALLS = 200  # one-element adds timed together for the launch floor
+CONTENDED_N = 512  # the float32 matmul timed while an all-reduce runs (a few ms on a CPU core)
+CONTENDING_BYTES = 32 * 2**20  # the all-reduce it runs beside, bytes (tens of ms on gloo over loopback)
+ROUNDS = 3  # timed calls per measurement (median), after one untimed
+STEPS = 10  # steps of the tiny network timed together (a step is about half a millisecond on a CPU core)
+
+
+def slowest_rank(device: torch.device, seconds: list[float]) -> list[float]:
+    """Each of ``seconds`` (this rank's) as the slowest rank's: their maximum over the world (every rank calls it
+    with the same number of values)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _contender(device: torch.device) -> Callable[[], object] | None:
+    """On the CPU, a function that starts an all-reduce of :data:`CONTENDING_BYTES` over the world without waiting
+    and returns its work handle (``is_completed``, ``wait``); None on a GPU (the contention is not measured)."""
+    if device.type != "cpu":
+        return None
+    import torch.distributed as dist
+
+    buf = torch.ones(CONTENDING_BYTES // 4)
+    return lambda: dist.all_reduce(buf, async_op=True)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, rounds: int = ROUNDS) -> float:
+    """Median seconds of ``rounds`` calls of ``fn`` after one untimed (synchronising a GPU after each)."""
+    times = []
+    for k in range(1 + rounds):
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if k:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def tiny_step(device: torch.device, layers: int = 8):
+    """A training step of ``layers`` dense 4→4 layers with tanh on a batch of 2, lowered for one device and loaded
+    on the local executor: ``(run one step, its program's instructions, its compute instructions)``. Its kernels
+    are one-element-sized, so its time is the executor's host work."""
+    from shardflow.graph import GraphBuilder
+    from shardflow.lower import lower_step
+    from shardflow.lower.dynamic import Optimizer
+    from shardflow.lower.program import Compute
+    from shardflow.parallel.mesh import Mesh
+    from shardflow.parallel.pcg import build_pcg
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.runtime.local import LocalExecutor
+
+    b = GraphBuilder()
+    h, y = b.input("x", (2, 4)), b.input("y", (2,), "int64")
+    for i in range(layers):
+        h = b.tanh(b.dense(h, 4, name=f"l{i}"))
+    g = b.build([loss := b.cross_entropy(h, y)], loss)
+    step = lower_step(build_pcg(g, Mesh.parse("d=1")), verify=False)
+    ex = LocalExecutor(step, OptimizerConfig(Optimizer.SGD, 0.0), device=device)
+    ex.load({w: torch.zeros(g.tensors[w].shape) for w in g.weights})
+    inputs = {"x": torch.ones(2, 4, device=device), "y": torch.zeros(2, dtype=torch.int64, device=device)}
+    instrs = step.programs[0].instrs
+    return (lambda: ex.step(inputs)), len(instrs), sum(isinstance(i, Compute) for i in instrs)
+
+
+def measure_compute(
+    device: torch.device,
+    agree: Callable[[list[float]], list[float]] = lambda xs: xs,
+    contend: Callable[[], object] | None = None,
+) -> ComputeCost:
+    """What this rank's computation reaches on ``device``, every rank measuring at the same time. ``agree``: maps
+    this rank's list of seconds to the slowest rank's (:func:`slowest_rank`; the identity in one process); every
+    rank calls it at the same points, so the ranks take the same sizes and stay in step. ``contend``: starts a
+    collective without waiting (:func:`_contender`); None leaves ``contention`` at 1.0.
+
+    Measures: per dtype of :data:`MATMUL_DTYPES`, ``n×n @ n×n`` (2·n³ FLOP) for n of :data:`MATMUL_SIZES` while the
+    next call would stay under :data:`MATMUL_BUDGET_S`, keeping the best FLOP/s; ``out = a + b`` of
+    :data:`ADD_BYTES` float32 bytes per tensor (3× that moved); :data:`LAUNCH_CALLS` one-element adds (seconds per
+    call: the launch floor); :data:`STEPS` steps of :func:`tiny_step` together, median of 2·ROUNDS−1 (seconds per
+    instruction, less a launch floor per compute instruction: the host overhead); and with ``contend``, the float32 matmul of :data:`CONTENDED_N` timed while a
+    collective is in flight, over its time alone. Each a median of :data:`ROUNDS` calls."""
+    gen = torch.Generator().manual_seed(0)
+    flops: dict[str, float] = {}
+    alone = None  # seconds of the contended matmul alone
+    for dtype in MATMUL_DTYPES:
+        best = 0.0
+        for n in MATMUL_SIZES:
+            a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+            out = torch.empty(n, n, device=device, dtype=dtype)
+            (s,) = agree([_timed(lambda: torch.mm(a, b, out=out), device)])
+            best = max(best, 2 * n**3 / s)
+            if dtype == torch.float32 and n == CONTENDED_N:
+                alone = s
+            if 8 * s > MATMUL_BUDGET_S:
+                break
+        flops[str(dtype).removeprefix("torch.")] = best
+    n = ADD_BYTES.get(device.type, ADD_BYTES["cuda"]) // 4
+    x, y, z = (torch.ones(n, device=device) for _ in range(3))
+    add_s = _timed(lambda: torch.add(x, y, out=z), device)
+    one = [torch.ones(1, device=device) for _ in range(3)]
+
+    def tiny() -> None:
+        for _ in range(LAUNCH_CALLS):
+            torch.add(one[0], one[1], out=one[2])
+
+    launch_s = _timed(tiny, device) / LAUNCH_CALLS
+    run_step, instrs, computes = tiny_step(device)
+
+    def steps() -> None:
+        for _ in range(STEPS):
+            run_step()
+
+    step_s = _timed(steps, device, 2 * ROUNDS - 1) / STEPS
+    contended = 0.0
+    if contend is not None and alone is not None:
+        a, b = (torch.randn(CONTENDED_N, CONTENDED_N, generator=gen) for _ in range(2))
+        out = torch.empty(CONTENDED_N, CONTENDED_N)
+        samples = []
+        for _ in range(ROUNDS):
+            work = contend()
+            while not work.is_completed():  # type: ignore[attr-defined]
+                t0 = time.perf_counter()
+                torch.mm(a, b, out=out)
+                samples.append(time.perf_counter() - t0)
+            work.wait()  # type: ignore[attr-defined]
+        contended = statistics.median(samples) if samples else 0.0
+    add_s, launch_s, step_s, contended = agree([add_s, launch_s, step_s, contended])
+    return ComputeCost(
+        flops,
+        3 * 4 * n / add_s,
+        launch_s,
+        max(0.0, (step_s - computes * launch_s) / instrs),
+        max(1.0, contended / alone) if contended and alone else 1.0,
+    )
+
+
+def describe_compute(c: ComputeCost) -> str:
+    """The compute figures in one line: GFLOP/s per dtype, GB/s, µs."""
+    flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in c.matmul_flops.items())
+    return (
+        f"compute: matmul GFLOP/s {flops}; memory {c.memory_bandwidth / 1e9:.1f} GB/s; launch "
+        f"{c.launch_s * 1e6:.2f} us; executor {c.instr_overhead_s * 1e6:.2f} us per instruction; contention "
+        f"{c.contention:.2f}x"
+    )
