@@ -19,6 +19,7 @@ from torch import nn
 
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
+from shardflow.graph.flops import training_flops
 from shardflow.lower import CostModel, LoweredStep, LowerOptions, MicroStep, lower_step
 from shardflow.lower.passes import LowerContext, PassRecord, run_passes
 from shardflow.lower.schedule import requested
@@ -28,6 +29,8 @@ from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.device import run_backend
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.estimate import EXACT_WORLD, Prediction, representatives, simulate
+from shardflow.simulator.machine import MachineSpec
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
 from shardflow.strategy.presets import AXIS_OF
 
@@ -133,6 +136,30 @@ class Pipeline:
         """Each distinct micro-step of :attr:`micro_steps` lowered (first, middle, last; one without accumulation)
         for ``ranks`` (:meth:`lower`)."""
         return {m: self.lower(ranks, verify, micro=m) for m in dict.fromkeys(self.micro_steps)}
+
+    def predict(self, spec: MachineSpec, tokens: int, exact: bool | None = None, events: bool = False) -> Prediction:
+        """One optimizer step of this pipeline predicted on machine ``spec`` (:mod:`shardflow.simulator`): its
+        micro-steps lowered for every rank (``exact``; default on worlds up to
+        :data:`~shardflow.simulator.estimate.EXACT_WORLD`) or for one rank per class of alike ranks
+        (:func:`~shardflow.simulator.estimate.representatives`), and replayed. ``tokens``: tokens one step trains on
+        (global batch × sequence). ``events``: keep the timeline (``Prediction.write_trace``). Raises PassError,
+        SimulationError."""
+        mesh = self.pcg.mesh
+        exact = mesh.size <= EXACT_WORLD if exact is None else exact
+        rep_of = {r: r for r in range(mesh.size)} if exact else representatives(mesh, AXIS_OF["pp"])
+        ranks = tuple(sorted(set(rep_of.values())))
+        lowered = self.lower_micro_steps(ranks)
+        parts = self.options.accumulate * self.options.microbatches  # the graph is captured on one of them
+        dtype = self.options.precision.param_dtype if self.options.precision else torch.float32
+        return simulate(
+            [lowered[m] for m in self.micro_steps],
+            spec,
+            rep_of,
+            tokens,
+            training_flops(self.graph) * parts,
+            dtype,
+            events,
+        )
 
     def passes(self, dump: Mapping[str, Callable[[Any], None]] | None = None) -> tuple[PassRecord, ...]:
         """Lower the last micro-step for every rank pass by pass (``shardflow plan --passes``), handing the graph

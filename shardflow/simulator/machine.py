@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from shardflow.lower.calibration import COST_KINDS, ComputeCost, KindCost, calibration_path
+from shardflow.lower.calibration import BACKENDS, COST_KINDS, ComputeCost, KindCost, calibration_path
 from shardflow.lower.cost import CostModel
 
 # The dtypes a spec may give a peak for, by the names a TOML file uses (torch's).
@@ -130,7 +130,8 @@ class MachineSpec:
     ``overlap``: whether communication overlaps compute (separate streams, or gloo's threads).
     ``instr_overhead_s``: host seconds per program instruction (the executor's Python), 0 for an idealised GPU
     spec. ``contention``: the multiplier on compute time while communication runs at the same time (measured on a
-    CPU machine for ``this``; 1.0 elsewhere)."""
+    CPU machine for ``this``; 1.0 elsewhere). ``backend``: the torch.distributed backend its collectives run on
+    (``nccl``, or ``gloo``: the cost model's defaults for what a spec leaves out)."""
 
     name: str
     source: str
@@ -141,6 +142,11 @@ class MachineSpec:
     overlap: bool
     instr_overhead_s: float
     contention: float = 1.0
+    backend: str = "nccl"
+
+    def peak(self, dtype: torch.dtype) -> float:
+        """One device's dense matmul peak (FLOP/s) in ``dtype`` (:meth:`Device.peak_dtype`): MFU's denominator."""
+        return self.device.peak_flops[self.device.peak_dtype(dtype)]
 
     def link(self, members: Sequence[int]) -> Link:
         """The link of a group of global ranks ``members``: :attr:`intra` when they all sit in one node
@@ -268,7 +274,7 @@ class MachineSpec:
         source = (cal.describe() if cal else f"{backend} defaults of shardflow.lower.cost (no calibration)") + (
             "" if compute else "; compute: documented defaults (docs/simulator.md#this)"
         )
-        return cls(THIS, source, device, n, link, link, True, instr_s, contention)
+        return cls(THIS, source, device, n, link, link, True, instr_s, contention, backend)
 
 
 def _host_memory() -> int:
@@ -304,7 +310,7 @@ def resolve(machine: str, backend: str = "gloo", processes: int | None = None) -
 # --- the TOML reader -------------------------------------------------------------------------------------------
 
 MACHINE_KEYS = {"name": str, "source": str, "devices_per_node": int, "overlap": bool, "instr_overhead_s": float}
-OPTIONAL_MACHINE_KEYS = {"contention": float}
+OPTIONAL_MACHINE_KEYS = {"contention": float, "backend": str}
 DEVICE_KEYS = {
     "name": str,
     "memory_bytes": int,
@@ -420,7 +426,13 @@ class _Reader:
             machine["overlap"],
             machine["instr_overhead_s"],
             machine.get("contention", 1.0),
+            self.backend(machine.get("backend", "nccl")),
         )
+
+    def backend(self, name: str) -> str:
+        if name not in BACKENDS:
+            raise self.bad("machine.backend", f"{name!r} is no backend", f"give one of {', '.join(BACKENDS)}")
+        return name
 
     def link(self, links: Mapping[str, Any], which: str) -> Link:
         """``[links.<which>]``: ``name``, optional link-wide ``alpha_s`` and ``bandwidth``, and a table per cost

@@ -1,0 +1,81 @@
+"""What one instruction of a per-rank program costs on a machine spec (docs/simulator.md#instruction-costs).
+
+A :class:`~shardflow.lower.program.Compute` is priced as a roofline (Williams et al., "Roofline", CACM 2009): its
+FLOPs at the device's matmul rate for its dtype against the bytes it reads and writes at the device's memory
+bandwidth, whichever takes longer, plus a launch floor per kernel (:meth:`MachineSpec.compute_seconds`). Only the
+matmul-like ops have FLOPs (:data:`~shardflow.graph.flops.FORWARD_FLOPS`, counted on this rank's pieces); every
+other op is memory-bound. A backward (:class:`~shardflow.lower.program.Vjp`) computes one product per input that
+gets a gradient (the input's and the weight's gradients of a linear: 2× the forward when both), an attention's
+backward 2.5× its forward (five matmuls against two, as FlashAttention-2 counts them: Dao 2023, §3.1); it reads
+the forward's inputs and the output gradients and writes the input gradients. An optimizer update
+(:class:`~shardflow.lower.program.Update`) runs :data:`UPDATE_KERNELS` elementwise kernels over the shard, each
+reading and writing its tensors. A :class:`~shardflow.lower.program.Comm` costs α + bytes/β of its cost kind on
+the link its members use (:meth:`MachineSpec.comm_seconds`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from shardflow.graph.flops import FORWARD_FLOPS
+from shardflow.graph.ops import Attention, TensorType, torch_dtype
+from shardflow.lower.program import Buffer, Comm, Compute, Forward, Update, Vjp
+from shardflow.parallel.collectives import KINDS
+
+if TYPE_CHECKING:
+    from shardflow.simulator.machine import MachineSpec
+
+# Elementwise kernels of one optimizer update over a shard (torch.optim's foreach formulas, as the executors run
+# them: shardflow.runtime.kernels.update_kernel), each reading and writing the weight, gradient and state.
+UPDATE_KERNELS = {0: 1, 1: 2, 2: 5}  # state slots → kernels: SGD (add), SGD momentum (mul-add, add), Adam(W)
+ATTENTION_BACKWARD = 2.5  # FlashAttention-2's backward/forward FLOPs ratio (5 matmuls against 2)
+
+
+def _bytes(bufs: tuple[Buffer, ...]) -> int:
+    return sum(b.type.nbytes for b in bufs)
+
+
+def compute_flops(c: Compute) -> int:
+    """FLOPs of compute ``c`` on this rank's pieces: a forward's matmul-like op as
+    :data:`~shardflow.graph.flops.FORWARD_FLOPS` counts it, its backward one forward per input that gets a gradient
+    (an attention's :data:`ATTENTION_BACKWARD` forwards); 0 for every other instruction."""
+    k = c.kernel
+    if isinstance(k, Forward):
+        count = FORWARD_FLOPS.get(type(k.local.op))
+        return count(k.local.op, tuple(b.type for b in c.ins), tuple(b.type for b in c.outs)) if count else 0
+    if isinstance(k, Vjp):
+        count = FORWARD_FLOPS.get(type(k.local.op))
+        n = len(k.grad_mask)
+        dys = c.ins[n:]
+        if count is None or not dys or not any(k.grad_mask):
+            return 0
+        forward = count(k.local.op, tuple(b.type for b in c.ins[:n]), tuple(b.type for b in dys))
+        if isinstance(k.local.op, Attention):
+            return int(ATTENTION_BACKWARD * forward)
+        return forward * sum(k.grad_mask[:2])
+    return 0
+
+
+def compute_dtype(c: Compute) -> torch.dtype:
+    """The dtype compute ``c`` runs its arithmetic in: its first floating input's (else its first output's)."""
+    types: list[TensorType] = [b.type for b in c.ins + c.outs]
+    floating = [t for t in types if torch_dtype(t.dtype).is_floating_point]
+    return torch_dtype((floating or types)[0].dtype) if types else torch.float32
+
+
+def compute_seconds(c: Compute, spec: MachineSpec) -> float:
+    """Seconds compute ``c`` takes on one device of ``spec`` (the module's roofline; launch floors included)."""
+    moved = _bytes(c.ins) + _bytes(c.outs)
+    kernels = 1
+    if isinstance(c.kernel, Update):
+        kernels = UPDATE_KERNELS.get(len(c.kernel.slots), 1 + 2 * len(c.kernel.slots))
+        moved *= kernels
+    return spec.compute_seconds(compute_flops(c), moved, compute_dtype(c), kernels)
+
+
+def comm_seconds(c: Comm, spec: MachineSpec) -> float:
+    """Seconds communication ``c`` takes once every member has issued it: α + bytes/β of its cost kind
+    (:attr:`~shardflow.parallel.collectives.CommSpec.priced_as`) on the link its members use."""
+    return spec.comm_seconds(KINDS[c.kind].priced_as, c.members, c.nbytes)

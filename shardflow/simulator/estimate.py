@@ -1,0 +1,200 @@
+"""A plan's predicted step: time, throughput, MFU and peak memory per rank, from its lowered programs
+(docs/simulator.md).
+
+:func:`simulate` replays the programs of one optimizer step (:func:`~shardflow.simulator.replay.replay`) and
+replays their buffers (:func:`~shardflow.lower.memory.program_memory`: the live bytes the executors count, the
+instruction of the peak named). On a large world only one rank per class of alike ranks is lowered and replayed
+(:func:`representatives`): under SPMD every rank of a pipeline stage runs the same program up to the ranks it
+talks to, so the ranks whose coordinates off the stage axis are all 0 stand for the rest. :func:`cost_model` is
+the spec's α-β per mesh axis as lowering's cost model, so the ``auto`` communication forms are chosen for the
+machine predicted, not the one planning.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+
+from shardflow.lower import CostModel, LoweredStep
+from shardflow.lower.calibration import COST_KINDS, Calibration
+from shardflow.lower.memory import ProgramMemory, program_memory
+from shardflow.parallel.mesh import Mesh
+from shardflow.simulator.replay import Timeline, replay
+
+if TYPE_CHECKING:
+    from shardflow.simulator.machine import MachineSpec
+
+EXACT_WORLD = 16  # worlds up to this size are lowered and replayed rank by rank, larger ones one rank per class
+
+
+def representatives(mesh: Mesh, stage_axis: str | None = None) -> dict[int, int]:
+    """Every rank of ``mesh`` → the rank replayed for it: the rank with the same coordinate on ``stage_axis`` (the
+    pipeline's; None: no pipeline) and 0 on every other axis."""
+    keep = mesh.axis_names.index(stage_axis) if stage_axis in mesh.axis_names else None
+    out = {}
+    for r in range(mesh.size):
+        coords = mesh.coords(r)
+        out[r] = mesh.device(tuple(c if a == keep else 0 for a, c in enumerate(coords)))
+    return out
+
+
+def axis_members(mesh: Mesh, axis: str) -> tuple[int, ...]:
+    """The ranks along mesh ``axis`` through rank 0 (its stride the product of the axes after it)."""
+    i = mesh.axis_index(axis)
+    stride = math.prod(mesh.shape[i + 1 :])
+    return tuple(k * stride for k in range(mesh.shape[i]))
+
+
+def cost_model(spec: MachineSpec, mesh: Mesh) -> CostModel:
+    """Lowering's cost model for ``mesh`` on ``spec``: every cost kind on every mesh axis from the link the axis's
+    groups use (:meth:`MachineSpec.link` of its members through rank 0)."""
+    groups = {a: dict(spec.link(axis_members(mesh, a)).kinds) for a in mesh.axis_names}
+    groups["world"] = dict(spec.link(tuple(range(mesh.size))).kinds)
+    cal = Calibration(spec.backend, mesh.size, spec.name, "", torch.__version__, groups, f"machine spec {spec.name}")
+    missing = [(a, k) for a, kinds in groups.items() for k in COST_KINDS if k not in kinds]
+    if missing:
+        raise ValueError(f"machine spec {spec.name}: no α-β for {missing}")
+    return CostModel(spec.backend, calibration=cal)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One optimizer step predicted on machine ``machine`` (a spec's name) for ``world`` devices.
+
+    ``step_seconds``: the last rank's end. ``tokens``: tokens one step trains on (the global batch × sequence).
+    ``model_flops``: the step's model FLOPs (:func:`~shardflow.graph.flops.training_flops` of the whole batch, no
+    recomputation). ``peak_flops``: one device's dense peak (FLOP/s) in the step's compute dtype, the denominator of
+    MFU. ``peak_bytes``: each rank's peak live bytes (world ranks, a replayed rank's figure for the ranks it stands
+    for); ``memory``: each replayed rank's :class:`~shardflow.lower.memory.ProgramMemory` and the instruction of
+    its peak; ``timeline``: the replay (ends, breakdown and, where asked, events per replayed rank)."""
+
+    machine: str
+    world: int
+    step_seconds: float
+    tokens: int
+    model_flops: int
+    peak_flops: float
+    peak_bytes: tuple[int, ...]
+    memory: Mapping[int, tuple[ProgramMemory, str]]
+    timeline: Timeline
+    replayed: tuple[int, ...]
+
+    @property
+    def tokens_per_second_per_device(self) -> float:
+        return self.tokens / self.step_seconds / self.world if self.step_seconds else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per second per device ÷ the device's peak (PaLM, appendix B)."""
+        return self.model_flops / self.step_seconds / self.world / self.peak_flops if self.step_seconds else 0.0
+
+    @property
+    def slowest(self) -> int:
+        """The replayed rank that ends last."""
+        return max(self.timeline.ends, key=lambda r: self.timeline.ends[r])
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of ``shardflow plan --estimate --format json``: ``step_seconds``,
+        ``tokens_per_second_per_device``, ``mfu``, ``peak_bytes`` (one per rank), ``breakdown`` (seconds, the
+        slowest rank's), ``breakdown_per_rank`` and ``memory`` (per replayed rank: peak, by kind, the instruction)."""
+        bd = self.timeline.breakdown
+        return {
+            "machine": self.machine,
+            "world": self.world,
+            "step_seconds": self.step_seconds,
+            "tokens_per_second_per_device": self.tokens_per_second_per_device,
+            "mfu": self.mfu,
+            "peak_bytes": list(self.peak_bytes),
+            "breakdown": vars(bd[self.slowest]).copy(),
+            "breakdown_per_rank": {str(r): vars(b).copy() for r, b in bd.items()},
+            "memory": {
+                str(r): {"peak": m.peak, "by_kind": {str(k): v for k, v in m.by_kind.items()}, "at": at}
+                for r, (m, at) in self.memory.items()
+            },
+            "replayed_ranks": list(self.replayed),
+        }
+
+    def describe(self) -> str:
+        """The prediction as a few lines of text (``shardflow plan --estimate``)."""
+        b = self.timeline.breakdown[self.slowest]
+        r, (mem, at) = max(self.memory.items(), key=lambda kv: kv[1][0].peak)
+        parts = ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.3g} ms" for k, v in vars(b).items() if v)
+        kinds = ", ".join(f"{k} {_gib(v)}" for k, v in mem.by_kind.items() if v)
+        return "\n".join(
+            [
+                f"# predicted on {self.machine} ({self.world} devices): step {self.step_seconds * 1e3:.4g} ms, "
+                f"{self.tokens_per_second_per_device:,.0f} tokens/s per device, MFU {self.mfu:.1%}",
+                f"#   rank {self.slowest} (slowest): {parts}",
+                f"#   peak memory {_gib(mem.peak)} on rank {r} ({kinds}) at: {at}",
+            ]
+        )
+
+    def write_trace(self, path: Path) -> None:
+        """Write the timeline's events as a Chrome trace (Perfetto opens it): one process per rank, a thread per
+        stream, microseconds."""
+        events = [
+            {
+                "name": e.name,
+                "cat": e.category,
+                "ph": "X",
+                "pid": e.rank,
+                "tid": 0 if e.stream == "compute" else 1,
+                "ts": e.start * 1e6,
+                "dur": e.seconds * 1e6,
+            }
+            for e in self.timeline.events
+        ]
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**26 else f"{n / 2**20:.3g} MiB"
+
+
+def simulate(
+    steps: Sequence[LoweredStep],
+    spec: MachineSpec,
+    rep_of: Mapping[int, int],
+    tokens: int,
+    model_flops: int,
+    dtype: torch.dtype,
+    events: bool = False,
+) -> Prediction:
+    """Predict one optimizer step whose micro-steps are ``steps`` (each lowered for the replayed ranks, the values
+    of ``rep_of``) on ``spec``. ``tokens``, ``model_flops``: the step's (:class:`Prediction`); ``dtype``: the
+    compute dtype MFU is measured against. Raises SimulationError (programs that cannot run to the end)."""
+    replayed = tuple(sorted(set(rep_of.values())))
+    recomputed = {n.name for s in steps for n in s.dg.nodes if n.recompute}
+    timeline = replay(
+        [{r: s.programs[r] for r in replayed} for s in steps],
+        spec,
+        recomputed=recomputed.__contains__,
+        events=events,
+    )
+    memory: dict[int, tuple[ProgramMemory, str]] = {}
+    for r in replayed:
+        best: tuple[ProgramMemory, str] | None = None
+        for s in steps:
+            m = program_memory(s.programs[r], s.dg)
+            if best is None or m.peak > best[0].peak:
+                best = (m, str(s.programs[r].instrs[m.at]).strip() if m.at >= 0 else "the step's start")
+        assert best is not None
+        memory[r] = best
+    peak_bytes = tuple(memory[rep_of[r]][0].peak for r in range(len(rep_of)))
+    return Prediction(
+        spec.name,
+        len(rep_of),
+        timeline.seconds,
+        tokens,
+        model_flops,
+        spec.peak(dtype),
+        peak_bytes,
+        memory,
+        timeline,
+        replayed,
+    )
