@@ -28,7 +28,7 @@ import tempfile
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -58,6 +58,10 @@ from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator import MachineSpec
+from shardflow.simulator import resolve as resolve_machine
+from shardflow.simulator.estimate import cost_model
+from shardflow.simulator.machine import shipped
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
 from shardflow.train.config import RANGES, Range, TrainConfig, step_options
@@ -301,6 +305,47 @@ def plan_optimizer(update: str) -> OptimizerConfig:
     return OptimizerConfig(Optimizer.SGD, momentum=0.9 if update == UpdateRule.SGD_MOMENTUM else 0.0)
 
 
+def tokens_of(batch: Mapping[str, torch.Tensor]) -> int:
+    """Tokens one step trains on: the elements of the batch's first integer tensor (token ids ``[B, T]``), else its
+    rows (a batch of feature vectors)."""
+    ids = next((t for t in batch.values() if not t.is_floating_point()), None)
+    return ids.numel() if ids is not None else next(iter(batch.values())).shape[0]
+
+
+def print_estimate(args: argparse.Namespace, pipeline: Pipeline, spec: MachineSpec, batch) -> int:
+    """``shardflow plan --estimate``: the predicted step (:meth:`Pipeline.predict`) as text or JSON (keys of
+    :meth:`~shardflow.simulator.estimate.Prediction.to_json`, with ``strategy``, ``mesh``, ``fits`` and
+    ``device_memory_bytes``), the timeline to ``--trace``; 1 when a rank's peak exceeds the device memory."""
+    pred = pipeline.predict(spec, tokens_of(batch), events=bool(args.trace))
+    capacity = spec.device.memory_bytes
+    fits = max(pred.peak_bytes) <= capacity
+    if args.trace:
+        pred.write_trace(Path(args.trace))
+    if args.format == "json":
+        doc = pred.to_json() | {
+            "strategy": pipeline.plan.name,
+            "mesh": str(pipeline.pcg.mesh),
+            "fits": fits,
+            "device_memory_bytes": capacity,
+        }
+        print(json.dumps(doc, indent=1))
+    else:
+        print(f"# {pipeline.plan.name} on mesh {pipeline.pcg.mesh}, machine {spec.name}: {spec.source}")
+        print(pred.describe())
+        if args.trace:
+            print(f"# predicted timeline → {args.trace}")
+    if not fits:
+        worst = max(range(len(pred.peak_bytes)), key=pred.peak_bytes.__getitem__)
+        print(
+            f"shardflow plan: does not fit: rank {worst} peaks at {pred.peak_bytes[worst] / 2**30:.3g} GiB, the "
+            f"{spec.name} device holds {capacity / 2**30:.3g} GiB; shard more (fsdp, tp, pp), recompute (--ac "
+            f"block), or lower --batch-size",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def micro_step_comms(pipeline: Pipeline, rank: int) -> list[str]:
     """One line per distinct micro-step of an optimizer step (``--accumulate``): its communications on ``rank``,
     by pass and kind (only the last reduces the weights' gradients)."""
@@ -328,7 +373,10 @@ def schedule_json(dg, kind: ScheduleKind) -> dict[str, Any]:
 def cmd_plan(args: argparse.Namespace) -> int:
     strategy = None if args.plan else args.strategy or "tp"
     mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(strategy or "tp", args.nproc)
-    options = step_options(args, machine_cost("auto", mesh.size))  # train's, its calibration file's auto forms
+    spec = resolve_machine(args.machine, processes=mesh.size) if args.estimate else None
+    # train's cost model (its calibration file's auto forms), or the predicted machine's
+    cost = cost_model(spec, mesh) if spec and args.machine != "this" else machine_cost("auto", mesh.size)
+    options = step_options(args, cost)
     model, batch = plan_model(args, options)
     if args.graph:
         print(capture(model, Pipeline.example(batch, options)).listing())
@@ -343,6 +391,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.passes:
             print(pass_table(records))
         return 0
+    if spec is not None:
+        return print_estimate(args, pipeline, spec, batch)
     step = pipeline.lower(verify=True)  # proves the programs agree
     if args.rank is not None and args.rank not in step.programs:
         raise ValueError(
@@ -840,6 +890,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the graph after this lowering pass (" + ", ".join(str(x.name) for x in PASSES) + ")",
     )
     p.add_argument("--out", help="file for --format dot (default pcg.dot)")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="predict one step instead of listing the programs: step time, tokens/s per device, MFU, each "
+        "rank's peak memory and where the time goes, on --machine (docs/simulator.md); a plan whose peak "
+        "does not fit the machine's device memory is refused (exit status 1)",
+    )
+    p.add_argument(
+        "--machine",
+        default="this",
+        help="with --estimate: this (measured by `shardflow calibrate`), a shipped spec ("
+        + ", ".join(shipped())
+        + ") or a machine spec TOML file (default this)",
+    )
+    p.add_argument("--trace", help="with --estimate: write the predicted timeline here (Chrome trace, Perfetto)")
     p.add_argument(
         "--optimizer",
         choices=tuple(map(str, UpdateRule)),

@@ -4,6 +4,8 @@ per class predict what every rank replayed predicts, and the memory replay match
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -211,3 +213,25 @@ def test_the_memory_prediction_is_what_the_executors_count():
     for _ in range(2):
         ex.step(batch)
     assert p.predict(spec, 128).peak_bytes == tuple(ex.peak_bytes[r] for r in range(4))
+
+
+@pytest.mark.integration
+def test_plan_estimate_prints_the_prediction_and_refuses_what_does_not_fit(capsys, tmp_path):
+    import json
+
+    from shardflow.cli import main
+
+    argv = ["plan", "--estimate", "--machine", "h100", "--strategy", "fsdp,tp", "--mesh", "fsdp=2,tp=2"]
+    assert main([*argv, "--format", "json", "--trace", str(tmp_path / "t.json")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"step_seconds", "tokens_per_second_per_device", "mfu", "peak_bytes", "breakdown"} <= set(doc)
+    assert len(doc["peak_bytes"]) == 4 and doc["fits"] and doc["mesh"] == "fsdp=2,tp=2"
+    assert doc["tokens_per_second_per_device"] == pytest.approx(16 * 64 / doc["step_seconds"] / 4)
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in trace} == {0, 1, 2, 3} and {e["tid"] for e in trace} == {0, 1}
+    spec = tmp_path / "small.toml"
+    text = (Path(__file__).parents[1] / "shardflow/simulator/specs/h100.toml").read_text()
+    spec.write_text(text.replace("memory_bytes = 103079215104", "memory_bytes = 1048576"))
+    assert main([*argv[:2], "--machine", str(spec), *argv[4:]]) == 1
+    out = capsys.readouterr()
+    assert "# predicted on h100 (4 devices)" in out.out and "does not fit: rank 0 peaks at" in out.err

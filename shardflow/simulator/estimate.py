@@ -23,6 +23,7 @@ import torch
 from shardflow.lower import CostModel, LoweredStep
 from shardflow.lower.calibration import COST_KINDS, Calibration
 from shardflow.lower.memory import ProgramMemory, program_memory
+from shardflow.lower.program import Comm, Compute, Instr
 from shardflow.parallel.mesh import Mesh
 from shardflow.simulator.replay import Timeline, replay
 
@@ -152,6 +153,15 @@ class Prediction:
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
+def where(i: Instr) -> str:
+    """An instruction in a few words: its task type, op or communication kind and the buffer it writes."""
+    if isinstance(i, Compute):
+        return f"{i.pass_} {i.op} writing {i.outs[0].value}" if i.outs else f"{i.pass_} {i.op}"
+    if isinstance(i, Comm):
+        return f"#{i.token} {i.pass_} {i.kind}" + (f" receiving {i.recv.value}" if i.recv else "")
+    return str(i).strip()
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB" if n >= 2**26 else f"{n / 2**20:.3g} MiB"
 
@@ -182,7 +192,7 @@ def simulate(
         for s in steps:
             m = program_memory(s.programs[r], s.dg)
             if best is None or m.peak > best[0].peak:
-                best = (m, str(s.programs[r].instrs[m.at]).strip() if m.at >= 0 else "the step's start")
+                best = (m, where(s.programs[r].instrs[m.at]) if m.at >= 0 else "the step's start")
         assert best is not None
         memory[r] = best
     peak_bytes = tuple(memory[rep_of[r]][0].peak for r in range(len(rep_of)))

@@ -8,6 +8,7 @@ writes to it directly and tees everything into its log (:func:`tee_to_log`).
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from shardflow.lower.dynamic import ActivationCheckpointing
 from shardflow.lower.pass_expansion import checkpoint_blocks
 from shardflow.lower.report import bytes_rows
 from shardflow.lower.schedule import schedule_of
+from shardflow.simulator.estimate import Prediction
 from shardflow.train.checkpoint import Checkpoint
 from shardflow.train.config import placement
 from shardflow.train.metrics import Meter, memory_source
@@ -196,6 +198,32 @@ class Console:
     def saved(self, path, size: int, seconds: float) -> None:
         """A checkpoint was committed: its directory, size (bytes) and the seconds the save took."""
         self.say(f"checkpoint {path} ({size / 2**20:.2f} MiB, {seconds:.2f} s)")
+
+    def predicted(self, prediction: tuple[Prediction | None, str] | None) -> None:
+        """The simulator's predicted step time and peak memory (docs/simulator.md), where it came from."""
+        if not self.lead or prediction is None:
+            return
+        pred, note = prediction
+        if pred is None:
+            self.say(f"predicted: {note}")
+            return
+        self.say(
+            f"predicted: {pred.step_seconds * 1e3:.4g} ms/step, {pred.tokens_per_second_per_device:,.0f} tok/s/dev, "
+            f"peak buffers {max(pred.peak_bytes) / 2**20:,.1f} MiB per rank ({note})"
+        )
+
+    def versus(self, prediction: tuple[Prediction | None, str] | None, step_times: list[float]) -> None:
+        """At the end: the predicted step time against the measured median (the steps after the first two, whose
+        set-up the prediction leaves out; every step when there are fewer)."""
+        if not self.lead or prediction is None or prediction[0] is None or not step_times:
+            return
+        pred = prediction[0]
+        steady = step_times[2:] or step_times
+        measured = statistics.median(steady)
+        self.say(
+            f"step time: predicted {pred.step_seconds * 1e3:.4g} ms, measured {measured * 1e3:.4g} ms (median of "
+            f"{len(steady)} steps, data loading apart): {(pred.step_seconds - measured) / measured:+.0%}"
+        )
 
     def done(self, final: float, baseline: float) -> None:
         """The last validation loss against the unigram baseline (nats/token)."""

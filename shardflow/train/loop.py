@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,7 +28,9 @@ from shardflow.graph.flops import training_flops
 from shardflow.lower.schedule import schedule_of
 from shardflow.runtime import trace
 from shardflow.runtime.accumulate import MicroSteps
-from shardflow.runtime.device import rank_device
+from shardflow.runtime.device import rank_device, run_backend
+from shardflow.simulator import MachineSpec, MachineSpecWarning
+from shardflow.simulator.estimate import Prediction
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
@@ -132,6 +135,8 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     metrics = MetricsWriter(metrics_file, start, board) if lead else None
     baseline = s.corpus.unigram_loss()
     console.banner(s, [lowered[m] for m in s.pipeline.micro_steps], baseline, device)
+    prediction = predict_step(s, world) if lead else None
+    console.predicted(prediction)
     console.metrics(meter, [metrics_file] + ([board] if board else []))
     if resumed is not None:
         console.resumed(resumed, start)
@@ -139,6 +144,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     def val_loss() -> float:
         return sum(evaluate.step(s.batch(Split.VAL, i)) for i in range(s.eval_batches)) / s.eval_batches
 
+    step_times: list[float] = []  # seconds of each step's computation and communication (its data apart)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         batch = s.batch(Split.TRAIN, step)
@@ -151,6 +157,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         if not math.isfinite(loss):  # the same loss on every rank: every rank stops here
             raise diverged(cfg, step + 1, f"the loss is {loss}", newest)
         dt = time.perf_counter() - t0
+        step_times.append(dt - data_s)
         if tracing:
             _write_trace(s, ex, rank, world)
         if check is not None:
@@ -176,8 +183,22 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
             console.saved(path, size, time.perf_counter() - t0)
     if lead:
         console.done(record["val_loss"], baseline)
+        console.versus(prediction, step_times)
         metrics.close()
     return 0 if check is None else check.finish(ex, console)  # collective: every rank takes part
+
+
+def predict_step(s: Setup, world: int) -> tuple[Prediction | None, str]:
+    """The simulator's prediction of one step of this run on this machine (``MachineSpec.this``: what ``shardflow
+    calibrate`` measured, else the defaults — the note says which), or None where one process runs every rank of
+    a mesh (the simulator predicts one process per rank); and a note for the banner."""
+    if world != s.mesh.size:
+        return None, f"one process runs all {s.mesh.size} ranks of the mesh: no prediction (it models one per rank)"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MachineSpecWarning)
+        spec = MachineSpec.this(run_backend(s.cfg.device, world), processes=world)
+    note = "uncalibrated defaults: run `shardflow calibrate` for a measured machine" if caught else spec.source
+    return s.pipeline.predict(spec, s.cfg.batch_size * s.cfg.seq_len), note
 
 
 def _full_state(s: Setup, ck: checkpoint.Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
