@@ -598,6 +598,10 @@ COMMANDS = {
     "torchrun --standalone --nproc-per-node 2 -m shardflow.cli train --strategy tp": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --help": Run(),
     ".venv/bin/shardflow plan --strategy tp --nproc 2": Run(),
+    # docs/simulator.md
+    ".venv/bin/shardflow plan --estimate --machine h100 --strategy fsdp,tp --mesh fsdp=4,tp=2 --dtype bf16": Run(),
+    ".venv/bin/shardflow plan --estimate --machine h100 --strategy fsdp,tp --mesh fsdp=4,tp=2 --format json "
+    "--trace /tmp/step.json": Run(),
     ".venv/bin/shardflow plan --strategy dp,sp --mesh dp=2,tp=2 --format json": Run(),
     ".venv/bin/shardflow plan --strategy pp --mesh pp=2 --layers 4 --format dot": Run(),
     ".venv/bin/shardflow plan --model gpt --plan my_plan.toml --mesh tp=2": Run(),
