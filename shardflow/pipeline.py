@@ -29,6 +29,7 @@ from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.device import run_backend
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.cost import EAGER, Kernels
 from shardflow.simulator.estimate import EXACT_WORLD, Prediction, representatives, simulate
 from shardflow.simulator.machine import MachineSpec
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
@@ -137,13 +138,21 @@ class Pipeline:
         for ``ranks`` (:meth:`lower`)."""
         return {m: self.lower(ranks, verify, micro=m) for m in dict.fromkeys(self.micro_steps)}
 
-    def predict(self, spec: MachineSpec, tokens: int, exact: bool | None = None, events: bool = False) -> Prediction:
+    def predict(
+        self,
+        spec: MachineSpec,
+        tokens: int,
+        exact: bool | None = None,
+        events: bool = False,
+        kernels: Kernels = EAGER,
+    ) -> Prediction:
         """One optimizer step of this pipeline predicted on machine ``spec`` (:mod:`shardflow.simulator`): its
         micro-steps lowered for every rank (``exact``; default on worlds up to
         :data:`~shardflow.simulator.estimate.EXACT_WORLD`) or for one rank per class of alike ranks
         (:func:`~shardflow.simulator.estimate.representatives`), and replayed. ``tokens``: tokens one step trains on
-        (global batch × sequence). ``events``: keep the timeline (``Prediction.write_trace``). Raises PassError,
-        SimulationError."""
+        (global batch × sequence). ``events``: keep the timeline (``Prediction.write_trace``). ``kernels``: how
+        the computes run (:class:`~shardflow.simulator.cost.Kernels`: torch.compile's fusion, Float8 matmuls; default
+        shardflow's eager kernels). Raises PassError, SimulationError."""
         mesh = self.pcg.mesh
         exact = mesh.size <= EXACT_WORLD if exact is None else exact
         rep_of = {r: r for r in range(mesh.size)} if exact else representatives(mesh, AXIS_OF["pp"])
@@ -159,6 +168,7 @@ class Pipeline:
             training_flops(self.graph) * parts,
             dtype,
             events,
+            kernels,
         )
 
     def passes(self, dump: Mapping[str, Callable[[Any], None]] | None = None) -> tuple[PassRecord, ...]:

@@ -15,12 +15,14 @@ the link its members use (:meth:`MachineSpec.comm_seconds`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from shardflow.graph.flops import FORWARD_FLOPS
-from shardflow.graph.ops import Attention, TensorType, torch_dtype
+from shardflow.graph.ops import Attention, Linear, TensorType, torch_dtype
+from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Comm, Compute, Forward, Update, Vjp
 from shardflow.parallel.collectives import KINDS
 
@@ -65,14 +67,49 @@ def compute_dtype(c: Compute) -> torch.dtype:
     return torch_dtype((floating or types)[0].dtype) if types else torch.float32
 
 
-def compute_seconds(c: Compute, spec: MachineSpec) -> float:
-    """Seconds compute ``c`` takes on one device of ``spec`` (the module's roofline; launch floors included)."""
-    moved = _bytes(c.ins) + _bytes(c.outs)
-    kernels = 1
+@dataclass(frozen=True)
+class Kernels:
+    """How a step's kernels run beyond what its programs say — what a compiler or a low-precision recipe changes
+    (docs/simulator.md#kernels-torchcompile-and-float8), for predicting runs of other systems such as torchtitan's.
+
+    ``fused_elementwise`` (torch.compile): a run of memory-bound computes with no matmul or communication between
+    them is one kernel: each compute after the first of a run writes its outputs but reads nothing from memory (its
+    inputs come from the kernel before it) and pays no launch floor. ``float8_matmul`` (torchao's Float8 training
+    with dynamic scaling): a linear's matmuls run at the device's float8 peak, and each casts its operands to
+    float8 first (reading them in their dtype, writing one byte per element)."""
+
+    fused_elementwise: bool = False
+    float8_matmul: bool = False
+
+
+EAGER = Kernels()  # one kernel per compute, in the program's dtypes: what shardflow's executors run
+
+
+def fusable(c: Compute, kernels: Kernels) -> bool:
+    """Whether ``c`` can join the fused kernel of the memory-bound compute before it (:class:`Kernels`)."""
+    return kernels.fused_elementwise and c.task != TaskType.UPD and compute_flops(c) == 0
+
+
+def compute_seconds(c: Compute, spec: MachineSpec, kernels: Kernels = EAGER, fused: bool = False) -> float:
+    """Seconds compute ``c`` takes on one device of ``spec`` (the module's roofline; launch floors included).
+    ``fused``: ``c`` continues the fused kernel of the compute before it (:func:`fusable`; it writes only)."""
+    flops, dtype = compute_flops(c), compute_dtype(c)
+    moved = _bytes(c.outs) if fused else _bytes(c.ins) + _bytes(c.outs)
+    count = 0 if fused else 1
     if isinstance(c.kernel, Update):
-        kernels = UPDATE_KERNELS.get(len(c.kernel.slots), 1 + 2 * len(c.kernel.slots))
-        moved *= kernels
-    return spec.compute_seconds(compute_flops(c), moved, compute_dtype(c), kernels)
+        count = UPDATE_KERNELS.get(len(c.kernel.slots), 1 + 2 * len(c.kernel.slots))
+        moved *= count
+    if (
+        kernels.float8_matmul
+        and flops
+        and isinstance(c.kernel, (Forward, Vjp))
+        and isinstance(c.kernel.local.op, Linear)
+    ):
+        dtype = torch.float8_e4m3fn
+        operands = c.ins[: len(c.kernel.grad_mask)] if isinstance(c.kernel, Vjp) else c.ins
+        moved += sum(b.type.numel * (torch_dtype(b.type.dtype).itemsize + 1) for b in operands)
+        count += len(operands)
+    return spec.compute_seconds(flops, moved, dtype, count)
 
 
 def comm_seconds(c: Comm, spec: MachineSpec) -> float:

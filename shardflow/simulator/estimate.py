@@ -25,6 +25,7 @@ from shardflow.lower.calibration import COST_KINDS, Calibration
 from shardflow.lower.memory import ProgramMemory, program_memory
 from shardflow.lower.program import Comm, Compute, Instr
 from shardflow.parallel.mesh import Mesh
+from shardflow.simulator.cost import EAGER, Kernels
 from shardflow.simulator.replay import Timeline, replay
 
 if TYPE_CHECKING:
@@ -174,10 +175,12 @@ def simulate(
     model_flops: int,
     dtype: torch.dtype,
     events: bool = False,
+    kernels: Kernels = EAGER,
 ) -> Prediction:
     """Predict one optimizer step whose micro-steps are ``steps`` (each lowered for the replayed ranks, the values
     of ``rep_of``) on ``spec``. ``tokens``, ``model_flops``: the step's (:class:`Prediction`); ``dtype``: the
-    compute dtype MFU is measured against. Raises SimulationError (programs that cannot run to the end)."""
+    compute dtype MFU is measured against; ``kernels``: how the computes run (:class:`~shardflow.simulator.cost.
+    Kernels`). Raises SimulationError (programs that cannot run to the end)."""
     replayed = tuple(sorted(set(rep_of.values())))
     recomputed = {n.name for s in steps for n in s.dg.nodes if n.recompute}
     timeline = replay(
@@ -185,6 +188,7 @@ def simulate(
         spec,
         recomputed=recomputed.__contains__,
         events=events,
+        kernels=kernels,
     )
     memory: dict[int, tuple[ProgramMemory, str]] = {}
     for r in replayed:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from shardflow.lower.dynamic import NodeKind, TaskType
 from shardflow.lower.program import Comm, Compute, Free, Program, Wait
 from shardflow.parallel.collectives import CommKind
-from shardflow.simulator.cost import comm_seconds, compute_seconds
+from shardflow.simulator.cost import EAGER, Kernels, comm_seconds, compute_seconds, fusable
 
 if TYPE_CHECKING:
     from shardflow.simulator.machine import MachineSpec
@@ -109,6 +109,7 @@ class _Rank:
     queue: list[int] = field(default_factory=list)  # issued, not yet started tokens, in issue order
     mine: dict[int, Comm] = field(default_factory=dict)  # token → this rank's side of it
     breakdown: Breakdown = field(default_factory=Breakdown)
+    fusing: bool = False  # its last instruction was a compute a fused kernel may go on from (Kernels)
 
 
 def _category(c: Compute, recomputed: Callable[[str], bool]) -> str:
@@ -122,10 +123,12 @@ def replay(
     spec: MachineSpec,
     recomputed: Callable[[str], bool] = lambda dnode: False,
     events: bool = False,
+    kernels: Kernels = EAGER,
 ) -> Timeline:
     """Replay ``steps`` — the micro-steps of one optimizer step, each the programs of the same simulated ranks —
     on ``spec``, one after the other. ``recomputed(dnode)``: whether a compute's dynamic-graph node is a
-    recomputation (its time counts as ``recompute``). ``events``: keep every interval (for a trace). Raises
+    recomputation (its time counts as ``recompute``). ``events``: keep every interval (for a trace). ``kernels``:
+    how the computes run (:class:`~shardflow.simulator.cost.Kernels`; default one eager kernel each). Raises
     SimulationError where the programs cannot run to the end."""
     ranks = {r: _Rank(p) for r, p in (steps[0].items() if steps else ())}
     out: list[Event] = []
@@ -142,7 +145,7 @@ def replay(
             for c in p.comms:
                 if c.token not in comms:
                     comms[c.token] = _Comm(c, frozenset(holders[c.token]), comm_seconds(c, spec))
-        _run(ranks, comms, spec, recomputed, out if events else None)
+        _run(ranks, comms, spec, recomputed, out if events else None, kernels)
     ends = {r: s.clock for r, s in ranks.items()}
     return Timeline(max(ends.values(), default=0.0), ends, {r: s.breakdown for r, s in ranks.items()}, tuple(out))
 
@@ -153,6 +156,7 @@ def _run(
     spec: MachineSpec,
     recomputed: Callable[[str], bool],
     out: list[Event] | None,
+    kernels: Kernels,
 ) -> None:
     def start_ready() -> None:
         """Start every issued communication that heads the queue of each of its holders."""
@@ -193,7 +197,9 @@ def _run(
                 s.clock = s.stream_free
             s.clock += spec.instr_overhead_s
             s.breakdown.overhead += spec.instr_overhead_s
-            seconds = compute_seconds(i, spec)
+            joins = fusable(i, kernels)
+            seconds = compute_seconds(i, spec, kernels, fused=s.fusing and joins)
+            s.fusing = joins
             overlapped = max(0.0, min(s.clock + seconds, s.stream_free) - s.clock)
             seconds += overlapped * (spec.contention - 1.0)
             category = _category(i, recomputed)
@@ -202,6 +208,7 @@ def _run(
                 out.append(Event(r, "compute", i.op, category, s.clock, seconds))
             s.clock += seconds
         elif isinstance(i, Comm):
+            s.fusing = False
             st = comms[i.token]
             if r not in st.issued:
                 s.clock += spec.instr_overhead_s
