@@ -30,8 +30,7 @@ from shardflow.lower.passes import PASSES, LowerContext, run_passes
 from shardflow.lower.program import Comm, Compute, Free, Wait
 from shardflow.lower.shard_expansion import axis_group_index, axis_members, shard_expansion, steps
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Reduction
-from shardflow.parallel.ops import Replicate as ReplicateOp
+from shardflow.parallel.ops import ReductionOp, ReplicateOp
 from shardflow.parallel.pcg import Annotations, build_pcg
 from shardflow.parallel.sharding import Sharding
 from shardflow.strategy import ModulePlan, Plan, data_parallel, make_plan, resolve
@@ -146,7 +145,7 @@ def test_megatron_mlp_input_with_gradient():
     # Backward adds exactly one all-reduce: the input gradient of the column-parallel fc1.
     assert comms(step.programs) == [("FWD", "all_reduce", (0, 1), (8, 16)), ("BWD", "all_reduce", (0, 1), (8, 16))]
     red = [n for n in step.dg.nodes if n.pass_ == "BWD" and n.kind == "parallel"]
-    assert [(n.op, n.inputs[0]) for n in red] == [(Reduction(2, "tp"), "grad:tanh@linear")]
+    assert [(n.op, n.inputs[0]) for n in red] == [(ReductionOp(2, "tp"), "grad:tanh@linear")]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -784,7 +783,7 @@ def test_random_and_repartition_kernels_are_per_rank():
 
     from shardflow.graph.rng import PieceSite
     from shardflow.lower.program import Block
-    from shardflow.parallel.ops import Repartition
+    from shardflow.parallel.ops import RepartitionOp
     from shardflow.runtime.kernels import OptimizerConfig, make_kernel
 
     b = GraphBuilder()
@@ -792,12 +791,12 @@ def test_random_and_repartition_kernels_are_per_rank():
     loss = b.sum(b.dropout(b.mul(x, w), 0.5))
     g = b.build([loss], loss)
     mesh = Mesh.parse("tp=2")
-    pcg = build_pcg(g, mesh, resolve(Plan(ops={"mul": (Repartition(0, 2, "tp"),)}), g, mesh))
+    pcg = build_pcg(g, mesh, resolve(Plan(ops={"mul": (RepartitionOp(0, 2, "tp"),)}), g, mesh))
     step = lower_step(pcg)
     node = next(n for n in pcg.nodes if not n.is_parallel and n.op.random)
     for r, p in step.programs.items():
         kernels = {i.op.split("(")[0]: i for i in p.instrs if isinstance(i, Compute) and i.pass_ == "FWD"}
-        assert kernels["Repartition"].kernel == Block(0, 2, r)
+        assert kernels["RepartitionOp"].kernel == Block(0, 2, r)
         drop = kernels["dropout"]
         assert drop.kernel.draw == PieceSite(node.name, (4, 6), (2 * r, 0))
         assert drop.kernel.draw.at(7, 3) == pcg.draw_site(node, r, 7, 3)

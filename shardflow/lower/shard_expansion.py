@@ -39,15 +39,15 @@ from shardflow.lower.program import (
 )
 from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Replicate
+from shardflow.parallel.ops import ReplicateOp
 
 # (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out
 # (docs/lowering.md#4-communication-lowering): the one table from which every parallel op is lowered — a
 # redistribution's steps as the planner prices them (REDISTRIBUTION), and a Replicate, forward and backward.
 LOWERING: dict[tuple[str, ...], CommKind | LocalKind] = {
     **REDISTRIBUTION,
-    (Replicate.kind, TaskType.FWD): CommKind.BROADCAST,
-    (Replicate.kind, TaskType.BWD): CommKind.REDUCE,
+    (ReplicateOp.kind, TaskType.FWD): CommKind.BROADCAST,
+    (ReplicateOp.kind, TaskType.BWD): CommKind.REDUCE,
 }
 # Steps each device runs on its own pieces; every other step (parallel ops by LOWERING, copies) communicates.
 LOCAL_STEPS = frozenset(
@@ -140,7 +140,7 @@ def steps(dg: DynamicGraph) -> list[Step]:
                 i += 2
                 continue
         if n.kind == NodeKind.PARALLEL:
-            key = (n.op.kind, n.pass_) if isinstance(n.op, Replicate) else (n.op.kind,)
+            key = (n.op.kind, n.pass_) if isinstance(n.op, ReplicateOp) else (n.op.kind,)
             out.append(Step((n,), LOWERING[key]))
         else:
             out.append(Step((n,), n.kind))
