@@ -307,7 +307,7 @@ def micro_step_comms(pipeline: Pipeline, rank: int) -> list[str]:
     lines = []
     for m in dict.fromkeys(pipeline.micro_steps):
         prog = pipeline.lower((rank,), micro=m).programs[rank]
-        kinds = Counter(f"{c.pass_} {c.kind}" for c in prog.comms)
+        kinds = Counter(f"{c.task} {c.kind}" for c in prog.comms)
         lines.append(f"#   {m}: " + (", ".join(f"{k} ×{n}" for k, n in kinds.items()) or "none"))
     return lines
 

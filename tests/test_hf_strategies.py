@@ -143,7 +143,7 @@ def test_tp_communicates_two_all_reduces_per_layer_each_way(captured, name):
     gradients (GPT-2's c_attn, stored by parts, takes its q, k, v gradient parts where it holds them)."""
     _, _, graph = captured[name]
     programs = lower_step(plan_pcg(graph, "tp=2", "tp"), SGD.slots).programs
-    kinds = Counter((c.pass_, c.family) for c in programs[0].comms)
+    kinds = Counter((c.task, c.family) for c in programs[0].comms)
     assert kinds == {("FWD", "all_reduce"): 2 * LAYERS, ("BWD", "all_reduce"): 2 * LAYERS}
 
 

@@ -385,7 +385,7 @@ def test_bytes_are_what_lowering_sends():
         graph, _, ann = case_graph(case)
         pcg = build_pcg(graph, TP2, ann)
         moved = {f"fwd:{r.tensor}" for r in pcg.redistributions}
-        sent = sum(c.nbytes for c in lower_step(pcg).programs[0].comms if c.pass_ == "FWD" and c.value in moved)
+        sent = sum(c.nbytes for c in lower_step(pcg).programs[0].comms if c.task == "FWD" and c.value in moved)
         assert sent == sum(r.nbytes for r in pcg.redistributions), case.name
 
 

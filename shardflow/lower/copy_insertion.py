@@ -50,8 +50,8 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
                 out = g.value(copied_id(vid, n.group), v.tensor, v.role, v.type, v.sharding, n.group)
                 g.nodes.append(
                     DNode(
-                        f"{v.pass_} copy {vid} {v.group}->{n.group}",
-                        v.pass_,
+                        f"{v.task} copy {vid} {v.group}->{n.group}",
+                        v.task,
                         NodeKind.COPY,
                         (vid,),
                         (out,),

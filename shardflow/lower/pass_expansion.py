@@ -274,7 +274,7 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
         for n in dg.nodes:
             if n.kind == NodeKind.CAST and m:
                 continue
-            shared_node = n.kind == NodeKind.CAST or n.pass_ == TaskType.UPD  # the casts, the updates
+            shared_node = n.kind == NodeKind.CAST or n.task == TaskType.UPD  # the casts, the updates
             nodes.append(
                 dataclasses.replace(
                     n,
@@ -749,6 +749,6 @@ def _checked(dg: DynamicGraph) -> DynamicGraph:
         if missing := [v for v in n.inputs if v not in have]:
             raise PassError(f"pass expansion: {n.name!r} reads {missing}, made by no earlier node")
         have.update(n.outputs)
-    if len([n for n in dg.nodes if n.pass_ == TaskType.FWD and n.src]) < len(pcg.nodes):
+    if len([n for n in dg.nodes if n.task == TaskType.FWD and n.src]) < len(pcg.nodes):
         raise PassError("pass expansion left PCG nodes without a FWD node")
     return dg
