@@ -116,7 +116,7 @@ class Setup:
         return {w: params[w].detach().clone() for w in self.graph.weights}
 
     def whole_model(self) -> nn.Module:
-        """The model with its initial weights, materialised whole on this process: for a one-device reference or a
+        """The model with its initial weights, materialized whole on this process: for a one-device reference or a
         PyTorch baseline to compare with (a run's ranks never build it). Under ``--init-from`` the directory's
         weights, read whole."""
         if self.inits is None and self.pretrained is None:
@@ -276,7 +276,7 @@ def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
 def _build(
     cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False, runtime: int = 0
 ) -> Setup:
-    """The model of ``cfg`` (``meta``: shapes only, nothing materialised, not even buffers), captured on a
+    """The model of ``cfg`` (``meta``: shapes only, nothing materialized, not even buffers), captured on a
     micro-batch of the corpus (``--batch-size / (--accumulate × --microbatches)`` sequences: the whole batch without
     either), and its PCG on ``mesh``."""
     with torch.device("meta") if meta else contextlib.nullcontext():
