@@ -517,7 +517,7 @@ def comm_share(ex: DistributedExecutor, batch: dict, steps: int = 5) -> dict:
     for _ in range(steps):
         ex.step(batch)
     step_ms = (time.perf_counter() - t0) / steps * 1e3
-    forward = {f"#{c.token}" for c in ex.program.comms if c.pass_ == "FWD"}
+    forward = {f"#{c.token}" for c in ex.program.comms if c.task == "FWD"}
     events = [e for e in ex.tracer.events if e["tid"] == LANES["communication"]]
     ex.tracer = None
     return {
@@ -825,7 +825,7 @@ def _sp_shape(shape: list[int], p: dict, rank: int, world: int) -> dict:
             "comm_bytes": sum(c.nbytes for c in ex.program.comms),
         }
     auto = lower_step(build_pcg(graph, mesh, sp_annotations(mesh)), cfg.slots, ranks=[rank], options=LowerOptions())
-    auto_kinds = sorted({(c.pass_, c.kind) for c in auto.programs[rank].comms})
+    auto_kinds = sorted({(c.task, c.kind) for c in auto.programs[rank].comms})
     floor = ComputeOnly(full["x"], full["fc.weight"], full["fc.bias"], rank, world, lr)
     variants.append(Variant("compute only", floor.step))
     losses = first_losses(variants, 2, rank)
@@ -899,7 +899,7 @@ def _instrument(ex: DistributedExecutor, timers: Timers, kernels: bool = True) -
 
         def timed(instr):
             k = DistributedExecutor._kernel(ex, instr)
-            return timers.wrap(f"kernel: {instr.pass_} {instr.op.split('(')[0]}", k) if instr.dnode else k
+            return timers.wrap(f"kernel: {instr.task} {instr.op.split('(')[0]}", k) if instr.dnode else k
 
         ex._kernel = timed
         ex._update_kernel = lambda us: timers.wrap(UPDATES, DistributedExecutor._update_kernel(ex, us))

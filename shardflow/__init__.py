@@ -10,7 +10,7 @@ from shardflow.capture import wide_floats  # noqa: E402
 from shardflow.lower import MixedPrecision  # noqa: E402
 from shardflow.lower.dynamic import Optimizer  # noqa: E402
 from shardflow.model_spec import load_model  # noqa: E402
-from shardflow.parallel.mesh import Mesh  # noqa: E402
+from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard  # noqa: E402
 from shardflow.runtime.kernels import LRDecay, LRSchedule, OptimizerConfig  # noqa: E402
 from shardflow.strategy import ModulePlan, Plan  # noqa: E402
 
@@ -23,7 +23,10 @@ __all__ = [
     "Optimizer",
     "OptimizerConfig",
     "ParallelPlan",
+    "Partial",
     "Plan",
+    "Replicate",
+    "Shard",
     "Trainer",
     "load_model",
     "parallelize",

@@ -438,7 +438,7 @@ def parallelize(
     Args:
         model: any ``nn.Module`` whose ``model(**batch)`` returns the loss (or an object with ``.loss``). It is
             read, not changed: its parameters are copied in; :meth:`Trainer.state_dict` gives them back trained.
-            A model built on the meta device (``with torch.device("meta"): model = ...``) is never materialised
+            A model built on the meta device (``with torch.device("meta"): model = ...``) is never materialized
             whole: its initialisation is replayed on each device's pieces alone, draws seeded by ``seed``
             (:mod:`shardflow.runtime.materialize`; its buffers get their values in place).
         batch: an example batch, input name → tensor; every step's batch has its keys, shapes and dtypes.
@@ -546,7 +546,7 @@ def parallelize(
         rank, _ = init_from_env(timeout_s, where)
         lowered = pipeline.lower_micro_steps(ranks=(rank,))
         make = functools.partial(DistributedExecutor, optimizer=opt, timeout_s=timeout_s, seed=seed, device=where)
-        if not inits:  # materialised pieces are the same everywhere by design
+        if not inits:  # materialized pieces are the same everywhere by design
             _same_weights_everywhere(weights)
         lead = rank == 0
     else:

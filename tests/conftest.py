@@ -55,7 +55,7 @@ INTEGRATION_TESTS = {  # file::test (all its parameters) in files otherwise unit
     "test_export_capture.py::test_hugging_face_models_capture_with_eager_numbers": "HF models against eager (12 s)",
     "test_fsdp.py::test_fsdp_on_hugging_face_mamba_shards_every_weight_and_moves_what_dp_moves": "HF Mamba2 (11 s)",
     "test_materialize.py::test_a_model_built_on_meta_captures_the_graph_of_the_model_built_whole": "25 s",
-    "test_materialize.py::test_the_main_jobs_ranks_materialise_only_their_pieces": "the main job's model and data",
+    "test_materialize.py::test_the_main_jobs_ranks_materialize_only_their_pieces": "the main job's model and data",
     "test_materialize.py::test_parallelize_takes_a_model_built_on_the_meta_device": "18 s",
     "test_plan_mutations.py::test_train_verifies_the_plan_before_launching": "shardflow train",
     "test_redistribution.py::test_bytes_match_or_beat_dtensor": "a subprocess (DTensor's process group)",

@@ -164,7 +164,7 @@ def run_explicit(rank):
 
     from shardflow.graph import GraphBuilder
     from shardflow.parallel.mesh import SubMesh
-    from shardflow.parallel.ops import Reduction, Repartition, Replicate
+    from shardflow.parallel.ops import ReductionOp, RepartitionOp, ReplicateOp
     from shardflow.parallel.sharding import Sharding
     from shardflow.reference import run_backward
     from shardflow.strategy import ModulePlan, Plan
@@ -181,7 +181,7 @@ def run_explicit(rank):
         ann,
         groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "mean": whole},
         leaves={**ann.leaves, "w1": Sharding(((), ("pp",)))},
-        ops={"linear": (Replicate(2, "pp"), Repartition(1, 2, "pp")), "linear_1": (Reduction(2, "pp"),)},
+        ops={"linear": (ReplicateOp(2, "pp"), RepartitionOp(1, 2, "pp")), "linear_1": (ReductionOp(2, "pp"),)},
     )
     cfg = OptimizerConfig("sgd", 0.1)
     ex = DistributedExecutor(lower_step(build_pcg(g, mesh, ann), cfg.slots, ranks=[rank]), cfg, timeout_s=60)
@@ -208,7 +208,7 @@ def replicate_outside_view(partial):
 
     from shardflow.graph import GraphBuilder
     from shardflow.parallel.mesh import Shard, SubMesh
-    from shardflow.parallel.ops import Replicate
+    from shardflow.parallel.ops import ReplicateOp
     from shardflow.parallel.sharding import Sharding
     from shardflow.strategy import ModulePlan, Plan
 
@@ -220,7 +220,7 @@ def replicate_outside_view(partial):
     plan = Plan(
         inputs={"x": {"tp": Shard(0)}},
         modules={"fc0": ModulePlan(stage=0, devices=(3, 1))},
-        ops={"linear": (Replicate(2, "pp"),)},
+        ops={"linear": (ReplicateOp(2, "pp"),)},
     )
     ann = resolve(plan, g, mesh)
     whole = SubMesh(mesh)

@@ -46,7 +46,7 @@ def micro_steps(
 
 def comm_counts(step) -> Counter:
     """Per rank: (pass, kind, shape) of each communication of its program, counted."""
-    return Counter((r, c.pass_, c.family, c.type.shape) for r, p in step.programs.items() for c in p.comms)
+    return Counter((r, c.task, c.family, c.type.shape) for r, p in step.programs.items() for c in p.comms)
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, None], ids=["one-per-gradient", "bucketed"])
@@ -89,7 +89,7 @@ def test_sums_live_from_one_micro_step_to_the_next():
             n
             for n in step.dg.nodes
             if n.kind == NodeKind.SUM
-            and n.pass_ == TaskType.BWD
+            and n.task == TaskType.BWD
             and any(step.dg.values[v].role == ValueRole.ACC for v in n.inputs + n.outputs)
         ]
         assert len(sums) == n_weights

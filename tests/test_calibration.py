@@ -144,7 +144,7 @@ def test_the_cost_model_reads_the_file_of_its_backend_per_axis_and_falls_back(tm
 
 def _kinds(step):
     prog = step.programs[0]
-    return {p: Counter(c.kind for c in prog.comms if c.pass_ == p) for p in ("FWD", "BWD")}
+    return {p: Counter(c.kind for c in prog.comms if c.task == p) for p in ("FWD", "BWD")}
 
 
 @pytest.mark.parametrize("slow", ["ring", "collective"])

@@ -307,10 +307,38 @@ def test_plan_shares_train_flags_help(capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     flags = {name: {o: a for a in sub.choices[name]._actions for o in a.option_strings} for name in ("plan", "train")}
-    for flag in ("--accumulate", "--dtype", "--ac", "--reshard-after-forward"):
+    for flag in ("--accumulate", "--dtype", "--ac", "--reshard-after-forward", "--optimizer", "--momentum"):
         plan, train = flags["plan"][flag], flags["train"][flag]
         assert (plan.help, plan.choices, plan.type) == (train.help, train.choices, train.type), flag
         assert plan.default == getattr(TrainConfig(), plan.dest) and train.default is None, flag
+
+
+def test_plan_and_check_map_the_optimizer_as_train_does(capsys):
+    """plan's and check's --optimizer and --momentum are train's (sgd, adam, adamw; momentum 0.9), read by train's
+    one mapping (optimizer_config): plan's default is train's AdamW, check's SGD (Adam's first steps magnify the
+    rounding of near-zero gradients past float32's tolerance). The update carries the state slots they name: two per
+    weight for AdamW, one for SGD with momentum, none with --momentum 0."""
+    import re
+
+    from shardflow.cli import build_parser
+    from shardflow.lower.dynamic import Optimizer, UpdateRule
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.train.config import TrainConfig, optimizer_config
+
+    parser = build_parser()
+    assert optimizer_config(parser.parse_args(["plan"])) == optimizer_config(TrainConfig())
+    assert optimizer_config(parser.parse_args(["check"])) == OptimizerConfig(Optimizer.SGD, 0.1, 0.9)
+    flags = (["--optimizer", "sgd"], ["--optimizer", "sgd", "--momentum", "0"], ["--optimizer", "adam"])
+    slots = [optimizer_config(parser.parse_args(["plan", *f])).slots for f in ([], *flags)]
+    assert slots == [UpdateRule.ADAMW, UpdateRule.SGD_MOMENTUM, UpdateRule.SGD, UpdateRule.ADAMW]
+
+    def values(*argv):
+        code, out, _ = run(capsys, "--strategy", "tp", "--nproc", "2", "--passes", *argv)
+        assert code == 0
+        return int(re.search(r"^pass_expansion .* (\d+) values", out, re.M).group(1))
+
+    plain = values("--optimizer", "sgd", "--momentum", "0")
+    assert values() - plain == 2 * (values("--optimizer", "sgd") - plain) > 0
 
 
 def test_every_entry_point_lowers_the_same_programs(capsys, monkeypatch, tmp_path):

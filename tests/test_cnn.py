@@ -249,7 +249,7 @@ def test_batch_norm_statistics_are_all_reduced():
             (O.Binary("mul"), O.Unary, ["combine"]),
         ], scope  # (x - mean) * rstd
     step = lower_step(pcg)
-    fwd = Counter(c.kind for c in step.programs[0].comms if c.pass_ == TaskType.FWD)
+    fwd = Counter(c.kind for c in step.programs[0].comms if c.task == TaskType.FWD)
     assert fwd == {"all_reduce": 10 + 1, "reduce_scatter": 10, "all_gather": 10}
 
 

@@ -31,7 +31,7 @@ def shared(step) -> dict[int, list[tuple[str, str, bool]]]:
     for r, p in step.programs.items():
         chosen = shared_sends(p, recorded_nodes(p))
         out[r] = [
-            (c.pass_, c.kind, c.token in chosen)
+            (c.task, c.kind, c.token in chosen)
             for c in p.comms
             if c.send is not None and c.kind in ("all_reduce", "reduce", "broadcast")
         ]
@@ -290,7 +290,7 @@ def test_a_product_by_a_matrix_fused_into_the_gather_writes_into_one_output(form
 
     step, graph = _sp_step(LowerOptions(form, "ring"), with_graph=True, matmul=True)
     for p in step.programs.values():
-        products = [i for i in p.instrs if isinstance(i, Compute) and i.op.startswith("matmul") and i.pass_ == "FWD"]
+        products = [i for i in p.instrs if isinstance(i, Compute) and i.op.startswith("matmul") and i.task == "FWD"]
         assert len(products) == 4 and all(in_place_product(i) for i in products)
         assert sorted(ring_regions(p)[i.outs[0].value][1] for i in products) == [0, 1, 2, 3]
     against_one_device(step, graph)
@@ -316,7 +316,7 @@ def test_a_ring_all_gather_is_received_into_blocks_of_one_kept_buffer():
     joins = [k for k, i in enumerate(p.instrs) if isinstance(i, Compute) and i.op == "concat" and not i.dnode]
     outputs = {f"fwd:linear#{j}": (joins[1], j) for j in range(4)}
     assert ring_regions(p) == {**{f"fwd:x.combine#{j}": (joins[0], j) for j in (0, 2, 3)}, **outputs}
-    assert [(c.kind, c.pass_, c.dim) for c in p.comms] == [("permute", "FWD", 1)] * 3 + [("permute", "BWD", None)] * 3
+    assert [(c.kind, c.task, c.dim) for c in p.comms] == [("permute", "FWD", 1)] * 3 + [("permute", "BWD", None)] * 3
     slots = kept_receives(p, recorded_nodes(p))
     assert slots == {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
 

@@ -110,11 +110,11 @@ def test_hsdp_reduce_scatters_over_fsdp_then_all_reduces_the_piece_over_dp(llama
         }, (rank, kinds)
         nbytes = Counter()
         for c in comms:
-            if c.pass_ == "BWD":
+            if c.task == "BWD":
                 nbytes[str(c.kind), c.axis] += c.nbytes
         assert nbytes["reduce_scatter", "fsdp"] == total // 2  # (F−1)/F of every gradient
         assert nbytes["all_reduce", "dp"] == total // 2  # 2(D−1)/D of its 1/F piece (of the whole: total)
-        order = [(str(c.kind), c.axis) for c in comms if c.pass_ == "BWD"]
+        order = [(str(c.kind), c.axis) for c in comms if c.task == "BWD"]
         for k, kind in enumerate(order):  # each reduce-scatter is followed by the all-reduce of what it leaves
             if kind == ("reduce_scatter", "fsdp"):
                 assert order[k + 1] == ("all_reduce", "dp"), order

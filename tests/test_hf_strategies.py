@@ -81,7 +81,7 @@ def test_llama_tp_shards_attention_heads_and_the_swiglu_mlp(captured):
             assert t[f"{_layer(i)}.{m}.weight"].placements == (Replicate(),)
     assert t["model.embed_tokens.weight"].placements == t["lm_head.weight"].placements == (Replicate(),)
     # One all-reduce after each row-parallel linear (o_proj, down_proj): 2 per layer; nothing else moves.
-    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 2 * LAYERS}
+    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": 2 * LAYERS}
     assert pcg.redistributions == ()
     # Grouped-query attention: each device holds 1 of the 2 key/value heads and the 2 query heads that read it.
     attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
@@ -133,7 +133,7 @@ def test_gpt2_tp_shards_the_fused_qkv_by_heads(captured):
     assert len(attn) == LAYERS
     assert all(t[x].pshape.shard == (1, 2, 1, 1) for n in attn for x in n.inputs[:3] + n.outputs)
     # 2 all-reduces per layer and nothing else: the parts of c_attn are split and viewed where they are stored.
-    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 2 * LAYERS}
+    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": 2 * LAYERS}
     assert pcg.redistributions == ()
 
 
@@ -143,7 +143,7 @@ def test_tp_communicates_two_all_reduces_per_layer_each_way(captured, name):
     gradients (GPT-2's c_attn, stored by parts, takes its q, k, v gradient parts where it holds them)."""
     _, _, graph = captured[name]
     programs = lower_step(plan_pcg(graph, "tp=2", "tp"), SGD.slots).programs
-    kinds = Counter((c.pass_, c.family) for c in programs[0].comms)
+    kinds = Counter((c.task, c.family) for c in programs[0].comms)
     assert kinds == {("FWD", "all_reduce"): 2 * LAYERS, ("BWD", "all_reduce"): 2 * LAYERS}
 
 
@@ -153,9 +153,9 @@ def test_sp_gathers_and_scatters_the_sequence_per_block(captured, name):
     ops = parallel_ops(plan_pcg(graph, "tp=2", "sp"))
     # Per layer 2 all-gathers (into attention and MLP) and 2 reduce-scatters (Reduction + Repartition);
     # one Repartition into the first block (a local split), one Combine after the last.
-    assert ops["Combine(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1
-    assert ops["Reduction(degree=2, axis=tp)"] == 2 * LAYERS
-    assert ops["Repartition(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1
+    assert ops["CombineOp(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1
+    assert ops["ReductionOp(degree=2, axis=tp)"] == 2 * LAYERS
+    assert ops["RepartitionOp(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -300,5 +300,5 @@ def test_falcon_tp_shards_its_x_at_w_transposed_mlp_like_llama(falcon):
         assert t[f"{layer}.mlp.dense_4h_to_h.weight"].placements == (Shard(1),)
         for m in ("self_attention.query_key_value", "self_attention.dense", "input_layernorm"):
             assert t[f"{layer}.{m}.weight"].placements == (Replicate(),), m
-    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": LAYERS}
+    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": LAYERS}
     assert not pcg.redistributions

@@ -19,8 +19,7 @@ from shardflow.graph import GraphBuilder
 from shardflow.lower import lower_step
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Reduction, Repartition
-from shardflow.parallel.ops import Replicate as ReplicateOp
+from shardflow.parallel.ops import ReductionOp, RepartitionOp, ReplicateOp
 from shardflow.parallel.pcg import build_pcg, evaluation
 from shardflow.parallel.sharding import Sharding
 from shardflow.reference import run_backward, weights_of
@@ -208,7 +207,7 @@ def test_explicit_replicate_and_reduction_ops():
         ann,
         groups={"linear": whole.with_fixed("pp", 0), "linear_1": whole, "tanh": whole, "mean": whole},
         leaves={**ann.leaves, "w1": Sharding(((), ("pp",)))},
-        ops={"linear": (ReplicateOp(2, "pp"), Repartition(1, 2, "pp")), "linear_1": (Reduction(2, "pp"),)},
+        ops={"linear": (ReplicateOp(2, "pp"), RepartitionOp(1, 2, "pp")), "linear_1": (ReductionOp(2, "pp"),)},
     )
     pcg = build_pcg(g, mesh, ann)
     assert [n.op.kind for n in pcg.parallel_nodes] == ["replicate", "repartition", "reduction"]
@@ -250,11 +249,11 @@ def test_replicate_from_outside_its_group_roots_at_the_holder(partial):
 
 
 def test_replicate_in_a_user_plan_spreads_a_stage_over_the_axis():
-    """docs/own-model.md: ``Plan(ops={tensor: (Replicate(2, "pp"),)})``. layers.0 runs on stage 0; its relu
+    """docs/own-model.md: ``Plan(ops={tensor: (ReplicateOp(2, "pp"),)})``. layers.0 runs on stage 0; its relu
     output is replicated to both stages; what follows runs on both (layers.1 column-parallel over pp,
     layers.2 row-parallel) and equals one device. Used to be refused: the unstaged nodes after the Replicate
     took stage 0 from their predecessor (PlanError "mesh axes ['pp'] are not free axes of mesh[pp=0]"; with
-    no pp placements, "insert Replicate on the missing axis")."""
+    no pp placements, "insert ReplicateOp on the missing axis")."""
     torch.manual_seed(0)
     model = MLP(d_in=8, hidden=16, d_out=5, n_layers=3).double()
     inputs = {"x": torch.randn(6, 8, dtype=torch.float64), "y": torch.randint(0, 5, (6,))}

@@ -30,8 +30,7 @@ from shardflow.lower.passes import PASSES, LowerContext, run_passes
 from shardflow.lower.program import Comm, Compute, Free, Wait
 from shardflow.lower.shard_expansion import axis_group_index, axis_members, shard_expansion, steps
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Reduction
-from shardflow.parallel.ops import Replicate as ReplicateOp
+from shardflow.parallel.ops import ReductionOp, ReplicateOp
 from shardflow.parallel.pcg import Annotations, build_pcg
 from shardflow.parallel.sharding import Sharding
 from shardflow.strategy import ModulePlan, Plan, data_parallel, make_plan, resolve
@@ -88,13 +87,13 @@ def against_one_device(step, graph, steps=2, tol=1e-5):
     assert many.weight_error(one.weights()) < tol
 
 
-def comms(programs, pass_=None):
+def comms(programs, task=None):
     """Distinct communications (by token) as (pass, kind, members, shape)."""
     seen = {}
     for p in programs.values():
         for c in p.comms:
-            if pass_ is None or c.pass_ == pass_:
-                seen[c.token] = (c.pass_, c.family, c.members, c.type.shape)
+            if task is None or c.task == task:
+                seen[c.token] = (c.task, c.family, c.members, c.type.shape)
     return [seen[t] for t in sorted(seen)]
 
 
@@ -114,7 +113,7 @@ def test_pipeline_mlp_has_exactly_four_copies():
         }
     )
     step = lowered(graph, "pp=2", plan)
-    copies = [(n.pass_, n.inputs[0]) for n in step.dg.nodes if n.kind == "copy"]
+    copies = [(n.task, n.inputs[0]) for n in step.dg.nodes if n.kind == "copy"]
     assert copies == [
         ("FWD", "fwd:relu"),
         ("FWD", "fwd:linear_1"),
@@ -145,8 +144,8 @@ def test_megatron_mlp_input_with_gradient():
     step = lowered(mlp(pre=True), "tp=2", MEGATRON)
     # Backward adds exactly one all-reduce: the input gradient of the column-parallel fc1.
     assert comms(step.programs) == [("FWD", "all_reduce", (0, 1), (8, 16)), ("BWD", "all_reduce", (0, 1), (8, 16))]
-    red = [n for n in step.dg.nodes if n.pass_ == "BWD" and n.kind == "parallel"]
-    assert [(n.op, n.inputs[0]) for n in red] == [(Reduction(2, "tp"), "grad:tanh@linear")]
+    red = [n for n in step.dg.nodes if n.task == "BWD" and n.kind == "parallel"]
+    assert [(n.op, n.inputs[0]) for n in red] == [(ReductionOp(2, "tp"), "grad:tanh@linear")]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -161,7 +160,7 @@ def test_backward_all_reduce_travels_while_the_weight_gradient_is_computed(overl
     step = lowered(graph, "tp=2", MEGATRON, options=LowerOptions("collective", "collective", overlap=overlap))
     for p in step.programs.values():
         instrs = [i for i in p.instrs if not isinstance(i, Free)]
-        (k,) = [j for j, i in enumerate(instrs) if isinstance(i, Comm) and i.pass_ == "BWD"]
+        (k,) = [j for j, i in enumerate(instrs) if isinstance(i, Comm) and i.task == "BWD"]
         comm = instrs[k]
         vjps = [
             (i.node, i.kernel.grad_mask) for i in instrs if isinstance(i, Compute) and i.op.startswith("vjp[linear")
@@ -207,7 +206,7 @@ def test_forward_all_reduce_travels_while_the_forward_computes(overlap):
     )
     for p in step.programs.values():
         instrs = [i for i in p.instrs if not isinstance(i, Free)]
-        (k,) = [j for j, i in enumerate(instrs) if isinstance(i, Comm) and i.pass_ == "FWD"]
+        (k,) = [j for j, i in enumerate(instrs) if isinstance(i, Comm) and i.task == "FWD"]
         comm = instrs[k]
         assert comm.kind == "all_reduce" and comm.nbytes == 4
         ops = [i.op for i in instrs if isinstance(i, Compute)]
@@ -311,7 +310,7 @@ def test_gradient_buckets_close_at_the_cap_and_travel_during_the_backward():
     p0 = step.programs[0]
     first = next(k for k, i in enumerate(p0.instrs) if isinstance(i, Comm))
     wait = next(k for k, i in enumerate(p0.instrs) if isinstance(i, Wait) and i.token == p0.instrs[first].token)
-    between = [i for i in p0.instrs[first + 1 : wait] if isinstance(i, Compute) and i.pass_ == "BWD" and i.dnode]
+    between = [i for i in p0.instrs[first + 1 : wait] if isinstance(i, Compute) and i.task == "BWD" and i.dnode]
     assert [i.dnode for i in between] == ["BWD gelu", "BWD linear", "BWD tanh", "BWD mul"]  # the rest of the backward
 
 
@@ -354,7 +353,7 @@ def test_parallel_ops_lower_per_table(src, dst, fwd, bwd):
     ann = Annotations(leaves={"x": Sharding.from_placements([src], whole, 2)}, edges={("tanh", 0): {"tp": dst}})
     step = lower_step(build_pcg(g, mesh, ann), verify=False)
     kinds = {
-        p: [s.kind for s in steps(step.dg) if s.nodes[0].pass_ == p and s.nodes[0].kind == "parallel"]
+        p: [s.kind for s in steps(step.dg) if s.nodes[0].task == p and s.nodes[0].kind == "parallel"]
         for p in ("FWD", "BWD")
     }
     assert kinds == {"FWD": [fwd], "BWD": [bwd]}
@@ -372,10 +371,10 @@ def test_reduction_lowers_to_all_reduce_or_fused_reduce_scatter():
         ann = resolve(plan, g, mesh)
         ann = replace(ann, leaves={**ann.leaves, "w": Sharding(((), ("tp",)))})
         step = lower_step(build_pcg(g, mesh, ann), verify=False)
-        fwd = [s.kind for s in steps(step.dg) if s.nodes[0].pass_ == "FWD" and s.nodes[0].kind == "parallel"]
+        fwd = [s.kind for s in steps(step.dg) if s.nodes[0].task == "FWD" and s.nodes[0].kind == "parallel"]
         assert fwd == [kind]
         # Backward of the Reduction: the gradient is replicated already → nothing to move.
-        assert not [s for s in steps(step.dg) if s.nodes[0].pass_ == "BWD" and s.kind == "all_reduce"]
+        assert not [s for s in steps(step.dg) if s.nodes[0].task == "BWD" and s.kind == "all_reduce"]
 
 
 def replicate_broadcast():
@@ -575,14 +574,14 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
 
     step = _sp_step(LowerOptions("ring", "ring"))
     for r, prog in step.programs.items():
-        fwd = [c for c in prog.comms if c.pass_ == "FWD"]
+        fwd = [c for c in prog.comms if c.task == "FWD"]
         assert [c.kind for c in fwd] == ["permute"] * 3
         for i, c in enumerate(fwd, start=1):
             assert (c.peer, c.peer_from) == ((r - i) % 4, (r + i) % 4) == ring_peers(r, i, 4)
             assert c.send.value == "fwd:x" and c.recv.value == f"fwd:x.combine#{(r + i) % 4}"
         # The fused linear computes on its own chunk first, then on the chunk each step delivered, after
         # waiting for it — and the next step is already issued (overlap).
-        fwd_instrs = [i for i in prog.instrs if getattr(i, "pass_", "FWD") == "FWD"]
+        fwd_instrs = [i for i in prog.instrs if getattr(i, "task", "FWD") == "FWD"]
         linears = [i for i in fwd_instrs if isinstance(i, Compute) and i.op.startswith("linear")]
         assert [i.ins[0].value for i in linears] == ["fwd:x"] + [f"fwd:x.combine#{(r + i) % 4}" for i in (1, 2, 3)]
         # each writes its output chunk into its block of one buffer (the executor's Receives), joined by no copy
@@ -594,7 +593,7 @@ def test_ring_all_gather_on_4_devices_has_3_steps_with_the_pinned_peers():
         assert not any(isinstance(i, Comm) and i.wait for i in fwd_instrs[:7])
         # Its backward is the hand-written vjp on the assembled value (a linear's reads only its inputs): nothing
         # of the chunked forward is recomputed.
-        vjps = [i for i in prog.instrs if isinstance(i, Compute) and i.pass_ == "BWD" and i.op.startswith("vjp[linear")]
+        vjps = [i for i in prog.instrs if isinstance(i, Compute) and i.task == "BWD" and i.op.startswith("vjp[linear")]
         assert vjps and all(
             hand_vjp(i.kernel.local.op, [b.type for b in i.ins]) is not None and i.ins[0].value == "fwd:x.combine"
             for i in vjps
@@ -609,7 +608,7 @@ def test_ring_reduce_scatter_and_broadcast_loop_shapes():
     bcasts = [c for c in p1.comms if c.kind == "broadcast"]
     assert [c.root for c in bcasts] == [0, 1, 2, 3] and [c.nbytes > 0 for c in bcasts] == [False, True, False, False]
     # Backward of the all-gather: a reduce-scatter ring of 3 permute steps with local adds.
-    bwd = [c for c in p1.comms if c.pass_ == "BWD" and c.kind == "permute"]
+    bwd = [c for c in p1.comms if c.task == "BWD" and c.kind == "permute"]
     assert [(c.peer, c.peer_from) for c in bwd] == [(0, 2), (3, 3), (2, 0)]
     assert all(c.type.shape == (4, 2, 8) for c in bwd)
 
@@ -635,7 +634,7 @@ def test_ring_fuses_only_ops_that_contract_the_last_dim():
     sg, _ = run_passes(build_pcg(b.build([loss], loss), mesh, ann), LowerContext(options=options))
     ((gather, fused),) = decide(sg.dg, options, list(sg.steps)).fused.items()
     gathered = next(n for n in sg.dg.nodes if n.name == gather).outputs[0]
-    readers = [n.name for n in sg.dg.nodes if gathered in n.inputs and n.pass_ == TaskType.FWD]
+    readers = [n.name for n in sg.dg.nodes if gathered in n.inputs and n.task == TaskType.FWD]
     assert readers == ["FWD linear", "FWD tanh_1"] and [c.name for c in fused] == ["FWD linear"]
 
 
@@ -713,7 +712,7 @@ def test_machine_view_override_moves_only_the_shard_that_changes_device():
     pcg = build_pcg(g, mesh, resolve(plan, g, mesh))
     step = lower_step(pcg)  # verified
     copies = [n for n in step.dg.nodes if n.kind == "copy"]
-    assert [(c.pass_, c.inputs[0]) for c in copies] == [("FWD", "fwd:relu"), ("BWD", "grad:relu@tanh")]
+    assert [(c.task, c.inputs[0]) for c in copies] == [("FWD", "fwd:relu"), ("BWD", "grad:relu@tanh")]
     sends = {r: [(c.kind, c.peer, c.type.shape) for c in p.comms if c.axis == "copy"] for r, p in step.programs.items()}
     # forward: block 1 goes 1 → 3; backward: its gradient comes back 3 → 1. Device 0 and 2 move nothing.
     assert sends == {
@@ -784,7 +783,7 @@ def test_random_and_repartition_kernels_are_per_rank():
 
     from shardflow.graph.rng import PieceSite
     from shardflow.lower.program import Block
-    from shardflow.parallel.ops import Repartition
+    from shardflow.parallel.ops import RepartitionOp
     from shardflow.runtime.kernels import OptimizerConfig, make_kernel
 
     b = GraphBuilder()
@@ -792,12 +791,12 @@ def test_random_and_repartition_kernels_are_per_rank():
     loss = b.sum(b.dropout(b.mul(x, w), 0.5))
     g = b.build([loss], loss)
     mesh = Mesh.parse("tp=2")
-    pcg = build_pcg(g, mesh, resolve(Plan(ops={"mul": (Repartition(0, 2, "tp"),)}), g, mesh))
+    pcg = build_pcg(g, mesh, resolve(Plan(ops={"mul": (RepartitionOp(0, 2, "tp"),)}), g, mesh))
     step = lower_step(pcg)
     node = next(n for n in pcg.nodes if not n.is_parallel and n.op.random)
     for r, p in step.programs.items():
-        kernels = {i.op.split("(")[0]: i for i in p.instrs if isinstance(i, Compute) and i.pass_ == "FWD"}
-        assert kernels["Repartition"].kernel == Block(0, 2, r)
+        kernels = {i.op.split("(")[0]: i for i in p.instrs if isinstance(i, Compute) and i.task == "FWD"}
+        assert kernels["RepartitionOp"].kernel == Block(0, 2, r)
         drop = kernels["dropout"]
         assert drop.kernel.draw == PieceSite(node.name, (4, 6), (2 * r, 0))
         assert drop.kernel.draw.at(7, 3) == pcg.draw_site(node, r, 7, 3)

@@ -1,4 +1,4 @@
-"""A model built on the meta device, materialised piece by piece (shardflow/runtime/materialize.py): every piece is
+"""A model built on the meta device, materialized piece by piece (shardflow/runtime/materialize.py): every piece is
 the same block of the whole tensor bit for bit, computed without anything larger than the piece; the values follow
 the model's own initialisation (distributions, constants, padding rows, buffers); what cannot be replayed is refused
 naming the tensor."""
@@ -204,7 +204,7 @@ def test_what_cannot_be_replayed_is_refused_naming_the_tensor():
 
 
 def test_a_model_built_on_meta_captures_the_graph_of_the_model_built_whole():
-    """Capture of the meta-built model (buffers materialised) = capture of the eagerly built one: same ops, same
+    """Capture of the meta-built model (buffers materialized) = capture of the eagerly built one: same ops, same
     folded constants (rotary tables, masks); the labels' move to the logits' device (meta) is no op in the graph."""
     from shardflow.capture import capture
 
@@ -218,7 +218,7 @@ def test_a_model_built_on_meta_captures_the_graph_of_the_model_built_whole():
     assert all(torch.equal(a.constants[k], b.constants[k]) for k in a.constants)
 
 
-def test_the_main_jobs_ranks_materialise_only_their_pieces(corpus):
+def test_the_main_jobs_ranks_materialize_only_their_pieces(corpus):
     """`shardflow train`'s model (the default Llama) is built on the meta device: no parameter has values in the
     setup; under tp=2 each device's piece of every weight is its block of the whole initial tensor, and loading
     the executor allocates no tensor larger than the largest piece it places."""
@@ -256,7 +256,7 @@ def test_the_main_jobs_ranks_materialise_only_their_pieces(corpus):
 
 def test_parallelize_takes_a_model_built_on_the_meta_device():
     """shardflow.parallelize of a meta-device model trains what the same initialisation, whole, trains on one
-    device: dp=2,tp=2 on the local executor equals the single-device run of the materialised model (float64, 1e-12)."""
+    device: dp=2,tp=2 on the local executor equals the single-device run of the materialized model (float64, 1e-12)."""
     import shardflow
     from shardflow.capture import wide_floats
 

@@ -83,7 +83,7 @@ def test_weights_are_held_in_float32_and_every_reader_reads_their_bfloat16_copy(
     weights = graph.weights
     assert {graph.tensors[w].type.dtype for w in weights} == {"bfloat16"}
     casts = [n for n in dg.nodes if n.kind == NodeKind.CAST]
-    assert sorted(n.src for n in casts) == sorted(weights) and all(n.pass_ == TaskType.FWD for n in casts)
+    assert sorted(n.src for n in casts) == sorted(weights) and all(n.task == TaskType.FWD for n in casts)
     for w in weights:
         assert (dg.values[forward_id(w)].type.dtype, dg.values[compute_id(w)].type.dtype) == ("float32", "bfloat16")
         readers = [n for n in dg.nodes if forward_id(w) in n.inputs]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from shardflow.graph.ops import TensorType
 from shardflow.parallel import ops as P
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Combine, Reduction, Repartition, redistribute
+from shardflow.parallel.ops import CombineOp, ReductionOp, RepartitionOp, redistribute
 from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardingError
 from shardflow.parallel.sharding import Sharding
 
@@ -24,46 +24,62 @@ def pts(shape, shard, sum_degree=1, replica=1, reduce_op="sum"):
     return ParallelTensorShape(tuple(shape), tuple(shard), sum_degree, replica, reduce_op)
 
 
+def test_names_say_one_thing():
+    """``Replicate`` is only the DTensor placement — exported from ``shardflow`` with ``Shard`` and ``Partial`` —
+    and the parallel operators carry an ``Op`` suffix (issue #34): a plan reads ``Replicate()`` as a layout and
+    ``ReplicateOp(2, "pp")`` as the broadcast that makes one."""
+    import shardflow
+    from shardflow.parallel import mesh
+
+    assert (shardflow.Shard, shardflow.Replicate, shardflow.Partial) == (mesh.Shard, mesh.Replicate, mesh.Partial)
+    assert {"Shard", "Replicate", "Partial"} <= set(shardflow.__all__)
+    assert shardflow.Replicate() == Replicate() and not issubclass(shardflow.Replicate, P.ParallelOp)
+    assert issubclass(P.ReplicateOp, P.ParallelOp) and P.ReplicateOp.__name__ == "ReplicateOp"
+    assert {c.__name__ for c in P.PARALLEL_OPS.values()} == {"RepartitionOp", "CombineOp", "ReplicateOp", "ReductionOp"}
+    assert not any(hasattr(P, old) for old in ("Repartition", "Combine", "Replicate", "Reduction"))
+    assert P.ReplicateOp(2, "pp").describe() == "ReplicateOp(degree=2, axis=pp)"
+
+
 # --- degree rules (apply_shape) ---------------------------------------------------------------------------
 def test_repartition_degree_rule():
-    out = Repartition(1, 2, "tp").apply_shape(pts((8, 12), (2, 3), 2, 4))
+    out = RepartitionOp(1, 2, "tp").apply_shape(pts((8, 12), (2, 3), 2, 4))
     assert out == pts((8, 12), (2, 6), 2, 2)
 
 
 def test_combine_degree_rule():
-    out = Combine(1, 3, "tp").apply_shape(pts((8, 12), (2, 6), 2, 1))
+    out = CombineOp(1, 3, "tp").apply_shape(pts((8, 12), (2, 6), 2, 1))
     assert out == pts((8, 12), (2, 2), 2, 3)
 
 
 def test_replicate_degree_rule():
-    out = P.Replicate(4, "pp").apply_shape(pts((8, 12), (2, 1), 2, 3, "avg"))
+    out = P.ReplicateOp(4, "pp").apply_shape(pts((8, 12), (2, 1), 2, 3, "avg"))
     assert out == pts((8, 12), (2, 1), 2, 12, "avg")
 
 
 def test_reduction_degree_rule():
-    out = Reduction(2, "tp").apply_shape(pts((8,), (2,), 4, 1, "avg"))
+    out = ReductionOp(2, "tp").apply_shape(pts((8,), (2,), 4, 1, "avg"))
     assert out == pts((8,), (2,), 2, 2, "avg")
     # the last partial axis reduced: nothing partial remains, the reduce op goes back to sum
-    out = Reduction(2, "dp").apply_shape(pts((8,), (2,), 2, 2, "max"))
+    out = ReductionOp(2, "dp").apply_shape(pts((8,), (2,), 2, 2, "max"))
     assert out == pts((8,), (2,), 1, 4, "sum")
 
 
 def test_repartition_indivisible_is_degree_error():
     with pytest.raises(DegreeError) as ei:
-        Repartition(0, 4, "tp").apply_shape(pts((6,), (1,), 1, 4))
+        RepartitionOp(0, 4, "tp").apply_shape(pts((6,), (1,), 1, 4))
     assert (ei.value.dim, ei.value.size, ei.value.degree) == (0, 6, 4)
     assert "Repartition" in str(ei.value)
 
 
 def test_repartition_needs_replicas():
     with pytest.raises(ShardingError, match="replica degree divisible by 2") as ei:
-        Repartition(0, 2, "tp").apply_shape(pts((8,), (2,), 1, 1))
+        RepartitionOp(0, 2, "tp").apply_shape(pts((8,), (2,), 1, 1))
     assert not isinstance(ei.value, DegreeError)
     with pytest.raises(ShardingError, match="replica degree divisible by 2"):
-        Repartition(0, 2, "tp").apply_shape(pts((8,), (1,), 1, 3))
+        RepartitionOp(0, 2, "tp").apply_shape(pts((8,), (1,), 1, 3))
 
 
-@pytest.mark.parametrize("pop", [Repartition(2, 2, "tp"), Combine(2, 2, "tp"), Repartition(-1, 2, "tp")])
+@pytest.mark.parametrize("pop", [RepartitionOp(2, 2, "tp"), CombineOp(2, 2, "tp"), RepartitionOp(-1, 2, "tp")])
 def test_dim_out_of_range(pop):
     with pytest.raises(ShardingError, match="out of range") as ei:
         pop.apply_shape(pts((4, 4), (2, 2), 1, 2))
@@ -72,14 +88,14 @@ def test_dim_out_of_range(pop):
 
 def test_combine_of_unsharded_dim():
     with pytest.raises(ShardingError, match="shard degree 1, not a multiple of 2"):
-        Combine(0, 2, "tp").apply_shape(pts((8, 8), (1, 2)))
+        CombineOp(0, 2, "tp").apply_shape(pts((8, 8), (1, 2)))
     with pytest.raises(ShardingError, match="shard degree 2, not a multiple of 4"):
-        Combine(1, 4, "tp").apply_shape(pts((8, 8), (1, 2)))
+        CombineOp(1, 4, "tp").apply_shape(pts((8, 8), (1, 2)))
 
 
 def test_reduction_without_sum_degree():
     with pytest.raises(ShardingError, match="sum degree 1 is not a multiple of 2"):
-        Reduction(2, "tp").apply_shape(pts((8,), (1,), 1, 2))
+        ReductionOp(2, "tp").apply_shape(pts((8,), (1,), 1, 2))
 
 
 # --- axis rules (apply) -----------------------------------------------------------------------------------
@@ -89,30 +105,30 @@ G = SubMesh(MESH)
 
 def test_axis_rules_exact():
     s = Sharding.from_placements((Replicate(), Shard(0)), G, 2)
-    assert Repartition(1, 2, "dp").apply(s, G) == (Sharding((("tp",), ("dp",))), G)
-    assert Repartition(0, 2, "dp").apply(s, G) == (Sharding((("tp", "dp"), ())), G)
-    assert Combine(0, 2, "tp").apply(s, G) == (Sharding.replicated(2), G)
+    assert RepartitionOp(1, 2, "dp").apply(s, G) == (Sharding((("tp",), ("dp",))), G)
+    assert RepartitionOp(0, 2, "dp").apply(s, G) == (Sharding((("tp", "dp"), ())), G)
+    assert CombineOp(0, 2, "tp").apply(s, G) == (Sharding.replicated(2), G)
     sp = Sharding.from_placements((Partial("avg"), Partial("avg")), G, 1)
-    assert Reduction(2, "tp").apply(sp, G) == (Sharding(((),), ("dp",), "avg"), G)
-    assert Reduction(2, "dp").apply(Sharding(((),), ("dp",), "avg"), G) == (Sharding(((),)), G)
+    assert ReductionOp(2, "tp").apply(sp, G) == (Sharding(((),), ("dp",), "avg"), G)
+    assert ReductionOp(2, "dp").apply(Sharding(((),), ("dp",), "avg"), G) == (Sharding(((),)), G)
 
 
 def test_axis_rule_errors():
     s = Sharding.from_placements((Shard(0), Replicate()), G, 2)
     with pytest.raises(ShardingError, match="must hold replicas"):
-        Repartition(1, 2, "dp").apply(s, G)
+        RepartitionOp(1, 2, "dp").apply(s, G)
     with pytest.raises(ShardingError, match="has 2 devices, not 4"):
-        Repartition(1, 4, "tp").apply(s, G)
+        RepartitionOp(1, 4, "tp").apply(s, G)
     with pytest.raises(ShardingError, match="minor axis sharding dim 1"):
-        Combine(1, 2, "dp").apply(s, G)
+        CombineOp(1, 2, "dp").apply(s, G)
     two = Sharding((("dp", "tp"), ()))
     with pytest.raises(ShardingError, match="minor axis"):
-        Combine(0, 2, "dp").apply(two, G)  # only the minor axis can be combined
-    assert Combine(0, 2, "tp").apply(two, G)[0] == Sharding((("dp",), ()))
+        CombineOp(0, 2, "dp").apply(two, G)  # only the minor axis can be combined
+    assert CombineOp(0, 2, "tp").apply(two, G)[0] == Sharding((("dp",), ()))
     with pytest.raises(ShardingError, match="no partial pieces along axis 'tp'"):
-        Reduction(2, "tp").apply(s, G)
+        ReductionOp(2, "tp").apply(s, G)
     with pytest.raises(ShardingError, match="out of range"):
-        Repartition(2, 2, "tp").apply(s, G)
+        RepartitionOp(2, 2, "tp").apply(s, G)
 
 
 def test_partial_on_size_one_axis_is_not_partial_in_degrees():
@@ -121,9 +137,9 @@ def test_partial_on_size_one_axis_is_not_partial_in_degrees():
     g = SubMesh(mesh)
     s = Sharding(((),), ("a", "b"), "max")
     assert s.parallel_shape(g, (4,)).reduce_op == "max"
-    out, _ = Reduction(2, "b").apply(s, g)
+    out, _ = ReductionOp(2, "b").apply(s, g)
     assert out == Sharding(((),), ("a",), "max")
-    assert out.parallel_shape(g, (4,)) == Reduction(2, "b").apply_shape(s.parallel_shape(g, (4,)))
+    assert out.parallel_shape(g, (4,)) == ReductionOp(2, "b").apply_shape(s.parallel_shape(g, (4,)))
     assert out.parallel_shape(g, (4,)).reduce_op == "sum"
 
 
@@ -147,13 +163,13 @@ def op_cases(draw):
     for a in group.free_axes:
         k = mesh.axis_size(a)
         if a not in s.used_axes:
-            cands += [Repartition(d, k, a) for d in range(ndim)]
+            cands += [RepartitionOp(d, k, a) for d in range(ndim)]
         if a in s.partial:
-            cands.append(Reduction(k, a))
+            cands.append(ReductionOp(k, a))
     for d, axes in enumerate(s.dims):
         if axes:
-            cands.append(Combine(d, mesh.axis_size(axes[-1]), axes[-1]))
-    cands += [P.Replicate(mesh.axis_size(a), a) for a, _ in group.fixed]
+            cands.append(CombineOp(d, mesh.axis_size(axes[-1]), axes[-1]))
+    cands += [P.ReplicateOp(mesh.axis_size(a), a) for a, _ in group.fixed]
     # never empty: a free axis is unused (Repartition), partial (Reduction) or sharding (Combine), else fixed
     return mesh, group, s, shape, draw(st.sampled_from(cands))
 
@@ -175,27 +191,27 @@ def test_axis_rule_matches_degree_rule(case):
 @pytest.mark.parametrize("dim", [0, 1])
 def test_repartition_then_combine_is_identity(placements, dim):
     s = Sharding.from_placements(placements, G, 2)
-    r, g = Repartition(dim, 2, "tp").apply(s, G)
+    r, g = RepartitionOp(dim, 2, "tp").apply(s, G)
     assert r != s
-    back, g2 = Combine(dim, 2, "tp").apply(r, g)
+    back, g2 = CombineOp(dim, 2, "tp").apply(r, g)
     assert (back, g2) == (s, G)
     p = s.parallel_shape(G, (4, 4))
-    assert Combine(dim, 2, "tp").apply_shape(Repartition(dim, 2, "tp").apply_shape(p)) == p
+    assert CombineOp(dim, 2, "tp").apply_shape(RepartitionOp(dim, 2, "tp").apply_shape(p)) == p
 
 
 def test_replicate_grows_the_group():
     mesh = Mesh.parse("pp=2,dp=2")
     stage = SubMesh(mesh, (("pp", 1),))
     s = Sharding.from_placements((Shard(0),), stage, 2)
-    out, g = P.Replicate(2, "pp").apply(s, stage)
+    out, g = P.ReplicateOp(2, "pp").apply(s, stage)
     assert out == s and g == SubMesh(mesh)
     assert out.placements(g) == (Replicate(), Shard(0))
     assert s.parallel_shape(stage, (4, 4)).replica_degree == 1
     assert out.parallel_shape(g, (4, 4)).replica_degree == 2
     with pytest.raises(ShardingError, match="already spans axis 'pp'"):
-        P.Replicate(2, "pp").apply(out, g)
+        P.ReplicateOp(2, "pp").apply(out, g)
     with pytest.raises(ShardingError, match="has 2 devices, not 4"):
-        P.Replicate(4, "pp").apply(s, stage)
+        P.ReplicateOp(4, "pp").apply(s, stage)
 
 
 # --- what each op does to real pieces, and what it costs -------------------------------------------------
@@ -226,13 +242,13 @@ def _move(op, pieces, group):
     """``op`` carried out on real pieces (device → piece) as its collective would: Repartition splits each piece
     locally, Combine concatenates the pieces of its axis (all-gather), Reduction sums them (all-reduce), Replicate
     copies each piece to the devices of the axis it adds (broadcast)."""
-    if isinstance(op, Repartition):
+    if isinstance(op, RepartitionOp):
         return {d: x.chunk(op.degree, op.dim)[group.coords(d)[op.axis]] for d, x in pieces.items()}
-    if isinstance(op, Combine):
+    if isinstance(op, CombineOp):
         return {d: torch.cat([pieces[p] for p in _peers(group, d, op.axis)], op.dim) for d in pieces}
-    if isinstance(op, Reduction):
+    if isinstance(op, ReductionOp):
         return {d: sum(pieces[p] for p in _peers(group, d, op.axis)) for d in pieces}
-    assert isinstance(op, P.Replicate)
+    assert isinstance(op, P.ReplicateOp)
     whole = group.without_fixed(op.axis)
     return {d: pieces[group.device_of(whole.coords(d))].clone() for d in whole.devices()}
 
@@ -241,19 +257,19 @@ def _move(op, pieces, group):
     "group, src, ops, cost",
     [
         # a local split: no bytes
-        (G23, (Shard(0), Replicate()), [Repartition(1, 3, "tp")], (0, 0)),
+        (G23, (Shard(0), Replicate()), [RepartitionOp(1, 3, "tp")], (0, 0)),
         # all-gather of a float64[3, 4] piece (96 bytes) among 3: each device sends its piece to 2 others
-        (G23, (Shard(0), Shard(1)), [Combine(1, 3, "tp")], (2 * 96, 1)),
+        (G23, (Shard(0), Shard(1)), [CombineOp(1, 3, "tp")], (2 * 96, 1)),
         # all-reduce of a float64[3, 12] piece (288 bytes) among 3: 2·(3−1)/3 of it
-        (G23, (Shard(0), Partial()), [Reduction(3, "tp")], (2 * 288 * 2 // 3, 1)),
+        (G23, (Shard(0), Partial()), [ReductionOp(3, "tp")], (2 * 288 * 2 // 3, 1)),
         # Reduction then Repartition: one reduce-scatter, (3−1)/3 of the piece — half the all-reduce's bytes
-        (G23, (Shard(0), Partial()), [Reduction(3, "tp"), Repartition(1, 3, "tp")], (288 * 2 // 3, 1)),
+        (G23, (Shard(0), Partial()), [ReductionOp(3, "tp"), RepartitionOp(1, 3, "tp")], (288 * 2 // 3, 1)),
         # Combine then Repartition of another dim: one all-to-all of a float64[2, 12] piece (192 bytes)
-        (G23, (Replicate(), Shard(0)), [Combine(0, 3, "tp"), Repartition(1, 3, "tp")], (192 * 2 // 3, 1)),
+        (G23, (Replicate(), Shard(0)), [CombineOp(0, 3, "tp"), RepartitionOp(1, 3, "tp")], (192 * 2 // 3, 1)),
         # the last partial axis first: the pieces stay partial on dp
-        (G23, (Partial(), Partial()), [Reduction(3, "tp")], (2 * 576 * 2 // 3, 1)),
+        (G23, (Partial(), Partial()), [ReductionOp(3, "tp")], (2 * 576 * 2 // 3, 1)),
         # Replicate: a pipeline stage's pieces (dp=1) copied to the other stage; the planner never redistributes by it
-        (SubMesh(M23, (("dp", 1),)), (Shard(1),), [P.Replicate(2, "dp")], None),
+        (SubMesh(M23, (("dp", 1),)), (Shard(1),), [P.ReplicateOp(2, "dp")], None),
     ],
     ids=["split", "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "partial_all_reduce", "broadcast"],
 )
@@ -292,11 +308,11 @@ def _s(*placements, g=T, ndim=2):
 @pytest.mark.parametrize(
     "src,dst,want",
     [
-        ((Partial(),), (Replicate(),), [Reduction(4, "tp")]),
-        ((Partial(),), (Shard(1),), [Reduction(4, "tp"), Repartition(1, 4, "tp")]),
-        ((Shard(0),), (Replicate(),), [Combine(0, 4, "tp")]),
-        ((Replicate(),), (Shard(1),), [Repartition(1, 4, "tp")]),
-        ((Shard(0),), (Shard(1),), [Combine(0, 4, "tp"), Repartition(1, 4, "tp")]),
+        ((Partial(),), (Replicate(),), [ReductionOp(4, "tp")]),
+        ((Partial(),), (Shard(1),), [ReductionOp(4, "tp"), RepartitionOp(1, 4, "tp")]),
+        ((Shard(0),), (Replicate(),), [CombineOp(0, 4, "tp")]),
+        ((Replicate(),), (Shard(1),), [RepartitionOp(1, 4, "tp")]),
+        ((Shard(0),), (Shard(1),), [CombineOp(0, 4, "tp"), RepartitionOp(1, 4, "tp")]),
         ((Shard(0),), (Shard(0),), []),
         ((Partial("avg"),), (Partial("avg"),), []),
     ],
@@ -308,18 +324,18 @@ def test_redistribute_table(src, dst, want):
 def test_redistribute_two_axes():
     g = SubMesh(Mesh.parse("dp=2,tp=3"))
     src = _s(Shard(0), Shard(0), g=g)  # dim 0 on dp (major) then tp
-    assert redistribute(src, _s(Shard(0), Replicate(), g=g), g) == [Combine(0, 3, "tp")]
+    assert redistribute(src, _s(Shard(0), Replicate(), g=g), g) == [CombineOp(0, 3, "tp")]
     # removing the major axis needs the minor one combined first
     assert redistribute(src, _s(Replicate(), Shard(0), g=g), g) == [
-        Combine(0, 3, "tp"),
-        Combine(0, 2, "dp"),
-        Repartition(0, 3, "tp"),
+        CombineOp(0, 3, "tp"),
+        CombineOp(0, 2, "dp"),
+        RepartitionOp(0, 3, "tp"),
     ]
     assert redistribute(_s(Partial(), Shard(1), g=g), _s(Shard(1), Shard(0), g=g), g) == [
-        Reduction(2, "dp"),
-        Combine(1, 3, "tp"),
-        Repartition(0, 3, "tp"),
-        Repartition(1, 2, "dp"),
+        ReductionOp(2, "dp"),
+        CombineOp(1, 3, "tp"),
+        RepartitionOp(0, 3, "tp"),
+        RepartitionOp(1, 2, "dp"),
     ]
 
 
@@ -328,17 +344,17 @@ def test_redistribute_cuts_the_pieces_before_it_sums_them():
     all-reduce then moves the piece, not the whole: HSDP's gradient), and a local split comes before an all-reduce."""
     g = SubMesh(Mesh.parse("dp=2,fsdp=3"))
     assert redistribute(_s(Partial(), Partial(), g=g), _s(Replicate(), Shard(0), g=g), g) == [
-        Reduction(3, "fsdp"),
-        Repartition(0, 3, "fsdp"),
-        Reduction(2, "dp"),
+        ReductionOp(3, "fsdp"),
+        RepartitionOp(0, 3, "fsdp"),
+        ReductionOp(2, "dp"),
     ]
     assert redistribute(_s(Partial(), Replicate(), g=g), _s(Replicate(), Shard(1), g=g), g) == [
-        Repartition(1, 3, "fsdp"),
-        Reduction(2, "dp"),
+        RepartitionOp(1, 3, "fsdp"),
+        ReductionOp(2, "dp"),
     ]
     assert redistribute(_s(Partial(), Partial(), g=g), _s(Replicate(), Replicate(), g=g), g) == [
-        Reduction(2, "dp"),
-        Reduction(3, "fsdp"),
+        ReductionOp(2, "dp"),
+        ReductionOp(3, "fsdp"),
     ]
     # bytes one device sends for a float32[6, 4] (N = 96 bytes): the reduce-scatter's (F−1)/F·N = 64, then
     # 2(D−1)/D of the N/F piece = 32 (summing first would send N + 64 = 160)

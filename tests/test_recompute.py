@@ -86,13 +86,13 @@ def test_each_block_is_recomputed_once_right_before_its_backward_and_its_backwar
     assert [n.src for n in again] == [
         m for b in reversed(sorted(set(blocks.values()))) for m in (n.name for n in pcg.nodes) if blocks.get(m) == b
     ]
-    assert all(n.pass_ == TaskType.FWD and n.kind == NodeKind.COMPUTE for n in again)
+    assert all(n.task == TaskType.FWD and n.kind == NodeKind.COMPUTE for n in again)
     assert len(dg.nodes) == len(plain.nodes) + len(again)
     position = {n.name: k for k, n in enumerate(dg.nodes)}
     made_by = {v: n for n in dg.nodes for v in n.outputs}
     first_bwd = {}
     for n in dg.nodes:
-        if n.pass_ == TaskType.BWD and n.kind == NodeKind.COMPUTE and n.src in blocks:
+        if n.task == TaskType.BWD and n.kind == NodeKind.COMPUTE and n.src in blocks:
             first_bwd.setdefault(blocks[n.src], position[n.name])
             for v in n.inputs:  # an activation of its own block: the recomputed one
                 maker = made_by.get(v)
@@ -100,7 +100,7 @@ def test_each_block_is_recomputed_once_right_before_its_backward_and_its_backwar
                     assert maker.recompute, (n.name, v)
     for b, k in first_bwd.items():  # the block's recomputation runs after every other block's forward, before its
         own = [position[n.name] for n in again if blocks[n.src] == b]  # backward, with nothing else in between
-        assert max(position[n.name] for n in dg.nodes if n.pass_ == TaskType.FWD and not n.recompute) < min(own)
+        assert max(position[n.name] for n in dg.nodes if n.task == TaskType.FWD and not n.recompute) < min(own)
         assert own == list(range(min(own), max(own) + 1)) and max(own) < k
 
 

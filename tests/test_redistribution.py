@@ -40,7 +40,7 @@ from shardflow.graph.ops import Op, OpError, TensorType
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh, parse_placement
-from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition, redistribute
+from shardflow.parallel.ops import CombineOp, ParallelOp, ReductionOp, RepartitionOp, redistribute
 from shardflow.parallel.pcg import Annotations, build_pcg, placements_text
 from shardflow.parallel.rules import RuleError, rule_for, rule_replicated
 from shardflow.parallel.shape import DegreeError
@@ -77,7 +77,7 @@ def _xy(x_shape, x_pl, y_shape, y_pl, y_role="input"):
     return _x(x_shape, x_pl), _x(y_shape, y_pl, y_role, "y")
 
 
-RS0 = (Reduction(2, "tp"), Repartition(0, 2, "tp"))  # reduce-scatter onto dim 0
+RS0 = (ReductionOp(2, "tp"), RepartitionOp(0, 2, "tp"))  # reduce-scatter onto dim 0
 DTENSOR_CASES = (
     # mul of two partials: reduce one of them (the second, as DTensor does); the product stays partial.
     Case(
@@ -85,9 +85,9 @@ DTENSOR_CASES = (
         lambda b, x, y: b.mul(x, y),
         torch.mul,
         _xy((4, 6), P, (4, 6), P),
-        ((1, "(P(sum))", "(R)", (Reduction(2, "tp"),), 192),),
+        ((1, "(P(sum))", "(R)", (ReductionOp(2, "tp"),), 192),),
         "(P(sum))",
-        r"mul of two partial operands is not linear \(Partial·Partial\)\. Fix: insert Reduction\(axis=tp\) on 'y'",
+        r"mul of two partial operands is not linear \(Partial·Partial\)\. Fix: insert ReductionOp\(axis=tp\) on 'y'",
         ((1, "(P(sum))", "(R)"),),
     ),
     # relu of a partial: a reduce-scatter (96 B) instead of DTensor's all-reduce (192 B).
@@ -98,7 +98,7 @@ DTENSOR_CASES = (
         (_x((4, 6), P),),
         ((0, "(P(sum))", "(S(0))", RS0, 96),),
         "(S(0))",
-        r"unary is not linear but input 'x' holds Partial\('sum'\).*Fix: insert Reduction\(axis=tp\)",
+        r"unary is not linear but input 'x' holds Partial\('sum'\).*Fix: insert ReductionOp\(axis=tp\)",
         ((0, "(P(sum))", "(R)"),),
     ),
     # operands sharded on different dims: an all-to-all of the second onto the first's dim (DTensor: the same).
@@ -107,7 +107,7 @@ DTENSOR_CASES = (
         lambda b, x, y: b.add(x, y),
         torch.add,
         _xy((4, 6), S0, (4, 6), S1),
-        ((1, "(S(1))", "(S(0))", (Combine(1, 2, "tp"), Repartition(0, 2, "tp")), 48),),
+        ((1, "(S(1))", "(S(0))", (CombineOp(1, 2, "tp"), RepartitionOp(0, 2, "tp")), 48),),
         "(S(0))",
         r"dim 0 of 'x' is sharded on \['tp'\] but dim 0 of 'y' on no axes",
         ((1, "(S(1))", "(S(0))"),),
@@ -118,7 +118,7 @@ DTENSOR_CASES = (
         lambda b, x, y: b.matmul(x, y),
         torch.matmul,
         _xy((4, 8), S1, (8, 6), R, "weight"),
-        ((1, "(R)", "(S(0))", (Repartition(0, 2, "tp"),), 0),),
+        ((1, "(R)", "(S(0))", (RepartitionOp(0, 2, "tp"),), 0),),
         "(P(sum))",
         r"dim 1 of 'x' is sharded on \['tp'\] but dim 0 of 'y' on no axes",
         ((1, "(R)", "(S(0))"),),
@@ -130,7 +130,7 @@ DTENSOR_CASES = (
         lambda b, x, y: b.matmul(x, y),
         torch.matmul,
         _xy((4, 8), S0, (8, 6), S0, "weight"),
-        ((0, "(S(0))", "(S(1))", (Combine(0, 2, "tp"), Repartition(1, 2, "tp")), 64),),
+        ((0, "(S(0))", "(S(1))", (CombineOp(0, 2, "tp"), RepartitionOp(1, 2, "tp")), 64),),
         "(P(sum))",
         r"dim 1 of 'x' is sharded on no axes but dim 0 of 'y' on \['tp'\]",
         ((1, "(S(0))", "(R)"),),
@@ -141,10 +141,10 @@ DTENSOR_CASES = (
         lambda b, x: b.softmax(x, -1),
         lambda x: torch.softmax(x, -1),
         (_x((4, 8), S1),),
-        ((0, "(S(1))", "(S(0))", (Combine(1, 2, "tp"), Repartition(0, 2, "tp")), 64),),
+        ((0, "(S(1))", "(S(0))", (CombineOp(1, 2, "tp"), RepartitionOp(0, 2, "tp")), 64),),
         "(S(0))",
         r"dim 1 \(size 8\) of 'x' is sharded on mesh axes \['tp'\]; softmax normalises over it\. "
-        r"Fix: insert Combine\(dim=1, axis=tp\) first",
+        r"Fix: insert CombineOp\(dim=1, axis=tp\) first",
         ((0, "(S(1))", "(R)"),),
     ),
     # layer_norm over the sharded dim: an all-to-all onto the batch dim (128 B; DTensor all-gathers, 256 B).
@@ -153,7 +153,7 @@ DTENSOR_CASES = (
         lambda b, x, w, c: b.layer_norm(x, w, c),
         lambda x, w, c: F.layer_norm(x, (8,), w, c),
         (_x((2, 4, 8), S2), _x((8,), R, "weight", "w"), _x((8,), R, "weight", "c")),
-        ((0, "(S(2))", "(S(0))", (Combine(2, 2, "tp"), Repartition(0, 2, "tp")), 128),),
+        ((0, "(S(2))", "(S(0))", (CombineOp(2, 2, "tp"), RepartitionOp(0, 2, "tp")), 128),),
         "(S(0))",
         r"dim 2 \(size 8\) of 'x' is sharded on mesh axes \['tp'\]; layer_norm normalises over it",
         ((0, "(S(2))", "(R)"),),
@@ -181,7 +181,7 @@ DTENSOR_CASES = (
         (_x((4, 6), PMAX),),
         ((0, "(P(max))", "(S(0))", RS0, 96),),
         "(S(0))",
-        r"input 'x' holds Partial\('max'\) pieces, which no op is linear in\. Fix: insert Reduction\(axis=tp\)",
+        r"input 'x' holds Partial\('max'\) pieces, which no op is linear in\. Fix: insert ReductionOp\(axis=tp\)",
         ((0, "(P(max))", "(R)"),),
     ),
 )
@@ -329,7 +329,7 @@ def test_an_op_without_a_rule_runs_on_replicated_inputs():
     ann = Annotations(leaves={"x": Sharding.from_placements((S0,), SubMesh(TP2), 2)})
     pcg = build_pcg(graph, TP2, ann)
     (r,) = pcg.redistributions
-    assert (r.node, r.index, r.ops, r.nbytes) == (out, 0, (Combine(0, 2, "tp"),), 96)
+    assert (r.node, r.index, r.ops, r.nbytes) == (out, 0, (CombineOp(0, 2, "tp"),), 96)
     assert r.reason == (
         f"node {out!r} (cumsum(dim=0)): cumsum has no sharding rule, so it runs on replicated inputs "
         f"only, but input 'x' is <tp,·>. Fix: redistribute 'x' to Replicate() first."
@@ -352,7 +352,7 @@ def test_a_rules_degree_error_is_a_refusal_too():
     ann = Annotations(leaves={"x": Sharding.from_placements((S2,), SubMesh(tp4), 3)})
     pcg = build_pcg(graph, tp4, ann)
     (r,) = pcg.redistributions
-    assert (r.ops, r.nbytes, pcg.tensors[y].sharding) == ((Combine(2, 4, "tp"),), 3 * 12 * 8, Sharding.replicated(4))
+    assert (r.ops, r.nbytes, pcg.tensors[y].sharding) == ((CombineOp(2, 4, "tp"),), 3 * 12 * 8, Sharding.replicated(4))
     assert r.reason.startswith(f"op 'reshape' tensor {y!r}: degree 4 does not divide dim 2 of size 2")
     with pytest.raises(DegreeError):
         build_pcg(graph, tp4, ann, strict=True)
@@ -385,7 +385,7 @@ def test_bytes_are_what_lowering_sends():
         graph, _, ann = case_graph(case)
         pcg = build_pcg(graph, TP2, ann)
         moved = {f"fwd:{r.tensor}" for r in pcg.redistributions}
-        sent = sum(c.nbytes for c in lower_step(pcg).programs[0].comms if c.pass_ == "FWD" and c.value in moved)
+        sent = sum(c.nbytes for c in lower_step(pcg).programs[0].comms if c.task == "FWD" and c.value in moved)
         assert sent == sum(r.nbytes for r in pcg.redistributions), case.name
 
 
@@ -439,7 +439,7 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
     )
     assert listing[1] == (
         "node 'linear_5' (linear(bias=True) in module 'transformer.h.0.mlp.c_proj'), input 1 "
-        "'transformer.h.0.mlp.c_proj.weight': (R) → (S(1)) by Repartition(dim=1, degree=2, "
+        "'transformer.h.0.mlp.c_proj.weight': (R) → (S(1)) by RepartitionOp(dim=1, degree=2, "
         "axis=tp), 0 bytes per device"
     )
     assert listing[2].startswith(
@@ -448,8 +448,8 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
     )
     assert listing[3].startswith(
         "node 'layer_norm_2' (layer_norm(ndim=1, eps=1e-05, affine=True, bias=True) in module "
-        "'transformer.ln_f'), input 0 'add_2': (P(sum)) → (S(0)) by Reduction(degree=2, "
-        "axis=tp), Repartition(dim=0, degree=2, axis=tp), 2,048 bytes per device"
+        "'transformer.ln_f'), input 0 'add_2': (P(sum)) → (S(0)) by ReductionOp(degree=2, "
+        "axis=tp), RepartitionOp(dim=0, degree=2, axis=tp), 2,048 bytes per device"
     )
     assert "# redistributed: the rule of linear_5 refused input 1" in out
 
@@ -460,7 +460,10 @@ def test_plan_lists_redistributions_and_strict_refuses(capsys, tmp_path):
         ("layer_norm_2", "transformer.ln_f", 0, "(P(sum))", "(S(0))", 2048),
         ("gather", "", 1, "(R)", "(S(0))", 0),
     ]
-    assert doc["redistributions"][1]["ops"] == ["Reduction(degree=2, axis=tp)", "Repartition(dim=0, degree=2, axis=tp)"]
+    assert doc["redistributions"][1]["ops"] == [
+        "ReductionOp(degree=2, axis=tp)",
+        "RepartitionOp(dim=0, degree=2, axis=tp)",
+    ]
 
     assert main([*argv, "--strict"]) == 2
     out, err = capsys.readouterr()

@@ -17,7 +17,7 @@ from shardflow.graph import ops as O
 from shardflow.graph.ops import Scalar
 from shardflow.parallel import ops as P
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard, SubMesh
-from shardflow.parallel.ops import Combine, Reduction, Repartition
+from shardflow.parallel.ops import CombineOp, ReductionOp, RepartitionOp
 from shardflow.parallel.pcg import Annotations, build_pcg, lift
 from shardflow.parallel.rules import RuleError, reshape_groups
 from shardflow.parallel.shape import DegreeError, ShardingError
@@ -101,7 +101,7 @@ def test_linear_row_parallel_partial_then_reduction():
     assert pcg.tensors[y].pshape.sum_degree == 2
     # the replicated bias is added once in total: each of the 2 partial pieces adds half of it
     assert node(pcg, y).local.in_scale == (1.0, 1.0, 0.5)
-    assert pops(pcg) == [(Reduction(2, "tp"), y)]
+    assert pops(pcg) == [(ReductionOp(2, "tp"), y)]
     assert pcg.tensors[pcg.parallel_nodes[0].outputs[0]].placements == (R, R)
     assert node(pcg, z).inputs == (pcg.parallel_nodes[0].outputs[0],)
     assert pcg.tensors[z].placements == (R, R)
@@ -119,7 +119,7 @@ def test_linear_row_parallel_without_bias_has_no_scale():
     pcg = build_pcg(graph, MESH, ann)
     assert pcg.tensors[y].placements == (Shard(0), Partial("sum"))
     assert node(pcg, y).local.in_scale == (1.0, 1.0)
-    assert pops(pcg) == [(Reduction(2, "tp"), y)]
+    assert pops(pcg) == [(ReductionOp(2, "tp"), y)]
     check_numbers(graph, pcg, leaf_values(graph))
 
 
@@ -133,7 +133,7 @@ def test_linear_column_parallel():
     assert pcg.tensors[y].placements == (R, Shard(2))
     assert pcg.tensors[y].pshape.shard == (1, 1, 2)
     assert node(pcg, y).local.in_scale == (1.0, 1.0, 1.0)
-    assert pops(pcg) == [(Combine(2, 2, "tp"), y)]
+    assert pops(pcg) == [(CombineOp(2, 2, "tp"), y)]
     check_numbers(graph, pcg, leaf_values(graph))
 
 
@@ -198,7 +198,7 @@ def test_elementwise_partial_rules(fn, x_sh, y_sh, want_partial, scale):
     assert pcg.tensors[z].sharding == want_partial
     assert pcg.tensors[z].placements == (Partial(want_partial.reduce_op),)
     assert node(pcg, z).local.in_scale == scale
-    assert pops(pcg) == [(Reduction(4, "tp"), z)]
+    assert pops(pcg) == [(ReductionOp(4, "tp"), z)]
     check_numbers(graph, pcg, values)
 
 
@@ -217,7 +217,7 @@ def test_partial_plus_replicated_on_two_axes():
     pcg = build_pcg(graph, MESH, ann)
     assert pcg.tensors[z].placements == (Partial("sum"), Partial("sum"))
     assert node(pcg, z).local.in_scale == (0.25, 1.0)
-    assert pops(pcg) == [(Reduction(2, "dp"), z), (Reduction(2, "tp"), f"{z}.reduction")]
+    assert pops(pcg) == [(ReductionOp(2, "dp"), z), (ReductionOp(2, "tp"), f"{z}.reduction")]
     check_numbers(graph, pcg, values)
 
 
@@ -278,7 +278,7 @@ def test_partial_times_partial_is_rejected(fn):
 
 def test_division_by_partial_is_rejected():
     graph, z, ann, _ = _binary("div", None, P4)
-    with pytest.raises(RuleError, match="division by a partial operand 'y'.*Reduction\\(axis=tp\\)"):
+    with pytest.raises(RuleError, match="division by a partial operand 'y'.*ReductionOp\\(axis=tp\\)"):
         build_pcg(graph, TP4, ann, strict=True)
 
 
@@ -300,7 +300,7 @@ def test_partials_on_different_axes_are_rejected():
 @pytest.mark.parametrize("fn,other", [("add", None), ("add", "max"), ("mul", None), ("sub", None)])
 def test_partial_max_is_not_linear(fn, other):
     graph, z, ann, _ = _binary(fn, P4_MAX, P4_MAX if other else None)
-    with pytest.raises(RuleError, match="'x' holds Partial\\('max'\\).*Reduction\\(axis=tp\\)"):
+    with pytest.raises(RuleError, match="'x' holds Partial\\('max'\\).*ReductionOp\\(axis=tp\\)"):
         build_pcg(graph, TP4, ann, strict=True)
 
 
@@ -377,7 +377,7 @@ def test_nonlinear_on_partial_is_rejected(kind):
         build_pcg(graph, TP4, Annotations(leaves={"x": Sharding(((),) * ndim, ("tp",))}), strict=True)
     msg = str(ei.value)
     assert "not linear but input 'x' holds Partial('sum')" in msg
-    assert "insert Reduction(axis=tp)" in msg
+    assert "insert ReductionOp(axis=tp)" in msg
 
 
 # --- reductions over dims -------------------------------------------------------------------------------
@@ -428,7 +428,7 @@ def test_reduce_over_sharded_dim_is_partial(fn, out_scale):
     pcg = build_pcg(graph, TP4, Annotations(leaves={"x": sh(TP4, 2, Shard(1))}, after={y: {"tp": R}}))
     assert pcg.tensors[y].placements == (Partial("sum"),)
     assert node(pcg, y).local.out_scale == out_scale
-    assert pops(pcg) == [(Reduction(4, "tp"), y)]
+    assert pops(pcg) == [(ReductionOp(4, "tp"), y)]
     check_numbers(graph, pcg, leaf_values(graph))
 
 
@@ -579,7 +579,7 @@ def test_matmul_contraction_sharded_is_partial():
     )
     pcg = build_pcg(graph, MESH, ann)
     assert pcg.tensors[y].placements == (Shard(0), Partial("sum"))
-    assert pops(pcg) == [(Reduction(2, "tp"), y)]
+    assert pops(pcg) == [(ReductionOp(2, "tp"), y)]
     check_numbers(graph, pcg, leaf_values(graph))
 
 
@@ -654,7 +654,7 @@ def test_transformer_heads_block_numbers():
     assert pcg.tensors[merged].placements == (Shard(0), Shard(2))
     assert pcg.tensors[y].placements == (Shard(0), Partial("sum"))
     assert node(pcg, y).local.in_scale == (1.0, 1.0, 0.5)
-    assert pops(pcg) == [(Reduction(2, "tp"), y)]
+    assert pops(pcg) == [(ReductionOp(2, "tp"), y)]
     check_numbers(graph, pcg, leaf_values(graph))
 
 
@@ -690,7 +690,7 @@ def test_binary_aligns_replicated_operand():
     graph = b.build([z2])
     pcg = build_pcg(graph, MESH, Annotations(leaves={"x": sh(MESH, 2, Shard(0), R)}))
     # y is split locally (Replicate → Shard needs no communication); the broadcast [6] operand is left alone
-    assert pops(pcg) == [(Repartition(0, 2, "dp"), "y")]
+    assert pops(pcg) == [(RepartitionOp(0, 2, "dp"), "y")]
     rep = pcg.parallel_nodes[0].outputs[0]
     assert pcg.tensors[rep].placements == (Shard(0), R)
     assert node(pcg, z).inputs == ("x", rep)
@@ -748,9 +748,9 @@ def test_pipeline_stage_then_replicate_to_whole_mesh():
     graph = b.build([y])
     mesh = Mesh.parse("pp=2,dp=2")
     st0 = SubMesh(mesh, (("pp", 0),))
-    ann = Annotations(leaves={"x": Sharding((("dp",), ()))}, groups={h: st0}, ops={h: (P.Replicate(2, "pp"),)})
+    ann = Annotations(leaves={"x": Sharding((("dp",), ()))}, groups={h: st0}, ops={h: (P.ReplicateOp(2, "pp"),)})
     pcg = build_pcg(graph, mesh, ann)
-    assert pops(pcg) == [(P.Replicate(2, "pp"), h)]
+    assert pops(pcg) == [(P.ReplicateOp(2, "pp"), h)]
     out = pcg.parallel_nodes[0].outputs[0]
     assert pcg.tensors[out].group == SubMesh(mesh)
     assert pcg.tensors[out].placements == (R, Shard(0))
@@ -768,7 +768,7 @@ def test_consumer_on_other_free_axes_is_rejected():
     st0 = SubMesh(mesh, (("pp", 0),))
     with pytest.raises(
         ShardingError,
-        match=r"input 'linear' lives on mesh\[pp=0\]; insert Replicate\(2, 'pp'\) "
+        match=r"input 'linear' lives on mesh\[pp=0\]; insert ReplicateOp\(2, 'pp'\) "
         r"after 'linear' \(Plan.ops\)",
     ):
         build_pcg(graph, mesh, Annotations(groups={h: st0}))
@@ -778,7 +778,7 @@ def test_consumer_on_other_free_axes_is_rejected():
         match=r"the input spans axes \['pp'\], where 'relu' runs at one index: "
         r"run 'relu' on every index of those axes too \(no stage=",
     ):
-        build_pcg(graph, mesh, Annotations(groups={h: st0, "relu": st0}, ops={h: (P.Replicate(2, "pp"),)}))
+        build_pcg(graph, mesh, Annotations(groups={h: st0, "relu": st0}, ops={h: (P.ReplicateOp(2, "pp"),)}))
 
 
 def test_listing_shows_inserted_parallel_ops():
@@ -791,11 +791,11 @@ def test_listing_shows_inserted_parallel_ops():
         edges={(z, 0): {"dp": Shard(0)}},
     )
     pcg = build_pcg(graph, MESH, ann)
-    assert pops(pcg) == [(Reduction(2, "tp"), y), (Repartition(0, 2, "dp"), f"{y}.reduction")]
+    assert pops(pcg) == [(ReductionOp(2, "tp"), y), (RepartitionOp(0, 2, "dp"), f"{y}.reduction")]
     star = [line for line in pcg.listing().splitlines() if line.startswith("*")]
     assert star == [
-        f"* {y}.reduction: float64[4, 6] rep=4 (R,R) = Reduction(degree=2, axis=tp)({y})   # layout of {y}",
-        f"* {y}.reduction.repartition: float64[4/2, 6] rep=2 (S(0),R) = Repartition(dim=0, degree=2, axis=dp)({y}.reduction)"
+        f"* {y}.reduction: float64[4, 6] rep=4 (R,R) = ReductionOp(degree=2, axis=tp)({y})   # layout of {y}",
+        f"* {y}.reduction.repartition: float64[4/2, 6] rep=2 (S(0),R) = RepartitionOp(dim=0, degree=2, axis=dp)({y}.reduction)"
         f"   # input 0 of {z}",
     ]
     assert pcg.tensors[z].placements == (Shard(0), R)

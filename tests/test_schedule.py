@@ -109,7 +109,7 @@ def lowered(mesh_text: str, strategy: str, m: int, kind: str = "1f1b", optimizer
 
 
 def transfers(step, rank: int) -> list[tuple[str, str, str]]:
-    return [(c.kind, str(c.pass_), c.value) for c in step.programs[rank].comms]
+    return [(c.kind, str(c.task), c.value) for c in step.programs[rank].comms]
 
 
 def test_1f1b_programs_transfer_in_the_schedules_order():
@@ -170,13 +170,13 @@ def test_weight_gradients_are_reduced_once_per_step():
             (c.kind, c.type.shape)
             for p in s.programs.values()
             for c in p.comms
-            if c.kind == "all_reduce" and c.pass_ == TaskType.BWD
+            if c.kind == "all_reduce" and c.task == TaskType.BWD
         )
 
     assert reductions(step) == reductions(plain) and reductions(plain)
     seeds = [n for n in step.dg.nodes if n.kind == NodeKind.SEED]
     assert sorted(n.micro for n in seeds) == [0, 1, 2, 3] and {n.scale for n in seeds} == {0.25}
-    grads = {n.name: n for n in step.dg.nodes if n.pass_ == TaskType.BWD and n.kind == NodeKind.PARALLEL}
+    grads = {n.name: n for n in step.dg.nodes if n.task == TaskType.BWD and n.kind == NodeKind.PARALLEL}
     assert grads and {n.micro for n in grads.values()} == {3}
 
 

@@ -10,8 +10,7 @@ from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
-from shardflow.parallel.ops import Reduction
-from shardflow.parallel.ops import Replicate as ReplicateOp
+from shardflow.parallel.ops import ReductionOp, ReplicateOp
 from shardflow.parallel.pcg import build_pcg, lift
 from shardflow.parallel.shape import DegreeError
 from shardflow.parallel.simulate import simulate_outputs
@@ -97,7 +96,7 @@ def test_tp_plan_structure(gpt2):
     _, graph, _ = gpt2
     pcg = pcg_for(graph, "tp=2", "tp")
     # Exactly one all-reduce (Reduction) after each row-parallel linear: 2 per block.
-    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 4}
+    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": 4}
     t = pcg.tensors
     assert t["transformer.h.0.mlp.c_fc.weight"].placements == (Shard(0),)
     assert t["transformer.h.0.mlp.c_proj.weight"].placements == (Shard(1),)
@@ -115,9 +114,9 @@ def test_sp_plan_structure(gpt2):
     ops = parallel_ops(pcg)
     # Per block: 2 all-gathers (before attention and MLP) and 2 reduce-scatters (Reduction + Repartition);
     # one Repartition into the first block (a local split), one Combine after the last.
-    assert ops["Combine(dim=1, degree=2, axis=tp)"] == 2 * 2 + 1
-    assert ops["Reduction(degree=2, axis=tp)"] == 2 * 2
-    assert ops["Repartition(dim=1, degree=2, axis=tp)"] == 2 * 2 + 1
+    assert ops["CombineOp(dim=1, degree=2, axis=tp)"] == 2 * 2 + 1
+    assert ops["ReductionOp(degree=2, axis=tp)"] == 2 * 2
+    assert ops["RepartitionOp(dim=1, degree=2, axis=tp)"] == 2 * 2 + 1
     norms = [n for n in pcg.nodes if n.op.kind == "layer_norm" and n.scope.startswith("transformer.h.")]
     assert norms and all(pcg.tensors[n.outputs[0]].placements == (Shard(1),) for n in norms)
 
@@ -128,7 +127,7 @@ def test_dp_plan_shards_only_the_batch(gpt2):
     # The loss is sum(token losses) / count(labels not ignored): both partial over the batch, and a division of
     # partials is not linear, so the count (one int64 scalar) is all-reduced; nothing else moves.
     count = [n for n in pcg.parallel_nodes]
-    assert [n.op.describe() for n in count] == ["Reduction(degree=4, axis=dp)"]
+    assert [n.op.describe() for n in count] == ["ReductionOp(degree=4, axis=dp)"]
     assert pcg.tensors[count[0].inputs[0]].type.shape == () and pcg.redistributions[0].node == pcg.graph.loss
     assert pcg.tensors["idx"].placements == (Shard(0),)
     assert all(pcg.tensors[w].placements == (Replicate(),) for w in graph.weights)
@@ -266,7 +265,7 @@ output = {tp = "R"}
     mesh = Mesh.parse("dp=2,tp=2")
     pcg = build_pcg(graph, mesh, resolve(Plan.load(f), graph, mesh))
     # The MLPs' two all-reduces on tp, and the loss's label count on dp (see test_dp_plan_shards_only_the_batch).
-    assert parallel_ops(pcg) == {"Reduction(degree=2, axis=tp)": 2, "Reduction(degree=2, axis=dp)": 1}
+    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": 2, "ReductionOp(degree=2, axis=dp)": 1}
     assert pcg.tensors["transformer.h.1.mlp.c_fc.weight"].placements == (Replicate(), Shard(0))
     got = simulate_outputs(pcg, leaves)
     want = simulate_outputs(lift(graph), leaves)
@@ -319,7 +318,7 @@ def test_user_pipeline_plan_with_node_names_and_explicit_parallel_ops():
     torch.testing.assert_close(got["loss"], simulate_outputs(lift(graph), leaves)["loss"], atol=ATOL, rtol=0)
 
     # An explicit Reduction where nothing is partial is refused with the axis named.
-    bad = Plan(ops={"linear": (Reduction(2, "tp"),)})
+    bad = Plan(ops={"linear": (ReductionOp(2, "tp"),)})
     with pytest.raises(Exception, match="no partial pieces along axis 'tp'"):
         m = Mesh.parse("tp=2")
         build_pcg(graph, m, resolve(bad, graph, m))

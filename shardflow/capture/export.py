@@ -28,7 +28,7 @@ class CaptureError(ValueError):
 
 # Ops kept undecomposed, because their rule is better than their decomposition's:
 # * sdpa: heads (and a mask's broadcast dims) shard as one op; its decomposition (matmul, softmax, matmul with a
-#   materialised [T, S] score tensor) would need the same rule spread over five ops and costs memory;
+#   materialized [T, S] score tensor) would need the same rule spread over five ops and costs memory;
 # * linear: one rule sees weight, bias and the contraction together (row/column parallel, the bias scaled once
 #   for a partial output); decomposed it is a transpose, a matmul and a broadcast add on a flattened view;
 # * layer_norm: one normalisation over whole trailing dims instead of mean/var/rsqrt chains (same rule: the

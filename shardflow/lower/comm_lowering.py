@@ -87,7 +87,7 @@ class Decisions:
         issue: dict[str, list[int]] = {}
         head: dict[tuple, DNode] = {}  # per (pass, sub-mesh, axis): the first member of the bucket issued last
         for k, b in enumerate(self.gathers):  # in the order of their first members
-            key = (b[0].pass_, b[0].group, b[0].op.axis)
+            key = (b[0].task, b[0].group, b[0].op.axis)
             issue.setdefault(head.get(key, b[0]).name, []).append(k)
             head[key] = b[0]
         return {name: tuple(ks) for name, ks in issue.items()}
@@ -120,7 +120,7 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
                     c
                     for c in readers.get(out, ())
                     if c.kind == NodeKind.COMPUTE
-                    and c.pass_ == TaskType.FWD
+                    and c.task == TaskType.FWD
                     and ops[c.src].contracts_last_dim
                     and c.inputs[0] == out
                     and all(v in leaves for v in c.inputs[1:])
@@ -161,7 +161,7 @@ def _final_sum(dg: DynamicGraph, st: Step, kind: CommKind, final: frozenset[str]
     first, last = st.nodes[0], st.nodes[-1]
     return (
         st.kind == kind
-        and first.pass_ == TaskType.BWD
+        and first.task == TaskType.BWD
         and last.outputs[0] in final
         and dg.values[first.inputs[0]].sharding.reduce_op == ReduceOp.SUM
     )
@@ -229,7 +229,7 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
         vin = dg.values[n.inputs[0]] if n.inputs else None
         if st.kind != CommKind.ALL_GATHER or len(st.nodes) > 1 or vin.tensor not in weights:
             continue
-        key = (n.pass_, n.group, n.op.axis, n.op.dim, vin.type.dtype, block_of(vin.tensor))
+        key = (n.task, n.group, n.op.axis, n.op.dim, vin.type.dtype, block_of(vin.tensor))
         open_.setdefault(key, []).append(n)
     return tuple(tuple(b) for b in open_.values() if len(b) > 1)
 
@@ -408,7 +408,7 @@ def _gather_bucket(plan: Decisions, k: int, r: int, j: int) -> tuple[list[Instr]
     comm = Comm(
         t,
         CommKind.ALL_GATHER,
-        n0.pass_,
+        n0.task,
         group_members,
         packed.type,
         wire_bytes(CommKind.ALL_GATHER, packed.type.nbytes, d),
@@ -420,8 +420,8 @@ def _gather_bucket(plan: Decisions, k: int, r: int, j: int) -> tuple[list[Instr]
         wait=False,
         value=packed.value,
     )
-    after: list[Instr] = [Wait(t), Compute(n0.pass_, name, "ungather", (gathered,), outs, dim=dim)]
-    return [Compute(n0.pass_, name, "pack", ins, (packed,)), comm], after
+    after: list[Instr] = [Wait(t), Compute(n0.task, name, "ungather", (gathered,), outs, dim=dim)]
+    return [Compute(n0.task, name, "pack", ins, (packed,)), comm], after
 
 
 def _scatter_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[Instr]]:
@@ -505,7 +505,7 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
         Comm(
             base + axis_group_index(group, axis, r),
             st.kind,
-            first.pass_,
+            first.task,
             members,
             tin.type,
             nbytes,
@@ -526,7 +526,7 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
 def _replicate_meshes(n: DNode, dg: DynamicGraph) -> tuple[SubMesh, SubMesh]:
     """(widened sub-mesh, sub-mesh at one index of the axis) of Replicate node ``n``, FWD or BWD."""
     vin, vout = dg.values[n.inputs[0]].group, dg.values[n.outputs[0]].group
-    return (vout, vin) if n.pass_ == TaskType.FWD else (vin, vout)
+    return (vout, vin) if n.task == TaskType.FWD else (vin, vout)
 
 
 def replicate_group(n: DNode, dg: DynamicGraph, device: int) -> tuple[tuple[int, ...], int]:
@@ -544,7 +544,7 @@ def _replicate_comms(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Inst
     """Replicate node ``n`` on rank ``r``: a broadcast (FWD) or reduce (BWD) for each axis group it takes part
     in — its own as a member of the widened sub-mesh, and the one whose root it is (token = base + group)."""
     wide, narrow = _replicate_meshes(n, dg)
-    axis, fwd = n.op.axis, n.pass_ == TaskType.FWD
+    axis, fwd = n.op.axis, n.task == TaskType.FWD
     reps: dict[int, int] = {}  # axis group index → a member of the widened sub-mesh in it; r first
     if in_group(wide, r):
         reps[axis_group_index(wide, axis, r)] = r
@@ -565,7 +565,7 @@ def _replicate_comms(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Inst
             Comm(
                 base + g,
                 kind,
-                n.pass_,
+                n.task,
                 members,
                 t,
                 wire_bytes(kind, t.nbytes, len(members), r == root),
@@ -625,7 +625,7 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
             return Comm(
                 token(step),
                 CommKind.PERMUTE,
-                n.pass_,
+                n.task,
                 members,
                 own.type,
                 wire_bytes(CommKind.PERMUTE, own.type.nbytes, d),
@@ -643,7 +643,7 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
         return Comm(
             token(step),
             CommKind.BROADCAST,
-            n.pass_,
+            n.task,
             members,
             own.type,
             wire_bytes(CommKind.BROADCAST, own.type.nbytes, d, r == root),
@@ -661,7 +661,7 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
         for c, k in zip(consumers, kernels):
             y = piece(dg.values[c.outputs[0]])
             ins = (chunks[j],) + tuple(piece(dg.values[v]) for v in c.inputs[1:])
-            out.append(Compute(c.pass_, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name, kernel=k, micro=c.micro))
+            out.append(Compute(c.task, c.src, c.label, ins, (_chunk(y, j, d, dim),), c.name, kernel=k, micro=c.micro))
         return out
 
     n_comms = d - 1 if form == CommForm.RING else d
@@ -682,10 +682,10 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
             if k + 1 < n_comms:
                 instrs.append(comm(k + 1, wait=False))
             instrs += compute_on(k)
-    instrs.append(Compute(n.pass_, n.src, "concat", tuple(chunks), (full,), dim=dim))
+    instrs.append(Compute(n.task, n.src, "concat", tuple(chunks), (full,), dim=dim))
     for c in consumers:
         y = piece(dg.values[c.outputs[0]])
-        instrs.append(Compute(c.pass_, c.src, "concat", tuple(_chunk(y, j, d, dim) for j in range(d)), (y,), dim=dim))
+        instrs.append(Compute(c.task, c.src, "concat", tuple(_chunk(y, j, d, dim) for j in range(d)), (y,), dim=dim))
     return instrs
 
 
@@ -700,7 +700,7 @@ def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: Com
     d = len(members)
     src, out = piece(vin), piece(vout)
     parts = [_chunk(src, j, d, dim) for j in range(d)]
-    instrs: list[Instr] = [Compute(n.pass_, n.src, "chunk", (src,), tuple(parts), dim=dim)]
+    instrs: list[Instr] = [Compute(n.task, n.src, "chunk", (src,), tuple(parts), dim=dim)]
     acc = parts[p]
     for i in range(1, d):
         to, frm = ring_peers(p, i, d)
@@ -709,7 +709,7 @@ def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: Com
             Comm(
                 base + (i - 1) * groups + g,
                 CommKind.PERMUTE,
-                n.pass_,
+                n.task,
                 members,
                 parts[to].type,
                 wire_bytes(CommKind.PERMUTE, parts[to].type.nbytes, d),
@@ -723,7 +723,7 @@ def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: Com
             )
         )
         nxt = out if i == d - 1 else Buffer(f"{out.value}#acc{i}", out.type)
-        instrs.append(Compute(n.pass_, n.src, "add", (acc, tmp), (nxt,)))
+        instrs.append(Compute(n.task, n.src, "add", (acc, tmp), (nxt,)))
         acc = nxt
     return instrs
 
@@ -749,13 +749,13 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
         src = _copy_source(src_v, dst_v, r)
         b = piece(dst_v)
         if src == r:
-            out.append(Compute(n.pass_, n.src, "alias", (piece(src_v),), (b,), n.name, kernel=kernel(n, dg, r)))
+            out.append(Compute(n.task, n.src, "alias", (piece(src_v),), (b,), n.name, kernel=kernel(n, dg, r)))
         else:
             out.append(
                 Comm(
                     base + device_index(dst_v.group, r),
                     CommKind.RECV,
-                    n.pass_,
+                    n.task,
                     (src, r),
                     b.type,
                     wire_bytes(CommKind.RECV, b.type.nbytes, 2),
@@ -775,7 +775,7 @@ def _expand_copy(n: DNode, dg: DynamicGraph, r: int, base: int) -> list[Instr]:
                     Comm(
                         base + device_index(dst_v.group, d),
                         CommKind.SEND,
-                        n.pass_,
+                        n.task,
                         (r, d),
                         b.type,
                         wire_bytes(CommKind.SEND, b.type.nbytes, 2),

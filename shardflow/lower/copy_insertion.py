@@ -10,13 +10,13 @@ import dataclasses
 
 from shardflow.lower.dynamic import DNode, DynamicGraph, GraphBuilder, NodeKind, PassError, PassName, copied_id, require
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Replicate
+from shardflow.parallel.ops import ReplicateOp
 
 
 def _moves_between_submeshes(n: DNode) -> bool:
     """Copies, Replicate and its backward move data between sub-meshes themselves; the gradient-norm sum
     reads, on each device, whatever gradient pieces that device holds."""
-    return n.kind in (NodeKind.COPY, NodeKind.SELECT, NodeKind.SUMSQ) or isinstance(n.op, Replicate)
+    return n.kind in (NodeKind.COPY, NodeKind.SELECT, NodeKind.SUMSQ) or isinstance(n.op, ReplicateOp)
 
 
 def cross_submesh_reads(dg: DynamicGraph) -> list[tuple[str, str]]:
@@ -50,8 +50,8 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
                 out = g.value(copied_id(vid, n.group), v.tensor, v.role, v.type, v.sharding, n.group)
                 g.nodes.append(
                     DNode(
-                        f"{v.pass_} copy {vid} {v.group}->{n.group}",
-                        v.pass_,
+                        f"{v.task} copy {vid} {v.group}->{n.group}",
+                        v.task,
                         NodeKind.COPY,
                         (vid,),
                         (out,),

@@ -256,7 +256,7 @@ class Value:
     replaces: str = ""
 
     @property
-    def pass_(self) -> TaskType:
+    def task(self) -> TaskType:
         """The task type of the nodes that move this value (:data:`ROLE_TASK`)."""
         return ROLE_TASK[self.role]
 
@@ -265,7 +265,8 @@ class Value:
 class DNode:
     """One node of the dynamic graph.
 
-    ``kind``: ``compute`` (a PCG compute op; FWD runs ``local``, BWD its vjp), ``parallel`` (a parallel op
+    ``task``: the part of the step the node belongs to (:class:`TaskType`: FWD, LOSS, BWD, UPD — FlexFlow's task
+    type; not one of the lowering passes, :class:`PassName`). ``kind``: ``compute`` (a PCG compute op; FWD runs ``local``, BWD its vjp), ``parallel`` (a parallel op
     on a value), ``copy`` (same sharding, other sub-mesh), ``sum`` (gradient accumulation), ``seed`` (loss
     gradient), ``update`` (optimizer step), ``select`` (Replicate's backward when the gradient is replicated:
     the devices of the root sub-mesh keep their copy), ``cast`` (a weight held in a master dtype converted to its
@@ -281,7 +282,7 @@ class DNode:
     """
 
     name: str
-    pass_: TaskType
+    task: TaskType
     kind: NodeKind
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
@@ -355,7 +356,7 @@ class DynamicGraph:
     @cached_property
     def backward_of(self) -> dict[str, DNode]:
         """PCG compute node name → its BWD compute node, for the nodes that have one; built once per graph."""
-        return {n.src: n for n in self.nodes if n.kind == NodeKind.COMPUTE and n.pass_ == TaskType.BWD}
+        return {n.src: n for n in self.nodes if n.kind == NodeKind.COMPUTE and n.task == TaskType.BWD}
 
     @cached_property
     def recomputed(self) -> frozenset[str]:
@@ -418,7 +419,7 @@ class DynamicGraph:
         for n in self.nodes:
             ins = ", ".join(map(show, n.inputs))
             outs = ", ".join(map(show, n.outputs))
-            lines.append(f"  {n.pass_:<4} {n.kind:<8} {n.name}: {ins} -> {outs}")
+            lines.append(f"  {n.task:<4} {n.kind:<8} {n.name}: {ins} -> {outs}")
         return "\n".join(lines)
 
     def fingerprint(self) -> str:
@@ -482,14 +483,14 @@ class GraphBuilder:
         self.values[id_] = Value(id_, tensor, role, type_, sharding, group, slot, replaces)
         return id_
 
-    def redistribute(self, vid: str, want: Sharding, pass_: TaskType, src: str) -> str:
+    def redistribute(self, vid: str, want: Sharding, task: TaskType, src: str) -> str:
         """Parallel-op nodes taking value ``vid`` to sharding ``want`` (same sub-mesh); returns the final id."""
         v = self.values[vid]
         for k, pop in enumerate(redistribute(v.sharding, want, v.group)):
             s, g = pop.apply(v.sharding, v.group)
             out = self.value(f"{v.id}.{pop.kind}", v.tensor, v.role, v.type, s, g)
             self.nodes.append(
-                DNode(f"{pass_} {pop.describe()} {v.id}", pass_, NodeKind.PARALLEL, (v.id,), (out,), g, src, pop)
+                DNode(f"{task} {pop.describe()} {v.id}", task, NodeKind.PARALLEL, (v.id,), (out,), g, src, pop)
             )
             v = self.values[out]
         return v.id

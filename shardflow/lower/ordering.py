@@ -81,7 +81,7 @@ def overlap_reductions(prog: list[Instr]) -> list[Instr]:
     out: list[Instr] = []
     start = 0  # where the run of computes before the next communication begins in ``out``
     for i in prog:
-        if isinstance(i, Comm) and i.wait and i.kind in OVERLAPPED.get(i.pass_, ()) and i.send is not None:
+        if isinstance(i, Comm) and i.wait and i.kind in OVERLAPPED.get(i.task, ()) and i.send is not None:
             first, then = _feeding(out[start:], i.send.value)
             if then:
                 out[start:] = [*first, dataclasses.replace(i, wait=False), *then, Wait(i.token)]

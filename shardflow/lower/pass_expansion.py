@@ -60,7 +60,7 @@ from shardflow.lower.dynamic import (
     with_accumulated_id,
 )
 from shardflow.parallel.mesh import ReduceOp, SubMesh
-from shardflow.parallel.ops import Combine, Replicate
+from shardflow.parallel.ops import CombineOp, ReplicateOp
 from shardflow.parallel.pcg import PCG, PNode
 from shardflow.parallel.sharding import Sharding
 
@@ -274,7 +274,7 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
         for n in dg.nodes:
             if n.kind == NodeKind.CAST and m:
                 continue
-            shared_node = n.kind == NodeKind.CAST or n.pass_ == TaskType.UPD  # the casts, the updates
+            shared_node = n.kind == NodeKind.CAST or n.task == TaskType.UPD  # the casts, the updates
             nodes.append(
                 dataclasses.replace(
                     n,
@@ -422,7 +422,7 @@ class _Expansion:
                 raise PassError(
                     f"tensor {t!r} needs a gradient but holds Partial({s.reduce_op!r}) pieces on mesh axes "
                     f"{list(s.partial)}: only Partial('sum') is differentiated piece by piece. Reduce it first "
-                    f"(Reduction / output=Replicate()) or place its source Partial('sum')"
+                    f"(ReductionOp / output=Replicate()) or place its source Partial('sum')"
                 )
         self.contributions = {t: [] for t in pcg.tensors}
         self.master_side = _weight_side(pcg, self.narrow)
@@ -580,7 +580,7 @@ class _Expansion:
             for n in pcg.nodes
             if reshard_after_forward
             and n.is_parallel
-            and isinstance(n.op, Combine)
+            and isinstance(n.op, CombineOp)
             and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT
         }
         self.blocks = checkpoint_blocks(pcg) if ac == ActivationCheckpointing.BLOCK else {}
@@ -600,7 +600,7 @@ class _Expansion:
                     self.recompute(block)
                 if not n.is_parallel:
                     self.backward_compute(n)
-                elif isinstance(n.op, Replicate):
+                elif isinstance(n.op, ReplicateOp):
                     self.backward_replicate(n, n.op)
                 else:
                     self.backward_parallel(n)
@@ -618,7 +618,7 @@ class _Expansion:
                 if self.pending[t] == 0:
                     self.early[t] = self.finalize(t)
 
-    def backward_replicate(self, n: PNode, op: Replicate) -> None:
+    def backward_replicate(self, n: PNode, op: ReplicateOp) -> None:
         """Backward of broadcast ``op`` (node ``n``): the sum of the replicas' gradients on the input's devices (a
         reduce) when they are partial; the copies at the input's index of the axis when they are already replicated
         (a select on that sub-mesh without machine view; a copy takes them to a view)."""
@@ -749,6 +749,6 @@ def _checked(dg: DynamicGraph) -> DynamicGraph:
         if missing := [v for v in n.inputs if v not in have]:
             raise PassError(f"pass expansion: {n.name!r} reads {missing}, made by no earlier node")
         have.update(n.outputs)
-    if len([n for n in dg.nodes if n.pass_ == TaskType.FWD and n.src]) < len(pcg.nodes):
+    if len([n for n in dg.nodes if n.task == TaskType.FWD and n.src]) < len(pcg.nodes):
         raise PassError("pass expansion left PCG nodes without a FWD node")
     return dg

@@ -123,12 +123,13 @@ KernelSpec = Forward | Vjp | OnesLike | Sum | Update | SumOfSquares | Keep | Blo
 
 @dataclass(frozen=True, slots=True)
 class Compute:
-    """Run ``op`` on this rank: ``node`` is the PCG node, ``dnode`` the dynamic-graph node whose kernel runs,
+    """Run ``op`` on this rank: ``task`` is the part of the step it belongs to (:class:`TaskType`: FWD, LOSS, BWD,
+    UPD — not a lowering pass), ``node`` the PCG node, ``dnode`` the dynamic-graph node whose kernel runs,
     ``kernel`` that kernel's description (None for the data movements of :data:`LOCAL_MOVES`, which ``op`` and
     ``dim`` describe), ``micro`` the microbatch it works on (:attr:`DNode.micro`): a forward and the backward of
     its node in the same microbatch share a recorded autograd graph (:attr:`saved_as`)."""
 
-    pass_: TaskType
+    task: TaskType
     node: str
     op: str
     ins: tuple[Buffer, ...]
@@ -144,7 +145,7 @@ class Compute:
         return self.node, self.micro
 
     def __str__(self) -> str:
-        return f"      {self.pass_:<4} {', '.join(map(str, self.outs))} = {self.op}({', '.join(map(str, self.ins))})"
+        return f"      {self.task:<4} {', '.join(map(str, self.outs))} = {self.op}({', '.join(map(str, self.ins))})"
 
 
 # Data-movement computes that have no dynamic-graph node: split a piece into chunks along ``dim``, concatenate
@@ -159,8 +160,8 @@ LOCAL_MOVES = ("chunk", "concat", "add", "pack", "unpack", "ungather")
 class Comm:
     """One communication on this rank.
 
-    ``members``: the ranks taking part, in group order (for send/recv: ``(src, dst)``; for ``permute`` the
-    ring). ``peer``: the other rank of a send/recv; for a permute step the rank sent to, with ``peer_from``
+    ``task``: the part of the step it belongs to (:class:`TaskType`). ``members``: the ranks taking part, in
+    group order (for send/recv: ``(src, dst)``; for ``permute`` the ring). ``peer``: the other rank of a send/recv; for a permute step the rank sent to, with ``peer_from``
     the rank received from. ``root``: the root rank of broadcast/reduce. ``send``/``recv``: this rank's
     buffers. ``nbytes``: bytes this rank sends. ``axis``: the mesh axis (or ``copy`` for a stage move).
     ``dim``: the tensor dim gathered (all-gather) or scattered (reduce-scatter); for all-to-all ``dim`` is
@@ -176,7 +177,7 @@ class Comm:
 
     token: int
     kind: CommKind
-    pass_: TaskType
+    task: TaskType
     members: tuple[int, ...]
     type: TensorType
     nbytes: int
@@ -226,7 +227,7 @@ class Comm:
         bufs = " ".join(f"{k}={b}" for k, b in (("send", self.send), ("recv", self.recv)) if b is not None)
         issue = " (async)" if not self.wait else ""
         return (
-            f"#{self.token:<4} {self.pass_:<4} {self.kind}{issue} {who} axis={self.axis or '-'} "
+            f"#{self.token:<4} {self.task:<4} {self.kind}{issue} {who} axis={self.axis or '-'} "
             f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}"
         ).rstrip()
 
@@ -341,13 +342,13 @@ class Program:
         def buf(b: Buffer | None):
             return None if b is None else {"value": b.value, "shape": list(b.type.shape), "dtype": b.type.dtype}
 
-        instrs = []
+        instrs = []  # "pass": an instruction's task type (FWD/LOSS/BWD/UPD), the key kept so the JSON stays stable
         for i in self.instrs:
             if isinstance(i, Compute):
                 instrs.append(
                     {
                         "type": "compute",
-                        "pass": i.pass_,
+                        "pass": i.task,
                         "node": i.node,
                         "op": i.op,
                         "ins": [buf(b) for b in i.ins],
@@ -364,7 +365,7 @@ class Program:
                         "type": "comm",
                         "token": i.token,
                         "kind": i.kind,
-                        "pass": i.pass_,
+                        "pass": i.task,
                         "members": list(i.members),
                         "shape": list(i.type.shape),
                         "dtype": i.type.dtype,

@@ -228,7 +228,7 @@ def stages_of(dg: DynamicGraph, axis: str) -> tuple[int, ...]:
     of the first microbatch reaches them (``(0,)`` for a graph of one stage)."""
     seen: dict[int, None] = {}
     for n in dg.nodes:
-        if n.pass_ == TaskType.FWD and n.kind == NodeKind.COMPUTE:
+        if n.task == TaskType.FWD and n.kind == NodeKind.COMPUTE:
             seen.setdefault(dict(n.group.fixed).get(axis, 0), None)
     return tuple(seen) or (0,)
 
@@ -256,11 +256,11 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B) ->
     last: list[DNode] = []
     for n in dg.nodes:
         if n.kind == NodeKind.CAST or (
-            n.kind == NodeKind.COPY and made_by.get(n.inputs[0]) is None and n.pass_ != TaskType.UPD
+            n.kind == NodeKind.COPY and made_by.get(n.inputs[0]) is None and n.task != TaskType.UPD
         ):
             first.append(n)  # a weight's cast, a copy of a value placed before the step (or of a cast)
             key = None
-        elif n.pass_ == TaskType.UPD:
+        elif n.task == TaskType.UPD:
             last.append(n)
             key = None
         else:  # a copy goes with what makes the value it moves: its sender's action
@@ -335,7 +335,7 @@ def chunks(dg: DynamicGraph, axis: str, position: Mapping[int, int]) -> tuple[di
     p = len(position)
     parts: dict[tuple[Phase, int], list[DNode]] = {}
     for n in dg.nodes:
-        if n.kind not in (NodeKind.COPY, NodeKind.CAST) and n.pass_ != TaskType.UPD:
+        if n.kind not in (NodeKind.COPY, NodeKind.CAST) and n.task != TaskType.UPD:
             parts.setdefault((_phase(n), n.micro), []).append(n)
     out: dict[str, int] = {}
     counts = set()
@@ -369,7 +369,7 @@ def chunks(dg: DynamicGraph, axis: str, position: Mapping[int, int]) -> tuple[di
 
 def _phase(n: DNode) -> Phase:
     """The phase a forward or backward node runs in: a recomputation runs in the backward."""
-    return Phase.F if n.pass_ == TaskType.FWD and not n.recompute else Phase.B
+    return Phase.F if n.task == TaskType.FWD and not n.recompute else Phase.B
 
 
 def _stage(n: DNode, axis: str, position: Mapping[int, int]) -> int:

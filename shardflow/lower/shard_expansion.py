@@ -39,15 +39,15 @@ from shardflow.lower.program import (
 )
 from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Replicate
+from shardflow.parallel.ops import ReplicateOp
 
 # (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out
 # (docs/lowering.md#4-communication-lowering): the one table from which every parallel op is lowered — a
 # redistribution's steps as the planner prices them (REDISTRIBUTION), and a Replicate, forward and backward.
 LOWERING: dict[tuple[str, ...], CommKind | LocalKind] = {
     **REDISTRIBUTION,
-    (Replicate.kind, TaskType.FWD): CommKind.BROADCAST,
-    (Replicate.kind, TaskType.BWD): CommKind.REDUCE,
+    (ReplicateOp.kind, TaskType.FWD): CommKind.BROADCAST,
+    (ReplicateOp.kind, TaskType.BWD): CommKind.REDUCE,
 }
 # Steps each device runs on its own pieces; every other step (parallel ops by LOWERING, copies) communicates.
 LOCAL_STEPS = frozenset(
@@ -140,7 +140,7 @@ def steps(dg: DynamicGraph) -> list[Step]:
                 i += 2
                 continue
         if n.kind == NodeKind.PARALLEL:
-            key = (n.op.kind, n.pass_) if isinstance(n.op, Replicate) else (n.op.kind,)
+            key = (n.op.kind, n.task) if isinstance(n.op, ReplicateOp) else (n.op.kind,)
             out.append(Step((n,), LOWERING[key]))
         else:
             out.append(Step((n,), n.kind))
@@ -213,7 +213,7 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
     if n.kind == NodeKind.COMPUTE:
         src = dg.sources[n.src]
         draw = dg.pcg.piece_site(src, r).within(n.micro, dg.microbatches) if src.op.random else None
-        if n.pass_ == TaskType.FWD:  # records for its backward unless the op is recomputed and this is the first run
+        if n.task == TaskType.FWD:  # records for its backward unless the op is recomputed and this is the first run
             bwd = dg.backward_of.get(n.src)
             keeps = bwd is not None and (n.recompute or n.src not in dg.recomputed)
             return Forward(src.local, draw, bwd.grad_mask if keeps else ())
@@ -264,7 +264,7 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
             return []
         op = first.op.describe() if st.kind == LocalKind.SPLIT else "alias"
         return [
-            Compute(first.pass_, first.src, op, (piece(vin),), (piece(vout),), first.name, kernel=kernel(first, dg, r))
+            Compute(first.task, first.src, op, (piece(vin),), (piece(vout),), first.name, kernel=kernel(first, dg, r))
         ]
     if st.kind == NodeKind.SUMSQ:  # the gradient pieces this rank holds, one replica of each counted
         held = tuple(
@@ -274,7 +274,7 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
         )
         return [
             Compute(
-                first.pass_,
+                first.task,
                 "grad_norm",
                 "sum_of_squares",
                 held,
@@ -290,7 +290,7 @@ def _expand_local(st: Step, dg: DynamicGraph, r: int) -> list[Instr]:
         outs = tuple(piece(dg.values[v]) for v in first.outputs)
         return [
             Compute(
-                first.pass_,
+                first.task,
                 first.src,
                 _compute_op(first, dg),
                 ins,

@@ -28,7 +28,7 @@ from typing import Callable, Sequence, TypeVar
 
 from shardflow.graph.ops import TensorType
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import Combine, ParallelOp, Reduction, Repartition
+from shardflow.parallel.ops import CombineOp, ParallelOp, ReductionOp, RepartitionOp
 from shardflow.parallel.sharding import Sharding
 
 
@@ -144,11 +144,11 @@ class LocalKind(StrEnum):
 # (parallel op kind[, fused Repartition's kind]) → the communication that carries a step of a redistribution
 # (docs/lowering.md#4-communication-lowering). A Repartition alone is local (a split).
 REDISTRIBUTION: dict[tuple[str, ...], CommKind | LocalKind] = {
-    (Reduction.kind,): CommKind.ALL_REDUCE,
-    (Reduction.kind, Repartition.kind): CommKind.REDUCE_SCATTER,
-    (Combine.kind,): CommKind.ALL_GATHER,
-    (Combine.kind, Repartition.kind): CommKind.ALL_TO_ALL,
-    (Repartition.kind,): LocalKind.SPLIT,
+    (ReductionOp.kind,): CommKind.ALL_REDUCE,
+    (ReductionOp.kind, RepartitionOp.kind): CommKind.REDUCE_SCATTER,
+    (CombineOp.kind,): CommKind.ALL_GATHER,
+    (CombineOp.kind, RepartitionOp.kind): CommKind.ALL_TO_ALL,
+    (RepartitionOp.kind,): LocalKind.SPLIT,
 }
 
 
@@ -157,10 +157,10 @@ def fuses(first: ParallelOp, second: ParallelOp) -> bool:
     or a Combine followed by a Repartition on the same axis — a reduce-scatter, an all-to-all (a Combine and a
     Repartition of the same dim are not fused)."""
     return (
-        isinstance(first, (Reduction, Combine))
-        and isinstance(second, Repartition)
+        isinstance(first, (ReductionOp, CombineOp))
+        and isinstance(second, RepartitionOp)
         and first.axis == second.axis
-        and not (isinstance(first, Combine) and first.dim == second.dim)
+        and not (isinstance(first, CombineOp) and first.dim == second.dim)
     )
 
 

@@ -1,20 +1,22 @@
 """The four parallel operators of FlexFlow/Unity, as PCG nodes, and redistribution between shardings.
 
-Parallel operators move data; they compute nothing. On a mesh each one names the axis it acts on:
+Parallel operators move data; they compute nothing. The classes carry an ``Op`` suffix so that ``Replicate``
+means only the DTensor placement (:class:`shardflow.parallel.mesh.Replicate`); the prose below uses FlexFlow's
+names for what the ops do. On a mesh each one names the axis it acts on:
 
-=====================  ============================  ==========================  ============================
-op (attrs)             degree rule                   forward data movement       backward
-=====================  ============================  ==========================  ============================
-Repartition(dim, d, a) shard[dim] ×d, replica ÷d     split (keep own block)      gather (= Combine)
-Combine(dim, d, a)     shard[dim] ÷d, replica ×d     gather (all-gather)         split (= Repartition)
-Replicate(d, a)        replica ×d (a joins group)    broadcast                   sum of the replica grads
-Reduction(d, a)        sum ÷d, replica ×d            sum of the partials         broadcast
-=====================  ============================  ==========================  ============================
+=========================  ============================  ==========================  ============================
+op (attrs)                 degree rule                   forward data movement       backward
+=========================  ============================  ==========================  ============================
+RepartitionOp(dim, d, a)   shard[dim] ×d, replica ÷d     split (keep own block)      gather (= Combine)
+CombineOp(dim, d, a)       shard[dim] ÷d, replica ×d     gather (all-gather)         split (= Repartition)
+ReplicateOp(d, a)          replica ×d (a joins group)    broadcast                   sum of the replica grads
+ReductionOp(d, a)          sum ÷d, replica ×d            sum of the partials         broadcast
+=========================  ============================  ==========================  ============================
 
 Difference from FlexFlow, on purpose: a tensor's pieces are exactly the devices of its sub-mesh, so an op that
 keeps its devices trades the degree it changes against the replica degree (FlexFlow's Repartition makes more
 pieces for more devices; ours turns ``d`` replicas into ``d`` blocks, which needs no communication).
-Replicate is the one op that grows the device set: its axis goes from fixed (one index) to free.
+The Replicate op is the one that grows the device set: its axis goes from fixed (one index) to free.
 Blocked layout: Repartition appends its axis as the *minor* axis of the dim, so output block ``c`` comes from
 input block ``c // d``; Combine removes the minor axis of the dim. Duals: Replicate↔Reduction,
 Repartition↔Combine.
@@ -43,7 +45,7 @@ class ParallelOp:
     kind: ClassVar[str] = "parallel"
 
     # Every parallel op has a degree and an axis; each subclass holds them as dataclass fields in its own order
-    # (Repartition(dim, degree, axis)), which replace these.
+    # (RepartitionOp(dim, degree, axis)), which replace these.
     @property
     def degree(self) -> int:
         """How many devices the op spans: the size of mesh axis :attr:`axis`."""
@@ -78,7 +80,7 @@ def _dim(dim: int, ndim: int, op: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Repartition(ParallelOp):
+class RepartitionOp(ParallelOp):
     """Cut ``dim`` into ``degree`` more blocks along mesh ``axis`` (each replica keeps its own block)."""
 
     kind: ClassVar[str] = "repartition"
@@ -106,11 +108,11 @@ class Repartition(ParallelOp):
         return s.replace_dim(self.dim, s.dims[self.dim] + (self.axis,)), group
 
     def describe(self):
-        return f"Repartition(dim={self.dim}, degree={self.degree}, axis={self.axis})"
+        return f"RepartitionOp(dim={self.dim}, degree={self.degree}, axis={self.axis})"
 
 
 @dataclass(frozen=True, slots=True)
-class Combine(ParallelOp):
+class CombineOp(ParallelOp):
     """Gather the ``degree`` blocks of ``dim`` held along mesh ``axis`` (all-gather); the axis then replicates."""
 
     kind: ClassVar[str] = "combine"
@@ -138,11 +140,11 @@ class Combine(ParallelOp):
         return s.replace_dim(self.dim, s.dims[self.dim][:-1]), group
 
     def describe(self):
-        return f"Combine(dim={self.dim}, degree={self.degree}, axis={self.axis})"
+        return f"CombineOp(dim={self.dim}, degree={self.degree}, axis={self.axis})"
 
 
 @dataclass(frozen=True, slots=True)
-class Replicate(ParallelOp):
+class ReplicateOp(ParallelOp):
     """Broadcast the tensor from its one index on mesh ``axis`` to all ``degree`` devices along it."""
 
     kind: ClassVar[str] = "replicate"
@@ -156,17 +158,17 @@ class Replicate(ParallelOp):
         self._check_degree(group)
         if self.axis not in dict(group.fixed):
             raise ShardingError(
-                f"{self.describe()}: the tensor already spans axis {self.axis!r} ({group}); Replicate widens a tensor "
+                f"{self.describe()}: the tensor already spans axis {self.axis!r} ({group}); ReplicateOp widens a tensor "
                 f"that lives at one index of the axis"
             )
         return s, group.without_fixed(self.axis)
 
     def describe(self):
-        return f"Replicate(degree={self.degree}, axis={self.axis})"
+        return f"ReplicateOp(degree={self.degree}, axis={self.axis})"
 
 
 @dataclass(frozen=True, slots=True)
-class Reduction(ParallelOp):
+class ReductionOp(ParallelOp):
     """Sum the ``degree`` partial pieces held along mesh ``axis`` (all-reduce); the axis then replicates."""
 
     kind: ClassVar[str] = "reduction"
@@ -192,10 +194,10 @@ class Reduction(ParallelOp):
         return Sharding(s.dims, partial, s.reduce_op if partial else ReduceOp.SUM), group
 
     def describe(self):
-        return f"Reduction(degree={self.degree}, axis={self.axis})"
+        return f"ReductionOp(degree={self.degree}, axis={self.axis})"
 
 
-PARALLEL_OPS: dict[str, type[ParallelOp]] = {c.kind: c for c in (Repartition, Combine, Replicate, Reduction)}
+PARALLEL_OPS: dict[str, type[ParallelOp]] = {c.kind: c for c in (RepartitionOp, CombineOp, ReplicateOp, ReductionOp)}
 
 
 def redistribute(src: Sharding, dst: Sharding, group: SubMesh) -> list[ParallelOp]:
@@ -236,17 +238,17 @@ def redistribute(src: Sharding, dst: Sharding, group: SubMesh) -> list[ParallelO
             continue
         for a in dst.dims[d][len(cur.dims[d]) :]:
             if a in summed:
-                add(Reduction(size(a), a))
+                add(ReductionOp(size(a), a))
                 summed.remove(a)
             elif a in cur.used_axes:
                 break
-            add(Repartition(d, size(a), a))
+            add(RepartitionOp(d, size(a), a))
     for a in summed:
-        add(Reduction(size(a), a))
+        add(ReductionOp(size(a), a))
     for d in range(src.ndim):
         while cur.dims[d] != dst.dims[d][: len(cur.dims[d])]:
-            add(Combine(d, size(cur.dims[d][-1]), cur.dims[d][-1]))
+            add(CombineOp(d, size(cur.dims[d][-1]), cur.dims[d][-1]))
     for d in range(src.ndim):
         for a in dst.dims[d][len(cur.dims[d]) :]:
-            add(Repartition(d, size(a), a))
+            add(RepartitionOp(d, size(a), a))
     return ops

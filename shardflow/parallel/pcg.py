@@ -387,7 +387,7 @@ def _group_fix(src: SubMesh, dst: SubMesh, tensor: str, node: str) -> str:
     """How to make tensor ``tensor`` on ``src`` readable by ``node`` on ``dst`` (their free axes differ)."""
     missing = [a for a in dst.free_axes if a not in src.free_axes]
     if missing:
-        ops = ", ".join(f"Replicate({dst.mesh.axis_size(a)}, {a!r})" for a in missing)
+        ops = ", ".join(f"ReplicateOp({dst.mesh.axis_size(a)}, {a!r})" for a in missing)
         return f"insert {ops} after {tensor!r} (Plan.ops) or place both on the same sub-mesh"
     extra = [a for a in src.free_axes if a not in dst.free_axes]
     return (

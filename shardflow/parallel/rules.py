@@ -93,7 +93,7 @@ class Ctx:
                 raise self.error(
                     f"{self.op.kind} is not linear but input {self.names[i]!r} holds Partial({s.reduce_op!r}) "
                     f"pieces on mesh axes {axes}",
-                    f"insert Reduction(axis={s.partial[0]}) before it (e.g. output=Replicate() on the module "
+                    f"insert ReductionOp(axis={s.partial[0]}) before it (e.g. output=Replicate() on the module "
                     f"that produced {self.names[i]!r})",
                 )
 
@@ -104,7 +104,7 @@ class Ctx:
                 raise self.error(
                     f"dim {d} (size {self.types[i].shape[d]}) of {self.names[i]!r} is sharded on mesh axes "
                     f"{list(s.dims[d])}; {why}",
-                    f"insert Combine(dim={d}, axis={s.dims[d][-1]}) first, or shard another dim",
+                    f"insert CombineOp(dim={d}, axis={s.dims[d][-1]}) first, or shard another dim",
                 )
 
     def agree(self, pairs: Sequence[tuple[int, int]]) -> tuple[str, ...]:
@@ -142,7 +142,7 @@ class Ctx:
         if len(reduce_ops) > 1:
             raise self.error(
                 f"partial pieces with different reduce ops {sorted(reduce_ops)} meet",
-                "reduce one of them first (Reduction)",
+                "reduce one of them first (ReductionOp)",
             )
         return tuple(axes), reduce_ops.pop() if reduce_ops else ReduceOp.SUM
 
@@ -152,7 +152,7 @@ class Ctx:
                 s = self.shardings[i]
                 raise self.error(
                     f"input {self.names[i]!r} holds Partial({s.reduce_op!r}) pieces, which no op is linear in",
-                    f"insert Reduction(axis={s.partial[0]}) before it",
+                    f"insert ReductionOp(axis={s.partial[0]}) before it",
                 )
 
     def output(
@@ -250,7 +250,7 @@ def rule_binary(ctx: Ctx) -> RuleResult:
         if a.partial and b.partial and (a.partial != b.partial or a.reduce_op != b.reduce_op):
             raise ctx.error(
                 f"{op.fn} of partial pieces on different axes ({list(a.partial)} vs {list(b.partial)})",
-                "reduce one operand first (Reduction)",
+                "reduce one operand first (ReductionOp)",
             )
         partial, reduce_op = (a.partial, a.reduce_op) if a.partial else (b.partial, b.reduce_op)
         if a.partial and not b.partial:
@@ -261,12 +261,12 @@ def rule_binary(ctx: Ctx) -> RuleResult:
         if a.partial and b.partial:
             raise ctx.error(
                 f"{op.fn} of two partial operands is not linear (Partial·Partial)",
-                f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}",
+                f"insert ReductionOp(axis={b.partial[0]}) on {ctx.names[1]!r}",
             )
         if op.fn == "div" and b.partial:
             raise ctx.error(
                 f"division by a partial operand {ctx.names[1]!r} is not linear",
-                f"insert Reduction(axis={b.partial[0]}) on {ctx.names[1]!r}",
+                f"insert ReductionOp(axis={b.partial[0]}) on {ctx.names[1]!r}",
             )
         partial, reduce_op = ctx.partial_of([0, 1])
     return RuleResult((ctx.output(dims, partial, reduce_op),), ctx.local(in_scale=scale))
@@ -278,7 +278,7 @@ def _contract(ctx: Ctx, x: int, w: int, x_dim: int, w_dim: int) -> tuple[tuple[s
     if ctx.shardings[x].partial and ctx.shardings[w].partial:
         raise ctx.error(
             "both operands of the product hold partial pieces (Partial·Partial)",
-            f"insert Reduction(axis={ctx.shardings[w].partial[0]}) on {ctx.names[w]!r}",
+            f"insert ReductionOp(axis={ctx.shardings[w].partial[0]}) on {ctx.names[w]!r}",
         )
     k_axes = ctx.agree([(x, x_dim), (w, w_dim)])
     return ctx.partial_of([x, w], k_axes)
@@ -492,7 +492,7 @@ def rule_cat(ctx: Ctx) -> RuleResult:
     kinds = {(s.partial, s.reduce_op) for s in ctx.shardings}
     if len(kinds) > 1:
         raise ctx.error(
-            "cat of inputs with different partial placements", "reduce the partial inputs first (Reduction)"
+            "cat of inputs with different partial placements", "reduce the partial inputs first (ReductionOp)"
         )
     dims = [ctx.agree([(i, k) for i in range(n)]) for k in range(nd)]
     s = ctx.shardings[0]

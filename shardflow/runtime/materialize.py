@@ -1,4 +1,4 @@
-"""A model built on the meta device, materialised piece by piece: no rank ever holds the whole model.
+"""A model built on the meta device, materialized piece by piece: no rank ever holds the whole model.
 
 A model built under ``torch.device("meta")`` has shapes and no values. Its initialisation (Hugging Face's
 ``initialize_weights``, or ``reset_parameters`` of every module) is run once more on the meta tensors while a
@@ -17,7 +17,7 @@ degenerate case (one piece, the whole tensor). ``normal_`` is the inverse normal
 The values are those distributions, not the numbers torch's CPU generator would draw: shardflow's initial
 model is defined by this replay, and every comparison (``--check``, the tests) starts from it.
 
-Buffers (rotary tables, position ids, batch-norm statistics) are small and are materialised whole (the graph
+Buffers (rotary tables, position ids, batch-norm statistics) are small and are materialized whole (the graph
 folds them into constants at capture). An initialisation that writes a tensor in a way no replay can cut into
 pieces (an op not in the tables, e.g. ``orthogonal_``'s QR, or a copy from a value computed on the meta
 device) is refused with :class:`InitError` naming the tensor and the op.
@@ -219,7 +219,7 @@ def record(model: nn.Module, seed: int, initialise: Callable[[], None] | None = 
         if key not in watched:
             if t.storage_offset() != 0 or not t.is_contiguous():
                 raise InitError(
-                    f"{name} {list(t.shape)} is a view of another tensor; shardflow materialises "
+                    f"{name} {list(t.shape)} is a view of another tensor; shardflow materializes "
                     f"contiguous parameters and buffers that own their storage"
                 )
             watched[key] = (name, t)
@@ -286,7 +286,7 @@ def materialize_buffers(model: nn.Module, inits: Mapping[str, TensorInit]) -> No
 
 
 def materialize(model: nn.Module, seed: int, initialise: Callable[[], None] | None = None) -> dict[str, TensorInit]:
-    """Prepare ``model``, built on the meta device, to be materialised piece by piece: how every parameter and
+    """Prepare ``model``, built on the meta device, to be materialized piece by piece: how every parameter and
     buffer is initialised (:func:`record`, draws seeded by ``seed``); its buffers get their values now, whole
     (:func:`materialize_buffers`), its parameters stay on meta. Raises InitError."""
     inits = record(model, seed, initialise)

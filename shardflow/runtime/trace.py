@@ -44,7 +44,7 @@ class Tracer:
     def record(self, instr, start_s: float, end_s: float) -> None:
         lane = "communication" if isinstance(instr, (Comm, Wait)) else "compute"
         if isinstance(instr, Compute):
-            name, args = f"{instr.pass_} {instr.op}", {"node": instr.node, "out": [b.value for b in instr.outs]}
+            name, args = f"{instr.task} {instr.op}", {"node": instr.node, "out": [b.value for b in instr.outs]}
         elif isinstance(instr, Comm):
             name = f"#{instr.token} {instr.kind}"
             args = {
@@ -101,7 +101,7 @@ def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]
         for i in programs[r].instrs[start:stop]:
             if isinstance(i, Compute):
                 d = comp[r][ci[r]] if ci[r] < len(comp.get(r, [])) else 0.0
-                emit(r, f"{i.pass_} {i.op}", LANES["compute"], clock[r], d)
+                emit(r, f"{i.task} {i.op}", LANES["compute"], clock[r], d)
                 clock[r] += d
                 ci[r] += 1
             elif isinstance(i, Wait):

@@ -157,9 +157,9 @@ class Prediction:
 def where(i: Instr) -> str:
     """An instruction in a few words: its task type, op or communication kind and the buffer it writes."""
     if isinstance(i, Compute):
-        return f"{i.pass_} {i.op} writing {i.outs[0].value}" if i.outs else f"{i.pass_} {i.op}"
+        return f"{i.task} {i.op} writing {i.outs[0].value}" if i.outs else f"{i.task} {i.op}"
     if isinstance(i, Comm):
-        return f"#{i.token} {i.pass_} {i.kind}" + (f" receiving {i.recv.value}" if i.recv else "")
+        return f"#{i.token} {i.task} {i.kind}" + (f" receiving {i.recv.value}" if i.recv else "")
     return str(i).strip()
 
 

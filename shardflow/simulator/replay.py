@@ -113,7 +113,7 @@ class _Rank:
 
 
 def _category(c: Compute, recomputed: Callable[[str], bool]) -> str:
-    if c.pass_ == TaskType.UPD:
+    if c.task == TaskType.UPD:
         return "optimizer"
     return "recompute" if recomputed(c.dnode) else "compute"
 

@@ -27,7 +27,7 @@ from shardflow.graph import ops as O
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
 from shardflow.parallel.mesh import Mesh, Placement, Shard, SubMesh, parse_placement
-from shardflow.parallel.ops import PARALLEL_OPS, Combine, ParallelOp, Replicate
+from shardflow.parallel.ops import PARALLEL_OPS, CombineOp, ParallelOp, ReplicateOp
 from shardflow.parallel.pcg import Annotations, Layout
 from shardflow.parallel.shape import DegreeError, ShardingError
 from shardflow.parallel.sharding import Sharding
@@ -62,7 +62,7 @@ class Plan:
     stage axis.
 
     ``inputs`` maps a data input (a batch key) or a constant (a mask folded at capture) to its placements;
-    ``ops`` maps a tensor name to parallel ops inserted right after it (explicit Replicate/Reduction...).
+    ``ops`` maps a tensor name to parallel ops inserted right after it (explicit ``ReplicateOp``/``ReductionOp``...).
     """
 
     modules: Mapping[str, ModulePlan] = field(default_factory=dict)
@@ -243,7 +243,7 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
     part: the parameter keeps its other placements, each part is sharded on the split dim (a local split of the
     replicated parameter) — every head group of q, k and v, not ``q|k|v`` cut into blocks.
 
-    A placement that a ``Combine`` of ``plan.ops`` gathers right after the parameter (FSDP's: stored ``Shard(d)``,
+    A placement that a ``CombineOp`` of ``plan.ops`` gathers right after the parameter (FSDP's: stored ``Shard(d)``,
     all-gathered before any use) is how the parameter is *stored*, not how its readers compute: it neither splits
     a fused linear nor places its parts; the readers see the parameter without it.
     """
@@ -311,7 +311,7 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                     a
                     for a, pl in layout.items()
                     if any(
-                        isinstance(op, Combine) and op.axis == a and pl == Shard(op.dim) for op in plan.ops.get(w, ())
+                        isinstance(op, CombineOp) and op.axis == a and pl == Shard(op.dim) for op in plan.ops.get(w, ())
                     )
                 }
                 if (
@@ -358,14 +358,14 @@ def _read(
     graph: ComputationGraph, weight: str, placements: tuple[Placement, ...], ops: Sequence[ParallelOp]
 ) -> tuple[Placement, ...]:
     """``placements`` of ``weight`` (its module's shape) as its readers see them: without a ``Shard`` that a
-    ``Combine`` of ``ops`` (the parallel ops right after it) gathers — a storage shard, FSDP's."""
+    ``CombineOp`` of ``ops`` (the parallel ops right after it) gathers — a storage shard, FSDP's."""
     left = list(placements)
     for op in ops:
         shard = next(
             (
                 p
                 for p in left
-                if isinstance(p, Shard) and isinstance(op, Combine) and stored_dim(graph, weight, p.dim) == op.dim
+                if isinstance(p, Shard) and isinstance(op, CombineOp) and stored_dim(graph, weight, p.dim) == op.dim
             ),
             None,
         )
@@ -389,7 +389,7 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
 
 def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, targets: _Targets) -> dict[str, SubMesh]:
     """Node → sub-mesh with the stage axis fixed. A node no staged module holds runs on every stage (the whole mesh)
-    when it reads a tensor that a ``Replicate`` on the stage axis (``plan.ops``) spread over every stage, or the
+    when it reads a tensor that a ``ReplicateOp`` on the stage axis (``plan.ops``) spread over every stage, or the
     output of such a node; else on the latest stage among its inputs' producers; a node that reads only leaves
     (the label path of a loss) runs where its first reader runs."""
     staged = {pat: mp.stage for pat, mp in plan.modules.items() if mp.stage is not None}
@@ -407,7 +407,7 @@ def _stage_groups(plan: Plan, graph: ComputationGraph, mesh: Mesh, targets: _Tar
             raise PlanError(f"module {pat!r} is put on stage {s}, but axis {plan.stage_axis!r} has {n_stages} stages")
     whole = SubMesh(mesh)
     every_stage = {
-        t for t, pops in plan.ops.items() if any(isinstance(p, Replicate) and p.axis == plan.stage_axis for p in pops)
+        t for t, pops in plan.ops.items() if any(isinstance(p, ReplicateOp) and p.axis == plan.stage_axis for p in pops)
     }
     # The most specific pattern (longest matched module path, or a node-name match) decides; the first on ties.
     decided: dict[str, tuple[int, int]] = {}  # node → (depth, stage)

@@ -39,7 +39,7 @@ from shardflow.graph.flops import node_flops
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
-from shardflow.parallel.ops import Combine
+from shardflow.parallel.ops import CombineOp
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
 from shardflow.parallel.shape import DegreeError
@@ -325,7 +325,7 @@ def tensor_parallel(graph: ComputationGraph, degree: int, axis: str = "tp", sequ
 
 def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", others: Plan | None = None) -> Plan:
     """FSDP on ``axis`` of ``degree`` devices (see the module docstring): the batch split as :func:`data_parallel`
-    splits it, every weight ``Shard(d)`` and gathered by a ``Combine(d)`` before any use. ``d`` is the weight's
+    splits it, every weight ``Shard(d)`` and gathered by a ``CombineOp(d)`` before any use. ``d`` is the weight's
     first dim that ``others`` (the plan of the strategies it combines with, e.g. tp's) does not shard and that
     ``degree`` divides; a weight without one, or of the root module (no module path to place it by), stays
     replicated on ``axis`` (its gradient all-reduced, as under dp)."""
@@ -343,7 +343,7 @@ def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", othe
         if not path or d is None:
             continue
         modules.setdefault(path, {})[leaf] = {axis: Shard(d)}
-        ops[w] = (Combine(dim=stored_dim(graph, w, d), degree=degree, axis=axis),)
+        ops[w] = (CombineOp(dim=stored_dim(graph, w, d), degree=degree, axis=axis),)
     sharded = Plan({path: ModulePlan(params=params) for path, params in modules.items()}, ops=ops, name="fsdp")
     return dataclasses.replace(data_parallel(graph, axis).merge(sharded), name="fsdp")
 

@@ -21,7 +21,7 @@ from shardflow.lower.cost import ALL_GATHER_FORMS, REDUCE_SCATTER_FORMS, CostMod
 from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
 from shardflow.lower.schedule import ScheduleKind
 from shardflow.runtime.device import DEVICES, check_device, local_processes
-from shardflow.runtime.kernels import LRDecay, LRSchedule
+from shardflow.runtime.kernels import LRDecay, LRSchedule, OptimizerConfig
 from shardflow.train.checkpoint.store import CheckpointError, check_writable
 
 # the parent of the run directory each run gets without --run-dir (shardflow.train.rundir)
@@ -242,21 +242,25 @@ class TrainConfig:
             cls.add_argument(p, f.name)
 
     @classmethod
-    def add_argument(cls, p: argparse.ArgumentParser, name: str, own_default: bool = False) -> None:
+    def add_argument(
+        cls, p: argparse.ArgumentParser, name: str, own_default: bool = False, default: Any = dataclasses.MISSING
+    ) -> None:
         """Field ``name`` as the flag ``--name`` (underscores as dashes) with the field's help, type and choices: the
         one definition of a setting that other commands share with ``shardflow train``. Parsed as None where not
-        given (so that a ``--config`` file's value stands), or as the field's default with ``own_default``."""
+        given (so that a ``--config`` file's value stands), or as the field's default with ``own_default``, or as
+        ``default`` for a command whose default differs from train's (the help names it)."""
         f = {f.name: f for f in fields(cls)}[name]
         flag = "--" + f.name.replace("_", "-")
-        unset = f.default if own_default else None
+        value = f.default if default is dataclasses.MISSING else default
+        unset = value if own_default or default is not dataclasses.MISSING else None
         if f.type == "bool":  # on by default: --no-<flag> turns it off
-            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            action = argparse.BooleanOptionalAction if value else "store_true"
             p.add_argument(flag, action=action, default=unset, help=f.metadata["help"])
             return
         typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
-        default = f" (default {f.default})" if f.default is not None else ""  # None's help says what happens
+        shown = f" (default {value})" if value is not None else ""  # None's help says what happens
         p.add_argument(
-            flag, type=typ, default=unset, choices=f.metadata.get("choices"), help=f"{f.metadata['help']}{default}"
+            flag, type=typ, default=unset, choices=f.metadata.get("choices"), help=f"{f.metadata['help']}{shown}"
         )
 
     @classmethod
@@ -355,6 +359,30 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
         schedule=settings.schedule,
         stages_per_rank=settings.stages_per_rank,
         accumulate=settings.accumulate,
+    )
+
+
+# The optimizer settings optimizer_config reads; a command without one of them (plan: lr, weight_decay) gets
+# train's default, which changes no program
+OPTIMIZER_FLAGS = ("optimizer", "momentum", "lr", "weight_decay")
+
+
+def optimizer_config(settings: Any, schedule: LRSchedule | None = None) -> OptimizerConfig:
+    """The optimizer the settings ``settings`` name, mapped as ``shardflow train`` maps them — a
+    :class:`TrainConfig`, or ``shardflow plan``'s and ``check``'s flags of the same names (:data:`OPTIMIZER_FLAGS`;
+    train's default for one a command lacks): ``optimizer`` sgd, adam or adamw; SGD keeps ``momentum`` (a
+    momentum slot unless it is 0), Adam and AdamW ignore it; at the learning-rate schedule ``schedule`` (default
+    constant)."""
+    given: dict[str, Any] = {
+        f.name: getattr(settings, f.name, f.default) for f in fields(TrainConfig) if f.name in OPTIMIZER_FLAGS
+    }
+    name = Optimizer(given["optimizer"])
+    return OptimizerConfig(
+        name,
+        given["lr"],
+        given["momentum"] if name == Optimizer.SGD else 0.0,
+        given["weight_decay"],
+        schedule=LRSchedule() if schedule is None else schedule,
     )
 
 

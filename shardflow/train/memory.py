@@ -10,7 +10,7 @@ A process holds (:class:`Estimate`):
   (:func:`~shardflow.lower.memory.program_memory`, which counts as the executors do). One process of ``--nproc 1``
   runs every rank of the mesh: it holds them all;
 * what it holds of the model whole: a built-in family's buffers (its parameters are built on the meta device and
-  materialised piece by piece, :mod:`shardflow.runtime.materialize`: they are in the pieces above), or the whole
+  materialized piece by piece, :mod:`shardflow.runtime.materialize`: they are in the pieces above), or the whole
   module a ``--model FILE.py:FACTORY`` builds;
 * the captured graph's folded constants, whole (e.g. a Hugging Face attention mask [B, 1, T, T]);
 * the interpreter and its libraries: this process's resident size before it built the model.

@@ -19,7 +19,7 @@ from torch import nn
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import LoweredStep, MicroStep
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS
 from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
@@ -31,7 +31,7 @@ from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
-from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig, step_options
+from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig, optimizer_config, step_options
 from shardflow.train.data import Corpus, Split
 from shardflow.train.family import Family, ModelError, Sizes, factory_family, hf_config, hf_family, is_factory
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
@@ -116,7 +116,7 @@ class Setup:
         return {w: params[w].detach().clone() for w in self.graph.weights}
 
     def whole_model(self) -> nn.Module:
-        """The model with its initial weights, materialised whole on this process: for a one-device reference or a
+        """The model with its initial weights, materialized whole on this process: for a one-device reference or a
         PyTorch baseline to compare with (a run's ranks never build it). Under ``--init-from`` the directory's
         weights, read whole."""
         if self.inits is None and self.pretrained is None:
@@ -276,7 +276,7 @@ def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
 def _build(
     cfg: TrainConfig, mesh: Mesh, corpus: Corpus, pretrained: Pretrained | None, meta: bool = False, runtime: int = 0
 ) -> Setup:
-    """The model of ``cfg`` (``meta``: shapes only, nothing materialised, not even buffers), captured on a
+    """The model of ``cfg`` (``meta``: shapes only, nothing materialized, not even buffers), captured on a
     micro-batch of the corpus (``--batch-size / (--accumulate × --microbatches)`` sequences: the whole batch without
     either), and its PCG on ``mesh``."""
     with torch.device("meta") if meta else contextlib.nullcontext():
@@ -291,21 +291,16 @@ def _build(
     example = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, micro, cfg.seq_len, cfg.seed))
     strategy = None if cfg.plan else cfg.strategy or DEFAULT_STRATEGY
     pipeline = Pipeline.planned(
-        capture(model, example), mesh, options, optimizer(cfg), strategy, cfg.plan, cfg.strict, cfg.clip_norm or None
+        capture(model, example),
+        mesh,
+        options,
+        optimizer_config(cfg, cfg.lr_scheduler),
+        strategy,
+        cfg.plan,
+        cfg.strict,
+        cfg.clip_norm or None,
     )
     return Setup(cfg, corpus, family, config, model, pipeline, mesh, pretrained, inits, runtime)
-
-
-def optimizer(cfg: TrainConfig) -> OptimizerConfig:
-    """The optimizer of the config (SGD keeps its momentum, Adam and AdamW ignore it), at the config's learning-rate
-    schedule."""
-    return OptimizerConfig(
-        Optimizer(cfg.optimizer),
-        cfg.lr,
-        cfg.momentum if cfg.optimizer == Optimizer.SGD else 0.0,
-        cfg.weight_decay,
-        schedule=cfg.lr_scheduler,
-    )
 
 
 def _check_memory_before_build(

@@ -89,7 +89,7 @@ class LoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        # as DefaultLoadPlanner's, less its first step — materialising meta-device tensors — which would replace
+        # as DefaultLoadPlanner's, less its first step — materializing meta-device tensors — which would replace
         # every entry that is not a tensor by None; the pieces are allocated already
         self.original_state_dict = self.state_dict = state_dict
         self.metadata, self.is_coordinator = metadata, is_coordinator
