@@ -235,3 +235,17 @@ def test_plan_estimate_prints_the_prediction_and_refuses_what_does_not_fit(capsy
     assert main([*argv[:2], "--machine", str(spec), *argv[4:]]) == 1
     out = capsys.readouterr()
     assert "# predicted on h100 (4 devices)" in out.out and "does not fit: rank 0 peaks at" in out.err
+
+
+def test_torch_compile_fuses_a_run_of_memory_bound_computes():
+    from shardflow.simulator.cost import Kernels
+
+    def ew(name: str, src: str) -> Compute:  # reads 1000 bytes, writes 1000 bytes: 2 s eager on Spec
+        return Compute(
+            TaskType.FWD, name, "add", (Buffer(src, TensorType((250,))),), (Buffer(name, TensorType((250,))),)
+        )
+
+    prog = [ew("a", "x"), ew("b", "a"), ew("c", "b"), comm(0, CommKind.ALL_REDUCE, (0,), 0), ew("d", "c")]
+    assert replay([programs(r0=prog)], Spec()).seconds == 8.0
+    # fused: the first of a run reads and writes (2 s), the next two only write (1 s each); a communication ends it
+    assert replay([programs(r0=prog)], Spec(), kernels=Kernels(fused_elementwise=True)).seconds == 6.0
