@@ -4,9 +4,12 @@ one device and prints how far apart they are. ``shardflow train`` trains a Llama
 local processes (checkpoints, ``--resume``); ``shardflow export`` writes a checkpoint as a Hugging Face model
 directory; ``shardflow generate`` samples text from a run or such a directory.
 
-``plan`` and ``check`` take the built-in models (``--model gpt`` or ``mlp``, sized by flags) or the user's:
-``--model FILE.py:FACTORY`` or ``package.module:FACTORY``, a function returning ``(module, batch)``
-(:func:`shardflow.model_spec.load_model`).
+``plan`` and ``check`` take the model ``train`` trains, sized by train's own flags (``--model-config``,
+``--layers`` ... ``--mlp``, ``--vocab-size``, ``--seq-len``, ``--batch-size``), shardflow's own small test models
+(``--model gpt`` or ``mlp``) or the user's: ``--model FILE.py:FACTORY`` or ``package.module:FACTORY``, a function
+returning ``(module, batch)`` (:func:`shardflow.model_spec.load_model`). ``plan`` builds a Hugging Face model on the
+meta device, as ``train`` does (no weight is allocated: a 70B-shaped Llama plans on a laptop); ``check`` computes
+with real weights.
 
 Errors a user can fix (bad mesh, strategy that does not fit the model, unsupported op, ...) end with one
 paragraph on stderr and exit status 2, never a traceback from inside the library.
@@ -65,16 +68,7 @@ from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
 from shardflow.train.config import RANGES, Range, TrainConfig, optimizer_config, step_options
 from shardflow.train.data import DataError
-from shardflow.train.family import (
-    DEFAULT_SIZES,
-    Feed,
-    ModelError,
-    Sizes,
-    hf_config,
-    hf_family,
-    is_factory,
-    is_model_type,
-)
+from shardflow.train.family import DEFAULT_SIZES, Feed, ModelError, hf_family, is_factory, is_model_type
 
 USER_ERRORS = (
     PlanError,
@@ -92,11 +86,11 @@ USER_ERRORS = (
 # shardflow's own small test models (sized by the flags, with their own defaults below); every other built-in name
 # is a Hugging Face model type, built as `shardflow train` builds it (llama by default, with train's defaults)
 OWN_MODELS = ("gpt", "mlp")
-_OWN_DEFAULTS = {"layers": 2, "heads": 4, "embd": 64, "vocab": 65, "seq_len": 64, "batch_size": 8}
+_OWN_DEFAULTS = {"layers": 2, "heads": 4, "embd": 64, "vocab_size": 65, "seq_len": 64, "batch_size": 8}
 _TRAIN = TrainConfig()
 _TRAIN_DEFAULTS = {
     **dataclasses.asdict(DEFAULT_SIZES),
-    "vocab": _TRAIN.vocab_size,
+    "vocab_size": _TRAIN.vocab_size,
     "seq_len": _TRAIN.seq_len,
     "batch_size": _TRAIN.batch_size,
 }
@@ -108,7 +102,8 @@ FLAG_RANGES = {
     "heads": Range(1),
     "kv_heads": Range(1),
     "embd": Range(1),
-    "vocab": Range(1),
+    "mlp": Range(1),
+    "vocab_size": Range(1),
     "seq_len": Range(1),
     "batch_size": Range(1),
     "nproc": Range(1),
@@ -164,20 +159,23 @@ def memory_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--model`` and the flags that size it: ``shardflow train``'s, with its names and defaults (``--model-config``,
+    ``--layers``, ``--heads``, ``--kv-heads``, ``--embd``, ``--mlp``, ``--vocab-size``, ``--seq-len``,
+    ``--batch-size``); shardflow's own gpt and mlp have their own defaults."""
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
-        default="llama",
         metavar="MODEL",
-        help="the model `shardflow train` trains by default, llama (Hugging Face LlamaForCausalLM built "
-        "from a config, nothing downloaded; default), gpt2 or another Hugging Face causal-LM model "
-        "type, with train's default sizes; shardflow's own small test models gpt and mlp; or your "
-        "own: FILE.py:FACTORY or package.module:FACTORY, a function returning (module, batch) such "
+        help="the model `shardflow train` trains: llama (Hugging Face LlamaForCausalLM built from a config, "
+        "nothing downloaded; the default, or --model-config's model_type), gpt2 or another Hugging Face "
+        "causal-LM model type, with train's default sizes; shardflow's own small test models gpt and mlp; or "
+        "your own: FILE.py:FACTORY or package.module:FACTORY, a function returning (module, batch) such "
         "that module(**batch) returns the loss",
     )
+    TrainConfig.add_argument(g, "model_config")
     sizes = (
         f"{_TRAIN_DEFAULTS[k]} for llama and gpt2 as in `shardflow train`, {_OWN_DEFAULTS[k]} for gpt and mlp"
-        for k in ("layers", "heads", "embd", "vocab", "seq_len", "batch_size")
+        for k in ("layers", "heads", "embd", "vocab_size", "seq_len", "batch_size")
     )
     g.add_argument("--layers", type=int, help=f"transformer blocks, or linear layers (mlp) (default {next(sizes)})")
     g.add_argument("--heads", type=int, help=f"attention heads (default {next(sizes)})")
@@ -186,8 +184,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help=f"key/value heads of grouped-query attention (llama; default {_TRAIN_DEFAULTS['kv_heads']})",
     )
-    g.add_argument("--embd", type=int, help=f"embedding width C, or hidden width (mlp) (default {next(sizes)})")
-    g.add_argument("--vocab", type=int, help=f"vocabulary size V, or classes (mlp) (default {next(sizes)})")
+    g.add_argument("--embd", type=int, help=f"embedding width C, or input width (mlp) (default {next(sizes)})")
+    g.add_argument(
+        "--mlp",
+        type=int,
+        help="MLP width, the config's intermediate_size, or hidden width (mlp) (default: as `shardflow train`, 8/3 "
+        "of --embd rounded up to a multiple of 64 for llama, 4× --embd for gpt2; --model-config's own; 4× --embd "
+        "for mlp)",
+    )
+    g.add_argument("--vocab", type=int, dest="vocab_size", help=argparse.SUPPRESS)  # --vocab-size's earlier name
+    g.add_argument("--vocab-size", type=int, help=f"vocabulary size V, or classes (mlp) (default {next(sizes)})")
     g.add_argument("--seq-len", type=int, help=f"tokens per sequence T (default {next(sizes)})")
     g.add_argument("--batch-size", type=int, help=f"sequences, or rows (mlp), per step B (default {next(sizes)})")
 
@@ -214,15 +220,35 @@ def check_flags(args: argparse.Namespace) -> None:
         )
 
 
-def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """The model of ``--model`` and its example batch: a built-in one built (seed 0) with a random batch of the
-    flags' shapes (a Hugging Face model as ``shardflow train`` builds it, from the same defaults), or what the
-    user's factory returns. Raises ModelSpecError, ModelError (sizes a model cannot take)."""
+def train_settings(args: argparse.Namespace) -> TrainConfig:
+    """The model flags of ``plan`` or ``check`` (a Hugging Face model) as ``shardflow train`` reads the same flags:
+    its config, whose defaults fill what was not given."""
+    given = {k: getattr(args, k) for k in ("model", "model_config", *_TRAIN_DEFAULTS)}
+    return TrainConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def model_and_batch(args: argparse.Namespace, meta: bool = False) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The model of ``--model`` and its example batch: a built-in one built with a random batch of the flags'
+    shapes, or what the user's factory returns. A Hugging Face model is the one ``shardflow train`` builds from the
+    same flags (:func:`~shardflow.train.recipe.build_model`): with ``meta`` as train builds it (its parameters on the
+    meta device, nothing allocated; its buffers given their values by
+    :func:`~shardflow.runtime.materialize.materialize`, seed 0), else with real weights (seed 0). Raises
+    ModelSpecError, ModelError (sizes a model cannot take; ``--model-config`` or ``--mlp`` for a model that sizes
+    itself)."""
     own = args.model in OWN_MODELS
-    if is_factory(args.model) or not (own or is_model_type(args.model)):
+    hf = args.model is None or (not own and not is_factory(args.model) and is_model_type(args.model))
+    for flag, v in (("--model-config", args.model_config), ("--mlp", args.mlp if args.model != "mlp" else None)):
+        if v is not None and (own or is_factory(args.model)):
+            raise ModelError(
+                f"{flag} {v}: sizes the Hugging Face models (llama, gpt2, ...); --model {args.model} sizes its "
+                f"own model: drop {flag}"
+            )
+    if not (own or hf):
         return load_model(args.model)
-    defaults = _OWN_DEFAULTS if own else _TRAIN_DEFAULTS
-    size = {k: getattr(args, k) if getattr(args, k) is not None else defaults.get(k) for k in _TRAIN_DEFAULTS}
+    cfg = train_settings(args)
+    size = {k: getattr(cfg, k) for k in _TRAIN_DEFAULTS}
+    if own:
+        size = {k: getattr(args, k) if getattr(args, k) is not None else _OWN_DEFAULTS.get(k) for k in size}
     if own and args.kv_heads is not None:
         raise ModelError(
             f"--kv-heads {args.kv_heads}: --model {args.model} has no grouped-query attention; drop "
@@ -230,23 +256,23 @@ def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str
         )
     gen = torch.Generator().manual_seed(1)
     shape = (size["batch_size"], size["seq_len"])
-    idx, targets = (torch.randint(0, size["vocab"], shape, generator=gen) for _ in range(2))
-    if not own:
-        config = hf_config(
-            args.model,
-            None,
-            Sizes(size["layers"], size["heads"], size["kv_heads"], size["embd"]),
-            size["vocab"],
-            size["seq_len"],
-            0.0,
-        )
-        torch.manual_seed(0)
-        return hf_family(config.model_type).build(config), Feed.CAUSAL_LM.inputs(idx, targets)
+    idx, targets = (torch.randint(0, size["vocab_size"], shape, generator=gen) for _ in range(2))
+    if hf:
+        from shardflow.runtime.materialize import materialize
+        from shardflow.train.recipe import build_model
+
+        _, config, model = build_model(cfg, cfg.vocab_size, None)  # on the meta device
+        if meta:
+            materialize(model, cfg.seed)  # its buffers: rotary tables, ... (the graph folds them)
+        else:
+            torch.manual_seed(0)
+            model = hf_family(config.model_type).build(config)
+        return model, Feed.CAUSAL_LM.inputs(idx, targets)
     torch.manual_seed(0)
     if args.model == "gpt":
         model = GPT(
             GPTConfig(
-                vocab_size=size["vocab"],
+                vocab_size=size["vocab_size"],
                 block_size=size["seq_len"],
                 n_layer=size["layers"],
                 n_head=size["heads"],
@@ -254,10 +280,11 @@ def model_and_batch(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str
             )
         )
         return model, {"idx": idx, "targets": targets}
-    model = MLP(d_in=size["embd"], hidden=4 * size["embd"], d_out=size["vocab"], n_layers=size["layers"])
+    hidden = args.mlp or 4 * size["embd"]
+    model = MLP(d_in=size["embd"], hidden=hidden, d_out=size["vocab_size"], n_layers=size["layers"])
     return model, {
         "x": torch.randn(size["batch_size"], size["embd"], generator=gen),
-        "y": torch.randint(0, size["vocab"], (size["batch_size"],), generator=gen),
+        "y": torch.randint(0, size["vocab_size"], (size["batch_size"],), generator=gen),
     }
 
 
@@ -298,9 +325,10 @@ def redistributions_json(pcg: PCG) -> list[dict]:
 
 
 def plan_model(args: argparse.Namespace, options: LowerOptions) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """``--model``'s module and batch as ``shardflow train`` captures them: in the ``param_dtype`` of ``options``'s
-    mixed precision (``--dtype bf16``: bfloat16)."""
-    model, batch = model_and_batch(args)
+    """``--model``'s module and batch as ``shardflow train`` captures them: a Hugging Face model built on the meta
+    device (no weight allocated), in the ``param_dtype`` of ``options``'s mixed precision (``--dtype bf16``:
+    bfloat16)."""
+    model, batch = model_and_batch(args, meta=True)
     if options.precision:
         model, batch, _ = at_dtype(model, batch, options.precision.param_dtype)
     return model, batch

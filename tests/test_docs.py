@@ -637,6 +637,8 @@ COMMANDS = {
     "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0": Run(),
     "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --rank 0 --format json": Run(),
     "shardflow plan --model gpt --strategy tp --nproc 2 --layers 1 --format dot --out /tmp/pcg.dot": Run(),
+    "shardflow plan --layers 2 --embd 4096 --heads 32 --kv-heads 8 --mlp 14336 --vocab-size 128256 --seq-len 8192 "
+    "--batch-size 16 --dtype bf16 --strategy fsdp --mesh fsdp=8 --rank 0": Run(),  # Llama-3.1-8B's widths, on meta
     "head -4 /tmp/pcg.dot": Run(),
     # docs/own-model.md (the checks shrunk to one step)
     "shardflow check --model examples/hf_llama.py:tiny_llama --mesh dp=2,tp=2": Run(),

@@ -176,6 +176,38 @@ def test_rotary_tables_and_masks_are_folded():
     assert "attention" in ops
 
 
+def test_a_large_fold_of_equal_rows_is_computed_for_one_row(monkeypatch):
+    """Above FOLD_BY_ROW_ABOVE elements, an element-wise fold whose operands repeat one row along dim 0 (a Hugging
+    Face model's attention mask [B, 1, T, T], made for each of B equal rows) is computed for one row and expanded;
+    rows that differ are computed whole. The graph is the one folded whole: the mask found causal, no constant."""
+    from shardflow.capture import lift
+
+    le = torch.ops.aten.le.Tensor
+    q, k = torch.arange(8).reshape(1, 1, 8, 1), torch.arange(8).reshape(1, 1, 1, 8)
+    monkeypatch.setattr(lift, "FOLD_BY_ROW_ABOVE", 0)
+    rows = lift._fold(le, (k.expand(4, 1, 1, 8).contiguous(), q), {})
+    assert rows.stride(0) == 0 and torch.equal(rows, (k <= q).expand(4, 1, 8, 8))
+    differ = torch.arange(4).reshape(4, 1, 1, 1) + k
+    assert lift._fold(le, (differ, q), {}).stride(0) != 0 and torch.equal(lift._fold(le, (differ, q), {}), differ <= q)
+    flat = lift._fold(torch.ops.aten.view.default, (rows.transpose(0, 2), [32, 8]), {})  # no view of the expansion
+    assert torch.equal(flat, (k <= q).expand(4, 1, 8, 8).transpose(0, 2).reshape(32, 8))
+    torch.manual_seed(0)
+    model, b = hf_llama(), batch(B=4, T=16)
+    monkeypatch.setattr(lift, "FOLD_BY_ROW_ABOVE", 2**62)
+    whole = capture(model, b)
+    monkeypatch.setattr(lift, "FOLD_BY_ROW_ABOVE", 0)
+    fold, expanded = lift._fold, []
+
+    def spy(target, args, kwargs):
+        out = fold(target, args, kwargs)
+        expanded.extend([tuple(out.shape)] if isinstance(out, torch.Tensor) and out.ndim and not out.stride(0) else [])
+        return out
+
+    monkeypatch.setattr(lift, "_fold", spy)
+    assert capture(model, b) == whole
+    assert (4, 1, 16, 16) in expanded  # the mask
+
+
 def test_meta_model_and_batch_give_the_same_graph():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_embd=16, n_head=2))

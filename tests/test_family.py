@@ -135,3 +135,16 @@ def test_size_flags_do_not_apply_to_a_factory(tmp_path):
         build_model(TrainConfig(model=f"{f}:bigram", layers=2), 300, None)
     family, config, module = build_model(TrainConfig(model=f"{f}:bigram"), 300, None)
     assert family.name == f"{f}:bigram" and config.vocab_size == 300
+
+
+def test_mlp_sets_the_mlp_width(tmp_path):
+    """--mlp sets the MLP width (intermediate_size; GPT-2's n_inner) over the family's rule and a --model-config's own;
+    a checkpoint must share it to be resumed."""
+    assert hf_config(None, None, Sizes(mlp=200), 300, 32, 0.0).intermediate_size == 200
+    assert hf_config("gpt2", None, Sizes(embd=64, mlp=100), 300, 32, 0.0).n_inner == 100
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96}))
+    assert hf_config(None, str(path), Sizes(), 300, 32, 0.0).intermediate_size == 96
+    assert hf_config(None, str(path), Sizes(mlp=80), 300, 32, 0.0).intermediate_size == 80
+    assert ("intermediate_size", "--mlp") in hf_family("llama").must_match
+    assert ("n_inner", "--mlp") in hf_family("gpt2").must_match

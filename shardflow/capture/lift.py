@@ -12,7 +12,9 @@ lists the few ops kept whole, and why), and lifts it node by node:
   parallelism can shard each part by heads;
 * a node whose arguments hold no graph tensor (masks from ``arange``/``cumsum``/``eq``, position ids, rotary
   tables from buffers) is **folded**: evaluated once on real values; a folded tensor read by a graph op becomes a
-  ``constant`` tensor;
+  ``constant`` tensor. A large element-wise fold whose operands are the same along dim 0 (a Hugging Face
+  model's attention mask [B, 1, T, T], built for each of B equal rows) is computed for one row and expanded
+  (:func:`_fold`): the same values, without B·T² bytes per step of the mask's making;
 * every other node becomes one op of :mod:`shardflow.graph.ops` through the table
   :data:`~shardflow.capture.lift_table.LIFT` (ATen overload → handler), and an ATen op with no entry becomes a
   generic :class:`~shardflow.graph.ops.Aten` op (its rule replicates the inputs; ``shardflow plan`` lists it).
@@ -37,7 +39,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from shardflow.capture.export import CaptureError, _source, export
-from shardflow.capture.lift_table import _T, LIFT, _RunningStat
+from shardflow.capture.lift_table import _T, LIFT, _is_causal_mask, _RunningStat
 from shardflow.graph import ComputationGraph, GraphBuilder, OpError
 from shardflow.graph import ops as O
 from shardflow.graph.fused import store_by_parts
@@ -108,6 +110,7 @@ class _Lift:
         self.const_names: dict[int, str] = {}  # id(folded tensor) → its graph constant
         self.folded: list[torch.Tensor] = []
         self.parts: dict[str, tuple] = {}  # graph tensor a slice_scatter made → (dim, its (start, end, value)s)
+        self.causal_masks: dict[tuple[int, int, int], bool] = {}  # (id(mask), T, S) → whether it is causal
         state = {**ep.state_dict, **ep.constants}
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
         self.buffers: dict[torch.fx.Node, str] = {}  # placeholder → the buffer's FQN
@@ -187,7 +190,7 @@ class _Lift:
         kwargs = torch.fx.node.map_arg(node.kwargs, self.env.__getitem__)
         if not _has_graph_tensor((args, kwargs)):  # constant folding
             meta = _on_meta((args, kwargs))
-            self.env[node] = target(*_real(args, meta), **_real(kwargs, meta))
+            self.env[node] = _fold(target, _real(args, meta), _real(kwargs, meta))
             return
         handler = LIFT.get(target)
         with self.b.scope(_scope(node), _source(node)):
@@ -242,6 +245,15 @@ class _Lift:
             self.folded.append(v)  # alive while the walk lasts, so its id stays its own
         return self.const_names[id(v)]
 
+    def causal(self, mask: torch.Tensor, t: int, s: int) -> bool:
+        """Whether folded ``mask`` is the causal mask of ``[T, S]`` scores (:func:`_is_causal_mask`), found once per
+        mask (every layer of a Hugging Face model reads the same one)."""
+        key = (id(mask), t, s)
+        if key not in self.causal_masks:
+            self.folded.append(mask)  # alive while the walk lasts, so its id stays its own
+            self.causal_masks[key] = _is_causal_mask(mask, t, s)
+        return self.causal_masks[key]
+
     def apply(self, op: O.Op, inputs: list, node: torch.fx.Node, suffix: str = "") -> _T:
         """The single output of ``op`` on ``inputs``, as the node called ``node.name + suffix`` (a handler that
         lifts one ATen node to several ops names the last one by the node and the others with a suffix)."""
@@ -249,6 +261,57 @@ class _Lift:
 
     def shape(self, node: torch.fx.Node) -> tuple[int, ...]:
         return tuple(int(s) for s in node.meta["val"].shape)
+
+
+# element-wise ops (broadcasting their tensor operands) that :func:`_fold` may compute on one row of dim 0
+_ELEMENTWISE = {
+    *(getattr(aten, op).Tensor for op in ("eq", "ne", "le", "lt", "ge", "gt", "bitwise_and", "bitwise_or")),
+    *(getattr(aten, op).Tensor for op in ("add", "sub", "mul", "div", "bitwise_xor")),
+    aten.logical_and.default,
+    aten.logical_or.default,
+    aten.logical_not.default,
+    aten.bitwise_not.default,
+    aten.where.self,
+}
+FOLD_BY_ROW_ABOVE = 2**20  # elements of a folded result beyond which a fold of equal rows is made of one row
+
+
+def _fold(target: Any, args: tuple, kwargs: dict) -> Any:
+    """``target(*args, **kwargs)`` on folded (real) values. An element-wise op (:data:`_ELEMENTWISE`) whose result
+    has more than :data:`FOLD_BY_ROW_ABOVE` elements and whose tensor operands are each the same along the
+    result's dim 0 (size 1 there, expanded, or equal rows) is computed on their first row and expanded to the
+    result's shape (a view: dim 0's stride 0); the values are those of the whole computation. An op that refuses
+    such a view (``view`` across its expanded dim) gets its operands whole."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if target not in _ELEMENTWISE or not tensors or kwargs or any(t.device.type == "meta" for t in tensors):
+        return _whole(target, args, kwargs)
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    if len(shape) == 0 or shape[0] < 2 or shape.numel() <= FOLD_BY_ROW_ABOVE:
+        return target(*args, **kwargs)
+    rows = [_first_row(a, len(shape)) if isinstance(a, torch.Tensor) else a for a in args]
+    if any(r is None for r in rows):
+        return target(*args, **kwargs)
+    return target(*rows).expand(shape)
+
+
+def _whole(target: Any, args: tuple, kwargs: dict) -> Any:
+    """``target(*args, **kwargs)``; where it raises on an operand :func:`_fold` expanded, again on it made whole."""
+    try:
+        return target(*args, **kwargs)
+    except RuntimeError:
+        if not any(isinstance(a, torch.Tensor) and 0 in a.stride() for a in args):
+            raise
+        return target(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+
+
+def _first_row(t: torch.Tensor, ndim: int) -> torch.Tensor | None:
+    """Operand ``t`` of a result of ``ndim`` dims, cut to the result's first row of dim 0 where it is the same along
+    that dim (None where it is not)."""
+    if t.ndim < ndim or t.shape[0] == 1:  # broadcast along the result's dim 0
+        return t
+    if t.stride(0) == 0 or torch.equal(t, t[:1].expand_as(t)):
+        return t[:1]
+    return None
 
 
 def _has_graph_tensor(x: Any) -> bool:

@@ -354,7 +354,7 @@ def _sdpa(c, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, s
             f"is drawn inside the fused kernel. Set the model's attention dropout to 0 "
             f"(Hugging Face: attn_pdrop=0.0 / attention_dropout=0.0)"
         )
-    if isinstance(attn_mask, torch.Tensor) and _is_causal_mask(
+    if isinstance(attn_mask, torch.Tensor) and c.causal(
         attn_mask, c.shape(node.args[0])[-2], c.shape(node.args[1])[-2]
     ):
         attn_mask, is_causal = None, True
@@ -380,6 +380,7 @@ def _is_causal_mask(mask: torch.Tensor, t: int, s: int) -> bool:
     masked blocks (and may read grouped key/value heads unrepeated, :func:`_repeated_heads`)."""
     if mask.ndim < 2 or tuple(mask.shape[-2:]) != (t, s) or mask.device.type == "meta":
         return False
+    mask = mask[tuple(slice(0, 1) if n == 0 else slice(None) for n in mask.stride()[:-2])]  # expanded dims: once
     lower = torch.ones(t, s, dtype=torch.bool, device=mask.device).tril()
     want = (
         lower

@@ -92,7 +92,12 @@ class TrainConfig:
     layers: int | None = _f(None, "transformer blocks (default 2)")
     heads: int | None = _f(None, "attention heads (default 4)")
     kv_heads: int | None = _f(None, "key/value heads of grouped-query attention (default 2; Llama-style models)")
-    embd: int | None = _f(None, "hidden width (default 128; the MLP is 8/3 of it for SwiGLU models, 4× for GPT-2)")
+    embd: int | None = _f(None, "hidden width (default 128)")
+    mlp: int | None = _f(
+        None,
+        "MLP width, the config's intermediate_size (default: 8/3 of --embd rounded up to a multiple of 64 for "
+        "SwiGLU models such as llama, 4× --embd for gpt2; --model-config's own)",
+    )
     init_from: str | None = _f(
         None,
         "start from a Hugging Face model directory (as shardflow export writes): its "
@@ -243,7 +248,11 @@ class TrainConfig:
 
     @classmethod
     def add_argument(
-        cls, p: argparse.ArgumentParser, name: str, own_default: bool = False, default: Any = dataclasses.MISSING
+        cls,
+        p: argparse.ArgumentParser | argparse._ArgumentGroup,
+        name: str,
+        own_default: bool = False,
+        default: Any = dataclasses.MISSING,
     ) -> None:
         """Field ``name`` as the flag ``--name`` (underscores as dashes) with the field's help, type and choices: the
         one definition of a setting that other commands share with ``shardflow train``. Parsed as None where not
@@ -444,6 +453,7 @@ RANGES = {
     "heads": Range(1),
     "kv_heads": Range(1),
     "embd": Range(1),
+    "mlp": Range(1),
     "vocab_size": Range(256, 2**31 - 1),
     "dropout": Range(0, 1, high_open=True),
     "lr": Range(0, _F32_MAX),

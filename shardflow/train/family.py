@@ -8,7 +8,8 @@
   (:func:`shardflow.model_spec.load_model`), fed from the data pipeline.
 
 Sizes: the family's defaults (:data:`DEFAULT_SIZES`) < ``--model-config config.json`` (a Hugging Face config) <
-the flags ``--layers --heads --kv-heads --embd`` (``--seq-len`` sets the positions, the tokenizer the vocabulary).
+the flags ``--layers --heads --kv-heads --embd --mlp`` (``--seq-len`` sets the positions, the tokenizer the
+vocabulary). ``shardflow plan`` and ``check`` take the same flags and size a model the same way (:meth:`Sizes.of`).
 
 How a model takes a batch (:class:`Feed`): the data pipeline makes token ids ``idx`` [B, T] and their next tokens
 ``targets`` [B, T]. A Hugging Face causal LM gets ``input_ids=idx, labels=targets, shift_labels=targets``: with
@@ -72,15 +73,23 @@ def is_hf(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class Sizes:
-    """The sizes the flags set (None: the family's default or ``--model-config``'s)."""
+    """The sizes the flags set (None: the family's default or ``--model-config``'s). ``mlp``: the MLP's width
+    (``intermediate_size``; default: the family's ratio to ``embd``, :data:`_HF_TYPES`)."""
 
     layers: int | None = None
     heads: int | None = None
     kv_heads: int | None = None
     embd: int | None = None
+    mlp: int | None = None
+
+    @classmethod
+    def of(cls, settings: Any) -> Sizes:
+        """The sizes ``settings`` names by the flags' names (a TrainConfig, or the parsed flags of ``shardflow
+        plan`` and ``check``): one reading, so every command sizes a model from the same flags alike."""
+        return cls(**{k: getattr(settings, k, None) for k in asdict(cls())})
 
 
-# `make train`'s model: about two minutes on 2 cores at tp=2 (see docs/execution.md)
+# `make train`'s model: about two minutes on 2 cores at tp=2 (see docs/execution.md); the MLP by the family's rule
 DEFAULT_SIZES = Sizes(layers=2, heads=4, kv_heads=2, embd=128)
 
 # Hugging Face config attributes per size flag (the standard names: GPT2Config maps them onto n_layer, ...)
@@ -95,7 +104,7 @@ _ATTRS = {
 @dataclass(frozen=True)
 class _HFType:
     """How ``shardflow train`` sizes one Hugging Face ``model_type`` without ``--model-config``: the MLP width
-    attribute and its ratio to the width (SwiGLU's 8/3, rounded up to a multiple of 64, as Llama; GPT-2's 4); its
+    attribute (what ``--mlp`` sets) and, without ``--mlp``, its ratio to the width (SwiGLU's 8/3, rounded up to a multiple of 64, as Llama; GPT-2's 4); its
     dropout attributes (``--dropout``) and its attention dropout (always 0: the fused attention kernel draws its
     mask inside, where shardflow cannot draw the same mask on every strategy)."""
 
@@ -174,8 +183,17 @@ def _hf_describe(config) -> str:
 
 def hf_family(model_type: str) -> Family:
     """The family of a Hugging Face causal LM ``model_type``."""
-    match = tuple((a, f"--{k.replace('_', '-')}") for k, a in _ATTRS.items()) + (("vocab_size", "--vocab-size"),)
+    match = tuple((a, f"--{k.replace('_', '-')}") for k, a in _ATTRS.items()) + (
+        (_ffn(model_type), "--mlp"),
+        ("vocab_size", "--vocab-size"),
+    )
     return Family(model_type, Feed.CAUSAL_LM, _hf_build, lambda c: c.to_dict(), _hf_from_json, _hf_describe, match)
+
+
+def _ffn(model_type: str) -> str:
+    """The config attribute of a model type's MLP width (``--mlp``): GPT-2's ``n_inner``, else ``intermediate_size``."""
+    kind = _HF_TYPES.get(model_type)
+    return kind.ffn if kind else "intermediate_size"
 
 
 def hf_config(
@@ -188,7 +206,8 @@ def hf_config(
     keep_vocab: bool = False,
 ):
     """The Hugging Face config of ``--model`` (a model type; None: ``--model-config``'s, else llama) sized by
-    ``--model-config`` and the flags, with the tokenizer's ``vocab_size`` (``keep_vocab``: the config's, which must
+    ``--model-config`` and the flags (``sizes``; ``--mlp`` sets the MLP width, else the family's ratio to the width
+    or the config file's), with the tokenizer's ``vocab_size`` (``keep_vocab``: the config's, which must
     hold the tokenizer's ids — a pretrained model's embedding), at least ``seq_len`` positions, the given dropout
     and no KV cache (the training forward is captured). Raises ModelError."""
     from transformers import CONFIG_MAPPING, AutoConfig
@@ -225,13 +244,20 @@ def hf_config(
             f"its own keys and values); drop --kv-heads"
         )
     kind = _HF_TYPES.get(model_type)
-    for flag, default in asdict(DEFAULT_SIZES).items():
+    for flag, attr in _ATTRS.items():
         v = getattr(sizes, flag)
         if v is None and not base and (flag != "kv_heads" or gqa):
-            v = default
+            v = getattr(DEFAULT_SIZES, flag)
         if v is not None:
-            setattr(config, _ATTRS[flag], v)
-    if kind is not None and not base:  # a --model-config keeps its own MLP width
+            setattr(config, attr, v)
+    if sizes.mlp is not None:
+        if not hasattr(config, _ffn(model_type)):
+            raise ModelError(
+                f"--mlp {sizes.mlp}: {model_type}'s config has no {_ffn(model_type)} (the MLP width --mlp sets); "
+                f"drop --mlp, or size its MLP in a --model-config"
+            )
+        setattr(config, _ffn(model_type), sizes.mlp)
+    elif kind is not None and not base:  # a --model-config keeps its own MLP width
         setattr(config, kind.ffn, -(-int(config.hidden_size * kind.ffn_ratio) // 64) * 64)
     if dropout and not (kind and kind.dropouts):
         with_dropout = [t for t, k in _HF_TYPES.items() if k.dropouts]

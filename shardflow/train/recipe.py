@@ -179,7 +179,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None
     directory's config) and the size flags: a built-in family's on the meta device (shapes only; see
     :func:`~shardflow.runtime.materialize.materialize`), a factory's as the factory builds it (seeded with ``--seed``). Raises ModelError,
     ModelSpecError."""
-    sizes = Sizes(cfg.layers, cfg.heads, cfg.kv_heads, cfg.embd)
+    sizes = Sizes.of(cfg)
     given = [f"--{k.replace('_', '-')} {v}" for k, v in dataclasses.asdict(sizes).items() if v is not None]
     if is_factory(cfg.model):
         if given or cfg.model_config or pretrained:
