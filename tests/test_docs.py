@@ -13,6 +13,8 @@
    value for a number with a decimal point (a time, a rounding difference such as ``2.2e-16``).
 3. **Anchors.** Every section a doc or a source file cites by anchor (``docs/<doc>.md#<anchor>`` in code,
    ``<doc>.md#<anchor>`` from another doc) is a heading of that doc, by GitHub's rule for heading anchors.
+4. **Vocabulary.** docs/concepts.md's vocabulary names the code's terms as the code spells them: the parallel-op
+   classes, the task types, the lowering passes in their order and every communication kind.
 
 Plans are built in this process (no process starts for them); the commands that train start their processes.
 """
@@ -1055,3 +1057,18 @@ def test_every_cited_anchor_is_a_heading():
                 if not path.is_file() or anchor not in heading_anchors(path):
                     bad.append(f"{source.relative_to(ROOT)}:{i}: {doc}#{anchor}")
     assert not bad, "no such heading:\n" + "\n".join(bad)
+
+
+# --- 4. vocabulary ------------------------------------------------------------------------------------------------
+
+
+def test_vocabulary_spells_the_code_s_names():
+    from shardflow.lower.dynamic import PassName, TaskType
+    from shardflow.parallel.collectives import CommKind
+    from shardflow.parallel.ops import PARALLEL_OPS
+
+    text = (ROOT / "docs" / "concepts.md").read_text().split("\n## 8. Vocabulary\n", 1)[1]
+    names = [*(c.__name__ for c in PARALLEL_OPS.values()), *TaskType, *CommKind, "Shard(dim)", "Replicate()"]
+    assert not [n for n in names if f"`{n}" not in text]
+    passes = re.search(r"in order (.*?) \(\[lowering", text).group(1)
+    assert re.findall(r"`(\w+)`", passes) == list(PassName)

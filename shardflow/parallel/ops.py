@@ -2,7 +2,8 @@
 
 Parallel operators move data; they compute nothing. The classes carry an ``Op`` suffix so that ``Replicate``
 means only the DTensor placement (:class:`shardflow.parallel.mesh.Replicate`); the prose below uses FlexFlow's
-names for what the ops do. On a mesh each one names the axis it acts on:
+names for what the ops do (the vocabulary: docs/concepts.md#8-vocabulary). On a mesh each one names the axis it
+acts on:
 
 =========================  ============================  ==========================  ============================
 op (attrs)                 degree rule                   forward data movement       backward
