@@ -10,6 +10,7 @@ from shardflow.api import optimizer_config
 from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
 from shardflow.lower import LowerOptions, lower_programs, lower_step
+from shardflow.lower.calibration import COST_KINDS, KindCost
 from shardflow.lower.comm_lowering import comm_lowering, decide
 from shardflow.lower.copy_insertion import copy_insertion
 from shardflow.lower.dynamic import (
@@ -218,28 +219,28 @@ def test_forward_all_reduce_travels_while_the_forward_computes(overlap):
 
 
 def test_predicted_timeline_draws_an_async_reduction_beside_the_computes():
-    """--trace's cost-model timeline of the overlapped Megatron MLP: every compute measured at 1 ms, the all-reduce
-    priced at 10 ms. The backward all-reduce starts when fc1's input gradient ends; the weight gradients start at
-    that same moment, one after the other (beside it, not after it); the first compute after its Wait starts when
-    it arrives."""
-    from shardflow.lower.cost import CostModel
-    from shardflow.runtime.trace import LANES, predicted
+    """--trace's predicted timeline of the overlapped Megatron MLP (the simulator's replay with measured computes):
+    every compute measured at 1 ms, the all-reduce priced at 10 ms. The backward all-reduce starts when fc1's input
+    gradient ends; the weight gradients start at that same moment, one after the other (beside it, not after it);
+    the first compute after its Wait starts when it arrives."""
+    from shardflow.simulator.estimate import chrome_events
+    from shardflow.simulator.machine import Link, MachineSpec
+    from shardflow.simulator.replay import replay
 
     step = lowered(mlp(pre=True), "tp=2", MEGATRON)
-    measured = {
-        r: [{"tid": LANES["compute"], "dur": 1000.0, "ts": 0.0} for i in p.instrs if isinstance(i, Compute)]
-        for r, p in step.programs.items()
-    }
-    events = predicted(step.programs, measured, CostModel("gloo", alpha_s=0.01, bandwidth={"all_reduce": 1e15}))
+    link = Link("test", {k: KindCost(0.01, 1e15) for k in COST_KINDS})
+    spec = dataclasses.replace(MachineSpec.named("h100"), intra=link, inter=link)
+    computes = {r: [1e-3] * sum(isinstance(i, Compute) for i in p.instrs) for r, p in step.programs.items()}
+    events = chrome_events(replay([step.programs], spec, events=True, measured=computes).events, pid=1000)
     for r in step.programs:
-        mine = [e for e in events if e["pid"] == 1000 + r]
+        mine = sorted((e for e in events if e["pid"] == 1000 + r), key=lambda e: (e["ts"], -e["tid"]))
         (k,) = [j for j, e in enumerate(mine) if "(async)" in e["name"]]
         comm, dw2, dw1, after = mine[k : k + 4]  # fc2's and fc1's weight gradients travel beside it (2 ms < 10 ms)
         assert mine[k - 1]["ts"] + mine[k - 1]["dur"] == pytest.approx(comm["ts"])
         assert comm["dur"] == pytest.approx(10_000, rel=1e-6)
         assert dw2["name"].startswith("BWD vjp[linear") and dw2["ts"] == pytest.approx(comm["ts"])
         assert dw1["ts"] == pytest.approx(comm["ts"] + 1000)
-        assert after["tid"] == LANES["compute"] and after["ts"] == pytest.approx(comm["ts"] + comm["dur"])
+        assert after["tid"] == 0 and after["ts"] == pytest.approx(comm["ts"] + comm["dur"])
 
 
 def test_data_parallel_syncs_each_weight_gradient_and_nothing_else():

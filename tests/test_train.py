@@ -260,7 +260,7 @@ def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tp2):
     lanes = {(e["pid"], e["tid"]) for e in events if e["ph"] == "X"}
     assert lanes == {(0, 0), (0, 1), (1, 0), (1, 1), (1000, 0), (1000, 1), (1001, 0), (1001, 1)}
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names == {"rank 0 (measured)", "rank 1 (measured)", "rank 0 (cost model)", "rank 1 (cost model)"}
+    assert names == {"rank 0 (measured)", "rank 1 (measured)", "rank 0 (predicted)", "rank 1 (predicted)"}
     measured = [e for e in events if e["ph"] == "X" and e["pid"] == 0 and e["tid"] == 1]
     r, _, _ = tp2
     blocked = sum(e["dur"] for e in measured) / 1e3  # ms rank 0 spent in its communication lane

@@ -1,10 +1,10 @@
 """Chrome-trace timelines (open in Perfetto or chrome://tracing): one step, per rank, compute and communication
-on separate lanes, with the cost model's prediction of the same step beside it.
+on separate lanes, with a prediction of the same step beside it.
 
-Measured: every instruction's start and end on its rank (wall clock, microseconds). Predicted: the same
-instruction stream replayed with each compute taking its measured time and each communication the α–β cost
-model's time (:mod:`shardflow.lower.cost`), starting no earlier than its members are all ready — so the two
-timelines differ exactly where the model's view of communication differs from the machine's.
+Measured: every instruction's start and end on its rank (wall clock, microseconds). The prediction is the
+simulator's replay of the same programs with each compute taking its measured time
+(:func:`shardflow.simulator.replay.replay`'s ``measured``; ``shardflow train --trace`` adds it), so the two
+timelines differ exactly where the machine spec's view of communication differs from the machine's.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from typing import Mapping
 
 import torch
 
-from shardflow.lower.cost import CostModel
-from shardflow.lower.program import Comm, Compute, Program, Wait
-from shardflow.lower.rendezvous import rendezvous
-from shardflow.parallel.collectives import KINDS
+from shardflow.lower.program import Comm, Compute, Wait
 
 LANES = {"compute": 0, "communication": 1}
 
@@ -68,59 +65,6 @@ class Tracer:
         )
 
 
-def comm_seconds(c: Comm, cost: CostModel) -> float:
-    """The cost model's time for one communication (what this rank sends, at its kind's bandwidth on its axis), in
-    seconds."""
-    return cost.call_s(KINDS[c.kind].priced_as, c.nbytes, c.axis)
-
-
-def predicted(programs: Mapping[int, Program], measured: Mapping[int, list[dict]], cost: CostModel) -> list[dict]:
-    """Events of the predicted timeline (pid = 1000 + rank): computes take their measured time, communications
-    the model's, each communication starting when all its members reached it. A communication issued without
-    waiting travels while its rank goes on computing; the rank waits for it at its ``Wait``."""
-    comp = {r: [e["dur"] / 1e6 for e in evs if e["tid"] == LANES["compute"]] for r, evs in measured.items()}
-    clock = {r: 0.0 for r in programs}
-    ci = {r: 0 for r in programs}
-    arrives: dict[tuple[int, int], float] = {}  # (rank, token) of an asynchronous communication → when it is done
-    out: list[dict] = []
-    t0 = min((e["ts"] for evs in measured.values() for e in evs), default=0.0) / 1e6
-
-    def emit(r, name, lane, start, dur):
-        out.append(
-            {
-                "name": name,
-                "ph": "X",
-                "pid": 1000 + r,
-                "tid": lane,
-                "ts": (t0 + start) * 1e6,
-                "dur": max(dur * 1e6, 0.01),
-            }
-        )
-
-    def local(r: int, start: int, stop: int) -> None:
-        for i in programs[r].instrs[start:stop]:
-            if isinstance(i, Compute):
-                d = comp[r][ci[r]] if ci[r] < len(comp.get(r, [])) else 0.0
-                emit(r, f"{i.task} {i.op}", LANES["compute"], clock[r], d)
-                clock[r] += d
-                ci[r] += 1
-            elif isinstance(i, Wait):
-                clock[r] = max(clock[r], arrives.pop((r, i.token)))
-
-    def meet(holders: list[tuple[int, Comm]]) -> None:
-        start = max(clock[m] for m, _ in holders)
-        for m, c in holders:
-            d = comm_seconds(c, cost)
-            emit(m, f"#{c.token} {c.kind}{'' if c.wait else ' (async)'} (model)", LANES["communication"], start, d)
-            if c.wait:
-                clock[m] = start + d
-            else:
-                clock[m], arrives[m, c.token] = start, start + d
-
-    rendezvous(programs, local, meet)
-    return out
-
-
 def blocked(measured: Mapping[int, list[dict]]) -> dict[int, tuple[float, float]]:
     """Per rank of a measured timeline: the seconds it spent blocked on other ranks (its communication lane: blocking
     communications and the waits of those issued without waiting) and the span of its step, seconds. Under a
@@ -138,7 +82,7 @@ def write(path: str | Path, measured: Mapping[int, list[dict]], predicted_events
     meta = []
     for r in measured:
         meta.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r} (measured)"}})
-        meta.append({"name": "process_name", "ph": "M", "pid": 1000 + r, "args": {"name": f"rank {r} (cost model)"}})
+        meta.append({"name": "process_name", "ph": "M", "pid": 1000 + r, "args": {"name": f"rank {r} (predicted)"}})
         for pid in (r, 1000 + r):
             for lane, tid in LANES.items():
                 meta.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": lane}})

@@ -26,7 +26,7 @@ from shardflow.lower.memory import ProgramMemory, program_memory
 from shardflow.lower.program import Comm, Compute, Instr
 from shardflow.parallel.mesh import Mesh
 from shardflow.simulator.cost import EAGER, Kernels
-from shardflow.simulator.replay import Timeline, replay
+from shardflow.simulator.replay import Event, Timeline, replay
 
 if TYPE_CHECKING:
     from shardflow.simulator.machine import MachineSpec
@@ -139,19 +139,27 @@ class Prediction:
     def write_trace(self, path: Path) -> None:
         """Write the timeline's events as a Chrome trace (Perfetto opens it): one process per rank, a thread per
         stream, microseconds."""
-        events = [
-            {
-                "name": e.name,
-                "cat": e.category,
-                "ph": "X",
-                "pid": e.rank,
-                "tid": 0 if e.stream == "compute" else 1,
-                "ts": e.start * 1e6,
-                "dur": e.seconds * 1e6,
-            }
-            for e in self.timeline.events
-        ]
-        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        path.write_text(json.dumps({"traceEvents": chrome_events(self.timeline.events), "displayTimeUnit": "ms"}))
+
+
+STREAM_TID = {"compute": 0, "comm": 1}  # the Chrome-trace thread of each stream (shardflow.runtime.trace's lanes)
+
+
+def chrome_events(events: Sequence[Event], pid: int = 0, start: float = 0.0) -> list[dict[str, Any]]:
+    """Chrome-trace complete events of a replay's ``events``: process ``pid`` + rank, a thread per stream
+    (:data:`STREAM_TID`), microseconds from ``start`` (seconds)."""
+    return [
+        {
+            "name": e.name,
+            "cat": e.category,
+            "ph": "X",
+            "pid": pid + e.rank,
+            "tid": STREAM_TID[e.stream],
+            "ts": (start + e.start) * 1e6,
+            "dur": max(e.seconds * 1e6, 0.01),
+        }
+        for e in events
+    ]
 
 
 def where(i: Instr) -> str:

@@ -110,6 +110,7 @@ class _Rank:
     mine: dict[int, Comm] = field(default_factory=dict)  # token → this rank's side of it
     breakdown: Breakdown = field(default_factory=Breakdown)
     fusing: bool = False  # its last instruction was a compute a fused kernel may go on from (Kernels)
+    computes: int = 0  # computes run so far
 
 
 def _category(c: Compute, recomputed: Callable[[str], bool]) -> str:
@@ -124,11 +125,16 @@ def replay(
     recomputed: Callable[[str], bool] = lambda dnode: False,
     events: bool = False,
     kernels: Kernels = EAGER,
+    measured: Mapping[int, Sequence[float]] | None = None,
 ) -> Timeline:
     """Replay ``steps`` — the micro-steps of one optimizer step, each the programs of the same simulated ranks —
     on ``spec``, one after the other. ``recomputed(dnode)``: whether a compute's dynamic-graph node is a
     recomputation (its time counts as ``recompute``). ``events``: keep every interval (for a trace). ``kernels``:
-    how the computes run (:class:`~shardflow.simulator.cost.Kernels`; default one eager kernel each). Raises
+    how the computes run (:class:`~shardflow.simulator.cost.Kernels`; default one eager kernel each).
+    ``measured``: instead, each rank's computes take these seconds, in program order, 0 past the end (a
+    measured step, whose trace times the optimizer's updates as one: the
+    timeline then differs from the measured one exactly where the spec's communication does; ``shardflow train
+    --trace``). Raises
     SimulationError where the programs cannot run to the end."""
     ranks = {r: _Rank(p) for r, p in (steps[0].items() if steps else ())}
     out: list[Event] = []
@@ -145,7 +151,7 @@ def replay(
             for c in p.comms:
                 if c.token not in comms:
                     comms[c.token] = _Comm(c, frozenset(holders[c.token]), comm_seconds(c, spec))
-        _run(ranks, comms, spec, recomputed, out if events else None, kernels)
+        _run(ranks, comms, spec, recomputed, out if events else None, kernels, measured)
     ends = {r: s.clock for r, s in ranks.items()}
     return Timeline(max(ends.values(), default=0.0), ends, {r: s.breakdown for r, s in ranks.items()}, tuple(out))
 
@@ -157,6 +163,7 @@ def _run(
     recomputed: Callable[[str], bool],
     out: list[Event] | None,
     kernels: Kernels,
+    measured: Mapping[int, Sequence[float]] | None,
 ) -> None:
     def start_ready() -> None:
         """Start every issued communication that heads the queue of each of its holders."""
@@ -175,7 +182,8 @@ def _run(
                     ranks[h].stream_free = st.end
                     ranks[h].queue.pop(0)
                     if out is not None:
-                        out.append(Event(h, "comm", str(st.instr.kind), "comm", begin, st.duration))
+                        name = f"#{st.instr.token} {st.instr.kind}" + ("" if st.instr.wait else " (async)")
+                        out.append(Event(h, "comm", name, "comm", begin, st.duration))
                 moved = True
 
     def hold(s: _Rank, st: _Comm, own: Comm) -> None:
@@ -197,15 +205,20 @@ def _run(
                 s.clock = s.stream_free
             s.clock += spec.instr_overhead_s
             s.breakdown.overhead += spec.instr_overhead_s
-            joins = fusable(i, kernels)
-            seconds = compute_seconds(i, spec, kernels, fused=s.fusing and joins)
-            s.fusing = joins
-            overlapped = max(0.0, min(s.clock + seconds, s.stream_free) - s.clock)
-            seconds += overlapped * (spec.contention - 1.0)
+            if measured is not None:  # a measured step: contention and fusion are in its times already
+                times = measured[r]
+                seconds = times[s.computes] if s.computes < len(times) else 0.0
+            else:
+                joins = fusable(i, kernels)
+                seconds = compute_seconds(i, spec, kernels, fused=s.fusing and joins)
+                s.fusing = joins
+                overlapped = max(0.0, min(s.clock + seconds, s.stream_free) - s.clock)
+                seconds += overlapped * (spec.contention - 1.0)
+            s.computes += 1
             category = _category(i, recomputed)
             setattr(s.breakdown, category, getattr(s.breakdown, category) + seconds)
             if out is not None:
-                out.append(Event(r, "compute", i.op, category, s.clock, seconds))
+                out.append(Event(r, "compute", f"{i.task} {i.op}", category, s.clock, seconds))
             s.clock += seconds
         elif isinstance(i, Comm):
             s.fusing = False

@@ -30,7 +30,8 @@ from shardflow.runtime import trace
 from shardflow.runtime.accumulate import MicroSteps
 from shardflow.runtime.device import rank_device, run_backend
 from shardflow.simulator import MachineSpec, MachineSpecWarning
-from shardflow.simulator.estimate import Prediction
+from shardflow.simulator.estimate import Prediction, chrome_events
+from shardflow.simulator.replay import replay
 from shardflow.train import checkpoint, hooks
 from shardflow.train.check import Check
 from shardflow.train.config import TrainConfig, check_outputs
@@ -188,16 +189,32 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     return 0 if check is None else check.finish(ex, console)  # collective: every rank takes part
 
 
+def this_machine(s: Setup, processes: int) -> tuple[MachineSpec, bool]:
+    """This machine's spec for ``processes`` ranks (``MachineSpec.this``) and whether ``shardflow calibrate``
+    measured it (False: the documented defaults)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MachineSpecWarning)
+        spec = MachineSpec.this(run_backend(s.cfg.device, processes), processes=processes)
+    return spec, not caught
+
+
+def predicted_beside(s: Setup, measured: dict[int, list[dict]]) -> list[dict]:
+    """The trace's predicted lanes (pid 1000 + rank): the step's programs replayed on this machine's spec with
+    each compute taking its measured time, on the measured step's clock."""
+    computes = {r: [e["dur"] / 1e6 for e in evs if e["tid"] == trace.LANES["compute"]] for r, evs in measured.items()}
+    start = min((e["ts"] for evs in measured.values() for e in evs), default=0.0) / 1e6
+    timeline = replay([s.lower().programs], this_machine(s, len(measured))[0], events=True, measured=computes)
+    return chrome_events(timeline.events, pid=1000, start=start)
+
+
 def predict_step(s: Setup, world: int) -> tuple[Prediction | None, str]:
     """The simulator's prediction of one step of this run on this machine (``MachineSpec.this``: what ``shardflow
     calibrate`` measured, else the defaults — the note says which), or None where one process runs every rank of
     a mesh (the simulator predicts one process per rank); and a note for the banner."""
     if world != s.mesh.size:
         return None, f"one process runs all {s.mesh.size} ranks of the mesh: no prediction (it models one per rank)"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", MachineSpecWarning)
-        spec = MachineSpec.this(run_backend(s.cfg.device, world), processes=world)
-    note = "uncalibrated defaults: run `shardflow calibrate` for a measured machine" if caught else spec.source
+    spec, calibrated = this_machine(s, world)
+    note = spec.source if calibrated else "uncalibrated defaults: run `shardflow calibrate` for a measured machine"
     return s.pipeline.predict(spec, s.cfg.batch_size * s.cfg.seq_len), note
 
 
@@ -218,8 +235,7 @@ def _write_trace(s: Setup, ex, rank: int, world: int) -> None:
     ex.tracer = None
     if rank == 0:
         measured = dict(enumerate(everyone))
-        model = trace.predicted(s.lower().programs, measured, s.pipeline.options.cost)
-        path = trace.write(s.cfg.trace, measured, model)
+        path = trace.write(s.cfg.trace, measured, predicted_beside(s, measured))
         print(f"wrote the timeline of step 2 to {path} (open it in https://ui.perfetto.dev)", flush=True)
         ideal = ""
         if s.cfg.microbatches > 1:
