@@ -1,0 +1,303 @@
+"""``--strategy auto``: the fastest plan that fits, chosen by the simulator (docs/search.md).
+
+The search space is every preset a world of N devices can run (:func:`candidates`): each factorization of N into
+a pipeline, data-parallel, fully-sharded and tensor-parallel axis (mesh order ``pp, dp, fsdp, tp``: tensor
+parallelism innermost, on consecutive ranks, a pipeline outermost), tensor parallelism with and without sequence
+parallelism, and under a pipeline its microbatches (p, 2p, 4p) and schedule (1F1B, GPipe, interleaved over two
+chunks per stage); activation checkpointing per block is tried where a candidate does not fit without it (it adds
+a forward: it never makes a step faster). Each candidate is planned, lowered and replayed on
+the machine spec (:meth:`~shardflow.pipeline.Pipeline.predict`); the one with the smallest predicted step time
+whose predicted peak fits the memory budget wins. Candidates are refused before any lowering where their degrees
+do not divide the model or the batch (the planner's own errors, kept as the reason) or where the parameters,
+gradients and optimizer state alone exceed the budget (a lower bound on the peak: every rank holds at least its
+share of them).
+
+This is the preset level of the search: per-op placements beyond the presets (an ILP over the rule tables) and
+folding repeated blocks are not searched yet (docs/search.md#limits).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+from shardflow.graph import ComputationGraph
+from shardflow.lower import LowerOptions
+from shardflow.lower.dynamic import ActivationCheckpointing
+from shardflow.lower.schedule import ScheduleKind, requested
+from shardflow.parallel.mesh import Mesh
+from shardflow.pipeline import Pipeline
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.estimate import Prediction, cost_model
+from shardflow.simulator.machine import MachineSpec
+
+SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
+MARGIN = 0.9  # the default memory budget: this share of the spec's device memory
+
+
+class SearchError(ValueError):
+    """No candidate fits: the message names the smallest predicted peak and the budget."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the search tries: a preset ``strategy`` (``dp,tp``, ``fsdp,sp``, ...) on ``mesh``, with activation
+    checkpointing ``ac`` and, under a pipeline, ``microbatches``, ``schedule`` and ``stages_per_rank``."""
+
+    mesh: Mesh
+    strategy: str
+    ac: ActivationCheckpointing = ActivationCheckpointing.NONE
+    microbatches: int = 1
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    stages_per_rank: int = 1
+
+    def flags(self) -> list[str]:
+        """The ``shardflow train``/``plan`` flags that run this candidate."""
+        out = ["--strategy", self.strategy, "--mesh", str(self.mesh)]
+        if self.ac != ActivationCheckpointing.NONE:
+            out += ["--ac", str(self.ac)]
+        if self.microbatches > 1:
+            out += ["--microbatches", str(self.microbatches), "--schedule", str(self.schedule)]
+        if self.stages_per_rank > 1:
+            out += ["--stages-per-rank", str(self.stages_per_rank)]
+        return out
+
+    def __str__(self) -> str:
+        return " ".join(self.flags())
+
+    def options(self, base: LowerOptions, spec: MachineSpec) -> LowerOptions:
+        """``base`` with this candidate's checkpointing and schedule, its ``auto`` forms chosen on ``spec``."""
+        return dataclasses.replace(
+            base,
+            cost=cost_model(spec, self.mesh),
+            ac=self.ac,
+            microbatches=self.microbatches,
+            schedule=self.schedule,
+            stages_per_rank=self.stages_per_rank,
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A candidate tried: its ``prediction`` (None where refused), and ``refused``: why it was not predicted or does
+    not fit ("" for a plan that fits)."""
+
+    candidate: Candidate
+    prediction: Prediction | None = None
+    refused: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.prediction is not None and not self.refused
+
+
+def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered ``parts``-tuple of positive integers whose product is ``n``."""
+    if parts == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in factorizations(n // d, parts - 1):
+                yield (d, *rest)
+
+
+def candidates(world: int, blocks: int, batch: int) -> list[Candidate]:
+    """Every preset candidate of ``world`` devices for a model of ``blocks`` repeated blocks and a step of ``batch``
+    sequences (module docstring), without activation checkpointing (:func:`search` tries it where a candidate does
+    not fit without): those whose data-parallel degree divides the batch and whose pipeline has no more stages than
+    blocks."""
+    out = []
+    for sizes in factorizations(world, len(SEARCH_AXES)):
+        axes = {a: s for a, s in zip(SEARCH_AXES, sizes) if s > 1}
+        pp, data = axes.get("pp", 1), axes.get("dp", 1) * axes.get("fsdp", 1)
+        if batch % data or pp > max(blocks, 1):
+            continue
+        mesh = Mesh(tuple(axes), tuple(axes.values())) if axes else Mesh(("d",), (1,))
+        names = [a for a in axes]
+        variants = [names] + ([[("sp" if a == "tp" else a) for a in names]] if "tp" in axes else [])
+        for parts in variants:
+            strategy = ",".join(parts) or "single"
+            if pp == 1:
+                out.append(Candidate(mesh, strategy))
+                continue
+            for m in (pp, 2 * pp, 4 * pp):
+                if (batch // data) % m:
+                    continue
+                out.append(Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.ONE_F_ONE_B))
+                out.append(Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.GPIPE))
+                if blocks >= 2 * pp:
+                    out.append(
+                        Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.INTERLEAVED, stages_per_rank=2)
+                    )
+    return out
+
+
+def state_bytes(
+    graph: ComputationGraph, candidate: Candidate, optimizer: OptimizerConfig, options: LowerOptions
+) -> int:
+    """A lower bound on one rank's peak (bytes): its share of the weights, their gradients, the optimizer's state
+    slots and, under mixed precision, the master weights — sharded by every axis but the data-parallel one."""
+    shards = math.prod(s for a, s in zip(candidate.mesh.axis_names, candidate.mesh.shape) if a != "dp")
+    weights = sum(graph.tensors[w].type.nbytes for w in graph.weights)
+    copies = 2 + len(optimizer.slots) + (1 if options.precision else 0)
+    return copies * weights // shards
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The search's answer: ``best`` (its ``pipeline``, planned and ready to lower), every ``outcome`` tried or
+    refused, the memory ``budget`` (bytes), the machine ``spec`` and the search's wall time ``seconds``."""
+
+    best: Outcome
+    pipeline: Pipeline
+    outcomes: tuple[Outcome, ...]
+    budget: int
+    spec: MachineSpec
+    seconds: float
+
+    def alternatives(self) -> list[Outcome]:
+        """The runner-up of each preset family (strategy): the fastest of its candidates that fits, else its
+        smallest-peak one with why it does not; fastest first."""
+        best_of: dict[str, Outcome] = {}
+        for o in self.outcomes:
+            s = o.candidate.strategy
+            if o is self.best or o.prediction is None:
+                continue
+            cur = best_of.get(s)
+            if cur is None or _rank(o) < _rank(cur):
+                best_of[s] = o
+        return sorted(best_of.values(), key=_rank)
+
+    def why(self, o: Outcome) -> str:
+        """Why ``o`` lost to the best, in a few words."""
+        if o.refused:
+            return o.refused
+        assert o.prediction is not None and self.best.prediction is not None
+        slower = o.prediction.step_seconds / self.best.prediction.step_seconds - 1
+        parts = _largest_part(o.prediction)
+        return f"{slower:+.0%} step time (its largest part: {parts})"
+
+    def to_json(self) -> dict[str, Any]:
+        """``shardflow plan --strategy auto --format json``: ``mesh``, ``strategy``, ``flags``, ``predicted`` (the
+        simulator's object), ``alternatives`` (each with its ``flags``, ``predicted`` and ``why``), ``search_seconds``,
+        ``budget_bytes``, ``tried``, ``refused``."""
+        assert self.best.prediction is not None
+        return {
+            "mesh": str(self.best.candidate.mesh),
+            "strategy": self.best.candidate.strategy,
+            "flags": self.best.candidate.flags(),
+            "predicted": self.best.prediction.to_json(),
+            "alternatives": [
+                {
+                    "strategy": o.candidate.strategy,
+                    "flags": o.candidate.flags(),
+                    "predicted": o.prediction.to_json() if o.prediction else None,
+                    "why": self.why(o),
+                }
+                for o in self.alternatives()
+            ],
+            "search_seconds": self.seconds,
+            "budget_bytes": self.budget,
+            "tried": sum(o.prediction is not None for o in self.outcomes),
+            "refused": sum(o.prediction is None for o in self.outcomes),
+        }
+
+    def describe(self) -> str:
+        """The choice, its prediction and the runners-up, as text (``shardflow plan --strategy auto``)."""
+        assert self.best.prediction is not None
+        tried = sum(o.prediction is not None for o in self.outcomes)
+        lines = [
+            f"# --strategy auto on {self.spec.name}: {self.best.candidate} (searched {len(self.outcomes)} presets, "
+            f"{tried} predicted, in {self.seconds:.1f} s; memory budget {self.budget / 2**30:.3g} GiB per device)",
+            self.best.prediction.describe(),
+            "# runners-up (the best of each other strategy):",
+        ]
+        for o in self.alternatives():
+            step = f"{o.prediction.step_seconds * 1e3:.4g} ms" if o.prediction else "-"
+            lines.append(f"#   {o.candidate}: {step}; {self.why(o)}")
+        return "\n".join(lines)
+
+
+def _rank(o: Outcome) -> tuple:
+    """Order of outcomes: those that fit by step time, then the others by peak."""
+    assert o.prediction is not None
+    return (not o.fits, o.prediction.step_seconds if o.fits else max(o.prediction.peak_bytes))
+
+
+def _largest_part(p: Prediction) -> str:
+    parts = vars(p.timeline.breakdown[p.slowest])
+    name = max(parts, key=parts.__getitem__)
+    return f"{name.replace('_', ' ')} {parts[name] * 1e3:.3g} ms"
+
+
+def search(
+    graph_for: Callable[[int], ComputationGraph],
+    world: int,
+    batch: int,
+    tokens: int,
+    base: LowerOptions,
+    optimizer: OptimizerConfig,
+    spec: MachineSpec,
+    budget: int | None = None,
+    blocks: int | None = None,
+) -> SearchResult:
+    """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
+    bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts)``: the model captured on one of
+    ``parts`` equal parts of the step's ``batch`` sequences (``tokens`` in all); ``base``: the run's options (their
+    checkpointing and schedule are the search's); ``blocks``: the model's repeated blocks (default: counted in the
+    graph). Raises SearchError when nothing fits."""
+    from shardflow.strategy.presets import repeated_blocks
+
+    t0 = time.perf_counter()
+    budget = budget if budget is not None else int(MARGIN * spec.device.memory_bytes)
+    graphs: dict[int, ComputationGraph] = {}
+
+    def graph(parts: int) -> ComputationGraph:
+        if parts not in graphs:
+            graphs[parts] = graph_for(parts)
+        return graphs[parts]
+
+    blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate)))
+    outcomes: list[Outcome] = []
+    pipelines: dict[Candidate, Pipeline] = {}
+
+    def attempt(c: Candidate) -> Outcome:
+        options = c.options(base, spec)
+        g = graph(base.accumulate * c.microbatches)
+        floor = state_bytes(g, c, optimizer, options)
+        if floor > budget:
+            return Outcome(c, None, f"its weights, gradients and optimizer state alone need {_gib(floor)}")
+        try:
+            requested(c.mesh, c.schedule, c.microbatches, c.stages_per_rank)
+            p = Pipeline.planned(g, c.mesh, options, optimizer, c.strategy)
+            pred = p.predict(spec, tokens, exact=False)
+        except ValueError as e:  # the planner's refusals (PlanError, DegreeError, RuleError, a schedule's)
+            return Outcome(c, None, str(e).split("\n")[0])
+        pipelines[c] = p
+        peak = max(pred.peak_bytes)
+        return Outcome(c, pred, "" if peak <= budget else f"peaks at {_gib(peak)} > budget {_gib(budget)}")
+
+    for c in candidates(world, blocks, batch // base.accumulate):
+        o = attempt(c)
+        outcomes.append(o)
+        if o.prediction is not None and not o.fits:  # recomputing costs a forward: only where memory asks for it
+            outcomes.append(attempt(dataclasses.replace(c, ac=ActivationCheckpointing.BLOCK)))
+    fitting = [o for o in outcomes if o.fits]
+    if not fitting:
+        predicted = [o for o in outcomes if o.prediction is not None]
+        least = min(predicted, key=_rank) if predicted else None
+        raise SearchError(
+            f"--strategy auto: no plan of {world} devices fits the memory budget {_gib(budget)} per device "
+            + (f"(the smallest peak: {least.candidate}, {least.refused}); " if least else "(none could be planned); ")
+            + "add devices, lower --batch-size, or raise --memory-budget"
+        )
+    best = min(fitting, key=lambda o: (_rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"))
+    return SearchResult(best, pipelines[best.candidate], tuple(outcomes), budget, spec, time.perf_counter() - t0)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
