@@ -286,3 +286,54 @@ def test_fsdp_on_hugging_face_mamba_shards_every_weight_and_moves_what_dp_moves(
     )
     assert gathered == {w: 1 for w in graph.weights}
     assert [r.node for r in pcg.redistributions] == [r.node for r in dp.redistributions] == ["log1p", "div"]
+
+
+def test_each_block_s_gradients_are_reduce_scattered_as_soon_as_its_backward_is_done():
+    """The built-in GPT of 3 blocks at fsdp=2 (buckets, reshard): each block's reduce-scatter bucket is issued right
+    after the last gradient it packs is computed — after that block's backward computes, before the next block's —
+    so it travels while the earlier blocks' backward computes (FSDP2's post-backward reduce-scatter); the first one
+    issued is before the last block's backward compute. Its wait and unpack stay after the backward, before the
+    first update of its weights."""
+    from shardflow.capture import capture
+    from shardflow.lower.program import Compute, Wait
+    from shardflow.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    idx = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(1))
+    graph = capture(model, {"idx": idx, "targets": idx})
+    _, step = _lower(graph, "fsdp=2", "fsdp", True)
+    blocks = [f"transformer.h.{i}" for i in range(3)]
+    for rank, prog in step.programs.items():
+        instrs = list(prog.instrs)
+
+        def grads_of(block: str) -> list[int]:  # where the backward computes the block's weights' gradients
+            return [
+                k
+                for k, i in enumerate(instrs)
+                if isinstance(i, Compute)
+                and i.task == "BWD"
+                and i.op.startswith("vjp")
+                and any(b.value.startswith(f"grad:{block}.") for b in i.outs)
+            ]
+
+        scatters = {
+            block: k
+            for k, i in enumerate(instrs)
+            for block in blocks
+            if isinstance(i, Comm) and str(i.kind) == "reduce_scatter" and f" grad:{block}." in i.note
+        }
+
+        def first_update(block: str) -> int:
+            return min(
+                k
+                for k, i in enumerate(instrs)
+                if isinstance(i, Compute) and i.task == "UPD" and any(f":{block}." in b.value for b in i.ins)
+            )
+
+        for later, earlier in zip(blocks[::-1], blocks[::-1][1:]):  # the backward's order: h.2, h.1, h.0
+            assert max(grads_of(later)) < scatters[later] < min(grads_of(earlier)), (rank, later, scatters)
+        assert min(scatters.values()) < max(grads_of(blocks[0])), rank
+        for block, k in scatters.items():  # waited after the backward, before the first update of its weights
+            wait = next(j for j, i in enumerate(instrs) if isinstance(i, Wait) and i.token == instrs[k].token)
+            assert max(grads_of(blocks[0])) < wait < first_update(block), (rank, block, wait)

@@ -570,10 +570,12 @@ class _Expansion:
     # --- backward ---------------------------------------------------------------------------------------------------
     def backward(self, reshard_after_forward: bool, ac: ActivationCheckpointing) -> dict[str, str]:
         """The BWD nodes, PCG node by PCG node in reverse, each block recomputed before its first backward node
-        under ``--ac block``; returns each weight's gradient, in the order the backward made them (none before the
+        under ``--ac block``, except that the backward of a parallel op on a weight (an FSDP gather: the reduce-scatter
+        of its gradient) runs right after its output's last backward reader, as the forward runs the op right before
+        its first reader (:meth:`forward`); returns each weight's gradient, in the PCG's backward order (none before the
         last micro-step). A weight's gradient is finalized (its synchronisation issued) as soon as its last
-        consumer's backward has run, so that data parallelism's all-reduces can overlap the rest of the backward.
-        Raises PassError under ``--ac block`` if no op lies in a block."""
+        consumer's backward has run, so that data parallelism's all-reduces and FSDP's reduce-scatters can overlap the
+        rest of the backward. Raises PassError under ``--ac block`` if no op lies in a block."""
         pcg = self.pcg
         self.gathers = {
             n.outputs[0]: n
@@ -593,7 +595,14 @@ class _Expansion:
         weights = [w for w, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT and w in pcg.graph.tensors]
         readers = Counter(t for n in pcg.nodes for t in dict.fromkeys(n.inputs))
         self.pending = {w: readers[w] for w in weights}
-        for n in reversed(pcg.nodes):
+        # the forward's lazy parallel ops on weights (an FSDP gather, :meth:`forward`), mirrored: each one's backward
+        # (the reduce-scatter of the weight's gradient) runs right after its output's last backward reader, not where
+        # the PCG lists it (right after the weight, so at the end of the backward)
+        lazy = {n.outputs[0]: n for n in pcg.nodes if n.is_parallel and n.inputs[0] in self.side}
+        waiting = {n.name for n in lazy.values()}
+        left = {t: readers[t] for t in lazy}
+
+        def run(n: PNode) -> None:
             if any(self.contributions[o] for o in n.outputs) and any(i in self.need for i in n.inputs):
                 if (block := self.blocks.get(n.name)) and block not in self.rerun:
                     self.rerun.add(block)
@@ -605,10 +614,29 @@ class _Expansion:
                 else:
                     self.backward_parallel(n)
             self.consumed(n)
+            for t in dict.fromkeys(n.inputs):
+                if t in lazy:
+                    left[t] -= 1
+                    if left[t] == 0:
+                        run(lazy.pop(t))
+
+        for n in reversed(pcg.nodes):
+            if n.name not in waiting:
+                run(n)
+        for n in reversed(list(lazy.values())):  # read by no node
+            run(n)
         for w in weights:  # weights no node reads
             if w not in self.early:
                 self.early[w] = self.finalize(w)
-        return {w: dw for w, dw in self.early.items() if dw is not None}
+        # in the PCG's backward order (by each weight's first reader, last first; then the weights no node reads),
+        # wherever the lazy ops' backward ran: the updates and the gradient-norm sum read them in that order
+        first: dict[str, tuple[int, int]] = {}
+        for k, n in enumerate(pcg.nodes):
+            for j, t in enumerate(dict.fromkeys(n.inputs)):
+                first.setdefault(t, (-k, j))
+        last = len(pcg.nodes)
+        at = {w: first.get(w, (last, k)) for k, w in enumerate(weights)}
+        return {w: dw for w, dw in sorted(self.early.items(), key=lambda kv: at[kv[0]]) if dw is not None}
 
     def consumed(self, n: PNode) -> None:
         """Node ``n``'s backward has run: the gradient of each weight it was the last reader of is finalized."""
