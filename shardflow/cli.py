@@ -60,6 +60,8 @@ from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
+from shardflow.runtime.accumulate import split_batch
+from shardflow.search import MARGIN, search
 from shardflow.simulator import MachineSpec
 from shardflow.simulator import resolve as resolve_machine
 from shardflow.simulator.estimate import cost_model
@@ -399,7 +401,58 @@ def schedule_json(dg, kind: ScheduleKind) -> dict[str, Any]:
     }
 
 
+def memory_bytes(text: str) -> int:
+    """``--memory-budget``: bytes, written as a number (``80e9``) or with a unit (``64GiB``, ``500MB``)."""
+    units = {"gib": 2**30, "mib": 2**20, "kib": 2**10, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    t = text.strip().lower()
+    unit = next((u for u in units if t.endswith(u)), "b")
+    try:
+        n = float(t.removesuffix(unit) if t.endswith(unit) else t) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no size in bytes; write e.g. 80e9 or 64GiB") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a memory budget is > 0 bytes")
+    return int(n)
+
+
+def cmd_plan_auto(args: argparse.Namespace) -> int:
+    """``shardflow plan --strategy auto``: the search (:func:`~shardflow.search.search`) on ``--nproc`` devices of
+    ``--machine``, printed as text or JSON; ``--save-plan`` writes the chosen plan."""
+    if args.mesh or args.plan:
+        raise ValueError(
+            f"--strategy auto chooses the mesh and the plan itself: drop {'--mesh' if args.mesh else '--plan'}, and "
+            f"give the number of devices with --nproc"
+        )
+    spec = resolve_machine(args.machine, processes=args.nproc)
+    options = step_options(args, machine_cost("auto", args.nproc))  # each candidate's forms: the spec's cost model
+    model, batch = plan_model(args, options)
+    rows = next(iter(batch.values())).shape[0]
+    result = search(
+        lambda parts: capture(model, split_batch(batch, parts)[0]),
+        args.nproc,
+        rows,
+        tokens_of(batch),
+        options,
+        optimizer_config(args),
+        spec,
+        args.memory_budget,
+    )
+    if args.format == "json":
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        print(result.describe())
+    if args.save_plan:
+        chosen = result.best.candidate
+        doc = result.pipeline.plan.to_json() | {"mesh": str(chosen.mesh), "flags": chosen.flags()}
+        write_out(Path(args.save_plan), json.dumps(doc, indent=1) + "\n")
+        again = [f for f in chosen.flags() if f not in ("--strategy", chosen.strategy)]
+        print(f"# wrote {args.save_plan}; plan it again with: shardflow plan --plan {args.save_plan} {' '.join(again)}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.strategy == "auto":
+        return cmd_plan_auto(args)
     strategy = None if args.plan else args.strategy or "tp"
     mesh = Mesh.parse(args.mesh) if args.mesh else default_mesh(strategy or "tp", args.nproc)
     spec = resolve_machine(args.machine, processes=mesh.size) if args.estimate else None
@@ -882,7 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument(
         "--strategy",
-        help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp (default tp, or none with --plan)",
+        help="single, dp, fsdp, hsdp, tp, sp, pp or a combination such as dp,tp, or auto: the fastest preset that "
+        "fits the memory budget on --nproc devices of --machine, chosen by the simulator (docs/search.md) (default "
+        "tp, or none with --plan)",
     )
     p.add_argument(
         "--mesh",
@@ -934,6 +989,17 @@ def build_parser() -> argparse.ArgumentParser:
         + ") or a machine spec TOML file (default this)",
     )
     p.add_argument("--trace", help="with --estimate: write the predicted timeline here (Chrome trace, Perfetto)")
+    p.add_argument(
+        "--memory-budget",
+        type=memory_bytes,
+        help="with --strategy auto: bytes each device may hold at its peak, e.g. 80e9 or 64GiB (default: "
+        f"{MARGIN:.0%} of the --machine's device memory)",
+    )
+    p.add_argument(
+        "--save-plan",
+        help="with --strategy auto: write the chosen plan to this JSON file (a user plan: --plan FILE with the "
+        "flags it prints plans it again exactly)",
+    )
     add_optimizer_args(p)  # the update step carries the optimizer's state slots
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser(

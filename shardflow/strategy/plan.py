@@ -17,6 +17,7 @@ Example — Megatron MLP on axis ``tp``::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -105,6 +106,38 @@ class Plan:
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"cannot read plan: {e}") from None
         return cls(modules, inputs, ops, data.get("stage_axis", "pp"), data.get("name", "user"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as :meth:`from_json` reads it — placements as the strings a user writes (``"Shard(0)"``), parallel
+        ops as ``{"op": kind, field: value}`` — so that ``Plan.from_json(plan.to_json())`` resolves to the same
+        annotations (``shardflow plan --save-plan``)."""
+
+        def spec(v: PlacementSpec) -> Any:
+            return {k: repr(p) for k, p in v.items()} if isinstance(v, Mapping) else [repr(p) for p in v]
+
+        modules: dict[str, dict[str, Any]] = {}
+        for pat, m in self.modules.items():
+            d: dict[str, Any] = {}
+            if m.params:
+                d["params"] = {k: spec(v) for k, v in m.params.items()}
+            for key, v in (("input", m.input), ("output", m.output)):
+                if v is not None:
+                    d[key] = spec(v)
+            if m.stage is not None:
+                d["stage"] = m.stage
+            if m.devices is not None:
+                d["devices"] = list(m.devices)
+            modules[pat] = d
+        return {
+            "name": self.name,
+            "stage_axis": self.stage_axis,
+            "modules": modules,
+            "inputs": {k: spec(v) for k, v in self.inputs.items()},
+            "ops": {
+                t: [{"op": o.kind, **{f.name: getattr(o, f.name) for f in dataclasses.fields(o)}} for o in ops]
+                for t, ops in self.ops.items()
+            },
+        }
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -1,0 +1,112 @@
+"""``--strategy auto`` (docs/search.md): the candidates, the golden choices of a small model (data parallelism with
+memory to spare, fully sharded when the replicated optimizer state does not fit), the choice never slower than a
+preset it saw, and a saved plan that plans the same programs again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardflow.capture import capture
+from shardflow.lower import LowerOptions
+from shardflow.lower.dynamic import Optimizer
+from shardflow.lower.program import programs_fingerprint
+from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.mesh import Mesh
+from shardflow.pipeline import Pipeline
+from shardflow.runtime.accumulate import split_batch
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.search import SearchError, candidates, factorizations, search
+from shardflow.simulator.machine import MachineSpec
+
+SPEC = MachineSpec.named("h100")
+torch.manual_seed(0)
+MODEL = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+BATCH = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
+
+
+def run(world: int, budget: int | None = None, model=MODEL, batch=BATCH):
+    rows = batch["idx"].shape[0]
+    return search(
+        lambda parts: capture(model, split_batch(batch, parts)[0]),
+        world,
+        rows,
+        rows * 16,
+        LowerOptions(),
+        OptimizerConfig(Optimizer.ADAMW),
+        SPEC,
+        budget,
+    )
+
+
+pytestmark = pytest.mark.integration  # each search plans and predicts ~70 presets: a minute in all
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return run(8)
+
+
+def test_factorizations_and_candidates():
+    assert sorted(factorizations(4, 2)) == [(1, 4), (2, 2), (4, 1)]
+    assert len(list(factorizations(8, 4))) == 20
+    # a batch of 2 splits at most 2 ways (no dp=4, fsdp=4, dp=2,fsdp=2) and, under a pipeline of 2 stages, into 2
+    # microbatches only where nothing else splits it; 2 blocks make at most 2 stages (no pp=4)
+    cs = candidates(4, blocks=2, batch=2)
+    assert {str(c.mesh) for c in cs} == {"tp=4", "dp=2,tp=2", "fsdp=2,tp=2", "pp=2,tp=2"}
+    assert {c.strategy for c in cs if str(c.mesh) == "tp=4"} == {"tp", "sp"}
+    assert {(c.microbatches, str(c.schedule)) for c in cs if "pp" in c.mesh.axis_names} == {(2, "1f1b"), (2, "gpipe")}
+
+
+def test_a_small_model_with_a_large_batch_gets_data_parallelism(eight):
+    best = eight.best.candidate
+    assert (best.strategy, str(best.mesh), str(best.ac)) == ("dp", "dp=8", "none")
+    kinds = {c.kind for p in eight.pipeline.lower().programs.values() for c in p.comms}
+    assert kinds == {"all_reduce"}  # the gradients' (bucketed) and the loss's label count, nothing else
+
+
+def test_the_choice_is_never_slower_than_a_preset_it_saw(eight):
+    assert eight.best.fits and eight.best.prediction is not None
+    fitting = [o.prediction.step_seconds for o in eight.outcomes if o.fits]
+    assert len(fitting) > 20 and eight.best.prediction.step_seconds == min(fitting)
+    doc = eight.to_json()
+    assert {"mesh", "strategy", "predicted", "alternatives", "search_seconds"} <= set(doc)
+    assert doc["mesh"] == "dp=8" and {"fsdp", "dp,tp", "pp,dp"} <= {a["strategy"] for a in doc["alternatives"]}
+    assert all(a["why"] for a in doc["alternatives"])
+
+
+def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_the_model():
+    """A wider model and a larger batch, on a device that holds the fully sharded plan's peak and an eighth more
+    but not the replicated state: fsdp, not tp."""
+    torch.manual_seed(0)
+    wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=256))
+    batch = {"idx": torch.randint(0, 64, (512, 16)), "targets": torch.randint(0, 64, (512, 16))}
+    free = run(8, model=wide, batch=batch)
+    peaks = {str(o.candidate.mesh): max(o.prediction.peak_bytes) for o in free.outcomes if o.prediction}
+    budget = peaks["fsdp=8"] * 9 // 8
+    assert peaks["dp=8"] > budget  # replicated, the AdamW state does not fit
+    res = run(8, budget=budget, model=wide, batch=batch)
+    best = res.best.candidate
+    assert "fsdp" in best.mesh.axis_names and "tp" not in best.mesh.axis_names
+    assert max(res.best.prediction.peak_bytes) <= res.budget
+    with pytest.raises(SearchError, match="no plan of 8 devices fits the memory budget"):
+        run(8, budget=1000)
+
+
+def test_a_saved_plan_plans_the_same_programs_again(eight, tmp_path):
+    from shardflow.strategy import Plan
+
+    chosen = eight.best.candidate
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps(eight.pipeline.plan.to_json()))
+    again = Pipeline.planned(
+        eight.pipeline.graph,
+        Mesh.parse(str(chosen.mesh)),
+        eight.pipeline.options,
+        eight.pipeline.optimizer,
+        None,
+        Plan.load(path),
+    )
+    assert programs_fingerprint(again.lower().programs) == programs_fingerprint(eight.pipeline.lower().programs)
