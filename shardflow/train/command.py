@@ -35,7 +35,7 @@ from shardflow.train.config import TrainConfig, check_config, check_outputs, che
 from shardflow.train.console import Console, tee_to_log
 from shardflow.train.loop import Diverged, train
 from shardflow.train.memory import MemoryFitError, processes_here
-from shardflow.train.recipe import Setup, check_memory, setup
+from shardflow.train.recipe import Setup, auto_strategy, check_memory, setup
 from shardflow.train.rundir import RunDir, RunDirError
 
 # exit status of a run stopped by Ctrl-C / SIGTERM (the shell's 128 + SIGINT)
@@ -54,8 +54,15 @@ def _interrupt(signum, _frame):
 
 
 def main(cfg: TrainConfig) -> int:
-    """Entry of ``shardflow train``: plan-check in this process, then launch ``--nproc`` ranks (or run here)."""
+    """Entry of ``shardflow train``: plan-check in this process, then launch ``--nproc`` ranks (or run here);
+    ``--strategy auto`` is resolved first (:func:`~shardflow.train.recipe.auto_strategy`), the ranks get its
+    choice."""
     check_config(cfg)
+    if cfg.strategy == "auto":
+        world = int(os.environ.get("WORLD_SIZE", cfg.nproc))
+        cfg, result = auto_strategy(cfg, world)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(result.describe(), flush=True)
     check_processes(cfg, os.environ)
     launched = os.environ.get(LAUNCHED) == "1"
     with RunDir(cfg, owner=not launched and int(os.environ.get("RANK", "0")) == 0) as run:

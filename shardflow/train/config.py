@@ -45,7 +45,8 @@ class TrainConfig:
     strategy: str | None = _f(
         None,
         f"single, dp, fsdp, hsdp (= dp,fsdp), tp, sp, pp or a combination such as dp,tp "
-        f"or fsdp,tp (default {DEFAULT_STRATEGY}; not with --plan)",
+        f"or fsdp,tp, or auto: the fastest of them that fits this machine, chosen by the simulator before any "
+        f"process starts (docs/search.md) (default {DEFAULT_STRATEGY}; not with --plan)",
     )
     plan: str | None = _f(
         None,
@@ -53,6 +54,11 @@ class TrainConfig:
         "as shardflow plan --plan and shardflow check --plan take (docs/concepts.md)",
     )
     mesh: str | None = _f(None, "device mesh, e.g. dp=2,tp=2 (default: the strategy's axis with --nproc devices)")
+    memory_budget: int | None = _f(
+        None,
+        "with --strategy auto: bytes each process may hold at its peak (default: 90 % of this machine's memory "
+        "per process)",
+    )
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
     steps: int = _f(600, "optimizer steps to train for")
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")

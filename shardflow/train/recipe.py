@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,9 +25,12 @@ from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
 from shardflow.pipeline import Pipeline, machine_cost
-from shardflow.runtime.device import device_type
+from shardflow.runtime.accumulate import split_batch
+from shardflow.runtime.device import device_type, run_backend
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.materialize import TensorInit, materialize
+from shardflow.search import SearchResult, search
+from shardflow.simulator import MachineSpec, MachineSpecWarning
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
@@ -242,6 +246,51 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
     if processes and not is_factory(cfg.model):  # a factory's model is known once the factory has built it
         _check_memory_before_build(cfg, world, mesh, corpus, pretrained, processes, runtime)
     return _build(cfg, mesh, corpus, pretrained, runtime=runtime)
+
+
+def auto_strategy(cfg: TrainConfig, world: int) -> tuple[TrainConfig, SearchResult]:
+    """``--strategy auto``: the settings of the fastest preset that fits this machine (:func:`~shardflow.search.search`
+    on ``MachineSpec.this`` for ``world`` processes; docs/search.md) — ``cfg`` with its strategy, mesh, activation
+    checkpointing and pipeline schedule replaced — and the search's result. The model is built on the meta device
+    and captured on the corpus's first batch; nothing is materialized but its buffers. Raises SearchError where
+    nothing fits, and what building the model raises."""
+    if cfg.plan or cfg.mesh:
+        raise PlanError(
+            f"--strategy auto chooses the mesh and the plan itself: drop {'--plan' if cfg.plan else '--mesh'}, and "
+            f"give the number of devices with --nproc"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MachineSpecWarning)  # an uncalibrated machine: the banner says so
+        spec = MachineSpec.this(run_backend(cfg.device, world), processes=world)
+    corpus = Corpus.load(cfg.data, TokenizerChoice.of(cfg.tokenizer, cfg.vocab_size), cfg.seq_len, cfg.cache_dir)
+    family, _, model = build_model(cfg, corpus.tokenizer.vocab_size, None)
+    if not is_factory(cfg.model):
+        materialize(model, cfg.seed)
+    options = step_options(cfg, machine_cost(cfg.device, world))
+    if options.precision:
+        model.to(options.precision.param_dtype)
+    batch = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
+    result = search(
+        lambda parts: capture(model, split_batch(batch, parts)[0]),
+        world,
+        cfg.batch_size,
+        cfg.batch_size * cfg.seq_len,
+        options,
+        optimizer_config(cfg),
+        spec,
+        cfg.memory_budget,
+    )
+    c = result.best.candidate
+    chosen = dataclasses.replace(
+        cfg,
+        strategy=c.strategy,
+        mesh=str(c.mesh),
+        ac=str(c.ac),
+        microbatches=c.microbatches,
+        schedule=str(c.schedule),
+        stages_per_rank=c.stages_per_rank,
+    )
+    return chosen, result
 
 
 def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
