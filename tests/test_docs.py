@@ -600,6 +600,9 @@ COMMANDS = {
     "torchrun --standalone --nproc-per-node 2 -m shardflow.cli train --strategy tp": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --help": Run(),
     ".venv/bin/shardflow plan --strategy tp --nproc 2": Run(),
+    # docs/search.md
+    ".venv/bin/shardflow plan --strategy auto --nproc 4 --machine h100": Run(),
+    ".venv/bin/shardflow plan --strategy auto --nproc 4 --machine h100 --format json --save-plan /tmp/auto.json": Run(),
     # docs/simulator.md
     ".venv/bin/shardflow plan --estimate --machine h100 --strategy fsdp,tp --mesh fsdp=4,tp=2 --dtype bf16": Run(),
     ".venv/bin/shardflow plan --estimate --machine h100 --strategy fsdp,tp --mesh fsdp=4,tp=2 --format json "

@@ -75,6 +75,19 @@ def test_strategies_match_single_device_step_by_step(tmp_path, run_train, run_he
     _matches_single_device_step_by_step(r, run, want, read_metrics)
 
 
+def test_strategy_auto_trains_its_choice_and_matches_single_device(tmp_path, run_train, single, read_metrics):
+    """--strategy auto (docs/search.md): the parent prints the search's choice and runners-up, and the ranks train
+    the chosen preset (config.toml holds it, not "auto") with the single device's losses."""
+    import tomllib
+
+    r, run = run_train(tmp_path, "run", "--strategy", "auto", "--nproc", "2")
+    _matches_single_device_step_by_step(r, run, single, read_metrics)
+    chosen = tomllib.loads((run / "config.toml").read_text())
+    assert chosen["strategy"] in ("dp", "fsdp", "tp", "sp", "pp") and chosen["mesh"].endswith("=2")
+    assert f"# --strategy auto on this: --strategy {chosen['strategy']} --mesh {chosen['mesh']}" in r.stdout
+    assert "# runners-up (the best of each other strategy):" in r.stdout
+
+
 def test_tp_matches_single_device_step_by_step(tp2, single, read_metrics):
     r, run, _ = tp2
     _matches_single_device_step_by_step(r, run, single, read_metrics)
