@@ -22,6 +22,7 @@ import functools
 import hashlib
 import inspect
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardflow.capture import capture
 from shardflow.graph import ComputationGraph, TensorRole
 from shardflow.graph.fused import stored
 from shardflow.lower import LoweredStep, LowerOptions, MixedPrecision
@@ -41,10 +43,12 @@ from shardflow.parallel.pcg import PCG
 from shardflow.pipeline import Pipeline, machine_cost
 from shardflow.reference import leaves, run_backward, weights_of
 from shardflow.runtime.accumulate import MicroSteps, split_batch
-from shardflow.runtime.device import rank_device
+from shardflow.runtime.device import rank_device, run_backend
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import LRSchedule, OptimizerConfig
 from shardflow.runtime.materialize import materialize
+from shardflow.search import search, tokens_of
+from shardflow.simulator import MachineSpec, MachineSpecWarning
 from shardflow.strategy import Plan
 
 # --- planning ---------------------------------------------------------------------------------------------------
@@ -404,6 +408,39 @@ class Trainer:
 OptimizerSpec = OptimizerConfig | str | type[torch.optim.Optimizer] | functools.partial
 
 
+def auto_pipeline(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    world: int,
+    options: LowerOptions,
+    optimizer: OptimizerConfig,
+    device: str,
+    budget: int | None,
+    plan: Plan | str | Path | None,
+    clip_norm: float | None,
+) -> Pipeline:
+    """``strategy="auto"``: the pipeline of the fastest preset of ``world`` devices that fits this machine
+    (:func:`~shardflow.search.search` on ``MachineSpec.this``; docs/search.md). Raises ValueError with a ``plan``
+    (auto chooses it), SearchError where nothing fits."""
+    if plan is not None:
+        raise ValueError("strategy='auto' chooses the plan itself: drop plan=, or name a preset strategy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MachineSpecWarning)  # uncalibrated: the documented defaults
+        spec = MachineSpec.this(run_backend(device, world), processes=world)
+    rows = next(iter(batch.values())).shape[0]
+    result = search(
+        lambda parts: capture(model, split_batch(batch, parts)[0]),
+        world,
+        rows,
+        tokens_of(batch),
+        options,
+        optimizer,
+        spec,
+        budget,
+    )
+    return dataclasses.replace(result.pipeline, clip_norm=clip_norm)
+
+
 def parallelize(
     model: nn.Module,
     batch: Mapping[str, torch.Tensor],
@@ -431,6 +468,7 @@ def parallelize(
     reduce_scatter: str = "auto",
     bucket_mb: float = 25.0,
     device: str = "auto",
+    memory_budget: int | None = None,
 ) -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights
     (:class:`~shardflow.pipeline.Pipeline`, as ``shardflow train`` and ``plan`` do: the same programs).
@@ -448,7 +486,9 @@ def parallelize(
             as docs/concepts.md §7 says: the first the outermost. Where each rank keeps its buffers is still
             ``device``'s choice, not the DeviceMesh's ``device_type``.
         strategy: a preset — dp, fsdp, hsdp, tp, sp, pp or a combination (``"dp,tp"``, ``"fsdp,tp"``); default: the
-            one the mesh's axes name.
+            one the mesh's axes name. ``"auto"``: the fastest preset of ``mesh``'s number of devices that fits this
+            machine, chosen by the simulator (docs/search.md; the mesh's shape is the search's, only its size
+            counts), its predicted peak at most ``memory_budget`` bytes per device (default 90 % of the device's).
         plan: a user plan instead (a :class:`Plan` or a JSON/TOML file, see docs/concepts.md).
         optimizer: your ``torch.optim`` optimizer class — ``torch.optim.SGD``, ``Adam`` or ``AdamW`` — or a
             ``functools.partial`` of one, its options in ``optimizer_kwargs`` (``{"lr": 1e-3, "betas": (0.9,
@@ -536,7 +576,11 @@ def parallelize(
         accumulate=accumulate,
     )
     inits = materialize(model, seed) if any(p.is_meta for p in model.parameters()) else None
-    pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict, clip_norm)
+    if strategy == "auto":
+        pipeline = auto_pipeline(model, batch, mesh.size, options, opt, device, memory_budget, plan, clip_norm)
+        mesh = pipeline.pcg.mesh
+    else:
+        pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict, clip_norm)
     graph = pipeline.graph
     weights = {w: inits[w] for w in graph.weights} if inits else weights_of(model, graph)
     where = rank_device(device)

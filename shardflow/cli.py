@@ -31,7 +31,7 @@ import tempfile
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
@@ -40,6 +40,7 @@ from shardflow.api import (
     LowerOptions,
     ParallelPlan,
     Pipeline,
+    auto_pipeline,
     machine_cost,
     mesh_options,
     parallelize,
@@ -61,7 +62,7 @@ from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
 from shardflow.runtime.accumulate import split_batch
-from shardflow.search import MARGIN, search
+from shardflow.search import MARGIN, search, tokens_of
 from shardflow.simulator import MachineSpec
 from shardflow.simulator import resolve as resolve_machine
 from shardflow.simulator.estimate import cost_model
@@ -336,13 +337,6 @@ def plan_model(args: argparse.Namespace, options: LowerOptions) -> tuple[torch.n
     return model, batch
 
 
-def tokens_of(batch: Mapping[str, torch.Tensor]) -> int:
-    """Tokens one step trains on: the elements of the batch's first integer tensor (token ids ``[B, T]``), else its
-    rows (a batch of feature vectors)."""
-    ids = next((t for t in batch.values() if not t.is_floating_point()), None)
-    return ids.numel() if ids is not None else next(iter(batch.values())).shape[0]
-
-
 def print_estimate(args: argparse.Namespace, pipeline: Pipeline, spec: MachineSpec, batch) -> int:
     """``shardflow plan --estimate``: the predicted step (:meth:`Pipeline.predict`) as text or JSON (keys of
     :meth:`~shardflow.simulator.estimate.Prediction.to_json`, with ``strategy``, ``mesh``, ``fits`` and
@@ -562,6 +556,8 @@ def check_mesh(args: argparse.Namespace) -> tuple[Mesh, str | None]:
     if args.mesh:
         return Mesh.parse(args.mesh), args.strategy
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.strategy == "auto":  # the search's mesh, of this many devices (parallelize's strategy="auto")
+        return Mesh(("d",), (world if world > 1 else max(args.nproc, 2),)), "auto"
     strategy = args.strategy or ("tp" if args.plan is None else None)
     one = not parse_strategy(strategy or "tp")  # single: one device
     devices = world if world > 1 else args.nproc if args.nproc > 1 or one else 2
@@ -737,16 +733,21 @@ def launch_check(args: argparse.Namespace) -> int:
         )
     options = mesh_options(mesh, **memory_options(args))  # what each rank's parallelize parses
     with precision(checked.dtype):
-        pipeline = Pipeline.capture(
-            checked.model,
-            checked.batch,
-            mesh,
-            options,
-            optimizer_config(args),
-            strategy,
-            args.plan,
-            args.strict,
-        )
+        if strategy == "auto":
+            pipeline = auto_pipeline(
+                checked.model, checked.batch, mesh.size, options, optimizer_config(args), "auto", None, args.plan, None
+            )
+        else:
+            pipeline = Pipeline.capture(
+                checked.model,
+                checked.batch,
+                mesh,
+                options,
+                optimizer_config(args),
+                strategy,
+                args.plan,
+                args.strict,
+            )
     require_eager_comparable(pipeline.graph)
     pipeline.lower(verify=True)  # every rank's program, proven to agree
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))

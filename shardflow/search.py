@@ -22,7 +22,9 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
 
 from shardflow.graph import ComputationGraph
 from shardflow.lower import LowerOptions
@@ -92,6 +94,13 @@ class Outcome:
     @property
     def fits(self) -> bool:
         return self.prediction is not None and not self.refused
+
+
+def tokens_of(batch: Mapping[str, torch.Tensor]) -> int:
+    """Tokens one step trains on: the elements of the batch's first integer tensor (token ids ``[B, T]``), else its
+    rows (a batch of feature vectors)."""
+    ids = next((t for t in batch.values() if not t.is_floating_point()), None)
+    return ids.numel() if ids is not None else next(iter(batch.values())).shape[0]
 
 
 def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:

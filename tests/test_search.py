@@ -110,3 +110,30 @@ def test_a_saved_plan_plans_the_same_programs_again(eight, tmp_path):
         Plan.load(path),
     )
     assert programs_fingerprint(again.lower().programs) == programs_fingerprint(eight.pipeline.lower().programs)
+
+
+def test_parallelize_auto_trains_the_choice_as_one_device_does():
+    from shardflow import parallelize
+
+    def trainer(**kw):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+        return parallelize(model, BATCH, optimizer="adamw", lr=1e-3, **kw)
+
+    auto, one = trainer(mesh="d=4", strategy="auto"), trainer(mesh="d=1", strategy="single")
+    assert auto.plan.pcg.mesh.size == 4 and auto.plan.name != "single"
+    for _ in range(3):  # float32, partial sums added in another order: ~1e-6 relative
+        assert auto.step(BATCH) == pytest.approx(one.step(BATCH), rel=1e-5)
+    with pytest.raises(ValueError, match="strategy='auto' chooses the plan itself"):
+        trainer(mesh="d=4", strategy="auto", plan="p.json")
+
+
+def test_check_auto_compares_the_choice_with_eager(capsys, monkeypatch):
+    from pathlib import Path
+
+    from shardflow.cli import main
+
+    monkeypatch.chdir(Path(__file__).parents[1])
+    assert main(["check", "--model", "examples/hf_llama.py:tiny_llama", "--strategy", "auto", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "over every replica (tolerance" in out and out.rstrip().endswith("OK")
