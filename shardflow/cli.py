@@ -62,7 +62,7 @@ from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
 from shardflow.runtime.accumulate import split_batch
-from shardflow.search import MARGIN, search, tokens_of
+from shardflow.search import MARGIN, explain, search, tokens_of
 from shardflow.simulator import MachineSpec
 from shardflow.simulator import resolve as resolve_machine
 from shardflow.simulator.estimate import cost_model
@@ -435,6 +435,8 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_json(), indent=1))
     else:
         print(result.describe())
+    if args.explain:
+        print(explain(result, args.explain))
     if args.save_plan:
         chosen = result.best.candidate
         doc = result.pipeline.plan.to_json() | {"mesh": str(chosen.mesh), "flags": chosen.flags()}
@@ -995,6 +997,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=memory_bytes,
         help="with --strategy auto: bytes each device may hold at its peak, e.g. 80e9 or 64GiB (default: "
         f"{MARGIN:.0%} of the --machine's device memory)",
+    )
+    p.add_argument(
+        "--explain",
+        metavar="OP",
+        help="with --strategy auto: for one op (a node of --graph, or a module path: its ops), under the chosen plan "
+        "and each runner-up: its placements, predicted compute and communication, and the memory of its outputs",
     )
     p.add_argument(
         "--save-plan",

@@ -27,12 +27,16 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from shardflow.graph import ComputationGraph
+from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import ActivationCheckpointing
+from shardflow.lower.program import Comm, Compute
 from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
+from shardflow.parallel.pcg import placements_text
 from shardflow.pipeline import Pipeline
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model
 from shardflow.simulator.machine import MachineSpec
 
@@ -159,7 +163,8 @@ def state_bytes(
 @dataclass(frozen=True)
 class SearchResult:
     """The search's answer: ``best`` (its ``pipeline``, planned and ready to lower), every ``outcome`` tried or
-    refused, the memory ``budget`` (bytes), the machine ``spec`` and the search's wall time ``seconds``."""
+    refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds`` and the
+    ``pipelines`` of every candidate predicted (for :func:`explain`)."""
 
     best: Outcome
     pipeline: Pipeline
@@ -167,6 +172,7 @@ class SearchResult:
     budget: int
     spec: MachineSpec
     seconds: float
+    pipelines: Mapping[Candidate, Pipeline] = dataclasses.field(default_factory=dict, repr=False)
 
     def alternatives(self) -> list[Outcome]:
         """The runner-up of each preset family (strategy): the fastest of its candidates that fits, else its
@@ -305,7 +311,71 @@ def search(
             + "add devices, lower --batch-size, or raise --memory-budget"
         )
     best = min(fitting, key=lambda o: (_rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"))
-    return SearchResult(best, pipelines[best.candidate], tuple(outcomes), budget, spec, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return SearchResult(best, pipelines[best.candidate], tuple(outcomes), budget, spec, seconds, pipelines)
+
+
+def explain(result: SearchResult, target: str, rank: int = 0) -> str:
+    """``shardflow plan --strategy auto --explain TARGET``: for the op ``target`` (a node of the captured graph, or a
+    module path: every op in it), under the chosen plan and the runner-up of each other strategy, on ``rank``: the
+    placements of its inputs and outputs, the seconds of its computes by task type (forward, backward, recompute,
+    update) and of the communications that move its inputs and outputs (with their bytes), and the bytes of its
+    outputs' pieces — each from the instruction costs of the machine spec (:mod:`shardflow.simulator.cost`).
+    Raises ValueError for a target that names no op."""
+    shown = [result.best, *(o for o in result.alternatives() if o.candidate in result.pipelines)]
+    lines: list[str] = []
+    for o in shown:
+        p = result.pipelines[o.candidate]
+        nodes = [n for n in p.pcg.nodes if not n.is_parallel and (n.name == target or _within(n.scope, target))]
+        if not nodes:
+            raise ValueError(
+                f"--explain {target}: no op of the captured graph has that name or runs in that module; give a node "
+                f"name or a module path from `shardflow plan --graph` (e.g. {p.pcg.nodes[0].name!r})"
+            )
+        step = p.lower((rank,))
+        prog, dg = step.programs[rank], step.dg
+        names = {n.name for n in nodes}
+        recomputed = {n.name for n in dg.nodes if n.recompute}
+        near = {t for n in nodes for t in (*n.inputs, *n.outputs)}
+        near |= {t for n in p.pcg.nodes if n.is_parallel and set(n.outputs) & near for t in n.inputs}
+        compute: dict[str, float] = {}
+        comm: dict[str, tuple[int, int, float]] = {}
+        for i in prog.instrs:
+            if isinstance(i, Compute) and i.node in names:
+                task = "recompute" if i.dnode in recomputed else str(i.task)
+                compute[task] = compute.get(task, 0.0) + compute_seconds(i, result.spec)
+            elif isinstance(i, Comm) and i.value in dg.values and dg.values[i.value].tensor in near:
+                n_, b, t = comm.get(str(i.kind), (0, 0, 0.0))
+                comm[str(i.kind)] = (n_ + 1, b + i.nbytes, t + comm_seconds(i, result.spec))
+        tensors = p.pcg.tensors
+        out_bytes = sum(
+            tensors[t].pshape.piece_numel * torch_dtype(tensors[t].type.dtype).itemsize
+            for n in nodes
+            for t in n.outputs
+        )
+        first = nodes[0]
+        places = ", ".join(f"{t} {placements_text(tensors[t].sharding, tensors[t].group)}" for t in first.inputs)
+        outs = ", ".join(placements_text(tensors[t].sharding, tensors[t].group) for t in first.outputs)
+        label = "chosen" if o is result.best else "runner-up"
+        step_s = f"{o.prediction.step_seconds * 1e3:.4g} ms" if o.prediction else "-"
+        lines += [
+            f"# {label}: {o.candidate} (step {step_s})",
+            f"#   {first.name} ({first.op.kind} in {first.scope or 'the model'}"
+            + (f", and {len(nodes) - 1} more ops" if len(nodes) > 1 else "")
+            + f"): inputs {places} → output {outs}",
+            "#   compute: " + (", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in compute.items()) or "none on this rank"),
+            "#   communication: "
+            + (
+                ", ".join(f"{k} ×{n} ({b / 2**20:.3g} MiB, {t * 1e3:.3g} ms)" for k, (n, b, t) in comm.items())
+                or "none"
+            ),
+            f"#   outputs held: {out_bytes / 2**20:.3g} MiB on rank {rank}",
+        ]
+    return "\n".join([f"# --explain {target} on {result.spec.name}, rank {rank}", *lines])
+
+
+def _within(scope: str, module: str) -> bool:
+    return scope == module or scope.startswith(module + ".")
 
 
 def _gib(n: int) -> str:

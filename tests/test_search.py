@@ -137,3 +137,17 @@ def test_check_auto_compares_the_choice_with_eager(capsys, monkeypatch):
     assert main(["check", "--model", "examples/hf_llama.py:tiny_llama", "--strategy", "auto", "--steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "over every replica (tolerance" in out and out.rstrip().endswith("OK")
+
+
+def test_explain_shows_an_op_under_the_choice_and_each_runner_up(eight):
+    from shardflow.search import explain
+
+    text = explain(eight, "transformer.h.0.mlp")
+    assert text.startswith("# --explain transformer.h.0.mlp on h100, rank 0\n# chosen: --strategy dp --mesh dp=8")
+    assert text.count("# runner-up: ") == len([o for o in eight.alternatives() if o.candidate in eight.pipelines])
+    chosen = text.split("# runner-up")[0]
+    assert "compute: FWD" in chosen and "BWD" in chosen and "communication: none" in chosen
+    tp = next(part for part in text.split("# runner-up: ")[1:] if part.startswith("--strategy dp,tp "))
+    assert "all_reduce ×" in tp  # Megatron's pair: the row-parallel output's all-reduce (and the input grad's)
+    with pytest.raises(ValueError, match="no op of the captured graph has that name"):
+        explain(eight, "transformer.h.9")
