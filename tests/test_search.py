@@ -151,3 +151,20 @@ def test_explain_shows_an_op_under_the_choice_and_each_runner_up(eight):
     assert "all_reduce ×" in tp  # Megatron's pair: the row-parallel output's all-reduce (and the input grad's)
     with pytest.raises(ValueError, match="no op of the captured graph has that name"):
         explain(eight, "transformer.h.9")
+
+
+def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
+    """A wide model and a small batch on 4 devices whose memory holds tensor parallelism's peak but not a gathered
+    block of fsdp's: Megatron's column→row pairs, one all-reduce per attention and per MLP in the forward."""
+    torch.manual_seed(0)
+    wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, n_embd=1024))
+    batch = {"idx": torch.randint(0, 64, (4, 16)), "targets": torch.randint(0, 64, (4, 16))}
+    free = run(4, model=wide, batch=batch)
+    peaks = {str(o.candidate): max(o.prediction.peak_bytes) for o in free.outcomes if o.prediction}
+    fsdp_tp = peaks["--strategy fsdp,tp --mesh fsdp=2,tp=2"]
+    assert peaks["--strategy tp --mesh tp=4"] < fsdp_tp < peaks["--strategy fsdp --mesh fsdp=4"]
+    res = run(4, budget=(peaks["--strategy tp --mesh tp=4"] + fsdp_tp) // 2, model=wide, batch=batch)
+    assert str(res.best.candidate) == "--strategy tp --mesh tp=4"
+    for prog in res.pipeline.lower().programs.values():
+        forward = [c for c in prog.comms if c.task == "FWD"]
+        assert [c.kind for c in forward] == ["all_reduce"] * 4  # attention and MLP of each of the 2 blocks
