@@ -114,13 +114,42 @@ def test_a_bad_compute_section_names_its_key_and_the_fix(tmp_path, change, why):
 def test_measure_compute_in_one_process_gives_positive_figures():
     """The compute measurement alone (no process group: the identity for the slowest rank, no contention): every
     figure in range, float32 and bfloat16 measured, a launch floor well under the tiny step's per-instruction time."""
-    from shardflow.runtime.calibrate import MATMUL_DTYPES, measure_compute
+    from shardflow.runtime.calibrate import BANDWIDTH_SIZES, MATMUL_DTYPES, measure_compute
 
     got = measure_compute(torch.device("cpu"))
     assert set(got.matmul_flops) == {str(d).removeprefix("torch.") for d in MATMUL_DTYPES}
     assert all(v > 1e8 for v in got.matmul_flops.values()) and got.memory_bandwidth > 1e8
     assert 0 < got.launch_s < 1e-3 and 0 <= got.instr_overhead_s < 1e-2 and got.contention == 1.0
     assert ComputeCost.from_doc(got.to_doc()) == got
+    # by size: every matmul size tried (the best is matmul_flops), every tensor size of the add, the attention
+    assert set(got.matmul_by_size) == set(got.matmul_flops)
+    for name, curve in got.matmul_by_size.items():
+        assert curve[0][0] == 2 * 128**3 and max(r for _, r in curve) == got.matmul_flops[name]
+    assert [b for b, _ in got.bandwidth_by_size] == [float(b) for b in BANDWIDTH_SIZES]
+    assert all(r > 1e8 for _, r in got.bandwidth_by_size) and set(got.attention_flops) == {"forward", "backward"}
+
+
+def test_the_measurements_by_size_are_optional_and_checked(tmp_path):
+    """The compute section's curves round-trip, a section without them (written before them) reads with none, and
+    a curve that is no list of [size, rate] pairs, or whose sizes do not ascend, is refused naming its key."""
+    full = dataclasses.replace(
+        COMPUTE,
+        matmul_by_size={"float32": ((4e6, 1e11), (3.4e7, 2e11))},
+        bandwidth_by_size=((2.0**20, 2e10), (2.0**26, 5e9)),
+        attention_flops={"forward": 5e10, "backward": 4e10},
+    )
+    assert ComputeCost.from_doc(json.loads(json.dumps(full.to_doc()))) == full
+    assert set(COMPUTE.to_doc()) == {"matmul_flops", "memory_bandwidth", "launch_s", "instr_overhead_s", "contention"}
+    for key, bad, why in [
+        ("bandwidth_by_size", [[2**26, 5e9], [2**20, 2e10]], "'compute.bandwidth_by_size': the sizes must ascend"),
+        ("bandwidth_by_size", [2**20, 2e10], "'compute.bandwidth_by_size' must be a list of \\[size, rate\\] pairs"),
+        ("matmul_by_size", {"float33": []}, "'compute.matmul_by_size': 'float33' is not a torch dtype"),
+        ("attention_flops", {"sideways": 1e9}, "'compute.attention_flops' must be an object of forward, backward"),
+    ]:
+        doc = full.to_doc()
+        doc[key] = bad
+        with pytest.raises(ValueError, match=why):
+            ComputeCost.from_doc(doc)
 
 
 def test_the_cost_model_reads_the_file_of_its_backend_per_axis_and_falls_back(tmp_path):

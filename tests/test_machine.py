@@ -113,6 +113,39 @@ def test_compute_seconds_is_a_roofline_plus_the_launch_floors():
         spec.compute_seconds(-1, 0, torch.float32)
 
 
+def test_a_device_measured_by_size_prices_each_kernel_at_its_size():
+    """``this``'s curves: a matmul at the rate measured for its FLOPs and an elementwise kernel at the bandwidth of
+    its largest tensor's size (log-log between the sizes measured, the nearest end's outside them), an attention at
+    its own measured rate; without curves the roofline's single figures."""
+    from shardflow.simulator.machine import Device, interpolate
+
+    curve = ((1e6, 1e10), (1e8, 1e11))
+    assert interpolate(curve, 1e5) == 1e10 and interpolate(curve, 1e9) == 1e11
+    assert interpolate(curve, 1e7) == pytest.approx(10**10.5)  # halfway in log size: halfway in log rate
+    plain = MachineSpec.named("h100")
+    d = Device(
+        "cpu",
+        {torch.float32: 2e11},
+        1.0,
+        5e9,
+        2**34,
+        1e-6,
+        matmul_by_size={torch.float32: curve},
+        bandwidth_by_size=((2.0**20, 2e10), (2.0**26, 5e9)),
+        attention_flops={"forward": 4e10, "backward": 2e10},
+    )
+    spec = dataclasses.replace(plain, device=d)
+    assert spec.compute_seconds(10**6, 0, torch.float32) == pytest.approx(1e6 / 1e10 + 1e-6)
+    assert spec.compute_seconds(0, 3 * 2**20, torch.float32, largest=2**20) == pytest.approx(3 * 2**20 / 2e10 + 1e-6)
+    assert spec.compute_seconds(0, 3 * 2**20, torch.float32) == pytest.approx(3 * 2**20 / 5e9 + 1e-6)  # no size
+    assert spec.compute_seconds(10**9, 0, torch.float32, attention="backward") == pytest.approx(1e9 / 2e10 + 1e-6)
+    assert spec.compute_seconds(10**9, 0, torch.float32, attention="forward") == pytest.approx(1e9 / 4e10 + 1e-6)
+    # the shipped specs have no curves: their roofline is unchanged by the size
+    assert plain.compute_seconds(0, 2**20, torch.bfloat16, largest=2**10) == plain.compute_seconds(
+        0, 2**20, torch.bfloat16
+    )
+
+
 @pytest.mark.parametrize(
     "name, dtype, runs_at",
     [
@@ -253,6 +286,8 @@ def test_this_reads_the_calibration_measured_here(tmp_path, recwarn):
     }
     assert (d.memory_bandwidth, d.launch_s, d.matmul_efficiency) == (compute.memory_bandwidth, compute.launch_s, 1.0)
     assert (spec.instr_overhead_s, spec.contention) == (compute.instr_overhead_s, compute.contention)
+    assert d.bandwidth_by_size == compute.bandwidth_by_size and d.attention_flops == compute.attention_flops
+    assert d.matmul_by_size == {getattr(torch, k): v for k, v in compute.matmul_by_size.items()}
     # the figures predict the measured matmul: n = 512 float32 in about the seconds it took (within noise)
     assert spec.compute_seconds(2 * 512**3, 3 * 4 * 512**2, torch.float32) > 0
     calibration_path("gloo", env).write_text(dataclasses.replace(cal, compute=None).to_json())

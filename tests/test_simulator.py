@@ -28,7 +28,7 @@ class Spec:
     def __init__(self, **kw):
         self.__dict__.update(kw)
 
-    def compute_seconds(self, flops, nbytes, dtype, kernels=1):
+    def compute_seconds(self, flops, nbytes, dtype, kernels=1, largest=None, attention=None):
         return nbytes / 1000
 
     def comm_seconds(self, kind, members, nbytes):
@@ -160,6 +160,31 @@ def test_compute_dtype_and_flops_of_a_linear():
         kernel=Vjp(op, None, (True, False), (1.0, 1.0), (True,), ("bfloat16",)),
     )
     assert compute_flops(only_dx) == compute_flops(fwd)
+
+
+def test_views_cost_their_launch_and_a_float32_update_is_one_fused_pass():
+    """A reshape (a view) moves no bytes; an AdamW update of a float32 shard is torch.optim's fused kernel, as the
+    executors run it (one pass over weight, gradient and state: the dtypes agree with the runtime's), of a bfloat16
+    shard the foreach formulas (5 kernels)."""
+    from shardflow.graph.ops import Reshape
+    from shardflow.lower.program import Forward, Update
+    from shardflow.parallel.rules import LocalOp
+    from shardflow.runtime.kernels import FUSED_DTYPES
+    from shardflow.simulator.cost import FUSED_UPDATE_DTYPES, UPDATE_KERNELS, compute_seconds
+    from shardflow.simulator.machine import MachineSpec
+
+    assert FUSED_UPDATE_DTYPES == FUSED_DTYPES
+    spec = MachineSpec.named("h100")
+    launch, bw = spec.device.launch_s, spec.device.memory_bandwidth
+    x, y = Buffer("x", TensorType((64, 32))), Buffer("y", TensorType((2048,)))
+    view = Compute(
+        TaskType.FWD, "r", "reshape", (x,), (y,), kernel=Forward(LocalOp(Reshape((2048,)), (1.0,)), None, ())
+    )
+    assert compute_seconds(view, spec) == launch
+    for dtype, passes in (("float32", 1), ("bfloat16", UPDATE_KERNELS[2])):
+        w, g, m, v = (Buffer(n, TensorType((1024,), dtype)) for n in "wgmv")
+        up = Compute(TaskType.UPD, "u", "adamw_update", (w, g, m, v), (w, m, v), kernel=Update(("m", "v"), 0.0))
+        assert compute_seconds(up, spec) == pytest.approx(passes * 7 * w.type.nbytes / bw + passes * launch)
 
 
 # --- lowered plans --------------------------------------------------------------------------------------------

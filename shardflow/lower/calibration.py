@@ -69,23 +69,40 @@ class ComputeCost:
     moves (two reads and one write), > 0. ``launch_s``: seconds per call of a one-element op (the per-kernel floor),
     ≥ 0. ``instr_overhead_s``: host seconds per program instruction of the executor beyond its kernels' launch
     floors, ≥ 0. ``contention``: compute time while a collective runs ÷ compute time alone (≥ 1 where gloo's
-    threads share the cores; 1.0 where not measured), > 0."""
+    threads share the cores; 1.0 where not measured), > 0.
+
+    Optional (a file written before them has none; the simulator then prices every size at the figures above):
+    ``matmul_by_size``: dtype name → ((FLOP per call, FLOP/s), ...), the rate of each square matmul measured, by
+    its FLOPs, ascending. ``bandwidth_by_size``: ((bytes per tensor, bytes/s), ...) of the elementwise add at each
+    tensor size measured, ascending. ``attention_flops``: ``forward`` and ``backward`` → FLOP/s of a causal
+    attention's forward and backward (float32; FLOPs as :mod:`shardflow.graph.flops` counts the forward, the
+    backward 2.5 times it)."""
 
     matmul_flops: Mapping[str, float]
     memory_bandwidth: float
     launch_s: float
     instr_overhead_s: float
     contention: float = 1.0
+    matmul_by_size: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    bandwidth_by_size: tuple[tuple[float, float], ...] = ()
+    attention_flops: Mapping[str, float] = field(default_factory=dict)
 
     def to_doc(self) -> dict[str, Any]:
-        """The file's ``compute`` section (units as the fields')."""
-        return {
+        """The file's ``compute`` section (units as the fields'; the optional ones where measured)."""
+        doc: dict[str, Any] = {
             "matmul_flops": dict(self.matmul_flops),
             "memory_bandwidth": self.memory_bandwidth,
             "launch_s": self.launch_s,
             "instr_overhead_s": self.instr_overhead_s,
             "contention": self.contention,
         }
+        if self.matmul_by_size:
+            doc["matmul_by_size"] = {k: [list(p) for p in v] for k, v in self.matmul_by_size.items()}
+        if self.bandwidth_by_size:
+            doc["bandwidth_by_size"] = [list(p) for p in self.bandwidth_by_size]
+        if self.attention_flops:
+            doc["attention_flops"] = dict(self.attention_flops)
+        return doc
 
     @classmethod
     def from_doc(cls, doc: object) -> ComputeCost:
@@ -95,24 +112,52 @@ class ComputeCost:
         if not isinstance(doc, dict):
             raise ValueError("'compute' is not an object")
         keys = ("matmul_flops", "memory_bandwidth", "launch_s", "instr_overhead_s", "contention")
-        if unknown := sorted(set(doc) - set(keys)):
-            raise ValueError(f"'compute' has unknown keys {unknown}, expected {list(keys)}")
+        optional = ("matmul_by_size", "bandwidth_by_size", "attention_flops")
+        if unknown := sorted(set(doc) - set(keys) - set(optional)):
+            raise ValueError(f"'compute' has unknown keys {unknown}, expected {list(keys + optional)}")
         if missing := [k for k in keys if k not in doc]:
             raise ValueError(f"'compute' misses {missing}")
         flops = doc["matmul_flops"]
         if not isinstance(flops, dict) or not flops:
             raise ValueError("'compute.matmul_flops' must be an object of dtype name → FLOP/s")
         for name, v in flops.items():
-            if not isinstance(getattr(torch, name, None), torch.dtype):
-                raise ValueError(f"'compute.matmul_flops': {name!r} is not a torch dtype (e.g. float32, bfloat16)")
+            _dtype_name("compute.matmul_flops", name)
             _number(f"compute.matmul_flops.{name}", v, positive=True)
+        by_size = doc.get("matmul_by_size", {})
+        if not isinstance(by_size, dict):
+            raise ValueError("'compute.matmul_by_size' must be an object of dtype name → [[FLOP, FLOP/s], ...]")
+        for name in by_size:
+            _dtype_name("compute.matmul_by_size", name)
+        attention = doc.get("attention_flops", {})
+        if not isinstance(attention, dict) or set(attention) - {"forward", "backward"}:
+            raise ValueError("'compute.attention_flops' must be an object of forward, backward → FLOP/s")
         return cls(
             {k: float(v) for k, v in flops.items()},
             _number("compute.memory_bandwidth", doc["memory_bandwidth"], positive=True),
             _number("compute.launch_s", doc["launch_s"]),
             _number("compute.instr_overhead_s", doc["instr_overhead_s"]),
             _number("compute.contention", doc["contention"], positive=True),
+            {k: _curve(f"compute.matmul_by_size.{k}", v) for k, v in by_size.items()},
+            _curve("compute.bandwidth_by_size", doc.get("bandwidth_by_size", [])),
+            {k: _number(f"compute.attention_flops.{k}", v, positive=True) for k, v in attention.items()},
         )
+
+
+def _dtype_name(key: str, name: str) -> None:
+    """Raise ValueError naming ``key`` unless ``name`` is a torch dtype's name."""
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"'{key}': {name!r} is not a torch dtype (e.g. float32, bfloat16)")
+
+
+def _curve(key: str, v: object) -> tuple[tuple[float, float], ...]:
+    """``v`` as ((size, rate), ...): a list of pairs of numbers > 0, sizes ascending. Raises ValueError naming
+    ``key``."""
+    if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
+        raise ValueError(f"'{key}' must be a list of [size, rate] pairs, got {v!r}")
+    out = tuple((_number(key, a, positive=True), _number(key, b, positive=True)) for a, b in v)
+    if any(a >= b for (a, _), (b, _) in zip(out, out[1:])):
+        raise ValueError(f"'{key}': the sizes must ascend, got {[a for a, _ in out]}")
+    return out
 
 
 def _number(key: str, v: object, positive: bool = False) -> float:

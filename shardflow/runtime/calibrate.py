@@ -13,17 +13,23 @@ and size receives into one buffer from call to call, as the executor's receive s
 
 Then the computation, in every rank at once so that the contention of the ranks sharing this machine is in the
 figures (:func:`measure_compute`, the file's ``compute`` section: :class:`~shardflow.lower.calibration.ComputeCost`):
-square matmuls per dtype of :data:`MATMUL_DTYPES` (256, 512, ... while the next size's call would stay under
-:data:`MATMUL_BUDGET_S`), an elementwise add of :data:`ADD_BYTES` per tensor (memory bandwidth), a one-element add
-(the per-kernel launch floor), a training step of a tiny 8-layer network on the local executor (the host seconds
-per instruction) and, on the CPU, matmuls while a gloo all-reduce runs (the contention of compute and
-communication). A few seconds on 2 gloo ranks of 2 CPU cores.
+square matmuls per dtype of :data:`MATMUL_DTYPES` (128, 256, ... while the next size's call would stay under
+:data:`MATMUL_BUDGET_S`; each size's rate kept), an elementwise add of :data:`ADD_BYTES` per tensor (memory
+bandwidth) and at each tensor size of :data:`BANDWIDTH_SIZES`, a causal attention's forward and backward
+(:data:`ATTENTION_SHAPE`), a one-element add (the per-kernel launch floor), a training step of a tiny 8-layer
+network on the local executor (the host seconds per instruction) and, on the CPU, matmuls while a gloo all-reduce
+runs (the contention of compute and communication). The matmuls, the adds by size and the attention run as a
+step's kernels do: each call on the next of a pool of operands larger than a core's cache (:data:`POOL_BYTES`;
+a step's kernels read tensors written long before), into a fresh output. A few seconds on 2 gloo ranks of 2 CPU
+cores.
 """
 
 from __future__ import annotations
 
 import datetime
 import functools
+import itertools
+import math
 import statistics
 import time
 from typing import Callable, Sequence
@@ -142,7 +148,7 @@ def measure(
     if compute:
         dist.barrier()
         t0 = time.perf_counter()
-        computed = measure_compute(device, functools.partial(slowest_rank, device), _contender(device))
+        computed = measure_compute(device, functools.partial(slowest_rank, device), _contender(device), dist.barrier)
         say(f"  compute measured on {world} ranks at once in {time.perf_counter() - t0:.1f} s")
     if rank != 0:
         return None
@@ -178,14 +184,20 @@ def table(cal: Calibration) -> str:
 
 
 MATMUL_DTYPES = (torch.float32, torch.bfloat16)  # the dtypes whose matmul FLOP/s are measured
-MATMUL_SIZES = (256, 512, 1024, 2048, 4096, 8192)  # square sizes tried in turn, n×n @ n×n
+MATMUL_SIZES = (128, 256, 512, 1024, 2048, 4096, 8192)  # square sizes tried in turn, n×n @ n×n
 MATMUL_BUDGET_S = 0.05  # the next size is tried only while its call would take less (8× the last call), seconds
 ADD_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # bytes of each tensor of the bandwidth's add (above L2)
-LAUNCH_CALLS = 200  # one-element adds timed together for the launch floor
+BANDWIDTH_SIZES = (2**18, 2**20, 2**22, 2**24, 2**26)  # bytes per tensor of the adds by size: 256 KiB ... 64 MiB
+POOL_BYTES = 64 * 2**20  # operands one size's calls cycle through: more than a core's cache holds
+ATTENTION_SHAPE = (8, 8, 128, 64)  # batch, heads, sequence, head dim of the causal attention timed (float32)
+# The calls of one timed run of the measurements by size, the launch floor and the tiny step: as many as take about
+# this long (at least one), several of the scheduler's time slices, so that where the ranks outnumber the cores
+# (4 gloo ranks on 2) each run sees its rank's share of a core, not a slice it happened to have alone.
+CALL_S = 0.02
+CYCLED_ROUNDS = 3  # timed runs of such a measurement (median), after one untimed
 CONTENDED_N = 512  # the float32 matmul timed while an all-reduce runs (a few ms on a CPU core)
 CONTENDING_BYTES = 32 * 2**20  # the all-reduce it runs beside, bytes (tens of ms on gloo over loopback)
 ROUNDS = 3  # timed calls per measurement (median), after one untimed
-STEPS = 10  # steps of the tiny network timed together (a step is about half a millisecond on a CPU core)
 
 
 def slowest_rank(device: torch.device, seconds: list[float]) -> list[float]:
@@ -209,10 +221,15 @@ def _contender(device: torch.device) -> Callable[[], object] | None:
     return lambda: dist.all_reduce(buf, async_op=True)
 
 
-def _timed(fn: Callable[[], object], device: torch.device, rounds: int = ROUNDS) -> float:
-    """Median seconds of ``rounds`` calls of ``fn`` after one untimed (synchronising a GPU after each)."""
+def _timed(
+    fn: Callable[[], object], device: torch.device, rounds: int = ROUNDS, sync: Callable[[], object] | None = None
+) -> float:
+    """Median seconds of ``rounds`` calls of ``fn`` after one untimed (synchronising a GPU after each). ``sync``:
+    called before each call (every rank's barrier: the ranks' calls run at the same time)."""
     times = []
     for k in range(1 + rounds):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
@@ -220,6 +237,36 @@ def _timed(fn: Callable[[], object], device: torch.device, rounds: int = ROUNDS)
         if k:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _cycled(
+    fn: Callable[..., object],
+    sets: Sequence[tuple],
+    device: torch.device,
+    rounds: int = CYCLED_ROUNDS,
+    sync: Callable[[], object] | None = None,
+) -> float:
+    """Median seconds per call of ``fn(*operands)`` over ``rounds`` timed runs after one untimed (:func:`_timed`,
+    ``sync`` before each), each call on the next operand set of ``sets`` in turn, a run making as many calls as take
+    about :data:`CALL_S`."""
+    turn = itertools.count()
+
+    def one() -> None:
+        fn(*sets[next(turn) % len(sets)])
+
+    first = _timed(one, device, 1, sync)
+    calls = max(1, min(100_000, int(CALL_S / max(first, 1e-7))))
+
+    def run() -> None:
+        for _ in range(calls):
+            one()
+
+    return _timed(run, device, rounds, sync) / calls
+
+
+def _pool(make: Callable[[], tuple], nbytes: int) -> list[tuple]:
+    """Operand sets of ``nbytes`` each made by ``make``: as many as fill :data:`POOL_BYTES`, at least two."""
+    return [make() for _ in range(max(2, POOL_BYTES // max(1, nbytes)))]
 
 
 def tiny_step(device: torch.device, layers: int = 8):
@@ -252,54 +299,95 @@ def measure_compute(
     device: torch.device,
     agree: Callable[[list[float]], list[float]] = lambda xs: xs,
     contend: Callable[[], object] | None = None,
+    sync: Callable[[], object] | None = None,
 ) -> ComputeCost:
     """What this rank's computation reaches on ``device``, every rank measuring at the same time. ``agree``: maps
     this rank's list of seconds to the slowest rank's (:func:`slowest_rank`; the identity in one process); every
     rank calls it at the same points, so the ranks take the same sizes and stay in step. ``contend``: starts a
-    collective without waiting (:func:`_contender`); None leaves ``contention`` at 1.0.
+    collective without waiting (:func:`_contender`); None leaves ``contention`` at 1.0. ``sync``: every rank's
+    barrier, before each timed run of the measurements by size, the launch floor and the tiny step, so that every
+    rank's runs overlap (a rank that went ahead would otherwise time its last runs alone, on a core it need not
+    share); None in one process.
 
     Measures: per dtype of :data:`MATMUL_DTYPES`, ``n×n @ n×n`` (2·n³ FLOP) for n of :data:`MATMUL_SIZES` while the
-    next call would stay under :data:`MATMUL_BUDGET_S`, keeping the best FLOP/s; ``out = a + b`` of
-    :data:`ADD_BYTES` float32 bytes per tensor (3× that moved); :data:`LAUNCH_CALLS` one-element adds (seconds per
-    call: the launch floor); :data:`STEPS` steps of :func:`tiny_step` together, median of 2·ROUNDS−1 (seconds per
-    instruction, less a launch floor per compute instruction: the host overhead); and with ``contend``, the float32 matmul of :data:`CONTENDED_N` timed while a
-    collective is in flight, over its time alone. Each a median of :data:`ROUNDS` calls."""
+    next call would stay under :data:`MATMUL_BUDGET_S`, each size's FLOP/s (``matmul_by_size``) and the best
+    (``matmul_flops``); ``a + b`` at each tensor size of :data:`BANDWIDTH_SIZES` (``bandwidth_by_size``: 3× the size
+    moved per call); a causal attention of :data:`ATTENTION_SHAPE`, its forward and, apart, its backward
+    (``attention_flops``); these on operand sets cycled through (:func:`_pool`, :func:`_cycled`: not in cache),
+    into fresh outputs, as a step's kernels run. ``out = a + b`` of :data:`ADD_BYTES` float32 bytes per tensor
+    (``memory_bandwidth``); one-element adds (seconds per call: the launch floor) and steps of :func:`tiny_step`
+    (seconds per instruction, less a launch floor per compute instruction: the host overhead), each in runs of
+    about :data:`CALL_S` (the step's median of 2·ROUNDS−1); and with ``contend``, the float32 matmul of
+    :data:`CONTENDED_N` timed while a collective is in flight, over its time alone. Each a median of timed runs
+    (:data:`ROUNDS`, :data:`CYCLED_ROUNDS`)."""
     gen = torch.Generator().manual_seed(0)
     flops: dict[str, float] = {}
-    alone = None  # seconds of the contended matmul alone
+    by_size: dict[str, tuple[tuple[float, float], ...]] = {}
     for dtype in MATMUL_DTYPES:
-        best = 0.0
+        curve: list[tuple[float, float]] = []
         for n in MATMUL_SIZES:
-            a, b = (torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
-            out = torch.empty(n, n, device=device, dtype=dtype)
-            (s,) = agree([_timed(lambda: torch.mm(a, b, out=out), device)])
-            best = max(best, 2 * n**3 / s)
-            if dtype == torch.float32 and n == CONTENDED_N:
-                alone = s
+            size = 2 * n * n * dtype.itemsize
+            sets = _pool(
+                lambda: tuple(torch.randn(n, n, generator=gen).to(device=device, dtype=dtype) for _ in "ab"), size
+            )
+            (s,) = agree([_cycled(torch.mm, sets, device, sync=sync)])
+            curve.append((2.0 * n**3, 2 * n**3 / s))
+            del sets
             if 8 * s > MATMUL_BUDGET_S:
                 break
-        flops[str(dtype).removeprefix("torch.")] = best
+        name = str(dtype).removeprefix("torch.")
+        flops[name], by_size[name] = max(r for _, r in curve), tuple(curve)
+    bandwidth: list[tuple[float, float]] = []
+    for size in BANDWIDTH_SIZES:
+        sets = _pool(lambda: (torch.ones(size // 4, device=device), torch.ones(size // 4, device=device)), 2 * size)
+        (s,) = agree([_cycled(torch.add, sets, device, sync=sync)])
+        bandwidth.append((float(size), 3 * size / s))
+        del sets
+    shape = ATTENTION_SHAPE
+    sets = _pool(
+        lambda: tuple(torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in "qkv"),
+        12 * math.prod(shape),
+    )
+    dy = torch.ones(shape, device=device)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def backward(pool: list[tuple]) -> float:
+        """Seconds per backward of one forward per operand set of ``pool``, the forwards untimed."""
+        outs = [attend(*qkv) for qkv in pool]
+        if sync is not None:
+            sync()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for o, qkv in zip(outs, pool):
+            torch.autograd.grad(o, qkv, dy)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / len(pool)
+
+    with torch.no_grad():
+        forward_s = _cycled(attend, sets, device, sync=sync)
+    forward_s, backward_s = agree(
+        [forward_s, statistics.median([backward(sets) for _ in range(1 + CYCLED_ROUNDS)][1:])]
+    )
+    del sets
+    attention = 4.0 * math.prod(shape) * shape[2]  # a forward's FLOPs: 2·B·H·T·S·(D + Dv), causal not halved
+    attention_flops = {"forward": attention / forward_s, "backward": 2.5 * attention / backward_s}
     n = ADD_BYTES.get(device.type, ADD_BYTES["cuda"]) // 4
     x, y, z = (torch.ones(n, device=device) for _ in range(3))
     add_s = _timed(lambda: torch.add(x, y, out=z), device)
     one = [torch.ones(1, device=device) for _ in range(3)]
 
-    def tiny() -> None:
-        for _ in range(LAUNCH_CALLS):
-            torch.add(one[0], one[1], out=one[2])
-
-    launch_s = _timed(tiny, device) / LAUNCH_CALLS
+    launch_s = _cycled(lambda: torch.add(one[0], one[1], out=one[2]), [()], device, sync=sync)
     run_step, instrs, computes = tiny_step(device)
-
-    def steps() -> None:
-        for _ in range(STEPS):
-            run_step()
-
-    step_s = _timed(steps, device, 2 * ROUNDS - 1) / STEPS
-    contended = 0.0
-    if contend is not None and alone is not None:
+    step_s = _cycled(run_step, [()], device, 2 * ROUNDS - 1, sync)
+    contended, alone = 0.0, 0.0  # seconds of the contended matmul with a collective in flight, and alone
+    if contend is not None:
         a, b = (torch.randn(CONTENDED_N, CONTENDED_N, generator=gen) for _ in range(2))
         out = torch.empty(CONTENDED_N, CONTENDED_N)
+        alone = _timed(lambda: torch.mm(a, b, out=out), device)
         samples = []
         for _ in range(ROUNDS):
             work = contend()
@@ -309,21 +397,32 @@ def measure_compute(
                 samples.append(time.perf_counter() - t0)
             work.wait()  # type: ignore[attr-defined]
         contended = statistics.median(samples) if samples else 0.0
-    add_s, launch_s, step_s, contended = agree([add_s, launch_s, step_s, contended])
+    add_s, launch_s, step_s, contended, alone = agree([add_s, launch_s, step_s, contended, alone])
     return ComputeCost(
         flops,
         3 * 4 * n / add_s,
         launch_s,
         max(0.0, (step_s - computes * launch_s) / instrs),
         max(1.0, contended / alone) if contended and alone else 1.0,
+        by_size,
+        tuple(bandwidth),
+        attention_flops,
     )
 
 
 def describe_compute(c: ComputeCost) -> str:
     """The compute figures in one line: GFLOP/s per dtype, GB/s, µs."""
     flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in c.matmul_flops.items())
+    sizes = ", ".join(f"{_size(b)} {r / 1e9:.1f}" for b, r in c.bandwidth_by_size)
+    attention = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in c.attention_flops.items())
     return (
-        f"compute: matmul GFLOP/s {flops}; memory {c.memory_bandwidth / 1e9:.1f} GB/s; launch "
-        f"{c.launch_s * 1e6:.2f} us; executor {c.instr_overhead_s * 1e6:.2f} us per instruction; contention "
-        f"{c.contention:.2f}x"
+        f"compute: matmul GFLOP/s {flops}; memory {c.memory_bandwidth / 1e9:.1f} GB/s"
+        + (f" (by tensor size: {sizes})" if sizes else "")
+        + (f"; attention GFLOP/s {attention}" if attention else "")
+        + f"; launch {c.launch_s * 1e6:.2f} us; executor {c.instr_overhead_s * 1e6:.2f} us per instruction; "
+        f"contention {c.contention:.2f}x"
     )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:g} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:g} KiB"

@@ -4,12 +4,16 @@ A :class:`~shardflow.lower.program.Compute` is priced as a roofline (Williams et
 FLOPs at the device's matmul rate for its dtype against the bytes it reads and writes at the device's memory
 bandwidth, whichever takes longer, plus a launch floor per kernel (:meth:`MachineSpec.compute_seconds`). Only the
 matmul-like ops have FLOPs (:data:`~shardflow.graph.flops.FORWARD_FLOPS`, counted on this rank's pieces); every
-other op is memory-bound. A backward (:class:`~shardflow.lower.program.Vjp`) computes one product per input that
+other op is memory-bound, except the ops that return views of their input (:data:`VIEW_OPS`: permute, reshape,
+expand, slice, split; and the backwards of :data:`VIEW_VJPS`), which move no bytes and cost their launch floor
+only, as do the computes that hand their input on (``Keep``, a flat buffer's ``unpack``). A backward (:class:`~shardflow.lower.program.Vjp`) computes one product per input that
 gets a gradient (the input's and the weight's gradients of a linear: 2× the forward when both), an attention's
 backward 2.5× its forward (five matmuls against two, as FlashAttention-2 counts them: Dao 2023, §3.1); it reads
 the forward's inputs and the output gradients and writes the input gradients. An optimizer update
-(:class:`~shardflow.lower.program.Update`) runs :data:`UPDATE_KERNELS` elementwise kernels over the shard, each
-reading and writing its tensors. A :class:`~shardflow.lower.program.Comm` costs α + bytes/β of its cost kind on
+(:class:`~shardflow.lower.program.Update`) of a float32 or float64 shard is torch.optim's fused kernel, as the
+executors run it (:data:`FUSED_UPDATE_DTYPES`): one pass reading the weight, gradient and state and writing the
+weight and state; of another dtype the multi-tensor (foreach) formulas, :data:`UPDATE_KERNELS` elementwise kernels
+each reading and writing its tensors. A :class:`~shardflow.lower.program.Comm` costs α + bytes/β of its cost kind on
 the link its members use (:meth:`MachineSpec.comm_seconds`).
 """
 
@@ -21,9 +25,20 @@ from typing import TYPE_CHECKING
 import torch
 
 from shardflow.graph.flops import FORWARD_FLOPS
-from shardflow.graph.ops import Attention, Linear, TensorType, torch_dtype
+from shardflow.graph.ops import (
+    Attention,
+    Cat,
+    Expand,
+    Linear,
+    Permute,
+    Reshape,
+    Slice,
+    Split,
+    TensorType,
+    torch_dtype,
+)
 from shardflow.lower.dynamic import TaskType
-from shardflow.lower.program import Buffer, Comm, Compute, Forward, Update, Vjp
+from shardflow.lower.program import Buffer, Comm, Compute, Forward, Keep, Update, Vjp
 from shardflow.parallel.collectives import KINDS
 
 if TYPE_CHECKING:
@@ -32,6 +47,16 @@ if TYPE_CHECKING:
 # Elementwise kernels of one optimizer update over a shard (torch.optim's foreach formulas, as the executors run
 # them: shardflow.runtime.kernels.update_kernel), each reading and writing the weight, gradient and state.
 UPDATE_KERNELS = {0: 1, 1: 2, 2: 5}  # state slots → kernels: SGD (add), SGD momentum (mul-add, add), Adam(W)
+# The dtypes whose updates the executors run as torch.optim's fused kernel, one pass over the shard
+# (shardflow.runtime.kernels.FUSED_DTYPES; tests/test_simulator.py checks they agree).
+FUSED_UPDATE_DTYPES = ("float32", "float64")
+# Ops whose forward returns a view of its input (torch's permute, reshape, expand, slice, split: a reshape copies
+# only where the strides do not allow a view), and ops whose backward returns views of the output gradient (the
+# inverse permute or reshape; a concatenation's gradient is slices of it): they move no bytes.
+VIEW_OPS = (Permute, Reshape, Expand, Slice, Split)
+VIEW_VJPS = (Permute, Reshape, Cat)
+# Local moves that hand views of their input on (shardflow.runtime.kernels.local_move): a flat buffer unpacked.
+VIEW_MOVES = ("unpack",)
 ATTENTION_BACKWARD = 2.5  # FlashAttention-2's backward/forward FLOPs ratio (5 matmuls against 2)
 
 
@@ -90,15 +115,33 @@ def fusable(c: Compute, kernels: Kernels) -> bool:
     return kernels.fused_elementwise and c.task != TaskType.UPD and compute_flops(c) == 0
 
 
+def is_view(c: Compute) -> bool:
+    """Whether compute ``c`` only makes views of its inputs (moves no bytes): a forward of :data:`VIEW_OPS`, a
+    backward of :data:`VIEW_VJPS`, a ``Keep`` (its input itself) or a local move of :data:`VIEW_MOVES`."""
+    k = c.kernel
+    if isinstance(k, Forward):
+        return isinstance(k.local.op, VIEW_OPS)
+    if isinstance(k, Vjp):
+        return isinstance(k.local.op, VIEW_VJPS)
+    return isinstance(k, Keep) or (k is None and c.op in VIEW_MOVES)
+
+
 def compute_seconds(c: Compute, spec: MachineSpec, kernels: Kernels = EAGER, fused: bool = False) -> float:
     """Seconds compute ``c`` takes on one device of ``spec`` (the module's roofline; launch floors included).
-    ``fused``: ``c`` continues the fused kernel of the compute before it (:func:`fusable`; it writes only)."""
+    ``kernels``: how the computes run (:class:`Kernels`); ``fused``: ``c`` continues the fused kernel of the compute
+    before it (:func:`fusable`: it writes only, no launch floor)."""
+    if is_view(c):
+        return spec.compute_seconds(0, 0, compute_dtype(c), 0 if fused else 1)
     flops, dtype = compute_flops(c), compute_dtype(c)
     moved = _bytes(c.outs) if fused else _bytes(c.ins) + _bytes(c.outs)
+    largest = max((b.type.nbytes for b in c.ins + c.outs), default=0)
     count = 0 if fused else 1
-    if isinstance(c.kernel, Update):
+    if isinstance(c.kernel, Update) and not all(b.type.dtype in FUSED_UPDATE_DTYPES for b in c.outs):
         count = UPDATE_KERNELS.get(len(c.kernel.slots), 1 + 2 * len(c.kernel.slots))
         moved *= count
+    attention = None
+    if isinstance(c.kernel, (Forward, Vjp)) and isinstance(c.kernel.local.op, Attention):
+        attention = "backward" if isinstance(c.kernel, Vjp) else "forward"
     if (
         kernels.float8_matmul
         and flops
@@ -109,7 +152,7 @@ def compute_seconds(c: Compute, spec: MachineSpec, kernels: Kernels = EAGER, fus
         operands = c.ins[: len(c.kernel.grad_mask)] if isinstance(c.kernel, Vjp) else c.ins
         moved += sum(b.type.numel * (torch_dtype(b.type.dtype).itemsize + 1) for b in operands)
         count += len(operands)
-    return spec.compute_seconds(flops, moved, dtype, count)
+    return spec.compute_seconds(flops, moved, dtype, count, largest, attention)
 
 
 def comm_seconds(c: Comm, spec: MachineSpec) -> float:

@@ -100,7 +100,13 @@ class Device:
     ``peak_flops``: dense matmul FLOP/s per dtype (always float32; a dtype without its own peak falls back as
     :meth:`peak_dtype` says). ``matmul_efficiency``: the fraction of the peak large matmuls reach, in (0, 1].
     ``memory_bandwidth``: bytes/s of memory-bound (elementwise) kernels. ``memory_bytes``: the device memory's
-    capacity, bytes. ``launch_s``: the per-kernel floor, seconds."""
+    capacity, bytes. ``launch_s``: the per-kernel floor, seconds.
+
+    Measured by ``shardflow calibrate`` (``this``; a TOML spec has none): ``matmul_by_size``: per dtype,
+    ((FLOP per call, FLOP/s), ...) ascending, the rates square matmuls reached by size (:meth:`matmul_rate`);
+    ``bandwidth_by_size``: ((bytes per tensor, bytes/s), ...) ascending, an elementwise add's by tensor size
+    (:meth:`bandwidth`); ``attention_flops``: ``forward`` and ``backward`` FLOP/s of a causal attention in float32
+    (:meth:`attention_rate`)."""
 
     name: str
     peak_flops: Mapping[torch.dtype, float]
@@ -108,6 +114,9 @@ class Device:
     memory_bandwidth: float
     memory_bytes: int
     launch_s: float
+    matmul_by_size: Mapping[torch.dtype, tuple[tuple[float, float], ...]] = dataclasses.field(default_factory=dict)
+    bandwidth_by_size: tuple[tuple[float, float], ...] = ()
+    attention_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def peak_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype whose peak a matmul in ``dtype`` runs at: its own where the spec gives one, else the first of
@@ -118,6 +127,29 @@ class Device:
     def matmul_flops(self, dtype: torch.dtype) -> float:
         """FLOP/s a large matmul in ``dtype`` reaches: the peak of :meth:`peak_dtype` × ``matmul_efficiency``."""
         return self.peak_flops[self.peak_dtype(dtype)] * self.matmul_efficiency
+
+    def matmul_rate(self, dtype: torch.dtype, flops: float) -> float:
+        """FLOP/s a matmul of ``flops`` FLOP in ``dtype`` reaches: the ``matmul_by_size`` rate of
+        :meth:`peak_dtype` at that size (log-log interpolation between the sizes measured, the nearest end's
+        outside them), else :meth:`matmul_flops`."""
+        curve = self.matmul_by_size.get(self.peak_dtype(dtype))
+        return interpolate(curve, flops) if curve else self.matmul_flops(dtype)
+
+    def bandwidth(self, largest: float | None = None) -> float:
+        """Bytes/s of an elementwise kernel whose largest tensor holds ``largest`` bytes: the ``bandwidth_by_size``
+        rate at that size (interpolated as :meth:`matmul_rate`), else (or without a size) ``memory_bandwidth``."""
+        if largest is None or not self.bandwidth_by_size:
+            return self.memory_bandwidth
+        return interpolate(self.bandwidth_by_size, largest)
+
+    def attention_rate(self, dtype: torch.dtype, backward: bool, flops: float) -> float:
+        """FLOP/s of an attention's forward (or ``backward``) of ``flops`` FLOP in ``dtype``: the measured
+        ``attention_flops`` (float32's), scaled by how much faster the dtype's matmuls run than float32's; without
+        them the matmul's (:meth:`matmul_rate`)."""
+        rate = self.attention_flops.get("backward" if backward else "forward")
+        if rate is None:
+            return self.matmul_rate(dtype, flops)
+        return rate * self.matmul_rate(dtype, flops) / self.matmul_rate(torch.float32, flops)
 
 
 @dataclass(frozen=True)
@@ -162,15 +194,32 @@ class MachineSpec:
         ValueError for an unknown kind or no members."""
         return self.link(members).seconds(kind, nbytes)
 
-    def compute_seconds(self, flops: int, nbytes: int, dtype: torch.dtype, kernels: int = 1) -> float:
+    def compute_seconds(
+        self,
+        flops: int,
+        nbytes: int,
+        dtype: torch.dtype,
+        kernels: int = 1,
+        largest: int | None = None,
+        attention: str | None = None,
+    ) -> float:
         """Seconds of computing ``flops`` FLOP that move ``nbytes`` bytes of memory in ``dtype`` as ``kernels``
         kernels — the roofline: max(flops / (peak × matmul_efficiency), nbytes / memory_bandwidth) +
         kernels × launch_s. The peak is the dtype's, else the one :meth:`Device.peak_dtype` falls back to
-        (float16 ↔ bfloat16, float8 → bfloat16, anything else → float32). Raises ValueError for a negative count."""
+        (float16 ↔ bfloat16, float8 → bfloat16, anything else → float32). On a device measured by size (``this``)
+        the matmul rate is :meth:`Device.matmul_rate` at the FLOPs of one kernel, the bandwidth
+        :meth:`Device.bandwidth` at ``largest`` (the bytes of the kernel's largest tensor), and ``attention``
+        (``forward`` or ``backward``: an attention's) takes :meth:`Device.attention_rate`. Raises ValueError for a
+        negative count."""
         if flops < 0 or nbytes < 0 or kernels < 0:
             raise ValueError(f"compute_seconds needs counts ≥ 0, got flops={flops}, nbytes={nbytes}, kernels={kernels}")
         d = self.device
-        return max(flops / d.matmul_flops(dtype), nbytes / d.memory_bandwidth) + kernels * d.launch_s
+        per = flops / max(kernels, 1)
+        if attention is not None:
+            rate = d.attention_rate(dtype, attention == "backward", per)
+        else:
+            rate = d.matmul_rate(dtype, per)
+        return max(flops / rate, nbytes / d.bandwidth(largest)) + kernels * d.launch_s
 
     # --- reading specs ------------------------------------------------------------------------------------------
 
@@ -267,6 +316,9 @@ class MachineSpec:
                 c.memory_bandwidth,
                 _host_memory() // n,
                 c.launch_s,
+                {DTYPES.get(k) or getattr(torch, k): v for k, v in c.matmul_by_size.items()},
+                c.bandwidth_by_size,
+                dict(c.attention_flops),
             )
             instr_s, contention = c.instr_overhead_s, c.contention
         if backend == "nccl" and torch.cuda.is_available():
@@ -275,6 +327,18 @@ class MachineSpec:
             "" if compute else "; compute: documented defaults (docs/simulator.md#this)"
         )
         return cls(THIS, source, device, n, link, link, True, instr_s, contention, backend)
+
+
+def interpolate(curve: Sequence[tuple[float, float]], x: float) -> float:
+    """The rate of ``curve`` ((size, rate), ... sizes ascending, > 0) at size ``x``: log-log linear between the two
+    sizes around it, the first's or the last's rate outside them."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            t = math.log(x / x0) / math.log(x1 / x0)
+            return y0 * (y1 / y0) ** t
+    return curve[-1][1]
 
 
 def _host_memory() -> int:
