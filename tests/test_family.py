@@ -148,3 +148,13 @@ def test_mlp_sets_the_mlp_width(tmp_path):
     assert hf_config(None, str(path), Sizes(mlp=80), 300, 32, 0.0).intermediate_size == 80
     assert ("intermediate_size", "--mlp") in hf_family("llama").must_match
     assert ("n_inner", "--mlp") in hf_family("gpt2").must_match
+
+
+def test_a_resized_config_recomputes_its_head_size():
+    """A Hugging Face config computes head_dim from its width and heads when it is made; the size flags change both
+    after, so the head size must follow them (the main job's Llama: 128 wide, 4 heads → 32, not LlamaConfig's 128)."""
+    from shardflow.train.family import Sizes, hf_config
+
+    assert hf_config("llama", None, Sizes(), 1024, 64, 0.0).head_dim == 32
+    c = hf_config("llama", None, Sizes(embd=256, heads=8), 1024, 64, 0.0)
+    assert c.head_dim == 32 and c.hidden_size == 256

@@ -250,6 +250,9 @@ def hf_config(
             v = getattr(DEFAULT_SIZES, flag)
         if v is not None:
             setattr(config, attr, v)
+    if getattr(config, "head_dim", None) is not None and (sizes.embd or sizes.heads or not base):
+        # a config computes its head size from its width and heads when it is made: again for the new ones
+        config.head_dim = config.hidden_size // config.num_attention_heads
     if sizes.mlp is not None:
         if not hasattr(config, _ffn(model_type)):
             raise ModelError(
