@@ -996,7 +996,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget",
         type=memory_bytes,
         help="with --strategy auto: bytes each device may hold at its peak, e.g. 80e9 or 64GiB (default: "
-        f"{MARGIN:.0%} of the --machine's device memory)",
+        f"{MARGIN} × the --machine's device memory)",
     )
     p.add_argument(
         "--explain",

@@ -56,7 +56,7 @@ class TrainConfig:
     mesh: str | None = _f(None, "device mesh, e.g. dp=2,tp=2 (default: the strategy's axis with --nproc devices)")
     memory_budget: int | None = _f(
         None,
-        "with --strategy auto: bytes each process may hold at its peak (default: 90 % of this machine's memory "
+        "with --strategy auto: bytes each process may hold at its peak (default: 0.9 × this machine's memory "
         "per process)",
     )
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
