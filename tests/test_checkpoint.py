@@ -101,13 +101,13 @@ def test_each_rank_of_a_tp_run_writes_only_its_pieces(runs):
         for k, v in md.state_dict_metadata.items()
     }
     layer = "model.layers.0"
-    assert where[f"model/{layer}.self_attn.q_proj.weight"] == [
-        ([0, 0], [128, 16], "__0_0.distcp"),
-        ([128, 0], [128, 16], "__1_0.distcp"),
+    assert where[f"model/{layer}.self_attn.q_proj.weight"] == [  # width 16, 2 heads of 8
+        ([0, 0], [8, 16], "__0_0.distcp"),
+        ([8, 0], [8, 16], "__1_0.distcp"),
     ]
     assert where[f"optim/opt:exp_avg_sq:{layer}.self_attn.o_proj.weight"] == [
-        ([0, 0], [16, 128], "__0_0.distcp"),
-        ([0, 128], [16, 128], "__1_0.distcp"),
+        ([0, 0], [16, 8], "__0_0.distcp"),
+        ([0, 8], [16, 8], "__1_0.distcp"),
     ]
     assert where[f"model/{layer}.mlp.down_proj.weight"] == [
         ([0, 0], [16, 32], "__0_0.distcp"),
