@@ -39,6 +39,7 @@ from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model
 from shardflow.simulator.machine import MachineSpec
+from shardflow.strategy.presets import repeated_blocks
 
 SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
 MARGIN = 0.9  # the default memory budget: this share of the spec's device memory
@@ -265,8 +266,6 @@ def search(
     ``parts`` equal parts of the step's ``batch`` sequences (``tokens`` in all); ``base``: the run's options (their
     checkpointing and schedule are the search's); ``blocks``: the model's repeated blocks (default: counted in the
     graph). Raises SearchError when nothing fits."""
-    from shardflow.strategy.presets import repeated_blocks
-
     t0 = time.perf_counter()
     budget = budget if budget is not None else int(MARGIN * spec.device.memory_bytes)
     graphs: dict[int, ComputationGraph] = {}
