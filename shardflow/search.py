@@ -4,8 +4,9 @@ The search space is every preset a world of N devices can run (:func:`candidates
 a pipeline, data-parallel, fully-sharded and tensor-parallel axis (mesh order ``pp, dp, fsdp, tp``: tensor
 parallelism innermost, on consecutive ranks, a pipeline outermost), tensor parallelism with and without sequence
 parallelism, and under a pipeline its microbatches (p, 2p, 4p) and schedule (1F1B, GPipe, interleaved over two
-chunks per stage); activation checkpointing per block is tried where a candidate does not fit without it (it adds
-a forward: it never makes a step faster). Each candidate is planned, lowered and replayed on
+chunks per stage); activation checkpointing per block and gradient accumulation (2 or 4 micro-steps) are tried, in
+the order of :data:`FALLBACKS`, where a candidate does not fit without them (they add work: they never make a
+step faster). Each candidate is planned, lowered and replayed on
 the machine spec (:meth:`~shardflow.pipeline.Pipeline.predict`); the one with the smallest predicted step time
 whose predicted peak fits the memory budget wins. Candidates are refused before any lowering where their degrees
 do not divide the model or the batch (the planner's own errors, kept as the reason) or where the parameters,
@@ -42,6 +43,14 @@ from shardflow.simulator.machine import MachineSpec
 from shardflow.strategy.presets import repeated_blocks
 
 SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
+# what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
+FALLBACKS = (
+    (ActivationCheckpointing.BLOCK, 1),
+    (ActivationCheckpointing.NONE, 2),
+    (ActivationCheckpointing.BLOCK, 2),
+    (ActivationCheckpointing.NONE, 4),
+    (ActivationCheckpointing.BLOCK, 4),
+)
 MARGIN = 0.9  # the default memory budget: this share of the spec's device memory
 
 
@@ -52,7 +61,8 @@ class SearchError(ValueError):
 @dataclass(frozen=True)
 class Candidate:
     """One plan the search tries: a preset ``strategy`` (``dp,tp``, ``fsdp,sp``, ...) on ``mesh``, with activation
-    checkpointing ``ac`` and, under a pipeline, ``microbatches``, ``schedule`` and ``stages_per_rank``."""
+    checkpointing ``ac``, under a pipeline ``microbatches``, ``schedule`` and ``stages_per_rank``, and the step run
+    as ``accumulate`` micro-steps (gradient accumulation)."""
 
     mesh: Mesh
     strategy: str
@@ -60,6 +70,7 @@ class Candidate:
     microbatches: int = 1
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     stages_per_rank: int = 1
+    accumulate: int = 1
 
     def flags(self) -> list[str]:
         """The ``shardflow train``/``plan`` flags that run this candidate."""
@@ -70,6 +81,8 @@ class Candidate:
             out += ["--microbatches", str(self.microbatches), "--schedule", str(self.schedule)]
         if self.stages_per_rank > 1:
             out += ["--stages-per-rank", str(self.stages_per_rank)]
+        if self.accumulate > 1:
+            out += ["--accumulate", str(self.accumulate)]
         return out
 
     def __str__(self) -> str:
@@ -84,6 +97,7 @@ class Candidate:
             microbatches=self.microbatches,
             schedule=self.schedule,
             stages_per_rank=self.stages_per_rank,
+            accumulate=self.accumulate,
         )
 
 
@@ -281,7 +295,10 @@ def search(
 
     def attempt(c: Candidate) -> Outcome:
         options = c.options(base, spec)
-        g = graph(base.accumulate * c.microbatches)
+        data = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a in ("dp", "fsdp"))
+        if batch % (c.accumulate * c.microbatches * data):
+            return Outcome(c, None, f"the batch of {batch} does not split into its micro-batches")
+        g = graph(c.accumulate * c.microbatches)
         floor = state_bytes(g, c, optimizer, options)
         if floor > budget:
             return Outcome(c, None, f"its weights, gradients and optimizer state alone need {_gib(floor)}")
@@ -296,10 +313,16 @@ def search(
         return Outcome(c, pred, "" if peak <= budget else f"peaks at {_gib(peak)} > budget {_gib(budget)}")
 
     for c in candidates(world, blocks, batch // base.accumulate):
+        c = dataclasses.replace(c, accumulate=base.accumulate)
         o = attempt(c)
         outcomes.append(o)
-        if o.prediction is not None and not o.fits:  # recomputing costs a forward: only where memory asks for it
-            outcomes.append(attempt(dataclasses.replace(c, ac=ActivationCheckpointing.BLOCK)))
+        # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
+        # reduction once per micro-step), the fallbacks in that order until one fits
+        for ac, times in FALLBACKS:
+            if o.prediction is None or o.fits:
+                break
+            o = attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times))
+            outcomes.append(o)
     fitting = [o for o in outcomes if o.fits]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]

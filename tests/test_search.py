@@ -168,3 +168,17 @@ def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
     for prog in res.pipeline.lower().programs.values():
         forward = [c for c in prog.comms if c.task == "FWD"]
         assert [c.kind for c in forward] == ["all_reduce"] * 4  # attention and MLP of each of the 2 blocks
+
+
+def test_where_nothing_fits_as_it_is_it_recomputes_or_accumulates():
+    """A budget just under every candidate's peak as planned: the choice recomputes blocks or accumulates
+    micro-steps (the fallbacks), fits, and says so in its flags."""
+    free = run(2)
+    plain = [o for o in free.outcomes if o.prediction and o.candidate.ac == "none" and o.candidate.accumulate == 1]
+    res = run(2, budget=min(max(o.prediction.peak_bytes) for o in plain) - 1)
+    best = res.best.candidate
+    assert best.ac == "block" or best.accumulate > 1
+    assert max(res.best.prediction.peak_bytes) <= res.budget
+    assert ("--ac" in best.flags()) == (best.ac == "block") and ("--accumulate" in best.flags()) == (
+        best.accumulate > 1
+    )

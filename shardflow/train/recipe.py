@@ -289,6 +289,7 @@ def auto_strategy(cfg: TrainConfig, world: int) -> tuple[TrainConfig, SearchResu
         microbatches=c.microbatches,
         schedule=str(c.schedule),
         stages_per_rank=c.stages_per_rank,
+        accumulate=c.accumulate,
     )
     return chosen, result
 
