@@ -22,7 +22,6 @@ import functools
 import hashlib
 import inspect
 import os
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,22 +32,20 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardflow.capture import capture
 from shardflow.graph import ComputationGraph, TensorRole
 from shardflow.graph.fused import stored
 from shardflow.lower import LoweredStep, LowerOptions, MixedPrecision
 from shardflow.lower.dynamic import Optimizer
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
-from shardflow.pipeline import Pipeline, machine_cost
+from shardflow.pipeline import Pipeline, machine_cost, machine_spec
 from shardflow.reference import leaves, run_backward, weights_of
 from shardflow.runtime.accumulate import MicroSteps, split_batch
-from shardflow.runtime.device import rank_device, run_backend
+from shardflow.runtime.device import rank_device
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import LRSchedule, OptimizerConfig
 from shardflow.runtime.materialize import materialize
-from shardflow.search import search, tokens_of
-from shardflow.simulator import MachineSpec, MachineSpecWarning
+from shardflow.search import search_model
 from shardflow.strategy import Plan
 
 # --- planning ---------------------------------------------------------------------------------------------------
@@ -424,20 +421,7 @@ def auto_pipeline(
     (auto chooses it), SearchError where nothing fits."""
     if plan is not None:
         raise ValueError("strategy='auto' chooses the plan itself: drop plan=, or name a preset strategy")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MachineSpecWarning)  # uncalibrated: the documented defaults
-        spec = MachineSpec.this(run_backend(device, world), processes=world)
-    rows = next(iter(batch.values())).shape[0]
-    result = search(
-        lambda parts: capture(model, split_batch(batch, parts)[0]),
-        world,
-        rows,
-        tokens_of(batch),
-        options,
-        optimizer,
-        spec,
-        budget,
-    )
+    result = search_model(model, batch, world, options, optimizer, machine_spec(device, world)[0], budget)
     return dataclasses.replace(result.pipeline, clip_norm=clip_norm)
 
 

@@ -61,8 +61,7 @@ from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
-from shardflow.runtime.accumulate import split_batch
-from shardflow.search import MARGIN, explain, search, tokens_of
+from shardflow.search import MARGIN, explain, search_model, tokens_of
 from shardflow.simulator import MachineSpec
 from shardflow.simulator import resolve as resolve_machine
 from shardflow.simulator.estimate import cost_model
@@ -420,17 +419,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
     spec = resolve_machine(args.machine, processes=args.nproc)
     options = step_options(args, machine_cost("auto", args.nproc))  # each candidate's forms: the spec's cost model
     model, batch = plan_model(args, options)
-    rows = next(iter(batch.values())).shape[0]
-    result = search(
-        lambda parts: capture(model, split_batch(batch, parts)[0]),
-        args.nproc,
-        rows,
-        tokens_of(batch),
-        options,
-        optimizer_config(args),
-        spec,
-        args.memory_budget,
-    )
+    result = search_model(model, batch, args.nproc, options, optimizer_config(args), spec, args.memory_budget)
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=1))
     else:

@@ -10,6 +10,7 @@ of them (:func:`~shardflow.lower.program.programs_fingerprint`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -31,7 +32,7 @@ from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import EAGER, Kernels
 from shardflow.simulator.estimate import EXACT_WORLD, Prediction, representatives, simulate
-from shardflow.simulator.machine import MachineSpec
+from shardflow.simulator.machine import MachineSpec, MachineSpecWarning
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
 from shardflow.strategy.presets import AXIS_OF
 
@@ -42,6 +43,16 @@ def machine_cost(device: str, processes: int) -> CostModel:
     :func:`~shardflow.runtime.device.run_backend`), calibrated where ``shardflow calibrate`` wrote its file
     (:meth:`CostModel.for_backend`). Raises CalibrationError for a file that cannot be used."""
     return CostModel.for_backend(run_backend(device, processes))
+
+
+def machine_spec(device: str, processes: int) -> tuple[MachineSpec, bool]:
+    """This machine's spec for ``processes`` ranks on ``device`` (``MachineSpec.this`` over the backend they use,
+    :func:`~shardflow.runtime.device.run_backend`) and whether ``shardflow calibrate`` measured it — False: its
+    documented defaults, taken without the warning (the caller says so where it matters)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MachineSpecWarning)
+        spec = MachineSpec.this(run_backend(device, processes), processes=processes)
+    return spec, not any(issubclass(w.category, MachineSpecWarning) for w in caught)
 
 
 @dataclass(frozen=True)

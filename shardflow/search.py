@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
+from torch import nn
 
+from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LowerOptions
@@ -36,6 +38,7 @@ from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import placements_text
 from shardflow.pipeline import Pipeline
+from shardflow.runtime.accumulate import split_batch
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model
@@ -335,6 +338,29 @@ def search(
     best = min(fitting, key=lambda o: (_rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"))
     seconds = time.perf_counter() - t0
     return SearchResult(best, pipelines[best.candidate], tuple(outcomes), budget, spec, seconds, pipelines)
+
+
+def search_model(
+    model: nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    world: int,
+    base: LowerOptions,
+    optimizer: OptimizerConfig,
+    spec: MachineSpec,
+    budget: int | None = None,
+) -> SearchResult:
+    """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
+    tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into."""
+    return search(
+        lambda parts: capture(model, split_batch(batch, parts)[0]),
+        world,
+        next(iter(batch.values())).shape[0],
+        tokens_of(batch),
+        base,
+        optimizer,
+        spec,
+        budget,
+    )
 
 
 def explain(result: SearchResult, target: str, rank: int = 0) -> str:

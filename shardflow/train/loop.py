@@ -19,17 +19,16 @@ import functools
 import math
 import os
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
 from shardflow.graph.flops import training_flops
 from shardflow.lower.schedule import schedule_of
+from shardflow.pipeline import machine_spec
 from shardflow.runtime import trace
 from shardflow.runtime.accumulate import MicroSteps
-from shardflow.runtime.device import rank_device, run_backend
-from shardflow.simulator import MachineSpec, MachineSpecWarning
+from shardflow.runtime.device import rank_device
 from shardflow.simulator.estimate import Prediction, chrome_events
 from shardflow.simulator.replay import replay
 from shardflow.train import checkpoint, hooks
@@ -189,21 +188,14 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     return 0 if check is None else check.finish(ex, console)  # collective: every rank takes part
 
 
-def this_machine(s: Setup, processes: int) -> tuple[MachineSpec, bool]:
-    """This machine's spec for ``processes`` ranks (``MachineSpec.this``) and whether ``shardflow calibrate``
-    measured it (False: the documented defaults)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", MachineSpecWarning)
-        spec = MachineSpec.this(run_backend(s.cfg.device, processes), processes=processes)
-    return spec, not caught
-
-
 def predicted_beside(s: Setup, measured: dict[int, list[dict]]) -> list[dict]:
     """The trace's predicted lanes (pid 1000 + rank): the step's programs replayed on this machine's spec with
     each compute taking its measured time, on the measured step's clock."""
     computes = {r: [e["dur"] / 1e6 for e in evs if e["tid"] == trace.LANES["compute"]] for r, evs in measured.items()}
     start = min((e["ts"] for evs in measured.values() for e in evs), default=0.0) / 1e6
-    timeline = replay([s.lower().programs], this_machine(s, len(measured))[0], events=True, measured=computes)
+    timeline = replay(
+        [s.lower().programs], machine_spec(s.cfg.device, len(measured))[0], events=True, measured=computes
+    )
     return chrome_events(timeline.events, pid=1000, start=start)
 
 
@@ -213,7 +205,7 @@ def predict_step(s: Setup, world: int) -> tuple[Prediction | None, str]:
     a mesh (the simulator predicts one process per rank); and a note for the banner."""
     if world != s.mesh.size:
         return None, f"one process runs all {s.mesh.size} ranks of the mesh: no prediction (it models one per rank)"
-    spec, calibrated = this_machine(s, world)
+    spec, calibrated = machine_spec(s.cfg.device, world)
     note = spec.source if calibrated else "uncalibrated defaults: run `shardflow calibrate` for a measured machine"
     return s.pipeline.predict(spec, s.cfg.batch_size * s.cfg.seq_len), note
 

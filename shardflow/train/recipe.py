@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -24,13 +23,11 @@ from shardflow.lower.dynamic import OPTIMIZER_SLOTS
 from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
-from shardflow.pipeline import Pipeline, machine_cost
-from shardflow.runtime.accumulate import split_batch
-from shardflow.runtime.device import device_type, run_backend
+from shardflow.pipeline import Pipeline, machine_cost, machine_spec
+from shardflow.runtime.device import device_type
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.materialize import TensorInit, materialize
-from shardflow.search import SearchResult, search
-from shardflow.simulator import MachineSpec, MachineSpecWarning
+from shardflow.search import SearchResult, search_model
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
@@ -259,9 +256,6 @@ def auto_strategy(cfg: TrainConfig, world: int) -> tuple[TrainConfig, SearchResu
             f"--strategy auto chooses the mesh and the plan itself: drop {'--plan' if cfg.plan else '--mesh'}, and "
             f"give the number of devices with --nproc"
         )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", MachineSpecWarning)  # an uncalibrated machine: the banner says so
-        spec = MachineSpec.this(run_backend(cfg.device, world), processes=world)
     corpus = Corpus.load(cfg.data, TokenizerChoice.of(cfg.tokenizer, cfg.vocab_size), cfg.seq_len, cfg.cache_dir)
     family, _, model = build_model(cfg, corpus.tokenizer.vocab_size, None)
     if not is_factory(cfg.model):
@@ -270,16 +264,8 @@ def auto_strategy(cfg: TrainConfig, world: int) -> tuple[TrainConfig, SearchResu
     if options.precision:
         model.to(options.precision.param_dtype)
     batch = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
-    result = search(
-        lambda parts: capture(model, split_batch(batch, parts)[0]),
-        world,
-        cfg.batch_size,
-        cfg.batch_size * cfg.seq_len,
-        options,
-        optimizer_config(cfg),
-        spec,
-        cfg.memory_budget,
-    )
+    spec = machine_spec(cfg.device, world)[0]  # an uncalibrated machine: the banner says so
+    result = search_model(model, batch, world, options, optimizer_config(cfg), spec, cfg.memory_budget)
     c = result.best.candidate
     chosen = dataclasses.replace(
         cfg,
