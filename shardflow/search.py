@@ -30,6 +30,7 @@ from torch import nn
 
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
+from shardflow.graph.blocks import keep_blocks, repeated_blocks
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import ActivationCheckpointing
@@ -41,9 +42,8 @@ from shardflow.pipeline import Pipeline
 from shardflow.runtime.accumulate import split_batch
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import comm_seconds, compute_seconds
-from shardflow.simulator.estimate import Prediction, cost_model
+from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
 from shardflow.simulator.machine import MachineSpec
-from shardflow.strategy.presets import repeated_blocks
 
 SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
 # what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
@@ -55,6 +55,9 @@ FALLBACKS = (
     (ActivationCheckpointing.BLOCK, 4),
 )
 MARGIN = 0.9  # the default memory budget: this share of the spec's device memory
+# folding: a model of more than FOLD blocks per pipeline chunk is predicted from copies cut down to FOLD - 1 and
+# FOLD blocks per chunk, drawn as a line to its whole length (docs/search.md#folding-repeated-blocks)
+FOLD = 3
 
 
 class SearchError(ValueError):
@@ -182,7 +185,7 @@ def state_bytes(
 class SearchResult:
     """The search's answer: ``best`` (its ``pipeline``, planned and ready to lower), every ``outcome`` tried or
     refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds`` and the
-    ``pipelines`` of every candidate predicted (for :func:`explain`)."""
+    ``plan`` that plans a candidate on the whole model (for :func:`explain`; cached)."""
 
     best: Outcome
     pipeline: Pipeline
@@ -190,7 +193,7 @@ class SearchResult:
     budget: int
     spec: MachineSpec
     seconds: float
-    pipelines: Mapping[Candidate, Pipeline] = dataclasses.field(default_factory=dict, repr=False)
+    plan: Callable[[Candidate], Pipeline] = dataclasses.field(repr=False, compare=False)
 
     def alternatives(self) -> list[Outcome]:
         """The runner-up of each preset family (strategy): the fastest of its candidates that fits, else its
@@ -277,41 +280,60 @@ def search(
     spec: MachineSpec,
     budget: int | None = None,
     blocks: int | None = None,
+    fold: bool = True,
 ) -> SearchResult:
     """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
     bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts)``: the model captured on one of
     ``parts`` equal parts of the step's ``batch`` sequences (``tokens`` in all); ``base``: the run's options (their
     checkpointing and schedule are the search's); ``blocks``: the model's repeated blocks (default: counted in the
-    graph). Raises SearchError when nothing fits."""
+    graph); ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks).
+    Raises SearchError when nothing fits."""
     t0 = time.perf_counter()
     budget = budget if budget is not None else int(MARGIN * spec.device.memory_bytes)
-    graphs: dict[int, ComputationGraph] = {}
+    graphs: dict[tuple[int, int | None], ComputationGraph] = {}
 
-    def graph(parts: int) -> ComputationGraph:
-        if parts not in graphs:
-            graphs[parts] = graph_for(parts)
-        return graphs[parts]
+    def graph(parts: int, keep: int | None = None) -> ComputationGraph:
+        """The model captured on one of ``parts`` parts of the batch, cut down to ``keep`` blocks (None: all)."""
+        if (parts, keep) not in graphs:
+            graphs[parts, keep] = graph_for(parts) if keep is None else keep_blocks(graph(parts), keep)
+        return graphs[parts, keep]
 
     blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate)))
     outcomes: list[Outcome] = []
-    pipelines: dict[Candidate, Pipeline] = {}
+    planned: dict[Candidate, Pipeline] = {}
+
+    def plan(c: Candidate, keep: int | None = None) -> Pipeline:
+        """Candidate ``c`` planned on the model cut down to ``keep`` blocks (None: the whole model, kept)."""
+        if keep is None and c in planned:
+            return planned[c]
+        g = graph(c.accumulate * c.microbatches, keep)
+        p = Pipeline.planned(g, c.mesh, c.options(base, spec), optimizer, c.strategy)
+        if keep is None:
+            planned[c] = p
+        return p
+
+    def predict(c: Candidate) -> Prediction:
+        """``c``'s prediction: on the whole model, or where it has more than FOLD blocks per pipeline chunk drawn
+        through the model cut down to FOLD − 1 and FOLD blocks per chunk (:func:`extrapolate`)."""
+        chunks = c.stages_per_rank * math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
+        if not fold or blocks <= FOLD * chunks:
+            return plan(c).predict(spec, tokens, exact=False)
+        few, more = (plan(c, k * chunks).predict(spec, tokens, exact=False) for k in (FOLD - 1, FOLD))
+        return extrapolate(few, more, (FOLD - 1) * chunks, FOLD * chunks, blocks)
 
     def attempt(c: Candidate) -> Outcome:
         options = c.options(base, spec)
         data = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a in ("dp", "fsdp"))
         if batch % (c.accumulate * c.microbatches * data):
             return Outcome(c, None, f"the batch of {batch} does not split into its micro-batches")
-        g = graph(c.accumulate * c.microbatches)
-        floor = state_bytes(g, c, optimizer, options)
+        floor = state_bytes(graph(c.accumulate * c.microbatches), c, optimizer, options)
         if floor > budget:
             return Outcome(c, None, f"its weights, gradients and optimizer state alone need {_gib(floor)}")
         try:
             requested(c.mesh, c.schedule, c.microbatches, c.stages_per_rank)
-            p = Pipeline.planned(g, c.mesh, options, optimizer, c.strategy)
-            pred = p.predict(spec, tokens, exact=False)
+            pred = predict(c)
         except ValueError as e:  # the planner's refusals (PlanError, DegreeError, RuleError, a schedule's)
             return Outcome(c, None, str(e).split("\n")[0])
-        pipelines[c] = p
         peak = max(pred.peak_bytes)
         return Outcome(c, pred, "" if peak <= budget else f"peaks at {_gib(peak)} > budget {_gib(budget)}")
 
@@ -337,7 +359,7 @@ def search(
         )
     best = min(fitting, key=lambda o: (_rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"))
     seconds = time.perf_counter() - t0
-    return SearchResult(best, pipelines[best.candidate], tuple(outcomes), budget, spec, seconds, pipelines)
+    return SearchResult(best, plan(best.candidate), tuple(outcomes), budget, spec, seconds, plan)
 
 
 def search_model(
@@ -370,10 +392,10 @@ def explain(result: SearchResult, target: str, rank: int = 0) -> str:
     update) and of the communications that move its inputs and outputs (with their bytes), and the bytes of its
     outputs' pieces — each from the instruction costs of the machine spec (:mod:`shardflow.simulator.cost`).
     Raises ValueError for a target that names no op."""
-    shown = [result.best, *(o for o in result.alternatives() if o.candidate in result.pipelines)]
+    shown = [result.best, *(o for o in result.alternatives() if o.prediction is not None)]
     lines: list[str] = []
     for o in shown:
-        p = result.pipelines[o.candidate]
+        p = result.plan(o.candidate)
         nodes = [n for n in p.pcg.nodes if not n.is_parallel and (n.name == target or _within(n.scope, target))]
         if not nodes:
             raise ValueError(

@@ -8,6 +8,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.graph import GraphBuilder
+from shardflow.graph.blocks import repeated_blocks
 from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
 from shardflow.parallel.ops import ReductionOp, ReplicateOp
@@ -16,7 +17,7 @@ from shardflow.parallel.shape import DegreeError
 from shardflow.parallel.simulate import simulate_outputs
 from shardflow.reference import weights_of
 from shardflow.strategy import ModulePlan, Plan, PlanError, make_plan, resolve
-from shardflow.strategy.presets import block_costs, megatron_regions, repeated_blocks, stage_cuts
+from shardflow.strategy.presets import block_costs, megatron_regions, stage_cuts
 
 B, T = 4, 8
 

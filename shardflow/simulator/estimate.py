@@ -12,6 +12,7 @@ machine predicted, not the one planning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from shardflow.lower.memory import ProgramMemory, program_memory
 from shardflow.lower.program import Comm, Compute, Instr
 from shardflow.parallel.mesh import Mesh
 from shardflow.simulator.cost import EAGER, Kernels
-from shardflow.simulator.replay import Event, Timeline, replay
+from shardflow.simulator.replay import Breakdown, Event, Timeline, replay
 
 if TYPE_CHECKING:
     from shardflow.simulator.machine import MachineSpec
@@ -140,6 +141,43 @@ class Prediction:
         """Write the timeline's events as a Chrome trace (Perfetto opens it): one process per rank, a thread per
         stream, microseconds."""
         path.write_text(json.dumps({"traceEvents": chrome_events(self.timeline.events), "displayTimeUnit": "ms"}))
+
+
+def extrapolate(a: Prediction, b: Prediction, ka: int, kb: int, k: int) -> Prediction:
+    """The prediction for a model of ``k`` repeated blocks drawn as a line through ``a`` and ``b``, the same plan
+    predicted on the model cut down to ``ka`` < ``kb`` of its blocks (:func:`shardflow.graph.blocks.keep_blocks`;
+    docs/search.md#folding-repeated-blocks): every time (seconds), byte count and FLOP count grows by the same
+    amount per block — each block adds the same computes, communications and buffers. The instruction of each
+    rank's peak is ``b``'s. Raises ValueError unless ``ka`` < ``kb`` and the two replayed the same ranks."""
+    if not ka < kb or a.replayed != b.replayed:
+        raise ValueError(f"extrapolate from {ka} and {kb} blocks over ranks {a.replayed} and {b.replayed}")
+    t = (k - ka) / (kb - ka)
+
+    def line(x: float, y: float) -> float:
+        return x + (y - x) * t
+
+    def mem(r: int) -> tuple[ProgramMemory, str]:
+        (ma, _), (mb, at) = a.memory[r], b.memory[r]
+        kinds = {kind: round(line(ma.by_kind.get(kind, 0), v)) for kind, v in mb.by_kind.items()}
+        return ProgramMemory(round(line(ma.peak, mb.peak)), kinds, mb.at), at
+
+    ta, tb = a.timeline, b.timeline
+    timeline = Timeline(
+        line(ta.seconds, tb.seconds),
+        {r: line(ta.ends[r], e) for r, e in tb.ends.items()},
+        {
+            r: Breakdown(**{f: line(getattr(ta.breakdown[r], f), v) for f, v in vars(bd).items()})
+            for r, bd in tb.breakdown.items()
+        },
+    )
+    return dataclasses.replace(
+        b,
+        step_seconds=line(a.step_seconds, b.step_seconds),
+        model_flops=round(line(a.model_flops, b.model_flops)),
+        peak_bytes=tuple(round(line(x, y)) for x, y in zip(a.peak_bytes, b.peak_bytes)),
+        memory={r: mem(r) for r in b.memory},
+        timeline=timeline,
+    )
 
 
 STREAM_TID = {"compute": 0, "comm": 1}  # the Chrome-trace thread of each stream (shardflow.runtime.trace's lanes)

@@ -35,6 +35,7 @@ import dataclasses
 import re
 
 from shardflow.graph import ops as O
+from shardflow.graph.blocks import repeated_blocks
 from shardflow.graph.flops import node_flops
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
@@ -79,22 +80,6 @@ def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
 
 
 _MASK_PATH = (O.Expand, O.Reshape, O.Slice, O.Cast, O.Permute)
-
-
-def repeated_blocks(graph: ComputationGraph) -> list[str]:
-    """Module paths of the repeated blocks: the children ``<list>.<i>`` of the first ModuleList, in order."""
-    blocks: dict[str, None] = {}
-    lists: list[str] = []
-    for n in graph.nodes:
-        m = re.match(r"^(.*?)(?:^|\.)(\d+)(?:\.|$)", n.scope)
-        if m:
-            prefix = n.scope[: m.end(2)]
-            parent = prefix[: -len(m.group(2)) - 1] if "." in prefix else ""
-            if not lists:
-                lists.append(parent)
-            if parent == lists[0]:
-                blocks.setdefault(prefix)
-    return list(blocks)
 
 
 def _parameters(graph: ComputationGraph) -> set[str]:
