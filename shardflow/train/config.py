@@ -234,6 +234,7 @@ class TrainConfig:
         "with --ac block: recompute only the first K blocks in forward order (model.layers.0 to "
         "model.layers.K-1; under a pipeline the first stages hold the most microbatches in flight), the others "
         "keeping their activations: memory between --ac none and every block recomputed (default: every block)",
+        metavar="K",
     )
     debug: bool = _f(False, "check before every communication that all its members are at the same token")
     trace: str | None = _f(
@@ -281,7 +282,12 @@ class TrainConfig:
         typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
         shown = f" (default {value})" if value is not None else ""  # None's help says what happens
         p.add_argument(
-            flag, type=typ, default=unset, choices=f.metadata.get("choices"), help=f"{f.metadata['help']}{shown}"
+            flag,
+            type=typ,
+            default=unset,
+            choices=f.metadata.get("choices"),
+            metavar=f.metadata.get("metavar"),
+            help=f"{f.metadata['help']}{shown}",
         )
 
     @classmethod
