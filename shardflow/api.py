@@ -447,6 +447,7 @@ def parallelize(
     stages_per_rank: int = 1,
     reshard_after_forward: bool = True,
     ac: str = "none",
+    ac_blocks: int | None = None,
     mixed_precision: MixedPrecision | None = None,
     all_gather: str = "auto",
     reduce_scatter: str = "auto",
@@ -507,6 +508,8 @@ def parallelize(
         ac: activation checkpointing, ``"none"`` or ``"block"``: each block (a module under an integer index, such
             as ``model.layers.3``) runs its forward again right before its backward instead of keeping its
             activations (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`).
+        ac_blocks: with ``ac="block"``, only the first this many blocks in forward order (``model.layers.0`` …)
+            recompute, the others keep their activations; None (default): every block.
         mixed_precision: a :class:`~shardflow.lower.MixedPrecision` (FSDP2's ``MixedPrecisionPolicy``) for a model
             already in its ``param_dtype`` (``model.to(torch.bfloat16)``): its weights, gradient reductions and
             optimizer state are held in ``reduce_dtype`` (float32) and the weights cast to ``param_dtype`` for each
@@ -529,11 +532,13 @@ def parallelize(
         ValueError: an optimizer given both as a config and with ``lr`` or ``optimizer_kwargs``; a ``torch.optim``
             optimizer or option shardflow does not compute (:func:`from_torch_optim`); an unknown optimizer,
             executor, ``ac``,
-            schedule or form; ``accumulate``, ``microbatches`` or ``stages_per_rank`` < 1
+            schedule or form; ``accumulate``, ``microbatches``, ``stages_per_rank`` or ``ac_blocks`` < 1, or
+            ``ac_blocks`` without ``ac="block"``
             (:meth:`~shardflow.lower.LowerOptions.parse`), or a batch whose dim 0 they do not divide
             (BatchSplitError); a schedule that does not fit (:func:`~shardflow.lower.schedule.requested`);
             distributed: the world size is not the mesh's size, or the ranks' models have different weights; an
             unknown ``device``.
+        PassError: ``ac="block"`` for a model with no block, or ``ac_blocks`` above its number of blocks.
         DeviceError (a ValueError): ``device="cuda"`` without CUDA, or a local rank with no GPU of its own.
         CalibrationError: this machine's calibration file cannot be used.
     """
@@ -553,6 +558,7 @@ def parallelize(
         bucket_mb=bucket_mb,
         reshard_after_forward=reshard_after_forward,
         ac=ac,
+        ac_blocks=ac_blocks,
         precision=mixed_precision,
         microbatches=microbatches,
         schedule=schedule,

@@ -121,11 +121,16 @@ FLAG_RANGES = {
     "accumulate": RANGES["accumulate"],
     "microbatches": RANGES["microbatches"],
     "stages_per_rank": RANGES["stages_per_rank"],
+    "ac_blocks": RANGES["ac_blocks"],
     "momentum": RANGES["momentum"],
 }
 
 
-MEMORY_FLAGS = ("reshard_after_forward", "ac")  # how a step trades memory for work, as shardflow train has them
+MEMORY_FLAGS = (
+    "reshard_after_forward",
+    "ac",
+    "ac_blocks",
+)  # how a step trades memory for work, as shardflow train has them
 # what one optimizer step is, as shardflow train has them (plan shows it)
 STEP_FLAGS = ("accumulate", "microbatches", "schedule", "stages_per_rank", "dtype")
 # how a step communicates, as shardflow train has them: "auto" forms follow the machine's cost model
@@ -133,7 +138,7 @@ COMM_FLAGS = ("all_gather", "reduce_scatter", "bucket_mb")
 
 
 def add_memory_args(p: argparse.ArgumentParser) -> None:
-    """``--[no-]reshard-after-forward`` and ``--ac``, as ``shardflow train`` has them (TrainConfig's fields)."""
+    """``--[no-]reshard-after-forward``, ``--ac`` and ``--ac-blocks``, as ``shardflow train`` has them (TrainConfig's fields)."""
     for name in MEMORY_FLAGS:
         TrainConfig.add_argument(p, name, own_default=True)
 

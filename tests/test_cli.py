@@ -297,7 +297,7 @@ def test_plan_accumulate_shows_the_last_micro_step_and_each_ones_communications(
 
 
 def test_plan_shares_train_flags_help(capsys):
-    """plan's --accumulate, --dtype, --ac and --[no-]reshard-after-forward are train's: the same help, choices and
+    """plan's --accumulate, --dtype, --ac, --ac-blocks and --[no-]reshard-after-forward are train's: the same help, choices and
     default, from TrainConfig's fields."""
     import argparse
 
@@ -307,7 +307,15 @@ def test_plan_shares_train_flags_help(capsys):
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     flags = {name: {o: a for a in sub.choices[name]._actions for o in a.option_strings} for name in ("plan", "train")}
-    for flag in ("--accumulate", "--dtype", "--ac", "--reshard-after-forward", "--optimizer", "--momentum"):
+    for flag in (
+        "--accumulate",
+        "--dtype",
+        "--ac",
+        "--ac-blocks",
+        "--reshard-after-forward",
+        "--optimizer",
+        "--momentum",
+    ):
         plan, train = flags["plan"][flag], flags["train"][flag]
         assert (plan.help, plan.choices, plan.type) == (train.help, train.choices, train.type), flag
         assert plan.default == getattr(TrainConfig(), plan.dest) and train.default is None, flag

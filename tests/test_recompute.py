@@ -1,6 +1,7 @@
 """Activation checkpointing (``--ac block``): the exact plan — each block's forward run again right before its
 backward, the backward reading only recomputed activations of its block — fewer activation bytes at the peak, and
-the numbers of the plan without it (float64, every replica), dropout masks included."""
+the numbers of the plan without it (float64, every replica), dropout masks included; and of the first K blocks only
+(``--ac-blocks K``): the others' nodes run once, the peak between none and every block, the same numbers."""
 
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ def _pcg(graph, mesh_text: str, strategy: str):
     return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
 
 
-def _lower(graph, mesh_text: str, strategy: str, ac: str, reshard: bool = True):
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard, ac=ac)
+def _lower(graph, mesh_text: str, strategy: str, ac: str, reshard: bool = True, ac_blocks: int | None = None):
+    options = LowerOptions(
+        CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard, ac=ac, ac_blocks=ac_blocks
+    )
     return lower_step(_pcg(graph, mesh_text, strategy), UpdateRule.ADAMW, options=options)
 
 
@@ -122,15 +125,73 @@ def test_recomputation_holds_fewer_activation_bytes_and_repeats_the_blocks_forwa
         assert counts["block"] - counts["none"] == Counter(extra), (mesh, counts)
 
 
+def test_the_first_blocks_only_are_recomputed_and_the_others_keep_their_activations(llama):
+    """``ac_blocks=K``: the recompute nodes are those of ``model.layers.0`` … ``model.layers.{K-1}`` (the blocks'
+    forward order), exactly the nodes ``ac_blocks=None`` recomputes in those blocks; the other blocks' backward reads
+    the forward's own activations, as under ``ac="none"``; K = the number of blocks is every block."""
+    _, _, graph = llama
+    pcg = _pcg(graph, "tp=2", "tp")
+    blocks = checkpoint_blocks(pcg)
+    every = [
+        n.src for n in pass_expansion(pcg, UpdateRule.ADAMW, ac=ActivationCheckpointing.BLOCK).nodes if n.recompute
+    ]
+    assert {blocks[m] for m in every} == {f"model.layers.{i}" for i in range(LAYERS)}
+    for k in range(1, LAYERS + 1):
+        dg = pass_expansion(pcg, UpdateRule.ADAMW, ac=ActivationCheckpointing.BLOCK, ac_blocks=k)
+        again = [n.src for n in dg.nodes if n.recompute]
+        assert {blocks[m] for m in again} == {f"model.layers.{i}" for i in range(k)}, k
+        assert again == [m for m in every if blocks[m] in {f"model.layers.{i}" for i in range(k)}], k
+        assert set(checkpoint_blocks(pcg, k)) == set(again), k
+    dg = pass_expansion(pcg, UpdateRule.ADAMW, ac=ActivationCheckpointing.BLOCK, ac_blocks=1)
+    made_by = {v: n for n in dg.nodes for v in n.outputs}
+    kept = [  # block 1's backward reads activations its forward made
+        v
+        for n in dg.nodes
+        if n.task == TaskType.BWD and blocks.get(n.src) == "model.layers.1"
+        for v in n.inputs
+        if v in made_by and dg.values[v].role == ValueRole.FWD and blocks.get(made_by[v].src) == "model.layers.1"
+    ]
+    assert kept and not any(made_by[v].recompute for v in kept)
+    plain = pass_expansion(pcg, UpdateRule.ADAMW)
+    assert len(dg.nodes) == len(plain.nodes) + len([n for n in dg.nodes if n.recompute])
+
+
+def test_recomputing_the_first_blocks_holds_fewer_bytes_than_none_and_more_than_every_block():
+    """The ledger peak (``program_memory`` of rank 0's program) of a 3-block GPT on one device and under fsdp:
+    none > the first block > every block, not increasing in K. K=2 may equal every block (fsdp: 853,776 B both): the
+    last block's backward starts right after its forward, so its recomputation holds what its forward kept."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32))
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(1))
+    graph = capture(model, {"idx": ids, "targets": ids})
+    for mesh, strategy in (("d=1", "single"), ("fsdp=2", "fsdp")):
+
+        def peak(ac: str, k: int | None = None) -> int:
+            s = _lower(graph, mesh, strategy, ac, ac_blocks=k)
+            return program_memory(s.programs[0], s.dg).peak
+
+        peaks = [peak("none"), peak("block", 1), peak("block", 2), peak("block")]
+        assert peaks == sorted(peaks, reverse=True) and peaks[0] > peaks[1] > peaks[-1], (mesh, peaks)
+
+
 @pytest.mark.parametrize(
-    "mesh, strategy", [("d=1", "single"), ("fsdp=2", "fsdp"), ("dp=2,tp=2", "dp,tp"), ("fsdp=2,tp=2", "fsdp,tp")]
+    "mesh, strategy, ac_blocks",
+    [
+        ("d=1", "single", None),
+        ("fsdp=2", "fsdp", None),
+        ("dp=2,tp=2", "dp,tp", None),
+        ("fsdp=2,tp=2", "fsdp,tp", None),
+        ("d=1", "single", 1),  # block 0 recomputed, block 1 keeping its activations
+        ("fsdp=2,tp=2", "fsdp,tp", 1),
+    ],
 )
-def test_recomputation_gives_the_numbers_of_one_device(llama, mesh, strategy):
+def test_recomputation_gives_the_numbers_of_one_device(llama, mesh, strategy, ac_blocks):
     """AdamW, 3 steps: the loss of each step and every replica of every weight piece equal one device's without
-    recomputation (float64)."""
+    recomputation (float64; TOL: the partial sums' order), every block recomputed or only the first
+    (``ac_blocks=1``)."""
     model, batch, graph = llama
     ref_losses, ref = _run(model, batch, graph, _lower(graph, "d=1", "single", "none"))
-    losses, ex = _run(model, batch, graph, _lower(graph, mesh, strategy, "block"))
+    losses, ex = _run(model, batch, graph, _lower(graph, mesh, strategy, "block", ac_blocks=ac_blocks))
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
     assert ex.weight_error(ref.weights()) < TOL
 
@@ -153,6 +214,33 @@ def test_an_unknown_mode_is_refused_before_capture():
     model, batch = _tiny()
     with pytest.raises(ValueError, match=r"^ac must be one of \['none', 'block'\], got 'selective'$"):
         parallelize(model, batch, mesh="d=1", ac="selective")
+
+
+@pytest.mark.parametrize(
+    "ac, ac_blocks, error, message",
+    [
+        ("block", 0, ValueError, r"^ac_blocks=0: give the number of blocks to recompute, 1 or more .*every block$"),
+        (
+            "none",
+            1,
+            ValueError,
+            r"^ac_blocks=1 with ac='none': .*add --ac block \(ac='block'\), or leave --ac-blocks out$",
+        ),
+        (
+            "block",
+            2,
+            PassError,
+            r"^ac_blocks=2: the graph has 1 blocks \(transformer\.h\.0 … transformer\.h\.0\); give --ac-blocks between "
+            r"1 and 1 .*or leave it out to recompute every block$",
+        ),
+    ],
+)
+def test_a_number_of_blocks_out_of_range_or_without_block_checkpointing_is_refused(ac, ac_blocks, error, message):
+    """``ac_blocks`` < 1 or without ``ac="block"``: refused with the settings, before capture; above the graph's
+    blocks (1 here): refused when the step is lowered, naming the blocks."""
+    model, batch = _tiny()
+    with pytest.raises(error, match=message):
+        parallelize(model, batch, mesh="d=1", ac=ac, ac_blocks=ac_blocks)
 
 
 class _Flat(torch.nn.Module):

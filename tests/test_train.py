@@ -282,3 +282,16 @@ def test_trace_has_compute_and_communication_lanes_measured_and_predicted(tp2):
     kinds = [tuple(e["name"].split()[:2]) for e in measured]  # ("#token", kind); an overlapped one is waited later
     assert kinds and {k for _, k in kinds} == {"all_reduce", "wait"}
     assert {t for t, k in kinds if k == "wait"} <= {t for t, k in kinds if k == "all_reduce"}
+
+
+def test_ac_blocks_recomputes_the_first_blocks_the_banner_counts_them_and_config_toml_keeps_it(tmp_path, run_here):
+    """--ac block --ac-blocks 1 on 2 layers, one device: the banner counts the blocks actually recomputed (1, not
+    2), and config.toml holds ac_blocks (a resumed run gets the same step)."""
+    import tomllib
+
+    r, run = run_here(
+        tmp_path, "run", "--strategy", "single", "--nproc", "1", "--layers", "2", "--ac", "block", "--ac-blocks", "1"
+    )
+    assert r.returncode == 0, r.stderr
+    assert "; 1 blocks recomputed in the backward (--ac block --ac-blocks 1)" in r.stdout
+    assert tomllib.loads((run / "config.toml").read_text())["ac_blocks"] == 1

@@ -215,6 +215,10 @@ class LowerOptions:
 
     ``ac``: activation checkpointing (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`): under ``block``
     each block's forward runs again before its backward instead of keeping its activations (``--ac``).
+    ``ac_blocks``: under ``block``, only the first this many blocks in forward order (``model.layers.0`` …) run
+    their forward again, the others keep their activations (``--ac-blocks K``; under a pipeline the first stages
+    hold the most microbatches in flight, so their blocks are the ones to recompute); None: every block. Checked
+    against the graph's number of blocks by :func:`~shardflow.lower.pass_expansion.checkpoint_blocks`.
 
     ``overlap``: each backward all-reduce, reduce-scatter or send is issued without waiting and waited after the
     computes that do not feed it, a linear's weight gradient computed while its input gradient is reduced or sent
@@ -245,6 +249,7 @@ class LowerOptions:
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     stages_per_rank: int = 1
     accumulate: int = 1
+    ac_blocks: int | None = None
 
     @classmethod
     def parse(
@@ -256,6 +261,7 @@ class LowerOptions:
         bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         reshard_after_forward: bool = True,
         ac: str = "none",
+        ac_blocks: int | None = None,
         precision: MixedPrecision | None = None,
         microbatches: int = 1,
         schedule: str = "1f1b",
@@ -267,8 +273,9 @@ class LowerOptions:
 
         Raises:
             ValueError: a name that is none of its choices, a floating-point ``precision`` dtype that is not one,
-                ``bucket_mb`` < 0, or ``microbatches``, ``stages_per_rank`` or ``accumulate`` < 1 (one paragraph
-                naming the setting).
+                ``bucket_mb`` < 0, ``microbatches``, ``stages_per_rank``, ``accumulate`` or ``ac_blocks`` < 1, or
+                ``ac_blocks`` without ``ac="block"`` (one paragraph naming the setting). ``ac_blocks`` above the
+                graph's number of blocks is refused when the step is lowered (PassError).
         """
         for name, v, what in (
             ("accumulate", accumulate, "micro-steps per step, 1 (no accumulation)"),
@@ -277,6 +284,16 @@ class LowerOptions:
         ):
             if v < 1:
                 raise ValueError(f"{name}={v}: give the {what} or more")
+        if ac_blocks is not None and ac_blocks < 1:
+            raise ValueError(
+                f"ac_blocks={ac_blocks}: give the number of blocks to recompute, 1 or more (the first K in forward "
+                f"order), or leave it out to recompute every block"
+            )
+        if ac_blocks is not None and ac != ActivationCheckpointing.BLOCK:
+            raise ValueError(
+                f"ac_blocks={ac_blocks} with ac={ac!r}: the number of blocks to recompute applies to activation "
+                f"checkpointing by block; add --ac block (ac='block'), or leave --ac-blocks out"
+            )
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb={bucket_mb}: give the MiB of a gradient bucket, 0 (no bucketing) or more")
         if precision is not None and not (
@@ -298,6 +315,7 @@ class LowerOptions:
             schedule=_choice("schedule", schedule, tuple(ScheduleKind)),
             stages_per_rank=stages_per_rank,
             accumulate=accumulate,
+            ac_blocks=ac_blocks,
         )
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:

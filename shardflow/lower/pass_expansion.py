@@ -65,11 +65,18 @@ from shardflow.parallel.pcg import PCG, PNode
 from shardflow.parallel.sharding import Sharding
 
 
-def checkpoint_blocks(pcg: PCG) -> dict[str, str]:
+def checkpoint_blocks(pcg: PCG, count: int | None = None) -> dict[str, str]:
     """PCG node → its block under ``--ac block`` (:func:`block_of`), for the nodes that recompute: compute nodes
     by their scope, and parallel ops on an activation of a block (a tensor-parallel all-reduce of a block's
     partial sums) with the block of the node that made it. Nodes on the weight side (an FSDP gather) are left
-    out: the backward reads the gathered weight as it would without recomputation."""
+    out: the backward reads the gathered weight as it would without recomputation.
+
+    ``count`` (``--ac-blocks K``): only the nodes of the first ``count`` blocks, in forward order (the order of the
+    blocks' first nodes in ``pcg.nodes``: ``model.layers.0`` … ``model.layers.{K-1}``); None: every block. The first
+    blocks are the ones worth recomputing under a pipeline: the first stages hold the most microbatches' activations
+    in flight (1F1B's stage s holds p − s of them), so they reach the highest peak. A graph without blocks gives {}
+    whatever ``count`` (the caller refuses it by name). Raises PassError if ``count`` is not between 1 and the
+    number of blocks."""
     weight_side = _weight_side(pcg)
     made_in: dict[str, str] = {}
     out: dict[str, str] = {}
@@ -80,7 +87,17 @@ def checkpoint_blocks(pcg: PCG) -> dict[str, str]:
         if b:
             out[n.name] = b
             made_in.update(dict.fromkeys(n.outputs, b))
-    return out
+    if count is None or not out:
+        return out
+    blocks = list(dict.fromkeys(out.values()))
+    if not 1 <= count <= len(blocks):
+        raise PassError(
+            f"ac_blocks={count}: the graph has {len(blocks)} blocks ({blocks[0]} … {blocks[-1]}); give --ac-blocks "
+            f"between 1 and {len(blocks)} (the first K blocks in forward order recompute), or leave it out to "
+            f"recompute every block"
+        )
+    kept = set(blocks[:count])
+    return {n: b for n, b in out.items() if b in kept}
 
 
 def narrow_weights(pcg: PCG, master: torch.dtype | None) -> tuple[str, ...]:
@@ -177,6 +194,7 @@ def pass_expansion(
     ac: ActivationCheckpointing = ActivationCheckpointing.NONE,
     master_dtype: torch.dtype | None = None,
     microbatches: int = 1,
+    ac_blocks: int | None = None,
 ) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
@@ -198,7 +216,11 @@ def pass_expansion(
     backward node of a block, FWD nodes (``recompute``) run the block's forward again (:func:`checkpoint_blocks`:
     its compute ops and the parallel ops on its activations, reading the block's input and its weights, a gathered
     weight gathered again under ``reshard_after_forward``); the block's backward nodes read those values, so the
-    forward's activations inside a block die with their last forward reader.
+    forward's activations inside a block die with their last forward reader. ``ac_blocks`` (``--ac-blocks K``): only
+    the first K blocks in forward order recompute, the others keep their activations as under ``none``
+    (:func:`checkpoint_blocks`); None: every block. Read only under ``block`` (a search's candidate without
+    checkpointing keeps the run's ``ac_blocks``; :meth:`~shardflow.lower.cost.LowerOptions.parse` refuses the
+    setting without ``--ac block``).
 
     ``master_dtype``: mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype=<the graph's>,
     reduce_dtype=master_dtype)``, Micikevicius et al., "Mixed Precision Training", 2018). A weight whose dtype in the
@@ -219,14 +241,17 @@ def pass_expansion(
     nodes come microbatch after microbatch; the schedule pass (:mod:`shardflow.lower.schedule`) interleaves them.
 
     ``optimizer``: the :class:`UpdateRule` (its state slots become UPD values). Raises PassError if the PCG has no
-    loss or ``microbatches`` < 1.
+    loss, ``microbatches`` < 1, or under ``block`` the graph has no block or ``ac_blocks`` is not between 1 and its
+    number of blocks.
     """
     if microbatches < 1:
         raise PassError(f"a step has at least one microbatch, not {microbatches}")
     if microbatches == 1:
-        return _expand(pcg, optimizer, training, clip_norm, grad_norm, micro, reshard_after_forward, ac, master_dtype)
+        return _expand(
+            pcg, optimizer, training, clip_norm, grad_norm, micro, reshard_after_forward, ac, master_dtype, ac_blocks
+        )
     parts = [
-        _expand(pcg, optimizer, training, clip_norm, grad_norm, m, reshard_after_forward, ac, master_dtype)
+        _expand(pcg, optimizer, training, clip_norm, grad_norm, m, reshard_after_forward, ac, master_dtype, ac_blocks)
         for m in _microbatch_steps(micro, microbatches)
     ]
     return _microbatched(pcg, parts)
@@ -307,6 +332,7 @@ def _expand(
     reshard_after_forward: bool,
     ac: ActivationCheckpointing,
     master: torch.dtype | None,
+    ac_blocks: int | None,
 ) -> DynamicGraph:
     """:func:`pass_expansion` of one microbatch: its emitters (:class:`_Expansion`), in the order of the step."""
     if pcg.loss is None:
@@ -318,7 +344,7 @@ def _expand(
         return _expanded(pcg, x.g, optimizer)
     x.needs_gradients()
     x.loss_seed()
-    grads = x.backward(reshard_after_forward, ac)
+    grads = x.backward(reshard_after_forward, ac, ac_blocks)
     norm2 = (x.squared_norm(grads),) if clip_norm and micro.last else ()  # the updates clip with it: before them
     x.updates(grads, optimizer, norm2, clip_norm)
     if grad_norm and not clip_norm and micro.last:  # read by nobody in the step: after the updates (not waited)
@@ -568,14 +594,17 @@ class _Expansion:
             )
 
     # --- backward ---------------------------------------------------------------------------------------------------
-    def backward(self, reshard_after_forward: bool, ac: ActivationCheckpointing) -> dict[str, str]:
+    def backward(
+        self, reshard_after_forward: bool, ac: ActivationCheckpointing, ac_blocks: int | None = None
+    ) -> dict[str, str]:
         """The BWD nodes, PCG node by PCG node in reverse, each block recomputed before its first backward node
         under ``--ac block``, except that the backward of a parallel op on a weight (an FSDP gather: the reduce-scatter
         of its gradient) runs right after its output's last backward reader, as the forward runs the op right before
         its first reader (:meth:`forward`); returns each weight's gradient, in the PCG's backward order (none before the
         last micro-step). A weight's gradient is finalized (its synchronisation issued) as soon as its last
         consumer's backward has run, so that data parallelism's all-reduces and FSDP's reduce-scatters can overlap the
-        rest of the backward. Raises PassError under ``--ac block`` if no op lies in a block."""
+        rest of the backward. Under ``--ac-blocks K`` only the first K blocks recompute (:func:`checkpoint_blocks`).
+        Raises PassError under ``--ac block`` if no op lies in a block, or K is not between 1 and the blocks."""
         pcg = self.pcg
         self.gathers = {
             n.outputs[0]: n
@@ -585,7 +614,7 @@ class _Expansion:
             and isinstance(n.op, CombineOp)
             and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT
         }
-        self.blocks = checkpoint_blocks(pcg) if ac == ActivationCheckpointing.BLOCK else {}
+        self.blocks = checkpoint_blocks(pcg, ac_blocks) if ac == ActivationCheckpointing.BLOCK else {}
         if ac == ActivationCheckpointing.BLOCK and not self.blocks:
             raise PassError(
                 "activation checkpointing 'block': no op of the graph lies in a block (a module under an "

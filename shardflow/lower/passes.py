@@ -80,6 +80,7 @@ PASSES: tuple[Pass, ...] = (
             c.options.ac,
             c.options.precision and c.options.precision.reduce_dtype,
             c.options.microbatches,
+            c.options.ac_blocks,
         ),
         "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state",
     ),

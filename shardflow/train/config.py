@@ -229,6 +229,13 @@ class TrainConfig:
         "instead of keeping its activations: less memory, one more forward per step)",
         choices=tuple(map(str, ActivationCheckpointing)),
     )
+    ac_blocks: int | None = _f(
+        None,
+        "with --ac block: recompute only the first K blocks in forward order (model.layers.0 to "
+        "model.layers.K-1; under a pipeline the first stages hold the most microbatches in flight), the others "
+        "keeping their activations: memory between --ac none and every block recomputed (default: every block)",
+        metavar="K",
+    )
     debug: bool = _f(False, "check before every communication that all its members are at the same token")
     trace: str | None = _f(
         None,
@@ -275,7 +282,12 @@ class TrainConfig:
         typ = {"int": int, "float": float}.get(f.type.removesuffix(" | None"), str)
         shown = f" (default {value})" if value is not None else ""  # None's help says what happens
         p.add_argument(
-            flag, type=typ, default=unset, choices=f.metadata.get("choices"), help=f"{f.metadata['help']}{shown}"
+            flag,
+            type=typ,
+            default=unset,
+            choices=f.metadata.get("choices"),
+            metavar=f.metadata.get("metavar"),
+            help=f"{f.metadata['help']}{shown}",
         )
 
     @classmethod
@@ -359,7 +371,7 @@ class TrainConfig:
 def step_options(settings: Any, cost: CostModel) -> LowerOptions:
     """The typed options of the step settings ``settings`` names as ``shardflow train`` does — a
     :class:`TrainConfig`, or ``shardflow plan``'s flags of the same names (``all_gather``, ``reduce_scatter``,
-    ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
+    ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``ac_blocks``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
     ``accumulate``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
     it does)."""
     return LowerOptions.parse(
@@ -369,6 +381,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
         bucket_mb=settings.bucket_mb,
         reshard_after_forward=settings.reshard_after_forward,
         ac=settings.ac,
+        ac_blocks=settings.ac_blocks,
         precision=PRECISION[settings.dtype],
         microbatches=settings.microbatches,
         schedule=settings.schedule,
@@ -454,6 +467,7 @@ RANGES = {
     "accumulate": Range(1),
     "microbatches": Range(1),
     "stages_per_rank": Range(1),
+    "ac_blocks": Range(1),
     "seq_len": Range(1),
     "layers": Range(1),
     "heads": Range(1),

@@ -111,10 +111,14 @@ class Console:
                 + (f"{sched.virtual} chunks per stage, " if sched.virtual > 1 else "")
                 + f"bubble {sched.bubble:.0%})"
             )
+        options = s.pipeline.options
         recomputed = (
-            len(set(checkpoint_blocks(s.pcg).values())) if s.pipeline.options.ac == ActivationCheckpointing.BLOCK else 0
+            len(set(checkpoint_blocks(s.pcg, options.ac_blocks).values()))
+            if options.ac == ActivationCheckpointing.BLOCK
+            else 0
         )
-        ac = f"; {recomputed} blocks recomputed in the backward (--ac block)" if recomputed else ""
+        flags = "--ac block" + (f" --ac-blocks {options.ac_blocks}" if options.ac_blocks is not None else "")
+        ac = f"; {recomputed} blocks recomputed in the backward ({flags})" if recomputed else ""
         self.say(
             f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "
             f"{cfg.batch_size}×{cfg.seq_len}{micro}{ac}"

@@ -19,7 +19,7 @@ from torch import nn
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import LoweredStep, MicroStep
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
 from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
@@ -272,6 +272,7 @@ def auto_strategy(cfg: TrainConfig, world: int) -> tuple[TrainConfig, SearchResu
         strategy=c.strategy,
         mesh=str(c.mesh),
         ac=str(c.ac),
+        ac_blocks=cfg.ac_blocks if c.ac == ActivationCheckpointing.BLOCK else None,  # a choice without it drops it
         microbatches=c.microbatches,
         schedule=str(c.schedule),
         stages_per_rank=c.stages_per_rank,
