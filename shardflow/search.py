@@ -19,6 +19,7 @@ folding repeated blocks are not searched yet (docs/search.md#limits).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -67,7 +68,7 @@ class SearchError(ValueError):
 @dataclass(frozen=True)
 class Candidate:
     """One plan the search tries: a preset ``strategy`` (``dp,tp``, ``fsdp,sp``, ...) on ``mesh``, with activation
-    checkpointing ``ac``, under a pipeline ``microbatches``, ``schedule`` and ``stages_per_rank``, and the step run
+    checkpointing ``ac`` (of the first ``ac_blocks`` blocks only where set), under a pipeline ``microbatches``, ``schedule`` and ``stages_per_rank``, and the step run
     as ``accumulate`` micro-steps (gradient accumulation)."""
 
     mesh: Mesh
@@ -77,12 +78,15 @@ class Candidate:
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     stages_per_rank: int = 1
     accumulate: int = 1
+    ac_blocks: int | None = None
 
     def flags(self) -> list[str]:
         """The ``shardflow train``/``plan`` flags that run this candidate."""
         out = ["--strategy", self.strategy, "--mesh", str(self.mesh)]
         if self.ac != ActivationCheckpointing.NONE:
             out += ["--ac", str(self.ac)]
+        if self.ac_blocks is not None:
+            out += ["--ac-blocks", str(self.ac_blocks)]
         if self.microbatches > 1:
             out += ["--microbatches", str(self.microbatches), "--schedule", str(self.schedule)]
         if self.stages_per_rank > 1:
@@ -100,6 +104,7 @@ class Candidate:
             base,
             cost=cost_model(spec, self.mesh),
             ac=self.ac,
+            ac_blocks=self.ac_blocks,
             microbatches=self.microbatches,
             schedule=self.schedule,
             stages_per_rank=self.stages_per_rank,
@@ -170,30 +175,36 @@ def candidates(world: int, blocks: int, batch: int) -> list[Candidate]:
     return out
 
 
-def state_bytes(
-    graph: ComputationGraph, candidate: Candidate, optimizer: OptimizerConfig, options: LowerOptions
-) -> int:
-    """A lower bound on one rank's peak (bytes): its share of the weights, their gradients, the optimizer's state
-    slots and, under mixed precision, the master weights — sharded by every axis but the data-parallel one."""
+def _weight_bytes(graph: ComputationGraph) -> int:
+    return sum(graph.tensors[w].type.nbytes for w in graph.weights)
+
+
+def state_bytes(weights: int, candidate: Candidate, optimizer: OptimizerConfig, options: LowerOptions) -> int:
+    """A lower bound on one rank's peak (bytes) for a model of ``weights`` bytes of weights: its share of the
+    weights, their gradients, the optimizer's state slots and, under mixed precision, the master weights — sharded
+    by every axis but the data-parallel one."""
     shards = math.prod(s for a, s in zip(candidate.mesh.axis_names, candidate.mesh.shape) if a != "dp")
-    weights = sum(graph.tensors[w].type.nbytes for w in graph.weights)
     copies = 2 + len(optimizer.slots) + (1 if options.precision else 0)
     return copies * weights // shards
 
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The search's answer: ``best`` (its ``pipeline``, planned and ready to lower), every ``outcome`` tried or
-    refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds`` and the
+    """The search's answer: ``best`` (:attr:`pipeline`: planned on the whole model and ready to lower), every
+    ``outcome`` tried or refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds`` and the
     ``plan`` that plans a candidate on the whole model (for :func:`explain`; cached)."""
 
     best: Outcome
-    pipeline: Pipeline
     outcomes: tuple[Outcome, ...]
     budget: int
     spec: MachineSpec
     seconds: float
     plan: Callable[[Candidate], Pipeline] = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The choice planned on the whole model (its capture on the first ask, where the search folded)."""
+        return self.plan(self.best.candidate)
 
     def alternatives(self) -> list[Outcome]:
         """The runner-up of each preset family (strategy): the fastest of its candidates that fits, else its
@@ -271,7 +282,7 @@ def _largest_part(p: Prediction) -> str:
 
 
 def search(
-    graph_for: Callable[[int], ComputationGraph],
+    graph_for: Callable[[int, int | None], ComputationGraph],
     world: int,
     batch: int,
     tokens: int,
@@ -283,8 +294,9 @@ def search(
     fold: bool = True,
 ) -> SearchResult:
     """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
-    bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts)``: the model captured on one of
-    ``parts`` equal parts of the step's ``batch`` sequences (``tokens`` in all); ``base``: the run's options (their
+    bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts, keep)``: the model captured on one of
+    ``parts`` equal parts of the step's ``batch`` sequences (``tokens`` in all) with only its first ``keep`` repeated
+    blocks (None: all of them; :func:`~shardflow.graph.blocks.keep_blocks`); ``base``: the run's options (their
     checkpointing and schedule are the search's); ``blocks``: the model's repeated blocks (default: counted in the
     graph); ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks).
     Raises SearchError when nothing fits."""
@@ -295,10 +307,17 @@ def search(
     def graph(parts: int, keep: int | None = None) -> ComputationGraph:
         """The model captured on one of ``parts`` parts of the batch, cut down to ``keep`` blocks (None: all)."""
         if (parts, keep) not in graphs:
-            graphs[parts, keep] = graph_for(parts) if keep is None else keep_blocks(graph(parts), keep)
+            graphs[parts, keep] = graph_for(parts, keep)
         return graphs[parts, keep]
 
-    blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate)))
+    def weight_bytes(parts: int) -> int:
+        """The whole model's weights (bytes), drawn through the cut-down copies where the search folds."""
+        if not (fold and blocks > FOLD):
+            return _weight_bytes(graph(parts))
+        few, more = _weight_bytes(graph(parts, FOLD - 1)), _weight_bytes(graph(parts, FOLD))
+        return few + (more - few) * (blocks - FOLD + 1)
+
+    blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate, None)))
     outcomes: list[Outcome] = []
     planned: dict[Candidate, Pipeline] = {}
 
@@ -326,7 +345,7 @@ def search(
         data = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a in ("dp", "fsdp"))
         if batch % (c.accumulate * c.microbatches * data):
             return Outcome(c, None, f"the batch of {batch} does not split into its micro-batches")
-        floor = state_bytes(graph(c.accumulate * c.microbatches), c, optimizer, options)
+        floor = state_bytes(weight_bytes(c.accumulate * c.microbatches), c, optimizer, options)
         if floor > budget:
             return Outcome(c, None, f"its weights, gradients and optimizer state alone need {_gib(floor)}")
         try:
@@ -343,11 +362,15 @@ def search(
         outcomes.append(o)
         # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
         # reduction once per micro-step), the fallbacks in that order until one fits
+        kept = o
         for ac, times in FALLBACKS:
             if o.prediction is None or o.fits:
                 break
+            kept = o if o.candidate.ac == ActivationCheckpointing.NONE else kept
             o = attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times))
             outcomes.append(o)
+            if o.fits and o.candidate.ac == ActivationCheckpointing.BLOCK and kept.prediction is not None:
+                outcomes.extend(fewer_checkpointed(kept, o, blocks, budget))
     fitting = [o for o in outcomes if o.fits]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]
@@ -359,7 +382,26 @@ def search(
         )
     best = min(fitting, key=lambda o: (_rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"))
     seconds = time.perf_counter() - t0
-    return SearchResult(best, plan(best.candidate), tuple(outcomes), budget, spec, seconds, plan)
+    return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan)
+
+
+def fewer_checkpointed(kept: Outcome, every: Outcome, blocks: int, budget: int) -> list[Outcome]:
+    """Checkpointing of only the first K of ``blocks`` blocks (``--ac-blocks K``) for the fewest K whose peak fits
+    ``budget`` bytes: ``every`` is a candidate that fits with every block checkpointed, ``kept`` the same one that
+    does not fit without (same micro-steps). Each block checkpointed takes the same share of the difference in
+    time and memory between the two (:func:`extrapolate` over the blocks checkpointed), which overstates the peak
+    of a partial checkpointing — the last block's recomputation saves nothing, its backward following at once —
+    so the K chosen fits. Not under a pipeline, whose first stages hold the first blocks (and the most
+    microbatches): [] there, and where no K below ``blocks`` fits."""
+    c = every.candidate
+    if "pp" in c.mesh.axis_names or kept.candidate.accumulate != c.accumulate:
+        return []
+    assert kept.prediction is not None and every.prediction is not None
+    for k in range(1, blocks):
+        p = extrapolate(kept.prediction, every.prediction, 0, blocks, k)
+        if max(p.peak_bytes) <= budget:
+            return [Outcome(dataclasses.replace(c, ac_blocks=k), p)]
+    return []
 
 
 def search_model(
@@ -372,9 +414,25 @@ def search_model(
     budget: int | None = None,
 ) -> SearchResult:
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
-    tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into."""
+    tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
+    with fewer repeated blocks is captured with its first ``ModuleList`` cut short where its forward loops over that
+    list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`)."""
+    whole: dict[int, ComputationGraph] = {}
+
+    def graph_for(parts: int, keep: int | None) -> ComputationGraph:
+        inputs = split_batch(batch, parts)[0]
+        if keep is not None:
+            with cut_blocks(model, keep):
+                g = capture(model, inputs)
+            if len(repeated_blocks(g)) == keep:
+                return g
+        if parts not in whole:
+            whole[parts] = capture(model, inputs)
+        return whole[parts] if keep is None else keep_blocks(whole[parts], keep)
+
+    first = _first_list(model)
     return search(
-        lambda parts: capture(model, split_batch(batch, parts)[0]),
+        graph_for,
         world,
         next(iter(batch.values())).shape[0],
         tokens_of(batch),
@@ -382,7 +440,32 @@ def search_model(
         optimizer,
         spec,
         budget,
+        blocks=len(first[1]) if first else None,
     )
+
+
+def _first_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The model's first ``ModuleList`` of modules (its repeated blocks, :func:`~shardflow.graph.blocks.
+    repeated_blocks`), with its path."""
+    return next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)), None)
+
+
+@contextlib.contextmanager
+def cut_blocks(model: nn.Module, keep: int) -> Iterator[None]:
+    """Within the block, ``model``'s first ``ModuleList`` holds only its first ``keep`` modules (the same module
+    objects: nothing is copied); restored on the way out, also on an error."""
+    first = _first_list(model)
+    if first is None:
+        yield
+        return
+    path, blocks = first
+    parent, _, name = path.rpartition(".")
+    owner = model.get_submodule(parent)
+    setattr(owner, name, nn.ModuleList(list(blocks)[:keep]))
+    try:
+        yield
+    finally:
+        setattr(owner, name, blocks)
 
 
 def explain(result: SearchResult, target: str, rank: int = 0) -> str:

@@ -9,16 +9,14 @@ import json
 import pytest
 import torch
 
-from shardflow.capture import capture
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import Optimizer
 from shardflow.lower.program import programs_fingerprint
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.pipeline import Pipeline
-from shardflow.runtime.accumulate import split_batch
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.search import SearchError, candidates, factorizations, search
+from shardflow.search import SearchError, candidates, factorizations, search_model
 from shardflow.simulator.machine import MachineSpec
 
 SPEC = MachineSpec.named("h100")
@@ -28,17 +26,7 @@ BATCH = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, 
 
 
 def run(world: int, budget: int | None = None, model=MODEL, batch=BATCH):
-    rows = batch["idx"].shape[0]
-    return search(
-        lambda parts: capture(model, split_batch(batch, parts)[0]),
-        world,
-        rows,
-        rows * 16,
-        LowerOptions(),
-        OptimizerConfig(Optimizer.ADAMW),
-        SPEC,
-        budget,
-    )
+    return search_model(model, batch, world, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), SPEC, budget)
 
 
 pytestmark = pytest.mark.integration  # each search plans and predicts ~70 presets: a minute in all

@@ -73,6 +73,7 @@ def piece(v: Value) -> Buffer:
 
 
 # --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
+@functools.lru_cache(maxsize=1 << 16)  # asked for every communication of every rank: a pure function of its arguments
 def axis_members(group: SubMesh, axis: str, device: int) -> tuple[int, ...]:
     """The devices of ``group`` that differ from ``device`` only in their coordinate on ``axis``, in order."""
     c = group.coords(device)
