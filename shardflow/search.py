@@ -144,16 +144,18 @@ def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (d, *rest)
 
 
-def candidates(world: int, blocks: int, batch: int) -> list[Candidate]:
+def candidates(world: int, blocks: int, batch: int, node: int | None = None) -> list[Candidate]:
     """Every preset candidate of ``world`` devices for a model of ``blocks`` repeated blocks and a step of ``batch``
     sequences (module docstring), without activation checkpointing (:func:`search` tries it where a candidate does
-    not fit without): those whose data-parallel degree divides the batch and whose pipeline has no more stages than
-    blocks."""
+    not fit without): those whose data-parallel degree divides the batch, whose pipeline has no more stages than
+    blocks and whose tensor parallelism stays within a ``node`` of that many devices (None: any degree) — its
+    collectives sit on the critical path of every block, and across nodes they run at the slower link (Megatron-LM's
+    rule, Narayanan et al. 2021, §3.3)."""
     out = []
     for sizes in factorizations(world, len(SEARCH_AXES)):
         axes = {a: s for a, s in zip(SEARCH_AXES, sizes) if s > 1}
         pp, data = axes.get("pp", 1), axes.get("dp", 1) * axes.get("fsdp", 1)
-        if batch % data or pp > max(blocks, 1):
+        if batch % data or pp > max(blocks, 1) or (node is not None and axes.get("tp", 1) > node):
             continue
         mesh = Mesh(tuple(axes), tuple(axes.values())) if axes else Mesh(("d",), (1,))
         names = [a for a in axes]
@@ -292,13 +294,14 @@ def search(
     budget: int | None = None,
     blocks: int | None = None,
     fold: bool = True,
+    progress: Callable[[Outcome], None] | None = None,
 ) -> SearchResult:
     """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
     bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts, keep)``: the model captured on one of
     ``parts`` equal parts of the step's ``batch`` sequences (``tokens`` in all) with only its first ``keep`` repeated
     blocks (None: all of them; :func:`~shardflow.graph.blocks.keep_blocks`); ``base``: the run's options (their
     checkpointing and schedule are the search's); ``blocks``: the model's repeated blocks (default: counted in the
-    graph); ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks).
+    graph); ``progress``: called with each outcome as it is known; ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks).
     Raises SearchError when nothing fits."""
     t0 = time.perf_counter()
     budget = budget if budget is not None else int(MARGIN * spec.device.memory_bytes)
@@ -312,14 +315,20 @@ def search(
 
     def weight_bytes(parts: int) -> int:
         """The whole model's weights (bytes), drawn through the cut-down copies where the search folds."""
-        if not (fold and blocks > FOLD):
+        if not (fold and n_blocks > FOLD):
             return _weight_bytes(graph(parts))
         few, more = _weight_bytes(graph(parts, FOLD - 1)), _weight_bytes(graph(parts, FOLD))
-        return few + (more - few) * (blocks - FOLD + 1)
+        return few + (more - few) * (n_blocks - FOLD + 1)
 
-    blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate, None)))
+    n_blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate, None)))
     outcomes: list[Outcome] = []
     planned: dict[Candidate, Pipeline] = {}
+
+    def record(o: Outcome) -> Outcome:
+        outcomes.append(o)
+        if progress:
+            progress(o)
+        return o
 
     def plan(c: Candidate, keep: int | None = None) -> Pipeline:
         """Candidate ``c`` planned on the model cut down to ``keep`` blocks (None: the whole model, kept)."""
@@ -335,10 +344,10 @@ def search(
         """``c``'s prediction: on the whole model, or where it has more than FOLD blocks per pipeline chunk drawn
         through the model cut down to FOLD − 1 and FOLD blocks per chunk (:func:`extrapolate`)."""
         chunks = c.stages_per_rank * math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
-        if not fold or blocks <= FOLD * chunks:
+        if not fold or n_blocks <= FOLD * chunks:
             return plan(c).predict(spec, tokens, exact=False)
         few, more = (plan(c, k * chunks).predict(spec, tokens, exact=False) for k in (FOLD - 1, FOLD))
-        return extrapolate(few, more, (FOLD - 1) * chunks, FOLD * chunks, blocks)
+        return extrapolate(few, more, (FOLD - 1) * chunks, FOLD * chunks, n_blocks)
 
     def attempt(c: Candidate) -> Outcome:
         options = c.options(base, spec)
@@ -356,10 +365,17 @@ def search(
         peak = max(pred.peak_bytes)
         return Outcome(c, pred, "" if peak <= budget else f"peaks at {_gib(peak)} > budget {_gib(budget)}")
 
-    for c in candidates(world, blocks, batch // base.accumulate):
+    # without a pipeline first; a pipeline is predicted only where its bound (the least compute of a plan without a
+    # pipeline, stretched by the pipeline's bubble) is below the best step found
+    order = sorted(candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node), key=bubble)
+    for c in order:
         c = dataclasses.replace(c, accumulate=base.accumulate)
-        o = attempt(c)
-        outcomes.append(o)
+        fits = [o.prediction.step_seconds for o in outcomes if o.fits and o.prediction]
+        floor = min((_compute(o.prediction) for o in outcomes if o.prediction), default=0.0)
+        if c.microbatches > 1 and fits and floor * bubble(c) >= min(fits):
+            record(Outcome(c, None, f"its bound {floor * bubble(c) * 1e3:.4g} ms ≥ the best step found"))
+            continue
+        o = record(attempt(c))
         # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
         # reduction once per micro-step), the fallbacks in that order until one fits
         kept = o
@@ -367,10 +383,10 @@ def search(
             if o.prediction is None or o.fits:
                 break
             kept = o if o.candidate.ac == ActivationCheckpointing.NONE else kept
-            o = attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times))
-            outcomes.append(o)
+            o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
             if o.fits and o.candidate.ac == ActivationCheckpointing.BLOCK and kept.prediction is not None:
-                outcomes.extend(fewer_checkpointed(kept, o, blocks, budget))
+                for partial in fewer_checkpointed(kept, o, n_blocks, budget):
+                    record(partial)
     fitting = [o for o in outcomes if o.fits]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]
@@ -383,6 +399,20 @@ def search(
     best = min(fitting, key=lambda o: (_rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"))
     seconds = time.perf_counter() - t0
     return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan)
+
+
+def bubble(c: Candidate) -> float:
+    """The factor a pipeline's bubble stretches a step by, at least: (m + p − 1)/m for m microbatches on p stages
+    under 1F1B and GPipe, (m + (p − 1)/v)/m interleaved over v chunks per stage (Narayanan et al., SC'21, §2.2);
+    1 without a pipeline."""
+    p = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
+    return (c.microbatches + (p - 1) / c.stages_per_rank) / c.microbatches
+
+
+def _compute(p: Prediction) -> float:
+    """The least forward and backward compute (seconds) of a replayed rank: a pipeline of the same devices computes
+    as much per device, bubble apart."""
+    return min(b.compute for b in p.timeline.breakdown.values())
 
 
 def fewer_checkpointed(kept: Outcome, every: Outcome, blocks: int, budget: int) -> list[Outcome]:
@@ -417,18 +447,19 @@ def search_model(
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
     with fewer repeated blocks is captured with its first ``ModuleList`` cut short where its forward loops over that
     list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`)."""
-    whole: dict[int, ComputationGraph] = {}
+    captured: dict[int, tuple[ComputationGraph, int | None]] = {}  # parts → the most blocks captured (None: all)
 
     def graph_for(parts: int, keep: int | None) -> ComputationGraph:
-        inputs = split_batch(batch, parts)[0]
-        if keep is not None:
-            with cut_blocks(model, keep):
-                g = capture(model, inputs)
-            if len(repeated_blocks(g)) == keep:
-                return g
-        if parts not in whole:
-            whole[parts] = capture(model, inputs)
-        return whole[parts] if keep is None else keep_blocks(whole[parts], keep)
+        have = captured.get(parts)
+        if have is None or (have[1] is not None and (keep is None or have[1] < keep)):
+            inputs = split_batch(batch, parts)[0]
+            g = None
+            if keep is not None:
+                with cut_blocks(model, keep):
+                    g = capture(model, inputs)
+                g = g if len(repeated_blocks(g)) == keep else None
+            have = captured[parts] = (g, keep) if g is not None else (capture(model, inputs), None)
+        return have[0] if keep is None else keep_blocks(have[0], keep)
 
     first = _first_list(model)
     return search(

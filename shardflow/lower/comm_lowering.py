@@ -489,7 +489,9 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     members = axis_members(group, axis, r)
     d = len(members)
     tin, tout = piece(vin), piece(vout)
-    nbytes = wire_bytes(st.kind, tin.type.nbytes, d)
+    kind = st.kind
+    assert isinstance(kind, CommKind), kind  # a collective step (sends, receives and local steps return above)
+    nbytes = wire_bytes(kind, tin.type.nbytes, d)
     # all-gather: Combine's dim; reduce-scatter: the Repartition's; all-to-all: split the Repartition's dim,
     # concatenate along the Combine's.
     dims = (
@@ -504,7 +506,7 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     return [
         Comm(
             base + axis_group_index(group, axis, r),
-            st.kind,
+            kind,
             first.task,
             members,
             tin.type,
