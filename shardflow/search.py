@@ -24,7 +24,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -365,15 +365,17 @@ def search(
         peak = max(pred.peak_bytes)
         return Outcome(c, pred, "" if peak <= budget else f"peaks at {_gib(peak)} > budget {_gib(budget)}")
 
-    # without a pipeline first; a pipeline is predicted only where its bound (the least compute of a plan without a
-    # pipeline, stretched by the pipeline's bubble) is below the best step found
-    order = sorted(candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node), key=bubble)
+    # without a pipeline first, then pipelines by their microbatches (the cheapest to predict first); a pipeline is
+    # predicted only where its bound is below the best step found (docs/search.md#bounding-pipelines)
+    order = sorted(
+        candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node),
+        key=lambda c: (c.microbatches > 1, c.microbatches, bubble(c)),
+    )
     for c in order:
         c = dataclasses.replace(c, accumulate=base.accumulate)
-        fits = [o.prediction.step_seconds for o in outcomes if o.fits and o.prediction]
-        floor = min((_compute(o.prediction) for o in outcomes if o.prediction), default=0.0)
-        if c.microbatches > 1 and fits and floor * bubble(c) >= min(fits):
-            record(Outcome(c, None, f"its bound {floor * bubble(c) * 1e3:.4g} ms ≥ the best step found"))
+        best = min((o.prediction.step_seconds for o in outcomes if o.fits and o.prediction), default=math.inf)
+        if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= best:
+            record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {best * 1e3:.4g} ms"))
             continue
         o = record(attempt(c))
         # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
@@ -409,10 +411,22 @@ def bubble(c: Candidate) -> float:
     return (c.microbatches + (p - 1) / c.stages_per_rank) / c.microbatches
 
 
-def _compute(p: Prediction) -> float:
-    """The least forward and backward compute (seconds) of a replayed rank: a pipeline of the same devices computes
-    as much per device, bubble apart."""
-    return min(b.compute for b in p.timeline.breakdown.values())
+def pipeline_bound(c: Candidate, outcomes: Sequence[Outcome]) -> float:
+    """A floor under pipeline ``c``'s step (seconds) from the ``outcomes`` predicted so far: the larger of the least
+    forward-and-backward compute of any rank predicted (a pipeline over the same devices computes as much per
+    device) and the step of a sibling pipeline (same mesh and strategy, fewer microbatches or another schedule)
+    without its bubble — each stretched by ``c``'s :func:`bubble`. Smaller microbatches only add to the rest: each
+    computes less efficiently and, under fsdp, gathers the weights again."""
+    predicted = [o.prediction for o in outcomes if o.prediction is not None]
+    floor = min((min(b.compute for b in p.timeline.breakdown.values()) for p in predicted), default=0.0)
+    siblings = [
+        o.prediction.step_seconds / bubble(o.candidate)
+        for o in outcomes
+        if o.prediction is not None
+        and (o.candidate.mesh, o.candidate.strategy, o.candidate.accumulate) == (c.mesh, c.strategy, c.accumulate)
+        and o.candidate.ac == c.ac
+    ]
+    return max([floor, *siblings]) * bubble(c)
 
 
 def fewer_checkpointed(kept: Outcome, every: Outcome, blocks: int, budget: int) -> list[Outcome]:
