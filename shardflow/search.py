@@ -365,6 +365,18 @@ def search(
         peak = max(pred.peak_bytes)
         return Outcome(c, pred, "" if peak <= budget else f"peaks at {_gib(peak)} > budget {_gib(budget)}")
 
+    def fewest_exact(c: Candidate) -> Outcome:
+        """Where the whole model is predicted anyway: ``c`` (checkpointing its first ``ac_blocks`` blocks, the count
+        the line proposed) predicted exactly, and with fewer blocks checkpointed while that still fits."""
+        assert c.ac_blocks is not None
+        found = attempt(c)
+        for k in range(c.ac_blocks - 1, 0, -1):
+            o = attempt(dataclasses.replace(c, ac_blocks=k))
+            if not o.fits:
+                break
+            found = o
+        return found
+
     # without a pipeline first, then pipelines by their microbatches (the cheapest to predict first); a pipeline is
     # predicted only where its bound is below the best step found (docs/search.md#bounding-pipelines)
     order = sorted(
@@ -382,13 +394,14 @@ def search(
         # reduction once per micro-step), the fallbacks in that order until one fits
         kept = o
         for ac, times in FALLBACKS:
-            if o.prediction is None or o.fits:
+            # a fallback only adds work: none is tried for a candidate already slower than the best that fits
+            if o.prediction is None or o.fits or o.prediction.step_seconds >= best:
                 break
             kept = o if o.candidate.ac == ActivationCheckpointing.NONE else kept
             o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
             if o.fits and o.candidate.ac == ActivationCheckpointing.BLOCK and kept.prediction is not None:
                 for partial in fewer_checkpointed(kept, o, n_blocks, budget):
-                    record(partial)
+                    record(partial if fold and n_blocks > FOLD else fewest_exact(partial.candidate))
     fitting = [o for o in outcomes if o.fits]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]

@@ -154,3 +154,27 @@ def test_the_search_checkpoints_fewer_blocks_where_that_fits():
     every = [o for o in res.outcomes if o.fits and o.candidate.ac == BLOCK and o.candidate.ac_blocks is None]
     assert every and all(best.prediction.step_seconds < o.prediction.step_seconds for o in every)
     assert max(res.pipeline.predict(SPEC, TOKENS).peak_bytes) <= budget
+
+
+def test_a_model_predicted_whole_gets_the_exact_fewest_blocks():
+    """A 3-block model is predicted whole (no folding), so the K the line proposes is predicted exactly and lowered
+    while that still fits: the choice's prediction is the exact one at its K, and K − 1 blocks do not fit."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=64))
+    m = Mesh.parse("dp=2")
+    g = capture(model, BATCH)
+
+    def predict(ac: ActivationCheckpointing, k: int | None = None) -> Prediction:
+        options = LowerOptions(cost=cost_model(SPEC, m), ac=ac, ac_blocks=k)
+        return Pipeline.planned(g, m, options, OptimizerConfig(Optimizer.ADAMW), "dp").predict(SPEC, TOKENS)
+
+    none_peak, every_peak = (max(predict(ac).peak_bytes) for ac in (NONE, BLOCK))
+    budget = none_peak - (none_peak - every_peak) // 2
+    res = search_model(model, BATCH, 2, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), SPEC, budget)
+    best = res.best
+    k = best.candidate.ac_blocks
+    assert str(best.candidate.mesh) == "dp=2" and best.candidate.ac == BLOCK and k is not None and k < 3
+    exact = predict(BLOCK, k)
+    assert best.prediction is not None and best.prediction.peak_bytes == exact.peak_bytes
+    assert best.prediction.step_seconds == pytest.approx(exact.step_seconds, rel=1e-12)
+    assert k == 1 or max(predict(BLOCK, k - 1).peak_bytes) > budget
