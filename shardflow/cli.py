@@ -22,16 +22,18 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections import Counter
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
@@ -61,7 +63,7 @@ from shardflow.models import GPT, MLP, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, placements_text
 from shardflow.parallel.shape import ShardingError
-from shardflow.search import MARGIN, explain, search_model, tokens_of
+from shardflow.search import MARGIN, Outcome, explain, search_model, tokens_of
 from shardflow.simulator import MachineSpec
 from shardflow.simulator import resolve as resolve_machine
 from shardflow.simulator.estimate import cost_model
@@ -413,6 +415,32 @@ def memory_bytes(text: str) -> int:
     return int(n)
 
 
+def search_progress(every: float = 2.0) -> Callable[[Outcome], None]:
+    """A ``--strategy auto`` progress line on stderr at most every ``every`` seconds: candidates tried and refused,
+    and the best step found so far."""
+    start = last = time.perf_counter()
+    tried = refused = 0
+    best = math.inf
+
+    def show(o: Outcome) -> None:
+        nonlocal last, tried, refused, best
+        tried += o.prediction is not None
+        refused += o.prediction is None
+        if o.fits and o.prediction is not None:
+            best = min(best, o.prediction.step_seconds)
+        now = time.perf_counter()
+        if now - last >= every:
+            last = now
+            found = f"best step so far {best * 1e3:.4g} ms" if best < math.inf else "nothing fits yet"
+            print(
+                f"# searching: {tried} predicted, {refused} refused, {found} ({now - start:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return show
+
+
 def cmd_plan_auto(args: argparse.Namespace) -> int:
     """``shardflow plan --strategy auto``: the search (:func:`~shardflow.search.search`) on ``--nproc`` devices of
     ``--machine``, printed as text or JSON; ``--save-plan`` writes the chosen plan."""
@@ -424,7 +452,9 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
     spec = resolve_machine(args.machine, processes=args.nproc)
     options = step_options(args, machine_cost("auto", args.nproc))  # each candidate's forms: the spec's cost model
     model, batch = plan_model(args, options)
-    result = search_model(model, batch, args.nproc, options, optimizer_config(args), spec, args.memory_budget)
+    result = search_model(
+        model, batch, args.nproc, options, optimizer_config(args), spec, args.memory_budget, search_progress()
+    )
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=1))
     else:

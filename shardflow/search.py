@@ -2,19 +2,20 @@
 
 The search space is every preset a world of N devices can run (:func:`candidates`): each factorization of N into
 a pipeline, data-parallel, fully-sharded and tensor-parallel axis (mesh order ``pp, dp, fsdp, tp``: tensor
-parallelism innermost, on consecutive ranks, a pipeline outermost), tensor parallelism with and without sequence
-parallelism, and under a pipeline its microbatches (p, 2p, 4p) and schedule (1F1B, GPipe, interleaved over two
-chunks per stage); activation checkpointing per block and gradient accumulation (2 or 4 micro-steps) are tried, in
-the order of :data:`FALLBACKS`, where a candidate does not fit without them (they add work: they never make a
-step faster). Each candidate is planned, lowered and replayed on
-the machine spec (:meth:`~shardflow.pipeline.Pipeline.predict`); the one with the smallest predicted step time
-whose predicted peak fits the memory budget wins. Candidates are refused before any lowering where their degrees
-do not divide the model or the batch (the planner's own errors, kept as the reason) or where the parameters,
-gradients and optimizer state alone exceed the budget (a lower bound on the peak: every rank holds at least its
-share of them).
+parallelism innermost, on consecutive ranks of one node, a pipeline outermost), tensor parallelism with and without
+sequence parallelism, and under a pipeline its microbatches (p, 2p, 4p) and schedule (1F1B, GPipe, interleaved over
+two chunks per stage); activation checkpointing per block and gradient accumulation (2 or 4 micro-steps) are
+tried, in the order of :data:`FALLBACKS`, where a candidate does not fit without them, and then checkpointing of
+only the first K blocks (:func:`fewer_checkpointed`). Each candidate is planned, lowered and replayed on the
+machine spec (:meth:`~shardflow.pipeline.Pipeline.predict`) — a model of many repeated blocks on two copies cut
+down to 2 and 3 blocks per pipeline chunk, drawn as a line to its length (:data:`FOLD`,
+:func:`~shardflow.simulator.estimate.extrapolate`); the one with the smallest predicted step time whose predicted
+peak fits the memory budget wins. Candidates are refused before any lowering where their degrees do not divide the
+model or the batch (the planner's own errors, kept as the reason), where the parameters, gradients and optimizer
+state alone exceed the budget (a lower bound on the peak), and where a lower bound on their step time is no better
+than the best found (:func:`pipeline_bound`; docs/search.md#bounds).
 
-This is the preset level of the search: per-op placements beyond the presets (an ILP over the rule tables) and
-folding repeated blocks are not searched yet (docs/search.md#limits).
+Per-op placements beyond the presets (an ILP over the rule tables) are not searched yet (docs/search.md#limits).
 """
 
 from __future__ import annotations
@@ -210,16 +211,22 @@ class SearchResult:
 
     def alternatives(self) -> list[Outcome]:
         """The runner-up of each preset family (strategy): the fastest of its candidates that fits, else its
-        smallest-peak one with why it does not; fastest first."""
+        smallest-peak one with why it does not, fastest first; then each family none of whose candidates was
+        predicted, by its first refusal (a bound, its degrees, its state)."""
         best_of: dict[str, Outcome] = {}
+        refused: dict[str, Outcome] = {}
         for o in self.outcomes:
             s = o.candidate.strategy
-            if o is self.best or o.prediction is None:
+            if o is self.best:
+                continue
+            if o.prediction is None:
+                refused.setdefault(s, o)
                 continue
             cur = best_of.get(s)
             if cur is None or _rank(o) < _rank(cur):
                 best_of[s] = o
-        return sorted(best_of.values(), key=_rank)
+        unpredicted = [o for s, o in refused.items() if s not in best_of and s != self.best.candidate.strategy]
+        return sorted(best_of.values(), key=_rank) + unpredicted
 
     def why(self, o: Outcome) -> str:
         """Why ``o`` lost to the best, in a few words."""
@@ -378,7 +385,7 @@ def search(
         return found
 
     # without a pipeline first, then pipelines by their microbatches (the cheapest to predict first); a pipeline is
-    # predicted only where its bound is below the best step found (docs/search.md#bounding-pipelines)
+    # predicted only where its bound is below the best step found (docs/search.md#bounds)
     order = sorted(
         candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node),
         key=lambda c: (c.microbatches > 1, c.microbatches, bubble(c)),
@@ -469,6 +476,7 @@ def search_model(
     optimizer: OptimizerConfig,
     spec: MachineSpec,
     budget: int | None = None,
+    progress: Callable[[Outcome], None] | None = None,
 ) -> SearchResult:
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
@@ -499,6 +507,7 @@ def search_model(
         spec,
         budget,
         blocks=len(first[1]) if first else None,
+        progress=progress,
     )
 
 
