@@ -384,11 +384,11 @@ def search(
             found = o
         return found
 
-    # without a pipeline first, then pipelines by their microbatches (the cheapest to predict first); a pipeline is
+    # without a pipeline first, then pipelines by their microbatches and chunks (the cheapest to predict first); a pipeline is
     # predicted only where its bound is below the best step found (docs/search.md#bounds)
     order = sorted(
         candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node),
-        key=lambda c: (c.microbatches > 1, c.microbatches, bubble(c)),
+        key=lambda c: (c.microbatches > 1, c.microbatches, c.stages_per_rank, bubble(c)),
     )
     for c in order:
         c = dataclasses.replace(c, accumulate=base.accumulate)
