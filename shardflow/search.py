@@ -392,9 +392,9 @@ def search(
     )
     for c in order:
         c = dataclasses.replace(c, accumulate=base.accumulate)
-        best = min((o.prediction.step_seconds for o in outcomes if o.fits and o.prediction), default=math.inf)
-        if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= best:
-            record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {best * 1e3:.4g} ms"))
+        fastest = min((o.prediction.step_seconds for o in outcomes if o.fits and o.prediction), default=math.inf)
+        if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= fastest:
+            record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {fastest * 1e3:.4g} ms"))
             continue
         o = record(attempt(c))
         # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
@@ -402,7 +402,7 @@ def search(
         kept = o
         for ac, times in FALLBACKS:
             # a fallback only adds work: none is tried for a candidate already slower than the best that fits
-            if o.prediction is None or o.fits or o.prediction.step_seconds >= best:
+            if o.prediction is None or o.fits or o.prediction.step_seconds >= fastest:
                 break
             kept = o if o.candidate.ac == ActivationCheckpointing.NONE else kept
             o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
