@@ -485,6 +485,16 @@ def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, train_argv, f
         ("[1, 2]", ["cannot read plan file", "JSON or TOML object"]),
         ('{"modules": {"lm_head": {"params": {"weight": ["Shard(x)"]}}}}', ["cannot read plan", "Shard(0)"]),
         ('{"modules": {"nope.*": {"stage": 0}}}', ["plan pattern 'nope.*' matches no module", "modules are: "]),
+        # a dim the 2-dim weight does not have: it wrapped round to Shard(1), planned with exit 0 (a regression)
+        (
+            '{"modules": {"lm_head": {"params": {"weight": ["Shard(7)"]}}}}',
+            [
+                "plan for module 'lm_head' places parameter 'weight' (shape [",
+                "2 dims) as tp: Shard(7), a dim it does not have",
+                "give Shard(d) with d from 0 to 1 (or -2 to -1)",
+            ],
+        ),
+        ('{"modules": {"lm_head": {"params": {"weight": ["Shard(-3)"]}}}}', ["Shard(-3), a dim it does not have"]),
     ],
 )
 def test_bad_plan_file(capsys, tmp_path, content, words):
