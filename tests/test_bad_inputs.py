@@ -4,6 +4,7 @@ Each must end with one paragraph on stderr (what is wrong, where, how to fix it)
 and nothing half-written. The CLI runs in this process (``shardflow.cli.main``) where no process would start;
 the torchrun-style rendezvous failures run as real processes, side by side, each bounded by a timeout."""
 
+import json
 import os
 import shutil
 import signal
@@ -181,6 +182,50 @@ def test_tensorboard_without_its_package(train, tmp_path, corpus, monkeypatch):
     one_paragraph(
         *train(run, corpus, "--tensorboard"), "train", "pip install tensorboard", "pip install 'shardflow[tensorboard]'"
     )
+    assert not run.exists()
+
+
+# a tiny Llama config.json; each case below changes (None: removes) some of its fields
+_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"num_attention_heads": 0}, ["--model-config", "num_attention_heads 0 is not a size", "integer ≥ 1"]),
+        ({"num_key_value_heads": 0}, ["num_key_value_heads 0 is not a size", "e.g. num_key_value_heads 1"]),
+        ({"hidden_size": "16"}, ['hidden_size "16" is not a size', "without quotes"]),
+        ({"hidden_size": -16}, ["hidden_size -16 is not a size"]),
+        ({"intermediate_size": 32.5}, ["intermediate_size 32.5 is not a size"]),
+        ({"num_hidden_layers": True}, ["num_hidden_layers true is not a size"]),
+        ({"hidden_size": 18, "num_attention_heads": 4}, ["hidden_size 18 is not a multiple of num_attention_heads 4"]),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, ["num_attention_heads 4 is not a multiple of", "3"]),
+        (
+            {"model_type": "bert", "num_key_value_heads": None},
+            ["model_type 'bert' is an encoder", '"is_decoder": true'],
+        ),
+        ({"model_type": "gpt2", "n_head": 0, "num_key_value_heads": None}, ["n_head 0 is not a size"]),
+        ({"architectures": ["LlamaForSequenceClassification"]}, ["LlamaForSequenceClassification is not a causal"]),
+        ({"model_type": "vit", "num_key_value_heads": None}, ["model_type 'vit' has no causal language model"]),
+        ({"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, ['rope_type "bogus"', "yarn", "drop rope_scaling"]),
+    ],
+)
+def test_bad_model_config(train, tmp_path, corpus, change, words):
+    """A --model-config file that makes no model (sizes of the wrong type or out of range, heads that do not divide,
+    a model that is no causal LM, an unknown rope type): one paragraph naming the field, before anything starts
+    (these were tracebacks; an encoder trained as a causal LM that sees the next token, exit 0)."""
+    config = {k: v for k, v in {**_LLAMA, **change}.items() if v is not None}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    run = tmp_path / "run"
+    one_paragraph(*train(run, corpus, "--model-config", str(path)), "train", f"--model-config {path}: ", *words)
     assert not run.exists()
 
 
@@ -440,6 +485,16 @@ def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, train_argv, f
         ("[1, 2]", ["cannot read plan file", "JSON or TOML object"]),
         ('{"modules": {"lm_head": {"params": {"weight": ["Shard(x)"]}}}}', ["cannot read plan", "Shard(0)"]),
         ('{"modules": {"nope.*": {"stage": 0}}}', ["plan pattern 'nope.*' matches no module", "modules are: "]),
+        # a dim the 2-dim weight does not have: it wrapped round to Shard(1), planned with exit 0 (a regression)
+        (
+            '{"modules": {"lm_head": {"params": {"weight": ["Shard(7)"]}}}}',
+            [
+                "plan for module 'lm_head' places parameter 'weight' (shape [",
+                "2 dims) as tp: Shard(7), a dim it does not have",
+                "give Shard(d) with d from 0 to 1 (or -2 to -1)",
+            ],
+        ),
+        ('{"modules": {"lm_head": {"params": {"weight": ["Shard(-3)"]}}}}', ["Shard(-3), a dim it does not have"]),
     ],
 )
 def test_bad_plan_file(capsys, tmp_path, content, words):

@@ -103,6 +103,43 @@ def test_llama_tp_beyond_the_key_value_heads_is_an_error_naming_them(captured):
         make_plan(graph, Mesh.parse("tp=4"), "tp")
 
 
+@pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+def test_tp_refuses_key_value_heads_it_cannot_split_rather_than_replicate_the_attention(family):
+    """One key/value head on tp=2: the attention's heads cannot all split, and tp used to leave the attention
+    replicated and split only the MLP, silently. Now a DegreeError names the attention, its key/value heads, the
+    degree and the ways out (as docs/concepts.md promises); planned, no process started."""
+    import torch
+    import transformers
+
+    from shardflow.capture import capture
+
+    config = getattr(transformers, f"{family}Config")(
+        num_hidden_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=96,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    ids = torch.randint(0, 96, (2, 8))
+    graph = capture(model, {"input_ids": ids, "labels": ids})
+    with pytest.raises(DegreeError) as e:
+        make_plan(graph, Mesh.parse("tp=2"), "tp")
+    msg = str(e.value)
+    for words in (
+        "degree 2 does not divide dim 1 of size 1",
+        "in module 'model.layers.0.self_attn'",
+        "this one has 1 key/value head, which does not split 2 ways",
+        "model.layers.0.self_attn.k_proj",
+        "use tp=1 for this model",
+        "a tp degree dividing its 1 key/value head",
+    ):
+        assert words in msg, (words, msg)
+
+
 def test_gpt2_tp_shards_the_fused_qkv_by_heads(captured):
     _, _, graph = captured["gpt2"]
     pcg = plan_pcg(graph, "tp=2", "tp")

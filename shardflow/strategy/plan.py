@@ -335,9 +335,10 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                         f"plan for module {m!r} places parameter {p!r}, which it does not have "
                         f"(its parameters: {[t.rsplit('.', 1)[1] for t in owned]})"
                     )
+                given = _layout(spec, group_of_tensor(w), f"placement of {w}")
+                _check_param_dims(graph, m, p, given)
                 layout = {
-                    a: Shard(stored_dim(graph, w, pl.dim)) if isinstance(pl, Shard) else pl
-                    for a, pl in _layout(spec, group_of_tensor(w), f"placement of {w}").items()
+                    a: Shard(stored_dim(graph, w, pl.dim)) if isinstance(pl, Shard) else pl for a, pl in given.items()
                 }
                 split = consumers[w][0][0] if len(consumers[w]) == 1 else None
                 stored = {
@@ -405,6 +406,20 @@ def _read(
         if shard is not None:
             left.remove(shard)
     return tuple(left)
+
+
+def _check_param_dims(graph: ComputationGraph, module: str, param: str, layout: Layout) -> None:
+    """Raise PlanError for a ``Shard(d)`` of a module's parameter whose dim is out of range for its shape (the
+    module's, before any storing by parts): ``d`` ≥ ndim or < -ndim, which would otherwise wrap onto another dim."""
+    shape = graph.module_shape(f"{module}.{param}")
+    ndim = len(shape)
+    for axis, pl in layout.items():
+        if isinstance(pl, Shard) and not -ndim <= pl.dim < ndim:
+            raise PlanError(
+                f"plan for module {module!r} places parameter {param!r} (shape {list(shape)}, {ndim} dims) as "
+                f"{axis}: Shard({pl.dim}), a dim it does not have; give Shard(d) with d from 0 to {ndim - 1} "
+                f"(or -{ndim} to -1), e.g. Shard(0), or Replicate()"
+            )
 
 
 def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name: str) -> Sharding:

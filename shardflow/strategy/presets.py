@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 
 from shardflow.graph import ops as O
 from shardflow.graph.blocks import repeated_blocks
@@ -182,12 +183,46 @@ def megatron_regions(graph: ComputationGraph, degree: int, axis: str = "tp") -> 
                 f"its key/value heads too) and the features of each linear pair {degree} ways"
             ) from None
         except (RuleError, PlanError):
+            _key_value_heads_split(graph, cols, region.values(), degree, axis)
             continue
         isolated_so_far = trial is not None
         accepted.append(candidate)
         used.update(c.name for c in cols)
         used.update(rows)
     return accepted
+
+
+def _key_value_heads_split(
+    graph: ComputationGraph, cols: list[Node], region: Iterable[Node], degree: int, axis: str
+) -> None:
+    """Raise DegreeError where a group the rules refused is an attention's projections (q, k and v: separate
+    linears) whose query heads ``degree`` divides but whose key/value heads it does not (Llama or Qwen2 with one
+    key/value head on tp=2): left out, the attention would be replicated while the plan reads as tensor parallel,
+    so the error names the module, the key/value heads, the degree and the ways out. A fused q|k|v (Falcon's
+    ``query_key_value``, one linear cut by a view and slices) is not such a group: it stays replicated, as
+    docs/concepts.md says."""
+    if len(cols) < 2:
+        return
+    for n in region:
+        if not isinstance(n.op, O.Attention):
+            continue
+        q, k = (graph.tensors[t].type.shape for t in n.inputs[:2])
+        heads, kv = q[-3], k[-3]
+        if heads % degree == 0 and kv % degree:
+            module = n.scope or n.name
+            raise DegreeError(
+                len(k) - 3,
+                kv,
+                degree,
+                n.name,
+                n.inputs[1],
+                f"in module {module!r}; tensor parallelism splits the heads of each attention {degree} ways, but "
+                f"this one has {kv} key/value head{'s' * (kv != 1)}, which do{'es' * (kv == 1)} not split "
+                f"{degree} ways (its projections {', '.join(c.scope for c in cols if c.scope)} would stay "
+                f"replicated, only the MLP split): use {axis}=1 for "
+                f"this model (e.g. --strategy dp or fsdp), a {axis} degree dividing its {kv} key/value "
+                f"head{'s' * (kv != 1)}, or a --plan file that shards only its MLP",
+            )
 
 
 def _trial_nodes(

@@ -226,6 +226,8 @@ def hf_config(
                 f"(as save_pretrained writes)"
             )
     model_type = model or base.get("model_type", "llama")
+    if base and isinstance(base["model_type"], str) and base["model_type"] in CONFIG_MAPPING:
+        check_model_config(config_file or "", base)
     if base and base["model_type"] != model_type:
         raise ModelError(
             f"--model {model} but --model-config {config_file} is of model_type "
@@ -297,6 +299,112 @@ def hf_config(
             f"--heads / --kv-heads query heads); change one of them, e.g. --kv-heads 1"
         )
     return config
+
+
+# the config attributes (standard names: a config's attribute_map gives its own) that size a model: integers ≥ 1
+_SIZE_ATTRS = (
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "intermediate_size",
+    "n_inner",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def check_model_config(config_file: str, values: Mapping[str, Any]) -> None:
+    """Check a ``--model-config`` file's own values (``values``: its JSON, of a ``model_type`` of transformers)
+    before a config is made of them, so that every way it makes no model is one ModelError naming the field, its
+    value and the fix — not a traceback of transformers or torch, nor a model that trains as something else:
+
+    * the sizes (:data:`_SIZE_ATTRS`, under the config's own names) are integers ≥ 1 (null where the config's
+      default is: GPT-2's ``n_inner``, a ``head_dim`` the config derives);
+    * the heads divide the width (unless the config gives its ``head_dim``), the key/value heads the heads;
+    * the model type has a causal LM in transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), its
+      ``architectures`` (where given) are causal LMs, and an encoder (a model type with a masked LM, such as
+      bert) is a decoder (``is_decoder``: its attention is causal only then);
+    * the rope type (``rope_parameters`` / ``rope_scaling``) is one transformers knows.
+    """
+    from transformers import CONFIG_MAPPING
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    where = f"--model-config {config_file}"
+    model_type = values["model_type"]
+    cls = CONFIG_MAPPING[model_type]
+    names = {std: cls.attribute_map.get(std, std) for std in _SIZE_ATTRS}
+    defaults = cls()
+    got: dict[str, int] = {}
+    for std, name in names.items():
+        if name not in values:
+            continue
+        v = values[name]
+        if v is None and getattr(defaults, name, None) is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ModelError(
+                f"{where}: {name} {json.dumps(v)} is not a size: give an integer ≥ 1 (a JSON number without quotes "
+                f"or a fraction), e.g. {name} {1 if std == 'num_key_value_heads' else getattr(defaults, name, None) or 1}"
+            )
+        got[std] = v
+    heads, kv, width = (
+        got.get(k, getattr(defaults, names[k], None))
+        for k in ("num_attention_heads", "num_key_value_heads", "hidden_size")
+    )
+    if "head_dim" not in got and isinstance(heads, int) and isinstance(width, int) and width % heads:
+        fits = [h for h in range(1, heads + 1) if width % h == 0][-1]
+        raise ModelError(
+            f"{where}: {names['hidden_size']} {width} is not a multiple of {names['num_attention_heads']} {heads} "
+            f"(every head gets {names['hidden_size']} / {names['num_attention_heads']} features); change one of "
+            f"them, e.g. {names['num_attention_heads']} {fits}"
+        )
+    if isinstance(kv, int) and isinstance(heads, int) and heads % kv:
+        fits = [k for k in range(1, kv + 1) if heads % k == 0][-1]
+        raise ModelError(
+            f"{where}: {names['num_attention_heads']} {heads} is not a multiple of {names['num_key_value_heads']} "
+            f"{kv} (each key/value head serves {names['num_attention_heads']} / {names['num_key_value_heads']} "
+            f"query heads); change one of them, e.g. {names['num_key_value_heads']} {fits}"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(
+            f"{where}: model_type {model_type!r} has no causal language model in transformers (shardflow train "
+            f"trains next-token prediction); pass the config of a causal LM (llama, gpt2, qwen2, mistral, ...)"
+        )
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    archs = values.get("architectures") or []
+    other = [a for a in archs if a not in causal] if isinstance(archs, list) else [archs]
+    if other:
+        raise ModelError(
+            f"{where}: architectures {json.dumps(archs)}: {', '.join(map(str, other))} is not a causal language "
+            f"model, but shardflow train trains one ({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]}); pass a "
+            f"causal LM's config, or drop architectures to train {model_type} as a causal LM"
+        )
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and values.get("is_decoder") is not True:
+        raise ModelError(
+            f"{where}: model_type {model_type!r} is an encoder whose attention sees the whole sequence unless "
+            f"the config makes it a decoder (is_decoder {json.dumps(values.get('is_decoder', False))}), so it would "
+            f'learn to copy the next token; set "is_decoder": true to train it as a causal LM, or pass a '
+            f"decoder's config (llama, gpt2, qwen2, ...)"
+        )
+    known = {"default", *ROPE_INIT_FUNCTIONS}
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = values.get(key)
+        if not isinstance(rope, dict):
+            continue
+        per_layer = rope.values() if all(isinstance(r, dict) for r in rope.values()) and rope else [rope]
+        for r in per_layer:
+            kind = r.get("rope_type", r.get("type", "default"))
+            if kind not in known:
+                raise ModelError(
+                    f"{where}: {key} has rope_type {json.dumps(kind)}, which transformers does not know; give one "
+                    f"of {', '.join(sorted(known))}, or drop {key} (the default rotary embedding)"
+                )
 
 
 # --- factories (FILE.py:FACTORY) ---------------------------------------------------------------------------------
