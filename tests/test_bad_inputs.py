@@ -685,3 +685,55 @@ def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+
+
+# --- --model factories that exit, raise or return no module (train and check) -----------------------------------
+
+QUITTING = """
+import sys
+
+
+def exits():
+    sys.exit(0)
+
+
+def raises():
+    raise RuntimeError("no weights here")
+
+
+def not_a_module():
+    return "model", {"x": 1}
+"""
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (
+            "quitting.py:exits",
+            [
+                "calling exits() exited (SystemExit: 0, at ",
+                "quitting.py:6) instead of returning (module, batch); remove the exit from exits()",
+            ],
+        ),
+        ("on_import.py:make", ["importing ", "on_import.py exited (SystemExit: 0, at ", "on_import.py:3)", "__main__"]),
+        ("quitting.py:raises", ["calling raises() raised RuntimeError: no weights here (at "]),
+        ("quitting.py:not_a_module", ["not_a_module() must return (module, batch)", "its first item is a str"]),
+    ],
+)
+def test_a_factory_that_exits_raises_or_returns_no_module(capsys, monkeypatch, tmp_path, corpus, command, spec, words):
+    """A factory that calls sys.exit(0) (or a module that does on import) made train and check exit 0 having done
+    nothing: each of these is one paragraph naming the factory, status 2, before any process starts."""
+    from shardflow.runtime import launch
+
+    (tmp_path / "quitting.py").write_text(QUITTING)
+    (tmp_path / "on_import.py").write_text("import sys\n\nsys.exit(0)\n\n\ndef make():\n    pass\n")
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    run = tmp_path / "run"
+    spec = f"{tmp_path}/{spec}"
+    argv = ["--data", str(corpus), "--run-dir", str(run), "--steps", "2"] if command == "train" else []
+    code = cli_main([command, "--model", spec, "--nproc", "2", *argv])
+    out, err = capsys.readouterr()
+    one_paragraph(code, out, err, command, f"--model {spec}: ", *words)
+    assert not run.exists()
