@@ -403,6 +403,34 @@ def test_resume_on_another_text_or_optimizer(train, tmp_path, corpus, finished):
     )
 
 
+def test_resume_with_another_seed_or_optimizer_setting(train, tmp_path, corpus, finished, tiny, capsys):
+    """--resume with another --seed (or --lr, --optimizer adam from adamw, ...) continued silently, its losses no longer
+    the uninterrupted run's: refused, listing each changed setting old → new, unless --allow-changed-settings."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    step2 = run / "checkpoints" / "step_2"
+    one_paragraph(
+        *train(run, corpus, "--resume", "--steps", "4", "--seed", "1"),
+        "train",
+        f"checkpoint {step2} was trained with other settings than this run's: --seed 0 → 1; its losses from here "
+        f"would not match the uninterrupted run's: resume with the checkpoint's (--seed 0), pass "
+        f"--allow-changed-settings to continue with this run's on purpose, or start a new run without --resume",
+    )
+    one_paragraph(
+        *train(run, corpus, "--resume", "--steps", "4", "--lr", "0.02", "--optimizer", "adam", "--weight-decay", "0.1"),
+        "train",
+        "other settings than this run's: --optimizer adamw → adam, --lr 0.01 → 0.02, --weight-decay 0.0 → 0.1;",
+        "resume with the checkpoint's (--optimizer adamw --lr 0.01 --weight-decay 0.0)",
+    )
+    # on purpose: accepted (one process, so that it runs here)
+    code = cli_main(
+        ["train", *tiny, "--steps", "3", "--data", str(corpus), "--run-dir", str(run), "--strategy", "single"]
+        + ["--nproc", "1", "--resume", "--seed", "1", "--allow-changed-settings"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0 and f"resumed from {step2}" in out, err
+
+
 def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, train_argv, finished):
     """Ranks given torchrun's environment (here by shardflow's launcher, without the parent's checks) meet a
     corrupt checkpoint after joining the group: each ends with one paragraph and status 2, no traceback."""
