@@ -20,7 +20,7 @@ from torch import nn
 
 class ModelSpecError(ValueError):
     """A ``--model`` spec that yields no ``(module, batch)``: not ``WHERE:NAME``, no such file or module, no such
-    factory, a factory that raises, or one that returns something else."""
+    factory, a module or factory that raises or exits (``SystemExit``), or one that returns something else."""
 
 
 def load_model(spec: str, seed: int = 0, vocab_size: int | None = None) -> tuple[nn.Module, dict[str, torch.Tensor]]:
@@ -65,6 +65,11 @@ def load_model(spec: str, seed: int = 0, vocab_size: int | None = None) -> tuple
     torch.manual_seed(seed)
     try:
         made = factory(**kwargs)
+    except SystemExit as e:  # sys.exit() or an argparse in the factory: no model, and no error of its own
+        raise ModelSpecError(
+            f"--model {spec}: calling {name}() exited ({_exited(e)}) instead of returning (module, batch); remove "
+            f'the exit from {name}() (a command line it parses belongs under if __name__ == "__main__":)'
+        ) from None
     except Exception as e:
         raise ModelSpecError(f"--model {spec}: calling {name}() raised {_raised(e)}") from None
     return _checked(spec, name, made)
@@ -103,6 +108,11 @@ def _import(spec: str, where: str) -> ModuleType:
         raise ModelSpecError(f"--model {spec}: importing {where} raised {_raised(e)}") from None
     except ModelSpecError:
         raise
+    except SystemExit as e:  # a script's sys.exit() or argparse run on import
+        raise ModelSpecError(
+            f"--model {spec}: importing {where} exited ({_exited(e)}) instead of defining the factory; move the "
+            f'code that exits under if __name__ == "__main__": (it runs on import)'
+        ) from None
     except Exception as e:
         raise ModelSpecError(f"--model {spec}: importing {where} raised {_raised(e)}") from None
 
@@ -112,6 +122,12 @@ def _raised(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"{type(e).__name__}: {e}{at}"
+
+
+def _exited(e: SystemExit) -> str:
+    """``SystemExit: CODE, at FILE:LINE``, the line being the innermost frame of the traceback (the exit's)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"SystemExit: {e.code}" + (f", at {frames[-1].filename}:{frames[-1].lineno}" if frames else "")
 
 
 def _checked(spec: str, name: str, made: object) -> tuple[nn.Module, dict[str, torch.Tensor]]:

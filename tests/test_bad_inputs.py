@@ -448,6 +448,34 @@ def test_resume_on_another_text_or_optimizer(train, tmp_path, corpus, finished):
     )
 
 
+def test_resume_with_another_seed_or_optimizer_setting(train, tmp_path, corpus, finished, tiny, capsys):
+    """--resume with another --seed (or --lr, --optimizer adam from adamw, ...) continued silently, its losses no longer
+    the uninterrupted run's: refused, listing each changed setting old → new, unless --allow-changed-settings."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    step2 = run / "checkpoints" / "step_2"
+    one_paragraph(
+        *train(run, corpus, "--resume", "--steps", "4", "--seed", "1"),
+        "train",
+        f"checkpoint {step2} was trained with other settings than this run's: --seed 0 → 1; its losses from here "
+        f"would not match the uninterrupted run's: resume with the checkpoint's (--seed 0), pass "
+        f"--allow-changed-settings to continue with this run's on purpose, or start a new run without --resume",
+    )
+    one_paragraph(
+        *train(run, corpus, "--resume", "--steps", "4", "--lr", "0.02", "--optimizer", "adam", "--weight-decay", "0.1"),
+        "train",
+        "other settings than this run's: --optimizer adamw → adam, --lr 0.01 → 0.02, --weight-decay 0.0 → 0.1;",
+        "resume with the checkpoint's (--optimizer adamw --lr 0.01 --weight-decay 0.0)",
+    )
+    # on purpose: accepted (one process, so that it runs here)
+    code = cli_main(
+        ["train", *tiny, "--steps", "3", "--data", str(corpus), "--run-dir", str(run), "--strategy", "single"]
+        + ["--nproc", "1", "--resume", "--seed", "1", "--allow-changed-settings"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0 and f"resumed from {step2}" in out, err
+
+
 def test_unfit_checkpoint_in_ranks_started_like_torchrun(tmp_path, train_argv, finished):
     """Ranks given torchrun's environment (here by shardflow's launcher, without the parent's checks) meet a
     corrupt checkpoint after joining the group: each ends with one paragraph and status 2, no traceback."""
@@ -740,3 +768,55 @@ def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+
+
+# --- --model factories that exit, raise or return no module (train and check) -----------------------------------
+
+QUITTING = """
+import sys
+
+
+def exits():
+    sys.exit(0)
+
+
+def raises():
+    raise RuntimeError("no weights here")
+
+
+def not_a_module():
+    return "model", {"x": 1}
+"""
+
+
+@pytest.mark.parametrize("command", ["train", "check"])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (
+            "quitting.py:exits",
+            [
+                "calling exits() exited (SystemExit: 0, at ",
+                "quitting.py:6) instead of returning (module, batch); remove the exit from exits()",
+            ],
+        ),
+        ("on_import.py:make", ["importing ", "on_import.py exited (SystemExit: 0, at ", "on_import.py:3)", "__main__"]),
+        ("quitting.py:raises", ["calling raises() raised RuntimeError: no weights here (at "]),
+        ("quitting.py:not_a_module", ["not_a_module() must return (module, batch)", "its first item is a str"]),
+    ],
+)
+def test_a_factory_that_exits_raises_or_returns_no_module(capsys, monkeypatch, tmp_path, corpus, command, spec, words):
+    """A factory that calls sys.exit(0) (or a module that does on import) made train and check exit 0 having done
+    nothing: each of these is one paragraph naming the factory, status 2, before any process starts."""
+    from shardflow.runtime import launch
+
+    (tmp_path / "quitting.py").write_text(QUITTING)
+    (tmp_path / "on_import.py").write_text("import sys\n\nsys.exit(0)\n\n\ndef make():\n    pass\n")
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    run = tmp_path / "run"
+    spec = f"{tmp_path}/{spec}"
+    argv = ["--data", str(corpus), "--run-dir", str(run), "--steps", "2"] if command == "train" else []
+    code = cli_main([command, "--model", spec, "--nproc", "2", *argv])
+    out, err = capsys.readouterr()
+    one_paragraph(code, out, err, command, f"--model {spec}: ", *words)
+    assert not run.exists()

@@ -583,7 +583,7 @@ def test_non_finite_weights_at_a_save_stop_the_run_with_one_paragraph(tmp_path, 
         f"shardflow train: error: the weights or optimizer state hold NaN or inf (model/model.embed_tokens.weight) "
         f"at step 2: training diverged, most likely because the learning rate is too high (--lr 0.01); try "
         f"--clip-norm 1.0 or a lower --lr. Nothing of step 2 was saved; the last complete checkpoint, "
-        f"{run / 'checkpoints' / 'step_1'}, is kept (continue from it with --resume and a lower --lr)\n"
+        f"{run / 'checkpoints' / 'step_1'}, is kept (continue from it with --resume --allow-changed-settings and a lower --lr)\n"
     ), err
     assert [n for n, _ in checkpoint.complete_steps(run / "checkpoints")] == [1]
 

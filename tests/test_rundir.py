@@ -14,7 +14,7 @@ from test_bad_inputs import one_paragraph
 from shardflow.cli import main as cli_main
 from shardflow.train import checkpoint
 from shardflow.train.config import TrainConfig
-from shardflow.train.rundir import lock
+from shardflow.train.rundir import lock, output_lock
 
 
 @pytest.fixture
@@ -119,6 +119,63 @@ def test_a_run_directory_in_use_is_refused_naming_the_process(train, tmp_path):
     assert list(contents(run)) == [".lock"]  # no file written but the lock's
     code, out, err = train("--run-dir", "run")  # released: the directory is free again
     assert code == 0, err
+
+
+@pytest.mark.parametrize(
+    "flag, path, what",
+    [
+        ("--checkpoint-dir", "shared/ck", "checkpoint directory shared/ck"),
+        ("--metrics", "shared/m.jsonl", "metrics file shared/m.jsonl"),
+    ],
+)
+def test_a_checkpoint_directory_or_metrics_file_in_use_is_refused_naming_the_run(train, tmp_path, flag, path, what):
+    """Two runs with their own run directories but one --checkpoint-dir (or --metrics): the second is refused while
+    the first holds the path's lock (here this process, as above), naming the path and the first run."""
+    output_lock(Path(path), flag).parent.mkdir(parents=True)
+    fd = lock(Path("first"), Path(path), flag)
+    lost = "checkpoints" if flag == "--checkpoint-dir" else "records"
+    try:
+        one_paragraph(
+            *train("--run-dir", "second", flag, path),
+            "train",
+            f"{what} is in use by another shardflow train (PID {os.getpid()} on ",
+            f", run directory first; it holds {output_lock(Path(path), flag)}), and two runs writing it at once "
+            f"would keep only one's {lost}: wait for that run to end or stop it, or pass another {flag}",
+        )
+    finally:
+        os.close(fd)
+    assert not (tmp_path / "second" / "config.toml").exists() and steps(tmp_path / "second") == []
+    code, out, err = train("--run-dir", "second", flag, path)  # released: the path is free again
+    assert code == 0, err
+
+
+def test_a_path_in_the_directory_of_a_live_run_is_refused(train, tmp_path):
+    """--metrics (or --checkpoint-dir) naming a file of a running run's directory, e.g. its metrics file; and the
+    other way round, a run whose own metrics file a running run names as its --metrics."""
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / "config.toml").write_text("steps = 2\n")
+    fd = lock(Path("first"))
+    try:
+        one_paragraph(
+            *train("--run-dir", "second", "--metrics", "first/metrics.jsonl"),
+            "train",
+            f"--metrics first/metrics.jsonl: the metrics file lies in the run directory {first} of another shardflow "
+            f"train (PID {os.getpid()} on ",
+            "pass another --metrics",
+        )
+    finally:
+        os.close(fd)
+    fd = lock(Path("first"), Path("second/metrics.jsonl"), "--metrics")
+    try:
+        one_paragraph(
+            *train("--run-dir", "second"),
+            "train",
+            "metrics file second/metrics.jsonl is in use by another shardflow train (PID ",
+            ", run directory first; it holds second/.metrics.jsonl.lock)",
+        )
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize(

@@ -232,7 +232,7 @@ def test_a_non_finite_loss_stops_every_rank_and_keeps_the_last_finite_checkpoint
         f"shardflow train: error: {rank}the loss is nan at step 2: training diverged, most likely "
         f"because the learning rate is too high (--lr 1e+12); try --clip-norm 1.0 or a lower --lr. "
         f"Nothing of step 2 was saved; the last complete checkpoint, {run / 'checkpoints' / 'step_1'}, "
-        f"is kept (continue from it with --resume and a lower --lr)\n"
+        f"is kept (continue from it with --resume --allow-changed-settings and a lower --lr)\n"
     ), r.stderr
     assert "Traceback" not in r.stdout
     assert [m["step"] for m in read_metrics(run)] == [1]

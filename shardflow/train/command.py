@@ -97,7 +97,8 @@ def _main(run: RunDir, launched: bool) -> int:
 
 
 def _launch(cfg: TrainConfig, run: RunDir) -> int:
-    """Start ``--nproc`` ranks (each inherits the run directory's lock) and wait for them."""
+    """Start ``--nproc`` ranks (each inherits the locks of the run directory and its named outputs) and wait for
+    them."""
     # The launcher forwards Ctrl-C / SIGTERM to the ranks from its own handler; a wakeup fd tells us one came.
     signals_r, signals_w = os.pipe()
     os.set_blocking(signals_r, False)
@@ -113,7 +114,7 @@ def _launch(cfg: TrainConfig, run: RunDir) -> int:
             cfg.nproc,
             run.path,
             grace_s=cfg.timeout + 10,
-            keep_fds=(run.fd,),
+            keep_fds=run.fds,
         )
     finally:
         if old_fd is not None:

@@ -184,6 +184,12 @@ class TrainConfig:
         "continue from the newest complete checkpoint in the checkpoint directory (any "
         "strategy or mesh may have written it)",
     )
+    allow_changed_settings: bool = _f(
+        False,
+        "with --resume: continue although a setting that changes the numbers (--seed, --optimizer and its settings, "
+        "the learning-rate schedule, --clip-norm, --batch-size, --seq-len, --dropout) differs from the checkpoint's; "
+        "without it such a run is refused, since its losses would not match the uninterrupted run's",
+    )
     overwrite: bool = _f(
         False,
         "replace the earlier run in --run-dir: its metrics and config at once, its checkpoints "

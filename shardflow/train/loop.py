@@ -56,7 +56,7 @@ def diverged(cfg: TrainConfig, step: int, what: str, newest: Path | None) -> Div
         else "try --clip-norm 1.0 or a lower --lr"
     )
     kept = (
-        f"the last complete checkpoint, {newest}, is kept (continue from it with --resume and a lower --lr)"
+        f"the last complete checkpoint, {newest}, is kept (continue from it with --resume --allow-changed-settings and a lower --lr)"
         if newest
         else "no checkpoint had been saved before it"
     )

@@ -172,6 +172,7 @@ class Setup:
             self.corpus.tokenizer,
             self.optimizer.slots,
             self.checkpoint_entries(),
+            dataclasses.asdict(c),
         )
 
 

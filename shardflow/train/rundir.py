@@ -13,7 +13,11 @@ the rules that keep one run from destroying another's.
   long as any of them lives), the one process of ``--nproc 1``, or torchrun's rank 0 (torchrun's ranks are siblings
   under torchrun's agent, none of them ours to outlive the others; rank 0 claims the directory before joining and
   tells the others its name once they have joined). A second run into a locked directory is refused naming the
-  holder.
+  holder. The same lock covers each path outside it that the user names: ``--checkpoint-dir`` (its ``.lock``),
+  ``--metrics`` and ``--trace`` (a ``.NAME.lock`` beside the file), so two runs with their own run directories but
+  one of these paths do not keep only the second's checkpoints or records: the second is refused naming the path
+  and the first run. A named path inside the directory of another live run, and a run whose own checkpoint
+  directory or metrics file another live run names, are refused too.
 * **Outputs do not overwrite the run's own files.** ``--metrics`` and ``--trace`` may not name ``config.toml``, the
   lock, a rank log, a file of the checkpoint directory, nor each other.
 
@@ -59,6 +63,7 @@ class RunDir:
 
     def __init__(self, cfg: TrainConfig, owner: bool):
         self.owner, self.fd, self.new = owner, None, False
+        self.held: list[int] = []  # the locks of the named outputs (--checkpoint-dir, --metrics, --trace)
         if owner and cfg.resume and cfg.overwrite:
             raise RunDirError(
                 "--resume continues the earlier run in the run directory and --overwrite replaces it: give one of them"
@@ -72,7 +77,15 @@ class RunDir:
     def __enter__(self) -> RunDir:
         return self
 
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """Every lock this run holds (the run directory's first): the descriptors its ranks inherit."""
+        return (*((self.fd,) if self.fd is not None else ()), *self.held)
+
     def __exit__(self, *exc) -> None:
+        for fd in self.held:
+            os.close(fd)
+        self.held = []
         if self.fd is not None:
             os.close(self.fd)  # releases the lock (ranks that inherited the descriptor are gone by now)
             self.fd = None
@@ -84,13 +97,14 @@ class RunDir:
 
     def claim(self) -> None:
         """The owner, once every check of the configuration and the plan has passed and just before training starts:
-        refuse ``--metrics`` / ``--trace`` onto the run's own files, lock the directory, refuse an earlier run in it
-        (unless ``--resume`` or ``--overwrite``), point ``runs/latest`` at a new directory and write ``config.toml``.
-        Raises RunDirError."""
+        refuse ``--metrics`` / ``--trace`` onto the run's own files, lock the directory and the outputs the user
+        names (:meth:`_lock_outputs`), refuse an earlier run in it (unless ``--resume`` or ``--overwrite``), point
+        ``runs/latest`` at a new directory and write ``config.toml``. Raises RunDirError."""
         cfg, run = self.cfg, self.path
         _check_targets(cfg)
         run.mkdir(parents=True, exist_ok=True)
         self.fd = lock(run)
+        self._lock_outputs()
         if not (cfg.resume or cfg.overwrite):
             earlier = earlier_run(cfg)
             if earlier:
@@ -102,6 +116,92 @@ class RunDir:
         if self.new:
             _point_latest(run)
         (run / CONFIG).write_text(cfg.to_toml())
+
+    def _lock_outputs(self) -> None:
+        """Lock each output the user names (``--checkpoint-dir``, ``--metrics``, ``--trace``) for this run, and refuse
+        one that lies in the directory of another live run; refuse a default output (the checkpoint directory or
+        metrics file in the run directory) that another live run holds as its named one. Raises RunDirError."""
+        cfg, run = self.cfg, self.path
+        assert run is not None  # the owner's, resolved in __init__
+        mine = {(run / LOCK).resolve()}
+        for flag, target, named in outputs(cfg):
+            at = output_lock(target, flag)
+            if at.resolve() in mine:
+                continue  # e.g. --checkpoint-dir RUN_DIR: the run directory's lock covers it
+            if not named:
+                _probe(at, lambda who, at=at, flag=flag, target=target: _in_use(flag, target, who, at))
+                continue
+            for d in Path(target).resolve().parents:  # a live run whose own directory holds the path
+                other = d / LOCK
+                if other not in mine and (d / CONFIG).is_file():
+                    _probe(other, lambda who, d=d, flag=flag, target=target: _inside(flag, target, d, who))
+            at.parent.mkdir(parents=True, exist_ok=True)
+            self.held.append(lock(run, target, flag))
+            mine.add(at.resolve())
+
+
+# the paths besides the run directory a run writes, and its flag: what it is, and what two runs at once would lose
+OUTPUTS = {
+    "--checkpoint-dir": ("checkpoint directory", "checkpoints"),
+    "--metrics": ("metrics file", "records"),
+    "--trace": ("trace file", "timeline"),
+}
+
+
+def outputs(cfg: TrainConfig) -> list[tuple[str, Path, bool]]:
+    """The outputs of a run besides its run directory's own files: (flag, path, whether the user named it)."""
+    found = [
+        ("--checkpoint-dir", cfg.checkpoints, bool(cfg.checkpoint_dir)),
+        ("--metrics", metrics_path(cfg), bool(cfg.metrics)),
+    ]
+    return found + ([("--trace", Path(cfg.trace), True)] if cfg.trace else [])
+
+
+def output_lock(target: Path, flag: str) -> Path:
+    """The lock file of an output: ``DIR/.lock`` for the checkpoint directory, ``.NAME.lock`` beside a file."""
+    target = Path(target)
+    return target / LOCK if flag == "--checkpoint-dir" else target.parent / f".{target.name}.lock"
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock whose file ``fd`` reads: ``PID p on HOST, run directory RUN`` (as :func:`lock` wrote)."""
+    holder = os.read(fd, 4096).decode(errors="replace").strip().split(maxsplit=2)
+    if len(holder) < 2:
+        return "a process that is just starting"
+    return f"PID {holder[0]} on {holder[1]}" + (f", run directory {holder[2]}" if len(holder) == 3 else "")
+
+
+def _probe(at: Path, refuse) -> None:
+    """Raise ``refuse(holder)`` when another process holds the lock file ``at`` (one that does not exist is free;
+    nothing is created)."""
+    try:
+        fd = os.open(at, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        who = _holder(fd)
+        os.close(fd)
+        raise refuse(who) from None
+    os.close(fd)  # released at once: only a held lock refuses
+
+
+def _in_use(flag: str, target: Path, who: str, at: Path) -> RunDirError:
+    what, lost = OUTPUTS[flag]
+    return RunDirError(
+        f"{what} {target} is in use by another shardflow train ({who}; it holds {at}), and two runs writing it at "
+        f"once would keep only one's {lost}: wait for that run to end or stop it, or pass another {flag}"
+    )
+
+
+def _inside(flag: str, target: Path, run: Path, who: str) -> RunDirError:
+    what, lost = OUTPUTS[flag]
+    return RunDirError(
+        f"{flag} {target}: the {what} lies in the run directory {run} of another shardflow train ({who}; it "
+        f"holds {run / LOCK}), which writes there too, and two runs at once would keep only one's {lost}: wait for that "
+        f"run to end or stop it, or pass another {flag}"
+    )
 
 
 def earlier_run(cfg: TrainConfig) -> list[str]:
@@ -116,24 +216,27 @@ def earlier_run(cfg: TrainConfig) -> list[str]:
     return found
 
 
-def lock(run: Path) -> int:
-    """Lock the run directory ``run`` for this process (``flock`` on ``run/.lock``, which then holds this process's PID
-    and host) and return the descriptor that holds the lock: closing it, or the end of every process that
-    inherited it, releases the lock. Raises RunDirError naming the holder when another process has it."""
-    path = run / LOCK
+def lock(run: Path, target: Path | None = None, flag: str = "--run-dir") -> int:
+    """Lock the run directory ``run`` for this process (``flock`` on ``run/.lock``, which then holds this process's PID,
+    host and run directory), or with ``target`` one more path the run writes, ``flag`` saying which
+    (:func:`output_lock`), and return the descriptor that holds the lock: closing it, or the end of every process
+    that inherited it, releases the lock. Raises RunDirError naming the holder when another process has it."""
+    path = run / LOCK if target is None else output_lock(target, flag)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 200).decode(errors="replace").split()
+        who = _holder(fd)
         os.close(fd)
-        who = f"PID {holder[0]} on {holder[1]}" if len(holder) == 2 else "a process that is just starting"
+        if target is not None:
+            raise _in_use(flag, target, who, path) from None
+        who = who.split(", run directory")[0]  # this directory
         raise RunDirError(
             f"run directory {run} is in use by another shardflow train ({who} holds {path}); wait for "
             f"that run to end or stop it, or pass another --run-dir"
         ) from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    os.write(fd, f"{os.getpid()} {socket.gethostname()} {run}\n".encode())
     return fd
 
 

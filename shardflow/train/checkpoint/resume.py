@@ -1,6 +1,7 @@
 """``--resume``: the newest complete checkpoint, checked against the run about to continue from it — its text
-(the corpus's sha256), its tokenizer, the model's family and sizes (:class:`~shardflow.train.family.Family`), the optimizer and
-every tensor's shape. Each mismatch is one paragraph naming the checkpoint, what differs and the fix."""
+(the corpus's sha256), its tokenizer, the model's family and sizes (:class:`~shardflow.train.family.Family`), the optimizer,
+the other settings that change the numbers (:data:`NUMERIC_SETTINGS`, unless ``--allow-changed-settings``) and every
+tensor's shape. Each mismatch is one paragraph naming the checkpoint, what differs and the fix."""
 
 from __future__ import annotations
 
@@ -21,6 +22,42 @@ _OPT_NAMES = {
 }
 
 
+# The settings of shardflow train that change a run's numbers and that no other check of --resume compares (the corpus,
+# tokenizer, model sizes and optimizer state slots are): a resumed run with another value would not reproduce the
+# uninterrupted run's losses. (--steps is not: a resumed run is given more; nor the placement, --accumulate,
+# --microbatches, --dtype or --ac, under which a run resumes to float32 rounding, docs/execution.md.)
+NUMERIC_SETTINGS = (
+    "seed",
+    "optimizer",
+    "momentum",
+    "lr",
+    "weight_decay",
+    "lr_schedule",
+    "warmup_steps",
+    "lr_min_ratio",
+    "clip_norm",
+    "batch_size",
+    "seq_len",
+    "dropout",
+)
+
+
+def changed_settings(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(flag, the checkpoint's value, this run's) for each of :data:`NUMERIC_SETTINGS` that differs between the
+    settings a checkpoint records (``saved``; one it lacks is not compared) and this run's (``ours``): ``--momentum``
+    only where both use SGD, ``--lr-min-ratio`` only where a schedule decays to it."""
+    out = []
+    for name in NUMERIC_SETTINGS:
+        if name not in saved or saved[name] == ours.get(name):
+            continue
+        if name == "momentum" and not saved.get("optimizer") == ours.get("optimizer") == str(Optimizer.SGD):
+            continue
+        if name == "lr_min_ratio" and saved.get("lr_schedule") == ours.get("lr_schedule") == "constant":
+            continue
+        out.append(("--" + name.replace("_", "-"), saved[name], ours.get(name)))
+    return out
+
+
 def for_resume(
     root: Path,
     family: Family,
@@ -29,10 +66,13 @@ def for_resume(
     tokenizer: Tokenizer,
     optimizer_slots: UpdateRule,
     want: Entries,
+    settings: Mapping[str, Any] | None = None,
 ) -> Checkpoint:
     """The newest complete checkpoint under ``root``, checked against the run about to continue from it: its model
     ``family`` and ``config``, its ``corpus`` (``source``, ``sha256``, ``chars``, as the checkpoint records
-    it), its ``tokenizer``, the optimizer's state slots and the ``want``ed entries. Raises CheckpointError."""
+    it), its ``tokenizer``, the optimizer's state slots, the run's ``settings`` (its TrainConfig as a dict:
+    :func:`changed_settings`, unless its ``allow_changed_settings``) and the ``want``ed entries. Raises
+    CheckpointError."""
     if store.is_checkpoint(root):
         raise CheckpointError(
             f"--resume: {root} is one checkpoint, not a checkpoint directory; --checkpoint-dir "
@@ -90,6 +130,15 @@ def for_resume(
             f"resume with --optimizer {ck.train.get('optimizer')}"
             f"{momentum if theirs != UpdateRule.ADAMW else ''}, "
             f"{new_run}"
+        )
+    changed = changed_settings(ck.train, settings) if settings and not settings.get("allow_changed_settings") else []
+    if changed:
+        theirs_ = " ".join(f"{flag} {old}" for flag, old, _ in changed)
+        raise CheckpointError(
+            f"checkpoint {path} was trained with other settings than this run's: "
+            f"{', '.join(f'{flag} {old} → {new}' for flag, old, new in changed)}; its losses from here would not "
+            f"match the uninterrupted run's: resume with the checkpoint's ({theirs_}), pass --allow-changed-settings "
+            f"to continue with this run's on purpose, {new_run}"
         )
     ck.check_entries(want, store.fallback(path))
     return ck
