@@ -25,7 +25,7 @@ instruction.
 
 Usage::
 
-    python benchmarks/simulator.py                # every plan (~13 minutes on 2 cores); updates docs/benchmarks.md
+    python benchmarks/simulator.py                # every plan (~10 minutes on 2 cores); updates docs/benchmarks.md
     python benchmarks/simulator.py --quick        # 6 plans, 3 rounds: a smoke test (prints; writes only with --out)
     python benchmarks/simulator.py --no-write     # print the section only
     python benchmarks/simulator.py --render-only  # rebuild the section from the last run's JSON (--run-dir)
@@ -166,7 +166,7 @@ def _plans() -> list[Plan]:
     four = [
         *(
             Plan(m, s, mesh)
-            for m in "SML"
+            for m in "SL"
             for s, mesh in (
                 ("dp", "dp=4"),
                 ("fsdp", "fsdp=4"),
