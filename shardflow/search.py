@@ -483,6 +483,8 @@ def search_model(
     with fewer repeated blocks is captured with its first ``ModuleList`` cut short where its forward loops over that
     list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`)."""
     captured: dict[int, tuple[ComputationGraph, int | None]] = {}  # parts → the most blocks captured (None: all)
+    first = _first_list(model)
+    first_len = len(first[1]) if first else 0
 
     def graph_for(parts: int, keep: int | None) -> ComputationGraph:
         have = captured.get(parts)
@@ -490,13 +492,14 @@ def search_model(
             inputs = split_batch(batch, parts)[0]
             g = None
             if keep is not None:
-                with cut_blocks(model, keep):
+                # twice the blocks captured before, at least: a deeper pipeline asks again, a cut is cheap
+                keep_more = min(max(keep, 2 * (have[1] or 0) if have else keep), first_len)
+                with cut_blocks(model, keep_more):
                     g = capture(model, inputs)
-                g = g if len(repeated_blocks(g)) == keep else None
-            have = captured[parts] = (g, keep) if g is not None else (capture(model, inputs), None)
+                g = g if len(repeated_blocks(g)) == keep_more else None
+            have = captured[parts] = (g, keep_more) if g is not None else (capture(model, inputs), None)
         return have[0] if keep is None else keep_blocks(have[0], keep)
 
-    first = _first_list(model)
     return search(
         graph_for,
         world,
