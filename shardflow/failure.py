@@ -95,18 +95,30 @@ def _corrupt(e: BaseException) -> bool:
     )
 
 
-def _space(e: BaseException) -> bool:
+def is_space(e: BaseException) -> bool:
+    """Whether ``e`` says the disk (or the user's quota) is full: an OSError, or safetensors' own error wrapping one."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     st = _safetensors_error()
     return st is not None and isinstance(e, st) and "No space left" in str(e)
 
 
-def _denied(e: BaseException) -> bool:
+def is_denied(e: BaseException) -> bool:
+    """Whether ``e`` says a permission was refused: an OSError, or safetensors' own error wrapping one."""
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return True
     st = _safetensors_error()
     return st is not None and isinstance(e, st) and "Permission denied" in str(e)
+
+
+def reason(e: BaseException) -> str:
+    """What went wrong, in a few words: an OSError's text, "No space left on device" or "Permission denied" for
+    safetensors' error wrapping one, else the first line of the exception's message."""
+    if not isinstance(e, OSError) and is_space(e):
+        return "No space left on device"
+    if not isinstance(e, OSError) and is_denied(e):
+        return "Permission denied"
+    return _first_line(e)
 
 
 def _first_line(e: BaseException) -> str:
@@ -118,18 +130,18 @@ def known(e: BaseException, chain: bool = True) -> str | None:
     """The paragraph (without the ``shardflow CMD: error:`` prefix) of an exception a user can act on, or None;
     ``chain``: also when an exception ``e`` was raised from or during is one."""
     for x in _chain(e) if chain else [e]:
-        if _space(x):
+        if is_space(x):
             where = file_of(x) or file_of(e)
             at = f" while writing {where}" if where else ""
             return (
-                f"no space left on the device{at} ({_first_line(x)}); free space there or write elsewhere, then "
+                f"no space left on the device{at} ({reason(x)}); free space there or write elsewhere, then "
                 f"run the command again (nothing was lost: files are written whole or not at all)"
             )
-        if _denied(x):
+        if is_denied(x):
             where = file_of(x) or file_of(e)
             at = f" on {where}" if where else ""
             return (
-                f"permission denied{at} ({_first_line(x)}); make it readable/writable for you (chmod, chown) or "
+                f"permission denied{at} ({reason(x)}); make it readable/writable for you (chmod, chown) or "
                 f"choose another location"
             )
         if _corrupt(x):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shardflow.train.checkpoint import CheckpointError, load_model
+from shardflow.train.checkpoint.export import check_safetensors, nonfinite
 from shardflow.train.family import Family, hf_family
 from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -70,8 +71,12 @@ def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
                 f"{path} has no {TOKENIZER_FILE}: shardflow generate needs the fast tokenizer "
                 f"(shardflow export writes it)"
             )
+        weights = path / "model.safetensors"
+        if weights.is_file():
+            check_safetensors(weights)
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         config = model.config
+        _finite(model, f"{weights if weights.is_file() else path}")
         return (
             hf_family(config.model_type),
             model,
@@ -80,7 +85,18 @@ def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
             f"the Hugging Face model in {path}",
         )
     family, model, ck = load_model(source)
+    _finite(model, f"checkpoint {ck.path}")
     return family, model, ck.tokenizer, int(ck.train.get("seq_len", 64)), f"checkpoint {ck.path}"
+
+
+def _finite(model: nn.Module, what: str) -> None:
+    """Refuse weights that hold NaN or inf (they would sample garbage, or fail inside torch.multinomial)."""
+    bad = nonfinite(model)
+    if bad is not None:
+        raise CheckpointError(
+            f"{what} holds {bad[1]} in tensor {bad[0]}: the model it stores is broken (its training diverged, or "
+            f"the file was damaged); generate from a checkpoint whose weights are finite (an earlier step)"
+        )
 
 
 def main(source: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:
