@@ -215,6 +215,14 @@ _LLAMA = {
         ({"architectures": ["LlamaForSequenceClassification"]}, ["LlamaForSequenceClassification is not a causal"]),
         ({"model_type": "vit", "num_key_value_heads": None}, ["model_type 'vit' has no causal language model"]),
         ({"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, ['rope_type "bogus"', "yarn", "drop rope_scaling"]),
+        (  # before: trained with attention dropout 0, without a word
+            {"attention_dropout": 0.5},
+            ["attention_dropout 0.5 asks for dropout inside attention", "set attention_dropout to 0 in it"],
+        ),
+        (
+            {"model_type": "gpt2", "attn_pdrop": 0.1, "num_key_value_heads": None},
+            ["attn_pdrop 0.1 asks for dropout inside attention", "--dropout for the resid_pdrop and embd_pdrop"],
+        ),
     ],
 )
 def test_bad_model_config(train, tmp_path, corpus, change, words):
