@@ -4,6 +4,7 @@ directory (``shardflow export``'s, loaded with ``AutoModelForCausalLM``)."""
 
 from __future__ import annotations
 
+import codecs
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -32,11 +33,16 @@ def sample(
     out: TextIO | None = None,
 ) -> str:
     """``prompt`` followed by the text of ``tokens`` sampled tokens (greedy when ``temperature`` is 0); the model sees
-    the last ``context`` tokens. The sampled text is written to ``out`` as it grows, when given, whole characters
-    only (a character whose bytes span several tokens appears once they have all been sampled)."""
+    the last ``context`` tokens. The sampled text is written to ``out`` as it grows, when given, and returned, whole
+    characters only: a character whose bytes span several tokens appears once they have all been sampled; bytes
+    that make no character (an incomplete one at the end, a stray continuation byte) are dropped, never shown as
+    U+FFFD."""
     idx = torch.tensor(tok.encode(prompt), dtype=torch.long)[None]  # [1, T]
     gen = torch.Generator().manual_seed(seed)
     new: list[int] = []
+    # byte-level tokens: their bytes through an incremental UTF-8 decoder, which holds back the bytes of a
+    # character not yet complete and drops bytes that make no character; other tokenizers decode whole characters
+    utf8 = codecs.getincrementaldecoder("utf-8")("ignore")
     shown = ""
     with torch.no_grad():
         for _ in range(tokens):
@@ -47,15 +53,23 @@ def sample(
                 nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
             idx = torch.cat([idx, nxt.view(1, 1)], 1)
             new.append(int(nxt))
-            text = tok.decode(new)
-            if out is not None and not text.endswith(_CUT):
-                out.write(text[len(shown) :])
+            raw = tok.token_bytes(int(nxt))
+            if raw is not None:
+                piece = utf8.decode(raw)
+            else:
+                text = tok.decode(new)
+                piece = "" if text.endswith(_CUT) else text[len(shown) :]
+            if piece and out is not None:
+                out.write(piece)
                 out.flush()
-                shown = text
-    text = tok.decode(new)
-    if out is not None:
-        out.write(text[len(shown) :])
-    return prompt + text
+            shown += piece
+    # an incomplete character at the end is dropped: the byte-level decoder holds its bytes back for good
+    if not tok.byte_level:  # what a decode that ended inside a character held back, less that character
+        rest = tok.decode(new)[len(shown) :].rstrip(_CUT)
+        if rest and out is not None:
+            out.write(rest)
+        shown += rest
+    return prompt + shown
 
 
 def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
