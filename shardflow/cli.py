@@ -37,6 +37,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
+from shardflow import failure
 from shardflow.api import (
     ExecutorKind,
     LowerOptions,
@@ -796,7 +797,11 @@ def check_rank(args: argparse.Namespace) -> NoReturn:
     except USER_ERRORS as e:
         print(f"shardflow check: error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr, flush=True)
         os._exit(2)  # without gloo's teardown (peers fail on their timeouts)
-    except BaseException:
+    except Exception as e:  # a full disk, a corrupt file (status 2) or a bug: one paragraph, its traceback in a file
+        code, said = failure.describe(e, "check", [f"(rank {os.environ.get('RANK')})"])
+        print(said, file=sys.stderr, flush=True)
+        os._exit(code)
+    except BaseException:  # Ctrl-C, SIGTERM: as before
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
@@ -926,7 +931,11 @@ def calibrate_rank(args: argparse.Namespace) -> NoReturn:
     except USER_ERRORS as e:
         print(f"shardflow calibrate: error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr, flush=True)
         os._exit(2)
-    except BaseException:
+    except Exception as e:  # a full disk, a corrupt file (status 2) or a bug: one paragraph, its traceback in a file
+        code, said = failure.describe(e, "calibrate", [f"(rank {os.environ.get('RANK')})"])
+        print(said, file=sys.stderr, flush=True)
+        os._exit(code)
+    except BaseException:  # Ctrl-C, SIGTERM: as before
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
@@ -1161,17 +1170,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # check --nproc starts its ranks with the same arguments
+    failure.set_run_dir(None)  # a command that has a run directory names it once claimed
     try:
         if args.command != "train":  # train's settings are checked by TrainConfig, in one place with its config file
             check_flags(args)
         return args.func(args)
-    except USER_ERRORS as e:
-        print(f"shardflow {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # the reader of the output left (`shardflow plan | head`): stop quietly, as a pipe's
         # writers do; later writes (the interpreter's flush at exit) go nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except Exception as e:  # nothing reaches the user as a traceback (KeyboardInterrupt and SystemExit pass)
+        if isinstance(e, USER_ERRORS) and failure.known(e, chain=False) is None:
+            print(f"shardflow {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        code, said = failure.describe(e, args.command, argv)
+        print(said, file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

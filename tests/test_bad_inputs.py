@@ -215,6 +215,14 @@ _LLAMA = {
         ({"architectures": ["LlamaForSequenceClassification"]}, ["LlamaForSequenceClassification is not a causal"]),
         ({"model_type": "vit", "num_key_value_heads": None}, ["model_type 'vit' has no causal language model"]),
         ({"rope_scaling": {"rope_type": "bogus", "factor": 2.0}}, ['rope_type "bogus"', "yarn", "drop rope_scaling"]),
+        (  # before: trained with attention dropout 0, without a word
+            {"attention_dropout": 0.5},
+            ["attention_dropout 0.5 asks for dropout inside attention", "set attention_dropout to 0 in it"],
+        ),
+        (
+            {"model_type": "gpt2", "attn_pdrop": 0.1, "num_key_value_heads": None},
+            ["attn_pdrop 0.1 asks for dropout inside attention", "--dropout for the resid_pdrop and embd_pdrop"],
+        ),
     ],
 )
 def test_bad_model_config(train, tmp_path, corpus, change, words):
@@ -820,3 +828,91 @@ def test_a_factory_that_exits_raises_or_returns_no_module(capsys, monkeypatch, t
     out, err = capsys.readouterr()
     one_paragraph(code, out, err, command, f"--model {spec}: ", *words)
     assert not run.exists()
+
+
+# --- files cut short or poisoned: generate, --init-from, export (docs/bad-inputs.md §14) ----------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, finished):
+    """The Hugging Face directory ``shardflow export`` writes from :func:`finished` (kept whole: copy it to spoil)."""
+    out = tmp_path_factory.mktemp("exported") / "hf"
+    assert cli_main(["export", str(finished), "--out", str(out)]) == 0
+    return out
+
+
+def _spoiled(exported: Path, tmp_path: Path, how: str) -> Path:
+    """A copy of ``exported`` whose model.safetensors is cut in half (``truncated``) or holds NaN in its first weight
+    (``nan``)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(exported, hf)
+    weights = hf / "model.safetensors"
+    if how == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+    else:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        tensors["model.embed_tokens.weight"][0] = float("nan")
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return hf
+
+
+def test_generate_from_a_truncated_model_safetensors(capsys, tmp_path, exported):
+    hf = _spoiled(exported, tmp_path, "truncated")
+    code = cli_main(["generate", str(hf), "--prompt", "the", "--tokens", "2"])
+    one_paragraph(
+        code, *capsys.readouterr(), "generate", f"{hf / 'model.safetensors'} is corrupt or truncated", "export"
+    )
+
+
+def test_generate_from_weights_that_hold_nan(capsys, tmp_path, exported):
+    hf = _spoiled(exported, tmp_path, "nan")
+    code = cli_main(["generate", str(hf), "--prompt", "the", "--tokens", "2"])
+    out, err = capsys.readouterr()
+    one_paragraph(code, out, err, "generate", f"{hf / 'model.safetensors'}", "holds NaN", "model.embed_tokens")
+    assert "learning rate" not in err and not out
+
+
+def test_init_from_a_truncated_model_safetensors(train, tmp_path, corpus, exported):
+    """Refused before the run directory is claimed (nothing written), naming the file."""
+    hf = _spoiled(exported, tmp_path, "truncated")
+    code, out, err = train(tmp_path / "run", corpus, "--init-from", str(hf), "--nproc", "1")
+    one_paragraph(code, out, err, "train", f"--init-from {hf}: {hf / 'model.safetensors'} is corrupt or truncated")
+
+
+def test_init_from_weights_that_hold_nan(capsys, tmp_path, corpus, exported, tiny):
+    """Found as the weights are read, before the first step (no checkpoint): the file is named, not --lr (before:
+    "the loss is not finite ... lower --lr")."""
+    hf = _spoiled(exported, tmp_path, "nan")
+    run = tmp_path / "run"
+    argv = ["train", *tiny, "--steps", "2", "--data", str(corpus), "--run-dir", str(run), "--nproc", "1"]
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        code = cli_main([*argv, "--init-from", str(hf)])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    out, err = capsys.readouterr()
+    err = err.splitlines()[-1] + "\n"  # the paragraph ends stderr (rank logs are teed there)
+    one_paragraph(code, "", err, "train", f"--init-from {hf}: {hf / 'model.safetensors'} holds NaN", "embed_tokens")
+    assert "--lr" not in err and "learning rate" not in err
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_export_onto_a_full_disk(capsys, tmp_path, finished, monkeypatch):
+    """safetensors reports a full disk as its own SafetensorError (not an OSError): one paragraph, and no partial
+    directory is left."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    out = tmp_path / "hf"
+    code = cli_main(["export", str(finished), "--out", str(out)])
+    one_paragraph(code, *capsys.readouterr(), "export", f"cannot write --out {out}", "No space left on device")
+    assert list(tmp_path.iterdir()) == []

@@ -389,3 +389,105 @@ def test_every_entry_point_lowers_the_same_programs(capsys, monkeypatch, tmp_pat
     assert main(["check", *flags, "--dtype", "float32", "--steps", "1", "--tol", "1"]) == 0  # the programs matter
     fingerprints["check"] = programs_fingerprint(checked[0].plan.lowered.programs)
     assert len(set(fingerprints.values())) == 1, fingerprints
+
+
+# --- whatever reaches the top of a command: one paragraph, never a traceback ----------------------------------
+
+COMMANDS = {
+    "plan": ["plan", "--model", "mlp"],
+    "check": ["check", "--model", "mlp"],
+    "train": ["train"],
+    "export": ["export", "runs/x", "--out", "out"],
+    "generate": ["generate", "runs/x", "--prompt", "a"],
+}
+
+
+def _safetensors(text: str) -> Exception:
+    from safetensors import SafetensorError
+
+    return SafetensorError(text)
+
+
+def _unpickling() -> Exception:
+    import pickle
+
+    return pickle.UnpicklingError("invalid load key, '\\x00'.")
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda f: OSError(28, "No space left on device", str(f)), ["no space left", "free space there"]),
+        (
+            lambda f: _safetensors('Error while serializing: IoError(Os { code: 28, message: "No space left" })'),
+            ["no space left on the device while writing {f}", "write elsewhere"],
+        ),
+        (lambda f: PermissionError(13, "Permission denied", str(f)), ["permission denied on {f}", "chmod"]),
+        (lambda f: OSError(1, "Operation not permitted", str(f)), ["permission denied on {f}"]),
+        (
+            lambda f: _safetensors("Error while deserializing header: invalid header length"),
+            ["file {f} is corrupt or truncated", "SafetensorError", "write or copy it again"],
+        ),
+        (lambda f: __import__("json").loads(f.read_text()), ["file {f} is corrupt or truncated", "JSONDecodeError"]),
+        (lambda f: _unpickling(), ["file {f} is corrupt or truncated", "UnpicklingError"]),
+    ],
+)
+def test_known_failures_at_the_top_are_one_paragraph_naming_the_file(
+    capsys, monkeypatch, tmp_path, command, make, words
+):
+    """A full disk, a refused permission, a corrupt file: exit status 2 and one paragraph that names the file (found
+    in the exception, or in the frame that was reading or writing it) and the fix."""
+    import shardflow.cli as cli
+
+    f = tmp_path / "model.safetensors"
+    f.write_text("{not json")
+
+    def fails(args):
+        path = f  # the file being written or read, as a library's frame holds it  # noqa: F841
+        raise make(f)
+
+    monkeypatch.setattr(cli, f"cmd_{command}", fails)
+    code = main(COMMANDS[command])
+    out, err = capsys.readouterr()
+    assert code == 2, (code, err)
+    assert err.startswith(f"shardflow {command}: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err + out
+    for w in words:
+        assert w.format(f=f) in err, (w, err)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_bug_is_one_paragraph_and_its_traceback_in_a_file(capsys, monkeypatch, tmp_path, command):
+    """An exception shardflow does not expect: status 1, one paragraph calling it a bug, naming the file its full
+    traceback went to (a temporary file: these commands have no run directory yet) and how to report it."""
+    import shardflow.cli as cli
+
+    def fails(args):
+        return {}["no such key"]
+
+    monkeypatch.setattr(cli, f"cmd_{command}", fails)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    code = main(COMMANDS[command])
+    out, err = capsys.readouterr()
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err + out, err
+    assert err.startswith(f"shardflow {command}: error: internal error, a bug in shardflow (KeyError: ")
+    assert "report it" in err
+    (written,) = tmp_path.glob(f"shardflow-{command}-traceback-*.txt")
+    assert f"the full traceback is in {written}" in err
+    text = written.read_text()
+    assert "Traceback (most recent call last)" in text and "KeyError: 'no such key'" in text and "fails" in text
+
+
+def test_ctrl_c_still_passes_the_top(monkeypatch):
+    import shardflow.cli as cli
+
+    def stopped(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_plan", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        main(COMMANDS["plan"])

@@ -325,3 +325,41 @@ def test_char_run_saves_its_tokenizer_for_generate_and_resume(tmp_path, text_fil
     shutil.copy(step2 / TOKENIZER_FILE, kept)
     assert cli_main([*argv, "--steps", "3", "--resume", "--tokenizer", str(kept)]) == 0
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_generate_writes_whole_characters_only():
+    """A byte-level BPE splits "€" (3 UTF-8 bytes) over 3 byte tokens: generate shows it once all 3 are sampled, drops
+    a stray continuation byte and an incomplete character at the end, and never writes U+FFFD (docs/execution.md
+    promises whole characters; before, the text ended with U+FFFD)."""
+    import io
+    from types import SimpleNamespace
+
+    import torch
+
+    from shardflow.train.generate import sample
+    from shardflow.train.tokenizer import Tokenizer, _unicode_to_byte
+
+    tok = Tokenizer.train_bpe(["plain ascii text. " * 20], 260)  # no merge holds a byte of "€" or "é"
+    assert tok.byte_level
+    to_char = {b: c for c, b in _unicode_to_byte().items()}
+    byte_ids = [tok.hf.token_to_id(to_char[b]) for b in "€a".encode() + b"\x82" + "b".encode() + "é".encode()[:1]]
+    assert tok.token_bytes(byte_ids[0]) == b"\xe2"
+    plan = iter(byte_ids)
+
+    def logits(model, idx):  # the next planned token, whatever the context
+        out = torch.zeros(1, idx.shape[1], tok.vocab_size)
+        out[0, -1, next(plan)] = 1.0
+        return out
+
+    writes: list[str] = []
+
+    class Out(io.StringIO):
+        def write(self, s):
+            writes.append(s)
+            return super().write(s)
+
+    out = Out()
+    text = sample(SimpleNamespace(logits=logits), None, tok, 8, "x", len(byte_ids), 0.0, out=out)
+    assert text == "x€ab" and out.getvalue() == "€ab", (text, out.getvalue())
+    assert writes[0] == "€" and all("\ufffd" not in w for w in writes)
+    assert tok.decode(byte_ids).endswith("\ufffd")  # what a plain decode shows

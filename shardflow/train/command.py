@@ -9,7 +9,8 @@ executor). Each rank runs :func:`shardflow.train.loop.train`; every rank logs to
 Ctrl-C / SIGTERM stop every rank; a save that was cut short leaves only a ``.tmp`` directory, and the command exits
 with status 130 and one line. A rank that fails reports one paragraph — a checkpoint that does not fit or a
 non-finite loss (exit status 2), a communication another rank stopped answering or left (3 or 4,
-:class:`~shardflow.runtime.launch.Status`) — or its traceback (status 1), and leaves without gloo's teardown: its
+:class:`~shardflow.runtime.launch.Status`), a full disk or corrupt file (2) — or a bug: a paragraph naming the file its traceback
+went to (status 1, :mod:`shardflow.failure`), and leaves without gloo's teardown: its
 peers fail on their timeouts or at once on the closed connection. From the statuses the launcher names the rank at
 the root of the failure; when every rank ended with one paragraph, the command prints rank 0's and exits with
 status 2.
@@ -23,11 +24,11 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
+from shardflow import failure as failures
 from shardflow.runtime.device import rank_device
 from shardflow.runtime.launch import LAUNCHED, describe_failure, launch, stop_with_launcher, tail
 from shardflow.train import checkpoint, hooks
@@ -75,6 +76,7 @@ def main(cfg: TrainConfig) -> int:
 def _main(run: RunDir, launched: bool) -> int:
     cfg = run.cfg
     if launched:  # a rank of shardflow's launcher: its parent proved the plan and owns the run directory
+        failures.set_run_dir(run.path)
         return run_rank(cfg, run)
     torchrun = "RANK" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else cfg.nproc
@@ -198,8 +200,10 @@ def run_rank(cfg: TrainConfig, run: RunDir, s: Setup | None = None) -> int:
             print(f"{ERROR}rank {rank}: {e}", file=sys.stderr, flush=True)
         elif failure is not None:
             print(f"{ERROR}{failure}", file=sys.stderr, flush=True)
-        else:
-            traceback.print_exc()
+        else:  # a full disk, a refused permission, a corrupt file (status 2) or a bug (its traceback in a file)
+            bug, text = failures.describe(e, "train", [f"(rank {rank})"])
+            said = bug == failures.USER
+            print(text, file=sys.stderr, flush=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(

@@ -106,7 +106,8 @@ class _HFType:
     """How ``shardflow train`` sizes one Hugging Face ``model_type`` without ``--model-config``: the MLP width
     attribute (what ``--mlp`` sets) and, without ``--mlp``, its ratio to the width (SwiGLU's 8/3, rounded up to a multiple of 64, as Llama; GPT-2's 4); its
     dropout attributes (``--dropout``) and its attention dropout (always 0: the fused attention kernel draws its
-    mask inside, where shardflow cannot draw the same mask on every strategy)."""
+    mask inside, where shardflow cannot draw the same mask on every strategy; a config file that asks for more is
+    refused)."""
 
     ffn: str
     ffn_ratio: float
@@ -272,6 +273,20 @@ def hf_config(
             f"{' or '.join(with_dropout)} (residual and embedding dropout)"
         )
     if kind is not None:
+        asked = base.get(kind.attention_dropout) if base else None
+        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked != 0:
+            # refused, not zeroed without a word: the fused attention kernel draws its dropout mask inside, where
+            # shardflow cannot draw the same mask on every rank of every strategy
+            raise ModelError(
+                f"--model-config {config_file}: {kind.attention_dropout} {asked} asks for dropout inside "
+                f"attention, which shardflow does not support (the fused attention kernel draws its mask, which "
+                f"cannot be the same on every strategy); set {kind.attention_dropout} to 0 in it"
+                + (
+                    f", and use --dropout for the {' and '.join(kind.dropouts)} dropout"
+                    if kind.dropouts
+                    else " (this model has no other dropout)"
+                )
+            )
         for attr in kind.dropouts:
             setattr(config, attr, dropout)
         setattr(config, kind.attention_dropout, 0.0)

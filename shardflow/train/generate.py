@@ -4,6 +4,7 @@ directory (``shardflow export``'s, loaded with ``AutoModelForCausalLM``)."""
 
 from __future__ import annotations
 
+import codecs
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from shardflow.train.checkpoint import CheckpointError, load_model
+from shardflow.train.checkpoint.export import check_safetensors, nonfinite
 from shardflow.train.family import Family, hf_family
 from shardflow.train.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -31,11 +33,16 @@ def sample(
     out: TextIO | None = None,
 ) -> str:
     """``prompt`` followed by the text of ``tokens`` sampled tokens (greedy when ``temperature`` is 0); the model sees
-    the last ``context`` tokens. The sampled text is written to ``out`` as it grows, when given, whole characters
-    only (a character whose bytes span several tokens appears once they have all been sampled)."""
+    the last ``context`` tokens. The sampled text is written to ``out`` as it grows, when given, and returned, whole
+    characters only: a character whose bytes span several tokens appears once they have all been sampled; bytes
+    that make no character (an incomplete one at the end, a stray continuation byte) are dropped, never shown as
+    U+FFFD."""
     idx = torch.tensor(tok.encode(prompt), dtype=torch.long)[None]  # [1, T]
     gen = torch.Generator().manual_seed(seed)
     new: list[int] = []
+    # byte-level tokens: their bytes through an incremental UTF-8 decoder, which holds back the bytes of a
+    # character not yet complete and drops bytes that make no character; other tokenizers decode whole characters
+    utf8 = codecs.getincrementaldecoder("utf-8")("ignore")
     shown = ""
     with torch.no_grad():
         for _ in range(tokens):
@@ -46,15 +53,23 @@ def sample(
                 nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
             idx = torch.cat([idx, nxt.view(1, 1)], 1)
             new.append(int(nxt))
-            text = tok.decode(new)
-            if out is not None and not text.endswith(_CUT):
-                out.write(text[len(shown) :])
+            raw = tok.token_bytes(int(nxt))
+            if raw is not None:
+                piece = utf8.decode(raw)
+            else:
+                text = tok.decode(new)
+                piece = "" if text.endswith(_CUT) else text[len(shown) :]
+            if piece and out is not None:
+                out.write(piece)
                 out.flush()
-                shown = text
-    text = tok.decode(new)
-    if out is not None:
-        out.write(text[len(shown) :])
-    return prompt + text
+            shown += piece
+    # an incomplete character at the end is dropped: the byte-level decoder holds its bytes back for good
+    if not tok.byte_level:  # what a decode that ended inside a character held back, less that character
+        rest = tok.decode(new)[len(shown) :].rstrip(_CUT)
+        if rest and out is not None:
+            out.write(rest)
+        shown += rest
+    return prompt + shown
 
 
 def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
@@ -70,8 +85,12 @@ def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
                 f"{path} has no {TOKENIZER_FILE}: shardflow generate needs the fast tokenizer "
                 f"(shardflow export writes it)"
             )
+        weights = path / "model.safetensors"
+        if weights.is_file():
+            check_safetensors(weights)
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         config = model.config
+        _finite(model, f"{weights if weights.is_file() else path}")
         return (
             hf_family(config.model_type),
             model,
@@ -80,7 +99,18 @@ def load(source: str) -> tuple[Family, nn.Module, Tokenizer, int, str]:
             f"the Hugging Face model in {path}",
         )
     family, model, ck = load_model(source)
+    _finite(model, f"checkpoint {ck.path}")
     return family, model, ck.tokenizer, int(ck.train.get("seq_len", 64)), f"checkpoint {ck.path}"
+
+
+def _finite(model: nn.Module, what: str) -> None:
+    """Refuse weights that hold NaN or inf (they would sample garbage, or fail inside torch.multinomial)."""
+    bad = nonfinite(model)
+    if bad is not None:
+        raise CheckpointError(
+            f"{what} holds {bad[1]} in tensor {bad[0]}: the model it stores is broken (its training diverged, or "
+            f"the file was damaged); generate from a checkpoint whose weights are finite (an earlier step)"
+        )
 
 
 def main(source: str, prompt: str, tokens: int, temperature: float, seed: int) -> int:

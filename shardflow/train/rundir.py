@@ -34,6 +34,7 @@ import socket
 import time
 from pathlib import Path
 
+from shardflow import failure
 from shardflow.train.checkpoint import complete_steps
 from shardflow.train.config import RUNS, TrainConfig
 
@@ -116,6 +117,7 @@ class RunDir:
         if self.new:
             _point_latest(run)
         (run / CONFIG).write_text(cfg.to_toml())
+        failure.set_run_dir(run)  # where the traceback of a bug is written
 
     def _lock_outputs(self) -> None:
         """Lock each output the user names (``--checkpoint-dir``, ``--metrics``, ``--trace``) for this run, and refuse

@@ -14,6 +14,7 @@ and ``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` read.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from enum import StrEnum
@@ -142,9 +143,40 @@ class Tokenizer:
                 bad.append(c)
         return bad
 
+    @property
+    def byte_level(self) -> bool:
+        """Whether tokens are UTF-8 bytes (byte-level BPE: a token may hold part of a character)."""
+        return isinstance(self.hf.decoder, decoders.ByteLevel)
+
+    def token_bytes(self, id: int) -> bytes | None:
+        """The UTF-8 bytes token ``id`` stands for, for a byte-level tokenizer (a token may hold part of a
+        character); None for other tokenizers (their tokens are whole characters: use :meth:`decode`)."""
+        if not self.byte_level:
+            return None
+        token = self.hf.id_to_token(int(id))
+        if token is None:
+            return b""
+        table = _unicode_to_byte()
+        if all(c in table for c in token):
+            return bytes(table[c] for c in token)
+        return token.encode()  # an added token, kept as its text
+
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` (a byte-level token sequence cut inside a character ends with U+FFFD)."""
         return self.hf.decode(list(map(int, ids)), skip_special_tokens=False)
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte-level alphabet backwards: the printable character that stands for each of the 256 bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = dict(zip(printable, printable))
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
 
 
 class TokenizerKind(StrEnum):

@@ -15,6 +15,7 @@ from typing import Mapping
 
 import torch
 
+from shardflow import failure
 from shardflow.train.checkpoint.dcp import Checkpoint, model_entries, read
 from shardflow.train.checkpoint.store import CheckpointError, check_writable, find
 from shardflow.train.family import Family, is_hf
@@ -74,11 +75,14 @@ def export(path: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, Check
         hf_tokenizer(ck.tokenizer).save_pretrained(tmp)
         _plain_modes(tmp)
         os.replace(tmp, out)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot write --out {out} ({e.strerror or e}); choose a writable location") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is left
+        # a full disk or a refused permission: an OSError, or safetensors' own error wrapping one
+        if isinstance(e, OSError) or failure.is_space(e) or failure.is_denied(e):
+            room = " with free space" if failure.is_space(e) else ""
+            raise CheckpointError(
+                f"cannot write --out {out} ({failure.reason(e)}); nothing was written: choose a writable location{room}"
+            ) from None
         raise
     return out, ck
 
@@ -94,15 +98,50 @@ def _plain_modes(root: Path) -> None:
             p.chmod(0o666 & ~mask)
 
 
+def check_safetensors(path: Path, prefix: str = "") -> None:
+    """Raise CheckpointError naming ``path`` when it is not a whole safetensors file (its header is unreadable, or
+    the file is shorter than the header says: cut short by a full disk or an interrupted copy). Reads the header
+    only."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(
+            f"{prefix}{path} is corrupt or truncated ({failure.reason(e)}): it was cut short by a full disk or an "
+            f"interrupted copy, or is not a safetensors file; write it again (shardflow export, or "
+            f"save_pretrained(safe_serialization=True))"
+        ) from None
+
+
+def nonfinite(model: torch.nn.Module) -> tuple[str, str] | None:
+    """The first parameter or buffer of ``model`` that holds NaN or inf, and which ("NaN" or "inf"); None when all
+    are finite."""
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return n, "NaN" if bool(torch.isnan(t).any()) else "inf"
+    return None
+
+
 class LazyPiece:
     """One weight of a safetensors file, read only where it is indexed: ``w[slices]`` reads that block (what an
     executor's ``_put`` does for the pieces it holds) in ``dtype`` (the model's). ``shape``: the full tensor's."""
 
-    def __init__(self, part, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, part, shape: tuple[int, ...], dtype: torch.dtype, name: str = "", where: str = ""):
         self.part, self.shape, self.dtype = part, shape, dtype
+        self.name, self.where = name, where  # the weight's name and "--init-from DIR: FILE", for errors
 
     def __getitem__(self, index) -> torch.Tensor:
-        return self.part[index].to(self.dtype)
+        block = self.part[index]
+        if block.is_floating_point() and not bool(torch.isfinite(block).all()):
+            bad = "NaN" if bool(torch.isnan(block).any()) else "inf"
+            raise CheckpointError(
+                f"{self.where} holds {bad} in weight {self.name}: the model it stores is broken (its "
+                f"training diverged, or the file was damaged), not this run's settings; pass a directory whose "
+                f"weights are finite (export another checkpoint)"
+            )
+        return block.to(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -138,6 +177,7 @@ class Pretrained:
                     f"--init-from {path}: no {what} in it; pass a Hugging Face model directory "
                     f"as shardflow export or save_pretrained(safe_serialization=True) writes it"
                 )
+        check_safetensors(p.weights_file, f"--init-from {path}: ")
         return p
 
     def weights(self, params: Mapping[str, torch.Tensor]) -> dict[str, LazyPiece]:
@@ -165,5 +205,5 @@ class Pretrained:
                     f"--init-from {self.path}: {n} is {list(shape)} in {self.weights_file.name}, "
                     f"the model needs {list(p.shape)}; {fix}"
                 )
-            out[n] = LazyPiece(part, shape, p.dtype)
+            out[n] = LazyPiece(part, shape, p.dtype, n, f"--init-from {self.path}: {self.weights_file}")
         return out
