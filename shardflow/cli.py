@@ -73,7 +73,7 @@ from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
 from shardflow.train.config import RANGES, Range, TrainConfig, optimizer_config, step_options
 from shardflow.train.data import DataError
-from shardflow.train.family import DEFAULT_SIZES, Feed, ModelError, hf_family, is_factory, is_model_type
+from shardflow.train.family import DEFAULT_SIZES, Feed, ModelError, buildable, hf_family, is_factory, is_model_type
 
 USER_ERRORS = (
     PlanError,
@@ -264,6 +264,11 @@ def model_and_batch(args: argparse.Namespace, meta: bool = False) -> tuple[torch
             f"--kv-heads {args.kv_heads}: --model {args.model} has no grouped-query attention; drop "
             f"--kv-heads, or plan --model llama"
         )
+    with buildable(", ".join(f"--{k.replace('_', '-')} {v}" for k, v in size.items())):
+        return _model_and_batch(args, cfg, size, own, hf, meta)
+
+
+def _model_and_batch(args: argparse.Namespace, cfg: TrainConfig, size: dict[str, Any], own: bool, hf: bool, meta: bool):
     gen = torch.Generator().manual_seed(1)
     shape = (size["batch_size"], size["seq_len"])
     idx, targets = (torch.randint(0, size["vocab_size"], shape, generator=gen) for _ in range(2))
@@ -411,8 +416,8 @@ def memory_bytes(text: str) -> int:
         n = float(t.removesuffix(unit) if t.endswith(unit) else t) * units[unit]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is no size in bytes; write e.g. 80e9 or 64GiB") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a memory budget is > 0 bytes")
+    if not math.isfinite(n) or n < 1:  # inf and nan; a fraction of a byte would be a budget of 0
+        raise argparse.ArgumentTypeError(f"{text!r}: a memory budget is a finite size of 1 byte or more, e.g. 64GiB")
     return int(n)
 
 

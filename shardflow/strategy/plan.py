@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from shardflow.graph import ops as O
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
-from shardflow.parallel.mesh import Mesh, Placement, Shard, SubMesh, parse_placement
+from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh, parse_placement
 from shardflow.parallel.ops import PARALLEL_OPS, CombineOp, ParallelOp, ReplicateOp
 from shardflow.parallel.pcg import Annotations, Layout
 from shardflow.parallel.shape import DegreeError, ShardingError
@@ -87,6 +87,13 @@ class Plan:
     def from_json(cls, data: Mapping[str, Any]) -> Plan:
         """Read a plan from JSON/TOML data: placements as strings (``"Shard(0)"``, ``"R"``, ``"Partial('sum')"``),
         parallel ops as ``{"op": "reduction", "degree": 2, "axis": "tp"}``. Raises PlanError."""
+        unknown = sorted(set(data) - _PLAN_KEYS) if isinstance(data, Mapping) else []
+        if unknown:
+            raise PlanError(
+                f"cannot read plan: unknown key(s) {unknown} at its top level; a plan has {', '.join(sorted(_PLAN_KEYS))}"
+            )
+        for pat, m in (data.get("modules") or {}).items() if isinstance(data.get("modules"), Mapping) else ():
+            _check_module(pat, m)
         try:
             modules = {
                 pat: ModulePlan(
@@ -103,6 +110,8 @@ class Plan:
                 t: tuple(PARALLEL_OPS[o.pop("op")](**o) for o in map(dict, lst))
                 for t, lst in data.get("ops", {}).items()
             }
+        except PlanError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"cannot read plan: {e}") from None
         return cls(modules, inputs, ops, data.get("stage_axis", "pp"), data.get("name", "user"))
@@ -150,10 +159,51 @@ class Plan:
         return cls.from_json(json.loads(text))
 
 
+# the keys of a plan file (mesh and flags: what `shardflow plan --save-plan` writes beside the plan) and of each
+# module's table
+_PLAN_KEYS = frozenset({"name", "stage_axis", "modules", "inputs", "ops", "mesh", "flags"})
+_MODULE_KEYS = frozenset({"params", "input", "output", "stage", "devices"})
+
+
+def _check_module(pat: str, m: Any) -> None:
+    """A plan file's table of module pattern ``pat``: its keys known, its stage a whole number ≥ 0. Raises PlanError
+    (a key that would be ignored: the plan would run as something the user did not write)."""
+    if not isinstance(m, Mapping):
+        return  # from_json reports it
+    unknown = sorted(set(m) - _MODULE_KEYS)
+    if unknown:
+        raise PlanError(
+            f"cannot read plan: module {pat!r} has unknown key(s) {unknown}; a module takes "
+            f"{', '.join(sorted(_MODULE_KEYS))}"
+        )
+    stage = m.get("stage")
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or stage < 0):
+        raise PlanError(
+            f"cannot read plan: module {pat!r} has stage {json.dumps(stage)}; give a whole number ≥ 0 (its pipeline "
+            f"stage)"
+        )
+
+
+def _placement(p: Any) -> Placement:
+    if isinstance(p, str):
+        return parse_placement(p)
+    if isinstance(p, (Shard, Replicate, Partial)):
+        return p
+    raise PlanError(
+        f"cannot read plan: placement {json.dumps(p) if isinstance(p, (int, float, bool, type(None))) else p!r} is "
+        f"not one; write Shard(d), Replicate() or Partial('sum'|'avg'|'max'|'min') as a string"
+    )
+
+
 def _spec(v: Any) -> PlacementSpec:
     if isinstance(v, Mapping):
-        return {k: parse_placement(p) if isinstance(p, str) else p for k, p in v.items()}
-    return tuple(parse_placement(p) if isinstance(p, str) else p for p in v)
+        return {k: _placement(p) for k, p in v.items()}
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+        raise PlanError(
+            f"cannot read plan: placements {json.dumps(v) if not isinstance(v, bytes) else v!r} are not a list (one "
+            f'per mesh axis) or a table (axis → placement); write e.g. ["Shard(0)"] or {{tp = "Shard(0)"}}'
+        )
+    return tuple(_placement(p) for p in v)
 
 
 def _merge_layout(a: PlacementSpec, b: PlacementSpec, what: str) -> PlacementSpec:

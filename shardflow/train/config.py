@@ -460,6 +460,11 @@ class Range:
         if v not in self:
             what = "a value" if isinstance(v, int) else "a finite value"
             raise ValueError(f"{flag} {v} is out of range: give {what} {self}. {flag}: {help_}")
+        if isinstance(v, int) and not -(2**63) <= v < 2**63:  # torch's sizes and counts are int64
+            raise ValueError(
+                f"{flag} {v} is out of range: give a value {self} that fits in 64 bits (at most {2**63 - 1}). "
+                f"{flag}: {help_}"
+            )
 
 
 # the largest float32 (the optimizer holds lr and weight decay in float32 tensors) and the longest timeout that

@@ -20,11 +20,13 @@ already shifted.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -226,8 +228,13 @@ def hf_config(
                 f"--model-config {config_file}: no model_type in it; pass a Hugging Face config.json "
                 f"(as save_pretrained writes)"
             )
+    if base and not (isinstance(base["model_type"], str) and base["model_type"] in CONFIG_MAPPING):
+        raise ModelError(
+            f"--model-config {config_file}: model_type {json.dumps(base['model_type'])} is not a model type of "
+            f'transformers; give one as a string, such as "llama", "gpt2" or "qwen2"'
+        )
     model_type = model or base.get("model_type", "llama")
-    if base and isinstance(base["model_type"], str) and base["model_type"] in CONFIG_MAPPING:
+    if base:
         check_model_config(config_file or "", base)
     if base and base["model_type"] != model_type:
         raise ModelError(
@@ -239,7 +246,13 @@ def hf_config(
             f"--model {model_type}: not a model type of transformers, nor FILE.py:FACTORY; use llama, "
             f"gpt2, another causal-LM type (mistral, qwen2, ...) or a factory"
         )
-    config = AutoConfig.for_model(**(base or {"model_type": model_type}))
+    try:
+        config = AutoConfig.for_model(**(base or {"model_type": model_type}))
+    except Exception as e:  # transformers' own checks of the file's other fields (types, values)
+        raise ModelError(
+            f"--model-config {config_file}: transformers refuses it ({type(e).__name__}: {one_line(e)}); fix "
+            f"that field, or drop it to take the {model_type} default"
+        ) from None
     gqa = hasattr(config, "num_key_value_heads")
     if sizes.kv_heads is not None and not gqa:
         raise ModelError(
@@ -302,7 +315,7 @@ def hf_config(
     config.use_cache = False
     heads, embd = config.num_attention_heads, config.hidden_size
     if embd % heads:
-        fits = [h for h in range(1, heads + 1) if embd % h == 0][-1]
+        fits = largest_divisor(embd, heads)
         raise ModelError(
             f"--embd {embd} is not a multiple of --heads {heads} (every head gets --embd / --heads "
             f"features); change one of them, e.g. --heads {fits}"
@@ -314,6 +327,38 @@ def hf_config(
             f"--heads / --kv-heads query heads); change one of them, e.g. --kv-heads 1"
         )
     return config
+
+
+def largest_divisor(n: int, most: int) -> int:
+    """The largest divisor of ``n`` that is at most ``most`` (both ≥ 1): what an error suggests in place of ``most``,
+    found without counting to ``most`` (which a hostile config makes huge)."""
+    if most >= n:
+        return n
+    # the divisor pairs (k, n // k) up to √n, the search bounded: a suggestion, 1 where a hostile size leaves none
+    top = min(math.isqrt(n), most, 10**6)
+    return max((d for k in range(1, top + 1) if n % k == 0 for d in (k, n // k) if d <= most), default=1)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message as one line (its lines joined; a traceback's frames, as torch appends them, dropped)."""
+    lines = [line.strip() for line in str(e).split("Exception raised from")[0].splitlines() if line.strip()]
+    return "; ".join(lines) or type(e).__name__
+
+
+@contextlib.contextmanager
+def buildable(what: str) -> Iterator[None]:
+    """Turn what torch (or transformers) raises while it makes a model or batch of sizes it cannot hold into one
+    ModelError naming ``what`` (the flags or file that sized it): sizes past int64 (``Overflow when unpacking``), a
+    storage whose size overflows, memory that cannot be allocated."""
+    try:
+        yield
+    except (RuntimeError, TypeError, OverflowError, MemoryError) as e:
+        text = str(e)
+        if not (isinstance(e, (OverflowError, MemoryError)) or "verflow" in text or "allocate" in text):
+            raise
+        raise ModelError(
+            f"{what}: a model or batch of these sizes cannot be made ({one_line(e)}); give smaller sizes"
+        ) from None
 
 
 # the config attributes (standard names: a config's attribute_map gives its own) that size a model: integers ≥ 1
@@ -367,20 +412,29 @@ def check_model_config(config_file: str, values: Mapping[str, Any]) -> None:
                 f"{where}: {name} {json.dumps(v)} is not a size: give an integer ≥ 1 (a JSON number without quotes "
                 f"or a fraction), e.g. {name} {1 if std == 'num_key_value_heads' else getattr(defaults, name, None) or 1}"
             )
+        if v >= 2**63:  # past int64: no tensor (nor loop over layers) of it
+            raise ModelError(
+                f"{where}: {name} {v} is not a size: give an integer from 1 to {2**63 - 1} (torch's sizes are int64)"
+            )
         got[std] = v
     heads, kv, width = (
         got.get(k, getattr(defaults, names[k], None))
         for k in ("num_attention_heads", "num_key_value_heads", "hidden_size")
     )
+    if "num_key_value_heads" not in got and "num_attention_heads" in got and names["num_key_value_heads"] not in values:
+        # a config derives its key/value heads from its heads where the file gives none (Llama: as many), not from
+        # the default config's heads
+        given: dict[str, Any] = {names["num_attention_heads"]: heads}
+        kv = getattr(cls(**given), names["num_key_value_heads"], None)
     if "head_dim" not in got and isinstance(heads, int) and isinstance(width, int) and width % heads:
-        fits = [h for h in range(1, heads + 1) if width % h == 0][-1]
+        fits = largest_divisor(width, heads)
         raise ModelError(
             f"{where}: {names['hidden_size']} {width} is not a multiple of {names['num_attention_heads']} {heads} "
             f"(every head gets {names['hidden_size']} / {names['num_attention_heads']} features); change one of "
             f"them, e.g. {names['num_attention_heads']} {fits}"
         )
     if isinstance(kv, int) and isinstance(heads, int) and heads % kv:
-        fits = [k for k in range(1, kv + 1) if heads % k == 0][-1]
+        fits = largest_divisor(heads, kv)
         raise ModelError(
             f"{where}: {names['num_attention_heads']} {heads} is not a multiple of {names['num_key_value_heads']} "
             f"{kv} (each key/value head serves {names['num_attention_heads']} / {names['num_key_value_heads']} "

@@ -34,7 +34,17 @@ from shardflow.train import checkpoint, memory
 from shardflow.train.checkpoint.export import Pretrained
 from shardflow.train.config import DEFAULT_STRATEGY, TrainConfig, optimizer_config, step_options
 from shardflow.train.data import Corpus, Split
-from shardflow.train.family import Family, ModelError, Sizes, factory_family, hf_config, hf_family, is_factory
+from shardflow.train.family import (
+    Family,
+    ModelError,
+    Sizes,
+    buildable,
+    factory_family,
+    hf_config,
+    hf_family,
+    is_factory,
+    one_line,
+)
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
 
 
@@ -211,8 +221,19 @@ def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None
                 f"those flags or give the model's values"
             )
     family = hf_family(config.model_type)
-    with torch.device("meta"):
-        return family, config, family.build(config)
+    what = ", ".join(given + [f"--model-config {config_file}"] * bool(config_file)) or "the default sizes"
+    with buildable(what), torch.device("meta"):
+        try:
+            return family, config, family.build(config)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if not config_file or isinstance(e, ModelError):
+                raise
+            # a field transformers' config took but its model cannot use (an unknown hidden_act, a rope_theta
+            # string, ...)
+            raise ModelError(
+                f"--model-config {config_file}: transformers cannot build a {config.model_type} model of it "
+                f"({type(e).__name__}: {one_line(e)}); fix the field it names, or drop it to take the default"
+            ) from None
 
 
 def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
