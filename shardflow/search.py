@@ -35,7 +35,7 @@ from shardflow.graph import ComputationGraph
 from shardflow.graph.blocks import keep_blocks, repeated_blocks
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LowerOptions
-from shardflow.lower.dynamic import ActivationCheckpointing
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
 from shardflow.lower.program import Comm, Compute
 from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
@@ -187,7 +187,7 @@ def state_bytes(weights: int, candidate: Candidate, optimizer: OptimizerConfig, 
     weights, their gradients, the optimizer's state slots and, under mixed precision, the master weights — sharded
     by every axis but the data-parallel one."""
     shards = math.prod(s for a, s in zip(candidate.mesh.axis_names, candidate.mesh.shape) if a != "dp")
-    copies = 2 + len(optimizer.slots) + (1 if options.precision else 0)
+    copies = 2 + len(OPTIMIZER_SLOTS[optimizer.slots]) + (1 if options.precision else 0)
     return copies * weights // shards
 
 

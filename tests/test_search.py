@@ -170,3 +170,20 @@ def test_where_nothing_fits_as_it_is_it_recomputes_or_accumulates():
     assert ("--ac" in best.flags()) == (best.ac == "block") and ("--accumulate" in best.flags()) == (
         best.accumulate > 1
     )
+
+
+@pytest.mark.parametrize(
+    "optimizer,momentum,copies", [(Optimizer.SGD, 0.0, 2), (Optimizer.SGD, 0.9, 3), (Optimizer.ADAMW, 0.0, 4)]
+)
+def test_the_state_floor_counts_each_optimizer_slot_once(optimizer, momentum, copies):
+    """Weights, gradients and one copy per optimizer state slot (SGD none, with momentum one, AdamW two), plus the
+    master weights under mixed precision, sharded by every axis but dp (a regression: the slots were counted by the
+    letters of the optimizer's name, refusing 70B on 8 h100 with 131 GiB where 82 GiB is the floor)."""
+    from shardflow.lower.cost import MixedPrecision
+    from shardflow.search import Candidate, state_bytes
+
+    opt = OptimizerConfig(optimizer, momentum=momentum)
+    c = Candidate(Mesh.parse("dp=2,fsdp=4"), "hsdp")
+    assert state_bytes(8000, c, opt, LowerOptions()) == copies * 8000 // 4
+    mixed = LowerOptions(precision=MixedPrecision(torch.bfloat16, torch.float32))
+    assert state_bytes(8000, c, opt, mixed) == (copies + 1) * 8000 // 4
