@@ -1,0 +1,299 @@
+"""``--strategy auto`` against the best preset, predicted: for each case the search's choice
+(:func:`shardflow.search.search_model`) and the fastest plan among those a user can write by hand, both as the
+simulator predicts them.
+
+Cases: Llama 3 8B (32 layers, width 4096, 32 heads, 8 key/value heads, MLP 14336), 70B (80, 8192, 64, 8, 28672) and
+405B (126, 16384, 128, 8, 53248) shapes, vocabulary 128256, sequence 8192, bf16 parameters with float32 reductions,
+AdamW, on 8, 64, 256 and 512 H100s (the shipped ``h100`` machine spec). The global batch is 2 × world sequences of
+8192 tokens for every model (2 sequences per device, as torchtitan's published 8B runs scale it; the same rule for
+70B and 405B, for simplicity). Each model is built as benchmarks/anchors.py builds it (``build_model`` on the meta
+device, ``materialize``, ``at_dtype``) but not planned: the module and its batch go to ``search_model``, with the
+options ``step_options(cfg, cost_model(spec, dp=world))`` and ``optimizer_config(cfg)``. Plus the main job's Llama
+(``TrainConfig()``'s defaults) on 2 and 4 ranks of this machine, searched as ``shardflow train --strategy auto`` does
+(:func:`shardflow.train.recipe.auto_strategy`: ``MachineSpec.this``, the default corpus's first batch).
+
+The best *preset* is the fastest outcome that fits whose candidate has no ``ac_blocks``: every strategy, degree,
+pipeline schedule and microbatch count with checkpointing of every block or none, and accumulation — what a user can
+write by hand. The search picks the fastest fitting outcome, partial checkpointing (``--ac-blocks K``) included, so
+auto ≤ best preset holds by construction; the section says where it does not.
+
+Each case runs in its own process with a wall-clock limit (a timeout is recorded as such); results are appended to
+``--run-dir``/results.jsonl as they come, so a partial run survives, and the section is rendered from that file.
+
+Usage::
+
+    python benchmarks/search.py                       # every case (small first), writes docs/benchmarks.md
+    python benchmarks/search.py --cases main,8B       # some cases, in that order (by prefix: main, 8B, 70B/256, ...)
+    python benchmarks/search.py --timeout 600         # per-case limit in seconds (default 600)
+    python benchmarks/search.py --no-write            # print the section only
+    python benchmarks/search.py --render-only         # rebuild the section from the last results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from harness import machine, write_section  # noqa: E402
+
+SIZES = {
+    "8B": dict(layers=32, embd=4096, heads=32, kv_heads=8, mlp=14336),
+    "70B": dict(layers=80, embd=8192, heads=64, kv_heads=8, mlp=28672),
+    "405B": dict(layers=126, embd=16384, heads=128, kv_heads=8, mlp=53248),
+}
+WORLDS = (8, 64, 256, 512)
+CASES = [f"main/{w}" for w in (2, 4)] + [f"{m}/{w}" for m in SIZES for w in WORLDS]
+HEADING = "## Search against the presets"
+
+
+def summarize(result, model: str, world: int, batch: int, spec: str, wall: float) -> dict:
+    """The figures of one search: the choice, the best preset, the counts."""
+    best = result.best
+    presets = [o for o in result.outcomes if o.fits and o.candidate.ac_blocks is None]
+    preset = min(presets, key=lambda o: o.prediction.step_seconds) if presets else None
+    bounded = [o for o in result.outcomes if o.prediction is None and "bound" in o.refused]
+    refused = [o for o in result.outcomes if o.prediction is None and "bound" not in o.refused]
+    predicted = [o for o in result.outcomes if o.prediction is not None]
+
+    def described(o) -> dict | None:
+        if o is None:
+            return None
+        return {
+            "flags": " ".join(o.candidate.flags()),
+            "step_ms": o.prediction.step_seconds * 1e3,
+            "peak_gib": max(o.prediction.peak_bytes) / 2**30,
+        }
+
+    return {
+        "status": "ok",
+        "model": model,
+        "world": world,
+        "batch": batch,
+        "spec": spec,
+        "budget_gib": result.budget / 2**30,
+        "auto": described(best),
+        "preset": described(preset),
+        "ratio": best.prediction.step_seconds / preset.prediction.step_seconds if preset else None,
+        "search_s": result.seconds,
+        "wall_s": wall,
+        "outcomes": len(result.outcomes),
+        "predicted": len(predicted),
+        "fit": sum(o.fits for o in predicted),
+        "partial": sum(o.candidate.ac_blocks is not None for o in result.outcomes),
+        "refused": len(refused),
+        "bounded": len(bounded),
+        "runners_up": [  # the best of each other strategy (SearchResult.alternatives), for the reading
+            {**(described(o) if o.prediction else {"flags": " ".join(o.candidate.flags())}), "why": result.why(o)}
+            for o in result.alternatives()
+        ],
+    }
+
+
+def run_case(name: str) -> dict:
+    """One case, searched in this process."""
+    import shardflow.search as searching
+    from shardflow.search import SearchError
+
+    seen: list = []  # every outcome as the search records it: why nothing fits, where nothing does
+    inner = searching.search
+    searching.search = lambda *a, **k: inner(*a, **k, progress=seen.append)  # search_model has no progress
+
+    model, world = name.split("/")[0], int(name.split("/")[1])
+    t0 = time.perf_counter()
+    try:
+        if model == "main":
+            from shardflow.train.config import TrainConfig
+            from shardflow.train.recipe import auto_strategy
+
+            cfg = TrainConfig(strategy="auto", nproc=world)
+            _, result = auto_strategy(cfg, world)
+            return summarize(
+                result, "main job's Llama", world, cfg.batch_size, result.spec.name, time.perf_counter() - t0
+            )
+        from shardflow.capture import at_dtype
+        from shardflow.parallel.mesh import Mesh
+        from shardflow.runtime.materialize import materialize
+        from shardflow.search import search_model
+        from shardflow.simulator.estimate import cost_model
+        from shardflow.simulator.machine import MachineSpec
+        from shardflow.train.config import TrainConfig, optimizer_config, step_options
+        from shardflow.train.family import Feed
+        from shardflow.train.recipe import build_model
+
+        spec = MachineSpec.named("h100")
+        batch = 2 * world
+        cfg = TrainConfig(
+            **SIZES[model],
+            vocab_size=128256,
+            seq_len=8192,
+            batch_size=batch,
+            dtype="bf16",
+            optimizer="adamw",
+            nproc=world,
+        )
+        options = step_options(cfg, cost_model(spec, Mesh.parse(f"dp={world}")))
+        _, _, module = build_model(cfg, cfg.vocab_size, None)
+        materialize(module, cfg.seed)
+        ids = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
+        module, inputs, _ = at_dtype(module, Feed.CAUSAL_LM.inputs(ids, ids), torch.bfloat16)
+        result = search_model(module, inputs, world, options, optimizer_config(cfg), spec)
+        return summarize(result, model, world, batch, spec.name, time.perf_counter() - t0)
+    except SearchError as e:
+        reasons: dict[str, int] = {}
+        for o in seen:  # the refusals, their numbers cut out so that alike ones count together
+            why = re.sub(
+                r"[0-9][0-9.,]*(e[+-]?[0-9]+)?",
+                "N",
+                o.refused.split(":")[0] if "alone need" not in o.refused else o.refused,
+            )
+            reasons[why] = reasons.get(why, 0) + 1
+        return {
+            "status": "no fit",
+            "error": str(e),
+            "wall_s": time.perf_counter() - t0,
+            "outcomes": len(seen),
+            "reasons": sorted(reasons.items(), key=lambda kv: -kv[1])[:4],
+        }
+
+
+def run(cases: list[str], timeout: float, out: Path) -> None:
+    """Each case in its own process, ``timeout`` seconds at most, appended to ``out`` as it ends."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    for name in cases:
+        print(f"{name}: searching (limit {timeout:.0f} s)", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        one = out.parent / "case.json"
+        one.unlink(missing_ok=True)
+        try:
+            proc = subprocess.run(
+                [sys.executable, __file__, "--one", name, "--one-out", str(one)],
+                env=env,
+                timeout=timeout,
+                capture_output=True,
+                text=True,
+            )
+            if proc.returncode == 0 and one.exists():
+                rec = json.loads(one.read_text())
+            else:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+                rec = {"status": "error", "error": f"exit {proc.returncode}: {tail[0]}"}
+        except subprocess.TimeoutExpired:
+            rec = {"status": "timeout", "error": f"no answer within {timeout:.0f} s"}
+        rec.update(case=name, elapsed_s=time.perf_counter() - t0, machine=machine())
+        with out.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"{name}: {rec['status']} in {rec['elapsed_s']:.0f} s", file=sys.stderr, flush=True)
+
+
+def load(path: Path) -> dict[str, dict]:
+    """The last record of each case."""
+    recs: dict[str, dict] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if line.strip():
+            r = json.loads(line)
+            recs[r["case"]] = r
+    return recs
+
+
+def section(recs: dict[str, dict]) -> str:
+    rows = [recs[c] for c in CASES if c in recs]
+    m = rows[-1]["machine"] if rows else machine()
+    lines = [
+        f"`python benchmarks/search.py` ({datetime.date.today()}, {m['cores']} cores, {m['cpu']}, Python "
+        f"{m['python']}, torch {m['torch']}): `--strategy auto` (`shardflow.search.search_model`) against the best "
+        "preset, both predicted. Llama 3 8B / 70B / 405B shapes (vocabulary 128256, sequence 8192, bf16, AdamW) on "
+        "the shipped `h100` spec, global batch 2 × world sequences; the main job's Llama (`TrainConfig()`) as "
+        "`shardflow train --strategy auto` searches it on this machine (`MachineSpec.this`). *Best preset*: the "
+        "fastest fitting outcome without `--ac-blocks` (every strategy, degree, schedule and microbatch count, with "
+        "checkpointing of every block or none, and accumulation). Counts: candidates predicted (of which fit) / "
+        "refused before predicting (state over budget, a planner refusal, …) / skipped by the pipeline bound; "
+        "`K partial`: outcomes with partial checkpointing. Search: the search's own seconds (`SearchResult.seconds`; "
+        "the case's wall time with building the model in brackets).",
+        "",
+        "| case | batch | auto: flags | step (ms) | peak (GiB) | best preset: flags | step (ms) | auto ÷ preset | "
+        "search (s) | predicted (fit) / refused / bounded |",
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    faster = violated = done = 0
+    for r in rows:
+        name = r["case"].replace("main/", "main job, ")
+        if r["status"] != "ok":
+            what = {"timeout": "timed out", "no fit": "nothing fits", "error": "error"}[r["status"]]
+            why = r["error"].removeprefix("--strategy auto: ").split("; add devices")[0]
+            if r.get("reasons"):
+                reasons: dict[str, int] = {}
+                for w, n in r["reasons"]:
+                    w = w.replace("Ne+N", "N")[:100].replace("|", "/")
+                    reasons[w] = reasons.get(w, 0) + n
+                why += f"; the {r['outcomes']} candidates refused: " + "; ".join(
+                    f"{n} × {w}" for w, n in reasons.items()
+                )
+            lines.append(f"| {name} | | {what}: {why} | | | | | | {r['elapsed_s']:.0f} (wall) | |")
+            continue
+        done += 1
+        a, p = r["auto"], r["preset"]
+        ratio = r["ratio"]
+        if ratio is not None:
+            faster += ratio <= 0.95
+            violated += ratio > 1 + 1e-9
+        lines.append(
+            f"| {name} | {r['batch']} | `{a['flags']}` | {a['step_ms']:,.0f} | {a['peak_gib']:.3g} | "
+            + (f"`{p['flags']}` | {p['step_ms']:,.0f} | {ratio:.3f} | " if p else "— | — | — | ")
+            + f"{r['search_s']:.0f} ({r['wall_s']:.0f}) | {r['predicted']} ({r['fit']}) / {r['refused']} / "
+            f"{r['bounded']}" + (f"; {r['partial']} partial" if r["partial"] else "") + " |"
+        )
+    missing = [c for c in CASES if c not in recs]
+    lines += [
+        "",
+        f"Cases searched: {done} of {len(CASES)}"
+        + (f" (not run: {', '.join(missing)})" if missing else "")
+        + f"; auto ≥ 5 % faster than the best preset in {faster}; auto ≤ best preset in every searched case: "
+        + ("yes (by construction)." if not violated else f"**NO, in {violated}: a bug in the search's choice**."),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--no-write", action="store_true", help="print the section only")
+    ap.add_argument("--cases", default="", help="comma-separated case prefixes (main, 8B, 70B/256, ...)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per case")
+    ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "search")
+    ap.add_argument("--render-only", action="store_true", help="rebuild the section from the last results")
+    ap.add_argument("--notes", type=Path, help="a Markdown file of reading notes appended to the section")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        args.one_out.write_text(json.dumps(run_case(args.one)))
+        return 0
+    results = args.run_dir / "results.jsonl"
+    if not args.render_only:
+        wanted = [p for p in args.cases.split(",") if p]
+        cases = [c for p in wanted for c in CASES if c == p or c.startswith(p + "/")] if wanted else CASES
+        cases = list(dict.fromkeys(cases))  # in the order asked
+        run(cases, args.timeout, results)
+    text = section(load(results))
+    if args.notes:
+        text += "\n\n" + args.notes.read_text().strip()
+    print(text)
+    if not args.no_write:
+        write_section(ROOT / "docs" / "benchmarks.md", HEADING + "\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
