@@ -1,4 +1,4 @@
-"""What differs between the torch versions shardflow runs on, chosen once, at import (README.md#supported-versions).
+"""What differs between the torch versions shardflow runs on, chosen once, at import (README.md: Supported versions).
 
 * **Flat-buffer collectives.** torch 2.13 names them ``all_gather_single`` and ``reduce_scatter_single``; every
   torch since 2.0 has them as ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (the same arguments: output,
