@@ -589,6 +589,10 @@ COMMANDS = {
     # README.md
     "make train": RunBy("test_train.py", '["--strategy", "tp", "--nproc", "2"]'),  # the Makefile's recipe, checked
     "make test": NotRun("it runs this test suite"),
+    "python3 tools/compat.py --versions 2.11.0,2.12.1,2.13.0,2.14.1,2.15.0 --python python3.11": NotRun(
+        "installs torch into a scratch venv per version and runs the unit tier there (6 minutes a version); "
+        "tests/test_torch_compat.py tests its parts"
+    ),
     "make test-fast": RunBy("test_docs.py", "def test_make_test_fast_runs_the_unit_tier("),  # collecting only
     "make lint": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),
     "make typecheck": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),

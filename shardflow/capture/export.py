@@ -66,8 +66,10 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
     """
     seen: set[int] = set()
     distinct = {}  # export would make one input of a tensor passed under two names (idx and targets alike)
+    on_meta = _parameters_on_meta(module)
     for k, v in batch.items():
-        distinct[k] = v.clone() if id(v) in seen else v
+        x = v.to("meta") if on_meta else v  # a tensor already there is itself: cloned below like any other
+        distinct[k] = x.clone() if id(v) in seen else x
         seen.add(id(v))
     try:
         with warnings.catch_warnings():  # torch's own deprecations inside export are no news to the user
@@ -83,6 +85,16 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return ep.run_decompositions(table)
+
+
+def _parameters_on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` was built on the meta device (every parameter there: :mod:`shardflow.runtime.materialize`
+    keeps them so). Its example inputs are traced on meta too, the parameters' device: a real (CPU) index into a
+    meta embedding table mixes two devices, which torch's fake tensors reject before 2.13 ("Unhandled FakeTensor
+    Device Propagation for aten.embedding.default") and accept since; only shapes and dtypes are traced, and the
+    lift reads the batch's own tensors (:class:`shardflow.capture.lift._Lift`)."""
+    params = list(module.parameters())
+    return bool(params) and all(p.device.type == "meta" for p in params)
 
 
 def _export_failure(module: nn.Module, e: Exception) -> str:

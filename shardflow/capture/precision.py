@@ -23,6 +23,8 @@ from torch.overrides import TorchFunctionMode
 from shardflow.graph.ops import dtype_name
 
 _NARROWING = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+# private and new (2.8); None where this torch has none (then no model calls it)
+_TORCH_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 _WIDEST = {False: torch.float64, True: torch.complex128}  # by is_complex
 
 
@@ -55,7 +57,7 @@ class wide_floats(TorchFunctionMode):
             if func in _NARROWING and x.dtype == torch.float64:
                 return x
             if (
-                func is torch._grouped_mm
+                func is _TORCH_GROUPED_MM
                 and x.ndim == 2
                 and args[1].ndim == 3
                 and kwargs.get("offs") is not None

@@ -15,6 +15,7 @@ from shardflow.lower.comms import front_dim
 from shardflow.lower.program import Comm
 from shardflow.parallel.collectives import KINDS, CommKind, register_distributed
 from shardflow.parallel.mesh import ReduceOp
+from shardflow.runtime.torch_compat import all_gather_single, reduce_scatter_single
 
 # gloo has no average: sum, then divide by the group size (Call.scale)
 _DIST_OP = {
@@ -113,7 +114,7 @@ def _all_reduce(x: Call) -> Issued:
 def _all_gather(x: Call) -> Issued:  # gathered dim to the front; the result is a view of the gathered buffer
     t = x.send.movedim(x.c.dim, 0).contiguous()
     out = x.alloc((x.d * t.shape[0],) + tuple(t.shape[1:]))
-    return Issued((dist.all_gather_single(out, t, group=x.group, async_op=True),), lambda: out.movedim(0, x.c.dim))
+    return Issued((all_gather_single(out, t, group=x.group, async_op=True),), lambda: out.movedim(0, x.c.dim))
 
 
 @register_distributed(CommKind.REDUCE_SCATTER)
@@ -121,7 +122,7 @@ def _reduce_scatter(x: Call) -> Issued:  # scattered dim to the front; the resul
     t = x.send.movedim(x.c.dim, 0).contiguous()
     out = x.alloc((t.shape[0] // x.d,) + tuple(t.shape[1:]))
     return Issued(
-        (dist.reduce_scatter_single(out, t, op=x.op, group=x.group, async_op=True),),
+        (reduce_scatter_single(out, t, op=x.op, group=x.group, async_op=True),),
         lambda: x.scale(out.movedim(0, x.c.dim)),
     )
 

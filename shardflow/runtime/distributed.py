@@ -12,8 +12,8 @@ On NCCL every communication is issued asynchronously (``async_op=True``): it run
 compute stream goes on, and its wait makes the compute stream wait for it, so a communication issued ahead of its
 wait (a bucket, a prefetched FSDP all-gather) overlaps the compute between them; the CPU does not stop at those
 waits, and the step's end bounds them all (:class:`Waits`). All-gathers and
-reduce-scatters go straight to ``all_gather_single``/``reduce_scatter_single`` (formerly
-``all_gather_into_tensor``/``reduce_scatter_tensor``) on flat buffers.
+reduce-scatters go straight to ``all_gather_single``/``reduce_scatter_single`` on flat buffers (on a torch
+without them, ``all_gather_into_tensor``/``reduce_scatter_tensor``: :mod:`shardflow.runtime.torch_compat`).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from shardflow.runtime.kernels import (
     update_kernel,
 )
 from shardflow.runtime.segments import Segment, compile_segment, runs
+from shardflow.runtime.torch_compat import all_gather_single
 
 
 class CommFailure(RuntimeError):
@@ -516,9 +517,7 @@ class DistributedExecutor(Executor):
             others = {frm: int(theirs)}
         else:
             got = torch.empty(len(c.members), dtype=torch.long, device=self.device)
-            self.waits.wait(
-                dist.all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c, read=True
-            )
+            self.waits.wait(all_gather_single(got, mine, group=self.groups.get(c.members), async_op=True), c, read=True)
             others = dict(zip(c.members, got.tolist()))
         bad = {r: t for r, t in others.items() if t != c.token}
         if bad:

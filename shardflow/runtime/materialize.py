@@ -234,7 +234,7 @@ def record(model: nn.Module, seed: int, initialise: Callable[[], None] | None = 
             raise InitError(
                 f"the model's initialisation never sets all of {name} {list(whole.shape)} (recorded: "
                 f"{[str(o.op) for o in ops] or 'nothing'}); on the meta device it would have no values (torch's "
-                f"trunc_normal_, orthogonal_, dirac_ and sparse_ do nothing there): initialise it in the "
+                f"orthogonal_, dirac_ and sparse_, and since torch 2.12 trunc_normal_, do nothing there): initialise it in the "
                 f"model's init (Hugging Face: _init_weights; torch: reset_parameters) with normal_, "
                 f"uniform_, fill_, zero_ and element-wise ops, or load the weights (--init-from)"
             )

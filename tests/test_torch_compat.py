@@ -1,0 +1,79 @@
+"""Running on other torch versions: the collectives each version has (:mod:`shardflow.runtime.torch_compat`), a
+meta-built model's capture, and the pieces of tools/compat.py that decide what it installs and how it reads pytest."""
+
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardflow.capture import capture
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import compat  # noqa: E402  (tools/compat.py)
+
+
+def test_collectives_fall_back_to_the_tensor_forms(monkeypatch):
+    import shardflow.runtime.torch_compat as tc
+
+    try:
+        for name in ("all_gather_single", "reduce_scatter_single"):
+            monkeypatch.delattr(dist, name, raising=False)
+        importlib.reload(tc)
+        assert tc.all_gather_single is dist.all_gather_into_tensor
+        assert tc.reduce_scatter_single is dist.reduce_scatter_tensor
+    finally:
+        monkeypatch.undo()
+        importlib.reload(tc)
+    # where this torch has the _single forms (2.13), they are the ones used
+    assert tc.all_gather_single is getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    assert tc.reduce_scatter_single is getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class _Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, idx, labels):
+        logits = self.head(self.wte(idx))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.to(logits.device).flatten())
+
+
+def test_meta_model_captures_a_cpu_batch():
+    """A model built on meta with its example batch on the CPU (what shardflow train captures: the parameters stay
+    on meta, materialized piece by piece later) gives the graph of the same model built on the CPU; before torch 2.13
+    a CPU index into a meta embedding was refused by export's fake tensors."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 16, (2, 4))
+    real = capture(_Embed(), {"idx": idx, "labels": idx})
+    with torch.device("meta"):
+        meta_model = _Embed()
+    assert capture(meta_model, {"idx": idx, "labels": idx}).listing() == real.listing()
+
+
+def test_compat_constraints_pin_the_torch_under_test(tmp_path):
+    text = compat.constraints_for("2.11.0", tmp_path / "c.txt").read_text()
+    assert "torch==2.11.0" in text.splitlines() and "torch==2.13.0" not in text
+    assert "transformers==" in text  # the other pins stay as they are
+
+
+def test_compat_installs_no_torch_requirement():
+    reqs = compat.other_requirements()
+    assert not [r for r in reqs if r.split(">")[0].split("=")[0].split("[")[0].strip().lower() == "torch"]
+    assert not [r for r in reqs if "[" in r and "torch" in r]  # safetensors[torch] → safetensors + numpy
+    assert "numpy" in reqs and any(r.startswith("safetensors") for r in reqs)
+
+
+def test_compat_reads_pytests_closing_line():
+    assert compat.summary_counts("...\n3 failed, 1290 passed, 4 skipped, 650 deselected, 2 errors in 201.3s\n") == {
+        "failed": 3,
+        "passed": 1290,
+        "skipped": 4,
+        "deselected": 650,
+        "error": 2,
+    }
