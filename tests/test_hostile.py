@@ -195,17 +195,22 @@ def hostile_configs(draw) -> dict[str, Any]:
     return config
 
 
+def refused_config(root, command: str) -> None:
+    """``command`` (plan or train) on ``root/config.json`` is refused; train makes no run directory."""
+    if command == "plan":
+        refused(root, [*LLAMA_PLAN, "--model-config", "config.json"])
+    else:
+        (root / "text.txt").write_text(TEXT)
+        refused(root, [*TRAIN, "--model-config", "config.json"], CACHE)
+        assert not (root / "run").exists()
+
+
 @CATALOGUE
 @given(config=hostile_configs(), command=st.sampled_from(["plan", "train"]))
 def test_hostile_model_config_fields(config, command):
     with place() as root:
         (root / "config.json").write_text(json.dumps(config))
-        if command == "plan":
-            refused(root, [*LLAMA_PLAN, "--model-config", "config.json"])
-        else:
-            (root / "text.txt").write_text(TEXT)
-            refused(root, [*TRAIN, "--model-config", "config.json"], CACHE)
-            assert not (root / "run").exists()
+        refused_config(root, command)
 
 
 @pytest.mark.parametrize("drop", [(), ("num_key_value_heads",), ("intermediate_size",)])
@@ -333,12 +338,7 @@ def damaged_model_configs(draw) -> bytes:
 def test_damaged_model_config_file(content, command):
     with place() as root:
         (root / "config.json").write_bytes(content)
-        if command == "plan":
-            refused(root, [*LLAMA_PLAN, "--model-config", "config.json"])
-        else:
-            (root / "text.txt").write_text(TEXT)
-            refused(root, [*TRAIN, "--model-config", "config.json"], CACHE)
-            assert not (root / "run").exists()
+        refused_config(root, command)
 
 
 # the sections every machine spec needs, by the header that opens each
