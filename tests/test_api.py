@@ -77,6 +77,30 @@ def hf_gpt2():
     return transformers.GPT2LMHeadModel(cfg), hf_batch()
 
 
+class Detached(nn.Module):
+    """Gradients stopped twice: by ``.detach()`` and by a ``torch.no_grad()`` region (capture once turned both into
+    plain aliases, and the gradient flowed through them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.up(x))
+        with torch.no_grad():
+            scale = h.abs().mean() + 1.0
+        z = self.down(h) / scale
+        return nn.functional.cross_entropy(z, y) + (z * z.detach()).mean()
+
+
+def detached():
+    gen = torch.Generator().manual_seed(2)
+    return Detached(), {
+        "x": torch.randn(B, 8, generator=gen, dtype=torch.float64),
+        "y": torch.randint(0, 4, (B,), generator=gen),
+    }
+
+
 def made(factory, dtype=torch.float64):
     torch.manual_seed(0)
     model, batch = factory()
@@ -97,6 +121,16 @@ def eager_step(model, opt, batch) -> float:
 def test_trainer_equals_eager(factory, mesh):
     """Each step's loss, then the state dict after 2 steps (every key of the module's, full tensors) and every
     replica of every weight piece equal eager PyTorch's."""
+    equals_eager(factory, mesh)
+
+
+@pytest.mark.parametrize("mesh", ["dp=2", "fsdp=2"])
+def test_stopped_gradients_equal_eager(mesh):
+    """``.detach()`` and ``torch.no_grad()`` stop the gradient as they do in eager PyTorch."""
+    equals_eager(detached, mesh)
+
+
+def equals_eager(factory, mesh):
     model, batch = made(factory)
     with wide_floats():
         trainer = shardflow.parallelize(model, batch, mesh=mesh, lr=0.1)

@@ -36,7 +36,15 @@ class CaptureError(ValueError):
 # * silu: one element-wise kernel forward and ``silu_backward`` backward, instead of a sigmoid and a mul forward and,
 #   backward, muls, the sigmoid again and its backward (same rule: element-wise, not linear); measured on the tiny
 #   Llama's single-device step (benchmarks/step.py, 16 × 128): 1.14 → 1.11 × eager.
-KEEP = (aten.scaled_dot_product_attention.default, aten.linear.default, aten.layer_norm.default, aten.silu.default)
+# * detach: core ATen turns it into ``alias``, which drops what it means: no gradient flows through it
+#   (:class:`~shardflow.graph.ops.Detach`).
+KEEP = (
+    aten.scaled_dot_product_attention.default,
+    aten.linear.default,
+    aten.layer_norm.default,
+    aten.silu.default,
+    aten.detach.default,
+)
 
 
 class _LossOf(nn.Module):
@@ -79,12 +87,30 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
         raise
     except Exception as e:  # export raises many kinds (UserError, GuardOnDataDependentSymNode, TypeError, ...)
         raise CaptureError(_export_failure(module, e)) from e
+    _detach_no_grad_regions(ep)
     table = torch.export.default_decompositions()
     for op in KEEP:
         table.pop(op, None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return ep.run_decompositions(table)
+
+
+def _detach_no_grad_regions(ep: ExportedProgram) -> None:
+    """Detach each output of a ``torch.no_grad()`` region of ``ep`` (in place). Export records such a region as one
+    ``wrap_with_set_grad_enabled(False, ...)`` call, which the decompositions inline: without a detach on what it
+    returns, its ops would pass gradients that eager PyTorch does not."""
+    graph = ep.graph_module.graph
+    region = torch.ops.higher_order.wrap_with_set_grad_enabled
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not region or node.args[0] is not False:
+            continue
+        for out in list(node.users):  # the getitems of the region's results
+            with graph.inserting_after(out):
+                detached = graph.call_function(aten.detach.default, (out,))
+            detached.meta = dict(out.meta)
+            out.replace_all_uses_with(detached, delete_user_cb=lambda user: user is not detached)
+    ep.graph_module.recompile()
 
 
 def _parameters_on_meta(module: nn.Module) -> bool:

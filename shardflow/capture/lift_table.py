@@ -74,6 +74,10 @@ def _alias(c, node, x, *_, memory_format=None, **__):
     return x  # clone / alias / contiguous: the value itself (no node)
 
 
+def _detach(c, node, x):
+    return c.apply(O.Detach(), [x], node)
+
+
 def _to_copy(
     c, node, x, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None
 ):
@@ -487,6 +491,7 @@ LIFT: dict[Any, Callable] = {
     aten._to_copy.default: _to_copy,
     aten.clone.default: _alias,
     aten.alias.default: _alias,
+    aten.detach.default: _detach,
     aten.view.default: _view,
     aten._unsafe_view.default: _view,
     aten.reshape.default: _view,

@@ -259,6 +259,24 @@ class LayerNorm(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class Detach(Op):
+    """``x.detach()``, and each output of a ``torch.no_grad()`` region: the same values, through which no gradient
+    flows (the outputs carry none, whatever the input needs)."""
+
+    kind: ClassVar[str] = "detach"
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        return ins
+
+    def compute(self, x):
+        return (x.detach(),)
+
+    def grad_outputs(self, ins, outs, need):
+        return (False,) * len(outs)
+
+
+@dataclass(frozen=True, slots=True)
 class Dropout(Op):
     """Zero elements with probability ``p`` and scale the rest by ``1/(1-p)``; identity when p == 0.
 
@@ -1012,6 +1030,7 @@ OPS: dict[str, type[Op]] = {
         Linear,
         Embedding,
         LayerNorm,
+        Detach,
         Dropout,
         Unary,
         Binary,

@@ -224,6 +224,12 @@ def rule_unary(ctx: Ctx) -> RuleResult:
     return RuleResult((ctx.output(s.dims, s.partial, reduce_op),), ctx.local())
 
 
+def rule_detach(ctx: Ctx) -> RuleResult:
+    """Detach: the same values, so every placement passes through unchanged, partial pieces of any reduce op too."""
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
+
+
 def rule_scalar(ctx: Ctx) -> RuleResult:
     op: O.Scalar = ctx.op  # type: ignore[assignment]
     s = ctx.shardings[0]
@@ -580,6 +586,7 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Linear: rule_linear,
     O.Embedding: rule_embedding,
     O.LayerNorm: rule_layer_norm,
+    O.Detach: rule_detach,
     O.Dropout: rule_unary,
     O.Unary: rule_unary,
     O.Scalar: rule_scalar,

@@ -88,6 +88,7 @@ CASES: tuple[Case, ...] = (
     Case("embedding", O.Embedding(), (_x("idx", 4, 8, dtype="int64", high=8), _x("w", 8, 4))),
     Case("layer_norm", O.LayerNorm(1), (_x("x", 4, 8), _x("w", 8), _x("b", 8))),
     Case("dropout(p=0)", O.Dropout(0.0), (_x("x", 4, 8),)),
+    Case("detach", O.Detach(), (_x("x", 4, 8),)),
     Case("relu", O.Unary("relu"), (_x("x", 4, 8),)),
     Case("gelu", O.Unary("gelu"), (_x("x", 4, 8),)),
     Case("tanh", O.Unary("tanh"), (_x("x", 4, 8),)),
