@@ -1334,6 +1334,52 @@ def run_chunked(p: dict, rank: int, world: int) -> dict:
     return {"samples": samples, "worst": worst}
 
 
+def run_vocab(p: dict, rank: int, world: int) -> dict:
+    """(v) The main job's model at ``shardflow train``'s defaults under tp, at each vocabulary size of
+    ``p["vocab_sizes"]`` (None: the default): the preset (vocabulary-parallel embedding, head and loss) against the
+    same Megatron pairs with the embedding and the head replicated. Per plan: this rank's parameters + gradients +
+    optimizer state, the bytes its communications send in one step, and the step time (interleaved rounds); the
+    first losses of both from the same weights."""
+    import dataclasses
+
+    from shardflow.strategy.presets import tensor_parallel
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.recipe import setup
+
+    out: dict = {}
+    for vocab in p["vocab_sizes"]:
+        base = TrainConfig() if vocab is None else TrainConfig(vocab_size=vocab)
+        cfg = dataclasses.replace(base, strategy="tp", mesh=f"tp={world}", nproc=world)
+        s = setup(cfg, world)
+        mesh = Mesh.parse(f"tp={world}")
+        plans = {
+            "vocabulary": s.pcg,
+            "replicated": build_pcg(
+                s.graph, mesh, resolve(tensor_parallel(s.graph, world, vocabulary=False), s.graph, mesh)
+            ),
+        }
+        weights, batch = s.initial_weights(), s.batch("train", 0)
+        res: dict = {"params": sum(q.numel() for q in s.model.parameters()), "vocab": s.model.config.vocab_size}
+        executors = {}
+        for name, pcg in plans.items():
+            step = lower_step(pcg, s.optimizer.slots, ranks=[rank])
+            ex = DistributedExecutor(step, s.optimizer, timeout_s=TIMEOUT_S)
+            ex.load(weights)
+            executors[name] = ex
+            res[name] = {
+                "state": state_bytes(step.dg, rank),
+                "comm_bytes": sum(c.nbytes for c in ex.program.comms),
+                "comms": len(ex.program.comms),
+            }
+        one = lower_step(build_pcg(s.graph, Mesh.parse("d=1")), s.optimizer.slots).dg
+        res["one_device_state"] = state_bytes(one, 0)
+        variants = [Variant(name, functools.partial(ex.step, batch)) for name, ex in executors.items()]
+        res["losses"] = first_losses(variants, 2, rank)
+        res["samples"] = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank)
+        out[str(res["vocab"])] = res
+    return {"sizes": out}
+
+
 WORKLOADS = {
     "mlp": run_mlp,
     "gpt": run_gpt,
@@ -1344,6 +1390,7 @@ WORKLOADS = {
     "fsdp": run_fsdp,
     "pipeline": run_pipeline,
     "chunked": run_chunked,
+    "vocab": run_vocab,
 }
 
 

@@ -145,6 +145,9 @@ def _has_gradient(case: Case, dtype: torch.dtype) -> bool:
     xs = _inputs(case, dtype)
     diff = [i for i, x in enumerate(xs) if x.is_floating_point() or x.is_complex()]
     try:
+        types = _types(xs)
+        if not any(case.op.grad_outputs(types, case.op.infer(types), tuple(i in diff for i in range(len(xs))))):
+            return False  # detach: no gradient flows through it, so the executor runs no backward for it
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a complex → real cast discards the imaginary part, and says so
             outs = case.op.compute(*xs)
@@ -208,13 +211,19 @@ RUNS = [(c, dt) for c in ALL_CASES for dt in DTYPES if _has_gradient(c, dt)]
 
 
 def _differentiable(case: Case) -> bool:
-    """Whether ``case`` takes float64 inputs and some of them and every output carry a gradient (by dtype alone)."""
+    """Whether ``case`` takes float64 inputs and some of them and every output carry a gradient (by the op's
+    ``grad_outputs``: by dtype, and none through a detach)."""
     xs = _inputs(case, torch.float64)
     try:
         outs = case.op.infer(_types(xs))
     except O.OpError:  # a complex-only op (view_as_real)
         return False
-    return any(x.is_floating_point() for x in xs) and all(O.differentiable(t.dtype) for t in outs)
+    need = tuple(x.is_floating_point() for x in xs)
+    try:
+        carried = case.op.grad_outputs(_types(xs), outs, need)
+    except O.OpError:  # no derivative (aten copy): NO_AUTOGRAD lists it
+        carried = tuple(O.differentiable(t.dtype) for t in outs)
+    return any(need) and all(carried)
 
 
 def test_every_op_class_and_function_has_a_case():
@@ -223,7 +232,7 @@ def test_every_op_class_and_function_has_a_case():
     float64 unless torch's autograd has no derivative for its ATen op (NO_AUTOGRAD)."""
     for dt in DTYPES:
         classes = {type(c.op) for c, d in RUNS if d == dt}
-        want = set(O.OPS.values()) if not dt.is_complex else COMPLEX_CLASSES
+        want = set(O.OPS.values()) - {O.Detach} if not dt.is_complex else COMPLEX_CLASSES  # Detach: no gradient
         assert want <= classes, f"{dt}: no case with a gradient for {sorted(k.kind for k in want - classes)}"
     tables = {
         O.Unary: O.UNARY_FNS,

@@ -7,8 +7,9 @@ the loss and every gradient of 2 SGD steps and every weight replica after them e
 1e-9 at float64: a plan adds partial sums in another order than one device does (agreement to ~1e-15 relative),
 while a misplaced block, a wrong scale or a head mixed up with another is an O(1) error.
 
-Structure: what tp shards (q/k/v and the output projection, the MLP's pairs), the all-reduces per layer, and that
-the presets need no redistribution but the label count's under dp.
+Structure: what tp shards (q/k/v and the output projection, the MLP's pairs, the vocabulary of the embedding and the
+head), the all-reduces per layer and those of the vocabulary-parallel loss, and that the presets need no
+redistribution but the label count's under dp and the target logits' under tp.
 """
 
 import json
@@ -48,6 +49,17 @@ def parallel_ops(pcg):
     return Counter(n.op.describe() for n in pcg.parallel_nodes)
 
 
+# What vocabulary parallelism adds to tp (docs/concepts.md#vocabulary-parallel-embedding-and-loss), beyond the
+# embedding's all-reduce: the loss's max and sum over the sharded classes (all-reduces of [N, 1]) and its target
+# logits, Partial(sum) pieces, reduce-scattered over the tokens where the ignore mask is applied (`where` is not
+# linear: a redistribution), the mask split to match (a local split).
+LOSS_OPS = Counter({"ReductionOp(degree=2, axis=tp)": 3, "RepartitionOp(dim=0, degree=2, axis=tp)": 2})
+LOSS_REDISTRIBUTIONS = [
+    ("where_1", ["RepartitionOp(dim=0, degree=2, axis=tp)"]),
+    ("where_1", ["ReductionOp(degree=2, axis=tp)", "RepartitionOp(dim=0, degree=2, axis=tp)"]),
+]
+
+
 def redistributions(pcg):
     """(node, parallel ops) of each redistribution the rules asked for."""
     return [(r.node, [op.describe() for op in r.ops]) for r in pcg.redistributions]
@@ -79,10 +91,10 @@ def test_llama_tp_shards_attention_heads_and_the_swiglu_mlp(captured):
             assert t[f"{_layer(i)}.{m}.weight"].placements == (Shard(1),), m  # row-parallel
         for m in ("input_layernorm", "post_attention_layernorm"):
             assert t[f"{_layer(i)}.{m}.weight"].placements == (Replicate(),)
-    assert t["model.embed_tokens.weight"].placements == t["lm_head.weight"].placements == (Replicate(),)
-    # One all-reduce after each row-parallel linear (o_proj, down_proj): 2 per layer; nothing else moves.
-    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": 2 * LAYERS}
-    assert pcg.redistributions == ()
+    assert t["model.embed_tokens.weight"].placements == t["lm_head.weight"].placements == (Shard(0),)  # vocabulary
+    # One all-reduce after each row-parallel linear (o_proj, down_proj): 2 per layer; the embedding's and the loss's.
+    assert parallel_ops(pcg) == Counter({"ReductionOp(degree=2, axis=tp)": 2 * LAYERS + 1}) + LOSS_OPS
+    assert redistributions(pcg) == LOSS_REDISTRIBUTIONS
     # Grouped-query attention: each device holds 1 of the 2 key/value heads and the 2 query heads that read it.
     attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
     assert len(attn) == LAYERS
@@ -169,40 +181,53 @@ def test_gpt2_tp_shards_the_fused_qkv_by_heads(captured):
     attn = [n for n in pcg.nodes if isinstance(n.op, O.Attention)]
     assert len(attn) == LAYERS
     assert all(t[x].pshape.shard == (1, 2, 1, 1) for n in attn for x in n.inputs[:3] + n.outputs)
-    # 2 all-reduces per layer and nothing else: the parts of c_attn are split and viewed where they are stored.
-    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": 2 * LAYERS}
-    assert pcg.redistributions == ()
+    # 2 all-reduces per layer, the tied embedding's and the loss's: the parts of c_attn are split and viewed where
+    # they are stored.
+    assert t["transformer.wte.weight"].placements == (Shard(0),)
+    assert parallel_ops(pcg) == Counter({"ReductionOp(degree=2, axis=tp)": 2 * LAYERS + 1}) + LOSS_OPS
+    assert redistributions(pcg) == LOSS_REDISTRIBUTIONS
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_tp_communicates_two_all_reduces_per_layer_each_way(captured, name):
-    """Megatron's f and g, and nothing else: forward, the row-parallel outputs; backward, the column groups' input
-    gradients (GPT-2's c_attn, stored by parts, takes its q, k, v gradient parts where it holds them)."""
+    """Megatron's f and g per layer: forward, the row-parallel outputs; backward, the column groups' input gradients
+    (GPT-2's c_attn, stored by parts, takes its q, k, v gradient parts where it holds them). Vocabulary parallelism
+    adds, forward, the embedding's all-reduce, the loss's max and sum (all-reduces) and its target logits
+    (reduce-scatter); backward, the head's input gradient and the gradient of the sum (all-reduces) and the target
+    logits' (all-gather)."""
     _, _, graph = captured[name]
     programs = lower_step(plan_pcg(graph, "tp=2", "tp"), SGD.slots).programs
     kinds = Counter((c.task, c.family) for c in programs[0].comms)
-    assert kinds == {("FWD", "all_reduce"): 2 * LAYERS, ("BWD", "all_reduce"): 2 * LAYERS}
+    assert kinds == {
+        ("FWD", "all_reduce"): 2 * LAYERS + 3,
+        ("FWD", "reduce_scatter"): 1,
+        ("BWD", "all_reduce"): 2 * LAYERS + 2,
+        ("BWD", "all_gather"): 1,
+    }
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_sp_gathers_and_scatters_the_sequence_per_block(captured, name):
     _, _, graph = captured[name]
     ops = parallel_ops(plan_pcg(graph, "tp=2", "sp"))
-    # Per layer 2 all-gathers (into attention and MLP) and 2 reduce-scatters (Reduction + Repartition);
-    # one Repartition into the first block (a local split), one Combine after the last.
+    # Per layer 2 all-gathers (into attention and MLP) and 2 reduce-scatters (Reduction + Repartition); the
+    # vocabulary-parallel embedding's output reduce-scattered onto the sequence (GPT-2's position embedding split
+    # to match, locally), one Combine after the last block, and the loss's reductions.
     assert ops["CombineOp(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1
-    assert ops["ReductionOp(degree=2, axis=tp)"] == 2 * LAYERS
-    assert ops["RepartitionOp(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1
+    assert ops["ReductionOp(degree=2, axis=tp)"] == 2 * LAYERS + 1 + LOSS_OPS["ReductionOp(degree=2, axis=tp)"]
+    assert ops["RepartitionOp(dim=1, degree=2, axis=tp)"] == 2 * LAYERS + 1 + (name == "gpt2")
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 @pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("dp=2,tp=2", "dp,tp")])
 def test_dp_needs_only_the_label_count(captured, name, mesh, strategy):
     """The loss is sum(token losses) / count(labels not ignored), both partial over the batch: the count (one
-    scalar) is all-reduced. The causal mask the traced model builds is the attention's causal flag, no tensor."""
+    scalar) is all-reduced (with tp, after the vocabulary-parallel loss's target logits). The causal mask the traced
+    model builds is the attention's causal flag, no tensor."""
     _, _, graph = captured[name]
     pcg = plan_pcg(graph, mesh, strategy)
-    (r,) = pcg.redistributions
+    *loss, r = pcg.redistributions
+    assert [(x.node, [op.describe() for op in x.ops]) for x in loss] == (LOSS_REDISTRIBUTIONS if "tp" in mesh else [])
     assert r.node == pcg.graph.loss and pcg.tensors[r.tensor].type.shape == () and r.nbytes == 8
     assert all(n.op.causal and not n.op.mask for n in graph.nodes if isinstance(n.op, O.Attention))
     assert all(pcg.tensors[w].sharding.dims[0] != ("dp",) for w in graph.weights)
@@ -225,6 +250,7 @@ COLUMN = ModulePlan(params={"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}
 ROW = ModulePlan(params={"weight": {"tp": Shard(0)}}, output={"tp": Replicate()})
 GPT2_TP = Plan(
     modules={
+        "transformer.wte": ModulePlan(params={"weight": {"tp": Shard(0)}}, output={"tp": Replicate()}),
         "transformer.h.*.attn.c_attn": COLUMN,
         "transformer.h.*.attn.c_proj": ROW,
         "transformer.h.*.mlp.c_fc": COLUMN,
@@ -240,7 +266,7 @@ def test_user_plan_shards_the_fused_qkv_by_heads_as_the_preset_does(captured):
     mine = build_pcg(graph, mesh, resolve(GPT2_TP, graph, mesh))
     preset = plan_pcg(graph, "tp=2", "tp")
     assert {n: t.sharding for n, t in mine.tensors.items()} == {n: t.sharding for n, t in preset.tensors.items()}
-    assert parallel_ops(mine) == parallel_ops(preset) and mine.redistributions == ()
+    assert parallel_ops(mine) == parallel_ops(preset) and redistributions(mine) == LOSS_REDISTRIBUTIONS
 
 
 def flat(graph):
@@ -254,10 +280,19 @@ def test_user_plan_by_fqn_on_a_flat_graph(captured):
     model, b, graph = captured["gpt2"]
     g = flat(graph)
     mesh = Mesh.parse("tp=2")
-    pcg = build_pcg(g, mesh, resolve(GPT2_TP, g, mesh))
+    # Flat, the module transformer.wte is every node reading its tied weight, the head's linear too: its output
+    # layout goes on the lookup by node name.
+    plan = Plan(
+        dict(GPT2_TP.modules)
+        | {
+            "transformer.wte": ModulePlan(params={"weight": {"tp": Shard(0)}}),
+            "embedding": ModulePlan(output={"tp": Replicate()}),
+        }
+    )
+    pcg = build_pcg(g, mesh, resolve(plan, g, mesh))
     preset = plan_pcg(graph, "tp=2", "tp")
     assert {w: pcg.tensors[w].sharding for w in g.weights} == {w: preset.tensors[w].sharding for w in g.weights}
-    assert parallel_ops(pcg) == parallel_ops(preset) and pcg.redistributions == ()
+    assert parallel_ops(pcg) == parallel_ops(preset) and redistributions(pcg) == LOSS_REDISTRIBUTIONS
     leaves = dict(weights_of(model, g), **b)
     want = simulate_outputs(lift(g), leaves)
     got = simulate_outputs(pcg, leaves)
@@ -337,5 +372,5 @@ def test_falcon_tp_shards_its_x_at_w_transposed_mlp_like_llama(falcon):
         assert t[f"{layer}.mlp.dense_4h_to_h.weight"].placements == (Shard(1),)
         for m in ("self_attention.query_key_value", "self_attention.dense", "input_layernorm"):
             assert t[f"{layer}.{m}.weight"].placements == (Replicate(),), m
-    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": LAYERS}
-    assert not pcg.redistributions
+    assert parallel_ops(pcg) == Counter({"ReductionOp(degree=2, axis=tp)": LAYERS + 1}) + LOSS_OPS  # + the embedding's
+    assert redistributions(pcg) == LOSS_REDISTRIBUTIONS

@@ -143,7 +143,8 @@ def test_explain_shows_an_op_under_the_choice_and_each_runner_up(eight):
 
 def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
     """A wide model and a small batch on 4 devices whose memory holds tensor parallelism's peak but not a gathered
-    block of fsdp's: Megatron's column→row pairs, one all-reduce per attention and per MLP in the forward."""
+    block of fsdp's: Megatron's column→row pairs, one all-reduce per attention and per MLP in the forward (and the
+    vocabulary-parallel embedding's and loss's: docs/concepts.md#vocabulary-parallel-embedding-and-loss)."""
     torch.manual_seed(0)
     wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, n_embd=1024))
     batch = {"idx": torch.randint(0, 64, (4, 16)), "targets": torch.randint(0, 64, (4, 16))}
@@ -155,7 +156,8 @@ def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
     assert str(res.best.candidate) == "--strategy tp --mesh tp=4"
     for prog in res.pipeline.lower().programs.values():
         forward = [c for c in prog.comms if c.task == "FWD"]
-        assert [c.kind for c in forward] == ["all_reduce"] * 4  # attention and MLP of each of the 2 blocks
+        # the embedding's, attention and MLP of each of the 2 blocks, the loss's max and sum; its target logits
+        assert [c.kind for c in forward] == ["all_reduce"] * (1 + 4 + 2) + ["reduce_scatter"]
 
 
 def test_where_nothing_fits_as_it_is_it_recomputes_or_accumulates():

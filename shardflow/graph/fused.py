@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from shardflow.graph import ops as O
-from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
+from shardflow.graph.graph import ComputationGraph, Node, Rewrite, TensorRole, TensorSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,34 +110,13 @@ def fused_linears(graph: ComputationGraph) -> list[FusedLinear]:
     return found
 
 
-class _Names:
-    """The graph's tensors and the names taken, for a rewrite that adds nodes."""
-
-    def __init__(self, graph: ComputationGraph):
-        self.tensors = dict(graph.tensors)
-        self.taken = set(self.tensors) | {n.name for n in graph.nodes}
-
-    def add(self, name: str, op: O.Op, inputs: tuple[str, ...], outputs: tuple[str, ...] | None, scope: str) -> Node:
-        """A new node; its outputs are named after it unless ``outputs`` (existing tensors it now produces)."""
-        types = op.infer(tuple(self.tensors[t].type for t in inputs))
-        made = (name,) if outputs or len(types) == 1 else tuple(f"{name}.{k}" for k in range(len(types)))
-        clash = self.taken & {name, *made}
-        if clash:
-            raise ValueError(f"the graph already has a node or tensor called {sorted(clash)}")
-        self.taken.update({name, *made})
-        outputs = outputs or made
-        for o, ty in zip(outputs, types):
-            self.tensors[o] = TensorSpec(o, ty)
-        return Node(name, op, inputs, outputs, scope)
-
-
 def store_by_parts(graph: ComputationGraph) -> ComputationGraph:
     """``graph`` with the weight and bias of each fused linear whose parts have equal sizes (and which nothing else
     reads) stored by parts: the output-feature dim d of size k·m held as (k, m) at dims (d, d+1), merged back by a
     reshape ``<parameter>.whole`` read by the linear; ``module_shapes`` records the parameter's shape. The same
     values: a reshape of a contiguous tensor keeps every element's row-major index."""
     consumers = graph.consumers()
-    names = _Names(graph)
+    names = Rewrite(graph)
     shapes = dict(graph.module_shapes)
     before: dict[str, list[Node]] = {}  # linear → the merges to insert before it
     inputs: dict[str, tuple[str, ...]] = {}  # linear → its new inputs
@@ -178,7 +157,7 @@ def split_fused(graph: ComputationGraph, fused: Sequence[FusedLinear]) -> Comput
     each part's weight is then cut by heads with no communication, and the parameter, its gradient and its
     optimizer state are divided. A fused linear with unequal parts (stored whole) is split locally from a
     replicated parameter instead (:func:`~shardflow.strategy.plan.resolve` places its parts)."""
-    names = _Names(graph)
+    names = Rewrite(graph)
     replace: dict[str, list[Node]] = {}  # node name → the nodes that replace it (none: removed)
     for f in fused:
         lin, sizes, last = f.linear, f.split.op.sizes, f.split.outputs

@@ -269,6 +269,27 @@ class ComputationGraph:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+class Rewrite:
+    """A graph being rewritten: its tensors (new ones added) and the names taken, for a rewrite that adds nodes."""
+
+    def __init__(self, graph: ComputationGraph):
+        self.tensors = dict(graph.tensors)
+        self.taken = set(self.tensors) | {n.name for n in graph.nodes}
+
+    def add(self, name: str, op: Op, inputs: tuple[str, ...], outputs: tuple[str, ...] | None, scope: str) -> Node:
+        """A new node; its outputs are named after it unless ``outputs`` (existing tensors it now produces)."""
+        types = op.infer(tuple(self.tensors[t].type for t in inputs))
+        made = (name,) if outputs or len(types) == 1 else tuple(f"{name}.{k}" for k in range(len(types)))
+        clash = self.taken & {name, *made}
+        if clash:
+            raise ValueError(f"the graph already has a node or tensor called {sorted(clash)}")
+        self.taken.update({name, *made})
+        outputs = outputs or made
+        for o, ty in zip(outputs, types):
+            self.tensors[o] = TensorSpec(o, ty)
+        return Node(name, op, inputs, outputs, scope)
+
+
 def _encode(v: Any) -> Any:
     """An op attribute as JSON: tuples as lists, :class:`Arg` as ``{"arg": i}``, dtypes as ``{"dtype": name}``."""
     if isinstance(v, (tuple, list)):

@@ -209,14 +209,33 @@ class Linear(Op):
         return (by_rows(x, lambda rows: F.linear(rows, w, b), w.shape[0]),)
 
 
+def in_block(idx: torch.Tensor, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices ``idx`` into a whole dim, read by a device that holds the block ``[start, start + size)`` of it: the
+    indices into the block (clamped into it) and the mask of those the block holds. Vocabulary parallelism
+    (Megatron-LM's ``VocabParallelEmbedding``, Shoeybi et al. 2019): a device looks up what its block holds and
+    contributes zeros for the rest, so the devices' results sum to the whole lookup."""
+    local = idx - start
+    inside = (local >= 0) & (local < size)
+    return local.clamp(0, size - 1), inside
+
+
 @dataclass(frozen=True, slots=True)
 class Embedding(Op):
-    """Row lookup. Inputs: indices ``[*]`` (int64), weight ``[vocab, C]``. Output ``[*, C]``."""
+    """Row lookup. Inputs: indices ``[*]`` (int64), weight ``[vocab, C]``. Output ``[*, C]``.
+
+    ``start`` (vocabulary parallelism): None, the weight is the whole table; else the weight holds its rows
+    ``[start, start + rows)`` and an index outside them looks up zeros (:func:`in_block`)."""
 
     kind: ClassVar[str] = "embedding"
     fresh: ClassVar[bool] = True
     fresh_grads: ClassVar[bool] = True
     padding_idx: int = quiet(-1)  # ATen's spelling of "none": the row whose gradient stays zero
+    start: int | None = quiet(None)
+
+    def local_padding(self, rows: int) -> int:
+        """The padding row as a row of the weight the op holds (``rows`` of them); -1 where it holds none."""
+        p = self.padding_idx - (self.start or 0)
+        return p if self.padding_idx >= 0 and 0 <= p < rows else -1
 
     def infer(self, ins):
         _expect(2, ins, self)
@@ -228,7 +247,11 @@ class Embedding(Op):
         return (TensorType(idx.shape + (w.shape[1],), w.dtype),)
 
     def compute(self, idx, w):
-        return (F.embedding(idx, w, None if self.padding_idx < 0 else self.padding_idx),)
+        pad = self.local_padding(w.shape[0])
+        if self.start is None:
+            return (F.embedding(idx, w, None if pad < 0 else pad),)
+        local, inside = in_block(idx, self.start, w.shape[0])
+        return (torch.where(inside.unsqueeze(-1), F.embedding(local, w, None if pad < 0 else pad), 0.0),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -662,12 +685,16 @@ class Cat(Op):
 
 @dataclass(frozen=True, slots=True)
 class Gather(Op):
-    """``torch.gather(x, dim, index)``: inputs x and index (int64, same number of dims); output like index."""
+    """``torch.gather(x, dim, index)``: inputs x and index (int64, same number of dims); output like index.
+
+    ``start`` (vocabulary parallelism): None, x holds the whole of ``dim``; else x holds its block
+    ``[start, start + x.shape[dim])`` and an index outside it picks 0 (:func:`in_block`)."""
 
     kind: ClassVar[str] = "gather"
     fresh: ClassVar[bool] = True
     fresh_grads: ClassVar[bool] = True
     dim: int = 0
+    start: int | None = quiet(None)
 
     def infer(self, ins):
         _expect(2, ins, self)
@@ -684,7 +711,10 @@ class Gather(Op):
         return (TensorType(idx.shape, x.dtype),)
 
     def compute(self, x, idx):
-        return (torch.gather(x, self.dim, idx),)
+        if self.start is None:
+            return (torch.gather(x, self.dim, idx),)
+        local, inside = in_block(idx, self.start, x.shape[self.dim])
+        return (torch.where(inside, torch.gather(x, self.dim, local), 0.0),)
 
 
 @dataclass(frozen=True, slots=True)

@@ -209,17 +209,18 @@ def shard_expansion(dg: DynamicGraph, ranks: tuple[int, ...] | None = None) -> S
 
 def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
     """The kernel rank ``r`` runs for local node ``n`` (a member of its sub-mesh), with everything it needs: the
-    rule's local op and, for a random op, where r's piece lies; the gradient masks of a backward; the state slots
+    rule's local op on r's block (:meth:`~shardflow.parallel.pcg.PCG.local_of`) and, for a random op, where r's piece lies; the gradient masks of a backward; the state slots
     of an update; the block r keeps of a Repartition of replicas."""
     if n.kind == NodeKind.COMPUTE:
         src = dg.sources[n.src]
         draw = dg.pcg.piece_site(src, r).within(n.micro, dg.microbatches) if src.op.random else None
+        local = dg.pcg.local_of(src, r)
         if n.task == TaskType.FWD:  # records for its backward unless the op is recomputed and this is the first run
             bwd = dg.backward_of.get(n.src)
             keeps = bwd is not None and (n.recompute or n.src not in dg.recomputed)
-            return Forward(src.local, draw, bwd.grad_mask if keeps else ())
+            return Forward(local, draw, bwd.grad_mask if keeps else ())
         dtypes = tuple(dg.values[v].type.dtype for v in n.outputs)  # a master dtype under mixed precision
-        return Vjp(src.local, draw, n.grad_mask, n.unscale, n.dy_mask, dtypes)
+        return Vjp(local, draw, n.grad_mask, n.unscale, n.dy_mask, dtypes)
     if n.kind == NodeKind.SEED:
         return OnesLike(n.scale)
     if n.kind == NodeKind.SUM:

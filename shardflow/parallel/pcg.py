@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
-from shardflow.graph.ops import Binary, Dropout, Op, TensorType, Where
+from shardflow.graph.ops import Binary, Dropout, Embedding, Gather, Op, TensorType, Where
 from shardflow.graph.rng import DrawSite, PieceSite
 from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
@@ -191,6 +191,20 @@ class PCG:
         """Where random compute ``node`` draws on ``device`` (a member of its sub-mesh) at training ``step`` of a
         run seeded ``seed``: :meth:`piece_site` at that seed and step."""
         return self.piece_site(node, device).at(seed, step)
+
+    def local_of(self, node: PNode, device: int) -> LocalOp:
+        """What ``device`` runs for compute ``node``: the rule's local op, given the start of the device's block where
+        the op holds one block of an input's dim (:attr:`LocalOp.block`: a vocabulary-parallel embedding or gather)."""
+        local = node.local
+        if local is None:
+            raise ValueError(f"node {node.name!r} is a parallel op: it runs no local op")
+        if local.block is None:
+            return local
+        i, d = local.block
+        t = self.tensors[node.inputs[i]]
+        start = t.pshape.piece_slices(t.sharding.coord_of(t.group, device))[d].start
+        op: Embedding | Gather = local.op  # type: ignore[assignment]  # the ops with a block start
+        return dataclasses.replace(local, op=dataclasses.replace(op, start=start))
 
     def piece_site(self, node: PNode, device: int) -> PieceSite:
         """Where ``device``'s piece of random compute ``node``'s output lies: the output's full shape and the

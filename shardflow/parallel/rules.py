@@ -45,11 +45,16 @@ class RuleError(ShardingError):
 @dataclass(frozen=True, slots=True)
 class LocalOp:
     """What every device runs for one compute op: ``op`` (local attributes) on inputs scaled by ``in_scale``,
-    its outputs scaled by ``out_scale`` (a scale of 1.0 is skipped)."""
+    its outputs scaled by ``out_scale`` (a scale of 1.0 is skipped).
+
+    ``block`` = (input i, dim d): the op holds one block of input i's dim d and must know where it starts (a
+    vocabulary-parallel embedding or gather, whose ``start`` attribute says it): ``op`` is device 0's (start 0),
+    :meth:`~shardflow.parallel.pcg.PCG.local_of` gives each device's."""
 
     op: Op
     in_scale: tuple[float, ...]
     out_scale: float = 1.0
+    block: tuple[int, int] | None = None
 
     def compute(self, *xs: torch.Tensor, at: DrawSite | None = None) -> tuple[torch.Tensor, ...]:
         """The device's output pieces from its input pieces; ``at``: the draw site of a random op's piece."""
@@ -177,8 +182,14 @@ class Ctx:
             raise e.at(hint=f"in module {self.scope!r}" if self.scope else "") from None
         return s
 
-    def local(self, op: Op | None = None, in_scale: Sequence[float] | None = None, out_scale: float = 1.0) -> LocalOp:
-        return LocalOp(op or self.op, tuple(in_scale or (1.0,) * len(self.names)), out_scale)
+    def local(
+        self,
+        op: Op | None = None,
+        in_scale: Sequence[float] | None = None,
+        out_scale: float = 1.0,
+        block: tuple[int, int] | None = None,
+    ) -> LocalOp:
+        return LocalOp(op or self.op, tuple(in_scale or (1.0,) * len(self.names)), out_scale, block)
 
 
 def _sum_scale(ctx: Ctx, partial: tuple[str, ...], reduce_op: ReduceOp) -> float:
@@ -316,11 +327,24 @@ def rule_matmul(ctx: Ctx) -> RuleResult:
     return RuleResult((out,), ctx.local())
 
 
+def _vocabulary_parallel(ctx: Ctx, axes: tuple[str, ...], i: int, d: int) -> tuple[LocalOp, tuple[str, ...]]:
+    """The local op of an embedding or gather whose input ``i`` holds one block of its dim ``d`` on mesh ``axes``
+    (none: the whole dim) and the new partial axes of its output: each device reads the indices its block holds and
+    zeros elsewhere (:func:`~shardflow.graph.ops.in_block`), so the pieces are ``Partial(sum)`` on ``axes``
+    (Megatron-LM's vocabulary-parallel embedding; DTensor's ``MaskPartial``)."""
+    if not axes:
+        return ctx.local(), ()
+    op: O.Embedding | O.Gather = ctx.op  # type: ignore[assignment]
+    return ctx.local(dataclasses.replace(op, start=0), block=(i, d)), axes
+
+
 def rule_embedding(ctx: Ctx) -> RuleResult:
+    """Indices' dims pass to the output's leading dims, the table's feature dim to its last; a table whose rows
+    (the vocabulary) are sharded gives ``Partial(sum)`` on their axes (:func:`_vocabulary_parallel`)."""
     ctx.no_partial(0, 1)
-    ctx.unsharded(1, [0], "vocabulary-parallel embedding is not supported")
-    out = ctx.output(ctx.shardings[0].dims + (ctx.shardings[1].dims[1],))
-    return RuleResult((out,), ctx.local())
+    idx, w = ctx.shardings
+    local, partial = _vocabulary_parallel(ctx, w.dims[0], 1, 0)
+    return RuleResult((ctx.output(idx.dims + (w.dims[1],), partial),), local)
 
 
 def rule_layer_norm(ctx: Ctx) -> RuleResult:
@@ -506,14 +530,16 @@ def rule_cat(ctx: Ctx) -> RuleResult:
 
 
 def rule_gather(ctx: Ctx) -> RuleResult:
-    """The gathered dim of the input must be whole (vocabulary-parallel gather is not supported); every other
-    dim agrees between input and index where their sizes match (else both whole). Linear in the input."""
+    """Every dim but the gathered one agrees between input and index where their sizes match (else both whole);
+    the gathered dim takes the index's placement. An input sharded on the gathered dim (the classes of a
+    vocabulary-parallel loss) gives ``Partial(sum)`` on its axes (:func:`_vocabulary_parallel`). Linear in the
+    input."""
     op: O.Gather = ctx.op  # type: ignore[assignment]
     ctx.linear_partials([0])
     ctx.no_partial(1)
     x, idx = ctx.types
     d = op.dim % x.ndim
-    ctx.unsharded(0, [d], "gather picks along it")
+    local, block = _vocabulary_parallel(ctx, ctx.shardings[0].dims[d], 0, d)
     dims: list[tuple[str, ...]] = []
     for k in range(x.ndim):
         if k == d:
@@ -524,8 +550,8 @@ def rule_gather(ctx: Ctx) -> RuleResult:
             ctx.unsharded(0, [k], "the index covers only part of it")
             ctx.unsharded(1, [k], "the index covers only part of the input's dim")
             dims.append(())
-    s = ctx.shardings[0]
-    return RuleResult((ctx.output(dims, s.partial, s.reduce_op),), ctx.local())
+    partial, reduce_op = ctx.partial_of([0], block)
+    return RuleResult((ctx.output(dims, partial, reduce_op),), local)
 
 
 def rule_pad(ctx: Ctx) -> RuleResult:

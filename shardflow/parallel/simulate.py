@@ -121,7 +121,7 @@ def simulate(pcg: PCG, leaves: Mapping[str, torch.Tensor], seed: int = 0, step: 
         per_device: dict[int, tuple[torch.Tensor, ...]] = {}
         for d in node.group.devices():
             at = pcg.draw_site(node, d, seed, step) if node.op.random else None
-            per_device[d] = node.local.compute(*(x[d] for x in ins), at=at)
+            per_device[d] = pcg.local_of(node, d).compute(*(x[d] for x in ins), at=at)
         for k, o in enumerate(node.outputs):
             values[o] = {d: outs[k] for d, outs in per_device.items()}
     return values

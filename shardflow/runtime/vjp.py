@@ -201,7 +201,11 @@ def _matmul(op, xs, dys, need) -> Grads:
 
 def _embedding(op: O.Embedding, xs, dys, need) -> Grads:
     idx, w = xs
-    return [None, torch.ops.aten.embedding_dense_backward(dys[0], idx, w.shape[0], op.padding_idx, False)]
+    dy, rows = dys[0], w.shape[0]
+    if op.start is not None:  # the rows this device holds (vocabulary parallelism): the others' gradients are not here
+        idx, inside = O.in_block(idx, op.start, rows)
+        dy = torch.where(inside.unsqueeze(-1), dy, 0.0)
+    return [None, torch.ops.aten.embedding_dense_backward(dy, idx, rows, op.local_padding(rows), False)]
 
 
 def _where(op, xs, dys, need) -> Grads:
@@ -216,7 +220,11 @@ def _where(op, xs, dys, need) -> Grads:
 
 def _gather(op: O.Gather, xs, dys, need) -> Grads:
     x, idx = xs
-    return [torch.zeros_like(x).scatter_add_(op.dim, idx, dys[0]), None]
+    dy = dys[0]
+    if op.start is not None:  # x's block of the dim (vocabulary parallelism)
+        idx, inside = O.in_block(idx, op.start, x.shape[op.dim])
+        dy = torch.where(inside, dy, 0.0)
+    return [torch.zeros_like(x).scatter_add_(op.dim, idx, dy), None]
 
 
 def _layer_norm(op: O.LayerNorm, xs, dys, need) -> Grads:

@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 from shardflow.graph import ops as O
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
+from shardflow.graph.softmax import decompose_softmax, softmax_heads
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh, parse_placement
 from shardflow.parallel.ops import PARALLEL_OPS, CombineOp, ParallelOp, ReplicateOp
 from shardflow.parallel.pcg import Annotations, Layout
@@ -343,6 +344,14 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
         if any(Shard(d) in _read(graph, t, _placements(placed.get(t)), plan.ops.get(t, ())) for t, d in f.features)
     ]
     rewritten = split_fused(graph, fused) if fused else None
+    staged = any(mp.stage is not None for mp in plan.modules.values())
+    free = tuple(a for a in mesh.axis_names if not (staged and a == plan.stage_axis))
+    sharded = _sharded_softmaxes(rewritten or graph, placed, plan.ops, free)
+    reduced: dict[str, Layout] = {}  # the partial max and sum of each softmax decomposed for a sharded dim
+    if sharded:
+        rewritten, partial = decompose_softmax(rewritten or graph, sharded)
+        for node, axes in sharded.items():
+            reduced.update((t, {a: Replicate() for a in axes}) for t in partial[node.name])
     if rewritten is not None:
         graph = rewritten
         targets = _Targets.of(plan, graph)
@@ -373,8 +382,10 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
             )
         leaves[name] = _sharding(spec, group_of_tensor(name), graph, name)
     edges: dict[tuple[str, int], Layout] = {}
-    after: dict[str, Layout] = {}
-    why: dict[object, str] = {}
+    after: dict[str, Layout] = dict(reduced)
+    why: dict[object, str] = {
+        t: "vocabulary-parallel softmax: its max and sum over the sharded classes" for t in reduced
+    }
     for pat, mp in plan.modules.items():
         for m, members in targets.units(pat):
             for p, spec in mp.params.items():
@@ -430,6 +441,30 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
         if t not in graph.tensors:
             raise PlanError(f"plan inserts parallel ops after {t!r}, which is not a tensor of the graph")
     return Annotations(leaves, groups, edges, after, dict(plan.ops), why, rewritten)
+
+
+def _sharded_softmaxes(
+    graph: ComputationGraph,
+    placed: Mapping[str, PlacementSpec],
+    ops: Mapping[str, tuple[ParallelOp, ...]],
+    free: tuple[str, ...],
+) -> dict[Node, tuple[str, ...]]:
+    """The softmax nodes over the features of a linear whose weight the plan shards on its output features (read so,
+    not only stored so: :func:`_read`), each with the mesh axes that shard them: a vocabulary-parallel head's loss,
+    which :func:`~shardflow.graph.softmax.decompose_softmax` keeps sharded. ``free``: the axes a placement given as
+    a sequence (DTensor's spelling) names, in order."""
+    by_name = {n.name: n for n in graph.nodes}
+    found = {}
+    for name, head in softmax_heads(graph).items():
+        lin: O.Linear = head.op  # type: ignore[assignment]
+        w = head.inputs[1]
+        spec = placed.get(w)
+        read = set(_read(graph, w, _placements(spec), ops.get(w, ())))
+        layout = dict(spec) if isinstance(spec, Mapping) else dict(zip(free, spec or ()))
+        axes = tuple(a for a, p in layout.items() if p in read and isinstance(p, Shard) and p.dim % 2 == lin.out_dim)
+        if axes:
+            found[by_name[name]] = axes
+    return found
 
 
 def _placements(spec: PlacementSpec | None) -> tuple[Placement, ...]:

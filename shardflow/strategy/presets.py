@@ -40,6 +40,7 @@ from shardflow.graph.blocks import repeated_blocks
 from shardflow.graph.flops import node_flops
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
+from shardflow.graph.softmax import softmax_heads
 from shardflow.parallel.mesh import Mesh, Replicate, Shard
 from shardflow.parallel.ops import CombineOp
 from shardflow.parallel.pcg import build_pcg
@@ -318,9 +319,70 @@ def _megatron_plan(regions, axis: str, sequence: bool) -> Plan:
     return Plan(modules, name="sp" if sequence else "tp")
 
 
-def tensor_parallel(graph: ComputationGraph, degree: int, axis: str = "tp", sequence: bool = False) -> Plan:
-    """Megatron tensor parallelism on ``axis`` (optionally with sequence parallelism). Raises PlanError when the
-    model has no column/row pair, DegreeError when a size does not divide ``degree``."""
+def vocabulary_parallel(
+    graph: ComputationGraph, degree: int, axis: str = "tp", sequence: bool = False, taken: Plan | None = None
+) -> Plan:
+    """Megatron-LM's vocabulary parallelism on ``axis`` (docs/concepts.md#vocabulary-parallel-embedding-and-loss).
+
+    Each head — a linear whose output features a softmax normalises (:func:`~shardflow.graph.softmax.softmax_heads`:
+    a language model's ``lm_head`` and its loss) — is column-parallel, its weight ``Shard`` on the output features;
+    the loss then runs on the sharded vocabulary (:func:`~shardflow.graph.softmax.decompose_softmax`, the
+    vocabulary-parallel gather of :func:`~shardflow.parallel.rules.rule_gather`). Each embedding whose table is a
+    head's weight (tied) or has a head's vocabulary as its rows is vocabulary-parallel, its table ``Shard(0)``, and
+    its module's output, ``Partial(sum)`` pieces, is reduced where Megatron reduces it: to ``Replicate`` (all-reduce),
+    or under sequence parallelism to ``Shard(1)`` (reduce-scatter onto the residual stream's layout). A head's input
+    is ``Replicate`` (under sequence parallelism the all-gather of the sequence, whose backward reduce-scatters the
+    input gradient), its bias sharded like its output features. A head whose module ``taken`` (the Megatron pairs'
+    plan) places already is left to it: a row-parallel head's output is whole. A vocabulary
+    that ``degree`` does not divide stays replicated (uneven shards are not supported yet), as does a parameter of
+    the root module (no module path to place it by)."""
+    params: dict[str, dict[str, dict[str, Shard]]] = {}
+    inputs: set[str] = set()
+    outputs: set[str] = set()
+    vocab, tables = set(), set()
+    for head in {h.name: h for h in softmax_heads(graph).values()}.values():
+        lin: O.Linear = head.op  # type: ignore[assignment]
+        w, d = head.inputs[1], lin.out_dim
+        path, _, leaf = w.rpartition(".")
+        if taken is not None and head.scope in taken.modules:
+            continue
+        if w in graph.weights and path and graph.tensors[w].shape[d] % degree == 0:
+            params.setdefault(path, {})[leaf] = {axis: Shard(d)}
+            if lin.bias and head.inputs[2] in graph.weights:
+                bias_path, _, bias_leaf = head.inputs[2].rpartition(".")
+                params.setdefault(bias_path, {})[bias_leaf] = {axis: Shard(0)}
+            vocab.add(graph.tensors[w].shape[d])
+            tables.add(w)
+            if head.scope:
+                inputs.add(head.scope)
+    for n in graph.nodes:
+        if not isinstance(n.op, O.Embedding) or n.inputs[1] not in graph.weights or not n.scope:
+            continue
+        w = n.inputs[1]
+        path, _, leaf = w.rpartition(".")
+        rows = graph.tensors[w].shape[0]
+        if path and (w in tables or (rows in vocab and rows % degree == 0)):
+            params.setdefault(path, {})[leaf] = {axis: Shard(0)}
+            outputs.add(n.scope)
+    layout = {axis: Shard(1) if sequence else Replicate()}
+    modules = {
+        m: ModulePlan(
+            params=params.get(m, {}),
+            input={axis: Replicate()} if m in inputs else None,
+            output=layout if m in outputs else None,
+        )
+        for m in list(params) + sorted((inputs | outputs) - set(params))
+    }
+    return Plan(modules, name="vocabulary")
+
+
+def tensor_parallel(
+    graph: ComputationGraph, degree: int, axis: str = "tp", sequence: bool = False, vocabulary: bool = True
+) -> Plan:
+    """Megatron tensor parallelism on ``axis`` (optionally with sequence parallelism), with the vocabulary of a
+    language model's embedding and head sharded too unless ``vocabulary`` is False (:func:`vocabulary_parallel`;
+    off: they stay replicated, as the benchmark against it measures). Raises PlanError when the model has no
+    column/row pair, DegreeError when a size does not divide ``degree``."""
     regions = megatron_regions(graph, degree, axis)
     if not regions:
         raise PlanError(
@@ -328,6 +390,8 @@ def tensor_parallel(graph: ComputationGraph, degree: int, axis: str = "tp", sequ
             "(a linear whose output reaches another linear through shardable ops only)"
         )
     plan = _megatron_plan(regions, axis, sequence)
+    vocab = vocabulary_parallel(graph, degree, axis, sequence, taken=plan) if vocabulary else Plan()
+    plan = dataclasses.replace(plan.merge(vocab), name=plan.name)
     if not sequence:
         return plan
     blocks = repeated_blocks(graph)
@@ -339,7 +403,10 @@ def tensor_parallel(graph: ComputationGraph, degree: int, axis: str = "tp", sequ
     modules = dict(plan.modules)
     for b in blocks:
         modules[b] = ModulePlan(input={axis: Shard(1)})
-    modules[blocks[-1]] = ModulePlan(input={axis: Shard(1)}, output={axis: Replicate()})
+    # the stream leaves the blocks whole, unless a vocabulary-parallel head gathers it (after the final norm, as
+    # Megatron-LM's sequence parallelism does)
+    heads = any(mp.input is not None for mp in vocab.modules.values())
+    modules[blocks[-1]] = ModulePlan(input={axis: Shard(1)}, output=None if heads else {axis: Replicate()})
     return Plan(modules, name="sp")
 
 
