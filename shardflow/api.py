@@ -318,10 +318,11 @@ class Trainer:
         return self.executor.grads()
 
     def dtensor_parameters(self) -> dict[str, DTensor]:
-        """This rank's pieces of the weights as ``torch.distributed.tensor.DTensor`` objects on a ``DeviceMesh``, by graph
-        weight name (= parameter name; a tied parameter once, under its first name), for your own optimizer or
-        metrics code: each is ``DTensor.from_local(piece, device_mesh, placements)`` with the weight's placements
-        (``print(trainer.plan)``), so ``full_tensor()`` (collective over its mesh) is the :meth:`state_dict` entry.
+        """This rank's pieces of the weights as ``torch.distributed.tensor.DTensor`` objects on a ``DeviceMesh``, by
+        graph weight name (= parameter name; a tied parameter once, under the name :meth:`grads` uses), for your own
+        optimizer or metrics code: each is ``DTensor.from_local(piece, device_mesh, placements)`` with the weight's
+        placements (``print(trainer.plan)``), so ``full_tensor()`` (collective over its mesh) is the
+        :meth:`state_dict` entry.
 
         The mesh is the whole mesh's DeviceMesh (its dims named by the mesh's axes); a weight on a pipeline stage is
         on that stage's sub-mesh (the free axes; a stage of one device: a mesh of shape (1,), placement

@@ -71,6 +71,7 @@ def test_four_processes(tmp_path):
         "checkpoint",
         "comms",
         "stream_waits",
+        "dtensor",
     ]
     check(*run(tmp_path, 4, cases), tmp_path)
 

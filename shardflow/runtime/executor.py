@@ -96,8 +96,8 @@ class Executor(ABC):
 
     @abstractmethod
     def dtensors(self, values: Mapping[str, str]) -> dict[str, DTensor]:
-        """The pieces of ``values`` (name → value id) held here as ``torch.distributed.tensor.DTensor`` objects (on the
-        distributed executor: collective). Raises ValueError where they cannot be (the local executor: no process
+        """The pieces of ``values`` (name → value id) held here as ``torch.distributed.tensor.DTensor`` objects (on
+        the distributed executor: collective). Raises ValueError where they cannot be (the local executor: no process
         group)."""
 
     @abstractmethod
