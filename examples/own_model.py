@@ -1,9 +1,10 @@
-"""Train your own nn.Module with your own strategy: a classifier, a user plan in DTensor spelling, and
-``shardflow.parallelize``.
+"""Train your own nn.Module with your own strategy: a classifier, a user plan in DTensor spelling (or torch's
+tensor-parallel styles), and ``shardflow.parallelize``.
 
-Run every rank in this process (the local executor runs the dp=2,tp=2 mesh):
+Run every rank in this process (the local executor runs the dp=2,tp=2 mesh, the plan in DTensor spelling):
     python examples/own_model.py
-Run one process per device (2 processes, gloo, tp=2):
+Run one process per device (2 processes, gloo, tp=2, the same plan as torch's styles; each rank's gradients read
+back as DTensors for a metric):
     torchrun --standalone --nproc-per-node 2 examples/own_model.py
 ``classifier`` is also a factory for ``shardflow check`` and ``shardflow plan``:
     shardflow check --model examples/own_model.py:classifier --plan classifier_plan.toml --mesh dp=2,tp=2
@@ -14,6 +15,7 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import shardflow
 from shardflow import ModulePlan, Optimizer, OptimizerConfig, Plan
@@ -51,11 +53,17 @@ def classifier_plan(data_parallel: bool) -> Plan:
     )
 
 
+def classifier_styles() -> dict:
+    """The tensor parallelism of :func:`classifier_plan` as torchtitan writes it: ``parallelize_module``'s plan of
+    torch's styles (placed on the mesh's axis tp)."""
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
 def main():
     model, batch = classifier()
     distributed = "RANK" in os.environ
     mesh = "tp=2" if distributed else "dp=2,tp=2"
-    plan = classifier_plan(data_parallel=not distributed)
+    plan = classifier_styles() if distributed else classifier_plan(data_parallel=True)
     # Capture, plan (errors name the op, tensor, dim and fix), lower and load the weights. Under torchrun this
     # process is one rank (the executor defaults to "auto": distributed when WORLD_SIZE > 1).
     trainer = shardflow.parallelize(
@@ -65,6 +73,13 @@ def main():
         loss = trainer.step(batch)
         if trainer.lead and step % 5 == 4:
             print(f"step {step + 1}: loss {loss:.4f}", flush=True)
+    if distributed:  # each rank's pieces of the last step's gradients, as DTensors on the tp mesh (collective)
+        grads = trainer.dtensor_grads()
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g).full_tensor() for g in grads.values()])
+        )
+        if trainer.lead:
+            print(f"gradient norm of the DTensors: {norm:.6g} (the trainer's: {trainer.grad_norm:.6g})", flush=True)
     trained = trainer.state_dict()  # full tensors (collective under torchrun: every rank calls it)
     if trainer.lead:
         model.load_state_dict(trained)

@@ -12,7 +12,7 @@ from shardflow.lower.dynamic import Optimizer  # noqa: E402
 from shardflow.model_spec import load_model  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard  # noqa: E402
 from shardflow.runtime.kernels import LRDecay, LRSchedule, OptimizerConfig  # noqa: E402
-from shardflow.strategy import ModulePlan, Plan  # noqa: E402
+from shardflow.strategy import ModulePlan, Plan, plan_from_styles  # noqa: E402
 
 __all__ = [
     "LRDecay",
@@ -30,5 +30,6 @@ __all__ = [
     "Trainer",
     "load_model",
     "parallelize",
+    "plan_from_styles",
     "wide_floats",
 ]

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from shardflow.graph import ComputationGraph, TensorRole
 from shardflow.graph.fused import stored
 from shardflow.lower import LoweredStep, LowerOptions, MixedPrecision
-from shardflow.lower.dynamic import Optimizer
+from shardflow.lower.dynamic import Optimizer, forward_id
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
 from shardflow.pipeline import Pipeline, machine_cost, machine_spec
@@ -46,7 +46,10 @@ from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import LRSchedule, OptimizerConfig
 from shardflow.runtime.materialize import materialize
 from shardflow.search import search_model
-from shardflow.strategy import Plan
+from shardflow.strategy import Plan, PlanError, plan_from_styles
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # --- planning ---------------------------------------------------------------------------------------------------
 
@@ -314,6 +317,37 @@ class Trainer:
         """The last step's gradients as full tensors, by graph weight name (= parameter name)."""
         return self.executor.grads()
 
+    def dtensor_parameters(self) -> dict[str, DTensor]:
+        """This rank's pieces of the weights as ``torch.distributed.tensor.DTensor`` objects on a ``DeviceMesh``, by
+        graph weight name (= parameter name; a tied parameter once, under the name :meth:`grads` uses), for your own
+        optimizer or metrics code: each is ``DTensor.from_local(piece, device_mesh, placements)`` with the weight's
+        placements (``print(trainer.plan)``), so ``full_tensor()`` (collective over its mesh) is the
+        :meth:`state_dict` entry.
+
+        The mesh is the whole mesh's DeviceMesh (its dims named by the mesh's axes); a weight on a pipeline stage is
+        on that stage's sub-mesh (the free axes; a stage of one device: a mesh of shape (1,), placement
+        ``Replicate()``), and only the stage's ranks have it in their dict. A parameter the graph stores by parts
+        (a fused q|k|v weight ``[C, 3C]`` held as ``[C, 3, C]``, docs/concepts.md) is in that shape, as checkpoints
+        hold it. The local tensors are the trainer's pieces, not copies: the next step replaces (and may reuse)
+        them, so call this again after each step (``.clone()`` what you keep).
+
+        Collective on the distributed executor (every rank calls it; a stage's DeviceMesh is made at the first
+        call). Raises ValueError on the local executor (every rank in this process: no DeviceMesh of processes;
+        the message names the fix) and for a weight that two mesh axes shard on one dim out of mesh order.
+        """
+        return self.executor.dtensors({w: forward_id(w) for w in self.graph.weights})
+
+    def dtensor_grads(self) -> dict[str, DTensor]:
+        """As :meth:`dtensor_parameters`, for the gradients the last step's update used (their placements, e.g.
+        ``Shard(0)`` on ``fsdp`` after the reduce-scatter, ``Replicate()`` on ``dp``): ``full_tensor()`` is the
+        :meth:`grads` entry. A weight the step computes no gradient for is absent, as in :meth:`grads`.
+
+        Raises ValueError before the first step (no gradient yet), and as :meth:`dtensor_parameters` does.
+        """
+        if not self.steps_done:
+            raise ValueError("dtensor_grads(): no step has run yet, so there is no gradient; call trainer.step first")
+        return self.executor.dtensors(self.executor.grad_values)
+
     def weight_error(self, reference: Mapping[str, torch.Tensor]) -> float:
         """The largest |weight piece − its block of ``reference``| over every piece of every replica.
         ``reference``: full tensors by parameter name (a module's ``state_dict()``)."""
@@ -431,7 +465,7 @@ def parallelize(
     *,
     mesh: Mesh | str | DeviceMesh,
     strategy: str | None = None,
-    plan: Plan | str | Path | None = None,
+    plan: Plan | Mapping[str, object] | str | Path | None = None,
     optimizer: OptimizerSpec = "sgd",
     lr: float | None = None,
     optimizer_kwargs: Mapping[str, Any] | None = None,
@@ -474,7 +508,11 @@ def parallelize(
             one the mesh's axes name. ``"auto"``: the fastest preset of ``mesh``'s number of devices that fits this
             machine, chosen by the simulator (docs/search.md; the mesh's shape is the search's, only its size
             counts), its predicted peak at most ``memory_budget`` bytes per device (default 90 % of the device's).
-        plan: a user plan instead (a :class:`Plan` or a JSON/TOML file, see docs/concepts.md).
+        plan: a user plan instead (a :class:`Plan` or a JSON/TOML file, see docs/concepts.md), or torchtitan's
+            tensor-parallel plan: a dict module pattern → ``ColwiseParallel()``, ``RowwiseParallel()`` or
+            ``SequenceParallel()`` of ``torch.distributed.tensor.parallel``, on the mesh's axis ``tp`` (a mesh of
+            one axis: that axis) — :func:`~shardflow.strategy.styles.plan_from_styles` translates it (call it
+            yourself for another axis, or to merge the plan of other axes in).
         optimizer: your ``torch.optim`` optimizer class — ``torch.optim.SGD``, ``Adam`` or ``AdamW`` — or a
             ``functools.partial`` of one, its options in ``optimizer_kwargs`` (``{"lr": 1e-3, "betas": (0.9,
             0.95), "weight_decay": 0.1}``; torch.optim's defaults for the rest; :func:`from_torch_optim`); or
@@ -565,6 +603,8 @@ def parallelize(
         stages_per_rank=stages_per_rank,
         accumulate=accumulate,
     )
+    if isinstance(plan, Mapping):
+        plan = plan_from_styles(model, plan, styles_axis(mesh))
     inits = materialize(model, seed) if any(p.is_meta for p in model.parameters()) else None
     if strategy == "auto":
         pipeline = auto_pipeline(model, batch, mesh.size, options, opt, device, memory_budget, plan, clip_norm)
@@ -601,6 +641,20 @@ def parallelize(
         names,
         buffers,
         micro,
+    )
+
+
+def styles_axis(mesh: Mesh) -> str:
+    """The axis :func:`parallelize` places a dict of tensor-parallel styles on: ``tp``, or the one axis of a mesh of
+    one axis (torch's ``parallelize_module`` takes a one-dimensional mesh). Raises PlanError naming the fix for
+    another mesh."""
+    if "tp" in mesh.axis_names:
+        return "tp"
+    if mesh.ndim == 1:
+        return mesh.axis_names[0]
+    raise PlanError(
+        f"plan= a dict of tensor-parallel styles on mesh {mesh}, which has no axis 'tp': name the axis they shard, "
+        f"plan=plan_from_styles(model, styles, axis=...) (shardflow.plan_from_styles), or call the axis 'tp'"
     )
 
 

@@ -7,6 +7,7 @@ Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CA
 CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64" or
 "sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
 "die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
+"dtensor" (the Trainer's parameters and gradients as DTensors: dp, tp, fsdp, pp on 2 ranks, pp,tp on 4),
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
 saved under one strategy, restored under others; a NaN in one rank's pieces), "comms" (every communication kind
 against the local implementation), "devices" (fsdp, dropout and the checkpoint case under tests/devices.py's
@@ -369,6 +370,68 @@ def run_comms(rank, world):
     return diffs
 
 
+def run_dtensor(rank, world):
+    """``Trainer.dtensor_parameters`` / ``dtensor_grads`` (``parallelize`` on the distributed executor, 2 SGD steps)
+    under dp, tp, fsdp and pp on 2 ranks, pp,tp on 4: ``full_tensor()`` of each DTensor equals the trainer's
+    ``state_dict()`` / ``grads()`` entry exactly (0: equal, 1: not); the placements are the strategy's (dp
+    replicated, tp's Megatron pair, fsdp ``Shard`` of each weight's first even dim; a pp stage of one device: a
+    one-device mesh; pp,tp: the Megatron pair on the stage's tp sub-mesh); each weight is held by the ranks of its
+    stage (every rank without pp)."""
+    from collections import Counter
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate as TReplicate
+    from torch.distributed.tensor import Shard as TShard
+
+    import shardflow
+
+    def megatron(p, layer=0):
+        mlp = f"transformer.h.{layer}.mlp"
+        return p[f"{mlp}.c_fc.weight"].placements == (TShard(0),) and p[f"{mlp}.c_proj.weight"].placements == (
+            TShard(1),
+        )
+
+    cases = {
+        2: {
+            "dp=2": lambda p: all(d.placements == (TReplicate(),) for d in p.values()),
+            "tp=2": megatron,
+            "fsdp=2": lambda p: all(d.placements == (TShard(0 if d.shape[0] % 2 == 0 else 1),) for d in p.values()),
+            "pp=2": lambda p: all(d.placements == (TReplicate(),) and d.device_mesh.size() == 1 for d in p.values()),
+        },
+        4: {
+            "pp=2,tp=2": lambda p: (
+                megatron(p, rank // 2)
+                and all(d.device_mesh.mesh_dim_names == ("tp",) and d.device_mesh.size() == 2 for d in p.values())
+            )
+        },
+    }
+    diffs = {}
+    for mesh, placed in cases[world].items():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32))
+        gen = torch.Generator().manual_seed(1)
+        batch = {
+            "idx": torch.randint(0, V, (B, T), generator=gen),
+            "targets": torch.randint(0, V, (B, T), generator=gen),
+        }
+        trainer = shardflow.parallelize(model, batch, mesh=mesh, executor="distributed", timeout_s=60)
+        for _ in range(2):
+            trainer.step(batch)
+        params, grads = trainer.dtensor_parameters(), trainer.dtensor_grads()
+        state, full_grads = trainer.state_dict(), trainer.grads()
+        for what, got, full in (("parameters", params, state), ("grads", grads, full_grads)):
+            diffs[f"{mesh}: {what} not equal"] = max(
+                float(not torch.equal(d.full_tensor(), full[k])) for k, d in got.items()
+            )
+        held: list = [None] * world
+        dist.all_gather_object(held, sorted(params))
+        stage_ranks = world // trainer.plan.pcg.mesh.axis_size("pp") if "pp" in mesh else world
+        planned = Counter(k for keys in held for k in keys) == dict.fromkeys(trainer.graph.weights, stage_ranks)
+        diffs[f"{mesh}: weights not held as planned"] = float(not planned or sorted(grads) != sorted(params))
+        diffs[f"{mesh}: placements not the strategy's"] = float(not placed(params) or not placed(grads))
+    return diffs
+
+
 def run_devices(rank, world, out):
     """An fsdp run against one device, the dropout case and the checkpoint case under
     :class:`~devices.DevicelessFactories`: their differences, and how many shardflow source lines made a tensor
@@ -417,6 +480,8 @@ def main():
             results[case] = run_dropout(rank, world)
         elif case == "checkpoint":
             results[case] = run_checkpoint(rank, world, out)
+        elif case == "dtensor":
+            results[case] = run_dtensor(rank, world)
         elif case == "devices":
             results[case] = run_devices(rank, world, out)
         elif case == "comms":  # every communication kind against the local implementation

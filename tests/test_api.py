@@ -186,6 +186,21 @@ def test_pipeline_microbatches_equal_eager_on_the_whole_batch(schedule):
         shardflow.parallelize(model, batch, mesh="pp=2", microbatches=2, stages_per_rank=2)
 
 
+def test_dtensors_need_one_process_per_device():
+    """On the local executor (every rank in this process) the trainer hands out no DTensors: the error names the
+    fix (torchrun, or full tensors). Before a step there is no gradient to hand out. (The DTensors themselves:
+    tests/test_distributed.py, case "dtensor".)"""
+    model, batch = our_gpt()
+    trainer = shardflow.parallelize(model, batch, mesh="dp=2", executor="local")
+    with pytest.raises(ValueError, match="local executor runs every rank of mesh dp=2 in this one process.*torchrun"):
+        trainer.dtensor_parameters()
+    with pytest.raises(ValueError, match="no step has run yet"):
+        trainer.dtensor_grads()
+    trainer.step(batch)
+    with pytest.raises(ValueError, match="read full tensors with state_dict"):
+        trainer.dtensor_grads()
+
+
 def test_tp_shards_llama_attention_and_mlp():
     """The strategy a tp=2 mesh names (tp) shards q/k/v and gate/up column-parallel, o_proj and down_proj
     row-parallel, in both layers; the plan prints with its summary."""

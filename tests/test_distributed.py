@@ -51,6 +51,7 @@ def test_two_processes(tmp_path):
         "checkpoint",
         "devices",
         "comms",
+        "dtensor",
     ]
     check(*run(tmp_path, 2, cases), tmp_path)
     for r in range(2):  # sp's all-gathers use torch's current API: no deprecation warning in any rank's log
@@ -70,6 +71,7 @@ def test_four_processes(tmp_path):
         "checkpoint",
         "comms",
         "stream_waits",
+        "dtensor",
     ]
     check(*run(tmp_path, 4, cases), tmp_path)
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed.tensor as dtensor
 
 
 class ReduceOp(StrEnum):
@@ -91,6 +94,37 @@ class Partial:
 
 
 Placement = Shard | Replicate | Partial
+
+
+def to_dtensor(p: Placement) -> dtensor.Placement:
+    """``p`` as torch's own placement (``torch.distributed.tensor.Shard``, ``Replicate``, ``Partial``): what
+    ``DTensor.from_local`` takes."""
+    import torch.distributed.tensor as dtensor  # here: importing it costs half a second, and planning needs none
+
+    if isinstance(p, Shard):
+        return dtensor.Shard(p.dim)
+    if isinstance(p, Partial):
+        return dtensor.Partial(str(p.reduce_op))
+    return dtensor.Replicate()
+
+
+def from_dtensor(p: object, where: str, error: type[ValueError] = ValueError) -> Placement:
+    """torch's placement ``p`` (``torch.distributed.tensor.Shard(d)``, ``Replicate()``, ``Partial(op)``) as shardflow's.
+
+    Raises ``error`` naming ``where`` for anything else — torch's ``_StridedShard`` (a Shard whose blocks are
+    strided, which a plan cannot ask for) or an object that is no placement."""
+    import torch.distributed.tensor as dtensor
+
+    if type(p) is dtensor.Shard:
+        return Shard(p.dim)
+    if type(p) is dtensor.Replicate:
+        return Replicate()
+    if type(p) is dtensor.Partial:
+        return Partial(ReduceOp.parse(p.reduce_op, where, error))
+    raise error(
+        f"{where}: placement {p!r} has no shardflow spelling; give torch.distributed.tensor's Shard(d), Replicate() "
+        f"or Partial('sum'|'avg'|'max'|'min')"
+    )
 
 
 def parse_placement(text: str) -> Placement:

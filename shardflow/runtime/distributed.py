@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Mapping, NoReturn
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LoweredStep
@@ -36,7 +37,8 @@ from shardflow.lower.memory import Ledger, peak
 from shardflow.lower.program import Comm, Compute, Group, Wait
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.collectives import KINDS, CommKind
-from shardflow.parallel.mesh import Mesh, ReduceOp
+from shardflow.parallel.mesh import Mesh, ReduceOp, Replicate, SubMesh, to_dtensor
+from shardflow.parallel.shape import ShardingError
 from shardflow.runtime import trace
 from shardflow.runtime.buffers import Receives
 from shardflow.runtime.comms import Issued, issue
@@ -238,6 +240,7 @@ class ProcessGroups:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout, self.device_type = timeout, device_type
         self.meshes: dict[Mesh, DeviceMesh] = {}
+        self.subs: dict[SubMesh, DeviceMesh] = {}  # sub-meshes that DTensors were handed out on (:meth:`sub_mesh`)
         self.groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}  # those this rank is a member of
         self.made: set[tuple[int, ...]] = set()  # members of every group created, member or not
 
@@ -248,9 +251,7 @@ class ProcessGroups:
                 continue
             self.made.add(g.members)
             if g.mesh is not None:
-                if g.mesh not in self.meshes:
-                    self.meshes[g.mesh] = mesh_groups(self.device_type, g.mesh, self.timeout)
-                pg = self.meshes[g.mesh].get_group(g.axis)  # this rank's group along the axis: g's if a member
+                pg = self.device_mesh(g.mesh).get_group(g.axis)  # this rank's group along the axis: g's if a member
             else:
                 pg = (
                     None
@@ -259,6 +260,25 @@ class ProcessGroups:
                 )
             if self.rank in g.members:
                 self.groups[g.members] = pg
+
+    def device_mesh(self, mesh: Mesh) -> DeviceMesh:
+        """The ``DeviceMesh`` of ``mesh`` (:func:`mesh_groups`), made at its first use — every rank must ask for it
+        then, as for :meth:`create`."""
+        if mesh not in self.meshes:
+            self.meshes[mesh] = mesh_groups(self.device_type, mesh, self.timeout)
+        return self.meshes[mesh]
+
+    def sub_mesh(self, group: SubMesh) -> DeviceMesh:
+        """The ``DeviceMesh`` of ``group``'s devices over its free axes (row-major, a machine view's order), made at
+        its first use (collective: every rank asks for it then, member or not). The whole mesh is :meth:`device_mesh`;
+        a sub-mesh of one device (every axis fixed: a pipeline stage of a ``pp`` mesh) is a mesh of shape (1,) with
+        no dim name."""
+        if group == SubMesh(group.mesh):
+            return self.device_mesh(group.mesh)
+        if group not in self.subs:
+            devices = torch.tensor(list(group.devices())).reshape(group.free_shape or (1,))
+            self.subs[group] = DeviceMesh(self.device_type, devices, mesh_dim_names=group.free_axes or None)
+        return self.subs[group]
 
     def get(self, members: tuple[int, ...]) -> dist.ProcessGroup | None:
         """The group of ``members`` (None: the world). Raises KeyError if no group of those members with this
@@ -427,6 +447,43 @@ class DistributedExecutor(Executor):
             read=True,
         )
         return [t.item() for t in out]
+
+    def dtensors(self, values: Mapping[str, str]) -> dict[str, DTensor]:
+        """This rank's pieces of ``values`` (name → value id) as DTensors: ``DTensor.from_local(piece, device_mesh,
+        placements)`` of each value this rank holds a piece of, with the value's placements on the ``DeviceMesh`` of
+        its sub-mesh (:meth:`ProcessGroups.sub_mesh`: the whole mesh's, or a pipeline stage's). A value of a
+        sub-mesh this rank is not in (another stage's) is left out. The local tensors are this executor's buffers,
+        not copies. Collective: every rank calls it with the same ``values`` (a sub-mesh's DeviceMesh is made at its
+        first use).
+
+        Raises ValueError naming the value when two mesh axes shard one dim out of mesh order (DTensor cannot
+        spell it), before any DeviceMesh is made.
+        """
+        placed = {}
+        for name, vid in values.items():
+            v = self.dg.values[vid]
+            try:
+                placed[name] = tuple(map(to_dtensor, v.sharding.placements(v.group))) or (to_dtensor(Replicate()),)
+            except ShardingError as e:
+                raise ValueError(
+                    f"{name} ({vid}) is placed {v.sharding} on {v.group}: {e}; read it whole (state_dict(), "
+                    f"grads()) instead"
+                ) from None
+        out = {}
+        for name, vid in values.items():
+            v = self.dg.values[vid]
+            device_mesh = self.groups.sub_mesh(v.group)  # every rank, member or not
+            if v.group.index(self.rank) is not None:
+                full = torch.Size(v.type.shape)
+                out[name] = DTensor.from_local(
+                    self.buffers[vid],
+                    device_mesh,
+                    placed[name],
+                    run_check=False,
+                    shape=full,
+                    stride=torch.empty(full, device="meta").stride(),
+                )
+        return out
 
     # --- one step -------------------------------------------------------------------------------------
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:

@@ -15,7 +15,7 @@ index), so any strategy draws what one device draws (:mod:`shardflow.graph.rng`)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
@@ -23,6 +23,9 @@ from shardflow.graph.fused import as_module, stored
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower.dynamic import DynamicGraph, NodeKind, ValueRole, forward_id
 from shardflow.runtime.batch import split_batch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # a piece of a value and the offsets of its block in the full tensor (per dim, the index of its first element)
 Block = tuple[tuple[int, ...], torch.Tensor]
@@ -90,6 +93,12 @@ class Executor(ABC):
     def per_process(self, x: float) -> list[float]:
         """Every process's ``x``, in rank order: one value on the local executor (every rank is this process);
         on the distributed executor one per rank (collective: every rank calls it, with the run's timeout)."""
+
+    @abstractmethod
+    def dtensors(self, values: Mapping[str, str]) -> dict[str, DTensor]:
+        """The pieces of ``values`` (name → value id) held here as ``torch.distributed.tensor.DTensor`` objects (on
+        the distributed executor: collective). Raises ValueError where they cannot be (the local executor: no process
+        group)."""
 
     @abstractmethod
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:

@@ -143,6 +143,17 @@ class LocalExecutor(Executor):
         return [x]  # one process
 
     # --- one step -------------------------------------------------------------------------------------
+    def dtensors(self, values: Mapping[str, str]) -> dict:
+        """Raises ValueError: every rank of the mesh runs in this process, and a DTensor is one process's piece on a
+        ``DeviceMesh`` of processes."""
+        raise ValueError(
+            f"DTensors of {', '.join(list(values)[:3])}{' ...' if len(values) > 3 else ''}: the local executor runs "
+            f"every rank of mesh {self.dg.pcg.mesh} in this one process, and a DTensor is one process's piece on a "
+            f"DeviceMesh of processes; run one process per device (torchrun --nproc-per-node "
+            f"{self.dg.pcg.mesh.size} with parallelize(..., executor='distributed' or 'auto')), or read full tensors "
+            f"with state_dict() / grads()"
+        )
+
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on full ``inputs`` (by graph input name); returns the loss."""
         self._place_inputs(inputs)
