@@ -28,8 +28,11 @@ from shardflow.strategy import ModulePlan, Plan, PlanError, make_plan, plan_from
 TOL = 1e-9
 B, T, V = 4, 8, 12
 
-# torchtitan's Megatron plan, written for shardflow's GPT (separate q, k, v)
+# torchtitan's Megatron plan with its loss parallelism, written for shardflow's GPT (separate q, k, v): the token
+# embedding Rowwise (its rows, the vocabulary, cut), the head Colwise with Shard(-1) logits left to the loss
 MEGATRON = {
+    "transformer.wte": RowwiseParallel(input_layouts=TReplicate()),
+    "lm_head": ColwiseParallel(output_layouts=TShard(-1), use_local_output=False),
     "transformer.h.*.attn.q": ColwiseParallel(),
     "transformer.h.*.attn.k": ColwiseParallel(),
     "transformer.h.*.attn.v": ColwiseParallel(),
@@ -50,7 +53,9 @@ def gpt(dtype=torch.float32):
 
 
 def test_megatron_styles_are_the_tp_preset():
-    """Colwise q/k/v/c_fc and Rowwise c_proj give every module the tp preset's parameter placements, and the PCG
+    """Colwise q/k/v/c_fc and Rowwise c_proj, the Rowwise embedding and the Colwise head (the preset's vocabulary
+    parallelism, docs/concepts.md#vocabulary-parallel-embedding-and-loss) give every module the tp preset's parameter
+    placements, and the PCG
     (every tensor's placements, every parallel op) is the preset's, on tp=2 and — merged with the batch split —
     on dp=2,tp=2; parallelize(plan=styles) trains to the preset's losses."""
     model, batch = gpt()
@@ -64,7 +69,7 @@ def test_megatron_styles_are_the_tp_preset():
     assert plan.modules["transformer.h.0.mlp.c_proj"] == ModulePlan(
         params={"weight": {"tp": Shard(1)}}, input={"tp": Shard(-1)}, output={"tp": Replicate()}
     )
-    assert len(plan.modules) == 12  # 6 patterns × 2 layers
+    assert len(plan.modules) == 2 + 12  # the embedding and the head; 6 patterns × 2 layers
     for mesh_text, preset, styles in (
         ("tp=2", "tp", plan),
         ("dp=2,tp=2", "dp,tp", plan.merge(Plan(inputs={"idx": {"dp": Shard(0)}, "targets": {"dp": Shard(0)}}))),
