@@ -130,6 +130,40 @@ def test_stopped_gradients_equal_eager(mesh):
     equals_eager(detached, mesh)
 
 
+class PartlyFrozen(nn.Module):
+    """An MLP whose first layer is frozen (``requires_grad=False``, as a fine-tuning run freezes a backbone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.up.requires_grad_(False)
+
+    def forward(self, x, y):
+        return nn.functional.cross_entropy(self.down(torch.tanh(self.up(x))), y)
+
+
+@pytest.mark.parametrize("mesh", ["dp=2", "tp=2", "fsdp=2"])
+def test_frozen_parameters_are_not_trained(mesh):
+    """A parameter with requires_grad=False takes no gradient, no optimizer state and no update (AdamW's weight decay
+    included), as in eager PyTorch; the others train as eager's AdamW trains them."""
+    model = PartlyFrozen().double()
+    gen = torch.Generator().manual_seed(3)
+    batch = {"x": torch.randn(B, 8, generator=gen, dtype=torch.float64), "y": torch.randint(0, 4, (B,), generator=gen)}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    kwargs = {"weight_decay": 0.1}
+    trainer = shardflow.parallelize(
+        model, batch, mesh=mesh, optimizer=torch.optim.AdamW, lr=0.1, optimizer_kwargs=kwargs
+    )
+    opt = shardflow.api.torch_optimizer(trainer.optimizer, [p for p in model.parameters() if p.requires_grad])
+    for _ in range(2):
+        assert abs(trainer.step(batch) - eager_step(model, opt, batch)) <= TOL
+    assert set(trainer.grads()) == {"down.weight", "down.bias"}
+    state = trainer.state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state[k], v, atol=TOL, rtol=0, msg=k)
+    assert all(torch.equal(state[k], v) for k, v in frozen.items())
+
+
 def equals_eager(factory, mesh):
     model, batch = made(factory)
     with wide_floats():

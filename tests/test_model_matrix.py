@@ -160,3 +160,51 @@ def test_a_factory_model_smaller_than_the_tokenizer_is_refused(capsys, corpus, t
         r"tokenizer has \d+ tokens, so a token id would index past it; make the factory take vocab_size",
         err,
     ), err
+
+
+FROZEN = """
+import sys
+sys.path.insert(0, {zoo_dir!r})
+import zoo
+
+
+def llama_frozen_embeddings(vocab_size):
+    model, batch = zoo.llama(vocab_size)
+    model.get_input_embeddings().requires_grad_(False)
+    return model, batch
+"""
+
+
+def test_a_frozen_embedding_trains_checkpoints_and_resumes_under_another_strategy(capsys, corpus, tmp_path):
+    """``shardflow train --model FACTORY`` whose model freezes its input embedding (requires_grad=False): 2 steps under
+    dp with the self-check against one device, a checkpoint without optimizer state for the frozen table, resumed
+    under tp for a third step, which leaves the table as it was saved."""
+    factory = tmp_path / "frozen.py"
+    factory.write_text(FROZEN.format(zoo_dir=str(ZOO.parent)))
+    run = tmp_path / "run"
+    common = ["--model", f"{factory}:llama_frozen_embeddings", "--data", str(corpus), "--run-dir", str(run)]
+    small = ["--seq-len", "8", "--batch-size", "2", "--eval-every", "2", "--eval-batches", "1", "--nproc", "1"]
+    first = ["--steps", "2", "--strategy", "dp", "--mesh", "dp=2", "--checkpoint-every", "2", "--check"]
+    assert main(["train", *common, *small, *first]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "check against one device: " in out and out.rstrip().endswith("OK"), out
+    step2 = run / "checkpoints" / "step_2"
+    more = ["--steps", "3", "--strategy", "tp", "--mesh", "tp=2", "--resume", "--allow-changed-settings"]
+    assert main(["train", *common, *small, *more]) == 0, capsys.readouterr()
+    from shardflow.train import checkpoint
+
+    done = [n for n, _ in checkpoint.complete_steps(run / "checkpoints")]
+    assert done[0] == 2 and done[-1] == 3, done
+    import torch
+
+    meta = torch.distributed.checkpoint.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
+    table = "model/model.embed_tokens.weight"
+    assert table in meta
+    assert not any(k.startswith("optim/") and k.endswith(":model.embed_tokens.weight") for k in meta)
+
+    def saved(step: int) -> torch.Tensor:
+        out = {table: torch.empty(tuple(meta[table].size))}
+        torch.distributed.checkpoint.load(out, checkpoint_id=str(run / "checkpoints" / f"step_{step}"), no_dist=True)
+        return out[table]
+
+    assert torch.equal(saved(2), saved(3))

@@ -114,6 +114,7 @@ class _Lift:
         state = {**ep.state_dict, **ep.constants}
         specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
         self.buffers: dict[torch.fx.Node, str] = {}  # placeholder → the buffer's FQN
+        self.frozen: set[str] = set()  # the weights of parameters with requires_grad=False
         tied: dict[int, _T] = {}
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]  # data inputs first, then the state
         for node in sorted(placeholders, key=lambda n: specs[n.name].kind != InputKind.USER_INPUT):
@@ -122,6 +123,8 @@ class _Lift:
                 p = state[spec.target]
                 if id(p) not in tied:
                     tied[id(p)] = _T(self.b.weight(_fqn(spec.target), p.shape, dtype_name(p.dtype)))
+                    if not p.requires_grad:
+                        self.frozen.add(tied[id(p)].name)
                 self.env[node] = tied[id(p)]
             elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 self.env[node] = state[spec.target].detach()
@@ -158,7 +161,8 @@ class _Lift:
         stats = [u.stat for u in updates.values() if u.stat is not None]
         self.b.prune([out, *stats])  # the repeated key/value heads an attention no longer reads (lift_table._sdpa)
         graph = self.b.build([out, *stats], out if loss else None)
-        return store_by_parts(dataclasses.replace(graph, buffer_updates=updates))
+        frozen = frozenset(w for w in self.frozen if w in graph.tensors)
+        return store_by_parts(dataclasses.replace(graph, buffer_updates=updates, frozen=frozen))
 
     def _buffer_update(self, node: torch.fx.Node, name: str) -> BufferUpdate:
         """How the step changes buffer ``name`` to the value of ``node``: a running statistic of batch norm, or a

@@ -94,6 +94,7 @@ def keep_blocks(graph: ComputationGraph, keep: int) -> ComputationGraph:
         loss=rename.get(graph.loss, graph.loss) if graph.loss else None,
         constants={k: v for k, v in graph.constants.items() if k in tensors},
         module_shapes={k: v for k, v in graph.module_shapes.items() if k in tensors},
+        frozen=frozenset(w for w in graph.frozen if w in tensors),
         buffer_updates={
             k: u
             for k, u in graph.buffer_updates.items()

@@ -85,7 +85,9 @@ class ComputationGraph:
     ``module_shapes``: the weights held in another shape than their module parameter's, each with the parameter's
     shape (a fused linear's weight stored by parts, :mod:`shardflow.graph.fused`); the two hold the same
     elements in the same row-major order. ``buffer_updates``: the module's buffers a step changes, by FQN
-    (:class:`BufferUpdate`). Treat it as immutable: passes build new graphs.
+    (:class:`BufferUpdate`). ``frozen``: the weights the model does not train (parameters with
+    ``requires_grad=False``): they take no gradient, no optimizer state and no update, as in eager PyTorch. Treat
+    it as immutable: passes build new graphs.
     """
 
     tensors: Mapping[str, TensorSpec]
@@ -95,6 +97,7 @@ class ComputationGraph:
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
     module_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     buffer_updates: Mapping[str, BufferUpdate] = field(default_factory=dict)
+    frozen: frozenset[str] = frozenset()
 
     def __post_init__(self):
         self.validate()
@@ -110,6 +113,7 @@ class ComputationGraph:
                 self.loss,
                 dict(self.module_shapes),
                 dict(self.buffer_updates),
+                self.frozen,
             )
             == (
                 dict(other.tensors),
@@ -118,6 +122,7 @@ class ComputationGraph:
                 other.loss,
                 dict(other.module_shapes),
                 dict(other.buffer_updates),
+                other.frozen,
             )
             and self.constants.keys() == other.constants.keys()
             and all(
@@ -192,6 +197,10 @@ class ComputationGraph:
         for n, u in self.buffer_updates.items():
             if u.stat is not None and u.stat not in self.outputs:
                 raise ValueError(f"buffer {n!r} is updated from {u.stat!r}, which is no graph output")
+        if not_weights := sorted(
+            n for n in self.frozen if n not in self.tensors or self.tensors[n].role != TensorRole.WEIGHT
+        ):
+            raise ValueError(f"frozen {not_weights}: not weights of the graph")
 
     # --- text and JSON --------------------------------------------------------------------------------
     def listing(self) -> str:
@@ -235,6 +244,7 @@ class ComputationGraph:
             },
             "module_shapes": {k: list(v) for k, v in self.module_shapes.items()},
             "buffer_updates": {k: dataclasses.asdict(u) for k, u in self.buffer_updates.items()},
+            "frozen": sorted(self.frozen),
         }
 
     @classmethod
@@ -259,7 +269,8 @@ class ComputationGraph:
         }
         shapes = {k: tuple(v) for k, v in d.get("module_shapes", {}).items()}
         updates = {k: BufferUpdate(**u) for k, u in d.get("buffer_updates", {}).items()}
-        return cls(tensors, nodes, tuple(d["outputs"]), d.get("loss"), constants, shapes, updates)
+        frozen = frozenset(d.get("frozen", ()))
+        return cls(tensors, nodes, tuple(d["outputs"]), d.get("loss"), constants, shapes, updates, frozen)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))

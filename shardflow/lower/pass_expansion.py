@@ -120,7 +120,8 @@ def canonical_grad(s: Sharding) -> Sharding:
 
 
 def _needs_grad(pcg: PCG) -> set[str]:
-    """PCG tensors whose gradient the step needs: weights and each output an op computes from them differentiably
+    """PCG tensors whose gradient the step needs: weights (but the frozen ones, ``graph.frozen``: parameters with
+    ``requires_grad=False``) and each output an op computes from them differentiably
     (:meth:`~shardflow.graph.ops.Op.grad_outputs`: a floating-point output, and not a constant of its inputs such
     as ``full_like``'s). The backward is planned from this set, so an op autograd cannot differentiate is refused
     here, before any step runs.
@@ -128,7 +129,7 @@ def _needs_grad(pcg: PCG) -> set[str]:
     Raises:
         PassError: an op on the gradient's path has no derivative; names the op, its module and source line.
     """
-    need = {n for n, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT}
+    need = {n for n, t in pcg.tensors.items() if t.role == TensorRole.WEIGHT and n not in pcg.graph.frozen}
     for n in pcg.nodes:
         mask = tuple(i in need for i in n.inputs)
         if not any(mask):

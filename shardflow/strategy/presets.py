@@ -303,7 +303,8 @@ def _trial_graph(
             tensors[o] = graph.tensors[o]
     constants = {t: graph.constants[t] for t, spec in tensors.items() if spec.role == TensorRole.CONSTANT}
     shapes = {w: s for w, s in graph.module_shapes.items() if w in tensors}
-    return ComputationGraph(tensors, tuple(nodes), tuple(outputs), None, constants, shapes)
+    frozen = frozenset(w for w in graph.frozen if w in tensors)
+    return ComputationGraph(tensors, tuple(nodes), tuple(outputs), None, constants, shapes, frozen=frozen)
 
 
 def _megatron_plan(regions, axis: str, sequence: bool) -> Plan:

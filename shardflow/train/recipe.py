@@ -140,10 +140,14 @@ class Setup:
         return model
 
     def checkpoint_entries(self) -> checkpoint.Entries:
-        """What a checkpoint of this run holds: every weight and its optimizer state."""
+        """What a checkpoint of this run holds: every weight and the optimizer state of those it trains."""
         precision = self.pipeline.options.precision
         return checkpoint.model_entries(
-            self.model, self.graph.weights, OPTIMIZER_SLOTS[self.optimizer.slots], precision and precision.reduce_dtype
+            self.model,
+            self.graph.weights,
+            OPTIMIZER_SLOTS[self.optimizer.slots],
+            precision and precision.reduce_dtype,
+            self.graph.frozen,
         )
 
     def checkpoint_meta(self, world: int) -> dict[str, Any]:

@@ -43,15 +43,25 @@ Entries = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
 def model_entries(
-    model: torch.nn.Module, names, slots: tuple[str, ...] = (), master: torch.dtype | None = None
+    model: torch.nn.Module,
+    names,
+    slots: tuple[str, ...] = (),
+    master: torch.dtype | None = None,
+    frozen: frozenset[str] = frozenset(),
 ) -> Entries:
     """The entries a checkpoint of ``model`` holds: weights ``model/<name>`` and optimizer state
-    ``optim/opt:<slot>:<name>`` (same shape as the weight), in the parameters' dtype or, under mixed precision, the
-    ``master`` dtype the weights are held in."""
+    ``optim/opt:<slot>:<name>`` (same shape as the weight) of those not ``frozen`` (trained), in the parameters' dtype
+    or, under mixed precision, the ``master`` dtype the weights are held in."""
     params = dict(model.named_parameters())
     out: Entries = {f"model/{n}": (tuple(params[n].shape), master or params[n].dtype) for n in names}
     for s in slots:
-        out.update({f"optim/{state_id(s, n)}": (tuple(params[n].shape), master or params[n].dtype) for n in names})
+        out.update(
+            {
+                f"optim/{state_id(s, n)}": (tuple(params[n].shape), master or params[n].dtype)
+                for n in names
+                if n not in frozen
+            }
+        )
     return out
 
 
