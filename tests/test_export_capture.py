@@ -386,3 +386,45 @@ def test_slices_written_along_two_dims_keep_each_write():
     graph = capture(model, b)
     assert not any(isinstance(n.op, O.Aten) for n in graph.nodes)
     check_against_eager(model, b, graph)
+
+
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal (domain-adversarial training): the identity forward, the negated gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+class _Adversarial(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return (_Reverse.apply(self.a(x)) ** 2).sum()
+
+
+def test_a_custom_autograd_function_is_refused_naming_it_and_the_fix():
+    """Export keeps a custom Function's forward only: differentiating it would give the identity's gradient where the
+    model asks for the reversed one, so capture refuses by name; torch's own Functions (checkpointing) pass."""
+    with pytest.raises(CaptureError) as e:
+        capture(_Adversarial(), {"x": torch.randn(2, 4)})
+    msg = str(e.value)
+    assert "_Adversarial calls the torch.autograd.Function _Reverse (at " in msg and "test_export_capture.py:" in msg
+    assert "ignore _Reverse.backward" in msg and "(1 + l) * x.detach() - l * x" in msg
+    assert torch.autograd.Function.apply.__func__ is torch.autograd.Function.__dict__["apply"].__func__  # restored
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True).sum()
+
+    assert capture(Checkpointed(), {"x": torch.randn(2, 4)}).weights == ("a.weight", "a.bias")

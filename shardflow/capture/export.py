@@ -9,10 +9,11 @@ Lifting the exported program to a :class:`~shardflow.graph.ComputationGraph` is 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import traceback
 import warnings
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -70,7 +71,8 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
 
     Raises:
         CaptureError: export cannot trace the model; the message gives export's reason, the model's source line
-            it failed on, and the usual fix.
+            it failed on, and the usual fix. Also where the model calls a ``torch.autograd.Function`` of its own
+            (:func:`_custom_functions`).
     """
     seen: set[int] = set()
     distinct = {}  # export would make one input of a tensor passed under two names (idx and targets alike)
@@ -80,13 +82,24 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
         distinct[k] = x.clone() if id(v) in seen else x
         seen.add(id(v))
     try:
-        with warnings.catch_warnings():  # torch's own deprecations inside export are no news to the user
+        with warnings.catch_warnings(), _custom_functions() as custom:  # torch's deprecations: no news to the user
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(_LossOf(module), (), distinct, strict=False)
     except CaptureError:
         raise
     except Exception as e:  # export raises many kinds (UserError, GuardOnDataDependentSymNode, TypeError, ...)
         raise CaptureError(_export_failure(module, e)) from e
+    if custom:
+        cls, where = custom[0]
+        raise CaptureError(
+            f"{type(module).__name__} calls the torch.autograd.Function {cls.__qualname__} (at {where or 'its forward'}): "
+            f"export traces its forward only, so shardflow would differentiate the forward's ops and ignore "
+            f"{cls.__qualname__}.backward, giving other gradients wherever that backward is not the forward's "
+            f"derivative (a straight-through estimator, a gradient reversal). Write the gradient trick with .detach() "
+            f"(straight-through: x + (f(x) - x).detach(); reversal by l: (1 + l) * x.detach() - l * x), or, if the "
+            f"backward is the forward's own derivative (a fused kernel), call the forward's computation in place of "
+            f"{cls.__qualname__}.apply"
+        )
     _detach_no_grad_regions(ep)
     table = torch.export.default_decompositions()
     for op in KEEP:
@@ -94,6 +107,27 @@ def export(module: nn.Module, batch: Mapping[str, torch.Tensor]) -> ExportedProg
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return ep.run_decompositions(table)
+
+
+@contextlib.contextmanager
+def _custom_functions() -> Iterator[list[tuple[type, str]]]:
+    """While in the block, record each ``torch.autograd.Function`` subclass applied that torch does not define
+    (:meth:`Function.apply <torch.autograd.Function.apply>` wrapped), with the model's source line of the call.
+    torch's own (``torch.utils.checkpoint``'s) differentiate their forward as their backward does."""
+    seen: list[tuple[type, str]] = []
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch."):
+            seen.append((cls, _model_line(traceback.extract_stack()[:-1])))
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    try:
+        yield seen
+    finally:
+        base.apply = original  # type: ignore[method-assign]
 
 
 def _detach_no_grad_regions(ep: ExportedProgram) -> None:
