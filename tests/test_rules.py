@@ -606,14 +606,36 @@ def test_attention_heads_sharded():
     check_numbers(graph, pcg, leaf_values(graph))
 
 
-def test_attention_sequence_sharded_is_rejected():
+def test_attention_key_sequence_sharded_is_rejected():
     b = GraphBuilder()
     q, k, v = (b.input(n, (2, 4, 4, 3), F64) for n in "qkv")
     b.attention(q, k, v)
     graph = b.build([])
     s = sh(MESH, 4, R, Shard(2))
-    with pytest.raises(RuleError, match="dim 2 \\(size 4\\) of 'q' is sharded.*causal attention needs the whole query"):
+    with pytest.raises(RuleError, match="dim 2 \\(size 4\\) of 'k' is sharded.*every query reads the whole key"):
         build_pcg(graph, MESH, Annotations(leaves={"q": s, "k": s, "v": s}), strict=True)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_causal_attention_shards_queries_with_their_block_of_the_mask(with_mask):
+    """Causal attention (context parallelism): q sharded on the sequence, k and v whole; each device's queries take
+    their rows of the causal mask (the local op is given its block's start: device 0 start 0, device 1 start 2),
+    together with a model's own mask. Numbers equal one device."""
+    b = GraphBuilder()
+    q, k, v = (b.input(n, (2, 4, 4, 3), F64) for n in "qkv")
+    ins = [q, k, v] + ([b.input("m", (2, 1, 4, 4), "bool")] if with_mask else [])
+    y = b.apply(O.Attention(causal=True, mask=with_mask), ins)[0]
+    graph = b.build([y])
+    seq = sh(MESH, 4, R, Shard(2))
+    pcg = build_pcg(graph, MESH, Annotations(leaves={"q": seq} | ({"m": seq} if with_mask else {})), strict=True)
+    assert pcg.tensors[y].placements == (Replicate(), Shard(2)) and pcg.parallel_nodes == ()
+    node = next(n for n in pcg.nodes if isinstance(n.op, O.Attention))
+    assert {pcg.local_of(node, d).op.start for d in range(4)} == {0, 2}
+    values = leaf_values(graph)
+    if with_mask:
+        values["m"] = torch.rand(2, 1, 4, 4, generator=torch.Generator().manual_seed(1)) > 0.3
+        values["m"][..., 0] = True  # every query attends somewhere
+    check_numbers(graph, pcg, values)
 
 
 def test_attention_without_causal_mask_shards_queries():

@@ -807,6 +807,8 @@ class Attention(Op):
 
     ``scale`` defaults to ``1/sqrt(D)``; ``causal`` masks the upper triangle (torch's ``is_causal``); ``gqa``:
     grouped-query attention, ``H`` a multiple of ``Hkv`` (query head h reads key/value head ``h // (H/Hkv)``).
+    ``start`` (context parallelism): None, the queries are the whole sequence; else they are its block from
+    position ``start`` on, against every key, so under ``causal`` query i attends the keys ``j ≤ start + i``.
     """
 
     kind: ClassVar[str] = "attention"
@@ -816,6 +818,7 @@ class Attention(Op):
     scale: float | None = None
     mask: bool = quiet(False)
     gqa: bool = quiet(False)
+    start: int | None = quiet(None)
 
     def infer(self, ins):
         _expect(4 if self.mask else 3, ins, self)
@@ -839,9 +842,21 @@ class Attention(Op):
         return (TensorType(out, q.dtype),)
 
     def compute(self, q, k, v, mask=None):
+        causal = self.causal
+        if causal and self.start is not None:  # the query block's rows of the causal mask
+            t, s = q.shape[-2], k.shape[-2]
+            rows = torch.arange(self.start, self.start + t, device=q.device)
+            block = torch.arange(s, device=q.device) <= rows[:, None]
+            if mask is None:
+                mask = block
+            elif mask.dtype == torch.bool:
+                mask = mask & block
+            else:
+                mask = mask.masked_fill(~block, float("-inf"))
+            causal = False
         return (
             F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=self.causal, scale=self.scale, enable_gqa=self.gqa
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
             ),
         )
 

@@ -48,7 +48,8 @@ class LocalOp:
     its outputs scaled by ``out_scale`` (a scale of 1.0 is skipped).
 
     ``block`` = (input i, dim d): the op holds one block of input i's dim d and must know where it starts (a
-    vocabulary-parallel embedding or gather, whose ``start`` attribute says it): ``op`` is device 0's (start 0),
+    vocabulary-parallel embedding or gather, a causal attention's block of queries; the op's ``start`` attribute
+    says it): ``op`` is device 0's (start 0),
     :meth:`~shardflow.parallel.pcg.PCG.local_of` gives each device's."""
 
     op: Op
@@ -367,15 +368,14 @@ def rule_softmax(ctx: Ctx) -> RuleResult:
 def rule_attention(ctx: Ctx) -> RuleResult:
     """Batch and head dims pass through (q, k, v and a mask agree on them; grouped-query heads too: with H and
     Hkv split into the same number of blocks, query block r reads key/value block r). Keys and values need whole
-    sequences and q, k whole head dims (the scores contract over them); v's head dim passes to the output's;
-    without ``causal`` the query sequence may be sharded (a mask's T dim agreeing): each block of queries attends
-    to every key (a causal block would need its offset)."""
+    sequences and q, k whole head dims (the scores contract over them); v's head dim passes to the output's.
+    The query sequence may be sharded (a mask's T dim agreeing; context parallelism): each block of queries
+    attends to every key, and under ``causal`` the block's rows of the causal mask are those of its positions
+    (the local op is given its block's start: :attr:`LocalOp.block`)."""
     op: O.Attention = ctx.op  # type: ignore[assignment]
     n = len(ctx.names)
     ctx.no_partial(*range(n))
     nd = ctx.types[0].ndim
-    if op.causal:
-        ctx.unsharded(0, [nd - 2], "causal attention needs the whole query sequence (shard heads or batch)")
     ctx.unsharded(0, [nd - 1], "the scores contract over the head dim")
     ctx.unsharded(1, [nd - 2, nd - 1], "every query reads the whole key sequence and head dim")
     ctx.unsharded(2, [nd - 2], "every query reads the whole value sequence")
@@ -389,7 +389,11 @@ def rule_attention(ctx: Ctx) -> RuleResult:
     dims = [ctx.agree(with_mask([(0, k), (1, k), (2, k)], k)) for k in range(nd - 2)]
     dims.append(ctx.agree(with_mask([(0, nd - 2)], nd - 2)))
     dims.append(ctx.shardings[2].dims[nd - 1])
-    return RuleResult((ctx.output(dims),), ctx.local())
+    if op.causal and dims[nd - 2]:
+        local = ctx.local(dataclasses.replace(op, start=0), block=(0, nd - 2))
+    else:
+        local = ctx.local()
+    return RuleResult((ctx.output(dims),), local)
 
 
 def rule_conv(ctx: Ctx) -> RuleResult:
@@ -588,21 +592,26 @@ def reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], 
 
 
 def rule_reshape(ctx: Ctx) -> RuleResult:
-    """A group of input dims that becomes a group of output dims may be sharded on its leading (major) dim
-    only; the axes move to the group's leading output dim (blocked layout is preserved only then)."""
+    """A group of input dims that becomes a group of output dims keeps a blocked layout when it is sharded on its
+    leading (major) dim, and on a later dim only where every dim before it is split down to pieces of one (each
+    device's elements of the group are then contiguous: ``[B, T]`` as ``[B·T]`` with B split into single rows by dp
+    and T by cp, as context parallelism with one sequence per device has it); the axes move, in order, to the
+    group's leading output dim."""
     op: O.Reshape = ctx.op  # type: ignore[assignment]
     ctx.linear_partials([0])
     s = ctx.shardings[0]
     src, dst = ctx.types[0].shape, op.shape
     dims: list[tuple[str, ...]] = [()] * len(dst)
     for gi, gj in reshape_groups(src, dst):
-        lead_in = [d for d in gi if src[d] > 1][:1]
+        big = [d for d in gi if src[d] > 1]
+        rows = [d for k, d in enumerate(big) if all(ctx.degree(s.dims[e]) == src[e] for e in big[:k])]
         ctx.unsharded(
-            0, [d for d in gi if d not in lead_in], f"viewing {list(src)} as {list(dst)} merges it into a preceding dim"
+            0, [d for d in gi if d not in rows], f"viewing {list(src)} as {list(dst)} merges it into a preceding dim"
         )
-        if lead_in and s.dims[lead_in[0]]:
+        axes = tuple(a for d in rows for a in s.dims[d])
+        if axes:
             lead_out = next(d for d in gj if dst[d] > 1)
-            dims[lead_out] = s.dims[lead_in[0]]
+            dims[lead_out] = axes
     out = ctx.output(dims, s.partial, s.reduce_op)
     piece = out.parallel_shape(ctx.group, dst).piece_shape
     return RuleResult((out,), ctx.local(dataclasses.replace(op, shape=piece)))

@@ -48,8 +48,8 @@ from shardflow.parallel.rules import RuleError
 from shardflow.parallel.shape import DegreeError
 from shardflow.strategy.plan import ModulePlan, Plan, PlanError, module_nodes, resolve
 
-STRATEGIES = ("single", "dp", "fsdp", "hsdp", "tp", "sp", "pp")
-AXIS_OF = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "sp": "tp", "pp": "pp"}
+STRATEGIES = ("single", "dp", "fsdp", "hsdp", "tp", "sp", "pp", "cp")
+AXIS_OF = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "sp": "tp", "pp": "pp", "cp": "cp"}
 COMBINED = {"hsdp": ("dp", "fsdp")}  # a name for a combination of strategies
 DATA_AXES = ("dp", "fsdp")  # the axes a preset splits the batch over
 
@@ -411,6 +411,23 @@ def tensor_parallel(
     return Plan(modules, name="sp")
 
 
+def context_parallel(graph: ComputationGraph, axis: str = "cp") -> Plan:
+    """Context parallelism on ``axis`` (docs/concepts.md#context-parallelism): every data input of two dims or more
+    is ``Shard(1)``, its sequence split into contiguous blocks, and so is every activation that follows it; the
+    weights stay replicated, their gradients summed over the axis as under dp. Attention reads every key: the
+    planner all-gathers the keys and values (the all-gather form of PyTorch's ``context_parallel``), each device's
+    queries attending with their block's rows of the causal mask (:func:`~shardflow.parallel.rules.rule_attention`),
+    and the backward reduce-scatters the key and value gradients. Raises PlanError when no data input has a
+    sequence dim."""
+    inputs = {name: {axis: Shard(1)} for name in graph.inputs if len(graph.tensors[name].shape) >= 2}
+    if not inputs:
+        raise PlanError(
+            f"context parallelism splits the sequence (dim 1) of the batch, but no data input of the model has two "
+            f"dims (its inputs: {list(graph.inputs)}); use dp or fsdp to split the batch instead"
+        )
+    return Plan(inputs=inputs, name="cp")
+
+
 def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", others: Plan | None = None) -> Plan:
     """FSDP on ``axis`` of ``degree`` devices (see the module docstring): the batch split as :func:`data_parallel`
     splits it, every weight ``Shard(d)`` and gathered by a ``CombineOp(d)`` before any use. ``d`` is the weight's
@@ -588,7 +605,7 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_ran
     if unknown:
         rest = ",".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape) if a in AXIS_OF.values())
         raise PlanError(
-            f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, fsdp, tp (also sp), pp), "
+            f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, fsdp, tp (also sp), pp, cp), "
             f"so no strategy in {strategy!r} would use it; drop it (--mesh {rest or 'dp=2'}) or name it "
             f"after the strategy that should use it"
         )
@@ -596,7 +613,7 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_ran
     if unused:
         raise PlanError(
             f"mesh axes {unused} of {mesh} are used by no strategy in {strategy!r}; "
-            f"add one (axis names: dp, fsdp, tp (also sp), pp) or drop the axis"
+            f"add one (axis names: dp, fsdp, tp (also sp), pp, cp) or drop the axis"
         )
     plan = Plan(name="single")
     for n in sorted(names, key=lambda n: n == "fsdp"):  # fsdp last: it shards a dim the others leave whole
@@ -607,6 +624,7 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_ran
             "tp": lambda: tensor_parallel(graph, size),
             "sp": lambda: tensor_parallel(graph, size, sequence=True),
             "pp": lambda: pipeline(graph, size, virtual=stages_per_rank),
+            "cp": lambda: context_parallel(graph),
         }[n]()
         plan = part if plan.name == "single" else plan.merge(part)
     return plan
