@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from fsdp import main_job  # noqa: E402
-from harness import machine, write_section  # noqa: E402
+from harness import machine, verdict, write_section  # noqa: E402
 from ranks import state_bytes  # noqa: E402
 
 DEGREES = (1, 2, 4)
@@ -46,10 +46,6 @@ def measure(cp: int, seq_len: int) -> dict:
         "seconds": time.perf_counter() - t0,
         "params": sum(p.numel() for p in s.model.parameters()),
     }
-
-
-def verdict(ok: bool) -> str:
-    return "**met**" if ok else "**missed**"
 
 
 def section(rows: list[dict], seq_len: int, seconds: float) -> str:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-from harness import machine, write_section  # noqa: E402
+from harness import machine, verdict, write_section  # noqa: E402
 from ranks import state_bytes  # noqa: E402
 
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
@@ -111,7 +111,7 @@ def section(rows: list[dict], seconds: float) -> str:
     lines += [
         "",
         f"Target: state per rank under fsdp on 4 ranks ≤ {TARGET} × one device: {ratio:.3f} — "
-        f"**{'met' if ratio <= TARGET else 'missed'}**. At this size activations dominate the peak and split "
+        f"{verdict(ratio <= TARGET)}. At this size activations dominate the peak and split "
         f"with the batch under dp as under fsdp; what fsdp removes is the state, and resharding after the "
         f"forward removes the gathered weights kept for the backward ({kept['peak'] - four['peak']:,} B at "
         f"fsdp=4: each whole weight lives from its gather to its last reader, not from the forward to the "

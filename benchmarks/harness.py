@@ -101,6 +101,11 @@ def interleave(
     return {n: t[i].tolist() for i, n in enumerate(names)}
 
 
+def verdict(ok: bool) -> str:
+    """A target's verdict, as the sections write it."""
+    return "**met**" if ok else "**missed**"
+
+
 def stats(xs: Sequence[float]) -> dict[str, float]:
     """median, min, max and count of the samples."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}

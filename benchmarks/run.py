@@ -49,7 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness import write_section  # noqa: E402
+from harness import verdict, write_section  # noqa: E402
 from ranks import UPDATES  # noqa: E402
 
 from shardflow.lower import LowerOptions  # noqa: E402
@@ -234,10 +234,6 @@ def gbps(n_bytes: float, seconds: float) -> float:
 
 def size_text(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
-
-
-def verdict(ok: bool) -> str:
-    return "**met**" if ok else "**missed**"
 
 
 def machine_line(res: dict, nproc: int, threads: str = "1 intra-op thread per rank") -> str:

@@ -14,8 +14,11 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint
 
 from shardflow.cli import main
+from shardflow.train import checkpoint
 
 pytest.importorskip("transformers")
 
@@ -191,12 +194,8 @@ def test_a_frozen_embedding_trains_checkpoints_and_resumes_under_another_strateg
     step2 = run / "checkpoints" / "step_2"
     more = ["--steps", "3", "--strategy", "tp", "--mesh", "tp=2", "--resume", "--allow-changed-settings"]
     assert main(["train", *common, *small, *more]) == 0, capsys.readouterr()
-    from shardflow.train import checkpoint
-
     done = [n for n, _ in checkpoint.complete_steps(run / "checkpoints")]
     assert done[0] == 2 and done[-1] == 3, done
-    import torch
-
     meta = torch.distributed.checkpoint.FileSystemReader(str(step2)).read_metadata().state_dict_metadata
     table = "model/model.embed_tokens.weight"
     assert table in meta

@@ -28,6 +28,7 @@ from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
 from shardflow.reference import run_backward  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
 from shardflow.strategy import ModulePlan, Plan, resolve  # noqa: E402
+from shardflow.strategy.presets import vocabulary_parallel  # noqa: E402
 
 TOL = 1e-9
 
@@ -103,8 +104,6 @@ def test_the_loss_is_rewritten_only_for_a_sharded_head(vocab, placement, rewritt
         softmax = next(n.name for n in graph.nodes if isinstance(n.op, O.Softmax))
         assert ann.after == {f"{softmax}.shift": {"tp": Replicate()}, f"{softmax}.sum": {"tp": Replicate()}}
         assert not any(isinstance(n.op, O.Softmax) for n in ann.graph.nodes)
-    from shardflow.strategy.presets import vocabulary_parallel
-
     plan = vocabulary_parallel(graph, 2)
     if vocab % 2:
         assert plan.modules == {}

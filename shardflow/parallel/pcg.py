@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
-from shardflow.graph.ops import Attention, Binary, Dropout, Embedding, Gather, Op, TensorType, Where
+from shardflow.graph.ops import Binary, Dropout, Op, TensorType, Where
 from shardflow.graph.rng import DrawSite, PieceSite
 from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
@@ -202,9 +202,7 @@ class PCG:
             return local
         i, d = local.block
         t = self.tensors[node.inputs[i]]
-        start = t.pshape.piece_slices(t.sharding.coord_of(t.group, device))[d].start
-        op: Embedding | Gather | Attention = local.op  # type: ignore[assignment]  # the ops with a block start
-        return dataclasses.replace(local, op=dataclasses.replace(op, start=start))
+        return local.at_block(t.pshape.piece_slices(t.sharding.coord_of(t.group, device))[d].start)
 
     def piece_site(self, node: PNode, device: int) -> PieceSite:
         """Where ``device``'s piece of random compute ``node``'s output lies: the output's full shape and the

@@ -57,6 +57,11 @@ class LocalOp:
     out_scale: float = 1.0
     block: tuple[int, int] | None = None
 
+    def at_block(self, start: int) -> LocalOp:
+        """This local op on the block of :attr:`block` that starts at index ``start`` (the op's ``start``)."""
+        op: O.Embedding | O.Gather | O.Attention = self.op  # type: ignore[assignment]  # the ops with a block start
+        return dataclasses.replace(self, op=dataclasses.replace(op, start=start))
+
     def compute(self, *xs: torch.Tensor, at: DrawSite | None = None) -> tuple[torch.Tensor, ...]:
         """The device's output pieces from its input pieces; ``at``: the draw site of a random op's piece."""
         xs = tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale))
@@ -190,7 +195,9 @@ class Ctx:
         out_scale: float = 1.0,
         block: tuple[int, int] | None = None,
     ) -> LocalOp:
-        return LocalOp(op or self.op, tuple(in_scale or (1.0,) * len(self.names)), out_scale, block)
+        """The local op; with ``block``, device 0's (its block starts at 0: :attr:`LocalOp.block`)."""
+        local = LocalOp(op or self.op, tuple(in_scale or (1.0,) * len(self.names)), out_scale, block)
+        return local.at_block(0) if block else local
 
 
 def _sum_scale(ctx: Ctx, partial: tuple[str, ...], reduce_op: ReduceOp) -> float:
@@ -333,10 +340,7 @@ def _vocabulary_parallel(ctx: Ctx, axes: tuple[str, ...], i: int, d: int) -> tup
     (none: the whole dim) and the new partial axes of its output: each device reads the indices its block holds and
     zeros elsewhere (:func:`~shardflow.graph.ops.in_block`), so the pieces are ``Partial(sum)`` on ``axes``
     (Megatron-LM's vocabulary-parallel embedding; DTensor's ``MaskPartial``)."""
-    if not axes:
-        return ctx.local(), ()
-    op: O.Embedding | O.Gather = ctx.op  # type: ignore[assignment]
-    return ctx.local(dataclasses.replace(op, start=0), block=(i, d)), axes
+    return (ctx.local(block=(i, d)), axes) if axes else (ctx.local(), ())
 
 
 def rule_embedding(ctx: Ctx) -> RuleResult:
@@ -389,11 +393,7 @@ def rule_attention(ctx: Ctx) -> RuleResult:
     dims = [ctx.agree(with_mask([(0, k), (1, k), (2, k)], k)) for k in range(nd - 2)]
     dims.append(ctx.agree(with_mask([(0, nd - 2)], nd - 2)))
     dims.append(ctx.shardings[2].dims[nd - 1])
-    if op.causal and dims[nd - 2]:
-        local = ctx.local(dataclasses.replace(op, start=0), block=(0, nd - 2))
-    else:
-        local = ctx.local()
-    return RuleResult((ctx.output(dims),), local)
+    return RuleResult((ctx.output(dims),), ctx.local(block=(0, nd - 2) if op.causal and dims[nd - 2] else None))
 
 
 def rule_conv(ctx: Ctx) -> RuleResult:
