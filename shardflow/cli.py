@@ -469,9 +469,9 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         print(explain(result, args.explain))
     if args.save_plan:
         chosen = result.best.candidate
-        doc = result.pipeline.plan.to_json() | {"mesh": str(chosen.mesh), "flags": chosen.flags()}
+        doc = result.pipeline.plan.to_json() | {"mesh": str(chosen.mesh), "flags": chosen.flags(args.save_plan)}
         write_out(Path(args.save_plan), json.dumps(doc, indent=1) + "\n")
-        again = [f for f in chosen.flags() if f not in ("--strategy", chosen.strategy)]
+        again = chosen.flags()[2:]  # without its --strategy or --plan
         print(f"# wrote {args.save_plan}; plan it again with: shardflow plan --plan {args.save_plan} {' '.join(again)}")
     return 0
 

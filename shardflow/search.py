@@ -15,7 +15,9 @@ model or the batch (the planner's own errors, kept as the reason), where the par
 state alone exceed the budget (a lower bound on the peak), and where a lower bound on their step time is no better
 than the best found (:func:`pipeline_bound`; docs/search.md#bounds).
 
-Per-op placements beyond the presets (an ILP over the rule tables) are not searched yet (docs/search.md#limits).
+Beyond the presets, each mesh without a pipeline that has a tp axis is tried with per-op placements on that axis:
+the placement program over the rule tables (:mod:`shardflow.strategy.placements`, docs/search.md#per-op-placements),
+whose answer is planned, lowered and replayed like a preset.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -33,6 +36,7 @@ from torch import nn
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
 from shardflow.graph.blocks import keep_blocks, repeated_blocks
+from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
@@ -46,6 +50,7 @@ from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
 from shardflow.simulator.machine import MachineSpec
+from shardflow.strategy.placements import placement, placements_plan
 
 SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
 # what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
@@ -60,6 +65,8 @@ MARGIN = 0.9  # the default memory budget: this share of the spec's device memor
 # folding: a model of more than FOLD blocks per pipeline chunk is predicted from copies cut down to FOLD - 1 and
 # FOLD blocks per chunk, drawn as a line to its whole length (docs/search.md#folding-repeated-blocks)
 FOLD = 3
+# what a per-op candidate's flags name its plan file: the one `shardflow plan --strategy auto --save-plan` writes
+PLAN_FILE = "PLAN.json"
 
 
 class SearchError(ValueError):
@@ -80,10 +87,19 @@ class Candidate:
     stages_per_rank: int = 1
     accumulate: int = 1
     ac_blocks: int | None = None
+    placements: bool = False
 
-    def flags(self) -> list[str]:
-        """The ``shardflow train``/``plan`` flags that run this candidate."""
-        out = ["--strategy", self.strategy, "--mesh", str(self.mesh)]
+    @property
+    def family(self) -> str:
+        """The preset family the runners-up are grouped by: the strategy, or ``"<strategy> per-op"`` for per-op
+        placements on its tp axis."""
+        return f"{self.strategy} per-op" if self.placements else self.strategy
+
+    def flags(self, plan_file: str = PLAN_FILE) -> list[str]:
+        """The ``shardflow train``/``plan`` flags that run this candidate; per-op placements are the plan file
+        ``plan_file`` (the one ``--save-plan`` writes)."""
+        head = ["--plan", plan_file] if self.placements else ["--strategy", self.strategy]
+        out = [*head, "--mesh", str(self.mesh)]
         if self.ac != ActivationCheckpointing.NONE:
             out += ["--ac", str(self.ac)]
         if self.ac_blocks is not None:
@@ -145,13 +161,16 @@ def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
                 yield (d, *rest)
 
 
-def candidates(world: int, blocks: int, batch: int, node: int | None = None) -> list[Candidate]:
+def candidates(
+    world: int, blocks: int, batch: int, node: int | None = None, placements: bool = True
+) -> list[Candidate]:
     """Every preset candidate of ``world`` devices for a model of ``blocks`` repeated blocks and a step of ``batch``
     sequences (module docstring), without activation checkpointing (:func:`search` tries it where a candidate does
     not fit without): those whose data-parallel degree divides the batch, whose pipeline has no more stages than
     blocks and whose tensor parallelism stays within a ``node`` of that many devices (None: any degree) — its
     collectives sit on the critical path of every block, and across nodes they run at the slower link (Megatron-LM's
-    rule, Narayanan et al. 2021, §3.3)."""
+    rule, Narayanan et al. 2021, §3.3). With ``placements``, each mesh without a pipeline that has a tp axis is also
+    tried with per-op placements on it (:func:`~shardflow.strategy.placements.placements_plan`)."""
     out = []
     for sizes in factorizations(world, len(SEARCH_AXES)):
         axes = {a: s for a, s in zip(SEARCH_AXES, sizes) if s > 1}
@@ -165,6 +184,8 @@ def candidates(world: int, blocks: int, batch: int, node: int | None = None) -> 
             strategy = ",".join(parts) or "single"
             if pp == 1:
                 out.append(Candidate(mesh, strategy))
+                if placements and parts == names and "tp" in axes:  # each op's placements on tp: the program's
+                    out.append(Candidate(mesh, strategy, placements=True))
                 continue
             for m in (pp, 2 * pp, 4 * pp):
                 if (batch // data) % m:
@@ -216,7 +237,7 @@ class SearchResult:
         best_of: dict[str, Outcome] = {}
         refused: dict[str, Outcome] = {}
         for o in self.outcomes:
-            s = o.candidate.strategy
+            s = o.candidate.family
             if o is self.best:
                 continue
             if o.prediction is None:
@@ -225,7 +246,7 @@ class SearchResult:
             cur = best_of.get(s)
             if cur is None or _rank(o) < _rank(cur):
                 best_of[s] = o
-        unpredicted = [o for s, o in refused.items() if s not in best_of and s != self.best.candidate.strategy]
+        unpredicted = [o for s, o in refused.items() if s not in best_of and s != self.best.candidate.family]
         return sorted(best_of.values(), key=_rank) + unpredicted
 
     def why(self, o: Outcome) -> str:
@@ -244,12 +265,12 @@ class SearchResult:
         assert self.best.prediction is not None
         return {
             "mesh": str(self.best.candidate.mesh),
-            "strategy": self.best.candidate.strategy,
+            "strategy": self.best.candidate.family,
             "flags": self.best.candidate.flags(),
             "predicted": self.best.prediction.to_json(),
             "alternatives": [
                 {
-                    "strategy": o.candidate.strategy,
+                    "strategy": o.candidate.family,
                     "flags": o.candidate.flags(),
                     "predicted": o.prediction.to_json() if o.prediction else None,
                     "why": self.why(o),
@@ -267,15 +288,28 @@ class SearchResult:
         assert self.best.prediction is not None
         tried = sum(o.prediction is not None for o in self.outcomes)
         lines = [
-            f"# --strategy auto on {self.spec.name}: {self.best.candidate} (searched {len(self.outcomes)} presets, "
+            f"# --strategy auto on {self.spec.name}: {self.best.candidate} (searched {len(self.outcomes)} candidates, "
             f"{tried} predicted, in {self.seconds:.1f} s; memory budget {self.budget / 2**30:.3g} GiB per device)",
             self.best.prediction.describe(),
             "# runners-up (the best of each other strategy):",
         ]
+        if self.best.candidate.placements:
+            lines.insert(2, self.per_op())
         for o in self.alternatives():
             step = f"{o.prediction.step_seconds * 1e3:.4g} ms" if o.prediction else "-"
             lines.append(f"#   {o.candidate}: {step}; {self.why(o)}")
         return "\n".join(lines)
+
+    def per_op(self) -> str:
+        """One line: how many ops' outputs and weights the chosen per-op placements hold in each placement on tp."""
+        pcg = self.pipeline.pcg
+        ops = Counter(repr(placement(pcg.tensors[n.outputs[0]].sharding, "tp")) for n in pcg.nodes if not n.is_parallel)
+        weights = Counter(
+            repr(placement(t.sharding, "tp")) for t in pcg.tensors.values() if t.role == TensorRole.WEIGHT
+        )
+        text = ", ".join(f"{n} {p}" for p, n in ops.most_common())
+        held = ", ".join(f"{n} {p}" for p, n in weights.most_common())
+        return f"#   per-op placements on tp (docs/search.md#per-op-placements): ops {text}; weights {held}"
 
 
 def _rank(o: Outcome) -> tuple:
@@ -302,14 +336,15 @@ def search(
     blocks: int | None = None,
     fold: bool = True,
     progress: Callable[[Outcome], None] | None = None,
+    placements: bool = True,
 ) -> SearchResult:
     """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
     bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts, keep)``: the model captured on one of
     ``parts`` equal parts of the step's ``batch`` sequences (``tokens`` in all) with only its first ``keep`` repeated
     blocks (None: all of them; :func:`~shardflow.graph.blocks.keep_blocks`); ``base``: the run's options (their
     checkpointing and schedule are the search's); ``blocks``: the model's repeated blocks (default: counted in the
-    graph); ``progress``: called with each outcome as it is known; ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks).
-    Raises SearchError when nothing fits."""
+    graph); ``progress``: called with each outcome as it is known; ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks);
+    ``placements``: try per-op placements too (:func:`candidates`). Raises SearchError when nothing fits."""
     t0 = time.perf_counter()
     budget = budget if budget is not None else int(MARGIN * spec.device.memory_bytes)
     graphs: dict[tuple[int, int | None], ComputationGraph] = {}
@@ -342,7 +377,8 @@ def search(
         if keep is None and c in planned:
             return planned[c]
         g = graph(c.accumulate * c.microbatches, keep)
-        p = Pipeline.planned(g, c.mesh, c.options(base, spec), optimizer, c.strategy)
+        chosen = placements_plan(g, c.mesh, spec) if c.placements else None
+        p = Pipeline.planned(g, c.mesh, c.options(base, spec), optimizer, None if chosen else c.strategy, plan=chosen)
         if keep is None:
             planned[c] = p
         return p
@@ -387,7 +423,7 @@ def search(
     # without a pipeline first, then pipelines by their microbatches and chunks (the cheapest to predict first); a pipeline is
     # predicted only where its bound is below the best step found (docs/search.md#bounds)
     order = sorted(
-        candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node),
+        candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node, placements),
         key=lambda c: (c.microbatches > 1, c.microbatches, c.stages_per_rank, bubble(c)),
     )
     for c in order:
@@ -477,6 +513,7 @@ def search_model(
     spec: MachineSpec,
     budget: int | None = None,
     progress: Callable[[Outcome], None] | None = None,
+    placements: bool = True,
 ) -> SearchResult:
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
@@ -511,6 +548,7 @@ def search_model(
         budget,
         blocks=len(first[1]) if first else None,
         progress=progress,
+        placements=placements,
     )
 
 

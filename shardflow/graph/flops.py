@@ -55,13 +55,16 @@ FORWARD_FLOPS: dict[type[Op], Callable[[Op, tuple[TensorType, ...], tuple[Tensor
 }
 
 
+def op_flops(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> int:
+    """FLOPs of one forward of ``op`` on inputs of types ``ins`` giving ``outs`` (:data:`FORWARD_FLOPS`; 0 for any
+    other op)."""
+    count = FORWARD_FLOPS.get(type(op))
+    return 0 if count is None else count(op, ins, outs)
+
+
 def node_flops(graph: ComputationGraph, node: Node) -> int:
-    """FLOPs of one forward of ``node`` of ``graph`` at its captured shapes (:data:`FORWARD_FLOPS`; 0 for any other
-    op)."""
-    count = FORWARD_FLOPS.get(type(node.op))
-    if count is None:
-        return 0
-    return count(
+    """FLOPs of one forward of ``node`` of ``graph`` at its captured shapes (:func:`op_flops`)."""
+    return op_flops(
         node.op, tuple(graph.tensors[t].type for t in node.inputs), tuple(graph.tensors[t].type for t in node.outputs)
     )
 

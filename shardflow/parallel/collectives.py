@@ -164,22 +164,31 @@ def fuses(first: ParallelOp, second: ParallelOp) -> bool:
     )
 
 
-def redistribution_cost(ops: Sequence[ParallelOp], src: Sharding, group: SubMesh, type_: TensorType) -> tuple[int, int]:
-    """(bytes one device sends, communications) of running ``ops`` forward on a tensor of ``type_`` held as ``src``
-    on ``group`` — the parallel ops of :func:`~shardflow.parallel.ops.redistribute` (never a Replicate), grouped
-    into steps as :func:`~shardflow.lower.shard_expansion.steps` groups them (consecutive ops that :func:`fuses`
-    are one step), each communication step costing :func:`wire_bytes` of the piece entering it. The planner
-    prices redistributions with this, so planning and lowering count bytes by one definition."""
-    nbytes = comms = 0
+def redistribution_steps(
+    ops: Sequence[ParallelOp], src: Sharding, group: SubMesh, type_: TensorType
+) -> list[tuple[CommKind, int]]:
+    """(communication kind, bytes one device sends) of each communication step of running ``ops`` forward on a
+    tensor of ``type_`` held as ``src`` on ``group`` — the parallel ops of :func:`~shardflow.parallel.ops.redistribute`
+    (never a Replicate), grouped into steps as :func:`~shardflow.lower.shard_expansion.steps` groups them
+    (consecutive ops that :func:`fuses` are one step), each costing :func:`wire_bytes` of the piece entering it;
+    local steps (splits, aliases) are left out."""
+    out = []
     i = 0
     while i < len(ops):
         step = tuple(ops[i : i + 2]) if i + 1 < len(ops) and fuses(ops[i], ops[i + 1]) else (ops[i],)
         kind = LocalKind.ALIAS if step[0].degree == 1 else REDISTRIBUTION[tuple(op.kind for op in step)]
         if isinstance(kind, CommKind):
             piece_bytes = TensorType(src.parallel_shape(group, type_.shape).piece_shape, type_.dtype).nbytes
-            nbytes += wire_bytes(kind, piece_bytes, step[0].degree)
-            comms += 1
+            out.append((kind, wire_bytes(kind, piece_bytes, step[0].degree)))
         for op in step:
             src, group = op.apply(src, group)
         i += len(step)
-    return nbytes, comms
+    return out
+
+
+def redistribution_cost(ops: Sequence[ParallelOp], src: Sharding, group: SubMesh, type_: TensorType) -> tuple[int, int]:
+    """(bytes one device sends, communications) of running ``ops`` forward on a tensor of ``type_`` held as ``src``
+    on ``group``: :func:`redistribution_steps` summed. The planner prices redistributions with this, so planning and
+    lowering count bytes by one definition."""
+    steps = redistribution_steps(ops, src, group, type_)
+    return sum(b for _, b in steps), len(steps)

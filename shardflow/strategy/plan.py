@@ -46,7 +46,10 @@ class ModulePlan:
     """How one module (or every module a pattern matches) is parallelised.
 
     ``params``: parameter name (``"weight"``, ``"bias"``) → placements; ``input``/``output``: layout of every
-    activation entering/leaving the module; ``stage``: pipeline stage index along the plan's stage axis;
+    activation entering/leaving the module; ``operands``: for a pattern naming nodes (not modules), the layout of
+    each input of each node it names, by position (None: the input as it comes; a weight's layout here is how the
+    node reads it, not how it is stored) — what the per-op placement search writes
+    (:mod:`shardflow.strategy.placements`); ``stage``: pipeline stage index along the plan's stage axis;
     ``devices``: a machine view overriding which device runs each shard of the module's ops (one device per
     coordinate of the sub-mesh's free axes, row-major) — values moving between views are copied.
     """
@@ -56,6 +59,7 @@ class ModulePlan:
     output: PlacementSpec | None = None
     stage: int | None = None
     devices: tuple[int, ...] | None = None
+    operands: tuple[PlacementSpec | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class Plan:
                     output=_spec(m["output"]) if "output" in m else None,
                     stage=m.get("stage"),
                     devices=tuple(m["devices"]) if "devices" in m else None,
+                    operands=tuple(None if v is None else _spec(v) for v in m["operands"]) if "operands" in m else None,
                 )
                 for pat, m in data.get("modules", {}).items()
             }
@@ -137,6 +142,8 @@ class Plan:
                 d["stage"] = m.stage
             if m.devices is not None:
                 d["devices"] = list(m.devices)
+            if m.operands is not None:
+                d["operands"] = [None if v is None else spec(v) for v in m.operands]
             modules[pat] = d
         return {
             "name": self.name,
@@ -163,7 +170,7 @@ class Plan:
 # the keys of a plan file (mesh and flags: what `shardflow plan --save-plan` writes beside the plan) and of each
 # module's table
 _PLAN_KEYS = frozenset({"name", "stage_axis", "modules", "inputs", "ops", "mesh", "flags"})
-_MODULE_KEYS = frozenset({"params", "input", "output", "stage", "devices"})
+_MODULE_KEYS = frozenset({"params", "input", "output", "stage", "devices", "operands"})
 
 
 def _check_module(pat: str, m: Any) -> None:
@@ -226,11 +233,18 @@ def _merge_module(a: ModulePlan, b: ModulePlan, pat: str) -> ModulePlan:
 
     if a.stage is not None and b.stage is not None and a.stage != b.stage:
         raise PlanError(f"module {pat}: plans put it on stages {a.stage} and {b.stage}")
+    operands = a.operands or b.operands
+    if a.operands and b.operands:
+        if len(a.operands) != len(b.operands):
+            raise PlanError(f"node {pat}: plans give {len(a.operands)} and {len(b.operands)} operand layouts")
+        operands = tuple(one(x, y, f"operand {i}") for i, (x, y) in enumerate(zip(a.operands, b.operands)))
     return ModulePlan(
         params,
         one(a.input, b.input, "input"),
         one(a.output, b.output, "output"),
         a.stage if a.stage is not None else b.stage,
+        a.devices if a.devices is not None else b.devices,
+        operands,
     )
 
 
@@ -431,6 +445,22 @@ def resolve(plan: Plan, graph: ComputationGraph, mesh: Mesh) -> Annotations:
                         if entering:
                             edges[(n.name, i)] = _layout(mp.input, groups.get(n.name, whole), f"input layout of {m}")
                             why[(n.name, i)] = f"input layout of {m}"
+            if mp.operands is not None:
+                if m in targets.modules and m not in {n.name for n in members}:
+                    raise PlanError(
+                        f"plan for {pat!r}: operands place the inputs of single nodes, but {m!r} is a module of "
+                        f"{len(members)} nodes; name each node (shardflow plan --graph lists them)"
+                    )
+                for n in members:
+                    if len(mp.operands) != len(n.inputs):
+                        raise PlanError(
+                            f"plan for node {n.name!r}: {len(mp.operands)} operand layouts for its {len(n.inputs)} "
+                            f"inputs {list(n.inputs)}; give one per input (null: as it comes)"
+                        )
+                    for i, operand in enumerate(mp.operands):
+                        if operand is not None:
+                            edges[(n.name, i)] = _layout(operand, groups.get(n.name, whole), f"operand {i} of {n.name}")
+                            why[(n.name, i)] = f"operand {i} of {n.name} (per-op placements)"
             if mp.output is not None:
                 for n in members:
                     for t in n.outputs:

@@ -1,0 +1,482 @@
+"""Per-op placements on one mesh axis, chosen by an integer linear program over the rule tables
+(docs/search.md#per-op-placements).
+
+The presets place a whole model one way: every linear column- then row-parallel (tp), or every op on its batch
+shard (dp). Here each op of the graph picks its own placements on one mesh axis of ``size`` devices, as
+AutoParallel does over DTensor placements (meta-pytorch/autoparallel, after Alpa's intra-operator pass, Zheng et al.,
+OSDI'22): for each node, every combination of input placements — each input ``Replicate()``, ``Shard(d)`` where
+``size`` divides dim d, or ``Partial()`` for an activation — that its rule accepts (:func:`choices`) is one choice,
+priced by its compute (forward and backward, on the machine spec's roofline) and, for a weight, its optimizer
+update; each edge between a producer's output and a consumer's input is priced by the seconds of the communication
+that moves it forward and of the one that brings its gradient back. One binary variable per choice, one pair
+variable per edge and pair of placements that costs anything; the repeated blocks (transformer layers,
+:func:`~shardflow.graph.blocks.repeated_blocks`) share their variables, so the problem grows with the ops of one
+block. The solver is HiGHS, through ``scipy.optimize.milp``.
+
+The program is a model of the step, not the step: memory is not priced (the search checks each plan's predicted
+peak), and a gradient's communication is counted where the forward's placements make it (a replicated input of an op
+whose work is split over the axis: its gradient comes back as partial sums). The answer is a :class:`Plan` of
+per-node operand layouts (:attr:`~shardflow.strategy.plan.ModulePlan.operands`), planned, lowered and simulated
+like any other; the search keeps it only where the simulator predicts it faster than the presets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from shardflow.graph.blocks import block_nodes, repeated_blocks
+from shardflow.graph.flops import op_flops
+from shardflow.graph.fused import fused_linears
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole
+from shardflow.graph.ops import Attention, Linear, OpError, TensorType, differentiable, torch_dtype
+from shardflow.graph.softmax import softmax_heads
+from shardflow.parallel.collectives import KINDS, redistribution_steps
+from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
+from shardflow.parallel.ops import redistribute
+from shardflow.parallel.rules import RuleError, propagate
+from shardflow.parallel.shape import ShardingError
+from shardflow.parallel.sharding import Sharding
+from shardflow.strategy.plan import ModulePlan, Plan, PlanError
+from shardflow.strategy.presets import data_parallel, fully_sharded
+
+# more input combinations than this for one node: only those placing every input alike are tried (with each input
+# replicated, which every rule accepts)
+MAX_COMBINATIONS = 4096
+# seconds charged for a move no redistribution makes (Replicate or Shard → Partial): never chosen
+IMPOSSIBLE = 1e6
+# bytes an AdamW update reads and writes per byte of weight: the weight, its gradient and two slots, read and written
+UPDATE_TRAFFIC = 8
+
+
+class Machine(Protocol):
+    """What the program prices with: a machine spec's roofline and links
+    (:class:`~shardflow.simulator.machine.MachineSpec`, which the search passes; this layer does not import it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def compute_seconds(
+        self,
+        flops: int,
+        nbytes: int,
+        dtype: torch.dtype,
+        kernels: int = 1,
+        largest: int | None = None,
+        attention: str | None = None,
+    ) -> float: ...
+
+    def comm_seconds(self, kind: str, members: Sequence[int], nbytes: int) -> float: ...
+
+
+class PlacementError(ValueError):
+    """The placement program has no answer (the solver's status names why)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way to run a node on the axis: the shardings of its ``inputs`` and ``outputs`` (one axis each),
+    ``seconds`` of its computes (forward, and backward where it has one; its optimizer update for a weight's leaf),
+    and ``split``: whether its work is divided over the axis (an output sharded or partial)."""
+
+    inputs: tuple[Sharding, ...]
+    outputs: tuple[Sharding, ...]
+    seconds: float
+    split: bool
+
+
+@dataclass(frozen=True)
+class Placements:
+    """The program's answer on ``axis``: ``nodes`` (node name → its :class:`Choice`), ``leaves`` (weight, input or
+    constant → its sharding), the predicted ``seconds`` (the objective: compute and communication of one step as the
+    program models it) and the solver's wall time ``solve_seconds``."""
+
+    axis: str
+    nodes: Mapping[str, Choice]
+    leaves: Mapping[str, Sharding]
+    seconds: float
+    solve_seconds: float
+
+    def plan(self, graph: ComputationGraph) -> Plan:
+        """The answer as a user plan on :attr:`axis`: each node's operand layouts, the weights' placements (by
+        module and parameter name) and the data inputs' and constants' placements."""
+        modules: dict[str, ModulePlan] = {}
+        inputs = {}
+        for name, s in self.leaves.items():
+            if s.used_axes:
+                role = graph.tensors[name].role
+                if role == TensorRole.WEIGHT:
+                    module, _, param = name.rpartition(".")
+                    prev = modules.get(module, ModulePlan())
+                    modules[module] = ModulePlan(params={**prev.params, param: {self.axis: placement(s, self.axis)}})
+                else:
+                    inputs[name] = {self.axis: placement(s, self.axis)}
+        for node in graph.nodes:
+            c = self.nodes[node.name]
+            modules[node.name] = ModulePlan(operands=tuple({self.axis: placement(s, self.axis)} for s in c.inputs))
+        return Plan(modules, inputs, name="placements")
+
+
+def placements_plan(graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp") -> Plan:
+    """The plan of ``graph`` on ``mesh``: per-op placements on ``axis`` (:func:`solve`, priced on ``spec`` for the
+    ranks along ``axis`` through rank 0), with the presets of the mesh's data-parallel axes (``dp``:
+    :func:`~shardflow.strategy.presets.data_parallel`; ``fsdp``: :func:`~shardflow.strategy.presets.fully_sharded`
+    on the dims the placements leave whole). Raises PlacementError, and PlanError for another axis."""
+    others = [a for a in mesh.axis_names if a != axis]
+    if set(others) - {"dp", "fsdp"}:
+        raise PlanError(
+            f"per-op placements on {axis!r} combine with dp and fsdp only, not {sorted(set(others) - {'dp', 'fsdp'})}"
+        )
+    data = math.prod(mesh.axis_size(a) for a in others)
+    step = mesh.axis_names.index(axis)
+    members = tuple(k * math.prod(mesh.shape[step + 1 :]) for k in range(mesh.axis_size(axis)))
+    plan = solve(graph, axis, mesh.axis_size(axis), spec, members, data).plan(graph)
+    if "dp" in others:
+        plan = plan.merge(data_parallel(graph))
+    if "fsdp" in others:
+        plan = plan.merge(fully_sharded(graph, mesh.axis_size("fsdp"), others=plan))
+    return plan
+
+
+def placement(s: Sharding, axis: str) -> Placement:
+    """The placement of one-axis sharding ``s`` on ``axis``."""
+    if axis in s.partial:
+        return Partial(s.reduce_op)
+    d = s.axis_dim(axis)
+    return Replicate() if d is None else Shard(d)
+
+
+def options(t: TensorType, axis: str, size: int, partial: bool) -> list[Sharding]:
+    """The shardings a tensor of type ``t`` may have on ``axis`` of ``size`` devices: replicated, sharded on each
+    dim ``size`` divides, and with ``partial``, partial sums."""
+    out = [Sharding.replicated(t.ndim)]
+    out += [Sharding.replicated(t.ndim).replace_dim(d, (axis,)) for d, n in enumerate(t.shape) if n % size == 0]
+    if partial:
+        out.append(Sharding(((),) * t.ndim, (axis,)))
+    return out
+
+
+def needs_grad(graph: ComputationGraph) -> set[str]:
+    """Tensors of ``graph`` that carry a gradient: the trained weights and each output an op computes from them
+    differentiably (:meth:`~shardflow.graph.ops.Op.grad_outputs`)."""
+    need = {w for w in graph.weights if w not in graph.frozen}
+    for n in graph.nodes:
+        mask = tuple(t in need for t in n.inputs)
+        if not any(mask):
+            continue
+        try:
+            carried = n.op.grad_outputs(
+                tuple(graph.tensors[t].type for t in n.inputs), tuple(graph.tensors[t].type for t in n.outputs), mask
+            )
+        except OpError:
+            continue
+        need.update(o for o, c in zip(n.outputs, carried) if c)
+    return need
+
+
+class _Pricer:
+    """Seconds of computes and moves on one axis of ``size`` devices of ``spec`` (members ``members``), with the
+    activations' costs divided by ``data`` (the data-parallel degree of the other axes)."""
+
+    def __init__(self, axis: str, size: int, members: tuple[int, ...], spec: Machine, data: int):
+        self.axis, self.spec, self.members, self.data = axis, spec, members, data
+        self.group = SubMesh(Mesh((axis,), (size,)))
+        self.moves: dict[tuple[Sharding, Sharding, TensorType], float] = {}
+
+    def local(self, s: Sharding, t: TensorType) -> TensorType:
+        return TensorType(s.parallel_shape(self.group, t.shape).piece_shape, t.dtype)
+
+    def move(self, src: Sharding, dst: Sharding, t: TensorType) -> float:
+        """Seconds to redistribute a tensor of type ``t`` from ``src`` to ``dst`` (:data:`IMPOSSIBLE` where none
+        does)."""
+        if src == dst:
+            return 0.0
+        key = (src, dst, t)
+        if key not in self.moves:
+            try:
+                steps = redistribution_steps(redistribute(src, dst, self.group), src, self.group, t)
+                self.moves[key] = sum(self.spec.comm_seconds(KINDS[k].priced_as, self.members, b) for k, b in steps)
+            except ShardingError:
+                self.moves[key] = IMPOSSIBLE
+        return self.moves[key]
+
+    def compute(self, node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType], backward: bool) -> float:
+        """Forward (and with ``backward``, twice that again) seconds of ``node`` on local types."""
+        flops = op_flops(node.op, tuple(ins), tuple(outs))
+        moved = sum(t.nbytes for t in (*ins, *outs))
+        largest = max((t.nbytes for t in (*ins, *outs)), default=0)
+        dtype = torch_dtype(outs[0].dtype) if outs else torch_dtype(ins[0].dtype)
+        attention = isinstance(node.op, Attention)
+        fwd = self.spec.compute_seconds(flops, moved, dtype, 1, largest, "forward" if attention else None)
+        bwd = (
+            self.spec.compute_seconds(2 * flops, 2 * moved, dtype, 2, largest, "backward" if attention else None)
+            if backward
+            else 0.0
+        )
+        return fwd + bwd
+
+    def update(self, s: Sharding, t: TensorType) -> float:
+        """Seconds of the optimizer update of a weight of type ``t`` held as ``s`` (memory-bound)."""
+        local = self.local(s, t)
+        return self.spec.compute_seconds(0, UPDATE_TRAFFIC * local.nbytes, torch_dtype(t.dtype), 1)
+
+
+def choices(graph: ComputationGraph, node: Node, pricer: _Pricer, grad: set[str]) -> list[Choice]:
+    """Every :class:`Choice` of ``node`` whose input shardings (each of :func:`options`; partial sums for
+    activations only) its rule accepts."""
+    types = [graph.tensors[t].type for t in node.inputs]
+    roles = [graph.tensors[t].role for t in node.inputs]
+    axis, size = pricer.axis, pricer.group.mesh.axis_size(pricer.axis)
+    opts = [
+        options(t, axis, size, r == TensorRole.ACTIVATION and differentiable(t.dtype)) for t, r in zip(types, roles)
+    ]
+    if math.prod(len(o) for o in opts) <= MAX_COMBINATIONS:
+        combos: list[tuple[Sharding, ...]] = list(itertools.product(*opts))
+    else:  # every input alike: replicated, partial, or sharded on the same dim where it can be
+        combos = [tuple(Sharding.replicated(t.ndim) for t in types)]
+        for k in range(max(len(o) for o in opts)):
+            combos.append(tuple(o[k] if k < len(o) else o[0] for o in opts))
+    backward = any(o in grad for o in node.outputs)
+    out, seen = [], set()
+    for ins in combos:
+        if ins in seen:
+            continue
+        seen.add(ins)
+        try:
+            res = propagate(node.op, node.inputs, types, ins, pricer.group, node.name, node.scope)
+        except (RuleError, ShardingError):
+            continue
+        outs = [graph.tensors[t].type for t in node.outputs]
+        seconds = pricer.compute(
+            node,
+            [pricer.local(s, t) for s, t in zip(ins, types)],
+            [pricer.local(s, t) for s, t in zip(res.outputs, outs)],
+            backward,
+        )
+        split = any(s.used_axes for s in res.outputs)
+        out.append(Choice(tuple(ins), res.outputs, seconds / pricer.data, split))
+    return out
+
+
+def solve(
+    graph: ComputationGraph,
+    axis: str,
+    size: int,
+    spec: Machine,
+    members: tuple[int, ...] | None = None,
+    data: int = 1,
+    time_limit: float = 60.0,
+) -> Placements:
+    """The per-op placements of ``graph`` on mesh axis ``axis`` of ``size`` devices that the program (module
+    docstring) prices cheapest on ``spec``; ``members``: the ranks of one group of the axis (default
+    ``0..size-1``: the link they use); ``data``: the degree of the data-parallel axes beside it (activations'
+    costs are divided by it). Raises PlacementError where the solver finds no answer within ``time_limit``
+    seconds."""
+    import time
+
+    t0 = time.perf_counter()
+    pricer = _Pricer(axis, size, members or tuple(range(size)), spec, data)
+    grad = needs_grad(graph)
+    producer = graph.producer()
+
+    # the repeated blocks share their variables: a node (or a weight) of block k is its block-0 twin's
+    blocks = repeated_blocks(graph)
+    per_block = block_nodes(graph, blocks) if len(blocks) > 1 else {}
+    twin: dict[str, str] = {}
+    if per_block:
+        first = per_block[blocks[0]]
+        for b in blocks[1:]:
+            twins = per_block[b]
+            if len(twins) != len(first) or any(_key(graph, n) != _key(graph, f) for n, f in zip(twins, first)):
+                continue
+            for n, f in zip(twins, first):
+                twin[n.name] = f.name
+                for t, ft in zip(n.inputs, f.inputs):
+                    if graph.tensors[t].role == TensorRole.WEIGHT and graph.tensors[t].type == graph.tensors[ft].type:
+                        twin.setdefault(t, ft)
+
+    # variables: one binary per choice of each unit (a node or a leaf), the twins sharing theirs
+    leaf_options: dict[str, list[Sharding]] = {}
+    node_choices: dict[str, list[Choice]] = {}
+    cache: dict[tuple, list[Choice]] = {}
+    kept = _kept_whole(graph)
+    for name, spec_ in graph.tensors.items():
+        if spec_.role != TensorRole.ACTIVATION and name not in twin:
+            leaf_options[name] = [
+                s for s in options(spec_.type, axis, size, False) if s.axis_dim(axis) not in kept.get(name, ())
+            ]
+    for n in graph.nodes:
+        if n.name in twin:
+            continue
+        key = _key(graph, n)
+        if key not in cache:
+            cache[key] = choices(graph, n, pricer, grad)
+        node_choices[n.name] = cache[key]
+    offset: dict[str, int] = {}  # unit → its first variable
+    costs: list[float] = []
+    owner: list[str] = []  # variable → its unit
+    for name, opts in leaf_options.items():
+        offset[name] = len(costs)
+        leaf_type = graph.tensors[name].type
+        trained = graph.tensors[name].role == TensorRole.WEIGHT and name in grad
+        costs += [pricer.update(s, leaf_type) if trained else 0.0 for s in opts]
+        owner += [name] * len(opts)
+    for name, cs in node_choices.items():
+        if not cs:
+            raise PlacementError(f"node {name!r}: its rule accepts no placement on {axis}")
+        offset[name] = len(costs)
+        costs += [c.seconds for c in cs]
+        owner += [name] * len(cs)
+    n_binary = len(costs)
+
+    def unit(name: str) -> str:
+        return twin.get(name, name)
+
+    def out_options(tensor: str) -> list[tuple[int, Sharding]]:
+        """(variable, sharding) of each way tensor ``tensor`` is produced."""
+        if tensor in producer:
+            p = producer[tensor]
+            k = p.outputs.index(tensor)
+            u = unit(p.name)
+            return [(offset[u] + j, c.outputs[k]) for j, c in enumerate(node_choices[u])]
+        u = unit(tensor)
+        return [(offset[u] + j, s) for j, s in enumerate(leaf_options[u])]
+
+    # each edge (producer unit's output k → consumer unit's input i; twins' edges are one, their seconds added) links
+    # the producer's output shardings S with the consumer's (input, gradient) shardings W: a flow y[s, w] ≥ 0 with
+    # Σ_w y[s, w] = Σ of the producer's choices giving s, Σ_s y[s, w] = Σ of the consumer's choices reading w —
+    # the transport form of y = x_producer · x_consumer, whose relaxation is tight for one edge
+    edges: dict[tuple[str, int, str, int], dict[tuple[Sharding, tuple[Sharding, Sharding | None]], float]] = {}
+    sides: dict[tuple[str, int, str, int], tuple[dict, dict]] = {}
+    for n in graph.nodes:
+        u = unit(n.name)
+        for i, t in enumerate(n.inputs):
+            ttype = graph.tensors[t].type
+            p = producer.get(t)
+            key = (unit(p.name), p.outputs.index(t), u, i) if p else (unit(t), -1, u, i)
+            if key not in sides:
+                made: dict[Sharding, list[int]] = {}
+                for v, sh in out_options(t):
+                    made.setdefault(sh, []).append(v)
+                read: dict[tuple[Sharding, Sharding | None], list[int]] = {}
+                for j, c in enumerate(node_choices[u]):
+                    read.setdefault((c.inputs[i], _gradient(c, i, ttype, axis) if t in grad else None), []).append(
+                        offset[u] + j
+                    )
+                sides[key] = (made, read)
+                edges[key] = {}
+            made, read = sides[key]
+            scale = 1.0 / data if graph.tensors[t].role == TensorRole.ACTIVATION else 1.0
+            for src in made:
+                for want, back in read:
+                    seconds = pricer.move(src, want, ttype)
+                    if back is not None:
+                        seconds += pricer.move(back, Sharding(src.dims), ttype)
+                    pair = (src, (want, back))
+                    edges[key][pair] = edges[key].get(pair, 0.0) + seconds * scale
+
+    # objective Σ choice seconds + Σ flow seconds; constraints: one choice per unit, each edge's flow conserved
+    flows = [(key, pair, sec) for key, pairs in edges.items() for pair, sec in pairs.items()]
+    flow_var = {(key, pair): n_binary + k for k, (key, pair, _) in enumerate(flows)}
+    n_vars = n_binary + len(flows)
+    objective = np.array(costs + [sec for *_, sec in flows])
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    lo: list[float] = []
+    count = Counter(owner)
+    r = 0
+    for name, start in offset.items():
+        rows += [r] * count[name]
+        cols += range(start, start + count[name])
+        vals += [1.0] * count[name]
+        lo.append(1.0)
+        r += 1
+    for key, (made, read) in sides.items():
+        for src, vs in made.items():  # Σ_w y[src, w] − Σ x(src) = 0
+            rows += [r] * (len(read) + len(vs))
+            cols += [flow_var[key, (src, w)] for w in read] + vs
+            vals += [1.0] * len(read) + [-1.0] * len(vs)
+            lo.append(0.0)
+            r += 1
+        for w, vs in read.items():  # Σ_s y[s, w] − Σ x(w) = 0
+            rows += [r] * (len(made) + len(vs))
+            cols += [flow_var[key, (src, w)] for src in made] + vs
+            vals += [1.0] * len(made) + [-1.0] * len(vs)
+            lo.append(0.0)
+            r += 1
+    matrix = coo_matrix((vals, (rows, cols)), shape=(r, n_vars)).tocsr()
+    integrality = np.concatenate([np.ones(n_binary), np.zeros(len(flows))])
+    res = milp(
+        objective,
+        integrality=integrality,
+        bounds=Bounds(np.zeros(n_vars), np.ones(n_vars)),
+        constraints=LinearConstraint(matrix, np.array(lo), np.array(lo)),
+        options={"time_limit": time_limit},
+    )
+    if res.x is None:
+        raise PlacementError(f"the placement program on axis {axis!r} has no answer: {res.message}")
+    x = res.x
+    picked = {owner[v]: v - offset[owner[v]] for v in range(n_binary) if x[v] > 0.5}
+    by_name = {n.name: n for n in graph.nodes}
+    nodes = {n.name: node_choices[unit(n.name)][picked[unit(n.name)]] for n in graph.nodes}
+    leaves = {
+        name: leaf_options[unit(name)][picked[unit(name)]]
+        for name, s in graph.tensors.items()
+        if s.role != TensorRole.ACTIVATION
+    }
+    if not any(c.split for n, c in nodes.items() if op_flops(*_types(graph, by_name[n]))):
+        raise PlacementError(
+            f"the placement program splits no matmul over {axis!r}: its {size} devices would repeat each other's "
+            f"work (a model this small is bound by kernel launches on {spec.name})"
+        )
+    return Placements(axis, nodes, leaves, float(res.fun), time.perf_counter() - t0)
+
+
+def _kept_whole(graph: ComputationGraph) -> dict[str, set[int]]:
+    """Weight → the dims a plan's placement must not shard, because a plan placing them so rewrites the graph the
+    program's answer names (:func:`~shardflow.strategy.plan.resolve`): a softmax head's output features (its loss is
+    then decomposed, vocabulary-parallel) and a fused linear's features (it is then split by parts). Readers may
+    still read such a weight sharded (a local split of the stored weight). A weight of the root module (no module
+    path to place it by) or stored in another shape than its module's stays replicated."""
+    out: dict[str, set[int]] = {
+        w: set(range(graph.tensors[w].type.ndim))
+        for w in graph.weights
+        if "." not in w
+        or graph.module_shape(w) != graph.tensors[w].shape  # no module to place it by, or stored by parts
+    }
+    for head in softmax_heads(graph).values():
+        lin: Linear = head.op  # type: ignore[assignment]
+        out.setdefault(head.inputs[1], set()).add(lin.out_dim)
+    for f in fused_linears(graph):
+        for t, d in f.features:
+            out.setdefault(t, set()).add(d)
+    return out
+
+
+def _gradient(c: Choice, i: int, t: TensorType, axis: str) -> Sharding:
+    """The sharding input ``i`` (of type ``t``) of a node run as ``c`` gets its gradient in: partial sums where the
+    input is replicated and the node's work split over the axis (each device's part of the work adds to all of it),
+    replicated for partial sums (the gradient of a sum is the same for each term), else the input's own."""
+    want = c.inputs[i]
+    if c.split and not want.used_axes:
+        return Sharding(((),) * t.ndim, (axis,))
+    return Sharding(want.dims)
+
+
+def _types(graph: ComputationGraph, n: Node) -> tuple:
+    """``(op, input types, output types)`` of node ``n``: :func:`~shardflow.graph.flops.op_flops`'s arguments."""
+    return n.op, tuple(graph.tensors[t].type for t in n.inputs), tuple(graph.tensors[t].type for t in n.outputs)
+
+
+def _key(graph: ComputationGraph, n: Node) -> tuple:
+    """What a node's choices depend on: its op and its inputs' types and roles."""
+    return (n.op, tuple((graph.tensors[t].type, graph.tensors[t].role) for t in n.inputs))
