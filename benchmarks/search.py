@@ -12,7 +12,8 @@ options ``step_options(cfg, cost_model(spec, dp=world))`` and ``optimizer_config
 (``TrainConfig()``'s defaults) on 2 and 4 ranks of this machine, searched as ``shardflow train --strategy auto`` does
 (:func:`shardflow.train.recipe.auto_strategy`: ``MachineSpec.this``, the default corpus's first batch).
 
-The best *preset* is the fastest outcome that fits whose candidate has no ``ac_blocks``: every strategy, degree,
+The best *preset* is the fastest outcome that fits whose candidate has no ``ac_blocks`` and no per-op placements
+(docs/search.md#per-op-placements): every strategy, degree,
 pipeline schedule and microbatch count with checkpointing of every block or none, and accumulation — what a user can
 write by hand. The search picks the fastest fitting outcome, partial checkpointing (``--ac-blocks K``) included, so
 auto ≤ best preset holds by construction; the section says where it does not.
@@ -61,7 +62,7 @@ HEADING = "## Search against the presets"
 def summarize(result, model: str, world: int, batch: int, spec: str, wall: float) -> dict:
     """The figures of one search: the choice, the best preset, the counts."""
     best = result.best
-    presets = [o for o in result.outcomes if o.fits and o.candidate.ac_blocks is None]
+    presets = [o for o in result.outcomes if o.fits and o.candidate.ac_blocks is None and not o.candidate.placements]
     preset = min(presets, key=lambda o: o.prediction.step_seconds) if presets else None
     bounded = [o for o in result.outcomes if o.prediction is None and "bound" in o.refused]
     refused = [o for o in result.outcomes if o.prediction is None and "bound" not in o.refused]
@@ -108,7 +109,7 @@ def run_case(name: str) -> dict:
 
     seen: list = []  # every outcome as the search records it: why nothing fits, where nothing does
     inner = searching.search
-    searching.search = lambda *a, **k: inner(*a, **k, progress=seen.append)  # search_model has no progress
+    searching.search = lambda *a, **k: inner(*a, **{**k, "progress": seen.append})
 
     model, world = name.split("/")[0], int(name.split("/")[1])
     t0 = time.perf_counter()
@@ -118,7 +119,7 @@ def run_case(name: str) -> dict:
             from shardflow.train.recipe import auto_strategy
 
             cfg = TrainConfig(strategy="auto", nproc=world)
-            _, result = auto_strategy(cfg, world)
+            _, result = auto_strategy(cfg, world, placements=True)
             return summarize(
                 result, "main job's Llama", world, cfg.batch_size, result.spec.name, time.perf_counter() - t0
             )

@@ -50,7 +50,7 @@ from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
 from shardflow.simulator.machine import MachineSpec
-from shardflow.strategy.placements import placement, placements_plan
+from shardflow.strategy.placements import considered, placement, placements_plan
 
 SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
 # what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
@@ -632,7 +632,22 @@ def explain(result: SearchResult, target: str, rank: int = 0) -> str:
             ),
             f"#   outputs held: {out_bytes / 2**20:.3g} MiB on rank {rank}",
         ]
+        if o.candidate.placements and any(n.name == target for n in p.graph.nodes):
+            lines += _considered(p.graph, o.candidate.mesh, result.spec, target)
     return "\n".join([f"# --explain {target} on {result.spec.name}, rank {rank}", *lines])
+
+
+def _considered(graph: ComputationGraph, mesh: Mesh, spec: MachineSpec, node: str, most: int = 8) -> list[str]:
+    """Lines of :func:`explain`: the placement program's choices for ``node`` (the ``most`` cheapest, and the one it
+    took), as it priced them."""
+    rows = considered(graph, mesh, spec, node)
+    shown = [r for k, r in enumerate(rows) if k < most or r[2]]
+    out = [f"#   the placement program's {len(rows)} choices for {node} on tp, as it prices them (compute and moves):"]
+    for c, seconds, taken in shown:
+        ins = ", ".join(repr(placement(x, "tp")) for x in c.inputs)
+        outs = ", ".join(repr(placement(x, "tp")) for x in c.outputs)
+        out.append(f"#     [{ins}] → [{outs}]: {seconds * 1e3:.4g} ms" + ("  ← chosen" if taken else ""))
+    return out
 
 
 def _within(scope: str, module: str) -> bool:

@@ -16,7 +16,7 @@ from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh, Shard
 from shardflow.pipeline import Pipeline
 from shardflow.runtime.kernels import OptimizerConfig
-from shardflow.search import SearchError, candidates, factorizations, search_model
+from shardflow.search import SearchError, candidates, explain, factorizations, search_model
 from shardflow.simulator.machine import MachineSpec
 
 SPEC = MachineSpec.named("h100")
@@ -128,8 +128,6 @@ def test_check_auto_compares_the_choice_with_eager(capsys, monkeypatch):
 
 
 def test_explain_shows_an_op_under_the_choice_and_each_runner_up(eight):
-    from shardflow.search import explain
-
     text = explain(eight, "transformer.h.0.mlp")
     assert text.startswith("# --explain transformer.h.0.mlp on h100, rank 0\n# chosen: --strategy dp --mesh dp=8")
     assert text.count("# runner-up: ") == len([o for o in eight.alternatives() if o.prediction is not None])
@@ -166,6 +164,12 @@ def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
     }
     for prog in res.pipeline.lower().programs.values():
         assert [c.kind for c in prog.comms if c.task == "FWD"] == ["all_reduce"] * 4  # attention and MLP of 2 blocks
+    # --explain on the MLP's first linear lists the program's choices, cheapest first: the column-parallel one taken
+    fc = next(n.name for n in res.pipeline.graph.nodes if n.scope == "transformer.h.0.mlp.c_fc")
+    chosen = explain(res, fc).split("# runner-up: ")[0]
+    rows = [line for line in chosen.splitlines() if line.startswith("#     [")]
+    assert rows[0].startswith("#     [Replicate(), Shard(0), Shard(0)] → [Shard(2)]") and rows[0].endswith("← chosen")
+    assert sum(r.endswith("← chosen") for r in rows) == 1 and len(rows) >= 4
 
 
 def test_where_nothing_fits_as_it_is_it_recomputes_or_accumulates():

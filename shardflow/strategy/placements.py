@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
@@ -97,13 +97,14 @@ class Choice:
 class Placements:
     """The program's answer on ``axis``: ``nodes`` (node name → its :class:`Choice`), ``leaves`` (weight, input or
     constant → its sharding), the predicted ``seconds`` (the objective: compute and communication of one step as the
-    program models it) and the solver's wall time ``solve_seconds``."""
+    program models it), the solver's wall time ``solve_seconds`` and the ``pricer`` it priced with."""
 
     axis: str
     nodes: Mapping[str, Choice]
     leaves: Mapping[str, Sharding]
     seconds: float
     solve_seconds: float
+    pricer: _Pricer = field(repr=False, compare=False)
 
     def plan(self, graph: ComputationGraph) -> Plan:
         """The answer as a user plan on :attr:`axis`: each node's operand layouts, the weights' placements (by
@@ -125,25 +126,71 @@ class Placements:
         return Plan(modules, inputs, name="placements")
 
 
-def placements_plan(graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp") -> Plan:
-    """The plan of ``graph`` on ``mesh``: per-op placements on ``axis`` (:func:`solve`, priced on ``spec`` for the
-    ranks along ``axis`` through rank 0), with the presets of the mesh's data-parallel axes (``dp``:
-    :func:`~shardflow.strategy.presets.data_parallel`; ``fsdp``: :func:`~shardflow.strategy.presets.fully_sharded`
-    on the dims the placements leave whole). Raises PlacementError, and PlanError for another axis."""
+def solve_on(graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp") -> Placements:
+    """:func:`solve` on ``mesh``'s ``axis``: priced for the ranks along it through rank 0, the activations' costs
+    divided by the degree of the data-parallel axes beside it. Raises PlacementError, and PlanError for an axis
+    other than dp and fsdp beside it."""
     others = [a for a in mesh.axis_names if a != axis]
     if set(others) - {"dp", "fsdp"}:
         raise PlanError(
             f"per-op placements on {axis!r} combine with dp and fsdp only, not {sorted(set(others) - {'dp', 'fsdp'})}"
         )
-    data = math.prod(mesh.axis_size(a) for a in others)
     step = mesh.axis_names.index(axis)
     members = tuple(k * math.prod(mesh.shape[step + 1 :]) for k in range(mesh.axis_size(axis)))
-    plan = solve(graph, axis, mesh.axis_size(axis), spec, members, data).plan(graph)
-    if "dp" in others:
+    return solve(graph, axis, mesh.axis_size(axis), spec, members, math.prod(mesh.axis_size(a) for a in others))
+
+
+def placements_plan(graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp") -> Plan:
+    """The plan of ``graph`` on ``mesh``: per-op placements on ``axis`` (:func:`solve_on`), with the presets of the
+    mesh's data-parallel axes (``dp``: :func:`~shardflow.strategy.presets.data_parallel`; ``fsdp``:
+    :func:`~shardflow.strategy.presets.fully_sharded` on the dims the placements leave whole). Raises
+    PlacementError, and PlanError for another axis."""
+    plan = solve_on(graph, mesh, spec, axis).plan(graph)
+    if "dp" in mesh.axis_names:
         plan = plan.merge(data_parallel(graph))
-    if "fsdp" in others:
+    if "fsdp" in mesh.axis_names:
         plan = plan.merge(fully_sharded(graph, mesh.axis_size("fsdp"), others=plan))
     return plan
+
+
+def considered(
+    graph: ComputationGraph, mesh: Mesh, spec: Machine, node: str, axis: str = "tp"
+) -> list[tuple[Choice, float, bool]]:
+    """``shardflow plan --explain NODE`` under per-op placements: each choice the program had for node ``node``, the
+    seconds it would cost with every other node and leaf as the answer placed them (its compute, the moves of its
+    inputs from their producers and of its outputs to their consumers, forward and gradient), and whether it is the
+    answer's. Cheapest first; a choice no redistribution can feed (partial inputs from whole ones) is left out.
+    Raises PlacementError as :func:`solve_on`, KeyError for a name of no node."""
+    answer = solve_on(graph, mesh, spec, axis)
+    pricer = answer.pricer
+    grad = needs_grad(graph)
+    by_name = {n.name: n for n in graph.nodes}
+    target = by_name[node]
+    consumers = graph.consumers()
+
+    def held(t: str) -> Sharding:
+        """How the answer produces tensor ``t``."""
+        for n in graph.nodes:
+            if t in n.outputs:
+                return answer.nodes[n.name].outputs[n.outputs.index(t)]
+        return answer.leaves[t]
+
+    rows = []
+    for c in choices(graph, target, pricer, grad):
+        seconds = c.seconds
+        for i, t in enumerate(target.inputs):
+            ttype = graph.tensors[t].type
+            back = _gradient(c, i, ttype, axis) if t in grad else None
+            seconds += pricer.edge(held(t), c.inputs[i], back, ttype, graph.tensors[t].role)
+        for k, t in enumerate(target.outputs):
+            ttype = graph.tensors[t].type
+            for reader, i in consumers[t]:
+                r = answer.nodes[reader.name]
+                back = _gradient(r, i, ttype, axis) if t in grad else None
+                seconds += pricer.edge(c.outputs[k], r.inputs[i], back, ttype, TensorRole.ACTIVATION)
+        if seconds < IMPOSSIBLE:  # (partial sums made from whole or sharded inputs: no move does that)
+            rows.append((c, seconds, c == answer.nodes[node]))
+    return sorted(rows, key=lambda r: r[1])
 
 
 def placement(s: Sharding, axis: str) -> Placement:
@@ -207,6 +254,16 @@ class _Pricer:
             except ShardingError:
                 self.moves[key] = IMPOSSIBLE
         return self.moves[key]
+
+    def edge(self, src: Sharding, want: Sharding, back: Sharding | None, t: TensorType, role: TensorRole) -> float:
+        """Seconds of an edge carrying a tensor of type ``t`` (``role``) held as ``src`` to a reader that wants it as
+        ``want`` and (``back``: None where it carries no gradient) gives its gradient back as ``back``: the forward
+        move, and the gradient's move to ``src``'s placement (partial sums gathered where ``src`` is partial);
+        an activation's divided by the data-parallel degree."""
+        seconds = self.move(src, want, t)
+        if back is not None:
+            seconds += self.move(back, Sharding(src.dims), t)
+        return seconds / self.data if role == TensorRole.ACTIVATION else seconds
 
     def compute(self, node: Node, ins: Sequence[TensorType], outs: Sequence[TensorType], backward: bool) -> float:
         """Forward (and with ``backward``, twice that again) seconds of ``node`` on local types."""
@@ -374,14 +431,11 @@ def solve(
                 sides[key] = (made, read)
                 edges[key] = {}
             made, read = sides[key]
-            scale = 1.0 / data if graph.tensors[t].role == TensorRole.ACTIVATION else 1.0
             for src in made:
                 for want, back in read:
-                    seconds = pricer.move(src, want, ttype)
-                    if back is not None:
-                        seconds += pricer.move(back, Sharding(src.dims), ttype)
                     pair = (src, (want, back))
-                    edges[key][pair] = edges[key].get(pair, 0.0) + seconds * scale
+                    seconds = pricer.edge(src, want, back, ttype, graph.tensors[t].role)
+                    edges[key][pair] = edges[key].get(pair, 0.0) + seconds
 
     # objective Σ choice seconds + Σ flow seconds; constraints: one choice per unit, each edge's flow conserved
     flows = [(key, pair, sec) for key, pairs in edges.items() for pair, sec in pairs.items()]
@@ -438,7 +492,7 @@ def solve(
             f"the placement program splits no matmul over {axis!r}: its {size} devices would repeat each other's "
             f"work (a model this small is bound by kernel launches on {spec.name})"
         )
-    return Placements(axis, nodes, leaves, float(res.fun), time.perf_counter() - t0)
+    return Placements(axis, nodes, leaves, float(res.fun), time.perf_counter() - t0, pricer)
 
 
 def _kept_whole(graph: ComputationGraph) -> dict[str, set[int]]:

@@ -271,10 +271,12 @@ def setup(cfg: TrainConfig, world: int, processes: int = 0) -> Setup:
     return _build(cfg, mesh, corpus, pretrained, runtime=runtime)
 
 
-def auto_strategy(cfg: TrainConfig, world: int) -> tuple[TrainConfig, SearchResult]:
-    """``--strategy auto``: the settings of the fastest preset (no per-op placements) that fits this machine (:func:`~shardflow.search.search`
+def auto_strategy(cfg: TrainConfig, world: int, placements: bool = False) -> tuple[TrainConfig, SearchResult]:
+    """``--strategy auto``: the settings of the fastest preset that fits this machine (:func:`~shardflow.search.search`
     on ``MachineSpec.this`` for ``world`` processes; docs/search.md) — ``cfg`` with its strategy, mesh, activation
-    checkpointing and pipeline schedule replaced — and the search's result. The model is built on the meta device
+    checkpointing and pipeline schedule replaced — and the search's result; ``placements``: try per-op placements
+    too (the benchmark's reading; ``train`` runs presets only, a per-op choice being a plan file that
+    ``shardflow plan --strategy auto --save-plan`` writes). The model is built on the meta device
     and captured on the corpus's first batch; nothing is materialized but its buffers. Raises SearchError where
     nothing fits, and what building the model raises."""
     if cfg.plan or cfg.mesh:
@@ -291,9 +293,8 @@ def auto_strategy(cfg: TrainConfig, world: int) -> tuple[TrainConfig, SearchResu
         model.to(options.precision.param_dtype)
     batch = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
     spec = machine_spec(cfg.device, world)[0]  # an uncalibrated machine: the banner says so
-    # presets only: a per-op choice is a plan file, which `shardflow plan --strategy auto --save-plan` writes
     result = search_model(
-        model, batch, world, options, optimizer_config(cfg), spec, cfg.memory_budget, placements=False
+        model, batch, world, options, optimizer_config(cfg), spec, cfg.memory_budget, placements=placements
     )
     c = result.best.candidate
     chosen = dataclasses.replace(
