@@ -50,7 +50,7 @@ from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
 from shardflow.simulator.machine import MachineSpec
-from shardflow.strategy.placements import considered, placement, placements_plan
+from shardflow.strategy.placements import Memory, considered, placement, placements_plan
 
 SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
 # what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
@@ -65,6 +65,10 @@ MARGIN = 0.9  # the default memory budget: this share of the spec's device memor
 # folding: a model of more than FOLD blocks per pipeline chunk is predicted from copies cut down to FOLD - 1 and
 # FOLD blocks per chunk, drawn as a line to its whole length (docs/search.md#folding-repeated-blocks)
 FOLD = 3
+# per-op placements whose predicted peak exceeds the budget: the program's memory is capped at most this many times,
+# each cap the last share × SHRINK_MARGIN × budget / predicted peak (docs/search.md#per-op-placements)
+SHRINKS = 3
+SHRINK_MARGIN = 0.95
 # what a per-op candidate's flags name its plan file: the one `shardflow plan --strategy auto --save-plan` writes
 PLAN_FILE = "PLAN.json"
 
@@ -77,7 +81,9 @@ class SearchError(ValueError):
 class Candidate:
     """One plan the search tries: a preset ``strategy`` (``dp,tp``, ``fsdp,sp``, ...) on ``mesh``, with activation
     checkpointing ``ac`` (of the first ``ac_blocks`` blocks only where set), under a pipeline ``microbatches``, ``schedule`` and ``stages_per_rank``, and the step run
-    as ``accumulate`` micro-steps (gradient accumulation)."""
+    as ``accumulate`` micro-steps (gradient accumulation). With ``placements``, the tp axis is placed op by op
+    (:func:`~shardflow.strategy.placements.placements_plan`), holding at most ``memory_share`` of the bytes the
+    program's uncapped answer holds (:class:`~shardflow.strategy.placements.Memory`)."""
 
     mesh: Mesh
     strategy: str
@@ -88,6 +94,7 @@ class Candidate:
     accumulate: int = 1
     ac_blocks: int | None = None
     placements: bool = False
+    memory_share: float = 1.0
 
     @property
     def family(self) -> str:
@@ -208,8 +215,13 @@ def state_bytes(weights: int, candidate: Candidate, optimizer: OptimizerConfig, 
     weights, their gradients, the optimizer's state slots and, under mixed precision, the master weights — sharded
     by every axis but the data-parallel one."""
     shards = math.prod(s for a, s in zip(candidate.mesh.axis_names, candidate.mesh.shape) if a != "dp")
-    copies = 2 + len(OPTIMIZER_SLOTS[optimizer.slots]) + (1 if options.precision else 0)
-    return copies * weights // shards
+    return state_copies(optimizer, options) * weights // shards
+
+
+def state_copies(optimizer: OptimizerConfig, options: LowerOptions) -> int:
+    """Bytes of state a trained weight holds per byte of its own: itself, its gradient, the optimizer's slots and,
+    under mixed precision, its master copy."""
+    return 2 + len(OPTIMIZER_SLOTS[optimizer.slots]) + (1 if options.precision else 0)
 
 
 @dataclass(frozen=True)
@@ -377,7 +389,8 @@ def search(
         if keep is None and c in planned:
             return planned[c]
         g = graph(c.accumulate * c.microbatches, keep)
-        chosen = placements_plan(g, c.mesh, spec) if c.placements else None
+        memory = Memory(c.memory_share, state_copies(optimizer, base), blocks=n_blocks)
+        chosen = placements_plan(g, c.mesh, spec, memory=memory) if c.placements else None
         p = Pipeline.planned(g, c.mesh, c.options(base, spec), optimizer, None if chosen else c.strategy, plan=chosen)
         if keep is None:
             planned[c] = p
@@ -433,6 +446,7 @@ def search(
             record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {fastest * 1e3:.4g} ms"))
             continue
         o = record(attempt(c))
+        mine = [o]
         # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
         # reduction once per micro-step), the fallbacks in that order until one fits
         kept = o
@@ -442,9 +456,31 @@ def search(
                 break
             kept = o if o.candidate.ac == ActivationCheckpointing.NONE else kept
             o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
+            mine.append(o)
             if o.fits and o.candidate.ac == ActivationCheckpointing.BLOCK and kept.prediction is not None:
                 for partial in fewer_checkpointed(kept, o, n_blocks, budget):
                     record(partial if fold and n_blocks > FOLD else fewest_exact(partial.candidate))
+        if c.placements:  # per-op placements that do not fit: cap the program's memory, as far as it pays
+            for start in [
+                x for x in mine if x.prediction is not None and not x.fits and x.candidate.accumulate == c.accumulate
+            ]:
+                cur = start
+                for _ in range(SHRINKS):
+                    fastest = min(
+                        (x.prediction.step_seconds for x in outcomes if x.fits and x.prediction), default=math.inf
+                    )
+                    assert cur.prediction is not None
+                    if cur.prediction.step_seconds >= fastest:
+                        break
+                    share = cur.candidate.memory_share * SHRINK_MARGIN * budget / max(cur.prediction.peak_bytes)
+                    nxt = record(attempt(dataclasses.replace(cur.candidate, memory_share=share)))
+                    if (
+                        nxt.prediction is None
+                        or nxt.fits
+                        or max(nxt.prediction.peak_bytes) >= max(cur.prediction.peak_bytes)
+                    ):
+                        break
+                    cur = nxt
     fitting = [o for o in outcomes if o.fits]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]

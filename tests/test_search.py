@@ -9,15 +9,17 @@ import json
 import pytest
 import torch
 
+from shardflow.graph.graph import TensorRole
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import Optimizer
 from shardflow.lower.program import programs_fingerprint
 from shardflow.models import GPT, GPTConfig
-from shardflow.parallel.mesh import Mesh, Shard
+from shardflow.parallel.mesh import Mesh, Replicate, Shard
 from shardflow.pipeline import Pipeline
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.search import SearchError, candidates, explain, factorizations, search_model
 from shardflow.simulator.machine import MachineSpec
+from shardflow.strategy.placements import placement
 
 SPEC = MachineSpec.named("h100")
 torch.manual_seed(0)
@@ -67,18 +69,32 @@ def test_the_choice_is_never_slower_than_a_preset_it_saw(eight):
 
 def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_the_model():
     """A wider model and a larger batch, on a device that holds the fully sharded plan's peak and an eighth more
-    but not the replicated state: fsdp, not tp."""
+    but not the replicated state: the state sharded, not the model — every matmul on its batch shard. The per-op
+    placements (docs/search.md#per-op-placements) store only the largest weights sharded (gathered before use,
+    their gradients reduce-scattered: FSDP where the budget needs it, data parallelism elsewhere) and beat the fsdp
+    preset."""
     torch.manual_seed(0)
     wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=256))
     batch = {"idx": torch.randint(0, 64, (512, 16)), "targets": torch.randint(0, 64, (512, 16))}
     free = run(8, model=wide, batch=batch)
-    peaks = {str(o.candidate.mesh): max(o.prediction.peak_bytes) for o in free.outcomes if o.prediction}
+    peaks = {
+        str(o.candidate.mesh): max(o.prediction.peak_bytes)
+        for o in free.outcomes
+        if o.prediction and not o.candidate.placements
+    }
     budget = peaks["fsdp=8"] * 9 // 8
     assert peaks["dp=8"] > budget  # replicated, the AdamW state does not fit
     res = run(8, budget=budget, model=wide, batch=batch)
     best = res.best.candidate
-    assert "fsdp" in best.mesh.axis_names and "tp" not in best.mesh.axis_names
+    assert best.placements and str(best.mesh) == "tp=8" and best.memory_share < 1
     assert max(res.best.prediction.peak_bytes) <= res.budget
+    pcg = res.pipeline.pcg
+    matmuls = [n for n in pcg.nodes if not n.is_parallel and n.op.kind in ("linear", "attention")]
+    assert {placement(pcg.tensors[n.outputs[0]].sharding, "tp") for n in matmuls} == {Shard(0)}
+    stored = [placement(t.sharding, "tp") for t in pcg.tensors.values() if t.role == TensorRole.WEIGHT]
+    assert 0 < sum(p != Replicate() for p in stored) < len(stored)
+    fsdp = min(o.prediction.step_seconds for o in res.outcomes if o.fits and str(o.candidate.mesh) == "fsdp=8")
+    assert res.best.prediction.step_seconds < fsdp
     with pytest.raises(SearchError, match="no plan of 8 devices fits the memory budget"):
         run(8, budget=1000)
 

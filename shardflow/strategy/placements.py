@@ -22,6 +22,7 @@ like any other; the search keeps it only where the simulator predicts it faster 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -37,7 +38,18 @@ from shardflow.graph.blocks import block_nodes, repeated_blocks
 from shardflow.graph.flops import op_flops
 from shardflow.graph.fused import fused_linears
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
-from shardflow.graph.ops import Attention, Linear, OpError, TensorType, differentiable, torch_dtype
+from shardflow.graph.ops import (
+    Attention,
+    Expand,
+    Linear,
+    OpError,
+    Permute,
+    Reshape,
+    Slice,
+    TensorType,
+    differentiable,
+    torch_dtype,
+)
 from shardflow.graph.softmax import softmax_heads
 from shardflow.parallel.collectives import KINDS, redistribution_steps
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
@@ -77,6 +89,23 @@ class Machine(Protocol):
     def comm_seconds(self, kind: str, members: Sequence[int], nbytes: int) -> float: ...
 
 
+@dataclass(frozen=True)
+class Memory:
+    """How the program models one device's memory (bytes) and how much of it an answer may hold.
+
+    A trained weight placed ``s`` holds ``copies`` bytes per byte of its piece (the weight, its gradient, the
+    optimizer's slots, a master copy under mixed precision), divided by ``fsdp`` (the fully-sharded degree beside
+    the axis); a node holds its outputs' pieces that carry a gradient (saved for the backward; views excluded),
+    divided by the data-parallel degree. The nodes and weights of the repeated blocks count ``blocks`` / (the blocks
+    in the graph) times (the whole model's, where the search folds). ``share`` < 1 caps the answer at that share
+    of the unconstrained answer's bytes: the search lowers it where a plan's predicted peak exceeds the budget."""
+
+    share: float = 1.0
+    copies: int = 4
+    fsdp: int = 1
+    blocks: int | None = None
+
+
 class PlacementError(ValueError):
     """The placement program has no answer (the solver's status names why)."""
 
@@ -97,13 +126,15 @@ class Choice:
 class Placements:
     """The program's answer on ``axis``: ``nodes`` (node name → its :class:`Choice`), ``leaves`` (weight, input or
     constant → its sharding), the predicted ``seconds`` (the objective: compute and communication of one step as the
-    program models it), the solver's wall time ``solve_seconds`` and the ``pricer`` it priced with."""
+    program models it), the solver's wall time ``solve_seconds``, the bytes one device holds as :class:`Memory`
+    models them (``memory_bytes``) and the ``pricer`` it priced with."""
 
     axis: str
     nodes: Mapping[str, Choice]
     leaves: Mapping[str, Sharding]
     seconds: float
     solve_seconds: float
+    memory_bytes: float
     pricer: _Pricer = field(repr=False, compare=False)
 
     def plan(self, graph: ComputationGraph) -> Plan:
@@ -126,10 +157,13 @@ class Placements:
         return Plan(modules, inputs, name="placements")
 
 
-def solve_on(graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp") -> Placements:
+def solve_on(
+    graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp", memory: Memory = Memory()
+) -> Placements:
     """:func:`solve` on ``mesh``'s ``axis``: priced for the ranks along it through rank 0, the activations' costs
-    divided by the degree of the data-parallel axes beside it. Raises PlacementError, and PlanError for an axis
-    other than dp and fsdp beside it."""
+    divided by the degree of the data-parallel axes beside it, the weights' states by its ``fsdp`` axis
+    (``memory``'s ``fsdp`` is set from the mesh). Raises PlacementError, and PlanError for an axis other than dp
+    and fsdp beside it."""
     others = [a for a in mesh.axis_names if a != axis]
     if set(others) - {"dp", "fsdp"}:
         raise PlanError(
@@ -137,15 +171,20 @@ def solve_on(graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp
         )
     step = mesh.axis_names.index(axis)
     members = tuple(k * math.prod(mesh.shape[step + 1 :]) for k in range(mesh.axis_size(axis)))
-    return solve(graph, axis, mesh.axis_size(axis), spec, members, math.prod(mesh.axis_size(a) for a in others))
+    fsdp = mesh.axis_size("fsdp") if "fsdp" in others else 1
+    data = math.prod(mesh.axis_size(a) for a in others)
+    return solve(graph, axis, mesh.axis_size(axis), spec, members, data, dataclasses.replace(memory, fsdp=fsdp))
 
 
-def placements_plan(graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp") -> Plan:
-    """The plan of ``graph`` on ``mesh``: per-op placements on ``axis`` (:func:`solve_on`), with the presets of the
+def placements_plan(
+    graph: ComputationGraph, mesh: Mesh, spec: Machine, axis: str = "tp", memory: Memory = Memory()
+) -> Plan:
+    """The plan of ``graph`` on ``mesh``: per-op placements on ``axis`` (:func:`solve_on`, ``memory`` as it
+    models and caps memory), with the presets of the
     mesh's data-parallel axes (``dp``: :func:`~shardflow.strategy.presets.data_parallel`; ``fsdp``:
     :func:`~shardflow.strategy.presets.fully_sharded` on the dims the placements leave whole). Raises
     PlacementError, and PlanError for another axis."""
-    plan = solve_on(graph, mesh, spec, axis).plan(graph)
+    plan = solve_on(graph, mesh, spec, axis, memory).plan(graph)
     if "dp" in mesh.axis_names:
         plan = plan.merge(data_parallel(graph))
     if "fsdp" in mesh.axis_names:
@@ -330,13 +369,14 @@ def solve(
     spec: Machine,
     members: tuple[int, ...] | None = None,
     data: int = 1,
+    memory: Memory = Memory(),
     time_limit: float = 60.0,
 ) -> Placements:
     """The per-op placements of ``graph`` on mesh axis ``axis`` of ``size`` devices that the program (module
     docstring) prices cheapest on ``spec``; ``members``: the ranks of one group of the axis (default
     ``0..size-1``: the link they use); ``data``: the degree of the data-parallel axes beside it (activations'
-    costs are divided by it). Raises PlacementError where the solver finds no answer within ``time_limit``
-    seconds."""
+    costs are divided by it); ``memory``: how memory is modeled and capped (:class:`Memory`). Raises PlacementError
+    where the solver finds no answer within ``time_limit`` seconds, or none under the cap."""
     import time
 
     t0 = time.perf_counter()
@@ -396,6 +436,28 @@ def solve(
 
     def unit(name: str) -> str:
         return twin.get(name, name)
+
+    # bytes each choice holds on one device (Memory), the block-0 units counting for every block of the model
+    repeat = (memory.blocks or len(blocks)) / len(blocks) if blocks else 1.0
+    in_block = {n.name for n in per_block.get(blocks[0], [])} if per_block else set()
+    in_block |= {t for n in graph.nodes if n.name in in_block for t in n.inputs if t in leaf_options}
+    held = [0.0] * n_binary
+    for name, opts in leaf_options.items():
+        if graph.tensors[name].role == TensorRole.WEIGHT and name in grad:
+            for j, sh in enumerate(opts):
+                local = pricer.local(sh, graph.tensors[name].type).nbytes
+                held[offset[name] + j] = memory.copies * local / memory.fsdp
+    by_name = {n.name: n for n in graph.nodes}
+    for name, cs in node_choices.items():
+        node = by_name[name]
+        if isinstance(node.op, _VIEWS):
+            continue
+        for j, c in enumerate(cs):
+            saved = [
+                pricer.local(sh, graph.tensors[t].type).nbytes for sh, t in zip(c.outputs, node.outputs) if t in grad
+            ]
+            held[offset[name] + j] = sum(saved) / data
+    held = [h * repeat if owner[v] in in_block else h for v, h in enumerate(held)]
 
     def out_options(tensor: str) -> list[tuple[int, Sharding]]:
         """(variable, sharding) of each way tensor ``tensor`` is produced."""
@@ -467,20 +529,38 @@ def solve(
             vals += [1.0] * len(made) + [-1.0] * len(vs)
             lo.append(0.0)
             r += 1
-    matrix = coo_matrix((vals, (rows, cols)), shape=(r, n_vars)).tocsr()
     integrality = np.concatenate([np.ones(n_binary), np.zeros(len(flows))])
-    res = milp(
-        objective,
-        integrality=integrality,
-        bounds=Bounds(np.zeros(n_vars), np.ones(n_vars)),
-        constraints=LinearConstraint(matrix, np.array(lo), np.array(lo)),
-        options={"time_limit": time_limit},
-    )
-    if res.x is None:
-        raise PlacementError(f"the placement program on axis {axis!r} has no answer: {res.message}")
-    x = res.x
+
+    def run(cap: float | None) -> np.ndarray:
+        """The program's answer (its variables), with the modeled bytes at most ``cap`` (None: uncapped)."""
+        rr, cc, vv, bound = list(rows), list(cols), list(vals), list(lo)
+        upper = list(lo)
+        if cap is not None:
+            rr += [r] * n_binary
+            cc += range(n_binary)
+            vv += held
+            bound.append(0.0)
+            upper.append(cap)
+        matrix = coo_matrix((vv, (rr, cc)), shape=(r + (cap is not None), n_vars)).tocsr()
+        res = milp(
+            objective,
+            integrality=integrality,
+            bounds=Bounds(np.zeros(n_vars), np.ones(n_vars)),
+            constraints=LinearConstraint(matrix, np.array(bound), np.array(upper)),
+            options={"time_limit": time_limit},
+        )
+        if res.x is None:
+            raise PlacementError(
+                f"the placement program on axis {axis!r} has no answer"
+                + (f" holding at most {cap / 2**30:.3g} GiB per device (modeled)" if cap is not None else "")
+                + f": {res.message}"
+            )
+        return res.x
+
+    x = run(None)
+    if memory.share < 1.0:
+        x = run(memory.share * float(np.dot(held, x[:n_binary])))
     picked = {owner[v]: v - offset[owner[v]] for v in range(n_binary) if x[v] > 0.5}
-    by_name = {n.name: n for n in graph.nodes}
     nodes = {n.name: node_choices[unit(n.name)][picked[unit(n.name)]] for n in graph.nodes}
     leaves = {
         name: leaf_options[unit(name)][picked[unit(name)]]
@@ -492,7 +572,11 @@ def solve(
             f"the placement program splits no matmul over {axis!r}: its {size} devices would repeat each other's "
             f"work (a model this small is bound by kernel launches on {spec.name})"
         )
-    return Placements(axis, nodes, leaves, float(res.fun), time.perf_counter() - t0, pricer)
+    modeled = float(np.dot(held, x[:n_binary]))
+    return Placements(axis, nodes, leaves, float(np.dot(objective, x)), time.perf_counter() - t0, modeled, pricer)
+
+
+_VIEWS = (Reshape, Permute, Expand, Slice)  # outputs that alias their input: no bytes of their own
 
 
 def _kept_whole(graph: ComputationGraph) -> dict[str, set[int]]:
