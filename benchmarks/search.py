@@ -95,6 +95,17 @@ def summarize(result, model: str, world: int, batch: int, spec: str, wall: float
         "partial": sum(o.candidate.ac_blocks is not None for o in result.outcomes),
         "refused": len(refused),
         "bounded": len(bounded),
+        "per_op": [  # every per-op candidate tried, capped ones included (docs/search.md#per-op-placements)
+            {
+                "flags": " ".join(o.candidate.flags()),
+                "memory_level": o.candidate.memory_level,
+                "step_ms": o.prediction.step_seconds * 1e3 if o.prediction else None,
+                "peak_gib": max(o.prediction.peak_bytes) / 2**30 if o.prediction else None,
+                "refused": o.refused,
+            }
+            for o in result.outcomes
+            if o.candidate.placements
+        ],
         "runners_up": [  # the best of each other strategy (SearchResult.alternatives), for the reading
             {**(described(o) if o.prediction else {"flags": " ".join(o.candidate.flags())}), "why": result.why(o)}
             for o in result.alternatives()

@@ -65,10 +65,10 @@ MARGIN = 0.9  # the default memory budget: this share of the spec's device memor
 # folding: a model of more than FOLD blocks per pipeline chunk is predicted from copies cut down to FOLD - 1 and
 # FOLD blocks per chunk, drawn as a line to its whole length (docs/search.md#folding-repeated-blocks)
 FOLD = 3
-# per-op placements whose predicted peak exceeds the budget: the program's memory is capped at most this many times,
-# each cap the last share × SHRINK_MARGIN × budget / predicted peak (docs/search.md#per-op-placements)
+# per-op placements whose predicted peak exceeds the budget: the program's memory is capped at these levels from the
+# uncapped answer's bytes to the fewest (Memory.level): the fewest first, then halving the gap between the levels
+# that fit and that do not (docs/search.md#per-op-placements)
 SHRINKS = 3
-SHRINK_MARGIN = 0.95
 # what a per-op candidate's flags name its plan file: the one `shardflow plan --strategy auto --save-plan` writes
 PLAN_FILE = "PLAN.json"
 
@@ -82,8 +82,7 @@ class Candidate:
     """One plan the search tries: a preset ``strategy`` (``dp,tp``, ``fsdp,sp``, ...) on ``mesh``, with activation
     checkpointing ``ac`` (of the first ``ac_blocks`` blocks only where set), under a pipeline ``microbatches``, ``schedule`` and ``stages_per_rank``, and the step run
     as ``accumulate`` micro-steps (gradient accumulation). With ``placements``, the tp axis is placed op by op
-    (:func:`~shardflow.strategy.placements.placements_plan`), holding at most ``memory_share`` of the bytes the
-    program's uncapped answer holds (:class:`~shardflow.strategy.placements.Memory`)."""
+    (:func:`~shardflow.strategy.placements.placements_plan`), its memory capped at ``memory_level`` (:class:`~shardflow.strategy.placements.Memory`)."""
 
     mesh: Mesh
     strategy: str
@@ -94,7 +93,7 @@ class Candidate:
     accumulate: int = 1
     ac_blocks: int | None = None
     placements: bool = False
-    memory_share: float = 1.0
+    memory_level: float = 0.0
 
     @property
     def family(self) -> str:
@@ -389,7 +388,7 @@ def search(
         if keep is None and c in planned:
             return planned[c]
         g = graph(c.accumulate * c.microbatches, keep)
-        memory = Memory(c.memory_share, state_copies(optimizer, base), blocks=n_blocks)
+        memory = Memory(c.memory_level, state_copies(optimizer, base), blocks=n_blocks)
         chosen = placements_plan(g, c.mesh, spec, memory=memory) if c.placements else None
         p = Pipeline.planned(g, c.mesh, c.options(base, spec), optimizer, None if chosen else c.strategy, plan=chosen)
         if keep is None:
@@ -433,6 +432,24 @@ def search(
             found = o
         return found
 
+    def capped(start: Outcome) -> list[Outcome]:
+        """Per-op placements ``start`` that do not fit, with the program's memory capped (:data:`SHRINKS` tries):
+        at the fewest bytes first (nothing fits if that does not), then bisecting the levels between the uncapped
+        answer and the highest level known to fit, for the fastest that fits. None where ``start`` is already slower
+        than the best that fits (a cap only adds communication)."""
+        fastest = min((x.prediction.step_seconds for x in outcomes if x.fits and x.prediction), default=math.inf)
+        if start.prediction is None or start.prediction.step_seconds >= fastest:
+            return []
+        tried, low, high = [], 0.0, 1.0
+        for k in range(SHRINKS):
+            level = 1.0 if k == 0 else (low + high) / 2
+            o = attempt(dataclasses.replace(start.candidate, memory_level=level))
+            tried.append(o)
+            if k == 0 and not o.fits:
+                break
+            low, high = (low, level) if o.fits else (level, high)
+        return tried
+
     # without a pipeline first, then pipelines by their microbatches and chunks (the cheapest to predict first); a pipeline is
     # predicted only where its bound is below the best step found (docs/search.md#bounds)
     order = sorted(
@@ -461,26 +478,9 @@ def search(
                 for partial in fewer_checkpointed(kept, o, n_blocks, budget):
                     record(partial if fold and n_blocks > FOLD else fewest_exact(partial.candidate))
         if c.placements:  # per-op placements that do not fit: cap the program's memory, as far as it pays
-            for start in [
-                x for x in mine if x.prediction is not None and not x.fits and x.candidate.accumulate == c.accumulate
-            ]:
-                cur = start
-                for _ in range(SHRINKS):
-                    fastest = min(
-                        (x.prediction.step_seconds for x in outcomes if x.fits and x.prediction), default=math.inf
-                    )
-                    assert cur.prediction is not None
-                    if cur.prediction.step_seconds >= fastest:
-                        break
-                    share = cur.candidate.memory_share * SHRINK_MARGIN * budget / max(cur.prediction.peak_bytes)
-                    nxt = record(attempt(dataclasses.replace(cur.candidate, memory_share=share)))
-                    if (
-                        nxt.prediction is None
-                        or nxt.fits
-                        or max(nxt.prediction.peak_bytes) >= max(cur.prediction.peak_bytes)
-                    ):
-                        break
-                    cur = nxt
+            for start in [x for x in mine if x.prediction and not x.fits and x.candidate.accumulate == c.accumulate]:
+                for o in capped(start):
+                    record(o)
     fitting = [o for o in outcomes if o.fits]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]

@@ -97,10 +97,11 @@ class Memory:
     optimizer's slots, a master copy under mixed precision), divided by ``fsdp`` (the fully-sharded degree beside
     the axis); a node holds its outputs' pieces that carry a gradient (saved for the backward; views excluded),
     divided by the data-parallel degree. The nodes and weights of the repeated blocks count ``blocks`` / (the blocks
-    in the graph) times (the whole model's, where the search folds). ``share`` < 1 caps the answer at that share
-    of the unconstrained answer's bytes: the search lowers it where a plan's predicted peak exceeds the budget."""
+    in the graph) times (the whole model's, where the search folds). ``level`` in (0, 1] caps the answer's bytes at
+    that share of the way from the uncapped answer's bytes down to the fewest any answer holds (1: the fewest); the
+    search raises it where a plan's predicted peak exceeds the budget."""
 
-    share: float = 1.0
+    level: float = 0.0
     copies: int = 4
     fsdp: int = 1
     blocks: int | None = None
@@ -240,11 +241,16 @@ def placement(s: Sharding, axis: str) -> Placement:
     return Replicate() if d is None else Shard(d)
 
 
-def options(t: TensorType, axis: str, size: int, partial: bool) -> list[Sharding]:
+def options(t: TensorType, axis: str, size: int, partial: bool, data: int = 1) -> list[Sharding]:
     """The shardings a tensor of type ``t`` may have on ``axis`` of ``size`` devices: replicated, sharded on each
-    dim ``size`` divides, and with ``partial``, partial sums."""
+    dim ``size`` divides (dim 0, which the data-parallel axes beside it may shard ``data`` ways already: ``size`` ×
+    ``data``), and with ``partial``, partial sums."""
     out = [Sharding.replicated(t.ndim)]
-    out += [Sharding.replicated(t.ndim).replace_dim(d, (axis,)) for d, n in enumerate(t.shape) if n % size == 0]
+    out += [
+        Sharding.replicated(t.ndim).replace_dim(d, (axis,))
+        for d, n in enumerate(t.shape)
+        if n % (size * data if d == 0 else size) == 0
+    ]
     if partial:
         out.append(Sharding(((),) * t.ndim, (axis,)))
     return out
@@ -332,7 +338,14 @@ def choices(graph: ComputationGraph, node: Node, pricer: _Pricer, grad: set[str]
     roles = [graph.tensors[t].role for t in node.inputs]
     axis, size = pricer.axis, pricer.group.mesh.axis_size(pricer.axis)
     opts = [
-        options(t, axis, size, r == TensorRole.ACTIVATION and differentiable(t.dtype)) for t, r in zip(types, roles)
+        options(
+            t,
+            axis,
+            size,
+            r == TensorRole.ACTIVATION and differentiable(t.dtype),
+            1 if r == TensorRole.WEIGHT else pricer.data,
+        )
+        for t, r in zip(types, roles)
     ]
     if math.prod(len(o) for o in opts) <= MAX_COMBINATIONS:
         combos: list[tuple[Sharding, ...]] = list(itertools.product(*opts))
@@ -408,7 +421,9 @@ def solve(
     for name, spec_ in graph.tensors.items():
         if spec_.role != TensorRole.ACTIVATION and name not in twin:
             leaf_options[name] = [
-                s for s in options(spec_.type, axis, size, False) if s.axis_dim(axis) not in kept.get(name, ())
+                s
+                for s in options(spec_.type, axis, size, False, 1 if spec_.role == TensorRole.WEIGHT else data)
+                if s.axis_dim(axis) not in kept.get(name, ())
             ]
     for n in graph.nodes:
         if n.name in twin:
@@ -531,8 +546,9 @@ def solve(
             r += 1
     integrality = np.concatenate([np.ones(n_binary), np.zeros(len(flows))])
 
-    def run(cap: float | None) -> np.ndarray:
-        """The program's answer (its variables), with the modeled bytes at most ``cap`` (None: uncapped)."""
+    def run(cap: float | None, least: bool = False) -> np.ndarray:
+        """The program's answer (its variables), with the modeled bytes at most ``cap`` (None: uncapped); with
+        ``least``, the answer of fewest modeled bytes instead of the fastest."""
         rr, cc, vv, bound = list(rows), list(cols), list(vals), list(lo)
         upper = list(lo)
         if cap is not None:
@@ -543,7 +559,7 @@ def solve(
             upper.append(cap)
         matrix = coo_matrix((vv, (rr, cc)), shape=(r + (cap is not None), n_vars)).tocsr()
         res = milp(
-            objective,
+            objective if cap is not None or not least else np.concatenate([held, np.zeros(len(flows))]),
             integrality=integrality,
             bounds=Bounds(np.zeros(n_vars), np.ones(n_vars)),
             constraints=LinearConstraint(matrix, np.array(bound), np.array(upper)),
@@ -558,8 +574,9 @@ def solve(
         return res.x
 
     x = run(None)
-    if memory.share < 1.0:
-        x = run(memory.share * float(np.dot(held, x[:n_binary])))
+    if memory.level > 0:
+        most, fewest = float(np.dot(held, x[:n_binary])), float(np.dot(held, run(None, least=True)[:n_binary]))
+        x = run(most - memory.level * (most - fewest) + 1e-6 * most)
     picked = {owner[v]: v - offset[owner[v]] for v in range(n_binary) if x[v] > 0.5}
     nodes = {n.name: node_choices[unit(n.name)][picked[unit(n.name)]] for n in graph.nodes}
     leaves = {
