@@ -17,7 +17,7 @@ from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh, Partial, Replicate, Shard
 from shardflow.parallel.pcg import build_pcg
 from shardflow.simulator.machine import MachineSpec
-from shardflow.strategy.placements import PlacementError, placement, placements_plan, solve
+from shardflow.strategy.placements import Memory, PlacementError, placement, placements_plan, solve
 from shardflow.strategy.plan import ModulePlan, Plan, PlanError, resolve
 
 H100 = MachineSpec.named("h100")
@@ -136,3 +136,15 @@ def test_a_launch_bound_model_is_refused():
         PlacementError, match="splits no matmul over 'tp': its 4 devices would repeat each other's work"
     ):
         solve(g, "tp", 4, H100)
+
+
+def test_a_memory_cap_trades_seconds_for_bytes():
+    """Memory levels 0 (uncapped), 0.5 and 1 (the fewest bytes any answer holds): the modeled bytes fall and the
+    modeled seconds rise level by level, and at level 1 the weights are stored sharded where uncapped they are not."""
+    g = capture(gpt(vocab=64, width=256), tokens(64, 512, 16))
+    answers = [solve(g, "tp", 8, H100, memory=Memory(level=level)) for level in (0.0, 0.5, 1.0)]
+    held = [a.memory_bytes for a in answers]
+    seconds = [a.seconds for a in answers]
+    assert held[0] > held[1] > held[2] and seconds[0] <= seconds[1] <= seconds[2], (held, seconds)
+    sharded = [sum(placement(s, "tp") != Replicate() for w, s in a.leaves.items() if w in g.weights) for a in answers]
+    assert sharded[0] < sharded[2], sharded
