@@ -73,7 +73,16 @@ from shardflow.strategy import PlanError
 from shardflow.strategy.presets import default_mesh, parse_strategy
 from shardflow.train.config import RANGES, Range, TrainConfig, optimizer_config, step_options
 from shardflow.train.data import DataError
-from shardflow.train.family import DEFAULT_SIZES, Feed, ModelError, buildable, hf_family, is_factory, is_model_type
+from shardflow.train.family import (
+    DEFAULT_SIZES,
+    Feed,
+    ModelError,
+    buildable,
+    check_model_size,
+    hf_family,
+    is_factory,
+    is_model_type,
+)
 
 USER_ERRORS = (
     PlanError,
@@ -264,8 +273,31 @@ def model_and_batch(args: argparse.Namespace, meta: bool = False) -> tuple[torch
             f"--kv-heads {args.kv_heads}: --model {args.model} has no grouped-query attention; drop "
             f"--kv-heads, or plan --model llama"
         )
-    with buildable(", ".join(f"--{k.replace('_', '-')} {v}" for k, v in size.items())):
+    what = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in size.items() if v is not None)
+    with buildable(what):
+        if args.model == "gpt":
+            check_model_size(lambda k: _gpt(size, k), size["layers"], what, max(args.nproc, 1))
+        elif own:
+            check_model_size(lambda k: _mlp(args, size, k), size["layers"], what, max(args.nproc, 1))
         return _model_and_batch(args, cfg, size, own, hf, meta)
+
+
+def _gpt(size: dict[str, Any], layers: int) -> GPT:
+    """``plan --model gpt``'s model with ``layers`` blocks."""
+    return GPT(
+        GPTConfig(
+            vocab_size=size["vocab_size"],
+            block_size=size["seq_len"],
+            n_layer=layers,
+            n_head=size["heads"],
+            n_embd=size["embd"],
+        )
+    )
+
+
+def _mlp(args: argparse.Namespace, size: dict[str, Any], layers: int) -> MLP:
+    """``plan --model mlp``'s model with ``layers`` layers."""
+    return MLP(d_in=size["embd"], hidden=args.mlp or 4 * size["embd"], d_out=size["vocab_size"], n_layers=layers)
 
 
 def _model_and_batch(args: argparse.Namespace, cfg: TrainConfig, size: dict[str, Any], own: bool, hf: bool, meta: bool):
@@ -285,18 +317,8 @@ def _model_and_batch(args: argparse.Namespace, cfg: TrainConfig, size: dict[str,
         return model, Feed.CAUSAL_LM.inputs(idx, targets)
     torch.manual_seed(0)
     if args.model == "gpt":
-        model = GPT(
-            GPTConfig(
-                vocab_size=size["vocab_size"],
-                block_size=size["seq_len"],
-                n_layer=size["layers"],
-                n_head=size["heads"],
-                n_embd=size["embd"],
-            )
-        )
-        return model, {"idx": idx, "targets": targets}
-    hidden = args.mlp or 4 * size["embd"]
-    model = MLP(d_in=size["embd"], hidden=hidden, d_out=size["vocab_size"], n_layers=size["layers"])
+        return _gpt(size, size["layers"]), {"idx": idx, "targets": targets}
+    model = _mlp(args, size, size["layers"])
     return model, {
         "x": torch.randn(size["batch_size"], size["embd"], generator=gen),
         "y": torch.randint(0, size["vocab_size"], (size["batch_size"],), generator=gen),

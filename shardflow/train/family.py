@@ -199,6 +199,18 @@ def _ffn(model_type: str) -> str:
     return kind.ffn if kind else "intermediate_size"
 
 
+def layers_of(family: Family, config: Any) -> Callable[[int], nn.Module]:
+    """``family``'s model of ``config`` with k layers, for :func:`check_model_size`."""
+    import copy
+
+    def build(k: int) -> nn.Module:
+        small = copy.deepcopy(config)
+        small.num_hidden_layers = k
+        return family.build(small)
+
+    return build
+
+
 def hf_config(
     model: str | None,
     config_file: str | None,
@@ -359,6 +371,36 @@ def buildable(what: str) -> Iterator[None]:
         raise ModelError(
             f"{what}: a model or batch of these sizes cannot be made ({one_line(e)}); give smaller sizes"
         ) from None
+
+
+# a model deeper than this is sized before it is built (check_model_size): building it layer by layer takes long
+PROBED_LAYERS = 64
+# the most bytes any one device (accelerator or host) of a run holds: a model whose weights alone exceed this many
+# per process cannot run anywhere, and building it would not end
+MAX_DEVICE_BYTES = 2**41
+
+
+def check_model_size(build: Callable[[int], nn.Module], layers: Any, what: str, devices: int) -> None:
+    """Refuse (ModelError naming ``what``, the flags or file that sized it) a model of more than
+    :data:`PROBED_LAYERS` ``layers`` whose weights alone, at 2 bytes each, exceed ``devices`` ×
+    :data:`MAX_DEVICE_BYTES`: its parameters are counted on copies of 1 and 2 layers (``build(k)``: the model with k
+    layers, built here on the meta device) and drawn as a line to its depth (every layer alike), before anything of
+    its own size is built."""
+    if not isinstance(layers, int) or layers <= PROBED_LAYERS:
+        return
+    counts = []
+    for k in (1, 2):
+        with torch.device("meta"):
+            counts.append(sum(p.numel() for p in build(k).parameters()))
+    params = counts[0] + (counts[1] - counts[0]) * (layers - 1)
+    if 2 * params > devices * MAX_DEVICE_BYTES:
+        per_layer = max(counts[1] - counts[0], 1)
+        fits = max((devices * MAX_DEVICE_BYTES // 2 - counts[0]) // per_layer, 1)
+        raise ModelError(
+            f"{what}: {layers:,} layers make a model of about {params:.3g} parameters ({2 * params / 2**40:.3g} TiB "
+            f"in bf16, counted on 1 and 2 layers), more than {devices} device(s) of at most "
+            f"{MAX_DEVICE_BYTES / 2**40:.0f} TiB each hold; give at most {fits:,} layers, or more devices"
+        )
 
 
 # the config attributes (standard names: a config's attribute_map gives its own) that size a model: integers ≥ 1

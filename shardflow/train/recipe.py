@@ -39,10 +39,12 @@ from shardflow.train.family import (
     ModelError,
     Sizes,
     buildable,
+    check_model_size,
     factory_family,
     hf_config,
     hf_family,
     is_factory,
+    layers_of,
     one_line,
 )
 from shardflow.train.tokenizer import TOKENIZER_FILE, TokenizerChoice
@@ -226,6 +228,8 @@ def build_model(cfg: TrainConfig, vocab_size: int, pretrained: Pretrained | None
             )
     family = hf_family(config.model_type)
     what = ", ".join(given + [f"--model-config {config_file}"] * bool(config_file)) or "the default sizes"
+    with buildable(what):
+        check_model_size(layers_of(family, config), config.num_hidden_layers, what, max(cfg.nproc, 1))
     with buildable(what), torch.device("meta"):
         try:
             return family, config, family.build(config)
