@@ -970,9 +970,31 @@ def calibrate_rank(args: argparse.Namespace) -> NoReturn:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """``shardflow export RUN --out DIR``, holding ``.DIR.lock`` beside DIR while it writes: a second export into the
+    same DIR at once is refused up front, naming the first (the lock file goes with the export)."""
     from shardflow.train.checkpoint import export
+    from shardflow.train.checkpoint.store import CheckpointError
+    from shardflow.train.rundir import exclusive
 
-    out, ck = export(args.run, args.out)
+    target = Path(args.out)
+    at = target.parent / f".{target.name}.lock"
+
+    def refuse(who: str) -> CheckpointError:
+        return CheckpointError(
+            f"--out {target} is being written by another shardflow export ({who}; it holds {at}): wait for it to "
+            f"end, or pass another --out"
+        )
+
+    try:
+        fd: int | None = exclusive(at, refuse)
+    except OSError:  # a directory that cannot be written: export names it
+        fd = None
+    try:
+        out, ck = export(args.run, args.out)
+    finally:
+        if fd is not None:
+            at.unlink(missing_ok=True)
+            os.close(fd)
     print(
         f"wrote {out}: the Hugging Face model of {ck.path} (step {ck.step}) with its tokenizer; load it with "
         f"AutoModelForCausalLM.from_pretrained({str(out)!r}) and AutoTokenizer.from_pretrained({str(out)!r})"

@@ -916,3 +916,28 @@ def test_export_onto_a_full_disk(capsys, tmp_path, finished, monkeypatch):
     code = cli_main(["export", str(finished), "--out", str(out)])
     one_paragraph(code, *capsys.readouterr(), "export", f"cannot write --out {out}", "No space left on device")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_exports_into_one_directory_at_once(capsys, tmp_path, finished):
+    """While one export holds ``.DIR.lock`` (here: this test, as another process would), a second into the same
+    DIR is refused at once, naming the holder; nothing is written, and the lock file goes with the export that
+    holds it."""
+    from shardflow.train.rundir import exclusive
+
+    out = tmp_path / "hf"
+    at = tmp_path / ".hf.lock"
+    fd = exclusive(at, RuntimeError)
+    try:
+        code = cli_main(["export", str(finished), "--out", str(out)])
+        one_paragraph(
+            code,
+            *capsys.readouterr(),
+            "export",
+            f"--out {out} is being written by another shardflow export",
+            f"PID {os.getpid()}",
+        )
+        assert not out.exists()
+    finally:
+        os.close(fd)
+    assert cli_main(["export", str(finished), "--out", str(out)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # the export removed the lock file it held

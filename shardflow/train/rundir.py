@@ -33,6 +33,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 from shardflow import failure
 from shardflow.train.checkpoint import complete_steps
@@ -224,21 +225,33 @@ def lock(run: Path, target: Path | None = None, flag: str = "--run-dir") -> int:
     (:func:`output_lock`), and return the descriptor that holds the lock: closing it, or the end of every process
     that inherited it, releases the lock. Raises RunDirError naming the holder when another process has it."""
     path = run / LOCK if target is None else output_lock(target, flag)
+
+    def refuse(who: str) -> RunDirError:
+        if target is not None:
+            return _in_use(flag, target, who, path)
+        who = who.split(", run directory")[0]  # this directory
+        return RunDirError(
+            f"run directory {run} is in use by another shardflow train ({who} holds {path}); wait for "
+            f"that run to end or stop it, or pass another --run-dir"
+        )
+
+    return exclusive(path, refuse, str(run))
+
+
+def exclusive(path: Path, refuse: Callable[[str], Exception], note: str = "") -> int:
+    """Hold an exclusive ``flock`` on lock file ``path`` (created if missing), which then reads this process's PID,
+    host and ``note``, and return its descriptor (closing it, or the end of every process that inherited it,
+    releases the lock). Raises ``refuse(holder)`` — the holder as :func:`_holder` words it — when another process
+    holds it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         who = _holder(fd)
         os.close(fd)
-        if target is not None:
-            raise _in_use(flag, target, who, path) from None
-        who = who.split(", run directory")[0]  # this directory
-        raise RunDirError(
-            f"run directory {run} is in use by another shardflow train ({who} holds {path}); wait for "
-            f"that run to end or stop it, or pass another --run-dir"
-        ) from None
+        raise refuse(who) from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {socket.gethostname()} {run}\n".encode())
+    os.write(fd, f"{os.getpid()} {socket.gethostname()} {note}".strip().encode() + b"\n")
     return fd
 
 
