@@ -941,3 +941,15 @@ def test_two_exports_into_one_directory_at_once(capsys, tmp_path, finished):
         os.close(fd)
     assert cli_main(["export", str(finished), "--out", str(out)]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # the export removed the lock file it held
+
+
+def test_another_steps_under_a_decaying_learning_rate_is_a_changed_setting():
+    """--steps sets every step's learning rate under --lr-schedule cosine or linear (it decays to the last step), so
+    --resume with another --steps would match neither run: a changed setting (refused unless
+    --allow-changed-settings); under a constant learning rate more steps just continue the run."""
+    from shardflow.train.checkpoint.resume import changed_settings
+
+    cosine = {"lr_schedule": "cosine", "steps": 2, "seed": 0}
+    assert changed_settings(cosine, {**cosine, "steps": 4}) == [("--steps", 2, 4)]
+    constant = {"lr_schedule": "constant", "steps": 2, "seed": 0}
+    assert changed_settings(constant, {**constant, "steps": 4}) == []

@@ -187,7 +187,8 @@ class TrainConfig:
     allow_changed_settings: bool = _f(
         False,
         "with --resume: continue although a setting that changes the numbers (--seed, --optimizer and its settings, "
-        "the learning-rate schedule, --clip-norm, --batch-size, --seq-len, --dropout) differs from the checkpoint's; "
+        "the learning-rate schedule, --clip-norm, --batch-size, --seq-len, --dropout, and --steps under a decaying "
+        "--lr-schedule) differs from the checkpoint's; "
         "without it such a run is refused, since its losses would not match the uninterrupted run's",
     )
     overwrite: bool = _f(

@@ -24,8 +24,9 @@ _OPT_NAMES = {
 
 # The settings of shardflow train that change a run's numbers and that no other check of --resume compares (the corpus,
 # tokenizer, model sizes and optimizer state slots are): a resumed run with another value would not reproduce the
-# uninterrupted run's losses. (--steps is not: a resumed run is given more; nor the placement, --accumulate,
-# --microbatches, --dtype or --ac, under which a run resumes to float32 rounding, docs/execution.md.)
+# uninterrupted run's losses. (--steps only under a decaying learning rate, whose every step it sets: with a constant
+# one, a resumed run is given more steps; not the placement, --accumulate, --microbatches, --dtype or --ac, under
+# which a run resumes to float32 rounding, docs/execution.md.)
 NUMERIC_SETTINGS = (
     "seed",
     "optimizer",
@@ -39,20 +40,22 @@ NUMERIC_SETTINGS = (
     "batch_size",
     "seq_len",
     "dropout",
+    "steps",
 )
 
 
 def changed_settings(saved: Mapping[str, Any], ours: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(flag, the checkpoint's value, this run's) for each of :data:`NUMERIC_SETTINGS` that differs between the
     settings a checkpoint records (``saved``; one it lacks is not compared) and this run's (``ours``): ``--momentum``
-    only where both use SGD, ``--lr-min-ratio`` only where a schedule decays to it."""
+    only where both use SGD, ``--lr-min-ratio`` and ``--steps`` only where a schedule decays (to the ratio, at the
+    last step)."""
     out = []
     for name in NUMERIC_SETTINGS:
         if name not in saved or saved[name] == ours.get(name):
             continue
         if name == "momentum" and not saved.get("optimizer") == ours.get("optimizer") == str(Optimizer.SGD):
             continue
-        if name == "lr_min_ratio" and saved.get("lr_schedule") == ours.get("lr_schedule") == "constant":
+        if name in ("lr_min_ratio", "steps") and saved.get("lr_schedule") == ours.get("lr_schedule") == "constant":
             continue
         out.append(("--" + name.replace("_", "-"), saved[name], ours.get(name)))
     return out
