@@ -158,3 +158,26 @@ def test_a_resized_config_recomputes_its_head_size():
     assert hf_config("llama", None, Sizes(), 1024, 64, 0.0).head_dim == 32
     c = hf_config("llama", None, Sizes(embd=256, heads=8), 1024, 64, 0.0)
     assert c.head_dim == 32 and c.hidden_size == 256
+
+
+def test_a_config_files_own_residual_and_embedding_dropout_is_kept(tmp_path):
+    """A GPT-2 config.json with resid_pdrop 0.1 and embd_pdrop 0.2 (before: zeroed without a word by the default
+    --dropout 0): kept as the file says; --dropout 0.3 replaces both; attention dropout stays 0 (refused when asked)."""
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_embd": 64,
+                "n_layer": 1,
+                "n_head": 4,
+                "resid_pdrop": 0.1,
+                "embd_pdrop": 0.2,
+                "attn_pdrop": 0.0,
+            }
+        )
+    )
+    kept = hf_config(None, str(path), Sizes(), vocab_size=300, seq_len=32, dropout=0.0)
+    assert (kept.resid_pdrop, kept.embd_pdrop, kept.attn_pdrop) == (0.1, 0.2, 0.0)
+    flag = hf_config(None, str(path), Sizes(), vocab_size=300, seq_len=32, dropout=0.3)
+    assert (flag.resid_pdrop, flag.embd_pdrop) == (0.3, 0.3)

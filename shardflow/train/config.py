@@ -112,7 +112,7 @@ class TrainConfig:
     dropout: float = _f(
         0.0,
         "dropout probability of the residual and embedding dropout (gpt2; Llama-style models have "
-        "none outside attention, whose dropout shardflow does not support)",
+        "none outside attention, whose dropout shardflow does not support); 0 keeps a --model-config's own",
     )
     dtype: str = _f(
         "float32",

@@ -313,7 +313,11 @@ def hf_config(
                 )
             )
         for attr in kind.dropouts:
-            setattr(config, attr, dropout)
+            # a config file's own residual or embedding dropout is kept unless --dropout gives another (it is not
+            # zeroed without a word; set it to 0 in the file to train without it)
+            given = base.get(attr) if base else None
+            kept = dropout == 0 and isinstance(given, (int, float)) and not isinstance(given, bool) and given != 0
+            setattr(config, attr, given if kept else dropout)
         setattr(config, kind.attention_dropout, 0.0)
     if not keep_vocab:
         config.vocab_size = vocab_size
