@@ -641,14 +641,37 @@ def test_resumed_metrics_keep_the_records_up_to_the_checkpoint(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo')
-    with open_metrics(path, 3) as f:  # the stopped run got to step 5 (and half a line) after its checkpoint at 3
+    f, last = open_metrics(path, 3)  # the stopped run got to step 5 (and half a line) after its checkpoint at 3
+    with f:
         f.write(json.dumps({"step": 4, "loss": 2.0}) + "\n")
+    assert last == 3
     assert [(m["step"], m["loss"]) for m in map(json.loads, path.read_text().splitlines())] == [
         (1, 1.0),
         (2, 1.0),
         (3, 1.0),
         (4, 2.0),
     ]
+
+
+def test_a_metrics_file_cut_short_before_the_checkpoint_is_said(tmp_path):
+    """A metrics file cut short at step 2 while the checkpoint is at step 5 (before: the resumed run appended from
+    step 6, a gap no line mentioned): the writer names the missing steps 3 to 5 for the console; none where the file
+    holds every step, or on a new run."""
+    from shardflow.train.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2)))
+    cut = MetricsWriter(path, 5)
+    assert cut.missing == (3, 5)
+    assert cut.gap() == (
+        f"{path} holds no records of steps 3 to 5: it was cut short before the checkpoint this run resumes from (a "
+        f"full disk, or an edit); the records go on from step 6, and those steps' losses are lost"
+    )
+    cut.file.close()
+    whole = MetricsWriter(path, 2)
+    assert whole.missing is None and whole.gap() is None
+    whole.file.close()
+    assert MetricsWriter(tmp_path / "new.jsonl", 0).missing is None
 
 
 def test_init_from_reads_only_the_pieces_it_is_asked_for(tmp_path):

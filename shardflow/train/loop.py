@@ -140,6 +140,8 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     console.metrics(meter, [metrics_file] + ([board] if board else []))
     if resumed is not None:
         console.resumed(resumed, start)
+        if metrics is not None and (gap := metrics.gap()):
+            console.say(gap)
 
     def val_loss() -> float:
         return sum(evaluate.step(s.batch(Split.VAL, i)) for i in range(s.eval_batches)) / s.eval_batches

@@ -43,7 +43,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -53,22 +53,25 @@ from shardflow.runtime.executor import Executor
 TENSORBOARD_DIR = "tensorboard"  # under the run directory
 
 
-def open_metrics(path: Path, start: int):
+def open_metrics(path: Path, start: int) -> tuple[IO[str], int | None]:
     """The metrics file: new, or on resume the records up to ``start`` kept (a run that went on past its last
-    checkpoint wrote records that the resumed run writes again) and appended to."""
+    checkpoint wrote records that the resumed run writes again) and appended to; and the step of the last record
+    kept (None for a new file)."""
     if start == 0 or not path.exists():
-        return open(path, "w")
-    keep = []
+        return open(path, "w"), None
+    keep, last = [], 0
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] <= start:
+            step = json.loads(line)["step"]
+            if step <= start:
                 keep.append(line + "\n")
+                last = max(last, step)
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short when the run was stopped
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(keep))
     os.replace(tmp, path)
-    return open(path, "a")
+    return open(path, "a"), last
 
 
 # --- the denominators: peak FLOP/s and memory of one device -----------------------------------------------------
@@ -189,12 +192,27 @@ class MetricsWriter:
     earlier run wrote from step ``start + 1`` on (the steps this run writes again)."""
 
     def __init__(self, path: Path, start: int, tensorboard: Path | None = None):
-        self.file = open_metrics(path, start)
+        self.file, last = open_metrics(path, start)
+        # the steps a resumed run's file has no records of: it was cut short (a full disk, an editor) before the
+        # checkpoint it resumes from
+        self.missing = (last + 1, start) if last is not None and last < start else None
+        self.path = path
         self.board = None
         if tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package (checked up front)
 
             self.board = SummaryWriter(str(tensorboard), purge_step=start + 1, flush_secs=10)
+
+    def gap(self) -> str | None:
+        """The console's line about :attr:`missing`, or None."""
+        if self.missing is None:
+            return None
+        first, last = self.missing
+        steps = f"step {first}" if first == last else f"steps {first} to {last}"
+        return (
+            f"{self.path} holds no records of {steps}: it was cut short before the checkpoint this run resumes from "
+            f"(a full disk, or an edit); the records go on from step {last + 1}, and those steps' losses are lost"
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         """One step's record: a line of the file (flushed), a scalar per key in TensorBoard."""
