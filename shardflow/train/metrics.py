@@ -76,28 +76,37 @@ def open_metrics(path: Path, start: int) -> tuple[IO[str], int | None]:
 
 # --- the denominators: peak FLOP/s and memory of one device -----------------------------------------------------
 
-PEAK_MATMUL = 2048  # the side of the matmul timed to measure a device's peak
+PEAK_MATMUL = 2048  # the largest side of the matmul timed to measure a device's peak
+SMALLEST_MATMUL = 256  # the side it starts from
 PEAK_REPEATS = 3  # timed repeats after one warm-up; the best counts
+SLOW_MATMUL_S = 0.05  # a matmul that takes this long is large enough: the side stops growing
 
 
-def measure_peak_tflops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
-    """The FLOP/s of one ``PEAK_MATMUL``² matmul in ``dtype`` (the run's compute dtype: a GPU's bfloat16 peak is many
-    times its float32 one) on ``device`` (TFLOP/s; 2 FLOPs per multiply-add), best of ``PEAK_REPEATS`` after a
-    warm-up — what this device reaches on the kind of work model FLOPs count, with the threads this process has.
-    About a second on a CPU core, milliseconds on a GPU."""
-    n = PEAK_MATMUL
-    gen = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    b = torch.randn(n, n, device=device, generator=gen).to(dtype)
-    best = math.inf
-    for k in range(PEAK_REPEATS + 1):
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if k:  # the first is the warm-up
-            best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e12
+def measure_peak_tflops(
+    device: torch.device, dtype: torch.dtype = torch.float32, slow_s: float = SLOW_MATMUL_S
+) -> tuple[float, int]:
+    """The FLOP/s of an n² matmul in ``dtype`` (the run's compute dtype: a GPU's bfloat16 peak is many times its
+    float32 one) on ``device`` (TFLOP/s; 2 FLOPs per multiply-add), best of ``PEAK_REPEATS`` after a warm-up — what
+    this device reaches on the kind of work model FLOPs count, with the threads this process has — and n. The side
+    doubles from ``SMALLEST_MATMUL`` up to ``PEAK_MATMUL`` while one matmul takes less than ``slow_s`` seconds, so
+    a dtype the device computes slowly (bfloat16 on a CPU without native bfloat16: minutes for a 2048² matmul) is
+    measured in about a second too."""
+    n = SMALLEST_MATMUL
+    while True:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, generator=gen).to(dtype)
+        b = torch.randn(n, n, device=device, generator=gen).to(dtype)
+        best = math.inf
+        for k in range(PEAK_REPEATS + 1):
+            t0 = time.perf_counter()
+            a @ b
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if k:  # the first is the warm-up
+                best = min(best, time.perf_counter() - t0)
+        if n >= PEAK_MATMUL or best >= slow_s:
+            return 2 * n**3 / best / 1e12, n
+        n *= 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +123,9 @@ class Peak:
         (:func:`measure_peak_tflops`)."""
         if given_tflops > 0:
             return cls(given_tflops, "--peak-tflops")
+        tflops, n = measure_peak_tflops(device, dtype)
         return cls(
-            measure_peak_tflops(device, dtype),
-            f"measured at start-up: best of {PEAK_REPEATS} "
-            f"{dtype_name(dtype)} "
-            f"{PEAK_MATMUL}×{PEAK_MATMUL} matmuls on {device}",
+            tflops, f"measured at start-up: best of {PEAK_REPEATS} {dtype_name(dtype)} {n}×{n} matmuls on {device}"
         )
 
 
