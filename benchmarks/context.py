@@ -34,18 +34,40 @@ from ranks import state_bytes  # noqa: E402
 DEGREES = (1, 2, 4)
 
 
-def measure(cp: int, seq_len: int) -> dict:
+def measure(cp: int, seq_len: int, form: str = "auto") -> dict:
     strategy, mesh = ("single", "d=1") if cp == 1 else ("cp", f"cp={cp}")
-    ex, s, batch = main_job(strategy, mesh, seq_len=seq_len, batch_size=1)
+    ex, s, batch = main_job(strategy, mesh, seq_len=seq_len, batch_size=1, cp_attention=form)
     t0 = time.perf_counter()
     ex.step(batch)
+    comms = s.lower().programs[0].comms
     return {
         "cp": cp,
+        "form": form,
         "peak": ex.peak_bytes[0],
         "state": sum(state_bytes(ex.dg, 0).values()),
         "seconds": time.perf_counter() - t0,
         "params": sum(p.numel() for p in s.model.parameters()),
+        "sent": sum(c.nbytes for c in comms if c.axis == "cp"),
+        "kinds": sorted({str(c.family) for c in comms if c.axis == "cp"}),
     }
+
+
+def forms_section(rows: list[dict], seq_len: int) -> list[str]:
+    """The attention forms side by side at one degree: rank 0's peak and the bytes it sends over cp per step."""
+    lines = [
+        "",
+        f"**The attention forms** (`--cp-attention`, docs/concepts.md#context-parallelism), cp = {rows[0]['cp']}, the "
+        f"same sequence of {seq_len:,} tokens: rank 0's peak and the bytes it sends over cp in one step (forward "
+        f"and backward; every rank sends as much).",
+        "",
+        "| form | peak (B) | peak − state (B) | sent over cp (B) | collectives over cp |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['form']} | {r['peak']:,} | {r['peak'] - r['state']:,} | {r['sent']:,} | {', '.join(r['kinds'])} |"
+        )
+    return lines
 
 
 def section(rows: list[dict], seq_len: int, seconds: float) -> str:
@@ -97,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     for cp in DEGREES:
         rows.append(measure(cp, args.seq_len))
         print(f"cp={cp}: peak {rows[-1]['peak']:,} B, state {rows[-1]['state']:,} B", file=sys.stderr)
-    text = section(rows, args.seq_len, time.monotonic() - t0)
+    forms = [measure(2, args.seq_len, form) for form in ("all_gather", "all_to_all")]
+    text = section(rows, args.seq_len, time.monotonic() - t0) + "\n".join(forms_section(forms, args.seq_len)) + "\n"
     print(text)
     if not args.no_write:
         write_section(Path(args.out), text)

@@ -479,6 +479,7 @@ def parallelize(
     microbatches: int = 1,
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
+    cp_attention: str = "auto",
     reshard_after_forward: bool = True,
     ac: str = "none",
     ac_blocks: int | None = None,
@@ -541,6 +542,8 @@ def parallelize(
             this many microbatches through the stages of a ``pp`` mesh, in ``schedule``'s order (``"1f1b"``,
             ``"gpipe"`` or ``"interleaved"`` with ``stages_per_rank`` ≥ 2 chunks of the model per stage); the model
             is captured on one microbatch, the weights are updated once per step (docs/lowering.md §15).
+        cp_attention: under a ``cp`` axis, how attention reads the split sequence: ``"all_gather"``,
+            ``"all_to_all"`` (DeepSpeed-Ulysses) or ``"auto"`` (:class:`~shardflow.lower.cost.CPAttention`).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
         ac: activation checkpointing, ``"none"`` or ``"block"``: each block (a module under an integer index, such
@@ -602,6 +605,7 @@ def parallelize(
         schedule=schedule,
         stages_per_rank=stages_per_rank,
         accumulate=accumulate,
+        cp_attention=cp_attention,
     )
     if isinstance(plan, Mapping):
         plan = plan_from_styles(model, plan, styles_axis(mesh))

@@ -111,7 +111,7 @@ class Pipeline:
         """The pipeline of captured ``graph`` planned on ``mesh`` (:func:`plan_pcg`: ``plan``, else preset
         ``strategy``, else the mesh's; ``strict`` refuses where a rule refuses). Raises PlanError, DegreeError,
         RuleError."""
-        chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict, options.stages_per_rank)
+        chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict, options.stages_per_rank, str(options.cp_attention))
         return cls(graph, chosen, pcg, options, optimizer, clip_norm)
 
     @property
@@ -248,15 +248,18 @@ def plan_pcg(
     plan: Plan | str | Path | None = None,
     strict: bool = False,
     stages_per_rank: int = 1,
+    cp_attention: str = "auto",
 ) -> tuple[Plan, PCG]:
     """The plan — ``plan`` (a :class:`Plan` or a JSON/TOML file), else the preset ``strategy``, else the preset the
     mesh's axes name (:func:`mesh_strategy`) — and its PCG on ``mesh``. ``strict``: a rule's refusal is an error
     instead of a redistribution; ``stages_per_rank``: the chunks of the model each pipeline stage of a preset holds
-    (the interleaved schedule's). Raises PlanError, DegreeError, RuleError (strict) as planning does."""
+    (the interleaved schedule's); ``cp_attention``: how a preset's attention reads a sequence split over cp
+    (:class:`~shardflow.lower.cost.CPAttention`). Raises PlanError, DegreeError, RuleError (strict) as planning
+    does."""
     if plan is not None and strategy is not None:
         raise PlanError("give a strategy or a plan, not both")
     if plan is None:
-        plan = make_plan(graph, mesh, strategy or mesh_strategy(mesh), stages_per_rank)
+        plan = make_plan(graph, mesh, strategy or mesh_strategy(mesh), stages_per_rank, cp_attention)
     elif not isinstance(plan, Plan):
         plan = load_plan(plan)
     return plan, build_pcg(graph, mesh, resolve(plan, graph, mesh), strict=strict)

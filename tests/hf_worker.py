@@ -45,9 +45,9 @@ def model_and_graph(name: str):
     return model, b, graph
 
 
-def plan_pcg(graph, mesh_text: str, strategy: str) -> PCG:
+def plan_pcg(graph, mesh_text: str, strategy: str, cp_attention: str = "auto") -> PCG:
     mesh = Mesh.parse(mesh_text)
-    return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+    return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy, cp_attention=cp_attention), graph, mesh))
 
 
 def compare(model: torch.nn.Module, b: dict, graph, ex: Executor) -> dict[str, float]:

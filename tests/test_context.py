@@ -93,3 +93,71 @@ def test_cp_needs_a_sequence_dim():
     graph = b.build([loss], loss)
     with pytest.raises(PlanError, match=r"no data input of the model has two dims \(its inputs: \['x'\]\)"):
         make_plan(graph, Mesh.parse("cp=2"), "cp")
+
+
+# --- the all-to-all form (DeepSpeed-Ulysses) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh, strategy", [("cp=2", "cp"), ("dp=2,cp=2", "dp,cp")])
+def test_all_to_all_attention_equals_eager(llama, mesh, strategy):
+    """--cp-attention all_to_all on the Llama (4 query, 2 key/value heads): 2 SGD steps equal eager PyTorch's loss,
+    gradients and every weight replica within TOL, float64."""
+    model, b, graph = llama
+    pcg = plan_pcg(graph, mesh, strategy, cp_attention="all_to_all")
+    diffs = compare(model, b, graph, LocalExecutor(lower_step(pcg, SGD.slots), SGD))
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def test_all_to_all_moves_heads_and_back(llama):
+    """Each attention reads q, k and v on its heads (an all-to-all each from the sequence) and gives its output back
+    onto the sequence (one more): 4 all-to-alls over cp per layer more than the all-gather form in the forward and 4
+    in the backward (the loss's moves are the same in both), and no key or value gathered."""
+    _, _, graph = llama
+    pcg = plan_pcg(graph, "cp=2", "cp", cp_attention="all_to_all")
+    for n in (n for n in pcg.nodes if isinstance(n.op, O.Attention)):
+        assert all(pcg.tensors[t].sharding.dims[1] == ("cp",) for t in n.inputs[:3])  # [B, H, T, D] on H
+        assert all(pcg.tensors[t].sharding.dims[2] == () for t in n.inputs[:3])  # every position
+    gathered = plan_pcg(graph, "cp=2", "cp", cp_attention="all_gather")
+    a2a, ag = (
+        Counter((c.task, c.family) for c in lower_step(p, SGD.slots).programs[0].comms if c.axis == "cp")
+        for p in (pcg, gathered)
+    )
+    for task in ("FWD", "BWD"):
+        assert a2a[(task, "all_to_all")] - ag[(task, "all_to_all")] == 4 * LAYERS
+    assert ag[("FWD", "all_gather")] - a2a[("FWD", "all_gather")] == 2 * LAYERS  # the keys and values
+    assert not [r for r in pcg.redistributions if isinstance(r.op, O.Attention)]
+
+
+def test_auto_takes_the_form_that_sends_fewer_bytes():
+    """Per attention, all-to-all sends 4 pieces of 1/cp, all-gather the rest of k and v: with as many key/value heads
+    as query heads they tie at cp = 2 (all-gather kept) and all-to-all wins at cp = 4; heads cp does not divide keep
+    the all-gather, and all_to_all asked for them is refused, naming the node, the heads and the fix."""
+    b = GraphBuilder()
+    q, k, v = (b.input(name, (2, 4, 16, 8)) for name in "qkv")
+    (out,) = b.apply(O.Attention(causal=True), [q, k, v])
+    graph = b.build([out])
+    assert not make_plan(graph, Mesh.parse("cp=2"), "cp").modules  # a tie: all-gather
+    assert list(make_plan(graph, Mesh.parse("cp=4"), "cp").modules) == [graph.nodes[0].name]
+    gqa = GraphBuilder()
+    q = gqa.input("q", (2, 4, 16, 8))
+    k, v = (gqa.input(name, (2, 2, 16, 8)) for name in "kv")
+    (out,) = gqa.apply(O.Attention(causal=True, gqa=True), [q, k, v])
+    grouped = gqa.build([out])
+    assert not make_plan(grouped, Mesh.parse("cp=4"), "cp").modules  # 2 key/value heads: cp=4 does not divide them
+    with pytest.raises(
+        PlanError, match=r"over cp=4, but it has 4 query and 2 key/value heads, which 4 does not divide"
+    ):
+        make_plan(grouped, Mesh.parse("cp=4"), "cp", cp_attention="all_to_all")
+
+
+def test_cp_needs_attention():
+    """A model whose data input has a sequence dim but no attention: nothing for cp to split, refused naming dp and
+    fsdp."""
+    b = GraphBuilder()
+    x = b.input("x", (2, 8))
+    loss = b.sum(b.mul(x, x))
+    graph = b.build([loss], loss)
+    with pytest.raises(
+        PlanError, match=r"the model has no attention \(F.scaled_dot_product_attention\); split its batch"
+    ):
+        make_plan(graph, Mesh.parse("cp=2"), "cp")

@@ -58,6 +58,18 @@ DEFAULT_BANDWIDTH: Mapping[str, Mapping[str, float]] = {
 DEFAULT_ALPHA_S = {"gloo": 4e-4, "nccl": 2e-5}
 
 
+class CPAttention(StrEnum):
+    """How attention reads a sequence split over the ``cp`` axis (``--cp-attention``;
+    docs/concepts.md#context-parallelism): ``all_gather`` the keys and values, each device's queries keeping their
+    block; ``all_to_all`` the
+    queries, keys and values onto heads (each device then holds every position of its heads: DeepSpeed-Ulysses) and
+    the output back onto the sequence; ``auto`` the one that sends fewer bytes."""
+
+    AUTO = "auto"
+    ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"
+
+
 class CommForm(StrEnum):
     """How lowering runs an all-gather or a reduce-scatter
     (docs/lowering.md#10-all-gather-and-reduce-scatter-forms-the-cost-model-machine-views): the plain collective, a ring
@@ -231,7 +243,8 @@ class LowerOptions:
     ``microbatches``: the step's batch cut into this many microbatches (``--microbatches``; the graph is captured on
     one), run in the order of pipeline ``schedule`` (``--schedule``: :class:`~shardflow.lower.schedule.ScheduleKind`);
     the updates run once per step (:mod:`shardflow.lower.schedule`). ``stages_per_rank``: the chunks of the model
-    each pipeline stage of a preset holds (the interleaved schedule's).
+    each pipeline stage of a preset holds (the interleaved schedule's). ``cp_attention``: how a preset's attention
+    reads a sequence split over ``cp`` (:class:`CPAttention`).
 
     ``accumulate``: gradient accumulation, the micro-steps of one optimizer step (``--accumulate``;
     :class:`~shardflow.lower.dynamic.MicroStep`), each on an equal part of the batch.
@@ -250,6 +263,7 @@ class LowerOptions:
     stages_per_rank: int = 1
     accumulate: int = 1
     ac_blocks: int | None = None
+    cp_attention: CPAttention = CPAttention.AUTO
 
     @classmethod
     def parse(
@@ -267,6 +281,7 @@ class LowerOptions:
         schedule: str = "1f1b",
         stages_per_rank: int = 1,
         accumulate: int = 1,
+        cp_attention: str = "auto",
     ) -> LowerOptions:
         """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
         arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.
@@ -316,6 +331,7 @@ class LowerOptions:
             stages_per_rank=stages_per_rank,
             accumulate=accumulate,
             ac_blocks=ac_blocks,
+            cp_attention=_choice("cp_attention", cp_attention, tuple(CPAttention)),
         )
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:

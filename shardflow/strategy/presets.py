@@ -41,7 +41,7 @@ from shardflow.graph.flops import node_flops
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.graph.softmax import softmax_heads
-from shardflow.parallel.mesh import Mesh, Replicate, Shard
+from shardflow.parallel.mesh import Mesh, Placement, Replicate, Shard
 from shardflow.parallel.ops import CombineOp
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
@@ -411,21 +411,60 @@ def tensor_parallel(
     return Plan(modules, name="sp")
 
 
-def context_parallel(graph: ComputationGraph, axis: str = "cp") -> Plan:
-    """Context parallelism on ``axis`` (docs/concepts.md#context-parallelism): every data input of two dims or more
-    is ``Shard(1)``, its sequence split into contiguous blocks, and so is every activation that follows it; the
-    weights stay replicated, their gradients summed over the axis as under dp. Attention reads every key: the
-    planner all-gathers the keys and values (the all-gather form of PyTorch's ``context_parallel``), each device's
-    queries attending with their block's rows of the causal mask (:func:`~shardflow.parallel.rules.rule_attention`),
-    and the backward reduce-scatters the key and value gradients. Raises PlanError when no data input has a
-    sequence dim."""
+def context_parallel(graph: ComputationGraph, degree: int = 2, axis: str = "cp", attention: str = "auto") -> Plan:
+    """Context parallelism on ``axis`` of ``degree`` devices (docs/concepts.md#context-parallelism): every data input
+    of two dims or more is ``Shard(1)``, its sequence split into contiguous blocks, and so is every activation that
+    follows it; the weights stay replicated, their gradients summed over the axis as under dp. Each attention reads
+    the whole sequence, as ``attention`` says (``--cp-attention``, :class:`~shardflow.lower.cost.CPAttention`):
+
+    * ``all_gather``: the planner all-gathers the keys and values (the all-gather form of PyTorch's
+      ``context_parallel``), each device's queries attending with their block's rows of the causal mask
+      (:func:`~shardflow.parallel.rules.rule_attention`); the backward reduce-scatters the key and value gradients;
+    * ``all_to_all`` (DeepSpeed-Ulysses, Jacobs et al. 2023): the queries, keys and values move from the sequence
+      onto the heads (``Shard`` of the heads dim: an all-to-all each), every device attends over the whole sequence
+      for its heads, and the output moves back onto the sequence — four all-to-alls of a 1/``degree`` piece, where
+      the all-gather receives the whole keys and values; the degree must divide the key/value heads;
+    * ``auto``: per attention, all-to-all where the degree divides its heads and it sends fewer bytes — for
+      grouped-query attention with g query heads per key/value head, where ``degree`` > g + 1 — else all-gather.
+
+    Raises PlanError when no data input has a sequence dim, the model has no attention, or ``all_to_all`` meets
+    heads the degree does not divide."""
     inputs = {name: {axis: Shard(1)} for name in graph.inputs if len(graph.tensors[name].shape) >= 2}
     if not inputs:
         raise PlanError(
             f"context parallelism splits the sequence (dim 1) of the batch, but no data input of the model has two "
             f"dims (its inputs: {list(graph.inputs)}); use dp or fsdp to split the batch instead"
         )
-    return Plan(inputs=inputs, name="cp")
+    attentions = [n for n in graph.nodes if isinstance(n.op, O.Attention)]
+    if not attentions:
+        raise PlanError(
+            "context parallelism splits the sequence that attention reads whole, but the model has no attention "
+            "(F.scaled_dot_product_attention); split its batch with dp or fsdp instead"
+        )
+    if attention not in ("auto", "all_gather", "all_to_all"):
+        raise PlanError(f"--cp-attention {attention!r}: give all_gather, all_to_all or auto")
+    modules: dict[str, ModulePlan] = {}
+    for n in attentions:
+        q, k, v = (graph.tensors[t].type for t in n.inputs[:3])
+        out = graph.tensors[n.outputs[0]].type
+        heads, kv = q.shape[-3], k.shape[-3]
+        splits = heads % degree == 0 and kv % degree == 0
+        if attention == "all_to_all" and not splits:
+            raise PlanError(
+                f"--cp-attention all_to_all moves attention {n.name!r} (in {n.scope or 'the model'}) onto its heads "
+                f"over cp={degree}, but it has {heads} query and {kv} key/value heads, which {degree} does not "
+                f"divide: use --cp-attention all_gather, or a cp degree that divides {kv}"
+            )
+        gathered = (degree - 1) * (k.nbytes + v.nbytes) // degree  # each device receives the rest of k and v
+        moved = (degree - 1) * (q.nbytes + k.nbytes + v.nbytes + out.nbytes) // degree**2  # its piece of 4, re-cut
+        if attention == "all_to_all" or attention == "auto" and splits and moved < gathered:
+            on_heads: dict[str, Placement] = {axis: Shard(q.ndim - 3)}
+            whole: dict[str, Placement] = {axis: Replicate()}
+            modules[n.name] = ModulePlan(
+                operands=(on_heads, on_heads, on_heads, *(whole for _ in n.inputs[3:])),
+                output={axis: Shard(out.ndim - 2)},
+            )
+    return Plan(modules, inputs=inputs, name="cp")
 
 
 def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", others: Plan | None = None) -> Plan:
@@ -582,9 +621,12 @@ def default_mesh(strategy: str, nproc: int) -> Mesh:
     return Mesh((AXIS_OF[names[0]],), (nproc,))
 
 
-def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_rank: int = 1) -> Plan:
+def make_plan(
+    graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_rank: int = 1, cp_attention: str = "auto"
+) -> Plan:
     """The combined plan of the named strategies on ``mesh`` (each uses the axis of its name; sp uses tp);
-    ``stages_per_rank``: the chunks of the model each pipeline stage holds (:func:`pipeline`'s ``virtual``).
+    ``stages_per_rank``: the chunks of the model each pipeline stage holds (:func:`pipeline`'s ``virtual``);
+    ``cp_attention``: how attention reads a sequence split over cp (:func:`context_parallel`'s ``attention``).
 
     Raises PlanError if a strategy's axis is missing from the mesh, a mesh axis is used by no strategy, or
     ``stages_per_rank`` > 1 without pp.
@@ -624,7 +666,7 @@ def make_plan(graph: ComputationGraph, mesh: Mesh, strategy: str, stages_per_ran
             "tp": lambda: tensor_parallel(graph, size),
             "sp": lambda: tensor_parallel(graph, size, sequence=True),
             "pp": lambda: pipeline(graph, size, virtual=stages_per_rank),
-            "cp": lambda: context_parallel(graph),
+            "cp": lambda: context_parallel(graph, size, attention=cp_attention),
         }[n]()
         plan = part if plan.name == "single" else plan.merge(part)
     return plan

@@ -86,6 +86,13 @@ class TrainConfig:
         "chunks of the model each pipeline stage holds (virtual stages; 2 or more with "
         "--schedule interleaved, whose bubble shrinks by that factor)",
     )
+    cp_attention: str = _f(
+        "auto",
+        "under cp: how attention reads the split sequence: all_gather (the keys and values gathered, each device's "
+        "queries kept), all_to_all (queries, keys and values moved onto heads and back: DeepSpeed-Ulysses; cp must "
+        "divide the key/value heads) or auto (the one that sends fewer bytes)",
+        choices=("auto", "all_gather", "all_to_all"),
+    )
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(
         None,
@@ -379,7 +386,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
     """The typed options of the step settings ``settings`` names as ``shardflow train`` does — a
     :class:`TrainConfig`, or ``shardflow plan``'s flags of the same names (``all_gather``, ``reduce_scatter``,
     ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``ac_blocks``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
-    ``accumulate``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
+    ``accumulate``, ``cp_attention``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
     it does)."""
     return LowerOptions.parse(
         cost=cost,
@@ -394,6 +401,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
         schedule=settings.schedule,
         stages_per_rank=settings.stages_per_rank,
         accumulate=settings.accumulate,
+        cp_attention=settings.cp_attention,
     )
 
 
