@@ -802,7 +802,10 @@ def test_make_test_fast_runs_the_unit_tier():
 
 def test_make_lint_and_typecheck_pass():
     """Every line of the Makefile's ``lint`` and ``typecheck`` recipes, run with this environment's tools: ruff's checks
-    and format check find nothing, and mypy's errors are exactly tools/mypy-baseline.txt's."""
+    and format check find nothing, and mypy's errors are exactly tools/mypy-baseline.txt's. Skipped where .ci/run
+    ran the same recipes on this tree just before the tests (it sets SHARDFLOW_GATES_PASSED)."""
+    if os.environ.get("SHARDFLOW_GATES_PASSED") == "1":
+        pytest.skip("make lint and make typecheck passed on this tree just before the tests (.ci/run)")
     makefile = (ROOT / "Makefile").read_text()
     for target in ("lint", "typecheck"):
         lines = re.search(rf"^{target}:.*\n((?:\t.+\n)+)", makefile, re.M).group(1).splitlines()
