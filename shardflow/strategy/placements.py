@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
@@ -390,8 +391,6 @@ def solve(
     ``0..size-1``: the link they use); ``data``: the degree of the data-parallel axes beside it (activations'
     costs are divided by it); ``memory``: how memory is modeled and capped (:class:`Memory`). Raises PlacementError
     where the solver finds no answer within ``time_limit`` seconds, or none under the cap."""
-    import time
-
     t0 = time.perf_counter()
     pricer = _Pricer(axis, size, members or tuple(range(size)), spec, data)
     grad = needs_grad(graph)
