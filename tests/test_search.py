@@ -19,6 +19,7 @@ from shardflow.pipeline import Pipeline
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.search import SearchError, candidates, explain, factorizations, search_model
 from shardflow.simulator.machine import MachineSpec
+from shardflow.strategy import Plan
 from shardflow.strategy.placements import placement
 
 SPEC = MachineSpec.named("h100")
@@ -100,8 +101,6 @@ def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_t
 
 
 def test_a_saved_plan_plans_the_same_programs_again(eight, tmp_path):
-    from shardflow.strategy import Plan
-
     chosen = eight.best.candidate
     path = tmp_path / "auto.json"
     path.write_text(json.dumps(eight.pipeline.plan.to_json()))
@@ -180,6 +179,11 @@ def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
     }
     for prog in res.pipeline.lower().programs.values():
         assert [c.kind for c in prog.comms if c.task == "FWD"] == ["all_reduce"] * 4  # attention and MLP of 2 blocks
+    # saved as a plan file (its per-node operand layouts), it plans the same programs again
+    saved = Plan.from_json(json.loads(json.dumps(res.pipeline.plan.to_json())))
+    p = res.pipeline
+    again = Pipeline.planned(p.graph, res.best.candidate.mesh, p.options, p.optimizer, None, saved)
+    assert programs_fingerprint(again.lower().programs) == programs_fingerprint(p.lower().programs)
     # --explain on the MLP's first linear lists the program's choices, cheapest first: the column-parallel one taken
     fc = next(n.name for n in res.pipeline.graph.nodes if n.scope == "transformer.h.0.mlp.c_fc")
     chosen = explain(res, fc).split("# runner-up: ")[0]
