@@ -81,11 +81,13 @@ def test_a_large_batch_gets_every_op_on_its_batch_shard():
 
 def test_a_mixed_plan_splits_attention_by_batch_and_the_mlp_by_features():
     """Width 1024, 32 sequences of 64 on tp=4 (AutoParallel's kind of finding): attention and its linears on batch
-    shards, each MLP column→row with its partial output reduce-scattered onto the batch-sharded residual — a mix no
-    preset makes."""
+    shards (their weights stored sharded and gathered before use, FSDP-style), each MLP column→row with its partial
+    output reduce-scattered onto the batch-sharded residual — a mix no preset makes."""
     g = capture(gpt(vocab=64, width=1024, heads=8), tokens(64, 32, 64))
     answer = solve(g, "tp", 4, H100)
-    assert weights(g, answer, "attn.q.weight") == {Replicate()}
+    attention = [answer.nodes[n.name] for n in g.nodes if n.op.kind == "linear" and n.scope.endswith(".attn.q")]
+    assert len(attention) == 2 and {placement(c.outputs[0], "tp") for c in attention} == {Shard(0)}
+    assert {placement(c.inputs[1], "tp") for c in attention} == {Replicate()}  # read whole: gathered
     assert weights(g, answer, "mlp.c_fc.weight") == {Shard(0)} and weights(g, answer, "mlp.c_proj.weight") == {Shard(1)}
     residual = [answer.nodes[n.name] for n in g.nodes if n.op.kind == "binary" and n.scope.endswith(("h.0", "h.1"))]
     assert {placement(s, "tp") for c in residual for s in c.inputs} == {Shard(0)}

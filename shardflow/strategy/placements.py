@@ -52,7 +52,7 @@ from shardflow.graph.ops import (
     torch_dtype,
 )
 from shardflow.graph.softmax import softmax_heads
-from shardflow.parallel.collectives import KINDS, redistribution_steps
+from shardflow.parallel.collectives import KINDS, CommKind, redistribution_steps, wire_bytes
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import redistribute
 from shardflow.parallel.rules import RuleError, propagate
@@ -106,6 +106,20 @@ class Memory:
     copies: int = 4
     fsdp: int = 1
     blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class WeightSync:
+    """One collective every trained weight takes part in on the data-parallel axes beside the program's axis, per
+    step: ``count`` calls of ``kind`` among ``members`` on a piece of 1/``divisor`` of the weight's piece on the
+    axis — fsdp's all-gathers (forward, and again for the backward) and reduce-scatter, dp's all-reduce (of the
+    1/fsdp piece under both: FSDP2's HSDP order). The program prices them by the weight's placement on its axis: a
+    weight sharded there gathers and reduces less over the other axes."""
+
+    kind: CommKind
+    members: tuple[int, ...]
+    count: int = 1
+    divisor: int = 1
 
 
 class PlacementError(ValueError):
@@ -175,7 +189,22 @@ def solve_on(
     members = tuple(k * math.prod(mesh.shape[step + 1 :]) for k in range(mesh.axis_size(axis)))
     fsdp = mesh.axis_size("fsdp") if "fsdp" in others else 1
     data = math.prod(mesh.axis_size(a) for a in others)
-    return solve(graph, axis, mesh.axis_size(axis), spec, members, data, dataclasses.replace(memory, fsdp=fsdp))
+
+    def along(a: str) -> tuple[int, ...]:
+        """The ranks along mesh axis ``a`` through rank 0."""
+        k = mesh.axis_names.index(a)
+        return tuple(j * math.prod(mesh.shape[k + 1 :]) for j in range(mesh.axis_size(a)))
+
+    sync: list[WeightSync] = []
+    if fsdp > 1:  # gathered for the forward and again for the backward (reshard after forward), reduce-scattered
+        sync += [
+            WeightSync(CommKind.ALL_GATHER, along("fsdp"), 2, fsdp),
+            WeightSync(CommKind.REDUCE_SCATTER, along("fsdp")),
+        ]
+    if "dp" in others:
+        sync.append(WeightSync(CommKind.ALL_REDUCE, along("dp"), 1, fsdp))
+    memory = dataclasses.replace(memory, fsdp=fsdp)
+    return solve(graph, axis, mesh.axis_size(axis), spec, members, data, memory, tuple(sync))
 
 
 def placements_plan(
@@ -279,8 +308,16 @@ class _Pricer:
     """Seconds of computes and moves on one axis of ``size`` devices of ``spec`` (members ``members``), with the
     activations' costs divided by ``data`` (the data-parallel degree of the other axes)."""
 
-    def __init__(self, axis: str, size: int, members: tuple[int, ...], spec: Machine, data: int):
-        self.axis, self.spec, self.members, self.data = axis, spec, members, data
+    def __init__(
+        self,
+        axis: str,
+        size: int,
+        members: tuple[int, ...],
+        spec: Machine,
+        data: int,
+        sync: tuple[WeightSync, ...] = (),
+    ):
+        self.axis, self.spec, self.members, self.data, self.sync = axis, spec, members, data, sync
         self.group = SubMesh(Mesh((axis,), (size,)))
         self.moves: dict[tuple[Sharding, Sharding, TensorType], float] = {}
 
@@ -327,9 +364,14 @@ class _Pricer:
         return fwd + bwd
 
     def update(self, s: Sharding, t: TensorType) -> float:
-        """Seconds of the optimizer update of a weight of type ``t`` held as ``s`` (memory-bound)."""
-        local = self.local(s, t)
-        return self.spec.compute_seconds(0, UPDATE_TRAFFIC * local.nbytes, torch_dtype(t.dtype), 1)
+        """Seconds of the optimizer update of a trained weight of type ``t`` held as ``s`` (memory-bound) and of its
+        collectives on the axes beside (:class:`WeightSync`)."""
+        local = self.local(s, t).nbytes
+        seconds = self.spec.compute_seconds(0, UPDATE_TRAFFIC * local, torch_dtype(t.dtype), 1)
+        for w in self.sync:
+            sent = wire_bytes(w.kind, local // w.divisor, len(w.members))
+            seconds += w.count * self.spec.comm_seconds(KINDS[w.kind].priced_as, w.members, sent)
+        return seconds
 
 
 def choices(graph: ComputationGraph, node: Node, pricer: _Pricer, grad: set[str]) -> list[Choice]:
@@ -384,15 +426,17 @@ def solve(
     members: tuple[int, ...] | None = None,
     data: int = 1,
     memory: Memory = Memory(),
+    sync: tuple[WeightSync, ...] = (),
     time_limit: float = 60.0,
 ) -> Placements:
     """The per-op placements of ``graph`` on mesh axis ``axis`` of ``size`` devices that the program (module
     docstring) prices cheapest on ``spec``; ``members``: the ranks of one group of the axis (default
     ``0..size-1``: the link they use); ``data``: the degree of the data-parallel axes beside it (activations'
-    costs are divided by it); ``memory``: how memory is modeled and capped (:class:`Memory`). Raises PlacementError
+    costs are divided by it); ``memory``: how memory is modeled and capped (:class:`Memory`); ``sync``: the
+    collectives of each trained weight on those axes (:class:`WeightSync`). Raises PlacementError
     where the solver finds no answer within ``time_limit`` seconds, or none under the cap."""
     t0 = time.perf_counter()
-    pricer = _Pricer(axis, size, members or tuple(range(size)), spec, data)
+    pricer = _Pricer(axis, size, members or tuple(range(size)), spec, data, sync)
     grad = needs_grad(graph)
     producer = graph.producer()
 
@@ -434,17 +478,18 @@ def solve(
     offset: dict[str, int] = {}  # unit → its first variable
     costs: list[float] = []
     owner: list[str] = []  # variable → its unit
+    alike = Counter(twin.values())  # unit → how many twins it stands for besides itself
     for name, opts in leaf_options.items():
         offset[name] = len(costs)
         leaf_type = graph.tensors[name].type
         trained = graph.tensors[name].role == TensorRole.WEIGHT and name in grad
-        costs += [pricer.update(s, leaf_type) if trained else 0.0 for s in opts]
+        costs += [(1 + alike[name]) * pricer.update(s, leaf_type) if trained else 0.0 for s in opts]
         owner += [name] * len(opts)
     for name, cs in node_choices.items():
         if not cs:
             raise PlacementError(f"node {name!r}: its rule accepts no placement on {axis}")
         offset[name] = len(costs)
-        costs += [c.seconds for c in cs]
+        costs += [(1 + alike[name]) * c.seconds for c in cs]
         owner += [name] * len(cs)
     n_binary = len(costs)
 
@@ -471,7 +516,7 @@ def solve(
                 pricer.local(sh, graph.tensors[t].type).nbytes for sh, t in zip(c.outputs, node.outputs) if t in grad
             ]
             held[offset[name] + j] = sum(saved) / data
-    held = [h * repeat if owner[v] in in_block else h for v, h in enumerate(held)]
+    held = [h * (1 + alike[owner[v]]) * (repeat if owner[v] in in_block else 1.0) for v, h in enumerate(held)]
 
     def out_options(tensor: str) -> list[tuple[int, Sharding]]:
         """(variable, sharding) of each way tensor ``tensor`` is produced."""
