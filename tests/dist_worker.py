@@ -4,8 +4,8 @@ gradients, the global gradient norm (relative, against clip_grad_norm_'s) and we
 (each rank its own pieces, the maximum all-reduced); and whether ``per_process`` gathered every rank's number.
 
 Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
-CASE = strategy@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64" or
-"sp@tp=2@float64@ring@ring". Special cases: "mismatch" (rank 1 plans another strategy),
+CASE = strategy[:cp_attention]@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64",
+"sp@tp=2@float64@ring@ring" or "cp:all_to_all@cp=2@float64". Special cases: "mismatch" (rank 1 plans another strategy),
 "die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
 "dtensor" (the Trainer's parameters and gradients as DTensors: dp, tp, fsdp, pp on 2 ranks, pp,tp on 4),
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
@@ -45,7 +45,9 @@ def executor(
     inputs = {"idx": torch.randint(0, V, (B, T), generator=gen), "targets": torch.randint(0, V, (B, T), generator=gen)}
     graph = capture(model, inputs)
     mesh = Mesh.parse(mesh_text)
-    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+    strategy, _, attention = strategy.partition(":")  # "cp:all_to_all": the preset and its --cp-attention
+    plan = make_plan(graph, mesh, strategy, cp_attention=attention or "auto")
+    pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
     ex = DistributedExecutor(
         lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms), grad_norm=True),
         cfg,

@@ -43,6 +43,7 @@ def test_two_processes(tmp_path):
         "sp@tp=2@float64",
         "pp@pp=2@float64",
         "cp@cp=2@float64",
+        "cp:all_to_all@cp=2@float64",
         "tp@tp=2@float32",
         "sp@tp=2@float64@ring@ring",
         "sp@tp=2@float64@broadcast_loop@collective",
