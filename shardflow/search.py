@@ -432,13 +432,16 @@ def search(
             found = o
         return found
 
+    def fastest_fit() -> float:
+        """The smallest predicted step (seconds) of the outcomes so far that fit (inf: none)."""
+        return min((o.prediction.step_seconds for o in outcomes if o.fits and o.prediction), default=math.inf)
+
     def capped(start: Outcome) -> list[Outcome]:
         """Per-op placements ``start`` that do not fit, with the program's memory capped (:data:`SHRINKS` tries):
         at the fewest bytes first (nothing fits if that does not), then bisecting the levels between the uncapped
         answer and the highest level known to fit, for the fastest that fits. None where ``start`` is already slower
         than the best that fits (a cap only adds communication)."""
-        fastest = min((x.prediction.step_seconds for x in outcomes if x.fits and x.prediction), default=math.inf)
-        if start.prediction is None or start.prediction.step_seconds >= fastest:
+        if start.prediction is None or start.prediction.step_seconds >= fastest_fit():
             return []
         tried, low, high = [], 0.0, 1.0
         for k in range(SHRINKS):
@@ -458,7 +461,7 @@ def search(
     )
     for c in order:
         c = dataclasses.replace(c, accumulate=base.accumulate)
-        fastest = min((o.prediction.step_seconds for o in outcomes if o.fits and o.prediction), default=math.inf)
+        fastest = fastest_fit()
         if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= fastest:
             record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {fastest * 1e3:.4g} ms"))
             continue

@@ -238,12 +238,12 @@ def considered(
     target = by_name[node]
     consumers = graph.consumers()
 
+    producer = graph.producer()
+
     def held(t: str) -> Sharding:
         """How the answer produces tensor ``t``."""
-        for n in graph.nodes:
-            if t in n.outputs:
-                return answer.nodes[n.name].outputs[n.outputs.index(t)]
-        return answer.leaves[t]
+        p = producer.get(t)
+        return answer.nodes[p.name].outputs[p.outputs.index(t)] if p else answer.leaves[t]
 
     rows = []
     for c in choices(graph, target, pricer, grad):
@@ -576,16 +576,13 @@ def solve(
         lo.append(1.0)
         r += 1
     for key, (made, read) in sides.items():
-        for src, vs in made.items():  # Σ_w y[src, w] − Σ x(src) = 0
-            rows += [r] * (len(read) + len(vs))
-            cols += [flow_var[key, (src, w)] for w in read] + vs
-            vals += [1.0] * len(read) + [-1.0] * len(vs)
-            lo.append(0.0)
-            r += 1
-        for w, vs in read.items():  # Σ_s y[s, w] − Σ x(w) = 0
-            rows += [r] * (len(made) + len(vs))
-            cols += [flow_var[key, (src, w)] for src in made] + vs
-            vals += [1.0] * len(made) + [-1.0] * len(vs)
+        # Σ_w y[src, w] = Σ x(src) for each producer placement, Σ_s y[s, w] = Σ x(w) for each consumer's
+        balances = [([flow_var[key, (src, w)] for w in read], vs) for src, vs in made.items()]
+        balances += [([flow_var[key, (src, w)] for src in made], vs) for w, vs in read.items()]
+        for flow, vs in balances:
+            rows += [r] * (len(flow) + len(vs))
+            cols += flow + vs
+            vals += [1.0] * len(flow) + [-1.0] * len(vs)
             lo.append(0.0)
             r += 1
     integrality = np.concatenate([np.ones(n_binary), np.zeros(len(flows))])
