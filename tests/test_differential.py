@@ -140,8 +140,9 @@ def _types(xs) -> tuple[O.TensorType, ...]:
 
 
 def _has_gradient(case: Case, dtype: torch.dtype) -> bool:
-    """Whether torch's autograd differentiates ``case`` in ``dtype``: some input and every output carry a gradient,
-    and torch has a forward and backward for the dtype (no softmax of complex numbers, no complex embedding)."""
+    """Whether torch's autograd differentiates ``case`` in ``dtype``: some input and every floating or complex output
+    carry a gradient (an integer output, topk's indices, carries none), and torch has a forward and backward for the
+    dtype (no softmax of complex numbers, no complex embedding)."""
     xs = _inputs(case, dtype)
     diff = [i for i, x in enumerate(xs) if x.is_floating_point() or x.is_complex()]
     try:
@@ -151,8 +152,8 @@ def _has_gradient(case: Case, dtype: torch.dtype) -> bool:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a complex → real cast discards the imaginary part, and says so
             outs = case.op.compute(*xs)
-            if diff and all(o.is_floating_point() or o.is_complex() for o in outs):
-                _autograd(case.op, xs, [torch.ones_like(o) for o in outs], diff)
+            if diff and any(_carries(outs)):
+                _autograd(case.op, xs, [torch.ones_like(o) if c else None for o, c in zip(outs, _carries(outs))], diff)
                 return True
     except (RuntimeError, NotImplementedError, TypeError, O.OpError):  # TypeError: 2.15's view_as_complex of complex
         pass
@@ -193,17 +194,25 @@ def _recording_forward(local: LocalOp, types, out_types, grad_mask, saved: dict)
     return make_kernel(instr, OptimizerConfig(), lambda: 1, saved)
 
 
+def _carries(outs) -> tuple[bool, ...]:
+    """Which of the tensors ``outs`` can carry a gradient: the floating and complex ones."""
+    return tuple(o.is_floating_point() or o.is_complex() for o in outs)
+
+
 def _autograd(op: O.Op, xs, dys, diff):
-    """``torch.func.vjp`` of ``op.compute`` in the inputs ``diff``, on contiguous copies (None: a missing dy)."""
+    """``torch.func.vjp`` of ``op.compute`` in the inputs ``diff``, on contiguous copies (None: a missing dy), through
+    the outputs that can carry a gradient."""
     xs = [x.contiguous() for x in xs]
 
     def f(*d):
         a = list(xs)
         for i, t in zip(diff, d):
             a[i] = t
-        return op.compute(*a)
+        outs = op.compute(*a)
+        return tuple(o for o, c in zip(outs, _carries(outs)) if c)
 
     outs, vjp = torch.func.vjp(f, *(xs[i] for i in diff))
+    dys = [d for d, t in zip(dys, op.infer(_types(xs))) if O.differentiable(t.dtype)]
     return vjp(tuple(torch.zeros_like(o) if d is None else d.contiguous() for d, o in zip(dys, outs)))
 
 
@@ -263,10 +272,17 @@ def test_executor_gradients_equal_autograds(case, dtype):
     gen = torch.Generator().manual_seed(2)
     base = _inputs(case, dtype)
     out_types = op.infer(_types(base))
-    base_dys = [torch.randn(t.shape, generator=gen, dtype=O.torch_dtype(t.dtype)) for t in out_types]
+    base_dys = [  # an integer output's gradient is never given (dy_masks): zeros stand in for it
+        torch.randn(t.shape, generator=gen, dtype=O.torch_dtype(t.dtype))
+        if O.differentiable(t.dtype)
+        else torch.zeros(t.shape, dtype=O.torch_dtype(t.dtype))
+        for t in out_types
+    ]
     grad_mask = tuple(x.dtype.is_floating_point or x.dtype.is_complex for x in base)
     diff = [i for i, m in enumerate(grad_mask) if m]
-    dy_masks = [(True,) * len(out_types)] + ([(True,) * (len(out_types) - 1) + (False,)] if len(out_types) > 1 else [])
+    carried = tuple(O.differentiable(t.dtype) for t in out_types)  # topk's indices: none
+    last = max(k for k, c in enumerate(carried) if c)
+    dy_masks = [carried] + ([tuple(c and k != last for k, c in enumerate(carried))] if sum(carried) > 1 else [])
     for (layout, lay), on in itertools.product(LAYOUTS.items(), ("inputs and dys", "inputs", "dys")):
         if layout == "contiguous" and on != "inputs and dys":
             continue

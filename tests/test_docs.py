@@ -357,6 +357,7 @@ def machine_specs() -> list[str]:
 # docs/models.md: the models tried, by column title → (model, batch) factory (float32: only shapes matter here)
 def _tried_models() -> dict[str, Callable[[], tuple]]:
     import torch
+    import zoo
     from test_cnn import SmallCNN, images, resnet
     from test_hf_models import model_and_batch
 
@@ -376,6 +377,7 @@ def _tried_models() -> dict[str, Callable[[], tuple]]:
     }
     return {
         **{title: functools.partial(model_and_batch, name, torch.float32) for title, name in hf.items()},
+        "Mixtral": zoo.mixtral,
         "ResNet": cnn(resnet),
         "small CNN": cnn(SmallCNN, size=8),
     }
@@ -386,13 +388,15 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
     """Per model tried: each core ATen op of its exported program → how its nodes ran: the shardflow op kinds it
     lifted to (ops with a rule), ``replicated`` (the generic Aten op, no rule), ``folded`` (reads no input or
     parameter: a constant) or ``no-op`` (an alias, a clone, a cast to its own dtype, a metadata check, a repeat of
-    key/value heads that grouped-query attention reads unrepeated: nothing in the graph). A node
+    key/value heads that grouped-query attention reads unrepeated: nothing in the graph); a node of an expert layer
+    lifted whole (:mod:`shardflow.capture.experts`) counts as ```experts```. A node
     lifted to several ops (batch norm, var_mean, select) counts all of them: the graph nodes after the previous
     lifted ATen node's, up to the one that carries its name."""
     import torch
     from torch.export.graph_signature import InputKind
 
     from shardflow.capture import export, lift_exported
+    from shardflow.capture.lift import _scope
     from shardflow.graph import ops as O
 
     out = {}
@@ -401,6 +405,7 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
         ep = export(model, batch)
         graph = lift_exported(ep, batch)
         index = {n.name: i for i, n in enumerate(graph.nodes)}
+        experts = [n.scope for n in graph.nodes if isinstance(n.op, O.Experts)]
         kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs}
         live, last, ops = set(), -1, {}
         for n in ep.graph.nodes:
@@ -415,7 +420,7 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
                 continue
             live.add(n)
             if n.name not in index:
-                how.add("no-op")
+                how.add("`experts`" if any(_scope(n).startswith(s) for s in experts) else "no-op")
                 continue
             lifted = graph.nodes[last + 1 : index[n.name] + 1]
             last = index[n.name]

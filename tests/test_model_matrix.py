@@ -5,7 +5,8 @@ device).
 :data:`MATRIX` states the expected outcome of every cell: ``PASS`` (exit 0, every loss, gradient and weight within
 the check's tolerance, 1e-9 in float64) or a refusal (exit 2, one paragraph on stderr holding the stated reason, no
 traceback). Anything else — a traceback, a wrong number, a refusal where a pass is stated or the reverse — fails the cell.
-docs/models.md's matrix is generated from this table (tests/test_docs.py: models_matrix).
+docs/models.md's matrix is generated from this table (tests/test_docs.py: models_matrix). A family's cells share its
+capture (:func:`_capture_once`: the same model, batch and dtype in each); every cell plans, lowers and runs its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint
 
+from shardflow import pipeline
 from shardflow.cli import main
 from shardflow.train import checkpoint
 
@@ -63,10 +65,28 @@ def test_the_matrix_covers_every_family_of_the_zoo_under_every_strategy():
     assert all(set(row) == set(STRATEGIES) for row in MATRIX.values())
 
 
+# (family, parameter dtype) → its captured graph: every cell of a row captures the same model (the factory's seed 0),
+# batch and dtype, so capture runs once per family and each cell plans, lowers and runs its strategy on that graph
+_CAPTURED: dict[tuple[str, torch.dtype], object] = {}
+
+
+def _capture_once(monkeypatch, family: str) -> None:
+    real = pipeline.capture
+
+    def capture(model, batch):
+        key = (family, next(model.parameters()).dtype)
+        if key not in _CAPTURED:
+            _CAPTURED[key] = real(model, batch)
+        return _CAPTURED[key]
+
+    monkeypatch.setattr(pipeline, "capture", capture)
+
+
 @pytest.mark.parametrize(
     "family, strategy", [(f, s) for f in MATRIX for s in STRATEGIES], ids=lambda x: x if isinstance(x, str) else None
 )
-def test_cell(capsys, family, strategy):
+def test_cell(capsys, monkeypatch, family, strategy):
+    _capture_once(monkeypatch, family)
     code = main(["check", "--model", f"{ZOO}:{family}", "--strategy", strategy, "--steps", "1"])
     out, err = capsys.readouterr()
     want = MATRIX[family][strategy]

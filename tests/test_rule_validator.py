@@ -23,7 +23,18 @@ import pytest
 from shardflow.graph import ops as O
 from shardflow.parallel import rules
 from shardflow.parallel.mesh import Mesh
-from shardflow.parallel.validate import CASES, combinations, count_combinations, validate_rules
+from shardflow.parallel.pcg import lift
+from shardflow.parallel.simulate import simulate_outputs
+from shardflow.parallel.validate import (
+    CASES,
+    case_graph,
+    case_values,
+    check_combination,
+    combinations,
+    combo_text,
+    count_combinations,
+    validate_rules,
+)
 
 LONG = os.environ.get("SHARDFLOW_LONG") == "1"
 REDUCED = dict(max_combinations=2000, seed=0)
@@ -69,6 +80,8 @@ MIN_ACCEPTED_REDUCED = {
     "avg_pool(padded)": 33,
     "view_as_complex": 15,
     "view_as_real": 15,
+    "topk": 8,
+    "experts": 2,  # a sample of 2000 of 10,584 per mesh: test_every_form_of_the_expert_layer_is_accepted_and_right
 }
 MIN_ACCEPTED_FULL = MIN_ACCEPTED_REDUCED | {"linear": 64, "layer_norm": 8, "matmul(batched)": 83, "attention": 8}
 
@@ -102,6 +115,28 @@ def test_counts_add_up(reduced):
         assert r.local_candidates <= r.candidates <= r.rejected, r
     assert len(reduced.candidates) == reduced.total("candidates")
     assert all("P(" not in f.placements for f in reduced.candidates)  # candidates: Shard/Replicate inputs only
+
+
+def test_every_form_of_the_expert_layer_is_accepted_and_right():
+    """The expert layer has 5 inputs (10,584 combinations per axis, so the reduced sweep samples them): on tp=2 and
+    tp=4, all of them. Exactly three are accepted, and each computes the right pieces on every device: the tokens
+    sharded (x, idx, w), the experts sharded (w1, w2: each device its experts, the output ``Partial(sum)``), or
+    nothing sharded."""
+    case = next(c for c in CASES if c.label == "experts")
+    graph, values = case_graph(case), case_values(case)
+    want = simulate_outputs(lift(graph), values)
+    for text in ("tp=2", "tp=4"):
+        mesh = Mesh.parse(text)
+        outcomes: dict[str, list[str]] = {}
+        for combo in combinations(case, mesh):
+            outcome = check_combination(case, graph, mesh, combo, values, want, 0)[0]
+            outcomes.setdefault(outcome, []).append(combo_text(case, combo))
+        assert "wrong" not in outcomes, outcomes["wrong"][:3]
+        assert sorted(outcomes["ok"]) == [
+            "x=(R) idx=(R) w=(R) w1=(R) w2=(R)",
+            "x=(R) idx=(R) w=(R) w1=(S(0)) w2=(S(0))",
+            "x=(S(0)) idx=(S(0)) w=(S(0)) w1=(R) w2=(R)",
+        ], text
 
 
 def test_sampling_is_deterministic_and_covers_small_sets():

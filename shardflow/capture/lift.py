@@ -38,6 +38,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from shardflow.capture.experts import fuse_experts
 from shardflow.capture.export import CaptureError, _source, export
 from shardflow.capture.lift_table import _T, LIFT, _is_causal_mask, _RunningStat
 from shardflow.graph import ComputationGraph, GraphBuilder, OpError
@@ -162,7 +163,7 @@ class _Lift:
         self.b.prune([out, *stats])  # the repeated key/value heads an attention no longer reads (lift_table._sdpa)
         graph = self.b.build([out, *stats], out if loss else None)
         frozen = frozenset(w for w in self.frozen if w in graph.tensors)
-        return store_by_parts(dataclasses.replace(graph, buffer_updates=updates, frozen=frozen))
+        return store_by_parts(fuse_experts(dataclasses.replace(graph, buffer_updates=updates, frozen=frozen)))
 
     def _buffer_update(self, node: torch.fx.Node, name: str) -> BufferUpdate:
         """How the step changes buffer ``name`` to the value of ``node``: a running statistic of batch norm, or a

@@ -430,6 +430,12 @@ def _gather(c, node, x, dim, index, *, sparse_grad=False):
     return c.apply(O.Gather(_dim(dim, len(c.shape(node)))), [x, index], node)
 
 
+def _topk(c, node, x, k, dim=-1, largest=True, sorted=True):
+    nd = len(node.args[0].meta["val"].shape)
+    outs = c.b.apply(O.TopK(int(k), _dim(dim, nd), bool(largest), bool(sorted)), [c.tensor(x)], name=node.name)
+    return tuple(_T(o) for o in outs)
+
+
 def _pad(c, node, x, pad, value=0):
     return c.apply(O.Pad(tuple(int(p) for p in pad), value), [x], node)
 
@@ -487,6 +493,7 @@ LIFT: dict[Any, Callable] = {
     aten._log_softmax.default: _softmax(True),
     aten.where.self: _where,
     aten.gather.default: _gather,
+    aten.topk.default: _topk,
     aten.constant_pad_nd.default: _pad,
     aten._to_copy.default: _to_copy,
     aten.clone.default: _alias,

@@ -13,6 +13,9 @@ left out. A multiply-add is 2 FLOPs. :data:`FORWARD_FLOPS` is the table, one for
   benchmarks halve it; halving would lower a causal model's MFU by the attention share of its FLOPs).
 * **conv** x ``[N, C, *spatial]``, weight ``[O, C/groups, *kernel]``: 2 · (output elements) · (C/groups) ·
   (kernel elements).
+* **experts** (a mixture of experts' expert layer) x ``[N, H]``, idx ``[N, K]``, w1 and w2 ``[E, *]``: each of the
+  N·K routed token-expert pairs multiplies by one expert's w1 and w2, 2 · N·K · (elements of w1 and w2) / E. The
+  router's linear counts as a linear; experts no token was routed to count nothing.
 
 Training counts 3× the forward (:data:`TRAINING_FACTOR`): the backward computes two products per forward product
 (the input's gradient and the weight's), as PaLM and torchtitan count it, whether or not an input needs a
@@ -25,7 +28,7 @@ import math
 from typing import Callable
 
 from shardflow.graph.graph import ComputationGraph, Node
-from shardflow.graph.ops import Attention, Conv, Linear, Matmul, Op, TensorType
+from shardflow.graph.ops import Attention, Conv, Experts, Linear, Matmul, Op, TensorType
 
 # forward + backward (2 products per forward product): PaLM appendix B, torchtitan
 TRAINING_FACTOR = 3
@@ -42,6 +45,12 @@ def _attention(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]
     return 2 * math.prod(q.shape[:-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
 
 
+def _experts(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> int:
+    """experts: one expert's w1 and w2 per routed token-expert pair (idx's elements)."""
+    idx, w1, w2 = ins[1], ins[3], ins[4]
+    return 2 * idx.numel * (w1.numel + w2.numel) // w1.shape[0]
+
+
 def _conv(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> int:
     """conv: every output element sums C/groups · kernel products (the weight's dims after the first)."""
     return 2 * outs[0].numel * math.prod(ins[1].shape[1:])
@@ -52,6 +61,7 @@ FORWARD_FLOPS: dict[type[Op], Callable[[Op, tuple[TensorType, ...], tuple[Tensor
     Matmul: _contracted,
     Attention: _attention,
     Conv: _conv,
+    Experts: _experts,
 }
 
 

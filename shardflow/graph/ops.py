@@ -953,6 +953,108 @@ class Pool(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class TopK(Op):
+    """``torch.topk(x, k, dim)``: the ``k`` largest (``largest=False``: smallest) entries along ``dim`` and their
+    indices. Input x ``[*]``; outputs values (x's dtype) and indices (int64), both x's shape with ``dim`` cut to
+    ``k``. A mixture of experts' router picks each token's experts so (``[tokens, experts] → [tokens, k]``)."""
+
+    kind: ClassVar[str] = "topk"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
+    k: int = 1
+    dim: int = -1
+    largest: bool = True
+    sorted: bool = True
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        (x,) = ins
+        d = _norm_dim(self.dim, x.ndim, "topk")
+        if not 0 <= self.k <= x.shape[d]:
+            raise OpError(f"topk: k={self.k} is out of range for dim {d} of size {x.shape[d]}")
+        shape = x.shape[:d] + (self.k,) + x.shape[d + 1 :]
+        return (TensorType(shape, x.dtype), TensorType(shape, "int64"))
+
+    def compute(self, x):
+        values, indices = torch.topk(x, self.k, self.dim, self.largest, self.sorted)
+        return (values, indices)
+
+    def describe(self) -> str:
+        return f"topk(k={self.k}, dim={self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Experts(Op):
+    """The expert layer of a mixture of experts with token-choice top-k routing (Shazeer et al. 2017; FlexFlow's
+    ``Experts`` op; no capacity: every routed token is computed). Inputs:
+
+    * x ``[N, H]`` (N tokens), idx ``[N, K]`` (int64: each token's K experts), w ``[N, K]`` (their routing weights);
+    * w1 ``[E, 2I, H]`` (each expert's gate and up projections stacked, gate first; ``transposed``: ``[E, H, 2I]``)
+      and w2 ``[E, H, I]`` (the down projection; ``transposed``: ``[E, I, H]``), Hugging Face's experts layout.
+
+    Output ``[N, H]``, x's dtype: ``out[n] = Σ_k w[n, k] · f_{idx[n, k]}(x[n])`` with
+    ``f_e(h) = (act(h · gate_eᵀ) ⊙ h · up_eᵀ) · down_eᵀ`` (SwiGLU when ``act`` is silu).
+
+    ``start`` (expert parallelism): None, w1 and w2 hold every expert; else they hold the experts
+    ``[start, start + E_local)`` and a token's other experts contribute 0, so the devices' outputs sum to the whole
+    (as a vocabulary-parallel embedding's, :func:`in_block`). Computed expert by expert on the tokens routed to it
+    (``nonzero`` of the routing, ``index_add`` of the weighted results): any float dtype, differentiable by
+    autograd in x, w, w1 and w2."""
+
+    kind: ClassVar[str] = "experts"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
+    act: str = "silu"
+    transposed: bool = False
+    start: int | None = quiet(None)
+
+    def infer(self, ins):
+        _expect(5, ins, self)
+        x, idx, w, w1, w2 = ins
+        if self.act not in UNARY_FNS:
+            raise OpError(f"experts: unknown activation {self.act!r}; supported: {sorted(UNARY_FNS)}")
+        up, down = (w1.shape, w2.shape) if not self.transposed else (_swap_last(w1.shape), _swap_last(w2.shape))
+        if (
+            x.ndim != 2
+            or idx.ndim != 2
+            or not idx.dtype.startswith("int")
+            or w.shape != idx.shape
+            or idx.shape[0] != x.shape[0]
+            or len(up) != 3
+            or len(down) != 3
+            or up[0] != down[0]
+            or up[2] != x.shape[1]
+            or down[1] != x.shape[1]
+            or up[1] != 2 * down[2]
+        ):
+            raise OpError(
+                f"experts: x {list(x.shape)}, idx {list(idx.shape)} ({idx.dtype}), w {list(w.shape)}, w1 "
+                f"{list(w1.shape)}, w2 {list(w2.shape)} (transposed={self.transposed}) do not fit x [N, H], idx and "
+                f"w [N, K], w1 [E, 2I, H], w2 [E, H, I]"
+            )
+        return (x,)
+
+    def compute(self, x, idx, w, w1, w2):
+        if self.transposed:
+            w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+        act, start = UNARY_FNS[self.act], self.start or 0
+        out = torch.zeros_like(x)
+        for e in range(w1.shape[0]):
+            token, slot = torch.nonzero(idx == start + e, as_tuple=True)
+            gate, up = F.linear(x[token], w1[e]).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, w2[e]) * w[token, slot, None]
+            out = out.index_add(0, token, y.to(out.dtype))
+        return (out,)
+
+    def describe(self) -> str:
+        return f"experts({self.act}{', transposed' if self.transposed else ''})"
+
+
+def _swap_last(shape: Shape) -> Shape:
+    return shape[:-2] + (shape[-1], shape[-2]) if len(shape) >= 2 else shape
+
+
+@dataclass(frozen=True, slots=True)
 class CrossEntropy(Op):
     """Cross-entropy of logits ``[N, C]`` against class indices ``[N]``: a scalar (mean or sum over N).
 
@@ -1095,6 +1197,8 @@ OPS: dict[str, type[Op]] = {
         Softmax,
         Reduce,
         Attention,
+        TopK,
+        Experts,
         Conv,
         Pool,
         CrossEntropy,

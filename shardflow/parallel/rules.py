@@ -59,7 +59,7 @@ class LocalOp:
 
     def at_block(self, start: int) -> LocalOp:
         """This local op on the block of :attr:`block` that starts at index ``start`` (the op's ``start``)."""
-        op: O.Embedding | O.Gather | O.Attention = self.op  # type: ignore[assignment]  # the ops with a block start
+        op: O.Embedding | O.Gather | O.Attention | O.Experts = self.op  # type: ignore[assignment]  # the ops with a block start
         return dataclasses.replace(self, op=dataclasses.replace(op, start=start))
 
     def compute(self, *xs: torch.Tensor, at: DrawSite | None = None) -> tuple[torch.Tensor, ...]:
@@ -369,6 +369,45 @@ def rule_softmax(ctx: Ctx) -> RuleResult:
     return RuleResult((ctx.output(ctx.shardings[0].dims),), ctx.local())
 
 
+def rule_topk(ctx: Ctx) -> RuleResult:
+    """The other dims pass to both outputs (a router's token dims keep their sharding); the selected dim must be
+    whole (the k largest of a block are not the k largest of the dim) and the input not partial (DTensor's topk
+    strategy alike)."""
+    op: O.TopK = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(0)
+    ctx.unsharded(0, [op.dim % ctx.types[0].ndim], "topk selects over the whole dim")
+    dims = ctx.shardings[0].dims
+    return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
+
+
+def rule_experts(ctx: Ctx) -> RuleResult:
+    """Tokens and experts are independent (docs/concepts.md#mixtures-of-experts): the token dim of x, idx and w
+    (dim 0 of each, sharded alike) passes to the output's, every token computed where it is held (data, sequence
+    or FSDP sharding of the tokens); the experts dim of w1 and w2 (dim 0 of both, sharded alike) gives
+    ``Partial(sum)`` on its axes: each device computes its block of experts for the tokens it holds, a token's other
+    experts contributing 0, as a vocabulary-parallel embedding's rows (expert parallelism with the tokens
+    replicated on the expert axes, :attr:`~shardflow.graph.ops.Experts.start`). Features (H, K, I) must be whole;
+    the routing weights enter linearly but are taken whole, like everything else here (no partial inputs)."""
+    ctx.no_partial(*range(5))
+    tokens = ctx.agree([(0, 0), (1, 0), (2, 0)])
+    experts = ctx.agree([(3, 0), (4, 0)])
+    for i, what in (
+        (0, "features"),
+        (1, "experts per token"),
+        (2, "experts per token"),
+        (3, "features"),
+        (4, "features"),
+    ):
+        ctx.unsharded(i, range(1, ctx.types[i].ndim), f"each expert reads whole {what}")
+    if set(tokens) & set(experts):
+        raise ctx.error(
+            f"the tokens and the experts are both sharded on mesh axes {sorted(set(tokens) & set(experts))}",
+            "replicate the tokens on the expert axis (each device then computes its experts for every token)",
+        )
+    local, partial = _vocabulary_parallel(ctx, experts, 3, 0)
+    return RuleResult((ctx.output((tokens, ()), partial),), local)
+
+
 def rule_attention(ctx: Ctx) -> RuleResult:
     """Batch and head dims pass through (q, k, v and a mask agree on them; grouped-query heads too: with H and
     Hkv split into the same number of blocks, query block r reads key/value block r). Keys and values need whole
@@ -643,6 +682,8 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Pool: rule_pool,
     O.Reduce: rule_reduce,
     O.Attention: rule_attention,
+    O.TopK: rule_topk,
+    O.Experts: rule_experts,
     O.CrossEntropy: rule_cross_entropy,
 }
 

@@ -146,6 +146,18 @@ CASES: tuple[Case, ...] = (
     Case("max_pool", O.Pool("max", (2, 2), (2, 2)), (_x("x", 4, 4, 8, 8),)),
     Case("avg_pool(padded)", O.Pool("avg", (3, 3), (2, 2), (1, 1), count_include_pad=False), (_x("x", 4, 4, 8, 8),)),
     Case("aten(cumsum)", O.Aten("aten.cumsum.default", (O.Arg(0), 1)), (_x("x", 4, 8),)),
+    Case("topk", O.TopK(2, 1), (_x("x", 4, 8),)),
+    Case(
+        "experts",
+        O.Experts("silu"),
+        (
+            _x("x", 8, 4),
+            _x("idx", 8, 4, dtype="int64", high=4),
+            _x("w", 8, 4),
+            _x("w1", 4, 8, 4),
+            _x("w2", 4, 4, 4),
+        ),
+    ),
     Case("cross_entropy(mean)", O.CrossEntropy("mean"), (_x("logits", 8, 4), _x("target", 8, dtype="int64", high=4))),
     Case("cross_entropy(sum)", O.CrossEntropy("sum"), (_x("logits", 8, 4), _x("target", 8, dtype="int64", high=4))),
 )

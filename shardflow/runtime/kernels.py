@@ -392,16 +392,20 @@ def _vjp_kernel(fwd: Callable, spec: Vjp, key: tuple[str, int], saved: dict | No
                 tuple(o for o, _ in pairs), tuple(d for _, d in pairs), False, False, tuple(inputs), True, False
             )
             grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
-        else:
+        else:  # recompute the forward under torch.func.vjp, through its outputs that can carry a gradient
+            kept: list[bool] = []  # an integer output (topk's indices) carries none, and func.vjp refuses it
 
             def f(*d):
                 a = list(args)
                 for i, t in zip(diff, d):
                     a[i] = t
-                return fwd(*a)
+                outs = fwd(*a)
+                kept[:] = [o.is_floating_point() or o.is_complex() for o in outs]
+                return tuple(o for o, k in zip(outs, kept) if k)
 
             outs, vjp = torch.func.vjp(f, *(args[i] for i in diff))
-            cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, spec.dy_mask))
+            masks = [m for m, k in zip(spec.dy_mask, kept) if k]
+            cot = tuple(next(dys) if m else torch.zeros_like(o) for o, m in zip(outs, masks))
             grads = vjp(cot)
         grads = [g if g.dtype == d else g.to(d) for g, d in zip(grads, dtypes)]
         return [g * spec.unscale[i] if spec.unscale[i] != 1.0 else g for i, g in zip(diff, grads)]

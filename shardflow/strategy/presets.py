@@ -25,6 +25,8 @@ structure gets the same plan:
   the other strategies leave whole and the degree divides — with a Combine (all-gather) right after it: every use
   reads the whole weight, the Combine's backward reduce-scatters the gradient to ``Shard(d)``, and the optimizer
   state and update are the piece's. **hsdp** is ``dp,fsdp``: replicated on ``dp``, sharded on ``fsdp``.
+* **ep** (axis ``ep``, expert parallelism; GShard, Lepikhin et al. 2020): the batch split as under dp, and each
+  mixture-of-experts layer's experts split over the axis (:func:`expert_parallel`).
 
 Strategies combine on a multi-axis mesh: ``dp,tp`` on ``dp=2,tp=2``; ``fsdp,tp`` on ``fsdp=2,tp=2``.
 """
@@ -48,10 +50,10 @@ from shardflow.parallel.rules import RuleError
 from shardflow.parallel.shape import DegreeError
 from shardflow.strategy.plan import ModulePlan, Plan, PlanError, module_nodes, resolve
 
-STRATEGIES = ("single", "dp", "fsdp", "hsdp", "tp", "sp", "pp", "cp")
-AXIS_OF = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "sp": "tp", "pp": "pp", "cp": "cp"}
+STRATEGIES = ("single", "dp", "fsdp", "hsdp", "tp", "sp", "pp", "cp", "ep")
+AXIS_OF = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "sp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"}
 COMBINED = {"hsdp": ("dp", "fsdp")}  # a name for a combination of strategies
-DATA_AXES = ("dp", "fsdp")  # the axes a preset splits the batch over
+DATA_AXES = ("dp", "fsdp", "ep")  # the axes a preset splits the batch over
 
 
 def data_parallel(graph: ComputationGraph, axis: str = "dp") -> Plan:
@@ -467,6 +469,35 @@ def context_parallel(graph: ComputationGraph, degree: int = 2, axis: str = "cp",
     return Plan(modules, inputs=inputs, name="cp")
 
 
+def expert_parallel(graph: ComputationGraph, degree: int, axis: str = "ep") -> Plan:
+    """Expert parallelism on ``axis`` of ``degree`` devices (docs/concepts.md#expert-parallelism): the batch is split
+    over the axis as :func:`data_parallel` splits it, and every expert layer (an
+    :class:`~shardflow.graph.ops.Experts` node) stores its stacked weights ``Shard(0)`` — each device E/``degree``
+    experts, their gradients and optimizer state. The layer reads the tokens whole on the axis (the planner
+    all-gathers them), each device computes its experts for every token, and the output's partial sums are
+    reduce-scattered back onto the tokens: Megatron-LM's all-gather token dispatcher. Everything else runs as
+    under dp.
+
+    Raises PlanError where the model has no expert layer, or ``degree`` does not divide a layer's experts."""
+    layers = [n for n in graph.nodes if isinstance(n.op, O.Experts)]
+    if not layers:
+        raise PlanError(
+            "expert parallelism splits the experts of a mixture-of-experts layer, but the model has none (no expert "
+            "layer was found: docs/concepts.md#mixtures-of-experts); split its batch with dp or fsdp instead"
+        )
+    modules: dict[str, ModulePlan] = {}
+    for n in layers:
+        experts = graph.tensors[n.inputs[3]].shape[0]
+        if experts % degree:
+            raise PlanError(
+                f"expert parallelism over ep={degree} splits the experts of {n.scope or n.name!r}, but it has "
+                f"{experts}, which {degree} does not divide: use an ep degree that divides {experts}"
+            )
+        params = {w.rpartition(".")[2]: {axis: Shard(0)} for w in n.inputs[3:]}
+        modules[n.scope] = ModulePlan(params=params, input={axis: Replicate()}, output={axis: Shard(0)})
+    return dataclasses.replace(data_parallel(graph, axis).merge(Plan(modules, name="ep")), name="ep")
+
+
 def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", others: Plan | None = None) -> Plan:
     """FSDP on ``axis`` of ``degree`` devices (see the module docstring): the batch split as :func:`data_parallel`
     splits it, every weight ``Shard(d)`` and gathered by a ``CombineOp(d)`` before any use. ``d`` is the weight's
@@ -647,7 +678,7 @@ def make_plan(
     if unknown:
         rest = ",".join(f"{a}={s}" for a, s in zip(mesh.axis_names, mesh.shape) if a in AXIS_OF.values())
         raise PlanError(
-            f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, fsdp, tp (also sp), pp, cp), "
+            f"mesh {mesh}: axis {unknown[0]!r} is none of the strategies' axes (dp, fsdp, tp (also sp), pp, cp, ep), "
             f"so no strategy in {strategy!r} would use it; drop it (--mesh {rest or 'dp=2'}) or name it "
             f"after the strategy that should use it"
         )
@@ -655,7 +686,7 @@ def make_plan(
     if unused:
         raise PlanError(
             f"mesh axes {unused} of {mesh} are used by no strategy in {strategy!r}; "
-            f"add one (axis names: dp, fsdp, tp (also sp), pp, cp) or drop the axis"
+            f"add one (axis names: dp, fsdp, tp (also sp), pp, cp, ep) or drop the axis"
         )
     plan = Plan(name="single")
     for n in sorted(names, key=lambda n: n == "fsdp"):  # fsdp last: it shards a dim the others leave whole
@@ -667,6 +698,7 @@ def make_plan(
             "sp": lambda: tensor_parallel(graph, size, sequence=True),
             "pp": lambda: pipeline(graph, size, virtual=stages_per_rank),
             "cp": lambda: context_parallel(graph, size, attention=cp_attention),
+            "ep": lambda: expert_parallel(graph, size),
         }[n]()
         plan = part if plan.name == "single" else plan.merge(part)
     return plan

@@ -1,0 +1,216 @@
+"""Mixtures of experts (docs/concepts.md#mixtures-of-experts): Hugging Face's expert layers lifted to one
+``Experts`` op at capture, the router's ``topk`` on a rule, and what that buys under dp and with the experts
+split over a mesh axis — numbers against eager PyTorch on one device (float64, 2 SGD steps, 1e-9) and plan
+structure (which tensors move)."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+from hf_worker import SGD, compare  # noqa: E402
+
+from shardflow.capture import capture, wide_floats  # noqa: E402
+from shardflow.cli import main  # noqa: E402
+from shardflow.graph import ops as O  # noqa: E402
+from shardflow.graph.flops import node_flops  # noqa: E402
+from shardflow.lower import lower_step  # noqa: E402
+from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
+from shardflow.parallel.pcg import build_pcg  # noqa: E402
+from shardflow.runtime.local import LocalExecutor  # noqa: E402
+from shardflow.strategy import PlanError, make_plan, resolve  # noqa: E402
+from shardflow.strategy.plan import ModulePlan, Plan  # noqa: E402
+
+TOL = 1e-9
+# family → its layers with routed experts (DeepSeek-V3's first layer is dense: first_k_dense_replace=1)
+MOE_LAYERS = {"mixtral": 2, "qwen3_moe": 2, "deepseek_v3": 1}
+INTERMEDIATE = {"mixtral": 128, "qwen3_moe": 32, "deepseek_v3": 32}  # an expert's hidden width I
+
+
+@functools.cache
+def captured(family: str, sequences: int = zoo.B):
+    """The float64 model of tests/zoo.py's ``family``, a batch of ``sequences`` sequences and its graph (captured as
+    ``shardflow check`` does, inside ``wide_floats()``)."""
+    model, batch = getattr(zoo, family)()
+    model = model.double()
+    if sequences != zoo.B:
+        ids = torch.randint(0, zoo.VOCAB, (sequences, zoo.T), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": ids, "labels": ids}
+    with wide_floats():
+        graph = capture(model, batch)
+    return model, batch, graph
+
+
+def _compare(family: str, pcg, sequences: int = zoo.B) -> dict[str, float]:
+    model, batch, graph = captured(family, sequences)
+    return compare(model, batch, graph, LocalExecutor(lower_step(pcg, SGD.slots), SGD))
+
+
+@pytest.mark.parametrize("family", list(MOE_LAYERS))
+def test_each_expert_layer_is_one_op(family):
+    """One Experts node per layer with routed experts, reading the layer's two stacked weights; none of the routing
+    program it replaces (sort, histc, cumsum, index, the grouped products) is left, and the routers' topk are on a
+    rule."""
+    _, _, graph = captured(family)
+    experts = [n for n in graph.nodes if isinstance(n.op, O.Experts)]
+    assert len(experts) == MOE_LAYERS[family]
+    for n in experts:
+        assert n.scope.endswith(".mlp.experts"), n.scope
+        assert n.inputs[3:] == (f"{n.scope}.gate_up_proj", f"{n.scope}.down_proj")
+        assert n.op == O.Experts("silu", transposed=False)
+        # 16 tokens, 2 experts each, an expert's w1 [2I, H] and w2 [H, I]: 2·16·2·3·H·I FLOPs
+        assert node_flops(graph, n) == 2 * 16 * 2 * 3 * 64 * INTERMEDIATE[family]
+    generic = {n.op.describe() for n in graph.nodes if isinstance(n.op, O.Aten)}
+    assert not generic & {"sort", "histc", "cumsum", "index.Tensor", "index_put", "transformers.grouped_mm_fallback"}
+    assert sum(isinstance(n.op, O.TopK) for n in graph.nodes) >= MOE_LAYERS[family]
+    if family != "deepseek_v3":  # its group-limited router keeps a scatter (no rule yet)
+        assert not generic, generic
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_dp_routes_and_computes_the_tokens_where_they_are(family):
+    """dp=2: the router and the experts run on each device's half of the tokens — no redistribution anywhere in a
+    mixture-of-experts block (before, the router's scores were gathered to every device) — and one device's numbers
+    come out."""
+    _, _, graph = captured(family)
+    mesh = Mesh.parse("dp=2")
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "dp"), graph, mesh))
+    moved = [r.node for r in pcg.redistributions if ".mlp" in r.scope]
+    assert moved == []
+    for n in pcg.nodes:
+        if isinstance(n.op, O.Experts):
+            assert [pcg.tensors[t].sharding.dims[0] for t in n.inputs[:3]] == [("dp",)] * 3
+            assert pcg.tensors[n.outputs[0]].sharding.dims[0] == ("dp",)
+    diffs = _compare(family, pcg)
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def test_experts_split_over_an_axis_sum_their_outputs():
+    """The experts' stacked weights Shard(0) on tp=2 (each device holds 2 of Mixtral's 4 experts, their gradients
+    and optimizer state): each device computes its experts for every token, the outputs are Partial(sum) on tp,
+    all-reduced at the layer's output; numbers equal one device's."""
+    _, _, graph = captured("mixtral")
+    mesh = Mesh.parse("tp=2")
+    experts = ModulePlan(params={"gate_up_proj": (Shard(0),), "down_proj": (Shard(0),)}, output=(Replicate(),))
+    plan = Plan({f"model.layers.{i}.mlp.experts": experts for i in range(2)})
+    pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
+    nodes = [n for n in pcg.nodes if isinstance(n.op, O.Experts)]
+    assert len(nodes) == 2
+    for n in nodes:
+        assert [pcg.tensors[t].sharding.dims[0] for t in n.inputs] == [(), (), (), ("tp",), ("tp",)]
+        assert pcg.tensors[n.outputs[0]].sharding.partial == ("tp",)
+        assert [pcg.local_of(n, d).op.start for d in (0, 1)] == [0, 2]
+    diffs = _compare("mixtral", pcg)
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+class _Experts(nn.Module):
+    """An expert layer written with einsum and gather instead of Hugging Face's sort and grouped products: every
+    expert on every token, the K chosen ones gathered; ``scale`` ≠ 1 makes it something else than an expert layer."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 8) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(4, 8, 8) * 0.3)
+
+    def forward(self, x, idx, w):  # x [N, H], idx and w [N, K]
+        gate, up = torch.einsum("nh,eoh->neo", x, self.gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("nei,ehi->neh", nn.functional.silu(gate) * up, self.down_proj)  # [N, E, H]
+        chosen = y.gather(1, idx.unsqueeze(-1).expand(-1, -1, y.shape[-1]))  # [N, K, H]
+        return (chosen * w.unsqueeze(-1)).sum(1) * self.scale
+
+
+class _Moe(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.router = nn.Linear(8, 4, bias=False)
+        self.experts = _Experts(scale)
+
+    def forward(self, x):
+        w, idx = self.router(x).softmax(-1).topk(2, dim=-1)
+        return self.experts(x, idx, w).pow(2).mean()
+
+
+@pytest.mark.parametrize("scale, fused", [(1.0, True), (2.0, False)])
+def test_a_region_becomes_the_op_only_where_it_computes_it(scale, fused):
+    """Another implementation of an expert layer is lifted to the op too (the region computes what the op computes
+    on a random routing); the same code scaled by 2 is not an expert layer and stays as captured."""
+    torch.manual_seed(0)
+    graph = capture(_Moe(scale), {"x": torch.randn(8, 8)})
+    kinds = [type(n.op) for n in graph.nodes if n.scope == "experts"]
+    assert (kinds == [O.Experts]) == fused and (O.Experts not in kinds) == (not fused), kinds
+
+
+def _ep_pcg(family: str, mesh_text: str, strategy: str, sequences: int = zoo.B):
+    _, _, graph = captured(family, sequences)
+    mesh = Mesh.parse(mesh_text)
+    return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+
+
+def test_ep_stores_each_device_s_experts_and_gathers_the_tokens():
+    """ep=2 on Mixtral (4 experts): each device stores 2 experts of each layer (weights, gradients, optimizer
+    state); the batch is split over ep as over dp; each expert layer all-gathers its tokens, routings and routing
+    weights (the all-gather token dispatcher), computes its experts for every token and reduce-scatters the partial
+    sums back onto the tokens; numbers equal one device's."""
+    pcg = _ep_pcg("mixtral", "ep=2", "ep")
+    assert pcg.tensors["input_ids"].sharding.dims[0] == ("ep",)
+    for i in range(2):
+        for w in ("gate_up_proj", "down_proj"):
+            assert pcg.tensors[f"model.layers.{i}.mlp.experts.{w}"].sharding.dims[0] == ("ep",)
+    producer = {o: n for n in pcg.nodes for o in n.outputs}
+    experts = [n for n in pcg.nodes if isinstance(n.op, O.Experts)]
+    assert len(experts) == 2
+    for n in experts:
+        assert [producer[t].op.describe() for t in n.inputs[:3]] == ["CombineOp(dim=0, degree=2, axis=ep)"] * 3
+        assert pcg.tensors[n.outputs[0]].sharding.partial == ("ep",)
+    programs = lower_step(pcg, SGD.slots).programs
+    kinds = Counter((c.task, c.family) for c in programs[0].comms if c.axis == "ep")
+    assert kinds[("FWD", "all_gather")] == 3 * 2 and kinds[("FWD", "reduce_scatter")] == 2
+    diffs = _compare("mixtral", pcg)
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize(
+    "family, mesh, strategy, sequences",
+    [
+        ("qwen3_moe", "ep=2", "ep", 2),
+        ("mixtral", "ep=2,tp=2", "ep,tp", 2),
+        ("mixtral", "ep=4", "ep", 4),  # one expert per device
+        ("mixtral", "ep=2,fsdp=2", "ep,fsdp", 4),  # each device a quarter of 2 experts
+    ],
+)
+def test_ep_alone_and_combined_equals_one_device(family, mesh, strategy, sequences):
+    diffs = _compare(family, _ep_pcg(family, mesh, strategy, sequences), sequences)
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_shardflow_check_under_ep(capsys, nproc):
+    """``shardflow check --strategy ep`` in one process and on 2 gloo processes (the distributed executor, every
+    replica compared)."""
+    argv = ["check", "--model", f"{zoo.__file__}:mixtral", "--strategy", "ep", "--nproc", str(nproc), "--steps", "2"]
+    code = main(argv + ["--timeout", "60"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.rstrip().endswith("over every replica (tolerance 1e-09): OK"), out + err
+    assert "strategy ep: mesh ep=2 (2 devices)" in out
+
+
+def test_ep_refuses_a_dense_model_and_a_degree_that_does_not_divide_the_experts():
+    with pytest.raises(PlanError, match="expert parallelism splits the experts of a mixture-of-experts layer, but the"):
+        make_plan(captured_dense(), Mesh.parse("ep=2"), "ep")
+    _, _, graph = captured("mixtral")
+    with pytest.raises(PlanError, match=r"'model.layers.0.mlp.experts', but it has 4, which 8 does not divide"):
+        make_plan(graph, Mesh.parse("ep=8"), "ep")
+
+
+def captured_dense():
+    model, batch = zoo.llama()
+    return capture(model, batch)
