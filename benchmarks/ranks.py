@@ -20,7 +20,9 @@ Every rank builds the same variants and runs them interleaved (``harness.interle
 * ``pipeline`` — (q) pp=2 with microbatches: shardflow 1F1B and GPipe against torch.distributed.pipelining's
                 ``Schedule1F1B`` / ``ScheduleGPipe``, each stage's measured bubble and peak memory;
 * ``chunked`` — (t) a row-parallel matmul's all-reduce waited at once against the same cut in chunks whose
-                all-reduces travel while the next chunk computes (the technique of async tensor parallelism).
+                all-reduces travel while the next chunk computes (the technique of async tensor parallelism);
+* ``moe``     — (m) a Mixtral-style model: shardflow's ep and dp against expert parallelism written by hand
+                (``all_to_all_single`` dispatch and combine around the same expert MLPs).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from shardflow.strategy import make_plan, resolve  # noqa: E402
 TIMEOUT_S = 300.0
 UPDATES = "kernel: UPD every update (one call)"  # the timer of the optimizer updates (one kernel per run of them)
 warnings.filterwarnings("ignore", message=".*is deprecated. Please use.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message=".*all_to_all_single is deprecated.*", category=FutureWarning)
 
 
 def shardflow_executor(
@@ -1380,6 +1383,135 @@ def run_vocab(p: dict, rank: int, world: int) -> dict:
     return {"sizes": out}
 
 
+# ==========================================================================================================
+# (m) mixtures of experts: expert parallelism
+# ==========================================================================================================
+class HandExperts(nn.Module):
+    """Expert parallelism written by hand, as torchtitan and Megatron-LM's all-to-all dispatcher write it, around
+    the same expert MLPs as Hugging Face's ``MixtralExperts``: rank r holds experts [r·E/w, (r+1)·E/w); the token-
+    expert pairs of this rank's tokens are sorted by expert, sent to their experts' ranks by ``all_to_all_single``
+    (the split sizes exchanged first by a fixed-size all-to-all of counts), computed there expert by expert, sent
+    back the same way, weighted and summed per token. ``sent`` counts the bytes this rank sends to other ranks
+    (forward; the backward sends as much again)."""
+
+    def __init__(self, experts: nn.Module, rank: int, world: int):
+        super().__init__()
+        self.e_local = experts.gate_up_proj.shape[0] // world
+        block = slice(rank * self.e_local, (rank + 1) * self.e_local)
+        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[block].clone())
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[block].clone())
+        self.act, self.rank, self.world, self.sent = experts.act_fn, rank, world, 0
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.nn.functional import all_to_all_single
+
+        n, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)
+        expert = flat[order]
+        send = torch.bincount(expert // self.e_local, minlength=self.world)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send)  # the split sizes, a fixed-size all-to-all
+        out_splits, in_splits = send.tolist(), recv.tolist()
+        x_sent = all_to_all_single(
+            x.new_empty(sum(in_splits), x.shape[1]), x[order // k], in_splits, out_splits
+        )  # autograd: the backward sends the gradients back
+        e_recv = expert.new_empty(sum(in_splits))
+        dist.all_to_all_single(e_recv, expert, in_splits, out_splits)
+        e_recv = e_recv - self.rank * self.e_local
+        y = torch.zeros_like(x_sent)
+        for e in range(self.e_local):
+            rows = torch.nonzero(e_recv == e).squeeze(1)
+            gate, up = F.linear(x_sent[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = y.index_add(0, rows, F.linear(self.act(gate) * up, self.down_proj[e]))
+        back = all_to_all_single(y.new_empty(n * k, x.shape[1]), y, out_splits, in_splits)
+        mine = out_splits[self.rank]
+        self.sent += (sum(out_splits) - mine) * x.shape[1] * x.element_size() * 2  # tokens there, results back
+        self.sent += (self.world - 1) * send.element_size() + (sum(out_splits) - mine) * expert.element_size()
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(weighted).index_copy(0, order, weighted).view(n, k, -1).sum(1)
+
+
+def run_moe(p: dict, rank: int, world: int) -> dict:
+    """(m) A Mixtral-style model (Hugging Face ``MixtralForCausalLM`` from a config, random init, float32, SGD)
+    under shardflow's ep and dp (``DistributedExecutor``) and a hand-written expert-parallel step (:class:`HandExperts`
+    in each layer, the dense weights' gradients all-reduced as DDP does), same weights, the same batch split over the
+    ranks; interleaved rounds. Bytes each rank sends per step: shardflow's from its program, the hand-written step's
+    counted at its calls."""
+    import transformers
+
+    from shardflow.reference import weights_of
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**p["config"], use_cache=False)
+    model = transformers.MixtralForCausalLM(config)
+    batch_size, seq = p["batch"], p["seq"]
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    graph = capture(model, batch)
+    cfg = OptimizerConfig(lr=p["lr"])
+    executors = {}
+    for strategy in ("ep", "dp"):
+        ex = shardflow_executor(graph, f"{strategy}={world}", strategy, cfg, rank)
+        ex.load(weights_of(model, graph))
+        executors[strategy] = ex
+
+    hand = copy.deepcopy(model)
+    layers = [layer.mlp for layer in hand.model.layers]
+    for mlp in layers:
+        mlp.experts = HandExperts(mlp.experts, rank, world)
+    experts = {id(q) for mlp in layers for q in mlp.experts.parameters()}
+    dense = [q for q in hand.parameters() if id(q) not in experts]
+    opt = torch.optim.SGD(hand.parameters(), lr=p["lr"])
+    per = batch_size // world
+    local = {k: v[rank * per : (rank + 1) * per] for k, v in batch.items()}
+    dense_bytes = sum(q.numel() * q.element_size() for q in dense)
+
+    def hand_step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = hand(**local).loss
+        loss.backward()
+        for q in dense:  # DDP's all-reduce of the gradients, averaged over the ranks
+            dist.all_reduce(q.grad)
+            q.grad /= world
+        for mlp in layers:  # each rank's loss is its tokens' mean: the experts' gradient sums every rank's
+            for q in mlp.experts.parameters():
+                q.grad /= world
+        opt.step()
+        loss = loss.detach()
+        dist.all_reduce(loss)  # the whole batch's loss, as shardflow's step returns it
+        return loss.item() / world
+
+    variants = [
+        Variant("shardflow_ep", lambda: executors["ep"].step(batch)),
+        Variant("hand_ep", hand_step),
+        Variant("shardflow_dp", lambda: executors["dp"].step(batch)),
+    ]
+    losses = first_losses(variants, 2, rank)
+    say(rank, "(m) first losses " + ", ".join(f"{k} {v}" for k, v in losses.items()))
+    for mlp in layers:
+        mlp.experts.sent = 0
+    hand_step()
+    sent_hand = sum(mlp.experts.sent for mlp in layers) * 2 + 2 * (world - 1) * dense_bytes // world
+    samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
+    return {
+        "losses": losses,
+        "samples": samples,
+        "stats": {k: stats(v) for k, v in samples.items()},
+        "tokens_per_step": batch_size * seq,
+        "rounds": p["rounds"],
+        "iters": p["iters"],
+        "params": sum(q.numel() for q in model.parameters()),
+        "config": p["config"],
+        "sent": {
+            "shardflow_ep": sum(c.nbytes for c in executors["ep"].program.comms),
+            "shardflow_dp": sum(c.nbytes for c in executors["dp"].program.comms),
+            "hand_ep": sent_hand,
+        },
+        "collectives": {s: sorted({str(c.family) for c in ex.program.comms}) for s, ex in executors.items()},
+    }
+
+
 WORKLOADS = {
     "mlp": run_mlp,
     "gpt": run_gpt,
@@ -1391,6 +1523,7 @@ WORKLOADS = {
     "pipeline": run_pipeline,
     "chunked": run_chunked,
     "vocab": run_vocab,
+    "moe": run_moe,
 }
 
 

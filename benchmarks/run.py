@@ -24,7 +24,9 @@ sections, e.g. "Planning time", stay as they are).
 * t — a tensor-parallel forward all-reduce waited at once against the same cut in chunks that travel while the
       next chunk computes (async tensor parallelism's decomposition), at the main job's shape;
 * v — the training job's default model under tp=2, vocabulary-parallel (the preset) against the embedding and head
-      replicated: per-rank state, bytes per step, step time.
+      replicated: per-rank state, bytes per step, step time;
+* m — a Mixtral-style mixture of experts on 2 and 4 ranks: shardflow ep and dp against expert parallelism written by
+      hand (``all_to_all_single`` dispatch and combine); tokens/s and bytes per step.
 
 Usage::
 
@@ -56,8 +58,20 @@ from shardflow.lower import LowerOptions  # noqa: E402
 from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
-KEYS = "abcdefgpqtv"
+KEYS = "abcdefgmpqtv"
 KiB, MiB = 1 << 10, 1 << 20
+# (m): Mixtral's layout at a small width: 8 experts of width 256, top 2, 2 layers of width 128
+MOE_CONFIG = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 128,
+}
 SP_FORMS = [
     ["collective", "collective"],
     ["ring", "collective"],
@@ -180,6 +194,17 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
                 },
             )
         )
+    if "m" in keys:
+        moe = {
+            "config": MOE_CONFIG,
+            "batch": 8,
+            "seq": 64,
+            "lr": 0.01,
+            "rounds": 3 if quick else 15,
+            "iters": 2,
+            "warmup": 1 if quick else 2,
+        }
+        out += [("m2", "moe", 2, moe)] + ([] if quick else [("m4", "moe", 4, {**moe, "rounds": 9})])
     if "v" in keys:
         out.append(
             ("v", "vocab", 2, {"vocab_sizes": [None, 8192], "rounds": 5 if quick else 15, "iters": 3, "warmup": 2})
@@ -826,6 +851,61 @@ def section_g(res: dict, quick: bool) -> str:
     return "\n".join(lines)
 
 
+def section_m(runs: dict[int, dict], quick: bool) -> str:
+    """(m) tokens/s per device of shardflow ep, hand-written ep and shardflow dp on 2 and 4 ranks; bytes per step."""
+    first = next(iter(runs.values()))
+    c = first["config"]
+    lines = [
+        "## Mixtures of experts: expert parallelism (m)",
+        "",
+        f"`python benchmarks/run.py --only m`: a Mixtral-style model (`transformers.MixtralForCausalLM` from a config: "
+        f"{c['num_hidden_layers']} layers of width {c['hidden_size']}, {c['num_local_experts']} experts of width "
+        f"{c['intermediate_size']}, top {c['num_experts_per_tok']}; {first['params']:,} parameters, random init, "
+        f"float32, SGD) on a batch of {first['tokens_per_step']:,} tokens per step split over the ranks. shardflow: "
+        f"`--strategy ep` (the all-gather dispatcher: docs/concepts.md#expert-parallelism) and `--strategy dp`, "
+        f"`DistributedExecutor`. By hand: each layer's experts replaced by expert parallelism as torchtitan writes "
+        f"it — the token-expert pairs sorted by expert, the split sizes exchanged by an all-to-all of counts, the tokens "
+        f"sent to their experts' ranks and the results back by `all_to_all_single` (autograd's), the same expert "
+        f"MLPs, the dense weights' gradients all-reduced as DDP does. Interleaved rounds of {first['iters']} steps.",
+        "",
+        machine_line(first, first["world"]),
+        "",
+        TIMING_NOTE,
+        "",
+        "| ranks | variant | step (ms, median) | range | tokens/s per device | bytes sent per rank per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    labels = {"shardflow_ep": "shardflow ep", "hand_ep": "hand-written ep (all-to-all)", "shardflow_dp": "shardflow dp"}
+    verdicts = []
+    for world, res in runs.items():
+        st, n = res["samples"], res["tokens_per_step"]
+        for k, label in labels.items():
+            lines.append(
+                f"| {world} | {label} | {ms(med(st[k]))} | {spread_ms(st[k])} | {n / med(st[k]) / world:,.0f} "
+                f"| {res['sent'][k]:,} |"
+            )
+        rs = ratios(st["hand_ep"], st["shardflow_ep"])
+        verdicts.append(
+            f"{world} ranks: shardflow ep ÷ hand-written tokens/s per round {ratio_text(rs)}, target ≥ 0.9: "
+            f"{verdict(med(rs) >= 0.9)}; against shardflow dp {med(ratios(st['shardflow_dp'], st['shardflow_ep'])):.2f}. "
+            f"First losses: shardflow ep {res['losses']['shardflow_ep'][0]:.6f}/{res['losses']['shardflow_ep'][1]:.6f}, "
+            f"dp {res['losses']['shardflow_dp'][0]:.6f}/{res['losses']['shardflow_dp'][1]:.6f}, hand-written "
+            f"{res['losses']['hand_ep'][0]:.6f}/{res['losses']['hand_ep'][1]:.6f}."
+        )
+    lines += (
+        [""]
+        + verdicts
+        + [
+            "",
+            "Bytes: shardflow's are its program's (every collective, forward and backward, this rank's sends); the "
+            "hand-written step's are counted at its calls (the tokens sent to other ranks and the results sent back, "
+            "twice for the backward, the counts and expert ids, and a ring all-reduce of the dense gradients).",
+            "",
+        ]
+    )
+    return "\n".join(lines)
+
+
 def section_q(res: dict, quick: bool) -> str:
     st, m = res["samples"], res["model"]
     p, M = len(res["blocked"]), m["microbatches"]
@@ -1219,6 +1299,9 @@ def main(argv: list[str] | None = None) -> int:
         texts.append(section_g(results["g"], args.quick))
     if "p" in results:
         texts.append(section_p(results["p"], args.quick))
+    moe = {int(label[1:]): results[label] for label in ("m2", "m4") if label in results}
+    if moe:
+        texts.append(section_m(moe, args.quick))
     if "q" in results:
         texts.append(section_q(results["q"], args.quick))
     if "t" in results:

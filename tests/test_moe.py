@@ -92,6 +92,19 @@ def test_dp_routes_and_computes_the_tokens_where_they_are(family):
     assert all(d <= TOL for d in diffs.values()), diffs
 
 
+@pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("ep=2", "ep")])
+def test_the_router_s_load_balancing_loss_counts_tokens_where_they_are(mesh, strategy):
+    """Mixtral with ``output_router_logits``: the load-balancing loss counts the tokens routed to each expert with
+    ``histc`` of each device's tokens — ``Partial(sum)`` counts, reduced where the loss divides by them (a few bytes),
+    not every token gathered — and the numbers equal one device's."""
+    pcg = _ep_pcg("mixtral_router_loss", mesh, strategy)
+    counts = [n for n in pcg.nodes if isinstance(n.op, O.Histc)]
+    assert counts and all(pcg.tensors[n.outputs[0]].sharding.partial == (strategy,) for n in counts)
+    assert not [r for r in pcg.redistributions if isinstance(r.op, O.Histc)]
+    diffs = _compare("mixtral_router_loss", pcg)
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
 def test_experts_split_over_an_axis_sum_their_outputs():
     """The experts' stacked weights Shard(0) on tp=2 (each device holds 2 of Mixtral's 4 experts, their gradients
     and optimizer state): each device computes its experts for every token, the outputs are Partial(sum) on tp,

@@ -436,6 +436,10 @@ def _topk(c, node, x, k, dim=-1, largest=True, sorted=True):
     return tuple(_T(o) for o in outs)
 
 
+def _histc(c, node, x, bins=100, min=0, max=0):
+    return c.apply(O.Histc(int(bins), float(min), float(max)), [x], node)
+
+
 def _pad(c, node, x, pad, value=0):
     return c.apply(O.Pad(tuple(int(p) for p in pad), value), [x], node)
 
@@ -494,6 +498,7 @@ LIFT: dict[Any, Callable] = {
     aten.where.self: _where,
     aten.gather.default: _gather,
     aten.topk.default: _topk,
+    aten.histc.default: _histc,
     aten.constant_pad_nd.default: _pad,
     aten._to_copy.default: _to_copy,
     aten.clone.default: _alias,

@@ -984,6 +984,34 @@ class TopK(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class Histc(Op):
+    """``torch.histc(x, bins, min, max)``: the count of x's elements in each of ``bins`` equal bins over
+    ``[min, max]`` (elements outside are not counted). Input x ``[*]`` (floating); output ``[bins]``, x's dtype. A
+    mixture of experts counts the tokens routed to each expert so. The counts are constants of x: no gradient."""
+
+    kind: ClassVar[str] = "histc"
+    fresh: ClassVar[bool] = True
+    bins: int = 100
+    min: float = 0.0
+    max: float = 0.0
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        if self.bins < 1 or not ins[0].dtype.startswith(("float", "bfloat")):
+            raise OpError(f"histc: {self.bins} bins of a {ins[0].dtype} tensor; give bins ≥ 1 and a floating tensor")
+        return (TensorType((self.bins,), ins[0].dtype),)
+
+    def compute(self, x):
+        return (torch.histc(x, self.bins, self.min, self.max),)
+
+    def grad_outputs(self, ins, outs, need):
+        return (False,)
+
+    def describe(self) -> str:
+        return f"histc(bins={self.bins}, min={self.min:g}, max={self.max:g})"
+
+
+@dataclass(frozen=True, slots=True)
 class Experts(Op):
     """The expert layer of a mixture of experts with token-choice top-k routing (Shazeer et al. 2017; FlexFlow's
     ``Experts`` op; no capacity: every routed token is computed). Inputs:
@@ -1198,6 +1226,7 @@ OPS: dict[str, type[Op]] = {
         Reduce,
         Attention,
         TopK,
+        Histc,
         Experts,
         Conv,
         Pool,

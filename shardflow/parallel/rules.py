@@ -380,6 +380,15 @@ def rule_topk(ctx: Ctx) -> RuleResult:
     return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
 
 
+def rule_histc(ctx: Ctx) -> RuleResult:
+    """Counting is additive over a split: the counts of each device's elements sum to the whole's, so any sharded dim
+    of x gives ``Partial(sum)`` counts on its axes (a mixture of experts' tokens per expert under dp); x must not be
+    partial (the count of a sum is not the sum of the counts)."""
+    ctx.no_partial(0)
+    axes = tuple(a for d in ctx.shardings[0].dims for a in d)
+    return RuleResult((ctx.output(((),), axes),), ctx.local())
+
+
 def rule_experts(ctx: Ctx) -> RuleResult:
     """Tokens and experts are independent (docs/concepts.md#mixtures-of-experts): the token dim of x, idx and w
     (dim 0 of each, sharded alike) passes to the output's, every token computed where it is held (data, sequence
@@ -683,6 +692,7 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Reduce: rule_reduce,
     O.Attention: rule_attention,
     O.TopK: rule_topk,
+    O.Histc: rule_histc,
     O.Experts: rule_experts,
     O.CrossEntropy: rule_cross_entropy,
 }

@@ -147,6 +147,7 @@ CASES: tuple[Case, ...] = (
     Case("avg_pool(padded)", O.Pool("avg", (3, 3), (2, 2), (1, 1), count_include_pad=False), (_x("x", 4, 4, 8, 8),)),
     Case("aten(cumsum)", O.Aten("aten.cumsum.default", (O.Arg(0), 1)), (_x("x", 4, 8),)),
     Case("topk", O.TopK(2, 1), (_x("x", 4, 8),)),
+    Case("histc", O.Histc(4, -1.0, 1.0), (_x("x", 4, 8),)),
     Case(
         "experts",
         O.Experts("silu"),
