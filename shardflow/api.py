@@ -505,7 +505,7 @@ def parallelize(
             mesh_dim_names=("dp", "tp"))``: the same mesh as ``"dp=2,tp=2"``; :func:`as_mesh`). Its axes compose
             as docs/concepts.md §7 says: the first the outermost. Where each rank keeps its buffers is still
             ``device``'s choice, not the DeviceMesh's ``device_type``.
-        strategy: a preset — dp, fsdp, hsdp, tp, sp, pp or a combination (``"dp,tp"``, ``"fsdp,tp"``); default: the
+        strategy: a preset — dp, fsdp, hsdp, tp, sp, pp, cp, ep or a combination (``"dp,tp"``, ``"fsdp,tp"``); default: the
             one the mesh's axes name. ``"auto"``: the fastest preset of ``mesh``'s number of devices that fits this
             machine, chosen by the simulator (docs/search.md; the mesh's shape is the search's, only its size
             counts), its predicted peak at most ``memory_budget`` bytes per device (default 90 % of the device's).

@@ -1021,7 +1021,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument(
         "--strategy",
-        help="single, dp, fsdp, hsdp, tp, sp, pp, cp or a combination such as dp,tp, or auto: the fastest preset that "
+        help="single, dp, fsdp, hsdp, tp, sp, pp, cp, ep or a combination such as dp,tp, or auto: the fastest preset that "
         "fits the memory budget on --nproc devices of --machine, chosen by the simulator (docs/search.md) (default "
         "tp, or none with --plan)",
     )
@@ -1102,7 +1102,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(c)
     c.add_argument(
         "--strategy",
-        help="single, dp, fsdp, hsdp, tp, sp, pp, cp or a combination such as dp,tp (default: "
+        help="single, dp, fsdp, hsdp, tp, sp, pp, cp, ep or a combination such as dp,tp (default: "
         "the one the --mesh axes name; tp without --mesh)",
     )
     c.add_argument(

@@ -227,3 +227,42 @@ def test_ep_refuses_a_dense_model_and_a_degree_that_does_not_divide_the_experts(
 def captured_dense():
     model, batch = zoo.llama()
     return capture(model, batch)
+
+
+MIXTRAL_CONFIG = {
+    "model_type": "mixtral",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_export(capsys, corpus, tmp_path):
+    """``shardflow train --model-config mixtral.json --strategy ep`` (the model built on the meta device, as every
+    ``--model-config`` run builds it: its experts count integer expert ids there) trains 2 steps on a 2-device mesh
+    with its self-check against one device; ``--resume --strategy fsdp`` continues from the ep checkpoint to step 4,
+    checked again; ``shardflow export`` writes a directory transformers loads as Mixtral, its experts whole."""
+    import json
+
+    import transformers
+
+    config = tmp_path / "mixtral.json"
+    config.write_text(json.dumps(MIXTRAL_CONFIG))
+    run = tmp_path / "run"
+    common = ["--model-config", str(config), "--data", str(corpus), "--run-dir", str(run), "--nproc", "1"]
+    common += ["--seq-len", "8", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1", "--check"]
+    for strategy, steps, extra in (("ep", "2", []), ("fsdp", "4", ["--resume"])):
+        code = main(["train", *common, "--strategy", strategy, "--mesh", f"{strategy}=2", "--steps", steps, *extra])
+        out, err = capsys.readouterr()
+        assert code == 0, out + err
+        assert "check against one device: " in out and out.rstrip().endswith("OK"), out
+    assert "(step 2; written under strategy ep on mesh ep=2)" in out
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "MixtralForCausalLM"
+    assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 128, 32)

@@ -986,8 +986,10 @@ class TopK(Op):
 @dataclass(frozen=True, slots=True)
 class Histc(Op):
     """``torch.histc(x, bins, min, max)``: the count of x's elements in each of ``bins`` equal bins over
-    ``[min, max]`` (elements outside are not counted). Input x ``[*]`` (floating); output ``[bins]``, x's dtype. A
-    mixture of experts counts the tokens routed to each expert so. The counts are constants of x: no gradient."""
+    ``[min, max]`` (elements outside are not counted). Input x ``[*]``; output ``[bins]``, x's dtype. A mixture of
+    experts counts the tokens routed to each expert so (Hugging Face's experts count integer expert ids off the CPU,
+    as captured on the meta device: an integer x is counted in float64, exact below 2^53). The counts are constants
+    of x: no gradient."""
 
     kind: ClassVar[str] = "histc"
     fresh: ClassVar[bool] = True
@@ -997,12 +999,14 @@ class Histc(Op):
 
     def infer(self, ins):
         _expect(1, ins, self)
-        if self.bins < 1 or not ins[0].dtype.startswith(("float", "bfloat")):
-            raise OpError(f"histc: {self.bins} bins of a {ins[0].dtype} tensor; give bins ≥ 1 and a floating tensor")
+        if self.bins < 1 or ins[0].dtype in ("bool",) or ins[0].dtype.startswith("complex"):
+            raise OpError(f"histc: {self.bins} bins of a {ins[0].dtype} tensor; give bins ≥ 1 and a real tensor")
         return (TensorType((self.bins,), ins[0].dtype),)
 
     def compute(self, x):
-        return (torch.histc(x, self.bins, self.min, self.max),)
+        if x.is_floating_point():
+            return (torch.histc(x, self.bins, self.min, self.max),)
+        return (torch.histc(x.double(), self.bins, self.min, self.max).to(x.dtype),)
 
     def grad_outputs(self, ins, outs, need):
         return (False,)

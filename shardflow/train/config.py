@@ -44,7 +44,7 @@ class TrainConfig:
 
     strategy: str | None = _f(
         None,
-        f"single, dp, fsdp, hsdp (= dp,fsdp), tp, sp, pp, cp (context parallel) or a combination such as dp,tp "
+        f"single, dp, fsdp, hsdp (= dp,fsdp), tp, sp, pp, cp (context parallel), ep (expert parallel) or a combination such as dp,tp "
         f"or fsdp,tp, or auto: the fastest of them that fits this machine, chosen by the simulator before any "
         f"process starts (docs/search.md) (default {DEFAULT_STRATEGY}; not with --plan)",
     )
