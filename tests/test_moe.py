@@ -70,11 +70,10 @@ def test_each_expert_layer_is_one_op(family):
     generic = {n.op.describe() for n in graph.nodes if isinstance(n.op, O.Aten)}
     assert not generic & {"sort", "histc", "cumsum", "index.Tensor", "index_put", "transformers.grouped_mm_fallback"}
     assert sum(isinstance(n.op, O.TopK) for n in graph.nodes) >= MOE_LAYERS[family]
-    if family != "deepseek_v3":  # its group-limited router keeps a scatter (no rule yet)
-        assert not generic, generic
+    assert not generic, generic  # DeepSeek-V3's group-limited router: full_like and scatter on rules too
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_dp_routes_and_computes_the_tokens_where_they_are(family):
     """dp=2: the router and the experts run on each device's half of the tokens — no redistribution anywhere in a
     mixture-of-experts block (before, the router's scores were gathered to every device) — and one device's numbers

@@ -436,6 +436,14 @@ def _topk(c, node, x, k, dim=-1, largest=True, sorted=True):
     return tuple(_T(o) for o in outs)
 
 
+def _full_like(c, node, x, value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return c.apply(O.FullLike(value, dtype_name(dtype) if dtype is not None else ""), [x], node)
+
+
+def _scatter_value(c, node, x, dim, index, value):
+    return c.apply(O.Scatter(_dim(dim, len(c.shape(node))), value), [x, index], node)
+
+
 def _histc(c, node, x, bins=100, min=0, max=0):
     return c.apply(O.Histc(int(bins), float(min), float(max)), [x], node)
 
@@ -499,6 +507,8 @@ LIFT: dict[Any, Callable] = {
     aten.gather.default: _gather,
     aten.topk.default: _topk,
     aten.histc.default: _histc,
+    aten.full_like.default: _full_like,
+    aten.scatter.value: _scatter_value,
     aten.constant_pad_nd.default: _pad,
     aten._to_copy.default: _to_copy,
     aten.clone.default: _alias,

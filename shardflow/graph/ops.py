@@ -984,6 +984,60 @@ class TopK(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class FullLike(Op):
+    """``torch.full_like(x, value)``: a tensor of x's shape filled with ``value`` (dtype ``dtype``, x's when empty).
+    A constant of x's shape: no gradient. DeepSeek-V3's router starts its group mask so."""
+
+    kind: ClassVar[str] = "full_like"
+    fresh: ClassVar[bool] = True
+    value: float | int | bool = 0
+    dtype: str = ""
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        return (TensorType(ins[0].shape, self.dtype or ins[0].dtype),)
+
+    def compute(self, x):
+        return (torch.full_like(x, self.value, dtype=torch_dtype(self.dtype) if self.dtype else None),)
+
+    def grad_outputs(self, ins, outs, need):
+        return (False,)
+
+    def describe(self) -> str:
+        return f"full_like({self.value!r})"
+
+
+@dataclass(frozen=True, slots=True)
+class Scatter(Op):
+    """``torch.scatter(x, dim, index, value)``: x with ``value`` written at ``index`` along ``dim``. Inputs x ``[*]`` and
+    index (int64, as many dims, no larger than x's but along ``dim``); output like x. DeepSeek-V3's router marks each
+    token's chosen groups so."""
+
+    kind: ClassVar[str] = "scatter"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
+    dim: int = 0
+    value: float | int | bool = 0
+
+    def infer(self, ins):
+        _expect(2, ins, self)
+        x, idx = ins
+        d = _norm_dim(self.dim, x.ndim, "scatter")
+        if (
+            idx.ndim != x.ndim
+            or not idx.dtype.startswith("int")
+            or any(i > s for k, (i, s) in enumerate(zip(idx.shape, x.shape)) if k != d)
+        ):
+            raise OpError(
+                f"scatter: index {list(idx.shape)} ({idx.dtype}) does not fit input {list(x.shape)} on dim {d}"
+            )
+        return (x,)
+
+    def compute(self, x, idx):
+        return (torch.scatter(x, self.dim, idx, self.value),)
+
+
+@dataclass(frozen=True, slots=True)
 class Histc(Op):
     """``torch.histc(x, bins, min, max)``: the count of x's elements in each of ``bins`` equal bins over
     ``[min, max]`` (elements outside are not counted). Input x ``[*]``; output ``[bins]``, x's dtype. A mixture of
@@ -1230,6 +1284,8 @@ OPS: dict[str, type[Op]] = {
         Reduce,
         Attention,
         TopK,
+        FullLike,
+        Scatter,
         Histc,
         Experts,
         Conv,

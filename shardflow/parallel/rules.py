@@ -380,6 +380,25 @@ def rule_topk(ctx: Ctx) -> RuleResult:
     return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
 
 
+def rule_full_like(ctx: Ctx) -> RuleResult:
+    """Every dim keeps its sharding (each device fills its piece); a partial input is refused (its pieces' shapes are
+    the whole's, but the filled pieces would sum to degree × value)."""
+    ctx.no_partial(0)
+    return RuleResult((ctx.output(ctx.shardings[0].dims),), ctx.local())
+
+
+def rule_scatter(ctx: Ctx) -> RuleResult:
+    """x and index agree on every dim but ``dim`` (a router's token dim stays sharded), which must be whole in both
+    (an index names any position along it); no partial inputs (the written value is not a partial sum)."""
+    op: O.Scatter = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(0, 1)
+    d = op.dim % ctx.types[0].ndim
+    ctx.unsharded(0, [d], "scatter writes anywhere along it")
+    ctx.unsharded(1, [d], "scatter writes anywhere along it")
+    dims = [() if k == d else ctx.agree([(0, k), (1, k)]) for k in range(ctx.types[0].ndim)]
+    return RuleResult((ctx.output(dims),), ctx.local())
+
+
 def rule_histc(ctx: Ctx) -> RuleResult:
     """Counting is additive over a split: the counts of each device's elements sum to the whole's, so any sharded dim
     of x gives ``Partial(sum)`` counts on its axes (a mixture of experts' tokens per expert under dp); x must not be
@@ -693,6 +712,8 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Attention: rule_attention,
     O.TopK: rule_topk,
     O.Histc: rule_histc,
+    O.FullLike: rule_full_like,
+    O.Scatter: rule_scatter,
     O.Experts: rule_experts,
     O.CrossEntropy: rule_cross_entropy,
 }

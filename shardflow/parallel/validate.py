@@ -148,6 +148,8 @@ CASES: tuple[Case, ...] = (
     Case("aten(cumsum)", O.Aten("aten.cumsum.default", (O.Arg(0), 1)), (_x("x", 4, 8),)),
     Case("topk", O.TopK(2, 1), (_x("x", 4, 8),)),
     Case("histc", O.Histc(4, -1.0, 1.0), (_x("x", 4, 8),)),
+    Case("full_like", O.FullLike(1.5), (_x("x", 4, 8),)),
+    Case("scatter", O.Scatter(1, 2.5), (_x("x", 4, 8), _x("idx", 4, 4, dtype="int64", high=8))),
     Case(
         "experts",
         O.Experts("silu"),
