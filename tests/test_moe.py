@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import zoo  # noqa: E402
 from hf_worker import SGD, compare  # noqa: E402
 
-from shardflow.capture import capture, wide_floats  # noqa: E402
+from shardflow.capture import CaptureError, capture, wide_floats  # noqa: E402
 from shardflow.cli import main  # noqa: E402
 from shardflow.graph import ops as O  # noqa: E402
 from shardflow.graph.flops import node_flops  # noqa: E402
@@ -265,3 +265,30 @@ def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_export(capsys, co
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == "MixtralForCausalLM"
     assert model.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 128, 32)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_transformers_experts_implementations_are_lifted_and_train_exactly(implementation):
+    """Hugging Face's experts implementations that export captures — the default grouped products (sorted tokens)
+    and ``batched_mm`` (every token-expert pair's weights gathered, one batched product) — each become the Experts
+    op, and dp gives one device's numbers."""
+    model, batch = zoo.mixtral()
+    model.set_experts_implementation(implementation)
+    model = model.double()
+    with wide_floats():
+        graph = capture(model, batch)
+    assert sum(isinstance(n.op, O.Experts) for n in graph.nodes) == 2
+    assert not [n for n in graph.nodes if isinstance(n.op, O.Aten)]
+    mesh = Mesh.parse("dp=2")
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "dp"), graph, mesh))
+    diffs = compare(model, batch, graph, LocalExecutor(lower_step(pcg, SGD.slots), SGD))
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def test_the_eager_experts_loop_is_refused_naming_the_implementations_that_capture():
+    """``experts_implementation='eager'`` loops over the experts a batch hits (a branch on the routing, which
+    torch.export cannot trace): capture refuses in one paragraph naming the two that work."""
+    model, batch = zoo.mixtral()
+    model.set_experts_implementation("eager")
+    with pytest.raises(CaptureError, match=r"keep the default experts implementation \('grouped_mm'\), or call "):
+        capture(model, batch)

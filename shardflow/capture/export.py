@@ -166,6 +166,12 @@ def _export_failure(module: nn.Module, e: Exception) -> str:
         "pass use_cache=False in a Hugging Face model's config (no KV cache in training), and make sure the "
         "forward does not branch on tensor values (.item(), data-dependent shapes)"
     )
+    if getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager":
+        fix = (
+            "its experts run Hugging Face's eager loop over the experts a batch hits, which branches on the routing: "
+            "keep the default experts implementation ('grouped_mm'), or call model.set_experts_implementation("
+            "'batched_mm') (docs/concepts.md#mixtures-of-experts)"
+        )
     return f"torch.export cannot capture {type(module).__name__}{where}: {type(e).__name__}: {first}. Usual fix: {fix}"
 
 
