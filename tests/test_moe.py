@@ -292,3 +292,15 @@ def test_the_eager_experts_loop_is_refused_naming_the_implementations_that_captu
     model.set_experts_implementation("eager")
     with pytest.raises(CaptureError, match=r"keep the default experts implementation \('grouped_mm'\), or call "):
         capture(model, batch)
+
+
+def test_ep_keeps_deepseek_v3_s_shared_experts_dense():
+    """DeepSeek-V3's layer adds shared experts (a dense MLP every token goes through) to its routed ones: under
+    ep=2 the routed experts are split, the shared experts' weights stay whole on every device (they are no
+    ``Experts`` op), and the numbers equal one device's."""
+    pcg = _ep_pcg("deepseek_v3", "ep=2", "ep")
+    assert pcg.tensors["model.layers.1.mlp.experts.gate_up_proj"].sharding.dims[0] == ("ep",)
+    shared = [t for t in pcg.tensors if ".shared_experts." in t and t.endswith(".weight")]
+    assert len(shared) == 3 and all(not any(pcg.tensors[t].sharding.dims) for t in shared)
+    diffs = _compare("deepseek_v3", pcg)
+    assert all(d <= TOL for d in diffs.values()), diffs
