@@ -210,34 +210,18 @@ def falcon(vocab_size: int = VOCAB):
     )
 
 
+MIXTRAL = dict(SIZES, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+
+
 def mixtral(vocab_size: int = VOCAB):
-    return _causal(
-        _hf(
-            "MixtralForCausalLM",
-            "MixtralConfig",
-            **SIZES,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        ),
-        vocab_size,
-    )
+    return _causal(_hf("MixtralForCausalLM", "MixtralConfig", **MIXTRAL), vocab_size)
 
 
 def mixtral_router_loss(vocab_size: int = VOCAB):
     """Mixtral whose config asks for the router's load-balancing loss (Switch Transformer's, added to the loss with
     coefficient 0.02): not a family of the matrix, tests/test_moe.py's."""
     return _causal(
-        _hf(
-            "MixtralForCausalLM",
-            "MixtralConfig",
-            **SIZES,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            output_router_logits=True,
-            router_aux_loss_coef=0.02,
-        ),
+        _hf("MixtralForCausalLM", "MixtralConfig", **MIXTRAL, output_router_logits=True, router_aux_loss_coef=0.02),
         vocab_size,
     )
 

@@ -94,11 +94,11 @@ def _computes(graph: ComputationGraph, region: tuple[Node, ...], inputs: tuple[s
     """Whether ``region`` and ``op`` give the same output (within :data:`PROBE_RTOL` of its largest magnitude) on
     random tokens, routings and weights of the captured shapes and dtypes, the constants as captured."""
     spec = graph.tensors
-    _floats = (inputs[0], *inputs[3:])
+    floats = (inputs[0], *inputs[3:])
     n_tokens, k = spec[inputs[1]].shape
     n_experts = spec[inputs[3]].shape[0]
     gen = torch.Generator().manual_seed(0)
-    x, w1, w2 = (torch.randn(spec[t].shape, generator=gen, dtype=torch_dtype(spec[t].dtype)) for t in _floats)
+    x, w1, w2 = (torch.randn(spec[t].shape, generator=gen, dtype=torch_dtype(spec[t].dtype)) for t in floats)
     idx = torch.rand(n_tokens, n_experts, generator=gen).topk(k, dim=-1).indices.to(torch_dtype(spec[inputs[1]].dtype))
     w = (torch.rand(n_tokens, k, generator=gen) + 0.5).to(torch_dtype(spec[inputs[2]].dtype))
     env: dict[str, torch.Tensor] = dict(zip(inputs, (x, idx, w, w1 * 0.2, w2 * 0.2)))

@@ -111,6 +111,18 @@ def _norm_dim(dim: int, ndim: int, what: str) -> int:
     return dim % ndim
 
 
+def _index_fits(x: TensorType, idx: TensorType, dim: int, what: str) -> None:
+    """Raise OpError unless ``idx`` indexes ``x`` along ``dim`` as gather and scatter take it: integers, as many dims,
+    no larger than x on the others."""
+    d = _norm_dim(dim, x.ndim, what)
+    if (
+        idx.ndim != x.ndim
+        or not idx.dtype.startswith("int")
+        or any(i > s for k, (i, s) in enumerate(zip(idx.shape, x.shape)) if k != d)
+    ):
+        raise OpError(f"{what}: index {list(idx.shape)} ({idx.dtype}) does not fit input {list(x.shape)} on dim {d}")
+
+
 def _expect(n: int, ins: tuple[TensorType, ...], op: Op) -> None:
     if len(ins) != n:
         raise OpError(f"{op.kind} takes {n} inputs, got {len(ins)}")
@@ -699,15 +711,7 @@ class Gather(Op):
     def infer(self, ins):
         _expect(2, ins, self)
         x, idx = ins
-        d = _norm_dim(self.dim, x.ndim, "gather")
-        if (
-            idx.ndim != x.ndim
-            or not idx.dtype.startswith("int")
-            or any(i > s for k, (i, s) in enumerate(zip(idx.shape, x.shape)) if k != d)
-        ):
-            raise OpError(
-                f"gather: index {list(idx.shape)} ({idx.dtype}) does not fit input {list(x.shape)} on dim {d}"
-            )
+        _index_fits(x, idx, self.dim, "gather")
         return (TensorType(idx.shape, x.dtype),)
 
     def compute(self, x, idx):
@@ -1022,15 +1026,7 @@ class Scatter(Op):
     def infer(self, ins):
         _expect(2, ins, self)
         x, idx = ins
-        d = _norm_dim(self.dim, x.ndim, "scatter")
-        if (
-            idx.ndim != x.ndim
-            or not idx.dtype.startswith("int")
-            or any(i > s for k, (i, s) in enumerate(zip(idx.shape, x.shape)) if k != d)
-        ):
-            raise OpError(
-                f"scatter: index {list(idx.shape)} ({idx.dtype}) does not fit input {list(x.shape)} on dim {d}"
-            )
+        _index_fits(x, idx, self.dim, "scatter")
         return (x,)
 
     def compute(self, x, idx):
