@@ -38,6 +38,7 @@ from shardflow.graph import ComputationGraph
 from shardflow.graph.blocks import keep_blocks, repeated_blocks
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import torch_dtype
+from shardflow.graph.rebatch import RebatchError, rebatch
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
 from shardflow.lower.program import Comm, Compute
@@ -557,29 +558,54 @@ def search_model(
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
     with fewer repeated blocks is captured with its first ``ModuleList`` cut short where its forward loops over that
-    list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`)."""
-    captured: dict[int, tuple[ComputationGraph, int | None]] = {}  # parts → the most blocks captured (None: all)
+    list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`).
+    Once a copy is captured at two part sizes, the others are drawn from those two
+    (:func:`~shardflow.graph.rebatch.rebatch`; docs/search.md#capturing-once-per-depth), captured only where that
+    refuses."""
+    rows = next(iter(batch.values())).shape[0]
+    # blocks captured (None: all) → sequences → the graph; the depths whose two sizes draw no line
+    captured: dict[int | None, dict[int, ComputationGraph]] = {}
+    no_line: set[int | None] = set()
     first = _first_list(model)
     first_len = len(first[1]) if first else 0
 
+    def drawn(depth: int | None, size: int) -> ComputationGraph | None:
+        """The copy of ``depth`` blocks at ``size`` sequences from the two sizes captured first (None: no line)."""
+        have = captured[depth]
+        if size in have:
+            return have[size]
+        if len(have) < 2 or depth in no_line:
+            return None
+        (s1, g1), (s2, g2) = list(have.items())[:2]
+        try:
+            return rebatch(g1, s1, g2, s2, size)
+        except RebatchError:
+            no_line.add(depth)
+            return None
+
     def graph_for(parts: int, keep: int | None) -> ComputationGraph:
-        have = captured.get(parts)
-        if have is None or (have[1] is not None and (keep is None or have[1] < keep)):
+        size = rows // parts if rows % parts == 0 else None
+        # two depths at most, each captured at two sizes: the folded copies' (FOLD blocks) and the whole model's, from
+        # which any copy is cut (cheaply)
+        depth = FOLD if keep is not None and keep <= FOLD < first_len else None
+        g = next((g for d in dict.fromkeys((depth, None)) if d in captured and size and (g := drawn(d, size))), None)
+        if g is None:
             inputs = split_batch(batch, parts)[0]
-            g = None
-            if keep is not None:
-                # twice the blocks captured before, at least: a deeper pipeline asks again, a cut is cheap
-                keep_more = min(max(keep, 2 * (have[1] or 0) if have else keep), first_len)
-                with cut_blocks(model, keep_more):
+            if depth is not None:
+                with cut_blocks(model, depth):
                     g = capture(model, inputs)
-                g = g if len(repeated_blocks(g)) == keep_more else None
-            have = captured[parts] = (g, keep_more) if g is not None else (capture(model, inputs), None)
-        return have[0] if keep is None else keep_blocks(have[0], keep)
+                if len(repeated_blocks(g)) != depth:  # the forward does not loop over the list: cut the graph
+                    depth, g = None, capture(model, inputs)
+            else:
+                g = capture(model, inputs)
+            if size is not None:
+                captured.setdefault(depth, {})[size] = g
+        return g if keep is None else keep_blocks(g, keep)
 
     return search(
         graph_for,
         world,
-        next(iter(batch.values())).shape[0],
+        rows,
         tokens_of(batch),
         base,
         optimizer,

@@ -217,8 +217,9 @@ class ComputationGraph:
         lines.append(f"outputs: {', '.join(self.outputs)}" + (f"   loss: {self.loss}" if self.loss else ""))
         return "\n".join(lines)
 
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-able dict; :meth:`from_json` inverts it exactly."""
+    def to_json(self, constants: bool = True) -> dict[str, Any]:
+        """A JSON-able dict; :meth:`from_json` inverts it exactly (without ``constants``: their values left out,
+        given to :meth:`from_json` apart)."""
         return {
             "tensors": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "role": t.role}
@@ -241,6 +242,7 @@ class ComputationGraph:
             "constants": {
                 k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape), "data": v.flatten().tolist()}
                 for k, v in self.constants.items()
+                if constants
             },
             "module_shapes": {k: list(v) for k, v in self.module_shapes.items()},
             "buffer_updates": {k: dataclasses.asdict(u) for k, u in self.buffer_updates.items()},
@@ -248,7 +250,9 @@ class ComputationGraph:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> ComputationGraph:
+    def from_json(cls, d: Mapping[str, Any], constants: Mapping[str, torch.Tensor] | None = None) -> ComputationGraph:
+        """The graph of :meth:`to_json`'s dict ``d``; ``constants``: their values, where ``d`` leaves them out.
+        Raises ValueError (:meth:`validate`)."""
         tensors = {
             t["name"]: TensorSpec(t["name"], TensorType(tuple(t["shape"]), t["dtype"]), t["role"]) for t in d["tensors"]
         }
@@ -263,10 +267,11 @@ class ComputationGraph:
             )
             for n in d["nodes"]
         )
-        constants = {
-            k: torch.tensor(v["data"], dtype=torch_dtype(v["dtype"])).reshape(v["shape"])
-            for k, v in d.get("constants", {}).items()
-        }
+        if constants is None:
+            constants = {
+                k: torch.tensor(v["data"], dtype=torch_dtype(v["dtype"])).reshape(v["shape"])
+                for k, v in d.get("constants", {}).items()
+            }
         shapes = {k: tuple(v) for k, v in d.get("module_shapes", {}).items()}
         updates = {k: BufferUpdate(**u) for k, u in d.get("buffer_updates", {}).items()}
         frozen = frozenset(d.get("frozen", ()))
