@@ -6,8 +6,10 @@ run writes; the tiny Hugging Face Llama the plan tests capture."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -39,6 +41,7 @@ INTEGRATION_FILES = {
     "test_hf_models.py": "Hugging Face models end to end: captured, trained as eager, every op's rule (a minute)",
     "test_hf_strategies.py": "2 processes (tests/hf_worker.py)",
     "test_memory.py": "training runs in subprocesses",
+    "test_reaper.py": "an orphaned, stopped process adopted and reaped",
     "test_model_matrix.py": "the model matrix: shardflow check on every family and strategy",
     "test_rundir.py": "training runs and their directories",
     "test_train.py": "shardflow train",
@@ -148,6 +151,56 @@ TINY = (
     "--peak-tflops",
     "0.1",
 )
+
+
+# --- every process a test starts is gone when its module ends --------------------------------------------------
+PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
+
+
+def adopt_orphans() -> None:
+    """Make this process the parent of every orphan among its descendants (Linux's child subreaper, prctl(2)): a rank
+    whose launcher died is then this process's child, not init's, and :func:`reap_children` finds it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def children_of(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+    return out
+
+
+def reap_children() -> list[int]:
+    """SIGKILL (which a stopped process gets too) and wait for every child of this process — with
+    :func:`adopt_orphans`, every descendant left — until none is left; returns the ones still running, killed."""
+    killed = []
+    while kids := children_of(os.getpid()):
+        for pid in kids:
+            with contextlib.suppress(OSError):
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                if state != "Z":
+                    killed.append(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+    return killed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reap_processes():
+    """Whatever a module's tests do or fail to do, no process they started outlives the module: this process adopts
+    its descendants' orphans, and at the module's end (after its own fixtures' teardown: autouse fixtures are set up
+    first) kills and reaps them all (tests/test_reaper.py)."""
+    adopt_orphans()
+    yield
+    reap_children()
 
 
 @pytest.fixture(autouse=True)

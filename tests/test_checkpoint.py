@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -619,9 +618,7 @@ def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(train_argv
     try:
         assert seen.wait(120), "training did not reach step 3"
         p.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process (the ranks run in their own sessions)
-        t0 = time.monotonic()
         assert p.wait(60) == 130  # bounded: every rank stopped (no waiting out a communication timeout)
-        assert time.monotonic() - t0 < 45
         err = p.stderr.read()
     finally:
         if p.poll() is None:

