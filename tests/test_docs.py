@@ -389,7 +389,8 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
     lifted to (ops with a rule), ``replicated`` (the generic Aten op, no rule), ``folded`` (reads no input or
     parameter: a constant) or ``no-op`` (an alias, a clone, a cast to its own dtype, a metadata check, a repeat of
     key/value heads that grouped-query attention reads unrepeated: nothing in the graph); a node of an expert layer
-    lifted whole (:mod:`shardflow.capture.experts`) counts as ```experts```. A node
+    lifted whole (:mod:`shardflow.capture.experts`) counts as ```experts```, and the load capture adds beside it
+    (``ComputationGraph.expert_loads``) as nothing. A node
     lifted to several ops (batch norm, var_mean, select) counts all of them: the graph nodes after the previous
     lifted ATen node's, up to the one that carries its name."""
     import torch
@@ -406,6 +407,7 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
         graph = lift_exported(ep, batch)
         index = {n.name: i for i, n in enumerate(graph.nodes)}
         experts = [n.scope for n in graph.nodes if isinstance(n.op, O.Experts)]
+        loads = set(graph.expert_loads)  # counted by capture, not lifted from an ATen op
         kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs}
         live, last, ops = set(), -1, {}
         for n in ep.graph.nodes:
@@ -422,7 +424,7 @@ def _aten_census() -> dict[str, dict[str, set[str]]]:
             if n.name not in index:
                 how.add("`experts`" if any(_scope(n).startswith(s) for s in experts) else "no-op")
                 continue
-            lifted = graph.nodes[last + 1 : index[n.name] + 1]
+            lifted = [m for m in graph.nodes[last + 1 : index[n.name] + 1] if not set(m.outputs) & loads]
             last = index[n.name]
             how.update("replicated" if isinstance(m.op, O.Aten) else f"`{m.op.kind}`" for m in lifted)
         out[title] = ops

@@ -6,6 +6,7 @@ structure (which tensors move)."""
 from __future__ import annotations
 
 import functools
+import re
 from collections import Counter
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
-from hf_worker import SGD, compare  # noqa: E402
+from hf_worker import SGD, compare, weights_of  # noqa: E402
 
 from shardflow.capture import CaptureError, capture, wide_floats  # noqa: E402
 from shardflow.cli import main  # noqa: E402
@@ -89,6 +90,46 @@ def test_dp_routes_and_computes_the_tokens_where_they_are(family):
             assert pcg.tensors[n.outputs[0]].sharding.dims[0] == ("dp",)
     diffs = _compare(family, pcg)
     assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def _routed(family: str) -> list[torch.Tensor]:
+    """Tokens routed to each expert of each expert layer by the eager model on the batch of :func:`captured` (its
+    experts modules' ``top_k_index`` argument, counted)."""
+    model, batch, _ = captured(family)
+    seen: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _, args: seen.append(args[1]))
+        for name, m in model.named_modules()
+        if name.endswith(".mlp.experts")
+    ]
+    try:
+        with torch.no_grad(), wide_floats():
+            model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    n_experts = model.config.num_local_experts if family == "mixtral" else model.config.num_experts
+    return [torch.bincount(idx.flatten(), minlength=n_experts) for idx in seen]
+
+
+@pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("ep=2", "ep"), ("ep=2,tp=2", "ep,tp")])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_each_expert_layer_s_load_counts_the_tokens_routed_to_each_expert(family, mesh, strategy):
+    """Capture adds one graph output per expert layer, the tokens routed to each of its experts (a Histc of its
+    routing, Partial(sum) where the tokens are split: no communication in the step), and the executor reads it
+    summed over the batch: the counts eager PyTorch routes, whatever the plan."""
+    _, _, graph = captured(family)
+    loads = graph.expert_loads
+    assert len(loads) == MOE_LAYERS[family] and set(loads) <= set(graph.outputs)
+    pcg = _ep_pcg(family, mesh, strategy)
+    assert not [r for r in pcg.redistributions if r.node.endswith(".load")]
+    model, batch, _ = captured(family)
+    ex = LocalExecutor(lower_step(pcg, SGD.slots), SGD)
+    ex.load(weights_of(model, graph))
+    ex.step(batch)
+    got = [ex.expert_loads()[t] for t in loads]
+    assert [g.tolist() for g in got] == [w.tolist() for w in _routed(family)]
+    assert all(int(g.sum()) == 16 * 2 for g in got)  # every token's 2 experts counted once
 
 
 @pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("ep=2", "ep")])
@@ -241,11 +282,12 @@ MIXTRAL_CONFIG = {
 }
 
 
-def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_export(capsys, corpus, tmp_path):
+def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_export(capsys, corpus, tmp_path, read_metrics):
     """``shardflow train --model-config mixtral.json --strategy ep`` (the model built on the meta device, as every
     ``--model-config`` run builds it: its experts count integer expert ids there) trains 2 steps on a 2-device mesh
-    with its self-check against one device; ``--resume --strategy fsdp`` continues from the ep checkpoint to step 4,
-    checked again; ``shardflow export`` writes a directory transformers loads as Mixtral, its experts whole."""
+    with its self-check against one device, the router's balance (tokens per expert: min/mean/max) in each step's
+    line and record; ``--resume --strategy fsdp`` continues from the ep checkpoint to step 4, checked again;
+    ``shardflow export`` writes a directory transformers loads as Mixtral, its experts whole."""
     import json
 
     import transformers
@@ -260,7 +302,15 @@ def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_export(capsys, co
         out, err = capsys.readouterr()
         assert code == 0, out + err
         assert "check against one device: " in out and out.rstrip().endswith("OK"), out
+        assert re.search(r"step +\d+/ *\d+ .* experts \d+/16/\d+ tok", out), out
     assert "(step 2; written under strategy ep on mesh ep=2)" in out
+    # 4 sequences of 8 tokens, each token routed to 2 of the 4 experts: 16 tokens per expert on average, every layer
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    logged = [r for r in records if "expert_tokens_mean" in r]  # the steps with a line, as their memory
+    assert [r["step"] for r in logged] == [r["step"] for r in records if "mem_mib" in r] and len(logged) >= 2
+    for r in logged:
+        assert r["expert_tokens_mean"] == 16 and 0 <= r["expert_tokens_min"] <= 16 <= r["expert_tokens_max"] <= 32
     assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 0
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == "MixtralForCausalLM"

@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 
 from shardflow.graph import ops as O
-from shardflow.graph.graph import ComputationGraph, Node, TensorRole
+from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.graph.ops import OpError, torch_dtype
 
 PROBE_RTOL = 1e-4  # agreement of a region with the op on a random routing, relative to the output's magnitude
@@ -40,7 +40,7 @@ def fuse_experts(graph: ComputationGraph) -> ComputationGraph:
     for scope, region in _regions(graph):
         fused = _as_experts(graph, scope, region)
         if fused is not None:
-            graph = _replace(graph, region, fused)
+            graph = _with_load(_replace(graph, region, fused), fused)
     return graph
 
 
@@ -111,6 +111,24 @@ def _computes(graph: ComputationGraph, region: tuple[Node, ...], inputs: tuple[s
     except (RuntimeError, IndexError, TypeError, OpError):
         return False
     return want.shape == got.shape and bool((want - got).abs().max() <= PROBE_RTOL * want.abs().max().clamp(min=1.0))
+
+
+def _with_load(graph: ComputationGraph, fused: Node) -> ComputationGraph:
+    """``graph`` with the load of expert layer ``fused`` as a graph output: the tokens routed to each of its E
+    experts, ``Histc(E, 0, E − 1)`` of its routing ``idx`` (each expert id in a bin of its own, as Hugging Face's
+    experts count them), a node right before it, in the router's module (:attr:`~shardflow.graph.graph.ComputationGraph.expert_loads`)."""
+    idx, n_experts = fused.inputs[1], graph.tensors[fused.inputs[3]].shape[0]
+    op = O.Histc(n_experts, 0.0, float(n_experts - 1))
+    out = f"{fused.outputs[0]}.load"
+    router = next((n for n in graph.nodes if idx in n.outputs), fused)  # counted where the routing is made
+    load = Node(f"{fused.name}.load", op, (idx,), (out,), router.scope, router.source)
+    at = next(k for k, n in enumerate(graph.nodes) if n.name == fused.name)  # before it: the routing as it comes
+    return dataclasses.replace(
+        graph,
+        nodes=graph.nodes[:at] + (load,) + graph.nodes[at:],
+        tensors={**graph.tensors, out: TensorSpec(out, op.infer((graph.tensors[idx].type,))[0])},
+        outputs=(*graph.outputs, out),
+    )
 
 
 def _replace(graph: ComputationGraph, region: tuple[Node, ...], fused: Node) -> ComputationGraph:

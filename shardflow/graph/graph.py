@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from shardflow.graph.ops import OPS, Arg, Op, TensorType, dtype_name, torch_dtype
+from shardflow.graph.ops import OPS, Arg, Experts, Histc, Op, TensorType, dtype_name, torch_dtype
 
 
 class TensorRole(StrEnum):
@@ -132,6 +132,20 @@ class ComputationGraph:
         )
 
     # --- queries -------------------------------------------------------------------------------------
+    @property
+    def expert_loads(self) -> tuple[str, ...]:
+        """The graph outputs that count the tokens routed to each expert of an expert layer, in graph order: a
+        :class:`~shardflow.graph.ops.Histc` of an :class:`~shardflow.graph.ops.Experts` node's routing ``idx``
+        ``[N, K]``, ``[E]`` (capture adds one per expert layer: docs/concepts.md#mixtures-of-experts)."""
+        routing = {n.inputs[1] for n in self.nodes if isinstance(n.op, Experts)}
+        return tuple(
+            o
+            for n in self.nodes
+            if isinstance(n.op, Histc) and n.inputs[0] in routing
+            for o in n.outputs
+            if o in self.outputs
+        )
+
     def by_role(self, role: TensorRole) -> tuple[str, ...]:
         """Names of the tensors with ``role``, in definition order."""
         return tuple(n for n, t in self.tensors.items() if t.role == role)

@@ -341,6 +341,13 @@ class DynamicGraph:
             if u.stat is not None
         }
 
+    @cached_property
+    def expert_loads(self) -> dict[str, tuple[str, ...]]:
+        """Each expert layer's load (graph output :attr:`~shardflow.graph.graph.ComputationGraph.expert_loads`:
+        tokens routed to each expert) → its forward values, one per microbatch, in order."""
+        pcg_name = dict(zip(self.pcg.graph.outputs, self.pcg.outputs))
+        return {t: self.per_microbatch(forward_id(pcg_name[t])) for t in self.pcg.graph.expert_loads}
+
     def per_microbatch(self, vid: str) -> tuple[str, ...]:
         """The ids of value ``vid`` of a one-microbatch step in each microbatch of this one, in order (``vid``
         itself when the step has one)."""
@@ -387,11 +394,12 @@ class DynamicGraph:
     def persistent(self) -> frozenset[str]:
         """Values that outlive one step: weights, optimizer state and the updates' new versions of both, the
         gradients the updates read (kept for inspection), the squared gradient norm, the loss, the batch statistics
-        of buffer updates (:attr:`buffer_stats`), the sums of gradient contributions a micro-step leaves for the
+        of buffer updates (:attr:`buffer_stats`), the expert layers' loads (:attr:`expert_loads`), the sums of gradient contributions a micro-step leaves for the
         next (:meth:`accumulated`), and the graph's constants (placed once, not every step)."""
         keep = set(self.loss_values) if self.pcg.loss else set()
         keep.update(v for v in map(forward_id, self.pcg.graph.constants) if v in self.values)
         keep.update(v for vids in self.buffer_stats.values() for v in vids)
+        keep.update(v for vids in self.expert_loads.values() for v in vids)
         keep.update(self.accumulated()[1])
         if self.grad_norm_sq:
             keep.add(self.grad_norm_sq)

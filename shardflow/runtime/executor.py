@@ -250,6 +250,14 @@ class Executor(ABC):
         got = iter(self._get_many([v for vids in self.dg.buffer_stats.values() for v in vids]))
         return {stat: [next(got) for _ in vids] for stat, vids in self.dg.buffer_stats.items()}
 
+    def expert_loads(self) -> dict[str, torch.Tensor]:
+        """The last step's tokens routed to each expert, per expert layer (graph output → ``[E]`` counts summed
+        over the step's microbatches and over the whole batch, however it is sharded); {} for a model without
+        expert layers. On the distributed executor: collective."""
+        loads = self.dg.expert_loads
+        got = iter(self._get_many([v for vids in loads.values() for v in vids]))
+        return {t: sum((next(got) for _ in vids), torch.zeros(())) for t, vids in loads.items()}
+
     def state(self) -> dict[str, torch.Tensor]:
         """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""
         return {vid: self._get(vid) for vid in self.dg.state_values()}

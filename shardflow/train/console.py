@@ -185,10 +185,16 @@ class Console:
         if self.logs(record, last):
             val = f"  val {record['val_loss']:.4f}" if "val_loss" in record else ""
             norm = f"  |g| {record['grad_norm']:.3g}" if "grad_norm" in record else ""
+            experts = (
+                f"  experts {record['expert_tokens_min']}/{record['expert_tokens_mean']:.0f}/"
+                f"{record['expert_tokens_max']} tok"
+                if "expert_tokens_min" in record
+                else ""
+            )
             print(
                 f"{CLEAR if self.bar else ''}step {n:>5}/{self.steps}  loss {loss:.4f}{val}  "
                 f"{tps:,.0f} tok/s/dev  MFU {record['mfu_pct']:.2f}%{norm}  lr {record['lr']:.3g}  mem {record['mem_mib']:,.0f} MiB  "
-                f"data {record['data_s'] * 1000:.1f} ms  {record['step_s'] * 1000:.0f} ms/step",
+                f"data {record['data_s'] * 1000:.1f} ms  {record['step_s'] * 1000:.0f} ms/step{experts}",
                 flush=True,
             )
         elif self.bar:

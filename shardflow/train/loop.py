@@ -169,7 +169,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
         if (step + 1) % cfg.eval_every == 0 or last:
             record["val_loss"] = val_loss()
         if console.logs(record, last):
-            record |= meter.memory(ex)  # collective: every rank takes part
+            record |= meter.memory(ex) | meter.expert_load(ex)  # collective: every rank takes part
         if lead:
             metrics.write(record)
         console.step(record, last)

@@ -27,6 +27,10 @@ key                         unit        what
 ``mem_mib``                 MiB         at the steps the console prints: the largest peak memory of any process
 ``mem_mib_ranks``           MiB         at those steps: each process's peak memory, in rank order (one value
                                         when every rank runs in one process)
+``expert_tokens_min``       tokens      at those steps, for a mixture of experts: the fewest tokens routed to one
+                                        expert of one expert layer in the step's last micro-step
+``expert_tokens_mean``      tokens      the same, on average over every expert of every layer (N·K/E)
+``expert_tokens_max``       tokens      the same, the most
 =========================== =========== ===========================================================================
 
 Peak memory is the process's peak resident set size (``resource.getrusage``) on the CPU, where the executors
@@ -184,6 +188,21 @@ class Meter:
             rec["grad_norm"] = grad_norm
         rec["lr"] = lr
         return rec
+
+    def expert_load(self, ex: Executor) -> dict[str, Any]:
+        """``expert_tokens_min``, ``_mean`` and ``_max``: the tokens routed to one expert in the last micro-step of
+        executor ``ex``'s step, over every expert of every expert layer (the router's balance: equal when each
+        expert gets N·K/E); {} for a model without expert layers (collective on the distributed executor: every
+        rank calls it)."""
+        loads = list(ex.expert_loads().values())
+        if not loads:
+            return {}
+        counts = torch.cat([c.double().flatten() for c in loads])
+        return {
+            "expert_tokens_min": int(counts.min()),
+            "expert_tokens_mean": float(counts.mean()),
+            "expert_tokens_max": int(counts.max()),
+        }
 
     def memory(self, ex: Executor) -> dict[str, Any]:
         """``mem_mib`` and ``mem_mib_ranks``: every process's peak memory (MiB), gathered by executor ``ex``
