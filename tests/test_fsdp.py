@@ -101,12 +101,13 @@ def test_hsdp_reduce_scatters_over_fsdp_then_all_reduces_the_piece_over_dp(llama
     for rank, prog in step.programs.items():
         comms = [i for i in prog.instrs if isinstance(i, Comm)]
         kinds = Counter((str(c.kind), c.axis) for c in comms)
-        # the forward's: the loss's label count, a scalar all-reduced on each axis (the batch is split on both)
+        # the forward's: the loss's label count, a scalar partial on both axes (the batch is split on both), one
+        # all-reduce over the flattened dp×fsdp (docs/lowering.md#mesh-flatten)
         assert kinds == {
             ("all_gather", "fsdp"): 2 * per_weight,
             ("reduce_scatter", "fsdp"): per_weight,
-            ("all_reduce", "dp"): per_weight + 1,
-            ("all_reduce", "fsdp"): 1,
+            ("all_reduce", "dp"): per_weight,
+            ("all_reduce", "dp×fsdp"): 1,
         }, (rank, kinds)
         nbytes = Counter()
         for c in comms:

@@ -13,6 +13,7 @@ from shardflow.lower import LowerOptions, lower_programs, lower_step
 from shardflow.lower.calibration import COST_KINDS, KindCost
 from shardflow.lower.comm_lowering import comm_lowering, decide
 from shardflow.lower.copy_insertion import copy_insertion
+from shardflow.lower.cost import DEFAULT_BUCKET_BYTES
 from shardflow.lower.dynamic import (
     OPTIMIZER_SLOTS,
     NodeKind,
@@ -886,3 +887,47 @@ def test_an_op_without_derivative_is_refused_when_the_backward_is_planned(fn):
         lower_step(pcg, "sgd")
     assert "\n" not in str(e.value)
     lower_step(pcg, "sgd", training=False)
+
+
+@pytest.mark.parametrize("bucket_bytes", [DEFAULT_BUCKET_BYTES, 0])
+def test_mesh_flatten_folds_two_all_reduces_into_one_over_both_axes(bucket_bytes):
+    """dp,sp on dp=2 × tp=2 (docs/lowering.md#mesh-flatten): a norm weight's gradient and the squared gradient
+    norm, Partial on dp and tp, are all-reduced once over the 4 devices (dp×tp) instead of over dp, then tp — the
+    norm weights' in one bucket when bucketed — with 2(4−1)/4 of their bytes on the wire; the loss and every weight
+    replica equal one device's (float64)."""
+    from collections import Counter
+
+    from conftest import tiny_hf_llama_float64
+
+    from shardflow.parallel.collectives import CommKind, wire_bytes
+    from shardflow.reference import weights_of
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.runtime.local import LocalExecutor
+
+    model, batch, graph = tiny_hf_llama_float64()
+    mesh = Mesh.parse("dp=2,tp=2")
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, "dp,sp"), graph, mesh))
+    options = LowerOptions(bucket_bytes=bucket_bytes)
+    step = lower_step(pcg, "sgd", options=options, grad_norm=True, verify=True)
+    norms = [w for w in graph.weights if w.endswith("norm.weight")]
+    assert len(norms) == 5
+    for r, prog in step.programs.items():
+        flat = [c for c in prog.comms if c.axis == "dp×tp"]
+        assert all(c.kind == CommKind.ALL_REDUCE and c.members == (0, 1, 2, 3) for c in flat)
+        # per norm weight (or one bucket of the five) and the gradient norm's scalar
+        assert len(flat) == (1 if bucket_bytes else len(norms)) + 1, (r, [c.note for c in flat])
+        numel = sum(c.type.numel for c in flat)
+        assert numel == sum(graph.tensors[w].type.numel for w in norms) + 1
+        assert sum(c.nbytes for c in flat) == sum(wire_bytes(CommKind.ALL_REDUCE, c.type.nbytes, 4) for c in flat)
+        # no norm weight's gradient is all-reduced over one axis alone any more
+        kinds = Counter((c.axis, c.task) for c in prog.comms if c.kind == CommKind.ALL_REDUCE)
+        assert ("tp", "UPD") not in kinds and ("dp", "UPD") not in kinds, kinds
+    cfg = OptimizerConfig("sgd", 0.1)
+    one = LocalExecutor(lower_step(build_pcg(graph, Mesh.parse("d=1")), "sgd", grad_norm=True), cfg)
+    many = LocalExecutor(step, cfg)
+    for ex in (one, many):
+        ex.load(weights_of(model, graph))
+    for _ in range(2):
+        assert abs(one.step(batch) - many.step(batch)) < 1e-12
+    assert abs(one.grad_norm - many.grad_norm) < 1e-12
+    assert many.weight_error(one.weights()) < 1e-12

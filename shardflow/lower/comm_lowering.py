@@ -17,6 +17,7 @@ formula of every communication kind). Tokens are relative to their step here; or
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
@@ -64,10 +65,28 @@ class Decisions:
     buckets: tuple[tuple[DNode, ...], ...] = ()
     gathers: tuple[tuple[DNode, ...], ...] = ()
     scatters: tuple[tuple[Step, ...], ...] = ()
+    flat: Mapping[str, DNode] = dataclasses.field(default_factory=dict)
 
     @property
     def suppressed(self) -> set[str]:
         return {c.name for cs in self.fused.values() for c in cs}
+
+    @cached_property
+    def flat_first(self) -> frozenset[str]:
+        """The all-reduces that :attr:`flat` folds into the next one: they make no communication of their own."""
+        return frozenset(n.name for n in self.flat.values())
+
+    def axes(self, n: DNode) -> tuple[str, ...]:
+        """The mesh axes all-reduce ``n`` runs along: its own, and the one before it where :attr:`flat` folds
+        the two into one all-reduce over both (a flattened axis, in mesh order)."""
+        first = self.flat.get(n.name)
+        if first is None:
+            return (_axis(n),)
+        return tuple(a for a in n.group.mesh.axis_names if a in (_axis(first), _axis(n)))
+
+    def source(self, n: DNode) -> str:
+        """The value all-reduce ``n`` reads: its input, or the input of the all-reduce :attr:`flat` folds into it."""
+        return self.flat[n.name].inputs[0] if n.name in self.flat else n.inputs[0]
 
     @cached_property
     def bucket_of(self) -> dict[str, int]:
@@ -132,8 +151,9 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
             forms[n.name] = (
                 options.reduce_scatter_form(chunk, n.op.degree, n.op.axis) if summed else CommForm.COLLECTIVE
             )
+    flat = _flattened(dg, options, all_steps, readers)
     if options.bucket_bytes <= 0:
-        return Decisions(dg, forms, fused)
+        return Decisions(dg, forms, fused, flat=flat)
     final = _final_gradients(dg)
     then = _then_all_reduced(dg, all_steps, final)
     gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final, then)
@@ -144,8 +164,52 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
     packed = {n.name for b in gathers for n in b} | {st.nodes[0].name for b in scatters for st in b}
     forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
     fused = {k: v for k, v in fused.items() if k not in packed}
-    buckets = _buckets(dg, all_steps, options.bucket_bytes, final, {n.name for b in pieces for n in b}) + pieces
-    return Decisions(dg, forms, fused, buckets, gathers, scatters)
+    buckets = _buckets(dg, all_steps, options.bucket_bytes, final, {n.name for b in pieces for n in b}, flat)
+    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat)
+
+
+def _axis(n: DNode) -> str:
+    """The mesh axis parallel node ``n`` acts along."""
+    assert n.op is not None, n.name
+    return n.op.axis
+
+
+def _flattened(
+    dg: DynamicGraph, options: LowerOptions, all_steps: list[Step], readers: Mapping[str, list[DNode]]
+) -> dict[str, DNode]:
+    """Mesh flatten (docs/lowering.md#mesh-flatten): all-reduce → the all-reduce that alone reads it, over
+    another axis of the same sub-mesh with the same reduction (a value ``Partial`` on two axes brought to
+    ``Replicate``, as :func:`~shardflow.parallel.ops.redistribute` makes it: one axis at a time), where the cost
+    model prices one all-reduce over both axes at once — DTensor's flattened mesh dim — below the two: the second
+    node's name → the first. A chain of three folds its first two only."""
+    cost = options.cost
+    made = {st.nodes[0].outputs[0]: st.nodes[0] for st in all_steps if st.kind == CommKind.ALL_REDUCE}
+    flat: dict[str, DNode] = {}
+    for st in all_steps:
+        n = st.nodes[0]
+        first = made.get(n.inputs[0]) if st.kind == CommKind.ALL_REDUCE and len(st.nodes) == 1 else None
+        if (
+            first is None
+            or first.name in flat  # already folded into: a chain folds its first two
+            or _axis(first) == _axis(n)
+            or first.group != n.group
+            or first.task != n.task
+            or len(readers.get(n.inputs[0], ())) != 1
+            or dg.values[first.inputs[0]].sharding.reduce_op != dg.values[n.inputs[0]].sharding.reduce_op
+        ):
+            continue
+        nbytes = piece(dg.values[n.inputs[0]]).type.nbytes
+        axes = (_axis(first), _axis(n))
+        sizes = [n.group.mesh.axis_size(x) for x in axes]
+        apart = sum(
+            cost.call_s("all_reduce", wire_bytes(CommKind.ALL_REDUCE, nbytes, d), x) for d, x in zip(sizes, axes)
+        )
+        together = max(
+            cost.call_s("all_reduce", wire_bytes(CommKind.ALL_REDUCE, nbytes, math.prod(sizes)), x) for x in axes
+        )
+        if together < apart:
+            flat[n.name] = first
+    return flat
 
 
 def _final_gradients(dg: DynamicGraph) -> frozenset[str]:
@@ -235,12 +299,18 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
 
 
 def _buckets(
-    dg: DynamicGraph, all_steps: list[Step], cap: int, final: frozenset[str], skip: set[str]
+    dg: DynamicGraph,
+    all_steps: list[Step],
+    cap: int,
+    final: frozenset[str],
+    skip: set[str],
+    flat: Mapping[str, DNode],
 ) -> tuple[tuple[DNode, ...], ...]:
     """Gradient all-reduces packed into buckets (see :class:`LowerOptions`): those of BWD, summing, whose
     result only the updates (and the gradient-norm sum) read, except the nodes named in ``skip`` (bucketed with
-    their reduce-scatter bucket's); grouped by (sub-mesh, axis, dtype) in the order the backward makes them, a
-    bucket closed once it holds ``cap`` bytes. Buckets of one are left out."""
+    their reduce-scatter bucket's); grouped by (sub-mesh, axis — both, for an all-reduce ``flat`` folds another
+    into —, dtype) in the order the backward makes them, a bucket closed once it holds ``cap`` bytes. Buckets of
+    one are left out."""
     open_: dict[tuple, tuple[list[DNode], int]] = {}
     out: list[tuple[DNode, ...]] = []
     for st in all_steps:
@@ -248,7 +318,7 @@ def _buckets(
             continue
         n = st.nodes[0]
         vin = dg.values[n.inputs[0]]
-        key = (n.group, n.op.axis, vin.type.dtype)
+        key = (n.group, n.op.axis, _axis(flat[n.name]) if n.name in flat else "", vin.type.dtype)
         members, size = open_.pop(key, ([], 0))
         members.append(n)
         size += piece(vin).type.nbytes
@@ -258,6 +328,20 @@ def _buckets(
             open_[key] = (members, size)
     out += [tuple(m) for m, _ in open_.values()]
     return tuple(b for b in out if len(b) > 1)
+
+
+# a flattened axis's name in listings (``axis`` of a communication over several mesh axes at once): "dp×tp"
+AXES_JOIN = "×"
+
+
+def axes_members(group: SubMesh, axes: tuple[str, ...], device: int) -> tuple[int, ...]:
+    """The devices of ``group`` that differ from ``device`` only in their coordinates on ``axes``, in order (one
+    axis: :func:`~shardflow.lower.shard_expansion.axis_members`; several: the flattened axis, row-major over them
+    as DTensor's ``_flatten`` orders it)."""
+    members: tuple[int, ...] = (device,)
+    for a in axes:
+        members = tuple(m for d in members for m in axis_members(group, a, d))
+    return tuple(sorted(members))
 
 
 # The step kinds that lower to collectives along a mesh axis (one per axis group, or a ring / loop of them).
@@ -287,10 +371,10 @@ def instances(st: Step, plan: Decisions) -> int:
     s = plan.scatter_of.get(n.name)
     if s is not None and plan.scatters[s][-1] is not st:
         return 0  # issued with the bucket, at its last member
-    if st.kind not in _COLLECTIVES:
+    if st.kind not in _COLLECTIVES or n.name in plan.flat_first:
         return 0
     group = plan.dg.values[n.inputs[0]].group if st.kind == CommKind.REDUCE else n.group
-    d = n.group.mesh.axis_size(n.op.axis)
+    d = math.prod(n.group.mesh.axis_size(a) for a in plan.axes(n))
     groups = group.size // d
     form = plan.forms.get(n.name, CommForm.COLLECTIVE)
     return groups * {CommForm.COLLECTIVE: 1, CommForm.RING: d - 1, CommForm.BROADCAST_LOOP: d}[form]
@@ -333,7 +417,12 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
         instrs[r], deferred[r] = tuple(now), tuple(later)
     tokens = tuple(instances(st, plan) for st in sg.steps)
     out = dataclasses.replace(
-        sg, instrs=instrs, deferred=deferred, tokens=tokens, done=sg.done + (PassName.COMM_LOWERING,)
+        sg,
+        instrs=instrs,
+        deferred=deferred,
+        tokens=tokens,
+        groups=tuple(process_groups(sg.dg, plan)),
+        done=sg.done + (PassName.COMM_LOWERING,),
     )
     for r in sg.ranks:  # after: every token within its step's count
         for k, st in enumerate(sg.steps):
@@ -356,13 +445,15 @@ def _bucket(plan: Decisions, k: int, r: int, token: int) -> tuple[list[Instr], l
     n0 = members[0]
     if not in_group(n0.group, r):
         return [], []
-    ins = tuple(piece(dg.values[n.inputs[0]]) for n in members)
+    ins = tuple(piece(dg.values[plan.source(n)]) for n in members)
     outs = tuple(piece(dg.values[n.outputs[0]]) for n in members)
     flat = TensorType((sum(b.type.numel for b in ins),), ins[0].type.dtype)
-    packed, reduced = Buffer(f"bucket{k}:{n0.op.axis}", flat), Buffer(f"bucket{k}:{n0.op.axis}.reduced", flat)
-    group_members = axis_members(n0.group, n0.op.axis, r)
+    axes = plan.axes(n0)
+    label = AXES_JOIN.join(axes)
+    packed, reduced = Buffer(f"bucket{k}:{label}", flat), Buffer(f"bucket{k}:{label}.reduced", flat)
+    group_members = axes_members(n0.group, axes, r)
     d = len(group_members)
-    t = token + axis_group_index(n0.group, n0.op.axis, r)
+    t = token + axis_group_index(n0.group, axes, r)
     note = f"bucket {k}: " + ", ".join(n.name for n in members)
     comm = Comm(
         t,
@@ -371,7 +462,7 @@ def _bucket(plan: Decisions, k: int, r: int, token: int) -> tuple[list[Instr], l
         group_members,
         flat,
         wire_bytes(CommKind.ALL_REDUCE, flat.nbytes, d),
-        n0.op.axis,
+        label,
         send=packed,
         recv=reduced,
         note=note,
@@ -480,8 +571,27 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     op = first.op
     axis = op.axis
     group = first.group
-    if not in_group(group, r):
+    if not in_group(group, r) or first.name in plan.flat_first:
         return []
+    if first.name in plan.flat:  # one all-reduce over both axes, of the value the folded one read
+        axes = plan.axes(first)
+        members, tin = axes_members(group, axes, r), piece(dg.values[plan.source(first)])
+        return [
+            Comm(
+                base + axis_group_index(group, axes, r),
+                CommKind.ALL_REDUCE,
+                first.task,
+                members,
+                tin.type,
+                wire_bytes(CommKind.ALL_REDUCE, tin.type.nbytes, len(members)),
+                AXES_JOIN.join(axes),
+                send=tin,
+                recv=piece(vout),
+                note=f"{plan.flat[first.name].name} + {first.name}",
+                reduce_op=vin.sharding.reduce_op,
+                value=dg.values[plan.source(first)].id,
+            )
+        ]
     form = plan.forms.get(first.name, CommForm.COLLECTIVE)
     if form != CommForm.COLLECTIVE:
         expand = _all_gather_steps if st.kind == CommKind.ALL_GATHER else _reduce_scatter_ring
@@ -816,10 +926,11 @@ def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
     return out
 
 
-def process_groups(dg: DynamicGraph) -> list[Group]:
+def process_groups(dg: DynamicGraph, plan: Decisions | None = None) -> list[Group]:
     """The process group of every collective, in first-use order: the groups every rank creates, in this one
     order (torch.distributed requires every rank to take part in creating every group). A group whose members
-    are one of the mesh's own axis groups is marked regular (its mesh and axis)."""
+    are one of the mesh's own axis groups is marked regular (its mesh and axis); the flattened axes of ``plan``'s
+    folded all-reduces (:attr:`Decisions.flat`) add theirs."""
     keys: dict[tuple, DNode] = {}  # in first-use order; nodes with one key give the same groups
     for st in steps(dg):
         n = st.nodes[0]
@@ -837,7 +948,12 @@ def process_groups(dg: DynamicGraph) -> list[Group]:
                 else axis_members(group, axis, d),
                 axis,
             )
+    for n in dg.nodes:
+        if plan is not None and n.name in plan.flat:
+            for d in n.group.devices():
+                seen.setdefault(axes_members(n.group, plan.axes(n), d), "")
     whole = SubMesh(dg.pcg.mesh)
     return [
-        Group(m, whole.mesh, axis) if m == axis_members(whole, axis, m[0]) else Group(m) for m, axis in seen.items()
+        Group(m, whole.mesh, axis) if axis and m == axis_members(whole, axis, m[0]) else Group(m)
+        for m, axis in seen.items()
     ]

@@ -16,7 +16,6 @@ import dataclasses
 from itertools import accumulate
 
 from shardflow.graph import ops as O
-from shardflow.lower.comm_lowering import process_groups
 from shardflow.lower.dynamic import PassError, PassName, TaskType, require
 from shardflow.lower.program import Comm, Compute, Free, Instr, Program, Vjp, Wait, reads, writes
 from shardflow.lower.shard_expansion import ShardedGraph, in_group, piece
@@ -32,7 +31,7 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
     require(sg.done, PassName.ORDERING, (PassName.COMM_LOWERING,))
     base = [0, *accumulate(sg.tokens)]
     dg = sg.dg
-    placed, keep, groups = dg.placed(), dg.persistent(), tuple(process_groups(dg))
+    placed, keep, groups = dg.placed(), dg.persistent(), sg.groups
     programs = {}
     for r in sg.ranks:
         prog: list[Instr] = []

@@ -27,6 +27,7 @@ from shardflow.lower.program import (
     Compute,
     Convert,
     Forward,
+    Group,
     Instr,
     Keep,
     KernelSpec,
@@ -80,12 +81,14 @@ def axis_members(group: SubMesh, axis: str, device: int) -> tuple[int, ...]:
     return tuple(group.device_of(c | {axis: i}) for i in range(group.mesh.axis_size(axis)))
 
 
-def axis_group_index(group: SubMesh, axis: str, device: int) -> int:
-    """Index of ``device``'s axis group among all groups of ``group`` along ``axis`` (row-major in the others)."""
+def axis_group_index(group: SubMesh, axis: str | tuple[str, ...], device: int) -> int:
+    """Index of ``device``'s axis group among all groups of ``group`` along ``axis`` (row-major in the others); a
+    tuple of axes: its group along all of them at once (a flattened axis)."""
     c = group.coords(device)
+    along = (axis,) if isinstance(axis, str) else axis
     idx = 0
     for a, s in zip(group.free_axes, group.free_shape):
-        if a != axis:
+        if a not in along:
             idx = idx * s + c[a]
     return idx
 
@@ -155,7 +158,8 @@ class ShardedGraph:
     and per rank, per step, the instructions it runs (``instrs``). Communication lowering fills the
     communication steps — ``deferred``: per rank, per step, instructions that wait until something reads what
     they fill (a gradient bucket's Wait and unpack) — with tokens relative to the step, and ``tokens``: per step,
-    how many communications (tokens) it makes; ordering numbers the tokens globally and makes the ``programs``.
+    how many communications (tokens) it makes, and ``groups``: the process group of every collective, in the one
+    order every rank creates them; ordering numbers the tokens globally and makes the ``programs``.
     ``done``: the passes applied so far."""
 
     dg: DynamicGraph
@@ -164,6 +168,7 @@ class ShardedGraph:
     instrs: Mapping[int, tuple[tuple[Instr, ...], ...]]
     deferred: Mapping[int, tuple[tuple[Instr, ...], ...]] = field(default_factory=dict)
     tokens: tuple[int, ...] = ()
+    groups: tuple[Group, ...] = ()
     programs: Mapping[int, Program] | None = None
     done: tuple[str, ...] = ()
 
