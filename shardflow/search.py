@@ -566,6 +566,7 @@ def search_model(
     # blocks captured (None: all) → sequences → the graph; the depths whose two sizes draw no line
     captured: dict[int | None, dict[int, ComputationGraph]] = {}
     no_line: set[int | None] = set()
+    uncut: set[int] = set()  # depths the model's forward cannot be cut to (it does not loop over its list)
     first = _first_list(model)
     first_len = len(first[1]) if first else 0
 
@@ -587,7 +588,7 @@ def search_model(
         size = rows // parts if rows % parts == 0 else None
         # two depths at most, each captured at two sizes: the folded copies' (FOLD blocks) and the whole model's, from
         # which any copy is cut (cheaply)
-        depth = FOLD if keep is not None and keep <= FOLD < first_len else None
+        depth = FOLD if keep is not None and keep <= FOLD < first_len and FOLD not in uncut else None
         g = next((g for d in dict.fromkeys((depth, None)) if d in captured and size and (g := drawn(d, size))), None)
         if g is None:
             inputs = split_batch(batch, parts)[0]
@@ -595,6 +596,7 @@ def search_model(
                 with cut_blocks(model, depth):
                     g = capture(model, inputs)
                 if len(repeated_blocks(g)) != depth:  # the forward does not loop over the list: cut the graph
+                    uncut.add(depth)
                     depth, g = None, capture(model, inputs)
             else:
                 g = capture(model, inputs)

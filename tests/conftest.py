@@ -165,6 +165,14 @@ def adopt_orphans() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
+def proc_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from /proc (``T`` stopped, ``Z`` zombie, …); None once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
 def children_of(pid: int) -> list[int]:
     """Process ids whose parent is ``pid``."""
     out = []
@@ -182,10 +190,8 @@ def reap_children() -> list[int]:
     killed = []
     while kids := children_of(os.getpid()):
         for pid in kids:
-            with contextlib.suppress(OSError):
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    killed.append(pid)
+            if proc_state(pid) not in ("Z", None):
+                killed.append(pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):

@@ -18,26 +18,13 @@ from pathlib import Path
 
 import faults
 import pytest
+from conftest import children_of
 
 from shardflow.train import checkpoint
 
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
 FAULTS = str(Path(__file__).with_name("faults.py"))
 LIMIT = 120  # seconds any one run may take before the watchdog kills it (a hang is a failure, never a stuck suite)
-
-
-def children(pid: int) -> list[int]:
-    """Process ids whose parent is ``pid`` (the launched ranks)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d.name))
-    return out
 
 
 def alive(pid: int) -> bool:
@@ -74,7 +61,7 @@ class Run:
         marks = marks or {}
         while True:
             now = time.monotonic()
-            self.ranks.update(children(self.p.pid))
+            self.ranks.update(children_of(self.p.pid))
             for name, (log, text) in marks.items():
                 if name not in self.seen:
                     try:
@@ -219,7 +206,7 @@ def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops
     try:
         r.wait({"running": ("rank0.log", "step     3/")}, until="running")
         assert r.p.poll() is None, r.stderr + r.logs()
-        r.ranks.update(children(r.p.pid))
+        r.ranks.update(children_of(r.p.pid))
         assert len(r.ranks) == 2, r.ranks
         # the launcher holds the run directory's lock (its ranks inherited it): a second run into it (here, in the
         # test's process) is refused
@@ -268,7 +255,7 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
     try:
         while not (root / "step_2").is_dir() and r.p.poll() is None and time.monotonic() - r.t0 < LIMIT:
             time.sleep(0.05)
-        r.ranks.update(children(r.p.pid))
+        r.ranks.update(children_of(r.p.pid))
         assert len(r.ranks) == 2, r.ranks
         r.p.kill()
         r.p.wait()
@@ -380,7 +367,7 @@ def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
         for how, r in runs.items():
             r.wait({"running": ("rank0.log", "step     2/")}, until="running")
             assert r.p.poll() is None, r.stderr + r.logs()
-            ranks = sorted(children(r.p.pid))
+            ranks = sorted(children_of(r.p.pid))
             assert len(ranks) == 2, ranks
             os.kill(ranks[1], signal.SIGSTOP if how == "stop" else signal.SIGKILL)  # launched in rank order
             r.seen["fault"] = time.monotonic()

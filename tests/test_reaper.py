@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from conftest import adopt_orphans, children_of, reap_children
+from conftest import adopt_orphans, children_of, proc_state, reap_children
 
 # a launcher that starts a rank in its own session and exits; the rank stops itself (as a SIGSTOPped rank of a failed
 # fault test was left behind, re-parented to init) and would sleep for an hour
@@ -21,22 +21,15 @@ print(rank.pid, flush=True)
 """
 
 
-def _state(pid: int) -> str | None:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
 def test_an_orphaned_stopped_rank_is_adopted_killed_and_reaped():
     adopt_orphans()
     launcher = subprocess.run([sys.executable, "-c", LAUNCHER], capture_output=True, text=True, timeout=60, check=True)
     rank = int(launcher.stdout)
     deadline = time.monotonic() + 60
-    while _state(rank) != "T" and time.monotonic() < deadline:  # it stops itself
+    while proc_state(rank) != "T" and time.monotonic() < deadline:  # it stops itself
         time.sleep(0.02)
-    assert _state(rank) == "T"
+    assert proc_state(rank) == "T"
     assert rank in children_of(os.getpid())  # its launcher is gone: the rank is this process's now, not init's
     assert rank in reap_children()
-    assert _state(rank) is None  # killed and reaped: not even a zombie
+    assert proc_state(rank) is None  # killed and reaped: not even a zombie
     assert not children_of(os.getpid())

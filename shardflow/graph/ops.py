@@ -293,8 +293,16 @@ class LayerNorm(Op):
         return (F.layer_norm(x, x.shape[x.ndim - self.ndim :], w, b, self.eps),)
 
 
+class NoGradient(Op):
+    """An op whose outputs carry no gradient, whatever its inputs need: they are constants of the inputs
+    (``detach``, ``full_like``, ``histc``)."""
+
+    def grad_outputs(self, ins, outs, need):
+        return (False,) * len(outs)
+
+
 @dataclass(frozen=True, slots=True)
-class Detach(Op):
+class Detach(NoGradient):
     """``x.detach()``, and each output of a ``torch.no_grad()`` region: the same values, through which no gradient
     flows (the outputs carry none, whatever the input needs)."""
 
@@ -306,9 +314,6 @@ class Detach(Op):
 
     def compute(self, x):
         return (x.detach(),)
-
-    def grad_outputs(self, ins, outs, need):
-        return (False,) * len(outs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -988,7 +993,7 @@ class TopK(Op):
 
 
 @dataclass(frozen=True, slots=True)
-class FullLike(Op):
+class FullLike(NoGradient):
     """``torch.full_like(x, value)``: a tensor of x's shape filled with ``value`` (dtype ``dtype``, x's when empty).
     A constant of x's shape: no gradient. DeepSeek-V3's router starts its group mask so."""
 
@@ -1003,9 +1008,6 @@ class FullLike(Op):
 
     def compute(self, x):
         return (torch.full_like(x, self.value, dtype=torch_dtype(self.dtype) if self.dtype else None),)
-
-    def grad_outputs(self, ins, outs, need):
-        return (False,)
 
     def describe(self) -> str:
         return f"full_like({self.value!r})"
@@ -1034,7 +1036,7 @@ class Scatter(Op):
 
 
 @dataclass(frozen=True, slots=True)
-class Histc(Op):
+class Histc(NoGradient):
     """``torch.histc(x, bins, min, max)``: the count of x's elements in each of ``bins`` equal bins over
     ``[min, max]`` (elements outside are not counted). Input x ``[*]``; output ``[bins]``, x's dtype. A mixture of
     experts counts the tokens routed to each expert so (Hugging Face's experts count integer expert ids off the CPU,
@@ -1057,9 +1059,6 @@ class Histc(Op):
         if x.is_floating_point():
             return (torch.histc(x, self.bins, self.min, self.max),)
         return (torch.histc(x.double(), self.bins, self.min, self.max).to(x.dtype),)
-
-    def grad_outputs(self, ins, outs, need):
-        return (False,)
 
     def describe(self) -> str:
         return f"histc(bins={self.bins}, min={self.min:g}, max={self.max:g})"

@@ -926,7 +926,7 @@ def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
     return out
 
 
-def process_groups(dg: DynamicGraph, plan: Decisions | None = None) -> list[Group]:
+def process_groups(dg: DynamicGraph, plan: Decisions) -> list[Group]:
     """The process group of every collective, in first-use order: the groups every rank creates, in this one
     order (torch.distributed requires every rank to take part in creating every group). A group whose members
     are one of the mesh's own axis groups is marked regular (its mesh and axis); the flattened axes of ``plan``'s
@@ -949,7 +949,7 @@ def process_groups(dg: DynamicGraph, plan: Decisions | None = None) -> list[Grou
                 axis,
             )
     for n in dg.nodes:
-        if plan is not None and n.name in plan.flat:
+        if n.name in plan.flat:
             for d in n.group.devices():
                 seen.setdefault(axes_members(n.group, plan.axes(n), d), "")
     whole = SubMesh(dg.pcg.mesh)

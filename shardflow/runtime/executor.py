@@ -256,7 +256,7 @@ class Executor(ABC):
         expert layers. On the distributed executor: collective."""
         loads = self.dg.expert_loads
         got = iter(self._get_many([v for vids in loads.values() for v in vids]))
-        return {t: sum((next(got) for _ in vids), torch.zeros(())) for t, vids in loads.items()}
+        return {t: torch.stack([next(got) for _ in vids]).sum(0) for t, vids in loads.items()}
 
     def state(self) -> dict[str, torch.Tensor]:
         """Optimizer state as full tensors by value id (``opt:<slot>:<weight>``)."""
