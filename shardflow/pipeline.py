@@ -23,13 +23,14 @@ from shardflow.graph import ComputationGraph
 from shardflow.graph.flops import training_flops
 from shardflow.lower import CostModel, LoweredStep, LowerOptions, MicroStep, lower_step
 from shardflow.lower.passes import LowerContext, PassRecord, run_passes
-from shardflow.lower.schedule import requested
+from shardflow.lower.schedule import Schedule, requested, schedule_of
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg, evaluation
 from shardflow.runtime.accumulate import MicroSteps, split_batch
 from shardflow.runtime.device import run_backend
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.compose import compose
 from shardflow.simulator.cost import EAGER, Kernels
 from shardflow.simulator.estimate import EXACT_WORLD, Prediction, representatives, simulate
 from shardflow.simulator.machine import MachineSpec, MachineSpecWarning
@@ -156,6 +157,7 @@ class Pipeline:
         exact: bool | None = None,
         events: bool = False,
         kernels: Kernels = EAGER,
+        microbatches: int | None = None,
     ) -> Prediction:
         """One optimizer step of this pipeline predicted on machine ``spec`` (:mod:`shardflow.simulator`): its
         micro-steps lowered for every rank (``exact``; default on worlds up to
@@ -163,7 +165,9 @@ class Pipeline:
         (:func:`~shardflow.simulator.estimate.representatives`), and replayed. ``tokens``: tokens one step trains on
         (global batch × sequence). ``events``: keep the timeline (``Prediction.write_trace``). ``kernels``: how
         the computes run (:class:`~shardflow.simulator.cost.Kernels`: torch.compile's fusion, Float8 matmuls; default
-        shardflow's eager kernels). Raises PassError, SimulationError."""
+        shardflow's eager kernels). ``microbatches``: the step of that many microbatches of this pipeline's size
+        instead, composed from its own programs (:func:`~shardflow.simulator.compose.compose`; one micro-step, no
+        ``events``). Raises PassError, SimulationError, ValueError (a composition asked of several micro-steps)."""
         mesh = self.pcg.mesh
         exact = mesh.size <= EXACT_WORLD if exact is None else exact
         rep_of = {r: r for r in range(mesh.size)} if exact else representatives(mesh, AXIS_OF["pp"])
@@ -171,6 +175,14 @@ class Pipeline:
         lowered = self.lower_micro_steps(ranks)
         parts = self.options.accumulate * self.options.microbatches  # the graph is captured on one of them
         dtype = self.options.precision.param_dtype if self.options.precision else torch.float32
+        if microbatches is not None and microbatches != self.options.microbatches:
+            if len(self.micro_steps) != 1 or events:
+                raise ValueError("a pipeline's step is composed for one micro-step without its events only")
+            step = lowered[self.micro_steps[0]]
+            few = schedule_of(step.dg, self.options.schedule)
+            many = Schedule(few.kind, few.stages, microbatches, few.virtual)
+            flops = training_flops(self.graph) * microbatches
+            return compose(step, spec, rep_of, few, many, tokens, flops, dtype, kernels)
         return simulate(
             [lowered[m] for m in self.micro_steps],
             spec,

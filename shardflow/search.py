@@ -48,6 +48,7 @@ from shardflow.parallel.pcg import placements_text
 from shardflow.pipeline import Pipeline
 from shardflow.runtime.accumulate import split_batch
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.compose import ComposeError
 from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
 from shardflow.simulator.machine import MachineSpec
@@ -330,6 +331,11 @@ def _rank(o: Outcome) -> tuple:
     return (not o.fits, o.prediction.step_seconds if o.fits else max(o.prediction.peak_bytes))
 
 
+def _best(o: Outcome) -> tuple:
+    """The search's choice among outcomes that fit: the fastest, then the fewest mesh axes, then no checkpointing."""
+    return _rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"
+
+
 def _largest_part(p: Prediction) -> str:
     parts = vars(p.timeline.breakdown[p.slowest])
     name = max(parts, key=parts.__getitem__)
@@ -384,28 +390,42 @@ def search(
             progress(o)
         return o
 
-    def plan(c: Candidate, keep: int | None = None) -> Pipeline:
-        """Candidate ``c`` planned on the model cut down to ``keep`` blocks (None: the whole model, kept)."""
-        if keep is None and c in planned:
+    def plan(c: Candidate, keep: int | None = None, few: int | None = None) -> Pipeline:
+        """Candidate ``c`` planned on the model cut down to ``keep`` blocks (None: the whole model, kept); with
+        ``few``, for that many of its microbatches (:func:`few_microbatches`)."""
+        whole = keep is None and few is None
+        if whole and c in planned:
             return planned[c]
         g = graph(c.accumulate * c.microbatches, keep)
         memory = Memory(c.memory_level, state_copies(optimizer, base), blocks=n_blocks)
         chosen = placements_plan(g, c.mesh, spec, memory=memory) if c.placements else None
-        p = Pipeline.planned(g, c.mesh, c.options(base, spec), optimizer, None if chosen else c.strategy, plan=chosen)
-        if keep is None:
+        options = dataclasses.replace(c.options(base, spec), microbatches=few or c.microbatches)
+        p = Pipeline.planned(g, c.mesh, options, optimizer, None if chosen else c.strategy, plan=chosen)
+        if whole:
             planned[c] = p
         return p
 
-    def predict(c: Candidate) -> Prediction:
+    def predict(c: Candidate, compose: bool = True) -> Prediction:
         """``c``'s prediction: on the whole model, or where it has more than FOLD blocks per pipeline chunk drawn
-        through the model cut down to FOLD − 1 and FOLD blocks per chunk (:func:`extrapolate`)."""
+        through the model cut down to FOLD − 1 and FOLD blocks per chunk (:func:`extrapolate`); a pipeline's step
+        composed from its programs for fewer microbatches where :func:`few_microbatches` says (and ``compose``)."""
         chunks = c.stages_per_rank * math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
-        if not fold or n_blocks <= FOLD * chunks:
-            return plan(c).predict(spec, tokens, exact=False)
-        few, more = (plan(c, k * chunks).predict(spec, tokens, exact=False) for k in (FOLD - 1, FOLD))
-        return extrapolate(few, more, (FOLD - 1) * chunks, FOLD * chunks, n_blocks)
+        few = few_microbatches(c) if compose else None
 
-    def attempt(c: Candidate) -> Outcome:
+        def on(keep: int | None) -> Prediction:
+            if few:
+                try:
+                    return plan(c, keep, few).predict(spec, tokens, exact=False, microbatches=c.microbatches)
+                except ComposeError:  # its transfers would queue: predicted whole
+                    pass
+            return plan(c, keep).predict(spec, tokens, exact=False)
+
+        if not fold or n_blocks <= FOLD * chunks:
+            return on(None)
+        less, more = (on(k * chunks) for k in (FOLD - 1, FOLD))
+        return extrapolate(less, more, (FOLD - 1) * chunks, FOLD * chunks, n_blocks)
+
+    def attempt(c: Candidate, compose: bool = True) -> Outcome:
         options = c.options(base, spec)
         data = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a in ("dp", "fsdp"))
         if batch % (c.accumulate * c.microbatches * data):
@@ -415,7 +435,7 @@ def search(
             return Outcome(c, None, f"its weights, gradients and optimizer state alone need {_gib(floor)}")
         try:
             requested(c.mesh, c.schedule, c.microbatches, c.stages_per_rank)
-            pred = predict(c)
+            pred = predict(c, compose)
         except ValueError as e:  # the planner's refusals (PlanError, DegreeError, RuleError, a schedule's)
             return Outcome(c, None, str(e).split("\n")[0])
         peak = max(pred.peak_bytes)
@@ -485,6 +505,15 @@ def search(
             for start in [x for x in mine if x.prediction and not x.fits and x.candidate.accumulate == c.accumulate]:
                 for o in capped(start):
                     record(o)
+    # a composed prediction does not win: the best is predicted again whole until a whole prediction is the best
+    redone: set[Candidate] = set()
+    while (top := min((o for o in outcomes if o.fits), key=_best, default=None)) and top.candidate not in redone:
+        if not few_microbatches(top.candidate):
+            break
+        redone.add(top.candidate)
+        outcomes[outcomes.index(top)] = whole = attempt(top.candidate, compose=False)
+        if progress:
+            progress(whole)
     fitting = [o for o in outcomes if o.fits]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]
@@ -494,9 +523,23 @@ def search(
             + (f"(the smallest peak: {least.candidate}, {least.refused}); " if least else "(none could be planned); ")
             + "add devices, lower --batch-size, or raise --memory-budget"
         )
-    best = min(fitting, key=lambda o: (_rank(o), len(o.candidate.mesh.shape), o.candidate.ac != "none"))
+    best = min(fitting, key=_best)
     seconds = time.perf_counter() - t0
     return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan)
+
+
+def few_microbatches(c: Candidate) -> int | None:
+    """The microbatches pipeline candidate ``c`` is lowered for where the search composes its step from them
+    (:func:`~shardflow.simulator.compose.compose`, docs/search.md#composing-a-pipeline): 3 under 1F1B and GPipe (a
+    first, a middle and a last microbatch), 2 per stage under the interleaved schedule (with one per stage it runs
+    every forward first). None where ``c`` is predicted whole: no pipeline, no more microbatches than that, gradient
+    accumulation, or a fully-sharded axis — whose programs make the backward's gathers of every microbatch in the
+    first microbatch's actions, so few microbatches do not show the bytes of many."""
+    p = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
+    if p == 1 or c.accumulate > 1 or "fsdp" in c.mesh.axis_names:
+        return None
+    few = 2 * p if c.schedule == ScheduleKind.INTERLEAVED else 3
+    return few if c.microbatches > few else None
 
 
 def bubble(c: Candidate) -> float:
@@ -510,9 +553,11 @@ def bubble(c: Candidate) -> float:
 def pipeline_bound(c: Candidate, outcomes: Sequence[Outcome]) -> float:
     """A floor under pipeline ``c``'s step (seconds) from the ``outcomes`` predicted so far: the larger of the least
     forward-and-backward compute of any rank predicted (a pipeline over the same devices computes as much per
-    device) and the step of a sibling pipeline (same mesh and strategy, fewer microbatches or another schedule)
-    without its bubble — each stretched by ``c``'s :func:`bubble`. Smaller microbatches only add to the rest: each
-    computes less efficiently and, under fsdp, gathers the weights again."""
+    device) and the step of a sibling pipeline (same mesh, strategy and schedule, fewer microbatches) without its
+    bubble — each stretched by ``c``'s :func:`bubble`. Smaller microbatches only add to the rest: each computes
+    less efficiently, sends its own activations and, under fsdp, gathers the weights again. Another schedule is no
+    sibling: the interleaved one sends each microbatch's activations V times, so its step over its bubble is no
+    floor under 1F1B's."""
     predicted = [o.prediction for o in outcomes if o.prediction is not None]
     floor = min((min(b.compute for b in p.timeline.breakdown.values()) for p in predicted), default=0.0)
     siblings = [
@@ -520,7 +565,7 @@ def pipeline_bound(c: Candidate, outcomes: Sequence[Outcome]) -> float:
         for o in outcomes
         if o.prediction is not None
         and (o.candidate.mesh, o.candidate.strategy, o.candidate.accumulate) == (c.mesh, c.strategy, c.accumulate)
-        and o.candidate.ac == c.ac
+        and (o.candidate.ac, o.candidate.schedule, o.candidate.stages_per_rank) == (c.ac, c.schedule, c.stages_per_rank)
     ]
     return max([floor, *siblings]) * bubble(c)
 

@@ -87,12 +87,18 @@ def buffer_kind(dg: DynamicGraph, vid: str) -> MemoryKind:
     return MemoryKind.GRADIENTS if v.role in (ValueRole.GRAD, ValueRole.ACC) else MemoryKind.PARAMETERS
 
 
-def program_memory(program: Program, dg: DynamicGraph, size: Callable[[Buffer], int] | None = None) -> ProgramMemory:
+def program_memory(
+    program: Program,
+    dg: DynamicGraph,
+    size: Callable[[Buffer], int] | None = None,
+    curve: list[int] | None = None,
+) -> ProgramMemory:
     """The peak of ``program``'s live buffers in a step after the first, replayed as the executors count them
     (:class:`Ledger`): its inputs (weights, optimizer state, the step's data and constants) and the values that
     outlive the step (written, never freed, replacing no other) are live from the start; each compute writes its
     outputs, each communication its received piece; a :class:`~shardflow.lower.program.Free` releases. ``size``:
-    the bytes of a buffer (default: its piece's); an estimate for other batch sizes passes its own."""
+    the bytes of a buffer (default: its piece's); an estimate for other batch sizes passes its own. ``curve``: where
+    given, receives the live bytes before each instruction and after the last (one more entry than instructions)."""
     size = size or (lambda b: b.type.nbytes)
     freed = {v for i in program.instrs if isinstance(i, Free) for v in i.values}
     written = program.written()
@@ -103,6 +109,8 @@ def program_memory(program: Program, dg: DynamicGraph, size: Callable[[Buffer], 
         v = dg.values.get(vid)
         if vid not in freed and not (v is not None and v.replaces):
             ledger.write(vid, size(b))
+    if curve is not None:
+        curve.append(ledger.total)
     for k, i in enumerate(program.instrs):
         ledger.now = k
         if isinstance(i, Compute):
@@ -113,6 +121,8 @@ def program_memory(program: Program, dg: DynamicGraph, size: Callable[[Buffer], 
         elif isinstance(i, Free):
             for vid in i.values:
                 ledger.free(vid)
+        if curve is not None:
+            curve.append(ledger.total)
     return ProgramMemory(ledger.peak, dict(ledger.at_peak), ledger.peak_at)
 
 

@@ -267,7 +267,7 @@ def schedule(dg: DynamicGraph, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B) ->
             key = (
                 made_by[n.inputs[0]]
                 if n.kind == NodeKind.COPY
-                else (position[_stage(n, axis, position)], Action(_phase(n), n.micro, chunk_of.get(n.name)))
+                else (position[stage_of(n, axis, position)], Action(phase_of(n), n.micro, chunk_of.get(n.name)))
             )
             by_action.setdefault(key, []).append(n)
         made_by.update(dict.fromkeys(n.outputs, key))
@@ -336,13 +336,13 @@ def chunks(dg: DynamicGraph, axis: str, position: Mapping[int, int]) -> tuple[di
     parts: dict[tuple[Phase, int], list[DNode]] = {}
     for n in dg.nodes:
         if n.kind not in (NodeKind.COPY, NodeKind.CAST) and n.task != TaskType.UPD:
-            parts.setdefault((_phase(n), n.micro), []).append(n)
+            parts.setdefault((phase_of(n), n.micro), []).append(n)
     out: dict[str, int] = {}
     counts = set()
     for (phase, m), nodes in parts.items():
         runs: list[tuple[int, list[DNode]]] = []
         for n in nodes:
-            at = position[_stage(n, axis, position)]
+            at = position[stage_of(n, axis, position)]
             if not runs or runs[-1][0] != at:
                 runs.append((at, []))
             runs[-1][1].append(n)
@@ -367,12 +367,12 @@ def chunks(dg: DynamicGraph, axis: str, position: Mapping[int, int]) -> tuple[di
     return out, total // p
 
 
-def _phase(n: DNode) -> Phase:
+def phase_of(n: DNode) -> Phase:
     """The phase a forward or backward node runs in: a recomputation runs in the backward."""
     return Phase.F if n.task == TaskType.FWD and not n.recompute else Phase.B
 
 
-def _stage(n: DNode, axis: str, position: Mapping[int, int]) -> int:
+def stage_of(n: DNode, axis: str, position: Mapping[int, int]) -> int:
     """The stage index of node ``n``. Raises PassError when its sub-mesh spans several stages."""
     fixed = dict(n.group.fixed)
     if axis and axis not in fixed and len(position) > 1:

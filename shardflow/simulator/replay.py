@@ -126,6 +126,7 @@ def replay(
     events: bool = False,
     kernels: Kernels = EAGER,
     measured: Mapping[int, Sequence[float]] | None = None,
+    clocks: Mapping[int, list[tuple[float, float]]] | None = None,
 ) -> Timeline:
     """Replay ``steps`` — the micro-steps of one optimizer step, each the programs of the same simulated ranks —
     on ``spec``, one after the other. ``recomputed(dnode)``: whether a compute's dynamic-graph node is a
@@ -134,7 +135,8 @@ def replay(
     ``measured``: instead, each rank's computes take these seconds, in program order, 0 past the end (a
     measured step, whose trace times the optimizer's updates as one: the
     timeline then differs from the measured one exactly where the spec's communication does; ``shardflow train
-    --trace``). Raises
+    --trace``). ``clocks``: where given, each rank's list receives, per instruction replayed, its clock after it and
+    the bubble so far (seconds; :mod:`~shardflow.simulator.compose` reads a pipeline's actions off them). Raises
     SimulationError where the programs cannot run to the end."""
     ranks = {r: _Rank(p) for r, p in (steps[0].items() if steps else ())}
     out: list[Event] = []
@@ -151,7 +153,7 @@ def replay(
             for c in p.comms:
                 if c.token not in comms:
                     comms[c.token] = _Comm(c, frozenset(holders[c.token]), comm_seconds(c, spec))
-        _run(ranks, comms, spec, recomputed, out if events else None, kernels, measured)
+        _run(ranks, comms, spec, recomputed, out if events else None, kernels, measured, clocks)
     ends = {r: s.clock for r, s in ranks.items()}
     return Timeline(max(ends.values(), default=0.0), ends, {r: s.breakdown for r, s in ranks.items()}, tuple(out))
 
@@ -164,6 +166,7 @@ def _run(
     out: list[Event] | None,
     kernels: Kernels,
     measured: Mapping[int, Sequence[float]] | None,
+    clocks: Mapping[int, list[tuple[float, float]]] | None = None,
 ) -> None:
     def start_ready() -> None:
         """Start every issued communication that heads the queue of each of its holders."""
@@ -242,6 +245,8 @@ def _run(
         elif not isinstance(i, Free):
             raise SimulationError(f"rank {r}: instruction {s.pos} ({i!r}) is of no kind the replay knows")
         s.pos += 1
+        if clocks is not None:
+            clocks[r].append((s.clock, s.breakdown.bubble))
         return True
 
     active = [r for r, s in ranks.items() if s.pos < len(s.program.instrs)]

@@ -32,8 +32,6 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from shardflow.graph.blocks import block_nodes, repeated_blocks
 from shardflow.graph.flops import op_flops
@@ -590,6 +588,10 @@ def solve(
     def run(cap: float | None, least: bool = False) -> np.ndarray:
         """The program's answer (its variables), with the modeled bytes at most ``cap`` (None: uncapped); with
         ``least``, the answer of fewest modeled bytes instead of the fastest."""
+        # imported here, not at the top: scipy takes a third of a second that every process start would pay
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
         rr, cc, vv, bound = list(rows), list(cols), list(vals), list(lo)
         upper = list(lo)
         if cap is not None:
