@@ -9,9 +9,10 @@ tried, in the order of :data:`FALLBACKS`, where a candidate does not fit without
 only the first K blocks (:func:`fewer_checkpointed`). Each candidate is planned, lowered and replayed on the
 machine spec (:meth:`~shardflow.pipeline.Pipeline.predict`) — a model of many repeated blocks on two copies cut
 down to 2 and 3 blocks per pipeline chunk, drawn as a line to its length (:data:`FOLD`,
-:func:`~shardflow.simulator.estimate.extrapolate`); the one with the smallest predicted step time whose predicted
-peak fits the memory budget wins. Candidates are refused before any lowering where their degrees do not divide the
-model or the batch (the planner's own errors, kept as the reason), where the parameters, gradients and optimizer
+:func:`~shardflow.simulator.estimate.extrapolate`), a pipeline of many microbatches composed from its programs for
+few (:func:`few_microbatches`; the choice is predicted whole); the one with the smallest predicted step time whose
+predicted peak fits the memory budget wins. Candidates are refused before any lowering where their degrees do not
+divide the model or the batch (the planner's own errors, kept as the reason), where the parameters, gradients and optimizer
 state alone exceed the budget (a lower bound on the peak), and where a lower bound on their step time is no better
 than the best found (:func:`pipeline_bound`; docs/search.md#bounds).
 
@@ -533,8 +534,8 @@ def few_microbatches(c: Candidate) -> int | None:
     (:func:`~shardflow.simulator.compose.compose`, docs/search.md#composing-a-pipeline): 3 under 1F1B and GPipe (a
     first, a middle and a last microbatch), 2 per stage under the interleaved schedule (with one per stage it runs
     every forward first). None where ``c`` is predicted whole: no pipeline, no more microbatches than that, gradient
-    accumulation, or a fully-sharded axis — whose programs make the backward's gathers of every microbatch in the
-    first microbatch's actions, so few microbatches do not show the bytes of many."""
+    accumulation, or a fully-sharded axis — whose programs make every microbatch's copy of the gathered weights in
+    the first microbatch's actions, so few microbatches do not show the bytes of many."""
     p = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
     if p == 1 or c.accumulate > 1 or "fsdp" in c.mesh.axis_names:
         return None
