@@ -52,8 +52,10 @@ def pipeline(graph, mesh: Mesh, strategy: str, kind: ScheduleKind, microbatches:
         ("pp=2", "pp", ScheduleKind.ONE_F_ONE_B, 3, 8),
         ("pp=2", "pp", ScheduleKind.GPIPE, 3, 8),
         ("pp=4", "pp", ScheduleKind.ONE_F_ONE_B, 3, 16),
+        ("pp=4", "pp", ScheduleKind.INTERLEAVED, 8, 16),
         ("pp=2,tp=2", "pp,tp", ScheduleKind.GPIPE, 3, 8),
         ("pp=2,tp=2", "pp,tp", ScheduleKind.ONE_F_ONE_B, 3, 8),
+        ("pp=2,tp=2", "pp,tp", ScheduleKind.INTERLEAVED, 4, 8),
         ("pp=2,dp=2", "pp,dp", ScheduleKind.INTERLEAVED, 4, 8),
     ],
 )

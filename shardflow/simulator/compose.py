@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 
 from shardflow.lower import LoweredStep
-from shardflow.lower.dynamic import DNode, TaskType
+from shardflow.lower.dynamic import DNode, NodeKind, TaskType
 from shardflow.lower.memory import MemoryKind, ProgramMemory, program_memory
 from shardflow.lower.program import Compute
 from shardflow.lower.schedule import Action, Phase, Schedule, chunks, phase_of, stage_axis, stage_of, stages_of
-from shardflow.simulator.cost import EAGER, Kernels
+from shardflow.simulator.cost import EAGER, Kernels, comm_seconds
 from shardflow.simulator.estimate import Prediction, where
 from shardflow.simulator.replay import Breakdown, Timeline, replay
 
@@ -65,7 +65,8 @@ class _Rank:
     compute's end (``span``), its first compute's ``start`` and last compute's ``end`` on the clock; per action how
     far the live bytes ``rise`` above their level when it begins and how much they change by its end (``net``); the
     live bytes when the first action begins (``live``), the most before it (``head_peak``), how far they rise in the
-    tail (``tail_rise``); and its ledger's :class:`~shardflow.lower.memory.ProgramMemory`."""
+    tail (``tail_rise``); its ledger's :class:`~shardflow.lower.memory.ProgramMemory`; and the seconds of its
+    transfers between stages (``transfers``, :func:`~shardflow.simulator.cost.comm_seconds` of each)."""
 
     stage: int
     head: float
@@ -80,6 +81,7 @@ class _Rank:
     head_peak: int
     tail_rise: int
     memory: ProgramMemory
+    transfers: float
 
 
 def compose(
@@ -115,7 +117,7 @@ def compose(
     position = {s: k for k, s in enumerate(stages_of(dg, axis))}
     chunk_of = chunks(dg, axis, position)[0] if few.virtual > 1 else {}
     nodes = {n.name: n for n in dg.nodes}
-    ranks = {r: _read(step, r, clocks[r], nodes, axis, position, chunk_of) for r in replayed}
+    ranks = {r: _read(step, r, clocks[r], nodes, axis, position, chunk_of, spec) for r in replayed}
     latency = _latencies(ranks, few)
 
     def like(a: Action) -> Action:
@@ -126,7 +128,6 @@ def compose(
     at = {rk.stage: rk for rk in ranks.values()}
     ends: dict[tuple[int, int, Phase], float] = {}  # (virtual stage, micro, phase) → its last compute's end
     clock = {s: at[s].head for s in stages}
-    sending = dict.fromkeys(stages, 0.0)  # seconds of transfers each stage takes part in
     live = {s: at[s].live for s in stages}
     peak = {s: at[s].head_peak for s in stages}
     todo = {s: list(many.actions(s)) for s in stages}
@@ -144,10 +145,7 @@ def compose(
                         break
                     ready = ends[dep]
                     if dep[0] % many.stages != s:  # a transfer from another stage
-                        moving = latency.get((dep[0], dep[2]), 0.0)
-                        ready += moving
-                        sending[s] += moving
-                        sending[dep[0] % many.stages] += moving
+                        ready += latency.get((dep[0], dep[2]), 0.0)
                 rk, b = at[s], like(a)
                 begin = max(clock[s], ready)
                 ends[(c, a.micro, a.phase)] = begin + rk.span[b]
@@ -160,6 +158,8 @@ def compose(
             raise ValueError(f"compose: the schedule {many} does not run to its end on the times read")
     ends_of = {r: clock[rk.stage] + rk.tail for r, rk in ranks.items()}
     seconds = max(ends_of.values(), default=0.0)
+    # each microbatch's transfers on a stage's stream: the few's, as many times over as the many have microbatches
+    sending = {rk.stage: rk.transfers * many.microbatches / few.microbatches for rk in ranks.values()}
     busiest = max(sending, key=sending.__getitem__)
     if seconds and sending[busiest] > TRANSFER_SHARE * seconds:
         raise ComposeError(
@@ -206,6 +206,7 @@ def _read(
     axis: str,
     position: Mapping[int, int],
     chunk_of: Mapping[str, int],
+    spec: MachineSpec,
 ) -> _Rank:
     """Rank ``r``'s actions, head and tail read off its replayed ``clocks`` and its ledger (module docstring)."""
     program = step.programs[r]
@@ -263,6 +264,7 @@ def _read(
         max(curve[: first + 1]),
         max(curve[last + 1 :]) - curve[last + 1],
         memory,
+        sum(comm_seconds(c, spec) for c in program.comms if c.axis == NodeKind.COPY),
     )
 
 
