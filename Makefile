@@ -17,10 +17,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 venv: $(VENV)/.installed
 
 test: venv
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 test-fast: venv
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m unit
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m unit
 
 lint: venv
 	$(BIN)/ruff check .

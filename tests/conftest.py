@@ -84,32 +84,10 @@ def tier(item: pytest.Item) -> str:
     return "unit"
 
 
-# --- order ----------------------------------------------------------------------------------------------------------
-# `make test` hands whole files to 2 workers (--dist loadfile) in collection order (--no-loadscope-reorder): the
-# files that take longest go first, so the small ones fill in at the end and the workers finish together (longest
-# processing time first). Seconds of each file on 2 busy cores, measured 2026-11-28 (pytest --durations); a file not
-# listed follows, in name order.
-LONGEST_FIRST = {
-    "test_faults.py": 189,
-    "test_docs.py": 168,
-    "test_train.py": 164,
-    "test_model_matrix.py": 164,
-    "test_train_check.py": 109,
-    "test_distributed.py": 101,
-    "test_checkpoint.py": 72,
-    "test_memory.py": 44,
-    "test_search.py": 39,
-    "test_bad_inputs.py": 38,
-    "test_examples.py": 37,
-    "test_check.py": 35,
-}
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(tier(item))
-    items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # stable: a file's tests keep their order
 
 
 def tiny_hf_llama():
