@@ -4,7 +4,8 @@ Lowering a pipeline of M microbatches makes programs M times as long, and that l
 pays for a pipeline candidate (docs/search.md#limits). Yet each stage repeats the same actions (``F m``, ``B m``:
 :class:`~shardflow.lower.schedule.Action`) for every microbatch of a size; only their order changes with M
 (:class:`~shardflow.lower.schedule.Schedule`). So :func:`compose` replays the programs lowered for few microbatches
-(one under GPipe and 1F1B, one per stage under the interleaved schedule), reads off each replayed rank's timeline
+(three under GPipe and 1F1B: a first, a middle and a last; two per stage under the interleaved schedule, which with
+one per stage runs every forward first), reads off each replayed rank's timeline
 
 * the **busy time of each action** — from its first compute to the next action's first compute, its own collectives
   and the sends after it included, the time the rank waited for another stage (the replay's ``bubble``) left out;
@@ -25,8 +26,8 @@ when it is the last, else of a middle one of few (:func:`_like` where few has no
 
 What it leaves out, against replaying the M-microbatch programs: a communication of one microbatch queued behind
 another's on the same stream (the replay's one stream per rank) beyond what few shows — so a step whose
-transfers take more than :data:`TRANSFER_SHARE` of it is refused (:class:`ComposeError`). Its error against the exact replay is measured in
-tests/test_compose.py and docs/simulator.md#composing-a-pipeline.
+transfers take more than :data:`TRANSFER_SHARE` of it is refused (:class:`ComposeError`). Its error against the exact
+replay is measured in tests/test_compose.py and docs/simulator.md#composing-a-pipeline.
 """
 
 from __future__ import annotations
