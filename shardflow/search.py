@@ -140,12 +140,14 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Outcome:
-    """A candidate tried: its ``prediction`` (None where refused), and ``refused``: why it was not predicted or does
-    not fit ("" for a plan that fits)."""
+    """A candidate tried: its ``prediction`` (None where refused), ``refused``: why it was not predicted or does
+    not fit ("" for a plan that fits), and ``composed``: the microbatches a pipeline's prediction was composed from
+    (None: predicted whole; docs/search.md#composing-a-pipeline)."""
 
     candidate: Candidate
     prediction: Prediction | None = None
     refused: str = ""
+    composed: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -274,7 +276,8 @@ class SearchResult:
 
     def to_json(self) -> dict[str, Any]:
         """``shardflow plan --strategy auto --format json``: ``mesh``, ``strategy``, ``flags``, ``predicted`` (the
-        simulator's object), ``alternatives`` (each with its ``flags``, ``predicted`` and ``why``), ``search_seconds``,
+        simulator's object), ``alternatives`` (each with its ``flags``, ``predicted``, ``composed_from``: the
+        microbatches a pipeline's prediction was composed from or None, and ``why``), ``search_seconds``,
         ``budget_bytes``, ``tried``, ``refused``."""
         assert self.best.prediction is not None
         return {
@@ -287,6 +290,7 @@ class SearchResult:
                     "strategy": o.candidate.family,
                     "flags": o.candidate.flags(),
                     "predicted": o.prediction.to_json() if o.prediction else None,
+                    "composed_from": o.composed,
                     "why": self.why(o),
                 }
                 for o in self.alternatives()
@@ -311,6 +315,8 @@ class SearchResult:
             lines.insert(2, self.per_op())
         for o in self.alternatives():
             step = f"{o.prediction.step_seconds * 1e3:.4g} ms" if o.prediction else "-"
+            if o.composed:
+                step += f" (composed from {o.composed} microbatches)"
             lines.append(f"#   {o.candidate}: {step}; {self.why(o)}")
         return "\n".join(lines)
 
@@ -406,12 +412,14 @@ def search(
             planned[c] = p
         return p
 
-    def predict(c: Candidate, compose: bool = True) -> Prediction:
+    def predict(c: Candidate, compose: bool = True) -> tuple[Prediction, int | None]:
         """``c``'s prediction: on the whole model, or where it has more than FOLD blocks per pipeline chunk drawn
         through the model cut down to FOLD − 1 and FOLD blocks per chunk (:func:`extrapolate`); a pipeline's step
-        composed from its programs for fewer microbatches where :func:`few_microbatches` says (and ``compose``)."""
+        composed from its programs for fewer microbatches where :func:`few_microbatches` says (and ``compose``).
+        With it, the microbatches it was composed from (None: whole)."""
         chunks = c.stages_per_rank * math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
         few = few_microbatches(c) if compose else None
+        whole: list[int | None] = []  # the copies predicted whole where the composition refused
 
         def on(keep: int | None) -> Prediction:
             if few:
@@ -419,12 +427,15 @@ def search(
                     return plan(c, keep, few).predict(spec, tokens, exact=False, microbatches=c.microbatches)
                 except ComposeError:  # its transfers would queue: predicted whole
                     pass
+            whole.append(keep)
             return plan(c, keep).predict(spec, tokens, exact=False)
 
         if not fold or n_blocks <= FOLD * chunks:
-            return on(None)
-        less, more = (on(k * chunks) for k in (FOLD - 1, FOLD))
-        return extrapolate(less, more, (FOLD - 1) * chunks, FOLD * chunks, n_blocks)
+            pred = on(None)
+        else:
+            less, more = (on(k * chunks) for k in (FOLD - 1, FOLD))
+            pred = extrapolate(less, more, (FOLD - 1) * chunks, FOLD * chunks, n_blocks)
+        return pred, None if whole else few
 
     def attempt(c: Candidate, compose: bool = True) -> Outcome:
         options = c.options(base, spec)
@@ -436,11 +447,12 @@ def search(
             return Outcome(c, None, f"its weights, gradients and optimizer state alone need {_gib(floor)}")
         try:
             requested(c.mesh, c.schedule, c.microbatches, c.stages_per_rank)
-            pred = predict(c, compose)
+            pred, composed = predict(c, compose)
         except ValueError as e:  # the planner's refusals (PlanError, DegreeError, RuleError, a schedule's)
             return Outcome(c, None, str(e).split("\n")[0])
         peak = max(pred.peak_bytes)
-        return Outcome(c, pred, "" if peak <= budget else f"peaks at {_gib(peak)} > budget {_gib(budget)}")
+        fits = peak <= budget
+        return Outcome(c, pred, "" if fits else f"peaks at {_gib(peak)} > budget {_gib(budget)}", composed)
 
     def fewest_exact(c: Candidate) -> Outcome:
         """Where the whole model is predicted anyway: ``c`` (checkpointing its first ``ac_blocks`` blocks, the count
@@ -507,11 +519,7 @@ def search(
                 for o in capped(start):
                     record(o)
     # a composed prediction does not win: the best is predicted again whole until a whole prediction is the best
-    redone: set[Candidate] = set()
-    while (top := min((o for o in outcomes if o.fits), key=_best, default=None)) and top.candidate not in redone:
-        if not few_microbatches(top.candidate):
-            break
-        redone.add(top.candidate)
+    while (top := min((o for o in outcomes if o.fits), key=_best, default=None)) and top.composed is not None:
         outcomes[outcomes.index(top)] = whole = attempt(top.candidate, compose=False)
         if progress:
             progress(whole)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import shardflow.pipeline
 import shardflow.simulator
+import shardflow.simulator.compose as compose_module
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
 from shardflow.lower import LowerOptions
@@ -128,10 +130,19 @@ def test_a_step_whose_transfers_take_much_of_it_is_not_composed(graph, slow):
         few.predict(slow, 256 * 8, microbatches=8)
 
 
-def test_the_search_s_choice_is_predicted_whole(slow):
-    """On 2 devices of the slow-link h100 with 16 sequences a pipeline wins (it sends only activations); the
-    pipelines of 4 and 8 microbatches are composed or, where the composition refuses, predicted whole — each within
-    4 % of its whole prediction — and the choice carries its whole prediction."""
+def test_a_composed_prediction_never_wins(slow, monkeypatch):
+    """On 2 devices of the slow-link h100 with 16 sequences a pipeline wins (it sends only activations). With the
+    refusal lifted and every composed step made 10× too fast, composed pipelines lead the search: each that leads
+    is predicted again whole, so the choice carries a whole prediction — its own replay's — and no composed
+    outcome that fits is left faster than it; the runners-up say which of theirs were composed."""
+    real = shardflow.pipeline.compose
+
+    def flattering(*args, **kwargs):
+        p = real(*args, **kwargs)
+        return dataclasses.replace(p, step_seconds=p.step_seconds / 10)
+
+    monkeypatch.setattr(shardflow.pipeline, "compose", flattering)
+    monkeypatch.setattr(compose_module, "TRANSFER_SHARE", 100.0)
 
     def graph_for(parts: int, keep: int | None) -> ComputationGraph:
         torch.manual_seed(0)
@@ -145,9 +156,10 @@ def test_the_search_s_choice_is_predicted_whole(slow):
         return p.predict(slow, 16 * 64).step_seconds
 
     result = search(graph_for, 2, 16, 16 * 64, LowerOptions(), ADAMW, slow, fold=False, placements=False)
-    best = result.best.candidate
-    assert "pp" in best.mesh.axis_names and result.best.prediction.step_seconds == pytest.approx(whole(best), rel=1e-12)
-    composed = [o for o in result.outcomes if o.prediction and few_microbatches(o.candidate) and o is not result.best]
-    assert composed  # of 4 and 8 microbatches, where their bounds let them be predicted
-    for o in composed:
-        assert o.prediction.step_seconds == pytest.approx(whole(o.candidate), rel=0.04)
+    best = result.best
+    assert "pp" in best.candidate.mesh.axis_names and best.composed is None
+    assert best.prediction.step_seconds == pytest.approx(whole(best.candidate), rel=1e-12)
+    redone = [o for o in result.outcomes if o.prediction and o.composed is None and few_microbatches(o.candidate)]
+    assert redone  # composable, it led with its composed prediction, and was predicted again whole
+    assert not any(o.composed for o in result.outcomes if o.fits and o.prediction.step_seconds < whole(best.candidate))
+    assert all("composed_from" in a for a in result.to_json()["alternatives"])
