@@ -43,7 +43,7 @@ from shardflow.lower.memory import MemoryKind, ProgramMemory, program_memory
 from shardflow.lower.program import Compute
 from shardflow.lower.schedule import Action, Phase, Schedule, chunks, phase_of, stage_axis, stage_of, stages_of
 from shardflow.simulator.cost import EAGER, Kernels, comm_seconds
-from shardflow.simulator.estimate import Prediction, where
+from shardflow.simulator.estimate import Prediction, peak_site
 from shardflow.simulator.replay import Breakdown, Timeline, replay
 
 if TYPE_CHECKING:
@@ -173,8 +173,7 @@ def compose(
         top = max(peak[rk.stage], live[rk.stage] + rk.tail_rise)
         kinds = dict(rk.memory.by_kind)  # what the few held at their peak, the difference put to activations
         kinds[MemoryKind.ACTIVATIONS] = kinds.get(MemoryKind.ACTIVATIONS, 0) + top - rk.memory.peak
-        instr = step.programs[r].instrs[rk.memory.at] if rk.memory.at >= 0 else None
-        memory[r] = ProgramMemory(top, kinds, rk.memory.at), where(instr) if instr else "the step's start"
+        memory[r] = ProgramMemory(top, kinds, rk.memory.at), peak_site(step.programs[r], rk.memory)
     breakdown = {r: _breakdown(timeline.breakdown[r], ranks[r], many, like, ends_of[r]) for r in replayed}
     return Prediction(
         spec.name,
@@ -232,18 +231,20 @@ def _read(
         (c0, b0), (c1, b1) = at(lo), at(hi)
         return (c1 - c0) - (b1 - b0)
 
-    starts = [k for k in computes if k == first or owner[k] != owner[_prev(owner, k)]]
+    # a piece: a run of one action's computes (by their index in ``computes``) and what follows them
+    runs = [j for j, k in enumerate(computes) if j == 0 or owner[k] != owner[computes[j - 1]]]
     busy_of: dict[Action, float] = {}
     span: dict[Action, float] = {}
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     rise: dict[Action, int] = {}
     net: dict[Action, int] = {}
-    for j, k in enumerate(starts):  # a piece: a run of one action's computes and what follows them
+    for j, lo in enumerate(runs):
+        hi = runs[j + 1] if j + 1 < len(runs) else len(computes)
+        k, final = computes[lo], computes[hi - 1]
+        nxt = computes[hi] if hi < len(computes) else last + 1
         a = owner[k]
         assert a is not None
-        nxt = starts[j + 1] if j + 1 < len(starts) else last + 1
-        final = max(q for q in computes if q < nxt)
         earlier = busy_of.get(a, 0.0)  # an action run in pieces (a pass moved some of its nodes) adds them up
         span[a] = earlier + busy(k, final + 1)
         busy_of[a] = earlier + busy(k, nxt)
@@ -279,14 +280,6 @@ def _like(a: Action, few: int, many: int) -> int:
     if few >= 3:
         return min(a.micro, few - 2)
     return few - 1 if a.phase == Phase.F else 0
-
-
-def _prev(owner: list[Action | None], k: int) -> int:
-    """The index of the compute before instruction ``k`` that belongs to an action."""
-    j = k - 1
-    while owner[j] is None:
-        j -= 1
-    return j
 
 
 def _latencies(ranks: Mapping[int, _Rank], few: Schedule) -> dict[tuple[int, Phase], float]:

@@ -24,7 +24,7 @@ import torch
 from shardflow.lower import CostModel, LoweredStep
 from shardflow.lower.calibration import COST_KINDS, Calibration
 from shardflow.lower.memory import ProgramMemory, program_memory
-from shardflow.lower.program import Comm, Compute, Instr
+from shardflow.lower.program import Comm, Compute, Instr, Program
 from shardflow.parallel.mesh import Mesh
 from shardflow.simulator.cost import EAGER, Kernels
 from shardflow.simulator.replay import Breakdown, Event, Timeline, replay
@@ -209,6 +209,11 @@ def where(i: Instr) -> str:
     return str(i).strip()
 
 
+def peak_site(program: Program, m: ProgramMemory) -> str:
+    """Where ``program`` reaches its peak ``m``, in a few words (:func:`where`)."""
+    return where(program.instrs[m.at]) if m.at >= 0 else "the step's start"
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB" if n >= 2**26 else f"{n / 2**20:.3g} MiB"
 
@@ -242,7 +247,7 @@ def simulate(
         for s in steps:
             m = program_memory(s.programs[r], s.dg)
             if best is None or m.peak > best[0].peak:
-                best = (m, where(s.programs[r].instrs[m.at]) if m.at >= 0 else "the step's start")
+                best = (m, peak_site(s.programs[r], m))
         assert best is not None
         memory[r] = best
     peak_bytes = tuple(memory[rep_of[r]][0].peak for r in range(len(rep_of)))
