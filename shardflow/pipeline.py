@@ -22,7 +22,7 @@ from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
 from shardflow.graph.flops import training_flops
 from shardflow.lower import CostModel, LoweredStep, LowerOptions, MicroStep, lower_step
-from shardflow.lower.passes import LowerContext, PassRecord, run_passes
+from shardflow.lower.passes import LowerContext, PassRecord, collector_paused, run_passes
 from shardflow.lower.schedule import Schedule, requested, schedule_of
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG, build_pcg, evaluation
@@ -168,6 +168,18 @@ class Pipeline:
         shardflow's eager kernels). ``microbatches``: the step of that many microbatches of this pipeline's size
         instead, composed from its own programs (:func:`~shardflow.simulator.compose.compose`; one micro-step, no
         ``events``). Raises PassError, SimulationError, ValueError (a composition asked of several micro-steps)."""
+        with collector_paused():  # the programs' and the replay's objects: millions, alive until it returns
+            return self._predict(spec, tokens, exact, events, kernels, microbatches)
+
+    def _predict(
+        self,
+        spec: MachineSpec,
+        tokens: int,
+        exact: bool | None,
+        events: bool,
+        kernels: Kernels,
+        microbatches: int | None,
+    ) -> Prediction:
         mesh = self.pcg.mesh
         exact = mesh.size <= EXACT_WORLD if exact is None else exact
         rep_of = {r: r for r in range(mesh.size)} if exact else representatives(mesh, AXIS_OF["pp"])

@@ -42,6 +42,7 @@ from shardflow.graph.ops import torch_dtype
 from shardflow.graph.rebatch import RebatchError, rebatch
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
+from shardflow.lower.passes import collector_paused
 from shardflow.lower.program import Comm, Compute
 from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
@@ -438,6 +439,10 @@ def search(
         return pred, None if whole else few
 
     def attempt(c: Candidate, compose: bool = True) -> Outcome:
+        with collector_paused():  # planning's and lowering's objects (lower/passes.py)
+            return attempted(c, compose)
+
+    def attempted(c: Candidate, compose: bool) -> Outcome:
         options = c.options(base, spec)
         data = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a in ("dp", "fsdp"))
         if batch % (c.accumulate * c.microbatches * data):

@@ -1,6 +1,7 @@
 """Lowering: exact plan structure — copies, collectives, bytes, tokens — for small plans (no processes)."""
 
 import dataclasses
+import gc
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ from shardflow.lower.dynamic import (
 )
 from shardflow.lower.ordering import ordering
 from shardflow.lower.pass_expansion import pass_expansion
-from shardflow.lower.passes import PASSES, LowerContext, run_passes
+from shardflow.lower.passes import PASSES, LowerContext, collector_paused, run_passes
 from shardflow.lower.program import Comm, Compute, Free, Wait
 from shardflow.lower.shard_expansion import axis_group_index, axis_members, shard_expansion, steps
 from shardflow.parallel.mesh import Mesh, Replicate, Shard, SubMesh
@@ -931,3 +932,31 @@ def test_mesh_flatten_folds_two_all_reduces_into_one_over_both_axes(bucket_bytes
         assert abs(one.step(batch) - many.step(batch)) < 1e-12
     assert abs(one.grad_norm - many.grad_norm) < 1e-12
     assert many.weight_error(one.weights()) < 1e-12
+
+
+def test_the_collector_is_paused_within_a_lowering_and_resumed_after_also_on_an_error(monkeypatch):
+    """:func:`collector_paused`: the cyclic collector is off inside (as each pass of a lowering sees it), on again
+    after, also when the block raises; inside another such block it leaves the outer's pause alone."""
+    from shardflow.lower import passes
+    from shardflow.models import MLP
+
+    seen = []
+    spy = [dataclasses.replace(p, run=lambda g, c, run=p.run: seen.append(gc.isenabled()) or run(g, c)) for p in PASSES]
+    monkeypatch.setattr(passes, "PASSES", tuple(spy))
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the inner block does not resume what the outer paused
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with collector_paused():
+            raise RuntimeError("a pass failed")
+    assert gc.isenabled()
+    g = capture(
+        MLP(d_in=8, hidden=8, d_out=4, n_layers=2), {"x": torch.zeros(4, 8), "y": torch.zeros(4, dtype=torch.long)}
+    )
+    mesh = Mesh.parse("dp=2")
+    run_passes(build_pcg(g, mesh, resolve(make_plan(g, mesh, "dp"), g, mesh)), LowerContext())
+    assert seen == [False] * len(PASSES) and gc.isenabled()
