@@ -36,7 +36,7 @@ from torch import nn
 
 from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
-from shardflow.graph.blocks import keep_blocks, repeated_blocks
+from shardflow.graph.blocks import FoldError, grow_blocks, keep_blocks, repeated_blocks
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import torch_dtype
 from shardflow.graph.rebatch import RebatchError, rebatch
@@ -432,7 +432,7 @@ def search(
             return plan(c, keep).predict(spec, tokens, exact=False)
 
         if not fold or n_blocks <= FOLD * chunks:
-            pred = on(None)
+            pred = on(n_blocks if fold else None)  # all blocks; where the search folds, grown from the folded copy
         else:
             less, more = (on(k * chunks) for k in (FOLD - 1, FOLD))
             pred = extrapolate(less, more, (FOLD - 1) * chunks, FOLD * chunks, n_blocks)
@@ -617,15 +617,18 @@ def search_model(
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
     with fewer repeated blocks is captured with its first ``ModuleList`` cut short where its forward loops over that
-    list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`).
-    Once a copy is captured at two part sizes, the others are drawn from those two
-    (:func:`~shardflow.graph.rebatch.rebatch`; docs/search.md#capturing-once-per-depth), captured only where that
-    refuses."""
+    list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`);
+    a copy with more blocks than the folded one (a pipeline's) is grown from it
+    (:func:`~shardflow.graph.blocks.grow_blocks`), cut from the whole model's graph where that refuses. Once a copy
+    is captured at two part sizes, the others are drawn from those two (:func:`~shardflow.graph.rebatch.rebatch`;
+    docs/search.md#capturing-once-per-depth), captured only where that refuses. The whole model is captured for the
+    plan the search returns."""
     rows = next(iter(batch.values())).shape[0]
     # blocks captured (None: all) → sequences → the graph; the depths whose two sizes draw no line
     captured: dict[int | None, dict[int, ComputationGraph]] = {}
     no_line: set[int | None] = set()
     uncut: set[int] = set()  # depths the model's forward cannot be cut to (it does not loop over its list)
+    ungrown: set[int] = set()  # depths the folded copy's blocks do not grow to (grow_blocks refuses)
     first = _first_list(model)
     first_len = len(first[1]) if first else 0
 
@@ -645,9 +648,9 @@ def search_model(
 
     def graph_for(parts: int, keep: int | None) -> ComputationGraph:
         size = rows // parts if rows % parts == 0 else None
-        # two depths at most, each captured at two sizes: the folded copies' (FOLD blocks) and the whole model's, from
-        # which any copy is cut (cheaply)
-        depth = FOLD if keep is not None and keep <= FOLD < first_len and FOLD not in uncut else None
+        # two depths at most, each captured at two sizes: the folded copies' (FOLD blocks), from which any copy of
+        # fewer blocks is cut and any of more grown, and the whole model's (itself, and where the blocks do not grow)
+        depth = FOLD if keep is not None and FOLD < first_len and FOLD not in uncut and keep not in ungrown else None
         g = next((g for d in dict.fromkeys((depth, None)) if d in captured and size and (g := drawn(d, size))), None)
         if g is None:
             inputs = split_batch(batch, parts)[0]
@@ -661,7 +664,13 @@ def search_model(
                 g = capture(model, inputs)
             if size is not None:
                 captured.setdefault(depth, {})[size] = g
-        return g if keep is None else keep_blocks(g, keep)
+        if keep is None or keep <= len(repeated_blocks(g)):
+            return g if keep is None else keep_blocks(g, keep)
+        try:
+            return grow_blocks(g, keep)
+        except FoldError:  # blocks that do not grow: cut from the whole model
+            ungrown.add(keep)
+            return graph_for(parts, keep)
 
     return search(
         graph_for,

@@ -1,6 +1,7 @@
 """Folding repeated blocks (docs/search.md#folding-repeated-blocks): a graph cut down to its first K blocks is the
-K-layer model's graph, capturing with the block list cut short gives the same, and a plan predicted on two
-cut-down copies and drawn as a line matches the prediction on the whole model."""
+K-layer model's graph, capturing with the block list cut short gives the same, a graph grown to more blocks is the
+longer model's, and a plan predicted on two cut-down copies and drawn as a line matches the prediction on the whole
+model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from shardflow.capture import capture
-from shardflow.graph.blocks import FoldError, keep_blocks, repeated_blocks
+from shardflow.graph.blocks import FoldError, grow_blocks, keep_blocks, repeated_blocks
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import Optimizer
 from shardflow.models import GPT, GPTConfig
@@ -61,6 +62,87 @@ def test_a_middle_block_read_after_the_blocks_is_not_foldable():
     tapped = type(g)(g.tensors, g.nodes, (*g.outputs, inner), g.loss, g.constants, g.module_shapes, g.buffer_updates)
     with pytest.raises(FoldError, match="graph output"):
         keep_blocks(tapped, 1)
+
+
+def dataflow(g):
+    """Each node's op, its inputs' shapes and where each input comes from: the node that made it (by position), a
+    constant's values, a weight's or data input's name — the graph up to the names of nodes, activations and
+    constants (a capture lifts each block's copy of a mask as its own constant; a grown block reads the last's)."""
+    at = {t: i for i, n in enumerate(g.nodes) for t in n.outputs}
+
+    def source(t):
+        return at[t] if t in at else tuple(g.constants[t].flatten().tolist()) if t in g.constants else t
+
+    return [(n.op, tuple((g.tensors[t].shape, source(t)) for t in n.inputs)) for n in g.nodes]
+
+
+def test_grow_blocks_is_the_longer_model():
+    """GPT grown from 3 blocks to 7: the same ops, shapes, dataflow, weights, outputs and loss as the 7-block
+    model's capture; its own size or fewer is the graph itself."""
+    grown, whole = grow_blocks(capture(gpt(3), BATCH), 7), capture(gpt(7), BATCH)
+    assert repeated_blocks(grown) == [f"transformer.h.{i}" for i in range(7)]
+    assert dataflow(grown) == dataflow(whole) and structure(grown) == structure(whole)
+    assert {w: grown.tensors[w].shape for w in grown.weights} == {w: whole.tensors[w].shape for w in whole.weights}
+    at = {t: i for i, n in enumerate(grown.nodes) for t in n.outputs}
+    at_whole = {t: i for i, n in enumerate(whole.nodes) for t in n.outputs}
+    assert [at[t] for t in grown.outputs] == [at_whole[t] for t in whole.outputs] and at[grown.loss] == at_whole[
+        whole.loss
+    ]
+    assert grow_blocks(whole, 7) is whole and grow_blocks(whole, 3) is whole
+
+
+def test_a_hugging_face_llama_grows_as_it_captures():
+    """The Llama of transformers (rotary tables and the mask made outside the blocks, read by each) from 2 blocks
+    to 5, against its 5-block capture."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama(layers):
+        config = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+        torch.manual_seed(0)
+        ids = torch.randint(0, 64, (2, 16))
+        return capture(transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids})
+
+    grown, whole = grow_blocks(llama(2), 5), llama(5)
+    assert dataflow(grown) == dataflow(whole) and structure(grown) == structure(whole)
+
+
+def test_a_pipeline_predicted_on_a_grown_graph_is_predicted_as_on_its_capture():
+    """pp = 2 × fsdp = 2, 1F1B over 4 microbatches of the 8-block GPT grown from 3: the same step time and per-rank
+    peaks as on the 8-block capture (the programs differ only in names)."""
+    m = Mesh.parse("pp=2,fsdp=2")
+    options = LowerOptions(cost=cost_model(SPEC, m), microbatches=4)
+    part = split_batch(BATCH, 4)[0]
+
+    def predict(g):
+        return Pipeline.planned(g, m, options, OptimizerConfig(Optimizer.ADAMW), "pp,fsdp").predict(SPEC, 128)
+
+    grown, whole = predict(grow_blocks(capture(gpt(3), part), 8)), predict(capture(gpt(8), part))
+    assert grown.step_seconds == pytest.approx(whole.step_seconds, rel=1e-12)
+    assert grown.peak_bytes == whole.peak_bytes
+
+
+def test_blocks_that_differ_or_a_single_block_do_not_grow():
+    g = capture(gpt(3), BATCH)
+    with pytest.raises(FoldError, match="at least 2 are needed"):
+        grow_blocks(keep_blocks(g, 1), 4)
+    inner = next(n for n in g.nodes if n.scope.startswith("transformer.h.0")).outputs[0]
+    tapped = type(g)(g.tensors, g.nodes, (*g.outputs, inner), g.loss, g.constants, g.module_shapes, g.buffer_updates)
+    grown = grow_blocks(tapped, 5)  # a graph output of the first block stays the first block's
+    assert inner in grown.outputs
+    last = next(n for n in reversed(g.nodes) if n.scope.startswith("transformer.h.2"))
+    reread = next(n for n in g.nodes if n.scope.startswith("transformer.h.0")).outputs[0]
+    bad = [n if n is not last else type(n)(n.name, n.op, (reread, *n.inputs[1:]), n.outputs, n.scope) for n in g.nodes]
+    with pytest.raises(FoldError, match="not the one before"):
+        grow_blocks(type(g)(g.tensors, tuple(bad), g.outputs, g.loss, g.constants, g.module_shapes), 5)
 
 
 @pytest.mark.parametrize(

@@ -112,10 +112,12 @@ def test_the_search_captures_each_depth_at_two_batch_sizes_only(monkeypatch):
 
     monkeypatch.setattr(searching, "capture", counted)
     monkeypatch.setattr(searching, "rebatch", draw)
-    searching.search_model(model, batch, 4, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), MachineSpec.named("h100"))
-    # the folded copies (3 blocks) and the whole model (4), each at two sizes; the other sizes are drawn
-    sizes: dict[int, list[int]] = {}
-    for blocks, n in captured:
-        sizes.setdefault(blocks, []).append(n)
-    assert sorted(sizes) == [3, 4] and all(len(set(v)) == len(v) == 2 for v in sizes.values()), captured
-    assert drawn and not set(drawn) & set(sizes[3]) & set(sizes[4]), (drawn, captured)
+    result = searching.search_model(
+        model, batch, 4, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), MachineSpec.named("h100")
+    )
+    # the folded copy (3 blocks) at two sizes; the other sizes are drawn, the pipelines' 4 blocks grown from it
+    assert [b for b, _ in captured] == [3, 3] and len({n for _, n in captured}) == 2, captured
+    assert drawn and not set(drawn) & {n for _, n in captured}, (drawn, captured)
+    assert any(o.candidate.microbatches > 1 and o.prediction for o in result.outcomes)  # pipelines were predicted
+    result.pipeline  # the plan the search returns: on the whole model's capture
+    assert [b for b, _ in captured] == [3, 3, 4], captured
