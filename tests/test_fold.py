@@ -94,22 +94,14 @@ def test_grow_blocks_is_the_longer_model():
 def test_a_hugging_face_llama_grows_as_it_captures():
     """The Llama of transformers (rotary tables and the mask made outside the blocks, read by each) from 2 blocks
     to 5, against its 5-block capture."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    import zoo
 
     def llama(layers):
-        config = transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            use_cache=False,
+        model, batch = zoo._causal(
+            zoo._hf("LlamaForCausalLM", "LlamaConfig", **{**zoo.SIZES, "num_hidden_layers": layers}), zoo.VOCAB
         )
-        torch.manual_seed(0)
-        ids = torch.randint(0, 64, (2, 16))
-        return capture(transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids})
+        return capture(model, batch)
 
     grown, whole = grow_blocks(llama(2), 5), llama(5)
     assert dataflow(grown) == dataflow(whole) and structure(grown) == structure(whole)
