@@ -619,7 +619,8 @@ def search_model(
     with fewer repeated blocks is captured with its first ``ModuleList`` cut short where its forward loops over that
     list (:func:`cut_blocks`), else cut from the whole model's graph (:func:`~shardflow.graph.blocks.keep_blocks`);
     a copy with more blocks than the folded one (a pipeline's) is grown from it
-    (:func:`~shardflow.graph.blocks.grow_blocks`), cut from the whole model's graph where that refuses. Once a copy
+    (:func:`~shardflow.graph.blocks.grow_blocks`) where the list's modules are alike (:func:`_structure`), cut from the
+    whole model's graph where they are not or growing refuses. Once a copy
     is captured at two part sizes, the others are drawn from those two (:func:`~shardflow.graph.rebatch.rebatch`;
     docs/search.md#capturing-once-per-depth), captured only where that refuses. The whole model is captured for the
     plan the search returns."""
@@ -631,6 +632,7 @@ def search_model(
     ungrown: set[int] = set()  # depths the folded copy's blocks do not grow to (grow_blocks refuses)
     first = _first_list(model)
     first_len = len(first[1]) if first else 0
+    alike = first is not None and len({_structure(m) for m in first[1]}) == 1  # blocks the folded copy grows into
 
     def drawn(depth: int | None, size: int) -> ComputationGraph | None:
         """The copy of ``depth`` blocks at ``size`` sequences from the two sizes captured first (None: no line)."""
@@ -650,7 +652,8 @@ def search_model(
         size = rows // parts if rows % parts == 0 else None
         # two depths at most, each captured at two sizes: the folded copies' (FOLD blocks), from which any copy of
         # fewer blocks is cut and any of more grown, and the whole model's (itself, and where the blocks do not grow)
-        depth = FOLD if keep is not None and FOLD < first_len and FOLD not in uncut and keep not in ungrown else None
+        grows = keep is not None and (keep <= FOLD or alike and keep not in ungrown)
+        depth = FOLD if grows and FOLD < first_len and FOLD not in uncut else None
         g = next((g for d in dict.fromkeys((depth, None)) if d in captured and size and (g := drawn(d, size))), None)
         if g is None:
             inputs = split_batch(batch, parts)[0]
@@ -684,6 +687,15 @@ def search_model(
         blocks=len(first[1]) if first else None,
         progress=progress,
         placements=placements,
+    )
+
+
+def _structure(block: nn.Module) -> tuple:
+    """What makes two blocks alike for :func:`~shardflow.graph.blocks.grow_blocks`: the class of each module and
+    the name and shape of each parameter (a dense layer and a mixture of experts differ; a sliding-window and a
+    global attention layer of the same weights do not, and cost the same)."""
+    return tuple((n, type(m)) for n, m in block.named_modules()), tuple(
+        (n, p.shape) for n, p in block.named_parameters()
     )
 
 

@@ -121,3 +121,20 @@ def test_the_search_captures_each_depth_at_two_batch_sizes_only(monkeypatch):
     assert any(o.candidate.microbatches > 1 and o.prediction for o in result.outcomes)  # pipelines were predicted
     result.pipeline  # the plan the search returns: on the whole model's capture
     assert [b for b, _ in captured] == [3, 3, 4], captured
+
+
+def test_blocks_that_differ_are_cut_from_the_whole_model_not_grown(monkeypatch):
+    """The last block's MLP twice as wide: the pipelines' copies are cut from the whole model's capture (4 blocks),
+    not grown from the folded one's 3 alike blocks, which would copy the narrow MLP."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32))
+    model.transformer.h[3].mlp.c_fc = torch.nn.Linear(32, 256)
+    model.transformer.h[3].mlp.c_proj = torch.nn.Linear(256, 32)
+    batch = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
+    captured: list[int] = []
+    real_capture = searching.capture
+    monkeypatch.setattr(searching, "capture", lambda m, i: captured.append(len(m.transformer.h)) or real_capture(m, i))
+    searching.search_model(
+        model, batch, 4, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), MachineSpec.named("h100"), placements=False
+    )
+    assert sorted(set(captured)) == [3, 4], captured
