@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -233,11 +234,12 @@ def section(recs: dict[str, dict]) -> str:
         "checkpointing of every block or none, and accumulation). Counts: candidates predicted (of which fit) / "
         "refused before predicting (state over budget, a planner refusal, …) / skipped by the pipeline bound; "
         "`K partial`: outcomes with partial checkpointing. Search: the search's own seconds (`SearchResult.seconds`; "
-        "the case's wall time with building the model in brackets).",
+        "the case's wall time with building the model in brackets); memory: the case process's peak resident "
+        "memory (the model on the meta device, so the search's own).",
         "",
         "| case | batch | auto: flags | step (ms) | peak (GiB) | best preset: flags | step (ms) | auto ÷ preset | "
-        "search (s) | predicted (fit) / refused / bounded |",
-        "|---|---:|---|---:|---:|---|---:|---:|---:|---|",
+        "search (s) | memory (GiB) | predicted (fit) / refused / bounded |",
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
     faster = violated = done = 0
     for r in rows:
@@ -253,7 +255,7 @@ def section(recs: dict[str, dict]) -> str:
                 why += f"; the {r['outcomes']} candidates refused: " + "; ".join(
                     f"{n} × {w}" for w, n in reasons.items()
                 )
-            lines.append(f"| {name} | | {what}: {why} | | | | | | {r['elapsed_s']:.0f} (wall) | |")
+            lines.append(f"| {name} | | {what}: {why} | | | | | | {r['elapsed_s']:.0f} (wall) | | |")
             continue
         done += 1
         a, p = r["auto"], r["preset"]
@@ -264,7 +266,9 @@ def section(recs: dict[str, dict]) -> str:
         lines.append(
             f"| {name} | {r['batch']} | `{a['flags']}` | {a['step_ms']:,.0f} | {a['peak_gib']:.3g} | "
             + (f"`{p['flags']}` | {p['step_ms']:,.0f} | {ratio:.3f} | " if p else "— | — | — | ")
-            + f"{r['search_s']:.0f} ({r['wall_s']:.0f}) | {r['predicted']} ({r['fit']}) / {r['refused']} / "
+            + f"{r['search_s']:.0f} ({r['wall_s']:.0f}) | "
+            + (f"{r['rss_gib']:.2f}" if "rss_gib" in r else "—")
+            + f" | {r['predicted']} ({r['fit']}) / {r['refused']} / "
             f"{r['bounded']}" + (f"; {r['partial']} partial" if r["partial"] else "") + " |"
         )
     missing = [c for c in CASES if c not in recs]
@@ -290,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        args.one_out.write_text(json.dumps(run_case(args.one)))
+        rec = run_case(args.one)  # and the case process's peak resident memory (Linux: ru_maxrss in KiB)
+        rec["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        args.one_out.write_text(json.dumps(rec))
         return 0
     results = args.run_dir / "results.jsonl"
     if not args.render_only:
