@@ -629,10 +629,10 @@ def search_model(
     captured: dict[int | None, dict[int, ComputationGraph]] = {}
     no_line: set[int | None] = set()
     uncut: set[int] = set()  # depths the model's forward cannot be cut to (it does not loop over its list)
-    ungrown: set[int] = set()  # depths the folded copy's blocks do not grow to (grow_blocks refuses)
     first = _first_list(model)
     first_len = len(first[1]) if first else 0
-    alike = first is not None and len({_structure(m) for m in first[1]}) == 1  # blocks the folded copy grows into
+    # blocks the folded copy grows into (until grow_blocks refuses them)
+    alike = first is not None and len({_structure(m) for m in first[1]}) == 1
 
     def drawn(depth: int | None, size: int) -> ComputationGraph | None:
         """The copy of ``depth`` blocks at ``size`` sequences from the two sizes captured first (None: no line)."""
@@ -649,10 +649,11 @@ def search_model(
             return None
 
     def graph_for(parts: int, keep: int | None) -> ComputationGraph:
+        nonlocal alike
         size = rows // parts if rows % parts == 0 else None
         # two depths at most, each captured at two sizes: the folded copies' (FOLD blocks), from which any copy of
         # fewer blocks is cut and any of more grown, and the whole model's (itself, and where the blocks do not grow)
-        grows = keep is not None and (keep <= FOLD or alike and keep not in ungrown)
+        grows = keep is not None and (keep <= FOLD or alike)
         depth = FOLD if grows and FOLD < first_len and FOLD not in uncut else None
         g = next((g for d in dict.fromkeys((depth, None)) if d in captured and size and (g := drawn(d, size))), None)
         if g is None:
@@ -672,7 +673,7 @@ def search_model(
         try:
             return grow_blocks(g, keep)
         except FoldError:  # blocks that do not grow: cut from the whole model
-            ungrown.add(keep)
+            alike = False
             return graph_for(parts, keep)
 
     return search(

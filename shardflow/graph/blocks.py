@@ -56,6 +56,15 @@ def block_nodes(graph: ComputationGraph, blocks: list[str]) -> dict[str, list[No
     return out
 
 
+def alike_nodes(graph: ComputationGraph, blocks: list[str]) -> dict[str, list[Node]]:
+    """:func:`block_nodes`, the blocks holding the same ops in the same order. Raises FoldError where they differ."""
+    nodes = block_nodes(graph, blocks)
+    kinds = [tuple(n.op.kind for n in nodes[b]) for b in blocks]
+    if any(k != kinds[0] for k in kinds):
+        raise FoldError(f"the repeated blocks of {blocks[0].rpartition('.')[0]!r} differ in their ops: not foldable")
+    return nodes
+
+
 def keep_blocks(graph: ComputationGraph, keep: int) -> ComputationGraph:
     """``graph`` with only its first ``keep`` repeated blocks (1 ≤ ``keep``; the graph itself when it has no more):
     the nodes of the others are dropped with the weights and constants only they read, and every node after the
@@ -68,10 +77,7 @@ def keep_blocks(graph: ComputationGraph, keep: int) -> ComputationGraph:
         return graph
     if keep < 1:
         raise FoldError(f"keep {keep} blocks: at least one must be kept")
-    nodes = block_nodes(graph, blocks)
-    kinds = [tuple(n.op.kind for n in nodes[b]) for b in blocks]
-    if any(k != kinds[0] for k in kinds):
-        raise FoldError(f"the repeated blocks of {blocks[0].rpartition('.')[0]!r} differ in their ops: not foldable")
+    nodes = alike_nodes(graph, blocks)
     dropped = {n.name for b in blocks[keep:] for n in nodes[b]}
     made = {t: b for b in blocks[keep:] for n in nodes[b] for t in n.outputs}
     rename = {t: k for m, n in zip(nodes[blocks[keep - 1]], nodes[blocks[-1]]) for k, t in zip(m.outputs, n.outputs)}
@@ -120,9 +126,7 @@ def grow_blocks(graph: ComputationGraph, blocks: int) -> ComputationGraph:
         return graph
     if len(names) < 2:
         raise FoldError(f"grow to {blocks} blocks: the graph has {len(names)} repeated block(s), at least 2 are needed")
-    nodes = block_nodes(graph, names)
-    if any(tuple(n.op.kind for n in nodes[b]) != tuple(n.op.kind for n in nodes[names[0]]) for b in names):
-        raise FoldError(f"the repeated blocks of {names[0].rpartition('.')[0]!r} differ in their ops: not foldable")
+    nodes = alike_nodes(graph, names)
     last, before = nodes[names[-1]], nodes[names[-2]]
     made = {t: b for b in names for n in nodes[b] for t in n.outputs}
     if bad := [t for n in last for t in n.inputs if t in made and made[t] not in (names[-1], names[-2])]:
