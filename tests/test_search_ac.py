@@ -178,3 +178,20 @@ def test_a_model_predicted_whole_gets_the_exact_fewest_blocks():
     assert best.prediction is not None and best.prediction.peak_bytes == exact.peak_bytes
     assert best.prediction.step_seconds == pytest.approx(exact.step_seconds, rel=1e-12)
     assert k == 1 or max(predict(BLOCK, k - 1).peak_bytes) > budget
+
+
+def test_train_runs_the_choice_with_the_blocks_it_checkpoints():
+    """``shardflow train --strategy auto`` trains the search's candidate with every setting it was predicted with,
+    its first K blocks checkpointed included (a regression: the choice's K was dropped for the user's --ac-blocks,
+    so the run checkpointed every block, a slower plan than the one predicted); a choice without partial
+    checkpointing drops the user's K."""
+    from shardflow.lower.schedule import ScheduleKind
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.recipe import settings_of
+
+    c = Candidate(Mesh.parse("pp=2,fsdp=2"), "pp,fsdp", BLOCK, 4, ScheduleKind.INTERLEAVED, 2, 2, ac_blocks=3)
+    cfg = settings_of(TrainConfig(strategy="auto", nproc=4, ac="block", ac_blocks=5), c)
+    settings = (cfg.strategy, cfg.mesh, cfg.ac, cfg.ac_blocks, cfg.microbatches, cfg.schedule, cfg.stages_per_rank)
+    assert settings == ("pp,fsdp", "pp=2,fsdp=2", "block", 3, 4, "interleaved", 2) and cfg.accumulate == 2
+    plain = settings_of(cfg, Candidate(Mesh.parse("dp=4"), "dp"))
+    assert (plain.ac, plain.ac_blocks, plain.microbatches, plain.accumulate) == ("none", None, 1, 1)

@@ -19,7 +19,7 @@ from torch import nn
 from shardflow.capture import capture
 from shardflow.graph.graph import ComputationGraph
 from shardflow.lower import LoweredStep, MicroStep
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
+from shardflow.lower.dynamic import OPTIMIZER_SLOTS
 from shardflow.lower.schedule import ScheduleKind, requested
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import PCG
@@ -27,7 +27,7 @@ from shardflow.pipeline import Pipeline, machine_cost, machine_spec
 from shardflow.runtime.device import device_type
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.runtime.materialize import TensorInit, materialize
-from shardflow.search import SearchResult, search_model
+from shardflow.search import Candidate, SearchResult, search_model
 from shardflow.strategy import PlanError
 from shardflow.strategy.presets import DATA_AXES, default_mesh
 from shardflow.train import checkpoint, memory
@@ -300,19 +300,24 @@ def auto_strategy(cfg: TrainConfig, world: int, placements: bool = False) -> tup
     result = search_model(
         model, batch, world, options, optimizer_config(cfg), spec, cfg.memory_budget, placements=placements
     )
-    c = result.best.candidate
-    chosen = dataclasses.replace(
+    return settings_of(cfg, result.best.candidate), result
+
+
+def settings_of(cfg: TrainConfig, c: Candidate) -> TrainConfig:
+    """``cfg`` running the search's candidate ``c`` (a preset, :func:`auto_strategy`): its strategy, mesh,
+    activation checkpointing (of its first ``ac_blocks`` blocks where it checkpoints only those), pipeline schedule
+    and gradient accumulation — every setting the search predicted it with, so the run is the plan predicted."""
+    return dataclasses.replace(
         cfg,
         strategy=c.strategy,
         mesh=str(c.mesh),
         ac=str(c.ac),
-        ac_blocks=cfg.ac_blocks if c.ac == ActivationCheckpointing.BLOCK else None,  # a choice without it drops it
+        ac_blocks=c.ac_blocks,
         microbatches=c.microbatches,
         schedule=str(c.schedule),
         stages_per_rank=c.stages_per_rank,
         accumulate=c.accumulate,
     )
-    return chosen, result
 
 
 def check_accumulation(cfg: TrainConfig, mesh: Mesh) -> None:
