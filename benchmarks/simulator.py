@@ -62,13 +62,14 @@ from shardflow.lower.program import programs_fingerprint  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.pipeline import Pipeline, machine_cost  # noqa: E402
 from shardflow.simulator.machine import MachineSpecWarning  # noqa: E402
-from shardflow.train.config import TrainConfig, step_options  # noqa: E402
-from shardflow.train.recipe import Setup, check_accumulation, optimizer, setup  # noqa: E402
+from shardflow.train.config import TrainConfig, optimizer_config, step_options  # noqa: E402
+from shardflow.train.recipe import Setup, check_accumulation, setup  # noqa: E402
 
 TIMEOUT_S = 300.0
 TRACED = 3  # traced steps per plan; the per-op comparison takes the median one
 SECTION = "## Simulator validation"
 TARGETS = {"mape": 0.10, "spearman": 0.9, "regret": 0.05, "memory": 0.10}
+AUTO_TARGET = 1.03  # --strategy auto's measured step over the best measured preset's (docs/search.md)
 CALIBRATE = [sys.executable, "-m", "shardflow.cli", "calibrate", "--backend", "gloo", "--nproc"]
 
 
@@ -105,6 +106,7 @@ class Plan:
     microbatches: int = 1
     schedule: str = "1f1b"
     stages_per_rank: int = 1
+    ac_blocks: int | None = None
 
     @property
     def world(self) -> int:
@@ -117,7 +119,7 @@ class Plan:
             chunks = f" ×{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"{self.schedule}{chunks} mb{self.microbatches}")
         if self.ac != "none":
-            parts.append(f"ac {self.ac}")
+            parts.append(f"ac {self.ac}" + (f" of {self.ac_blocks}" if self.ac_blocks else ""))
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
         return ", ".join(parts)
@@ -135,6 +137,7 @@ class Plan:
             heads=m.heads,
             kv_heads=m.kv_heads,
             ac=self.ac,
+            ac_blocks=self.ac_blocks,
             accumulate=self.accumulate,
             microbatches=self.microbatches,
             schedule=self.schedule,
@@ -166,7 +169,7 @@ def _plans() -> list[Plan]:
     four = [
         *(
             Plan(m, s, mesh)
-            for m in "SL"
+            for m in "SML"
             for s, mesh in (
                 ("dp", "dp=4"),
                 ("fsdp", "fsdp=4"),
@@ -212,7 +215,7 @@ class Builder:
         s = self.setups[key]
         options = step_options(cfg, machine_cost(cfg.device, plan.world))
         pipe = Pipeline.planned(
-            s.graph, mesh, options, optimizer(cfg), cfg.strategy, None, cfg.strict, cfg.clip_norm or None
+            s.graph, mesh, options, optimizer_config(cfg), cfg.strategy, None, cfg.strict, cfg.clip_norm or None
         )
         return s, pipe
 
@@ -288,6 +291,32 @@ def median_traced(plan: dict) -> list[dict]:
     n = len(ranks[0]["traced"])
     order = sorted(range(n), key=lambda k: max(r["traced"][k]["traced_s"] for r in ranks))
     return [{**r, **r["traced"][order[n // 2]]} for r in ranks]
+
+
+def auto_plan(model: str, world: int) -> tuple[Plan, float]:
+    """``shardflow train --strategy auto --nproc world`` on model ``model``: the search's choice on this machine's
+    calibration (``MachineSpec.this``; :func:`shardflow.train.recipe.auto_strategy`) as a plan, and the search's
+    seconds."""
+    from shardflow.train.recipe import auto_strategy
+
+    m = MODELS[model]
+    cfg = dataclasses.replace(
+        TrainConfig(), strategy="auto", nproc=world, layers=m.layers, embd=m.embd, heads=m.heads, kv_heads=m.kv_heads
+    )
+    chosen, result = auto_strategy(cfg, world)
+    assert chosen.mesh is not None and chosen.strategy is not None
+    plan = Plan(
+        model,
+        chosen.strategy,
+        chosen.mesh,
+        chosen.ac,
+        chosen.accumulate,
+        chosen.microbatches,
+        chosen.schedule,
+        chosen.stages_per_rank,
+        chosen.ac_blocks,
+    )
+    return plan, result.seconds
 
 
 def rank_main(out_dir: Path, params: dict) -> None:
@@ -531,6 +560,7 @@ def rows_of(result: dict, pred: dict) -> list[dict]:
             {
                 "name": m["name"],
                 "model": m["plan"]["model"],
+                "preset": m["plan"].get("ac_blocks") is None,  # a flag set a user writes (no partial checkpointing)
                 "meas_s": meas_s,
                 "spread": (min(m["samples"]), max(m["samples"])),
                 "pred_s": p["step_s"],
@@ -659,7 +689,21 @@ def machine_line(res: dict) -> str:
     )
 
 
-def render(results: dict[int, dict], preds: dict[int, dict], cal_s: dict[int, float], wall_s: float) -> str:
+def auto_rows(rows: list[dict], autos: dict) -> list[dict]:
+    """Per model size: the search's choice (``autos[model]``) measured against the fastest measured preset (the
+    plans of that model without partial checkpointing, the choice itself where it is one)."""
+    out = []
+    for model, auto in autos.items():
+        mine = [r for r in rows if r["model"] == model]
+        chosen = next(r for r in mine if r["name"] == auto["name"])
+        best = min((r for r in mine if r["preset"]), key=lambda r: r["meas_s"])
+        out.append({"model": model, "auto": chosen, "best": best, "ratio": chosen["meas_s"] / best["meas_s"], **auto})
+    return out
+
+
+def render(
+    results: dict[int, dict], preds: dict[int, dict], cal_s: dict[int, float], wall_s: float, autos: dict[int, dict]
+) -> str:
     lines = [
         SECTION,
         "",
@@ -720,6 +764,31 @@ def render(results: dict[int, dict], preds: dict[int, dict], cal_s: dict[int, fl
             f"{_verdict(s['memory'] <= TARGETS['memory'])} |"
         )
     lines += [
+        "",
+        "### `--strategy auto` against the presets, measured",
+        "",
+        "Per world size and model size, the plan `shardflow train --strategy auto` chooses "
+        "(`shardflow.train.recipe.auto_strategy`: the search on the calibration taken before the session; presets, "
+        "with partial checkpointing where it fits) run in the same session, interleaved with the presets of the table "
+        "above; *best preset*: the fastest measured of that model's plans without `--ac-blocks` (the choice itself "
+        f"where it is one). Target: auto's measured step ≤ {AUTO_TARGET} × the best measured preset's.",
+        "",
+        "| ranks | model | auto: its choice | search (s) | measured (ms) | best measured preset | measured (ms) | "
+        "auto ÷ best | predicted: auto, best preset (ms) |",
+        "|---|---|---|---:|---:|---|---:|---:|---|",
+    ]
+    met = []
+    for world in sorted(results):
+        for a in auto_rows(all_rows[world], autos.get(world, {})):
+            met.append(a["ratio"] <= AUTO_TARGET)
+            lines.append(
+                f"| {world} | {MODELS[a['model']].name} | {a['name']} | {a['search_s']:.1f} | {_ms(a['auto']['meas_s'])} "
+                f"| {a['best']['name']} | {_ms(a['best']['meas_s'])} | {a['ratio']:.3f} {_verdict(met[-1])} | "
+                f"{_ms(a['auto']['pred_s'])}, {_ms(a['best']['pred_s'])} |"
+            )
+    lines += [
+        "",
+        f"Auto within {AUTO_TARGET} × the best measured preset in {sum(met)} of {len(met)} cases.",
         "",
         "The headline figures predict on the calibration taken right before each session (the protocol: "
         "calibrate, then run); the same programs predicted on a second calibration taken right after the session "
@@ -785,12 +854,13 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (3 if args.quick else 25)
     worlds = [int(w) for w in args.worlds.split(",")]
     t_all = time.perf_counter()
-    results, preds, cal_s = {}, {}, {}
+    results, preds, cal_s, autos_of = {}, {}, {}, {}
     for world in worlds:
         d = run_dir / f"world{world}"
         if args.render_only:
             results[world] = json.loads((d / "result.json").read_text())
             preds[world] = json.loads((d / "predicted.json").read_text())
+            autos_of[world] = json.loads((d / "autos.json").read_text())
             cal_s = json.loads((run_dir / "times.json").read_text()).get("calibrate", {})
             cal_s = {int(k): v for k, v in cal_s.items()}
             continue
@@ -801,9 +871,18 @@ def main(argv: list[str] | None = None) -> int:
         cal_s[world] = calibrate(world, cal_dir, d / "calibrate.log")
         print((d / "calibrate.log").read_text().strip().splitlines()[-2], flush=True)
         mine = [q for q in plans if q.world == world]
+        os.environ[CALIBRATION_DIR_ENV] = str(cal_dir)
+        autos = {}  # model → the search's choice on this calibration, measured with the presets
+        for model in dict.fromkeys(q.model for q in mine):
+            chosen, seconds = auto_plan(model, world)
+            autos[model] = {"plan": dataclasses.asdict(chosen), "name": chosen.name, "search_s": seconds}
+            print(f"   --strategy auto on {MODELS[model].name}: {chosen.name} ({seconds:.1f} s)", flush=True)
+            if chosen not in mine:
+                mine.append(chosen)
+        (d / "autos.json").write_text(json.dumps(autos, indent=1))
+        autos_of[world] = autos
         params = {"plans": [dataclasses.asdict(q) for q in mine], "rounds": rounds, "iters": 1, "warmup": 2}
         print(f"== {world} ranks: {len(mine)} plans, {rounds} rounds", flush=True)
-        os.environ[CALIBRATION_DIR_ENV] = str(cal_dir)
         t0 = time.perf_counter()
         res = launch([sys.executable, str(Path(__file__).resolve()), "--rank", str(d), json.dumps(params)], world, d)
         if not res.ok:
@@ -823,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "times.json").write_text(json.dumps({"calibrate": cal_s, "wall_s": wall}))
     else:
         wall = json.loads((run_dir / "times.json").read_text())["wall_s"]
-    text = render(results, preds, cal_s, wall)
+    text = render(results, preds, cal_s, wall, autos_of)
     print(text)
     out = args.out or (None if args.quick else str(ROOT / "docs" / "benchmarks.md"))
     if out and not args.no_write:
