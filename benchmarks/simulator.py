@@ -445,7 +445,7 @@ def predicted_by_kind(p: Any, rank: int) -> dict[str, list[float]]:
     for e in p.timeline.events:
         if e.rank != rank or e.stream != "compute":
             continue
-        k = op_kind(e.name, e.category == "optimizer")
+        k = op_kind(e.name.partition(" ")[2], e.category == "optimizer")  # the event's name: "<task> <op>"
         acc = out.setdefault(k, [0, 0.0])
         acc[0] += 1
         acc[1] += e.seconds
@@ -456,8 +456,8 @@ def predicted_comms(p: Any, rank: int) -> dict[str, list[float]]:
     """The replay's communications of ``rank`` by kind: kind → [count, seconds of α + bytes/β]."""
     out: dict[str, list[float]] = {}
     for e in p.timeline.events:
-        if e.rank == rank and e.stream == "comm":
-            acc = out.setdefault(e.name, [0, 0.0])
+        if e.rank == rank and e.stream == "comm":  # the event's name: "#<token> <kind>", " (async)" when not waited
+            acc = out.setdefault(e.name.split(" ")[1], [0, 0.0])
             acc[0] += 1
             acc[1] += e.seconds
     return out
