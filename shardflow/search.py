@@ -546,11 +546,10 @@ def few_microbatches(c: Candidate) -> int | None:
     """The microbatches pipeline candidate ``c`` is lowered for where the search composes its step from them
     (:func:`~shardflow.simulator.compose.compose`, docs/search.md#composing-a-pipeline): 3 under 1F1B and GPipe (a
     first, a middle and a last microbatch), 2 per stage under the interleaved schedule (with one per stage it runs
-    every forward first). None where ``c`` is predicted whole: no pipeline, no more microbatches than that, gradient
-    accumulation, or a fully-sharded axis — whose first microbatch's actions hold more bytes the more microbatches
-    the step has, so few microbatches do not show the bytes of many (docs/simulator.md#composing-a-pipeline)."""
+    every forward first). None where ``c`` is predicted whole: no pipeline, no more microbatches than that, or
+    gradient accumulation (docs/simulator.md#composing-a-pipeline)."""
     p = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "pp")
-    if p == 1 or c.accumulate > 1 or "fsdp" in c.mesh.axis_names:
+    if p == 1 or c.accumulate > 1:
         return None
     few = 2 * p if c.schedule == ScheduleKind.INTERLEAVED else 3
     return few if c.microbatches > few else None

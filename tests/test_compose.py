@@ -59,6 +59,10 @@ def pipeline(graph, mesh: Mesh, strategy: str, kind: ScheduleKind, microbatches:
         ("pp=2,tp=2", "pp,tp", ScheduleKind.ONE_F_ONE_B, 3, 8),
         ("pp=2,tp=2", "pp,tp", ScheduleKind.INTERLEAVED, 4, 8),
         ("pp=2,dp=2", "pp,dp", ScheduleKind.INTERLEAVED, 4, 8),
+        ("pp=2,fsdp=2", "pp,fsdp", ScheduleKind.ONE_F_ONE_B, 3, 8),
+        ("pp=2,fsdp=2", "pp,fsdp", ScheduleKind.GPIPE, 3, 8),
+        ("pp=2,fsdp=2", "pp,fsdp", ScheduleKind.INTERLEAVED, 4, 8),
+        ("pp=2,fsdp=2,tp=2", "pp,fsdp,tp", ScheduleKind.ONE_F_ONE_B, 3, 8),
     ],
 )
 def test_a_composed_step_is_within_4_percent_and_each_peak_from_2_below_to_8_above(
@@ -109,7 +113,7 @@ def test_which_candidates_the_search_composes():
     assert few_microbatches(dataclasses.replace(pp2, microbatches=2)) is None  # no more than a first, middle, last
     assert few_microbatches(dataclasses.replace(pp2, schedule=ScheduleKind.INTERLEAVED, stages_per_rank=2)) == 4
     assert few_microbatches(dataclasses.replace(pp2, accumulate=2)) is None
-    assert few_microbatches(Candidate(Mesh.parse("pp=2,fsdp=2"), "pp,fsdp", microbatches=8)) is None
+    assert few_microbatches(Candidate(Mesh.parse("pp=2,fsdp=2"), "pp,fsdp", microbatches=8)) == 3
     assert few_microbatches(Candidate(Mesh.parse("dp=2"), "dp")) is None
 
 

@@ -245,9 +245,24 @@ def test_interleaved_equals_one_device(mesh, strategy, m):
     ],
 )
 def test_pipelines_on_two_and_three_dimensional_meshes_equal_one_device(mesh, strategy, m, kind):
-    """pp with FSDP (each microbatch gathers its stage's weights, the last reduce-scatters the summed gradients),
-    and 3-D meshes pp × dp × tp and pp × fsdp × tp: 3 AdamW steps equal one device (1e-5)."""
+    """pp with FSDP (the stage's weights gathered once for every microbatch, the summed gradients reduce-scattered
+    after the last), and 3-D meshes pp × dp × tp and pp × fsdp × tp: 3 AdamW steps equal one device (1e-5)."""
     run_against_one_device(lowered(mesh, strategy, m, kind, grad_norm=True))
+
+
+def test_under_fsdp_a_stage_gathers_its_weights_once_for_all_its_microbatches():
+    """pp=2 × fsdp=2 under 1F1B: each weight is all-gathered once for the forwards of every microbatch and once again
+    for their backwards (resharded after the forward, not between microbatches) — rank 0's all-gathers
+    (calls and bytes) are the same for 2 and 4 microbatches (a regression: each microbatch gathered its own copy, the
+    copies bucketed together, so 4 microbatches gathered 4 × the bytes and held 4 copies of the stage's weights from
+    the first forward on; docs/lowering.md#fsdp-under-a-pipeline measures the peak)."""
+    two, four = lowered("pp=2,fsdp=2", "pp,fsdp", 2), lowered("pp=2,fsdp=2", "pp,fsdp", 4)
+
+    def gathered(step) -> tuple[int, int]:
+        ags = [c for c in step.programs[0].comms if c.kind == "all_gather"]
+        return len(ags), sum(c.nbytes for c in ags)
+
+    assert gathered(two) == gathered(four) and gathered(two)[0] > 0
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe():

@@ -268,7 +268,9 @@ def _microbatch_steps(micro: MicroStep, count: int) -> list[MicroStep]:
 def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
     """One step of ``len(parts)`` microbatches from the graphs of its micro-steps (:func:`_microbatch_steps`):
     microbatch m's values get :func:`microbatch_id` ids except those every microbatch shares — the weights, the
-    constants, optimizer state, the updates' new versions, a weight's cast (made once, in microbatch 0) — and
+    constants, optimizer state, the updates' new versions, a weight's cast and a weight moved (its all-gather, its
+    regather for the backward, its copy to another stage: made once, in microbatch 0;
+    docs/lowering.md#fsdp-under-a-pipeline) — and
     the gradient sums one microbatch hands the next: microbatch m + 1 reads microbatch m's sum (no longer an
     ``acc`` value of the step: it dies inside it), the first reads the step's ``acc`` input and the last writes the
     step's ``acc`` output, as one micro-step would."""
@@ -280,10 +282,16 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
     last = len(parts) - 1
     for m, dg in enumerate(parts):
         written = {v for n in dg.nodes for v in n.outputs}
-        cast = {v for n in dg.nodes if n.kind == NodeKind.CAST for v in n.outputs}
+        # what no microbatch changes: a weight's cast, and a weight moved (its all-gather, its regather for the
+        # backward, its copy to another stage) — made once, in microbatch 0, and read by every microbatch
+        once = {v for n in dg.nodes if n.kind == NodeKind.CAST for v in n.outputs}
+        for n in dg.nodes:
+            moved = n.kind in (NodeKind.PARALLEL, NodeKind.COPY) and n.task in (TaskType.FWD, TaskType.BWD)
+            if moved and n.inputs and all(v in shared or v in once for v in n.inputs):
+                once.update(n.outputs)
         ids: dict[str, str] = {}
         for vid, v in dg.values.items():
-            if vid in shared or vid in cast or v.role == ValueRole.OPT or (v.replaces and v.role != ValueRole.ACC):
+            if vid in shared or vid in once or v.role == ValueRole.OPT or (v.replaces and v.role != ValueRole.ACC):
                 ids[vid] = vid
             elif v.role == ValueRole.ACC and vid not in written:  # the sum the microbatch before left
                 ids[vid] = handed.get(vid, vid) if m else vid
@@ -298,9 +306,10 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
             if ids[vid] not in values:
                 values[ids[vid]] = dataclasses.replace(v, id=ids[vid])
         for n in dg.nodes:
-            if n.kind == NodeKind.CAST and m:
+            made_once = bool(n.outputs) and all(v in once for v in n.outputs)
+            if made_once and m:
                 continue
-            shared_node = n.kind == NodeKind.CAST or n.task == TaskType.UPD  # the casts, the updates
+            shared_node = made_once or n.task == TaskType.UPD  # the casts and moved weights, the updates
             nodes.append(
                 dataclasses.replace(
                     n,
