@@ -54,8 +54,9 @@ class TensorType:
         return self.numel * torch_dtype(self.dtype).itemsize
 
 
+@functools.lru_cache(maxsize=None)  # asked for every buffer's bytes: a few names, hundreds of thousands of times
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype called ``name`` (``"float32"``, ``"int64"``, ...)."""
+    """The torch dtype called ``name`` (``"float32"``, ``"int64"``, ...). Raises OpError for another name."""
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):
         raise OpError(f"unknown dtype {name!r}; use a torch dtype name such as 'float32' or 'int64'")

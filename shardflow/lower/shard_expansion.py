@@ -41,6 +41,7 @@ from shardflow.lower.program import (
 from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import ReplicateOp
+from shardflow.parallel.sharding import Sharding
 
 # (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out
 # (docs/lowering.md#4-communication-lowering): the one table from which every parallel op is lowered — a
@@ -70,7 +71,13 @@ LOCAL_STEPS = frozenset(
 def piece(v: Value) -> Buffer:
     """The buffer one device holds of value ``v`` (its piece shape). Cached: lowering asks for the same
     value's piece many times (shard expansion clears the cache when a new lowering starts)."""
-    return Buffer(v.id, TensorType(v.sharding.parallel_shape(v.group, v.type.shape).piece_shape, v.type.dtype))
+    return Buffer(v.id, TensorType(piece_shape(v.sharding, v.group, v.type.shape), v.type.dtype))
+
+
+@functools.lru_cache(maxsize=1 << 12)  # the values of a step share few shardings and shapes (each microbatch's alike)
+def piece_shape(sharding: Sharding, group: SubMesh, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one device's piece of a tensor of ``shape`` held by ``sharding`` on ``group``."""
+    return sharding.parallel_shape(group, shape).piece_shape
 
 
 # --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------

@@ -229,8 +229,10 @@ class SubMesh:
     # derived once at construction (planning asks for them tens of thousands of times per rank)
     _free: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _free_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _positions: dict[int, int | None] = field(init=False, repr=False, compare=False)  # index()'s answers so far
 
     def __post_init__(self):
+        object.__setattr__(self, "_positions", {})
         fixed = dict(self.fixed)
         object.__setattr__(self, "_free", tuple(a for a in self.mesh.axis_names if a not in fixed))
         object.__setattr__(self, "_free_shape", tuple(self.mesh.axis_size(a) for a in self._free))
@@ -276,6 +278,11 @@ class SubMesh:
 
     def index(self, device: int) -> int | None:
         """Row-major position of ``device`` among the sub-mesh's coordinates, or None if it is not a member."""
+        if device not in self._positions:  # lowering asks it of the same few devices again and again
+            self._positions[device] = self._position(device)
+        return self._positions[device]
+
+    def _position(self, device: int) -> int | None:
         if self.view is not None:
             return self.view.index(device) if device in self.view else None
         c = self.mesh.coords(device)
