@@ -305,17 +305,8 @@ def auto_plan(model: str, world: int) -> tuple[Plan, float]:
     )
     chosen, result = auto_strategy(cfg, world)
     assert chosen.mesh is not None and chosen.strategy is not None
-    plan = Plan(
-        model,
-        chosen.strategy,
-        chosen.mesh,
-        chosen.ac,
-        chosen.accumulate,
-        chosen.microbatches,
-        chosen.schedule,
-        chosen.stages_per_rank,
-        chosen.ac_blocks,
-    )
+    fields = ("ac", "accumulate", "microbatches", "schedule", "stages_per_rank", "ac_blocks")
+    plan = Plan(model, chosen.strategy, chosen.mesh, **{f: getattr(chosen, f) for f in fields})
     return plan, result.seconds
 
 

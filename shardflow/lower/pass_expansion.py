@@ -268,8 +268,8 @@ def _microbatch_steps(micro: MicroStep, count: int) -> list[MicroStep]:
 def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
     """One step of ``len(parts)`` microbatches from the graphs of its micro-steps (:func:`_microbatch_steps`):
     microbatch m's values get :func:`microbatch_id` ids except those every microbatch shares — the weights, the
-    constants, optimizer state, the updates' new versions, a weight's cast and a weight moved (its all-gather, its
-    regather for the backward, its copy to another stage: made once, in microbatch 0;
+    constants, optimizer state, the updates' new versions, a weight's cast and a weight moved by a parallel op (its
+    all-gather, its regather for the backward: made once, in microbatch 0;
     docs/lowering.md#fsdp-under-a-pipeline) — and
     the gradient sums one microbatch hands the next: microbatch m + 1 reads microbatch m's sum (no longer an
     ``acc`` value of the step: it dies inside it), the first reads the step's ``acc`` input and the last writes the
@@ -282,11 +282,11 @@ def _microbatched(pcg: PCG, parts: list[DynamicGraph]) -> DynamicGraph:
     last = len(parts) - 1
     for m, dg in enumerate(parts):
         written = {v for n in dg.nodes for v in n.outputs}
-        # what no microbatch changes: a weight's cast, and a weight moved (its all-gather, its regather for the
-        # backward, its copy to another stage) — made once, in microbatch 0, and read by every microbatch
+        # what no microbatch changes: a weight's cast, and a weight moved by a parallel op (its all-gather, its
+        # regather for the backward) — made once, in microbatch 0, and read by every microbatch
         once = {v for n in dg.nodes if n.kind == NodeKind.CAST for v in n.outputs}
         for n in dg.nodes:
-            moved = n.kind in (NodeKind.PARALLEL, NodeKind.COPY) and n.task in (TaskType.FWD, TaskType.BWD)
+            moved = n.kind == NodeKind.PARALLEL and n.task in (TaskType.FWD, TaskType.BWD)
             if moved and n.inputs and all(v in shared or v in once for v in n.inputs):
                 once.update(n.outputs)
         ids: dict[str, str] = {}
