@@ -6,10 +6,9 @@ heads, 8 key/value heads, MLP 14336) or 70B (80 layers, 8192, 64, 8, 28672), voc
 bf16 parameters with float32 reductions, AdamW — on the meta device, captured, planned on the published mesh and
 predicted (:meth:`shardflow.pipeline.Pipeline.predict`). The published techniques are modelled as what they change
 (:class:`shardflow.simulator.cost.Kernels`): torch.compile as fused elementwise kernels, Float8 as the linears'
-matmuls at the float8 peak plus their operands' casts. What is not modelled is said in the table: torchtitan's
-*selective* activation checkpointing (an op-level policy that recomputes the cheap ops; predicted without
-checkpointing, whose time it nearly is) and *async TP* (the tensor-parallel collectives decomposed to overlap the
-matmuls: predicted as plain 2-D). torchtitan's tensor parallelism is sequence-parallel (its norms and the loss
+matmuls at the float8 peak plus their operands' casts; torchtitan's *selective* activation checkpointing of the 8B
+runs as ``--ac selective`` (docs/lowering.md#selective-checkpointing---ac-selective). What is not modelled is said in
+the table: *async TP* (the tensor-parallel collectives decomposed to overlap the matmuls: predicted as plain 2-D). torchtitan's tensor parallelism is sequence-parallel (its norms and the loss
 sharded on the sequence), so the 2-D rows plan ``fsdp,sp``.
 
 Prints the table — published tokens/s per GPU, predicted, error — with the mean absolute error and whether each
@@ -71,14 +70,13 @@ class Row:
     published: float
 
 
-SAC = "selective AC"
 ROWS = (
-    Row("1: 8B, 8 GPUs", "FSDP", "8B", "fsdp=8", 16, "none", EAGER, SAC, 5762),
-    Row("1: 8B, 8 GPUs", "FSDP + torch.compile", "8B", "fsdp=8", 16, "none", COMPILE, SAC, 6667),
-    Row("1: 8B, 8 GPUs", "FSDP + torch.compile + Float8", "8B", "fsdp=8", 16, "none", FLOAT8, SAC, 8532),
-    Row("3: 8B, 128 GPUs", "FSDP", "8B", "fsdp=128", 256, "none", EAGER, SAC, 5605),
-    Row("3: 8B, 128 GPUs", "FSDP + torch.compile", "8B", "fsdp=128", 256, "none", COMPILE, SAC, 6514),
-    Row("3: 8B, 128 GPUs", "FSDP + torch.compile + Float8", "8B", "fsdp=128", 256, "none", FLOAT8, SAC, 8380),
+    Row("1: 8B, 8 GPUs", "FSDP", "8B", "fsdp=8", 16, "selective", EAGER, "", 5762),
+    Row("1: 8B, 8 GPUs", "FSDP + torch.compile", "8B", "fsdp=8", 16, "selective", COMPILE, "", 6667),
+    Row("1: 8B, 8 GPUs", "FSDP + torch.compile + Float8", "8B", "fsdp=8", 16, "selective", FLOAT8, "", 8532),
+    Row("3: 8B, 128 GPUs", "FSDP", "8B", "fsdp=128", 256, "selective", EAGER, "", 5605),
+    Row("3: 8B, 128 GPUs", "FSDP + torch.compile", "8B", "fsdp=128", 256, "selective", COMPILE, "", 6514),
+    Row("3: 8B, 128 GPUs", "FSDP + torch.compile + Float8", "8B", "fsdp=128", 256, "selective", FLOAT8, "", 8380),
     Row("4: 70B, 256 GPUs", "2-D (FSDP + TP)", "70B", "fsdp=32,tp=8", 512, "block", FLOAT8, "", 829),
     Row("4: 70B, 256 GPUs", "2-D + async TP", "70B", "fsdp=32,tp=8", 512, "block", FLOAT8, "async TP", 876),
 )

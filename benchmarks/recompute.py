@@ -1,7 +1,7 @@
-"""Activation checkpointing (``--ac block``) on the main job's model: memory held during a step and step time.
+"""Activation checkpointing (``--ac block``, ``--ac selective``): memory held during a step and step time.
 
 The model of ``shardflow train`` at its defaults (the Llama; AdamW; float32), one device and fsdp=4 (rank 0), with
-``--ac none`` and ``--ac block``:
+``--ac none``, ``--ac selective`` and ``--ac block``:
 
 * ledger peak — the largest sum of the rank's live buffers during a step (the local executor's ledger: state,
   gathered weights, activations, communication buffers; what the forward's autograd records keep inside an op
@@ -9,8 +9,12 @@ The model of ``shardflow train`` at its defaults (the Llama; AdamW; float32), on
 * process peak — one device only, each variant in a fresh process: the operating system's peak resident set
   (``VmHWM``, reset through ``/proc/self/clear_refs`` after a warm-up step and ``malloc_trim``) above the resident
   set before the measured steps: everything the step allocates, autograd's records included (Linux, glibc);
-* step time — one device, both variants in one process, warmed up, then interleaved rounds (order rotating); the
-  ratio block ÷ none is taken per round (median and range).
+* step time — one device, the variants in one process, warmed up, then interleaved rounds (order rotating); the
+  ratio to none is taken per round (median and range).
+
+Then predicted (the shipped ``h100`` spec, ``Pipeline.predict``): a 3-block copy of the Llama 3 8B shape (width 4096,
+32 heads, 8 key/value heads, MLP 14336, vocabulary 128256), 16 sequences of 8192, bf16 with float32 master weights,
+AdamW, on fsdp=8 and tp=8 — the sizes the search meets (docs/search.md).
 
 Usage::
 
@@ -63,37 +67,95 @@ def process_peak(ac: str) -> int:
     return _status("VmHWM") - before
 
 
-def section(ledger: dict, rss: dict, times: dict, blocks: int, params: int, seconds: float, rounds: int) -> str:
+def predicted() -> list[tuple[str, str, float, float]]:
+    """(mesh, mode, step seconds, peak bytes) of the 8B-shaped copy on the h100 spec (module docstring)."""
+    import dataclasses
+
+    from shardflow.capture import at_dtype, capture
+    from shardflow.parallel.mesh import Mesh
+    from shardflow.pipeline import Pipeline
+    from shardflow.runtime.materialize import materialize
+    from shardflow.simulator.estimate import cost_model
+    from shardflow.simulator.machine import MachineSpec
+    from shardflow.train.config import TrainConfig, optimizer_config, step_options
+    from shardflow.train.family import Feed
+    from shardflow.train.recipe import build_model
+
+    spec = MachineSpec.named("h100")
+    cfg = TrainConfig(
+        layers=3, embd=4096, heads=32, kv_heads=8, mlp=14336, vocab_size=128256, seq_len=8192, batch_size=16,
+        dtype="bf16", optimizer="adamw", nproc=8,
+    )  # fmt: skip
+    _, _, module = build_model(cfg, cfg.vocab_size, None)
+    materialize(module, cfg.seed)
+    ids = torch.zeros(cfg.batch_size, cfg.seq_len, dtype=torch.long)
+    module, inputs, _ = at_dtype(module, Feed.CAUSAL_LM.inputs(ids, ids), torch.bfloat16)
+    graph = capture(module, inputs)
+    out = []
+    for mesh, strategy in (("fsdp=8", "fsdp"), ("tp=8", "tp")):
+        m = Mesh.parse(mesh)
+        base = step_options(cfg, cost_model(spec, m))
+        for ac in MODES:
+            options = dataclasses.replace(base, ac=ActivationCheckpointing(ac))
+            p = Pipeline.planned(graph, m, options, optimizer_config(cfg), strategy).predict(spec, ids.numel())
+            out.append((mesh, ac, p.step_seconds, max(p.peak_bytes)))
+            print(f"predicted {mesh} --ac {ac}: {p.step_seconds * 1e3:.2f} ms", file=sys.stderr)
+    return out
+
+
+def section(ledger: dict, rss: dict, times: dict, blocks: int, params: int, seconds: float, rounds: int, pred) -> str:
     m = machine()
-    ratios = [b / n for b, n in zip(times["block"], times["none"])]
+    ratios = {ac: [x / n for x, n in zip(times[ac], times["none"])] for ac in ("selective", "block")}
     lines = [
         "## Activation checkpointing",
         "",
         f"`python benchmarks/recompute.py`: the main job's Llama at `shardflow train`'s defaults ({params:,} "
-        f"parameters, {blocks} blocks, AdamW, float32), `--ac none` against `--ac block` (each block's forward "
-        f"run again right before its backward). Ledger peak: the largest sum of rank 0's live buffers during a "
-        f"step (local executor). Process peak: one device, each variant in a fresh process, the peak resident "
-        f"set of two steps above the resident set before them (everything the step allocates, autograd's records "
-        f"inside an op included). Step time: one device, {rounds} interleaved rounds, block ÷ none per round.",
+        f"parameters, {blocks} blocks, AdamW, float32), `--ac none` against `--ac selective` (each block's cheap ops "
+        f"run again before its backward, its matmuls', attention's and communication's outputs kept) and `--ac "
+        f"block` (each block's forward run again right before its backward). Ledger peak: the largest sum of rank "
+        f"0's live buffers during a step (local executor). Process peak: one device, each variant in a fresh "
+        f"process, the peak resident set of two steps above the resident set before them (everything the step "
+        f"allocates, autograd's records inside an op included). Step time: one device, {rounds} interleaved "
+        f"rounds, each mode ÷ none per round.",
         "",
         f"Machine: {m['cores']} cores ({m['cpu']}), torch {m['torch']}, {m['date']}; {seconds:.0f} s.",
         "",
-        "| mesh | ledger peak, none | ledger peak, block | block ÷ none |",
-        "|---|---|---|---|",
+        "| mesh | ledger peak, none | selective | block | selective ÷ none | block ÷ none |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for mesh, peaks in ledger.items():
         lines.append(
-            f"| `{mesh}` | {peaks['none']:,} | {peaks['block']:,} | **{peaks['block'] / peaks['none']:.3f}** |"
+            f"| `{mesh}` | {peaks['none']:,} | {peaks['selective']:,} | {peaks['block']:,} | "
+            f"**{peaks['selective'] / peaks['none']:.3f}** | **{peaks['block'] / peaks['none']:.3f}** |"
         )
+    step = {ac: statistics.median(t) * 1e3 for ac, t in times.items()}
     lines += [
         "",
-        f"One device, process peak above the resting set: none {rss['none']:,} B, block {rss['block']:,} B "
-        f"(**{rss['block'] / rss['none']:.3f}**). Step time: none {statistics.median(times['none']) * 1e3:.1f} "
-        f"ms, block {statistics.median(times['block']) * 1e3:.1f} ms; block ÷ none "
-        f"**{statistics.median(ratios):.2f}** ({min(ratios):.2f}–{max(ratios):.2f}) — a second forward of every "
-        f"block, about a third more compute where the backward costs twice the forward.",
+        f"One device, process peak above the resting set: none {rss['none']:,} B, selective {rss['selective']:,} B "
+        f"(**{rss['selective'] / rss['none']:.3f}**), block {rss['block']:,} B (**{rss['block'] / rss['none']:.3f}**). "
+        f"Step time: none {step['none']:.1f} ms, selective {step['selective']:.1f} ms, block {step['block']:.1f} ms; "
+        + "; ".join(
+            f"{ac} ÷ none **{statistics.median(r):.2f}** ({min(r):.2f}–{max(r):.2f})" for ac, r in ratios.items()
+        )
+        + ". Block runs a second forward of every block, about a third more compute where the backward costs twice "
+        "the forward; selective runs again only the ops between the matmuls.",
         "",
+        "Predicted on the shipped `h100` spec (`Pipeline.predict`): a 3-block copy of the Llama 3 8B shape, 16 "
+        "sequences of 8192, bf16 with float32 master weights, AdamW — the sizes `--strategy auto` meets "
+        "(docs/search.md).",
+        "",
+        "| mesh | `--ac` | step (ms) | peak (GiB) |",
+        "|---|---|---:|---:|",
     ]
+    lines += [f"| {mesh} | {ac} | {sec * 1e3:.2f} | {peak / 2**30:.2f} |" for mesh, ac, sec, peak in pred]
+    per = {(mesh, ac): (sec, peak) for mesh, ac, sec, peak in pred}
+    for mesh in dict.fromkeys(x[0] for x in pred):
+        (tn, pn), (ts, ps), (tb, pb) = (per[mesh, ac] for ac in ("none", "selective", "block"))
+        lines.append(
+            f"\nOn {mesh}, per block: selective saves {(pn - ps) / 3 / 2**30:.2f} GiB for {(ts - tn) / 3 * 1e3:.1f} ms, "
+            f"block {(pn - pb) / 3 / 2**30:.2f} GiB for {(tb - tn) / 3 * 1e3:.1f} ms."
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -139,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         sum(p.numel() for p in s.model.parameters()),
         time.monotonic() - t0,
         args.rounds,
+        predicted(),
     )
     print(text)
     if not args.no_write:

@@ -546,11 +546,13 @@ def parallelize(
             ``"all_to_all"`` (DeepSpeed-Ulysses) or ``"auto"`` (:class:`~shardflow.lower.cost.CPAttention`).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
-        ac: activation checkpointing, ``"none"`` or ``"block"``: each block (a module under an integer index, such
+        ac: activation checkpointing, ``"none"``, ``"block"``: each block (a module under an integer index, such
             as ``model.layers.3``) runs its forward again right before its backward instead of keeping its
-            activations (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`).
+            activations, or ``"selective"``: as block, but the outputs of matmuls, attention and communication are
+            kept and only the ops between them run again (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`).
         ac_blocks: with ``ac="block"``, only the first this many blocks in forward order (``model.layers.0`` …)
-            recompute, the others keep their activations; None (default): every block.
+            recompute, the others keep their activations; None (default): every block. With ``ac="selective"``,
+            the first this many blocks recompute whole, the others selectively; None: none whole.
         mixed_precision: a :class:`~shardflow.lower.MixedPrecision` (FSDP2's ``MixedPrecisionPolicy``) for a model
             already in its ``param_dtype`` (``model.to(torch.bfloat16)``): its weights, gradient reductions and
             optimizer state are held in ``reduce_dtype`` (float32) and the weights cast to ``param_dtype`` for each
@@ -574,12 +576,13 @@ def parallelize(
             optimizer or option shardflow does not compute (:func:`from_torch_optim`); an unknown optimizer,
             executor, ``ac``,
             schedule or form; ``accumulate``, ``microbatches``, ``stages_per_rank`` or ``ac_blocks`` < 1, or
-            ``ac_blocks`` without ``ac="block"``
+            ``ac_blocks`` with ``ac="none"``
             (:meth:`~shardflow.lower.LowerOptions.parse`), or a batch whose dim 0 they do not divide
             (BatchSplitError); a schedule that does not fit (:func:`~shardflow.lower.schedule.requested`);
             distributed: the world size is not the mesh's size, or the ranks' models have different weights; an
             unknown ``device``.
-        PassError: ``ac="block"`` for a model with no block, or ``ac_blocks`` above its number of blocks.
+        PassError: ``ac="block"`` or ``"selective"`` for a model with no block, or ``ac_blocks`` above its number of
+            blocks.
         DeviceError (a ValueError): ``device="cuda"`` without CUDA, or a local rank with no GPU of its own.
         CalibrationError: this machine's calibration file cannot be used.
     """

@@ -59,6 +59,7 @@ from shardflow.strategy.placements import Memory, considered, placement, placeme
 SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
 # what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
 FALLBACKS = (
+    (ActivationCheckpointing.SELECTIVE, 1),
     (ActivationCheckpointing.BLOCK, 1),
     (ActivationCheckpointing.NONE, 2),
     (ActivationCheckpointing.BLOCK, 2),
@@ -508,17 +509,28 @@ def search(
         mine = [o]
         # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
         # reduction once per micro-step), the fallbacks in that order until one fits
-        kept = o
+        # what the last candidate kept without checkpointing, or checkpointing selectively, peaked at: from it and
+        # the same with every block recomputed, the first K blocks recomputed and the others as it has them
+        kept: dict[ActivationCheckpointing, Outcome] = {}
         for ac, times in FALLBACKS:
-            # a fallback only adds work: none is tried for a candidate already slower than the best that fits
-            if o.prediction is None or o.fits or o.prediction.step_seconds >= fastest:
+            # a fallback only adds work: none is tried for a candidate already slower than the best that fits; where
+            # selective checkpointing fits, recomputing the first blocks whole and keeping the others' activations
+            # may still be faster: every block recomputed is predicted too, for that line
+            again = (
+                o.fits and o.candidate.ac == ActivationCheckpointing.SELECTIVE and ac == ActivationCheckpointing.BLOCK
+            )
+            if not again and (
+                o.prediction is None or any(x.fits for x in mine) or o.prediction.step_seconds >= fastest
+            ):
                 break
-            kept = o if o.candidate.ac == ActivationCheckpointing.NONE else kept
+            kept[o.candidate.ac] = o
             o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
             mine.append(o)
-            if o.fits and o.candidate.ac == ActivationCheckpointing.BLOCK and kept.prediction is not None:
-                for partial in fewer_checkpointed(kept, o, n_blocks, budget):
-                    record(partial if fold and n_blocks > FOLD else fewest_exact(partial.candidate))
+            if o.fits and o.candidate.ac == ActivationCheckpointing.BLOCK:
+                rests = (kept.get(ActivationCheckpointing.NONE), kept.get(ActivationCheckpointing.SELECTIVE))
+                for rest in (r for r in rests if r is not None and not r.fits):
+                    for partial in fewer_checkpointed(rest, o, n_blocks, budget):
+                        record(partial if fold and n_blocks > FOLD else fewest_exact(partial.candidate))
         if c.placements:  # per-op placements that do not fit: cap the program's memory, as far as it pays
             for start in [x for x in mine if x.prediction and not x.fits and x.candidate.accumulate == c.accumulate]:
                 for o in capped(start):
@@ -584,15 +596,17 @@ def pipeline_bound(c: Candidate, outcomes: Sequence[Outcome]) -> float:
 
 
 def fewer_checkpointed(kept: Outcome, every: Outcome, blocks: int, budget: int) -> list[Outcome]:
-    """Checkpointing of only the first K of ``blocks`` blocks (``--ac-blocks K``) for the fewest K whose peak fits
-    ``budget`` bytes: ``every`` is a candidate that fits with every block checkpointed, ``kept`` the same one that
-    does not fit without (same micro-steps). Each block checkpointed takes the same share of the difference in
+    """Recomputation of only the first K of ``blocks`` blocks whole (``--ac-blocks K``) for the fewest K whose peak
+    fits ``budget`` bytes: ``every`` is a candidate that fits with every block recomputed whole (``--ac block``),
+    ``kept`` the same one that does not fit without checkpointing — the others then keep their activations — or
+    with every block checkpointed selectively (``--ac selective``: the others then recompute selectively; same
+    micro-steps). Each block recomputed whole takes the same share of the difference in
     time and memory between the two (:func:`extrapolate` over the blocks checkpointed), which overstates the peak
     of a partial checkpointing — the last block's recomputation saves nothing, its backward following at once —
     so the K chosen fits. Not under a pipeline, whose first stages hold the first blocks (and the most
     microbatches): [] there, and where no K below ``blocks`` fits."""
-    c = every.candidate
-    if "pp" in c.mesh.axis_names or kept.candidate.accumulate != c.accumulate:
+    c = every.candidate if kept.candidate.ac == ActivationCheckpointing.NONE else kept.candidate
+    if "pp" in c.mesh.axis_names or kept.candidate.accumulate != every.candidate.accumulate:
         return []
     assert kept.prediction is not None and every.prediction is not None
     for k in range(1, blocks):

@@ -1,4 +1,4 @@
-"""Activation checkpointing (``--ac block``): the exact plan — each block's forward run again right before its
+"""Activation checkpointing (``--ac block``, ``--ac selective``): the exact plan — each block's forward run again right before its
 backward, the backward reading only recomputed activations of its block — fewer activation bytes at the peak, and
 the numbers of the plan without it (float64, every replica), dropout masks included; and of the first K blocks only
 (``--ac-blocks K``): the others' nodes run once, the peak between none and every block, the same numbers."""
@@ -28,7 +28,7 @@ from shardflow.lower.dynamic import (
     block_of,
 )
 from shardflow.lower.memory import program_memory  # noqa: E402
-from shardflow.lower.pass_expansion import checkpoint_blocks, pass_expansion  # noqa: E402
+from shardflow.lower.pass_expansion import KEPT_UNDER_SELECTIVE, checkpoint_blocks, pass_expansion  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
 from shardflow.models.gpt import GPT, GPTConfig  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
@@ -156,6 +156,56 @@ def test_the_first_blocks_only_are_recomputed_and_the_others_keep_their_activati
     assert len(dg.nodes) == len(plain.nodes) + len([n for n in dg.nodes if n.recompute])
 
 
+def test_selective_recomputation_runs_again_only_the_cheap_ops_and_no_communication(llama):
+    """``--ac selective`` on tp=2 and fsdp=2: the recompute nodes are exactly those ``--ac block`` recomputes less the
+    matmuls, attention and parallel ops (KEPT_UNDER_SELECTIVE), whose outputs the backward reads from the forward;
+    the programs communicate what they do without checkpointing (no all-reduce, no gather repeated); with
+    ``ac_blocks=1`` block 0 recomputes whole and block 1 selectively. On one device and under fsdp, the ledger peak
+    lies between none's and block's."""
+    _, _, graph = llama
+    for mesh, strategy in (("tp=2", "tp"), ("fsdp=2", "fsdp")):
+        pcg = _pcg(graph, mesh, strategy)
+        nodes = {n.name: n for n in pcg.nodes}
+        costly = {m for m, n in nodes.items() if n.is_parallel or isinstance(n.op, KEPT_UNDER_SELECTIVE)}
+        whole = [
+            n.src for n in pass_expansion(pcg, UpdateRule.ADAMW, ac=ActivationCheckpointing.BLOCK).nodes if n.recompute
+        ]
+        dg = pass_expansion(pcg, UpdateRule.ADAMW, ac=ActivationCheckpointing.SELECTIVE)
+        again = [n.src for n in dg.nodes if n.recompute]
+        assert again == [m for m in whole if m not in costly] and len(again) < len(whole), mesh
+        assert any(isinstance(nodes[m].op, KEPT_UNDER_SELECTIVE) for m in whole), mesh
+        made_by = {v: n for n in dg.nodes for v in n.outputs}
+        read = {  # what the backward of the blocks reads of their linears' outputs: the forward's
+            made_by[v].recompute
+            for n in dg.nodes
+            if n.task == TaskType.BWD
+            for v in n.inputs
+            if v in made_by and made_by[v].kind == NodeKind.COMPUTE and made_by[v].src in costly
+        }
+        assert read == {False}, mesh
+        mixed = [
+            n.src
+            for n in pass_expansion(pcg, UpdateRule.ADAMW, ac=ActivationCheckpointing.SELECTIVE, ac_blocks=1).nodes
+            if n.recompute
+        ]
+        blocks = checkpoint_blocks(pcg)
+        assert mixed == [m for m in whole if blocks[m] == "model.layers.0" or m not in costly], mesh
+        counts = {
+            ac: Counter(
+                str(i.kind) for i in _lower(graph, mesh, strategy, ac).programs[0].instrs if isinstance(i, Comm)
+            )
+            for ac in ("none", "selective")
+        }
+        assert counts["selective"] == counts["none"], (mesh, counts)
+    for mesh, strategy in (("d=1", "single"), ("fsdp=2", "fsdp")):
+        held = {
+            ac: program_memory(s.programs[0], s.dg).peak
+            for ac in ActivationCheckpointing
+            for s in [_lower(graph, mesh, strategy, ac)]
+        }
+        assert held["none"] > held["selective"] >= held["block"], (mesh, held)
+
+
 def test_recomputing_the_first_blocks_holds_fewer_bytes_than_none_and_more_than_every_block():
     """The ledger peak (``program_memory`` of rank 0's program) of a 3-block GPT on one device and under fsdp:
     none > the first block > every block, not increasing in K. K=2 may equal every block (fsdp: 853,776 B both): the
@@ -175,23 +225,26 @@ def test_recomputing_the_first_blocks_holds_fewer_bytes_than_none_and_more_than_
 
 
 @pytest.mark.parametrize(
-    "mesh, strategy, ac_blocks",
+    "mesh, strategy, ac, ac_blocks",
     [
-        ("d=1", "single", None),
-        ("fsdp=2", "fsdp", None),
-        ("dp=2,tp=2", "dp,tp", None),
-        ("fsdp=2,tp=2", "fsdp,tp", None),
-        ("d=1", "single", 1),  # block 0 recomputed, block 1 keeping its activations
-        ("fsdp=2,tp=2", "fsdp,tp", 1),
+        ("d=1", "single", "block", None),
+        ("fsdp=2", "fsdp", "block", None),
+        ("dp=2,tp=2", "dp,tp", "block", None),
+        ("fsdp=2,tp=2", "fsdp,tp", "block", None),
+        ("d=1", "single", "block", 1),  # block 0 recomputed, block 1 keeping its activations
+        ("fsdp=2,tp=2", "fsdp,tp", "block", 1),
+        ("d=1", "single", "selective", None),
+        ("fsdp=2,tp=2", "fsdp,tp", "selective", None),
+        ("fsdp=2,tp=2", "fsdp,tp", "selective", 1),  # block 0 recomputed whole, block 1 selectively
     ],
 )
-def test_recomputation_gives_the_numbers_of_one_device(llama, mesh, strategy, ac_blocks):
+def test_recomputation_gives_the_numbers_of_one_device(llama, mesh, strategy, ac, ac_blocks):
     """AdamW, 3 steps: the loss of each step and every replica of every weight piece equal one device's without
-    recomputation (float64; TOL: the partial sums' order), every block recomputed or only the first
-    (``ac_blocks=1``)."""
+    recomputation (float64; TOL: the partial sums' order), every block recomputed, only the first
+    (``ac_blocks=1``), every block selectively, or the first whole and the other selectively."""
     model, batch, graph = llama
     ref_losses, ref = _run(model, batch, graph, _lower(graph, "d=1", "single", "none"))
-    losses, ex = _run(model, batch, graph, _lower(graph, mesh, strategy, "block", ac_blocks=ac_blocks))
+    losses, ex = _run(model, batch, graph, _lower(graph, mesh, strategy, ac, ac_blocks=ac_blocks))
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
     assert ex.weight_error(ref.weights()) < TOL
 
@@ -212,8 +265,8 @@ def test_recomputed_dropout_draws_the_forwards_mask():
 
 def test_an_unknown_mode_is_refused_before_capture():
     model, batch = _tiny()
-    with pytest.raises(ValueError, match=r"^ac must be one of \['none', 'block'\], got 'selective'$"):
-        parallelize(model, batch, mesh="d=1", ac="selective")
+    with pytest.raises(ValueError, match=r"^ac must be one of \['none', 'block', 'selective'\], got 'full'$"):
+        parallelize(model, batch, mesh="d=1", ac="full")
 
 
 @pytest.mark.parametrize(
@@ -224,7 +277,7 @@ def test_an_unknown_mode_is_refused_before_capture():
             "none",
             1,
             ValueError,
-            r"^ac_blocks=1 with ac='none': .*add --ac block \(ac='block'\), or leave --ac-blocks out$",
+            r"^ac_blocks=1 with ac='none': .*add --ac block or --ac selective, or leave --ac-blocks out$",
         ),
         (
             "block",

@@ -296,3 +296,18 @@ def test_ac_blocks_recomputes_the_first_blocks_the_banner_counts_them_and_config
     assert r.returncode == 0, r.stderr
     assert "; 1 blocks recomputed in the backward (--ac block --ac-blocks 1)" in r.stdout
     assert tomllib.loads((run / "config.toml").read_text())["ac_blocks"] == 1
+
+
+def test_selective_checkpointing_with_whole_first_blocks_trains_to_one_devices_numbers(tmp_path, run_here):
+    """--ac selective --ac-blocks 1 on 2 layers under fsdp on one process: the banner says 1 block recomputed whole
+    and 1 selectively, --check equals one device, and config.toml keeps both settings."""
+    import tomllib
+
+    r, run = run_here(
+        tmp_path, "run", "--strategy", "fsdp", "--mesh", "fsdp=2", "--nproc", "1", "--layers", "2",
+        "--ac", "selective", "--ac-blocks", "1", "--check",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "; 2 blocks recomputed in the backward, 1 whole and 1 selectively (--ac selective --ac-blocks 1)" in r.stdout
+    saved = tomllib.loads((run / "config.toml").read_text())
+    assert (saved["ac"], saved["ac_blocks"]) == ("selective", 1)

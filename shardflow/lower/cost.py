@@ -226,10 +226,12 @@ class LowerOptions:
     by default as there and in every entry point); False keeps the forward's gather.
 
     ``ac``: activation checkpointing (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`): under ``block``
-    each block's forward runs again before its backward instead of keeping its activations (``--ac``).
+    each block's forward runs again before its backward instead of keeping its activations, under ``selective``
+    only its cheap ops (``--ac``).
     ``ac_blocks``: under ``block``, only the first this many blocks in forward order (``model.layers.0`` …) run
     their forward again, the others keep their activations (``--ac-blocks K``; under a pipeline the first stages
-    hold the most microbatches in flight, so their blocks are the ones to recompute); None: every block. Checked
+    hold the most microbatches in flight, so their blocks are the ones to recompute); None: every block. Under
+    ``selective``, the first this many blocks recompute whole, the others selectively; None: none whole. Checked
     against the graph's number of blocks by :func:`~shardflow.lower.pass_expansion.checkpoint_blocks`.
 
     ``overlap``: each backward all-reduce, reduce-scatter or send is issued without waiting and waited after the
@@ -289,7 +291,7 @@ class LowerOptions:
         Raises:
             ValueError: a name that is none of its choices, a floating-point ``precision`` dtype that is not one,
                 ``bucket_mb`` < 0, ``microbatches``, ``stages_per_rank``, ``accumulate`` or ``ac_blocks`` < 1, or
-                ``ac_blocks`` without ``ac="block"`` (one paragraph naming the setting). ``ac_blocks`` above the
+                ``ac_blocks`` with ``ac="none"`` (one paragraph naming the setting). ``ac_blocks`` above the
                 graph's number of blocks is refused when the step is lowered (PassError).
         """
         for name, v, what in (
@@ -304,10 +306,10 @@ class LowerOptions:
                 f"ac_blocks={ac_blocks}: give the number of blocks to recompute, 1 or more (the first K in forward "
                 f"order), or leave it out to recompute every block"
             )
-        if ac_blocks is not None and ac != ActivationCheckpointing.BLOCK:
+        if ac_blocks is not None and ac == ActivationCheckpointing.NONE:
             raise ValueError(
                 f"ac_blocks={ac_blocks} with ac={ac!r}: the number of blocks to recompute applies to activation "
-                f"checkpointing by block; add --ac block (ac='block'), or leave --ac-blocks out"
+                f"checkpointing by block; add --ac block or --ac selective, or leave --ac-blocks out"
             )
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb={bucket_mb}: give the MiB of a gradient bucket, 0 (no bucketing) or more")

@@ -112,11 +112,18 @@ class ActivationCheckpointing(StrEnum):
     ``none``: every activation a backward reads is kept from the forward. ``block``: the forward of each block
     (:func:`block_of`) runs again right before the block's backward, and the block's backward reads the recomputed
     activations; the forward keeps only what crosses a block boundary (each block's input and output), at the
-    cost of a second forward of every block, its communication included.
+    cost of a second forward of every block, its communication included. ``selective``: as ``block``, but the
+    recomputation keeps from the forward the outputs of the costly ops — matmuls, attention, convolutions, expert
+    layers (:data:`~shardflow.lower.pass_expansion.KEPT_UNDER_SELECTIVE`) — and of every communication, and runs
+    again only the cheap ones between them (norms, activations, rotary embeddings, casts, views): torchtitan's
+    selective op checkpointing (``--activation_checkpoint.mode selective``), memory between ``none`` and
+    ``block`` for a fraction of a forward. ``--ac-blocks K`` under ``block``: only the first K blocks recompute, the
+    others keep their activations; under ``selective``: the first K blocks recompute whole, the others selectively.
     """
 
     NONE = "none"
     BLOCK = "block"
+    SELECTIVE = "selective"
 
 
 def block_of(scope: str) -> str:

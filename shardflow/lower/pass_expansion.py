@@ -31,6 +31,7 @@ from typing import Iterable
 
 import torch
 
+from shardflow.graph import ops as O
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import OpError, TensorType, dtype_name, torch_dtype
 from shardflow.lower.dynamic import (
@@ -63,6 +64,10 @@ from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.ops import CombineOp, ReplicateOp
 from shardflow.parallel.pcg import PCG, PNode
 from shardflow.parallel.sharding import Sharding
+
+# --ac selective: the ops whose outputs a block's recomputation keeps from the forward instead of computing them
+# again — the costly ones (torchtitan's selective op checkpointing keeps matmuls' and attention's outputs)
+KEPT_UNDER_SELECTIVE = (O.Linear, O.Matmul, O.Attention, O.Conv, O.Experts)
 
 
 def checkpoint_blocks(pcg: PCG, count: int | None = None) -> dict[str, str]:
@@ -217,11 +222,14 @@ def pass_expansion(
     backward node of a block, FWD nodes (``recompute``) run the block's forward again (:func:`checkpoint_blocks`:
     its compute ops and the parallel ops on its activations, reading the block's input and its weights, a gathered
     weight gathered again under ``reshard_after_forward``); the block's backward nodes read those values, so the
-    forward's activations inside a block die with their last forward reader. ``ac_blocks`` (``--ac-blocks K``): only
+    forward's activations inside a block die with their last forward reader. Under ``selective`` the same, but a
+    block's recomputation leaves out its communication and the ops of :data:`KEPT_UNDER_SELECTIVE`, whose outputs
+    the backward reads from the forward. ``ac_blocks`` (``--ac-blocks K``): only
     the first K blocks in forward order recompute, the others keep their activations as under ``none``
-    (:func:`checkpoint_blocks`); None: every block. Read only under ``block`` (a search's candidate without
-    checkpointing keeps the run's ``ac_blocks``; :meth:`~shardflow.lower.cost.LowerOptions.parse` refuses the
-    setting without ``--ac block``).
+    (:func:`checkpoint_blocks`); None: every block. Read only under ``block`` and ``selective`` (a search's candidate
+    without checkpointing keeps the run's ``ac_blocks``; :meth:`~shardflow.lower.cost.LowerOptions.parse` refuses
+    the setting under ``--ac none``). Under ``selective`` every block recomputes, the first ``ac_blocks`` whole (as
+    under ``block``) and the others selectively: memory between ``selective`` and ``block`` (the search's mix).
 
     ``master_dtype``: mixed precision (FSDP2's ``MixedPrecisionPolicy(param_dtype=<the graph's>,
     reduce_dtype=master_dtype)``, Micikevicius et al., "Mixed Precision Training", 2018). A weight whose dtype in the
@@ -386,6 +394,9 @@ class _Expansion:
         self.gathers: dict[str, PNode] = {}
         self.again: dict[str, str] = {}
         self.blocks: dict[str, str] = {}
+        self.selective: set[str] = (
+            set()
+        )  # the blocks whose recomputation keeps the costly ops' outputs (--ac selective)
         self.recomputed: dict[str, str] = {}  # PCG tensor → its value computed again for its block's backward
         self.rerun: set[str] = set()  # the blocks recomputed so far
         self.pending: dict[str, int] = {}
@@ -579,10 +590,14 @@ class _Expansion:
         return self.recomputed.get(t) or self.for_backward(t)
 
     def recompute(self, block: str) -> None:
-        """FWD nodes computing ``block``'s forward again, in forward order (``--ac block``)."""
+        """FWD nodes computing ``block``'s forward again, in forward order (``--ac block``); under ``--ac selective``
+        only the nodes whose outputs the forward does not keep (neither communication nor :data:`KEPT_UNDER_SELECTIVE`:
+        their readers read the forward's)."""
         g = self.g
         for m in self.pcg.nodes:
             if self.blocks.get(m.name) != block:
+                continue
+            if block in self.selective and (m.is_parallel or isinstance(m.op, KEPT_UNDER_SELECTIVE)):
                 continue
             ins = tuple(map(self.read, m.inputs))
             for t in m.outputs:
@@ -624,10 +639,15 @@ class _Expansion:
             and isinstance(n.op, CombineOp)
             and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT
         }
-        self.blocks = checkpoint_blocks(pcg, ac_blocks) if ac == ActivationCheckpointing.BLOCK else {}
-        if ac == ActivationCheckpointing.BLOCK and not self.blocks:
+        by_block = ac != ActivationCheckpointing.NONE
+        selective = ac == ActivationCheckpointing.SELECTIVE
+        self.blocks = checkpoint_blocks(pcg, None if selective else ac_blocks) if by_block else {}
+        if selective:  # every block, but the first ac_blocks whole
+            whole = set(checkpoint_blocks(pcg, ac_blocks).values()) if ac_blocks is not None else set()
+            self.selective = set(self.blocks.values()) - whole
+        if by_block and not self.blocks:
             raise PassError(
-                "activation checkpointing 'block': no op of the graph lies in a block (a module under an "
+                f"activation checkpointing {str(ac)!r}: no op of the graph lies in a block (a module under an "
                 "integer index, such as model.layers.0: a ModuleList's entry); this model has nothing to "
                 "recompute by block; leave --ac out (ac='none')"
             )

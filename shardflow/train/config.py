@@ -238,16 +238,19 @@ class TrainConfig:
     )
     ac: str = _f(
         str(ActivationCheckpointing.NONE),
-        "activation checkpointing: none, or block (each block — a module "
+        "activation checkpointing: none; block (each block — a module "
         "under an integer index such as model.layers.3 — runs its forward again right before its backward "
-        "instead of keeping its activations: less memory, one more forward per step)",
+        "instead of keeping its activations: less memory, one more forward per step); or selective (as block, "
+        "but the outputs of matmuls, attention and communication are kept and only the cheap ops between them "
+        "run again: memory between none and block, a fraction of a forward)",
         choices=tuple(map(str, ActivationCheckpointing)),
     )
     ac_blocks: int | None = _f(
         None,
         "with --ac block: recompute only the first K blocks in forward order (model.layers.0 to "
         "model.layers.K-1; under a pipeline the first stages hold the most microbatches in flight), the others "
-        "keeping their activations: memory between --ac none and every block recomputed (default: every block)",
+        "keeping their activations: memory between --ac none and every block recomputed (default: every block); "
+        "with --ac selective: the first K blocks recompute whole, the others selectively (default: none whole)",
         metavar="K",
     )
     debug: bool = _f(False, "check before every communication that all its members are at the same token")

@@ -112,13 +112,18 @@ class Console:
                 + f"bubble {sched.bubble:.0%})"
             )
         options = s.pipeline.options
-        recomputed = (
-            len(set(checkpoint_blocks(s.pcg, options.ac_blocks).values()))
-            if options.ac == ActivationCheckpointing.BLOCK
-            else 0
-        )
-        flags = "--ac block" + (f" --ac-blocks {options.ac_blocks}" if options.ac_blocks is not None else "")
-        ac = f"; {recomputed} blocks recomputed in the backward ({flags})" if recomputed else ""
+        ac = ""
+        if options.ac != ActivationCheckpointing.NONE:
+            whole = options.ac_blocks if options.ac == ActivationCheckpointing.BLOCK else None
+            recomputed = len(set(checkpoint_blocks(s.pcg, whole).values()))
+            flags = f"--ac {options.ac}" + (
+                f" --ac-blocks {options.ac_blocks}" if options.ac_blocks is not None else ""
+            )
+            if options.ac == ActivationCheckpointing.SELECTIVE:
+                how = f", {options.ac_blocks or 0} whole and {recomputed - (options.ac_blocks or 0)} selectively"
+            else:
+                how = ""
+            ac = f"; {recomputed} blocks recomputed in the backward{how} ({flags})"
         self.say(
             f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "
             f"{cfg.batch_size}×{cfg.seq_len}{micro}{ac}"
