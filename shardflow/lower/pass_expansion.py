@@ -70,6 +70,21 @@ from shardflow.parallel.sharding import Sharding
 KEPT_UNDER_SELECTIVE = (O.Linear, O.Matmul, O.Attention, O.Conv, O.Experts)
 
 
+def recomputed_blocks(
+    pcg: PCG, ac: ActivationCheckpointing, ac_blocks: int | None = None
+) -> tuple[dict[str, str], frozenset[str]]:
+    """What ``--ac``/``--ac-blocks`` recompute: the nodes that run again with their block (:func:`checkpoint_blocks`;
+    {} under ``none``) and the blocks among them recomputed selectively (``selective``: every block but the first
+    ``ac_blocks``). Raises PassError as :func:`checkpoint_blocks` does."""
+    if ac == ActivationCheckpointing.NONE:
+        return {}, frozenset()
+    if ac == ActivationCheckpointing.BLOCK:
+        return checkpoint_blocks(pcg, ac_blocks), frozenset()
+    blocks = checkpoint_blocks(pcg)
+    whole = set(checkpoint_blocks(pcg, ac_blocks).values()) if ac_blocks is not None else set()
+    return blocks, frozenset(set(blocks.values()) - whole)
+
+
 def checkpoint_blocks(pcg: PCG, count: int | None = None) -> dict[str, str]:
     """PCG node → its block under ``--ac block`` (:func:`block_of`), for the nodes that recompute: compute nodes
     by their scope, and parallel ops on an activation of a block (a tensor-parallel all-reduce of a block's
@@ -394,9 +409,8 @@ class _Expansion:
         self.gathers: dict[str, PNode] = {}
         self.again: dict[str, str] = {}
         self.blocks: dict[str, str] = {}
-        self.selective: set[str] = (
-            set()
-        )  # the blocks whose recomputation keeps the costly ops' outputs (--ac selective)
+        # the blocks whose recomputation keeps the costly ops' outputs (--ac selective)
+        self.selective: frozenset[str] = frozenset()
         self.recomputed: dict[str, str] = {}  # PCG tensor → its value computed again for its block's backward
         self.rerun: set[str] = set()  # the blocks recomputed so far
         self.pending: dict[str, int] = {}
@@ -639,13 +653,8 @@ class _Expansion:
             and isinstance(n.op, CombineOp)
             and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT
         }
-        by_block = ac != ActivationCheckpointing.NONE
-        selective = ac == ActivationCheckpointing.SELECTIVE
-        self.blocks = checkpoint_blocks(pcg, None if selective else ac_blocks) if by_block else {}
-        if selective:  # every block, but the first ac_blocks whole
-            whole = set(checkpoint_blocks(pcg, ac_blocks).values()) if ac_blocks is not None else set()
-            self.selective = set(self.blocks.values()) - whole
-        if by_block and not self.blocks:
+        self.blocks, self.selective = recomputed_blocks(pcg, ac, ac_blocks)
+        if ac != ActivationCheckpointing.NONE and not self.blocks:
             raise PassError(
                 f"activation checkpointing {str(ac)!r}: no op of the graph lies in a block (a module under an "
                 "integer index, such as model.layers.0: a ModuleList's entry); this model has nothing to "

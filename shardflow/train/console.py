@@ -17,7 +17,7 @@ import torch
 
 from shardflow.graph.flops import TRAINING_FACTOR
 from shardflow.lower.dynamic import ActivationCheckpointing
-from shardflow.lower.pass_expansion import checkpoint_blocks
+from shardflow.lower.pass_expansion import recomputed_blocks
 from shardflow.lower.report import bytes_rows
 from shardflow.lower.schedule import schedule_of
 from shardflow.simulator.estimate import Prediction
@@ -114,15 +114,16 @@ class Console:
         options = s.pipeline.options
         ac = ""
         if options.ac != ActivationCheckpointing.NONE:
-            whole = options.ac_blocks if options.ac == ActivationCheckpointing.BLOCK else None
-            recomputed = len(set(checkpoint_blocks(s.pcg, whole).values()))
+            blocks, selective = recomputed_blocks(s.pcg, options.ac, options.ac_blocks)
+            recomputed = len(set(blocks.values()))
             flags = f"--ac {options.ac}" + (
                 f" --ac-blocks {options.ac_blocks}" if options.ac_blocks is not None else ""
             )
-            if options.ac == ActivationCheckpointing.SELECTIVE:
-                how = f", {options.ac_blocks or 0} whole and {recomputed - (options.ac_blocks or 0)} selectively"
-            else:
-                how = ""
+            how = (
+                f", {recomputed - len(selective)} whole and {len(selective)} selectively"
+                if options.ac == ActivationCheckpointing.SELECTIVE
+                else ""
+            )
             ac = f"; {recomputed} blocks recomputed in the backward{how} ({flags})"
         self.say(
             f"{cfg.placement} on mesh {s.mesh} ({s.mesh.size} devices; buffers on {device}); batch "
