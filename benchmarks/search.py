@@ -18,8 +18,12 @@ pipeline schedule and microbatch count with checkpointing of every block or none
 write by hand. The search picks the fastest fitting outcome, partial checkpointing (``--ac-blocks K``) included, so
 auto ≤ best preset holds by construction; the section says where it does not.
 
-Each case runs in its own process with a wall-clock limit (a timeout is recorded as such); results are appended to
-``--run-dir``/results.jsonl as they come, so a partial run survives, and the section is rendered from that file.
+Each case runs in its own process with a wall-clock limit (a timeout is recorded as such); its record is appended to
+``--results`` (default benchmarks/results/search.jsonl, kept in the repository) as it ends, so a partial run
+survives and a run of some cases keeps the other cases' rows: the section is rendered from the last record of each
+case. A record carries its date and the machine's load (the 1-minute load average per core, the larger of its
+start and end): a search time measured at a load above :data:`QUIET` per core is shown as void — the predicted
+figures do not depend on the load, the seconds do.
 
 Usage::
 
@@ -27,7 +31,7 @@ Usage::
     python benchmarks/search.py --cases main,8B       # some cases, in that order (by prefix: main, 8B, 70B/256, ...)
     python benchmarks/search.py --timeout 600         # per-case limit in seconds (default 600)
     python benchmarks/search.py --no-write            # print the section only
-    python benchmarks/search.py --render-only         # rebuild the section from the last results.jsonl
+    python benchmarks/search.py --render-only         # rebuild the section from the last records
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,6 +64,13 @@ SIZES = {
 WORLDS = (8, 64, 256, 512)
 CASES = [f"main/{w}" for w in (2, 4)] + [f"{m}/{w}" for m in SIZES for w in WORLDS]
 HEADING = "## Search against the presets"
+RESULTS = ROOT / "benchmarks" / "results" / "search.jsonl"
+QUIET = 1.25  # load average per core up to which a search's seconds count (2 cores: the case and a little else)
+
+
+def load_per_core() -> float:
+    """This machine's 1-minute load average per core."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
 
 
 def summarize(result, model: str, world: int, batch: int, spec: str, wall: float) -> dict:
@@ -187,9 +200,8 @@ def run(cases: list[str], timeout: float, out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for name in cases:
         print(f"{name}: searching (limit {timeout:.0f} s)", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        one = out.parent / "case.json"
-        one.unlink(missing_ok=True)
+        t0, load0 = time.perf_counter(), load_per_core()
+        one = Path(tempfile.mkdtemp(prefix="search-case-")) / "case.json"
         try:
             proc = subprocess.run(
                 [sys.executable, __file__, "--one", name, "--one-out", str(one)],
@@ -205,7 +217,14 @@ def run(cases: list[str], timeout: float, out: Path) -> None:
                 rec = {"status": "error", "error": f"exit {proc.returncode}: {tail[0]}"}
         except subprocess.TimeoutExpired:
             rec = {"status": "timeout", "error": f"no answer within {timeout:.0f} s"}
-        rec.update(case=name, elapsed_s=time.perf_counter() - t0, machine=machine())
+        rec.update(
+            case=name,
+            elapsed_s=time.perf_counter() - t0,
+            machine=machine(),
+            date=datetime.date.today().isoformat(),
+            load=max(load0, load_per_core()),
+        )
+        shutil.rmtree(one.parent, ignore_errors=True)
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{name}: {rec['status']} in {rec['elapsed_s']:.0f} s", file=sys.stderr, flush=True)
@@ -225,8 +244,9 @@ def section(recs: dict[str, dict]) -> str:
     rows = [recs[c] for c in CASES if c in recs]
     m = rows[-1]["machine"] if rows else machine()
     lines = [
-        f"`python benchmarks/search.py` ({datetime.date.today()}, {m['cores']} cores, {m['cpu']}, Python "
-        f"{m['python']}, torch {m['torch']}): `--strategy auto` (`shardflow.search.search_model`) against the best "
+        f"`python benchmarks/search.py` ({m['cores']} cores, {m['cpu']}, Python "
+        f"{m['python']}, torch {m['torch']}; each row's date in its first column): `--strategy auto` "
+        "(`shardflow.search.search_model`) against the best "
         "preset, both predicted. Llama 3 8B / 70B / 405B shapes (vocabulary 128256, sequence 8192, bf16, AdamW) on "
         "the shipped `h100` spec, global batch 2 × world sequences; the main job's Llama (`TrainConfig()`) as "
         "`shardflow train --strategy auto` searches it on this machine (`MachineSpec.this`). *Best preset*: the "
@@ -234,8 +254,9 @@ def section(recs: dict[str, dict]) -> str:
         "checkpointing of every block or none, and accumulation). Counts: candidates predicted (of which fit) / "
         "refused before predicting (state over budget, a planner refusal, …) / skipped by the pipeline bound; "
         "`K partial`: outcomes with partial checkpointing. Search: the search's own seconds (`SearchResult.seconds`; "
-        "the case's wall time with building the model in brackets); memory: the case process's peak resident "
-        "memory (the model on the meta device, so the search's own).",
+        "the case's wall time with building the model in brackets; *void* where the machine's load average was above "
+        f"{QUIET} per core during the case — the predicted figures hold, the seconds do not); memory: the case "
+        "process's peak resident memory (the model on the meta device, so the search's own).",
         "",
         "| case | batch | auto: flags | step (ms) | peak (GiB) | best preset: flags | step (ms) | auto ÷ preset | "
         "search (s) | memory (GiB) | predicted (fit) / refused / bounded |",
@@ -243,7 +264,8 @@ def section(recs: dict[str, dict]) -> str:
     ]
     faster = violated = done = 0
     for r in rows:
-        name = r["case"].replace("main/", "main job, ")
+        name = r["case"].replace("main/", "main job, ") + (f" ({r['date']})" if "date" in r else "")
+        busy = r.get("load", 0.0) > QUIET
         if r["status"] != "ok":
             what = {"timeout": "timed out", "no fit": "nothing fits", "error": "error"}[r["status"]]
             why = r["error"].removeprefix("--strategy auto: ").split("; add devices")[0]
@@ -255,9 +277,15 @@ def section(recs: dict[str, dict]) -> str:
                 why += f"; the {r['outcomes']} candidates refused: " + "; ".join(
                     f"{n} × {w}" for w, n in reasons.items()
                 )
-            lines.append(f"| {name} | | {what}: {why} | | | | | | {r['elapsed_s']:.0f} (wall) | | |")
+            wall = f"{r['elapsed_s']:.0f} (wall" + (f"; load {r['load']:.1f}/core)" if busy else ")")
+            lines.append(f"| {name} | | {what}: {why} | | | | | | {wall} | | |")
             continue
         done += 1
+        seconds = (
+            f"void: load {r['load']:.1f}/core ({r['search_s']:.0f})"
+            if busy
+            else f"{r['search_s']:.0f} ({r['wall_s']:.0f})"
+        )
         a, p = r["auto"], r["preset"]
         ratio = r["ratio"]
         if ratio is not None:
@@ -266,7 +294,7 @@ def section(recs: dict[str, dict]) -> str:
         lines.append(
             f"| {name} | {r['batch']} | `{a['flags']}` | {a['step_ms']:,.0f} | {a['peak_gib']:.3g} | "
             + (f"`{p['flags']}` | {p['step_ms']:,.0f} | {ratio:.3f} | " if p else "— | — | — | ")
-            + f"{r['search_s']:.0f} ({r['wall_s']:.0f}) | "
+            + f"{seconds} | "
             + (f"{r['rss_gib']:.2f}" if "rss_gib" in r else "—")
             + f" | {r['predicted']} ({r['fit']}) / {r['refused']} / "
             f"{r['bounded']}" + (f"; {r['partial']} partial" if r["partial"] else "") + " |"
@@ -287,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print the section only")
     ap.add_argument("--cases", default="", help="comma-separated case prefixes (main, 8B, 70B/256, ...)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per case")
-    ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "search")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the records, one JSON line per case run")
     ap.add_argument("--render-only", action="store_true", help="rebuild the section from the last results")
     ap.add_argument("--notes", type=Path, help="a Markdown file of reading notes appended to the section")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -298,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         rec["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         args.one_out.write_text(json.dumps(rec))
         return 0
-    results = args.run_dir / "results.jsonl"
+    results = args.results
     if not args.render_only:
         wanted = [p for p in args.cases.split(",") if p]
         cases = [c for p in wanted for c in CASES if c == p or c.startswith(p + "/")] if wanted else CASES

@@ -153,6 +153,22 @@ TINY = (
 )
 
 
+# --- waits that only guard against a hang -------------------------------------------------------------------------
+PATIENCE = "SHARDFLOW_TEST_PATIENCE"  # a factor for every such wait, e.g. 10 on a machine shared with other work
+
+
+def patience(seconds: float) -> float:
+    """How long a wait that only guards against a hang may last: ``seconds`` (enough on an idle machine) times
+    ``SHARDFLOW_TEST_PATIENCE`` where set, else times this machine's 1-minute load average per core when above 1 —
+    a suite run beside other work (10 busy loops on 2 cores: × 5 to × 10) waits longer rather than failing. Tests
+    assert behaviour, never seconds (docs/bad-inputs.md#the-test-suite-on-a-busy-machine); such a wait running out
+    is a hang."""
+    factor = os.environ.get(PATIENCE)
+    if factor is not None:
+        return seconds * float(factor)
+    return seconds * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 # --- every process a test starts is gone when its module ends --------------------------------------------------
 PR_SET_CHILD_SUBREAPER = 36  # prctl(2)
 
@@ -199,12 +215,30 @@ def reap_children() -> list[int]:
     return killed
 
 
+def pytest_configure(config):
+    """Every test process (pytest-xdist's controller too) adopts its descendants' orphans, and SIGTERM to it (a CI
+    job's time limit, ``kill``) interrupts it as Ctrl-C does, so that :func:`pytest_sessionfinish` still reaps what
+    its tests started."""
+    adopt_orphans()
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's controller has shut its workers down
+def pytest_sessionfinish(session, exitstatus):
+    """The end of every test process's session, also one cut short by Ctrl-C or SIGTERM (where the running module's
+    :func:`reap_processes` teardown never runs): kill and reap every process its tests left."""
+    reap_children()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def reap_processes():
-    """Whatever a module's tests do or fail to do, no process they started outlives the module: this process adopts
-    its descendants' orphans, and at the module's end (after its own fixtures' teardown: autouse fixtures are set up
-    first) kills and reaps them all (tests/test_reaper.py)."""
-    adopt_orphans()
+    """Whatever a module's tests do or fail to do, no process they started outlives the module: this process has
+    adopted its descendants' orphans (:func:`pytest_configure`), and at the module's end (after its own fixtures'
+    teardown: autouse fixtures are set up first) kills and reaps them all (tests/test_reaper.py)."""
     yield
     reap_children()
 
@@ -279,7 +313,9 @@ def run_train(train_argv):
 
     def run_train(tmp_path, name, *argv):
         run = tmp_path / name
-        r = subprocess.run(train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=patience(300)
+        )
         return r, run
 
     return run_train

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import patience
 
 from shardflow.cli import main as cli_main
 
@@ -762,7 +763,7 @@ def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
         )
     try:
         for name, p in procs.items():
-            out, err = p.communicate(timeout=120)
+            out, err = p.communicate(timeout=patience(120))
             one_paragraph(p.returncode, out, err, "train", *cases[name][2])
             if name == "alone":  # it said it was waiting, every --timeout / 3 seconds
                 assert (

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import patience
 from test_lower import _sp_step
 
 from shardflow.lower.calibration import (
@@ -197,7 +198,7 @@ def _cli(*argv, env=None):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=120,
+        timeout=patience(120),
         env=env,
     )
 

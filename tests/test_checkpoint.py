@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import patience
 
 from shardflow.capture import capture
 from shardflow.cli import main as cli_main
@@ -43,7 +44,7 @@ def started(argv):
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def finish():
-        stdout, stderr = p.communicate(timeout=300)
+        stdout, stderr = p.communicate(timeout=patience(300))
         return subprocess.CompletedProcess(argv, p.returncode, stdout, stderr)
 
     return finish

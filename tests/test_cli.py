@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import patience
 
 from shardflow.cli import main
 
@@ -80,7 +81,7 @@ def test_output_cut_short_by_its_reader_is_no_traceback():
         executable="/bin/bash",
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
     )
     assert r.stderr == "" and r.stdout.startswith("{") and r.stdout.endswith(" 141\n"), (r.stdout, r.stderr)
 
@@ -90,7 +91,7 @@ def test_console_entry_point_runs():
         [sys.executable, "-m", "shardflow.cli", "plan", "--model", "mlp", "--strategy", "pp", "--mesh", "pp=2"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=patience(120),
     )
     assert r.returncode == 0, r.stderr
     assert "@mesh[pp=1]" in r.stdout and "@mesh[pp=0]" in r.stdout

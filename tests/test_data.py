@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import patience
 
 from shardflow.cli import main as cli_main
 from shardflow.train import data
@@ -74,7 +75,7 @@ def test_bpe_training_is_deterministic_across_processes(tmp_path):
     subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "there")],
         check=True,
-        timeout=120,
+        timeout=patience(120),
         env={**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     there = tmp_path / "there" / here.path.relative_to(tmp_path / "here")

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+from conftest import patience
 from test_lower import dp_tp_mlp_pcg
 
 from shardflow.cli import main as cli_main
@@ -790,7 +791,7 @@ def test_make_test_fast_runs_the_unit_tier():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=patience(300),
         env={**os.environ, "PYTHONPATH": path},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -819,7 +820,7 @@ def test_make_lint_and_typecheck_pass():
         for line in lines:
             words = shlex.split(line.strip().removeprefix("$(BIN)/"))
             argv = [sys.executable, *words[1:]] if words[0] == "python" else [sys.executable, "-m", *words]
-            r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+            r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=patience(600))
             assert r.returncode == 0, f"make {target}: {line.strip()}\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
 
 
@@ -1013,7 +1014,7 @@ def started(tmp_path_factory):
 def test_command_runs(command, workdir, started, monkeypatch, capsys):
     if command in started:
         work, p = started[command]
-        code = p.wait(timeout=300)
+        code = p.wait(timeout=patience(300))
         printed = (work / "output.txt").read_text()
     else:
         work = workdir

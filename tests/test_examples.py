@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import patience
 
 from shardflow.runtime.launch import describe_failure, launch
 
@@ -19,7 +20,7 @@ def final_loss(text):
 
 
 def test_own_model_example_in_one_process_and_two(tmp_path):
-    r = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, EXAMPLE], capture_output=True, text=True, timeout=patience(120))
     assert r.returncode == 0, r.stderr
     one = final_loss(r.stdout)
     assert one < 0.05  # it learns
@@ -38,7 +39,7 @@ def test_hugging_face_example_trains_and_gives_the_weights_back():
     """The loss falls every 5 steps, and the plain module with the trainer's state dict computes a loss below the
     last step's (which was measured before that step's update)."""
     pytest.importorskip("transformers")
-    r = subprocess.run([sys.executable, HF_LLAMA], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, HF_LLAMA], capture_output=True, text=True, timeout=patience(300))
     assert r.returncode == 0, r.stderr
     losses = [float(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 4 and losses == sorted(losses, reverse=True) and losses[0] < 4.6  # log(96) ≈ 4.56 at init

@@ -18,15 +18,16 @@ from pathlib import Path
 
 import faults
 import pytest
-from conftest import children_of
+from conftest import children_of, patience
 
 from shardflow.train import checkpoint
 
 WORKER = str(Path(__file__).with_name("fault_worker.py"))
 FAULTS = str(Path(__file__).with_name("faults.py"))
-LIMIT = 120  # seconds a run may take to reach what a test waits for before the watchdog kills it (a hang is a
-# failure, never a stuck suite); counted from each wait's start, so a start-up slowed by a busy machine does not eat
-# into the wait for what follows (a SIGTERM's effect)
+LIMIT = 120  # seconds a run may take on an idle machine to reach what a test waits for before the watchdog kills it
+# (a hang is a failure, never a stuck suite); scaled by conftest.patience to the machine's load when a wait starts, and
+# counted from each wait's start, so a start-up slowed by a busy machine does not eat into the wait for what follows
+# (a SIGTERM's effect)
 
 
 def alive(pid: int) -> bool:
@@ -43,7 +44,7 @@ def alive(pid: int) -> bool:
 class Run:
     """``shardflow train`` in the background; ``wait`` polls the rank logs for marker lines and records when each
     first appeared, and the exit time. The watchdog kills the run (and fails the test) when one ``wait`` lasts
-    LIMIT seconds."""
+    ``patience(LIMIT)`` seconds."""
 
     def __init__(self, argv: list[str], run: Path, fault: str | None = None):
         self.run = run
@@ -62,7 +63,7 @@ class Run:
         """Poll until the process exits (or, with ``until``, until that mark is seen). ``marks``: name → (log file,
         text)."""
         marks = marks or {}
-        began = time.monotonic()
+        began, limit = time.monotonic(), patience(LIMIT)
         while True:
             now = time.monotonic()
             self.ranks.update(children_of(self.p.pid))
@@ -75,9 +76,9 @@ class Run:
                         pass
             if (until and until in self.seen) or self.p.poll() is not None:
                 break
-            if now - began > LIMIT:
+            if now - began > limit:
                 self.p.kill()
-                pytest.fail(f"run {self.run} still going after {LIMIT} s of waiting; logs: {self.logs()}")
+                pytest.fail(f"run {self.run} still going after {limit:.0f} s of waiting; logs: {self.logs()}")
             time.sleep(0.05)
         if self.p.poll() is not None:
             self.end = time.monotonic()
@@ -205,8 +206,10 @@ def test_rank_killed_during_a_save_leaves_the_last_complete_checkpoint_and_resum
 def test_a_second_run_into_a_running_runs_directory_is_refused_and_sigterm_stops_every_rank(
     tmp_path, start, train_here
 ):
-    # a communication timeout beyond the watchdog's LIMIT: waiting one out would fail the test
-    r = start(tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", str(2 * LIMIT))
+    # a communication timeout beyond the watchdog's limit: waiting one out would fail the test
+    r = start(
+        tmp_path / "run", "--steps", "100000", "--eval-every", "100000", "--timeout", str(round(2 * patience(LIMIT)))
+    )
     try:
         r.wait({"running": ("rank0.log", "step     3/")}, until="running")
         assert r.p.poll() is None, r.stderr + r.logs()
@@ -242,6 +245,7 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
     signal), so no rank trains on orphaned; the run directory's lock, which the ranks inherited, is free once they
     are gone, and only complete checkpoints are left beside at most a ``.tmp``."""
     # no log line after the first step: a rank writes nothing to the dead launcher's pipes (which would end it)
+    limit = patience(LIMIT)
     r = start(
         tmp_path / "run",
         "--steps",
@@ -251,13 +255,13 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
         "--log-every",
         "100000",
         "--timeout",
-        str(2 * LIMIT),  # beyond the wait below: only the parent-death signal can stop the ranks within it
+        str(round(2 * limit)),  # beyond the waits below: only the parent-death signal can stop the ranks within them
         "--checkpoint-every",
         "2",
     )
     root = r.run / "checkpoints"
     try:
-        while not (root / "step_2").is_dir() and r.p.poll() is None and time.monotonic() - r.t0 < LIMIT:
+        while not (root / "step_2").is_dir() and r.p.poll() is None and time.monotonic() - r.t0 < limit:
             time.sleep(0.05)
         r.ranks.update(children_of(r.p.pid))
         assert len(r.ranks) == 2, r.ranks
@@ -265,7 +269,7 @@ def test_ranks_stop_when_the_launcher_is_killed_and_free_the_run_directory(tmp_p
         r.p.wait()
         killed, freed = time.monotonic(), False
         with open(r.run / ".lock") as f:
-            while not freed and time.monotonic() - killed < LIMIT:
+            while not freed and time.monotonic() - killed < limit:
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while any rank holds it
                     freed = True
@@ -307,7 +311,7 @@ def test_stop_with_launcher_asks_the_kernel_for_sigterm_when_the_launcher_dies(t
         launcher = subprocess.Popen([sys.executable, "-c", ORPHAN, "launcher", ORPHAN], stdout=f, stderr=f)
     try:
         t0 = time.monotonic()
-        while "rank: running" not in out.read_text() and time.monotonic() - t0 < LIMIT:
+        while "rank: running" not in out.read_text() and time.monotonic() - t0 < patience(LIMIT):
             time.sleep(0.05)
         launcher.kill()
         launcher.wait()

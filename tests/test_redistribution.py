@@ -31,6 +31,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import patience
 from test_local_executor import check_against_eager
 from test_properties import check_trains_like_one_device, values
 
@@ -292,7 +293,7 @@ def dtensor_bytes(case: Case) -> int:
 def test_bytes_match_or_beat_dtensor():
     """DTensor's redistributions for every case are those DTENSOR_CASES states, and cost at least our bytes. Run in
     a subprocess: DTensor needs a process group, which must not outlive this test."""
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=patience(300))
     assert r.returncode == 0, r.stderr
     found = json.loads(r.stdout.splitlines()[-1])
     for case in DTENSOR_CASES:

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 
 import pytest
+from conftest import patience
 
 from shardflow.train import checkpoint
 
@@ -256,7 +257,7 @@ def test_under_torchrun(tmp_path, train_argv, read_metrics, single):
     torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "shardflow.cli")
     argv = train_argv(tmp_path / "unused", "--steps", "4", "--strategy", "dp", entry=torchrun)
     at = argv.index("--run-dir")
-    r = subprocess.run(argv[:at] + argv[at + 2 :], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(argv[:at] + argv[at + 2 :], capture_output=True, text=True, timeout=patience(300), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "runs" / "latest"
     assert run.is_symlink() and (run / "config.toml").exists()
