@@ -21,7 +21,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import TensorType
@@ -926,6 +926,17 @@ def lowering_summary(programs: Mapping[int, Program]) -> dict[str, int]:
     return out
 
 
+def _partition(group: SubMesh, members_of: Callable[[int], tuple[int, ...]]) -> Iterator[tuple[int, ...]]:
+    """The groups ``members_of`` cuts ``group``'s devices into, in the order of their first device: each asked
+    once (a device already in a group is not asked again)."""
+    covered: set[int] = set()
+    for d in group.devices():
+        if d not in covered:
+            members = members_of(d)
+            covered.update(members)
+            yield members
+
+
 def process_groups(dg: DynamicGraph, plan: Decisions) -> list[Group]:
     """The process group of every collective, in first-use order: the groups every rank creates, in this one
     order (torch.distributed requires every rank to take part in creating every group). A group whose members
@@ -941,17 +952,16 @@ def process_groups(dg: DynamicGraph, plan: Decisions) -> list[Group]:
             keys.setdefault((group, n.op.axis, dg.values[n.inputs[0]].group if replicate else None, st.kind), n)
     seen: dict[tuple[int, ...], str] = {}  # members → the mesh axis their collectives run along
     for (group, axis, _, kind), n in keys.items():
-        for d in group.devices():
-            seen.setdefault(
-                replicate_group(n, dg, d)[0]
-                if kind in (CommKind.BROADCAST, CommKind.REDUCE)
-                else axis_members(group, axis, d),
-                axis,
-            )
-    for n in dg.nodes:
-        if n.name in plan.flat:
-            for d in n.group.devices():
-                seen.setdefault(axes_members(n.group, plan.axes(n), d), "")
+        if kind in (CommKind.BROADCAST, CommKind.REDUCE):
+            for d in group.devices():
+                seen.setdefault(replicate_group(n, dg, d)[0], axis)
+        else:
+            for members in _partition(group, lambda d: axis_members(group, axis, d)):
+                seen.setdefault(members, axis)
+    flat = dict.fromkeys((n.group, plan.axes(n)) for n in dg.nodes if n.name in plan.flat)
+    for group, axes in flat:
+        for members in _partition(group, lambda d: axes_members(group, axes, d)):
+            seen.setdefault(members, "")
     whole = SubMesh(dg.pcg.mesh)
     return [
         Group(m, whole.mesh, axis) if axis and m == axis_members(whole, axis, m[0]) else Group(m)

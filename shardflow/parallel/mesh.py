@@ -230,9 +230,11 @@ class SubMesh:
     _free: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _free_shape: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _positions: dict[int, int | None] = field(init=False, repr=False, compare=False)  # index()'s answers so far
+    _devices: dict[int, int] = field(init=False, repr=False, compare=False)  # device_at()'s answers so far
 
     def __post_init__(self):
         object.__setattr__(self, "_positions", {})
+        object.__setattr__(self, "_devices", {})
         fixed = dict(self.fixed)
         object.__setattr__(self, "_free", tuple(a for a in self.mesh.axis_names if a not in fixed))
         object.__setattr__(self, "_free_shape", tuple(self.mesh.axis_size(a) for a in self._free))
@@ -274,7 +276,11 @@ class SubMesh:
 
     def device_at(self, index: int) -> int:
         """The device at row-major position ``index`` of the free-axis coordinates."""
-        return self.view[index] if self.view is not None else self._default_device(index)
+        if self.view is not None:
+            return self.view[index]
+        if index not in self._devices:  # lowering walks the same sub-meshes' devices once per step
+            self._devices[index] = self._default_device(index)
+        return self._devices[index]
 
     def index(self, device: int) -> int | None:
         """Row-major position of ``device`` among the sub-mesh's coordinates, or None if it is not a member."""
