@@ -449,13 +449,16 @@ def auto_pipeline(
     budget: int | None,
     plan: Plan | str | Path | None,
     clip_norm: float | None,
+    time_limit: float | None = None,
 ) -> Pipeline:
     """``strategy="auto"``: the pipeline of the fastest preset of ``world`` devices that fits this machine
-    (:func:`~shardflow.search.search` on ``MachineSpec.this``; docs/search.md). Raises ValueError with a ``plan``
-    (auto chooses it), SearchError where nothing fits."""
+    (:func:`~shardflow.search.search` on ``MachineSpec.this``, trying no further candidate after ``time_limit``
+    seconds once one fits; docs/search.md). Raises ValueError with a ``plan`` (auto chooses it), SearchError where
+    nothing fits."""
     if plan is not None:
         raise ValueError("strategy='auto' chooses the plan itself: drop plan=, or name a preset strategy")
-    result = search_model(model, batch, world, options, optimizer, machine_spec(device, world)[0], budget)
+    spec = machine_spec(device, world)[0]
+    result = search_model(model, batch, world, options, optimizer, spec, budget, time_limit=time_limit)
     return dataclasses.replace(result.pipeline, clip_norm=clip_norm)
 
 
@@ -489,6 +492,7 @@ def parallelize(
     bucket_mb: float = 25.0,
     device: str = "auto",
     memory_budget: int | None = None,
+    search_seconds: float | None = None,
 ) -> Trainer:
     """Capture ``model(**batch)``, plan it on ``mesh``, lower one training step and load the model's weights
     (:class:`~shardflow.pipeline.Pipeline`, as ``shardflow train`` and ``plan`` do: the same programs).
@@ -508,7 +512,9 @@ def parallelize(
         strategy: a preset — dp, fsdp, hsdp, tp, sp, pp, cp, ep or a combination (``"dp,tp"``, ``"fsdp,tp"``); default: the
             one the mesh's axes name. ``"auto"``: the fastest preset of ``mesh``'s number of devices that fits this
             machine, chosen by the simulator (docs/search.md; the mesh's shape is the search's, only its size
-            counts), its predicted peak at most ``memory_budget`` bytes per device (default 90 % of the device's).
+            counts), its predicted peak at most ``memory_budget`` bytes per device (default 90 % of the device's),
+            the search trying no further candidate after ``search_seconds`` once one fits (default: no limit;
+            docs/search.md#a-time-limit).
         plan: a user plan instead (a :class:`Plan` or a JSON/TOML file, see docs/concepts.md), or torchtitan's
             tensor-parallel plan: a dict module pattern → ``ColwiseParallel()``, ``RowwiseParallel()`` or
             ``SequenceParallel()`` of ``torch.distributed.tensor.parallel``, on the mesh's axis ``tp`` (a mesh of
@@ -614,7 +620,9 @@ def parallelize(
         plan = plan_from_styles(model, plan, styles_axis(mesh))
     inits = materialize(model, seed) if any(p.is_meta for p in model.parameters()) else None
     if strategy == "auto":
-        pipeline = auto_pipeline(model, batch, mesh.size, options, opt, device, memory_budget, plan, clip_norm)
+        pipeline = auto_pipeline(
+            model, batch, mesh.size, options, opt, device, memory_budget, plan, clip_norm, search_seconds
+        )
         mesh = pipeline.pcg.mesh
     else:
         pipeline = Pipeline.capture(model, batch, mesh, options, opt, strategy, plan, strict, clip_norm)

@@ -135,6 +135,7 @@ FLAG_RANGES = {
     "stages_per_rank": RANGES["stages_per_rank"],
     "ac_blocks": RANGES["ac_blocks"],
     "momentum": RANGES["momentum"],
+    "search_seconds": RANGES["search_seconds"],
 }
 
 
@@ -482,7 +483,15 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
     options = step_options(args, machine_cost("auto", args.nproc))  # each candidate's forms: the spec's cost model
     model, batch = plan_model(args, options)
     result = search_model(
-        model, batch, args.nproc, options, optimizer_config(args), spec, args.memory_budget, search_progress()
+        model,
+        batch,
+        args.nproc,
+        options,
+        optimizer_config(args),
+        spec,
+        args.memory_budget,
+        search_progress(),
+        time_limit=args.search_seconds,
     )
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=1))
@@ -1081,6 +1090,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --strategy auto: bytes each device may hold at its peak, e.g. 80e9 or 64GiB (default: "
         f"{MARGIN} × the --machine's device memory)",
     )
+    TrainConfig.add_argument(p, "search_seconds", own_default=True)
     p.add_argument(
         "--explain",
         metavar="OP",

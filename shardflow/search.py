@@ -233,8 +233,9 @@ def state_copies(optimizer: OptimizerConfig, options: LowerOptions) -> int:
 @dataclass(frozen=True)
 class SearchResult:
     """The search's answer: ``best`` (:attr:`pipeline`: planned on the whole model and ready to lower), every
-    ``outcome`` tried or refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds`` and the
-    ``plan`` that plans a candidate on the whole model (for :func:`explain`; cached)."""
+    ``outcome`` tried or refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds``, the
+    ``plan`` that plans a candidate on the whole model (for :func:`explain`; cached) and ``unsearched``: the candidates
+    not tried because the search's time limit ran out (:func:`search`'s ``time_limit``; 0: it searched them all)."""
 
     best: Outcome
     outcomes: tuple[Outcome, ...]
@@ -242,6 +243,7 @@ class SearchResult:
     spec: MachineSpec
     seconds: float
     plan: Callable[[Candidate], Pipeline] = dataclasses.field(repr=False, compare=False)
+    unsearched: int = 0
 
     @property
     def pipeline(self) -> Pipeline:
@@ -280,7 +282,7 @@ class SearchResult:
         """``shardflow plan --strategy auto --format json``: ``mesh``, ``strategy``, ``flags``, ``predicted`` (the
         simulator's object), ``alternatives`` (each with its ``flags``, ``predicted``, ``composed_from``: the
         microbatches a pipeline's prediction was composed from or None, and ``why``), ``search_seconds``,
-        ``budget_bytes``, ``tried``, ``refused``."""
+        ``budget_bytes``, ``tried``, ``refused``, ``unsearched`` (left at the time limit)."""
         assert self.best.prediction is not None
         return {
             "mesh": str(self.best.candidate.mesh),
@@ -301,6 +303,7 @@ class SearchResult:
             "budget_bytes": self.budget,
             "tried": sum(o.prediction is not None for o in self.outcomes),
             "refused": sum(o.prediction is None for o in self.outcomes),
+            "unsearched": self.unsearched,
         }
 
     def describe(self) -> str:
@@ -310,6 +313,11 @@ class SearchResult:
         lines = [
             f"# --strategy auto on {self.spec.name}: {self.best.candidate} (searched {len(self.outcomes)} candidates, "
             f"{tried} predicted, in {self.seconds:.1f} s; memory budget {self.budget / 2**30:.3g} GiB per device)",
+            *(
+                [f"# the time limit ran out: {self.unsearched} candidates not tried (docs/search.md#a-time-limit)"]
+                if self.unsearched
+                else []
+            ),
             self.best.prediction.describe(),
             "# runners-up (the best of each other strategy):",
         ]
@@ -364,6 +372,7 @@ def search(
     fold: bool = True,
     progress: Callable[[Outcome], None] | None = None,
     placements: bool = True,
+    time_limit: float | None = None,
 ) -> SearchResult:
     """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
     bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts, keep)``: the model captured on one of
@@ -371,8 +380,13 @@ def search(
     blocks (None: all of them; :func:`~shardflow.graph.blocks.keep_blocks`); ``base``: the run's options (their
     checkpointing and schedule are the search's); ``blocks``: the model's repeated blocks (default: counted in the
     graph); ``progress``: called with each outcome as it is known; ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks);
-    ``placements``: try per-op placements too (:func:`candidates`). Raises SearchError when nothing fits."""
+    ``placements``: try per-op placements too (:func:`candidates`); ``time_limit``: seconds after which no further
+    candidate is tried once one fits (None: try them all; docs/search.md#a-time-limit) — the answer is then the best
+    of those tried, and :attr:`SearchResult.unsearched` counts the rest. Raises SearchError when nothing fits,
+    ValueError for a time limit that is negative or not finite."""
     t0 = time.perf_counter()
+    if time_limit is not None and not (math.isfinite(time_limit) and time_limit >= 0):
+        raise ValueError(f"--search-seconds {time_limit}: give a finite number of seconds ≥ 0, or none for no limit")
     budget = budget if budget is not None else int(MARGIN * spec.device.memory_bytes)
     graphs: dict[tuple[int, int | None], ComputationGraph] = {}
 
@@ -499,7 +513,11 @@ def search(
         candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node, placements),
         key=lambda c: (c.microbatches > 1, c.microbatches, c.stages_per_rank, bubble(c)),
     )
-    for c in order:
+    unsearched = 0
+    for k, c in enumerate(order):
+        if time_limit is not None and time.perf_counter() - t0 >= time_limit and any(o.fits for o in outcomes):
+            unsearched = len(order) - k
+            break
         c = dataclasses.replace(c, accumulate=base.accumulate)
         fastest = fastest_fit()
         if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= fastest:
@@ -547,11 +565,12 @@ def search(
         raise SearchError(
             f"--strategy auto: no plan of {world} devices fits the memory budget {_gib(budget)} per device "
             + (f"(the smallest peak: {least.candidate}, {least.refused}); " if least else "(none could be planned); ")
+            + (f"the time limit left {unsearched} candidates untried; " if unsearched else "")
             + "add devices, lower --batch-size, or raise --memory-budget"
         )
     best = min(fitting, key=_best)
     seconds = time.perf_counter() - t0
-    return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan)
+    return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan, unsearched)
 
 
 def few_microbatches(c: Candidate) -> int | None:
@@ -626,6 +645,7 @@ def search_model(
     budget: int | None = None,
     progress: Callable[[Outcome], None] | None = None,
     placements: bool = True,
+    time_limit: float | None = None,
 ) -> SearchResult:
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
@@ -701,6 +721,7 @@ def search_model(
         blocks=len(first[1]) if first else None,
         progress=progress,
         placements=placements,
+        time_limit=time_limit,
     )
 
 

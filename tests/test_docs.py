@@ -615,6 +615,7 @@ COMMANDS = {
     # docs/search.md
     ".venv/bin/shardflow plan --strategy auto --nproc 4 --machine h100": Run(),
     ".venv/bin/shardflow plan --strategy auto --nproc 4 --machine h100 --format json --save-plan /tmp/auto.json": Run(),
+    ".venv/bin/shardflow plan --strategy auto --nproc 8 --machine h100 --search-seconds 5": Run(),
     # docs/simulator.md
     ".venv/bin/shardflow plan --estimate --machine h100 --strategy fsdp,tp --mesh fsdp=4,tp=2 --dtype bf16": Run(),
     ".venv/bin/shardflow plan --estimate --machine h100 --strategy fsdp,tp --mesh fsdp=4,tp=2 --format json "

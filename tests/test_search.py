@@ -221,3 +221,38 @@ def test_the_state_floor_counts_each_optimizer_slot_once(optimizer, momentum, co
     assert state_bytes(8000, c, opt, LowerOptions()) == copies * 8000 // 4
     mixed = LowerOptions(precision=MixedPrecision(torch.bfloat16, torch.float32))
     assert state_bytes(8000, c, opt, mixed) == (copies + 1) * 8000 // 4
+
+
+def test_a_time_limit_answers_with_the_best_it_tried_once_one_fits(eight):
+    order = candidates(8, blocks=2, batch=64, node=SPEC.devices_per_node)
+    optimizer = OptimizerConfig(Optimizer.ADAMW)
+    limited = search_model(MODEL, BATCH, 8, LowerOptions(), optimizer, SPEC, time_limit=0)
+    *refused, found = limited.outcomes
+    # with no time at all, candidates are tried until the first fits (the first ones split 4 heads 8 ways), then
+    # no more; its figures are the unlimited search's
+    assert all(o.prediction is None for o in refused) and found.fits and limited.best is found
+    assert {o.candidate for o in limited.outcomes} <= set(order)
+    same = next(o for o in eight.outcomes if o.candidate == found.candidate)
+    assert found.prediction.step_seconds == same.prediction.step_seconds
+    assert limited.unsearched == len(order) - len(limited.outcomes) > 0 and eight.unsearched == 0
+    assert limited.to_json()["unsearched"] == limited.unsearched
+    assert f"the time limit ran out: {limited.unsearched} candidates not tried" in limited.describe()
+    # where that one does not fit the budget, the search goes on past the limit until one does
+    budget = max(found.prediction.peak_bytes) - 1
+    tight = search_model(MODEL, BATCH, 8, LowerOptions(), optimizer, SPEC, budget, time_limit=0)
+    assert not next(o for o in tight.outcomes if o.candidate == found.candidate).fits
+    assert tight.best.fits and max(tight.best.prediction.peak_bytes) <= budget
+    assert tight.best.candidate != found.candidate and 0 < tight.unsearched <= limited.unsearched
+    with pytest.raises(ValueError, match="--search-seconds -1: give a finite number of seconds"):
+        search_model(MODEL, BATCH, 8, LowerOptions(), optimizer, SPEC, time_limit=-1)
+
+
+def test_plan_auto_with_a_time_limit_says_what_it_left(capsys):
+    from shardflow.cli import main
+
+    flags = ["plan", "--strategy", "auto", "--nproc", "8", "--machine", "h100", "--format", "json"]
+    assert main([*flags, "--search-seconds", "0"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["unsearched"] > 0 and doc["tried"] >= 1
+    assert main([*flags[:-2], "--search-seconds", "-2"]) == 2
+    assert "--search-seconds -2.0 is out of range: give a finite value ≥ 0" in capsys.readouterr().err

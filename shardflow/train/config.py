@@ -59,6 +59,11 @@ class TrainConfig:
         "with --strategy auto: bytes each process may hold at its peak (default: 0.9 × this machine's memory "
         "per process)",
     )
+    search_seconds: float | None = _f(
+        None,
+        "with --strategy auto: seconds after which the search tries no further candidate once one fits, answering "
+        "with the best it tried (default: no limit, every candidate; docs/search.md#a-time-limit)",
+    )
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
     steps: int = _f(600, "optimizer steps to train for")
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")
@@ -514,6 +519,7 @@ RANGES = {
     "bucket_mb": Range(0),
     "timeout": Range(0, _TIMEOUT_MAX, low_open=True),
     "peak_tflops": Range(0),
+    "search_seconds": Range(0),
 }
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
 _TYPE_WORDS = {

@@ -298,7 +298,15 @@ def auto_strategy(cfg: TrainConfig, world: int, placements: bool = False) -> tup
     batch = family.feed.inputs(**corpus.batch(Split.TRAIN, 0, cfg.batch_size, cfg.seq_len, cfg.seed))
     spec = machine_spec(cfg.device, world)[0]  # an uncalibrated machine: the banner says so
     result = search_model(
-        model, batch, world, options, optimizer_config(cfg), spec, cfg.memory_budget, placements=placements
+        model,
+        batch,
+        world,
+        options,
+        optimizer_config(cfg),
+        spec,
+        cfg.memory_budget,
+        placements=placements,
+        time_limit=cfg.search_seconds,
     )
     return settings_of(cfg, result.best.candidate), result
 
