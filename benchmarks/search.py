@@ -30,6 +30,7 @@ Usage::
     python benchmarks/search.py                       # every case (small first), writes docs/benchmarks.md
     python benchmarks/search.py --cases main,8B       # some cases, in that order (by prefix: main, 8B, 70B/256, ...)
     python benchmarks/search.py --timeout 600         # per-case limit in seconds (default 600)
+    python benchmarks/search.py --search-seconds 900  # the search's own time limit (docs/search.md#a-time-limit)
     python benchmarks/search.py --no-write            # print the section only
     python benchmarks/search.py --render-only         # rebuild the section from the last records
 """
@@ -106,6 +107,7 @@ def summarize(result, model: str, world: int, batch: int, spec: str, wall: float
         "outcomes": len(result.outcomes),
         "predicted": len(predicted),
         "fit": sum(o.fits for o in predicted),
+        "unsearched": result.unsearched,
         "partial": sum(o.candidate.ac_blocks is not None for o in result.outcomes),
         "refused": len(refused),
         "bounded": len(bounded),
@@ -127,8 +129,8 @@ def summarize(result, model: str, world: int, batch: int, spec: str, wall: float
     }
 
 
-def run_case(name: str) -> dict:
-    """One case, searched in this process."""
+def run_case(name: str, time_limit: float | None = None) -> dict:
+    """One case, searched in this process (``time_limit``: the search's, docs/search.md#a-time-limit)."""
     import shardflow.search as searching
     from shardflow.search import SearchError
 
@@ -143,7 +145,7 @@ def run_case(name: str) -> dict:
             from shardflow.train.config import TrainConfig
             from shardflow.train.recipe import auto_strategy
 
-            cfg = TrainConfig(strategy="auto", nproc=world)
+            cfg = TrainConfig(strategy="auto", nproc=world, search_seconds=time_limit)
             _, result = auto_strategy(cfg, world, placements=True)
             return summarize(
                 result, "main job's Llama", world, cfg.batch_size, result.spec.name, time.perf_counter() - t0
@@ -174,7 +176,7 @@ def run_case(name: str) -> dict:
         materialize(module, cfg.seed)
         ids = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
         module, inputs, _ = at_dtype(module, Feed.CAUSAL_LM.inputs(ids, ids), torch.bfloat16)
-        result = search_model(module, inputs, world, options, optimizer_config(cfg), spec)
+        result = search_model(module, inputs, world, options, optimizer_config(cfg), spec, time_limit=time_limit)
         return summarize(result, model, world, batch, spec.name, time.perf_counter() - t0)
     except SearchError as e:
         reasons: dict[str, int] = {}
@@ -194,8 +196,9 @@ def run_case(name: str) -> dict:
         }
 
 
-def run(cases: list[str], timeout: float, out: Path) -> None:
-    """Each case in its own process, ``timeout`` seconds at most, appended to ``out`` as it ends."""
+def run(cases: list[str], timeout: float, out: Path, time_limit: float | None = None) -> None:
+    """Each case in its own process, ``timeout`` seconds at most (the search's own ``time_limit``), appended to
+    ``out`` as it ends."""
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     for name in cases:
@@ -204,7 +207,8 @@ def run(cases: list[str], timeout: float, out: Path) -> None:
         one = Path(tempfile.mkdtemp(prefix="search-case-")) / "case.json"
         try:
             proc = subprocess.run(
-                [sys.executable, __file__, "--one", name, "--one-out", str(one)],
+                [sys.executable, __file__, "--one", name, "--one-out", str(one)]
+                + (["--search-seconds", str(time_limit)] if time_limit is not None else []),
                 env=env,
                 timeout=timeout,
                 capture_output=True,
@@ -223,6 +227,7 @@ def run(cases: list[str], timeout: float, out: Path) -> None:
             machine=machine(),
             date=datetime.date.today().isoformat(),
             load=max(load0, load_per_core()),
+            time_limit=time_limit,
         )
         shutil.rmtree(one.parent, ignore_errors=True)
         with out.open("a") as f:
@@ -262,7 +267,7 @@ def section(recs: dict[str, dict]) -> str:
         "search (s) | memory (GiB) | predicted (fit) / refused / bounded |",
         "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|",
     ]
-    faster = violated = done = 0
+    faster = cut = violated = done = 0
     for r in rows:
         name = r["case"].replace("main/", "main job, ") + (f" ({r['date']})" if "date" in r else "")
         busy = r.get("load", 0.0) > QUIET
@@ -287,9 +292,10 @@ def section(recs: dict[str, dict]) -> str:
             else f"{r['search_s']:.0f} ({r['wall_s']:.0f})"
         )
         a, p = r["auto"], r["preset"]
-        ratio = r["ratio"]
-        if ratio is not None:
-            faster += ratio <= 0.95
+        ratio, untried = r["ratio"], r.get("unsearched", 0)
+        if ratio is not None:  # a search cut short by its time limit compares with the presets it tried only
+            faster += ratio <= 0.95 and not untried
+            cut += ratio <= 0.95 and bool(untried)
             violated += ratio > 1 + 1e-9
         lines.append(
             f"| {name} | {r['batch']} | `{a['flags']}` | {a['step_ms']:,.0f} | {a['peak_gib']:.3g} | "
@@ -297,14 +303,19 @@ def section(recs: dict[str, dict]) -> str:
             + f"{seconds} | "
             + (f"{r['rss_gib']:.2f}" if "rss_gib" in r else "—")
             + f" | {r['predicted']} ({r['fit']}) / {r['refused']} / "
-            f"{r['bounded']}" + (f"; {r['partial']} partial" if r["partial"] else "") + " |"
+            f"{r['bounded']}"
+            + (f"; {r['partial']} partial" if r["partial"] else "")
+            + (f"; **{untried} untried** (time limit {r['time_limit']:.0f} s)" if untried else "")
+            + " |"
         )
     missing = [c for c in CASES if c not in recs]
     lines += [
         "",
         f"Cases searched: {done} of {len(CASES)}"
         + (f" (not run: {', '.join(missing)})" if missing else "")
-        + f"; auto ≥ 5 % faster than the best preset in {faster}; auto ≤ best preset in every searched case: "
+        + f"; auto ≥ 5 % faster than the best preset in {faster}"
+        + (f" (and in {cut} cut short by the time limit, against the presets they tried)" if cut else "")
+        + "; auto ≤ best preset in every searched case: "
         + ("yes (by construction)." if not violated else f"**NO, in {violated}: a bug in the search's choice**."),
     ]
     return "\n".join(lines)
@@ -318,11 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS, help="the records, one JSON line per case run")
     ap.add_argument("--render-only", action="store_true", help="rebuild the section from the last results")
     ap.add_argument("--notes", type=Path, help="a Markdown file of reading notes appended to the section")
+    ap.add_argument(
+        "--search-seconds", type=float, help="the search's time limit per case (docs/search.md#a-time-limit)"
+    )
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--one-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        rec = run_case(args.one)  # and the case process's peak resident memory (Linux: ru_maxrss in KiB)
+        rec = run_case(
+            args.one, args.search_seconds
+        )  # and the case process's peak resident memory (Linux: ru_maxrss in KiB)
         rec["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         args.one_out.write_text(json.dumps(rec))
         return 0
@@ -331,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = [p for p in args.cases.split(",") if p]
         cases = [c for p in wanted for c in CASES if c == p or c.startswith(p + "/")] if wanted else CASES
         cases = list(dict.fromkeys(cases))  # in the order asked
-        run(cases, args.timeout, results)
+        run(cases, args.timeout, results, args.search_seconds)
     text = section(load(results))
     if args.notes:
         text += "\n\n" + args.notes.read_text().strip()
