@@ -38,7 +38,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -224,8 +223,7 @@ def run(cases: list[str], timeout: float, out: Path, time_limit: float | None = 
         rec.update(
             case=name,
             elapsed_s=time.perf_counter() - t0,
-            machine=machine(),
-            date=datetime.date.today().isoformat(),
+            machine=machine(),  # with the date the case ended
             load=max(load0, load_per_core()),
             time_limit=time_limit,
         )
@@ -269,7 +267,7 @@ def section(recs: dict[str, dict]) -> str:
     ]
     faster = cut = violated = done = 0
     for r in rows:
-        name = r["case"].replace("main/", "main job, ") + (f" ({r['date']})" if "date" in r else "")
+        name = r["case"].replace("main/", "main job, ") + f" ({r['machine']['date'][:10]})"
         busy = r.get("load", 0.0) > QUIET
         if r["status"] != "ok":
             what = {"timeout": "timed out", "no fit": "nothing fits", "error": "error"}[r["status"]]
