@@ -617,9 +617,9 @@ def test_ctrl_c_stops_every_rank_and_leaves_only_complete_checkpoints(train_argv
 
     threading.Thread(target=watch, daemon=True).start()
     try:
-        assert seen.wait(120), "training did not reach step 3"
+        assert seen.wait(patience(120)), "training did not reach step 3"
         p.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground process (the ranks run in their own sessions)
-        assert p.wait(60) == 130  # bounded: every rank stopped (no waiting out a communication timeout)
+        assert p.wait(patience(60)) == 130  # bounded: every rank stopped (no waiting out a communication timeout)
         err = p.stderr.read()
     finally:
         if p.poll() is None:
