@@ -25,6 +25,7 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.lower import LowerOptions, lower_step
+from shardflow.lower.cost import CPAttention
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
@@ -49,7 +50,13 @@ def executor(
     plan = make_plan(graph, mesh, strategy, cp_attention=attention or "auto")
     pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
     ex = DistributedExecutor(
-        lower_step(pcg, cfg.slots, ranks=[rank], options=LowerOptions(*forms), grad_norm=True),
+        lower_step(
+            pcg,
+            cfg.slots,
+            ranks=[rank],
+            options=LowerOptions(*forms, cp_attention=CPAttention(attention or "auto")),
+            grad_norm=True,
+        ),
         cfg,
         timeout_s=timeout_s,
         seed=seed,

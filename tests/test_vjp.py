@@ -4,8 +4,12 @@ output gradients and gradients not needed. float64; tolerance 1e-12 (the same fo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shardflow.graph import ops as O
 from shardflow.lower.dynamic import TaskType
@@ -183,3 +187,67 @@ def test_a_complex_op_takes_autograds_vjp_which_conjugates():
     for g, want in zip(got, vjp(dy)):
         torch.testing.assert_close(g, want, atol=1e-12, rtol=0)
     assert (got[0] - dy * b).abs().max() > 0.1  # what the real formula gives is another number
+
+
+# --- the log-sum-exp combine of ring attention (docs/concepts.md#the-log-sum-exp-combine) --------------------------
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    d=st.sampled_from([1, 2, 4]),
+    causal=st.booleans(),
+    grouped=st.booleans(),
+    mask=st.sampled_from([None, "bool", "float", "broadcast"]),
+    seed=st.integers(0, 2**16),
+)
+def test_key_blocks_merged_by_lse_equal_attention_and_so_do_their_gradients(d, causal, grouped, mask, seed):
+    """Any query block against the d key blocks of a sequence, attended one block at a time (Attention.keys_from)
+    and merged by lse_merge in a ring's order (its own block first), equals attention over the whole sequence;
+    key_block_vjp per block, its shares summed, equals autograd's gradients of q, k and v. float64, 1e-12."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, t, dh = 2, 4, 16, 8
+    q, k, v = (torch.randn(b, h, t, dh, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    if grouped:
+        k, v = (torch.randn(b, 2, t, dh, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    m = None
+    if mask == "bool":
+        m = torch.rand(b, 1, t, t, generator=g) > 0.3
+        m[..., 0] = True  # every row attends a key (a row with none is NaN in torch's attention too)
+    elif mask == "float":
+        m = torch.randn(b, 1, t, t, generator=g, dtype=torch.float64)
+    elif mask == "broadcast":
+        m = torch.randn(b, 1, t, 1, generator=g, dtype=torch.float64)
+    op = O.Attention(causal=causal, gqa=grouped, mask=m is not None)
+    n = t // d
+    p = seed % d  # the query block
+    rows = slice(p * n, (p + 1) * n)
+    whole = op.compute(q, k, v, m)[0]
+    dout = torch.randn(whole.shape, generator=g, dtype=torch.float64)
+    dq, dk, dv = torch.autograd.grad(whole, (q, k, v), dout, retain_graph=True)
+    mine = op if d == 1 else dataclasses.replace(op, start=p * n)
+    qb, mb = q.detach()[..., rows, :], None if m is None else m[..., rows, :]
+
+    def block(j):
+        cols = slice(j * n, (j + 1) * n)
+        cut = None if mb is None else mb if mb.shape[-1] == 1 else mb[..., cols]
+        return dataclasses.replace(mine, keys_from=j * n), k.detach()[..., cols, :], v.detach()[..., cols, :], cut
+
+    order = [(p + s) % d for s in range(d)]
+    out = lse = None
+    for j in order:
+        bop, kj, vj, mj = block(j)
+        o_j, lse_j = bop.compute(qb, kj, vj, mj)
+        out, lse = (o_j, lse_j) if out is None else O.lse_merge(out, lse, o_j, lse_j)
+    assert (out - whole[..., rows, :]).abs().max() <= 1e-12
+    share_q = torch.zeros_like(qb)
+    for j in order:
+        bop, kj, vj, mj = block(j)
+        gq, gk, gv = O.key_block_vjp(bop, qb, kj, vj, mj, out, lse, dout[..., rows, :])
+        share_q += gq
+        # this query block's share of block j's key and value gradients: autograd's with the other rows' dout zeroed
+        only = torch.zeros_like(dout)
+        only[..., rows, :] = dout[..., rows, :]
+        wk, wv = torch.autograd.grad(whole, (k, v), only, retain_graph=True)
+        cols = slice(j * n, (j + 1) * n)
+        assert (gk - wk[..., cols, :]).abs().max() <= 1e-12 and (gv - wv[..., cols, :]).abs().max() <= 1e-12
+    assert (share_q - dq[..., rows, :]).abs().max() <= 1e-12

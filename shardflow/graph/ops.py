@@ -819,6 +819,12 @@ class Attention(Op):
     grouped-query attention, ``H`` a multiple of ``Hkv`` (query head h reads key/value head ``h // (H/Hkv)``).
     ``start`` (context parallelism): None, the queries are the whole sequence; else they are its block from
     position ``start`` on, against every key, so under ``causal`` query i attends the keys ``j ≤ start + i``.
+
+    ``keys_from`` (the ring form of context parallelism, docs/concepts.md#the-log-sum-exp-combine): the keys and
+    values are one block of the sequence, from position ``keys_from`` on (a mask's last dim that block's too), and
+    the op returns the block's output and its log-sum-exp ``lse [*, H, T]`` (the log of each row's softmax
+    denominator; −inf, with a zero output row, where the block holds no key the row attends). Only lowering makes
+    it, for the blocks a ring passes around; :func:`lse_merge` combines the blocks' results.
     """
 
     kind: ClassVar[str] = "attention"
@@ -829,6 +835,7 @@ class Attention(Op):
     mask: bool = quiet(False)
     gqa: bool = quiet(False)
     start: int | None = quiet(None)
+    keys_from: int | None = quiet(None)
 
     def infer(self, ins):
         _expect(4 if self.mask else 3, ins, self)
@@ -849,9 +856,13 @@ class Attention(Op):
         out = q.shape[:-1] + (v.shape[-1],)
         if self.mask:
             broadcast_shapes(ins[3].shape, out[:-1] + (k.shape[-2],), "attention mask")
+        if self.keys_from is not None:
+            return TensorType(out, q.dtype), TensorType(out[:-1], q.dtype)
         return (TensorType(out, q.dtype),)
 
     def compute(self, q, k, v, mask=None):
+        if self.keys_from is not None:
+            return self._key_block(q, k, v, mask)
         causal = self.causal
         if causal and self.start is not None:  # the query block's rows of the causal mask
             t, s = q.shape[-2], k.shape[-2]
@@ -869,6 +880,48 @@ class Attention(Op):
                 q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=self.gqa
             ),
         )
+
+    def _key_block(self, q, k, v, mask):
+        """(output, lse) of the queries against one block of keys and values (:attr:`keys_from`): the scores
+        masked as :meth:`compute` masks them — the causal rows at the query block's positions, the key columns at
+        the key block's —, each row's log-sum-exp, and the softmax over the block times v."""
+        if self.gqa and k.shape[-3] != q.shape[-3]:
+            k, v = (x.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for x in (k, v))
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-2, -1)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        if self.causal:
+            t, s = q.shape[-2], k.shape[-2]
+            rows = torch.arange(self.start or 0, (self.start or 0) + t, device=q.device)
+            cols = torch.arange(self.keys_from, self.keys_from + s, device=q.device)
+            scores = scores.masked_fill(cols > rows[:, None], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+        return weights @ v, lse
+
+
+def lse_merge(o_a, lse_a, o_b, lse_b):
+    """Two partial attention results over disjoint key blocks merged into the result over both: each output
+    ``[*, H, T, Dv]`` weighted by its share of the softmax denominator, ``exp(lse_x − lse)``, with
+    ``lse = log(exp(lse_a) + exp(lse_b))`` ``[*, H, T]`` (Milakov & Gimelshein 2018, "Online normalizer calculation
+    for softmax"; the merge of Ring Attention, Liu et al. 2023, and of PyTorch's ``context_parallel``). Rows where
+    both are −inf (no key attended yet) stay a zero output with lse −inf. Returns (output, lse)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = lse.masked_fill(lse == float("-inf"), 0)
+    return torch.exp(lse_a - safe).unsqueeze(-1) * o_a + torch.exp(lse_b - safe).unsqueeze(-1) * o_b, lse
+
+
+def key_block_vjp(block: Attention, q, k, v, mask, out, lse, dout):
+    """The backward of one key block of an attention whose blocks were merged by :func:`lse_merge`: the gradients
+    of q, of the block's k and of its v (``[*, H, T, D]``, ``[*, Hkv, S_block, D]``, ``[*, Hkv, S_block, Dv]``)
+    given the merged output ``out``, its ``lse`` and the output gradient ``dout``. The merge's backward, defined
+    once here: with the block's share ``w = exp(lse_block − lse)``, ``out = Σ w·out_block`` gives the block's
+    output the gradient ``w·dout`` and its lse ``w·Σ_Dv dout·(out_block − out)``; the block's own backward (the
+    vjp of ``block``, recomputed) takes it from there."""
+    (o_b, lse_b), vjp = torch.func.vjp(lambda q, k, v: block.compute(q, k, v, mask), q, k, v)  # type: ignore[misc]
+    w = torch.exp(lse_b - lse)
+    return vjp((w.unsqueeze(-1) * dout, w * (dout * (o_b - out)).sum(-1)))
 
 
 @dataclass(frozen=True, slots=True)

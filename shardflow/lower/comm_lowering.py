@@ -24,8 +24,8 @@ from functools import cached_property
 from typing import Callable, Iterator, Mapping
 
 from shardflow.graph.graph import TensorRole
-from shardflow.graph.ops import TensorType
-from shardflow.lower.cost import PLAIN, CommForm, LowerOptions
+from shardflow.graph.ops import Attention, TensorType
+from shardflow.lower.cost import PLAIN, CommForm, CPAttention, LowerOptions
 from shardflow.lower.dynamic import (
     DNode,
     DynamicGraph,
@@ -38,7 +38,7 @@ from shardflow.lower.dynamic import (
     forward_id,
     require,
 )
-from shardflow.lower.program import Buffer, Comm, Compute, Group, Instr, Program, Wait
+from shardflow.lower.program import BlockVjp, Buffer, Comm, Compute, Forward, Group, Instr, Program, Vjp, Wait
 from shardflow.lower.shard_expansion import (
     ShardedGraph,
     Step,
@@ -52,6 +52,23 @@ from shardflow.lower.shard_expansion import (
 )
 from shardflow.parallel.collectives import CommKind, wire_bytes
 from shardflow.parallel.mesh import ReduceOp, SubMesh
+from shardflow.parallel.ops import CombineOp, RepartitionOp
+
+
+@dataclass(frozen=True)
+class AttentionRing:
+    """A forward ``attention`` whose keys and values, all-gathered by ``k`` and ``v`` along the sequence, travel
+    around a ring of collective-permutes instead (``--cp-attention ring``; docs/lowering.md#16-ring-attention---cp-attention-ring).
+    ``backward``: the attention's backward, run as a ring too, in place of the reduce-scatters ``scatters`` of the
+    key and value gradients (None where the backward reads the gathered keys and values as they are). ``joined``:
+    whether the forward joins the gathered keys and values at the end, for readers other than the rings."""
+
+    attention: DNode
+    k: DNode
+    v: DNode
+    backward: DNode | None = None
+    scatters: tuple[Step, Step] | None = None
+    joined: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,19 @@ class Decisions:
     gathers: tuple[tuple[DNode, ...], ...] = ()
     scatters: tuple[tuple[Step, ...], ...] = ()
     flat: Mapping[str, DNode] = dataclasses.field(default_factory=dict)
+    rings: Mapping[str, AttentionRing] = dataclasses.field(default_factory=dict)
+
+    @cached_property
+    def ring_steps(self) -> frozenset[str]:
+        """The all-gathers and reduce-scatters (by their first node) :attr:`rings` run: they make no communication
+        of their own."""
+        gathers = {x.name for ring in self.rings.values() for x in (ring.k, ring.v)}
+        return frozenset(gathers | {st.nodes[0].name for ring in self.rings.values() for st in ring.scatters or ()})
+
+    @cached_property
+    def ring_backwards(self) -> dict[str, AttentionRing]:
+        """The backward node of each ring of :attr:`rings` that has one (:attr:`AttentionRing.backward`) → the ring."""
+        return {ring.backward.name: ring for ring in self.rings.values() if ring.backward is not None}
 
     @property
     def suppressed(self) -> set[str]:
@@ -152,8 +182,9 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
                 options.reduce_scatter_form(chunk, n.op.degree, n.op.axis) if summed else CommForm.COLLECTIVE
             )
     flat = _flattened(dg, options, all_steps, readers)
+    rings = attention_rings(dg, all_steps) if options.cp_attention == CPAttention.RING else {}
     if options.bucket_bytes <= 0:
-        return Decisions(dg, forms, fused, flat=flat)
+        return Decisions(dg, forms, fused, flat=flat, rings=rings)
     final = _final_gradients(dg)
     then = _then_all_reduced(dg, all_steps, final)
     gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final, then)
@@ -165,7 +196,58 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
     forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
     fused = {k: v for k, v in fused.items() if k not in packed}
     buckets = _buckets(dg, all_steps, options.bucket_bytes, final, {n.name for b in pieces for n in b}, flat)
-    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat)
+    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat, rings)
+
+
+def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, AttentionRing]:
+    """Ring attention (docs/lowering.md#16-ring-attention---cp-attention-ring): every forward attention whose keys and values are each
+    all-gathered along their sequence dim, over one mesh axis of the attention's own sub-mesh → its
+    :class:`AttentionRing`, by the attention's name. Its backward joins the ring where it reads the same keys,
+    values and mask,
+    gives the keys and values their gradients (not the mask), each reduce-scattered back along the sequence and read
+    by nothing else, and has no linearity scale."""
+    made = {st.nodes[0].outputs[0]: st.nodes[0] for st in all_steps if st.kind == CommKind.ALL_GATHER}
+    scattered = {st.nodes[0].inputs[0]: st for st in all_steps if st.kind == CommKind.REDUCE_SCATTER}
+    readers: dict[str, set[str]] = {}
+    for n in dg.nodes:
+        for value in n.inputs:
+            readers.setdefault(value, set()).add(n.name)
+    attention = [n for n in dg.nodes if n.kind == NodeKind.COMPUTE and isinstance(dg.sources[n.src].op, Attention)]
+    # a backward by the keys, values and mask it reads (its queries may be recomputed: selective checkpointing)
+    backward = {tuple(n.inputs[1 : len(n.grad_mask)]): n for n in attention if n.task == TaskType.BWD}
+    out: dict[str, AttentionRing] = {}
+    for n in (n for n in attention if n.task == TaskType.FWD):
+        k, v = made.get(n.inputs[1]), made.get(n.inputs[2])
+        seq = len(dg.values[n.inputs[1]].type.shape) - 2
+        if not (k and v and _along(k) == _along(v) == (_axis(k), seq) and k.group == v.group == n.group):
+            continue
+        b: DNode | None = backward.get(tuple(n.inputs[1:]))
+        scatters: tuple[Step, Step] | None = None
+        if b is not None and b.grad_mask[1:3] == (True, True) and not any(b.grad_mask[3:]):
+            grads = dict(zip((i for i, m in enumerate(b.grad_mask) if m), b.outputs))
+            sk, sv = scattered.get(grads[1]), scattered.get(grads[2])
+            if (
+                sk is not None
+                and sv is not None
+                and all(u == 1.0 for u in b.unscale)
+                and all(
+                    _along(st.nodes[-1]) == (_axis(k), seq) and readers[st.nodes[0].inputs[0]] == {st.nodes[0].name}
+                    for st in (sk, sv)
+                )
+            ):
+                scatters = (sk, sv)
+        if scatters is None:
+            b = None
+        ours = {n.name} | ({b.name} if b is not None else set())
+        joined = bool((readers[k.outputs[0]] | readers[v.outputs[0]]) - ours)
+        out[n.name] = AttentionRing(n, k, v, b, scatters, joined)
+    return out
+
+
+def _along(n: DNode) -> tuple[str, int]:
+    """The mesh axis and the tensor dim Combine or Repartition node ``n`` acts along."""
+    assert isinstance(n.op, (CombineOp, RepartitionOp)), n.name
+    return n.op.axis, n.op.dim
 
 
 def _axis(n: DNode) -> str:
@@ -360,6 +442,12 @@ _COLLECTIVES = frozenset(
 def instances(st: Step, plan: Decisions) -> int:
     """How many communications (tokens) a step makes."""
     n = st.nodes[0]
+    ring = plan.rings.get(n.name) or plan.ring_backwards.get(n.name)
+    if ring is not None:  # each group's keys and values, d − 1 permutes each; in the backward their gradients too
+        d = n.group.mesh.axis_size(_axis(ring.k))
+        return (2 if n.task == TaskType.FWD else 4) * (d - 1) * (n.group.size // d)
+    if n.name in plan.ring_steps:
+        return 0
     if st.kind == NodeKind.COPY:
         return n.group.size
     b = plan.bucket_of.get(n.name)
@@ -393,7 +481,14 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
         now, later = [], []
         for st, local in zip(sg.steps, sg.instrs[r]):
             after: list[Instr] = []
-            if st.local:
+            name = st.nodes[0].name
+            if name in plan.rings:
+                mine = _attention_ring(plan, plan.rings[name], r) if local else []
+            elif name in plan.ring_backwards:
+                mine = _attention_ring_backward(plan, plan.ring_backwards[name], r) if local else []
+            elif name in plan.ring_steps:
+                mine = []
+            elif st.local:
                 mine = [] if st.kind == NodeKind.COMPUTE and st.nodes[0].name in suppressed else list(local)
             else:
                 b, g = plan.bucket_of.get(st.nodes[0].name), plan.gather_of.get(st.nodes[0].name)
@@ -799,6 +894,209 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
         y = piece(dg.values[c.outputs[0]])
         instrs.append(Compute(c.task, c.src, "concat", tuple(_chunk(y, j, d, dim) for j in range(d)), (y,), dim=dim))
     return instrs
+
+
+def _attention_ring(plan: Decisions, ring: AttentionRing, r: int) -> list[Instr]:
+    """Ring attention on rank ``r`` (docs/lowering.md#16-ring-attention---cp-attention-ring): the keys and values travel as an all-gather
+    ring does, two collective-permutes per step (keys, then values; :func:`ring_peers`), and each block of them
+    is attended by this rank's queries as soon as it is present — the rank's own first, while the next travels —,
+    each block giving an output and its log-sum-exp (:attr:`~shardflow.graph.ops.Attention.keys_from`), merged
+    into the running result (``lse_merge``), the last merge also keeping the log-sum-exp for the backward. Where
+    other nodes read the gathered keys and values (:attr:`AttentionRing.joined`), they are joined at the end."""
+    dg = plan.dg
+    a, gk, gv = ring.attention, ring.k, ring.v
+    members, p, g, groups = _ring_group(gk, r)
+    d, dim = len(members), _along(gk)[1]
+    spec = kernel(a, dg, r)
+    assert isinstance(spec, Forward) and spec.draw is None, a.name
+    q = piece(dg.values[a.inputs[0]])
+    own = [piece(dg.values[x.inputs[0]]) for x in (gk, gv)]
+    full = [piece(dg.values[x.outputs[0]]) for x in (gk, gv)]
+    held = [[own[i] if j == p else _chunk(full[i], j, d, dim) for j in range(d)] for i in range(2)]
+    instrs, masks = _mask_blocks(plan, a, d, "", a.task)
+    assert spec.local.out_scale == 1.0 and all(x == 1.0 for x in spec.local.in_scale), a.name
+    attention = spec.local.op
+    assert isinstance(attention, Attention), a.name
+    out = piece(dg.values[a.outputs[0]])
+    lse = _lse(out)
+    block = held[0][p].type.shape[dim]
+
+    def token(step: int, i: int) -> int:  # i: 0 the keys, 1 the values
+        return (2 * step + i) * groups + g
+
+    def comm(step: int, i: int) -> Comm:
+        to, frm = ring_peers(p, step + 1, d)
+        x = (gk, gv)[i]
+        value = dg.values[x.inputs[0]].id
+        return _permute(x, token(step, i), members, (members[to], members[frm]), own[i], held[i][frm], a.task, value)
+
+    def attend(j: int) -> tuple[Compute, tuple[Buffer, Buffer]]:
+        outs = (Buffer(f"{out.value}#{j}", out.type), Buffer(f"{lse.value}{j}", lse.type))
+        op = dataclasses.replace(attention, keys_from=j * block)
+        k = Forward(dataclasses.replace(spec.local, op=op), None, ())
+        ins = (q, held[0][j], held[1][j], *masks[j])
+        return Compute(a.task, a.src, a.label, ins, outs, a.name, kernel=k, micro=a.micro), outs
+
+    first, acc = attend(p)
+    instrs += [comm(0, 0), comm(0, 1), first]
+    for s in range(1, d):
+        instrs += [Wait(token(s - 1, 0)), Wait(token(s - 1, 1))]
+        if s < d - 1:
+            instrs += [comm(s, 0), comm(s, 1)]
+        c, outs = attend(ring_peers(p, s, d)[1])
+        merged = (
+            (out, lse)
+            if s == d - 1
+            else (Buffer(f"{out.value}#acc{s}", out.type), Buffer(f"{lse.value}_acc{s}", lse.type))
+        )
+        instrs += [c, Compute(a.task, a.src, "lse_merge", (*acc, *outs), merged)]
+        acc = merged
+    if ring.joined:
+        for x, chunks, whole in zip((gk, gv), held, full):
+            instrs.append(Compute(x.task, x.src, "concat", tuple(chunks), (whole,), dim=dim))
+    return instrs
+
+
+def _lse(out: Buffer) -> Buffer:
+    """The log-sum-exp a ring attention keeps beside its output ``out`` ``[*, H, T, Dv]``: ``[*, H, T]``."""
+    return Buffer(f"{out.value}#lse", TensorType(out.type.shape[:-1], out.type.dtype))
+
+
+def _mask_blocks(
+    plan: Decisions, a: DNode, d: int, tag: str, task: TaskType
+) -> tuple[list[Instr], list[tuple[Buffer, ...]]]:
+    """The instructions of ``task`` that cut forward attention ``a``'s mask (if it has one) into the columns of each
+    of the ``d`` key blocks of a ring, and each block's mask operands (none, the mask itself where it broadcasts
+    along the keys, or its columns)."""
+    if len(a.inputs) < 4:
+        return [], [()] * d
+    m = piece(plan.dg.values[a.inputs[3]])
+    last = len(m.type.shape) - 1
+    if m.type.shape[last] == 1:
+        return [], [(m,)] * d
+    cols = tuple(_chunk(m, j, d, last, tag) for j in range(d))
+    return [Compute(task, a.src, "chunk", (m,), cols, dim=last)], [(c,) for c in cols]
+
+
+def _permute(
+    x: DNode,
+    token: int,
+    members: tuple[int, ...],
+    peers: tuple[int, int],
+    send: Buffer,
+    recv: Buffer,
+    task: TaskType,
+    value: str,
+) -> Comm:
+    """One collective-permute step of a ring attention along all-gather ``x``'s axis and sequence dim: ``send`` to
+    ``peers[0]``, ``recv`` from ``peers[1]``, issued without waiting; ``value``: the dynamic-graph value it moves
+    (the same on every member)."""
+    return Comm(
+        token,
+        CommKind.PERMUTE,
+        task,
+        members,
+        send.type,
+        wire_bytes(CommKind.PERMUTE, send.type.nbytes, len(members)),
+        _along(x)[0],
+        peer=peers[0],
+        peer_from=peers[1],
+        send=send,
+        recv=recv,
+        dim=_along(x)[1],
+        wait=False,
+        note=x.name,
+        value=value,
+    )
+
+
+def _attention_ring_backward(plan: Decisions, ring: AttentionRing, r: int) -> list[Instr]:
+    """The backward of ring attention on rank ``r`` (docs/lowering.md#16-ring-attention---cp-attention-ring): the keys and values travel
+    around the ring again, as in the forward; each block present is differentiated against this rank's queries
+    (:class:`~shardflow.lower.program.BlockVjp`, from the forward's merged output and log-sum-exp), its share of the
+    query gradient added here, and its shares of the key and value gradients sent back to the block's owner — the
+    rank it came from — while the next block is computed; each rank adds the shares it receives into the gradients
+    of its own block: the reduce-scatters of the all-gather form, done by the ring."""
+    dg = plan.dg
+    a, b, gk, gv = ring.attention, ring.backward, ring.k, ring.v
+    assert b is not None and ring.scatters is not None, a.name
+    members, p, g, groups = _ring_group(gk, r)
+    d, dim = len(members), _along(gk)[1]
+    spec = kernel(b, dg, r)
+    assert isinstance(spec, Vjp) and spec.draw is None, b.name
+    attention = spec.local.op
+    assert isinstance(attention, Attention), b.name
+    n_in = len(b.grad_mask)
+    q = piece(dg.values[b.inputs[0]])
+    own = [piece(dg.values[x.inputs[0]]) for x in (gk, gv)]
+    held = [
+        [own[i] if j == p else _chunk(piece(dg.values[x.outputs[0]]), j, d, dim, "bwd") for j in range(d)]
+        for i, x in enumerate((gk, gv))
+    ]
+    instrs, masks = _mask_blocks(plan, a, d, "bwd", b.task)
+    out = piece(dg.values[a.outputs[0]])
+    lse, dout = _lse(out), piece(dg.values[b.inputs[n_in]])
+    grads = dict(zip((i for i, m in enumerate(b.grad_mask) if m), b.outputs))
+    dq = piece(dg.values[grads[0]]) if 0 in grads else Buffer(f"{q.value}#grad", q.type)
+    final = [piece(dg.values[st.nodes[-1].outputs[0]]) for st in ring.scatters]  # this rank's dk, dv pieces
+    partials = [dg.values[st.nodes[0].inputs[0]].id for st in ring.scatters]  # what the all-gather form reduces
+    dtypes = (dq.type.dtype, final[0].type.dtype, final[1].type.dtype)
+    block = own[0].type.shape[dim]
+    sources = [dg.values[x.inputs[0]].id for x in (gk, gv)]
+
+    def index(s: int, grad: bool) -> int:
+        """Issue position of step ``s``'s pair of permutes: the keys and values of step 0; then per step the next
+        keys and values (all steps but the last) and the gradients of the block at hand."""
+        return 0 if s == 0 else 4 * s - 2 + (2 if grad and s < d - 1 else 0)
+
+    def token(s: int, grad: bool, i: int) -> int:
+        return (index(s, grad) + i) * groups + g
+
+    def fetch(s: int) -> list[Instr]:
+        to, frm = ring_peers(p, s + 1, d)
+        return [
+            _permute(x, token(s, False, i), members, (members[to], members[frm]), own[i], held[i][frm], b.task, value)
+            for i, (x, value) in enumerate(zip((gk, gv), sources))
+        ]
+
+    def differentiate(j: int) -> tuple[Compute, tuple[Buffer, ...]]:
+        op = dataclasses.replace(attention, keys_from=j * block)
+        k = BlockVjp(dataclasses.replace(spec.local, op=op), dtypes)
+        outs = (Buffer(f"{dq.value}#{j}", dq.type), *(Buffer(f"{f.value}#from{p}of{j}", f.type) for f in final))
+        ins = (q, held[0][j], held[1][j], *masks[j], out, lse, dout)
+        return Compute(b.task, b.src, b.label, ins, outs, b.name, kernel=k, micro=b.micro), outs
+
+    def add(x: Buffer, y: Buffer, into: Buffer) -> Compute:
+        return Compute(b.task, b.src, "add", (x, y), (into,))
+
+    c, (dq_acc, dk_acc, dv_acc) = differentiate(p)
+    instrs += [*fetch(0), c]
+    pending: tuple[int, list[Buffer]] | None = None  # the step whose shares for our block travel, where they land
+    for s in range(1, d):
+        last = s == d - 1
+        instrs += [Wait(token(s - 1, False, 0)), Wait(token(s - 1, False, 1))]
+        if not last:
+            instrs += fetch(s)
+        j = ring_peers(p, s, d)[1]
+        c, (dq_j, dk_j, dv_j) = differentiate(j)
+        summed = dq if last else Buffer(f"{dq.value}#acc{s}", dq.type)
+        instrs += [c, add(dq_acc, dq_j, summed)]
+        dq_acc = summed
+        frm, back = ring_peers(p, s, d)  # the block's owner is where it came from; ours went to frm
+        got = [Buffer(f"{f.value}#from{members[frm]}", f.type) for f in final]
+        instrs += [
+            _permute(x, token(s, True, i), members, (members[back], members[frm]), share, got[i], b.task, moved)
+            for i, (x, share, moved) in enumerate(zip((gk, gv), (dk_j, dv_j), partials))
+        ]
+        if pending is not None:
+            instrs += [Wait(token(pending[0], True, 0)), Wait(token(pending[0], True, 1))]
+            nxt = [Buffer(f"{f.value}#acc{s}", f.type) for f in final]
+            instrs += [add(dk_acc, pending[1][0], nxt[0]), add(dv_acc, pending[1][1], nxt[1])]
+            dk_acc, dv_acc = nxt
+        pending = (s, got)
+    assert pending is not None
+    instrs += [Wait(token(pending[0], True, 0)), Wait(token(pending[0], True, 1))]
+    return instrs + [add(dk_acc, pending[1][0], final[0]), add(dv_acc, pending[1][1], final[1])]
 
 
 def _reduce_scatter_ring(st: Step, plan: Decisions, r: int, base: int, form: CommForm) -> list[Instr]:

@@ -63,11 +63,15 @@ class CPAttention(StrEnum):
     docs/concepts.md#context-parallelism): ``all_gather`` the keys and values, each device's queries keeping their
     block; ``all_to_all`` the
     queries, keys and values onto heads (each device then holds every position of its heads: DeepSpeed-Ulysses) and
-    the output back onto the sequence; ``auto`` the one that sends fewer bytes."""
+    the output back onto the sequence; ``ring`` plans as ``all_gather`` and lowers the gathers as a ring of
+    collective-permutes, each step attending the key/value block at hand while the next travels, merged by
+    log-sum-exp (:func:`~shardflow.lower.comm_lowering.attention_rings`); ``auto`` the one of ``all_gather`` and
+    ``all_to_all`` that sends fewer bytes."""
 
     AUTO = "auto"
     ALL_GATHER = "all_gather"
     ALL_TO_ALL = "all_to_all"
+    RING = "ring"
 
 
 class CommForm(StrEnum):

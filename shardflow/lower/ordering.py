@@ -152,6 +152,7 @@ def split_vjp(c: Compute, now: set[str]) -> tuple[Compute, Compute]:
     """Backward compute ``c`` as two computes of its op's vjp: the one writing the gradients in ``now``, and the
     one writing the others (same inputs, complementary gradient masks)."""
     spec = c.kernel
+    assert isinstance(spec, Vjp), c
     wanted = [i for i, m in enumerate(spec.grad_mask) if m]  # input index of each output, in order
     halves = []
     for keep in (True, False):

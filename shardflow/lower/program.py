@@ -71,6 +71,18 @@ class Vjp:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockVjp:
+    """The backward of one key/value block of a ring attention (docs/lowering.md#16-ring-attention---cp-attention-ring): ``local`` is the
+    block's op (:attr:`~shardflow.graph.ops.Attention.keys_from` set). Reads q, the block's keys and values (and
+    its columns of the mask), the attention's merged output and log-sum-exp, and the output gradient; writes this
+    rank's queries' share of the gradients of q, of the block's keys and of its values
+    (:func:`~shardflow.graph.ops.key_block_vjp`), in ``dtypes``."""
+
+    local: LocalOp
+    dtypes: tuple[str, str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class OnesLike:
     """The loss seed: ``scale`` (1, or 1/N in each of N accumulated micro-steps) in the loss piece's shape."""
 
@@ -118,7 +130,7 @@ class Convert:
     dtype: str
 
 
-KernelSpec = Forward | Vjp | OnesLike | Sum | Update | SumOfSquares | Keep | Block | Convert
+KernelSpec = Forward | Vjp | BlockVjp | OnesLike | Sum | Update | SumOfSquares | Keep | Block | Convert
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +164,9 @@ class Compute:
 # chunks along ``dim``, add two buffers (the local adds of a reduce-scatter ring), pack pieces into one flat
 # buffer (in the output's shape) and unpack it into views of the pieces' shapes (a gradient bucket), and ungather
 # a weight bucket's gathered rows (one per rank: its packed pieces) into each member whole, its rows' pieces
-# concatenated along ``dim``.
-LOCAL_MOVES = ("chunk", "concat", "add", "pack", "unpack", "ungather")
+# concatenated along ``dim``; merge two partial attention results over disjoint key blocks by their log-sum-exp
+# (ring attention: :func:`~shardflow.graph.ops.lse_merge`).
+LOCAL_MOVES = ("chunk", "concat", "add", "pack", "unpack", "ungather", "lse_merge")
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ import torch
 
 from shardflow.graph.ops import Linear, torch_dtype
 from shardflow.lower.buffer_reuse import Reuse
-from shardflow.lower.program import Comm, Compute, Program
+from shardflow.lower.program import Comm, Compute, Forward, Program
 
 
 class Kept:
@@ -147,9 +147,10 @@ class Receives:
         k, j = self.computed[instr]
         dim, first = self.joins[k].dim, self.first[k] is instr
         chunk, first_reader, last_reader = self.reads[instr]
+        assert isinstance(instr.kernel, Forward), instr
         op = instr.kernel.local.op
-        linear = isinstance(op, Linear)
-        transpose, bias = linear and not op.transposed, linear and op.bias
+        transpose = isinstance(op, Linear) and not op.transposed
+        bias = isinstance(op, Linear) and op.bias
 
         def product(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             if first:

@@ -19,12 +19,13 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
-from shardflow.graph.ops import torch_dtype
+from shardflow.graph.ops import Attention, key_block_vjp, lse_merge, torch_dtype
 from shardflow.graph.rng import PieceSite
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, Optimizer, UpdateRule
 from shardflow.lower.program import (
     LOCAL_MOVES,
     Block,
+    BlockVjp,
     Compute,
     Convert,
     Forward,
@@ -137,6 +138,7 @@ def update_kernel(updates: Sequence[Compute], cfg: OptimizerConfig, step: Callab
     the updates were lowered for other optimizer state than ``cfg`` keeps, or differ in their state or clipping.
     """
     spec = updates[0].kernel
+    assert isinstance(spec, Update), updates[0]
     if any(u.kernel != spec for u in updates):
         raise ValueError(f"updates of one kernel must keep the same state and clipping: {[u.kernel for u in updates]}")
     if OPTIMIZER_SLOTS[cfg.slots] != spec.slots:
@@ -228,6 +230,8 @@ def make_kernel(
         if hand is not None:
             return _hand_vjp_kernel(hand, spec)
         return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.saved_as, saved)
+    if isinstance(spec, BlockVjp):
+        return _key_block_vjp_kernel(spec)
     if isinstance(spec, OnesLike):
         return lambda xs: [torch.full_like(xs[0], spec.scale)]
     if isinstance(spec, Sum):
@@ -273,6 +277,7 @@ def records_graph(instr: Compute) -> bool:
     for the backward: its op has a backward and no hand-written vjp on pieces of its input's size (the backward
     reads the same input piece, so both decide alike)."""
     spec = instr.kernel
+    assert isinstance(spec, Forward), instr
     return bool(spec.record) and hand_vjp(spec.local.op, [b.type for b in instr.ins]) is None
 
 
@@ -315,6 +320,8 @@ def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]
         return [torch.cat(list(xs), instr.dim)]
     if instr.op == "add":
         return [xs[0] + xs[1]]
+    if instr.op == "lse_merge":
+        return list(lse_merge(*xs))
     if instr.op == "pack":
         return [torch.cat([x.reshape(-1) for x in xs]).view(instr.outs[0].type.shape)]
     if instr.op == "unpack":  # views into the flat buffer, no copy
@@ -331,6 +338,21 @@ def local_move(instr: Compute, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]
             at += n
         return out
     raise ValueError(f"no local kernel for {instr.op!r} (one of {LOCAL_MOVES})")
+
+
+def _key_block_vjp_kernel(spec: BlockVjp) -> Kernel:
+    """A ring attention's backward on one key/value block (:class:`~shardflow.lower.program.BlockVjp`): inputs q,
+    k, v, [mask], the merged output, its lse, the output gradient."""
+    dtypes = [torch_dtype(d) for d in spec.dtypes]
+    block = spec.local.op
+    assert isinstance(block, Attention), block
+
+    def kernel(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        q, k, v, *mask, out, lse, dout = xs
+        grads = key_block_vjp(block, q, k, v, mask[0] if mask else None, out, lse, dout)
+        return [g if g.dtype == d else g.to(d) for g, d in zip(grads, dtypes)]
+
+    return kernel
 
 
 def _recording_forward(fwd: Callable, grad_mask: Sequence[bool], key: tuple[str, int], saved: dict) -> Kernel:

@@ -8,7 +8,7 @@ other op is memory-bound, except the ops that return views of their input (:data
 expand, slice, split; and the backwards of :data:`VIEW_VJPS`), which move no bytes and cost their launch floor
 only, as do the computes that hand their input on (``Keep``, a flat buffer's ``unpack``). A backward (:class:`~shardflow.lower.program.Vjp`) computes one product per input that
 gets a gradient (the input's and the weight's gradients of a linear: 2× the forward when both), an attention's
-backward 2.5× its forward (five matmuls against two, as FlashAttention-2 counts them: Dao 2023, §3.1); it reads
+backward (and a ring attention's backward of one key block, :class:`~shardflow.lower.program.BlockVjp`) 2.5× its forward (five matmuls against two, as FlashAttention-2 counts them: Dao 2023, §3.1); it reads
 the forward's inputs and the output gradients and writes the input gradients. An optimizer update
 (:class:`~shardflow.lower.program.Update`) of a float32 or float64 shard is torch.optim's fused kernel, as the
 executors run it (:data:`FUSED_UPDATE_DTYPES`): one pass reading the weight, gradient and state and writing the
@@ -38,7 +38,7 @@ from shardflow.graph.ops import (
     torch_dtype,
 )
 from shardflow.lower.dynamic import TaskType
-from shardflow.lower.program import Buffer, Comm, Compute, Forward, Keep, Update, Vjp
+from shardflow.lower.program import BlockVjp, Buffer, Comm, Compute, Forward, Keep, Update, Vjp
 from shardflow.parallel.collectives import KINDS
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ def compute_flops(c: Compute) -> int:
         if isinstance(k.local.op, Attention):
             return int(ATTENTION_BACKWARD * forward)
         return forward * sum(k.grad_mask[:2])
+    if isinstance(k, BlockVjp):  # a ring attention's block: its forward recomputed and differentiated
+        return int(ATTENTION_BACKWARD * FORWARD_FLOPS[Attention](k.local.op, tuple(b.type for b in c.ins[:3]), ()))
     return 0
 
 
@@ -140,8 +142,8 @@ def compute_seconds(c: Compute, spec: MachineSpec, kernels: Kernels = EAGER, fus
         count = UPDATE_KERNELS.get(len(c.kernel.slots), 1 + 2 * len(c.kernel.slots))
         moved *= count
     attention = None
-    if isinstance(c.kernel, (Forward, Vjp)) and isinstance(c.kernel.local.op, Attention):
-        attention = "backward" if isinstance(c.kernel, Vjp) else "forward"
+    if isinstance(c.kernel, (Forward, Vjp, BlockVjp)) and isinstance(c.kernel.local.op, Attention):
+        attention = "forward" if isinstance(c.kernel, Forward) else "backward"
     if (
         kernels.float8_matmul
         and flops

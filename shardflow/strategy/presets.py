@@ -426,6 +426,8 @@ def context_parallel(graph: ComputationGraph, degree: int = 2, axis: str = "cp",
       onto the heads (``Shard`` of the heads dim: an all-to-all each), every device attends over the whole sequence
       for its heads, and the output moves back onto the sequence — four all-to-alls of a 1/``degree`` piece, where
       the all-gather receives the whole keys and values; the degree must divide the key/value heads;
+    * ``ring``: planned as ``all_gather``; lowering runs each pair of gathers as a ring of collective-permutes with
+      the attention computed block by block (:func:`~shardflow.lower.comm_lowering.attention_rings`);
     * ``auto``: per attention, all-to-all where the degree divides its heads and it sends fewer bytes — for
       grouped-query attention with g query heads per key/value head, where ``degree`` > g + 1 — else all-gather.
 
@@ -443,8 +445,8 @@ def context_parallel(graph: ComputationGraph, degree: int = 2, axis: str = "cp",
             "context parallelism splits the sequence that attention reads whole, but the model has no attention "
             "(F.scaled_dot_product_attention); split its batch with dp or fsdp instead"
         )
-    if attention not in ("auto", "all_gather", "all_to_all"):
-        raise PlanError(f"--cp-attention {attention!r}: give all_gather, all_to_all or auto")
+    if attention not in ("auto", "all_gather", "all_to_all", "ring"):
+        raise PlanError(f"--cp-attention {attention!r}: give all_gather, all_to_all, ring or auto")
     modules: dict[str, ModulePlan] = {}
     for n in attentions:
         q, k, v = (graph.tensors[t].type for t in n.inputs[:3])

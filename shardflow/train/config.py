@@ -95,8 +95,10 @@ class TrainConfig:
         "auto",
         "under cp: how attention reads the split sequence: all_gather (the keys and values gathered, each device's "
         "queries kept), all_to_all (queries, keys and values moved onto heads and back: DeepSpeed-Ulysses; cp must "
-        "divide the key/value heads) or auto (the one that sends fewer bytes)",
-        choices=("auto", "all_gather", "all_to_all"),
+        "divide the key/value heads), ring (planned as all_gather, the keys and values passed around a ring of "
+        "collective-permutes block by block, outputs merged by log-sum-exp: each device holds one block at a time) "
+        "or auto (the one of all_gather and all_to_all that sends fewer bytes)",
+        choices=("auto", "all_gather", "all_to_all", "ring"),
     )
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(
