@@ -53,20 +53,38 @@ def measure(cp: int, seq_len: int, form: str = "auto") -> dict:
 
 
 def forms_section(rows: list[dict], seq_len: int) -> list[str]:
-    """The attention forms side by side at one degree: rank 0's peak and the bytes it sends over cp per step."""
+    """The attention forms side by side at each degree: rank 0's peak and the bytes it sends over cp per step."""
     lines = [
         "",
-        f"**The attention forms** (`--cp-attention`, docs/concepts.md#context-parallelism), cp = {rows[0]['cp']}, the "
-        f"same sequence of {seq_len:,} tokens: rank 0's peak and the bytes it sends over cp in one step (forward "
-        f"and backward; every rank sends as much).",
+        f"**The attention forms** (`--cp-attention`, docs/concepts.md#context-parallelism), the same sequence of "
+        f"{seq_len:,} tokens: rank 0's peak and the bytes it sends over cp in one step (forward and backward; every "
+        f"rank sends as much).",
         "",
-        "| form | peak (B) | peak − state (B) | sent over cp (B) | collectives over cp |",
-        "|---|---|---|---|---|",
+        "| cp | form | peak (B) | peak − state (B) | sent over cp (B) | collectives over cp |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['form']} | {r['peak']:,} | {r['peak'] - r['state']:,} | {r['sent']:,} | {', '.join(r['kinds'])} |"
+            f"| {r['cp']} | {r['form']} | {r['peak']:,} | {r['peak'] - r['state']:,} | {r['sent']:,} | "
+            f"{', '.join(r['kinds'])} |"
         )
+    pairs = [
+        (a, b) for a in rows for b in rows if a["cp"] == b["cp"] and (a["form"], b["form"]) == ("all_gather", "ring")
+    ]
+    lines += [
+        "",
+        "The ring (docs/lowering.md#16-ring-attention---cp-attention-ring) keeps one block of keys and values at a "
+        "time where the all-gather form keeps them whole until the backward: rank 0's peak − state is "
+        + ", ".join(
+            f"{(b['peak'] - b['state']) / (a['peak'] - a['state']):.3f} × the all-gather form's at cp = {a['cp']}"
+            for a, b in pairs
+        )
+        + "; it sends more ("
+        + ", ".join(f"{b['sent'] / a['sent']:.3f} ×" for a, b in pairs)
+        + "): the backward passes the blocks around again instead of keeping them. The peak is the ledger of the "
+        "program's buffers; what torch's autograd keeps inside a recorded attention (its attention weights) is not "
+        "in it, and the ring records none (each block's backward recomputes it).",
+    ]
     return lines
 
 
@@ -98,8 +116,8 @@ def section(rows: list[dict], seq_len: int, seconds: float) -> str:
         "Target (issue #38): activation memory per rank falls as 1/cp — measured "
         + ", ".join(f"{(r['peak'] - r['state']) / base:.3f} at cp = {r['cp']}" for r in rows[1:])
         + f" ({verdict(all((r['peak'] - r['state']) / base <= 1.05 / r['cp'] for r in rows[1:]))}, within 5 % of 1/cp). "
-        f"Each device still holds every key and value of one attention while it runs (the all-gather form; the "
-        f"ring form, not built, would hold one block at a time), small next to the rest at this width; the state "
+        f"Under the default form each device holds every key and value of one attention while it runs (all-gather; "
+        f"`--cp-attention ring` holds one block at a time: below), small next to the rest at this width; the state "
         f"is replicated over cp ({last['state']:,} B on every rank; `fsdp,cp` shards it).",
         "",
     ]
@@ -119,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     for cp in DEGREES:
         rows.append(measure(cp, args.seq_len))
         print(f"cp={cp}: peak {rows[-1]['peak']:,} B, state {rows[-1]['state']:,} B", file=sys.stderr)
-    forms = [measure(2, args.seq_len, form) for form in ("all_gather", "all_to_all")]
+    # all_to_all needs cp to divide the key/value heads (the main job's Llama has 2): cp = 2 only
+    cases = [(2, "all_gather"), (2, "all_to_all"), (2, "ring"), (4, "all_gather"), (4, "ring")]
+    forms = [measure(cp, args.seq_len, form) for cp, form in cases]
     text = section(rows, args.seq_len, time.monotonic() - t0) + "\n".join(forms_section(forms, args.seq_len)) + "\n"
     print(text)
     if not args.no_write:
