@@ -1512,6 +1512,47 @@ def run_moe(p: dict, rank: int, world: int) -> dict:
     }
 
 
+# ==========================================================================================================
+# (x) context parallelism: the attention forms
+# ==========================================================================================================
+def run_context(p: dict, rank: int, world: int) -> dict:
+    """(x) The main job's model at ``shardflow train``'s defaults on one sequence of ``p["seq_len"]`` tokens per step
+    under ``--strategy cp`` over every rank, with each attention form of ``p["forms"]`` (``--cp-attention``): the
+    step time (interleaved rounds, the same weights and batch), the first losses, the bytes this rank sends per step
+    and its peak of live buffers (an executor that counts them, on the same weights)."""
+    import dataclasses
+
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.recipe import setup
+
+    executors, res = {}, {}
+    for form in p["forms"]:
+        cfg = dataclasses.replace(
+            TrainConfig(),
+            seq_len=p["seq_len"],
+            batch_size=1,
+            strategy="cp",
+            mesh=f"cp={world}",
+            nproc=world,
+            cp_attention=form,
+        )
+        s = setup(cfg, world)
+        step = s.lower(ranks=(rank,))
+        ex = DistributedExecutor(step, s.optimizer, timeout_s=TIMEOUT_S)
+        weights, batch = s.initial_weights(), s.batch("train", 0)
+        ex.load(weights)
+        executors[form] = (ex, batch)
+        res[form] = {
+            "comm_bytes": sum(c.nbytes for c in ex.program.comms),
+            "kinds": sorted({str(c.family) for c in ex.program.comms if c.axis == "cp"}),
+            "peak": measured_peak(step, s.optimizer, ex, batch),
+        }
+    variants = [Variant(form, functools.partial(ex.step, batch)) for form, (ex, batch) in executors.items()]
+    losses = first_losses(variants, 2, rank)
+    samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank, log=lambda x: say(rank, x))
+    return {"forms": res, "losses": losses, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()}}
+
+
 WORKLOADS = {
     "mlp": run_mlp,
     "gpt": run_gpt,
@@ -1524,6 +1565,7 @@ WORKLOADS = {
     "chunked": run_chunked,
     "vocab": run_vocab,
     "moe": run_moe,
+    "context": run_context,
 }
 
 

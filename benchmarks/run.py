@@ -26,7 +26,10 @@ sections, e.g. "Planning time", stay as they are).
 * v — the training job's default model under tp=2, vocabulary-parallel (the preset) against the embedding and head
       replicated: per-rank state, bytes per step, step time;
 * m — a Mixtral-style mixture of experts on 2 and 4 ranks: shardflow ep and dp against expert parallelism written by
-      hand (``all_to_all_single`` dispatch and combine); tokens/s and bytes per step.
+      hand (``all_to_all_single`` dispatch and combine); tokens/s and bytes per step;
+* x — context parallelism on 2 and 4 ranks: the main job's model on one long sequence under ``--strategy cp``, each
+      ``--cp-attention`` form (all-gather, all-to-all where cp divides the key/value heads, ring); step time, bytes
+      and peak per rank.
 
 Usage::
 
@@ -58,7 +61,7 @@ from shardflow.lower import LowerOptions  # noqa: E402
 from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
-KEYS = "abcdefgmpqtv"
+KEYS = "abcdefgmpqtvx"
 KiB, MiB = 1 << 10, 1 << 20
 # (m): Mixtral's layout at a small width: 8 experts of width 256, top 2, 2 layers of width 128
 MOE_CONFIG = {
@@ -205,6 +208,11 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
             "warmup": 1 if quick else 2,
         }
         out += [("m2", "moe", 2, moe)] + ([] if quick else [("m4", "moe", 4, {**moe, "rounds": 9})])
+    if "x" in keys:
+        ctx = {"seq_len": 2048, "rounds": 3 if quick else 9, "iters": 1, "warmup": 1}
+        out.append(("x2", "context", 2, {**ctx, "forms": ["all_gather", "all_to_all", "ring"]}))
+        if not quick:
+            out.append(("x4", "context", 4, {**ctx, "forms": ["all_gather", "ring"]}))
     if "v" in keys:
         out.append(
             ("v", "vocab", 2, {"vocab_sizes": [None, 8192], "rounds": 5 if quick else 15, "iters": 3, "warmup": 2})
@@ -906,6 +914,44 @@ def section_m(runs: dict[int, dict], quick: bool) -> str:
     return "\n".join(lines)
 
 
+def section_x(runs: dict[int, dict], quick: bool) -> str:
+    """(x) step time, bytes and peak per rank of each --cp-attention form on 2 and 4 ranks."""
+    first = next(iter(runs.values()))
+    lines = [
+        "## Context parallelism: the attention forms on processes (x)",
+        "",
+        f"`python benchmarks/run.py --only x`: the main job's Llama at `shardflow train`'s defaults (AdamW, float32) "
+        f"on one sequence of {first['params']['seq_len']:,} tokens per step under `--strategy cp` over every rank, "
+        f"each `--cp-attention` form (docs/concepts.md#context-parallelism; the ring: "
+        f"docs/lowering.md#16-ring-attention---cp-attention-ring), `DistributedExecutor`, the same weights and "
+        f"batch. Peak: this rank's live buffers over two steps (an executor that counts them). Interleaved rounds of "
+        f"{first['params']['iters']} step.",
+        "",
+        machine_line(first, first["world"]),
+        "",
+        TIMING_NOTE,
+        "",
+        "| ranks | form | step (ms, median) | range | bytes sent per rank per step | peak rank 0 (B) | over cp |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for world, res in runs.items():
+        st = res["samples"]
+        for form, f in res["forms"].items():
+            lines.append(
+                f"| {world} | {form} | {ms(med(st[form]))} | {spread_ms(st[form])} | {f['comm_bytes']:,} "
+                f"| {f['peak']:,} | {', '.join(f['kinds'])} |"
+            )
+        rs = ratios(st["ring"], st["all_gather"])
+        ring, gathered = res["forms"]["ring"]["peak"], res["forms"]["all_gather"]["peak"]
+        notes.append(
+            f"{world} ranks: ring step ÷ all-gather step per round {ratio_text(rs)}, target ≤ 1.15: "
+            f"{verdict(med(rs) <= 1.15)}; peak {ring / gathered:.3f} × the all-gather form's. First "
+            "losses: " + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in res["losses"].items()) + "."
+        )
+    return "\n".join(lines + [""] + notes + [""])
+
+
 def section_q(res: dict, quick: bool) -> str:
     st, m = res["samples"], res["model"]
     p, M = len(res["blocked"]), m["microbatches"]
@@ -1308,6 +1354,9 @@ def main(argv: list[str] | None = None) -> int:
         texts.append(section_t(results["t"], args.quick))
     if "v" in results:
         texts.append(section_v(results["v"], args.quick))
+    context = {int(label[1:]): results[label] for label in ("x2", "x4") if label in results}
+    if context:
+        texts.append(section_x(context, args.quick))
     for t in texts:
         print(t)
     if not args.no_write:

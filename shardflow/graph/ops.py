@@ -881,12 +881,42 @@ class Attention(Op):
             ),
         )
 
+    def key_block_path(self, q, k, mask) -> str:
+        """How :meth:`compute` attends one key block (:attr:`keys_from`) of ``k`` from queries ``q``: ``"masked"``
+        where the causal mask hides every key from every query (a zero output, lse −inf, nothing computed);
+        ``"flash"`` on CPU without a mask where the causal mask hides nothing (every key before every query) or is
+        the block's own diagonal (the same positions) — torch's fused CPU flash-attention kernel, which returns the
+        log-sum-exp, and its backward, which takes the merged output and lse (as PyTorch's ``context_parallel`` calls
+        it per block); ``"math"`` otherwise (the scores written out)."""
+        t, s, first = q.shape[-2], k.shape[-2], self.start or 0
+        if self.causal and self.keys_from > first + t - 1:
+            return "masked"
+        aligned = not self.causal or self.keys_from + s - 1 <= first or (self.keys_from == first and s == t)
+        return "flash" if mask is None and q.device.type == "cpu" and aligned else "math"
+
+    def heads(self, q, k, v):
+        """k and v with each key/value head repeated over its group of query heads (grouped-query attention)."""
+        if self.gqa and k.shape[-3] != q.shape[-3]:
+            return tuple(x.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for x in (k, v))
+        return k, v
+
     def _key_block(self, q, k, v, mask):
         """(output, lse) of the queries against one block of keys and values (:attr:`keys_from`): the scores
         masked as :meth:`compute` masks them — the causal rows at the query block's positions, the key columns at
-        the key block's —, each row's log-sum-exp, and the softmax over the block times v."""
-        if self.gqa and k.shape[-3] != q.shape[-3]:
-            k, v = (x.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for x in (k, v))
+        the key block's —, each row's log-sum-exp, and the softmax over the block times v (by
+        :meth:`key_block_path`)."""
+        path = self.key_block_path(q, k, mask)
+        if path == "masked":
+            lse = q.new_full(q.shape[:-1], float("-inf"))
+            return q.new_zeros(q.shape[:-1] + (v.shape[-1],)), lse
+        if path == "flash":
+            k, v = self.heads(q, k, v)
+            causal = self.causal and self.keys_from + k.shape[-2] - 1 > (self.start or 0)  # the diagonal block
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, scale=self.scale
+            )[:2]
+            return out, lse
+        k, v = self.heads(q, k, v)
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         scores = (q @ k.transpose(-2, -1)) * scale
         if mask is not None:
@@ -918,7 +948,21 @@ def key_block_vjp(block: Attention, q, k, v, mask, out, lse, dout):
     given the merged output ``out``, its ``lse`` and the output gradient ``dout``. The merge's backward, defined
     once here: with the block's share ``w = exp(lse_block − lse)``, ``out = Σ w·out_block`` gives the block's
     output the gradient ``w·dout`` and its lse ``w·Σ_Dv dout·(out_block − out)``; the block's own backward (the
-    vjp of ``block``, recomputed) takes it from there."""
+    vjp of ``block``, recomputed) takes it from there. On the fused path (:meth:`Attention.key_block_path`) torch's
+    CPU flash-attention backward computes the same from the merged output and lse directly."""
+    path = block.key_block_path(q, k, mask)
+    if path == "masked":
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if path == "flash":
+        kr, vr = block.heads(q, k, v)
+        causal = block.causal and block.keys_from + k.shape[-2] - 1 > (block.start or 0)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q, kr, vr, out.contiguous(), lse.contiguous(), 0.0, causal, scale=block.scale
+        )
+        if kr is not k:  # each key/value head's gradient: the sum over its group of query heads
+            g = q.shape[-3] // k.shape[-3]
+            dk, dv = (x.unflatten(-3, (k.shape[-3], g)).sum(-3) for x in (dk, dv))
+        return dq, dk, dv
     (o_b, lse_b), vjp = torch.func.vjp(lambda q, k, v: block.compute(q, k, v, mask), q, k, v)  # type: ignore[misc]
     w = torch.exp(lse_b - lse)
     return vjp((w.unsqueeze(-1) * dout, w * (dout * (o_b - out)).sum(-1)))
