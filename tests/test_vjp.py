@@ -251,3 +251,29 @@ def test_key_blocks_merged_by_lse_equal_attention_and_so_do_their_gradients(d, c
         cols = slice(j * n, (j + 1) * n)
         assert (gk - wk[..., cols, :]).abs().max() <= 1e-12 and (gv - wv[..., cols, :]).abs().max() <= 1e-12
     assert (share_q - dq[..., rows, :]).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("start", [0, 8, 24])
+def test_a_causal_query_block_equals_attention_with_its_rows_of_the_mask(grouped, start):
+    """Attention(start=...) on CPU without a mask (the all-gather form of context parallelism): the keys before the
+    block and its diagonal by the fused kernel, merged — its output and its gradients (autograd and torch.func.vjp,
+    the executors' two ways) equal torch's attention with the block's rows of the causal mask written out. 1e-12."""
+    g = torch.Generator().manual_seed(start)
+    heads = 2 if grouped else 4
+    q = torch.randn(2, 4, 8, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, heads, 32, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    op = O.Attention(causal=True, gqa=grouped, start=start)
+    rows = torch.arange(start, start + 8)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.arange(32) <= rows[:, None], enable_gqa=grouped
+    )
+    got = op.compute(q, k, v)[0]
+    dout = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(want, (q, k, v), dout)
+    assert (got - want).abs().max() <= 1e-12
+    for found in (
+        torch.autograd.grad(got, (q, k, v), dout),
+        torch.func.vjp(lambda q, k, v: op.compute(q, k, v)[0], q, k, v)[1](dout),
+    ):
+        assert all((a - b).abs().max() <= 1e-12 for a, b in zip(found, grads))

@@ -864,6 +864,8 @@ class Attention(Op):
         if self.keys_from is not None:
             return self._key_block(q, k, v, mask)
         causal = self.causal
+        if causal and self.start is not None and mask is None and q.device.type == "cpu":
+            return (_QueryBlock.apply(self, q, k, v)[0],)
         if causal and self.start is not None:  # the query block's rows of the causal mask
             t, s = q.shape[-2], k.shape[-2]
             rows = torch.arange(self.start, self.start + t, device=q.device)
@@ -929,6 +931,47 @@ class Attention(Op):
         lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
         return weights @ v, lse
+
+
+class _QueryBlock(torch.autograd.Function):
+    """A causal attention of one block of queries (``op.start``) against the whole key sequence, without a mask
+    written out: the keys before the block (none masked) and the block's own diagonal, each by torch's fused CPU
+    flash-attention kernel (:meth:`Attention.key_block_path`), merged by :func:`lse_merge`; the keys after it are
+    hidden from every query and not read. The backward is :func:`key_block_vjp` of each part, from the merged
+    output and lse. Returns (output, lse); the lse carries no gradient."""
+
+    @staticmethod
+    def forward(op, q, k, v):
+        start, t = op.start, q.shape[-2]
+        out, lse = dataclasses.replace(op, keys_from=start).compute(
+            q, k[..., start : start + t, :], v[..., start : start + t, :]
+        )
+        if start:
+            before = dataclasses.replace(op, keys_from=0).compute(q, k[..., :start, :], v[..., :start, :])
+            out, lse = lse_merge(*before, out, lse)
+        return out, lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        op, q, k, v = inputs
+        ctx.op = op
+        ctx.save_for_backward(q, k, v, *output)
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        op, (q, k, v, out, lse) = ctx.op, ctx.saved_tensors
+        start, t = op.start, q.shape[-2]
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        parts = [(start, start + t)] + ([(0, start)] if start else [])
+        dq = None
+        for a, b in parts:
+            block = dataclasses.replace(op, keys_from=a)
+            gq, dk[..., a:b, :], dv[..., a:b, :] = key_block_vjp(
+                block, q, k[..., a:b, :], v[..., a:b, :], None, out, lse, dout
+            )
+            dq = gq if dq is None else dq + gq
+        return None, dq, dk, dv
 
 
 def lse_merge(o_a, lse_a, o_b, lse_b):
