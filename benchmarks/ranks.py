@@ -1526,7 +1526,8 @@ def run_context(p: dict, rank: int, world: int) -> dict:
     from shardflow.train.recipe import setup
 
     executors, res = {}, {}
-    for form in p["forms"]:
+    for variant in p["forms"]:
+        form, _, how = variant.partition(":")  # "ring:serial": the ring with each permute waited at its issue
         cfg = dataclasses.replace(
             TrainConfig(),
             seq_len=p["seq_len"],
@@ -1537,12 +1538,15 @@ def run_context(p: dict, rank: int, world: int) -> dict:
             cp_attention=form,
         )
         s = setup(cfg, world)
-        step = s.lower(ranks=(rank,))
+        pipeline = s.pipeline
+        if how == "serial":
+            pipeline = dataclasses.replace(pipeline, options=dataclasses.replace(pipeline.options, overlap=False))
+        step = pipeline.lower((rank,), False, True, None)
         ex = DistributedExecutor(step, s.optimizer, timeout_s=TIMEOUT_S)
         weights, batch = s.initial_weights(), s.batch("train", 0)
         ex.load(weights)
-        executors[form] = (ex, batch)
-        res[form] = {
+        executors[variant] = (ex, batch)
+        res[variant] = {
             "comm_bytes": sum(c.nbytes for c in ex.program.comms),
             "kinds": sorted({str(c.family) for c in ex.program.comms if c.axis == "cp"}),
             "peak": measured_peak(step, s.optimizer, ex, batch),

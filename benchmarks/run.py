@@ -210,9 +210,9 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
         out += [("m2", "moe", 2, moe)] + ([] if quick else [("m4", "moe", 4, {**moe, "rounds": 9})])
     if "x" in keys:
         ctx = {"seq_len": 2048, "rounds": 3 if quick else 9, "iters": 1, "warmup": 1}
-        out.append(("x2", "context", 2, {**ctx, "forms": ["all_gather", "all_to_all", "ring"]}))
+        out.append(("x2", "context", 2, {**ctx, "forms": ["all_gather", "all_to_all", "ring", "ring:serial"]}))
         if not quick:
-            out.append(("x4", "context", 4, {**ctx, "forms": ["all_gather", "ring"]}))
+            out.append(("x4", "context", 4, {**ctx, "forms": ["all_gather", "ring", "ring:serial"]}))
     if "v" in keys:
         out.append(
             ("v", "vocab", 2, {"vocab_sizes": [None, 8192], "rounds": 5 if quick else 15, "iters": 3, "warmup": 2})
@@ -946,7 +946,9 @@ def section_x(runs: dict[int, dict], quick: bool) -> str:
         ring, gathered = res["forms"]["ring"]["peak"], res["forms"]["all_gather"]["peak"]
         notes.append(
             f"{world} ranks: ring step ÷ all-gather step per round {ratio_text(rs)}, target ≤ 1.15: "
-            f"{verdict(med(rs) <= 1.15)}; peak {ring / gathered:.3f} × the all-gather form's. First "
+            f"{verdict(med(rs) <= 1.15)}; peak {ring / gathered:.3f} × the all-gather form's; the ring without overlap "
+            f"(`ring:serial`: each permute waited where it is issued) ÷ with it "
+            f"{ratio_text(ratios(st['ring:serial'], st['ring']))}. First "
             "losses: " + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in res["losses"].items()) + "."
         )
     return "\n".join(lines + [""] + notes + [""])

@@ -24,7 +24,7 @@ from shardflow.graph import GraphBuilder  # noqa: E402
 from shardflow.graph import ops as O  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.lower.cost import PLAIN, ActivationCheckpointing, CPAttention  # noqa: E402
-from shardflow.lower.program import BlockVjp, Compute  # noqa: E402
+from shardflow.lower.program import BlockVjp, Compute, Wait  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
 from shardflow.strategy import PlanError, make_plan  # noqa: E402
@@ -227,3 +227,20 @@ def test_ring_passes_blocks_and_their_gradients_around(llama, cp):
         )
         whole = {f"fwd:{t}" for t in combines}
         assert whole <= held_ag and not held & whole, held & whole
+
+
+def test_the_ring_without_overlap_waits_each_permute_where_it_is_issued(llama):
+    """LowerOptions(overlap=False): the ring's collective-permutes, the same ones in the same order, each waited at
+    its issue (nothing travels while a block computes); with overlap each is issued without waiting and waited once
+    later, after a block's attention."""
+    _, _, graph = llama
+    pcg = plan_pcg(graph, "cp=2", "cp", cp_attention="ring")
+    overlapped, serial = (
+        lower_step(pcg, SGD.slots, options=dataclasses.replace(RING, overlap=o)).programs[0] for o in (True, False)
+    )
+    permutes = [[c for c in p.comms if c.family == "permute"] for p in (overlapped, serial)]
+    assert [c.token for c in permutes[0]] == [c.token for c in permutes[1]] and permutes[0]
+    assert not any(c.wait for c in permutes[0]) and all(c.wait for c in permutes[1])
+    waits = {i.token for i in overlapped.instrs if isinstance(i, Wait)}
+    assert {c.token for c in permutes[0]} <= waits
+    assert not {c.token for c in permutes[1]} & {i.token for i in serial.instrs if isinstance(i, Wait)}

@@ -84,6 +84,7 @@ class Decisions:
     scatters: tuple[tuple[Step, ...], ...] = ()
     flat: Mapping[str, DNode] = dataclasses.field(default_factory=dict)
     rings: Mapping[str, AttentionRing] = dataclasses.field(default_factory=dict)
+    overlap: bool = True
 
     @cached_property
     def ring_steps(self) -> frozenset[str]:
@@ -184,7 +185,7 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
     flat = _flattened(dg, options, all_steps, readers)
     rings = attention_rings(dg, all_steps) if options.cp_attention == CPAttention.RING else {}
     if options.bucket_bytes <= 0:
-        return Decisions(dg, forms, fused, flat=flat, rings=rings)
+        return Decisions(dg, forms, fused, flat=flat, rings=rings, overlap=options.overlap)
     final = _final_gradients(dg)
     then = _then_all_reduced(dg, all_steps, final)
     gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final, then)
@@ -196,7 +197,7 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
     forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
     fused = {k: v for k, v in fused.items() if k not in packed}
     buckets = _buckets(dg, all_steps, options.bucket_bytes, final, {n.name for b in pieces for n in b}, flat)
-    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat, rings)
+    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat, rings, options.overlap)
 
 
 def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, AttentionRing]:
@@ -483,9 +484,9 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
             after: list[Instr] = []
             name = st.nodes[0].name
             if name in plan.rings:
-                mine = _attention_ring(plan, plan.rings[name], r) if local else []
+                mine = _overlapped(plan, _attention_ring(plan, plan.rings[name], r)) if local else []
             elif name in plan.ring_backwards:
-                mine = _attention_ring_backward(plan, plan.ring_backwards[name], r) if local else []
+                mine = _overlapped(plan, _attention_ring_backward(plan, plan.ring_backwards[name], r)) if local else []
             elif name in plan.ring_steps:
                 mine = []
             elif st.local:
@@ -955,6 +956,14 @@ def _attention_ring(plan: Decisions, ring: AttentionRing, r: int) -> list[Instr]
         for x, chunks, whole in zip((gk, gv), held, full):
             instrs.append(Compute(x.task, x.src, "concat", tuple(chunks), (whole,), dim=dim))
     return instrs
+
+
+def _overlapped(plan: Decisions, instrs: list[Instr]) -> list[Instr]:
+    """A ring attention's instructions as they are, or without ``overlap`` (:class:`LowerOptions`) each of its
+    collective-permutes waited where it is issued: the same order, nothing travelling while a block computes."""
+    if plan.overlap:
+        return instrs
+    return [dataclasses.replace(i, wait=True) if isinstance(i, Comm) else i for i in instrs if not isinstance(i, Wait)]
 
 
 def _lse(out: Buffer) -> Buffer:

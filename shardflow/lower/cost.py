@@ -241,7 +241,8 @@ class LowerOptions:
     ``overlap``: each backward all-reduce, reduce-scatter or send is issued without waiting and waited after the
     computes that do not feed it, a linear's weight gradient computed while its input gradient is reduced or sent
     (Megatron's overlap; :func:`~shardflow.lower.ordering.overlap_reductions`); a forward all-reduce or
-    reduce-scatter likewise (dp's label count travels while the forward computes).
+    reduce-scatter likewise (dp's label count travels while the forward computes). A ring attention's
+    collective-permutes travel while the block before computes (without ``overlap``, each waits where it is issued).
 
     ``precision``: mixed precision (:class:`MixedPrecision`, ``--dtype bf16``); None keeps every weight in its own
     dtype.
