@@ -549,7 +549,8 @@ def parallelize(
             ``"gpipe"`` or ``"interleaved"`` with ``stages_per_rank`` ≥ 2 chunks of the model per stage); the model
             is captured on one microbatch, the weights are updated once per step (docs/lowering.md §15).
         cp_attention: under a ``cp`` axis, how attention reads the split sequence: ``"all_gather"``,
-            ``"all_to_all"`` (DeepSpeed-Ulysses) or ``"auto"`` (:class:`~shardflow.lower.cost.CPAttention`).
+            ``"all_to_all"`` (DeepSpeed-Ulysses), ``"ring"`` (the key/value blocks passed around the cp axis, merged
+            by log-sum-exp: docs/lowering.md §16) or ``"auto"`` (:class:`~shardflow.lower.cost.CPAttention`).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
         ac: activation checkpointing, ``"none"``, ``"block"``: each block (a module under an integer index, such
