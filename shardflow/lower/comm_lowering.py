@@ -21,7 +21,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import Attention, TensorType
@@ -897,30 +897,60 @@ def _all_gather_steps(st: Step, plan: Decisions, r: int, base: int, form: CommFo
     return instrs
 
 
+class _RingBlocks(NamedTuple):
+    """What both rings of an :class:`AttentionRing` hold on one rank: the axis ``members``, the rank's index ``p``
+    among them, its group ``g`` of ``groups``, the sequence ``dim``; ``own`` its key and value pieces, ``held[i][j]``
+    the buffer of block j of the keys (i = 0) or values (1); ``masks[j]`` block j's mask operands and ``cut`` the
+    instructions that make them; ``out`` the attention's output piece and ``lse`` its log-sum-exp."""
+
+    members: tuple[int, ...]
+    p: int
+    g: int
+    groups: int
+    dim: int
+    own: tuple[Buffer, ...]
+    held: tuple[list[Buffer], ...]
+    masks: list[tuple[Buffer, ...]]
+    cut: list[Instr]
+    out: Buffer
+    lse: Buffer
+
+
+def _ring_blocks(plan: Decisions, ring: AttentionRing, r: int, task: TaskType, tag: str) -> _RingBlocks:
+    """:class:`_RingBlocks` of ``ring`` on rank ``r`` for the pass ``task`` (``tag`` keeps the backward's received
+    blocks apart from the forward's)."""
+    dg, a = plan.dg, ring.attention
+    members, p, g, groups = _ring_group(ring.k, r)
+    d, dim = len(members), _along(ring.k)[1]
+    own = tuple(piece(dg.values[x.inputs[0]]) for x in (ring.k, ring.v))
+    held = tuple(
+        [own[i] if j == p else _chunk(piece(dg.values[x.outputs[0]]), j, d, dim, tag) for j in range(d)]
+        for i, x in enumerate((ring.k, ring.v))
+    )
+    cut, masks = _mask_blocks(plan, a, d, tag, task)
+    out = piece(dg.values[a.outputs[0]])
+    lse = Buffer(f"{out.value}#lse", TensorType(out.type.shape[:-1], out.type.dtype))
+    return _RingBlocks(members, p, g, groups, dim, own, held, masks, cut, out, lse)
+
+
 def _attention_ring(plan: Decisions, ring: AttentionRing, r: int) -> list[Instr]:
-    """Ring attention on rank ``r`` (docs/lowering.md#16-ring-attention---cp-attention-ring): the keys and values travel as an all-gather
-    ring does, two collective-permutes per step (keys, then values; :func:`ring_peers`), and each block of them
-    is attended by this rank's queries as soon as it is present — the rank's own first, while the next travels —,
-    each block giving an output and its log-sum-exp (:attr:`~shardflow.graph.ops.Attention.keys_from`), merged
-    into the running result (``lse_merge``), the last merge also keeping the log-sum-exp for the backward. Where
-    other nodes read the gathered keys and values (:attr:`AttentionRing.joined`), they are joined at the end."""
+    """Ring attention on rank ``r`` (docs/lowering.md#16-ring-attention---cp-attention-ring): the keys and values
+    travel as an all-gather ring does, two collective-permutes per step (keys, then values; :func:`ring_peers`), and
+    each block of them is attended by this rank's queries as soon as it is present — the rank's own first, while the
+    next travels —, each block giving an output and its log-sum-exp
+    (:attr:`~shardflow.graph.ops.Attention.keys_from`), merged into the running result (``lse_merge``), the last
+    merge also keeping the log-sum-exp for the backward. Where other nodes read the gathered keys and values
+    (:attr:`AttentionRing.joined`), they are joined at the end."""
     dg = plan.dg
     a, gk, gv = ring.attention, ring.k, ring.v
-    members, p, g, groups = _ring_group(gk, r)
-    d, dim = len(members), _along(gk)[1]
+    members, p, g, groups, dim, own, held, masks, instrs, out, lse = _ring_blocks(plan, ring, r, a.task, "")
+    d, block = len(members), own[0].type.shape[dim]
     spec = kernel(a, dg, r)
     assert isinstance(spec, Forward) and spec.draw is None, a.name
-    q = piece(dg.values[a.inputs[0]])
-    own = [piece(dg.values[x.inputs[0]]) for x in (gk, gv)]
-    full = [piece(dg.values[x.outputs[0]]) for x in (gk, gv)]
-    held = [[own[i] if j == p else _chunk(full[i], j, d, dim) for j in range(d)] for i in range(2)]
-    instrs, masks = _mask_blocks(plan, a, d, "", a.task)
     assert spec.local.out_scale == 1.0 and all(x == 1.0 for x in spec.local.in_scale), a.name
     attention = spec.local.op
     assert isinstance(attention, Attention), a.name
-    out = piece(dg.values[a.outputs[0]])
-    lse = _lse(out)
-    block = held[0][p].type.shape[dim]
+    q = piece(dg.values[a.inputs[0]])
 
     def token(step: int, i: int) -> int:  # i: 0 the keys, 1 the values
         return (2 * step + i) * groups + g
@@ -953,7 +983,8 @@ def _attention_ring(plan: Decisions, ring: AttentionRing, r: int) -> list[Instr]
         instrs += [c, Compute(a.task, a.src, "lse_merge", (*acc, *outs), merged)]
         acc = merged
     if ring.joined:
-        for x, chunks, whole in zip((gk, gv), held, full):
+        for x, chunks in zip((gk, gv), held):
+            whole = piece(dg.values[x.outputs[0]])
             instrs.append(Compute(x.task, x.src, "concat", tuple(chunks), (whole,), dim=dim))
     return instrs
 
@@ -964,11 +995,6 @@ def _overlapped(plan: Decisions, instrs: list[Instr]) -> list[Instr]:
     if plan.overlap:
         return instrs
     return [dataclasses.replace(i, wait=True) if isinstance(i, Comm) else i for i in instrs if not isinstance(i, Wait)]
-
-
-def _lse(out: Buffer) -> Buffer:
-    """The log-sum-exp a ring attention keeps beside its output ``out`` ``[*, H, T, Dv]``: ``[*, H, T]``."""
-    return Buffer(f"{out.value}#lse", TensorType(out.type.shape[:-1], out.type.dtype))
 
 
 def _mask_blocks(
@@ -1020,37 +1046,28 @@ def _permute(
 
 
 def _attention_ring_backward(plan: Decisions, ring: AttentionRing, r: int) -> list[Instr]:
-    """The backward of ring attention on rank ``r`` (docs/lowering.md#16-ring-attention---cp-attention-ring): the keys and values travel
-    around the ring again, as in the forward; each block present is differentiated against this rank's queries
-    (:class:`~shardflow.lower.program.BlockVjp`, from the forward's merged output and log-sum-exp), its share of the
-    query gradient added here, and its shares of the key and value gradients sent back to the block's owner — the
-    rank it came from — while the next block is computed; each rank adds the shares it receives into the gradients
-    of its own block: the reduce-scatters of the all-gather form, done by the ring."""
+    """The backward of ring attention on rank ``r`` (docs/lowering.md#16-ring-attention---cp-attention-ring): the
+    keys and values travel around the ring again, as in the forward; each block present is differentiated against
+    this rank's queries (:class:`~shardflow.lower.program.BlockVjp`, from the forward's merged output and
+    log-sum-exp), its share of the query gradient added here, and its shares of the key and value gradients sent
+    back to the block's owner — the rank it came from — while the next block is computed; each rank adds the shares
+    it receives into the gradients of its own block: the reduce-scatters of the all-gather form, done by the ring."""
     dg = plan.dg
     a, b, gk, gv = ring.attention, ring.backward, ring.k, ring.v
     assert b is not None and ring.scatters is not None, a.name
-    members, p, g, groups = _ring_group(gk, r)
-    d, dim = len(members), _along(gk)[1]
+    members, p, g, groups, dim, own, held, masks, instrs, out, lse = _ring_blocks(plan, ring, r, b.task, "bwd")
+    d, block = len(members), own[0].type.shape[dim]
     spec = kernel(b, dg, r)
     assert isinstance(spec, Vjp) and spec.draw is None, b.name
     attention = spec.local.op
     assert isinstance(attention, Attention), b.name
     n_in = len(b.grad_mask)
-    q = piece(dg.values[b.inputs[0]])
-    own = [piece(dg.values[x.inputs[0]]) for x in (gk, gv)]
-    held = [
-        [own[i] if j == p else _chunk(piece(dg.values[x.outputs[0]]), j, d, dim, "bwd") for j in range(d)]
-        for i, x in enumerate((gk, gv))
-    ]
-    instrs, masks = _mask_blocks(plan, a, d, "bwd", b.task)
-    out = piece(dg.values[a.outputs[0]])
-    lse, dout = _lse(out), piece(dg.values[b.inputs[n_in]])
+    q, dout = piece(dg.values[b.inputs[0]]), piece(dg.values[b.inputs[n_in]])
     grads = dict(zip((i for i, m in enumerate(b.grad_mask) if m), b.outputs))
     dq = piece(dg.values[grads[0]]) if 0 in grads else Buffer(f"{q.value}#grad", q.type)
     final = [piece(dg.values[st.nodes[-1].outputs[0]]) for st in ring.scatters]  # this rank's dk, dv pieces
     partials = [dg.values[st.nodes[0].inputs[0]].id for st in ring.scatters]  # what the all-gather form reduces
     dtypes = (dq.type.dtype, final[0].type.dtype, final[1].type.dtype)
-    block = own[0].type.shape[dim]
     sources = [dg.values[x.inputs[0]].id for x in (gk, gv)]
 
     def index(s: int, grad: bool) -> int:
