@@ -83,13 +83,24 @@ def test_attention_gathers_keys_and_values_and_the_logits_stay_split(llama):
     assert kinds[("BWD", "reduce_scatter", "cp")] == 2 * LAYERS  # their gradients
 
 
-@pytest.mark.parametrize("attention", ["auto", "ring"])
-def test_the_main_job_trains_under_cp_and_checks_against_one_device(capsys, corpus, tmp_path, attention):
+@pytest.mark.parametrize(
+    "attention, strategy, mesh, more",
+    [
+        ("auto", "cp", "cp=2", []),
+        ("ring", "cp", "cp=2", []),
+        ("ring", "pp,cp", "pp=2,cp=2", ["--layers", "2", "--microbatches", "2"]),
+    ],
+)
+def test_the_main_job_trains_under_cp_and_checks_against_one_device(
+    capsys, corpus, tmp_path, attention, strategy, mesh, more
+):
+    """`shardflow train --strategy cp --check` (and a pipeline of 2 stages × cp = 2 with the ring, 2 microbatches):
+    every step equal to one device's within the check's tolerance."""
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--run-dir", str(run), "--layers", "1", "--embd", "32", "--heads", "2"]
     argv += ["--seq-len", "16", "--batch-size", "4", "--steps", "2", "--eval-every", "2", "--eval-batches", "1"]
-    argv += ["--cp-attention", attention]
-    assert main([*argv, "--strategy", "cp", "--nproc", "1", "--mesh", "cp=2", "--check"]) == 0
+    argv += ["--cp-attention", attention, *more]
+    assert main([*argv, "--strategy", strategy, "--nproc", "1", "--mesh", mesh, "--check"]) == 0
     out = capsys.readouterr().out
     assert "check against one device: " in out and out.rstrip().endswith("OK"), out
 
