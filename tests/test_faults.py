@@ -364,8 +364,8 @@ def test_a_stalled_rank_is_named_not_the_peer_that_timed_out_waiting_on_it(tmp_p
 
 def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
     """From outside, once both runs train: rank 1 of one run SIGSTOPped (it never answers again: rank 0 waits out
-    --timeout, the launcher kills rank 1 after its grace period), rank 1 of the other SIGKILLed (rank 1 prints
-    nothing: its log is empty). Each first line names rank 1."""
+    --timeout, the launcher kills rank 1 after its grace period), rank 1 of the other SIGKILLed (its log
+    empty, or ending with its join's progress where joining took over 2 s). Each first line names rank 1."""
     timeout = 6  # the ranks also join within it: 4 processes at once on 2 busy cores take seconds
     runs = {
         how: start(tmp_path / how, "--steps", "100000", "--eval-every", "100000", "--timeout", str(timeout))
@@ -396,12 +396,16 @@ def test_a_stopped_rank_and_a_silent_killed_rank_are_named(tmp_path, start):
     # rank 0 exits 4 (a member left) when gloo sees rank 1's sockets close during the communication it waits on, and
     # 3 (waited out the timeout) when they closed before it began (gloo then reports a timeout: seen when the step's
     # first communication, the vocabulary-parallel embedding's all-reduce, starts right after the kill)
+    # rank 1's log is empty, unless joining the process group took over 2 s (a busy machine): then its last line is
+    # the join's progress, and the error shows it (found by the whole suite under load)
     line = first_line(kill.stderr)
     assert re.fullmatch(
         rf"shardflow train: error: rank 1 was killed by signal 9 \(SIGKILL\) \(others: rank 0: [34]\); its log "
-        rf"{re.escape(str(kill.run / 'rank1.log'))} is empty",
+        rf"{re.escape(str(kill.run / 'rank1.log'))} (is empty|ends with:)",
         line,
     ), kill.stderr
+    if line.endswith("ends with:"):
+        assert "waiting for the other processes to join the process group" in kill.stderr, kill.stderr
 
 
 # safety --------------------------------------------------------------------------------------------------------
