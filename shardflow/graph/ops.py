@@ -886,7 +886,7 @@ class Attention(Op):
     def key_block_path(self, q, k, mask) -> str:
         """How :meth:`compute` attends one key block (:attr:`keys_from`) of ``k`` from queries ``q``: ``"masked"``
         where the causal mask hides every key from every query (a zero output, lse −inf, nothing computed);
-        ``"flash"`` on CPU without a mask where the causal mask hides nothing (every key before every query) or is
+        ``"flash"`` on CPU without a mask, for 4-d ``[B, H, T, D]`` inputs, where the causal mask hides nothing (every key before every query) or is
         the block's own diagonal (the same positions) — torch's fused CPU flash-attention kernel, which returns the
         log-sum-exp, and its backward, which takes the merged output and lse (as PyTorch's ``context_parallel`` calls
         it per block); ``"math"`` otherwise (the scores written out)."""
@@ -894,7 +894,8 @@ class Attention(Op):
         if self.causal and self.keys_from > first + t - 1:
             return "masked"
         aligned = not self.causal or self.keys_from + s - 1 <= first or (self.keys_from == first and s == t)
-        return "flash" if mask is None and q.device.type == "cpu" and aligned else "math"
+        fused = mask is None and q.device.type == "cpu" and q.ndim == 4  # the kernel takes [B, H, T, D] only
+        return "flash" if fused and aligned else "math"
 
     def heads(self, q, k, v):
         """k and v with each key/value head repeated over its group of query heads (grouped-query attention)."""
