@@ -145,7 +145,7 @@ MEMORY_FLAGS = (
     "ac_blocks",
 )  # how a step trades memory for work, as shardflow train has them
 # what one optimizer step is, as shardflow train has them (plan shows it)
-STEP_FLAGS = ("accumulate", "microbatches", "schedule", "stages_per_rank", "dtype", "cp_attention")
+STEP_FLAGS = ("accumulate", "microbatches", "schedule", "stages_per_rank", "dtype", "cp_attention", "cp_layout")
 # how a step communicates, as shardflow train has them: "auto" forms follow the machine's cost model
 COMM_FLAGS = ("all_gather", "reduce_scatter", "bucket_mb")
 
@@ -157,8 +157,8 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_step_args(p: argparse.ArgumentParser) -> None:
-    """``--accumulate``, ``--microbatches``, ``--schedule``, ``--stages-per-rank``, ``--dtype`` and ``--cp-attention``,
-    and the forms of
+    """``--accumulate``, ``--microbatches``, ``--schedule``, ``--stages-per-rank``, ``--dtype``, ``--cp-attention`` and
+    ``--cp-layout``, and the forms of
     communication ``--all-gather``, ``--reduce-scatter``, ``--bucket-mb``, as ``shardflow train`` has them
     (TrainConfig's fields)."""
     for name in STEP_FLAGS + COMM_FLAGS:

@@ -35,7 +35,7 @@ from shardflow.simulator.cost import EAGER, Kernels
 from shardflow.simulator.estimate import EXACT_WORLD, Prediction, representatives, simulate
 from shardflow.simulator.machine import MachineSpec, MachineSpecWarning
 from shardflow.strategy import Plan, PlanError, make_plan, resolve
-from shardflow.strategy.presets import AXIS_OF
+from shardflow.strategy.presets import AXIS_OF, cp_laid_out
 
 
 def machine_cost(device: str, processes: int) -> CostModel:
@@ -112,6 +112,7 @@ class Pipeline:
         """The pipeline of captured ``graph`` planned on ``mesh`` (:func:`plan_pcg`: ``plan``, else preset
         ``strategy``, else the mesh's; ``strict`` refuses where a rule refuses). Raises PlanError, DegreeError,
         RuleError."""
+        mesh = cp_laid_out(mesh, str(options.cp_layout), graph)
         chosen, pcg = plan_pcg(graph, mesh, strategy, plan, strict, options.stages_per_rank, str(options.cp_attention))
         return cls(graph, chosen, pcg, options, optimizer, clip_norm)
 

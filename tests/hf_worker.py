@@ -29,6 +29,7 @@ from shardflow.reference import weights_of
 from shardflow.runtime.executor import Executor
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
+from shardflow.strategy.presets import cp_laid_out
 
 MODELS = {"llama": hf_llama, "gpt2": hf_gpt2}
 SGD = OptimizerConfig("sgd", 0.1, 0.9)
@@ -45,8 +46,8 @@ def model_and_graph(name: str):
     return model, b, graph
 
 
-def plan_pcg(graph, mesh_text: str, strategy: str, cp_attention: str = "auto") -> PCG:
-    mesh = Mesh.parse(mesh_text)
+def plan_pcg(graph, mesh_text: str, strategy: str, cp_attention: str = "auto", cp_layout: str = "contiguous") -> PCG:
+    mesh = cp_laid_out(Mesh.parse(mesh_text), cp_layout, graph)
     return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy, cp_attention=cp_attention), graph, mesh))
 
 

@@ -15,6 +15,8 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
@@ -25,6 +27,7 @@ from shardflow.capture import capture, wide_floats  # noqa: E402
 from shardflow.cli import main  # noqa: E402
 from shardflow.graph import GraphBuilder  # noqa: E402
 from shardflow.graph import ops as O  # noqa: E402
+from shardflow.graph.layout import HeadTail  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.lower.cost import PLAIN, ActivationCheckpointing, CPAttention  # noqa: E402
 from shardflow.lower.program import BlockVjp, Compute, Wait  # noqa: E402
@@ -291,3 +294,113 @@ def test_ring_attention_equals_eager_on_other_models_and_their_masks(make, cp):
     pcg = plan_pcg(graph, f"cp={cp}", "cp", cp_attention="ring")
     diffs = compare(model, b, graph, LocalExecutor(lower_step(pcg, SGD.slots, options=RING), SGD))
     assert all(d <= TOL for d in diffs.values()), diffs
+
+
+# --- the load-balanced layout (--cp-layout balanced) ----------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(cp=st.integers(1, 8), chunk=st.integers(1, 6), segments=st.integers(1, 3))
+def test_the_head_tail_order_gives_every_rank_equal_causal_work(cp, chunk, segments):
+    """HeadTail: the storage order is a permutation of the positions; its runs are its consecutive positions; each
+    rank's block (chunks r and 2·cp−1−r of every segment) holds positions whose causal work (keys attended: position
+    + 1 each) is the same on every rank, where the last contiguous block's is (2·cp·b − b + 1)/(b + 1) times the
+    first's for blocks of b positions (→ 2·cp − 1 for long blocks)."""
+    h = HeadTail(0, 2 * cp, segments * 2 * cp * chunk, segments)
+    order = h.order()
+    assert sorted(order.tolist()) == list(range(h.length))
+    for start in range(0, h.length, max(1, h.length // 7)):
+        size = min(h.length - start, 3 * chunk + 1)
+        runs = [torch.arange(pos, pos + n) for _, pos, n in h.runs(start, size)]
+        assert torch.equal(torch.cat(runs), order[start : start + size])
+    block = h.length // (segments * cp)
+    within = order % (h.length // segments)  # the position within its sequence
+    work = [int((within[r * block : (r + 1) * block] + 1).sum()) for r in range(segments * cp)]
+    assert len(set(work)) == 1, work
+    contiguous = [sum(range(r * block + 1, (r + 1) * block + 1)) for r in range(cp)]
+    assert contiguous[-1] / contiguous[0] == (2 * cp * block - block + 1) / (block + 1)
+
+
+BALANCED = [
+    ("cp=2", "cp", "all_gather", "none"),
+    ("cp=4", "cp", "all_gather", "none"),
+    ("cp=2", "cp", "ring", "none"),
+    ("cp=4", "cp", "ring", "none"),
+    ("dp=2,cp=2", "dp,cp", "all_gather", "none"),
+    ("cp=2,tp=2", "cp,tp", "ring", "none"),
+    ("fsdp=2,cp=2", "fsdp,cp", "ring", "none"),
+    ("cp=2", "cp", "ring", "selective"),
+]
+
+
+@pytest.mark.parametrize("mesh, strategy, attention, ac", BALANCED)
+def test_the_balanced_layout_equals_eager(llama, mesh, strategy, attention, ac):
+    """--cp-layout balanced: 2 SGD steps equal eager PyTorch's loss, gradients and every weight replica within TOL
+    (float64, causal), under the all-gather form and the ring, alone and with dp, tp, fsdp and selective
+    checkpointing."""
+    model, b, graph = llama
+    pcg = plan_pcg(graph, mesh, strategy, cp_attention=attention, cp_layout="balanced")
+    assert pcg.tensors["input_ids"].sharding.head_tail(pcg.tensors["input_ids"].group, (2, 8))
+    options = dataclasses.replace(PLAIN, cp_attention=CPAttention(attention), ac=ActivationCheckpointing(ac))
+    diffs = compare(model, b, graph, LocalExecutor(lower_step(pcg, SGD.slots, options=options), SGD))
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize(
+    "make, cp, attention", [(zoo.qwen3, 2, "ring"), (_mistral_sliding, 2, "ring"), (_mistral_sliding, 4, "all_gather")]
+)
+def test_the_balanced_layout_equals_eager_on_other_models_and_their_masks(make, cp, attention):
+    """Qwen3 and Mistral's sliding window (its own mask: the rows held in head-tail order, the columns read by
+    position) under the balanced layout: 2 SGD steps equal eager PyTorch's within TOL, float64."""
+    torch.manual_seed(0)
+    model, b = make()
+    model = model.double()
+    with wide_floats():
+        graph = capture(model, b)
+    pcg = plan_pcg(graph, f"cp={cp}", "cp", cp_attention=attention, cp_layout="balanced")
+    options = dataclasses.replace(PLAIN, cp_attention=CPAttention(attention))
+    diffs = compare(model, b, graph, LocalExecutor(lower_step(pcg, SGD.slots, options=options), SGD))
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def test_the_balanced_layout_moves_what_the_contiguous_one_moves_and_reorders_where_the_sequence_is_whole(llama):
+    """cp=2, all-gather form: the same communications in the same order with the same bytes as the contiguous
+    layout; the keys' and values' all-gathers put the gathered sequence back in natural order (dim 2) and their
+    gradients' reduce-scatters put it in head-tail order first; the loss's all-to-alls (labels and logits moved from
+    the sequence onto the batch of 2 rows, which keeps contiguous blocks: 2 rows do not cut into 4 chunks) reorder
+    the sequence they gather, and the gradient's the one it scatters; rank 0's queries are positions 0–1 and 6–7 of
+    8 (chunks 0 and 3), rank 1's 2–5 (chunks 1 and 2)."""
+    _, _, graph = llama
+    balanced, contiguous = (
+        lower_step(plan_pcg(graph, "cp=2", "cp", cp_attention="all_gather", cp_layout=x), SGD.slots).programs
+        for x in ("balanced", "contiguous")
+    )
+    for r in (0, 1):
+        assert [(c.kind, c.axis, c.nbytes) for c in balanced[r].comms] == [
+            (c.kind, c.axis, c.nbytes) for c in contiguous[r].comms
+        ]
+        reorders = Counter(
+            (c.task, c.kind, "natural" if c.to_natural else "head-tail", (c.to_natural or c.to_storage).dim)
+            for c in balanced[r].comms
+            if c.to_natural or c.to_storage
+        )
+        assert reorders == {
+            ("FWD", "all_gather", "natural", 2): 2 * LAYERS,
+            ("BWD", "reduce_scatter", "head-tail", 2): 2 * LAYERS,
+            ("FWD", "all_to_all", "natural", 1): 2,  # the labels and the logits, onto the batch for the loss
+            ("BWD", "all_to_all", "head-tail", 1): 1,  # the logits' gradient, back onto the sequence
+        }, reorders
+    pcg = plan_pcg(graph, "cp=2", "cp", cp_attention="all_gather", cp_layout="balanced")
+    node = next(n for n in pcg.nodes if isinstance(n.op, O.Attention))
+    runs = [pcg.local_of(node, r).op.runs(pcg.local_of(node, r).op.start, 4) for r in (0, 1)]
+    assert runs == [[(0, 0, 2), (2, 6, 2)], [(0, 2, 2), (2, 4, 2)]]
+
+
+def test_the_balanced_layout_refuses_a_sequence_it_cannot_cut(capsys):
+    """A sequence length that 2·cp does not divide: one paragraph naming the input, the chunks and the fix, before
+    any process starts."""
+    argv = ["plan", "--model", "gpt", "--strategy", "cp", "--nproc", "4", "--seq-len", "12", "--cp-layout", "balanced"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "cuts the sequence into 2·cp = 8 chunks" in err and "has 12 positions along dim 1" in err, err
+    assert "--cp-layout contiguous" in err and "Traceback" not in err, err

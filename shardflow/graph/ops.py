@@ -24,6 +24,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
+from shardflow.graph.layout import HeadTail
 from shardflow.graph.rng import DrawSite
 
 Shape = tuple[int, ...]
@@ -825,6 +826,11 @@ class Attention(Op):
     the op returns the block's output and its log-sum-exp ``lse [*, H, T]`` (the log of each row's softmax
     denominator; −inf, with a zero output row, where the block holds no key the row attends). Only lowering makes
     it, for the blocks a ring passes around; :func:`lse_merge` combines the blocks' results.
+
+    ``layout`` (the load-balanced layout, docs/concepts.md#the-load-balanced-layout): the sequence is stored in
+    head-tail order, ``start`` and ``keys_from`` index that order, and the positions the causal mask compares are
+    those the indices hold; each run of consecutive positions is attended as above and the runs joined (the query
+    runs side by side, the key runs merged by :func:`lse_merge`).
     """
 
     kind: ClassVar[str] = "attention"
@@ -836,6 +842,7 @@ class Attention(Op):
     gqa: bool = quiet(False)
     start: int | None = quiet(None)
     keys_from: int | None = quiet(None)
+    layout: HeadTail | None = quiet(None)
 
     def infer(self, ins):
         _expect(4 if self.mask else 3, ins, self)
@@ -860,7 +867,14 @@ class Attention(Op):
             return TensorType(out, q.dtype), TensorType(out[:-1], q.dtype)
         return (TensorType(out, q.dtype),)
 
+    def runs(self, start: int, size: int) -> list[tuple[int, int, int]]:
+        """Indices ``start … start+size−1`` of the sequence as runs of consecutive positions (offset, first
+        position, length): one run without a :attr:`layout`."""
+        return self.layout.runs(start, size) if self.layout else [(0, start, size)]
+
     def compute(self, q, k, v, mask=None):
+        if self.layout is not None:
+            return self._by_runs(q, k, v, mask)
         if self.keys_from is not None:
             return self._key_block(q, k, v, mask)
         causal = self.causal
@@ -896,6 +910,28 @@ class Attention(Op):
         aligned = not self.causal or self.keys_from + s - 1 <= first or (self.keys_from == first and s == t)
         fused = mask is None and q.device.type == "cpu" and q.ndim == 4  # the kernel takes [B, H, T, D] only
         return "flash" if fused and aligned else "math"
+
+    def _by_runs(self, q, k, v, mask):
+        """:meth:`compute` under a :attr:`layout`: each run of consecutive query positions attends on its own (the
+        outputs, and lse, joined in storage order); against a key block (:attr:`keys_from`), each of its runs of
+        consecutive positions is one block, merged by :func:`lse_merge`. A mask's last dim is the whole sequence in
+        natural order (its columns taken by position)."""
+        outs = []
+        for qo, qpos, n in self.runs(self.start or 0, q.shape[-2]):
+            qr = q[..., qo : qo + n, :]
+            rows = mask if mask is None or mask.shape[-2] == 1 else mask[..., qo : qo + n, :]
+            if self.keys_from is None:
+                outs.append(dataclasses.replace(self, layout=None, start=qpos).compute(qr, k, v, rows))
+                continue
+            res = None
+            for ko, kpos, m in self.runs(self.keys_from, k.shape[-2]):
+                block = dataclasses.replace(self, layout=None, start=qpos, keys_from=kpos)
+                cols = rows if rows is None or rows.shape[-1] == 1 else rows[..., kpos : kpos + m]
+                part = block.compute(qr, k[..., ko : ko + m, :], v[..., ko : ko + m, :], cols)
+                res = part if res is None else lse_merge(*res, *part)
+            outs.append(res)
+        out = torch.cat([o[0] for o in outs], dim=-2)
+        return (out,) if self.keys_from is None else (out, torch.cat([o[1] for o in outs], dim=-1))
 
     def heads(self, q, k, v):
         """k and v with each key/value head repeated over its group of query heads (grouped-query attention)."""
@@ -994,6 +1030,20 @@ def key_block_vjp(block: Attention, q, k, v, mask, out, lse, dout):
     output the gradient ``w·dout`` and its lse ``w·Σ_Dv dout·(out_block − out)``; the block's own backward (the
     vjp of ``block``, recomputed) takes it from there. On the fused path (:meth:`Attention.key_block_path`) torch's
     CPU flash-attention backward computes the same from the merged output and lse directly."""
+    if block.layout is not None:  # each pair of runs of consecutive positions, a block of its own
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qo, qpos, n in block.runs(block.start or 0, q.shape[-2]):
+            rows = mask if mask is None or mask.shape[-2] == 1 else mask[..., qo : qo + n, :]
+            sel = (out[..., qo : qo + n, :], lse[..., qo : qo + n], dout[..., qo : qo + n, :])
+            for ko, kpos, m in block.runs(block.keys_from or 0, k.shape[-2]):
+                run = dataclasses.replace(block, layout=None, start=qpos, keys_from=kpos)
+                cols = rows if rows is None or rows.shape[-1] == 1 else rows[..., kpos : kpos + m]
+                kv = (k[..., ko : ko + m, :], v[..., ko : ko + m, :])
+                gq, gk, gv = key_block_vjp(run, q[..., qo : qo + n, :], *kv, cols, *sel)
+                dq[..., qo : qo + n, :] += gq
+                dk[..., ko : ko + m, :] += gk
+                dv[..., ko : ko + m, :] += gv
+        return dq, dk, dv
     path = block.key_block_path(q, k, mask)
     if path == "masked":
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

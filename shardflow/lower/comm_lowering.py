@@ -47,6 +47,7 @@ from shardflow.lower.shard_expansion import (
     device_index,
     in_group,
     kernel,
+    layout_change,
     piece,
     steps,
 )
@@ -160,9 +161,14 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
             readers.setdefault(v, []).append(n)
     for st in all_steps:
         n = st.nodes[0]
+        if st.kind not in (CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER):
+            continue
+        reorders = any(layout_change(dg.values[n.inputs[0]], dg.values[st.nodes[-1].outputs[0]]))
         if st.kind == CommKind.ALL_GATHER:
             chunk = piece(dg.values[n.inputs[0]]).type.nbytes
-            forms[n.name] = form = options.all_gather_form(chunk, n.op.degree, n.op.axis)
+            # out of the load-balanced layout: one collective, its result reordered (docs/concepts.md#the-load-balanced-layout)
+            form = CommForm.COLLECTIVE if reorders else options.all_gather_form(chunk, n.op.degree, n.op.axis)
+            forms[n.name] = form
             out = n.outputs[0]
             last_dim = len(dg.values[out].type.shape) - 1
             if form != CommForm.COLLECTIVE and n.op.dim != last_dim:
@@ -180,7 +186,9 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
             chunk = piece(dg.values[st.nodes[-1].outputs[0]]).type.nbytes
             summed = dg.values[n.inputs[0]].sharding.reduce_op == ReduceOp.SUM  # the ring adds; others stay plain
             forms[n.name] = (
-                options.reduce_scatter_form(chunk, n.op.degree, n.op.axis) if summed else CommForm.COLLECTIVE
+                options.reduce_scatter_form(chunk, n.op.degree, n.op.axis)
+                if summed and not reorders
+                else CommForm.COLLECTIVE
             )
     flat = _flattened(dg, options, all_steps, readers)
     rings = attention_rings(dg, all_steps) if options.cp_attention == CPAttention.RING else {}
@@ -241,6 +249,8 @@ def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, Attent
             b = None
         ours = {n.name} | ({b.name} if b is not None else set())
         joined = bool((readers[k.outputs[0]] | readers[v.outputs[0]]) - ours)
+        if joined and any(layout_change(dg.values[x.inputs[0]], dg.values[x.outputs[0]])[1] for x in (k, v)):
+            continue  # the blocks in head-tail order would join out of order: the all-gather form, reordered
         out[n.name] = AttentionRing(n, k, v, b, scatters, joined)
     return out
 
@@ -727,6 +737,8 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
             if st.kind in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
             else ReduceOp.SUM,
             value=vin.id,
+            to_storage=layout_change(vin, vout)[0],
+            to_natural=layout_change(vin, vout)[1],
         )
     ]
 
@@ -1007,8 +1019,9 @@ def _mask_blocks(
         return [], [()] * d
     m = piece(plan.dg.values[a.inputs[3]])
     last = len(m.type.shape) - 1
-    if m.type.shape[last] == 1:
-        return [], [(m,)] * d
+    op = plan.dg.pcg.local_of(plan.dg.sources[a.src], 0).op
+    if m.type.shape[last] == 1 or isinstance(op, Attention) and op.layout is not None:
+        return [], [(m,)] * d  # broadcast along the keys, or read by position (Attention.layout): whole
     cols = tuple(_chunk(m, j, d, last, tag) for j in range(d))
     return [Compute(task, a.src, "chunk", (m,), cols, dim=last)], [(c,) for c in cols]
 

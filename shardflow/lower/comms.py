@@ -81,11 +81,17 @@ def run_local(
     order. ``shared``: per member, whether its send buffer is the communication's to use
     (:func:`~shardflow.lower.buffer_reuse.shared_sends`): a reduction then writes its result there and a broadcast root
     keeps its buffer as its result, as :func:`shardflow.runtime.comms.issue` does — so the local executor runs the
-    same buffer sharing as the distributed one. Raises ValueError for an unknown kind."""
+    same buffer sharing as the distributed one; and the head-tail reorders of ``Comm.to_storage``/``to_natural``.
+    Raises ValueError for an unknown kind."""
     c = members[0]
     if c.kind not in KINDS:
         raise ValueError(f"no local implementation of communication kind {c.kind!r} (token {c.token})")
-    return KINDS[c.kind].local(members, sends, shared)
+    if c.to_storage is not None:  # into the load-balanced layout (Comm.to_storage): copies, the communication's
+        sends, shared = [x if x is None else c.to_storage.to_storage(x) for x in sends], [True] * len(sends)
+    received = KINDS[c.kind].local(members, sends, shared)
+    if c.to_natural is None:
+        return received
+    return [x if x is None else c.to_natural.to_natural(x) for x in received]
 
 
 def front_dim(c: Comm) -> int:

@@ -74,6 +74,16 @@ class CPAttention(StrEnum):
     RING = "ring"
 
 
+class CPLayout(StrEnum):
+    """How a sequence split over the ``cp`` axis is laid out on its devices (``--cp-layout``;
+    docs/concepts.md#the-load-balanced-layout): ``balanced``, the head-tail order of PyTorch's load balancer (2·cp
+    chunks, device r holding chunks r and 2·cp−1−r, so that under a causal mask each attends as many keys); or
+    ``contiguous``, device r holding the r-th block (the last device then attends (2·cp−1)× the first's keys)."""
+
+    BALANCED = "balanced"
+    CONTIGUOUS = "contiguous"
+
+
 class CommForm(StrEnum):
     """How lowering runs an all-gather or a reduce-scatter
     (docs/lowering.md#10-all-gather-and-reduce-scatter-forms-the-cost-model-machine-views): the plain collective, a ring
@@ -251,7 +261,8 @@ class LowerOptions:
     one), run in the order of pipeline ``schedule`` (``--schedule``: :class:`~shardflow.lower.schedule.ScheduleKind`);
     the updates run once per step (:mod:`shardflow.lower.schedule`). ``stages_per_rank``: the chunks of the model
     each pipeline stage of a preset holds (the interleaved schedule's). ``cp_attention``: how a preset's attention
-    reads a sequence split over ``cp`` (:class:`CPAttention`).
+    reads a sequence split over ``cp`` (:class:`CPAttention`), ``cp_layout`` how that sequence is laid out
+    (:class:`CPLayout`).
 
     ``accumulate``: gradient accumulation, the micro-steps of one optimizer step (``--accumulate``;
     :class:`~shardflow.lower.dynamic.MicroStep`), each on an equal part of the batch.
@@ -271,6 +282,7 @@ class LowerOptions:
     accumulate: int = 1
     ac_blocks: int | None = None
     cp_attention: CPAttention = CPAttention.AUTO
+    cp_layout: CPLayout = CPLayout.CONTIGUOUS
 
     @classmethod
     def parse(
@@ -289,6 +301,7 @@ class LowerOptions:
         stages_per_rank: int = 1,
         accumulate: int = 1,
         cp_attention: str = "auto",
+        cp_layout: str = "contiguous",
     ) -> LowerOptions:
         """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
         arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.
@@ -339,6 +352,7 @@ class LowerOptions:
             accumulate=accumulate,
             ac_blocks=ac_blocks,
             cp_attention=_choice("cp_attention", cp_attention, tuple(CPAttention)),
+            cp_layout=_choice("cp_layout", cp_layout, tuple(CPLayout)),
         )
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:

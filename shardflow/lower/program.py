@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from shardflow.graph.layout import HeadTail
 from shardflow.graph.ops import TensorType
 from shardflow.graph.rng import PieceSite
 from shardflow.lower.dynamic import TaskType
@@ -116,11 +117,14 @@ class Keep:
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """A Repartition of replicas: this rank keeps block ``index`` of ``degree`` equal blocks along ``dim``."""
+    """A Repartition of replicas: this rank keeps block ``index`` of ``degree`` equal blocks along ``dim`` — of the
+    dim in head-tail order where ``layout`` says so (a whole sequence cut into the load-balanced layout's pieces,
+    docs/concepts.md#the-load-balanced-layout)."""
 
     dim: int
     degree: int
     index: int
+    layout: HeadTail | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +189,11 @@ class Comm:
     dynamic-graph value the communication moves (its source value, or a gradient bucket), the same on every
     member; ``piece``: for a send/recv, the coordinate (sum, replica, shard per dim) of the piece moved.
     Together they are the buffer identity in the :meth:`signature`: two same-shape communications swapped
-    with their tokens no longer look alike.
+    with their tokens no longer look alike. ``to_storage``/``to_natural``: where the communication moves a
+    sequence into or out of the load-balanced layout (docs/concepts.md#the-load-balanced-layout), the send buffer's
+    dim put in head-tail order before it is sent (a reduce-scatter or all-to-all onto the layout's pieces), the
+    received dim put back in natural order after (an all-gather or all-to-all out of them): local moves of the
+    communication's own buffers.
     """
 
     token: int
@@ -207,6 +215,8 @@ class Comm:
     reduce_op: ReduceOp = ReduceOp.SUM
     value: str = ""
     piece: tuple[int, ...] = ()
+    to_storage: HeadTail | None = None
+    to_natural: HeadTail | None = None
 
     @property
     def family(self) -> str:
@@ -239,9 +249,14 @@ class Comm:
         )
         bufs = " ".join(f"{k}={b}" for k, b in (("send", self.send), ("recv", self.recv)) if b is not None)
         issue = " (async)" if not self.wait else ""
+        order = "".join(
+            f" {name}(dim {h.dim}, {h.chunks} chunks)"
+            for name, h in (("to_head_tail", self.to_storage), ("to_natural", self.to_natural))
+            if h is not None
+        )
         return (
             f"#{self.token:<4} {self.task:<4} {self.kind}{issue} {who} axis={self.axis or '-'} "
-            f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}"
+            f"{self.type.dtype}{list(self.type.shape)} {self.nbytes}B {bufs}{order}"
         ).rstrip()
 
 
@@ -373,28 +388,30 @@ class Program:
             elif isinstance(i, Free):
                 instrs.append({"type": "free", "values": list(i.values)})
             else:
-                instrs.append(
-                    {
-                        "type": "comm",
-                        "token": i.token,
-                        "kind": i.kind,
-                        "pass": i.task,
-                        "members": list(i.members),
-                        "shape": list(i.type.shape),
-                        "dtype": i.type.dtype,
-                        "bytes": i.nbytes,
-                        "axis": i.axis,
-                        "peer": i.peer,
-                        "peer_from": i.peer_from,
-                        "root": i.root,
-                        "send": buf(i.send),
-                        "recv": buf(i.recv),
-                        "wait": i.wait,
-                        "reduce_op": i.reduce_op,
-                        "value": i.value,
-                        "piece": list(i.piece),
-                    }
-                )
+                comm: dict[str, Any] = {
+                    "type": "comm",
+                    "token": i.token,
+                    "kind": i.kind,
+                    "pass": i.task,
+                    "members": list(i.members),
+                    "shape": list(i.type.shape),
+                    "dtype": i.type.dtype,
+                    "bytes": i.nbytes,
+                    "axis": i.axis,
+                    "peer": i.peer,
+                    "peer_from": i.peer_from,
+                    "root": i.root,
+                    "send": buf(i.send),
+                    "recv": buf(i.recv),
+                    "wait": i.wait,
+                    "reduce_op": i.reduce_op,
+                    "value": i.value,
+                    "piece": list(i.piece),
+                }
+                for name, h in (("to_head_tail", i.to_storage), ("to_natural", i.to_natural)):
+                    if h is not None:
+                        comm[name] = {"dim": h.dim, "chunks": h.chunks, "length": h.length}
+                instrs.append(comm)
         totals: dict[str, dict[str, int]] = {}
         for (kind, axis), n in self.bytes_by_kind().items():
             totals.setdefault(kind, {})[axis or "-"] = n

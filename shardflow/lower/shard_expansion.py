@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from shardflow.graph.layout import HeadTail
 from shardflow.graph.ops import TensorType
 from shardflow.lower.copy_insertion import cross_submesh_reads
 from shardflow.lower.dynamic import DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, require
@@ -78,6 +79,33 @@ def piece(v: Value) -> Buffer:
 def piece_shape(sharding: Sharding, group: SubMesh, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of one device's piece of a tensor of ``shape`` held by ``sharding`` on ``group``."""
     return sharding.parallel_shape(group, shape).piece_shape
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def layout_change(vin: Value, vout: Value) -> tuple[HeadTail | None, HeadTail | None]:
+    """(to storage, to natural): a step from ``vin`` to ``vout`` that puts a dim into the load-balanced layout
+    (docs/concepts.md#the-load-balanced-layout) — each input piece, one segment of the layout in natural order,
+    reordered to head-tail order before it is cut — and one that takes a dim out of it — each output piece put back
+    in natural order; as a :class:`HeadTail` of the piece (None where the step does neither). Raises PassError
+    where the natural side's piece is not one segment (the dim sharded there by axes other than those before the
+    balanced one)."""
+    layouts: list[HeadTail | None] = []
+    for a, b in ((vin, vout), (vout, vin)):
+        had = {h.dim for h in a.sharding.head_tail(a.group, a.type.shape)}
+        gained = [h for h in b.sharding.head_tail(b.group, b.type.shape) if h.dim not in had]
+        if not gained:
+            layouts.append(None)
+            continue
+        (h,) = gained
+        axes, axis = b.sharding.dims[h.dim], b.group.mesh.balanced.axis  # type: ignore[union-attr]
+        if a.sharding.dims[h.dim] != axes[: axes.index(axis)]:
+            raise PassError(
+                f"value {a.id!r} {a.sharding} → {b.id!r} {b.sharding}: the load-balanced layout of dim {h.dim} "
+                f"needs the mesh axes that shard it before {axis!r} to shard it on both sides; "
+                f"give --cp-layout contiguous"
+            )
+        layouts.append(HeadTail(h.dim, h.chunks, h.length // h.segments))
+    return layouts[0], layouts[1]
 
 
 # --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
@@ -244,7 +272,8 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
     if n.kind == NodeKind.CAST:
         return Convert(dg.values[n.outputs[0]].type.dtype)
     if n.kind == NodeKind.PARALLEL and n.op.degree > 1:  # a Repartition of replicas: r keeps its block of the dim
-        return Block(n.op.dim, n.op.degree, n.group.coords(r)[n.op.axis])
+        layout = layout_change(dg.values[n.inputs[0]], dg.values[n.outputs[0]])[0]
+        return Block(n.op.dim, n.op.degree, n.group.coords(r)[n.op.axis], layout)
     if n.kind in (
         NodeKind.SELECT,
         NodeKind.COPY,

@@ -149,11 +149,23 @@ def parse_placement(text: str) -> Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class Balance:
+    """Context parallelism's load-balanced layout on a mesh (``--cp-layout balanced``;
+    docs/concepts.md#the-load-balanced-layout): the sequences of ``length`` positions that mesh axis ``axis`` splits
+    are stored in head-tail order (:class:`~shardflow.graph.layout.HeadTail`)."""
+
+    axis: str
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
 class Mesh:
-    """An n-dimensional mesh of devices: ``axis_names[i]`` has ``shape[i]`` devices; row-major device ids."""
+    """An n-dimensional mesh of devices: ``axis_names[i]`` has ``shape[i]`` devices; row-major device ids.
+    ``balanced``: the load-balanced layout of the sequences one axis splits, if any (:class:`Balance`)."""
 
     axis_names: tuple[str, ...]
     shape: tuple[int, ...]
+    balanced: Balance | None = None
 
     def __post_init__(self):
         if len(self.axis_names) != len(self.shape):
@@ -163,6 +175,8 @@ class Mesh:
         for n, s in zip(self.axis_names, self.shape):
             if not n.isidentifier() or s < 1:
                 raise ValueError(f"mesh: axis {n!r} needs an identifier name and a size ≥ 1 (got {s})")
+        if self.balanced is not None and self.balanced.axis not in self.axis_names:
+            raise ValueError(f"mesh: balanced axis {self.balanced.axis!r} is none of {list(self.axis_names)}")
 
     @classmethod
     def parse(cls, text: str) -> Mesh:

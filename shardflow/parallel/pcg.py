@@ -209,6 +209,12 @@ class PCG:
         start of the block the piece covers — the same block on every replica, so replicas draw alike and
         shards draw what one device draws there."""
         t = self.tensors[node.outputs[0]]
+        if t.pshape.head_tail:
+            raise ShardingError(
+                f"random op {node.name!r} (in {node.scope or 'the model'}) draws on a sequence held in the "
+                f"load-balanced layout of context parallelism, where its draws would not match one device's; "
+                f"give --cp-layout contiguous, or drop the dropout"
+            )
         block = t.pshape.piece_slices(t.sharding.coord_of(t.group, device))
         return PieceSite(node.name, t.type.shape, tuple(s.start for s in block))
 

@@ -195,7 +195,17 @@ class Ctx:
         out_scale: float = 1.0,
         block: tuple[int, int] | None = None,
     ) -> LocalOp:
-        """The local op; with ``block``, device 0's (its block starts at 0: :attr:`LocalOp.block`)."""
+        """The local op; with ``block``, device 0's (its block starts at 0: :attr:`LocalOp.block`). Raises RuleError
+        where that block is in head-tail order (docs/concepts.md#the-load-balanced-layout) and the op is not one that
+        reads its positions from the layout (a causal attention's queries)."""
+        if block is not None and not getattr(op, "layout", None):
+            i, d = block
+            if any(h.dim == d for h in self.shardings[i].head_tail(self.group, self.types[i].shape)):
+                raise self.error(
+                    f"dim {d} of {self.names[i]!r} is held in the load-balanced layout of context parallelism, whose "
+                    f"blocks are not consecutive indices, and the op reads its block by its start",
+                    f"insert CombineOp(dim={d}, axis={self.group.mesh.balanced.axis}) first",  # type: ignore[union-attr]
+                )
         local = LocalOp(op or self.op, tuple(in_scale or (1.0,) * len(self.names)), out_scale, block)
         return local.at_block(0) if block else local
 
@@ -442,7 +452,8 @@ def rule_attention(ctx: Ctx) -> RuleResult:
     sequences and q, k whole head dims (the scores contract over them); v's head dim passes to the output's.
     The query sequence may be sharded (a mask's T dim agreeing; context parallelism): each block of queries
     attends to every key, and under ``causal`` the block's rows of the causal mask are those of its positions
-    (the local op is given its block's start: :attr:`LocalOp.block`)."""
+    (the local op is given its block's start: :attr:`LocalOp.block`; in the load-balanced layout of context
+    parallelism, the positions its indices hold: :attr:`~shardflow.graph.ops.Attention.layout`)."""
     op: O.Attention = ctx.op  # type: ignore[assignment]
     n = len(ctx.names)
     ctx.no_partial(*range(n))
@@ -460,7 +471,13 @@ def rule_attention(ctx: Ctx) -> RuleResult:
     dims = [ctx.agree(with_mask([(0, k), (1, k), (2, k)], k)) for k in range(nd - 2)]
     dims.append(ctx.agree(with_mask([(0, nd - 2)], nd - 2)))
     dims.append(ctx.shardings[2].dims[nd - 1])
-    return RuleResult((ctx.output(dims),), ctx.local(block=(0, nd - 2) if op.causal and dims[nd - 2] else None))
+    out = ctx.output(dims)
+    # the query block's positions (a causal mask's rows): its start, and in the load-balanced layout the positions
+    # its indices hold (also the key blocks' of a ring, whose mask columns are then taken by position)
+    layout = next((h for h in ctx.shardings[0].head_tail(ctx.group, ctx.types[0].shape) if h.dim == nd - 2), None)
+    if not (op.causal and dims[nd - 2] or layout):
+        return RuleResult((out,), ctx.local())
+    return RuleResult((out,), ctx.local(dataclasses.replace(op, layout=layout), block=(0, nd - 2)))
 
 
 def rule_conv(ctx: Ctx) -> RuleResult:
@@ -680,8 +697,27 @@ def rule_reshape(ctx: Ctx) -> RuleResult:
             lead_out = next(d for d in gj if dst[d] > 1)
             dims[lead_out] = axes
     out = ctx.output(dims, s.partial, s.reduce_op)
+    if ctx.group.mesh.balanced is not None:
+        for gi, gj in reshape_groups(src, dst):
+            if not torch.equal(_stored_order(ctx, s, src, gi), _stored_order(ctx, out, dst, gj)):
+                raise ctx.error(
+                    f"viewing {list(src)} as {list(dst)} would change which elements the load-balanced layout of "
+                    f"context parallelism puts on each device (the dims {list(gi)} and {list(gj)} would be held in "
+                    f"different orders)",
+                    f"insert CombineOp(axis={ctx.group.mesh.balanced.axis}) on the sharded dim first",
+                )
     piece = out.parallel_shape(ctx.group, dst).piece_shape
     return RuleResult((out,), ctx.local(dataclasses.replace(op, shape=piece)))
+
+
+def _stored_order(ctx: Ctx, s: Sharding, shape: tuple[int, ...], group: list[int]) -> torch.Tensor:
+    """The elements of dims ``group`` of a tensor of ``shape`` held by ``s``, flattened, in the order the devices
+    store them (the load-balanced layout's head-tail order where a dim is in it: docs/concepts.md#the-load-balanced-layout)."""
+    idx = torch.arange(math.prod(shape[d] for d in group)).view([shape[d] for d in group])
+    for h in s.head_tail(ctx.group, shape):
+        if h.dim in group:
+            idx = dataclasses.replace(h, dim=group.index(h.dim)).to_storage(idx)
+    return idx.reshape(-1)
 
 
 RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {

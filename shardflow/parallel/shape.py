@@ -9,6 +9,10 @@ A :class:`ParallelTensorShape` is the full logical shape plus
 
 A piece is addressed by a :class:`ShardCoord` (sum index, replica index, shard index per dim); there are
 ``sum × replica × Π shard`` pieces, each of :meth:`ParallelTensorShape.piece_shape`.
+
+A dim may be stored in the **head-tail order** of context parallelism's load-balanced layout
+(:class:`HeadTail`; docs/concepts.md#the-load-balanced-layout): its blocks are then blocks of the dim permuted,
+so that under a causal mask every device's block holds as many early positions as late ones.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
+import torch
+
+from shardflow.graph.layout import HeadTail
 from shardflow.parallel.mesh import ReduceOp
 
 
@@ -65,6 +72,7 @@ class ParallelTensorShape:
     replica_degree: int = 1
     reduce_op: ReduceOp = ReduceOp.SUM
     dtype: str = "float32"
+    head_tail: tuple[HeadTail, ...] = ()  # the dims stored in head-tail order (the load-balanced layout)
 
     def __post_init__(self):
         if len(self.shard) != len(self.shape):
@@ -101,9 +109,19 @@ class ParallelTensorShape:
                 yield ShardCoord(s, r, idx)
 
     def piece_slices(self, coord: ShardCoord) -> tuple[slice, ...]:
-        """The block of the full tensor the piece at ``coord`` covers (blocked layout)."""
+        """The block the piece at ``coord`` covers (blocked layout), in storage order: of the full tensor where no
+        dim is in head-tail order (:meth:`piece_index` says which elements of the full tensor in any case)."""
         piece = self.piece_shape
         return tuple(slice(i * p, (i + 1) * p) for i, p in zip(coord.shard, piece))
+
+    def piece_index(self, coord: ShardCoord) -> tuple[slice | torch.Tensor, ...]:
+        """The elements of the full tensor the piece at ``coord`` holds, an index of it (``full[index]`` reads the
+        piece, ``full[index] = piece`` writes it): :meth:`piece_slices`, with a dim in head-tail order given as the
+        positions its storage block holds (int64)."""
+        index: list[slice | torch.Tensor] = list(self.piece_slices(coord))
+        for h in self.head_tail:
+            index[h.dim] = h.order()[index[h.dim]]
+        return tuple(index)
 
     def __str__(self) -> str:
         dims = ", ".join(f"{s}/{d}" if d > 1 else f"{s}" for s, d in zip(self.shape, self.shard))

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from shardflow.graph.layout import HeadTail
 from shardflow.parallel.mesh import Partial, Placement, ReduceOp, Replicate, Shard, SubMesh
 from shardflow.parallel.shape import DegreeError, ParallelTensorShape, ShardCoord, ShardingError
 
@@ -116,7 +117,8 @@ class Sharding:
                 raise DegreeError(d, size, deg, op, tensor, f"shape {list(shape)}, mesh axes {axes} of {group.mesh}")
 
     def parallel_shape(self, group: SubMesh, shape: tuple[int, ...], dtype: str = "float32") -> ParallelTensorShape:
-        """Degrees of this sharding on ``group`` (replica = product of the unused free axes).
+        """Degrees of this sharding on ``group`` (replica = product of the unused free axes), and the dims stored in
+        head-tail order (:meth:`head_tail`).
 
         With sum degree 1 (partial axes of size 1 only) the reduce op is ``sum``, as the degree rules give it.
         """
@@ -128,7 +130,24 @@ class Sharding:
             math.prod(group.mesh.axis_size(a) for a in self.replica_axes(group)),
             self.reduce_op if sum_degree > 1 else ReduceOp.SUM,
             dtype,
+            self.head_tail(group, shape),
         )
+
+    def head_tail(self, group: SubMesh, shape: tuple[int, ...]) -> tuple[HeadTail, ...]:
+        """The dims of a tensor of ``shape`` that this sharding stores in head-tail order
+        (docs/concepts.md#the-load-balanced-layout): those sharded on the mesh's balanced axis whose segments — one
+        per block of the axes sharding the dim before it — are sequences (of the :class:`~shardflow.parallel.mesh.Balance`'s
+        length), each cut into 2 × the axis's size chunks. Any other dim the axis shards (the rows of a batch split
+        for the loss, heads moved onto the axis) keeps its contiguous blocks."""
+        balance, out = group.mesh.balanced, []
+        if balance is None:
+            return ()
+        for d, axes in enumerate(self.dims):
+            if balance.axis in axes:
+                segments = math.prod(group.mesh.axis_size(b) for b in axes[: axes.index(balance.axis)])
+                if shape[d] == segments * balance.length:
+                    out.append(HeadTail(d, 2 * group.mesh.axis_size(balance.axis), shape[d], segments))
+        return tuple(out)
 
     # --- placements -----------------------------------------------------------------------------------
     def placements(self, group: SubMesh) -> tuple[Placement, ...]:

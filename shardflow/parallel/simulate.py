@@ -25,11 +25,11 @@ def _pshape(t):
     return t.sharding.parallel_shape(t.group, t.type.shape, t.type.dtype)
 
 
-def blocks(t: PTensor) -> dict[int, tuple[slice, ...]]:
-    """Device → the block of the full tensor its piece of ``t`` covers (its index into the full tensor, ``t.type``'s
-    shape), for every device of ``t``'s sub-mesh."""
+def blocks(t: PTensor) -> dict[int, tuple[slice | torch.Tensor, ...]]:
+    """Device → the elements of the full tensor its piece of ``t`` holds (its index into the full tensor, ``t.type``'s
+    shape: :meth:`~shardflow.parallel.shape.ParallelTensorShape.piece_index`), for every device of ``t``'s sub-mesh."""
     p = _pshape(t)
-    return {d: p.piece_slices(c) for d, c in t.sharding.device_map(t.group).items()}
+    return {d: p.piece_index(c) for d, c in t.sharding.device_map(t.group).items()}
 
 
 def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) -> Pieces:
@@ -43,7 +43,7 @@ def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) 
         return {d: full[b].clone() for d, b in blocks(t).items()}
     p = _pshape(t)
     dmap = t.sharding.device_map(t.group)
-    blocks_ = {d: full[p.piece_slices(c)] for d, c in dmap.items()}
+    blocks_ = {d: full[p.piece_index(c)] for d, c in dmap.items()}
     gen = gen or torch.Generator().manual_seed(0)
     noise: dict[tuple, torch.Tensor] = {}
     out: Pieces = {}
@@ -80,7 +80,7 @@ def gather(pieces: Mapping[int, torch.Tensor], t: PTensor) -> torch.Tensor:
             by_block.setdefault(c.shard, []).append(pieces[d])
     for shard, parts in by_block.items():
         coord = next(c for c in dmap.values() if c.shard == shard)
-        full[p.piece_slices(coord)] = p.reduce_op.combine(torch.stack(parts))
+        full[p.piece_index(coord)] = p.reduce_op.combine(torch.stack(parts))
     return full
 
 

@@ -251,7 +251,7 @@ def piece_error(pieces: dict[int, torch.Tensor], sharding: Sharding, group: SubM
             return f"device {d} holds a piece of shape {list(x.shape)}, expected {list(p.piece_shape)}"
         blocks.setdefault((c.replica, c.shard), []).append(x)
     for (replica, shard), parts in blocks.items():
-        want = full[p.piece_slices(next(c for c in dmap.values() if c.shard == shard))]
+        want = full[p.piece_index(next(c for c in dmap.values() if c.shard == shard))]
         got = p.reduce_op.combine(_wide(torch.stack(parts))) if len(parts) > 1 else _wide(parts[0])
         err = (got - _wide(want)).abs().max().item() if want.numel() else 0.0
         if not err <= ATOL:  # also catches NaN

@@ -82,7 +82,9 @@ def issue(
     :func:`~shardflow.lower.comms.front_dim`); an all-to-all likewise (its result is a copy only where the chunks
     cannot be viewed in place: ``dim2`` ≠ 0). ``alloc(shape)``: the buffer the communication receives into (its
     result's storage, of the dtype of ``c``; e.g. one the caller keeps from step to step:
-    :func:`~shardflow.lower.buffer_reuse.kept_receives`); default a new one. Raises ValueError for an unknown kind."""
+    :func:`~shardflow.lower.buffer_reuse.kept_receives`); default a new one. ``c.to_storage``/``c.to_natural``: the
+    send put in head-tail order first, the result put back in natural order (a copy) once received. Raises
+    ValueError for an unknown kind."""
     spec = KINDS.get(c.kind)
     if spec is None or spec.distributed is None:
         raise ValueError(f"rank {rank}: no implementation of communication kind {c.kind!r} (token {c.token})")
@@ -90,7 +92,13 @@ def issue(
     def empty(shape) -> torch.Tensor:
         return torch.empty(shape, dtype=torch_dtype(c.type.dtype), device=device)
 
-    return spec.distributed(Call(c, send, rank, group, in_place, alloc or empty))
+    if c.to_storage is not None and send is not None:  # into the load-balanced layout: a copy, the backend's to use
+        send, in_place = c.to_storage.to_storage(send), True
+    issued = spec.distributed(Call(c, send, rank, group, in_place, alloc or empty))
+    if c.to_natural is None:
+        return issued
+    natural = c.to_natural.to_natural
+    return Issued(issued.handles, lambda: natural(issued.result()))
 
 
 @register_distributed(CommKind.SEND)

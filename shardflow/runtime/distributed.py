@@ -361,7 +361,9 @@ class DistributedExecutor(Executor):
         self.tracer: trace.Tracer | None = None  # set to record the next steps' instruction timeline
         self.compiled: dict[bool, list[Segment | Comm | Wait]] = {}  # traced? → the program, compiled
         self.buffers: dict[str, torch.Tensor] = share.buffers if share else {}
-        self.blocks: dict[str, tuple[slice, ...] | None] = {}  # value placed here → this rank's block (None: no piece)
+        self.blocks: dict[
+            str, tuple[slice | torch.Tensor, ...] | None
+        ] = {}  # value placed here → this rank's block (None: no piece)
         self._index_updates()
 
     def _check_fingerprints(self) -> None:
@@ -378,7 +380,7 @@ class DistributedExecutor(Executor):
             v = self.dg.values[vid]
             p = v.sharding.parallel_shape(v.group, v.type.shape)
             self.blocks[vid] = (
-                None if v.group.index(self.rank) is None else p.piece_slices(v.sharding.coord_of(v.group, self.rank))
+                None if v.group.index(self.rank) is None else p.piece_index(v.sharding.coord_of(v.group, self.rank))
             )
         if self.blocks[vid] is not None:
             self.buffers[vid] = full[self.blocks[vid]].to(self.device, copy=True)
@@ -416,7 +418,7 @@ class DistributedExecutor(Executor):
         if vid in self.buffers:
             c = v.sharding.coord_of(v.group, self.rank)
             if c.replica == 0:
-                out[p.piece_slices(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == ReduceOp.AVG else 1)
+                out[p.piece_index(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == ReduceOp.AVG else 1)
         return out
 
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:

@@ -189,6 +189,8 @@ class Executor(ABC):
                 f"value {vid} is partial ({p}: each block is the {p.reduce_op} of {p.sum_degree} "
                 f"pieces), so its pieces are not blocks of the full tensor; reduce it first"
             )
+        if p.head_tail:
+            raise ValueError(f"value {vid} ({p}) is stored in head-tail order, so its pieces are not blocks")
         out = []
         for d in sorted(pieces):
             c = v.sharding.coord_of(v.group, d)

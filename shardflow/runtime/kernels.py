@@ -248,7 +248,8 @@ def make_kernel(
     if isinstance(spec, Keep):
         return lambda xs: [xs[0]]
     if isinstance(spec, Block):
-        return lambda xs: [xs[0].chunk(spec.degree, spec.dim)[spec.index].contiguous()]
+        whole = spec.layout.to_storage if spec.layout else (lambda x: x)
+        return lambda xs: [whole(xs[0]).chunk(spec.degree, spec.dim)[spec.index].contiguous()]
     if isinstance(spec, Convert):
         dtype = torch_dtype(spec.dtype)
         return lambda xs: [xs[0].to(dtype)]

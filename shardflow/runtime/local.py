@@ -84,7 +84,7 @@ class LocalExecutor(Executor):
                     )
         self.buffers: dict[int, dict[str, torch.Tensor]] = share.buffers if share else {r: {} for r in step.programs}
         self.blocks: dict[
-            str, dict[int, tuple[slice, ...]]
+            str, dict[int, tuple[slice | torch.Tensor, ...]]
         ] = {}  # value → device → its block (values placed each step)
         self.ledgers = {r: Ledger() for r in step.programs} if memory else None
         self._index_updates()

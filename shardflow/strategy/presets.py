@@ -43,7 +43,7 @@ from shardflow.graph.flops import node_flops
 from shardflow.graph.fused import fused_linears, split_fused, stored_dim
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole, TensorSpec
 from shardflow.graph.softmax import softmax_heads
-from shardflow.parallel.mesh import Mesh, Placement, Replicate, Shard
+from shardflow.parallel.mesh import Balance, Mesh, Placement, Replicate, Shard
 from shardflow.parallel.ops import CombineOp
 from shardflow.parallel.pcg import build_pcg
 from shardflow.parallel.rules import RuleError
@@ -652,6 +652,30 @@ def default_mesh(strategy: str, nproc: int) -> Mesh:
         example = ",".join(f"{AXIS_OF[n]}=2" for n in names)
         raise PlanError(f"strategy {strategy!r} combines several axes: give the mesh, e.g. --mesh {example}")
     return Mesh((AXIS_OF[names[0]],), (nproc,))
+
+
+def cp_laid_out(mesh: Mesh, cp_layout: str, graph: ComputationGraph) -> Mesh:
+    """``mesh`` with the sequences its ``cp`` axis splits balanced where ``cp_layout`` is ``"balanced"``
+    (``--cp-layout``; docs/concepts.md#the-load-balanced-layout): the sequences of ``graph``'s data inputs (dim 1,
+    as :func:`context_parallel` splits them) are then stored in head-tail order. A mesh without a cp axis of 2 or
+    more devices is returned as it is. Raises PlanError when the inputs' sequences differ in length or 2·cp does not
+    divide it."""
+    cp = AXIS_OF["cp"]
+    if cp_layout != "balanced" or cp not in mesh.axis_names or mesh.axis_size(cp) == 1:
+        return mesh
+    lengths = {name: graph.tensors[name].shape for name in graph.inputs if len(graph.tensors[name].shape) >= 2}
+    chunks = 2 * mesh.axis_size(cp)
+    for name, shape in lengths.items():
+        if shape[1] % chunks or shape[1] != next(iter(lengths.values()))[1]:
+            raise PlanError(
+                f"the load-balanced layout (--cp-layout balanced) cuts the sequence into 2·cp = {chunks} chunks, but "
+                f"input {name!r} {list(shape)} has {shape[1]} positions along dim 1"
+                + (f" (the others {sorted({s[1] for s in lengths.values()})})" if len(lengths) > 1 else "")
+                + f": give a sequence length that {chunks} divides (--seq-len), or --cp-layout contiguous"
+            )
+    if not lengths:
+        return mesh
+    return dataclasses.replace(mesh, balanced=Balance(cp, next(iter(lengths.values()))[1]))
 
 
 def make_plan(

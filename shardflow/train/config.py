@@ -100,6 +100,13 @@ class TrainConfig:
         "or auto (the one of all_gather and all_to_all that sends fewer bytes)",
         choices=("auto", "all_gather", "all_to_all", "ring"),
     )
+    cp_layout: str = _f(
+        "contiguous",
+        "under cp: how the split sequence is laid out: balanced (the head-tail order of 2·cp chunks, device r holding "
+        "chunks r and 2·cp−1−r, so that every device of a causal model attends as many keys; --seq-len a multiple "
+        "of 2·cp) or contiguous (device r holds the r-th block)",
+        choices=("contiguous", "balanced"),
+    )
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(
         None,
@@ -396,7 +403,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
     """The typed options of the step settings ``settings`` names as ``shardflow train`` does — a
     :class:`TrainConfig`, or ``shardflow plan``'s flags of the same names (``all_gather``, ``reduce_scatter``,
     ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``ac_blocks``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
-    ``accumulate``, ``cp_attention``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
+    ``accumulate``, ``cp_attention``, ``cp_layout``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
     it does)."""
     return LowerOptions.parse(
         cost=cost,
@@ -412,6 +419,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
         stages_per_rank=settings.stages_per_rank,
         accumulate=settings.accumulate,
         cp_attention=settings.cp_attention,
+        cp_layout=settings.cp_layout,
     )
 
 
