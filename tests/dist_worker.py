@@ -4,8 +4,8 @@ gradients, the global gradient norm (relative, against clip_grad_norm_'s) and we
 (each rank its own pieces, the maximum all-reduced); and whether ``per_process`` gathered every rank's number.
 
 Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
-CASE = strategy[:cp_attention]@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64",
-"sp@tp=2@float64@ring@ring" or "cp:all_to_all@cp=2@float64". Special cases: "mismatch" (rank 1 plans another strategy),
+CASE = strategy[:cp_attention[:cp_layout]]@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64",
+"sp@tp=2@float64@ring@ring", "cp:all_to_all@cp=2@float64" or "cp:ring:balanced@cp=2@float64". Special cases: "mismatch" (rank 1 plans another strategy),
 "die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
 "dtensor" (the Trainer's parameters and gradients as DTensors: dp, tp, fsdp, pp on 2 ranks, pp,tp on 4),
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
@@ -33,6 +33,7 @@ from shardflow.reference import weights_of
 from shardflow.runtime.distributed import DistributedExecutor, init_from_env, shutdown
 from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.strategy import make_plan, resolve
+from shardflow.strategy.presets import cp_laid_out
 
 B, T, V = 4, 8, 11
 
@@ -45,8 +46,9 @@ def executor(
     gen = torch.Generator().manual_seed(1)
     inputs = {"idx": torch.randint(0, V, (B, T), generator=gen), "targets": torch.randint(0, V, (B, T), generator=gen)}
     graph = capture(model, inputs)
-    mesh = Mesh.parse(mesh_text)
     strategy, _, attention = strategy.partition(":")  # "cp:all_to_all": the preset and its --cp-attention
+    attention, _, layout = attention.partition(":")  # "cp:ring:balanced": and its --cp-layout
+    mesh = cp_laid_out(Mesh.parse(mesh_text), layout or "contiguous", graph)
     plan = make_plan(graph, mesh, strategy, cp_attention=attention or "auto")
     pcg = build_pcg(graph, mesh, resolve(plan, graph, mesh))
     ex = DistributedExecutor(

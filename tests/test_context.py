@@ -92,13 +92,15 @@ def test_attention_gathers_keys_and_values_and_the_logits_stay_split(llama):
         ("auto", "cp", "cp=2", []),
         ("ring", "cp", "cp=2", []),
         ("ring", "pp,cp", "pp=2,cp=2", ["--layers", "2", "--microbatches", "2"]),
+        ("ring", "cp", "cp=2", ["--cp-layout", "balanced"]),
+        ("all_gather", "cp", "cp=4", ["--cp-layout", "balanced"]),
     ],
 )
 def test_the_main_job_trains_under_cp_and_checks_against_one_device(
     capsys, corpus, tmp_path, attention, strategy, mesh, more
 ):
-    """`shardflow train --strategy cp --check` (and a pipeline of 2 stages × cp = 2 with the ring, 2 microbatches):
-    every step equal to one device's within the check's tolerance."""
+    """`shardflow train --strategy cp --check` (and a pipeline of 2 stages × cp = 2 with the ring, 2 microbatches; the
+    load-balanced layout on 2 and 4 devices): every step equal to one device's within the check's tolerance."""
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--run-dir", str(run), "--layers", "1", "--embd", "32", "--heads", "2"]
     argv += ["--seq-len", "16", "--batch-size", "4", "--steps", "2", "--eval-every", "2", "--eval-batches", "1"]
