@@ -670,7 +670,11 @@ def cp_laid_out(mesh: Mesh, cp_layout: str, graph: ComputationGraph) -> Mesh:
             raise PlanError(
                 f"the load-balanced layout (--cp-layout balanced) cuts the sequence into 2·cp = {chunks} chunks, but "
                 f"input {name!r} {list(shape)} has {shape[1]} positions along dim 1"
-                + (f" (the others {sorted({s[1] for s in lengths.values()})})" if len(lengths) > 1 else "")
+                + (
+                    f" (the inputs' lengths: {sorted({s[1] for s in lengths.values()})})"
+                    if len({s[1] for s in lengths.values()}) > 1
+                    else ""
+                )
                 + f": give a sequence length that {chunks} divides (--seq-len), or --cp-layout contiguous"
             )
     if not lengths:
