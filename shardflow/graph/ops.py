@@ -1029,7 +1029,9 @@ def key_block_vjp(block: Attention, q, k, v, mask, out, lse, dout):
     once here: with the block's share ``w = exp(lse_block − lse)``, ``out = Σ w·out_block`` gives the block's
     output the gradient ``w·dout`` and its lse ``w·Σ_Dv dout·(out_block − out)``; the block's own backward (the
     vjp of ``block``, recomputed) takes it from there. On the fused path (:meth:`Attention.key_block_path`) torch's
-    CPU flash-attention backward computes the same from the merged output and lse directly."""
+    CPU flash-attention backward computes the same from the merged output and lse directly. Under a
+    :attr:`~Attention.layout` each pair of a query run and a key run is such a block (the mask whole, its columns
+    taken by position, as :meth:`Attention.compute` reads it)."""
     if block.layout is not None:  # each pair of runs of consecutive positions, a block of its own
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for qo, qpos, n in block.runs(block.start or 0, q.shape[-2]):
