@@ -1527,7 +1527,7 @@ def run_context(p: dict, rank: int, world: int) -> dict:
 
     executors, res = {}, {}
     for variant in p["forms"]:
-        form, _, how = variant.partition(":")  # "ring:serial": the ring with each permute waited at its issue
+        form, _, how = variant.partition(":")  # "ring:serial": each permute waited at its issue; "ring:balanced"
         cfg = dataclasses.replace(
             TrainConfig(),
             seq_len=p["seq_len"],
@@ -1536,6 +1536,7 @@ def run_context(p: dict, rank: int, world: int) -> dict:
             mesh=f"cp={world}",
             nproc=world,
             cp_attention=form,
+            cp_layout="balanced" if how == "balanced" else "contiguous",
         )
         s = setup(cfg, world)
         pipeline = s.pipeline

@@ -210,9 +210,11 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
         out += [("m2", "moe", 2, moe)] + ([] if quick else [("m4", "moe", 4, {**moe, "rounds": 9})])
     if "x" in keys:
         ctx = {"seq_len": 2048, "rounds": 3 if quick else 9, "iters": 1, "warmup": 1}
-        out.append(("x2", "context", 2, {**ctx, "forms": ["all_gather", "all_to_all", "ring", "ring:serial"]}))
+        out.append(
+            ("x2", "context", 2, {**ctx, "forms": ["all_gather", "all_to_all", "ring", "ring:serial", "ring:balanced"]})
+        )
         if not quick:
-            out.append(("x4", "context", 4, {**ctx, "forms": ["all_gather", "ring", "ring:serial"]}))
+            out.append(("x4", "context", 4, {**ctx, "forms": ["all_gather", "ring", "ring:serial", "ring:balanced"]}))
     if "v" in keys:
         out.append(
             ("v", "vocab", 2, {"vocab_sizes": [None, 8192], "rounds": 5 if quick else 15, "iters": 3, "warmup": 2})
@@ -922,7 +924,8 @@ def section_x(runs: dict[int, dict], quick: bool) -> str:
         "",
         f"`python benchmarks/run.py --only x`: the main job's Llama at `shardflow train`'s defaults (AdamW, float32) "
         f"on one sequence of {first['params']['seq_len']:,} tokens per step under `--strategy cp` over every rank, "
-        f"each `--cp-attention` form (docs/concepts.md#context-parallelism; the ring: "
+        f"each `--cp-attention` form in the contiguous layout, and the ring in the balanced one "
+        f"(docs/concepts.md#context-parallelism; the ring: "
         f"docs/lowering.md#16-ring-attention---cp-attention-ring), `DistributedExecutor`, the same weights and "
         f"batch. Peak: this rank's live buffers over two steps (an executor that counts them). Interleaved rounds of "
         f"{first['params']['iters']} step.",
@@ -948,7 +951,9 @@ def section_x(runs: dict[int, dict], quick: bool) -> str:
             f"{world} ranks: ring step ÷ all-gather step per round {ratio_text(rs)}, target ≤ 1.15: "
             f"{verdict(med(rs) <= 1.15)}; peak {ring / gathered:.3f} × the all-gather form's; the ring without overlap "
             f"(`ring:serial`: each permute waited where it is issued) ÷ with it "
-            f"{ratio_text(ratios(st['ring:serial'], st['ring']))}. First "
+            f"{ratio_text(ratios(st['ring:serial'], st['ring']))}; the ring in the load-balanced layout "
+            f"(`ring:balanced`, docs/concepts.md#the-load-balanced-layout) ÷ contiguous "
+            f"{ratio_text(ratios(st['ring:balanced'], st['ring']))}. First "
             "losses: " + ", ".join(f"{k} {v[0]:.6f}/{v[1]:.6f}" for k, v in res["losses"].items()) + "."
         )
     return "\n".join(lines + [""] + notes + [""])

@@ -483,7 +483,7 @@ def parallelize(
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
     cp_attention: str = "auto",
-    cp_layout: str = "contiguous",
+    cp_layout: str = "auto",
     reshard_after_forward: bool = True,
     ac: str = "none",
     ac_blocks: int | None = None,
@@ -553,8 +553,9 @@ def parallelize(
             ``"all_to_all"`` (DeepSpeed-Ulysses), ``"ring"`` (the key/value blocks passed around the cp axis, merged
             by log-sum-exp: docs/lowering.md §16) or ``"auto"`` (:class:`~shardflow.lower.cost.CPAttention`).
         cp_layout: under a ``cp`` axis, how the split sequence is laid out: ``"contiguous"`` (device r holds block
-            r) or ``"balanced"`` (the head-tail order of 2·cp chunks, so that each device of a causal model attends
-            as many keys: docs/concepts.md#the-load-balanced-layout; :class:`~shardflow.lower.cost.CPLayout`).
+            r), ``"balanced"`` (the head-tail order of 2·cp chunks, so that each device of a causal model attends
+            as many keys: docs/concepts.md#the-load-balanced-layout) or ``"auto"``: balanced where every attention
+            is causal and the sequence cuts into 2·cp chunks (:class:`~shardflow.lower.cost.CPLayout`).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
         ac: activation checkpointing, ``"none"``, ``"block"``: each block (a module under an integer index, such

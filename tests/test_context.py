@@ -31,9 +31,10 @@ from shardflow.graph.layout import HeadTail  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.lower.cost import PLAIN, ActivationCheckpointing, CPAttention  # noqa: E402
 from shardflow.lower.program import BlockVjp, Compute, Wait  # noqa: E402
-from shardflow.parallel.mesh import Mesh  # noqa: E402
+from shardflow.parallel.mesh import Balance, Mesh  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
 from shardflow.strategy import PlanError, make_plan  # noqa: E402
+from shardflow.strategy.presets import cp_laid_out  # noqa: E402
 
 TOL = 1e-9
 LAYERS = 2
@@ -89,18 +90,19 @@ def test_attention_gathers_keys_and_values_and_the_logits_stay_split(llama):
 @pytest.mark.parametrize(
     "attention, strategy, mesh, more",
     [
-        ("auto", "cp", "cp=2", []),
+        ("auto", "cp", "cp=2", ["--cp-layout", "contiguous"]),
+        ("ring", "cp", "cp=2", ["--cp-layout", "contiguous"]),
         ("ring", "cp", "cp=2", []),
         ("ring", "pp,cp", "pp=2,cp=2", ["--layers", "2", "--microbatches", "2"]),
-        ("ring", "cp", "cp=2", ["--cp-layout", "balanced"]),
         ("all_gather", "cp", "cp=4", ["--cp-layout", "balanced"]),
     ],
 )
 def test_the_main_job_trains_under_cp_and_checks_against_one_device(
     capsys, corpus, tmp_path, attention, strategy, mesh, more
 ):
-    """`shardflow train --strategy cp --check` (and a pipeline of 2 stages × cp = 2 with the ring, 2 microbatches; the
-    load-balanced layout on 2 and 4 devices): every step equal to one device's within the check's tolerance."""
+    """`shardflow train --strategy cp --check` in the contiguous layout and in the load-balanced one (the default for
+    the causal main job), with a pipeline of 2 stages × cp = 2 and the ring (2 microbatches), on 2 and 4 devices:
+    every step equal to one device's within the check's tolerance."""
     run = tmp_path / "run"
     argv = ["train", "--data", str(corpus), "--run-dir", str(run), "--layers", "1", "--embd", "32", "--heads", "2"]
     argv += ["--seq-len", "16", "--batch-size", "4", "--steps", "2", "--eval-every", "2", "--eval-batches", "1"]
@@ -406,3 +408,20 @@ def test_the_balanced_layout_refuses_a_sequence_it_cannot_cut(capsys):
     err = capsys.readouterr().err
     assert "cuts the sequence into 2·cp = 8 chunks" in err and "has 12 positions along dim 1" in err, err
     assert "--cp-layout contiguous" in err and "Traceback" not in err, err
+
+
+def test_the_layout_is_balanced_by_default_where_the_model_is_causal_and_the_sequence_cuts(llama):
+    """--cp-layout auto (the default): balanced for a causal model whose sequence cuts into 2·cp chunks (the Llama's
+    8 tokens at cp = 2 and 4), contiguous where it does not cut (cp = 8: 16 chunks) or an attention is not causal
+    (Mistral's sliding window, a mask of its own); an explicit balanced layout refuses what auto leaves contiguous."""
+    _, _, graph = llama
+    for mesh, want in (("cp=2", Balance("cp", 8)), ("cp=4", Balance("cp", 8)), ("cp=8", None), ("dp=2", None)):
+        assert cp_laid_out(Mesh.parse(mesh), "auto", graph).balanced == want, mesh
+        assert cp_laid_out(Mesh.parse(mesh), "contiguous", graph).balanced is None
+    with pytest.raises(PlanError, match="cuts the sequence into 2·cp = 16 chunks"):
+        cp_laid_out(Mesh.parse("cp=8"), "balanced", graph)
+    torch.manual_seed(0)
+    model, b = _mistral_sliding()
+    mistral = capture(model, b)
+    assert cp_laid_out(Mesh.parse("cp=2"), "auto", mistral).balanced is None
+    assert cp_laid_out(Mesh.parse("cp=2"), "balanced", mistral).balanced == Balance("cp", 8)

@@ -77,9 +77,12 @@ class CPAttention(StrEnum):
 class CPLayout(StrEnum):
     """How a sequence split over the ``cp`` axis is laid out on its devices (``--cp-layout``;
     docs/concepts.md#the-load-balanced-layout): ``balanced``, the head-tail order of PyTorch's load balancer (2·cp
-    chunks, device r holding chunks r and 2·cp−1−r, so that under a causal mask each attends as many keys); or
-    ``contiguous``, device r holding the r-th block (the last device then attends (2·cp−1)× the first's keys)."""
+    chunks, device r holding chunks r and 2·cp−1−r, so that under a causal mask each attends as many keys);
+    ``contiguous``, device r holding the r-th block (under a causal mask the last device then attends up to
+    (2·cp−1)× the first's keys); ``auto`` (the default), balanced where every attention of the model is causal and
+    the sequence cuts into 2·cp chunks, else contiguous."""
 
+    AUTO = "auto"
     BALANCED = "balanced"
     CONTIGUOUS = "contiguous"
 
@@ -282,7 +285,7 @@ class LowerOptions:
     accumulate: int = 1
     ac_blocks: int | None = None
     cp_attention: CPAttention = CPAttention.AUTO
-    cp_layout: CPLayout = CPLayout.CONTIGUOUS
+    cp_layout: CPLayout = CPLayout.AUTO
 
     @classmethod
     def parse(
@@ -301,7 +304,7 @@ class LowerOptions:
         stages_per_rank: int = 1,
         accumulate: int = 1,
         cp_attention: str = "auto",
-        cp_layout: str = "contiguous",
+        cp_layout: str = "auto",
     ) -> LowerOptions:
         """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
         arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.

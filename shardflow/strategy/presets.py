@@ -657,14 +657,20 @@ def default_mesh(strategy: str, nproc: int) -> Mesh:
 def cp_laid_out(mesh: Mesh, cp_layout: str, graph: ComputationGraph) -> Mesh:
     """``mesh`` with the sequences its ``cp`` axis splits balanced where ``cp_layout`` is ``"balanced"``
     (``--cp-layout``; docs/concepts.md#the-load-balanced-layout): the sequences of ``graph``'s data inputs (dim 1,
-    as :func:`context_parallel` splits them) are then stored in head-tail order. A mesh without a cp axis of 2 or
-    more devices is returned as it is. Raises PlanError when the inputs' sequences differ in length or 2·cp does not
-    divide it."""
+    as :func:`context_parallel` splits them) are then stored in head-tail order. ``"auto"``: balanced where every
+    attention of ``graph`` is causal and the sequences cut into 2·cp chunks, else contiguous. A mesh without a cp
+    axis of 2 or more devices is returned as it is. Raises PlanError when ``"balanced"`` meets sequences that differ
+    in length or that 2·cp does not divide."""
     cp = AXIS_OF["cp"]
-    if cp_layout != "balanced" or cp not in mesh.axis_names or mesh.axis_size(cp) == 1:
+    if cp_layout == "contiguous" or cp not in mesh.axis_names or mesh.axis_size(cp) == 1:
         return mesh
     lengths = {name: graph.tensors[name].shape for name in graph.inputs if len(graph.tensors[name].shape) >= 2}
     chunks = 2 * mesh.axis_size(cp)
+    if cp_layout == "auto":
+        attentions = [n.op for n in graph.nodes if isinstance(n.op, O.Attention)]
+        even = len({s[1] for s in lengths.values()}) == 1 and all(s[1] % chunks == 0 for s in lengths.values())
+        if not (attentions and all(a.causal for a in attentions) and even):
+            return mesh
     for name, shape in lengths.items():
         if shape[1] % chunks or shape[1] != next(iter(lengths.values()))[1]:
             raise PlanError(

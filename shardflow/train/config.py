@@ -101,11 +101,12 @@ class TrainConfig:
         choices=("auto", "all_gather", "all_to_all", "ring"),
     )
     cp_layout: str = _f(
-        "contiguous",
+        "auto",
         "under cp: how the split sequence is laid out: balanced (the head-tail order of 2·cp chunks, device r holding "
         "chunks r and 2·cp−1−r, so that every device of a causal model attends as many keys; --seq-len a multiple "
-        "of 2·cp) or contiguous (device r holds the r-th block)",
-        choices=("contiguous", "balanced"),
+        "of 2·cp), contiguous (device r holds the r-th block) or auto (balanced where every attention is causal and "
+        "--seq-len cuts into 2·cp chunks, else contiguous)",
+        choices=("auto", "balanced", "contiguous"),
     )
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(
