@@ -65,9 +65,15 @@ def summary(pcg: PCG) -> str:
         if n
         else ""
     )
+    b = pcg.mesh.balanced
+    layout = (
+        f"; sequences of {b.length} over {b.axis} in the load-balanced layout ({2 * pcg.mesh.axis_size(b.axis)} chunks)"
+        if b
+        else ""
+    )
     return (
-        f"mesh {pcg.mesh} ({pcg.mesh.size} devices); {len(pcg.nodes) - len(pcg.parallel_nodes)} compute ops; "
-        f"parallel ops: {ops}{redistributed}"
+        f"mesh {pcg.mesh} ({pcg.mesh.size} devices){layout}; {len(pcg.nodes) - len(pcg.parallel_nodes)} compute "
+        f"ops; parallel ops: {ops}{redistributed}"
     )
 
 

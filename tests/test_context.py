@@ -410,10 +410,14 @@ def test_the_balanced_layout_refuses_a_sequence_it_cannot_cut(capsys):
     assert "--cp-layout contiguous" in err and "Traceback" not in err, err
 
 
-def test_the_layout_is_balanced_by_default_where_the_model_is_causal_and_the_sequence_cuts(llama):
+def test_the_layout_is_balanced_by_default_where_the_model_is_causal_and_the_sequence_cuts(llama, capsys):
     """--cp-layout auto (the default): balanced for a causal model whose sequence cuts into 2·cp chunks (the Llama's
     8 tokens at cp = 2 and 4), contiguous where it does not cut (cp = 8: 16 chunks) or an attention is not causal
-    (Mistral's sliding window, a mask of its own); an explicit balanced layout refuses what auto leaves contiguous."""
+    (Mistral's sliding window, a mask of its own); an explicit balanced layout refuses what auto leaves contiguous.
+    `shardflow plan` says the layout on its first line."""
+    assert main(["plan", "--model", "gpt", "--strategy", "cp", "--nproc", "2", "--seq-len", "16"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "mesh cp=2 (2 devices); sequences of 16 over cp in the load-balanced layout (4 chunks);" in first, first
     _, _, graph = llama
     for mesh, want in (("cp=2", Balance("cp", 8)), ("cp=4", Balance("cp", 8)), ("cp=8", None), ("dp=2", None)):
         assert cp_laid_out(Mesh.parse(mesh), "auto", graph).balanced == want, mesh
