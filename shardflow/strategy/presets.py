@@ -415,7 +415,8 @@ def tensor_parallel(
 
 def context_parallel(graph: ComputationGraph, degree: int = 2, axis: str = "cp", attention: str = "auto") -> Plan:
     """Context parallelism on ``axis`` of ``degree`` devices (docs/concepts.md#context-parallelism): every data input
-    of two dims or more is ``Shard(1)``, its sequence split into contiguous blocks, and so is every activation that
+    of two dims or more is ``Shard(1)``, its sequence split into blocks (contiguous, or in the load-balanced layout
+    where the mesh says so: :func:`cp_laid_out`), and so is every activation that
     follows it; the weights stay replicated, their gradients summed over the axis as under dp. Each attention reads
     the whole sequence, as ``attention`` says (``--cp-attention``, :class:`~shardflow.lower.cost.CPAttention`):
 
