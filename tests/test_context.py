@@ -334,14 +334,16 @@ BALANCED = [
     ("cp=2,tp=2", "cp,tp", "ring", "none"),
     ("fsdp=2,cp=2", "fsdp,cp", "ring", "none"),
     ("cp=2", "cp", "ring", "selective"),
+    ("cp=2", "cp", "all_to_all", "none"),
+    ("dp=2,cp=2", "dp,cp", "all_to_all", "none"),
 ]
 
 
 @pytest.mark.parametrize("mesh, strategy, attention, ac", BALANCED)
 def test_the_balanced_layout_equals_eager(llama, mesh, strategy, attention, ac):
     """--cp-layout balanced: 2 SGD steps equal eager PyTorch's loss, gradients and every weight replica within TOL
-    (float64, causal), under the all-gather form and the ring, alone and with dp, tp, fsdp and selective
-    checkpointing."""
+    (float64, causal), under the all-gather form, the ring and the all-to-all form (the heads keep contiguous blocks,
+    the sequence reorders at each all-to-all), alone and with dp, tp, fsdp and selective checkpointing."""
     model, b, graph = llama
     pcg = plan_pcg(graph, mesh, strategy, cp_attention=attention, cp_layout="balanced")
     assert pcg.tensors["input_ids"].sharding.head_tail(pcg.tensors["input_ids"].group, (2, 8))
