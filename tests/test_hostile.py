@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from conftest import capture_once
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -306,29 +307,14 @@ def damaged_plans(draw) -> tuple[str, str]:
     return "plan.json", json.dumps(doc)
 
 
-_PLAN_GRAPH: list = []  # PLAN's gpt captured once: the same seeded model and batch in every case
-
-
-@contextlib.contextmanager
-def plan_graph_captured_once() -> Iterator[None]:
-    """``shardflow plan`` captures PLAN's model before it reads ``--plan``: every case of a damaged plan file plans
-    the graph the first case captured (the same model, batch and dtype), as tests/test_model_matrix.py's cells do."""
-    real = pipeline.capture
-
-    def capture(model, batch):
-        if not _PLAN_GRAPH:
-            _PLAN_GRAPH.append(real(model, batch))
-        return _PLAN_GRAPH[0]
-
-    with unittest.mock.patch.object(pipeline, "capture", capture):
-        yield
+_PLAN_GRAPHS: dict = {}  # PLAN's gpt, captured once: shardflow plan captures it before it reads --plan
 
 
 @CATALOGUE
 @given(plan=damaged_plans())
 def test_damaged_plan_file(plan):
     name, text = plan
-    with place() as root, plan_graph_captured_once():
+    with place() as root, unittest.mock.patch.object(pipeline, "capture", capture_once(_PLAN_GRAPHS)):
         (root / name).write_text(text)
         refused(root, [*PLAN, "--plan", name])
 
