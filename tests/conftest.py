@@ -90,6 +90,32 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier(item))
 
 
+def shapes_of(model, batch) -> tuple:
+    """A model's parameters and a batch by name, shape and dtype: what its captured graph depends on, for a seeded
+    model."""
+    return (
+        tuple((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()),
+        tuple((k, tuple(v.shape), v.dtype) for k, v in batch.items()),
+    )
+
+
+def capture_once(graphs: dict, key=shapes_of):
+    """A stand-in for ``shardflow.pipeline.capture`` (what plan, check and train capture through) for tests that run
+    shardflow many times on the same seeded model and batch: it captures once per ``key(model, batch)`` and gives the
+    graph kept in ``graphs`` after; each run still plans, lowers and runs its own."""
+    from shardflow import pipeline
+
+    real = pipeline.capture
+
+    def capture(model, batch):
+        k = key(model, batch)
+        if k not in graphs:
+            graphs[k] = real(model, batch)
+        return graphs[k]
+
+    return capture
+
+
 def tiny_hf_llama():
     """The tiny Hugging Face Llama of the plan tests (2 layers, width 64, 4 heads over 2 key/value heads, MLP 128,
     vocabulary 96; float32, seeded) and its batch of 8 sequences of 8 tokens, the labels being the tokens."""

@@ -34,15 +34,17 @@ import shlex
 import signal
 import subprocess
 import sys
+import unittest.mock
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
-from conftest import patience
+from conftest import capture_once, patience
 from test_lower import dp_tp_mlp_pcg
 
+from shardflow import pipeline
 from shardflow.cli import main as cli_main
 from shardflow.lower import LowerOptions, lower_step
 from shardflow.lower.cost import DEFAULT_ALPHA_S, DEFAULT_BANDWIDTH, CostModel
@@ -63,10 +65,13 @@ UPDATE = os.environ.get("SHARDFLOW_UPDATE_DOCS") == "1"
 # --- 1. generated blocks ------------------------------------------------------------------------------------------
 
 
+_GPT_GRAPHS: dict = {}  # the default gpt's graph, captured once for every row of collectives_per_strategy
+
+
 def _plan_json(strategy: str, mesh: str) -> dict:
     """``shardflow plan --model gpt --strategy S --mesh M --format json``."""
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.redirect_stdout(out), unittest.mock.patch.object(pipeline, "capture", capture_once(_GPT_GRAPHS)):
         assert cli_main(["plan", "--model", "gpt", "--strategy", strategy, "--mesh", mesh, "--format", "json"]) == 0
     return json.loads(out.getvalue())
 

@@ -10,6 +10,8 @@ docs/models.md lists, per model, which ATen ops ran on a rule and which ran repl
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Callable
 
 import pytest
@@ -103,11 +105,20 @@ def model_and_batch(name: str, dtype=torch.float64) -> tuple[nn.Module, dict[str
     return model, batch()
 
 
+@functools.cache
+def graph_of(name: str, dtype=torch.float64):
+    """The graph of :func:`model_and_batch`'s model (seeded: the same in every test), captured once per dtype — float64
+    inside ``wide_floats()``, as ``shardflow check`` captures."""
+    model, b = model_and_batch(name, dtype)
+    with wide_floats() if dtype == torch.float64 else contextlib.nullcontext():
+        return capture(model, b)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_captured_graph_has_the_eager_numbers(name):
     model, b = model_and_batch(name)
+    graph = graph_of(name)
     with wide_floats():
-        graph = capture(model, b)
         env, grads = run_backward(graph, b, weights_of(model, graph))
         out = model(**b)
     out.loss.backward()
@@ -122,7 +133,7 @@ def test_captured_graph_has_the_eager_numbers(name):
 def test_dp_equals_one_device(name):
     model, b = model_and_batch(name)
     with wide_floats():
-        check_against_eager(model, b, "dp=2", "dp", atol=1e-9, steps=2)
+        check_against_eager(model, b, "dp=2", "dp", atol=1e-9, steps=2, graph=graph_of(name))
 
 
 @pytest.mark.parametrize("family, mesh, strategy", [("deepseek_v3", "tp=2", "tp"), ("mamba2", "pp=2", "pp")])
@@ -139,7 +150,7 @@ def test_models_with_generic_ops_train_as_eager(family, mesh, strategy):
 def test_every_op_has_a_rule():
     """No ATen op of the five falls back to the generic (replicated) Aten op; docs/models.md lists them."""
     for name in MODELS:
-        graph = capture(*model_and_batch(name, torch.float32))
+        graph = graph_of(name, torch.float32)
         assert [n.op.describe() for n in graph.nodes if isinstance(n.op, O.Aten)] == [], name
 
 
@@ -147,9 +158,9 @@ def test_llama_on_the_meta_device_gives_the_cpu_graph():
     """A model built on the meta device (no weights anywhere, how a large model is planned) captures to the graph of
     the same model on the CPU: its rotary frequencies (a meta buffer) fold to meta constants of the same shapes, the
     position ids and masks (from arange, no meta input) to real ones."""
-    cpu, b = model_and_batch("LlamaForCausalLM", torch.float32)
+    _, b = model_and_batch("LlamaForCausalLM", torch.float32)
     with torch.device("meta"):
         meta = llama()
     graph = capture(meta, {k: v.to("meta") for k, v in b.items()})
-    assert graph.listing() == capture(cpu, b).listing()
+    assert graph.listing() == graph_of("LlamaForCausalLM", torch.float32).listing()
     assert {c.device.type for c in graph.constants.values()} == {"meta", "cpu"}

@@ -18,13 +18,16 @@ import json
 import os
 import signal
 import tempfile
+import unittest.mock
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from conftest import capture_once
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardflow import pipeline
 from shardflow.cli import main as cli_main
 
 pytestmark = pytest.mark.integration
@@ -304,11 +307,14 @@ def damaged_plans(draw) -> tuple[str, str]:
     return "plan.json", json.dumps(doc)
 
 
+_PLAN_GRAPHS: dict = {}  # PLAN's gpt, captured once: shardflow plan captures it before it reads --plan
+
+
 @CATALOGUE
 @given(plan=damaged_plans())
 def test_damaged_plan_file(plan):
     name, text = plan
-    with place() as root:
+    with place() as root, unittest.mock.patch.object(pipeline, "capture", capture_once(_PLAN_GRAPHS)):
         (root / name).write_text(text)
         refused(root, [*PLAN, "--plan", name])
 

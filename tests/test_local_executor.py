@@ -9,6 +9,8 @@ mask drawn differently (O(lr) in the weights). AdamW divides by sqrt(v), which a
 between our update formula and torch's fused one: 1e-8. float32: 1e-4.
 """
 
+import functools
+
 import pytest
 import torch
 from dist_worker import replicate_outside_view  # one case, run here and in 4 processes (test_distributed)
@@ -38,6 +40,12 @@ def gpt_case(dtype=torch.float64, n_layer=1, dropout=0.0):
     return model, inputs
 
 
+@functools.cache
+def gpt_graph(dtype=torch.float64, n_layer=1):
+    """The graph of :func:`gpt_case`'s model (seeded: the same in every case), captured once per dtype and depth."""
+    return capture(*gpt_case(dtype, n_layer))
+
+
 def torch_optimizer(cfg: OptimizerConfig, params):
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -54,8 +62,12 @@ def check_against_eager(
     atol=1e-10,
     steps=3,
     clip_norm=None,
+    graph=None,
 ):
-    graph = capture(model, inputs)
+    """``steps`` steps of ``model`` on ``inputs`` planned on ``mesh_text`` (the local executor) against eager PyTorch
+    training it: each loss, every gradient, the gradient norm and every replica of every weight within ``atol``.
+    ``graph``: the model's graph where already captured (a model of the same weights and inputs)."""
+    graph = capture(model, inputs) if graph is None else graph
     mesh = Mesh.parse(mesh_text)
     plan = plan or make_plan(graph, mesh, strategy)
     step = lower_step(
@@ -96,8 +108,9 @@ def check_against_eager(
     ],
 )
 def test_gpt_strategies_match_one_device(mesh, strategy):
-    model, inputs = gpt_case(n_layer=2 if "pp" in strategy else 1)
-    check_against_eager(model, inputs, mesh, strategy)
+    n_layer = 2 if "pp" in strategy else 1
+    model, inputs = gpt_case(n_layer=n_layer)
+    check_against_eager(model, inputs, mesh, strategy, graph=gpt_graph(n_layer=n_layer))
 
 
 def executor(graph, mesh_text, strategy, cfg, seed=0):
@@ -176,15 +189,23 @@ def test_megatron_mlp_matches_one_device():
 def test_adamw_and_weight_decay():
     model, inputs = gpt_case()
     check_against_eager(
-        model, inputs, "dp=2,tp=2", "dp,tp", cfg=OptimizerConfig("adamw", 1e-2, weight_decay=0.01), atol=1e-8
+        model,
+        inputs,
+        "dp=2,tp=2",
+        "dp,tp",
+        cfg=OptimizerConfig("adamw", 1e-2, weight_decay=0.01),
+        atol=1e-8,
+        graph=gpt_graph(),
     )
     model, inputs = gpt_case()
-    check_against_eager(model, inputs, "tp=2", "sp", cfg=OptimizerConfig("sgd", 0.1, 0.0, weight_decay=0.1))
+    check_against_eager(
+        model, inputs, "tp=2", "sp", cfg=OptimizerConfig("sgd", 0.1, 0.0, weight_decay=0.1), graph=gpt_graph()
+    )
 
 
 def test_float32():
     model, inputs = gpt_case(torch.float32)
-    check_against_eager(model, inputs, "dp=2,tp=2", "dp,sp", atol=1e-4)
+    check_against_eager(model, inputs, "dp=2,tp=2", "dp,sp", atol=1e-4, graph=gpt_graph(torch.float32))
 
 
 def test_explicit_replicate_and_reduction_ops():
@@ -272,7 +293,7 @@ def test_replicate_in_a_user_plan_spreads_a_stage_over_the_axis():
 def test_gradient_clipping_by_global_norm(mesh, strategy):
     """The norm is reduced over every device (each piece counted once); a small max norm so clipping bites."""
     model, inputs = gpt_case(n_layer=2)
-    check_against_eager(model, inputs, mesh, strategy, clip_norm=0.05)
+    check_against_eager(model, inputs, mesh, strategy, clip_norm=0.05, graph=gpt_graph(n_layer=2))
 
 
 def test_each_rank_holds_only_its_pieces():

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint
+from conftest import capture_once
 
 from shardflow import pipeline
 from shardflow.cli import main
@@ -71,15 +72,10 @@ _CAPTURED: dict[tuple[str, torch.dtype], object] = {}
 
 
 def _capture_once(monkeypatch, family: str) -> None:
-    real = pipeline.capture
+    def key(model, batch):
+        return family, next(model.parameters()).dtype
 
-    def capture(model, batch):
-        key = (family, next(model.parameters()).dtype)
-        if key not in _CAPTURED:
-            _CAPTURED[key] = real(model, batch)
-        return _CAPTURED[key]
-
-    monkeypatch.setattr(pipeline, "capture", capture)
+    monkeypatch.setattr(pipeline, "capture", capture_once(_CAPTURED, key))
 
 
 @pytest.mark.parametrize(

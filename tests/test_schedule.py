@@ -2,6 +2,8 @@
 lowered programs' exact transfer order per stage; equality with one device for GPipe and 1F1B, M ∈ {1, 2, 4, 8},
 with dp and tp combined; activation memory of 1F1B against GPipe (local executor, no processes)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -92,6 +94,7 @@ def test_a_cycle_is_refused_naming_the_stuck_stages():
         LowerOptions.parse(cost=CostModel(), schedule="zb")  # refused where it is parsed, before any Schedule
 
 
+@functools.cache  # captured once per batch size; the tests read the model's weights and plan the graph, never change them
 def model_and_graph(rows: int):
     torch.manual_seed(0)
     model = MLP(d_in=16, hidden=32, d_out=8, n_layers=4)

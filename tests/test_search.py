@@ -28,8 +28,10 @@ MODEL = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=
 BATCH = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
 
 
-def run(world: int, budget: int | None = None, model=MODEL, batch=BATCH):
-    return search_model(model, batch, world, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), SPEC, budget)
+def run(world: int, budget: int | None = None, model=MODEL, batch=BATCH, placements: bool = True):
+    return search_model(
+        model, batch, world, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), SPEC, budget, placements=placements
+    )
 
 
 pytestmark = pytest.mark.integration  # each search plans and predicts ~70 presets: a minute in all
@@ -77,7 +79,7 @@ def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_t
     torch.manual_seed(0)
     wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=256))
     batch = {"idx": torch.randint(0, 64, (512, 16)), "targets": torch.randint(0, 64, (512, 16))}
-    free = run(8, model=wide, batch=batch)
+    free = run(8, model=wide, batch=batch, placements=False)  # the presets' peaks: no per-op placements tried
     peaks = {
         str(o.candidate.mesh): max(o.prediction.peak_bytes)
         for o in free.outcomes
@@ -163,7 +165,7 @@ def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
     torch.manual_seed(0)
     wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, n_embd=1024))
     batch = {"idx": torch.randint(0, 64, (4, 16)), "targets": torch.randint(0, 64, (4, 16))}
-    free = run(4, model=wide, batch=batch)
+    free = run(4, model=wide, batch=batch, placements=False)  # the presets' peaks: no per-op placements tried
     peaks = {str(o.candidate): max(o.prediction.peak_bytes) for o in free.outcomes if o.prediction}
     fsdp_tp = peaks["--strategy fsdp,tp --mesh fsdp=2,tp=2"]
     assert peaks["--strategy tp --mesh tp=4"] < fsdp_tp < peaks["--strategy fsdp --mesh fsdp=4"]

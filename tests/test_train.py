@@ -60,14 +60,14 @@ def _matches_single_device_step_by_step(r, run, want, read_metrics):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--strategy", "dp", "--nproc", "2"],
         ["--strategy", "pp", "--nproc", "2", "--layers", "2"],
         ["--strategy", "dp,tp", "--mesh", "dp=2,tp=2", "--nproc", "4"],
         ["--strategy", "fsdp", "--nproc", "2", "--ac", "block"],
     ],
 )
 def test_strategies_match_single_device_step_by_step(tmp_path, run_train, run_here, read_metrics, single, argv):
-    """(tp: test_tp_matches_single_device_step_by_step, on the run other tests read too.)"""
+    """(tp: test_tp_matches_single_device_step_by_step, on the run other tests read too; dp on 2 processes:
+    test_under_torchrun, against the same losses.)"""
     r, run = run_train(tmp_path, "run", *argv)
     want = single
     if "--layers" in argv:  # a 2-layer model (one per stage): compare with one device running both layers
