@@ -705,6 +705,7 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     members = axis_members(group, axis, r)
     d = len(members)
     tin, tout = piece(vin), piece(vout)
+    to_storage, to_natural = layout_change(vin, vout)
     kind = st.kind
     assert isinstance(kind, CommKind), kind  # a collective step (sends, receives and local steps return above)
     nbytes = wire_bytes(kind, tin.type.nbytes, d)
@@ -737,8 +738,8 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
             if st.kind in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
             else ReduceOp.SUM,
             value=vin.id,
-            to_storage=layout_change(vin, vout)[0],
-            to_natural=layout_change(vin, vout)[1],
+            to_storage=to_storage,
+            to_natural=to_natural,
         )
     ]
 
