@@ -198,7 +198,7 @@ class Ctx:
         """The local op; with ``block``, device 0's (its block starts at 0: :attr:`LocalOp.block`). Raises RuleError
         where that block is in head-tail order (docs/concepts.md#the-load-balanced-layout) and the op is not one that
         reads its positions from the layout (a causal attention's queries)."""
-        if block is not None and not getattr(op, "layout", None):
+        if block is not None and not (isinstance(op, O.Attention) and op.layout is not None):
             i, d = block
             if any(h.dim == d for h in self.shardings[i].head_tail(self.group, self.types[i].shape)):
                 raise self.error(
