@@ -1,8 +1,9 @@
 """``--strategy auto``: the fastest plan that fits, chosen by the simulator (docs/search.md).
 
 The search space is every preset a world of N devices can run (:func:`candidates`): each factorization of N into
-a pipeline, data-parallel, fully-sharded and tensor-parallel axis (mesh order ``pp, dp, fsdp, tp``: tensor
-parallelism innermost, on consecutive ranks of one node, a pipeline outermost), tensor parallelism with and without
+a pipeline, data-parallel, fully-sharded, context-parallel and tensor-parallel axis (mesh order
+``pp, dp, fsdp, cp, tp``: tensor parallelism innermost, on consecutive ranks of one node, a pipeline outermost; cp
+where the batch runs out of sequences, with each of its attention forms), tensor parallelism with and without
 sequence parallelism, and under a pipeline its microbatches (p, 2p, 4p) and schedule (1F1B, GPipe, interleaved over
 two chunks per stage); activation checkpointing per block and gradient accumulation (2 or 4 micro-steps) are
 tried, in the order of :data:`FALLBACKS`, where a candidate does not fit without them, and then checkpointing of
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 from collections import Counter
@@ -41,6 +43,7 @@ from shardflow.graph.graph import TensorRole
 from shardflow.graph.ops import torch_dtype
 from shardflow.graph.rebatch import RebatchError, rebatch
 from shardflow.lower import LowerOptions
+from shardflow.lower.cost import CPAttention
 from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
 from shardflow.lower.passes import collector_paused
 from shardflow.lower.program import Comm, Compute
@@ -56,7 +59,9 @@ from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
 from shardflow.simulator.machine import MachineSpec
 from shardflow.strategy.placements import Memory, considered, placement, placements_plan
 
-SEARCH_AXES = ("pp", "dp", "fsdp", "tp")  # the mesh's axes, outermost first
+SEARCH_AXES = ("pp", "dp", "fsdp", "cp", "tp")  # the mesh's axes, outermost first (torchtitan's order)
+# how attention reads a sequence split over cp, each tried as its own candidate (docs/search.md#context-parallelism)
+CP_FORMS = (CPAttention.ALL_GATHER, CPAttention.RING, CPAttention.ALL_TO_ALL)
 # what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
 FALLBACKS = (
     (ActivationCheckpointing.SELECTIVE, 1),
@@ -87,7 +92,8 @@ class Candidate:
     """One plan the search tries: a preset ``strategy`` (``dp,tp``, ``fsdp,sp``, ...) on ``mesh``, with activation
     checkpointing ``ac`` (of the first ``ac_blocks`` blocks only where set), under a pipeline ``microbatches``, ``schedule`` and ``stages_per_rank``, and the step run
     as ``accumulate`` micro-steps (gradient accumulation). With ``placements``, the tp axis is placed op by op
-    (:func:`~shardflow.strategy.placements.placements_plan`), its memory capped at ``memory_level`` (:class:`~shardflow.strategy.placements.Memory`)."""
+    (:func:`~shardflow.strategy.placements.placements_plan`), its memory capped at ``memory_level`` (:class:`~shardflow.strategy.placements.Memory`).
+    ``cp_attention``: how attention reads the sequence a cp axis splits (:class:`~shardflow.lower.cost.CPAttention`)."""
 
     mesh: Mesh
     strategy: str
@@ -99,6 +105,7 @@ class Candidate:
     ac_blocks: int | None = None
     placements: bool = False
     memory_level: float = 0.0
+    cp_attention: CPAttention = CPAttention.AUTO
 
     @property
     def family(self) -> str:
@@ -121,6 +128,8 @@ class Candidate:
             out += ["--stages-per-rank", str(self.stages_per_rank)]
         if self.accumulate > 1:
             out += ["--accumulate", str(self.accumulate)]
+        if self.cp_attention != CPAttention.AUTO:
+            out += ["--cp-attention", str(self.cp_attention)]
         return out
 
     def __str__(self) -> str:
@@ -137,6 +146,7 @@ class Candidate:
             schedule=self.schedule,
             stages_per_rank=self.stages_per_rank,
             accumulate=self.accumulate,
+            cp_attention=self.cp_attention,
         )
 
 
@@ -175,39 +185,56 @@ def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 
 def candidates(
-    world: int, blocks: int, batch: int, node: int | None = None, placements: bool = True
+    world: int, blocks: int, batch: int, node: int | None = None, placements: bool = True, seq: int | None = None
 ) -> list[Candidate]:
     """Every preset candidate of ``world`` devices for a model of ``blocks`` repeated blocks and a step of ``batch``
-    sequences (module docstring), without activation checkpointing (:func:`search` tries it where a candidate does
-    not fit without): those whose data-parallel degree divides the batch, whose pipeline has no more stages than
-    blocks and whose tensor parallelism stays within a ``node`` of that many devices (None: any degree) — its
+    sequences of ``seq`` tokens (module docstring), without activation checkpointing (:func:`search` tries it where a
+    candidate does not fit without): those whose data-parallel degree divides the batch, whose pipeline has no more
+    stages than blocks, whose context-parallel degree divides the sequence (none where ``seq`` is None) and where the
+    batch does not split over data-parallel axes of its degree in its place (cp then does what dp would — the same
+    compute and activations per device, the same gradient all-reduce — and gathers keys and values besides:
+    docs/search.md#context-parallelism), and whose tensor parallelism stays within a ``node`` of that many devices
+    (None: any degree) — its
     collectives sit on the critical path of every block, and across nodes they run at the slower link (Megatron-LM's
-    rule, Narayanan et al. 2021, §3.3). With ``placements``, each mesh without a pipeline that has a tp axis is also
-    tried with per-op placements on it (:func:`~shardflow.strategy.placements.placements_plan`)."""
+    rule, Narayanan et al. 2021, §3.3). A mesh with a cp axis is tried with each way attention reads the split
+    sequence (:data:`CP_FORMS`). With ``placements``, each mesh without a pipeline or cp axis that has a tp axis is
+    also tried with per-op placements on it (:func:`~shardflow.strategy.placements.placements_plan`)."""
     out = []
     for sizes in factorizations(world, len(SEARCH_AXES)):
         axes = {a: s for a, s in zip(SEARCH_AXES, sizes) if s > 1}
-        pp, data = axes.get("pp", 1), axes.get("dp", 1) * axes.get("fsdp", 1)
+        pp, data, cp = axes.get("pp", 1), axes.get("dp", 1) * axes.get("fsdp", 1), axes.get("cp", 1)
         if batch % data or pp > max(blocks, 1) or (node is not None and axes.get("tp", 1) > node):
             continue
+        if cp > 1 and (seq is None or seq % cp or batch % (data * cp) == 0):
+            continue  # cp where the batch runs out of sequences: else dp in its place dominates it
         mesh = Mesh(tuple(axes), tuple(axes.values())) if axes else Mesh(("d",), (1,))
         names = [a for a in axes]
         variants = [names] + ([[("sp" if a == "tp" else a) for a in names]] if "tp" in axes else [])
-        for parts in variants:
+        forms = CP_FORMS if cp > 1 else (CPAttention.AUTO,)
+        for parts, form in itertools.product(variants, forms):
             strategy = ",".join(parts) or "single"
             if pp == 1:
-                out.append(Candidate(mesh, strategy))
-                if placements and parts == names and "tp" in axes:  # each op's placements on tp: the program's
+                out.append(Candidate(mesh, strategy, cp_attention=form))
+                if placements and parts == names and "tp" in axes and cp == 1:  # each op's placements on tp
                     out.append(Candidate(mesh, strategy, placements=True))
                 continue
             for m in (pp, 2 * pp, 4 * pp):
                 if (batch // data) % m:
                     continue
-                out.append(Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.ONE_F_ONE_B))
-                out.append(Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.GPIPE))
+                out.append(
+                    Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.ONE_F_ONE_B, cp_attention=form)
+                )
+                out.append(Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.GPIPE, cp_attention=form))
                 if blocks >= 2 * pp:
                     out.append(
-                        Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.INTERLEAVED, stages_per_rank=2)
+                        Candidate(
+                            mesh,
+                            strategy,
+                            microbatches=m,
+                            schedule=ScheduleKind.INTERLEAVED,
+                            stages_per_rank=2,
+                            cp_attention=form,
+                        )
                     )
     return out
 
@@ -219,8 +246,8 @@ def _weight_bytes(graph: ComputationGraph) -> int:
 def state_bytes(weights: int, candidate: Candidate, optimizer: OptimizerConfig, options: LowerOptions) -> int:
     """A lower bound on one rank's peak (bytes) for a model of ``weights`` bytes of weights: its share of the
     weights, their gradients, the optimizer's state slots and, under mixed precision, the master weights — sharded
-    by every axis but the data-parallel one."""
-    shards = math.prod(s for a, s in zip(candidate.mesh.axis_names, candidate.mesh.shape) if a != "dp")
+    by every axis but the data-parallel and context-parallel ones (both replicate the weights)."""
+    shards = math.prod(s for a, s in zip(candidate.mesh.axis_names, candidate.mesh.shape) if a not in ("dp", "cp"))
     return state_copies(optimizer, options) * weights // shards
 
 
@@ -510,7 +537,7 @@ def search(
     # without a pipeline first, then pipelines by their microbatches and chunks (the cheapest to predict first); a pipeline is
     # predicted only where its bound is below the best step found (docs/search.md#bounds)
     order = sorted(
-        candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node, placements),
+        candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node, placements, tokens // batch),
         key=lambda c: (c.microbatches > 1, c.microbatches, c.stages_per_rank, bubble(c)),
     )
     unsearched = 0

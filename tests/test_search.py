@@ -102,6 +102,35 @@ def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_t
         run(8, budget=1000)
 
 
+def test_long_sequences_the_batch_cannot_split_get_context_parallelism():
+    """Two sequences of 4,096 tokens on 8 devices: the batch splits 2 ways, and the rest goes to context
+    parallelism — its attention reading the split sequence by all-to-all onto the 4 heads (DeepSpeed-Ulysses), the
+    simulator's choice among the three forms — ahead of tensor parallelism on the same devices by ≥ 5 %. cp is
+    tried only where the batch runs out of sequences (docs/search.md#context-parallelism): with 16 sequences no
+    candidate has a cp axis."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=4096, n_layer=2, n_head=4, n_embd=64))
+    ids = torch.randint(0, 64, (2, 4096))
+    res = run(8, model=model, batch={"idx": ids, "targets": ids}, placements=False)
+    best = res.best.candidate
+    assert (best.strategy, str(best.mesh), str(best.cp_attention)) == ("dp,cp", "dp=2,cp=4", "all_to_all")
+    assert best.flags()[-2:] == ["--cp-attention", "all_to_all"]
+    kinds = {c.kind for p in res.pipeline.lower().programs.values() for c in p.comms}
+    assert "all_to_all" in kinds
+    without_cp = [o.prediction.step_seconds for o in res.outcomes if o.fits and "cp" not in o.candidate.mesh.axis_names]
+    assert res.best.prediction is not None and res.best.prediction.step_seconds <= 0.95 * min(without_cp)
+    assert not [c for c in candidates(8, blocks=2, batch=16, seq=4096) if "cp" in c.mesh.axis_names]
+    assert {str(c.mesh) for c in candidates(8, blocks=2, batch=2, seq=4096) if "cp" in c.mesh.axis_names} == {
+        "cp=8",
+        "dp=2,cp=4",
+        "fsdp=2,cp=4",
+        "cp=4,tp=2",
+        "dp=2,cp=2,tp=2",
+        "fsdp=2,cp=2,tp=2",
+        "pp=2,cp=4",
+    }  # not cp=2,tp=4 nor pp=2,cp=2,tp=2: dp=2 in place of cp=2 dominates them
+
+
 def test_a_saved_plan_plans_the_same_programs_again(eight, tmp_path):
     chosen = eight.best.candidate
     path = tmp_path / "auto.json"

@@ -313,8 +313,8 @@ def auto_strategy(cfg: TrainConfig, world: int, placements: bool = False) -> tup
 
 def settings_of(cfg: TrainConfig, c: Candidate) -> TrainConfig:
     """``cfg`` running the search's candidate ``c`` (a preset, :func:`auto_strategy`): its strategy, mesh,
-    activation checkpointing (of its first ``ac_blocks`` blocks where it checkpoints only those), pipeline schedule
-    and gradient accumulation — every setting the search predicted it with, so the run is the plan predicted."""
+    activation checkpointing (of its first ``ac_blocks`` blocks where it checkpoints only those), pipeline schedule,
+    gradient accumulation and how attention reads a sequence split over cp — every setting the search predicted it with, so the run is the plan predicted."""
     return dataclasses.replace(
         cfg,
         strategy=c.strategy,
@@ -325,6 +325,7 @@ def settings_of(cfg: TrainConfig, c: Candidate) -> TrainConfig:
         schedule=str(c.schedule),
         stages_per_rank=c.stages_per_rank,
         accumulate=c.accumulate,
+        cp_attention=str(c.cp_attention),
     )
 
 
