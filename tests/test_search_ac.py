@@ -184,7 +184,8 @@ def test_train_runs_the_choice_with_the_blocks_it_checkpoints():
     """``shardflow train --strategy auto`` trains the search's candidate with every setting it was predicted with,
     its first K blocks checkpointed included (a regression: the choice's K was dropped for the user's --ac-blocks,
     so the run checkpointed every block, a slower plan than the one predicted); a choice without partial
-    checkpointing drops the user's K."""
+    checkpointing drops the user's K, and a cp choice carries its attention form."""
+    from shardflow.lower.cost import CPAttention
     from shardflow.lower.schedule import ScheduleKind
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import settings_of
@@ -195,3 +196,7 @@ def test_train_runs_the_choice_with_the_blocks_it_checkpoints():
     assert settings == ("pp,fsdp", "pp=2,fsdp=2", "block", 3, 4, "interleaved", 2) and cfg.accumulate == 2
     plain = settings_of(cfg, Candidate(Mesh.parse("dp=4"), "dp"))
     assert (plain.ac, plain.ac_blocks, plain.microbatches, plain.accumulate) == ("none", None, 1, 1)
+    # a context-parallel choice runs with the attention form it was predicted with (docs/search.md#context-parallelism)
+    ring = settings_of(plain, Candidate(Mesh.parse("dp=2,cp=2"), "dp,cp", cp_attention=CPAttention.RING))
+    assert (ring.strategy, ring.mesh, ring.cp_attention) == ("dp,cp", "dp=2,cp=2", "ring")
+    assert settings_of(ring, Candidate(Mesh.parse("dp=4"), "dp")).cp_attention == "auto"
