@@ -213,29 +213,22 @@ def candidates(
         forms = CP_FORMS if cp > 1 else (CPAttention.AUTO,)
         for parts, form in itertools.product(variants, forms):
             strategy = ",".join(parts) or "single"
+            plain = Candidate(mesh, strategy, cp_attention=form)
             if pp == 1:
-                out.append(Candidate(mesh, strategy, cp_attention=form))
+                out.append(plain)
                 if placements and parts == names and "tp" in axes and cp == 1:  # each op's placements on tp
-                    out.append(Candidate(mesh, strategy, placements=True))
+                    out.append(dataclasses.replace(plain, placements=True))
                 continue
             for m in (pp, 2 * pp, 4 * pp):
                 if (batch // data) % m:
                     continue
-                out.append(
-                    Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.ONE_F_ONE_B, cp_attention=form)
-                )
-                out.append(Candidate(mesh, strategy, microbatches=m, schedule=ScheduleKind.GPIPE, cp_attention=form))
+                schedules = [(ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.GPIPE, 1)]
                 if blocks >= 2 * pp:
-                    out.append(
-                        Candidate(
-                            mesh,
-                            strategy,
-                            microbatches=m,
-                            schedule=ScheduleKind.INTERLEAVED,
-                            stages_per_rank=2,
-                            cp_attention=form,
-                        )
-                    )
+                    schedules.append((ScheduleKind.INTERLEAVED, 2))
+                out += [
+                    dataclasses.replace(plain, microbatches=m, schedule=kind, stages_per_rank=v)
+                    for kind, v in schedules
+                ]
     return out
 
 
