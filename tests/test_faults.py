@@ -424,6 +424,58 @@ def test_rendezvous_store_and_gloo_listen_on_loopback_only(tmp_path):
                 assert a.startswith("127.") or a in ("::1", "::ffff:127.0.0.1"), (kind, a, seen)
 
 
+FORKING_LAUNCHER = """
+import json, os, sys
+from pathlib import Path
+from shardflow.runtime.launch import launch
+
+out = Path(sys.argv[1])
+
+
+def rank_main():
+    r = int(os.environ["RANK"])
+    print(f"rank {r} runs the entry", flush=True)
+    seen = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "SHARDFLOW_LAUNCHED")}
+    seen.update(ppid=os.getppid(), session=os.getsid(0) == os.getpid())
+    (out / f"rank{r}.json").write_text(json.dumps(seen))
+    if r == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    return 0
+
+
+nproc = os.cpu_count()  # one thread per rank: the launcher forks
+res = launch([sys.executable, "-c", "raise SystemExit(7)"], nproc, out / "logs", grace_s=20, echo_rank0=False,
+             rank_main=[rank_main])
+print(json.dumps({"pid": os.getpid(), "codes": res.returncodes, "failed": res.failed}))
+"""
+
+
+def test_forked_ranks_run_the_entry_in_sessions_of_their_own_and_report_like_new_ones(tmp_path):
+    """With one thread per rank, the launcher forks its ranks to run the entry it is given (not the command, which
+    would exit 7): each in its own session, as a child of the launcher, with torchrun's environment, its output in its
+    log; a rank's traceback is its status 1, named as the root cause."""
+    p = subprocess.run(
+        [sys.executable, "-c", FORKING_LAUNCHER, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout.splitlines()[-1])
+    nproc = os.cpu_count()
+    assert got["codes"] == [0, 1] + [0] * (nproc - 2) and got["failed"] == [1, 1], got
+    for r in range(nproc):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen == dict(
+            RANK=str(r),
+            WORLD_SIZE=str(nproc),
+            OMP_NUM_THREADS="1",
+            SHARDFLOW_LAUNCHED="1",
+            ppid=got["pid"],
+            session=True,
+        )
+        log = (tmp_path / "logs" / f"rank{r}.log").read_text()
+        assert log.startswith(f"rank {r} runs the entry\n"), log
+    assert "RuntimeError: rank 1 fails on purpose" in (tmp_path / "logs" / "rank1.log").read_text()
+
+
 def test_malformed_fault_hook_fails_before_any_process(capsys, tmp_path, train_argv, monkeypatch):
     monkeypatch.setenv("SHARDFLOW_FAULT", "explode:rank=1")
     run = tmp_path / "run"

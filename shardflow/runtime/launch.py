@@ -5,7 +5,10 @@ gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_P
 ``TORCHELASTIC_USE_AGENT_STORE=True`` so it joins the parent's store as a client, ``OMP_NUM_THREADS`` =
 cores / N, ``GLOO_SOCKET_IFNAME=lo``, ``SHARDFLOW_LAUNCHED=1`` (:data:`LAUNCHED`: a rank tells this launcher's
 ranks, whose parent owns the run, from torchrun's) and the launcher's PID (:data:`LAUNCHER_PID`: a rank stops when
-the launcher dies, even by SIGKILL: :func:`stop_with_launcher`). Each rank's output goes to ``rank{r}.log`` in the
+the launcher dies, even by SIGKILL: :func:`stop_with_launcher`). A rank is a new Python process running the command,
+or — when the caller passes the rank's entry and forking is safe (:func:`_can_fork`) — a fork of the launcher that
+calls it, sparing every rank the imports and the plan the launcher has already paid for (docs/execution.md#forked-ranks).
+Each rank's output goes to ``rank{r}.log`` in the
 run directory; rank 0's is also echoed to the console. When a rank fails, the others get ``grace_s`` seconds (their
 communication timeout plus a few) to exit on their own, then are killed; the launcher names the rank at the root of
 the failure — from the ranks' exit statuses (:class:`Status`) and the order it saw them exit: a rank that stopped
@@ -16,6 +19,7 @@ SIGTERM are forwarded to the ranks.
 from __future__ import annotations
 
 import ctypes
+import io
 import math
 import os
 import signal
@@ -24,12 +28,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Set
+import traceback
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import IO, Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 
 LAUNCHED = "SHARDFLOW_LAUNCHED"  # set to 1 in the environment of every rank this launcher starts
@@ -106,6 +112,84 @@ def stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _Forked:
+    """A rank forked from the launcher, watched like a :class:`subprocess.Popen` (``returncode``: -N when signal N
+    ended it)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _can_fork(threads: int) -> bool:
+    """Forking the launcher is safe: it runs one Python thread (a thread holding a lock at the fork would leave the
+    rank's copy of that lock held forever), CUDA is not initialised (a forked process cannot use it) and each rank
+    computes on one thread (GNU OpenMP's thread pool does not survive a fork: a rank that starts a team of threads
+    after the launcher has run one hangs)."""
+    _stop_tqdm_monitor()
+    return threads == 1 and threading.active_count() == 1 and not torch.cuda.is_initialized()
+
+
+def _stop_tqdm_monitor() -> None:
+    """Stop tqdm's monitor thread, if one runs: torch.fx's interpreter opens a (disabled) tqdm bar at every capture,
+    and the thread it starts outlives the bar. A later bar starts a new one."""
+    tqdm = sys.modules.get("tqdm")
+    monitor = getattr(getattr(tqdm, "tqdm", None), "monitor", None)
+    if monitor is not None:
+        monitor.exit()
+
+
+def _fork_rank(main: Callable[[], int], env: Mapping[str, str], out: int | None, close: Sequence[int]) -> _Forked:
+    """Fork a rank that runs ``main`` with ``env`` added to its environment, its stdout and stderr on descriptor
+    ``out`` (None: the launcher's own), in a session of its own, and exits with ``main``'s status (1 after a
+    traceback, which it prints); ``close``: the launcher's descriptors the rank must not hold."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return _Forked(pid)
+    code = 1
+    try:  # the rank: from here it never returns into the launcher's frames
+        os.setsid()
+        for fd in close:
+            os.close(fd)
+        os.environ.update(env)
+        if out is not None:
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            os.close(out)
+            sys.stdout = _line_writer(1)  # sys.__stdout__ writes to descriptor 1 too
+            sys.stderr = _line_writer(2)
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)  # the launcher's, if it set one
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # a closed or broken output: the status still reaches the launcher
+                pass
+        os._exit(code)
+
+
+def _line_writer(fd: int) -> io.TextIOWrapper:
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="replace", write_through=True)
+
+
 def launch(
     cmd: Sequence[str],
     nproc: int,
@@ -114,29 +198,34 @@ def launch(
     echo_rank0: bool = True,
     host: str = "127.0.0.1",
     keep_fds: Sequence[int] = (),
+    rank_main: list[Callable[[], int]] | None = None,
 ) -> LaunchResult:
     """Run ``cmd`` (an argv, e.g. ``[python, -m, shardflow.cli, train, ...]``) as ``nproc`` ranks.
 
     Returns when every rank has exited (killed ``grace_s`` after the first failure). Per-rank logs:
     ``run_dir/rank{r}.log``. ``keep_fds``: descriptors every rank inherits (the run directory's lock, held while any
-    rank lives).
+    rank lives). ``rank_main``: a one-element list holding what ``cmd`` runs in a rank, as a function returning the
+    exit status; where :func:`_can_fork`, every rank is a fork of this process that calls it instead of a new
+    process. The launcher takes it out of the list, so that once the ranks have started it holds nothing the
+    function holds (a model).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     # TCPStore given port 0 listens on every interface; a socket we bind on ``host`` alone keeps it on loopback
     fd, port = _listen(host)
-    store = dist.TCPStore(host, port, nproc, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     threads = max(1, (os.cpu_count() or 1) // nproc)
+    main = rank_main.pop() if rank_main else None
+    fork = main is not None and _can_fork(threads)
     direct = echo_rank0 and sys.stdout.isatty()
-    procs, pumps = [], []
+    procs: list = []
+    outs: list[tuple[int, IO[str]]] = []  # (rank, the read end of its output)
     for r in range(nproc):
         env = dict(
-            os.environ,
             RANK=str(r),
             LOCAL_RANK=str(r),
             WORLD_SIZE=str(nproc),
             LOCAL_WORLD_SIZE=str(nproc),
             MASTER_ADDR=host,
-            MASTER_PORT=str(store.port),
+            MASTER_PORT=str(port),
             TORCHELASTIC_USE_AGENT_STORE="True",
             OMP_NUM_THREADS=str(threads),
             GLOO_SOCKET_IFNAME="lo",
@@ -146,23 +235,36 @@ def launch(
         if r == 0 and direct:
             # On a terminal rank 0 writes to it directly (so it can draw a progress bar) and tees its own log.
             env["SHARDFLOW_TEE"] = str(run_dir / "rank0.log")
-            p = subprocess.Popen(list(cmd), env=env, start_new_session=True, pass_fds=keep_fds)
+        piped = not (r == 0 and direct)
+        if fork and main is not None:
+            others = [fd, *(o.fileno() for _, o in outs)]  # descriptors the rank closes
+            if piped:
+                read, write = os.pipe()
+                procs.append(_fork_rank(main, env, write, [*others, read]))
+                os.close(write)
+                outs.append((r, open(read, encoding="utf-8", errors="replace")))
+            else:
+                procs.append(_fork_rank(main, env, None, others))
         else:
             p = subprocess.Popen(
                 list(cmd),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE if piped else None,
+                stderr=subprocess.STDOUT if piped else None,
                 text=True,
                 start_new_session=True,
                 pass_fds=keep_fds,
             )
-            t = threading.Thread(
-                target=_pump, args=(p.stdout, run_dir / f"rank{r}.log", echo_rank0 and r == 0), daemon=True
-            )
-            t.start()
-            pumps.append(t)
-        procs.append(p)
+            procs.append(p)
+            if p.stdout is not None:
+                outs.append((r, p.stdout))
+    del main  # the ranks hold their own copies now
+    store = dist.TCPStore(host, port, nproc, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    pumps = []
+    for r, stream in outs:
+        t = threading.Thread(target=_pump, args=(stream, run_dir / f"rank{r}.log", echo_rank0 and r == 0), daemon=True)
+        t.start()
+        pumps.append(t)
 
     def forward(sig, _frame):
         for p in procs:

@@ -19,6 +19,7 @@ status 2.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -94,13 +95,23 @@ def _main(run: RunDir, launched: bool) -> int:
         run.claim()
     if torchrun or world == 1:
         return run_rank(cfg, run, s)
-    del s  # the ranks build their own: this process holds no model while they run
-    return _launch(cfg, run)
+    # a rank forked from this process starts from ``s``; the launcher lets go of it once the ranks have started
+    rank_main = [functools.partial(_forked_rank, run.cfg, run, s)]
+    del s
+    return _launch(cfg, run, rank_main)
 
 
-def _launch(cfg: TrainConfig, run: RunDir) -> int:
+def _forked_rank(cfg: TrainConfig, run: RunDir, s: Setup) -> int:
+    """A rank forked from the launcher (:func:`~shardflow.runtime.launch.launch`): :func:`run_rank` from the
+    launcher's recipe, which a rank started as a new process would build again, identically; ``run``: the launcher's
+    run directory, which the rank sees as its other ranks do (it does not own it)."""
+    failures.set_run_dir(run.path)
+    return run_rank(cfg, RunDir(cfg, owner=False), s)
+
+
+def _launch(cfg: TrainConfig, run: RunDir, rank_main: list) -> int:
     """Start ``--nproc`` ranks (each inherits the locks of the run directory and its named outputs) and wait for
-    them."""
+    them; ``rank_main``: what a forked rank runs (:func:`~shardflow.runtime.launch.launch`)."""
     # The launcher forwards Ctrl-C / SIGTERM to the ranks from its own handler; a wakeup fd tells us one came.
     signals_r, signals_w = os.pipe()
     os.set_blocking(signals_r, False)
@@ -117,6 +128,7 @@ def _launch(cfg: TrainConfig, run: RunDir) -> int:
             run.path,
             grace_s=cfg.timeout + 10,
             keep_fds=run.fds,
+            rank_main=rank_main,
         )
     finally:
         if old_fd is not None:

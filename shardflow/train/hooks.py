@@ -2,9 +2,10 @@
 default. The test suite breaks real runs through them (``tests/faults.py``: a rank killed in the middle of a step
 or while saving a checkpoint, a rank that stalls); shardflow itself installs nothing.
 
-Hooks live in a process, and ``shardflow train --nproc N`` starts its ranks as new processes: ``command`` is how
-the parent starts one (the argv before ``train ...``), so a program that installs hooks names itself there and
-installs them again in every rank it is started as.
+Hooks live in a process. ``shardflow train --nproc N`` forks its ranks where it can (docs/execution.md#forked-ranks):
+they inherit the parent's hooks. Elsewhere it starts them as new processes: ``command`` is how the parent starts one
+(the argv before ``train ...``), so a program that installs hooks names itself there and installs them again in every
+rank it is started as.
 """
 
 from __future__ import annotations
