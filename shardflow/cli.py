@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -815,7 +816,11 @@ def launch_check(args: argparse.Namespace) -> int:
     require_eager_comparable(pipeline.graph)
     pipeline.lower(verify=True)  # every rank's program, proven to agree
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))
-    res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
+    # a forked rank runs check_rank as a new one would (docs/execution.md#forked-ranks), without the imports
+    entry = [functools.partial(check_rank, args)]
+    res = launch(
+        [*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10, rank_main=entry
+    )
     codes = set(res.returncodes)
     if res.ok or codes == {DEVIATES}:  # rank 0 printed the verdict
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -922,7 +927,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         flush=True,
     )
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-calibrate-"))
-    res = launch([*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10)
+    entry = [functools.partial(calibrate_rank, args)]  # what a rank runs, where it is forked
+    res = launch(
+        [*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10, rank_main=entry
+    )
     if res.ok:
         shutil.rmtree(run_dir, ignore_errors=True)
         return 0

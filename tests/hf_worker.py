@@ -14,6 +14,7 @@ any weight replica.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import sys
 from pathlib import Path
@@ -36,8 +37,10 @@ SGD = OptimizerConfig("sgd", 0.1, 0.9)
 STEPS = 2
 
 
+@functools.cache
 def model_and_graph(name: str):
-    """The float64 model ``name`` (seed 0), its batch and its captured graph."""
+    """The float64 model ``name`` (seed 0), its batch and its captured graph; built once per process (a capture
+    costs seconds): callers copy the model before they train it (:func:`compare`)."""
     torch.manual_seed(0)
     model = MODELS[name]().double()
     b = batch()
