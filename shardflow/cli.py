@@ -817,7 +817,7 @@ def launch_check(args: argparse.Namespace) -> int:
     pipeline.lower(verify=True)  # every rank's program, proven to agree
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-check-"))
     # a forked rank runs check_rank as a new one would (docs/execution.md#forked-ranks), without the imports
-    entry = [functools.partial(check_rank, args)]
+    entry: list[Callable[[], int]] = [functools.partial(check_rank, args)]
     res = launch(
         [*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10, rank_main=entry
     )
@@ -927,7 +927,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         flush=True,
     )
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-calibrate-"))
-    entry = [functools.partial(calibrate_rank, args)]  # what a rank runs, where it is forked
+    entry: list[Callable[[], int]] = [functools.partial(calibrate_rank, args)]  # what a rank runs, where it is forked
     res = launch(
         [*hooks.installed().command, *args.argv], args.nproc, run_dir, grace_s=args.timeout + 10, rank_main=entry
     )
