@@ -58,6 +58,7 @@ from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
 from shardflow.simulator.machine import MachineSpec
 from shardflow.strategy.placements import Memory, considered, placement, placements_plan
+from shardflow.strategy.plan import Plan
 
 SEARCH_AXES = ("pp", "dp", "fsdp", "cp", "tp")  # the mesh's axes, outermost first (torchtitan's order)
 # how attention reads a sequence split over cp, each tried as its own candidate (docs/search.md#context-parallelism)
@@ -433,6 +434,26 @@ def search(
             progress(o)
         return o
 
+    placed: dict[tuple[int, int | None, Mesh, Memory], Plan] = {}
+
+    def solved(parts: int, keep: int | None, mesh: Mesh, memory: Memory) -> Plan:
+        """The per-op placements of the model on one of ``parts`` parts of the batch, cut down to ``keep`` blocks, on
+        ``mesh`` under ``memory``: solved once, shared by the candidates that differ in what the program does not
+        model (checkpointing, the schedule)."""
+        key = (parts, keep, mesh, memory)
+        if key not in placed:
+            new = placements_plan(graph(parts, keep), mesh, spec, memory=memory)
+            # an answer equal to one under another memory cap is that one: its predictions are shared (:func:`on`)
+            placed[key] = next((q for k, q in placed.items() if k[:3] == key[:3] and q == new), new)
+        return placed[key]
+
+    def placements_of(c: Candidate, keep: int | None) -> Plan | None:
+        """``c``'s per-op placements on the model cut down to ``keep`` blocks (None: ``c`` has none)."""
+        if not c.placements:
+            return None
+        memory = Memory(c.memory_level, state_copies(optimizer, base), blocks=n_blocks)
+        return solved(c.accumulate * c.microbatches, keep, c.mesh, memory)
+
     def plan(c: Candidate, keep: int | None = None, few: int | None = None) -> Pipeline:
         """Candidate ``c`` planned on the model cut down to ``keep`` blocks (None: the whole model, kept); with
         ``few``, for that many of its microbatches (:func:`few_microbatches`)."""
@@ -440,13 +461,14 @@ def search(
         if whole and c in planned:
             return planned[c]
         g = graph(c.accumulate * c.microbatches, keep)
-        memory = Memory(c.memory_level, state_copies(optimizer, base), blocks=n_blocks)
-        chosen = placements_plan(g, c.mesh, spec, memory=memory) if c.placements else None
+        chosen = placements_of(c, keep)
         options = dataclasses.replace(c.options(base, spec), microbatches=few or c.microbatches)
         p = Pipeline.planned(g, c.mesh, options, optimizer, None if chosen else c.strategy, plan=chosen)
         if whole:
             planned[c] = p
         return p
+
+    copies: dict[tuple[Candidate, int | None, int | None, int], tuple[Prediction, bool]] = {}  # see :func:`on`
 
     def predict(c: Candidate, compose: bool = True) -> tuple[Prediction, int | None]:
         """``c``'s prediction: on the whole model, or where it has more than FOLD blocks per pipeline chunk drawn
@@ -458,13 +480,22 @@ def search(
         whole: list[int | None] = []  # the copies predicted whole where the composition refused
 
         def on(keep: int | None) -> Prediction:
+            # a memory cap changes the prediction only through the placements it leads to
+            key = (dataclasses.replace(c, memory_level=0.0), keep, few, id(placements_of(c, keep)))
+            if key not in copies:
+                copies[key] = predicted(keep)
+            pred, was_whole = copies[key]
+            if was_whole:
+                whole.append(keep)
+            return pred
+
+        def predicted(keep: int | None) -> tuple[Prediction, bool]:
             if few:
                 try:
-                    return plan(c, keep, few).predict(spec, tokens, exact=False, microbatches=c.microbatches)
+                    return plan(c, keep, few).predict(spec, tokens, exact=False, microbatches=c.microbatches), False
                 except ComposeError:  # its transfers would queue: predicted whole
                     pass
-            whole.append(keep)
-            return plan(c, keep).predict(spec, tokens, exact=False)
+            return plan(c, keep).predict(spec, tokens, exact=False), True
 
         if not fold or n_blocks <= FOLD * chunks:
             pred = on(n_blocks if fold else None)  # all blocks; where the search folds, grown from the folded copy

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+import shardflow.search as searching
 from shardflow.graph.graph import TensorRole
 from shardflow.lower import LowerOptions
 from shardflow.lower.dynamic import Optimizer
@@ -70,12 +71,13 @@ def test_the_choice_is_never_slower_than_a_preset_it_saw(eight):
     assert all(a["why"] for a in doc["alternatives"])
 
 
-def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_the_model():
+def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_the_model(monkeypatch):
     """A wider model and a larger batch, on a device that holds the fully sharded plan's peak and an eighth more
     but not the replicated state: the state sharded, not the model — every matmul on its batch shard. The per-op
     placements (docs/search.md#per-op-placements) store only the largest weights sharded (gathered before use,
     their gradients reduce-scattered: FSDP where the budget needs it, data parallelism elsewhere) and beat the fsdp
-    preset."""
+    preset. Each placement problem is solved once, and candidates whose caps lead to the same answer share its
+    prediction (docs/search.md#search-time)."""
     torch.manual_seed(0)
     wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=256))
     batch = {"idx": torch.randint(0, 64, (512, 16)), "targets": torch.randint(0, 64, (512, 16))}
@@ -87,7 +89,27 @@ def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_t
     }
     budget = peaks["fsdp=8"] * 9 // 8
     assert peaks["dp=8"] > budget  # replicated, the AdamW state does not fit
+    solved, predicted = [], []
+    solve, predict = searching.placements_plan, Pipeline.predict
+    monkeypatch.setattr(
+        searching,
+        "placements_plan",
+        lambda g, mesh, spec, memory: solved.append((id(g), mesh, memory)) or solve(g, mesh, spec, memory=memory),
+    )
+    monkeypatch.setattr(Pipeline, "predict", lambda self, *a, **k: predicted.append(self) or predict(self, *a, **k))
     res = run(8, budget=budget, model=wide, batch=batch)
+    per_op = [o for o in res.outcomes if o.candidate.placements and o.prediction]
+    assert len(solved) == len(set(solved)) < len(per_op)  # checkpointing and caps share the solves
+    placed = [p for p in predicted if p.plan.name.startswith("placements")]
+    assert (
+        placed
+        and not [  # no program predicted twice (answers equal under two caps share one prediction)
+            (a, b)
+            for i, a in enumerate(placed)
+            for b in placed[i + 1 :]
+            if a.graph is b.graph and a.plan == b.plan and a.options == b.options
+        ]
+    )
     best = res.best.candidate
     assert best.placements and str(best.mesh) == "tp=8" and best.memory_level > 0
     assert max(res.best.prediction.peak_bytes) <= res.budget
