@@ -40,7 +40,7 @@ from shardflow.capture import capture
 from shardflow.graph import ComputationGraph
 from shardflow.graph.blocks import FoldError, grow_blocks, keep_blocks, repeated_blocks
 from shardflow.graph.graph import TensorRole
-from shardflow.graph.ops import torch_dtype
+from shardflow.graph.ops import Experts, torch_dtype
 from shardflow.graph.rebatch import RebatchError, rebatch
 from shardflow.lower import LowerOptions
 from shardflow.lower.cost import CPAttention
@@ -60,7 +60,9 @@ from shardflow.simulator.machine import MachineSpec
 from shardflow.strategy.placements import Memory, considered, placement, placements_plan
 from shardflow.strategy.plan import Plan
 
-SEARCH_AXES = ("pp", "dp", "fsdp", "cp", "tp")  # the mesh's axes, outermost first (torchtitan's order)
+SEARCH_AXES = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # the mesh's axes, outermost first (torchtitan's order)
+# the axes expert parallelism is tried beside (the combinations the tests run: docs/concepts.md#expert-parallelism)
+EP_WITH = ("fsdp", "ep", "tp")
 # how attention reads a sequence split over cp, each tried as its own candidate (docs/search.md#context-parallelism)
 CP_FORMS = (CPAttention.ALL_GATHER, CPAttention.RING, CPAttention.ALL_TO_ALL)
 # what a candidate that does not fit tries next, in order: (activation checkpointing, × gradient accumulation)
@@ -186,7 +188,13 @@ def factorizations(n: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 
 def candidates(
-    world: int, blocks: int, batch: int, node: int | None = None, placements: bool = True, seq: int | None = None
+    world: int,
+    blocks: int,
+    batch: int,
+    node: int | None = None,
+    placements: bool = True,
+    seq: int | None = None,
+    experts: int | None = None,
 ) -> list[Candidate]:
     """Every preset candidate of ``world`` devices for a model of ``blocks`` repeated blocks and a step of ``batch``
     sequences of ``seq`` tokens (module docstring), without activation checkpointing (:func:`search` tries it where a
@@ -198,13 +206,19 @@ def candidates(
     (None: any degree) — its
     collectives sit on the critical path of every block, and across nodes they run at the slower link (Megatron-LM's
     rule, Narayanan et al. 2021, §3.3). A mesh with a cp axis is tried with each way attention reads the split
-    sequence (:data:`CP_FORMS`). With ``placements``, each mesh without a pipeline or cp axis that has a tp axis is
+    sequence (:data:`CP_FORMS`). An ep axis (expert parallelism: the batch split as over dp, each device storing its
+    share of every expert layer's experts) is tried where the model has expert layers of ``experts`` experts (the
+    count every layer's divides; None: no expert layer) and its degree divides them, beside the axes of
+    :data:`EP_WITH` only. With ``placements``, each mesh without a pipeline, cp or ep axis that has a tp axis is
     also tried with per-op placements on it (:func:`~shardflow.strategy.placements.placements_plan`)."""
     out = []
     for sizes in factorizations(world, len(SEARCH_AXES)):
         axes = {a: s for a, s in zip(SEARCH_AXES, sizes) if s > 1}
-        pp, data, cp = axes.get("pp", 1), axes.get("dp", 1) * axes.get("fsdp", 1), axes.get("cp", 1)
+        pp, cp, ep = axes.get("pp", 1), axes.get("cp", 1), axes.get("ep", 1)
+        data = axes.get("dp", 1) * axes.get("fsdp", 1) * ep
         if batch % data or pp > max(blocks, 1) or (node is not None and axes.get("tp", 1) > node):
+            continue
+        if ep > 1 and (experts is None or experts % ep or set(axes) - set(EP_WITH)):
             continue
         if cp > 1 and (seq is None or seq % cp or batch % (data * cp) == 0):
             continue  # cp where the batch runs out of sequences: else dp in its place dominates it
@@ -217,7 +231,7 @@ def candidates(
             plain = Candidate(mesh, strategy, cp_attention=form)
             if pp == 1:
                 out.append(plain)
-                if placements and parts == names and "tp" in axes and cp == 1:  # each op's placements on tp
+                if placements and parts == names and "tp" in axes and cp == ep == 1:  # each op's placements on tp
                     out.append(dataclasses.replace(plain, placements=True))
                 continue
             for m in (pp, 2 * pp, 4 * pp):
@@ -233,6 +247,13 @@ def candidates(
     return out
 
 
+def expert_count(graph: ComputationGraph) -> int | None:
+    """The number of experts every expert layer of ``graph`` has a multiple of (their greatest common divisor: an ep
+    degree must divide each layer's), None where it has no expert layer."""
+    counts = [graph.tensors[n.inputs[3]].shape[0] for n in graph.nodes if isinstance(n.op, Experts)]
+    return math.gcd(*counts) if counts else None
+
+
 def _weight_bytes(graph: ComputationGraph) -> int:
     return sum(graph.tensors[w].type.nbytes for w in graph.weights)
 
@@ -240,7 +261,8 @@ def _weight_bytes(graph: ComputationGraph) -> int:
 def state_bytes(weights: int, candidate: Candidate, optimizer: OptimizerConfig, options: LowerOptions) -> int:
     """A lower bound on one rank's peak (bytes) for a model of ``weights`` bytes of weights: its share of the
     weights, their gradients, the optimizer's state slots and, under mixed precision, the master weights — sharded
-    by every axis but the data-parallel and context-parallel ones (both replicate the weights)."""
+    by every axis but the data-parallel and context-parallel ones (both replicate the weights); ep shards only the
+    experts' weights, so dividing by it too keeps the bound below."""
     shards = math.prod(s for a, s in zip(candidate.mesh.axis_names, candidate.mesh.shape) if a not in ("dp", "cp"))
     return state_copies(optimizer, options) * weights // shards
 
@@ -425,6 +447,8 @@ def search(
         return few + (more - few) * (n_blocks - FOLD + 1)
 
     n_blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate, None)))
+    # the expert layers' experts, from the copy the search predicts through (where it folds, its first FOLD blocks)
+    experts = expert_count(graph(base.accumulate, min(n_blocks, FOLD) if fold and n_blocks else None))
     outcomes: list[Outcome] = []
     planned: dict[Candidate, Pipeline] = {}
 
@@ -510,7 +534,7 @@ def search(
 
     def attempted(c: Candidate, compose: bool) -> Outcome:
         options = c.options(base, spec)
-        data = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a in ("dp", "fsdp"))
+        data = math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a in ("dp", "fsdp", "ep"))
         if batch % (c.accumulate * c.microbatches * data):
             return Outcome(c, None, f"the batch of {batch} does not split into its micro-batches")
         floor = state_bytes(weight_bytes(c.accumulate * c.microbatches), c, optimizer, options)
@@ -561,7 +585,9 @@ def search(
     # without a pipeline first, then pipelines by their microbatches and chunks (the cheapest to predict first); a pipeline is
     # predicted only where its bound is below the best step found (docs/search.md#bounds)
     order = sorted(
-        candidates(world, n_blocks, batch // base.accumulate, spec.devices_per_node, placements, tokens // batch),
+        candidates(
+            world, n_blocks, batch // base.accumulate, spec.devices_per_node, placements, tokens // batch, experts
+        ),
         key=lambda c: (c.microbatches > 1, c.microbatches, c.stages_per_rank, bubble(c)),
     )
     unsearched = 0

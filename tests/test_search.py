@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import shardflow.search as searching
 from shardflow.graph.graph import TensorRole
@@ -151,6 +152,44 @@ def test_long_sequences_the_batch_cannot_split_get_context_parallelism():
         "fsdp=2,cp=2,tp=2",
         "pp=2,cp=4",
     }  # not cp=2,tp=4 nor pp=2,cp=2,tp=2: dp=2 in place of cp=2 dominates them
+
+
+def test_a_mixture_of_experts_whose_experts_do_not_fit_replicated_gets_expert_parallelism():
+    """A Mixtral of 8 experts per layer on 8 devices whose memory holds neither the replicated (dp) nor the fully
+    sharded (fsdp) plan's peak: each device stores one expert of each layer — expert parallelism, ep = 8, not fsdp
+    with ep beside it (which gathers the other weights) nor ep with tp. The ep meshes are exactly those whose degree
+    divides the experts, beside fsdp and tp only (docs/search.md#expert-parallelism); a dense model gets none."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=96,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, 96, (16, 32))
+    batch = {"input_ids": ids, "labels": ids}
+    free = run(8, model=model, batch=batch, placements=False)
+    peaks = {str(o.candidate): max(o.prediction.peak_bytes) for o in free.outcomes if o.prediction}
+    budget = peaks["--strategy fsdp --mesh fsdp=8"] * 9 // 10
+    assert peaks["--strategy ep --mesh ep=8"] < budget < peaks["--strategy dp --mesh dp=8"]
+    res = run(8, budget=budget, model=model, batch=batch, placements=False)
+    assert str(res.best.candidate) == "--strategy ep --mesh ep=8"
+    assert {str(c.mesh) for c in candidates(8, blocks=2, batch=16, node=8, experts=8) if "ep" in c.mesh.axis_names} == {
+        "ep=8",
+        "fsdp=2,ep=4",
+        "fsdp=4,ep=2",
+        "ep=4,tp=2",
+        "ep=2,tp=4",
+        "fsdp=2,ep=2,tp=2",
+    }
+    assert not [c for c in candidates(8, blocks=2, batch=16, node=8) if "ep" in c.mesh.axis_names]
 
 
 def test_a_saved_plan_plans_the_same_programs_again(eight, tmp_path):
