@@ -333,14 +333,14 @@ def train_here(corpus):
 
 @pytest.fixture(scope="session")
 def run_train(train_argv):
-    """``run_train(tmp_path, name, *argv)``: ``shardflow train`` of 4 steps (tiny model) in a subprocess (the runs of
-    several processes, whose rank 0 prints to the command's stdout); returns the completed process and the run
-    directory ``tmp_path/name``."""
+    """``run_train(tmp_path, name, *argv, entry=...)``: ``shardflow train`` of 4 steps (tiny model) in a subprocess
+    (the runs of several processes, whose rank 0 prints to the command's stdout; ``entry``: as :func:`train_argv`'s);
+    returns the completed process and the run directory ``tmp_path/name``."""
 
-    def run_train(tmp_path, name, *argv):
+    def run_train(tmp_path, name, *argv, entry=("-m", "shardflow.cli")):
         run = tmp_path / name
         r = subprocess.run(
-            train_argv(run, "--steps", "4", *argv), capture_output=True, text=True, timeout=patience(300)
+            train_argv(run, "--steps", "4", *argv, entry=entry), capture_output=True, text=True, timeout=patience(300)
         )
         return r, run
 
