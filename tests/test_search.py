@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import transformers
+import zoo
 
 import shardflow.search as searching
 from shardflow.graph.graph import TensorRole
@@ -160,19 +161,8 @@ def test_a_mixture_of_experts_whose_experts_do_not_fit_replicated_gets_expert_pa
     with ep beside it (which gathers the other weights) nor ep with tp. The ep meshes are exactly those whose degree
     divides the experts, beside fsdp and tp only (docs/search.md#expert-parallelism); a dense model gets none."""
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=96,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    model = transformers.MixtralForCausalLM(config)
+    wide = {**zoo.MIXTRAL, "hidden_size": 256, "intermediate_size": 1024, "num_local_experts": 8}
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**wide))
     ids = torch.randint(0, 96, (16, 32))
     batch = {"input_ids": ids, "labels": ids}
     free = run(8, model=model, batch=batch, placements=False)

@@ -130,10 +130,9 @@ class _Forked:
 
 def _can_fork(threads: int) -> bool:
     """Forking the launcher is safe: it runs one Python thread (a thread holding a lock at the fork would leave the
-    rank's copy of that lock held forever), CUDA is not initialised (a forked process cannot use it) and each rank
-    computes on one thread (GNU OpenMP's thread pool does not survive a fork: a rank that starts a team of threads
-    after the launcher has run one hangs)."""
-    _stop_tqdm_monitor()
+    rank's copy of that lock held forever; :func:`launch` stops tqdm's first), CUDA is not initialised (a forked
+    process cannot use it) and each rank computes on one thread (GNU OpenMP's thread pool does not survive a fork: a
+    rank that starts a team of threads after the launcher has run one hangs)."""
     return threads == 1 and threading.active_count() == 1 and not torch.cuda.is_initialized()
 
 
@@ -214,6 +213,8 @@ def launch(
     fd, port = _listen(host)
     threads = max(1, (os.cpu_count() or 1) // nproc)
     main = rank_main.pop() if rank_main else None
+    if main is not None:
+        _stop_tqdm_monitor()
     fork = main is not None and _can_fork(threads)
     direct = echo_rank0 and sys.stdout.isatty()
     procs: list = []
