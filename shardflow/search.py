@@ -53,6 +53,7 @@ from shardflow.parallel.pcg import placements_text
 from shardflow.pipeline import Pipeline
 from shardflow.runtime.accumulate import split_batch
 from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.analytic import Estimate, Profile, estimate
 from shardflow.simulator.compose import ComposeError
 from shardflow.simulator.cost import comm_seconds, compute_seconds
 from shardflow.simulator.estimate import Prediction, cost_model, extrapolate
@@ -82,6 +83,10 @@ FOLD = 3
 # uncapped answer's bytes to the fewest (Memory.level): the fewest first, then halving the gap between the levels
 # that fit and that do not (docs/search.md#per-op-placements)
 SHRINKS = 3
+# screening: a candidate is predicted while its estimate times the least ratio (prediction ÷ estimate) its family
+# has shown, times this, is below the best step found — room for an error its family has not shown yet
+# (docs/search.md#screening)
+SLACK = 0.85
 # what a per-op candidate's flags name its plan file: the one `shardflow plan --strategy auto --save-plan` writes
 PLAN_FILE = "PLAN.json"
 
@@ -277,8 +282,9 @@ def state_copies(optimizer: OptimizerConfig, options: LowerOptions) -> int:
 class SearchResult:
     """The search's answer: ``best`` (:attr:`pipeline`: planned on the whole model and ready to lower), every
     ``outcome`` tried or refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds``, the
-    ``plan`` that plans a candidate on the whole model (for :func:`explain`; cached) and ``unsearched``: the candidates
-    not tried because the search's time limit ran out (:func:`search`'s ``time_limit``; 0: it searched them all)."""
+    ``plan`` that plans a candidate on the whole model (for :func:`explain`; cached), ``unsearched``: the candidates
+    not tried because the search's time limit ran out (:func:`search`'s ``time_limit``; 0: it searched them all), and
+    ``screened``: those not predicted because their estimate could not win (docs/search.md#screening)."""
 
     best: Outcome
     outcomes: tuple[Outcome, ...]
@@ -287,6 +293,7 @@ class SearchResult:
     seconds: float
     plan: Callable[[Candidate], Pipeline] = dataclasses.field(repr=False, compare=False)
     unsearched: int = 0
+    screened: int = 0
 
     @property
     def pipeline(self) -> Pipeline:
@@ -325,7 +332,8 @@ class SearchResult:
         """``shardflow plan --strategy auto --format json``: ``mesh``, ``strategy``, ``flags``, ``predicted`` (the
         simulator's object), ``alternatives`` (each with its ``flags``, ``predicted``, ``composed_from``: the
         microbatches a pipeline's prediction was composed from or None, and ``why``), ``search_seconds``,
-        ``budget_bytes``, ``tried``, ``refused``, ``unsearched`` (left at the time limit)."""
+        ``budget_bytes``, ``tried``, ``refused``, ``unsearched`` (left at the time limit), ``screened`` (left by the
+        estimate, docs/search.md#screening)."""
         assert self.best.prediction is not None
         return {
             "mesh": str(self.best.candidate.mesh),
@@ -347,6 +355,7 @@ class SearchResult:
             "tried": sum(o.prediction is not None for o in self.outcomes),
             "refused": sum(o.prediction is None for o in self.outcomes),
             "unsearched": self.unsearched,
+            "screened": self.screened,
         }
 
     def describe(self) -> str:
@@ -356,6 +365,13 @@ class SearchResult:
         lines = [
             f"# --strategy auto on {self.spec.name}: {self.best.candidate} (searched {len(self.outcomes)} candidates, "
             f"{tried} predicted, in {self.seconds:.1f} s; memory budget {self.budget / 2**30:.3g} GiB per device)",
+            *(
+                [
+                    f"# {self.screened} more candidates not predicted: their estimates could not win (docs/search.md#screening)"
+                ]
+                if self.screened
+                else []
+            ),
             *(
                 [f"# the time limit ran out: {self.unsearched} candidates not tried (docs/search.md#a-time-limit)"]
                 if self.unsearched
@@ -416,6 +432,7 @@ def search(
     progress: Callable[[Outcome], None] | None = None,
     placements: bool = True,
     time_limit: float | None = None,
+    screen: bool = True,
 ) -> SearchResult:
     """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
     bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts, keep)``: the model captured on one of
@@ -425,7 +442,9 @@ def search(
     graph); ``progress``: called with each outcome as it is known; ``fold``: predict a model of many blocks from two cut-down copies (:data:`FOLD`; docs/search.md#folding-repeated-blocks);
     ``placements``: try per-op placements too (:func:`candidates`); ``time_limit``: seconds after which no further
     candidate is tried once one fits (None: try them all; docs/search.md#a-time-limit) — the answer is then the best
-    of those tried, and :attr:`SearchResult.unsearched` counts the rest. Raises SearchError when nothing fits,
+    of those tried, and :attr:`SearchResult.unsearched` counts the rest; ``screen``: try the candidates in the order
+    of their estimates (:mod:`shardflow.simulator.analytic`) and stop where none left could win by them
+    (docs/search.md#screening; False: every candidate, in the order above). Raises SearchError when nothing fits,
     ValueError for a time limit that is negative or not finite."""
     t0 = time.perf_counter()
     if time_limit is not None and not (math.isfinite(time_limit) and time_limit >= 0):
@@ -447,13 +466,56 @@ def search(
         return few + (more - few) * (n_blocks - FOLD + 1)
 
     n_blocks = blocks if blocks is not None else len(repeated_blocks(graph(base.accumulate, None)))
-    # the expert layers' experts, from the copy the search predicts through (where it folds, its first FOLD blocks)
-    experts = expert_count(graph(base.accumulate, min(n_blocks, FOLD) if fold and n_blocks else None))
+    folded = min(n_blocks, FOLD) if fold and n_blocks else None  # the copy the search predicts through
+    # the expert layers' experts, from that copy (where it folds, its first FOLD blocks)
+    experts = expert_count(graph(base.accumulate, folded))
     outcomes: list[Outcome] = []
     planned: dict[Candidate, Pipeline] = {}
+    # screening (docs/search.md#screening): each candidate's estimate, and per family the ratios (prediction ÷
+    # estimate) of step and peak of every candidate predicted
+    profile = Profile.of(graph(base.accumulate, folded), n_blocks, spec, base.accumulate) if screen else None
+    estimates: dict[Candidate, Estimate] = {}
+    ratios: dict[str, list[tuple[float, float]]] = {}
+
+    def estimated(c: Candidate) -> Estimate:
+        if c not in estimates:
+            assert profile is not None
+            # per-op placements on tp are estimated as sequence parallelism there: their program splits the rows too
+            strategy = ",".join("sp" if a == "tp" else a for a in c.strategy.split(",")) if c.placements else c.strategy
+            estimates[c] = estimate(profile, c.mesh, strategy, c.options(base, spec), optimizer, spec)
+        return estimates[c]
+
+    def calibration(c: Candidate) -> tuple[float, float]:
+        """The least ratios of step and peak seen in ``c``'s family (of any family before that; 1 before any)."""
+        seen = ratios.get(screen_family(c)) or [r for rs in ratios.values() for r in rs] or [(1.0, 1.0)]
+        return min(r[0] for r in seen), min(r[1] for r in seen)
+
+    def promise(c: Candidate) -> float:
+        """The least step (seconds) ``c`` could be predicted at, by the estimates of its chain of fallbacks
+        (:data:`FALLBACKS`) times its family's least ratios: the first that could fit the budget, or checkpointing
+        the fewest blocks that could fit between the one before and it (:func:`fewer_checkpointed`); inf where none
+        could fit."""
+        step, peak = calibration(c)
+        before = None
+        for ac, times in ((c.ac, 1), *FALLBACKS):
+            e = estimated(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times))
+            if e.peak_bytes * peak <= budget:
+                best = e.step_seconds
+                if before is not None and ac == ActivationCheckpointing.BLOCK and before.peak_bytes > e.peak_bytes:
+                    share = (before.peak_bytes - budget / peak) / (before.peak_bytes - e.peak_bytes)
+                    best = before.step_seconds + (e.step_seconds - before.step_seconds) * max(share, 0.0)
+                return best * step * SLACK
+            before = e
+        return math.inf
 
     def record(o: Outcome) -> Outcome:
         outcomes.append(o)
+        c = o.candidate
+        if screen and o.prediction and c.ac_blocks is None and not c.memory_level:
+            e = estimated(c)
+            ratios.setdefault(screen_family(c), []).append(
+                (o.prediction.step_seconds / e.step_seconds, max(o.prediction.peak_bytes) / e.peak_bytes)
+            )
         if progress:
             progress(o)
         return o
@@ -590,12 +652,31 @@ def search(
         ),
         key=lambda c: (c.microbatches > 1, c.microbatches, c.stages_per_rank, bubble(c)),
     )
-    unsearched = 0
-    for k, c in enumerate(order):
+    pending = [dataclasses.replace(c, accumulate=base.accumulate) for c in order]
+    unsearched = screened = 0
+    while pending:
         if time_limit is not None and time.perf_counter() - t0 >= time_limit and any(o.fits for o in outcomes):
-            unsearched = len(order) - k
+            unsearched = len(pending)
             break
-        c = dataclasses.replace(c, accumulate=base.accumulate)
+        if (
+            screen
+        ):  # those without a pipeline first (the cheaper to predict), then the least promise (docs/search.md#screening)
+            # (while nothing fits, every candidate is tried: by its plain estimate where none could fit)
+            promises = [(x.microbatches > 1, promise(x), estimated(x).step_seconds) for x in pending]
+            found = fastest_fit()
+            live = [i for i, p in enumerate(promises) if p[1] < found or found == math.inf]
+            if not live:
+                screened = len(pending)
+                # the runners-up name every family: each family's most promising candidate left, with its estimate
+                for i in sorted(range(len(pending)), key=lambda i: promises[i][1:]):
+                    x = pending[i]
+                    if all(o.candidate.family != x.family for o in outcomes):
+                        why = f"its estimate, {promises[i][1] * 1e3:.4g} ms at best, could not beat the best step found"
+                        record(Outcome(x, None, why if promises[i][1] < math.inf else "estimated to fit in no variant"))
+                break
+            c = pending.pop(min(live, key=promises.__getitem__))
+        else:
+            c = pending.pop(0)
         fastest = fastest_fit()
         if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= fastest:
             record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {fastest * 1e3:.4g} ms"))
@@ -647,7 +728,13 @@ def search(
         )
     best = min(fitting, key=_best)
     seconds = time.perf_counter() - t0
-    return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan, unsearched)
+    return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan, unsearched, screened)
+
+
+def screen_family(c: Candidate) -> str:
+    """The candidates whose estimates err alike (docs/search.md#screening): those of one preset family
+    (:attr:`Candidate.family`) without a pipeline, and every pipeline."""
+    return "pipeline" if c.microbatches > 1 else c.family
 
 
 def few_microbatches(c: Candidate) -> int | None:
@@ -723,6 +810,7 @@ def search_model(
     progress: Callable[[Outcome], None] | None = None,
     placements: bool = True,
     time_limit: float | None = None,
+    screen: bool = True,
 ) -> SearchResult:
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
@@ -799,6 +887,7 @@ def search_model(
         progress=progress,
         placements=placements,
         time_limit=time_limit,
+        screen=screen,
     )
 
 

@@ -112,8 +112,8 @@ def test_the_search_captures_each_depth_at_two_batch_sizes_only(monkeypatch):
 
     monkeypatch.setattr(searching, "capture", counted)
     monkeypatch.setattr(searching, "rebatch", draw)
-    result = searching.search_model(
-        model, batch, 4, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), MachineSpec.named("h100")
+    result = searching.search_model(  # every candidate predicted, pipelines among them (no screening)
+        model, batch, 4, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), MachineSpec.named("h100"), screen=False
     )
     # the folded copy (3 blocks) at two sizes; the other sizes are drawn, the pipelines' 4 blocks grown from it
     assert [b for b, _ in captured] == [3, 3] and len({n for _, n in captured}) == 2, captured
@@ -135,6 +135,13 @@ def test_blocks_that_differ_are_cut_from_the_whole_model_not_grown(monkeypatch):
     real_capture = searching.capture
     monkeypatch.setattr(searching, "capture", lambda m, i: captured.append(len(m.transformer.h)) or real_capture(m, i))
     searching.search_model(
-        model, batch, 4, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), MachineSpec.named("h100"), placements=False
+        model,
+        batch,
+        4,
+        LowerOptions(),
+        OptimizerConfig(Optimizer.ADAMW),
+        MachineSpec.named("h100"),
+        placements=False,
+        screen=False,  # every candidate predicted, pipelines among them
     )
     assert sorted(set(captured)) == [3, 4], captured

@@ -31,9 +31,17 @@ MODEL = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=
 BATCH = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
 
 
-def run(world: int, budget: int | None = None, model=MODEL, batch=BATCH, placements: bool = True):
+def run(world: int, budget: int | None = None, model=MODEL, batch=BATCH, placements: bool = True, screen: bool = True):
     return search_model(
-        model, batch, world, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), SPEC, budget, placements=placements
+        model,
+        batch,
+        world,
+        LowerOptions(),
+        OptimizerConfig(Optimizer.ADAMW),
+        SPEC,
+        budget,
+        placements=placements,
+        screen=screen,
     )
 
 
@@ -42,7 +50,7 @@ pytestmark = pytest.mark.integration  # each search plans and predicts ~70 prese
 
 @pytest.fixture(scope="module")
 def eight():
-    return run(8)
+    return run(8, screen=False)
 
 
 def test_factorizations_and_candidates():
@@ -73,6 +81,21 @@ def test_the_choice_is_never_slower_than_a_preset_it_saw(eight):
     assert all(a["why"] for a in doc["alternatives"])
 
 
+def test_screening_keeps_the_choice_of_the_whole_search_and_predicts_fewer(eight):
+    """The search by estimates (the default, docs/search.md#screening) answers as the search of every candidate
+    (``eight``) does, predicting a fraction of its candidates; each family it did not predict is still named among
+    the runners-up, with its estimate."""
+    screened = run(8)
+    assert screened.best.candidate == eight.best.candidate
+    assert screened.best.prediction.step_seconds == eight.best.prediction.step_seconds
+    predicted = [o for o in screened.outcomes if o.prediction is not None]
+    assert 0 < len(predicted) < sum(o.prediction is not None for o in eight.outcomes) // 2
+    assert screened.screened > 0 and eight.screened == 0 and screened.to_json()["screened"] == screened.screened
+    assert {o.candidate.family for o in screened.outcomes} == {o.candidate.family for o in eight.outcomes}
+    left = [o for o in screened.alternatives() if o.prediction is None and "estimate" in o.refused]
+    assert left and all("could not beat the best step found" in screened.why(o) for o in left)
+
+
 def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_the_model(monkeypatch):
     """A wider model and a larger batch, on a device that holds the fully sharded plan's peak and an eighth more
     but not the replicated state: the state sharded, not the model — every matmul on its batch shard. The per-op
@@ -83,7 +106,7 @@ def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_t
     torch.manual_seed(0)
     wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=256))
     batch = {"idx": torch.randint(0, 64, (512, 16)), "targets": torch.randint(0, 64, (512, 16))}
-    free = run(8, model=wide, batch=batch, placements=False)  # the presets' peaks: no per-op placements tried
+    free = run(8, model=wide, batch=batch, placements=False, screen=False)  # every preset's peak, no per-op ones
     peaks = {
         str(o.candidate.mesh): max(o.prediction.peak_bytes)
         for o in free.outcomes
@@ -245,7 +268,7 @@ def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
     torch.manual_seed(0)
     wide = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=8, n_embd=1024))
     batch = {"idx": torch.randint(0, 64, (4, 16)), "targets": torch.randint(0, 64, (4, 16))}
-    free = run(4, model=wide, batch=batch, placements=False)  # the presets' peaks: no per-op placements tried
+    free = run(4, model=wide, batch=batch, placements=False, screen=False)  # every preset's peak, no per-op placements
     peaks = {str(o.candidate): max(o.prediction.peak_bytes) for o in free.outcomes if o.prediction}
     fsdp_tp = peaks["--strategy fsdp,tp --mesh fsdp=2,tp=2"]
     assert peaks["--strategy tp --mesh tp=4"] < fsdp_tp < peaks["--strategy fsdp --mesh fsdp=4"]
@@ -277,7 +300,7 @@ def test_weights_that_do_not_fit_under_fsdp_get_megatron_pairs():
 def test_where_nothing_fits_as_it_is_it_recomputes_or_accumulates():
     """A budget just under every candidate's peak as planned: the choice recomputes blocks or accumulates
     micro-steps (the fallbacks), fits, and says so in its flags."""
-    free = run(2)
+    free = run(2, screen=False)
     plain = [o for o in free.outcomes if o.prediction and o.candidate.ac == "none" and o.candidate.accumulate == 1]
     res = run(2, budget=min(max(o.prediction.peak_bytes) for o in plain) - 1)
     best = res.best.candidate

@@ -1,0 +1,70 @@
+"""The closed-form estimate the search screens candidates with (shardflow.simulator.analytic,
+docs/search.md#screening): what it reads off a graph, and which way each choice moves it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from shardflow.capture import capture
+from shardflow.lower import LowerOptions
+from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
+from shardflow.lower.schedule import ScheduleKind
+from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.mesh import Mesh
+from shardflow.runtime.kernels import OptimizerConfig
+from shardflow.simulator.analytic import Profile, estimate
+from shardflow.simulator.machine import MachineSpec
+
+SPEC = MachineSpec.named("h100")
+torch.manual_seed(0)
+MODEL = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32))
+BATCH = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
+ADAMW = OptimizerConfig(Optimizer.ADAMW)
+
+
+def _bytes(prefix: str, inside: bool) -> int:
+    return sum(p.numel() * p.element_size() for n, p in MODEL.named_parameters() if n.startswith(prefix) == inside)
+
+
+def test_a_profile_holds_one_block_and_the_rest_for_the_whole_batch():
+    graph = capture(MODEL, BATCH)
+    prof = Profile.of(graph, 3, SPEC)
+    assert prof.blocks == 3
+    assert prof.block.weight_bytes == _bytes("transformer.h.2.", True)  # the last block's weights
+    assert prof.rest.weight_bytes == _bytes("transformer.h.", False)  # embeddings, final norm, head
+    assert prof.block.input_bytes == 64 * 16 * 32 * 4  # the hidden state entering a block, float32
+    assert prof.block.kernels == sum(n.scope.startswith("transformer.h.2") for n in graph.nodes)
+    assert 0 < prof.block.kept_bytes < prof.block.saved_bytes and 0 < prof.block.stream_s < prof.block.memory_s
+    # captured on half the batch and scaled by 2: the same activations, weights counted once
+    half = Profile.of(capture(MODEL, {k: v[:32] for k, v in BATCH.items()}), 3, SPEC, scale=2)
+    assert (half.block.saved_bytes, half.block.weight_bytes) == (prof.block.saved_bytes, prof.block.weight_bytes)
+
+
+def test_each_choice_moves_the_estimate_the_way_it_moves_a_step():
+    prof = Profile.of(capture(MODEL, BATCH), 12, SPEC)  # as if of 12 blocks like its last
+    base = LowerOptions()
+
+    def est(mesh: str, strategy: str, **options):
+        return estimate(prof, Mesh.parse(mesh), strategy, dataclasses.replace(base, **options), ADAMW, SPEC)
+
+    # fsdp shards the state dp replicates; sequence parallelism splits the residual stream tp alone keeps whole
+    assert est("fsdp=8", "fsdp").peak_bytes < est("dp=8", "dp").peak_bytes
+    assert est("dp=2,tp=4", "dp,sp").peak_bytes < est("dp=2,tp=4", "dp,tp").peak_bytes
+    # recomputing holds fewer activations and computes more
+    none, sel, block = (est("dp=8", "dp", ac=ActivationCheckpointing(ac)) for ac in ("none", "selective", "block"))
+    assert none.peak_bytes > sel.peak_bytes > block.peak_bytes
+    assert none.step_seconds < sel.step_seconds < block.step_seconds
+    # a pipeline's bubble shrinks with its microbatches, and the interleaved schedule's shrinks further
+    pipe = {
+        (m, kind): est("pp=2,dp=4", "pp,dp", microbatches=m, schedule=kind, stages_per_rank=v).step_seconds
+        for m in (2, 8)
+        for kind, v in ((ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.INTERLEAVED, 2))
+    }
+    assert pipe[2, ScheduleKind.ONE_F_ONE_B] > pipe[2, ScheduleKind.INTERLEAVED]
+    # GPipe holds every microbatch's activations, 1F1B at most a stage's count
+    one, all_ = (
+        est("pp=2,dp=4", "pp,dp", microbatches=8, schedule=k) for k in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE)
+    )
+    assert one.peak_bytes < all_.peak_bytes and one.step_seconds == all_.step_seconds
