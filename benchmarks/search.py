@@ -107,6 +107,12 @@ def summarize(result, model: str, world: int, batch: int, spec: str, wall: float
         "predicted": len(predicted),
         "fit": sum(o.fits for o in predicted),
         "unsearched": result.unsearched,
+        "screened": result.screened,
+        # presets left by screening whose promise was below the best preset predicted: where any, a preset the
+        # search did not predict might beat it (docs/search.md#screening)
+        "presets_in_doubt": sum(
+            not c.placements and preset is not None and p < preset.prediction.step_seconds for c, p in result.left
+        ),
         "partial": sum(o.candidate.ac_blocks is not None for o in result.outcomes),
         "refused": len(refused),
         "bounded": len(bounded),
@@ -256,7 +262,9 @@ def section(recs: dict[str, dict]) -> str:
         "fastest fitting outcome without `--ac-blocks` (every strategy, degree, schedule and microbatch count, with "
         "checkpointing of every block or none, and accumulation). Counts: candidates predicted (of which fit) / "
         "refused before predicting (state over budget, a planner refusal, …) / skipped by the pipeline bound; "
-        "`K partial`: outcomes with partial checkpointing. Search: the search's own seconds (`SearchResult.seconds`; "
+        "`K partial`: outcomes with partial checkpointing; `K screened`: candidates not predicted because their "
+        "estimate could not win (docs/search.md#screening), and of them the presets whose estimate was below the best "
+        "preset predicted (*in doubt*: the best preset shown might not be the best preset). Search: the search's own seconds (`SearchResult.seconds`; "
         "the case's wall time with building the model in brackets; *void* where the machine's load average was above "
         f"{QUIET} per core during the case — the predicted figures hold, the seconds do not); memory: the case "
         "process's peak resident memory (the model on the meta device, so the search's own).",
@@ -303,6 +311,8 @@ def section(recs: dict[str, dict]) -> str:
             + f" | {r['predicted']} ({r['fit']}) / {r['refused']} / "
             f"{r['bounded']}"
             + (f"; {r['partial']} partial" if r["partial"] else "")
+            + (f"; {r['screened']} screened" if r.get("screened") else "")
+            + (f" (**{r['presets_in_doubt']} presets in doubt**)" if r.get("presets_in_doubt") else "")
             + (f"; **{untried} untried** (time limit {r['time_limit']:.0f} s)" if untried else "")
             + " |"
         )

@@ -145,9 +145,12 @@ class Candidate:
 
     def options(self, base: LowerOptions, spec: MachineSpec) -> LowerOptions:
         """``base`` with this candidate's checkpointing and schedule, its ``auto`` forms chosen on ``spec``."""
+        return dataclasses.replace(self.step(base), cost=cost_model(spec, self.mesh))
+
+    def step(self, base: LowerOptions) -> LowerOptions:
+        """``base`` with this candidate's checkpointing, schedule and accumulation."""
         return dataclasses.replace(
             base,
-            cost=cost_model(spec, self.mesh),
             ac=self.ac,
             ac_blocks=self.ac_blocks,
             microbatches=self.microbatches,
@@ -284,7 +287,8 @@ class SearchResult:
     ``outcome`` tried or refused, the memory ``budget`` (bytes), the machine ``spec``, the search's wall time ``seconds``, the
     ``plan`` that plans a candidate on the whole model (for :func:`explain`; cached), ``unsearched``: the candidates
     not tried because the search's time limit ran out (:func:`search`'s ``time_limit``; 0: it searched them all), and
-    ``screened``: those not predicted because their estimate could not win (docs/search.md#screening)."""
+    ``left``: those not predicted because their estimate could not win, each with its promise (seconds; inf where
+    it was estimated to fit in no variant; docs/search.md#screening)."""
 
     best: Outcome
     outcomes: tuple[Outcome, ...]
@@ -293,7 +297,12 @@ class SearchResult:
     seconds: float
     plan: Callable[[Candidate], Pipeline] = dataclasses.field(repr=False, compare=False)
     unsearched: int = 0
-    screened: int = 0
+    left: tuple[tuple[Candidate, float], ...] = ()
+
+    @property
+    def screened(self) -> int:
+        """The candidates not predicted because their promise could not win (docs/search.md#screening)."""
+        return len(self.left)
 
     @property
     def pipeline(self) -> Pipeline:
@@ -482,23 +491,28 @@ def search(
             assert profile is not None
             # per-op placements on tp are estimated as sequence parallelism there: their program splits the rows too
             strategy = ",".join("sp" if a == "tp" else a for a in c.strategy.split(",")) if c.placements else c.strategy
-            estimates[c] = estimate(profile, c.mesh, strategy, c.options(base, spec), optimizer, spec)
+            estimates[c] = estimate(profile, c.mesh, strategy, c.step(base), optimizer, spec)
         return estimates[c]
 
-    def calibration(c: Candidate) -> tuple[float, float]:
-        """The least ratios of step and peak seen in ``c``'s family (of any family before that; 1 before any)."""
-        seen = ratios.get(screen_family(c)) or [r for rs in ratios.values() for r in rs] or [(1.0, 1.0)]
+    def calibration(family: str) -> tuple[float, float]:
+        """The least ratios of step and peak seen in ``family`` (of any family before that; 1 before any)."""
+        seen = ratios.get(family) or [r for rs in ratios.values() for r in rs] or [(1.0, 1.0)]
         return min(r[0] for r in seen), min(r[1] for r in seen)
 
-    def promise(c: Candidate) -> float:
+    chains: dict[Candidate, tuple[tuple[ActivationCheckpointing, Estimate], ...]] = {}
+
+    def promise(c: Candidate, step: float, peak: float) -> float:
         """The least step (seconds) ``c`` could be predicted at, by the estimates of its chain of fallbacks
-        (:data:`FALLBACKS`) times its family's least ratios: the first that could fit the budget, or checkpointing
-        the fewest blocks that could fit between the one before and it (:func:`fewer_checkpointed`); inf where none
-        could fit."""
-        step, peak = calibration(c)
+        (:data:`FALLBACKS`) times its family's least ratios ``step`` and ``peak``: the first that could fit the
+        budget, or checkpointing the fewest blocks that could fit between the one before and it
+        (:func:`fewer_checkpointed`); inf where none could fit."""
+        if c not in chains:
+            chains[c] = tuple(
+                (ac, estimated(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
+                for ac, times in ((c.ac, 1), *FALLBACKS)
+            )
         before = None
-        for ac, times in ((c.ac, 1), *FALLBACKS):
-            e = estimated(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times))
+        for ac, e in chains[c]:
             if e.peak_bytes * peak <= budget:
                 best = e.step_seconds
                 if before is not None and ac == ActivationCheckpointing.BLOCK and before.peak_bytes > e.peak_bytes:
@@ -653,7 +667,8 @@ def search(
         key=lambda c: (c.microbatches > 1, c.microbatches, c.stages_per_rank, bubble(c)),
     )
     pending = [dataclasses.replace(c, accumulate=base.accumulate) for c in order]
-    unsearched = screened = 0
+    unsearched = 0
+    left: list[tuple[Candidate, float]] = []
     while pending:
         if time_limit is not None and time.perf_counter() - t0 >= time_limit and any(o.fits for o in outcomes):
             unsearched = len(pending)
@@ -662,11 +677,15 @@ def search(
             screen
         ):  # those without a pipeline first (the cheaper to predict), then the least promise (docs/search.md#screening)
             # (while nothing fits, every candidate is tried: by its plain estimate where none could fit)
-            promises = [(x.microbatches > 1, promise(x), estimated(x).step_seconds) for x in pending]
+            calibrated = {f: calibration(f) for f in {screen_family(x) for x in pending}}
+            promises = [
+                (x.microbatches > 1, promise(x, *calibrated[screen_family(x)]), chains[x][0][1].step_seconds)
+                for x in pending
+            ]
             found = fastest_fit()
             live = [i for i, p in enumerate(promises) if p[1] < found or found == math.inf]
             if not live:
-                screened = len(pending)
+                left = [(x, p[1]) for x, p in zip(pending, promises)]
                 # the runners-up name every family: each family's most promising candidate left, with its estimate
                 for i in sorted(range(len(pending)), key=lambda i: promises[i][1:]):
                     x = pending[i]
@@ -728,7 +747,7 @@ def search(
         )
     best = min(fitting, key=_best)
     seconds = time.perf_counter() - t0
-    return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan, unsearched, screened)
+    return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan, unsearched, tuple(left))
 
 
 def screen_family(c: Candidate) -> str:

@@ -13,6 +13,7 @@ and states (:class:`Estimate`, docs/search.md#screening)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -161,6 +162,7 @@ class Estimate:
     peak_bytes: int
 
 
+@functools.lru_cache(maxsize=4096)
 def _group(mesh: Mesh, axis: str) -> tuple[int, ...]:
     """Rank 0's group along ``axis`` of ``mesh`` (global ranks)."""
     i = mesh.axis_index(axis)
