@@ -325,6 +325,10 @@ class SearchResult:
             cur = best_of.get(s)
             if cur is None or _rank(o) < _rank(cur):
                 best_of[s] = o
+        for c, promise in self.left:  # a family only screening left: its most promising candidate, and why
+            if c.family not in refused:
+                why = f"its estimate, {promise * 1e3:.4g} ms at best, could not beat the best step found"
+                refused[c.family] = Outcome(c, None, why if promise < math.inf else "estimated to fit in no variant")
         unpredicted = [o for s, o in refused.items() if s not in best_of and s != self.best.candidate.family]
         return sorted(best_of.values(), key=_rank) + unpredicted
 
@@ -376,7 +380,8 @@ class SearchResult:
             f"{tried} predicted, in {self.seconds:.1f} s; memory budget {self.budget / 2**30:.3g} GiB per device)",
             *(
                 [
-                    f"# {self.screened} more candidates not predicted: their estimates could not win (docs/search.md#screening)"
+                    f"# {self.screened} more candidates not searched: their estimates could not win "
+                    "(docs/search.md#screening)"
                 ]
                 if self.screened
                 else []
@@ -685,13 +690,7 @@ def search(
             found = fastest_fit()
             live = [i for i, p in enumerate(promises) if p[1] < found or found == math.inf]
             if not live:
-                left = [(x, p[1]) for x, p in zip(pending, promises)]
-                # the runners-up name every family: each family's most promising candidate left, with its estimate
-                for i in sorted(range(len(pending)), key=lambda i: promises[i][1:]):
-                    x = pending[i]
-                    if all(o.candidate.family != x.family for o in outcomes):
-                        why = f"its estimate, {promises[i][1] * 1e3:.4g} ms at best, could not beat the best step found"
-                        record(Outcome(x, None, why if promises[i][1] < math.inf else "estimated to fit in no variant"))
+                left = sorted(((x, p[1]) for x, p in zip(pending, promises)), key=lambda xp: xp[1])
                 break
             c = pending.pop(min(live, key=promises.__getitem__))
         else:

@@ -91,9 +91,11 @@ def test_screening_keeps_the_choice_of_the_whole_search_and_predicts_fewer(eight
     predicted = [o for o in screened.outcomes if o.prediction is not None]
     assert 0 < len(predicted) < sum(o.prediction is not None for o in eight.outcomes) // 2
     assert screened.screened > 0 and eight.screened == 0 and screened.to_json()["screened"] == screened.screened
-    assert {o.candidate.family for o in screened.outcomes} == {o.candidate.family for o in eight.outcomes}
+    named = {o.candidate.family for o in screened.alternatives()} | {screened.best.candidate.family}
+    assert named == {o.candidate.family for o in eight.outcomes}
     left = [o for o in screened.alternatives() if o.prediction is None and "estimate" in o.refused]
     assert left and all("could not beat the best step found" in screened.why(o) for o in left)
+    assert all(o.candidate in {c for c, _ in screened.left} for o in left)
 
 
 def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_the_model(monkeypatch):
