@@ -489,7 +489,7 @@ def search(
     # estimate) of step and peak of every candidate predicted
     profile = Profile.of(graph(base.accumulate, folded), n_blocks, spec, base.accumulate) if screen else None
     estimates: dict[Candidate, Estimate] = {}
-    ratios: dict[str, list[tuple[float, float]]] = {}
+    ratios: dict[tuple, list[tuple[float, float]]] = {}
 
     def estimated(c: Candidate) -> Estimate:
         if c not in estimates:
@@ -499,9 +499,9 @@ def search(
             estimates[c] = estimate(profile, c.mesh, strategy, c.step(base), optimizer, spec)
         return estimates[c]
 
-    def calibration(family: str) -> tuple[float, float]:
-        """The least ratios of step and peak seen in ``family`` (of any family before that; 1 before any)."""
-        seen = ratios.get(family) or [r for rs in ratios.values() for r in rs] or [(1.0, 1.0)]
+    def calibration(family: tuple) -> tuple[float, float]:
+        """The least ratios of step and peak seen in ``family``; before any, the least of every family's and 1."""
+        seen = ratios.get(family) or [r for rs in ratios.values() for r in rs] + [(1.0, 1.0)]
         return min(r[0] for r in seen), min(r[1] for r in seen)
 
     chains: dict[Candidate, tuple[tuple[ActivationCheckpointing, Estimate], ...]] = {}
@@ -749,10 +749,12 @@ def search(
     return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan, unsearched, tuple(left))
 
 
-def screen_family(c: Candidate) -> str:
+def screen_family(c: Candidate) -> tuple:
     """The candidates whose estimates err alike (docs/search.md#screening): those of one preset family
-    (:attr:`Candidate.family`) without a pipeline, and every pipeline."""
-    return "pipeline" if c.microbatches > 1 else c.family
+    (:attr:`Candidate.family`) and tensor-parallel degree without a pipeline, and every pipeline."""
+    if c.microbatches > 1:
+        return ("pipeline",)
+    return c.family, math.prod(s for a, s in zip(c.mesh.axis_names, c.mesh.shape) if a == "tp")
 
 
 def few_microbatches(c: Candidate) -> int | None:
