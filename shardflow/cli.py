@@ -493,6 +493,7 @@ def cmd_plan_auto(args: argparse.Namespace) -> int:
         args.memory_budget,
         search_progress(),
         time_limit=args.search_seconds,
+        screen=not args.search_all,
     )
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=1))
@@ -1099,6 +1100,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MARGIN} × the --machine's device memory)",
     )
     TrainConfig.add_argument(p, "search_seconds", own_default=True)
+    TrainConfig.add_argument(p, "search_all", own_default=True)
     p.add_argument(
         "--explain",
         metavar="OP",

@@ -363,3 +363,18 @@ def test_plan_auto_with_a_time_limit_says_what_it_left(capsys):
     assert doc["unsearched"] > 0 and doc["tried"] >= 1
     assert main([*flags[:-2], "--search-seconds", "-2"]) == 2
     assert "--search-seconds -2.0 is out of range: give a finite value ≥ 0" in capsys.readouterr().err
+
+
+def test_plan_auto_screens_by_default_and_searches_all_on_request(capsys):
+    """`plan --strategy auto` leaves the candidates whose estimate could not win (docs/search.md#screening) and says
+    how many; `--search-all` predicts every one of them and answers the same here."""
+    from shardflow.cli import main
+
+    flags = ["plan", "--strategy", "auto", "--nproc", "4", "--machine", "h100", "--format", "json"]
+    assert main(flags) == 0
+    screened = json.loads(capsys.readouterr().out)
+    assert main([*flags, "--search-all"]) == 0
+    every = json.loads(capsys.readouterr().out)
+    assert screened["screened"] > 0 and every["screened"] == 0
+    assert every["tried"] + every["refused"] > screened["tried"] + screened["refused"]
+    assert (screened["mesh"], screened["flags"]) == (every["mesh"], every["flags"])

@@ -64,6 +64,11 @@ class TrainConfig:
         "with --strategy auto: seconds after which the search tries no further candidate once one fits, answering "
         "with the best it tried (default: no limit, every candidate; docs/search.md#a-time-limit)",
     )
+    search_all: bool = _f(
+        False,
+        "with --strategy auto: predict every candidate, not only those whose closed-form estimate could win "
+        "(slower; docs/search.md#screening)",
+    )
     nproc: int = _f(2, "local processes to start (one per device); under torchrun, WORLD_SIZE decides")
     steps: int = _f(600, "optimizer steps to train for")
     batch_size: int = _f(16, "sequences per step (global, split over data-parallel ranks)")

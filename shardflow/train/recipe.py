@@ -307,6 +307,7 @@ def auto_strategy(cfg: TrainConfig, world: int, placements: bool = False) -> tup
         cfg.memory_budget,
         placements=placements,
         time_limit=cfg.search_seconds,
+        screen=not cfg.search_all,
     )
     return settings_of(cfg, result.best.candidate), result
 
