@@ -73,11 +73,24 @@ def load_per_core() -> float:
     return os.getloadavg()[0] / (os.cpu_count() or 1)
 
 
-def summarize(result, model: str, world: int, batch: int, spec: str, wall: float) -> dict:
-    """The figures of one search: the choice, the best preset, the counts."""
+def is_preset(c) -> bool:
+    """Whether candidate ``c`` is a plan a user writes by hand: no per-op placements, no partial checkpointing."""
+    return c.ac_blocks is None and not c.placements
+
+
+def in_doubt(result) -> int:
+    """The presets screening left (docs/search.md#screening) whose promise is below the best preset ``result``
+    predicted: where any, a preset it did not predict might be faster than that one."""
+    fastest = min((o.prediction.step_seconds for o in result.outcomes if o.fits and is_preset(o.candidate)), default=0)
+    return sum(is_preset(c) and p < fastest for c, p in result.left)
+
+
+def summarize(result, model: str, world: int, batch: int, spec: str, wall: float, presets=None) -> dict:
+    """The figures of one search: the choice, the best preset (``presets``' choice where given: a search for the
+    fastest preset), the counts."""
     best = result.best
-    presets = [o for o in result.outcomes if o.fits and o.candidate.ac_blocks is None and not o.candidate.placements]
-    preset = min(presets, key=lambda o: o.prediction.step_seconds) if presets else None
+    fitting = [o for o in result.outcomes if o.fits and is_preset(o.candidate)]
+    preset = presets.best if presets else min(fitting, key=lambda o: o.prediction.step_seconds, default=None)
     bounded = [o for o in result.outcomes if o.prediction is None and "bound" in o.refused]
     refused = [o for o in result.outcomes if o.prediction is None and "bound" not in o.refused]
     predicted = [o for o in result.outcomes if o.prediction is not None]
@@ -110,15 +123,8 @@ def summarize(result, model: str, world: int, batch: int, spec: str, wall: float
         "screened": result.screened,
         # presets left by screening whose promise was below the best preset predicted: where any, a preset the
         # search did not predict might beat it (docs/search.md#screening)
-        "presets_in_doubt": sum(
-            not c.placements and preset is not None and p < preset.prediction.step_seconds for c, p in result.left
-        ),
-        # auto against the least of the best preset predicted and those presets' promises (the screen's own
-        # lower estimate of them): the ratio that holds whichever preset screening left is the best
-        "ratio_floor": best.prediction.step_seconds
-        / min([preset.prediction.step_seconds] + [p for c, p in result.left if not c.placements])
-        if preset
-        else None,
+        "presets_in_doubt": in_doubt(result),  # then the best preset is the preset search's (``presets``)
+        "preset_search_s": presets.seconds if presets else None,
         "partial": sum(o.candidate.ac_blocks is not None for o in result.outcomes),
         "refused": len(refused),
         "bounded": len(bounded),
@@ -188,7 +194,23 @@ def run_case(name: str, time_limit: float | None = None) -> dict:
         ids = torch.zeros(batch, cfg.seq_len, dtype=torch.long)
         module, inputs, _ = at_dtype(module, Feed.CAUSAL_LM.inputs(ids, ids), torch.bfloat16)
         result = search_model(module, inputs, world, options, optimizer_config(cfg), spec, time_limit=time_limit)
-        return summarize(result, model, world, batch, spec.name, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        presets = (  # where screening left presets in doubt: the fastest preset, searched for as such
+            search_model(
+                module,
+                inputs,
+                world,
+                options,
+                optimizer_config(cfg),
+                spec,
+                placements=False,
+                time_limit=time_limit,
+                wanted=is_preset,
+            )
+            if in_doubt(result)
+            else None
+        )
+        return summarize(result, model, world, batch, spec.name, wall, presets)
     except SearchError as e:
         reasons: dict[str, int] = {}
         for o in seen:  # the refusals, their numbers cut out so that alike ones count together
@@ -270,8 +292,8 @@ def section(recs: dict[str, dict]) -> str:
         "refused before predicting (state over budget, a planner refusal, …) / skipped by the pipeline bound; "
         "`K partial`: outcomes with partial checkpointing; `K screened`: candidates not predicted because their "
         "estimate could not win (docs/search.md#screening), and of them the presets whose estimate was below the best "
-        "preset predicted (*in doubt*: the best preset shown might not be the best preset; the ratio in brackets is "
-        "against the least of its step and their promises, and that one decides the 5 % count). Search: the search's own seconds (`SearchResult.seconds`; "
+        "preset predicted (*in doubt*: one of them might be faster, so the best preset is then a second screened "
+        "search's, for the fastest preset: `search_model(..., placements=False, wanted=...)`). Search: the search's own seconds (`SearchResult.seconds`; "
         "the case's wall time with building the model in brackets; *void* where the machine's load average was above "
         f"{QUIET} per core during the case — the predicted figures hold, the seconds do not); memory: the case "
         "process's peak resident memory (the model on the meta device, so the search's own).",
@@ -306,23 +328,25 @@ def section(recs: dict[str, dict]) -> str:
         )
         a, p = r["auto"], r["preset"]
         ratio, untried = r["ratio"], r.get("unsearched", 0)
-        floor = r.get("ratio_floor") or ratio  # with presets in doubt: against their promises too
         if ratio is not None:  # a search cut short by its time limit compares with the presets it tried only
-            faster += floor <= 0.95 and not untried
+            faster += ratio <= 0.95 and not untried
             cut += ratio <= 0.95 and bool(untried)
             violated += ratio > 1 + 1e-9
         lines.append(
             f"| {name} | {r['batch']} | `{a['flags']}` | {a['step_ms']:,.0f} | {a['peak_gib']:.3g} | "
-            + (f"`{p['flags']}` | {p['step_ms']:,.0f} | {ratio:.3f}" if p else "— | — | —")
-            + (f" (≥ {floor:.3f})" if p and r.get("presets_in_doubt") else "")
-            + " | "
+            + (f"`{p['flags']}` | {p['step_ms']:,.0f} | {ratio:.3f} | " if p else "— | — | — | ")
             + f"{seconds} | "
             + (f"{r['rss_gib']:.2f}" if "rss_gib" in r else "—")
             + f" | {r['predicted']} ({r['fit']}) / {r['refused']} / "
             f"{r['bounded']}"
             + (f"; {r['partial']} partial" if r["partial"] else "")
             + (f"; {r['screened']} screened" if r.get("screened") else "")
-            + (f" (**{r['presets_in_doubt']} presets in doubt**)" if r.get("presets_in_doubt") else "")
+            + (
+                f" ({r['presets_in_doubt']} presets in doubt: best preset by its own search, "
+                f"{r['preset_search_s']:.0f} s)"
+                if r.get("presets_in_doubt")
+                else ""
+            )
             + (f"; **{untried} untried** (time limit {r['time_limit']:.0f} s)" if untried else "")
             + " |"
         )

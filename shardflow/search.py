@@ -447,6 +447,7 @@ def search(
     placements: bool = True,
     time_limit: float | None = None,
     screen: bool = True,
+    wanted: Callable[[Candidate], bool] | None = None,
 ) -> SearchResult:
     """The fastest preset of :func:`candidates` on ``world`` devices of ``spec`` whose predicted peak fits ``budget``
     bytes (default :data:`MARGIN` × the device's memory). ``graph_for(parts, keep)``: the model captured on one of
@@ -458,7 +459,9 @@ def search(
     candidate is tried once one fits (None: try them all; docs/search.md#a-time-limit) — the answer is then the best
     of those tried, and :attr:`SearchResult.unsearched` counts the rest; ``screen``: try the candidates in the order
     of their estimates (:mod:`shardflow.simulator.analytic`) and stop where none left could win by them
-    (docs/search.md#screening; False: every candidate, in the order above). Raises SearchError when nothing fits,
+    (docs/search.md#screening; False: every candidate, in the order above); ``wanted``: only the outcomes of candidates
+    it holds for count, as the answer and as the best step found (None: all; ``benchmarks/search.py`` asks for the
+    fastest preset so). Raises SearchError when nothing fits,
     ValueError for a time limit that is negative or not finite."""
     t0 = time.perf_counter()
     if time_limit is not None and not (math.isfinite(time_limit) and time_limit >= 0):
@@ -642,9 +645,13 @@ def search(
             found = o
         return found
 
+    def counts(o: Outcome) -> bool:
+        """Whether ``o`` fits and is of the plans asked for (``wanted``)."""
+        return o.fits and (wanted is None or wanted(o.candidate))
+
     def fastest_fit() -> float:
-        """The smallest predicted step (seconds) of the outcomes so far that fit (inf: none)."""
-        return min((o.prediction.step_seconds for o in outcomes if o.fits and o.prediction), default=math.inf)
+        """The smallest predicted step (seconds) of the outcomes so far that fit and count (inf: none)."""
+        return min((o.prediction.step_seconds for o in outcomes if counts(o) and o.prediction), default=math.inf)
 
     def capped(start: Outcome) -> list[Outcome]:
         """Per-op placements ``start`` that do not fit, with the program's memory capped (:data:`SHRINKS` tries):
@@ -730,11 +737,11 @@ def search(
                 for o in capped(start):
                     record(o)
     # a composed prediction does not win: the best is predicted again whole until a whole prediction is the best
-    while (top := min((o for o in outcomes if o.fits), key=_best, default=None)) and top.composed is not None:
+    while (top := min(filter(counts, outcomes), key=_best, default=None)) and top.composed is not None:
         outcomes[outcomes.index(top)] = whole = attempt(top.candidate, compose=False)
         if progress:
             progress(whole)
-    fitting = [o for o in outcomes if o.fits]
+    fitting = [o for o in outcomes if counts(o)]
     if not fitting:
         predicted = [o for o in outcomes if o.prediction is not None]
         least = min(predicted, key=_rank) if predicted else None
@@ -831,6 +838,7 @@ def search_model(
     placements: bool = True,
     time_limit: float | None = None,
     screen: bool = True,
+    wanted: Callable[[Candidate], bool] | None = None,
 ) -> SearchResult:
     """:func:`search` for module ``model`` and a step's ``batch`` (its dim 0 the sequences, :func:`tokens_of` its
     tokens): the model is captured on one of the parts each candidate's micro-batches cut the batch into; a copy
@@ -908,6 +916,7 @@ def search_model(
         placements=placements,
         time_limit=time_limit,
         screen=screen,
+        wanted=wanted,
     )
 
 
