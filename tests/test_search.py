@@ -98,6 +98,19 @@ def test_screening_keeps_the_choice_of_the_whole_search_and_predicts_fewer(eight
     assert all(o.candidate in {c for c, _ in screened.left} for o in left)
 
 
+def test_a_search_for_some_plans_answers_the_fastest_of_them(eight):
+    """``wanted``: only the plans asked for count as found (benchmarks/search.py's fastest preset): here fsdp's, the
+    fastest fsdp outcome of the whole search."""
+    only = search_model(
+        MODEL, BATCH, 8, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), SPEC, wanted=lambda c: c.strategy == "fsdp"
+    )
+    fsdp = min(
+        (o for o in eight.outcomes if o.fits and o.candidate.strategy == "fsdp"),
+        key=lambda o: o.prediction.step_seconds,
+    )
+    assert only.best.candidate == fsdp.candidate and only.best.prediction.step_seconds == fsdp.prediction.step_seconds
+
+
 def test_without_memory_for_replicated_optimizer_state_it_shards_the_state_not_the_model(monkeypatch):
     """A wider model and a larger batch, on a device that holds the fully sharded plan's peak and an eighth more
     but not the replicated state: the state sharded, not the model — every matmul on its batch shard. The per-op
