@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import capture_once
+from conftest import capture_once, patience
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +40,7 @@ CATALOGUE = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-SECONDS = 30  # one call's bound: a hang (or a model built layer by layer without end) fails its case
+SECONDS = 30  # one call's bound on an idle machine (conftest.patience scales it): a hang fails its case
 
 PLAN = [
     "plan",
@@ -110,7 +110,7 @@ def run(root: Path, argv: list[str]) -> tuple[int, str, str]:
     cwd = os.getcwd()
     os.chdir(root)
     try:
-        with deadline(SECONDS), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with deadline(patience(SECONDS)), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = cli_main(argv)
             except SystemExit as e:
