@@ -499,7 +499,9 @@ def search(
             assert profile is not None
             # per-op placements on tp are estimated as sequence parallelism there: their program splits the rows too
             strategy = ",".join("sp" if a == "tp" else a for a in c.strategy.split(",")) if c.placements else c.strategy
-            estimates[c] = estimate(profile, c.mesh, strategy, c.step(base), optimizer, spec)
+            estimates[c] = estimate(
+                profile, c.mesh, strategy, c.step(base), len(OPTIMIZER_SLOTS[optimizer.slots]), spec
+            )
         return estimates[c]
 
     def calibration(family: tuple) -> tuple[float, float]:

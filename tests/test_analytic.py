@@ -9,11 +9,10 @@ import torch
 
 from shardflow.capture import capture
 from shardflow.lower import LowerOptions
-from shardflow.lower.dynamic import ActivationCheckpointing, Optimizer
+from shardflow.lower.dynamic import ActivationCheckpointing
 from shardflow.lower.schedule import ScheduleKind
 from shardflow.models import GPT, GPTConfig
 from shardflow.parallel.mesh import Mesh
-from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.analytic import Profile, estimate
 from shardflow.simulator.machine import MachineSpec
 
@@ -21,7 +20,6 @@ SPEC = MachineSpec.named("h100")
 torch.manual_seed(0)
 MODEL = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=4, n_embd=32))
 BATCH = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
-ADAMW = OptimizerConfig(Optimizer.ADAMW)
 
 
 def _bytes(prefix: str, inside: bool) -> int:
@@ -47,7 +45,7 @@ def test_each_choice_moves_the_estimate_the_way_it_moves_a_step():
     base = LowerOptions()
 
     def est(mesh: str, strategy: str, **options):
-        return estimate(prof, Mesh.parse(mesh), strategy, dataclasses.replace(base, **options), ADAMW, SPEC)
+        return estimate(prof, Mesh.parse(mesh), strategy, dataclasses.replace(base, **options), 2, SPEC)  # AdamW
 
     # fsdp shards the state dp replicates; sequence parallelism splits the residual stream tp alone keeps whole
     assert est("fsdp=8", "fsdp").peak_bytes < est("dp=8", "dp").peak_bytes

@@ -25,11 +25,10 @@ from shardflow.graph.flops import op_flops
 from shardflow.graph.graph import Node, TensorRole
 from shardflow.graph.ops import Attention, Experts, Linear, torch_dtype
 from shardflow.lower.cost import CPAttention, LowerOptions
-from shardflow.lower.dynamic import OPTIMIZER_SLOTS, ActivationCheckpointing
+from shardflow.lower.dynamic import ActivationCheckpointing
 from shardflow.lower.schedule import ScheduleKind
 from shardflow.parallel.collectives import CommKind, wire_bytes
 from shardflow.parallel.mesh import Mesh
-from shardflow.runtime.kernels import OptimizerConfig
 from shardflow.simulator.cost import ATTENTION_BACKWARD
 from shardflow.simulator.machine import MachineSpec
 
@@ -174,13 +173,13 @@ def estimate(
     mesh: Mesh,
     strategy: str,
     options: LowerOptions,
-    optimizer: OptimizerConfig,
+    slots: int,
     spec: MachineSpec,
     vocab_parallel: bool = True,
 ) -> Estimate:
     """The estimated step time and peak of ``profile`` planned as preset ``strategy`` on ``mesh`` with ``options``
-    (its checkpointing, schedule, microbatches, accumulation and precision) and ``optimizer`` on ``spec``.
-    ``vocab_parallel``: the head's activations split over tp (the presets'; per-op placements keep them whole).
+    (its checkpointing, schedule, microbatches, accumulation and precision), an optimizer of ``slots`` state slots
+    per weight (AdamW: 2) on ``spec``. ``vocab_parallel``: the head's activations split over tp (the presets'; per-op placements keep them whole).
 
     Per rank: the forward and backward of its blocks (``blocks``/pp, their work split over every other axis; a
     memory-bound op not split by tp without sp) and of the rest, plus the recomputation ``ac`` asks for; the weights'
@@ -270,7 +269,6 @@ def estimate(
     if pp > 1:
         core *= (m + (pp - 1) / v) / m if options.schedule == ScheduleKind.INTERLEAVED else (m + pp - 1) / m
 
-    slots = len(OPTIMIZER_SLOTS[optimizer.slots])
     state = (dense / fsdp + experts / fsdp) * (1 + ratio * (1 + slots + (1 if precision else 0)))
     gathered = 2 * (b.weight_bytes / tp) if fsdp > 1 else 0
     in_flight = m if options.schedule == ScheduleKind.GPIPE else min(m, pp)
