@@ -687,10 +687,9 @@ def search(
         if time_limit is not None and time.perf_counter() - t0 >= time_limit and any(o.fits for o in outcomes):
             unsearched = len(pending)
             break
-        if (
-            screen
-        ):  # those without a pipeline first (the cheaper to predict), then the least promise (docs/search.md#screening)
-            # (while nothing fits, every candidate is tried: by its plain estimate where none could fit)
+        # screened: those without a pipeline first (the cheaper to predict), then the least promise; while nothing
+        # fits, every candidate is tried, by its plain estimate where none could fit (docs/search.md#screening)
+        if screen:
             calibrated = {f: calibration(f) for f in {screen_family(x) for x in pending}}
             promises = [
                 (x.microbatches > 1, promise(x, *calibrated[screen_family(x)]), chains[x][0][1].step_seconds)

@@ -175,11 +175,11 @@ def estimate(
     options: LowerOptions,
     slots: int,
     spec: MachineSpec,
-    vocab_parallel: bool = True,
 ) -> Estimate:
     """The estimated step time and peak of ``profile`` planned as preset ``strategy`` on ``mesh`` with ``options``
     (its checkpointing, schedule, microbatches, accumulation and precision), an optimizer of ``slots`` state slots
-    per weight (AdamW: 2) on ``spec``. ``vocab_parallel``: the head's activations split over tp (the presets'; per-op placements keep them whole).
+    per weight (AdamW: 2) on ``spec``.
+    The head's activations are split over tp, as the presets' vocabulary-parallel loss splits them.
 
     Per rank: the forward and backward of its blocks (``blocks``/pp, their work split over every other axis; a
     memory-bound op not split by tp without sp) and of the rest, plus the recomputation ``ac`` asks for; the weights'
@@ -285,6 +285,6 @@ def estimate(
         ActivationCheckpointing.BLOCK: full,
     }[ac] / (m * a)
     acts = per_rank * held * in_flight + working
-    head = r.saved_bytes / ((shard if vocab_parallel else data) * m * a)
+    head = r.saved_bytes / (shard * m * a)
     peak = state + gathered + acts + head
     return Estimate(core, int(math.ceil(peak)))
