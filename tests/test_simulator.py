@@ -119,6 +119,37 @@ def test_a_rank_runs_its_communications_in_issue_order():
     assert t.ends == {0: 6.0, 1: 5.0, 2: 6.0}
 
 
+def test_a_send_waiting_for_its_receiver_holds_later_transfers_not_collectives():
+    # rank 0 sends #0 to rank 1, who receives it only after 4 s of work; then rank 0 all-reduces #1 with rank 2
+    # and sends #2 to rank 2. The all-reduce goes on the collectives' stream, not behind the send; the second send
+    # goes on the point-to-point stream, behind the first.
+    send = dict(axis=NodeKind.COPY, wait=False)
+    t = replay(
+        [
+            programs(
+                r0=[
+                    comm(0, CommKind.SEND, (0, 1), 1, peer=1, **send),
+                    comm(1, CommKind.ALL_REDUCE, (0, 2), 1),
+                    comm(2, CommKind.SEND, (0, 2), 1, peer=2, **send),
+                    Wait(0),
+                    Wait(2),
+                ],
+                r1=[work(4), comm(0, CommKind.RECV, (0, 1), 1, peer=0, axis=NodeKind.COPY)],
+                r2=[
+                    comm(1, CommKind.ALL_REDUCE, (0, 2), 1),
+                    comm(2, CommKind.RECV, (0, 2), 1, peer=0, axis=NodeKind.COPY),
+                ],
+            )
+        ],
+        Spec(),
+        events=True,
+    )
+    starts = {e.name: e.start for e in t.events if e.rank == 0 and e.stream == "comm"}
+    assert starts == {"#0 send (async)": 4.0, "#1 all_reduce": 0.0, "#2 send (async)": 5.0}
+    assert t.ends == {0: 6.0, 1: 5.0, 2: 6.0}
+    assert t.breakdown[2].bubble == 5.0  # waiting for rank 0's second send, queued behind its first
+
+
 def test_micro_steps_run_one_after_the_other_and_host_overhead_counts():
     step = programs(r0=[work(1), comm(0, CommKind.ALL_REDUCE, (0,), 1)])
     t = replay([step, step], Spec(instr_overhead_s=0.5))

@@ -25,7 +25,7 @@ end. Microbatch m of many takes the times and bytes of microbatch 0 of few when 
 when it is the last, else of a middle one of few (:func:`_like` where few has none).
 
 What it leaves out, against replaying the M-microbatch programs: a communication of one microbatch queued behind
-another's on the same stream (the replay's one stream per rank) beyond what few shows — so a step whose
+another's on the same stream (the replay's point-to-point stream of each rank) beyond what few shows — so a step whose
 transfers take more than :data:`TRANSFER_SHARE` of it is refused (:class:`ComposeError`). Its error against the exact
 replay is measured in tests/test_compose.py and docs/simulator.md#composing-a-pipeline.
 """

@@ -2,18 +2,21 @@
 (docs/simulator.md#the-replay).
 
 Each simulated rank runs its program in order on one **clock** (the host issues its instructions in order; a
-compute runs on the rank's compute stream and the next instruction follows it) and owns one **communication
-stream**:
+compute runs on the rank's compute stream and the next instruction follows it) and owns two **communication
+streams**:
 
 * a :class:`~shardflow.lower.program.Compute` starts when the clock reaches it (after the spec's host overhead per
   instruction) and takes :func:`~shardflow.simulator.cost.compute_seconds` — longer by the spec's ``contention`` for
   the part of it that runs while a communication of its rank is in flight; on a spec without overlap it waits for
-  the communication stream to drain first;
+  both communication streams to drain first;
 * a :class:`~shardflow.lower.program.Comm` is *issued* when the clock reaches it; it *starts* once every
-  simulated member has issued it and every member's communication stream has finished the communications each
-  issued before it (one stream per rank, in issue order — the token order), and takes
-  :func:`~shardflow.simulator.cost.comm_seconds`; a blocking one (``wait``) holds the clock until it ends, an
-  asynchronous one until its :class:`~shardflow.lower.program.Wait`;
+  simulated member has issued it and every member's stream of its kind has finished the communications each
+  issued before it on that stream, and takes :func:`~shardflow.simulator.cost.comm_seconds`; a blocking one
+  (``wait``) holds the clock until it ends, an asynchronous one until its :class:`~shardflow.lower.program.Wait`.
+  A rank has two streams, each in issue order (the token order): one for the collectives and one for the
+  point-to-point kinds (sends, receives, collective-permute steps), as the executor issues those on the world group
+  and the collectives on their members' groups — other communicators, so a send waiting for its receiver does not
+  hold a collective issued after it (docs/simulator.md#the-replay);
 * a :class:`~shardflow.lower.program.Free` takes no time.
 
 Time a rank's clock spends held by a communication is **exposed communication**, or **pipeline bubble** when it
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from shardflow.lower.dynamic import NodeKind, TaskType
 from shardflow.lower.program import Comm, Compute, Free, Program, Wait
-from shardflow.parallel.collectives import CommKind
+from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.simulator.cost import EAGER, Kernels, comm_seconds, compute_seconds, fusable
 
 if TYPE_CHECKING:
@@ -101,16 +104,26 @@ class _Comm:
 
 
 @dataclass
+class _Stream:
+    free: float = 0.0  # when it has finished what was started on it
+    queue: list[int] = field(default_factory=list)  # issued, not yet started tokens, in issue order
+
+
+@dataclass
 class _Rank:
     program: Program
     clock: float = 0.0
-    stream_free: float = 0.0  # when its communication stream has finished what was started on it
+    collectives: _Stream = field(default_factory=_Stream)
+    p2p: _Stream = field(default_factory=_Stream)  # sends, receives, collective-permute steps
     pos: int = 0
-    queue: list[int] = field(default_factory=list)  # issued, not yet started tokens, in issue order
     mine: dict[int, Comm] = field(default_factory=dict)  # token → this rank's side of it
     breakdown: Breakdown = field(default_factory=Breakdown)
     fusing: bool = False  # its last instruction was a compute a fused kernel may go on from (Kernels)
     computes: int = 0  # computes run so far
+
+    def stream(self, c: Comm) -> _Stream:
+        """The stream ``c`` goes on."""
+        return self.p2p if KINDS[c.kind].point_to_point else self.collectives
 
 
 def _category(c: Compute, recomputed: Callable[[str], bool]) -> str:
@@ -169,25 +182,27 @@ def _run(
     clocks: Mapping[int, list[tuple[float, float]]] | None = None,
 ) -> None:
     def start_ready() -> None:
-        """Start every issued communication that heads the queue of each of its holders."""
+        """Start every issued communication that heads its stream's queue on each of its holders."""
         moved = True
         while moved:
             moved = False
             for s in ranks.values():
-                if not s.queue:
-                    continue
-                st = comms[s.queue[0]]
-                if len(st.issued) < len(st.holders) or any(ranks[h].queue[0] != st.instr.token for h in st.holders):
-                    continue
-                begin = max(max(st.issued.values()), max(ranks[h].stream_free for h in st.holders))
-                st.end = begin + st.duration
-                for h in st.holders:
-                    ranks[h].stream_free = st.end
-                    ranks[h].queue.pop(0)
-                    if out is not None:
-                        name = f"#{st.instr.token} {st.instr.kind}" + ("" if st.instr.wait else " (async)")
-                        out.append(Event(h, "comm", name, "comm", begin, st.duration))
-                moved = True
+                for stream in (s.collectives, s.p2p):
+                    if not stream.queue:
+                        continue
+                    st = comms[stream.queue[0]]
+                    on = [ranks[h].stream(st.instr) for h in st.holders]
+                    if len(st.issued) < len(st.holders) or any(o.queue[0] != st.instr.token for o in on):
+                        continue
+                    begin = max(max(st.issued.values()), max(o.free for o in on))
+                    st.end = begin + st.duration
+                    for h, o in zip(st.holders, on):
+                        o.free = st.end
+                        o.queue.pop(0)
+                        if out is not None:
+                            name = f"#{st.instr.token} {st.instr.kind}" + ("" if st.instr.wait else " (async)")
+                            out.append(Event(h, "comm", name, "comm", begin, st.duration))
+                    moved = True
 
     def hold(s: _Rank, st: _Comm, own: Comm) -> None:
         assert st.end is not None
@@ -203,9 +218,10 @@ def _run(
         """Run rank ``r``'s next instruction if it can; False when it must wait for another rank."""
         i = s.program.instrs[s.pos]
         if isinstance(i, Compute):
-            if not spec.overlap and s.stream_free > s.clock:
-                s.breakdown.exposed_comm += s.stream_free - s.clock
-                s.clock = s.stream_free
+            busy = max(s.collectives.free, s.p2p.free)  # when its communications in flight end
+            if not spec.overlap and busy > s.clock:
+                s.breakdown.exposed_comm += busy - s.clock
+                s.clock = busy
             s.clock += spec.instr_overhead_s
             s.breakdown.overhead += spec.instr_overhead_s
             if measured is not None:  # a measured step: contention and fusion are in its times already
@@ -215,7 +231,7 @@ def _run(
                 joins = fusable(i, kernels)
                 seconds = compute_seconds(i, spec, kernels, fused=s.fusing and joins)
                 s.fusing = joins
-                overlapped = max(0.0, min(s.clock + seconds, s.stream_free) - s.clock)
+                overlapped = max(0.0, min(s.clock + seconds, busy) - s.clock)
                 seconds += overlapped * (spec.contention - 1.0)
             s.computes += 1
             category = _category(i, recomputed)
@@ -230,7 +246,7 @@ def _run(
                 s.clock += spec.instr_overhead_s
                 s.breakdown.overhead += spec.instr_overhead_s
                 st.issued[r] = s.clock
-                s.queue.append(i.token)
+                s.stream(i).queue.append(i.token)
                 s.mine[i.token] = i
                 start_ready()
             if i.wait:
