@@ -335,6 +335,15 @@ def test_each_block_s_gradients_are_reduce_scattered_as_soon_as_its_backward_is_
         for later, earlier in zip(blocks[::-1], blocks[::-1][1:]):  # the backward's order: h.2, h.1, h.0
             assert max(grads_of(later)) < scatters[later] < min(grads_of(earlier)), (rank, later, scatters)
         assert min(scatters.values()) < max(grads_of(blocks[0])), rank
-        for block, k in scatters.items():  # waited after the backward, before the first update of its weights
-            wait = next(j for j, i in enumerate(instrs) if isinstance(i, Wait) and i.token == instrs[k].token)
-            assert max(grads_of(blocks[0])) < wait < first_update(block), (rank, block, wait)
+
+        def wait_of(block: str) -> int:
+            return next(
+                j for j, i in enumerate(instrs) if isinstance(i, Wait) and i.token == instrs[scatters[block]].token
+            )
+
+        # each travels while the next block's gradients are computed and is waited for before the next is issued
+        # (one in flight: docs/lowering.md#11-gradient-buckets-and-overlap-with-the-backward); the last before
+        # the first update of its weights
+        for later, earlier in zip(blocks[::-1], blocks[::-1][1:]):
+            assert max(grads_of(earlier)) < wait_of(later) < scatters[earlier], (rank, later, wait_of(later))
+        assert scatters[blocks[0]] < wait_of(blocks[0]) < first_update(blocks[0]), rank

@@ -5,8 +5,9 @@ dynamic graph's node order), then the order within the step (group, ring step). 
 computed arithmetically — a step's first token is the number of communications all earlier steps make
 — so a rank orders only its own program at a cost that does not grow with the world size. Each rank issues
 its communications in token order. Deferred instructions (a bucket's Wait and unpack) go right before the
-first instruction that reads what they fill; a :class:`~shardflow.lower.program.Free` follows the last reader
-of each buffer that does not outlive the step. Each program lists the pieces it holds before it starts
+first instruction that reads what they fill, and a gradient bucket's no later than right before the rank issues its
+next gradient bucket (one in flight: :func:`_bounded`); a :class:`~shardflow.lower.program.Free` follows the last
+reader of each buffer that does not outlive the step. Each program lists the pieces it holds before it starts
 (``inputs``) and the process groups every rank creates, in one order (``groups``).
 """
 
@@ -36,8 +37,9 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
     for r in sg.ranks:
         prog: list[Instr] = []
         later: list[tuple[set[str], list[Instr]]] = []  # (values they fill, deferred instructions)
+        issued: dict[int, Comm] = {}  # token → this rank's communication of it, as emitted
         for k in range(len(sg.steps)):
-            _emit(prog, later, [_shift(i, base[k]) for i in sg.instrs[r][k]])
+            _emit(prog, later, [_shift(i, base[k]) for i in sg.instrs[r][k]], issued)
             after = [_shift(i, base[k]) for i in sg.deferred[r][k]]
             for group in _wait_groups(after):
                 later.append(({b.value for i in group for b in writes(i)}, group))
@@ -186,15 +188,37 @@ def _shift(i: Instr, base: int) -> Instr:
     return dataclasses.replace(i, token=i.token + base) if isinstance(i, (Comm, Wait)) and base else i
 
 
-def _emit(prog: list[Instr], later: list[tuple[set[str], list[Instr]]], instrs: list[Instr]) -> None:
+def _bounded(c: Comm) -> bool:
+    """Whether ``c`` is a gradient bucket a rank keeps one of in flight: a backward all-reduce or reduce-scatter
+    issued without waiting. Its send buffer (the bucket's packed gradients, float32 where they reduce in float32)
+    lives until its Wait; left to the first read of its result — the optimizer's update — every bucket of the step
+    would be live at the end of the backward (on Llama 3 405B under fsdp, one block's gradients, 12 GiB, per block).
+    So its Wait goes before the next one is issued, as PyTorch FSDP waits for a reduce-scatter before the next
+    (docs/lowering.md#11-gradient-buckets-and-overlap-with-the-backward)."""
+    return c.task == TaskType.BWD and not c.wait and c.kind in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
+
+
+def _emit(
+    prog: list[Instr], later: list[tuple[set[str], list[Instr]]], instrs: list[Instr], issued: dict[int, Comm]
+) -> None:
     """Append ``instrs`` to ``prog``, each preceded by the deferred instructions (a Wait and what follows it)
-    that fill a value it reads."""
+    that fill a value it reads and, before a gradient bucket (:func:`_bounded`), those of the buckets issued
+    before it. ``issued``: token → communication, of those appended so far (updated)."""
     for i in instrs:
         values = {b.value for b in reads(i)}
-        for item in [x for x in later if x[0] & values]:
+        bounded = isinstance(i, Comm) and _bounded(i)
+        for item in [x for x in later if x[0] & values or bounded and _bounded(issued[_waited(x[1])])]:
             later.remove(item)
             prog.extend(item[1])
+        if isinstance(i, Comm):
+            issued[i.token] = i
         prog.append(i)
+
+
+def _waited(group: list[Instr]) -> int:
+    """The token a deferred group (:func:`_wait_groups`) waits for."""
+    assert isinstance(group[0], Wait), group
+    return group[0].token
 
 
 def with_frees(instrs: list[Instr], keep: frozenset[str]) -> tuple[Instr, ...]:
