@@ -37,9 +37,9 @@ def ordering(sg: ShardedGraph, overlap: bool = False) -> ShardedGraph:
     for r in sg.ranks:
         prog: list[Instr] = []
         later: list[tuple[set[str], list[Instr]]] = []  # (values they fill, deferred instructions)
-        issued: dict[int, Comm] = {}  # token → this rank's communication of it, as emitted
+        buckets: set[int] = set()  # tokens of the gradient buckets (_bounded) emitted so far
         for k in range(len(sg.steps)):
-            _emit(prog, later, [_shift(i, base[k]) for i in sg.instrs[r][k]], issued)
+            _emit(prog, later, [_shift(i, base[k]) for i in sg.instrs[r][k]], buckets)
             after = [_shift(i, base[k]) for i in sg.deferred[r][k]]
             for group in _wait_groups(after):
                 later.append(({b.value for i in group for b in writes(i)}, group))
@@ -198,20 +198,18 @@ def _bounded(c: Comm) -> bool:
     return c.task == TaskType.BWD and not c.wait and c.kind in (CommKind.ALL_REDUCE, CommKind.REDUCE_SCATTER)
 
 
-def _emit(
-    prog: list[Instr], later: list[tuple[set[str], list[Instr]]], instrs: list[Instr], issued: dict[int, Comm]
-) -> None:
+def _emit(prog: list[Instr], later: list[tuple[set[str], list[Instr]]], instrs: list[Instr], buckets: set[int]) -> None:
     """Append ``instrs`` to ``prog``, each preceded by the deferred instructions (a Wait and what follows it)
     that fill a value it reads and, before a gradient bucket (:func:`_bounded`), those of the buckets issued
-    before it. ``issued``: token → communication, of those appended so far (updated)."""
+    before it. ``buckets``: the tokens of the gradient buckets appended so far (updated)."""
     for i in instrs:
         values = {b.value for b in reads(i)}
-        bounded = isinstance(i, Comm) and _bounded(i)
-        for item in [x for x in later if x[0] & values or bounded and _bounded(issued[_waited(x[1])])]:
+        bucket = i.token if isinstance(i, Comm) and _bounded(i) else None
+        for item in [x for x in later if x[0] & values or bucket is not None and _waited(x[1]) in buckets]:
             later.remove(item)
             prog.extend(item[1])
-        if isinstance(i, Comm):
-            issued[i.token] = i
+        if bucket is not None:
+            buckets.add(bucket)
         prog.append(i)
 
 
