@@ -891,10 +891,6 @@ def calibrate_plan(args: argparse.Namespace) -> tuple[Mesh | None, tuple[int, ..
     from shardflow.lower.calibration import calibration_path
     from shardflow.runtime.device import backend_for, check_device, device_type
 
-    if args.nproc < 2:
-        raise ValueError(
-            f"--nproc {args.nproc}: calibration times communications between processes; give --nproc 2 or more"
-        )
     mesh = Mesh.parse(args.mesh) if args.mesh else None
     if mesh is not None and mesh.size != args.nproc:
         raise ValueError(
@@ -922,9 +918,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     mesh, sizes, backend, out = calibrate_plan(args)
     print(
-        f"shardflow calibrate: {backend}, {args.nproc} processes, "
-        f"{'mesh ' + str(mesh) if mesh else 'every rank'}; sizes {', '.join(map(str, sizes))} bytes, "
-        f"{args.reps} calls each",
+        f"shardflow calibrate: {backend}, {args.nproc} process{'es' * (args.nproc > 1)}, "
+        + (
+            "the computation of one device (one process: no communication to time)"
+            if args.nproc == 1
+            else f"{'mesh ' + str(mesh) if mesh else 'every rank'}; sizes {', '.join(map(str, sizes))} bytes, "
+            f"{args.reps} calls each"
+        ),
         flush=True,
     )
     run_dir = Path(tempfile.mkdtemp(prefix="shardflow-calibrate-"))
@@ -1179,7 +1179,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="time each kind of communication on this machine and write the cost "
         "model's α and bandwidths, which train and plan then use",
     )
-    cal.add_argument("--nproc", type=int, default=2, help="processes to start, one per device (default 2)")
+    cal.add_argument(
+        "--nproc",
+        type=int,
+        default=2,
+        help="processes to start, one per device (default 2; 1 times the computation of one device alone)",
+    )
     cal.add_argument(
         "--mesh",
         help="device mesh as axis=size pairs, e.g. dp=2,tp=2: each axis's groups are timed "

@@ -51,6 +51,7 @@ INTEGRATION_FIXTURES = {"run_train", "run_here", "train_here", "train_argv"}
 INTEGRATION_TESTS = {  # file::test (all its parameters) in files otherwise unit; seconds are measured on 2 busy cores
     "test_calibration.py::test_calibrate_nproc_2_writes_a_file_the_cost_model_reads": "2 processes",
     "test_calibration.py::test_calibrate_refuses_bad_inputs_before_any_process_starts": "the CLI",
+    "test_calibration.py::test_calibrate_nproc_1_times_the_computation_alone": "the CLI, 1 process",
     "test_captured_properties.py::test_a_captured_model_trains_like_eager": "random models captured and trained (18 s)",
     "test_data.py::test_bpe_training_is_deterministic_across_processes": "a subprocess",
     "test_data.py::test_char_run_saves_its_tokenizer_for_generate_and_resume": "shardflow train and generate",
@@ -67,6 +68,7 @@ INTEGRATION_TESTS = {  # file::test (all its parameters) in files otherwise unit
     "test_rule_validator.py::test_no_accepted_combination_is_wrong": "the validator's reduced sweep (12 s)",
     "test_rule_validator.py::test_rules_are_not_over_restrictive": "the validator's reduced sweep",
     "test_rule_validator.py::test_counts_add_up": "the validator's reduced sweep",
+    "test_torch_compat.py::test_the_gpu_run_runs_its_steps_and_keeps_what_they_measured": "tools/gpu_run.py (20 s)",
     "test_rule_validator.py::test_full_sweep": "the validator's full sweep (SHARDFLOW_LONG=1)",
 }
 

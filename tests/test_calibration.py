@@ -17,6 +17,7 @@ from test_lower import _sp_step
 
 from shardflow.lower.calibration import (
     COST_KINDS,
+    LEGACY_ATTENTION_FLOPS,
     WORLD,
     Calibration,
     CalibrationError,
@@ -28,6 +29,7 @@ from shardflow.lower.calibration import (
     this_machine,
 )
 from shardflow.lower.cost import DEFAULT_BANDWIDTH, CostModel, LowerOptions
+from shardflow.simulator.machine import MachineSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,7 +129,12 @@ def test_measure_compute_in_one_process_gives_positive_figures():
     for name, curve in got.matmul_by_size.items():
         assert curve[0][0] == 2 * 128**3 and max(r for _, r in curve) == got.matmul_flops[name]
     assert [b for b, _ in got.bandwidth_by_size] == [float(b) for b in BANDWIDTH_SIZES]
-    assert all(r > 1e8 for _, r in got.bandwidth_by_size) and set(got.attention_flops) == {"forward", "backward"}
+    assert all(r > 1e8 for _, r in got.bandwidth_by_size) and set(got.attention_flops) == set(got.matmul_flops)
+    for rates in got.attention_flops.values():  # by sequence length from 128: each step 16× the FLOPs
+        assert set(rates) == {"forward", "backward"} and len(rates["forward"]) == len(rates["backward"]) >= 1
+        assert rates["forward"][0][0] == 4 * 8 * 8 * 128 * 128 * 64
+        assert all(r > 1e7 for c in rates.values() for _, r in c)
+        assert [2.5 * f for f, _ in rates["forward"]] == [f for f, _ in rates["backward"]]
 
 
 def test_the_measurements_by_size_are_optional_and_checked(tmp_path):
@@ -137,15 +144,26 @@ def test_the_measurements_by_size_are_optional_and_checked(tmp_path):
         COMPUTE,
         matmul_by_size={"float32": ((4e6, 1e11), (3.4e7, 2e11))},
         bandwidth_by_size=((2.0**20, 2e10), (2.0**26, 5e9)),
-        attention_flops={"forward": 5e10, "backward": 4e10},
+        attention_flops={
+            "float32": {"forward": ((2.7e8, 5e10), (4.3e9, 8e10)), "backward": ((6.7e8, 4e10),)},
+            "bfloat16": {"forward": ((2.7e8, 2e11),)},
+        },
     )
     assert ComputeCost.from_doc(json.loads(json.dumps(full.to_doc()))) == full
+    # a file written before the dtypes and sizes were measured apart: one float32 figure per pass, at its size
+    legacy = {**full.to_doc(), "attention_flops": {"forward": 5e10, "backward": 4e10}}
+    assert ComputeCost.from_doc(legacy).attention_flops == {
+        "float32": {"forward": ((LEGACY_ATTENTION_FLOPS, 5e10),), "backward": ((LEGACY_ATTENTION_FLOPS, 4e10),)}
+    }
     assert set(COMPUTE.to_doc()) == {"matmul_flops", "memory_bandwidth", "launch_s", "instr_overhead_s", "contention"}
     for key, bad, why in [
         ("bandwidth_by_size", [[2**26, 5e9], [2**20, 2e10]], "'compute.bandwidth_by_size': the sizes must ascend"),
         ("bandwidth_by_size", [2**20, 2e10], "'compute.bandwidth_by_size' must be a list of \\[size, rate\\] pairs"),
         ("matmul_by_size", {"float33": []}, "'compute.matmul_by_size': 'float33' is not a torch dtype"),
-        ("attention_flops", {"sideways": 1e9}, "'compute.attention_flops' must be an object of forward, backward"),
+        ("attention_flops", {"sideways": 1e9}, "'compute.attention_flops': 'sideways' is not a torch dtype"),
+        ("attention_flops", {"float32": {"sideways": 1e9}}, "'compute.attention_flops' must be an object of dtype"),
+        ("attention_flops", {"float32": {"forward": [[1e9, -1]]}}, "'compute.attention_flops.float32.forward' must"),
+        ("attention_flops", {"float32": {"forward": 1e9}}, "'compute.attention_flops.float32.forward' must be a list"),
     ]:
         doc = full.to_doc()
         doc[key] = bad
@@ -222,10 +240,25 @@ def test_calibrate_nproc_2_writes_a_file_the_cost_model_reads(tmp_path, monkeypa
     assert "compute measured on 2 ranks at once in" in res.stdout and "compute: matmul GFLOP/s float32" in res.stdout
 
 
+def test_calibrate_nproc_1_times_the_computation_alone(tmp_path, monkeypatch):
+    """One process (one GPU, say): no communication to time, so the file has no groups (the cost model keeps its
+    defaults) and the compute section of one device, which ``this`` then builds its device from."""
+    monkeypatch.setenv("SHARDFLOW_CALIBRATION_DIR", str(tmp_path))
+    res = _cli("--nproc", "1")
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "no communication timed (1 process): the cost model keeps its gloo defaults" in res.stdout
+    cal = Calibration.load(calibration_path("gloo"))
+    assert (cal.world_size, dict(cal.groups)) == (1, {}) and cal.compute is not None
+    assert set(cal.compute.attention_flops) == {"float32", "bfloat16"} and cal.compute.contention == 1.0
+    assert CostModel.for_backend("gloo").bw("all_reduce") == DEFAULT_BANDWIDTH["gloo"]["all_reduce"]
+    spec = MachineSpec.this("gloo", processes=1)
+    assert spec.device.attention_flops[torch.bfloat16] == cal.compute.attention_flops["bfloat16"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--nproc", "1"], "--nproc 1: calibration times communications between processes; give --nproc 2 or more"),
+        (["--nproc", "0"], "--nproc 0 is out of range: give a value ≥ 1"),
         (["--mesh", "dp=2,tp=2"], "mesh dp=2,tp=2 has 4 devices but --nproc 2 starts 2 processes"),
         (["--sizes", "1M"], "--sizes 1M: fitting α and the bandwidth needs at least two distinct sizes"),
         (["--sizes", "64K,lots"], "--sizes 64K,lots: cannot read 'lots' as a message size"),

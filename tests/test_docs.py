@@ -606,6 +606,9 @@ COMMANDS = {
         "installs torch into a scratch venv per version and runs the unit tier there (6 minutes a version); "
         "tests/test_torch_compat.py tests its parts"
     ),
+    "python3 tools/gpu_run.py --out gpu-run": RunBy(
+        "test_torch_compat.py", '"tools/gpu_run.py", "--out", str(tmp_path), "--device", "cpu"'
+    ),  # on the CPU, its first steps: the GPU run itself needs a GPU
     "make test-fast": RunBy("test_docs.py", "def test_make_test_fast_runs_the_unit_tier("),  # collecting only
     "make lint": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),
     "make typecheck": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),
@@ -636,6 +639,8 @@ COMMANDS = {
     "shardflow plan --model gpt --plan column_plan.toml --mesh tp=2 --layers 1 --strict": Run(),  # exit status 2
     # docs/lowering.md
     "shardflow calibrate --nproc 2 --sizes 64K,1M": Run(("--reps", "3", "--out", "calibration.json")),
+    # docs/simulator.md
+    "shardflow calibrate --nproc 1 --backend nccl": RunBy("test_calibration.py", '_cli("--nproc", "1")'),  # gloo here
     # docs/execution.md
     ".venv/bin/shardflow train --data 'books/**/*.txt' --vocab-size 4096": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --data my.txt --tokenizer char": Run(SHRINK_TRAIN),

@@ -132,7 +132,10 @@ def test_a_device_measured_by_size_prices_each_kernel_at_its_size():
         1e-6,
         matmul_by_size={torch.float32: curve},
         bandwidth_by_size=((2.0**20, 2e10), (2.0**26, 5e9)),
-        attention_flops={"forward": 4e10, "backward": 2e10},
+        attention_flops={
+            torch.float32: {"forward": ((1e9, 4e10),), "backward": ((1e8, 1e10), (1e9, 2e10))},
+            torch.bfloat16: {"forward": ((1e9, 1e11),)},
+        },
     )
     spec = dataclasses.replace(plain, device=d)
     assert spec.compute_seconds(10**6, 0, torch.float32) == pytest.approx(1e6 / 1e10 + 1e-6)
@@ -140,6 +143,14 @@ def test_a_device_measured_by_size_prices_each_kernel_at_its_size():
     assert spec.compute_seconds(0, 3 * 2**20, torch.float32) == pytest.approx(3 * 2**20 / 5e9 + 1e-6)  # no size
     assert spec.compute_seconds(10**9, 0, torch.float32, attention="backward") == pytest.approx(1e9 / 2e10 + 1e-6)
     assert spec.compute_seconds(10**9, 0, torch.float32, attention="forward") == pytest.approx(1e9 / 4e10 + 1e-6)
+    # a dtype's own measured attention; where it has none (bfloat16's backward here), float32's scaled by the
+    # matmul rates (no bfloat16 matmul curve: its rate falls back to float32's, so × 1)
+    assert spec.device.attention_rate(torch.bfloat16, False, 1e9) == 1e11
+    assert spec.device.attention_rate(torch.float16, False, 1e9) == 1e11  # float16 runs at bfloat16's
+    assert spec.device.attention_rate(torch.bfloat16, True, 1e9) == pytest.approx(2e10)
+    # by size: log-log between the sizes measured, the nearest end's outside them
+    assert spec.device.attention_rate(torch.float32, True, 10**8.5) == pytest.approx((1e10 * 2e10) ** 0.5)
+    assert spec.device.attention_rate(torch.float32, True, 1e12) == 2e10
     # the shipped specs have no curves: their roofline is unchanged by the size
     assert plain.compute_seconds(0, 2**20, torch.bfloat16, largest=2**10) == plain.compute_seconds(
         0, 2**20, torch.bfloat16
@@ -286,7 +297,8 @@ def test_this_reads_the_calibration_measured_here(tmp_path, recwarn):
     }
     assert (d.memory_bandwidth, d.launch_s, d.matmul_efficiency) == (compute.memory_bandwidth, compute.launch_s, 1.0)
     assert (spec.instr_overhead_s, spec.contention) == (compute.instr_overhead_s, compute.contention)
-    assert d.bandwidth_by_size == compute.bandwidth_by_size and d.attention_flops == compute.attention_flops
+    assert d.bandwidth_by_size == compute.bandwidth_by_size
+    assert d.attention_flops == {getattr(torch, k): v for k, v in compute.attention_flops.items()}
     assert d.matmul_by_size == {getattr(torch, k): v for k, v in compute.matmul_by_size.items()}
     # the figures predict the measured matmul: n = 512 float32 in about the seconds it took (within noise)
     assert spec.compute_seconds(2 * 512**3, 3 * 4 * 512**2, torch.float32) > 0

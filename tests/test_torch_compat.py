@@ -77,3 +77,27 @@ def test_compat_reads_pytests_closing_line():
         "deselected": 650,
         "error": 2,
     }
+
+
+def test_the_gpu_run_runs_its_steps_and_keeps_what_they_measured(tmp_path):
+    """tools/gpu_run.py, the prepared GPU run of issue #41, dry-run on the CPU (``--device cpu``) with its first
+    steps: each step's exit status and seconds in summary.json, its output in gpu_run.log, the calibration written
+    where the later steps read it; and what it reads off a training run's last lines and a test run's summary."""
+    import json
+    import subprocess
+
+    import gpu_run  # tools/gpu_run.py
+
+    argv = [sys.executable, "tools/gpu_run.py", "--out", str(tmp_path), "--device", "cpu", "--only", "env,calibrate"]
+    res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["device"] == "cpu" and list(summary["steps"]) == ["env", "calibrate"]
+    assert all(s["rc"] == 0 and s["seconds"] > 0 for s in summary["steps"].values())
+    log = (tmp_path / "gpu_run.log").read_text()
+    assert f"torch {torch.__version__}" in log and "===== calibrate: exit 0" in log
+    assert (tmp_path / "cal" / "calibration-gloo.json").is_file()
+    train = "done: ...\nstep time: predicted 82.9 ms, measured 71.61 ms (median of 28 steps, data loading apart): +16%"
+    assert gpu_run.read_off("train-bf16", train) == {"predicted_ms": 82.9, "measured_ms": 71.61, "error": 0.1577}
+    tests = "....F\n1 failed, 24 passed, 3 skipped in 43.56s\nwarnings"
+    assert gpu_run.read_off("cuda-tests", tests) == {"failed": 1, "passed": 24, "skipped": 3}

@@ -34,6 +34,9 @@ BACKENDS = ("gloo", "nccl")
 # The kinds of call the cost model prices: ``p2p`` = one collective-permute step (send and recv at once, the ring's
 # step), the others the collectives of the same names.
 # A communication kind's is its entry's ``priced_as`` (:class:`~shardflow.parallel.collectives.CommSpec`).
+PASSES = ("forward", "backward")  # the passes of an attention whose FLOP/s are measured (ComputeCost.attention_flops)
+# The forward FLOPs of the one attention a file of before the measurements by size timed: (8, 8, 128, 64), causal
+LEGACY_ATTENTION_FLOPS = 4 * 8 * 8 * 128 * 128 * 64
 COST_KINDS = ("p2p", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
 
 
@@ -74,9 +77,11 @@ class ComputeCost:
     Optional (a file written before them has none; the simulator then prices every size at the figures above):
     ``matmul_by_size``: dtype name → ((FLOP per call, FLOP/s), ...), the rate of each square matmul measured, by
     its FLOPs, ascending. ``bandwidth_by_size``: ((bytes per tensor, bytes/s), ...) of the elementwise add at each
-    tensor size measured, ascending. ``attention_flops``: ``forward`` and ``backward`` → FLOP/s of a causal
-    attention's forward and backward (float32; FLOPs as :mod:`shardflow.graph.flops` counts the forward, the
-    backward 2.5 times it)."""
+    tensor size measured, ascending. ``attention_flops``: dtype name → ``forward`` and ``backward`` → ((FLOP per
+    call, FLOP/s), ...), ascending: a causal attention's forward and backward in that dtype by size (FLOPs as
+    :mod:`shardflow.graph.flops` counts the forward, the backward 2.5 times it); a file written before the dtypes
+    and sizes were measured apart holds one ``forward`` and one ``backward`` figure, read as float32's at
+    :data:`LEGACY_ATTENTION_FLOPS`."""
 
     matmul_flops: Mapping[str, float]
     memory_bandwidth: float
@@ -85,7 +90,7 @@ class ComputeCost:
     contention: float = 1.0
     matmul_by_size: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     bandwidth_by_size: tuple[tuple[float, float], ...] = ()
-    attention_flops: Mapping[str, float] = field(default_factory=dict)
+    attention_flops: Mapping[str, Mapping[str, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
 
     def to_doc(self) -> dict[str, Any]:
         """The file's ``compute`` section (units as the fields'; the optional ones where measured)."""
@@ -101,7 +106,10 @@ class ComputeCost:
         if self.bandwidth_by_size:
             doc["bandwidth_by_size"] = [list(p) for p in self.bandwidth_by_size]
         if self.attention_flops:
-            doc["attention_flops"] = dict(self.attention_flops)
+            doc["attention_flops"] = {
+                name: {p: [list(x) for x in curve] for p, curve in rates.items()}
+                for name, rates in self.attention_flops.items()
+            }
         return doc
 
     @classmethod
@@ -129,8 +137,15 @@ class ComputeCost:
         for name in by_size:
             _dtype_name("compute.matmul_by_size", name)
         attention = doc.get("attention_flops", {})
-        if not isinstance(attention, dict) or set(attention) - {"forward", "backward"}:
-            raise ValueError("'compute.attention_flops' must be an object of forward, backward → FLOP/s")
+        if isinstance(attention, dict) and attention and set(attention) <= set(PASSES):  # one float32 figure each
+            attention = {"float32": {p: [[LEGACY_ATTENTION_FLOPS, v]] for p, v in attention.items()}}
+        need = "'compute.attention_flops' must be an object of dtype name → forward, backward → [[FLOP, FLOP/s], ...]"
+        if not isinstance(attention, dict):
+            raise ValueError(need)
+        for name, rates in attention.items():
+            _dtype_name("compute.attention_flops", name)
+            if not isinstance(rates, dict) or set(rates) - set(PASSES):
+                raise ValueError(need)
         return cls(
             {k: float(v) for k, v in flops.items()},
             _number("compute.memory_bandwidth", doc["memory_bandwidth"], positive=True),
@@ -139,7 +154,10 @@ class ComputeCost:
             _number("compute.contention", doc["contention"], positive=True),
             {k: _curve(f"compute.matmul_by_size.{k}", v) for k, v in by_size.items()},
             _curve("compute.bandwidth_by_size", doc.get("bandwidth_by_size", [])),
-            {k: _number(f"compute.attention_flops.{k}", v, positive=True) for k, v in attention.items()},
+            {
+                name: {p: _curve(f"compute.attention_flops.{name}.{p}", v) for p, v in rates.items()}
+                for name, rates in attention.items()
+            },
         )
 
 

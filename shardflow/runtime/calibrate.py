@@ -15,8 +15,8 @@ Then the computation, in every rank at once so that the contention of the ranks 
 figures (:func:`measure_compute`, the file's ``compute`` section: :class:`~shardflow.lower.calibration.ComputeCost`):
 square matmuls per dtype of :data:`MATMUL_DTYPES` (128, 256, ... while the next size's call would stay under
 :data:`MATMUL_BUDGET_S`; each size's rate kept), an elementwise add of :data:`ADD_BYTES` per tensor (memory
-bandwidth) and at each tensor size of :data:`BANDWIDTH_SIZES`, a causal attention's forward and backward
-(:data:`ATTENTION_SHAPE`), a one-element add (the per-kernel launch floor), a training step of a tiny 8-layer
+bandwidth) and at each tensor size of :data:`BANDWIDTH_SIZES`, a causal attention's forward and backward per dtype
+by sequence length (:data:`ATTENTION_SEQS`), a one-element add (the per-kernel launch floor), a training step of a tiny 8-layer
 network on the local executor (the host seconds per instruction) and, on the CPU, matmuls while a gloo all-reduce
 runs (the contention of compute and communication). The matmuls, the adds by size and the attention run as a
 step's kernels do: each call on the next of a pool of operands larger than a core's cache (:data:`POOL_BYTES`;
@@ -37,7 +37,16 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph.ops import TensorType
-from shardflow.lower.calibration import COST_KINDS, WORLD, Calibration, ComputeCost, KindCost, fit, this_machine
+from shardflow.lower.calibration import (
+    COST_KINDS,
+    PASSES,
+    WORLD,
+    Calibration,
+    ComputeCost,
+    KindCost,
+    fit,
+    this_machine,
+)
 from shardflow.lower.comm_lowering import ring_peers
 from shardflow.lower.dynamic import TaskType
 from shardflow.lower.program import Buffer, Comm
@@ -110,10 +119,14 @@ def measure(
     is left out of the calibration, with a line saying so — the cost model keeps its default for it. ``timeout``:
     the run's (``--timeout``), which the mesh's axis groups are made with (:func:`~shardflow.runtime.distributed.mesh_groups`).
     ``compute``: then measure the computation of every rank at once (:func:`measure_compute`, the slowest rank's
-    figures), the calibration's ``compute``; False leaves it None."""
+    figures), the calibration's ``compute``; False leaves it None. One process (``world`` 1) times no
+    communication: its calibration has no groups, the computation alone."""
     import torch.distributed as dist
 
-    if mesh is None:
+    groups: list[tuple[str, tuple[int, ...], dist.ProcessGroup | None]]
+    if world == 1:
+        groups = []  # one process: nothing to communicate with, the computation alone
+    elif mesh is None:
         groups = [(WORLD, tuple(range(world)), None)]
     else:
         from shardflow.runtime.distributed import mesh_groups
@@ -148,8 +161,9 @@ def measure(
     if compute:
         dist.barrier()
         t0 = time.perf_counter()
-        computed = measure_compute(device, functools.partial(slowest_rank, device), _contender(device), dist.barrier)
-        say(f"  compute measured on {world} ranks at once in {time.perf_counter() - t0:.1f} s")
+        contend = _contender(device) if world > 1 else None
+        computed = measure_compute(device, functools.partial(slowest_rank, device), contend, dist.barrier)
+        say(f"  compute measured on {world} rank{'s' * (world > 1)} at once in {time.perf_counter() - t0:.1f} s")
     if rank != 0:
         return None
     samples: dict[tuple[str, str], list[tuple[int, float]]] = {}
@@ -173,7 +187,10 @@ def measure(
 
 
 def table(cal: Calibration) -> str:
-    """The fitted numbers: one row per group and kind, α in µs and the bandwidth in GB/s."""
+    """The fitted numbers: one row per group and kind, α in µs and the bandwidth in GB/s (a line saying so where
+    nothing was timed: one process)."""
+    if not cal.groups:
+        return f"no communication timed ({cal.world_size} process): the cost model keeps its {cal.backend} defaults"
     rows = [f"{'group':<8} {'kind':<15} {'alpha (us)':>10} {'bandwidth (GB/s)':>17}"]
     rows += [
         f"{g:<8} {k:<15} {c.alpha_s * 1e6:>10.1f} {c.bandwidth / 1e9:>17.3f}"
@@ -189,7 +206,8 @@ MATMUL_BUDGET_S = 0.05  # the next size is tried only while its call would take 
 ADD_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # bytes of each tensor of the bandwidth's add (above L2)
 BANDWIDTH_SIZES = (2**18, 2**20, 2**22, 2**24, 2**26)  # bytes per tensor of the adds by size: 256 KiB ... 64 MiB
 POOL_BYTES = 64 * 2**20  # operands one size's calls cycle through: more than a core's cache holds
-ATTENTION_SHAPE = (8, 8, 128, 64)  # batch, heads, sequence, head dim of the causal attention timed (float32)
+ATTENTION_HEADS = (8, 8, 64)  # batch, heads, head dim of the causal attention timed (each dtype)
+ATTENTION_SEQS = (128, 512, 2048, 8192)  # its sequence lengths tried in turn
 # The calls of one timed run of the measurements by size, the launch floor and the tiny step: as many as take about
 # this long (at least one), several of the scheduler's time slices, so that where the ranks outnumber the cores
 # (4 gloo ranks on 2) each run sees its rank's share of a core, not a slice it happened to have alone.
@@ -312,8 +330,8 @@ def measure_compute(
     Measures: per dtype of :data:`MATMUL_DTYPES`, ``n×n @ n×n`` (2·n³ FLOP) for n of :data:`MATMUL_SIZES` while the
     next call would stay under :data:`MATMUL_BUDGET_S`, each size's FLOP/s (``matmul_by_size``) and the best
     (``matmul_flops``); ``a + b`` at each tensor size of :data:`BANDWIDTH_SIZES` (``bandwidth_by_size``: 3× the size
-    moved per call); a causal attention of :data:`ATTENTION_SHAPE`, its forward and, apart, its backward
-    (``attention_flops``); these on operand sets cycled through (:func:`_pool`, :func:`_cycled`: not in cache),
+    moved per call); per dtype of :data:`MATMUL_DTYPES`, a causal attention's forward and, apart, its backward by
+    sequence length (``attention_flops``, :func:`_attention`); these on operand sets cycled through (:func:`_pool`, :func:`_cycled`: not in cache),
     into fresh outputs, as a step's kernels run. ``out = a + b`` of :data:`ADD_BYTES` float32 bytes per tensor
     (``memory_bandwidth``); one-element adds (seconds per call: the launch floor) and steps of :func:`tiny_step`
     (seconds per instruction, less a launch floor per compute instruction: the host overhead), each in runs of
@@ -343,38 +361,9 @@ def measure_compute(
         (s,) = agree([_cycled(torch.add, sets, device, sync=sync)])
         bandwidth.append((float(size), 3 * size / s))
         del sets
-    shape = ATTENTION_SHAPE
-    sets = _pool(
-        lambda: tuple(torch.randn(shape, generator=gen).to(device).requires_grad_() for _ in "qkv"),
-        12 * math.prod(shape),
-    )
-    dy = torch.ones(shape, device=device)
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def backward(pool: list[tuple]) -> float:
-        """Seconds per backward of one forward per operand set of ``pool``, the forwards untimed."""
-        outs = [attend(*qkv) for qkv in pool]
-        if sync is not None:
-            sync()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for o, qkv in zip(outs, pool):
-            torch.autograd.grad(o, qkv, dy)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) / len(pool)
-
-    with torch.no_grad():
-        forward_s = _cycled(attend, sets, device, sync=sync)
-    forward_s, backward_s = agree(
-        [forward_s, statistics.median([backward(sets) for _ in range(1 + CYCLED_ROUNDS)][1:])]
-    )
-    del sets
-    attention = 4.0 * math.prod(shape) * shape[2]  # a forward's FLOPs: 2·B·H·T·S·(D + Dv), causal not halved
-    attention_flops = {"forward": attention / forward_s, "backward": 2.5 * attention / backward_s}
+    attention_flops = {
+        str(dtype).removeprefix("torch."): _attention(device, dtype, gen, agree, sync) for dtype in MATMUL_DTYPES
+    }
     n = ADD_BYTES.get(device.type, ADD_BYTES["cuda"]) // 4
     x, y, z = (torch.ones(n, device=device) for _ in range(3))
     add_s = _timed(lambda: torch.add(x, y, out=z), device)
@@ -410,15 +399,79 @@ def measure_compute(
     )
 
 
+def _attention(
+    device: torch.device,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    agree: Callable[[list[float]], list[float]],
+    sync: Callable[[], object] | None,
+) -> dict[str, tuple[tuple[float, float], ...]]:
+    """``forward`` and ``backward`` → ((FLOP per call, FLOP/s), ...) of a causal attention in ``dtype`` of
+    :data:`ATTENTION_HEADS` (batch, heads, head dim) at each sequence length of :data:`ATTENTION_SEQS` while the
+    next length's calls (16× the FLOPs) would stay under :data:`MATMUL_BUDGET_S`: the forward timed as
+    :func:`_cycled`, the backward the median of :data:`CYCLED_ROUNDS` timed backwards of one forward per operand
+    set (after an untimed one), the slowest rank's (``agree``: every rank takes the same lengths). FLOPs as MFU
+    counts them: the forward 2·B·H·T·S·(D + Dv) (causal not halved), the backward 2.5 times it."""
+    batch, heads, dim = ATTENTION_HEADS
+    curves: dict[str, list[tuple[float, float]]] = {p: [] for p in PASSES}
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    for seq in ATTENTION_SEQS:
+        shape = (batch, heads, seq, dim)
+        sets = _pool(
+            lambda: tuple(torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in "qkv"),
+            3 * dtype.itemsize * math.prod(shape),
+        )
+        dy = torch.ones(shape, device=device, dtype=dtype)
+        with torch.no_grad():
+            forward_s = _cycled(attend, sets, device, sync=sync)
+        backwards = [_backward(attend, sets, dy, device, sync) for _ in range(1 + CYCLED_ROUNDS)]
+        forward_s, backward_s = agree([forward_s, statistics.median(backwards[1:])])
+        del sets, dy
+        flops = 4.0 * math.prod(shape) * seq
+        curves["forward"].append((flops, flops / forward_s))
+        curves["backward"].append((2.5 * flops, 2.5 * flops / backward_s))
+        if 16 * max(forward_s, backward_s) > MATMUL_BUDGET_S:
+            break
+    return {p: tuple(c) for p, c in curves.items()}
+
+
+def _backward(
+    attend: Callable[..., torch.Tensor],
+    sets: Sequence[tuple],
+    dy: torch.Tensor,
+    device: torch.device,
+    sync: Callable[[], object] | None,
+) -> float:
+    """Seconds per backward of ``attend`` (``dy`` its output's gradient), one forward per operand set of ``sets``,
+    the forwards untimed (``sync`` after them)."""
+    outs = [attend(*qkv) for qkv in sets]
+    if sync is not None:
+        sync()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for o, qkv in zip(outs, sets):
+        torch.autograd.grad(o, qkv, dy)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / len(sets)
+
+
 def describe_compute(c: ComputeCost) -> str:
     """The compute figures in one line: GFLOP/s per dtype, GB/s, µs."""
     flops = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in c.matmul_flops.items())
     sizes = ", ".join(f"{_size(b)} {r / 1e9:.1f}" for b, r in c.bandwidth_by_size)
-    attention = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in c.attention_flops.items())
+    attention = "; ".join(
+        f"{name} " + ", ".join(f"{k} {max(r for _, r in curve) / 1e9:.1f}" for k, curve in rates.items())
+        for name, rates in c.attention_flops.items()
+    )
     return (
         f"compute: matmul GFLOP/s {flops}; memory {c.memory_bandwidth / 1e9:.1f} GB/s"
         + (f" (by tensor size: {sizes})" if sizes else "")
-        + (f"; attention GFLOP/s {attention}" if attention else "")
+        + (f"; attention GFLOP/s at best {attention}" if attention else "")
         + f"; launch {c.launch_s * 1e6:.2f} us; executor {c.instr_overhead_s * 1e6:.2f} us per instruction; "
         f"contention {c.contention:.2f}x"
     )

@@ -23,12 +23,14 @@ import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 import torch
 
 from shardflow.lower.calibration import BACKENDS, COST_KINDS, ComputeCost, KindCost, calibration_path
 from shardflow.lower.cost import CostModel
+
+V = TypeVar("V")
 
 # The dtypes a spec may give a peak for, by the names a TOML file uses (torch's).
 DTYPES: Mapping[str, torch.dtype] = {
@@ -105,8 +107,8 @@ class Device:
     Measured by ``shardflow calibrate`` (``this``; a TOML spec has none): ``matmul_by_size``: per dtype,
     ((FLOP per call, FLOP/s), ...) ascending, the rates square matmuls reached by size (:meth:`matmul_rate`);
     ``bandwidth_by_size``: ((bytes per tensor, bytes/s), ...) ascending, an elementwise add's by tensor size
-    (:meth:`bandwidth`); ``attention_flops``: ``forward`` and ``backward`` FLOP/s of a causal attention in float32
-    (:meth:`attention_rate`)."""
+    (:meth:`bandwidth`); ``attention_flops``: per dtype, ``forward`` and ``backward`` → ((FLOP per call, FLOP/s),
+    ...) ascending, the rates a causal attention reached by size (:meth:`attention_rate`)."""
 
     name: str
     peak_flops: Mapping[torch.dtype, float]
@@ -116,7 +118,9 @@ class Device:
     launch_s: float
     matmul_by_size: Mapping[torch.dtype, tuple[tuple[float, float], ...]] = dataclasses.field(default_factory=dict)
     bandwidth_by_size: tuple[tuple[float, float], ...] = ()
-    attention_flops: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    attention_flops: Mapping[torch.dtype, Mapping[str, tuple[tuple[float, float], ...]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     def peak_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype whose peak a matmul in ``dtype`` runs at: its own where the spec gives one, else the first of
@@ -143,13 +147,19 @@ class Device:
         return interpolate(self.bandwidth_by_size, largest)
 
     def attention_rate(self, dtype: torch.dtype, backward: bool, flops: float) -> float:
-        """FLOP/s of an attention's forward (or ``backward``) of ``flops`` FLOP in ``dtype``: the measured
-        ``attention_flops`` (float32's), scaled by how much faster the dtype's matmuls run than float32's; without
-        them the matmul's (:meth:`matmul_rate`)."""
-        rate = self.attention_flops.get("backward" if backward else "forward")
-        if rate is None:
+        """FLOP/s of an attention's forward (or ``backward``) of ``flops`` FLOP in ``dtype``: the ``attention_flops``
+        curve measured in that dtype, else in the first of :data:`FALLBACK` [``dtype``] measured (float16 ↔
+        bfloat16), at ``flops`` (interpolated as :meth:`matmul_rate`); where only float32's was, that scaled by how
+        much faster the dtype's matmuls run than float32's; without any, the matmul's (:meth:`matmul_rate`)."""
+        which = "backward" if backward else "forward"
+        kin = next((d for d in (dtype, *FALLBACK.get(dtype, ())) if d in self.attention_flops), None)
+        own = self.attention_flops[kin].get(which) if kin is not None else None
+        if own:
+            return interpolate(own, flops)
+        curve = self.attention_flops.get(torch.float32, {}).get(which)
+        if not curve:
             return self.matmul_rate(dtype, flops)
-        return rate * self.matmul_rate(dtype, flops) / self.matmul_rate(torch.float32, flops)
+        return interpolate(curve, flops) * self.matmul_rate(dtype, flops) / self.matmul_rate(torch.float32, flops)
 
 
 @dataclass(frozen=True)
@@ -311,14 +321,14 @@ class MachineSpec:
             flops = {**CPU_DEFAULTS.matmul_flops, **c.matmul_flops}  # float32 always there
             device = Device(
                 f"this ({backend}, {n} ranks)",
-                {DTYPES.get(k) or getattr(torch, k): v for k, v in flops.items()},
+                _by_dtype(flops),
                 1.0,
                 c.memory_bandwidth,
                 _host_memory() // n,
                 c.launch_s,
-                {DTYPES.get(k) or getattr(torch, k): v for k, v in c.matmul_by_size.items()},
+                _by_dtype(c.matmul_by_size),
                 c.bandwidth_by_size,
-                dict(c.attention_flops),
+                _by_dtype(c.attention_flops),
             )
             instr_s, contention = c.instr_overhead_s, c.contention
         if backend == "nccl" and torch.cuda.is_available():
@@ -327,6 +337,11 @@ class MachineSpec:
             "" if compute else "; compute: documented defaults (docs/simulator.md#this)"
         )
         return cls(THIS, source, device, n, link, link, True, instr_s, contention, backend)
+
+
+def _by_dtype(by_name: Mapping[str, V]) -> dict[torch.dtype, V]:
+    """``by_name`` (a calibration's, keyed by dtype names: ``float32``, ``bfloat16``) keyed by the dtypes."""
+    return {DTYPES.get(k) or getattr(torch, k): v for k, v in by_name.items()}
 
 
 def interpolate(curve: Sequence[tuple[float, float]], x: float) -> float:

@@ -109,7 +109,7 @@ def train(cfg: TrainConfig, rank: int, world: int, s: Setup | None = None) -> in
     else:
         weights, state = s.initial_weights(), None
         ex.load(weights)
-    check = Check(s, weights, state, start) if cfg.check else None
+    check = Check(s, weights, state, start, device) if cfg.check else None
     saver = checkpoint.Saver(
         cfg.checkpoints,
         rank,

@@ -80,7 +80,7 @@ def open_metrics(path: Path, start: int) -> tuple[IO[str], int | None]:
 
 # --- the denominators: peak FLOP/s and memory of one device -----------------------------------------------------
 
-PEAK_MATMUL = 2048  # the largest side of the matmul timed to measure a device's peak
+PEAK_MATMUL = 8192  # the largest side of the matmul timed to measure a device's peak (a GPU's needs it)
 SMALLEST_MATMUL = 256  # the side it starts from
 PEAK_REPEATS = 3  # timed repeats after one warm-up; the best counts
 SLOW_MATMUL_S = 0.05  # a matmul that takes this long is large enough: the side stops growing
