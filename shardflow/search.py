@@ -9,7 +9,7 @@ two chunks per stage); activation checkpointing per block and gradient accumulat
 tried, in the order of :data:`FALLBACKS`, where a candidate does not fit without them, and then checkpointing of
 only the first K blocks (:func:`fewer_checkpointed`). Each candidate is planned, lowered and replayed on the
 machine spec (:meth:`~shardflow.pipeline.Pipeline.predict`) — a model of many repeated blocks on two copies cut
-down to 2 and 3 blocks per pipeline chunk, drawn as a line to its length (:data:`FOLD`,
+down to 3 and 4 blocks per pipeline chunk, drawn as a line to its length (:data:`FOLD`,
 :func:`~shardflow.simulator.estimate.extrapolate`), a pipeline of many microbatches composed from its programs for
 few (:func:`few_microbatches`; the choice is predicted whole); the one with the smallest predicted step time whose
 predicted peak fits the memory budget wins. Candidates are refused before any lowering where their degrees do not
@@ -77,8 +77,10 @@ FALLBACKS = (
 )
 MARGIN = 0.9  # the default memory budget: this share of the spec's device memory
 # folding: a model of more than FOLD blocks per pipeline chunk is predicted from copies cut down to FOLD - 1 and
-# FOLD blocks per chunk, drawn as a line to its whole length (docs/search.md#folding-repeated-blocks)
-FOLD = 3
+# FOLD blocks per chunk, drawn as a line to its whole length (docs/search.md#folding-repeated-blocks); not 2 and 3:
+# a copy of 2 blocks has no middle block, whose backward under fsdp holds the next block's gathered weights and
+# the last block's gradient bucket at once
+FOLD = 4
 # per-op placements whose predicted peak exceeds the budget: the program's memory is capped at these levels from the
 # uncapped answer's bytes to the fewest (Memory.level): the fewest first, then halving the gap between the levels
 # that fit and that do not (docs/search.md#per-op-placements)

@@ -96,7 +96,8 @@ def program_memory(
     """The peak of ``program``'s live buffers in a step after the first, replayed as the executors count them
     (:class:`Ledger`): its inputs (weights, optimizer state, the step's data and constants) and the values that
     outlive the step (written, never freed, replacing no other) are live from the start; each compute writes its
-    outputs, each communication its received piece; a :class:`~shardflow.lower.program.Free` releases. ``size``:
+    outputs (:attr:`~shardflow.lower.program.Compute.allocates`: an optimizer update's are its inputs' tensors,
+    updated in place), each communication its received piece; a :class:`~shardflow.lower.program.Free` releases. ``size``:
     the bytes of a buffer (default: its piece's); an estimate for other batch sizes passes its own. ``curve``: where
     given, receives the live bytes before each instruction and after the last (one more entry than instructions)."""
     size = size or (lambda b: b.type.nbytes)
@@ -114,7 +115,7 @@ def program_memory(
     for k, i in enumerate(program.instrs):
         ledger.now = k
         if isinstance(i, Compute):
-            for b in i.outs:
+            for b in i.allocates:
                 ledger.write(b.value, size(b))
         elif isinstance(i, Comm) and i.recv is not None:
             ledger.write(i.recv.value, size(i.recv))

@@ -156,6 +156,13 @@ class Compute:
     micro: int = 0
 
     @property
+    def allocates(self) -> tuple[Buffer, ...]:
+        """The outputs that take new memory: every output, except an optimizer update's, which the executors write
+        into its inputs' tensors (the weight and state shards, updated in place: :func:`~shardflow.runtime.kernels.
+        update_kernel`)."""
+        return () if isinstance(self.kernel, Update) else self.outs
+
+    @property
     def saved_as(self) -> tuple[str, int]:
         """The key of the autograd graph a forward records for its backward: (PCG node, microbatch)."""
         return self.node, self.micro

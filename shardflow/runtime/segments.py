@@ -80,8 +80,8 @@ def compile_segment(
     ``buffers`` (value id → this rank's piece), reading and writing them as the instructions say.
 
     ``kernel(compute)``: the kernel of one compute; ``group(updates)``: one kernel for consecutive updates (inputs
-    and outputs those of the updates, concatenated in order). ``ledger``: count every write and free of a buffer
-    there (bytes: the buffer's type); ``traced``: record each compute's start and end on the ``tracer`` argument
+    and outputs those of the updates, concatenated in order). ``ledger``: count every write of new memory
+    (:attr:`~shardflow.lower.program.Compute.allocates`) and every free of a buffer there (bytes: the buffer's type); ``traced``: record each compute's start and end on the ``tracer`` argument
     (:meth:`~shardflow.runtime.trace.Tracer.record`, of the group's first compute for a group of updates).
     """
     freed = {v for i in instrs if isinstance(i, Free) for v in i.values}
@@ -123,8 +123,8 @@ def compile_segment(
         for x in outs:
             if x.value not in freed:
                 lines.append(f"    b[{x.value!r}] = {local[x.value]}")
-            if account:
-                lines.append(f"    L.write({x.value!r}, {x.type.nbytes})")
+        if account:  # an update's outputs are its inputs' tensors: no new bytes
+            lines += [f"    L.write({x.value!r}, {x.type.nbytes})" for i in call for x in i.allocates]
         if traced:
             lines.append(f"    T.record(I{k}, t0, T.now())")
     lines.append("    return None")
