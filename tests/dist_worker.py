@@ -6,7 +6,8 @@ gradients, the global gradient norm (relative, against clip_grad_norm_'s) and we
 Usage (under shardflow's launcher or torchrun): python dist_worker.py OUT_DIR CASE [CASE ...]
 CASE = strategy[:cp_attention[:cp_layout]]@mesh@dtype[@all_gather_form@reduce_scatter_form], e.g. "tp@tp=2@float64",
 "sp@tp=2@float64@ring@ring", "cp:all_to_all@cp=2@float64" or "cp:ring:balanced@cp=2@float64". Special cases: "mismatch" (rank 1 plans another strategy),
-"die" (rank 1 kills itself in the middle of a step), "dropout" (tp with dropout against the one-device executor),
+"die" (rank 1 kills itself in the middle of a step), "memory" (fsdp: the executor's count of its buffers against
+the replay of its program), "dropout" (tp with dropout against the one-device executor),
 "dtensor" (the Trainer's parameters and gradients as DTensors: dp, tp, fsdp, pp on 2 ranks, pp,tp on 4),
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
 saved under one strategy, restored under others; a NaN in one rank's pieces), "comms" (every communication kind
@@ -50,7 +51,16 @@ def _captured(model, inputs, dtype, dropout):
 
 
 def executor(
-    strategy, mesh_text, dtype, rank, cfg, timeout_s=60.0, forms=("collective", "collective"), dropout=0.0, seed=0
+    strategy,
+    mesh_text,
+    dtype,
+    rank,
+    cfg,
+    timeout_s=60.0,
+    forms=("collective", "collective"),
+    dropout=0.0,
+    seed=0,
+    memory=False,
 ):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=4, n_embd=32, dropout=dropout)).to(dtype)
@@ -73,6 +83,7 @@ def executor(
         cfg,
         timeout_s=timeout_s,
         seed=seed,
+        memory=memory,
     )
     ex.load(weights_of(model, graph))
     return model, inputs, ex
@@ -110,6 +121,20 @@ def run_case(case, rank, stream=False):
     if stream:
         diffs["a step streamed no wait"] = float(len(streamed) != 3 or not all(streamed) or ex.waits.streamed != [])
     return diffs
+
+
+def run_memory(rank, world):
+    """fsdp over every rank: its all-gathers prefetched and its gradient buckets reduce-scattered without waiting.
+    The executor's count of its live buffers (``memory=True``) peaks where the replay of its program
+    (:func:`~shardflow.lower.memory.program_memory`) does: a receive is counted from its issue (its buffer is
+    allocated then), not from its wait; an update writes in place."""
+    from shardflow.lower.memory import program_memory
+
+    _, inputs, ex = executor("fsdp", f"fsdp={world}", torch.float64, rank, OptimizerConfig("adamw", 1e-3), memory=True)
+    for _ in range(2):
+        ex.step(inputs)
+    replayed = program_memory(ex.program, ex.dg).peak
+    return {"peak: executor - replay (bytes)": float(abs(ex.peak_bytes - replayed))}
 
 
 def run_dropout(rank, world):
@@ -500,6 +525,8 @@ def main():
             results[case] = run_groups(rank, world)
         elif case == "dropout":
             results[case] = run_dropout(rank, world)
+        elif case == "memory":  # the executor's count of its live buffers against the replay of its program
+            results[case] = run_memory(rank, world)
         elif case == "checkpoint":
             results[case] = run_checkpoint(rank, world, out)
         elif case == "dtensor":

@@ -50,6 +50,7 @@ def test_two_processes(tmp_path):
         "sp@tp=2@float64@broadcast_loop@collective",
         "tp@tp=2@bfloat16",
         "explicit",
+        "memory",
         "dropout",
         "checkpoint",
         "devices",

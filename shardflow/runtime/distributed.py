@@ -506,6 +506,8 @@ class DistributedExecutor(Executor):
                 out = issued.result()
             else:
                 c, out = item, self._communicate(item)
+                if out is None and c.recv is not None and ledger:  # issued now, waited for later: its buffer is
+                    ledger.write(c.recv.value, c.recv.type.nbytes)  # allocated now (the replay counts it so)
             if out is not None:
                 b[c.recv.value] = out
                 if ledger:
