@@ -95,7 +95,7 @@ def test_a_line_that_lands_between_whole_sizes_is_refused():
 
 def test_the_search_captures_each_depth_at_two_batch_sizes_only(monkeypatch):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32))
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=searching.FOLD + 1, n_head=4, n_embd=32))
     batch = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
     captured: list[tuple[int, int]] = []  # (blocks, sequences) of each capture
     drawn: list[int] = []
@@ -115,21 +115,24 @@ def test_the_search_captures_each_depth_at_two_batch_sizes_only(monkeypatch):
     result = searching.search_model(  # every candidate predicted, pipelines among them (no screening)
         model, batch, 4, LowerOptions(), OptimizerConfig(Optimizer.ADAMW), MachineSpec.named("h100"), screen=False
     )
-    # the folded copy (3 blocks) at two sizes; the other sizes are drawn, the pipelines' 4 blocks grown from it
-    assert [b for b, _ in captured] == [3, 3] and len({n for _, n in captured}) == 2, captured
+    # the folded copy (FOLD blocks) at two sizes; the other sizes are drawn, the pipelines' FOLD + 1 blocks grown
+    # from it
+    fold = searching.FOLD
+    assert [b for b, _ in captured] == [fold, fold] and len({n for _, n in captured}) == 2, captured
     assert drawn and not set(drawn) & {n for _, n in captured}, (drawn, captured)
     assert any(o.candidate.microbatches > 1 and o.prediction for o in result.outcomes)  # pipelines were predicted
     result.pipeline  # the plan the search returns: on the whole model's capture
-    assert [b for b, _ in captured] == [3, 3, 4], captured
+    assert [b for b, _ in captured] == [fold, fold, fold + 1], captured
 
 
 def test_blocks_that_differ_are_cut_from_the_whole_model_not_grown(monkeypatch):
-    """The last block's MLP twice as wide: the pipelines' copies are cut from the whole model's capture (4 blocks),
-    not grown from the folded one's 3 alike blocks, which would copy the narrow MLP."""
+    """The last block's MLP twice as wide: the pipelines' copies are cut from the whole model's capture (FOLD + 1
+    blocks), not grown from the folded one's FOLD alike blocks, which would copy the narrow MLP."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32))
-    model.transformer.h[3].mlp.c_fc = torch.nn.Linear(32, 256)
-    model.transformer.h[3].mlp.c_proj = torch.nn.Linear(256, 32)
+    fold = searching.FOLD
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=fold + 1, n_head=4, n_embd=32))
+    model.transformer.h[fold].mlp.c_fc = torch.nn.Linear(32, 256)
+    model.transformer.h[fold].mlp.c_proj = torch.nn.Linear(256, 32)
     batch = {"idx": torch.randint(0, 64, (64, 16)), "targets": torch.randint(0, 64, (64, 16))}
     captured: list[int] = []
     real_capture = searching.capture
@@ -144,4 +147,4 @@ def test_blocks_that_differ_are_cut_from_the_whole_model_not_grown(monkeypatch):
         placements=False,
         screen=False,  # every candidate predicted, pipelines among them
     )
-    assert sorted(set(captured)) == [3, 4], captured
+    assert sorted(set(captured)) == [fold, fold + 1], captured
