@@ -148,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             seconds = round(time.monotonic() - t0, 1)
             log.write(text + f"\n===== {name}: exit {rc} in {seconds} s\n")
             log.flush()
-            summary["steps"][name] = {"rc": rc, "seconds": seconds, **read_off(name, text)}
+            got = read_off(name, text)
+            summary["steps"][name] = {"rc": rc, "seconds": seconds, **got}
             ok = ok and rc == 0
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
-            print(f"{name}: exit {rc} in {seconds} s {read_off(name, text) or ''}", flush=True)
+            print(f"{name}: exit {rc} in {seconds} s {got or ''}", flush=True)
     summary["seconds"] = round(time.monotonic() - start, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0 if ok else 1
