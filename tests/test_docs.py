@@ -609,6 +609,9 @@ COMMANDS = {
     "python3 tools/gpu_run.py --out gpu-run": RunBy(
         "test_torch_compat.py", '"tools/gpu_run.py", "--out", str(tmp_path), "--device", "cpu"'
     ),  # on the CPU, its first steps: the GPU run itself needs a GPU
+    "python benchmarks/block_profile.py --device cuda --layers 8 --out profile.json": RunBy(
+        "test_torch_compat.py", '"env,calibrate,block-profile"'
+    ),  # as gpu_run's step, on the CPU with a small model
     "make test-fast": RunBy("test_docs.py", "def test_make_test_fast_runs_the_unit_tier("),  # collecting only
     "make lint": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),
     "make typecheck": RunBy("test_docs.py", "def test_make_lint_and_typecheck_pass("),

@@ -81,19 +81,30 @@ def test_compat_reads_pytests_closing_line():
 
 def test_the_gpu_run_runs_its_steps_and_keeps_what_they_measured(tmp_path):
     """tools/gpu_run.py, the prepared GPU run of issue #41, dry-run on the CPU (``--device cpu``) with its first
-    steps: each step's exit status and seconds in summary.json, its output in gpu_run.log, the calibration written
-    where the later steps read it; and what it reads off a training run's last lines and a test run's summary."""
+    steps and the block profile (benchmarks/block_profile.py, a small model on the CPU): each step's exit status and
+    seconds in summary.json, its output in gpu_run.log, the calibration written where the later steps read it, the
+    profile's kinds of instruction measured and predicted on both specs, its longest computes paired with their
+    predictions; and what it reads off a training run's last lines and a test run's summary."""
     import json
     import subprocess
 
     import gpu_run  # tools/gpu_run.py
 
-    argv = [sys.executable, "tools/gpu_run.py", "--out", str(tmp_path), "--device", "cpu", "--only", "env,calibrate"]
-    res = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    argv = [sys.executable, "tools/gpu_run.py", "--out", str(tmp_path), "--device", "cpu"]
+    res = subprocess.run(
+        [*argv, "--only", "env,calibrate,block-profile"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["device"] == "cpu" and list(summary["steps"]) == ["env", "calibrate"]
+    assert summary["device"] == "cpu" and list(summary["steps"]) == ["env", "calibrate", "block-profile"]
     assert all(s["rc"] == 0 and s["seconds"] > 0 for s in summary["steps"].values())
+    profile = json.loads((tmp_path / "block_profile.json").read_text())
+    assert summary["steps"]["block-profile"]["measured_ms"] == round(profile["measured_step_s"] * 1e3, 1)
+    kinds = {r["kind"]: r for r in profile["kinds"]}
+    assert {"linear", "attention", "elementwise", "update"} <= set(kinds)
+    assert kinds["linear"]["count"] == 30  # 2 blocks × 7 linears + the head, forward and backward
+    assert all(r["measured_s"] > 0 and r["this_s"] > 0 and r["h100_s"] > 0 for r in kinds.values())
+    assert len(profile["longest"]) == 10 and all(e["this"] and e["h100"] for e in profile["longest"])
     log = (tmp_path / "gpu_run.log").read_text()
     assert f"torch {torch.__version__}" in log and "===== calibrate: exit 0" in log
     assert (tmp_path / "cal" / "calibration-gloo.json").is_file()

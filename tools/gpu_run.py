@@ -18,7 +18,11 @@ root goes on ``PYTHONPATH``):
    (``MachineSpec.this``) beside the measured one;
 7. ``train-bf16``: a larger model (8 blocks × 1536, sequence 2048, batch 8) in bfloat16 on one device, 30 steps,
    predicted beside measured (a step the GPU's matmuls, not the executor, dominate);
-8. ``step-bench``: ``benchmarks/step.py --device DEV --no-write``: the local executor against eager PyTorch.
+8. ``step-bench``: ``benchmarks/step.py --device DEV --no-write``: the local executor against eager PyTorch;
+9. ``block-profile``: ``benchmarks/block_profile.py``: a Llama 3 8B-shaped step (2 of its blocks, its vocabulary,
+   sequence 8192, batch 2, bf16, selective checkpointing) on the device, per kind of instruction, measured against
+   predicted on that calibration and on the shipped ``h100`` spec (``DIR/block_profile.json``; on the CPU a small
+   model of the same kind).
 
 Every step's output goes to ``DIR/gpu_run.log``; ``DIR/summary.json`` holds each step's exit status, seconds and
 what was read off it (the predicted and measured step times, the tests' pass/skip counts). A step's limit is cut
@@ -41,13 +45,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "shardflow.cli"]
 BF16_MODEL = ["--layers", "8", "--embd", "1536", "--heads", "12", "--kv-heads", "4", "--seq-len", "2048"]
+SMALL_BLOCK = [
+    "--embd",
+    "256",
+    "--mlp",
+    "512",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab",
+    "1024",
+    "--seq-len",
+    "256",
+]
 PREDICTED = re.compile(r"step time: predicted ([\d.]+) ms, measured ([\d.]+) ms")
+PROFILED = re.compile(r"step: measured ([\d.]+) ms .*; predicted on this ([\d.]+) ms, on h100 ([\d.]+) ms")
 MIN_LEFT = 30  # seconds of the budget under which a step is not started
 PYTEST = re.compile(r"(\d+) (passed|failed|skipped|error)")
 
 
-def steps(device: str, tmp: Path) -> list[tuple[str, list[str], int]]:
-    """(name, argv, seconds allowed) of each step, in order."""
+def steps(device: str, tmp: Path, out: Path) -> list[tuple[str, list[str], int]]:
+    """(name, argv, seconds allowed) of each step, in order (``out``: where a step writes its own figures)."""
     train = [*CLI, "train", "--nproc", "1", "--device", device, "--eval-every", "1000"]
     backend = "nccl" if device == "cuda" else "gloo"
     return [
@@ -73,6 +92,19 @@ def steps(device: str, tmp: Path) -> list[tuple[str, list[str], int]]:
             300,
         ),
         ("step-bench", [sys.executable, "benchmarks/step.py", "--device", device, "--no-write", "--rounds", "5"], 300),
+        (
+            "block-profile",
+            [
+                sys.executable,
+                "benchmarks/block_profile.py",
+                "--device",
+                device,
+                "--out",
+                str(out / "block_profile.json"),
+            ]
+            + ([] if device == "cuda" else SMALL_BLOCK),
+            300,
+        ),
     ]
 
 
@@ -100,6 +132,8 @@ def read_off(name: str, text: str) -> dict:
     if m := PREDICTED.search(text):
         got["predicted_ms"], got["measured_ms"] = float(m[1]), float(m[2])
         got["error"] = round((got["predicted_ms"] - got["measured_ms"]) / got["measured_ms"], 4)
+    if m := PROFILED.search(text):
+        got["measured_ms"], got["this_ms"], got["h100_ms"] = float(m[1]), float(m[2]), float(m[3])
     if name == "cuda-tests":
         last = [line for line in text.splitlines() if PYTEST.search(line) and " in " in line][-1:]
         got.update({k: int(n) for n, k in PYTEST.findall(last[0] if last else "")})
@@ -127,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {"device": args.device, "steps": {}}
     ok = True
     with open(out / "gpu_run.log", "w") as log:
-        for name, cmd, limit in steps(args.device, tmp):
+        for name, cmd, limit in steps(args.device, tmp, out):
             if args.only and name not in args.only.split(","):
                 continue
             left = args.budget - (time.monotonic() - start)
