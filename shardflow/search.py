@@ -89,6 +89,9 @@ SHRINKS = 3
 # has shown, times this, is below the best step found — room for an error its family has not shown yet
 # (docs/search.md#screening)
 SLACK = 0.85
+# screening: a pipeline's variants (itself, its fallbacks) whose estimated peak times its family's least ratio is
+# over this many budgets are not predicted where a later one could fit (docs/search.md#screening)
+FAR = 2.0
 # what a per-op candidate's flags name its plan file: the one `shardflow plan --strategy auto --save-plan` writes
 PLAN_FILE = "PLAN.json"
 
@@ -534,6 +537,12 @@ def search(
             before = e
         return math.inf
 
+    def far_over(c: Candidate, peak: float) -> set[int]:
+        """The indices of ``c``'s variants (``c`` itself, then its :data:`FALLBACKS`) whose estimated peak times its
+        family's least peak ratio ``peak`` is over :data:`FAR` × the budget while a later one's could fit."""
+        scaled = [e.peak_bytes * peak for _, e in chains[c]]  # filled by promise()
+        return {i for i, x in enumerate(scaled) if x > FAR * budget and any(y <= budget for y in scaled[i + 1 :])}
+
     def record(o: Outcome) -> Outcome:
         outcomes.append(o)
         c = o.candidate
@@ -689,18 +698,20 @@ def search(
         if time_limit is not None and time.perf_counter() - t0 >= time_limit and any(o.fits for o in outcomes):
             unsearched = len(pending)
             break
-        # screened: those without a pipeline first (the cheaper to predict), then the least promise; while nothing
-        # fits, every candidate is tried, by its plain estimate where none could fit (docs/search.md#screening)
+        # screened: those that could fit by their estimates first, then those without a pipeline (the cheaper to
+        # predict), then the least promise; while nothing fits, every candidate is tried, by its plain estimate
+        # where none could fit (docs/search.md#screening)
         if screen:
             calibrated = {f: calibration(f) for f in {screen_family(x) for x in pending}}
             promises = [
-                (x.microbatches > 1, promise(x, *calibrated[screen_family(x)]), chains[x][0][1].step_seconds)
+                (math.isinf(hope := promise(x, *calibrated[screen_family(x)])), x.microbatches > 1, hope)
+                + (chains[x][0][1].step_seconds,)
                 for x in pending
             ]
             found = fastest_fit()
-            live = [i for i, p in enumerate(promises) if p[1] < found or found == math.inf]
+            live = [i for i, p in enumerate(promises) if p[2] < found or found == math.inf]
             if not live:
-                left = sorted(((x, p[1]) for x, p in zip(pending, promises)), key=lambda xp: xp[1])
+                left = sorted(((x, p[2]) for x, p in zip(pending, promises)), key=lambda xp: xp[1])
                 break
             c = pending.pop(min(live, key=promises.__getitem__))
         else:
@@ -709,14 +720,19 @@ def search(
         if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= fastest:
             record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {fastest * 1e3:.4g} ms"))
             continue
-        o = record(attempt(c))
+        # a pipeline's variants (itself, its fallbacks) whose estimated peaks are far over the budget are left out
+        # where a later one could fit (docs/search.md#screening): each of them is expensive to predict
+        far = far_over(c, calibration(screen_family(c))[1]) if screen and c.microbatches > 1 else set()
+        variants = [v for i, v in enumerate(((c.ac, 1), *FALLBACKS)) if i not in far]
+        ac, times = variants[0]
+        o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
         mine = [o]
         # where memory asks for it: recompute (a forward more), or accumulate (the weights' gathers and the update's
         # reduction once per micro-step), the fallbacks in that order until one fits
         # what the last candidate kept without checkpointing, or checkpointing selectively, peaked at: from it and
         # the same with every block recomputed, the first K blocks recomputed and the others as it has them
         kept: dict[ActivationCheckpointing, Outcome] = {}
-        for ac, times in FALLBACKS:
+        for ac, times in variants[1:]:
             # a fallback only adds work: none is tried for a candidate already slower than the best that fits; where
             # selective checkpointing fits, recomputing the first blocks whole and keeping the others' activations
             # may still be faster: every block recomputed is predicted too, for that line

@@ -189,7 +189,11 @@ def estimate(
     gathered; ep: the tokens gathered and their outputs reduce-scattered; pp: each microbatch's activations sent
     per chunk); a pipeline's bubble ((m + p − 1)/m, interleaved (m + (p − 1)/v)/m). Peak: the state (weights,
     gradients, optimizer slots and master weights in the reduce dtype, sharded as the weights are), the gathered
-    weights of two blocks under fsdp, and the activations of the microbatches in flight on the first stage (p under
+    weights of two blocks under fsdp (of the whole stage under a pipeline, twice with resharding after the forward
+    but under GPipe: its gathers are made once per step, docs/lowering.md#fsdp-under-a-pipeline), the gradients
+    summed over micro-steps or microbatches, whole over fsdp
+    (docs/lowering.md#12-gradient-accumulation-micro-steps-microstep),
+    and the activations of the microbatches in flight on the first stage (p under
     1F1B and interleaved, m under GPipe): all of a block's outputs, its matmuls' outputs under selective
     checkpointing, its input only under checkpointing per block, plus what one block recomputes while it does."""
     deg = dict(zip(mesh.axis_names, mesh.shape))
@@ -270,7 +274,17 @@ def estimate(
         core *= (m + (pp - 1) / v) / m if options.schedule == ScheduleKind.INTERLEAVED else (m + pp - 1) / m
 
     state = (dense / fsdp + experts / fsdp) * (1 + ratio * (1 + slots + (1 if precision else 0)))
-    gathered = 2 * (b.weight_bytes / tp) if fsdp > 1 else 0
+    if fsdp == 1:
+        gathered = 0.0
+    elif m > 1:  # a pipeline gathers once per step for every microbatch: the stage's weights, for the forwards and
+        # (resharded after them) again for the backwards, both live at once but under GPipe
+        both = options.reshard_after_forward and options.schedule != ScheduleKind.GPIPE
+        gathered = (2 if both else 1) * weights
+    else:
+        gathered = 2 * (b.weight_bytes / tp)  # two blocks' at a time
+    # the gradients summed over micro-steps and microbatches before their one reduction: whole over fsdp, beside the
+    # gradients the step reduces
+    sums = grads if m * a > 1 else 0.0
     in_flight = m if options.schedule == ScheduleKind.GPIPE else min(m, pp)
     full = (b.saved_bytes - b.stream_bytes) / shard + b.stream_bytes / whole
     held = {
@@ -286,5 +300,5 @@ def estimate(
     }[ac] / (m * a)
     acts = per_rank * held * in_flight + working
     head = r.saved_bytes / (shard * m * a)
-    peak = state + gathered + acts + head
+    peak = state + gathered + sums + acts + head
     return Estimate(core, int(math.ceil(peak)))
