@@ -68,7 +68,7 @@ INTEGRATION_TESTS = {  # file::test (all its parameters) in files otherwise unit
     "test_rule_validator.py::test_no_accepted_combination_is_wrong": "the validator's reduced sweep (12 s)",
     "test_rule_validator.py::test_rules_are_not_over_restrictive": "the validator's reduced sweep",
     "test_rule_validator.py::test_counts_add_up": "the validator's reduced sweep",
-    "test_torch_compat.py::test_the_gpu_run_runs_its_steps_and_keeps_what_they_measured": "tools/gpu_run.py (20 s)",
+    "test_torch_compat.py::test_the_gpu_run_runs_its_steps_and_keeps_what_they_measured": "tools/gpu_run.py: calibration and block profile (35 s)",
     "test_rule_validator.py::test_full_sweep": "the validator's full sweep (SHARDFLOW_LONG=1)",
 }
 
