@@ -5,8 +5,9 @@ a pipeline, data-parallel, fully-sharded, context-parallel and tensor-parallel a
 ``pp, dp, fsdp, cp, tp``: tensor parallelism innermost, on consecutive ranks of one node, a pipeline outermost; cp
 where the batch runs out of sequences, with each of its attention forms), tensor parallelism with and without
 sequence parallelism, and under a pipeline its microbatches (p, 2p, 4p) and schedule (1F1B, GPipe, interleaved over
-two chunks per stage); activation checkpointing per block and gradient accumulation (2 or 4 micro-steps) are
-tried, in the order of :data:`FALLBACKS`, where a candidate does not fit without them, and then checkpointing of
+two chunks per stage); activation checkpointing per block and gradient accumulation (2 or 4 micro-steps; not under a
+pipeline: :func:`fallbacks`) are tried, in the order of :data:`FALLBACKS`, where a candidate does not fit without
+them, and then checkpointing of
 only the first K blocks (:func:`fewer_checkpointed`). Each candidate is planned, lowered and replayed on the
 machine spec (:meth:`~shardflow.pipeline.Pipeline.predict`) — a model of many repeated blocks on two copies cut
 down to 3 and 4 blocks per pipeline chunk, drawn as a line to its length (:data:`FOLD`,
@@ -518,13 +519,13 @@ def search(
 
     def promise(c: Candidate, step: float, peak: float) -> float:
         """The least step (seconds) ``c`` could be predicted at, by the estimates of its chain of fallbacks
-        (:data:`FALLBACKS`) times its family's least ratios ``step`` and ``peak``: the first that could fit the
+        (:func:`fallbacks`) times its family's least ratios ``step`` and ``peak``: the first that could fit the
         budget, or checkpointing the fewest blocks that could fit between the one before and it
         (:func:`fewer_checkpointed`); inf where none could fit."""
         if c not in chains:
             chains[c] = tuple(
                 (ac, estimated(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
-                for ac, times in ((c.ac, 1), *FALLBACKS)
+                for ac, times in ((c.ac, 1), *fallbacks(c))
             )
         before = None
         for ac, e in chains[c]:
@@ -538,7 +539,7 @@ def search(
         return math.inf
 
     def far_over(c: Candidate, peak: float) -> set[int]:
-        """The indices of ``c``'s variants (``c`` itself, then its :data:`FALLBACKS`) whose estimated peak times its
+        """The indices of ``c``'s variants (``c`` itself, then its :func:`fallbacks`) whose estimated peak times its
         family's least peak ratio ``peak`` is over :data:`FAR` × the budget while a later one's could fit."""
         scaled = [e.peak_bytes * peak for _, e in chains[c]]  # filled by promise()
         return {i for i, x in enumerate(scaled) if x > FAR * budget and any(y <= budget for y in scaled[i + 1 :])}
@@ -723,7 +724,7 @@ def search(
         # a pipeline's variants (itself, its fallbacks) whose estimated peaks are far over the budget are left out
         # where a later one could fit (docs/search.md#screening): each of them is expensive to predict
         far = far_over(c, calibration(screen_family(c))[1]) if screen and c.microbatches > 1 else set()
-        variants = [v for i, v in enumerate(((c.ac, 1), *FALLBACKS)) if i not in far]
+        variants = [v for i, v in enumerate(((c.ac, 1), *fallbacks(c))) if i not in far]
         ac, times = variants[0]
         o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
         mine = [o]
@@ -773,6 +774,16 @@ def search(
     best = min(fitting, key=_best)
     seconds = time.perf_counter() - t0
     return SearchResult(best, tuple(outcomes), budget, spec, seconds, plan, unsearched, tuple(left))
+
+
+def fallbacks(c: Candidate) -> tuple[tuple[ActivationCheckpointing, int], ...]:
+    """What candidate ``c`` tries where it does not fit as planned, in order: :data:`FALLBACKS`, without accumulation
+    under a pipeline — its microbatches already split the batch, its siblings with more microbatches are candidates
+    of their own, and a pipeline that accumulates is predicted whole, not composed from few microbatches
+    (:func:`few_microbatches`): minutes on hundreds of devices (docs/search.md#the-search-space)."""
+    if c.microbatches > 1:
+        return tuple(f for f in FALLBACKS if f[1] == 1)
+    return FALLBACKS
 
 
 def screen_family(c: Candidate) -> tuple:
