@@ -141,7 +141,9 @@ def section(rows: list[dict], seq_len: int, rounds: int, seconds: float) -> str:
         + " — the step waits on the slowest rank at the next collective. The contiguous layout's first rank skips "
         "every key block above the causal diagonal (none of its keys is hidden from the others'), so its spread is "
         "the causal mask's; the balanced layout cuts each rank's queries into one early and one late chunk, each "
-        "attended by the fused kernel on its own.",
+        "attended by the fused kernel on its own, the keys before a chunk in pieces of two chunks, so that every rank "
+        "makes cp + 2 calls (docs/concepts.md#the-load-balanced-layout; with one call for all the keys before a "
+        "chunk, rank 0 made one fewer and the all-gather form's spread was 1.07–1.08).",
         "",
     ]
     return "\n".join(lines)
