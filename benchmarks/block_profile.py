@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from simulator import op_kind, predicted_by_kind  # noqa: E402
+from simulator import predicted_by_kind, traced_by_kind  # noqa: E402
 
 from shardflow.capture import at_dtype, capture  # noqa: E402
 from shardflow.parallel.mesh import Mesh  # noqa: E402
@@ -55,13 +55,6 @@ from shardflow.train.recipe import build_model  # noqa: E402
 TIMEOUT_S = 600.0
 
 
-def now(device: torch.device) -> float:
-    """Seconds, once the device's queued work has finished."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def eager_step_s(module: torch.nn.Module, inputs: dict, device: torch.device, steps: int) -> float:
     """Median seconds of eager PyTorch's step of ``module`` (parameters on meta, given random values on ``device``
     here; its buffers real) on ``device``: forward, the loss, backward, AdamW (``foreach``)."""
@@ -72,27 +65,16 @@ def eager_step_s(module: torch.nn.Module, inputs: dict, device: torch.device, st
     for p in module.parameters():
         torch.nn.init.normal_(p, std=0.02)
     opt = torch.optim.AdamW(module.parameters(), lr=1e-5, foreach=True)
+    now = trace.Tracer(0, device).now  # seconds, once the device's queued work has finished
     inputs = {k: v.to(device) for k, v in inputs.items()}
     times = []
     for _ in range(steps + 1):
-        t0 = now(device)
+        t0 = now()
         module(**inputs).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(now(device) - t0)
+        times.append(now() - t0)
     return statistics.median(times[1:])
-
-
-def traced_by_kind(events: list[dict]) -> dict[str, list[float]]:
-    """The traced step's compute events summed by kind: kind → [count, seconds]."""
-    out: dict[str, list[float]] = {}
-    for e in events:
-        if e["tid"] == trace.LANES["compute"]:
-            task, _, op = e["name"].partition(" ")
-            acc = out.setdefault(op_kind(op, task == "UPD"), [0, 0.0])
-            acc[0] += 1
-            acc[1] += e["dur"] / 1e6
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,16 +136,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     built_s = time.perf_counter() - t0
     print(f"built in {built_s:.1f} s: {len(lowered[pipe.micro_steps[-1]].programs[0].instrs)} instructions", flush=True)
+    now = trace.Tracer(0, device).now  # seconds, once the device's queued work has finished
     times = []
     for _ in range(args.steps + 1):
-        t0 = now(device)
+        t0 = now()
         micro.step(batch)
-        times.append(now(device) - t0)
+        times.append(now() - t0)
     measured_s = statistics.median(times[1:])
     ex.tracer = trace.Tracer(0, device)
-    t0 = now(device)
+    t0 = now()
     micro.step(batch)
-    traced_s = now(device) - t0
+    traced_s = now() - t0
     events = ex.tracer.events
     ex.tracer = None
     peak_alloc = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0

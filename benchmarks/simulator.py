@@ -246,7 +246,7 @@ def op_kind(op: str, update: bool) -> str:
 # --- the ranks ------------------------------------------------------------------------------------------------------
 
 
-def _by_kind(events: Sequence[dict]) -> dict[str, list[float]]:
+def traced_by_kind(events: Sequence[dict]) -> dict[str, list[float]]:
     """A traced step's compute events (the tracer's, compute lane) summed by :func:`op_kind`: kind → [count, s]."""
     out: dict[str, list[float]] = {}
     for e in events:
@@ -262,7 +262,7 @@ def _by_kind(events: Sequence[dict]) -> dict[str, list[float]]:
 
 def _traced_step(executors: Sequence[Any], seconds: float) -> dict:
     """One traced step of ``executors`` (each run's tracer holding its events), ``seconds`` long on this rank: the
-    computes by kind (:func:`_by_kind`), the communication lane by kind (kind → [calls, s]) and as events
+    computes by kind (:func:`traced_by_kind`), the communication lane by kind (kind → [calls, s]) and as events
     (executor, token, kind, wait?, start µs, duration µs: wall clock), the time held by it."""
     events = [ev for e in executors for ev in e.tracer.events]
     comm_kinds: dict[str, list[float]] = {}
@@ -277,7 +277,7 @@ def _traced_step(executors: Sequence[Any], seconds: float) -> dict:
                 acc[1] += ev["dur"] / 1e6
                 comm_events.append((x, int(token), kind_of[token], what == "wait", ev["ts"], ev["dur"]))
     return {
-        "by_kind": _by_kind(events),
+        "by_kind": traced_by_kind(events),
         "comm_kinds": comm_kinds,
         "comm_events": comm_events,
         "blocked": sum(e["dur"] for e in events if e["tid"] == 1) / 1e6,

@@ -704,11 +704,10 @@ def search(
         # where none could fit (docs/search.md#screening)
         if screen:
             calibrated = {f: calibration(f) for f in {screen_family(x) for x in pending}}
-            promises = [
-                (math.isinf(hope := promise(x, *calibrated[screen_family(x)])), x.microbatches > 1, hope)
-                + (chains[x][0][1].step_seconds,)
-                for x in pending
-            ]
+            promises = []
+            for x in pending:
+                hope = promise(x, *calibrated[screen_family(x)])
+                promises.append((math.isinf(hope), x.microbatches > 1, hope, chains[x][0][1].step_seconds))
             found = fastest_fit()
             live = [i for i, p in enumerate(promises) if p[2] < found or found == math.inf]
             if not live:
