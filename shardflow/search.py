@@ -538,11 +538,34 @@ def search(
             before = e
         return math.inf
 
-    def far_over(c: Candidate, peak: float) -> set[int]:
-        """The indices of ``c``'s variants (``c`` itself, then its :func:`fallbacks`) whose estimated peak times its
-        family's least peak ratio ``peak`` is over :data:`FAR` × the budget while a later one's could fit."""
-        scaled = [e.peak_bytes * peak for _, e in chains[c]]  # filled by promise()
-        return {i for i, x in enumerate(scaled) if x > FAR * budget and any(y <= budget for y in scaled[i + 1 :])}
+    def needless(c: Candidate, peak: float) -> set[int]:
+        """The indices of ``c``'s variants (``c`` itself, then its :func:`fallbacks`) not predicted: those whose
+        estimated peak times its family's least peak ratio ``peak`` is over the budget — over :data:`FAR` budgets
+        under a pipeline — while a later one's could fit; but one anchor of the line to every block recomputed
+        (:func:`fewer_checkpointed`): of those before the first that could fit with its micro-steps, the one whose
+        line could reach the budget at the least step (docs/search.md#screening)."""
+        chain, variants = chains[c], ((c.ac, 1), *fallbacks(c))  # the chain: filled by promise()
+        scaled = [e.peak_bytes * peak for _, e in chain]
+        first = next((i for i, x in enumerate(scaled) if x <= budget), None)
+        if first is None:
+            return set()
+        limit = FAR * budget if c.microbatches > 1 else budget
+        skip = {i for i in range(first) if scaled[i] > limit}
+        times = variants[first][1]
+        every = next(
+            (j for j in range(first, len(chain)) if variants[j] == (ActivationCheckpointing.BLOCK, times)), None
+        )
+        if c.microbatches == 1 and every is not None:
+            fit = chain[every][1]
+            anchors = [i for i in skip if variants[i][1] == times and chain[i][1].peak_bytes > fit.peak_bytes]
+
+            def line(i: int) -> float:  # the anchor's line at the budget (:func:`promise`'s)
+                e = chain[i][1]
+                share = (e.peak_bytes - budget / peak) / (e.peak_bytes - fit.peak_bytes)
+                return e.step_seconds + (fit.step_seconds - e.step_seconds) * min(max(share, 0.0), 1.0)
+
+            skip -= set(sorted(anchors, key=line)[:1])
+        return skip
 
     def record(o: Outcome) -> Outcome:
         outcomes.append(o)
@@ -720,10 +743,10 @@ def search(
         if c.microbatches > 1 and (bound := pipeline_bound(c, outcomes)) >= fastest:
             record(Outcome(c, None, f"its bound {bound * 1e3:.4g} ms ≥ the best step found, {fastest * 1e3:.4g} ms"))
             continue
-        # a pipeline's variants (itself, its fallbacks) whose estimated peaks are far over the budget are left out
-        # where a later one could fit (docs/search.md#screening): each of them is expensive to predict
-        far = far_over(c, calibration(screen_family(c))[1]) if screen and c.microbatches > 1 else set()
-        variants = [v for i, v in enumerate(((c.ac, 1), *fallbacks(c))) if i not in far]
+        # variants (itself, its fallbacks) whose estimated peaks are over the budget are left out where a later one
+        # could fit, but for the anchor of the partial checkpointing line (docs/search.md#screening)
+        skip = needless(c, calibration(screen_family(c))[1]) if screen else set()
+        variants = [v for i, v in enumerate(((c.ac, 1), *fallbacks(c))) if i not in skip]
         ac, times = variants[0]
         o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
         mine = [o]
@@ -753,6 +776,9 @@ def search(
                         record(partial if fold and n_blocks > FOLD else fewest_exact(partial.candidate))
         if c.placements:  # per-op placements that do not fit: cap the program's memory, as far as it pays
             for start in [x for x in mine if x.prediction and not x.fits and x.candidate.accumulate == c.accumulate]:
+                # screened, not where its estimate (sequence parallelism's bytes: the fewest) could not fit either
+                if screen and estimated(start.candidate).peak_bytes * calibration(screen_family(c))[1] > budget:
+                    continue
                 for o in capped(start):
                     record(o)
     # a composed prediction does not win: the best is predicted again whole until a whole prediction is the best

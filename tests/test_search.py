@@ -4,6 +4,7 @@ preset it saw, and a saved plan that plans the same programs again."""
 
 from __future__ import annotations
 
+import collections
 import json
 
 import pytest
@@ -393,11 +394,14 @@ def test_plan_auto_screens_by_default_and_searches_all_on_request(capsys):
     assert (screened["mesh"], screened["flags"]) == (every["mesh"], every["flags"])
 
 
-def test_a_pipelines_variants_far_over_the_budget_are_not_replayed():
-    """Long sequences on a narrow model: a pipeline's activations are far over a small budget as planned and fit
-    recomputed. Screening leaves out a pipeline's variants (itself, its fallbacks) whose estimated peak is over FAR
-    budgets while a later one's could fit (docs/search.md#the-search-space): none of the pipelines replayed peaks at
-    2.5 budgets (before, the first one was replayed as planned: 3.1), and the choice fits."""
+def test_variants_that_cannot_fit_are_not_replayed():
+    """Long sequences on a narrow model: every candidate's activations are far over a small budget as planned and
+    fit only recomputed and accumulated. Screening leaves out a candidate's variants (itself, its fallbacks) whose
+    estimated peak is over the budget — over FAR budgets under a pipeline — while a later one's could fit, but for
+    the anchor of the line to every block recomputed (docs/search.md#screening): none of the pipelines replayed
+    peaks at 2.5 budgets (before, the first one was replayed as planned: 3.1), none of the others at 3 (before:
+    14, tp = 4 as planned), of each candidate one variant at most that does not recompute every block (the anchor),
+    and the choice fits."""
     torch.manual_seed(0)
     narrow = GPT(GPTConfig(vocab_size=64, block_size=256, n_layer=4, n_head=4, n_embd=64))
     batch = {"idx": torch.randint(0, 64, (32, 256)), "targets": torch.randint(0, 64, (32, 256))}
@@ -405,4 +409,9 @@ def test_a_pipelines_variants_far_over_the_budget_are_not_replayed():
     res = run(4, budget, model=narrow, batch=batch, placements=False)
     pipelines = [max(o.prediction.peak_bytes) for o in res.outcomes if o.prediction and o.candidate.microbatches > 1]
     assert pipelines and max(pipelines) <= 2.5 * budget
+    plain = [o.candidate for o in res.outcomes if o.prediction and o.candidate.microbatches == 1]
+    peaks = [max(o.prediction.peak_bytes) for o in res.outcomes if o.prediction and o.candidate.microbatches == 1]
+    assert plain and max(peaks) <= 3 * budget
+    anchors = collections.Counter((c.mesh, c.strategy) for c in plain if c.ac != "block")
+    assert max(anchors.values()) == 1  # before: 4 each (as planned, selective, accumulating 2 and 4)
     assert max(res.best.prediction.peak_bytes) <= budget

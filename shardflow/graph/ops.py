@@ -40,6 +40,11 @@ class TensorType:
 
     shape: Shape
     dtype: str = "float32"
+    # the size in bytes, once asked (-1: not yet): every buffer's bytes are asked for again and again
+    _nbytes: int = dataclasses.field(init=False, repr=False, compare=False, default=-1)
+
+    def __reduce__(self):
+        return TensorType, (self.shape, self.dtype)
 
     @property
     def ndim(self) -> int:
@@ -52,7 +57,9 @@ class TensorType:
     @property
     def nbytes(self) -> int:
         """Size in bytes."""
-        return self.numel * torch_dtype(self.dtype).itemsize
+        if self._nbytes < 0:
+            object.__setattr__(self, "_nbytes", self.numel * torch_dtype(self.dtype).itemsize)
+        return self._nbytes
 
 
 @functools.lru_cache(maxsize=None)  # asked for every buffer's bytes: a few names, hundreds of thousands of times

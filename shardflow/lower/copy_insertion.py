@@ -62,7 +62,7 @@ def copy_insertion(dg: DynamicGraph) -> DynamicGraph:
                 )
                 copies[key] = out
             ins.append(copies[key])
-        g.nodes.append(dataclasses.replace(n, inputs=tuple(ins)))
+        g.nodes.append(n if tuple(ins) == n.inputs else dataclasses.replace(n, inputs=tuple(ins)))
     out = dataclasses.replace(dg, values=g.values, nodes=tuple(g.nodes), done=dg.done + (PassName.COPY_INSERTION,))
     if bad := cross_submesh_reads(out):
         raise PassError(f"copy insertion left {bad[0][0]!r} reading {bad[0][1]!r} from another sub-mesh")

@@ -12,6 +12,7 @@ Words: **axis** is a mesh axis, **dim** a tensor dim.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -227,6 +228,13 @@ class Mesh:
         return ",".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
 
 
+@functools.lru_cache(maxsize=4096)
+def _answers(mesh: Mesh, fixed: tuple[tuple[str, int], ...]) -> tuple[dict[int, int | None], dict[int, int]]:
+    """The caches of :meth:`SubMesh.index` and :meth:`SubMesh.device_at` shared by the sub-meshes of ``mesh`` with
+    coordinates ``fixed`` and no machine view."""
+    return {}, {}
+
+
 @dataclass(frozen=True, slots=True)
 class SubMesh:
     """The devices of ``mesh`` whose coordinate on each axis in ``fixed`` equals the given index.
@@ -247,8 +255,10 @@ class SubMesh:
     _devices: dict[int, int] = field(init=False, repr=False, compare=False)  # device_at()'s answers so far
 
     def __post_init__(self):
-        object.__setattr__(self, "_positions", {})
-        object.__setattr__(self, "_devices", {})
+        # the answers are the mesh's and the fixed coordinates': shared by equal sub-meshes (each PCG makes its own)
+        positions, devices = _answers(self.mesh, self.fixed) if self.view is None else ({}, {})
+        object.__setattr__(self, "_positions", positions)
+        object.__setattr__(self, "_devices", devices)
         fixed = dict(self.fixed)
         object.__setattr__(self, "_free", tuple(a for a in self.mesh.axis_names if a not in fixed))
         object.__setattr__(self, "_free_shape", tuple(self.mesh.axis_size(a) for a in self._free))

@@ -31,6 +31,8 @@ class Sharding:
     partial: tuple[str, ...] = ()
     reduce_op: ReduceOp = ReduceOp.SUM
     _used: frozenset[str] = field(init=False, repr=False, compare=False)  # every axis in dims and partial
+    # the hash, once asked (0: not yet): shardings key the planner's and lowering's caches by the hundred thousand
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     @classmethod
     def replicated(cls, ndim: int) -> Sharding:
@@ -42,6 +44,14 @@ class Sharding:
         if len(used) != len(self._used):
             raise ShardingError(f"sharding {self}: a mesh axis is used twice ({used})")
         object.__setattr__(self, "reduce_op", ReduceOp.parse(self.reduce_op, "sharding", ShardingError))
+
+    def __hash__(self) -> int:
+        if not self._hash:
+            object.__setattr__(self, "_hash", hash((self.dims, self.partial, self.reduce_op)))
+        return self._hash
+
+    def __reduce__(self):  # pickled without the hash: a string's hash differs between processes
+        return Sharding, (self.dims, self.partial, self.reduce_op)
 
     @property
     def ndim(self) -> int:
