@@ -733,6 +733,12 @@ def search(
                 promises.append((math.isinf(hope), x.microbatches > 1, hope, chains[x][0][1].step_seconds))
             found = fastest_fit()
             live = [i for i, p in enumerate(promises) if p[2] < found or found == math.inf]
+            over = time_limit is not None and time.perf_counter() - t0 >= time_limit
+            if over and found == math.inf and all(p[0] for p in promises):
+                # past the limit with nothing fitting, none left could fit by its estimate: not tried
+                # (docs/search.md#a-time-limit)
+                unsearched = len(pending)
+                break
             if not live:
                 left = sorted(((x, p[2]) for x, p in zip(pending, promises)), key=lambda xp: xp[1])
                 break
@@ -793,7 +799,11 @@ def search(
         raise SearchError(
             f"--strategy auto: no plan of {world} devices fits the memory budget {_gib(budget)} per device "
             + (f"(the smallest peak: {least.candidate}, {least.refused}); " if least else "(none could be planned); ")
-            + (f"the time limit left {unsearched} candidates untried; " if unsearched else "")
+            + (
+                f"the time limit left {unsearched} candidates untried, none of which could fit by its estimate; "
+                if unsearched
+                else ""
+            )
             + "add devices, lower --batch-size, or raise --memory-budget"
         )
     best = min(fitting, key=_best)

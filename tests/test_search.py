@@ -364,6 +364,9 @@ def test_a_time_limit_answers_with_the_best_it_tried_once_one_fits(eight):
     assert not next(o for o in tight.outcomes if o.candidate == found.candidate).fits
     assert tight.best.fits and max(tight.best.prediction.peak_bytes) <= budget
     assert tight.best.candidate != found.candidate and 0 < tight.unsearched <= limited.unsearched
+    # past the limit with nothing fitting, it stops where no candidate left could fit by its estimate: none here
+    with pytest.raises(SearchError, match=f"left {len(order)} candidates untried, none of which could fit by its"):
+        search_model(MODEL, BATCH, 8, LowerOptions(), optimizer, SPEC, 1024, time_limit=0)
     with pytest.raises(ValueError, match="--search-seconds -1: give a finite number of seconds"):
         search_model(MODEL, BATCH, 8, LowerOptions(), optimizer, SPEC, time_limit=-1)
 
