@@ -289,6 +289,55 @@ def test_fsdp_on_hugging_face_mamba_shards_every_weight_and_moves_what_dp_moves(
     assert [r.node for r in pcg.redistributions] == [r.node for r in dp.redistributions] == ["log1p", "div"]
 
 
+def test_hsdp_reduce_scatters_travel_while_the_next_block_computes():
+    """The built-in GPT of 3 blocks under hsdp (dp=2 × fsdp=2, buckets, reshard): each block's reduce-scatter over
+    fsdp is waited for only after the next block's gradients are computed, and the all-reduce over dp of the pieces
+    it leaves is issued after that wait and before the next block's reduce-scatter (FSDP2's HSDP, whose
+    reduce-scatters run on their own stream; docs/lowering.md#11-gradient-buckets-and-overlap-with-the-backward).
+    Before, each all-reduce was issued right after its reduce-scatter, which the rank waited for at once."""
+    from shardflow.capture import capture
+    from shardflow.lower.program import Compute, Wait
+    from shardflow.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=3, n_head=2, n_embd=16))
+    idx = torch.randint(0, 11, (4, 8), generator=torch.Generator().manual_seed(1))
+    graph = capture(model, {"idx": idx, "targets": idx})
+    _, step = _lower(graph, "dp=2,fsdp=2", "dp,fsdp", True)
+    blocks = [f"transformer.h.{i}" for i in (2, 1, 0)]  # the backward's order
+    for rank, prog in step.programs.items():
+        instrs = list(prog.instrs)
+
+        def scatter(block: str) -> int:
+            return next(
+                k
+                for k, i in enumerate(instrs)
+                if isinstance(i, Comm) and str(i.kind) == "reduce_scatter" and f" grad:{block}." in i.note
+            )
+
+        def wait(k: int) -> int:
+            return next(j for j, i in enumerate(instrs) if isinstance(i, Wait) and i.token == instrs[k].token)
+
+        grads = {
+            b: [
+                k
+                for k, i in enumerate(instrs)
+                if isinstance(i, Compute)
+                and i.task == "BWD"
+                and i.op.startswith("vjp")
+                and any(x.value.startswith(f"grad:{b}.") for x in i.outs)
+            ]
+            for b in blocks
+        }
+        for block, nxt in zip(blocks, blocks[1:]):
+            waited = wait(scatter(block))
+            reduce = next(
+                k for k in range(waited, len(instrs)) if isinstance(instrs[k], Comm) and instrs[k].axis == "dp"
+            )
+            assert str(instrs[reduce].kind) == "all_reduce" and not instrs[reduce].wait, (rank, block)
+            assert scatter(block) < min(grads[nxt]) and max(grads[nxt]) < waited < reduce < scatter(nxt), (rank, block)
+
+
 def test_each_block_s_gradients_are_reduce_scattered_as_soon_as_its_backward_is_done():
     """The built-in GPT of 3 blocks at fsdp=2 (buckets, reshard): each block's reduce-scatter bucket is issued right
     after the last gradient it packs is computed — after that block's backward computes, before the next block's —

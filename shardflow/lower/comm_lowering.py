@@ -86,6 +86,14 @@ class Decisions:
     flat: Mapping[str, DNode] = dataclasses.field(default_factory=dict)
     rings: Mapping[str, AttentionRing] = dataclasses.field(default_factory=dict)
     overlap: bool = True
+    # HSDP: gradient bucket → the reduce-scatter bucket at whose step it is issued (the next of its sub-mesh, after
+    # the one whose pieces it all-reduces: that reduce-scatter travels while the next block's backward computes)
+    later: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+    @cached_property
+    def issued_at(self) -> dict[int, int]:
+        """Reduce-scatter bucket → the gradient bucket :attr:`later` issues at its step, before it."""
+        return {k: b for b, k in self.later.items()}
 
     @cached_property
     def ring_steps(self) -> frozenset[str]:
@@ -197,15 +205,25 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
     final = _final_gradients(dg)
     then = _then_all_reduced(dg, all_steps, final)
     gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final, then)
-    # the all-reduces of a scatter bucket's pieces: one bucket, issued right after it (FSDP2's HSDP)
-    pieces = tuple(
-        tuple(then[st.nodes[-1].outputs[0]] for st in b) for b in scatters if b[0].nodes[-1].outputs[0] in then
-    )
+    # the all-reduces of a scatter bucket's pieces: one bucket (FSDP2's HSDP), issued where the next scatter bucket of
+    # its sub-mesh is, before it: its reduce-scatter travels while the next block's backward computes, as FSDP2's
+    # reduce-scatter stream does (docs/lowering.md#11-gradient-buckets-and-overlap-with-the-backward)
+    reduced = [k for k, b in enumerate(scatters) if b[0].nodes[-1].outputs[0] in then]
+    pieces = tuple(tuple(then[st.nodes[-1].outputs[0]] for st in scatters[k]) for k in reduced)
     packed = {n.name for b in gathers for n in b} | {st.nodes[0].name for b in scatters for st in b}
     forms.update(dict.fromkeys(packed, CommForm.COLLECTIVE))  # a bucket is one collective
     fused = {k: v for k, v in fused.items() if k not in packed}
     buckets = _buckets(dg, all_steps, options.bucket_bytes, final, {n.name for b in pieces for n in b}, flat)
-    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat, rings, options.overlap)
+    at = {id(st): i for i, st in enumerate(all_steps)}
+    issued = sorted(range(len(scatters)), key=lambda m: at[id(scatters[m][-1])])  # in the order they are issued
+    later = {}
+    for j, k in enumerate(reduced):
+        group = scatters[k][0].nodes[0].group
+        after = issued[issued.index(k) + 1 :]
+        nxt = next((m for m in after if scatters[m][0].nodes[0].group == group), None)
+        if nxt is not None:
+            later[len(buckets) + j] = nxt
+    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat, rings, options.overlap, later)
 
 
 def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, AttentionRing]:
@@ -462,8 +480,8 @@ def instances(st: Step, plan: Decisions) -> int:
     if st.kind == NodeKind.COPY:
         return n.group.size
     b = plan.bucket_of.get(n.name)
-    if b is not None and plan.buckets[b][-1] is not n:
-        return 0  # issued with the bucket, at its last member
+    if b is not None and (plan.buckets[b][-1] is not n or b in plan.later):
+        return 0  # issued with the bucket, at its last member (or at a later scatter bucket's)
     if n.name in plan.gather_of:  # the buckets issued at this step (one collective per axis group each), or none
         d = n.group.mesh.axis_size(n.op.axis)
         return len(plan.gather_issue.get(n.name, ())) * (n.group.size // d)
@@ -476,7 +494,10 @@ def instances(st: Step, plan: Decisions) -> int:
     d = math.prod(n.group.mesh.axis_size(a) for a in plan.axes(n))
     groups = group.size // d
     form = plan.forms.get(n.name, CommForm.COLLECTIVE)
-    return groups * {CommForm.COLLECTIVE: 1, CommForm.RING: d - 1, CommForm.BROADCAST_LOOP: d}[form]
+    count = groups * {CommForm.COLLECTIVE: 1, CommForm.RING: d - 1, CommForm.BROADCAST_LOOP: d}[form]
+    if s is not None and s in plan.issued_at:  # and the gradient bucket issued before it (Decisions.later)
+        count += _bucket_tokens(plan, plan.issued_at[s])
+    return count
 
 
 def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> ShardedGraph:
@@ -511,10 +532,16 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
                         mine += now_k
                         after += after_k
                 elif s is not None:
-                    mine, after = _scatter_bucket(plan, s, r) if plan.scatters[s][-1] is st else ([], [])
+                    mine, after, base = [], [], 0
+                    if plan.scatters[s][-1] is st and s in plan.issued_at:  # the gradient bucket issued before it
+                        mine, after = _bucket(plan, plan.issued_at[s], r, 0)
+                        base = _bucket_tokens(plan, plan.issued_at[s])
+                    if plan.scatters[s][-1] is st:
+                        now_s, after_s = _scatter_bucket(plan, s, r, base)
+                        mine, after = mine + now_s, after + after_s
                 elif b is None:
                     mine = _expand_comm(st, plan, r, 0)
-                elif plan.buckets[b][-1] is st.nodes[0]:
+                elif plan.buckets[b][-1] is st.nodes[0] and b not in plan.later:
                     mine, after = _bucket(plan, b, r, 0)
                 else:
                     mine = []  # issued with its bucket, at the bucket's last member
@@ -621,8 +648,14 @@ def _gather_bucket(plan: Decisions, k: int, r: int, j: int) -> tuple[list[Instr]
     return [Compute(n0.task, name, "pack", ins, (packed,)), comm], after
 
 
-def _scatter_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[Instr]]:
-    """Gradient reduce-scatter bucket ``k`` on rank ``r``: what runs at its last member (each member's gradient
+def _bucket_tokens(plan: Decisions, k: int) -> int:
+    """The communications (tokens) gradient bucket ``k`` makes: one per group of its axes."""
+    n = plan.buckets[k][-1]
+    return n.group.size // math.prod(n.group.mesh.axis_size(a) for a in plan.axes(n))
+
+
+def _scatter_bucket(plan: Decisions, k: int, r: int, token: int = 0) -> tuple[list[Instr], list[Instr]]:
+    """Gradient reduce-scatter bucket ``k`` on rank ``r`` (its tokens from ``token``): what runs at its last member (each member's gradient
     chunked along its dim, the chunks packed by destination rank into one flat buffer — rank j's chunks of every
     member, then rank j+1's —, one reduce-scatter of it issued without waiting) and what runs before the first read
     of a member's result (wait, unpack this rank's flat chunk into views of the members' pieces)."""
@@ -641,7 +674,7 @@ def _scatter_bucket(plan: Decisions, k: int, r: int) -> tuple[list[Instr], list[
     chunks = [tuple(Buffer(f"{name}.{i}.to{j}", o.type) for j in range(d)) for i, o in enumerate(outs)]
     packed, mine = Buffer(name, TensorType((d * flat.numel,), flat.dtype)), Buffer(f"{name}.reduced", flat)
     note = f"scatter bucket {k}: " + ", ".join(st.nodes[0].name for st in members)
-    t = axis_group_index(first.group, axis, r)
+    t = token + axis_group_index(first.group, axis, r)
     comm = Comm(
         t,
         CommKind.REDUCE_SCATTER,
