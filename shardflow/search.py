@@ -532,8 +532,7 @@ def search(
             if e.peak_bytes * peak <= budget:
                 best = e.step_seconds
                 if before is not None and ac == ActivationCheckpointing.BLOCK and before.peak_bytes > e.peak_bytes:
-                    share = (before.peak_bytes - budget / peak) / (before.peak_bytes - e.peak_bytes)
-                    best = before.step_seconds + (e.step_seconds - before.step_seconds) * max(share, 0.0)
+                    best = _on_the_line(before, e, budget / peak)
                 return best * step * SLACK
             before = e
         return math.inf
@@ -558,13 +557,7 @@ def search(
         if c.microbatches == 1 and every is not None:
             fit = chain[every][1]
             anchors = [i for i in skip if variants[i][1] == times and chain[i][1].peak_bytes > fit.peak_bytes]
-
-            def line(i: int) -> float:  # the anchor's line at the budget (:func:`promise`'s)
-                e = chain[i][1]
-                share = (e.peak_bytes - budget / peak) / (e.peak_bytes - fit.peak_bytes)
-                return e.step_seconds + (fit.step_seconds - e.step_seconds) * min(max(share, 0.0), 1.0)
-
-            skip -= set(sorted(anchors, key=line)[:1])
+            skip -= set(sorted(anchors, key=lambda i: _on_the_line(chain[i][1], fit, budget / peak))[:1])
         return skip
 
     def record(o: Outcome) -> Outcome:
@@ -868,6 +861,14 @@ def pipeline_bound(c: Candidate, outcomes: Sequence[Outcome]) -> float:
         and (o.candidate.ac, o.candidate.schedule, o.candidate.stages_per_rank) == (c.ac, c.schedule, c.stages_per_rank)
     ]
     return max([floor, *siblings]) * bubble(c)
+
+
+def _on_the_line(kept: Estimate, every: Estimate, cap: float) -> float:
+    """The estimated step (seconds) of recomputing whole the fewest blocks that bring ``kept``'s peak down to ``cap``
+    bytes, each block taking the same share of the way to ``every`` (every block recomputed), as
+    :func:`fewer_checkpointed` draws it from predictions."""
+    share = (kept.peak_bytes - cap) / (kept.peak_bytes - every.peak_bytes)
+    return kept.step_seconds + (every.step_seconds - kept.step_seconds) * min(max(share, 0.0), 1.0)
 
 
 def fewer_checkpointed(kept: Outcome, every: Outcome, blocks: int, budget: int) -> list[Outcome]:
