@@ -525,7 +525,7 @@ def search(
         if c not in chains:
             chains[c] = tuple(
                 (ac, estimated(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
-                for ac, times in ((c.ac, 1), *fallbacks(c))
+                for ac, times in variants_of(c)
             )
         before = None
         for ac, e in chains[c]:
@@ -543,7 +543,7 @@ def search(
         under a pipeline — while a later one's could fit; but one anchor of the line to every block recomputed
         (:func:`fewer_checkpointed`): of those before the first that could fit with its micro-steps, the one whose
         line could reach the budget at the least step (docs/search.md#screening)."""
-        chain, variants = chains[c], ((c.ac, 1), *fallbacks(c))  # the chain: filled by promise()
+        chain, variants = chains[c], variants_of(c)  # the chain: filled by promise()
         scaled = [e.peak_bytes * peak for _, e in chain]
         first = next((i for i, x in enumerate(scaled) if x <= budget), None)
         if first is None:
@@ -712,7 +712,8 @@ def search(
     unsearched = 0
     left: list[tuple[Candidate, float]] = []
     while pending:
-        if time_limit is not None and time.perf_counter() - t0 >= time_limit and any(o.fits for o in outcomes):
+        over = time_limit is not None and time.perf_counter() - t0 >= time_limit
+        if over and any(o.fits for o in outcomes):
             unsearched = len(pending)
             break
         # screened: those that could fit by their estimates first, then those without a pipeline (the cheaper to
@@ -726,7 +727,6 @@ def search(
                 promises.append((math.isinf(hope), x.microbatches > 1, hope, chains[x][0][1].step_seconds))
             found = fastest_fit()
             live = [i for i, p in enumerate(promises) if p[2] < found or found == math.inf]
-            over = time_limit is not None and time.perf_counter() - t0 >= time_limit
             if over and found == math.inf and all(p[0] for p in promises):
                 # past the limit with nothing fitting, none left could fit by its estimate: not tried
                 # (docs/search.md#a-time-limit)
@@ -745,7 +745,7 @@ def search(
         # variants (itself, its fallbacks) whose estimated peaks are over the budget are left out where a later one
         # could fit, but for the anchor of the partial checkpointing line (docs/search.md#screening)
         skip = needless(c, calibration(screen_family(c))[1]) if screen else set()
-        variants = [v for i, v in enumerate(((c.ac, 1), *fallbacks(c))) if i not in skip]
+        variants = [v for i, v in enumerate(variants_of(c)) if i not in skip]
         ac, times = variants[0]
         o = record(attempt(dataclasses.replace(c, ac=ac, accumulate=c.accumulate * times)))
         mine = [o]
@@ -812,6 +812,12 @@ def fallbacks(c: Candidate) -> tuple[tuple[ActivationCheckpointing, int], ...]:
     if c.microbatches > 1:
         return tuple(f for f in FALLBACKS if f[1] == 1)
     return FALLBACKS
+
+
+def variants_of(c: Candidate) -> tuple[tuple[ActivationCheckpointing, int], ...]:
+    """Candidate ``c`` as planned, then its :func:`fallbacks`, in the order they are tried: (activation
+    checkpointing, × gradient accumulation)."""
+    return ((c.ac, 1), *fallbacks(c))
 
 
 def screen_family(c: Candidate) -> tuple:

@@ -532,12 +532,13 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
                         mine += now_k
                         after += after_k
                 elif s is not None:
-                    mine, after, base = [], [], 0
-                    if plan.scatters[s][-1] is st and s in plan.issued_at:  # the gradient bucket issued before it
-                        mine, after = _bucket(plan, plan.issued_at[s], r, 0)
-                        base = _bucket_tokens(plan, plan.issued_at[s])
-                    if plan.scatters[s][-1] is st:
-                        now_s, after_s = _scatter_bucket(plan, s, r, base)
+                    mine = []
+                    if plan.scatters[s][-1] is st:  # issued at its last member, after the gradient bucket of later
+                        chained = plan.issued_at.get(s)
+                        mine, after = _bucket(plan, chained, r, 0) if chained is not None else ([], [])
+                        now_s, after_s = _scatter_bucket(
+                            plan, s, r, _bucket_tokens(plan, chained) if chained is not None else 0
+                        )
                         mine, after = mine + now_s, after + after_s
                 elif b is None:
                     mine = _expand_comm(st, plan, r, 0)
