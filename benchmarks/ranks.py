@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import cProfile
+import dataclasses
 import functools
 import io
 import json
@@ -59,6 +60,7 @@ from shardflow.graph import GraphBuilder  # noqa: E402
 from shardflow.graph.ops import TensorType  # noqa: E402
 from shardflow.lower import LowerOptions, lower_step  # noqa: E402
 from shardflow.lower.comm_lowering import ring_peers  # noqa: E402
+from shardflow.lower.cost import PLAIN, EPDispatch  # noqa: E402
 from shardflow.lower.dynamic import NodeKind, forward_id  # noqa: E402
 from shardflow.lower.program import Buffer, Comm, Compute  # noqa: E402
 from shardflow.lower.shard_expansion import in_group, piece  # noqa: E402
@@ -378,7 +380,6 @@ def state_bytes(dg, rank: int) -> dict[str, int]:
 
 
 def run_gpt(p: dict, rank: int, world: int) -> dict:
-    import dataclasses
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -1062,7 +1063,6 @@ def run_ckpt(p: dict, rank: int, world: int) -> dict:
     of its pieces) and, as before sharded checkpoints, by gathering the full weights and optimizer state on every
     rank (the executor's collective ``weights()`` / ``state()``) and handing them to ``dcp.save``. Each variant is
     saved once to warm up, then measured (:func:`peak_extra_bytes`) on its second save."""
-    import dataclasses
     import tempfile
 
     import torch.distributed.checkpoint as dcp
@@ -1116,7 +1116,6 @@ def run_fsdp(p: dict, rank: int, world: int) -> dict:
     ``shardflow train --strategy fsdp`` lowers: resharding after the forward) against PyTorch FSDP2 (``fully_shard``
     on every decoder layer and on the root, ``reshard_after_forward=True``), same weights, AdamW, the same batch
     split over the ranks; interleaved rounds."""
-    import dataclasses
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -1343,7 +1342,6 @@ def run_vocab(p: dict, rank: int, world: int) -> dict:
     same Megatron pairs with the embedding and the head replicated. Per plan: this rank's parameters + gradients +
     optimizer state, the bytes its communications send in one step, and the step time (interleaved rounds); the
     first losses of both from the same weights."""
-    import dataclasses
 
     from shardflow.strategy.presets import tensor_parallel
     from shardflow.train.config import TrainConfig
@@ -1434,10 +1432,12 @@ class HandExperts(nn.Module):
 
 def run_moe(p: dict, rank: int, world: int) -> dict:
     """(m) A Mixtral-style model (Hugging Face ``MixtralForCausalLM`` from a config, random init, float32, SGD)
-    under shardflow's ep and dp (``DistributedExecutor``) and a hand-written expert-parallel step (:class:`HandExperts`
-    in each layer, the dense weights' gradients all-reduced as DDP does), same weights, the same batch split over the
-    ranks; interleaved rounds. Bytes each rank sends per step: shardflow's from its program, the hand-written step's
-    counted at its calls."""
+    under shardflow's ep — with the all-to-all token dispatcher (the default) and the all-gather one — and dp
+    (``DistributedExecutor``) and a hand-written expert-parallel step (:class:`HandExperts` in each layer, the dense
+    weights' gradients all-reduced as DDP does), same weights, the same batch split over the ranks; interleaved
+    rounds. Bytes each rank sends per step: shardflow's from its program (the all-to-alls of data-dependent sizes at
+    their bound, and as measured in the first step: ``Executor.sized_sent``), the hand-written step's counted at its
+    calls."""
     import transformers
 
     from shardflow.reference import weights_of
@@ -1451,10 +1451,11 @@ def run_moe(p: dict, rank: int, world: int) -> dict:
     graph = capture(model, batch)
     cfg = OptimizerConfig(lr=p["lr"])
     executors = {}
-    for strategy in ("ep", "dp"):
-        ex = shardflow_executor(graph, f"{strategy}={world}", strategy, cfg, rank)
+    for name, strategy, dispatch in (("ep", "ep", "all_to_all"), ("ep_gather", "ep", "all_gather"), ("dp", "dp", "")):
+        options = dataclasses.replace(PLAIN, ep_dispatch=EPDispatch(dispatch)) if dispatch else None
+        ex = shardflow_executor(graph, f"{strategy}={world}", strategy, cfg, rank, options=options)
         ex.load(weights_of(model, graph))
-        executors[strategy] = ex
+        executors[name] = ex
 
     hand = copy.deepcopy(model)
     layers = [layer.mlp for layer in hand.model.layers]
@@ -1484,10 +1485,15 @@ def run_moe(p: dict, rank: int, world: int) -> dict:
 
     variants = [
         Variant("shardflow_ep", lambda: executors["ep"].step(batch)),
+        Variant("shardflow_ep_gather", lambda: executors["ep_gather"].step(batch)),
         Variant("hand_ep", hand_step),
         Variant("shardflow_dp", lambda: executors["dp"].step(batch)),
     ]
     losses = first_losses(variants, 2, rank)
+    measured = {}  # the second step's bytes: the dispatcher's all-to-alls as they ran, every other one as counted
+    for name, ex in executors.items():
+        sized = sum(c.nbytes for c in ex.program.comms if c.splits is not None)
+        measured[f"shardflow_{name}"] = sum(c.nbytes for c in ex.program.comms) - sized + ex.sized_sent[rank]
     say(rank, "(m) first losses " + ", ".join(f"{k} {v}" for k, v in losses.items()))
     for mlp in layers:
         mlp.experts.sent = 0
@@ -1504,10 +1510,10 @@ def run_moe(p: dict, rank: int, world: int) -> dict:
         "params": sum(q.numel() for q in model.parameters()),
         "config": p["config"],
         "sent": {
-            "shardflow_ep": sum(c.nbytes for c in executors["ep"].program.comms),
-            "shardflow_dp": sum(c.nbytes for c in executors["dp"].program.comms),
+            **{f"shardflow_{k}": sum(c.nbytes for c in ex.program.comms) for k, ex in executors.items()},
             "hand_ep": sent_hand,
         },
+        "measured": measured,
         "collectives": {s: sorted({str(c.family) for c in ex.program.comms}) for s, ex in executors.items()},
     }
 
@@ -1520,7 +1526,6 @@ def run_context(p: dict, rank: int, world: int) -> dict:
     under ``--strategy cp`` over every rank, with each attention form of ``p["forms"]`` (``--cp-attention``): the
     step time (interleaved rounds, the same weights and batch), the first losses, the bytes this rank sends per step
     and its peak of live buffers (an executor that counts them, on the same weights)."""
-    import dataclasses
 
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import setup

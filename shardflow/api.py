@@ -490,6 +490,7 @@ def parallelize(
     stages_per_rank: int = 1,
     cp_attention: str = "auto",
     cp_layout: str = "auto",
+    ep_dispatch: str = "all_to_all",
     reshard_after_forward: bool = True,
     ac: str = "none",
     ac_blocks: int | None = None,
@@ -562,6 +563,9 @@ def parallelize(
             r), ``"balanced"`` (the head-tail order of 2·cp chunks, so that each device of a causal model attends
             as many keys: docs/concepts.md#the-load-balanced-layout) or ``"auto"``: balanced where every attention
             is causal and the sequence cuts into 2·cp chunks (:class:`~shardflow.lower.cost.CPLayout`).
+        ep_dispatch: under an ``ep`` axis, how an expert layer's tokens reach their experts: ``"all_to_all"`` (only
+            to their experts' ranks and back, by all-to-alls of the routing's sizes) or ``"all_gather"`` (every
+            token gathered on every rank of the group) (:class:`~shardflow.lower.cost.EPDispatch`).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
         ac: activation checkpointing, ``"none"``, ``"block"``: each block (a module under an integer index, such
@@ -628,6 +632,7 @@ def parallelize(
         accumulate=accumulate,
         cp_attention=cp_attention,
         cp_layout=cp_layout,
+        ep_dispatch=ep_dispatch,
     )
     if isinstance(plan, Mapping):
         plan = plan_from_styles(model, plan, styles_axis(mesh))

@@ -146,7 +146,16 @@ MEMORY_FLAGS = (
     "ac_blocks",
 )  # how a step trades memory for work, as shardflow train has them
 # what one optimizer step is, as shardflow train has them (plan shows it)
-STEP_FLAGS = ("accumulate", "microbatches", "schedule", "stages_per_rank", "dtype", "cp_attention", "cp_layout")
+STEP_FLAGS = (
+    "accumulate",
+    "microbatches",
+    "schedule",
+    "stages_per_rank",
+    "dtype",
+    "cp_attention",
+    "cp_layout",
+    "ep_dispatch",
+)
 # how a step communicates, as shardflow train has them: "auto" forms follow the machine's cost model
 COMM_FLAGS = ("all_gather", "reduce_scatter", "bucket_mb")
 

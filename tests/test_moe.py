@@ -5,6 +5,7 @@ structure (which tensors move)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections import Counter
@@ -23,6 +24,9 @@ from shardflow.cli import main  # noqa: E402
 from shardflow.graph import ops as O  # noqa: E402
 from shardflow.graph.flops import node_flops  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
+from shardflow.lower.cost import PLAIN, EPDispatch  # noqa: E402
+from shardflow.lower.program import Comm  # noqa: E402
+from shardflow.lower.verify import PlanVerificationError, verify  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
 from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
@@ -92,9 +96,9 @@ def test_dp_routes_and_computes_the_tokens_where_they_are(family):
     assert all(d <= TOL for d in diffs.values()), diffs
 
 
-def _routed(family: str) -> list[torch.Tensor]:
-    """Tokens routed to each expert of each expert layer by the eager model on the batch of :func:`captured` (its
-    experts modules' ``top_k_index`` argument, counted)."""
+def _routings(family: str) -> list[torch.Tensor]:
+    """Each expert layer's routing ``[tokens, K]`` by the eager model on the batch of :func:`captured` (its experts
+    modules' ``top_k_index`` argument)."""
     model, batch, _ = captured(family)
     seen: list[torch.Tensor] = []
     hooks = [
@@ -108,8 +112,14 @@ def _routed(family: str) -> list[torch.Tensor]:
     finally:
         for h in hooks:
             h.remove()
-    n_experts = model.config.num_local_experts if family == "mixtral" else model.config.num_experts
-    return [torch.bincount(idx.flatten(), minlength=n_experts) for idx in seen]
+    return seen
+
+
+def _routed(family: str) -> list[torch.Tensor]:
+    """Tokens routed to each expert of each expert layer by the eager model on the batch of :func:`captured`."""
+    config = captured(family)[0].config
+    n_experts = config.num_local_experts if family == "mixtral" else config.num_experts
+    return [torch.bincount(idx.flatten(), minlength=n_experts) for idx in _routings(family)]
 
 
 @pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("ep=2", "ep"), ("ep=2,tp=2", "ep,tp")])
@@ -208,11 +218,16 @@ def _ep_pcg(family: str, mesh_text: str, strategy: str, sequences: int = zoo.B):
     return build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
 
 
+def _lowered(pcg, dispatch: str):
+    return lower_step(pcg, SGD.slots, options=dataclasses.replace(PLAIN, ep_dispatch=EPDispatch(dispatch)))
+
+
 def test_ep_stores_each_device_s_experts_and_gathers_the_tokens():
     """ep=2 on Mixtral (4 experts): each device stores 2 experts of each layer (weights, gradients, optimizer
-    state); the batch is split over ep as over dp; each expert layer all-gathers its tokens, routings and routing
-    weights (the all-gather token dispatcher), computes its experts for every token and reduce-scatters the partial
-    sums back onto the tokens; numbers equal one device's."""
+    state); the batch is split over ep as over dp; the plan asks each expert layer for its tokens, routings and
+    routing weights whole on ep and gives partial sums; under ``--ep-dispatch all_gather`` they are all-gathered
+    (the all-gather token dispatcher), each device computes its experts for every token and reduce-scatters the
+    partial sums back onto the tokens; numbers equal one device's."""
     pcg = _ep_pcg("mixtral", "ep=2", "ep")
     assert pcg.tensors["input_ids"].sharding.dims[0] == ("ep",)
     for i in range(2):
@@ -224,24 +239,102 @@ def test_ep_stores_each_device_s_experts_and_gathers_the_tokens():
     for n in experts:
         assert [producer[t].op.describe() for t in n.inputs[:3]] == ["CombineOp(dim=0, degree=2, axis=ep)"] * 3
         assert pcg.tensors[n.outputs[0]].sharding.partial == ("ep",)
-    programs = lower_step(pcg, SGD.slots).programs
-    kinds = Counter((c.task, c.family) for c in programs[0].comms if c.axis == "ep")
+    lowered = _lowered(pcg, "all_gather")
+    kinds = Counter((c.task, c.family) for c in lowered.programs[0].comms if c.axis == "ep")
     assert kinds[("FWD", "all_gather")] == 3 * 2 and kinds[("FWD", "reduce_scatter")] == 2
-    diffs = _compare("mixtral", pcg)
+    model, batch, graph = captured("mixtral")
+    diffs = compare(model, batch, graph, LocalExecutor(lowered, SGD))
     assert all(d <= TOL for d in diffs.values()), diffs
 
 
+def test_the_all_to_all_dispatcher_sends_each_token_only_to_its_experts_ranks():
+    """ep=2 on Mixtral (2 layers, 4 experts, top 2; 16 tokens of width 64, 8 per rank) under the default
+    ``--ep-dispatch all_to_all``: per layer and rank, the forward exchanges the rows per expert (an all-to-all of
+    [2, 2] counts), sends each token-expert pair's row to its expert's rank and the results back (two all-to-alls of
+    those sizes), the backward sends the rows' gradients the same two ways; no token is all-gathered and no output
+    reduce-scattered on ep. The programs count each all-to-all's bound (the 16 rows a rank sends; the 32 rows it
+    can receive, 2 of every token of the group); the executor measures what they send: the rows of the pairs eager
+    PyTorch routes to the other rank's experts, and back. Numbers equal one device's."""
+    pcg = _ep_pcg("mixtral", "ep=2", "ep")
+    lowered = lower_step(pcg, SGD.slots)
+    row = 64 * 8  # float64
+    for program in lowered.programs.values():
+        comms = [c for c in program.comms if c.axis == "ep"]
+        kinds = Counter((c.task, c.kind) for c in comms)
+        assert kinds[("FWD", "all_to_all")] == 2 and kinds[("FWD", "all_to_all_v")] == 4
+        assert kinds[("BWD", "all_to_all_v")] == 4 and not kinds[("FWD", "all_gather")]
+        assert not {c.family for c in comms} & {"all_gather", "reduce_scatter"}
+        sized = [c for c in comms if c.kind == "all_to_all_v"]
+        assert [c.nbytes for c in sized] == [16 * row, 32 * row] * 4
+        assert all(c.splits is not None for c in sized)
+    model, batch, graph = captured("mixtral")
+    ex = LocalExecutor(lowered, SGD)
+    ex.load(weights_of(model, graph))
+    ex.step(batch)
+    for r in (0, 1):
+        mine = [idx[8 * r : 8 * (r + 1)] for idx in _routings("mixtral")]
+        theirs = [idx[8 * (1 - r) : 8 * (2 - r)] for idx in _routings("mixtral")]
+        away = sum(int((idx // 2 != r).sum()) for idx in mine)
+        here = sum(int((idx // 2 == r).sum()) for idx in theirs)
+        assert ex.sized_sent[r] == 2 * (away + here) * row, (r, away, here)
+    diffs = compare(model, batch, graph, LocalExecutor(lowered, SGD))
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+def test_the_verifier_proves_the_all_to_all_dispatcher_s_order_and_counts():
+    """What the verifier proves of the data-dependent all-to-alls (docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all): every member issues them
+    in one order — a rank whose two all-to-alls of one layer are swapped is refused — and the counts that size one
+    are held before it is issued — an all-to-all moved before the counts' exchange is refused."""
+    programs = dict(lower_step(_ep_pcg("mixtral", "ep=2", "ep"), SGD.slots).programs)
+    verify(programs, 2)
+    instrs = list(programs[1].instrs)
+    sized = [k for k, i in enumerate(instrs) if isinstance(i, Comm) and i.kind == "all_to_all_v"]
+    first, second = sized[0], sized[1]
+    swapped = list(instrs)
+    swapped[first] = dataclasses.replace(instrs[first], token=instrs[second].token)
+    swapped[second] = dataclasses.replace(instrs[second], token=instrs[first].token)
+    with pytest.raises(PlanVerificationError, match="token"):
+        verify({**programs, 1: dataclasses.replace(programs[1], instrs=tuple(swapped))}, 2)
+    counts = max(k for k in range(first) if isinstance(instrs[k], Comm))  # the exchange of the counts
+    early = instrs[:counts] + [instrs[first], instrs[counts]] + instrs[counts + 1 : first] + instrs[first + 1 :]
+    early[counts], early[counts + 1] = (
+        dataclasses.replace(early[counts], token=instrs[counts].token),
+        dataclasses.replace(early[counts + 1], token=instrs[first].token),
+    )
+    with pytest.raises(PlanVerificationError, match="received_counts"):
+        verify({**programs, 1: dataclasses.replace(programs[1], instrs=tuple(early))}, 2)
+
+
+EP_CASES = [
+    ("qwen3_moe", "ep=2", "ep", 2),
+    ("mixtral", "ep=2,tp=2", "ep,tp", 2),
+    ("mixtral", "ep=4", "ep", 4),  # one expert per device
+    ("mixtral", "ep=2,fsdp=2", "ep,fsdp", 4),  # each device a quarter of 2 experts
+]
+
+
 @pytest.mark.parametrize(
-    "family, mesh, strategy, sequences",
-    [
-        ("qwen3_moe", "ep=2", "ep", 2),
-        ("mixtral", "ep=2,tp=2", "ep,tp", 2),
-        ("mixtral", "ep=4", "ep", 4),  # one expert per device
-        ("mixtral", "ep=2,fsdp=2", "ep,fsdp", 4),  # each device a quarter of 2 experts
-    ],
+    "family, mesh, strategy, sequences, dispatch",
+    [case + ("all_to_all",) for case in EP_CASES]
+    + [
+        ("mixtral", "fsdp=2,ep=2", "ep,fsdp", 4, "all_to_all"),
+        ("mixtral", "dp=2,ep=2", "dp,ep", 4, "all_to_all"),
+        ("mixtral", "tp=2,ep=2", "ep,tp", 2, "all_to_all"),
+    ]
+    + [case + ("all_gather",) for case in EP_CASES],
 )
-def test_ep_alone_and_combined_equals_one_device(family, mesh, strategy, sequences):
-    diffs = _compare(family, _ep_pcg(family, mesh, strategy, sequences), sequences)
+def test_ep_alone_and_combined_equals_one_device(family, mesh, strategy, sequences, dispatch):
+    """Both dispatchers, with the numbers of one device. The all-to-all one runs where each expert layer's tokens
+    are all-gathered over ep in one collective — ep after the other axes that split them in the mesh (with
+    ``ep=2,fsdp=2`` or ``ep=2,tp=2`` the planner gathers over both axes and splits again: the all-gather
+    dispatcher runs)."""
+    lowered = _lowered(_ep_pcg(family, mesh, strategy, sequences), dispatch)
+    sized = sum(c.kind == "all_to_all_v" for c in lowered.programs[0].comms)
+    layers = MOE_LAYERS[family]
+    inner = mesh.endswith("ep=2") or mesh == "ep=4"
+    assert sized == (4 * layers if dispatch == "all_to_all" and inner else 0)
+    model, batch, graph = captured(family, sequences)
+    diffs = compare(model, batch, graph, LocalExecutor(lowered, SGD))
     assert all(d <= TOL for d in diffs.values()), diffs
 
 

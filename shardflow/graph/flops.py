@@ -15,7 +15,9 @@ left out. A multiply-add is 2 FLOPs. :data:`FORWARD_FLOPS` is the table, one for
   (kernel elements).
 * **experts** (a mixture of experts' expert layer) x ``[N, H]``, idx ``[N, K]``, w1 and w2 ``[E, *]``: each of the
   N·K routed token-expert pairs multiplies by one expert's w1 and w2, 2 · N·K · (elements of w1 and w2) / E. The
-  router's linear counts as a linear; experts no token was routed to count nothing.
+  router's linear counts as a linear; experts no token was routed to count nothing. Under the all-to-all token
+  dispatcher, a rank's **experts_local** counts the rows it receives when the routing is balanced (its ``balanced``
+  rows, n·K): the rows that arrive are only known when the step runs.
 
 Training counts 3× the forward (:data:`TRAINING_FACTOR`): the backward computes two products per forward product
 (the input's gradient and the weight's), as PaLM and torchtitan count it, whether or not an input needs a
@@ -27,6 +29,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from shardflow.graph.dispatch import ExpertsLocal
 from shardflow.graph.graph import ComputationGraph, Node
 from shardflow.graph.ops import Attention, Conv, Experts, Linear, Matmul, Op, TensorType
 
@@ -51,6 +54,13 @@ def _experts(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) 
     return 2 * idx.numel * (w1.numel + w2.numel) // w1.shape[0]
 
 
+def _experts_local(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> int:
+    """experts_local: one expert's w1 and w2 per row received under balanced routing (``op.balanced``)."""
+    assert isinstance(op, ExpertsLocal), op
+    w1, w2 = ins[2], ins[3]
+    return 2 * op.balanced * (w1.numel + w2.numel) // w1.shape[0]
+
+
 def _conv(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> int:
     """conv: every output element sums C/groups · kernel products (the weight's dims after the first)."""
     return 2 * outs[0].numel * math.prod(ins[1].shape[1:])
@@ -62,6 +72,7 @@ FORWARD_FLOPS: dict[type[Op], Callable[[Op, tuple[TensorType, ...], tuple[Tensor
     Attention: _attention,
     Conv: _conv,
     Experts: _experts,
+    ExpertsLocal: _experts_local,
 }
 
 

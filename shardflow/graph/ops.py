@@ -1325,17 +1325,23 @@ class Experts(Op):
     def compute(self, x, idx, w, w1, w2):
         if self.transposed:
             w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
-        act, start = UNARY_FNS[self.act], self.start or 0
+        start = self.start or 0
         out = torch.zeros_like(x)
         for e in range(w1.shape[0]):
             token, slot = torch.nonzero(idx == start + e, as_tuple=True)
-            gate, up = F.linear(x[token], w1[e]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, w2[e]) * w[token, slot, None]
+            y = expert_mlp(self.act, x[token], w1[e], w2[e]) * w[token, slot, None]
             out = out.index_add(0, token, y.to(out.dtype))
         return (out,)
 
     def describe(self) -> str:
         return f"experts({self.act}{', transposed' if self.transposed else ''})"
+
+
+def expert_mlp(act: str, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert on its rows ``h [R, H]``: ``(act(h · gateᵀ) ⊙ h · upᵀ) · downᵀ`` with ``w1 [2I, H]`` (gate and up
+    stacked, gate first) and ``w2 [H, I]``; ``[R, H]``."""
+    gate, up = F.linear(h, w1).chunk(2, dim=-1)
+    return F.linear(UNARY_FNS[act](gate) * up, w2)
 
 
 def _swap_last(shape: Shape) -> Shape:

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Iterator, Mapping, NamedTuple
 
+from shardflow.graph.dispatch import ExpertCombine, ExpertRoute, ExpertsLocal
 from shardflow.graph.graph import TensorRole
-from shardflow.graph.ops import Attention, TensorType
-from shardflow.lower.cost import PLAIN, CommForm, CPAttention, LowerOptions
+from shardflow.graph.ops import Attention, Experts, TensorType
+from shardflow.lower.cost import PLAIN, CommForm, CPAttention, EPDispatch, LowerOptions
 from shardflow.lower.dynamic import (
     DNode,
     DynamicGraph,
@@ -54,6 +55,7 @@ from shardflow.lower.shard_expansion import (
 from shardflow.parallel.collectives import CommKind, wire_bytes
 from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.ops import CombineOp, RepartitionOp
+from shardflow.parallel.rules import LocalOp
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,25 @@ class AttentionRing:
 
 
 @dataclass(frozen=True)
+class ExpertDispatch:
+    """A forward expert layer ``experts`` whose tokens, routings and routing weights are all-gathered by ``gathers``
+    over the ``ep`` axis that splits its experts, and whose output's partial sums are reduce-scattered back by
+    ``scatter``: under ``--ep-dispatch all_to_all`` the tokens travel to their experts' ranks and back by two
+    all-to-alls of the routing's sizes instead (docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all).
+    ``backward``: its backward, run the same way in place of the all-gather ``dout`` of the output's gradient and
+    the reduce-scatters ``scatters`` of the gradients of the tokens (input 0) and routing weights (input 2, where
+    they get one); None where the step has no backward for it (evaluation, a forward run again for the
+    recomputation that the backward reads instead)."""
+
+    experts: DNode
+    gathers: tuple[DNode, DNode, DNode]
+    scatter: Step
+    backward: DNode | None = None
+    dout: DNode | None = None
+    scatters: Mapping[int, Step] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Decisions:
     """Decisions lowering takes once for the whole graph (so every rank takes the same ones): the form of each
     all-gather / reduce-scatter step, and the consumer computes fused into a ring or broadcast loop."""
@@ -89,6 +110,8 @@ class Decisions:
     # HSDP: gradient bucket → the reduce-scatter bucket at whose step it is issued (the next of its sub-mesh, after
     # the one whose pieces it all-reduces: that reduce-scatter travels while the next block's backward computes)
     later: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # expert layer → its all-to-all token dispatch (--ep-dispatch all_to_all)
+    dispatches: Mapping[str, ExpertDispatch] = dataclasses.field(default_factory=dict)
 
     @cached_property
     def issued_at(self) -> dict[int, int]:
@@ -106,6 +129,19 @@ class Decisions:
     def ring_backwards(self) -> dict[str, AttentionRing]:
         """The backward node of each ring of :attr:`rings` that has one (:attr:`AttentionRing.backward`) → the ring."""
         return {ring.backward.name: ring for ring in self.rings.values() if ring.backward is not None}
+
+    @cached_property
+    def dispatch_backwards(self) -> dict[str, ExpertDispatch]:
+        """The backward node of each dispatch of :attr:`dispatches` that has one → the dispatch."""
+        return {x.backward.name: x for x in self.dispatches.values() if x.backward is not None}
+
+    @cached_property
+    def dispatch_steps(self) -> frozenset[str]:
+        """The all-gathers and reduce-scatters (by their first node) that :attr:`dispatches` replace: they make no
+        communication of their own."""
+        steps = [st for x in self.dispatches.values() for st in (x.scatter, *x.scatters.values())]
+        gathers = [g for x in self.dispatches.values() for g in (*x.gathers, x.dout) if g is not None]
+        return frozenset({g.name for g in gathers} | {st.nodes[0].name for st in steps})
 
     @property
     def suppressed(self) -> set[str]:
@@ -200,8 +236,9 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
             )
     flat = _flattened(dg, options, all_steps, readers)
     rings = attention_rings(dg, all_steps) if options.cp_attention == CPAttention.RING else {}
+    dispatches = expert_dispatches(dg, all_steps) if options.ep_dispatch == EPDispatch.ALL_TO_ALL else {}
     if options.bucket_bytes <= 0:
-        return Decisions(dg, forms, fused, flat=flat, rings=rings, overlap=options.overlap)
+        return Decisions(dg, forms, fused, flat=flat, rings=rings, overlap=options.overlap, dispatches=dispatches)
     final = _final_gradients(dg)
     then = _then_all_reduced(dg, all_steps, final)
     gathers, scatters = _gather_buckets(dg, all_steps), _scatter_buckets(dg, all_steps, final, then)
@@ -223,7 +260,19 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
         nxt = next((m for m in after if scatters[m][0].nodes[0].group == group), None)
         if nxt is not None:
             later[len(buckets) + j] = nxt
-    return Decisions(dg, forms, fused, buckets + pieces, gathers, scatters, flat, rings, options.overlap, later)
+    return Decisions(
+        dg,
+        forms,
+        fused,
+        buckets + pieces,
+        gathers,
+        scatters,
+        flat,
+        rings,
+        options.overlap,
+        later,
+        dispatches=dispatches,
+    )
 
 
 def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, AttentionRing]:
@@ -233,12 +282,7 @@ def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, Attent
     values and mask,
     gives the keys and values their gradients (not the mask), each reduce-scattered back along the sequence and read
     by nothing else, and has no linearity scale."""
-    made = {st.nodes[0].outputs[0]: st.nodes[0] for st in all_steps if st.kind == CommKind.ALL_GATHER}
-    scattered = {st.nodes[0].inputs[0]: st for st in all_steps if st.kind == CommKind.REDUCE_SCATTER}
-    readers: dict[str, set[str]] = {}
-    for n in dg.nodes:
-        for value in n.inputs:
-            readers.setdefault(value, set()).add(n.name)
+    made, scattered, readers = _gathered_and_scattered(dg, all_steps)
     attention = [n for n in dg.nodes if n.kind == NodeKind.COMPUTE and isinstance(dg.sources[n.src].op, Attention)]
     # a backward by the keys, values and mask it reads (its queries may be recomputed: selective checkpointing)
     backward = {tuple(n.inputs[1 : len(n.grad_mask)]): n for n in attention if n.task == TaskType.BWD}
@@ -271,6 +315,74 @@ def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, Attent
             continue  # the blocks in head-tail order would join out of order: the all-gather form, reordered
         out[n.name] = AttentionRing(n, k, v, b, scatters, joined)
     return out
+
+
+def expert_dispatches(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, ExpertDispatch]:
+    """The all-to-all token dispatcher (docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all):
+    every forward expert layer whose tokens, routings and routing weights are each all-gathered along dim 0 over
+    the one mesh axis that splits its experts (a block of them on each member), whose output's partial sums over
+    that axis are reduce-scattered back along dim 0 and read by nothing else, and whose gathered inputs nothing
+    else reads → its :class:`ExpertDispatch`, by the expert layer's name. Its backward (the one reading the same
+    gathered inputs) joins where it differentiates the tokens and not the routings, with no linearity scale, its
+    output gradient all-gathered and the gradients of the tokens and routing weights each reduce-scattered back,
+    read by nothing else. A forward whose backward does not join is left as it is, unless it keeps nothing for the
+    backward (a forward the backward reads a recomputation of)."""
+    made, scattered, readers = _gathered_and_scattered(dg, all_steps)
+    layers = [n for n in dg.nodes if n.kind == NodeKind.COMPUTE and isinstance(dg.sources[n.src].op, Experts)]
+    backward = {n.inputs[:5]: n for n in layers if n.task == TaskType.BWD}
+    out: dict[str, ExpertDispatch] = {}
+    for n in (n for n in layers if n.task == TaskType.FWD):
+        gathers = tuple(g for g in (made.get(v) for v in n.inputs[:3]) if g is not None)
+        experts = dg.values[n.inputs[3]].sharding.dims[0]
+        axis = experts[0] if len(experts) == 1 else None
+        if axis is None or len(gathers) < 3 or any(g.group != n.group or _along(g) != (axis, 0) for g in gathers):
+            continue
+        scatter = scattered.get(n.outputs[0])
+        if (
+            scatter is None
+            or _along(scatter.nodes[-1]) != (axis, 0)
+            or readers[n.outputs[0]] != {scatter.nodes[0].name}
+        ):
+            continue
+        b = backward.get(n.inputs)
+        dout, scatters = None, {}
+        if b is not None:
+            dout = made.get(b.inputs[5])
+            grads = dict(zip((i for i, m in enumerate(b.grad_mask) if m), b.outputs))
+            scatters = {i: scattered.get(grads[i]) for i in (0, 2) if i in grads}
+            if (
+                dout is None
+                or _along(dout) != (axis, 0)
+                or not b.grad_mask[0]
+                or b.grad_mask[1]
+                or any(u != 1.0 for u in b.unscale)
+                or readers[dout.outputs[0]] != {b.name}
+                or any(
+                    st is None or _along(st.nodes[-1]) != (axis, 0) or readers[grads[i]] != {st.nodes[0].name}
+                    for i, st in scatters.items()
+                )
+            ):
+                continue
+        elif dg.backward_of.get(n.src) is not None and (n.recompute or n.src not in dg.recomputed):
+            continue  # it keeps its autograd graph for a backward that is not dispatched
+        if any(readers[g.outputs[0]] - {n.name} - ({b.name} if b is not None else set()) for g in gathers):
+            continue
+        out[n.name] = ExpertDispatch(n, gathers, scatter, b, dout, scatters)  # type: ignore[arg-type]  # 3 gathers
+    return out
+
+
+def _gathered_and_scattered(
+    dg: DynamicGraph, all_steps: list[Step]
+) -> tuple[dict[str, DNode], dict[str, Step], dict[str, set[str]]]:
+    """What the rewrites of a compute and its all-gathers and reduce-scatters look up: each all-gathered value → the
+    all-gather that makes it, each reduce-scattered value → its reduce-scatter step, each value → its readers."""
+    made = {st.nodes[0].outputs[0]: st.nodes[0] for st in all_steps if st.kind == CommKind.ALL_GATHER}
+    scattered = {st.nodes[0].inputs[0]: st for st in all_steps if st.kind == CommKind.REDUCE_SCATTER}
+    readers: dict[str, set[str]] = {}
+    for n in dg.nodes:
+        for value in n.inputs:
+            readers.setdefault(value, set()).add(n.name)
+    return made, scattered, readers
 
 
 def _along(n: DNode) -> tuple[str, int]:
@@ -475,7 +587,11 @@ def instances(st: Step, plan: Decisions) -> int:
     if ring is not None:  # each group's keys and values, d − 1 permutes each; in the backward their gradients too
         d = n.group.mesh.axis_size(_axis(ring.k))
         return (2 if n.task == TaskType.FWD else 4) * (d - 1) * (n.group.size // d)
-    if n.name in plan.ring_steps:
+    dispatch = plan.dispatches.get(n.name) or plan.dispatch_backwards.get(n.name)
+    if dispatch is not None:  # per group: the counts, the rows there and back; in the backward the rows' gradients
+        d = n.group.mesh.axis_size(_axis(dispatch.gathers[0]))
+        return (3 if n.task == TaskType.FWD else 2) * (n.group.size // d)
+    if n.name in plan.ring_steps or n.name in plan.dispatch_steps:
         return 0
     if st.kind == NodeKind.COPY:
         return n.group.size
@@ -518,7 +634,11 @@ def comm_lowering(sg: ShardedGraph, options: LowerOptions | None = None) -> Shar
                 mine = _overlapped(plan, _attention_ring(plan, plan.rings[name], r)) if local else []
             elif name in plan.ring_backwards:
                 mine = _overlapped(plan, _attention_ring_backward(plan, plan.ring_backwards[name], r)) if local else []
-            elif name in plan.ring_steps:
+            elif name in plan.dispatches:
+                mine = _dispatch_forward(plan, plan.dispatches[name], r) if local else []
+            elif name in plan.dispatch_backwards:
+                mine = _dispatch_backward(plan, plan.dispatch_backwards[name], r) if local else []
+            elif name in plan.ring_steps or name in plan.dispatch_steps:
                 mine = []
             elif st.local:
                 mine = [] if st.kind == NodeKind.COMPUTE and st.nodes[0].name in suppressed else list(local)
@@ -1034,6 +1154,195 @@ def _attention_ring(plan: Decisions, ring: AttentionRing, r: int) -> list[Instr]
             whole = piece(dg.values[x.outputs[0]])
             instrs.append(Compute(x.task, x.src, "concat", tuple(chunks), (whole,), dim=dim))
     return instrs
+
+
+class _Dispatched(NamedTuple):
+    """What both passes of an :class:`ExpertDispatch` hold on one rank: the ``ep`` group's ``members``, the rank's
+    index ``p`` among them, its group ``g`` of ``groups``; its tokens, routings and routing weights (``x``, ``idx``,
+    ``w``) and experts' weights (``w1``, ``w2``); the forward's buffers: ``rows`` (its tokens once per expert, by
+    expert), ``counts`` (rows per expert of each member), ``rcounts`` (rows each member sends to each of its
+    experts), ``recv`` (the rows received, typed with their bound), ``done`` (those rows through its experts),
+    ``back`` (its rows back); the three local ops and the node names their autograd graphs are kept under."""
+
+    members: tuple[int, ...]
+    p: int
+    g: int
+    groups: int
+    x: Buffer
+    idx: Buffer
+    w: Buffer
+    w1: Buffer
+    w2: Buffer
+    rows: Buffer
+    counts: Buffer
+    rcounts: Buffer
+    recv: Buffer
+    done: Buffer
+    back: Buffer
+    ops: tuple[LocalOp, LocalOp, LocalOp]
+    nodes: tuple[str, str, str]
+
+
+# the gradient masks of the dispatcher's three local ops (route, experts, combine); route's and combine's
+# integer inputs (the routings) get none, nor do the counts
+def _masks(w: bool, w1: bool, w2: bool) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+    return (True, False), (True, False, w1, w2), (True, False, w)
+
+
+def _dispatched(plan: Decisions, x: ExpertDispatch, r: int) -> _Dispatched:
+    """:class:`_Dispatched` of ``x`` on rank ``r``."""
+    dg, n = plan.dg, x.experts
+    members, p, g, groups = _ring_group(x.gathers[0], r)
+    d = len(members)
+    spec = kernel(n, dg, r)
+    assert isinstance(spec, Forward) and spec.draw is None, n.name
+    assert spec.local.out_scale == 1.0 and all(s == 1.0 for s in spec.local.in_scale), n.name
+    op = spec.local.op
+    tokens, idx, w = (piece(dg.values[gather.inputs[0]]) for gather in x.gathers)
+    w1, w2 = (piece(dg.values[v]) for v in n.inputs[3:5])
+    local, (count, k) = w1.type.shape[0], idx.type.shape
+    assert isinstance(op, Experts) and op.start == p * local, n.name
+    base, hidden, dtype = dg.values[n.outputs[0]].id, tokens.type.shape[1], tokens.type.dtype
+    bound = TensorType((d * count * min(k, local), hidden), dtype)  # every pair of every member that can reach here
+    sent = TensorType((count * k, hidden), dtype)
+    counted = TensorType((d, local), "int64")
+    ops = (
+        LocalOp(ExpertRoute(d, local), (1.0, 1.0)),
+        LocalOp(ExpertsLocal(op.act, op.transposed, count * k), (1.0,) * 4),
+        LocalOp(ExpertCombine(), (1.0,) * 3),
+    )
+    return _Dispatched(
+        members,
+        p,
+        g,
+        groups,
+        tokens,
+        idx,
+        w,
+        w1,
+        w2,
+        Buffer(f"{base}#rows", sent),
+        Buffer(f"{base}#counts", counted),
+        Buffer(f"{base}#received_counts", counted),
+        Buffer(f"{base}#received", bound),
+        Buffer(f"{base}#computed", bound),
+        Buffer(f"{base}#back", sent),
+        ops,
+        tuple(f"{n.src}/{o.op.kind}" for o in ops),  # type: ignore[arg-type]
+    )
+
+
+def _exchange(
+    x: ExpertDispatch, at: _Dispatched, token: int, task: TaskType, send: Buffer, recv: Buffer, out: bool
+) -> Comm:
+    """One all-to-all of the routing's sizes in group ``at``: ``send``'s rows to the experts' members (``out``: split
+    by this rank's counts, received by the counts it was sent) or back to the tokens' (the other way round)."""
+    d = len(at.members)
+    return Comm(
+        token * at.groups + at.g,
+        CommKind.ALL_TO_ALL_V,
+        task,
+        at.members,
+        send.type,
+        wire_bytes(CommKind.ALL_TO_ALL_V, send.type.nbytes, d),
+        _axis(x.gathers[0]),
+        send=send,
+        recv=recv,
+        note=x.experts.name,
+        value=send.value,
+        splits=(at.counts, at.rcounts) if out else (at.rcounts, at.counts),
+    )
+
+
+def _dispatch_forward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr]:
+    """The all-to-all token dispatcher's forward on rank ``r``
+    (docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all): route the rank's tokens (its rows,
+    one per token and expert, by expert, and how many go to each expert of each member), exchange the counts (an
+    all-to-all of fixed size), send the rows to their experts' members (an all-to-all of those sizes), compute its
+    experts on the rows received, send them back the same way, and combine each token's rows by its routing
+    weights into the output's piece (what the reduce-scatter of the all-gather dispatcher gives)."""
+    dg, n = plan.dg, x.experts
+    at = _dispatched(plan, x, r)
+    out = piece(dg.values[x.scatter.nodes[-1].outputs[0]])
+    masks = _masks(*(x.backward.grad_mask[2:5] if x.backward is not None else (False,) * 3))
+    keep = x.backward is not None
+
+    def compute(i: int, ins: tuple[Buffer, ...], outs: tuple[Buffer, ...]) -> Compute:
+        spec = Forward(at.ops[i], None, masks[i] if keep else ())
+        return Compute(n.task, at.nodes[i], at.ops[i].op.kind, ins, outs, f"{n.name}/{i}", kernel=spec, micro=n.micro)
+
+    d = len(at.members)
+    counts = Comm(
+        at.g,
+        CommKind.ALL_TO_ALL,
+        n.task,
+        at.members,
+        at.counts.type,
+        wire_bytes(CommKind.ALL_TO_ALL, at.counts.type.nbytes, d),
+        _axis(x.gathers[0]),
+        send=at.counts,
+        recv=at.rcounts,
+        dim=0,
+        dim2=0,
+        note=n.name,
+        value=at.counts.value,
+    )
+    return [
+        compute(0, (at.x, at.idx), (at.rows, at.counts)),
+        counts,
+        _exchange(x, at, 1, n.task, at.rows, at.recv, True),
+        compute(1, (at.recv, at.rcounts, at.w1, at.w2), (at.done,)),
+        _exchange(x, at, 2, n.task, at.done, at.back, False),
+        compute(2, (at.back, at.idx, at.w), (out,)),
+    ]
+
+
+def _dispatch_backward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr]:
+    """The all-to-all token dispatcher's backward on rank ``r``: the output gradient through the combine (the
+    gradients of the rows back and of the routing weights), the rows' gradients sent to the experts' members as the
+    rows were, each member's experts differentiated on the rows it received (its experts' weight gradients, whole:
+    every token routed to them is here), the rows' input gradients sent back, and the tokens' gradient summed from
+    their rows."""
+    dg, b = plan.dg, x.backward
+    assert b is not None and x.dout is not None, x.experts.name
+    at = _dispatched(plan, x, r)
+    grads = dict(zip((i for i, m in enumerate(b.grad_mask) if m), b.outputs))
+    final = {i: piece(dg.values[st.nodes[-1].outputs[0]]) for i, st in x.scatters.items()}
+    final |= {i: piece(dg.values[grads[i]]) for i in (3, 4) if i in grads}
+    masks = _masks(*(i in grads for i in (2, 3, 4)))
+    dout = piece(dg.values[x.dout.inputs[0]])
+    base = at.back.value
+    d_back = Buffer(f"{base}#grad", at.back.type)
+    d_recv = Buffer(f"{at.done.value}#grad", at.recv.type)
+    d_rows = Buffer(f"{at.rows.value}#grad", at.rows.type)
+    d_received = Buffer(f"{at.recv.value}#grad", at.recv.type)
+
+    def vjp(i: int, ins: tuple[Buffer, ...], dys: tuple[Buffer, ...], outs: tuple[Buffer, ...]) -> Compute:
+        dy_mask = (True, False) if i == 0 else (True,)
+        spec = Vjp(at.ops[i], None, masks[i], (1.0,) * len(masks[i]), dy_mask, tuple(o.type.dtype for o in outs))
+        return Compute(
+            b.task,
+            at.nodes[i],
+            f"vjp[{at.ops[i].op.kind}]",
+            ins + dys,
+            outs,
+            f"{b.name}/{i}",
+            kernel=spec,
+            micro=b.micro,
+        )
+
+    return [
+        vjp(2, (at.back, at.idx, at.w), (dout,), (d_back,) + ((final[2],) if 2 in final else ())),
+        _exchange(x, at, 0, b.task, d_back, d_recv, True),
+        vjp(
+            1,
+            (at.recv, at.rcounts, at.w1, at.w2),
+            (d_recv,),
+            (d_received,) + tuple(final[i] for i in (3, 4) if i in final),
+        ),
+        _exchange(x, at, 1, b.task, d_received, d_rows, False),
+        vjp(0, (at.x, at.idx), (d_rows,), (final[0],)),
+    ]
 
 
 def _overlapped(plan: Decisions, instrs: list[Instr]) -> list[Instr]:

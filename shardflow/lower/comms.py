@@ -47,6 +47,13 @@ def _all_to_all(members, sends, shared):
     return [torch.cat([chunks[i][j] for i in range(d)], c.dim2) for j in range(d)]
 
 
+@register_local(CommKind.ALL_TO_ALL_V)
+def _all_to_all_v(members, sends, shared, splits):  # splits[i][j]: the rows member i sends to member j
+    d = len(members)
+    chunks = [x.split(s) for x, s in zip(sends, splits)]
+    return [torch.cat([chunks[i][j] for i in range(d)]) for j in range(d)]
+
+
 @register_local(CommKind.BROADCAST)
 def _broadcast(members, sends, shared):
     c = members[0]
@@ -75,10 +82,13 @@ def _p2p(members, sends, shared):
 
 
 def run_local(
-    members: Sequence[Comm], sends: Sequence[torch.Tensor | None], shared: Sequence[bool]
+    members: Sequence[Comm],
+    sends: Sequence[torch.Tensor | None],
+    shared: Sequence[bool],
+    splits: Sequence[list[int]] = (),
 ) -> list[torch.Tensor | None]:
-    """What each member receives (``None``: nothing), from what each sends; all three in ``members[0].members``
-    order. ``shared``: per member, whether its send buffer is the communication's to use
+    """What each member receives (``None``: nothing), from what each sends; all four in ``members[0].members``
+    order. ``splits``: for a kind whose sizes are data (``all_to_all_v``), per member the rows it sends to each. ``shared``: per member, whether its send buffer is the communication's to use
     (:func:`~shardflow.lower.buffer_reuse.shared_sends`): a reduction then writes its result there and a broadcast root
     keeps its buffer as its result, as :func:`shardflow.runtime.comms.issue` does — so the local executor runs the
     same buffer sharing as the distributed one; and the head-tail reorders of ``Comm.to_storage``/``to_natural``.
@@ -88,10 +98,18 @@ def run_local(
         raise ValueError(f"no local implementation of communication kind {c.kind!r} (token {c.token})")
     if c.to_storage is not None:  # into the load-balanced layout (Comm.to_storage): copies, the communication's
         sends, shared = [x if x is None else c.to_storage.to_storage(x) for x in sends], [True] * len(sends)
-    received = KINDS[c.kind].local(members, sends, shared)
+    spec = KINDS[c.kind]
+    received = spec.local(members, sends, shared, splits) if spec.sized else spec.local(members, sends, shared)
     if c.to_natural is None:
         return received
     return [x if x is None else c.to_natural.to_natural(x) for x in received]
+
+
+def sized_bytes(c: Comm, rows: Sequence[int], index: int) -> int:
+    """Bytes member ``index`` of an all-to-all of data-dependent sizes (``c``) sends when it sends ``rows[j]`` rows
+    to member j: the rows to the other members (its bound, ``c.nbytes``, is every row of the send buffer)."""
+    row = c.type.nbytes // c.type.shape[0] if c.type.shape[0] else 0
+    return row * (sum(rows) - rows[index])
 
 
 def front_dim(c: Comm) -> int:

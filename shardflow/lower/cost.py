@@ -74,6 +74,18 @@ class CPAttention(StrEnum):
     RING = "ring"
 
 
+class EPDispatch(StrEnum):
+    """How an expert layer under ``ep`` moves its tokens to their experts' ranks and the results back
+    (``--ep-dispatch``; docs/concepts.md#expert-parallelism): ``all_to_all`` sends each token only to the ranks of
+    the experts it is routed to and back, by two all-to-alls whose sizes are the routing's, exchanged in the step
+    (:func:`~shardflow.lower.comm_lowering.expert_dispatches`; dropless, as torchtitan's and Megatron-LM's
+    all-to-all dispatchers); ``all_gather`` gathers every token of the axis on every rank and reduce-scatters the
+    partial outputs back (Megatron-LM's all-gather dispatcher: fixed sizes, more bytes beyond ``ep`` = K)."""
+
+    ALL_TO_ALL = "all_to_all"
+    ALL_GATHER = "all_gather"
+
+
 class CPLayout(StrEnum):
     """How a sequence split over the ``cp`` axis is laid out on its devices (``--cp-layout``;
     docs/concepts.md#the-load-balanced-layout): ``balanced``, the head-tail order of PyTorch's load balancer (2·cp
@@ -269,6 +281,8 @@ class LowerOptions:
 
     ``accumulate``: gradient accumulation, the micro-steps of one optimizer step (``--accumulate``;
     :class:`~shardflow.lower.dynamic.MicroStep`), each on an equal part of the batch.
+
+    ``ep_dispatch``: how an expert layer under ``ep`` sends its tokens to their experts (:class:`EPDispatch`).
     """
 
     all_gather: CommForm | None = None
@@ -286,6 +300,7 @@ class LowerOptions:
     ac_blocks: int | None = None
     cp_attention: CPAttention = CPAttention.AUTO
     cp_layout: CPLayout = CPLayout.AUTO
+    ep_dispatch: EPDispatch = EPDispatch.ALL_TO_ALL
 
     @classmethod
     def parse(
@@ -305,6 +320,7 @@ class LowerOptions:
         accumulate: int = 1,
         cp_attention: str = "auto",
         cp_layout: str = "auto",
+        ep_dispatch: str = "all_to_all",
     ) -> LowerOptions:
         """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
         arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.
@@ -356,6 +372,7 @@ class LowerOptions:
             ac_blocks=ac_blocks,
             cp_attention=_choice("cp_attention", cp_attention, tuple(CPAttention)),
             cp_layout=_choice("cp_layout", cp_layout, tuple(CPLayout)),
+            ep_dispatch=_choice("ep_dispatch", ep_dispatch, tuple(EPDispatch)),
         )
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:

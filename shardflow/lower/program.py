@@ -200,7 +200,10 @@ class Comm:
     sequence into or out of the load-balanced layout (docs/concepts.md#the-load-balanced-layout), the send buffer's
     dim put in head-tail order before it is sent (a reduce-scatter or all-to-all onto the layout's pieces), the
     received dim put back in natural order after (an all-gather or all-to-all out of them): local moves of the
-    communication's own buffers.
+    communication's own buffers. ``splits``: for an all-to-all of data-dependent sizes (``all_to_all_v``), the two
+    count buffers ``[members, *]`` (int64) this rank holds: row j of the first sums to the rows of ``send`` (along
+    dim 0) it sends to member j, row j of the second to the rows it receives from member j. ``send`` and ``recv``
+    are then typed with their bounds, and the verifier proves the counts are held before it is issued.
     """
 
     token: int
@@ -224,6 +227,7 @@ class Comm:
     piece: tuple[int, ...] = ()
     to_storage: HeadTail | None = None
     to_natural: HeadTail | None = None
+    splits: tuple[Buffer, Buffer] | None = None
 
     @property
     def family(self) -> str:
@@ -255,6 +259,8 @@ class Comm:
             else f"group={list(self.members)}" + (f" root={self.root}" if self.root is not None else "")
         )
         bufs = " ".join(f"{k}={b}" for k, b in (("send", self.send), ("recv", self.recv)) if b is not None)
+        if self.splits is not None:
+            bufs += f" splits={self.splits[0].value},{self.splits[1].value}"
         issue = " (async)" if not self.wait else ""
         order = "".join(
             f" {name}(dim {h.dim}, {h.chunks} chunks)"
@@ -418,6 +424,8 @@ class Program:
                 for name, h in (("to_head_tail", i.to_storage), ("to_natural", i.to_natural)):
                     if h is not None:
                         comm[name] = {"dim": h.dim, "chunks": h.chunks, "length": h.length}
+                if i.splits is not None:
+                    comm["splits"] = [buf(b) for b in i.splits]
                 instrs.append(comm)
         totals: dict[str, dict[str, int]] = {}
         for (kind, axis), n in self.bytes_by_kind().items():
@@ -434,10 +442,13 @@ class Program:
 
 
 def reads(i: Instr) -> tuple[Buffer, ...]:
-    """The buffers instruction ``i`` reads on its rank: a compute's inputs, a communication's send buffer."""
+    """The buffers instruction ``i`` reads on its rank: a compute's inputs, a communication's send buffer and split
+    counts."""
     if isinstance(i, Compute):
         return i.ins
-    return (i.send,) if isinstance(i, Comm) and i.send is not None else ()
+    if not isinstance(i, Comm):
+        return ()
+    return ((i.send,) if i.send is not None else ()) + (i.splits or ())
 
 
 def writes(i: Instr) -> tuple[Buffer, ...]:

@@ -15,7 +15,9 @@ all-reduce algorithms for clusters of workstations", JPDC 2009): (d−1)/d·N fo
 bytes), reduce-scatter and all-to-all (N = the input piece), 2(d−1)/d·N for all-reduce; a send or one
 collective-permute step moves its piece; a broadcast root sends N once; a reduce (d−1)/d·N. Every kind is
 implemented with a call whose ring algorithm meets the bound, so the wire bytes *are* the bound (gloo's
-reduce-scatter included: ``reduce_scatter_single``, not an all-reduce underneath).
+reduce-scatter included: ``reduce_scatter_single``, not an all-reduce underneath). An all-to-all of data-dependent
+sizes counts its bound, the whole send buffer (its rows may all go to other members); the executors measure what
+it sends (docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from shardflow.parallel.sharding import Sharding
 
 class CommKind(StrEnum):
     """The kinds of :class:`~shardflow.lower.program.Comm`. ``send``/``recv`` are the two ends of one
-    point-to-point transfer (family ``p2p``); ``permute`` is one step of a collective-permute ring."""
+    point-to-point transfer (family ``p2p``); ``permute`` is one step of a collective-permute ring; ``all_to_all_v``
+    an all-to-all whose chunk sizes are data, known when the step runs (the all-to-all token dispatcher's:
+    :attr:`~shardflow.lower.program.Comm.splits`)."""
 
     SEND = "send"
     RECV = "recv"
@@ -42,6 +46,7 @@ class CommKind(StrEnum):
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
+    ALL_TO_ALL_V = "all_to_all_v"
     BROADCAST = "broadcast"
     REDUCE = "reduce"
     PERMUTE = "permute"
@@ -57,8 +62,9 @@ class CommSpec:
     ``fields``: which of ``peer``/``peer_from``/``root`` it uses (each must name a member); the others stay None.
     ``point_to_point``: issued between two ranks, without a process group. ``dim_first``: it receives with
     ``dim`` moved to the front (:func:`~shardflow.lower.comms.front_dim`). ``priced_as``: the cost model's kind
-    of call (:data:`~shardflow.lower.calibration.COST_KINDS`): send, recv and a permute step are ``p2p``, a
-    collective is its own. ``local``: the one-process implementation, registered by :mod:`shardflow.lower.comms`
+    of call (:data:`~shardflow.lower.calibration.COST_KINDS`): send, recv and a permute step are ``p2p``, an
+    all-to-all of data-dependent sizes an ``all_to_all``, another collective its own. ``sized``: its chunk sizes
+    are data (:attr:`~shardflow.lower.program.Comm.splits`), which both implementations take. ``local``: the one-process implementation, registered by :mod:`shardflow.lower.comms`
     (:func:`~shardflow.lower.comms.run_local`); ``distributed``: this rank's side on torch.distributed,
     registered by :mod:`shardflow.runtime.comms` (:func:`~shardflow.runtime.comms.issue`)."""
 
@@ -68,12 +74,15 @@ class CommSpec:
     fields: tuple[str, ...] = ()
     point_to_point: bool = False
     dim_first: bool = False
+    sized: bool = False
     local: Callable | None = None
     distributed: Callable | None = None
 
     @property
     def priced_as(self) -> str:
-        return "p2p" if self.point_to_point else self.kind.value
+        if self.point_to_point:
+            return "p2p"
+        return CommKind.ALL_TO_ALL.value if self.sized else self.kind.value
 
 
 def _ring(n: int, d: int) -> int:  # (d−1)/d of the piece
@@ -89,6 +98,8 @@ KINDS: dict[CommKind, CommSpec] = {
         CommSpec(CommKind.ALL_GATHER, "all_gather", lambda n, d, root: (d - 1) * n, dim_first=True),
         CommSpec(CommKind.REDUCE_SCATTER, "reduce_scatter", lambda n, d, root: _ring(n, d), dim_first=True),
         CommSpec(CommKind.ALL_TO_ALL, "all_to_all", lambda n, d, root: _ring(n, d)),
+        # its bound: every row of the send buffer to another member (what it sends is measured when it runs)
+        CommSpec(CommKind.ALL_TO_ALL_V, "all_to_all_v", lambda n, d, root: n, sized=True),
         CommSpec(CommKind.BROADCAST, "broadcast", lambda n, d, root: n if root else 0, ("root",)),
         CommSpec(CommKind.REDUCE, "reduce", lambda n, d, root: _ring(n, d), ("root",)),
         CommSpec(

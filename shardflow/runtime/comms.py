@@ -45,6 +45,7 @@ class Call:
     group: object
     in_place: bool
     alloc: Callable[[tuple[int, ...]], torch.Tensor]
+    splits: tuple[list[int], list[int]] | None = None
 
     @property
     def d(self) -> int:
@@ -70,6 +71,7 @@ def issue(
     in_place: bool = False,
     device: torch.device | str = "cpu",
     alloc: Callable[[tuple[int, ...]], torch.Tensor] | None = None,
+    splits: tuple[list[int], list[int]] | None = None,
 ) -> Issued:
     """Issue this rank's side of ``c`` without waiting. ``send``: this rank's send buffer (shape
     ``c.send.type.shape``); ``group``: the process group of ``c.members`` (None = the world); ``in_place``: the
@@ -83,8 +85,9 @@ def issue(
     cannot be viewed in place: ``dim2`` ≠ 0). ``alloc(shape)``: the buffer the communication receives into (its
     result's storage, of the dtype of ``c``; e.g. one the caller keeps from step to step:
     :func:`~shardflow.lower.buffer_reuse.kept_receives`); default a new one. ``c.to_storage``/``c.to_natural``: the
-    send put in head-tail order first, the result put back in natural order (a copy) once received. Raises
-    ValueError for an unknown kind."""
+    send put in head-tail order first, the result put back in natural order (a copy) once received. ``splits``:
+    for an all-to-all of data-dependent sizes, the rows this rank sends to and receives from each member (the sums
+    of the rows of ``c.splits``' buffers). Raises ValueError for an unknown kind."""
     spec = KINDS.get(c.kind)
     if spec is None or spec.distributed is None:
         raise ValueError(f"rank {rank}: no implementation of communication kind {c.kind!r} (token {c.token})")
@@ -94,7 +97,7 @@ def issue(
 
     if c.to_storage is not None and send is not None:  # into the load-balanced layout: a copy, the backend's to use
         send, in_place = c.to_storage.to_storage(send), True
-    issued = spec.distributed(Call(c, send, rank, group, in_place, alloc or empty))
+    issued = spec.distributed(Call(c, send, rank, group, in_place, alloc or empty, splits))
     if c.to_natural is None:
         return issued
     natural = c.to_natural.to_natural
@@ -144,6 +147,16 @@ def _all_to_all(x: Call) -> Issued:  # t[j]: the chunk for member j; out[i]: the
         (dist.all_to_all_single(out, t, group=x.group, async_op=True),),
         lambda: out.movedim(0, c.dim2).flatten(c.dim2, c.dim2 + 1),
     )
+
+
+@register_distributed(CommKind.ALL_TO_ALL_V)
+def _all_to_all_v(x: Call) -> Issued:  # rows along dim 0, as many to and from each member as x.splits say
+    assert x.splits is not None and x.send is not None, x.c
+    sent, received = x.splits
+    t = x.send.contiguous()
+    out = x.alloc((sum(received),) + tuple(t.shape[1:]))
+    work = dist.all_to_all_single(out, t, received, sent, group=x.group, async_op=True)
+    return Issued((work,), lambda: out)
 
 
 @register_distributed(CommKind.BROADCAST)

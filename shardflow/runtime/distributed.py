@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from shardflow.graph.ops import torch_dtype
 from shardflow.lower import LoweredStep
 from shardflow.lower.buffer_reuse import buffer_reuse
+from shardflow.lower.comms import sized_bytes
 from shardflow.lower.memory import Ledger, peak
 from shardflow.lower.program import Comm, Compute, Group, Wait
 from shardflow.lower.verify import check_fingerprints
@@ -491,6 +492,8 @@ class DistributedExecutor(Executor):
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on the full ``inputs`` (every rank passes the same); returns the loss."""
         self._place_inputs(inputs)
+        self.sized_sent = {self.rank: 0}
+        self.rows: dict[str, list[int]] = {}  # count buffer → its row sums, read this step
         b, ledger, tracer = self.buffers, self.ledger, self.tracer
         if ledger:
             ledger.sync(b)
@@ -595,8 +598,23 @@ class DistributedExecutor(Executor):
             self._check_token(c)
         send = self.buffers[c.send.value] if c.send is not None else None
         group = None if KINDS[c.kind].point_to_point else self.groups.get(c.members)
+        splits = None
+        if c.splits is not None:  # data: read on the host once per step and count buffer (on a device: a sync)
+            for b in c.splits:
+                if b.value not in self.rows:
+                    self.rows[b.value] = self.buffers[b.value].sum(1).tolist()
+            sent, received = (self.rows[b.value] for b in c.splits)
+            splits = (sent, received)
+            self.sized_sent[self.rank] += sized_bytes(c, sent, c.members.index(self.rank))
         issued = issue(
-            c, send, self.rank, group, in_place=c.token in self.shared, device=self.device, alloc=self.receives.alloc(c)
+            c,
+            send,
+            self.rank,
+            group,
+            in_place=c.token in self.shared,
+            device=self.device,
+            alloc=self.receives.alloc(c),
+            splits=splits,
         )
         if not c.wait:
             self.pending[c.token] = (issued, c)

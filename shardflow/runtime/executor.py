@@ -52,6 +52,9 @@ class Executor(ABC):
     steps_done: int = 0
     micro: tuple[int, int] = (0, 1)
     constants_placed: bool = False  # the graph's constants are placed at the first step and kept (they outlive it)
+    # per rank run here: the bytes its all-to-alls of data-dependent sizes sent in the last step, measured (the
+    # programs count their bound: docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all)
+    sized_sent: dict[int, int] = {}  # each step assigns its own
 
     def _index_updates(self) -> None:
         """After a step, each value that replaces another (an update's new weight and state, a micro-step's new

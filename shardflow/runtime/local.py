@@ -14,7 +14,7 @@ import torch
 
 from shardflow.lower import LoweredStep
 from shardflow.lower.buffer_reuse import buffer_reuse
-from shardflow.lower.comms import front_dim, run_local
+from shardflow.lower.comms import front_dim, run_local, sized_bytes
 from shardflow.lower.dynamic import Value
 from shardflow.lower.memory import Ledger, peak
 from shardflow.lower.program import Comm, Compute
@@ -157,6 +157,7 @@ class LocalExecutor(Executor):
     def step(self, inputs: Mapping[str, torch.Tensor]) -> float:
         """Run one training step on full ``inputs`` (by graph input name); returns the loss."""
         self._place_inputs(inputs)
+        self.sized_sent = dict.fromkeys(self.lowered.programs, 0)
         self._sync_ledgers()
         blocked = rendezvous(self.lowered.programs, self._run, self._meet)
         if blocked:
@@ -203,7 +204,11 @@ class LocalExecutor(Executor):
         """A communication every member has reached: each receives what :func:`run_local` gives it."""
         sends = [self.buffers[r][c.send.value] if c.send is not None else None for r, c in holders]
         shared = [c.token in self.shared[r] for r, c in holders]
-        for (r, c), x in zip(holders, run_local([c for _, c in holders], sends, shared)):
+        sized = holders[0][1].splits is not None
+        splits = [self.buffers[r][c.splits[0].value].sum(1).tolist() for r, c in holders if c.splits] if sized else []
+        for j, ((r, c), rows) in enumerate(zip(holders, splits)):
+            self.sized_sent[r] += sized_bytes(c, rows, j)
+        for (r, c), x in zip(holders, run_local([c for _, c in holders], sends, shared, splits)):
             alloc = self.receives[r].alloc(c)
             if alloc is not None:  # copied where the distributed executor receives it: its slot, its ring's block
                 at = front_dim(c)  # in the layout the distributed executor receives in

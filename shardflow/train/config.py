@@ -113,6 +113,13 @@ class TrainConfig:
         "--seq-len cuts into 2·cp chunks, else contiguous)",
         choices=("auto", "balanced", "contiguous"),
     )
+    ep_dispatch: str = _f(
+        "all_to_all",
+        "under ep: how an expert layer's tokens reach their experts: all_to_all (each token sent only to the ranks of "
+        "its experts and back, by all-to-alls of the routing's sizes, exchanged in the step; dropless) or all_gather "
+        "(every token of the ep group gathered on every rank, the partial outputs reduce-scattered back)",
+        choices=("all_to_all", "all_gather"),
+    )
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(
         None,
@@ -409,7 +416,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
     """The typed options of the step settings ``settings`` names as ``shardflow train`` does — a
     :class:`TrainConfig`, or ``shardflow plan``'s flags of the same names (``all_gather``, ``reduce_scatter``,
     ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``ac_blocks``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
-    ``accumulate``, ``cp_attention``, ``cp_layout``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
+    ``accumulate``, ``cp_attention``, ``cp_layout``, ``ep_dispatch``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
     it does)."""
     return LowerOptions.parse(
         cost=cost,
@@ -426,6 +433,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
         accumulate=settings.accumulate,
         cp_attention=settings.cp_attention,
         cp_layout=settings.cp_layout,
+        ep_dispatch=settings.ep_dispatch,
     )
 
 
