@@ -491,6 +491,7 @@ def parallelize(
     cp_attention: str = "auto",
     cp_layout: str = "auto",
     ep_dispatch: str = "all_to_all",
+    capacity_factor: float | None = None,
     reshard_after_forward: bool = True,
     ac: str = "none",
     ac_blocks: int | None = None,
@@ -566,6 +567,8 @@ def parallelize(
         ep_dispatch: under an ``ep`` axis, how an expert layer's tokens reach their experts: ``"all_to_all"`` (only
             to their experts' ranks and back, by all-to-alls of the routing's sizes) or ``"all_gather"`` (every
             token gathered on every rank of the group) (:class:`~shardflow.lower.cost.EPDispatch`).
+        capacity_factor: under the all-to-all dispatcher, the rows each rank sends each expert at most, as a
+            multiple of an even share of its token-expert pairs; the rest are dropped (None: dropless).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
         ac: activation checkpointing, ``"none"``, ``"block"``: each block (a module under an integer index, such
@@ -633,6 +636,7 @@ def parallelize(
         cp_attention=cp_attention,
         cp_layout=cp_layout,
         ep_dispatch=ep_dispatch,
+        capacity_factor=capacity_factor,
     )
     if isinstance(plan, Mapping):
         plan = plan_from_styles(model, plan, styles_axis(mesh))

@@ -154,15 +154,17 @@ STEP_FLAGS = (
     "dtype",
     "cp_attention",
     "cp_layout",
-    "ep_dispatch",
 )
+# how an expert layer's tokens reach their experts under ep, as shardflow train has them (check takes them too)
+EXPERT_FLAGS = ("ep_dispatch", "capacity_factor")
 # how a step communicates, as shardflow train has them: "auto" forms follow the machine's cost model
 COMM_FLAGS = ("all_gather", "reduce_scatter", "bucket_mb")
 
 
-def add_memory_args(p: argparse.ArgumentParser) -> None:
-    """``--[no-]reshard-after-forward``, ``--ac`` and ``--ac-blocks``, as ``shardflow train`` has them (TrainConfig's fields)."""
-    for name in MEMORY_FLAGS:
+def add_memory_args(p: argparse.ArgumentParser, more: tuple[str, ...] = ()) -> None:
+    """``--[no-]reshard-after-forward``, ``--ac`` and ``--ac-blocks``, and the flags ``more`` names, as ``shardflow
+    train`` has them (TrainConfig's fields)."""
+    for name in MEMORY_FLAGS + more:
         TrainConfig.add_argument(p, name, own_default=True)
 
 
@@ -171,7 +173,7 @@ def add_step_args(p: argparse.ArgumentParser) -> None:
     ``--cp-layout``, and the forms of
     communication ``--all-gather``, ``--reduce-scatter``, ``--bucket-mb``, as ``shardflow train`` has them
     (TrainConfig's fields)."""
-    for name in STEP_FLAGS + COMM_FLAGS:
+    for name in STEP_FLAGS + COMM_FLAGS + EXPERT_FLAGS:
         TrainConfig.add_argument(p, name, own_default=True)
 
 
@@ -183,10 +185,10 @@ def add_optimizer_args(p: argparse.ArgumentParser, optimizer: Any = dataclasses.
     TrainConfig.add_argument(p, "momentum", own_default=True)
 
 
-def memory_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The :data:`MEMORY_FLAGS` given to a command, as keyword arguments of ``LowerOptions.parse`` and
-    ``parallelize``."""
-    return {k: getattr(args, k) for k in MEMORY_FLAGS}
+def check_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :data:`MEMORY_FLAGS` and :data:`EXPERT_FLAGS` given to ``shardflow check``, as keyword arguments of
+    ``LowerOptions.parse`` and ``parallelize``."""
+    return {k: getattr(args, k) for k in MEMORY_FLAGS + EXPERT_FLAGS}
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -714,7 +716,7 @@ def compare(args: argparse.Namespace, executor: ExecutorKind) -> int:
             strict=args.strict,
             executor=executor,
             timeout_s=args.timeout,
-            **memory_options(args),
+            **check_options(args),
         )
         steps = trainer.compare_with_eager(model, batch, args.steps)  # refuses a model with dropout, before a step
         first = {k: p.detach().clone() for k, p in model.named_parameters()}  # to tell the sides apart on a failure
@@ -806,7 +808,7 @@ def launch_check(args: argparse.Namespace) -> int:
             f"mesh {mesh} has {mesh.size} devices but --nproc {args.nproc} starts {args.nproc} "
             f"processes; make --nproc {mesh.size}, or change --mesh"
         )
-    options = mesh_options(mesh, **memory_options(args))  # what each rank's parallelize parses
+    options = mesh_options(mesh, **check_options(args))  # what each rank's parallelize parses
     with precision(checked.dtype):
         if strategy == "auto":
             pipeline = auto_pipeline(
@@ -1172,7 +1174,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="refuse the strategy where a sharding rule refuses its inputs instead of redistributing them",
     )
-    add_memory_args(c)
+    add_memory_args(c, EXPERT_FLAGS)
     c.add_argument(
         "--timeout",
         type=float,

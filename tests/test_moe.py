@@ -21,6 +21,7 @@ from hf_worker import SGD, compare, weights_of  # noqa: E402
 
 from shardflow.capture import CaptureError, capture, wide_floats  # noqa: E402
 from shardflow.cli import main  # noqa: E402
+from shardflow.graph import dispatch as D  # noqa: E402
 from shardflow.graph import ops as O  # noqa: E402
 from shardflow.graph.flops import node_flops  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
@@ -281,6 +282,104 @@ def test_the_all_to_all_dispatcher_sends_each_token_only_to_its_experts_ranks():
     assert all(d <= TOL for d in diffs.values()), diffs
 
 
+def _through_the_dispatcher(capacity: int, d: int = 2, local: int = 2, k: int = 2, n: int = 6, hidden: int = 8):
+    """The dispatcher's three local ops on ``d`` ranks with the all-to-alls done by hand: each rank's ``n`` tokens
+    (random, float64) routed to ``k`` of ``d·local`` experts; (the ranks' outputs joined, the inputs)."""
+    torch.manual_seed(0)
+    e, inner = d * local, 6
+    xs = [torch.randn(n, hidden, dtype=torch.float64) for _ in range(d)]
+    idxs = [torch.stack([torch.randperm(e)[:k] for _ in range(n)]) for _ in range(d)]
+    ws = [torch.rand(n, k, dtype=torch.float64) for _ in range(d)]
+    w1, w2 = torch.randn(e, 2 * inner, hidden, dtype=torch.float64), torch.randn(e, hidden, inner, dtype=torch.float64)
+    mine = [slice(p * local, (p + 1) * local) for p in range(d)]
+    route = D.ExpertRoute(d, local, capacity)
+    sent = [route.compute(x, i) for x, i in zip(xs, idxs)]
+    if capacity:  # fixed sizes: C rows per expert, local · C per member
+        chunk = [[local * capacity] * d] * d
+    else:
+        chunk = [c.sum(1).tolist() for _, c in sent]
+    parts = [rows.split(sizes) for (rows, *_), sizes in zip(sent, chunk)]
+    received = [torch.cat([parts[s][p] for s in range(d)]) for p in range(d)]
+    counts = [torch.stack([sent[s][1][p] for s in range(d)]) for p in range(d)] if not capacity else [None] * d
+    done = [
+        D.ExpertsLocal(capacity=capacity).compute(
+            received[p], *([counts[p]] if counts[p] is not None else []), w1[mine[p]], w2[mine[p]]
+        )[0]
+        for p in range(d)
+    ]
+    back_sizes = [[chunk[s][p] for s in range(d)] for p in range(d)]
+    pieces = [y.split(sizes) for y, sizes in zip(done, back_sizes)]
+    outs = [
+        D.ExpertCombine(capacity).compute(torch.cat([pieces[p][s] for p in range(d)]), idxs[s], ws[s])[0]
+        for s in range(d)
+    ]
+    return torch.cat(outs), (xs, idxs, ws, w1, w2)
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 2, 6])
+def test_the_dispatcher_s_local_ops_compute_the_expert_layer_and_drop_past_capacity(capacity):
+    """Route, experts and combine around all-to-alls equal the expert layer on every token of every rank
+    (``O.Experts``) without a capacity, and with a capacity C each rank's first C pairs per expert in token order
+    (GShard's capacity), the others adding nothing — written out pair by pair here; C = n drops nothing."""
+    got, (xs, idxs, ws, w1, w2) = _through_the_dispatcher(capacity)
+    if capacity == 0:
+        want = O.Experts().compute(torch.cat(xs), torch.cat(idxs), torch.cat(ws), w1, w2)[0]
+    else:
+        outs = []
+        for x, idx, w in zip(xs, idxs, ws):
+            out, taken = torch.zeros_like(x), Counter()
+            for t in range(len(x)):
+                for j, e in enumerate(idx[t].tolist()):
+                    if taken[e] < capacity:
+                        out[t] += w[t, j] * O.expert_mlp("silu", x[t : t + 1], w1[e], w2[e])[0]
+                    taken[e] += 1
+            outs.append(out)
+        want = torch.cat(outs)
+    assert (got - want).abs().max().item() <= 1e-12
+
+
+def test_a_capacity_factor_gives_all_to_alls_of_fixed_size():
+    """``--capacity-factor 1`` on Mixtral under ep=2 (8 tokens per rank, top 2 of 4 experts: C = ⌈1 · 8·2/4⌉ = 4):
+    per layer, two all-to-alls of fixed size forward and two backward, each of the 4 experts' 4 slots of 64 float64
+    (half of them to the other rank: 4,096 bytes), no exchange of counts, nothing of data-dependent size; with a
+    factor of 2 (C = 8: every pair of a rank's tokens fits) the numbers of one device."""
+    pcg = _ep_pcg("mixtral", "ep=2", "ep")
+    lowered = lower_step(pcg, SGD.slots, options=dataclasses.replace(PLAIN, capacity_factor=1.0))
+    for program in lowered.programs.values():
+        comms = [c for c in program.comms if c.axis == "ep"]
+        kinds = Counter((c.task, c.kind) for c in comms)
+        assert kinds[("FWD", "all_to_all")] == 4 and kinds[("BWD", "all_to_all")] == 4
+        assert not kinds[("FWD", "all_to_all_v")] and not kinds[("BWD", "all_to_all_v")]
+        assert {(c.type.shape, c.nbytes) for c in comms if c.kind == "all_to_all"} == {((16, 64), 4096)}
+    model, batch, graph = captured("mixtral")
+    roomy = lower_step(pcg, SGD.slots, options=dataclasses.replace(PLAIN, capacity_factor=2.0))
+    diffs = compare(model, batch, graph, LocalExecutor(roomy, SGD))
+    assert all(d <= TOL for d in diffs.values()), diffs
+
+
+@pytest.mark.parametrize(
+    "more, said",
+    [
+        (["--strategy", "ep", "--capacity-factor", "0"], "capacity_factor=0.0: give the rows each expert takes"),
+        (
+            ["--strategy", "ep", "--capacity-factor", "1", "--ep-dispatch", "all_gather"],
+            "capacity_factor=1.0 with ep_dispatch='all_gather': a capacity caps the rows",
+        ),
+        (
+            ["--strategy", "dp", "--capacity-factor", "1"],
+            "--capacity-factor 1.0 caps the rows the all-to-all token dispatcher sends each expert, but expert layer "
+            "'model.layers.0.mlp.experts' is not dispatched by all-to-all",
+        ),
+    ],
+)
+def test_a_capacity_factor_is_refused_where_it_cannot_apply(capsys, more, said):
+    """A capacity factor of 0 or less, one with the all-gather dispatcher, and one where an expert layer is not
+    dispatched by all-to-all (dp): each a clear error before any process starts (exit status 2)."""
+    code = main(["check", "--model", f"{zoo.__file__}:mixtral", "--nproc", "2", *more])
+    err = capsys.readouterr().err
+    assert code == 2 and f"shardflow check: error: {said}" in err, err
+
+
 def test_the_verifier_proves_the_all_to_all_dispatcher_s_order_and_counts():
     """What the verifier proves of the data-dependent all-to-alls (docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all): every member issues them
     in one order — a rank whose two all-to-alls of one layer are swapped is refused — and the counts that size one
@@ -338,15 +437,25 @@ def test_ep_alone_and_combined_equals_one_device(family, mesh, strategy, sequenc
     assert all(d <= TOL for d in diffs.values()), diffs
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_shardflow_check_under_ep(capsys, nproc):
-    """``shardflow check --strategy ep`` in one process and on 2 gloo processes (the distributed executor, every
-    replica compared)."""
-    argv = ["check", "--model", f"{zoo.__file__}:mixtral", "--strategy", "ep", "--nproc", str(nproc), "--steps", "2"]
-    code = main(argv + ["--timeout", "60"])
+@pytest.mark.parametrize(
+    "factory, nproc, more",
+    [
+        ("mixtral", 1, []),
+        ("mixtral", 2, []),
+        ("mixtral", 2, ["--capacity-factor", "2"]),
+        ("mixtral_four_sequences", 4, ["--capacity-factor", "4"]),
+    ],
+)
+def test_shardflow_check_under_ep(capsys, factory, nproc, more):
+    """``shardflow check --strategy ep`` in one process and on 2 and 4 gloo processes (the distributed executor,
+    every replica compared), dropless and with a capacity that drops nothing (each expert may take every pair of a
+    rank's tokens: F · n·K / E = n)."""
+    argv = ["check", "--model", f"{zoo.__file__}:{factory}", "--strategy", "ep", "--nproc", str(nproc)]
+    code = main(argv + ["--steps", "2", "--timeout", "60", *more])
     out, err = capsys.readouterr()
     assert code == 0 and out.rstrip().endswith("over every replica (tolerance 1e-09): OK"), out + err
-    assert "strategy ep: mesh ep=2 (2 devices)" in out
+    size = 2 if nproc < 4 else 4
+    assert f"strategy ep: mesh ep={size} ({size} devices)" in out
 
 
 def test_ep_refuses_a_dense_model_and_a_degree_that_does_not_divide_the_experts():

@@ -217,6 +217,13 @@ def mixtral(vocab_size: int = VOCAB):
     return _causal(_hf("MixtralForCausalLM", "MixtralConfig", **MIXTRAL), vocab_size)
 
 
+def mixtral_four_sequences(vocab_size: int = VOCAB):
+    """Mixtral on a batch of 4 sequences, one per device of ep = 4: not a family of the matrix, tests/test_moe.py's."""
+    model, _ = mixtral(vocab_size)
+    ids = torch.randint(0, vocab_size, (4, T), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
 def mixtral_router_loss(vocab_size: int = VOCAB):
     """Mixtral whose config asks for the router's load-balancing loss (Switch Transformer's, added to the loss with
     coefficient 0.02): not a family of the matrix, tests/test_moe.py's."""

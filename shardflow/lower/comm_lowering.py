@@ -83,7 +83,8 @@ class ExpertDispatch:
     ``backward``: its backward, run the same way in place of the all-gather ``dout`` of the output's gradient and
     the reduce-scatters ``scatters`` of the gradients of the tokens (input 0) and routing weights (input 2, where
     they get one); None where the step has no backward for it (evaluation, a forward run again for the
-    recomputation that the backward reads instead)."""
+    recomputation that the backward reads instead). ``capacity``: the rows each rank sends each expert at most
+    (``--capacity-factor``: all-to-alls of fixed size), 0 for no capacity (dropless)."""
 
     experts: DNode
     gathers: tuple[DNode, DNode, DNode]
@@ -91,6 +92,7 @@ class ExpertDispatch:
     backward: DNode | None = None
     dout: DNode | None = None
     scatters: Mapping[int, Step] = dataclasses.field(default_factory=dict)
+    capacity: int = 0
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,11 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
             )
     flat = _flattened(dg, options, all_steps, readers)
     rings = attention_rings(dg, all_steps) if options.cp_attention == CPAttention.RING else {}
-    dispatches = expert_dispatches(dg, all_steps) if options.ep_dispatch == EPDispatch.ALL_TO_ALL else {}
+    dispatches = (
+        expert_dispatches(dg, all_steps, options.capacity_factor)
+        if options.ep_dispatch == EPDispatch.ALL_TO_ALL
+        else {}
+    )
     if options.bucket_bytes <= 0:
         return Decisions(dg, forms, fused, flat=flat, rings=rings, overlap=options.overlap, dispatches=dispatches)
     final = _final_gradients(dg)
@@ -317,7 +323,9 @@ def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, Attent
     return out
 
 
-def expert_dispatches(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, ExpertDispatch]:
+def expert_dispatches(
+    dg: DynamicGraph, all_steps: list[Step], capacity_factor: float | None = None
+) -> dict[str, ExpertDispatch]:
     """The all-to-all token dispatcher (docs/lowering.md#17-the-all-to-all-token-dispatcher---ep-dispatch-all_to_all):
     every forward expert layer whose tokens, routings and routing weights are each all-gathered along dim 0 over
     the one mesh axis that splits its experts (a block of them on each member), whose output's partial sums over
@@ -326,7 +334,9 @@ def expert_dispatches(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, Expe
     gathered inputs) joins where it differentiates the tokens and not the routings, with no linearity scale, its
     output gradient all-gathered and the gradients of the tokens and routing weights each reduce-scattered back,
     read by nothing else. A forward whose backward does not join is left as it is, unless it keeps nothing for the
-    backward (a forward the backward reads a recomputation of)."""
+    backward (a forward the backward reads a recomputation of). ``capacity_factor`` F (``--capacity-factor``): each
+    rank sends each expert at most ⌈F · n·K / E⌉ rows of its n tokens (GShard's capacity); then every expert
+    layer of the step must be dispatched (PassError naming one that is not)."""
     made, scattered, readers = _gathered_and_scattered(dg, all_steps)
     layers = [n for n in dg.nodes if n.kind == NodeKind.COMPUTE and isinstance(dg.sources[n.src].op, Experts)]
     backward = {n.inputs[:5]: n for n in layers if n.task == TaskType.BWD}
@@ -367,7 +377,19 @@ def expert_dispatches(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, Expe
             continue  # it keeps its autograd graph for a backward that is not dispatched
         if any(readers[g.outputs[0]] - {n.name} - ({b.name} if b is not None else set()) for g in gathers):
             continue
-        out[n.name] = ExpertDispatch(n, gathers, scatter, b, dout, scatters)  # type: ignore[arg-type]  # 3 gathers
+        capacity = 0
+        if capacity_factor is not None:
+            count, k = piece(dg.values[gathers[1].inputs[0]]).type.shape
+            capacity = math.ceil(capacity_factor * count * k / dg.values[n.inputs[3]].type.shape[0])
+        out[n.name] = ExpertDispatch(n, gathers, scatter, b, dout, scatters, capacity)  # type: ignore[arg-type]
+    missed = [n for n in layers if n.task == TaskType.FWD and n.name not in out]
+    if capacity_factor is not None and missed:
+        raise PassError(
+            f"--capacity-factor {capacity_factor} caps the rows the all-to-all token dispatcher sends each expert, but "
+            f"expert layer {dg.sources[missed[0].src].scope or missed[0].src!r} is not dispatched by all-to-all (it needs --strategy ep, with ep after the "
+            f"mesh's other axes that split the batch, e.g. --mesh fsdp=2,ep=2): leave --capacity-factor out, or "
+            f"dispatch every expert layer by all-to-all"
+        )
     return out
 
 
@@ -590,7 +612,8 @@ def instances(st: Step, plan: Decisions) -> int:
     dispatch = plan.dispatches.get(n.name) or plan.dispatch_backwards.get(n.name)
     if dispatch is not None:  # per group: the counts, the rows there and back; in the backward the rows' gradients
         d = n.group.mesh.axis_size(_axis(dispatch.gathers[0]))
-        return (3 if n.task == TaskType.FWD else 2) * (n.group.size // d)
+        exchanges = 2 if n.task == TaskType.BWD or dispatch.capacity else 3  # the counts' exchange without capacity
+        return exchanges * (n.group.size // d)
     if n.name in plan.ring_steps or n.name in plan.dispatch_steps:
         return 0
     if st.kind == NodeKind.COPY:
@@ -1162,7 +1185,8 @@ class _Dispatched(NamedTuple):
     ``w``) and experts' weights (``w1``, ``w2``); the forward's buffers: ``rows`` (its tokens once per expert, by
     expert), ``counts`` (rows per expert of each member), ``rcounts`` (rows each member sends to each of its
     experts), ``recv`` (the rows received, typed with their bound), ``done`` (those rows through its experts),
-    ``back`` (its rows back); the three local ops and the node names their autograd graphs are kept under."""
+    ``back`` (its rows back); the three local ops and the node names their autograd graphs are kept under; the
+    ``capacity`` (:attr:`ExpertDispatch.capacity`: no counts, every buffer C rows per expert)."""
 
     members: tuple[int, ...]
     p: int
@@ -1181,12 +1205,17 @@ class _Dispatched(NamedTuple):
     back: Buffer
     ops: tuple[LocalOp, LocalOp, LocalOp]
     nodes: tuple[str, str, str]
+    capacity: int
 
+    @property
+    def experts_ins(self) -> tuple[Buffer, ...]:
+        """What the experts read: the rows received, their counts (without capacity), the weights."""
+        return (self.recv,) + (() if self.capacity else (self.rcounts,)) + (self.w1, self.w2)
 
-# the gradient masks of the dispatcher's three local ops (route, experts, combine); route's and combine's
-# integer inputs (the routings) get none, nor do the counts
-def _masks(w: bool, w1: bool, w2: bool) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
-    return (True, False), (True, False, w1, w2), (True, False, w)
+    def masks(self, w: bool, w1: bool, w2: bool) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
+        """The gradient masks of the three local ops (route, experts, combine) where the routing weights, w1 and w2
+        get gradients; the routings (integers) and the counts get none."""
+        return (True, False), (True,) + (() if self.capacity else (False,)) + (w1, w2), (True, False, w)
 
 
 def _dispatched(plan: Decisions, x: ExpertDispatch, r: int) -> _Dispatched:
@@ -1203,13 +1232,16 @@ def _dispatched(plan: Decisions, x: ExpertDispatch, r: int) -> _Dispatched:
     local, (count, k) = w1.type.shape[0], idx.type.shape
     assert isinstance(op, Experts) and op.start == p * local, n.name
     base, hidden, dtype = dg.values[n.outputs[0]].id, tokens.type.shape[1], tokens.type.dtype
+    c = x.capacity
     bound = TensorType((d * count * min(k, local), hidden), dtype)  # every pair of every member that can reach here
     sent = TensorType((count * k, hidden), dtype)
+    if c:  # C rows per expert of every member, sent and received
+        sent = bound = TensorType((d * local * c, hidden), dtype)
     counted = TensorType((d, local), "int64")
     ops = (
-        LocalOp(ExpertRoute(d, local), (1.0, 1.0)),
-        LocalOp(ExpertsLocal(op.act, op.transposed, count * k), (1.0,) * 4),
-        LocalOp(ExpertCombine(), (1.0,) * 3),
+        LocalOp(ExpertRoute(d, local, c), (1.0, 1.0)),
+        LocalOp(ExpertsLocal(op.act, op.transposed, d * local * c or count * k, c), (1.0,) * (3 if c else 4)),
+        LocalOp(ExpertCombine(c), (1.0,) * 3),
     )
     return _Dispatched(
         members,
@@ -1229,6 +1261,7 @@ def _dispatched(plan: Decisions, x: ExpertDispatch, r: int) -> _Dispatched:
         Buffer(f"{base}#back", sent),
         ops,
         tuple(f"{n.src}/{o.op.kind}" for o in ops),  # type: ignore[arg-type]
+        c,
     )
 
 
@@ -1236,21 +1269,25 @@ def _exchange(
     x: ExpertDispatch, at: _Dispatched, token: int, task: TaskType, send: Buffer, recv: Buffer, out: bool
 ) -> Comm:
     """One all-to-all of the routing's sizes in group ``at``: ``send``'s rows to the experts' members (``out``: split
-    by this rank's counts, received by the counts it was sent) or back to the tokens' (the other way round)."""
+    by this rank's counts, received by the counts it was sent) or back to the tokens' (the other way round); under
+    a capacity, an all-to-all of fixed size (C rows per expert of each member)."""
     d = len(at.members)
+    kind = CommKind.ALL_TO_ALL if at.capacity else CommKind.ALL_TO_ALL_V
     return Comm(
         token * at.groups + at.g,
-        CommKind.ALL_TO_ALL_V,
+        kind,
         task,
         at.members,
         send.type,
-        wire_bytes(CommKind.ALL_TO_ALL_V, send.type.nbytes, d),
+        wire_bytes(kind, send.type.nbytes, d),
         _axis(x.gathers[0]),
         send=send,
         recv=recv,
+        dim=0 if at.capacity else None,
+        dim2=0 if at.capacity else None,
         note=x.experts.name,
         value=send.value,
-        splits=(at.counts, at.rcounts) if out else (at.rcounts, at.counts),
+        splits=None if at.capacity else (at.counts, at.rcounts) if out else (at.rcounts, at.counts),
     )
 
 
@@ -1264,13 +1301,21 @@ def _dispatch_forward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr]
     dg, n = plan.dg, x.experts
     at = _dispatched(plan, x, r)
     out = piece(dg.values[x.scatter.nodes[-1].outputs[0]])
-    masks = _masks(*(x.backward.grad_mask[2:5] if x.backward is not None else (False,) * 3))
+    masks = at.masks(*(x.backward.grad_mask[2:5] if x.backward is not None else (False,) * 3))
     keep = x.backward is not None
 
     def compute(i: int, ins: tuple[Buffer, ...], outs: tuple[Buffer, ...]) -> Compute:
         spec = Forward(at.ops[i], None, masks[i] if keep else ())
         return Compute(n.task, at.nodes[i], at.ops[i].op.kind, ins, outs, f"{n.name}/{i}", kernel=spec, micro=n.micro)
 
+    if at.capacity:  # fixed sizes: nothing to exchange first
+        return [
+            compute(0, (at.x, at.idx), (at.rows,)),
+            _exchange(x, at, 0, n.task, at.rows, at.recv, True),
+            compute(1, at.experts_ins, (at.done,)),
+            _exchange(x, at, 1, n.task, at.done, at.back, False),
+            compute(2, (at.back, at.idx, at.w), (out,)),
+        ]
     d = len(at.members)
     counts = Comm(
         at.g,
@@ -1291,7 +1336,7 @@ def _dispatch_forward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr]
         compute(0, (at.x, at.idx), (at.rows, at.counts)),
         counts,
         _exchange(x, at, 1, n.task, at.rows, at.recv, True),
-        compute(1, (at.recv, at.rcounts, at.w1, at.w2), (at.done,)),
+        compute(1, at.experts_ins, (at.done,)),
         _exchange(x, at, 2, n.task, at.done, at.back, False),
         compute(2, (at.back, at.idx, at.w), (out,)),
     ]
@@ -1309,7 +1354,7 @@ def _dispatch_backward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr
     grads = dict(zip((i for i, m in enumerate(b.grad_mask) if m), b.outputs))
     final = {i: piece(dg.values[st.nodes[-1].outputs[0]]) for i, st in x.scatters.items()}
     final |= {i: piece(dg.values[grads[i]]) for i in (3, 4) if i in grads}
-    masks = _masks(*(i in grads for i in (2, 3, 4)))
+    masks = at.masks(*(i in grads for i in (2, 3, 4)))
     dout = piece(dg.values[x.dout.inputs[0]])
     base = at.back.value
     d_back = Buffer(f"{base}#grad", at.back.type)
@@ -1318,7 +1363,7 @@ def _dispatch_backward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr
     d_received = Buffer(f"{at.recv.value}#grad", at.recv.type)
 
     def vjp(i: int, ins: tuple[Buffer, ...], dys: tuple[Buffer, ...], outs: tuple[Buffer, ...]) -> Compute:
-        dy_mask = (True, False) if i == 0 else (True,)
+        dy_mask = (True, False) if i == 0 and not at.capacity else (True,)
         spec = Vjp(at.ops[i], None, masks[i], (1.0,) * len(masks[i]), dy_mask, tuple(o.type.dtype for o in outs))
         return Compute(
             b.task,
@@ -1336,7 +1381,7 @@ def _dispatch_backward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr
         _exchange(x, at, 0, b.task, d_back, d_recv, True),
         vjp(
             1,
-            (at.recv, at.rcounts, at.w1, at.w2),
+            at.experts_ins,
             (d_recv,),
             (d_received,) + tuple(final[i] for i in (3, 4) if i in final),
         ),

@@ -282,7 +282,10 @@ class LowerOptions:
     ``accumulate``: gradient accumulation, the micro-steps of one optimizer step (``--accumulate``;
     :class:`~shardflow.lower.dynamic.MicroStep`), each on an equal part of the batch.
 
-    ``ep_dispatch``: how an expert layer under ``ep`` sends its tokens to their experts (:class:`EPDispatch`).
+    ``ep_dispatch``: how an expert layer under ``ep`` sends its tokens to their experts (:class:`EPDispatch`);
+    ``capacity_factor``: under the all-to-all dispatcher, each rank sends each expert at most ⌈F · n·K / E⌉ rows of
+    its n tokens, the rest dropped (``--capacity-factor``; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus
+    et al. 2022): all-to-alls of fixed size, and numbers that change where a token is dropped; None: dropless.
     """
 
     all_gather: CommForm | None = None
@@ -301,6 +304,7 @@ class LowerOptions:
     cp_attention: CPAttention = CPAttention.AUTO
     cp_layout: CPLayout = CPLayout.AUTO
     ep_dispatch: EPDispatch = EPDispatch.ALL_TO_ALL
+    capacity_factor: float | None = None
 
     @classmethod
     def parse(
@@ -321,6 +325,7 @@ class LowerOptions:
         cp_attention: str = "auto",
         cp_layout: str = "auto",
         ep_dispatch: str = "all_to_all",
+        capacity_factor: float | None = None,
     ) -> LowerOptions:
         """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
         arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.
@@ -350,6 +355,16 @@ class LowerOptions:
             )
         if bucket_mb < 0:
             raise ValueError(f"bucket_mb={bucket_mb}: give the MiB of a gradient bucket, 0 (no bucketing) or more")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(
+                f"capacity_factor={capacity_factor}: give the rows each expert takes of a rank's tokens as a multiple "
+                f"of an even share, above 0 (GShard's 1.25; 2 drops fewer), or leave it out for no capacity (dropless)"
+            )
+        if capacity_factor is not None and ep_dispatch != EPDispatch.ALL_TO_ALL:
+            raise ValueError(
+                f"capacity_factor={capacity_factor} with ep_dispatch={ep_dispatch!r}: a capacity caps the rows the "
+                f"all-to-all token dispatcher sends each expert; use ep_dispatch='all_to_all' or leave the capacity out"
+            )
         if precision is not None and not (
             precision.param_dtype.is_floating_point and precision.reduce_dtype.is_floating_point
         ):
@@ -373,6 +388,7 @@ class LowerOptions:
             cp_attention=_choice("cp_attention", cp_attention, tuple(CPAttention)),
             cp_layout=_choice("cp_layout", cp_layout, tuple(CPLayout)),
             ep_dispatch=_choice("ep_dispatch", ep_dispatch, tuple(EPDispatch)),
+            capacity_factor=capacity_factor,
         )
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:

@@ -120,6 +120,12 @@ class TrainConfig:
         "(every token of the ep group gathered on every rank, the partial outputs reduce-scattered back)",
         choices=("all_to_all", "all_gather"),
     )
+    capacity_factor: float | None = _f(
+        None,
+        "under ep's all-to-all dispatcher: each rank sends each expert at most capacity-factor × an even share of its "
+        "token-expert pairs (⌈F·n·K/E⌉ rows, GShard's capacity), the rest dropped — all-to-alls of fixed size, "
+        "numbers that differ from one device's where a token is dropped (default: none, dropless)",
+    )
     seq_len: int = _f(64, "tokens per sequence (the model's context length)")
     model: str | None = _f(
         None,
@@ -416,7 +422,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
     """The typed options of the step settings ``settings`` names as ``shardflow train`` does — a
     :class:`TrainConfig`, or ``shardflow plan``'s flags of the same names (``all_gather``, ``reduce_scatter``,
     ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``ac_blocks``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
-    ``accumulate``, ``cp_attention``, ``cp_layout``, ``ep_dispatch``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
+    ``accumulate``, ``cp_attention``, ``cp_layout``, ``ep_dispatch``, ``capacity_factor``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
     it does)."""
     return LowerOptions.parse(
         cost=cost,
@@ -434,6 +440,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
         cp_attention=settings.cp_attention,
         cp_layout=settings.cp_layout,
         ep_dispatch=settings.ep_dispatch,
+        capacity_factor=settings.capacity_factor,
     )
 
 
