@@ -177,9 +177,9 @@ def test_a_broken_rule_is_caught(monkeypatch):
 
 
 def test_locally_computable_candidates_are_real():
-    """The 'locally computable yet rejected' hint: a cumsum (an ATen op without a rule of its own) over dim 1 of
+    """The 'locally computable yet rejected' hint: a cumprod (an ATen op without a rule of its own) over dim 1 of
     an input sharded on dim 0 would need no communication, but the replicate-everything fallback refuses it."""
-    report = validate_rules(["aten(cumsum)"], ["tp=2"])
+    report = validate_rules(["aten(cumprod)"], ["tp=2"])
     assert [f.placements for f in report.local_candidates] == ["x=(S(0))"]
 
 

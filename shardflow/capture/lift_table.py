@@ -436,6 +436,36 @@ def _topk(c, node, x, k, dim=-1, largest=True, sorted=True):
     return tuple(_T(o) for o in outs)
 
 
+def _sort(c, node, x, dim=-1, descending=False, *, stable=False):
+    nd = len(node.args[0].meta["val"].shape)
+    outs = c.b.apply(O.Sort(_dim(dim, nd), bool(descending), bool(stable)), [c.tensor(x)], name=node.name)
+    return tuple(_T(o) for o in outs)
+
+
+def _sort_stable(c, node, x, *, stable=None, dim=-1, descending=False):
+    return _sort(c, node, x, dim, descending, stable=bool(stable))
+
+
+def _cumsum(c, node, x, dim, *, dtype=None):
+    return c.apply(O.Cumsum(_dim(dim, len(c.shape(node))), dtype_name(dtype) if dtype is not None else ""), [x], node)
+
+
+def _index_add(c, node, x, dim, index, source, *, alpha=1):
+    return c.apply(O.IndexAdd(_dim(dim, len(c.shape(node))), alpha), [x, index, source], node)
+
+
+def _index_put(c, node, x, indices, values, accumulate=False):
+    """``x.index_put_((index,), values, accumulate=True)`` with one 1-D index over dim 0 — what torch.export makes of
+    ``index_add`` along dim 0 — is :class:`~shardflow.graph.ops.IndexAdd`; any other form stays the generic op."""
+    shape = tuple(node.args[0].meta["val"].shape)
+    if not accumulate or len(indices) != 1 or indices[0] is None:
+        return None
+    index, source = node.args[1][0].meta["val"], node.args[2].meta["val"]
+    if index.ndim != 1 or index.dtype != torch.int64 or tuple(source.shape) != tuple(index.shape) + shape[1:]:
+        return None
+    return c.apply(O.IndexAdd(0), [x, indices[0], values], node)
+
+
 def _full_like(c, node, x, value, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return c.apply(O.FullLike(value, dtype_name(dtype) if dtype is not None else ""), [x], node)
 
@@ -507,6 +537,11 @@ LIFT: dict[Any, Callable] = {
     aten.gather.default: _gather,
     aten.topk.default: _topk,
     aten.histc.default: _histc,
+    aten.sort.default: _sort,
+    aten.sort.stable: _sort_stable,
+    aten.cumsum.default: _cumsum,
+    aten.index_add.default: _index_add,
+    aten.index_put.default: _index_put,
     aten.full_like.default: _full_like,
     aten.scatter.value: _scatter_value,
     aten.constant_pad_nd.default: _pad,

@@ -1200,6 +1200,85 @@ class TopK(Op):
 
 
 @dataclass(frozen=True, slots=True)
+class Sort(Op):
+    """``torch.sort(x, dim, descending, stable)``: x's entries along ``dim`` in order and their indices. Input x
+    ``[*]``; outputs values (x's dtype) and indices (int64), both x's shape. A mixture of experts' dispatcher sorts
+    its token-expert pairs by expert so (``[tokens · k]``)."""
+
+    kind: ClassVar[str] = "sort"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
+    dim: int = -1
+    descending: bool = False
+    stable: bool = False
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        (x,) = ins
+        _norm_dim(self.dim, x.ndim, "sort")
+        return (x, TensorType(x.shape, "int64"))
+
+    def compute(self, x):
+        values, indices = torch.sort(x, dim=self.dim, descending=self.descending, stable=self.stable)
+        return (values, indices)
+
+
+@dataclass(frozen=True, slots=True)
+class Cumsum(Op):
+    """``torch.cumsum(x, dim, dtype)``: running sums along ``dim``; x's shape, in ``dtype`` (empty: x's, int64 for
+    an integer or bool x, as torch promotes). A mixture of experts' dispatcher turns its tokens per expert into
+    offsets so."""
+
+    kind: ClassVar[str] = "cumsum"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
+    dim: int = 0
+    dtype: str = ""
+
+    def infer(self, ins):
+        _expect(1, ins, self)
+        (x,) = ins
+        _norm_dim(self.dim, x.ndim, "cumsum")
+        integral = not (torch_dtype(x.dtype).is_floating_point or torch_dtype(x.dtype).is_complex)
+        return (TensorType(x.shape, self.dtype or ("int64" if integral else x.dtype)),)
+
+    def compute(self, x):
+        return (torch.cumsum(x, self.dim, dtype=torch_dtype(self.dtype) if self.dtype else None),)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexAdd(Op):
+    """``torch.index_add(x, dim, index, source, alpha)``: x with ``alpha`` · source's slices along ``dim`` added at
+    the positions ``index`` names. Inputs x ``[*]``, index ``[n]`` (int64), source x's shape with ``dim`` of size n;
+    output x's shape and dtype. A mixture of experts' dispatcher adds its experts' rows back onto their tokens so."""
+
+    kind: ClassVar[str] = "index_add"
+    fresh: ClassVar[bool] = True
+    fresh_grads: ClassVar[bool] = True
+    dim: int = 0
+    alpha: float = 1
+
+    def infer(self, ins):
+        _expect(3, ins, self)
+        x, index, source = ins
+        d = _norm_dim(self.dim, x.ndim, "index_add")
+        if (
+            index.ndim != 1
+            or source.ndim != x.ndim
+            or source.shape[:d] + source.shape[d + 1 :] != x.shape[:d] + x.shape[d + 1 :]
+            or source.shape[d] != index.shape[0]
+        ):
+            raise OpError(
+                f"index_add: x {list(x.shape)}, index {list(index.shape)}, source {list(source.shape)} along dim {d} "
+                "do not fit x [*], index [n], source x's shape with dim of size n"
+            )
+        return (x,)
+
+    def compute(self, x, index, source):
+        return (x.index_add(self.dim, index, source, alpha=self.alpha),)
+
+
+@dataclass(frozen=True, slots=True)
 class FullLike(NoGradient):
     """``torch.full_like(x, value)``: a tensor of x's shape filled with ``value`` (dtype ``dtype``, x's when empty).
     A constant of x's shape: no gradient. DeepSeek-V3's router starts its group mask so."""
@@ -1492,6 +1571,9 @@ OPS: dict[str, type[Op]] = {
         Reduce,
         Attention,
         TopK,
+        Sort,
+        Cumsum,
+        IndexAdd,
         FullLike,
         Scatter,
         Histc,

@@ -390,6 +390,50 @@ def rule_topk(ctx: Ctx) -> RuleResult:
     return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
 
 
+def rule_sort(ctx: Ctx) -> RuleResult:
+    """As :func:`rule_topk`: the other dims pass to both outputs (the pairs of a dispatcher's tokens keep their
+    sharding), the sorted dim must be whole (the order of a block is not its place in the whole) and the input not
+    partial."""
+    op: O.Sort = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(0)
+    ctx.unsharded(0, [op.dim % ctx.types[0].ndim], "sort orders the whole dim")
+    dims = ctx.shardings[0].dims
+    return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
+
+
+def rule_cumsum(ctx: Ctx) -> RuleResult:
+    """The other dims pass; the summed dim must be whole (a block's running sums miss the blocks before it).
+    Running sums are linear: ``Partial(sum)`` pieces pass (the offsets of a dispatcher's partial counts per expert,
+    :func:`rule_histc`, are partial offsets); another partial is refused (an average of integers is none)."""
+    op: O.Cumsum = ctx.op  # type: ignore[assignment]
+    if ctx.shardings[0].reduce_op != ReduceOp.SUM:  # an average of integers is none
+        ctx.no_partial(0)
+    ctx.unsharded(0, [op.dim % ctx.types[0].ndim], "cumsum runs along the whole dim")
+    s = ctx.shardings[0]
+    return RuleResult((ctx.output(s.dims, s.partial, s.reduce_op),), ctx.local())
+
+
+def rule_index_add(ctx: Ctx) -> RuleResult:
+    """x and source agree on every dim but ``dim``, which passes; x's ``dim`` must be whole (an index names any
+    position along it). The rows added — source's ``dim`` and the index, split alike — may be split: each device
+    adds its rows, and the output is ``Partial(sum)`` on their axes, x divided by their degree so that it is counted
+    once (partial-sum linearity, as ``Partial + Replicate``); a floating x only. No partial inputs."""
+    op: O.IndexAdd = ctx.op  # type: ignore[assignment]
+    ctx.no_partial(0, 1, 2)
+    d = op.dim % ctx.types[0].ndim
+    ctx.unsharded(0, [d], "index_add writes anywhere along it")
+    rows = ctx.agree([(1, 0), (2, d)])
+    if rows and not _is_float(ctx.types[0]):
+        raise ctx.error(
+            f"the rows added (index and dim {d} of {ctx.names[2]!r}) are split on {list(rows)}, which makes the output "
+            f"a partial sum, but {ctx.names[0]!r} is {ctx.types[0].dtype}, which cannot be divided among the devices",
+            f"insert CombineOp(dim={d}, axis={rows[-1]}) on {ctx.names[2]!r} and its index first",
+        )
+    dims = [ctx.shardings[0].dims[k] if k == d else ctx.agree([(0, k), (2, k)]) for k in range(ctx.types[0].ndim)]
+    scale = 1.0 / ctx.degree(rows) if rows else 1.0
+    return RuleResult((ctx.output(dims, rows),), ctx.local(in_scale=(scale, 1.0, 1.0)))
+
+
 def rule_full_like(ctx: Ctx) -> RuleResult:
     """Every dim keeps its sharding (each device fills its piece); a partial input is refused (its pieces' shapes are
     the whole's, but the filled pieces would sum to degree × value)."""
@@ -747,6 +791,9 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
     O.Reduce: rule_reduce,
     O.Attention: rule_attention,
     O.TopK: rule_topk,
+    O.Sort: rule_sort,
+    O.Cumsum: rule_cumsum,
+    O.IndexAdd: rule_index_add,
     O.Histc: rule_histc,
     O.FullLike: rule_full_like,
     O.Scatter: rule_scatter,
