@@ -544,12 +544,13 @@ MIXTRAL_CONFIG = {
 }
 
 
-def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_export(capsys, corpus, tmp_path, read_metrics):
+def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_back_and_export(capsys, corpus, tmp_path, read_metrics):
     """``shardflow train --model-config mixtral.json --strategy ep`` (the model built on the meta device, as every
     ``--model-config`` run builds it: its experts count integer expert ids there) trains 2 steps on a 2-device mesh
     with its self-check against one device, the router's balance (tokens per expert: min/mean/max) in each step's
-    line and record; ``--resume --strategy fsdp`` continues from the ep checkpoint to step 4, checked again;
-    ``shardflow export`` writes a directory transformers loads as Mixtral, its experts whole."""
+    line and record; ``--resume --strategy fsdp`` continues from the ep checkpoint to step 4 and ``--resume
+    --strategy ep`` from that fsdp checkpoint to step 6, each checked again; ``shardflow export`` writes a directory
+    transformers loads as Mixtral, its experts whole."""
     import json
 
     import transformers
@@ -559,16 +560,19 @@ def test_train_a_mixtral_config_under_ep_resume_under_fsdp_and_export(capsys, co
     run = tmp_path / "run"
     common = ["--model-config", str(config), "--data", str(corpus), "--run-dir", str(run), "--nproc", "1"]
     common += ["--seq-len", "8", "--batch-size", "4", "--eval-every", "2", "--eval-batches", "1", "--check"]
-    for strategy, steps, extra in (("ep", "2", []), ("fsdp", "4", ["--resume"])):
+    outs = []
+    for strategy, steps, extra in (("ep", "2", []), ("fsdp", "4", ["--resume"]), ("ep", "6", ["--resume"])):
         code = main(["train", *common, "--strategy", strategy, "--mesh", f"{strategy}=2", "--steps", steps, *extra])
         out, err = capsys.readouterr()
         assert code == 0, out + err
         assert "check against one device: " in out and out.rstrip().endswith("OK"), out
         assert re.search(r"step +\d+/ *\d+ .* experts \d+/16/\d+ tok", out), out
-    assert "(step 2; written under strategy ep on mesh ep=2)" in out
+        outs.append(out)
+    assert "(step 2; written under strategy ep on mesh ep=2)" in outs[1]
+    assert "(step 4; written under strategy fsdp on mesh fsdp=2)" in outs[2]
     # 4 sequences of 8 tokens, each token routed to 2 of the 4 experts: 16 tokens per expert on average, every layer
     records = read_metrics(run)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     logged = [r for r in records if "expert_tokens_mean" in r]  # the steps with a line, as their memory
     assert [r["step"] for r in logged] == [r["step"] for r in records if "mem_mib" in r] and len(logged) >= 2
     for r in logged:
