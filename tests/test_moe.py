@@ -33,6 +33,7 @@ from shardflow.lower.verify import PlanVerificationError, verify  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
 from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
+from shardflow.simulator.cost import balanced_bytes  # noqa: E402
 from shardflow.strategy import PlanError, make_plan, resolve  # noqa: E402
 from shardflow.strategy.plan import ModulePlan, Plan  # noqa: E402
 
@@ -302,8 +303,9 @@ def test_the_all_to_all_dispatcher_sends_each_token_only_to_its_experts_ranks():
     [2, 2] counts), sends each token-expert pair's row to its expert's rank and the results back (two all-to-alls of
     those sizes), the backward sends the rows' gradients the same two ways; no token is all-gathered and no output
     reduce-scattered on ep. The programs count each all-to-all's bound (the 16 rows a rank sends; the 32 rows it
-    can receive, 2 of every token of the group); the executor measures what they send: the rows of the pairs eager
-    PyTorch routes to the other rank's experts, and back. Numbers equal one device's."""
+    can receive, 2 of every token of the group), the simulator a balanced routing's (8 rows each way); the executor
+    measures what they send: the rows of the pairs eager PyTorch routes to the other rank's experts, and back.
+    Numbers equal one device's."""
     pcg = _ep_pcg("mixtral", "ep=2", "ep")
     lowered = lower_step(pcg, SGD.slots)
     row = 64 * 8  # float64
@@ -316,6 +318,7 @@ def test_the_all_to_all_dispatcher_sends_each_token_only_to_its_experts_ranks():
         sized = [c for c in comms if c.kind == "all_to_all_v"]
         assert [c.nbytes for c in sized] == [16 * row, 32 * row] * 4
         assert all(c.splits is not None for c in sized)
+        assert [balanced_bytes(c) for c in sized] == [8 * row] * 8  # the simulator's: half of 16 rows each way
     model, batch, graph = captured("mixtral")
     ex = LocalExecutor(lowered, SGD)
     ex.load(weights_of(model, graph))

@@ -159,5 +159,17 @@ def compute_seconds(c: Compute, spec: MachineSpec, kernels: Kernels = EAGER, fus
 
 def comm_seconds(c: Comm, spec: MachineSpec) -> float:
     """Seconds communication ``c`` takes once every member has issued it: α + bytes/β of its cost kind
-    (:attr:`~shardflow.parallel.collectives.CommSpec.priced_as`) on the link its members use."""
-    return spec.comm_seconds(KINDS[c.kind].priced_as, c.members, c.nbytes)
+    (:attr:`~shardflow.parallel.collectives.CommSpec.priced_as`) on the link its members use. An all-to-all of
+    data-dependent sizes (:attr:`~shardflow.lower.program.Comm.splits`) is priced at a balanced routing's bytes, not
+    its bound: the smaller of its send and receive buffers (one of them exact: the n·K rows a rank routes), (d − 1)/d
+    of it to the other members."""
+    return spec.comm_seconds(KINDS[c.kind].priced_as, c.members, balanced_bytes(c))
+
+
+def balanced_bytes(c: Comm) -> int:
+    """The bytes one rank of ``c`` sends: ``c.nbytes``, or for an all-to-all of data-dependent sizes those it sends
+    when the routing is balanced (:func:`comm_seconds`)."""
+    if c.splits is None or c.send is None or c.recv is None:
+        return c.nbytes
+    d = len(c.members)
+    return min(c.send.type.nbytes, c.recv.type.nbytes) * (d - 1) // d
