@@ -478,7 +478,8 @@ def expert_parallel(graph: ComputationGraph, degree: int, axis: str = "ep") -> P
     :class:`~shardflow.graph.ops.Experts` node) stores its stacked weights ``Shard(0)`` — each device E/``degree``
     experts, their gradients and optimizer state. The layer reads the tokens whole on the axis (the planner
     all-gathers them), each device computes its experts for every token, and the output's partial sums are
-    reduce-scattered back onto the tokens: Megatron-LM's all-gather token dispatcher. Everything else runs as
+    reduce-scattered back onto the tokens: Megatron-LM's all-gather token dispatcher, which lowering runs as the
+    all-to-all one by default (:func:`~shardflow.lower.comm_lowering.expert_dispatches`). Everything else runs as
     under dp.
 
     Raises PlanError where the model has no expert layer, or ``degree`` does not divide a layer's experts."""
