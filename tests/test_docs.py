@@ -649,6 +649,7 @@ COMMANDS = {
     ".venv/bin/shardflow train --data my.txt --tokenizer char": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --model gpt2 --layers 4 --embd 256 --heads 8": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --model-config my_config.json --strategy tp --nproc 2": Run(SHRINK_TRAIN),
+    ".venv/bin/shardflow train --model-config my_moe.json --strategy ep --nproc 2": Run(SHRINK_TRAIN),
     ".venv/bin/shardflow train --model examples/hf_llama.py:tiny_llama --strategy dp": Run(SHRINK_DATA),
     ".venv/bin/shardflow train --tensorboard": Run(SHRINK_TRAIN),
     ".venv/bin/tensorboard --logdir runs/latest/tensorboard": NotRun("a web server that runs until stopped"),
@@ -723,6 +724,11 @@ output = {tp = "Replicate()"}
 MY_CONFIG = """\
 {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
  "num_attention_heads": 4, "num_key_value_heads": 2, "rope_theta": 10000.0}
+"""
+# docs/execution.md's my_moe.json: a Mixtral config of 4 experts, top 2
+MY_MOE = """\
+{"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+ "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2}
 """
 PLAN_FILES = {"my_plan.toml": MY_PLAN, "column_plan.toml": COLUMN_PLAN, "classifier_plan.toml": CLASSIFIER_PLAN}
 
@@ -939,7 +945,7 @@ def _generated(shown: Shown) -> bool:
 
 def _prepare(work: Path) -> Path:
     """A directory to run documented commands in: ``my.txt`` (a small text), ``books/`` (two small texts, one in a
-    subdirectory), the plan files of :data:`PLAN_FILES` and execution.md's ``my_config.json``."""
+    subdirectory), the plan files of :data:`PLAN_FILES` and execution.md's ``my_config.json`` and ``my_moe.json``."""
     (work / "books" / "more").mkdir(parents=True, exist_ok=True)
     (work / "my.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     (work / "books" / "a.txt").write_text("It was the best of times, it was the worst of times.\n" * 100)
@@ -947,6 +953,7 @@ def _prepare(work: Path) -> Path:
     for name, text in PLAN_FILES.items():
         (work / name).write_text(text)
     (work / "my_config.json").write_text(MY_CONFIG)
+    (work / "my_moe.json").write_text(MY_MOE)
     return work
 
 
