@@ -384,9 +384,10 @@ def expert_dispatches(
         out[n.name] = ExpertDispatch(n, gathers, scatter, b, dout, scatters, capacity)  # type: ignore[arg-type]
     missed = [n for n in layers if n.task == TaskType.FWD and n.name not in out]
     if capacity_factor is not None and missed:
+        layer = dg.sources[missed[0].src].scope or missed[0].src
         raise PassError(
             f"--capacity-factor {capacity_factor} caps the rows the all-to-all token dispatcher sends each expert, but "
-            f"expert layer {dg.sources[missed[0].src].scope or missed[0].src!r} is not dispatched by all-to-all (it needs --strategy ep, with ep after the "
+            f"expert layer {layer!r} is not dispatched by all-to-all (it needs --strategy ep, with ep after the "
             f"mesh's other axes that split the batch, e.g. --mesh fsdp=2,ep=2): leave --capacity-factor out, or "
             f"dispatch every expert layer by all-to-all"
         )
