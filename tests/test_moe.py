@@ -508,14 +508,13 @@ def test_ep_alone_and_combined_equals_one_device(family, mesh, strategy, sequenc
     [
         ("mixtral", 1, []),
         ("mixtral", 2, []),
-        ("mixtral", 2, ["--capacity-factor", "2"]),
         ("mixtral_four_sequences", 4, ["--capacity-factor", "4"]),
     ],
 )
 def test_shardflow_check_under_ep(capsys, factory, nproc, more):
     """``shardflow check --strategy ep`` in one process and on 2 and 4 gloo processes (the distributed executor,
-    every replica compared), dropless and with a capacity that drops nothing (each expert may take every pair of a
-    rank's tokens: F · n·K / E = n)."""
+    every replica compared), dropless and, on 4, with a capacity that drops nothing (each expert may take every pair
+    of a rank's tokens: F · n·K / E = n)."""
     argv = ["check", "--model", f"{zoo.__file__}:{factory}", "--strategy", "ep", "--nproc", str(nproc)]
     code = main(argv + ["--steps", "2", "--timeout", "60", *more])
     out, err = capsys.readouterr()
