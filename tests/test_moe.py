@@ -29,12 +29,12 @@ from shardflow.graph.graph import ComputationGraph  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.lower.cost import PLAIN, EPDispatch  # noqa: E402
 from shardflow.lower.dynamic import ActivationCheckpointing  # noqa: E402
-from shardflow.lower.program import Comm  # noqa: E402
+from shardflow.lower.program import Comm, Compute  # noqa: E402
 from shardflow.lower.verify import PlanVerificationError, verify  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
 from shardflow.parallel.pcg import build_pcg  # noqa: E402
 from shardflow.runtime.local import LocalExecutor  # noqa: E402
-from shardflow.simulator.cost import balanced_bytes  # noqa: E402
+from shardflow.simulator.cost import balanced_bytes, compute_flops  # noqa: E402
 from shardflow.strategy import PlanError, make_plan, resolve  # noqa: E402
 from shardflow.strategy.plan import ModulePlan, Plan  # noqa: E402
 
@@ -294,6 +294,14 @@ def test_ep_stores_each_device_s_experts_and_gathers_the_tokens():
     kinds = Counter((c.task, c.family) for c in lowered.programs[0].comms if c.axis == "ep")
     assert kinds[("FWD", "all_gather")] == 3 * 2 and kinds[("FWD", "reduce_scatter")] == 2
     model, batch, graph = captured("mixtral")
+    # a device's 2 of the 4 experts, on every token: half the layer's pairs, on a balanced routing (the simulator's)
+    layers = [n for n in graph.nodes if isinstance(n.op, O.Experts)]
+    local = [
+        i
+        for i in lowered.programs[0].instrs
+        if isinstance(i, Compute) and i.op.startswith("experts") and i.task == "FWD"
+    ]
+    assert [compute_flops(i) for i in local] == [node_flops(graph, n) // 2 for n in layers]
     diffs = compare(model, batch, graph, LocalExecutor(lowered, SGD))
     assert all(d <= TOL for d in diffs.values()), diffs
 

@@ -15,7 +15,9 @@ left out. A multiply-add is 2 FLOPs. :data:`FORWARD_FLOPS` is the table, one for
   (kernel elements).
 * **experts** (a mixture of experts' expert layer) x ``[N, H]``, idx ``[N, K]``, w1 and w2 ``[E, *]``: each of the
   N·K routed token-expert pairs multiplies by one expert's w1 and w2, 2 · N·K · (elements of w1 and w2) / E. The
-  router's linear counts as a linear; experts no token was routed to count nothing. Under the all-to-all token
+  router's linear counts as a linear; experts no token was routed to count nothing. A device holding a block of E_l
+  experts (expert parallelism's all-gather dispatcher, experts split over tp) counts its share of a balanced
+  routing's pairs, N·K·E_l/E. Under the all-to-all token
   dispatcher, a rank's **experts_local** counts the rows it receives when the routing is balanced (its ``balanced``
   rows, n·K): the rows that arrive are only known when the step runs.
 
@@ -49,9 +51,12 @@ def _attention(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]
 
 
 def _experts(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> int:
-    """experts: one expert's w1 and w2 per routed token-expert pair (idx's elements)."""
+    """experts: one expert's w1 and w2 per routed token-expert pair (idx's elements); a device's block of E_l of the
+    layer's E experts (``op.experts`` set) computes the pairs routed to it, E_l/E of them on a balanced routing."""
+    assert isinstance(op, Experts), op
     idx, w1, w2 = ins[1], ins[3], ins[4]
-    return 2 * idx.numel * (w1.numel + w2.numel) // w1.shape[0]
+    pairs = idx.numel * w1.shape[0] // op.experts if op.experts else idx.numel
+    return 2 * pairs * (w1.numel + w2.numel) // w1.shape[0]
 
 
 def _experts_local(op: Op, ins: tuple[TensorType, ...], outs: tuple[TensorType, ...]) -> int:

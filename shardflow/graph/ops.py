@@ -1364,9 +1364,10 @@ class Experts(Op):
 
     ``start`` (expert parallelism): None, w1 and w2 hold every expert; else they hold the experts
     ``[start, start + E_local)`` and a token's other experts contribute 0, so the devices' outputs sum to the whole
-    (as a vocabulary-parallel embedding's, :func:`in_block`). Computed expert by expert on the tokens routed to it
-    (``nonzero`` of the routing, ``index_add`` of the weighted results): any float dtype, differentiable by
-    autograd in x, w, w1 and w2."""
+    (as a vocabulary-parallel embedding's, :func:`in_block`); ``experts``: then the layer's E, which
+    :mod:`shardflow.graph.flops` reads (a block computes only the pairs routed to it). Computed expert by expert on
+    the tokens routed to it (``nonzero`` of the routing, ``index_add`` of the weighted results): any float dtype,
+    differentiable by autograd in x, w, w1 and w2."""
 
     kind: ClassVar[str] = "experts"
     fresh: ClassVar[bool] = True
@@ -1374,6 +1375,7 @@ class Experts(Op):
     act: str = "silu"
     transposed: bool = False
     start: int | None = quiet(None)
+    experts: int = quiet(0)
 
     def infer(self, ins):
         _expect(5, ins, self)

@@ -487,6 +487,9 @@ def rule_experts(ctx: Ctx) -> RuleResult:
             "replicate the tokens on the expert axis (each device then computes its experts for every token)",
         )
     local, partial = _vocabulary_parallel(ctx, experts, 3, 0)
+    if partial:  # a block of the layer's experts: the layer's count, for the pairs routed to the block
+        op: O.Experts = local.op  # type: ignore[assignment]
+        local = dataclasses.replace(local, op=dataclasses.replace(op, experts=ctx.types[3].shape[0]))
     return RuleResult((ctx.output((tokens, ()), partial),), local)
 
 
