@@ -1213,6 +1213,14 @@ class _Dispatched(NamedTuple):
         """What the experts read: the rows received, their counts (without capacity), the weights."""
         return (self.recv,) + (() if self.capacity else (self.rcounts,)) + (self.w1, self.w2)
 
+    def splits(self, out: bool) -> tuple[Buffer, Buffer] | None:
+        """The count buffers an all-to-all of rows is sized by (:attr:`~shardflow.lower.program.Comm.splits`):
+        to the experts' members (``out``) this rank's counts, then those it was sent; back, the other way round;
+        None under a capacity (fixed sizes)."""
+        if self.capacity:
+            return None
+        return (self.counts, self.rcounts) if out else (self.rcounts, self.counts)
+
     def masks(self, w: bool, w1: bool, w2: bool) -> tuple[tuple[bool, ...], tuple[bool, ...], tuple[bool, ...]]:
         """The gradient masks of the three local ops (route, experts, combine) where the routing weights, w1 and w2
         get gradients; the routings (integers) and the counts get none."""
@@ -1267,28 +1275,34 @@ def _dispatched(plan: Decisions, x: ExpertDispatch, r: int) -> _Dispatched:
 
 
 def _exchange(
-    x: ExpertDispatch, at: _Dispatched, token: int, task: TaskType, send: Buffer, recv: Buffer, out: bool
+    x: ExpertDispatch,
+    at: _Dispatched,
+    token: int,
+    task: TaskType,
+    send: Buffer,
+    recv: Buffer,
+    splits: tuple[Buffer, Buffer] | None,
 ) -> Comm:
-    """One all-to-all of the routing's sizes in group ``at``: ``send``'s rows to the experts' members (``out``: split
-    by this rank's counts, received by the counts it was sent) or back to the tokens' (the other way round); under
-    a capacity, an all-to-all of fixed size (C rows per expert of each member)."""
-    d = len(at.members)
-    kind = CommKind.ALL_TO_ALL if at.capacity else CommKind.ALL_TO_ALL_V
+    """One all-to-all in group ``at`` along dim 0 of ``send``: of the routing's sizes where ``splits`` names the count
+    buffers that size it (:meth:`_Dispatched.splits`), else of fixed size (the counts themselves; the rows under a
+    capacity, C per expert of each member)."""
+    kind = CommKind.ALL_TO_ALL if splits is None else CommKind.ALL_TO_ALL_V
+    fixed = 0 if splits is None else None
     return Comm(
         token * at.groups + at.g,
         kind,
         task,
         at.members,
         send.type,
-        wire_bytes(kind, send.type.nbytes, d),
+        wire_bytes(kind, send.type.nbytes, len(at.members)),
         _axis(x.gathers[0]),
         send=send,
         recv=recv,
-        dim=0 if at.capacity else None,
-        dim2=0 if at.capacity else None,
+        dim=fixed,
+        dim2=fixed,
         note=x.experts.name,
         value=send.value,
-        splits=None if at.capacity else (at.counts, at.rcounts) if out else (at.rcounts, at.counts),
+        splits=splits,
     )
 
 
@@ -1309,36 +1323,19 @@ def _dispatch_forward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr]
         spec = Forward(at.ops[i], None, masks[i] if keep else ())
         return Compute(n.task, at.nodes[i], at.ops[i].op.kind, ins, outs, f"{n.name}/{i}", kernel=spec, micro=n.micro)
 
+    instrs: list[Instr]
     if at.capacity:  # fixed sizes: nothing to exchange first
-        return [
-            compute(0, (at.x, at.idx), (at.rows,)),
-            _exchange(x, at, 0, n.task, at.rows, at.recv, True),
-            compute(1, at.experts_ins, (at.done,)),
-            _exchange(x, at, 1, n.task, at.done, at.back, False),
-            compute(2, (at.back, at.idx, at.w), (out,)),
+        instrs = [compute(0, (at.x, at.idx), (at.rows,))]
+    else:
+        instrs = [
+            compute(0, (at.x, at.idx), (at.rows, at.counts)),
+            _exchange(x, at, 0, n.task, at.counts, at.rcounts, None),
         ]
-    d = len(at.members)
-    counts = Comm(
-        at.g,
-        CommKind.ALL_TO_ALL,
-        n.task,
-        at.members,
-        at.counts.type,
-        wire_bytes(CommKind.ALL_TO_ALL, at.counts.type.nbytes, d),
-        _axis(x.gathers[0]),
-        send=at.counts,
-        recv=at.rcounts,
-        dim=0,
-        dim2=0,
-        note=n.name,
-        value=at.counts.value,
-    )
-    return [
-        compute(0, (at.x, at.idx), (at.rows, at.counts)),
-        counts,
-        _exchange(x, at, 1, n.task, at.rows, at.recv, True),
+    first = len(instrs) - 1  # the token of the rows' all-to-all: after the counts' exchange, if any
+    return instrs + [
+        _exchange(x, at, first, n.task, at.rows, at.recv, at.splits(True)),
         compute(1, at.experts_ins, (at.done,)),
-        _exchange(x, at, 2, n.task, at.done, at.back, False),
+        _exchange(x, at, first + 1, n.task, at.done, at.back, at.splits(False)),
         compute(2, (at.back, at.idx, at.w), (out,)),
     ]
 
@@ -1379,14 +1376,14 @@ def _dispatch_backward(plan: Decisions, x: ExpertDispatch, r: int) -> list[Instr
 
     return [
         vjp(2, (at.back, at.idx, at.w), (dout,), (d_back,) + ((final[2],) if 2 in final else ())),
-        _exchange(x, at, 0, b.task, d_back, d_recv, True),
+        _exchange(x, at, 0, b.task, d_back, d_recv, at.splits(True)),
         vjp(
             1,
             at.experts_ins,
             (d_recv,),
             (d_received,) + tuple(final[i] for i in (3, 4) if i in final),
         ),
-        _exchange(x, at, 1, b.task, d_received, d_rows, False),
+        _exchange(x, at, 1, b.task, d_received, d_rows, at.splits(False)),
         vjp(0, (at.x, at.idx), (d_rows,), (final[0],)),
     ]
 

@@ -379,15 +379,21 @@ def rule_softmax(ctx: Ctx) -> RuleResult:
     return RuleResult((ctx.output(ctx.shardings[0].dims),), ctx.local())
 
 
+def _values_and_indices(ctx: Ctx, dim: int, why: str) -> RuleResult:
+    """An op giving values and their indices along ``dim`` of its one input (topk, sort): the other dims pass to
+    both outputs, ``dim`` must be whole (``why``) and the input not partial."""
+    ctx.no_partial(0)
+    ctx.unsharded(0, [dim % ctx.types[0].ndim], why)
+    dims = ctx.shardings[0].dims
+    return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
+
+
 def rule_topk(ctx: Ctx) -> RuleResult:
     """The other dims pass to both outputs (a router's token dims keep their sharding); the selected dim must be
     whole (the k largest of a block are not the k largest of the dim) and the input not partial (DTensor's topk
     strategy alike)."""
     op: O.TopK = ctx.op  # type: ignore[assignment]
-    ctx.no_partial(0)
-    ctx.unsharded(0, [op.dim % ctx.types[0].ndim], "topk selects over the whole dim")
-    dims = ctx.shardings[0].dims
-    return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
+    return _values_and_indices(ctx, op.dim, "topk selects over the whole dim")
 
 
 def rule_sort(ctx: Ctx) -> RuleResult:
@@ -395,10 +401,7 @@ def rule_sort(ctx: Ctx) -> RuleResult:
     sharding), the sorted dim must be whole (the order of a block is not its place in the whole) and the input not
     partial."""
     op: O.Sort = ctx.op  # type: ignore[assignment]
-    ctx.no_partial(0)
-    ctx.unsharded(0, [op.dim % ctx.types[0].ndim], "sort orders the whole dim")
-    dims = ctx.shardings[0].dims
-    return RuleResult((ctx.output(dims), ctx.output(dims, k=1)), ctx.local())
+    return _values_and_indices(ctx, op.dim, "sort orders the whole dim")
 
 
 def rule_cumsum(ctx: Ctx) -> RuleResult:

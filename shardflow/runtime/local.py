@@ -204,8 +204,7 @@ class LocalExecutor(Executor):
         """A communication every member has reached: each receives what :func:`run_local` gives it."""
         sends = [self.buffers[r][c.send.value] if c.send is not None else None for r, c in holders]
         shared = [c.token in self.shared[r] for r, c in holders]
-        sized = holders[0][1].splits is not None
-        splits = [self.buffers[r][c.splits[0].value].sum(1).tolist() for r, c in holders if c.splits] if sized else []
+        splits = [self.buffers[r][c.splits[0].value].sum(1).tolist() for r, c in holders if c.splits is not None]
         for j, ((r, c), rows) in enumerate(zip(holders, splits)):
             self.sized_sent[r] += sized_bytes(c, rows, j)
         for (r, c), x in zip(holders, run_local([c for _, c in holders], sends, shared, splits)):
