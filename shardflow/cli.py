@@ -146,15 +146,7 @@ MEMORY_FLAGS = (
     "ac_blocks",
 )  # how a step trades memory for work, as shardflow train has them
 # what one optimizer step is, as shardflow train has them (plan shows it)
-STEP_FLAGS = (
-    "accumulate",
-    "microbatches",
-    "schedule",
-    "stages_per_rank",
-    "dtype",
-    "cp_attention",
-    "cp_layout",
-)
+STEP_FLAGS = ("accumulate", "microbatches", "schedule", "stages_per_rank", "dtype", "cp_attention", "cp_layout")
 # how an expert layer's tokens reach their experts under ep, as shardflow train has them (check takes them too)
 EXPERT_FLAGS = ("ep_dispatch", "capacity_factor")
 # how a step communicates, as shardflow train has them: "auto" forms follow the machine's cost model

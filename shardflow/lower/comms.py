@@ -88,7 +88,8 @@ def run_local(
     splits: Sequence[list[int]] = (),
 ) -> list[torch.Tensor | None]:
     """What each member receives (``None``: nothing), from what each sends; all four in ``members[0].members``
-    order. ``splits``: for a kind whose sizes are data (``all_to_all_v``), per member the rows it sends to each. ``shared``: per member, whether its send buffer is the communication's to use
+    order. ``splits``: for a kind whose sizes are data (``all_to_all_v``), per member the rows it sends to each.
+    ``shared``: per member, whether its send buffer is the communication's to use
     (:func:`~shardflow.lower.buffer_reuse.shared_sends`): a reduction then writes its result there and a broadcast root
     keeps its buffer as its result, as :func:`shardflow.runtime.comms.issue` does — so the local executor runs the
     same buffer sharing as the distributed one; and the head-tail reorders of ``Comm.to_storage``/``to_natural``.

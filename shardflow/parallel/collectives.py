@@ -64,7 +64,8 @@ class CommSpec:
     ``dim`` moved to the front (:func:`~shardflow.lower.comms.front_dim`). ``priced_as``: the cost model's kind
     of call (:data:`~shardflow.lower.calibration.COST_KINDS`): send, recv and a permute step are ``p2p``, an
     all-to-all of data-dependent sizes an ``all_to_all``, another collective its own. ``sized``: its chunk sizes
-    are data (:attr:`~shardflow.lower.program.Comm.splits`), which both implementations take. ``local``: the one-process implementation, registered by :mod:`shardflow.lower.comms`
+    are data (:attr:`~shardflow.lower.program.Comm.splits`), which both implementations take. ``local``: the
+    one-process implementation, registered by :mod:`shardflow.lower.comms`
     (:func:`~shardflow.lower.comms.run_local`); ``distributed``: this rank's side on torch.distributed,
     registered by :mod:`shardflow.runtime.comms` (:func:`~shardflow.runtime.comms.issue`)."""
 
