@@ -11,7 +11,8 @@ the replay of its program), "dropout" (tp with dropout against the one-device ex
 "dtensor" (the Trainer's parameters and gradients as DTensors: dp, tp, fsdp, pp on 2 ranks, pp,tp on 4),
 "groups" (process groups from a list of regular and irregular groups, 4 ranks), "checkpoint" (a sharded checkpoint
 saved under one strategy, restored under others; a NaN in one rank's pieces), "comms" (every communication kind
-against the local implementation), "devices" (fsdp, dropout and the checkpoint case under tests/devices.py's
+against the local implementation), "uneven" (uneven blocks through an all-to-all, a reduce-scatter and their
+backward's all-gather, against one device and DTensor's layout), "devices" (fsdp, dropout and the checkpoint case under tests/devices.py's
 DevicelessFactories: no tensor made without naming a device), "stream_waits" (two 4-rank cases waiting as on a
 GPU).
 """
@@ -479,6 +480,72 @@ def run_dtensor(rank, world):
     return diffs
 
 
+def run_uneven(rank, world):
+    """Uneven blocks on gloo (docs/concepts.md#uneven-shards): x [9, 5] Shard(0) on every rank (3, 3, 3, 0 on 4) →
+    dense → an all-to-all onto the 6 features (2, 2, 2, 0), padded and trimmed → tanh, softmax over the now whole
+    rows → a dense contracting the uneven features with a weight Shard(1) → a reduce-scatter of its partial sum onto
+    the 9 rows, padded → mean. 2 SGD steps: loss, gradients and every replica of every weight against the
+    single-device reference; each rank's block of x against DTensor's ``distribute_tensor`` (its local shape and
+    values)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard as TShard
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardflow.graph import GraphBuilder
+    from shardflow.lower.dynamic import forward_id
+    from shardflow.parallel.mesh import Shard, SubMesh
+    from shardflow.parallel.pcg import Annotations
+    from shardflow.parallel.sharding import Sharding
+    from shardflow.reference import run_backward
+
+    b = GraphBuilder()
+    x = b.input("x", (9, 5), "float64")
+    h = b.dense(x, 6, name="fc1")
+    z = b.softmax(b.tanh(h), 0)
+    y = b.dense(z, 3, name="fc2", bias=False)
+    loss = b.mean(y)
+    g = b.build([loss], loss)
+    mesh = Mesh.parse(f"tp={world}")
+    group = SubMesh(mesh)
+    ann = Annotations(
+        leaves={
+            "x": Sharding.from_placements((Shard(0),), group, 2),
+            "fc2.weight": Sharding.from_placements((Shard(1),), group, 2),
+        },
+        after={h: {"tp": Shard(1)}, y: {"tp": Shard(0)}},
+    )
+    cfg = OptimizerConfig("sgd", 0.1)
+    ex = DistributedExecutor(lower_step(build_pcg(g, mesh, ann), cfg.slots, ranks=[rank]), cfg, timeout_s=60)
+    torch.manual_seed(0)
+    weights = {
+        "fc1.weight": torch.randn(6, 5, dtype=torch.float64),
+        "fc1.bias": torch.randn(6, dtype=torch.float64),
+        "fc2.weight": torch.randn(3, 6, dtype=torch.float64),
+    }
+    inputs = {"x": torch.randn(9, 5, dtype=torch.float64)}
+    ex.load(weights)
+    diffs = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    ref = {k: v.clone() for k, v in weights.items()}
+    for _ in range(2):
+        got_loss = ex.step(inputs)
+        outs, grads = run_backward(g, inputs, ref)
+        got = ex.grads()
+        diffs["loss"] = max(diffs["loss"], abs(got_loss - outs[g.loss].item()))
+        diffs["grad"] = max(diffs["grad"], *((got[k] - grads[k]).abs().max().item() for k in ref))
+        ref = {k: v - 0.1 * grads[k] for k, v in ref.items()}
+    diffs["weight"] = ex.weight_error(ref)
+    kinds = {c.kind for c in ex.program.comms}
+    diffs["comm kinds not all met"] = float(not {"all_to_all", "reduce_scatter", "all_gather"} <= kinds)
+    dmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    local = distribute_tensor(inputs["x"], dmesh, [TShard(0)]).to_local()
+    v = ex.dg.values[forward_id("x")]
+    ex._put(v.id, inputs["x"])
+    p = v.sharding.parallel_shape(v.group, v.type.shape)
+    mine = p.valid_of(ex.buffers[v.id], v.sharding.coord_of(v.group, rank))
+    diffs["block of x not DTensor's"] = float(mine.shape != local.shape or not torch.equal(mine, local))
+    return diffs
+
+
 def run_devices(rank, world, out):
     """An fsdp run against one device, the dropout case and the checkpoint case under
     :class:`~devices.DevicelessFactories`: their differences, and how many shardflow source lines made a tensor
@@ -533,6 +600,8 @@ def main():
             results[case] = run_dtensor(rank, world)
         elif case == "devices":
             results[case] = run_devices(rank, world, out)
+        elif case == "uneven":  # uneven blocks: padded collectives, masked ops, DTensor's layout
+            results[case] = run_uneven(rank, world)
         elif case == "comms":  # every communication kind against the local implementation
             results[case] = run_comms(rank, world)
         elif case == "stream_waits":  # a GPU's way of waiting, on gloo: pipeline sends and receives, ring steps

@@ -77,6 +77,7 @@ def test_four_processes(tmp_path):
         "outside_view",
         "groups",
         "checkpoint",
+        "uneven",
         "comms",
         "stream_waits",
         "dtensor",

@@ -64,9 +64,13 @@ def test_reduction_degree_rule():
     assert out == pts((8,), (2,), 1, 4, "sum")
 
 
-def test_repartition_indivisible_is_degree_error():
+def test_repartition_indivisible():
+    """One axis may cut a dim into uneven blocks (DTensor's chunks, stored padded: 2, 2, 2, 0 of 6 on 4); a second
+    axis on that dim may not (two axes' blocks nest in another layout than one axis of their product's)."""
+    out = RepartitionOp(0, 4, "tp").apply_shape(pts((6,), (1,), 1, 4))
+    assert out == pts((6,), (4,), 1, 1) and out.piece_shape == (2,) and out.uneven == (0,)
     with pytest.raises(DegreeError) as ei:
-        RepartitionOp(0, 4, "tp").apply_shape(pts((6,), (1,), 1, 4))
+        RepartitionOp(0, 2, "tp").apply_shape(pts((6,), (2,), 1, 2))
     assert (ei.value.dim, ei.value.size, ei.value.degree) == (0, 6, 4)
     assert "Repartition" in str(ei.value)
 

@@ -49,9 +49,33 @@ def test_scalar_shape_has_one_piece_per_sum_and_replica():
     assert [c.shard for c in p.coords()] == [()] * 4
 
 
+def test_uneven_dim_is_dtensor_s_chunk_layout_stored_padded():
+    """6 on 4 devices: blocks of ⌈6/4⌉ = 2 — 2, 2, 2, 0 (torch.chunk's sizes, then DTensor's empty block) — each
+    piece stored at 2, the empty one all padding; a piece cut from a tensor and its valid part round-trip."""
+    p = ParallelTensorShape((8, 6), (1, 4))
+    assert p.uneven == (1,) and p.piece_shape == (8, 2)
+    coords = [c for c in p.coords()]
+    want = [t.shape[0] for t in torch.arange(6).chunk(4)] + [0]
+    assert [p.piece_valid(c)[1] for c in coords] == want == [2, 2, 2, 0]
+    full = torch.arange(48.0).view(8, 6)
+    for c in coords:
+        piece = p.piece_of(full, c)
+        assert piece.shape == (8, 2)
+        assert torch.equal(p.valid_of(piece, c), full[p.piece_index(c)])
+        assert not piece[:, p.piece_valid(c)[1] :].any()  # the padding is zero
+    q = ParallelTensorShape((10,), (4,))
+    assert [q.piece_valid(c)[0] for c in q.coords()] == [3, 3, 3, 1]
+    assert ParallelTensorShape((8, 6), (2, 3)).uneven == ()
+
+
 def test_degree_error_names_dim_size_degree():
     with pytest.raises(DegreeError) as ei:
-        ParallelTensorShape((8, 6), (1, 4))
+        Sharding((("dp", "tp"), ())).check(SubMesh(Mesh.parse("dp=2,tp=2")), (6, 4), uneven=True)
+    e = ei.value
+    assert (e.dim, e.size, e.degree) == (0, 6, 4)
+    assert "degree 4" in str(e) and "dim 0" in str(e) and "size 6" in str(e)
+    with pytest.raises(DegreeError) as ei:
+        Sharding(((), ("tp",))).check(SubMesh(Mesh.parse("tp=4")), (8, 6))
     e = ei.value
     assert (e.dim, e.size, e.degree) == (1, 6, 4)
     msg = str(e)

@@ -1,7 +1,8 @@
 """Property: any strategy on any small graph is either refused with one of shardflow's errors, or trains exactly
 like one device.
 
-Hypothesis builds random small graphs with GraphBuilder (2-D or 3-D float64 input; 1-5 ops from dense, relu,
+Hypothesis builds random small graphs with GraphBuilder (2-D or 3-D float64 input, of sizes the mesh's degrees
+divide or do not: uneven blocks, docs/concepts.md#uneven-shards; 1-5 ops from dense, relu,
 gelu, tanh, add, mul, scalar ops, sum/mean over a dim, softmax, layer_norm, reshape, permute, dropout; a scalar
 loss: mean, or cross-entropy on 2-D logits), a random mesh (1-4 devices, 1-D or 2-D) and a random strategy as
 :class:`Annotations`: each mesh axis either splits the batch (data inputs ``Shard(0)``, weights replicated) or
@@ -54,6 +55,7 @@ from shardflow.strategy import PlanError
 LONG = os.environ.get("SHARDFLOW_LONG") == "1"
 EXAMPLES = 600 if LONG else 60
 MIN_PARALLEL = 0.2  # least share of examples that must run with work split over several devices
+MIN_UNEVEN = 0.03  # least share that must run with some tensor in uneven blocks (measured: 7-37 % over 3 seeds)
 F64 = "float64"
 TOL = dict(atol=1e-9, rtol=1e-9)
 REFUSALS = (ShardingError, PlanError, PassError)  # RuleError and DegreeError are ShardingErrors
@@ -84,8 +86,9 @@ def graphs(draw):
     """A GraphBuilder graph: one float64 input ``x``, 1-5 ops, a scalar loss. Returns (graph, int inputs)."""
     b = GraphBuilder()
     ndim = draw(st.sampled_from((2, 3)))
-    batch = draw(st.sampled_from((4, 8, 12)))  # 12: divisible by every degree of MESHES
-    cur = b.input("x", (batch,) + tuple(draw(st.sampled_from((4, 8))) for _ in range(ndim - 1)), F64)
+    # 12: divisible by every degree of MESHES; 6, 9 and 5 divided by few: uneven blocks (docs/concepts.md#uneven-shards)
+    batch = draw(st.sampled_from((4, 8, 12, 6, 9)))
+    cur = b.input("x", (batch,) + tuple(draw(st.sampled_from((4, 8, 5))) for _ in range(ndim - 1)), F64)
     pool = [cur]
     n_weights = 0
 
@@ -96,7 +99,7 @@ def graphs(draw):
         kind = draw(st.sampled_from(OPS))
         s = shape()
         if kind == "dense":
-            cur = b.dense(cur, draw(st.sampled_from((4, 8))), bias=draw(st.booleans()), name=f"fc{i}")
+            cur = b.dense(cur, draw(st.sampled_from((4, 8, 6))), bias=draw(st.booleans()), name=f"fc{i}")
             n_weights += 1
         elif kind in ("relu", "gelu", "tanh"):
             cur = getattr(b, kind)(cur)
@@ -129,7 +132,7 @@ def graphs(draw):
         elif kind == "reshape":
             if len(s) == 3:
                 new = (s[0] * s[1], s[2]) if draw(st.booleans()) else (s[0], s[1] * s[2])
-            elif len(s) == 2 and s[1] >= 4:
+            elif len(s) == 2 and s[1] >= 4 and s[1] % 2 == 0:
                 new = (s[0], 2, s[1] // 2)
             else:
                 continue
@@ -262,13 +265,18 @@ def parallel(pcg) -> bool:
     return any(t.pshape.sum_degree > 1 or max(t.pshape.shard, default=1) > 1 for t in pcg.tensors.values())
 
 
+def uneven(pcg) -> bool:
+    """Whether some tensor of ``pcg`` is held in uneven blocks (a degree that does not divide its dim)."""
+    return any(t.pshape.uneven for t in pcg.tensors.values())
+
+
 def test_any_strategy_is_refused_or_exact():
     """The property over EXAMPLES examples, then its coverage: at least MIN_PARALLEL of the examples must run
     (not be refused) with work split over several devices — a generator whose examples are all refused, or
     run replicated, would pass the property while testing nothing. Measured over 6 seeds: 33-57% (mean 44%);
     ~11% before the batch-splitting axes; 73% since planning redistributes where a rule refuses (17% of the
     examples then run with redistributions). 20% is 3.7 standard deviations of a 60-example run below the
-    old mean."""
+    old mean. Likewise at least MIN_UNEVEN must run with some tensor in uneven blocks."""
     tally: Counter[str] = Counter()
 
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -287,10 +295,15 @@ def test_any_strategy_is_refused_or_exact():
         )
         event(kind)
         tally[kind] += 1
+        if kind == "ran on several devices" and uneven(out):
+            event("ran with uneven blocks")
+            tally["ran with uneven blocks"] += 1
 
     prop()
-    share = tally["ran on several devices"] / sum(tally.values())
+    total = sum(n for k, n in tally.items() if k != "ran with uneven blocks")
+    share = tally["ran on several devices"] / total
     assert share >= MIN_PARALLEL, f"only {share:.0%} of the examples ran on several devices: {dict(tally)}"
+    assert tally["ran with uneven blocks"] / total >= MIN_UNEVEN, f"too few ran with uneven blocks: {dict(tally)}"
 
 
 def test_the_property_runs_real_plans():

@@ -66,3 +66,25 @@ class HeadTail:
 def _head_tail_order(length: int, chunks: int, segments: int) -> torch.Tensor:
     order = [k // 2 if k % 2 == 0 else chunks - 1 - k // 2 for k in range(chunks)]
     return torch.arange(length).view(segments, chunks, -1)[:, order].reshape(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class Padded:
+    """An uneven dim as a communication moves it (docs/concepts.md#uneven-shards): dim ``dim`` of ``length`` indices
+    is sent and received as ``padded`` (the degree × the block size ⌈length / degree⌉), its tail zeros — what is cut
+    into equal blocks (a reduce-scatter's or all-to-all's send) or joined from them (an all-gather's receive).
+    The same two methods as :class:`HeadTail`, so a communication applies either alike."""
+
+    dim: int
+    length: int
+    padded: int
+
+    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with dim :attr:`dim` of :attr:`length` → of :attr:`padded`, the tail zeros (a copy)."""
+        pad = list(x.shape)
+        pad[self.dim] = self.padded - self.length
+        return torch.cat([x, x.new_zeros(pad)], self.dim)
+
+    def to_natural(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with dim :attr:`dim` of :attr:`padded` → its first :attr:`length` indices (a view)."""
+        return x.narrow(self.dim, 0, self.length)

@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 
 from shardflow.graph.dispatch import ExpertCombine, ExpertRoute, ExpertsLocal
 from shardflow.graph.graph import TensorRole
+from shardflow.graph.layout import HeadTail, Padded
 from shardflow.graph.ops import Attention, Experts, TensorType
 from shardflow.lower.cost import PLAIN, CommForm, CPAttention, EPDispatch, LowerOptions
 from shardflow.lower.dynamic import (
@@ -49,10 +50,12 @@ from shardflow.lower.shard_expansion import (
     in_group,
     kernel,
     layout_change,
+    padding,
     piece,
     steps,
+    uneven,
 )
-from shardflow.parallel.collectives import CommKind, wire_bytes
+from shardflow.parallel.collectives import CommKind, padded_shape, wire_bytes
 from shardflow.parallel.mesh import ReduceOp, SubMesh
 from shardflow.parallel.ops import CombineOp, RepartitionOp
 from shardflow.parallel.rules import LocalOp
@@ -208,6 +211,11 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
     for st in all_steps:
         n = st.nodes[0]
         if st.kind not in (CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER):
+            continue
+        if uneven(dg.values[n.inputs[0]]) or uneven(dg.values[st.nodes[-1].outputs[0]]):
+            forms[n.name] = (
+                CommForm.COLLECTIVE
+            )  # uneven blocks: one collective, padded (docs/concepts.md#uneven-shards)
             continue
         reorders = any(layout_change(dg.values[n.inputs[0]], dg.values[st.nodes[-1].outputs[0]]))
         if st.kind == CommKind.ALL_GATHER:
@@ -507,7 +515,9 @@ def _scatter_buckets(
     Buckets of one are left out."""
     open_: dict[tuple, list[Step]] = {}
     for st in all_steps:
-        if not _final_sum(dg, st, CommKind.REDUCE_SCATTER, final | then.keys()):
+        if not _final_sum(dg, st, CommKind.REDUCE_SCATTER, final | then.keys()) or uneven(
+            dg.values[st.nodes[-1].outputs[0]]
+        ):  # a bucket packs equal blocks; an uneven gradient's are padded, one collective of its own
             continue
         first, last = st.nodes[0], st.nodes[-1]
         vin = dg.values[first.inputs[0]]
@@ -537,7 +547,9 @@ def _gather_buckets(dg: DynamicGraph, all_steps: list[Step]) -> tuple[tuple[DNod
     for st in all_steps:
         n = st.nodes[0]
         vin = dg.values[n.inputs[0]] if n.inputs else None
-        if st.kind != CommKind.ALL_GATHER or len(st.nodes) > 1 or vin.tensor not in weights:
+        if st.kind != CommKind.ALL_GATHER or len(st.nodes) > 1 or vin is None or vin.tensor not in weights:
+            continue
+        if uneven(vin):  # a bucket joins equal blocks; an uneven weight's are padded, one collective of its own
             continue
         key = (n.task, n.group, n.op.axis, n.op.dim, vin.type.dtype, block_of(vin.tensor))
         open_.setdefault(key, []).append(n)
@@ -883,10 +895,11 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
     members = axis_members(group, axis, r)
     d = len(members)
     tin, tout = piece(vin), piece(vout)
+    to_storage: HeadTail | Padded | None
+    to_natural: HeadTail | Padded | None
     to_storage, to_natural = layout_change(vin, vout)
     kind = st.kind
     assert isinstance(kind, CommKind), kind  # a collective step (sends, receives and local steps return above)
-    nbytes = wire_bytes(kind, tin.type.nbytes, d)
     # all-gather: Combine's dim; reduce-scatter: the Repartition's; all-to-all: split the Repartition's dim,
     # concatenate along the Combine's.
     dims = (
@@ -898,6 +911,16 @@ def _expand_comm(st: Step, plan: Decisions, r: int, base: int) -> list[Instr]:
         if st.kind == CommKind.REDUCE_SCATTER
         else (last.op.dim, first.op.dim)
     )
+    # an uneven dim (docs/concepts.md#uneven-shards): padded to equal blocks before it is cut, trimmed once joined
+    if kind in (CommKind.REDUCE_SCATTER, CommKind.ALL_TO_ALL) and dims[0] is not None:
+        to_storage = to_storage or padding(vin, dims[0], d)
+    joined = dims[1] if kind == CommKind.ALL_TO_ALL else dims[0]
+    if kind in (CommKind.ALL_GATHER, CommKind.ALL_TO_ALL) and joined is not None:
+        to_natural = to_natural or padding(vout, joined, d)
+    sent = tin.type
+    if isinstance(to_storage, Padded):
+        sent = TensorType(padded_shape(sent.shape, to_storage.dim, d), sent.dtype)
+    nbytes = wire_bytes(kind, sent.nbytes, d)
     return [
         Comm(
             base + axis_group_index(group, axis, r),

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from shardflow.graph.layout import HeadTail
+from shardflow.graph.layout import HeadTail, Padded
 from shardflow.graph.ops import TensorType
 from shardflow.graph.rng import PieceSite
 from shardflow.lower.dynamic import TaskType
@@ -119,12 +119,13 @@ class Keep:
 class Block:
     """A Repartition of replicas: this rank keeps block ``index`` of ``degree`` equal blocks along ``dim`` — of the
     dim in head-tail order where ``layout`` says so (a whole sequence cut into the load-balanced layout's pieces,
-    docs/concepts.md#the-load-balanced-layout)."""
+    docs/concepts.md#the-load-balanced-layout), or padded to a multiple of ``degree`` (:class:`Padded`: an uneven
+    dim, docs/concepts.md#uneven-shards)."""
 
     dim: int
     degree: int
     index: int
-    layout: HeadTail | None = None
+    layout: HeadTail | Padded | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,15 @@ class Convert:
 
 
 KernelSpec = Forward | Vjp | BlockVjp | OnesLike | Sum | Update | SumOfSquares | Keep | Block | Convert
+
+
+def layout_name(h: HeadTail | Padded, to_storage: bool) -> str:
+    """How a listing names a communication's local move of its buffers: into or out of the load-balanced layout
+    (``to_head_tail``, ``to_natural``), or an uneven dim padded before sending (``pad``) or trimmed after receiving
+    (``trim``)."""
+    if isinstance(h, HeadTail):
+        return "to_head_tail" if to_storage else "to_natural"
+    return "pad" if to_storage else "trim"
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +235,8 @@ class Comm:
     reduce_op: ReduceOp = ReduceOp.SUM
     value: str = ""
     piece: tuple[int, ...] = ()
-    to_storage: HeadTail | None = None
-    to_natural: HeadTail | None = None
+    to_storage: HeadTail | Padded | None = None
+    to_natural: HeadTail | Padded | None = None
     splits: tuple[Buffer, Buffer] | None = None
 
     @property
@@ -238,7 +248,8 @@ class Comm:
 
     def signature(self) -> tuple:
         """What every member must agree on: token, family, members, piece shape, dtype, reduce op, the
-        dynamic-graph value moved and — for a send/recv, whose two ends move one piece — that piece."""
+        dynamic-graph value moved, how an uneven dim is padded and trimmed (:attr:`padded`) and — for a send/recv,
+        whose two ends move one piece — that piece."""
         return (
             self.token,
             self.family,
@@ -247,8 +258,15 @@ class Comm:
             self.type.dtype,
             self.reduce_op,
             self.value,
+            self.padded,
             self.piece if self.kind in (CommKind.SEND, CommKind.RECV) else (),
         )
+
+    @property
+    def padded(self) -> tuple[Padded | None, Padded | None]:
+        """The uneven dim this communication pads before sending and the one it trims after receiving
+        (docs/concepts.md#uneven-shards): every member must cut and join alike."""
+        return tuple(h if isinstance(h, Padded) else None for h in (self.to_storage, self.to_natural))  # type: ignore[return-value]
 
     def __str__(self) -> str:
         who = (
@@ -263,8 +281,9 @@ class Comm:
             bufs += f" splits={self.splits[0].value},{self.splits[1].value}"
         issue = " (async)" if not self.wait else ""
         order = "".join(
-            f" {name}(dim {h.dim}, {h.chunks} chunks)"
-            for name, h in (("to_head_tail", self.to_storage), ("to_natural", self.to_natural))
+            f" {layout_name(h, to)}(dim {h.dim}, "
+            + (f"{h.chunks} chunks)" if isinstance(h, HeadTail) else f"{h.length}↔{h.padded})")
+            for to, h in ((True, self.to_storage), (False, self.to_natural))
             if h is not None
         )
         return (
@@ -421,9 +440,11 @@ class Program:
                     "value": i.value,
                     "piece": list(i.piece),
                 }
-                for name, h in (("to_head_tail", i.to_storage), ("to_natural", i.to_natural)):
-                    if h is not None:
-                        comm[name] = {"dim": h.dim, "chunks": h.chunks, "length": h.length}
+                for to, h in ((True, i.to_storage), (False, i.to_natural)):
+                    if isinstance(h, HeadTail):
+                        comm[layout_name(h, to)] = {"dim": h.dim, "chunks": h.chunks, "length": h.length}
+                    elif isinstance(h, Padded):
+                        comm[layout_name(h, to)] = {"dim": h.dim, "length": h.length, "padded": h.padded}
                 if i.splits is not None:
                     comm["splits"] = [buf(b) for b in i.splits]
                 instrs.append(comm)

@@ -18,7 +18,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from shardflow.graph.layout import HeadTail
+from shardflow.graph.layout import HeadTail, Padded
 from shardflow.graph.ops import TensorType
 from shardflow.lower.copy_insertion import cross_submesh_reads
 from shardflow.lower.dynamic import DNode, DynamicGraph, NodeKind, PassError, PassName, TaskType, Value, require
@@ -41,7 +41,7 @@ from shardflow.lower.program import (
 )
 from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses
 from shardflow.parallel.mesh import SubMesh
-from shardflow.parallel.ops import ReplicateOp
+from shardflow.parallel.ops import RepartitionOp, ReplicateOp
 from shardflow.parallel.sharding import Sharding
 
 # (parallel op kind[, fused Repartition's kind or the pass]) → the communication that carries it out
@@ -106,6 +106,19 @@ def layout_change(vin: Value, vout: Value) -> tuple[HeadTail | None, HeadTail | 
             )
         layouts.append(HeadTail(h.dim, h.chunks, h.length // h.segments))
     return layouts[0], layouts[1]
+
+
+def padding(v: Value, dim: int, degree: int) -> Padded | None:
+    """Dim ``dim`` of one device's piece of value ``v`` padded to ``degree`` equal blocks, where ``degree`` does not
+    divide it (docs/concepts.md#uneven-shards): the whole side of a communication or split that cuts that dim into
+    uneven blocks or joins it from them. None where it divides."""
+    n = piece(v).type.shape[dim]
+    return Padded(dim, n, degree * -(-n // degree)) if n % degree else None
+
+
+def uneven(v: Value) -> bool:
+    """Whether value ``v`` has an uneven dim (its pieces padded: docs/concepts.md#uneven-shards)."""
+    return bool(v.sharding.uneven_dims(v.group, v.type.shape))
 
 
 # --- mesh arithmetic: groups along an axis, without enumerating the mesh ---------------------------------
@@ -272,8 +285,11 @@ def kernel(n: DNode, dg: DynamicGraph, r: int) -> KernelSpec:
     if n.kind == NodeKind.CAST:
         return Convert(dg.values[n.outputs[0]].type.dtype)
     if n.kind == NodeKind.PARALLEL and n.op.degree > 1:  # a Repartition of replicas: r keeps its block of the dim
-        layout = layout_change(dg.values[n.inputs[0]], dg.values[n.outputs[0]])[0]
-        return Block(n.op.dim, n.op.degree, n.group.coords(r)[n.op.axis], layout)
+        op = n.op
+        assert isinstance(op, RepartitionOp), n.name
+        vin = dg.values[n.inputs[0]]
+        layout = layout_change(vin, dg.values[n.outputs[0]])[0] or padding(vin, op.dim, op.degree)
+        return Block(op.dim, op.degree, n.group.coords(r)[op.axis], layout)
     if n.kind in (
         NodeKind.SELECT,
         NodeKind.COPY,

@@ -44,7 +44,8 @@ def verify(programs: Mapping[int, Program], world_size: int) -> None:
        members ``(src, dst)``, held by src with ``peer=dst`` and by dst with ``peer=src``);
     2. each rank's tokens strictly increase;
     3. each token is held exactly once by each of its members, all agreeing on family, members, shape,
-       dtype and root; in each permute step the rank a member sends to receives from it;
+       dtype, root and the padding of an uneven dim (docs/concepts.md#uneven-shards); in each permute step the
+       rank a member sends to receives from it;
     4. every pair of ranks issues the tokens they share in the same relative order;
     5. no deadlock: ranks run with every Comm a blocking rendezvous of its members; every rank must finish;
     6. every communication issued without waiting (``wait=False``) is completed by exactly one later
@@ -107,6 +108,11 @@ def _what(c: Comm) -> str:
         + (f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "")
         + (f" of {c.value}" if c.value else "")
         + (f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
+        + "".join(
+            f" {name}(dim {h.dim}, {h.length}↔{h.padded})"
+            for name, h in zip(("pad", "trim"), c.padded)
+            if h is not None
+        )
     )
 
 

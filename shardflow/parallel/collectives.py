@@ -176,6 +176,15 @@ def fuses(first: ParallelOp, second: ParallelOp) -> bool:
     )
 
 
+def padded_shape(shape: tuple[int, ...], dim: int, degree: int) -> tuple[int, ...]:
+    """``shape`` with dim ``dim`` rounded up to a multiple of ``degree``: what a member sends when it cuts that dim
+    into ``degree`` equal blocks (a reduce-scatter's or all-to-all's send; an uneven dim padded with zeros,
+    docs/concepts.md#uneven-shards)."""
+    out = list(shape)
+    out[dim] = degree * -(-out[dim] // degree)
+    return tuple(out)
+
+
 def redistribution_steps(
     ops: Sequence[ParallelOp], src: Sharding, group: SubMesh, type_: TensorType
 ) -> list[tuple[CommKind, int]]:
@@ -190,7 +199,10 @@ def redistribution_steps(
         step = tuple(ops[i : i + 2]) if i + 1 < len(ops) and fuses(ops[i], ops[i + 1]) else (ops[i],)
         kind = LocalKind.ALIAS if step[0].degree == 1 else REDISTRIBUTION[tuple(op.kind for op in step)]
         if isinstance(kind, CommKind):
-            piece_bytes = TensorType(src.parallel_shape(group, type_.shape).piece_shape, type_.dtype).nbytes
+            shape = src.parallel_shape(group, type_.shape).piece_shape
+            if kind in (CommKind.REDUCE_SCATTER, CommKind.ALL_TO_ALL):  # cut into equal blocks: an uneven dim padded
+                shape = padded_shape(shape, step[-1].dim, step[0].degree)  # type: ignore[attr-defined]
+            piece_bytes = TensorType(shape, type_.dtype).nbytes
             out.append((kind, wire_bytes(kind, piece_bytes, step[0].degree)))
         for op in step:
             src, group = op.apply(src, group)

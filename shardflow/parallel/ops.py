@@ -95,7 +95,7 @@ class RepartitionOp(ParallelOp):
             raise ShardingError(f"{self.describe()}: needs replica degree divisible by {self.degree}, got {p}")
         shard = list(p.shard)
         shard[d] *= self.degree
-        if p.shape[d] % shard[d]:
+        if p.shape[d] % shard[d] and p.shard[d] > 1:  # uneven blocks of one axis only (docs/concepts.md#uneven-shards)
             raise DegreeError(d, p.shape[d], shard[d], self.describe())
         return replace(p, shard=tuple(shard), replica_degree=p.replica_degree // self.degree)
 

@@ -29,6 +29,7 @@ from shardflow.parallel.rules import (
     LocalOp,
     RuleError,
     RuleResult,
+    Valid,
     align_operands,
     propagate,
     rule_for,
@@ -194,15 +195,34 @@ class PCG:
 
     def local_of(self, node: PNode, device: int) -> LocalOp:
         """What ``device`` runs for compute ``node``: the rule's local op, given the start of the device's block where
-        the op holds one block of an input's dim (:attr:`LocalOp.block`: a vocabulary-parallel embedding or gather)."""
+        the op holds one block of an input's dim (:attr:`LocalOp.block`: a vocabulary-parallel embedding or gather),
+        and where its pieces of uneven dims end (:attr:`LocalOp.valid`: docs/concepts.md#uneven-shards)."""
         local = node.local
         if local is None:
             raise ValueError(f"node {node.name!r} is a parallel op: it runs no local op")
+        valid = tuple(
+            Valid(k, d, size, output)
+            for output, names in ((False, node.inputs), (True, node.outputs))
+            for k, name in enumerate(names)
+            for d, size in self.short_dims(name, device)
+        )
+        if valid:
+            local = dataclasses.replace(local, valid=valid)
         if local.block is None:
             return local
         i, d = local.block
         t = self.tensors[node.inputs[i]]
         return local.at_block(t.pshape.piece_slices(t.sharding.coord_of(t.group, device))[d].start)
+
+    def short_dims(self, name: str, device: int) -> tuple[tuple[int, int], ...]:
+        """(dim, indices held) for each dim of tensor ``name`` whose block on ``device`` is shorter than its piece (an
+        uneven dim's last blocks, stored padded: docs/concepts.md#uneven-shards)."""
+        t = self.tensors[name]
+        p = t.pshape
+        if not p.uneven or t.group.index(device) is None:
+            return ()
+        held = p.piece_valid(t.sharding.coord_of(t.group, device))
+        return tuple((d, held[d]) for d in p.uneven if held[d] < p.piece_shape[d])
 
     def piece_site(self, node: PNode, device: int) -> PieceSite:
         """Where ``device``'s piece of random compute ``node``'s output lies: the output's full shape and the
@@ -268,7 +288,7 @@ class _Builder:
             t = self.tensors[src]
             try:
                 sharding, group = pop.apply(t.sharding, t.group)
-                sharding.check(group, t.type.shape, pop.describe(), t.name)
+                sharding.check(group, t.type.shape, pop.describe(), t.name, uneven=True)
             except ShardingError as e:
                 raise ShardingError(f"{pop.describe()} on tensor {t.name!r} ({why or 'user'}): {e}") from None
             name = self.fresh(f"{t.name}.{pop.kind}")
@@ -385,7 +405,7 @@ class _Builder:
     def define(
         self, name: str, type_: TensorType, role: TensorRole, sharding: Sharding, group: SubMesh, op: str
     ) -> None:
-        sharding.check(group, type_.shape, op, name)
+        sharding.check(group, type_.shape, op, name, uneven=True)
         if role == TensorRole.WEIGHT and sharding.partial:
             raise ShardingError(
                 f"weight {name!r} is placed Partial({sharding.reduce_op!r}) on mesh axes {list(sharding.partial)}; "

@@ -15,6 +15,12 @@ appear or pass through. Partial-sum linearity (PyTorch PR #157340, docs/concepts
 * a contraction (linear's in-features, matmul's k, sum/mean over a dim, the batch of a mean loss) over a
   sharded dim yields ``Partial(sum)`` on that dim's axes; a mean divides by the *global* count.
 
+Uneven blocks (docs/concepts.md#uneven-shards): a dim whose degree does not divide it is stored padded with zeros.
+Only the ops of :data:`UNEVEN_OPS` read or make one — those whose result on the real indices no zero of the padding
+changes (element-wise ops, products contracting a padded dim, sums, normalisations over another dim); every other
+op's rule refuses such an input with a DegreeError, which :func:`~shardflow.parallel.pcg.build_pcg` mends by a
+redistribution. A device whose block is short masks it: :attr:`LocalOp.valid`.
+
 A rule returns a :class:`LocalOp`: what each device runs on its pieces (the op with local attributes and the
 scale factors above). The executors run exactly that; nothing else knows about linearity. An op with no rule of
 its own gets :func:`rule_replicated` (whole inputs only). Where a rule refuses,
@@ -43,6 +49,23 @@ class RuleError(ShardingError):
 
 
 @dataclass(frozen=True, slots=True)
+class Valid:
+    """On one device, input (or, with ``output``, output) ``index`` of a local op holds ``size`` indices of its dim
+    ``dim``; the rest of its piece is padding (an uneven dim's short block: docs/concepts.md#uneven-shards)."""
+
+    index: int
+    dim: int
+    size: int
+    output: bool = False
+
+    def mask(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` with its padding zeroed (a new tensor: the gradient of the padding is dropped with it)."""
+        pad = list(x.shape)
+        pad[self.dim] -= self.size
+        return torch.cat([x.narrow(self.dim, 0, self.size), x.new_zeros(pad)], self.dim)
+
+
+@dataclass(frozen=True, slots=True)
 class LocalOp:
     """What every device runs for one compute op: ``op`` (local attributes) on inputs scaled by ``in_scale``,
     its outputs scaled by ``out_scale`` (a scale of 1.0 is skipped).
@@ -50,12 +73,17 @@ class LocalOp:
     ``block`` = (input i, dim d): the op holds one block of input i's dim d and must know where it starts (a
     vocabulary-parallel embedding or gather, a causal attention's block of queries; the op's ``start`` attribute
     says it): ``op`` is device 0's (start 0),
-    :meth:`~shardflow.parallel.pcg.PCG.local_of` gives each device's."""
+    :meth:`~shardflow.parallel.pcg.PCG.local_of` gives each device's.
+
+    ``valid``: on a device holding a short block of an uneven dim, where its pieces end (:class:`Valid`); the inputs
+    are masked before ``op`` and the outputs after, so padding stays zero and no gradient reaches it (given by
+    :meth:`~shardflow.parallel.pcg.PCG.local_of`; the rule's own op has none)."""
 
     op: Op
     in_scale: tuple[float, ...]
     out_scale: float = 1.0
     block: tuple[int, int] | None = None
+    valid: tuple[Valid, ...] = ()
 
     def at_block(self, start: int) -> LocalOp:
         """This local op on the block of :attr:`block` that starts at index ``start`` (the op's ``start``)."""
@@ -65,8 +93,21 @@ class LocalOp:
     def compute(self, *xs: torch.Tensor, at: DrawSite | None = None) -> tuple[torch.Tensor, ...]:
         """The device's output pieces from its input pieces; ``at``: the draw site of a random op's piece."""
         xs = tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale))
+        if self.valid:
+            ins = list(xs)
+            for v in self.valid:
+                if not v.output:
+                    ins[v.index] = v.mask(ins[v.index])
+            xs = tuple(ins)
         outs = self.op.compute(*xs, at=at) if self.op.random else self.op.compute(*xs)
-        return outs if self.out_scale == 1.0 else tuple(o * self.out_scale for o in outs)
+        outs = outs if self.out_scale == 1.0 else tuple(o * self.out_scale for o in outs)
+        if self.valid:
+            res = list(outs)
+            for v in self.valid:
+                if v.output:
+                    res[v.index] = v.mask(res[v.index])
+            outs = tuple(res)
+        return outs
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +224,13 @@ class Ctx:
                 "shard the operands on different axes, or combine one first",
             ) from None
         try:
-            s.check(self.group, self.out_types[k].shape, self.node, self.node if k == 0 else f"{self.node}.{k}")
+            s.check(
+                self.group,
+                self.out_types[k].shape,
+                self.node,
+                self.node if k == 0 else f"{self.node}.{k}",
+                uneven=type(self.op) in UNEVEN_OPS,
+            )
         except DegreeError as e:
             raise e.at(hint=f"in module {self.scope!r}" if self.scope else "") from None
         return s
@@ -587,6 +634,18 @@ def rule_reduce(ctx: Ctx) -> RuleResult:
     reduced = [a for d in op.dims for a in s.dims[d]]
     partial, reduce_op = ctx.partial_of([0], reduced, kind)
     dims = [() if d in op.dims else ax for d, ax in enumerate(s.dims) if op.keepdim or d not in op.dims]
+    uneven = [d for d in s.uneven_dims(ctx.group, ctx.types[0].shape) if d in op.dims]
+    if uneven and kind != ReduceOp.SUM:  # the zeros of the padding would take part
+        d = uneven[0]
+        raise DegreeError(
+            d, ctx.types[0].shape[d], ctx.degree(s.dims[d]), ctx.node, ctx.names[0], f"{op.fn} over an uneven dim"
+        )
+    if uneven and op.fn == "mean":  # the blocks differ in size: each sums its own, divided by the global count
+        count = math.prod(ctx.types[0].shape[d] for d in op.dims)
+        return RuleResult(
+            (ctx.output(dims, partial, reduce_op),),
+            ctx.local(dataclasses.replace(op, fn="sum"), out_scale=1.0 / count),
+        )
     out_scale = 1.0 / ctx.degree(reduced) if op.fn == "mean" else 1.0
     return RuleResult((ctx.output(dims, partial, reduce_op),), ctx.local(out_scale=out_scale))
 
@@ -808,6 +867,30 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
 }
 
 
+# The ops whose rules read and make uneven dims (docs/concepts.md#uneven-shards): on pieces whose padding is zero,
+# each gives the real indices of its outputs exactly (element-wise ops; linear and matmul contract a padded dim's
+# zeros; embedding's indices and rows; a sum over it; layer_norm and softmax normalise over an unsharded dim). The
+# rest (a view, a slice, a loss, attention …) refuse an uneven input, and the planner redistributes it.
+UNEVEN_OPS: frozenset[type[Op]] = frozenset(
+    {
+        O.Unary,
+        O.Detach,
+        O.Cast,
+        O.Scalar,
+        O.Binary,
+        O.Where,
+        O.Linear,
+        O.Matmul,
+        O.Embedding,
+        O.LayerNorm,
+        O.Softmax,
+        O.Reduce,
+        O.Permute,
+        O.Expand,
+    }
+)
+
+
 def rule_replicated(ctx: Ctx) -> RuleResult:
     """The rule of an op that has none of its own (the generic :class:`~shardflow.graph.ops.Aten` op): it runs on
     whole (replicated) inputs, its outputs replicated."""
@@ -840,6 +923,17 @@ def propagate(
     Raises RuleError (or DegreeError) naming the node, module, tensor, dim, axes and the parallel op to insert.
     """
     ctx = Ctx(op, node or op.kind, scope, tuple(names), tuple(types), tuple(shardings), group, op.infer(tuple(types)))
+    if type(op) not in UNEVEN_OPS:
+        for name, t, s in zip(names, types, shardings):
+            for d in s.uneven_dims(group, t.shape):
+                raise DegreeError(
+                    d,
+                    t.shape[d],
+                    s.shard_degree(group, d),
+                    ctx.node,
+                    name,
+                    f"{op.kind} has no rule for uneven blocks (docs/concepts.md#uneven-shards)",
+                )
     return rule_for(op)(ctx)
 
 

@@ -2,13 +2,17 @@
 
 A :class:`ParallelTensorShape` is the full logical shape plus
 
-* a **shard degree** per dim: the dim is cut into that many equal consecutive blocks;
+* a **shard degree** per dim: the dim is cut into that many consecutive blocks, in DTensor's chunk layout: each
+  block ⌈size/degree⌉ indices, the last ones shorter or empty where the degree does not divide the size (9 on 4
+  devices: 3, 3, 3, 0 — an **uneven** dim, docs/concepts.md#uneven-shards). Every piece is stored at the full block
+  size, its tail past the dim's end zero (the padding), so every device runs the same program;
 * a **sum degree**: the tensor is the element-wise reduction (``reduce_op``, normally sum) of that many
   partial pieces;
 * a **replica degree**: that many identical copies (FlexFlow's discard-copy degree).
 
 A piece is addressed by a :class:`ShardCoord` (sum index, replica index, shard index per dim); there are
-``sum × replica × Π shard`` pieces, each of :meth:`ParallelTensorShape.piece_shape`.
+``sum × replica × Π shard`` pieces, each stored at :meth:`ParallelTensorShape.piece_shape` and holding
+:meth:`ParallelTensorShape.piece_valid` elements of the tensor.
 
 A dim may be stored in the **head-tail order** of context parallelism's load-balanced layout
 (:class:`HeadTail`; docs/concepts.md#the-load-balanced-layout): its blocks are then blocks of the dim permuted,
@@ -62,8 +66,9 @@ class ShardCoord:
 class ParallelTensorShape:
     """Full ``shape`` with ``shard`` degrees per dim, ``sum_degree`` (of ``reduce_op``) and ``replica_degree``.
 
-    Raises :class:`DegreeError` if a shard degree does not divide its dim, :class:`ShardingError` for other
-    malformed degrees.
+    A degree need not divide its dim (:attr:`uneven`): the blocks are DTensor's chunks, stored padded to
+    :attr:`piece_shape`. Raises :class:`ShardingError` for malformed degrees (fewer than 1, one per dim missing),
+    :class:`DegreeError` for an uneven dim stored in head-tail order.
     """
 
     shape: tuple[int, ...]
@@ -80,9 +85,9 @@ class ParallelTensorShape:
         if min((*self.shard, self.sum_degree, self.replica_degree), default=1) < 1:
             raise ShardingError(f"parallel shape: degrees must be ≥ 1, got {self}")
         object.__setattr__(self, "reduce_op", ReduceOp.parse(self.reduce_op, "parallel shape", ShardingError))
-        for d, (size, deg) in enumerate(zip(self.shape, self.shard)):
-            if size % deg:
-                raise DegreeError(d, size, deg)
+        for h in self.head_tail:
+            if self.shape[h.dim] % self.shard[h.dim]:
+                raise DegreeError(h.dim, self.shape[h.dim], self.shard[h.dim], hint="a dim in head-tail order")
 
     @classmethod
     def unparallel(cls, shape: tuple[int, ...], dtype: str = "float32") -> ParallelTensorShape:
@@ -95,8 +100,38 @@ class ParallelTensorShape:
 
     @property
     def piece_shape(self) -> tuple[int, ...]:
-        """Shape of every piece: ``shape[d] // shard[d]``."""
-        return tuple(s // d for s, d in zip(self.shape, self.shard))
+        """Shape every piece is stored at: ``⌈shape[d] / shard[d]⌉`` (DTensor's chunk size)."""
+        return tuple(-(-s // d) for s, d in zip(self.shape, self.shard))
+
+    @property
+    def uneven(self) -> tuple[int, ...]:
+        """The dims whose degree does not divide their size: their last blocks are short or empty, stored padded."""
+        return tuple(d for d, (s, k) in enumerate(zip(self.shape, self.shard)) if s % k)
+
+    def piece_valid(self, coord: ShardCoord) -> tuple[int, ...]:
+        """How many indices of each dim the piece at ``coord`` holds of the tensor (the rest of its
+        :attr:`piece_shape` is padding): ``piece_shape`` where the degrees divide."""
+        return tuple(sl.stop - sl.start for sl in self.piece_slices(coord))
+
+    def piece_of(self, full: torch.Tensor, coord: ShardCoord) -> torch.Tensor:
+        """The piece at ``coord`` of tensor ``full`` (of :attr:`shape`), at :attr:`piece_shape`: its block, padded with
+        zeros where the block is short (a copy there, else an index of ``full``)."""
+        return self.padded(full[self.piece_index(coord)])
+
+    def padded(self, block: torch.Tensor) -> torch.Tensor:
+        """``block`` (a piece's block of the tensor) at :attr:`piece_shape`, zeros after its end where it is short (a
+        copy there, else ``block`` itself)."""
+        pad = [p - v for p, v in zip(self.piece_shape, block.shape)]
+        if not any(pad):
+            return block
+        return torch.nn.functional.pad(block, [x for p in reversed(pad) for x in (0, p)])
+
+    def valid_of(self, piece: torch.Tensor, coord: ShardCoord) -> torch.Tensor:
+        """The part of ``piece`` (at :attr:`piece_shape`, held at ``coord``) that is the tensor's: a view without the
+        padding."""
+        for d in self.uneven:
+            piece = piece.narrow(d, 0, self.piece_valid(coord)[d])
+        return piece
 
     @property
     def piece_numel(self) -> int:
@@ -109,10 +144,11 @@ class ParallelTensorShape:
                 yield ShardCoord(s, r, idx)
 
     def piece_slices(self, coord: ShardCoord) -> tuple[slice, ...]:
-        """The block the piece at ``coord`` covers (blocked layout), in storage order: of the full tensor where no
-        dim is in head-tail order (:meth:`piece_index` says which elements of the full tensor in any case)."""
+        """The block the piece at ``coord`` covers (blocked layout; a short or empty one at the end of an uneven dim),
+        in storage order: of the full tensor where no dim is in head-tail order (:meth:`piece_index` says which
+        elements of the full tensor in any case)."""
         piece = self.piece_shape
-        return tuple(slice(i * p, (i + 1) * p) for i, p in zip(coord.shard, piece))
+        return tuple(slice(min(i * p, n), min((i + 1) * p, n)) for i, p, n in zip(coord.shard, piece, self.shape))
 
     def piece_index(self, coord: ShardCoord) -> tuple[slice | torch.Tensor, ...]:
         """The elements of the full tensor the piece at ``coord`` holds, an index of it (``full[index]`` reads the

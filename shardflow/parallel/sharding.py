@@ -109,8 +109,13 @@ class Sharding:
     def replica_axes(self, group: SubMesh) -> tuple[str, ...]:
         return tuple(a for a in group.free_axes if a not in self.used_axes)
 
-    def check(self, group: SubMesh, shape: tuple[int, ...], op: str = "", tensor: str = "") -> None:
-        """Raise unless every axis is free in ``group`` and every dim's degree divides its size."""
+    def check(
+        self, group: SubMesh, shape: tuple[int, ...], op: str = "", tensor: str = "", uneven: bool = False
+    ) -> None:
+        """Raise unless every axis is free in ``group`` and every dim's degree divides its size — or, with ``uneven``,
+        a dim it does not divide is sharded by one mesh axis (DTensor's chunk layout:
+        docs/concepts.md#uneven-shards; the blocks of two axes nest in another layout than one axis of their
+        product's, so such a dim must divide) and not stored in head-tail order."""
         if len(shape) != self.ndim:
             raise ShardingError(f"op {op!r} tensor {tensor!r}: sharding {self} has {self.ndim} dims, shape {shape}")
         free = group.free_axes
@@ -122,9 +127,18 @@ class Sharding:
                 )
         for d, size in enumerate(shape):
             deg = self.shard_degree(group, d)
-            if size % deg:
+            if size % deg and not (uneven and self.uneven_ok(group, shape, d)):
                 axes = "×".join(self.dims[d])
                 raise DegreeError(d, size, deg, op, tensor, f"shape {list(shape)}, mesh axes {axes} of {group.mesh}")
+
+    def uneven_ok(self, group: SubMesh, shape: tuple[int, ...], d: int) -> bool:
+        """Whether dim ``d`` of a tensor of ``shape`` may be held unevenly (:meth:`check`): one axis shards it and it is
+        not in head-tail order."""
+        return len(self.dims[d]) == 1 and all(h.dim != d for h in self.head_tail(group, shape))
+
+    def uneven_dims(self, group: SubMesh, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The dims of a tensor of ``shape`` whose degree on ``group`` does not divide them."""
+        return tuple(d for d, size in enumerate(shape) if size % self.shard_degree(group, d))
 
     def parallel_shape(self, group: SubMesh, shape: tuple[int, ...], dtype: str = "float32") -> ParallelTensorShape:
         """Degrees of this sharding on ``group`` (replica = product of the unused free axes), and the dims stored in

@@ -37,11 +37,14 @@ def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) 
     shares the caller's storage).
 
     ``t``: anything with ``sharding``, ``group`` and ``type`` (a PCG tensor or a dynamic-graph value).
-    Shape: ``full`` is ``t.type.shape``; each piece the parallel shape's piece shape.
+    Shape: ``full`` is ``t.type.shape``; each piece the parallel shape's piece shape (a short block of an uneven dim
+    padded with zeros: docs/concepts.md#uneven-shards).
     """
-    if not t.sharding.partial:
-        return {d: full[b].clone() for d, b in blocks(t).items()}
     p = _pshape(t)
+    if not t.sharding.partial:
+        if p.uneven:
+            return {d: p.piece_of(full, c).clone() for d, c in t.sharding.device_map(t.group).items()}
+        return {d: full[b].clone() for d, b in blocks(t).items()}
     dmap = t.sharding.device_map(t.group)
     blocks_ = {d: full[p.piece_index(c)] for d, c in dmap.items()}
     gen = gen or torch.Generator().manual_seed(0)
@@ -64,7 +67,7 @@ def scatter(full: torch.Tensor, t: PTensor, gen: torch.Generator | None = None) 
         else:  # max / min: one piece holds the value, the others are beyond it on the losing side
             sign = -1 if p.reduce_op == ReduceOp.MAX else 1
             piece = blocks_[d] + (0 if c.sum == 0 else sign * (r[c.sum].abs() + 1))
-        out[d] = piece
+        out[d] = p.padded(piece)
     return out
 
 
@@ -80,7 +83,7 @@ def gather(pieces: Mapping[int, torch.Tensor], t: PTensor) -> torch.Tensor:
             by_block.setdefault(c.shard, []).append(pieces[d])
     for shard, parts in by_block.items():
         coord = next(c for c in dmap.values() if c.shard == shard)
-        full[p.piece_index(coord)] = p.reduce_op.combine(torch.stack(parts))
+        full[p.piece_index(coord)] = p.valid_of(p.reduce_op.combine(torch.stack(parts)), coord)
     return full
 
 

@@ -384,7 +384,9 @@ class DistributedExecutor(Executor):
                 None if v.group.index(self.rank) is None else p.piece_index(v.sharding.coord_of(v.group, self.rank))
             )
         if self.blocks[vid] is not None:
-            self.buffers[vid] = full[self.blocks[vid]].to(self.device, copy=True)
+            v = self.dg.values[vid]
+            p = v.sharding.parallel_shape(v.group, v.type.shape)  # a short block of an uneven dim: padded with zeros
+            self.buffers[vid] = p.padded(full[self.blocks[vid]]).to(self.device, copy=True)
 
     def _get(self, vid: str) -> torch.Tensor:
         """The full value on the CPU, assembled on every rank (an all-reduce over the world; for results, not the
@@ -419,7 +421,8 @@ class DistributedExecutor(Executor):
         if vid in self.buffers:
             c = v.sharding.coord_of(v.group, self.rank)
             if c.replica == 0:
-                out[p.piece_index(c)] = self.buffers[vid] / (p.sum_degree if p.reduce_op == ReduceOp.AVG else 1)
+                piece = p.valid_of(self.buffers[vid], c)
+                out[p.piece_index(c)] = piece / (p.sum_degree if p.reduce_op == ReduceOp.AVG else 1)
         return out
 
     def _pieces(self, vid: str) -> dict[int, torch.Tensor]:

@@ -167,8 +167,11 @@ class Executor(ABC):
         new: dict[str, dict[int, torch.Tensor]] = {}
         for vid, dtype in dtypes.items():
             v = self.dg.values[vid]
-            shape = v.sharding.parallel_shape(v.group, v.type.shape).piece_shape
-            new[vid] = {d: torch.empty(shape, dtype=dtype, device=self.device) for d in v.group.devices() if d in here}
+            p = v.sharding.parallel_shape(v.group, v.type.shape)
+            alloc = torch.zeros if p.uneven else torch.empty  # the padding of a short block stays zero
+            new[vid] = {
+                d: alloc(p.piece_shape, dtype=dtype, device=self.device) for d in v.group.devices() if d in here
+            }
         read({vid: self._blocks(vid, pieces, replica0_only=False) for vid, pieces in new.items()})
         for vid, pieces in new.items():
             self._place(vid, pieces)
@@ -197,8 +200,8 @@ class Executor(ABC):
         out = []
         for d in sorted(pieces):
             c = v.sharding.coord_of(v.group, d)
-            if c.replica == 0 or not replica0_only:
-                out.append((tuple(s.start for s in p.piece_slices(c)), pieces[d]))
+            if c.replica == 0 or not replica0_only:  # a short block of an uneven dim: its part, a view
+                out.append((tuple(s.start for s in p.piece_slices(c)), p.valid_of(pieces[d], c)))
         return out
 
     def weights(self) -> dict[str, torch.Tensor]:

@@ -226,7 +226,7 @@ def make_kernel(
             return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.saved_as, saved)
     if isinstance(spec, Vjp):
-        hand = hand_vjp(spec.local.op, [b.type for b in instr.ins])
+        hand = _hand(spec, instr)
         if hand is not None:
             return _hand_vjp_kernel(hand, spec)
         return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.saved_as, saved)
@@ -268,7 +268,7 @@ def forward(
     numbers as one device on the whole batch, on every replica, and again when the backward recomputes the
     forward."""
     if draw is None:
-        plain = local.out_scale == 1.0 and all(s == 1.0 for s in local.in_scale)
+        plain = local.out_scale == 1.0 and all(s == 1.0 for s in local.in_scale) and not local.valid
         return local.op.compute if plain else local.compute  # the op's own compute: no scale checks per call
     return lambda *xs: local.compute(*xs, at=draw.at(seed, step(), *micro()))
 
@@ -279,7 +279,13 @@ def records_graph(instr: Compute) -> bool:
     reads the same input piece, so both decide alike)."""
     spec = instr.kernel
     assert isinstance(spec, Forward), instr
-    return bool(spec.record) and hand_vjp(spec.local.op, [b.type for b in instr.ins]) is None
+    return bool(spec.record) and _hand(spec, instr) is None
+
+
+def _hand(spec: Forward | Vjp, instr: Compute) -> HandVjp | None:
+    """The hand-written vjp of ``spec``'s local op on the pieces of ``instr`` (none where the pieces are masked: a
+    short block of an uneven dim, whose backward autograd takes through the masks)."""
+    return None if spec.local.valid else hand_vjp(spec.local.op, [b.type for b in instr.ins])
 
 
 def recorded_nodes(program) -> frozenset[str]:

@@ -19,6 +19,7 @@ from shardflow.lower.dynamic import Value
 from shardflow.lower.memory import Ledger, peak
 from shardflow.lower.program import Comm, Compute
 from shardflow.lower.rendezvous import rendezvous
+from shardflow.lower.shard_expansion import uneven
 from shardflow.parallel.simulate import blocks, gather, scatter
 from shardflow.runtime.buffers import Receives
 from shardflow.runtime.executor import Executor
@@ -112,7 +113,7 @@ class LocalExecutor(Executor):
     # --- data in and out ------------------------------------------------------------------------------
     def _put(self, vid: str, full: torch.Tensor) -> None:
         v = self.dg.values[vid]
-        if v.sharding.partial:
+        if v.sharding.partial or uneven(v):  # random partial pieces; short blocks padded
             cut = scatter(full, v)
         else:  # the blocks of a value placed every step (data, constants) worked out once
             if vid not in self.blocks:
