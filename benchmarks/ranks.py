@@ -73,6 +73,7 @@ from shardflow.runtime.buffers import Kept  # noqa: E402
 from shardflow.runtime.comms import issue  # noqa: E402
 from shardflow.runtime.distributed import DistributedExecutor, init_from_env, shutdown  # noqa: E402
 from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
+from shardflow.runtime.local import LocalExecutor  # noqa: E402
 from shardflow.strategy import make_plan, resolve  # noqa: E402
 
 TIMEOUT_S = 300.0
@@ -383,7 +384,6 @@ def run_gpt(p: dict, rank: int, world: int) -> dict:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from shardflow.runtime.local import LocalExecutor
     from shardflow.train.config import TrainConfig
     from shardflow.train.recipe import setup
 
@@ -1212,7 +1212,6 @@ def run_pipeline(p: dict, rank: int, world: int) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     from shardflow.models import MLP
-    from shardflow.runtime.local import LocalExecutor
 
     W, L, B, M = p["width"], p["layers"], p["batch"], p["microbatches"]
     torch.manual_seed(0)
@@ -1563,6 +1562,49 @@ def run_context(p: dict, rank: int, world: int) -> dict:
     return {"forms": res, "losses": losses, "samples": samples, "stats": {k: stats(v) for k, v in samples.items()}}
 
 
+# ==========================================================================================================
+# (u) uneven shards
+# ==========================================================================================================
+def run_uneven(p: dict, rank: int, world: int) -> dict:
+    """(u) The main job's model at ``shardflow train``'s defaults under dp over ``world`` ranks, at each global batch
+    of ``p["batches"]``: one the degree divides and ones it does not (docs/concepts.md#uneven-shards: blocks of
+    ⌈B/world⌉ sequences, the last ones short and padded). Per batch: the bytes this rank's communications send in
+    one step, its instructions, the step time (interleaved rounds), the time its communications take (the tracer,
+    waits included) and the first losses against one device's."""
+    from shardflow.train.config import TrainConfig
+    from shardflow.train.recipe import setup
+
+    out: dict = {}
+    executors, batches = {}, {}
+    for b in p["batches"]:
+        cfg = dataclasses.replace(TrainConfig(batch_size=b), strategy="dp", mesh=f"dp={world}", nproc=world)
+        s = setup(cfg, world)
+        step = lower_step(s.pcg, s.optimizer.slots, ranks=[rank])
+        ex = DistributedExecutor(step, s.optimizer, timeout_s=TIMEOUT_S)
+        weights = s.initial_weights()
+        ex.load(weights)
+        batch = s.batch("train", 0)
+        one = lower_step(build_pcg(s.graph, Mesh.parse("d=1")), s.optimizer.slots)
+        ref = LocalExecutor(one, s.optimizer)
+        ref.load(weights)
+        executors[str(b)], batches[str(b)] = ex, batch
+        out[str(b)] = {
+            "comm_bytes": sum(c.nbytes for c in ex.program.comms),
+            "comms": len(ex.program.comms),
+            "instrs": len(ex.program.instrs),
+            "redistributed_bytes": sum(r.nbytes for r in s.pcg.redistributions),
+            "one_device_losses": [ref.step(batch) for _ in range(2)],
+            "tokens": int(batch["input_ids"].numel()),
+        }
+    variants = [Variant(b, functools.partial(ex.step, batches[b])) for b, ex in executors.items()]
+    losses = first_losses(variants, 2, rank)
+    samples = interleave(variants, p["rounds"], p["iters"], p["warmup"], rank)
+    for b in out:
+        out[b]["losses"], out[b]["samples"] = losses[b], samples[b]
+        out[b]["trace"] = comm_share(executors[b], batches[b])
+    return {"batches": out}
+
+
 WORKLOADS = {
     "mlp": run_mlp,
     "gpt": run_gpt,
@@ -1576,6 +1618,7 @@ WORKLOADS = {
     "vocab": run_vocab,
     "moe": run_moe,
     "context": run_context,
+    "uneven": run_uneven,
 }
 
 

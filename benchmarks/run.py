@@ -27,6 +27,8 @@ sections, e.g. "Planning time", stay as they are).
       replicated: per-rank state, bytes per step, step time;
 * m — a Mixtral-style mixture of experts on 2 and 4 ranks: shardflow ep and dp against expert parallelism written by
       hand (``all_to_all_single`` dispatch and combine); tokens/s and bytes per step;
+* u — uneven shards: the training job's default model under dp=2 at a batch the degree divides and at batches it
+      does not (blocks padded); step time, tokens/s, bytes per step, the first losses against one device;
 * x — context parallelism on 2 and 4 ranks: the main job's model on one long sequence under ``--strategy cp``, each
       ``--cp-attention`` form (all-gather, all-to-all where cp divides the key/value heads, ring); step time, bytes
       and peak per rank.
@@ -61,7 +63,7 @@ from shardflow.lower import LowerOptions  # noqa: E402
 from shardflow.runtime.launch import describe_failure, launch  # noqa: E402
 
 RANKS = Path(__file__).resolve().parent / "ranks.py"
-KEYS = "abcdefgmpqtvx"
+KEYS = "abcdefgmpqtuvx"
 KiB, MiB = 1 << 10, 1 << 20
 # (m): Mixtral's layout at a small width: 8 experts of width 256, top 2, 2 layers of width 128
 MOE_CONFIG = {
@@ -219,6 +221,8 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
         out.append(
             ("v", "vocab", 2, {"vocab_sizes": [None, 8192], "rounds": 5 if quick else 15, "iters": 3, "warmup": 2})
         )
+    if "u" in keys:
+        out.append(("u", "uneven", 2, {"batches": [16, 15, 13], "rounds": 5 if quick else 11, "iters": 2, "warmup": 2}))
     if "p" in keys:
         out.append(
             (
@@ -1171,6 +1175,61 @@ def section_v(res: dict, quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section_u(res: dict, quick: bool) -> str:
+    d, batches = res["world"], res["batches"]
+    even = next(b for b in batches if int(b) % d == 0)
+    lines = [
+        "## Uneven shards",
+        "",
+        f"The main job's model at `shardflow train`'s defaults (the Llama, AdamW, float32, 64 tokens per sequence) "
+        f"under dp={d}, at global batches of {', '.join(batches)} sequences: {even} splits evenly; the others are "
+        f"held in DTensor's uneven blocks, padded (docs/concepts.md#uneven-shards). Bytes: what rank 0's "
+        f"communications send in one step; redistributed: the forward bytes of the redistributions the planner "
+        f"inserted where a rule refused an uneven dim; step time: interleaved rounds, each sample the slower "
+        f"rank's; tokens/s from the median step.",
+        "",
+        machine_line(res, d),
+        "",
+        "Reproduce: `python benchmarks/run.py --only u`.",
+        "",
+        "| batch | blocks per rank | communications | bytes sent per step | redistributed (B) | step (ms) "
+        "| min–max (ms) | in communication (ms, rank 0) | tokens/s | ÷ even batch's tokens/s (per round) "
+        "| first two losses (one device) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = batches[even]["samples"]
+    for b, r in batches.items():
+        n, s = int(b), r["samples"]
+        c = -(-n // d)
+        blocks = ", ".join(str(max(0, min(c, n - i * c))) for i in range(d))
+        per_token = [r["tokens"] / x / (batches[even]["tokens"] / y) for x, y in zip(s, base)]
+        losses = (
+            ", ".join(f"{a:.5f}" for a in r["losses"])
+            + " ("
+            + ", ".join(f"{a:.5f}" for a in r["one_device_losses"])
+            + ")"
+        )
+        lines.append(
+            f"| {n} | {blocks} | {r['comms']} | {r['comm_bytes']:,} | {r['redistributed_bytes']:,} | "
+            f"{ms(med(s))} | {spread_ms(s)} | {r['trace']['comm_ms']:.1f} of {r['trace']['step_ms']:.1f} | "
+            f"{r['tokens'] / med(s):,.0f} | "
+            f"{'1' if b == even else ratio_text(per_token)} | {losses} |"
+        )
+    lines += [
+        "",
+        f"Rounds × steps per sample: {res['params']['rounds']} × {res['params']['iters']}. Each rank computes its "
+        f"block at the padded size, so a batch of B sequences costs what ⌈B/{d}⌉·{d} cost, plus the masking "
+        f"copies on the rank with a short block; the one layer that cannot keep the uneven batch is the loss's "
+        f"view of the logits [B, T, V] → [B·T, V] (a merge of the uneven dim with T, whose blocks are not DTensor's "
+        f"chunks of B·T), where the planner moves the logits onto the vocabulary and back: the redistributed "
+        f"bytes above, 4 more collectives per step. They are what the uneven batches pay: rank 0's time in "
+        f"communication (its waits for rank 1 included) grows by about as much as the step. A layout for such a "
+        f"merge (blocks of ⌈B/{d}⌉·T rows, not ⌈B·T/{d}⌉) would keep the logits where they are; it is not built. "
+        f"Without uneven blocks these batches were a DegreeError.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _outside(a: dict, instrs: int) -> tuple[float, float, float, float]:
     """(wall, ATen, communication, rest) seconds per step of a torch.profiler run of the executor."""
     n = a["steps"]
@@ -1372,6 +1431,8 @@ def main(argv: list[str] | None = None) -> int:
         texts.append(section_t(results["t"], args.quick))
     if "v" in results:
         texts.append(section_v(results["v"], args.quick))
+    if "u" in results:
+        texts.append(section_u(results["u"], args.quick))
     context = {int(label[1:]): results[label] for label in ("x2", "x4") if label in results}
     if context:
         texts.append(section_x(context, args.quick))

@@ -746,7 +746,7 @@ def test_torchrun_style_rendezvous_failures(tmp_path, train_argv):
         ),
         "plan": (
             dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(nobody)),
-            ["--strategy", "dp", "--batch-size", "3"],
+            ["--strategy", "tp", "--heads", "3", "--kv-heads", "3", "--embd", "48"],
             ["degree 2 does not divide", "size 3"],
         ),
         "world": (

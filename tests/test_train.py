@@ -206,7 +206,10 @@ def test_tensorboard_holds_the_metrics_and_a_resumed_run_rewrites_the_steps_afte
         (["--data", "/nonexistent.txt"], ["does not exist"]),
         (["--strategy", "tp", "--nproc", "3", "--heads", "2"], ["degree 3", "does not divide"]),
         (["--strategy", "tp", "--mesh", "tp=2", "--nproc", "4"], ["4 processes", "--nproc"]),
-        (["--strategy", "dp", "--nproc", "2", "--batch-size", "3"], ["degree 2 does not divide", "size 3"]),
+        (
+            ["--strategy", "tp", "--nproc", "2", "--heads", "3", "--kv-heads", "3", "--embd", "48"],
+            ["degree 2 does not divide", "size 3"],
+        ),
     ],
 )
 def test_bad_input_fails_before_any_process_with_one_paragraph(tmp_path, run_here, argv, words):

@@ -306,6 +306,8 @@ def attention_rings(dg: DynamicGraph, all_steps: list[Step]) -> dict[str, Attent
         seq = len(dg.values[n.inputs[1]].type.shape) - 2
         if not (k and v and _along(k) == _along(v) == (_axis(k), seq) and k.group == v.group == n.group):
             continue
+        if any(uneven(dg.values[x]) for x in n.inputs):  # a padded key block would be attended: the all-gather form
+            continue
         b: DNode | None = backward.get(tuple(n.inputs[1:]))
         scatters: tuple[Step, Step] | None = None
         if b is not None and b.grad_mask[1:3] == (True, True) and not any(b.grad_mask[3:]):
@@ -354,6 +356,8 @@ def expert_dispatches(
         experts = dg.values[n.inputs[3]].sharding.dims[0]
         axis = experts[0] if len(experts) == 1 else None
         if axis is None or len(gathers) < 3 or any(g.group != n.group or _along(g) != (axis, 0) for g in gathers):
+            continue
+        if any(uneven(dg.values[g.inputs[0]]) for g in gathers):  # padded tokens would be routed: all-gather form
             continue
         scatter = scattered.get(n.outputs[0])
         if (

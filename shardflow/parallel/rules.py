@@ -57,12 +57,14 @@ class Valid:
     dim: int
     size: int
     output: bool = False
+    fill: int = 0  # what the padding holds: 0, or a target's ignore index (a loss's padded rows count nothing)
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` with its padding zeroed (a new tensor: the gradient of the padding is dropped with it)."""
+        """``x`` with its padding set to :attr:`fill` (a new tensor: the gradient of the padding is dropped with
+        it)."""
         pad = list(x.shape)
         pad[self.dim] -= self.size
-        return torch.cat([x.narrow(self.dim, 0, self.size), x.new_zeros(pad)], self.dim)
+        return torch.cat([x.narrow(self.dim, 0, self.size), x.new_full(pad, self.fill)], self.dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,22 +94,21 @@ class LocalOp:
 
     def compute(self, *xs: torch.Tensor, at: DrawSite | None = None) -> tuple[torch.Tensor, ...]:
         """The device's output pieces from its input pieces; ``at``: the draw site of a random op's piece."""
-        xs = tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale))
-        if self.valid:
-            ins = list(xs)
-            for v in self.valid:
-                if not v.output:
-                    ins[v.index] = v.mask(ins[v.index])
-            xs = tuple(ins)
+        xs = self.masked(tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale)), output=False)
         outs = self.op.compute(*xs, at=at) if self.op.random else self.op.compute(*xs)
         outs = outs if self.out_scale == 1.0 else tuple(o * self.out_scale for o in outs)
-        if self.valid:
-            res = list(outs)
-            for v in self.valid:
-                if v.output:
-                    res[v.index] = v.mask(res[v.index])
-            outs = tuple(res)
-        return outs
+        return self.masked(outs, output=True)
+
+    def masked(self, xs: Sequence[torch.Tensor | None], output: bool) -> tuple:
+        """``xs`` (the op's inputs, or with ``output`` its outputs, or their gradients; None where there is none) with
+        the padding of each of :attr:`valid`'s masked."""
+        if not self.valid:
+            return tuple(xs)
+        out = list(xs)
+        for v in self.valid:
+            if v.output == output and out[v.index] is not None:
+                out[v.index] = v.mask(out[v.index])  # type: ignore[arg-type]
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,12 +225,8 @@ class Ctx:
                 "shard the operands on different axes, or combine one first",
             ) from None
         try:
-            s.check(
-                self.group,
-                self.out_types[k].shape,
-                self.node,
-                self.node if k == 0 else f"{self.node}.{k}",
-                uneven=type(self.op) in UNEVEN_OPS,
+            s.check(  # uneven blocks where the op may hold them: propagate's _check_uneven
+                self.group, self.out_types[k].shape, self.node, self.node if k == 0 else f"{self.node}.{k}", True
             )
         except DegreeError as e:
             raise e.at(hint=f"in module {self.scope!r}" if self.scope else "") from None
@@ -566,6 +563,18 @@ def rule_attention(ctx: Ctx) -> RuleResult:
         return pairs + [(3, m_nd - nd + k)] if n == 4 and m_nd - nd + k >= 0 else pairs
 
     dims = [ctx.agree(with_mask([(0, k), (1, k), (2, k)], k)) for k in range(nd - 2)]
+    for k, axes in enumerate(dims):  # grouped-query heads in uneven blocks: query block r must read key block r
+        h, hkv, deg = ctx.types[0].shape[k], ctx.types[1].shape[k], ctx.degree(axes)
+        if axes and h != hkv and (h % deg or hkv % deg) and -(-h // deg) != h // hkv * -(-hkv // deg):
+            raise DegreeError(
+                k,
+                hkv,
+                deg,
+                ctx.node,
+                ctx.names[1],
+                f"query heads {h} and key/value heads {hkv} in uneven blocks of {-(-h // deg)} and {-(-hkv // deg)}, "
+                f"not {h // hkv} query heads per key/value head on each device (docs/concepts.md#uneven-shards)",
+            )
     dims.append(ctx.agree(with_mask([(0, nd - 2)], nd - 2)))
     dims.append(ctx.shardings[2].dims[nd - 1])
     out = ctx.output(dims)
@@ -613,12 +622,22 @@ def rule_pool(ctx: Ctx) -> RuleResult:
 
 
 def rule_cross_entropy(ctx: Ctx) -> RuleResult:
+    """Rows sharded: ``Partial(sum)`` of the blocks' losses, a mean divided by the degree — or, rows in uneven blocks
+    (docs/concepts.md#uneven-shards), each block's sum divided by the whole N, its padded rows' targets the ignore
+    index (:data:`IGNORE_INDEX`, :meth:`~shardflow.parallel.pcg.PCG.local_of`) so that they count nothing."""
     op: O.CrossEntropy = ctx.op  # type: ignore[assignment]
     ctx.no_partial(0, 1)
     ctx.unsharded(0, [1], "vocabulary-parallel cross-entropy is not supported")
     n_axes = ctx.agree([(0, 0), (1, 0)])
+    out = ctx.output((), n_axes, ReduceOp.SUM)
+    if ctx.shardings[1].uneven_dims(ctx.group, ctx.types[1].shape):
+        n = ctx.types[1].shape[0]
+        return RuleResult(
+            (out,),
+            ctx.local(dataclasses.replace(op, reduction="sum"), out_scale=1 / n if op.reduction == "mean" else 1.0),
+        )
     out_scale = 1.0 / ctx.degree(n_axes) if op.reduction == "mean" else 1.0
-    return RuleResult((ctx.output((), n_axes, ReduceOp.SUM),), ctx.local(out_scale=out_scale))
+    return RuleResult((out,), ctx.local(out_scale=out_scale))
 
 
 def rule_reduce(ctx: Ctx) -> RuleResult:
@@ -867,10 +886,11 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
 }
 
 
-# The ops whose rules read and make uneven dims (docs/concepts.md#uneven-shards): on pieces whose padding is zero,
-# each gives the real indices of its outputs exactly (element-wise ops; linear and matmul contract a padded dim's
-# zeros; embedding's indices and rows; a sum over it; layer_norm and softmax normalise over an unsharded dim). The
-# rest (a view, a slice, a loss, attention …) refuse an uneven input, and the planner redistributes it.
+# The ops whose rules may also reduce or contract an uneven dim (docs/concepts.md#uneven-shards): on pieces whose
+# padding is zero, each gives the real indices of its outputs exactly (linear and matmul contract a padded dim's
+# zeros; embedding's rows; a sum over it, a mean dividing by the whole count; a cross-entropy's padded rows ignored).
+# Any op passes an uneven dim on unchanged (the same axis and size on an output: a batch or head dim); what else an
+# op would do with one, its rule refuses (:func:`_check_uneven`), and the planner redistributes the input.
 UNEVEN_OPS: frozenset[type[Op]] = frozenset(
     {
         O.Unary,
@@ -887,8 +907,11 @@ UNEVEN_OPS: frozenset[type[Op]] = frozenset(
         O.Reduce,
         O.Permute,
         O.Expand,
+        O.CrossEntropy,
     }
 )
+# The target a padded row of a loss holds (torch's ``ignore_index``): it adds nothing to a sum.
+IGNORE_INDEX = -100
 
 
 def rule_replicated(ctx: Ctx) -> RuleResult:
@@ -923,18 +946,39 @@ def propagate(
     Raises RuleError (or DegreeError) naming the node, module, tensor, dim, axes and the parallel op to insert.
     """
     ctx = Ctx(op, node or op.kind, scope, tuple(names), tuple(types), tuple(shardings), group, op.infer(tuple(types)))
-    if type(op) not in UNEVEN_OPS:
-        for name, t, s in zip(names, types, shardings):
-            for d in s.uneven_dims(group, t.shape):
-                raise DegreeError(
-                    d,
-                    t.shape[d],
-                    s.shard_degree(group, d),
-                    ctx.node,
-                    name,
-                    f"{op.kind} has no rule for uneven blocks (docs/concepts.md#uneven-shards)",
-                )
-    return rule_for(op)(ctx)
+    res = rule_for(op)(ctx)
+    _check_uneven(ctx, res)
+    return res
+
+
+def _check_uneven(ctx: Ctx, res: RuleResult) -> None:
+    """Raise DegreeError where ``res`` holds uneven blocks (docs/concepts.md#uneven-shards) its op cannot: an output
+    dim in uneven blocks that is not an input's uneven dim passed on (the same axis, the same size: a new layout);
+    or, for an op outside :data:`UNEVEN_OPS`, an uneven input dim not passed on to an output (reduced, contracted,
+    resized: the zeros of its padding would count) or any uneven input of a random op (its draws follow the whole
+    tensor's positions)."""
+
+    def uneven(shardings: Sequence[Sharding], types: Sequence[TensorType]) -> list[tuple[int, int, str, int]]:
+        return [
+            (k, d, s.dims[d][0], t.shape[d])
+            for k, (s, t) in enumerate(zip(shardings, types))
+            for d in s.uneven_dims(ctx.group, t.shape)
+        ]
+
+    ins, outs = uneven(ctx.shardings, ctx.types), uneven(res.outputs, ctx.out_types)
+    passed = {(axis, size) for *_, axis, size in outs}
+    made = [x for x in outs if (x[2], x[3]) not in {(axis, size) for *_, axis, size in ins}]
+    refused = [x for x in ins if (x[2], x[3]) not in passed or ctx.op.random] if type(ctx.op) not in UNEVEN_OPS else []
+    module = f"in module {ctx.scope!r}" if ctx.scope else ""
+    for k, d, axis, size in made:  # the same error as where uneven blocks are not allowed at all
+        shape = ctx.out_types[k].shape
+        where = f"shape {list(shape)}, mesh axes {axis} of {ctx.group.mesh}"
+        raise DegreeError(d, size, ctx.degree((axis,)), ctx.node, ctx.node if k == 0 else f"{ctx.node}.{k}", where).at(
+            hint=module
+        )
+    for k, d, axis, size in refused:
+        why = f"{ctx.op.kind} has no rule for uneven blocks along that dim (docs/concepts.md#uneven-shards)"
+        raise DegreeError(d, size, ctx.degree((axis,)), ctx.node, ctx.names[k], why).at(hint=module)
 
 
 def align_operands(types: Sequence[TensorType], shardings: Sequence[Sharding], group: SubMesh) -> list[Sharding]:

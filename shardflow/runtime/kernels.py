@@ -226,7 +226,7 @@ def make_kernel(
             return lambda xs: fwd(*xs)
         return _recording_forward(fwd, spec.record, instr.saved_as, saved)
     if isinstance(spec, Vjp):
-        hand = _hand(spec, instr)
+        hand = hand_vjp(spec.local.op, [b.type for b in instr.ins])
         if hand is not None:
             return _hand_vjp_kernel(hand, spec)
         return _vjp_kernel(forward(spec.local, spec.draw, seed, step, micro), spec, instr.saved_as, saved)
@@ -279,13 +279,7 @@ def records_graph(instr: Compute) -> bool:
     reads the same input piece, so both decide alike)."""
     spec = instr.kernel
     assert isinstance(spec, Forward), instr
-    return bool(spec.record) and _hand(spec, instr) is None
-
-
-def _hand(spec: Forward | Vjp, instr: Compute) -> HandVjp | None:
-    """The hand-written vjp of ``spec``'s local op on the pieces of ``instr`` (none where the pieces are masked: a
-    short block of an uneven dim, whose backward autograd takes through the masks)."""
-    return None if spec.local.valid else hand_vjp(spec.local.op, [b.type for b in instr.ins])
+    return bool(spec.record) and hand_vjp(spec.local.op, [b.type for b in instr.ins]) is None
 
 
 def recorded_nodes(program) -> frozenset[str]:
@@ -393,7 +387,9 @@ def _hand_vjp_kernel(vjp: HandVjp, spec: Vjp) -> Kernel:
         else:
             given = iter(xs[n_in:])
             dys = [(next(given) * local.out_scale) if m else None for m in spec.dy_mask]
-        grads = vjp(op, ins, dys, need)
+        if local.valid:  # a short block of an uneven dim: the forward's masks, and their backward on the gradients
+            ins, dys = local.masked(ins, output=False), local.masked(dys, output=True)
+        grads = local.masked(vjp(op, ins, dys, need), output=False)
         out = []
         for i, dtype in zip(diff, dtypes):
             g = grads[i]

@@ -542,7 +542,9 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
     shape = graph.tensors[name].shape
     try:
         s = Sharding.replicated(len(shape)).with_layout(layout, group)
-        s.check(group, shape, "strategy plan", name)
+        # data may be split in uneven blocks (a batch the degree does not divide: docs/concepts.md#uneven-shards);
+        # a plan's weights may not (a tensor-parallel split must cut whole heads and features)
+        s.check(group, shape, "strategy plan", name, uneven=graph.tensors[name].role == TensorRole.INPUT)
     except DegreeError:
         raise
     except ShardingError as e:
