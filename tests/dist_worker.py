@@ -485,8 +485,8 @@ def run_uneven(rank, world):
     dense → an all-to-all onto the 6 features (2, 2, 2, 0), padded and trimmed → tanh, softmax over the now whole
     rows → a dense contracting the uneven features with a weight Shard(1) → a reduce-scatter of its partial sum onto
     the 9 rows, padded → mean. 2 SGD steps: loss, gradients and every replica of every weight against the
-    single-device reference; each rank's block of x against DTensor's ``distribute_tensor`` (its local shape and
-    values)."""
+    single-device reference; the uneven weight fc2.weight (2, 2, 2, 0 columns) as a DTensor (``full_tensor()``);
+    each rank's block of x against DTensor's ``distribute_tensor`` (its local shape and values)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard as TShard
     from torch.distributed.tensor import distribute_tensor
@@ -534,6 +534,8 @@ def run_uneven(rank, world):
         diffs["grad"] = max(diffs["grad"], *((got[k] - grads[k]).abs().max().item() for k in ref))
         ref = {k: v - 0.1 * grads[k] for k, v in ref.items()}
     diffs["weight"] = ex.weight_error(ref)
+    held = ex.dtensors({"w": forward_id("fc2.weight")})["w"]  # DTensor's local shape: the block without padding
+    diffs["DTensor of fc2.weight"] = (held.full_tensor() - ref["fc2.weight"]).abs().max().item()
     kinds = {c.kind for c in ex.program.comms}
     diffs["comm kinds not all met"] = float(not {"all_to_all", "reduce_scatter", "all_gather"} <= kinds)
     dmesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -18,6 +18,7 @@ from test_properties import check_trains_like_one_device, values
 
 from shardflow.graph import GraphBuilder
 from shardflow.graph.layout import Padded
+from shardflow.graph.ops import Detach, Reduce
 from shardflow.lower import lower_step
 from shardflow.lower.dynamic import forward_id
 from shardflow.lower.program import Comm, Program
@@ -254,3 +255,21 @@ def test_data_parallel_splits_a_batch_the_degree_does_not_divide(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.rstrip().endswith("over every replica (tolerance 1e-09): OK"), out
+
+
+def test_a_max_over_an_uneven_dim_fills_its_padding_with_minus_infinity():
+    """amax over 9 rows on 4 devices (3, 3, 3, 0) of a tensor whose values are all negative (a softmax's shift,
+    detached): the zeros of the padding would win; the padding is −∞ there (``padding_fill``), the devices' maxima are
+    ``Partial(max)``, and the loss (which the shift changes) and the gradients equal one device."""
+    b = GraphBuilder()
+    x = b.input("x", (9, 5), F64)
+    neg = b.sub(b.mul(b.tanh(b.dense(x, 4, name="fc")), 0.5), 2.0)  # every value in (-2.5, -1.5)
+    m = b.apply(Reduce("amax", (0,), keepdim=True), [b.apply(Detach(), [neg])[0]])[0]  # a softmax's shift
+    loss = b.mean(b.sub(neg, m))
+    graph = b.build([loss], loss)
+    mesh = Mesh.parse("tp=4")
+    pcg = trains_like_one_device(graph, mesh, placed(graph, mesh, x=(Shard(0),)))
+    assert pcg.tensors[m].sharding.partial == ("tp",) and pcg.tensors[m].sharding.reduce_op == "max"
+    amax = next(n for n in pcg.nodes if n.name == m)
+    (v,) = pcg.local_of(amax, 3).valid[:1]
+    assert v.fill == float("-inf") and v.size == 0

@@ -20,18 +20,18 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from shardflow.graph.graph import ComputationGraph, Node, TensorRole
-from shardflow.graph.ops import Binary, CrossEntropy, Dropout, Op, TensorType, Where
+from shardflow.graph.ops import Binary, Dropout, Op, TensorType, Where
 from shardflow.graph.rng import DrawSite, PieceSite
 from shardflow.parallel.collectives import redistribution_cost
 from shardflow.parallel.mesh import Mesh, Partial, Placement, Replicate, Shard, SubMesh
 from shardflow.parallel.ops import ParallelOp, redistribute
 from shardflow.parallel.rules import (
-    IGNORE_INDEX,
     LocalOp,
     RuleError,
     RuleResult,
     Valid,
     align_operands,
+    padding_fill,
     propagate,
     rule_for,
     rule_replicated,
@@ -201,9 +201,8 @@ class PCG:
         local = node.local
         if local is None:
             raise ValueError(f"node {node.name!r} is a parallel op: it runs no local op")
-        ignored = isinstance(node.op, CrossEntropy)  # its padded rows' targets: ignored, not class 0
         valid = tuple(
-            Valid(k, d, size, output, IGNORE_INDEX if ignored and not output and k == 1 else 0)
+            Valid(k, d, size, output, 0 if output else padding_fill(local.op, k, d))
             for output, names in ((False, node.inputs), (True, node.outputs))
             for k, name in enumerate(names)
             for d, size in self.short_dims(name, device)

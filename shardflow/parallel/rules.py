@@ -57,14 +57,19 @@ class Valid:
     dim: int
     size: int
     output: bool = False
-    fill: int = 0  # what the padding holds: 0, or a target's ignore index (a loss's padded rows count nothing)
+    fill: float = 0  # what the padding holds (:func:`padding_fill`): 0, or what the op ignores
 
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with its padding set to :attr:`fill` (a new tensor: the gradient of the padding is dropped with
         it)."""
         pad = list(x.shape)
         pad[self.dim] -= self.size
-        return torch.cat([x.narrow(self.dim, 0, self.size), x.new_full(pad, self.fill)], self.dim)
+        fill: float | bool = self.fill
+        if math.isinf(fill) and x.dtype == torch.bool:
+            fill = fill > 0
+        elif math.isinf(fill) and not x.is_floating_point():  # ±∞ of an integer max or min: its dtype's extreme
+            fill = torch.iinfo(x.dtype).max if fill > 0 else torch.iinfo(x.dtype).min
+        return torch.cat([x.narrow(self.dim, 0, self.size), x.new_full(pad, fill)], self.dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -654,11 +659,6 @@ def rule_reduce(ctx: Ctx) -> RuleResult:
     partial, reduce_op = ctx.partial_of([0], reduced, kind)
     dims = [() if d in op.dims else ax for d, ax in enumerate(s.dims) if op.keepdim or d not in op.dims]
     uneven = [d for d in s.uneven_dims(ctx.group, ctx.types[0].shape) if d in op.dims]
-    if uneven and kind != ReduceOp.SUM:  # the zeros of the padding would take part
-        d = uneven[0]
-        raise DegreeError(
-            d, ctx.types[0].shape[d], ctx.degree(s.dims[d]), ctx.node, ctx.names[0], f"{op.fn} over an uneven dim"
-        )
     if uneven and op.fn == "mean":  # the blocks differ in size: each sums its own, divided by the global count
         count = math.prod(ctx.types[0].shape[d] for d in op.dims)
         return RuleResult(
@@ -912,6 +912,17 @@ UNEVEN_OPS: frozenset[type[Op]] = frozenset(
 )
 # The target a padded row of a loss holds (torch's ``ignore_index``): it adds nothing to a sum.
 IGNORE_INDEX = -100
+
+
+def padding_fill(op: Op, index: int, dim: int) -> float:
+    """What the padding of dim ``dim`` of input ``index`` holds when ``op`` runs on a short block
+    (docs/concepts.md#uneven-shards): what the op ignores there — a cross-entropy's targets the ignore index, a max's
+    input −∞ and a min's +∞ over a reduced dim — else 0, which a sum or a product ignores."""
+    if isinstance(op, O.CrossEntropy) and index == 1:
+        return IGNORE_INDEX
+    if isinstance(op, O.Reduce) and op.fn in ("amax", "amin") and dim in op.dims:
+        return -math.inf if op.fn == "amax" else math.inf
+    return 0
 
 
 def rule_replicated(ctx: Ctx) -> RuleResult:

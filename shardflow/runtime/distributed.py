@@ -481,8 +481,9 @@ class DistributedExecutor(Executor):
             device_mesh = self.groups.sub_mesh(v.group)  # every rank, member or not
             if v.group.index(self.rank) is not None:
                 full = torch.Size(v.type.shape)
+                p = v.sharding.parallel_shape(v.group, v.type.shape)  # a short block: its part, DTensor's local shape
                 out[name] = DTensor.from_local(
-                    self.buffers[vid],
+                    p.valid_of(self.buffers[vid], v.sharding.coord_of(v.group, self.rank)),
                     device_mesh,
                     placed[name],
                     run_check=False,
