@@ -18,7 +18,8 @@ from test_properties import check_trains_like_one_device, values
 
 from shardflow.graph import GraphBuilder
 from shardflow.graph.layout import Padded
-from shardflow.graph.ops import Detach, Reduce
+from shardflow.graph.ops import Detach, Gather, Reduce, Softmax
+from shardflow.graph.softmax import decompose_softmax
 from shardflow.lower import lower_step
 from shardflow.lower.dynamic import forward_id
 from shardflow.lower.program import Comm, Program
@@ -273,3 +274,29 @@ def test_a_max_over_an_uneven_dim_fills_its_padding_with_minus_infinity():
     amax = next(n for n in pcg.nodes if n.name == m)
     (v,) = pcg.local_of(amax, 3).valid[:1]
     assert v.fill == float("-inf") and v.size == 0
+
+
+def test_the_vocabulary_parallel_loss_runs_on_classes_in_uneven_blocks():
+    """A head of 10 classes Shard(0) on tp=4 (3, 3, 3, 1) and the loss a captured model computes (log-softmax, the
+    target's logit by gather), the log-softmax decomposed as the vocabulary-parallel plans decompose it: the logits
+    never move; the max over the classes sees −∞ in the padding, the exponentials' padding is masked, the target's
+    gather reads only real rows; 2 SGD steps equal one device."""
+    b = GraphBuilder()
+    x, target = b.input("x", (6, 4), F64), b.input("target", (6, 1), "int64")
+    head = b.weight("head.weight", (10, 4), F64)
+    logp = b.apply(Softmax(1, log=True), [b.linear(x, head)])[0]
+    picked = b.apply(Gather(1), [logp, target])[0]
+    loss = b.neg(b.mean(picked))
+    graph = b.build([loss], loss)
+    node = next(n for n in graph.nodes if isinstance(n.op, Softmax))
+    split, partial = decompose_softmax(graph, [node])
+    shift, total = partial[node.name]
+    mesh = Mesh.parse("tp=4")
+    ann = dataclasses.replace(
+        placed(split, mesh, **{"head.weight": (Shard(0),)}),
+        graph=split,
+        after={shift: {"tp": Replicate()}, total: {"tp": Replicate()}},
+    )
+    pcg = trains_like_one_device(graph, mesh, ann, {"target": 10})
+    vocab = [n for n in pcg.parallel_nodes if 10 in pcg.tensors[n.inputs[0]].type.shape]
+    assert not vocab and not pcg.redistributions

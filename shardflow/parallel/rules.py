@@ -888,7 +888,8 @@ RULES: dict[type[Op], Callable[[Ctx], RuleResult]] = {
 
 # The ops whose rules may also reduce or contract an uneven dim (docs/concepts.md#uneven-shards): on pieces whose
 # padding is zero, each gives the real indices of its outputs exactly (linear and matmul contract a padded dim's
-# zeros; embedding's rows; a sum over it, a mean dividing by the whole count; a cross-entropy's padded rows ignored).
+# zeros; embedding's and a vocabulary-parallel gather's rows, which no index reaches; a sum over it, a mean dividing
+# by the whole count; a max or min over it, its padding ∓∞: padding_fill; a cross-entropy's padded rows ignored).
 # Any op passes an uneven dim on unchanged (the same axis and size on an output: a batch or head dim); what else an
 # op would do with one, its rule refuses (:func:`_check_uneven`), and the planner redistributes the input.
 UNEVEN_OPS: frozenset[type[Op]] = frozenset(
@@ -902,6 +903,7 @@ UNEVEN_OPS: frozenset[type[Op]] = frozenset(
         O.Linear,
         O.Matmul,
         O.Embedding,
+        O.Gather,
         O.LayerNorm,
         O.Softmax,
         O.Reduce,
