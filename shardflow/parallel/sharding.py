@@ -13,6 +13,7 @@ that hold partial sums; every other free axis of the tensor's :class:`SubMesh` h
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -137,8 +138,9 @@ class Sharding:
         return len(self.dims[d]) == 1 and all(h.dim != d for h in self.head_tail(group, shape))
 
     def uneven_dims(self, group: SubMesh, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The dims of a tensor of ``shape`` whose degree on ``group`` does not divide them."""
-        return tuple(d for d, size in enumerate(shape) if size % self.shard_degree(group, d))
+        """The dims of a tensor of ``shape`` whose degree on ``group`` does not divide them (asked of every input and
+        output of every rule the planner tries: cached)."""
+        return () if not self._used else _uneven_dims(self, group, tuple(shape))
 
     def parallel_shape(self, group: SubMesh, shape: tuple[int, ...], dtype: str = "float32") -> ParallelTensorShape:
         """Degrees of this sharding on ``group`` (replica = product of the unused free axes), and the dims stored in
@@ -283,3 +285,8 @@ def placements_for(pshape: ParallelTensorShape, group: SubMesh) -> tuple[Placeme
         ):
             return combo
     raise ShardingError(f"parallel shape {pshape} cannot be placed on {group} with axes {dict(zip(free, sizes))}")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _uneven_dims(s: Sharding, group: SubMesh, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d, size in enumerate(shape) if size % s.shard_degree(group, d))
