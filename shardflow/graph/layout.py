@@ -68,6 +68,16 @@ def _head_tail_order(length: int, chunks: int, segments: int) -> torch.Tensor:
     return torch.arange(length).view(segments, chunks, -1)[:, order].reshape(-1)
 
 
+def pad_dim(x: torch.Tensor, dim: int, size: int, fill: float | bool = 0) -> torch.Tensor:
+    """``x`` with dim ``dim`` extended to ``size`` indices, the new ones ``fill`` (a copy; ``x`` itself where it has
+    ``size`` already): the padding of an uneven dim's short block (docs/concepts.md#uneven-shards)."""
+    if x.shape[dim] == size:
+        return x
+    pad = list(x.shape)
+    pad[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_full(pad, fill)], dim)
+
+
 @dataclass(frozen=True, slots=True)
 class Padded:
     """An uneven dim as a communication moves it (docs/concepts.md#uneven-shards): dim ``dim`` of ``length`` indices
@@ -81,9 +91,7 @@ class Padded:
 
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with dim :attr:`dim` of :attr:`length` → of :attr:`padded`, the tail zeros (a copy)."""
-        pad = list(x.shape)
-        pad[self.dim] = self.padded - self.length
-        return torch.cat([x, x.new_zeros(pad)], self.dim)
+        return pad_dim(x, self.dim, self.padded)
 
     def to_natural(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with dim :attr:`dim` of :attr:`padded` → its first :attr:`length` indices (a view)."""

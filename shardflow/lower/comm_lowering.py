@@ -213,9 +213,8 @@ def decide(dg: DynamicGraph, options: LowerOptions, all_steps: list[Step]) -> De
         if st.kind not in (CommKind.ALL_GATHER, CommKind.REDUCE_SCATTER):
             continue
         if uneven(dg.values[n.inputs[0]]) or uneven(dg.values[st.nodes[-1].outputs[0]]):
-            forms[n.name] = (
-                CommForm.COLLECTIVE
-            )  # uneven blocks: one collective, padded (docs/concepts.md#uneven-shards)
+            # uneven blocks: one collective, padded (docs/concepts.md#uneven-shards)
+            forms[n.name] = CommForm.COLLECTIVE
             continue
         reorders = any(layout_change(dg.values[n.inputs[0]], dg.values[st.nodes[-1].outputs[0]]))
         if st.kind == CommKind.ALL_GATHER:

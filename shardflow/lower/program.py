@@ -138,6 +138,13 @@ class Convert:
 KernelSpec = Forward | Vjp | BlockVjp | OnesLike | Sum | Update | SumOfSquares | Keep | Block | Convert
 
 
+def layout_text(h: HeadTail | Padded, to_storage: bool) -> str:
+    """A communication's local move of its buffers as listings and the verifier show it: ``pad(dim 0, 10↔12)``,
+    ``to_head_tail(dim 1, 4 chunks)``."""
+    detail = f"{h.chunks} chunks" if isinstance(h, HeadTail) else f"{h.length}↔{h.padded}"
+    return f"{layout_name(h, to_storage)}(dim {h.dim}, {detail})"
+
+
 def layout_name(h: HeadTail | Padded, to_storage: bool) -> str:
     """How a listing names a communication's local move of its buffers: into or out of the load-balanced layout
     (``to_head_tail``, ``to_natural``), or an uneven dim padded before sending (``pad``) or trimmed after receiving
@@ -281,10 +288,7 @@ class Comm:
             bufs += f" splits={self.splits[0].value},{self.splits[1].value}"
         issue = " (async)" if not self.wait else ""
         order = "".join(
-            f" {layout_name(h, to)}(dim {h.dim}, "
-            + (f"{h.chunks} chunks)" if isinstance(h, HeadTail) else f"{h.length}↔{h.padded})")
-            for to, h in ((True, self.to_storage), (False, self.to_natural))
-            if h is not None
+            f" {layout_text(h, to)}" for to, h in ((True, self.to_storage), (False, self.to_natural)) if h is not None
         )
         return (
             f"#{self.token:<4} {self.task:<4} {self.kind}{issue} {who} axis={self.axis or '-'} "

@@ -39,7 +39,7 @@ from shardflow.lower.program import (
     Update,
     Vjp,
 )
-from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses
+from shardflow.parallel.collectives import REDISTRIBUTION, CommKind, LocalKind, fuses, padded_shape
 from shardflow.parallel.mesh import SubMesh
 from shardflow.parallel.ops import RepartitionOp, ReplicateOp
 from shardflow.parallel.sharding import Sharding
@@ -112,8 +112,8 @@ def padding(v: Value, dim: int, degree: int) -> Padded | None:
     """Dim ``dim`` of one device's piece of value ``v`` padded to ``degree`` equal blocks, where ``degree`` does not
     divide it (docs/concepts.md#uneven-shards): the whole side of a communication or split that cuts that dim into
     uneven blocks or joins it from them. None where it divides."""
-    n = piece(v).type.shape[dim]
-    return Padded(dim, n, degree * -(-n // degree)) if n % degree else None
+    shape = piece(v).type.shape
+    return Padded(dim, shape[dim], padded_shape(shape, dim, degree)[dim]) if shape[dim] % degree else None
 
 
 def uneven(v: Value) -> bool:

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 from itertools import combinations
 from typing import Iterator, Mapping
 
-from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait, reads, writes
+from shardflow.lower.program import Buffer, Comm, Compute, Free, Instr, Program, Wait, layout_text, reads, writes
 from shardflow.lower.rendezvous import rendezvous
 from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.parallel.mesh import ReduceOp
@@ -108,11 +108,7 @@ def _what(c: Comm) -> str:
         + (f" op={c.reduce_op}" if c.reduce_op != ReduceOp.SUM else "")
         + (f" of {c.value}" if c.value else "")
         + (f" piece {list(c.piece)}" if c.kind in _P2P and c.piece else "")
-        + "".join(
-            f" {name}(dim {h.dim}, {h.length}↔{h.padded})"
-            for name, h in zip(("pad", "trim"), c.padded)
-            if h is not None
-        )
+        + "".join(f" {layout_text(h, to)}" for to, h in zip((True, False), c.padded) if h is not None)
     )
 
 

@@ -219,9 +219,9 @@ class PCG:
         """(dim, indices held) for each dim of tensor ``name`` whose block on ``device`` is shorter than its piece (an
         uneven dim's last blocks, stored padded: docs/concepts.md#uneven-shards)."""
         t = self.tensors[name]
+        if not t.sharding.uneven_dims(t.group, t.type.shape) or t.group.index(device) is None:
+            return ()  # asked of every input and output of every node on every rank: the cached check first
         p = t.pshape
-        if not p.uneven or t.group.index(device) is None:
-            return ()
         held = p.piece_valid(t.sharding.coord_of(t.group, device))
         return tuple((d, held[d]) for d in p.uneven if held[d] < p.piece_shape[d])
 

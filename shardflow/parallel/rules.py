@@ -15,11 +15,11 @@ appear or pass through. Partial-sum linearity (PyTorch PR #157340, docs/concepts
 * a contraction (linear's in-features, matmul's k, sum/mean over a dim, the batch of a mean loss) over a
   sharded dim yields ``Partial(sum)`` on that dim's axes; a mean divides by the *global* count.
 
-Uneven blocks (docs/concepts.md#uneven-shards): a dim whose degree does not divide it is stored padded with zeros.
-Only the ops of :data:`UNEVEN_OPS` read or make one — those whose result on the real indices no zero of the padding
-changes (element-wise ops, products contracting a padded dim, sums, normalisations over another dim); every other
-op's rule refuses such an input with a DegreeError, which :func:`~shardflow.parallel.pcg.build_pcg` mends by a
-redistribution. A device whose block is short masks it: :attr:`LocalOp.valid`.
+Uneven blocks (docs/concepts.md#uneven-shards): a dim whose degree does not divide it is stored padded. Any op may
+pass one on unchanged (a batch or heads dim); only the ops of :data:`UNEVEN_OPS` may reduce or contract one, and no
+op may make a new one (:func:`_check_uneven`): elsewhere a DegreeError, which
+:func:`~shardflow.parallel.pcg.build_pcg` mends by a redistribution. A device whose block is short masks it:
+:attr:`LocalOp.valid`.
 
 A rule returns a :class:`LocalOp`: what each device runs on its pieces (the op with local attributes and the
 scale factors above). The executors run exactly that; nothing else knows about linearity. An op with no rule of
@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from shardflow.graph import ops as O
+from shardflow.graph.layout import pad_dim
 from shardflow.graph.ops import Op, TensorType, torch_dtype
 from shardflow.graph.rng import DrawSite
 from shardflow.parallel.mesh import ReduceOp, SubMesh
@@ -62,14 +63,12 @@ class Valid:
     def mask(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` with its padding set to :attr:`fill` (a new tensor: the gradient of the padding is dropped with
         it)."""
-        pad = list(x.shape)
-        pad[self.dim] -= self.size
         fill: float | bool = self.fill
         if math.isinf(fill) and x.dtype == torch.bool:
             fill = fill > 0
         elif math.isinf(fill) and not x.is_floating_point():  # ±∞ of an integer max or min: its dtype's extreme
             fill = torch.iinfo(x.dtype).max if fill > 0 else torch.iinfo(x.dtype).min
-        return torch.cat([x.narrow(self.dim, 0, self.size), x.new_full(pad, fill)], self.dim)
+        return pad_dim(x.narrow(self.dim, 0, self.size), self.dim, x.shape[self.dim], fill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -979,8 +978,8 @@ def _check_uneven(ctx: Ctx, res: RuleResult) -> None:
         ]
 
     ins, outs = uneven(ctx.shardings, ctx.types), uneven(res.outputs, ctx.out_types)
-    passed = {(axis, size) for *_, axis, size in outs}
-    made = [x for x in outs if (x[2], x[3]) not in {(axis, size) for *_, axis, size in ins}]
+    held, passed = ({(axis, size) for *_, axis, size in xs} for xs in (ins, outs))
+    made = [x for x in outs if (x[2], x[3]) not in held]
     refused = [x for x in ins if (x[2], x[3]) not in passed or ctx.op.random] if type(ctx.op) not in UNEVEN_OPS else []
     module = f"in module {ctx.scope!r}" if ctx.scope else ""
     for k, d, axis, size in made:  # the same error as where uneven blocks are not allowed at all

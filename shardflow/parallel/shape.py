@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from shardflow.graph.layout import HeadTail
+from shardflow.graph.layout import HeadTail, pad_dim
 from shardflow.parallel.mesh import ReduceOp
 
 
@@ -121,16 +121,16 @@ class ParallelTensorShape:
     def padded(self, block: torch.Tensor) -> torch.Tensor:
         """``block`` (a piece's block of the tensor) at :attr:`piece_shape`, zeros after its end where it is short (a
         copy there, else ``block`` itself)."""
-        pad = [p - v for p, v in zip(self.piece_shape, block.shape)]
-        if not any(pad):
-            return block
-        return torch.nn.functional.pad(block, [x for p in reversed(pad) for x in (0, p)])
+        for d in self.uneven:
+            block = pad_dim(block, d, self.piece_shape[d])
+        return block
 
     def valid_of(self, piece: torch.Tensor, coord: ShardCoord) -> torch.Tensor:
         """The part of ``piece`` (at :attr:`piece_shape`, held at ``coord``) that is the tensor's: a view without the
         padding."""
+        held = self.piece_valid(coord)
         for d in self.uneven:
-            piece = piece.narrow(d, 0, self.piece_valid(coord)[d])
+            piece = piece.narrow(d, 0, held[d])
         return piece
 
     @property

@@ -36,6 +36,7 @@ from shardflow.lower.buffer_reuse import buffer_reuse
 from shardflow.lower.comms import sized_bytes
 from shardflow.lower.memory import Ledger, peak
 from shardflow.lower.program import Comm, Compute, Group, Wait
+from shardflow.lower.shard_expansion import uneven
 from shardflow.lower.verify import check_fingerprints
 from shardflow.parallel.collectives import KINDS, CommKind
 from shardflow.parallel.mesh import Mesh, ReduceOp, Replicate, SubMesh, to_dtensor
@@ -384,9 +385,10 @@ class DistributedExecutor(Executor):
                 None if v.group.index(self.rank) is None else p.piece_index(v.sharding.coord_of(v.group, self.rank))
             )
         if self.blocks[vid] is not None:
-            v = self.dg.values[vid]
-            p = v.sharding.parallel_shape(v.group, v.type.shape)  # a short block of an uneven dim: padded with zeros
-            self.buffers[vid] = p.padded(full[self.blocks[vid]]).to(self.device, copy=True)
+            block, v = full[self.blocks[vid]], self.dg.values[vid]
+            if uneven(v):  # a short block of an uneven dim: padded with zeros
+                block = v.sharding.parallel_shape(v.group, v.type.shape).padded(block)
+            self.buffers[vid] = block.to(self.device, copy=True)
 
     def _get(self, vid: str) -> torch.Tensor:
         """The full value on the CPU, assembled on every rank (an all-reduce over the world; for results, not the

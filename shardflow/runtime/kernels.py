@@ -387,12 +387,15 @@ def _hand_vjp_kernel(vjp: HandVjp, spec: Vjp) -> Kernel:
         else:
             given = iter(xs[n_in:])
             dys = [(next(given) * local.out_scale) if m else None for m in spec.dy_mask]
-        if local.valid:  # a short block of an uneven dim: the forward's masks, and their backward on the gradients
-            ins, dys = local.masked(ins, output=False), local.masked(dys, output=True)
-        grads = local.masked(vjp(op, ins, dys, need), output=False)
+        if not local.valid:
+            grads = vjp(op, ins, dys, need)
+        else:  # a short block of an uneven dim: the forward's masks, and their backward on the gradients
+            masked = vjp(op, local.masked(ins, output=False), local.masked(dys, output=True), need)
+            grads = list(local.masked(masked, output=False))
         out = []
         for i, dtype in zip(diff, dtypes):
             g = grads[i]
+            assert g is not None, f"{op.kind}: the hand-written vjp gave no gradient of input {i}"
             if g.dtype != dtype:
                 g = g.to(dtype)
             out.append(g if scale[i] == 1.0 else g * scale[i])
