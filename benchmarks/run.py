@@ -219,7 +219,12 @@ def sessions(keys: str, quick: bool) -> list[tuple[str, str, int, dict]]:
             out.append(("x4", "context", 4, {**ctx, "forms": ["all_gather", "ring", "ring:serial", "ring:balanced"]}))
     if "v" in keys:
         out.append(
-            ("v", "vocab", 2, {"vocab_sizes": [None, 8192], "rounds": 5 if quick else 15, "iters": 3, "warmup": 2})
+            (
+                "v",
+                "vocab",
+                2,
+                {"vocab_sizes": [None, 8192, 8191], "rounds": 5 if quick else 15, "iters": 3, "warmup": 2},
+            )
         )
     if "u" in keys:
         out.append(("u", "uneven", 2, {"batches": [16, 15, 13], "rounds": 5 if quick else 11, "iters": 2, "warmup": 2}))
@@ -1129,7 +1134,8 @@ def section_v(res: dict, quick: bool) -> str:
         "## Vocabulary parallelism",
         "",
         f"The main job's model at `shardflow train`'s defaults (the Llama, AdamW, float32; its default vocabulary "
-        f"of {first['vocab']:,}, and a larger one) under tp={d}: the preset, whose embedding, head and loss are "
+        f"of {first['vocab']:,}, a larger one, and one {d} does not divide, held in uneven blocks: "
+        f"docs/concepts.md#uneven-shards) under tp={d}: the preset, whose embedding, head and loss are "
         f"vocabulary-parallel (docs/concepts.md#vocabulary-parallel-embedding-and-loss), against the same Megatron "
         f"pairs with the embedding and the head replicated (`tensor_parallel(..., vocabulary=False)`), as the "
         f"preset planned them before. State = parameters + gradients + optimizer state of rank 0, from the plan, "

@@ -85,10 +85,11 @@ def test_checkpoints_are_written_complete(runs):
 
 def test_each_rank_of_a_tp_run_writes_only_its_pieces(runs):
     """tp6 saved on 2 processes under tp: each weight tp splits (the 7 projections of the layer: column-parallel ones
-    by rows, row-parallel ones by columns) and its AdamW state is stored as 2 chunks at their offsets, each in the
-    file of the rank that held it — half the bytes each; what tp leaves replicated (embeddings, norms, lm_head) is
-    one chunk, written by rank 0 (replica 0) alone. Each data file holds its rank's chunks and DCP's framing of
-    them (torch.save's, ~1.6 KB a chunk), nothing else."""
+    by rows, row-parallel ones by columns; the vocabulary-parallel embedding and head by rows, their 289 tokens in
+    uneven blocks of 145 and 144: docs/concepts.md#uneven-shards) and its AdamW state is stored as 2 chunks at their
+    offsets, each in the file of the rank that held it, the padding of the short block not written; what tp leaves
+    replicated (the norms) is one chunk, written by rank 0 (replica 0) alone. Each data file holds its rank's chunks
+    and DCP's framing of them (torch.save's, ~1.6 KB a chunk), nothing else."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -114,16 +115,18 @@ def test_each_rank_of_a_tp_run_writes_only_its_pieces(runs):
         ([0, 0], [16, 32], "__0_0.distcp"),
         ([0, 32], [16, 32], "__1_0.distcp"),
     ]
-    assert where["optim/opt:exp_avg:lm_head.weight"] == [([0, 0], [289, 16], "__0_0.distcp")]
+    for k in ("model/lm_head.weight", "optim/opt:exp_avg:lm_head.weight", "model/model.embed_tokens.weight"):
+        assert where[k] == [([0, 0], [145, 16], "__0_0.distcp"), ([145, 0], [144, 16], "__1_0.distcp")], k
     split = {k for k, chunks in where.items() if len(chunks) == 2}
-    assert len(split) == 7 * 3 and all(len(where[k]) == 1 for k in set(where) - split)
+    assert len(split) == (7 + 2) * 3 and all(len(where[k]) == 1 for k in set(where) - split)
     data = {f"__{r}_0.distcp": {"split": 0, "all": 0, "chunks": 0} for r in range(2)}  # float32: 4 bytes
     for k, chunks in where.items():
         for _, sizes, f in chunks:
             data[f]["all"] += 4 * math.prod(sizes)
             data[f]["split"] += 4 * math.prod(sizes) * (k in split)
             data[f]["chunks"] += 1
-    assert data["__0_0.distcp"]["split"] == data["__1_0.distcp"]["split"] > 0
+    # rank 0 holds one more row of the embedding and the head and of their 2 AdamW states: 6 × 16 floats
+    assert data["__0_0.distcp"]["split"] == data["__1_0.distcp"]["split"] + 6 * 16 * 4 > 6 * 16 * 4
     assert data["__1_0.distcp"]["all"] == data["__1_0.distcp"]["split"]  # rank 1 holds no replica 0 of the rest
     for f, n in data.items():
         assert n["all"] < (path / f).stat().st_size < n["all"] + 2048 * n["chunks"], (f, n)

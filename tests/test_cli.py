@@ -22,9 +22,15 @@ def run(capsys, *argv):
 def test_plan_prints_tp_pcg(capsys):
     code, out, err = run(capsys, "--strategy", "tp", "--nproc", "2")
     assert code == 0 and not err
-    assert out.splitlines()[0] == ("# strategy tp: mesh tp=2 (2 devices); 41 compute ops; parallel ops: reduction ×2")
+    assert out.splitlines()[0] == (
+        "# strategy tp: mesh tp=2 (2 devices); 47 compute ops; parallel ops: reduction ×6, repartition ×2; "
+        "2 redistributions where a rule refused (64 bytes per device)"
+    )
     assert "weight   transformer.h.0.mlp.c_fc.weight: float32[128/2, 32] (S(0))" in out
-    assert sum(line.startswith("* ") for line in out.splitlines()) == 2
+    # the vocabulary of 65 characters in uneven blocks (33, 32 rows): docs/concepts.md#uneven-shards
+    assert "weight   transformer.wte.weight: float32[65/2, 32] (S(0))" in out
+    # the parallel ops: 2 Megatron all-reduces, the embedding's, the loss's 3 and its where's 2 Repartitions
+    assert sum(line.startswith("* ") for line in out.splitlines()) == 2 + 1 + 3 + 2
 
 
 def test_plan_on_a_2d_mesh_and_the_graph_listing(capsys):
@@ -110,12 +116,15 @@ def test_plan_json_is_machine_readable(capsys):
 
     code, out, _ = run(capsys, "--strategy", "tp", "--nproc", "2", "--format", "json")
     doc = json.loads(out)
-    # 4 of the tp step and the gradient norm's, as shardflow train runs it
-    assert code == 0 and doc["verified"] and doc["collectives"] == {"all_reduce": 5}
+    # 4 of the Megatron pairs (2 forward, 2 backward), 5 of the vocabulary-parallel embedding, head and loss (the
+    # embedding's output, the head's input gradient, the loss's max, sum and the sum's gradient) and the gradient
+    # norm's, as shardflow train runs it; the loss's target logits reduce-scattered forward and all-gathered
+    # backward, on 2 ranks a collective-permute each
+    assert code == 0 and doc["verified"] and doc["collectives"] == {"all_reduce": 4 + 5 + 1, "permute": 2}
     r0 = doc["ranks"][0]
     assert r0["rank"] == 0 and len(r0["fingerprint"]) == 64
-    assert set(r0["bytes"]) == {"all_reduce"} and r0["bytes"]["all_reduce"]["tp"] > 0
-    assert sum(i["type"] == "comm" for i in r0["instructions"]) == 5
+    assert set(r0["bytes"]) == {"all_reduce", "permute"} and r0["bytes"]["all_reduce"]["tp"] > 0
+    assert sum(i["type"] == "comm" for i in r0["instructions"]) == 12
 
 
 def test_plan_lowers_with_train_s_communication_forms(capsys):

@@ -231,16 +231,21 @@ def plan_json_example() -> list[str]:
 
 def _own_model_misfits():
     """The classifier of examples/own_model.py and two plans that do not fit it, with their meshes: ``down``'s weight
-    sharded on its 10 output features over tp=4; ``up`` row-parallel with no reduction before the GELU."""
+    sharded on its 10 output features over both axes of dp=2, tp=2; ``up`` row-parallel with no reduction before the
+    GELU."""
     import torch
 
     from shardflow.capture import capture
 
     classifier = runpy.run_path(str(ROOT / "examples" / "own_model.py"))["Classifier"]
     graph = capture(classifier(), {"x": torch.zeros(64, 32), "y": torch.zeros(64, dtype=torch.long)})
-    down = ModulePlan(params={"weight": {"tp": Shard(0)}, "bias": {"tp": Shard(0)}})
+    both = {"dp": Shard(0), "tp": Shard(0)}
+    down = ModulePlan(params={"weight": both, "bias": both})
     up = ModulePlan(params={"weight": {"tp": Shard(1)}}, input={"tp": Shard(1)})
-    return graph, ((Mesh.parse("tp=4"), Plan(modules={"down": down})), (Mesh.parse("tp=2"), Plan(modules={"up": up})))
+    return graph, (
+        (Mesh.parse("dp=2,tp=2"), Plan(modules={"down": down})),
+        (Mesh.parse("tp=2"), Plan(modules={"up": up})),
+    )
 
 
 def own_model_errors() -> list[str]:

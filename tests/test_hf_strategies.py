@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 
 from hf_worker import SGD, compare, model_and_graph, plan_pcg  # noqa: E402
 
+from shardflow.capture import capture, wide_floats  # noqa: E402
 from shardflow.graph import ops as O  # noqa: E402
 from shardflow.lower import lower_step  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
@@ -103,6 +104,46 @@ def test_llama_tp_shards_attention_heads_and_the_swiglu_mlp(captured):
         q, k, v = (t[x] for x in n.inputs)
         assert q.type.shape == (2, 4, 8, 16) and k.type.shape == v.type.shape == (2, 2, 8, 16)
         assert q.pshape.shard == k.pshape.shard == v.pshape.shard == t[n.outputs[0]].pshape.shard == (1, 2, 1, 1)
+
+
+@pytest.mark.parametrize("strategy", ["tp", "sp"])
+def test_tp_splits_a_vocabulary_and_features_the_degree_does_not_divide(strategy):
+    """Llama with a vocabulary of 97 tokens and an MLP of 91 features on tp=2: the presets place the
+    vocabulary-parallel embedding and head and the column-/row-parallel MLP in uneven blocks (49 and 48 rows, 46 and
+    45 features: DTensor's chunks, as its ``ColwiseParallel`` places them; docs/concepts.md#uneven-shards), the heads
+    whole (4 query and 2 key/value heads divide); no redistribution beyond the loss's, and 2 SGD steps equal eager
+    PyTorch over every replica."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=91,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 97, (2, 8))
+    b = {"input_ids": ids, "labels": ids}
+    with wide_floats():
+        graph = capture(model, b)
+    pcg = plan_pcg(graph, "tp=2", strategy)
+    t = pcg.tensors
+    for w, piece in (
+        ("model.embed_tokens.weight", (49, 32)),
+        ("lm_head.weight", (49, 32)),
+        ("model.layers.0.mlp.gate_proj.weight", (46, 32)),
+        ("model.layers.0.mlp.down_proj.weight", (32, 46)),
+    ):
+        assert t[w].pshape.uneven and t[w].pshape.piece_shape == piece, (w, t[w].pshape)
+    assert redistributions(pcg) == LOSS_REDISTRIBUTIONS
+    diffs = compare(model, b, graph, LocalExecutor(lower_step(pcg, SGD.slots), SGD))
+    assert all(d <= TOL for d in diffs.values()), diffs
 
 
 def test_llama_tp_beyond_the_key_value_heads_is_an_error_naming_them(captured):

@@ -96,14 +96,21 @@ def test_megatron_finds_attention_and_mlp_pairs(gpt2):
 def test_tp_plan_structure(gpt2):
     _, graph, _ = gpt2
     pcg = pcg_for(graph, "tp=2", "tp")
-    # Exactly one all-reduce (Reduction) after each row-parallel linear: 2 per block.
-    assert parallel_ops(pcg) == {"ReductionOp(degree=2, axis=tp)": 4}
+    # One all-reduce (Reduction) after each row-parallel linear (2 per block) and one after the vocabulary-parallel
+    # embedding; the vocabulary-parallel loss reduces its max, its sum of exponentials and the target's logit, which
+    # the where of the loss reads as a reduce-scatter (Reduction + Repartition) over its rows, its mask cut alike.
+    assert parallel_ops(pcg) == {
+        "ReductionOp(degree=2, axis=tp)": 2 * 2 + 1 + 3,
+        "RepartitionOp(dim=0, degree=2, axis=tp)": 2,
+    }
     t = pcg.tensors
     assert t["transformer.h.0.mlp.c_fc.weight"].placements == (Shard(0),)
     assert t["transformer.h.0.mlp.c_proj.weight"].placements == (Shard(1),)
     assert t["transformer.h.0.mlp.c_proj.bias"].placements == (Replicate(),)
-    assert t["transformer.wte.weight"].placements == (Replicate(),)  # embedding and lm_head stay replicated
-    assert t["lm_head.weight"].placements == (Replicate(),)
+    # the vocabulary (11 classes) in uneven blocks of 6 and 5 rows: embedding and head vocabulary-parallel
+    for w in ("transformer.wte.weight", "lm_head.weight"):
+        assert t[w].placements == (Shard(0),) and t[w].pshape.uneven
+        assert t[w].pshape.piece_shape == (6, 32)
     # Heads are sharded through reshape/permute into attention: [B, H/2, T, D].
     attn = next(n for n in pcg.nodes if n.op.kind == "attention")
     assert t[attn.outputs[0]].pshape.shard == (1, 2, 1, 1)
@@ -113,11 +120,15 @@ def test_sp_plan_structure(gpt2):
     _, graph, _ = gpt2
     pcg = pcg_for(graph, "tp=2", "sp")
     ops = parallel_ops(pcg)
-    # Per block: 2 all-gathers (before attention and MLP) and 2 reduce-scatters (Reduction + Repartition);
-    # one Repartition into the first block (a local split), one Combine after the last.
+    # Per block: 2 all-gathers (before attention and MLP) and 2 reduce-scatters (Reduction + Repartition); the
+    # vocabulary-parallel embedding's output is reduce-scattered onto the sequence (one more of each), and the head
+    # all-gathers the sequence after the final norm (one Combine); the position embeddings [T, C] are split on their
+    # sequence (a local Repartition); the loss reduces as under tp (3 Reductions, a Repartition of its rows and of
+    # their mask).
     assert ops["CombineOp(dim=1, degree=2, axis=tp)"] == 2 * 2 + 1
-    assert ops["ReductionOp(degree=2, axis=tp)"] == 2 * 2
+    assert ops["ReductionOp(degree=2, axis=tp)"] == 2 * 2 + 1 + 3
     assert ops["RepartitionOp(dim=1, degree=2, axis=tp)"] == 2 * 2 + 1
+    assert ops["RepartitionOp(dim=0, degree=2, axis=tp)"] == 1 + 2
     norms = [n for n in pcg.nodes if n.op.kind == "layer_norm" and n.scope.startswith("transformer.h.")]
     assert norms and all(pcg.tensors[n.outputs[0]].placements == (Shard(1),) for n in norms)
 
@@ -198,12 +209,6 @@ def test_heads_not_divisible_by_tp_is_an_error_naming_module_dim_size_degree():
     assert "transformer.h.0.attn" in msg and "dim 2 of size 3" in msg and "degree 2" in msg
 
 
-def test_width_not_divisible_by_tp_is_an_error_naming_the_weight():
-    _, graph, _ = gpt(n_head=3, n_embd=24)
-    with pytest.raises(DegreeError, match=r"attn.q.weight.*degree 5 does not divide dim 0 of size 24"):
-        pcg_for(graph, "tp=5", "tp")
-
-
 @pytest.mark.parametrize(
     "mesh, strategy, match",
     [
@@ -240,6 +245,9 @@ def test_user_plan_equals_the_tp_preset(gpt2):
             "transformer.h.*.attn.c_proj": row,
             "transformer.h.*.mlp.c_fc": col,
             "transformer.h.*.mlp.c_proj": row,
+            # the vocabulary (11 rows, uneven on 2): a vocabulary-parallel embedding and head
+            "transformer.wte": ModulePlan(params={"weight": [Shard(0)]}, output=[Replicate()]),
+            "lm_head": ModulePlan(params={"weight": [Shard(0)]}, input=[Replicate()]),
         }
     )
     mesh = Mesh.parse("tp=2")

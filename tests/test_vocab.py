@@ -89,13 +89,13 @@ def small_lm(vocab: int):
 
 @pytest.mark.parametrize(
     "vocab, placement, rewritten",
-    [(96, Shard(0), True), (96, Replicate(), False), (95, Replicate(), False)],
+    [(96, Shard(0), True), (96, Replicate(), False), (95, Shard(0), True)],
     ids=["sharded", "replicated", "odd"],
 )
 def test_the_loss_is_rewritten_only_for_a_sharded_head(vocab, placement, rewritten):
     """A plan that shards the head's output features gets the decomposed softmax, its max and sum reduced where
-    they are made; one that keeps the head whole keeps ATen's softmax. The preset leaves a vocabulary the degree
-    does not divide replicated (uneven shards are not supported)."""
+    they are made; one that keeps the head whole keeps ATen's softmax. The preset shards a vocabulary the degree
+    does not divide too, in uneven blocks (95 on 2: 48 and 47 rows; docs/concepts.md#uneven-shards)."""
     graph = small_lm(vocab)
     mesh = Mesh.parse("tp=2")
     ann = resolve(Plan({"head": ModulePlan(params={"weight": {"tp": placement}})}), graph, mesh)
@@ -105,12 +105,9 @@ def test_the_loss_is_rewritten_only_for_a_sharded_head(vocab, placement, rewritt
         assert ann.after == {f"{softmax}.shift": {"tp": Replicate()}, f"{softmax}.sum": {"tp": Replicate()}}
         assert not any(isinstance(n.op, O.Softmax) for n in ann.graph.nodes)
     plan = vocabulary_parallel(graph, 2)
-    if vocab % 2:
-        assert plan.modules == {}
-    else:
-        assert plan.modules["head"].params == {"weight": {"tp": Shard(0)}}
-        assert plan.modules["emb"].params == {"weight": {"tp": Shard(0)}}
-        assert plan.modules["emb"].output == {"tp": Replicate()}
+    assert plan.modules["head"].params == {"weight": {"tp": Shard(0)}}
+    assert plan.modules["emb"].params == {"weight": {"tp": Shard(0)}}
+    assert plan.modules["emb"].output == {"tp": Replicate()}
 
 
 @pytest.mark.parametrize("log", [True, False])

@@ -130,7 +130,10 @@ class Sharding:
             deg = self.shard_degree(group, d)
             if size % deg and not (uneven and self.uneven_ok(group, shape, d)):
                 axes = "×".join(self.dims[d])
-                raise DegreeError(d, size, deg, op, tensor, f"shape {list(shape)}, mesh axes {axes} of {group.mesh}")
+                hint = f"shape {list(shape)}, mesh axes {axes} of {group.mesh}"
+                if uneven and len(self.dims[d]) > 1:
+                    hint += "; several mesh axes split a dim in equal blocks only, one axis may split it unevenly"
+                raise DegreeError(d, size, deg, op, tensor, hint)
 
     def uneven_ok(self, group: SubMesh, shape: tuple[int, ...], d: int) -> bool:
         """Whether dim ``d`` of a tensor of ``shape`` may be held unevenly (:meth:`check`): one axis shards it and it is

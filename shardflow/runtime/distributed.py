@@ -137,19 +137,36 @@ class Waits:
             self.streamed.append((work, c))
 
     def settle(self) -> None:
-        """Return once every communication waited on the stream since the last call has completed, looking at each
-        in the order waited every :attr:`POLL_S` seconds. Raises CommTimeout naming the first one still
-        unfinished ``timeout`` after this call began."""
+        """Return once every communication waited on the stream since the last call has completed, in the order
+        waited: a collective's handle waited with what is left of the timeout (a second wait of a finished
+        collective returns at once; gloo's reduce-scatter never says ``is_completed``), a point-to-point one
+        looked at every :attr:`POLL_S` seconds (gloo blocks on a second wait of a finished send). Raises
+        CommTimeout naming the first one still unfinished ``timeout`` after this call began, PeerLost where a
+        member left."""
         streamed, self.streamed = self.streamed, []
         deadline = time.monotonic() + self.timeout.total_seconds()
+
+        def late(c: Comm | str) -> CommTimeout:
+            return CommTimeout(
+                f"{self.where(c)}: not complete {self.timeout.total_seconds():g} s after "
+                f"the step's last instruction was queued; a member stopped answering "
+                f"(stalled, stopped, or slower than the timeout): its log shows where it is"
+            )
+
         for work, c in streamed:
+            if not (isinstance(c, Comm) and KINDS[c.kind].point_to_point):
+                left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.0))
+                try:
+                    ok = work.wait(left)
+                except RuntimeError as e:
+                    failure = comm_failure(e, self.where(c))
+                    raise (late(c) if failure is None or isinstance(failure, CommTimeout) else failure) from None
+                if ok is False:
+                    raise late(c)
+                continue
             while not work.is_completed():
                 if time.monotonic() > deadline:
-                    raise CommTimeout(
-                        f"{self.where(c)}: not complete {self.timeout.total_seconds():g} s after "
-                        f"the step's last instruction was queued; a member stopped answering "
-                        f"(stalled, stopped, or slower than the timeout): its log shows where it is"
-                    )
+                    raise late(c)
                 time.sleep(self.POLL_S)
 
 

@@ -41,6 +41,19 @@ class _Cast:
         return self.src[index].to(self.dtype)
 
 
+class _Zeros:
+    """A full value of zeros of ``shape`` (optimizer state loaded without a checkpoint) whose blocks are made as they
+    are read: no tensor of the whole shape (a sharded weight's state is never whole on a device)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        size = [len(range(*i.indices(n))) if isinstance(i, slice) else i.numel() for i, n in zip(index, self.shape)]
+        return torch.zeros((*size, *self.shape[len(index) :]), dtype=self.dtype, device="cpu")
+
+
 class Executor(ABC):
     """Base of both executors; its abstract methods are the interface each implements. ``dg`` is the lowered step's
     dynamic graph; ``steps_done`` counts steps; ``micro``: the micro-step the next step runs, (index, count), under
@@ -148,9 +161,7 @@ class Executor(ABC):
             if v.role == ValueRole.FWD:
                 full = weights[v.tensor]
             else:
-                full = (
-                    state[vid].reshape(v.type.shape) if state else torch.zeros(v.type.shape, dtype=dtype, device="cpu")
-                )
+                full = state[vid].reshape(v.type.shape) if state else _Zeros(v.type.shape, dtype)
             self._put(vid, full if getattr(full, "dtype", dtype) == dtype else _Cast(full, dtype))
         self.steps_done = steps_done
 

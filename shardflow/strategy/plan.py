@@ -542,9 +542,8 @@ def _sharding(spec: PlacementSpec, group: SubMesh, graph: ComputationGraph, name
     shape = graph.tensors[name].shape
     try:
         s = Sharding.replicated(len(shape)).with_layout(layout, group)
-        # data may be split in uneven blocks (a batch the degree does not divide: docs/concepts.md#uneven-shards);
-        # a plan's weights may not (a tensor-parallel split must cut whole heads and features)
-        s.check(group, shape, "strategy plan", name, uneven=graph.tensors[name].role == TensorRole.INPUT)
+        # a placement may split a dim in uneven blocks, as DTensor's does (docs/concepts.md#uneven-shards)
+        s.check(group, shape, "strategy plan", name, uneven=True)
     except DegreeError:
         raise
     except ShardingError as e:

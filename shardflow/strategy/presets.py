@@ -337,8 +337,8 @@ def vocabulary_parallel(
     is ``Replicate`` (under sequence parallelism the all-gather of the sequence, whose backward reduce-scatters the
     input gradient), its bias sharded like its output features. A head whose module ``taken`` (the Megatron pairs'
     plan) places already is left to it: a row-parallel head's output is whole. A vocabulary
-    that ``degree`` does not divide stays replicated (uneven shards are not supported yet), as does a parameter of
-    the root module (no module path to place it by)."""
+    that ``degree`` does not divide is split in uneven blocks (docs/concepts.md#uneven-shards); a parameter of the
+    root module stays replicated (no module path to place it by)."""
     params: dict[str, dict[str, dict[str, Shard]]] = {}
     inputs: set[str] = set()
     outputs: set[str] = set()
@@ -349,7 +349,7 @@ def vocabulary_parallel(
         path, _, leaf = w.rpartition(".")
         if taken is not None and head.scope in taken.modules:
             continue
-        if w in graph.weights and path and graph.tensors[w].shape[d] % degree == 0:
+        if w in graph.weights and path:
             params.setdefault(path, {})[leaf] = {axis: Shard(d)}
             if lin.bias and head.inputs[2] in graph.weights:
                 bias_path, _, bias_leaf = head.inputs[2].rpartition(".")
@@ -364,7 +364,7 @@ def vocabulary_parallel(
         w = n.inputs[1]
         path, _, leaf = w.rpartition(".")
         rows = graph.tensors[w].shape[0]
-        if path and (w in tables or (rows in vocab and rows % degree == 0)):
+        if path and (w in tables or rows in vocab):
             params.setdefault(path, {})[leaf] = {axis: Shard(0)}
             outputs.add(n.scope)
     layout = {axis: Shard(1) if sequence else Replicate()}
@@ -506,8 +506,9 @@ def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", othe
     """FSDP on ``axis`` of ``degree`` devices (see the module docstring): the batch split as :func:`data_parallel`
     splits it, every weight ``Shard(d)`` and gathered by a ``CombineOp(d)`` before any use. ``d`` is the weight's
     first dim that ``others`` (the plan of the strategies it combines with, e.g. tp's) does not shard and that
-    ``degree`` divides; a weight without one, or of the root module (no module path to place it by), stays
-    replicated on ``axis`` (its gradient all-reduced, as under dp)."""
+    ``degree`` divides, else the first it does not shard of ``degree`` or more indices, in uneven blocks (as FSDP2
+    shards any dim 0: docs/concepts.md#uneven-shards); a weight without one, or of the root module (no module path
+    to place it by), stays replicated on ``axis`` (its gradient all-reduced, as under dp)."""
     taken: dict[str, set[int]] = {}
     for pat, mp in others.modules.items() if others else ():
         for leaf, spec in mp.params.items():
@@ -518,7 +519,9 @@ def fully_sharded(graph: ComputationGraph, degree: int, axis: str = "fsdp", othe
     for w in graph.weights:
         path, _, leaf = w.rpartition(".")
         shape = graph.module_shape(w)  # a plan places parameters in their modules' shapes
-        d = next((d for d, n in enumerate(shape) if d not in taken.get(w, ()) and n % degree == 0), None)
+        free = [d for d in range(len(shape)) if d not in taken.get(w, ())]
+        # a dim the degree divides, else (as FSDP2) one it splits in uneven blocks: docs/concepts.md#uneven-shards
+        d = next((d for d in free if shape[d] % degree == 0), next((d for d in free if shape[d] >= degree), None))
         if not path or d is None:
             continue
         modules.setdefault(path, {})[leaf] = {axis: Shard(d)}
