@@ -1172,9 +1172,10 @@ def section_v(res: dict, quick: bool) -> str:
         "",
         f"Target (issue #37): parameters + gradients + optimizer state per rank ≤ 1.1 × an even split under "
         f"tp={d} on the main job: {ratio:.3f} — {verdict(ratio <= 1.1)}. What stays whole on every rank is the "
-        f"norms' weights. Vocabulary parallelism adds 7 communications per step (the embedding's all-reduce and "
+        f"norms' weights. Vocabulary parallelism adds 5 communications per step (the embedding's all-reduce and "
         f"the head's input gradient, [N, C]; the loss's max, sum and the sum's gradient, all-reduces of [N, 1]; "
-        f"its target logits, a reduce-scatter and an all-gather of [N]); on gloo each call costs a rendezvous of "
+        f"its target logits stay partial through the masked sum to the loss, docs/concepts.md"
+        f"#vocabulary-parallel-embedding-and-loss); on gloo each call costs a rendezvous of "
         f"both ranks (about a millisecond, (c)), so where the vocabulary is small next to the blocks the step "
         f"pays for them, and where it is large the halved head, logits and loss win.",
     ]

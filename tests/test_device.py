@@ -19,9 +19,12 @@ import torch.distributed as dist
 from devices import PACKAGE, DevicelessFactories
 
 from shardflow.capture import capture
+from shardflow.graph.ops import TensorType
 from shardflow.lower import LowerOptions, MicroStep, lower_step
 from shardflow.lower.dynamic import UpdateRule
+from shardflow.lower.program import Comm
 from shardflow.models import GPT, GPTConfig
+from shardflow.parallel.collectives import CommKind
 from shardflow.parallel.mesh import Mesh
 from shardflow.parallel.pcg import build_pcg
 from shardflow.reference import weights_of
@@ -121,7 +124,8 @@ def test_more_local_ranks_than_gpus_are_refused_for_cuda_and_fall_back_to_the_cp
 
 class _Work:
     """A communication handle that completes at its ``polls``-th look (never: None), recording each wait's
-    arguments; its wait returns ``answer`` or raises it."""
+    arguments; its wait returns ``answer`` or raises it — a wait with a timeout on one that never completes raises
+    as NCCL's does when the timeout passes."""
 
     def __init__(self, polls: int | None = 0, answer: bool | Exception = True):
         self.polls, self.answer, self.waited, self.looks = polls, answer, [], 0
@@ -130,11 +134,19 @@ class _Work:
         self.waited.append(timeout)
         if isinstance(self.answer, Exception):
             raise self.answer
+        if timeout and self.polls is None:
+            time.sleep(timeout[0].total_seconds())
+            raise RuntimeError("Work timed out")
         return self.answer
 
     def is_completed(self) -> bool:
         self.looks += 1
         return self.polls is not None and self.looks > self.polls
+
+
+def _send(token: int) -> Comm:
+    """A point-to-point send of rank 1's program (what ``Waits`` names and tells from a collective)."""
+    return Comm(token, CommKind.SEND, "FWD", (1, 0), TensorType((2,), "float32"), 8, "pp", peer=0)
 
 
 def test_on_the_cpu_every_wait_blocks_with_the_timeout():
@@ -152,35 +164,42 @@ def test_on_the_cpu_every_wait_blocks_with_the_timeout():
 
 def test_on_a_gpu_a_wait_in_the_step_only_orders_the_stream_and_the_step_end_bounds_it():
     """NCCL's wait given a timeout blocks the CPU until the communication ends (``torch.distributed.Work.wait``);
-    inside the step a wait must not: the step's end polls them instead, and names the first unfinished one."""
+    inside the step a wait must not. The step's end waits each collective again with what is left of the timeout (a
+    second wait of a finished collective returns at once; gloo's reduce-scatter handle never says ``is_completed``)
+    and looks at each point-to-point one until it completes (gloo blocks on a second wait of a finished send), and
+    names the first unfinished one."""
     timeout = datetime.timedelta(seconds=0.3)
     waits = Waits(timeout, on_stream=True, where=lambda c: f"rank 1 waited on {c}")
-    bucket, gathered, number = _Work(polls=3), _Work(polls=0), _Work()
+    bucket, sent, number = _Work(), _Work(polls=3), _Work()
     waits.wait(bucket, "a bucket")
-    waits.wait(gathered, "a gather")
+    waits.wait(sent, _send(2))
     waits.wait(number, "a number", read=True)  # the CPU reads it next: it blocks, with the timeout
-    assert bucket.waited == [()] and gathered.waited == [()] and number.waited == [(timeout,)]
-    assert bucket.looks == 0  # nothing waited for on the CPU before the step's end
+    assert bucket.waited == [()] and sent.waited == [()] and number.waited == [(timeout,)]
+    assert bucket.looks == sent.looks == 0  # nothing waited for on the CPU before the step's end
     waits.settle()
-    assert (bucket.looks, gathered.looks, number.looks) == (4, 1, 0)
-    waits.settle()  # each communication is seen complete once
-    assert bucket.looks == 4
+    assert len(bucket.waited) == 2 and bucket.waited[1][0] <= timeout and bucket.looks == 0
+    assert (sent.waited, sent.looks, number.looks) == ([()], 4, 0)
+    waits.settle()  # each communication is settled once
+    assert len(bucket.waited) == 2 and sent.looks == 4
 
-    store = dist.HashStore()  # a real handle: torch's Work has the two calls used on a GPU
+    store = dist.HashStore()  # real handles: torch's Work has the calls used on a GPU
     group = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=5))
     waits.wait(group.allreduce([torch.ones(2)]), "a real all-reduce")
+    out = torch.empty(2)
+    waits.wait(group._reduce_scatter_base(out, torch.ones(2)), "a real reduce-scatter")  # is_completed: never
     waits.settle()
 
-    waits.wait(_Work(polls=2), "token 3 (all_gather)")
-    waits.wait(_Work(polls=None), "token 4 (reduce_scatter)")
-    t0 = time.monotonic()
-    with pytest.raises(
-        CommTimeout,
-        match=r"^rank 1 waited on token 4 \(reduce_scatter\): not complete 0.3 s after the "
-        r"step's last instruction was queued; a member stopped answering",
-    ):
-        waits.settle()
-    assert time.monotonic() - t0 >= 0.3  # not before its bound (load only delays it)
+    for late in (_Work(polls=None), _send(4)):  # a collective and a send that never complete
+        waits.wait(_Work(polls=2), "token 3 (all_gather)")
+        waits.wait(_Work(polls=None), late if isinstance(late, Comm) else "token 4 (reduce_scatter)")
+        t0 = time.monotonic()
+        with pytest.raises(
+            CommTimeout,
+            match=r"^rank 1 waited on .*4.*: not complete 0.3 s after the "
+            r"step's last instruction was queued; a member stopped answering",
+        ):
+            waits.settle()
+        assert time.monotonic() - t0 >= 0.3  # not before its bound (load only delays it)
 
 
 def test_nccls_watchdog_waits_longer_than_the_executor_and_its_remote_error_is_a_member_lost():

@@ -51,14 +51,11 @@ def parallel_ops(pcg):
 
 
 # What vocabulary parallelism adds to tp (docs/concepts.md#vocabulary-parallel-embedding-and-loss), beyond the
-# embedding's all-reduce: the loss's max and sum over the sharded classes (all-reduces of [N, 1]) and its target
-# logits, Partial(sum) pieces, reduce-scattered over the tokens where the ignore mask is applied (`where` is not
-# linear: a redistribution), the mask split to match (a local split).
-LOSS_OPS = Counter({"ReductionOp(degree=2, axis=tp)": 3, "RepartitionOp(dim=0, degree=2, axis=tp)": 2})
-LOSS_REDISTRIBUTIONS = [
-    ("where_1", ["RepartitionOp(dim=0, degree=2, axis=tp)"]),
-    ("where_1", ["ReductionOp(degree=2, axis=tp)", "RepartitionOp(dim=0, degree=2, axis=tp)"]),
-]
+# embedding's all-reduce: the loss's max and sum over the sharded classes (all-reduces of [N, 1]); its target logits,
+# Partial(sum) pieces, pass the ignore mask as they are (`where(mask, x, 0)` is linear in x) and are summed with the
+# loss, whose Partial value is reduced at the end: no redistribution.
+LOSS_OPS = Counter({"ReductionOp(degree=2, axis=tp)": 2})
+LOSS_REDISTRIBUTIONS: list = []
 
 
 def redistributions(pcg):
@@ -233,18 +230,13 @@ def test_gpt2_tp_shards_the_fused_qkv_by_heads(captured):
 def test_tp_communicates_two_all_reduces_per_layer_each_way(captured, name):
     """Megatron's f and g per layer: forward, the row-parallel outputs; backward, the column groups' input gradients
     (GPT-2's c_attn, stored by parts, takes its q, k, v gradient parts where it holds them). Vocabulary parallelism
-    adds, forward, the embedding's all-reduce, the loss's max and sum (all-reduces) and its target logits
-    (reduce-scatter); backward, the head's input gradient and the gradient of the sum (all-reduces) and the target
-    logits' (all-gather)."""
+    adds, forward, the embedding's all-reduce and the loss's max and sum (all-reduces); backward, the head's input
+    gradient and the gradient of the sum (all-reduces). The target logits stay Partial pieces up to the loss, whose
+    value is all-reduced once the step ends (not a communication of the programs)."""
     _, _, graph = captured[name]
     programs = lower_step(plan_pcg(graph, "tp=2", "tp"), SGD.slots).programs
     kinds = Counter((c.task, c.family) for c in programs[0].comms)
-    assert kinds == {
-        ("FWD", "all_reduce"): 2 * LAYERS + 3,
-        ("FWD", "reduce_scatter"): 1,
-        ("BWD", "all_reduce"): 2 * LAYERS + 2,
-        ("BWD", "all_gather"): 1,
-    }
+    assert kinds == {("FWD", "all_reduce"): 2 * LAYERS + 3, ("BWD", "all_reduce"): 2 * LAYERS + 2}
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -263,7 +255,7 @@ def test_sp_gathers_and_scatters_the_sequence_per_block(captured, name):
 @pytest.mark.parametrize("mesh, strategy", [("dp=2", "dp"), ("dp=2,tp=2", "dp,tp")])
 def test_dp_needs_only_the_label_count(captured, name, mesh, strategy):
     """The loss is sum(token losses) / count(labels not ignored), both partial over the batch: the count (one
-    scalar) is all-reduced (with tp, after the vocabulary-parallel loss's target logits). The causal mask the traced
+    scalar) is all-reduced. The causal mask the traced
     model builds is the attention's causal flag, no tensor."""
     _, _, graph = captured[name]
     pcg = plan_pcg(graph, mesh, strategy)

@@ -380,6 +380,31 @@ def test_nonlinear_on_partial_is_rejected(kind):
     assert "insert ReductionOp(axis=tp)" in msg
 
 
+@pytest.mark.parametrize("zero", [2, 1, None])
+def test_where_is_linear_in_the_operand_whose_other_is_zero(zero):
+    """``where(mask, x, 0)`` (a masked loss's: ``Where(zero=2)``, as capture lifts it) is linear in x: the
+    ``Partial(sum)`` pieces of a row-parallel linear's output pass through it, each device masking its piece, and are
+    reduced once after; ``where(mask, 0, x)`` (``zero=1``) alike. Where neither operand is known to be zero, a partial
+    x is refused (under ``strict``) and the planner reduces it first. Numbers equal one device (float64)."""
+    b = GraphBuilder()
+    x, m = b.input("x", (4, 8), F64), b.input("m", (4, 6), "bool")
+    y = b.dense(x, 6, bias=False, name="fc")
+    c = b.constant("const", torch.zeros((), dtype=torch.float64) if zero else torch.ones((), dtype=torch.float64))
+    (out,) = b.apply(O.Where(zero), [m, c, y] if zero == 1 else [m, y, c])
+    graph = b.build([out])
+    ann = Annotations(leaves={"x": sh(TP4, 2, Shard(1)), "fc.weight": sh(TP4, 2, Shard(1))})
+    if zero is None:
+        with pytest.raises(RuleError, match=r"where is not linear but input 'linear' holds Partial\('sum'\)"):
+            build_pcg(graph, TP4, ann, strict=True)
+        pcg = build_pcg(graph, TP4, ann)
+        assert (ReductionOp(4, "tp"), y) in pops(pcg) and not pcg.tensors[out].sharding.partial
+    else:
+        pcg = build_pcg(graph, TP4, ann, strict=True)
+        assert pops(pcg) == [] and pcg.tensors[out].placements == (Partial("sum"),)
+    leaves = leaf_values(graph, {"m": torch.rand(4, 6, generator=torch.Generator().manual_seed(3)) < 0.5})
+    check_numbers(graph, pcg, leaves)
+
+
 # --- reductions over dims -------------------------------------------------------------------------------
 def test_softmax_over_sharded_dim_is_rejected():
     b = GraphBuilder()

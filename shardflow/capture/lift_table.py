@@ -423,7 +423,13 @@ _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
 
 
 def _where(c, node, cond, a, b):
-    return c.apply(O.Where(), [cond, a, b], node)
+    zero = 2 if _zero(b) else 1 if _zero(a) else None
+    return c.apply(O.Where(zero), [cond, a, b], node)
+
+
+def _zero(v) -> bool:
+    """Whether lifted argument ``v`` is zero everywhere and known at capture (a number, or a folded tensor)."""
+    return not isinstance(v, _T) and not bool(torch.as_tensor(v).any())
 
 
 def _gather(c, node, x, dim, index, *, sparse_grad=False):

@@ -503,11 +503,14 @@ class Scalar(Op):
 
 @dataclass(frozen=True, slots=True)
 class Where(Op):
-    """``torch.where(cond, a, b)`` with broadcasting of all three. Inputs: cond (bool), a, b."""
+    """``torch.where(cond, a, b)`` with broadcasting of all three. Inputs: cond (bool), a, b. ``zero``: which of a (1)
+    or b (2) is zero everywhere, known at capture (a masked loss's ``where(mask, x, 0)``): the op is then linear in
+    the other (:func:`~shardflow.parallel.rules.rule_where`); None: neither is known to be."""
 
     kind: ClassVar[str] = "where"
     fresh: ClassVar[bool] = True
     fresh_grads: ClassVar[bool] = True
+    zero: int | None = None
 
     def infer(self, ins):
         _expect(3, ins, self)

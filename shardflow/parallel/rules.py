@@ -698,9 +698,15 @@ def rule_split(ctx: Ctx) -> RuleResult:
 
 
 def rule_where(ctx: Ctx) -> RuleResult:
-    """Element-wise over (cond, a, b) with broadcasting; not linear in any operand."""
-    ctx.no_partial(0, 1, 2)
-    return RuleResult((ctx.output(_pointwise_dims(ctx, (0, 1, 2))),), ctx.local())
+    """Element-wise over (cond, a, b) with broadcasting; not linear in any operand, except in a where b is zero
+    (``Where.zero``), or in b where a is: ``where(c, Σ aᵢ, 0) = Σ where(c, aᵢ, 0)``, so partial sums pass through
+    (a masked loss's target logits under vocabulary parallelism: docs/concepts.md#vocabulary-parallel-embedding-and-loss)."""
+    op: O.Where = ctx.op  # type: ignore[assignment]
+    live = () if op.zero is None else (3 - op.zero,)  # the operand the op is linear in
+    ctx.no_partial(*(i for i in (0, 1, 2) if i not in live))
+    ctx.linear_partials(live)
+    partial, reduce_op = ctx.partial_of(live)
+    return RuleResult((ctx.output(_pointwise_dims(ctx, (0, 1, 2)), partial, reduce_op),), ctx.local())
 
 
 def rule_expand(ctx: Ctx) -> RuleResult:
