@@ -1185,11 +1185,10 @@ def section_v(res: dict, quick: bool) -> str:
             "",
             f"A vocabulary {d} does not divide ({', '.join(f'{int(v):,}' for v in uneven)}) keeps the state, the "
             f"bytes and the collectives of the even one next to it, and numbers equal the replicated plan's; its "
-            f"step is slower: the rank holding the short block masks the padding of every op on the logits — each "
-            f"of their 10 ops masks its uneven inputs and outputs ([N, ⌈V/{d}⌉] copies, about 60 M elements "
-            f"forward at 8,191, as many backward; docs/concepts.md#uneven-shards: what it costs) — and the other "
-            f"rank waits for it at the loss's reductions. Forward masks of inputs whose padding is already zero "
-            f"are redundant (every op's outputs are masked); skipping them is not built.",
+            f"step is slower: the rank holding the short block masks the padding of the ops on the logits — "
+            f"[N, ⌈V/{d}⌉] copies of each uneven output forward and of each uneven gradient backward "
+            f"(docs/concepts.md#uneven-shards: what it costs) — and the other rank waits for it at the loss's "
+            f"reductions.",
         ]
     return "\n".join(lines) + "\n"
 

@@ -70,6 +70,29 @@ class Valid:
             fill = torch.iinfo(x.dtype).max if fill > 0 else torch.iinfo(x.dtype).min
         return pad_dim(x.narrow(self.dim, 0, self.size), self.dim, x.shape[self.dim], fill)
 
+    def mask_gradient(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` itself where no gradient is recorded, else a view of it whose gradient has its padding dropped (an
+        input whose padding already holds 0: what :meth:`mask` of a zero fill does to the backward, without the
+        forward's copy)."""
+        return _PaddingGradient.apply(x, self) if torch.is_grad_enabled() else x
+
+
+class _PaddingGradient(torch.autograd.Function):
+    """Forward: the input as it is (a view); backward: the gradient with the padding of :class:`Valid` ``v`` zero.
+    Written for ``torch.func`` too (``setup_context``): the backward that recomputes a forward runs under it."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, v: Valid) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[override]
+        ctx.v = inputs[1]
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return ctx.v.mask(g), None
+
 
 @dataclass(frozen=True, slots=True)
 class LocalOp:
@@ -81,8 +104,9 @@ class LocalOp:
     says it): ``op`` is device 0's (start 0),
     :meth:`~shardflow.parallel.pcg.PCG.local_of` gives each device's.
 
-    ``valid``: on a device holding a short block of an uneven dim, where its pieces end (:class:`Valid`); the inputs
-    are masked before ``op`` and the outputs after, so padding stays zero and no gradient reaches it (given by
+    ``valid``: on a device holding a short block of an uneven dim, where its pieces end (:class:`Valid`); the outputs
+    are masked after ``op``, so every piece an op makes has zero padding, and so the inputs are masked before it only
+    where the op must see another fill (a max's −∞), their gradients' padding dropped (given by
     :meth:`~shardflow.parallel.pcg.PCG.local_of`; the rule's own op has none)."""
 
     op: Op
@@ -98,7 +122,13 @@ class LocalOp:
 
     def compute(self, *xs: torch.Tensor, at: DrawSite | None = None) -> tuple[torch.Tensor, ...]:
         """The device's output pieces from its input pieces; ``at``: the draw site of a random op's piece."""
-        xs = self.masked(tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale)), output=False)
+        xs = tuple(x if s == 1.0 else x * s for x, s in zip(xs, self.in_scale))
+        if self.valid:  # an input's padding holds 0 already (every op's outputs are masked): only its gradient's
+            ins = list(xs)
+            for v in self.valid:
+                if not v.output:
+                    ins[v.index] = v.mask(ins[v.index]) if v.fill else v.mask_gradient(ins[v.index])
+            xs = tuple(ins)
         outs = self.op.compute(*xs, at=at) if self.op.random else self.op.compute(*xs)
         outs = outs if self.out_scale == 1.0 else tuple(o * self.out_scale for o in outs)
         return self.masked(outs, output=True)
