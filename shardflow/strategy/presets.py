@@ -384,8 +384,10 @@ def tensor_parallel(
 ) -> Plan:
     """Megatron tensor parallelism on ``axis`` (optionally with sequence parallelism), with the vocabulary of a
     language model's embedding and head sharded too unless ``vocabulary`` is False (:func:`vocabulary_parallel`;
-    off: they stay replicated, as the benchmark against it measures). Raises PlanError when the model has no
-    column/row pair, DegreeError when a size does not divide ``degree``."""
+    off: they stay replicated, as the benchmark against it measures). Features and a vocabulary that ``degree`` does
+    not divide are split in uneven blocks (docs/concepts.md#uneven-shards). Raises PlanError when the model has no
+    column/row pair, DegreeError when its heads (or a grouped-query attention's key/value heads) do not divide
+    ``degree``: the chunk layout would cut a head."""
     regions = megatron_regions(graph, degree, axis)
     if not regions:
         raise PlanError(
