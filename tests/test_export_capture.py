@@ -428,3 +428,18 @@ def test_a_custom_autograd_function_is_refused_naming_it_and_the_fix():
             return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=True).sum()
 
     assert capture(Checkpointed(), {"x": torch.randn(2, 4)}).weights == ("a.weight", "a.bias")
+
+
+def test_a_model_under_a_path_named_shardflow_keeps_its_lines():
+    """A frame is the model's unless it lies in torch's or shardflow's package: a model (or a checkout of it) under
+    a directory whose name merely contains "shardflow" keeps its source lines (a clone in .../shardflow/ lost them)."""
+    import importlib
+    import traceback
+
+    export = importlib.import_module("shardflow.capture.export")  # the module (the package names a function so)
+
+    mine = traceback.FrameSummary("/home/u/shardflow-runs/model.py", 7, "forward", line="y = x @ w")
+    ours = traceback.FrameSummary(export.__file__, 1, "capture", line="export(module)")
+    theirs = traceback.FrameSummary(torch.__file__, 1, "f", line="f()")
+    assert export._model_line([mine, ours, theirs]) == "/home/u/shardflow-runs/model.py:7 (y = x @ w)"
+    assert export._model_line([ours, theirs]) == ""

@@ -10,9 +10,11 @@ Lifting the exported program to a :class:`~shardflow.graph.ComputationGraph` is 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import traceback
 import warnings
+from pathlib import Path
 from typing import Iterator, Mapping
 
 import torch
@@ -175,10 +177,17 @@ def _export_failure(module: nn.Module, e: Exception) -> str:
     return f"torch.export cannot capture {type(module).__name__}{where}: {type(e).__name__}: {first}. Usual fix: {fix}"
 
 
+# the packages whose frames are not the model's: by their directories, so that a model (or a checkout) under a path
+# that merely contains their names keeps its lines
+_NOT_MODEL = tuple(
+    str(p) + os.sep for p in (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[1])
+)
+
+
 def _model_line(frames: list[traceback.FrameSummary]) -> str:
-    """``"file.py:123 (code)"`` of the innermost frame of the model's own code (neither torch's nor shardflow's),
-    or "" if none."""
-    frames = [f for f in frames if "/torch/" not in f.filename and "shardflow" not in f.filename]
+    """``"file.py:123 (code)"`` of the innermost frame of the model's own code (neither torch's nor shardflow's
+    package), or "" if none."""
+    frames = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_NOT_MODEL)]
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
 
 
