@@ -10,6 +10,7 @@ Lifting the exported program to a :class:`~shardflow.graph.ComputationGraph` is 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import traceback
@@ -187,8 +188,13 @@ _NOT_MODEL = tuple(
 def _model_line(frames: list[traceback.FrameSummary]) -> str:
     """``"file.py:123 (code)"`` of the innermost frame of the model's own code (neither torch's nor shardflow's
     package), or "" if none."""
-    frames = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_NOT_MODEL)]
+    frames = [f for f in frames if _in_model(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+
+
+@functools.lru_cache(maxsize=4096)  # asked of every frame of every node's stack: the path resolved once per file
+def _in_model(filename: str) -> bool:
+    return not str(Path(filename).resolve()).startswith(_NOT_MODEL)
 
 
 def _source(node: torch.fx.Node) -> str:
