@@ -493,6 +493,7 @@ def parallelize(
     ep_dispatch: str = "all_to_all",
     capacity_factor: float | None = None,
     reshard_after_forward: bool = True,
+    regather_activations: bool = False,
     ac: str = "none",
     ac_blocks: int | None = None,
     mixed_precision: MixedPrecision | None = None,
@@ -571,6 +572,10 @@ def parallelize(
             multiple of an even share of its token-expert pairs; the rest are dropped (None: dropless).
         reshard_after_forward: a weight gathered before use (fsdp) is freed after the forward and gathered again for
             the backward (FSDP2's default); False keeps the forward's gather.
+        regather_activations: an activation all-gathered before use (sp's gather before a column-parallel linear)
+            is freed after its forward readers and gathered again for the backward, as Megatron-LM's sequence
+            parallelism: a piece per rank kept instead of the whole, one all-gather more each
+            (docs/lowering.md#regathering-activations); False (default) keeps the forward's gather.
         ac: activation checkpointing, ``"none"``, ``"block"``: each block (a module under an integer index, such
             as ``model.layers.3``) runs its forward again right before its backward instead of keeping its
             activations, or ``"selective"``: as block, but the outputs of matmuls, attention and communication are
@@ -626,6 +631,7 @@ def parallelize(
         reduce_scatter=reduce_scatter,
         bucket_mb=bucket_mb,
         reshard_after_forward=reshard_after_forward,
+        regather_activations=regather_activations,
         ac=ac,
         ac_blocks=ac_blocks,
         precision=mixed_precision,

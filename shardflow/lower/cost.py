@@ -254,6 +254,14 @@ class LowerOptions:
     kept from the forward (:func:`~shardflow.lower.pass_expansion.pass_expansion`; FSDP2's ``reshard_after_forward``, on
     by default as there and in every entry point); False keeps the forward's gather.
 
+    ``regather_activations``: an activation gathered by a Combine (sequence parallelism's all-gather before a
+    column-parallel linear, a context-parallel key/value all-gather, a redistribution the planner inserted) is freed
+    after its last forward reader and gathered again from its pieces right before its first backward reader, instead
+    of kept whole from the forward for the backward (Megatron-LM's sequence parallelism: Korthikanti et al.,
+    "Reducing Activation Recomputation in Large Transformer Models", 2022, §4.2.2): a piece per rank lives through
+    the step instead of the whole, for one all-gather more per such Combine in the backward (``--regather-activations``;
+    docs/lowering.md#regathering-activations). Off by default (DTensor's ``SequenceParallel`` keeps the gather).
+
     ``ac``: activation checkpointing (:class:`~shardflow.lower.dynamic.ActivationCheckpointing`): under ``block``
     each block's forward runs again before its backward instead of keeping its activations, under ``selective``
     only its cheap ops (``--ac``).
@@ -305,6 +313,7 @@ class LowerOptions:
     cp_layout: CPLayout = CPLayout.AUTO
     ep_dispatch: EPDispatch = EPDispatch.ALL_TO_ALL
     capacity_factor: float | None = None
+    regather_activations: bool = False
 
     @classmethod
     def parse(
@@ -326,6 +335,7 @@ class LowerOptions:
         cp_layout: str = "auto",
         ep_dispatch: str = "all_to_all",
         capacity_factor: float | None = None,
+        regather_activations: bool = False,
     ) -> LowerOptions:
         """The options of an entry point's settings (command-line flags, ``config.toml``, :func:`parallelize`'s
         arguments), as those spell them: forms and kinds by name (``"auto"``: None), the bucket size in MiB.
@@ -389,6 +399,7 @@ class LowerOptions:
             cp_layout=_choice("cp_layout", cp_layout, tuple(CPLayout)),
             ep_dispatch=_choice("ep_dispatch", ep_dispatch, tuple(EPDispatch)),
             capacity_factor=capacity_factor,
+            regather_activations=regather_activations,
         )
 
     def all_gather_form(self, chunk_bytes: int, d: int, axis: str | None = None) -> CommForm:

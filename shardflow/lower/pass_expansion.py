@@ -216,6 +216,7 @@ def pass_expansion(
     master_dtype: torch.dtype | None = None,
     microbatches: int = 1,
     ac_blocks: int | None = None,
+    regather_activations: bool = False,
 ) -> DynamicGraph:
     """FWD, LOSS, BWD and UPD nodes of one training step of ``pcg`` (see the module docstring); with
     ``training=False`` only the FWD nodes (evaluation). ``clip_norm``: clip gradients to this global norm
@@ -232,6 +233,10 @@ def pass_expansion(
     use and gathered again, by a second Combine in the backward right before the first backward node that reads
     it (FSDP's ``reshard_after_forward=True``: the whole weight lives twice briefly instead of through the step);
     False keeps the forward's gather for the backward (ZeRO-2-like memory, half the all-gathers).
+    ``regather_activations``: the same for an activation gathered by a Combine (sequence parallelism's all-gather
+    before a column-parallel linear): freed after its last forward reader, gathered again from its pieces before its
+    first backward reader (Megatron-LM's sequence parallelism, Korthikanti et al. 2022, §4.2.2) — in each
+    microbatch, as the activation is; a block recomputed whole gathers it again in its recomputation anyway.
 
     ``ac``: activation checkpointing (:class:`ActivationCheckpointing`). Under ``block``, right before the first
     backward node of a block, FWD nodes (``recompute``) run the block's forward again (:func:`checkpoint_blocks`:
@@ -270,12 +275,11 @@ def pass_expansion(
     """
     if microbatches < 1:
         raise PassError(f"a step has at least one microbatch, not {microbatches}")
+    again = (reshard_after_forward, regather_activations)
     if microbatches == 1:
-        return _expand(
-            pcg, optimizer, training, clip_norm, grad_norm, micro, reshard_after_forward, ac, master_dtype, ac_blocks
-        )
+        return _expand(pcg, optimizer, training, clip_norm, grad_norm, micro, again, ac, master_dtype, ac_blocks)
     parts = [
-        _expand(pcg, optimizer, training, clip_norm, grad_norm, m, reshard_after_forward, ac, master_dtype, ac_blocks)
+        _expand(pcg, optimizer, training, clip_norm, grad_norm, m, again, ac, master_dtype, ac_blocks)
         for m in _microbatch_steps(micro, microbatches)
     ]
     return _microbatched(pcg, parts)
@@ -362,12 +366,14 @@ def _expand(
     clip_norm: float | None,
     grad_norm: bool,
     micro: MicroStep,
-    reshard_after_forward: bool,
+    again: tuple[bool, bool],
     ac: ActivationCheckpointing,
     master: torch.dtype | None,
     ac_blocks: int | None,
 ) -> DynamicGraph:
-    """:func:`pass_expansion` of one microbatch: its emitters (:class:`_Expansion`), in the order of the step."""
+    """:func:`pass_expansion` of one microbatch: its emitters (:class:`_Expansion`), in the order of the step;
+    ``again``: whether gathered weights, and gathered activations, are gathered again for the backward
+    (``reshard_after_forward``, ``regather_activations``)."""
     if pcg.loss is None:
         raise PassError("pass expansion needs a loss: the graph has no scalar loss output")
     x = _Expansion(pcg, pcg.loss, micro, master)
@@ -377,7 +383,7 @@ def _expand(
         return _expanded(pcg, x.g, optimizer)
     x.needs_gradients()
     x.loss_seed()
-    grads = x.backward(reshard_after_forward, ac, ac_blocks)
+    grads = x.backward(*again, ac, ac_blocks)
     norm2 = (x.squared_norm(grads),) if clip_norm and micro.last else ()  # the updates clip with it: before them
     x.updates(grads, optimizer, norm2, clip_norm)
     if grad_norm and not clip_norm and micro.last:  # read by nobody in the step: after the updates (not waited)
@@ -577,7 +583,8 @@ class _Expansion:
     # --- recompute and the backward's reads -------------------------------------------------------------------------
     def for_backward(self, t: str) -> str:
         """The value a backward node reads for forward tensor ``t``: a gathered weight gathered again (once, before
-        its first backward reader) under ``reshard_after_forward``, else the forward's."""
+        its first backward reader) under ``reshard_after_forward``, a gathered activation under
+        ``regather_activations``, else the forward's."""
         if t not in self.gathers:
             return self.fwd(t)
         if t not in self.again:
@@ -634,7 +641,11 @@ class _Expansion:
 
     # --- backward ---------------------------------------------------------------------------------------------------
     def backward(
-        self, reshard_after_forward: bool, ac: ActivationCheckpointing, ac_blocks: int | None = None
+        self,
+        reshard_after_forward: bool,
+        regather_activations: bool,
+        ac: ActivationCheckpointing,
+        ac_blocks: int | None = None,
     ) -> dict[str, str]:
         """The BWD nodes, PCG node by PCG node in reverse, each block recomputed before its first backward node
         under ``--ac block``, except that the backward of a parallel op on a weight (an FSDP gather: the reduce-scatter
@@ -645,13 +656,13 @@ class _Expansion:
         rest of the backward. Under ``--ac-blocks K`` only the first K blocks recompute (:func:`checkpoint_blocks`).
         Raises PassError under ``--ac block`` if no op lies in a block, or K is not between 1 and the blocks."""
         pcg = self.pcg
+        # gathered again for the backward: a weight's gathers under reshard_after_forward, an activation's under
+        # regather_activations
+        again = {TensorRole.WEIGHT: reshard_after_forward, TensorRole.ACTIVATION: regather_activations}
         self.gathers = {
             n.outputs[0]: n
             for n in pcg.nodes
-            if reshard_after_forward
-            and n.is_parallel
-            and isinstance(n.op, CombineOp)
-            and pcg.tensors[n.inputs[0]].role == TensorRole.WEIGHT
+            if n.is_parallel and isinstance(n.op, CombineOp) and again.get(pcg.tensors[n.inputs[0]].role, False)
         }
         self.blocks, self.selective = recomputed_blocks(pcg, ac, ac_blocks)
         if ac != ActivationCheckpointing.NONE and not self.blocks:

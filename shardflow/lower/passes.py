@@ -83,6 +83,7 @@ PASSES: tuple[Pass, ...] = (
             c.options.precision and c.options.precision.reduce_dtype,
             c.options.microbatches,
             c.options.ac_blocks,
+            c.options.regather_activations,
         ),
         "FWD node per op, LOSS seed, BWD node per op, UPD node per weight with optimizer state",
     ),

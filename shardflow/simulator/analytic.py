@@ -35,6 +35,10 @@ from shardflow.simulator.machine import MachineSpec
 # a backward's memory-bound kernels against the forward's: each reads the forward's input and the output's
 # gradient and writes the input's gradient (three tensors where the forward moves two)
 BACKWARD_MEMORY = 1.5
+# under sequence parallelism, the column-parallel groups of a block whose input is all-gathered over tp: a transformer
+# block's attention (q, k, v) and MLP (gate, up) — kept whole for the backward unless regathered
+# (docs/lowering.md#regathering-activations)
+COLUMN_GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -185,7 +189,8 @@ def estimate(
     memory-bound op not split by tp without sp) and of the rest, plus the recomputation ``ac`` asks for; the weights'
     collectives (fsdp: all-gather for the forward and again for the backward, reduce-scatter of the gradients;
     dp: all-reduce), which overlap the compute where ``spec.overlap``; the exposed collectives of the blocks (tp:
-    two all-reduces per block and pass, or their reduce-scatter and all-gather under sp; cp: the keys and values
+    two all-reduces per block and pass, or their reduce-scatter and all-gather under sp, and with
+    ``regather_activations`` one all-gather more per column group in the backward; cp: the keys and values
     gathered; ep: the tokens gathered and their outputs reduce-scattered; pp: each microbatch's activations sent
     per chunk); a pipeline's bubble ((m + p − 1)/m, interleaved (m + (p − 1)/v)/m). Peak: the state (weights,
     gradients, optimizer slots and master weights in the reduce dtype, sharded as the weights are), the gathered
@@ -195,7 +200,10 @@ def estimate(
     (docs/lowering.md#12-gradient-accumulation-micro-steps-microstep),
     and the activations of the microbatches in flight on the first stage (p under
     1F1B and interleaved, m under GPipe): all of a block's outputs, its matmuls' outputs under selective
-    checkpointing, its input only under checkpointing per block, plus what one block recomputes while it does."""
+    checkpointing, its input only under checkpointing per block, plus what one block recomputes while it does; under
+    sp with ``regather_activations`` and selective checkpointing, the pieces of its :data:`COLUMN_GROUPS`' inputs
+    that the regathers read. Without regathering, sp's whole gathers kept for the backward are counted as pieces
+    (docs/search.md#screening: its peak is low by up to 2× under selective checkpointing)."""
     deg = dict(zip(mesh.axis_names, mesh.shape))
     pp, dp, fsdp, ep, cp, tp = (deg.get(a, 1) for a in ("pp", "dp", "fsdp", "ep", "cp", "tp"))
     sp = "sp" in strategy.split(",")
@@ -249,12 +257,13 @@ def estimate(
     first = background / max(per_rank, 1)  # the first block's gather and the last gradients' reduction wait
     hidden = b.input_bytes / (data * m * a)  # one microbatch's hidden state on a rank (whole over tp)
     passes = 2 + (1 if ac == ActivationCheckpointing.BLOCK else 0)
+    # under sp, each column group's input (COLUMN_GROUPS per block) all-gathered whole over tp: kept from the forward
+    # for the backward, or (regathered) gathered again before it where the block is not recomputed whole
+    regather = sp and options.regather_activations and ac != ActivationCheckpointing.BLOCK
     if sp:
-        tp_s = (
-            passes
-            * 2
-            * (comm(CommKind.REDUCE_SCATTER, "tp", hidden / tp) + comm(CommKind.ALL_GATHER, "tp", hidden / tp))
-        )
+        tp_s = passes * 2 * (
+            comm(CommKind.REDUCE_SCATTER, "tp", hidden / tp) + comm(CommKind.ALL_GATHER, "tp", hidden / tp)
+        ) + (COLUMN_GROUPS * comm(CommKind.ALL_GATHER, "tp", hidden / tp) if regather else 0.0)
     else:
         tp_s = passes * 2 * comm(CommKind.ALL_REDUCE, "tp", hidden)
     kv = b.kv_bytes / (shard * m * a)
@@ -292,6 +301,8 @@ def estimate(
         ActivationCheckpointing.SELECTIVE: b.kept_bytes / shard + b.input_bytes / whole,
         ActivationCheckpointing.BLOCK: b.input_bytes / whole,
     }[ac] / (m * a)
+    if regather and ac == ActivationCheckpointing.SELECTIVE:  # the pieces the regathers read, kept
+        held += COLUMN_GROUPS * hidden / tp
     # while a block recomputes: what it recomputes, live at once
     working = {
         ActivationCheckpointing.NONE: 0,

@@ -269,6 +269,12 @@ class TrainConfig:
         "for the backward (FSDP2's default); --no-reshard-after-forward keeps it "
         "from the forward (more memory, half the all-gathers)",
     )
+    regather_activations: bool = _f(
+        False,
+        "sp: free each all-gathered activation after its forward readers and gather it "
+        "again for the backward (Megatron-LM's sequence parallelism: a piece per rank kept "
+        "instead of the whole, one all-gather more each)",
+    )
     ac: str = _f(
         str(ActivationCheckpointing.NONE),
         "activation checkpointing: none; block (each block — a module "
@@ -421,7 +427,7 @@ class TrainConfig:
 def step_options(settings: Any, cost: CostModel) -> LowerOptions:
     """The typed options of the step settings ``settings`` names as ``shardflow train`` does — a
     :class:`TrainConfig`, or ``shardflow plan``'s flags of the same names (``all_gather``, ``reduce_scatter``,
-    ``bucket_mb``, ``reshard_after_forward``, ``ac``, ``ac_blocks``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
+    ``bucket_mb``, ``reshard_after_forward``, ``regather_activations``, ``ac``, ``ac_blocks``, ``dtype``, ``microbatches``, ``schedule``, ``stages_per_rank``,
     ``accumulate``, ``cp_attention``, ``cp_layout``, ``ep_dispatch``, ``capacity_factor``) — with ``cost`` choosing the ``auto`` forms (:meth:`LowerOptions.parse`; raises ValueError as
     it does)."""
     return LowerOptions.parse(
@@ -430,6 +436,7 @@ def step_options(settings: Any, cost: CostModel) -> LowerOptions:
         reduce_scatter=settings.reduce_scatter,
         bucket_mb=settings.bucket_mb,
         reshard_after_forward=settings.reshard_after_forward,
+        regather_activations=settings.regather_activations,
         ac=settings.ac,
         ac_blocks=settings.ac_blocks,
         precision=PRECISION[settings.dtype],
