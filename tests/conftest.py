@@ -152,6 +152,36 @@ def tiny_hf_llama_float64():
     return model, batch, graph
 
 
+def lower_preset(graph, mesh_text: str, strategy: str, **options):
+    """``graph`` planned as preset ``strategy`` on mesh ``mesh_text`` and lowered for AdamW with the plain
+    collectives and ``options`` (:class:`~shardflow.lower.LowerOptions` fields): (its PCG, the lowered step)."""
+    from shardflow.lower import LowerOptions, lower_step
+    from shardflow.lower.cost import CommForm
+    from shardflow.lower.dynamic import UpdateRule
+    from shardflow.parallel.mesh import Mesh
+    from shardflow.parallel.pcg import build_pcg
+    from shardflow.strategy import resolve
+    from shardflow.strategy.presets import make_plan
+
+    mesh = Mesh.parse(mesh_text)
+    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
+    return pcg, lower_step(
+        pcg, UpdateRule.ADAMW, options=LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, **options)
+    )
+
+
+def run_adamw(model, batch, graph, step, steps: int = 3):
+    """``steps`` AdamW steps (lr 1e-2) of lowered ``step`` on the local executor from ``model``'s weights: (the
+    losses, the executor)."""
+    from shardflow.reference import weights_of
+    from shardflow.runtime.kernels import OptimizerConfig
+    from shardflow.runtime.local import LocalExecutor
+
+    ex = LocalExecutor(step, OptimizerConfig("adamw", 1e-2), seed=0)
+    ex.load(weights_of(model, graph))
+    return [ex.step(batch) for _ in range(steps)], ex
+
+
 # A GPT of 1 layer, 2 heads, width 16 on 16-character sequences, batch 8: a step takes milliseconds; validation
 # every 2 steps on 1 batch; a line every step; MFU against a given peak (measuring one takes a second per run).
 # Later flags override these (argparse: the last one wins).

@@ -11,11 +11,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import tiny_hf_llama_float64  # noqa: E402
+from conftest import lower_preset, run_adamw, tiny_hf_llama_float64  # noqa: E402
 
-from shardflow.lower import LowerOptions, lower_step  # noqa: E402
-from shardflow.lower.cost import DEFAULT_BUCKET_BYTES, CommForm  # noqa: E402
-from shardflow.lower.dynamic import UpdateRule, block_of  # noqa: E402
+from shardflow.lower.cost import DEFAULT_BUCKET_BYTES  # noqa: E402
+from shardflow.lower.dynamic import block_of  # noqa: E402
 from shardflow.lower.memory import MemoryKind, program_memory  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
 from shardflow.parallel.mesh import Mesh, Replicate, Shard  # noqa: E402
@@ -36,18 +35,11 @@ def llama():
 
 
 def _lower(graph, mesh_text: str, strategy: str, reshard: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    mesh = Mesh.parse(mesh_text)
-    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    options = LowerOptions(
-        CommForm.COLLECTIVE, CommForm.COLLECTIVE, reshard_after_forward=reshard, bucket_bytes=bucket_bytes
-    )
-    return pcg, lower_step(pcg, UpdateRule.ADAMW, options=options)
+    return lower_preset(graph, mesh_text, strategy, reshard_after_forward=reshard, bucket_bytes=bucket_bytes)
 
 
 def _run(model, batch, graph, step):
-    ex = LocalExecutor(step, OptimizerConfig("adamw", 1e-2), seed=0)
-    ex.load(weights_of(model, graph))
-    return [ex.step(batch) for _ in range(STEPS)], ex
+    return run_adamw(model, batch, graph, step, STEPS)
 
 
 @pytest.fixture(scope="module")

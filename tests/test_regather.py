@@ -15,23 +15,14 @@ import shardflow
 
 pytest.importorskip("transformers")
 
-from conftest import tiny_hf_llama_float64  # noqa: E402
+from conftest import lower_preset, run_adamw, tiny_hf_llama_float64  # noqa: E402
 
 from shardflow.capture import wide_floats  # noqa: E402
 from shardflow.graph.graph import TensorRole  # noqa: E402
-from shardflow.lower import LowerOptions, lower_step  # noqa: E402
-from shardflow.lower.cost import CommForm  # noqa: E402
-from shardflow.lower.dynamic import ActivationCheckpointing, UpdateRule  # noqa: E402
+from shardflow.lower.dynamic import ActivationCheckpointing  # noqa: E402
 from shardflow.lower.memory import MemoryKind, program_memory  # noqa: E402
 from shardflow.lower.program import Comm  # noqa: E402
-from shardflow.parallel.mesh import Mesh  # noqa: E402
 from shardflow.parallel.ops import CombineOp  # noqa: E402
-from shardflow.parallel.pcg import build_pcg  # noqa: E402
-from shardflow.reference import weights_of  # noqa: E402
-from shardflow.runtime.kernels import OptimizerConfig  # noqa: E402
-from shardflow.runtime.local import LocalExecutor  # noqa: E402
-from shardflow.strategy import resolve  # noqa: E402
-from shardflow.strategy.presets import make_plan  # noqa: E402
 
 STEPS = 3
 TOL = 1e-12  # float64: partial sums in another order than one device (seen ~1e-14)
@@ -43,16 +34,11 @@ def llama():
 
 
 def _lower(graph, mesh_text: str, strategy: str, regather: bool, **more):
-    mesh = Mesh.parse(mesh_text)
-    pcg = build_pcg(graph, mesh, resolve(make_plan(graph, mesh, strategy), graph, mesh))
-    options = LowerOptions(CommForm.COLLECTIVE, CommForm.COLLECTIVE, regather_activations=regather, **more)
-    return pcg, lower_step(pcg, UpdateRule.ADAMW, options=options)
+    return lower_preset(graph, mesh_text, strategy, regather_activations=regather, **more)
 
 
 def _run(model, batch, graph, step):
-    ex = LocalExecutor(step, OptimizerConfig("adamw", 1e-2), seed=0)
-    ex.load(weights_of(model, graph))
-    return [ex.step(batch) for _ in range(STEPS)], ex
+    return run_adamw(model, batch, graph, step, STEPS)
 
 
 @pytest.fixture(scope="module")
