@@ -144,6 +144,9 @@ def test_plan_lowers_with_train_s_communication_forms(capsys):
     assert collective == {"all_gather": 6, "reduce_scatter": 6, "all_reduce": 5}
     # on 2 ranks a ring is one collective-permute step
     assert kinds("--all-gather", "ring", "--reduce-scatter", "ring") == {"permute": 6 + 6, "all_reduce": 5}
+    # regathered: the block's 2 column groups' inputs and the head's gathered again in the backward
+    regathered = kinds("--all-gather", "collective", "--reduce-scatter", "collective", "--regather-activations")
+    assert regathered == {"all_gather": 6 + 3, "reduce_scatter": 6, "all_reduce": 5}
     cfg = TrainConfig(**sizes, strategy="sp", mesh="tp=2", nproc=2)
     train = lowering_summary(setup(cfg, 2).lower().programs)
     assert kinds() == train
