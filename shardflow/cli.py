@@ -155,7 +155,7 @@ COMM_FLAGS = ("all_gather", "reduce_scatter", "bucket_mb")
 
 
 def add_memory_args(p: argparse.ArgumentParser, more: tuple[str, ...] = ()) -> None:
-    """``--[no-]reshard-after-forward``, ``--[no-]regather-activations``, ``--ac`` and ``--ac-blocks``, and the flags ``more`` names, as ``shardflow
+    """``--[no-]reshard-after-forward``, ``--regather-activations``, ``--ac`` and ``--ac-blocks``, and the flags ``more`` names, as ``shardflow
     train`` has them (TrainConfig's fields)."""
     for name in MEMORY_FLAGS + more:
         TrainConfig.add_argument(p, name, own_default=True)
