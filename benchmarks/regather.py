@@ -59,13 +59,14 @@ def gpt_rows() -> list[str]:
     ids = torch.randint(0, 128, (16, 128))
     graph = capture(model, {"idx": ids, "targets": ids})
     mesh, optimizer = Mesh.parse("tp=4"), optimizer_config("adamw", 1e-3)
+    profile = Profile.of(graph, 4, SPEC)
     rows = []
     for ac in ACS:
         got, est = {}, {}
         for regather in (False, True):
             opts = dataclasses.replace(LowerOptions(), ac=ac, regather_activations=regather)
             got[regather] = Pipeline.planned(graph, mesh, opts, optimizer, "sp").predict(SPEC, ids.numel())
-            est[regather] = estimate(Profile.of(graph, 4, SPEC), mesh, "sp", opts, 2, SPEC).peak_bytes
+            est[regather] = estimate(profile, mesh, "sp", opts, 2, SPEC).peak_bytes
         kept, again = (max(got[r].peak_bytes) for r in (False, True))
         rows.append(
             f"| GPT 4 × 128, sp tp=4 | {ac} | {kept / MIB:,.1f} MiB | {again / MIB:,.1f} MiB "
@@ -91,7 +92,7 @@ def llama70b_rows() -> list[str]:
         **SIZES["70B"], vocab_size=128256, seq_len=8192, batch_size=2 * world, dtype="bf16", optimizer="adamw"
     )
     mesh = Mesh.parse("fsdp=32,tp=8")
-    base = dataclasses.replace(step_options(cfg, cost_model(SPEC, mesh)), cost=cost_model(SPEC, mesh))
+    base = step_options(cfg, cost_model(SPEC, mesh))
     _, _, module = build_model(cfg, cfg.vocab_size, None)
     materialize(module, cfg.seed)
     ids = torch.zeros(cfg.batch_size, cfg.seq_len, dtype=torch.long)
